@@ -1,0 +1,6 @@
+//! The lorafleet gateway: the tenants' OpenAI-compatible front door, the
+//! registry snapshot, adapter-affinity routing to workers, and the admin plane.
+//!
+//! Binaries stay thin: they parse flags and call into this library.
+
+pub mod db;

@@ -1,0 +1,475 @@
+//! Every message of `lorafleet.worker.v1` survives encode → decode unchanged,
+//! with every one of its fields set in at least one sample.
+//!
+//! The list of messages and fields comes from the compiled descriptor set, so
+//! a message or field added to the `.proto` without a sample here fails the
+//! test rather than going unchecked.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Debug;
+
+use lorafleet_proto::FILE_DESCRIPTOR_SET;
+use lorafleet_proto::worker::v1::*;
+use prost::Message;
+use prost_types::{Duration, FileDescriptorSet, Timestamp};
+
+const PACKAGE: &str = "lorafleet.worker.v1";
+
+/// Field numbers (and oneof groups) of every message in the package.
+#[derive(Debug, Default)]
+struct MessageShape {
+    fields: BTreeSet<i32>,
+    /// Field number -> name, for readable failures.
+    names: BTreeMap<i32, String>,
+}
+
+fn package_messages() -> BTreeMap<String, MessageShape> {
+    let fds = FileDescriptorSet::decode(FILE_DESCRIPTOR_SET).expect("descriptor set decodes");
+    let mut out = BTreeMap::new();
+    for file in fds.file.iter().filter(|f| f.package() == PACKAGE) {
+        for msg in &file.message_type {
+            assert!(
+                msg.nested_type.is_empty(),
+                "nested messages are not expected in {PACKAGE}"
+            );
+            let mut shape = MessageShape::default();
+            for field in &msg.field {
+                shape.fields.insert(field.number());
+                shape.names.insert(field.number(), field.name().to_owned());
+            }
+            out.insert(format!("{PACKAGE}.{}", msg.name()), shape);
+        }
+    }
+    out
+}
+
+/// Top-level field numbers present in an encoded message.
+fn encoded_fields(mut buf: &[u8]) -> BTreeSet<i32> {
+    fn varint(buf: &mut &[u8]) -> u64 {
+        let mut value = 0u64;
+        for shift in (0..64).step_by(7) {
+            let byte = buf[0];
+            *buf = &buf[1..];
+            value |= u64::from(byte & 0x7f) << shift;
+            if byte & 0x80 == 0 {
+                return value;
+            }
+        }
+        panic!("varint too long");
+    }
+    let mut seen = BTreeSet::new();
+    while !buf.is_empty() {
+        let key = varint(&mut buf);
+        seen.insert((key >> 3) as i32);
+        match key & 7 {
+            0 => {
+                varint(&mut buf);
+            }
+            1 => buf = &buf[8..],
+            2 => {
+                let len = varint(&mut buf) as usize;
+                buf = &buf[len..];
+            }
+            5 => buf = &buf[4..],
+            other => panic!("unexpected wire type {other}"),
+        }
+    }
+    seen
+}
+
+#[derive(Default)]
+struct Coverage {
+    checked: BTreeMap<String, BTreeSet<i32>>,
+}
+
+impl Coverage {
+    fn check<M>(&mut self, samples: Vec<M>)
+    where
+        M: Message + prost::Name + Default + PartialEq + Debug,
+    {
+        let name = M::full_name();
+        assert!(!samples.is_empty(), "{name}: no samples");
+        let seen = self.checked.entry(name.clone()).or_default();
+        for sample in samples {
+            let bytes = sample.encode_to_vec();
+            let decoded =
+                M::decode(bytes.as_slice()).unwrap_or_else(|e| panic!("{name}: decode: {e}"));
+            assert_eq!(decoded, sample, "{name}: changed in a round trip");
+            // Decoding must also accept the length-delimited framing used in streams.
+            let framed = sample.encode_length_delimited_to_vec();
+            assert_eq!(
+                M::decode_length_delimited(framed.as_slice()).unwrap(),
+                sample
+            );
+            seen.extend(encoded_fields(&bytes));
+        }
+    }
+}
+
+fn ts(seconds: i64, nanos: i32) -> Timestamp {
+    Timestamp { seconds, nanos }
+}
+
+fn dur(seconds: i64, nanos: i32) -> Duration {
+    Duration { seconds, nanos }
+}
+
+fn descriptor() -> AdapterDescriptor {
+    AdapterDescriptor {
+        lora_int_id: 42,
+        artifact_uri: "acme/support/v3".into(),
+        artifact_sha256: "ab".repeat(32),
+        base_hash: "cd".repeat(32),
+        rank: 16,
+        display_name: "support-bot@3".into(),
+    }
+}
+
+fn base_model() -> BaseModel {
+    BaseModel {
+        name: "tiny-llama".into(),
+        base_hash: "cd".repeat(32),
+        architecture: "llama".into(),
+        max_model_len: 4096,
+        vocab_size: 32000,
+    }
+}
+
+fn capacity() -> Capacity {
+    Capacity {
+        max_loras: 8,
+        max_lora_rank: 64,
+        device_slots: 8,
+        host_slots: 128,
+        kv_blocks_total: 4096,
+        kv_block_size: 16,
+        max_waiting: 256,
+    }
+}
+
+fn adapter_state() -> AdapterState {
+    AdapterState {
+        lora_int_id: 42,
+        artifact_sha256: "ab".repeat(32),
+        rank: 16,
+        residency: Residency::Device as i32,
+        pinned: true,
+        active_requests: 3,
+        queued_requests: 2,
+        last_used: Some(ts(1_790_000_000, 123)),
+        display_name: "support-bot@3".into(),
+    }
+}
+
+fn sampling() -> SamplingParams {
+    SamplingParams {
+        max_tokens: 128,
+        temperature: Some(0.0),
+        top_p: Some(0.9),
+        top_k: 40,
+        seed: Some(0),
+        stop: vec!["\n\n".into(), "</s>".into()],
+        stop_token_ids: vec![2, 7],
+        ignore_eos: true,
+    }
+}
+
+#[test]
+fn every_message_round_trips_with_every_field_set() {
+    let mut cov = Coverage::default();
+
+    cov.check(vec![descriptor()]);
+    cov.check(vec![base_model()]);
+    cov.check(vec![capacity()]);
+    cov.check(vec![TraceContext {
+        traceparent: "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into(),
+        tracestate: "vendor=opaque".into(),
+    }]);
+    cov.check(vec![TokenIds {
+        ids: vec![1, 15043, 3186, 0, u32::MAX],
+    }]);
+    cov.check(vec![ChatMessage {
+        role: "user".into(),
+        content: "héllo ✓".into(),
+    }]);
+    cov.check(vec![ChatPrompt {
+        messages: vec![
+            ChatMessage {
+                role: "system".into(),
+                content: "be brief".into(),
+            },
+            ChatMessage {
+                role: "user".into(),
+                content: "hi".into(),
+            },
+        ],
+        add_generation_prompt: true,
+    }]);
+    cov.check(vec![sampling()]);
+    let trace = TraceContext {
+        traceparent: "00-01-02-01".into(),
+        tracestate: String::new(),
+    };
+    cov.check(vec![
+        GenerateRequest {
+            request_id: "0193a1c2-0000-7000-8000-000000000001".into(),
+            adapter: Some(descriptor()),
+            prompt: Some(generate_request::Prompt::Text("Once upon a time".into())),
+            sampling: Some(sampling()),
+            trace_context: Some(trace.clone()),
+        },
+        GenerateRequest {
+            request_id: "r2".into(),
+            adapter: None,
+            prompt: Some(generate_request::Prompt::TokenIds(TokenIds {
+                ids: vec![1, 2, 3],
+            })),
+            sampling: Some(SamplingParams {
+                max_tokens: 1,
+                ..Default::default()
+            }),
+            trace_context: None,
+        },
+        GenerateRequest {
+            request_id: "r3".into(),
+            adapter: Some(descriptor()),
+            prompt: Some(generate_request::Prompt::Chat(ChatPrompt {
+                messages: vec![ChatMessage {
+                    role: "user".into(),
+                    content: "hi".into(),
+                }],
+                add_generation_prompt: true,
+            })),
+            sampling: Some(sampling()),
+            trace_context: Some(trace),
+        },
+    ]);
+    cov.check(vec![Accepted {
+        prompt_tokens: 12,
+        adapter_residency: Residency::Host as i32,
+    }]);
+    cov.check(vec![TokenDelta {
+        token_ids: vec![450, 29871],
+        text: "The ✓".into(),
+    }]);
+    cov.check(vec![Usage {
+        prompt_tokens: 12,
+        completion_tokens: 34,
+    }]);
+    let finished = |stop| Finished {
+        finish_reason: FinishReason::Stop as i32,
+        stop_reason: Some(stop),
+        usage: Some(Usage {
+            prompt_tokens: 12,
+            completion_tokens: 34,
+        }),
+        queue_time: Some(dur(0, 1_500_000)),
+        time_to_first_token: Some(dur(0, 25_000_000)),
+        total_time: Some(dur(1, 5)),
+        adapter_residency: Residency::NotLoaded as i32,
+        preemptions: 1,
+    };
+    cov.check(vec![
+        finished(finished::StopReason::StopTokenId(2)),
+        finished(finished::StopReason::StopString("\n\n".into())),
+    ]);
+    cov.check(vec![
+        GenerateEvent {
+            event: Some(generate_event::Event::Accepted(Accepted {
+                prompt_tokens: 3,
+                adapter_residency: Residency::Device as i32,
+            })),
+        },
+        GenerateEvent {
+            event: Some(generate_event::Event::Delta(TokenDelta {
+                token_ids: vec![9],
+                text: "x".into(),
+            })),
+        },
+        GenerateEvent {
+            event: Some(generate_event::Event::Finished(finished(
+                finished::StopReason::StopTokenId(2),
+            ))),
+        },
+    ]);
+    cov.check(vec![LoadAdapterRequest {
+        adapter: Some(descriptor()),
+        target: Residency::Device as i32,
+        pin: Some(false),
+    }]);
+    cov.check(vec![LoadAdapterResponse {
+        adapter: Some(adapter_state()),
+        previous_residency: Residency::NotLoaded as i32,
+        load_time: Some(dur(0, 80_000_000)),
+    }]);
+    cov.check(vec![UnloadAdapterRequest {
+        lora_int_id: u64::MAX,
+    }]);
+    cov.check(vec![UnloadAdapterResponse {
+        previous_residency: Residency::Host as i32,
+        draining_requests: 2,
+    }]);
+    // Empty messages have no fields to cover; the round trip still counts.
+    cov.check(vec![ListAdaptersRequest {}]);
+    cov.check(vec![ListAdaptersResponse {
+        adapters: vec![adapter_state(), adapter_state()],
+    }]);
+    cov.check(vec![adapter_state()]);
+    cov.check(vec![WatchRequest {
+        subscriber: "gateway-7f9c".into(),
+    }]);
+    cov.check(vec![Load {
+        running_sequences: 31,
+        waiting_sequences: 4,
+        kv_blocks_used: 2000,
+    }]);
+    let counters = PoolCounters {
+        device_hits: 1,
+        host_hits: 2,
+        host_loads: 3,
+        device_loads: 4,
+        device_evictions: 5,
+        host_evictions: 6,
+    };
+    cov.check(vec![counters]);
+    cov.check(vec![WorkerReport {
+        worker_id: "lorafleet-worker-0".into(),
+        sequence: 17,
+        produced_at: Some(ts(1_790_000_000, 999_999_999)),
+        status: ServingStatus::Draining as i32,
+        base_model: Some(base_model()),
+        capacity: Some(capacity()),
+        load: Some(Load {
+            running_sequences: 1,
+            waiting_sequences: 0,
+            kv_blocks_used: 9,
+        }),
+        adapters: vec![adapter_state()],
+        counters: Some(counters),
+        instance_id: "0193a1c2-0000-7000-8000-00000000abcd".into(),
+    }]);
+    cov.check(vec![InfoRequest {}]);
+    cov.check(vec![InfoResponse {
+        worker_id: "lorafleet-worker-0".into(),
+        instance_id: "i-1".into(),
+        base_model: Some(base_model()),
+        capacity: Some(capacity()),
+        backend: "cpu".into(),
+        device_name: "x86_64".into(),
+        version: "0.1.0".into(),
+        artifact_schemes: vec!["file".into()],
+        status: ServingStatus::Serving as i32,
+    }]);
+
+    let shapes = package_messages();
+    let declared: BTreeSet<&String> = shapes.keys().collect();
+    let covered: BTreeSet<&String> = cov.checked.keys().collect();
+    assert_eq!(
+        covered, declared,
+        "every message in {PACKAGE} needs round-trip samples"
+    );
+    for (name, shape) in &shapes {
+        let seen = &cov.checked[name];
+        let missing: Vec<&str> = shape
+            .fields
+            .difference(seen)
+            .map(|n| shape.names[n].as_str())
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "{name}: no sample sets fields {missing:?}"
+        );
+    }
+}
+
+#[test]
+fn service_methods_and_streaming_are_as_documented() {
+    let fds = FileDescriptorSet::decode(FILE_DESCRIPTOR_SET).unwrap();
+    let service = fds
+        .file
+        .iter()
+        .filter(|f| f.package() == PACKAGE)
+        .flat_map(|f| &f.service)
+        .find(|s| s.name() == "Worker")
+        .expect("service Worker");
+    let methods: Vec<(&str, &str, &str, bool, bool)> = service
+        .method
+        .iter()
+        .map(|m| {
+            (
+                m.name(),
+                m.input_type().trim_start_matches(&format!(".{PACKAGE}.")),
+                m.output_type().trim_start_matches(&format!(".{PACKAGE}.")),
+                m.client_streaming(),
+                m.server_streaming(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        methods,
+        vec![
+            ("Generate", "GenerateRequest", "GenerateEvent", false, true),
+            (
+                "LoadAdapter",
+                "LoadAdapterRequest",
+                "LoadAdapterResponse",
+                false,
+                false
+            ),
+            (
+                "UnloadAdapter",
+                "UnloadAdapterRequest",
+                "UnloadAdapterResponse",
+                false,
+                false
+            ),
+            (
+                "ListAdapters",
+                "ListAdaptersRequest",
+                "ListAdaptersResponse",
+                false,
+                false
+            ),
+            ("Watch", "WatchRequest", "WorkerReport", false, true),
+            ("Info", "InfoRequest", "InfoResponse", false, false),
+        ]
+    );
+    assert_eq!(
+        lorafleet_proto::WORKER_SERVICE_NAME,
+        format!("{PACKAGE}.{}", service.name())
+    );
+}
+
+#[test]
+fn every_enum_starts_with_unspecified_zero() {
+    let fds = FileDescriptorSet::decode(FILE_DESCRIPTOR_SET).unwrap();
+    let enums: Vec<_> = fds
+        .file
+        .iter()
+        .filter(|f| f.package() == PACKAGE)
+        .flat_map(|f| &f.enum_type)
+        .collect();
+    assert!(enums.len() >= 3);
+    for e in enums {
+        let first = &e.value[0];
+        assert_eq!(first.number(), 0, "{}", e.name());
+        assert!(
+            first.name().ends_with("_UNSPECIFIED"),
+            "{}: zero value is {}",
+            e.name(),
+            first.name()
+        );
+    }
+}
+
+#[test]
+fn an_unknown_enum_value_decodes_and_reads_as_unspecified() {
+    // A newer worker may send a residency this gateway does not know.
+    let state = AdapterState {
+        residency: 99,
+        ..adapter_state()
+    };
+    let decoded = AdapterState::decode(state.encode_to_vec().as_slice()).unwrap();
+    assert_eq!(decoded.residency, 99);
+    assert_eq!(decoded.residency(), Residency::Unspecified);
+}

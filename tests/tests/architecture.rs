@@ -1,0 +1,193 @@
+//! Architecture invariants that the dependency graph must keep. Each one is
+//! stated in ARCHITECTURE.md; this test makes it fail loudly when broken.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::process::Command;
+
+use serde_json::Value;
+
+/// Crates that open sockets or speak a network protocol.
+const NETWORK_CRATES: &[&str] = &[
+    "tokio", "mio", "hyper", "h2", "tonic", "axum", "reqwest", "sqlx", "redis", "socket2",
+];
+
+/// Crates that encode or generate the wire format.
+const WIRE_CRATES: &[&str] = &[
+    "prost",
+    "prost-build",
+    "tonic-prost",
+    "tonic-prost-build",
+    "protox",
+];
+
+struct Graph {
+    /// Package id -> (name, direct normal dependency ids).
+    nodes: BTreeMap<String, (String, Vec<String>)>,
+    /// Workspace member name -> id.
+    members: BTreeMap<String, String>,
+}
+
+/// The host's target triple, so metadata covers only the packages built here.
+fn host_triple() -> String {
+    let out = Command::new("rustc")
+        .arg("-vV")
+        .output()
+        .expect("run rustc -vV");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find_map(|l| l.strip_prefix("host: ").map(str::to_owned))
+        .expect("rustc -vV prints the host triple")
+}
+
+fn graph() -> Graph {
+    let out = Command::new(env!("CARGO"))
+        .args([
+            "metadata",
+            "--format-version",
+            "1",
+            "--locked",
+            "--offline",
+            "--filter-platform",
+        ])
+        .arg(host_triple())
+        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
+        .output()
+        .expect("run cargo metadata");
+    assert!(
+        out.status.success(),
+        "cargo metadata: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let meta: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let names: BTreeMap<String, String> = meta["packages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (
+                p["id"].as_str().unwrap().to_owned(),
+                p["name"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    let mut nodes = BTreeMap::new();
+    for node in meta["resolve"]["nodes"].as_array().unwrap() {
+        let id = node["id"].as_str().unwrap().to_owned();
+        // Only normal (non-dev, non-build) edges: what ships in the library.
+        let deps = node["deps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|d| {
+                d["dep_kinds"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|k| k["kind"].is_null())
+            })
+            .map(|d| d["pkg"].as_str().unwrap().to_owned())
+            .collect();
+        nodes.insert(id.clone(), (names[&id].clone(), deps));
+    }
+    let members = meta["workspace_members"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|id| {
+            let id = id.as_str().unwrap().to_owned();
+            (names[&id].clone(), id)
+        })
+        .collect();
+    Graph { nodes, members }
+}
+
+impl Graph {
+    fn transitive_names(&self, member: &str) -> BTreeSet<String> {
+        let mut seen = BTreeSet::new();
+        let mut stack = vec![self.members[member].clone()];
+        let mut names = BTreeSet::new();
+        while let Some(id) = stack.pop() {
+            if !seen.insert(id.clone()) {
+                continue;
+            }
+            let (name, deps) = &self.nodes[&id];
+            names.insert(name.clone());
+            stack.extend(deps.iter().cloned());
+        }
+        names
+    }
+
+    fn direct_names(&self, member: &str) -> BTreeSet<String> {
+        self.nodes[&self.members[member]]
+            .1
+            .iter()
+            .map(|id| self.nodes[id].0.clone())
+            .collect()
+    }
+}
+
+#[test]
+fn the_engine_does_no_network_io() {
+    let g = graph();
+    let deps = g.transitive_names("lorafleet-engine");
+    let found: Vec<&str> = NETWORK_CRATES
+        .iter()
+        .copied()
+        .filter(|c| deps.contains(*c))
+        .collect();
+    assert!(
+        found.is_empty(),
+        "lorafleet-engine must not depend on network crates, found {found:?}"
+    );
+}
+
+#[test]
+fn only_proto_knows_the_wire_format() {
+    let g = graph();
+    for member in g.members.keys().filter(|m| m.as_str() != "lorafleet-proto") {
+        let direct = g.direct_names(member);
+        let found: Vec<&str> = WIRE_CRATES
+            .iter()
+            .copied()
+            .filter(|c| direct.contains(*c))
+            .collect();
+        assert!(
+            found.is_empty(),
+            "{member} depends on wire crates {found:?}; go through lorafleet-proto"
+        );
+    }
+    let root = std::path::PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/.."));
+    let proto_files: Vec<_> = walk(&root)
+        .into_iter()
+        .filter(|p| p.extension().is_some_and(|e| e == "proto"))
+        .collect();
+    assert!(!proto_files.is_empty());
+    for p in proto_files {
+        let relative = p.strip_prefix(&root).unwrap();
+        assert!(
+            relative.starts_with("proto"),
+            "{} lies outside proto/",
+            p.display()
+        );
+    }
+}
+
+fn walk(root: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap().flatten() {
+            let path = entry.path();
+            let name = entry.file_name();
+            if name == "target" || name == ".git" {
+                continue;
+            }
+            if path.is_dir() {
+                stack.push(path);
+            } else {
+                out.push(path);
+            }
+        }
+    }
+    out
+}
