@@ -1,0 +1,131 @@
+//! The compute backends behind one trait. The CPU backend is the exact
+//! reference; a CUDA backend implements the same trait with the same slot
+//! and KV layouts.
+
+pub mod cpu;
+
+use crate::error::Result;
+use crate::lora::HostAdapter;
+use crate::model::ModelConfig;
+
+/// One sequence's part of a step.
+#[derive(Debug, Clone)]
+pub struct SeqStep<'a> {
+    /// Index of this sequence's first token in [`StepBatch::tokens`]. A
+    /// sequence's tokens are contiguous.
+    pub start: usize,
+    /// How many new tokens this sequence feeds in this step.
+    pub len: usize,
+    /// The position of its first new token (tokens before it are in the
+    /// KV cache already).
+    pub first_position: usize,
+    /// KV blocks holding positions `0..first_position + len`.
+    pub block_table: &'a [u32],
+    /// Whether the caller wants logits for this sequence's last token.
+    pub want_logits: bool,
+}
+
+/// A contiguous run of tokens that use one adapter slot: the SGMV segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Segment {
+    pub slot: usize,
+    pub start: usize,
+    pub end: usize,
+}
+
+/// Everything one forward step needs. Sequences are ordered by adapter slot
+/// (base-model sequences first), so each slot's tokens form one segment.
+#[derive(Debug, Clone, Default)]
+pub struct StepBatch<'a> {
+    pub tokens: Vec<u32>,
+    pub seqs: Vec<SeqStep<'a>>,
+    /// The adapter slot of each token, or None for the base model.
+    pub token_slot: Vec<Option<usize>>,
+    /// Runs of tokens sharing one slot; base-model tokens are in none.
+    pub segments: Vec<Segment>,
+}
+
+impl<'a> StepBatch<'a> {
+    /// Appends one sequence's tokens.
+    pub fn push(
+        &mut self,
+        tokens: &[u32],
+        first_position: usize,
+        block_table: &'a [u32],
+        slot: Option<usize>,
+        want_logits: bool,
+    ) {
+        let start = self.tokens.len();
+        self.tokens.extend_from_slice(tokens);
+        self.token_slot
+            .extend(std::iter::repeat_n(slot, tokens.len()));
+        self.seqs.push(SeqStep {
+            start,
+            len: tokens.len(),
+            first_position,
+            block_table,
+            want_logits,
+        });
+    }
+
+    /// Builds the segments from `token_slot`: one per run of equal slots.
+    pub fn finish(&mut self) {
+        self.segments.clear();
+        let mut t = 0;
+        while t < self.token_slot.len() {
+            let slot = self.token_slot[t];
+            let mut end = t + 1;
+            while end < self.token_slot.len() && self.token_slot[end] == slot {
+                end += 1;
+            }
+            if let Some(slot) = slot {
+                self.segments.push(Segment {
+                    slot,
+                    start: t,
+                    end,
+                });
+            }
+            t = end;
+        }
+    }
+
+    /// The number of distinct adapter slots used.
+    pub fn distinct_adapters(&self) -> usize {
+        let mut slots: Vec<usize> = self.segments.iter().map(|s| s.slot).collect();
+        slots.sort_unstable();
+        slots.dedup();
+        slots.len()
+    }
+}
+
+/// Sizes fixed when a backend is built.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BackendShape {
+    /// Adapter slots in the device tier.
+    pub slots: usize,
+    /// The rank every slot is sized for.
+    pub max_lora_rank: usize,
+    /// KV cache blocks.
+    pub kv_blocks: usize,
+    /// Tokens per KV block.
+    pub block_size: usize,
+}
+
+/// A compute device holding the base weights, the KV cache and the adapter
+/// slots.
+pub trait Backend: Send {
+    /// "cpu" or "cuda".
+    fn name(&self) -> &'static str;
+    /// A human-readable device name.
+    fn device_name(&self) -> String;
+    fn config(&self) -> &ModelConfig;
+    fn shape(&self) -> BackendShape;
+    /// Copies an adapter into a device slot, replacing what was there.
+    fn write_slot(&mut self, slot: usize, adapter: &HostAdapter) -> Result<()>;
+    /// Empties a device slot.
+    fn clear_slot(&mut self, slot: usize) -> Result<()>;
+    /// Runs one step: writes the new tokens' keys and values into the KV
+    /// cache and returns logits, `vocab_size` per sequence that wants them,
+    /// in sequence order.
+    fn forward(&mut self, batch: &StepBatch<'_>) -> Result<Vec<f32>>;
+}

@@ -1,0 +1,69 @@
+//! The engine's errors. Every variant names the file or field at fault and
+//! says why, so that a caller can show it to a person as is.
+
+use std::path::PathBuf;
+
+/// Errors from loading a model or running the engine.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// A file could not be read.
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A model file has a field that is missing, malformed or unsupported.
+    #[error("{}: `{field}`: {reason}", file.display())]
+    InvalidModel {
+        file: PathBuf,
+        field: String,
+        reason: String,
+    },
+    /// The tokenizer failed to load or to encode.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    /// The chat template failed to load or to render.
+    #[error("chat template: {0}")]
+    ChatTemplate(String),
+    /// A request field is out of range.
+    #[error("{field}: {reason}")]
+    InvalidRequest { field: String, reason: String },
+    /// An adapter was refused.
+    #[error(transparent)]
+    Adapter(#[from] crate::lora::AdapterError),
+    /// The backend failed.
+    #[error("backend: {0}")]
+    Backend(String),
+}
+
+impl EngineError {
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        EngineError::Io {
+            path: path.into(),
+            source,
+        }
+    }
+
+    pub(crate) fn model(
+        file: impl Into<PathBuf>,
+        field: impl Into<String>,
+        reason: impl Into<String>,
+    ) -> Self {
+        EngineError::InvalidModel {
+            file: file.into(),
+            field: field.into(),
+            reason: reason.into(),
+        }
+    }
+
+    pub(crate) fn request(field: impl Into<String>, reason: impl Into<String>) -> Self {
+        EngineError::InvalidRequest {
+            field: field.into(),
+            reason: reason.into(),
+        }
+    }
+}
+
+/// The engine's result type.
+pub type Result<T, E = EngineError> = std::result::Result<T, E>;

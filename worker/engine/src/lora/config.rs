@@ -1,0 +1,413 @@
+//! `adapter_config.json`: what PEFT wrote, checked field by field.
+
+use std::path::Path;
+
+use serde_json::{Map, Value};
+
+use super::{AdapterError, Projection};
+use crate::model::ModelConfig;
+
+/// Keys PEFT writes that do not change inference math, whatever their value.
+const HARMLESS_KEYS: &[&str] = &[
+    "auto_mapping",
+    "base_model_name_or_path",
+    "corda_config",
+    "eva_config",
+    "inference_mode",
+    "init_lora_weights",
+    "loftq_config",
+    "lora_dropout",
+    "megatron_config",
+    "megatron_core",
+    "peft_version",
+    "qalora_group_size",
+    "revision",
+    "runtime_config",
+    "task_type",
+];
+
+/// A validated `adapter_config.json`.
+#[derive(Debug, Clone)]
+pub struct AdapterConfig {
+    pub r: usize,
+    pub lora_alpha: f32,
+    pub use_rslora: bool,
+    /// (compiled pattern, key as written, rank).
+    pub rank_pattern: Patterns<usize>,
+    /// (compiled pattern, key as written, alpha).
+    pub alpha_pattern: Patterns<f32>,
+    /// The projections targeted, in `Projection` order.
+    pub targets: Vec<Projection>,
+    /// None: every layer.
+    pub layers_to_transform: Option<Vec<usize>>,
+}
+
+impl AdapterConfig {
+    pub fn from_file(
+        adapter: &str,
+        path: &Path,
+        model: &ModelConfig,
+    ) -> Result<AdapterConfig, AdapterError> {
+        let text = std::fs::read_to_string(path).map_err(|source| AdapterError::Io {
+            adapter: adapter.into(),
+            path: "adapter_config.json".into(),
+            source,
+        })?;
+        let root: Map<String, Value> = match serde_json::from_str(&text) {
+            Ok(Value::Object(map)) => map,
+            Ok(_) => {
+                return Err(invalid(
+                    adapter,
+                    "adapter_config.json",
+                    "must be a JSON object".into(),
+                ));
+            }
+            Err(e) => {
+                return Err(invalid(
+                    adapter,
+                    "adapter_config.json",
+                    format!("is not valid JSON: {e}"),
+                ));
+            }
+        };
+        parse(adapter, &root, model)
+    }
+
+    /// Whether `layer` carries LoRA weights.
+    pub fn transforms_layer(&self, layer: usize) -> bool {
+        self.layers_to_transform
+            .as_ref()
+            .is_none_or(|l| l.contains(&layer))
+    }
+
+    /// The rank and alpha for one module path such as
+    /// `model.layers.3.self_attn.q_proj`, after rank_pattern and alpha_pattern.
+    pub fn rank_and_alpha(
+        &self,
+        adapter: &str,
+        module_path: &str,
+    ) -> Result<(usize, f32), AdapterError> {
+        let rank =
+            pick(adapter, "rank_pattern", module_path, &self.rank_pattern)?.unwrap_or(self.r);
+        let alpha = pick(adapter, "alpha_pattern", module_path, &self.alpha_pattern)?
+            .unwrap_or(self.lora_alpha);
+        Ok((rank, alpha))
+    }
+}
+
+/// The value of the one pattern that matches, refusing ambiguity: PEFT's
+/// answer would depend on key order, which JSON does not promise.
+fn pick<T: Copy + PartialEq + std::fmt::Debug>(
+    adapter: &str,
+    field: &str,
+    module_path: &str,
+    patterns: &[(regex::Regex, String, T)],
+) -> Result<Option<T>, AdapterError> {
+    let mut found: Option<(&str, T)> = None;
+    for (re, key, value) in patterns {
+        if re.is_match(module_path) {
+            if let Some((other_key, other)) = found
+                && other != *value
+            {
+                return Err(invalid(
+                    adapter,
+                    field,
+                    format!(
+                        "patterns {other_key:?} and {key:?} both match {module_path} with different values"
+                    ),
+                ));
+            }
+            found = Some((key, *value));
+        }
+    }
+    Ok(found.map(|(_, v)| v))
+}
+
+fn invalid(adapter: &str, field: &str, reason: String) -> AdapterError {
+    AdapterError::Invalid {
+        adapter: adapter.into(),
+        field: field.into(),
+        reason,
+    }
+}
+
+fn unsupported(adapter: &str, field: &str, reason: &str) -> AdapterError {
+    AdapterError::Unsupported {
+        adapter: adapter.into(),
+        field: field.into(),
+        reason: reason.into(),
+    }
+}
+
+/// Null, false, "", [] and {} all mean "not used".
+fn is_unset(v: &Value) -> bool {
+    match v {
+        Value::Null | Value::Bool(false) => true,
+        Value::String(s) => s.is_empty(),
+        Value::Array(a) => a.is_empty(),
+        Value::Object(o) => o.is_empty(),
+        Value::Number(_) | Value::Bool(true) => false,
+    }
+}
+
+fn parse(
+    adapter: &str,
+    root: &Map<String, Value>,
+    model: &ModelConfig,
+) -> Result<AdapterConfig, AdapterError> {
+    let get = |k: &str| root.get(k).filter(|v| !v.is_null());
+
+    if let Some(t) = get("peft_type")
+        && t.as_str() != Some("LORA")
+    {
+        return Err(unsupported(
+            adapter,
+            "peft_type",
+            "only LORA adapters are supported",
+        ));
+    }
+    // Features that change the math: refused unless unset.
+    let refused: &[(&str, &str)] = &[
+        ("use_dora", "DoRA is not supported"),
+        (
+            "modules_to_save",
+            "modules_to_save replaces base weights and is not supported",
+        ),
+        (
+            "fan_in_fan_out",
+            "fan_in_fan_out (Conv1D-style weights) is not supported",
+        ),
+        ("lora_bias", "a bias on lora_B is not supported"),
+        (
+            "target_parameters",
+            "targeting parameters directly is not supported",
+        ),
+        ("layer_replication", "layer replication is not supported"),
+        (
+            "trainable_token_indices",
+            "trainable token embeddings are not supported",
+        ),
+        ("exclude_modules", "exclude_modules is not supported"),
+        ("alora_invocation_tokens", "activated LoRA is not supported"),
+        ("use_qalora", "QALoRA is not supported"),
+        ("arrow_config", "Arrow routing is not supported"),
+    ];
+    for (key, reason) in refused {
+        if let Some(v) = root.get(*key)
+            && !is_unset(v)
+        {
+            return Err(unsupported(adapter, key, reason));
+        }
+    }
+    if let Some(bias) = get("bias")
+        && bias.as_str() != Some("none")
+    {
+        return Err(unsupported(
+            adapter,
+            "bias",
+            &format!("{bias} is not supported; only \"none\""),
+        ));
+    }
+    if let Some(p) = get("layers_pattern") {
+        let ok = match p {
+            Value::String(s) => s == "layers",
+            Value::Array(a) => a.iter().all(|x| x.as_str() == Some("layers")),
+            _ => false,
+        };
+        if !ok && !is_unset(p) {
+            return Err(unsupported(
+                adapter,
+                "layers_pattern",
+                "only \"layers\" matches this model's layer names",
+            ));
+        }
+    }
+    let known: &[&str] = &[
+        "peft_type",
+        "r",
+        "lora_alpha",
+        "use_rslora",
+        "rank_pattern",
+        "alpha_pattern",
+        "target_modules",
+        "layers_to_transform",
+        "layers_pattern",
+        "bias",
+    ];
+    for (key, value) in root {
+        let listed = known.contains(&key.as_str())
+            || HARMLESS_KEYS.contains(&key.as_str())
+            || refused.iter().any(|(k, _)| k == key);
+        if !listed && !is_unset(value) {
+            return Err(unsupported(
+                adapter,
+                key,
+                "is not a field lorafleet knows, and it is set; refusing rather than ignoring what may change the math",
+            ));
+        }
+    }
+
+    let r = match get("r").and_then(Value::as_u64) {
+        Some(r) if r > 0 => r as usize,
+        _ => return Err(invalid(adapter, "r", "must be a positive integer".into())),
+    };
+    let lora_alpha = match get("lora_alpha") {
+        None => 8.0,
+        Some(v) => match v.as_f64() {
+            Some(a) if a.is_finite() && a != 0.0 => a as f32,
+            _ => {
+                return Err(invalid(
+                    adapter,
+                    "lora_alpha",
+                    format!("must be a finite non-zero number, got {v}"),
+                ));
+            }
+        },
+    };
+    let use_rslora = match get("use_rslora") {
+        None => false,
+        Some(Value::Bool(b)) => *b,
+        Some(v) => {
+            return Err(invalid(
+                adapter,
+                "use_rslora",
+                format!("must be true or false, got {v}"),
+            ));
+        }
+    };
+    let rank_pattern = patterns(adapter, "rank_pattern", get("rank_pattern"), |v| {
+        v.as_u64().filter(|&r| r > 0).map(|r| r as usize)
+    })?;
+    let alpha_pattern = patterns(adapter, "alpha_pattern", get("alpha_pattern"), |v| {
+        v.as_f64()
+            .filter(|a| a.is_finite() && *a != 0.0)
+            .map(|a| a as f32)
+    })?;
+
+    let mut targets: Vec<Projection> = match get("target_modules") {
+        Some(Value::String(s)) if s == "all-linear" => Projection::ALL.to_vec(),
+        Some(Value::String(s)) => {
+            return Err(unsupported(
+                adapter,
+                "target_modules",
+                &format!(
+                    "{s:?}: a regular expression is not supported; list the modules or use \"all-linear\""
+                ),
+            ));
+        }
+        Some(Value::Array(items)) if !items.is_empty() => {
+            let mut out = Vec::new();
+            for item in items {
+                let name = item.as_str().unwrap_or_default();
+                // PEFT matches a listed name against the last path component.
+                let last = name.rsplit('.').next().unwrap_or(name);
+                match Projection::from_module_name(last) {
+                    Some(p) => out.push(p),
+                    None if matches!(last, "embed_tokens" | "lm_head") => {
+                        return Err(unsupported(
+                            adapter,
+                            "target_modules",
+                            &format!("{name:?}: embedding and lm_head targets are not supported"),
+                        ));
+                    }
+                    None => {
+                        return Err(invalid(
+                            adapter,
+                            "target_modules",
+                            format!(
+                                "{item} is not a module of this model; expected q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj or down_proj"
+                            ),
+                        ));
+                    }
+                }
+            }
+            out
+        }
+        _ => {
+            return Err(invalid(
+                adapter,
+                "target_modules",
+                "must be a non-empty list or \"all-linear\"".into(),
+            ));
+        }
+    };
+    targets.sort();
+    targets.dedup();
+
+    let layers_to_transform = match get("layers_to_transform") {
+        None => None,
+        Some(v) => {
+            let list: Vec<Value> = match v {
+                Value::Array(a) => a.clone(),
+                other => vec![other.clone()],
+            };
+            let mut layers = Vec::new();
+            for item in list {
+                match item.as_u64() {
+                    Some(l) if (l as usize) < model.num_layers => layers.push(l as usize),
+                    _ => {
+                        return Err(invalid(
+                            adapter,
+                            "layers_to_transform",
+                            format!(
+                                "{item} is not a layer index below num_hidden_layers {}",
+                                model.num_layers
+                            ),
+                        ));
+                    }
+                }
+            }
+            Some(layers)
+        }
+    };
+    Ok(AdapterConfig {
+        r,
+        lora_alpha,
+        use_rslora,
+        rank_pattern,
+        alpha_pattern,
+        targets,
+        layers_to_transform,
+    })
+}
+
+/// Module-path patterns with their values.
+pub type Patterns<T> = Vec<(regex::Regex, String, T)>;
+
+fn patterns<T>(
+    adapter: &str,
+    field: &str,
+    value: Option<&Value>,
+    parse_value: impl Fn(&Value) -> Option<T>,
+) -> Result<Patterns<T>, AdapterError> {
+    let Some(value) = value else {
+        return Ok(Vec::new());
+    };
+    let Value::Object(map) = value else {
+        return Err(invalid(
+            adapter,
+            field,
+            "must be an object of pattern -> value".into(),
+        ));
+    };
+    let mut out = Vec::new();
+    for (key, v) in map {
+        // PEFT's rule: the key matches the module path or a dotted suffix of it.
+        let re = regex::Regex::new(&format!(r"^(?:.*\.)?(?:{key})$")).map_err(|e| {
+            invalid(
+                adapter,
+                &format!("{field}.{key}"),
+                format!("is not a valid pattern: {e}"),
+            )
+        })?;
+        let parsed = parse_value(v).ok_or_else(|| {
+            invalid(
+                adapter,
+                &format!("{field}.{key}"),
+                format!("{v} is not valid"),
+            )
+        })?;
+        out.push((re, key.clone(), parsed));
+    }
+    Ok(out)
+}

@@ -1,0 +1,316 @@
+//! LoRA adapters in PEFT format: `adapter_config.json` plus
+//! `adapter_model.safetensors`, parsed and checked against the base model
+//! into a [`HostAdapter`], the host-tier form the pool keeps.
+//!
+//! Each targeted projection gets `y = x·Wᵀ + s·(x·Aᵀ)·Bᵀ` with
+//! `s = alpha / r` (or `alpha / √r` with `use_rslora`). Everything else PEFT
+//! can express that would change this math is refused by name.
+
+mod config;
+
+use std::path::Path;
+
+pub use config::AdapterConfig;
+
+use crate::model::{ModelConfig, WeightFiles};
+
+/// The projections an adapter may target, in a fixed order used for slots.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Projection {
+    Q,
+    K,
+    V,
+    O,
+    Gate,
+    Up,
+    Down,
+}
+
+impl Projection {
+    pub const ALL: [Projection; 7] = [
+        Projection::Q,
+        Projection::K,
+        Projection::V,
+        Projection::O,
+        Projection::Gate,
+        Projection::Up,
+        Projection::Down,
+    ];
+
+    /// The module's name in Hugging Face checkpoints.
+    pub fn module_name(self) -> &'static str {
+        match self {
+            Projection::Q => "q_proj",
+            Projection::K => "k_proj",
+            Projection::V => "v_proj",
+            Projection::O => "o_proj",
+            Projection::Gate => "gate_proj",
+            Projection::Up => "up_proj",
+            Projection::Down => "down_proj",
+        }
+    }
+
+    /// The parent module in a decoder layer.
+    pub fn parent(self) -> &'static str {
+        match self {
+            Projection::Q | Projection::K | Projection::V | Projection::O => "self_attn",
+            Projection::Gate | Projection::Up | Projection::Down => "mlp",
+        }
+    }
+
+    pub fn from_module_name(name: &str) -> Option<Projection> {
+        Projection::ALL
+            .into_iter()
+            .find(|p| p.module_name() == name)
+    }
+
+    /// (in_features, out_features) of this projection in the base model.
+    pub fn shape(self, c: &ModelConfig) -> (usize, usize) {
+        match self {
+            Projection::Q => (c.hidden_size, c.q_dim()),
+            Projection::K | Projection::V => (c.hidden_size, c.kv_dim()),
+            Projection::O => (c.q_dim(), c.hidden_size),
+            Projection::Gate | Projection::Up => (c.hidden_size, c.intermediate_size),
+            Projection::Down => (c.intermediate_size, c.hidden_size),
+        }
+    }
+
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// Why an adapter was refused. The variants map to distinct gRPC statuses
+/// in the worker, so callers can tell a bad request from a bad file.
+#[derive(Debug, thiserror::Error)]
+pub enum AdapterError {
+    /// The adapter's rank exceeds what the engine was sized for.
+    #[error("adapter {adapter}: `{field}`: rank {rank} is above max_lora_rank {max}")]
+    RankTooLarge {
+        adapter: String,
+        field: String,
+        rank: usize,
+        max: usize,
+    },
+    /// The adapter was made for another base model.
+    #[error(
+        "adapter {adapter}: base hash {declared} does not match the served base model {actual}"
+    )]
+    BaseHashMismatch {
+        adapter: String,
+        declared: String,
+        actual: String,
+    },
+    /// A feature PEFT supports that would change the math and the engine does not implement.
+    #[error("adapter {adapter}: `{field}`: {reason}")]
+    Unsupported {
+        adapter: String,
+        field: String,
+        reason: String,
+    },
+    /// The files are malformed or do not fit the base model.
+    #[error("adapter {adapter}: `{field}`: {reason}")]
+    Invalid {
+        adapter: String,
+        field: String,
+        reason: String,
+    },
+    /// A file could not be read.
+    #[error("adapter {adapter}: {path}: {source}")]
+    Io {
+        adapter: String,
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// One projection's LoRA factors in one layer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraModule {
+    pub rank: usize,
+    pub scale: f32,
+    /// A, row-major `[rank, in_features]`.
+    pub a: Vec<f32>,
+    /// B transposed, row-major `[rank, out_features]`, so the expand step
+    /// adds whole contiguous rows.
+    pub b_t: Vec<f32>,
+}
+
+/// A validated adapter in host memory.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostAdapter {
+    pub name: String,
+    /// The largest rank over its modules.
+    pub rank: usize,
+    /// `modules[layer][projection.index()]`.
+    pub modules: Vec<[Option<LoraModule>; 7]>,
+    /// Bytes of f32 weights held.
+    pub bytes: usize,
+}
+
+/// What a loader checks an adapter against.
+#[derive(Debug, Clone, Copy)]
+pub struct AdapterLimits<'a> {
+    pub model: &'a ModelConfig,
+    pub max_lora_rank: usize,
+    /// The served base model's hash, and the hash the adapter declares (for
+    /// example from its registry descriptor), when the caller has one.
+    pub base_hash_check: Option<(&'a str, &'a str)>,
+}
+
+impl HostAdapter {
+    /// Reads and validates a PEFT adapter directory.
+    pub fn load(
+        name: &str,
+        dir: &Path,
+        limits: AdapterLimits<'_>,
+    ) -> Result<HostAdapter, AdapterError> {
+        if let Some((actual, declared)) = limits.base_hash_check
+            && actual != declared
+        {
+            return Err(AdapterError::BaseHashMismatch {
+                adapter: name.into(),
+                declared: declared.into(),
+                actual: actual.into(),
+            });
+        }
+        let config =
+            AdapterConfig::from_file(name, &dir.join("adapter_config.json"), limits.model)?;
+        let weights_path = dir.join("adapter_model.safetensors");
+        if !weights_path.exists() {
+            return Err(AdapterError::Io {
+                adapter: name.into(),
+                path: "adapter_model.safetensors".into(),
+                source: std::io::Error::new(std::io::ErrorKind::NotFound, "no such file"),
+            });
+        }
+        let files = WeightFiles::open(vec![weights_path]).map_err(|e| AdapterError::Invalid {
+            adapter: name.into(),
+            field: "adapter_model.safetensors".into(),
+            reason: e.to_string(),
+        })?;
+        build(name, &config, &files, limits)
+    }
+}
+
+/// The adapter-weight tensor name for one layer's projection factor, as
+/// PEFT saves it.
+fn tensor_name(layer: usize, p: Projection, factor: char) -> String {
+    format!(
+        "base_model.model.model.layers.{layer}.{}.{}.lora_{factor}.weight",
+        p.parent(),
+        p.module_name()
+    )
+}
+
+fn build(
+    name: &str,
+    config: &AdapterConfig,
+    files: &WeightFiles,
+    limits: AdapterLimits<'_>,
+) -> Result<HostAdapter, AdapterError> {
+    let model = limits.model;
+    let invalid = |field: &str, reason: String| AdapterError::Invalid {
+        adapter: name.into(),
+        field: field.into(),
+        reason,
+    };
+    // Every tensor must be one we expect; anything else would be ignored math.
+    let mut expected = std::collections::BTreeSet::new();
+    for layer in 0..model.num_layers {
+        if !config.transforms_layer(layer) {
+            continue;
+        }
+        for &p in &config.targets {
+            expected.insert(tensor_name(layer, p, 'A'));
+            expected.insert(tensor_name(layer, p, 'B'));
+        }
+    }
+    for tensor in files.names() {
+        if !expected.contains(tensor) {
+            let reason = if tensor.contains("lora_embedding") || tensor.contains("embed_tokens") {
+                "embedding adapters are not supported".to_owned()
+            } else if tensor.contains("lm_head") {
+                "lm_head adapters are not supported".to_owned()
+            } else if tensor.contains("lora_magnitude_vector") {
+                "DoRA magnitude vectors are not supported".to_owned()
+            } else {
+                "is not a lora_A/lora_B weight of a targeted q/k/v/o/gate/up/down projection in a transformed layer"
+                    .to_owned()
+            };
+            return Err(invalid(tensor, reason));
+        }
+    }
+    let mut modules: Vec<[Option<LoraModule>; 7]> =
+        (0..model.num_layers).map(|_| Default::default()).collect();
+    let (mut max_rank, mut bytes) = (0usize, 0usize);
+    for (layer, slots) in modules.iter_mut().enumerate() {
+        if !config.transforms_layer(layer) {
+            continue;
+        }
+        for &p in &config.targets {
+            let module_path = format!("model.layers.{layer}.{}.{}", p.parent(), p.module_name());
+            let (rank, alpha) = config.rank_and_alpha(name, &module_path)?;
+            if rank > limits.max_lora_rank {
+                return Err(AdapterError::RankTooLarge {
+                    adapter: name.into(),
+                    field: if rank == config.r {
+                        "r".into()
+                    } else {
+                        format!("rank_pattern ({module_path})")
+                    },
+                    rank,
+                    max: limits.max_lora_rank,
+                });
+            }
+            let (fan_in, fan_out) = p.shape(model);
+            let a_name = tensor_name(layer, p, 'A');
+            let b_name = tensor_name(layer, p, 'B');
+            for n in [&a_name, &b_name] {
+                if !files.contains(n) {
+                    return Err(invalid(n, "the tensor is missing".into()));
+                }
+            }
+            let a = files
+                .f32(&a_name, &[rank, fan_in])
+                .map_err(|e| invalid(&a_name, strip_file(e)))?;
+            let b = files
+                .f32(&b_name, &[fan_out, rank])
+                .map_err(|e| invalid(&b_name, strip_file(e)))?;
+            let mut b_t = vec![0f32; rank * fan_out];
+            for o in 0..fan_out {
+                for k in 0..rank {
+                    b_t[k * fan_out + o] = b[o * rank + k];
+                }
+            }
+            let scale = if config.use_rslora {
+                alpha / (rank as f32).sqrt()
+            } else {
+                alpha / rank as f32
+            };
+            max_rank = max_rank.max(rank);
+            bytes += (a.len() + b_t.len()) * 4;
+            slots[p.index()] = Some(LoraModule {
+                rank,
+                scale,
+                a,
+                b_t,
+            });
+        }
+    }
+    Ok(HostAdapter {
+        name: name.into(),
+        rank: max_rank,
+        modules,
+        bytes,
+    })
+}
+
+/// The reason part of a weight error; the tensor is already named by the caller.
+fn strip_file(e: crate::EngineError) -> String {
+    match e {
+        crate::EngineError::InvalidModel { reason, .. } => reason,
+        other => other.to_string(),
+    }
+}

@@ -1,0 +1,459 @@
+//! `config.json` and `generation_config.json` of a Hugging Face model
+//! directory, read into one validated [`ModelConfig`].
+//!
+//! Every field that changes the math is either understood or refused by
+//! name; nothing is silently ignored.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{Map, Value};
+
+use crate::error::{EngineError, Result};
+
+/// The decoder families the engine runs. They share one forward pass and
+/// differ only in the switches of [`ModelConfig`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Architecture {
+    Llama,
+    Mistral,
+    Qwen2,
+}
+
+impl Architecture {
+    /// The Hugging Face `model_type`.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Architecture::Llama => "llama",
+            Architecture::Mistral => "mistral",
+            Architecture::Qwen2 => "qwen2",
+        }
+    }
+}
+
+/// A validated model configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    pub architecture: Architecture,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f32,
+    pub rope_theta: f32,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    /// Biases on q, k and v (Qwen2 always; Llama with `attention_bias`).
+    pub qkv_bias: bool,
+    /// A bias on o (Llama with `attention_bias`).
+    pub o_bias: bool,
+    /// Biases on gate, up and down (Llama with `mlp_bias`).
+    pub mlp_bias: bool,
+    /// Attend to at most this many most recent positions (Mistral).
+    pub sliding_window: Option<usize>,
+    pub bos_token_id: Option<u32>,
+    /// Every token that ends a sequence, from config.json and
+    /// generation_config.json together.
+    pub eos_token_ids: Vec<u32>,
+}
+
+impl ModelConfig {
+    /// Reads `config.json` and, if present, `generation_config.json` from a
+    /// model directory.
+    pub fn from_dir(dir: &Path) -> Result<ModelConfig> {
+        let path = dir.join("config.json");
+        let root = read_json_object(&path)?;
+        let mut config = parse_config(&path, &root)?;
+        let gen_path = dir.join("generation_config.json");
+        if gen_path.exists() {
+            let generation = read_json_object(&gen_path)?;
+            let f = Fields {
+                file: &gen_path,
+                map: &generation,
+            };
+            if let Some(bos) = f
+                .token_ids("bos_token_id")?
+                .and_then(|v| v.first().copied())
+            {
+                config.bos_token_id = Some(bos);
+            }
+            for id in f.token_ids("eos_token_id")?.unwrap_or_default() {
+                if !config.eos_token_ids.contains(&id) {
+                    config.eos_token_ids.push(id);
+                }
+            }
+        }
+        for (field, id) in config
+            .bos_token_id
+            .iter()
+            .map(|id| ("bos_token_id", id))
+            .chain(config.eos_token_ids.iter().map(|id| ("eos_token_id", id)))
+        {
+            if *id as usize >= config.vocab_size {
+                return Err(EngineError::model(
+                    &path,
+                    field,
+                    format!(
+                        "token id {id} is not below vocab_size {}",
+                        config.vocab_size
+                    ),
+                ));
+            }
+        }
+        Ok(config)
+    }
+
+    /// Query heads per KV head (grouped-query attention).
+    pub fn gqa_group(&self) -> usize {
+        self.num_heads / self.num_kv_heads
+    }
+
+    /// Width of the q projection's output.
+    pub fn q_dim(&self) -> usize {
+        self.num_heads * self.head_dim
+    }
+
+    /// Width of the k and v projections' outputs.
+    pub fn kv_dim(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+}
+
+pub(crate) fn read_json_object(path: &Path) -> Result<Map<String, Value>> {
+    let text = std::fs::read_to_string(path).map_err(|e| EngineError::io(path, e))?;
+    match serde_json::from_str::<Value>(&text) {
+        Ok(Value::Object(map)) => Ok(map),
+        Ok(_) => Err(EngineError::model(path, "(root)", "must be a JSON object")),
+        Err(e) => Err(EngineError::model(
+            path,
+            "(root)",
+            format!("is not valid JSON: {e}"),
+        )),
+    }
+}
+
+/// Typed access to one JSON object, with errors that name the file and field.
+pub(crate) struct Fields<'a> {
+    pub file: &'a Path,
+    pub map: &'a Map<String, Value>,
+}
+
+impl Fields<'_> {
+    fn err(&self, field: &str, reason: impl Into<String>) -> EngineError {
+        EngineError::model(PathBuf::from(self.file), field, reason)
+    }
+
+    /// The value, treating JSON null as absent.
+    pub fn get(&self, field: &str) -> Option<&Value> {
+        self.map.get(field).filter(|v| !v.is_null())
+    }
+
+    pub fn usize(&self, field: &str) -> Result<Option<usize>> {
+        match self.get(field) {
+            None => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .map(|n| Some(n as usize))
+                .ok_or_else(|| self.err(field, format!("must be a non-negative integer, got {v}"))),
+        }
+    }
+
+    pub fn positive(&self, field: &str) -> Result<usize> {
+        match self.usize(field)? {
+            Some(n) if n > 0 => Ok(n),
+            Some(_) => Err(self.err(field, "must be positive")),
+            None => Err(self.err(field, "is required")),
+        }
+    }
+
+    pub fn f64(&self, field: &str) -> Result<Option<f64>> {
+        match self.get(field) {
+            None => Ok(None),
+            Some(v) => match v.as_f64() {
+                Some(x) if x.is_finite() => Ok(Some(x)),
+                _ => Err(self.err(field, format!("must be a finite number, got {v}"))),
+            },
+        }
+    }
+
+    pub fn bool(&self, field: &str) -> Result<Option<bool>> {
+        match self.get(field) {
+            None => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(v) => Err(self.err(field, format!("must be true or false, got {v}"))),
+        }
+    }
+
+    pub fn str(&self, field: &str) -> Result<Option<&str>> {
+        match self.get(field) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s)),
+            Some(v) => Err(self.err(field, format!("must be a string, got {v}"))),
+        }
+    }
+
+    /// A token id given as one integer or a list of integers.
+    pub fn token_ids(&self, field: &str) -> Result<Option<Vec<u32>>> {
+        let as_id = |v: &Value| {
+            v.as_u64()
+                .filter(|&n| n <= u32::MAX as u64)
+                .map(|n| n as u32)
+                .ok_or_else(|| self.err(field, format!("must hold token ids, got {v}")))
+        };
+        match self.get(field) {
+            None => Ok(None),
+            Some(Value::Array(items)) => items.iter().map(as_id).collect::<Result<_>>().map(Some),
+            Some(v) => as_id(v).map(|id| Some(vec![id])),
+        }
+    }
+}
+
+fn parse_config(path: &Path, map: &Map<String, Value>) -> Result<ModelConfig> {
+    let f = Fields { file: path, map };
+    let model_type = f
+        .str("model_type")?
+        .ok_or_else(|| f.err("model_type", "is required"))?;
+    let architecture = match model_type {
+        "llama" => Architecture::Llama,
+        "mistral" => Architecture::Mistral,
+        "qwen2" => Architecture::Qwen2,
+        other => {
+            return Err(f.err(
+                "model_type",
+                format!("{other:?} is not supported; expected llama, mistral or qwen2"),
+            ));
+        }
+    };
+    let hidden_size = f.positive("hidden_size")?;
+    let num_heads = f.positive("num_attention_heads")?;
+    let num_kv_heads = f.usize("num_key_value_heads")?.unwrap_or(num_heads);
+    if num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
+        return Err(f.err(
+            "num_key_value_heads",
+            format!("{num_kv_heads} must be positive and divide num_attention_heads {num_heads}"),
+        ));
+    }
+    let head_dim = match f.usize("head_dim")? {
+        Some(d) if d > 0 => d,
+        Some(_) => return Err(f.err("head_dim", "must be positive")),
+        None if hidden_size % num_heads == 0 => hidden_size / num_heads,
+        None => {
+            return Err(f.err(
+                "hidden_size",
+                format!("{hidden_size} is not divisible by num_attention_heads {num_heads} and no head_dim is given"),
+            ));
+        }
+    };
+    if head_dim % 2 != 0 {
+        return Err(f.err(
+            "head_dim",
+            format!("{head_dim} must be even for rotary embeddings"),
+        ));
+    }
+    if let Some(act) = f.str("hidden_act")? {
+        if act != "silu" {
+            return Err(f.err(
+                "hidden_act",
+                format!("{act:?} is not supported; expected \"silu\""),
+            ));
+        }
+    }
+    // transformers 4 writes rope_theta and rope_scaling; transformers 5
+    // writes both into rope_parameters.
+    let mut rope_theta = f.f64("rope_theta")?;
+    for field in ["rope_scaling", "rope_parameters"] {
+        let Some(rope) = f.get(field) else { continue };
+        let Value::Object(rope) = rope else {
+            return Err(f.err(field, "must be an object"));
+        };
+        let kind = rope
+            .get("rope_type")
+            .or_else(|| rope.get("type"))
+            .and_then(Value::as_str)
+            .unwrap_or("default");
+        if kind != "default" {
+            return Err(f.err(
+                field,
+                format!("rope type {kind:?} is not supported; only \"default\""),
+            ));
+        }
+        if let Some(theta) = rope.get("rope_theta") {
+            rope_theta = Some(theta.as_f64().filter(|t| t.is_finite()).ok_or_else(|| {
+                f.err(
+                    &format!("{field}.rope_theta"),
+                    format!("must be a finite number, got {theta}"),
+                )
+            })?);
+        }
+    }
+    if f.usize("pretraining_tp")?.is_some_and(|tp| tp != 1) {
+        return Err(f.err("pretraining_tp", "only 1 is supported"));
+    }
+    let attention_bias = f.bool("attention_bias")?.unwrap_or(false);
+    let (qkv_bias, o_bias, mlp_bias) = match architecture {
+        Architecture::Qwen2 => (true, false, false),
+        Architecture::Llama => (
+            attention_bias,
+            attention_bias,
+            f.bool("mlp_bias")?.unwrap_or(false),
+        ),
+        Architecture::Mistral => (false, false, false),
+    };
+    let sliding_window = match architecture {
+        Architecture::Mistral => f.usize("sliding_window")?,
+        Architecture::Qwen2 => {
+            if f.bool("use_sliding_window")?.unwrap_or(false) {
+                return Err(f.err(
+                    "use_sliding_window",
+                    "Qwen2 sliding-window attention is not supported",
+                ));
+            }
+            None
+        }
+        Architecture::Llama => None,
+    };
+    if sliding_window == Some(0) {
+        return Err(f.err("sliding_window", "must be positive"));
+    }
+    let eps = f.f64("rms_norm_eps")?.unwrap_or(1e-6);
+    if eps <= 0.0 {
+        return Err(f.err("rms_norm_eps", "must be positive"));
+    }
+    let theta = rope_theta.unwrap_or(10_000.0);
+    if theta <= 0.0 {
+        return Err(f.err("rope_theta", "must be positive"));
+    }
+    let tie_default = false;
+    Ok(ModelConfig {
+        architecture,
+        vocab_size: f.positive("vocab_size")?,
+        hidden_size,
+        intermediate_size: f.positive("intermediate_size")?,
+        num_layers: f.positive("num_hidden_layers")?,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        rms_norm_eps: eps as f32,
+        rope_theta: theta as f32,
+        max_position_embeddings: f.usize("max_position_embeddings")?.unwrap_or(2048).max(1),
+        tie_word_embeddings: f.bool("tie_word_embeddings")?.unwrap_or(tie_default),
+        qkv_bias,
+        o_bias,
+        mlp_bias,
+        sliding_window,
+        bos_token_id: f
+            .token_ids("bos_token_id")?
+            .and_then(|v| v.first().copied()),
+        eos_token_ids: f.token_ids("eos_token_id")?.unwrap_or_default(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(dir: &Path, name: &str, value: Value) {
+        std::fs::write(dir.join(name), value.to_string()).unwrap();
+    }
+
+    fn llama() -> Value {
+        serde_json::json!({
+            "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": 100, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+            "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu"
+        })
+    }
+
+    #[test]
+    fn reads_gqa_and_merges_generation_eos() {
+        let dir = tempfile::tempdir().unwrap();
+        write(dir.path(), "config.json", llama());
+        write(
+            dir.path(),
+            "generation_config.json",
+            serde_json::json!({"eos_token_id": [2, 7]}),
+        );
+        let c = ModelConfig::from_dir(dir.path()).unwrap();
+        assert_eq!(
+            (c.num_heads, c.num_kv_heads, c.head_dim, c.gqa_group()),
+            (4, 2, 16, 2)
+        );
+        assert_eq!(c.eos_token_ids, vec![2, 7]);
+        assert_eq!(c.rope_theta, 500000.0);
+
+        // transformers 5 keeps theta in rope_parameters.
+        let mut v5 = llama();
+        v5.as_object_mut().unwrap().remove("rope_theta");
+        v5["rope_parameters"] = serde_json::json!({"rope_type": "default", "rope_theta": 1234.0});
+        write(dir.path(), "config.json", v5);
+        assert_eq!(
+            ModelConfig::from_dir(dir.path()).unwrap().rope_theta,
+            1234.0
+        );
+        assert!(!c.tie_word_embeddings && !c.qkv_bias);
+    }
+
+    #[test]
+    fn refuses_what_would_change_the_math_naming_the_field() {
+        let cases = [
+            ("model_type", serde_json::json!("gpt2"), "`model_type`"),
+            (
+                "num_key_value_heads",
+                serde_json::json!(3),
+                "`num_key_value_heads`",
+            ),
+            ("hidden_act", serde_json::json!("gelu"), "`hidden_act`"),
+            (
+                "rope_scaling",
+                serde_json::json!({"rope_type": "yarn"}),
+                "`rope_scaling`",
+            ),
+            (
+                "rope_parameters",
+                serde_json::json!({"rope_type": "llama3", "rope_theta": 1.0}),
+                "`rope_parameters`",
+            ),
+            (
+                "eos_token_id",
+                serde_json::json!(100),
+                "`eos_token_id`: token id 100",
+            ),
+            (
+                "hidden_size",
+                serde_json::json!("64"),
+                "`hidden_size`: must be a non-negative integer",
+            ),
+        ];
+        for (field, value, expected) in cases {
+            let dir = tempfile::tempdir().unwrap();
+            let mut cfg = llama();
+            cfg[field] = value;
+            write(dir.path(), "config.json", cfg);
+            let err = ModelConfig::from_dir(dir.path()).unwrap_err().to_string();
+            assert!(err.contains(expected), "{field}: {err}");
+            assert!(err.contains("config.json"), "{err}");
+        }
+    }
+
+    #[test]
+    fn qwen2_has_qkv_bias_and_mistral_a_window() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = llama();
+        cfg["model_type"] = "qwen2".into();
+        cfg["tie_word_embeddings"] = true.into();
+        write(dir.path(), "config.json", cfg.clone());
+        let c = ModelConfig::from_dir(dir.path()).unwrap();
+        assert!(c.qkv_bias && !c.o_bias && c.tie_word_embeddings);
+
+        cfg["model_type"] = "mistral".into();
+        cfg["sliding_window"] = 4096.into();
+        write(dir.path(), "config.json", cfg);
+        assert_eq!(
+            ModelConfig::from_dir(dir.path()).unwrap().sliding_window,
+            Some(4096)
+        );
+    }
+}

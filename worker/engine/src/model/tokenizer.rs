@@ -1,0 +1,218 @@
+//! `tokenizer.json` through the tokenizers crate, the chat template from
+//! `tokenizer_config.json` rendered with minijinja, and incremental
+//! detokenization that never splits a UTF-8 character.
+
+use std::path::Path;
+
+use minijinja::{Environment, ErrorKind, context};
+use serde_json::Value;
+
+use crate::error::{EngineError, Result};
+use crate::model::config::read_json_object;
+
+/// One chat message, as the template sees it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+/// The model's tokenizer and chat template.
+#[derive(Debug)]
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    chat_template: Option<String>,
+    bos_token: String,
+    eos_token: String,
+}
+
+impl Tokenizer {
+    /// Loads `tokenizer.json` and, if present, `tokenizer_config.json`.
+    pub fn from_dir(dir: &Path) -> Result<Tokenizer> {
+        let path = dir.join("tokenizer.json");
+        let inner = tokenizers::Tokenizer::from_file(&path)
+            .map_err(|e| EngineError::Tokenizer(format!("{}: {e}", path.display())))?;
+        let config_path = dir.join("tokenizer_config.json");
+        let (mut chat_template, mut bos_token, mut eos_token) =
+            (None, String::new(), String::new());
+        if config_path.exists() {
+            let config = read_json_object(&config_path)?;
+            chat_template = match config.get("chat_template") {
+                None | Some(Value::Null) => None,
+                Some(Value::String(t)) => Some(t.clone()),
+                // A list of named templates: the one named "default" serves chat.
+                Some(Value::Array(named)) => named
+                    .iter()
+                    .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+                    .and_then(|t| t.get("template").and_then(Value::as_str))
+                    .map(str::to_owned),
+                Some(other) => {
+                    return Err(EngineError::model(
+                        &config_path,
+                        "chat_template",
+                        format!("must be a string or a list of named templates, got {other}"),
+                    ));
+                }
+            };
+            bos_token = special_token(config.get("bos_token"));
+            eos_token = special_token(config.get("eos_token"));
+        }
+        let tokenizer = Tokenizer {
+            inner,
+            chat_template,
+            bos_token,
+            eos_token,
+        };
+        if let Some(template) = &tokenizer.chat_template {
+            // Compile once now so a broken template fails at load, not per request.
+            tokenizer
+                .environment()
+                .template_from_str(template)
+                .map_err(|e| {
+                    EngineError::ChatTemplate(format!(
+                        "{}: does not compile: {e}",
+                        config_path.display()
+                    ))
+                })?;
+        }
+        Ok(tokenizer)
+    }
+
+    /// Encodes text, adding the tokenizer's special tokens (such as BOS) when asked.
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        self.inner
+            .encode(text, add_special_tokens)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| EngineError::Tokenizer(format!("encode: {e}")))
+    }
+
+    /// Decodes ids, leaving out special tokens.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.inner
+            .decode(ids, true)
+            .map_err(|e| EngineError::Tokenizer(format!("decode: {e}")))
+    }
+
+    /// The number of tokens in the vocabulary, added tokens included.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    pub fn has_chat_template(&self) -> bool {
+        self.chat_template.is_some()
+    }
+
+    /// Renders chat messages with the model's template.
+    pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        let template = self.chat_template.as_deref().ok_or_else(|| {
+            EngineError::ChatTemplate(
+                "the model has no chat_template in tokenizer_config.json".into(),
+            )
+        })?;
+        let env = self.environment();
+        let tmpl = env
+            .template_from_str(template)
+            .map_err(|e| EngineError::ChatTemplate(e.to_string()))?;
+        tmpl.render(context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => self.bos_token,
+            eos_token => self.eos_token,
+        })
+        .map_err(|e| EngineError::ChatTemplate(format!("render: {e}")))
+    }
+
+    /// Renders chat messages and tokenizes the result. The template already
+    /// writes the special tokens it wants, so none are added.
+    pub fn encode_chat(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>> {
+        let text = self.apply_chat_template(messages, add_generation_prompt)?;
+        self.encode(&text, false)
+    }
+
+    fn environment(&self) -> Environment<'static> {
+        let mut env = Environment::new();
+        // Hugging Face templates are written for Jinja2 in Python: they call
+        // str methods such as .strip() and raise_exception().
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |message: String| -> std::result::Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
+            },
+        );
+        env
+    }
+}
+
+fn special_token(value: Option<&Value>) -> String {
+    match value {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Object(o)) => o
+            .get("content")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned(),
+        _ => String::new(),
+    }
+}
+
+/// Turns a growing list of token ids into text deltas. A delta is released
+/// only when it ends on a whole character, so multi-byte characters split
+/// across tokens are never cut.
+#[derive(Debug, Default, Clone)]
+pub struct IncrementalDecoder {
+    ids: Vec<u32>,
+    /// Start of the window decoded for context (some tokenizers need the
+    /// previous tokens to place spaces right).
+    prefix_offset: usize,
+    /// Tokens before this one have had their text released.
+    read_offset: usize,
+}
+
+impl IncrementalDecoder {
+    /// Starts after `prompt` ids, whose text is never emitted.
+    pub fn new(prompt: &[u32]) -> Self {
+        // A few tokens of context are enough for spacing decisions.
+        let start = prompt.len().saturating_sub(5);
+        IncrementalDecoder {
+            ids: prompt[start..].to_vec(),
+            prefix_offset: 0,
+            read_offset: prompt.len() - start,
+        }
+    }
+
+    /// Adds one token and returns the text it completes (possibly empty).
+    pub fn push(&mut self, tokenizer: &Tokenizer, id: u32) -> Result<String> {
+        self.ids.push(id);
+        let prefix = tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset])?;
+        let full = tokenizer.decode(&self.ids[self.prefix_offset..])?;
+        if full.len() > prefix.len() && !full.ends_with('\u{FFFD}') && full.starts_with(&prefix) {
+            let delta = full[prefix.len()..].to_owned();
+            self.prefix_offset = self.read_offset;
+            self.read_offset = self.ids.len();
+            Ok(delta)
+        } else {
+            Ok(String::new())
+        }
+    }
+
+    /// Any text still held back at the end of the sequence.
+    pub fn flush(&mut self, tokenizer: &Tokenizer) -> Result<String> {
+        let prefix = tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset])?;
+        let full = tokenizer.decode(&self.ids[self.prefix_offset..])?;
+        self.prefix_offset = self.read_offset;
+        self.read_offset = self.ids.len();
+        Ok(full
+            .strip_prefix(&prefix)
+            .map(str::to_owned)
+            .unwrap_or_default())
+    }
+}

@@ -1,0 +1,399 @@
+//! Weights in safetensors files, one file or sharded, and the base hash.
+//!
+//! # The base hash
+//!
+//! A base model is identified by SHA-256 over its weights in canonical order,
+//! so that the same weights give the same hash however they are sharded:
+//!
+//! ```text
+//! sha256( "lorafleet-base-hash-v1\n"
+//!         for each tensor, sorted by name (byte order):
+//!             u64le(len(name))  name
+//!             u64le(len(dtype)) dtype         -- safetensors dtype, e.g. "BF16"
+//!             u64le(ndim)       u64le(dim)...
+//!             u64le(len(data))  data          -- raw little-endian bytes as stored
+//!       )
+//! ```
+//!
+//! It is printed as 64 lowercase hex digits. The same weights stored in
+//! another dtype are a different base model (their numbers differ).
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+use safetensors::{Dtype, SafeTensors};
+use sha2::{Digest, Sha256};
+
+use crate::error::{EngineError, Result};
+use crate::model::config::{Fields, read_json_object};
+
+const HASH_DOMAIN: &[u8] = b"lorafleet-base-hash-v1\n";
+
+/// The safetensors files of one model (or adapter), memory-mapped.
+#[derive(Debug)]
+pub struct WeightFiles {
+    files: Vec<(PathBuf, Mmap)>,
+    /// Tensor name -> index into `files`.
+    index: BTreeMap<String, usize>,
+}
+
+/// One tensor's raw view.
+#[derive(Debug)]
+pub struct RawTensor<'a> {
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    pub data: &'a [u8],
+}
+
+impl WeightFiles {
+    /// Opens `model.safetensors`, or the shards that
+    /// `model.safetensors.index.json` names.
+    pub fn open_model_dir(dir: &Path) -> Result<WeightFiles> {
+        let single = dir.join("model.safetensors");
+        let index = dir.join("model.safetensors.index.json");
+        if single.exists() {
+            return WeightFiles::open(vec![single]);
+        }
+        if !index.exists() {
+            return Err(EngineError::model(
+                dir,
+                "model.safetensors",
+                "neither model.safetensors nor model.safetensors.index.json exists",
+            ));
+        }
+        let root = read_json_object(&index)?;
+        let f = Fields {
+            file: &index,
+            map: &root,
+        };
+        let Some(serde_json::Value::Object(map)) = f.get("weight_map") else {
+            return Err(EngineError::model(
+                &index,
+                "weight_map",
+                "is required and must be an object",
+            ));
+        };
+        let mut shards: Vec<String> = Vec::new();
+        for (tensor, file) in map {
+            let Some(file) = file.as_str() else {
+                return Err(EngineError::model(
+                    &index,
+                    format!("weight_map.{tensor}"),
+                    "must be a file name",
+                ));
+            };
+            // A shard must sit beside the index: no directories, no escape.
+            if file.is_empty() || file.contains(['/', '\\']) || file == ".." || file == "." {
+                return Err(EngineError::model(
+                    &index,
+                    format!("weight_map.{tensor}"),
+                    format!("{file:?} must be a plain file name in the model directory"),
+                ));
+            }
+            if !shards.iter().any(|s| s == file) {
+                shards.push(file.to_owned());
+            }
+        }
+        shards.sort();
+        let files = WeightFiles::open(shards.iter().map(|s| dir.join(s)).collect())?;
+        for (tensor, file) in map {
+            let at = files.index.get(tensor).map(|&i| &files.files[i].0);
+            if at.is_none_or(|p| p.file_name().and_then(|n| n.to_str()) != file.as_str()) {
+                return Err(EngineError::model(
+                    &index,
+                    format!("weight_map.{tensor}"),
+                    format!("the tensor is not in {file}"),
+                ));
+            }
+        }
+        Ok(files)
+    }
+
+    /// Maps the given safetensors files. A tensor name may appear only once.
+    pub fn open(paths: Vec<PathBuf>) -> Result<WeightFiles> {
+        let mut files = Vec::with_capacity(paths.len());
+        let mut index = BTreeMap::new();
+        for path in paths {
+            let file = File::open(&path).map_err(|e| EngineError::io(&path, e))?;
+            let map = map_file(&file).map_err(|e| EngineError::io(&path, e))?;
+            let names: Vec<String> = SafeTensors::deserialize(&map)
+                .map_err(|e| {
+                    EngineError::model(
+                        &path,
+                        "(header)",
+                        format!("not a valid safetensors file: {e}"),
+                    )
+                })?
+                .names()
+                .into_iter()
+                .map(str::to_owned)
+                .collect();
+            let file_index = files.len();
+            for name in names {
+                if let Some(&other) = index.get(&name) {
+                    let other: &(PathBuf, Mmap) = &files[other];
+                    return Err(EngineError::model(
+                        &path,
+                        name,
+                        format!("the tensor also appears in {}", other.0.display()),
+                    ));
+                }
+                index.insert(name, file_index);
+            }
+            files.push((path, map));
+        }
+        Ok(WeightFiles { files, index })
+    }
+
+    /// Every tensor name, sorted.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.index.keys().map(String::as_str)
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
+    /// The file a tensor lives in, for error messages.
+    pub fn file_of(&self, name: &str) -> Option<&Path> {
+        self.index.get(name).map(|&i| self.files[i].0.as_path())
+    }
+
+    /// The raw bytes of one tensor.
+    pub fn raw(&self, name: &str) -> Result<RawTensor<'_>> {
+        let &i = self.index.get(name).ok_or_else(|| {
+            let first = self.files.first().map(|f| f.0.clone()).unwrap_or_default();
+            EngineError::model(first, name, "the tensor is missing")
+        })?;
+        let (path, map) = &self.files[i];
+        let st = SafeTensors::deserialize(map)
+            .map_err(|e| EngineError::model(path, "(header)", e.to_string()))?;
+        let view = st
+            .tensor(name)
+            .map_err(|e| EngineError::model(path, name, e.to_string()))?;
+        Ok(RawTensor {
+            dtype: view.dtype(),
+            shape: view.shape().to_vec(),
+            data: view.data(),
+        })
+    }
+
+    /// One tensor as f32, checking its shape. f32, f16 and bf16 are accepted;
+    /// NaN and infinite values are refused.
+    pub fn f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let raw = self.raw(name)?;
+        let path = self.file_of(name).unwrap_or(Path::new("")).to_path_buf();
+        if raw.shape != shape {
+            return Err(EngineError::model(
+                path,
+                name,
+                format!("has shape {:?}, expected {:?}", raw.shape, shape),
+            ));
+        }
+        let values = to_f32(raw.dtype, raw.data)
+            .map_err(|reason| EngineError::model(&path, name, reason))?;
+        if let Some(bad) = values.iter().position(|v| !v.is_finite()) {
+            return Err(EngineError::model(
+                path,
+                name,
+                format!(
+                    "holds a non-finite value ({}) at element {bad}",
+                    values[bad]
+                ),
+            ));
+        }
+        Ok(values)
+    }
+
+    /// SHA-256 over every tensor in canonical order; see the module docs.
+    /// `progress` is called with (bytes hashed, bytes in all).
+    pub fn base_hash(&self, progress: &mut dyn FnMut(u64, u64)) -> Result<String> {
+        let total: u64 = self.files.iter().map(|(_, m)| m.len() as u64).sum();
+        let mut done = 0u64;
+        let mut hasher = Sha256::new();
+        hasher.update(HASH_DOMAIN);
+        let len = |n: usize| (n as u64).to_le_bytes();
+        for name in self.index.keys() {
+            let raw = self.raw(name)?;
+            let dtype = format!("{:?}", raw.dtype);
+            hasher.update(len(name.len()));
+            hasher.update(name.as_bytes());
+            hasher.update(len(dtype.len()));
+            hasher.update(dtype.as_bytes());
+            hasher.update(len(raw.shape.len()));
+            for &d in &raw.shape {
+                hasher.update(len(d));
+            }
+            hasher.update(len(raw.data.len()));
+            for chunk in raw.data.chunks(64 << 20) {
+                hasher.update(chunk);
+                done += chunk.len() as u64;
+                progress(done, total);
+            }
+        }
+        Ok(hex::encode(hasher.finalize()))
+    }
+}
+
+/// The base hash of a model directory; see the module docs.
+pub fn base_hash(dir: &Path, progress: &mut dyn FnMut(u64, u64)) -> Result<String> {
+    WeightFiles::open_model_dir(dir)?.base_hash(progress)
+}
+
+fn to_f32(dtype: Dtype, data: &[u8]) -> std::result::Result<Vec<f32>, String> {
+    Ok(match dtype {
+        Dtype::F32 => data
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        Dtype::F16 => data
+            .chunks_exact(2)
+            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        Dtype::BF16 => data
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        other => {
+            return Err(format!(
+                "dtype {other:?} is not supported; expected F32, F16 or BF16"
+            ));
+        }
+    })
+}
+
+#[allow(unsafe_code)]
+fn map_file(file: &File) -> std::io::Result<Mmap> {
+    // SAFETY: model and adapter files are treated as read-only while mapped;
+    // a process that truncated them underneath would be a deployment error,
+    // the same contract every safetensors loader relies on.
+    unsafe { Mmap::map(file) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use safetensors::tensor::TensorView;
+
+    fn write_st(path: &Path, tensors: &[(&str, Dtype, Vec<usize>, Vec<u8>)]) {
+        let views: Vec<(String, TensorView<'_>)> = tensors
+            .iter()
+            .map(|(n, d, s, b)| (n.to_string(), TensorView::new(*d, s.clone(), b).unwrap()))
+            .collect();
+        safetensors::serialize_to_file(views, None, path).unwrap();
+    }
+
+    fn f32_bytes(v: &[f32]) -> Vec<u8> {
+        v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+
+    #[test]
+    fn base_hash_ignores_sharding_but_not_content() {
+        let a = (
+            "a.weight",
+            Dtype::F32,
+            vec![2, 2],
+            f32_bytes(&[1.0, 2.0, 3.0, 4.0]),
+        );
+        let b = ("b.weight", Dtype::F32, vec![3], f32_bytes(&[5.0, 6.0, 7.0]));
+        let one = tempfile::tempdir().unwrap();
+        write_st(
+            &one.path().join("model.safetensors"),
+            &[a.clone(), b.clone()],
+        );
+        let sharded = tempfile::tempdir().unwrap();
+        write_st(
+            &sharded.path().join("model-00002-of-00002.safetensors"),
+            std::slice::from_ref(&a),
+        );
+        write_st(
+            &sharded.path().join("model-00001-of-00002.safetensors"),
+            std::slice::from_ref(&b),
+        );
+        std::fs::write(
+            sharded.path().join("model.safetensors.index.json"),
+            serde_json::json!({"metadata": {}, "weight_map": {
+                "a.weight": "model-00002-of-00002.safetensors",
+                "b.weight": "model-00001-of-00002.safetensors"}})
+            .to_string(),
+        )
+        .unwrap();
+        let h1 = base_hash(one.path(), &mut |_, _| {}).unwrap();
+        let mut calls = 0;
+        let h2 = base_hash(sharded.path(), &mut |done, total| {
+            calls += 1;
+            assert!(done <= total);
+        })
+        .unwrap();
+        assert_eq!(h1, h2);
+        assert_eq!(h1.len(), 64);
+        assert!(calls >= 2);
+
+        let changed = tempfile::tempdir().unwrap();
+        let b2 = ("b.weight", Dtype::F32, vec![3], f32_bytes(&[5.0, 6.0, 7.5]));
+        write_st(&changed.path().join("model.safetensors"), &[a.clone(), b2]);
+        assert_ne!(h1, base_hash(changed.path(), &mut |_, _| {}).unwrap());
+
+        let reshaped = tempfile::tempdir().unwrap();
+        let a2 = ("a.weight", Dtype::F32, vec![4], a.3.clone());
+        write_st(&reshaped.path().join("model.safetensors"), &[a2, b]);
+        assert_ne!(h1, base_hash(reshaped.path(), &mut |_, _| {}).unwrap());
+    }
+
+    #[test]
+    fn converts_half_types_and_refuses_bad_tensors() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("w.safetensors");
+        let bf: Vec<u8> = [1.5f32, -2.0]
+            .iter()
+            .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
+            .collect();
+        let f16: Vec<u8> = [0.25f32, 8.0]
+            .iter()
+            .flat_map(|x| half::f16::from_f32(*x).to_le_bytes())
+            .collect();
+        write_st(
+            &path,
+            &[
+                ("bf", Dtype::BF16, vec![2], bf),
+                ("h", Dtype::F16, vec![2], f16),
+                ("nan", Dtype::F32, vec![2], f32_bytes(&[1.0, f32::NAN])),
+                ("int", Dtype::I32, vec![1], vec![0, 0, 0, 0]),
+            ],
+        );
+        let w = WeightFiles::open(vec![path]).unwrap();
+        assert_eq!(w.f32("bf", &[2]).unwrap(), vec![1.5, -2.0]);
+        assert_eq!(w.f32("h", &[2]).unwrap(), vec![0.25, 8.0]);
+        let err = w.f32("h", &[3]).unwrap_err().to_string();
+        assert!(err.contains("`h`: has shape [2], expected [3]"), "{err}");
+        let err = w.f32("nan", &[2]).unwrap_err().to_string();
+        assert!(err.contains("`nan`: holds a non-finite value"), "{err}");
+        let err = w.f32("int", &[1]).unwrap_err().to_string();
+        assert!(err.contains("dtype I32 is not supported"), "{err}");
+        assert!(
+            w.f32("missing", &[1])
+                .unwrap_err()
+                .to_string()
+                .contains("`missing`: the tensor is missing")
+        );
+    }
+
+    #[test]
+    fn an_index_may_not_point_outside_the_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("model.safetensors.index.json"),
+            serde_json::json!({"weight_map": {"a": "../evil.safetensors"}}).to_string(),
+        )
+        .unwrap();
+        let err = WeightFiles::open_model_dir(dir.path())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("`weight_map.a`") && err.contains("plain file name"),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,55 @@
+//! Shared helpers for the engine's tests: fixture paths and golden cases.
+
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+pub fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+pub fn model_dir(model: &str) -> PathBuf {
+    fixtures().join(model)
+}
+
+pub fn adapter_dir(model: &str, adapter: &str) -> PathBuf {
+    fixtures().join("adapters").join(model).join(adapter)
+}
+
+/// Every adapter fixture of a model, by name.
+pub fn adapter_names(model: &str) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(fixtures().join("adapters").join(model))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    names
+}
+
+#[derive(Debug, serde::Deserialize)]
+pub struct GoldenCase {
+    pub model: String,
+    pub adapter: Option<String>,
+    pub prompt: String,
+    pub prompt_ids: Vec<u32>,
+    pub greedy: Vec<u32>,
+    pub logits: Vec<f32>,
+}
+
+#[derive(Debug, serde::Deserialize)]
+pub struct Golden {
+    pub max_new_tokens: usize,
+    pub cases: Vec<GoldenCase>,
+}
+
+pub fn golden() -> Golden {
+    let text = std::fs::read_to_string(fixtures().join("golden.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+/// max |a - b| / max |b|: the relative error of a logit vector.
+pub fn relative_error(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+}
