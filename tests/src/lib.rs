@@ -122,7 +122,9 @@ impl Drop for TestDb {
 
 /// The path of a workspace binary built next to the running test.
 ///
-/// `cargo test --workspace` builds every binary before any test runs.
+/// `cargo test` builds only the binaries of the package under test, so the
+/// test command builds the workspace's binaries first
+/// (`cargo build --workspace --bins`).
 pub fn binary(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("current_exe");
     // target/<profile>/deps/<test> -> target/<profile>/<name>
@@ -133,7 +135,7 @@ pub fn binary(name: &str) -> PathBuf {
     let path = dir.join(format!("{name}{}", std::env::consts::EXE_SUFFIX));
     assert!(
         path.is_file(),
-        "{} is missing: build the workspace first (cargo test --workspace builds every binary)",
+        "{} is missing: run `cargo build --workspace --bins` before the tests",
         path.display()
     );
     path
