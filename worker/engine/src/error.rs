@@ -29,6 +29,9 @@ pub enum EngineError {
     /// A request field is out of range.
     #[error("{field}: {reason}")]
     InvalidRequest { field: String, reason: String },
+    /// The waiting queue is full; the caller may retry later or elsewhere.
+    #[error("the waiting queue is full ({waiting} requests)")]
+    QueueFull { waiting: usize },
     /// An adapter was refused.
     #[error(transparent)]
     Adapter(#[from] crate::lora::AdapterError),

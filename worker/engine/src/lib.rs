@@ -6,8 +6,20 @@
 //! the engine sees only requests, tokens and files.
 
 pub mod backend;
+pub mod engine;
 pub mod error;
+pub mod kv;
 pub mod lora;
 pub mod model;
+pub mod pool;
+pub mod sampling;
+mod scheduler;
+pub mod sequence;
 
+pub use engine::{
+    Accepted, Completion, Engine, EngineSettings, EngineStats, Event, Prompt, Request, StepStats,
+};
 pub use error::{EngineError, Result};
+pub use pool::{AdapterId, AdapterSource, Residency};
+pub use sampling::SamplingParams;
+pub use sequence::{Finish, FinishReason, StopReason};

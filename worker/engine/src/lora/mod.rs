@@ -125,6 +125,61 @@ pub enum AdapterError {
     },
 }
 
+impl AdapterError {
+    /// A copy for each request that waited on the same failed load.
+    pub fn duplicate(&self) -> AdapterError {
+        match self {
+            AdapterError::RankTooLarge {
+                adapter,
+                field,
+                rank,
+                max,
+            } => AdapterError::RankTooLarge {
+                adapter: adapter.clone(),
+                field: field.clone(),
+                rank: *rank,
+                max: *max,
+            },
+            AdapterError::BaseHashMismatch {
+                adapter,
+                declared,
+                actual,
+            } => AdapterError::BaseHashMismatch {
+                adapter: adapter.clone(),
+                declared: declared.clone(),
+                actual: actual.clone(),
+            },
+            AdapterError::Unsupported {
+                adapter,
+                field,
+                reason,
+            } => AdapterError::Unsupported {
+                adapter: adapter.clone(),
+                field: field.clone(),
+                reason: reason.clone(),
+            },
+            AdapterError::Invalid {
+                adapter,
+                field,
+                reason,
+            } => AdapterError::Invalid {
+                adapter: adapter.clone(),
+                field: field.clone(),
+                reason: reason.clone(),
+            },
+            AdapterError::Io {
+                adapter,
+                path,
+                source,
+            } => AdapterError::Io {
+                adapter: adapter.clone(),
+                path: path.clone(),
+                source: std::io::Error::new(source.kind(), source.to_string()),
+            },
+        }
+    }
+}
+
 /// One projection's LoRA factors in one layer.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LoraModule {

@@ -252,13 +252,13 @@ fn parse_config(path: &Path, map: &Map<String, Value>) -> Result<ModelConfig> {
             format!("{head_dim} must be even for rotary embeddings"),
         ));
     }
-    if let Some(act) = f.str("hidden_act")? {
-        if act != "silu" {
-            return Err(f.err(
-                "hidden_act",
-                format!("{act:?} is not supported; expected \"silu\""),
-            ));
-        }
+    if let Some(act) = f.str("hidden_act")?
+        && act != "silu"
+    {
+        return Err(f.err(
+            "hidden_act",
+            format!("{act:?} is not supported; expected \"silu\""),
+        ));
     }
     // transformers 4 writes rope_theta and rope_scaling; transformers 5
     // writes both into rope_parameters.

@@ -1,0 +1,675 @@
+//! The engine: one base model, its adapter pool, and mixed-adapter
+//! continuous batching. One thread owns it and drives it with [`Engine::step`].
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use crate::backend::cpu::CpuBackend;
+use crate::backend::{Backend, BackendShape, StepBatch};
+use crate::error::{EngineError, Result};
+use crate::kv::BlockAllocator;
+use crate::model::tokenizer::{ChatMessage, Tokenizer};
+use crate::model::{ModelConfig, WeightFiles};
+use crate::pool::{AdapterId, AdapterPool, AdapterSource, AdapterStatus, PoolCounters, Residency};
+use crate::sampling::{SamplingParams, sample};
+use crate::scheduler::{Limits, Queues, Scheduler, SeqId};
+use crate::sequence::{Finish, Sequence};
+
+/// The engine's sizes and limits. Field names match the worker's flags.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineSettings {
+    /// Device slots: the most distinct adapters in one step.
+    pub max_loras: usize,
+    /// The largest adapter rank accepted; every slot is sized for it.
+    pub max_lora_rank: usize,
+    /// Adapters the host tier holds.
+    pub max_cpu_loras: usize,
+    /// KV cache blocks.
+    pub kv_blocks: usize,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// The most sequences in one step.
+    pub max_num_seqs: usize,
+    /// The most tokens in one step; longer prompts are prefilled in chunks.
+    pub max_batched_tokens: usize,
+    /// The most requests waiting for admission.
+    pub max_waiting: usize,
+}
+
+impl Default for EngineSettings {
+    fn default() -> Self {
+        EngineSettings {
+            max_loras: 4,
+            max_lora_rank: 16,
+            max_cpu_loras: 32,
+            kv_blocks: 1024,
+            block_size: 16,
+            max_num_seqs: 64,
+            max_batched_tokens: 512,
+            max_waiting: 1024,
+        }
+    }
+}
+
+impl EngineSettings {
+    /// Checks every limit, naming the setting that is wrong.
+    pub fn validate(&self) -> Result<()> {
+        let positive = [
+            ("max_loras", self.max_loras),
+            ("max_lora_rank", self.max_lora_rank),
+            ("max_cpu_loras", self.max_cpu_loras),
+            ("kv_blocks", self.kv_blocks),
+            ("block_size", self.block_size),
+            ("max_num_seqs", self.max_num_seqs),
+            ("max_batched_tokens", self.max_batched_tokens),
+            ("max_waiting", self.max_waiting),
+        ];
+        for (name, value) in positive {
+            if value == 0 {
+                return Err(EngineError::request(name, "must be at least 1"));
+            }
+        }
+        if self.max_cpu_loras < self.max_loras {
+            return Err(EngineError::request(
+                "max_cpu_loras",
+                format!(
+                    "{} must be at least max_loras ({}): the host tier holds every device adapter",
+                    self.max_cpu_loras, self.max_loras
+                ),
+            ));
+        }
+        if self.max_lora_rank > 512 {
+            return Err(EngineError::request(
+                "max_lora_rank",
+                format!("{} is above 512", self.max_lora_rank),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A request's prompt.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    /// Tokenized with the model's special tokens (such as BOS).
+    Text(String),
+    TokenIds(Vec<u32>),
+    Chat {
+        messages: Vec<ChatMessage>,
+        add_generation_prompt: bool,
+    },
+}
+
+/// A request to the engine.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Request {
+    /// Unique among the engine's live requests.
+    pub id: String,
+    /// None for the base model.
+    pub adapter: Option<AdapterId>,
+    pub prompt: Prompt,
+    pub params: SamplingParams,
+}
+
+/// What a request produced, streamed out of [`Engine::step`].
+#[derive(Debug)]
+pub enum Event {
+    /// New tokens and the text they complete.
+    Delta { token_ids: Vec<u32>, text: String },
+    /// The request completed.
+    Finished(Finish),
+    /// The request failed after it was accepted (for example, its adapter
+    /// could not be loaded). No further events follow.
+    Failed(EngineError),
+}
+
+/// What [`Engine::submit`] tells the caller.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Accepted {
+    pub prompt_tokens: usize,
+    /// Where the adapter was on arrival; None for the base model.
+    pub residency: Option<Residency>,
+}
+
+/// A point-in-time view of the engine's load.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineStats {
+    pub running: usize,
+    pub waiting: usize,
+    pub kv_blocks_used: usize,
+    pub kv_blocks_total: usize,
+    pub pool: PoolCounters,
+    pub adapters: Vec<AdapterStatus>,
+    /// Changes whenever adapter residency changes.
+    pub residency_generation: u64,
+}
+
+/// What one step did, for metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepStats {
+    pub sequences: usize,
+    pub tokens: usize,
+    pub distinct_adapters: usize,
+    pub preempted: usize,
+}
+
+/// The multi-LoRA engine.
+pub struct Engine {
+    config: ModelConfig,
+    tokenizer: Tokenizer,
+    backend: Box<dyn Backend>,
+    base_hash: String,
+    settings: EngineSettings,
+    pool: AdapterPool,
+    kv: BlockAllocator,
+    queues: Queues,
+    seqs: HashMap<SeqId, Sequence>,
+    by_request: HashMap<String, SeqId>,
+    next_seq: SeqId,
+    seed_source: crate::sampling::Rng,
+    last_step: StepStats,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("backend", &self.backend.name())
+            .field("base_hash", &self.base_hash)
+            .field("settings", &self.settings)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Engine {
+    /// Loads a model directory onto the CPU backend.
+    pub fn load_cpu(model_dir: &Path, settings: EngineSettings) -> Result<Engine> {
+        settings.validate()?;
+        let config = ModelConfig::from_dir(model_dir)?;
+        let base_hash = WeightFiles::open_model_dir(model_dir)?.base_hash(&mut |_, _| {})?;
+        let shape = BackendShape {
+            slots: settings.max_loras,
+            max_lora_rank: settings.max_lora_rank,
+            kv_blocks: settings.kv_blocks,
+            block_size: settings.block_size,
+        };
+        let backend = CpuBackend::load(model_dir, &config, shape)?;
+        let tokenizer = Tokenizer::from_dir(model_dir)?;
+        Engine::new(config, tokenizer, Box::new(backend), base_hash, settings)
+    }
+
+    /// Assembles an engine around a loaded backend.
+    pub fn new(
+        config: ModelConfig,
+        tokenizer: Tokenizer,
+        backend: Box<dyn Backend>,
+        base_hash: String,
+        settings: EngineSettings,
+    ) -> Result<Engine> {
+        settings.validate()?;
+        let shape = backend.shape();
+        if shape.slots != settings.max_loras || shape.max_lora_rank != settings.max_lora_rank {
+            return Err(EngineError::Backend(
+                "the backend's slots do not match the settings".into(),
+            ));
+        }
+        let pool = AdapterPool::new(
+            config.clone(),
+            settings.max_lora_rank,
+            settings.max_loras,
+            settings.max_cpu_loras,
+            base_hash.clone(),
+        );
+        let seed = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        Ok(Engine {
+            kv: BlockAllocator::new(settings.kv_blocks, settings.block_size),
+            config,
+            tokenizer,
+            backend,
+            base_hash,
+            settings,
+            pool,
+            queues: Queues::default(),
+            seqs: HashMap::new(),
+            by_request: HashMap::new(),
+            next_seq: 0,
+            seed_source: crate::sampling::Rng::new(seed),
+            last_step: StepStats::default(),
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    pub fn base_hash(&self) -> &str {
+        &self.base_hash
+    }
+
+    pub fn settings(&self) -> EngineSettings {
+        self.settings
+    }
+
+    pub fn backend_name(&self) -> &'static str {
+        self.backend.name()
+    }
+
+    pub fn device_name(&self) -> String {
+        self.backend.device_name()
+    }
+
+    /// The longest prompt plus completion accepted.
+    pub fn max_model_len(&self) -> usize {
+        self.config.max_position_embeddings
+    }
+
+    /// Makes an adapter known under its id. Loading happens on first use or
+    /// on [`Engine::prefetch`].
+    pub fn register_adapter(&mut self, id: AdapterId, source: AdapterSource) -> Result<()> {
+        if id == 0 {
+            return Err(EngineError::request("lora_int_id", "must be positive"));
+        }
+        self.pool
+            .register(id, source)
+            .map_err(|reason| EngineError::request("lora_int_id", reason))
+    }
+
+    pub fn is_registered(&self, id: AdapterId) -> bool {
+        self.pool.is_registered(id)
+    }
+
+    /// Starts loading a registered adapter into the host tier.
+    pub fn prefetch(&mut self, id: AdapterId) {
+        self.pool.request_load(id);
+    }
+
+    pub fn pool(&mut self) -> &mut AdapterPool {
+        &mut self.pool
+    }
+
+    /// Puts a host-resident adapter into a device slot now, if one can be had.
+    pub fn promote(&mut self, id: AdapterId) -> Result<Option<usize>> {
+        self.pool.ensure_device(id, &[], self.backend.as_mut())
+    }
+
+    /// Unloads an adapter now, or once the requests using it finish.
+    pub fn unload_adapter(&mut self, id: AdapterId) -> Result<(Residency, u32)> {
+        self.pool.unload(id, self.backend.as_mut())
+    }
+
+    /// Turns a prompt into token ids.
+    pub fn tokenize(&self, prompt: &Prompt) -> Result<Vec<u32>> {
+        let ids = match prompt {
+            Prompt::Text(t) => self.tokenizer.encode(t, true)?,
+            Prompt::TokenIds(ids) => ids.clone(),
+            Prompt::Chat {
+                messages,
+                add_generation_prompt,
+            } => {
+                if messages.is_empty() {
+                    return Err(EngineError::request(
+                        "prompt.chat.messages",
+                        "must hold at least one message",
+                    ));
+                }
+                self.tokenizer
+                    .encode_chat(messages, *add_generation_prompt)?
+            }
+        };
+        if ids.is_empty() {
+            return Err(EngineError::request(
+                "prompt",
+                "is empty after tokenization",
+            ));
+        }
+        if let Some(bad) = ids.iter().find(|&&t| t as usize >= self.config.vocab_size) {
+            return Err(EngineError::request(
+                "prompt.token_ids",
+                format!("{bad} is not below vocab_size {}", self.config.vocab_size),
+            ));
+        }
+        Ok(ids)
+    }
+
+    /// Queues a request. Fails at once for a bad request, an unknown
+    /// adapter, a duplicate id or a full queue.
+    pub fn submit(&mut self, request: Request) -> Result<Accepted> {
+        if request.id.is_empty() {
+            return Err(EngineError::request("request_id", "is required"));
+        }
+        if self.by_request.contains_key(&request.id) {
+            return Err(EngineError::request(
+                "request_id",
+                format!("{:?} is already running", request.id),
+            ));
+        }
+        if self.queues.waiting.len() >= self.settings.max_waiting {
+            return Err(EngineError::QueueFull {
+                waiting: self.queues.waiting.len(),
+            });
+        }
+        if let Some(a) = request.adapter
+            && !self.pool.is_registered(a)
+        {
+            return Err(EngineError::request(
+                "adapter.lora_int_id",
+                format!("adapter {a} is not registered"),
+            ));
+        }
+        request
+            .params
+            .validate("sampling", self.config.vocab_size)?;
+        let prompt_ids = self.tokenize(&request.prompt)?;
+        let needed = prompt_ids.len() + request.params.max_tokens;
+        if needed > self.max_model_len() {
+            return Err(EngineError::request(
+                "sampling.max_tokens",
+                format!(
+                    "the prompt ({} tokens) plus max_tokens ({}) exceeds max_model_len {}",
+                    prompt_ids.len(),
+                    request.params.max_tokens,
+                    self.max_model_len()
+                ),
+            ));
+        }
+        if self.kv.blocks_for(needed) > self.kv.total() {
+            return Err(EngineError::request(
+                "sampling.max_tokens",
+                format!(
+                    "{needed} tokens need {} KV blocks; the cache has {}",
+                    self.kv.blocks_for(needed),
+                    self.kv.total()
+                ),
+            ));
+        }
+        let residency = request.adapter.map(|a| self.pool.on_arrival(a));
+        let seed = request
+            .params
+            .seed
+            .unwrap_or_else(|| self.seed_source.next_u64());
+        let accepted = Accepted {
+            prompt_tokens: prompt_ids.len(),
+            residency,
+        };
+        let id = self.next_seq;
+        self.next_seq += 1;
+        self.by_request.insert(request.id.clone(), id);
+        self.seqs.insert(
+            id,
+            Sequence::new(
+                request.id,
+                request.adapter,
+                prompt_ids,
+                request.params,
+                seed,
+                residency,
+            ),
+        );
+        self.queues.waiting.push_back(id);
+        Ok(accepted)
+    }
+
+    /// Cancels a request, freeing its KV blocks and lease at once. Returns
+    /// whether it was live.
+    pub fn abort(&mut self, request_id: &str) -> bool {
+        let Some(id) = self.by_request.remove(request_id) else {
+            return false;
+        };
+        self.remove(id);
+        true
+    }
+
+    fn remove(&mut self, id: SeqId) -> Option<Sequence> {
+        let mut seq = self.seqs.remove(&id)?;
+        self.by_request.remove(&seq.request_id);
+        self.kv.release(&mut seq.blocks);
+        if self.queues.waiting.contains(&id) {
+            self.queues.waiting.retain(|&w| w != id);
+            if let Some(a) = seq.adapter {
+                self.pool.on_dequeue(a);
+            }
+        }
+        self.queues.running.retain(|&r| r != id);
+        seq.lease = None;
+        Some(seq)
+    }
+
+    /// Whether any request is waiting or running.
+    pub fn has_work(&self) -> bool {
+        !self.seqs.is_empty()
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        EngineStats {
+            running: self.queues.running.len(),
+            waiting: self.queues.waiting.len(),
+            kv_blocks_used: self.kv.used_blocks(),
+            kv_blocks_total: self.kv.total(),
+            pool: self.pool.counters(),
+            adapters: self.pool.statuses(),
+            residency_generation: self.pool.generation(),
+        }
+    }
+
+    /// What the last step ran.
+    pub fn last_step(&self) -> StepStats {
+        self.last_step
+    }
+
+    /// Runs one iteration: settles adapter loads, schedules, runs the
+    /// forward pass and samples. Returns each request's new events.
+    ///
+    /// When nothing can run because every waiting request's adapter is
+    /// still loading, it waits briefly for a load rather than spinning.
+    pub fn step(&mut self) -> Result<Vec<(String, Event)>> {
+        let mut events = Vec::new();
+        self.settle_loads(None, &mut events);
+        self.pool.settle_unloads(self.backend.as_mut())?;
+
+        let plan = Scheduler {
+            queues: &mut self.queues,
+            seqs: &mut self.seqs,
+            pool: &mut self.pool,
+            kv: &mut self.kv,
+            backend: self.backend.as_mut(),
+            limits: Limits {
+                max_num_seqs: self.settings.max_num_seqs,
+                max_batched_tokens: self.settings.max_batched_tokens,
+                max_loras: self.settings.max_loras,
+            },
+        }
+        .schedule()?;
+        if plan.scheduled.is_empty() {
+            self.last_step = StepStats {
+                preempted: plan.preempted.len(),
+                ..Default::default()
+            };
+            if self.pool.loads_in_flight() > 0 {
+                self.settle_loads(Some(Duration::from_millis(20)), &mut events);
+            }
+            return Ok(events);
+        }
+
+        // Order by slot (base first) so each adapter's tokens are one segment.
+        let mut order: Vec<(Option<usize>, SeqId, usize)> = plan
+            .scheduled
+            .iter()
+            .map(|&(id, chunk)| {
+                (
+                    self.seqs[&id].adapter.and_then(|a| self.pool.slot_of(a)),
+                    id,
+                    chunk,
+                )
+            })
+            .collect();
+        order.sort_by_key(|&(slot, id, _)| (slot.map_or(0, |s| s + 1), id));
+        for &(_, id, _) in &order {
+            if let Some(a) = self.seqs[&id].adapter {
+                self.pool.touch(a);
+            }
+        }
+
+        let logits = {
+            let mut batch = StepBatch::default();
+            let mut tokens = Vec::new();
+            for &(slot, id, chunk) in &order {
+                let seq = &self.seqs[&id];
+                tokens.clear();
+                tokens
+                    .extend((seq.num_computed..seq.num_computed + chunk).map(|p| seq.token_at(p)));
+                let want = seq.num_computed + chunk == seq.total_len();
+                batch.push(&tokens, seq.num_computed, &seq.blocks, slot, want);
+            }
+            batch.finish();
+            self.last_step = StepStats {
+                sequences: batch.seqs.len(),
+                tokens: batch.tokens.len(),
+                distinct_adapters: batch.distinct_adapters(),
+                preempted: plan.preempted.len(),
+            };
+            self.backend.forward(&batch)?
+        };
+
+        let vocab = self.config.vocab_size;
+        let mut row = 0;
+        let mut finished = Vec::new();
+        for &(_, id, chunk) in &order {
+            let seq = self.seqs.get_mut(&id).expect("scheduled sequence exists");
+            seq.num_computed += chunk;
+            if seq.num_computed < seq.total_len() {
+                continue; // a prefill chunk that does not reach the end yet
+            }
+            let token = sample(
+                &logits[row * vocab..(row + 1) * vocab],
+                &seq.params,
+                &mut seq.rng,
+            );
+            row += 1;
+            let out = seq.push_token(
+                token,
+                &self.tokenizer,
+                &self.config.eos_token_ids,
+                self.config.max_position_embeddings,
+            )?;
+            events.push((
+                seq.request_id.clone(),
+                Event::Delta {
+                    token_ids: vec![token],
+                    text: out.text,
+                },
+            ));
+            if let Some((reason, stop)) = out.finished {
+                events.push((
+                    seq.request_id.clone(),
+                    Event::Finished(seq.finish(reason, stop)),
+                ));
+                finished.push(id);
+            }
+        }
+        for id in finished {
+            self.remove(id);
+        }
+        Ok(events)
+    }
+
+    /// Takes finished adapter loads; fails the requests whose adapter could
+    /// not be loaded.
+    fn settle_loads(&mut self, wait: Option<Duration>, events: &mut Vec<(String, Event)>) {
+        for (adapter, err) in self.pool.poll_loads(wait) {
+            let victims: Vec<SeqId> = self
+                .queues
+                .waiting
+                .iter()
+                .copied()
+                .filter(|id| self.seqs[id].adapter == Some(adapter))
+                .collect();
+            for id in victims {
+                if let Some(seq) = self.remove(id) {
+                    events.push((
+                        seq.request_id,
+                        Event::Failed(EngineError::Adapter(err.duplicate())),
+                    ));
+                }
+            }
+        }
+    }
+}
+
+/// One request's whole output, as collected by [`Engine::run_to_completion`].
+#[derive(Debug)]
+pub struct Completion {
+    pub request_id: String,
+    pub prompt_ids: Vec<u32>,
+    pub token_ids: Vec<u32>,
+    pub text: String,
+    /// Set when the request completed.
+    pub finish: Option<Finish>,
+    /// Set when the request was refused or failed.
+    pub error: Option<EngineError>,
+}
+
+impl Engine {
+    /// Submits every request at once and steps until all are done: one
+    /// continuous mixed batch. Results are in request order.
+    pub fn run_to_completion(&mut self, requests: Vec<Request>) -> Result<Vec<Completion>> {
+        self.run_with_progress(requests, &mut |_, _| {})
+    }
+
+    /// [`Engine::run_to_completion`], calling `progress(done, total)` as
+    /// requests finish.
+    pub fn run_with_progress(
+        &mut self,
+        requests: Vec<Request>,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Vec<Completion>> {
+        let total = requests.len();
+        let mut index = HashMap::new();
+        let mut out: Vec<Completion> = Vec::with_capacity(total);
+        for (i, request) in requests.into_iter().enumerate() {
+            let prompt_ids = self.tokenize(&request.prompt).unwrap_or_default();
+            index.insert(request.id.clone(), i);
+            let mut completion = Completion {
+                request_id: request.id.clone(),
+                prompt_ids,
+                token_ids: Vec::new(),
+                text: String::new(),
+                finish: None,
+                error: None,
+            };
+            if let Err(e) = self.submit(request) {
+                completion.error = Some(e);
+            }
+            out.push(completion);
+        }
+        let mut done = out.iter().filter(|c| c.error.is_some()).count();
+        progress(done, total);
+        while self.has_work() {
+            for (request_id, event) in self.step()? {
+                let c = &mut out[index[&request_id]];
+                match event {
+                    Event::Delta { token_ids, text } => {
+                        c.token_ids.extend(token_ids);
+                        c.text.push_str(&text);
+                    }
+                    Event::Finished(f) => {
+                        c.finish = Some(f);
+                        done += 1;
+                        progress(done, total);
+                    }
+                    Event::Failed(e) => {
+                        c.error = Some(e);
+                        done += 1;
+                        progress(done, total);
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,503 @@
+//! The paged adapter pool: an artifact store on disk, a host tier of
+//! validated adapters (`max_cpu_loras`, least recently used evicted first)
+//! and a device tier of `max_loras` slots in the backend.
+//!
+//! Tiers are inclusive: an adapter in a device slot is also in the host
+//! tier. Every running sequence holds a [`Lease`] on its adapter; a leased
+//! or pinned adapter is never evicted from either tier. Loads from disk run
+//! on a loader thread, so the engine keeps stepping while they happen.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, mpsc};
+use std::time::Duration;
+
+use crate::backend::Backend;
+use crate::error::Result;
+use crate::lora::{AdapterError, AdapterLimits, HostAdapter};
+use crate::model::ModelConfig;
+
+/// An adapter's id: the registry's `lora_int_id`.
+pub type AdapterId = u64;
+
+/// Where an adapter's files are, and what it claims to be.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdapterSource {
+    /// A name for logs and errors.
+    pub name: String,
+    pub dir: PathBuf,
+    /// The base hash the adapter was registered against, when known.
+    pub declared_base_hash: Option<String>,
+}
+
+/// Where an adapter is now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Residency {
+    Device,
+    Host,
+    Loading,
+    NotLoaded,
+}
+
+/// Cumulative pool counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PoolCounters {
+    /// Requests whose adapter was in a device slot when they arrived.
+    pub device_hits: u64,
+    /// Requests whose adapter was in the host tier (not on the device).
+    pub host_hits: u64,
+    /// Requests whose adapter had to be read from disk.
+    pub misses: u64,
+    /// Loads from disk into the host tier.
+    pub host_loads: u64,
+    /// Copies from the host tier into a device slot.
+    pub device_loads: u64,
+    pub device_evictions: u64,
+    pub host_evictions: u64,
+    pub load_failures: u64,
+}
+
+/// Keeps an adapter resident while held. Dropping it releases the hold.
+#[derive(Debug)]
+pub struct Lease {
+    count: Arc<AtomicU32>,
+    id: AdapterId,
+}
+
+impl Lease {
+    pub fn adapter(&self) -> AdapterId {
+        self.id
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.count.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// One adapter as the pool sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdapterStatus {
+    pub id: AdapterId,
+    pub name: String,
+    pub rank: usize,
+    pub residency: Residency,
+    pub slot: Option<usize>,
+    pub pinned: bool,
+    pub active: u32,
+    pub queued: u32,
+    /// The pool's logical clock at last use; larger is more recent.
+    pub last_used: u64,
+}
+
+#[derive(Debug)]
+struct Entry {
+    source: AdapterSource,
+    host: Option<Arc<HostAdapter>>,
+    slot: Option<usize>,
+    pinned: bool,
+    leases: Arc<AtomicU32>,
+    queued: u32,
+    last_used: u64,
+    loading: bool,
+    /// Set by `unload` while leases remain; the adapter leaves when they end.
+    unload_pending: bool,
+}
+
+type LoadResult = (AdapterId, std::result::Result<HostAdapter, AdapterError>);
+
+/// The adapter pool. Owned and driven by the engine's thread.
+#[derive(Debug)]
+pub struct AdapterPool {
+    entries: HashMap<AdapterId, Entry>,
+    slots: Vec<Option<AdapterId>>,
+    max_cpu_loras: usize,
+    clock: u64,
+    counters: PoolCounters,
+    jobs: mpsc::Sender<(AdapterId, AdapterSource)>,
+    results: mpsc::Receiver<LoadResult>,
+    /// Incremented on every residency change, so watchers can tell.
+    generation: u64,
+}
+
+impl AdapterPool {
+    /// A pool with `slots` device slots and a host tier of `max_cpu_loras`.
+    /// `base_hash` is the served model's, checked against what adapters declare.
+    pub fn new(
+        config: ModelConfig,
+        max_lora_rank: usize,
+        slots: usize,
+        max_cpu_loras: usize,
+        base_hash: String,
+    ) -> Self {
+        let (jobs, job_rx) = mpsc::channel::<(AdapterId, AdapterSource)>();
+        let (result_tx, results) = mpsc::channel();
+        std::thread::Builder::new()
+            .name("adapter-loader".into())
+            .spawn(move || {
+                for (id, source) in job_rx {
+                    let limits = AdapterLimits {
+                        model: &config,
+                        max_lora_rank,
+                        base_hash_check: source
+                            .declared_base_hash
+                            .as_deref()
+                            .map(|d| (base_hash.as_str(), d)),
+                    };
+                    let loaded = HostAdapter::load(&source.name, &source.dir, limits);
+                    if result_tx.send((id, loaded)).is_err() {
+                        break;
+                    }
+                }
+            })
+            .expect("spawn the adapter loader thread");
+        AdapterPool {
+            entries: HashMap::new(),
+            slots: vec![None; slots],
+            max_cpu_loras,
+            clock: 0,
+            counters: PoolCounters::default(),
+            jobs,
+            results,
+            generation: 0,
+        }
+    }
+
+    pub fn counters(&self) -> PoolCounters {
+        self.counters
+    }
+
+    /// Changes with every residency change.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    pub fn num_slots(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Makes an adapter known. The same id must always name the same files.
+    pub fn register(
+        &mut self,
+        id: AdapterId,
+        source: AdapterSource,
+    ) -> std::result::Result<(), String> {
+        match self.entries.get(&id) {
+            Some(e) if e.source.dir != source.dir => Err(format!(
+                "lora_int_id {id} is already registered for {}, not {}",
+                e.source.dir.display(),
+                source.dir.display()
+            )),
+            Some(_) => Ok(()),
+            None => {
+                self.entries.insert(
+                    id,
+                    Entry {
+                        source,
+                        host: None,
+                        slot: None,
+                        pinned: false,
+                        leases: Arc::new(AtomicU32::new(0)),
+                        queued: 0,
+                        last_used: 0,
+                        loading: false,
+                        unload_pending: false,
+                    },
+                );
+                Ok(())
+            }
+        }
+    }
+
+    pub fn is_registered(&self, id: AdapterId) -> bool {
+        self.entries.contains_key(&id)
+    }
+
+    pub fn residency(&self, id: AdapterId) -> Residency {
+        match self.entries.get(&id) {
+            Some(e) if e.slot.is_some() => Residency::Device,
+            Some(e) if e.host.is_some() => Residency::Host,
+            Some(e) if e.loading => Residency::Loading,
+            _ => Residency::NotLoaded,
+        }
+    }
+
+    pub fn slot_of(&self, id: AdapterId) -> Option<usize> {
+        self.entries.get(&id).and_then(|e| e.slot)
+    }
+
+    pub fn host_adapter(&self, id: AdapterId) -> Option<&Arc<HostAdapter>> {
+        self.entries.get(&id).and_then(|e| e.host.as_ref())
+    }
+
+    fn tick(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
+    }
+
+    /// Records a request's arrival: counts the hit or miss, marks it queued,
+    /// starts a load if needed, and returns the residency it found.
+    pub fn on_arrival(&mut self, id: AdapterId) -> Residency {
+        let residency = self.residency(id);
+        match residency {
+            Residency::Device => self.counters.device_hits += 1,
+            Residency::Host => self.counters.host_hits += 1,
+            Residency::Loading | Residency::NotLoaded => self.counters.misses += 1,
+        }
+        let now = self.tick();
+        if let Some(e) = self.entries.get_mut(&id) {
+            e.queued += 1;
+            e.last_used = now;
+            e.unload_pending = false;
+        }
+        self.request_load(id);
+        residency
+    }
+
+    /// A preempted request went back to the queue.
+    pub fn on_requeue(&mut self, id: AdapterId) {
+        if let Some(e) = self.entries.get_mut(&id) {
+            e.queued += 1;
+        }
+    }
+
+    /// A queued request left the queue (admitted, failed or cancelled).
+    pub fn on_dequeue(&mut self, id: AdapterId) {
+        if let Some(e) = self.entries.get_mut(&id) {
+            e.queued = e.queued.saturating_sub(1);
+        }
+    }
+
+    /// Starts reading an adapter from disk if it is not in the host tier.
+    pub fn request_load(&mut self, id: AdapterId) {
+        if let Some(e) = self.entries.get_mut(&id)
+            && e.host.is_none()
+            && !e.loading
+        {
+            e.loading = true;
+            self.generation += 1;
+            // The loader lives as long as the pool; a send cannot fail.
+            let _ = self.jobs.send((id, e.source.clone()));
+        }
+    }
+
+    pub fn loads_in_flight(&self) -> usize {
+        self.entries.values().filter(|e| e.loading).count()
+    }
+
+    /// Takes finished loads into the host tier. Returns the failures, so the
+    /// engine can fail the requests waiting on them. With `wait`, blocks up
+    /// to that long for the first result.
+    pub fn poll_loads(&mut self, wait: Option<Duration>) -> Vec<(AdapterId, AdapterError)> {
+        let mut failures = Vec::new();
+        let mut first = wait.and_then(|w| self.results.recv_timeout(w).ok());
+        while let Some((id, result)) = first.take().or_else(|| self.results.try_recv().ok()) {
+            let now = self.tick();
+            let Some(e) = self.entries.get_mut(&id) else {
+                continue;
+            };
+            e.loading = false;
+            self.generation += 1;
+            match result {
+                Ok(adapter) => {
+                    e.host = Some(Arc::new(adapter));
+                    e.last_used = now;
+                    self.counters.host_loads += 1;
+                    self.evict_host_over_capacity();
+                }
+                Err(err) => {
+                    self.counters.load_failures += 1;
+                    failures.push((id, err));
+                }
+            }
+        }
+        failures
+    }
+
+    fn evict_host_over_capacity(&mut self) {
+        loop {
+            let held = self.entries.values().filter(|e| e.host.is_some()).count();
+            if held <= self.max_cpu_loras {
+                return;
+            }
+            let victim = self
+                .entries
+                .iter()
+                .filter(|(_, e)| {
+                    e.host.is_some()
+                        && e.slot.is_none()
+                        && !e.pinned
+                        && e.queued == 0
+                        && e.leases.load(Ordering::Acquire) == 0
+                })
+                .min_by_key(|(id, e)| (e.last_used, **id))
+                .map(|(id, _)| *id);
+            // Everything is in use: stay over capacity until something frees.
+            let Some(victim) = victim else { return };
+            if let Some(e) = self.entries.get_mut(&victim) {
+                e.host = None;
+            }
+            self.counters.host_evictions += 1;
+            self.generation += 1;
+        }
+    }
+
+    /// Puts an adapter in a device slot, evicting the least recently used
+    /// slot that is neither leased, pinned nor in `busy` (slots the current
+    /// step already uses). Returns None when no slot can be had now.
+    pub fn ensure_device(
+        &mut self,
+        id: AdapterId,
+        busy: &[usize],
+        backend: &mut dyn Backend,
+    ) -> Result<Option<usize>> {
+        let Some(entry) = self.entries.get(&id) else {
+            return Ok(None);
+        };
+        if let Some(slot) = entry.slot {
+            return Ok(Some(slot));
+        }
+        let Some(host) = entry.host.clone() else {
+            return Ok(None);
+        };
+        let slot = match self.slots.iter().position(Option::is_none) {
+            Some(free) => free,
+            None => {
+                let victim = self
+                    .slots
+                    .iter()
+                    .enumerate()
+                    .filter(|(slot, _)| !busy.contains(slot))
+                    .filter_map(|(slot, holder)| holder.map(|h| (slot, h)))
+                    .filter(|(_, h)| {
+                        let e = &self.entries[h];
+                        !e.pinned && e.leases.load(Ordering::Acquire) == 0
+                    })
+                    .min_by_key(|(_, h)| (self.entries[h].last_used, *h));
+                let Some((slot, holder)) = victim else {
+                    return Ok(None);
+                };
+                self.entries
+                    .get_mut(&holder)
+                    .expect("slot holder is registered")
+                    .slot = None;
+                self.slots[slot] = None;
+                self.counters.device_evictions += 1;
+                slot
+            }
+        };
+        backend.write_slot(slot, &host)?;
+        self.slots[slot] = Some(id);
+        let now = self.tick();
+        let e = self.entries.get_mut(&id).expect("checked above");
+        e.slot = Some(slot);
+        e.last_used = now;
+        self.counters.device_loads += 1;
+        self.generation += 1;
+        self.evict_host_over_capacity();
+        Ok(Some(slot))
+    }
+
+    /// Takes a lease: the adapter cannot be evicted until it is dropped.
+    pub fn lease(&mut self, id: AdapterId) -> Lease {
+        let now = self.tick();
+        let e = self
+            .entries
+            .get_mut(&id)
+            .expect("lease on a registered adapter");
+        e.last_used = now;
+        e.leases.fetch_add(1, Ordering::AcqRel);
+        Lease {
+            count: e.leases.clone(),
+            id,
+        }
+    }
+
+    /// Marks an adapter used by the current step.
+    pub fn touch(&mut self, id: AdapterId) {
+        let now = self.tick();
+        if let Some(e) = self.entries.get_mut(&id) {
+            e.last_used = now;
+        }
+    }
+
+    /// Pins or unpins an adapter's device slot.
+    pub fn set_pinned(&mut self, id: AdapterId, pinned: bool) {
+        if let Some(e) = self.entries.get_mut(&id)
+            && e.pinned != pinned
+        {
+            e.pinned = pinned;
+            self.generation += 1;
+        }
+    }
+
+    /// Removes an adapter from both tiers now, or once its leases end.
+    /// Returns (residency before, leases still held).
+    pub fn unload(&mut self, id: AdapterId, backend: &mut dyn Backend) -> Result<(Residency, u32)> {
+        let before = self.residency(id);
+        let Some(e) = self.entries.get_mut(&id) else {
+            return Ok((before, 0));
+        };
+        let held = e.leases.load(Ordering::Acquire);
+        if held > 0 || e.queued > 0 {
+            e.unload_pending = true;
+            return Ok((before, held));
+        }
+        self.drop_entry_now(id, backend)?;
+        Ok((before, 0))
+    }
+
+    fn drop_entry_now(&mut self, id: AdapterId, backend: &mut dyn Backend) -> Result<()> {
+        if let Some(e) = self.entries.get_mut(&id) {
+            if let Some(slot) = e.slot.take() {
+                self.slots[slot] = None;
+                backend.clear_slot(slot)?;
+            }
+            e.host = None;
+            e.pinned = false;
+            e.unload_pending = false;
+            self.generation += 1;
+        }
+        Ok(())
+    }
+
+    /// Finishes unloads whose last lease has ended.
+    pub fn settle_unloads(&mut self, backend: &mut dyn Backend) -> Result<()> {
+        let ready: Vec<AdapterId> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| {
+                e.unload_pending && e.queued == 0 && e.leases.load(Ordering::Acquire) == 0
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        for id in ready {
+            self.drop_entry_now(id, backend)?;
+        }
+        Ok(())
+    }
+
+    /// Every adapter held in a tier or loading, ordered by id.
+    pub fn statuses(&self) -> Vec<AdapterStatus> {
+        let mut out: Vec<AdapterStatus> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| e.host.is_some() || e.loading)
+            .map(|(&id, e)| AdapterStatus {
+                id,
+                name: e.source.name.clone(),
+                rank: e.host.as_ref().map_or(0, |h| h.rank),
+                residency: self.residency(id),
+                slot: e.slot,
+                pinned: e.pinned,
+                active: e.leases.load(Ordering::Acquire),
+                queued: e.queued,
+                last_used: e.last_used,
+            })
+            .collect();
+        out.sort_by_key(|s| s.id);
+        out
+    }
+}

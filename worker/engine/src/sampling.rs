@@ -1,0 +1,303 @@
+//! Sampling: greedy, temperature, top-k and top-p, each request drawing from
+//! its own seeded random stream so that its tokens do not depend on what
+//! else shares the batch.
+
+use crate::error::{EngineError, Result};
+
+/// How a request chooses tokens and when it stops.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    pub max_tokens: usize,
+    /// 0 means greedy.
+    pub temperature: f32,
+    /// In (0, 1]; 1 means off.
+    pub top_p: f32,
+    /// 0 means off.
+    pub top_k: usize,
+    /// None: a seed is drawn for the request.
+    pub seed: Option<u64>,
+    pub stop: Vec<String>,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            max_tokens: 16,
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: None,
+            stop: Vec::new(),
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+        }
+    }
+}
+
+/// The most stop strings a request may carry.
+pub const MAX_STOP_STRINGS: usize = 16;
+
+impl SamplingParams {
+    /// Checks every field; `prefix` names where the parameters came from
+    /// (for example "sampling").
+    pub fn validate(&self, prefix: &str, vocab_size: usize) -> Result<()> {
+        let field = |name: &str| {
+            if prefix.is_empty() {
+                name.to_owned()
+            } else {
+                format!("{prefix}.{name}")
+            }
+        };
+        if self.max_tokens == 0 {
+            return Err(EngineError::request(
+                field("max_tokens"),
+                "must be at least 1",
+            ));
+        }
+        if !(self.temperature.is_finite() && (0.0..=2.0).contains(&self.temperature)) {
+            return Err(EngineError::request(
+                field("temperature"),
+                format!("{} is not in [0, 2]", self.temperature),
+            ));
+        }
+        if !(self.top_p.is_finite() && self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(EngineError::request(
+                field("top_p"),
+                format!("{} is not in (0, 1]", self.top_p),
+            ));
+        }
+        if self.stop.len() > MAX_STOP_STRINGS {
+            return Err(EngineError::request(
+                field("stop"),
+                format!("at most {MAX_STOP_STRINGS} stop strings"),
+            ));
+        }
+        if self.stop.iter().any(String::is_empty) {
+            return Err(EngineError::request(
+                field("stop"),
+                "a stop string is empty",
+            ));
+        }
+        if let Some(id) = self
+            .stop_token_ids
+            .iter()
+            .find(|&&id| id as usize >= vocab_size)
+        {
+            return Err(EngineError::request(
+                field("stop_token_ids"),
+                format!("{id} is not below vocab_size {vocab_size}"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A small, fast, seedable generator (xoshiro256**), owned by one request.
+#[derive(Debug, Clone)]
+pub struct Rng {
+    s: [u64; 4],
+}
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        // SplitMix64 spreads the seed over the state.
+        let mut x = seed;
+        let mut next = || {
+            x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = x;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        };
+        Rng {
+            s: [next(), next(), next(), next()],
+        }
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        let result = self.s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
+        let t = self.s[1] << 17;
+        self.s[2] ^= self.s[0];
+        self.s[3] ^= self.s[1];
+        self.s[1] ^= self.s[2];
+        self.s[0] ^= self.s[3];
+        self.s[2] ^= t;
+        self.s[3] = self.s[3].rotate_left(45);
+        result
+    }
+
+    /// Uniform in [0, 1).
+    pub fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+}
+
+/// Picks the next token from one row of logits.
+pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut Rng) -> u32 {
+    if params.temperature == 0.0 {
+        return argmax(logits);
+    }
+    // Candidates by descending logit; ties broken by id, so the order is total.
+    let mut order: Vec<u32> = (0..logits.len() as u32).collect();
+    order.sort_unstable_by(|&a, &b| {
+        logits[b as usize]
+            .total_cmp(&logits[a as usize])
+            .then(a.cmp(&b))
+    });
+    if params.top_k > 0 {
+        order.truncate(params.top_k);
+    }
+    let max = logits[order[0] as usize] as f64;
+    let t = params.temperature as f64;
+    let mut probs: Vec<f64> = order
+        .iter()
+        .map(|&i| ((logits[i as usize] as f64 - max) / t).exp())
+        .collect();
+    let sum: f64 = probs.iter().sum();
+    probs.iter_mut().for_each(|p| *p /= sum);
+    if params.top_p < 1.0 {
+        let mut cumulative = 0.0;
+        let mut keep = probs.len();
+        for (i, p) in probs.iter().enumerate() {
+            cumulative += p;
+            if cumulative >= params.top_p as f64 {
+                keep = i + 1;
+                break;
+            }
+        }
+        probs.truncate(keep);
+        let kept: f64 = probs.iter().sum();
+        probs.iter_mut().for_each(|p| *p /= kept);
+    }
+    let u = rng.next_f64();
+    let mut cumulative = 0.0;
+    for (i, p) in probs.iter().enumerate() {
+        cumulative += p;
+        if u < cumulative {
+            return order[i];
+        }
+    }
+    order[probs.len() - 1]
+}
+
+/// The highest logit, the lowest id among ties.
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0usize;
+    for (i, &x) in logits.iter().enumerate() {
+        if x > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_top_k_and_top_p() {
+        let logits = [0.0, 3.0, 1.0, 3.0, -1.0];
+        let mut rng = Rng::new(1);
+        let greedy = SamplingParams {
+            temperature: 0.0,
+            ..Default::default()
+        };
+        assert_eq!(
+            sample(&logits, &greedy, &mut rng),
+            1,
+            "ties go to the lowest id"
+        );
+        let top1 = SamplingParams {
+            temperature: 1.0,
+            top_k: 1,
+            ..Default::default()
+        };
+        for _ in 0..20 {
+            assert_eq!(sample(&logits, &top1, &mut rng), 1);
+        }
+        // top_p just above the two 3.0 logits' mass keeps only them.
+        let top_p = SamplingParams {
+            temperature: 1.0,
+            top_p: 0.8,
+            ..Default::default()
+        };
+        for _ in 0..100 {
+            assert!([1, 3].contains(&sample(&logits, &top_p, &mut rng)));
+        }
+    }
+
+    #[test]
+    fn a_seed_fixes_the_stream_and_temperature_spreads_it() {
+        let logits: Vec<f32> = (0..50).map(|i| (i % 7) as f32 * 0.3).collect();
+        let p = SamplingParams {
+            temperature: 1.5,
+            ..Default::default()
+        };
+        let draw = |seed| {
+            let mut rng = Rng::new(seed);
+            (0..64)
+                .map(|_| sample(&logits, &p, &mut rng))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(draw(7), draw(7));
+        assert_ne!(draw(7), draw(8));
+        let distinct: std::collections::BTreeSet<_> = draw(7).into_iter().collect();
+        assert!(distinct.len() > 5, "sampling explores: {distinct:?}");
+    }
+
+    #[test]
+    fn validation_names_the_field() {
+        let bad = [
+            (
+                SamplingParams {
+                    max_tokens: 0,
+                    ..Default::default()
+                },
+                "sampling.max_tokens",
+            ),
+            (
+                SamplingParams {
+                    temperature: 2.5,
+                    ..Default::default()
+                },
+                "sampling.temperature",
+            ),
+            (
+                SamplingParams {
+                    temperature: f32::NAN,
+                    ..Default::default()
+                },
+                "sampling.temperature",
+            ),
+            (
+                SamplingParams {
+                    top_p: 0.0,
+                    ..Default::default()
+                },
+                "sampling.top_p",
+            ),
+            (
+                SamplingParams {
+                    stop: vec![String::new()],
+                    ..Default::default()
+                },
+                "sampling.stop",
+            ),
+            (
+                SamplingParams {
+                    stop_token_ids: vec![99],
+                    ..Default::default()
+                },
+                "sampling.stop_token_ids",
+            ),
+        ];
+        for (p, field) in bad {
+            let err = p.validate("sampling", 50).unwrap_err().to_string();
+            assert!(err.starts_with(field), "{err}");
+        }
+        SamplingParams::default().validate("sampling", 50).unwrap();
+    }
+}

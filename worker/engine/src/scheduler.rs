@@ -1,0 +1,190 @@
+//! Iteration-level scheduling: which sequences run in the next step, and how
+//! many of their tokens.
+//!
+//! Each step:
+//! 1. Running sequences go first, oldest first: a decode token each, or the
+//!    next chunk of a prefill. When KV blocks run out, the newest running
+//!    sequence is preempted (its blocks freed, to be recomputed later).
+//! 2. If nothing was preempted, waiting requests are admitted in arrival
+//!    order while the token budget, the KV blocks and the adapter slots
+//!    allow. A request whose adapter is still loading, or cannot get a
+//!    slot, is skipped rather than blocking the queue.
+//! 3. Anti-starvation: once the oldest waiting request has been passed
+//!    over for [`STARVATION_STEPS`] steps, requests behind it are admitted
+//!    only if their adapter already sits in a slot, so slots drain towards it.
+
+use std::collections::{HashMap, VecDeque};
+
+use crate::backend::Backend;
+use crate::error::Result;
+use crate::kv::BlockAllocator;
+use crate::pool::{AdapterPool, Residency};
+use crate::sequence::Sequence;
+
+/// Steps the oldest waiting request may be passed over before the queue
+/// behind it stops taking new slots.
+pub const STARVATION_STEPS: u32 = 16;
+
+/// Internal sequence handle.
+pub(crate) type SeqId = u64;
+
+/// The scheduling limits.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Limits {
+    pub max_num_seqs: usize,
+    pub max_batched_tokens: usize,
+    pub max_loras: usize,
+}
+
+/// One step's plan: (sequence, tokens to feed), plus whether a preemption
+/// happened.
+#[derive(Debug, Default)]
+pub(crate) struct Plan {
+    pub scheduled: Vec<(SeqId, usize)>,
+    pub preempted: Vec<SeqId>,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Queues {
+    pub waiting: VecDeque<SeqId>,
+    pub running: Vec<SeqId>,
+}
+
+pub(crate) struct Scheduler<'a> {
+    pub queues: &'a mut Queues,
+    pub seqs: &'a mut HashMap<SeqId, Sequence>,
+    pub pool: &'a mut AdapterPool,
+    pub kv: &'a mut BlockAllocator,
+    pub backend: &'a mut dyn Backend,
+    pub limits: Limits,
+}
+
+impl Scheduler<'_> {
+    pub fn schedule(&mut self) -> Result<Plan> {
+        let mut plan = Plan::default();
+        let mut budget = self.limits.max_batched_tokens;
+        let mut busy_slots: Vec<usize> = Vec::new();
+
+        // 1. Running sequences, oldest first.
+        let mut i = 0;
+        while i < self.queues.running.len() && budget > 0 {
+            let id = self.queues.running[i];
+            let seq = &self.seqs[&id];
+            let chunk = (seq.total_len() - seq.num_computed).min(budget);
+            let target = seq.num_computed + chunk;
+            let mut preempted_self = false;
+            loop {
+                let seq = self.seqs.get_mut(&id).expect("running sequence exists");
+                if self.kv.grow(&mut seq.blocks, target) {
+                    break;
+                }
+                let victim = *self.queues.running.last().expect("running is not empty");
+                self.preempt(victim);
+                plan.preempted.push(victim);
+                if victim == id {
+                    preempted_self = true;
+                    break;
+                }
+            }
+            if preempted_self {
+                break;
+            }
+            if let Some(slot) = self.seqs[&id].adapter.and_then(|a| self.pool.slot_of(a)) {
+                busy_slots.push(slot);
+            }
+            plan.scheduled.push((id, chunk));
+            budget -= chunk;
+            i += 1;
+        }
+        if !plan.preempted.is_empty() {
+            return Ok(plan);
+        }
+
+        // 2. Waiting requests, in arrival order.
+        let head_starving = self
+            .queues
+            .waiting
+            .front()
+            .is_some_and(|id| self.seqs[id].skipped >= STARVATION_STEPS);
+        let mut j = 0;
+        while j < self.queues.waiting.len()
+            && budget > 0
+            && self.queues.running.len() < self.limits.max_num_seqs
+        {
+            let id = self.queues.waiting[j];
+            let adapter = self.seqs[&id].adapter;
+            let mut slot = None;
+            if let Some(a) = adapter {
+                let resident_slot = self.pool.slot_of(a);
+                let restricted = head_starving && j > 0 && resident_slot.is_none();
+                let new_distinct = resident_slot.is_none_or(|s| !busy_slots.contains(&s));
+                let distinct_now = {
+                    let mut s = busy_slots.clone();
+                    s.sort_unstable();
+                    s.dedup();
+                    s.len()
+                };
+                if restricted || (new_distinct && distinct_now >= self.limits.max_loras) {
+                    self.seqs
+                        .get_mut(&id)
+                        .expect("waiting sequence exists")
+                        .skipped += 1;
+                    j += 1;
+                    continue;
+                }
+                if self.pool.residency(a) == Residency::NotLoaded {
+                    // Evicted from the host tier while it waited: read it again.
+                    self.pool.request_load(a);
+                }
+                slot = self.pool.ensure_device(a, &busy_slots, self.backend)?;
+                if slot.is_none() {
+                    self.seqs
+                        .get_mut(&id)
+                        .expect("waiting sequence exists")
+                        .skipped += 1;
+                    j += 1;
+                    continue;
+                }
+            }
+            let seq = self.seqs.get_mut(&id).expect("waiting sequence exists");
+            let chunk = (seq.total_len() - seq.num_computed).min(budget);
+            if !self.kv.grow(&mut seq.blocks, seq.num_computed + chunk) {
+                // The KV cache is full: nobody behind can be admitted either.
+                break;
+            }
+            if seq.first_scheduled.is_none() {
+                seq.first_scheduled = Some(std::time::Instant::now());
+            }
+            seq.skipped = 0;
+            if let Some(a) = adapter {
+                seq.lease = Some(self.pool.lease(a));
+                self.pool.on_dequeue(a);
+            }
+            if let Some(s) = slot {
+                busy_slots.push(s);
+            }
+            self.queues.waiting.remove(j);
+            self.queues.running.push(id);
+            plan.scheduled.push((id, chunk));
+            budget -= chunk;
+        }
+        // Requests passed over this step (ahead of an admitted one) age too.
+        Ok(plan)
+    }
+
+    /// Frees a running sequence's KV and lease and puts it at the head of the
+    /// waiting queue, to be recomputed from its tokens.
+    fn preempt(&mut self, id: SeqId) {
+        let seq = self.seqs.get_mut(&id).expect("preempted sequence exists");
+        self.kv.release(&mut seq.blocks);
+        seq.num_computed = 0;
+        seq.preemptions += 1;
+        if let Some(lease) = seq.lease.take() {
+            let adapter = lease.adapter();
+            drop(lease);
+            self.pool.on_requeue(adapter);
+        }
+        self.queues.running.retain(|&r| r != id);
+        self.queues.waiting.push_front(id);
+    }
+}

@@ -1,0 +1,211 @@
+//! One request's life inside the engine: its tokens, KV blocks, adapter
+//! lease, random stream, and the output side (detokenization, stop strings,
+//! finish reasons).
+
+use std::time::{Duration, Instant};
+
+use crate::error::Result;
+use crate::model::tokenizer::{IncrementalDecoder, Tokenizer};
+use crate::pool::{AdapterId, Lease, Residency};
+use crate::sampling::{Rng, SamplingParams};
+
+/// Why a sequence ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence token, a stop token or a stop string.
+    Stop,
+    /// `max_tokens`, or the model's maximum length.
+    Length,
+}
+
+/// What exactly stopped a sequence.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StopReason {
+    Token(u32),
+    String(String),
+}
+
+/// The summary of a finished request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Finish {
+    pub reason: FinishReason,
+    pub stop: Option<StopReason>,
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub queue_time: Duration,
+    pub time_to_first_token: Duration,
+    pub total_time: Duration,
+    /// Where the adapter was on arrival; None for the base model.
+    pub residency: Option<Residency>,
+    pub preemptions: u32,
+}
+
+#[derive(Debug)]
+pub(crate) struct Sequence {
+    pub request_id: String,
+    pub adapter: Option<AdapterId>,
+    pub prompt_ids: Vec<u32>,
+    pub output_ids: Vec<u32>,
+    pub params: SamplingParams,
+    pub rng: Rng,
+    /// Positions whose keys and values are in the KV cache.
+    pub num_computed: usize,
+    pub blocks: Vec<u32>,
+    pub lease: Option<Lease>,
+    pub residency: Option<Residency>,
+    pub arrived: Instant,
+    pub first_scheduled: Option<Instant>,
+    pub first_token: Option<Instant>,
+    pub preemptions: u32,
+    /// Steps this request waited while others were admitted past it.
+    pub skipped: u32,
+    detok: IncrementalDecoder,
+    text: String,
+    emitted: usize,
+}
+
+/// What one new token produced.
+#[derive(Debug, Default)]
+pub(crate) struct TokenOutput {
+    pub text: String,
+    pub finished: Option<(FinishReason, Option<StopReason>)>,
+}
+
+impl Sequence {
+    pub fn new(
+        request_id: String,
+        adapter: Option<AdapterId>,
+        prompt_ids: Vec<u32>,
+        params: SamplingParams,
+        seed: u64,
+        residency: Option<Residency>,
+    ) -> Sequence {
+        Sequence {
+            request_id,
+            adapter,
+            detok: IncrementalDecoder::new(&prompt_ids),
+            prompt_ids,
+            output_ids: Vec::new(),
+            params,
+            rng: Rng::new(seed),
+            num_computed: 0,
+            blocks: Vec::new(),
+            lease: None,
+            residency,
+            arrived: Instant::now(),
+            first_scheduled: None,
+            first_token: None,
+            preemptions: 0,
+            skipped: 0,
+            text: String::new(),
+            emitted: 0,
+        }
+    }
+
+    /// Prompt plus output tokens.
+    pub fn total_len(&self) -> usize {
+        self.prompt_ids.len() + self.output_ids.len()
+    }
+
+    /// The token at a position of prompt-then-output.
+    pub fn token_at(&self, position: usize) -> u32 {
+        if position < self.prompt_ids.len() {
+            self.prompt_ids[position]
+        } else {
+            self.output_ids[position - self.prompt_ids.len()]
+        }
+    }
+
+    /// Appends a sampled token and works out the text and whether to stop.
+    pub fn push_token(
+        &mut self,
+        token: u32,
+        tokenizer: &Tokenizer,
+        eos: &[u32],
+        max_model_len: usize,
+    ) -> Result<TokenOutput> {
+        if self.first_token.is_none() {
+            self.first_token = Some(Instant::now());
+        }
+        self.output_ids.push(token);
+        let mut finished = None;
+        if (!self.params.ignore_eos && eos.contains(&token))
+            || self.params.stop_token_ids.contains(&token)
+        {
+            finished = Some((FinishReason::Stop, Some(StopReason::Token(token))));
+        } else {
+            let before = self.text.len();
+            self.text.push_str(&self.detok.push(tokenizer, token)?);
+            if let Some((at, stop)) = self.find_stop(before) {
+                self.text.truncate(at);
+                finished = Some((FinishReason::Stop, Some(StopReason::String(stop))));
+            }
+        }
+        if finished.is_none()
+            && (self.output_ids.len() >= self.params.max_tokens
+                || self.total_len() >= max_model_len)
+        {
+            // The sequence ends here: release any text held for a partial character.
+            self.text.push_str(&self.detok.flush(tokenizer)?);
+            finished = Some((FinishReason::Length, None));
+        }
+        let safe = if finished.is_some() {
+            self.text.len()
+        } else {
+            self.text.len() - self.stop_holdback()
+        };
+        let text = self.text[self.emitted.min(safe)..safe].to_owned();
+        self.emitted = self.emitted.max(safe);
+        Ok(TokenOutput { text, finished })
+    }
+
+    /// The earliest stop string that now appears in the text, searching only
+    /// where new text could complete one.
+    fn find_stop(&self, before: usize) -> Option<(usize, String)> {
+        let longest = self.params.stop.iter().map(String::len).max()?;
+        let mut from = before.saturating_sub(longest - 1);
+        while !self.text.is_char_boundary(from) {
+            from -= 1;
+        }
+        self.params
+            .stop
+            .iter()
+            .filter_map(|s| {
+                self.text[from..]
+                    .find(s.as_str())
+                    .map(|i| (from + i, s.clone()))
+            })
+            .min_by_key(|(i, _)| *i)
+    }
+
+    /// Bytes at the end of the text that could be the start of a stop string.
+    fn stop_holdback(&self) -> usize {
+        let mut hold = 0;
+        for stop in &self.params.stop {
+            for k in (1..stop.len()).rev() {
+                if k > hold && stop.is_char_boundary(k) && self.text.ends_with(&stop[..k]) {
+                    hold = k;
+                    break;
+                }
+            }
+        }
+        hold
+    }
+
+    pub fn finish(&self, reason: FinishReason, stop: Option<StopReason>) -> Finish {
+        let now = Instant::now();
+        let since =
+            |t: Option<Instant>| t.map_or(Duration::ZERO, |t| t.duration_since(self.arrived));
+        Finish {
+            reason,
+            stop,
+            prompt_tokens: self.prompt_ids.len(),
+            completion_tokens: self.output_ids.len(),
+            queue_time: since(self.first_scheduled),
+            time_to_first_token: since(self.first_token),
+            total_time: now.duration_since(self.arrived),
+            residency: self.residency,
+            preemptions: self.preemptions,
+        }
+    }
+}

@@ -1,0 +1,313 @@
+//! Continuous batching: the engine's output for a request does not depend
+//! on what shares its batch, when it arrives, whether its prefill is
+//! chunked, or whether it is preempted and recomputed.
+
+mod common;
+
+use common::*;
+use lorafleet_engine::{
+    AdapterSource, Engine, EngineSettings, Event, FinishReason, Prompt, Request, SamplingParams,
+};
+
+const MODEL: &str = "llama-gqa";
+
+fn engine(settings: EngineSettings) -> Engine {
+    let mut e = Engine::load_cpu(&model_dir(MODEL), settings).unwrap();
+    for (i, name) in adapter_names(MODEL).iter().enumerate() {
+        let source = AdapterSource {
+            name: name.clone(),
+            dir: adapter_dir(MODEL, name),
+            declared_base_hash: None,
+        };
+        e.register_adapter(i as u64 + 1, source).unwrap();
+    }
+    e
+}
+
+/// 2 requests per adapter (10 adapters) plus 4 base-model requests; half
+/// greedy, half seeded sampling, with varied prompts and lengths.
+fn workload() -> Vec<Request> {
+    let prompts = [
+        "The quick brown fox",
+        "Grüße aus München! 🚀",
+        "SELECT * FROM adapters WHERE lora_int_id = 42;",
+        "Once upon a time, there was a little model that served many adapters. Once upon a time",
+        "def forward(self, x):",
+    ];
+    let mut out = Vec::new();
+    for i in 0..24u64 {
+        let adapter = if i < 20 { Some(i % 10 + 1) } else { None };
+        let sampled = i % 2 == 1;
+        out.push(Request {
+            id: format!("r{i}"),
+            adapter,
+            prompt: Prompt::Text(prompts[i as usize % prompts.len()].into()),
+            params: SamplingParams {
+                max_tokens: 6 + (i as usize % 7),
+                temperature: if sampled { 0.9 } else { 0.0 },
+                top_p: if sampled { 0.95 } else { 1.0 },
+                top_k: if sampled { 50 } else { 0 },
+                seed: Some(1000 + i),
+                ..Default::default()
+            },
+        });
+    }
+    out
+}
+
+fn alone(requests: &[Request]) -> Vec<(Vec<u32>, String)> {
+    let mut e = engine(EngineSettings {
+        max_loras: 1,
+        max_cpu_loras: 1,
+        ..Default::default()
+    });
+    requests
+        .iter()
+        .map(|r| {
+            let c = e.run_to_completion(vec![r.clone()]).unwrap().pop().unwrap();
+            assert!(c.error.is_none(), "{:?}", c.error);
+            (c.token_ids, c.text)
+        })
+        .collect()
+}
+
+#[test]
+fn a_mixed_batch_with_staggered_arrivals_equals_one_at_a_time() {
+    let requests = workload();
+    let expected = alone(&requests);
+
+    // Fewer slots than adapters, small steps and chunked prefill: the pool
+    // churns and requests arrive while others decode.
+    let settings = EngineSettings {
+        max_loras: 4,
+        max_cpu_loras: 6,
+        max_batched_tokens: 24,
+        max_num_seqs: 12,
+        ..Default::default()
+    };
+    let mut e = engine(settings);
+    let mut outputs: Vec<(Vec<u32>, String)> = vec![Default::default(); requests.len()];
+    let mut finished = 0;
+    let mut pending = requests.iter().enumerate().peekable();
+    let mut step = 0;
+    let mut max_distinct = 0;
+    while finished < requests.len() {
+        // Three new arrivals every other step.
+        if step % 2 == 0 {
+            for _ in 0..3 {
+                if let Some((_, r)) = pending.next() {
+                    e.submit(r.clone()).unwrap();
+                }
+            }
+        }
+        for (id, event) in e.step().unwrap() {
+            let i: usize = id[1..].parse().unwrap();
+            match event {
+                Event::Delta { token_ids, text } => {
+                    outputs[i].0.extend(token_ids);
+                    outputs[i].1.push_str(&text);
+                }
+                Event::Finished(_) => finished += 1,
+                Event::Failed(err) => panic!("{id}: {err}"),
+            }
+        }
+        max_distinct = max_distinct.max(e.last_step().distinct_adapters);
+        step += 1;
+        assert!(step < 10_000, "the batch never drained");
+    }
+    for (i, (got, want)) in outputs.iter().zip(&expected).enumerate() {
+        assert_eq!(got, want, "request r{i} differs between batched and alone");
+    }
+    assert!(
+        max_distinct >= 2,
+        "steps really mixed adapters (max {max_distinct} distinct)"
+    );
+    assert!(
+        max_distinct <= 4,
+        "never more than max_loras distinct adapters in a step"
+    );
+    let stats = e.stats();
+    assert!(
+        stats.pool.device_evictions > 0,
+        "10 adapters through 4 slots evict: {:?}",
+        stats.pool
+    );
+    assert_eq!(
+        stats.kv_blocks_used, 0,
+        "every block is back on the free list"
+    );
+}
+
+#[test]
+fn preemption_recomputes_to_the_same_tokens() {
+    let requests: Vec<Request> = workload().into_iter().take(12).collect();
+    let expected = alone(&requests);
+    // 12 blocks of 4 tokens cannot hold twelve sequences of up to ~40 tokens.
+    let settings = EngineSettings {
+        max_loras: 4,
+        max_cpu_loras: 10,
+        kv_blocks: 12,
+        block_size: 4,
+        ..Default::default()
+    };
+    let mut e = engine(settings);
+    let results = e.run_to_completion(requests).unwrap();
+    let preemptions: u32 = results
+        .iter()
+        .map(|c| c.finish.as_ref().unwrap().preemptions)
+        .sum();
+    assert!(preemptions > 0, "the small cache forced preemption");
+    for (c, want) in results.iter().zip(&expected) {
+        assert_eq!(
+            (&c.token_ids, &c.text),
+            (&want.0, &want.1),
+            "{}",
+            c.request_id
+        );
+    }
+}
+
+#[test]
+fn the_engine_reproduces_the_golden_greedy_tokens() {
+    let golden = golden();
+    for model in ["llama-gqa", "qwen2-tied"] {
+        let mut e = Engine::load_cpu(
+            &model_dir(model),
+            EngineSettings {
+                max_loras: 2,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        for (i, name) in adapter_names(model).iter().enumerate() {
+            let source = AdapterSource {
+                name: name.clone(),
+                dir: adapter_dir(model, name),
+                declared_base_hash: None,
+            };
+            e.register_adapter(i as u64 + 1, source).unwrap();
+        }
+        let ids = adapter_names(model);
+        let cases: Vec<_> = golden.cases.iter().filter(|c| c.model == model).collect();
+        let requests = cases
+            .iter()
+            .enumerate()
+            .map(|(i, c)| Request {
+                id: format!("g{i}"),
+                adapter: c
+                    .adapter
+                    .as_ref()
+                    .map(|a| ids.iter().position(|n| n == a).unwrap() as u64 + 1),
+                prompt: Prompt::TokenIds(c.prompt_ids.clone()),
+                params: SamplingParams {
+                    max_tokens: golden.max_new_tokens,
+                    temperature: 0.0,
+                    ..Default::default()
+                },
+            })
+            .collect();
+        // All cases of a model in one batch.
+        for (c, case) in e.run_to_completion(requests).unwrap().iter().zip(&cases) {
+            assert_eq!(
+                c.token_ids, case.greedy,
+                "{model}/{:?} {:?}",
+                case.adapter, case.prompt
+            );
+        }
+    }
+}
+
+#[test]
+fn cancelling_frees_kv_blocks_at_once() {
+    let mut e = engine(EngineSettings::default());
+    let r = Request {
+        id: "long".into(),
+        adapter: Some(1),
+        prompt: Prompt::Text("The quick brown fox".into()),
+        params: SamplingParams {
+            max_tokens: 200,
+            temperature: 0.0,
+            ignore_eos: true,
+            ..Default::default()
+        },
+    };
+    e.submit(r).unwrap();
+    for _ in 0..5 {
+        e.step().unwrap();
+    }
+    assert!(e.stats().kv_blocks_used > 0);
+    assert_eq!(
+        e.stats()
+            .adapters
+            .iter()
+            .find(|a| a.id == 1)
+            .unwrap()
+            .active,
+        1
+    );
+    assert!(e.abort("long"));
+    assert_eq!(e.stats().kv_blocks_used, 0);
+    assert_eq!(
+        e.stats()
+            .adapters
+            .iter()
+            .find(|a| a.id == 1)
+            .unwrap()
+            .active,
+        0,
+        "the lease is gone"
+    );
+    assert!(!e.has_work());
+    assert!(!e.abort("long"), "aborting twice is a no-op");
+}
+
+#[test]
+fn max_tokens_stop_strings_and_utf8_stay_whole() {
+    let mut e = engine(EngineSettings::default());
+    let base = |id: &str, max_tokens, stop: Vec<String>| Request {
+        id: id.into(),
+        adapter: None,
+        prompt: Prompt::Text("Grüße aus München! 🚀".into()),
+        params: SamplingParams {
+            max_tokens,
+            temperature: 0.0,
+            stop,
+            ignore_eos: true,
+            ..Default::default()
+        },
+    };
+    let full = e
+        .run_to_completion(vec![base("full", 40, vec![])])
+        .unwrap()
+        .pop()
+        .unwrap();
+    let finish = full.finish.unwrap();
+    assert_eq!(
+        (finish.reason, full.token_ids.len()),
+        (FinishReason::Length, 40)
+    );
+    assert_eq!(
+        full.text,
+        e.tokenizer().decode(&full.token_ids).unwrap(),
+        "deltas add up to the whole text"
+    );
+    // Cut at a stop string taken from the middle of the unconstrained text.
+    let chars: Vec<char> = full.text.chars().collect();
+    assert!(chars.len() > 6, "the model produced text: {:?}", full.text);
+    let stop: String = chars[chars.len() / 2..chars.len() / 2 + 2].iter().collect();
+    let cut = e
+        .run_to_completion(vec![base("cut", 40, vec![stop.clone()])])
+        .unwrap()
+        .pop()
+        .unwrap();
+    let at = full.text.find(&stop).unwrap();
+    assert_eq!(
+        cut.text,
+        full.text[..at],
+        "text stops right before {stop:?}"
+    );
+    assert_eq!(
+        cut.finish.unwrap().stop,
+        Some(lorafleet_engine::StopReason::String(stop))
+    );
+}
