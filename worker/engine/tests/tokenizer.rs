@@ -1,0 +1,65 @@
+//! The tokenizer, the chat template and incremental detokenization on the
+//! fixture's byte-level BPE, where multi-byte characters span tokens.
+
+mod common;
+
+use common::*;
+use lorafleet_engine::model::tokenizer::{ChatMessage, IncrementalDecoder, Tokenizer};
+
+#[test]
+fn encodes_with_bos_and_renders_the_chat_template() {
+    let t = Tokenizer::from_dir(&model_dir("llama-gqa")).unwrap();
+    let ids = t.encode("The quick brown fox", true).unwrap();
+    assert_eq!(ids[0], 1, "BOS first");
+    assert_eq!(t.decode(&ids).unwrap(), "The quick brown fox");
+    let messages = vec![
+        ChatMessage {
+            role: "system".into(),
+            content: "  be brief ".into(),
+        },
+        ChatMessage {
+            role: "user".into(),
+            content: "hi".into(),
+        },
+    ];
+    let text = t.apply_chat_template(&messages, true).unwrap();
+    assert_eq!(
+        text,
+        "<s><|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    );
+    let ids = t.encode_chat(&messages, false).unwrap();
+    assert_eq!(
+        ids.iter().filter(|&&i| i == 1).count(),
+        1,
+        "BOS comes from the template only"
+    );
+}
+
+#[test]
+fn incremental_text_never_splits_a_character() {
+    let t = Tokenizer::from_dir(&model_dir("llama-gqa")).unwrap();
+    let text = "Grüße 🚀 日本語 ∑→ ok";
+    let ids = t.encode(text, false).unwrap();
+    assert!(
+        ids.len() > text.chars().count() / 2,
+        "the text spans many tokens"
+    );
+    let mut d = IncrementalDecoder::new(&[1]);
+    let mut out = String::new();
+    let mut empty_deltas = 0;
+    for &id in &ids {
+        let delta = d.push(&t, id).unwrap();
+        assert!(
+            !delta.contains('\u{FFFD}'),
+            "a delta held a broken character: {delta:?}"
+        );
+        empty_deltas += delta.is_empty() as usize;
+        out.push_str(&delta);
+    }
+    out.push_str(&d.flush(&t).unwrap());
+    assert_eq!(out, text);
+    assert!(
+        empty_deltas > 0,
+        "some tokens end mid-character, so their text waited"
+    );
+}
