@@ -174,3 +174,9 @@ pub async fn migrated_db(label: &str) -> TestDb {
     );
     db
 }
+
+/// The engine's fixture directory: small models, adapters and goldens
+/// made by `worker/engine/scripts/make_fixtures.py`.
+pub fn engine_fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../worker/engine/tests/fixtures")
+}

@@ -1,19 +1,68 @@
 //! `lorafleet-worker`: one process serving one base model and many LoRA
-//! adapters over the `lorafleet.worker.v1` gRPC contract.
+//! adapters. Subcommands: `base-hash` prints a model's base hash;
+//! `generate` runs a JSONL file of requests offline as one mixed batch.
 
-use clap::Parser;
+mod generate;
 
-/// Serves a base model and its LoRA adapters over gRPC.
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
 #[derive(Debug, Parser)]
-#[command(name = "lorafleet-worker", version, about)]
-struct Cli {}
+#[command(
+    name = "lorafleet-worker",
+    version,
+    about = "Serves a base model and its LoRA adapters"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
 
-fn main() {
-    let _cli = Cli::parse();
-    eprintln!(
-        "lorafleet-worker {}: no command given; see --help (serving protocol {})",
-        env!("CARGO_PKG_VERSION"),
-        lorafleet_proto::WORKER_SERVICE_NAME
-    );
-    std::process::exit(2);
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Prints the base hash of a Hugging Face model directory: SHA-256 over
+    /// its weights in canonical order, independent of sharding.
+    BaseHash {
+        /// The model directory (config.json, *.safetensors).
+        #[arg(long, env = "LORAFLEET_MODEL")]
+        model: PathBuf,
+    },
+    /// Runs every request of a JSONL file as one continuous mixed batch and
+    /// writes the results in input order.
+    Generate(generate::GenerateArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::BaseHash { model } => base_hash(&model),
+        Command::Generate(args) => generate::run(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn base_hash(model: &std::path::Path) -> anyhow::Result<()> {
+    let show = std::io::stderr().is_terminal();
+    let hash = lorafleet_engine::model::base_hash(model, &mut |done, total| {
+        if show {
+            eprint!(
+                "\rhashing {:>5.1}%",
+                done as f64 * 100.0 / total.max(1) as f64
+            );
+        }
+    })?;
+    if show {
+        eprintln!();
+    }
+    println!("{hash}");
+    Ok(())
 }

@@ -91,6 +91,43 @@ def save_model(model, path, tok_dir, dtype, shard):
         json.dump({"bos_token_id": 1, "eos_token_id": [2, 4]}, f)
 
 
+def canonical_base_hash(model_dir):
+    """The base hash as the engine defines it, computed independently here
+    from the raw safetensors files, so the Rust side is checked against it."""
+    import hashlib
+    import struct
+
+    tensors = {}
+    for name in sorted(os.listdir(model_dir)):
+        if not name.endswith(".safetensors"):
+            continue
+        with open(os.path.join(model_dir, name), "rb") as f:
+            raw = f.read()
+        (header_len,) = struct.unpack("<Q", raw[:8])
+        header = json.loads(raw[8 : 8 + header_len])
+        body = raw[8 + header_len :]
+        for tname, info in header.items():
+            if tname == "__metadata__":
+                continue
+            start, end = info["data_offsets"]
+            tensors[tname] = (info["dtype"], info["shape"], body[start:end])
+    h = hashlib.sha256(b"lorafleet-base-hash-v1\n")
+    u64 = lambda n: struct.pack("<Q", n)
+    for tname in sorted(tensors, key=lambda n: n.encode()):
+        dtype, shape, data = tensors[tname]
+        h.update(u64(len(tname.encode())) + tname.encode())
+        h.update(u64(len(dtype)) + dtype.encode())
+        h.update(u64(len(shape)) + b"".join(u64(d) for d in shape))
+        h.update(u64(len(data)) + data)
+    return h.hexdigest()
+
+
+def write_base_hashes(out):
+    hashes = {m: canonical_base_hash(os.path.join(out, m)) for m in ["llama-gqa", "qwen2-tied"]}
+    with open(os.path.join(out, "base_hashes.json"), "w") as f:
+        json.dump(hashes, f, indent=2)
+
+
 def randomize_lora(model, seed):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -212,8 +249,12 @@ def main():
 
     with open(os.path.join(out, "golden.json"), "w") as f:
         json.dump(golden, f)
+    write_base_hashes(out)
     print(f"wrote {len(golden['cases'])} golden cases to {out}")
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--base-hashes-only"]:
+        write_base_hashes(sys.argv[2])
+    else:
+        main()

@@ -1,0 +1,175 @@
+//! The real `lorafleet-worker` binary's offline commands on the fixture
+//! models: `base-hash` and `generate`.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use lorafleet_tests::{engine_fixtures, run};
+use serde_json::{Value, json};
+
+fn stdout(out: &std::process::Output) -> String {
+    assert!(
+        out.status.success(),
+        "failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout.clone()).unwrap()
+}
+
+#[test]
+fn base_hash_matches_an_independent_implementation() {
+    let fixtures = engine_fixtures();
+    let expected: BTreeMap<String, String> =
+        serde_json::from_str(&std::fs::read_to_string(fixtures.join("base_hashes.json")).unwrap())
+            .unwrap();
+    for (model, hash) in &expected {
+        let dir = fixtures.join(model);
+        let out = run(
+            "lorafleet-worker",
+            &["base-hash", "--model", dir.to_str().unwrap()],
+            &[],
+        );
+        assert_eq!(stdout(&out).trim(), hash, "{model}");
+    }
+    assert_ne!(expected["llama-gqa"], expected["qwen2-tied"]);
+    let out = run(
+        "lorafleet-worker",
+        &["base-hash", "--model", "/nonexistent-model-dir"],
+        &[],
+    );
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("model.safetensors"));
+}
+
+fn write_lines(path: &Path, lines: &[Value]) {
+    let text: String = lines.iter().map(|l| format!("{l}\n")).collect();
+    std::fs::write(path, text).unwrap();
+}
+
+fn generate(input: &Path, output: &Path, adapters: &[&str]) -> std::process::Output {
+    let fixtures = engine_fixtures();
+    let model = fixtures.join("llama-gqa");
+    let mut args: Vec<String> = vec![
+        "generate".into(),
+        "--model".into(),
+        model.to_str().unwrap().into(),
+        "--input".into(),
+        input.to_str().unwrap().into(),
+        "--output".into(),
+        output.to_str().unwrap().into(),
+        "--max-loras".into(),
+        "2".into(),
+        "--max-cpu-loras".into(),
+        "3".into(),
+    ];
+    for a in adapters {
+        args.push("--lora".into());
+        args.push(format!(
+            "{a}={}",
+            fixtures.join("adapters/llama-gqa").join(a).display()
+        ));
+    }
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    run("lorafleet-worker", &refs, &[])
+}
+
+#[test]
+fn generate_runs_a_mixed_batch_and_matches_the_goldens() {
+    let fixtures = engine_fixtures();
+    let golden: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures.join("golden.json")).unwrap())
+            .unwrap();
+    let max_new = golden["max_new_tokens"].as_u64().unwrap();
+    let cases: Vec<&Value> = golden["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["model"] == "llama-gqa")
+        .collect();
+    let adapters = ["qv-r8", "patterns", "layer1-mlp", "all-linear-rslora"];
+    let chosen: Vec<&&Value> = cases
+        .iter()
+        .filter(|c| c["adapter"].is_null() || adapters.contains(&c["adapter"].as_str().unwrap()))
+        .collect();
+    assert!(chosen.len() >= 12);
+    let dir = tempfile::tempdir().unwrap();
+    let (input, output) = (dir.path().join("in.jsonl"), dir.path().join("out.jsonl"));
+    let lines: Vec<Value> = chosen
+        .iter()
+        .map(|c| json!({"prompt": c["prompt"], "lora": c["adapter"], "max_tokens": max_new, "temperature": 0}))
+        .collect();
+    write_lines(&input, &lines);
+    stdout(&generate(&input, &output, &adapters));
+    let results: Vec<Value> = std::fs::read_to_string(&output)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(results.len(), chosen.len());
+    for (i, (r, c)) in results.iter().zip(&chosen).enumerate() {
+        assert_eq!(r["index"], i);
+        assert_eq!(r["lora"], c["adapter"]);
+        assert_eq!(r["prompt_token_ids"], c["prompt_ids"], "line {i}");
+        assert_eq!(
+            r["token_ids"], c["greedy"],
+            "line {i}: {} / {}",
+            c["adapter"], c["prompt"]
+        );
+        let reason = r["finish_reason"].as_str().unwrap();
+        assert!(reason == "length" || reason == "stop");
+    }
+}
+
+#[test]
+fn a_bad_input_line_fails_the_run_before_any_work() {
+    let dir = tempfile::tempdir().unwrap();
+    let (input, output) = (dir.path().join("in.jsonl"), dir.path().join("out.jsonl"));
+    let good = json!({"prompt": "hi", "max_tokens": 2});
+    let cases = [
+        (
+            json!({"prompt": "hi", "lora": "nope"}),
+            "line 3: lora: \"nope\" is not one of the --lora names",
+        ),
+        (
+            json!({"prompt": "hi", "max_tokens": 0}),
+            "line 3: max_tokens: must be at least 1",
+        ),
+        (
+            json!({"prompt": "hi", "temperature": 9}),
+            "line 3: temperature: 9 is not in [0, 2]",
+        ),
+        (
+            json!({"prompt": "hi", "colour": "red"}),
+            "line 3: unknown field `colour`",
+        ),
+        (json!({"lora": "qv-r8"}), "line 3: missing field `prompt`"),
+        (
+            json!({"prompt": "hi", "max_tokens": 100000}),
+            "line 3: max_tokens: the prompt",
+        ),
+    ];
+    for (bad, expected) in cases {
+        write_lines(&input, &[good.clone(), good.clone(), bad]);
+        let out = generate(&input, &output, &["qv-r8"]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success());
+        assert!(
+            stderr.contains(expected),
+            "expected {expected:?} in {stderr}"
+        );
+        assert!(
+            !output.exists(),
+            "no output is written when the input is bad"
+        );
+    }
+    let out = run(
+        "lorafleet-worker",
+        &[
+            "generate", "--model", "x", "--input", "y", "--output", "z", "--lora", "noequals",
+        ],
+        &[],
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--lora \"noequals\": expected NAME=DIR")
+    );
+}

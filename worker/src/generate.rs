@@ -1,0 +1,230 @@
+//! `lorafleet-worker generate`: the offline batch command, like vLLM's
+//! `LLM.generate`. Every input line is checked before any work starts.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufWriter, IsTerminal, Write};
+use std::path::PathBuf;
+
+use anyhow::{Context, bail};
+use lorafleet_engine::{
+    AdapterSource, Engine, EngineSettings, FinishReason, Prompt, Request, SamplingParams,
+};
+use serde::Deserialize;
+
+#[derive(Debug, clap::Args)]
+pub struct GenerateArgs {
+    /// The base model directory.
+    #[arg(long, env = "LORAFLEET_MODEL")]
+    model: PathBuf,
+    /// An adapter as NAME=DIR; repeat for more. Input lines name adapters by NAME.
+    #[arg(long = "lora", value_name = "NAME=DIR")]
+    loras: Vec<String>,
+    /// The requests, one JSON object per line.
+    #[arg(long)]
+    input: PathBuf,
+    /// Where to write the results, one JSON object per line, in input order.
+    #[arg(long)]
+    output: PathBuf,
+    /// Device slots: the most distinct adapters in one step.
+    #[arg(long, default_value_t = 4)]
+    max_loras: usize,
+    /// The largest adapter rank accepted.
+    #[arg(long, default_value_t = 16)]
+    max_lora_rank: usize,
+    /// Adapters kept in the host tier.
+    #[arg(long, default_value_t = 32)]
+    max_cpu_loras: usize,
+    /// KV cache blocks.
+    #[arg(long, default_value_t = 2048)]
+    kv_blocks: usize,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// The most sequences in one step.
+    #[arg(long, default_value_t = 64)]
+    max_num_seqs: usize,
+    /// The most tokens in one step.
+    #[arg(long, default_value_t = 512)]
+    max_batched_tokens: usize,
+}
+
+/// One input line. Unknown fields are refused, not ignored.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct InputLine {
+    prompt: String,
+    #[serde(default)]
+    lora: Option<String>,
+    #[serde(default = "default_max_tokens")]
+    max_tokens: usize,
+    #[serde(default)]
+    temperature: Option<f32>,
+    #[serde(default)]
+    top_p: Option<f32>,
+    #[serde(default)]
+    top_k: Option<usize>,
+    #[serde(default)]
+    seed: Option<u64>,
+    #[serde(default)]
+    stop: Option<Vec<String>>,
+}
+
+fn default_max_tokens() -> usize {
+    16
+}
+
+#[derive(Debug, serde::Serialize)]
+struct OutputLine<'a> {
+    index: usize,
+    lora: Option<&'a str>,
+    prompt_token_ids: &'a [u32],
+    token_ids: &'a [u32],
+    text: &'a str,
+    finish_reason: &'static str,
+}
+
+/// Parses the `--lora NAME=DIR` flags.
+fn parse_loras(flags: &[String]) -> anyhow::Result<BTreeMap<String, PathBuf>> {
+    let mut out = BTreeMap::new();
+    for flag in flags {
+        let Some((name, dir)) = flag.split_once('=') else {
+            bail!("--lora {flag:?}: expected NAME=DIR");
+        };
+        if name.is_empty() || dir.is_empty() {
+            bail!("--lora {flag:?}: NAME and DIR must both be non-empty");
+        }
+        if out.insert(name.to_owned(), PathBuf::from(dir)).is_some() {
+            bail!("--lora {flag:?}: the name {name:?} is given twice");
+        }
+    }
+    Ok(out)
+}
+
+pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
+    let loras = parse_loras(&args.loras)?;
+    let settings = EngineSettings {
+        max_loras: args.max_loras,
+        max_lora_rank: args.max_lora_rank,
+        max_cpu_loras: args.max_cpu_loras,
+        kv_blocks: args.kv_blocks,
+        block_size: args.block_size,
+        max_num_seqs: args.max_num_seqs,
+        max_batched_tokens: args.max_batched_tokens,
+        ..EngineSettings::default()
+    };
+    settings
+        .validate()
+        .map_err(|e| anyhow::anyhow!("--{}", e.to_string().replace('_', "-")))?;
+    let input = std::fs::File::open(&args.input)
+        .with_context(|| format!("--input {}", args.input.display()))?;
+    let mut engine = Engine::load_cpu(&args.model, settings)
+        .with_context(|| format!("--model {}", args.model.display()))?;
+    let ids: BTreeMap<&str, u64> = loras
+        .keys()
+        .enumerate()
+        .map(|(i, n)| (n.as_str(), i as u64 + 1))
+        .collect();
+    for (name, dir) in &loras {
+        let source = AdapterSource {
+            name: name.clone(),
+            dir: dir.clone(),
+            declared_base_hash: None,
+        };
+        engine.register_adapter(ids[name.as_str()], source)?;
+    }
+
+    // Check every line before any work starts.
+    let mut requests = Vec::new();
+    let mut names: Vec<Option<String>> = Vec::new();
+    for (n, line) in std::io::BufReader::new(input).lines().enumerate() {
+        let line_no = n + 1;
+        let line = line.with_context(|| format!("{}: line {line_no}", args.input.display()))?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let at =
+            |reason: String| anyhow::anyhow!("{}: line {line_no}: {reason}", args.input.display());
+        let parsed: InputLine = serde_json::from_str(&line).map_err(|e| at(e.to_string()))?;
+        let adapter = match &parsed.lora {
+            None => None,
+            Some(name) => Some(*ids.get(name.as_str()).ok_or_else(|| {
+                at(format!(
+                    "lora: {name:?} is not one of the --lora names {:?}",
+                    ids.keys().collect::<Vec<_>>()
+                ))
+            })?),
+        };
+        let params = SamplingParams {
+            max_tokens: parsed.max_tokens,
+            temperature: parsed.temperature.unwrap_or(1.0),
+            top_p: parsed.top_p.unwrap_or(1.0),
+            top_k: parsed.top_k.unwrap_or(0),
+            seed: parsed.seed,
+            stop: parsed.stop.unwrap_or_default(),
+            ..SamplingParams::default()
+        };
+        params
+            .validate("", engine.config().vocab_size)
+            .map_err(|e| at(e.to_string()))?;
+        let prompt = Prompt::Text(parsed.prompt);
+        let prompt_len = engine
+            .tokenize(&prompt)
+            .map_err(|e| at(e.to_string()))?
+            .len();
+        if prompt_len + params.max_tokens > engine.max_model_len() {
+            return Err(at(format!(
+                "max_tokens: the prompt ({prompt_len} tokens) plus max_tokens ({}) exceeds max_model_len {}",
+                params.max_tokens,
+                engine.max_model_len()
+            )));
+        }
+        requests.push(Request {
+            id: format!("line-{line_no}"),
+            adapter,
+            prompt,
+            params,
+        });
+        names.push(parsed.lora);
+    }
+
+    let show = std::io::stderr().is_terminal();
+    let started = std::time::Instant::now();
+    let results = engine.run_with_progress(requests, &mut |done, total| {
+        if show {
+            eprint!(
+                "\r{done}/{total} requests done, {:.1}s",
+                started.elapsed().as_secs_f64()
+            );
+        }
+    })?;
+    if show {
+        eprintln!();
+    }
+    let out = std::fs::File::create(&args.output)
+        .with_context(|| format!("--output {}", args.output.display()))?;
+    let mut out = BufWriter::new(out);
+    for (index, (c, lora)) in results.iter().zip(&names).enumerate() {
+        if let Some(e) = &c.error {
+            bail!("request {index} ({}) failed: {e}", c.request_id);
+        }
+        let finish = c
+            .finish
+            .as_ref()
+            .expect("a completion without an error has finished");
+        let line = OutputLine {
+            index,
+            lora: lora.as_deref(),
+            prompt_token_ids: &c.prompt_ids,
+            token_ids: &c.token_ids,
+            text: &c.text,
+            finish_reason: match finish.reason {
+                FinishReason::Stop => "stop",
+                FinishReason::Length => "length",
+            },
+        };
+        serde_json::to_writer(&mut out, &line)?;
+        out.write_all(b"\n")?;
+    }
+    out.flush()?;
+    Ok(())
+}
