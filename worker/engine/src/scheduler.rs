@@ -10,8 +10,10 @@
 //!    allow. A request whose adapter is still loading, or cannot get a
 //!    slot, is skipped rather than blocking the queue.
 //! 3. Anti-starvation: once the oldest waiting request has been passed
-//!    over for [`STARVATION_STEPS`] steps, requests behind it are admitted
-//!    only if their adapter already sits in a slot, so slots drain towards it.
+//!    over for [`STARVATION_STEPS`] steps, nothing behind it is admitted
+//!    until it is. Running sequences keep going and finish, their leases
+//!    end, and a slot frees up for it; without the rule, a steady stream of
+//!    requests for resident adapters could hold every slot forever.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -111,12 +113,14 @@ impl Scheduler<'_> {
             && budget > 0
             && self.queues.running.len() < self.limits.max_num_seqs
         {
+            if head_starving && j > 0 {
+                break;
+            }
             let id = self.queues.waiting[j];
             let adapter = self.seqs[&id].adapter;
             let mut slot = None;
             if let Some(a) = adapter {
                 let resident_slot = self.pool.slot_of(a);
-                let restricted = head_starving && j > 0 && resident_slot.is_none();
                 let new_distinct = resident_slot.is_none_or(|s| !busy_slots.contains(&s));
                 let distinct_now = {
                     let mut s = busy_slots.clone();
@@ -124,7 +128,7 @@ impl Scheduler<'_> {
                     s.dedup();
                     s.len()
                 };
-                if restricted || (new_distinct && distinct_now >= self.limits.max_loras) {
+                if new_distinct && distinct_now >= self.limits.max_loras {
                     self.seqs
                         .get_mut(&id)
                         .expect("waiting sequence exists")

@@ -198,3 +198,58 @@ fn more_distinct_adapters_than_slots_all_complete() {
         "the host tier stays within max_cpu_loras once idle"
     );
 }
+
+#[test]
+fn a_request_for_a_cold_adapter_is_not_starved_by_a_hot_one() {
+    // One slot. Adapter 1 always has a request running and new ones arriving;
+    // a request for adapter 2 waits behind them for the slot.
+    let settings = EngineSettings {
+        max_loras: 1,
+        max_cpu_loras: 2,
+        ..Default::default()
+    };
+    let mut e = Engine::load_cpu(&model_dir(MODEL), settings).unwrap();
+    for id in [1u64, 2] {
+        let name = &adapter_names(MODEL)[id as usize];
+        e.register_adapter(
+            id,
+            AdapterSource {
+                name: name.clone(),
+                dir: adapter_dir(MODEL, name),
+                declared_base_hash: None,
+            },
+        )
+        .unwrap();
+    }
+    let request = |id: String, adapter: u64| Request {
+        id,
+        adapter: Some(adapter),
+        prompt: Prompt::Text("The quick brown fox".into()),
+        params: SamplingParams {
+            max_tokens: 6,
+            temperature: 0.0,
+            ignore_eos: true,
+            ..Default::default()
+        },
+    };
+    e.submit(request("hot-0".into(), 1)).unwrap();
+    e.step().unwrap();
+    e.submit(request("cold".into(), 2)).unwrap();
+    let mut cold_done_at = None;
+    for step in 1..400 {
+        e.submit(request(format!("hot-{step}"), 1)).unwrap();
+        for (id, ev) in e.step().unwrap() {
+            if id == "cold" && matches!(ev, lorafleet_engine::Event::Finished(_)) {
+                cold_done_at = Some(step);
+            }
+        }
+        if cold_done_at.is_some() {
+            break;
+        }
+    }
+    let at = cold_done_at.expect("the cold adapter's request finished despite the hot stream");
+    assert!(
+        at < 100,
+        "it waited about STARVATION_STEPS plus a drain, not forever: {at} steps"
+    );
+}

@@ -174,7 +174,7 @@ impl CpuBackend {
 
 /// A dot product with a fixed order: eight interleaved partial sums, then
 /// the tail. The order depends only on the length.
-#[inline]
+#[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let chunks = a.len() / 8;
@@ -191,8 +191,105 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
 
+/// Four dot products against one shared row, each summed exactly as
+/// [`dot`] sums it (same partial sums, same final order), so a token's
+/// result is the same bits whether it is computed alone or in a tile.
+#[inline(always)]
+fn dot4(xs: [&[f32]; 4], w: &[f32]) -> [f32; 4] {
+    let mut acc = [[0f32; 8]; 4];
+    let chunks = w.len() / 8;
+    for i in 0..chunks {
+        let wc = &w[i * 8..i * 8 + 8];
+        for (t, x) in xs.iter().enumerate() {
+            let xc = &x[i * 8..i * 8 + 8];
+            for j in 0..8 {
+                acc[t][j] += xc[j] * wc[j];
+            }
+        }
+    }
+    let mut out = [0f32; 4];
+    for (t, x) in xs.iter().enumerate() {
+        let mut tail = 0f32;
+        for i in chunks * 8..w.len() {
+            tail += x[i] * w[i];
+        }
+        let a = &acc[t];
+        out[t] = ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])) + tail;
+    }
+    out
+}
+
+/// `dot(x[t], w)` for every row `t` of `x` (rows of `len`), four at a time.
+#[inline(always)]
+fn dots(x: &[f32], len: usize, w: &[f32], mut out: impl FnMut(usize, f32)) {
+    let n = x.len() / len;
+    let row = |t: usize| &x[t * len..(t + 1) * len];
+    let mut t = 0;
+    while t + 4 <= n {
+        let r = dot4([row(t), row(t + 1), row(t + 2), row(t + 3)], w);
+        for (k, v) in r.into_iter().enumerate() {
+            out(t + k, v);
+        }
+        t += 4;
+    }
+    while t < n {
+        out(t, dot(row(t), w));
+        t += 1;
+    }
+}
+
 /// `out[t, o] = x[t]·W[o] (+ b[o])` for every token, in parallel over blocks
 /// of output features so each weight row is read once per step.
+/// One block of output features `lo..hi` of [`linear`], for every token:
+/// `[n, hi - lo]`, row-major.
+#[inline(always)]
+fn linear_block(
+    x: &[f32],
+    w: &[f32],
+    bias: Option<&[f32]>,
+    fan_in: usize,
+    lo: usize,
+    hi: usize,
+) -> Vec<f32> {
+    let n = x.len() / fan_in;
+    let mut local = vec![0f32; n * (hi - lo)];
+    for o in lo..hi {
+        let row = &w[o * fan_in..(o + 1) * fan_in];
+        let bias = bias.map_or(0.0, |b| b[o]);
+        dots(x, fan_in, row, |t, v| {
+            local[t * (hi - lo) + (o - lo)] = v + bias
+        });
+    }
+    local
+}
+
+/// Runs the hot loops compiled for the widest vector unit the CPU has.
+///
+/// The loops are plain lane-wise multiplies and adds with an explicit
+/// reduction order and no fused multiply-add (Rust never contracts), so
+/// every version computes the same bits; only the speed differs.
+mod simd {
+    /// Calls `f` inlined into a copy compiled with AVX2 when the CPU has it.
+    #[inline(always)]
+    pub fn dispatch<R>(f: impl FnOnce() -> R) -> R {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2") {
+                // SAFETY: the CPU supports AVX2, checked just above.
+                #[allow(unsafe_code)]
+                return unsafe { with_avx2(f) };
+            }
+        }
+        f()
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    fn with_avx2<R>(f: impl FnOnce() -> R) -> R {
+        f()
+    }
+}
+
 fn linear(
     x: &[f32],
     n: usize,
@@ -208,16 +305,7 @@ fn linear(
         .into_par_iter()
         .map(|b| {
             let (lo, hi) = (b * BLOCK, ((b + 1) * BLOCK).min(fan_out));
-            let mut local = vec![0f32; n * (hi - lo)];
-            for o in lo..hi {
-                let row = &w[o * fan_in..(o + 1) * fan_in];
-                let bias = bias.map_or(0.0, |b| b[o]);
-                for t in 0..n {
-                    local[t * (hi - lo) + (o - lo)] =
-                        dot(&x[t * fan_in..(t + 1) * fan_in], row) + bias;
-                }
-            }
-            local
+            simd::dispatch(|| linear_block(x, w, bias, fan_in, lo, hi))
         })
         .collect();
     for (b, local) in blocks.into_iter().enumerate() {
@@ -225,6 +313,103 @@ fn linear(
         for t in 0..n {
             out[t * fan_out + lo..t * fan_out + hi]
                 .copy_from_slice(&local[t * (hi - lo)..(t + 1) * (hi - lo)]);
+        }
+    }
+}
+
+/// One projection's adapter slots, as [`lora_segments`] reads them.
+pub struct SlotView<'a> {
+    /// `[slots, max_rank, fan_in]`.
+    pub a: &'a [f32],
+    /// `[slots, max_rank, fan_out]`.
+    pub b_t: &'a [f32],
+    pub max_rank: usize,
+    pub fan_in: usize,
+    pub fan_out: usize,
+    /// The rank of a slot's module; 0 if the adapter does not target it.
+    pub rank: &'a dyn Fn(usize) -> usize,
+    pub scale: &'a dyn Fn(usize) -> f32,
+}
+
+impl std::fmt::Debug for SlotView<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SlotView")
+            .field("max_rank", &self.max_rank)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The grouped LoRA kernel (SGMV): for each segment of tokens sharing a
+/// slot, one shrink `h = x·Aᵀ` that reads each A row once for the whole
+/// segment, then one expand `out += s·(h·Bᵀ)`. Each token's result depends
+/// only on its own row, so grouping never changes the numbers.
+pub fn lora_segments(
+    x: &[f32],
+    segments: &[super::Segment],
+    slots: &SlotView<'_>,
+    out: &mut [f32],
+) {
+    let (fan_in, fan_out, max_rank) = (slots.fan_in, slots.fan_out, slots.max_rank);
+    let tokens: usize = segments.iter().map(|s| s.end - s.start).sum();
+    // Work items: tiles of up to 8 tokens within one segment, so a tile
+    // shares its adapter's A and B rows.
+    const TILE: usize = 8;
+    let mut tiles = Vec::new();
+    for seg in segments {
+        let rank = (slots.rank)(seg.slot);
+        if rank == 0 {
+            continue;
+        }
+        let mut t = seg.start;
+        while t < seg.end {
+            tiles.push((
+                seg.slot,
+                rank,
+                (slots.scale)(seg.slot),
+                t,
+                (t + TILE).min(seg.end),
+            ));
+            t += TILE;
+        }
+    }
+    let (a_all, b_all) = (slots.a, slots.b_t);
+    let run = |&(slot, rank, scale, lo, hi): &(usize, usize, f32, usize, usize)| -> Vec<f32> {
+        let a = &a_all[slot * max_rank * fan_in..][..rank * fan_in];
+        let b_t = &b_all[slot * max_rank * fan_out..][..rank * fan_out];
+        let n = hi - lo;
+        let xs = &x[lo * fan_in..hi * fan_in];
+        // Shrink: h[t, k] = x[t]·A[k], each A row read once per tile.
+        let mut h = vec![0f32; n * rank];
+        for k in 0..rank {
+            dots(xs, fan_in, &a[k * fan_in..(k + 1) * fan_in], |t, v| {
+                h[t * rank + k] = v
+            });
+        }
+        // Expand: delta[t] = Σ_k h[t, k]·Bᵀ[k], k in order, each B row read
+        // once per tile; then the scale, as PEFT applies it.
+        let mut delta = vec![0f32; n * fan_out];
+        for k in 0..rank {
+            let b = &b_t[k * fan_out..(k + 1) * fan_out];
+            for t in 0..n {
+                let hk = h[t * rank + k];
+                for (d, &bv) in delta[t * fan_out..(t + 1) * fan_out].iter_mut().zip(b) {
+                    *d += hk * bv;
+                }
+            }
+        }
+        delta.iter_mut().for_each(|d| *d *= scale);
+        delta
+    };
+    let run = |tile: &(usize, usize, f32, usize, usize)| simd::dispatch(|| run(tile));
+    // Small batches are not worth the threads.
+    let deltas: Vec<Vec<f32>> = if tokens >= 16 {
+        tiles.par_iter().map(run).collect()
+    } else {
+        tiles.iter().map(run).collect()
+    };
+    for (&(_, _, _, lo, hi), delta) in tiles.iter().zip(deltas) {
+        for (y, d) in out[lo * fan_out..hi * fan_out].iter_mut().zip(delta) {
+            *y += d;
         }
     }
 }
@@ -241,8 +426,7 @@ fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 }
 
 impl CpuBackend {
-    /// Adds each segment's LoRA delta to `out` for projection `p` of `layer`:
-    /// one grouped shrink (x·Aᵀ) and expand ((·)·Bᵀ) per segment (SGMV).
+    /// Adds each segment's LoRA delta to `out` for projection `p` of `layer`.
     fn apply_lora(
         &self,
         batch: &StepBatch<'_>,
@@ -253,42 +437,16 @@ impl CpuBackend {
     ) {
         let (fan_in, fan_out) = p.shape(&self.config);
         let key = layer * 7 + p.index();
-        let (a_all, b_all) = (&self.slots.a[key], &self.slots.b_t[key]);
-        let max_rank = self.slots.max_rank;
-        for seg in &batch.segments {
-            let rank = self.slots.rank[seg.slot][key];
-            if rank == 0 {
-                continue;
-            }
-            let scale = self.slots.scale[seg.slot][key];
-            let a = &a_all[seg.slot * max_rank * fan_in..][..rank * fan_in];
-            let b_t = &b_all[seg.slot * max_rank * fan_out..][..rank * fan_out];
-            let n = seg.end - seg.start;
-            // Shrink: h[t, k] = x[t]·A[k], each A row read once for the segment.
-            let mut h = vec![0f32; n * rank];
-            for k in 0..rank {
-                let a_row = &a[k * fan_in..(k + 1) * fan_in];
-                for t in 0..n {
-                    let xt = &x[(seg.start + t) * fan_in..(seg.start + t + 1) * fan_in];
-                    h[t * rank + k] = dot(xt, a_row);
-                }
-            }
-            // Expand: out[t] += s · Σ_k h[t, k]·Bᵀ[k], over k in order.
-            out[seg.start * fan_out..seg.end * fan_out]
-                .par_chunks_mut(fan_out)
-                .zip(h.par_chunks(rank))
-                .for_each(|(y, ht)| {
-                    let mut delta = vec![0f32; fan_out];
-                    for (k, &hk) in ht.iter().enumerate() {
-                        for (d, &b) in delta.iter_mut().zip(&b_t[k * fan_out..(k + 1) * fan_out]) {
-                            *d += hk * b;
-                        }
-                    }
-                    for (yo, d) in y.iter_mut().zip(delta) {
-                        *yo += d * scale;
-                    }
-                });
-        }
+        let slots = SlotView {
+            a: &self.slots.a[key],
+            b_t: &self.slots.b_t[key],
+            max_rank: self.slots.max_rank,
+            fan_in,
+            fan_out,
+            rank: &|slot| self.slots.rank[slot][key],
+            scale: &|slot| self.slots.scale[slot][key],
+        };
+        lora_segments(x, &batch.segments, &slots, out);
     }
 
     fn projection(

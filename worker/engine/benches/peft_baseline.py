@@ -1,0 +1,66 @@
+#!/usr/bin/env python3
+"""Benchmark (c): the decode-throughput workload of benchmark (b), through
+Hugging Face transformers + PEFT on the CPU, as the baseline lorafleet is
+compared with. Run by hand after benchmark (b) has written the STAND-IN
+model and adapters (under target/bench-standin):
+
+    .venv/bin/python worker/engine/benches/peft_baseline.py target/bench-standin 1,8,64,512
+
+Same requests as (b): 512 requests, 8 prompt tokens, 8 new tokens, greedy,
+adapter r % N. transformers has no continuous batching, so requests run in
+static batches of 32 (lorafleet's max_num_seqs in (b)), each batch mixing
+adapters through PEFT's `adapter_names`. Adapters are loaded before timing.
+"""
+
+import os
+import sys
+import time
+
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+REQUESTS = 512
+PROMPT = 8
+NEW = 8
+BATCH = 32
+
+
+def main():
+    root = sys.argv[1]
+    counts = [int(c) for c in (sys.argv[2] if len(sys.argv) > 2 else "1,8,64,512").split(",")]
+    torch.set_num_threads(os.cpu_count())
+    print(f"transformers + PEFT baseline, STAND-IN model, {REQUESTS} requests x {NEW} new tokens, "
+          f"static batches of {BATCH}, {torch.get_num_threads()} threads")
+    print("| adapters | generated tokens | seconds | tokens/s |")
+    print("|---:|---:|---:|---:|")
+    adapters = sorted(os.listdir(os.path.join(root, "adapters")))
+    for n in counts:
+        base = AutoModelForCausalLM.from_pretrained(os.path.join(root, "model"), dtype=torch.float32).eval()
+        model = PeftModel.from_pretrained(base, os.path.join(root, "adapters", adapters[0]), adapter_name="a0")
+        for i in range(1, n):
+            model.load_adapter(os.path.join(root, "adapters", adapters[i]), adapter_name=f"a{i}")
+        model.eval()
+        prompts = [[(r * 31 + k * 7) % 380 + 3 for k in range(PROMPT)] for r in range(REQUESTS)]
+        names = [f"a{r % n}" for r in range(REQUESTS)]
+        generated = 0
+        start = time.perf_counter()
+        with torch.no_grad():
+            for b in range(0, REQUESTS, BATCH):
+                ids = torch.tensor(prompts[b : b + BATCH])
+                out = model.generate(
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    adapter_names=names[b : b + BATCH],
+                    max_new_tokens=NEW,
+                    min_new_tokens=NEW,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+                generated += (out.shape[1] - PROMPT) * out.shape[0]
+        secs = time.perf_counter() - start
+        print(f"| {n} | {generated} | {secs:.2f} | {generated / secs:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
