@@ -288,6 +288,121 @@ mod simd {
     fn with_avx2<R>(f: impl FnOnce() -> R) -> R {
         f()
     }
+
+    /// [`super::linear_block`] with an explicit AVX2 register tile of two
+    /// output rows by four tokens: each weight chunk is loaded once for four
+    /// tokens and each token chunk once for two rows. Lane `j` of an
+    /// accumulator is exactly partial sum `j` of [`super::dot`], and the
+    /// final reduction is the same, so the bits match the portable path.
+    /// Edges (an odd row, fewer than four tokens) use [`super::dot`] itself.
+    #[cfg(target_arch = "x86_64")]
+    pub fn linear_block(
+        x: &[f32],
+        w: &[f32],
+        bias: Option<&[f32]>,
+        fan_in: usize,
+        lo: usize,
+        hi: usize,
+    ) -> Vec<f32> {
+        if !std::arch::is_x86_feature_detected!("avx2") {
+            return super::linear_block(x, w, bias, fan_in, lo, hi);
+        }
+        // SAFETY: the CPU supports AVX2, checked just above.
+        #[allow(unsafe_code)]
+        unsafe {
+            linear_block_avx2(x, w, bias, fan_in, lo, hi)
+        }
+    }
+
+    #[cfg(not(target_arch = "x86_64"))]
+    pub fn linear_block(
+        x: &[f32],
+        w: &[f32],
+        bias: Option<&[f32]>,
+        fan_in: usize,
+        lo: usize,
+        hi: usize,
+    ) -> Vec<f32> {
+        super::linear_block(x, w, bias, fan_in, lo, hi)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    #[allow(unsafe_code)]
+    fn linear_block_avx2(
+        x: &[f32],
+        w: &[f32],
+        bias: Option<&[f32]>,
+        fan_in: usize,
+        lo: usize,
+        hi: usize,
+    ) -> Vec<f32> {
+        use std::arch::x86_64::*;
+        let n = x.len() / fan_in;
+        let width = hi - lo;
+        let mut local = vec![0f32; n * width];
+        let chunks = fan_in / 8;
+        assert!(w.len() >= hi * fan_in && x.len() == n * fan_in);
+        let reduce = |v: __m256, o: usize, t: usize| -> f32 {
+            let mut a = [0f32; 8];
+            // SAFETY: `a` holds exactly eight f32.
+            unsafe { _mm256_storeu_ps(a.as_mut_ptr(), v) };
+            let mut tail = 0f32;
+            for i in chunks * 8..fan_in {
+                tail += x[t * fan_in + i] * w[o * fan_in + i];
+            }
+            ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])) + tail
+        };
+        let bias_of = |o: usize| bias.map_or(0.0, |b| b[o]);
+        let mut o = lo;
+        while o + 2 <= hi {
+            let mut t = 0;
+            while t + 4 <= n {
+                let mut acc = [[_mm256_setzero_ps(); 4]; 2];
+                for i in 0..chunks {
+                    // SAFETY: rows o, o+1 < hi and tokens t..t+4 <= n, with
+                    // i * 8 + 8 <= fan_in: every load is inside w and x
+                    // (asserted above).
+                    unsafe {
+                        let w0 = _mm256_loadu_ps(w.as_ptr().add(o * fan_in + i * 8));
+                        let w1 = _mm256_loadu_ps(w.as_ptr().add((o + 1) * fan_in + i * 8));
+                        for k in 0..4 {
+                            let xv = _mm256_loadu_ps(x.as_ptr().add((t + k) * fan_in + i * 8));
+                            acc[0][k] = _mm256_add_ps(acc[0][k], _mm256_mul_ps(xv, w0));
+                            acc[1][k] = _mm256_add_ps(acc[1][k], _mm256_mul_ps(xv, w1));
+                        }
+                    }
+                }
+                for (p, row) in acc.iter().enumerate() {
+                    for (k, &v) in row.iter().enumerate() {
+                        local[(t + k) * width + (o + p - lo)] =
+                            reduce(v, o + p, t + k) + bias_of(o + p);
+                    }
+                }
+                t += 4;
+            }
+            for t in t..n {
+                for p in 0..2 {
+                    let d = super::dot(
+                        &x[t * fan_in..(t + 1) * fan_in],
+                        &w[(o + p) * fan_in..(o + p + 1) * fan_in],
+                    );
+                    local[t * width + (o + p - lo)] = d + bias_of(o + p);
+                }
+            }
+            o += 2;
+        }
+        if o < hi {
+            for t in 0..n {
+                let d = super::dot(
+                    &x[t * fan_in..(t + 1) * fan_in],
+                    &w[o * fan_in..(o + 1) * fan_in],
+                );
+                local[t * width + (o - lo)] = d + bias_of(o);
+            }
+        }
+        local
+    }
 }
 
 fn linear(
@@ -305,7 +420,7 @@ fn linear(
         .into_par_iter()
         .map(|b| {
             let (lo, hi) = (b * BLOCK, ((b + 1) * BLOCK).min(fan_out));
-            simd::dispatch(|| linear_block(x, w, bias, fan_in, lo, hi))
+            simd::linear_block(x, w, bias, fan_in, lo, hi)
         })
         .collect();
     for (b, local) in blocks.into_iter().enumerate() {
@@ -709,5 +824,46 @@ impl Backend for CpuBackend {
             &mut logits,
         );
         Ok(logits)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn random(seed: u64, n: usize) -> Vec<f32> {
+        let mut rng = crate::sampling::Rng::new(seed);
+        (0..n).map(|_| rng.next_f64() as f32 - 0.5).collect()
+    }
+
+    #[test]
+    fn the_vector_kernel_gives_the_portable_kernels_bits() {
+        // Odd sizes exercise every edge: a tail past the last 8-lane chunk,
+        // an odd output row, and a partial tile of tokens.
+        for (n, fan_in, rows) in [(7, 45, 9), (4, 64, 2), (1, 13, 3), (9, 8, 5)] {
+            let x = random(1, n * fan_in);
+            let w = random(2, rows * fan_in);
+            let bias = random(3, rows);
+            let portable = linear_block(&x, &w, Some(&bias), fan_in, 0, rows);
+            let vector = simd::linear_block(&x, &w, Some(&bias), fan_in, 0, rows);
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&portable),
+                bits(&vector),
+                "n={n} fan_in={fan_in} rows={rows}"
+            );
+            // And each token alone gives the same bits as in the batch.
+            for t in 0..n {
+                let alone = simd::linear_block(
+                    &x[t * fan_in..(t + 1) * fan_in],
+                    &w,
+                    Some(&bias),
+                    fan_in,
+                    0,
+                    rows,
+                );
+                assert_eq!(bits(&alone), bits(&vector[t * rows..(t + 1) * rows]));
+            }
+        }
     }
 }
