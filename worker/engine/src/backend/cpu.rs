@@ -366,6 +366,8 @@ mod simd {
                     unsafe {
                         let w0 = _mm256_loadu_ps(w.as_ptr().add(o * fan_in + i * 8));
                         let w1 = _mm256_loadu_ps(w.as_ptr().add((o + 1) * fan_in + i * 8));
+                        // Index form keeps the 2x4 register tile obvious.
+                        #[allow(clippy::needless_range_loop)]
                         for k in 0..4 {
                             let xv = _mm256_loadu_ps(x.as_ptr().add((t + k) * fan_in + i * 8));
                             acc[0][k] = _mm256_add_ps(acc[0][k], _mm256_mul_ps(xv, w0));
