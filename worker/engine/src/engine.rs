@@ -551,12 +551,20 @@ impl Engine {
                 &mut seq.rng,
             );
             row += 1;
-            let out = seq.push_token(
+            let out = match seq.push_token(
                 token,
                 &self.tokenizer,
                 &self.config.eos_token_ids,
                 self.config.max_position_embeddings,
-            )?;
+            ) {
+                Ok(out) => out,
+                Err(e) => {
+                    // Only this sequence is affected; the rest of the step stands.
+                    events.push((seq.request_id.clone(), Event::Failed(e)));
+                    finished.push(id);
+                    continue;
+                }
+            };
             events.push((
                 seq.request_id.clone(),
                 Event::Delta {
@@ -631,25 +639,44 @@ impl Engine {
         let total = requests.len();
         let mut index = HashMap::new();
         let mut out: Vec<Completion> = Vec::with_capacity(total);
+        let mut backlog = std::collections::VecDeque::new();
         for (i, request) in requests.into_iter().enumerate() {
-            let prompt_ids = self.tokenize(&request.prompt).unwrap_or_default();
-            index.insert(request.id.clone(), i);
             let mut completion = Completion {
                 request_id: request.id.clone(),
-                prompt_ids,
+                prompt_ids: self.tokenize(&request.prompt).unwrap_or_default(),
                 token_ids: Vec::new(),
                 text: String::new(),
                 finish: None,
                 error: None,
             };
-            if let Err(e) = self.submit(request) {
-                completion.error = Some(e);
+            if index.contains_key(&request.id) {
+                completion.error = Some(EngineError::request(
+                    "request_id",
+                    format!("{:?} appears twice in the batch", request.id),
+                ));
+            } else {
+                index.insert(request.id.clone(), i);
+                backlog.push_back((i, request));
             }
             out.push(completion);
         }
         let mut done = out.iter().filter(|c| c.error.is_some()).count();
         progress(done, total);
-        while self.has_work() {
+        loop {
+            // Feed the queue as it drains, so a batch larger than
+            // max_waiting runs instead of being refused.
+            while self.queues.waiting.len() < self.settings.max_waiting
+                && let Some((i, request)) = backlog.pop_front()
+            {
+                if let Err(e) = self.submit(request) {
+                    out[i].error = Some(e);
+                    done += 1;
+                    progress(done, total);
+                }
+            }
+            if !self.has_work() {
+                break;
+            }
             for (request_id, event) in self.step()? {
                 let c = &mut out[index[&request_id]];
                 match event {

@@ -293,7 +293,33 @@ impl AdapterPool {
     pub fn poll_loads(&mut self, wait: Option<Duration>) -> Vec<(AdapterId, AdapterError)> {
         let mut failures = Vec::new();
         let mut first = wait.and_then(|w| self.results.recv_timeout(w).ok());
-        while let Some((id, result)) = first.take().or_else(|| self.results.try_recv().ok()) {
+        let next = |results: &mpsc::Receiver<LoadResult>| match results.try_recv() {
+            Ok(r) => Some(Ok(r)),
+            Err(mpsc::TryRecvError::Empty) => None,
+            Err(mpsc::TryRecvError::Disconnected) => Some(Err(())),
+        };
+        loop {
+            let (id, result) = match first.take().map(Ok).or_else(|| next(&self.results)) {
+                None => break,
+                Some(Ok(r)) => r,
+                Some(Err(())) => {
+                    // The loader thread is gone (it panicked): fail every
+                    // load in flight rather than wait for it forever.
+                    for (id, e) in self.entries.iter_mut().filter(|(_, e)| e.loading) {
+                        e.loading = false;
+                        self.counters.load_failures += 1;
+                        failures.push((
+                            *id,
+                            AdapterError::Io {
+                                adapter: e.source.name.clone(),
+                                path: e.source.dir.display().to_string(),
+                                source: std::io::Error::other("the adapter loader stopped"),
+                            },
+                        ));
+                    }
+                    break;
+                }
+            };
             let now = self.tick();
             let Some(e) = self.entries.get_mut(&id) else {
                 continue;

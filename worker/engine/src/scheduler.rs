@@ -10,7 +10,9 @@
 //!    allow. A request whose adapter is still loading, or cannot get a
 //!    slot, is skipped rather than blocking the queue.
 //! 3. Anti-starvation: once the oldest waiting request has been passed
-//!    over for [`STARVATION_STEPS`] steps, nothing behind it is admitted
+//!    over for a slot (someone behind it admitted while its adapter, already
+//!    in the host tier, had no slot) in [`STARVATION_STEPS`] steps, nothing
+//!    behind it is admitted
 //!    until it is. Running sequences keep going and finish, their leases
 //!    end, and a slot frees up for it; without the rule, a steady stream of
 //!    requests for resident adapters could hold every slot forever.
@@ -108,6 +110,10 @@ impl Scheduler<'_> {
             .waiting
             .front()
             .is_some_and(|id| self.seqs[id].skipped >= STARVATION_STEPS);
+        // Requests passed over for want of a slot, with the admissions made
+        // before them; they age only if someone behind them got in.
+        let mut passed_over: Vec<(SeqId, usize)> = Vec::new();
+        let mut admitted = 0;
         let mut j = 0;
         while j < self.queues.waiting.len()
             && budget > 0
@@ -129,10 +135,7 @@ impl Scheduler<'_> {
                     s.len()
                 };
                 if new_distinct && distinct_now >= self.limits.max_loras {
-                    self.seqs
-                        .get_mut(&id)
-                        .expect("waiting sequence exists")
-                        .skipped += 1;
+                    passed_over.push((id, admitted));
                     j += 1;
                     continue;
                 }
@@ -142,10 +145,10 @@ impl Scheduler<'_> {
                 }
                 slot = self.pool.ensure_device(a, &busy_slots, self.backend)?;
                 if slot.is_none() {
-                    self.seqs
-                        .get_mut(&id)
-                        .expect("waiting sequence exists")
-                        .skipped += 1;
+                    // Waiting for the disk is not starvation; waiting for a slot is.
+                    if self.pool.host_adapter(a).is_some() {
+                        passed_over.push((id, admitted));
+                    }
                     j += 1;
                     continue;
                 }
@@ -171,8 +174,16 @@ impl Scheduler<'_> {
             self.queues.running.push(id);
             plan.scheduled.push((id, chunk));
             budget -= chunk;
+            admitted += 1;
         }
-        // Requests passed over this step (ahead of an admitted one) age too.
+        for (id, admitted_before) in passed_over {
+            if admitted > admitted_before {
+                self.seqs
+                    .get_mut(&id)
+                    .expect("waiting sequence exists")
+                    .skipped += 1;
+            }
+        }
         Ok(plan)
     }
 

@@ -145,9 +145,17 @@ impl Sequence {
             && (self.output_ids.len() >= self.params.max_tokens
                 || self.total_len() >= max_model_len)
         {
-            // The sequence ends here: release any text held for a partial character.
+            // The sequence ends here: release any text held for a partial
+            // character, which may still complete a stop string.
+            let before = self.text.len();
             self.text.push_str(&self.detok.flush(tokenizer)?);
-            finished = Some((FinishReason::Length, None));
+            finished = Some(match self.find_stop(before) {
+                Some((at, stop)) => {
+                    self.text.truncate(at);
+                    (FinishReason::Stop, Some(StopReason::String(stop)))
+                }
+                None => (FinishReason::Length, None),
+            });
         }
         let safe = if finished.is_some() {
             self.text.len()

@@ -158,6 +158,16 @@ fn features_that_change_the_math_are_refused_by_name() {
         ("trainable_token_indices", json!([1, 2]), "trainable token"),
         ("peft_type", json!("IA3"), "only LORA"),
         (
+            "init_lora_weights",
+            json!("pissa"),
+            "modifies the base weights",
+        ),
+        (
+            "init_lora_weights",
+            json!("olora"),
+            "modifies the base weights",
+        ),
+        (
             "some_future_switch",
             json!(0.5),
             "not a field lorafleet knows",
@@ -187,6 +197,7 @@ fn features_that_change_the_math_are_refused_by_name() {
     edit_config(dir.path(), |v| {
         v["lora_dropout"] = json!(0.3);
         v["task_type"] = json!("CAUSAL_LM");
+        v["init_lora_weights"] = json!("gaussian");
     });
     load(dir.path(), &c, 16, None).unwrap();
 }

@@ -311,3 +311,40 @@ fn max_tokens_stop_strings_and_utf8_stay_whole() {
         Some(lorafleet_engine::StopReason::String(stop))
     );
 }
+
+#[test]
+fn a_batch_larger_than_the_waiting_queue_still_runs_whole() {
+    let mut e = engine(EngineSettings {
+        max_waiting: 3,
+        ..Default::default()
+    });
+    let requests: Vec<Request> = (0..10)
+        .map(|i| Request {
+            id: format!("q{i}"),
+            adapter: Some(i % 3 + 1),
+            prompt: Prompt::Text("def forward(self, x):".into()),
+            params: SamplingParams {
+                max_tokens: 3,
+                temperature: 0.0,
+                ignore_eos: true,
+                ..Default::default()
+            },
+        })
+        .collect();
+    let mut duplicate = requests[0].clone();
+    duplicate.params.max_tokens = 5;
+    let mut all = requests;
+    all.push(duplicate);
+    let results = e.run_to_completion(all).unwrap();
+    assert!(
+        results[..10]
+            .iter()
+            .all(|c| c.error.is_none() && c.token_ids.len() == 3)
+    );
+    let err = results[10]
+        .error
+        .as_ref()
+        .expect("a repeated id is refused")
+        .to_string();
+    assert!(err.contains("appears twice"), "{err}");
+}

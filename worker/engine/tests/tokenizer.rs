@@ -63,3 +63,21 @@ fn incremental_text_never_splits_a_character() {
         "some tokens end mid-character, so their text waited"
     );
 }
+
+#[test]
+fn a_prompt_cut_inside_a_character_still_streams_text() {
+    let t = Tokenizer::from_dir(&model_dir("llama-gqa")).unwrap();
+    let ids = t.encode("日本語", false).unwrap();
+    // Find a cut where the prefix ends mid-character.
+    let cut = (1..ids.len())
+        .find(|&k| t.decode(&ids[..k]).unwrap().ends_with('\u{FFFD}'))
+        .expect("the fixture tokenizer splits a CJK character");
+    let mut d = IncrementalDecoder::new(&ids[..cut]);
+    let mut out = String::new();
+    for &id in &ids[cut..] {
+        out.push_str(&d.push(&t, id).unwrap());
+    }
+    out.push_str(&d.flush(&t).unwrap());
+    assert!(!out.is_empty() && !out.contains('\u{FFFD}'), "{out:?}");
+    assert!("日本語".ends_with(&out), "{out:?}");
+}

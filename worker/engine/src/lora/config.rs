@@ -14,7 +14,6 @@ const HARMLESS_KEYS: &[&str] = &[
     "corda_config",
     "eva_config",
     "inference_mode",
-    "init_lora_weights",
     "loftq_config",
     "lora_dropout",
     "megatron_config",
@@ -199,6 +198,22 @@ fn parse(
             return Err(unsupported(adapter, key, reason));
         }
     }
+    // Most initialisations only shape training. PiSSA, OLoRA, CorDA and
+    // LoftQ also rewrite the base weights, so an adapter saved with one of
+    // them still named expects a base that is not the served one.
+    if let Some(init) = get("init_lora_weights") {
+        let ok =
+            matches!(init, Value::Bool(_)) || matches!(init.as_str(), Some("gaussian" | "eva"));
+        if !ok {
+            return Err(unsupported(
+                adapter,
+                "init_lora_weights",
+                &format!(
+                    "{init} modifies the base weights; convert the adapter to plain LoRA first"
+                ),
+            ));
+        }
+    }
     if let Some(bias) = get("bias")
         && bias.as_str() != Some("none")
     {
@@ -223,6 +238,7 @@ fn parse(
         }
     }
     let known: &[&str] = &[
+        "init_lora_weights",
         "peft_type",
         "r",
         "lora_alpha",

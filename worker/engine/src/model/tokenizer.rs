@@ -192,11 +192,18 @@ impl IncrementalDecoder {
     /// Adds one token and returns the text it completes (possibly empty).
     pub fn push(&mut self, tokenizer: &Tokenizer, id: u32) -> Result<String> {
         self.ids.push(id);
-        let prefix = tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset])?;
+        // A window that ends inside a character (a prompt cut mid-character)
+        // decodes with a trailing U+FFFD that the longer decode completes.
+        let raw_prefix = tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset])?;
+        let prefix = raw_prefix.trim_end_matches('\u{FFFD}');
         let full = tokenizer.decode(&self.ids[self.prefix_offset..])?;
-        if full.len() > prefix.len() && !full.ends_with('\u{FFFD}') && full.starts_with(&prefix) {
+        if full.len() > prefix.len() && !full.ends_with('\u{FFFD}') && full.starts_with(prefix) {
             let delta = full[prefix.len()..].to_owned();
-            self.prefix_offset = self.read_offset;
+            // Move the context window only to a point that starts a whole
+            // character; otherwise the next window would begin mid-character.
+            if raw_prefix.len() == prefix.len() {
+                self.prefix_offset = self.read_offset;
+            }
             self.read_offset = self.ids.len();
             Ok(delta)
         } else {
@@ -207,11 +214,12 @@ impl IncrementalDecoder {
     /// Any text still held back at the end of the sequence.
     pub fn flush(&mut self, tokenizer: &Tokenizer) -> Result<String> {
         let prefix = tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset])?;
+        let prefix = prefix.trim_end_matches('\u{FFFD}');
         let full = tokenizer.decode(&self.ids[self.prefix_offset..])?;
         self.prefix_offset = self.read_offset;
         self.read_offset = self.ids.len();
         Ok(full
-            .strip_prefix(&prefix)
+            .strip_prefix(prefix)
             .map(str::to_owned)
             .unwrap_or_default())
     }
