@@ -842,7 +842,7 @@ mod tests {
     fn the_vector_kernel_gives_the_portable_kernels_bits() {
         // Odd sizes exercise every edge: a tail past the last 8-lane chunk,
         // an odd output row, and a partial tile of tokens.
-        for (n, fan_in, rows) in [(7, 45, 9), (4, 64, 2), (1, 13, 3), (9, 8, 5)] {
+        for (n, fan_in, rows) in [(7, 45, 9), (4, 64, 2), (1, 13, 3), (9, 8, 5), (13, 777, 7)] {
             let x = random(1, n * fan_in);
             let w = random(2, rows * fan_in);
             let bias = random(3, rows);
