@@ -18,7 +18,9 @@ It writes, under the output directory:
   cover r, lora_alpha, use_rslora, rank_pattern, alpha_pattern, list and
   "all-linear" targets, and layers_to_transform;
 - `golden.json`: for each (model, adapter or base, prompt), the greedy
-  tokens and the last prompt position's logits from transformers + PEFT.
+  tokens and the last prompt position's logits from transformers + PEFT;
+- `base_hashes.json` and `artifact_digests.json`: the base hash and the
+  artifact digests, computed here independently of the Rust code.
 """
 
 import json
@@ -122,10 +124,37 @@ def canonical_base_hash(model_dir):
     return h.hexdigest()
 
 
+def artifact_digest(adapter_dir):
+    """The artifact digest as the engine defines it (worker/engine/src/artifact.rs),
+    computed independently here."""
+    import hashlib
+    import struct
+
+    files = []
+    for base, _, names in os.walk(adapter_dir):
+        for name in names:
+            path = os.path.join(base, name)
+            files.append((os.path.relpath(path, adapter_dir).replace(os.sep, "/"), path))
+    files.sort(key=lambda f: f[0].encode())
+    h = hashlib.sha256(b"lorafleet-artifact-v1\n")
+    for rel, path in files:
+        with open(path, "rb") as f:
+            data = f.read()
+        h.update(struct.pack("<Q", len(rel.encode())) + rel.encode())
+        h.update(struct.pack("<Q", len(data)) + data)
+    return h.hexdigest()
+
+
 def write_base_hashes(out):
     hashes = {m: canonical_base_hash(os.path.join(out, m)) for m in ["llama-gqa", "qwen2-tied"]}
     with open(os.path.join(out, "base_hashes.json"), "w") as f:
         json.dump(hashes, f, indent=2)
+    digests = {}
+    for model in sorted(os.listdir(os.path.join(out, "adapters"))):
+        for name in sorted(os.listdir(os.path.join(out, "adapters", model))):
+            digests[f"{model}/{name}"] = artifact_digest(os.path.join(out, "adapters", model, name))
+    with open(os.path.join(out, "artifact_digests.json"), "w") as f:
+        json.dump(digests, f, indent=2)
 
 
 def randomize_lora(model, seed):

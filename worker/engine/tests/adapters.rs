@@ -333,3 +333,20 @@ fn rank_shape_weights_and_base_hash_are_checked() {
         "not valid JSON",
     );
 }
+
+#[test]
+fn artifact_digests_match_an_independent_implementation() {
+    let expected: std::collections::BTreeMap<String, String> = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("artifact_digests.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(expected.len(), 12);
+    let roots =
+        lorafleet_engine::artifact::ArtifactRoots::new(&[fixtures().join("adapters")]).unwrap();
+    for (uri, digest) in &expected {
+        let dir = roots
+            .resolve_verified(uri, digest)
+            .unwrap_or_else(|e| panic!("{uri}: {e}"));
+        assert!(dir.join("adapter_config.json").exists());
+    }
+}

@@ -1,0 +1,370 @@
+//! Adapter artifacts on disk: resolving a registry URI inside the configured
+//! artifact roots, and the artifact digest that the registry records and the
+//! worker verifies before first use.
+//!
+//! # URIs
+//!
+//! An artifact URI is a path relative to one of the roots (`acme/support/v3`),
+//! optionally written `file:acme/support/v3`. `file:///abs/path` and bare
+//! absolute paths are accepted only when they lie inside a root. Refused:
+//! any `..` segment, any other scheme, and anything whose real path (after
+//! following symlinks) leaves the root it was found in.
+//!
+//! # The artifact digest
+//!
+//! ```text
+//! sha256( "lorafleet-artifact-v1\n"
+//!         for each regular file under the directory, recursively, sorted by
+//!         its path relative to the directory ('/'-separated, byte order):
+//!             u64le(len(path)) path  u64le(len(data)) data )
+//! ```
+//!
+//! printed as 64 lowercase hex digits. Every file counts (configs, weights,
+//! a README alike), so any change to the directory changes the digest.
+//! Symlinks inside the directory are followed only if they stay inside the
+//! root.
+
+use std::io::Read;
+use std::path::{Component, Path, PathBuf};
+
+use sha2::{Digest, Sha256};
+
+const DIGEST_DOMAIN: &[u8] = b"lorafleet-artifact-v1\n";
+
+/// Why an artifact was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ArtifactError {
+    /// The URI is malformed, uses an unsupported scheme, or contains `..`.
+    #[error("artifact URI {uri:?}: {reason}")]
+    InvalidUri { uri: String, reason: String },
+    /// The URI (or a symlink on its way) points outside the artifact roots.
+    #[error("artifact URI {uri:?}: resolves outside the artifact roots")]
+    OutsideRoots { uri: String },
+    /// No root holds the artifact.
+    #[error("artifact URI {uri:?}: not found in any artifact root")]
+    NotFound { uri: String },
+    /// The artifact exists but cannot be read.
+    #[error("artifact {path}: cannot be read: {source}")]
+    Unreadable {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The files differ from what the registry recorded.
+    #[error("artifact {path}: digest {actual} does not match the expected {expected}")]
+    DigestMismatch {
+        path: String,
+        expected: String,
+        actual: String,
+    },
+}
+
+/// The directories artifacts may be read from.
+#[derive(Debug, Clone)]
+pub struct ArtifactRoots {
+    /// Canonical paths.
+    roots: Vec<PathBuf>,
+}
+
+impl ArtifactRoots {
+    /// Canonicalises each root; every root must be an existing directory.
+    pub fn new(roots: &[PathBuf]) -> Result<ArtifactRoots, String> {
+        if roots.is_empty() {
+            return Err("at least one artifact root is required".into());
+        }
+        let mut out = Vec::new();
+        for root in roots {
+            let canonical = root
+                .canonicalize()
+                .map_err(|e| format!("artifact root {}: {e}", root.display()))?;
+            if !canonical.is_dir() {
+                return Err(format!(
+                    "artifact root {} is not a directory",
+                    root.display()
+                ));
+            }
+            out.push(canonical);
+        }
+        Ok(ArtifactRoots { roots: out })
+    }
+
+    pub fn roots(&self) -> &[PathBuf] {
+        &self.roots
+    }
+
+    /// Resolves a URI to a directory inside a root.
+    pub fn resolve(&self, uri: &str) -> Result<PathBuf, ArtifactError> {
+        let invalid = |reason: &str| ArtifactError::InvalidUri {
+            uri: uri.into(),
+            reason: reason.into(),
+        };
+        let path = if let Some(rest) = uri.strip_prefix("file://") {
+            if !rest.starts_with('/') {
+                return Err(invalid("file:// URIs must not name a host"));
+            }
+            rest
+        } else if let Some(rest) = uri.strip_prefix("file:") {
+            rest
+        } else if has_scheme(uri) {
+            return Err(invalid("only relative paths and file: URIs are supported"));
+        } else {
+            uri
+        };
+        if path.is_empty() {
+            return Err(invalid("the path is empty"));
+        }
+        if path.contains('\0') {
+            return Err(invalid("the path contains a NUL byte"));
+        }
+        let path = Path::new(path);
+        if path.components().any(|c| c == Component::ParentDir) {
+            return Err(invalid("\"..\" segments are not allowed"));
+        }
+        if path.is_absolute() {
+            let real = match path.canonicalize() {
+                Ok(p) => p,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    return Err(ArtifactError::NotFound { uri: uri.into() });
+                }
+                Err(source) => {
+                    return Err(ArtifactError::Unreadable {
+                        path: path.display().to_string(),
+                        source,
+                    });
+                }
+            };
+            if !self.roots.iter().any(|r| real.starts_with(r)) {
+                return Err(ArtifactError::OutsideRoots { uri: uri.into() });
+            }
+            return checked_dir(uri, real);
+        }
+        for root in &self.roots {
+            let candidate = root.join(path);
+            match candidate.canonicalize() {
+                Ok(real) if real.starts_with(root) => return checked_dir(uri, real),
+                Ok(_) => return Err(ArtifactError::OutsideRoots { uri: uri.into() }),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(source) => {
+                    return Err(ArtifactError::Unreadable {
+                        path: candidate.display().to_string(),
+                        source,
+                    });
+                }
+            }
+        }
+        Err(ArtifactError::NotFound { uri: uri.into() })
+    }
+
+    /// Resolves a URI and checks its digest against `expected` (lowercase hex).
+    pub fn resolve_verified(&self, uri: &str, expected: &str) -> Result<PathBuf, ArtifactError> {
+        let dir = self.resolve(uri)?;
+        let actual = self.digest(&dir)?;
+        if !actual.eq_ignore_ascii_case(expected) {
+            return Err(ArtifactError::DigestMismatch {
+                path: uri.into(),
+                expected: expected.to_ascii_lowercase(),
+                actual,
+            });
+        }
+        Ok(dir)
+    }
+
+    /// The digest of a resolved artifact directory, refusing symlinks inside
+    /// it that leave the roots.
+    pub fn digest(&self, dir: &Path) -> Result<String, ArtifactError> {
+        digest_with(dir, &mut |real| {
+            self.roots.iter().any(|r| real.starts_with(r))
+        })
+    }
+}
+
+/// The digest of an artifact directory (see the module docs). Symlinks are
+/// followed only while they stay inside `dir`.
+pub fn digest(dir: &Path) -> Result<String, ArtifactError> {
+    let real_dir = dir
+        .canonicalize()
+        .map_err(|source| ArtifactError::Unreadable {
+            path: dir.display().to_string(),
+            source,
+        })?;
+    digest_with(dir, &mut |real| real.starts_with(&real_dir))
+}
+
+fn has_scheme(uri: &str) -> bool {
+    let Some((scheme, _)) = uri.split_once(':') else {
+        return false;
+    };
+    let mut chars = scheme.chars();
+    chars.next().is_some_and(|c| c.is_ascii_alphabetic())
+        && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'))
+}
+
+fn checked_dir(uri: &str, real: PathBuf) -> Result<PathBuf, ArtifactError> {
+    if real.is_dir() {
+        Ok(real)
+    } else {
+        Err(ArtifactError::InvalidUri {
+            uri: uri.into(),
+            reason: "does not name a directory".into(),
+        })
+    }
+}
+
+fn digest_with(
+    dir: &Path,
+    allowed: &mut dyn FnMut(&Path) -> bool,
+) -> Result<String, ArtifactError> {
+    let unreadable = |path: &Path, source| ArtifactError::Unreadable {
+        path: path.display().to_string(),
+        source,
+    };
+    let mut files: Vec<(String, PathBuf)> = Vec::new();
+    let mut stack = vec![(dir.to_path_buf(), String::new())];
+    while let Some((at, prefix)) = stack.pop() {
+        for entry in std::fs::read_dir(&at).map_err(|e| unreadable(&at, e))? {
+            let entry = entry.map_err(|e| unreadable(&at, e))?;
+            let path = entry.path();
+            let name = entry.file_name().into_string().map_err(|_| {
+                unreadable(
+                    &path,
+                    std::io::Error::new(std::io::ErrorKind::InvalidData, "file name is not UTF-8"),
+                )
+            })?;
+            let relative = if prefix.is_empty() {
+                name
+            } else {
+                format!("{prefix}/{name}")
+            };
+            let real = path.canonicalize().map_err(|e| unreadable(&path, e))?;
+            if !allowed(&real) {
+                return Err(unreadable(
+                    &path,
+                    std::io::Error::new(
+                        std::io::ErrorKind::PermissionDenied,
+                        "a symlink leaves the artifact root",
+                    ),
+                ));
+            }
+            if real.is_dir() {
+                stack.push((path, relative));
+            } else if real.is_file() {
+                files.push((relative, path));
+            }
+        }
+    }
+    files.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+    let mut hasher = Sha256::new();
+    hasher.update(DIGEST_DOMAIN);
+    let mut buf = vec![0u8; 1 << 20];
+    for (relative, path) in files {
+        let mut file = std::fs::File::open(&path).map_err(|e| unreadable(&path, e))?;
+        let len = file.metadata().map_err(|e| unreadable(&path, e))?.len();
+        hasher.update((relative.len() as u64).to_le_bytes());
+        hasher.update(relative.as_bytes());
+        hasher.update(len.to_le_bytes());
+        let mut read = 0u64;
+        loop {
+            let n = file.read(&mut buf).map_err(|e| unreadable(&path, e))?;
+            if n == 0 {
+                break;
+            }
+            read += n as u64;
+            hasher.update(&buf[..n]);
+        }
+        if read != len {
+            return Err(unreadable(
+                &path,
+                std::io::Error::other("the file changed while it was hashed"),
+            ));
+        }
+    }
+    Ok(hex::encode(hasher.finalize()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tree() -> (tempfile::TempDir, ArtifactRoots) {
+        let root = tempfile::tempdir().unwrap();
+        let adapter = root.path().join("acme/support/v3");
+        std::fs::create_dir_all(adapter.join("nested")).unwrap();
+        std::fs::write(adapter.join("adapter_config.json"), b"{\"r\": 8}").unwrap();
+        std::fs::write(adapter.join("nested/extra.bin"), b"\x00\x01").unwrap();
+        let roots = ArtifactRoots::new(&[root.path().to_path_buf()]).unwrap();
+        (root, roots)
+    }
+
+    #[test]
+    fn resolves_relative_and_file_uris_inside_the_root() {
+        let (root, roots) = tree();
+        let want = root.path().join("acme/support/v3").canonicalize().unwrap();
+        assert_eq!(roots.resolve("acme/support/v3").unwrap(), want);
+        assert_eq!(roots.resolve("file:acme/support/v3").unwrap(), want);
+        let abs = format!("file://{}", want.display());
+        assert_eq!(roots.resolve(&abs).unwrap(), want);
+        assert_eq!(roots.resolve(want.to_str().unwrap()).unwrap(), want);
+    }
+
+    #[test]
+    fn refuses_traversal_schemes_escapes_and_missing() {
+        let (root, roots) = tree();
+        let outside = tempfile::tempdir().unwrap();
+        std::fs::write(outside.path().join("adapter_config.json"), b"{}").unwrap();
+        #[cfg(unix)]
+        std::os::unix::fs::symlink(outside.path(), root.path().join("escape")).unwrap();
+        let cases: Vec<(String, &str)> = vec![
+            ("../etc".into(), "InvalidUri"),
+            ("acme/../../x".into(), "InvalidUri"),
+            ("s3://bucket/a".into(), "InvalidUri"),
+            ("https://example.invalid/a".into(), "InvalidUri"),
+            ("file://host/a".into(), "InvalidUri"),
+            ("".into(), "InvalidUri"),
+            (outside.path().display().to_string(), "OutsideRoots"),
+            ("escape".into(), "OutsideRoots"),
+            ("acme/missing".into(), "NotFound"),
+            ("acme/support/v3/adapter_config.json".into(), "InvalidUri"),
+        ];
+        for (uri, kind) in cases {
+            let err = roots.resolve(&uri).unwrap_err();
+            assert!(
+                format!("{err:?}").starts_with(kind),
+                "{uri:?}: expected {kind}, got {err:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_digest_covers_every_file_and_is_verified() {
+        let (root, roots) = tree();
+        let dir = roots.resolve("acme/support/v3").unwrap();
+        let d1 = roots.digest(&dir).unwrap();
+        assert_eq!(d1, digest(&dir).unwrap());
+        assert_eq!(d1.len(), 64);
+        roots.resolve_verified("acme/support/v3", &d1).unwrap();
+        roots
+            .resolve_verified("acme/support/v3", &d1.to_uppercase())
+            .unwrap();
+
+        std::fs::write(dir.join("nested/extra.bin"), b"\x00\x02").unwrap();
+        let err = roots.resolve_verified("acme/support/v3", &d1).unwrap_err();
+        assert!(matches!(err, ArtifactError::DigestMismatch { .. }), "{err}");
+
+        // A renamed file changes the digest even with the same bytes.
+        std::fs::write(dir.join("nested/extra.bin"), b"\x00\x01").unwrap();
+        assert_eq!(roots.digest(&dir).unwrap(), d1);
+        std::fs::rename(dir.join("nested/extra.bin"), dir.join("nested/other.bin")).unwrap();
+        assert_ne!(roots.digest(&dir).unwrap(), d1);
+
+        // A symlink inside the artifact that leaves the root is refused.
+        #[cfg(unix)]
+        {
+            let outside = tempfile::tempdir().unwrap();
+            std::fs::write(outside.path().join("secret"), b"x").unwrap();
+            std::os::unix::fs::symlink(outside.path().join("secret"), dir.join("link")).unwrap();
+            let err = roots.digest(&dir).unwrap_err().to_string();
+            assert!(err.contains("leaves the artifact root"), "{err}");
+        }
+        drop(root);
+    }
+}
