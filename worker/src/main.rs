@@ -2,7 +2,7 @@
 //! adapters. Subcommands: `base-hash` prints a model's base hash;
 //! `generate` runs a JSONL file of requests offline as one mixed batch.
 
-mod generate;
+use lorafleet_worker::generate;
 
 use std::io::IsTerminal;
 use std::path::PathBuf;

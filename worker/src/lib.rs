@@ -1,0 +1,5 @@
+//! The lorafleet worker: the engine behind an async handle, and the offline
+//! batch command. The binary in `main.rs` only parses flags and calls in.
+
+pub mod generate;
+pub mod runtime;

@@ -1,0 +1,488 @@
+//! The engine's own thread, and the async handle the gRPC service uses.
+//!
+//! One thread owns the [`Engine`] and drives it; everything else talks to it
+//! through commands on a channel. Each request's events flow back on its own
+//! channel; dropping a [`RequestStream`] before it finishes aborts the
+//! request, so a client that disconnects frees its KV blocks at once. The
+//! thread publishes a [`Report`] on a `watch` channel whenever adapter
+//! residency changes and at least every `report_interval`; watchers always
+//! see only the latest report, so a slow watcher never slows the engine.
+
+use std::collections::HashMap;
+use std::sync::mpsc as std_mpsc;
+use std::time::{Duration, Instant, SystemTime};
+
+use lorafleet_engine::{
+    Accepted, AdapterId, AdapterSource, Engine, EngineError, EngineStats, Event, Request,
+    Residency, StepStats,
+};
+use tokio::sync::{mpsc, oneshot, watch};
+
+/// A snapshot of the engine, published by its thread.
+#[derive(Debug, Clone)]
+pub struct Report {
+    /// Increases with every report.
+    pub sequence: u64,
+    pub produced_at: SystemTime,
+    pub stats: EngineStats,
+    pub last_step: StepStats,
+}
+
+type Reply<T> = oneshot::Sender<Result<T, EngineError>>;
+
+enum Command {
+    Submit {
+        request: Request,
+        events: mpsc::UnboundedSender<Event>,
+        reply: Reply<Accepted>,
+    },
+    Abort {
+        id: String,
+    },
+    Register {
+        id: AdapterId,
+        source: AdapterSource,
+        reply: Reply<()>,
+    },
+    Prefetch {
+        id: AdapterId,
+        promote: bool,
+        pin: Option<bool>,
+        reply: Reply<()>,
+    },
+    Unload {
+        id: AdapterId,
+        reply: Reply<(Residency, u32)>,
+    },
+    Shutdown,
+}
+
+/// The async side of the engine thread. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct EngineHandle {
+    commands: std_mpsc::Sender<Command>,
+    reports: watch::Receiver<Report>,
+}
+
+impl std::fmt::Debug for Command {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Command::Submit { .. } => "Submit",
+            Command::Abort { .. } => "Abort",
+            Command::Register { .. } => "Register",
+            Command::Prefetch { .. } => "Prefetch",
+            Command::Unload { .. } => "Unload",
+            Command::Shutdown => "Shutdown",
+        })
+    }
+}
+
+/// A request's events. Dropping it before `Finished` or `Failed` aborts the
+/// request in the engine.
+#[derive(Debug)]
+pub struct RequestStream {
+    id: String,
+    events: mpsc::UnboundedReceiver<Event>,
+    commands: std_mpsc::Sender<Command>,
+    done: bool,
+}
+
+impl RequestStream {
+    /// The next event; None once the request has ended.
+    pub async fn next(&mut self) -> Option<Event> {
+        if self.done {
+            return None;
+        }
+        let event = self.events.recv().await;
+        if matches!(
+            event,
+            None | Some(Event::Finished(_)) | Some(Event::Failed(_))
+        ) {
+            self.done = true;
+        }
+        event
+    }
+}
+
+impl Drop for RequestStream {
+    fn drop(&mut self) {
+        if !self.done {
+            // The engine thread may already be gone at shutdown; nothing to free then.
+            let _ = self.commands.send(Command::Abort {
+                id: self.id.clone(),
+            });
+        }
+    }
+}
+
+/// The engine thread stopped, so the request cannot be served.
+fn gone() -> EngineError {
+    EngineError::Backend("the engine thread has stopped".into())
+}
+
+impl EngineHandle {
+    /// Moves the engine onto its own thread.
+    pub fn spawn(engine: Engine, report_interval: Duration) -> EngineHandle {
+        let (commands, rx) = std_mpsc::channel();
+        let first = Report {
+            sequence: 0,
+            produced_at: SystemTime::now(),
+            stats: engine.stats(),
+            last_step: engine.last_step(),
+        };
+        let (report_tx, reports) = watch::channel(first);
+        std::thread::Builder::new()
+            .name("engine".into())
+            .spawn(move || run(engine, rx, report_tx, report_interval))
+            .expect("spawn the engine thread");
+        EngineHandle { commands, reports }
+    }
+
+    /// Queues a request and returns its acceptance and its event stream.
+    pub async fn submit(&self, request: Request) -> Result<(Accepted, RequestStream), EngineError> {
+        let (events_tx, events) = mpsc::unbounded_channel();
+        let (reply, accepted) = oneshot::channel();
+        let id = request.id.clone();
+        self.commands
+            .send(Command::Submit {
+                request,
+                events: events_tx,
+                reply,
+            })
+            .map_err(|_| gone())?;
+        let accepted = accepted.await.map_err(|_| gone())??;
+        Ok((
+            accepted,
+            RequestStream {
+                id,
+                events,
+                commands: self.commands.clone(),
+                done: false,
+            },
+        ))
+    }
+
+    /// Makes an adapter known to the engine.
+    pub async fn register(&self, id: AdapterId, source: AdapterSource) -> Result<(), EngineError> {
+        self.call(|reply| Command::Register { id, source, reply })
+            .await
+    }
+
+    /// Starts loading an adapter into the host tier; with `promote`, also
+    /// into a device slot once loaded. `pin` pins or unpins it.
+    pub async fn prefetch(
+        &self,
+        id: AdapterId,
+        promote: bool,
+        pin: Option<bool>,
+    ) -> Result<(), EngineError> {
+        self.call(|reply| Command::Prefetch {
+            id,
+            promote,
+            pin,
+            reply,
+        })
+        .await
+    }
+
+    /// Unloads an adapter; returns where it was and the leases still held.
+    pub async fn unload(&self, id: AdapterId) -> Result<(Residency, u32), EngineError> {
+        self.call(|reply| Command::Unload { id, reply }).await
+    }
+
+    /// The latest report, and a receiver for the ones to come.
+    pub fn reports(&self) -> watch::Receiver<Report> {
+        self.reports.clone()
+    }
+
+    /// Stops the engine thread after its current step.
+    pub fn shutdown(&self) {
+        let _ = self.commands.send(Command::Shutdown);
+    }
+
+    async fn call<T>(&self, make: impl FnOnce(Reply<T>) -> Command) -> Result<T, EngineError> {
+        let (reply, rx) = oneshot::channel();
+        self.commands.send(make(reply)).map_err(|_| gone())?;
+        rx.await.map_err(|_| gone())?
+    }
+}
+
+/// The engine thread's loop.
+fn run(
+    mut engine: Engine,
+    commands: std_mpsc::Receiver<Command>,
+    reports: watch::Sender<Report>,
+    interval: Duration,
+) {
+    let mut streams: HashMap<String, mpsc::UnboundedSender<Event>> = HashMap::new();
+    let mut pending_promotions: Vec<AdapterId> = Vec::new();
+    let mut sequence = 0u64;
+    let mut last_report = Instant::now();
+    let mut last_generation = engine.stats().residency_generation;
+    loop {
+        // Block for a command only when idle; otherwise take what is queued.
+        let first = if engine.has_work() {
+            commands.try_recv().ok()
+        } else {
+            let wait = if pending_promotions.is_empty() {
+                interval
+                    .saturating_sub(last_report.elapsed())
+                    .max(Duration::from_millis(1))
+            } else {
+                Duration::from_millis(10)
+            };
+            match commands.recv_timeout(wait) {
+                Ok(c) => Some(c),
+                Err(std_mpsc::RecvTimeoutError::Timeout) => None,
+                Err(std_mpsc::RecvTimeoutError::Disconnected) => return,
+            }
+        };
+        let mut next = first;
+        while let Some(command) = next.take() {
+            match command {
+                Command::Submit {
+                    request,
+                    events,
+                    reply,
+                } => {
+                    let id = request.id.clone();
+                    let result = engine.submit(request);
+                    if result.is_ok() {
+                        streams.insert(id, events);
+                    }
+                    let _ = reply.send(result);
+                }
+                Command::Abort { id } => {
+                    streams.remove(&id);
+                    engine.abort(&id);
+                }
+                Command::Register { id, source, reply } => {
+                    let _ = reply.send(engine.register_adapter(id, source));
+                }
+                Command::Prefetch {
+                    id,
+                    promote,
+                    pin,
+                    reply,
+                } => {
+                    if let Some(pin) = pin {
+                        engine.pool().set_pinned(id, pin);
+                    }
+                    engine.prefetch(id);
+                    if promote {
+                        pending_promotions.push(id);
+                    }
+                    let _ = reply.send(Ok(()));
+                }
+                Command::Unload { id, reply } => {
+                    pending_promotions.retain(|&p| p != id);
+                    let _ = reply.send(engine.unload_adapter(id));
+                }
+                Command::Shutdown => return,
+            }
+            next = commands.try_recv().ok();
+        }
+
+        if engine.has_work() {
+            match engine.step() {
+                Ok(events) => {
+                    for (id, event) in events {
+                        let last = matches!(event, Event::Finished(_) | Event::Failed(_));
+                        let delivered = streams.get(&id).is_some_and(|tx| tx.send(event).is_ok());
+                        if last {
+                            streams.remove(&id);
+                        } else if !delivered {
+                            // The client went away: free the sequence now.
+                            streams.remove(&id);
+                            engine.abort(&id);
+                        }
+                    }
+                }
+                Err(e) => {
+                    // A backend failure fails every live request; the engine
+                    // stays up for the next ones.
+                    let message = e.to_string();
+                    for (id, tx) in streams.drain() {
+                        engine.abort(&id);
+                        let _ = tx.send(Event::Failed(EngineError::Backend(message.clone())));
+                    }
+                }
+            }
+        }
+        if !pending_promotions.is_empty() {
+            if !engine.has_work() {
+                // No request waits on these loads, so no failure needs routing.
+                engine.pool().poll_loads(None);
+            }
+            pending_promotions.retain(|&id| match engine.promote(id) {
+                Ok(Some(_)) => false,
+                // Still loading, or no free slot yet: try again next round,
+                // unless the load failed and the adapter is gone.
+                Ok(None) => {
+                    engine.pool().residency(id) == Residency::Loading
+                        || engine.pool().host_adapter(id).is_some()
+                }
+                Err(_) => false,
+            });
+        }
+
+        let generation = engine.stats().residency_generation;
+        if generation != last_generation || last_report.elapsed() >= interval {
+            sequence += 1;
+            let _ = reports.send(Report {
+                sequence,
+                produced_at: SystemTime::now(),
+                stats: engine.stats(),
+                last_step: engine.last_step(),
+            });
+            last_generation = generation;
+            last_report = Instant::now();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use lorafleet_engine::{EngineSettings, Prompt, SamplingParams};
+
+    use super::*;
+
+    fn fixtures() -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("engine/tests/fixtures")
+    }
+
+    async fn handle() -> EngineHandle {
+        let engine =
+            Engine::load_cpu(&fixtures().join("llama-gqa"), EngineSettings::default()).unwrap();
+        let h = EngineHandle::spawn(engine, Duration::from_millis(100));
+        for (id, name) in [(1, "qv-r8"), (2, "patterns")] {
+            let dir = fixtures().join("adapters/llama-gqa").join(name);
+            h.register(
+                id,
+                AdapterSource {
+                    name: name.into(),
+                    dir,
+                    declared_base_hash: None,
+                },
+            )
+            .await
+            .unwrap();
+        }
+        h
+    }
+
+    fn request(id: &str, adapter: Option<u64>, max_tokens: usize) -> Request {
+        Request {
+            id: id.into(),
+            adapter,
+            prompt: Prompt::Text("The quick brown fox".into()),
+            params: SamplingParams {
+                max_tokens,
+                temperature: 0.0,
+                ignore_eos: true,
+                ..Default::default()
+            },
+        }
+    }
+
+    async fn collect(mut stream: RequestStream) -> (Vec<u32>, bool) {
+        let mut tokens = Vec::new();
+        let mut finished = false;
+        while let Some(event) = stream.next().await {
+            match event {
+                Event::Delta { token_ids, .. } => tokens.extend(token_ids),
+                Event::Finished(_) => finished = true,
+                Event::Failed(e) => panic!("{e}"),
+            }
+        }
+        (tokens, finished)
+    }
+
+    #[tokio::test]
+    async fn concurrent_requests_stream_to_the_end() {
+        let h = handle().await;
+        let (a, sa) = h.submit(request("a", Some(1), 5)).await.unwrap();
+        let (_, sb) = h.submit(request("b", None, 7)).await.unwrap();
+        let (_, sc) = h.submit(request("c", Some(2), 3)).await.unwrap();
+        assert_eq!(a.residency, Some(Residency::NotLoaded));
+        let (ra, rb, rc) = tokio::join!(collect(sa), collect(sb), collect(sc));
+        assert_eq!((ra.0.len(), rb.0.len(), rc.0.len()), (5, 7, 3));
+        assert!(ra.1 && rb.1 && rc.1);
+        // A duplicate id while the first is live is refused at submit.
+        let (_, _s) = h.submit(request("d", None, 50)).await.unwrap();
+        let err = h.submit(request("d", None, 5)).await.unwrap_err();
+        assert!(err.to_string().contains("already running"), "{err}");
+        h.shutdown();
+    }
+
+    #[tokio::test]
+    async fn dropping_a_stream_frees_its_kv_blocks_and_reports_show_it() {
+        let h = handle().await;
+        let mut reports = h.reports();
+        let (_, mut stream) = h.submit(request("long", Some(1), 400)).await.unwrap();
+        // Wait for a few tokens so the sequence holds KV blocks.
+        for _ in 0..3 {
+            stream.next().await.unwrap();
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            reports.changed().await.unwrap();
+            if reports.borrow().stats.kv_blocks_used > 0 {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no report showed the running sequence"
+            );
+        }
+        drop(stream);
+        loop {
+            reports.changed().await.unwrap();
+            let r = reports.borrow().clone();
+            if r.stats.kv_blocks_used == 0 && r.stats.running == 0 {
+                assert!(
+                    r.stats.adapters.iter().all(|a| a.active == 0),
+                    "the lease is released"
+                );
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the dropped stream's blocks were never freed"
+            );
+        }
+        h.shutdown();
+    }
+
+    #[tokio::test]
+    async fn prefetch_promotes_and_pins_and_reports_keep_coming() {
+        let h = handle().await;
+        let mut reports = h.reports();
+        h.prefetch(2, true, Some(true)).await.unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut last_seq = reports.borrow_and_update().sequence;
+        let mut seen = 0;
+        loop {
+            reports.changed().await.unwrap();
+            let r = reports.borrow_and_update().clone();
+            assert!(r.sequence > last_seq);
+            last_seq = r.sequence;
+            seen += 1;
+            let a = r.stats.adapters.iter().find(|a| a.id == 2);
+            // Reports keep coming while idle, not only on changes.
+            if a.is_some_and(|a| a.residency == Residency::Device && a.pinned) && seen >= 4 {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "adapter 2 never reached a device slot: {:?}",
+                r.stats.adapters
+            );
+        }
+        let (before, draining) = h.unload(2).await.unwrap();
+        assert_eq!((before, draining), (Residency::Device, 0));
+        h.shutdown();
+    }
+}
