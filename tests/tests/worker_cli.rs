@@ -173,3 +173,42 @@ fn a_bad_input_line_fails_the_run_before_any_work() {
         String::from_utf8_lossy(&out.stderr).contains("--lora \"noequals\": expected NAME=DIR")
     );
 }
+
+#[test]
+fn generate_refuses_bad_engine_flags_by_name() {
+    let fixtures = engine_fixtures();
+    let model = fixtures.join("llama-gqa");
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("in.jsonl");
+    std::fs::write(&input, "{\"prompt\": \"hi\"}\n").unwrap();
+    let cases: &[(&[&str], &str)] = &[
+        (&["--max-loras", "0"], "--max-loras: must be at least 1"),
+        (
+            &["--max-loras", "8", "--max-cpu-loras", "4"],
+            "--max-cpu-loras: 4 must be at least max-loras (8)",
+        ),
+        (&["--kv-blocks", "0"], "--kv-blocks: must be at least 1"),
+        (
+            &["--max-lora-rank", "1000"],
+            "--max-lora-rank: 1000 is above 512",
+        ),
+    ];
+    for (flags, expected) in cases {
+        let mut args = vec![
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--input",
+            input.to_str().unwrap(),
+        ];
+        args.extend(["--output", "/dev/null"]);
+        args.extend(flags.iter().copied());
+        let out = run("lorafleet-worker", &args, &[]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flags:?}");
+        assert!(
+            stderr.contains(expected),
+            "{flags:?}: expected {expected:?} in {stderr}"
+        );
+    }
+}
