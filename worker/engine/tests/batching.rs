@@ -6,22 +6,13 @@ mod common;
 
 use common::*;
 use lorafleet_engine::{
-    AdapterSource, Engine, EngineSettings, Event, FinishReason, Prompt, Request, SamplingParams,
+    Engine, EngineSettings, Event, FinishReason, Prompt, Request, SamplingParams,
 };
 
 const MODEL: &str = "llama-gqa";
 
 fn engine(settings: EngineSettings) -> Engine {
-    let mut e = Engine::load_cpu(&model_dir(MODEL), settings).unwrap();
-    for (i, name) in adapter_names(MODEL).iter().enumerate() {
-        let source = AdapterSource {
-            name: name.clone(),
-            dir: adapter_dir(MODEL, name),
-            declared_base_hash: None,
-        };
-        e.register_adapter(i as u64 + 1, source).unwrap();
-    }
-    e
+    fixture_engine(MODEL, settings)
 }
 
 /// 2 requests per adapter (10 adapters) plus 4 base-model requests; half
@@ -171,22 +162,13 @@ fn preemption_recomputes_to_the_same_tokens() {
 fn the_engine_reproduces_the_golden_greedy_tokens() {
     let golden = golden();
     for model in ["llama-gqa", "qwen2-tied"] {
-        let mut e = Engine::load_cpu(
-            &model_dir(model),
+        let mut e = fixture_engine(
+            model,
             EngineSettings {
                 max_loras: 2,
                 ..Default::default()
             },
-        )
-        .unwrap();
-        for (i, name) in adapter_names(model).iter().enumerate() {
-            let source = AdapterSource {
-                name: name.clone(),
-                dir: adapter_dir(model, name),
-                declared_base_hash: None,
-            };
-            e.register_adapter(i as u64 + 1, source).unwrap();
-        }
+        );
         let ids = adapter_names(model);
         let cases: Vec<_> = golden.cases.iter().filter(|c| c.model == model).collect();
         let requests = cases

@@ -32,15 +32,8 @@ fn setup(slots: usize, host: usize) -> (AdapterPool, CpuBackend) {
     .unwrap();
     let mut pool = AdapterPool::new(config, 16, slots, host, "h".repeat(64));
     for (i, name) in adapter_names(MODEL).iter().enumerate() {
-        pool.register(
-            i as u64 + 1,
-            AdapterSource {
-                name: name.clone(),
-                dir: adapter_dir(MODEL, name),
-                declared_base_hash: None,
-            },
-        )
-        .unwrap();
+        pool.register(i as u64 + 1, fixture_source(MODEL, name))
+            .unwrap();
     }
     (pool, backend)
 }
@@ -154,19 +147,8 @@ fn more_distinct_adapters_than_slots_all_complete() {
         max_cpu_loras: 3,
         ..Default::default()
     };
-    let mut e = Engine::load_cpu(&model_dir(MODEL), settings).unwrap();
+    let mut e = fixture_engine(MODEL, settings);
     let names = adapter_names(MODEL);
-    for (i, name) in names.iter().enumerate() {
-        e.register_adapter(
-            i as u64 + 1,
-            AdapterSource {
-                name: name.clone(),
-                dir: adapter_dir(MODEL, name),
-                declared_base_hash: None,
-            },
-        )
-        .unwrap();
-    }
     let requests: Vec<Request> = (0..names.len() as u64 * 2)
         .map(|i| Request {
             id: format!("r{i}"),

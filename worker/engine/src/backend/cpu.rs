@@ -238,8 +238,6 @@ fn dots(x: &[f32], len: usize, w: &[f32], mut out: impl FnMut(usize, f32)) {
     }
 }
 
-/// `out[t, o] = x[t]·W[o] (+ b[o])` for every token, in parallel over blocks
-/// of output features so each weight row is read once per step.
 /// One block of output features `lo..hi` of [`linear`], for every token:
 /// `[n, hi - lo]`, row-major.
 #[inline(always)]
@@ -407,6 +405,8 @@ mod simd {
     }
 }
 
+/// `out[t, o] = x[t]·W[o] (+ b[o])` for every token, in parallel over blocks
+/// of output features so each weight row is read once per step.
 fn linear(
     x: &[f32],
     n: usize,

@@ -53,3 +53,26 @@ pub fn relative_error(a: &[f32], b: &[f32]) -> f32 {
     let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
     a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
 }
+
+/// A fixture adapter as an engine source.
+pub fn fixture_source(model: &str, name: &str) -> lorafleet_engine::AdapterSource {
+    lorafleet_engine::AdapterSource {
+        name: name.into(),
+        dir: adapter_dir(model, name),
+        declared_base_hash: None,
+    }
+}
+
+/// An engine on a fixture model with every fixture adapter registered, as
+/// ids 1..=n in name order.
+pub fn fixture_engine(
+    model: &str,
+    settings: lorafleet_engine::EngineSettings,
+) -> lorafleet_engine::Engine {
+    let mut e = lorafleet_engine::Engine::load_cpu(&model_dir(model), settings).unwrap();
+    for (i, name) in adapter_names(model).iter().enumerate() {
+        e.register_adapter(i as u64 + 1, fixture_source(model, name))
+            .unwrap();
+    }
+    e
+}
