@@ -1,8 +1,9 @@
 //! `lorafleet-worker`: one process serving one base model and many LoRA
-//! adapters. Subcommands: `base-hash` prints a model's base hash;
-//! `generate` runs a JSONL file of requests offline as one mixed batch.
+//! adapters. Subcommands: `serve` serves gRPC; `base-hash` prints a model's
+//! base hash; `generate` runs a JSONL file of requests offline as one mixed
+//! batch.
 
-use lorafleet_worker::generate;
+use lorafleet_worker::{generate, serve};
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -33,6 +34,9 @@ enum Command {
     /// Runs every request of a JSONL file as one continuous mixed batch and
     /// writes the results in input order.
     Generate(generate::GenerateArgs),
+    /// Serves the model and its adapters over gRPC (lorafleet.worker.v1 and
+    /// grpc.health.v1) until SIGTERM, then drains.
+    Serve(serve::ServeArgs),
 }
 
 fn main() -> ExitCode {
@@ -40,6 +44,9 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::BaseHash { model } => base_hash(&model),
         Command::Generate(args) => generate::run(args),
+        Command::Serve(args) => tokio::runtime::Runtime::new()
+            .map_err(anyhow::Error::from)
+            .and_then(|rt| rt.block_on(serve::run(args))),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,316 @@
+//! The real `lorafleet-worker serve` on the fixture model, over gRPC on a
+//! loopback port the OS picks.
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use lorafleet_proto::worker::v1 as pb;
+use lorafleet_proto::worker::v1::worker_client::WorkerClient;
+use lorafleet_tests::{binary, engine_fixtures};
+use serde_json::Value;
+use tonic::Code;
+use tonic::transport::Channel;
+
+struct Worker {
+    child: Child,
+    addr: String,
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start(extra_root: &Path) -> Worker {
+    let fixtures = engine_fixtures();
+    let mut child = Command::new(binary("lorafleet-worker"))
+        .args([
+            "serve",
+            "--grpc-listen",
+            "127.0.0.1:0",
+            "--worker-id",
+            "w0",
+            "--max-loras",
+            "2",
+        ])
+        .arg("--model")
+        .arg(fixtures.join("llama-gqa"))
+        .arg("--artifact-root")
+        .arg(fixtures.join("adapters"))
+        .arg("--artifact-root")
+        .arg(extra_root)
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn lorafleet-worker serve");
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(addr) = line.strip_prefix("lorafleet-worker listening grpc=") {
+                let _ = tx.send(addr.to_owned());
+            }
+        }
+    });
+    let addr = rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the worker printed its address");
+    Worker { child, addr }
+}
+
+async fn client(w: &Worker) -> WorkerClient<Channel> {
+    WorkerClient::connect(format!("http://{}", w.addr))
+        .await
+        .expect("connect")
+}
+
+fn json(name: &str) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(engine_fixtures().join(name)).unwrap()).unwrap()
+}
+
+fn descriptor(adapter: &str, id: u64) -> pb::AdapterDescriptor {
+    pb::AdapterDescriptor {
+        lora_int_id: id,
+        artifact_uri: format!("llama-gqa/{adapter}"),
+        artifact_sha256: json("artifact_digests.json")[format!("llama-gqa/{adapter}")]
+            .as_str()
+            .unwrap()
+            .into(),
+        base_hash: json("base_hashes.json")["llama-gqa"]
+            .as_str()
+            .unwrap()
+            .into(),
+        rank: 16,
+        display_name: adapter.into(),
+    }
+}
+
+fn request(
+    id: &str,
+    adapter: Option<pb::AdapterDescriptor>,
+    ids: Vec<u32>,
+    max_tokens: u32,
+) -> pb::GenerateRequest {
+    pb::GenerateRequest {
+        request_id: id.into(),
+        adapter,
+        prompt: Some(pb::generate_request::Prompt::TokenIds(pb::TokenIds { ids })),
+        sampling: Some(pb::SamplingParams {
+            max_tokens,
+            temperature: Some(0.0),
+            ..Default::default()
+        }),
+        trace_context: None,
+    }
+}
+
+/// Runs a Generate call to the end: (tokens, finished event).
+async fn generate(
+    c: &mut WorkerClient<Channel>,
+    r: pb::GenerateRequest,
+) -> Result<(Vec<u32>, pb::Finished), tonic::Status> {
+    let mut stream = c.generate(r).await?.into_inner();
+    let mut tokens = Vec::new();
+    let mut accepted = false;
+    while let Some(event) = stream.message().await? {
+        match event.event.unwrap() {
+            pb::generate_event::Event::Accepted(_) => accepted = true,
+            pb::generate_event::Event::Delta(d) => tokens.extend(d.token_ids),
+            pb::generate_event::Event::Finished(f) => {
+                assert!(accepted, "Accepted comes first");
+                return Ok((tokens, f));
+            }
+        }
+    }
+    panic!("the stream ended without Finished");
+}
+
+#[tokio::test]
+async fn concurrent_adapter_streams_match_the_goldens_and_bad_artifacts_are_refused() {
+    let extra = tempfile::tempdir().unwrap();
+    let outside = tempfile::tempdir().unwrap();
+    std::os::unix::fs::symlink(outside.path(), extra.path().join("escape")).unwrap();
+    let w = start(extra.path());
+    let mut c = client(&w).await;
+
+    let info = c.info(pb::InfoRequest {}).await.unwrap().into_inner();
+    assert_eq!(
+        info.base_model.unwrap().base_hash,
+        json("base_hashes.json")["llama-gqa"].as_str().unwrap()
+    );
+
+    let golden = json("golden.json");
+    let max_new = golden["max_new_tokens"].as_u64().unwrap() as u32;
+    let names = ["qv-r8", "patterns", "layer1-mlp"];
+    let cases: Vec<&Value> = golden["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| {
+            c["model"] == "llama-gqa"
+                && (c["adapter"].is_null() || names.contains(&c["adapter"].as_str().unwrap()))
+        })
+        .collect();
+    let mut calls = Vec::new();
+    for (i, case) in cases.iter().enumerate() {
+        let adapter = case["adapter"]
+            .as_str()
+            .map(|a| descriptor(a, names.iter().position(|n| *n == a).unwrap() as u64 + 1));
+        let ids: Vec<u32> = serde_json::from_value(case["prompt_ids"].clone()).unwrap();
+        let mut c = c.clone();
+        calls.push(tokio::spawn(async move {
+            generate(&mut c, request(&format!("g{i}"), adapter, ids, max_new)).await
+        }));
+    }
+    for (call, case) in calls.into_iter().zip(&cases) {
+        let (tokens, finished) = call.await.unwrap().expect("the stream succeeds");
+        let want: Vec<u32> = serde_json::from_value(case["greedy"].clone()).unwrap();
+        assert_eq!(tokens, want, "{} / {}", case["adapter"], case["prompt"]);
+        assert_eq!(
+            finished.usage.unwrap().completion_tokens as usize,
+            want.len()
+        );
+    }
+
+    // Refusals, each with its status; the worker keeps serving.
+    let bad = |f: fn(&mut pb::AdapterDescriptor)| {
+        let mut d = descriptor("qv-r8", 50);
+        f(&mut d);
+        request("bad", Some(d), vec![1, 2, 3], 2)
+    };
+    let cases: Vec<(pb::GenerateRequest, Code, &str)> = vec![
+        (
+            bad(|d| d.artifact_uri = "../llama-gqa/qv-r8".into()),
+            Code::InvalidArgument,
+            "\"..\"",
+        ),
+        (
+            bad(|d| d.artifact_uri = "escape".into()),
+            Code::InvalidArgument,
+            "outside the artifact roots",
+        ),
+        (
+            bad(|d| d.artifact_uri = "s3://bucket/qv-r8".into()),
+            Code::InvalidArgument,
+            "file: URIs",
+        ),
+        (
+            bad(|d| d.artifact_uri = "llama-gqa/nope".into()),
+            Code::NotFound,
+            "not found",
+        ),
+        (
+            bad(|d| d.artifact_sha256 = "0".repeat(64)),
+            Code::FailedPrecondition,
+            "adapter.artifact_sha256",
+        ),
+        (
+            bad(|d| d.base_hash = "f".repeat(64)),
+            Code::FailedPrecondition,
+            "adapter.base_hash",
+        ),
+        (bad(|d| d.rank = 64), Code::InvalidArgument, "adapter.rank"),
+        (
+            bad(|d| d.artifact_sha256 = "xyz".into()),
+            Code::InvalidArgument,
+            "adapter.artifact_sha256",
+        ),
+        (
+            request("", None, vec![1], 2),
+            Code::InvalidArgument,
+            "request_id",
+        ),
+        (
+            request("r", None, vec![1], 0),
+            Code::InvalidArgument,
+            "sampling.max_tokens",
+        ),
+        (
+            request("r", None, vec![100000], 2),
+            Code::InvalidArgument,
+            "token_ids",
+        ),
+    ];
+    for (r, code, text) in cases {
+        let err = generate(&mut c, r).await.expect_err("refused");
+        assert_eq!(err.code(), code, "{}", err.message());
+        assert!(
+            err.message().contains(text),
+            "expected {text:?} in {}",
+            err.message()
+        );
+    }
+    let (tokens, _) = generate(
+        &mut c,
+        request("after", Some(descriptor("qv-r8", 1)), vec![1, 2, 3], 3),
+    )
+    .await
+    .unwrap();
+    assert_eq!(tokens.len(), 3, "still serving");
+}
+
+#[tokio::test]
+async fn sigterm_lets_running_streams_finish_refuses_new_ones_and_exits_zero() {
+    let extra = tempfile::tempdir().unwrap();
+    let mut w = start(extra.path());
+    let mut c = client(&w).await;
+    let mut long = request("long", None, vec![1, 2, 3], 500);
+    long.sampling.as_mut().unwrap().ignore_eos = true;
+    let mut stream = c.generate(long).await.unwrap().into_inner();
+    stream.message().await.unwrap().expect("Accepted");
+    stream.message().await.unwrap().expect("a first token");
+    let status = Command::new("kill")
+        .arg("-TERM")
+        .arg(w.child.id().to_string())
+        .status()
+        .unwrap();
+    assert!(status.success());
+
+    // The running stream still ends with all its tokens, not an error.
+    let mut tokens = 1;
+    let mut finished = false;
+    while let Some(event) = stream.message().await.expect("the stream is not cut") {
+        match event.event.unwrap() {
+            pb::generate_event::Event::Delta(d) => tokens += d.token_ids.len(),
+            pb::generate_event::Event::Finished(_) => finished = true,
+            pb::generate_event::Event::Accepted(_) => {}
+        }
+    }
+    assert!(
+        finished && tokens == 500,
+        "the stream completed: {tokens} tokens"
+    );
+
+    // A new request is refused: UNAVAILABLE while draining, or no
+    // connection once the worker has gone.
+    let refused = match WorkerClient::connect(format!("http://{}", w.addr)).await {
+        Err(_) => true,
+        Ok(mut fresh) => match generate(&mut fresh, request("new", None, vec![1], 2)).await {
+            Err(e) => {
+                e.code() == Code::Unavailable
+                    || e.code() == Code::Unknown
+                    || e.code() == Code::Cancelled
+            }
+            Ok(_) => false,
+        },
+    };
+    assert!(refused, "a request after SIGTERM must not be served");
+    drop(stream);
+    drop(c);
+
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let exit = loop {
+        if let Some(exit) = w.child.try_wait().unwrap() {
+            break exit;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the worker did not exit after draining"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(exit.success(), "exit 0 after draining: {exit}");
+}

@@ -1,0 +1,250 @@
+//! The one place where `lorafleet.worker.v1` wire messages become engine
+//! types and back, and where engine errors become gRPC statuses. Every
+//! refusal names the proto field it concerns.
+
+use std::time::{Duration, SystemTime};
+
+use lorafleet_engine::artifact::ArtifactError;
+use lorafleet_engine::lora::AdapterError;
+use lorafleet_engine::model::tokenizer::ChatMessage;
+use lorafleet_engine::pool::AdapterStatus;
+use lorafleet_engine::{
+    EngineError, Finish, FinishReason, Prompt, Residency, SamplingParams, StopReason,
+};
+use lorafleet_proto::worker::v1 as pb;
+use tonic::Status;
+
+/// The longest request id accepted.
+pub const MAX_REQUEST_ID: usize = 128;
+
+/// A checked adapter descriptor.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Descriptor {
+    pub lora_int_id: u64,
+    pub artifact_uri: String,
+    pub artifact_sha256: String,
+    pub base_hash: String,
+    pub rank: usize,
+    pub display_name: String,
+}
+
+fn invalid(field: &str, reason: impl std::fmt::Display) -> Status {
+    Status::invalid_argument(format!("{field}: {reason}"))
+}
+
+fn is_sha256_hex(s: &str) -> bool {
+    s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+/// Checks a descriptor; `field` is its path in the request, such as "adapter".
+pub fn descriptor(d: &pb::AdapterDescriptor, field: &str) -> Result<Descriptor, Status> {
+    if d.lora_int_id == 0 {
+        return Err(invalid(&format!("{field}.lora_int_id"), "must be positive"));
+    }
+    if d.artifact_uri.is_empty() {
+        return Err(invalid(&format!("{field}.artifact_uri"), "is required"));
+    }
+    if !is_sha256_hex(&d.artifact_sha256) {
+        return Err(invalid(
+            &format!("{field}.artifact_sha256"),
+            "must be 64 hexadecimal digits",
+        ));
+    }
+    if !is_sha256_hex(&d.base_hash) {
+        return Err(invalid(
+            &format!("{field}.base_hash"),
+            "must be 64 hexadecimal digits",
+        ));
+    }
+    if d.rank == 0 {
+        return Err(invalid(&format!("{field}.rank"), "must be positive"));
+    }
+    Ok(Descriptor {
+        lora_int_id: d.lora_int_id,
+        artifact_uri: d.artifact_uri.clone(),
+        artifact_sha256: d.artifact_sha256.to_ascii_lowercase(),
+        base_hash: d.base_hash.to_ascii_lowercase(),
+        rank: d.rank as usize,
+        display_name: if d.display_name.is_empty() {
+            format!("lora-{}", d.lora_int_id)
+        } else {
+            d.display_name.clone()
+        },
+    })
+}
+
+/// The request id, prompt and sampling of a Generate request.
+pub fn generate_request(
+    r: &pb::GenerateRequest,
+) -> Result<(String, Prompt, SamplingParams), Status> {
+    if r.request_id.is_empty() {
+        return Err(invalid("request_id", "is required"));
+    }
+    if r.request_id.len() > MAX_REQUEST_ID {
+        return Err(invalid(
+            "request_id",
+            format!("is longer than {MAX_REQUEST_ID} bytes"),
+        ));
+    }
+    let prompt = match &r.prompt {
+        None => {
+            return Err(invalid(
+                "prompt",
+                "one of text, token_ids or chat is required",
+            ));
+        }
+        Some(pb::generate_request::Prompt::Text(t)) if t.is_empty() => {
+            return Err(invalid("prompt.text", "is empty"));
+        }
+        Some(pb::generate_request::Prompt::Text(t)) => Prompt::Text(t.clone()),
+        Some(pb::generate_request::Prompt::TokenIds(ids)) if ids.ids.is_empty() => {
+            return Err(invalid("prompt.token_ids.ids", "is empty"));
+        }
+        Some(pb::generate_request::Prompt::TokenIds(ids)) => Prompt::TokenIds(ids.ids.clone()),
+        Some(pb::generate_request::Prompt::Chat(chat)) => {
+            if chat.messages.is_empty() {
+                return Err(invalid(
+                    "prompt.chat.messages",
+                    "must hold at least one message",
+                ));
+            }
+            for (i, m) in chat.messages.iter().enumerate() {
+                if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "tool") {
+                    return Err(invalid(
+                        &format!("prompt.chat.messages[{i}].role"),
+                        format!("{:?} is not system, user, assistant or tool", m.role),
+                    ));
+                }
+            }
+            Prompt::Chat {
+                messages: chat
+                    .messages
+                    .iter()
+                    .map(|m| ChatMessage {
+                        role: m.role.clone(),
+                        content: m.content.clone(),
+                    })
+                    .collect(),
+                add_generation_prompt: chat.add_generation_prompt,
+            }
+        }
+    };
+    let s = r
+        .sampling
+        .as_ref()
+        .ok_or_else(|| invalid("sampling", "is required"))?;
+    let params = SamplingParams {
+        max_tokens: s.max_tokens as usize,
+        temperature: s.temperature.unwrap_or(1.0),
+        top_p: s.top_p.unwrap_or(1.0),
+        top_k: s.top_k as usize,
+        seed: s.seed,
+        stop: s.stop.clone(),
+        stop_token_ids: s.stop_token_ids.clone(),
+        ignore_eos: s.ignore_eos,
+    };
+    Ok((r.request_id.clone(), prompt, params))
+}
+
+pub fn residency(r: Residency) -> pb::Residency {
+    match r {
+        Residency::Device => pb::Residency::Device,
+        Residency::Host => pb::Residency::Host,
+        Residency::Loading => pb::Residency::Loading,
+        Residency::NotLoaded => pb::Residency::NotLoaded,
+    }
+}
+
+pub fn duration(d: Duration) -> prost_types::Duration {
+    prost_types::Duration {
+        seconds: d.as_secs() as i64,
+        nanos: d.subsec_nanos() as i32,
+    }
+}
+
+pub fn timestamp(t: SystemTime) -> prost_types::Timestamp {
+    let d = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
+    prost_types::Timestamp {
+        seconds: d.as_secs() as i64,
+        nanos: d.subsec_nanos() as i32,
+    }
+}
+
+pub fn finished(f: &Finish) -> pb::Finished {
+    pb::Finished {
+        finish_reason: match f.reason {
+            FinishReason::Stop => pb::FinishReason::Stop,
+            FinishReason::Length => pb::FinishReason::Length,
+        } as i32,
+        stop_reason: f.stop.as_ref().map(|s| match s {
+            StopReason::Token(t) => pb::finished::StopReason::StopTokenId(*t),
+            StopReason::String(s) => pb::finished::StopReason::StopString(s.clone()),
+        }),
+        usage: Some(pb::Usage {
+            prompt_tokens: f.prompt_tokens as u32,
+            completion_tokens: f.completion_tokens as u32,
+        }),
+        queue_time: Some(duration(f.queue_time)),
+        time_to_first_token: Some(duration(f.time_to_first_token)),
+        total_time: Some(duration(f.total_time)),
+        adapter_residency: f.residency.map_or(pb::Residency::Unspecified, residency) as i32,
+        preemptions: f.preemptions,
+    }
+}
+
+/// An adapter in the pool, as reported. `sha256` is the digest the worker
+/// verified for it.
+pub fn adapter_state(a: &AdapterStatus, sha256: &str, epoch: SystemTime) -> pb::AdapterState {
+    pb::AdapterState {
+        lora_int_id: a.id,
+        artifact_sha256: sha256.to_owned(),
+        rank: a.rank as u32,
+        residency: residency(a.residency) as i32,
+        pinned: a.pinned,
+        active_requests: a.active,
+        queued_requests: a.queued,
+        // The pool keeps a logical clock; the report carries the time of
+        // the report for every adapter touched since the previous one.
+        last_used: Some(timestamp(epoch)),
+        display_name: a.name.clone(),
+    }
+}
+
+/// The status for an artifact that could not be used.
+pub fn artifact_status(e: &ArtifactError) -> Status {
+    match e {
+        ArtifactError::InvalidUri { .. } | ArtifactError::OutsideRoots { .. } => {
+            Status::invalid_argument(format!("adapter.artifact_uri: {e}"))
+        }
+        ArtifactError::NotFound { .. } => Status::not_found(format!("adapter.artifact_uri: {e}")),
+        ArtifactError::Unreadable { .. } => Status::failed_precondition(e.to_string()),
+        ArtifactError::DigestMismatch { .. } => {
+            Status::failed_precondition(format!("adapter.artifact_sha256: {e}"))
+        }
+    }
+}
+
+/// The status for an engine error, at submission or mid-stream.
+pub fn engine_status(e: &EngineError) -> Status {
+    match e {
+        EngineError::InvalidRequest { .. } => Status::invalid_argument(e.to_string()),
+        EngineError::QueueFull { .. } => Status::resource_exhausted(e.to_string()),
+        EngineError::Adapter(a) => match a {
+            AdapterError::RankTooLarge { .. } => {
+                Status::invalid_argument(format!("adapter.rank: {a}"))
+            }
+            AdapterError::BaseHashMismatch { .. } => {
+                Status::failed_precondition(format!("adapter.base_hash: {a}"))
+            }
+            AdapterError::Unsupported { .. }
+            | AdapterError::Invalid { .. }
+            | AdapterError::Io { .. } => Status::failed_precondition(a.to_string()),
+        },
+        EngineError::Tokenizer(_) | EngineError::ChatTemplate(_) => {
+            Status::invalid_argument(e.to_string())
+        }
+        EngineError::Io { .. } | EngineError::InvalidModel { .. } | EngineError::Backend(_) => {
+            Status::internal(e.to_string())
+        }
+    }
+}

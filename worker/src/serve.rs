@@ -1,0 +1,214 @@
+//! `lorafleet-worker serve`: loads the base model once and serves the
+//! `lorafleet.worker.v1` contract and `grpc.health.v1` over gRPC, until
+//! SIGTERM or Ctrl-C, then drains.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use lorafleet_engine::artifact::ArtifactRoots;
+use lorafleet_engine::{Engine, EngineSettings};
+use lorafleet_proto::worker::v1 as pb;
+
+use crate::runtime::EngineHandle;
+use crate::service::{WorkerInfo, WorkerService};
+
+/// How long connections may linger after the drain before the process exits.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
+
+/// Flags of `serve`; each has an environment fallback.
+#[derive(Debug, clap::Args)]
+pub struct ServeArgs {
+    /// The base model directory (config.json, *.safetensors, tokenizer.json).
+    #[arg(long, env = "LORAFLEET_MODEL")]
+    model: PathBuf,
+    /// A directory adapter artifact URIs resolve in; repeat for more (env: comma-separated).
+    #[arg(
+        long = "artifact-root",
+        env = "LORAFLEET_ARTIFACT_ROOTS",
+        value_delimiter = ',',
+        required = true
+    )]
+    artifact_roots: Vec<PathBuf>,
+    /// Where to serve gRPC. Port 0 picks a free port, printed on stdout.
+    #[arg(long, env = "LORAFLEET_GRPC_LISTEN", default_value = "0.0.0.0:50051")]
+    grpc_listen: SocketAddr,
+    /// This worker's id on the hash ring (in Kubernetes, the pod name).
+    #[arg(long, env = "LORAFLEET_WORKER_ID")]
+    worker_id: String,
+    /// The compute backend: "cpu".
+    #[arg(long, env = "LORAFLEET_BACKEND", default_value = "cpu")]
+    backend: String,
+    /// Device slots: the most distinct adapters in one step.
+    #[arg(long, env = "LORAFLEET_MAX_LORAS", default_value_t = 4)]
+    max_loras: usize,
+    /// The largest adapter rank accepted.
+    #[arg(long, env = "LORAFLEET_MAX_LORA_RANK", default_value_t = 16)]
+    max_lora_rank: usize,
+    /// Adapters kept in the host tier.
+    #[arg(long, env = "LORAFLEET_MAX_CPU_LORAS", default_value_t = 32)]
+    max_cpu_loras: usize,
+    /// KV cache blocks.
+    #[arg(long, env = "LORAFLEET_KV_BLOCKS", default_value_t = 2048)]
+    kv_blocks: usize,
+    /// Tokens per KV block.
+    #[arg(long, env = "LORAFLEET_BLOCK_SIZE", default_value_t = 16)]
+    block_size: usize,
+    /// The most sequences in one step.
+    #[arg(long, env = "LORAFLEET_MAX_NUM_SEQS", default_value_t = 64)]
+    max_num_seqs: usize,
+    /// The most tokens in one step.
+    #[arg(long, env = "LORAFLEET_MAX_BATCHED_TOKENS", default_value_t = 512)]
+    max_batched_tokens: usize,
+    /// The most waiting requests before RESOURCE_EXHAUSTED.
+    #[arg(long, env = "LORAFLEET_MAX_WAITING", default_value_t = 1024)]
+    max_waiting: usize,
+    /// On SIGTERM, how long running streams may take to finish, in seconds.
+    #[arg(long, env = "LORAFLEET_DRAIN_DEADLINE_SECS", default_value_t = 30)]
+    drain_deadline_secs: u64,
+}
+
+pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
+    if args.backend != "cpu" {
+        bail!(
+            "--backend: {:?} is not available in this build; expected \"cpu\"",
+            args.backend
+        );
+    }
+    if args.worker_id.trim().is_empty() {
+        bail!("--worker-id: must not be empty");
+    }
+    let settings = EngineSettings {
+        max_loras: args.max_loras,
+        max_lora_rank: args.max_lora_rank,
+        max_cpu_loras: args.max_cpu_loras,
+        kv_blocks: args.kv_blocks,
+        block_size: args.block_size,
+        max_num_seqs: args.max_num_seqs,
+        max_batched_tokens: args.max_batched_tokens,
+        max_waiting: args.max_waiting,
+    };
+    settings
+        .validate()
+        .map_err(|e| anyhow::anyhow!("--{}", e.to_string().replace('_', "-")))?;
+    let roots = ArtifactRoots::new(&args.artifact_roots)
+        .map_err(|e| anyhow::anyhow!("--artifact-root: {e}"))?;
+    let listener = tokio::net::TcpListener::bind(args.grpc_listen)
+        .await
+        .with_context(|| format!("--grpc-listen {}", args.grpc_listen))?;
+
+    let model = args.model.clone();
+    let engine = tokio::task::spawn_blocking(move || Engine::load_cpu(&model, settings))
+        .await?
+        .with_context(|| format!("--model {}", args.model.display()))?;
+    let config = engine.config().clone();
+    let name = args
+        .model
+        .file_name()
+        .map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned());
+    let info = WorkerInfo {
+        worker_id: args.worker_id.clone(),
+        instance_id: format!("{}-{}", args.worker_id, std::process::id()),
+        base_model: pb::BaseModel {
+            name,
+            base_hash: engine.base_hash().to_owned(),
+            architecture: config.architecture.model_type().into(),
+            max_model_len: engine.max_model_len() as u32,
+            vocab_size: config.vocab_size as u32,
+        },
+        capacity: pb::Capacity {
+            max_loras: settings.max_loras as u32,
+            max_lora_rank: settings.max_lora_rank as u32,
+            device_slots: settings.max_loras as u32,
+            host_slots: settings.max_cpu_loras as u32,
+            kv_blocks_total: settings.kv_blocks as u32,
+            kv_block_size: settings.block_size as u32,
+            max_waiting: settings.max_waiting as u32,
+        },
+        backend: engine.backend_name().into(),
+        device_name: engine.device_name(),
+        model_config: config,
+    };
+    let handle = EngineHandle::spawn(engine, Duration::from_millis(250));
+    let draining = Arc::new(AtomicBool::new(false));
+    let service = WorkerService::new(handle.clone(), roots, info, draining.clone());
+    let in_flight = service.in_flight();
+    let (health, health_service) = lorafleet_proto::health::health_reporter();
+    health
+        .set_serving::<pb::worker_server::WorkerServer<WorkerService>>()
+        .await;
+
+    let addr = listener.local_addr()?;
+    // Tests and operators read this line to find the port.
+    println!("lorafleet-worker listening grpc={addr}");
+    std::io::stdout().flush()?;
+
+    let drain_deadline = Duration::from_secs(args.drain_deadline_secs);
+    let reports = handle.reports();
+    let shutdown = async move {
+        wait_for_signal().await;
+        eprintln!("lorafleet-worker: draining (deadline {drain_deadline:?})");
+        draining.store(true, Ordering::Release);
+        health
+            .set_not_serving::<pb::worker_server::WorkerServer<WorkerService>>()
+            .await;
+        // Running streams finish and reach their clients, up to the deadline.
+        let deadline = Instant::now() + drain_deadline;
+        let mut reports = reports;
+        loop {
+            let idle = {
+                let r = reports.borrow_and_update();
+                r.stats.running == 0 && r.stats.waiting == 0
+            };
+            if (idle && in_flight.load(Ordering::Acquire) == 0) || Instant::now() >= deadline {
+                break;
+            }
+            let _ = tokio::time::timeout(Duration::from_millis(50), reports.changed()).await;
+        }
+    };
+    let drained = Arc::new(tokio::sync::Notify::new());
+    let drained_signal = drained.clone();
+    let shutdown = async move {
+        shutdown.await;
+        drained_signal.notify_one();
+    };
+    let server = tonic::transport::Server::builder()
+        .add_service(health_service)
+        .add_service(pb::worker_server::WorkerServer::new(service))
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            shutdown,
+        );
+    // Once drained, idle connections and Watch streams (which never end on
+    // their own) get a short grace period, then the process exits anyway.
+    tokio::select! {
+        result = server => result.context("gRPC server")?,
+        _ = async {
+            drained.notified().await;
+            tokio::time::sleep(SHUTDOWN_GRACE).await;
+        } => {}
+    }
+    handle.shutdown();
+    eprintln!("lorafleet-worker: stopped");
+    Ok(())
+}
+
+async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut term = signal(SignalKind::terminate()).expect("install the SIGTERM handler");
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}

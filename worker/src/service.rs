@@ -1,0 +1,401 @@
+//! The `lorafleet.worker.v1.Worker` gRPC service over the engine handle.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use lorafleet_engine::artifact::ArtifactRoots;
+use lorafleet_engine::lora::{AdapterLimits, HostAdapter};
+use lorafleet_engine::model::ModelConfig;
+use lorafleet_engine::{AdapterSource, EngineError, Event, Request, Residency};
+use lorafleet_proto::worker::v1 as pb;
+use tokio::sync::mpsc;
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::{ReceiverStream, WatchStream};
+use tonic::{Response, Status};
+
+use crate::convert::{self, Descriptor};
+use crate::runtime::{EngineHandle, Report};
+
+/// How long LoadAdapter waits for the adapter to reach its tier.
+const LOAD_WAIT: Duration = Duration::from_secs(60);
+
+/// Everything the service needs besides the engine.
+#[derive(Debug)]
+pub struct WorkerInfo {
+    pub worker_id: String,
+    pub instance_id: String,
+    pub base_model: pb::BaseModel,
+    pub capacity: pb::Capacity,
+    pub backend: String,
+    pub device_name: String,
+    pub model_config: ModelConfig,
+}
+
+/// The gRPC service. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct WorkerService {
+    engine: EngineHandle,
+    roots: ArtifactRoots,
+    info: Arc<WorkerInfo>,
+    /// lora_int_id -> the artifact digest verified for it. A std mutex,
+    /// never held across an await.
+    verified: Arc<Mutex<HashMap<u64, String>>>,
+    draining: Arc<AtomicBool>,
+    /// Generate streams whose final message the client has not yet taken.
+    in_flight: Arc<AtomicUsize>,
+}
+
+/// Counts a stream in flight until dropped.
+struct InFlight(Arc<AtomicUsize>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl WorkerService {
+    pub fn new(
+        engine: EngineHandle,
+        roots: ArtifactRoots,
+        info: WorkerInfo,
+        draining: Arc<AtomicBool>,
+    ) -> Self {
+        WorkerService {
+            engine,
+            roots,
+            info: Arc::new(info),
+            verified: Arc::default(),
+            draining,
+            in_flight: Arc::default(),
+        }
+    }
+
+    /// Generate streams not yet delivered to the end; drain waits for zero.
+    pub fn in_flight(&self) -> Arc<AtomicUsize> {
+        self.in_flight.clone()
+    }
+
+    /// Checks a descriptor against this worker, verifies and validates its
+    /// artifact on first use, and registers it with the engine.
+    async fn ensure_adapter(&self, d: &Descriptor) -> Result<u64, Status> {
+        let base = &self.info.base_model.base_hash;
+        if &d.base_hash != base {
+            return Err(Status::failed_precondition(format!(
+                "adapter.base_hash: {} does not match this worker's base model {base}",
+                d.base_hash
+            )));
+        }
+        let max_rank = self.info.capacity.max_lora_rank as usize;
+        if d.rank > max_rank {
+            return Err(Status::invalid_argument(format!(
+                "adapter.rank: {} is above max_lora_rank {max_rank}",
+                d.rank
+            )));
+        }
+        if let Some(sha) = self
+            .verified
+            .lock()
+            .expect("verified map")
+            .get(&d.lora_int_id)
+        {
+            return if *sha == d.artifact_sha256 {
+                Ok(d.lora_int_id)
+            } else {
+                Err(Status::failed_precondition(format!(
+                    "adapter.lora_int_id: {} is already loaded from an artifact with digest {sha}",
+                    d.lora_int_id
+                )))
+            };
+        }
+        let (roots, info, desc) = (self.roots.clone(), self.info.clone(), d.clone());
+        let dir = tokio::task::spawn_blocking(move || -> Result<_, Status> {
+            let dir = roots
+                .resolve_verified(&desc.artifact_uri, &desc.artifact_sha256)
+                .map_err(|e| convert::artifact_status(&e))?;
+            // Parse it once now so a bad adapter fails this call with a
+            // precise status, not a later request.
+            let limits = AdapterLimits {
+                model: &info.model_config,
+                max_lora_rank: info.capacity.max_lora_rank as usize,
+                base_hash_check: Some((&info.base_model.base_hash, &desc.base_hash)),
+            };
+            let adapter = HostAdapter::load(&desc.display_name, &dir, limits)
+                .map_err(|e| convert::engine_status(&EngineError::Adapter(e)))?;
+            if adapter.rank > desc.rank {
+                return Err(Status::invalid_argument(format!(
+                    "adapter.rank: the descriptor says {} but the artifact has rank {}",
+                    desc.rank, adapter.rank
+                )));
+            }
+            Ok(dir)
+        })
+        .await
+        .map_err(|e| Status::internal(format!("artifact check: {e}")))??;
+        let source = AdapterSource {
+            name: d.display_name.clone(),
+            dir,
+            declared_base_hash: Some(d.base_hash.clone()),
+        };
+        self.engine
+            .register(d.lora_int_id, source)
+            .await
+            .map_err(|e| convert::engine_status(&e))?;
+        self.verified
+            .lock()
+            .expect("verified map")
+            .insert(d.lora_int_id, d.artifact_sha256.clone());
+        Ok(d.lora_int_id)
+    }
+
+    fn report(&self, r: &Report) -> pb::WorkerReport {
+        let verified = self.verified.lock().expect("verified map").clone();
+        let c = r.stats.pool;
+        pb::WorkerReport {
+            worker_id: self.info.worker_id.clone(),
+            sequence: r.sequence,
+            produced_at: Some(convert::timestamp(r.produced_at)),
+            status: self.status() as i32,
+            base_model: Some(self.info.base_model.clone()),
+            capacity: Some(self.info.capacity),
+            load: Some(pb::Load {
+                running_sequences: r.stats.running as u32,
+                waiting_sequences: r.stats.waiting as u32,
+                kv_blocks_used: r.stats.kv_blocks_used as u32,
+            }),
+            adapters: self.adapters(r, &verified),
+            counters: Some(pb::PoolCounters {
+                device_hits: c.device_hits,
+                host_hits: c.host_hits,
+                host_loads: c.host_loads,
+                device_loads: c.device_loads,
+                device_evictions: c.device_evictions,
+                host_evictions: c.host_evictions,
+            }),
+            instance_id: self.info.instance_id.clone(),
+        }
+    }
+
+    fn adapters(&self, r: &Report, verified: &HashMap<u64, String>) -> Vec<pb::AdapterState> {
+        r.stats
+            .adapters
+            .iter()
+            .map(|a| {
+                convert::adapter_state(
+                    a,
+                    verified.get(&a.id).map_or("", String::as_str),
+                    r.produced_at,
+                )
+            })
+            .collect()
+    }
+
+    fn status(&self) -> pb::ServingStatus {
+        if self.draining.load(Ordering::Acquire) {
+            pb::ServingStatus::Draining
+        } else {
+            pb::ServingStatus::Serving
+        }
+    }
+}
+
+type EventResult = Result<pb::GenerateEvent, Status>;
+
+#[tonic::async_trait]
+impl pb::worker_server::Worker for WorkerService {
+    type GenerateStream = ReceiverStream<EventResult>;
+    type WatchStream = std::pin::Pin<
+        Box<dyn tokio_stream::Stream<Item = Result<pb::WorkerReport, Status>> + Send>,
+    >;
+
+    async fn generate(
+        &self,
+        request: tonic::Request<pb::GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        if self.draining.load(Ordering::Acquire) {
+            return Err(Status::unavailable("the worker is draining"));
+        }
+        let r = request.into_inner();
+        let (id, prompt, params) = convert::generate_request(&r)?;
+        let adapter = match &r.adapter {
+            Some(d) => Some(
+                self.ensure_adapter(&convert::descriptor(d, "adapter")?)
+                    .await?,
+            ),
+            None => None,
+        };
+        let (accepted, mut stream) = self
+            .engine
+            .submit(Request {
+                id,
+                adapter,
+                prompt,
+                params,
+            })
+            .await
+            .map_err(|e| convert::engine_status(&e))?;
+        let (tx, rx) = mpsc::channel::<EventResult>(64);
+        self.in_flight.fetch_add(1, Ordering::AcqRel);
+        let in_flight = InFlight(self.in_flight.clone());
+        let first = pb::GenerateEvent {
+            event: Some(pb::generate_event::Event::Accepted(pb::Accepted {
+                prompt_tokens: accepted.prompt_tokens as u32,
+                adapter_residency: accepted
+                    .residency
+                    .map_or(pb::Residency::Unspecified, convert::residency)
+                    as i32,
+            })),
+        };
+        tokio::spawn(async move {
+            let _in_flight = in_flight;
+            if tx.send(Ok(first)).await.is_err() {
+                return;
+            }
+            while let Some(event) = stream.next().await {
+                let message = match event {
+                    Event::Delta { token_ids, text } => Ok(pb::GenerateEvent {
+                        event: Some(pb::generate_event::Event::Delta(pb::TokenDelta {
+                            token_ids,
+                            text,
+                        })),
+                    }),
+                    Event::Finished(f) => Ok(pb::GenerateEvent {
+                        event: Some(pb::generate_event::Event::Finished(convert::finished(&f))),
+                    }),
+                    Event::Failed(e) => Err(convert::engine_status(&e)),
+                };
+                // A closed channel means the client went away; dropping
+                // `stream` then aborts the request in the engine.
+                if tx.send(message).await.is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn load_adapter(
+        &self,
+        request: tonic::Request<pb::LoadAdapterRequest>,
+    ) -> Result<Response<pb::LoadAdapterResponse>, Status> {
+        let r = request.into_inner();
+        let d = convert::descriptor(
+            r.adapter
+                .as_ref()
+                .ok_or_else(|| Status::invalid_argument("adapter: is required"))?,
+            "adapter",
+        )?;
+        let target = match r.target() {
+            pb::Residency::Device => Residency::Device,
+            pb::Residency::Host | pb::Residency::Unspecified => Residency::Host,
+            other => {
+                return Err(Status::invalid_argument(format!(
+                    "target: {other:?} is not DEVICE or HOST"
+                )));
+            }
+        };
+        let started = Instant::now();
+        let mut reports = self.engine.reports();
+        let residency_of = |r: &Report| {
+            r.stats
+                .adapters
+                .iter()
+                .find(|a| a.id == d.lora_int_id)
+                .map_or(Residency::NotLoaded, |a| a.residency)
+        };
+        let previous = residency_of(&reports.borrow_and_update());
+        let id = self.ensure_adapter(&d).await?;
+        self.engine
+            .prefetch(id, target == Residency::Device, r.pin)
+            .await
+            .map_err(|e| convert::engine_status(&e))?;
+        let deadline = Instant::now() + LOAD_WAIT;
+        loop {
+            let report = reports.borrow_and_update().clone();
+            let now = residency_of(&report);
+            if now == Residency::Device || (now == Residency::Host && target == Residency::Host) {
+                let verified = self.verified.lock().expect("verified map").clone();
+                let state = self
+                    .adapters(&report, &verified)
+                    .into_iter()
+                    .find(|a| a.lora_int_id == id);
+                let load_time = if previous == now {
+                    Duration::ZERO
+                } else {
+                    started.elapsed()
+                };
+                return Ok(Response::new(pb::LoadAdapterResponse {
+                    adapter: state,
+                    previous_residency: convert::residency(previous) as i32,
+                    load_time: Some(convert::duration(load_time)),
+                }));
+            }
+            let wait = deadline.saturating_duration_since(Instant::now());
+            if wait.is_zero() || tokio::time::timeout(wait, reports.changed()).await.is_err() {
+                return Err(Status::deadline_exceeded(format!(
+                    "adapter {id} did not reach {target:?} within {LOAD_WAIT:?}; every slot may be leased or pinned"
+                )));
+            }
+        }
+    }
+
+    async fn unload_adapter(
+        &self,
+        request: tonic::Request<pb::UnloadAdapterRequest>,
+    ) -> Result<Response<pb::UnloadAdapterResponse>, Status> {
+        let id = request.into_inner().lora_int_id;
+        if id == 0 {
+            return Err(Status::invalid_argument("lora_int_id: must be positive"));
+        }
+        let (previous, draining) = self
+            .engine
+            .unload(id)
+            .await
+            .map_err(|e| convert::engine_status(&e))?;
+        Ok(Response::new(pb::UnloadAdapterResponse {
+            previous_residency: convert::residency(previous) as i32,
+            draining_requests: draining,
+        }))
+    }
+
+    async fn list_adapters(
+        &self,
+        _request: tonic::Request<pb::ListAdaptersRequest>,
+    ) -> Result<Response<pb::ListAdaptersResponse>, Status> {
+        let report = self.engine.reports().borrow().clone();
+        let verified = self.verified.lock().expect("verified map").clone();
+        Ok(Response::new(pb::ListAdaptersResponse {
+            adapters: self.adapters(&report, &verified),
+        }))
+    }
+
+    async fn watch(
+        &self,
+        _request: tonic::Request<pb::WatchRequest>,
+    ) -> Result<Response<Self::WatchStream>, Status> {
+        let this = self.clone();
+        // WatchStream yields the current report at once, then only the
+        // latest one each time it changes: a slow watcher skips, never queues.
+        let stream = WatchStream::new(self.engine.reports()).map(move |r| Ok(this.report(&r)));
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn info(
+        &self,
+        _request: tonic::Request<pb::InfoRequest>,
+    ) -> Result<Response<pb::InfoResponse>, Status> {
+        Ok(Response::new(pb::InfoResponse {
+            worker_id: self.info.worker_id.clone(),
+            instance_id: self.info.instance_id.clone(),
+            base_model: Some(self.info.base_model.clone()),
+            capacity: Some(self.info.capacity),
+            backend: self.info.backend.clone(),
+            device_name: self.info.device_name.clone(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            artifact_schemes: vec!["file".into()],
+            status: self.status() as i32,
+        }))
+    }
+}
