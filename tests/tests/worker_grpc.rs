@@ -16,6 +16,7 @@ use tonic::transport::Channel;
 struct Worker {
     child: Child,
     addr: String,
+    metrics: String,
 }
 
 impl Drop for Worker {
@@ -31,6 +32,8 @@ fn start(extra_root: &Path) -> Worker {
         .args([
             "serve",
             "--grpc-listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
             "127.0.0.1:0",
             "--worker-id",
             "w0",
@@ -50,21 +53,45 @@ fn start(extra_root: &Path) -> Worker {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if let Some(addr) = line.strip_prefix("lorafleet-worker listening grpc=") {
-                let _ = tx.send(addr.to_owned());
+            if let Some(rest) = line.strip_prefix("lorafleet-worker listening grpc=")
+                && let Some((grpc, metrics)) = rest.split_once(" metrics=")
+            {
+                let _ = tx.send((grpc.to_owned(), metrics.to_owned()));
             }
         }
     });
-    let addr = rx
+    let (addr, metrics) = rx
         .recv_timeout(Duration::from_secs(60))
-        .expect("the worker printed its address");
-    Worker { child, addr }
+        .expect("the worker printed its addresses");
+    Worker {
+        child,
+        addr,
+        metrics,
+    }
 }
 
 async fn client(w: &Worker) -> WorkerClient<Channel> {
     WorkerClient::connect(format!("http://{}", w.addr))
         .await
         .expect("connect")
+}
+
+/// `GET /metrics`, as (series with labels -> value).
+fn scrape(addr: &str) -> std::collections::BTreeMap<String, f64> {
+    use std::io::{Read, Write};
+    let mut conn = std::net::TcpStream::connect(addr).expect("connect to /metrics");
+    conn.write_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n")
+        .unwrap();
+    let mut body = String::new();
+    conn.read_to_string(&mut body).unwrap();
+    assert!(body.starts_with("HTTP/1.1 200"), "{body}");
+    body.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            l.rsplit_once(' ')
+                .and_then(|(k, v)| v.parse().ok().map(|v| (k.to_owned(), v)))
+        })
+        .collect()
 }
 
 fn json(name: &str) -> Value {
@@ -154,6 +181,8 @@ async fn concurrent_adapter_streams_match_the_goldens_and_bad_artifacts_are_refu
                 && (c["adapter"].is_null() || names.contains(&c["adapter"].as_str().unwrap()))
         })
         .collect();
+    let cases_len = cases.len();
+    let mut generated = 0;
     let mut calls = Vec::new();
     for (i, case) in cases.iter().enumerate() {
         let adapter = case["adapter"]
@@ -167,6 +196,7 @@ async fn concurrent_adapter_streams_match_the_goldens_and_bad_artifacts_are_refu
     }
     for (call, case) in calls.into_iter().zip(&cases) {
         let (tokens, finished) = call.await.unwrap().expect("the stream succeeds");
+        generated += tokens.len();
         let want: Vec<u32> = serde_json::from_value(case["greedy"].clone()).unwrap();
         assert_eq!(tokens, want, "{} / {}", case["adapter"], case["prompt"]);
         assert_eq!(
@@ -250,6 +280,54 @@ async fn concurrent_adapter_streams_match_the_goldens_and_bad_artifacts_are_refu
     .await
     .unwrap();
     assert_eq!(tokens.len(), 3, "still serving");
+
+    // The counters moved. Pool counters are published with each report, so
+    // wait for one that has them.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let m = scrape(&w.metrics);
+        let get = |k: &str| m.get(k).copied().unwrap_or(0.0);
+        if get("lorafleet_adapter_loads_total{tier=\"host\"}") >= 3.0 {
+            assert!(
+                get("lorafleet_generated_tokens_total") >= generated as f64,
+                "{m:?}"
+            );
+            assert!(
+                get("lorafleet_time_to_first_token_seconds_count") >= cases_len as f64,
+                "{m:?}"
+            );
+            assert!(
+                get("lorafleet_inter_token_latency_seconds_count") > 0.0,
+                "{m:?}"
+            );
+            assert!(
+                get("lorafleet_requests_total{outcome=\"ok\"}") >= cases_len as f64,
+                "{m:?}"
+            );
+            assert!(
+                get("lorafleet_requests_total{outcome=\"invalid_argument\"}") >= 5.0,
+                "{m:?}"
+            );
+            assert!(
+                get("lorafleet_requests_total{outcome=\"failed_precondition\"}") >= 2.0,
+                "{m:?}"
+            );
+            assert!(
+                get("lorafleet_batch_size_count") > 0.0
+                    && get("lorafleet_batch_distinct_adapters_count") > 0.0
+            );
+            assert!(
+                m.contains_key("lorafleet_kv_utilization")
+                    && m.contains_key("lorafleet_queue_depth")
+            );
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the adapter loads never showed in /metrics: {m:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 #[tokio::test]

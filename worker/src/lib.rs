@@ -6,3 +6,4 @@ pub mod generate;
 pub mod runtime;
 pub mod serve;
 pub mod service;
+pub mod telemetry;

@@ -286,6 +286,17 @@ fn run(
         if engine.has_work() {
             match engine.step() {
                 Ok(events) => {
+                    let generated: usize = events
+                        .iter()
+                        .map(|(_, e)| {
+                            if let Event::Delta { token_ids, .. } = e {
+                                token_ids.len()
+                            } else {
+                                0
+                            }
+                        })
+                        .sum();
+                    crate::telemetry::record_step(&engine.last_step(), generated);
                     for (id, event) in events {
                         let last = matches!(event, Event::Finished(_) | Event::Failed(_));
                         let delivered = streams.get(&id).is_some_and(|tx| tx.send(event).is_ok());
@@ -329,10 +340,12 @@ fn run(
         let generation = engine.stats().residency_generation;
         if generation != last_generation || last_report.elapsed() >= interval {
             sequence += 1;
+            let stats = engine.stats();
+            crate::telemetry::record_stats(&stats);
             let _ = reports.send(Report {
                 sequence,
                 produced_at: SystemTime::now(),
-                stats: engine.stats(),
+                stats,
                 last_step: engine.last_step(),
             });
             last_generation = generation;

@@ -37,6 +37,10 @@ pub struct ServeArgs {
     /// Where to serve gRPC. Port 0 picks a free port, printed on stdout.
     #[arg(long, env = "LORAFLEET_GRPC_LISTEN", default_value = "0.0.0.0:50051")]
     grpc_listen: SocketAddr,
+    /// Where to serve Prometheus metrics (`GET /metrics`). Port 0 picks a
+    /// free port, printed on stdout.
+    #[arg(long, env = "LORAFLEET_METRICS_LISTEN", default_value = "0.0.0.0:9090")]
+    metrics_listen: SocketAddr,
     /// This worker's id on the hash ring (in Kubernetes, the pod name).
     #[arg(long, env = "LORAFLEET_WORKER_ID")]
     worker_id: String,
@@ -101,6 +105,11 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("--grpc-listen {}", args.grpc_listen))?;
 
+    let metrics_listener = tokio::net::TcpListener::bind(args.metrics_listen)
+        .await
+        .with_context(|| format!("--metrics-listen {}", args.metrics_listen))?;
+    let metrics_addr = metrics_listener.local_addr()?;
+    crate::telemetry::install(metrics_listener).context("--metrics-listen")?;
     let model = args.model.clone();
     let engine = tokio::task::spawn_blocking(move || Engine::load_cpu(&model, settings))
         .await?
@@ -144,7 +153,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
 
     let addr = listener.local_addr()?;
     // Tests and operators read this line to find the port.
-    println!("lorafleet-worker listening grpc={addr}");
+    println!("lorafleet-worker listening grpc={addr} metrics={metrics_addr}");
     std::io::stdout().flush()?;
 
     let drain_deadline = Duration::from_secs(args.drain_deadline_secs);

@@ -17,6 +17,7 @@ use tonic::{Response, Status};
 
 use crate::convert::{self, Descriptor};
 use crate::runtime::{EngineHandle, Report};
+use crate::telemetry;
 
 /// How long LoadAdapter waits for the adapter to reach its tier.
 const LOAD_WAIT: Duration = Duration::from_secs(60);
@@ -218,24 +219,29 @@ impl pb::worker_server::Worker for WorkerService {
             return Err(Status::unavailable("the worker is draining"));
         }
         let r = request.into_inner();
-        let (id, prompt, params) = convert::generate_request(&r)?;
-        let adapter = match &r.adapter {
-            Some(d) => Some(
-                self.ensure_adapter(&convert::descriptor(d, "adapter")?)
-                    .await?,
-            ),
-            None => None,
-        };
-        let (accepted, mut stream) = self
-            .engine
-            .submit(Request {
-                id,
-                adapter,
-                prompt,
-                params,
-            })
-            .await
-            .map_err(|e| convert::engine_status(&e))?;
+        let started = Instant::now();
+        let admitted = async {
+            let (id, prompt, params) = convert::generate_request(&r)?;
+            let adapter = match &r.adapter {
+                Some(d) => Some(
+                    self.ensure_adapter(&convert::descriptor(d, "adapter")?)
+                        .await?,
+                ),
+                None => None,
+            };
+            self.engine
+                .submit(Request {
+                    id,
+                    adapter,
+                    prompt,
+                    params,
+                })
+                .await
+                .map_err(|e| convert::engine_status(&e))
+        }
+        .await;
+        let (accepted, mut stream) =
+            admitted.inspect_err(|status| telemetry::record_request(code_name(status.code())))?;
         let (tx, rx) = mpsc::channel::<EventResult>(64);
         self.in_flight.fetch_add(1, Ordering::AcqRel);
         let in_flight = InFlight(self.in_flight.clone());
@@ -253,18 +259,34 @@ impl pb::worker_server::Worker for WorkerService {
             if tx.send(Ok(first)).await.is_err() {
                 return;
             }
+            let mut last_token: Option<Instant> = None;
             while let Some(event) = stream.next().await {
                 let message = match event {
-                    Event::Delta { token_ids, text } => Ok(pb::GenerateEvent {
-                        event: Some(pb::generate_event::Event::Delta(pb::TokenDelta {
-                            token_ids,
-                            text,
-                        })),
-                    }),
-                    Event::Finished(f) => Ok(pb::GenerateEvent {
-                        event: Some(pb::generate_event::Event::Finished(convert::finished(&f))),
-                    }),
-                    Event::Failed(e) => Err(convert::engine_status(&e)),
+                    Event::Delta { token_ids, text } => {
+                        let now = Instant::now();
+                        match last_token {
+                            None => telemetry::record_ttft(now - started),
+                            Some(t) => telemetry::record_inter_token(now - t),
+                        }
+                        last_token = Some(now);
+                        Ok(pb::GenerateEvent {
+                            event: Some(pb::generate_event::Event::Delta(pb::TokenDelta {
+                                token_ids,
+                                text,
+                            })),
+                        })
+                    }
+                    Event::Finished(f) => {
+                        telemetry::record_request("ok");
+                        Ok(pb::GenerateEvent {
+                            event: Some(pb::generate_event::Event::Finished(convert::finished(&f))),
+                        })
+                    }
+                    Event::Failed(e) => {
+                        let status = convert::engine_status(&e);
+                        telemetry::record_request(code_name(status.code()));
+                        Err(status)
+                    }
                 };
                 // A closed channel means the client went away; dropping
                 // `stream` then aborts the request in the engine.
@@ -397,5 +419,20 @@ impl pb::worker_server::Worker for WorkerService {
             artifact_schemes: vec!["file".into()],
             status: self.status() as i32,
         }))
+    }
+}
+
+/// A stable metric label for a gRPC code.
+fn code_name(code: tonic::Code) -> &'static str {
+    match code {
+        tonic::Code::Ok => "ok",
+        tonic::Code::Cancelled => "cancelled",
+        tonic::Code::InvalidArgument => "invalid_argument",
+        tonic::Code::NotFound => "not_found",
+        tonic::Code::FailedPrecondition => "failed_precondition",
+        tonic::Code::ResourceExhausted => "resource_exhausted",
+        tonic::Code::Unavailable => "unavailable",
+        tonic::Code::DeadlineExceeded => "deadline_exceeded",
+        _ => "internal",
     }
 }

@@ -1,0 +1,118 @@
+//! Prometheus metrics: the recorder, the `/metrics` endpoint, and the names
+//! every part of the worker records under.
+
+use std::time::Duration;
+
+use lorafleet_engine::{EngineStats, StepStats};
+use metrics::{counter, gauge, histogram};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+/// Buckets for latencies, in seconds.
+const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+/// Buckets for batch sizes and distinct adapters per batch.
+const COUNT_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0];
+
+/// Installs the global recorder and serves `GET /metrics` on `listener`.
+pub fn install(listener: TcpListener) -> anyhow::Result<()> {
+    let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(
+            metrics_exporter_prometheus::Matcher::Suffix("_seconds".into()),
+            LATENCY_BUCKETS,
+        )?
+        .set_buckets_for_metric(
+            metrics_exporter_prometheus::Matcher::Prefix("lorafleet_batch_".into()),
+            COUNT_BUCKETS,
+        )?
+        .install_recorder()?;
+    let upkeep = handle.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            tick.tick().await;
+            upkeep.run_upkeep();
+        }
+    });
+    tokio::spawn(serve(listener, handle));
+    Ok(())
+}
+
+/// A deliberately small HTTP/1.1 responder: one request per connection,
+/// `GET /metrics` or 404.
+async fn serve(listener: TcpListener, handle: PrometheusHandle) {
+    loop {
+        let Ok((mut conn, _)) = listener.accept().await else {
+            continue;
+        };
+        let handle = handle.clone();
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 4096];
+            let mut read = 0;
+            while read < buf.len() {
+                match conn.read(&mut buf[read..]).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => read += n,
+                }
+                if buf[..read].windows(4).any(|w| w == b"\r\n\r\n") {
+                    break;
+                }
+            }
+            let head = String::from_utf8_lossy(&buf[..read]);
+            let (status, body) = if head.starts_with("GET /metrics ") {
+                ("200 OK", handle.render())
+            } else {
+                ("404 Not Found", "not found\n".to_owned())
+            };
+            let response = format!(
+                "HTTP/1.1 {status}\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = conn.write_all(response.as_bytes()).await;
+            let _ = conn.shutdown().await;
+        });
+    }
+}
+
+/// After each engine step.
+pub fn record_step(step: &StepStats, generated: usize) {
+    if step.sequences > 0 {
+        histogram!("lorafleet_batch_size").record(step.sequences as f64);
+        histogram!("lorafleet_batch_distinct_adapters").record(step.distinct_adapters as f64);
+    }
+    counter!("lorafleet_generated_tokens_total").increment(generated as u64);
+    counter!("lorafleet_preemptions_total").increment(step.preempted as u64);
+}
+
+/// Whenever the engine publishes a report.
+pub fn record_stats(stats: &EngineStats) {
+    gauge!("lorafleet_running_sequences").set(stats.running as f64);
+    gauge!("lorafleet_queue_depth").set(stats.waiting as f64);
+    gauge!("lorafleet_kv_blocks_used").set(stats.kv_blocks_used as f64);
+    gauge!("lorafleet_kv_utilization")
+        .set(stats.kv_blocks_used as f64 / stats.kv_blocks_total.max(1) as f64);
+    let p = stats.pool;
+    counter!("lorafleet_adapter_hits_total", "tier" => "device").absolute(p.device_hits);
+    counter!("lorafleet_adapter_hits_total", "tier" => "host").absolute(p.host_hits);
+    counter!("lorafleet_adapter_misses_total").absolute(p.misses);
+    counter!("lorafleet_adapter_loads_total", "tier" => "host").absolute(p.host_loads);
+    counter!("lorafleet_adapter_loads_total", "tier" => "device").absolute(p.device_loads);
+    counter!("lorafleet_adapter_evictions_total", "tier" => "host").absolute(p.host_evictions);
+    counter!("lorafleet_adapter_evictions_total", "tier" => "device").absolute(p.device_evictions);
+    counter!("lorafleet_adapter_load_failures_total").absolute(p.load_failures);
+}
+
+/// A Generate call's outcome: "ok", or the gRPC code's name.
+pub fn record_request(outcome: &'static str) {
+    counter!("lorafleet_requests_total", "outcome" => outcome).increment(1);
+}
+
+pub fn record_ttft(d: Duration) {
+    histogram!("lorafleet_time_to_first_token_seconds").record(d.as_secs_f64());
+}
+
+pub fn record_inter_token(d: Duration) {
+    histogram!("lorafleet_inter_token_latency_seconds").record(d.as_secs_f64());
+}
