@@ -392,3 +392,40 @@ async fn sigterm_lets_running_streams_finish_refuses_new_ones_and_exits_zero() {
     };
     assert!(exit.success(), "exit 0 after draining: {exit}");
 }
+
+#[test]
+fn serve_refuses_bad_flags_by_name() {
+    let fixtures = engine_fixtures();
+    let model = fixtures.join("llama-gqa");
+    let roots = fixtures.join("adapters");
+    let cases: &[(&[&str], &str)] = &[
+        (&["--max-loras", "0"], "--max-loras: must be at least 1"),
+        (&["--backend", "tpu"], "--backend: \"tpu\" is not available"),
+        (&["--worker-id", " "], "--worker-id: must not be empty"),
+        (
+            &["--artifact-root", "/nonexistent-artifact-root"],
+            "--artifact-root: artifact root /nonexistent-artifact-root",
+        ),
+        (&["--grpc-listen", "not-an-address"], "--grpc-listen"),
+    ];
+    for (flags, expected) in cases {
+        let out = Command::new(binary("lorafleet-worker"))
+            .args(["serve", "--metrics-listen", "127.0.0.1:0"])
+            // Defaults through the environment, so a case can override them by flag.
+            .env("LORAFLEET_WORKER_ID", "w")
+            .env("LORAFLEET_GRPC_LISTEN", "127.0.0.1:0")
+            .arg("--model")
+            .arg(&model)
+            .arg("--artifact-root")
+            .arg(&roots)
+            .args(flags.iter())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flags:?}");
+        assert!(
+            stderr.contains(expected),
+            "{flags:?}: expected {expected:?} in {stderr}"
+        );
+    }
+}
