@@ -6,9 +6,7 @@ use std::io::{BufRead, BufWriter, IsTerminal, Write};
 use std::path::PathBuf;
 
 use anyhow::{Context, bail};
-use lorafleet_engine::{
-    AdapterSource, Engine, EngineSettings, FinishReason, Prompt, Request, SamplingParams,
-};
+use lorafleet_engine::{AdapterSource, Engine, FinishReason, Prompt, Request, SamplingParams};
 use serde::Deserialize;
 
 #[derive(Debug, clap::Args)]
@@ -25,27 +23,8 @@ pub struct GenerateArgs {
     /// Where to write the results, one JSON object per line, in input order.
     #[arg(long)]
     output: PathBuf,
-    /// Device slots: the most distinct adapters in one step.
-    #[arg(long, default_value_t = 4)]
-    max_loras: usize,
-    /// The largest adapter rank accepted.
-    #[arg(long, default_value_t = 16)]
-    max_lora_rank: usize,
-    /// Adapters kept in the host tier.
-    #[arg(long, default_value_t = 32)]
-    max_cpu_loras: usize,
-    /// KV cache blocks.
-    #[arg(long, default_value_t = 2048)]
-    kv_blocks: usize,
-    /// Tokens per KV block.
-    #[arg(long, default_value_t = 16)]
-    block_size: usize,
-    /// The most sequences in one step.
-    #[arg(long, default_value_t = 64)]
-    max_num_seqs: usize,
-    /// The most tokens in one step.
-    #[arg(long, default_value_t = 512)]
-    max_batched_tokens: usize,
+    #[command(flatten)]
+    engine: crate::flags::EngineFlags,
 }
 
 /// One input line. Unknown fields are refused, not ignored.
@@ -102,19 +81,7 @@ fn parse_loras(flags: &[String]) -> anyhow::Result<BTreeMap<String, PathBuf>> {
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let loras = parse_loras(&args.loras)?;
-    let settings = EngineSettings {
-        max_loras: args.max_loras,
-        max_lora_rank: args.max_lora_rank,
-        max_cpu_loras: args.max_cpu_loras,
-        kv_blocks: args.kv_blocks,
-        block_size: args.block_size,
-        max_num_seqs: args.max_num_seqs,
-        max_batched_tokens: args.max_batched_tokens,
-        ..EngineSettings::default()
-    };
-    settings
-        .validate()
-        .map_err(|e| anyhow::anyhow!("--{}", e.to_string().replace('_', "-")))?;
+    let settings = args.engine.settings()?;
     let input = std::fs::File::open(&args.input)
         .with_context(|| format!("--input {}", args.input.display()))?;
     let mut engine = Engine::load_cpu(&args.model, settings)

@@ -2,6 +2,7 @@
 //! batch command. The binary in `main.rs` only parses flags and calls in.
 
 pub mod convert;
+pub mod flags;
 pub mod generate;
 pub mod runtime;
 pub mod serve;

@@ -10,8 +10,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use lorafleet_engine::Engine;
 use lorafleet_engine::artifact::ArtifactRoots;
-use lorafleet_engine::{Engine, EngineSettings};
 use lorafleet_proto::worker::v1 as pb;
 
 use crate::runtime::EngineHandle;
@@ -47,30 +47,8 @@ pub struct ServeArgs {
     /// The compute backend: "cpu".
     #[arg(long, env = "LORAFLEET_BACKEND", default_value = "cpu")]
     backend: String,
-    /// Device slots: the most distinct adapters in one step.
-    #[arg(long, env = "LORAFLEET_MAX_LORAS", default_value_t = 4)]
-    max_loras: usize,
-    /// The largest adapter rank accepted.
-    #[arg(long, env = "LORAFLEET_MAX_LORA_RANK", default_value_t = 16)]
-    max_lora_rank: usize,
-    /// Adapters kept in the host tier.
-    #[arg(long, env = "LORAFLEET_MAX_CPU_LORAS", default_value_t = 32)]
-    max_cpu_loras: usize,
-    /// KV cache blocks.
-    #[arg(long, env = "LORAFLEET_KV_BLOCKS", default_value_t = 2048)]
-    kv_blocks: usize,
-    /// Tokens per KV block.
-    #[arg(long, env = "LORAFLEET_BLOCK_SIZE", default_value_t = 16)]
-    block_size: usize,
-    /// The most sequences in one step.
-    #[arg(long, env = "LORAFLEET_MAX_NUM_SEQS", default_value_t = 64)]
-    max_num_seqs: usize,
-    /// The most tokens in one step.
-    #[arg(long, env = "LORAFLEET_MAX_BATCHED_TOKENS", default_value_t = 512)]
-    max_batched_tokens: usize,
-    /// The most waiting requests before RESOURCE_EXHAUSTED.
-    #[arg(long, env = "LORAFLEET_MAX_WAITING", default_value_t = 1024)]
-    max_waiting: usize,
+    #[command(flatten)]
+    engine: crate::flags::EngineFlags,
     /// On SIGTERM, how long running streams may take to finish, in seconds.
     #[arg(long, env = "LORAFLEET_DRAIN_DEADLINE_SECS", default_value_t = 30)]
     drain_deadline_secs: u64,
@@ -86,19 +64,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     if args.worker_id.trim().is_empty() {
         bail!("--worker-id: must not be empty");
     }
-    let settings = EngineSettings {
-        max_loras: args.max_loras,
-        max_lora_rank: args.max_lora_rank,
-        max_cpu_loras: args.max_cpu_loras,
-        kv_blocks: args.kv_blocks,
-        block_size: args.block_size,
-        max_num_seqs: args.max_num_seqs,
-        max_batched_tokens: args.max_batched_tokens,
-        max_waiting: args.max_waiting,
-    };
-    settings
-        .validate()
-        .map_err(|e| anyhow::anyhow!("--{}", e.to_string().replace('_', "-")))?;
+    let settings = args.engine.settings()?;
     let roots = ArtifactRoots::new(&args.artifact_roots)
         .map_err(|e| anyhow::anyhow!("--artifact-root: {e}"))?;
     let listener = tokio::net::TcpListener::bind(args.grpc_listen)
