@@ -4,6 +4,7 @@
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use lorafleet_proto::worker::v1 as pb;
@@ -17,6 +18,8 @@ struct Worker {
     child: Child,
     addr: String,
     metrics: String,
+    /// The worker's stderr (its structured log), line by line.
+    log: Arc<Mutex<Vec<String>>>,
 }
 
 impl Drop for Worker {
@@ -47,9 +50,18 @@ fn start(extra_root: &Path) -> Worker {
         .arg("--artifact-root")
         .arg(extra_root)
         .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
         .spawn()
         .expect("spawn lorafleet-worker serve");
     let stdout = child.stdout.take().unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let sink = log.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            sink.lock().unwrap().push(line);
+        }
+    });
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         for line in BufReader::new(stdout).lines().map_while(Result::ok) {
@@ -67,6 +79,7 @@ fn start(extra_root: &Path) -> Worker {
         child,
         addr,
         metrics,
+        log,
     }
 }
 
@@ -428,4 +441,184 @@ fn serve_refuses_bad_flags_by_name() {
             "{flags:?}: expected {expected:?} in {stderr}"
         );
     }
+}
+
+/// The next Watch report that satisfies `want`, within 30 s.
+async fn next_report(
+    watch: &mut tonic::Streaming<pb::WorkerReport>,
+    what: &str,
+    want: impl Fn(&pb::WorkerReport) -> bool,
+) -> pb::WorkerReport {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let wait = deadline.saturating_duration_since(Instant::now());
+        let report = tokio::time::timeout(wait, watch.message())
+            .await
+            .unwrap_or_else(|_| panic!("no Watch report showed {what}"))
+            .expect("the Watch stream stays up")
+            .expect("the Watch stream does not end");
+        if want(&report) {
+            return report;
+        }
+    }
+}
+
+fn state(report: &pb::WorkerReport, id: u64) -> Option<&pb::AdapterState> {
+    report.adapters.iter().find(|a| a.lora_int_id == id)
+}
+
+#[tokio::test]
+async fn a_cancelled_stream_frees_its_kv_blocks_and_carries_its_trace_id() {
+    let extra = tempfile::tempdir().unwrap();
+    let w = start(extra.path());
+    let mut c = client(&w).await;
+    let mut watch = c
+        .watch(pb::WatchRequest {
+            subscriber: "test".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let first = next_report(&mut watch, "a first report", |_| true).await;
+    assert_eq!(first.load.unwrap().kv_blocks_used, 0);
+
+    // A (adapter 1) would outlive B (the base model) by 100 tokens if it ran
+    // to the end; it is cancelled after 100 tokens.
+    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let mut a = request("A", Some(descriptor("qv-r8", 1)), vec![1, 2, 3], 500);
+    a.sampling.as_mut().unwrap().ignore_eos = true;
+    a.trace_context = Some(pb::TraceContext {
+        traceparent: format!("00-{trace_id}-00f067aa0ba902b7-01"),
+        tracestate: String::new(),
+    });
+    let mut b = request("B", None, vec![4, 5, 6], 400);
+    b.sampling.as_mut().unwrap().ignore_eos = true;
+    let mut a_stream = c.generate(a).await.unwrap().into_inner();
+    let mut b_stream = c.clone().generate(b).await.unwrap().into_inner();
+    // Both hold many blocks (16 tokens each) before A is cancelled.
+    let mut a_tokens = 0;
+    while a_tokens < 100 {
+        if let Some(pb::generate_event::Event::Delta(d)) =
+            a_stream.message().await.unwrap().expect("A streams").event
+        {
+            a_tokens += d.token_ids.len();
+        }
+    }
+    b_stream.message().await.unwrap().expect("B's Accepted");
+    let both = next_report(&mut watch, "both sequences running", |r| {
+        let load = r.load.unwrap();
+        load.running_sequences == 2 && load.kv_blocks_used >= 12
+    })
+    .await;
+    let both_kv = both.load.unwrap().kv_blocks_used;
+    assert_eq!(state(&both, 1).unwrap().active_requests, 1);
+    let b_done = tokio::spawn(async move {
+        let mut n = 0;
+        while let Some(e) = b_stream.message().await.unwrap() {
+            if let Some(pb::generate_event::Event::Delta(d)) = e.event {
+                n += d.token_ids.len();
+            }
+        }
+        n
+    });
+
+    drop(a_stream);
+    // Freed at once: A is gone while B still runs, with fewer blocks in use.
+    let after = next_report(&mut watch, "A freed while B runs", |r| {
+        state(r, 1).is_some_and(|s| s.active_requests == 0)
+    })
+    .await;
+    let load = after.load.unwrap();
+    assert_eq!(
+        load.running_sequences, 1,
+        "B still runs when A's sequence is gone: {load:?}"
+    );
+    assert!(
+        load.kv_blocks_used < both_kv,
+        "A's blocks were freed: {} then {}",
+        both_kv,
+        load.kv_blocks_used
+    );
+    assert_eq!(b_done.await.unwrap(), 400, "B is unaffected");
+    let idle = next_report(&mut watch, "no blocks in use", |r| {
+        r.load.unwrap().kv_blocks_used == 0
+    })
+    .await;
+    assert_eq!(idle.load.unwrap().running_sequences, 0);
+
+    // The worker's structured log continues the caller's trace.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let lines = w.log.lock().unwrap().clone();
+        let accepted = lines.iter().find_map(|l| {
+            let v: Value = serde_json::from_str(l).ok()?;
+            (v["fields"]["message"] == "accepted" && v["span"]["request_id"] == "A").then_some(v)
+        });
+        if let Some(v) = accepted {
+            assert_eq!(v["span"]["trace_id"], trace_id, "{v}");
+            assert_eq!(v["span"]["lora_int_id"], 1, "{v}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no JSON \"accepted\" log line for A: {lines:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn watch_shows_an_adapter_load_then_its_eviction_past_the_device_slots() {
+    let extra = tempfile::tempdir().unwrap();
+    let w = start(extra.path()); // --max-loras 2
+    let mut c = client(&w).await;
+    let mut watch = c
+        .watch(pb::WatchRequest {
+            subscriber: "test".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let first = next_report(&mut watch, "a first report", |_| true).await;
+    assert!(first.adapters.is_empty(), "{:?}", first.adapters);
+    assert_eq!(first.capacity.unwrap().device_slots, 2);
+
+    let device = pb::Residency::Device as i32;
+    generate(
+        &mut c,
+        request("one", Some(descriptor("qv-r8", 1)), vec![1, 2, 3], 2),
+    )
+    .await
+    .unwrap();
+    let loaded = next_report(&mut watch, "adapter 1 on the device", |r| {
+        state(r, 1).is_some_and(|s| s.residency == device)
+    })
+    .await;
+    assert!(loaded.counters.unwrap().device_loads >= 1);
+
+    for (id, name) in [(2, "patterns"), (3, "layer1-mlp")] {
+        generate(
+            &mut c,
+            request(name, Some(descriptor(name, id)), vec![1, 2, 3], 2),
+        )
+        .await
+        .unwrap();
+    }
+    let evicted = next_report(&mut watch, "adapter 1 evicted from the device", |r| {
+        state(r, 1).is_some_and(|s| s.residency != device)
+    })
+    .await;
+    assert_eq!(
+        state(&evicted, 1).unwrap().residency,
+        pb::Residency::Host as i32,
+        "evicted to the host cache, not forgotten"
+    );
+    assert_eq!(state(&evicted, 3).unwrap().residency, device);
+    assert!(evicted.counters.unwrap().device_evictions >= 1);
+    let on_device = evicted
+        .adapters
+        .iter()
+        .filter(|a| a.residency == device)
+        .count();
+    assert!(on_device <= 2, "never more than the slots: {evicted:?}");
 }

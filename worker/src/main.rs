@@ -46,7 +46,12 @@ fn main() -> ExitCode {
         Command::Generate(args) => generate::run(args),
         Command::Serve(args) => tokio::runtime::Runtime::new()
             .map_err(anyhow::Error::from)
-            .and_then(|rt| rt.block_on(serve::run(args))),
+            .and_then(|rt| {
+                rt.block_on(async {
+                    let _telemetry = lorafleet_telemetry::init("lorafleet-worker")?;
+                    serve::run(args).await
+                })
+            }),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

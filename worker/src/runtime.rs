@@ -5,7 +5,8 @@
 //! channel; dropping a [`RequestStream`] before it finishes aborts the
 //! request, so a client that disconnects frees its KV blocks at once. The
 //! thread publishes a [`Report`] on a `watch` channel whenever adapter
-//! residency changes and at least every `report_interval`; watchers always
+//! residency changes, soon after a sequence is admitted or leaves, and at
+//! least every `report_interval`; watchers always
 //! see only the latest report, so a slow watcher never slows the engine.
 
 use std::collections::HashMap;
@@ -207,6 +208,9 @@ impl EngineHandle {
     }
 }
 
+/// The least time between two reports published for load changes alone.
+const MIN_REPORT_GAP: Duration = Duration::from_millis(20);
+
 /// The engine thread's loop.
 fn run(
     mut engine: Engine,
@@ -219,12 +223,17 @@ fn run(
     let mut sequence = 0u64;
     let mut last_report = Instant::now();
     let mut last_generation = engine.stats().residency_generation;
+    // Set when a sequence is admitted or leaves, so routers see load moves
+    // within MIN_REPORT_GAP instead of the next periodic report.
+    let mut load_changed = false;
     loop {
         // Block for a command only when idle; otherwise take what is queued.
         let first = if engine.has_work() {
             commands.try_recv().ok()
         } else {
-            let wait = if pending_promotions.is_empty() {
+            let wait = if load_changed {
+                MIN_REPORT_GAP.saturating_sub(last_report.elapsed())
+            } else if pending_promotions.is_empty() {
                 interval
                     .saturating_sub(last_report.elapsed())
                     .max(Duration::from_millis(1))
@@ -249,12 +258,14 @@ fn run(
                     let result = engine.submit(request);
                     if result.is_ok() {
                         streams.insert(id, events);
+                        load_changed = true;
                     }
                     let _ = reply.send(result);
                 }
                 Command::Abort { id } => {
                     streams.remove(&id);
                     engine.abort(&id);
+                    load_changed = true;
                 }
                 Command::Register { id, source, reply } => {
                     let _ = reply.send(engine.register_adapter(id, source));
@@ -302,10 +313,12 @@ fn run(
                         let delivered = streams.get(&id).is_some_and(|tx| tx.send(event).is_ok());
                         if last {
                             streams.remove(&id);
+                            load_changed = true;
                         } else if !delivered {
                             // The client went away: free the sequence now.
                             streams.remove(&id);
                             engine.abort(&id);
+                            load_changed = true;
                         }
                     }
                 }
@@ -338,7 +351,12 @@ fn run(
         }
 
         let generation = engine.stats().residency_generation;
-        if generation != last_generation || last_report.elapsed() >= interval {
+        let since = last_report.elapsed();
+        if generation != last_generation
+            || since >= interval
+            || (load_changed && since >= MIN_REPORT_GAP)
+        {
+            load_changed = false;
             sequence += 1;
             let stats = engine.stats();
             crate::telemetry::record_stats(&stats);

@@ -108,6 +108,15 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         device_name: engine.device_name(),
         model_config: config,
     };
+    tracing::info!(
+        worker_id = %args.worker_id,
+        base_hash = %info.base_model.base_hash,
+        backend = %info.backend,
+        max_loras = settings.max_loras,
+        max_cpu_loras = settings.max_cpu_loras,
+        kv_blocks = settings.kv_blocks,
+        "model loaded"
+    );
     let handle = EngineHandle::spawn(engine, Duration::from_millis(250));
     let draining = Arc::new(AtomicBool::new(false));
     let service = WorkerService::new(handle.clone(), roots, info, draining.clone());
@@ -121,12 +130,13 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     // Tests and operators read this line to find the port.
     println!("lorafleet-worker listening grpc={addr} metrics={metrics_addr}");
     std::io::stdout().flush()?;
+    tracing::info!(grpc = %addr, metrics = %metrics_addr, "listening");
 
     let drain_deadline = Duration::from_secs(args.drain_deadline_secs);
     let reports = handle.reports();
     let shutdown = async move {
         wait_for_signal().await;
-        eprintln!("lorafleet-worker: draining (deadline {drain_deadline:?})");
+        tracing::info!(deadline_secs = drain_deadline.as_secs(), "draining");
         draining.store(true, Ordering::Release);
         health
             .set_not_serving::<pb::worker_server::WorkerServer<WorkerService>>()
@@ -168,7 +178,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         } => {}
     }
     handle.shutdown();
-    eprintln!("lorafleet-worker: stopped");
+    tracing::info!("stopped");
     Ok(())
 }
 

@@ -14,6 +14,7 @@ use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::{ReceiverStream, WatchStream};
 use tonic::{Response, Status};
+use tracing::Instrument;
 
 use crate::convert::{self, Descriptor};
 use crate::runtime::{EngineHandle, Report};
@@ -220,6 +221,18 @@ impl pb::worker_server::Worker for WorkerService {
         }
         let r = request.into_inner();
         let started = Instant::now();
+        let span = tracing::info_span!(
+            "generate",
+            request_id = %r.request_id,
+            lora_int_id = r.adapter.as_ref().map_or(0, |a| a.lora_int_id),
+            trace_id = tracing::field::Empty,
+        );
+        if let Some(tc) = &r.trace_context {
+            lorafleet_telemetry::set_parent(&span, &tc.traceparent, &tc.tracestate);
+        }
+        if let Some(id) = lorafleet_telemetry::trace_id(&span) {
+            span.record("trace_id", id);
+        }
         let admitted = async {
             let (id, prompt, params) = convert::generate_request(&r)?;
             let adapter = match &r.adapter {
@@ -239,9 +252,21 @@ impl pb::worker_server::Worker for WorkerService {
                 .await
                 .map_err(|e| convert::engine_status(&e))
         }
+        .instrument(span.clone())
         .await;
-        let (accepted, mut stream) =
-            admitted.inspect_err(|status| telemetry::record_request(code_name(status.code())))?;
+        let (accepted, mut stream) = admitted.inspect_err(|status| {
+            telemetry::record_request(code_name(status.code()));
+            span.in_scope(|| {
+                tracing::warn!(code = ?status.code(), message = status.message(), "refused");
+            });
+        })?;
+        span.in_scope(|| {
+            tracing::info!(
+                prompt_tokens = accepted.prompt_tokens,
+                residency = ?accepted.residency,
+                "accepted"
+            );
+        });
         let (tx, rx) = mpsc::channel::<EventResult>(64);
         self.in_flight.fetch_add(1, Ordering::AcqRel);
         let in_flight = InFlight(self.in_flight.clone());
@@ -254,47 +279,59 @@ impl pb::worker_server::Worker for WorkerService {
                     as i32,
             })),
         };
-        tokio::spawn(async move {
-            let _in_flight = in_flight;
-            if tx.send(Ok(first)).await.is_err() {
-                return;
-            }
-            let mut last_token: Option<Instant> = None;
-            while let Some(event) = stream.next().await {
-                let message = match event {
-                    Event::Delta { token_ids, text } => {
-                        let now = Instant::now();
-                        match last_token {
-                            None => telemetry::record_ttft(now - started),
-                            Some(t) => telemetry::record_inter_token(now - t),
-                        }
-                        last_token = Some(now);
-                        Ok(pb::GenerateEvent {
-                            event: Some(pb::generate_event::Event::Delta(pb::TokenDelta {
-                                token_ids,
-                                text,
-                            })),
-                        })
-                    }
-                    Event::Finished(f) => {
-                        telemetry::record_request("ok");
-                        Ok(pb::GenerateEvent {
-                            event: Some(pb::generate_event::Event::Finished(convert::finished(&f))),
-                        })
-                    }
-                    Event::Failed(e) => {
-                        let status = convert::engine_status(&e);
-                        telemetry::record_request(code_name(status.code()));
-                        Err(status)
-                    }
-                };
-                // A closed channel means the client went away; dropping
-                // `stream` then aborts the request in the engine.
-                if tx.send(message).await.is_err() {
+        tokio::spawn(
+            async move {
+                let _in_flight = in_flight;
+                if tx.send(Ok(first)).await.is_err() {
                     return;
                 }
+                let mut last_token: Option<Instant> = None;
+                while let Some(event) = stream.next().await {
+                    let message = match event {
+                        Event::Delta { token_ids, text } => {
+                            let now = Instant::now();
+                            match last_token {
+                                None => telemetry::record_ttft(now - started),
+                                Some(t) => telemetry::record_inter_token(now - t),
+                            }
+                            last_token = Some(now);
+                            Ok(pb::GenerateEvent {
+                                event: Some(pb::generate_event::Event::Delta(pb::TokenDelta {
+                                    token_ids,
+                                    text,
+                                })),
+                            })
+                        }
+                        Event::Finished(f) => {
+                            telemetry::record_request("ok");
+                            tracing::info!(
+                                completion_tokens = f.completion_tokens,
+                                finish_reason = ?f.reason,
+                                "finished"
+                            );
+                            Ok(pb::GenerateEvent {
+                                event: Some(pb::generate_event::Event::Finished(
+                                    convert::finished(&f),
+                                )),
+                            })
+                        }
+                        Event::Failed(e) => {
+                            let status = convert::engine_status(&e);
+                            tracing::warn!(error = %e, "failed");
+                            telemetry::record_request(code_name(status.code()));
+                            Err(status)
+                        }
+                    };
+                    // A closed channel means the client went away; dropping
+                    // `stream` then aborts the request in the engine.
+                    if tx.send(message).await.is_err() {
+                        tracing::info!("cancelled by the client");
+                        return;
+                    }
+                }
             }
-        });
+            .instrument(span),
+        );
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 
