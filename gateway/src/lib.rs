@@ -3,4 +3,13 @@
 //!
 //! Binaries stay thin: they parse flags and call into this library.
 
+pub mod api;
+pub mod audit;
+pub mod auth;
 pub mod db;
+pub mod fleet;
+pub mod openai;
+pub mod ratelimit;
+pub mod registry;
+pub mod routing;
+pub mod serve;

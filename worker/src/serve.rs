@@ -80,34 +80,11 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let engine = tokio::task::spawn_blocking(move || Engine::load_cpu(&model, settings))
         .await?
         .with_context(|| format!("--model {}", args.model.display()))?;
-    let config = engine.config().clone();
     let name = args
         .model
         .file_name()
         .map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned());
-    let info = WorkerInfo {
-        worker_id: args.worker_id.clone(),
-        instance_id: format!("{}-{}", args.worker_id, std::process::id()),
-        base_model: pb::BaseModel {
-            name,
-            base_hash: engine.base_hash().to_owned(),
-            architecture: config.architecture.model_type().into(),
-            max_model_len: engine.max_model_len() as u32,
-            vocab_size: config.vocab_size as u32,
-        },
-        capacity: pb::Capacity {
-            max_loras: settings.max_loras as u32,
-            max_lora_rank: settings.max_lora_rank as u32,
-            device_slots: settings.max_loras as u32,
-            host_slots: settings.max_cpu_loras as u32,
-            kv_blocks_total: settings.kv_blocks as u32,
-            kv_block_size: settings.block_size as u32,
-            max_waiting: settings.max_waiting as u32,
-        },
-        backend: engine.backend_name().into(),
-        device_name: engine.device_name(),
-        model_config: config,
-    };
+    let info = WorkerInfo::describe(&engine, &args.worker_id, name, &settings);
     tracing::info!(
         worker_id = %args.worker_id,
         base_hash = %info.base_model.base_hash,

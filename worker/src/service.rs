@@ -35,6 +35,41 @@ pub struct WorkerInfo {
     pub model_config: ModelConfig,
 }
 
+impl WorkerInfo {
+    /// What a worker serving `engine` under `worker_id` reports about itself.
+    pub fn describe(
+        engine: &lorafleet_engine::Engine,
+        worker_id: &str,
+        model_name: String,
+        settings: &lorafleet_engine::EngineSettings,
+    ) -> WorkerInfo {
+        let config = engine.config().clone();
+        WorkerInfo {
+            worker_id: worker_id.to_owned(),
+            instance_id: format!("{worker_id}-{}", std::process::id()),
+            base_model: pb::BaseModel {
+                name: model_name,
+                base_hash: engine.base_hash().to_owned(),
+                architecture: config.architecture.model_type().into(),
+                max_model_len: engine.max_model_len() as u32,
+                vocab_size: config.vocab_size as u32,
+            },
+            capacity: pb::Capacity {
+                max_loras: settings.max_loras as u32,
+                max_lora_rank: settings.max_lora_rank as u32,
+                device_slots: settings.max_loras as u32,
+                host_slots: settings.max_cpu_loras as u32,
+                kv_blocks_total: settings.kv_blocks as u32,
+                kv_block_size: settings.block_size as u32,
+                max_waiting: settings.max_waiting as u32,
+            },
+            backend: engine.backend_name().into(),
+            device_name: engine.device_name(),
+            model_config: config,
+        }
+    }
+}
+
 /// The gRPC service. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct WorkerService {

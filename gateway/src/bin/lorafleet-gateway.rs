@@ -1,5 +1,5 @@
-//! `lorafleet-gateway`: the tenants' front door. For now it carries the
-//! registry migrations; `serve` arrives with the gateway itself.
+//! `lorafleet-gateway`: the tenants' front door. `serve` runs the OpenAI API
+//! over the worker fleet; `migrate` applies the registry migrations.
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -19,6 +19,8 @@ enum Command {
     /// Applies pending registry migrations, then exits. Safe to run from
     /// several replicas at once.
     Migrate(MigrateArgs),
+    /// Serves the OpenAI-compatible API until SIGTERM, then drains.
+    Serve(lorafleet_gateway::serve::ServeArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -32,13 +34,6 @@ struct MigrateArgs {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     let cli = Cli::parse();
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
@@ -47,7 +42,11 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(cli)) {
+    let result = runtime.block_on(async {
+        let _telemetry = lorafleet_telemetry::init("lorafleet-gateway")?;
+        run(cli).await
+    });
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
@@ -58,6 +57,7 @@ fn main() -> ExitCode {
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
+        Command::Serve(args) => lorafleet_gateway::serve::run(args).await,
         Command::Migrate(args) => {
             if args.connect_timeout_secs == 0 {
                 anyhow::bail!("--connect-timeout-secs: must be at least 1");

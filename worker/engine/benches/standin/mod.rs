@@ -19,8 +19,17 @@ pub const KV_HEADS: usize = 4;
 pub const VOCAB: usize = 32000;
 pub const RANK: usize = 16;
 
+/// `target/bench-standin` of the workspace, whichever crate's bench asks.
 pub fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/bench-standin")
+    let mut dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    while !dir.join("Cargo.lock").exists() {
+        assert!(
+            dir.pop(),
+            "no Cargo.lock above {}",
+            env!("CARGO_MANIFEST_DIR")
+        );
+    }
+    dir.join("target/bench-standin")
 }
 
 fn random(rng: &mut Rng, n: usize, scale: f32) -> Vec<f32> {
@@ -67,7 +76,7 @@ pub fn model() -> PathBuf {
         "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32"
     });
     std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-    let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama-gqa");
+    let fixtures = root().join("../../worker/engine/tests/fixtures/llama-gqa");
     for f in ["tokenizer.json", "tokenizer_config.json"] {
         std::fs::copy(fixtures.join(f), dir.join(f)).unwrap();
     }

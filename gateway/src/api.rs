@@ -1,0 +1,880 @@
+//! The OpenAI-compatible HTTP API: `/v1/completions`,
+//! `/v1/chat/completions` (plain and SSE streaming), `/v1/models`, and
+//! liveness/readiness probes.
+//!
+//! A completion request goes: concurrency permit → authenticate → parse →
+//! rate limit → resolve (tenant, model) to one adapter version → route to
+//! workers serving that adapter's base hash → generate, retrying on the next
+//! candidate only before the first token → respond → one audit row.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use chrono::Utc;
+use lorafleet_proto::worker::v1 as pb;
+use serde_json::{Value, json};
+use tokio::sync::Semaphore;
+use tonic::Code;
+use uuid::Uuid;
+
+use crate::audit::{AuditLog, AuditRecord};
+use crate::auth::{self, JwtConfig, Principal};
+use crate::fleet::{Fleet, Worker};
+use crate::openai::{self, BadRequest, ChatRequest, CompletionRequest, Usage};
+use crate::ratelimit::RateLimiter;
+use crate::registry::{Registry, Resolved};
+
+/// Everything a request needs. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct AppState {
+    pub registry: Registry,
+    pub jwt: Option<JwtConfig>,
+    pub fleet: Fleet,
+    pub limiter: RateLimiter,
+    pub audit: AuditLog,
+    pub permits: Arc<Semaphore>,
+    pub max_body_bytes: usize,
+    pub request_timeout: Duration,
+    pub max_attempts: usize,
+}
+
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(ready))
+        .with_state(state)
+}
+
+/// An OpenAI-shaped error response.
+#[derive(Debug)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub kind: &'static str,
+    pub code: &'static str,
+    pub message: String,
+    pub param: Option<String>,
+    pub retry_after: Option<u64>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, kind: &'static str, code: &'static str, message: String) -> Self {
+        ApiError {
+            status,
+            kind,
+            code,
+            message,
+            param: None,
+            retry_after: None,
+        }
+    }
+
+    fn unauthorized(e: &auth::AuthError) -> Self {
+        Self::new(
+            StatusCode::UNAUTHORIZED,
+            "authentication_error",
+            "invalid_api_key",
+            e.to_string(),
+        )
+    }
+
+    fn model_not_found(model: &str) -> Self {
+        // The same answer whether the model does not exist or belongs to
+        // another tenant: the response must not reveal other tenants.
+        let mut e = Self::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "model_not_found",
+            format!("The model `{model}` does not exist or you do not have access to it."),
+        );
+        e.param = Some("model".into());
+        e
+    }
+
+    fn bad_request(b: BadRequest) -> Self {
+        let mut e = Self::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "invalid_request",
+            b.message,
+        );
+        e.param = (!b.param.is_empty()).then_some(b.param);
+        e
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = openai::error_body(
+            &self.message,
+            self.kind,
+            self.param.as_deref(),
+            Some(self.code),
+        );
+        let mut r = (self.status, axum::Json(body)).into_response();
+        if let Some(secs) = self.retry_after {
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        r
+    }
+}
+
+async fn ready(State(s): State<AppState>) -> Response {
+    let up = s.fleet.workers().iter().filter(|w| w.up()).count();
+    if up > 0 {
+        (StatusCode::OK, format!("ready: {up} workers up")).into_response()
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "no worker is up").into_response()
+    }
+}
+
+fn principal(s: &AppState, headers: &HeaderMap) -> Result<Principal, ApiError> {
+    let value = headers
+        .get(header::AUTHORIZATION)
+        .map(|v| v.to_str().unwrap_or(""));
+    auth::authenticate(value, &s.registry.snapshot(), s.jwt.as_ref())
+        .map_err(|e| ApiError::unauthorized(&e))
+}
+
+async fn models(State(s): State<AppState>, headers: HeaderMap) -> Result<Response, ApiError> {
+    let p = principal(&s, &headers)?;
+    if !p.has_scope(auth::SCOPE_MODELS_READ) && !p.has_scope(auth::SCOPE_INFERENCE) {
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "permission_error",
+            "insufficient_scope",
+            "this credential may not list models (scope models:read)".into(),
+        ));
+    }
+    let snapshot = s.registry.snapshot();
+    let owner = snapshot
+        .tenant(&p.tenant_id)
+        .map_or_else(String::new, |t| t.name.clone());
+    let data: Vec<Value> = snapshot
+        .routes_of(&p.tenant_id)
+        .iter()
+        .map(|r| {
+            json!({
+                "id": r.model_name,
+                "object": "model",
+                "created": r.created_at.timestamp(),
+                "owned_by": owner,
+            })
+        })
+        .collect();
+    Ok(axum::Json(json!({"object": "list", "data": data})).into_response())
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+async fn completions(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    handle(s, headers, body, Kind::Completion).await
+}
+
+async fn chat_completions(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    handle(s, headers, body, Kind::Chat).await
+}
+
+/// What the audit row and metrics need, filled in as the request proceeds.
+struct Trail {
+    record: AuditRecord,
+    started: Instant,
+    tenant_name: String,
+    adapter_label: String,
+}
+
+impl Trail {
+    fn new(request_id: Uuid) -> Trail {
+        let now = Utc::now();
+        Trail {
+            record: AuditRecord {
+                request_id,
+                received_at: now,
+                completed_at: now,
+                tenant_id: None,
+                api_key_id: None,
+                subject: None,
+                model_name: String::new(),
+                route_id: None,
+                route_revision: None,
+                lora_int_id: None,
+                adapter_name: None,
+                adapter_version: None,
+                base_hash: None,
+                worker_id: None,
+                adapter_residency: None,
+                status: "rejected".into(),
+                http_status: 0,
+                error_code: None,
+                finish_reason: None,
+                prompt_tokens: 0,
+                completion_tokens: 0,
+                latency_us: 0,
+                ttft_us: None,
+                attempts: 0,
+            },
+            started: Instant::now(),
+            tenant_name: String::new(),
+            adapter_label: String::new(),
+        }
+    }
+
+    fn resolved(&mut self, r: &Resolved) {
+        self.record.route_id = Some(r.route.id);
+        self.record.route_revision = Some(r.route.revision);
+        self.record.base_hash = Some(r.route.base_hash.clone());
+        match &r.adapter {
+            Some(a) => {
+                self.record.lora_int_id = Some(a.lora_int_id as i64);
+                self.record.adapter_name = Some(a.name.clone());
+                self.record.adapter_version = Some(a.version as i32);
+                self.adapter_label = format!("{}@{}", a.name, a.version);
+            }
+            None => self.adapter_label = "base".into(),
+        }
+    }
+
+    /// Finishes the row and the metrics.
+    fn close(mut self, audit: &AuditLog, status: &str, http: StatusCode, code: Option<&str>) {
+        self.record.completed_at = Utc::now();
+        self.record.latency_us = self.started.elapsed().as_micros() as i64;
+        self.record.status = status.into();
+        self.record.http_status = http.as_u16() as i16;
+        self.record.error_code = code.map(str::to_owned);
+        if status != "ok" {
+            self.record.finish_reason = None;
+        }
+        let labels = [
+            ("tenant", self.tenant_name.clone()),
+            ("adapter", self.adapter_label.clone()),
+        ];
+        metrics::counter!(
+            "lorafleet_gateway_requests_total",
+            &[
+                ("tenant", self.tenant_name.clone()),
+                ("adapter", self.adapter_label.clone()),
+                ("status", status.to_owned()),
+            ]
+        )
+        .increment(1);
+        metrics::histogram!("lorafleet_gateway_request_duration_seconds", &labels)
+            .record(self.started.elapsed().as_secs_f64());
+        if let Some(ttft) = self.record.ttft_us {
+            metrics::histogram!("lorafleet_gateway_time_to_first_token_seconds", &labels)
+                .record(ttft as f64 / 1e6);
+        }
+        audit.record(self.record);
+    }
+}
+
+async fn handle(s: AppState, headers: HeaderMap, body: Body, kind: Kind) -> Response {
+    let request_id = Uuid::now_v7();
+    let mut trail = Trail::new(request_id);
+    let span = tracing::info_span!(
+        "completion",
+        %request_id,
+        tenant = tracing::field::Empty,
+        model = tracing::field::Empty,
+        lora_int_id = tracing::field::Empty,
+        worker = tracing::field::Empty,
+        route_reason = tracing::field::Empty,
+        residency_hit = tracing::field::Empty,
+    );
+    if let Some(tp) = headers.get("traceparent").and_then(|v| v.to_str().ok()) {
+        let ts = headers
+            .get("tracestate")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("");
+        lorafleet_telemetry::set_parent(&span, tp, ts);
+    }
+    let result = {
+        let _enter = span.enter();
+        prepare(&s, &headers, body, kind, &mut trail).await
+    };
+    let prepared = match result {
+        Ok(p) => p,
+        Err(e) => {
+            let code = e.code;
+            let status = e.status;
+            span.in_scope(|| tracing::info!(status = status.as_u16(), code, "refused"));
+            trail.close(&s.audit, "rejected", status, Some(code));
+            return e.into_response();
+        }
+    };
+    run(s, prepared, trail, span, kind, request_id).await
+}
+
+struct Prepared {
+    principal: Principal,
+    resolved: Resolved,
+    request: pb::GenerateRequest,
+    stream: bool,
+    include_usage: bool,
+    model: String,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+async fn prepare(
+    s: &AppState,
+    headers: &HeaderMap,
+    body: Body,
+    kind: Kind,
+    trail: &mut Trail,
+) -> Result<Prepared, ApiError> {
+    let permit = s.permits.clone().try_acquire_owned().map_err(|_| {
+        let mut e = ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_error",
+            "gateway_overloaded",
+            "the gateway is at its concurrency limit; retry shortly".into(),
+        );
+        e.retry_after = Some(1);
+        e
+    })?;
+    let principal = principal(s, headers)?;
+    trail.record.tenant_id = Some(principal.tenant_id);
+    trail.record.api_key_id = principal.api_key_id;
+    trail.record.subject = principal.subject.clone();
+    let snapshot = s.registry.snapshot();
+    let tenant = snapshot
+        .tenant(&principal.tenant_id)
+        .cloned()
+        .ok_or_else(|| ApiError::unauthorized(&auth::AuthError::InvalidKey))?;
+    trail.tenant_name = tenant.name.clone();
+    tracing::Span::current().record("tenant", tenant.name.as_str());
+    if !principal.has_scope(auth::SCOPE_INFERENCE) {
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "permission_error",
+            "insufficient_scope",
+            "this credential may not run completions (scope inference)".into(),
+        ));
+    }
+    let bytes: Bytes = axum::body::to_bytes(body, s.max_body_bytes)
+        .await
+        .map_err(|_| {
+            ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "invalid_request_error",
+                "request_too_large",
+                format!("the body is larger than {} bytes", s.max_body_bytes),
+            )
+        })?;
+    let (common_model, user, stream, include_usage, prompt, sampling) = match kind {
+        Kind::Completion => {
+            let r = CompletionRequest::parse(&bytes).map_err(ApiError::bad_request)?;
+            let (p, sp) = r.to_worker().map_err(ApiError::bad_request)?;
+            let c = r.common;
+            let iu = c.include_usage();
+            (c.model, c.user, c.stream, iu, p, sp)
+        }
+        Kind::Chat => {
+            let r = ChatRequest::parse(&bytes).map_err(ApiError::bad_request)?;
+            let (p, sp) = r.to_worker().map_err(ApiError::bad_request)?;
+            let c = r.common;
+            let iu = c.include_usage();
+            (c.model, c.user, c.stream, iu, p, sp)
+        }
+    };
+    trail.record.model_name = common_model.clone();
+    tracing::Span::current().record("model", common_model.as_str());
+    s.limiter
+        .admit(tenant.id, tenant.rpm_limit, tenant.tpm_limit)
+        .await
+        .map_err(|l| {
+            let mut e = ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                "rate_limit_exceeded",
+                format!("rate limit reached: {}", l.what),
+            );
+            e.retry_after = Some(l.retry_after_secs);
+            e
+        })?;
+    let stickiness = user
+        .clone()
+        .unwrap_or_else(|| trail.record.request_id.to_string());
+    let resolved = snapshot
+        .resolve(&principal.tenant_id, &common_model, &stickiness)
+        .ok_or_else(|| ApiError::model_not_found(&common_model))?;
+    trail.resolved(&resolved);
+    let adapter = resolved.adapter.as_ref().map(|a| pb::AdapterDescriptor {
+        lora_int_id: a.lora_int_id,
+        artifact_uri: a.artifact_uri.clone(),
+        artifact_sha256: a.artifact_sha256.clone(),
+        base_hash: a.base_hash.clone(),
+        rank: a.rank,
+        display_name: format!("{}@{}", a.name, a.version),
+    });
+    if let Some(a) = &adapter {
+        tracing::Span::current().record("lora_int_id", a.lora_int_id);
+    }
+    let (traceparent, tracestate) = lorafleet_telemetry::inject(&tracing::Span::current());
+    let request = pb::GenerateRequest {
+        request_id: trail.record.request_id.to_string(),
+        adapter,
+        prompt: Some(prompt),
+        sampling: Some(sampling),
+        trace_context: Some(pb::TraceContext {
+            traceparent,
+            tracestate,
+        }),
+    };
+    Ok(Prepared {
+        principal,
+        resolved,
+        request,
+        stream,
+        include_usage,
+        model: common_model,
+        _permit: permit,
+    })
+}
+
+/// A worker stream that has produced its first token (or finished).
+struct Started {
+    worker: Arc<Worker>,
+    stream: tonic::Streaming<pb::GenerateEvent>,
+    accepted: pb::Accepted,
+    first: pb::generate_event::Event,
+    _in_flight: crate::fleet::InFlight,
+}
+
+fn retryable(code: Code) -> bool {
+    matches!(
+        code,
+        Code::Unavailable
+            | Code::Unknown
+            | Code::Cancelled
+            | Code::ResourceExhausted
+            | Code::Internal
+            | Code::Aborted
+            | Code::DeadlineExceeded
+    )
+}
+
+fn worker_error(status: &tonic::Status) -> ApiError {
+    match status.code() {
+        Code::InvalidArgument => {
+            let mut e = ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                "invalid_request",
+                status.message().to_owned(),
+            );
+            e.param = status
+                .message()
+                .split_once(':')
+                .map(|(p, _)| p.trim().to_owned())
+                .filter(|p| !p.contains(' '));
+            e
+        }
+        Code::NotFound | Code::FailedPrecondition => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            "adapter_unavailable",
+            format!(
+                "the adapter for this model could not be loaded: {}",
+                status.message()
+            ),
+        ),
+        _ => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            "workers_unavailable",
+            format!("no worker could serve the request: {}", status.message()),
+        ),
+    }
+}
+
+/// Tries the candidates in order until one produces a first token.
+async fn start(s: &AppState, p: &Prepared, trail: &mut Trail) -> Result<Started, ApiError> {
+    let lora_int_id = p.resolved.adapter.as_ref().map_or(0, |a| a.lora_int_id);
+    let base_hash = &p.resolved.route.base_hash;
+    let Some(route) = s.fleet.route(lora_int_id, base_hash) else {
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            "no_compatible_worker",
+            format!(
+                "no worker serving base model {} (base hash {base_hash}) is available; \
+                 the request was not sent to any other model",
+                p.resolved.route.base_model
+            ),
+        ));
+    };
+    let span = tracing::Span::current();
+    span.record("route_reason", route.reason.as_str());
+    span.record("residency_hit", route.device_hit);
+    metrics::counter!("lorafleet_gateway_routing_decisions_total",
+        "reason" => route.reason.as_str(),
+        "device_hit" => if route.device_hit { "true" } else { "false" })
+    .increment(1);
+    if lora_int_id != 0 {
+        metrics::counter!("lorafleet_gateway_residency_checks_total",
+            "tenant" => trail.tenant_name.clone(),
+            "adapter" => trail.adapter_label.clone(),
+            "hit" => if route.device_hit { "true" } else { "false" })
+        .increment(1);
+    }
+    let mut last: Option<tonic::Status> = None;
+    for worker in route.candidates.iter().take(s.max_attempts) {
+        trail.record.attempts += 1;
+        let in_flight = s.fleet.track(worker, lora_int_id);
+        let worker_id = worker.state().worker_id;
+        span.record("worker", worker_id.as_str());
+        trail.record.worker_id = Some(worker_id.clone());
+        let mut client = worker.client.clone();
+        let outcome = async {
+            let mut stream = client.generate(p.request.clone()).await?.into_inner();
+            let mut accepted = pb::Accepted::default();
+            loop {
+                match stream.message().await? {
+                    Some(pb::GenerateEvent { event: Some(event) }) => match event {
+                        pb::generate_event::Event::Accepted(a) => accepted = a,
+                        first => return Ok((stream, accepted, first)),
+                    },
+                    Some(_) => {}
+                    None => {
+                        return Err(tonic::Status::unavailable(
+                            "the worker closed the stream before the first token",
+                        ));
+                    }
+                }
+            }
+        }
+        .await;
+        match outcome {
+            Ok((stream, accepted, first)) => {
+                return Ok(Started {
+                    worker: worker.clone(),
+                    stream,
+                    accepted,
+                    first,
+                    _in_flight: in_flight,
+                });
+            }
+            Err(status) if retryable(status.code()) => {
+                tracing::warn!(worker = %worker_id, code = ?status.code(), message = status.message(), "attempt failed before the first token; trying the next worker");
+                metrics::counter!("lorafleet_gateway_retries_total").increment(1);
+                last = Some(status);
+            }
+            Err(status) => return Err(worker_error(&status)),
+        }
+    }
+    Err(worker_error(&last.unwrap_or_else(|| {
+        tonic::Status::unavailable("no candidate worker")
+    })))
+}
+
+fn residency_label(r: pb::Residency) -> Option<&'static str> {
+    match r {
+        pb::Residency::Device => Some("device"),
+        pb::Residency::Host => Some("host"),
+        pb::Residency::NotLoaded => Some("not_loaded"),
+        pb::Residency::Loading => Some("loading"),
+        _ => None,
+    }
+}
+
+async fn run(
+    s: AppState,
+    p: Prepared,
+    mut trail: Trail,
+    span: tracing::Span,
+    kind: Kind,
+    request_id: Uuid,
+) -> Response {
+    use tracing::Instrument;
+    let started = async { start(&s, &p, &mut trail).await }
+        .instrument(span.clone())
+        .await;
+    let started = match started {
+        Ok(st) => st,
+        Err(e) => {
+            let (status, code) = (e.status, e.code);
+            span.in_scope(
+                || tracing::warn!(status = status.as_u16(), code, message = %e.message, "failed"),
+            );
+            trail.close(&s.audit, "error", status, Some(code));
+            return e.into_response();
+        }
+    };
+    trail.record.ttft_us = Some(trail.started.elapsed().as_micros() as i64);
+    trail.record.prompt_tokens = started.accepted.prompt_tokens as i32;
+    trail.record.adapter_residency = residency_label(started.accepted.adapter_residency())
+        .filter(|_| p.resolved.adapter.is_some())
+        .map(str::to_owned);
+    let created = Utc::now().timestamp();
+    let id = match kind {
+        Kind::Completion => format!("cmpl-{request_id}"),
+        Kind::Chat => format!("chatcmpl-{request_id}"),
+    };
+    let meta = Meta {
+        id,
+        created,
+        model: p.model.clone(),
+        kind,
+    };
+    if p.stream {
+        stream_response(s, p, started, trail, span, meta)
+    } else {
+        collect_response(s, p, started, trail, span, meta).await
+    }
+}
+
+struct Meta {
+    id: String,
+    created: i64,
+    model: String,
+    kind: Kind,
+}
+
+impl Meta {
+    fn chunk(&self, text: Option<&str>, role: bool, finish: Option<&str>) -> Value {
+        match self.kind {
+            Kind::Completion => json!({
+                "id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model,
+                "choices": [{"index": 0, "text": text.unwrap_or(""), "logprobs": null,
+                             "finish_reason": finish}],
+            }),
+            Kind::Chat => {
+                let mut delta = serde_json::Map::new();
+                if role {
+                    delta.insert("role".into(), "assistant".into());
+                }
+                if let Some(t) = text {
+                    delta.insert("content".into(), t.into());
+                }
+                json!({
+                    "id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                    "model": self.model,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": null,
+                                 "finish_reason": finish}],
+                })
+            }
+        }
+    }
+
+    fn usage_chunk(&self, usage: &Usage) -> Value {
+        let object = match self.kind {
+            Kind::Completion => "text_completion",
+            Kind::Chat => "chat.completion.chunk",
+        };
+        json!({"id": self.id, "object": object, "created": self.created, "model": self.model,
+               "choices": [], "usage": usage})
+    }
+
+    fn full(&self, text: &str, finish: &str, usage: &Usage) -> Value {
+        match self.kind {
+            Kind::Completion => json!({
+                "id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model,
+                "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}],
+                "usage": usage,
+            }),
+            Kind::Chat => json!({
+                "id": self.id, "object": "chat.completion", "created": self.created,
+                "model": self.model,
+                "choices": [{"index": 0,
+                             "message": {"role": "assistant", "content": text},
+                             "logprobs": null, "finish_reason": finish}],
+                "usage": usage,
+            }),
+        }
+    }
+}
+
+fn finish_trail(trail: &mut Trail, f: &pb::Finished, completion_tokens: usize) {
+    let usage = f.usage.unwrap_or_default();
+    trail.record.prompt_tokens = usage.prompt_tokens as i32;
+    trail.record.completion_tokens = usage.completion_tokens.max(completion_tokens as u32) as i32;
+    trail.record.finish_reason = Some(openai::finish_reason(f).into());
+}
+
+async fn collect_response(
+    s: AppState,
+    p: Prepared,
+    mut st: Started,
+    mut trail: Trail,
+    span: tracing::Span,
+    meta: Meta,
+) -> Response {
+    let mut text = String::new();
+    let mut tokens = 0usize;
+    let mut event = Some(st.first.clone());
+    let deadline = tokio::time::Instant::now() + s.request_timeout;
+    let finished = loop {
+        match event.take() {
+            Some(pb::generate_event::Event::Delta(d)) => {
+                text.push_str(&d.text);
+                tokens += d.token_ids.len();
+            }
+            Some(pb::generate_event::Event::Finished(f)) => break Ok(f),
+            Some(pb::generate_event::Event::Accepted(_)) | None => {}
+        }
+        match tokio::time::timeout_at(deadline, st.stream.message()).await {
+            Ok(Ok(Some(e))) => event = e.event,
+            Ok(Ok(None)) => {
+                break Err(tonic::Status::unavailable(
+                    "the worker closed the stream before the end",
+                ));
+            }
+            Ok(Err(status)) => break Err(status),
+            Err(_) => break Err(tonic::Status::deadline_exceeded("request timeout")),
+        }
+    };
+    let _ = &st.worker;
+    match finished {
+        Ok(f) => {
+            finish_trail(&mut trail, &f, tokens);
+            let usage = Usage::new(
+                trail.record.prompt_tokens as u32,
+                trail.record.completion_tokens as u32,
+            );
+            s.limiter
+                .charge_tokens(p.principal.tenant_id, u64::from(usage.total_tokens))
+                .await;
+            let body = meta.full(&text, openai::finish_reason(&f), &usage);
+            span.in_scope(|| {
+                tracing::info!(completion_tokens = usage.completion_tokens, "completed")
+            });
+            trail.close(&s.audit, "ok", StatusCode::OK, None);
+            axum::Json(body).into_response()
+        }
+        Err(status) => {
+            // Tokens were produced, so no retry: the client gets an error.
+            let e = if status.code() == Code::DeadlineExceeded {
+                ApiError::new(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    "server_error",
+                    "timeout",
+                    format!("the request took longer than {:?}", s.request_timeout),
+                )
+            } else {
+                worker_error(&status)
+            };
+            trail.record.completion_tokens = tokens as i32;
+            span.in_scope(|| tracing::warn!(message = %e.message, "failed after the first token"));
+            trail.close(&s.audit, "error", e.status, Some(e.code));
+            e.into_response()
+        }
+    }
+}
+
+fn sse(v: &Value) -> Bytes {
+    Bytes::from(format!("data: {v}\n\n"))
+}
+
+fn stream_response(
+    s: AppState,
+    p: Prepared,
+    mut st: Started,
+    mut trail: Trail,
+    span: tracing::Span,
+    meta: Meta,
+) -> Response {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(32);
+    let task = async move {
+        let mut tokens = 0usize;
+        let mut sent_role = false;
+        let mut event = Some(st.first.clone());
+        let deadline = tokio::time::Instant::now() + s.request_timeout;
+        if meta.kind == Kind::Chat {
+            sent_role = true;
+            if tx
+                .send(Ok(sse(&meta.chunk(None, true, None))))
+                .await
+                .is_err()
+            {
+                trail.close(&s.audit, "cancelled", StatusCode::OK, Some("client_closed"));
+                return;
+            }
+        }
+        let outcome: Result<pb::Finished, (&str, &str)> = loop {
+            match event.take() {
+                Some(pb::generate_event::Event::Delta(d)) => {
+                    tokens += d.token_ids.len();
+                    if !d.text.is_empty()
+                        && tx
+                            .send(Ok(sse(&meta.chunk(Some(&d.text), !sent_role, None))))
+                            .await
+                            .is_err()
+                    {
+                        // The client went away: dropping the worker stream
+                        // cancels the request there and frees its blocks.
+                        break Err(("cancelled", "client_closed"));
+                    }
+                }
+                Some(pb::generate_event::Event::Finished(f)) => break Ok(f),
+                _ => {}
+            }
+            match tokio::time::timeout_at(deadline, st.stream.message()).await {
+                Ok(Ok(Some(e))) => event = e.event,
+                Ok(Ok(None)) => break Err(("error", "worker_stream_ended")),
+                Ok(Err(_)) => break Err(("error", "worker_failed")),
+                Err(_) => break Err(("error", "timeout")),
+            }
+        };
+        match outcome {
+            Ok(f) => {
+                finish_trail(&mut trail, &f, tokens);
+                let usage = Usage::new(
+                    trail.record.prompt_tokens as u32,
+                    trail.record.completion_tokens as u32,
+                );
+                let reason = openai::finish_reason(&f);
+                let _ = tx
+                    .send(Ok(sse(&meta.chunk(None, false, Some(reason)))))
+                    .await;
+                if p.include_usage {
+                    let _ = tx.send(Ok(sse(&meta.usage_chunk(&usage)))).await;
+                }
+                let _ = tx.send(Ok(Bytes::from_static(b"data: [DONE]\n\n"))).await;
+                s.limiter
+                    .charge_tokens(p.principal.tenant_id, u64::from(usage.total_tokens))
+                    .await;
+                tracing::info!(completion_tokens = usage.completion_tokens, "completed");
+                trail.close(&s.audit, "ok", StatusCode::OK, None);
+            }
+            Err((status, code)) => {
+                trail.record.completion_tokens = tokens as i32;
+                if status == "error" {
+                    // Headers are gone; tell the client in-band, OpenAI-style.
+                    let body = openai::error_body(
+                        "the worker failed after the stream started",
+                        "server_error",
+                        None,
+                        Some(code),
+                    );
+                    let _ = tx.send(Ok(sse(&body))).await;
+                }
+                tracing::warn!(status, code, "stream ended early");
+                trail.close(&s.audit, status, StatusCode::OK, Some(code));
+            }
+        }
+        drop(st);
+    };
+    tokio::spawn(tracing::Instrument::instrument(task, span));
+    let body = Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx));
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(body)
+        .expect("a valid response")
+}

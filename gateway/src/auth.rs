@@ -1,0 +1,367 @@
+//! Who is calling: tenant API keys and tenant JWTs, both as
+//! `Authorization: Bearer`.
+//!
+//! - An API key is `<prefix>.<secret>`; the prefix finds the key in the
+//!   registry snapshot and SHA-256 of the secret is compared with the stored
+//!   hash in constant time. Scopes, expiry and revocation apply.
+//! - A JWT is checked against keys from configuration with an algorithm
+//!   allow-list; `exp`, `nbf`, `iss` and `aud` are enforced. The tenant is
+//!   the `tenant` claim (a tenant name); `scope` (space-separated) limits it,
+//!   and without one the token carries every tenant scope.
+//!
+//! Every failure is one 401 with a reason that does not tell a wrong secret
+//! from an unknown key.
+
+use std::path::PathBuf;
+
+use chrono::Utc;
+use jsonwebtoken::{Algorithm, DecodingKey, Validation};
+use serde::Deserialize;
+use sha2::{Digest, Sha256};
+use uuid::Uuid;
+
+use crate::registry::Snapshot;
+
+pub const SCOPE_INFERENCE: &str = "inference";
+pub const SCOPE_MODELS_READ: &str = "models:read";
+
+/// An authenticated caller.
+#[derive(Debug, Clone)]
+pub struct Principal {
+    pub tenant_id: Uuid,
+    pub api_key_id: Option<Uuid>,
+    /// The JWT subject, if the caller used a JWT.
+    pub subject: Option<String>,
+    pub scopes: Vec<String>,
+}
+
+impl Principal {
+    pub fn has_scope(&self, scope: &str) -> bool {
+        self.scopes.iter().any(|s| s == scope)
+    }
+}
+
+/// Why a credential was refused. The messages are safe to return.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AuthError {
+    #[error("no credential: send \"Authorization: Bearer <API key or JWT>\"")]
+    Missing,
+    #[error("the Authorization header is not \"Bearer <token>\"")]
+    Malformed,
+    #[error("invalid API key")]
+    InvalidKey,
+    #[error("the API key has expired")]
+    Expired,
+    #[error("the API key has been revoked")]
+    Revoked,
+    #[error("the tenant is disabled")]
+    TenantDisabled,
+    #[error("invalid token: {0}")]
+    InvalidToken(String),
+    #[error("JWTs are not accepted by this gateway")]
+    JwtDisabled,
+}
+
+/// JWT settings, from flags.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct JwtArgs {
+    /// File holding the shared secret for HS256/HS384/HS512 tokens.
+    #[arg(long, env = "LORAFLEET_JWT_HMAC_SECRET_FILE")]
+    pub jwt_hmac_secret_file: Option<PathBuf>,
+    /// PEM file with the RSA or EC public key for RS*/PS*/ES* tokens.
+    #[arg(long, env = "LORAFLEET_JWT_PUBLIC_KEY_FILE")]
+    pub jwt_public_key_file: Option<PathBuf>,
+    /// Algorithms accepted (comma-separated), e.g. "RS256,HS256".
+    #[arg(long, env = "LORAFLEET_JWT_ALGORITHMS", value_delimiter = ',')]
+    pub jwt_algorithms: Vec<String>,
+    /// Required `iss`.
+    #[arg(long, env = "LORAFLEET_JWT_ISSUER")]
+    pub jwt_issuer: Option<String>,
+    /// Required `aud`.
+    #[arg(long, env = "LORAFLEET_JWT_AUDIENCE")]
+    pub jwt_audience: Option<String>,
+}
+
+/// A validated JWT configuration.
+#[derive(Clone)]
+pub struct JwtConfig {
+    hmac: Option<DecodingKey>,
+    public: Option<DecodingKey>,
+    algorithms: Vec<Algorithm>,
+    issuer: String,
+    audience: String,
+}
+
+impl std::fmt::Debug for JwtConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JwtConfig")
+            .field("algorithms", &self.algorithms)
+            .field("issuer", &self.issuer)
+            .field("audience", &self.audience)
+            .finish_non_exhaustive()
+    }
+}
+
+fn is_hmac(a: Algorithm) -> bool {
+    matches!(a, Algorithm::HS256 | Algorithm::HS384 | Algorithm::HS512)
+}
+
+impl JwtArgs {
+    /// None when no JWT key is configured (JWTs are then refused).
+    pub fn config(&self) -> anyhow::Result<Option<JwtConfig>> {
+        if self.jwt_hmac_secret_file.is_none() && self.jwt_public_key_file.is_none() {
+            anyhow::ensure!(
+                self.jwt_algorithms.is_empty(),
+                "--jwt-algorithms: set --jwt-hmac-secret-file or --jwt-public-key-file too"
+            );
+            return Ok(None);
+        }
+        anyhow::ensure!(
+            !self.jwt_algorithms.is_empty(),
+            "--jwt-algorithms: required with a JWT key, e.g. RS256"
+        );
+        let mut algorithms = Vec::new();
+        for a in &self.jwt_algorithms {
+            let alg: Algorithm = a.trim().parse().map_err(|_| {
+                anyhow::anyhow!("--jwt-algorithms: {a:?} is not a JWT algorithm such as RS256")
+            })?;
+            algorithms.push(alg);
+        }
+        let hmac = match &self.jwt_hmac_secret_file {
+            Some(p) => {
+                let secret = std::fs::read(p)
+                    .map_err(|e| anyhow::anyhow!("--jwt-hmac-secret-file {}: {e}", p.display()))?;
+                let secret = secret.trim_ascii();
+                anyhow::ensure!(
+                    secret.len() >= 32,
+                    "--jwt-hmac-secret-file: the secret must be at least 32 bytes"
+                );
+                Some(DecodingKey::from_secret(secret))
+            }
+            None => None,
+        };
+        let public = match &self.jwt_public_key_file {
+            Some(p) => {
+                let pem = std::fs::read(p)
+                    .map_err(|e| anyhow::anyhow!("--jwt-public-key-file {}: {e}", p.display()))?;
+                let key = DecodingKey::from_rsa_pem(&pem)
+                    .or_else(|_| DecodingKey::from_ec_pem(&pem))
+                    .map_err(|e| {
+                        anyhow::anyhow!(
+                            "--jwt-public-key-file {}: not an RSA or EC public key in PEM: {e}",
+                            p.display()
+                        )
+                    })?;
+                Some(key)
+            }
+            None => None,
+        };
+        for a in &algorithms {
+            let ok = if is_hmac(*a) {
+                hmac.is_some()
+            } else {
+                public.is_some()
+            };
+            anyhow::ensure!(
+                ok,
+                "--jwt-algorithms: {a:?} needs {}",
+                if is_hmac(*a) {
+                    "--jwt-hmac-secret-file"
+                } else {
+                    "--jwt-public-key-file"
+                }
+            );
+        }
+        let issuer = self
+            .jwt_issuer
+            .clone()
+            .filter(|s| !s.is_empty())
+            .ok_or_else(|| anyhow::anyhow!("--jwt-issuer: required with a JWT key"))?;
+        let audience = self
+            .jwt_audience
+            .clone()
+            .filter(|s| !s.is_empty())
+            .ok_or_else(|| anyhow::anyhow!("--jwt-audience: required with a JWT key"))?;
+        Ok(Some(JwtConfig {
+            hmac,
+            public,
+            algorithms,
+            issuer,
+            audience,
+        }))
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct Claims {
+    tenant: String,
+    sub: Option<String>,
+    scope: Option<String>,
+}
+
+/// Authenticates the `Authorization` header value against the snapshot.
+pub fn authenticate(
+    header: Option<&str>,
+    snapshot: &Snapshot,
+    jwt: Option<&JwtConfig>,
+) -> Result<Principal, AuthError> {
+    let header = header.ok_or(AuthError::Missing)?;
+    let token = header
+        .strip_prefix("Bearer ")
+        .or_else(|| header.strip_prefix("bearer "))
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+        .ok_or(AuthError::Malformed)?;
+    if token.starts_with("lf_") {
+        api_key(token, snapshot)
+    } else {
+        json_web_token(token, snapshot, jwt.ok_or(AuthError::JwtDisabled)?)
+    }
+}
+
+fn api_key(token: &str, snapshot: &Snapshot) -> Result<Principal, AuthError> {
+    let (prefix, secret) = token.split_once('.').ok_or(AuthError::InvalidKey)?;
+    let Some(key) = snapshot.api_keys.get(prefix) else {
+        // Same work as a known prefix, so timing does not reveal which
+        // prefixes exist.
+        let _ = constant_time_eq(&Sha256::digest(secret.as_bytes()).into(), &[0u8; 32]);
+        return Err(AuthError::InvalidKey);
+    };
+    let digest: [u8; 32] = Sha256::digest(secret.as_bytes()).into();
+    if !constant_time_eq(&digest, &key.secret_sha256) {
+        return Err(AuthError::InvalidKey);
+    }
+    if key.revoked {
+        return Err(AuthError::Revoked);
+    }
+    if key.expires_at.is_some_and(|t| t <= Utc::now()) {
+        return Err(AuthError::Expired);
+    }
+    let tenant = snapshot
+        .tenant(&key.tenant_id)
+        .ok_or(AuthError::InvalidKey)?;
+    if tenant.disabled {
+        return Err(AuthError::TenantDisabled);
+    }
+    Ok(Principal {
+        tenant_id: key.tenant_id,
+        api_key_id: Some(key.id),
+        subject: None,
+        scopes: key.scopes.clone(),
+    })
+}
+
+fn json_web_token(
+    token: &str,
+    snapshot: &Snapshot,
+    jwt: &JwtConfig,
+) -> Result<Principal, AuthError> {
+    let bad = |e: jsonwebtoken::errors::Error| AuthError::InvalidToken(e.to_string());
+    let header = jsonwebtoken::decode_header(token).map_err(bad)?;
+    if !jwt.algorithms.contains(&header.alg) {
+        return Err(AuthError::InvalidToken(format!(
+            "algorithm {:?} is not accepted",
+            header.alg
+        )));
+    }
+    let key = if is_hmac(header.alg) {
+        jwt.hmac.as_ref()
+    } else {
+        jwt.public.as_ref()
+    }
+    .ok_or_else(|| AuthError::InvalidToken("no key for this algorithm".into()))?;
+    let mut validation = Validation::new(header.alg);
+    validation.algorithms = vec![header.alg];
+    validation.validate_exp = true;
+    validation.validate_nbf = true;
+    validation.leeway = 30;
+    validation.set_issuer(&[&jwt.issuer]);
+    validation.set_audience(&[&jwt.audience]);
+    validation.set_required_spec_claims(&["exp", "iss", "aud"]);
+    let data = jsonwebtoken::decode::<Claims>(token, key, &validation).map_err(bad)?;
+    let claims = data.claims;
+    let tenant = snapshot
+        .tenant_by_name(&claims.tenant)
+        .ok_or_else(|| AuthError::InvalidToken("unknown tenant".into()))?;
+    if tenant.disabled {
+        return Err(AuthError::TenantDisabled);
+    }
+    let scopes = match claims.scope {
+        Some(s) => s.split_whitespace().map(str::to_owned).collect(),
+        None => vec![SCOPE_INFERENCE.into(), SCOPE_MODELS_READ.into()],
+    };
+    Ok(Principal {
+        tenant_id: tenant.id,
+        api_key_id: None,
+        subject: claims.sub,
+        scopes,
+    })
+}
+
+/// Compares without an early exit, so the time taken does not depend on
+/// where the first differing byte is.
+fn constant_time_eq(a: &[u8; 32], b: &[u8; 32]) -> bool {
+    let diff = a
+        .iter()
+        .zip(b)
+        .fold(0u8, |acc, (x, y)| acc | std::hint::black_box(x ^ y));
+    diff == 0
+}
+
+/// A new API key for `tenant`: (prefix, full key to show once, SHA-256 of
+/// the secret to store).
+pub fn new_api_key() -> (String, String, [u8; 32]) {
+    let prefix = format!("lf_{}", random_alnum(12));
+    let secret = random_alnum(43);
+    let hash: [u8; 32] = Sha256::digest(secret.as_bytes()).into();
+    (prefix.clone(), format!("{prefix}.{secret}"), hash)
+}
+
+/// `n` random alphanumerics from the OS generator (~5.95 bits each).
+fn random_alnum(n: usize) -> String {
+    const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
+    let mut out = String::with_capacity(n);
+    while out.len() < n {
+        // Bytes 6 and 8 of a v4 UUID carry its version and variant bits;
+        // the other 14 come straight from the OS generator.
+        let uuid = Uuid::new_v4();
+        let random = uuid
+            .as_bytes()
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != 6 && *i != 8)
+            .map(|(_, b)| b);
+        for b in random {
+            // Rejection sampling keeps every character equally likely.
+            if (*b as usize) < 248 && out.len() < n {
+                out.push(ALPHABET[*b as usize % 62] as char);
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn constant_time_eq_compares_every_byte() {
+        let a = [7u8; 32];
+        let mut b = a;
+        assert!(constant_time_eq(&a, &b));
+        b[31] ^= 1;
+        assert!(!constant_time_eq(&a, &b));
+    }
+
+    #[test]
+    fn new_keys_match_the_schema_format_and_differ() {
+        let (p1, k1, h1) = new_api_key();
+        let (p2, _, _) = new_api_key();
+        assert!(p1.starts_with("lf_") && p1.len() == 15 && p1 != p2);
+        let (prefix, secret) = k1.split_once('.').unwrap();
+        assert_eq!(prefix, p1);
+        assert_eq!(<[u8; 32]>::from(Sha256::digest(secret.as_bytes())), h1);
+        assert!(secret.chars().all(|c| c.is_ascii_alphanumeric()));
+    }
+}

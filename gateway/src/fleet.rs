@@ -1,0 +1,313 @@
+//! The workers: where they are, and what each one last reported.
+//!
+//! Workers come from a static address list or from a DNS name (a Kubernetes
+//! headless service) re-resolved periodically. Each one gets a task that
+//! holds a Watch stream open and folds every `WorkerReport` into its state.
+//! A worker is routable only while its stream is up, its last report is
+//! fresh and says SERVING; a dropped stream or a stale report takes it out of
+//! the ring at once, and it rejoins with its next report.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use lorafleet_proto::worker::v1 as pb;
+use pb::worker_client::WorkerClient;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::routing::{self, Decision, Router, WorkerView};
+
+/// A report older than this means the worker is gone (it reports at least
+/// every 500 ms).
+const STALE_AFTER: Duration = Duration::from_secs(3);
+
+/// What the gateway knows of one worker.
+#[derive(Debug)]
+pub struct Worker {
+    pub addr: String,
+    pub client: WorkerClient<Channel>,
+    state: RwLock<WorkerState>,
+    /// Requests this gateway has in flight there.
+    pub in_flight: AtomicU32,
+    task: Mutex<Option<tokio::task::AbortHandle>>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct WorkerState {
+    pub worker_id: String,
+    pub connected: bool,
+    pub serving: bool,
+    pub base_hash: String,
+    pub load: u32,
+    pub adapters: HashMap<u64, pb::Residency>,
+    pub last_report: Option<Instant>,
+}
+
+impl Worker {
+    pub fn state(&self) -> WorkerState {
+        self.state.read().expect("worker state").clone()
+    }
+
+    /// Routable: stream up, report fresh, SERVING.
+    pub fn up(&self) -> bool {
+        let s = self.state.read().expect("worker state");
+        s.connected && s.serving && s.last_report.is_some_and(|t| t.elapsed() < STALE_AFTER)
+    }
+
+    fn mark_down(&self) {
+        let mut s = self.state.write().expect("worker state");
+        if s.connected {
+            tracing::warn!(worker = %self.addr, worker_id = %s.worker_id, "worker left the ring");
+        }
+        s.connected = false;
+    }
+
+    fn apply(&self, r: &pb::WorkerReport) {
+        let mut s = self.state.write().expect("worker state");
+        if !s.connected {
+            tracing::info!(worker = %self.addr, worker_id = %r.worker_id, "worker joined the ring");
+        }
+        s.connected = true;
+        s.worker_id = r.worker_id.clone();
+        s.serving = r.status == pb::ServingStatus::Serving as i32;
+        s.base_hash = r
+            .base_model
+            .as_ref()
+            .map(|b| b.base_hash.clone())
+            .unwrap_or_default();
+        s.load = r
+            .load
+            .map_or(0, |l| l.running_sequences + l.waiting_sequences);
+        s.adapters = r
+            .adapters
+            .iter()
+            .map(|a| (a.lora_int_id, a.residency()))
+            .collect();
+        s.last_report = Some(Instant::now());
+    }
+}
+
+/// Where the fleet's members come from.
+#[derive(Debug, Clone)]
+pub enum Discovery {
+    Static(Vec<String>),
+    /// `host:port`, re-resolved every interval.
+    Dns(String, Duration),
+}
+
+/// The routable view of every worker, and the router over it.
+#[derive(Debug, Clone)]
+pub struct Fleet {
+    workers: Arc<RwLock<Vec<Arc<Worker>>>>,
+    router: Arc<Mutex<RouterState>>,
+}
+
+#[derive(Debug)]
+struct RouterState {
+    router: Router,
+    /// Requests in flight per adapter through this gateway.
+    adapter_load: HashMap<u64, u32>,
+}
+
+/// A routing decision resolved to workers.
+#[derive(Debug)]
+pub struct Route {
+    pub candidates: Vec<Arc<Worker>>,
+    pub reason: routing::Reason,
+    /// Whether the first candidate had the adapter on its device.
+    pub device_hit: bool,
+}
+
+impl Fleet {
+    pub fn new(policy: routing::Policy) -> Fleet {
+        Fleet {
+            workers: Arc::default(),
+            router: Arc::new(Mutex::new(RouterState {
+                router: Router::new(policy),
+                adapter_load: HashMap::new(),
+            })),
+        }
+    }
+
+    pub fn workers(&self) -> Vec<Arc<Worker>> {
+        self.workers.read().expect("fleet").clone()
+    }
+
+    /// Starts discovery and the Watch tasks.
+    pub fn start(&self, discovery: Discovery) {
+        match discovery {
+            Discovery::Static(addrs) => self.set_members(&addrs),
+            Discovery::Dns(name, every) => {
+                let fleet = self.clone();
+                tokio::spawn(async move {
+                    loop {
+                        match tokio::net::lookup_host(&name).await {
+                            Ok(addrs) => {
+                                let mut v: Vec<String> = addrs.map(|a| a.to_string()).collect();
+                                v.sort();
+                                v.dedup();
+                                fleet.set_members(&v);
+                            }
+                            Err(e) => {
+                                tracing::warn!(name = %name, error = %e, "worker DNS lookup failed; keeping the current members");
+                            }
+                        }
+                        tokio::time::sleep(every).await;
+                    }
+                });
+            }
+        }
+    }
+
+    /// Adds workers at new addresses and stops watching removed ones.
+    pub fn set_members(&self, addrs: &[String]) {
+        let mut workers = self.workers.write().expect("fleet");
+        workers.retain(|w| {
+            let keep = addrs.contains(&w.addr);
+            if !keep && let Some(task) = w.task.lock().expect("task").take() {
+                task.abort();
+            }
+            keep
+        });
+        for addr in addrs {
+            if workers.iter().any(|w| &w.addr == addr) {
+                continue;
+            }
+            let endpoint = match Endpoint::from_shared(format!("http://{addr}")) {
+                Ok(e) => e
+                    .connect_timeout(Duration::from_secs(2))
+                    .http2_keep_alive_interval(Duration::from_secs(10))
+                    .keep_alive_timeout(Duration::from_secs(5))
+                    .tcp_nodelay(true),
+                Err(e) => {
+                    tracing::error!(worker = %addr, error = %e, "not a worker address");
+                    continue;
+                }
+            };
+            let worker = Arc::new(Worker {
+                addr: addr.clone(),
+                client: WorkerClient::new(endpoint.connect_lazy()),
+                state: RwLock::default(),
+                in_flight: AtomicU32::new(0),
+                task: Mutex::new(None),
+            });
+            let task = tokio::spawn(watch(worker.clone()));
+            *worker.task.lock().expect("task") = Some(task.abort_handle());
+            workers.push(worker);
+        }
+    }
+
+    /// Chooses workers for a request on `lora_int_id` (0: the base model)
+    /// among those serving `base_hash`. None: no such worker is up.
+    pub fn route(&self, lora_int_id: u64, base_hash: &str) -> Option<Route> {
+        let workers = self.workers();
+        let up: Vec<(&Arc<Worker>, WorkerState)> = workers
+            .iter()
+            .filter(|w| w.up())
+            .map(|w| (w, w.state()))
+            .collect();
+        let ids: Vec<&str> = up.iter().map(|(_, s)| s.worker_id.as_str()).collect();
+        let views: Vec<WorkerView<'_>> = up
+            .iter()
+            .map(|(w, s)| WorkerView {
+                id: &s.worker_id,
+                load: s.load.max(w.in_flight.load(Ordering::Relaxed)),
+                residency: match s.adapters.get(&lora_int_id) {
+                    Some(pb::Residency::Device) => routing::Residency::Device,
+                    Some(pb::Residency::Host) => routing::Residency::Host,
+                    _ => routing::Residency::Absent,
+                },
+                eligible: s.base_hash == base_hash,
+            })
+            .collect();
+        let mut r = self.router.lock().expect("router");
+        r.router.set_workers(&ids);
+        let adapter_load = r.adapter_load.get(&lora_int_id).copied().unwrap_or(0);
+        let Decision { order, reason } = r.router.choose(lora_int_id, adapter_load, &views)?;
+        let device_hit = views[order[0]].residency == routing::Residency::Device;
+        Some(Route {
+            candidates: order.into_iter().map(|i| up[i].0.clone()).collect(),
+            reason,
+            device_hit,
+        })
+    }
+
+    /// Counts a request in flight on `worker` for `lora_int_id` until the
+    /// guard drops.
+    pub fn track(&self, worker: &Arc<Worker>, lora_int_id: u64) -> InFlight {
+        worker.in_flight.fetch_add(1, Ordering::Relaxed);
+        *self
+            .router
+            .lock()
+            .expect("router")
+            .adapter_load
+            .entry(lora_int_id)
+            .or_default() += 1;
+        InFlight {
+            fleet: self.clone(),
+            worker: worker.clone(),
+            lora_int_id,
+        }
+    }
+}
+
+/// See [`Fleet::track`].
+#[derive(Debug)]
+pub struct InFlight {
+    fleet: Fleet,
+    worker: Arc<Worker>,
+    lora_int_id: u64,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.worker.in_flight.fetch_sub(1, Ordering::Relaxed);
+        let mut r = self.fleet.router.lock().expect("router");
+        if let Some(n) = r.adapter_load.get_mut(&self.lora_int_id) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                r.adapter_load.remove(&self.lora_int_id);
+            }
+        }
+    }
+}
+
+/// Holds one Watch stream open for `worker`, reconnecting with backoff.
+async fn watch(worker: Arc<Worker>) {
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let mut client = worker.client.clone();
+        let request = pb::WatchRequest {
+            subscriber: format!("gateway-{}", std::process::id()),
+        };
+        match client.watch(request).await {
+            Ok(response) => {
+                let mut stream = response.into_inner();
+                loop {
+                    match tokio::time::timeout(STALE_AFTER, stream.message()).await {
+                        Ok(Ok(Some(report))) => {
+                            worker.apply(&report);
+                            backoff = Duration::from_millis(100);
+                        }
+                        Ok(Ok(None)) => break,
+                        Ok(Err(status)) => {
+                            tracing::debug!(worker = %worker.addr, %status, "Watch stream failed");
+                            break;
+                        }
+                        Err(_) => {
+                            tracing::warn!(worker = %worker.addr, "no Watch report in {STALE_AFTER:?}");
+                            break;
+                        }
+                    }
+                }
+            }
+            Err(status) => {
+                tracing::debug!(worker = %worker.addr, %status, "Watch call failed");
+            }
+        }
+        worker.mark_down();
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(5));
+    }
+}

@@ -1,0 +1,535 @@
+//! The OpenAI wire shapes the gateway accepts and returns, and how a request
+//! body becomes a worker `GenerateRequest`.
+//!
+//! Unknown fields are ignored, as OpenAI's own API does, so that SDKs that
+//! send newer fields keep working. Known fields that would change the output
+//! but are not supported (`n > 1`, penalties, `logit_bias`, `logprobs`,
+//! `echo`, `best_of`) are refused with a 400 that names the field, never
+//! ignored.
+
+use lorafleet_proto::worker::v1 as pb;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// A 400 with the offending field.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BadRequest {
+    pub param: String,
+    pub message: String,
+}
+
+fn bad(param: &str, message: impl Into<String>) -> BadRequest {
+    BadRequest {
+        param: param.into(),
+        message: format!("{param}: {}", message.into()),
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum PromptInput {
+    Text(String),
+    Texts(Vec<String>),
+    Tokens(Vec<u32>),
+    TokenLists(Vec<Vec<u32>>),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum StopInput {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// The fields shared by both endpoints.
+#[derive(Debug, Deserialize)]
+pub struct Common {
+    pub model: String,
+    pub max_tokens: Option<u32>,
+    pub max_completion_tokens: Option<u32>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<i64>,
+    pub n: Option<u32>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    pub stop: Option<StopInput>,
+    pub seed: Option<u64>,
+    pub user: Option<String>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub logit_bias: Option<Value>,
+    pub logprobs: Option<Value>,
+    pub top_logprobs: Option<Value>,
+    pub echo: Option<bool>,
+    pub best_of: Option<u32>,
+    #[serde(default)]
+    pub ignore_eos: bool,
+}
+
+#[derive(Debug)]
+pub struct CompletionRequest {
+    pub prompt: PromptInput,
+    pub common: Common,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub text: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct Message {
+    pub role: String,
+    pub content: Option<Content>,
+}
+
+#[derive(Debug)]
+pub struct ChatRequest {
+    pub messages: Vec<Message>,
+    pub common: Common,
+}
+
+/// Default `max_tokens` for /v1/completions, as OpenAI's.
+const COMPLETIONS_DEFAULT_MAX_TOKENS: u32 = 16;
+/// Default for chat, where OpenAI means "up to the context"; capped here so
+/// that a forgotten limit cannot hold a sequence for minutes.
+const CHAT_DEFAULT_MAX_TOKENS: u32 = 1024;
+
+/// Deserializes `v`, naming the field (under `prefix`) on a type error.
+fn typed<T: serde::de::DeserializeOwned>(v: Value, prefix: &str) -> Result<T, BadRequest> {
+    serde_path_to_error::deserialize(v).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner().to_string();
+        let mut param = match (prefix, path.as_str()) {
+            (p, "." | "") => p.to_owned(),
+            ("", path) => path.to_owned(),
+            (p, path) if path.starts_with('[') => format!("{p}{path}"),
+            (p, path) => format!("{p}.{path}"),
+        };
+        // "missing field `x`" is reported at the parent.
+        if let Some(field) = inner
+            .strip_prefix("missing field `")
+            .and_then(|r| r.split('`').next())
+        {
+            param = if param.is_empty() {
+                field.to_owned()
+            } else {
+                format!("{param}.{field}")
+            };
+            return bad(&param, "is required");
+        }
+        if param.is_empty() {
+            BadRequest {
+                param,
+                message: format!("the body is not a valid request: {inner}"),
+            }
+        } else {
+            bad(&param, inner)
+        }
+    })
+}
+
+fn object(body: &[u8]) -> Result<Value, BadRequest> {
+    let v: Value = serde_json::from_slice(body).map_err(|e| BadRequest {
+        param: String::new(),
+        message: format!("the body is not valid JSON: {e}"),
+    })?;
+    if !v.is_object() {
+        return Err(BadRequest {
+            param: String::new(),
+            message: "the body must be a JSON object".into(),
+        });
+    }
+    Ok(v)
+}
+
+impl CompletionRequest {
+    /// Parses a /v1/completions body, naming the field at fault.
+    pub fn parse(body: &[u8]) -> Result<CompletionRequest, BadRequest> {
+        let v = object(body)?;
+        let prompt = v
+            .get("prompt")
+            .cloned()
+            .ok_or_else(|| bad("prompt", "is required"))?;
+        Ok(CompletionRequest {
+            prompt: typed(prompt, "prompt").map_err(|_| {
+                bad(
+                    "prompt",
+                    "must be a string, an array of one string, or token ids",
+                )
+            })?,
+            common: typed(v, "")?,
+        })
+    }
+}
+
+impl ChatRequest {
+    /// Parses a /v1/chat/completions body, naming the field at fault.
+    pub fn parse(body: &[u8]) -> Result<ChatRequest, BadRequest> {
+        let v = object(body)?;
+        let messages = v
+            .get("messages")
+            .cloned()
+            .ok_or_else(|| bad("messages", "is required"))?;
+        Ok(ChatRequest {
+            messages: typed(messages, "messages")?,
+            common: typed(v, "")?,
+        })
+    }
+}
+
+impl Common {
+    fn check(&self) -> Result<(), BadRequest> {
+        if self.model.trim().is_empty() {
+            return Err(bad("model", "is required"));
+        }
+        if self.n.is_some_and(|n| n != 1) {
+            return Err(bad("n", "only 1 is supported"));
+        }
+        if self.best_of.is_some_and(|n| n != 1) {
+            return Err(bad("best_of", "only 1 is supported"));
+        }
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if v.is_some_and(|v| v != 0.0) {
+                return Err(bad(name, "is not supported; omit it or send 0"));
+            }
+        }
+        if self
+            .logit_bias
+            .as_ref()
+            .is_some_and(|v| !v.is_null() && v.as_object().is_none_or(|o| !o.is_empty()))
+        {
+            return Err(bad("logit_bias", "is not supported"));
+        }
+        for (name, v) in [
+            ("logprobs", &self.logprobs),
+            ("top_logprobs", &self.top_logprobs),
+        ] {
+            if v.as_ref()
+                .is_some_and(|v| !v.is_null() && *v != Value::Bool(false))
+            {
+                return Err(bad(name, "is not supported"));
+            }
+        }
+        if self.echo == Some(true) {
+            return Err(bad("echo", "is not supported"));
+        }
+        if self.stream_options.is_some() && !self.stream {
+            return Err(bad(
+                "stream_options",
+                "is only allowed with \"stream\": true",
+            ));
+        }
+        if let Some(t) = self.temperature
+            && !(0.0..=2.0).contains(&t)
+        {
+            return Err(bad("temperature", "must be between 0 and 2"));
+        }
+        if let Some(p) = self.top_p
+            && !(p > 0.0 && p <= 1.0)
+        {
+            return Err(bad("top_p", "must be in (0, 1]"));
+        }
+        if self.top_k.is_some_and(|k| k < -1) {
+            return Err(bad("top_k", "must be -1 (off), 0 (off) or positive"));
+        }
+        Ok(())
+    }
+
+    fn sampling(&self, default_max: u32) -> Result<pb::SamplingParams, BadRequest> {
+        let max_tokens = match (self.max_completion_tokens, self.max_tokens) {
+            (Some(m), _) | (None, Some(m)) => m,
+            (None, None) => default_max,
+        };
+        if max_tokens == 0 {
+            let field = if self.max_completion_tokens.is_some() {
+                "max_completion_tokens"
+            } else {
+                "max_tokens"
+            };
+            return Err(bad(field, "must be at least 1"));
+        }
+        let stop = match &self.stop {
+            None => vec![],
+            Some(StopInput::One(s)) => vec![s.clone()],
+            Some(StopInput::Many(v)) => v.clone(),
+        };
+        if stop.len() > 16 {
+            return Err(bad("stop", "at most 16 stop strings"));
+        }
+        if stop.iter().any(String::is_empty) {
+            return Err(bad("stop", "stop strings must not be empty"));
+        }
+        Ok(pb::SamplingParams {
+            max_tokens,
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k.map_or(0, |k| k.max(0) as u32),
+            seed: self.seed,
+            stop,
+            stop_token_ids: vec![],
+            ignore_eos: self.ignore_eos,
+        })
+    }
+
+    pub fn include_usage(&self) -> bool {
+        self.stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage)
+    }
+}
+
+impl CompletionRequest {
+    /// The worker's prompt and sampling, or the field at fault.
+    pub fn to_worker(
+        &self,
+    ) -> Result<(pb::generate_request::Prompt, pb::SamplingParams), BadRequest> {
+        self.common.check()?;
+        let prompt = match &self.prompt {
+            PromptInput::Text(t) => pb::generate_request::Prompt::Text(t.clone()),
+            PromptInput::Texts(v) if v.len() == 1 => {
+                pb::generate_request::Prompt::Text(v[0].clone())
+            }
+            PromptInput::Tokens(ids) if !ids.is_empty() => {
+                pb::generate_request::Prompt::TokenIds(pb::TokenIds { ids: ids.clone() })
+            }
+            PromptInput::TokenLists(v) if v.len() == 1 && !v[0].is_empty() => {
+                pb::generate_request::Prompt::TokenIds(pb::TokenIds { ids: v[0].clone() })
+            }
+            PromptInput::Tokens(_) => return Err(bad("prompt", "must not be empty")),
+            _ => {
+                return Err(bad(
+                    "prompt",
+                    "exactly one prompt per request is supported (a string or a token list)",
+                ));
+            }
+        };
+        if let pb::generate_request::Prompt::Text(t) = &prompt
+            && t.is_empty()
+        {
+            return Err(bad("prompt", "must not be empty"));
+        }
+        Ok((
+            prompt,
+            self.common.sampling(COMPLETIONS_DEFAULT_MAX_TOKENS)?,
+        ))
+    }
+}
+
+impl ChatRequest {
+    pub fn to_worker(
+        &self,
+    ) -> Result<(pb::generate_request::Prompt, pb::SamplingParams), BadRequest> {
+        self.common.check()?;
+        if self.messages.is_empty() {
+            return Err(bad("messages", "at least one message is required"));
+        }
+        let mut messages = Vec::with_capacity(self.messages.len());
+        for (i, m) in self.messages.iter().enumerate() {
+            if !matches!(
+                m.role.as_str(),
+                "system" | "developer" | "user" | "assistant" | "tool"
+            ) {
+                return Err(bad(
+                    &format!("messages[{i}].role"),
+                    format!(
+                        "{:?} is not system, developer, user, assistant or tool",
+                        m.role
+                    ),
+                ));
+            }
+            let content = match &m.content {
+                None => String::new(),
+                Some(Content::Text(t)) => t.clone(),
+                Some(Content::Parts(parts)) => {
+                    let mut text = String::new();
+                    for (j, p) in parts.iter().enumerate() {
+                        if p.kind != "text" {
+                            return Err(bad(
+                                &format!("messages[{i}].content[{j}].type"),
+                                format!("{:?} is not supported; only \"text\" parts", p.kind),
+                            ));
+                        }
+                        text.push_str(p.text.as_deref().unwrap_or_default());
+                    }
+                    text
+                }
+            };
+            let role = if m.role == "developer" {
+                "system"
+            } else {
+                &m.role
+            };
+            messages.push(pb::ChatMessage {
+                role: role.into(),
+                content,
+            });
+        }
+        Ok((
+            pb::generate_request::Prompt::Chat(pb::ChatPrompt {
+                messages,
+                add_generation_prompt: true,
+            }),
+            self.common.sampling(CHAT_DEFAULT_MAX_TOKENS)?,
+        ))
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub struct Usage {
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    pub total_tokens: u32,
+}
+
+impl Usage {
+    pub fn new(prompt: u32, completion: u32) -> Usage {
+        Usage {
+            prompt_tokens: prompt,
+            completion_tokens: completion,
+            total_tokens: prompt + completion,
+        }
+    }
+}
+
+/// OpenAI's finish_reason for the worker's.
+pub fn finish_reason(f: &pb::Finished) -> &'static str {
+    match f.finish_reason() {
+        pb::FinishReason::Length => "length",
+        _ => "stop",
+    }
+}
+
+/// The body of an OpenAI error.
+pub fn error_body(message: &str, kind: &str, param: Option<&str>, code: Option<&str>) -> Value {
+    serde_json::json!({
+        "error": {
+            "message": message,
+            "type": kind,
+            "param": param,
+            "code": code,
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn type_errors_name_the_field() {
+        let e = CompletionRequest::parse(br#"{"model":"m","prompt":"x","max_tokens":"ten"}"#)
+            .unwrap_err();
+        assert_eq!(e.param, "max_tokens", "{e:?}");
+        assert!(e.message.starts_with("max_tokens: invalid type"), "{e:?}");
+        let e = ChatRequest::parse(br#"{"model":"m","messages":[{"role":1}]}"#).unwrap_err();
+        assert_eq!(e.param, "messages[0].role", "{e:?}");
+        let e = ChatRequest::parse(br#"{"messages":[]}"#).unwrap_err();
+        assert_eq!(e.param, "model", "{e:?}");
+        let e = CompletionRequest::parse(br#"{"model":"m"}"#).unwrap_err();
+        assert_eq!(e.param, "prompt", "{e:?}");
+        let e = ChatRequest::parse(b"not json").unwrap_err();
+        assert!(e.message.contains("not valid JSON"), "{e:?}");
+    }
+
+    #[test]
+    fn unsupported_fields_that_change_output_are_refused_by_name() {
+        for (body, param) in [
+            (r#"{"model":"m","prompt":"x","n":2}"#, "n"),
+            (
+                r#"{"model":"m","prompt":"x","presence_penalty":0.5}"#,
+                "presence_penalty",
+            ),
+            (
+                r#"{"model":"m","prompt":"x","logit_bias":{"1":5}}"#,
+                "logit_bias",
+            ),
+            (r#"{"model":"m","prompt":"x","logprobs":2}"#, "logprobs"),
+            (r#"{"model":"m","prompt":"x","echo":true}"#, "echo"),
+            (
+                r#"{"model":"m","prompt":"x","temperature":3}"#,
+                "temperature",
+            ),
+            (r#"{"model":"m","prompt":"x","max_tokens":0}"#, "max_tokens"),
+            (r#"{"model":"m","prompt":["a","b"]}"#, "prompt"),
+            (r#"{"model":"m","prompt":""}"#, "prompt"),
+            (r#"{"model":"","prompt":"x"}"#, "model"),
+            (r#"{"model":"m","prompt":"x","stop":["a",""]}"#, "stop"),
+            (
+                r#"{"model":"m","prompt":"x","stream_options":{"include_usage":true}}"#,
+                "stream_options",
+            ),
+        ] {
+            let r = CompletionRequest::parse(body.as_bytes()).unwrap();
+            let e = r.to_worker().unwrap_err();
+            assert_eq!(e.param, param, "{body}: {e:?}");
+        }
+        let r =
+            ChatRequest::parse(br#"{"model":"m","messages":[{"role":"wizard","content":"x"}]}"#)
+                .unwrap();
+        assert_eq!(r.to_worker().unwrap_err().param, "messages[0].role");
+        let r = ChatRequest::parse(
+            br#"{"model":"m","messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            r.to_worker().unwrap_err().param,
+            "messages[0].content[0].type"
+        );
+    }
+
+    #[test]
+    fn accepted_requests_map_to_the_worker_fields() {
+        let r = CompletionRequest::parse(
+            br#"{"model":"m","prompt":[1,2,3],"max_tokens":5,"temperature":0,"stop":"x","seed":7,"logprobs":null,"unknown":1}"#,
+        )
+        .unwrap();
+        let (prompt, s) = r.to_worker().unwrap();
+        assert_eq!(
+            prompt,
+            pb::generate_request::Prompt::TokenIds(pb::TokenIds { ids: vec![1, 2, 3] })
+        );
+        assert_eq!(
+            (s.max_tokens, s.temperature, s.seed),
+            (5, Some(0.0), Some(7))
+        );
+        assert_eq!(s.stop, vec!["x".to_owned()]);
+        let r = ChatRequest::parse(
+            br#"{"model":"m","messages":[{"role":"developer","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}],"max_completion_tokens":9}"#,
+        )
+        .unwrap();
+        let (prompt, s) = r.to_worker().unwrap();
+        let pb::generate_request::Prompt::Chat(chat) = prompt else {
+            panic!()
+        };
+        assert_eq!(
+            (
+                chat.messages[0].role.as_str(),
+                chat.messages[0].content.as_str()
+            ),
+            ("system", "ab")
+        );
+        assert!(chat.add_generation_prompt);
+        assert_eq!(s.max_tokens, 9);
+    }
+}

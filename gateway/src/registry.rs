@@ -1,0 +1,394 @@
+//! The registry, cached in memory as one immutable snapshot so that the
+//! request path never waits on Postgres.
+//!
+//! A snapshot is read in one repeatable-read transaction, so it is always a
+//! consistent cut of the registry. It is rebuilt when a change is announced
+//! on Redis (`<prefix>registry` channel), and every refresh interval as a
+//! backstop for lost announcements. When a rebuild fails (Postgres down),
+//! the previous snapshot keeps serving.
+
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use sqlx::PgPool;
+use uuid::Uuid;
+
+use crate::routing::stable_hash;
+
+/// Canary weights are in basis points: 10000 is the whole route.
+pub const WEIGHT_TOTAL: u32 = 10_000;
+
+#[derive(Debug, Clone)]
+pub struct Tenant {
+    pub id: Uuid,
+    pub name: String,
+    pub rpm_limit: Option<u32>,
+    pub tpm_limit: Option<u64>,
+    pub disabled: bool,
+}
+
+#[derive(Debug, Clone)]
+pub struct ApiKey {
+    pub id: Uuid,
+    pub tenant_id: Uuid,
+    pub secret_sha256: [u8; 32],
+    pub scopes: Vec<String>,
+    pub expires_at: Option<DateTime<Utc>>,
+    pub revoked: bool,
+}
+
+/// One adapter version, everything a worker needs to load it.
+#[derive(Debug, Clone)]
+pub struct Adapter {
+    pub lora_int_id: u64,
+    pub name: String,
+    pub version: u32,
+    pub rank: u32,
+    pub artifact_uri: String,
+    pub artifact_sha256: String,
+    pub base_hash: String,
+}
+
+#[derive(Debug, Clone)]
+pub enum Target {
+    /// The base model alone.
+    Base,
+    /// Adapter versions with their weights (basis points, summing to
+    /// [`WEIGHT_TOTAL`]), ordered by `lora_int_id`.
+    Adapters(Vec<(u32, Arc<Adapter>)>),
+}
+
+#[derive(Debug, Clone)]
+pub struct Route {
+    pub id: Uuid,
+    pub tenant_id: Uuid,
+    pub model_name: String,
+    pub revision: i32,
+    pub base_model: String,
+    pub base_hash: String,
+    pub target: Target,
+    pub created_at: DateTime<Utc>,
+}
+
+/// What a request resolved to.
+#[derive(Debug, Clone)]
+pub struct Resolved {
+    pub route: Arc<Route>,
+    /// None: the base model.
+    pub adapter: Option<Arc<Adapter>>,
+}
+
+/// A consistent cut of the registry.
+#[derive(Debug, Default)]
+pub struct Snapshot {
+    pub tenants: HashMap<Uuid, Tenant>,
+    pub api_keys: HashMap<String, ApiKey>,
+    tenant_names: HashMap<String, Uuid>,
+    /// (tenant, model name) -> route.
+    routes: HashMap<(Uuid, String), Arc<Route>>,
+}
+
+impl Snapshot {
+    pub fn tenant(&self, id: &Uuid) -> Option<&Tenant> {
+        self.tenants.get(id)
+    }
+
+    pub fn tenant_by_name(&self, name: &str) -> Option<&Tenant> {
+        self.tenant_names
+            .get(name)
+            .and_then(|id| self.tenants.get(id))
+    }
+
+    /// The tenant's routes, by model name.
+    pub fn routes_of(&self, tenant: &Uuid) -> Vec<Arc<Route>> {
+        let mut v: Vec<_> = self
+            .routes
+            .iter()
+            .filter(|((t, _), _)| t == tenant)
+            .map(|(_, r)| r.clone())
+            .collect();
+        v.sort_by(|a, b| a.model_name.cmp(&b.model_name));
+        v
+    }
+
+    /// (tenant, model) -> one adapter version. The version is picked by the
+    /// canary weights from a stable hash of `stickiness` (the request's
+    /// `user`, else its request id), so a user stays on one version and a
+    /// retry lands where the first try did. None: no such route for this
+    /// tenant, which callers must not tell apart from another tenant's.
+    pub fn resolve(&self, tenant: &Uuid, model: &str, stickiness: &str) -> Option<Resolved> {
+        let route = self.routes.get(&(*tenant, model.to_owned()))?.clone();
+        let adapter = match &route.target {
+            Target::Base => None,
+            Target::Adapters(weights) => Some(pick(&route.id, weights, stickiness)),
+        };
+        Some(Resolved { route, adapter })
+    }
+
+    /// Reads the whole registry in one repeatable-read transaction.
+    pub async fn load(pool: &PgPool) -> Result<Snapshot, sqlx::Error> {
+        let mut tx = pool.begin().await?;
+        sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            .execute(&mut *tx)
+            .await?;
+        let mut s = Snapshot::default();
+        let tenants: Vec<(Uuid, String, Option<i32>, Option<i64>, bool)> = sqlx::query_as(
+            "SELECT id, name, rpm_limit, tpm_limit, disabled_at IS NOT NULL FROM tenants",
+        )
+        .fetch_all(&mut *tx)
+        .await?;
+        for (id, name, rpm, tpm, disabled) in tenants {
+            s.tenant_names.insert(name.clone(), id);
+            s.tenants.insert(
+                id,
+                Tenant {
+                    id,
+                    name,
+                    rpm_limit: rpm.map(|v| v as u32),
+                    tpm_limit: tpm.map(|v| v as u64),
+                    disabled,
+                },
+            );
+        }
+        type KeyRow = (
+            Uuid,
+            Uuid,
+            String,
+            Vec<u8>,
+            Vec<String>,
+            Option<DateTime<Utc>>,
+            bool,
+        );
+        let keys: Vec<KeyRow> = sqlx::query_as(
+            "SELECT id, tenant_id, prefix, secret_hash, scopes, expires_at, revoked_at IS NOT NULL
+             FROM api_keys",
+        )
+        .fetch_all(&mut *tx)
+        .await?;
+        for (id, tenant_id, prefix, hash, scopes, expires_at, revoked) in keys {
+            let Ok(secret_sha256) = <[u8; 32]>::try_from(hash.as_slice()) else {
+                continue; // the schema guarantees 32 bytes
+            };
+            s.api_keys.insert(
+                prefix,
+                ApiKey {
+                    id,
+                    tenant_id,
+                    secret_sha256,
+                    scopes,
+                    expires_at,
+                    revoked,
+                },
+            );
+        }
+        type RouteRow = (
+            Uuid,
+            Uuid,
+            String,
+            i32,
+            String,
+            String,
+            String,
+            DateTime<Utc>,
+        );
+        let routes: Vec<RouteRow> = sqlx::query_as(
+            "SELECT r.id, r.tenant_id, r.model_name, r.current_revision, b.name, b.base_hash,
+                    rr.target::TEXT, r.created_at
+             FROM routes r
+             JOIN route_revisions rr ON rr.route_id = r.id AND rr.revision = r.current_revision
+             JOIN base_models b ON b.id = rr.base_model_id",
+        )
+        .fetch_all(&mut *tx)
+        .await?;
+        type WeightRow = (Uuid, i32, i64, String, i32, i32, String, String, String);
+        let weights: Vec<WeightRow> = sqlx::query_as(
+            "SELECT w.route_id, w.weight_bp, a.lora_int_id, a.name, a.version, a.rank,
+                    a.artifact_uri, a.artifact_sha256, b.base_hash
+             FROM routes r
+             JOIN route_weights w ON w.route_id = r.id AND w.revision = r.current_revision
+             JOIN adapters a ON a.lora_int_id = w.lora_int_id
+             JOIN base_models b ON b.id = a.base_model_id
+             ORDER BY w.route_id, a.lora_int_id",
+        )
+        .fetch_all(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        let mut by_route: HashMap<Uuid, Vec<(u32, Arc<Adapter>)>> = HashMap::new();
+        for (route, weight, id, name, version, rank, uri, sha, base_hash) in weights {
+            by_route.entry(route).or_default().push((
+                weight as u32,
+                Arc::new(Adapter {
+                    lora_int_id: id as u64,
+                    name,
+                    version: version as u32,
+                    rank: rank as u32,
+                    artifact_uri: uri,
+                    artifact_sha256: sha,
+                    base_hash,
+                }),
+            ));
+        }
+        for (id, tenant_id, model_name, revision, base_model, base_hash, target, created_at) in
+            routes
+        {
+            let target = if target == "base" {
+                Target::Base
+            } else {
+                Target::Adapters(by_route.remove(&id).unwrap_or_default())
+            };
+            s.routes.insert(
+                (tenant_id, model_name.clone()),
+                Arc::new(Route {
+                    id,
+                    tenant_id,
+                    model_name,
+                    revision,
+                    base_model,
+                    base_hash,
+                    target,
+                    created_at,
+                }),
+            );
+        }
+        Ok(s)
+    }
+}
+
+/// The canary bucket of `stickiness` on `route`, in [0, WEIGHT_TOTAL).
+pub fn bucket(route: &Uuid, stickiness: &str) -> u32 {
+    let mut key = route.as_bytes().to_vec();
+    key.extend_from_slice(stickiness.as_bytes());
+    (stable_hash(&key) % u64::from(WEIGHT_TOTAL)) as u32
+}
+
+fn pick(route: &Uuid, weights: &[(u32, Arc<Adapter>)], stickiness: &str) -> Arc<Adapter> {
+    let b = bucket(route, stickiness);
+    let mut acc = 0;
+    for (w, a) in weights {
+        acc += w;
+        if b < acc {
+            return a.clone();
+        }
+    }
+    // The schema keeps the sum at WEIGHT_TOTAL; the last version covers any
+    // rounding.
+    weights.last().expect("a route has weights").1.clone()
+}
+
+/// The current snapshot, shared by every request.
+#[derive(Debug, Clone)]
+pub struct Registry {
+    current: Arc<RwLock<Arc<Snapshot>>>,
+    loaded_at: Arc<RwLock<Instant>>,
+}
+
+impl Registry {
+    pub fn new(snapshot: Snapshot) -> Registry {
+        Registry {
+            current: Arc::new(RwLock::new(Arc::new(snapshot))),
+            loaded_at: Arc::new(RwLock::new(Instant::now())),
+        }
+    }
+
+    pub fn snapshot(&self) -> Arc<Snapshot> {
+        self.current.read().expect("registry lock").clone()
+    }
+
+    /// Age of the snapshot in use.
+    pub fn age(&self) -> Duration {
+        self.loaded_at.read().expect("registry lock").elapsed()
+    }
+
+    fn replace(&self, s: Snapshot) {
+        *self.current.write().expect("registry lock") = Arc::new(s);
+        *self.loaded_at.write().expect("registry lock") = Instant::now();
+    }
+
+    /// Rebuilds the snapshot; on failure keeps the old one.
+    pub async fn reload(&self, pool: &PgPool) -> Result<(), sqlx::Error> {
+        match Snapshot::load(pool).await {
+            Ok(s) => {
+                self.replace(s);
+                metrics::counter!("lorafleet_gateway_registry_reloads_total", "outcome" => "ok")
+                    .increment(1);
+                Ok(())
+            }
+            Err(e) => {
+                metrics::counter!("lorafleet_gateway_registry_reloads_total", "outcome" => "error")
+                    .increment(1);
+                tracing::warn!(error = %e, "registry reload failed; serving the previous snapshot");
+                Err(e)
+            }
+        }
+    }
+
+    /// Keeps the snapshot fresh: reloads on each announcement on the Redis
+    /// channel, and every `interval` whatever happens. Redis being down only
+    /// loses the fast path; the interval still applies.
+    pub fn spawn_refresher(
+        &self,
+        pool: PgPool,
+        redis_url: Option<String>,
+        channel: String,
+        interval: Duration,
+    ) {
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<()>(1);
+        if let Some(url) = redis_url {
+            tokio::spawn(listen_for_changes(url, channel, tx));
+        }
+        let registry = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(interval);
+            tick.tick().await;
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => {}
+                    Some(()) = rx.recv() => {}
+                }
+                let _ = registry.reload(&pool).await;
+            }
+        });
+    }
+}
+
+/// Subscribes to the change channel, reconnecting with backoff; each message
+/// asks for a reload.
+async fn listen_for_changes(url: String, channel: String, tx: tokio::sync::mpsc::Sender<()>) {
+    use futures::StreamExt;
+    let mut backoff = Duration::from_millis(200);
+    loop {
+        let result: redis::RedisResult<()> = async {
+            let client = redis::Client::open(url.as_str())?;
+            let mut pubsub = client.get_async_pubsub().await?;
+            pubsub.subscribe(&channel).await?;
+            // A change may have been announced while we were not listening.
+            let _ = tx.try_send(());
+            let mut messages = pubsub.on_message();
+            while messages.next().await.is_some() {
+                let _ = tx.try_send(());
+            }
+            Ok(())
+        }
+        .await;
+        if let Err(e) = result {
+            tracing::debug!(error = %e, "registry change channel unavailable");
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(10));
+    }
+}
+
+/// Announces a registry change to every gateway listening on `channel`.
+pub async fn announce_change(
+    redis: &mut redis::aio::ConnectionManager,
+    channel: &str,
+) -> redis::RedisResult<()> {
+    redis::cmd("PUBLISH")
+        .arg(channel)
+        .arg("changed")
+        .query_async::<i64>(redis)
+        .await
+        .map(|_| ())
+}

@@ -1,0 +1,422 @@
+//! Where a request goes: consistent hashing on `lora_int_id` with bounded
+//! loads, residency affinity, and replica sets that grow for hot adapters.
+//!
+//! The policy is pure: [`Router::choose`] takes the workers' current view
+//! (load, residency of this adapter) and returns an ordered candidate list
+//! with the reason for the first choice. The fleet supplies the view; the
+//! routing simulation bench drives the same code.
+//!
+//! The rules, in order, among eligible workers (healthy, serving the
+//! adapter's base hash) whose load is under the bound
+//! `ceil(c × (total load + 1) / workers)`:
+//! 1. a hot adapter (replicas > 1): the least-loaded of its replica set,
+//!    device-resident first on ties;
+//! 2. a worker where the adapter is device-resident (the ring's replica set
+//!    first, then the lower load);
+//! 3. a worker where it is host-resident, likewise;
+//! 4. its ring owner, then the next workers clockwise ("spill").
+//!
+//! If every worker is at the bound, the least-loaded one takes it.
+
+use std::collections::HashMap;
+use std::hash::Hasher;
+
+/// Virtual nodes per worker on the ring: enough that 8 workers split the
+/// key space within a few percent of evenly.
+const VNODES: usize = 160;
+
+/// Where an adapter is on one worker, as that worker last reported.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Residency {
+    Device,
+    Host,
+    Absent,
+}
+
+/// One worker as the router sees it for one request.
+#[derive(Debug, Clone)]
+pub struct WorkerView<'a> {
+    pub id: &'a str,
+    /// Requests running or queued there.
+    pub load: u32,
+    /// Where this request's adapter is there (Absent for the base model).
+    pub residency: Residency,
+    /// Healthy and serving the request's base hash.
+    pub eligible: bool,
+}
+
+/// Which rule picked the first candidate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    HotReplica,
+    DeviceResident,
+    HostResident,
+    RingOwner,
+    RingSpill,
+    Saturated,
+}
+
+impl Reason {
+    /// A stable label for metrics and traces.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::HotReplica => "hot_replica",
+            Reason::DeviceResident => "device_resident",
+            Reason::HostResident => "host_resident",
+            Reason::RingOwner => "ring_owner",
+            Reason::RingSpill => "ring_spill",
+            Reason::Saturated => "saturated",
+        }
+    }
+}
+
+/// A routing decision: indexes into the views, best first, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decision {
+    pub order: Vec<usize>,
+    pub reason: Reason,
+}
+
+/// Tuning of the policy.
+#[derive(Debug, Clone, Copy)]
+pub struct Policy {
+    /// No worker takes a request that would put it above c × the average.
+    pub load_factor: f64,
+    /// Load one replica of an adapter should carry before another is added.
+    pub replica_share: f64,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Policy {
+            load_factor: 1.25,
+            replica_share: 8.0,
+        }
+    }
+}
+
+/// The ring and the per-adapter replica counts. Rebuild the ring with
+/// [`Router::set_workers`] when membership changes; views passed to
+/// [`Router::choose`] must be in the same order as those worker ids.
+#[derive(Debug, Default)]
+pub struct Router {
+    policy: Policy,
+    workers: Vec<String>,
+    /// (point, worker index), sorted by point.
+    ring: Vec<(u64, usize)>,
+    /// Adapter -> current replica count; absent means 1.
+    replicas: HashMap<u64, usize>,
+}
+
+/// A stable 64-bit hash (FNV-1a then a mixer), the same in every gateway
+/// replica and every release, unlike std's randomized hasher.
+pub fn stable_hash(bytes: &[u8]) -> u64 {
+    let mut h = Fnv(0xcbf2_9ce4_8422_2325);
+    h.write(bytes);
+    mix(h.0)
+}
+
+struct Fnv(u64);
+
+impl Hasher for Fnv {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 ^= u64::from(*b);
+            self.0 = self.0.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+}
+
+/// splitmix64's finalizer: spreads FNV's weak low bits.
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+impl Router {
+    pub fn new(policy: Policy) -> Router {
+        Router {
+            policy,
+            ..Router::default()
+        }
+    }
+
+    pub fn policy(&self) -> Policy {
+        self.policy
+    }
+
+    /// Rebuilds the ring if the membership changed.
+    pub fn set_workers(&mut self, ids: &[&str]) {
+        if self
+            .workers
+            .iter()
+            .map(String::as_str)
+            .eq(ids.iter().copied())
+        {
+            return;
+        }
+        self.workers = ids.iter().map(|s| (*s).to_owned()).collect();
+        self.ring.clear();
+        for (i, id) in ids.iter().enumerate() {
+            for v in 0..VNODES {
+                self.ring
+                    .push((stable_hash(format!("{id}#{v}").as_bytes()), i));
+            }
+        }
+        self.ring.sort_unstable();
+    }
+
+    /// Distinct workers clockwise from the adapter's point on the ring.
+    pub fn ring_order(&self, key: u64) -> Vec<usize> {
+        let n = self.workers.len();
+        let mut order = Vec::with_capacity(n);
+        if n == 0 {
+            return order;
+        }
+        let point = stable_hash(&key.to_le_bytes());
+        let start = self.ring.partition_point(|&(p, _)| p < point);
+        let mut seen = vec![false; n];
+        for k in 0..self.ring.len() {
+            let (_, w) = self.ring[(start + k) % self.ring.len()];
+            if !seen[w] {
+                seen[w] = true;
+                order.push(w);
+                if order.len() == n {
+                    break;
+                }
+            }
+        }
+        order
+    }
+
+    /// The adapter's replica count after seeing `adapter_load` requests in
+    /// flight for it. Grows as soon as the load passes the current replicas'
+    /// share; shrinks only when it falls below half of one fewer replica's
+    /// share, so a load near a boundary does not flap.
+    pub fn update_replicas(&mut self, key: u64, adapter_load: u32, workers: usize) -> usize {
+        let share = self.policy.replica_share;
+        let load = f64::from(adapter_load);
+        let current = self.replicas.get(&key).copied().unwrap_or(1);
+        let mut k = current;
+        while k < workers.max(1) && load > k as f64 * share {
+            k += 1;
+        }
+        while k > 1 && load < (k - 1) as f64 * share * 0.5 {
+            k -= 1;
+        }
+        if k == 1 {
+            self.replicas.remove(&key);
+        } else {
+            self.replicas.insert(key, k);
+        }
+        k
+    }
+
+    /// Chooses for a request on adapter `key` (use 0 for the base model),
+    /// with `adapter_load` requests for that adapter already in flight.
+    /// None when no worker is eligible.
+    pub fn choose(
+        &mut self,
+        key: u64,
+        adapter_load: u32,
+        views: &[WorkerView<'_>],
+    ) -> Option<Decision> {
+        let eligible: Vec<usize> = (0..views.len()).filter(|&i| views[i].eligible).collect();
+        if eligible.is_empty() {
+            return None;
+        }
+        let total: u64 = eligible.iter().map(|&i| u64::from(views[i].load)).sum();
+        let bound = (self.policy.load_factor * (total + 1) as f64 / eligible.len() as f64).ceil();
+        let under = |i: usize| f64::from(views[i].load) + 1.0 <= bound;
+        let ring: Vec<usize> = self
+            .ring_order(key)
+            .into_iter()
+            .filter(|&i| i < views.len() && views[i].eligible)
+            .collect();
+        let k = if key == 0 {
+            1
+        } else {
+            self.update_replicas(key, adapter_load, ring.len())
+        };
+        let replica_rank = |i: usize| ring.iter().position(|&r| r == i).unwrap_or(usize::MAX);
+        let in_replicas = |i: usize| replica_rank(i) < k;
+
+        let first: Option<(usize, Reason)> = if k > 1 {
+            ring[..k]
+                .iter()
+                .copied()
+                .filter(|&i| under(i))
+                .min_by_key(|&i| (views[i].load, views[i].residency, replica_rank(i)))
+                .map(|i| (i, Reason::HotReplica))
+        } else {
+            None
+        };
+        let first = first
+            .or_else(|| {
+                [
+                    (Residency::Device, Reason::DeviceResident),
+                    (Residency::Host, Reason::HostResident),
+                ]
+                .into_iter()
+                .filter(|_| key != 0)
+                .find_map(|(tier, reason)| {
+                    eligible
+                        .iter()
+                        .copied()
+                        .filter(|&i| views[i].residency == tier && under(i))
+                        .min_by_key(|&i| (!in_replicas(i), views[i].load, replica_rank(i)))
+                        .map(|i| (i, reason))
+                })
+            })
+            .or_else(|| {
+                ring.iter().position(|&i| under(i)).map(|p| {
+                    (
+                        ring[p],
+                        if p == 0 {
+                            Reason::RingOwner
+                        } else {
+                            Reason::RingSpill
+                        },
+                    )
+                })
+            })
+            .unwrap_or_else(|| {
+                let i = *eligible
+                    .iter()
+                    .min_by_key(|&&i| (views[i].load, replica_rank(i)))
+                    .expect("eligible is not empty");
+                (i, Reason::Saturated)
+            });
+        // Fallbacks for retries: the ring order, skipping the first choice.
+        let mut order = vec![first.0];
+        order.extend(ring.iter().copied().filter(|&i| i != first.0));
+        Some(Decision {
+            order,
+            reason: first.1,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn views<'a>(ids: &'a [String], loads: &[u32]) -> Vec<WorkerView<'a>> {
+        ids.iter()
+            .zip(loads)
+            .map(|(id, &load)| WorkerView {
+                id,
+                load,
+                residency: Residency::Absent,
+                eligible: true,
+            })
+            .collect()
+    }
+
+    fn router(n: usize) -> (Router, Vec<String>) {
+        let ids: Vec<String> = (0..n).map(|i| format!("w{i}")).collect();
+        let mut r = Router::new(Policy::default());
+        r.set_workers(&ids.iter().map(String::as_str).collect::<Vec<_>>());
+        (r, ids)
+    }
+
+    #[test]
+    fn the_ring_spreads_keys_evenly_and_moves_few_keys_when_a_worker_leaves() {
+        let (r, _) = router(8);
+        let mut owners = [0usize; 8];
+        let owner: Vec<usize> = (1..=8000u64).map(|k| r.ring_order(k)[0]).collect();
+        for &o in &owner {
+            owners[o] += 1;
+        }
+        let (min, max) = (owners.iter().min().unwrap(), owners.iter().max().unwrap());
+        assert!((*max as f64 / *min as f64) < 1.35, "{owners:?}");
+
+        let ids: Vec<String> = (0..8)
+            .filter(|&i| i != 3)
+            .map(|i| format!("w{i}"))
+            .collect();
+        let mut r7 = Router::new(Policy::default());
+        r7.set_workers(&ids.iter().map(String::as_str).collect::<Vec<_>>());
+        let moved = (1..=8000u64)
+            .filter(|&k| {
+                let before = format!("w{}", owner[k as usize - 1]);
+                let after = &ids[r7.ring_order(k)[0]];
+                before != "w3" && &before != after
+            })
+            .count();
+        assert_eq!(moved, 0, "only the leaving worker's keys move");
+    }
+
+    #[test]
+    fn residency_wins_over_the_ring_owner_until_the_load_bound() {
+        let (mut r, ids) = router(4);
+        let key = 42;
+        let owner = r.ring_order(key)[0];
+        let other = (owner + 1) % 4;
+        let mut v = views(&ids, &[2, 2, 2, 2]);
+        v[other].residency = Residency::Device;
+        let d = r.choose(key, 0, &v).unwrap();
+        assert_eq!((d.order[0], d.reason), (other, Reason::DeviceResident));
+        assert_eq!(d.order.len(), 4);
+
+        // Over the bound (ceil(1.25 * 11 / 4) = 4, so a worker at 4 is
+        // full), the resident worker is skipped and the ring owner takes it.
+        let mut v = views(&ids, &[2, 2, 2, 2]);
+        v[other].load = 4;
+        v[other].residency = Residency::Device;
+        let d = r.choose(key, 0, &v).unwrap();
+        assert_eq!((d.order[0], d.reason), (owner, Reason::RingOwner));
+
+        let mut v = views(&ids, &[0, 0, 0, 0]);
+        v[other].residency = Residency::Host;
+        assert_eq!(r.choose(key, 0, &v).unwrap().reason, Reason::HostResident);
+    }
+
+    #[test]
+    fn ineligible_workers_are_never_chosen_and_none_eligible_is_none() {
+        let (mut r, ids) = router(3);
+        let mut v = views(&ids, &[0, 0, 0]);
+        for x in &mut v {
+            x.eligible = false;
+        }
+        assert!(r.choose(7, 0, &v).is_none());
+        v[1].eligible = true;
+        let d = r.choose(7, 0, &v).unwrap();
+        assert_eq!(d.order, vec![1]);
+    }
+
+    #[test]
+    fn a_hot_adapter_grows_replicas_and_shrinks_back_without_flapping() {
+        let (mut r, _) = router(8);
+        assert_eq!(r.update_replicas(9, 4, 8), 1);
+        assert_eq!(r.update_replicas(9, 20, 8), 3);
+        // Just under the growth point: stays at 3 (no flapping at 16..24).
+        assert_eq!(r.update_replicas(9, 15, 8), 3);
+        assert_eq!(r.update_replicas(9, 9, 8), 3);
+        // Well below: shrinks one step at a time as the load falls.
+        assert_eq!(r.update_replicas(9, 7, 8), 2);
+        assert_eq!(r.update_replicas(9, 3, 8), 1);
+        assert_eq!(
+            r.update_replicas(9, 1000, 8),
+            8,
+            "never more than the workers"
+        );
+    }
+
+    #[test]
+    fn an_overloaded_ring_owner_spills_to_the_next_worker_clockwise() {
+        let (mut r, ids) = router(4);
+        let ring = r.ring_order(5);
+        let mut loads = [1, 1, 1, 1];
+        loads[ring[0]] = 6;
+        let v = views(&ids, &loads);
+        // bound = ceil(1.25 * 10 / 4) = 4: the owner (6) is over it.
+        let d = r.choose(5, 0, &v).unwrap();
+        assert_eq!((d.order[0], d.reason), (ring[1], Reason::RingSpill));
+        assert_eq!(d.order[1..], [ring[0], ring[2], ring[3]]);
+    }
+}

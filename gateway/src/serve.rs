@@ -1,0 +1,248 @@
+//! `lorafleet-gateway serve`: the OpenAI API over the worker fleet.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use tokio::sync::Semaphore;
+
+use crate::api::{self, AppState};
+use crate::auth::JwtArgs;
+use crate::db;
+use crate::fleet::{Discovery, Fleet};
+use crate::ratelimit::RateLimiter;
+use crate::registry::{Registry, Snapshot};
+use crate::routing::Policy;
+
+/// Flags of `serve`; each has an environment fallback.
+#[derive(Debug, clap::Args)]
+pub struct ServeArgs {
+    /// The registry database, as postgres://USER[:PASSWORD]@HOST:PORT/DATABASE.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    pub database_url: String,
+    /// Redis for shared rate limits and registry change announcements, as
+    /// redis://HOST:PORT. Without it limits are per replica and the registry
+    /// refreshes on the interval only.
+    #[arg(long, env = "LORAFLEET_REDIS_URL", hide_env_values = true)]
+    pub redis_url: Option<String>,
+    /// Prefix of every Redis key and channel this gateway uses.
+    #[arg(long, env = "LORAFLEET_REDIS_PREFIX", default_value = "lorafleet:")]
+    pub redis_prefix: String,
+    /// Where to serve the OpenAI API. Port 0 picks a free port, printed on stdout.
+    #[arg(long, env = "LORAFLEET_LISTEN", default_value = "0.0.0.0:8080")]
+    pub listen: SocketAddr,
+    /// Where to serve Prometheus metrics (`GET /metrics`).
+    #[arg(long, env = "LORAFLEET_METRICS_LISTEN", default_value = "0.0.0.0:9091")]
+    pub metrics_listen: SocketAddr,
+    /// Worker gRPC addresses, HOST:PORT, comma-separated.
+    #[arg(long, env = "LORAFLEET_WORKERS", value_delimiter = ',')]
+    pub workers: Vec<String>,
+    /// A DNS name (HOST:PORT) whose addresses are the workers, such as a
+    /// Kubernetes headless service; re-resolved every --workers-dns-refresh-secs.
+    #[arg(long, env = "LORAFLEET_WORKERS_DNS")]
+    pub workers_dns: Option<String>,
+    #[arg(long, env = "LORAFLEET_WORKERS_DNS_REFRESH_SECS", default_value_t = 10)]
+    pub workers_dns_refresh_secs: u64,
+    /// Bounded-load factor c: no worker above c × the average load.
+    #[arg(long, env = "LORAFLEET_LOAD_FACTOR", default_value_t = 1.25)]
+    pub load_factor: f64,
+    /// In-flight requests one replica of an adapter carries before the
+    /// adapter spreads to another worker.
+    #[arg(long, env = "LORAFLEET_REPLICA_SHARE", default_value_t = 8.0)]
+    pub replica_share: f64,
+    /// Registry snapshot refresh interval, as a backstop to announcements.
+    #[arg(long, env = "LORAFLEET_REGISTRY_REFRESH_SECS", default_value_t = 30)]
+    pub registry_refresh_secs: u64,
+    /// Requests handled at once; more get 429.
+    #[arg(
+        long,
+        env = "LORAFLEET_MAX_CONCURRENT_REQUESTS",
+        default_value_t = 1024
+    )]
+    pub max_concurrent_requests: usize,
+    /// Largest request body accepted, in bytes.
+    #[arg(long, env = "LORAFLEET_MAX_BODY_BYTES", default_value_t = 1 << 20)]
+    pub max_body_bytes: usize,
+    /// Longest a completion may take, in seconds.
+    #[arg(long, env = "LORAFLEET_REQUEST_TIMEOUT_SECS", default_value_t = 600)]
+    pub request_timeout_secs: u64,
+    /// Workers tried per request before the first token.
+    #[arg(long, env = "LORAFLEET_MAX_ATTEMPTS", default_value_t = 3)]
+    pub max_attempts: usize,
+    /// Gateway replicas sharing the rate limits; without Redis each replica
+    /// enforces its share.
+    #[arg(long, env = "LORAFLEET_GATEWAY_REPLICAS", default_value_t = 1)]
+    pub gateway_replicas: u32,
+    /// Audit rows wait here while Postgres is unreachable.
+    #[arg(
+        long,
+        env = "LORAFLEET_AUDIT_SPOOL",
+        default_value = "lorafleet-audit-spool.jsonl"
+    )]
+    pub audit_spool: PathBuf,
+    /// On SIGTERM, how long running requests may take to finish, in seconds.
+    #[arg(long, env = "LORAFLEET_DRAIN_DEADLINE_SECS", default_value_t = 30)]
+    pub drain_deadline_secs: u64,
+    #[command(flatten)]
+    pub jwt: JwtArgs,
+}
+
+pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let discovery = match (&args.workers_dns, args.workers.is_empty()) {
+        (Some(_), false) => bail!("--workers and --workers-dns: give one, not both"),
+        (None, true) => bail!("--workers: required (or --workers-dns)"),
+        (Some(name), true) => {
+            if !name.contains(':') {
+                bail!("--workers-dns: {name:?} must be HOST:PORT");
+            }
+            if args.workers_dns_refresh_secs == 0 {
+                bail!("--workers-dns-refresh-secs: must be at least 1");
+            }
+            Discovery::Dns(
+                name.clone(),
+                Duration::from_secs(args.workers_dns_refresh_secs),
+            )
+        }
+        (None, false) => {
+            for w in &args.workers {
+                if w.parse::<SocketAddr>().is_err() && !w.contains(':') {
+                    bail!("--workers: {w:?} is not HOST:PORT");
+                }
+            }
+            Discovery::Static(args.workers.clone())
+        }
+    };
+    if !(args.load_factor >= 1.0 && args.load_factor.is_finite()) {
+        bail!("--load-factor: {} must be at least 1.0", args.load_factor);
+    }
+    if !(args.replica_share >= 1.0 && args.replica_share.is_finite()) {
+        bail!("--replica-share: {} must be at least 1", args.replica_share);
+    }
+    for (flag, v) in [
+        ("--registry-refresh-secs", args.registry_refresh_secs),
+        ("--request-timeout-secs", args.request_timeout_secs),
+        (
+            "--max-concurrent-requests",
+            args.max_concurrent_requests as u64,
+        ),
+        ("--max-body-bytes", args.max_body_bytes as u64),
+        ("--max-attempts", args.max_attempts as u64),
+        ("--gateway-replicas", u64::from(args.gateway_replicas)),
+    ] {
+        if v == 0 {
+            bail!("{flag}: must be at least 1");
+        }
+    }
+    let jwt = args.jwt.config()?;
+    let options = db::parse_database_url("--database-url", &args.database_url)?;
+    let pool = db::connect(options, 8, Duration::from_secs(5)).await?;
+    let snapshot = Snapshot::load(&pool)
+        .await
+        .context("--database-url: reading the registry (did `lorafleet-gateway migrate` run?)")?;
+    let registry = Registry::new(snapshot);
+    let redis = match &args.redis_url {
+        Some(url) => {
+            let client = redis::Client::open(url.as_str())
+                .map_err(|e| anyhow::anyhow!("--redis-url: {e}"))?;
+            let config = redis::aio::ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(Duration::from_millis(500)))
+                .set_response_timeout(Some(Duration::from_millis(500)))
+                .set_number_of_retries(1);
+            // Lazily: a gateway starts and serves while Redis is down.
+            Some(
+                redis::aio::ConnectionManager::new_lazy_with_config(client, config)
+                    .map_err(|e| anyhow::anyhow!("--redis-url: {e}"))?,
+            )
+        }
+        None => None,
+    };
+    registry.spawn_refresher(
+        pool.clone(),
+        args.redis_url.clone(),
+        format!("{}registry", args.redis_prefix),
+        Duration::from_secs(args.registry_refresh_secs),
+    );
+    let fleet = Fleet::new(Policy {
+        load_factor: args.load_factor,
+        replica_share: args.replica_share,
+    });
+    fleet.start(discovery);
+    let (audit, audit_writer) = crate::audit::start(pool.clone(), args.audit_spool.clone());
+    let state = AppState {
+        registry,
+        jwt,
+        fleet,
+        limiter: RateLimiter::new(redis, args.redis_prefix.clone(), args.gateway_replicas),
+        audit,
+        permits: Arc::new(Semaphore::new(args.max_concurrent_requests)),
+        max_body_bytes: args.max_body_bytes,
+        request_timeout: Duration::from_secs(args.request_timeout_secs),
+        max_attempts: args.max_attempts,
+    };
+    let permits = state.permits.clone();
+    let max_permits = args.max_concurrent_requests;
+
+    let metrics_listener = tokio::net::TcpListener::bind(args.metrics_listen)
+        .await
+        .with_context(|| format!("--metrics-listen {}", args.metrics_listen))?;
+    let metrics_addr = metrics_listener.local_addr()?;
+    let prometheus = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .set_buckets(&[
+            0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+        ])
+        .context("metric buckets")?
+        .install_recorder()
+        .context("installing the metrics recorder")?;
+    let metrics_app = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let p = prometheus.clone();
+            async move { p.render() }
+        }),
+    );
+    tokio::spawn(async move {
+        let _ = axum::serve(metrics_listener, metrics_app).await;
+    });
+
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("--listen {}", args.listen))?;
+    let addr = listener.local_addr()?;
+    let app = api::router(state.clone());
+    println!("lorafleet-gateway listening http={addr} metrics={metrics_addr}");
+    use std::io::Write;
+    std::io::stdout().flush()?;
+    tracing::info!(http = %addr, metrics = %metrics_addr, "listening");
+
+    let drain = Duration::from_secs(args.drain_deadline_secs);
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async move {
+            wait_for_signal().await;
+            tracing::info!(deadline_secs = drain.as_secs(), "draining");
+        })
+        .await
+        .context("HTTP server")?;
+    // Streaming responses run in their own tasks: wait for them to give
+    // back their permits, up to the deadline.
+    let deadline = tokio::time::Instant::now() + drain;
+    while permits.available_permits() < max_permits && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Dropping the last AuditLog lets the writer flush and stop.
+    drop(state);
+    let _ = tokio::time::timeout(Duration::from_secs(30), audit_writer).await;
+    pool.close().await;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+async fn wait_for_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).expect("install the SIGTERM handler");
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}
