@@ -21,13 +21,15 @@ pub struct Limited {
     pub what: &'static str,
 }
 
+/// (tenant, kind, minute) -> count, for the fallback.
+type LocalWindows = HashMap<(Uuid, &'static str, u64), u64>;
+
 #[derive(Debug, Clone)]
 pub struct RateLimiter {
     redis: Option<redis::aio::ConnectionManager>,
     prefix: String,
     replicas: u32,
-    /// (tenant, kind, minute) -> count, for the fallback.
-    local: Arc<Mutex<HashMap<(Uuid, &'static str, u64), u64>>>,
+    local: Arc<Mutex<LocalWindows>>,
 }
 
 fn now_secs() -> u64 {

@@ -134,7 +134,8 @@ impl Snapshot {
             .execute(&mut *tx)
             .await?;
         let mut s = Snapshot::default();
-        let tenants: Vec<(Uuid, String, Option<i32>, Option<i64>, bool)> = sqlx::query_as(
+        type TenantRow = (Uuid, String, Option<i32>, Option<i64>, bool);
+        let tenants: Vec<TenantRow> = sqlx::query_as(
             "SELECT id, name, rpm_limit, tpm_limit, disabled_at IS NOT NULL FROM tenants",
         )
         .fetch_all(&mut *tx)

@@ -180,3 +180,147 @@ pub async fn migrated_db(label: &str) -> TestDb {
 pub fn engine_fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../worker/engine/tests/fixtures")
 }
+
+/// A real server process started by a test, killed when dropped.
+#[derive(Debug)]
+pub struct Server {
+    pub child: std::process::Child,
+    /// The `key=value` words of the first stdout line that starts with the
+    /// ready prefix, e.g. `grpc` -> `127.0.0.1:4242`.
+    pub addrs: std::collections::HashMap<String, String>,
+    /// Its stderr (the structured log), line by line.
+    pub log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Server {
+    /// Starts `cmd` and waits (up to 60 s) for its ready line on stdout.
+    pub fn start(mut cmd: Command, ready_prefix: &str) -> Server {
+        use std::io::{BufRead, BufReader};
+        use std::process::Stdio;
+        let mut child = cmd
+            .env_remove("DATABASE_URL")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {cmd:?}: {e}"));
+        let stdout = child.stdout.take().expect("stdout");
+        let stderr = child.stderr.take().expect("stderr");
+        let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sink = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                sink.lock().expect("log").push(line);
+            }
+        });
+        let (tx, rx) = std::sync::mpsc::channel();
+        let prefix = ready_prefix.to_owned();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(rest) = line.strip_prefix(&prefix) {
+                    let _ = tx.send(rest.to_owned());
+                }
+            }
+        });
+        let line = match rx.recv_timeout(std::time::Duration::from_secs(60)) {
+            Ok(line) => line,
+            Err(_) => {
+                let _ = child.kill();
+                panic!(
+                    "{cmd:?} never printed {ready_prefix:?}; its log:\n{}",
+                    log.lock().expect("log").join("\n")
+                );
+            }
+        };
+        let addrs = line
+            .split_whitespace()
+            .filter_map(|w| w.split_once('='))
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect();
+        Server { child, addrs, log }
+    }
+
+    pub fn addr(&self, key: &str) -> &str {
+        self.addrs
+            .get(key)
+            .unwrap_or_else(|| panic!("no {key}= in the ready line: {:?}", self.addrs))
+    }
+
+    /// The log so far, as one string.
+    pub fn log_text(&self) -> String {
+        self.log.lock().expect("log").join("\n")
+    }
+}
+
+/// A TCP proxy on a loopback port in front of a real service, which a test
+/// can cut (closing every open connection and refusing new ones) and
+/// restore: an outage of Postgres or Redis as a client sees it, without
+/// stopping the server that other tests share.
+#[derive(Debug)]
+pub struct Proxy {
+    pub addr: std::net::SocketAddr,
+    up: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    generation: tokio::sync::watch::Sender<u64>,
+}
+
+impl Proxy {
+    /// Starts the proxy on a thread of its own, so that it keeps forwarding
+    /// while the test's own runtime is blocked.
+    pub fn start(target: &str) -> Proxy {
+        use std::sync::atomic::Ordering;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind the proxy");
+        listener.set_nonblocking(true).expect("nonblocking");
+        let addr = listener.local_addr().expect("proxy address");
+        let up = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let (generation, _) = tokio::sync::watch::channel(0u64);
+        let target = target.to_owned();
+        let (flag, cut) = (up.clone(), generation.clone());
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("proxy runtime");
+            rt.block_on(async move {
+                let listener = tokio::net::TcpListener::from_std(listener).expect("listener");
+                while let Ok((mut client, _)) = listener.accept().await {
+                    if !flag.load(Ordering::SeqCst) {
+                        drop(client);
+                        continue;
+                    }
+                    let mut cut = cut.subscribe();
+                    let target = target.clone();
+                    tokio::spawn(async move {
+                        let Ok(mut server) = tokio::net::TcpStream::connect(&target).await else {
+                            return;
+                        };
+                        tokio::select! {
+                            _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+                            _ = cut.changed() => {}
+                        }
+                    });
+                }
+            });
+        });
+        Proxy {
+            addr,
+            up,
+            generation,
+        }
+    }
+
+    /// Closes every connection and refuses new ones until [`Proxy::restore`].
+    pub fn cut(&self) {
+        self.up.store(false, std::sync::atomic::Ordering::SeqCst);
+        self.generation.send_modify(|g| *g += 1);
+    }
+
+    pub fn restore(&self) {
+        self.up.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}

@@ -20,7 +20,7 @@ enum Command {
     /// several replicas at once.
     Migrate(MigrateArgs),
     /// Serves the OpenAI-compatible API until SIGTERM, then drains.
-    Serve(lorafleet_gateway::serve::ServeArgs),
+    Serve(Box<lorafleet_gateway::serve::ServeArgs>),
 }
 
 #[derive(Debug, clap::Args)]
@@ -57,7 +57,7 @@ fn main() -> ExitCode {
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
-        Command::Serve(args) => lorafleet_gateway::serve::run(args).await,
+        Command::Serve(args) => lorafleet_gateway::serve::run(*args).await,
         Command::Migrate(args) => {
             if args.connect_timeout_secs == 0 {
                 anyhow::bail!("--connect-timeout-secs: must be at least 1");
