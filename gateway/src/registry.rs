@@ -15,7 +15,6 @@ use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 use uuid::Uuid;
 
-use crate::routing::stable_hash;
 
 /// Canary weights are in basis points: 10000 is the whole route.
 pub const WEIGHT_TOTAL: u32 = 10_000;
@@ -257,11 +256,17 @@ impl Snapshot {
     }
 }
 
-/// The canary bucket of `stickiness` on `route`, in [0, WEIGHT_TOTAL).
+/// The canary bucket of `stickiness` on `route`, in [0, WEIGHT_TOTAL):
+/// SHA-256 of the route id and the key, so buckets are uniform whatever the
+/// keys look like, and the same in every gateway replica and release.
 pub fn bucket(route: &Uuid, stickiness: &str) -> u32 {
-    let mut key = route.as_bytes().to_vec();
-    key.extend_from_slice(stickiness.as_bytes());
-    (stable_hash(&key) % u64::from(WEIGHT_TOTAL)) as u32
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::new()
+        .chain_update(route.as_bytes())
+        .chain_update(stickiness.as_bytes())
+        .finalize();
+    let head = u64::from_le_bytes(digest[..8].try_into().expect("8 bytes"));
+    (head % u64::from(WEIGHT_TOTAL)) as u32
 }
 
 fn pick(route: &Uuid, weights: &[(u32, Arc<Adapter>)], stickiness: &str) -> Arc<Adapter> {
@@ -392,4 +397,62 @@ pub async fn announce_change(
         .query_async::<i64>(redis)
         .await
         .map(|_| ())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn adapter(id: u64) -> Arc<Adapter> {
+        Arc::new(Adapter {
+            lora_int_id: id,
+            name: format!("a{id}"),
+            version: 1,
+            rank: 8,
+            artifact_uri: format!("a{id}"),
+            artifact_sha256: "0".repeat(64),
+            base_hash: "0".repeat(64),
+        })
+    }
+
+    #[test]
+    fn a_canary_split_over_10000_requests_is_within_one_percent_and_sticky() {
+        let route = Uuid::from_u128(0x1234_5678_9abc_def0_1234_5678_9abc_def0);
+        for split in [[7_000u32, 3_000, 0], [9_000, 900, 100], [3_334, 3_333, 3_333]] {
+            let weights: Vec<(u32, Arc<Adapter>)> = split
+                .iter()
+                .enumerate()
+                .filter(|(_, w)| **w > 0)
+                .map(|(i, w)| (*w, adapter(i as u64 + 1)))
+                .collect();
+            let mut counts = [0u32; 3];
+            for i in 0..10_000 {
+                let request_id = Uuid::from_u128(i as u128 * 0x9e37_79b9).to_string();
+                let a = pick(&route, &weights, &request_id);
+                counts[a.lora_int_id as usize - 1] += 1;
+                // The same stickiness key always lands on the same version.
+                assert_eq!(pick(&route, &weights, &request_id).lora_int_id, a.lora_int_id);
+            }
+            for (got, want) in counts.iter().zip(split) {
+                let (got, want) = (f64::from(*got) / 10_000.0, f64::from(want) / 10_000.0);
+                assert!((got - want).abs() <= 0.01, "{split:?}: got {counts:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn moving_weight_moves_only_the_users_it_must() {
+        let route = Uuid::from_u128(42);
+        let before = vec![(9_000, adapter(1)), (1_000, adapter(2))];
+        let after = vec![(8_000, adapter(1)), (2_000, adapter(2))];
+        let mut moved_back = 0;
+        for i in 0..10_000 {
+            let user = format!("user-{i}");
+            let (b, a) = (pick(&route, &before, &user), pick(&route, &after, &user));
+            if b.lora_int_id == 2 && a.lora_int_id == 1 {
+                moved_back += 1;
+            }
+        }
+        assert_eq!(moved_back, 0, "raising the canary never moves its users off it");
+    }
 }
