@@ -88,7 +88,9 @@ struct Outcome {
 
 fn simulate(policy: Sim) -> Outcome {
     // Zipf CDF over adapter ranks 1..=ADAPTERS.
-    let weights: Vec<f64> = (1..=ADAPTERS).map(|k| 1.0 / (k as f64).powf(ZIPF_S)).collect();
+    let weights: Vec<f64> = (1..=ADAPTERS)
+        .map(|k| 1.0 / (k as f64).powf(ZIPF_S))
+        .collect();
     let total: f64 = weights.iter().sum();
     let mut cdf = Vec::with_capacity(ADAPTERS);
     let mut acc = 0.0;
@@ -215,7 +217,10 @@ fn main() {
         ("round-robin", Sim::RoundRobin),
         ("least-loaded", Sim::LeastLoaded),
         ("consistent hashing", Sim::PlainHash),
-        ("lorafleet (bounded load + affinity + hot replicas)", Sim::Ours),
+        (
+            "lorafleet (bounded load + affinity + hot replicas)",
+            Sim::Ours,
+        ),
     ] {
         let o = simulate(p);
         println!(

@@ -15,7 +15,6 @@ use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 use uuid::Uuid;
 
-
 /// Canary weights are in basis points: 10000 is the whole route.
 pub const WEIGHT_TOTAL: u32 = 10_000;
 
@@ -418,7 +417,11 @@ mod tests {
     #[test]
     fn a_canary_split_over_10000_requests_is_within_one_percent_and_sticky() {
         let route = Uuid::from_u128(0x1234_5678_9abc_def0_1234_5678_9abc_def0);
-        for split in [[7_000u32, 3_000, 0], [9_000, 900, 100], [3_334, 3_333, 3_333]] {
+        for split in [
+            [7_000u32, 3_000, 0],
+            [9_000, 900, 100],
+            [3_334, 3_333, 3_333],
+        ] {
             let weights: Vec<(u32, Arc<Adapter>)> = split
                 .iter()
                 .enumerate()
@@ -431,7 +434,10 @@ mod tests {
                 let a = pick(&route, &weights, &request_id);
                 counts[a.lora_int_id as usize - 1] += 1;
                 // The same stickiness key always lands on the same version.
-                assert_eq!(pick(&route, &weights, &request_id).lora_int_id, a.lora_int_id);
+                assert_eq!(
+                    pick(&route, &weights, &request_id).lora_int_id,
+                    a.lora_int_id
+                );
             }
             for (got, want) in counts.iter().zip(split) {
                 let (got, want) = (f64::from(*got) / 10_000.0, f64::from(want) / 10_000.0);
@@ -453,6 +459,9 @@ mod tests {
                 moved_back += 1;
             }
         }
-        assert_eq!(moved_back, 0, "raising the canary never moves its users off it");
+        assert_eq!(
+            moved_back, 0,
+            "raising the canary never moves its users off it"
+        );
     }
 }

@@ -1,0 +1,370 @@
+//! Gateway overhead: the latency the real gateway adds (p50, p99) at a fixed
+//! request rate, and its maximum requests per second, against calling the
+//! worker directly. Prints a table. Run with:
+//!
+//!     cargo build --release --bins && cargo bench -p lorafleet-gateway --bench gateway_overhead
+//!
+//! The gateway is the real release binary `lorafleet-gateway serve`, with a
+//! real Postgres registry (a throwaway database) and Redis rate limits. The
+//! worker is a STAND-IN (benchmarks only): an in-process gRPC server
+//! speaking `lorafleet.worker.v1` that answers every Generate at once with
+//! one token, so that what is measured is the gateway, not a model. Direct
+//! calls go to the same stand-in over gRPC.
+//!
+//! Needs Postgres at 127.0.0.1:5432 (user postgres, trust) and Redis at
+//! 127.0.0.1:6379, like the tests.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant, SystemTime};
+
+use lorafleet_proto::worker::v1 as pb;
+use sqlx::Connection;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+
+const BASE_HASH: &str = "ab00000000000000000000000000000000000000000000000000000000000001";
+const KEY: &str = "lf_benchkey01.bench-secret-0123456789";
+const RATE: u64 = 1000;
+const SECONDS: u64 = 10;
+
+/// STAND-IN worker: one token per request, no model.
+#[derive(Debug, Clone)]
+struct StandIn;
+
+type Events = ReceiverStream<Result<pb::GenerateEvent, Status>>;
+type Reports = ReceiverStream<Result<pb::WorkerReport, Status>>;
+
+#[tonic::async_trait]
+impl pb::worker_server::Worker for StandIn {
+    type GenerateStream = Events;
+    type WatchStream = Reports;
+
+    async fn generate(&self, _: Request<pb::GenerateRequest>) -> Result<Response<Events>, Status> {
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        for event in [
+            pb::generate_event::Event::Accepted(pb::Accepted {
+                prompt_tokens: 4,
+                adapter_residency: pb::Residency::Device as i32,
+            }),
+            pb::generate_event::Event::Delta(pb::TokenDelta {
+                token_ids: vec![7],
+                text: "x".into(),
+            }),
+            pb::generate_event::Event::Finished(pb::Finished {
+                finish_reason: pb::FinishReason::Length as i32,
+                usage: Some(pb::Usage {
+                    prompt_tokens: 4,
+                    completion_tokens: 1,
+                }),
+                ..Default::default()
+            }),
+        ] {
+            let _ = tx.try_send(Ok(pb::GenerateEvent { event: Some(event) }));
+        }
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn watch(&self, _: Request<pb::WatchRequest>) -> Result<Response<Reports>, Status> {
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        tokio::spawn(async move {
+            for sequence in 1.. {
+                let report = pb::WorkerReport {
+                    worker_id: "standin-0".into(),
+                    sequence,
+                    produced_at: Some(SystemTime::now().into()),
+                    status: pb::ServingStatus::Serving as i32,
+                    base_model: Some(pb::BaseModel {
+                        name: "standin".into(),
+                        base_hash: BASE_HASH.into(),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                };
+                if tx.send(Ok(report)).await.is_err() {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn load_adapter(
+        &self,
+        _: Request<pb::LoadAdapterRequest>,
+    ) -> Result<Response<pb::LoadAdapterResponse>, Status> {
+        Err(Status::unimplemented("stand-in"))
+    }
+    async fn unload_adapter(
+        &self,
+        _: Request<pb::UnloadAdapterRequest>,
+    ) -> Result<Response<pb::UnloadAdapterResponse>, Status> {
+        Err(Status::unimplemented("stand-in"))
+    }
+    async fn list_adapters(
+        &self,
+        _: Request<pb::ListAdaptersRequest>,
+    ) -> Result<Response<pb::ListAdaptersResponse>, Status> {
+        Err(Status::unimplemented("stand-in"))
+    }
+    async fn info(
+        &self,
+        _: Request<pb::InfoRequest>,
+    ) -> Result<Response<pb::InfoResponse>, Status> {
+        Err(Status::unimplemented("stand-in"))
+    }
+}
+
+fn release_binary(name: &str) -> std::path::PathBuf {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let p = root.join("target/release").join(name);
+    assert!(
+        p.is_file(),
+        "{} is missing: run `cargo build --release --bins` first",
+        p.display()
+    );
+    p
+}
+
+async fn seed(url: &str) {
+    let mut c = sqlx::PgConnection::connect(url).await.unwrap();
+    for q in [
+        "INSERT INTO tenants (name) VALUES ('bench')",
+        "INSERT INTO api_keys (tenant_id, prefix, secret_hash, scopes)
+         SELECT id, 'lf_benchkey01', sha256(convert_to('bench-secret-0123456789', 'UTF8')),
+                ARRAY['inference'] FROM tenants",
+    ] {
+        sqlx::query(q).execute(&mut c).await.unwrap();
+    }
+    sqlx::query(
+        "INSERT INTO base_models (name, base_hash, architecture) VALUES ('standin', $1, 'llama')",
+    )
+    .bind(BASE_HASH)
+    .execute(&mut c)
+    .await
+    .unwrap();
+    let mut tx = c.begin().await.unwrap();
+    for q in [
+        "INSERT INTO adapters (name, version, base_model_id, tenant_id, rank, alpha, target_modules,
+                               artifact_uri, artifact_sha256)
+         SELECT 'a', 1, b.id, t.id, 8, 16, ARRAY['q_proj'], 'a', repeat('0', 64)
+         FROM base_models b, tenants t",
+        "INSERT INTO routes (id, tenant_id, model_name, current_revision)
+         SELECT '00000000-0000-4000-8000-0000000000aa', id, 'm', 1 FROM tenants",
+        "INSERT INTO route_revisions (route_id, revision, base_model_id, target)
+         SELECT '00000000-0000-4000-8000-0000000000aa', 1, id, 'adapters' FROM base_models",
+        "INSERT INTO route_weights (route_id, revision, base_model_id, lora_int_id, weight_bp)
+         SELECT '00000000-0000-4000-8000-0000000000aa', 1, base_model_id, lora_int_id, 10000
+         FROM adapters",
+    ] {
+        sqlx::query(q).execute(&mut *tx).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    sorted[((sorted.len() as f64 * p) as usize).min(sorted.len() - 1)]
+}
+
+/// Open loop: one call every 1/RATE s for SECONDS, whatever the latency.
+async fn open_loop<F, Fut>(call: F) -> (Vec<Duration>, usize)
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = bool> + Send + 'static,
+{
+    let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / RATE));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    let mut tasks = Vec::new();
+    for _ in 0..RATE * SECONDS {
+        tick.tick().await;
+        let fut = call();
+        tasks.push(tokio::spawn(async move {
+            let t = Instant::now();
+            let ok = fut.await;
+            (t.elapsed(), ok)
+        }));
+    }
+    let mut lat = Vec::new();
+    let mut failed = 0;
+    for t in tasks {
+        let (d, ok) = t.await.unwrap();
+        if ok {
+            lat.push(d);
+        } else {
+            failed += 1;
+        }
+    }
+    lat.sort();
+    (lat, failed)
+}
+
+/// Closed loop: `concurrency` callers as fast as they can for 5 s.
+async fn max_rps<F, Fut>(call: F, concurrency: usize) -> f64
+where
+    F: Fn() -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = bool> + Send + 'static,
+{
+    let end = Instant::now() + Duration::from_secs(5);
+    let mut tasks = Vec::new();
+    for _ in 0..concurrency {
+        let call = call.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut n = 0u64;
+            while Instant::now() < end {
+                if call().await {
+                    n += 1;
+                }
+            }
+            n
+        }));
+    }
+    let mut n = 0;
+    for t in tasks {
+        n += t.await.unwrap();
+    }
+    n as f64 / 5.0
+}
+
+fn main() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        // The stand-in worker.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let worker_addr = listener.local_addr().unwrap();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(pb::worker_server::WorkerServer::new(StandIn))
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+
+        // A throwaway registry.
+        let db = format!("lorafleet_bench_{}", std::process::id());
+        let admin = "postgres://postgres@127.0.0.1:5432/postgres";
+        let mut c = sqlx::PgConnection::connect(admin).await.unwrap();
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}")))
+            .execute(&mut c)
+            .await
+            .unwrap();
+        let url = format!("postgres://postgres@127.0.0.1:5432/{db}");
+        let out = Command::new(release_binary("lorafleet-gateway"))
+            .args(["migrate", "--database-url", &url])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        seed(&url).await;
+
+        let spool = std::env::temp_dir().join(format!("{db}.jsonl"));
+        let mut gateway = Command::new(release_binary("lorafleet-gateway"))
+            .args(["serve", "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
+            .args(["--database-url", &url, "--redis-url", "redis://127.0.0.1:6379"])
+            .args(["--redis-prefix", &format!("{db}:")])
+            .args(["--workers", &worker_addr.to_string()])
+            .arg("--audit-spool")
+            .arg(&spool)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let line = BufReader::new(gateway.stdout.take().unwrap())
+            .lines()
+            .map_while(Result::ok)
+            .find(|l| l.starts_with("lorafleet-gateway listening "))
+            .expect("the gateway's ready line");
+        let http_addr = line.split_whitespace().find_map(|w| w.strip_prefix("http=")).unwrap().to_owned();
+        let http = reqwest::Client::builder()
+            .pool_max_idle_per_host(256)
+            .build()
+            .unwrap();
+        let url_completions = format!("http://{http_addr}/v1/completions");
+        for _ in 0..100 {
+            if http
+                .get(format!("http://{http_addr}/readyz"))
+                .send()
+                .await
+                .is_ok_and(|r| r.status() == 200)
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let body = serde_json::json!({"model": "m", "prompt": "hello", "max_tokens": 1});
+        let via_gateway = {
+            let (http, url, body) = (http.clone(), url_completions.clone(), body.clone());
+            move || {
+                let (http, url, body) = (http.clone(), url.clone(), body.clone());
+                async move {
+                    match http.post(&url).bearer_auth(KEY).json(&body).send().await {
+                        Ok(r) => r.status() == 200 && r.bytes().await.is_ok(),
+                        Err(_) => false,
+                    }
+                }
+            }
+        };
+        let grpc = pb::worker_client::WorkerClient::connect(format!("http://{worker_addr}"))
+            .await
+            .unwrap();
+        let direct = move || {
+            let mut c = grpc.clone();
+            async move {
+                let request = pb::GenerateRequest {
+                    request_id: "bench".into(),
+                    prompt: Some(pb::generate_request::Prompt::Text("hello".into())),
+                    sampling: Some(pb::SamplingParams {
+                        max_tokens: 1,
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                };
+                let Ok(r) = c.generate(request).await else {
+                    return false;
+                };
+                let mut s = r.into_inner();
+                while let Ok(Some(_)) = s.message().await {}
+                true
+            }
+        };
+        // Warm both paths.
+        for _ in 0..200 {
+            via_gateway().await;
+            direct().await;
+        }
+
+        println!(
+            "gateway overhead, STAND-IN worker (one token, no model), {RATE} req/s open loop for {SECONDS} s, {} cores",
+            std::thread::available_parallelism().map_or(0, |n| n.get())
+        );
+        println!("| path | ok | failed | p50 | p99 | max req/s (64 callers, 5 s) |");
+        println!("|---|---:|---:|---:|---:|---:|");
+        let (d_lat, d_fail) = open_loop(direct.clone()).await;
+        let d_max = max_rps(direct, 64).await;
+        let (g_lat, g_fail) = open_loop(via_gateway.clone()).await;
+        let g_max = max_rps(via_gateway, 64).await;
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        for (name, lat, failed, max) in [
+            ("worker directly (gRPC)", &d_lat, d_fail, d_max),
+            ("through the gateway (HTTP)", &g_lat, g_fail, g_max),
+        ] {
+            println!(
+                "| {name} | {} | {failed} | {:.3} ms | {:.3} ms | {max:.0} |",
+                lat.len(),
+                ms(percentile(lat, 0.50)),
+                ms(percentile(lat, 0.99)),
+            );
+        }
+        println!(
+            "| added by the gateway | | | {:.3} ms | {:.3} ms | |",
+            ms(percentile(&g_lat, 0.50)) - ms(percentile(&d_lat, 0.50)),
+            ms(percentile(&g_lat, 0.99)) - ms(percentile(&d_lat, 0.99)),
+        );
+
+        let _ = Command::new("kill").args(["-TERM", &gateway.id().to_string()]).status();
+        let _ = gateway.wait();
+        let _ = std::fs::remove_file(&spool);
+        sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)")))
+            .execute(&mut c)
+            .await
+            .unwrap();
+    });
+}
