@@ -292,6 +292,7 @@ async fn handle(s: AppState, headers: HeaderMap, body: Body, kind: Kind) -> Resp
         worker = tracing::field::Empty,
         route_reason = tracing::field::Empty,
         residency_hit = tracing::field::Empty,
+        trace_id = tracing::field::Empty,
     );
     if let Some(tp) = headers.get("traceparent").and_then(|v| v.to_str().ok()) {
         let ts = headers
@@ -299,6 +300,9 @@ async fn handle(s: AppState, headers: HeaderMap, body: Body, kind: Kind) -> Resp
             .and_then(|v| v.to_str().ok())
             .unwrap_or("");
         lorafleet_telemetry::set_parent(&span, tp, ts);
+    }
+    if let Some(id) = lorafleet_telemetry::trace_id(&span) {
+        span.record("trace_id", id);
     }
     let result = {
         let _enter = span.enter();

@@ -344,6 +344,195 @@ fn random_alnum(n: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::registry::{ApiKey, Tenant};
+    use jsonwebtoken::{EncodingKey, Header};
+
+    const SECRET: &[u8] = b"an hmac secret of at least 32 bytes!";
+
+    fn snapshot() -> (Snapshot, Uuid) {
+        let tenant = Tenant {
+            id: Uuid::from_u128(1),
+            name: "acme".into(),
+            rpm_limit: None,
+            tpm_limit: None,
+            disabled: false,
+        };
+        let mut s = Snapshot::default();
+        s.insert_tenant(tenant.clone());
+        let key = |id: u128, scopes: &[&str], expired: bool, revoked: bool| ApiKey {
+            id: Uuid::from_u128(id),
+            tenant_id: tenant.id,
+            secret_sha256: Sha256::digest(b"s3cret").into(),
+            scopes: scopes.iter().map(|s| (*s).to_owned()).collect(),
+            expires_at: expired.then(|| Utc::now() - chrono::Duration::seconds(5)),
+            revoked,
+        };
+        s.api_keys
+            .insert("lf_good0001".into(), key(10, &["inference"], false, false));
+        s.api_keys
+            .insert("lf_expired01".into(), key(11, &["inference"], true, false));
+        s.api_keys
+            .insert("lf_revoked01".into(), key(12, &["inference"], false, true));
+        (s, tenant.id)
+    }
+
+    fn jwt_config(algorithms: &[&str]) -> JwtConfig {
+        let dir = tempfile::tempdir().unwrap();
+        let secret = dir.path().join("secret");
+        std::fs::write(&secret, SECRET).unwrap();
+        JwtArgs {
+            jwt_hmac_secret_file: Some(secret),
+            jwt_public_key_file: None,
+            jwt_algorithms: algorithms.iter().map(|s| (*s).to_owned()).collect(),
+            jwt_issuer: Some("https://issuer.example".into()),
+            jwt_audience: Some("lorafleet".into()),
+        }
+        .config()
+        .unwrap()
+        .unwrap()
+    }
+
+    fn token(alg: Algorithm, claims: serde_json::Value) -> String {
+        jsonwebtoken::encode(
+            &Header::new(alg),
+            &claims,
+            &EncodingKey::from_secret(SECRET),
+        )
+        .unwrap()
+    }
+
+    fn claims(tweak: impl FnOnce(&mut serde_json::Value)) -> serde_json::Value {
+        let now = Utc::now().timestamp();
+        let mut c = serde_json::json!({
+            "tenant": "acme", "sub": "alice", "iss": "https://issuer.example",
+            "aud": "lorafleet", "exp": now + 600, "nbf": now - 10,
+        });
+        tweak(&mut c);
+        c
+    }
+
+    #[test]
+    fn api_keys_are_checked_for_secret_expiry_and_revocation() {
+        let (s, tenant) = snapshot();
+        let p = authenticate(Some("Bearer lf_good0001.s3cret"), &s, None).unwrap();
+        assert_eq!((p.tenant_id, p.has_scope(SCOPE_INFERENCE)), (tenant, true));
+        assert!(!p.has_scope(SCOPE_MODELS_READ));
+        let err = |h: Option<&str>| authenticate(h, &s, None).unwrap_err();
+        assert_eq!(err(None), AuthError::Missing);
+        assert_eq!(err(Some("Basic abc")), AuthError::Malformed);
+        assert_eq!(err(Some("Bearer lf_good0001.wrong")), AuthError::InvalidKey);
+        assert_eq!(
+            err(Some("Bearer lf_unknown1.s3cret")),
+            AuthError::InvalidKey
+        );
+        assert_eq!(err(Some("Bearer lf_good0001")), AuthError::InvalidKey);
+        assert_eq!(err(Some("Bearer lf_expired01.s3cret")), AuthError::Expired);
+        assert_eq!(err(Some("Bearer lf_revoked01.s3cret")), AuthError::Revoked);
+        // A revoked key with a wrong secret says nothing about revocation.
+        assert_eq!(err(Some("Bearer lf_revoked01.nope")), AuthError::InvalidKey);
+        assert_eq!(err(Some("Bearer eyJ.x.y")), AuthError::JwtDisabled);
+    }
+
+    #[test]
+    fn jwts_are_checked_for_algorithm_signature_and_claims() {
+        let (s, tenant) = snapshot();
+        let jwt = jwt_config(&["HS256"]);
+        let check = |t: String| authenticate(Some(&format!("Bearer {t}")), &s, Some(&jwt));
+        let p = check(token(Algorithm::HS256, claims(|_| {}))).unwrap();
+        assert_eq!(p.tenant_id, tenant);
+        assert_eq!(p.subject.as_deref(), Some("alice"));
+        assert!(p.has_scope(SCOPE_INFERENCE) && p.has_scope(SCOPE_MODELS_READ));
+        let p = check(token(
+            Algorithm::HS256,
+            claims(|c| c["scope"] = "models:read".into()),
+        ))
+        .unwrap();
+        assert!(!p.has_scope(SCOPE_INFERENCE));
+
+        let now = Utc::now().timestamp();
+        let refused: Vec<(&str, String)> = vec![
+            ("HS384 not allowed", token(Algorithm::HS384, claims(|_| {}))),
+            (
+                "expired",
+                token(Algorithm::HS256, claims(|c| c["exp"] = (now - 120).into())),
+            ),
+            (
+                "not yet valid",
+                token(Algorithm::HS256, claims(|c| c["nbf"] = (now + 600).into())),
+            ),
+            (
+                "issuer",
+                token(
+                    Algorithm::HS256,
+                    claims(|c| c["iss"] = "https://evil".into()),
+                ),
+            ),
+            (
+                "audience",
+                token(Algorithm::HS256, claims(|c| c["aud"] = "other".into())),
+            ),
+            (
+                "no exp",
+                token(
+                    Algorithm::HS256,
+                    claims(|c| {
+                        c.as_object_mut().unwrap().remove("exp");
+                    }),
+                ),
+            ),
+            (
+                "unknown tenant",
+                token(Algorithm::HS256, claims(|c| c["tenant"] = "globex".into())),
+            ),
+            (
+                "no tenant",
+                token(
+                    Algorithm::HS256,
+                    claims(|c| {
+                        c.as_object_mut().unwrap().remove("tenant");
+                    }),
+                ),
+            ),
+        ];
+        for (why, t) in refused {
+            assert!(
+                matches!(check(t), Err(AuthError::InvalidToken(_))),
+                "{why} must be refused"
+            );
+        }
+        // A forged signature.
+        let good = token(Algorithm::HS256, claims(|_| {}));
+        let forged = format!("{}x", &good[..good.len() - 1]);
+        assert!(matches!(check(forged), Err(AuthError::InvalidToken(_))));
+    }
+
+    #[test]
+    fn jwt_settings_are_validated_by_flag() {
+        let err = |args: JwtArgs| args.config().unwrap_err().to_string();
+        assert!(
+            err(JwtArgs {
+                jwt_algorithms: vec!["HS256".into()],
+                ..Default::default()
+            })
+            .starts_with("--jwt-algorithms")
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let secret = dir.path().join("s");
+        std::fs::write(&secret, SECRET).unwrap();
+        let with = |algs: &[&str], iss: Option<&str>| JwtArgs {
+            jwt_hmac_secret_file: Some(secret.clone()),
+            jwt_algorithms: algs.iter().map(|s| (*s).to_owned()).collect(),
+            jwt_issuer: iss.map(Into::into),
+            jwt_audience: Some("a".into()),
+            ..Default::default()
+        };
+        assert!(err(with(&[], Some("i"))).starts_with("--jwt-algorithms: required"));
+        assert!(err(with(&["XX1"], Some("i"))).contains("\"XX1\" is not a JWT algorithm"));
+        assert!(err(with(&["RS256"], Some("i"))).contains("--jwt-public-key-file"));
+        assert!(err(with(&["HS256"], None)).starts_with("--jwt-issuer"));
+        std::fs::write(&secret, b"short").unwrap();
+        assert!(err(with(&["HS256"], Some("i"))).contains("at least 32 bytes"));
+    }
 
     #[test]
     fn constant_time_eq_compares_every_byte() {

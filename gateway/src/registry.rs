@@ -89,6 +89,12 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
+    /// Adds a tenant (for snapshots built in code, such as tests').
+    pub fn insert_tenant(&mut self, t: Tenant) {
+        self.tenant_names.insert(t.name.clone(), t.id);
+        self.tenants.insert(t.id, t);
+    }
+
     pub fn tenant(&self, id: &Uuid) -> Option<&Tenant> {
         self.tenants.get(id)
     }

@@ -13,6 +13,8 @@ use uuid::Uuid;
 
 const ACME_KEY: &str = "lf_acmekey01.acme-secret-0123456789";
 const GLOBEX_KEY: &str = "lf_globexkey1.globex-secret-0123456789";
+/// A tenant limited to 3 requests per minute.
+const INITECH_KEY: &str = "lf_initechkey1.initech-secret-0123456789";
 const MAX_TOKENS: usize = 12;
 
 fn fixture_json(name: &str) -> Value {
@@ -36,6 +38,8 @@ fn digest(uri: &str) -> String {
 struct Seeded {
     /// adapter fixture name -> lora_int_id
     adapters: HashMap<&'static str, i64>,
+    acme: Uuid,
+    llama: i64,
 }
 
 async fn seed(pool: &PgPool) -> Seeded {
@@ -48,7 +52,17 @@ async fn seed(pool: &PgPool) -> Seeded {
     };
     let acme = tenant("acme").await;
     let globex = tenant("globex").await;
-    for (t, key) in [(acme, ACME_KEY), (globex, GLOBEX_KEY)] {
+    let initech = tenant("initech").await;
+    sqlx::query("UPDATE tenants SET rpm_limit = 3 WHERE id = $1")
+        .bind(initech)
+        .execute(pool)
+        .await
+        .unwrap();
+    for (t, key) in [
+        (acme, ACME_KEY),
+        (globex, GLOBEX_KEY),
+        (initech, INITECH_KEY),
+    ] {
         let (prefix, secret) = key.split_once('.').unwrap();
         sqlx::query(
             "INSERT INTO api_keys (tenant_id, prefix, secret_hash, scopes)
@@ -118,7 +132,12 @@ async fn seed(pool: &PgPool) -> Seeded {
     )
     .await;
     route(pool, globex, "secret", llama, &[(a("layer1-mlp"), 10_000)]).await;
-    Seeded { adapters }
+    route(pool, initech, "base", llama, &[]).await;
+    Seeded {
+        adapters,
+        acme,
+        llama,
+    }
 }
 
 /// A route at revision 1; no weights means the base model.
@@ -190,6 +209,7 @@ struct Fleet {
     base_url: String,
     spool: tempfile::TempDir,
     seeded: Seeded,
+    redis_prefix: String,
     /// The last field, so dropped last: the database outlives the processes
     /// using it.
     _db: TestDb,
@@ -203,6 +223,7 @@ async fn fleet(label: &str) -> Fleet {
     let redis = Proxy::start("127.0.0.1:6379");
     let workers = vec![worker("w0"), worker("w1")];
     let spool = tempfile::tempdir().unwrap();
+    let redis_prefix = format!("test:{}:", Uuid::new_v4());
     let addrs: Vec<&str> = workers.iter().map(|w| w.addr("grpc")).collect();
     let mut cmd = Command::new(binary("lorafleet-gateway"));
     cmd.args([
@@ -252,6 +273,7 @@ async fn fleet(label: &str) -> Fleet {
         base_url,
         spool,
         seeded,
+        redis_prefix,
         _db: db,
     }
 }
@@ -526,6 +548,88 @@ async fn tenants_get_exactly_their_adapter_and_nothing_else() {
         usage["prompt_tokens"].as_u64().unwrap() + usage["completion_tokens"].as_u64().unwrap()
     );
 
+    // A registry change announced on Redis reaches the snapshot.
+    route(&f.pool, f.seeded.acme, "late", f.seeded.llama, &[]).await;
+    let mut redis = redis::Client::open("redis://127.0.0.1:6379")
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let _: i64 = redis::cmd("PUBLISH")
+            .arg(format!("{}registry", f.redis_prefix))
+            .arg("changed")
+            .query_async(&mut redis)
+            .await
+            .unwrap();
+        if models(ACME_KEY).await.contains(&"late".to_owned()) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the announced route never appeared"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // Per-tenant rate limit: 3 a minute, then 429 with Retry-After. The
+    // windows are calendar minutes: start well inside one.
+    let second = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        % 60;
+    if second >= 55 {
+        tokio::time::sleep(Duration::from_secs(61 - second)).await;
+    }
+    let mut statuses = Vec::new();
+    let mut retry_after = None;
+    for _ in 0..4 {
+        let r = f
+            .http
+            .post(format!("{}/v1/completions", f.base_url))
+            .bearer_auth(INITECH_KEY)
+            .json(&json!({"model": "base", "prompt": "x", "max_tokens": 1}))
+            .send()
+            .await
+            .unwrap();
+        statuses.push(r.status().as_u16());
+        if let Some(v) = r.headers().get("retry-after") {
+            retry_after = Some(v.to_str().unwrap().parse::<u64>().unwrap());
+        }
+    }
+    assert_eq!(statuses, [200, 200, 200, 429]);
+    assert!(
+        retry_after.is_some_and(|s| (1..=60).contains(&s)),
+        "{retry_after:?}"
+    );
+
+    // The caller's trace reaches the worker.
+    let trace_id = "0af7651916cd43dd8448eb211c80319c";
+    let r = f
+        .http
+        .post(format!("{}/v1/completions", f.base_url))
+        .bearer_auth(ACME_KEY)
+        .header("traceparent", format!("00-{trace_id}-b7ad6b7169203331-01"))
+        .json(&json!({"model": "support", "prompt": "traced", "max_tokens": 2}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !f.workers.iter().any(|w| {
+        w.log_text()
+            .lines()
+            .any(|l| l.contains("\"accepted\"") && l.contains(trace_id))
+    }) {
+        assert!(
+            Instant::now() < deadline,
+            "no worker logged the caller's trace id"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
     // Canary: a user stays on one version; the split follows the weights.
     let mut first: BTreeMap<String, String> = BTreeMap::new();
     let mut requests = Vec::new();
@@ -551,8 +655,9 @@ async fn tenants_get_exactly_their_adapter_and_nothing_else() {
             }
         }
     }
-    // 3 ok, 2 404s, 1 globex, 1 503, 4 401s, 1 400, 1 chat, 120 canary.
-    let total = 3 + 2 + 1 + 1 + 4 + 1 + 1 + 120;
+    // 3 ok, 2 404s, 1 globex, 1 503, 4 401s, 1 400, 1 chat, 4 limited,
+    // 1 traced, 120 canary.
+    let total = 3 + 2 + 1 + 1 + 4 + 1 + 1 + 4 + 1 + 120;
     f.wait_audit(total).await;
     let rows: Vec<(Uuid, Option<i64>)> = sqlx::query_as(
         "SELECT request_id, lora_int_id FROM audit_log WHERE model_name = 'canary' AND status = 'ok'",
@@ -600,6 +705,37 @@ async fn tenants_get_exactly_their_adapter_and_nothing_else() {
     .await
     .unwrap();
     assert_eq!(rejected, 2);
+
+    // Per-tenant, per-adapter metrics, and the residency hit rate at routing.
+    let metrics = f
+        .http
+        .get(format!("http://{}/metrics", f.gateway.addr("metrics")))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let value = |series: &str| -> f64 {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok()))
+            .unwrap_or_else(|| panic!("no {series} in {metrics}"))
+    };
+    assert!(
+        value(r#"lorafleet_gateway_requests_total{tenant="acme",adapter="qv-r8@1",status="ok"}"#)
+            >= 3.0
+    );
+    assert!(
+        value(r#"lorafleet_gateway_requests_total{tenant="initech",adapter="base",status="ok"}"#)
+            >= 3.0
+    );
+    assert!(metrics.contains(
+        "lorafleet_gateway_residency_checks_total{tenant=\"acme\",adapter=\"qv-r8@1\",hit="
+    ));
+    assert!(
+        metrics.contains("lorafleet_gateway_time_to_first_token_seconds_count{tenant=\"acme\"")
+    );
 }
 
 fn spool_lines(dir: &Path) -> usize {
