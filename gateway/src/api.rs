@@ -25,7 +25,7 @@ use uuid::Uuid;
 
 use crate::audit::{AuditLog, AuditRecord};
 use crate::auth::{self, JwtConfig, Principal};
-use crate::fleet::{Fleet, Worker};
+use crate::fleet::Fleet;
 use crate::openai::{self, BadRequest, ChatRequest, CompletionRequest, Usage};
 use crate::ratelimit::RateLimiter;
 use crate::registry::{Registry, Resolved};
@@ -450,7 +450,6 @@ async fn prepare(
 
 /// A worker stream that has produced its first token (or finished).
 struct Started {
-    worker: Arc<Worker>,
     stream: tonic::Streaming<pb::GenerateEvent>,
     accepted: pb::Accepted,
     first: pb::generate_event::Event,
@@ -564,7 +563,6 @@ async fn start(s: &AppState, p: &Prepared, trail: &mut Trail) -> Result<Started,
         match outcome {
             Ok((stream, accepted, first)) => {
                 return Ok(Started {
-                    worker: worker.clone(),
                     stream,
                     accepted,
                     first,
@@ -703,11 +701,27 @@ impl Meta {
     }
 }
 
-fn finish_trail(trail: &mut Trail, f: &pb::Finished, completion_tokens: usize) {
-    let usage = f.usage.unwrap_or_default();
+/// Records a finished completion in the trail and charges its tokens to
+/// the tenant's minute; returns the usage to report.
+async fn settle(
+    s: &AppState,
+    p: &Prepared,
+    trail: &mut Trail,
+    f: &pb::Finished,
+    completion_tokens: usize,
+) -> Usage {
+    let reported = f.usage.unwrap_or_default();
+    let usage = Usage::new(
+        reported.prompt_tokens,
+        reported.completion_tokens.max(completion_tokens as u32),
+    );
     trail.record.prompt_tokens = usage.prompt_tokens as i32;
-    trail.record.completion_tokens = usage.completion_tokens.max(completion_tokens as u32) as i32;
+    trail.record.completion_tokens = usage.completion_tokens as i32;
     trail.record.finish_reason = Some(openai::finish_reason(f).into());
+    s.limiter
+        .charge_tokens(p.principal.tenant_id, u64::from(usage.total_tokens))
+        .await;
+    usage
 }
 
 async fn collect_response(
@@ -742,17 +756,9 @@ async fn collect_response(
             Err(_) => break Err(tonic::Status::deadline_exceeded("request timeout")),
         }
     };
-    let _ = &st.worker;
     match finished {
         Ok(f) => {
-            finish_trail(&mut trail, &f, tokens);
-            let usage = Usage::new(
-                trail.record.prompt_tokens as u32,
-                trail.record.completion_tokens as u32,
-            );
-            s.limiter
-                .charge_tokens(p.principal.tenant_id, u64::from(usage.total_tokens))
-                .await;
+            let usage = settle(&s, &p, &mut trail, &f, tokens).await;
             let body = meta.full(&text, openai::finish_reason(&f), &usage);
             span.in_scope(|| {
                 tracing::info!(completion_tokens = usage.completion_tokens, "completed")
@@ -836,11 +842,7 @@ fn stream_response(
         };
         match outcome {
             Ok(f) => {
-                finish_trail(&mut trail, &f, tokens);
-                let usage = Usage::new(
-                    trail.record.prompt_tokens as u32,
-                    trail.record.completion_tokens as u32,
-                );
+                let usage = settle(&s, &p, &mut trail, &f, tokens).await;
                 let reason = openai::finish_reason(&f);
                 let _ = tx
                     .send(Ok(sse(&meta.chunk(None, false, Some(reason)))))
@@ -849,9 +851,6 @@ fn stream_response(
                     let _ = tx.send(Ok(sse(&meta.usage_chunk(&usage)))).await;
                 }
                 let _ = tx.send(Ok(Bytes::from_static(b"data: [DONE]\n\n"))).await;
-                s.limiter
-                    .charge_tokens(p.principal.tenant_id, u64::from(usage.total_tokens))
-                    .await;
                 tracing::info!(completion_tokens = usage.completion_tokens, "completed");
                 trail.close(&s.audit, "ok", StatusCode::OK, None);
             }

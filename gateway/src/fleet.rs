@@ -202,23 +202,36 @@ impl Fleet {
     /// among those serving `base_hash`. None: no such worker is up.
     pub fn route(&self, lora_int_id: u64, base_hash: &str) -> Option<Route> {
         let workers = self.workers();
-        let up: Vec<(&Arc<Worker>, WorkerState)> = workers
+        // Read under each worker's lock what this request needs, rather
+        // than cloning every worker's adapter map on the request path.
+        let up: Vec<(&Arc<Worker>, String, u32, routing::Residency, bool)> = workers
             .iter()
             .filter(|w| w.up())
-            .map(|w| (w, w.state()))
-            .collect();
-        let ids: Vec<&str> = up.iter().map(|(_, s)| s.worker_id.as_str()).collect();
-        let views: Vec<WorkerView<'_>> = up
-            .iter()
-            .map(|(w, s)| WorkerView {
-                id: &s.worker_id,
-                load: s.load.max(w.in_flight.load(Ordering::Relaxed)),
-                residency: match s.adapters.get(&lora_int_id) {
+            .map(|w| {
+                let s = w.state.read().expect("worker state");
+                let residency = match s.adapters.get(&lora_int_id) {
                     Some(pb::Residency::Device) => routing::Residency::Device,
                     Some(pb::Residency::Host) => routing::Residency::Host,
                     _ => routing::Residency::Absent,
-                },
-                eligible: s.base_hash == base_hash,
+                };
+                let load = s.load.max(w.in_flight.load(Ordering::Relaxed));
+                (
+                    w,
+                    s.worker_id.clone(),
+                    load,
+                    residency,
+                    s.base_hash == base_hash,
+                )
+            })
+            .collect();
+        let ids: Vec<&str> = up.iter().map(|u| u.1.as_str()).collect();
+        let views: Vec<WorkerView<'_>> = up
+            .iter()
+            .map(|(_, id, load, residency, eligible)| WorkerView {
+                id,
+                load: *load,
+                residency: *residency,
+                eligible: *eligible,
             })
             .collect();
         let mut r = self.router.lock().expect("router");

@@ -824,3 +824,89 @@ async fn the_gateway_rides_out_a_dead_worker_and_redis_and_postgres_outages() {
     assert!(exit.success(), "{exit}: {}", f.gateway.log_text());
     assert_eq!(f.audit_count().await, sent);
 }
+
+#[test]
+fn serve_refuses_bad_flags_by_name() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["--workers", ""], "--workers: \"\" is not HOST:PORT"),
+        (
+            &["--workers", "nohost"],
+            "--workers: \"nohost\" is not HOST:PORT",
+        ),
+        (
+            &["--workers-dns", "workers:50051"],
+            "--workers and --workers-dns: give one, not both",
+        ),
+        (
+            &["--load-factor", "0.5"],
+            "--load-factor: 0.5 must be at least 1.0",
+        ),
+        (
+            &["--replica-share", "0"],
+            "--replica-share: 0 must be at least 1",
+        ),
+        (
+            &["--max-attempts", "0"],
+            "--max-attempts: must be at least 1",
+        ),
+        (
+            &["--max-body-bytes", "0"],
+            "--max-body-bytes: must be at least 1",
+        ),
+        (
+            &["--jwt-algorithms", "HS256"],
+            "--jwt-algorithms: set --jwt-hmac-secret-file or --jwt-public-key-file too",
+        ),
+        (
+            &["--database-url", "mysql://db/x"],
+            "--database-url: must start with postgres://",
+        ),
+        (&["--load-factor", "lots"], "--load-factor"),
+    ];
+    for (flags, expected) in cases {
+        let out = Command::new(binary("lorafleet-gateway"))
+            .args([
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--metrics-listen",
+                "127.0.0.1:0",
+            ])
+            // Defaults through the environment, so a case can override them by flag.
+            .env("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/unused")
+            .env("LORAFLEET_WORKERS", "127.0.0.1:1")
+            .args(flags.iter())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flags:?}");
+        assert!(
+            stderr.contains(expected),
+            "{flags:?}: expected {expected:?} in {stderr}"
+        );
+    }
+    // Logging settings are checked the same way, by variable.
+    for (var, value, expected) in [
+        (
+            "LORAFLEET_LOG_FORMAT",
+            "yaml",
+            "LORAFLEET_LOG_FORMAT: \"yaml\" is not",
+        ),
+        ("RUST_LOG", "info,[", "RUST_LOG: \"info,[\" is not a filter"),
+    ] {
+        let out = Command::new(binary("lorafleet-gateway"))
+            .args(["serve", "--workers", "127.0.0.1:1"])
+            .args([
+                "--database-url",
+                "postgres://postgres@127.0.0.1:5432/unused",
+            ])
+            .env(var, value)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && stderr.contains(expected),
+            "{var}: {stderr}"
+        );
+    }
+}

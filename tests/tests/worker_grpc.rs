@@ -1,90 +1,44 @@
 //! The real `lorafleet-worker serve` on the fixture model, over gRPC on a
 //! loopback port the OS picks.
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use lorafleet_proto::worker::v1 as pb;
 use lorafleet_proto::worker::v1::worker_client::WorkerClient;
-use lorafleet_tests::{binary, engine_fixtures};
+use lorafleet_tests::{Server, binary, engine_fixtures};
 use serde_json::Value;
 use tonic::Code;
 use tonic::transport::Channel;
 
-struct Worker {
-    child: Child,
-    addr: String,
-    metrics: String,
-    /// The worker's stderr (its structured log), line by line.
-    log: Arc<Mutex<Vec<String>>>,
-}
-
-impl Drop for Worker {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+type Worker = Server;
 
 fn start(extra_root: &Path) -> Worker {
     let fixtures = engine_fixtures();
-    let mut child = Command::new(binary("lorafleet-worker"))
-        .args([
-            "serve",
-            "--grpc-listen",
-            "127.0.0.1:0",
-            "--metrics-listen",
-            "127.0.0.1:0",
-            "--worker-id",
-            "w0",
-            "--max-loras",
-            "2",
-        ])
-        .arg("--model")
-        .arg(fixtures.join("llama-gqa"))
-        .arg("--artifact-root")
-        .arg(fixtures.join("adapters"))
-        .arg("--artifact-root")
-        .arg(extra_root)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn lorafleet-worker serve");
-    let stdout = child.stdout.take().unwrap();
-    let stderr = child.stderr.take().unwrap();
-    let log = Arc::new(Mutex::new(Vec::new()));
-    let sink = log.clone();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            sink.lock().unwrap().push(line);
-        }
-    });
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if let Some(rest) = line.strip_prefix("lorafleet-worker listening grpc=")
-                && let Some((grpc, metrics)) = rest.split_once(" metrics=")
-            {
-                let _ = tx.send((grpc.to_owned(), metrics.to_owned()));
-            }
-        }
-    });
-    let (addr, metrics) = rx
-        .recv_timeout(Duration::from_secs(60))
-        .expect("the worker printed its addresses");
-    Worker {
-        child,
-        addr,
-        metrics,
-        log,
-    }
+    let mut cmd = Command::new(binary("lorafleet-worker"));
+    cmd.args([
+        "serve",
+        "--grpc-listen",
+        "127.0.0.1:0",
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--worker-id",
+        "w0",
+        "--max-loras",
+        "2",
+    ])
+    .arg("--model")
+    .arg(fixtures.join("llama-gqa"))
+    .arg("--artifact-root")
+    .arg(fixtures.join("adapters"))
+    .arg("--artifact-root")
+    .arg(extra_root);
+    Server::start(cmd, "lorafleet-worker listening ")
 }
 
 async fn client(w: &Worker) -> WorkerClient<Channel> {
-    WorkerClient::connect(format!("http://{}", w.addr))
+    WorkerClient::connect(format!("http://{}", w.addr("grpc")))
         .await
         .expect("connect")
 }
@@ -298,7 +252,7 @@ async fn concurrent_adapter_streams_match_the_goldens_and_bad_artifacts_are_refu
     // wait for one that has them.
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let m = scrape(&w.metrics);
+        let m = scrape(w.addr("metrics"));
         let get = |k: &str| m.get(k).copied().unwrap_or(0.0);
         if get("lorafleet_adapter_loads_total{tier=\"host\"}") >= 3.0 {
             assert!(
@@ -377,7 +331,7 @@ async fn sigterm_lets_running_streams_finish_refuses_new_ones_and_exits_zero() {
 
     // A new request is refused: UNAVAILABLE while draining, or no
     // connection once the worker has gone.
-    let refused = match WorkerClient::connect(format!("http://{}", w.addr)).await {
+    let refused = match WorkerClient::connect(format!("http://{}", w.addr("grpc"))).await {
         Err(_) => true,
         Ok(mut fresh) => match generate(&mut fresh, request("new", None, vec![1], 2)).await {
             Err(e) => {
