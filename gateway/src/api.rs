@@ -78,6 +78,15 @@ impl ApiError {
     }
 
     fn unauthorized(e: &auth::AuthError) -> Self {
+        // The credential is good; its tenant is not allowed in.
+        if *e == auth::AuthError::TenantDisabled {
+            return Self::new(
+                StatusCode::FORBIDDEN,
+                "permission_error",
+                "tenant_disabled",
+                e.to_string(),
+            );
+        }
         Self::new(
             StatusCode::UNAUTHORIZED,
             "authentication_error",

@@ -109,87 +109,158 @@ fn is_hmac(a: Algorithm) -> bool {
 impl JwtArgs {
     /// None when no JWT key is configured (JWTs are then refused).
     pub fn config(&self) -> anyhow::Result<Option<JwtConfig>> {
-        if self.jwt_hmac_secret_file.is_none() && self.jwt_public_key_file.is_none() {
-            anyhow::ensure!(
-                self.jwt_algorithms.is_empty(),
-                "--jwt-algorithms: set --jwt-hmac-secret-file or --jwt-public-key-file too"
-            );
-            return Ok(None);
-        }
-        anyhow::ensure!(
-            !self.jwt_algorithms.is_empty(),
-            "--jwt-algorithms: required with a JWT key, e.g. RS256"
-        );
-        let mut algorithms = Vec::new();
-        for a in &self.jwt_algorithms {
-            let alg: Algorithm = a.trim().parse().map_err(|_| {
-                anyhow::anyhow!("--jwt-algorithms: {a:?} is not a JWT algorithm such as RS256")
-            })?;
-            algorithms.push(alg);
-        }
-        let hmac = match &self.jwt_hmac_secret_file {
-            Some(p) => {
-                let secret = std::fs::read(p)
-                    .map_err(|e| anyhow::anyhow!("--jwt-hmac-secret-file {}: {e}", p.display()))?;
-                let secret = secret.trim_ascii();
-                anyhow::ensure!(
-                    secret.len() >= 32,
-                    "--jwt-hmac-secret-file: the secret must be at least 32 bytes"
-                );
-                Some(DecodingKey::from_secret(secret))
-            }
-            None => None,
-        };
-        let public = match &self.jwt_public_key_file {
-            Some(p) => {
-                let pem = std::fs::read(p)
-                    .map_err(|e| anyhow::anyhow!("--jwt-public-key-file {}: {e}", p.display()))?;
-                let key = DecodingKey::from_rsa_pem(&pem)
-                    .or_else(|_| DecodingKey::from_ec_pem(&pem))
-                    .map_err(|e| {
-                        anyhow::anyhow!(
-                            "--jwt-public-key-file {}: not an RSA or EC public key in PEM: {e}",
-                            p.display()
-                        )
-                    })?;
-                Some(key)
-            }
-            None => None,
-        };
-        for a in &algorithms {
-            let ok = if is_hmac(*a) {
-                hmac.is_some()
-            } else {
-                public.is_some()
-            };
-            anyhow::ensure!(
-                ok,
-                "--jwt-algorithms: {a:?} needs {}",
-                if is_hmac(*a) {
-                    "--jwt-hmac-secret-file"
-                } else {
-                    "--jwt-public-key-file"
-                }
-            );
-        }
-        let issuer = self
-            .jwt_issuer
-            .clone()
-            .filter(|s| !s.is_empty())
-            .ok_or_else(|| anyhow::anyhow!("--jwt-issuer: required with a JWT key"))?;
-        let audience = self
-            .jwt_audience
-            .clone()
-            .filter(|s| !s.is_empty())
-            .ok_or_else(|| anyhow::anyhow!("--jwt-audience: required with a JWT key"))?;
-        Ok(Some(JwtConfig {
-            hmac,
-            public,
-            algorithms,
-            issuer,
-            audience,
-        }))
+        jwt_config(
+            "--jwt-",
+            self.jwt_hmac_secret_file.as_deref(),
+            self.jwt_public_key_file.as_deref(),
+            &self.jwt_algorithms,
+            self.jwt_issuer.as_deref(),
+            self.jwt_audience.as_deref(),
+        )
     }
+}
+
+/// Builds a JWT configuration from flags named `<flag_prefix>hmac-secret-file`
+/// and so on, so that errors name the flag the operator set. None when no
+/// key is configured.
+pub fn jwt_config(
+    flag_prefix: &str,
+    hmac_secret_file: Option<&std::path::Path>,
+    public_key_file: Option<&std::path::Path>,
+    algorithm_names: &[String],
+    issuer: Option<&str>,
+    audience: Option<&str>,
+) -> anyhow::Result<Option<JwtConfig>> {
+    let flag = |name: &str| format!("{flag_prefix}{name}");
+    if hmac_secret_file.is_none() && public_key_file.is_none() {
+        anyhow::ensure!(
+            algorithm_names.is_empty(),
+            "{}: set {} or {} too",
+            flag("algorithms"),
+            flag("hmac-secret-file"),
+            flag("public-key-file")
+        );
+        return Ok(None);
+    }
+    anyhow::ensure!(
+        !algorithm_names.is_empty(),
+        "{}: required with a JWT key, e.g. RS256",
+        flag("algorithms")
+    );
+    let mut algorithms = Vec::new();
+    for a in algorithm_names {
+        let alg: Algorithm = a.trim().parse().map_err(|_| {
+            anyhow::anyhow!(
+                "{}: {a:?} is not a JWT algorithm such as RS256",
+                flag("algorithms")
+            )
+        })?;
+        algorithms.push(alg);
+    }
+    let hmac = match hmac_secret_file {
+        Some(p) => {
+            let secret = std::fs::read(p).map_err(|e| {
+                anyhow::anyhow!("{} {}: {e}", flag("hmac-secret-file"), p.display())
+            })?;
+            let secret = secret.trim_ascii();
+            anyhow::ensure!(
+                secret.len() >= 32,
+                "{}: the secret must be at least 32 bytes",
+                flag("hmac-secret-file")
+            );
+            Some(DecodingKey::from_secret(secret))
+        }
+        None => None,
+    };
+    let public = match public_key_file {
+        Some(p) => {
+            let pem = std::fs::read(p)
+                .map_err(|e| anyhow::anyhow!("{} {}: {e}", flag("public-key-file"), p.display()))?;
+            let key = DecodingKey::from_rsa_pem(&pem)
+                .or_else(|_| DecodingKey::from_ec_pem(&pem))
+                .map_err(|e| {
+                    anyhow::anyhow!(
+                        "{} {}: not an RSA or EC public key in PEM: {e}",
+                        flag("public-key-file"),
+                        p.display()
+                    )
+                })?;
+            Some(key)
+        }
+        None => None,
+    };
+    for a in &algorithms {
+        let needs = if is_hmac(*a) {
+            (hmac.is_none(), "hmac-secret-file")
+        } else {
+            (public.is_none(), "public-key-file")
+        };
+        anyhow::ensure!(
+            !needs.0,
+            "{}: {a:?} needs {}",
+            flag("algorithms"),
+            flag(needs.1)
+        );
+    }
+    let issuer = issuer
+        .filter(|s| !s.is_empty())
+        .ok_or_else(|| anyhow::anyhow!("{}: required with a JWT key", flag("issuer")))?
+        .to_owned();
+    let audience = audience
+        .filter(|s| !s.is_empty())
+        .ok_or_else(|| anyhow::anyhow!("{}: required with a JWT key", flag("audience")))?
+        .to_owned();
+    Ok(Some(JwtConfig {
+        hmac,
+        public,
+        algorithms,
+        issuer,
+        audience,
+    }))
+}
+
+/// Verifies a JWT's signature (with an allowed algorithm), `exp`, `nbf`,
+/// `iss` and `aud`, and returns its claims.
+pub fn decode_jwt<C: serde::de::DeserializeOwned>(
+    token: &str,
+    jwt: &JwtConfig,
+) -> Result<C, AuthError> {
+    let bad = |e: jsonwebtoken::errors::Error| AuthError::InvalidToken(e.to_string());
+    let header = jsonwebtoken::decode_header(token).map_err(bad)?;
+    if !jwt.algorithms.contains(&header.alg) {
+        return Err(AuthError::InvalidToken(format!(
+            "algorithm {:?} is not accepted",
+            header.alg
+        )));
+    }
+    let key = if is_hmac(header.alg) {
+        jwt.hmac.as_ref()
+    } else {
+        jwt.public.as_ref()
+    }
+    .ok_or_else(|| AuthError::InvalidToken("no key for this algorithm".into()))?;
+    let mut validation = Validation::new(header.alg);
+    validation.algorithms = vec![header.alg];
+    validation.validate_exp = true;
+    validation.validate_nbf = true;
+    validation.leeway = 30;
+    validation.set_issuer(&[&jwt.issuer]);
+    validation.set_audience(&[&jwt.audience]);
+    validation.set_required_spec_claims(&["exp", "iss", "aud"]);
+    Ok(jsonwebtoken::decode::<C>(token, key, &validation)
+        .map_err(bad)?
+        .claims)
+}
+
+/// The token of an `Authorization: Bearer <token>` header.
+pub fn bearer(header: Option<&str>) -> Result<&str, AuthError> {
+    let header = header.ok_or(AuthError::Missing)?;
+    header
+        .strip_prefix("Bearer ")
+        .or_else(|| header.strip_prefix("bearer "))
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+        .ok_or(AuthError::Malformed)
 }
 
 #[derive(Debug, Deserialize)]
@@ -205,13 +276,7 @@ pub fn authenticate(
     snapshot: &Snapshot,
     jwt: Option<&JwtConfig>,
 ) -> Result<Principal, AuthError> {
-    let header = header.ok_or(AuthError::Missing)?;
-    let token = header
-        .strip_prefix("Bearer ")
-        .or_else(|| header.strip_prefix("bearer "))
-        .map(str::trim)
-        .filter(|t| !t.is_empty())
-        .ok_or(AuthError::Malformed)?;
+    let token = bearer(header)?;
     if token.starts_with("lf_") {
         api_key(token, snapshot)
     } else {
@@ -256,30 +321,7 @@ fn json_web_token(
     snapshot: &Snapshot,
     jwt: &JwtConfig,
 ) -> Result<Principal, AuthError> {
-    let bad = |e: jsonwebtoken::errors::Error| AuthError::InvalidToken(e.to_string());
-    let header = jsonwebtoken::decode_header(token).map_err(bad)?;
-    if !jwt.algorithms.contains(&header.alg) {
-        return Err(AuthError::InvalidToken(format!(
-            "algorithm {:?} is not accepted",
-            header.alg
-        )));
-    }
-    let key = if is_hmac(header.alg) {
-        jwt.hmac.as_ref()
-    } else {
-        jwt.public.as_ref()
-    }
-    .ok_or_else(|| AuthError::InvalidToken("no key for this algorithm".into()))?;
-    let mut validation = Validation::new(header.alg);
-    validation.algorithms = vec![header.alg];
-    validation.validate_exp = true;
-    validation.validate_nbf = true;
-    validation.leeway = 30;
-    validation.set_issuer(&[&jwt.issuer]);
-    validation.set_audience(&[&jwt.audience]);
-    validation.set_required_spec_claims(&["exp", "iss", "aud"]);
-    let data = jsonwebtoken::decode::<Claims>(token, key, &validation).map_err(bad)?;
-    let claims = data.claims;
+    let claims: Claims = decode_jwt(token, jwt)?;
     let tenant = snapshot
         .tenant_by_name(&claims.tenant)
         .ok_or_else(|| AuthError::InvalidToken("unknown tenant".into()))?;

@@ -3,6 +3,7 @@
 //!
 //! Binaries stay thin: they parse flags and call into this library.
 
+pub mod admin;
 pub mod api;
 pub mod audit;
 pub mod auth;

@@ -39,6 +39,11 @@ fn now_secs() -> u64 {
 }
 
 impl RateLimiter {
+    /// The shared Redis connection, if any.
+    pub fn redis(&self) -> Option<redis::aio::ConnectionManager> {
+        self.redis.clone()
+    }
+
     /// `redis`: None when no Redis is configured (local limits only).
     pub fn new(
         redis: Option<redis::aio::ConnectionManager>,

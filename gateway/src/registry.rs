@@ -213,7 +213,7 @@ impl Snapshot {
                     a.artifact_uri, a.artifact_sha256, b.base_hash
              FROM routes r
              JOIN route_weights w ON w.route_id = r.id AND w.revision = r.current_revision
-             JOIN adapters a ON a.lora_int_id = w.lora_int_id
+             JOIN adapters a ON a.lora_int_id = w.lora_int_id AND a.state = 'active'
              JOIN base_models b ON b.id = a.base_model_id
              ORDER BY w.route_id, a.lora_int_id",
         )
@@ -241,7 +241,14 @@ impl Snapshot {
             let target = if target == "base" {
                 Target::Base
             } else {
-                Target::Adapters(by_route.remove(&id).unwrap_or_default())
+                // The admin API refuses to retire a routed version; should
+                // one be retired behind its back, the route loses it, and a
+                // route left with none is not served rather than served
+                // by something else.
+                match by_route.remove(&id) {
+                    Some(weights) if !weights.is_empty() => Target::Adapters(weights),
+                    _ => continue,
+                }
             };
             s.routes.insert(
                 (tenant_id, model_name.clone()),

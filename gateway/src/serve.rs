@@ -87,6 +87,41 @@ pub struct ServeArgs {
     pub drain_deadline_secs: u64,
     #[command(flatten)]
     pub jwt: JwtArgs,
+    /// Where to serve the admin API (`/admin/v1`). Off unless set; needs an
+    /// admin JWT key.
+    #[arg(long, env = "LORAFLEET_ADMIN_LISTEN")]
+    pub admin_listen: Option<SocketAddr>,
+    #[command(flatten)]
+    pub admin_jwt: AdminJwtArgs,
+    /// Directory holding adapter artifacts; registration reads and digests
+    /// artifacts here. Repeatable.
+    #[arg(long, env = "LORAFLEET_ARTIFACT_ROOT", value_delimiter = ',')]
+    pub artifact_root: Vec<PathBuf>,
+    /// The largest LoRA rank any worker pool accepts; registration refuses
+    /// adapters above it.
+    #[arg(long, env = "LORAFLEET_MAX_LORA_RANK", default_value_t = 64)]
+    pub max_lora_rank: usize,
+}
+
+/// Admin JWT settings. Admin tokens carry `sub` and a `role` claim
+/// (admin, auditor or viewer).
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct AdminJwtArgs {
+    /// File holding the shared secret for HS256/HS384/HS512 admin tokens.
+    #[arg(long, env = "LORAFLEET_ADMIN_JWT_HMAC_SECRET_FILE")]
+    pub admin_jwt_hmac_secret_file: Option<PathBuf>,
+    /// PEM file with the RSA or EC public key for RS*/PS*/ES* admin tokens.
+    #[arg(long, env = "LORAFLEET_ADMIN_JWT_PUBLIC_KEY_FILE")]
+    pub admin_jwt_public_key_file: Option<PathBuf>,
+    /// Algorithms accepted for admin tokens (comma-separated).
+    #[arg(long, env = "LORAFLEET_ADMIN_JWT_ALGORITHMS", value_delimiter = ',')]
+    pub admin_jwt_algorithms: Vec<String>,
+    /// Required `iss` of admin tokens.
+    #[arg(long, env = "LORAFLEET_ADMIN_JWT_ISSUER")]
+    pub admin_jwt_issuer: Option<String>,
+    /// Required `aud` of admin tokens.
+    #[arg(long, env = "LORAFLEET_ADMIN_JWT_AUDIENCE")]
+    pub admin_jwt_audience: Option<String>,
 }
 
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
@@ -136,6 +171,26 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         }
     }
     let jwt = args.jwt.config()?;
+    let a = &args.admin_jwt;
+    let admin_jwt = crate::auth::jwt_config(
+        "--admin-jwt-",
+        a.admin_jwt_hmac_secret_file.as_deref(),
+        a.admin_jwt_public_key_file.as_deref(),
+        &a.admin_jwt_algorithms,
+        a.admin_jwt_issuer.as_deref(),
+        a.admin_jwt_audience.as_deref(),
+    )?;
+    let admin_jwt = match (args.admin_listen, admin_jwt) {
+        (Some(_), None) => bail!(
+            "--admin-listen: needs an admin token key (--admin-jwt-hmac-secret-file or --admin-jwt-public-key-file)"
+        ),
+        (None, Some(_)) => bail!("--admin-jwt-*: set --admin-listen too, or drop the admin key"),
+        (_, k) => k,
+    };
+    let artifact_roots = crate::admin::artifact_roots(&args.artifact_root)?;
+    if args.max_lora_rank == 0 {
+        bail!("--max-lora-rank: must be at least 1");
+    }
     let options = db::parse_database_url("--database-url", &args.database_url)?;
     let pool = db::connect(options, 8, Duration::from_secs(5)).await?;
     let snapshot = Snapshot::load(&pool)
@@ -181,6 +236,29 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         request_timeout: Duration::from_secs(args.request_timeout_secs),
         max_attempts: args.max_attempts,
     };
+    let admin_addr = match (args.admin_listen, admin_jwt) {
+        (Some(listen), Some(jwt)) => {
+            let listener = tokio::net::TcpListener::bind(listen)
+                .await
+                .with_context(|| format!("--admin-listen {listen}"))?;
+            let addr = listener.local_addr()?;
+            let admin = crate::admin::router(crate::admin::AdminState {
+                pool: pool.clone(),
+                registry: state.registry.clone(),
+                redis: state.limiter.redis(),
+                channel: format!("{}registry", args.redis_prefix),
+                jwt: Arc::new(jwt),
+                artifact_roots,
+                max_lora_rank: args.max_lora_rank,
+                fleet: state.fleet.clone(),
+            });
+            tokio::spawn(async move {
+                let _ = axum::serve(listener, admin).await;
+            });
+            Some(addr)
+        }
+        _ => None,
+    };
     let permits = state.permits.clone();
     let max_permits = args.max_concurrent_requests;
 
@@ -211,10 +289,15 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .with_context(|| format!("--listen {}", args.listen))?;
     let addr = listener.local_addr()?;
     let app = api::router(state.clone());
-    println!("lorafleet-gateway listening http={addr} metrics={metrics_addr}");
+    match admin_addr {
+        Some(admin) => {
+            println!("lorafleet-gateway listening http={addr} metrics={metrics_addr} admin={admin}")
+        }
+        None => println!("lorafleet-gateway listening http={addr} metrics={metrics_addr}"),
+    }
     use std::io::Write;
     std::io::stdout().flush()?;
-    tracing::info!(http = %addr, metrics = %metrics_addr, "listening");
+    tracing::info!(http = %addr, metrics = %metrics_addr, admin = ?admin_addr, "listening");
 
     let drain = Duration::from_secs(args.drain_deadline_secs);
     axum::serve(listener, app)

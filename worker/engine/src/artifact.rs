@@ -172,22 +172,42 @@ impl ArtifactRoots {
     /// The digest of a resolved artifact directory, refusing symlinks inside
     /// it that leave the roots.
     pub fn digest(&self, dir: &Path) -> Result<String, ArtifactError> {
-        digest_with(dir, &mut |real| {
-            self.roots.iter().any(|r| real.starts_with(r))
-        })
+        self.digest_with_progress(dir, &mut |_, _| {})
+    }
+
+    /// [`ArtifactRoots::digest`], calling `progress` with (bytes hashed,
+    /// bytes in all) as it goes.
+    pub fn digest_with_progress(
+        &self,
+        dir: &Path,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<String, ArtifactError> {
+        digest_with(
+            dir,
+            &mut |real| self.roots.iter().any(|r| real.starts_with(r)),
+            progress,
+        )
     }
 }
 
 /// The digest of an artifact directory (see the module docs). Symlinks are
 /// followed only while they stay inside `dir`.
 pub fn digest(dir: &Path) -> Result<String, ArtifactError> {
+    digest_with_progress(dir, &mut |_, _| {})
+}
+
+/// [`digest`], calling `progress` with (bytes hashed, bytes in all).
+pub fn digest_with_progress(
+    dir: &Path,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<String, ArtifactError> {
     let real_dir = dir
         .canonicalize()
         .map_err(|source| ArtifactError::Unreadable {
             path: dir.display().to_string(),
             source,
         })?;
-    digest_with(dir, &mut |real| real.starts_with(&real_dir))
+    digest_with(dir, &mut |real| real.starts_with(&real_dir), progress)
 }
 
 fn has_scheme(uri: &str) -> bool {
@@ -213,6 +233,7 @@ fn checked_dir(uri: &str, real: PathBuf) -> Result<PathBuf, ArtifactError> {
 fn digest_with(
     dir: &Path,
     allowed: &mut dyn FnMut(&Path) -> bool,
+    progress: &mut dyn FnMut(u64, u64),
 ) -> Result<String, ArtifactError> {
     let unreadable = |path: &Path, source| ArtifactError::Unreadable {
         path: path.display().to_string(),
@@ -253,6 +274,12 @@ fn digest_with(
         }
     }
     files.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+    let total: u64 = files
+        .iter()
+        .filter_map(|(_, p)| std::fs::metadata(p).ok())
+        .map(|m| m.len())
+        .sum();
+    let mut done = 0u64;
     let mut hasher = Sha256::new();
     hasher.update(DIGEST_DOMAIN);
     let mut buf = vec![0u8; 1 << 20];
@@ -270,6 +297,8 @@ fn digest_with(
             }
             read += n as u64;
             hasher.update(&buf[..n]);
+            done += n as u64;
+            progress(done, total.max(done));
         }
         if read != len {
             return Err(unreadable(

@@ -52,7 +52,18 @@ impl AdapterConfig {
             path: "adapter_config.json".into(),
             source,
         })?;
-        let root: Map<String, Value> = match serde_json::from_str(&text) {
+        AdapterConfig::from_text(adapter, &text, Some(model.num_layers))
+    }
+
+    /// Parses the text of an `adapter_config.json`. Without `num_layers`
+    /// (no base model at hand, as in the registry), `layers_to_transform`
+    /// is checked for shape only.
+    pub fn from_text(
+        adapter: &str,
+        text: &str,
+        num_layers: Option<usize>,
+    ) -> Result<AdapterConfig, AdapterError> {
+        let root: Map<String, Value> = match serde_json::from_str(text) {
             Ok(Value::Object(map)) => map,
             Ok(_) => {
                 return Err(invalid(
@@ -69,7 +80,15 @@ impl AdapterConfig {
                 ));
             }
         };
-        parse(adapter, &root, model)
+        parse(adapter, &root, num_layers)
+    }
+
+    /// The largest rank of any module, after rank_pattern.
+    pub fn max_rank(&self) -> usize {
+        self.rank_pattern
+            .iter()
+            .map(|(_, _, r)| *r)
+            .fold(self.r, usize::max)
     }
 
     /// Whether `layer` carries LoRA weights.
@@ -152,7 +171,7 @@ fn is_unset(v: &Value) -> bool {
 fn parse(
     adapter: &str,
     root: &Map<String, Value>,
-    model: &ModelConfig,
+    num_layers: Option<usize>,
 ) -> Result<AdapterConfig, AdapterError> {
     let get = |k: &str| root.get(k).filter(|v| !v.is_null());
 
@@ -360,15 +379,18 @@ fn parse(
             let mut layers = Vec::new();
             for item in list {
                 match item.as_u64() {
-                    Some(l) if (l as usize) < model.num_layers => layers.push(l as usize),
+                    Some(l) if num_layers.is_none_or(|n| (l as usize) < n) => {
+                        layers.push(l as usize)
+                    }
                     _ => {
+                        let bound = match num_layers {
+                            Some(n) => format!("a layer index below num_hidden_layers {n}"),
+                            None => "a layer index".to_owned(),
+                        };
                         return Err(invalid(
                             adapter,
                             "layers_to_transform",
-                            format!(
-                                "{item} is not a layer index below num_hidden_layers {}",
-                                model.num_layers
-                            ),
+                            format!("{item} is not {bound}"),
                         ));
                     }
                 }

@@ -6,7 +6,7 @@
 //! `s = alpha / r` (or `alpha / √r` with `use_rslora`). Everything else PEFT
 //! can express that would change this math is refused by name.
 
-mod config;
+pub mod config;
 
 use std::path::Path;
 

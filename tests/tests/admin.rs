@@ -1,0 +1,897 @@
+//! The admin plane end to end: the real `lorafleetctl` binary against two
+//! real gateway replicas (sharing real Postgres and Redis) in front of a
+//! real worker on the fixture model.
+
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use lorafleet_tests::{Server, TestDb, binary, engine_fixtures, migrated_db};
+use serde_json::{Value, json};
+use uuid::Uuid;
+
+const ISSUER: &str = "lorafleet-test";
+const AUDIENCE: &str = "lorafleet-admin";
+
+/// What one `lorafleetctl` run produced.
+#[derive(Debug)]
+struct Ctl {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+impl Ctl {
+    fn json(&self) -> Value {
+        assert_eq!(self.code, 0, "lorafleetctl failed: {}", self.stderr);
+        serde_json::from_str(&self.stdout)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.stdout))
+    }
+
+    /// Asserts the exit code and that the message names `needle`.
+    fn refused(&self, code: i32, needle: &str) {
+        assert_eq!(
+            self.code, code,
+            "expected exit {code} naming {needle:?}; stdout {} stderr {}",
+            self.stdout, self.stderr
+        );
+        assert!(
+            self.stderr.contains(needle),
+            "the error should name {needle:?}: {}",
+            self.stderr
+        );
+    }
+}
+
+struct Plane {
+    gateways: Vec<Server>,
+    _worker: Server,
+    http: reqwest::Client,
+    root: tempfile::TempDir,
+    secret: PathBuf,
+    admin_token: String,
+    pool: sqlx::PgPool,
+    _spools: Vec<tempfile::TempDir>,
+    _secret_dir: tempfile::TempDir,
+    _db: TestDb,
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+}
+
+/// An artifact root holding copies of fixture adapters and broken ones.
+fn artifact_root() -> tempfile::TempDir {
+    let root = tempfile::tempdir().unwrap();
+    let fixtures = engine_fixtures().join("adapters");
+    for a in [
+        "llama-gqa/qv-r8",
+        "llama-gqa/o-r2",
+        "llama-gqa/k-r16",
+        "qwen2-tied/qv-r8",
+    ] {
+        copy_dir(&fixtures.join(a), &root.path().join(a));
+    }
+    let good = root.path().join("llama-gqa/qv-r8");
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(good.join("adapter_config.json")).unwrap())
+            .unwrap();
+    let variant = |name: &str, edit: &dyn Fn(&mut Value)| {
+        let dir = root.path().join("bad").join(name);
+        copy_dir(&good, &dir);
+        let mut c = config.clone();
+        edit(&mut c);
+        std::fs::write(dir.join("adapter_config.json"), c.to_string()).unwrap();
+    };
+    variant("dora", &|c| c["use_dora"] = json!(true));
+    variant("no-base", &|c| {
+        c.as_object_mut().unwrap().remove("base_model_name_or_path");
+    });
+    // Claims rank 4 while its tensors have rank 8.
+    variant("shape", &|c| c["r"] = json!(4));
+    let malformed = root.path().join("bad/malformed");
+    copy_dir(&good, &malformed);
+    std::fs::write(malformed.join("adapter_config.json"), "{\"r\": 8,").unwrap();
+    root
+}
+
+async fn plane(label: &str) -> Plane {
+    let db = migrated_db(label).await;
+    let pool = db.pool().await;
+    let root = artifact_root();
+    let secret_dir = tempfile::tempdir().unwrap();
+    let secret = secret_dir.path().join("admin.secret");
+    std::fs::write(&secret, "an-admin-secret-of-at-least-32-bytes-0123456789").unwrap();
+
+    let fixtures = engine_fixtures();
+    let mut cmd = Command::new(binary("lorafleet-worker"));
+    cmd.args(["serve", "--grpc-listen", "127.0.0.1:0"])
+        .args(["--metrics-listen", "127.0.0.1:0"])
+        .args(["--worker-id", "w0", "--max-loras", "2"])
+        .arg("--model")
+        .arg(fixtures.join("llama-gqa"))
+        .arg("--artifact-root")
+        .arg(root.path());
+    let worker = Server::start(cmd, "lorafleet-worker listening ");
+
+    let redis_prefix = format!("test:{}:", Uuid::new_v4());
+    let mut gateways = Vec::new();
+    let mut spools = Vec::new();
+    for _ in 0..2 {
+        let spool = tempfile::tempdir().unwrap();
+        let mut cmd = Command::new(binary("lorafleet-gateway"));
+        cmd.args(["serve", "--listen", "127.0.0.1:0"])
+            .args(["--metrics-listen", "127.0.0.1:0"])
+            .args(["--admin-listen", "127.0.0.1:0"])
+            .args(["--database-url", &db.url()])
+            .args(["--redis-url", "redis://127.0.0.1:6379"])
+            .args(["--redis-prefix", &redis_prefix])
+            .args(["--workers", worker.addr("grpc")])
+            // Long, so that changes must travel by announcement.
+            .args(["--registry-refresh-secs", "600"])
+            .args(["--max-lora-rank", "8"])
+            .arg("--admin-jwt-hmac-secret-file")
+            .arg(&secret)
+            .args(["--admin-jwt-algorithms", "HS256"])
+            .args(["--admin-jwt-issuer", ISSUER])
+            .args(["--admin-jwt-audience", AUDIENCE])
+            .arg("--artifact-root")
+            .arg(root.path())
+            .arg("--audit-spool")
+            .arg(spool.path().join("audit.jsonl"));
+        gateways.push(Server::start(cmd, "lorafleet-gateway listening "));
+        spools.push(spool);
+    }
+    let mut p = Plane {
+        gateways,
+        _worker: worker,
+        http: reqwest::Client::new(),
+        root,
+        secret,
+        admin_token: String::new(),
+        pool,
+        _spools: spools,
+        _secret_dir: secret_dir,
+        _db: db,
+    };
+    p.admin_token = p.token("alice", "admin");
+    p
+}
+
+impl Plane {
+    fn admin_url(&self, replica: usize) -> String {
+        format!("http://{}", self.gateways[replica].addr("admin"))
+    }
+
+    fn api_url(&self, replica: usize) -> String {
+        format!("http://{}", self.gateways[replica].addr("http"))
+    }
+
+    fn token(&self, subject: &str, role: &str) -> String {
+        let out = self.run_as(
+            None,
+            &[
+                "token",
+                "--hmac-secret-file",
+                self.secret.to_str().unwrap(),
+                "--subject",
+                subject,
+                "--role",
+                role,
+                "--issuer",
+                ISSUER,
+                "--audience",
+                AUDIENCE,
+            ],
+        );
+        assert_eq!(out.code, 0, "token: {}", out.stderr);
+        out.stdout.trim().to_owned()
+    }
+
+    fn run_as(&self, token: Option<&str>, args: &[&str]) -> Ctl {
+        let mut cmd = Command::new(binary("lorafleetctl"));
+        cmd.args(args)
+            .env_remove("LORAFLEET_ADMIN_TOKEN")
+            .env("LORAFLEET_ADMIN_URL", self.admin_url(0));
+        if let Some(t) = token {
+            cmd.env("LORAFLEET_ADMIN_TOKEN", t);
+        }
+        let out = cmd.output().expect("run lorafleetctl");
+        Ctl {
+            code: out.status.code().unwrap_or(-1),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        }
+    }
+
+    /// lorafleetctl as alice, the admin.
+    fn ctl(&self, args: &[&str]) -> Ctl {
+        self.run_as(Some(&self.admin_token), args)
+    }
+
+    fn ctl_json(&self, args: &[&str]) -> Value {
+        let mut a = vec!["--output", "json"];
+        a.extend_from_slice(args);
+        self.ctl(&a).json()
+    }
+
+    async fn complete(&self, replica: usize, key: &str, model: &str, user: &str) -> (u16, Value) {
+        let resp = self
+            .http
+            .post(format!("{}/v1/completions", self.api_url(replica)))
+            .bearer_auth(key)
+            .json(&json!({"model": model, "prompt": "Hello", "max_tokens": 2,
+                          "temperature": 0, "user": user}))
+            .send()
+            .await
+            .expect("the gateway answers");
+        let status = resp.status().as_u16();
+        (status, resp.json().await.unwrap_or(Value::Null))
+    }
+
+    /// Waits until `replica` answers `key` on `model` with `want`, and
+    /// returns how long that took.
+    async fn until_status(&self, replica: usize, key: &str, model: &str, want: u16) -> Duration {
+        let start = Instant::now();
+        loop {
+            let (status, body) = self.complete(replica, key, model, "probe").await;
+            if status == want {
+                return start.elapsed();
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "replica {replica} still answers {status} ({body}), not {want}"
+            );
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+
+    /// Every audit row of (tenant, model), through `lorafleetctl audit`,
+    /// once `want` rows are there.
+    async fn audit_rows(&self, tenant: &str, model: &str, want: usize) -> Vec<Value> {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let body = self.ctl_json(&[
+                "audit", "--tenant", tenant, "--model", model, "--all", "--limit", "1000",
+            ]);
+            let rows = body["rows"].as_array().unwrap().clone();
+            if rows.len() >= want {
+                return rows;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{} of {want} audit rows",
+                rows.len()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+fn fixture_json(name: &str) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(engine_fixtures().join(name)).unwrap()).unwrap()
+}
+
+fn request_id(completion: &Value) -> String {
+    completion["id"]
+        .as_str()
+        .and_then(|id| id.strip_prefix("cmpl-"))
+        .unwrap_or_else(|| panic!("no completion id in {completion}"))
+        .to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admins_run_the_registry_and_compliance_reads_the_audit_log_through_lorafleetctl() {
+    let p = plane("admin_e2e").await;
+    let fixtures = engine_fixtures();
+
+    // --- Tokens and roles -------------------------------------------------
+    p.run_as(None, &["tenants", "list"]).refused(2, "--token");
+    p.run_as(Some("not-a-jwt"), &["tenants", "list"])
+        .refused(3, "invalid token");
+    let viewer = p.token("victor", "viewer");
+    let auditor = p.token("audrey", "auditor");
+    assert_eq!(p.run_as(Some(&viewer), &["tenants", "list"]).code, 0);
+    p.run_as(Some(&viewer), &["tenants", "create", "nope"])
+        .refused(3, "role viewer may not change the registry");
+    p.run_as(Some(&viewer), &["audit"])
+        .refused(3, "role viewer may not query the audit log");
+    p.run_as(Some(&auditor), &["tenants", "create", "nope"])
+        .refused(3, "role auditor may not change the registry");
+    p.run_as(
+        None,
+        &[
+            "token",
+            "--hmac-secret-file",
+            p.secret.to_str().unwrap(),
+            "--subject",
+            "x",
+            "--role",
+            "root",
+            "--issuer",
+            ISSUER,
+            "--audience",
+            AUDIENCE,
+        ],
+    )
+    .refused(2, "--role");
+    let unreachable = Command::new(binary("lorafleetctl"))
+        .args(["--server", "http://127.0.0.1:1", "--token", "t", "fleet"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        unreachable.status.code(),
+        Some(7),
+        "unreachable API exits 7"
+    );
+
+    // --- Tenants ----------------------------------------------------------
+    let acme = p.ctl_json(&["tenants", "create", "acme", "--display-name", "Acme"]);
+    assert_eq!(acme["name"], "acme");
+    p.ctl_json(&["tenants", "create", "globex"]);
+    p.ctl(&["tenants", "create", "acme"])
+        .refused(5, "name: tenant \"acme\" already exists");
+    p.ctl(&["tenants", "create", "Bad_Name"])
+        .refused(6, "name:");
+    p.ctl(&["tenants", "create", "zero", "--rpm-limit", "0"])
+        .refused(6, "rpm_limit");
+    let names: Vec<String> = p.ctl_json(&["tenants", "list"])["tenants"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["name"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(names, ["acme", "globex"]);
+    let table = p.ctl(&["tenants", "list"]);
+    assert!(
+        table.stdout.starts_with("NAME") && table.stdout.contains("acme"),
+        "a table for people: {}",
+        table.stdout
+    );
+
+    // --- API keys ---------------------------------------------------------
+    let created = p.ctl_json(&["keys", "create", "acme", "--name", "ci"]);
+    let key = created["key"].as_str().unwrap().to_owned();
+    let prefix = created["prefix"].as_str().unwrap().to_owned();
+    assert!(key.starts_with(&format!("{prefix}.")), "{created}");
+    let secret = key.split_once('.').unwrap().1.to_owned();
+    let listed = p.ctl(&["--output", "json", "keys", "list", "acme"]);
+    assert!(
+        !listed.stdout.contains(&secret),
+        "a listed key never shows its secret"
+    );
+    assert_eq!(listed.json()["keys"][0]["prefix"], prefix.as_str());
+    assert!(listed.json()["keys"][0].get("key").is_none());
+    p.ctl(&["keys", "create", "acme", "--scopes", "inference,admin"])
+        .refused(6, "scopes[1]");
+    p.ctl(&["keys", "create", "acme", "--expires-in", "soon"])
+        .refused(2, "--expires-in");
+    p.ctl(&[
+        "keys",
+        "create",
+        "acme",
+        "--expires-at",
+        "2001-01-01T00:00:00Z",
+    ])
+    .refused(6, "expires_at");
+    p.ctl(&["keys", "create", "nobody"]).refused(4, "tenant");
+    let short = p.ctl_json(&["keys", "create", "acme", "--expires-in", "2s"]);
+    let short_key = short["key"].as_str().unwrap().to_owned();
+    let globex_key = p.ctl_json(&["keys", "create", "globex"])["key"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+
+    // --- Base models ------------------------------------------------------
+    let llama_dir = fixtures.join("llama-gqa");
+    let hashes = fixture_json("base_hashes.json");
+    let hashed = p.ctl(&["base-models", "hash", llama_dir.to_str().unwrap()]);
+    assert_eq!(hashed.code, 0, "{}", hashed.stderr);
+    assert_eq!(hashed.stdout.trim(), hashes["llama-gqa"]);
+    let worker_says = Command::new(binary("lorafleet-worker"))
+        .args(["base-hash", "--model"])
+        .arg(&llama_dir)
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&worker_says.stdout).trim(),
+        hashed.stdout.trim(),
+        "lorafleetctl and the worker compute the same base hash"
+    );
+    let llama = p.ctl_json(&[
+        "base-models",
+        "register",
+        "llama-gqa",
+        "--architecture",
+        "llama",
+        "--model-dir",
+        llama_dir.to_str().unwrap(),
+    ]);
+    assert_eq!(llama["base_hash"], hashes["llama-gqa"]);
+    p.ctl_json(&[
+        "base-models",
+        "register",
+        "qwen2-tied",
+        "--architecture",
+        "qwen2",
+        "--base-hash",
+        hashes["qwen2-tied"].as_str().unwrap(),
+    ]);
+    p.ctl(&[
+        "base-models",
+        "register",
+        "llama-gqa",
+        "--architecture",
+        "llama",
+        "--base-hash",
+        &"a".repeat(64),
+    ])
+    .refused(5, "name");
+    p.ctl(&[
+        "base-models",
+        "register",
+        "gpt",
+        "--architecture",
+        "gpt2",
+        "--base-hash",
+        &"b".repeat(64),
+    ])
+    .refused(6, "architecture");
+    p.ctl(&[
+        "base-models",
+        "register",
+        "short",
+        "--architecture",
+        "llama",
+        "--base-hash",
+        "abc",
+    ])
+    .refused(6, "base_hash");
+
+    // --- Adapters ---------------------------------------------------------
+    let register = |name: &str, base: &str, uri: &str, extra: &[&str]| {
+        let mut args = vec![
+            "--output",
+            "json",
+            "adapters",
+            "register",
+            name,
+            "--base-model",
+            base,
+            "--artifact-uri",
+            uri,
+        ];
+        args.extend_from_slice(extra);
+        p.ctl(&args)
+    };
+    let v1 = register(
+        "support",
+        "llama-gqa",
+        "llama-gqa/qv-r8",
+        &["--tenant", "acme"],
+    )
+    .json();
+    let v2 = register(
+        "support",
+        "llama-gqa",
+        "llama-gqa/o-r2",
+        &["--tenant", "acme"],
+    )
+    .json();
+    let (a1, a2) = (
+        v1["lora_int_id"].as_i64().unwrap(),
+        v2["lora_int_id"].as_i64().unwrap(),
+    );
+    assert_eq!(
+        (v1["version"].as_i64(), v2["version"].as_i64()),
+        (Some(1), Some(2))
+    );
+    assert_eq!(
+        (v1["rank"].as_i64(), v2["rank"].as_i64()),
+        (Some(8), Some(2))
+    );
+    let digests = fixture_json("artifact_digests.json");
+    assert_eq!(v1["artifact_sha256"], digests["llama-gqa/qv-r8"]);
+    let local = p.ctl(&[
+        "adapters",
+        "digest",
+        p.root.path().join("llama-gqa/o-r2").to_str().unwrap(),
+    ]);
+    assert_eq!(local.stdout.trim(), v2["artifact_sha256"].as_str().unwrap());
+    let q1 = register("helper", "qwen2-tied", "qwen2-tied/qv-r8", &[]).json();
+    let q1 = q1["lora_int_id"].as_i64().unwrap();
+
+    register(
+        "support",
+        "llama-gqa",
+        "llama-gqa/o-r2",
+        &["--version", "1"],
+    )
+    .refused(5, "version");
+    register("evil", "llama-gqa", "../../etc", &[]).refused(6, "artifact_uri");
+    register("evil", "llama-gqa", "/etc", &[]).refused(6, "artifact_uri");
+    register("missing", "llama-gqa", "llama-gqa/none", &[]).refused(6, "artifact_uri");
+    register("broken", "llama-gqa", "bad/malformed", &[]).refused(6, "adapter_config.json");
+    register("dora", "llama-gqa", "bad/dora", &[]).refused(6, "use_dora");
+    register("nobase", "llama-gqa", "bad/no-base", &[]).refused(6, "base_model_name_or_path");
+    register("other", "llama-gqa", "qwen2-tied/qv-r8", &[]).refused(6, "base_model_name_or_path");
+    register("shape", "llama-gqa", "bad/shape", &[]).refused(6, "adapter_model.safetensors");
+    register("big", "llama-gqa", "llama-gqa/k-r16", &[]).refused(6, "max LoRA rank 8");
+    register("orphan", "no-such-base", "llama-gqa/qv-r8", &[]).refused(4, "base_model");
+    let stored: i64 = sqlx::query_scalar("SELECT count(*) FROM adapters")
+        .fetch_one(&p.pool)
+        .await
+        .unwrap();
+    assert_eq!(stored, 3, "refused registrations store nothing");
+
+    // --- Routes and canaries ----------------------------------------------
+    let w = |pairs: &[(i64, u32)]| {
+        pairs
+            .iter()
+            .map(|(id, bp)| format!("{id}={bp}"))
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    let route = p.ctl_json(&[
+        "routes",
+        "set",
+        "acme",
+        "support",
+        "--weights",
+        &w(&[(a1, 9000), (a2, 1000)]),
+    ]);
+    assert_eq!(route["etag"], "\"1\"");
+    p.ctl_json(&[
+        "routes",
+        "set",
+        "acme",
+        "base-llama",
+        "--base",
+        "--base-model",
+        "llama-gqa",
+    ]);
+    p.ctl(&[
+        "routes",
+        "set",
+        "acme",
+        "short",
+        "--weights",
+        &w(&[(a1, 9000)]),
+    ])
+    .refused(6, "sum to 9000");
+    p.ctl(&[
+        "routes",
+        "set",
+        "acme",
+        "mixed",
+        "--weights",
+        &w(&[(a1, 5000), (q1, 5000)]),
+    ])
+    .refused(6, "one route serves one base model");
+    p.ctl(&["routes", "set", "acme", "nine", "--weights", "7:9000"])
+        .refused(2, "--weights");
+    p.ctl(&[
+        "routes",
+        "set",
+        "acme",
+        "support",
+        "--weights",
+        &w(&[(a1, 8000), (a2, 2000)]),
+    ])
+    .refused(5, "If-Match");
+    p.ctl(&[
+        "routes",
+        "set",
+        "acme",
+        "support",
+        "--weights",
+        &w(&[(a1, 8000), (a2, 2000)]),
+        "--etag",
+        "7",
+    ])
+    .refused(5, "stale");
+    p.ctl(&["routes", "rollback", "acme", "base-llama", "--etag", "1"])
+        .refused(5, "no earlier revision");
+    let listed = p.ctl(&["routes", "list"]);
+    assert!(
+        listed.stdout.contains(&format!("{a1}=9000,{a2}=1000")),
+        "{}",
+        listed.stdout
+    );
+
+    // Both replicas learn the route from the announcement, not the
+    // 600-second refresh.
+    for replica in [0, 1] {
+        p.until_status(replica, &key, "support", 200).await;
+    }
+    let route_id: Uuid = sqlx::query_scalar("SELECT id FROM routes WHERE model_name = 'support'")
+        .fetch_one(&p.pool)
+        .await
+        .unwrap();
+
+    // Traffic at 90/10: each request lands on the version its user's
+    // canary bucket names, and the split is close to the weights.
+    let mut sent: HashMap<String, i64> = HashMap::new();
+    for i in 0..300 {
+        let user = format!("user-{i}");
+        let (status, body) = p.complete(i % 2, &key, "support", &user).await;
+        assert_eq!(status, 200, "{body}");
+        let expected = if lorafleet_gateway::registry::bucket(&route_id, &user) < 9000 {
+            a1
+        } else {
+            a2
+        };
+        sent.insert(request_id(&body), expected);
+    }
+    let rows = p.audit_rows("acme", "support", sent.len() + 2).await;
+    let by_request: HashMap<String, &Value> = rows
+        .iter()
+        .map(|r| (r["request_id"].as_str().unwrap().to_owned(), r))
+        .collect();
+    let mut on_v2 = 0;
+    for (id, expected) in &sent {
+        let row = by_request
+            .get(id)
+            .unwrap_or_else(|| panic!("request {id} is not in the audit log"));
+        assert_eq!(row["lora_int_id"].as_i64(), Some(*expected), "{row}");
+        assert_eq!(row["worker_id"], "w0");
+        assert_eq!(row["status"], "ok");
+        if *expected == a2 {
+            on_v2 += 1;
+        }
+    }
+    let share = f64::from(on_v2) / sent.len() as f64;
+    assert!((0.04..=0.17).contains(&share), "canary share {share}");
+
+    // Promote the canary: all traffic moves.
+    let promoted = p.ctl_json(&[
+        "routes",
+        "promote",
+        "acme",
+        "support",
+        &a2.to_string(),
+        "--etag",
+        "1",
+    ]);
+    assert_eq!(promoted["etag"], "\"2\"");
+    p.ctl(&[
+        "routes",
+        "promote",
+        "acme",
+        "support",
+        &a1.to_string(),
+        "--etag",
+        "1",
+    ])
+    .refused(5, "stale");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut after: Vec<String> = Vec::new();
+    for i in 0..40 {
+        let (status, body) = p
+            .complete(i % 2, &key, "support", &format!("user-{i}"))
+            .await;
+        assert_eq!(status, 200, "{body}");
+        after.push(request_id(&body));
+    }
+    // Rollback restores 90/10, and promote again.
+    let rolled = p.ctl_json(&["routes", "rollback", "acme", "support", "--etag", "2"]);
+    assert_eq!(rolled["weights"].as_array().unwrap().len(), 2, "{rolled}");
+    assert_eq!(rolled["etag"], "\"3\"");
+    p.ctl_json(&[
+        "routes",
+        "promote",
+        "acme",
+        "support",
+        &a2.to_string(),
+        "--etag",
+        "3",
+    ]);
+
+    // Retire v1: it can no longer be routed to; v2 cannot be retired while
+    // it takes traffic.
+    let retired = p.ctl_json(&["adapters", "retire", &a1.to_string()]);
+    assert_eq!(retired["state"], "retired");
+    p.ctl(&["adapters", "retire", &a1.to_string()])
+        .refused(5, "already retired");
+    p.ctl(&["adapters", "retire", &a2.to_string()])
+        .refused(5, "acme/support");
+    p.ctl(&[
+        "routes",
+        "set",
+        "acme",
+        "support",
+        "--weights",
+        &w(&[(a1, 5000), (a2, 5000)]),
+        "--etag",
+        "4",
+    ])
+    .refused(6, "retired");
+    p.ctl(&["routes", "rollback", "acme", "support", "--etag", "4"])
+        .refused(6, "retired");
+    p.ctl(&["adapters", "retire", "999999"])
+        .refused(4, "lora_int_id");
+
+    // Every request after the promotion went to v2, found by request id.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    for id in after.iter().take(5) {
+        let found = p.ctl_json(&["audit", "--request-id", id]);
+        assert_eq!(
+            found["rows"][0]["lora_int_id"].as_i64(),
+            Some(a2),
+            "{found}"
+        );
+    }
+    let all = p
+        .audit_rows("acme", "support", sent.len() + after.len() + 2)
+        .await;
+    for id in &after {
+        let row = all
+            .iter()
+            .find(|r| r["request_id"] == id.as_str())
+            .unwrap_or_else(|| panic!("request {id} is not in the audit log"));
+        assert_eq!(row["lora_int_id"].as_i64(), Some(a2));
+    }
+
+    // --- Audit queries ----------------------------------------------------
+    let total = all.len();
+    let count = |args: &[&str]| -> usize {
+        let mut a = vec!["audit", "--all", "--limit", "1000"];
+        a.extend_from_slice(args);
+        p.ctl_json(&a)["rows"].as_array().unwrap().len()
+    };
+    let on_a2 = all.iter().filter(|r| r["lora_int_id"] == a2).count();
+    assert_eq!(count(&["--lora-int-id", &a2.to_string()]), on_a2);
+    assert_eq!(count(&["--adapter", "support:2"]), on_a2);
+    let served = all
+        .iter()
+        .filter(|r| r["adapter_name"] == "support")
+        .count();
+    assert_eq!(count(&["--adapter", "support"]), served);
+    let on_w0 = all.iter().filter(|r| r["worker_id"] == "w0").count();
+    assert_eq!(count(&["--worker", "w0", "--model", "support"]), on_w0);
+    assert!(on_w0 >= sent.len() + after.len());
+    assert_eq!(count(&["--api-key", &prefix, "--model", "support"]), total);
+    assert_eq!(count(&["--tenant", "globex"]), 0);
+    // The probes made before a replica knew the route were refused.
+    let ok = all.iter().filter(|r| r["status"] == "ok").count();
+    assert_eq!(count(&["--model", "support", "--status", "ok"]), ok);
+    assert_eq!(
+        count(&["--model", "support", "--status", "rejected"]),
+        total - ok
+    );
+    let newest = all[0]["received_at"].as_str().unwrap().to_owned();
+    let oldest = all[total - 1]["received_at"].as_str().unwrap().to_owned();
+    assert_eq!(
+        count(&["--model", "support", "--since", &oldest, "--until", &newest]),
+        total - 1,
+        "since is inclusive, until exclusive"
+    );
+    p.ctl(&["audit", "--status", "maybe"]).refused(6, "status");
+    p.ctl(&["audit", "--since", &newest, "--until", &oldest])
+        .refused(6, "until");
+    p.ctl(&["audit", "--limit", "5000"]).refused(6, "limit");
+    p.ctl(&["audit", "--cursor", "nonsense"])
+        .refused(6, "cursor");
+    p.ctl(&["audit", "--tenant", "nobody"]).refused(4, "tenant");
+
+    // Keyset pages cover every row once, newest first.
+    let mut seen = HashSet::new();
+    let mut cursor: Option<String> = None;
+    let mut pages = 0;
+    loop {
+        let mut args = vec!["audit", "--model", "support", "--limit", "37"];
+        if let Some(c) = &cursor {
+            args.extend(["--cursor", c.as_str()]);
+        }
+        let page = p.ctl_json(&args);
+        for r in page["rows"].as_array().unwrap() {
+            assert!(seen.insert(r["id"].as_i64().unwrap()), "a row on two pages");
+        }
+        pages += 1;
+        match page["next_cursor"].as_str() {
+            Some(c) => cursor = Some(c.to_owned()),
+            None => break,
+        }
+    }
+    assert_eq!(seen.len(), total);
+    assert!(pages >= total / 37, "{pages} pages");
+
+    // Exports.
+    let jsonl = p.ctl(&["audit", "--model", "support", "--export", "jsonl"]);
+    assert_eq!(jsonl.code, 0, "{}", jsonl.stderr);
+    let lines: Vec<Value> = jsonl
+        .stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), total);
+    let csv = p.ctl(&["audit", "--model", "support", "--export", "csv"]);
+    let mut csv_lines = csv.stdout.lines();
+    let header = csv_lines.next().unwrap();
+    assert!(header.starts_with("id,request_id,received_at"), "{header}");
+    assert_eq!(csv_lines.count(), total);
+
+    // --- Revocation, expiry and disabling reach every replica in 2 s ------
+    assert_eq!(
+        p.complete(1, &short_key, "support", "u").await.0,
+        401,
+        "expired"
+    );
+    p.ctl_json(&["keys", "revoke", &prefix]);
+    let took = p.until_status(1, &key, "support", 401).await;
+    assert!(took < Duration::from_secs(2), "revocation took {took:?}");
+    p.ctl(&["keys", "revoke", &prefix])
+        .refused(5, "already revoked");
+    let (status, body) = p.complete(0, &key, "support", "u").await;
+    assert_eq!(status, 401);
+    assert!(body.to_string().contains("revoked"), "{body}");
+
+    let key2 = p.ctl_json(&["keys", "create", "acme"])["key"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    p.until_status(1, &key2, "support", 200).await;
+    p.ctl_json(&["tenants", "disable", "acme"]);
+    let took = p.until_status(1, &key2, "support", 403).await;
+    assert!(took < Duration::from_secs(2), "disabling took {took:?}");
+    p.ctl(&["tenants", "disable", "acme"])
+        .refused(5, "already disabled");
+    p.ctl(&["tenants", "disable", "nobody"])
+        .refused(4, "tenant");
+    p.ctl_json(&["tenants", "enable", "acme"]);
+    p.until_status(1, &key2, "support", 200).await;
+    // Another tenant never reaches acme's routes.
+    assert_eq!(p.complete(0, &globex_key, "support", "u").await.0, 404);
+
+    // --- Fleet view ---------------------------------------------------------
+    let fleet = p.ctl_json(&["fleet"]);
+    let w0 = &fleet["workers"][0];
+    assert_eq!(w0["worker_id"], "w0");
+    assert_eq!(w0["up"], true);
+    assert_eq!(w0["base_hash"], hashes["llama-gqa"]);
+    let resident: Vec<i64> = ["device", "host"]
+        .iter()
+        .flat_map(|t| w0["adapters"][*t].as_array().cloned().unwrap_or_default())
+        .filter_map(|v| v.as_i64())
+        .collect();
+    assert!(resident.contains(&a2), "{fleet}");
+
+    // --- The admin change log -----------------------------------------------
+    let changes = p.ctl_json(&["changes", "--limit", "200"]);
+    let changes = changes["changes"].as_array().unwrap();
+    let promote = changes
+        .iter()
+        .find(|c| c["action"] == "route.promote")
+        .expect("a promote is recorded");
+    assert_eq!(promote["actor"], "alice");
+    assert_eq!(promote["object_id"], "acme/support");
+    // The latest promote followed the rollback to 90/10.
+    assert_eq!(promote["before"]["weights"].as_array().unwrap().len(), 2);
+    assert_eq!(promote["after"]["weights"].as_array().unwrap().len(), 1);
+    assert_eq!(
+        promote["after"]["weights"][0]["lora_int_id"].as_i64(),
+        Some(a2)
+    );
+    let key_change = changes
+        .iter()
+        .find(|c| c["action"] == "api_key.create")
+        .unwrap();
+    assert!(
+        !key_change.to_string().contains(&secret),
+        "secrets never reach the change log"
+    );
+    assert!(changes.iter().any(|c| c["action"] == "adapter.retire"
+        && c["before"]["state"] == "active"
+        && c["after"]["state"] == "retired"));
+    // Refused changes leave no record.
+    assert!(!changes.iter().any(|c| c["object_id"] == "mixed"));
+    let tampered = sqlx::query("DELETE FROM admin_changes")
+        .execute(&p.pool)
+        .await;
+    assert!(tampered.is_err(), "the change log is append-only");
+}
