@@ -1,0 +1,249 @@
+//! Audit-query benchmark: compliance questions over a generated audit log
+//! of at least 1M rows (10 tenants, 30 days, 1,000 adapters, 8 workers) in
+//! a throwaway Postgres database.
+//!
+//! Each question is one tenant's one-day window, newest first, 100 rows a
+//! page: the first page, a deep page (after 3,000 rows, reached by keyset
+//! cursor), and the first page with an adapter and status filter too. Each
+//! is timed through the gateway's `AuditQuery` (the SQL alone) and through
+//! the real admin HTTP API (`GET /admin/v1/audit`, JWT checked, JSON
+//! encoded) served in-process on loopback.
+//!
+//! cargo bench -p lorafleet-gateway --bench audit_query [-- ROWS]
+
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, TimeZone, Utc};
+use lorafleet_gateway::admin::{self, AuditFilter, AuditQuery, Cursor};
+use lorafleet_gateway::fleet::Fleet;
+use lorafleet_gateway::registry::{Registry, Snapshot};
+use lorafleet_gateway::routing::Policy;
+use sqlx::Connection;
+
+const TENANTS: usize = 10;
+const DAYS: i64 = 30;
+const SAMPLES: usize = 300;
+const DEEP_ROWS: usize = 3_000;
+
+fn percentile(v: &mut [Duration], p: f64) -> f64 {
+    v.sort();
+    let i = ((v.len() as f64 - 1.0) * p).round() as usize;
+    v[i].as_secs_f64() * 1e3
+}
+
+/// A small deterministic generator, so runs ask the same questions.
+struct Lcg(u64);
+impl Lcg {
+    fn next(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        self.0 >> 33
+    }
+}
+
+fn main() {
+    let rows: u64 = std::env::args()
+        .skip(1)
+        .find_map(|a| a.parse().ok())
+        .unwrap_or(1_000_000);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async move {
+        let db = format!("lorafleet_audit_bench_{}", std::process::id());
+        let server = "postgres://postgres@127.0.0.1:5432/postgres";
+        let mut c = sqlx::PgConnection::connect(server).await.unwrap();
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}")))
+            .execute(&mut c)
+            .await
+            .unwrap();
+        let url = format!("postgres://postgres@127.0.0.1:5432/{db}");
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(4)
+            .connect(&url)
+            .await
+            .unwrap();
+        lorafleet_gateway::db::migrate(&pool).await.unwrap();
+
+        let t0 = Instant::now();
+        for i in 0..TENANTS {
+            sqlx::query("INSERT INTO tenants (name) VALUES ($1)")
+                .bind(format!("tenant-{i:02}"))
+                .execute(&pool)
+                .await
+                .unwrap();
+        }
+        let start: DateTime<Utc> = Utc.with_ymd_and_hms(2026, 10, 1, 0, 0, 0).unwrap();
+        let step_us = DAYS * 86_400 * 1_000_000 / rows as i64;
+        // Rows in time order, as a gateway writes them; every tenant spread
+        // over the whole month.
+        sqlx::query(
+            "WITH t AS (SELECT array_agg(id ORDER BY name) AS ids FROM tenants)
+             INSERT INTO audit_log (request_id, received_at, completed_at, tenant_id, model_name,
+                 lora_int_id, adapter_name, adapter_version, base_hash, worker_id,
+                 adapter_residency, status, http_status, error_code, finish_reason,
+                 prompt_tokens, completion_tokens, latency_us, ttft_us)
+             SELECT gen_random_uuid(), ts, ts + interval '300 milliseconds',
+                    t.ids[1 + (g % 10)::INT], 'model-' || (g % 7),
+                    1 + g % 1000, 'adapter-' || (g % 1000), 1, repeat('ab', 32),
+                    'w' || (g % 8), 'device',
+                    CASE WHEN g % 50 = 0 THEN 'error'::audit_status ELSE 'ok' END,
+                    CASE WHEN g % 50 = 0 THEN 502 ELSE 200 END,
+                    CASE WHEN g % 50 = 0 THEN 'worker_failed' END,
+                    CASE WHEN g % 50 = 0 THEN NULL ELSE 'stop' END,
+                    20, 50, 300000, 40000
+             FROM t, generate_series(0, $1 - 1) AS g,
+                  LATERAL (SELECT $2 + make_interval(secs => g * $3 / 1e6) AS ts) x",
+        )
+        .bind(rows as i64)
+        .bind(start)
+        .bind(step_us as f64)
+        .execute(&pool)
+        .await
+        .unwrap();
+        sqlx::query("ANALYZE audit_log").execute(&pool).await.unwrap();
+        let loaded = t0.elapsed();
+        let count: i64 = sqlx::query_scalar("SELECT count(*) FROM audit_log")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+
+        // The real admin API, in-process on loopback.
+        let secret_dir = tempfile::tempdir().unwrap();
+        let secret_path = secret_dir.path().join("admin.secret");
+        let secret = "a-benchmark-secret-of-at-least-32-bytes";
+        std::fs::write(&secret_path, secret).unwrap();
+        let jwt = lorafleet_gateway::auth::jwt_config(
+            "--admin-jwt-",
+            Some(&secret_path),
+            None,
+            &["HS256".to_owned()],
+            Some("bench"),
+            Some("admin"),
+        )
+        .unwrap()
+        .unwrap();
+        let now = Utc::now().timestamp();
+        let token = jsonwebtoken::encode(
+            &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256),
+            &serde_json::json!({"sub": "bench", "role": "auditor", "iss": "bench",
+                                "aud": "admin", "exp": now + 3600}),
+            &jsonwebtoken::EncodingKey::from_secret(secret.as_bytes()),
+        )
+        .unwrap();
+        let app = admin::router(admin::AdminState {
+            pool: pool.clone(),
+            registry: Registry::new(Snapshot::load(&pool).await.unwrap()),
+            redis: None,
+            channel: String::new(),
+            jwt: std::sync::Arc::new(jwt),
+            artifact_roots: None,
+            max_lora_rank: 64,
+            fleet: Fleet::new(Policy::default()),
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        let http = reqwest::Client::new();
+
+        let mut rng = Lcg(42);
+        let questions: Vec<(String, DateTime<Utc>)> = (0..SAMPLES)
+            .map(|_| {
+                let tenant = format!("tenant-{:02}", rng.next() as usize % TENANTS);
+                let day = start + chrono::Duration::days(rng.next() as i64 % DAYS);
+                (tenant, day)
+            })
+            .collect();
+        let filter = |tenant: &str, day: DateTime<Utc>| AuditFilter {
+            tenant: Some(tenant.to_owned()),
+            since: Some(day),
+            until: Some(day + chrono::Duration::days(1)),
+            limit: Some(100),
+            ..AuditFilter::default()
+        };
+
+        // Cursors for the deep page of each question, walked page by page.
+        let mut deep_cursors = Vec::new();
+        for (tenant, day) in &questions {
+            let q = AuditQuery::new(&pool, &filter(tenant, *day)).await.unwrap();
+            let mut cursor = None;
+            for _ in 0..DEEP_ROWS / 100 {
+                cursor = q.page(&pool, cursor).await.unwrap().1;
+            }
+            deep_cursors.push(cursor.expect("a day holds more than 3,000 rows per tenant"));
+        }
+
+        let mut results: Vec<(&str, &str, Vec<Duration>)> = Vec::new();
+        for (name, deep, extra) in [
+            ("first page", false, false),
+            ("deep page (after 3,000 rows)", true, false),
+            ("first page, + adapter and status filter", false, true),
+        ] {
+            let mut sql = Vec::new();
+            let mut api = Vec::new();
+            for (i, (tenant, day)) in questions.iter().enumerate() {
+                let mut f = filter(tenant, *day);
+                if extra {
+                    f.adapter = Some(format!("adapter-{}", i % 1000));
+                    f.status = Some("ok".into());
+                }
+                let cursor = deep.then(|| deep_cursors[i]);
+                let t = Instant::now();
+                let q = AuditQuery::new(&pool, &f).await.unwrap();
+                let (page, _) = q.page(&pool, cursor).await.unwrap();
+                sql.push(t.elapsed());
+                assert!(extra || page.len() == 100, "{name}: {} rows", page.len());
+
+                let mut query: Vec<(&str, String)> = vec![
+                    ("tenant", tenant.clone()),
+                    ("since", day.to_rfc3339()),
+                    ("until", (*day + chrono::Duration::days(1)).to_rfc3339()),
+                    ("limit", "100".into()),
+                ];
+                if extra {
+                    query.push(("adapter", format!("adapter-{}", i % 1000)));
+                    query.push(("status", "ok".into()));
+                }
+                if let Some(c) = cursor {
+                    query.push(("cursor", Cursor::encode(&c)));
+                }
+                let t = Instant::now();
+                let resp = http
+                    .get(format!("http://{addr}/admin/v1/audit"))
+                    .bearer_auth(&token)
+                    .query(&query)
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(resp.status(), 200);
+                let body: serde_json::Value = resp.json().await.unwrap();
+                api.push(t.elapsed());
+                assert_eq!(body["rows"].as_array().unwrap().len(), page.len());
+            }
+            results.push((name, "AuditQuery (SQL)", sql));
+            results.push((name, "admin HTTP API", api));
+        }
+
+        println!();
+        println!(
+            "audit_log: {count} rows ({TENANTS} tenants, {DAYS} days), generated and analysed in {:.1} s; {SAMPLES} questions each",
+            loaded.as_secs_f64()
+        );
+        println!();
+        println!("| question (one tenant, one day, 100 rows) | through | p50 | p99 | max |");
+        println!("|---|---|---:|---:|---:|");
+        for (name, through, mut v) in results {
+            let (p50, p99) = (percentile(&mut v, 0.50), percentile(&mut v, 0.99));
+            let max = v.last().unwrap().as_secs_f64() * 1e3;
+            println!("| {name} | {through} | {p50:.2} ms | {p99:.2} ms | {max:.2} ms |");
+        }
+
+        pool.close().await;
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "DROP DATABASE IF EXISTS {db} WITH (FORCE)"
+        )))
+        .execute(&mut c)
+        .await
+        .unwrap();
+    });
+}
