@@ -46,7 +46,7 @@ impl Ctl {
 
 struct Plane {
     gateways: Vec<Server>,
-    _worker: Server,
+    worker: Server,
     http: reqwest::Client,
     root: tempfile::TempDir,
     secret: PathBuf,
@@ -149,7 +149,7 @@ async fn plane(label: &str) -> Plane {
     }
     let mut p = Plane {
         gateways,
-        _worker: worker,
+        worker,
         http: reqwest::Client::new(),
         root,
         secret,
@@ -329,6 +329,20 @@ async fn admins_run_the_registry_and_compliance_reads_the_audit_log_through_lora
         Some(7),
         "unreachable API exits 7"
     );
+
+    // The container health checks.
+    let health = |bin: &str, addr: &str| {
+        Command::new(binary(bin))
+            .args(["health", "--addr", addr])
+            .output()
+            .unwrap()
+            .status
+            .success()
+    };
+    assert!(health("lorafleet-gateway", p.gateways[0].addr("http")));
+    assert!(health("lorafleet-worker", p.worker.addr("grpc")));
+    assert!(!health("lorafleet-gateway", "127.0.0.1:1"));
+    assert!(!health("lorafleet-worker", "127.0.0.1:1"));
 
     // --- Tenants ----------------------------------------------------------
     let acme = p.ctl_json(&["tenants", "create", "acme", "--display-name", "Acme"]);

@@ -287,6 +287,23 @@ async fn concurrent_adapter_streams_match_the_goldens_and_bad_artifacts_are_refu
                 m.contains_key("lorafleet_kv_utilization")
                     && m.contains_key("lorafleet_queue_depth")
             );
+            // Step latency by phase and batch heterogeneity, and residency
+            // by tier, as the dashboard reads them.
+            let steps: f64 = m
+                .iter()
+                .filter(|(k, _)| {
+                    k.starts_with("lorafleet_step_duration_seconds_count{")
+                        && k.contains("adapters=\"1\"")
+                })
+                .map(|(_, v)| v)
+                .sum();
+            assert!(steps > 0.0, "{m:?}");
+            assert!(
+                get("lorafleet_adapters_resident{tier=\"device\"}")
+                    + get("lorafleet_adapters_resident{tier=\"host\"}")
+                    >= 1.0,
+                "{m:?}"
+            );
             break;
         }
         assert!(

@@ -37,6 +37,13 @@ enum Command {
     /// Serves the model and its adapters over gRPC (lorafleet.worker.v1 and
     /// grpc.health.v1) until SIGTERM, then drains.
     Serve(serve::ServeArgs),
+    /// Asks a worker's grpc.health.v1 whether it is SERVING; exit 0 if so.
+    /// For container health checks.
+    Health {
+        /// The worker's gRPC address.
+        #[arg(long, default_value = "127.0.0.1:50051")]
+        addr: String,
+    },
 }
 
 fn main() -> ExitCode {
@@ -44,6 +51,9 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::BaseHash { model } => base_hash(&model),
         Command::Generate(args) => generate::run(args),
+        Command::Health { addr } => tokio::runtime::Runtime::new()
+            .map_err(anyhow::Error::from)
+            .and_then(|rt| rt.block_on(health(&addr))),
         Command::Serve(args) => tokio::runtime::Runtime::new()
             .map_err(anyhow::Error::from)
             .and_then(|rt| {
@@ -60,6 +70,34 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+async fn health(addr: &str) -> anyhow::Result<()> {
+    use lorafleet_proto::health::{HealthCheckRequest, health_client::HealthClient};
+    let check = async {
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
+            .connect()
+            .await?;
+        let status = HealthClient::new(channel)
+            .check(HealthCheckRequest {
+                service: String::new(),
+            })
+            .await?
+            .into_inner()
+            .status;
+        anyhow::Ok(status)
+    };
+    let status = tokio::time::timeout(std::time::Duration::from_secs(5), check)
+        .await
+        .map_err(|_| anyhow::anyhow!("--addr {addr}: no answer within 5 s"))?
+        .map_err(|e| anyhow::anyhow!("--addr {addr}: {e}"))?;
+    // 1 is SERVING in grpc.health.v1.
+    anyhow::ensure!(
+        status == 1,
+        "--addr {addr}: the worker is not SERVING (status {status})"
+    );
+    println!("SERVING");
+    Ok(())
 }
 
 fn base_hash(model: &std::path::Path) -> anyhow::Result<()> {

@@ -295,8 +295,10 @@ fn run(
         }
 
         if engine.has_work() {
+            let step_started = Instant::now();
             match engine.step() {
                 Ok(events) => {
+                    let step_time = step_started.elapsed();
                     let generated: usize = events
                         .iter()
                         .map(|(_, e)| {
@@ -307,7 +309,7 @@ fn run(
                             }
                         })
                         .sum();
-                    crate::telemetry::record_step(&engine.last_step(), generated);
+                    crate::telemetry::record_step(&engine.last_step(), generated, step_time);
                     for (id, event) in events {
                         let last = matches!(event, Event::Finished(_) | Event::Failed(_));
                         let delivered = streams.get(&id).is_some_and(|tx| tx.send(event).is_ok());

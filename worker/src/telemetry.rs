@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use lorafleet_engine::pool::Residency;
 use lorafleet_engine::{EngineStats, StepStats};
 use metrics::{counter, gauge, histogram};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
@@ -76,11 +77,36 @@ async fn serve(listener: TcpListener, handle: PrometheusHandle) {
     }
 }
 
+/// The batch-heterogeneity label of a step: how many distinct adapters it
+/// ran, in a few buckets so the label set stays small.
+pub fn heterogeneity(distinct_adapters: usize) -> &'static str {
+    match distinct_adapters {
+        0 => "0",
+        1 => "1",
+        2..=4 => "2-4",
+        5..=16 => "5-16",
+        _ => "17+",
+    }
+}
+
 /// After each engine step.
-pub fn record_step(step: &StepStats, generated: usize) {
+pub fn record_step(step: &StepStats, generated: usize, took: Duration) {
     if step.sequences > 0 {
         histogram!("lorafleet_batch_size").record(step.sequences as f64);
         histogram!("lorafleet_batch_distinct_adapters").record(step.distinct_adapters as f64);
+        // A pure decode step runs one token per sequence; anything more
+        // carries prefill work.
+        let phase = if step.tokens == step.sequences {
+            "decode"
+        } else {
+            "prefill"
+        };
+        histogram!(
+            "lorafleet_step_duration_seconds",
+            "phase" => phase,
+            "adapters" => heterogeneity(step.distinct_adapters)
+        )
+        .record(took.as_secs_f64());
     }
     counter!("lorafleet_generated_tokens_total").increment(generated as u64);
     counter!("lorafleet_preemptions_total").increment(step.preempted as u64);
@@ -93,6 +119,18 @@ pub fn record_stats(stats: &EngineStats) {
     gauge!("lorafleet_kv_blocks_used").set(stats.kv_blocks_used as f64);
     gauge!("lorafleet_kv_utilization")
         .set(stats.kv_blocks_used as f64 / stats.kv_blocks_total.max(1) as f64);
+    let mut resident = [0usize; 3];
+    for a in &stats.adapters {
+        match a.residency {
+            Residency::Device => resident[0] += 1,
+            Residency::Host => resident[1] += 1,
+            Residency::Loading => resident[2] += 1,
+            Residency::NotLoaded => {}
+        }
+    }
+    for (tier, n) in ["device", "host", "loading"].iter().zip(resident) {
+        gauge!("lorafleet_adapters_resident", "tier" => *tier).set(n as f64);
+    }
     let p = stats.pool;
     counter!("lorafleet_adapter_hits_total", "tier" => "device").absolute(p.device_hits);
     counter!("lorafleet_adapter_hits_total", "tier" => "host").absolute(p.host_hits);

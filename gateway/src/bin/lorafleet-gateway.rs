@@ -21,6 +21,13 @@ enum Command {
     Migrate(MigrateArgs),
     /// Serves the OpenAI-compatible API until SIGTERM, then drains.
     Serve(Box<lorafleet_gateway::serve::ServeArgs>),
+    /// Asks a gateway's `/healthz`; exit 0 if it answers 200. For container
+    /// health checks.
+    Health {
+        /// The gateway's HTTP address.
+        #[arg(long, default_value = "127.0.0.1:8080")]
+        addr: String,
+    },
 }
 
 #[derive(Debug, clap::Args)]
@@ -42,6 +49,15 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    if let Command::Health { addr } = &cli.command {
+        return match runtime.block_on(health(addr)) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let result = runtime.block_on(async {
         let _telemetry = lorafleet_telemetry::init("lorafleet-gateway")?;
         run(cli).await
@@ -55,8 +71,27 @@ fn main() -> ExitCode {
     }
 }
 
+async fn health(addr: &str) -> anyhow::Result<()> {
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(5))
+        .build()?;
+    let resp = client
+        .get(format!("http://{addr}/healthz"))
+        .send()
+        .await
+        .map_err(|e| anyhow::anyhow!("--addr {addr}: {e}"))?;
+    anyhow::ensure!(
+        resp.status().is_success(),
+        "--addr {addr}: /healthz answered {}",
+        resp.status()
+    );
+    println!("ok");
+    Ok(())
+}
+
 async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
+        Command::Health { .. } => unreachable!("answered before telemetry starts"),
         Command::Serve(args) => lorafleet_gateway::serve::run(*args).await,
         Command::Migrate(args) => {
             if args.connect_timeout_secs == 0 {
