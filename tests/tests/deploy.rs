@@ -1,0 +1,416 @@
+//! The Kubernetes manifests against the real binaries: each overlay is
+//! rendered with kustomize (`kubectl kustomize`), and the rendered objects
+//! are checked for what schema validation cannot see: probes point at ports
+//! the processes really listen on, drains end before the kubelet kills, the
+//! gateway resolves the workers' headless Service, and every flag and
+//! environment setting is one the binaries accept (read from their
+//! `--help`).
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::PathBuf;
+use std::process::Command;
+
+use lorafleet_tests::binary;
+use serde_json::Value;
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn render(overlay: &str) -> Vec<Value> {
+    let dir = repo().join("deploy/k8s/overlays").join(overlay);
+    let out = Command::new("kubectl")
+        .arg("kustomize")
+        .arg(&dir)
+        .output()
+        .expect("kubectl is required to render the kustomize overlays");
+    assert!(
+        out.status.success(),
+        "kubectl kustomize {}: {}",
+        dir.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    serde_yaml::Deserializer::from_str(&text)
+        .map(|doc| {
+            let v = <serde_yaml::Value as serde::Deserialize>::deserialize(doc).unwrap();
+            serde_json::to_value(v).unwrap()
+        })
+        .filter(|v| !v.is_null())
+        .collect()
+}
+
+fn find<'a>(objects: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    objects
+        .iter()
+        .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("no {kind} {name}"))
+}
+
+/// What a binary's subcommand accepts: its flags and their env fallbacks.
+struct Accepts {
+    flags: HashSet<String>,
+    envs: HashSet<String>,
+}
+
+fn accepts(bin: &str, subcommand: &str) -> Accepts {
+    let out = Command::new(binary(bin))
+        .args([subcommand, "--help"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{bin} {subcommand} --help");
+    let help = String::from_utf8(out.stdout).unwrap();
+    let flags = help
+        .split_whitespace()
+        .filter(|w| w.starts_with("--"))
+        .map(|w| w.trim_end_matches(',').to_owned())
+        .collect();
+    let envs = help
+        .split("[env: ")
+        .skip(1)
+        .filter_map(|s| s.split(['=', ']']).next())
+        .map(str::to_owned)
+        .collect();
+    Accepts { flags, envs }
+}
+
+/// Settings read by the telemetry setup rather than by clap.
+const TELEMETRY_ENVS: &[&str] = &[
+    "LORAFLEET_LOG_FORMAT",
+    "RUST_LOG",
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_SERVICE_NAME",
+];
+
+/// Every environment variable a container gets: its own `env`, and the
+/// data of the ConfigMaps it loads with `envFrom`.
+fn container_env(objects: &[Value], container: &Value) -> BTreeMap<String, Option<String>> {
+    let mut env = BTreeMap::new();
+    for from in container["envFrom"].as_array().into_iter().flatten() {
+        let name = from["configMapRef"]["name"].as_str().expect("configMapRef");
+        let cm = find(objects, "ConfigMap", name);
+        for (k, v) in cm["data"].as_object().unwrap() {
+            env.insert(k.clone(), v.as_str().map(str::to_owned));
+        }
+    }
+    for e in container["env"].as_array().into_iter().flatten() {
+        env.insert(
+            e["name"].as_str().unwrap().to_owned(),
+            e["value"].as_str().map(str::to_owned),
+        );
+    }
+    env
+}
+
+fn port_of(listen: &str) -> u64 {
+    listen.rsplit(':').next().unwrap().parse().unwrap()
+}
+
+/// The pod template and its one container of a workload.
+fn pod_of<'a>(objects: &'a [Value], kind: &str, name: &str) -> (&'a Value, &'a Value) {
+    let w = find(objects, kind, name);
+    let pod = &w["spec"]["template"]["spec"];
+    let containers = pod["containers"].as_array().unwrap();
+    assert_eq!(containers.len(), 1, "{kind} {name} has one container");
+    (pod, &containers[0])
+}
+
+fn container_port(container: &Value, port: &Value) -> u64 {
+    let ports = container["ports"].as_array().unwrap();
+    let found = match port {
+        Value::String(name) => ports.iter().find(|p| p["name"] == name.as_str()),
+        Value::Number(n) => ports
+            .iter()
+            .find(|p| p["containerPort"].as_u64() == n.as_u64()),
+        other => panic!("port {other}"),
+    };
+    found.unwrap_or_else(|| {
+        panic!(
+            "port {port} is not a containerPort of {}",
+            container["name"]
+        )
+    })["containerPort"]
+        .as_u64()
+        .unwrap()
+}
+
+/// Checks one server container: its flags and env are accepted, each named
+/// port is where the process listens, each probe hits a real port and
+/// endpoint, and the drain ends before the grace period.
+fn check_server(
+    objects: &[Value],
+    kind: &str,
+    name: &str,
+    bin: &str,
+    listens: &[(&str, &str)],
+) -> BTreeMap<String, Option<String>> {
+    let (pod, c) = pod_of(objects, kind, name);
+    let args: Vec<&str> = c["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    let accepted = accepts(bin, args[0]);
+    for a in &args[1..] {
+        if let Some(flag) = a.strip_prefix("--") {
+            let flag = format!("--{}", flag.split('=').next().unwrap());
+            assert!(
+                accepted.flags.contains(&flag),
+                "{bin} does not accept {flag}"
+            );
+        }
+    }
+    let env = container_env(objects, c);
+    for k in env.keys() {
+        assert!(
+            accepted.envs.contains(k) || TELEMETRY_ENVS.contains(&k.as_str()),
+            "{kind} {name}: {bin} {} reads no setting {k}",
+            args[0]
+        );
+    }
+    // Named ports are where the process listens.
+    for (port_name, listen_env) in listens {
+        let listen = env[*listen_env]
+            .as_deref()
+            .expect("a literal listen address");
+        assert_eq!(
+            container_port(c, &Value::String((*port_name).into())),
+            port_of(listen),
+            "{kind} {name}: port {port_name} vs {listen_env}={listen}"
+        );
+    }
+    // Probes hit real ports, and real endpoints.
+    let mut probes = 0;
+    for probe in ["startupProbe", "readinessProbe", "livenessProbe"] {
+        let p = &c[probe];
+        if p.is_null() {
+            continue;
+        }
+        probes += 1;
+        if let Some(http) = p.get("httpGet") {
+            container_port(c, &http["port"]);
+            let path = http["path"].as_str().unwrap();
+            assert!(
+                ["/healthz", "/readyz"].contains(&path),
+                "{kind} {name}: {probe} path {path} is not an endpoint the gateway serves"
+            );
+        } else if let Some(grpc) = p.get("grpc") {
+            // grpc.health.v1, which every worker serves on its gRPC port.
+            let port = container_port(c, &grpc["port"]);
+            assert_eq!(port, container_port(c, &Value::String("grpc".into())));
+        } else {
+            panic!("{kind} {name}: {probe} is neither httpGet nor grpc");
+        }
+    }
+    assert!(probes >= 2, "{kind} {name}: readiness and liveness probes");
+    // The drain ends before the kubelet's SIGKILL.
+    let grace = pod["terminationGracePeriodSeconds"].as_u64().unwrap();
+    let pause = c["lifecycle"]["preStop"]["sleep"]["seconds"]
+        .as_u64()
+        .unwrap_or(0);
+    let drain: u64 = env["LORAFLEET_DRAIN_DEADLINE_SECS"]
+        .as_deref()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        pause + drain < grace,
+        "{kind} {name}: preStop {pause} s + drain {drain} s must end before the {grace} s grace period"
+    );
+    // Prometheus scrapes the metrics port.
+    let annotations = &find(objects, kind, name)["spec"]["template"]["metadata"]["annotations"];
+    assert_eq!(
+        annotations["prometheus.io/port"].as_str().unwrap(),
+        container_port(c, &Value::String("metrics".into())).to_string()
+    );
+    env
+}
+
+fn check_overlay(overlay: &str) -> Vec<Value> {
+    let objects = render(overlay);
+    let gateway_env = check_server(
+        &objects,
+        "Deployment",
+        "lorafleet-gateway",
+        "lorafleet-gateway",
+        &[
+            ("http", "LORAFLEET_LISTEN"),
+            ("admin", "LORAFLEET_ADMIN_LISTEN"),
+            ("metrics", "LORAFLEET_METRICS_LISTEN"),
+        ],
+    );
+    check_server(
+        &objects,
+        "StatefulSet",
+        "lorafleet-worker",
+        "lorafleet-worker",
+        &[
+            ("grpc", "LORAFLEET_GRPC_LISTEN"),
+            ("metrics", "LORAFLEET_METRICS_LISTEN"),
+        ],
+    );
+
+    // The gateway resolves the workers' headless Service.
+    let sts = find(&objects, "StatefulSet", "lorafleet-worker");
+    let service_name = sts["spec"]["serviceName"].as_str().unwrap();
+    let svc = find(&objects, "Service", service_name);
+    assert_eq!(
+        svc["spec"]["clusterIP"], "None",
+        "the worker Service is headless"
+    );
+    assert_eq!(
+        svc["spec"]["selector"],
+        sts["spec"]["template"]["metadata"]["labels"]
+    );
+    let dns = gateway_env["LORAFLEET_WORKERS_DNS"].as_deref().unwrap();
+    let (host, port) = dns.rsplit_once(':').unwrap();
+    let mut labels = host.split('.');
+    assert_eq!(labels.next(), Some(service_name), "{dns}");
+    let namespace = sts["metadata"]["namespace"].as_str().unwrap();
+    if let Some(ns) = labels.next() {
+        assert_eq!(ns, namespace, "{dns}");
+    }
+    let (_, worker) = pod_of(&objects, "StatefulSet", "lorafleet-worker");
+    assert_eq!(
+        port.parse::<u64>().unwrap(),
+        container_port(worker, &Value::String("grpc".into()))
+    );
+    // Worker ids are the StatefulSet's stable pod names.
+    let id = worker["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["name"] == "LORAFLEET_WORKER_ID")
+        .expect("LORAFLEET_WORKER_ID");
+    assert_eq!(id["valueFrom"]["fieldRef"]["fieldPath"], "metadata.name");
+
+    // Services target named container ports that exist.
+    for svc in objects.iter().filter(|o| o["kind"] == "Service") {
+        let selector = &svc["spec"]["selector"];
+        let (_, c) = if selector["app.kubernetes.io/name"] == "lorafleet-gateway" {
+            pod_of(&objects, "Deployment", "lorafleet-gateway")
+        } else {
+            pod_of(&objects, "StatefulSet", "lorafleet-worker")
+        };
+        for p in svc["spec"]["ports"].as_array().unwrap() {
+            container_port(c, &p["targetPort"]);
+        }
+    }
+    // The admin API has its own Service, and the public one does not carry it.
+    let public = find(&objects, "Service", "lorafleet-gateway");
+    let admin = find(&objects, "Service", "lorafleet-gateway-admin");
+    assert!(
+        public["spec"]["ports"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|p| p["targetPort"] != "admin")
+    );
+    assert_eq!(admin["spec"]["ports"][0]["targetPort"], "admin");
+
+    // NetworkPolicies name real ports; workers admit gRPC only from gateways.
+    let np = find(&objects, "NetworkPolicy", "lorafleet-worker");
+    let grpc_rule = np["spec"]["ingress"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["ports"][0]["port"] == "grpc")
+        .unwrap();
+    assert_eq!(
+        grpc_rule["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/name"],
+        "lorafleet-gateway"
+    );
+    let np = find(&objects, "NetworkPolicy", "lorafleet-gateway");
+    let admin_rule = np["spec"]["ingress"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["ports"][0]["port"] == "admin")
+        .unwrap();
+    assert!(admin_rule["from"].as_array().is_some_and(|f| !f.is_empty()));
+
+    // The migration Job runs the real subcommand with the real settings.
+    let (_, job) = pod_of(&objects, "Job", "lorafleet-migrate");
+    assert_eq!(job["args"][0], "migrate");
+    let accepted = accepts("lorafleet-gateway", "migrate");
+    for e in job["env"].as_array().unwrap() {
+        let name = e["name"].as_str().unwrap();
+        assert!(
+            accepted.envs.contains(name) || TELEMETRY_ENVS.contains(&name),
+            "migrate reads no setting {name}"
+        );
+    }
+
+    // Key files the gateway is told to read are in its mounted key Secret,
+    // where the overlay provides that Secret.
+    let (gw_pod, gw) = pod_of(&objects, "Deployment", "lorafleet-gateway");
+    let keys_volume = gw_pod["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == "keys")
+        .unwrap();
+    let keys_secret = keys_volume["secret"]["secretName"].as_str().unwrap();
+    let mount = gw["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["name"] == "keys")
+        .unwrap()["mountPath"]
+        .as_str()
+        .unwrap();
+    if let Some(secret) = objects
+        .iter()
+        .find(|o| o["kind"] == "Secret" && o["metadata"]["name"] == keys_secret)
+    {
+        for (k, v) in &gateway_env {
+            if k.ends_with("_FILE")
+                && let Some(path) = v
+            {
+                let file = path
+                    .strip_prefix(&format!("{mount}/"))
+                    .unwrap_or_else(|| panic!("{k}={path} is not under the keys mount {mount}"));
+                assert!(
+                    secret["data"].get(file).is_some(),
+                    "{k}={path}: the Secret {keys_secret} has no {file}"
+                );
+            }
+        }
+    }
+    objects
+}
+
+#[test]
+fn the_dev_cpu_overlay_renders_and_matches_the_binaries() {
+    let objects = check_overlay("dev-cpu");
+    let (_, worker) = pod_of(&objects, "StatefulSet", "lorafleet-worker");
+    assert!(worker["image"].as_str().unwrap().ends_with("-cpu"));
+    assert!(
+        worker["resources"]["limits"]
+            .get("nvidia.com/gpu")
+            .is_none()
+    );
+    // Every Secret the pods reference exists in the rendered dev fleet.
+    let (_, gateway) = pod_of(&objects, "Deployment", "lorafleet-gateway");
+    for e in gateway["env"].as_array().unwrap() {
+        if let Some(name) = e["valueFrom"]["secretKeyRef"]["name"].as_str() {
+            let key = e["valueFrom"]["secretKeyRef"]["key"].as_str().unwrap();
+            let secret = find(&objects, "Secret", name);
+            assert!(secret["data"].get(key).is_some(), "{name} has no {key}");
+        }
+    }
+}
+
+#[test]
+fn the_gpu_overlay_renders_and_matches_the_binaries() {
+    let objects = check_overlay("gpu");
+    let (pod, worker) = pod_of(&objects, "StatefulSet", "lorafleet-worker");
+    assert!(worker["image"].as_str().unwrap().ends_with("-cuda"));
+    assert_eq!(worker["resources"]["limits"]["nvidia.com/gpu"], "1");
+    assert!(pod["tolerations"][0]["key"] == "nvidia.com/gpu");
+    let env = container_env(&objects, worker);
+    assert_eq!(env["LORAFLEET_BACKEND"].as_deref(), Some("cuda"));
+    assert_eq!(env["LORAFLEET_MAX_LORAS"].as_deref(), Some("32"));
+}
