@@ -436,6 +436,14 @@ async fn admins_run_the_registry_and_compliance_reads_the_audit_log_through_lora
         "--base-hash",
         hashes["qwen2-tied"].as_str().unwrap(),
     ]);
+    let bases = p.ctl_json(&["base-models", "list"]);
+    let bases: Vec<&str> = bases["base_models"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(bases, ["llama-gqa", "qwen2-tied"]);
     p.ctl(&[
         "base-models",
         "register",
@@ -542,6 +550,14 @@ async fn admins_run_the_registry_and_compliance_reads_the_audit_log_through_lora
         .await
         .unwrap();
     assert_eq!(stored, 3, "refused registrations store nothing");
+    let versions = p.ctl_json(&["adapters", "list", "--name", "support"]);
+    let versions: Vec<(i64, i64)> = versions["adapters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| (a["lora_int_id"].as_i64().unwrap(), a["version"].as_i64().unwrap()))
+        .collect();
+    assert_eq!(versions, [(a1, 1), (a2, 2)]);
 
     // --- Routes and canaries ----------------------------------------------
     let w = |pairs: &[(i64, u32)]| {
@@ -618,10 +634,16 @@ async fn admins_run_the_registry_and_compliance_reads_the_audit_log_through_lora
         listed.stdout
     );
 
+    let got = p.ctl_json(&["routes", "get", "acme", "support"]);
+    assert_eq!(got["etag"], "\"1\"");
+    assert_eq!(got["weights"][1]["weight_bp"], 1000);
+    p.ctl(&["routes", "get", "acme", "nope"]).refused(4, "model");
+
     // Both replicas learn the route from the announcement, not the
-    // 600-second refresh.
+    // 600-second refresh, within 2 s of the change.
     for replica in [0, 1] {
-        p.until_status(replica, &key, "support", 200).await;
+        let took = p.until_status(replica, &key, "support", 200).await;
+        assert!(took < Duration::from_secs(2), "the route took {took:?}");
     }
     let route_id: Uuid = sqlx::query_scalar("SELECT id FROM routes WHERE model_name = 'support'")
         .fetch_one(&p.pool)

@@ -4,6 +4,7 @@ use lorafleet_tests::{TestDb, run};
 
 const TABLES: &[&str] = &[
     "adapters",
+    "admin_changes",
     "api_keys",
     "audit_log",
     "base_models",
@@ -55,7 +56,7 @@ async fn migrations_apply_to_an_empty_database_and_rerun_as_a_no_op() {
             .unwrap();
     assert_eq!(
         applied,
-        vec![(1, true), (2, true)],
+        vec![(1, true), (2, true), (3, true)],
         "each migration applied exactly once"
     );
 }
@@ -77,7 +78,7 @@ async fn migrate_takes_the_url_from_the_environment() {
         .fetch_one(&db.pool().await)
         .await
         .unwrap();
-    assert_eq!(n, 2);
+    assert_eq!(n, 3);
 }
 
 #[test]
