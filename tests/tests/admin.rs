@@ -555,7 +555,12 @@ async fn admins_run_the_registry_and_compliance_reads_the_audit_log_through_lora
         .as_array()
         .unwrap()
         .iter()
-        .map(|a| (a["lora_int_id"].as_i64().unwrap(), a["version"].as_i64().unwrap()))
+        .map(|a| {
+            (
+                a["lora_int_id"].as_i64().unwrap(),
+                a["version"].as_i64().unwrap(),
+            )
+        })
         .collect();
     assert_eq!(versions, [(a1, 1), (a2, 2)]);
 
@@ -637,7 +642,8 @@ async fn admins_run_the_registry_and_compliance_reads_the_audit_log_through_lora
     let got = p.ctl_json(&["routes", "get", "acme", "support"]);
     assert_eq!(got["etag"], "\"1\"");
     assert_eq!(got["weights"][1]["weight_bp"], 1000);
-    p.ctl(&["routes", "get", "acme", "nope"]).refused(4, "model");
+    p.ctl(&["routes", "get", "acme", "nope"])
+        .refused(4, "model");
 
     // Both replicas learn the route from the announcement, not the
     // 600-second refresh, within 2 s of the change.
