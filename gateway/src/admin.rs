@@ -424,14 +424,31 @@ async fn record(
     Ok(())
 }
 
-/// After a commit: this replica reloads now, the others on the announcement.
-async fn changed(state: &AdminState) {
+/// Records a change in its own transaction, then commits and announces it.
+async fn commit_change(
+    state: &AdminState,
+    mut tx: Transaction<'_, Postgres>,
+    actor: &Actor,
+    action: &str,
+    object: (&str, &str),
+    before: Option<Value>,
+    after: Option<Value>,
+) -> Result<(), AdminError> {
+    record(&mut tx, actor, action, object, before, after).await?;
+    commit(state, tx).await
+}
+
+/// Commits a recorded change; then this replica reloads now, and the others
+/// on the announcement.
+async fn commit(state: &AdminState, tx: Transaction<'_, Postgres>) -> Result<(), AdminError> {
+    tx.commit().await.map_err(db_error)?;
     let _ = state.registry.reload(&state.pool).await;
     if let Some(mut redis) = state.redis.clone()
         && let Err(e) = registry::announce_change(&mut redis, &state.channel).await
     {
         tracing::warn!(error = %e, "could not announce a registry change; other replicas pick it up at their next refresh");
     }
+    Ok(())
 }
 
 /// A JSON response carrying the request id.
@@ -544,8 +561,9 @@ async fn create_tenant(
         ),
         e => e,
     })?;
-    record(
-        &mut tx,
+    commit_change(
+        &s,
+        tx,
         &actor,
         "tenant.create",
         ("tenant", &row.name),
@@ -553,8 +571,6 @@ async fn create_tenant(
         Some(to_json(&row)),
     )
     .await?;
-    tx.commit().await.map_err(db_error)?;
-    changed(&s).await;
     Ok(reply(StatusCode::CREATED, &actor, to_json(&row)))
 }
 
@@ -597,8 +613,9 @@ async fn set_tenant_disabled(
     } else {
         "tenant.enable"
     };
-    record(
-        &mut tx,
+    commit_change(
+        &s,
+        tx,
         &actor,
         action,
         ("tenant", &name),
@@ -606,8 +623,6 @@ async fn set_tenant_disabled(
         Some(to_json(&after)),
     )
     .await?;
-    tx.commit().await.map_err(db_error)?;
-    changed(&s).await;
     Ok(reply(StatusCode::OK, &actor, to_json(&after)))
 }
 
@@ -625,6 +640,15 @@ async fn enable_tenant(
     Path(name): Path<String>,
 ) -> Result<Response, AdminError> {
     set_tenant_disabled(s, headers, name, false).await
+}
+
+async fn base_model_id(ex: impl sqlx::PgExecutor<'_>, name: &str) -> Result<i64, AdminError> {
+    sqlx::query_scalar("SELECT id FROM base_models WHERE name = $1")
+        .bind(name)
+        .fetch_optional(ex)
+        .await
+        .map_err(db_error)?
+        .ok_or_else(|| AdminError::not_found("base_model", format!("base model {name:?}")))
 }
 
 async fn tenant_id(
@@ -759,8 +783,9 @@ async fn create_key(
         .fetch_one(&mut *tx)
         .await
         .map_err(db_error)?;
-    record(
-        &mut tx,
+    commit_change(
+        &s,
+        tx,
         &actor,
         "api_key.create",
         ("api_key", &prefix),
@@ -768,8 +793,6 @@ async fn create_key(
         Some(to_json(&row)),
     )
     .await?;
-    tx.commit().await.map_err(db_error)?;
-    changed(&s).await;
     let mut body = to_json(&row);
     // The only time the secret leaves the gateway.
     body["key"] = Value::String(full_key);
@@ -808,8 +831,9 @@ async fn revoke_key(
         .fetch_one(&mut *tx)
         .await
         .map_err(db_error)?;
-    record(
-        &mut tx,
+    commit_change(
+        &s,
+        tx,
         &actor,
         "api_key.revoke",
         ("api_key", &prefix),
@@ -817,8 +841,6 @@ async fn revoke_key(
         Some(to_json(&after)),
     )
     .await?;
-    tx.commit().await.map_err(db_error)?;
-    changed(&s).await;
     Ok(reply(StatusCode::OK, &actor, to_json(&after)))
 }
 
@@ -918,8 +940,9 @@ async fn register_base_model(
     .fetch_one(&mut *tx)
     .await
     .map_err(db_error)?;
-    record(
-        &mut tx,
+    commit_change(
+        &s,
+        tx,
         &actor,
         "base_model.register",
         ("base_model", &row.name),
@@ -927,8 +950,6 @@ async fn register_base_model(
         Some(to_json(&row)),
     )
     .await?;
-    tx.commit().await.map_err(db_error)?;
-    changed(&s).await;
     Ok(reply(StatusCode::CREATED, &actor, to_json(&row)))
 }
 
@@ -1253,6 +1274,20 @@ async fn register_adapter(
     if a.version == Some(0) {
         return Err(AdminError::field("version", "must be at least 1"));
     }
+    // Registries store the URI relative to the root, the same on every
+    // host; checked before any file is read.
+    let uri = a
+        .artifact_uri
+        .strip_prefix("file:")
+        .unwrap_or(&a.artifact_uri)
+        .to_owned();
+    if uri.starts_with('/') {
+        return Err(AdminError::unprocessable(
+            "artifact_outside_root",
+            "artifact_uri",
+            "must be relative to the artifact root, as every worker resolves it under its own root",
+        ));
+    }
     let roots = s.artifact_roots.clone().ok_or_else(|| {
         AdminError::new(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -1289,19 +1324,6 @@ async fn register_adapter(
         .await
         .map_err(AdminError::internal)??
     };
-    // Registries store the URI relative to the root, the same on every host.
-    let uri = a
-        .artifact_uri
-        .strip_prefix("file:")
-        .unwrap_or(&a.artifact_uri)
-        .to_owned();
-    if uri.starts_with('/') {
-        return Err(AdminError::unprocessable(
-            "artifact_outside_root",
-            "artifact_uri",
-            "must be relative to the artifact root, as every worker resolves it under its own root",
-        ));
-    }
     let mut tx = s.pool.begin().await.map_err(db_error)?;
     // Serialises version numbering per name.
     sqlx::query("SELECT pg_advisory_xact_lock(hashtext('adapter:' || $1))")
@@ -1349,8 +1371,9 @@ async fn register_adapter(
         .fetch_one(&mut *tx)
         .await
         .map_err(db_error)?;
-    record(
-        &mut tx,
+    commit_change(
+        &s,
+        tx,
         &actor,
         "adapter.register",
         ("adapter", &id.to_string()),
@@ -1358,8 +1381,6 @@ async fn register_adapter(
         Some(to_json(&row)),
     )
     .await?;
-    tx.commit().await.map_err(db_error)?;
-    changed(&s).await;
     Ok(reply(StatusCode::CREATED, &actor, to_json(&row)))
 }
 
@@ -1419,8 +1440,9 @@ async fn retire_adapter(
         .fetch_one(&mut *tx)
         .await
         .map_err(db_error)?;
-    record(
-        &mut tx,
+    commit_change(
+        &s,
+        tx,
         &actor,
         "adapter.retire",
         ("adapter", &id.to_string()),
@@ -1428,8 +1450,6 @@ async fn retire_adapter(
         Some(to_json(&after)),
     )
     .await?;
-    tx.commit().await.map_err(db_error)?;
-    changed(&s).await;
     Ok(reply(StatusCode::OK, &actor, to_json(&after)))
 }
 
@@ -1684,13 +1704,7 @@ async fn check_weights(
     }
     let mut base: Option<(i64, String, usize)> = None;
     if let Some(name) = base_model {
-        let id: Option<i64> = sqlx::query_scalar("SELECT id FROM base_models WHERE name = $1")
-            .bind(name)
-            .fetch_optional(&mut *ex)
-            .await
-            .map_err(db_error)?;
-        let id =
-            id.ok_or_else(|| AdminError::not_found("base_model", format!("base model {name:?}")))?;
+        let id = base_model_id(&mut *ex, name).await?;
         base = Some((id, name.to_owned(), usize::MAX));
     }
     for (i, w) in weights.iter().enumerate() {
@@ -1868,12 +1882,7 @@ async fn put_route(
                 "give adapter weights, or base_model alone for a route to the base model itself",
             )
         })?;
-        sqlx::query_scalar::<_, i64>("SELECT id FROM base_models WHERE name = $1")
-            .bind(name)
-            .fetch_optional(&mut *tx)
-            .await
-            .map_err(db_error)?
-            .ok_or_else(|| AdminError::not_found("base_model", format!("base model {name:?}")))?
+        base_model_id(&mut *tx, name).await?
     } else {
         check_weights(
             &mut tx,
@@ -1900,8 +1909,7 @@ async fn put_route(
         &spec.weights,
     )
     .await?;
-    tx.commit().await.map_err(db_error)?;
-    changed(&s).await;
+    commit(&s, tx).await?;
     let status = if created {
         StatusCode::CREATED
     } else {
@@ -1954,8 +1962,7 @@ async fn promote(
         &weights,
     )
     .await?;
-    tx.commit().await.map_err(db_error)?;
-    changed(&s).await;
+    commit(&s, tx).await?;
     Ok(route_reply(StatusCode::OK, &actor, &view))
 }
 
@@ -2019,8 +2026,7 @@ async fn rollback(
         &weights,
     )
     .await?;
-    tx.commit().await.map_err(db_error)?;
-    changed(&s).await;
+    commit(&s, tx).await?;
     Ok(route_reply(StatusCode::OK, &actor, &view))
 }
 

@@ -862,6 +862,22 @@ fn serve_refuses_bad_flags_by_name() {
             "--database-url: must start with postgres://",
         ),
         (&["--load-factor", "lots"], "--load-factor"),
+        (
+            &["--admin-listen", "127.0.0.1:0"],
+            "--admin-listen: needs an admin token key",
+        ),
+        (
+            &["--admin-jwt-algorithms", "HS256"],
+            "--admin-jwt-algorithms: set --admin-jwt-hmac-secret-file or --admin-jwt-public-key-file too",
+        ),
+        (
+            &["--artifact-root", "/no/such/artifact/root"],
+            "--artifact-root: artifact root /no/such/artifact/root",
+        ),
+        (
+            &["--max-lora-rank", "0"],
+            "--max-lora-rank: must be at least 1",
+        ),
     ];
     for (flags, expected) in cases {
         let out = Command::new(binary("lorafleet-gateway"))
