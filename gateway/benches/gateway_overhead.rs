@@ -26,7 +26,10 @@ use tonic::{Request, Response, Status};
 const BASE_HASH: &str = "ab00000000000000000000000000000000000000000000000000000000000001";
 const KEY: &str = "lf_benchkey01.bench-secret-0123456789";
 const RATE: u64 = 1000;
-const SECONDS: u64 = 10;
+/// Open-loop rounds per path, alternating which path goes first, so that
+/// drift on this shared machine hits both paths alike.
+const ROUNDS: u64 = 5;
+const ROUND_SECS: u64 = 2;
 
 /// STAND-IN worker: one token per request, no model.
 #[derive(Debug, Clone)]
@@ -167,7 +170,7 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[((sorted.len() as f64 * p) as usize).min(sorted.len() - 1)]
 }
 
-/// Open loop: one call every 1/RATE s for SECONDS, whatever the latency.
+/// Open loop: one call every 1/RATE s for ROUND_SECS, whatever the latency.
 async fn open_loop<F, Fut>(call: F) -> (Vec<Duration>, usize)
 where
     F: Fn() -> Fut,
@@ -176,7 +179,7 @@ where
     let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / RATE));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
     let mut tasks = Vec::new();
-    for _ in 0..RATE * SECONDS {
+    for _ in 0..RATE * ROUND_SECS {
         tick.tick().await;
         let fut = call();
         tasks.push(tokio::spawn(async move {
@@ -195,7 +198,6 @@ where
             failed += 1;
         }
     }
-    lat.sort();
     (lat, failed)
 }
 
@@ -251,18 +253,33 @@ fn main() {
             .args(["migrate", "--database-url", &url])
             .output()
             .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         seed(&url).await;
 
         let spool = std::env::temp_dir().join(format!("{db}.jsonl"));
         let mut gateway = Command::new(release_binary("lorafleet-gateway"))
-            .args(["serve", "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
-            .args(["--database-url", &url, "--redis-url", "redis://127.0.0.1:6379"])
+            .args([
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--metrics-listen",
+                "127.0.0.1:0",
+            ])
+            .args([
+                "--database-url",
+                &url,
+                "--redis-url",
+                "redis://127.0.0.1:6379",
+            ])
             .args(["--redis-prefix", &format!("{db}:")])
             .args(["--workers", &worker_addr.to_string()])
             .arg("--audit-spool")
             .arg(&spool)
-            .env("RUST_LOG", "warn")
+            .env("RUST_LOG", "info")
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
@@ -272,7 +289,11 @@ fn main() {
             .map_while(Result::ok)
             .find(|l| l.starts_with("lorafleet-gateway listening "))
             .expect("the gateway's ready line");
-        let http_addr = line.split_whitespace().find_map(|w| w.strip_prefix("http=")).unwrap().to_owned();
+        let http_addr = line
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("http="))
+            .unwrap()
+            .to_owned();
         let http = reqwest::Client::builder()
             .pool_max_idle_per_host(256)
             .build()
@@ -332,14 +353,29 @@ fn main() {
         }
 
         println!(
-            "gateway overhead, STAND-IN worker (one token, no model), {RATE} req/s open loop for {SECONDS} s, {} cores",
+            "gateway overhead, STAND-IN worker (one token, no model), {RATE} req/s open loop, \
+             {ROUNDS} interleaved rounds of {ROUND_SECS} s per path, {} cores",
             std::thread::available_parallelism().map_or(0, |n| n.get())
         );
         println!("| path | ok | failed | p50 | p99 | max req/s (64 callers, 5 s) |");
         println!("|---|---:|---:|---:|---:|---:|");
-        let (d_lat, d_fail) = open_loop(direct.clone()).await;
+        let (mut d_lat, mut d_fail, mut g_lat, mut g_fail) = (Vec::new(), 0, Vec::new(), 0);
+        for round in 0..ROUNDS {
+            for direct_turn in [round % 2 == 0, round % 2 == 1] {
+                if direct_turn {
+                    let (lat, failed) = open_loop(direct.clone()).await;
+                    d_lat.extend(lat);
+                    d_fail += failed;
+                } else {
+                    let (lat, failed) = open_loop(via_gateway.clone()).await;
+                    g_lat.extend(lat);
+                    g_fail += failed;
+                }
+            }
+        }
+        d_lat.sort();
+        g_lat.sort();
         let d_max = max_rps(direct, 64).await;
-        let (g_lat, g_fail) = open_loop(via_gateway.clone()).await;
         let g_max = max_rps(via_gateway, 64).await;
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         for (name, lat, failed, max) in [
@@ -359,12 +395,16 @@ fn main() {
             ms(percentile(&g_lat, 0.99)) - ms(percentile(&d_lat, 0.99)),
         );
 
-        let _ = Command::new("kill").args(["-TERM", &gateway.id().to_string()]).status();
+        let _ = Command::new("kill")
+            .args(["-TERM", &gateway.id().to_string()])
+            .status();
         let _ = gateway.wait();
         let _ = std::fs::remove_file(&spool);
-        sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)")))
-            .execute(&mut c)
-            .await
-            .unwrap();
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "DROP DATABASE IF EXISTS {db} WITH (FORCE)"
+        )))
+        .execute(&mut c)
+        .await
+        .unwrap();
     });
 }

@@ -337,6 +337,9 @@ struct Prepared {
     stream: bool,
     include_usage: bool,
     model: String,
+    /// The tenant has a tokens-per-minute limit, so finished requests are
+    /// charged to it.
+    charges_tokens: bool,
     _permit: tokio::sync::OwnedSemaphorePermit,
 }
 
@@ -453,6 +456,7 @@ async fn prepare(
         stream,
         include_usage,
         model: common_model,
+        charges_tokens: tenant.tpm_limit.is_some(),
         _permit: permit,
     })
 }
@@ -712,7 +716,10 @@ impl Meta {
 
 /// Records a finished completion in the trail and charges its tokens to
 /// the tenant's minute; returns the usage to report.
-async fn settle(
+///
+/// The charge is a Redis round trip that the client need not wait for, so
+/// it runs beside the response instead of before it.
+fn settle(
     s: &AppState,
     p: &Prepared,
     trail: &mut Trail,
@@ -727,9 +734,11 @@ async fn settle(
     trail.record.prompt_tokens = usage.prompt_tokens as i32;
     trail.record.completion_tokens = usage.completion_tokens as i32;
     trail.record.finish_reason = Some(openai::finish_reason(f).into());
-    s.limiter
-        .charge_tokens(p.principal.tenant_id, u64::from(usage.total_tokens))
-        .await;
+    if p.charges_tokens {
+        let (limiter, tenant) = (s.limiter.clone(), p.principal.tenant_id);
+        let tokens = u64::from(usage.total_tokens);
+        tokio::spawn(async move { limiter.charge_tokens(tenant, tokens).await });
+    }
     usage
 }
 
@@ -767,7 +776,7 @@ async fn collect_response(
     };
     match finished {
         Ok(f) => {
-            let usage = settle(&s, &p, &mut trail, &f, tokens).await;
+            let usage = settle(&s, &p, &mut trail, &f, tokens);
             let body = meta.full(&text, openai::finish_reason(&f), &usage);
             span.in_scope(|| {
                 tracing::info!(completion_tokens = usage.completion_tokens, "completed")
@@ -851,7 +860,7 @@ fn stream_response(
         };
         match outcome {
             Ok(f) => {
-                let usage = settle(&s, &p, &mut trail, &f, tokens).await;
+                let usage = settle(&s, &p, &mut trail, &f, tokens);
                 let reason = openai::finish_reason(&f);
                 let _ = tx
                     .send(Ok(sse(&meta.chunk(None, false, Some(reason)))))

@@ -144,44 +144,51 @@ async fn write_or_spool(pool: &PgPool, spool: &PathBuf, rows: &[AuditRecord]) ->
     }
 }
 
+/// One statement text for every batch size: the rows travel as one array
+/// per column, so Postgres parses and plans it once per connection instead
+/// of once per distinct row count.
+const INSERT: &str = "INSERT INTO audit_log (request_id, received_at, completed_at, tenant_id,
+     api_key_id, subject, model_name, route_id, route_revision, lora_int_id, adapter_name,
+     adapter_version, base_hash, worker_id, adapter_residency, status, http_status, error_code,
+     finish_reason, prompt_tokens, completion_tokens, latency_us, ttft_us, attempts)
+   SELECT * FROM UNNEST($1::uuid[], $2::timestamptz[], $3::timestamptz[], $4::uuid[],
+     $5::uuid[], $6::text[], $7::text[], $8::uuid[], $9::int4[], $10::int8[], $11::text[],
+     $12::int4[], $13::text[], $14::text[], $15::text[], $16::text[]::audit_status[],
+     $17::int2[], $18::text[], $19::text[], $20::int4[], $21::int4[], $22::int8[],
+     $23::int8[], $24::int2[])
+   ON CONFLICT (request_id) DO NOTHING";
+
 async fn insert(pool: &PgPool, rows: &[AuditRecord]) -> Result<(), sqlx::Error> {
-    let mut q = sqlx::QueryBuilder::new(
-        "INSERT INTO audit_log (request_id, received_at, completed_at, tenant_id, api_key_id,
-         subject, model_name, route_id, route_revision, lora_int_id, adapter_name,
-         adapter_version, base_hash, worker_id, adapter_residency, status, http_status,
-         error_code, finish_reason, prompt_tokens, completion_tokens, latency_us, ttft_us,
-         attempts) ",
-    );
-    q.push_values(rows, |mut b, r| {
-        b.push_bind(r.request_id)
-            .push_bind(r.received_at)
-            .push_bind(r.completed_at)
-            .push_bind(r.tenant_id)
-            .push_bind(r.api_key_id)
-            .push_bind(&r.subject)
-            .push_bind(&r.model_name)
-            .push_bind(r.route_id)
-            .push_bind(r.route_revision)
-            .push_bind(r.lora_int_id)
-            .push_bind(&r.adapter_name)
-            .push_bind(r.adapter_version)
-            .push_bind(&r.base_hash)
-            .push_bind(&r.worker_id)
-            .push_bind(&r.adapter_residency)
-            .push_bind(&r.status)
-            .push_unseparated("::audit_status")
-            .push_bind(r.http_status)
-            .push_bind(&r.error_code)
-            .push_bind(&r.finish_reason)
-            .push_bind(r.prompt_tokens)
-            .push_bind(r.completion_tokens)
-            .push_bind(r.latency_us)
-            .push_bind(r.ttft_us)
-            .push_bind(r.attempts);
-    });
-    q.push(" ON CONFLICT (request_id) DO NOTHING");
+    fn col<T>(rows: &[AuditRecord], f: impl Fn(&AuditRecord) -> T) -> Vec<T> {
+        rows.iter().map(f).collect()
+    }
+    let q = sqlx::query(INSERT)
+        .bind(col(rows, |r| r.request_id))
+        .bind(col(rows, |r| r.received_at))
+        .bind(col(rows, |r| r.completed_at))
+        .bind(col(rows, |r| r.tenant_id))
+        .bind(col(rows, |r| r.api_key_id))
+        .bind(col(rows, |r| r.subject.clone()))
+        .bind(col(rows, |r| r.model_name.clone()))
+        .bind(col(rows, |r| r.route_id))
+        .bind(col(rows, |r| r.route_revision))
+        .bind(col(rows, |r| r.lora_int_id))
+        .bind(col(rows, |r| r.adapter_name.clone()))
+        .bind(col(rows, |r| r.adapter_version))
+        .bind(col(rows, |r| r.base_hash.clone()))
+        .bind(col(rows, |r| r.worker_id.clone()))
+        .bind(col(rows, |r| r.adapter_residency.clone()))
+        .bind(col(rows, |r| r.status.clone()))
+        .bind(col(rows, |r| r.http_status))
+        .bind(col(rows, |r| r.error_code.clone()))
+        .bind(col(rows, |r| r.finish_reason.clone()))
+        .bind(col(rows, |r| r.prompt_tokens))
+        .bind(col(rows, |r| r.completion_tokens))
+        .bind(col(rows, |r| r.latency_us))
+        .bind(col(rows, |r| r.ttft_us))
+        .bind(col(rows, |r| r.attempts));
     let timeout = Duration::from_secs(5);
-    tokio::time::timeout(timeout, q.build().execute(pool))
+    tokio::time::timeout(timeout, q.execute(pool))
         .await
         .map_err(|_| sqlx::Error::PoolTimedOut)??;
     Ok(())

@@ -273,6 +273,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .context("metric buckets")?
         .install_recorder()
         .context("installing the metrics recorder")?;
+    let upkeep = prometheus.clone();
     let metrics_app = axum::Router::new().route(
         "/metrics",
         axum::routing::get(move || {
@@ -282,6 +283,15 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     );
     tokio::spawn(async move {
         let _ = axum::serve(metrics_listener, metrics_app).await;
+    });
+    // Histogram samples pile up until drained; drain them on a timer
+    // rather than only when Prometheus scrapes.
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            every.tick().await;
+            upkeep.run_upkeep();
+        }
     });
 
     let listener = tokio::net::TcpListener::bind(args.listen)
@@ -300,6 +310,14 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     tracing::info!(http = %addr, metrics = %metrics_addr, admin = ?admin_addr, "listening");
 
     let drain = Duration::from_secs(args.drain_deadline_secs);
+    // Small responses and SSE chunks go out at once rather than waiting on
+    // the client's delayed ACK (Nagle).
+    use axum::serve::ListenerExt;
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "TCP_NODELAY");
+        }
+    });
     axum::serve(listener, app)
         .with_graceful_shutdown(async move {
             wait_for_signal().await;

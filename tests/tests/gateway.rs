@@ -15,6 +15,7 @@ const ACME_KEY: &str = "lf_acmekey01.acme-secret-0123456789";
 const GLOBEX_KEY: &str = "lf_globexkey1.globex-secret-0123456789";
 /// A tenant limited to 3 requests per minute.
 const INITECH_KEY: &str = "lf_initechkey1.initech-secret-0123456789";
+const HOOLI_KEY: &str = "lf_hoolikey001.hooli-secret-0123456789";
 const MAX_TOKENS: usize = 12;
 
 fn fixture_json(name: &str) -> Value {
@@ -58,10 +59,17 @@ async fn seed(pool: &PgPool) -> Seeded {
         .execute(pool)
         .await
         .unwrap();
+    let hooli = tenant("hooli").await;
+    sqlx::query("UPDATE tenants SET tpm_limit = 20 WHERE id = $1")
+        .bind(hooli)
+        .execute(pool)
+        .await
+        .unwrap();
     for (t, key) in [
         (acme, ACME_KEY),
         (globex, GLOBEX_KEY),
         (initech, INITECH_KEY),
+        (hooli, HOOLI_KEY),
     ] {
         let (prefix, secret) = key.split_once('.').unwrap();
         sqlx::query(
@@ -133,6 +141,7 @@ async fn seed(pool: &PgPool) -> Seeded {
     .await;
     route(pool, globex, "secret", llama, &[(a("layer1-mlp"), 10_000)]).await;
     route(pool, initech, "base", llama, &[]).await;
+    route(pool, hooli, "base", llama, &[]).await;
     Seeded {
         adapters,
         acme,
@@ -605,6 +614,51 @@ async fn tenants_get_exactly_their_adapter_and_nothing_else() {
         "{retry_after:?}"
     );
 
+    // Tokens per minute (20 for hooli): each finished completion's tokens
+    // are charged to the minute just after its response, and once the
+    // minute's total reaches the limit requests get 429 naming the token
+    // limit. Never before the total reaches it; soon after it does.
+    let mut charged = 0;
+    let mut reached_at = None;
+    let mut token_limited_requests = 1; // the refused one
+    let refused = loop {
+        let r = f
+            .http
+            .post(format!("{}/v1/completions", f.base_url))
+            .bearer_auth(HOOLI_KEY)
+            .json(&json!({"model": "base", "prompt": "x", "max_tokens": 8}))
+            .send()
+            .await
+            .unwrap();
+        if r.status() == 429 {
+            break r;
+        }
+        assert_eq!(r.status(), 200);
+        token_limited_requests += 1;
+        charged += r.json::<Value>().await.unwrap()["usage"]["total_tokens"]
+            .as_u64()
+            .unwrap();
+        if charged >= 20 && reached_at.is_none() {
+            reached_at = Some(Instant::now());
+        }
+        assert!(
+            reached_at.is_none_or(|t| t.elapsed() < Duration::from_secs(5)),
+            "tokens per minute not enforced 5 s after {charged} tokens"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(charged >= 20, "refused after only {charged} tokens");
+    assert!(refused.headers().contains_key("retry-after"));
+    let body: Value = refused.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "rate_limit_exceeded", "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("tokens per minute"),
+        "{body}"
+    );
+
     // The caller's trace reaches the worker.
     let trace_id = "0af7651916cd43dd8448eb211c80319c";
     let r = f
@@ -656,8 +710,8 @@ async fn tenants_get_exactly_their_adapter_and_nothing_else() {
         }
     }
     // 3 ok, 2 404s, 1 globex, 1 503, 4 401s, 1 400, 1 chat, 4 limited,
-    // 1 traced, 120 canary.
-    let total = 3 + 2 + 1 + 1 + 4 + 1 + 1 + 4 + 1 + 120;
+    // the token-limited ones, 1 traced, 120 canary.
+    let total = 3 + 2 + 1 + 1 + 4 + 1 + 1 + 4 + token_limited_requests + 1 + 120;
     f.wait_audit(total).await;
     let rows: Vec<(Uuid, Option<i64>)> = sqlx::query_as(
         "SELECT request_id, lora_int_id FROM audit_log WHERE model_name = 'canary' AND status = 'ok'",

@@ -9,27 +9,18 @@ use std::path::Path;
 
 use rayon::prelude::*;
 
+use super::panels::PackedLinear;
 use super::{Backend, BackendShape, StepBatch};
 use crate::error::{EngineError, Result};
 use crate::lora::{HostAdapter, Projection};
 use crate::model::{ModelConfig, WeightFiles};
-
-/// A dense projection: `y = x·Wᵀ (+ b)`.
-#[derive(Debug)]
-struct Linear {
-    /// Row-major `[out, in]`, as stored by Hugging Face.
-    w: Vec<f32>,
-    bias: Option<Vec<f32>>,
-    fan_in: usize,
-    fan_out: usize,
-}
 
 #[derive(Debug)]
 struct Layer {
     input_norm: Vec<f32>,
     post_norm: Vec<f32>,
     /// Indexed by `Projection::index()`.
-    proj: Vec<Linear>,
+    proj: Vec<PackedLinear>,
 }
 
 /// The adapter slots of every (layer, projection), laid out as the GPU
@@ -56,8 +47,8 @@ pub struct CpuBackend {
     embed: Vec<f32>,
     layers: Vec<Layer>,
     norm: Vec<f32>,
-    /// None when tied to the embeddings.
-    lm_head: Option<Vec<f32>>,
+    /// Packed from `lm_head.weight`, or from the embeddings when tied.
+    lm_head: PackedLinear,
     /// `k[layer]`, `v[layer]`: `[blocks, block_size, kv_dim]`.
     k_cache: Vec<Vec<f32>>,
     v_cache: Vec<Vec<f32>>,
@@ -88,12 +79,8 @@ impl CpuBackend {
                 } else {
                     None
                 };
-                proj.push(Linear {
-                    w: files.f32(&format!("{name}.weight"), &[fan_out, fan_in])?,
-                    bias,
-                    fan_in,
-                    fan_out,
-                });
+                let w = files.f32(&format!("{name}.weight"), &[fan_out, fan_in])?;
+                proj.push(PackedLinear::pack(&w, bias, fan_in, fan_out));
             }
             layers.push(Layer {
                 input_norm: files.f32(
@@ -109,9 +96,10 @@ impl CpuBackend {
         }
         let norm = files.f32("model.norm.weight", &[c.hidden_size])?;
         let lm_head = if c.tie_word_embeddings && !files.contains("lm_head.weight") {
-            None
+            PackedLinear::pack(&embed, None, c.hidden_size, c.vocab_size)
         } else {
-            Some(files.f32("lm_head.weight", &[c.vocab_size, c.hidden_size])?)
+            let w = files.f32("lm_head.weight", &[c.vocab_size, c.hidden_size])?;
+            PackedLinear::pack(&w, None, c.hidden_size, c.vocab_size)
         };
         Ok(Self::from_parts(
             c.clone(),
@@ -129,7 +117,7 @@ impl CpuBackend {
         embed: Vec<f32>,
         layers: Vec<Layer>,
         norm: Vec<f32>,
-        lm_head: Option<Vec<f32>>,
+        lm_head: PackedLinear,
     ) -> CpuBackend {
         let kv_len = shape.kv_blocks * shape.block_size * config.kv_dim();
         let n = config.num_layers * 7;
@@ -238,29 +226,6 @@ fn dots(x: &[f32], len: usize, w: &[f32], mut out: impl FnMut(usize, f32)) {
     }
 }
 
-/// One block of output features `lo..hi` of [`linear`], for every token:
-/// `[n, hi - lo]`, row-major.
-#[inline(always)]
-fn linear_block(
-    x: &[f32],
-    w: &[f32],
-    bias: Option<&[f32]>,
-    fan_in: usize,
-    lo: usize,
-    hi: usize,
-) -> Vec<f32> {
-    let n = x.len() / fan_in;
-    let mut local = vec![0f32; n * (hi - lo)];
-    for o in lo..hi {
-        let row = &w[o * fan_in..(o + 1) * fan_in];
-        let bias = bias.map_or(0.0, |b| b[o]);
-        dots(x, fan_in, row, |t, v| {
-            local[t * (hi - lo) + (o - lo)] = v + bias
-        });
-    }
-    local
-}
-
 /// Runs the hot loops compiled for the widest vector unit the CPU has.
 ///
 /// The loops are plain lane-wise multiplies and adds with an explicit
@@ -285,152 +250,6 @@ mod simd {
     #[target_feature(enable = "avx2")]
     fn with_avx2<R>(f: impl FnOnce() -> R) -> R {
         f()
-    }
-
-    /// [`super::linear_block`] with an explicit AVX2 register tile of two
-    /// output rows by four tokens: each weight chunk is loaded once for four
-    /// tokens and each token chunk once for two rows. Lane `j` of an
-    /// accumulator is exactly partial sum `j` of [`super::dot`], and the
-    /// final reduction is the same, so the bits match the portable path.
-    /// Edges (an odd row, fewer than four tokens) use [`super::dot`] itself.
-    #[cfg(target_arch = "x86_64")]
-    pub fn linear_block(
-        x: &[f32],
-        w: &[f32],
-        bias: Option<&[f32]>,
-        fan_in: usize,
-        lo: usize,
-        hi: usize,
-    ) -> Vec<f32> {
-        if !std::arch::is_x86_feature_detected!("avx2") {
-            return super::linear_block(x, w, bias, fan_in, lo, hi);
-        }
-        // SAFETY: the CPU supports AVX2, checked just above.
-        #[allow(unsafe_code)]
-        unsafe {
-            linear_block_avx2(x, w, bias, fan_in, lo, hi)
-        }
-    }
-
-    #[cfg(not(target_arch = "x86_64"))]
-    pub fn linear_block(
-        x: &[f32],
-        w: &[f32],
-        bias: Option<&[f32]>,
-        fan_in: usize,
-        lo: usize,
-        hi: usize,
-    ) -> Vec<f32> {
-        super::linear_block(x, w, bias, fan_in, lo, hi)
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2")]
-    #[allow(unsafe_code)]
-    fn linear_block_avx2(
-        x: &[f32],
-        w: &[f32],
-        bias: Option<&[f32]>,
-        fan_in: usize,
-        lo: usize,
-        hi: usize,
-    ) -> Vec<f32> {
-        use std::arch::x86_64::*;
-        let n = x.len() / fan_in;
-        let width = hi - lo;
-        let mut local = vec![0f32; n * width];
-        let chunks = fan_in / 8;
-        assert!(w.len() >= hi * fan_in && x.len() == n * fan_in);
-        let reduce = |v: __m256, o: usize, t: usize| -> f32 {
-            let mut a = [0f32; 8];
-            // SAFETY: `a` holds exactly eight f32.
-            unsafe { _mm256_storeu_ps(a.as_mut_ptr(), v) };
-            let mut tail = 0f32;
-            for i in chunks * 8..fan_in {
-                tail += x[t * fan_in + i] * w[o * fan_in + i];
-            }
-            ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])) + tail
-        };
-        let bias_of = |o: usize| bias.map_or(0.0, |b| b[o]);
-        let mut o = lo;
-        while o + 2 <= hi {
-            let mut t = 0;
-            while t + 4 <= n {
-                let mut acc = [[_mm256_setzero_ps(); 4]; 2];
-                for i in 0..chunks {
-                    // SAFETY: rows o, o+1 < hi and tokens t..t+4 <= n, with
-                    // i * 8 + 8 <= fan_in: every load is inside w and x
-                    // (asserted above).
-                    unsafe {
-                        let w0 = _mm256_loadu_ps(w.as_ptr().add(o * fan_in + i * 8));
-                        let w1 = _mm256_loadu_ps(w.as_ptr().add((o + 1) * fan_in + i * 8));
-                        // Index form keeps the 2x4 register tile obvious.
-                        #[allow(clippy::needless_range_loop)]
-                        for k in 0..4 {
-                            let xv = _mm256_loadu_ps(x.as_ptr().add((t + k) * fan_in + i * 8));
-                            acc[0][k] = _mm256_add_ps(acc[0][k], _mm256_mul_ps(xv, w0));
-                            acc[1][k] = _mm256_add_ps(acc[1][k], _mm256_mul_ps(xv, w1));
-                        }
-                    }
-                }
-                for (p, row) in acc.iter().enumerate() {
-                    for (k, &v) in row.iter().enumerate() {
-                        local[(t + k) * width + (o + p - lo)] =
-                            reduce(v, o + p, t + k) + bias_of(o + p);
-                    }
-                }
-                t += 4;
-            }
-            for t in t..n {
-                for p in 0..2 {
-                    let d = super::dot(
-                        &x[t * fan_in..(t + 1) * fan_in],
-                        &w[(o + p) * fan_in..(o + p + 1) * fan_in],
-                    );
-                    local[t * width + (o + p - lo)] = d + bias_of(o + p);
-                }
-            }
-            o += 2;
-        }
-        if o < hi {
-            for t in 0..n {
-                let d = super::dot(
-                    &x[t * fan_in..(t + 1) * fan_in],
-                    &w[o * fan_in..(o + 1) * fan_in],
-                );
-                local[t * width + (o - lo)] = d + bias_of(o);
-            }
-        }
-        local
-    }
-}
-
-/// `out[t, o] = x[t]·W[o] (+ b[o])` for every token, in parallel over blocks
-/// of output features so each weight row is read once per step.
-fn linear(
-    x: &[f32],
-    n: usize,
-    w: &[f32],
-    bias: Option<&[f32]>,
-    fan_in: usize,
-    fan_out: usize,
-    out: &mut [f32],
-) {
-    const BLOCK: usize = 32;
-    debug_assert_eq!(x.len(), n * fan_in);
-    let blocks: Vec<Vec<f32>> = (0..fan_out.div_ceil(BLOCK))
-        .into_par_iter()
-        .map(|b| {
-            let (lo, hi) = (b * BLOCK, ((b + 1) * BLOCK).min(fan_out));
-            simd::linear_block(x, w, bias, fan_in, lo, hi)
-        })
-        .collect();
-    for (b, local) in blocks.into_iter().enumerate() {
-        let (lo, hi) = (b * BLOCK, ((b + 1) * BLOCK).min(fan_out));
-        for t in 0..n {
-            out[t * fan_out + lo..t * fan_out + hi]
-                .copy_from_slice(&local[t * (hi - lo)..(t + 1) * (hi - lo)]);
-        }
     }
 }
 
@@ -575,16 +394,8 @@ impl CpuBackend {
         n: usize,
     ) -> Vec<f32> {
         let lin = &self.layers[layer].proj[p.index()];
-        let mut out = vec![0f32; n * lin.fan_out];
-        linear(
-            x,
-            n,
-            &lin.w,
-            lin.bias.as_deref(),
-            lin.fan_in,
-            lin.fan_out,
-            &mut out,
-        );
+        let mut out = vec![0f32; n * lin.fan_out()];
+        lin.forward(x, n, &mut out);
         if !batch.segments.is_empty() {
             self.apply_lora(batch, layer, p, x, &mut out);
         }
@@ -814,58 +625,8 @@ impl Backend for CpuBackend {
         }
         let mut last_normed = vec![0f32; last.len()];
         rms_norm(&last, &self.norm, c.rms_norm_eps, &mut last_normed);
-        let weights = self.lm_head.as_ref().unwrap_or(&self.embed);
         let mut logits = vec![0f32; rows.len() * c.vocab_size];
-        linear(
-            &last_normed,
-            rows.len(),
-            weights,
-            None,
-            d,
-            c.vocab_size,
-            &mut logits,
-        );
+        self.lm_head.forward(&last_normed, rows.len(), &mut logits);
         Ok(logits)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn random(seed: u64, n: usize) -> Vec<f32> {
-        let mut rng = crate::sampling::Rng::new(seed);
-        (0..n).map(|_| rng.next_f64() as f32 - 0.5).collect()
-    }
-
-    #[test]
-    fn the_vector_kernel_gives_the_portable_kernels_bits() {
-        // Odd sizes exercise every edge: a tail past the last 8-lane chunk,
-        // an odd output row, and a partial tile of tokens.
-        for (n, fan_in, rows) in [(7, 45, 9), (4, 64, 2), (1, 13, 3), (9, 8, 5), (13, 777, 7)] {
-            let x = random(1, n * fan_in);
-            let w = random(2, rows * fan_in);
-            let bias = random(3, rows);
-            let portable = linear_block(&x, &w, Some(&bias), fan_in, 0, rows);
-            let vector = simd::linear_block(&x, &w, Some(&bias), fan_in, 0, rows);
-            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-            assert_eq!(
-                bits(&portable),
-                bits(&vector),
-                "n={n} fan_in={fan_in} rows={rows}"
-            );
-            // And each token alone gives the same bits as in the batch.
-            for t in 0..n {
-                let alone = simd::linear_block(
-                    &x[t * fan_in..(t + 1) * fan_in],
-                    &w,
-                    Some(&bias),
-                    fan_in,
-                    0,
-                    rows,
-                );
-                assert_eq!(bits(&alone), bits(&vector[t * rows..(t + 1) * rows]));
-            }
-        }
     }
 }

@@ -3,6 +3,7 @@
 //! and KV layouts.
 
 pub mod cpu;
+pub mod panels;
 
 use crate::error::Result;
 use crate::lora::HostAdapter;

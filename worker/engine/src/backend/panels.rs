@@ -1,0 +1,449 @@
+//! Dense projections `y = x·Wᵀ (+ b)` over weights packed into panels.
+//!
+//! A panel holds [`NR`] consecutive output features, k-major: for each input
+//! feature `k`, the `NR` weights `W[o][k]` side by side. A register tile
+//! then multiplies a few tokens by one or more panels, broadcasting
+//! one input value per token and loading each panel row once per `k`, so
+//! the work is bound by multiply-adds rather than by memory.
+//!
+//! Every output is one fused multiply-add chain over `k` in order, starting
+//! from zero, and the bias is added last. The chain depends on nothing but
+//! the token's own row and the weights: the portable loop, the AVX2 kernel
+//! and the AVX-512 kernel give the same bits, and so does any tile size,
+//! which is what keeps a token's result independent of its batch.
+
+use rayon::prelude::*;
+
+/// Output features per panel.
+pub const NR: usize = 16;
+/// Panels per task and per AVX-512 tile: 8 tokens x 3 panels is 24 of the
+/// 32 vector registers for accumulators.
+pub const GROUP: usize = 3;
+/// Input features per pass over a group's panels, so the part of the
+/// panels a pass reads (3 x 16 x 128 x 4 bytes) stays in L1 while every
+/// token tile uses it.
+const KC: usize = 128;
+
+/// A dense projection with its weights packed into panels.
+#[derive(Debug)]
+pub struct PackedLinear {
+    /// `[fan_out.div_ceil(NR), fan_in, NR]`; the last panel is zero-padded.
+    panels: Vec<f32>,
+    bias: Option<Vec<f32>>,
+    fan_in: usize,
+    fan_out: usize,
+}
+
+impl PackedLinear {
+    /// Packs row-major `[fan_out, fan_in]` weights, as Hugging Face stores them.
+    pub fn pack(w: &[f32], bias: Option<Vec<f32>>, fan_in: usize, fan_out: usize) -> Self {
+        assert_eq!(
+            w.len(),
+            fan_in * fan_out,
+            "weights of [{fan_out}, {fan_in}]"
+        );
+        let count = fan_out.div_ceil(NR);
+        let mut panels = vec![0f32; count * fan_in * NR];
+        for (p, panel) in panels.chunks_exact_mut(fan_in * NR).enumerate() {
+            for j in 0..NR.min(fan_out - p * NR) {
+                let row = &w[(p * NR + j) * fan_in..][..fan_in];
+                for (k, &v) in row.iter().enumerate() {
+                    panel[k * NR + j] = v;
+                }
+            }
+        }
+        PackedLinear {
+            panels,
+            bias,
+            fan_in,
+            fan_out,
+        }
+    }
+
+    pub fn fan_in(&self) -> usize {
+        self.fan_in
+    }
+
+    pub fn fan_out(&self) -> usize {
+        self.fan_out
+    }
+
+    fn panel(&self, p: usize) -> &[f32] {
+        &self.panels[p * self.fan_in * NR..][..self.fan_in * NR]
+    }
+
+    /// `out[t, o] = x[t]·W[o] (+ b[o])` for the `n` rows of `x`, in
+    /// parallel over groups of panels so each panel is read once per call.
+    pub fn forward(&self, x: &[f32], n: usize, out: &mut [f32]) {
+        let (fan_in, fan_out) = (self.fan_in, self.fan_out);
+        assert_eq!(x.len(), n * fan_in, "x holds {n} rows of {fan_in}");
+        assert_eq!(out.len(), n * fan_out, "out holds {n} rows of {fan_out}");
+        if n == 0 {
+            return;
+        }
+        let panels = fan_out.div_ceil(NR);
+        let kernel = Kernel::detect();
+        let blocks: Vec<Vec<f32>> = (0..panels.div_ceil(GROUP))
+            .into_par_iter()
+            .map(|b| {
+                let group: Vec<&[f32]> = (b * GROUP..((b + 1) * GROUP).min(panels))
+                    .map(|p| self.panel(p))
+                    .collect();
+                let mut local = vec![0f32; n * group.len() * NR];
+                kernel.group(x, fan_in, n, &group, &mut local);
+                local
+            })
+            .collect();
+        for (b, local) in blocks.into_iter().enumerate() {
+            let lo = b * GROUP * NR;
+            let width = local.len() / n;
+            let hi = (lo + width).min(fan_out);
+            for t in 0..n {
+                let dst = &mut out[t * fan_out + lo..t * fan_out + hi];
+                dst.copy_from_slice(&local[t * width..t * width + (hi - lo)]);
+                if let Some(bias) = &self.bias {
+                    for (y, &b) in dst.iter_mut().zip(&bias[lo..hi]) {
+                        *y += b;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The widest kernel this CPU runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kernel {
+    Portable,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+}
+
+impl Kernel {
+    pub fn detect() -> Kernel {
+        static WIDEST: std::sync::OnceLock<Kernel> = std::sync::OnceLock::new();
+        *WIDEST.get_or_init(|| *Kernel::available().last().expect("the portable kernel"))
+    }
+
+    /// Every kernel this CPU can run, narrowest first.
+    pub fn available() -> Vec<Kernel> {
+        let mut all = vec![Kernel::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                all.push(Kernel::Avx2);
+            }
+            // Every AVX-512 CPU has AVX2 and FMA, which `single` relies on.
+            if std::arch::is_x86_feature_detected!("avx512f") && all.len() == 2 {
+                all.push(Kernel::Avx512);
+            }
+        }
+        all
+    }
+
+    /// `out[t, 0..NR] = x[t]·panel` for `n` rows: `out` is `[n, NR]`.
+    pub fn single(self, x: &[f32], fan_in: usize, n: usize, panel: &[f32], out: &mut [f32]) {
+        assert!(x.len() >= n * fan_in && panel.len() == fan_in * NR && out.len() == n * NR);
+        match self {
+            Kernel::Portable => portable(x, fan_in, n, &[panel], out),
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `detect`/`available` chose this kernel only where the
+            // CPU has AVX2 and FMA (AVX-512F implies both); the sizes were
+            // asserted above.
+            #[allow(unsafe_code)]
+            Kernel::Avx2 | Kernel::Avx512 => unsafe { x86::single_avx2(x, fan_in, n, panel, out) },
+        }
+    }
+
+    /// Up to [`GROUP`] adjacent panels at once: `out` is `[n, panels * NR]`.
+    pub fn group(self, x: &[f32], fan_in: usize, n: usize, panels: &[&[f32]], out: &mut [f32]) {
+        assert!((1..=GROUP).contains(&panels.len()), "1 to {GROUP} panels");
+        assert!(
+            x.len() >= n * fan_in
+                && panels.iter().all(|p| p.len() == fan_in * NR)
+                && out.len() == n * panels.len() * NR
+        );
+        match self {
+            Kernel::Portable => portable(x, fan_in, n, panels, out),
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => {
+                let width = panels.len() * NR;
+                let mut one = vec![0f32; n * NR];
+                for (q, panel) in panels.iter().enumerate() {
+                    // SAFETY: the CPU has AVX2 and FMA (see `single`); sizes asserted.
+                    #[allow(unsafe_code)]
+                    unsafe {
+                        x86::single_avx2(x, fan_in, n, panel, &mut one)
+                    };
+                    for t in 0..n {
+                        out[t * width + q * NR..][..NR].copy_from_slice(&one[t * NR..][..NR]);
+                    }
+                }
+            }
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the CPU has AVX-512F, checked by `detect`/`available`;
+            // sizes asserted above.
+            #[allow(unsafe_code)]
+            Kernel::Avx512 => unsafe { x86::group_avx512(x, fan_in, n, panels, out) },
+        }
+    }
+}
+
+/// The reference: one `mul_add` chain per output, `k` in order.
+fn portable(x: &[f32], fan_in: usize, n: usize, panels: &[&[f32]], out: &mut [f32]) {
+    let width = panels.len() * NR;
+    for t in 0..n {
+        let row = &x[t * fan_in..(t + 1) * fan_in];
+        for (q, panel) in panels.iter().enumerate() {
+            for j in 0..NR {
+                let mut acc = 0f32;
+                for (k, &xv) in row.iter().enumerate() {
+                    acc = xv.mul_add(panel[k * NR + j], acc);
+                }
+                out[t * width + q * NR + j] = acc;
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+mod x86 {
+    use super::NR;
+    use std::arch::x86_64::*;
+
+    /// Splits `n` rows into tiles of `$mr` and a remainder, each tile run
+    /// by `tile::<M>` with `M` known at compile time so its accumulators
+    /// stay in registers.
+    macro_rules! tiles {
+        ($mr:literal, $n:expr, $tile:ident [$($g:tt),*] ( $($arg:expr),* )) => {{
+            let n = $n;
+            let mut t = 0;
+            while t + $mr <= n {
+                $tile::<$mr, $($g),*>(t, $($arg),*);
+                t += $mr;
+            }
+            match n - t {
+                0 => {}
+                1 => $tile::<1, $($g),*>(t, $($arg),*),
+                2 => $tile::<2, $($g),*>(t, $($arg),*),
+                3 => $tile::<3, $($g),*>(t, $($arg),*),
+                4 => $tile::<4, $($g),*>(t, $($arg),*),
+                5 => $tile::<5, $($g),*>(t, $($arg),*),
+                6 => $tile::<6, $($g),*>(t, $($arg),*),
+                7 => $tile::<7, $($g),*>(t, $($arg),*),
+                _ => unreachable!("tiles of at most 8"),
+            }
+        }};
+    }
+
+    /// # Safety
+    /// The CPU has AVX2 and FMA; `x` holds `n` rows of `fan_in`, `panel`
+    /// `fan_in * NR` values and `out` `n * NR`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn single_avx2(x: &[f32], fan_in: usize, n: usize, panel: &[f32], out: &mut [f32]) {
+        #[inline(always)]
+        unsafe fn tile<const M: usize>(
+            t: usize,
+            x: *const f32,
+            fan_in: usize,
+            w: *const f32,
+            out: *mut f32,
+        ) {
+            // SAFETY (whole body): rows t..t+M < n and k < fan_in keep every
+            // read inside x and the panel; writes stay in rows t..t+M of out.
+            unsafe {
+                let mut acc = [[_mm256_setzero_ps(); 2]; M];
+                for k in 0..fan_in {
+                    let w0 = _mm256_loadu_ps(w.add(k * NR));
+                    let w1 = _mm256_loadu_ps(w.add(k * NR + 8));
+                    for (m, a) in acc.iter_mut().enumerate() {
+                        let xv = _mm256_broadcast_ss(&*x.add((t + m) * fan_in + k));
+                        a[0] = _mm256_fmadd_ps(xv, w0, a[0]);
+                        a[1] = _mm256_fmadd_ps(xv, w1, a[1]);
+                    }
+                }
+                for (m, a) in acc.iter().enumerate() {
+                    _mm256_storeu_ps(out.add((t + m) * NR), a[0]);
+                    _mm256_storeu_ps(out.add((t + m) * NR + 8), a[1]);
+                }
+            }
+        }
+        let (xp, wp, op) = (x.as_ptr(), panel.as_ptr(), out.as_mut_ptr());
+        // SAFETY: see the function's contract.
+        unsafe { tiles!(6, n, tile[](xp, fan_in, wp, op)) }
+    }
+
+    /// # Safety
+    /// The CPU has AVX-512F; `x` holds `n` rows of `fan_in`, each panel
+    /// `fan_in * NR` values, and `out` `n * panels.len() * NR`; 1 to 3 panels.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn group_avx512(
+        x: &[f32],
+        fan_in: usize,
+        n: usize,
+        panels: &[&[f32]],
+        out: &mut [f32],
+    ) {
+        // SAFETY: the caller's contract, for each panel count.
+        unsafe {
+            match *panels {
+                [a] => group::<1>(x, fan_in, n, [a.as_ptr()], out),
+                [a, b] => group::<2>(x, fan_in, n, [a.as_ptr(), b.as_ptr()], out),
+                [a, b, c] => group::<3>(x, fan_in, n, [a.as_ptr(), b.as_ptr(), c.as_ptr()], out),
+                _ => unreachable!("1 to 3 panels"),
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn group<const P: usize>(
+        x: &[f32],
+        fan_in: usize,
+        n: usize,
+        w: [*const f32; P],
+        out: &mut [f32],
+    ) {
+        #[inline(always)]
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn tile<const M: usize, const P: usize>(
+            t: usize,
+            x: *const f32,
+            fan_in: usize,
+            k0: usize,
+            k1: usize,
+            w: [*const f32; P],
+            out: *mut f32,
+        ) {
+            let width = P * NR;
+            // SAFETY (whole body): rows t..t+M < n, k < fan_in and q < P keep
+            // every access inside x, the panels and rows t..t+M of out.
+            unsafe {
+                let mut acc = [[_mm512_setzero_ps(); P]; M];
+                if k0 > 0 {
+                    // Resume the chains where the last pass stored them:
+                    // a store and a load do not change a value.
+                    for (m, a) in acc.iter_mut().enumerate() {
+                        for (q, v) in a.iter_mut().enumerate() {
+                            *v = _mm512_loadu_ps(out.add((t + m) * width + q * NR));
+                        }
+                    }
+                }
+                for k in k0..k1 {
+                    let mut wv = [_mm512_setzero_ps(); P];
+                    for (q, v) in wv.iter_mut().enumerate() {
+                        *v = _mm512_loadu_ps(w[q].add(k * NR));
+                    }
+                    for (m, a) in acc.iter_mut().enumerate() {
+                        let xv = _mm512_set1_ps(*x.add((t + m) * fan_in + k));
+                        for (v, &wq) in a.iter_mut().zip(&wv) {
+                            *v = _mm512_fmadd_ps(xv, wq, *v);
+                        }
+                    }
+                }
+                for (m, a) in acc.iter().enumerate() {
+                    for (q, &v) in a.iter().enumerate() {
+                        _mm512_storeu_ps(out.add((t + m) * width + q * NR), v);
+                    }
+                }
+            }
+        }
+        let (xp, op) = (x.as_ptr(), out.as_mut_ptr());
+        let mut k0 = 0;
+        while k0 < fan_in {
+            let k1 = (k0 + super::KC).min(fan_in);
+            // SAFETY: see the function's contract.
+            unsafe { tiles!(8, n, tile[P](xp, fan_in, k0, k1, w, op)) }
+            k0 = k1;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn random(seed: u64, n: usize) -> Vec<f32> {
+        let mut rng = crate::sampling::Rng::new(seed);
+        (0..n).map(|_| rng.next_f64() as f32 - 0.5).collect()
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|f| f.to_bits()).collect()
+    }
+
+    #[test]
+    fn every_kernel_gives_the_same_bits_alone_or_in_any_batch() {
+        // Odd sizes exercise every edge: a padded last panel, an odd panel
+        // count, and every remainder of tokens past the last full tile.
+        let kernels = Kernel::available();
+        for (n, fan_in, fan_out) in [
+            (7, 45, 9),
+            (13, 64, 50),
+            (1, 13, 3),
+            (6, 8, 33),
+            (32, 77, 40),
+            (17, 300, 48),
+        ] {
+            let x = random(1, n * fan_in);
+            let w = random(2, fan_out * fan_in);
+            let bias = random(3, fan_out);
+            let lin = PackedLinear::pack(&w, Some(bias.clone()), fan_in, fan_out);
+            // The definition: one fused chain per output, then the bias.
+            let mut want = vec![0f32; n * fan_out];
+            for t in 0..n {
+                for o in 0..fan_out {
+                    let mut acc = 0f32;
+                    for k in 0..fan_in {
+                        acc = x[t * fan_in + k].mul_add(w[o * fan_in + k], acc);
+                    }
+                    want[t * fan_out + o] = acc + bias[o];
+                }
+            }
+            let mut got = vec![0f32; n * fan_out];
+            lin.forward(&x, n, &mut got);
+            assert_eq!(bits(&got), bits(&want), "forward n={n} fan_in={fan_in}");
+            for &kernel in &kernels {
+                for p in 0..fan_out.div_ceil(NR) {
+                    let mut single = vec![0f32; n * NR];
+                    kernel.single(&x, fan_in, n, lin.panel(p), &mut single);
+                    for t in 0..n {
+                        for j in 0..NR.min(fan_out - p * NR) {
+                            let o = p * NR + j;
+                            assert_eq!(
+                                (single[t * NR + j] + bias[o]).to_bits(),
+                                want[t * fan_out + o].to_bits(),
+                                "{kernel:?} single n={n} t={t} o={o}"
+                            );
+                        }
+                    }
+                    // Each token alone gives the bits it had in the batch.
+                    for t in 0..n {
+                        let mut alone = vec![0f32; NR];
+                        let row = &x[t * fan_in..(t + 1) * fan_in];
+                        kernel.single(row, fan_in, 1, lin.panel(p), &mut alone);
+                        assert_eq!(bits(&alone), bits(&single[t * NR..(t + 1) * NR]));
+                    }
+                }
+                for count in 1..=GROUP.min(fan_out.div_ceil(NR)) {
+                    let panels: Vec<&[f32]> = (0..count).map(|p| lin.panel(p)).collect();
+                    let mut group = vec![0f32; n * count * NR];
+                    kernel.group(&x, fan_in, n, &panels, &mut group);
+                    for t in 0..n {
+                        for o in 0..(count * NR).min(fan_out) {
+                            assert_eq!(
+                                (group[t * count * NR + o] + bias[o]).to_bits(),
+                                want[t * fan_out + o].to_bits(),
+                                "{kernel:?} group of {count} n={n} t={t} o={o}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
