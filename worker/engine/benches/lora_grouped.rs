@@ -32,12 +32,26 @@ fn time(iters: usize, mut f: impl FnMut()) -> f64 {
 fn main() {
     let mut rng = Rng::new(3);
     let slots = 64;
-    let a = random(&mut rng, slots * RANK * DIM);
-    let b_t = random(&mut rng, slots * RANK * DIM);
+    let (a_len, b_len) = (SlotView::a_len(RANK, DIM), SlotView::b_len(RANK, DIM));
+    let mut a = vec![0f32; slots * a_len];
+    let mut b = vec![0f32; slots * b_len];
+    for s in 0..slots {
+        let (rows, b_t) = (random(&mut rng, RANK * DIM), random(&mut rng, RANK * DIM));
+        SlotView::pack(
+            &rows,
+            &b_t,
+            RANK,
+            DIM,
+            DIM,
+            RANK,
+            &mut a[s * a_len..][..a_len],
+            &mut b[s * b_len..][..b_len],
+        );
+    }
     let x = random(&mut rng, TOKENS * DIM);
     let view = SlotView {
         a: &a,
-        b_t: &b_t,
+        b: &b,
         max_rank: RANK,
         fan_in: DIM,
         fan_out: DIM,

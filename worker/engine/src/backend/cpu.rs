@@ -9,7 +9,7 @@ use std::path::Path;
 
 use rayon::prelude::*;
 
-use super::panels::PackedLinear;
+use super::panels::{GROUP, Kernel, NR, PackedLinear};
 use super::{Backend, BackendShape, StepBatch};
 use crate::error::{EngineError, Result};
 use crate::lora::{HostAdapter, Projection};
@@ -23,16 +23,18 @@ struct Layer {
     proj: Vec<PackedLinear>,
 }
 
-/// The adapter slots of every (layer, projection), laid out as the GPU
-/// holds them: one buffer per (layer, projection), slot-major, each slot
-/// padded to `max_lora_rank`.
+/// The adapter slots of every (layer, projection): one buffer per (layer,
+/// projection), slot-major, each slot padded to `max_lora_rank` rounded up
+/// to a whole panel, and packed into the panels the projection kernels
+/// read (see [`SlotView`]).
 #[derive(Debug)]
 struct SlotTable {
+    /// `max_lora_rank` rounded up to a multiple of [`NR`].
     max_rank: usize,
-    /// `a[layer * 7 + proj]`: `[slots, max_rank, in]`.
+    /// `a[layer * 7 + proj]`: A panels, as [`SlotView::a`].
     a: Vec<Vec<f32>>,
-    /// `b_t[layer * 7 + proj]`: `[slots, max_rank, out]`.
-    b_t: Vec<Vec<f32>>,
+    /// `b[layer * 7 + proj]`: Bᵀ panels, as [`SlotView::b`].
+    b: Vec<Vec<f32>>,
     /// `rank[slot][layer * 7 + proj]`; 0 where the adapter has no module.
     rank: Vec<Vec<usize>>,
     /// `scale[slot][layer * 7 + proj]`.
@@ -121,13 +123,14 @@ impl CpuBackend {
     ) -> CpuBackend {
         let kv_len = shape.kv_blocks * shape.block_size * config.kv_dim();
         let n = config.num_layers * 7;
+        let max_rank = shape.max_lora_rank.next_multiple_of(NR);
         let mut a = Vec::with_capacity(n);
-        let mut b_t = Vec::with_capacity(n);
+        let mut b = Vec::with_capacity(n);
         for _ in 0..config.num_layers {
             for p in Projection::ALL {
                 let (fan_in, fan_out) = p.shape(&config);
-                a.push(vec![0f32; shape.slots * shape.max_lora_rank * fan_in]);
-                b_t.push(vec![0f32; shape.slots * shape.max_lora_rank * fan_out]);
+                a.push(vec![0f32; shape.slots * SlotView::a_len(max_rank, fan_in)]);
+                b.push(vec![0f32; shape.slots * SlotView::b_len(max_rank, fan_out)]);
             }
         }
         let half = config.head_dim / 2;
@@ -143,9 +146,9 @@ impl CpuBackend {
             k_cache: (0..config.num_layers).map(|_| vec![0f32; kv_len]).collect(),
             v_cache: (0..config.num_layers).map(|_| vec![0f32; kv_len]).collect(),
             slots: SlotTable {
-                max_rank: shape.max_lora_rank,
+                max_rank,
                 a,
-                b_t,
+                b,
                 rank: vec![vec![0; n]; shape.slots],
                 scale: vec![vec![0.0; n]; shape.slots],
             },
@@ -179,86 +182,19 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
 
-/// Four dot products against one shared row, each summed exactly as
-/// [`dot`] sums it (same partial sums, same final order), so a token's
-/// result is the same bits whether it is computed alone or in a tile.
-#[inline(always)]
-fn dot4(xs: [&[f32]; 4], w: &[f32]) -> [f32; 4] {
-    let mut acc = [[0f32; 8]; 4];
-    let chunks = w.len() / 8;
-    for i in 0..chunks {
-        let wc = &w[i * 8..i * 8 + 8];
-        for (t, x) in xs.iter().enumerate() {
-            let xc = &x[i * 8..i * 8 + 8];
-            for j in 0..8 {
-                acc[t][j] += xc[j] * wc[j];
-            }
-        }
-    }
-    let mut out = [0f32; 4];
-    for (t, x) in xs.iter().enumerate() {
-        let mut tail = 0f32;
-        for i in chunks * 8..w.len() {
-            tail += x[i] * w[i];
-        }
-        let a = &acc[t];
-        out[t] = ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])) + tail;
-    }
-    out
-}
-
-/// `dot(x[t], w)` for every row `t` of `x` (rows of `len`), four at a time.
-#[inline(always)]
-fn dots(x: &[f32], len: usize, w: &[f32], mut out: impl FnMut(usize, f32)) {
-    let n = x.len() / len;
-    let row = |t: usize| &x[t * len..(t + 1) * len];
-    let mut t = 0;
-    while t + 4 <= n {
-        let r = dot4([row(t), row(t + 1), row(t + 2), row(t + 3)], w);
-        for (k, v) in r.into_iter().enumerate() {
-            out(t + k, v);
-        }
-        t += 4;
-    }
-    while t < n {
-        out(t, dot(row(t), w));
-        t += 1;
-    }
-}
-
-/// Runs the hot loops compiled for the widest vector unit the CPU has.
-///
-/// The loops are plain lane-wise multiplies and adds with an explicit
-/// reduction order and no fused multiply-add (Rust never contracts), so
-/// every version computes the same bits; only the speed differs.
-mod simd {
-    /// Calls `f` inlined into a copy compiled with AVX2 when the CPU has it.
-    #[inline(always)]
-    pub fn dispatch<R>(f: impl FnOnce() -> R) -> R {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx2") {
-                // SAFETY: the CPU supports AVX2, checked just above.
-                #[allow(unsafe_code)]
-                return unsafe { with_avx2(f) };
-            }
-        }
-        f()
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2")]
-    fn with_avx2<R>(f: impl FnOnce() -> R) -> R {
-        f()
-    }
-}
-
-/// One projection's adapter slots, as [`lora_segments`] reads them.
+/// One projection's adapter slots, as [`lora_segments`] reads them, packed
+/// into the panels of [`crate::backend::panels`]: the shrink `x·Aᵀ` is a
+/// projection to `rank` outputs and the expand `h·B` one from `rank`
+/// inputs, so both run on the same register tiles as the base weights.
 pub struct SlotView<'a> {
-    /// `[slots, max_rank, fan_in]`.
+    /// Per slot `[max_rank / NR, fan_in, NR]`: panel `q` holds rows
+    /// `q*NR..(q+1)*NR` of A, k-major.
     pub a: &'a [f32],
-    /// `[slots, max_rank, fan_out]`.
-    pub b_t: &'a [f32],
+    /// Per slot `[fan_out.div_ceil(NR), k, NR]` with `k` the slot's rank
+    /// rounded up to [`NR`] (the region is sized for `max_rank`): panel `p`
+    /// holds columns `p*NR..(p+1)*NR` of Bᵀ (`[rank, fan_out]`), rank-major.
+    pub b: &'a [f32],
+    /// A multiple of [`NR`].
     pub max_rank: usize,
     pub fan_in: usize,
     pub fan_out: usize,
@@ -275,10 +211,92 @@ impl std::fmt::Debug for SlotView<'_> {
     }
 }
 
+impl SlotView<'_> {
+    /// Floats of one slot's A panels.
+    pub fn a_len(max_rank: usize, fan_in: usize) -> usize {
+        max_rank.div_ceil(NR) * fan_in * NR
+    }
+
+    /// Floats of one slot's Bᵀ panels.
+    pub fn b_len(max_rank: usize, fan_out: usize) -> usize {
+        fan_out.div_ceil(NR) * max_rank.next_multiple_of(NR) * NR
+    }
+
+    /// Packs one module of `rank` (A `[rank, fan_in]`, Bᵀ `[rank, fan_out]`,
+    /// row-major) into one slot's regions `a` and `b`. Only the part a
+    /// module of this rank reads is written (and its padding zeroed), so a
+    /// slot is never cleared first.
+    #[allow(clippy::too_many_arguments)]
+    pub fn pack(
+        a_rows: &[f32],
+        b_t: &[f32],
+        rank: usize,
+        fan_in: usize,
+        fan_out: usize,
+        max_rank: usize,
+        a: &mut [f32],
+        b: &mut [f32],
+    ) {
+        assert!(rank <= max_rank && max_rank.is_multiple_of(NR));
+        assert_eq!(a_rows.len(), rank * fan_in);
+        assert_eq!(b_t.len(), rank * fan_out);
+        let k = rank.next_multiple_of(NR);
+        // A: panel q holds ranks q*NR.., transposed to k-major.
+        for (q, panel) in a[..k * fan_in].chunks_exact_mut(fan_in * NR).enumerate() {
+            let rows = (rank - q * NR).min(NR);
+            for (i, dst) in panel.chunks_exact_mut(NR).enumerate() {
+                for (j, d) in dst.iter_mut().enumerate() {
+                    *d = if j < rows {
+                        a_rows[(q * NR + j) * fan_in + i]
+                    } else {
+                        0.0
+                    };
+                }
+            }
+        }
+        // Bᵀ: panel p holds k rows of NR outputs; rows past `rank` and
+        // outputs past `fan_out` are zero.
+        let b = &mut b[..fan_out.div_ceil(NR) * k * NR];
+        b.fill(0.0);
+        for (p, panel) in b.chunks_exact_mut(k * NR).enumerate() {
+            let cols = (fan_out - p * NR).min(NR);
+            for r in 0..rank {
+                panel[r * NR..r * NR + cols].copy_from_slice(&b_t[r * fan_out + p * NR..][..cols]);
+            }
+        }
+    }
+}
+
+/// `out[t, 0..width]` for `n` rows of `x` (rows of `fan_in`) against the
+/// given panels, [`GROUP`] at a time; `out` is `[n, width]`, `width` at
+/// most the panels' outputs.
+fn panels_into(
+    kernel: Kernel,
+    x: &[f32],
+    fan_in: usize,
+    n: usize,
+    panels: &[&[f32]],
+    width: usize,
+    out: &mut [f32],
+) {
+    let mut local = vec![0f32; n * GROUP * NR];
+    for (g, group) in panels.chunks(GROUP).enumerate() {
+        let cols = group.len() * NR;
+        let local = &mut local[..n * cols];
+        kernel.group(x, fan_in, n, group, local);
+        let lo = g * GROUP * NR;
+        let take = cols.min(width - lo);
+        for t in 0..n {
+            out[t * width + lo..][..take].copy_from_slice(&local[t * cols..][..take]);
+        }
+    }
+}
+
 /// The grouped LoRA kernel (SGMV): for each segment of tokens sharing a
-/// slot, one shrink `h = x·Aᵀ` that reads each A row once for the whole
-/// segment, then one expand `out += s·(h·Bᵀ)`. Each token's result depends
-/// only on its own row, so grouping never changes the numbers.
+/// slot, one shrink `h = x·Aᵀ` that reads each A panel once for the whole
+/// segment, then one expand `out += s·(h·Bᵀ)`. Both are fused
+/// multiply-add chains in a fixed order that depends only on the token's
+/// own row and the slot's rank, so grouping never changes the numbers.
 pub fn lora_segments(
     x: &[f32],
     segments: &[super::Segment],
@@ -288,7 +306,7 @@ pub fn lora_segments(
     let (fan_in, fan_out, max_rank) = (slots.fan_in, slots.fan_out, slots.max_rank);
     let tokens: usize = segments.iter().map(|s| s.end - s.start).sum();
     // Work items: tiles of up to 8 tokens within one segment, so a tile
-    // shares its adapter's A and B rows.
+    // shares its adapter's panels.
     const TILE: usize = 8;
     let mut tiles = Vec::new();
     for seg in segments {
@@ -308,35 +326,30 @@ pub fn lora_segments(
             t += TILE;
         }
     }
-    let (a_all, b_all) = (slots.a, slots.b_t);
+    let kernel = Kernel::detect();
+    let (a_len, b_len) = (
+        SlotView::a_len(max_rank, fan_in),
+        SlotView::b_len(max_rank, fan_out),
+    );
     let run = |&(slot, rank, scale, lo, hi): &(usize, usize, f32, usize, usize)| -> Vec<f32> {
-        let a = &a_all[slot * max_rank * fan_in..][..rank * fan_in];
-        let b_t = &b_all[slot * max_rank * fan_out..][..rank * fan_out];
         let n = hi - lo;
         let xs = &x[lo * fan_in..hi * fan_in];
-        // Shrink: h[t, k] = x[t]·A[k], each A row read once per tile.
-        let mut h = vec![0f32; n * rank];
-        for k in 0..rank {
-            dots(xs, fan_in, &a[k * fan_in..(k + 1) * fan_in], |t, v| {
-                h[t * rank + k] = v
-            });
-        }
-        // Expand: delta[t] = Σ_k h[t, k]·Bᵀ[k], k in order, each B row read
-        // once per tile; then the scale, as PEFT applies it.
+        // Shrink over whole panels of rank: rows past `rank` are zero, so
+        // their h is zero and adds nothing in the expand.
+        let k = rank.next_multiple_of(NR);
+        let a = &slots.a[slot * a_len..][..a_len];
+        let a_panels: Vec<&[f32]> = a.chunks_exact(fan_in * NR).take(k / NR).collect();
+        let mut h = vec![0f32; n * k];
+        panels_into(kernel, xs, fan_in, n, &a_panels, k, &mut h);
+        // Expand over the same k ranks.
+        let b = &slots.b[slot * b_len..][..b_len];
+        let b_panels: Vec<&[f32]> = b.chunks_exact(k * NR).take(fan_out.div_ceil(NR)).collect();
         let mut delta = vec![0f32; n * fan_out];
-        for k in 0..rank {
-            let b = &b_t[k * fan_out..(k + 1) * fan_out];
-            for t in 0..n {
-                let hk = h[t * rank + k];
-                for (d, &bv) in delta[t * fan_out..(t + 1) * fan_out].iter_mut().zip(b) {
-                    *d += hk * bv;
-                }
-            }
-        }
+        panels_into(kernel, &h, k, n, &b_panels, fan_out, &mut delta);
+        // Then the scale, as PEFT applies it.
         delta.iter_mut().for_each(|d| *d *= scale);
         delta
     };
-    let run = |tile: &(usize, usize, f32, usize, usize)| simd::dispatch(|| run(tile));
     // Small batches are not worth the threads.
     let deltas: Vec<Vec<f32>> = if tokens >= 16 {
         tiles.par_iter().map(run).collect()
@@ -375,7 +388,7 @@ impl CpuBackend {
         let key = layer * 7 + p.index();
         let slots = SlotView {
             a: &self.slots.a[key],
-            b_t: &self.slots.b_t[key],
+            b: &self.slots.b[key],
             max_rank: self.slots.max_rank,
             fan_in,
             fan_out,
@@ -461,10 +474,20 @@ impl Backend for CpuBackend {
                 };
                 let (fan_in, fan_out) = p.shape(&self.config);
                 let key = layer * 7 + p.index();
-                self.slots.a[key][slot * max_rank * fan_in..][..m.rank * fan_in]
-                    .copy_from_slice(&m.a);
-                self.slots.b_t[key][slot * max_rank * fan_out..][..m.rank * fan_out]
-                    .copy_from_slice(&m.b_t);
+                let (a_len, b_len) = (
+                    SlotView::a_len(max_rank, fan_in),
+                    SlotView::b_len(max_rank, fan_out),
+                );
+                SlotView::pack(
+                    &m.a,
+                    &m.b_t,
+                    m.rank,
+                    fan_in,
+                    fan_out,
+                    max_rank,
+                    &mut self.slots.a[key][slot * a_len..][..a_len],
+                    &mut self.slots.b[key][slot * b_len..][..b_len],
+                );
                 self.slots.rank[slot][key] = m.rank;
                 self.slots.scale[slot][key] = m.scale;
             }
@@ -476,16 +499,13 @@ impl Backend for CpuBackend {
         if slot >= self.shape.slots {
             return Err(EngineError::Backend(format!("slot {slot} is out of range")));
         }
-        let max_rank = self.slots.max_rank;
-        for layer in 0..self.config.num_layers {
-            for p in Projection::ALL {
-                let (fan_in, fan_out) = p.shape(&self.config);
-                let key = layer * 7 + p.index();
-                self.slots.a[key][slot * max_rank * fan_in..][..max_rank * fan_in].fill(0.0);
-                self.slots.b_t[key][slot * max_rank * fan_out..][..max_rank * fan_out].fill(0.0);
-                self.slots.rank[slot][key] = 0;
-                self.slots.scale[slot][key] = 0.0;
-            }
+        // Rank 0 is what makes a module absent: `lora_segments` reads a
+        // module's panels only up to its rank, and `SlotView::pack` writes
+        // all of that, so stale weights past it are never read and the
+        // slot's memory need not be zeroed.
+        for key in 0..self.config.num_layers * 7 {
+            self.slots.rank[slot][key] = 0;
+            self.slots.scale[slot][key] = 0.0;
         }
         Ok(())
     }
@@ -628,5 +648,147 @@ impl Backend for CpuBackend {
         let mut logits = vec![0f32; rows.len() * c.vocab_size];
         self.lm_head.forward(&last_normed, rows.len(), &mut logits);
         Ok(logits)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::Segment;
+
+    fn random(seed: u64, n: usize) -> Vec<f32> {
+        let mut rng = crate::sampling::Rng::new(seed);
+        (0..n).map(|_| rng.next_f64() as f32 - 0.5).collect()
+    }
+
+    #[test]
+    fn lora_segments_computes_the_delta_alike_grouped_or_one_token_at_a_time() {
+        // Ranks below one panel, of exactly one, and across two; sizes that
+        // leave partial panels on both sides.
+        let (fan_in, fan_out, max_rank, tokens) = (40, 37, 32, 11);
+        let ranks = [5usize, 16, 20];
+        let (a_len, b_len) = (
+            SlotView::a_len(max_rank, fan_in),
+            SlotView::b_len(max_rank, fan_out),
+        );
+        let mut a = vec![0f32; ranks.len() * a_len];
+        let mut b = vec![0f32; ranks.len() * b_len];
+        let mut modules = Vec::new();
+        for (s, &r) in ranks.iter().enumerate() {
+            let (rows, b_t) = (
+                random(10 + s as u64, r * fan_in),
+                random(20 + s as u64, r * fan_out),
+            );
+            SlotView::pack(
+                &rows,
+                &b_t,
+                r,
+                fan_in,
+                fan_out,
+                max_rank,
+                &mut a[s * a_len..][..a_len],
+                &mut b[s * b_len..][..b_len],
+            );
+            modules.push((rows, b_t));
+        }
+        let view = SlotView {
+            a: &a,
+            b: &b,
+            max_rank,
+            fan_in,
+            fan_out,
+            rank: &|s| ranks[s],
+            scale: &|s| 0.5 + s as f32,
+        };
+        let x = random(1, tokens * fan_in);
+        let slot_of = |t: usize| [0, 0, 0, 1, 1, 2, 2, 2, 2, 1, 0][t];
+        let segments: Vec<Segment> = (0..tokens).fold(Vec::<Segment>::new(), |mut segs, t| {
+            match segs.last_mut() {
+                Some(last) if last.slot == slot_of(t) => last.end = t + 1,
+                _ => segs.push(Segment {
+                    slot: slot_of(t),
+                    start: t,
+                    end: t + 1,
+                }),
+            }
+            segs
+        });
+        let mut grouped = vec![0f32; tokens * fan_out];
+        lora_segments(&x, &segments, &view, &mut grouped);
+        let mut alone = vec![0f32; tokens * fan_out];
+        for t in 0..tokens {
+            let one = Segment {
+                slot: slot_of(t),
+                start: t,
+                end: t + 1,
+            };
+            lora_segments(&x, &[one], &view, &mut alone);
+        }
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&grouped), bits(&alone));
+        // A slot reused by a smaller rank over the old weights, never
+        // cleared, computes what a fresh slot does.
+        let mut reused_a = a.clone();
+        let mut reused_b = b.clone();
+        SlotView::pack(
+            &modules[0].0,
+            &modules[0].1,
+            ranks[0],
+            fan_in,
+            fan_out,
+            max_rank,
+            &mut reused_a[2 * a_len..][..a_len],
+            &mut reused_b[2 * b_len..][..b_len],
+        );
+        let reused = SlotView {
+            a: &reused_a,
+            b: &reused_b,
+            rank: &|s| ranks[if s == 2 { 0 } else { s }],
+            scale: &|s| if s == 2 { 0.5 } else { 0.5 + s as f32 },
+            ..view
+        };
+        let (mut fresh, mut stale) = (vec![0f32; fan_out], vec![0f32; fan_out]);
+        lora_segments(
+            &x[..fan_in],
+            &[Segment {
+                slot: 0,
+                start: 0,
+                end: 1,
+            }],
+            &view,
+            &mut fresh,
+        );
+        lora_segments(
+            &x[..fan_in],
+            &[Segment {
+                slot: 2,
+                start: 0,
+                end: 1,
+            }],
+            &reused,
+            &mut stale,
+        );
+        assert_eq!(bits(&fresh), bits(&stale));
+        // And it is s·(x·Aᵀ)·Bᵀ.
+        for t in 0..tokens {
+            let s = slot_of(t);
+            let (rows, b_t) = &modules[s];
+            let r = ranks[s];
+            for o in 0..fan_out {
+                let mut want = 0f64;
+                for k in 0..r {
+                    let h: f64 = (0..fan_in)
+                        .map(|i| f64::from(x[t * fan_in + i]) * f64::from(rows[k * fan_in + i]))
+                        .sum();
+                    want += h * f64::from(b_t[k * fan_out + o]);
+                }
+                want *= f64::from(0.5 + s as f32);
+                let got = f64::from(grouped[t * fan_out + o]);
+                assert!(
+                    (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                    "t={t} o={o}: {got} vs {want}"
+                );
+            }
+        }
     }
 }
