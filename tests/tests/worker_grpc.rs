@@ -385,6 +385,14 @@ fn serve_refuses_bad_flags_by_name() {
     let cases: &[(&[&str], &str)] = &[
         (&["--max-loras", "0"], "--max-loras: must be at least 1"),
         (&["--backend", "tpu"], "--backend: \"tpu\" is not available"),
+        (
+            &["--dtype", "bf16"],
+            "--dtype: bf16 is not available on the cpu backend",
+        ),
+        (
+            &["--backend", "cuda", "--dtype", "f8"],
+            "--dtype: \"f8\" is not one of f32, bf16, f16",
+        ),
         (&["--worker-id", " "], "--worker-id: must not be empty"),
         (
             &["--artifact-root", "/nonexistent-artifact-root"],
@@ -392,6 +400,15 @@ fn serve_refuses_bad_flags_by_name() {
         ),
         (&["--grpc-listen", "not-an-address"], "--grpc-listen"),
     ];
+    // Without an NVIDIA driver, asking for the GPU is a refusal that says so.
+    let no_gpu: &[(&[&str], &str)] = &[(
+        &["--backend", "cuda"],
+        "--backend cuda: the NVIDIA driver library (libcuda.so) was not found",
+    )];
+    let has_driver = std::path::Path::new("/proc/driver/nvidia").exists();
+    let cases = cases
+        .iter()
+        .chain(if has_driver { &[][..] } else { no_gpu });
     for (flags, expected) in cases {
         let out = Command::new(binary("lorafleet-worker"))
             .args(["serve", "--metrics-listen", "127.0.0.1:0"])

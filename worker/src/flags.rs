@@ -1,11 +1,22 @@
 //! The engine's sizing flags, shared by `serve` and `generate`, and their
 //! validation into errors that name the flag.
 
-use lorafleet_engine::EngineSettings;
+use lorafleet_engine::backend::cuda::Dtype;
+use lorafleet_engine::{BackendChoice, EngineSettings};
 
 /// Engine sizes and limits; each flag has an environment fallback.
 #[derive(Debug, Clone, clap::Args)]
 pub struct EngineFlags {
+    /// The compute backend: "cpu" (the f32 reference) or "cuda".
+    #[arg(long, env = "LORAFLEET_BACKEND", default_value = "cpu")]
+    backend: String,
+    /// The type base weights are held in on the cuda backend: "bf16",
+    /// "f16" or "f32" (default bf16). The cpu backend computes in f32 only.
+    #[arg(long, env = "LORAFLEET_DTYPE")]
+    dtype: Option<String>,
+    /// The CUDA device ordinal.
+    #[arg(long, env = "LORAFLEET_CUDA_DEVICE", default_value_t = 0)]
+    cuda_device: usize,
     /// Device slots: the most distinct adapters in one step.
     #[arg(long, env = "LORAFLEET_MAX_LORAS", default_value_t = 4)]
     max_loras: usize,
@@ -33,6 +44,44 @@ pub struct EngineFlags {
 }
 
 impl EngineFlags {
+    /// The checked backend choice; an error names the flag.
+    pub fn backend(&self) -> anyhow::Result<BackendChoice> {
+        let dtype = self
+            .dtype
+            .as_deref()
+            .map(|d| {
+                d.parse::<Dtype>()
+                    .map_err(|e| anyhow::anyhow!("--dtype: {e}"))
+            })
+            .transpose()?;
+        match self.backend.as_str() {
+            "cpu" => match dtype {
+                None | Some(Dtype::F32) => Ok(BackendChoice::Cpu),
+                Some(other) => anyhow::bail!(
+                    "--dtype: {} is not available on the cpu backend, which computes in f32",
+                    other.name()
+                ),
+            },
+            "cuda" => {
+                // Before anything else is read, so a machine without a GPU
+                // stack says so at once.
+                lorafleet_engine::backend::cuda::probe().map_err(|e| match e {
+                    lorafleet_engine::EngineError::Backend(why) => {
+                        anyhow::anyhow!("--backend cuda: {why}")
+                    }
+                    other => anyhow::anyhow!("--backend cuda: {other}"),
+                })?;
+                Ok(BackendChoice::Cuda {
+                    device: self.cuda_device,
+                    dtype: dtype.unwrap_or(Dtype::Bf16),
+                })
+            }
+            other => {
+                anyhow::bail!("--backend: {other:?} is not available; expected \"cpu\" or \"cuda\"")
+            }
+        }
+    }
+
     /// The checked settings; an error names the flag, as `--max-loras: …`.
     pub fn settings(&self) -> anyhow::Result<EngineSettings> {
         let settings = EngineSettings {

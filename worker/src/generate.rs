@@ -82,9 +82,10 @@ fn parse_loras(flags: &[String]) -> anyhow::Result<BTreeMap<String, PathBuf>> {
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let loras = parse_loras(&args.loras)?;
     let settings = args.engine.settings()?;
+    let choice = args.engine.backend()?;
     let input = std::fs::File::open(&args.input)
         .with_context(|| format!("--input {}", args.input.display()))?;
-    let mut engine = Engine::load_cpu(&args.model, settings)
+    let mut engine = Engine::load(&args.model, settings, choice)
         .with_context(|| format!("--model {}", args.model.display()))?;
     let ids: BTreeMap<&str, u64> = loras
         .keys()

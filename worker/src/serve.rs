@@ -10,8 +10,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use lorafleet_engine::Engine;
 use lorafleet_engine::artifact::ArtifactRoots;
+use lorafleet_engine::{BackendChoice, Engine};
 use lorafleet_proto::worker::v1 as pb;
 
 use crate::runtime::EngineHandle;
@@ -44,9 +44,6 @@ pub struct ServeArgs {
     /// This worker's id on the hash ring (in Kubernetes, the pod name).
     #[arg(long, env = "LORAFLEET_WORKER_ID")]
     worker_id: String,
-    /// The compute backend: "cpu".
-    #[arg(long, env = "LORAFLEET_BACKEND", default_value = "cpu")]
-    backend: String,
     #[command(flatten)]
     engine: crate::flags::EngineFlags,
     /// On SIGTERM, how long running streams may take to finish, in seconds.
@@ -55,16 +52,11 @@ pub struct ServeArgs {
 }
 
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
-    if args.backend != "cpu" {
-        bail!(
-            "--backend: {:?} is not available in this build; expected \"cpu\"",
-            args.backend
-        );
-    }
     if args.worker_id.trim().is_empty() {
         bail!("--worker-id: must not be empty");
     }
     let settings = args.engine.settings()?;
+    let choice = args.engine.backend()?;
     let roots = ArtifactRoots::new(&args.artifact_roots)
         .map_err(|e| anyhow::anyhow!("--artifact-root: {e}"))?;
     let listener = tokio::net::TcpListener::bind(args.grpc_listen)
@@ -77,9 +69,14 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let metrics_addr = metrics_listener.local_addr()?;
     crate::telemetry::install(metrics_listener).context("--metrics-listen")?;
     let model = args.model.clone();
-    let engine = tokio::task::spawn_blocking(move || Engine::load_cpu(&model, settings))
+    let engine = tokio::task::spawn_blocking(move || Engine::load(&model, settings, choice))
         .await?
-        .with_context(|| format!("--model {}", args.model.display()))?;
+        .with_context(|| match choice {
+            BackendChoice::Cpu => format!("--model {}", args.model.display()),
+            BackendChoice::Cuda { .. } => {
+                format!("--backend cuda, --model {}", args.model.display())
+            }
+        })?;
     let name = args
         .model
         .file_name()

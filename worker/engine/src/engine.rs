@@ -154,6 +154,18 @@ pub struct StepStats {
     pub preempted: usize,
 }
 
+/// Which backend an engine runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendChoice {
+    /// The exact f32 reference.
+    Cpu,
+    /// CUDA device `device`, with base weights in `dtype`.
+    Cuda {
+        device: usize,
+        dtype: crate::backend::cuda::Dtype,
+    },
+}
+
 /// The multi-LoRA engine.
 pub struct Engine {
     config: ModelConfig,
@@ -184,7 +196,20 @@ impl std::fmt::Debug for Engine {
 impl Engine {
     /// Loads a model directory onto the CPU backend.
     pub fn load_cpu(model_dir: &Path, settings: EngineSettings) -> Result<Engine> {
+        Engine::load(model_dir, settings, BackendChoice::Cpu)
+    }
+
+    /// Loads a model directory onto the chosen backend.
+    pub fn load(
+        model_dir: &Path,
+        settings: EngineSettings,
+        choice: BackendChoice,
+    ) -> Result<Engine> {
         settings.validate()?;
+        // A missing GPU stack fails before the model is read.
+        if let BackendChoice::Cuda { .. } = choice {
+            crate::backend::cuda::probe()?;
+        }
         let config = ModelConfig::from_dir(model_dir)?;
         let base_hash = WeightFiles::open_model_dir(model_dir)?.base_hash(&mut |_, _| {})?;
         let shape = BackendShape {
@@ -193,9 +218,14 @@ impl Engine {
             kv_blocks: settings.kv_blocks,
             block_size: settings.block_size,
         };
-        let backend = CpuBackend::load(model_dir, &config, shape)?;
+        let backend: Box<dyn Backend> = match choice {
+            BackendChoice::Cpu => Box::new(CpuBackend::load(model_dir, &config, shape)?),
+            BackendChoice::Cuda { device, dtype } => Box::new(
+                crate::backend::cuda::CudaBackend::load(model_dir, &config, shape, device, dtype)?,
+            ),
+        };
         let tokenizer = Tokenizer::from_dir(model_dir)?;
-        Engine::new(config, tokenizer, Box::new(backend), base_hash, settings)
+        Engine::new(config, tokenizer, backend, base_hash, settings)
     }
 
     /// Assembles an engine around a loaded backend.

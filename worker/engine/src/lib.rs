@@ -18,7 +18,8 @@ mod scheduler;
 pub mod sequence;
 
 pub use engine::{
-    Accepted, Completion, Engine, EngineSettings, EngineStats, Event, Prompt, Request, StepStats,
+    Accepted, BackendChoice, Completion, Engine, EngineSettings, EngineStats, Event, Prompt,
+    Request, StepStats,
 };
 pub use error::{EngineError, Result};
 pub use pool::{AdapterId, AdapterSource, Residency};

@@ -456,15 +456,7 @@ impl Backend for CpuBackend {
     }
 
     fn write_slot(&mut self, slot: usize, adapter: &HostAdapter) -> Result<()> {
-        if slot >= self.shape.slots {
-            return Err(EngineError::Backend(format!("slot {slot} is out of range")));
-        }
-        if adapter.rank > self.shape.max_lora_rank {
-            return Err(EngineError::Backend(format!(
-                "adapter {} has rank {} above the slot rank {}",
-                adapter.name, adapter.rank, self.shape.max_lora_rank
-            )));
-        }
+        super::check_slot_write(&self.shape, slot, adapter)?;
         self.clear_slot(slot)?;
         let max_rank = self.slots.max_rank;
         for (layer, modules) in adapter.modules.iter().enumerate() {
@@ -514,23 +506,7 @@ impl Backend for CpuBackend {
         let c = self.config.clone();
         let n = batch.tokens.len();
         let (d, hd, kv_dim) = (c.hidden_size, c.head_dim, c.kv_dim());
-        for &t in &batch.tokens {
-            if t as usize >= c.vocab_size {
-                return Err(EngineError::request(
-                    "prompt",
-                    format!("token id {t} is not below vocab_size {}", c.vocab_size),
-                ));
-            }
-        }
-        for s in &batch.seqs {
-            let needed = (s.first_position + s.len).div_ceil(self.shape.block_size);
-            if s.block_table.len() < needed {
-                return Err(EngineError::Backend(format!(
-                    "a block table holds {} blocks, {needed} needed",
-                    s.block_table.len()
-                )));
-            }
-        }
+        batch.check(&c, self.shape.block_size)?;
         let mut hidden = vec![0f32; n * d];
         for (t, &tok) in batch.tokens.iter().enumerate() {
             hidden[t * d..(t + 1) * d]

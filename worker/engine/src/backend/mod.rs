@@ -3,9 +3,10 @@
 //! and KV layouts.
 
 pub mod cpu;
+pub mod cuda;
 pub mod panels;
 
-use crate::error::Result;
+use crate::error::{EngineError, Result};
 use crate::lora::HostAdapter;
 use crate::model::ModelConfig;
 
@@ -90,6 +91,31 @@ impl<'a> StepBatch<'a> {
         }
     }
 
+    /// Checks what every backend relies on: token ids below the vocabulary
+    /// and block tables long enough for each sequence's positions.
+    pub fn check(&self, config: &ModelConfig, block_size: usize) -> Result<()> {
+        if let Some(t) = self
+            .tokens
+            .iter()
+            .find(|&&t| t as usize >= config.vocab_size)
+        {
+            return Err(EngineError::request(
+                "prompt",
+                format!("token id {t} is not below vocab_size {}", config.vocab_size),
+            ));
+        }
+        for s in &self.seqs {
+            let needed = (s.first_position + s.len).div_ceil(block_size);
+            if s.block_table.len() < needed {
+                return Err(EngineError::Backend(format!(
+                    "a block table holds {} blocks, {needed} needed",
+                    s.block_table.len()
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// The number of distinct adapter slots used.
     pub fn distinct_adapters(&self) -> usize {
         let mut slots: Vec<usize> = self.segments.iter().map(|s| s.slot).collect();
@@ -110,6 +136,24 @@ pub struct BackendShape {
     pub kv_blocks: usize,
     /// Tokens per KV block.
     pub block_size: usize,
+}
+
+/// Checks that `adapter` may be written into `slot` of a backend of `shape`.
+pub(crate) fn check_slot_write(
+    shape: &BackendShape,
+    slot: usize,
+    adapter: &HostAdapter,
+) -> Result<()> {
+    if slot >= shape.slots {
+        return Err(EngineError::Backend(format!("slot {slot} is out of range")));
+    }
+    if adapter.rank > shape.max_lora_rank {
+        return Err(EngineError::Backend(format!(
+            "adapter {} has rank {} above the slot rank {}",
+            adapter.name, adapter.rank, shape.max_lora_rank
+        )));
+    }
+    Ok(())
 }
 
 /// A compute device holding the base weights, the KV cache and the adapter

@@ -1,0 +1,1260 @@
+//! The CUDA backend on `cudarc`: base GEMMs through cuBLAS, everything
+//! else in NVRTC kernels compiled at start for the model's shapes
+//! (`kernels.cu`).
+//!
+//! The CUDA libraries are loaded at run time, so this code builds and links
+//! on machines without CUDA; [`probe`] turns a missing driver, NVRTC or
+//! cuBLAS into an ordinary error before any call that would panic.
+//!
+//! Layouts on the device:
+//! - base weights in the chosen [`Dtype`], row-major `[out, in]` as in the
+//!   checkpoint, with q/k/v fused into one `[q | k | v]` matrix and
+//!   gate/up into `[gate | up]`; norms and biases in f32;
+//! - activations, the residual stream and the KV cache (`[blocks,
+//!   block_size, kv_dim]` per layer, as the CPU backend) in f32;
+//! - adapter slots per (layer, projection) in f32: A `[slots, max_rank,
+//!   in]` and Bᵀ `[slots, max_rank, out]`, with each slot's rank and scale
+//!   in two small arrays the kernels read, so a slot is read only up to
+//!   its own rank and never needs clearing.
+
+// Kernel launches, raw device pointers and the library probes are FFI.
+#![allow(unsafe_code)]
+
+pub mod kernels;
+
+use std::ffi::c_void;
+use std::path::Path;
+use std::sync::Arc;
+
+use cudarc::cublas::CudaBlas;
+use cudarc::cublas::sys as blas_sys;
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+};
+
+use self::kernels::KernelShapes;
+use super::{Backend, BackendShape, StepBatch};
+use crate::error::{EngineError, Result};
+use crate::lora::{HostAdapter, Projection};
+use crate::model::{ModelConfig, WeightFiles};
+
+/// The type the base weights are held and multiplied in. The LoRA path
+/// and every accumulation are f32 whatever this is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dtype {
+    /// Full precision: the mode in which the backend is checked against
+    /// the CPU reference.
+    F32,
+    Bf16,
+    F16,
+}
+
+impl Dtype {
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::F32 => "f32",
+            Dtype::Bf16 => "bf16",
+            Dtype::F16 => "f16",
+        }
+    }
+
+    fn bytes(self) -> usize {
+        match self {
+            Dtype::F32 => 4,
+            Dtype::Bf16 | Dtype::F16 => 2,
+        }
+    }
+
+    fn cuda_type(self) -> blas_sys::cudaDataType {
+        match self {
+            Dtype::F32 => blas_sys::cudaDataType::CUDA_R_32F,
+            Dtype::Bf16 => blas_sys::cudaDataType::CUDA_R_16BF,
+            Dtype::F16 => blas_sys::cudaDataType::CUDA_R_16F,
+        }
+    }
+
+    /// Host bytes of `values` in this type (round to nearest even).
+    fn encode(self, values: &[f32]) -> Vec<u8> {
+        match self {
+            Dtype::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            Dtype::Bf16 => values
+                .iter()
+                .flat_map(|&v| half::bf16::from_f32(v).to_bits().to_le_bytes())
+                .collect(),
+            Dtype::F16 => values
+                .iter()
+                .flat_map(|&v| half::f16::from_f32(v).to_bits().to_le_bytes())
+                .collect(),
+        }
+    }
+}
+
+impl std::str::FromStr for Dtype {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
+        match s {
+            "f32" | "float32" => Ok(Dtype::F32),
+            "bf16" | "bfloat16" => Ok(Dtype::Bf16),
+            "f16" | "float16" => Ok(Dtype::F16),
+            other => Err(format!("{other:?} is not one of f32, bf16, f16")),
+        }
+    }
+}
+
+/// Checks that the CUDA driver, NVRTC and cuBLAS libraries can be loaded
+/// and that a device exists. cudarc panics on a call into a library it
+/// cannot load, so this runs before any such call.
+pub fn probe() -> Result<()> {
+    let missing = |what: &str, lib: &str| {
+        Err(EngineError::Backend(format!(
+            "the {what} ({lib}) was not found; this machine has no usable CUDA installation"
+        )))
+    };
+    // SAFETY: each probe only tries to open a shared library by name.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return missing("NVIDIA driver library", "libcuda.so");
+    }
+    if !kernels::nvrtc_present() {
+        return missing("NVRTC library", "libnvrtc.so");
+    }
+    if !unsafe { blas_sys::is_culib_present() } {
+        return missing("cuBLAS library", "libcublas.so");
+    }
+    let count = CudaContext::device_count()
+        .map_err(|e| EngineError::Backend(format!("the CUDA driver cannot count devices: {e}")))?;
+    if count < 1 {
+        return Err(EngineError::Backend(
+            "cuda: no CUDA device is visible".into(),
+        ));
+    }
+    Ok(())
+}
+
+fn cuda<E: std::fmt::Display>(what: &'static str) -> impl Fn(E) -> EngineError {
+    move |e| EngineError::Backend(format!("cuda: {what}: {e}"))
+}
+
+/// One kernel argument. Device memory travels as raw pointers: everything
+/// runs on one stream, so cudarc's per-buffer event tracking is off.
+#[derive(Debug, Clone, Copy)]
+enum Arg {
+    Ptr(u64),
+    I32(i32),
+    I64(i64),
+    F32(f32),
+}
+
+/// A device buffer's address.
+fn ptr<T>(slice: &CudaSlice<T>, stream: &CudaStream) -> u64 {
+    let (p, _sync) = slice.device_ptr(stream);
+    p
+}
+
+struct Functions {
+    embed: CudaFunction,
+    rms_norm: CudaFunction,
+    to_wt: CudaFunction,
+    add_bias: CudaFunction,
+    add_into: CudaFunction,
+    silu_mul: CudaFunction,
+    rope_store: CudaFunction,
+    attention: CudaFunction,
+    lora_shrink: CudaFunction,
+    lora_expand: CudaFunction,
+    argmax_rows: CudaFunction,
+    sample_rows: CudaFunction,
+}
+
+/// A base linear layer: weights `[out, in]` in the backend's dtype and an
+/// optional f32 bias.
+struct Linear {
+    w: CudaSlice<u8>,
+    bias: Option<CudaSlice<f32>>,
+    fan_in: usize,
+    fan_out: usize,
+}
+
+struct Layer {
+    input_norm: CudaSlice<f32>,
+    post_norm: CudaSlice<f32>,
+    /// `[q | k | v]`.
+    qkv: Linear,
+    o: Linear,
+    /// `[gate | up]`.
+    gate_up: Linear,
+    down: Linear,
+}
+
+/// Adapter slots of every (layer, projection): key `layer * 7 + proj`.
+struct Slots {
+    max_rank: usize,
+    a: Vec<CudaSlice<f32>>,
+    b: Vec<CudaSlice<f32>>,
+    /// `[key][slot]` on the device, mirrored on the host.
+    rank: CudaSlice<i32>,
+    scale: CudaSlice<f32>,
+    rank_host: Vec<i32>,
+    scale_host: Vec<f32>,
+}
+
+/// How a request's next token is chosen on the device; `u` is its uniform
+/// draw in [0, 1) from the request's own seeded stream.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DeviceSample {
+    /// 0 is greedy.
+    pub temperature: f32,
+    /// 0 is off.
+    pub top_k: usize,
+    /// 1 is off.
+    pub top_p: f32,
+    pub u: f32,
+}
+
+/// The CUDA backend.
+pub struct CudaBackend {
+    config: ModelConfig,
+    shape: BackendShape,
+    dtype: Dtype,
+    kernel_shapes: KernelShapes,
+    device_name: String,
+    // Field order is drop order: buffers and the cuBLAS handle go before
+    // the stream and context they belong to.
+    embed: CudaSlice<u8>,
+    layers: Vec<Layer>,
+    norm: CudaSlice<f32>,
+    lm_head: Linear,
+    k_cache: Vec<CudaSlice<f32>>,
+    v_cache: Vec<CudaSlice<f32>>,
+    inv_freq: CudaSlice<f32>,
+    slots: Slots,
+    /// The logits of the last forward, `[rows, vocab]`, for device sampling.
+    last_logits: Option<(CudaSlice<f32>, usize)>,
+    f: Functions,
+    blas: CudaBlas,
+    stream: Arc<CudaStream>,
+    _ctx: Arc<CudaContext>,
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBackend")
+            .field("device", &self.device_name)
+            .field("dtype", &self.dtype)
+            .field("shape", &self.shape)
+            .finish_non_exhaustive()
+    }
+}
+
+impl CudaBackend {
+    /// Loads a model directory onto CUDA device `ordinal`, with base
+    /// weights in `dtype`.
+    pub fn load(
+        dir: &Path,
+        config: &ModelConfig,
+        shape: BackendShape,
+        ordinal: usize,
+        dtype: Dtype,
+    ) -> Result<CudaBackend> {
+        probe()?;
+        let c = config;
+        let ctx = CudaContext::new(ordinal).map_err(cuda("opening the device"))?;
+        // SAFETY: one stream does all work, so per-buffer events add only cost.
+        unsafe { ctx.disable_event_tracking() };
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(cuda("reading the compute capability"))?;
+        if major < 8 {
+            return Err(EngineError::Backend(format!(
+                "cuda: device {ordinal} has compute capability {major}.{minor}; 8.0 or newer is needed"
+            )));
+        }
+        let device_name = format!(
+            "{} (compute {major}.{minor}, {} MiB)",
+            ctx.name().map_err(cuda("reading the device name"))?,
+            ctx.total_mem().map_err(cuda("reading the memory size"))? >> 20
+        );
+        let stream = ctx.default_stream();
+        let kernel_shapes = KernelShapes::for_model(c, shape.max_lora_rank, dtype);
+        let ptx = kernels::compile(&kernel_shapes, kernels::arch_for(major, minor))?;
+        let module = ctx.load_module(ptx).map_err(cuda("loading the kernels"))?;
+        let load = |name: &str| {
+            module
+                .load_function(name)
+                .map_err(|e| EngineError::Backend(format!("cuda: kernel {name}: {e}")))
+        };
+        let f = Functions {
+            embed: load("embed")?,
+            rms_norm: load("rms_norm")?,
+            to_wt: load("to_wt")?,
+            add_bias: load("add_bias")?,
+            add_into: load("add_into")?,
+            silu_mul: load("silu_mul")?,
+            rope_store: load("rope_store")?,
+            attention: load("attention")?,
+            lora_shrink: load("lora_shrink")?,
+            lora_expand: load("lora_expand")?,
+            argmax_rows: load("argmax_rows")?,
+            sample_rows: load("sample_rows")?,
+        };
+        let blas = CudaBlas::new(stream.clone()).map_err(cuda("starting cuBLAS"))?;
+        // Plain f32 math in f32 mode (no TF32), so it can be checked
+        // against the CPU reference.
+        unsafe {
+            blas_sys::cublasSetMathMode(*blas.handle(), blas_sys::cublasMath_t::CUBLAS_DEFAULT_MATH)
+        }
+        .result()
+        .map_err(cuda("setting the cuBLAS math mode"))?;
+
+        let files = WeightFiles::open_model_dir(dir)?;
+        let up_f32 = |v: &[f32]| stream.clone_htod(v).map_err(cuda("uploading weights"));
+        let up_w = |v: &[f32]| {
+            stream
+                .clone_htod(&dtype.encode(v))
+                .map_err(cuda("uploading weights"))
+        };
+        let embed_host = files.f32("model.embed_tokens.weight", &[c.vocab_size, c.hidden_size])?;
+        let embed = up_w(&embed_host)?;
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for l in 0..c.num_layers {
+            let prefix = format!("model.layers.{l}");
+            // Rows of several projections stacked into one matrix, with
+            // their biases, if the model has them.
+            let fused = |projs: &[Projection]| -> Result<Linear> {
+                let (fan_in, _) = projs[0].shape(c);
+                let mut w = Vec::new();
+                let mut bias = Vec::new();
+                let mut fan_out = 0;
+                for &p in projs {
+                    let (_, out) = p.shape(c);
+                    let name = format!("{prefix}.{}.{}", p.parent(), p.module_name());
+                    w.extend(files.f32(&format!("{name}.weight"), &[out, fan_in])?);
+                    let has_bias = match p {
+                        Projection::Q | Projection::K | Projection::V => c.qkv_bias,
+                        Projection::O => c.o_bias,
+                        _ => c.mlp_bias,
+                    };
+                    if has_bias {
+                        bias.extend(files.f32(&format!("{name}.bias"), &[out])?);
+                    }
+                    fan_out += out;
+                }
+                Ok(Linear {
+                    w: up_w(&w)?,
+                    bias: if bias.is_empty() {
+                        None
+                    } else {
+                        Some(up_f32(&bias)?)
+                    },
+                    fan_in,
+                    fan_out,
+                })
+            };
+            layers.push(Layer {
+                input_norm: up_f32(&files.f32(
+                    &format!("{prefix}.input_layernorm.weight"),
+                    &[c.hidden_size],
+                )?)?,
+                post_norm: up_f32(&files.f32(
+                    &format!("{prefix}.post_attention_layernorm.weight"),
+                    &[c.hidden_size],
+                )?)?,
+                qkv: fused(&[Projection::Q, Projection::K, Projection::V])?,
+                o: fused(&[Projection::O])?,
+                gate_up: fused(&[Projection::Gate, Projection::Up])?,
+                down: fused(&[Projection::Down])?,
+            });
+        }
+        let norm = up_f32(&files.f32("model.norm.weight", &[c.hidden_size])?)?;
+        let lm_head = Linear {
+            w: if c.tie_word_embeddings && !files.contains("lm_head.weight") {
+                up_w(&embed_host)?
+            } else {
+                up_w(&files.f32("lm_head.weight", &[c.vocab_size, c.hidden_size])?)?
+            },
+            bias: None,
+            fan_in: c.hidden_size,
+            fan_out: c.vocab_size,
+        };
+        drop(embed_host);
+
+        let kv_len = shape.kv_blocks * shape.block_size * c.kv_dim();
+        let zeros = |n: usize| {
+            stream
+                .alloc_zeros::<f32>(n)
+                .map_err(cuda("allocating device memory"))
+        };
+        let mut k_cache = Vec::with_capacity(c.num_layers);
+        let mut v_cache = Vec::with_capacity(c.num_layers);
+        for _ in 0..c.num_layers {
+            k_cache.push(zeros(kv_len)?);
+            v_cache.push(zeros(kv_len)?);
+        }
+        let max_rank = kernel_shapes.max_rank;
+        let mut a = Vec::with_capacity(c.num_layers * 7);
+        let mut b = Vec::with_capacity(c.num_layers * 7);
+        for _ in 0..c.num_layers {
+            for p in Projection::ALL {
+                let (fan_in, fan_out) = p.shape(c);
+                a.push(zeros(shape.slots * max_rank * fan_in)?);
+                b.push(zeros(shape.slots * max_rank * fan_out)?);
+            }
+        }
+        let keys = c.num_layers * 7 * shape.slots;
+        let slots = Slots {
+            max_rank,
+            a,
+            b,
+            rank: stream
+                .alloc_zeros::<i32>(keys)
+                .map_err(cuda("allocating device memory"))?,
+            scale: zeros(keys)?,
+            rank_host: vec![0; keys],
+            scale_host: vec![0.0; keys],
+        };
+        let inv_freq: Vec<f32> = (0..c.head_dim / 2)
+            .map(|i| 1.0 / c.rope_theta.powf((2 * i) as f32 / c.head_dim as f32))
+            .collect();
+        let inv_freq = up_f32(&inv_freq)?;
+        stream.synchronize().map_err(cuda("loading the model"))?;
+        Ok(CudaBackend {
+            config: c.clone(),
+            shape,
+            dtype,
+            kernel_shapes,
+            device_name,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            k_cache,
+            v_cache,
+            inv_freq,
+            slots,
+            last_logits: None,
+            f,
+            blas,
+            stream,
+            _ctx: ctx,
+        })
+    }
+
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+
+    fn p<T>(&self, slice: &CudaSlice<T>) -> u64 {
+        ptr(slice, &self.stream)
+    }
+
+    fn launch(
+        &self,
+        f: &CudaFunction,
+        grid: (u32, u32, u32),
+        block: u32,
+        args: &[Arg],
+    ) -> Result<()> {
+        let mut builder = self.stream.launch_builder(f);
+        for arg in args {
+            match arg {
+                Arg::Ptr(v) => builder.arg(v),
+                Arg::I32(v) => builder.arg(v),
+                Arg::I64(v) => builder.arg(v),
+                Arg::F32(v) => builder.arg(v),
+            };
+        }
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: (block, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: each call site passes the arguments its kernel declares,
+        // with buffers sized for the grid it launches.
+        unsafe { builder.launch(cfg) }
+            .map(|_| ())
+            .map_err(cuda("launching a kernel"))
+    }
+
+    /// Blocks for an elementwise kernel over `n` items.
+    fn elementwise_grid(n: usize) -> (u32, u32, u32) {
+        (n.div_ceil(256).clamp(1, 65_535) as u32, 1, 1)
+    }
+
+    /// `y[n, out] = x[n, in] · Wᵀ (+ bias)`: x in the weights' type, y f32.
+    fn linear(&self, lin: &Linear, x: u64, y: u64, n: usize) -> Result<()> {
+        let (alpha, beta) = (1f32, 0f32);
+        let ty = self.dtype.cuda_type();
+        let (m, k) = (lin.fan_out as i32, lin.fan_in as i32);
+        // Row-major y[n, m] = x[n, k]·W[m, k]ᵀ is column-major
+        // yᵀ[m, n] = W·xᵀ: W is a column-major [k, m] matrix, transposed.
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *self.blas.handle(),
+                blas_sys::cublasOperation_t::CUBLAS_OP_T,
+                blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                m,
+                n as i32,
+                k,
+                (&alpha as *const f32).cast::<c_void>(),
+                self.p(&lin.w) as *const c_void,
+                ty,
+                k,
+                x as *const c_void,
+                ty,
+                k,
+                (&beta as *const f32).cast::<c_void>(),
+                y as *mut c_void,
+                blas_sys::cudaDataType::CUDA_R_32F,
+                m,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(cuda("cuBLAS GEMM"))?;
+        if let Some(bias) = &lin.bias {
+            self.launch(
+                &self.f.add_bias,
+                Self::elementwise_grid(n * lin.fan_out),
+                256,
+                &[
+                    Arg::Ptr(y),
+                    Arg::Ptr(self.p(bias)),
+                    Arg::I32(n as i32),
+                    Arg::I32(lin.fan_out as i32),
+                ],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Adds the LoRA deltas of `projs` (one to three projections sharing the
+    /// input `x`, `[n, fan_in]` f32) into the fused output `out`, one shrink
+    /// and one expand launch for every adapter in the step.
+    fn lora(
+        &self,
+        layer: usize,
+        projs: &[Projection],
+        x: u64,
+        n: usize,
+        out: u64,
+        meta: &StepMeta,
+    ) -> Result<()> {
+        if meta.segments == 0 {
+            return Ok(());
+        }
+        let h_part = meta.h_part;
+        let (fan_in, _) = projs[0].shape(&self.config);
+        let splits = self.kernel_shapes.splits(fan_in);
+        let keys: Vec<usize> = projs.iter().map(|p| layer * 7 + p.index()).collect();
+        let pick = |i: usize| keys[i.min(keys.len() - 1)];
+        let slots = self.shape.slots;
+        let rank_at = |key: usize| self.p(&self.slots.rank) + (key * slots * 4) as u64;
+        let scale_at = |key: usize| self.p(&self.slots.scale) + (key * slots * 4) as u64;
+        let mut args = vec![
+            Arg::Ptr(x),
+            Arg::I32(fan_in as i32),
+            Arg::I32(n as i32),
+            Arg::Ptr(meta.token_idx),
+            Arg::Ptr(meta.seg_off),
+            Arg::Ptr(meta.seg_slot),
+        ];
+        args.extend((0..3).map(|i| Arg::Ptr(self.p(&self.slots.a[pick(i)]))));
+        args.extend((0..3).map(|i| Arg::Ptr(rank_at(pick(i)))));
+        args.push(Arg::Ptr(h_part));
+        self.launch(
+            &self.f.lora_shrink,
+            (meta.segments as u32, splits as u32, projs.len() as u32),
+            256,
+            &args,
+        )?;
+        let widths: Vec<usize> = projs.iter().map(|p| p.shape(&self.config).1).collect();
+        let offsets: Vec<usize> = widths
+            .iter()
+            .scan(0, |acc, w| {
+                let at = *acc;
+                *acc += w;
+                Some(at)
+            })
+            .collect();
+        let stride: usize = widths.iter().sum();
+        let pick_len = |v: &[usize], i: usize| v[i.min(v.len() - 1)];
+        let mut args = vec![
+            Arg::Ptr(h_part),
+            Arg::I32(splits as i32),
+            Arg::I32(n as i32),
+            Arg::Ptr(meta.token_idx),
+            Arg::Ptr(meta.seg_off),
+            Arg::Ptr(meta.seg_slot),
+        ];
+        args.extend((0..3).map(|i| Arg::Ptr(self.p(&self.slots.b[pick(i)]))));
+        args.extend((0..3).map(|i| Arg::Ptr(rank_at(pick(i)))));
+        args.extend((0..3).map(|i| Arg::Ptr(scale_at(pick(i)))));
+        args.extend((0..3).map(|i| Arg::I32(pick_len(&widths, i) as i32)));
+        args.extend((0..3).map(|i| Arg::I32(pick_len(&offsets, i) as i32)));
+        args.push(Arg::Ptr(out));
+        args.push(Arg::I32(stride as i32));
+        let max_width = widths.iter().copied().max().unwrap_or(0);
+        self.launch(
+            &self.f.lora_expand,
+            (
+                meta.segments as u32,
+                max_width.div_ceil(256) as u32,
+                projs.len() as u32,
+            ),
+            256,
+            &args,
+        )
+    }
+
+    /// Samples one token per row of the last forward's logits, on the
+    /// device. Greedy rows take the highest logit (the lowest id among
+    /// ties, as the CPU's `argmax`); the others draw with their own `u`.
+    pub fn sample_last(&mut self, rows: &[DeviceSample]) -> Result<Vec<u32>> {
+        let Some((logits, n)) = &self.last_logits else {
+            return Err(EngineError::Backend(
+                "cuda: no logits to sample from".into(),
+            ));
+        };
+        if rows.len() != *n {
+            return Err(EngineError::Backend(format!(
+                "cuda: {} sampling rows for {n} rows of logits",
+                rows.len()
+            )));
+        }
+        let vocab = self.config.vocab_size as i32;
+        let logits = self.p(logits);
+        let upload_f32 = |v: Vec<f32>| self.stream.clone_htod(&v).map_err(cuda("sampling"));
+        let greedy_out = self
+            .stream
+            .alloc_zeros::<i32>(rows.len())
+            .map_err(cuda("sampling"))?;
+        self.launch(
+            &self.f.argmax_rows,
+            (rows.len() as u32, 1, 1),
+            256,
+            &[
+                Arg::Ptr(logits),
+                Arg::I32(vocab),
+                Arg::Ptr(self.p(&greedy_out)),
+            ],
+        )?;
+        let mut picked = self
+            .stream
+            .clone_dtoh(&greedy_out)
+            .map_err(cuda("sampling"))?;
+        if rows.iter().any(|r| r.temperature > 0.0) {
+            let temperature = upload_f32(
+                rows.iter()
+                    .map(|r| {
+                        if r.temperature > 0.0 {
+                            r.temperature
+                        } else {
+                            1.0
+                        }
+                    })
+                    .collect(),
+            )?;
+            let top_k: Vec<i32> = rows.iter().map(|r| r.top_k as i32).collect();
+            let top_k = self.stream.clone_htod(&top_k).map_err(cuda("sampling"))?;
+            let top_p = upload_f32(rows.iter().map(|r| r.top_p).collect())?;
+            let u = upload_f32(rows.iter().map(|r| r.u).collect())?;
+            let out = self
+                .stream
+                .alloc_zeros::<i32>(rows.len())
+                .map_err(cuda("sampling"))?;
+            self.launch(
+                &self.f.sample_rows,
+                (rows.len() as u32, 1, 1),
+                1024,
+                &[
+                    Arg::Ptr(logits),
+                    Arg::I32(vocab),
+                    Arg::Ptr(self.p(&temperature)),
+                    Arg::Ptr(self.p(&top_k)),
+                    Arg::Ptr(self.p(&top_p)),
+                    Arg::Ptr(self.p(&u)),
+                    Arg::Ptr(self.p(&out)),
+                ],
+            )?;
+            let drawn = self.stream.clone_dtoh(&out).map_err(cuda("sampling"))?;
+            for (i, r) in rows.iter().enumerate() {
+                if r.temperature > 0.0 {
+                    picked[i] = drawn[i];
+                }
+            }
+        }
+        picked
+            .into_iter()
+            .map(|t| {
+                u32::try_from(t)
+                    .map_err(|_| EngineError::Backend(format!("cuda: sampling produced token {t}")))
+            })
+            .collect()
+    }
+
+    /// Runs one kernel on host inputs and returns its output buffer, for
+    /// the kernel tests: `inputs` are uploaded in order, `out_len` floats
+    /// of output are poisoned with NaN first, and `args` builds the
+    /// argument list from the inputs' and the output's device addresses.
+    #[doc(hidden)]
+    pub fn run_kernel(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        inputs: &[KernelInput<'_>],
+        out_init: &[f32],
+        args: &dyn Fn(&[u64], u64) -> Vec<KernelArg>,
+    ) -> Result<Vec<f32>> {
+        let f = match name {
+            "embed" => &self.f.embed,
+            "rms_norm" => &self.f.rms_norm,
+            "to_wt" => &self.f.to_wt,
+            "add_bias" => &self.f.add_bias,
+            "add_into" => &self.f.add_into,
+            "silu_mul" => &self.f.silu_mul,
+            "rope_store" => &self.f.rope_store,
+            "attention" => &self.f.attention,
+            "lora_shrink" => &self.f.lora_shrink,
+            "lora_expand" => &self.f.lora_expand,
+            "argmax_rows" => &self.f.argmax_rows,
+            "sample_rows" => &self.f.sample_rows,
+            other => return Err(EngineError::Backend(format!("no kernel {other}"))),
+        };
+        let mut held_f = Vec::new();
+        let mut held_i = Vec::new();
+        let mut ptrs = Vec::with_capacity(inputs.len());
+        for input in inputs {
+            match input {
+                KernelInput::F32(v) => {
+                    let s = self.stream.clone_htod(*v).map_err(cuda("upload"))?;
+                    ptrs.push(self.p(&s));
+                    held_f.push(s);
+                }
+                KernelInput::I32(v) => {
+                    let s = self.stream.clone_htod(*v).map_err(cuda("upload"))?;
+                    ptrs.push(self.p(&s));
+                    held_i.push(s);
+                }
+            }
+        }
+        let out = self.stream.clone_htod(out_init).map_err(cuda("upload"))?;
+        let args: Vec<Arg> = args(&ptrs, self.p(&out))
+            .into_iter()
+            .map(|a| match a {
+                KernelArg::Ptr(v) => Arg::Ptr(v),
+                KernelArg::I32(v) => Arg::I32(v),
+                KernelArg::I64(v) => Arg::I64(v),
+                KernelArg::F32(v) => Arg::F32(v),
+            })
+            .collect();
+        self.launch(f, grid, block, &args)?;
+        let host = self.stream.clone_dtoh(&out).map_err(cuda("download"))?;
+        drop((held_f, held_i));
+        Ok(host)
+    }
+
+    /// Times `iters` runs of the grouped LoRA path for one projection group
+    /// on the current slots, returning milliseconds per run; with
+    /// `per_segment` each segment is launched on its own, as a loop over
+    /// adapters would. For the kernel benchmark.
+    #[doc(hidden)]
+    pub fn time_lora(
+        &self,
+        layer: usize,
+        projs: &[Projection],
+        segments: &[super::Segment],
+        n: usize,
+        iters: usize,
+        per_segment: bool,
+    ) -> Result<f64> {
+        let (fan_in, _) = projs[0].shape(&self.config);
+        let stride: usize = projs.iter().map(|p| p.shape(&self.config).1).sum();
+        let x: Vec<f32> = (0..n * fan_in)
+            .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
+            .collect();
+        let x = self.stream.clone_htod(&x).map_err(cuda("upload"))?;
+        let out = self
+            .stream
+            .alloc_zeros::<f32>(n * stride)
+            .map_err(cuda("alloc"))?;
+        let h_part = self
+            .stream
+            .alloc_zeros::<f32>(
+                projs.len() * self.kernel_shapes.splits(fan_in) * n * self.slots.max_rank,
+            )
+            .map_err(cuda("alloc"))?;
+        let groups: Vec<Vec<super::Segment>> = if per_segment {
+            segments.iter().map(|s| vec![*s]).collect()
+        } else {
+            vec![segments.to_vec()]
+        };
+        let metas = groups
+            .iter()
+            .map(|g| {
+                StepMeta::upload_segments(self, g).map(|(mut meta, buf)| {
+                    meta.h_part = self.p(&h_part);
+                    (meta, buf)
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let run = || -> Result<()> {
+            for (meta, _) in &metas {
+                self.lora(layer, projs, self.p(&x), n, self.p(&out), meta)?;
+            }
+            Ok(())
+        };
+        run()?;
+        self.stream.synchronize().map_err(cuda("sync"))?;
+        let start = std::time::Instant::now();
+        for _ in 0..iters {
+            run()?;
+        }
+        self.stream.synchronize().map_err(cuda("sync"))?;
+        Ok(start.elapsed().as_secs_f64() * 1e3 / iters as f64)
+    }
+}
+
+/// A host input of [`CudaBackend::run_kernel`].
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy)]
+pub enum KernelInput<'a> {
+    F32(&'a [f32]),
+    I32(&'a [i32]),
+}
+
+/// A kernel argument for [`CudaBackend::run_kernel`].
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy)]
+pub enum KernelArg {
+    Ptr(u64),
+    I32(i32),
+    I64(i64),
+    F32(f32),
+}
+
+/// A step's metadata on the device: addresses inside one uploaded i32
+/// buffer.
+struct StepMeta {
+    tokens: u64,
+    pos: u64,
+    kv_row: u64,
+    tok_seq: u64,
+    bt_off: u64,
+    block_tables: u64,
+    /// Each segment's tokens, in segment order (SGMV's sorted token
+    /// indices).
+    token_idx: u64,
+    /// `segments + 1` offsets into `token_idx`.
+    seg_off: u64,
+    seg_slot: u64,
+    /// The rows whose logits are wanted.
+    rows: u64,
+    segments: usize,
+    /// The shrink's output and the expand's input: `[slices, splits,
+    /// tokens, max_rank]` f32.
+    h_part: u64,
+}
+
+impl StepMeta {
+    /// Builds and uploads the step's metadata in one copy.
+    fn upload(
+        backend: &CudaBackend,
+        batch: &StepBatch<'_>,
+        rows: &[usize],
+    ) -> Result<(StepMeta, CudaSlice<i32>)> {
+        let bs = backend.shape.block_size;
+        let mut buf: Vec<i32> = Vec::new();
+        let section = |buf: &mut Vec<i32>, values: &mut dyn Iterator<Item = i32>| {
+            let at = buf.len();
+            buf.extend(values);
+            at
+        };
+        let tokens = section(&mut buf, &mut batch.tokens.iter().map(|&t| t as i32));
+        let positions: Vec<(usize, usize, usize)> = batch
+            .seqs
+            .iter()
+            .enumerate()
+            .flat_map(|(si, s)| (0..s.len).map(move |i| (si, s.first_position + i, s.start + i)))
+            .collect();
+        let mut by_token = vec![(0usize, 0usize); batch.tokens.len()];
+        for &(si, pos, t) in &positions {
+            by_token[t] = (si, pos);
+        }
+        let pos = section(&mut buf, &mut by_token.iter().map(|&(_, p)| p as i32));
+        let kv_row = section(
+            &mut buf,
+            &mut by_token.iter().map(|&(si, p)| {
+                let bt = batch.seqs[si].block_table;
+                (bt[p / bs] as usize * bs + p % bs) as i32
+            }),
+        );
+        let tok_seq = section(&mut buf, &mut by_token.iter().map(|&(si, _)| si as i32));
+        let mut offsets = Vec::with_capacity(batch.seqs.len());
+        let mut total = 0;
+        for s in &batch.seqs {
+            offsets.push(total as i32);
+            total += s.block_table.len();
+        }
+        let bt_off = section(&mut buf, &mut offsets.into_iter());
+        let block_tables = section(
+            &mut buf,
+            &mut batch
+                .seqs
+                .iter()
+                .flat_map(|s| s.block_table.iter().map(|&b| b as i32)),
+        );
+        let (seg, token_idx, seg_off, seg_slot) = Self::segment_sections(&mut buf, &batch.segments);
+        let rows = section(&mut buf, &mut rows.iter().map(|&r| r as i32));
+        // Keep every section's address valid even when it is empty.
+        buf.push(0);
+        let dev = backend
+            .stream
+            .clone_htod(&buf)
+            .map_err(cuda("uploading step metadata"))?;
+        let base = backend.p(&dev);
+        let at = |i: usize| base + (i * 4) as u64;
+        Ok((
+            StepMeta {
+                tokens: at(tokens),
+                pos: at(pos),
+                kv_row: at(kv_row),
+                tok_seq: at(tok_seq),
+                bt_off: at(bt_off),
+                block_tables: at(block_tables),
+                token_idx: at(token_idx),
+                seg_off: at(seg_off),
+                seg_slot: at(seg_slot),
+                rows: at(rows),
+                segments: seg,
+                h_part: 0,
+            },
+            dev,
+        ))
+    }
+
+    fn segment_sections(
+        buf: &mut Vec<i32>,
+        segments: &[super::Segment],
+    ) -> (usize, usize, usize, usize) {
+        let token_idx = buf.len();
+        buf.extend(
+            segments
+                .iter()
+                .flat_map(|s| (s.start..s.end).map(|t| t as i32)),
+        );
+        let seg_off = buf.len();
+        let mut acc = 0;
+        buf.push(0);
+        for s in segments {
+            acc += (s.end - s.start) as i32;
+            buf.push(acc);
+        }
+        let seg_slot = buf.len();
+        buf.extend(segments.iter().map(|s| s.slot as i32));
+        (segments.len(), token_idx, seg_off, seg_slot)
+    }
+
+    /// Metadata holding only segments (for the LoRA benchmark).
+    fn upload_segments(
+        backend: &CudaBackend,
+        segments: &[super::Segment],
+    ) -> Result<(StepMeta, CudaSlice<i32>)> {
+        let mut buf = Vec::new();
+        let (seg, token_idx, seg_off, seg_slot) = Self::segment_sections(&mut buf, segments);
+        buf.push(0);
+        let dev = backend.stream.clone_htod(&buf).map_err(cuda("upload"))?;
+        let base = backend.p(&dev);
+        let at = |i: usize| base + (i * 4) as u64;
+        Ok((
+            StepMeta {
+                tokens: base,
+                pos: base,
+                kv_row: base,
+                tok_seq: base,
+                bt_off: base,
+                block_tables: base,
+                token_idx: at(token_idx),
+                seg_off: at(seg_off),
+                seg_slot: at(seg_slot),
+                rows: base,
+                segments: seg,
+                h_part: 0,
+            },
+            dev,
+        ))
+    }
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn device_name(&self) -> String {
+        self.device_name.clone()
+    }
+
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn shape(&self) -> BackendShape {
+        self.shape
+    }
+
+    fn write_slot(&mut self, slot: usize, adapter: &HostAdapter) -> Result<()> {
+        super::check_slot_write(&self.shape, slot, adapter)?;
+        let (slots, max_rank) = (self.shape.slots, self.slots.max_rank);
+        for key in 0..self.config.num_layers * 7 {
+            self.slots.rank_host[key * slots + slot] = 0;
+            self.slots.scale_host[key * slots + slot] = 0.0;
+        }
+        for (layer, modules) in adapter.modules.iter().enumerate() {
+            for p in Projection::ALL {
+                let Some(m) = &modules[p.index()] else {
+                    continue;
+                };
+                let (fan_in, fan_out) = p.shape(&self.config);
+                let key = layer * 7 + p.index();
+                // Rows past the module's rank are never read.
+                let a_at = slot * max_rank * fan_in;
+                self.stream
+                    .memcpy_htod(
+                        &m.a,
+                        &mut self.slots.a[key].slice_mut(a_at..a_at + m.rank * fan_in),
+                    )
+                    .map_err(cuda("writing a slot"))?;
+                let b_at = slot * max_rank * fan_out;
+                self.stream
+                    .memcpy_htod(
+                        &m.b_t,
+                        &mut self.slots.b[key].slice_mut(b_at..b_at + m.rank * fan_out),
+                    )
+                    .map_err(cuda("writing a slot"))?;
+                self.slots.rank_host[key * slots + slot] = m.rank as i32;
+                self.slots.scale_host[key * slots + slot] = m.scale;
+            }
+        }
+        self.upload_ranks()
+    }
+
+    fn clear_slot(&mut self, slot: usize) -> Result<()> {
+        if slot >= self.shape.slots {
+            return Err(EngineError::Backend(format!("slot {slot} is out of range")));
+        }
+        // Rank 0 makes a module absent: the kernels read a slot only up to
+        // its rank, so its weights need not be zeroed.
+        let slots = self.shape.slots;
+        for key in 0..self.config.num_layers * 7 {
+            self.slots.rank_host[key * slots + slot] = 0;
+            self.slots.scale_host[key * slots + slot] = 0.0;
+        }
+        self.upload_ranks()
+    }
+
+    fn forward(&mut self, batch: &StepBatch<'_>) -> Result<Vec<f32>> {
+        batch.check(&self.config, self.shape.block_size)?;
+        let c = self.config.clone();
+        let n = batch.tokens.len();
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let (d, inter, q_dim, kv_dim) = (c.hidden_size, c.intermediate_size, c.q_dim(), c.kv_dim());
+        let qkv_dim = q_dim + 2 * kv_dim;
+        let rows: Vec<usize> = batch
+            .seqs
+            .iter()
+            .filter(|s| s.want_logits)
+            .map(|s| s.start + s.len - 1)
+            .collect();
+        let (mut meta, _meta_buf) = StepMeta::upload(self, batch, &rows)?;
+        let st = self.stream.clone();
+        let alloc = |len: usize| {
+            st.alloc_zeros::<f32>(len.max(1))
+                .map_err(cuda("allocating step buffers"))
+        };
+        let hidden = alloc(n * d)?;
+        let normed = alloc(n * d)?;
+        let qkv = alloc(n * qkv_dim)?;
+        let attn = alloc(n * q_dim)?;
+        let proj = alloc(n * d)?;
+        let gu = alloc(n * 2 * inter)?;
+        let act = alloc(n * inter)?;
+        let widest = d.max(inter).max(q_dim);
+        let splits = self.kernel_shapes.splits(widest);
+        let h_part = alloc(3 * splits * n * self.slots.max_rank)?;
+        // The GEMM inputs in the weights' type; in f32 mode the f32
+        // buffers serve directly.
+        let cast_buf = if self.dtype == Dtype::F32 {
+            None
+        } else {
+            Some(
+                st.alloc_zeros::<u8>(n.max(rows.len()) * widest * self.dtype.bytes())
+                    .map_err(cuda("allocating step buffers"))?,
+            )
+        };
+        let cast = cast_buf.as_ref().map(|b| self.p(b));
+        let (hidden, normed, qkv, attn, proj, gu, act, h_part) = (
+            self.p(&hidden),
+            self.p(&normed),
+            self.p(&qkv),
+            self.p(&attn),
+            self.p(&proj),
+            self.p(&gu),
+            self.p(&act),
+            self.p(&h_part),
+        );
+        meta.h_part = h_part;
+        // A kernel's f32 output as a GEMM input: the cast buffer after
+        // `to_wt`, or the f32 buffer itself.
+        let gemm_input = |src: u64, len: usize| -> Result<u64> {
+            match cast {
+                None => Ok(src),
+                Some(dst) => {
+                    self.launch(
+                        &self.f.to_wt,
+                        Self::elementwise_grid(len),
+                        256,
+                        &[Arg::Ptr(src), Arg::Ptr(dst), Arg::I64(len as i64)],
+                    )?;
+                    Ok(dst)
+                }
+            }
+        };
+        let norm_rows = |x: u64, rows_ptr: u64, w: &CudaSlice<f32>, out: u64, count: usize| {
+            self.launch(
+                &self.f.rms_norm,
+                (count as u32, 1, 1),
+                256,
+                &[
+                    Arg::Ptr(x),
+                    Arg::Ptr(rows_ptr),
+                    Arg::Ptr(self.p(w)),
+                    Arg::Ptr(out),
+                    Arg::Ptr(cast.unwrap_or(0)),
+                    Arg::I32(d as i32),
+                    Arg::F32(c.rms_norm_eps),
+                ],
+            )
+        };
+        let add = |h: u64, y: u64, len: usize| {
+            self.launch(
+                &self.f.add_into,
+                Self::elementwise_grid(len),
+                256,
+                &[Arg::Ptr(h), Arg::Ptr(y), Arg::I64(len as i64)],
+            )
+        };
+        self.launch(
+            &self.f.embed,
+            (n as u32, 1, 1),
+            256,
+            &[
+                Arg::Ptr(self.p(&self.embed)),
+                Arg::Ptr(meta.tokens),
+                Arg::Ptr(hidden),
+                Arg::I32(d as i32),
+            ],
+        )?;
+        let scale = 1.0 / (c.head_dim as f32).sqrt();
+        let window = c.sliding_window.map_or(0, |w| w as i32);
+        for (l, layer) in self.layers.iter().enumerate() {
+            norm_rows(hidden, 0, &layer.input_norm, normed, n)?;
+            self.linear(&layer.qkv, cast.unwrap_or(normed), qkv, n)?;
+            self.lora(
+                l,
+                &[Projection::Q, Projection::K, Projection::V],
+                normed,
+                n,
+                qkv,
+                &meta,
+            )?;
+            self.launch(
+                &self.f.rope_store,
+                (n as u32, 1, 1),
+                128,
+                &[
+                    Arg::Ptr(qkv),
+                    Arg::I32(q_dim as i32),
+                    Arg::I32(kv_dim as i32),
+                    Arg::Ptr(meta.pos),
+                    Arg::Ptr(meta.kv_row),
+                    Arg::Ptr(self.p(&self.inv_freq)),
+                    Arg::Ptr(self.p(&self.k_cache[l])),
+                    Arg::Ptr(self.p(&self.v_cache[l])),
+                ],
+            )?;
+            self.launch(
+                &self.f.attention,
+                (n as u32, c.num_heads as u32, 1),
+                128,
+                &[
+                    Arg::Ptr(qkv),
+                    Arg::I32(q_dim as i32),
+                    Arg::I32(kv_dim as i32),
+                    Arg::Ptr(self.p(&self.k_cache[l])),
+                    Arg::Ptr(self.p(&self.v_cache[l])),
+                    Arg::Ptr(meta.pos),
+                    Arg::Ptr(meta.tok_seq),
+                    Arg::Ptr(meta.bt_off),
+                    Arg::Ptr(meta.block_tables),
+                    Arg::I32(self.shape.block_size as i32),
+                    Arg::I32(window),
+                    Arg::F32(scale),
+                    Arg::Ptr(attn),
+                ],
+            )?;
+            let x = gemm_input(attn, n * q_dim)?;
+            self.linear(&layer.o, x, proj, n)?;
+            self.lora(l, &[Projection::O], attn, n, proj, &meta)?;
+            add(hidden, proj, n * d)?;
+            norm_rows(hidden, 0, &layer.post_norm, normed, n)?;
+            self.linear(&layer.gate_up, cast.unwrap_or(normed), gu, n)?;
+            self.lora(l, &[Projection::Gate, Projection::Up], normed, n, gu, &meta)?;
+            self.launch(
+                &self.f.silu_mul,
+                Self::elementwise_grid(n * inter),
+                256,
+                &[
+                    Arg::Ptr(gu),
+                    Arg::Ptr(act),
+                    Arg::Ptr(cast.unwrap_or(0)),
+                    Arg::I32(n as i32),
+                    Arg::I32(inter as i32),
+                ],
+            )?;
+            self.linear(&layer.down, cast.unwrap_or(act), proj, n)?;
+            self.lora(l, &[Projection::Down], act, n, proj, &meta)?;
+            add(hidden, proj, n * d)?;
+        }
+        if rows.is_empty() {
+            self.last_logits = None;
+            st.synchronize().map_err(cuda("running the step"))?;
+            return Ok(Vec::new());
+        }
+        norm_rows(hidden, meta.rows, &self.norm, normed, rows.len())?;
+        let logits = alloc(rows.len() * c.vocab_size)?;
+        self.linear(
+            &self.lm_head,
+            cast.unwrap_or(normed),
+            self.p(&logits),
+            rows.len(),
+        )?;
+        let host = st.clone_dtoh(&logits).map_err(cuda("running the step"))?;
+        self.last_logits = Some((logits, rows.len()));
+        Ok(host)
+    }
+}
+
+impl CudaBackend {
+    fn upload_ranks(&mut self) -> Result<()> {
+        self.stream
+            .memcpy_htod(&self.slots.rank_host, &mut self.slots.rank)
+            .map_err(cuda("writing slot ranks"))?;
+        self.stream
+            .memcpy_htod(&self.slots.scale_host, &mut self.slots.scale)
+            .map_err(cuda("writing slot scales"))?;
+        Ok(())
+    }
+}
