@@ -20,18 +20,19 @@
 // Kernel launches, raw device pointers and the library probes are FFI.
 #![allow(unsafe_code)]
 
+mod device;
 pub mod kernels;
+#[doc(hidden)]
+pub mod testing;
 
 use std::ffi::c_void;
 use std::path::Path;
-use std::sync::Arc;
 
 use cudarc::cublas::CudaBlas;
 use cudarc::cublas::sys as blas_sys;
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{CudaContext, CudaSlice};
 
+use self::device::{Arg, Device, LoraLaunch, LoraSlice, cuda};
 use self::kernels::KernelShapes;
 use super::{Backend, BackendShape, StepBatch};
 use crate::error::{EngineError, Result};
@@ -131,41 +132,6 @@ pub fn probe() -> Result<()> {
     Ok(())
 }
 
-fn cuda<E: std::fmt::Display>(what: &'static str) -> impl Fn(E) -> EngineError {
-    move |e| EngineError::Backend(format!("cuda: {what}: {e}"))
-}
-
-/// One kernel argument. Device memory travels as raw pointers: everything
-/// runs on one stream, so cudarc's per-buffer event tracking is off.
-#[derive(Debug, Clone, Copy)]
-enum Arg {
-    Ptr(u64),
-    I32(i32),
-    I64(i64),
-    F32(f32),
-}
-
-/// A device buffer's address.
-fn ptr<T>(slice: &CudaSlice<T>, stream: &CudaStream) -> u64 {
-    let (p, _sync) = slice.device_ptr(stream);
-    p
-}
-
-struct Functions {
-    embed: CudaFunction,
-    rms_norm: CudaFunction,
-    to_wt: CudaFunction,
-    add_bias: CudaFunction,
-    add_into: CudaFunction,
-    silu_mul: CudaFunction,
-    rope_store: CudaFunction,
-    attention: CudaFunction,
-    lora_shrink: CudaFunction,
-    lora_expand: CudaFunction,
-    argmax_rows: CudaFunction,
-    sample_rows: CudaFunction,
-}
-
 /// A base linear layer: weights `[out, in]` in the backend's dtype and an
 /// optional f32 bias.
 struct Linear {
@@ -216,10 +182,8 @@ pub struct CudaBackend {
     config: ModelConfig,
     shape: BackendShape,
     dtype: Dtype,
-    kernel_shapes: KernelShapes,
-    device_name: String,
     // Field order is drop order: buffers and the cuBLAS handle go before
-    // the stream and context they belong to.
+    // the device (stream and context) they belong to.
     embed: CudaSlice<u8>,
     layers: Vec<Layer>,
     norm: CudaSlice<f32>,
@@ -230,16 +194,14 @@ pub struct CudaBackend {
     slots: Slots,
     /// The logits of the last forward, `[rows, vocab]`, for device sampling.
     last_logits: Option<(CudaSlice<f32>, usize)>,
-    f: Functions,
     blas: CudaBlas,
-    stream: Arc<CudaStream>,
-    _ctx: Arc<CudaContext>,
+    dev: Device,
 }
 
 impl std::fmt::Debug for CudaBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CudaBackend")
-            .field("device", &self.device_name)
+            .field("device", &self.dev.name)
             .field("dtype", &self.dtype)
             .field("shape", &self.shape)
             .finish_non_exhaustive()
@@ -256,47 +218,12 @@ impl CudaBackend {
         ordinal: usize,
         dtype: Dtype,
     ) -> Result<CudaBackend> {
-        probe()?;
         let c = config;
-        let ctx = CudaContext::new(ordinal).map_err(cuda("opening the device"))?;
-        // SAFETY: one stream does all work, so per-buffer events add only cost.
-        unsafe { ctx.disable_event_tracking() };
-        let (major, minor) = ctx
-            .compute_capability()
-            .map_err(cuda("reading the compute capability"))?;
-        if major < 8 {
-            return Err(EngineError::Backend(format!(
-                "cuda: device {ordinal} has compute capability {major}.{minor}; 8.0 or newer is needed"
-            )));
-        }
-        let device_name = format!(
-            "{} (compute {major}.{minor}, {} MiB)",
-            ctx.name().map_err(cuda("reading the device name"))?,
-            ctx.total_mem().map_err(cuda("reading the memory size"))? >> 20
-        );
-        let stream = ctx.default_stream();
-        let kernel_shapes = KernelShapes::for_model(c, shape.max_lora_rank, dtype);
-        let ptx = kernels::compile(&kernel_shapes, kernels::arch_for(major, minor))?;
-        let module = ctx.load_module(ptx).map_err(cuda("loading the kernels"))?;
-        let load = |name: &str| {
-            module
-                .load_function(name)
-                .map_err(|e| EngineError::Backend(format!("cuda: kernel {name}: {e}")))
-        };
-        let f = Functions {
-            embed: load("embed")?,
-            rms_norm: load("rms_norm")?,
-            to_wt: load("to_wt")?,
-            add_bias: load("add_bias")?,
-            add_into: load("add_into")?,
-            silu_mul: load("silu_mul")?,
-            rope_store: load("rope_store")?,
-            attention: load("attention")?,
-            lora_shrink: load("lora_shrink")?,
-            lora_expand: load("lora_expand")?,
-            argmax_rows: load("argmax_rows")?,
-            sample_rows: load("sample_rows")?,
-        };
+        let dev = Device::open(
+            ordinal,
+            KernelShapes::for_model(c, shape.max_lora_rank, dtype),
+        )?;
+        let stream = dev.stream.clone();
         let blas = CudaBlas::new(stream.clone()).map_err(cuda("starting cuBLAS"))?;
         // Plain f32 math in f32 mode (no TF32), so it can be checked
         // against the CPU reference.
@@ -390,7 +317,7 @@ impl CudaBackend {
             k_cache.push(zeros(kv_len)?);
             v_cache.push(zeros(kv_len)?);
         }
-        let max_rank = kernel_shapes.max_rank;
+        let max_rank = dev.shapes.max_rank;
         let mut a = Vec::with_capacity(c.num_layers * 7);
         let mut b = Vec::with_capacity(c.num_layers * 7);
         for _ in 0..c.num_layers {
@@ -421,8 +348,6 @@ impl CudaBackend {
             config: c.clone(),
             shape,
             dtype,
-            kernel_shapes,
-            device_name,
             embed,
             layers,
             norm,
@@ -432,52 +357,13 @@ impl CudaBackend {
             inv_freq,
             slots,
             last_logits: None,
-            f,
             blas,
-            stream,
-            _ctx: ctx,
+            dev,
         })
     }
 
     pub fn dtype(&self) -> Dtype {
         self.dtype
-    }
-
-    fn p<T>(&self, slice: &CudaSlice<T>) -> u64 {
-        ptr(slice, &self.stream)
-    }
-
-    fn launch(
-        &self,
-        f: &CudaFunction,
-        grid: (u32, u32, u32),
-        block: u32,
-        args: &[Arg],
-    ) -> Result<()> {
-        let mut builder = self.stream.launch_builder(f);
-        for arg in args {
-            match arg {
-                Arg::Ptr(v) => builder.arg(v),
-                Arg::I32(v) => builder.arg(v),
-                Arg::I64(v) => builder.arg(v),
-                Arg::F32(v) => builder.arg(v),
-            };
-        }
-        let cfg = LaunchConfig {
-            grid_dim: grid,
-            block_dim: (block, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: each call site passes the arguments its kernel declares,
-        // with buffers sized for the grid it launches.
-        unsafe { builder.launch(cfg) }
-            .map(|_| ())
-            .map_err(cuda("launching a kernel"))
-    }
-
-    /// Blocks for an elementwise kernel over `n` items.
-    fn elementwise_grid(n: usize) -> (u32, u32, u32) {
-        (n.div_ceil(256).clamp(1, 65_535) as u32, 1, 1)
     }
 
     /// `y[n, out] = x[n, in] · Wᵀ (+ bias)`: x in the weights' type, y f32.
@@ -496,7 +382,7 @@ impl CudaBackend {
                 n as i32,
                 k,
                 (&alpha as *const f32).cast::<c_void>(),
-                self.p(&lin.w) as *const c_void,
+                self.dev.p(&lin.w) as *const c_void,
                 ty,
                 k,
                 x as *const c_void,
@@ -512,13 +398,13 @@ impl CudaBackend {
         }
         .map_err(cuda("cuBLAS GEMM"))?;
         if let Some(bias) = &lin.bias {
-            self.launch(
-                &self.f.add_bias,
-                Self::elementwise_grid(n * lin.fan_out),
+            self.dev.launch(
+                "add_bias",
+                Device::elementwise_grid(n * lin.fan_out),
                 256,
                 &[
                     Arg::Ptr(y),
-                    Arg::Ptr(self.p(bias)),
+                    Arg::Ptr(self.dev.p(bias)),
                     Arg::I32(n as i32),
                     Arg::I32(lin.fan_out as i32),
                 ],
@@ -528,8 +414,8 @@ impl CudaBackend {
     }
 
     /// Adds the LoRA deltas of `projs` (one to three projections sharing the
-    /// input `x`, `[n, fan_in]` f32) into the fused output `out`, one shrink
-    /// and one expand launch for every adapter in the step.
+    /// input `x`, `[n, fan_in]` f32) into their columns of the fused output
+    /// `out`.
     fn lora(
         &self,
         layer: usize,
@@ -539,71 +425,38 @@ impl CudaBackend {
         out: u64,
         meta: &StepMeta,
     ) -> Result<()> {
-        if meta.segments == 0 {
-            return Ok(());
-        }
-        let h_part = meta.h_part;
-        let (fan_in, _) = projs[0].shape(&self.config);
-        let splits = self.kernel_shapes.splits(fan_in);
-        let keys: Vec<usize> = projs.iter().map(|p| layer * 7 + p.index()).collect();
-        let pick = |i: usize| keys[i.min(keys.len() - 1)];
         let slots = self.shape.slots;
-        let rank_at = |key: usize| self.p(&self.slots.rank) + (key * slots * 4) as u64;
-        let scale_at = |key: usize| self.p(&self.slots.scale) + (key * slots * 4) as u64;
-        let mut args = vec![
-            Arg::Ptr(x),
-            Arg::I32(fan_in as i32),
-            Arg::I32(n as i32),
-            Arg::Ptr(meta.token_idx),
-            Arg::Ptr(meta.seg_off),
-            Arg::Ptr(meta.seg_slot),
-        ];
-        args.extend((0..3).map(|i| Arg::Ptr(self.p(&self.slots.a[pick(i)]))));
-        args.extend((0..3).map(|i| Arg::Ptr(rank_at(pick(i)))));
-        args.push(Arg::Ptr(h_part));
-        self.launch(
-            &self.f.lora_shrink,
-            (meta.segments as u32, splits as u32, projs.len() as u32),
-            256,
-            &args,
-        )?;
-        let widths: Vec<usize> = projs.iter().map(|p| p.shape(&self.config).1).collect();
-        let offsets: Vec<usize> = widths
+        let mut offset = 0;
+        let slices = projs
             .iter()
-            .scan(0, |acc, w| {
-                let at = *acc;
-                *acc += w;
-                Some(at)
+            .map(|p| {
+                let key = layer * 7 + p.index();
+                let width = p.shape(&self.config).1;
+                let slice = LoraSlice {
+                    a: self.dev.p(&self.slots.a[key]),
+                    b: self.dev.p(&self.slots.b[key]),
+                    rank: self.dev.p(&self.slots.rank) + (key * slots * 4) as u64,
+                    scale: self.dev.p(&self.slots.scale) + (key * slots * 4) as u64,
+                    width,
+                    offset,
+                };
+                offset += width;
+                slice
             })
             .collect();
-        let stride: usize = widths.iter().sum();
-        let pick_len = |v: &[usize], i: usize| v[i.min(v.len() - 1)];
-        let mut args = vec![
-            Arg::Ptr(h_part),
-            Arg::I32(splits as i32),
-            Arg::I32(n as i32),
-            Arg::Ptr(meta.token_idx),
-            Arg::Ptr(meta.seg_off),
-            Arg::Ptr(meta.seg_slot),
-        ];
-        args.extend((0..3).map(|i| Arg::Ptr(self.p(&self.slots.b[pick(i)]))));
-        args.extend((0..3).map(|i| Arg::Ptr(rank_at(pick(i)))));
-        args.extend((0..3).map(|i| Arg::Ptr(scale_at(pick(i)))));
-        args.extend((0..3).map(|i| Arg::I32(pick_len(&widths, i) as i32)));
-        args.extend((0..3).map(|i| Arg::I32(pick_len(&offsets, i) as i32)));
-        args.push(Arg::Ptr(out));
-        args.push(Arg::I32(stride as i32));
-        let max_width = widths.iter().copied().max().unwrap_or(0);
-        self.launch(
-            &self.f.lora_expand,
-            (
-                meta.segments as u32,
-                max_width.div_ceil(256) as u32,
-                projs.len() as u32,
-            ),
-            256,
-            &args,
-        )
+        self.dev.lora(&LoraLaunch {
+            x,
+            fan_in: projs[0].shape(&self.config).0,
+            n,
+            out,
+            out_stride: offset,
+            slices,
+            token_idx: meta.token_idx,
+            seg_off: meta.seg_off,
+            seg_slot: meta.seg_slot,
+            segments: meta.segments,
+            h_part: meta.h_part,
+        })
     }
 
     /// Samples one token per row of the last forward's logits, on the
@@ -622,23 +475,25 @@ impl CudaBackend {
             )));
         }
         let vocab = self.config.vocab_size as i32;
-        let logits = self.p(logits);
-        let upload_f32 = |v: Vec<f32>| self.stream.clone_htod(&v).map_err(cuda("sampling"));
+        let logits = self.dev.p(logits);
+        let upload_f32 = |v: Vec<f32>| self.dev.stream.clone_htod(&v).map_err(cuda("sampling"));
         let greedy_out = self
+            .dev
             .stream
             .alloc_zeros::<i32>(rows.len())
             .map_err(cuda("sampling"))?;
-        self.launch(
-            &self.f.argmax_rows,
+        self.dev.launch(
+                "argmax_rows",
             (rows.len() as u32, 1, 1),
             256,
             &[
                 Arg::Ptr(logits),
                 Arg::I32(vocab),
-                Arg::Ptr(self.p(&greedy_out)),
+                Arg::Ptr(self.dev.p(&greedy_out)),
             ],
         )?;
         let mut picked = self
+            .dev
             .stream
             .clone_dtoh(&greedy_out)
             .map_err(cuda("sampling"))?;
@@ -655,28 +510,29 @@ impl CudaBackend {
                     .collect(),
             )?;
             let top_k: Vec<i32> = rows.iter().map(|r| r.top_k as i32).collect();
-            let top_k = self.stream.clone_htod(&top_k).map_err(cuda("sampling"))?;
+            let top_k = self.dev.stream.clone_htod(&top_k).map_err(cuda("sampling"))?;
             let top_p = upload_f32(rows.iter().map(|r| r.top_p).collect())?;
             let u = upload_f32(rows.iter().map(|r| r.u).collect())?;
             let out = self
+                .dev
                 .stream
                 .alloc_zeros::<i32>(rows.len())
                 .map_err(cuda("sampling"))?;
-            self.launch(
-                &self.f.sample_rows,
+            self.dev.launch(
+                "sample_rows",
                 (rows.len() as u32, 1, 1),
                 1024,
                 &[
                     Arg::Ptr(logits),
                     Arg::I32(vocab),
-                    Arg::Ptr(self.p(&temperature)),
-                    Arg::Ptr(self.p(&top_k)),
-                    Arg::Ptr(self.p(&top_p)),
-                    Arg::Ptr(self.p(&u)),
-                    Arg::Ptr(self.p(&out)),
+                    Arg::Ptr(self.dev.p(&temperature)),
+                    Arg::Ptr(self.dev.p(&top_k)),
+                    Arg::Ptr(self.dev.p(&top_p)),
+                    Arg::Ptr(self.dev.p(&u)),
+                    Arg::Ptr(self.dev.p(&out)),
                 ],
             )?;
-            let drawn = self.stream.clone_dtoh(&out).map_err(cuda("sampling"))?;
+            let drawn = self.dev.stream.clone_dtoh(&out).map_err(cuda("sampling"))?;
             for (i, r) in rows.iter().enumerate() {
                 if r.temperature > 0.0 {
                     picked[i] = drawn[i];
@@ -691,146 +547,6 @@ impl CudaBackend {
             })
             .collect()
     }
-
-    /// Runs one kernel on host inputs and returns its output buffer, for
-    /// the kernel tests: `inputs` are uploaded in order, `out_len` floats
-    /// of output are poisoned with NaN first, and `args` builds the
-    /// argument list from the inputs' and the output's device addresses.
-    #[doc(hidden)]
-    pub fn run_kernel(
-        &self,
-        name: &str,
-        grid: (u32, u32, u32),
-        block: u32,
-        inputs: &[KernelInput<'_>],
-        out_init: &[f32],
-        args: &dyn Fn(&[u64], u64) -> Vec<KernelArg>,
-    ) -> Result<Vec<f32>> {
-        let f = match name {
-            "embed" => &self.f.embed,
-            "rms_norm" => &self.f.rms_norm,
-            "to_wt" => &self.f.to_wt,
-            "add_bias" => &self.f.add_bias,
-            "add_into" => &self.f.add_into,
-            "silu_mul" => &self.f.silu_mul,
-            "rope_store" => &self.f.rope_store,
-            "attention" => &self.f.attention,
-            "lora_shrink" => &self.f.lora_shrink,
-            "lora_expand" => &self.f.lora_expand,
-            "argmax_rows" => &self.f.argmax_rows,
-            "sample_rows" => &self.f.sample_rows,
-            other => return Err(EngineError::Backend(format!("no kernel {other}"))),
-        };
-        let mut held_f = Vec::new();
-        let mut held_i = Vec::new();
-        let mut ptrs = Vec::with_capacity(inputs.len());
-        for input in inputs {
-            match input {
-                KernelInput::F32(v) => {
-                    let s = self.stream.clone_htod(*v).map_err(cuda("upload"))?;
-                    ptrs.push(self.p(&s));
-                    held_f.push(s);
-                }
-                KernelInput::I32(v) => {
-                    let s = self.stream.clone_htod(*v).map_err(cuda("upload"))?;
-                    ptrs.push(self.p(&s));
-                    held_i.push(s);
-                }
-            }
-        }
-        let out = self.stream.clone_htod(out_init).map_err(cuda("upload"))?;
-        let args: Vec<Arg> = args(&ptrs, self.p(&out))
-            .into_iter()
-            .map(|a| match a {
-                KernelArg::Ptr(v) => Arg::Ptr(v),
-                KernelArg::I32(v) => Arg::I32(v),
-                KernelArg::I64(v) => Arg::I64(v),
-                KernelArg::F32(v) => Arg::F32(v),
-            })
-            .collect();
-        self.launch(f, grid, block, &args)?;
-        let host = self.stream.clone_dtoh(&out).map_err(cuda("download"))?;
-        drop((held_f, held_i));
-        Ok(host)
-    }
-
-    /// Times `iters` runs of the grouped LoRA path for one projection group
-    /// on the current slots, returning milliseconds per run; with
-    /// `per_segment` each segment is launched on its own, as a loop over
-    /// adapters would. For the kernel benchmark.
-    #[doc(hidden)]
-    pub fn time_lora(
-        &self,
-        layer: usize,
-        projs: &[Projection],
-        segments: &[super::Segment],
-        n: usize,
-        iters: usize,
-        per_segment: bool,
-    ) -> Result<f64> {
-        let (fan_in, _) = projs[0].shape(&self.config);
-        let stride: usize = projs.iter().map(|p| p.shape(&self.config).1).sum();
-        let x: Vec<f32> = (0..n * fan_in)
-            .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
-            .collect();
-        let x = self.stream.clone_htod(&x).map_err(cuda("upload"))?;
-        let out = self
-            .stream
-            .alloc_zeros::<f32>(n * stride)
-            .map_err(cuda("alloc"))?;
-        let h_part = self
-            .stream
-            .alloc_zeros::<f32>(
-                projs.len() * self.kernel_shapes.splits(fan_in) * n * self.slots.max_rank,
-            )
-            .map_err(cuda("alloc"))?;
-        let groups: Vec<Vec<super::Segment>> = if per_segment {
-            segments.iter().map(|s| vec![*s]).collect()
-        } else {
-            vec![segments.to_vec()]
-        };
-        let metas = groups
-            .iter()
-            .map(|g| {
-                StepMeta::upload_segments(self, g).map(|(mut meta, buf)| {
-                    meta.h_part = self.p(&h_part);
-                    (meta, buf)
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let run = || -> Result<()> {
-            for (meta, _) in &metas {
-                self.lora(layer, projs, self.p(&x), n, self.p(&out), meta)?;
-            }
-            Ok(())
-        };
-        run()?;
-        self.stream.synchronize().map_err(cuda("sync"))?;
-        let start = std::time::Instant::now();
-        for _ in 0..iters {
-            run()?;
-        }
-        self.stream.synchronize().map_err(cuda("sync"))?;
-        Ok(start.elapsed().as_secs_f64() * 1e3 / iters as f64)
-    }
-}
-
-/// A host input of [`CudaBackend::run_kernel`].
-#[doc(hidden)]
-#[derive(Debug, Clone, Copy)]
-pub enum KernelInput<'a> {
-    F32(&'a [f32]),
-    I32(&'a [i32]),
-}
-
-/// A kernel argument for [`CudaBackend::run_kernel`].
-#[doc(hidden)]
-#[derive(Debug, Clone, Copy)]
-pub enum KernelArg {
-    Ptr(u64),
-    I32(i32),
-    I64(i64),
-    F32(f32),
 }
 
 /// A step's metadata on the device: addresses inside one uploaded i32
@@ -904,15 +620,16 @@ impl StepMeta {
                 .iter()
                 .flat_map(|s| s.block_table.iter().map(|&b| b as i32)),
         );
-        let (seg, token_idx, seg_off, seg_slot) = Self::segment_sections(&mut buf, &batch.segments);
+        let (token_idx, seg_off, seg_slot) = device::push_segments(&mut buf, &batch.segments);
         let rows = section(&mut buf, &mut rows.iter().map(|&r| r as i32));
         // Keep every section's address valid even when it is empty.
         buf.push(0);
         let dev = backend
+            .dev
             .stream
             .clone_htod(&buf)
             .map_err(cuda("uploading step metadata"))?;
-        let base = backend.p(&dev);
+        let base = backend.dev.p(&dev);
         let at = |i: usize| base + (i * 4) as u64;
         Ok((
             StepMeta {
@@ -926,64 +643,13 @@ impl StepMeta {
                 seg_off: at(seg_off),
                 seg_slot: at(seg_slot),
                 rows: at(rows),
-                segments: seg,
+                segments: batch.segments.len(),
                 h_part: 0,
             },
             dev,
         ))
     }
 
-    fn segment_sections(
-        buf: &mut Vec<i32>,
-        segments: &[super::Segment],
-    ) -> (usize, usize, usize, usize) {
-        let token_idx = buf.len();
-        buf.extend(
-            segments
-                .iter()
-                .flat_map(|s| (s.start..s.end).map(|t| t as i32)),
-        );
-        let seg_off = buf.len();
-        let mut acc = 0;
-        buf.push(0);
-        for s in segments {
-            acc += (s.end - s.start) as i32;
-            buf.push(acc);
-        }
-        let seg_slot = buf.len();
-        buf.extend(segments.iter().map(|s| s.slot as i32));
-        (segments.len(), token_idx, seg_off, seg_slot)
-    }
-
-    /// Metadata holding only segments (for the LoRA benchmark).
-    fn upload_segments(
-        backend: &CudaBackend,
-        segments: &[super::Segment],
-    ) -> Result<(StepMeta, CudaSlice<i32>)> {
-        let mut buf = Vec::new();
-        let (seg, token_idx, seg_off, seg_slot) = Self::segment_sections(&mut buf, segments);
-        buf.push(0);
-        let dev = backend.stream.clone_htod(&buf).map_err(cuda("upload"))?;
-        let base = backend.p(&dev);
-        let at = |i: usize| base + (i * 4) as u64;
-        Ok((
-            StepMeta {
-                tokens: base,
-                pos: base,
-                kv_row: base,
-                tok_seq: base,
-                bt_off: base,
-                block_tables: base,
-                token_idx: at(token_idx),
-                seg_off: at(seg_off),
-                seg_slot: at(seg_slot),
-                rows: base,
-                segments: seg,
-                h_part: 0,
-            },
-            dev,
-        ))
-    }
 }
 
 impl Backend for CudaBackend {
@@ -992,7 +658,7 @@ impl Backend for CudaBackend {
     }
 
     fn device_name(&self) -> String {
-        self.device_name.clone()
+        self.dev.name.clone()
     }
 
     fn config(&self) -> &ModelConfig {
@@ -1019,14 +685,14 @@ impl Backend for CudaBackend {
                 let key = layer * 7 + p.index();
                 // Rows past the module's rank are never read.
                 let a_at = slot * max_rank * fan_in;
-                self.stream
+                self.dev.stream
                     .memcpy_htod(
                         &m.a,
                         &mut self.slots.a[key].slice_mut(a_at..a_at + m.rank * fan_in),
                     )
                     .map_err(cuda("writing a slot"))?;
                 let b_at = slot * max_rank * fan_out;
-                self.stream
+                self.dev.stream
                     .memcpy_htod(
                         &m.b_t,
                         &mut self.slots.b[key].slice_mut(b_at..b_at + m.rank * fan_out),
@@ -1069,7 +735,7 @@ impl Backend for CudaBackend {
             .map(|s| s.start + s.len - 1)
             .collect();
         let (mut meta, _meta_buf) = StepMeta::upload(self, batch, &rows)?;
-        let st = self.stream.clone();
+        let st = self.dev.stream.clone();
         let alloc = |len: usize| {
             st.alloc_zeros::<f32>(len.max(1))
                 .map_err(cuda("allocating step buffers"))
@@ -1082,7 +748,7 @@ impl Backend for CudaBackend {
         let gu = alloc(n * 2 * inter)?;
         let act = alloc(n * inter)?;
         let widest = d.max(inter).max(q_dim);
-        let splits = self.kernel_shapes.splits(widest);
+        let splits = self.dev.shapes.splits(widest);
         let h_part = alloc(3 * splits * n * self.slots.max_rank)?;
         // The GEMM inputs in the weights' type; in f32 mode the f32
         // buffers serve directly.
@@ -1094,16 +760,16 @@ impl Backend for CudaBackend {
                     .map_err(cuda("allocating step buffers"))?,
             )
         };
-        let cast = cast_buf.as_ref().map(|b| self.p(b));
+        let cast = cast_buf.as_ref().map(|b| self.dev.p(b));
         let (hidden, normed, qkv, attn, proj, gu, act, h_part) = (
-            self.p(&hidden),
-            self.p(&normed),
-            self.p(&qkv),
-            self.p(&attn),
-            self.p(&proj),
-            self.p(&gu),
-            self.p(&act),
-            self.p(&h_part),
+            self.dev.p(&hidden),
+            self.dev.p(&normed),
+            self.dev.p(&qkv),
+            self.dev.p(&attn),
+            self.dev.p(&proj),
+            self.dev.p(&gu),
+            self.dev.p(&act),
+            self.dev.p(&h_part),
         );
         meta.h_part = h_part;
         // A kernel's f32 output as a GEMM input: the cast buffer after
@@ -1112,9 +778,9 @@ impl Backend for CudaBackend {
             match cast {
                 None => Ok(src),
                 Some(dst) => {
-                    self.launch(
-                        &self.f.to_wt,
-                        Self::elementwise_grid(len),
+                    self.dev.launch(
+                "to_wt",
+                        Device::elementwise_grid(len),
                         256,
                         &[Arg::Ptr(src), Arg::Ptr(dst), Arg::I64(len as i64)],
                     )?;
@@ -1123,14 +789,14 @@ impl Backend for CudaBackend {
             }
         };
         let norm_rows = |x: u64, rows_ptr: u64, w: &CudaSlice<f32>, out: u64, count: usize| {
-            self.launch(
-                &self.f.rms_norm,
+            self.dev.launch(
+                "rms_norm",
                 (count as u32, 1, 1),
                 256,
                 &[
                     Arg::Ptr(x),
                     Arg::Ptr(rows_ptr),
-                    Arg::Ptr(self.p(w)),
+                    Arg::Ptr(self.dev.p(w)),
                     Arg::Ptr(out),
                     Arg::Ptr(cast.unwrap_or(0)),
                     Arg::I32(d as i32),
@@ -1139,19 +805,19 @@ impl Backend for CudaBackend {
             )
         };
         let add = |h: u64, y: u64, len: usize| {
-            self.launch(
-                &self.f.add_into,
-                Self::elementwise_grid(len),
+            self.dev.launch(
+                "add_into",
+                Device::elementwise_grid(len),
                 256,
                 &[Arg::Ptr(h), Arg::Ptr(y), Arg::I64(len as i64)],
             )
         };
-        self.launch(
-            &self.f.embed,
+        self.dev.launch(
+                "embed",
             (n as u32, 1, 1),
             256,
             &[
-                Arg::Ptr(self.p(&self.embed)),
+                Arg::Ptr(self.dev.p(&self.embed)),
                 Arg::Ptr(meta.tokens),
                 Arg::Ptr(hidden),
                 Arg::I32(d as i32),
@@ -1170,8 +836,8 @@ impl Backend for CudaBackend {
                 qkv,
                 &meta,
             )?;
-            self.launch(
-                &self.f.rope_store,
+            self.dev.launch(
+                "rope_store",
                 (n as u32, 1, 1),
                 128,
                 &[
@@ -1180,21 +846,21 @@ impl Backend for CudaBackend {
                     Arg::I32(kv_dim as i32),
                     Arg::Ptr(meta.pos),
                     Arg::Ptr(meta.kv_row),
-                    Arg::Ptr(self.p(&self.inv_freq)),
-                    Arg::Ptr(self.p(&self.k_cache[l])),
-                    Arg::Ptr(self.p(&self.v_cache[l])),
+                    Arg::Ptr(self.dev.p(&self.inv_freq)),
+                    Arg::Ptr(self.dev.p(&self.k_cache[l])),
+                    Arg::Ptr(self.dev.p(&self.v_cache[l])),
                 ],
             )?;
-            self.launch(
-                &self.f.attention,
+            self.dev.launch(
+                "attention",
                 (n as u32, c.num_heads as u32, 1),
                 128,
                 &[
                     Arg::Ptr(qkv),
                     Arg::I32(q_dim as i32),
                     Arg::I32(kv_dim as i32),
-                    Arg::Ptr(self.p(&self.k_cache[l])),
-                    Arg::Ptr(self.p(&self.v_cache[l])),
+                    Arg::Ptr(self.dev.p(&self.k_cache[l])),
+                    Arg::Ptr(self.dev.p(&self.v_cache[l])),
                     Arg::Ptr(meta.pos),
                     Arg::Ptr(meta.tok_seq),
                     Arg::Ptr(meta.bt_off),
@@ -1212,9 +878,9 @@ impl Backend for CudaBackend {
             norm_rows(hidden, 0, &layer.post_norm, normed, n)?;
             self.linear(&layer.gate_up, cast.unwrap_or(normed), gu, n)?;
             self.lora(l, &[Projection::Gate, Projection::Up], normed, n, gu, &meta)?;
-            self.launch(
-                &self.f.silu_mul,
-                Self::elementwise_grid(n * inter),
+            self.dev.launch(
+                "silu_mul",
+                Device::elementwise_grid(n * inter),
                 256,
                 &[
                     Arg::Ptr(gu),
@@ -1238,7 +904,7 @@ impl Backend for CudaBackend {
         self.linear(
             &self.lm_head,
             cast.unwrap_or(normed),
-            self.p(&logits),
+            self.dev.p(&logits),
             rows.len(),
         )?;
         let host = st.clone_dtoh(&logits).map_err(cuda("running the step"))?;
@@ -1249,10 +915,10 @@ impl Backend for CudaBackend {
 
 impl CudaBackend {
     fn upload_ranks(&mut self) -> Result<()> {
-        self.stream
+        self.dev.stream
             .memcpy_htod(&self.slots.rank_host, &mut self.slots.rank)
             .map_err(cuda("writing slot ranks"))?;
-        self.stream
+        self.dev.stream
             .memcpy_htod(&self.slots.scale_host, &mut self.slots.scale)
             .map_err(cuda("writing slot scales"))?;
         Ok(())

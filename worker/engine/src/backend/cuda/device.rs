@@ -1,0 +1,232 @@
+//! One CUDA device as the backend uses it: a context, its one stream and
+//! the kernels compiled for a model's shapes, plus the launches that more
+//! than one user shares (the grouped LoRA pair).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+};
+
+use super::kernels::{self, KERNELS, KernelShapes};
+use crate::error::{EngineError, Result};
+
+/// An error from a CUDA call, saying what was being done.
+pub(super) fn cuda<E: std::fmt::Display>(what: &'static str) -> impl Fn(E) -> EngineError {
+    move |e| EngineError::Backend(format!("cuda: {what}: {e}"))
+}
+
+/// One kernel argument. Device memory travels as raw addresses: all work
+/// runs on one stream, so cudarc's per-buffer event tracking is off.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy)]
+pub enum Arg {
+    Ptr(u64),
+    I32(i32),
+    I64(i64),
+    F32(f32),
+}
+
+/// A context, its stream and the compiled kernels. Field order is drop
+/// order: the kernels' module goes before the stream and the context.
+pub(super) struct Device {
+    functions: HashMap<&'static str, CudaFunction>,
+    pub shapes: KernelShapes,
+    pub name: String,
+    pub stream: Arc<CudaStream>,
+    #[allow(dead_code)] // held so the context outlives the stream and buffers
+    pub ctx: Arc<CudaContext>,
+}
+
+impl Device {
+    /// Opens device `ordinal` and compiles the kernels for `shapes`.
+    pub fn open(ordinal: usize, shapes: KernelShapes) -> Result<Device> {
+        super::probe()?;
+        let ctx = CudaContext::new(ordinal).map_err(cuda("opening the device"))?;
+        // SAFETY: one stream does all the work, in order, so cudarc's
+        // cross-stream events would only add cost.
+        unsafe { ctx.disable_event_tracking() };
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(cuda("reading the compute capability"))?;
+        if major < 8 {
+            return Err(EngineError::Backend(format!(
+                "cuda: device {ordinal} has compute capability {major}.{minor}; 8.0 or newer is needed"
+            )));
+        }
+        let name = format!(
+            "{} (compute {major}.{minor}, {} MiB)",
+            ctx.name().map_err(cuda("reading the device name"))?,
+            ctx.total_mem().map_err(cuda("reading the memory size"))? >> 20
+        );
+        let ptx = kernels::compile(&shapes, kernels::arch_for(major, minor))?;
+        let module = ctx.load_module(ptx).map_err(cuda("loading the kernels"))?;
+        let mut functions = HashMap::new();
+        for &kernel in KERNELS {
+            let f = module
+                .load_function(kernel)
+                .map_err(|e| EngineError::Backend(format!("cuda: kernel {kernel}: {e}")))?;
+            functions.insert(kernel, f);
+        }
+        Ok(Device {
+            functions,
+            shapes,
+            name,
+            stream: ctx.default_stream(),
+            ctx,
+        })
+    }
+
+    /// A device buffer's address.
+    pub fn p<T>(&self, slice: &CudaSlice<T>) -> u64 {
+        let (p, _sync) = slice.device_ptr(&self.stream);
+        p
+    }
+
+    /// Launches kernel `name` on the stream with a 1-D block of `block`.
+    pub fn launch(&self, name: &str, grid: (u32, u32, u32), block: u32, args: &[Arg]) -> Result<()> {
+        let f = self
+            .functions
+            .get(name)
+            .ok_or_else(|| EngineError::Backend(format!("cuda: no kernel {name}")))?;
+        let mut builder = self.stream.launch_builder(f);
+        for arg in args {
+            match arg {
+                Arg::Ptr(v) => builder.arg(v),
+                Arg::I32(v) => builder.arg(v),
+                Arg::I64(v) => builder.arg(v),
+                Arg::F32(v) => builder.arg(v),
+            };
+        }
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: (block, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: each call site passes the arguments its kernel declares in
+        // kernels.cu, with buffers sized for the grid it launches.
+        unsafe { builder.launch(cfg) }
+            .map(|_| ())
+            .map_err(|e| EngineError::Backend(format!("cuda: launching {name}: {e}")))
+    }
+
+    /// Blocks of 256 threads for an elementwise kernel over `n` items.
+    pub fn elementwise_grid(n: usize) -> (u32, u32, u32) {
+        (n.div_ceil(256).clamp(1, 65_535) as u32, 1, 1)
+    }
+
+    /// Adds the LoRA deltas of one to three projections that share their
+    /// input: one shrink and one expand launch for every adapter in the
+    /// step.
+    pub fn lora(&self, l: &LoraLaunch) -> Result<()> {
+        if l.segments == 0 {
+            return Ok(());
+        }
+        assert!((1..=3).contains(&l.slices.len()));
+        let splits = self.shapes.splits(l.fan_in);
+        // Unused slice arguments repeat the last slice; the grid never
+        // reaches them.
+        let slice = |i: usize| &l.slices[i.min(l.slices.len() - 1)];
+        let mut args = vec![
+            Arg::Ptr(l.x),
+            Arg::I32(l.fan_in as i32),
+            Arg::I32(l.n as i32),
+            Arg::Ptr(l.token_idx),
+            Arg::Ptr(l.seg_off),
+            Arg::Ptr(l.seg_slot),
+        ];
+        args.extend((0..3).map(|i| Arg::Ptr(slice(i).a)));
+        args.extend((0..3).map(|i| Arg::Ptr(slice(i).rank)));
+        args.push(Arg::Ptr(l.h_part));
+        self.launch(
+            "lora_shrink",
+            (l.segments as u32, splits as u32, l.slices.len() as u32),
+            256,
+            &args,
+        )?;
+        let mut args = vec![
+            Arg::Ptr(l.h_part),
+            Arg::I32(splits as i32),
+            Arg::I32(l.n as i32),
+            Arg::Ptr(l.token_idx),
+            Arg::Ptr(l.seg_off),
+            Arg::Ptr(l.seg_slot),
+        ];
+        args.extend((0..3).map(|i| Arg::Ptr(slice(i).b)));
+        args.extend((0..3).map(|i| Arg::Ptr(slice(i).rank)));
+        args.extend((0..3).map(|i| Arg::Ptr(slice(i).scale)));
+        args.extend((0..3).map(|i| Arg::I32(slice(i).width as i32)));
+        args.extend((0..3).map(|i| Arg::I32(slice(i).offset as i32)));
+        args.push(Arg::Ptr(l.out));
+        args.push(Arg::I32(l.out_stride as i32));
+        let widest = l.slices.iter().map(|s| s.width).max().unwrap_or(0);
+        self.launch(
+            "lora_expand",
+            (
+                l.segments as u32,
+                widest.div_ceil(256) as u32,
+                l.slices.len() as u32,
+            ),
+            256,
+            &args,
+        )
+    }
+}
+
+/// One projection of a grouped LoRA launch.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct LoraSlice {
+    /// `[slots, max_rank, fan_in]` f32.
+    pub a: u64,
+    /// Bᵀ, `[slots, max_rank, width]` f32.
+    pub b: u64,
+    /// `[slots]` i32 and f32.
+    pub rank: u64,
+    pub scale: u64,
+    pub width: usize,
+    /// Where this projection's columns start in the output row.
+    pub offset: usize,
+}
+
+/// A grouped LoRA launch over explicit device buffers.
+#[derive(Debug, Clone)]
+pub(super) struct LoraLaunch {
+    /// `[n, fan_in]` f32.
+    pub x: u64,
+    pub fan_in: usize,
+    pub n: usize,
+    /// `[n, out_stride]` f32, added into.
+    pub out: u64,
+    pub out_stride: usize,
+    pub slices: Vec<LoraSlice>,
+    /// Each segment's tokens in segment order, `segments + 1` offsets into
+    /// them, and each segment's slot (i32).
+    pub token_idx: u64,
+    pub seg_off: u64,
+    pub seg_slot: u64,
+    pub segments: usize,
+    /// `[slices, splits, n, max_rank]` f32 scratch.
+    pub h_part: u64,
+}
+
+/// The segment sections of a step's metadata: each segment's token
+/// indices, the offsets into them, and each segment's slot, appended to
+/// `buf`; returns where each section starts.
+pub(super) fn push_segments(
+    buf: &mut Vec<i32>,
+    segments: &[super::super::Segment],
+) -> (usize, usize, usize) {
+    let token_idx = buf.len();
+    buf.extend(segments.iter().flat_map(|s| (s.start..s.end).map(|t| t as i32)));
+    let seg_off = buf.len();
+    let mut acc = 0;
+    buf.push(0);
+    for s in segments {
+        acc += (s.end - s.start) as i32;
+        buf.push(acc);
+    }
+    let seg_slot = buf.len();
+    buf.extend(segments.iter().map(|s| s.slot as i32));
+    (token_idx, seg_off, seg_slot)
+}
