@@ -4,8 +4,13 @@
 
 use std::path::PathBuf;
 
+/// The fixtures directory; `LORAFLEET_FIXTURES` overrides it for test
+/// binaries run away from the checkout they were built in (the GPU check).
 pub fn fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+    std::env::var_os("LORAFLEET_FIXTURES").map_or_else(
+        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures"),
+        PathBuf::from,
+    )
 }
 
 pub fn model_dir(model: &str) -> PathBuf {
@@ -69,7 +74,16 @@ pub fn fixture_engine(
     model: &str,
     settings: lorafleet_engine::EngineSettings,
 ) -> lorafleet_engine::Engine {
-    let mut e = lorafleet_engine::Engine::load_cpu(&model_dir(model), settings).unwrap();
+    fixture_engine_on(model, settings, lorafleet_engine::BackendChoice::Cpu)
+}
+
+/// [`fixture_engine`] on the chosen backend.
+pub fn fixture_engine_on(
+    model: &str,
+    settings: lorafleet_engine::EngineSettings,
+    choice: lorafleet_engine::BackendChoice,
+) -> lorafleet_engine::Engine {
+    let mut e = lorafleet_engine::Engine::load(&model_dir(model), settings, choice).unwrap();
     for (i, name) in adapter_names(model).iter().enumerate() {
         e.register_adapter(i as u64 + 1, fixture_source(model, name))
             .unwrap();

@@ -85,7 +85,13 @@ impl Device {
     }
 
     /// Launches kernel `name` on the stream with a 1-D block of `block`.
-    pub fn launch(&self, name: &str, grid: (u32, u32, u32), block: u32, args: &[Arg]) -> Result<()> {
+    pub fn launch(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        args: &[Arg],
+    ) -> Result<()> {
         let f = self
             .functions
             .get(name)
@@ -218,7 +224,11 @@ pub(super) fn push_segments(
     segments: &[super::super::Segment],
 ) -> (usize, usize, usize) {
     let token_idx = buf.len();
-    buf.extend(segments.iter().flat_map(|s| (s.start..s.end).map(|t| t as i32)));
+    buf.extend(
+        segments
+            .iter()
+            .flat_map(|s| (s.start..s.end).map(|t| t as i32)),
+    );
     let seg_off = buf.len();
     let mut acc = 0;
     buf.push(0);

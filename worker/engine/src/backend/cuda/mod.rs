@@ -483,7 +483,7 @@ impl CudaBackend {
             .alloc_zeros::<i32>(rows.len())
             .map_err(cuda("sampling"))?;
         self.dev.launch(
-                "argmax_rows",
+            "argmax_rows",
             (rows.len() as u32, 1, 1),
             256,
             &[
@@ -510,7 +510,11 @@ impl CudaBackend {
                     .collect(),
             )?;
             let top_k: Vec<i32> = rows.iter().map(|r| r.top_k as i32).collect();
-            let top_k = self.dev.stream.clone_htod(&top_k).map_err(cuda("sampling"))?;
+            let top_k = self
+                .dev
+                .stream
+                .clone_htod(&top_k)
+                .map_err(cuda("sampling"))?;
             let top_p = upload_f32(rows.iter().map(|r| r.top_p).collect())?;
             let u = upload_f32(rows.iter().map(|r| r.u).collect())?;
             let out = self
@@ -649,7 +653,6 @@ impl StepMeta {
             dev,
         ))
     }
-
 }
 
 impl Backend for CudaBackend {
@@ -685,14 +688,16 @@ impl Backend for CudaBackend {
                 let key = layer * 7 + p.index();
                 // Rows past the module's rank are never read.
                 let a_at = slot * max_rank * fan_in;
-                self.dev.stream
+                self.dev
+                    .stream
                     .memcpy_htod(
                         &m.a,
                         &mut self.slots.a[key].slice_mut(a_at..a_at + m.rank * fan_in),
                     )
                     .map_err(cuda("writing a slot"))?;
                 let b_at = slot * max_rank * fan_out;
-                self.dev.stream
+                self.dev
+                    .stream
                     .memcpy_htod(
                         &m.b_t,
                         &mut self.slots.b[key].slice_mut(b_at..b_at + m.rank * fan_out),
@@ -779,7 +784,7 @@ impl Backend for CudaBackend {
                 None => Ok(src),
                 Some(dst) => {
                     self.dev.launch(
-                "to_wt",
+                        "to_wt",
                         Device::elementwise_grid(len),
                         256,
                         &[Arg::Ptr(src), Arg::Ptr(dst), Arg::I64(len as i64)],
@@ -813,7 +818,7 @@ impl Backend for CudaBackend {
             )
         };
         self.dev.launch(
-                "embed",
+            "embed",
             (n as u32, 1, 1),
             256,
             &[
@@ -915,10 +920,12 @@ impl Backend for CudaBackend {
 
 impl CudaBackend {
     fn upload_ranks(&mut self) -> Result<()> {
-        self.dev.stream
+        self.dev
+            .stream
             .memcpy_htod(&self.slots.rank_host, &mut self.slots.rank)
             .map_err(cuda("writing slot ranks"))?;
-        self.dev.stream
+        self.dev
+            .stream
             .memcpy_htod(&self.slots.scale_host, &mut self.slots.scale)
             .map_err(cuda("writing slot scales"))?;
         Ok(())

@@ -65,7 +65,13 @@ impl KernelHarness {
         }
     }
 
-    pub fn launch(&self, name: &str, grid: (u32, u32, u32), block: u32, args: &[Arg]) -> Result<()> {
+    pub fn launch(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        args: &[Arg],
+    ) -> Result<()> {
         self.dev.launch(name, grid, block, args)
     }
 
