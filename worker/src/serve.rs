@@ -82,6 +82,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .file_name()
         .map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned());
     let info = WorkerInfo::describe(&engine, &args.worker_id, name, &settings);
+    let engine_memory = engine.memory_report();
     tracing::info!(
         worker_id = %args.worker_id,
         base_hash = %info.base_model.base_hash,
@@ -89,6 +90,8 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         max_loras = settings.max_loras,
         max_cpu_loras = settings.max_cpu_loras,
         kv_blocks = settings.kv_blocks,
+        device = %info.device_name,
+        memory = engine_memory.as_deref().unwrap_or("host memory"),
         "model loaded"
     );
     let handle = EngineHandle::spawn(engine, Duration::from_millis(250));

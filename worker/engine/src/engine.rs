@@ -220,9 +220,15 @@ impl Engine {
         };
         let backend: Box<dyn Backend> = match choice {
             BackendChoice::Cpu => Box::new(CpuBackend::load(model_dir, &config, shape)?),
-            BackendChoice::Cuda { device, dtype } => Box::new(
-                crate::backend::cuda::CudaBackend::load(model_dir, &config, shape, device, dtype)?,
-            ),
+            BackendChoice::Cuda { device, dtype } => {
+                let limits = crate::backend::cuda::StepLimits {
+                    max_tokens: settings.max_batched_tokens,
+                    max_rows: settings.max_num_seqs.min(settings.max_batched_tokens),
+                };
+                Box::new(crate::backend::cuda::CudaBackend::load(
+                    model_dir, &config, shape, device, dtype, limits,
+                )?)
+            }
         };
         let tokenizer = Tokenizer::from_dir(model_dir)?;
         Engine::new(config, tokenizer, backend, base_hash, settings)
@@ -292,6 +298,11 @@ impl Engine {
 
     pub fn device_name(&self) -> String {
         self.backend.device_name()
+    }
+
+    /// How the backend divides device memory, if it has its own.
+    pub fn memory_report(&self) -> Option<String> {
+        self.backend.memory_report()
     }
 
     /// The longest prompt plus completion accepted.

@@ -14,7 +14,7 @@ use common::*;
 use lorafleet_engine::backend::cpu::{CpuBackend, SlotView, lora_segments};
 use lorafleet_engine::backend::cuda::kernels::KernelShapes;
 use lorafleet_engine::backend::cuda::testing::{Arg, Buf, KernelHarness};
-use lorafleet_engine::backend::cuda::{self, CudaBackend, DeviceSample, Dtype};
+use lorafleet_engine::backend::cuda::{self, CudaBackend, DeviceSample, Dtype, StepLimits};
 use lorafleet_engine::backend::{Backend, BackendShape, Segment, StepBatch};
 use lorafleet_engine::lora::{AdapterLimits, HostAdapter};
 use lorafleet_engine::model::ModelConfig;
@@ -696,6 +696,11 @@ const SHAPE: BackendShape = BackendShape {
     block_size: 4,
 };
 
+const LIMITS: StepLimits = StepLimits {
+    max_tokens: 64,
+    max_rows: 8,
+};
+
 #[test]
 fn the_model_in_f32_gives_the_cpu_backends_greedy_tokens_for_every_adapter() {
     if !gpu() {
@@ -707,7 +712,7 @@ fn the_model_in_f32_gives_the_cpu_backends_greedy_tokens_for_every_adapter() {
         let dir = model_dir(model);
         let config = ModelConfig::from_dir(&dir).unwrap();
         let mut cpu = CpuBackend::load(&dir, &config, SHAPE).unwrap();
-        let mut gpu = CudaBackend::load(&dir, &config, SHAPE, 0, Dtype::F32).unwrap();
+        let mut gpu = CudaBackend::load(&dir, &config, SHAPE, 0, Dtype::F32, LIMITS).unwrap();
         for case in golden.cases.iter().filter(|c| c.model == model) {
             let what = format!("{model}/{:?} {:?}", case.adapter, case.prompt);
             let (cpu_logits, cpu_tokens) = run_golden(&mut cpu, model, case);
@@ -740,7 +745,7 @@ fn the_model_in_bf16_and_f16_stays_within_2e_2_of_the_reference() {
         for model in ["llama-gqa", "qwen2-tied"] {
             let dir = model_dir(model);
             let config = ModelConfig::from_dir(&dir).unwrap();
-            let mut gpu = CudaBackend::load(&dir, &config, SHAPE, 0, dtype).unwrap();
+            let mut gpu = CudaBackend::load(&dir, &config, SHAPE, 0, dtype, LIMITS).unwrap();
             for case in golden.cases.iter().filter(|c| c.model == model) {
                 let (logits, _) = run_golden(&mut gpu, model, case);
                 assert_close(

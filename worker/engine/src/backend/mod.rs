@@ -163,6 +163,11 @@ pub trait Backend: Send {
     fn name(&self) -> &'static str;
     /// A human-readable device name.
     fn device_name(&self) -> String;
+    /// How device memory is divided, for the logs; None where there is no
+    /// separate device memory.
+    fn memory_report(&self) -> Option<String> {
+        None
+    }
     fn config(&self) -> &ModelConfig;
     fn shape(&self) -> BackendShape;
     /// Copies an adapter into a device slot, replacing what was there.

@@ -35,7 +35,6 @@ pub(super) struct Device {
     pub shapes: KernelShapes,
     pub name: String,
     pub stream: Arc<CudaStream>,
-    #[allow(dead_code)] // held so the context outlives the stream and buffers
     pub ctx: Arc<CudaContext>,
 }
 

@@ -22,6 +22,7 @@
 
 mod device;
 pub mod kernels;
+pub mod plan;
 #[doc(hidden)]
 pub mod testing;
 
@@ -34,6 +35,7 @@ use cudarc::driver::{CudaContext, CudaSlice};
 
 use self::device::{Arg, Device, LoraLaunch, LoraSlice, cuda};
 use self::kernels::KernelShapes;
+use self::plan::MemoryPlan;
 use super::{Backend, BackendShape, StepBatch};
 use crate::error::{EngineError, Result};
 use crate::lora::{HostAdapter, Projection};
@@ -194,8 +196,18 @@ pub struct CudaBackend {
     slots: Slots,
     /// The logits of the last forward, `[rows, vocab]`, for device sampling.
     last_logits: Option<(CudaSlice<f32>, usize)>,
+    plan: MemoryPlan,
     blas: CudaBlas,
     dev: Device,
+}
+
+/// The most a step carries, for sizing its workspace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepLimits {
+    /// Tokens in one step.
+    pub max_tokens: usize,
+    /// Sequences wanting logits in one step.
+    pub max_rows: usize,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -217,12 +229,27 @@ impl CudaBackend {
         shape: BackendShape,
         ordinal: usize,
         dtype: Dtype,
+        limits: StepLimits,
     ) -> Result<CudaBackend> {
         let c = config;
         let dev = Device::open(
             ordinal,
             KernelShapes::for_model(c, shape.max_lora_rank, dtype),
         )?;
+        let (free, total) = dev
+            .ctx
+            .mem_get_info()
+            .map_err(cuda("reading free device memory"))?;
+        let plan = MemoryPlan::new(
+            c,
+            &shape,
+            dtype,
+            limits.max_tokens,
+            limits.max_rows,
+            total as u64,
+        );
+        // Refused before anything is allocated.
+        plan.check(free as u64)?;
         let stream = dev.stream.clone();
         let blas = CudaBlas::new(stream.clone()).map_err(cuda("starting cuBLAS"))?;
         // Plain f32 math in f32 mode (no TF32), so it can be checked
@@ -357,6 +384,7 @@ impl CudaBackend {
             inv_freq,
             slots,
             last_logits: None,
+            plan,
             blas,
             dev,
         })
@@ -662,6 +690,10 @@ impl Backend for CudaBackend {
 
     fn device_name(&self) -> String {
         self.dev.name.clone()
+    }
+
+    fn memory_report(&self) -> Option<String> {
+        Some(self.plan.summary())
     }
 
     fn config(&self) -> &ModelConfig {

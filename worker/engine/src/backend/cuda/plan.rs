@@ -1,0 +1,219 @@
+//! Device memory planning: what the base weights, the KV cache, the adapter
+//! slots and a step's workspace take, checked against the device's free
+//! memory before anything is allocated, so a configuration that cannot fit
+//! is refused with the numbers rather than failing midway.
+
+use super::Dtype;
+use crate::backend::BackendShape;
+use crate::error::{EngineError, Result};
+use crate::lora::Projection;
+use crate::model::ModelConfig;
+
+const MIB: u64 = 1 << 20;
+
+/// Bytes each part of the backend needs on the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryPlan {
+    pub weights: u64,
+    pub kv_cache: u64,
+    pub adapter_slots: u64,
+    /// One step's activations at the most tokens and logit rows a step
+    /// may carry.
+    pub workspace: u64,
+    /// Kept free for the CUDA context, cuBLAS and allocator slack: 512 MiB
+    /// plus 5% of the device.
+    pub margin: u64,
+}
+
+impl MemoryPlan {
+    /// The plan for `config` with `shape`, weights in `dtype`, at most
+    /// `max_tokens` tokens and `max_rows` logit rows per step, on a device
+    /// of `total` bytes.
+    pub fn new(
+        config: &ModelConfig,
+        shape: &BackendShape,
+        dtype: Dtype,
+        max_tokens: usize,
+        max_rows: usize,
+        total: u64,
+    ) -> MemoryPlan {
+        let c = config;
+        let w = dtype.bytes() as u64;
+        let linear: u64 = Projection::ALL
+            .iter()
+            .map(|p| {
+                let (i, o) = p.shape(c);
+                (i * o) as u64
+            })
+            .sum();
+        let biases = (if c.qkv_bias {
+            c.q_dim() + 2 * c.kv_dim()
+        } else {
+            0
+        } + if c.o_bias { c.hidden_size } else { 0 }
+            + if c.mlp_bias {
+                2 * c.intermediate_size + c.hidden_size
+            } else {
+                0
+            }) as u64;
+        let per_layer = linear * w + (biases + 2 * c.hidden_size as u64) * 4;
+        // Embeddings, and the lm_head (a second copy when tied).
+        let vocab = (c.vocab_size * c.hidden_size) as u64 * w;
+        let weights = per_layer * c.num_layers as u64 + 2 * vocab + c.hidden_size as u64 * 4;
+        let kv_cache =
+            2 * (c.num_layers * shape.kv_blocks * shape.block_size * c.kv_dim()) as u64 * 4;
+        let rank = shape.max_lora_rank.max(1) as u64;
+        let slot_floats: u64 = Projection::ALL
+            .iter()
+            .map(|p| {
+                let (i, o) = p.shape(c);
+                rank * (i + o) as u64
+            })
+            .sum();
+        let adapter_slots = (slot_floats * shape.slots as u64 + 2 * shape.slots as u64 * 7)
+            * 4
+            * c.num_layers as u64;
+        let (d, inter, q, kv) = (
+            c.hidden_size as u64,
+            c.intermediate_size as u64,
+            c.q_dim() as u64,
+            c.kv_dim() as u64,
+        );
+        let n = max_tokens as u64;
+        let widest = d.max(inter).max(q);
+        let splits = widest.div_ceil(super::kernels::MAX_SHRINK_KC as u64).max(1);
+        let activations = n * (3 * d + q + 2 * kv + q + 2 * inter + inter) * 4
+            + 3 * splits * n * rank * 4
+            + n * widest * w;
+        let logits = max_rows as u64 * c.vocab_size as u64 * 4;
+        MemoryPlan {
+            weights,
+            kv_cache,
+            adapter_slots,
+            workspace: activations + logits,
+            margin: 512 * MIB + total / 20,
+        }
+    }
+
+    pub fn needed(&self) -> u64 {
+        self.weights + self.kv_cache + self.adapter_slots + self.workspace + self.margin
+    }
+
+    /// Refuses a plan that does not fit in `free` bytes, naming each part.
+    pub fn check(&self, free: u64) -> Result<()> {
+        if self.needed() <= free {
+            return Ok(());
+        }
+        Err(EngineError::Backend(format!(
+            "cuda: the configuration needs {} MiB of device memory but {} MiB are free ({}); \
+             lower --kv-blocks, --max-loras, --max-lora-rank or --max-batched-tokens, or use a \
+             smaller --dtype",
+            self.needed() / MIB,
+            free / MIB,
+            self.summary()
+        )))
+    }
+
+    /// "weights 2470 MiB, KV cache 1024 MiB, …" for logs and errors.
+    pub fn summary(&self) -> String {
+        format!(
+            "weights {} MiB, KV cache {} MiB, adapter slots {} MiB, workspace {} MiB, margin {} MiB",
+            self.weights / MIB,
+            self.kv_cache / MIB,
+            self.adapter_slots / MIB,
+            self.workspace / MIB,
+            self.margin / MIB
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Architecture;
+
+    fn llama_8b() -> ModelConfig {
+        ModelConfig {
+            architecture: Architecture::Llama,
+            vocab_size: 128_256,
+            hidden_size: 4096,
+            intermediate_size: 14_336,
+            num_layers: 32,
+            num_heads: 32,
+            num_kv_heads: 8,
+            head_dim: 128,
+            rms_norm_eps: 1e-5,
+            rope_theta: 500_000.0,
+            max_position_embeddings: 8192,
+            tie_word_embeddings: false,
+            qkv_bias: false,
+            o_bias: false,
+            mlp_bias: false,
+            sliding_window: None,
+            bos_token_id: Some(128_000),
+            eos_token_ids: vec![128_001],
+        }
+    }
+
+    const GIB: u64 = 1 << 30;
+
+    #[test]
+    fn an_8b_model_in_bf16_plans_its_weights_and_kv_cache() {
+        let shape = BackendShape {
+            slots: 32,
+            max_lora_rank: 16,
+            kv_blocks: 4096,
+            block_size: 16,
+        };
+        let plan = MemoryPlan::new(&llama_8b(), &shape, Dtype::Bf16, 2048, 256, 80 * GIB);
+        // 8.03B parameters at 2 bytes; the lm_head is its own matrix.
+        let gib = plan.weights as f64 / GIB as f64;
+        assert!((14.5..15.5).contains(&gib), "weights {gib} GiB");
+        // 2 (K, V) × 32 layers × 65536 positions × 1024 × 4 bytes.
+        assert_eq!(plan.kv_cache, 2 * 32 * 65_536 * 1024 * 4);
+        // 32 slots × 32 layers × rank 16 × (sum of in + out over 7 projections) × 4 bytes.
+        let sum_in_out = (4096 + 4096) * 2 + (4096 + 1024) * 2 + (4096 + 14_336) * 3;
+        assert_eq!(
+            plan.adapter_slots,
+            (32 * 16 * sum_in_out as u64 + 2 * 32 * 7) * 4 * 32
+        );
+        assert!(plan.check(80 * GIB).is_ok(), "{}", plan.summary());
+        // In f32 the weights alone double; on a 24 GiB device it cannot fit.
+        let f32_plan = MemoryPlan::new(&llama_8b(), &shape, Dtype::F32, 2048, 256, 24 * GIB);
+        let err = f32_plan.check(24 * GIB).unwrap_err().to_string();
+        assert!(err.contains("needs"), "{err}");
+        assert!(err.contains("MiB are free"), "{err}");
+        assert!(err.contains("KV cache 16384 MiB"), "{err}");
+        assert!(err.contains("--kv-blocks"), "{err}");
+    }
+
+    #[test]
+    fn every_part_grows_with_its_own_setting() {
+        let base = BackendShape {
+            slots: 4,
+            max_lora_rank: 16,
+            kv_blocks: 256,
+            block_size: 16,
+        };
+        let c = llama_8b();
+        let plan = |shape: BackendShape, tokens: usize| {
+            MemoryPlan::new(&c, &shape, Dtype::Bf16, tokens, 64, 80 * GIB)
+        };
+        let p0 = plan(base, 512);
+        let more_kv = plan(
+            BackendShape {
+                kv_blocks: 512,
+                ..base
+            },
+            512,
+        );
+        assert_eq!(more_kv.kv_cache, 2 * p0.kv_cache);
+        assert_eq!(more_kv.weights, p0.weights);
+        let more_slots = plan(BackendShape { slots: 8, ..base }, 512);
+        assert!(more_slots.adapter_slots > p0.adapter_slots);
+        assert_eq!(more_slots.kv_cache, p0.kv_cache);
+        let more_tokens = plan(base, 1024);
+        assert!(more_tokens.workspace > p0.workspace);
+        assert_eq!(more_tokens.adapter_slots, p0.adapter_slots);
+    }
+}
