@@ -69,7 +69,10 @@ fn every_launched_kernel_is_in_the_source_and_the_list_is_complete() {
     let declared: Vec<&str> = kernels::SOURCE
         .match_indices("extern \"C\" __global__ void ")
         .map(|(at, m)| {
-            let rest = &kernels::SOURCE[at + m.len()..];
+            let mut rest = &kernels::SOURCE[at + m.len()..];
+            if let Some(bounded) = rest.strip_prefix("__launch_bounds__(") {
+                rest = bounded[bounded.find(')').unwrap() + 1..].trim_start();
+            }
             &rest[..rest.find('(').unwrap()]
         })
         .collect();

@@ -8,9 +8,10 @@
 //   SHRINK_KC  input features per split-K chunk of the LoRA shrink (a multiple of 32)
 //
 // Activations, the residual stream, the KV cache and all LoRA math are f32;
-// only the base GEMMs read the weights' type. Every reduction has a fixed
-// order that depends on the token's own data, never on the batch, so a
-// sequence's numbers are the same alone or in any mixed batch.
+// only the base GEMMs (cuBLAS) read the weights' type. Every reduction in
+// these kernels has a fixed order that depends on the token's own data,
+// never on the batch. cuBLAS makes no such promise: it may pick another
+// algorithm for another batch size.
 
 #if WDTYPE == 0
 typedef float wt;
@@ -396,7 +397,8 @@ __device__ unsigned int cutoff_key(const float* row, int vocab, float m, float i
                                    float* scratch) {
     unsigned int lo = floor_key, hi = 0xffffffffu;  // answer in [lo, hi]
     while (lo < hi) {
-        unsigned int mid = lo + (hi - lo + 1) / 2;
+        // The upper middle, without overflow when the range is all 2^32 keys.
+        unsigned int mid = hi - (hi - lo) / 2;
         float acc = 0.0f;
         for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
             unsigned int k = order_key(row[i]);
@@ -416,7 +418,7 @@ __device__ unsigned int cutoff_key(const float* row, int vocab, float m, float i
 // (top-p); ties at a cutoff are all kept. The draw walks the kept tokens in
 // id order.
 #define SAMPLE_THREADS 1024
-extern "C" __global__ void sample_rows(const float* logits, int vocab, const float* temperature,
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows(const float* logits, int vocab, const float* temperature,
                                        const int* top_k, const float* top_p, const float* u,
                                        int* out) {
     __shared__ float scratch[32];
@@ -467,6 +469,8 @@ extern "C" __global__ void sample_rows(const float* logits, int vocab, const flo
         chosen_rest = target - cum;
     }
     __syncthreads();
+    // No mass anywhere (NaN or infinite logits): -1, which the host refuses.
+    if (chosen_chunk < 0 && threadIdx.x == 0) out[blockIdx.x] = -1;
     if (threadIdx.x == chosen_chunk) {
         float cum = 0.0f;
         int last = -1;

@@ -545,10 +545,11 @@ impl CudaBackend {
                 .map_err(cuda("sampling"))?;
             let top_p = upload_f32(rows.iter().map(|r| r.top_p).collect())?;
             let u = upload_f32(rows.iter().map(|r| r.u).collect())?;
+            // A row the kernel leaves unwritten stays -1 and is refused.
             let out = self
                 .dev
                 .stream
-                .alloc_zeros::<i32>(rows.len())
+                .clone_htod(&vec![-1i32; rows.len()])
                 .map_err(cuda("sampling"))?;
             self.dev.launch(
                 "sample_rows",

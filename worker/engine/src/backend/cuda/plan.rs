@@ -81,7 +81,8 @@ impl MemoryPlan {
         );
         let n = max_tokens as u64;
         let widest = d.max(inter).max(q);
-        let splits = widest.div_ceil(super::kernels::MAX_SHRINK_KC as u64).max(1);
+        let splits = super::kernels::KernelShapes::for_model(c, shape.max_lora_rank, dtype)
+            .splits(widest as usize) as u64;
         let activations = n * (3 * d + q + 2 * kv + q + 2 * inter + inter) * 4
             + 3 * splits * n * rank * 4
             + n * widest * w;
