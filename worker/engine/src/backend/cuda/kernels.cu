@@ -7,8 +7,9 @@
 //   MAX_RANK   the rank every adapter slot is sized for
 //   SHRINK_KC  input features per split-K chunk of the LoRA shrink (a multiple of 32)
 //
-// Activations, the residual stream, the KV cache and all LoRA math are f32;
-// only the base GEMMs (cuBLAS) read the weights' type. Every reduction in
+// Activations, the residual stream and all LoRA math are f32; the base
+// GEMMs (cuBLAS) read the weights' type, and the KV cache is stored in it
+// (keys and values are rounded once, when stored). Every reduction in
 // these kernels has a fixed order that depends on the token's own data,
 // never on the batch. cuBLAS makes no such promise: it may pick another
 // algorithm for another batch size.
@@ -145,10 +146,10 @@ extern "C" __global__ void silu_mul(const float* gu, float* out, wt* out_w, int 
 
 // Rotates the query and key heads of each token's fused [q | k | v] row in
 // place (rotate-half RoPE), then stores its key and value at its KV-cache
-// row. Grid: one block per token.
+// row, in the weights' type. Grid: one block per token.
 extern "C" __global__ void rope_store(float* qkv, int q_dim, int kv_dim, const int* pos,
-                                      const int* kv_row, const float* inv_freq, float* k_cache,
-                                      float* v_cache) {
+                                      const int* kv_row, const float* inv_freq, wt* k_cache,
+                                      wt* v_cache) {
     const int half = HEAD_DIM / 2;
     float* row = qkv + (size_t)blockIdx.x * (q_dim + 2 * kv_dim);
     float p = (float)pos[blockIdx.x];
@@ -163,23 +164,23 @@ extern "C" __global__ void rope_store(float* qkv, int q_dim, int kv_dim, const i
         hp[j + half] = x2 * c + x1 * s;
     }
     __syncthreads();
-    float* kd = k_cache + (size_t)kv_row[blockIdx.x] * kv_dim;
-    float* vd = v_cache + (size_t)kv_row[blockIdx.x] * kv_dim;
+    wt* kd = k_cache + (size_t)kv_row[blockIdx.x] * kv_dim;
+    wt* vd = v_cache + (size_t)kv_row[blockIdx.x] * kv_dim;
     for (int i = threadIdx.x; i < kv_dim; i += blockDim.x) {
-        kd[i] = row[q_dim + i];
-        vd[i] = row[q_dim + kv_dim + i];
+        kd[i] = wstore(row[q_dim + i]);
+        vd[i] = wstore(row[q_dim + kv_dim + i]);
     }
 }
 
 #define ATTN_CHUNK 128
 
-__device__ __forceinline__ float attn_score(const float* qs, const float* k_cache, int kv_dim, int kvh,
+__device__ __forceinline__ float attn_score(const float* qs, const wt* k_cache, int kv_dim, int kvh,
                                             const int* bt, int block_size, int j, float scale) {
     size_t row = (size_t)bt[j / block_size] * block_size + j % block_size;
-    const float* kr = k_cache + row * kv_dim + kvh * HEAD_DIM;
+    const wt* kr = k_cache + row * kv_dim + kvh * HEAD_DIM;
     float acc = 0.0f;
 #pragma unroll 8
-    for (int i = 0; i < HEAD_DIM; i++) acc = fmaf(qs[i], kr[i], acc);
+    for (int i = 0; i < HEAD_DIM; i++) acc = fmaf(qs[i], wload(kr[i]), acc);
     return acc * scale;
 }
 
@@ -189,8 +190,8 @@ __device__ __forceinline__ float attn_score(const float* qs, const float* k_cach
 // has already filled. Grid: (tokens, query heads); block: a multiple of 32
 // threads, at least HEAD_DIM / 2. A query head reads KV head h / group
 // (grouped-query attention). `window` > 0 is a sliding window.
-extern "C" __global__ void attention(const float* qkv, int q_dim, int kv_dim, const float* k_cache,
-                                     const float* v_cache, const int* pos, const int* tok_seq,
+extern "C" __global__ void attention(const float* qkv, int q_dim, int kv_dim, const wt* k_cache,
+                                     const wt* v_cache, const int* pos, const int* tok_seq,
                                      const int* bt_off, const int* block_tables, int block_size,
                                      int window, float scale, float* out) {
     __shared__ float qs[HEAD_DIM];
@@ -221,11 +222,11 @@ extern "C" __global__ void attention(const float* qkv, int q_dim, int kv_dim, co
         for (int j = 0; j < cn; j++) {
             int jj = c0 + j;
             size_t row = (size_t)bt[jj / block_size] * block_size + jj % block_size;
-            const float* vr = v_cache + row * kv_dim + kvh * HEAD_DIM;
+            const wt* vr = v_cache + row * kv_dim + kvh * HEAD_DIM;
             float w = sc[j];
             l += w;
-            if (d0 < HEAD_DIM) acc0 = fmaf(w, vr[d0], acc0);
-            if (d1 < HEAD_DIM) acc1 = fmaf(w, vr[d1], acc1);
+            if (d0 < HEAD_DIM) acc0 = fmaf(w, wload(vr[d0]), acc0);
+            if (d1 < HEAD_DIM) acc1 = fmaf(w, wload(vr[d1]), acc1);
         }
     }
     float* o = out + (size_t)t * q_dim + h * HEAD_DIM;

@@ -10,8 +10,9 @@
 //! - base weights in the chosen [`Dtype`], row-major `[out, in]` as in the
 //!   checkpoint, with q/k/v fused into one `[q | k | v]` matrix and
 //!   gate/up into `[gate | up]`; norms and biases in f32;
-//! - activations, the residual stream and the KV cache (`[blocks,
-//!   block_size, kv_dim]` per layer, as the CPU backend) in f32;
+//! - activations and the residual stream in f32; the KV cache (`[blocks,
+//!   block_size, kv_dim]` per layer, as the CPU backend) in the weights'
+//!   type;
 //! - adapter slots per (layer, projection) in f32: A `[slots, max_rank,
 //!   in]` and Bᵀ `[slots, max_rank, out]`, with each slot's rank and scale
 //!   in two small arrays the kernels read, so a slot is read only up to
@@ -190,8 +191,9 @@ pub struct CudaBackend {
     layers: Vec<Layer>,
     norm: CudaSlice<f32>,
     lm_head: Linear,
-    k_cache: Vec<CudaSlice<f32>>,
-    v_cache: Vec<CudaSlice<f32>>,
+    /// In the weights' type.
+    k_cache: Vec<CudaSlice<u8>>,
+    v_cache: Vec<CudaSlice<u8>>,
     inv_freq: CudaSlice<f32>,
     slots: Slots,
     /// The logits of the last forward, `[rows, vocab]`, for device sampling.
@@ -340,9 +342,15 @@ impl CudaBackend {
         };
         let mut k_cache = Vec::with_capacity(c.num_layers);
         let mut v_cache = Vec::with_capacity(c.num_layers);
+        let kv_bytes = kv_len * dtype.bytes();
         for _ in 0..c.num_layers {
-            k_cache.push(zeros(kv_len)?);
-            v_cache.push(zeros(kv_len)?);
+            let bytes = || {
+                stream
+                    .alloc_zeros::<u8>(kv_bytes)
+                    .map_err(cuda("allocating the KV cache"))
+            };
+            k_cache.push(bytes()?);
+            v_cache.push(bytes()?);
         }
         let max_rank = dev.shapes.max_rank;
         let mut a = Vec::with_capacity(c.num_layers * 7);

@@ -61,7 +61,7 @@ impl MemoryPlan {
         let vocab = (c.vocab_size * c.hidden_size) as u64 * w;
         let weights = per_layer * c.num_layers as u64 + 2 * vocab + c.hidden_size as u64 * 4;
         let kv_cache =
-            2 * (c.num_layers * shape.kv_blocks * shape.block_size * c.kv_dim()) as u64 * 4;
+            2 * (c.num_layers * shape.kv_blocks * shape.block_size * c.kv_dim()) as u64 * w;
         let rank = shape.max_lora_rank.max(1) as u64;
         let slot_floats: u64 = Projection::ALL
             .iter()
@@ -170,8 +170,8 @@ mod tests {
         // 8.03B parameters at 2 bytes; the lm_head is its own matrix.
         let gib = plan.weights as f64 / GIB as f64;
         assert!((14.5..15.5).contains(&gib), "weights {gib} GiB");
-        // 2 (K, V) × 32 layers × 65536 positions × 1024 × 4 bytes.
-        assert_eq!(plan.kv_cache, 2 * 32 * 65_536 * 1024 * 4);
+        // 2 (K, V) × 32 layers × 65536 positions × 1024 × 2 bytes (bf16).
+        assert_eq!(plan.kv_cache, 2 * 32 * 65_536 * 1024 * 2);
         // 32 slots × 32 layers × rank 16 × (sum of in + out over 7 projections) × 4 bytes.
         let sum_in_out = (4096 + 4096) * 2 + (4096 + 1024) * 2 + (4096 + 14_336) * 3;
         assert_eq!(
@@ -185,6 +185,7 @@ mod tests {
         assert!(err.contains("needs"), "{err}");
         assert!(err.contains("MiB are free"), "{err}");
         assert!(err.contains("KV cache 16384 MiB"), "{err}");
+        assert!(err.contains("weights 30"), "{err}");
         assert!(err.contains("--kv-blocks"), "{err}");
     }
 
