@@ -572,7 +572,7 @@ fn argmax_and_seeded_sampling_kernels_agree_with_the_host() {
     }
     assert_eq!(got[3], 3);
 
-    // Spread logits so the kept sets have clear edges.
+    // Distinct logits, so top-k's cut is exact.
     let spread: Vec<f32> = (0..vocab)
         .map(|i| ((i * 37) % vocab) as f32 / 50.0)
         .collect();
@@ -581,34 +581,19 @@ fn argmax_and_seeded_sampling_kernels_agree_with_the_host() {
         ids.sort_by(|&a, &b| spread[b].total_cmp(&spread[a]));
         ids
     };
-    let probs: Vec<f64> = {
-        let max = f64::from(spread[by_logit[0]]);
-        let e: Vec<f64> = by_logit
-            .iter()
-            .map(|&i| (f64::from(spread[i]) - max).exp())
-            .collect();
-        let sum: f64 = e.iter().sum();
-        e.into_iter().map(|v| v / sum).collect()
-    };
-    let top_p_set = |p: f64| -> Vec<usize> {
-        let mut cum = 0.0;
-        let mut keep = Vec::new();
-        for (i, &id) in by_logit.iter().enumerate() {
-            keep.push(id);
-            cum += probs[i];
-            if cum >= p {
-                break;
-            }
-        }
-        keep
-    };
-    let cases: [(usize, f32, Vec<usize>); 3] = [
-        (1, 1.0, by_logit[..1].to_vec()),
-        (5, 1.0, by_logit[..5].to_vec()),
-        (0, 0.5, top_p_set(0.5)),
+    // Three peaks holding 64.6%, 23.8% and 8.7% of the mass: top_p 0.9
+    // keeps exactly those three, far from any rounding edge.
+    let mut peaked = vec![0f32; vocab];
+    peaked[700] = 10.0;
+    peaked[200] = 9.0;
+    peaked[900] = 8.0;
+    let cases: [(&[f32], usize, f32, Vec<usize>); 3] = [
+        (&spread, 1, 1.0, by_logit[..1].to_vec()),
+        (&spread, 5, 1.0, by_logit[..5].to_vec()),
+        (&peaked, 0, 0.9, vec![700, 200, 900]),
     ];
-    let lb = h.f32(&spread).unwrap();
-    for (top_k, top_p, kept) in cases {
+    for (row, top_k, top_p, kept) in cases {
+        let lb = h.f32(row).unwrap();
         let mut drawn = Vec::new();
         for step in 0..40 {
             let u = step as f32 / 40.0;
