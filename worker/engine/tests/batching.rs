@@ -15,37 +15,6 @@ fn engine(settings: EngineSettings) -> Engine {
     fixture_engine(MODEL, settings)
 }
 
-/// 2 requests per adapter (10 adapters) plus 4 base-model requests; half
-/// greedy, half seeded sampling, with varied prompts and lengths.
-fn workload() -> Vec<Request> {
-    let prompts = [
-        "The quick brown fox",
-        "Grüße aus München! 🚀",
-        "SELECT * FROM adapters WHERE lora_int_id = 42;",
-        "Once upon a time, there was a little model that served many adapters. Once upon a time",
-        "def forward(self, x):",
-    ];
-    let mut out = Vec::new();
-    for i in 0..24u64 {
-        let adapter = if i < 20 { Some(i % 10 + 1) } else { None };
-        let sampled = i % 2 == 1;
-        out.push(Request {
-            id: format!("r{i}"),
-            adapter,
-            prompt: Prompt::Text(prompts[i as usize % prompts.len()].into()),
-            params: SamplingParams {
-                max_tokens: 6 + (i as usize % 7),
-                temperature: if sampled { 0.9 } else { 0.0 },
-                top_p: if sampled { 0.95 } else { 1.0 },
-                top_k: if sampled { 50 } else { 0 },
-                seed: Some(1000 + i),
-                ..Default::default()
-            },
-        });
-    }
-    out
-}
-
 fn alone(requests: &[Request]) -> Vec<(Vec<u32>, String)> {
     let mut e = engine(EngineSettings {
         max_loras: 1,
@@ -64,7 +33,7 @@ fn alone(requests: &[Request]) -> Vec<(Vec<u32>, String)> {
 
 #[test]
 fn a_mixed_batch_with_staggered_arrivals_equals_one_at_a_time() {
-    let requests = workload();
+    let requests = mixed_workload();
     let expected = alone(&requests);
 
     // Fewer slots than adapters, small steps and chunked prefill: the pool
@@ -131,7 +100,7 @@ fn a_mixed_batch_with_staggered_arrivals_equals_one_at_a_time() {
 
 #[test]
 fn preemption_recomputes_to_the_same_tokens() {
-    let requests: Vec<Request> = workload().into_iter().take(12).collect();
+    let requests: Vec<Request> = mixed_workload().into_iter().take(12).collect();
     let expected = alone(&requests);
     // 12 blocks of 4 tokens cannot hold twelve sequences of up to ~40 tokens.
     let settings = EngineSettings {

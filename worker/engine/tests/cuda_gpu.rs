@@ -19,7 +19,7 @@ use lorafleet_engine::backend::{Backend, BackendShape, Segment, StepBatch};
 use lorafleet_engine::lora::{AdapterLimits, HostAdapter};
 use lorafleet_engine::model::ModelConfig;
 use lorafleet_engine::sampling::{self, Rng};
-use lorafleet_engine::{BackendChoice, EngineSettings, Event, Prompt, Request, SamplingParams};
+use lorafleet_engine::{BackendChoice, EngineSettings, Event};
 
 fn gpu() -> bool {
     match cuda::probe() {
@@ -754,29 +754,7 @@ fn a_mixed_batch_on_the_gpu_equals_one_request_at_a_time() {
         device: 0,
         dtype: Dtype::F32,
     };
-    let prompts = [
-        "The quick brown fox",
-        "Grüße aus München! 🚀",
-        "def forward(self, x):",
-    ];
-    let requests: Vec<Request> = (0..24u64)
-        .map(|i| {
-            let sampled = i % 2 == 1;
-            Request {
-                id: format!("r{i}"),
-                adapter: if i < 20 { Some(i % 10 + 1) } else { None },
-                prompt: Prompt::Text(prompts[i as usize % prompts.len()].into()),
-                params: SamplingParams {
-                    max_tokens: 6 + (i as usize % 7),
-                    temperature: if sampled { 0.9 } else { 0.0 },
-                    top_p: if sampled { 0.95 } else { 1.0 },
-                    top_k: if sampled { 50 } else { 0 },
-                    seed: Some(1000 + i),
-                    ..Default::default()
-                },
-            }
-        })
-        .collect();
+    let requests = mixed_workload();
     let mut single = fixture_engine_on(
         model,
         EngineSettings {

@@ -90,3 +90,34 @@ pub fn fixture_engine_on(
     }
     e
 }
+
+/// 2 requests per adapter (10 adapters) plus 4 base-model requests; half
+/// greedy, half seeded sampling, with varied prompts and lengths.
+pub fn mixed_workload() -> Vec<lorafleet_engine::Request> {
+    let prompts = [
+        "The quick brown fox",
+        "Grüße aus München! 🚀",
+        "SELECT * FROM adapters WHERE lora_int_id = 42;",
+        "Once upon a time, there was a little model that served many adapters. Once upon a time",
+        "def forward(self, x):",
+    ];
+    let mut out = Vec::new();
+    for i in 0..24u64 {
+        let adapter = if i < 20 { Some(i % 10 + 1) } else { None };
+        let sampled = i % 2 == 1;
+        out.push(lorafleet_engine::Request {
+            id: format!("r{i}"),
+            adapter,
+            prompt: lorafleet_engine::Prompt::Text(prompts[i as usize % prompts.len()].into()),
+            params: lorafleet_engine::SamplingParams {
+                max_tokens: 6 + (i as usize % 7),
+                temperature: if sampled { 0.9 } else { 0.0 },
+                top_p: if sampled { 0.95 } else { 1.0 },
+                top_k: if sampled { 50 } else { 0 },
+                seed: Some(1000 + i),
+                ..Default::default()
+            },
+        });
+    }
+    out
+}

@@ -628,16 +628,14 @@ impl StepMeta {
             at
         };
         let tokens = section(&mut buf, &mut batch.tokens.iter().map(|&t| t as i32));
-        let positions: Vec<(usize, usize, usize)> = batch
+        // (sequence, position) of each token: a sequence's tokens are
+        // contiguous and in sequence order (`StepBatch::push`).
+        let by_token: Vec<(usize, usize)> = batch
             .seqs
             .iter()
             .enumerate()
-            .flat_map(|(si, s)| (0..s.len).map(move |i| (si, s.first_position + i, s.start + i)))
+            .flat_map(|(si, s)| (0..s.len).map(move |i| (si, s.first_position + i)))
             .collect();
-        let mut by_token = vec![(0usize, 0usize); batch.tokens.len()];
-        for &(si, pos, t) in &positions {
-            by_token[t] = (si, pos);
-        }
         let pos = section(&mut buf, &mut by_token.iter().map(|&(_, p)| p as i32));
         let kv_row = section(
             &mut buf,
@@ -715,11 +713,8 @@ impl Backend for CudaBackend {
 
     fn write_slot(&mut self, slot: usize, adapter: &HostAdapter) -> Result<()> {
         super::check_slot_write(&self.shape, slot, adapter)?;
+        self.reset_ranks(slot);
         let (slots, max_rank) = (self.shape.slots, self.slots.max_rank);
-        for key in 0..self.config.num_layers * 7 {
-            self.slots.rank_host[key * slots + slot] = 0;
-            self.slots.scale_host[key * slots + slot] = 0.0;
-        }
         for (layer, modules) in adapter.modules.iter().enumerate() {
             for p in Projection::ALL {
                 let Some(m) = &modules[p.index()] else {
@@ -755,13 +750,7 @@ impl Backend for CudaBackend {
         if slot >= self.shape.slots {
             return Err(EngineError::Backend(format!("slot {slot} is out of range")));
         }
-        // Rank 0 makes a module absent: the kernels read a slot only up to
-        // its rank, so its weights need not be zeroed.
-        let slots = self.shape.slots;
-        for key in 0..self.config.num_layers * 7 {
-            self.slots.rank_host[key * slots + slot] = 0;
-            self.slots.scale_host[key * slots + slot] = 0.0;
-        }
+        self.reset_ranks(slot);
         self.upload_ranks()
     }
 
@@ -960,6 +949,17 @@ impl Backend for CudaBackend {
 }
 
 impl CudaBackend {
+    /// Marks every module of `slot` absent on the host side. Rank 0 is what
+    /// makes a module absent: the kernels read a slot only up to its rank,
+    /// so its weights need not be zeroed.
+    fn reset_ranks(&mut self, slot: usize) {
+        let slots = self.shape.slots;
+        for key in 0..self.config.num_layers * 7 {
+            self.slots.rank_host[key * slots + slot] = 0;
+            self.slots.scale_host[key * slots + slot] = 0.0;
+        }
+    }
+
     fn upload_ranks(&mut self) -> Result<()> {
         self.dev
             .stream

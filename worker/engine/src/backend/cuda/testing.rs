@@ -6,10 +6,10 @@ use std::time::Instant;
 
 use cudarc::driver::CudaSlice;
 
+use super::Dtype;
 pub use super::device::Arg;
 use super::device::{Device, LoraLaunch, LoraSlice, cuda, push_segments};
 use super::kernels::{KernelShapes, MAX_SHRINK_KC};
-use super::{Dtype, probe};
 use crate::backend::Segment;
 use crate::error::Result;
 
@@ -36,7 +36,6 @@ impl std::fmt::Debug for KernelHarness {
 
 impl KernelHarness {
     pub fn new(shapes: KernelShapes) -> Result<KernelHarness> {
-        probe()?;
         Ok(KernelHarness {
             dev: Device::open(0, shapes)?,
         })
@@ -78,14 +77,7 @@ impl KernelHarness {
     pub fn read(&self, b: &Buf) -> Result<Vec<f32>> {
         match b {
             Buf::F32(s) => self.dev.stream.clone_dtoh(s).map_err(cuda("download")),
-            Buf::I32(s) => Ok(self
-                .dev
-                .stream
-                .clone_dtoh(s)
-                .map_err(cuda("download"))?
-                .into_iter()
-                .map(|v| v as f32)
-                .collect()),
+            Buf::I32(_) => Err(crate::EngineError::Backend("not an f32 buffer".into())),
         }
     }
 
@@ -134,7 +126,6 @@ impl LoraBench {
         rank: usize,
         max_tokens: usize,
     ) -> Result<LoraBench> {
-        probe()?;
         let shapes = KernelShapes {
             dtype: Dtype::F32,
             head_dim: 2,
