@@ -5,6 +5,8 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use rayon::prelude::*;
+
 use crate::backend::cpu::CpuBackend;
 use crate::backend::{Backend, BackendShape, StepBatch};
 use crate::error::{EngineError, Result};
@@ -12,7 +14,7 @@ use crate::kv::BlockAllocator;
 use crate::model::tokenizer::{ChatMessage, Tokenizer};
 use crate::model::{ModelConfig, WeightFiles};
 use crate::pool::{AdapterId, AdapterPool, AdapterSource, AdapterStatus, PoolCounters, Residency};
-use crate::sampling::{SamplingParams, sample};
+use crate::sampling::{Rng, SamplingParams, sample};
 use crate::scheduler::{Limits, Queues, Scheduler, SeqId};
 use crate::sequence::{Finish, Sequence};
 
@@ -577,8 +579,30 @@ impl Engine {
             self.backend.forward(&batch)?
         };
 
+        // Sample every row that wants a token, in parallel: each draws only
+        // from its own request's generator, so the order does not matter.
         let vocab = self.config.vocab_size;
-        let mut row = 0;
+        let mut draws: Vec<(SeqId, &SamplingParams, Rng, u32)> = order
+            .iter()
+            .filter(|&&(_, id, chunk)| {
+                let seq = &self.seqs[&id];
+                seq.num_computed + chunk == seq.total_len()
+            })
+            .map(|&(_, id, _)| {
+                let seq = &self.seqs[&id];
+                (id, &seq.params, seq.rng.clone(), 0)
+            })
+            .collect();
+        draws
+            .par_iter_mut()
+            .enumerate()
+            .for_each(|(row, (_, params, rng, token))| {
+                *token = sample(&logits[row * vocab..(row + 1) * vocab], params, rng);
+            });
+        let mut sampled: HashMap<SeqId, (Rng, u32)> = draws
+            .into_iter()
+            .map(|(id, _, rng, token)| (id, (rng, token)))
+            .collect();
         let mut finished = Vec::new();
         for &(_, id, chunk) in &order {
             let seq = self.seqs.get_mut(&id).expect("scheduled sequence exists");
@@ -586,12 +610,8 @@ impl Engine {
             if seq.num_computed < seq.total_len() {
                 continue; // a prefill chunk that does not reach the end yet
             }
-            let token = sample(
-                &logits[row * vocab..(row + 1) * vocab],
-                &seq.params,
-                &mut seq.rng,
-            );
-            row += 1;
+            let (rng, token) = sampled.remove(&id).expect("a row was sampled");
+            seq.rng = rng;
             let out = match seq.push_token(
                 token,
                 &self.tokenizer,

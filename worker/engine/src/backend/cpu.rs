@@ -9,18 +9,25 @@ use std::path::Path;
 
 use rayon::prelude::*;
 
-use super::panels::{GROUP, Kernel, NR, PackedLinear};
+use super::panels::{GATHER, GROUP, Kernel, NR, PackedLinear, SharedOut};
 use super::{Backend, BackendShape, StepBatch};
 use crate::error::{EngineError, Result};
 use crate::lora::{HostAdapter, Projection};
 use crate::model::{ModelConfig, WeightFiles};
 
+/// A decoder layer's weights. Projections that read the same input are
+/// packed as one (their rows stacked), so each runs as one parallel pass:
+/// every output is still its own chain over its own row of weights.
 #[derive(Debug)]
 struct Layer {
     input_norm: Vec<f32>,
     post_norm: Vec<f32>,
-    /// Indexed by `Projection::index()`.
-    proj: Vec<PackedLinear>,
+    /// q, k and v, stacked in that order.
+    qkv: PackedLinear,
+    o: PackedLinear,
+    /// gate and up, stacked in that order.
+    gate_up: PackedLinear,
+    down: PackedLinear,
 }
 
 /// The adapter slots of every (layer, projection): one buffer per (layer,
@@ -67,23 +74,29 @@ impl CpuBackend {
         let mut layers = Vec::with_capacity(c.num_layers);
         for l in 0..c.num_layers {
             let prefix = format!("model.layers.{l}");
-            let mut proj = Vec::with_capacity(7);
-            for p in Projection::ALL {
-                let (fan_in, fan_out) = p.shape(c);
-                let name = format!("{prefix}.{}.{}", p.parent(), p.module_name());
-                let has_bias = match p {
+            // Weights `[fan_out, fan_in]` of the given projections stacked
+            // by rows, and their biases likewise.
+            let stacked = |parts: &[Projection]| -> Result<PackedLinear> {
+                let has_bias = match parts[0] {
                     Projection::Q | Projection::K | Projection::V => c.qkv_bias,
                     Projection::O => c.o_bias,
                     _ => c.mlp_bias,
                 };
-                let bias = if has_bias {
-                    Some(files.f32(&format!("{name}.bias"), &[fan_out])?)
-                } else {
-                    None
-                };
-                let w = files.f32(&format!("{name}.weight"), &[fan_out, fan_in])?;
-                proj.push(PackedLinear::pack(&w, bias, fan_in, fan_out));
-            }
+                let fan_in = parts[0].shape(c).0;
+                let (mut w, mut bias, mut fan_out) = (Vec::new(), Vec::new(), 0);
+                for p in parts {
+                    let out = p.shape(c).1;
+                    let name = format!("{prefix}.{}.{}", p.parent(), p.module_name());
+                    w.extend(files.f32(&format!("{name}.weight"), &[out, fan_in])?);
+                    if has_bias {
+                        bias.extend(files.f32(&format!("{name}.bias"), &[out])?);
+                    }
+                    fan_out += out;
+                }
+                let bias = has_bias.then_some(bias);
+                Ok(PackedLinear::pack(&w, bias, fan_in, fan_out))
+            };
+            use Projection::*;
             layers.push(Layer {
                 input_norm: files.f32(
                     &format!("{prefix}.input_layernorm.weight"),
@@ -93,7 +106,10 @@ impl CpuBackend {
                     &format!("{prefix}.post_attention_layernorm.weight"),
                     &[c.hidden_size],
                 )?,
-                proj,
+                qkv: stacked(&[Q, K, V])?,
+                o: stacked(&[O])?,
+                gate_up: stacked(&[Gate, Up])?,
+                down: stacked(&[Down])?,
             });
         }
         let norm = files.f32("model.norm.weight", &[c.hidden_size])?;
@@ -255,13 +271,18 @@ impl SlotView<'_> {
             }
         }
         // Bᵀ: panel p holds k rows of NR outputs; rows past `rank` and
-        // outputs past `fan_out` are zero.
+        // outputs past `fan_out` are zero. Each value is written once: a
+        // slot write is bound by memory traffic.
         let b = &mut b[..fan_out.div_ceil(NR) * k * NR];
-        b.fill(0.0);
         for (p, panel) in b.chunks_exact_mut(k * NR).enumerate() {
             let cols = (fan_out - p * NR).min(NR);
-            for r in 0..rank {
-                panel[r * NR..r * NR + cols].copy_from_slice(&b_t[r * fan_out + p * NR..][..cols]);
+            for (r, row) in panel.chunks_exact_mut(NR).enumerate() {
+                if r < rank {
+                    row[..cols].copy_from_slice(&b_t[r * fan_out + p * NR..][..cols]);
+                    row[cols..].fill(0.0);
+                } else {
+                    row.fill(0.0);
+                }
             }
         }
     }
@@ -292,11 +313,30 @@ fn panels_into(
     }
 }
 
+/// One piece of a step's LoRA work: the tokens `lo..hi`, either one slot's
+/// (a tile of up to [`SHARED_TILE`] tokens of one segment, sharing its
+/// panels) or up to [`GATHER`] one-token segments of different slots whose
+/// ranks round up to the same `k`, gathered side by side.
+#[derive(Debug)]
+struct LoraWork {
+    lo: usize,
+    hi: usize,
+    /// The rank rounded up to whole panels.
+    k: usize,
+    /// `(slot, scale)` of each token in `lo..hi` (one entry when shared).
+    slots: Vec<(usize, f32)>,
+}
+
+/// Tokens per tile of one segment.
+const SHARED_TILE: usize = 8;
+
 /// The grouped LoRA kernel (SGMV): for each segment of tokens sharing a
 /// slot, one shrink `h = x·Aᵀ` that reads each A panel once for the whole
-/// segment, then one expand `out += s·(h·Bᵀ)`. Both are fused
-/// multiply-add chains in a fixed order that depends only on the token's
-/// own row and the slot's rank, so grouping never changes the numbers.
+/// segment, then one expand `out += s·(h·Bᵀ)`. Segments of one token (a
+/// decode step over many adapters) are gathered a few at a time instead,
+/// each token against its own slot's panels. Both are fused multiply-add
+/// chains in a fixed order that depends only on the token's own row and the
+/// slot's rank, so neither grouping nor gathering changes the numbers.
 pub fn lora_segments(
     x: &[f32],
     segments: &[super::Segment],
@@ -304,26 +344,50 @@ pub fn lora_segments(
     out: &mut [f32],
 ) {
     let (fan_in, fan_out, max_rank) = (slots.fan_in, slots.fan_out, slots.max_rank);
+    // The work items below write their own rows of `out` in parallel,
+    // which needs segments in order, apart, and inside both buffers.
+    assert!(
+        segments.iter().all(|s| s.start <= s.end)
+            && segments.windows(2).all(|w| w[0].end <= w[1].start)
+            && segments
+                .last()
+                .is_none_or(|s| s.end * fan_out <= out.len() && s.end * fan_in <= x.len()),
+        "segments in order, apart, and inside x and out"
+    );
     let tokens: usize = segments.iter().map(|s| s.end - s.start).sum();
-    // Work items: tiles of up to 8 tokens within one segment, so a tile
-    // shares its adapter's panels.
-    const TILE: usize = 8;
-    let mut tiles = Vec::new();
+    let mut work: Vec<LoraWork> = Vec::new();
     for seg in segments {
         let rank = (slots.rank)(seg.slot);
         if rank == 0 {
             continue;
         }
-        let mut t = seg.start;
-        while t < seg.end {
-            tiles.push((
-                seg.slot,
-                rank,
-                (slots.scale)(seg.slot),
-                t,
-                (t + TILE).min(seg.end),
-            ));
-            t += TILE;
+        let (k, scale) = (rank.next_multiple_of(NR), (slots.scale)(seg.slot));
+        if seg.end - seg.start == 1 {
+            if let Some(w) = work.last_mut().filter(|w| {
+                w.slots.len() > 1 || w.hi - w.lo == 1 // a gather, or one token
+            }) && w.hi == seg.start
+                && w.k == k
+                && w.slots.len() < GATHER
+            {
+                w.hi += 1;
+                w.slots.push((seg.slot, scale));
+                continue;
+            }
+            work.push(LoraWork {
+                lo: seg.start,
+                hi: seg.end,
+                k,
+                slots: vec![(seg.slot, scale)],
+            });
+            continue;
+        }
+        for lo in (seg.start..seg.end).step_by(SHARED_TILE) {
+            work.push(LoraWork {
+                lo,
+                hi: (lo + SHARED_TILE).min(seg.end),
+                k,
+                slots: vec![(seg.slot, scale)],
+            });
         }
     }
     let kernel = Kernel::detect();
@@ -331,35 +395,81 @@ pub fn lora_segments(
         SlotView::a_len(max_rank, fan_in),
         SlotView::b_len(max_rank, fan_out),
     );
-    let run = |&(slot, rank, scale, lo, hi): &(usize, usize, f32, usize, usize)| -> Vec<f32> {
-        let n = hi - lo;
-        let xs = &x[lo * fan_in..hi * fan_in];
+    // Slot `slot`'s A panel `q` (ranks q*NR..) and Bᵀ panel `p` (outputs
+    // p*NR..) for a module whose rank rounds up to `k`.
+    let a_panel = |slot: usize, q: usize| &slots.a[slot * a_len + q * fan_in * NR..][..fan_in * NR];
+    let b_panel = |slot: usize, k: usize, p: usize| &slots.b[slot * b_len + p * k * NR..][..k * NR];
+    let run = |w: &LoraWork| -> Vec<f32> {
+        let (n, k) = (w.hi - w.lo, w.k);
+        let xs = &x[w.lo * fan_in..w.hi * fan_in];
         // Shrink over whole panels of rank: rows past `rank` are zero, so
         // their h is zero and adds nothing in the expand.
-        let k = rank.next_multiple_of(NR);
-        let a = &slots.a[slot * a_len..][..a_len];
-        let a_panels: Vec<&[f32]> = a.chunks_exact(fan_in * NR).take(k / NR).collect();
         let mut h = vec![0f32; n * k];
-        panels_into(kernel, xs, fan_in, n, &a_panels, k, &mut h);
-        // Expand over the same k ranks.
-        let b = &slots.b[slot * b_len..][..b_len];
-        let b_panels: Vec<&[f32]> = b.chunks_exact(k * NR).take(fan_out.div_ceil(NR)).collect();
         let mut delta = vec![0f32; n * fan_out];
-        panels_into(kernel, &h, k, n, &b_panels, fan_out, &mut delta);
-        // Then the scale, as PEFT applies it.
-        delta.iter_mut().for_each(|d| *d *= scale);
+        if let [(slot, scale)] = w.slots[..] {
+            let a_panels: Vec<&[f32]> = (0..k / NR).map(|q| a_panel(slot, q)).collect();
+            panels_into(kernel, xs, fan_in, n, &a_panels, k, &mut h);
+            let b_panels: Vec<&[f32]> = (0..fan_out.div_ceil(NR))
+                .map(|p| b_panel(slot, k, p))
+                .collect();
+            panels_into(kernel, &h, k, n, &b_panels, fan_out, &mut delta);
+            // Then the scale, as PEFT applies it.
+            delta.iter_mut().for_each(|d| *d *= scale);
+        } else {
+            // Each token against its own slot's run of panels: A's k / NR
+            // panels for the shrink, then Bᵀ's for the expand.
+            let rows: Vec<(&[f32], &[f32])> = (0..n)
+                .map(|r| {
+                    (
+                        &xs[r * fan_in..],
+                        &slots.a[w.slots[r].0 * a_len..][..k * fan_in],
+                    )
+                })
+                .collect();
+            kernel.gather(&rows, fan_in, k / NR, &mut h);
+            let panels = fan_out.div_ceil(NR);
+            let rows: Vec<(&[f32], &[f32])> = (0..n)
+                .map(|r| {
+                    (
+                        &h[r * k..],
+                        &slots.b[w.slots[r].0 * b_len..][..panels * k * NR],
+                    )
+                })
+                .collect();
+            if panels * NR == fan_out {
+                kernel.gather(&rows, k, panels, &mut delta);
+            } else {
+                let mut padded = vec![0f32; n * panels * NR];
+                kernel.gather(&rows, k, panels, &mut padded);
+                for (d, p) in delta
+                    .chunks_exact_mut(fan_out)
+                    .zip(padded.chunks_exact(panels * NR))
+                {
+                    d.copy_from_slice(&p[..fan_out]);
+                }
+            }
+            for (row, &(_, scale)) in delta.chunks_exact_mut(fan_out).zip(&w.slots) {
+                row.iter_mut().for_each(|d| *d *= scale);
+            }
+        }
         delta
     };
-    // Small batches are not worth the threads.
-    let deltas: Vec<Vec<f32>> = if tokens >= 16 {
-        tiles.par_iter().map(run).collect()
-    } else {
-        tiles.iter().map(run).collect()
-    };
-    for (&(_, _, _, lo, hi), delta) in tiles.iter().zip(deltas) {
-        for (y, d) in out[lo * fan_out..hi * fan_out].iter_mut().zip(delta) {
+    let shared = SharedOut::new(out);
+    let add = |w: &LoraWork| {
+        let delta = run(w);
+        // SAFETY: the work items cover disjoint token ranges, so rows
+        // lo..hi of `out` are this item's alone.
+        #[allow(unsafe_code)]
+        let rows = unsafe { shared.row(w.lo * fan_out, (w.hi - w.lo) * fan_out) };
+        for (y, d) in rows.iter_mut().zip(delta) {
             *y += d;
         }
+    };
+    // Small batches are not worth the threads.
+    if tokens >= 16 {
+        work.par_iter().for_each(add);
+    } else {
+        work.iter().for_each(add);
     }
 }
 
@@ -398,29 +508,52 @@ impl CpuBackend {
         lora_segments(x, &batch.segments, &slots, out);
     }
 
-    fn projection(
+    /// The projections `parts` of `layer`, packed together as `lin`, for
+    /// the `n` rows of `x`, each with its LoRA deltas added: one output
+    /// `[n, fan_out]` per part.
+    fn projections<const K: usize>(
         &self,
         batch: &StepBatch<'_>,
         layer: usize,
-        p: Projection,
+        lin: &PackedLinear,
+        parts: [Projection; K],
         x: &[f32],
         n: usize,
-    ) -> Vec<f32> {
-        let lin = &self.layers[layer].proj[p.index()];
-        let mut out = vec![0f32; n * lin.fan_out()];
-        lin.forward(x, n, &mut out);
+    ) -> [Vec<f32>; K] {
+        let mut outs = parts.map(|p| vec![0f32; n * p.shape(&self.config).1]);
+        let mut views: Vec<&mut [f32]> = outs.iter_mut().map(|o| &mut o[..]).collect();
+        lin.forward_parts(x, n, &mut views);
         if !batch.segments.is_empty() {
-            self.apply_lora(batch, layer, p, x, &mut out);
+            for (p, out) in parts.iter().zip(&mut outs) {
+                self.apply_lora(batch, layer, *p, x, out);
+            }
         }
-        out
+        outs
     }
 
-    fn rope(&self, v: &mut [f32], position: usize) {
+    /// `(cos, sin)` of every rotary frequency at each of the step's token
+    /// positions, `[tokens, head_dim / 2]`: computed once per step, since
+    /// every layer and head rotates by the same angles.
+    fn rope_table(&self, batch: &StepBatch<'_>) -> Vec<(f32, f32)> {
+        let half = self.config.head_dim / 2;
+        let mut table = vec![(0f32, 0f32); batch.tokens.len() * half];
+        for s in &batch.seqs {
+            for i in 0..s.len {
+                let (t, position) = (s.start + i, s.first_position + i);
+                for (f, cs) in table[t * half..(t + 1) * half].iter_mut().enumerate() {
+                    let (sin, cos) = (position as f32 * self.inv_freq[f]).sin_cos();
+                    *cs = (cos, sin);
+                }
+            }
+        }
+        table
+    }
+
+    /// Rotate-half RoPE of every head in `v` by one token's angles.
+    fn rope(&self, v: &mut [f32], angles: &[(f32, f32)]) {
         let half = self.config.head_dim / 2;
         for head in v.chunks_exact_mut(self.config.head_dim) {
-            for i in 0..half {
-                let angle = position as f32 * self.inv_freq[i];
-                let (sin, cos) = angle.sin_cos();
+            for (i, &(cos, sin)) in angles.iter().enumerate() {
                 let (x1, x2) = (head[i], head[i + half]);
                 head[i] = x1 * cos - x2 * sin;
                 head[i + half] = x2 * cos + x1 * sin;
@@ -458,14 +591,21 @@ impl Backend for CpuBackend {
     fn write_slot(&mut self, slot: usize, adapter: &HostAdapter) -> Result<()> {
         super::check_slot_write(&self.shape, slot, adapter)?;
         self.clear_slot(slot)?;
-        let max_rank = self.slots.max_rank;
-        for (layer, modules) in adapter.modules.iter().enumerate() {
-            for p in Projection::ALL {
-                let Some(m) = &modules[p.index()] else {
-                    continue;
+        let (max_rank, config) = (self.slots.max_rank, &self.config);
+        // Every (layer, projection) has its own buffers, so the modules are
+        // packed in parallel: a slot write is a memory-bound copy of a few
+        // MB that the step waits for.
+        self.slots
+            .a
+            .par_iter_mut()
+            .zip(self.slots.b.par_iter_mut())
+            .enumerate()
+            .for_each(|(key, (a, b))| {
+                let p = Projection::ALL[key % 7];
+                let Some(m) = &adapter.modules[key / 7][p.index()] else {
+                    return;
                 };
-                let (fan_in, fan_out) = p.shape(&self.config);
-                let key = layer * 7 + p.index();
+                let (fan_in, fan_out) = p.shape(config);
                 let (a_len, b_len) = (
                     SlotView::a_len(max_rank, fan_in),
                     SlotView::b_len(max_rank, fan_out),
@@ -477,11 +617,16 @@ impl Backend for CpuBackend {
                     fan_in,
                     fan_out,
                     max_rank,
-                    &mut self.slots.a[key][slot * a_len..][..a_len],
-                    &mut self.slots.b[key][slot * b_len..][..b_len],
+                    &mut a[slot * a_len..][..a_len],
+                    &mut b[slot * b_len..][..b_len],
                 );
-                self.slots.rank[slot][key] = m.rank;
-                self.slots.scale[slot][key] = m.scale;
+            });
+        for (layer, modules) in adapter.modules.iter().enumerate() {
+            for (i, m) in modules.iter().enumerate() {
+                if let Some(m) = m {
+                    self.slots.rank[slot][layer * 7 + i] = m.rank;
+                    self.slots.scale[slot][layer * 7 + i] = m.scale;
+                }
             }
         }
         Ok(())
@@ -513,6 +658,7 @@ impl Backend for CpuBackend {
                 .copy_from_slice(&self.embed[tok as usize * d..(tok as usize + 1) * d]);
         }
         let scale = 1.0 / (hd as f32).sqrt();
+        let (rope, half) = (self.rope_table(batch), hd / 2);
         let mut normed = vec![0f32; n * d];
         for layer in 0..c.num_layers {
             rms_norm(
@@ -521,16 +667,23 @@ impl Backend for CpuBackend {
                 c.rms_norm_eps,
                 &mut normed,
             );
-            let mut q = self.projection(batch, layer, Projection::Q, &normed, n);
-            let mut k = self.projection(batch, layer, Projection::K, &normed, n);
-            let v = self.projection(batch, layer, Projection::V, &normed, n);
+            let l = &self.layers[layer];
+            let [mut q, mut k, v] = self.projections(
+                batch,
+                layer,
+                &l.qkv,
+                [Projection::Q, Projection::K, Projection::V],
+                &normed,
+                n,
+            );
             // Rotate and store the new keys and values before attending, so
             // a prefill's tokens see each other.
             for s in &batch.seqs {
                 for i in 0..s.len {
                     let (t, pos) = (s.start + i, s.first_position + i);
-                    self.rope(&mut q[t * c.q_dim()..(t + 1) * c.q_dim()], pos);
-                    self.rope(&mut k[t * kv_dim..(t + 1) * kv_dim], pos);
+                    let angles = &rope[t * half..(t + 1) * half];
+                    self.rope(&mut q[t * c.q_dim()..(t + 1) * c.q_dim()], angles);
+                    self.rope(&mut k[t * kv_dim..(t + 1) * kv_dim], angles);
                     let at = self.kv_index(s.block_table, pos);
                     self.k_cache[layer][at..at + kv_dim]
                         .copy_from_slice(&k[t * kv_dim..(t + 1) * kv_dim]);
@@ -586,7 +739,7 @@ impl Backend for CpuBackend {
                 let t = batch.seqs[si].start + i;
                 attn[t * c.q_dim()..(t + 1) * c.q_dim()].copy_from_slice(&row);
             }
-            let o = self.projection(batch, layer, Projection::O, &attn, n);
+            let [o] = self.projections(batch, layer, &l.o, [Projection::O], &attn, n);
             for (h, o) in hidden.iter_mut().zip(&o) {
                 *h += o;
             }
@@ -596,14 +749,24 @@ impl Backend for CpuBackend {
                 c.rms_norm_eps,
                 &mut normed,
             );
-            let gate = self.projection(batch, layer, Projection::Gate, &normed, n);
-            let up = self.projection(batch, layer, Projection::Up, &normed, n);
-            let act: Vec<f32> = gate
-                .iter()
-                .zip(&up)
-                .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
-                .collect();
-            let down = self.projection(batch, layer, Projection::Down, &act, n);
+            let [gate, up] = self.projections(
+                batch,
+                layer,
+                &l.gate_up,
+                [Projection::Gate, Projection::Up],
+                &normed,
+                n,
+            );
+            let mut act = vec![0f32; gate.len()];
+            let width = c.intermediate_size;
+            act.par_chunks_mut(width)
+                .zip(gate.par_chunks(width).zip(up.par_chunks(width)))
+                .for_each(|(a, (g, u))| {
+                    for (a, (&g, &u)) in a.iter_mut().zip(g.iter().zip(u)) {
+                        *a = g / (1.0 + (-g).exp()) * u;
+                    }
+                });
+            let [down] = self.projections(batch, layer, &l.down, [Projection::Down], &act, n);
             for (h, o) in hidden.iter_mut().zip(&down) {
                 *h += o;
             }
@@ -641,8 +804,10 @@ mod tests {
     fn lora_segments_computes_the_delta_alike_grouped_or_one_token_at_a_time() {
         // Ranks below one panel, of exactly one, and across two; sizes that
         // leave partial panels on both sides.
-        let (fan_in, fan_out, max_rank, tokens) = (40, 37, 32, 11);
-        let ranks = [5usize, 16, 20];
+        // Runs of one-token segments (ranks rounding up to 16, and to 32)
+        // take the gathered path, longer segments the shared one.
+        let (fan_in, fan_out, max_rank, tokens) = (40, 37, 32, 21);
+        let ranks = [5usize, 16, 20, 3, 9, 12, 30, 1];
         let (a_len, b_len) = (
             SlotView::a_len(max_rank, fan_in),
             SlotView::b_len(max_rank, fan_out),
@@ -677,7 +842,11 @@ mod tests {
             scale: &|s| 0.5 + s as f32,
         };
         let x = random(1, tokens * fan_in);
-        let slot_of = |t: usize| [0, 0, 0, 1, 1, 2, 2, 2, 2, 1, 0][t];
+        let slot_of = |t: usize| {
+            [
+                0, 0, 0, 1, 1, 2, 2, 2, 2, 1, 0, 3, 4, 5, 7, 1, 0, 3, 2, 6, 7,
+            ][t]
+        };
         let segments: Vec<Segment> = (0..tokens).fold(Vec::<Segment>::new(), |mut segs, t| {
             match segs.last_mut() {
                 Some(last) if last.slot == slot_of(t) => last.end = t + 1,
@@ -702,6 +871,28 @@ mod tests {
         }
         let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&grouped), bits(&alone));
+        // And both are the definition, s·(x·Aᵀ)·Bᵀ.
+        for t in 0..tokens {
+            let (s, (rows, b_t)) = (slot_of(t), &modules[slot_of(t)]);
+            let h: Vec<f64> = (0..ranks[s])
+                .map(|r| {
+                    (0..fan_in)
+                        .map(|i| x[t * fan_in + i] as f64 * rows[r * fan_in + i] as f64)
+                        .sum()
+                })
+                .collect();
+            for o in 0..fan_out {
+                let want: f64 = (0.5 + s as f64)
+                    * (0..ranks[s])
+                        .map(|r| h[r] * b_t[r * fan_out + o] as f64)
+                        .sum::<f64>();
+                let got = grouped[t * fan_out + o] as f64;
+                assert!(
+                    (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                    "t={t} o={o}"
+                );
+            }
+        }
         // A slot reused by a smaller rank over the old weights, never
         // cleared, computes what a fresh slot does.
         let mut reused_a = a.clone();

@@ -75,39 +75,93 @@ impl PackedLinear {
     /// `out[t, o] = x[t]·W[o] (+ b[o])` for the `n` rows of `x`, in
     /// parallel over groups of panels so each panel is read once per call.
     pub fn forward(&self, x: &[f32], n: usize, out: &mut [f32]) {
+        self.forward_parts(x, n, &mut [out]);
+    }
+
+    /// As [`PackedLinear::forward`], with the outputs split by columns into
+    /// `outs`, each `[n, width]` and the widths adding up to `fan_out`: the
+    /// projections stacked into one are written straight to their own
+    /// buffers. Each task writes its own columns, so nothing is copied
+    /// after the parallel part.
+    pub fn forward_parts(&self, x: &[f32], n: usize, outs: &mut [&mut [f32]]) {
         let (fan_in, fan_out) = (self.fan_in, self.fan_out);
         assert_eq!(x.len(), n * fan_in, "x holds {n} rows of {fan_in}");
-        assert_eq!(out.len(), n * fan_out, "out holds {n} rows of {fan_out}");
         if n == 0 {
+            assert!(outs.iter().all(|o| o.is_empty()), "no rows, no outputs");
             return;
         }
+        let mut parts = Vec::with_capacity(outs.len());
+        let mut lo = 0;
+        for out in outs.iter_mut() {
+            let width = out.len() / n;
+            assert_eq!(out.len(), n * width, "an output holds whole rows");
+            parts.push((lo, width, SharedOut(out.as_mut_ptr())));
+            lo += width;
+        }
+        assert_eq!(lo, fan_out, "the outputs cover fan_out");
         let panels = fan_out.div_ceil(NR);
         let kernel = Kernel::detect();
-        let blocks: Vec<Vec<f32>> = (0..panels.div_ceil(GROUP))
-            .into_par_iter()
-            .map(|b| {
+        (0..panels.div_ceil(GROUP)).into_par_iter().for_each_init(
+            || vec![0f32; n * GROUP * NR],
+            |local, b| {
                 let group: Vec<&[f32]> = (b * GROUP..((b + 1) * GROUP).min(panels))
                     .map(|p| self.panel(p))
                     .collect();
-                let mut local = vec![0f32; n * group.len() * NR];
-                kernel.group(x, fan_in, n, &group, &mut local);
-                local
-            })
-            .collect();
-        for (b, local) in blocks.into_iter().enumerate() {
-            let lo = b * GROUP * NR;
-            let width = local.len() / n;
-            let hi = (lo + width).min(fan_out);
-            for t in 0..n {
-                let dst = &mut out[t * fan_out + lo..t * fan_out + hi];
-                dst.copy_from_slice(&local[t * width..t * width + (hi - lo)]);
-                if let Some(bias) = &self.bias {
-                    for (y, &b) in dst.iter_mut().zip(&bias[lo..hi]) {
-                        *y += b;
+                let width = group.len() * NR;
+                let local = &mut local[..n * width];
+                kernel.group(x, fan_in, n, &group, local);
+                let (glo, ghi) = (b * GROUP * NR, (b * GROUP * NR + width).min(fan_out));
+                for (plo, pw, out) in &parts {
+                    let (lo, hi) = (glo.max(*plo), ghi.min(plo + pw));
+                    if lo >= hi {
+                        continue;
+                    }
+                    for t in 0..n {
+                        let src = &local[t * width + lo - glo..t * width + hi - glo];
+                        // SAFETY: columns lo..hi of this part belong to this
+                        // group alone, and row t is inside the part's
+                        // `[n, pw]` buffer, which outlives the parallel loop.
+                        #[allow(unsafe_code)]
+                        let dst = unsafe { out.row(t * pw + lo - plo, hi - lo) };
+                        dst.copy_from_slice(src);
+                        if let Some(bias) = &self.bias {
+                            for (y, &b) in dst.iter_mut().zip(&bias[lo..hi]) {
+                                *y += b;
+                            }
+                        }
                     }
                 }
-            }
-        }
+            },
+        );
+    }
+}
+
+/// An output buffer that parallel tasks write disjoint parts of.
+#[derive(Debug, Clone, Copy)]
+pub struct SharedOut(*mut f32);
+
+// SAFETY: a `SharedOut` is only written through `row`, whose callers
+// guarantee that no two tasks touch the same elements.
+#[allow(unsafe_code)]
+unsafe impl Send for SharedOut {}
+#[allow(unsafe_code)]
+unsafe impl Sync for SharedOut {}
+
+impl SharedOut {
+    pub fn new(out: &mut [f32]) -> SharedOut {
+        SharedOut(out.as_mut_ptr())
+    }
+
+    /// `len` elements from `at`.
+    ///
+    /// # Safety
+    /// `at..at + len` lies inside the buffer, which is alive, and no other
+    /// task reads or writes it while the slice lives.
+    #[allow(unsafe_code)]
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn row(&self, at: usize, len: usize) -> &mut [f32] {
+        // SAFETY: the caller's contract.
+        unsafe { std::slice::from_raw_parts_mut(self.0.add(at), len) }
     }
 }
 
@@ -193,6 +247,45 @@ impl Kernel {
     }
 }
 
+/// Rows per [`Kernel::gather`] call: 6 rows x 2 vectors is 12 of the 16
+/// AVX2 registers for accumulators.
+pub const GATHER: usize = 6;
+
+impl Kernel {
+    /// `out[r, p*NR..(p+1)*NR] = x_r·panel_r,p` for up to [`GATHER`] rows,
+    /// each with its own run of `panels` consecutive panels: `rows[r]` is
+    /// (`x_r`, at least `fan_in` values; the panels, `panels * fan_in * NR`),
+    /// and `out` is `[rows.len(), panels * NR]`.
+    ///
+    /// This is the shape of a decode step over many adapters, where every
+    /// token brings its own adapter: one token per panel leaves a tile with
+    /// a single dependent chain per vector, while rows of different panels
+    /// side by side keep the multiply-adds independent. Each output is the
+    /// same chain as in [`Kernel::single`], so a token's bits do not depend
+    /// on which kernel ran it.
+    pub fn gather(self, rows: &[(&[f32], &[f32])], fan_in: usize, panels: usize, out: &mut [f32]) {
+        assert!((1..=GATHER).contains(&rows.len()), "1 to {GATHER} rows");
+        assert!(
+            rows.iter()
+                .all(|(x, p)| x.len() >= fan_in && p.len() == panels * fan_in * NR)
+                && out.len() == rows.len() * panels * NR
+        );
+        match self {
+            Kernel::Portable => {
+                let width = panels * NR;
+                for ((x, run), out) in rows.iter().zip(out.chunks_exact_mut(width)) {
+                    let run: Vec<&[f32]> = run.chunks_exact(fan_in * NR).collect();
+                    portable(&x[..fan_in], fan_in, 1, &run, out);
+                }
+            }
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the CPU has AVX2 and FMA (see `single`); sizes asserted.
+            #[allow(unsafe_code)]
+            Kernel::Avx2 | Kernel::Avx512 => unsafe { x86::gather_avx2(rows, fan_in, panels, out) },
+        }
+    }
+}
+
 /// The reference: one `mul_add` chain per output, `k` in order.
 fn portable(x: &[f32], fan_in: usize, n: usize, panels: &[&[f32]], out: &mut [f32]) {
     let width = panels.len() * NR;
@@ -216,27 +309,39 @@ mod x86 {
     use super::NR;
     use std::arch::x86_64::*;
 
-    /// Splits `n` rows into tiles of `$mr` and a remainder, each tile run
-    /// by `tile::<M>` with `M` known at compile time so its accumulators
-    /// stay in registers.
+    /// Splits `n` rows into tiles of `$mr` and the rest, each tile run by
+    /// `tile::<M>` with `M` known at compile time so its accumulators stay
+    /// in registers. A rest of one or two rows would be a tile with too few
+    /// independent chains to keep the multiply-add units busy (each waits
+    /// on its own last result), so it is merged with the last full tile and
+    /// split in halves: 32 rows in tiles of 6 run as 6, 6, 6, 6, 4, 4.
     macro_rules! tiles {
         ($mr:literal, $n:expr, $tile:ident [$($g:tt),*] ( $($arg:expr),* )) => {{
             let n = $n;
+            let (mut full, mut rest) = (n / $mr, n % $mr);
+            if full > 0 && (1..3).contains(&rest) {
+                full -= 1;
+                rest += $mr;
+            }
             let mut t = 0;
-            while t + $mr <= n {
+            for _ in 0..full {
                 $tile::<$mr, $($g),*>(t, $($arg),*);
                 t += $mr;
             }
-            match n - t {
-                0 => {}
-                1 => $tile::<1, $($g),*>(t, $($arg),*),
-                2 => $tile::<2, $($g),*>(t, $($arg),*),
-                3 => $tile::<3, $($g),*>(t, $($arg),*),
-                4 => $tile::<4, $($g),*>(t, $($arg),*),
-                5 => $tile::<5, $($g),*>(t, $($arg),*),
-                6 => $tile::<6, $($g),*>(t, $($arg),*),
-                7 => $tile::<7, $($g),*>(t, $($arg),*),
-                _ => unreachable!("tiles of at most 8"),
+            let halves = if rest > $mr { [rest.div_ceil(2), rest / 2] } else { [rest, 0] };
+            for m in halves {
+                match m {
+                    0 => {}
+                    1 => $tile::<1, $($g),*>(t, $($arg),*),
+                    2 => $tile::<2, $($g),*>(t, $($arg),*),
+                    3 => $tile::<3, $($g),*>(t, $($arg),*),
+                    4 => $tile::<4, $($g),*>(t, $($arg),*),
+                    5 => $tile::<5, $($g),*>(t, $($arg),*),
+                    6 => $tile::<6, $($g),*>(t, $($arg),*),
+                    7 => $tile::<7, $($g),*>(t, $($arg),*),
+                    _ => unreachable!("tiles of at most 8"),
+                }
+                t += m;
             }
         }};
     }
@@ -258,7 +363,14 @@ mod x86 {
             // read inside x and the panel; writes stay in rows t..t+M of out.
             unsafe {
                 let mut acc = [[_mm256_setzero_ps(); 2]; M];
+                // The first tile streams the panel in from memory; it also
+                // asks for the panel after it (the next one in memory), a
+                // row per step, so the next call finds it in L2.
+                let next = w.wrapping_add(fan_in * NR);
                 for k in 0..fan_in {
+                    if t == 0 {
+                        _mm_prefetch::<_MM_HINT_T1>(next.wrapping_add(k * NR).cast());
+                    }
                     let w0 = _mm256_loadu_ps(w.add(k * NR));
                     let w1 = _mm256_loadu_ps(w.add(k * NR + 8));
                     for (m, a) in acc.iter_mut().enumerate() {
@@ -276,6 +388,65 @@ mod x86 {
         let (xp, wp, op) = (x.as_ptr(), panel.as_ptr(), out.as_mut_ptr());
         // SAFETY: see the function's contract.
         unsafe { tiles!(6, n, tile[](xp, fan_in, wp, op)) }
+    }
+
+    /// # Safety
+    /// The CPU has AVX2 and FMA; 1 to `GATHER` rows, each `x` at least
+    /// `fan_in` values and each run of panels `panels * fan_in * NR`; `out`
+    /// `rows.len() * panels * NR`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn gather_avx2(
+        rows: &[(&[f32], &[f32])],
+        fan_in: usize,
+        panels: usize,
+        out: &mut [f32],
+    ) {
+        #[inline(always)]
+        unsafe fn tile<const M: usize>(
+            rows: &[(&[f32], &[f32])],
+            fan_in: usize,
+            panels: usize,
+            out: *mut f32,
+        ) {
+            let x: [*const f32; M] = std::array::from_fn(|m| rows[m].0.as_ptr());
+            let width = panels * NR;
+            for p in 0..panels {
+                let w: [*const f32; M] =
+                    std::array::from_fn(|m| rows[m].1[p * fan_in * NR..].as_ptr());
+                // SAFETY (whole body): k < fan_in keeps every read inside
+                // each row's x and panel p; writes stay in rows 0..M, columns
+                // of panel p, of out.
+                unsafe {
+                    let mut acc = [[_mm256_setzero_ps(); 2]; M];
+                    for k in 0..fan_in {
+                        for (m, a) in acc.iter_mut().enumerate() {
+                            let xv = _mm256_broadcast_ss(&*x[m].add(k));
+                            let w0 = _mm256_loadu_ps(w[m].add(k * NR));
+                            let w1 = _mm256_loadu_ps(w[m].add(k * NR + 8));
+                            a[0] = _mm256_fmadd_ps(xv, w0, a[0]);
+                            a[1] = _mm256_fmadd_ps(xv, w1, a[1]);
+                        }
+                    }
+                    for (m, a) in acc.iter().enumerate() {
+                        _mm256_storeu_ps(out.add(m * width + p * NR), a[0]);
+                        _mm256_storeu_ps(out.add(m * width + p * NR + 8), a[1]);
+                    }
+                }
+            }
+        }
+        let op = out.as_mut_ptr();
+        // SAFETY: see the function's contract.
+        unsafe {
+            match rows.len() {
+                1 => tile::<1>(rows, fan_in, panels, op),
+                2 => tile::<2>(rows, fan_in, panels, op),
+                3 => tile::<3>(rows, fan_in, panels, op),
+                4 => tile::<4>(rows, fan_in, panels, op),
+                5 => tile::<5>(rows, fan_in, panels, op),
+                6 => tile::<6>(rows, fan_in, panels, op),
+                _ => unreachable!("1 to GATHER rows"),
+            }
+        }
     }
 
     /// # Safety
@@ -407,6 +578,27 @@ mod tests {
             let mut got = vec![0f32; n * fan_out];
             lin.forward(&x, n, &mut got);
             assert_eq!(bits(&got), bits(&want), "forward n={n} fan_in={fan_in}");
+            // Split into parts whose edges fall inside panels and groups,
+            // each part gets its own columns with the same bits.
+            let widths = [
+                fan_out / 3 + 1,
+                fan_out / 2,
+                fan_out - fan_out / 3 - 1 - fan_out / 2,
+            ];
+            let mut parts: Vec<Vec<f32>> = widths.iter().map(|w| vec![f32::NAN; n * w]).collect();
+            let mut views: Vec<&mut [f32]> = parts.iter_mut().map(|p| &mut p[..]).collect();
+            lin.forward_parts(&x, n, &mut views);
+            let mut joined = Vec::new();
+            for t in 0..n {
+                for (part, &w) in parts.iter().zip(&widths) {
+                    joined.extend_from_slice(&part[t * w..(t + 1) * w]);
+                }
+            }
+            assert_eq!(
+                bits(&joined),
+                bits(&want),
+                "forward_parts n={n} fan_out={fan_out}"
+            );
             for &kernel in &kernels {
                 for p in 0..fan_out.div_ceil(NR) {
                     let mut single = vec![0f32; n * NR];
@@ -427,6 +619,39 @@ mod tests {
                         let row = &x[t * fan_in..(t + 1) * fan_in];
                         kernel.single(row, fan_in, 1, lin.panel(p), &mut alone);
                         assert_eq!(bits(&alone), bits(&single[t * NR..(t + 1) * NR]));
+                    }
+                }
+                // Gathered rows, each against its own panel, give the bits
+                // `single` gave each of them.
+                // Runs of one or two panels, starting where each row says.
+                let count = fan_out.div_ceil(NR);
+                let run = if count > 1 { 2 } else { 1 };
+                let first: Vec<usize> = (0..n).map(|t| (t * 5 + 1) % (count - run + 1)).collect();
+                for lo in (0..n).step_by(GATHER) {
+                    let hi = (lo + GATHER).min(n);
+                    let rows: Vec<(&[f32], &[f32])> = (lo..hi)
+                        .map(|t| {
+                            let at = first[t] * fan_in * NR;
+                            (
+                                &x[t * fan_in..(t + 1) * fan_in],
+                                &lin.panels[at..at + run * fan_in * NR],
+                            )
+                        })
+                        .collect();
+                    let mut gathered = vec![0f32; rows.len() * run * NR];
+                    kernel.gather(&rows, fan_in, run, &mut gathered);
+                    for t in lo..hi {
+                        for q in 0..run {
+                            let mut alone = vec![0f32; NR];
+                            let row = &x[t * fan_in..(t + 1) * fan_in];
+                            kernel.single(row, fan_in, 1, lin.panel(first[t] + q), &mut alone);
+                            let at = ((t - lo) * run + q) * NR;
+                            assert_eq!(
+                                bits(&gathered[at..at + NR]),
+                                bits(&alone),
+                                "{kernel:?} gather n={n} t={t} panel {q}"
+                            );
+                        }
                     }
                 }
                 for count in 1..=GROUP.min(fan_out.div_ceil(NR)) {

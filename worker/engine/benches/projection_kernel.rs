@@ -1,0 +1,64 @@
+//! Benchmark: the dense projection kernel (`PackedLinear::forward`) at the
+//! decode shapes of the STAND-IN ~100M Llama, in GFLOP/s. Prints a table.
+//!
+//!     cargo bench -p lorafleet-engine --bench projection_kernel
+
+use std::time::Instant;
+
+use lorafleet_engine::backend::panels::{Kernel, PackedLinear};
+
+fn random(seed: u64, n: usize) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        })
+        .collect()
+}
+
+fn main() {
+    println!(
+        "projection kernel {:?}, {} threads",
+        Kernel::detect(),
+        rayon::current_num_threads()
+    );
+    println!("| tokens | fan_in | fan_out | weights | µs per call | GFLOP/s |");
+    println!("|---:|---:|---:|---|---:|---:|");
+    for &(n, fan_in, fan_out) in &[
+        (32, 768, 768),
+        (32, 768, 256),
+        (32, 768, 2048),
+        (32, 2048, 768),
+        (32, 768, 32000),
+        (8, 768, 768),
+        (1, 768, 768),
+    ] {
+        let w = random(1, fan_in * fan_out);
+        // "cold": enough copies that each call's weights come from memory,
+        // as in a decode step over a model larger than the caches.
+        let copies = (256 << 20) / (w.len() * 4) + 1;
+        let lins: Vec<PackedLinear> = (0..copies)
+            .map(|_| PackedLinear::pack(&w, None, fan_in, fan_out))
+            .collect();
+        let x = random(2, n * fan_in);
+        let mut out = vec![0f32; n * fan_out];
+        let flops = 2.0 * (n * fan_in * fan_out) as f64;
+        let reps = ((2e9 / flops) as usize).max(copies).max(3);
+        for (label, cycle) in [("hot", 1), ("cold", copies)] {
+            lins[0].forward(&x, n, &mut out);
+            let t = Instant::now();
+            for r in 0..reps {
+                lins[r % cycle].forward(&x, n, &mut out);
+            }
+            let s = t.elapsed().as_secs_f64() / reps as f64;
+            println!(
+                "| {n} | {fan_in} | {fan_out} | {label} | {:.1} | {:.1} |",
+                s * 1e6,
+                flops / s / 1e9
+            );
+        }
+    }
+}
