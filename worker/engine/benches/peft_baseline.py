@@ -4,7 +4,7 @@ Hugging Face transformers + PEFT on the CPU, as the baseline lorafleet is
 compared with. Run by hand after benchmark (b) has written the STAND-IN
 model and adapters (under target/bench-standin):
 
-    .venv/bin/python worker/engine/benches/peft_baseline.py target/bench-standin 1,8,64,512
+    target/peft-venv/bin/python worker/engine/benches/peft_baseline.py target/bench-standin 1,8,64,512
 
 Same requests as (b): 512 requests, 8 prompt tokens, 8 new tokens, greedy,
 adapter r % N. transformers has no continuous batching, so requests run in
