@@ -602,7 +602,11 @@ impl Backend for CpuBackend {
             .enumerate()
             .for_each(|(key, (a, b))| {
                 let p = Projection::ALL[key % 7];
-                let Some(m) = &adapter.modules[key / 7][p.index()] else {
+                let Some(m) = adapter
+                    .modules
+                    .get(key / 7)
+                    .and_then(|m| m[p.index()].as_ref())
+                else {
                     return;
                 };
                 let (fan_in, fan_out) = p.shape(config);
