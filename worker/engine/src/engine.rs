@@ -582,27 +582,21 @@ impl Engine {
         // Sample every row that wants a token, in parallel: each draws only
         // from its own request's generator, so the order does not matter.
         let vocab = self.config.vocab_size;
-        let mut draws: Vec<(SeqId, &SamplingParams, Rng, u32)> = order
+        let mut draws: Vec<(&SamplingParams, Rng, u32)> = order
             .iter()
-            .filter(|&&(_, id, chunk)| {
-                let seq = &self.seqs[&id];
-                seq.num_computed + chunk == seq.total_len()
-            })
-            .map(|&(_, id, _)| {
-                let seq = &self.seqs[&id];
-                (id, &seq.params, seq.rng.clone(), 0)
-            })
+            .map(|&(_, id, chunk)| (&self.seqs[&id], chunk))
+            .filter(|(seq, chunk)| seq.num_computed + chunk == seq.total_len())
+            .map(|(seq, _)| (&seq.params, seq.rng.clone(), 0))
             .collect();
         draws
             .par_iter_mut()
             .enumerate()
-            .for_each(|(row, (_, params, rng, token))| {
+            .for_each(|(row, (params, rng, token))| {
                 *token = sample(&logits[row * vocab..(row + 1) * vocab], params, rng);
             });
-        let mut sampled: HashMap<SeqId, (Rng, u32)> = draws
-            .into_iter()
-            .map(|(id, _, rng, token)| (id, (rng, token)))
-            .collect();
+        // The draws are in `order`, as the loop below meets the rows.
+        let sampled: Vec<(Rng, u32)> = draws.into_iter().map(|(_, r, t)| (r, t)).collect();
+        let mut sampled = sampled.into_iter();
         let mut finished = Vec::new();
         for &(_, id, chunk) in &order {
             let seq = self.seqs.get_mut(&id).expect("scheduled sequence exists");
@@ -610,7 +604,7 @@ impl Engine {
             if seq.num_computed < seq.total_len() {
                 continue; // a prefill chunk that does not reach the end yet
             }
-            let (rng, token) = sampled.remove(&id).expect("a row was sampled");
+            let (rng, token) = sampled.next().expect("a row was sampled");
             seq.rng = rng;
             let out = match seq.push_token(
                 token,
