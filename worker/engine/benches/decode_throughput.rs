@@ -4,6 +4,7 @@
 //!
 //!     cargo bench -p lorafleet-engine --bench decode_throughput
 //!
+//! The model is stored in bf16 (`LORAFLEET_BENCH_DTYPE=f32` for f32).
 //! Every configuration runs the same 512 requests (8 prompt tokens, 8
 //! generated, greedy) as one continuous batch of up to 32 sequences with 32
 //! device slots. Adapters are read into the host tier before timing starts,
@@ -27,19 +28,26 @@ fn main() {
                 .collect()
         })
         .unwrap_or_else(|_| vec![1, 8, 64, 512]);
-    let model = standin::model();
+    // The stand-in is stored in bf16 as published checkpoints are; `f32`
+    // runs the same draws stored in f32.
+    let dtype = match std::env::var("LORAFLEET_BENCH_DTYPE").as_deref() {
+        Ok("f32") => safetensors::Dtype::F32,
+        Ok("bf16") | Err(_) => safetensors::Dtype::BF16,
+        Ok(other) => panic!("LORAFLEET_BENCH_DTYPE={other}: expected bf16 or f32"),
+    };
+    let model = standin::model_in(dtype);
     let adapter_dirs = standin::adapters(*counts.iter().max().unwrap());
     println!(
-        "decode throughput, STAND-IN ~100M Llama (h={}, L={}), rank {}, {REQUESTS} requests x {NEW} new tokens, {} threads",
+        "decode throughput, STAND-IN ~100M Llama (h={}, L={}, weights {dtype:?}), rank {}, {REQUESTS} requests x {NEW} new tokens, {} threads",
         standin::HIDDEN,
         standin::LAYERS,
         standin::RANK,
         rayon::current_num_threads()
     );
     println!(
-        "| adapters | generated tokens | seconds | tokens/s | vs 1 adapter | device loads | mean distinct/step |"
+        "| adapters | generated tokens | seconds | tokens/s | vs 1 adapter | device loads | mean distinct/step | stolen CPU s |"
     );
-    println!("|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
     let mut baseline = None;
     for &n in &counts {
         let settings = EngineSettings {
@@ -93,6 +101,7 @@ fn main() {
             })
             .collect();
         let loads_before = e.stats().pool.device_loads;
+        let stolen_before = stolen_cpu_seconds();
         let started = Instant::now();
         let mut generated = 0;
         let (mut steps, mut distinct) = (0usize, 0usize);
@@ -112,13 +121,28 @@ fn main() {
             }
         }
         let secs = started.elapsed().as_secs_f64();
+        let stolen = match (stolen_before, stolen_cpu_seconds()) {
+            (Some(a), Some(b)) => format!("{:.1}", b - a),
+            _ => "n/a".to_string(),
+        };
         let tps = generated as f64 / secs;
         let base = *baseline.get_or_insert(tps);
         println!(
-            "| {n} | {generated} | {secs:.2} | {tps:.1} | {:.1}% | {} | {:.1} |",
+            "| {n} | {generated} | {secs:.2} | {tps:.1} | {:.1}% | {} | {:.1} | {stolen} |",
             tps / base * 100.0,
             e.stats().pool.device_loads - loads_before,
             distinct as f64 / steps as f64
         );
     }
+}
+
+/// CPU time the hypervisor gave to other guests, all CPUs together, from
+/// the `steal` column of `/proc/stat` (Linux; in clock ticks of 1/100 s).
+/// On a shared virtual machine a row that lost seconds here measured the
+/// neighbours as much as the engine, so the table shows it.
+fn stolen_cpu_seconds() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let cpu = stat.lines().find(|l| l.starts_with("cpu "))?;
+    let steal: f64 = cpu.split_whitespace().nth(8)?.parse().ok()?;
+    Some(steal / 100.0)
 }

@@ -10,6 +10,12 @@ Same requests as (b): 512 requests, 8 prompt tokens, 8 new tokens, greedy,
 adapter r % N. transformers has no continuous batching, so requests run in
 static batches of 32 (lorafleet's max_num_seqs in (b)), each batch mixing
 adapters through PEFT's `adapter_names`. Adapters are loaded before timing.
+
+The model is (b)'s bf16 stand-in (`model-bf16`), computed in float32 by
+default, which is the arithmetic lorafleet's CPU engine does; set
+PEFT_DTYPE=bfloat16 to compute in bf16 instead, or PEFT_MODEL=model-f32 for
+the f32 stand-in. The last column is the CPU time the hypervisor gave to
+other guests during the row (Linux /proc/stat), as in (b).
 """
 
 import os
@@ -26,24 +32,38 @@ NEW = 8
 BATCH = 32
 
 
+def stolen_cpu_seconds():
+    try:
+        with open("/proc/stat") as f:
+            cpu = next(line for line in f if line.startswith("cpu "))
+        return int(cpu.split()[8]) / 100.0
+    except (OSError, StopIteration, IndexError, ValueError):
+        return None
+
+
 def main():
     root = sys.argv[1]
     counts = [int(c) for c in (sys.argv[2] if len(sys.argv) > 2 else "1,8,64,512").split(",")]
+    model_dir = os.path.join(root, os.environ.get("PEFT_MODEL", "model-bf16"))
+    dtype = getattr(torch, os.environ.get("PEFT_DTYPE", "float32"))
     torch.set_num_threads(os.cpu_count())
-    print(f"transformers + PEFT baseline, STAND-IN model, {REQUESTS} requests x {NEW} new tokens, "
-          f"static batches of {BATCH}, {torch.get_num_threads()} threads")
-    print("| adapters | generated tokens | seconds | tokens/s |")
-    print("|---:|---:|---:|---:|")
+    print(f"transformers + PEFT baseline, STAND-IN model {os.path.basename(model_dir)} computed in {dtype}, "
+          f"{REQUESTS} requests x {NEW} new tokens, static batches of {BATCH}, {torch.get_num_threads()} threads")
+    print("| adapters | generated tokens | seconds | tokens/s | stolen CPU s |")
+    print("|---:|---:|---:|---:|---:|")
     adapters = sorted(os.listdir(os.path.join(root, "adapters")))
     for n in counts:
-        base = AutoModelForCausalLM.from_pretrained(os.path.join(root, "model"), dtype=torch.float32).eval()
-        model = PeftModel.from_pretrained(base, os.path.join(root, "adapters", adapters[0]), adapter_name="a0")
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        model = PeftModel.from_pretrained(
+            base, os.path.join(root, "adapters", adapters[0]), adapter_name="a0"
+        )
         for i in range(1, n):
             model.load_adapter(os.path.join(root, "adapters", adapters[i]), adapter_name=f"a{i}")
         model.eval()
         prompts = [[(r * 31 + k * 7) % 380 + 3 for k in range(PROMPT)] for r in range(REQUESTS)]
         names = [f"a{r % n}" for r in range(REQUESTS)]
         generated = 0
+        stolen_before = stolen_cpu_seconds()
         start = time.perf_counter()
         with torch.no_grad():
             for b in range(0, REQUESTS, BATCH):
@@ -59,7 +79,9 @@ def main():
                 )
                 generated += (out.shape[1] - PROMPT) * out.shape[0]
         secs = time.perf_counter() - start
-        print(f"| {n} | {generated} | {secs:.2f} | {generated / secs:.1f} |", flush=True)
+        stolen_after = stolen_cpu_seconds()
+        stolen = "n/a" if stolen_before is None else f"{stolen_after - stolen_before:.1f}"
+        print(f"| {n} | {generated} | {secs:.2f} | {generated / secs:.1f} | {stolen} |", flush=True)
 
 
 if __name__ == "__main__":

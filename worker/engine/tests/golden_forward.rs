@@ -83,3 +83,120 @@ fn forward_matches_transformers_and_peft() {
     }
     assert_eq!(checked, golden.cases.len());
 }
+
+/// Copies a fixture model with every weight rounded to bf16, stored as
+/// `dtype` (BF16, or F32 holding the same values), sharded as the fixture is.
+fn bf16_copy(model: &str, dtype: safetensors::Dtype) -> tempfile::TempDir {
+    use safetensors::SafeTensors;
+    use safetensors::tensor::TensorView;
+    let (src, dst) = (model_dir(model), tempfile::tempdir().unwrap());
+    for entry in std::fs::read_dir(&src).unwrap() {
+        let path = entry.unwrap().path();
+        let to = dst.path().join(path.file_name().unwrap());
+        if path.extension().is_none_or(|e| e != "safetensors") {
+            std::fs::copy(&path, &to).unwrap();
+            continue;
+        }
+        let bytes = std::fs::read(&path).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = st
+            .tensors()
+            .into_iter()
+            .map(|(name, view)| {
+                let values: Vec<f32> = match view.dtype() {
+                    safetensors::Dtype::F32 => view
+                        .data()
+                        .chunks_exact(4)
+                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                        .collect(),
+                    safetensors::Dtype::F16 => view
+                        .data()
+                        .chunks_exact(2)
+                        .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                        .collect(),
+                    safetensors::Dtype::BF16 => view
+                        .data()
+                        .chunks_exact(2)
+                        .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                        .collect(),
+                    other => panic!("fixture tensor {name} is {other:?}"),
+                };
+                let rounded = values.into_iter().map(half::bf16::from_f32);
+                let data = match dtype {
+                    safetensors::Dtype::BF16 => rounded.flat_map(|h| h.to_le_bytes()).collect(),
+                    _ => rounded.flat_map(|h| h.to_f32().to_le_bytes()).collect(),
+                };
+                (name, view.shape().to_vec(), data)
+            })
+            .collect();
+        let views: Vec<(String, TensorView<'_>)> = tensors
+            .iter()
+            .map(|(n, s, d)| (n.clone(), TensorView::new(dtype, s.clone(), d).unwrap()))
+            .collect();
+        safetensors::serialize_to_file(views, None, &to).unwrap();
+    }
+    dst
+}
+
+#[test]
+fn a_bf16_checkpoint_gives_the_bits_of_its_f32_widening() {
+    // bf16 weights stay bf16 in memory and are widened just before use;
+    // widening is exact, so every logit must equal the f32 model's, with
+    // and without an adapter, for the sharded GQA model and the tied one
+    // (whose lm_head comes from the bf16 embeddings).
+    let golden = golden();
+    for model in ["llama-gqa", "qwen2-tied"] {
+        let narrow = bf16_copy(model, safetensors::Dtype::BF16);
+        let wide = bf16_copy(model, safetensors::Dtype::F32);
+        let config = ModelConfig::from_dir(narrow.path()).unwrap();
+        let shape = BackendShape {
+            slots: 1,
+            max_lora_rank: 16,
+            kv_blocks: 8,
+            block_size: 4,
+        };
+        let mut backends = [narrow.path(), wide.path()]
+            .map(|dir| CpuBackend::load(dir, &config, shape).unwrap());
+        let case = golden
+            .cases
+            .iter()
+            .find(|c| c.model == model && c.adapter.is_some())
+            .unwrap();
+        let limits = AdapterLimits {
+            model: &config,
+            max_lora_rank: 16,
+            base_hash_check: None,
+        };
+        let name = case.adapter.as_ref().unwrap();
+        let adapter = HostAdapter::load(name, &adapter_dir(model, name), limits).unwrap();
+        let table: Vec<u32> = (0..8).collect();
+        let mut seen = Vec::new();
+        for backend in &mut backends {
+            backend.write_slot(0, &adapter).unwrap();
+            let mut logits = Vec::new();
+            for slot in [None, Some(0)] {
+                let mut batch = StepBatch::default();
+                batch.push(&case.prompt_ids, 0, &table, slot, true);
+                batch.finish();
+                logits.push(backend.forward(&batch).unwrap());
+            }
+            seen.push(logits);
+        }
+        for (which, (a, b)) in ["base", "adapter"].iter().zip(seen[0].iter().zip(&seen[1])) {
+            let (a, b): (Vec<u32>, Vec<u32>) = (
+                a.iter().map(|v| v.to_bits()).collect(),
+                b.iter().map(|v| v.to_bits()).collect(),
+            );
+            assert!(a == b, "{model} {which}: bf16 and f32 logits differ");
+        }
+        // The bf16 checkpoint must really be held in bf16, or the equality
+        // above would hold trivially: every projection and the lm_head
+        // take half the bytes.
+        let [narrow_bytes, wide_bytes] = backends.each_ref().map(|b| b.projection_bytes());
+        assert_eq!(
+            narrow_bytes * 2,
+            wide_bytes,
+            "{model}: bf16 weights held in bf16"
+        );
+    }
+}

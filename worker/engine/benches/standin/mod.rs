@@ -59,9 +59,20 @@ fn write(path: &Path, tensors: Vec<(String, Vec<usize>, Vec<f32>)>, dtype: Dtype
     safetensors::serialize_to_file(views, None, path).unwrap();
 }
 
-/// The stand-in base model directory, created if missing.
+/// The stand-in base model directory in bf16, as checkpoints are
+/// published; created if missing.
 pub fn model() -> PathBuf {
-    let dir = root().join("model");
+    model_in(Dtype::BF16)
+}
+
+/// The stand-in base model stored as `dtype` (F32 or BF16): the same random
+/// draws, rounded to bf16 for BF16. Created if missing.
+pub fn model_in(dtype: Dtype) -> PathBuf {
+    let dir = root().join(match dtype {
+        Dtype::BF16 => "model-bf16",
+        Dtype::F32 => "model-f32",
+        other => panic!("no stand-in model in {other:?}"),
+    });
     if dir.join("model.safetensors").exists() {
         return dir;
     }
@@ -73,7 +84,8 @@ pub fn model() -> PathBuf {
         "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": head_dim,
         "vocab_size": VOCAB, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0, "tie_word_embeddings": true, "hidden_act": "silu",
-        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32"
+        "bos_token_id": 1, "eos_token_id": 2,
+        "torch_dtype": if dtype == Dtype::BF16 { "bfloat16" } else { "float32" }
     });
     std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
     let fixtures = root().join("../../worker/engine/tests/fixtures/llama-gqa");
@@ -120,7 +132,7 @@ pub fn model() -> PathBuf {
         vec![HIDDEN],
         vec![1.0; HIDDEN],
     ));
-    write(&dir.join("model.safetensors"), t, Dtype::F32);
+    write(&dir.join("model.safetensors"), t, dtype);
     dir
 }
 

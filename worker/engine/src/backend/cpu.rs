@@ -9,7 +9,7 @@ use std::path::Path;
 
 use rayon::prelude::*;
 
-use super::panels::{GATHER, GROUP, Kernel, NR, PackedLinear, SharedOut};
+use super::panels::{GATHER, GROUP, Kernel, NR, PackedLinear, Prefetch, SharedOut};
 use super::{Backend, BackendShape, StepBatch};
 use crate::error::{EngineError, Result};
 use crate::lora::{HostAdapter, Projection};
@@ -66,6 +66,22 @@ pub struct CpuBackend {
 }
 
 impl CpuBackend {
+    /// Bytes the packed projection weights and the lm_head take: half for
+    /// a bf16 checkpoint of what f32 takes.
+    pub fn projection_bytes(&self) -> usize {
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                [&l.qkv, &l.o, &l.gate_up, &l.down]
+                    .iter()
+                    .map(|p| p.weight_bytes())
+                    .sum::<usize>()
+            })
+            .sum();
+        layers + self.lm_head.weight_bytes()
+    }
+
     /// Loads the weights of a model directory.
     pub fn load(dir: &Path, config: &ModelConfig, shape: BackendShape) -> Result<CpuBackend> {
         let files = WeightFiles::open_model_dir(dir)?;
@@ -83,17 +99,35 @@ impl CpuBackend {
                     _ => c.mlp_bias,
                 };
                 let fan_in = parts[0].shape(c).0;
-                let (mut w, mut bias, mut fan_out) = (Vec::new(), Vec::new(), 0);
+                let (mut w16, mut bias, mut fan_out) = (Some(Vec::new()), Vec::new(), 0);
+                let mut weights = Vec::new();
                 for p in parts {
                     let out = p.shape(c).1;
                     let name = format!("{prefix}.{}.{}", p.parent(), p.module_name());
-                    w.extend(files.f32(&format!("{name}.weight"), &[out, fan_in])?);
+                    let weight = format!("{name}.weight");
+                    // bf16 checkpoints keep their weights in bf16 (see
+                    // `panels`); any other dtype in the stack means f32.
+                    w16 = match (w16, files.bf16_bits(&weight, &[out, fan_in])?) {
+                        (Some(mut all), Some(bits)) => {
+                            all.extend(bits);
+                            Some(all)
+                        }
+                        _ => None,
+                    };
                     if has_bias {
                         bias.extend(files.f32(&format!("{name}.bias"), &[out])?);
                     }
+                    weights.push((weight, out));
                     fan_out += out;
                 }
                 let bias = has_bias.then_some(bias);
+                if let Some(w16) = w16 {
+                    return Ok(PackedLinear::pack_bf16(&w16, bias, fan_in, fan_out));
+                }
+                let mut w = Vec::with_capacity(fan_in * fan_out);
+                for (weight, out) in &weights {
+                    w.extend(files.f32(weight, &[*out, fan_in])?);
+                }
                 Ok(PackedLinear::pack(&w, bias, fan_in, fan_out))
             };
             use Projection::*;
@@ -113,11 +147,19 @@ impl CpuBackend {
             });
         }
         let norm = files.f32("model.norm.weight", &[c.hidden_size])?;
-        let lm_head = if c.tie_word_embeddings && !files.contains("lm_head.weight") {
-            PackedLinear::pack(&embed, None, c.hidden_size, c.vocab_size)
+        let head_name = if c.tie_word_embeddings && !files.contains("lm_head.weight") {
+            "model.embed_tokens.weight"
         } else {
-            let w = files.f32("lm_head.weight", &[c.vocab_size, c.hidden_size])?;
-            PackedLinear::pack(&w, None, c.hidden_size, c.vocab_size)
+            "lm_head.weight"
+        };
+        let head_shape = [c.vocab_size, c.hidden_size];
+        let lm_head = match files.bf16_bits(head_name, &head_shape)? {
+            Some(bits) => PackedLinear::pack_bf16(&bits, None, c.hidden_size, c.vocab_size),
+            None if head_name == "lm_head.weight" => {
+                let w = files.f32(head_name, &head_shape)?;
+                PackedLinear::pack(&w, None, c.hidden_size, c.vocab_size)
+            }
+            None => PackedLinear::pack(&embed, None, c.hidden_size, c.vocab_size),
         };
         Ok(Self::from_parts(
             c.clone(),
@@ -304,7 +346,7 @@ fn panels_into(
     for (g, group) in panels.chunks(GROUP).enumerate() {
         let cols = group.len() * NR;
         let local = &mut local[..n * cols];
-        kernel.group(x, fan_in, n, group, local);
+        kernel.group(x, fan_in, n, group, Prefetch::NONE, local);
         let lo = g * GROUP * NR;
         let take = cols.min(width - lo);
         for t in 0..n {

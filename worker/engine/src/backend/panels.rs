@@ -28,32 +28,59 @@ const KC: usize = 128;
 #[derive(Debug)]
 pub struct PackedLinear {
     /// `[fan_out.div_ceil(NR), fan_in, NR]`; the last panel is zero-padded.
-    panels: Vec<f32>,
+    panels: Panels,
     bias: Option<Vec<f32>>,
     fan_in: usize,
     fan_out: usize,
 }
 
+/// Panel storage in the checkpoint's own precision. bf16 weights stay bf16
+/// in memory, which halves what a decode step reads, and are widened to
+/// f32 a group of panels at a time just before use: widening bf16 is exact
+/// (the 16 bits become the top half of an f32), so the products are the
+/// ones f32 weights of the same values give, bit for bit.
+#[derive(Debug)]
+enum Panels {
+    F32(Vec<f32>),
+    Bf16(Vec<u16>),
+}
+
+/// Packs row-major `[fan_out, fan_in]` values into zero-padded panels.
+fn pack_panels<T: Copy + Default>(w: &[T], fan_in: usize, fan_out: usize) -> Vec<T> {
+    assert_eq!(
+        w.len(),
+        fan_in * fan_out,
+        "weights of [{fan_out}, {fan_in}]"
+    );
+    let count = fan_out.div_ceil(NR);
+    let mut panels = vec![T::default(); count * fan_in * NR];
+    for (p, panel) in panels.chunks_exact_mut(fan_in * NR).enumerate() {
+        for j in 0..NR.min(fan_out - p * NR) {
+            let row = &w[(p * NR + j) * fan_in..][..fan_in];
+            for (k, &v) in row.iter().enumerate() {
+                panel[k * NR + j] = v;
+            }
+        }
+    }
+    panels
+}
+
 impl PackedLinear {
     /// Packs row-major `[fan_out, fan_in]` weights, as Hugging Face stores them.
     pub fn pack(w: &[f32], bias: Option<Vec<f32>>, fan_in: usize, fan_out: usize) -> Self {
-        assert_eq!(
-            w.len(),
-            fan_in * fan_out,
-            "weights of [{fan_out}, {fan_in}]"
-        );
-        let count = fan_out.div_ceil(NR);
-        let mut panels = vec![0f32; count * fan_in * NR];
-        for (p, panel) in panels.chunks_exact_mut(fan_in * NR).enumerate() {
-            for j in 0..NR.min(fan_out - p * NR) {
-                let row = &w[(p * NR + j) * fan_in..][..fan_in];
-                for (k, &v) in row.iter().enumerate() {
-                    panel[k * NR + j] = v;
-                }
-            }
-        }
         PackedLinear {
-            panels,
+            panels: Panels::F32(pack_panels(w, fan_in, fan_out)),
+            bias,
+            fan_in,
+            fan_out,
+        }
+    }
+
+    /// As [`PackedLinear::pack`], for bf16 weights given as their bits;
+    /// they stay bf16 in memory (see [`Panels`]).
+    pub fn pack_bf16(w: &[u16], bias: Option<Vec<f32>>, fan_in: usize, fan_out: usize) -> Self {
+        PackedLinear {
+            panels: Panels::Bf16(pack_panels(w, fan_in, fan_out)),
             bias,
             fan_in,
             fan_out,
@@ -68,8 +95,25 @@ impl PackedLinear {
         self.fan_out
     }
 
+    /// Bytes the weights take in memory.
+    pub fn weight_bytes(&self) -> usize {
+        match &self.panels {
+            Panels::F32(p) => p.len() * 4,
+            Panels::Bf16(p) => p.len() * 2,
+        }
+    }
+
+    #[cfg(test)]
+    fn f32_panels(&self) -> &[f32] {
+        match &self.panels {
+            Panels::F32(all) => all,
+            Panels::Bf16(_) => panic!("the panels are bf16"),
+        }
+    }
+
+    #[cfg(test)]
     fn panel(&self, p: usize) -> &[f32] {
-        &self.panels[p * self.fan_in * NR..][..self.fan_in * NR]
+        &self.f32_panels()[p * self.fan_in * NR..][..self.fan_in * NR]
     }
 
     /// `out[t, o] = x[t]·W[o] (+ b[o])` for the `n` rows of `x`, in
@@ -100,17 +144,34 @@ impl PackedLinear {
         }
         assert_eq!(lo, fan_out, "the outputs cover fan_out");
         let panels = fan_out.div_ceil(NR);
+        let panel_len = fan_in * NR;
         let kernel = Kernel::detect();
         (0..panels.div_ceil(GROUP)).into_par_iter().for_each_init(
-            || vec![0f32; n * GROUP * NR],
-            |local, b| {
-                let group: Vec<&[f32]> = (b * GROUP..((b + 1) * GROUP).min(panels))
-                    .map(|p| self.panel(p))
-                    .collect();
-                let width = group.len() * NR;
+            || (vec![0f32; n * GROUP * NR], Vec::new()),
+            |(local, wide), b| {
+                let (first, count) = (b * GROUP, GROUP.min(panels - b * GROUP));
+                let width = count * NR;
                 let local = &mut local[..n * width];
-                kernel.group(x, fan_in, n, &group, local);
-                let (glo, ghi) = (b * GROUP * NR, (b * GROUP * NR + width).min(fan_out));
+                // The group after this one is what this task most likely
+                // runs next (rayon hands each thread a run of groups).
+                let next =
+                    (first + count) * panel_len..((first + count + GROUP).min(panels)) * panel_len;
+                match &self.panels {
+                    Panels::F32(all) => {
+                        let group: Vec<&[f32]> = all[first * panel_len..][..count * panel_len]
+                            .chunks_exact(panel_len)
+                            .collect();
+                        kernel.group(x, fan_in, n, &group, Prefetch::of(&all[next]), local);
+                    }
+                    Panels::Bf16(all) => {
+                        wide.resize(GROUP * panel_len, 0f32);
+                        let wide = &mut wide[..count * panel_len];
+                        kernel.widen_bf16(&all[first * panel_len..][..count * panel_len], wide);
+                        let group: Vec<&[f32]> = wide.chunks_exact(panel_len).collect();
+                        kernel.group(x, fan_in, n, &group, Prefetch::of(&all[next]), local);
+                    }
+                }
+                let (glo, ghi) = (first * NR, (first * NR + width).min(fan_out));
                 for (plo, pw, out) in &parts {
                     let (lo, hi) = (glo.max(*plo), ghi.min(plo + pw));
                     if lo >= hi {
@@ -133,6 +194,28 @@ impl PackedLinear {
                 }
             },
         );
+    }
+}
+
+/// Memory a kernel call should ask into L2 while it computes: the weights
+/// its caller reads next. Only an address range; it is never read through.
+#[derive(Debug, Clone, Copy)]
+pub struct Prefetch {
+    start: *const u8,
+    bytes: usize,
+}
+
+impl Prefetch {
+    pub const NONE: Prefetch = Prefetch {
+        start: std::ptr::null(),
+        bytes: 0,
+    };
+
+    pub fn of<T>(region: &[T]) -> Prefetch {
+        Prefetch {
+            start: region.as_ptr().cast(),
+            bytes: std::mem::size_of_val(region),
+        }
     }
 }
 
@@ -214,7 +297,20 @@ impl Kernel {
     }
 
     /// Up to [`GROUP`] adjacent panels at once: `out` is `[n, panels * NR]`.
-    pub fn group(self, x: &[f32], fan_in: usize, n: usize, panels: &[&[f32]], out: &mut [f32]) {
+    ///
+    /// `ahead` is memory the caller reads next (the next group's panels):
+    /// it is asked into L2 a few lines at a time while this call computes,
+    /// so reading weights from memory overlaps the multiply-adds instead
+    /// of alternating with them. It does not change any result.
+    pub fn group(
+        self,
+        x: &[f32],
+        fan_in: usize,
+        n: usize,
+        panels: &[&[f32]],
+        ahead: Prefetch,
+        out: &mut [f32],
+    ) {
         assert!((1..=GROUP).contains(&panels.len()), "1 to {GROUP} panels");
         assert!(
             x.len() >= n * fan_in
@@ -242,7 +338,7 @@ impl Kernel {
             // SAFETY: the CPU has AVX-512F, checked by `detect`/`available`;
             // sizes asserted above.
             #[allow(unsafe_code)]
-            Kernel::Avx512 => unsafe { x86::group_avx512(x, fan_in, n, panels, out) },
+            Kernel::Avx512 => unsafe { x86::group_avx512(x, fan_in, n, panels, ahead, out) },
         }
     }
 }
@@ -283,6 +379,31 @@ impl Kernel {
             #[allow(unsafe_code)]
             Kernel::Avx2 | Kernel::Avx512 => unsafe { x86::gather_avx2(rows, fan_in, panels, out) },
         }
+    }
+}
+
+impl Kernel {
+    /// `dst[i] = src[i]` widened from bf16 bits to f32: exact, the bits
+    /// become the top half of the f32.
+    pub fn widen_bf16(self, src: &[u16], dst: &mut [f32]) {
+        assert_eq!(src.len(), dst.len(), "as many f32 as bf16 values");
+        match self {
+            Kernel::Portable => widen_portable(src, dst),
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the CPU has AVX2 (see `single`); lengths asserted.
+            #[allow(unsafe_code)]
+            Kernel::Avx2 => unsafe { x86::widen_avx2(src, dst) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the CPU has AVX-512F (see `group`); lengths asserted.
+            #[allow(unsafe_code)]
+            Kernel::Avx512 => unsafe { x86::widen_avx512(src, dst) },
+        }
+    }
+}
+
+fn widen_portable(src: &[u16], dst: &mut [f32]) {
+    for (d, &s) in dst.iter_mut().zip(src) {
+        *d = f32::from_bits(u32::from(s) << 16);
     }
 }
 
@@ -450,6 +571,38 @@ mod x86 {
     }
 
     /// # Safety
+    /// The CPU has AVX2; `src` and `dst` have the same length.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn widen_avx2(src: &[u16], dst: &mut [f32]) {
+        let body = src.len() / 8 * 8;
+        for i in (0..body).step_by(8) {
+            // SAFETY: i + 8 <= body <= both lengths.
+            unsafe {
+                let h = _mm_loadu_si128(src.as_ptr().add(i).cast());
+                let w = _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h));
+                _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_castsi256_ps(w));
+            }
+        }
+        super::widen_portable(&src[body..], &mut dst[body..]);
+    }
+
+    /// # Safety
+    /// The CPU has AVX-512F; `src` and `dst` have the same length.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn widen_avx512(src: &[u16], dst: &mut [f32]) {
+        let body = src.len() / 16 * 16;
+        for i in (0..body).step_by(16) {
+            // SAFETY: i + 16 <= body <= both lengths.
+            unsafe {
+                let h = _mm256_loadu_si256(src.as_ptr().add(i).cast());
+                let w = _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h));
+                _mm512_storeu_ps(dst.as_mut_ptr().add(i), _mm512_castsi512_ps(w));
+            }
+        }
+        super::widen_portable(&src[body..], &mut dst[body..]);
+    }
+
+    /// # Safety
     /// The CPU has AVX-512F; `x` holds `n` rows of `fan_in`, each panel
     /// `fan_in * NR` values, and `out` `n * panels.len() * NR`; 1 to 3 panels.
     #[target_feature(enable = "avx512f")]
@@ -458,15 +611,73 @@ mod x86 {
         fan_in: usize,
         n: usize,
         panels: &[&[f32]],
+        ahead: super::Prefetch,
         out: &mut [f32],
     ) {
+        // Every k of every tile is one tick: spread the lines of `ahead`
+        // evenly over them.
+        let tiles = n.div_ceil(8);
+        let mut pf = Ahead::new(ahead, tiles * fan_in);
         // SAFETY: the caller's contract, for each panel count.
         unsafe {
             match *panels {
-                [a] => group::<1>(x, fan_in, n, [a.as_ptr()], out),
-                [a, b] => group::<2>(x, fan_in, n, [a.as_ptr(), b.as_ptr()], out),
-                [a, b, c] => group::<3>(x, fan_in, n, [a.as_ptr(), b.as_ptr(), c.as_ptr()], out),
+                [a] => group::<1>(x, fan_in, n, [a.as_ptr()], &mut pf, out),
+                [a, b] => group::<2>(x, fan_in, n, [a.as_ptr(), b.as_ptr()], &mut pf, out),
+                [a, b, c] => group::<3>(
+                    x,
+                    fan_in,
+                    n,
+                    [a.as_ptr(), b.as_ptr(), c.as_ptr()],
+                    &mut pf,
+                    out,
+                ),
                 _ => unreachable!("1 to 3 panels"),
+            }
+        }
+    }
+
+    /// Software prefetch of a region into L2, a cache line at a time, at a
+    /// steady rate over a known number of ticks.
+    struct Ahead {
+        at: *const i8,
+        end: *const i8,
+        /// Ticks between two bursts, and lines per burst.
+        every: usize,
+        lines: usize,
+        countdown: usize,
+    }
+
+    impl Ahead {
+        fn new(region: super::Prefetch, ticks: usize) -> Ahead {
+            let lines = region.bytes.div_ceil(64);
+            let ticks = ticks.max(1);
+            let (every, per) = if lines >= ticks {
+                (1, lines.div_ceil(ticks))
+            } else {
+                (ticks / lines.max(1), 1)
+            };
+            Ahead {
+                at: region.start.cast(),
+                end: region.start.wrapping_add(region.bytes).cast(),
+                every,
+                lines: per,
+                countdown: every,
+            }
+        }
+
+        #[inline(always)]
+        fn tick(&mut self) {
+            self.countdown -= 1;
+            if self.countdown == 0 {
+                self.countdown = self.every;
+                for _ in 0..self.lines {
+                    if self.at < self.end {
+                        // SAFETY: a prefetch is a hint that never faults;
+                        // the address lies inside the caller's slice.
+                        unsafe { _mm_prefetch::<_MM_HINT_T1>(self.at) };
+                        self.at = self.at.wrapping_add(64);
+                    }
+                }
             }
         }
     }
@@ -477,6 +688,7 @@ mod x86 {
         fan_in: usize,
         n: usize,
         w: [*const f32; P],
+        pf: &mut Ahead,
         out: &mut [f32],
     ) {
         #[inline(always)]
@@ -488,6 +700,7 @@ mod x86 {
             k0: usize,
             k1: usize,
             w: [*const f32; P],
+            pf: &mut Ahead,
             out: *mut f32,
         ) {
             let width = P * NR;
@@ -505,6 +718,7 @@ mod x86 {
                     }
                 }
                 for k in k0..k1 {
+                    pf.tick();
                     let mut wv = [_mm512_setzero_ps(); P];
                     for (q, v) in wv.iter_mut().enumerate() {
                         *v = _mm512_loadu_ps(w[q].add(k * NR));
@@ -528,7 +742,7 @@ mod x86 {
         while k0 < fan_in {
             let k1 = (k0 + super::KC).min(fan_in);
             // SAFETY: see the function's contract.
-            unsafe { tiles!(8, n, tile[P](xp, fan_in, k0, k1, w, op)) }
+            unsafe { tiles!(8, n, tile[P](xp, fan_in, k0, k1, w, pf, op)) }
             k0 = k1;
         }
     }
@@ -545,6 +759,45 @@ mod tests {
 
     fn bits(v: &[f32]) -> Vec<u32> {
         v.iter().map(|f| f.to_bits()).collect()
+    }
+
+    #[test]
+    fn bf16_panels_give_the_bits_of_their_f32_widening() {
+        // Every kernel widens each bf16 pattern (finite, subnormal, signed
+        // zero) exactly, at lengths that leave every remainder.
+        let patterns: Vec<u16> = (0..=u16::MAX).step_by(7).chain([0x8000, 0x0001]).collect();
+        for &kernel in &Kernel::available() {
+            for len in [patterns.len(), 1, 15, 17, 33] {
+                let mut wide = vec![f32::NAN; len];
+                kernel.widen_bf16(&patterns[..len], &mut wide);
+                for (&h, &f) in patterns.iter().zip(&wide) {
+                    assert_eq!(f.to_bits(), u32::from(h) << 16, "{kernel:?} {h:#06x}");
+                }
+            }
+        }
+        for (n, fan_in, fan_out) in [(7, 45, 9), (32, 77, 100), (3, 300, 48), (40, 64, 200)] {
+            let x = random(1, n * fan_in);
+            let bits16: Vec<u16> = random(2, fan_out * fan_in)
+                .iter()
+                .map(|v| half::bf16::from_f32(*v).to_bits())
+                .collect();
+            let widened: Vec<f32> = bits16
+                .iter()
+                .map(|&h| f32::from_bits(u32::from(h) << 16))
+                .collect();
+            let bias = random(3, fan_out);
+            let narrow = PackedLinear::pack_bf16(&bits16, Some(bias.clone()), fan_in, fan_out);
+            let wide = PackedLinear::pack(&widened, Some(bias), fan_in, fan_out);
+            assert_eq!(narrow.weight_bytes() * 2, wide.weight_bytes());
+            let (mut a, mut b) = (vec![0f32; n * fan_out], vec![0f32; n * fan_out]);
+            narrow.forward(&x, n, &mut a);
+            wide.forward(&x, n, &mut b);
+            assert_eq!(
+                bits(&a),
+                bits(&b),
+                "n={n} fan_in={fan_in} fan_out={fan_out}"
+            );
+        }
     }
 
     #[test]
@@ -634,7 +887,7 @@ mod tests {
                             let at = first[t] * fan_in * NR;
                             (
                                 &x[t * fan_in..(t + 1) * fan_in],
-                                &lin.panels[at..at + run * fan_in * NR],
+                                &lin.f32_panels()[at..at + run * fan_in * NR],
                             )
                         })
                         .collect();
@@ -657,7 +910,7 @@ mod tests {
                 for count in 1..=GROUP.min(fan_out.div_ceil(NR)) {
                     let panels: Vec<&[f32]> = (0..count).map(|p| lin.panel(p)).collect();
                     let mut group = vec![0f32; n * count * NR];
-                    kernel.group(&x, fan_in, n, &panels, &mut group);
+                    kernel.group(&x, fan_in, n, &panels, Prefetch::NONE, &mut group);
                     for t in 0..n {
                         for o in 0..(count * NR).min(fan_out) {
                             assert_eq!(

@@ -207,6 +207,24 @@ impl WeightFiles {
         Ok(values)
     }
 
+    /// One tensor's bf16 bits when the file stores it as bf16, checking its
+    /// shape and refusing NaN and infinite values as [`WeightFiles::f32`]
+    /// does; `None` for any other dtype.
+    pub fn bf16_bits(&self, name: &str, shape: &[usize]) -> Result<Option<Vec<u16>>> {
+        if self.raw(name)?.dtype != Dtype::BF16 {
+            return Ok(None);
+        }
+        // The checks, with the error messages, are the f32 path's.
+        self.f32(name, shape)?;
+        let raw = self.raw(name)?;
+        Ok(Some(
+            raw.data
+                .chunks_exact(2)
+                .map(|b| u16::from_le_bytes([b[0], b[1]]))
+                .collect(),
+        ))
+    }
+
     /// SHA-256 over every tensor in canonical order; see the module docs.
     /// `progress` is called with (bytes hashed, bytes in all).
     pub fn base_hash(&self, progress: &mut dyn FnMut(u64, u64)) -> Result<String> {
