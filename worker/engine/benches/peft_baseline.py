@@ -11,10 +11,10 @@ adapter r % N. transformers has no continuous batching, so requests run in
 static batches of 32 (lorafleet's max_num_seqs in (b)), each batch mixing
 adapters through PEFT's `adapter_names`. Adapters are loaded before timing.
 
-The model is (b)'s bf16 stand-in (`model-bf16`), computed in float32 by
-default, which is the arithmetic lorafleet's CPU engine does; set
-PEFT_DTYPE=bfloat16 to compute in bf16 instead, or PEFT_MODEL=model-f32 for
-the f32 stand-in. The last column is the CPU time the hypervisor gave to
+The model is (b)'s f32 stand-in (`model-f32`), computed in float32, which is
+the arithmetic lorafleet's CPU engine does. PEFT_MODEL=model-bf16 takes the
+bf16 stand-in (LORAFLEET_BENCH_DTYPE=bf16 in (b)); PEFT_DTYPE=bfloat16
+computes in bf16 instead. The last column is the CPU time the hypervisor gave to
 other guests during the row (Linux /proc/stat), as in (b).
 """
 
@@ -44,7 +44,7 @@ def stolen_cpu_seconds():
 def main():
     root = sys.argv[1]
     counts = [int(c) for c in (sys.argv[2] if len(sys.argv) > 2 else "1,8,64,512").split(",")]
-    model_dir = os.path.join(root, os.environ.get("PEFT_MODEL", "model-bf16"))
+    model_dir = os.path.join(root, os.environ.get("PEFT_MODEL", "model-f32"))
     dtype = getattr(torch, os.environ.get("PEFT_DTYPE", "float32"))
     torch.set_num_threads(os.cpu_count())
     print(f"transformers + PEFT baseline, STAND-IN model {os.path.basename(model_dir)} computed in {dtype}, "

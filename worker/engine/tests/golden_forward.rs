@@ -155,8 +155,8 @@ fn a_bf16_checkpoint_gives_the_bits_of_its_f32_widening() {
             kv_blocks: 8,
             block_size: 4,
         };
-        let mut backends = [narrow.path(), wide.path()]
-            .map(|dir| CpuBackend::load(dir, &config, shape).unwrap());
+        let mut backends =
+            [narrow.path(), wide.path()].map(|dir| CpuBackend::load(dir, &config, shape).unwrap());
         let case = golden
             .cases
             .iter()

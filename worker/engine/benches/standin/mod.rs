@@ -59,10 +59,9 @@ fn write(path: &Path, tensors: Vec<(String, Vec<usize>, Vec<f32>)>, dtype: Dtype
     safetensors::serialize_to_file(views, None, path).unwrap();
 }
 
-/// The stand-in base model directory in bf16, as checkpoints are
-/// published; created if missing.
+/// The stand-in base model directory, stored in f32; created if missing.
 pub fn model() -> PathBuf {
-    model_in(Dtype::BF16)
+    model_in(Dtype::F32)
 }
 
 /// The stand-in base model stored as `dtype` (F32 or BF16): the same random
