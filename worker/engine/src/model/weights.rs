@@ -180,9 +180,8 @@ impl WeightFiles {
         })
     }
 
-    /// One tensor as f32, checking its shape. f32, f16 and bf16 are accepted;
-    /// NaN and infinite values are refused.
-    pub fn f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+    /// One tensor with its shape checked, and the file it is in.
+    fn shaped(&self, name: &str, shape: &[usize]) -> Result<(RawTensor<'_>, PathBuf)> {
         let raw = self.raw(name)?;
         let path = self.file_of(name).unwrap_or(Path::new("")).to_path_buf();
         if raw.shape != shape {
@@ -192,17 +191,25 @@ impl WeightFiles {
                 format!("has shape {:?}, expected {:?}", raw.shape, shape),
             ));
         }
+        Ok((raw, path))
+    }
+
+    fn non_finite(path: &Path, name: &str, value: f32, at: usize) -> EngineError {
+        EngineError::model(
+            path,
+            name,
+            format!("holds a non-finite value ({value}) at element {at}"),
+        )
+    }
+
+    /// One tensor as f32, checking its shape. f32, f16 and bf16 are accepted;
+    /// NaN and infinite values are refused.
+    pub fn f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let (raw, path) = self.shaped(name, shape)?;
         let values = to_f32(raw.dtype, raw.data)
             .map_err(|reason| EngineError::model(&path, name, reason))?;
         if let Some(bad) = values.iter().position(|v| !v.is_finite()) {
-            return Err(EngineError::model(
-                path,
-                name,
-                format!(
-                    "holds a non-finite value ({}) at element {bad}",
-                    values[bad]
-                ),
-            ));
+            return Err(Self::non_finite(&path, name, values[bad], bad));
         }
         Ok(values)
     }
@@ -211,18 +218,21 @@ impl WeightFiles {
     /// shape and refusing NaN and infinite values as [`WeightFiles::f32`]
     /// does; `None` for any other dtype.
     pub fn bf16_bits(&self, name: &str, shape: &[usize]) -> Result<Option<Vec<u16>>> {
-        if self.raw(name)?.dtype != Dtype::BF16 {
+        let (raw, path) = self.shaped(name, shape)?;
+        if raw.dtype != Dtype::BF16 {
             return Ok(None);
         }
-        // The checks, with the error messages, are the f32 path's.
-        self.f32(name, shape)?;
-        let raw = self.raw(name)?;
-        Ok(Some(
-            raw.data
-                .chunks_exact(2)
-                .map(|b| u16::from_le_bytes([b[0], b[1]]))
-                .collect(),
-        ))
+        let bits: Vec<u16> = raw
+            .data
+            .chunks_exact(2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+            .collect();
+        // All exponent bits set is an infinity or a NaN.
+        if let Some(bad) = bits.iter().position(|&h| h & 0x7f80 == 0x7f80) {
+            let value = half::bf16::from_bits(bits[bad]).to_f32();
+            return Err(Self::non_finite(&path, name, value, bad));
+        }
+        Ok(Some(bits))
     }
 
     /// SHA-256 over every tensor in canonical order; see the module docs.
@@ -379,9 +389,32 @@ mod tests {
                 ("h", Dtype::F16, vec![2], f16),
                 ("nan", Dtype::F32, vec![2], f32_bytes(&[1.0, f32::NAN])),
                 ("int", Dtype::I32, vec![1], vec![0, 0, 0, 0]),
+                (
+                    "bf_inf",
+                    Dtype::BF16,
+                    vec![2],
+                    [0x3fc0u16, 0x7f80]
+                        .iter()
+                        .flat_map(|h| h.to_le_bytes())
+                        .collect(),
+                ),
             ],
         );
         let w = WeightFiles::open(vec![path]).unwrap();
+        // bf16 kept as bits: the same values, checks and messages as f32.
+        let bits = w.bf16_bits("bf", &[2]).unwrap().unwrap();
+        assert_eq!(
+            bits,
+            [1.5f32, -2.0].map(|x| half::bf16::from_f32(x).to_bits())
+        );
+        assert_eq!(w.bf16_bits("h", &[2]).unwrap(), None);
+        let err = w.bf16_bits("bf", &[3]).unwrap_err().to_string();
+        assert!(err.contains("`bf`: has shape [2], expected [3]"), "{err}");
+        let err = w.bf16_bits("bf_inf", &[2]).unwrap_err().to_string();
+        assert!(
+            err.contains("`bf_inf`: holds a non-finite value (inf) at element 1"),
+            "{err}"
+        );
         assert_eq!(w.f32("bf", &[2]).unwrap(), vec![1.5, -2.0]);
         assert_eq!(w.f32("h", &[2]).unwrap(), vec![0.25, 8.0]);
         let err = w.f32("h", &[3]).unwrap_err().to_string();
