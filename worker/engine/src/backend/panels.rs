@@ -14,6 +14,8 @@
 
 use rayon::prelude::*;
 
+use super::amx;
+
 /// Output features per panel.
 pub const NR: usize = 16;
 /// Panels per task and per AVX-512 tile: 8 tokens x 3 panels is 24 of the
@@ -35,25 +37,51 @@ pub struct PackedLinear {
 }
 
 /// Panel storage in the checkpoint's own precision. bf16 weights stay bf16
-/// in memory, which halves what a decode step reads, and are widened to
-/// f32 a group of panels at a time just before use: widening bf16 is exact
-/// (the 16 bits become the top half of an f32), so the products are the
-/// ones f32 weights of the same values give, bit for bit.
+/// in memory, which halves what a decode step reads.
+///
+/// bf16 panels are laid out for AMX tiles (see [`super::amx`]): inputs in
+/// pairs, padded to a multiple of [`amx::KB`]. Where the CPU has AMX they
+/// are multiplied there; elsewhere they are widened to f32 a group of
+/// panels at a time just before use. Widening is exact (the 16 bits become
+/// the top half of an f32), so there the products are the ones f32 weights
+/// of the same values give, bit for bit.
 #[derive(Debug)]
 enum Panels {
     F32(Vec<f32>),
     Bf16(Vec<u16>),
 }
 
+/// Packs row-major `[fan_out, fan_in]` bf16 bits into the AMX pair layout:
+/// panel `p`, input `k`, output `j` of the panel at
+/// `p * kpad * NR + (k / 2) * 2 * NR + 2 * j + k % 2`, zero-padded.
+fn pack_pairs(w: &[u16], fan_in: usize, fan_out: usize) -> Vec<u16> {
+    assert_eq!(
+        w.len(),
+        fan_in * fan_out,
+        "weights of [{fan_out}, {fan_in}]"
+    );
+    let kpad = amx::padded(fan_in);
+    let mut panels = vec![0u16; fan_out.div_ceil(NR) * kpad * NR];
+    for (p, panel) in panels.chunks_exact_mut(kpad * NR).enumerate() {
+        for j in 0..NR.min(fan_out - p * NR) {
+            let row = &w[(p * NR + j) * fan_in..][..fan_in];
+            for (k, &v) in row.iter().enumerate() {
+                panel[(k / 2) * 2 * NR + 2 * j + k % 2] = v;
+            }
+        }
+    }
+    panels
+}
+
 /// Packs row-major `[fan_out, fan_in]` values into zero-padded panels.
-fn pack_panels<T: Copy + Default>(w: &[T], fan_in: usize, fan_out: usize) -> Vec<T> {
+fn pack_panels(w: &[f32], fan_in: usize, fan_out: usize) -> Vec<f32> {
     assert_eq!(
         w.len(),
         fan_in * fan_out,
         "weights of [{fan_out}, {fan_in}]"
     );
     let count = fan_out.div_ceil(NR);
-    let mut panels = vec![T::default(); count * fan_in * NR];
+    let mut panels = vec![0f32; count * fan_in * NR];
     for (p, panel) in panels.chunks_exact_mut(fan_in * NR).enumerate() {
         for j in 0..NR.min(fan_out - p * NR) {
             let row = &w[(p * NR + j) * fan_in..][..fan_in];
@@ -80,7 +108,7 @@ impl PackedLinear {
     /// they stay bf16 in memory (see [`Panels`]).
     pub fn pack_bf16(w: &[u16], bias: Option<Vec<f32>>, fan_in: usize, fan_out: usize) -> Self {
         PackedLinear {
-            panels: Panels::Bf16(pack_panels(w, fan_in, fan_out)),
+            panels: Panels::Bf16(pack_pairs(w, fan_in, fan_out)),
             bias,
             fan_in,
             fan_out,
@@ -128,6 +156,19 @@ impl PackedLinear {
     /// buffers. Each task writes its own columns, so nothing is copied
     /// after the parallel part.
     pub fn forward_parts(&self, x: &[f32], n: usize, outs: &mut [&mut [f32]]) {
+        self.forward_with(Kernel::detect(), amx::available(), x, n, outs);
+    }
+
+    /// [`PackedLinear::forward_parts`] on a chosen kernel, and on AMX tiles
+    /// for bf16 panels if `amx`.
+    fn forward_with(
+        &self,
+        kernel: Kernel,
+        amx: bool,
+        x: &[f32],
+        n: usize,
+        outs: &mut [&mut [f32]],
+    ) {
         let (fan_in, fan_out) = (self.fan_in, self.fan_out);
         assert_eq!(x.len(), n * fan_in, "x holds {n} rows of {fan_in}");
         if n == 0 {
@@ -144,56 +185,91 @@ impl PackedLinear {
         }
         assert_eq!(lo, fan_out, "the outputs cover fan_out");
         let panels = fan_out.div_ceil(NR);
-        let panel_len = fan_in * NR;
-        let kernel = Kernel::detect();
-        (0..panels.div_ceil(GROUP)).into_par_iter().for_each_init(
-            || (vec![0f32; n * GROUP * NR], Vec::new()),
-            |(local, wide), b| {
-                let (first, count) = (b * GROUP, GROUP.min(panels - b * GROUP));
-                let width = count * NR;
-                let local = &mut local[..n * width];
-                // The group after this one is what this task most likely
-                // runs next (rayon hands each thread a run of groups).
-                let next =
-                    (first + count) * panel_len..((first + count + GROUP).min(panels)) * panel_len;
-                match &self.panels {
-                    Panels::F32(all) => {
-                        let group: Vec<&[f32]> = all[first * panel_len..][..count * panel_len]
-                            .chunks_exact(panel_len)
-                            .collect();
-                        kernel.group(x, fan_in, n, &group, Prefetch::of(&all[next]), local);
+        // The activations are split for the tiles once, for every task.
+        let split = match &self.panels {
+            Panels::Bf16(_) if amx => Some(amx::Split::new(x, n, fan_in)),
+            _ => None,
+        };
+        let (group_size, rows) = match &split {
+            Some(split) => (amx::GROUP, split.rows()),
+            None => (GROUP, n),
+        };
+        (0..panels.div_ceil(group_size))
+            .into_par_iter()
+            .for_each_init(
+                || (vec![0f32; rows * group_size * NR], Vec::new()),
+                |(local, wide), b| {
+                    let (first, count) = (b * group_size, group_size.min(panels - b * group_size));
+                    let width = count * NR;
+                    let local = &mut local[..rows * width];
+                    match (&self.panels, &split) {
+                        (Panels::F32(all), _) => {
+                            let panel_len = fan_in * NR;
+                            let group: Vec<&[f32]> = all[first * panel_len..][..count * panel_len]
+                                .chunks_exact(panel_len)
+                                .collect();
+                            // The group after this one is what this task most
+                            // likely runs next (rayon hands each thread a run
+                            // of groups).
+                            let next = &all[(first + count) * panel_len
+                                ..(first + count + GROUP).min(panels) * panel_len];
+                            kernel.group(x, fan_in, n, &group, Prefetch::of(next), local);
+                        }
+                        (Panels::Bf16(all), Some(split)) => {
+                            let panel_len = amx::padded(fan_in) * NR;
+                            let group = &all[first * panel_len..][..count * panel_len];
+                            let next = &all[(first + count) * panel_len
+                                ..(first + count + amx::GROUP).min(panels) * panel_len];
+                            #[cfg(target_arch = "x86_64")]
+                            // SAFETY: `split` exists only where the caller
+                            // passed `amx`, which `forward_parts` takes from
+                            // `amx::available`, and the tests only where it
+                            // is true.
+                            #[allow(unsafe_code)]
+                            unsafe {
+                                amx::group(split, group, count, Prefetch::of(next), local)
+                            };
+                            #[cfg(not(target_arch = "x86_64"))]
+                            unreachable!("AMX on {split:?} without x86_64 {group:?}");
+                        }
+                        (Panels::Bf16(all), None) => {
+                            let panel_len = amx::padded(fan_in) * NR;
+                            wide.resize(GROUP * fan_in * NR, 0f32);
+                            let wide = &mut wide[..count * fan_in * NR];
+                            kernel.widen_bf16(
+                                &all[first * panel_len..][..count * panel_len],
+                                fan_in,
+                                wide,
+                            );
+                            let group: Vec<&[f32]> = wide.chunks_exact(fan_in * NR).collect();
+                            let next = &all[(first + count) * panel_len
+                                ..(first + count + GROUP).min(panels) * panel_len];
+                            kernel.group(x, fan_in, n, &group, Prefetch::of(next), local);
+                        }
                     }
-                    Panels::Bf16(all) => {
-                        wide.resize(GROUP * panel_len, 0f32);
-                        let wide = &mut wide[..count * panel_len];
-                        kernel.widen_bf16(&all[first * panel_len..][..count * panel_len], wide);
-                        let group: Vec<&[f32]> = wide.chunks_exact(panel_len).collect();
-                        kernel.group(x, fan_in, n, &group, Prefetch::of(&all[next]), local);
-                    }
-                }
-                let (glo, ghi) = (first * NR, (first * NR + width).min(fan_out));
-                for (plo, pw, out) in &parts {
-                    let (lo, hi) = (glo.max(*plo), ghi.min(plo + pw));
-                    if lo >= hi {
-                        continue;
-                    }
-                    for t in 0..n {
-                        let src = &local[t * width + lo - glo..t * width + hi - glo];
-                        // SAFETY: columns lo..hi of this part belong to this
-                        // group alone, and row t is inside the part's
-                        // `[n, pw]` buffer, which outlives the parallel loop.
-                        #[allow(unsafe_code)]
-                        let dst = unsafe { out.row(t * pw + lo - plo, hi - lo) };
-                        dst.copy_from_slice(src);
-                        if let Some(bias) = &self.bias {
-                            for (y, &b) in dst.iter_mut().zip(&bias[lo..hi]) {
-                                *y += b;
+                    let (glo, ghi) = (first * NR, (first * NR + width).min(fan_out));
+                    for (plo, pw, out) in &parts {
+                        let (lo, hi) = (glo.max(*plo), ghi.min(plo + pw));
+                        if lo >= hi {
+                            continue;
+                        }
+                        for t in 0..n {
+                            let src = &local[t * width + lo - glo..t * width + hi - glo];
+                            // SAFETY: columns lo..hi of this part belong to this
+                            // group alone, and row t is inside the part's
+                            // `[n, pw]` buffer, which outlives the parallel loop.
+                            #[allow(unsafe_code)]
+                            let dst = unsafe { out.row(t * pw + lo - plo, hi - lo) };
+                            dst.copy_from_slice(src);
+                            if let Some(bias) = &self.bias {
+                                for (y, &b) in dst.iter_mut().zip(&bias[lo..hi]) {
+                                    *y += b;
+                                }
                             }
                         }
                     }
-                }
-            },
-        );
+                },
+            );
     }
 }
 
@@ -216,6 +292,14 @@ impl Prefetch {
             start: region.as_ptr().cast(),
             bytes: std::mem::size_of_val(region),
         }
+    }
+
+    pub fn start(&self) -> *const i8 {
+        self.start.cast()
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.bytes
     }
 }
 
@@ -383,27 +467,40 @@ impl Kernel {
 }
 
 impl Kernel {
-    /// `dst[i] = src[i]` widened from bf16 bits to f32: exact, the bits
-    /// become the top half of the f32.
-    pub fn widen_bf16(self, src: &[u16], dst: &mut [f32]) {
-        assert_eq!(src.len(), dst.len(), "as many f32 as bf16 values");
-        match self {
-            Kernel::Portable => widen_portable(src, dst),
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the CPU has AVX2 (see `single`); lengths asserted.
-            #[allow(unsafe_code)]
-            Kernel::Avx2 => unsafe { x86::widen_avx2(src, dst) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the CPU has AVX-512F (see `group`); lengths asserted.
-            #[allow(unsafe_code)]
-            Kernel::Avx512 => unsafe { x86::widen_avx512(src, dst) },
+    /// Widens bf16 panels in the pair layout ([`PackedLinear::pack_bf16`],
+    /// `kpad = amx::padded(fan_in)` inputs each) to f32 panels of `fan_in`
+    /// inputs, k-major: exact, the bits become the top half of the f32.
+    pub fn widen_bf16(self, src: &[u16], fan_in: usize, dst: &mut [f32]) {
+        let (kpad, count) = (amx::padded(fan_in), dst.len() / (fan_in * NR).max(1));
+        assert_eq!(dst.len(), count * fan_in * NR, "whole f32 panels");
+        assert_eq!(src.len(), count * kpad * NR, "as many bf16 panels");
+        for (src, dst) in src
+            .chunks_exact(kpad * NR)
+            .zip(dst.chunks_exact_mut(fan_in * NR))
+        {
+            match self {
+                Kernel::Portable => widen_portable(src, fan_in, dst),
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: the CPU has AVX2 (see `single`); sizes asserted.
+                #[allow(unsafe_code)]
+                Kernel::Avx2 => unsafe { x86::widen_avx2(src, fan_in, dst) },
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: the CPU has AVX-512F (see `group`); sizes asserted.
+                #[allow(unsafe_code)]
+                Kernel::Avx512 => unsafe { x86::widen_avx512(src, fan_in, dst) },
+            }
         }
     }
 }
 
-fn widen_portable(src: &[u16], dst: &mut [f32]) {
-    for (d, &s) in dst.iter_mut().zip(src) {
-        *d = f32::from_bits(u32::from(s) << 16);
+/// One panel: each pair row `r` of `2 * NR` bf16 holds inputs `2r` (even
+/// places) and `2r + 1` (odd places) of the `NR` outputs.
+fn widen_portable(src: &[u16], fan_in: usize, dst: &mut [f32]) {
+    for k in 0..fan_in {
+        for j in 0..NR {
+            let h = src[(k / 2) * 2 * NR + 2 * j + k % 2];
+            dst[k * NR + j] = f32::from_bits(u32::from(h) << 16);
+        }
     }
 }
 
@@ -571,35 +668,53 @@ mod x86 {
     }
 
     /// # Safety
-    /// The CPU has AVX2; `src` and `dst` have the same length.
+    /// The CPU has AVX2; `src` is one pair-layout panel of at least
+    /// `fan_in` (rounded up to even) inputs and `dst` `fan_in * NR` values.
     #[target_feature(enable = "avx2")]
-    pub unsafe fn widen_avx2(src: &[u16], dst: &mut [f32]) {
-        let body = src.len() / 8 * 8;
-        for i in (0..body).step_by(8) {
-            // SAFETY: i + 8 <= body <= both lengths.
-            unsafe {
-                let h = _mm_loadu_si128(src.as_ptr().add(i).cast());
-                let w = _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h));
-                _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_castsi256_ps(w));
+    pub unsafe fn widen_avx2(src: &[u16], fan_in: usize, dst: &mut [f32]) {
+        // Each 32-bit lane holds one output's pair: the low half is input
+        // 2r, the high half input 2r + 1.
+        let high = _mm256_set1_epi32(0xffff_0000_u32 as i32);
+        for r in 0..fan_in / 2 {
+            for h in 0..2 {
+                // SAFETY: pair row r < fan_in / 2 lies in the panel, and
+                // inputs 2r and 2r + 1 < fan_in in dst.
+                unsafe {
+                    let v = _mm256_loadu_si256(src.as_ptr().add(r * 2 * NR + h * 16).cast());
+                    let even = _mm256_slli_epi32::<16>(v);
+                    let odd = _mm256_and_si256(v, high);
+                    let d = dst.as_mut_ptr().add(2 * r * NR + h * 8);
+                    _mm256_storeu_ps(d, _mm256_castsi256_ps(even));
+                    _mm256_storeu_ps(d.add(NR), _mm256_castsi256_ps(odd));
+                }
             }
         }
-        super::widen_portable(&src[body..], &mut dst[body..]);
+        if fan_in % 2 == 1 {
+            // An odd last input (no model has one) the simple way, with
+            // the rest again.
+            super::widen_portable(src, fan_in, dst);
+        }
     }
 
     /// # Safety
-    /// The CPU has AVX-512F; `src` and `dst` have the same length.
+    /// The CPU has AVX-512F; as [`widen_avx2`].
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn widen_avx512(src: &[u16], dst: &mut [f32]) {
-        let body = src.len() / 16 * 16;
-        for i in (0..body).step_by(16) {
-            // SAFETY: i + 16 <= body <= both lengths.
+    pub unsafe fn widen_avx512(src: &[u16], fan_in: usize, dst: &mut [f32]) {
+        let high = _mm512_set1_epi32(0xffff_0000_u32 as i32);
+        for r in 0..fan_in / 2 {
+            // SAFETY: as in `widen_avx2`.
             unsafe {
-                let h = _mm256_loadu_si256(src.as_ptr().add(i).cast());
-                let w = _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h));
-                _mm512_storeu_ps(dst.as_mut_ptr().add(i), _mm512_castsi512_ps(w));
+                let v = _mm512_loadu_si512(src.as_ptr().add(r * 2 * NR).cast());
+                let d = dst.as_mut_ptr().add(2 * r * NR);
+                _mm512_storeu_ps(d, _mm512_castsi512_ps(_mm512_slli_epi32::<16>(v)));
+                _mm512_storeu_ps(d.add(NR), _mm512_castsi512_ps(_mm512_and_si512(v, high)));
             }
         }
-        super::widen_portable(&src[body..], &mut dst[body..]);
+        if fan_in % 2 == 1 {
+            // An odd last input (no model has one) the simple way, with
+            // the rest again.
+            super::widen_portable(src, fan_in, dst);
+        }
     }
 
     /// # Safety
@@ -761,42 +876,189 @@ mod tests {
         v.iter().map(|f| f.to_bits()).collect()
     }
 
+    fn bf16_bits(v: &[f32]) -> Vec<u16> {
+        v.iter()
+            .map(|v| half::bf16::from_f32(*v).to_bits())
+            .collect()
+    }
+
+    fn widened(h: &[u16]) -> Vec<f32> {
+        h.iter()
+            .map(|&h| f32::from_bits(u32::from(h) << 16))
+            .collect()
+    }
+
+    fn bf16_panels(lin: &PackedLinear) -> &[u16] {
+        match &lin.panels {
+            Panels::Bf16(all) => all,
+            Panels::F32(_) => panic!("the panels are f32"),
+        }
+    }
+
     #[test]
     fn bf16_panels_give_the_bits_of_their_f32_widening() {
         // Every kernel widens each bf16 pattern (finite, subnormal, signed
-        // zero) exactly, at lengths that leave every remainder.
+        // zero) exactly, out of the pair layout, for odd and even fan_in.
         let patterns: Vec<u16> = (0..=u16::MAX).step_by(7).chain([0x8000, 0x0001]).collect();
-        for &kernel in &Kernel::available() {
-            for len in [patterns.len(), 1, 15, 17, 33] {
-                let mut wide = vec![f32::NAN; len];
-                kernel.widen_bf16(&patterns[..len], &mut wide);
-                for (&h, &f) in patterns.iter().zip(&wide) {
-                    assert_eq!(f.to_bits(), u32::from(h) << 16, "{kernel:?} {h:#06x}");
-                }
+        for (fan_in, fan_out) in [(97, 33), (64, 48), (1, 16), (130, 7)] {
+            let w: Vec<u16> = (0..fan_in * fan_out)
+                .map(|i| patterns[(i * 31) % patterns.len()])
+                .collect();
+            let narrow = PackedLinear::pack_bf16(&w, None, fan_in, fan_out);
+            let wide = PackedLinear::pack(&widened(&w), None, fan_in, fan_out);
+            for &kernel in &Kernel::available() {
+                let mut got = vec![f32::NAN; wide.f32_panels().len()];
+                kernel.widen_bf16(bf16_panels(&narrow), fan_in, &mut got);
+                assert_eq!(
+                    bits(&got),
+                    bits(wide.f32_panels()),
+                    "{kernel:?} fan_in={fan_in}"
+                );
             }
         }
+        // Where bf16 is widened, projections give the bits of f32 weights.
         for (n, fan_in, fan_out) in [(7, 45, 9), (32, 77, 100), (3, 300, 48), (40, 64, 200)] {
             let x = random(1, n * fan_in);
-            let bits16: Vec<u16> = random(2, fan_out * fan_in)
-                .iter()
-                .map(|v| half::bf16::from_f32(*v).to_bits())
-                .collect();
-            let widened: Vec<f32> = bits16
-                .iter()
-                .map(|&h| f32::from_bits(u32::from(h) << 16))
-                .collect();
+            let w = bf16_bits(&random(2, fan_out * fan_in));
             let bias = random(3, fan_out);
-            let narrow = PackedLinear::pack_bf16(&bits16, Some(bias.clone()), fan_in, fan_out);
-            let wide = PackedLinear::pack(&widened, Some(bias), fan_in, fan_out);
-            assert_eq!(narrow.weight_bytes() * 2, wide.weight_bytes());
-            let (mut a, mut b) = (vec![0f32; n * fan_out], vec![0f32; n * fan_out]);
-            narrow.forward(&x, n, &mut a);
-            wide.forward(&x, n, &mut b);
-            assert_eq!(
-                bits(&a),
-                bits(&b),
-                "n={n} fan_in={fan_in} fan_out={fan_out}"
+            let narrow = PackedLinear::pack_bf16(&w, Some(bias.clone()), fan_in, fan_out);
+            let wide = PackedLinear::pack(&widened(&w), Some(bias), fan_in, fan_out);
+            let kpad = amx::padded(fan_in);
+            assert_eq!(narrow.weight_bytes(), fan_out.div_ceil(NR) * kpad * NR * 2);
+            for &kernel in &Kernel::available() {
+                let (mut a, mut b) = (vec![0f32; n * fan_out], vec![0f32; n * fan_out]);
+                narrow.forward_with(kernel, false, &x, n, &mut [&mut a]);
+                wide.forward_with(kernel, false, &x, n, &mut [&mut b]);
+                assert_eq!(
+                    bits(&a),
+                    bits(&b),
+                    "{kernel:?} n={n} fan_in={fan_in} fan_out={fan_out}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn activations_split_into_three_bf16_parts_exactly() {
+        let mut rng = crate::sampling::Rng::new(9);
+        for i in 0..200_000 {
+            // Magnitudes from 1e-30 to 1e30, both signs, and the edges.
+            let v = match i {
+                0 => 0.0,
+                1 => -0.0,
+                2 => f32::MAX,
+                3 => f32::MIN_POSITIVE * 2f32.powi(24),
+                _ => {
+                    let e = rng.next_f64() * 200.0 - 100.0;
+                    let s = if rng.next_f64() < 0.5 { -1.0 } else { 1.0 };
+                    (s * 2f64.powf(e) * (1.0 + rng.next_f64())) as f32
+                }
+            };
+            let parts = amx::split(v);
+            let sum: f64 = parts
+                .iter()
+                .map(|&h| f64::from(f32::from_bits(u32::from(h) << 16)))
+                .sum();
+            assert_eq!(sum, f64::from(v), "{v:e} split into {parts:04x?}");
+        }
+    }
+
+    #[test]
+    fn amx_is_used_where_the_cpu_and_os_offer_it() {
+        // The tile path must not turn itself off silently on a machine
+        // that has it: that would only show as lost speed.
+        let flags = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+        let has = |f: &str| flags.split_whitespace().any(|w| w == f);
+        if cfg!(all(target_arch = "x86_64", target_os = "linux"))
+            && has("amx_tile")
+            && has("amx_bf16")
+            && has("avx512f")
+        {
+            assert!(amx::available(), "the CPU reports AMX but it is not used");
+        }
+        if !has("amx_tile") {
+            assert!(!amx::available(), "AMX claimed without amx_tile");
+        }
+    }
+
+    #[test]
+    fn amx_projections_are_as_accurate_as_f32_and_batch_invariant() {
+        if !amx::available() {
+            // Nothing to run the tiles on; the widened path is the one
+            // this machine uses, and the test above covers it.
+            return;
+        }
+        let kernel = Kernel::detect();
+        for (n, fan_in, fan_out) in [
+            (7, 45, 9),
+            (33, 77, 100),
+            (3, 300, 48),
+            (40, 768, 200),
+            (1, 2048, 64),
+        ] {
+            let x = random(1, n * fan_in);
+            let w = bf16_bits(&random(2, fan_out * fan_in));
+            let wf = widened(&w);
+            let bias = random(3, fan_out);
+            let lin = PackedLinear::pack_bf16(&w, Some(bias.clone()), fan_in, fan_out);
+            let mut got = vec![f32::NAN; n * fan_out];
+            lin.forward_with(kernel, true, &x, n, &mut [&mut got]);
+            let mut fma = vec![0f32; n * fan_out];
+            lin.forward_with(kernel, false, &x, n, &mut [&mut fma]);
+            assert_ne!(
+                bits(&got),
+                bits(&fma),
+                "the tiles ran (their rounding differs)"
             );
+            // Against the exact sum: the error, relative to the sum of
+            // |terms|, is within a few f32 roundings per addition, as an
+            // f32 chain's is.
+            let mut worst = (0f64, 0f64);
+            for t in 0..n {
+                for o in 0..fan_out {
+                    let (mut exact, mut mass) = (0f64, 0f64);
+                    for k in 0..fan_in {
+                        let term = f64::from(x[t * fan_in + k]) * f64::from(wf[o * fan_in + k]);
+                        exact += term;
+                        mass += term.abs();
+                    }
+                    exact += f64::from(bias[o]);
+                    mass += f64::from(bias[o]).abs();
+                    let at = t * fan_out + o;
+                    worst.0 = worst.0.max((f64::from(got[at]) - exact).abs() / mass);
+                    worst.1 = worst.1.max((f64::from(fma[at]) - exact).abs() / mass);
+                }
+            }
+            let bound = 3.0 * fan_in as f64 * f64::from(f32::EPSILON);
+            assert!(
+                worst.0 <= bound && worst.0 <= 8.0 * worst.1.max(f64::from(f32::EPSILON)),
+                "fan_in={fan_in}: tiles {:e}, f32 chain {:e}",
+                worst.0,
+                worst.1
+            );
+            // Each token alone, and every prefix of the batch, gives the
+            // bits it had in the batch.
+            for m in [1, 2, 15, 16, 17, n] {
+                let m = m.min(n);
+                let mut part = vec![f32::NAN; m * fan_out];
+                lin.forward_with(kernel, true, &x[..m * fan_in], m, &mut [&mut part]);
+                assert_eq!(bits(&part), bits(&got[..m * fan_out]), "first {m} of {n}");
+            }
+            for t in 0..n {
+                let mut alone = vec![f32::NAN; fan_out];
+                lin.forward_with(
+                    kernel,
+                    true,
+                    &x[t * fan_in..][..fan_in],
+                    1,
+                    &mut [&mut alone],
+                );
+                assert_eq!(
+                    bits(&alone),
+                    bits(&got[t * fan_out..][..fan_out]),
+                    "token {t} of {n}"
+                );
+            }
         }
     }
 
