@@ -197,10 +197,9 @@ macro_rules! part {
     };
 }
 
-/// Stores C tile `tmm<c>` to, or with `tileloadd` loads it from, 16 rows
-/// of `stride` bytes from `at`.
-macro_rules! move_c {
-    ("tilestored", $c:literal, $at:expr, $stride:expr) => {
+/// Stores C tile `tmm<c>` to 16 rows of `stride` bytes from `at`.
+macro_rules! store_c {
+    ($c:literal, $at:expr, $stride:expr) => {
         std::arch::asm!(
             concat!("tilestored [{c} + {cs}*1], tmm", $c),
             c = in(reg) $at,
@@ -208,41 +207,20 @@ macro_rules! move_c {
             options(nostack),
         )
     };
-    ("tileloadd", $c:literal, $at:expr, $stride:expr) => {
-        std::arch::asm!(
-            concat!("tileloadd tmm", $c, ", [{c} + {cs}*1]"),
-            c = in(reg) $at,
-            cs = in(reg) $stride,
-            options(nostack, readonly),
-        )
-    };
 }
-
-/// Input blocks per pass over a task's panels: the passes' weight tiles
-/// (4 panels x 6 blocks x 1 KB) stay in L1 while every row block uses
-/// them, and each row block's C tiles are stored after a pass and loaded
-/// again for the next, which does not change a value.
-const PASS: usize = 6;
 
 /// `out[t, q*NR + j] = x[t]·W[q*NR + j]` for every padded row `t` of
 /// `split` and the `count` (1 to [`GROUP`]) panels in `panels` (`count *
 /// kpad * NR` bf16 in the pair layout); `out` is `[split.rows(), count *
 /// NR]`.
 ///
-/// Each block of 16 rows keeps one C tile per panel (`tmm0`..`tmm3`); per
-/// block of [`KB`] inputs it loads the three activation tiles once and
-/// each panel's weight tile once, for three products each, so a tile load
-/// feeds almost two products.
+/// Two row blocks by two panels at a time keep four C tiles
+/// (`tmm0`..`tmm3`); per block of [`KB`] inputs each panel's weight tile is
+/// loaded once and used for all three parts of both row blocks.
 ///
 /// # Safety
 /// [`available`] returned true.
-pub unsafe fn group(
-    split: &Split,
-    panels: &[u16],
-    count: usize,
-    ahead: super::panels::Prefetch,
-    out: &mut [f32],
-) {
+pub unsafe fn group(split: &Split, panels: &[u16], count: usize, out: &mut [f32]) {
     let kpad = split.kpad;
     let width = count * NR;
     assert!((1..=GROUP).contains(&count), "1 to {GROUP} panels");
@@ -256,129 +234,101 @@ pub unsafe fn group(
     let blocks = kpad / KB;
     let b_stride = 2 * NR * 2;
     let row_blocks = split.rows / ROWS;
-    // The next task's weights are asked into L2 a few lines per block, so
-    // that reading them from memory overlaps these products.
-    let (mut next, end) = (ahead.start(), ahead.start().wrapping_add(ahead.bytes()));
-    let steps = blocks * row_blocks.div_ceil(2) * count.div_ceil(2);
-    let lines_per_step = ahead.bytes().div_ceil(64).div_ceil(steps);
     // SAFETY (whole body): `available` says the CPU has AMX and the OS gave
     // this process the tile state. Every tile load reads 16 rows of 64
     // bytes: A tiles of row blocks `rb`, `rb + 1 < row_blocks` and input
     // block `kb`, inside `split.parts` (rows and kpad are padded); B rows
     // are the 16 input pairs of block `kb` of panels `q`, `q + 1 < count`,
-    // inside `panels`. C loads and stores touch rows of those row blocks
-    // (< split.rows) and columns of those panels (< width) of `out`.
-    // Prefetches never fault. The tiles are released before returning,
-    // and nothing else in the process uses them.
+    // inside `panels`. C stores touch rows of those row blocks
+    // (< split.rows) and columns of those panels (< width) of `out`. The
+    // tile configuration is loaded once per thread and nothing else in
+    // the process uses tiles, so it is the one loaded here.
     unsafe {
         if !CONFIGURED.get() {
             std::arch::asm!("ldtilecfg [{}]", in(reg) CONFIG.0.as_ptr(), options(nostack, readonly));
             CONFIGURED.set(true);
         }
         let (a_all, b_all, c_all) = (split.parts.as_ptr(), panels.as_ptr(), out.as_mut_ptr());
-        for first in (0..blocks).step_by(PASS) {
-            for rb in (0..row_blocks).step_by(2) {
-                let two = rb + 1 < row_blocks;
-                for q in (0..count).step_by(2) {
-                    let pair = q + 1 < count;
-                    let c = |r: usize, p: usize| c_all.add((rb + r) * ROWS * width + (q + p) * NR);
-                    // Tiles of a missing row block or panel are loaded
-                    // and stored nowhere; they stay zero.
+        for rb in (0..row_blocks).step_by(2) {
+            let two = rb + 1 < row_blocks;
+            for q in (0..count).step_by(2) {
+                let pair = q + 1 < count;
+                let c = |r: usize, p: usize| c_all.add((rb + r) * ROWS * width + (q + p) * NR);
+                // Tiles of a missing row block or panel are never stored.
+                std::arch::asm!(
+                    "tilezero tmm0",
+                    "tilezero tmm1",
+                    "tilezero tmm2",
+                    "tilezero tmm3",
+                    options(nostack, nomem)
+                );
+                for kb in 0..blocks {
+                    let b = b_all.add(q * kpad * NR + kb * KB * NR);
                     std::arch::asm!(
-                        "tilezero tmm0",
-                        "tilezero tmm1",
-                        "tilezero tmm2",
-                        "tilezero tmm3",
-                        options(nostack, nomem)
+                        "tileloadd tmm4, [{b} + {bs}*1]",
+                        b = in(reg) b,
+                        bs = in(reg) b_stride,
+                        options(nostack, readonly),
                     );
-                    if first > 0 {
-                        move_c!("tileloadd", "0", c(0, 0), c_stride);
-                        if pair {
-                            move_c!("tileloadd", "1", c(0, 1), c_stride);
-                        }
-                        if two {
-                            move_c!("tileloadd", "2", c(1, 0), c_stride);
-                        }
-                        if two && pair {
-                            move_c!("tileloadd", "3", c(1, 1), c_stride);
-                        }
-                    }
-                    for kb in first..(first + PASS).min(blocks) {
-                        for _ in 0..lines_per_step {
-                            if next < end {
-                                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
-                                    next,
-                                );
-                                next = next.wrapping_add(64);
-                            }
-                        }
-                        let b = b_all.add(q * kpad * NR + kb * KB * NR);
+                    if pair {
                         std::arch::asm!(
-                            "tileloadd tmm4, [{b} + {bs}*1]",
-                            b = in(reg) b,
+                            "tileloadd tmm5, [{b} + {bs}*1]",
+                            b = in(reg) b.add(kpad * NR),
                             bs = in(reg) b_stride,
                             options(nostack, readonly),
                         );
-                        if pair {
-                            std::arch::asm!(
-                                "tileloadd tmm5, [{b} + {bs}*1]",
-                                b = in(reg) b.add(kpad * NR),
-                                bs = in(reg) b_stride,
-                                options(nostack, readonly),
-                            );
-                        }
-                        let a = a_all.add((rb * blocks + kb) * 3 * TILE);
-                        // The second row block's tiles, if there is one.
-                        let a1 = a.wrapping_add(blocks * 3 * TILE);
-                        for part in 0..3 {
-                            let (a0, a1) = (a.add(part * TILE), a1.wrapping_add(part * TILE));
-                            match (two, pair) {
-                                (true, true) => part!(
-                                    a0,
-                                    a1,
-                                    a_stride,
-                                    "tileloadd tmm6, [{a0} + {as}*1]",
-                                    "tileloadd tmm7, [{a1} + {as}*1]",
-                                    "tdpbf16ps tmm0, tmm6, tmm4",
-                                    "tdpbf16ps tmm1, tmm6, tmm5",
-                                    "tdpbf16ps tmm2, tmm7, tmm4",
-                                    "tdpbf16ps tmm3, tmm7, tmm5"
-                                ),
-                                (true, false) => part!(
-                                    a0,
-                                    a1,
-                                    a_stride,
-                                    "tileloadd tmm6, [{a0} + {as}*1]",
-                                    "tileloadd tmm7, [{a1} + {as}*1]",
-                                    "tdpbf16ps tmm0, tmm6, tmm4",
-                                    "tdpbf16ps tmm2, tmm7, tmm4"
-                                ),
-                                (false, true) => part!(
-                                    a0,
-                                    a_stride,
-                                    "tileloadd tmm6, [{a0} + {as}*1]",
-                                    "tdpbf16ps tmm0, tmm6, tmm4",
-                                    "tdpbf16ps tmm1, tmm6, tmm5"
-                                ),
-                                (false, false) => part!(
-                                    a0,
-                                    a_stride,
-                                    "tileloadd tmm6, [{a0} + {as}*1]",
-                                    "tdpbf16ps tmm0, tmm6, tmm4"
-                                ),
-                            }
+                    }
+                    let a = a_all.add((rb * blocks + kb) * 3 * TILE);
+                    // The second row block's tiles, if there is one.
+                    let a1 = a.wrapping_add(blocks * 3 * TILE);
+                    for part in 0..3 {
+                        let (a0, a1) = (a.add(part * TILE), a1.wrapping_add(part * TILE));
+                        match (two, pair) {
+                            (true, true) => part!(
+                                a0,
+                                a1,
+                                a_stride,
+                                "tileloadd tmm6, [{a0} + {as}*1]",
+                                "tileloadd tmm7, [{a1} + {as}*1]",
+                                "tdpbf16ps tmm0, tmm6, tmm4",
+                                "tdpbf16ps tmm1, tmm6, tmm5",
+                                "tdpbf16ps tmm2, tmm7, tmm4",
+                                "tdpbf16ps tmm3, tmm7, tmm5"
+                            ),
+                            (true, false) => part!(
+                                a0,
+                                a1,
+                                a_stride,
+                                "tileloadd tmm6, [{a0} + {as}*1]",
+                                "tileloadd tmm7, [{a1} + {as}*1]",
+                                "tdpbf16ps tmm0, tmm6, tmm4",
+                                "tdpbf16ps tmm2, tmm7, tmm4"
+                            ),
+                            (false, true) => part!(
+                                a0,
+                                a_stride,
+                                "tileloadd tmm6, [{a0} + {as}*1]",
+                                "tdpbf16ps tmm0, tmm6, tmm4",
+                                "tdpbf16ps tmm1, tmm6, tmm5"
+                            ),
+                            (false, false) => part!(
+                                a0,
+                                a_stride,
+                                "tileloadd tmm6, [{a0} + {as}*1]",
+                                "tdpbf16ps tmm0, tmm6, tmm4"
+                            ),
                         }
                     }
-                    move_c!("tilestored", "0", c(0, 0), c_stride);
-                    if pair {
-                        move_c!("tilestored", "1", c(0, 1), c_stride);
-                    }
-                    if two {
-                        move_c!("tilestored", "2", c(1, 0), c_stride);
-                    }
-                    if two && pair {
-                        move_c!("tilestored", "3", c(1, 1), c_stride);
-                    }
+                }
+                store_c!("0", c(0, 0), c_stride);
+                if pair {
+                    store_c!("1", c(0, 1), c_stride);
+                }
+                if two {
+                    store_c!("2", c(1, 0), c_stride);
+                }
+                if two && pair {
+                    store_c!("3", c(1, 1), c_stride);
                 }
             }
         }

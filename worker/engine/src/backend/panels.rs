@@ -218,8 +218,6 @@ impl PackedLinear {
                         (Panels::Bf16(all), Some(split)) => {
                             let panel_len = amx::padded(fan_in) * NR;
                             let group = &all[first * panel_len..][..count * panel_len];
-                            let next = &all[(first + count) * panel_len
-                                ..(first + count + amx::GROUP).min(panels) * panel_len];
                             #[cfg(target_arch = "x86_64")]
                             // SAFETY: `split` exists only where the caller
                             // passed `amx`, which `forward_parts` takes from
@@ -227,7 +225,7 @@ impl PackedLinear {
                             // is true.
                             #[allow(unsafe_code)]
                             unsafe {
-                                amx::group(split, group, count, Prefetch::of(next), local)
+                                amx::group(split, group, count, local)
                             };
                             #[cfg(not(target_arch = "x86_64"))]
                             unreachable!("AMX on {split:?} without x86_64 {group:?}");
@@ -292,14 +290,6 @@ impl Prefetch {
             start: region.as_ptr().cast(),
             bytes: std::mem::size_of_val(region),
         }
-    }
-
-    pub fn start(&self) -> *const i8 {
-        self.start.cast()
-    }
-
-    pub fn bytes(&self) -> usize {
-        self.bytes
     }
 }
 
