@@ -11,10 +11,10 @@
 //! multiply-add chain, at three tile products per weight.
 //!
 //! The order of the additions is fixed by the weights' layout alone: for
-//! each block of [`KB`] inputs, the `hi` products, then `mid`, then `lo`,
-//! each over the block's inputs in order. A tile computes each of its 16
-//! rows independently of the others, so a token's bits do not depend on
-//! the batch it runs in. They do differ from an f32 chain's bits (more
+//! each block of [`KB`] inputs, the `hi` tile product, then `mid`, then
+//! `lo`, each adding its block's products in the hardware's own fixed
+//! order. A tile computes each of its 16 rows independently of the
+//! others, so a token's bits do not depend on the batch it runs in. They do differ from an f32 chain's bits (more
 //! additions, in another order), by rounding only.
 //!
 //! Weights are packed for the tile's B operand: within a panel of
@@ -42,13 +42,13 @@ pub fn available() -> bool {
 
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
 fn detect() -> bool {
-    // The kernel in this file uses AVX-512 to split activations.
-    if !std::arch::is_x86_feature_detected!("avx512f") {
+    // CPUID leaf 7 (every CPU with AVX2 has it): EDX bit 22 is AMX-BF16,
+    // bit 24 AMX-TILE.
+    if !std::arch::is_x86_feature_detected!("avx2") {
         return false;
     }
-    // CPUID leaf 7: EDX bit 22 is AMX-BF16, bit 24 AMX-TILE.
     #[allow(unused_unsafe)]
-    // SAFETY: CPUID leaf 7 exists on every CPU with AVX-512.
+    // SAFETY: CPUID leaf 7 exists on this CPU (see above).
     let leaf = unsafe { std::arch::x86_64::__cpuid_count(7, 0) };
     if leaf.edx & (1 << 22) == 0 || leaf.edx & (1 << 24) == 0 {
         return false;
@@ -108,6 +108,7 @@ thread_local! {
     static SPARE: std::cell::Cell<Vec<u16>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
+#[cfg(target_arch = "x86_64")]
 thread_local! {
     /// Whether this thread has loaded [`CONFIG`]. The configuration stays
     /// loaded: releasing the tiles after each call and loading them again
@@ -160,9 +161,11 @@ fn split_run(x: &[f32], hi: &mut [u16], mid: &mut [u16], lo: &mut [u16]) {
 /// One tile configuration for every call: all eight tiles 16 rows of 64
 /// bytes (C: 16 tokens x 16 f32 outputs; A: 16 tokens x 32 bf16 inputs;
 /// B: 16 input pairs x 16 outputs x 2 bf16).
+#[cfg(target_arch = "x86_64")]
 #[repr(C, align(64))]
 struct TileConfig([u8; 64]);
 
+#[cfg(target_arch = "x86_64")]
 const CONFIG: TileConfig = {
     let mut c = [0u8; 64];
     c[0] = 1; // palette 1
@@ -220,6 +223,7 @@ macro_rules! store_c {
 ///
 /// # Safety
 /// [`available`] returned true.
+#[cfg(target_arch = "x86_64")]
 pub unsafe fn group(split: &Split, panels: &[u16], count: usize, out: &mut [f32]) {
     let kpad = split.kpad;
     let width = count * NR;
