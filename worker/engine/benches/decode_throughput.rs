@@ -35,104 +35,182 @@ fn main() {
         Ok("bf16") => safetensors::Dtype::BF16,
         Ok(other) => panic!("LORAFLEET_BENCH_DTYPE={other}: expected bf16 or f32"),
     };
+    let rounds: usize = std::env::var("LORAFLEET_BENCH_ROUNDS")
+        .map(|v| {
+            v.parse()
+                .expect("LORAFLEET_BENCH_ROUNDS: a count of rounds")
+        })
+        .unwrap_or(3)
+        .max(1);
     let model = standin::model_in(dtype);
     let adapter_dirs = standin::adapters(*counts.iter().max().unwrap());
     println!(
-        "decode throughput, STAND-IN ~100M Llama (h={}, L={}, weights {dtype:?}), rank {}, {REQUESTS} requests x {NEW} new tokens, {} threads",
+        "decode throughput, STAND-IN ~100M Llama (h={}, L={}, weights {dtype:?}), rank {}, {REQUESTS} requests x {NEW} new tokens, {} threads, {rounds} rounds",
         standin::HIDDEN,
         standin::LAYERS,
         standin::RANK,
         rayon::current_num_threads()
     );
+    // The configurations take turns, round after round, so that a slow
+    // spell of a shared machine lands on all of them alike; each ratio is
+    // taken within one round, against that round's first configuration.
+    let mut runs: Vec<Vec<Run>> = vec![Vec::new(); counts.len()];
+    for round in 0..rounds {
+        for (i, &n) in counts.iter().enumerate() {
+            let run = run_once(&model, &adapter_dirs[..n]);
+            eprintln!(
+                "round {}: {n} adapters, {:.1} tokens/s",
+                round + 1,
+                run.tokens_per_s()
+            );
+            runs[i].push(run);
+        }
+    }
     println!(
-        "| adapters | generated tokens | seconds | tokens/s | vs 1 adapter | device loads | mean distinct/step | stolen CPU s |"
+        "| adapters | generated tokens | tokens/s (median) | each round | vs {} adapters (median of rounds) | device loads | mean distinct/step | stolen CPU s |",
+        counts[0]
     );
-    println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
-    let mut baseline = None;
-    for &n in &counts {
-        let settings = EngineSettings {
-            max_loras: 32,
-            max_lora_rank: 16,
-            max_cpu_loras: 512,
-            kv_blocks: 512,
-            block_size: 16,
-            max_num_seqs: 32,
-            max_batched_tokens: 512,
-            max_waiting: 4096,
-        };
-        let mut e = Engine::load_cpu(&model, settings).unwrap();
-        for (i, dir) in adapter_dirs.iter().take(n).enumerate() {
-            e.register_adapter(
-                i as u64 + 1,
-                AdapterSource {
-                    name: format!("a{i}"),
-                    dir: dir.clone(),
-                    declared_base_hash: None,
-                },
-            )
-            .unwrap();
-            e.prefetch(i as u64 + 1);
-        }
-        while e
-            .stats()
-            .adapters
+    println!("|---:|---:|---:|---|---:|---:|---:|---:|");
+    for (i, &n) in counts.iter().enumerate() {
+        let tps: Vec<f64> = runs[i].iter().map(Run::tokens_per_s).collect();
+        let ratios: Vec<f64> = runs[i]
             .iter()
-            .filter(|a| a.residency != lorafleet_engine::Residency::Loading)
-            .count()
-            < n
-        {
-            e.pool().poll_loads(Some(Duration::from_millis(50)));
-        }
-        let requests: Vec<Request> = (0..REQUESTS)
-            .map(|r| Request {
-                id: format!("r{r}"),
-                adapter: Some((r % n) as u64 + 1),
-                prompt: Prompt::TokenIds(
-                    (0..PROMPT)
-                        .map(|k| ((r * 31 + k * 7) % 380 + 3) as u32)
-                        .collect(),
-                ),
-                params: SamplingParams {
-                    max_tokens: NEW,
-                    temperature: 0.0,
-                    ignore_eos: true,
-                    ..Default::default()
-                },
-            })
+            .zip(&runs[0])
+            .map(|(r, base)| r.tokens_per_s() / base.tokens_per_s())
             .collect();
-        let loads_before = e.stats().pool.device_loads;
-        let stolen_before = stolen_cpu_seconds();
-        let started = Instant::now();
-        let mut generated = 0;
-        let (mut steps, mut distinct) = (0usize, 0usize);
-        for r in requests {
-            e.submit(r).unwrap();
-        }
-        while e.has_work() {
-            for (_, ev) in e.step().unwrap() {
-                if let lorafleet_engine::Event::Delta { token_ids, .. } = ev {
-                    generated += token_ids.len();
-                }
-            }
-            let s = e.last_step();
-            if s.sequences > 0 {
-                steps += 1;
-                distinct += s.distinct_adapters;
-            }
-        }
-        let secs = started.elapsed().as_secs_f64();
-        let stolen = match (stolen_before, stolen_cpu_seconds()) {
-            (Some(a), Some(b)) => format!("{:.1}", b - a),
-            _ => "n/a".to_string(),
-        };
-        let tps = generated as f64 / secs;
-        let base = *baseline.get_or_insert(tps);
+        let last = runs[i].last().unwrap();
+        let stolen: Option<f64> = runs[i].iter().map(|r| r.stolen).sum();
         println!(
-            "| {n} | {generated} | {secs:.2} | {tps:.1} | {:.1}% | {} | {:.1} | {stolen} |",
-            tps / base * 100.0,
-            e.stats().pool.device_loads - loads_before,
-            distinct as f64 / steps as f64
+            "| {n} | {} | {:.1} | {} | {:.1}% | {} | {:.1} | {} |",
+            last.generated,
+            median(&tps),
+            tps.iter()
+                .map(|t| format!("{t:.1}"))
+                .collect::<Vec<_>>()
+                .join(" / "),
+            median(&ratios) * 100.0,
+            last.device_loads,
+            last.mean_distinct,
+            stolen.map_or("n/a".to_string(), |s| format!("{s:.1}")),
         );
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Run {
+    generated: usize,
+    seconds: f64,
+    device_loads: u64,
+    mean_distinct: f64,
+    /// CPU seconds stolen by the hypervisor during the run, if known.
+    stolen: Option<f64>,
+}
+
+impl Run {
+    fn tokens_per_s(&self) -> f64 {
+        self.generated as f64 / self.seconds
+    }
+}
+
+fn median(values: &[f64]) -> f64 {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    let mid = v.len() / 2;
+    if v.len().is_multiple_of(2) {
+        (v[mid - 1] + v[mid]) / 2.0
+    } else {
+        v[mid]
+    }
+}
+
+/// One timed run of all requests over the first `adapter_dirs.len()`
+/// adapters, on a fresh engine.
+fn run_once(model: &std::path::Path, adapter_dirs: &[std::path::PathBuf]) -> Run {
+    let n = adapter_dirs.len();
+    let settings = EngineSettings {
+        max_loras: 32,
+        max_lora_rank: 16,
+        max_cpu_loras: 512,
+        kv_blocks: 512,
+        block_size: 16,
+        max_num_seqs: 32,
+        max_batched_tokens: 512,
+        max_waiting: 4096,
+    };
+    let mut e = Engine::load_cpu(model, settings).unwrap();
+    let loading = Instant::now();
+    for (i, dir) in adapter_dirs.iter().enumerate() {
+        e.register_adapter(
+            i as u64 + 1,
+            AdapterSource {
+                name: format!("a{i}"),
+                dir: dir.clone(),
+                declared_base_hash: None,
+            },
+        )
+        .unwrap();
+        e.prefetch(i as u64 + 1);
+    }
+    while e
+        .stats()
+        .adapters
+        .iter()
+        .filter(|a| a.residency != lorafleet_engine::Residency::Loading)
+        .count()
+        < n
+    {
+        e.pool().poll_loads(Some(Duration::from_millis(50)));
+    }
+    eprintln!(
+        "{n} adapters read into the host tier in {:.2} s",
+        loading.elapsed().as_secs_f64()
+    );
+    let requests: Vec<Request> = (0..REQUESTS)
+        .map(|r| Request {
+            id: format!("r{r}"),
+            adapter: Some((r % n) as u64 + 1),
+            prompt: Prompt::TokenIds(
+                (0..PROMPT)
+                    .map(|k| ((r * 31 + k * 7) % 380 + 3) as u32)
+                    .collect(),
+            ),
+            params: SamplingParams {
+                max_tokens: NEW,
+                temperature: 0.0,
+                ignore_eos: true,
+                ..Default::default()
+            },
+        })
+        .collect();
+    let loads_before = e.stats().pool.device_loads;
+    let stolen_before = stolen_cpu_seconds();
+    let started = Instant::now();
+    let mut generated = 0;
+    let (mut steps, mut distinct) = (0usize, 0usize);
+    for r in requests {
+        e.submit(r).unwrap();
+    }
+    while e.has_work() {
+        for (_, ev) in e.step().unwrap() {
+            if let lorafleet_engine::Event::Delta { token_ids, .. } = ev {
+                generated += token_ids.len();
+            }
+        }
+        let s = e.last_step();
+        if s.sequences > 0 {
+            steps += 1;
+            distinct += s.distinct_adapters;
+        }
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    Run {
+        generated,
+        seconds,
+        device_loads: e.stats().pool.device_loads - loads_before,
+        mean_distinct: distinct as f64 / steps as f64,
+        stolen: stolen_before
+            .zip(stolen_cpu_seconds())
+            .map(|(before, after)| after - before),
     }
 }
 

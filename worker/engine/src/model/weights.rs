@@ -35,8 +35,22 @@ const HASH_DOMAIN: &[u8] = b"lorafleet-base-hash-v1\n";
 #[derive(Debug)]
 pub struct WeightFiles {
     files: Vec<(PathBuf, Mmap)>,
-    /// Tensor name -> index into `files`.
-    index: BTreeMap<String, usize>,
+    /// Tensor name -> where it is. Each header is parsed once, when the
+    /// files are opened: an adapter is read tensor by tensor, and parsing
+    /// the JSON header again for each one made loading quadratic in the
+    /// number of tensors.
+    index: BTreeMap<String, Located>,
+}
+
+/// One tensor's place in the mapped files.
+#[derive(Debug)]
+struct Located {
+    /// Index into `files`.
+    file: usize,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    /// Byte range in the file.
+    bytes: std::ops::Range<usize>,
 }
 
 /// One tensor's raw view.
@@ -99,7 +113,7 @@ impl WeightFiles {
         shards.sort();
         let files = WeightFiles::open(shards.iter().map(|s| dir.join(s)).collect())?;
         for (tensor, file) in map {
-            let at = files.index.get(tensor).map(|&i| &files.files[i].0);
+            let at = files.index.get(tensor).map(|t| &files.files[t.file].0);
             if at.is_none_or(|p| p.file_name().and_then(|n| n.to_str()) != file.as_str()) {
                 return Err(EngineError::model(
                     &index,
@@ -113,34 +127,44 @@ impl WeightFiles {
 
     /// Maps the given safetensors files. A tensor name may appear only once.
     pub fn open(paths: Vec<PathBuf>) -> Result<WeightFiles> {
-        let mut files = Vec::with_capacity(paths.len());
+        let mut files: Vec<(PathBuf, Mmap)> = Vec::with_capacity(paths.len());
         let mut index = BTreeMap::new();
         for path in paths {
             let file = File::open(&path).map_err(|e| EngineError::io(&path, e))?;
             let map = map_file(&file).map_err(|e| EngineError::io(&path, e))?;
-            let names: Vec<String> = SafeTensors::deserialize(&map)
-                .map_err(|e| {
-                    EngineError::model(
-                        &path,
-                        "(header)",
-                        format!("not a valid safetensors file: {e}"),
-                    )
-                })?
-                .names()
-                .into_iter()
-                .map(str::to_owned)
-                .collect();
+            // `read_metadata` checks that every tensor's byte range lies
+            // inside the file and matches its dtype and shape.
+            let (header, metadata) = SafeTensors::read_metadata(&map).map_err(|e| {
+                EngineError::model(
+                    &path,
+                    "(header)",
+                    format!("not a valid safetensors file: {e}"),
+                )
+            })?;
+            let data_start = 8 + header;
             let file_index = files.len();
-            for name in names {
-                if let Some(&other) = index.get(&name) {
-                    let other: &(PathBuf, Mmap) = &files[other];
+            for (name, info) in metadata.tensors() {
+                if let Some(other) = index.get(&name) {
+                    let other: &Located = other;
                     return Err(EngineError::model(
                         &path,
                         name,
-                        format!("the tensor also appears in {}", other.0.display()),
+                        format!(
+                            "the tensor also appears in {}",
+                            files[other.file].0.display()
+                        ),
                     ));
                 }
-                index.insert(name, file_index);
+                let (lo, hi) = info.data_offsets;
+                index.insert(
+                    name,
+                    Located {
+                        file: file_index,
+                        dtype: info.dtype,
+                        shape: info.shape.clone(),
+                        bytes: data_start + lo..data_start + hi,
+                    },
+                );
             }
             files.push((path, map));
         }
@@ -158,25 +182,19 @@ impl WeightFiles {
 
     /// The file a tensor lives in, for error messages.
     pub fn file_of(&self, name: &str) -> Option<&Path> {
-        self.index.get(name).map(|&i| self.files[i].0.as_path())
+        self.index.get(name).map(|t| self.files[t.file].0.as_path())
     }
 
     /// The raw bytes of one tensor.
     pub fn raw(&self, name: &str) -> Result<RawTensor<'_>> {
-        let &i = self.index.get(name).ok_or_else(|| {
+        let t = self.index.get(name).ok_or_else(|| {
             let first = self.files.first().map(|f| f.0.clone()).unwrap_or_default();
             EngineError::model(first, name, "the tensor is missing")
         })?;
-        let (path, map) = &self.files[i];
-        let st = SafeTensors::deserialize(map)
-            .map_err(|e| EngineError::model(path, "(header)", e.to_string()))?;
-        let view = st
-            .tensor(name)
-            .map_err(|e| EngineError::model(path, name, e.to_string()))?;
         Ok(RawTensor {
-            dtype: view.dtype(),
-            shape: view.shape().to_vec(),
-            data: view.data(),
+            dtype: t.dtype,
+            shape: t.shape.clone(),
+            data: &self.files[t.file].1[t.bytes.clone()],
         })
     }
 
@@ -428,6 +446,33 @@ mod tests {
                 .unwrap_err()
                 .to_string()
                 .contains("`missing`: the tensor is missing")
+        );
+    }
+
+    #[test]
+    fn each_header_is_read_once_and_a_cut_file_is_refused_at_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("w.safetensors");
+        write_st(
+            &path,
+            &[
+                ("x", Dtype::F32, vec![2], f32_bytes(&[1.0, 2.0])),
+                ("y", Dtype::F32, vec![1, 1], f32_bytes(&[3.0])),
+            ],
+        );
+        let w = WeightFiles::open(vec![path.clone()]).unwrap();
+        // The byte ranges recorded at open pick out each tensor's own data.
+        assert_eq!(w.f32("x", &[2]).unwrap(), vec![1.0, 2.0]);
+        assert_eq!(w.f32("y", &[1, 1]).unwrap(), vec![3.0]);
+        assert_eq!(w.raw("y").unwrap().shape, vec![1, 1]);
+        drop(w);
+        // A file cut short: its header names bytes that are not there.
+        let bytes = std::fs::read(&path).unwrap();
+        std::fs::write(&path, &bytes[..bytes.len() - 4]).unwrap();
+        let err = WeightFiles::open(vec![path]).unwrap_err().to_string();
+        assert!(
+            err.contains("(header)") && err.contains("not a valid safetensors file"),
+            "{err}"
         );
     }
 
