@@ -57,6 +57,7 @@ fn main() {
         fan_out: DIM,
         rank: &|_| RANK,
         scale: &|_| 2.0,
+        bf16: &|_| false,
     };
     println!(
         "grouped LoRA vs per-request loop: {TOKENS} tokens, rank {RANK}, {DIM}x{DIM}, {} threads",

@@ -455,6 +455,7 @@ fn grouped_lora_shrink_and_expand_match_the_cpu_kernel() {
             fan_out: width,
             rank: &|s| ranks[z][s],
             scale: &|s| scales[z][s],
+            bf16: &|_| false,
         };
         let mut delta_base: Vec<f32> = (0..tokens)
             .flat_map(|t| base[t * stride + offset..][..width].to_vec())

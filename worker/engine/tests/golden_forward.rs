@@ -87,10 +87,16 @@ fn forward_matches_transformers_and_peft() {
 /// Copies a fixture model with every weight rounded to bf16, stored as
 /// `dtype` (BF16, or F32 holding the same values), sharded as the fixture is.
 fn bf16_copy(model: &str, dtype: safetensors::Dtype) -> tempfile::TempDir {
+    bf16_copy_of(&model_dir(model), dtype)
+}
+
+/// [`bf16_copy`] of any directory of safetensors files (a model or an
+/// adapter), its other files copied as they are.
+fn bf16_copy_of(src: &std::path::Path, dtype: safetensors::Dtype) -> tempfile::TempDir {
     use safetensors::SafeTensors;
     use safetensors::tensor::TensorView;
-    let (src, dst) = (model_dir(model), tempfile::tempdir().unwrap());
-    for entry in std::fs::read_dir(&src).unwrap() {
+    let dst = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(src).unwrap() {
         let path = entry.unwrap().path();
         let to = dst.path().join(path.file_name().unwrap());
         if path.extension().is_none_or(|e| e != "safetensors") {
@@ -213,5 +219,73 @@ fn a_bf16_checkpoint_matches_its_f32_widening() {
             wide_bytes,
             "{model}: bf16 weights held in bf16"
         );
+    }
+}
+
+#[test]
+fn a_bf16_adapter_matches_its_f32_widening() {
+    // An adapter stored in bf16 stays bf16 in the host tier and in its
+    // device slot; widening is exact, so every logit must equal that of the
+    // same values stored in f32, in the same batch. Every fixture adapter,
+    // both models.
+    use lorafleet_engine::lora::Factors;
+    for model in ["llama-gqa", "qwen2-tied"] {
+        let dir = model_dir(model);
+        let config = ModelConfig::from_dir(&dir).unwrap();
+        let shape = BackendShape {
+            slots: 2,
+            max_lora_rank: 16,
+            kv_blocks: 16,
+            block_size: 4,
+        };
+        let mut backend = CpuBackend::load(&dir, &config, shape).unwrap();
+        let limits = AdapterLimits {
+            model: &config,
+            max_lora_rank: 16,
+            base_hash_check: None,
+        };
+        let prompt: Vec<u32> = (0..6).map(|i| 5 + 7 * i).collect();
+        for name in adapter_names(model) {
+            let src = adapter_dir(model, &name);
+            let [narrow, wide] = [safetensors::Dtype::BF16, safetensors::Dtype::F32]
+                .map(|dtype| bf16_copy_of(&src, dtype))
+                .map(|copy| HostAdapter::load(&name, copy.path(), limits).unwrap());
+            let modules = |a: &HostAdapter| {
+                a.modules
+                    .iter()
+                    .flatten()
+                    .flatten()
+                    .map(|m| matches!(m.factors, Factors::Bf16 { .. }))
+                    .collect::<Vec<_>>()
+            };
+            assert!(
+                modules(&narrow).iter().all(|&b| b) && !modules(&narrow).is_empty(),
+                "{model}/{name}: held in bf16"
+            );
+            assert!(modules(&wide).iter().all(|&b| !b), "{model}/{name}");
+            assert_eq!(narrow.bytes * 2, wide.bytes, "{model}/{name}: bytes held");
+            backend.write_slot(0, &narrow).unwrap();
+            backend.write_slot(1, &wide).unwrap();
+            // Prefill both side by side (shared tiles), then one decode
+            // token each (the gathered path).
+            let tables: [Vec<u32>; 2] = [(0..8).collect(), (8..16).collect()];
+            let mut logits = Vec::new();
+            for (tokens, first) in [(&prompt[..], 0), (&prompt[..1], prompt.len())] {
+                let mut batch = StepBatch::default();
+                for (slot, table) in tables.iter().enumerate() {
+                    batch.push(tokens, first, table, Some(slot), true);
+                }
+                batch.finish();
+                logits.push(backend.forward(&batch).unwrap());
+            }
+            for l in &logits {
+                let (a, b) = l.split_at(config.vocab_size);
+                let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert!(
+                    bits(a) == bits(b),
+                    "{model}/{name}: bf16 and f32 logits differ"
+                );
+            }
+        }
     }
 }

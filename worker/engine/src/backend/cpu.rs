@@ -9,10 +9,12 @@ use std::path::Path;
 
 use rayon::prelude::*;
 
-use super::panels::{GATHER, GROUP, Kernel, NR, PackedLinear, Prefetch, SharedOut};
+use super::panels::{
+    GATHER, GROUP, Kernel, NR, PackedLinear, PanelValue, Prefetch, SharedOut, bf16_to_f32,
+};
 use super::{Backend, BackendShape, StepBatch};
 use crate::error::{EngineError, Result};
-use crate::lora::{HostAdapter, Projection};
+use crate::lora::{Factors, HostAdapter, Projection};
 use crate::model::{ModelConfig, WeightFiles};
 
 /// A decoder layer's weights. Projections that read the same input are
@@ -46,6 +48,9 @@ struct SlotTable {
     rank: Vec<Vec<usize>>,
     /// `scale[slot][layer * 7 + proj]`.
     scale: Vec<Vec<f32>>,
+    /// `bf16[slot][layer * 7 + proj]`: the module's regions hold bf16 bits
+    /// ([`SlotView::bf16`]).
+    bf16: Vec<Vec<bool>>,
 }
 
 /// The CPU backend.
@@ -209,6 +214,7 @@ impl CpuBackend {
                 b,
                 rank: vec![vec![0; n]; shape.slots],
                 scale: vec![vec![0.0; n]; shape.slots],
+                bf16: vec![vec![false; n]; shape.slots],
             },
             config,
             shape,
@@ -259,6 +265,25 @@ pub struct SlotView<'a> {
     /// The rank of a slot's module; 0 if the adapter does not target it.
     pub rank: &'a dyn Fn(usize) -> usize,
     pub scale: &'a dyn Fn(usize) -> f32,
+    /// Whether a slot's module is stored as bf16: its regions then hold
+    /// the same layout in bf16 bits ([`as_bits`]), in their first half.
+    pub bf16: &'a dyn Fn(usize) -> bool,
+}
+
+/// An f32 buffer's memory as bf16 bits, twice as many: a slot region sized
+/// for f32 holds a bf16 module in its first half.
+#[allow(unsafe_code)]
+pub fn as_bits(v: &[f32]) -> &[u16] {
+    // SAFETY: the same bytes, borrowed as long; u16 needs less alignment
+    // than f32 and every bit pattern is a valid u16.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), v.len() * 2) }
+}
+
+/// [`as_bits`], mutably.
+#[allow(unsafe_code)]
+pub fn as_bits_mut(v: &mut [f32]) -> &mut [u16] {
+    // SAFETY: as in `as_bits`, and every bit pattern is also a valid f32.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), v.len() * 2) }
 }
 
 impl std::fmt::Debug for SlotView<'_> {
@@ -284,16 +309,18 @@ impl SlotView<'_> {
     /// row-major) into one slot's regions `a` and `b`. Only the part a
     /// module of this rank reads is written (and its padding zeroed), so a
     /// slot is never cleared first.
+    /// The values are f32, or bf16 bits packed into [`as_bits_mut`] of the
+    /// slot's regions.
     #[allow(clippy::too_many_arguments)]
-    pub fn pack(
-        a_rows: &[f32],
-        b_t: &[f32],
+    pub fn pack<T: Copy + Default>(
+        a_rows: &[T],
+        b_t: &[T],
         rank: usize,
         fan_in: usize,
         fan_out: usize,
         max_rank: usize,
-        a: &mut [f32],
-        b: &mut [f32],
+        a: &mut [T],
+        b: &mut [T],
     ) {
         assert!(rank <= max_rank && max_rank.is_multiple_of(NR));
         assert_eq!(a_rows.len(), rank * fan_in);
@@ -307,7 +334,7 @@ impl SlotView<'_> {
                     *d = if j < rows {
                         a_rows[(q * NR + j) * fan_in + i]
                     } else {
-                        0.0
+                        T::default()
                     };
                 }
             }
@@ -321,9 +348,9 @@ impl SlotView<'_> {
             for (r, row) in panel.chunks_exact_mut(NR).enumerate() {
                 if r < rank {
                     row[..cols].copy_from_slice(&b_t[r * fan_out + p * NR..][..cols]);
-                    row[cols..].fill(0.0);
+                    row[cols..].fill(T::default());
                 } else {
-                    row.fill(0.0);
+                    row.fill(T::default());
                 }
             }
         }
@@ -365,12 +392,19 @@ struct LoraWork {
     hi: usize,
     /// The rank rounded up to whole panels.
     k: usize,
+    /// Whether the slots hold bf16 (a gather never mixes the two).
+    bf16: bool,
     /// `(slot, scale)` of each token in `lo..hi` (one entry when shared).
     slots: Vec<(usize, f32)>,
 }
 
 /// Tokens per tile of one segment.
 const SHARED_TILE: usize = 8;
+
+/// The longest segment of a bf16 slot that is gathered, row by row, rather
+/// than run on shared tiles over the slot's panels widened to f32: for a
+/// few tokens the widening costs more than sharing saves.
+const BF16_GATHER_MAX: usize = 2 * GATHER;
 
 /// The grouped LoRA kernel (SGMV): for each segment of tokens sharing a
 /// slot, one shrink `h = x·Aᵀ` that reads each A panel once for the whole
@@ -403,12 +437,17 @@ pub fn lora_segments(
         if rank == 0 {
             continue;
         }
-        let (k, scale) = (rank.next_multiple_of(NR), (slots.scale)(seg.slot));
+        let (k, scale, bf16) = (
+            rank.next_multiple_of(NR),
+            (slots.scale)(seg.slot),
+            (slots.bf16)(seg.slot),
+        );
         if seg.end - seg.start == 1 {
             if let Some(w) = work.last_mut().filter(|w| {
                 w.slots.len() > 1 || w.hi - w.lo == 1 // a gather, or one token
             }) && w.hi == seg.start
                 && w.k == k
+                && w.bf16 == bf16
                 && w.slots.len() < GATHER
             {
                 w.hi += 1;
@@ -419,8 +458,24 @@ pub fn lora_segments(
                 lo: seg.start,
                 hi: seg.end,
                 k,
+                bf16,
                 slots: vec![(seg.slot, scale)],
             });
+            continue;
+        }
+        if bf16 && seg.end - seg.start <= BF16_GATHER_MAX {
+            // Gathered rows that share one slot: cheaper than widening the
+            // slot's panels for a few tokens (a prefill of a short prompt).
+            for lo in (seg.start..seg.end).step_by(GATHER) {
+                let hi = (lo + GATHER).min(seg.end);
+                work.push(LoraWork {
+                    lo,
+                    hi,
+                    k,
+                    bf16,
+                    slots: vec![(seg.slot, scale); hi - lo],
+                });
+            }
             continue;
         }
         for lo in (seg.start..seg.end).step_by(SHARED_TILE) {
@@ -428,6 +483,7 @@ pub fn lora_segments(
                 lo,
                 hi: (lo + SHARED_TILE).min(seg.end),
                 k,
+                bf16,
                 slots: vec![(seg.slot, scale)],
             });
         }
@@ -437,10 +493,34 @@ pub fn lora_segments(
         SlotView::a_len(max_rank, fan_in),
         SlotView::b_len(max_rank, fan_out),
     );
-    // Slot `slot`'s A panel `q` (ranks q*NR..) and Bᵀ panel `p` (outputs
-    // p*NR..) for a module whose rank rounds up to `k`.
-    let a_panel = |slot: usize, q: usize| &slots.a[slot * a_len + q * fan_in * NR..][..fan_in * NR];
-    let b_panel = |slot: usize, k: usize, p: usize| &slots.b[slot * b_len + p * k * NR..][..k * NR];
+    let panels = fan_out.div_ceil(NR);
+    // A longer segment shares its slot's panels through the f32 tiles, so
+    // a bf16 slot is widened (exactly) once per such segment for them.
+    let widened: Vec<(usize, Vec<f32>, Vec<f32>)> = segments
+        .iter()
+        .filter(|seg| seg.end - seg.start > BF16_GATHER_MAX && (slots.bf16)(seg.slot))
+        .filter(|seg| (slots.rank)(seg.slot) > 0)
+        .map(|seg| {
+            let k = (slots.rank)(seg.slot).next_multiple_of(NR);
+            let widen = |bits: &[u16]| bits.iter().map(|&b| bf16_to_f32(b)).collect();
+            (
+                seg.slot,
+                widen(&as_bits(&slots.a[seg.slot * a_len..][..a_len])[..k * fan_in]),
+                widen(&as_bits(&slots.b[seg.slot * b_len..][..b_len])[..panels * k * NR]),
+            )
+        })
+        .collect();
+    let (a_all, b_all) = (slots.a, slots.b);
+    // A shared tile's slot's A panels and Bᵀ panels, as f32.
+    let shared_of = |slot: usize| -> (&[f32], &[f32]) {
+        match widened.iter().find(|w| w.0 == slot) {
+            Some((_, a, b)) => (a, b),
+            None => (
+                &a_all[slot * a_len..][..a_len],
+                &b_all[slot * b_len..][..b_len],
+            ),
+        }
+    };
     let run = |w: &LoraWork| -> Vec<f32> {
         let (n, k) = (w.hi - w.lo, w.k);
         let xs = &x[w.lo * fan_in..w.hi * fan_in];
@@ -448,47 +528,50 @@ pub fn lora_segments(
         // their h is zero and adds nothing in the expand.
         let mut h = vec![0f32; n * k];
         let mut delta = vec![0f32; n * fan_out];
-        if let [(slot, scale)] = w.slots[..] {
-            let a_panels: Vec<&[f32]> = (0..k / NR).map(|q| a_panel(slot, q)).collect();
+        // A lone token of a bf16 slot is gathered too (see
+        // `BF16_GATHER_MAX`).
+        if let [(slot, scale)] = w.slots[..]
+            && (!w.bf16 || n > 1)
+        {
+            // Panel q of A holds ranks q*NR..; panel p of Bᵀ outputs p*NR...
+            let (a, b) = shared_of(slot);
+            let a_panels: Vec<&[f32]> = a[..k * fan_in].chunks_exact(fan_in * NR).collect();
             panels_into(kernel, xs, fan_in, n, &a_panels, k, &mut h);
-            let b_panels: Vec<&[f32]> = (0..fan_out.div_ceil(NR))
-                .map(|p| b_panel(slot, k, p))
-                .collect();
+            let b_panels: Vec<&[f32]> = b[..panels * k * NR].chunks_exact(k * NR).collect();
             panels_into(kernel, &h, k, n, &b_panels, fan_out, &mut delta);
             // Then the scale, as PEFT applies it.
             delta.iter_mut().for_each(|d| *d *= scale);
         } else {
-            // Each token against its own slot's run of panels: A's k / NR
-            // panels for the shrink, then Bᵀ's for the expand.
-            let rows: Vec<(&[f32], &[f32])> = (0..n)
-                .map(|r| {
-                    (
-                        &xs[r * fan_in..],
-                        &slots.a[w.slots[r].0 * a_len..][..k * fan_in],
-                    )
-                })
-                .collect();
-            kernel.gather(&rows, fan_in, k / NR, &mut h);
-            let panels = fan_out.div_ceil(NR);
-            let rows: Vec<(&[f32], &[f32])> = (0..n)
-                .map(|r| {
-                    (
-                        &h[r * k..],
-                        &slots.b[w.slots[r].0 * b_len..][..panels * k * NR],
-                    )
-                })
-                .collect();
-            if panels * NR == fan_out {
-                kernel.gather(&rows, k, panels, &mut delta);
+            if w.bf16 {
+                gather_lora(
+                    kernel,
+                    xs,
+                    &mut h,
+                    &mut delta,
+                    w,
+                    (fan_in, fan_out),
+                    |slot| {
+                        (
+                            as_bits(&a_all[slot * a_len..][..a_len]),
+                            as_bits(&b_all[slot * b_len..][..b_len]),
+                        )
+                    },
+                );
             } else {
-                let mut padded = vec![0f32; n * panels * NR];
-                kernel.gather(&rows, k, panels, &mut padded);
-                for (d, p) in delta
-                    .chunks_exact_mut(fan_out)
-                    .zip(padded.chunks_exact(panels * NR))
-                {
-                    d.copy_from_slice(&p[..fan_out]);
-                }
+                gather_lora(
+                    kernel,
+                    xs,
+                    &mut h,
+                    &mut delta,
+                    w,
+                    (fan_in, fan_out),
+                    |slot| {
+                        (
+                            &a_all[slot * a_len..][..a_len],
+                            &b_all[slot * b_len..][..b_len],
+                        )
+                    },
+                );
             }
             for (row, &(_, scale)) in delta.chunks_exact_mut(fan_out).zip(&w.slots) {
                 row.iter_mut().for_each(|d| *d *= scale);
@@ -512,6 +595,42 @@ pub fn lora_segments(
         work.par_iter().for_each(add);
     } else {
         work.iter().for_each(add);
+    }
+}
+
+/// The unscaled deltas of a gathered work item: each token against its own
+/// slot's run of panels, A's `k / NR` for the shrink into `h`, then Bᵀ's for
+/// the expand into `delta`. `regions` gives a slot's A and Bᵀ regions in
+/// the values they are stored in.
+fn gather_lora<'s, W: PanelValue>(
+    kernel: Kernel,
+    xs: &[f32],
+    h: &mut [f32],
+    delta: &mut [f32],
+    w: &LoraWork,
+    (fan_in, fan_out): (usize, usize),
+    regions: impl Fn(usize) -> (&'s [W], &'s [W]),
+) {
+    let (k, n) = (w.k, w.hi - w.lo);
+    let panels = fan_out.div_ceil(NR);
+    let rows: Vec<(&[f32], &[W])> = (0..n)
+        .map(|r| (&xs[r * fan_in..], &regions(w.slots[r].0).0[..k * fan_in]))
+        .collect();
+    kernel.gather(&rows, fan_in, k / NR, h);
+    let rows: Vec<(&[f32], &[W])> = (0..n)
+        .map(|r| (&h[r * k..], &regions(w.slots[r].0).1[..panels * k * NR]))
+        .collect();
+    if panels * NR == fan_out {
+        kernel.gather(&rows, k, panels, delta);
+    } else {
+        let mut padded = vec![0f32; n * panels * NR];
+        kernel.gather(&rows, k, panels, &mut padded);
+        for (d, p) in delta
+            .chunks_exact_mut(fan_out)
+            .zip(padded.chunks_exact(panels * NR))
+        {
+            d.copy_from_slice(&p[..fan_out]);
+        }
     }
 }
 
@@ -546,6 +665,7 @@ impl CpuBackend {
             fan_out,
             rank: &|slot| self.slots.rank[slot][key],
             scale: &|slot| self.slots.scale[slot][key],
+            bf16: &|slot| self.slots.bf16[slot][key],
         };
         lora_segments(x, &batch.segments, &slots, out);
     }
@@ -656,22 +776,33 @@ impl Backend for CpuBackend {
                     SlotView::a_len(max_rank, fan_in),
                     SlotView::b_len(max_rank, fan_out),
                 );
-                SlotView::pack(
-                    &m.a,
-                    &m.b_t,
-                    m.rank,
-                    fan_in,
-                    fan_out,
-                    max_rank,
+                let (a, b) = (
                     &mut a[slot * a_len..][..a_len],
                     &mut b[slot * b_len..][..b_len],
                 );
+                match &m.factors {
+                    Factors::F32 { a: a_rows, b_t } => {
+                        SlotView::pack(a_rows, b_t, m.rank, fan_in, fan_out, max_rank, a, b)
+                    }
+                    Factors::Bf16 { a: a_rows, b_t } => SlotView::pack(
+                        a_rows,
+                        b_t,
+                        m.rank,
+                        fan_in,
+                        fan_out,
+                        max_rank,
+                        &mut as_bits_mut(a)[..a_len],
+                        &mut as_bits_mut(b)[..b_len],
+                    ),
+                }
             });
         for (layer, modules) in adapter.modules.iter().enumerate() {
             for (i, m) in modules.iter().enumerate() {
                 if let Some(m) = m {
                     self.slots.rank[slot][layer * 7 + i] = m.rank;
                     self.slots.scale[slot][layer * 7 + i] = m.scale;
+                    self.slots.bf16[slot][layer * 7 + i] =
+                        matches!(m.factors, Factors::Bf16 { .. });
                 }
             }
         }
@@ -689,6 +820,7 @@ impl Backend for CpuBackend {
         for key in 0..self.config.num_layers * 7 {
             self.slots.rank[slot][key] = 0;
             self.slots.scale[slot][key] = 0.0;
+            self.slots.bf16[slot][key] = false;
         }
         Ok(())
     }
@@ -847,6 +979,109 @@ mod tests {
     }
 
     #[test]
+    fn bf16_slots_give_the_bits_of_their_f32_widening() {
+        // The same modules, rounded to bf16, packed as bf16 bits into every
+        // other slot of one table and as their f32 widening into all of
+        // another: gathered runs that switch between the two, lone tokens
+        // (slot 5 has no other), short bf16 segments (gathered), a long one
+        // (widened, on shared tiles) and f32 ones must give identical bits.
+        let (fan_in, fan_out, max_rank, tokens) = (40, 37, 32, 30);
+        let ranks = [5usize, 16, 20, 3, 9, 12];
+        let (a_len, b_len) = (
+            SlotView::a_len(max_rank, fan_in),
+            SlotView::b_len(max_rank, fan_out),
+        );
+        let round = |v: Vec<f32>| -> Vec<u16> {
+            v.iter()
+                .map(|&f| half::bf16::from_f32(f).to_bits())
+                .collect()
+        };
+        let (mut a16, mut b16) = (
+            vec![0f32; ranks.len() * a_len],
+            vec![0f32; ranks.len() * b_len],
+        );
+        let (mut a32, mut b32) = (a16.clone(), b16.clone());
+        for (s, &r) in ranks.iter().enumerate() {
+            let rows = round(random(30 + s as u64, r * fan_in));
+            let b_t = round(random(40 + s as u64, r * fan_out));
+            let widen = |v: &[u16]| v.iter().map(|&h| bf16_to_f32(h)).collect::<Vec<f32>>();
+            let (a, b) = (
+                &mut a32[s * a_len..][..a_len],
+                &mut b32[s * b_len..][..b_len],
+            );
+            SlotView::pack(
+                &widen(&rows),
+                &widen(&b_t),
+                r,
+                fan_in,
+                fan_out,
+                max_rank,
+                a,
+                b,
+            );
+            let (a, b) = (
+                &mut a16[s * a_len..][..a_len],
+                &mut b16[s * b_len..][..b_len],
+            );
+            if s % 2 == 1 {
+                let (a, b) = (&mut as_bits_mut(a)[..a_len], &mut as_bits_mut(b)[..b_len]);
+                SlotView::pack(&rows, &b_t, r, fan_in, fan_out, max_rank, a, b);
+            } else {
+                SlotView::pack(
+                    &widen(&rows),
+                    &widen(&b_t),
+                    r,
+                    fan_in,
+                    fan_out,
+                    max_rank,
+                    a,
+                    b,
+                );
+            }
+        }
+        let f32_view = SlotView {
+            a: &a32,
+            b: &b32,
+            max_rank,
+            fan_in,
+            fan_out,
+            rank: &|s| ranks[s],
+            scale: &|s| 0.5 + s as f32,
+            bf16: &|_| false,
+        };
+        let mixed_view = SlotView {
+            a: &a16,
+            b: &b16,
+            bf16: &|s| s % 2 == 1,
+            ..f32_view
+        };
+        let x = random(2, tokens * fan_in);
+        let order: Vec<usize> = [1, 1, 1, 0, 3, 1, 2, 5, 4]
+            .into_iter()
+            .chain([3; 14])
+            .chain([0, 1, 2, 3, 4, 4, 4])
+            .collect();
+        let slot_of = |t: usize| order[t];
+        let segments: Vec<Segment> = (0..tokens).fold(Vec::<Segment>::new(), |mut segs, t| {
+            match segs.last_mut() {
+                Some(last) if last.slot == slot_of(t) => last.end = t + 1,
+                _ => segs.push(Segment {
+                    slot: slot_of(t),
+                    start: t,
+                    end: t + 1,
+                }),
+            }
+            segs
+        });
+        let (mut want, mut got) = (vec![0f32; tokens * fan_out], vec![0f32; tokens * fan_out]);
+        lora_segments(&x, &segments, &f32_view, &mut want);
+        lora_segments(&x, &segments, &mixed_view, &mut got);
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert!(want.iter().all(|v| v.is_finite()) && want.iter().any(|&v| v != 0.0));
+        assert_eq!(bits(&got), bits(&want));
+    }
+
+    #[test]
     fn lora_segments_computes_the_delta_alike_grouped_or_one_token_at_a_time() {
         // Ranks below one panel, of exactly one, and across two; sizes that
         // leave partial panels on both sides.
@@ -886,6 +1121,7 @@ mod tests {
             fan_out,
             rank: &|s| ranks[s],
             scale: &|s| 0.5 + s as f32,
+            bf16: &|_| false,
         };
         let x = random(1, tokens * fan_in);
         let slot_of = |t: usize| {

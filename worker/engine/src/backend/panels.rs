@@ -433,7 +433,17 @@ impl Kernel {
     /// side by side keep the multiply-adds independent. Each output is the
     /// same chain as in [`Kernel::single`], so a token's bits do not depend
     /// on which kernel ran it.
-    pub fn gather(self, rows: &[(&[f32], &[f32])], fan_in: usize, panels: usize, out: &mut [f32]) {
+    ///
+    /// The panels may hold f32 or bf16 values ([`PanelValue`]); bf16 is
+    /// widened exactly as it is loaded, so a bf16 run gives the bits of its
+    /// f32 widening while reading half the bytes.
+    pub fn gather<W: PanelValue>(
+        self,
+        rows: &[(&[f32], &[W])],
+        fan_in: usize,
+        panels: usize,
+        out: &mut [f32],
+    ) {
         assert!((1..=GATHER).contains(&rows.len()), "1 to {GATHER} rows");
         assert!(
             rows.iter()
@@ -444,6 +454,7 @@ impl Kernel {
             Kernel::Portable => {
                 let width = panels * NR;
                 for ((x, run), out) in rows.iter().zip(out.chunks_exact_mut(width)) {
+                    let run = W::widen(run);
                     let run: Vec<&[f32]> = run.chunks_exact(fan_in * NR).collect();
                     portable(&x[..fan_in], fan_in, 1, &run, out);
                 }
@@ -454,6 +465,33 @@ impl Kernel {
             Kernel::Avx2 | Kernel::Avx512 => unsafe { x86::gather_avx2(rows, fan_in, panels, out) },
         }
     }
+}
+
+/// A value panels may hold: f32, or bf16 as its bits (`u16`).
+pub trait PanelValue: Copy + Default + Send + Sync + 'static {
+    /// Whether the value is bf16 bits.
+    const BF16: bool;
+    /// The values as f32, exactly.
+    fn widen(values: &[Self]) -> std::borrow::Cow<'_, [f32]>;
+}
+
+impl PanelValue for f32 {
+    const BF16: bool = false;
+    fn widen(values: &[f32]) -> std::borrow::Cow<'_, [f32]> {
+        std::borrow::Cow::Borrowed(values)
+    }
+}
+
+impl PanelValue for u16 {
+    const BF16: bool = true;
+    fn widen(values: &[u16]) -> std::borrow::Cow<'_, [f32]> {
+        std::borrow::Cow::Owned(values.iter().map(|&b| bf16_to_f32(b)).collect())
+    }
+}
+
+/// A bf16 value's f32: its bits are the top half, so this is exact.
+pub fn bf16_to_f32(bits: u16) -> f32 {
+    f32::from_bits(u32::from(bits) << 16)
 }
 
 impl Kernel {
@@ -603,15 +641,29 @@ mod x86 {
     /// `fan_in` values and each run of panels `panels * fan_in * NR`; `out`
     /// `rows.len() * panels * NR`.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn gather_avx2(
-        rows: &[(&[f32], &[f32])],
+    pub unsafe fn gather_avx2<W: super::PanelValue>(
+        rows: &[(&[f32], &[W])],
         fan_in: usize,
         panels: usize,
         out: &mut [f32],
     ) {
+        /// Eight consecutive panel values at `p` as f32: bf16 bits are
+        /// zero-extended and shifted into the top half, which is exact.
         #[inline(always)]
-        unsafe fn tile<const M: usize>(
-            rows: &[(&[f32], &[f32])],
+        unsafe fn load8<W: super::PanelValue>(p: *const W) -> __m256 {
+            // SAFETY: the caller keeps the eight values inside its panel.
+            unsafe {
+                if W::BF16 {
+                    let bits = _mm_loadu_si128(p.cast());
+                    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(bits)))
+                } else {
+                    _mm256_loadu_ps(p.cast())
+                }
+            }
+        }
+        #[inline(always)]
+        unsafe fn tile<const M: usize, W: super::PanelValue>(
+            rows: &[(&[f32], &[W])],
             fan_in: usize,
             panels: usize,
             out: *mut f32,
@@ -619,7 +671,7 @@ mod x86 {
             let x: [*const f32; M] = std::array::from_fn(|m| rows[m].0.as_ptr());
             let width = panels * NR;
             for p in 0..panels {
-                let w: [*const f32; M] =
+                let w: [*const W; M] =
                     std::array::from_fn(|m| rows[m].1[p * fan_in * NR..].as_ptr());
                 // SAFETY (whole body): k < fan_in keeps every read inside
                 // each row's x and panel p; writes stay in rows 0..M, columns
@@ -629,8 +681,8 @@ mod x86 {
                     for k in 0..fan_in {
                         for (m, a) in acc.iter_mut().enumerate() {
                             let xv = _mm256_broadcast_ss(&*x[m].add(k));
-                            let w0 = _mm256_loadu_ps(w[m].add(k * NR));
-                            let w1 = _mm256_loadu_ps(w[m].add(k * NR + 8));
+                            let w0 = load8(w[m].add(k * NR));
+                            let w1 = load8(w[m].add(k * NR + 8));
                             a[0] = _mm256_fmadd_ps(xv, w0, a[0]);
                             a[1] = _mm256_fmadd_ps(xv, w1, a[1]);
                         }
@@ -646,12 +698,12 @@ mod x86 {
         // SAFETY: see the function's contract.
         unsafe {
             match rows.len() {
-                1 => tile::<1>(rows, fan_in, panels, op),
-                2 => tile::<2>(rows, fan_in, panels, op),
-                3 => tile::<3>(rows, fan_in, panels, op),
-                4 => tile::<4>(rows, fan_in, panels, op),
-                5 => tile::<5>(rows, fan_in, panels, op),
-                6 => tile::<6>(rows, fan_in, panels, op),
+                1 => tile::<1, W>(rows, fan_in, panels, op),
+                2 => tile::<2, W>(rows, fan_in, panels, op),
+                3 => tile::<3, W>(rows, fan_in, panels, op),
+                4 => tile::<4, W>(rows, fan_in, panels, op),
+                5 => tile::<5, W>(rows, fan_in, panels, op),
+                6 => tile::<6, W>(rows, fan_in, panels, op),
                 _ => unreachable!("1 to GATHER rows"),
             }
         }

@@ -185,11 +185,70 @@ impl AdapterError {
 pub struct LoraModule {
     pub rank: usize,
     pub scale: f32,
-    /// A, row-major `[rank, in_features]`.
-    pub a: Vec<f32>,
-    /// B transposed, row-major `[rank, out_features]`, so the expand step
-    /// adds whole contiguous rows.
-    pub b_t: Vec<f32>,
+    pub factors: Factors,
+}
+
+/// A module's A and Bᵀ in the precision the adapter file stores them in.
+///
+/// A, row-major `[rank, in_features]`; B transposed, row-major
+/// `[rank, out_features]`, so the expand step adds whole contiguous rows.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Factors {
+    F32 {
+        a: Vec<f32>,
+        b_t: Vec<f32>,
+    },
+    /// Both stored as bf16 in the file, kept as their bits: half the host
+    /// memory, half the bytes a slot write copies and a decode step reads.
+    /// Widening bf16 to f32 is exact, so the numbers are those of the f32
+    /// widening.
+    Bf16 {
+        a: Vec<u16>,
+        b_t: Vec<u16>,
+    },
+}
+
+impl LoraModule {
+    /// A as f32 (widened exactly when stored as bf16).
+    pub fn a_f32(&self) -> std::borrow::Cow<'_, [f32]> {
+        match &self.factors {
+            Factors::F32 { a, .. } => std::borrow::Cow::Borrowed(a),
+            Factors::Bf16 { a, .. } => std::borrow::Cow::Owned(widen(a)),
+        }
+    }
+
+    /// Bᵀ as f32 (widened exactly when stored as bf16).
+    pub fn b_t_f32(&self) -> std::borrow::Cow<'_, [f32]> {
+        match &self.factors {
+            Factors::F32 { b_t, .. } => std::borrow::Cow::Borrowed(b_t),
+            Factors::Bf16 { b_t, .. } => std::borrow::Cow::Owned(widen(b_t)),
+        }
+    }
+
+    /// Bytes of weights held.
+    pub fn bytes(&self) -> usize {
+        match &self.factors {
+            Factors::F32 { a, b_t } => (a.len() + b_t.len()) * 4,
+            Factors::Bf16 { a, b_t } => (a.len() + b_t.len()) * 2,
+        }
+    }
+}
+
+fn widen(bits: &[u16]) -> Vec<f32> {
+    bits.iter()
+        .map(|&b| f32::from_bits(u32::from(b) << 16))
+        .collect()
+}
+
+/// `[fan_out, rank]` row-major to `[rank, fan_out]`.
+fn transpose<T: Copy + Default>(b: &[T], fan_out: usize, rank: usize) -> Vec<T> {
+    let mut b_t = vec![T::default(); rank * fan_out];
+    for o in 0..fan_out {
+        for k in 0..rank {
+            b_t[k * fan_out + o] = b[o * rank + k];
+        }
+    }
+    b_t
 }
 
 /// A validated adapter in host memory.
@@ -200,7 +259,7 @@ pub struct HostAdapter {
     pub rank: usize,
     /// `modules[layer][projection.index()]`.
     pub modules: Vec<[Option<LoraModule>; 7]>,
-    /// Bytes of f32 weights held.
+    /// Bytes of weights held.
     pub bytes: usize,
 }
 
@@ -327,31 +386,45 @@ fn build(
                     return Err(invalid(n, "the tensor is missing".into()));
                 }
             }
-            let a = files
-                .f32(&a_name, &[rank, fan_in])
+            // bf16 stays bf16 when both factors are stored so; anything
+            // else is widened to f32, exactly.
+            let a_bits = files
+                .bf16_bits(&a_name, &[rank, fan_in])
                 .map_err(|e| invalid(&a_name, strip_file(e)))?;
-            let b = files
-                .f32(&b_name, &[fan_out, rank])
+            let b_bits = files
+                .bf16_bits(&b_name, &[fan_out, rank])
                 .map_err(|e| invalid(&b_name, strip_file(e)))?;
-            let mut b_t = vec![0f32; rank * fan_out];
-            for o in 0..fan_out {
-                for k in 0..rank {
-                    b_t[k * fan_out + o] = b[o * rank + k];
-                }
-            }
+            let factors = match (a_bits, b_bits) {
+                (Some(a), Some(b)) => Factors::Bf16 {
+                    a,
+                    b_t: transpose(&b, fan_out, rank),
+                },
+                _ => Factors::F32 {
+                    a: files
+                        .f32(&a_name, &[rank, fan_in])
+                        .map_err(|e| invalid(&a_name, strip_file(e)))?,
+                    b_t: transpose(
+                        &files
+                            .f32(&b_name, &[fan_out, rank])
+                            .map_err(|e| invalid(&b_name, strip_file(e)))?,
+                        fan_out,
+                        rank,
+                    ),
+                },
+            };
             let scale = if config.use_rslora {
                 alpha / (rank as f32).sqrt()
             } else {
                 alpha / rank as f32
             };
             max_rank = max_rank.max(rank);
-            bytes += (a.len() + b_t.len()) * 4;
-            slots[p.index()] = Some(LoraModule {
+            let module = LoraModule {
                 rank,
                 scale,
-                a,
-                b_t,
-            });
+                factors,
+            };
+            bytes += module.bytes();
+            slots[p.index()] = Some(module);
         }
     }
     Ok(HostAdapter {

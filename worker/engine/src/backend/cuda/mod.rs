@@ -724,10 +724,13 @@ impl Backend for CudaBackend {
                 let key = layer * 7 + p.index();
                 // Rows past the module's rank are never read.
                 let a_at = slot * max_rank * fan_in;
+                // The device slots hold f32: bf16 factors are widened,
+                // exactly, on the way.
+                let (a, b_t) = (m.a_f32().into_owned(), m.b_t_f32().into_owned());
                 self.dev
                     .stream
                     .memcpy_htod(
-                        &m.a,
+                        &a,
                         &mut self.slots.a[key].slice_mut(a_at..a_at + m.rank * fan_in),
                     )
                     .map_err(cuda("writing a slot"))?;
@@ -735,7 +738,7 @@ impl Backend for CudaBackend {
                 self.dev
                     .stream
                     .memcpy_htod(
-                        &m.b_t,
+                        &b_t,
                         &mut self.slots.b[key].slice_mut(b_at..b_at + m.rank * fan_out),
                     )
                     .map_err(cuda("writing a slot"))?;
