@@ -9,9 +9,7 @@ use std::path::Path;
 
 use rayon::prelude::*;
 
-use super::panels::{
-    GATHER, GROUP, Kernel, NR, PackedLinear, PanelValue, Prefetch, SharedOut, bf16_to_f32,
-};
+use super::panels::{GATHER, GROUP, Kernel, NR, PackedLinear, PanelValue, Prefetch, SharedOut};
 use super::{Backend, BackendShape, StepBatch};
 use crate::error::{EngineError, Result};
 use crate::lora::{Factors, HostAdapter, Projection};
@@ -326,16 +324,30 @@ impl SlotView<'_> {
         assert_eq!(a_rows.len(), rank * fan_in);
         assert_eq!(b_t.len(), rank * fan_out);
         let k = rank.next_multiple_of(NR);
-        // A: panel q holds ranks q*NR.., transposed to k-major.
+        // A: panel q holds ranks q*NR.., transposed to k-major. A slot write
+        // packs a few MB while the step waits, so the copies below work on
+        // whole rows of NR with sizes known at compile time (no call per
+        // row, no branch per value).
         for (q, panel) in a[..k * fan_in].chunks_exact_mut(fan_in * NR).enumerate() {
             let rows = (rank - q * NR).min(NR);
-            for (i, dst) in panel.chunks_exact_mut(NR).enumerate() {
-                for (j, d) in dst.iter_mut().enumerate() {
-                    *d = if j < rows {
-                        a_rows[(q * NR + j) * fan_in + i]
-                    } else {
-                        T::default()
-                    };
+            let src: [&[T]; NR] = std::array::from_fn(|j| {
+                if j < rows {
+                    &a_rows[(q * NR + j) * fan_in..][..fan_in]
+                } else {
+                    &[]
+                }
+            });
+            if rows == NR {
+                for (i, dst) in panel.chunks_exact_mut(NR).enumerate() {
+                    let dst: &mut [T; NR] = dst.try_into().expect("NR values");
+                    *dst = std::array::from_fn(|j| src[j][i]);
+                }
+            } else {
+                panel.fill(T::default());
+                for (j, src) in src[..rows].iter().enumerate() {
+                    for (i, &v) in src.iter().enumerate() {
+                        panel[i * NR + j] = v;
+                    }
                 }
             }
         }
@@ -346,11 +358,16 @@ impl SlotView<'_> {
         for (p, panel) in b.chunks_exact_mut(k * NR).enumerate() {
             let cols = (fan_out - p * NR).min(NR);
             for (r, row) in panel.chunks_exact_mut(NR).enumerate() {
-                if r < rank {
+                let row: &mut [T; NR] = row.try_into().expect("NR values");
+                if r >= rank {
+                    *row = [T::default(); NR];
+                } else if cols == NR {
+                    *row = b_t[r * fan_out + p * NR..][..NR]
+                        .try_into()
+                        .expect("NR values");
+                } else {
                     row[..cols].copy_from_slice(&b_t[r * fan_out + p * NR..][..cols]);
                     row[cols..].fill(T::default());
-                } else {
-                    row.fill(T::default());
                 }
             }
         }
@@ -360,12 +377,12 @@ impl SlotView<'_> {
 /// `out[t, 0..width]` for `n` rows of `x` (rows of `fan_in`) against the
 /// given panels, [`GROUP`] at a time; `out` is `[n, width]`, `width` at
 /// most the panels' outputs.
-fn panels_into(
+fn panels_into<W: PanelValue>(
     kernel: Kernel,
     x: &[f32],
     fan_in: usize,
     n: usize,
-    panels: &[&[f32]],
+    panels: &[&[W]],
     width: usize,
     out: &mut [f32],
 ) {
@@ -400,11 +417,6 @@ struct LoraWork {
 
 /// Tokens per tile of one segment.
 const SHARED_TILE: usize = 8;
-
-/// The longest segment of a bf16 slot that is gathered, row by row, rather
-/// than run on shared tiles over the slot's panels widened to f32: for a
-/// few tokens the widening costs more than sharing saves.
-const BF16_GATHER_MAX: usize = 2 * GATHER;
 
 /// The grouped LoRA kernel (SGMV): for each segment of tokens sharing a
 /// slot, one shrink `h = x·Aᵀ` that reads each A panel once for the whole
@@ -463,21 +475,6 @@ pub fn lora_segments(
             });
             continue;
         }
-        if bf16 && seg.end - seg.start <= BF16_GATHER_MAX {
-            // Gathered rows that share one slot: cheaper than widening the
-            // slot's panels for a few tokens (a prefill of a short prompt).
-            for lo in (seg.start..seg.end).step_by(GATHER) {
-                let hi = (lo + GATHER).min(seg.end);
-                work.push(LoraWork {
-                    lo,
-                    hi,
-                    k,
-                    bf16,
-                    slots: vec![(seg.slot, scale); hi - lo],
-                });
-            }
-            continue;
-        }
         for lo in (seg.start..seg.end).step_by(SHARED_TILE) {
             work.push(LoraWork {
                 lo,
@@ -493,33 +490,19 @@ pub fn lora_segments(
         SlotView::a_len(max_rank, fan_in),
         SlotView::b_len(max_rank, fan_out),
     );
-    let panels = fan_out.div_ceil(NR);
-    // A longer segment shares its slot's panels through the f32 tiles, so
-    // a bf16 slot is widened (exactly) once per such segment for them.
-    let widened: Vec<(usize, Vec<f32>, Vec<f32>)> = segments
-        .iter()
-        .filter(|seg| seg.end - seg.start > BF16_GATHER_MAX && (slots.bf16)(seg.slot))
-        .filter(|seg| (slots.rank)(seg.slot) > 0)
-        .map(|seg| {
-            let k = (slots.rank)(seg.slot).next_multiple_of(NR);
-            let widen = |bits: &[u16]| bits.iter().map(|&b| bf16_to_f32(b)).collect();
-            (
-                seg.slot,
-                widen(&as_bits(&slots.a[seg.slot * a_len..][..a_len])[..k * fan_in]),
-                widen(&as_bits(&slots.b[seg.slot * b_len..][..b_len])[..panels * k * NR]),
-            )
-        })
-        .collect();
     let (a_all, b_all) = (slots.a, slots.b);
-    // A shared tile's slot's A panels and Bᵀ panels, as f32.
-    let shared_of = |slot: usize| -> (&[f32], &[f32]) {
-        match widened.iter().find(|w| w.0 == slot) {
-            Some((_, a, b)) => (a, b),
-            None => (
-                &a_all[slot * a_len..][..a_len],
-                &b_all[slot * b_len..][..b_len],
-            ),
-        }
+    // A slot's A and Bᵀ regions, as f32 or as bf16 bits.
+    let f32_regions = |slot: usize| {
+        (
+            &a_all[slot * a_len..][..a_len],
+            &b_all[slot * b_len..][..b_len],
+        )
+    };
+    let bf16_regions = |slot: usize| {
+        (
+            as_bits(&a_all[slot * a_len..][..a_len]),
+            as_bits(&b_all[slot * b_len..][..b_len]),
+        )
     };
     let run = |w: &LoraWork| -> Vec<f32> {
         let (n, k) = (w.hi - w.lo, w.k);
@@ -528,51 +511,17 @@ pub fn lora_segments(
         // their h is zero and adds nothing in the expand.
         let mut h = vec![0f32; n * k];
         let mut delta = vec![0f32; n * fan_out];
-        // A lone token of a bf16 slot is gathered too (see
-        // `BF16_GATHER_MAX`).
-        if let [(slot, scale)] = w.slots[..]
-            && (!w.bf16 || n > 1)
-        {
-            // Panel q of A holds ranks q*NR..; panel p of Bᵀ outputs p*NR...
-            let (a, b) = shared_of(slot);
-            let a_panels: Vec<&[f32]> = a[..k * fan_in].chunks_exact(fan_in * NR).collect();
-            panels_into(kernel, xs, fan_in, n, &a_panels, k, &mut h);
-            let b_panels: Vec<&[f32]> = b[..panels * k * NR].chunks_exact(k * NR).collect();
-            panels_into(kernel, &h, k, n, &b_panels, fan_out, &mut delta);
-            // Then the scale, as PEFT applies it.
+        let dims = (fan_in, fan_out);
+        match (w.slots.len(), w.bf16) {
+            (1, false) => shared_lora(kernel, xs, &mut h, &mut delta, w, dims, f32_regions),
+            (1, true) => shared_lora(kernel, xs, &mut h, &mut delta, w, dims, bf16_regions),
+            (_, false) => gather_lora(kernel, xs, &mut h, &mut delta, w, dims, f32_regions),
+            (_, true) => gather_lora(kernel, xs, &mut h, &mut delta, w, dims, bf16_regions),
+        }
+        // Then the scale, as PEFT applies it.
+        if let [(_, scale)] = w.slots[..] {
             delta.iter_mut().for_each(|d| *d *= scale);
         } else {
-            if w.bf16 {
-                gather_lora(
-                    kernel,
-                    xs,
-                    &mut h,
-                    &mut delta,
-                    w,
-                    (fan_in, fan_out),
-                    |slot| {
-                        (
-                            as_bits(&a_all[slot * a_len..][..a_len]),
-                            as_bits(&b_all[slot * b_len..][..b_len]),
-                        )
-                    },
-                );
-            } else {
-                gather_lora(
-                    kernel,
-                    xs,
-                    &mut h,
-                    &mut delta,
-                    w,
-                    (fan_in, fan_out),
-                    |slot| {
-                        (
-                            &a_all[slot * a_len..][..a_len],
-                            &b_all[slot * b_len..][..b_len],
-                        )
-                    },
-                );
-            }
             for (row, &(_, scale)) in delta.chunks_exact_mut(fan_out).zip(&w.slots) {
                 row.iter_mut().for_each(|d| *d *= scale);
             }
@@ -596,6 +545,28 @@ pub fn lora_segments(
     } else {
         work.iter().for_each(add);
     }
+}
+
+/// The unscaled deltas of a work item of one slot: one shrink of its tokens
+/// over the slot's A panels into `h`, then one expand over its Bᵀ panels
+/// into `delta`, each panel row loaded once for the whole tile.
+fn shared_lora<'s, W: PanelValue>(
+    kernel: Kernel,
+    xs: &[f32],
+    h: &mut [f32],
+    delta: &mut [f32],
+    w: &LoraWork,
+    (fan_in, fan_out): (usize, usize),
+    regions: impl Fn(usize) -> (&'s [W], &'s [W]),
+) {
+    let (k, n) = (w.k, w.hi - w.lo);
+    let (a, b) = regions(w.slots[0].0);
+    // Panel q of A holds ranks q*NR..; panel p of Bᵀ outputs p*NR...
+    let a_panels: Vec<&[W]> = a[..k * fan_in].chunks_exact(fan_in * NR).collect();
+    panels_into(kernel, xs, fan_in, n, &a_panels, k, h);
+    let panels = fan_out.div_ceil(NR);
+    let b_panels: Vec<&[W]> = b[..panels * k * NR].chunks_exact(k * NR).collect();
+    panels_into(kernel, h, k, n, &b_panels, fan_out, delta);
 }
 
 /// The unscaled deltas of a gathered work item: each token against its own
@@ -1004,7 +975,11 @@ mod tests {
         for (s, &r) in ranks.iter().enumerate() {
             let rows = round(random(30 + s as u64, r * fan_in));
             let b_t = round(random(40 + s as u64, r * fan_out));
-            let widen = |v: &[u16]| v.iter().map(|&h| bf16_to_f32(h)).collect::<Vec<f32>>();
+            let widen = |v: &[u16]| {
+                v.iter()
+                    .map(|&h| crate::backend::panels::bf16_to_f32(h))
+                    .collect::<Vec<f32>>()
+            };
             let (a, b) = (
                 &mut a32[s * a_len..][..a_len],
                 &mut b32[s * b_len..][..b_len],

@@ -376,12 +376,15 @@ impl Kernel {
     /// it is asked into L2 a few lines at a time while this call computes,
     /// so reading weights from memory overlaps the multiply-adds instead
     /// of alternating with them. It does not change any result.
-    pub fn group(
+    ///
+    /// The panels may hold f32 or bf16 bits ([`PanelValue`]), widened
+    /// exactly as they are loaded: the same bits as their f32 widening.
+    pub fn group<W: PanelValue>(
         self,
         x: &[f32],
         fan_in: usize,
         n: usize,
-        panels: &[&[f32]],
+        panels: &[&[W]],
         ahead: Prefetch,
         out: &mut [f32],
     ) {
@@ -392,7 +395,12 @@ impl Kernel {
                 && out.len() == n * panels.len() * NR
         );
         match self {
-            Kernel::Portable => portable(x, fan_in, n, panels, out),
+            Kernel::Portable => {
+                let wide: Vec<std::borrow::Cow<'_, [f32]>> =
+                    panels.iter().map(|p| W::widen(p)).collect();
+                let wide: Vec<&[f32]> = wide.iter().map(|p| &p[..]).collect();
+                portable(x, fan_in, n, &wide, out)
+            }
             #[cfg(target_arch = "x86_64")]
             Kernel::Avx2 => {
                 let width = panels.len() * NR;
@@ -592,17 +600,54 @@ mod x86 {
         }};
     }
 
+    /// Eight consecutive panel values at `p` as f32: bf16 bits are
+    /// zero-extended and shifted into the top half, which is exact. Inlined
+    /// into callers that enable AVX2.
+    #[inline(always)]
+    unsafe fn load8<W: super::PanelValue>(p: *const W) -> __m256 {
+        // SAFETY: the caller keeps the eight values inside its panel.
+        unsafe {
+            if W::BF16 {
+                let bits = _mm_loadu_si128(p.cast());
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(bits)))
+            } else {
+                _mm256_loadu_ps(p.cast())
+            }
+        }
+    }
+
+    /// Sixteen consecutive panel values at `p` as f32, as [`load8`]. Inlined
+    /// into callers that enable AVX-512F.
+    #[inline(always)]
+    unsafe fn load16<W: super::PanelValue>(p: *const W) -> __m512 {
+        // SAFETY: the caller keeps the sixteen values inside its panel.
+        unsafe {
+            if W::BF16 {
+                let bits = _mm256_loadu_si256(p.cast());
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(bits)))
+            } else {
+                _mm512_loadu_ps(p.cast())
+            }
+        }
+    }
+
     /// # Safety
     /// The CPU has AVX2 and FMA; `x` holds `n` rows of `fan_in`, `panel`
     /// `fan_in * NR` values and `out` `n * NR`.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn single_avx2(x: &[f32], fan_in: usize, n: usize, panel: &[f32], out: &mut [f32]) {
+    pub unsafe fn single_avx2<W: super::PanelValue>(
+        x: &[f32],
+        fan_in: usize,
+        n: usize,
+        panel: &[W],
+        out: &mut [f32],
+    ) {
         #[inline(always)]
-        unsafe fn tile<const M: usize>(
+        unsafe fn tile<const M: usize, W: super::PanelValue>(
             t: usize,
             x: *const f32,
             fan_in: usize,
-            w: *const f32,
+            w: *const W,
             out: *mut f32,
         ) {
             // SAFETY (whole body): rows t..t+M < n and k < fan_in keep every
@@ -617,8 +662,8 @@ mod x86 {
                     if t == 0 {
                         _mm_prefetch::<_MM_HINT_T1>(next.wrapping_add(k * NR).cast());
                     }
-                    let w0 = _mm256_loadu_ps(w.add(k * NR));
-                    let w1 = _mm256_loadu_ps(w.add(k * NR + 8));
+                    let w0 = load8(w.add(k * NR));
+                    let w1 = load8(w.add(k * NR + 8));
                     for (m, a) in acc.iter_mut().enumerate() {
                         let xv = _mm256_broadcast_ss(&*x.add((t + m) * fan_in + k));
                         a[0] = _mm256_fmadd_ps(xv, w0, a[0]);
@@ -633,7 +678,7 @@ mod x86 {
         }
         let (xp, wp, op) = (x.as_ptr(), panel.as_ptr(), out.as_mut_ptr());
         // SAFETY: see the function's contract.
-        unsafe { tiles!(6, n, tile[](xp, fan_in, wp, op)) }
+        unsafe { tiles!(6, n, tile[W](xp, fan_in, wp, op)) }
     }
 
     /// # Safety
@@ -647,20 +692,6 @@ mod x86 {
         panels: usize,
         out: &mut [f32],
     ) {
-        /// Eight consecutive panel values at `p` as f32: bf16 bits are
-        /// zero-extended and shifted into the top half, which is exact.
-        #[inline(always)]
-        unsafe fn load8<W: super::PanelValue>(p: *const W) -> __m256 {
-            // SAFETY: the caller keeps the eight values inside its panel.
-            unsafe {
-                if W::BF16 {
-                    let bits = _mm_loadu_si128(p.cast());
-                    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(bits)))
-                } else {
-                    _mm256_loadu_ps(p.cast())
-                }
-            }
-        }
         #[inline(always)]
         unsafe fn tile<const M: usize, W: super::PanelValue>(
             rows: &[(&[f32], &[W])],
@@ -763,11 +794,11 @@ mod x86 {
     /// The CPU has AVX-512F; `x` holds `n` rows of `fan_in`, each panel
     /// `fan_in * NR` values, and `out` `n * panels.len() * NR`; 1 to 3 panels.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn group_avx512(
+    pub unsafe fn group_avx512<W: super::PanelValue>(
         x: &[f32],
         fan_in: usize,
         n: usize,
-        panels: &[&[f32]],
+        panels: &[&[W]],
         ahead: super::Prefetch,
         out: &mut [f32],
     ) {
@@ -778,9 +809,9 @@ mod x86 {
         // SAFETY: the caller's contract, for each panel count.
         unsafe {
             match *panels {
-                [a] => group::<1>(x, fan_in, n, [a.as_ptr()], &mut pf, out),
-                [a, b] => group::<2>(x, fan_in, n, [a.as_ptr(), b.as_ptr()], &mut pf, out),
-                [a, b, c] => group::<3>(
+                [a] => group::<1, W>(x, fan_in, n, [a.as_ptr()], &mut pf, out),
+                [a, b] => group::<2, W>(x, fan_in, n, [a.as_ptr(), b.as_ptr()], &mut pf, out),
+                [a, b, c] => group::<3, W>(
                     x,
                     fan_in,
                     n,
@@ -840,23 +871,23 @@ mod x86 {
     }
 
     #[inline(always)]
-    unsafe fn group<const P: usize>(
+    unsafe fn group<const P: usize, W: super::PanelValue>(
         x: &[f32],
         fan_in: usize,
         n: usize,
-        w: [*const f32; P],
+        w: [*const W; P],
         pf: &mut Ahead,
         out: &mut [f32],
     ) {
         #[inline(always)]
         #[allow(clippy::too_many_arguments)]
-        unsafe fn tile<const M: usize, const P: usize>(
+        unsafe fn tile<const M: usize, const P: usize, W: super::PanelValue>(
             t: usize,
             x: *const f32,
             fan_in: usize,
             k0: usize,
             k1: usize,
-            w: [*const f32; P],
+            w: [*const W; P],
             pf: &mut Ahead,
             out: *mut f32,
         ) {
@@ -878,7 +909,7 @@ mod x86 {
                     pf.tick();
                     let mut wv = [_mm512_setzero_ps(); P];
                     for (q, v) in wv.iter_mut().enumerate() {
-                        *v = _mm512_loadu_ps(w[q].add(k * NR));
+                        *v = load16(w[q].add(k * NR));
                     }
                     for (m, a) in acc.iter_mut().enumerate() {
                         let xv = _mm512_set1_ps(*x.add((t + m) * fan_in + k));
@@ -899,7 +930,7 @@ mod x86 {
         while k0 < fan_in {
             let k1 = (k0 + super::KC).min(fan_in);
             // SAFETY: see the function's contract.
-            unsafe { tiles!(8, n, tile[P](xp, fan_in, k0, k1, w, pf, op)) }
+            unsafe { tiles!(8, n, tile[P, W](xp, fan_in, k0, k1, w, pf, op)) }
             k0 = k1;
         }
     }
@@ -976,6 +1007,47 @@ mod tests {
                     bits(&b),
                     "{kernel:?} n={n} fan_in={fan_in} fan_out={fan_out}"
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn k_major_bf16_panels_give_the_bits_of_their_f32_widening_in_every_kernel() {
+        // Adapter slots keep bf16 in the f32 panel layout; `group` and
+        // `gather` widen as they load, so every kernel, every tile size and
+        // every panel count must give the bits of the widened panels.
+        for (n, fan_in) in [(1, 16), (7, 40), (8, 96), (19, 33)] {
+            let x = random(4, n * fan_in);
+            let narrow: Vec<Vec<u16>> = (0..GROUP)
+                .map(|q| bf16_bits(&random(5 + q as u64, fan_in * NR)))
+                .collect();
+            let wide: Vec<Vec<f32>> = narrow.iter().map(|p| widened(p)).collect();
+            for &kernel in &Kernel::available() {
+                for count in 1..=GROUP {
+                    let narrow: Vec<&[u16]> = narrow[..count].iter().map(|p| &p[..]).collect();
+                    let wide: Vec<&[f32]> = wide[..count].iter().map(|p| &p[..]).collect();
+                    let (mut a, mut b) = (vec![0f32; n * count * NR], vec![0f32; n * count * NR]);
+                    kernel.group(&x, fan_in, n, &narrow, Prefetch::NONE, &mut a);
+                    kernel.group(&x, fan_in, n, &wide, Prefetch::NONE, &mut b);
+                    assert_eq!(bits(&a), bits(&b), "{kernel:?} group n={n} panels={count}");
+                }
+                // Gathered rows, each with its own run of two panels.
+                let rows = n.min(GATHER);
+                let runs16: Vec<Vec<u16>> = (0..rows)
+                    .map(|r| bf16_bits(&random(20 + r as u64, 2 * fan_in * NR)))
+                    .collect();
+                let runs32: Vec<Vec<f32>> = runs16.iter().map(|r| widened(r)).collect();
+                let narrow: Vec<(&[f32], &[u16])> = (0..rows)
+                    .map(|r| (&x[r * fan_in..], &runs16[r][..]))
+                    .collect();
+                let wide: Vec<(&[f32], &[f32])> = (0..rows)
+                    .map(|r| (&x[r * fan_in..], &runs32[r][..]))
+                    .collect();
+                let (mut a, mut b) = (vec![0f32; rows * 2 * NR], vec![0f32; rows * 2 * NR]);
+                kernel.gather(&narrow, fan_in, 2, &mut a);
+                kernel.gather(&wide, fan_in, 2, &mut b);
+                assert!(b.iter().any(|&v| v != 0.0));
+                assert_eq!(bits(&a), bits(&b), "{kernel:?} gather rows={rows}");
             }
         }
     }
