@@ -266,8 +266,9 @@ fn a_bf16_adapter_matches_its_f32_widening() {
             assert_eq!(narrow.bytes * 2, wide.bytes, "{model}/{name}: bytes held");
             backend.write_slot(0, &narrow).unwrap();
             backend.write_slot(1, &wide).unwrap();
-            // Prefill both side by side (shared tiles), then one decode
-            // token each (the gathered path).
+            // Prefill both side by side, then one decode token each: shared
+            // tiles over each slot (a gather never mixes bf16 and f32 slots;
+            // the gathered bf16 path is covered by the unit tests).
             let tables: [Vec<u32>; 2] = [(0..8).collect(), (8..16).collect()];
             let mut logits = Vec::new();
             for (tokens, first) in [(&prompt[..], 0), (&prompt[..1], prompt.len())] {

@@ -954,8 +954,8 @@ mod tests {
         // The same modules, rounded to bf16, packed as bf16 bits into every
         // other slot of one table and as their f32 widening into all of
         // another: gathered runs that switch between the two, lone tokens
-        // (slot 5 has no other), short bf16 segments (gathered), a long one
-        // (widened, on shared tiles) and f32 ones must give identical bits.
+        // (slot 5 has no other), and bf16 and f32 segments on shared tiles,
+        // short and long, must give identical bits.
         let (fan_in, fan_out, max_rank, tokens) = (40, 37, 32, 30);
         let ranks = [5usize, 16, 20, 3, 9, 12];
         let (a_len, b_len) = (

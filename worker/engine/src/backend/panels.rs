@@ -475,8 +475,16 @@ impl Kernel {
     }
 }
 
-/// A value panels may hold: f32, or bf16 as its bits (`u16`).
-pub trait PanelValue: Copy + Default + Send + Sync + 'static {
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for u16 {}
+}
+
+/// A value panels may hold: f32, or bf16 as its bits (`u16`). Sealed: the
+/// kernels' loads trust `BF16` for the value's size, so no other type may
+/// implement it.
+pub trait PanelValue: sealed::Sealed + Copy + Default + Send + Sync + 'static {
     /// Whether the value is bf16 bits.
     const BF16: bool;
     /// The values as f32, exactly.
