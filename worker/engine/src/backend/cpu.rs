@@ -512,11 +512,10 @@ pub fn lora_segments(
         let mut h = vec![0f32; n * k];
         let mut delta = vec![0f32; n * fan_out];
         let dims = (fan_in, fan_out);
-        match (w.slots.len(), w.bf16) {
-            (1, false) => shared_lora(kernel, xs, &mut h, &mut delta, w, dims, f32_regions),
-            (1, true) => shared_lora(kernel, xs, &mut h, &mut delta, w, dims, bf16_regions),
-            (_, false) => gather_lora(kernel, xs, &mut h, &mut delta, w, dims, f32_regions),
-            (_, true) => gather_lora(kernel, xs, &mut h, &mut delta, w, dims, bf16_regions),
+        if w.bf16 {
+            lora_item(kernel, xs, &mut h, &mut delta, w, dims, bf16_regions);
+        } else {
+            lora_item(kernel, xs, &mut h, &mut delta, w, dims, f32_regions);
         }
         // Then the scale, as PEFT applies it.
         if let [(_, scale)] = w.slots[..] {
@@ -547,33 +546,13 @@ pub fn lora_segments(
     }
 }
 
-/// The unscaled deltas of a work item of one slot: one shrink of its tokens
-/// over the slot's A panels into `h`, then one expand over its Bᵀ panels
-/// into `delta`, each panel row loaded once for the whole tile.
-fn shared_lora<'s, W: PanelValue>(
-    kernel: Kernel,
-    xs: &[f32],
-    h: &mut [f32],
-    delta: &mut [f32],
-    w: &LoraWork,
-    (fan_in, fan_out): (usize, usize),
-    regions: impl Fn(usize) -> (&'s [W], &'s [W]),
-) {
-    let (k, n) = (w.k, w.hi - w.lo);
-    let (a, b) = regions(w.slots[0].0);
-    // Panel q of A holds ranks q*NR..; panel p of Bᵀ outputs p*NR...
-    let a_panels: Vec<&[W]> = a[..k * fan_in].chunks_exact(fan_in * NR).collect();
-    panels_into(kernel, xs, fan_in, n, &a_panels, k, h);
-    let panels = fan_out.div_ceil(NR);
-    let b_panels: Vec<&[W]> = b[..panels * k * NR].chunks_exact(k * NR).collect();
-    panels_into(kernel, h, k, n, &b_panels, fan_out, delta);
-}
-
-/// The unscaled deltas of a gathered work item: each token against its own
-/// slot's run of panels, A's `k / NR` for the shrink into `h`, then Bᵀ's for
-/// the expand into `delta`. `regions` gives a slot's A and Bᵀ regions in
-/// the values they are stored in.
-fn gather_lora<'s, W: PanelValue>(
+/// The unscaled deltas of one work item. A tile of one slot runs one shrink
+/// of its tokens over the slot's A panels into `h`, then one expand over its
+/// Bᵀ panels into `delta`, each panel row loaded once for the whole tile. A
+/// gather runs each token against its own slot's run of panels, A's
+/// `k / NR` then Bᵀ's. `regions` gives a slot's A and Bᵀ regions in the
+/// values they are stored in.
+fn lora_item<'s, W: PanelValue>(
     kernel: Kernel,
     xs: &[f32],
     h: &mut [f32],
@@ -584,6 +563,15 @@ fn gather_lora<'s, W: PanelValue>(
 ) {
     let (k, n) = (w.k, w.hi - w.lo);
     let panels = fan_out.div_ceil(NR);
+    if let [(slot, _)] = w.slots[..] {
+        let (a, b) = regions(slot);
+        // Panel q of A holds ranks q*NR..; panel p of Bᵀ outputs p*NR...
+        let a_panels: Vec<&[W]> = a[..k * fan_in].chunks_exact(fan_in * NR).collect();
+        panels_into(kernel, xs, fan_in, n, &a_panels, k, h);
+        let b_panels: Vec<&[W]> = b[..panels * k * NR].chunks_exact(k * NR).collect();
+        panels_into(kernel, h, k, n, &b_panels, fan_out, delta);
+        return;
+    }
     let rows: Vec<(&[f32], &[W])> = (0..n)
         .map(|r| (&xs[r * fan_in..], &regions(w.slots[r].0).0[..k * fan_in]))
         .collect();

@@ -236,7 +236,7 @@ impl LoraModule {
 
 fn widen(bits: &[u16]) -> Vec<f32> {
     bits.iter()
-        .map(|&b| f32::from_bits(u32::from(b) << 16))
+        .map(|&b| crate::backend::panels::bf16_to_f32(b))
         .collect()
 }
 
