@@ -9,6 +9,13 @@
 //! generated, greedy) as one continuous batch of up to 32 sequences with 32
 //! device slots. Adapters are read into the host tier before timing starts,
 //! as in S-LoRA's setting; host-to-device copies are part of the timing.
+//!
+//! One untimed warm-up run of the first configuration comes first (the
+//! process's first run pays for page faults and cold caches). Then the
+//! configurations take turns for `LORAFLEET_BENCH_ROUNDS` rounds (default
+//! 5); the table gives each row's median tokens/s, the ratio of that median
+//! to the first row's, and the median over rounds of the ratio taken within
+//! one round. `LORAFLEET_BENCH_ADAPTERS=1,512` picks the adapter counts.
 
 mod standin;
 
@@ -40,7 +47,7 @@ fn main() {
             v.parse()
                 .expect("LORAFLEET_BENCH_ROUNDS: a count of rounds")
         })
-        .unwrap_or(3)
+        .unwrap_or(5)
         .max(1);
     let model = standin::model_in(dtype);
     let adapter_dirs = standin::adapters(*counts.iter().max().unwrap());
@@ -50,6 +57,12 @@ fn main() {
         standin::LAYERS,
         standin::RANK,
         rayon::current_num_threads()
+    );
+    let warm_up = run_once(&model, &adapter_dirs[..counts[0]]);
+    eprintln!(
+        "warm-up (not counted): {} adapters, {:.1} tokens/s",
+        counts[0],
+        warm_up.tokens_per_s()
     );
     // The configurations take turns, round after round, so that a slow
     // spell of a shared machine lands on all of them alike; each ratio is
@@ -67,10 +80,11 @@ fn main() {
         }
     }
     println!(
-        "| adapters | generated tokens | tokens/s (median) | each round | vs {} adapters (median of rounds) | device loads | mean distinct/step | stolen CPU s |",
+        "| adapters | generated tokens | tokens/s (median) | each round | vs {0} adapters (ratio of medians) | vs {0} adapters (median of rounds) | device loads | mean distinct/step | stolen CPU s |",
         counts[0]
     );
-    println!("|---:|---:|---:|---|---:|---:|---:|---:|");
+    println!("|---:|---:|---:|---|---:|---:|---:|---:|---:|");
+    let first_median = median(&runs[0].iter().map(Run::tokens_per_s).collect::<Vec<_>>());
     for (i, &n) in counts.iter().enumerate() {
         let tps: Vec<f64> = runs[i].iter().map(Run::tokens_per_s).collect();
         let ratios: Vec<f64> = runs[i]
@@ -81,13 +95,14 @@ fn main() {
         let last = runs[i].last().unwrap();
         let stolen: Option<f64> = runs[i].iter().map(|r| r.stolen).sum();
         println!(
-            "| {n} | {} | {:.1} | {} | {:.1}% | {} | {:.1} | {} |",
+            "| {n} | {} | {:.1} | {} | {:.1}% | {:.1}% | {} | {:.1} | {} |",
             last.generated,
             median(&tps),
             tps.iter()
                 .map(|t| format!("{t:.1}"))
                 .collect::<Vec<_>>()
                 .join(" / "),
+            median(&tps) / first_median * 100.0,
             median(&ratios) * 100.0,
             last.device_loads,
             last.mean_distinct,

@@ -87,12 +87,15 @@ fn forward_matches_transformers_and_peft() {
 /// Copies a fixture model with every weight rounded to bf16, stored as
 /// `dtype` (BF16, or F32 holding the same values), sharded as the fixture is.
 fn bf16_copy(model: &str, dtype: safetensors::Dtype) -> tempfile::TempDir {
-    bf16_copy_of(&model_dir(model), dtype)
+    bf16_copy_of(&model_dir(model), &|_| dtype)
 }
 
 /// [`bf16_copy`] of any directory of safetensors files (a model or an
 /// adapter), its other files copied as they are.
-fn bf16_copy_of(src: &std::path::Path, dtype: safetensors::Dtype) -> tempfile::TempDir {
+fn bf16_copy_of(
+    src: &std::path::Path,
+    dtype_of: &dyn Fn(&str) -> safetensors::Dtype,
+) -> tempfile::TempDir {
     use safetensors::SafeTensors;
     use safetensors::tensor::TensorView;
     let dst = tempfile::tempdir().unwrap();
@@ -128,7 +131,7 @@ fn bf16_copy_of(src: &std::path::Path, dtype: safetensors::Dtype) -> tempfile::T
                     other => panic!("fixture tensor {name} is {other:?}"),
                 };
                 let rounded = values.into_iter().map(half::bf16::from_f32);
-                let data = match dtype {
+                let data = match dtype_of(&name) {
                     safetensors::Dtype::BF16 => rounded.flat_map(|h| h.to_le_bytes()).collect(),
                     _ => rounded.flat_map(|h| h.to_f32().to_le_bytes()).collect(),
                 };
@@ -137,7 +140,12 @@ fn bf16_copy_of(src: &std::path::Path, dtype: safetensors::Dtype) -> tempfile::T
             .collect();
         let views: Vec<(String, TensorView<'_>)> = tensors
             .iter()
-            .map(|(n, s, d)| (n.clone(), TensorView::new(dtype, s.clone(), d).unwrap()))
+            .map(|(n, s, d)| {
+                (
+                    n.clone(),
+                    TensorView::new(dtype_of(n), s.clone(), d).unwrap(),
+                )
+            })
             .collect();
         safetensors::serialize_to_file(views, None, &to).unwrap();
     }
@@ -226,16 +234,18 @@ fn a_bf16_checkpoint_matches_its_f32_widening() {
 fn a_bf16_adapter_matches_its_f32_widening() {
     // An adapter stored in bf16 stays bf16 in the host tier and in its
     // device slot; widening is exact, so every logit must equal that of the
-    // same values stored in f32, in the same batch. Every fixture adapter,
-    // both models.
+    // same values stored in f32, in the same batch, through shared tiles
+    // (prefill) and gathers (decode) alike. An adapter whose A is bf16 and
+    // whose B is f32 is held in f32. Every fixture adapter, both models.
     use lorafleet_engine::lora::Factors;
+    use safetensors::Dtype;
     for model in ["llama-gqa", "qwen2-tied"] {
         let dir = model_dir(model);
         let config = ModelConfig::from_dir(&dir).unwrap();
         let shape = BackendShape {
-            slots: 2,
+            slots: 6,
             max_lora_rank: 16,
-            kv_blocks: 16,
+            kv_blocks: 12,
             block_size: 4,
         };
         let mut backend = CpuBackend::load(&dir, &config, shape).unwrap();
@@ -244,13 +254,23 @@ fn a_bf16_adapter_matches_its_f32_widening() {
             max_lora_rank: 16,
             base_hash_check: None,
         };
-        let prompt: Vec<u32> = (0..6).map(|i| 5 + 7 * i).collect();
+        let prompts: [Vec<u32>; 2] = [
+            (0..6).map(|i| 5 + 7 * i).collect(),
+            (0..6).map(|i| 40 - 3 * i).collect(),
+        ];
         for name in adapter_names(model) {
             let src = adapter_dir(model, &name);
-            let [narrow, wide] = [safetensors::Dtype::BF16, safetensors::Dtype::F32]
-                .map(|dtype| bf16_copy_of(&src, dtype))
+            let dtypes: [&dyn Fn(&str) -> Dtype; 3] = [&|_| Dtype::BF16, &|_| Dtype::F32, &|t| {
+                if t.contains("lora_A") {
+                    Dtype::BF16
+                } else {
+                    Dtype::F32
+                }
+            }];
+            let [narrow, wide, mixed] = dtypes
+                .map(|dtype_of| bf16_copy_of(&src, dtype_of))
                 .map(|copy| HostAdapter::load(&name, copy.path(), limits).unwrap());
-            let modules = |a: &HostAdapter| {
+            let held_bf16 = |a: &HostAdapter| {
                 a.modules
                     .iter()
                     .flatten()
@@ -259,33 +279,48 @@ fn a_bf16_adapter_matches_its_f32_widening() {
                     .collect::<Vec<_>>()
             };
             assert!(
-                modules(&narrow).iter().all(|&b| b) && !modules(&narrow).is_empty(),
+                held_bf16(&narrow).iter().all(|&b| b) && !held_bf16(&narrow).is_empty(),
                 "{model}/{name}: held in bf16"
             );
-            assert!(modules(&wide).iter().all(|&b| !b), "{model}/{name}");
-            assert_eq!(narrow.bytes * 2, wide.bytes, "{model}/{name}: bytes held");
-            backend.write_slot(0, &narrow).unwrap();
-            backend.write_slot(1, &wide).unwrap();
-            // Prefill both side by side, then one decode token each: shared
-            // tiles over each slot (a gather never mixes bf16 and f32 slots;
-            // the gathered bf16 path is covered by the unit tests).
-            let tables: [Vec<u32>; 2] = [(0..8).collect(), (8..16).collect()];
-            let mut logits = Vec::new();
-            for (tokens, first) in [(&prompt[..], 0), (&prompt[..1], prompt.len())] {
+            for f32_held in [&wide, &mixed] {
+                assert!(held_bf16(f32_held).iter().all(|&b| !b), "{model}/{name}");
+                assert_eq!(
+                    narrow.bytes * 2,
+                    f32_held.bytes,
+                    "{model}/{name}: bytes held"
+                );
+            }
+            // Slots 0 and 1 bf16, 2 to 5 f32; sequence i runs prompt i % 2
+            // on slot i. The decode step's six one-token segments make two
+            // gathers: slots 0-1 in bf16, slots 2-5 in f32 (a gather never
+            // mixes them).
+            for (slot, adapter) in [&narrow, &narrow, &wide, &wide, &mixed, &mixed]
+                .into_iter()
+                .enumerate()
+            {
+                backend.write_slot(slot, adapter).unwrap();
+            }
+            let tables: Vec<Vec<u32>> = (0..6u32).map(|i| vec![2 * i, 2 * i + 1]).collect();
+            for step in 0..2 {
                 let mut batch = StepBatch::default();
                 for (slot, table) in tables.iter().enumerate() {
-                    batch.push(tokens, first, table, Some(slot), true);
+                    let prompt = &prompts[slot % 2];
+                    match step {
+                        0 => batch.push(prompt, 0, table, Some(slot), true),
+                        _ => batch.push(&prompt[..1], prompt.len(), table, Some(slot), true),
+                    }
                 }
                 batch.finish();
-                logits.push(backend.forward(&batch).unwrap());
-            }
-            for l in &logits {
-                let (a, b) = l.split_at(config.vocab_size);
+                let logits = backend.forward(&batch).unwrap();
+                let rows: Vec<&[f32]> = logits.chunks(config.vocab_size).collect();
                 let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-                assert!(
-                    bits(a) == bits(b),
-                    "{model}/{name}: bf16 and f32 logits differ"
-                );
+                for (i, j) in [(0, 2), (1, 3), (4, 2), (5, 3)] {
+                    assert!(
+                        bits(rows[i]) == bits(rows[j]),
+                        "{model}/{name} step {step}: slot {i} and slot {j} logits differ"
+                    );
+                }
+                assert!(bits(rows[0]) != bits(rows[1]), "the two prompts differ");
             }
         }
     }

@@ -450,7 +450,7 @@ mod tests {
     }
 
     #[test]
-    fn each_header_is_read_once_and_a_cut_file_is_refused_at_open() {
+    fn byte_ranges_recorded_at_open_pick_each_tensor_and_a_cut_file_is_refused_at_open() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("w.safetensors");
         write_st(

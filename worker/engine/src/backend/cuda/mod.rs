@@ -725,12 +725,13 @@ impl Backend for CudaBackend {
                 // Rows past the module's rank are never read.
                 let a_at = slot * max_rank * fan_in;
                 // The device slots hold f32: bf16 factors are widened,
-                // exactly, on the way.
-                let (a, b_t) = (m.a_f32().into_owned(), m.b_t_f32().into_owned());
+                // exactly, on the way (f32 factors are copied from where
+                // they are).
+                let (a, b_t) = (m.a_f32(), m.b_t_f32());
                 self.dev
                     .stream
                     .memcpy_htod(
-                        &a,
+                        a.as_ref(),
                         &mut self.slots.a[key].slice_mut(a_at..a_at + m.rank * fan_in),
                     )
                     .map_err(cuda("writing a slot"))?;
@@ -738,7 +739,7 @@ impl Backend for CudaBackend {
                 self.dev
                     .stream
                     .memcpy_htod(
-                        &b_t,
+                        b_t.as_ref(),
                         &mut self.slots.b[key].slice_mut(b_at..b_at + m.rank * fan_out),
                     )
                     .map_err(cuda("writing a slot"))?;
