@@ -232,17 +232,20 @@ impl PackedLinear {
                         }
                         (Panels::Bf16(all), None) => {
                             let panel_len = amx::padded(fan_in) * NR;
-                            wide.resize(GROUP * fan_in * NR, 0f32);
-                            let wide = &mut wide[..count * fan_in * NR];
-                            kernel.widen_bf16(
-                                &all[first * panel_len..][..count * panel_len],
-                                fan_in,
-                                wide,
-                            );
-                            let group: Vec<&[f32]> = wide.chunks_exact(fan_in * NR).collect();
+                            let group: Vec<&[u16]> = all[first * panel_len..][..count * panel_len]
+                                .chunks_exact(panel_len)
+                                .collect();
                             let next = &all[(first + count) * panel_len
                                 ..(first + count + GROUP).min(panels) * panel_len];
-                            kernel.group(x, fan_in, n, &group, Prefetch::of(next), local);
+                            kernel.group_bf16_pairs(
+                                x,
+                                fan_in,
+                                n,
+                                &group,
+                                wide,
+                                Prefetch::of(next),
+                                local,
+                            );
                         }
                     }
                     let (glo, ghi) = (first * NR, (first * NR + width).min(fan_out));
@@ -532,6 +535,54 @@ impl Kernel {
                 // SAFETY: the CPU has AVX-512F (see `group`); sizes asserted.
                 #[allow(unsafe_code)]
                 Kernel::Avx512 => unsafe { x86::widen_avx512(src, fan_in, dst) },
+            }
+        }
+    }
+}
+
+impl Kernel {
+    /// [`Kernel::group`] on bf16 panels in the pair layout
+    /// ([`PackedLinear::pack_bf16`], `amx::padded(fan_in)` inputs each),
+    /// widened exactly on the way: the bits of the same call on their f32
+    /// widening. `scratch` is the caller's to reuse from call to call. The
+    /// AVX-512 kernel widens one block of inputs at a time into L1; the
+    /// others widen the whole group first.
+    #[allow(clippy::too_many_arguments)]
+    pub fn group_bf16_pairs(
+        self,
+        x: &[f32],
+        fan_in: usize,
+        n: usize,
+        panels: &[&[u16]],
+        scratch: &mut Vec<f32>,
+        ahead: Prefetch,
+        out: &mut [f32],
+    ) {
+        let kpad = amx::padded(fan_in);
+        assert!((1..=GROUP).contains(&panels.len()), "1 to {GROUP} panels");
+        assert!(
+            x.len() >= n * fan_in
+                && panels.iter().all(|p| p.len() == kpad * NR)
+                && out.len() == n * panels.len() * NR
+        );
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512 => {
+                scratch.resize(panels.len() * KC * NR, 0.0);
+                // SAFETY: the CPU has AVX-512F, checked by
+                // `detect`/`available`; sizes asserted above.
+                #[allow(unsafe_code)]
+                unsafe {
+                    x86::group_pairs_avx512(x, fan_in, n, panels, scratch, ahead, out)
+                }
+            }
+            _ => {
+                scratch.resize(panels.len() * fan_in * NR, 0.0);
+                for (panel, wide) in panels.iter().zip(scratch.chunks_exact_mut(fan_in * NR)) {
+                    self.widen_bf16(panel, fan_in, wide);
+                }
+                let wide: Vec<&[f32]> = scratch.chunks_exact(fan_in * NR).collect();
+                self.group(x, fan_in, n, &wide, ahead, out);
             }
         }
     }
@@ -878,6 +929,58 @@ mod x86 {
         }
     }
 
+    /// One tile of `M` rows by `P` panels over inputs `k0..k1`: the
+    /// AVX-512 register tile every group call runs. `w[q]` points at input
+    /// `kw` of panel `q` (0 for whole panels, `k0` for a block widened into
+    /// scratch).
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn tile512<const M: usize, const P: usize, W: super::PanelValue>(
+        t: usize,
+        x: *const f32,
+        fan_in: usize,
+        k0: usize,
+        k1: usize,
+        kw: usize,
+        w: [*const W; P],
+        pf: &mut Ahead,
+        out: *mut f32,
+    ) {
+        let width = P * NR;
+        // SAFETY (whole body): rows t..t+M < n, kw <= k < fan_in and q < P
+        // keep every access inside x, the panels and rows t..t+M of out.
+        unsafe {
+            let mut acc = [[_mm512_setzero_ps(); P]; M];
+            if k0 > 0 {
+                // Resume the chains where the last pass stored them:
+                // a store and a load do not change a value.
+                for (m, a) in acc.iter_mut().enumerate() {
+                    for (q, v) in a.iter_mut().enumerate() {
+                        *v = _mm512_loadu_ps(out.add((t + m) * width + q * NR));
+                    }
+                }
+            }
+            for k in k0..k1 {
+                pf.tick();
+                let mut wv = [_mm512_setzero_ps(); P];
+                for (q, v) in wv.iter_mut().enumerate() {
+                    *v = load16(w[q].add((k - kw) * NR));
+                }
+                for (m, a) in acc.iter_mut().enumerate() {
+                    let xv = _mm512_set1_ps(*x.add((t + m) * fan_in + k));
+                    for (v, &wq) in a.iter_mut().zip(&wv) {
+                        *v = _mm512_fmadd_ps(xv, wq, *v);
+                    }
+                }
+            }
+            for (m, a) in acc.iter().enumerate() {
+                for (q, &v) in a.iter().enumerate() {
+                    _mm512_storeu_ps(out.add((t + m) * width + q * NR), v);
+                }
+            }
+        }
+    }
+
     #[inline(always)]
     unsafe fn group<const P: usize, W: super::PanelValue>(
         x: &[f32],
@@ -887,58 +990,106 @@ mod x86 {
         pf: &mut Ahead,
         out: &mut [f32],
     ) {
-        #[inline(always)]
-        #[allow(clippy::too_many_arguments)]
-        unsafe fn tile<const M: usize, const P: usize, W: super::PanelValue>(
-            t: usize,
-            x: *const f32,
-            fan_in: usize,
-            k0: usize,
-            k1: usize,
-            w: [*const W; P],
-            pf: &mut Ahead,
-            out: *mut f32,
-        ) {
-            let width = P * NR;
-            // SAFETY (whole body): rows t..t+M < n, k < fan_in and q < P keep
-            // every access inside x, the panels and rows t..t+M of out.
-            unsafe {
-                let mut acc = [[_mm512_setzero_ps(); P]; M];
-                if k0 > 0 {
-                    // Resume the chains where the last pass stored them:
-                    // a store and a load do not change a value.
-                    for (m, a) in acc.iter_mut().enumerate() {
-                        for (q, v) in a.iter_mut().enumerate() {
-                            *v = _mm512_loadu_ps(out.add((t + m) * width + q * NR));
-                        }
-                    }
-                }
-                for k in k0..k1 {
-                    pf.tick();
-                    let mut wv = [_mm512_setzero_ps(); P];
-                    for (q, v) in wv.iter_mut().enumerate() {
-                        *v = load16(w[q].add(k * NR));
-                    }
-                    for (m, a) in acc.iter_mut().enumerate() {
-                        let xv = _mm512_set1_ps(*x.add((t + m) * fan_in + k));
-                        for (v, &wq) in a.iter_mut().zip(&wv) {
-                            *v = _mm512_fmadd_ps(xv, wq, *v);
-                        }
-                    }
-                }
-                for (m, a) in acc.iter().enumerate() {
-                    for (q, &v) in a.iter().enumerate() {
-                        _mm512_storeu_ps(out.add((t + m) * width + q * NR), v);
-                    }
-                }
-            }
-        }
         let (xp, op) = (x.as_ptr(), out.as_mut_ptr());
         let mut k0 = 0;
         while k0 < fan_in {
             let k1 = (k0 + super::KC).min(fan_in);
             // SAFETY: see the function's contract.
-            unsafe { tiles!(8, n, tile[P, W](xp, fan_in, k0, k1, w, pf, op)) }
+            unsafe { tiles!(8, n, tile512[P, W](xp, fan_in, k0, k1, 0, w, pf, op)) }
+            k0 = k1;
+        }
+    }
+
+    /// # Safety
+    /// The CPU has AVX-512F; `x` holds `n` rows of `fan_in`, each panel is
+    /// a pair-layout bf16 panel of at least `fan_in` (rounded up to even)
+    /// inputs, `scratch` holds `panels.len() * KC * NR` values and `out`
+    /// `n * panels.len() * NR`; 1 to 3 panels.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn group_pairs_avx512(
+        x: &[f32],
+        fan_in: usize,
+        n: usize,
+        panels: &[&[u16]],
+        scratch: &mut [f32],
+        ahead: super::Prefetch,
+        out: &mut [f32],
+    ) {
+        let tiles = n.div_ceil(8);
+        let mut pf = Ahead::new(ahead, tiles * fan_in);
+        // SAFETY: the caller's contract, for each panel count.
+        unsafe {
+            match *panels {
+                [a] => pairs::<1>(x, fan_in, n, [a.as_ptr()], scratch, &mut pf, out),
+                [a, b] => pairs::<2>(
+                    x,
+                    fan_in,
+                    n,
+                    [a.as_ptr(), b.as_ptr()],
+                    scratch,
+                    &mut pf,
+                    out,
+                ),
+                [a, b, c] => pairs::<3>(
+                    x,
+                    fan_in,
+                    n,
+                    [a.as_ptr(), b.as_ptr(), c.as_ptr()],
+                    scratch,
+                    &mut pf,
+                    out,
+                ),
+                _ => unreachable!("1 to 3 panels"),
+            }
+        }
+    }
+
+    /// [`group`] on bf16 pair-layout panels: each block of `KC` inputs is
+    /// widened into `scratch` (24 KB for three panels, so it stays in L1)
+    /// just before its tiles run, instead of widening whole panels into a
+    /// copy that only L2 holds. The tiles are [`group`]'s, on the same
+    /// values, so the bits are those of the f32 widening.
+    #[inline(always)]
+    unsafe fn pairs<const P: usize>(
+        x: &[f32],
+        fan_in: usize,
+        n: usize,
+        w: [*const u16; P],
+        scratch: &mut [f32],
+        pf: &mut Ahead,
+        out: &mut [f32],
+    ) {
+        let (xp, op, sp) = (x.as_ptr(), out.as_mut_ptr(), scratch.as_mut_ptr());
+        let block = super::KC * NR;
+        // SAFETY: inlined into `group_pairs_avx512`, which enables AVX-512F.
+        let high = unsafe { _mm512_set1_epi32(0xffff_0000_u32 as i32) };
+        let mut k0 = 0;
+        while k0 < fan_in {
+            let k1 = (k0 + super::KC).min(fan_in);
+            // k0 is a multiple of KC, so even: the block starts a pair row.
+            for (q, &panel) in w.iter().enumerate() {
+                for r in k0 / 2..k1.div_ceil(2) {
+                    // SAFETY: pair row r < fan_in.div_ceil(2) lies in the
+                    // panel; inputs 2r - k0 (and 2r + 1 - k0 when below
+                    // k1 - k0) lie in block q of scratch.
+                    unsafe {
+                        let v = _mm512_loadu_si512(panel.add(r * 2 * NR).cast());
+                        let d = sp.add(q * block + (2 * r - k0) * NR);
+                        _mm512_storeu_ps(d, _mm512_castsi512_ps(_mm512_slli_epi32::<16>(v)));
+                        if 2 * r + 1 < k1 {
+                            _mm512_storeu_ps(
+                                d.add(NR),
+                                _mm512_castsi512_ps(_mm512_and_si512(v, high)),
+                            );
+                        }
+                    }
+                }
+            }
+            // SAFETY: block q of scratch holds inputs k0..k1 of panel q.
+            let ws: [*const f32; P] =
+                std::array::from_fn(|q| unsafe { sp.add(q * block) }.cast_const());
+            // SAFETY: see the function's contract.
+            unsafe { tiles!(8, n, tile512[P, f32](xp, fan_in, k0, k1, k0, ws, pf, op)) }
             k0 = k1;
         }
     }
