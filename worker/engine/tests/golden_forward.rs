@@ -84,6 +84,62 @@ fn forward_matches_transformers_and_peft() {
     assert_eq!(checked, golden.cases.len());
 }
 
+#[test]
+fn a_prefill_gives_the_bits_of_its_tokens_fed_one_at_a_time() {
+    // A prefill step runs its last layer on the rows that want logits
+    // alone. Each row's sums do not depend on the rows around it, so the
+    // logits must be the same bits as feeding the prompt one token per
+    // step, with and without an adapter, beside a chunk that wants none.
+    let golden = golden();
+    for model in ["llama-gqa", "qwen2-tied"] {
+        let dir = model_dir(model);
+        let config = ModelConfig::from_dir(&dir).unwrap();
+        let shape = BackendShape {
+            slots: 1,
+            max_lora_rank: 16,
+            kv_blocks: 24,
+            block_size: 4,
+        };
+        let mut backend = CpuBackend::load(&dir, &config, shape).unwrap();
+        let (whole, stepped, other): (Vec<u32>, Vec<u32>, Vec<u32>) =
+            ((0..8).collect(), (8..16).collect(), (16..24).collect());
+        for case in golden.cases.iter().filter(|c| c.model == model) {
+            let slot = case.adapter.as_ref().map(|name| {
+                let limits = AdapterLimits {
+                    model: &config,
+                    max_lora_rank: 16,
+                    base_hash_check: None,
+                };
+                let adapter = HostAdapter::load(name, &adapter_dir(model, name), limits).unwrap();
+                backend.write_slot(0, &adapter).unwrap();
+                0
+            });
+            let prompt = &case.prompt_ids;
+            let mut batch = StepBatch::default();
+            batch.push(prompt, 0, &whole, slot, true);
+            // A chunk of another prompt that wants no logits.
+            batch.push(&prompt[..prompt.len().min(3)], 0, &other, slot, false);
+            batch.finish();
+            let at_once = backend.forward(&batch).unwrap();
+            assert_eq!(at_once.len(), config.vocab_size, "one row of logits");
+            let mut last = Vec::new();
+            for (pos, &token) in prompt.iter().enumerate() {
+                let mut batch = StepBatch::default();
+                batch.push(&[token], pos, &stepped, slot, true);
+                batch.finish();
+                last = backend.forward(&batch).unwrap();
+            }
+            let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert!(
+                bits(&at_once) == bits(&last),
+                "{model}/{:?} {:?}: prefill and token-by-token logits differ",
+                case.adapter,
+                case.prompt
+            );
+        }
+    }
+}
+
 /// Copies a fixture model with every weight rounded to bf16, stored as
 /// `dtype` (BF16, or F32 holding the same values), sharded as the fixture is.
 fn bf16_copy(model: &str, dtype: safetensors::Dtype) -> tempfile::TempDir {

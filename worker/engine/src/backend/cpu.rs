@@ -797,6 +797,12 @@ impl Backend for CpuBackend {
         let scale = 1.0 / (hd as f32).sqrt();
         let (rope, half) = (self.rope_table(batch), hd / 2);
         let mut normed = vec![0f32; n * d];
+        // The last layer's output matters only at the rows that want
+        // logits: past its keys and values (which every row stores), it
+        // runs on those rows alone, as one-token sequences at their
+        // positions. Each row's chains do not depend on the batch around
+        // it, so the logits are the same bits.
+        let mut trimmed: Option<StepBatch<'_>> = None;
         for layer in 0..c.num_layers {
             rms_norm(
                 &hidden,
@@ -828,6 +834,29 @@ impl Backend for CpuBackend {
                         .copy_from_slice(&v[t * kv_dim..(t + 1) * kv_dim]);
                 }
             }
+            let kept = batch.seqs.iter().filter(|s| s.want_logits).count();
+            if layer + 1 == c.num_layers && kept < n {
+                let mut sub = StepBatch::default();
+                let (mut sub_q, mut sub_hidden) = (Vec::new(), Vec::new());
+                for s in batch.seqs.iter().filter(|s| s.want_logits) {
+                    let t = s.start + s.len - 1;
+                    sub.push(
+                        &batch.tokens[t..t + 1],
+                        s.first_position + s.len - 1,
+                        s.block_table,
+                        batch.token_slot[t],
+                        true,
+                    );
+                    sub_q.extend_from_slice(&q[t * c.q_dim()..(t + 1) * c.q_dim()]);
+                    sub_hidden.extend_from_slice(&hidden[t * d..(t + 1) * d]);
+                }
+                sub.finish();
+                (q, hidden) = (sub_q, sub_hidden);
+                normed.truncate(kept * d);
+                trimmed = Some(sub);
+            }
+            let batch = trimmed.as_ref().unwrap_or(batch);
+            let n = batch.tokens.len();
             // Attention, one (token, head) at a time in parallel; keys in position order.
             let mut work: Vec<(usize, usize)> = Vec::with_capacity(n);
             for (si, s) in batch.seqs.iter().enumerate() {
@@ -909,6 +938,7 @@ impl Backend for CpuBackend {
             }
         }
         // Final norm and lm_head only for the rows that want logits.
+        let batch = trimmed.as_ref().unwrap_or(batch);
         let rows: Vec<usize> = batch
             .seqs
             .iter()
