@@ -15,7 +15,9 @@
 //! configurations take turns for `LORAFLEET_BENCH_ROUNDS` rounds (default
 //! 5); the table gives each row's median tokens/s, the ratio of that median
 //! to the first row's, and the median over rounds of the ratio taken within
-//! one round. `LORAFLEET_BENCH_ADAPTERS=1,512` picks the adapter counts.
+//! one round. `LORAFLEET_BENCH_ADAPTERS=1,512` picks the adapter counts;
+//! `LORAFLEET_BENCH_STEPS=1` prints, for each run, the time spent in steps
+//! of each size (prefill steps and decode steps apart) on stderr.
 
 mod standin;
 
@@ -205,8 +207,15 @@ fn run_once(model: &std::path::Path, adapter_dirs: &[std::path::PathBuf]) -> Run
     for r in requests {
         e.submit(r).unwrap();
     }
+    // Time per step size: prefill steps and decode steps apart.
+    let mut by_tokens: std::collections::BTreeMap<usize, (usize, f64)> = Default::default();
     while e.has_work() {
-        for (_, ev) in e.step().unwrap() {
+        let step_started = Instant::now();
+        let events = e.step().unwrap();
+        let entry = by_tokens.entry(e.last_step().tokens).or_default();
+        entry.0 += 1;
+        entry.1 += step_started.elapsed().as_secs_f64();
+        for (_, ev) in events {
             if let lorafleet_engine::Event::Delta { token_ids, .. } = ev {
                 generated += token_ids.len();
             }
@@ -218,6 +227,14 @@ fn run_once(model: &std::path::Path, adapter_dirs: &[std::path::PathBuf]) -> Run
         }
     }
     let seconds = started.elapsed().as_secs_f64();
+    if std::env::var_os("LORAFLEET_BENCH_STEPS").is_some() {
+        for (tokens, (steps, s)) in &by_tokens {
+            eprintln!(
+                "steps of {tokens} tokens: {steps}, {s:.3} s, {:.2} ms each",
+                s / *steps as f64 * 1e3
+            );
+        }
+    }
     Run {
         generated,
         seconds,

@@ -924,14 +924,10 @@ impl Backend for CpuBackend {
                 n,
             );
             let mut act = vec![0f32; gate.len()];
-            let width = c.intermediate_size;
+            let (width, kernel) = (c.intermediate_size, Kernel::detect());
             act.par_chunks_mut(width)
                 .zip(gate.par_chunks(width).zip(up.par_chunks(width)))
-                .for_each(|(a, (g, u))| {
-                    for (a, (&g, &u)) in a.iter_mut().zip(g.iter().zip(u)) {
-                        *a = g / (1.0 + (-g).exp()) * u;
-                    }
-                });
+                .for_each(|(a, (g, u))| super::activation::silu_mul(kernel, g, u, a));
             let [down] = self.projections(batch, layer, &l.down, [Projection::Down], &act, n);
             for (h, o) in hidden.iter_mut().zip(&down) {
                 *h += o;

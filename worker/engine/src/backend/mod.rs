@@ -2,6 +2,7 @@
 //! reference; a CUDA backend implements the same trait with the same slot
 //! and KV layouts.
 
+pub mod activation;
 pub mod amx;
 pub mod cpu;
 pub mod cuda;
