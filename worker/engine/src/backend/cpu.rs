@@ -244,6 +244,76 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
 
+/// One token's attention over its cached positions, every head.
+struct AttentionRow<'a> {
+    /// The token's query, `[heads * head_dim]`.
+    q: &'a [f32],
+    k_cache: &'a [f32],
+    v_cache: &'a [f32],
+    /// Where each attended position's keys and values start, in position
+    /// order.
+    offsets: &'a [usize],
+    heads: usize,
+    /// Query heads per key-value head.
+    group: usize,
+    head_dim: usize,
+    scale: f32,
+}
+
+impl AttentionRow<'_> {
+    /// Writes the attention output into `out` (`[heads * head_dim]`, zeroed).
+    fn attend(&self, kernel: Kernel, out: &mut [f32]) {
+        match kernel {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `detect` chose an x86 kernel only where the CPU has AVX2.
+            #[allow(unsafe_code)]
+            Kernel::Avx2 | Kernel::Avx512 => unsafe { self.attend_avx2(out) },
+            _ => self.attend_with(out),
+        }
+    }
+
+    /// The same code compiled for AVX2: `dot`'s eight partial sums become
+    /// one vector, and the weighted sum of values runs eight lanes at a
+    /// time. Rust never fuses a multiply and an add on its own, so every
+    /// value is the same bits as in the baseline build.
+    ///
+    /// # Safety
+    /// The CPU has AVX2.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    #[allow(unsafe_code)]
+    unsafe fn attend_avx2(&self, out: &mut [f32]) {
+        self.attend_with(out)
+    }
+
+    #[inline(always)]
+    fn attend_with(&self, out: &mut [f32]) {
+        let hd = self.head_dim;
+        let mut scores = vec![0f32; self.offsets.len()];
+        for h in 0..self.heads {
+            let kv = (h / self.group) * hd;
+            let qh = &self.q[h * hd..(h + 1) * hd];
+            let mut max = f32::NEG_INFINITY;
+            for (sc, &at) in scores.iter_mut().zip(self.offsets) {
+                *sc = dot(qh, &self.k_cache[at + kv..at + kv + hd]) * self.scale;
+                max = max.max(*sc);
+            }
+            let mut sum = 0f32;
+            for sc in scores.iter_mut() {
+                *sc = (*sc - max).exp();
+                sum += *sc;
+            }
+            let oh = &mut out[h * hd..(h + 1) * hd];
+            for (&sc, &at) in scores.iter().zip(self.offsets) {
+                let w = sc / sum;
+                for (o, &v) in oh.iter_mut().zip(&self.v_cache[at + kv..at + kv + hd]) {
+                    *o += w * v;
+                }
+            }
+        }
+    }
+}
+
 /// One projection's adapter slots, as [`lora_segments`] reads them, packed
 /// into the panels of [`crate::backend::panels`]: the shrink `x·Aᵀ` is a
 /// projection to `rank` outputs and the expand `h·B` one from `rank`
@@ -864,47 +934,36 @@ impl Backend for CpuBackend {
                     work.push((si, i));
                 }
             }
+            // Work item t is token t: sequences hold contiguous tokens, in order.
+            debug_assert!(
+                work.iter()
+                    .enumerate()
+                    .all(|(t, &(si, i))| batch.seqs[si].start + i == t)
+            );
             let (kc, vc) = (&self.k_cache[layer], &self.v_cache[layer]);
-            let this = &*self;
-            let attn_rows: Vec<Vec<f32>> = work
-                .par_iter()
-                .map(|&(si, i)| {
+            let (this, kernel) = (&*self, Kernel::detect());
+            let mut attn = vec![0f32; n * c.q_dim()];
+            attn.par_chunks_mut(c.q_dim())
+                .zip(&work)
+                .for_each(|(out, &(si, i))| {
                     let s = &batch.seqs[si];
                     let (t, pos) = (s.start + i, s.first_position + i);
                     let lo = c.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w));
-                    let mut out = vec![0f32; c.q_dim()];
-                    let mut scores = vec![0f32; pos + 1 - lo];
-                    for h in 0..c.num_heads {
-                        let kvh = h / c.gqa_group();
-                        let qh = &q[t * c.q_dim() + h * hd..][..hd];
-                        let mut max = f32::NEG_INFINITY;
-                        for (j, p) in (lo..=pos).enumerate() {
-                            let at = this.kv_index(s.block_table, p) + kvh * hd;
-                            scores[j] = dot(qh, &kc[at..at + hd]) * scale;
-                            max = max.max(scores[j]);
-                        }
-                        let mut sum = 0f32;
-                        for sc in scores.iter_mut() {
-                            *sc = (*sc - max).exp();
-                            sum += *sc;
-                        }
-                        let oh = &mut out[h * hd..(h + 1) * hd];
-                        for (j, p) in (lo..=pos).enumerate() {
-                            let at = this.kv_index(s.block_table, p) + kvh * hd;
-                            let w = scores[j] / sum;
-                            for (o, &vv) in oh.iter_mut().zip(&vc[at..at + hd]) {
-                                *o += w * vv;
-                            }
-                        }
-                    }
-                    out
-                })
-                .collect();
-            let mut attn = vec![0f32; n * c.q_dim()];
-            for (&(si, i), row) in work.iter().zip(attn_rows) {
-                let t = batch.seqs[si].start + i;
-                attn[t * c.q_dim()..(t + 1) * c.q_dim()].copy_from_slice(&row);
-            }
+                    let offsets: Vec<usize> = (lo..=pos)
+                        .map(|p| this.kv_index(s.block_table, p))
+                        .collect();
+                    let row = AttentionRow {
+                        q: &q[t * c.q_dim()..(t + 1) * c.q_dim()],
+                        k_cache: kc,
+                        v_cache: vc,
+                        offsets: &offsets,
+                        heads: c.num_heads,
+                        group: c.gqa_group(),
+                        head_dim: hd,
+                        scale,
+                    };
+                    row.attend(kernel, out);
+                });
             let [o] = self.projections(batch, layer, &l.o, [Projection::O], &attn, n);
             for (h, o) in hidden.iter_mut().zip(&o) {
                 *h += o;
