@@ -1023,6 +1023,37 @@ mod tests {
     }
 
     #[test]
+    fn attention_gives_the_same_bits_on_every_kernel() {
+        // The AVX2 build of a row's attention must be the baseline's
+        // arithmetic: grouped heads, a head size with a tail past the
+        // eight partial sums, positions in a scattered order.
+        let (heads, group, hd, positions) = (6, 3, 20, 11);
+        let kv_dim = heads / group * hd;
+        let q = random(1, heads * hd);
+        let (k_cache, v_cache) = (random(2, 16 * kv_dim), random(3, 16 * kv_dim));
+        let offsets: Vec<usize> = (0..positions).map(|p| (p * 7 % 16) * kv_dim).collect();
+        let row = AttentionRow {
+            q: &q,
+            k_cache: &k_cache,
+            v_cache: &v_cache,
+            offsets: &offsets,
+            heads,
+            group,
+            head_dim: hd,
+            scale: 0.3,
+        };
+        let mut want = vec![0f32; heads * hd];
+        row.attend_with(&mut want);
+        assert!(want.iter().all(|v| v.is_finite()) && want.iter().any(|&v| v != 0.0));
+        for &kernel in &Kernel::available() {
+            let mut got = vec![0f32; heads * hd];
+            row.attend(kernel, &mut got);
+            let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{kernel:?}");
+        }
+    }
+
+    #[test]
     fn bf16_slots_give_the_bits_of_their_f32_widening() {
         // The same modules, rounded to bf16, packed as bf16 bits into every
         // other slot of one table and as their f32 widening into all of
