@@ -140,6 +140,57 @@ fn a_prefill_gives_the_bits_of_its_tokens_fed_one_at_a_time() {
     }
 }
 
+#[test]
+fn an_adapter_gives_back_its_files_a_and_b_transposed() {
+    // The host tier holds Aᵀ (input-major, the slots' order); `a_f32` and
+    // `b_t_f32` (what the CUDA slots are written from) must give back the
+    // file's A `[rank, in]` and Bᵀ, stored in f32 and in bf16 alike.
+    use safetensors::{Dtype, SafeTensors};
+    let model = "llama-gqa";
+    let config = ModelConfig::from_dir(&model_dir(model)).unwrap();
+    let limits = AdapterLimits {
+        model: &config,
+        max_lora_rank: 16,
+        base_hash_check: None,
+    };
+    let name = "k-r16";
+    for dtype in [Dtype::F32, Dtype::BF16] {
+        let copy = bf16_copy_of(&adapter_dir(model, name), &|_| dtype);
+        let adapter = HostAdapter::load(name, copy.path(), limits).unwrap();
+        let bytes = std::fs::read(copy.path().join("adapter_model.safetensors")).unwrap();
+        let file = SafeTensors::deserialize(&bytes).unwrap();
+        let read = |tensor: &str| -> (Vec<f32>, Vec<usize>) {
+            let view = file.tensor(tensor).unwrap();
+            let values = match view.dtype() {
+                Dtype::F32 => view
+                    .data()
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect(),
+                _ => view
+                    .data()
+                    .chunks_exact(2)
+                    .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                    .collect(),
+            };
+            (values, view.shape().to_vec())
+        };
+        let prefix = "base_model.model.model.layers.0.self_attn.k_proj";
+        let (a, a_shape) = read(&format!("{prefix}.lora_A.weight"));
+        let (b, b_shape) = read(&format!("{prefix}.lora_B.weight"));
+        let (rank, fan_out) = (a_shape[0], b_shape[0]);
+        let b_t: Vec<f32> = (0..rank * fan_out)
+            .map(|i| b[(i % fan_out) * rank + i / fan_out])
+            .collect();
+        let k = adapter.modules[0][lorafleet_engine::lora::Projection::K.index()]
+            .as_ref()
+            .expect("layer 0 k_proj");
+        assert_eq!(k.rank, rank);
+        assert_eq!(k.a_f32(), a, "{dtype:?}: A");
+        assert_eq!(&k.b_t_f32()[..], &b_t[..], "{dtype:?}: Bᵀ");
+    }
+}
+
 /// Copies a fixture model with every weight rounded to bf16, stored as
 /// `dtype` (BF16, or F32 holding the same values), sharded as the fixture is.
 fn bf16_copy(model: &str, dtype: safetensors::Dtype) -> tempfile::TempDir {

@@ -374,11 +374,8 @@ impl SlotView<'_> {
     }
 
     /// Packs one module of `rank` (A `[rank, fan_in]`, Bᵀ `[rank, fan_out]`,
-    /// row-major) into one slot's regions `a` and `b`. Only the part a
-    /// module of this rank reads is written (and its padding zeroed), so a
-    /// slot is never cleared first.
-    /// The values are f32, or bf16 bits packed into [`as_bits_mut`] of the
-    /// slot's regions.
+    /// row-major) into one slot's regions `a` and `b`: A is transposed,
+    /// then [`SlotView::pack_transposed`].
     #[allow(clippy::too_many_arguments)]
     pub fn pack<T: Copy + Default>(
         a_rows: &[T],
@@ -390,34 +387,48 @@ impl SlotView<'_> {
         a: &mut [T],
         b: &mut [T],
     ) {
-        assert!(rank <= max_rank && max_rank.is_multiple_of(NR));
         assert_eq!(a_rows.len(), rank * fan_in);
+        let mut a_t = vec![T::default(); fan_in * rank];
+        for (r, row) in a_rows.chunks_exact(fan_in.max(1)).enumerate() {
+            for (i, &v) in row.iter().enumerate() {
+                a_t[i * rank + r] = v;
+            }
+        }
+        Self::pack_transposed(&a_t, b_t, rank, fan_in, fan_out, max_rank, a, b)
+    }
+
+    /// Packs one module of `rank` (Aᵀ `[fan_in, rank]`, Bᵀ `[rank,
+    /// fan_out]`, row-major, as [`crate::lora::Factors`] holds them) into
+    /// one slot's regions `a` and `b`. Only the part a module of this rank
+    /// reads is written (and its padding zeroed), so a slot is never
+    /// cleared first. The values are f32, or bf16 bits packed into
+    /// [`as_bits_mut`] of the slot's regions.
+    #[allow(clippy::too_many_arguments)]
+    pub fn pack_transposed<T: Copy + Default>(
+        a_t: &[T],
+        b_t: &[T],
+        rank: usize,
+        fan_in: usize,
+        fan_out: usize,
+        max_rank: usize,
+        a: &mut [T],
+        b: &mut [T],
+    ) {
+        assert!(rank <= max_rank && max_rank.is_multiple_of(NR));
+        assert_eq!(a_t.len(), fan_in * rank);
         assert_eq!(b_t.len(), rank * fan_out);
         let k = rank.next_multiple_of(NR);
-        // A: panel q holds ranks q*NR.., transposed to k-major. A slot write
-        // packs a few MB while the step waits, so the copies below work on
-        // whole rows of NR with sizes known at compile time (no call per
-        // row, no branch per value).
-        for (q, panel) in a[..k * fan_in].chunks_exact_mut(fan_in * NR).enumerate() {
-            let rows = (rank - q * NR).min(NR);
-            let src: [&[T]; NR] = std::array::from_fn(|j| {
-                if j < rows {
-                    &a_rows[(q * NR + j) * fan_in..][..fan_in]
-                } else {
-                    &[]
-                }
-            });
-            if rows == NR {
-                for (i, dst) in panel.chunks_exact_mut(NR).enumerate() {
-                    let dst: &mut [T; NR] = dst.try_into().expect("NR values");
-                    *dst = std::array::from_fn(|j| src[j][i]);
-                }
-            } else {
-                panel.fill(T::default());
-                for (j, src) in src[..rows].iter().enumerate() {
-                    for (i, &v) in src.iter().enumerate() {
-                        panel[i * NR + j] = v;
-                    }
+        // A: panel q holds ranks q*NR.., input-major, which is Aᵀ's order:
+        // a slot write (while the step waits) copies whole rows, and at
+        // rank NR the whole panel at once.
+        if rank == NR {
+            a[..fan_in * NR].copy_from_slice(a_t);
+        } else {
+            for (q, panel) in a[..k * fan_in].chunks_exact_mut(fan_in * NR).enumerate() {
+                let rows = (rank - q * NR).min(NR);
+                for (dst, src) in panel.chunks_exact_mut(NR).zip(a_t.chunks_exact(rank)) {
+                    dst[..rows].copy_from_slice(&src[q * NR..][..rows]);
+                    dst[rows..].fill(T::default());
                 }
             }
         }
@@ -810,11 +821,11 @@ impl Backend for CpuBackend {
                     &mut b[slot * b_len..][..b_len],
                 );
                 match &m.factors {
-                    Factors::F32 { a: a_rows, b_t } => {
-                        SlotView::pack(a_rows, b_t, m.rank, fan_in, fan_out, max_rank, a, b)
+                    Factors::F32 { a_t, b_t } => {
+                        SlotView::pack_transposed(a_t, b_t, m.rank, fan_in, fan_out, max_rank, a, b)
                     }
-                    Factors::Bf16 { a: a_rows, b_t } => SlotView::pack(
-                        a_rows,
+                    Factors::Bf16 { a_t, b_t } => SlotView::pack_transposed(
+                        a_t,
                         b_t,
                         m.rank,
                         fan_in,

@@ -190,12 +190,14 @@ pub struct LoraModule {
 
 /// A module's A and Bᵀ in the precision the adapter file stores them in.
 ///
-/// A, row-major `[rank, in_features]`; B transposed, row-major
-/// `[rank, out_features]`, so the expand step adds whole contiguous rows.
+/// Both transposed, row-major: Aᵀ `[in_features, rank]` and Bᵀ
+/// `[rank, out_features]`. That is the order the CPU slot panels hold them
+/// in (input-major A, rank-major B), so writing a slot copies whole rows
+/// instead of transposing A on the step's time.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Factors {
     F32 {
-        a: Vec<f32>,
+        a_t: Vec<f32>,
         b_t: Vec<f32>,
     },
     /// Both stored as bf16 in the file, kept as their bits: half the host
@@ -203,17 +205,27 @@ pub enum Factors {
     /// Widening bf16 to f32 is exact, so the numbers are those of the f32
     /// widening.
     Bf16 {
-        a: Vec<u16>,
+        a_t: Vec<u16>,
         b_t: Vec<u16>,
     },
 }
 
 impl LoraModule {
-    /// A as f32 (widened exactly when stored as bf16).
-    pub fn a_f32(&self) -> std::borrow::Cow<'_, [f32]> {
+    /// A as f32, row-major `[rank, in_features]` (widened exactly when
+    /// stored as bf16).
+    pub fn a_f32(&self) -> Vec<f32> {
+        let fan_in = self.factors_len().0 / self.rank.max(1);
         match &self.factors {
-            Factors::F32 { a, .. } => std::borrow::Cow::Borrowed(a),
-            Factors::Bf16 { a, .. } => std::borrow::Cow::Owned(widen(a)),
+            Factors::F32 { a_t, .. } => transpose(a_t, fan_in, self.rank),
+            Factors::Bf16 { a_t, .. } => transpose(&widen(a_t), fan_in, self.rank),
+        }
+    }
+
+    /// The lengths of Aᵀ and Bᵀ.
+    fn factors_len(&self) -> (usize, usize) {
+        match &self.factors {
+            Factors::F32 { a_t, b_t } => (a_t.len(), b_t.len()),
+            Factors::Bf16 { a_t, b_t } => (a_t.len(), b_t.len()),
         }
     }
 
@@ -227,9 +239,10 @@ impl LoraModule {
 
     /// Bytes of weights held.
     pub fn bytes(&self) -> usize {
+        let (a, b) = self.factors_len();
         match &self.factors {
-            Factors::F32 { a, b_t } => (a.len() + b_t.len()) * 4,
-            Factors::Bf16 { a, b_t } => (a.len() + b_t.len()) * 2,
+            Factors::F32 { .. } => (a + b) * 4,
+            Factors::Bf16 { .. } => (a + b) * 2,
         }
     }
 }
@@ -240,15 +253,15 @@ fn widen(bits: &[u16]) -> Vec<f32> {
         .collect()
 }
 
-/// `[fan_out, rank]` row-major to `[rank, fan_out]`.
-fn transpose<T: Copy + Default>(b: &[T], fan_out: usize, rank: usize) -> Vec<T> {
-    let mut b_t = vec![T::default(); rank * fan_out];
-    for o in 0..fan_out {
-        for k in 0..rank {
-            b_t[k * fan_out + o] = b[o * rank + k];
+/// `[rows, cols]` row-major to `[cols, rows]`.
+fn transpose<T: Copy + Default>(m: &[T], rows: usize, cols: usize) -> Vec<T> {
+    let mut t = vec![T::default(); rows * cols];
+    for r in 0..rows {
+        for c in 0..cols {
+            t[c * rows + r] = m[r * cols + c];
         }
     }
-    b_t
+    t
 }
 
 /// A validated adapter in host memory.
@@ -396,13 +409,17 @@ fn build(
                 .map_err(|e| invalid(&b_name, strip_file(e)))?;
             let factors = match (a_bits, b_bits) {
                 (Some(a), Some(b)) => Factors::Bf16 {
-                    a,
+                    a_t: transpose(&a, rank, fan_in),
                     b_t: transpose(&b, fan_out, rank),
                 },
                 _ => Factors::F32 {
-                    a: files
-                        .f32(&a_name, &[rank, fan_in])
-                        .map_err(|e| invalid(&a_name, strip_file(e)))?,
+                    a_t: transpose(
+                        &files
+                            .f32(&a_name, &[rank, fan_in])
+                            .map_err(|e| invalid(&a_name, strip_file(e)))?,
+                        rank,
+                        fan_in,
+                    ),
                     b_t: transpose(
                         &files
                             .f32(&b_name, &[fan_out, rank])

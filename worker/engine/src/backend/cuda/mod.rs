@@ -724,14 +724,14 @@ impl Backend for CudaBackend {
                 let key = layer * 7 + p.index();
                 // Rows past the module's rank are never read.
                 let a_at = slot * max_rank * fan_in;
-                // The device slots hold f32: bf16 factors are widened,
-                // exactly, on the way (f32 factors are copied from where
-                // they are).
+                // The device slots hold f32, A row-major: bf16 factors are
+                // widened, exactly, on the way (an f32 Bᵀ is copied from
+                // where it is).
                 let (a, b_t) = (m.a_f32(), m.b_t_f32());
                 self.dev
                     .stream
                     .memcpy_htod(
-                        a.as_ref(),
+                        &a[..],
                         &mut self.slots.a[key].slice_mut(a_at..a_at + m.rank * fan_in),
                     )
                     .map_err(cuda("writing a slot"))?;
@@ -739,7 +739,7 @@ impl Backend for CudaBackend {
                 self.dev
                     .stream
                     .memcpy_htod(
-                        b_t.as_ref(),
+                        &b_t[..],
                         &mut self.slots.b[key].slice_mut(b_at..b_at + m.rank * fan_out),
                     )
                     .map_err(cuda("writing a slot"))?;
