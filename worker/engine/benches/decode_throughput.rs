@@ -17,7 +17,8 @@
 //! to the first row's, and the median over rounds of the ratio taken within
 //! one round. `LORAFLEET_BENCH_ADAPTERS=1,512` picks the adapter counts;
 //! `LORAFLEET_BENCH_STEPS=1` prints, for each run, the time spent in steps
-//! of each size (prefill steps and decode steps apart) on stderr.
+//! of each size (tokens per step) on stderr: in this workload the steps of
+//! 256 tokens are prefills and those of 32 decodes.
 
 mod standin;
 
@@ -207,7 +208,7 @@ fn run_once(model: &std::path::Path, adapter_dirs: &[std::path::PathBuf]) -> Run
     for r in requests {
         e.submit(r).unwrap();
     }
-    // Time per step size: prefill steps and decode steps apart.
+    // Steps grouped by size, so that prefill and decode costs show apart.
     let mut by_tokens: std::collections::BTreeMap<usize, (usize, f64)> = Default::default();
     while e.has_work() {
         let step_started = Instant::now();
@@ -227,7 +228,7 @@ fn run_once(model: &std::path::Path, adapter_dirs: &[std::path::PathBuf]) -> Run
         }
     }
     let seconds = started.elapsed().as_secs_f64();
-    if std::env::var_os("LORAFLEET_BENCH_STEPS").is_some() {
+    if std::env::var("LORAFLEET_BENCH_STEPS").is_ok_and(|v| v == "1") {
         for (tokens, (steps, s)) in &by_tokens {
             eprintln!(
                 "steps of {tokens} tokens: {steps}, {s:.3} s, {:.2} ms each",

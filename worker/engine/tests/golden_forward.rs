@@ -136,6 +136,37 @@ fn a_prefill_gives_the_bits_of_its_tokens_fed_one_at_a_time() {
                 case.adapter,
                 case.prompt
             );
+            // The prompt in two chunks, the first wanting no logits (its
+            // last layer stops at the keys and values), beside a base-model
+            // sequence that wants its own: two logit rows, on two slots, at
+            // two positions.
+            let cut = prompt.len() / 2;
+            let mut first = StepBatch::default();
+            first.push(&prompt[..cut], 0, &whole, slot, false);
+            first.finish();
+            assert!(
+                backend.forward(&first).unwrap().is_empty(),
+                "no logits wanted"
+            );
+            let mut second = StepBatch::default();
+            second.push(&prompt[cut..], cut, &whole, slot, true);
+            second.push(&prompt[..2], 0, &other, None, true);
+            second.finish();
+            let both = backend.forward(&second).unwrap();
+            let (chunked, base) = both.split_at(config.vocab_size);
+            assert!(
+                bits(chunked) == bits(&last),
+                "{model}/{:?} {:?}: chunked prefill logits differ",
+                case.adapter,
+                case.prompt
+            );
+            let mut alone = StepBatch::default();
+            alone.push(&prompt[..2], 0, &stepped, None, true);
+            alone.finish();
+            assert!(
+                bits(base) == bits(&backend.forward(&alone).unwrap()),
+                "{model}: the second logit row differs from its sequence alone"
+            );
         }
     }
 }

@@ -288,6 +288,7 @@ impl AttentionRow<'_> {
 
     #[inline(always)]
     fn attend_with(&self, out: &mut [f32]) {
+        debug_assert!(out.iter().all(|&v| v == 0.0), "the output starts at zero");
         let hd = self.head_dim;
         let mut scores = vec![0f32; self.offsets.len()];
         for h in 0..self.heads {
@@ -854,9 +855,9 @@ impl Backend for CpuBackend {
             return Err(EngineError::Backend(format!("slot {slot} is out of range")));
         }
         // Rank 0 is what makes a module absent: `lora_segments` reads a
-        // module's panels only up to its rank, and `SlotView::pack` writes
-        // all of that, so stale weights past it are never read and the
-        // slot's memory need not be zeroed.
+        // module's panels only up to its rank, and a slot write covers all
+        // of that, so stale weights past it are never read and the slot's
+        // memory need not be zeroed.
         for key in 0..self.config.num_layers * 7 {
             self.slots.rank[slot][key] = 0;
             self.slots.scale[slot][key] = 0.0;
@@ -938,7 +939,7 @@ impl Backend for CpuBackend {
             }
             let batch = trimmed.as_ref().unwrap_or(batch);
             let n = batch.tokens.len();
-            // Attention, one (token, head) at a time in parallel; keys in position order.
+            // Attention, one token (all its heads) per task; keys in position order.
             let mut work: Vec<(usize, usize)> = Vec::with_capacity(n);
             for (si, s) in batch.seqs.iter().enumerate() {
                 for i in 0..s.len {

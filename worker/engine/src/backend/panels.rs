@@ -529,12 +529,10 @@ impl Kernel {
                 Kernel::Portable => widen_portable(src, fan_in, dst),
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: the CPU has AVX2 (see `single`); sizes asserted.
+                // (The AVX-512 projections widen a block at a time in
+                // `group_bf16_pairs` instead.)
                 #[allow(unsafe_code)]
-                Kernel::Avx2 => unsafe { x86::widen_avx2(src, fan_in, dst) },
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: the CPU has AVX-512F (see `group`); sizes asserted.
-                #[allow(unsafe_code)]
-                Kernel::Avx512 => unsafe { x86::widen_avx512(src, fan_in, dst) },
+                Kernel::Avx2 | Kernel::Avx512 => unsafe { x86::widen_avx2(src, fan_in, dst) },
             }
         }
     }
@@ -819,27 +817,6 @@ mod x86 {
                     _mm256_storeu_ps(d, _mm256_castsi256_ps(even));
                     _mm256_storeu_ps(d.add(NR), _mm256_castsi256_ps(odd));
                 }
-            }
-        }
-        if fan_in % 2 == 1 {
-            // An odd last input (no model has one) the simple way, with
-            // the rest again.
-            super::widen_portable(src, fan_in, dst);
-        }
-    }
-
-    /// # Safety
-    /// The CPU has AVX-512F; as [`widen_avx2`].
-    #[target_feature(enable = "avx512f")]
-    pub unsafe fn widen_avx512(src: &[u16], fan_in: usize, dst: &mut [f32]) {
-        let high = _mm512_set1_epi32(0xffff_0000_u32 as i32);
-        for r in 0..fan_in / 2 {
-            // SAFETY: as in `widen_avx2`.
-            unsafe {
-                let v = _mm512_loadu_si512(src.as_ptr().add(r * 2 * NR).cast());
-                let d = dst.as_mut_ptr().add(2 * r * NR);
-                _mm512_storeu_ps(d, _mm512_castsi512_ps(_mm512_slli_epi32::<16>(v)));
-                _mm512_storeu_ps(d.add(NR), _mm512_castsi512_ps(_mm512_and_si512(v, high)));
             }
         }
         if fan_in % 2 == 1 {
@@ -1149,7 +1126,15 @@ mod tests {
             }
         }
         // Where bf16 is widened, projections give the bits of f32 weights.
-        for (n, fan_in, fan_out) in [(7, 45, 9), (32, 77, 100), (3, 300, 48), (40, 64, 200)] {
+        // (20, 301, 80): tiles of 8, 8 and 4 rows, groups of 3 and 2
+        // panels, two blocks of KC inputs and an odd tail in the third.
+        for (n, fan_in, fan_out) in [
+            (7, 45, 9),
+            (32, 77, 100),
+            (3, 300, 48),
+            (40, 64, 200),
+            (20, 301, 80),
+        ] {
             let x = random(1, n * fan_in);
             let w = bf16_bits(&random(2, fan_out * fan_in));
             let bias = random(3, fan_out);
