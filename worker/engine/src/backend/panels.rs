@@ -844,17 +844,10 @@ mod x86 {
         let mut pf = Ahead::new(ahead, tiles * fan_in);
         // SAFETY: the caller's contract, for each panel count.
         unsafe {
-            match *panels {
-                [a] => group::<1, W>(x, fan_in, n, [a.as_ptr()], &mut pf, out),
-                [a, b] => group::<2, W>(x, fan_in, n, [a.as_ptr(), b.as_ptr()], &mut pf, out),
-                [a, b, c] => group::<3, W>(
-                    x,
-                    fan_in,
-                    n,
-                    [a.as_ptr(), b.as_ptr(), c.as_ptr()],
-                    &mut pf,
-                    out,
-                ),
+            match panels.len() {
+                1 => group::<1, W>(x, fan_in, n, starts(panels), &mut pf, out),
+                2 => group::<2, W>(x, fan_in, n, starts(panels), &mut pf, out),
+                3 => group::<3, W>(x, fan_in, n, starts(panels), &mut pf, out),
                 _ => unreachable!("1 to 3 panels"),
             }
         }
@@ -996,29 +989,19 @@ mod x86 {
         let mut pf = Ahead::new(ahead, tiles * fan_in);
         // SAFETY: the caller's contract, for each panel count.
         unsafe {
-            match *panels {
-                [a] => pairs::<1>(x, fan_in, n, [a.as_ptr()], scratch, &mut pf, out),
-                [a, b] => pairs::<2>(
-                    x,
-                    fan_in,
-                    n,
-                    [a.as_ptr(), b.as_ptr()],
-                    scratch,
-                    &mut pf,
-                    out,
-                ),
-                [a, b, c] => pairs::<3>(
-                    x,
-                    fan_in,
-                    n,
-                    [a.as_ptr(), b.as_ptr(), c.as_ptr()],
-                    scratch,
-                    &mut pf,
-                    out,
-                ),
+            match panels.len() {
+                1 => pairs::<1>(x, fan_in, n, starts(panels), scratch, &mut pf, out),
+                2 => pairs::<2>(x, fan_in, n, starts(panels), scratch, &mut pf, out),
+                3 => pairs::<3>(x, fan_in, n, starts(panels), scratch, &mut pf, out),
                 _ => unreachable!("1 to 3 panels"),
             }
         }
+    }
+
+    /// The first `P` panels' start pointers, for the kernels that take
+    /// their panel count at compile time.
+    fn starts<W, const P: usize>(panels: &[&[W]]) -> [*const W; P] {
+        std::array::from_fn(|q| panels[q].as_ptr())
     }
 
     /// [`group`] on bf16 pair-layout panels: each block of `KC` inputs is
