@@ -1029,6 +1029,22 @@ mod tests {
     use super::*;
     use crate::backend::Segment;
 
+    /// One segment per run of equal slots over tokens `0..tokens`.
+    fn segments_of(tokens: usize, slot_of: impl Fn(usize) -> usize) -> Vec<Segment> {
+        let mut segs: Vec<Segment> = Vec::new();
+        for t in 0..tokens {
+            match segs.last_mut() {
+                Some(last) if last.slot == slot_of(t) => last.end = t + 1,
+                _ => segs.push(Segment {
+                    slot: slot_of(t),
+                    start: t,
+                    end: t + 1,
+                }),
+            }
+        }
+        segs
+    }
+
     fn random(seed: u64, n: usize) -> Vec<f32> {
         let mut rng = crate::sampling::Rng::new(seed);
         (0..n).map(|_| rng.next_f64() as f32 - 0.5).collect()
@@ -1153,17 +1169,7 @@ mod tests {
             .chain([0, 1, 2, 3, 4, 4, 4])
             .collect();
         let slot_of = |t: usize| order[t];
-        let segments: Vec<Segment> = (0..tokens).fold(Vec::<Segment>::new(), |mut segs, t| {
-            match segs.last_mut() {
-                Some(last) if last.slot == slot_of(t) => last.end = t + 1,
-                _ => segs.push(Segment {
-                    slot: slot_of(t),
-                    start: t,
-                    end: t + 1,
-                }),
-            }
-            segs
-        });
+        let segments = segments_of(tokens, slot_of);
         let (mut want, mut got) = (vec![0f32; tokens * fan_out], vec![0f32; tokens * fan_out]);
         lora_segments(&x, &segments, &f32_view, &mut want);
         lora_segments(&x, &segments, &mixed_view, &mut got);
@@ -1220,17 +1226,7 @@ mod tests {
                 0, 0, 0, 1, 1, 2, 2, 2, 2, 1, 0, 3, 4, 5, 7, 1, 0, 3, 2, 6, 7,
             ][t]
         };
-        let segments: Vec<Segment> = (0..tokens).fold(Vec::<Segment>::new(), |mut segs, t| {
-            match segs.last_mut() {
-                Some(last) if last.slot == slot_of(t) => last.end = t + 1,
-                _ => segs.push(Segment {
-                    slot: slot_of(t),
-                    start: t,
-                    end: t + 1,
-                }),
-            }
-            segs
-        });
+        let segments = segments_of(tokens, slot_of);
         let mut grouped = vec![0f32; tokens * fan_out];
         lora_segments(&x, &segments, &view, &mut grouped);
         let mut alone = vec![0f32; tokens * fan_out];

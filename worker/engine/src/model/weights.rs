@@ -128,7 +128,7 @@ impl WeightFiles {
     /// Maps the given safetensors files. A tensor name may appear only once.
     pub fn open(paths: Vec<PathBuf>) -> Result<WeightFiles> {
         let mut files: Vec<(PathBuf, Mmap)> = Vec::with_capacity(paths.len());
-        let mut index = BTreeMap::new();
+        let mut index: BTreeMap<String, Located> = BTreeMap::new();
         for path in paths {
             let file = File::open(&path).map_err(|e| EngineError::io(&path, e))?;
             let map = map_file(&file).map_err(|e| EngineError::io(&path, e))?;
@@ -145,7 +145,6 @@ impl WeightFiles {
             let file_index = files.len();
             for (name, info) in metadata.tensors() {
                 if let Some(other) = index.get(&name) {
-                    let other: &Located = other;
                     return Err(EngineError::model(
                         &path,
                         name,
