@@ -622,7 +622,7 @@ pub fn lora_segments(
     };
     // Small batches are not worth the threads.
     if tokens >= 16 {
-        work.par_iter().for_each(add);
+        super::team::for_each(work.len(), || (), |_, i| add(&work[i]));
     } else {
         work.iter().for_each(add);
     }
@@ -955,9 +955,16 @@ impl Backend for CpuBackend {
             let (kc, vc) = (&self.k_cache[layer], &self.v_cache[layer]);
             let (this, kernel) = (&*self, Kernel::detect());
             let mut attn = vec![0f32; n * c.q_dim()];
-            attn.par_chunks_mut(c.q_dim())
-                .zip(&work)
-                .for_each(|(out, &(si, i))| {
+            let shared = SharedOut::new(&mut attn);
+            super::team::for_each(
+                n,
+                || (),
+                |_, t| {
+                    let (si, i) = work[t];
+                    // SAFETY: item t alone writes row t, inside `attn`,
+                    // which outlives the loop.
+                    #[allow(unsafe_code)]
+                    let out = unsafe { shared.row(t * c.q_dim(), c.q_dim()) };
                     let s = &batch.seqs[si];
                     let (t, pos) = (s.start + i, s.first_position + i);
                     let lo = c.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w));
@@ -975,7 +982,8 @@ impl Backend for CpuBackend {
                         scale,
                     };
                     row.attend(kernel, out);
-                });
+                },
+            );
             let [o] = self.projections(batch, layer, &l.o, [Projection::O], &attn, n);
             for (h, o) in hidden.iter_mut().zip(&o) {
                 *h += o;
@@ -996,9 +1004,19 @@ impl Backend for CpuBackend {
             );
             let mut act = vec![0f32; gate.len()];
             let (width, kernel) = (c.intermediate_size, Kernel::detect());
-            act.par_chunks_mut(width)
-                .zip(gate.par_chunks(width).zip(up.par_chunks(width)))
-                .for_each(|(a, (g, u))| super::activation::silu_mul(kernel, g, u, a));
+            let shared = SharedOut::new(&mut act);
+            super::team::for_each(
+                n,
+                || (),
+                |_, t| {
+                    // SAFETY: item t alone writes row t, inside `act`, which
+                    // outlives the loop.
+                    #[allow(unsafe_code)]
+                    let a = unsafe { shared.row(t * width, width) };
+                    let (g, u) = (&gate[t * width..][..width], &up[t * width..][..width]);
+                    super::activation::silu_mul(kernel, g, u, a);
+                },
+            );
             let [down] = self.projections(batch, layer, &l.down, [Projection::Down], &act, n);
             for (h, o) in hidden.iter_mut().zip(&down) {
                 *h += o;

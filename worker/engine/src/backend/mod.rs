@@ -7,6 +7,7 @@ pub mod amx;
 pub mod cpu;
 pub mod cuda;
 pub mod panels;
+pub mod team;
 
 use crate::error::{EngineError, Result};
 use crate::lora::HostAdapter;

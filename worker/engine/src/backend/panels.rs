@@ -12,8 +12,6 @@
 //! and the AVX-512 kernel give the same bits, and so does any tile size,
 //! which is what keeps a token's result independent of its batch.
 
-use rayon::prelude::*;
-
 use super::amx;
 
 /// Output features per panel.
@@ -194,83 +192,82 @@ impl PackedLinear {
             Some(split) => (amx::GROUP, split.rows()),
             None => (GROUP, n),
         };
-        (0..panels.div_ceil(group_size))
-            .into_par_iter()
-            .for_each_init(
-                || (vec![0f32; rows * group_size * NR], Vec::new()),
-                |(local, wide), b| {
-                    let (first, count) = (b * group_size, group_size.min(panels - b * group_size));
-                    let width = count * NR;
-                    let local = &mut local[..rows * width];
-                    match (&self.panels, &split) {
-                        (Panels::F32(all), _) => {
-                            let panel_len = fan_in * NR;
-                            let group: Vec<&[f32]> = all[first * panel_len..][..count * panel_len]
-                                .chunks_exact(panel_len)
-                                .collect();
-                            // The group after this one is what this task most
-                            // likely runs next (rayon hands each thread a run
-                            // of groups).
-                            let next = &all[(first + count) * panel_len
-                                ..(first + count + GROUP).min(panels) * panel_len];
-                            kernel.group(x, fan_in, n, &group, Prefetch::of(next), local);
-                        }
-                        (Panels::Bf16(all), Some(split)) => {
-                            let panel_len = amx::padded(fan_in) * NR;
-                            let group = &all[first * panel_len..][..count * panel_len];
-                            #[cfg(target_arch = "x86_64")]
-                            // SAFETY: `split` exists only where the caller
-                            // passed `amx`, which `forward_parts` takes from
-                            // `amx::available`, and the tests only where it
-                            // is true.
-                            #[allow(unsafe_code)]
-                            unsafe {
-                                amx::group(split, group, count, local)
-                            };
-                            #[cfg(not(target_arch = "x86_64"))]
-                            unreachable!("AMX on {split:?} without x86_64 {group:?}");
-                        }
-                        (Panels::Bf16(all), None) => {
-                            let panel_len = amx::padded(fan_in) * NR;
-                            let group: Vec<&[u16]> = all[first * panel_len..][..count * panel_len]
-                                .chunks_exact(panel_len)
-                                .collect();
-                            let next = &all[(first + count) * panel_len
-                                ..(first + count + GROUP).min(panels) * panel_len];
-                            kernel.group_bf16_pairs(
-                                x,
-                                fan_in,
-                                n,
-                                &group,
-                                wide,
-                                Prefetch::of(next),
-                                local,
-                            );
-                        }
+        super::team::for_each(
+            panels.div_ceil(group_size),
+            || (vec![0f32; rows * group_size * NR], Vec::new()),
+            |(local, wide): &mut (Vec<f32>, Vec<f32>), b| {
+                let (first, count) = (b * group_size, group_size.min(panels - b * group_size));
+                let width = count * NR;
+                let local = &mut local[..rows * width];
+                match (&self.panels, &split) {
+                    (Panels::F32(all), _) => {
+                        let panel_len = fan_in * NR;
+                        let group: Vec<&[f32]> = all[first * panel_len..][..count * panel_len]
+                            .chunks_exact(panel_len)
+                            .collect();
+                        // The group after this one is what this task most
+                        // likely runs next (the team hands each thread a
+                        // run of groups).
+                        let next = &all[(first + count) * panel_len
+                            ..(first + count + GROUP).min(panels) * panel_len];
+                        kernel.group(x, fan_in, n, &group, Prefetch::of(next), local);
                     }
-                    let (glo, ghi) = (first * NR, (first * NR + width).min(fan_out));
-                    for (plo, pw, out) in &parts {
-                        let (lo, hi) = (glo.max(*plo), ghi.min(plo + pw));
-                        if lo >= hi {
-                            continue;
-                        }
-                        for t in 0..n {
-                            let src = &local[t * width + lo - glo..t * width + hi - glo];
-                            // SAFETY: columns lo..hi of this part belong to this
-                            // group alone, and row t is inside the part's
-                            // `[n, pw]` buffer, which outlives the parallel loop.
-                            #[allow(unsafe_code)]
-                            let dst = unsafe { out.row(t * pw + lo - plo, hi - lo) };
-                            dst.copy_from_slice(src);
-                            if let Some(bias) = &self.bias {
-                                for (y, &b) in dst.iter_mut().zip(&bias[lo..hi]) {
-                                    *y += b;
-                                }
+                    (Panels::Bf16(all), Some(split)) => {
+                        let panel_len = amx::padded(fan_in) * NR;
+                        let group = &all[first * panel_len..][..count * panel_len];
+                        #[cfg(target_arch = "x86_64")]
+                        // SAFETY: `split` exists only where the caller
+                        // passed `amx`, which `forward_parts` takes from
+                        // `amx::available`, and the tests only where it
+                        // is true.
+                        #[allow(unsafe_code)]
+                        unsafe {
+                            amx::group(split, group, count, local)
+                        };
+                        #[cfg(not(target_arch = "x86_64"))]
+                        unreachable!("AMX on {split:?} without x86_64 {group:?}");
+                    }
+                    (Panels::Bf16(all), None) => {
+                        let panel_len = amx::padded(fan_in) * NR;
+                        let group: Vec<&[u16]> = all[first * panel_len..][..count * panel_len]
+                            .chunks_exact(panel_len)
+                            .collect();
+                        let next = &all[(first + count) * panel_len
+                            ..(first + count + GROUP).min(panels) * panel_len];
+                        kernel.group_bf16_pairs(
+                            x,
+                            fan_in,
+                            n,
+                            &group,
+                            wide,
+                            Prefetch::of(next),
+                            local,
+                        );
+                    }
+                }
+                let (glo, ghi) = (first * NR, (first * NR + width).min(fan_out));
+                for (plo, pw, out) in &parts {
+                    let (lo, hi) = (glo.max(*plo), ghi.min(plo + pw));
+                    if lo >= hi {
+                        continue;
+                    }
+                    for t in 0..n {
+                        let src = &local[t * width + lo - glo..t * width + hi - glo];
+                        // SAFETY: columns lo..hi of this part belong to this
+                        // group alone, and row t is inside the part's
+                        // `[n, pw]` buffer, which outlives the parallel loop.
+                        #[allow(unsafe_code)]
+                        let dst = unsafe { out.row(t * pw + lo - plo, hi - lo) };
+                        dst.copy_from_slice(src);
+                        if let Some(bias) = &self.bias {
+                            for (y, &b) in dst.iter_mut().zip(&bias[lo..hi]) {
+                                *y += b;
                             }
                         }
                     }
-                },
-            );
+                }
+            },
+        );
     }
 }
 
