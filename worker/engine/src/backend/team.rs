@@ -12,7 +12,8 @@
 //! engine uses no CPU.
 //!
 //! A loop is `n` items, handed out in runs of consecutive items (the
-//! projections prefetch the panels of the item after theirs). Which thread
+//! projections prefetch the panels of the item after theirs) that shrink
+//! toward the loop's end. Which thread
 //! runs an item never changes what the item computes, so results are the
 //! same bits on any number of threads. One loop runs on the team at a time;
 //! a loop that finds the team busy (another engine in the same process, as
@@ -31,9 +32,9 @@ use rayon::prelude::*;
 /// idle engine is soon idle.
 const SPIN: Duration = Duration::from_micros(300);
 
-/// Runs per participant a loop is cut into: consecutive items stay together,
-/// and a thread that starts late still finds work.
-const RUNS_PER_THREAD: usize = 4;
+/// A run takes this many threads' share of the items left: runs of
+/// consecutive items, long at first and single items at the end.
+const RUNS_PER_THREAD: usize = 2;
 
 /// One published loop, its lifetime erased: valid until `pending` is zero.
 type Job = *const (dyn Fn() + Sync + 'static);
@@ -180,17 +181,21 @@ pub fn for_each<S>(
     };
     #[cfg(test)]
     tests::ON_TEAM.with(|count| count.set(count.get() + 1));
-    let run = n.div_ceil(RUNS_PER_THREAD * (team.workers + 1));
+    let threads = team.workers + 1;
     let next = AtomicUsize::new(0);
     let body = || {
         let mut state = init();
-        loop {
-            let lo = next.fetch_add(run, Ordering::Relaxed);
-            if lo >= n {
-                break;
-            }
-            for i in lo..(lo + run).min(n) {
-                f(&mut state, i);
+        let mut lo = next.load(Ordering::Relaxed);
+        while lo < n {
+            // Guided: each run is a share of what is left, so runs shrink
+            // toward the end and the threads finish close together.
+            let hi = lo + (n - lo).div_ceil(RUNS_PER_THREAD * threads);
+            match next.compare_exchange_weak(lo, hi, Ordering::Relaxed, Ordering::Relaxed) {
+                Ok(_) => {
+                    (lo..hi).for_each(|i| f(&mut state, i));
+                    lo = next.load(Ordering::Relaxed);
+                }
+                Err(now) => lo = now,
             }
         }
     };
