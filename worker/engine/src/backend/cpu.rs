@@ -723,9 +723,7 @@ impl CpuBackend {
         x: &[f32],
         n: usize,
     ) -> [Vec<f32>; K] {
-        let mut outs = parts.map(|p| vec![0f32; n * p.shape(&self.config).1]);
-        let mut views: Vec<&mut [f32]> = outs.iter_mut().map(|o| &mut o[..]).collect();
-        lin.forward_parts(x, n, &mut views);
+        let mut outs = lin.forward_split(x, n, parts.map(|p| p.shape(&self.config).1));
         if !batch.segments.is_empty() {
             for (p, out) in parts.iter().zip(&mut outs) {
                 self.apply_lora(batch, layer, *p, x, out);
@@ -1036,8 +1034,9 @@ impl Backend for CpuBackend {
         }
         let mut last_normed = vec![0f32; last.len()];
         rms_norm(&last, &self.norm, c.rms_norm_eps, &mut last_normed);
-        let mut logits = vec![0f32; rows.len() * c.vocab_size];
-        self.lm_head.forward(&last_normed, rows.len(), &mut logits);
+        let [logits] = self
+            .lm_head
+            .forward_split(&last_normed, rows.len(), [c.vocab_size]);
         Ok(logits)
     }
 }

@@ -157,6 +157,34 @@ impl PackedLinear {
         self.forward_with(Kernel::detect(), amx::available(), x, n, outs);
     }
 
+    /// As [`PackedLinear::forward_parts`], into new buffers of the given
+    /// widths. Every element is written by the projection itself, so the
+    /// buffers are never zeroed first.
+    pub fn forward_split<const K: usize>(
+        &self,
+        x: &[f32],
+        n: usize,
+        widths: [usize; K],
+    ) -> [Vec<f32>; K] {
+        let mut outs: [Vec<f32>; K] = widths.map(|w| Vec::with_capacity(n * w));
+        let parts: Vec<(usize, SharedOut)> = outs
+            .iter_mut()
+            .zip(widths)
+            .map(|(o, w)| (w, SharedOut(o.as_mut_ptr())))
+            .collect();
+        self.fill(Kernel::detect(), amx::available(), x, n, &parts);
+        for (o, w) in outs.iter_mut().zip(widths) {
+            // SAFETY: the capacity is n * w, and `fill` returned, so it
+            // wrote every row of every part's columns (the parts cover
+            // fan_out and every group of panels ran).
+            #[allow(unsafe_code)]
+            unsafe {
+                o.set_len(n * w)
+            };
+        }
+        outs
+    }
+
     /// [`PackedLinear::forward_parts`] on a chosen kernel, and on AMX tiles
     /// for bf16 panels if `amx`.
     fn forward_with(
@@ -167,21 +195,38 @@ impl PackedLinear {
         n: usize,
         outs: &mut [&mut [f32]],
     ) {
-        let (fan_in, fan_out) = (self.fan_in, self.fan_out);
-        assert_eq!(x.len(), n * fan_in, "x holds {n} rows of {fan_in}");
         if n == 0 {
             assert!(outs.iter().all(|o| o.is_empty()), "no rows, no outputs");
+        }
+        let parts: Vec<(usize, SharedOut)> = outs
+            .iter_mut()
+            .map(|out| {
+                let width = out.len() / n.max(1);
+                assert_eq!(out.len(), n * width, "an output holds whole rows");
+                (width, SharedOut(out.as_mut_ptr()))
+            })
+            .collect();
+        self.fill(kernel, amx, x, n, &parts);
+    }
+
+    /// Writes all `n` rows of each part's columns: `parts` are (width,
+    /// buffer of `[n, width]`, which may be uninitialized), the widths
+    /// adding up to `fan_out`, side by side.
+    fn fill(&self, kernel: Kernel, amx: bool, x: &[f32], n: usize, parts: &[(usize, SharedOut)]) {
+        let (fan_in, fan_out) = (self.fan_in, self.fan_out);
+        assert_eq!(x.len(), n * fan_in, "x holds {n} rows of {fan_in}");
+        let mut lo = 0;
+        let parts: Vec<(usize, usize, SharedOut)> = parts
+            .iter()
+            .map(|&(width, out)| {
+                lo += width;
+                (lo - width, width, out)
+            })
+            .collect();
+        assert_eq!(lo, fan_out, "the outputs cover fan_out");
+        if n == 0 {
             return;
         }
-        let mut parts = Vec::with_capacity(outs.len());
-        let mut lo = 0;
-        for out in outs.iter_mut() {
-            let width = out.len() / n;
-            assert_eq!(out.len(), n * width, "an output holds whole rows");
-            parts.push((lo, width, SharedOut(out.as_mut_ptr())));
-            lo += width;
-        }
-        assert_eq!(lo, fan_out, "the outputs cover fan_out");
         let panels = fan_out.div_ceil(NR);
         // The activations are split for the tiles once, for every task.
         let split = match &self.panels {
@@ -252,18 +297,19 @@ impl PackedLinear {
                         continue;
                     }
                     for t in 0..n {
-                        let src = &local[t * width + lo - glo..t * width + hi - glo];
+                        let src = &mut local[t * width + lo - glo..t * width + hi - glo];
+                        if let Some(bias) = &self.bias {
+                            for (y, &b) in src.iter_mut().zip(&bias[lo..hi]) {
+                                *y += b;
+                            }
+                        }
                         // SAFETY: columns lo..hi of this part belong to this
                         // group alone, and row t is inside the part's
                         // `[n, pw]` buffer, which outlives the parallel loop.
                         #[allow(unsafe_code)]
-                        let dst = unsafe { out.row(t * pw + lo - plo, hi - lo) };
-                        dst.copy_from_slice(src);
-                        if let Some(bias) = &self.bias {
-                            for (y, &b) in dst.iter_mut().zip(&bias[lo..hi]) {
-                                *y += b;
-                            }
-                        }
+                        unsafe {
+                            out.write(t * pw + lo - plo, src)
+                        };
                     }
                 }
             },
@@ -307,6 +353,18 @@ unsafe impl Sync for SharedOut {}
 impl SharedOut {
     pub fn new(out: &mut [f32]) -> SharedOut {
         SharedOut(out.as_mut_ptr())
+    }
+
+    /// Copies `src` to the elements from `at`, which need not have been
+    /// initialized.
+    ///
+    /// # Safety
+    /// `at..at + src.len()` lies inside the buffer, which is alive, and no
+    /// other task reads or writes it meanwhile.
+    #[allow(unsafe_code)]
+    pub unsafe fn write(&self, at: usize, src: &[f32]) {
+        // SAFETY: the caller's contract; `src` is another buffer.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.0.add(at), src.len()) }
     }
 
     /// `len` elements from `at`.
@@ -1353,6 +1411,15 @@ mod tests {
                 bits(&want),
                 "forward_parts n={n} fan_out={fan_out}"
             );
+            // Into new buffers, never zeroed: the same bits again.
+            let split = lin.forward_split(&x, n, widths);
+            for (got, part) in split.iter().zip(&parts) {
+                assert_eq!(
+                    bits(got),
+                    bits(part),
+                    "forward_split n={n} fan_out={fan_out}"
+                );
+            }
             for &kernel in &kernels {
                 for p in 0..fan_out.div_ceil(NR) {
                     let mut single = vec![0f32; n * NR];
