@@ -3,9 +3,8 @@
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::Mutex;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
-
-use rayon::prelude::*;
 
 use crate::backend::cpu::CpuBackend;
 use crate::backend::{Backend, BackendShape, StepBatch};
@@ -582,20 +581,29 @@ impl Engine {
         // Sample every row that wants a token, in parallel: each draws only
         // from its own request's generator, so the order does not matter.
         let vocab = self.config.vocab_size;
-        let mut draws: Vec<(&SamplingParams, Rng, u32)> = order
+        // On the CPU backend's team, whose workers are still awake from the
+        // forward pass.
+        let draws: Vec<(&SamplingParams, Mutex<(Rng, u32)>)> = order
             .iter()
             .map(|&(_, id, chunk)| (&self.seqs[&id], chunk))
             .filter(|(seq, chunk)| seq.num_computed + chunk == seq.total_len())
-            .map(|(seq, _)| (&seq.params, seq.rng.clone(), 0))
+            .map(|(seq, _)| (&seq.params, Mutex::new((seq.rng.clone(), 0))))
             .collect();
-        draws
-            .par_iter_mut()
-            .enumerate()
-            .for_each(|(row, (params, rng, token))| {
+        crate::backend::team::for_each(
+            draws.len(),
+            || (),
+            |_, row| {
+                let (params, draw) = &draws[row];
+                let mut draw = draw.lock().unwrap_or_else(|e| e.into_inner());
+                let (rng, token) = &mut *draw;
                 *token = sample(&logits[row * vocab..(row + 1) * vocab], params, rng);
-            });
+            },
+        );
         // The draws are in `order`, as the loop below meets the rows.
-        let sampled: Vec<(Rng, u32)> = draws.into_iter().map(|(_, r, t)| (r, t)).collect();
+        let sampled: Vec<(Rng, u32)> = draws
+            .into_iter()
+            .map(|(_, draw)| draw.into_inner().unwrap_or_else(|e| e.into_inner()))
+            .collect();
         let mut sampled = sampled.into_iter();
         let mut finished = Vec::new();
         for &(_, id, chunk) in &order {

@@ -7,8 +7,6 @@
 
 use std::path::Path;
 
-use rayon::prelude::*;
-
 use super::panels::{GATHER, GROUP, Kernel, NR, PackedLinear, PanelValue, Prefetch, SharedOut};
 use super::{Backend, BackendShape, StepBatch};
 use crate::error::{EngineError, Result};
@@ -795,13 +793,21 @@ impl Backend for CpuBackend {
         let (max_rank, config) = (self.slots.max_rank, &self.config);
         // Every (layer, projection) has its own buffers, so the modules are
         // packed in parallel: a slot write is a memory-bound copy of a few
-        // MB that the step waits for.
-        self.slots
+        // MB that the step waits for. On the team, whose workers are awake
+        // from the last step.
+        let modules: Vec<std::sync::Mutex<(&mut Vec<f32>, &mut Vec<f32>)>> = self
+            .slots
             .a
-            .par_iter_mut()
-            .zip(self.slots.b.par_iter_mut())
-            .enumerate()
-            .for_each(|(key, (a, b))| {
+            .iter_mut()
+            .zip(self.slots.b.iter_mut())
+            .map(std::sync::Mutex::new)
+            .collect();
+        super::team::for_each(
+            modules.len(),
+            || (),
+            |_, key| {
+                let mut guard = modules[key].lock().unwrap_or_else(|e| e.into_inner());
+                let (a, b) = &mut *guard;
                 let p = Projection::ALL[key % 7];
                 let Some(m) = adapter
                     .modules
@@ -834,7 +840,9 @@ impl Backend for CpuBackend {
                         &mut as_bits_mut(b)[..b_len],
                     ),
                 }
-            });
+            },
+        );
+        drop(modules);
         for (layer, modules) in adapter.modules.iter().enumerate() {
             for (i, m) in modules.iter().enumerate() {
                 if let Some(m) = m {
