@@ -581,8 +581,8 @@ impl Engine {
         // Sample every row that wants a token, in parallel: each draws only
         // from its own request's generator, so the order does not matter.
         let vocab = self.config.vocab_size;
-        // On the CPU backend's team, whose workers are still awake from the
-        // forward pass.
+        // On the team that runs the CPU backend's loops: with that backend
+        // its workers are usually still awake from the forward pass.
         let draws: Vec<(&SamplingParams, Mutex<(Rng, u32)>)> = order
             .iter()
             .map(|&(_, id, chunk)| (&self.seqs[&id], chunk))

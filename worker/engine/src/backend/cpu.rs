@@ -793,8 +793,8 @@ impl Backend for CpuBackend {
         let (max_rank, config) = (self.slots.max_rank, &self.config);
         // Every (layer, projection) has its own buffers, so the modules are
         // packed in parallel: a slot write is a memory-bound copy of a few
-        // MB that the step waits for. On the team, whose workers are awake
-        // from the last step.
+        // MB that the step waits for. On the team, whose workers may still
+        // be awake from the last step.
         let modules: Vec<std::sync::Mutex<(&mut Vec<f32>, &mut Vec<f32>)>> = self
             .slots
             .a

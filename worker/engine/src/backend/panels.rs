@@ -197,11 +197,12 @@ impl PackedLinear {
     ) {
         if n == 0 {
             assert!(outs.iter().all(|o| o.is_empty()), "no rows, no outputs");
+            return;
         }
         let parts: Vec<(usize, SharedOut)> = outs
             .iter_mut()
             .map(|out| {
-                let width = out.len() / n.max(1);
+                let width = out.len() / n;
                 assert_eq!(out.len(), n * width, "an output holds whole rows");
                 (width, SharedOut(out.as_mut_ptr()))
             })
@@ -343,8 +344,8 @@ impl Prefetch {
 #[derive(Debug, Clone, Copy)]
 pub struct SharedOut(*mut f32);
 
-// SAFETY: a `SharedOut` is only written through `row`, whose callers
-// guarantee that no two tasks touch the same elements.
+// SAFETY: a `SharedOut` is only written through `row` and `write`, whose
+// callers guarantee that no two tasks touch the same elements.
 #[allow(unsafe_code)]
 unsafe impl Send for SharedOut {}
 #[allow(unsafe_code)]
@@ -1357,6 +1358,15 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn no_rows_give_no_outputs() {
+        let lin = PackedLinear::pack(&random(2, 3 * 13), Some(random(3, 3)), 13, 3);
+        lin.forward(&[], 0, &mut []);
+        lin.forward_parts(&[], 0, &mut [&mut [], &mut []]);
+        let [a, b] = lin.forward_split(&[], 0, [1, 2]);
+        assert!(a.is_empty() && b.is_empty());
     }
 
     #[test]

@@ -19,9 +19,10 @@
 //! a loop that finds the team busy (another engine in the same process, as
 //! in the tests) runs on rayon instead.
 
+use std::any::Any;
 use std::cell::UnsafeCell;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, OnceLock, TryLockError};
 use std::time::{Duration, Instant};
 
@@ -47,8 +48,9 @@ struct Shared {
     job: UnsafeCell<Option<Job>>,
     /// Workers that have not finished the current loop.
     pending: AtomicUsize,
-    /// Whether a worker's part of the current loop panicked.
-    panicked: AtomicBool,
+    /// The first panic of a worker's part of the current loop, for the
+    /// caller to resume.
+    panic: Mutex<Option<Box<dyn Any + Send>>>,
     /// Workers asleep (or about to be) on `wake`.
     sleepers: AtomicUsize,
     sleep: Mutex<()>,
@@ -74,7 +76,7 @@ fn team() -> &'static Team {
             epoch: AtomicU64::new(0),
             job: UnsafeCell::new(None),
             pending: AtomicUsize::new(0),
-            panicked: AtomicBool::new(false),
+            panic: Mutex::new(None),
             sleepers: AtomicUsize::new(0),
             sleep: Mutex::new(()),
             wake: Condvar::new(),
@@ -109,8 +111,15 @@ fn work(shared: &'static Shared) {
         let job = unsafe { (*shared.job.get()).expect("a loop is published with its epoch") };
         // SAFETY: as above.
         #[allow(unsafe_code)]
-        if catch_unwind(AssertUnwindSafe(|| unsafe { (*job)() })).is_err() {
-            shared.panicked.store(true, Ordering::Relaxed);
+        if let Err(payload) = catch_unwind(AssertUnwindSafe(|| unsafe { (*job)() })) {
+            // Kept, never dropped here: a payload whose drop panics would
+            // end this thread before it releases `pending`.
+            let mut first = shared.panic.lock().unwrap_or_else(|e| e.into_inner());
+            if first.is_none() {
+                *first = Some(payload);
+            } else {
+                std::mem::forget(payload);
+            }
         }
         shared.pending.fetch_sub(1, Ordering::Release);
     }
@@ -150,15 +159,25 @@ struct Finish<'a>(&'a Shared);
 
 impl Drop for Finish<'_> {
     fn drop(&mut self) {
+        let mut spins = 0u32;
         while self.0.pending.load(Ordering::Acquire) != 0 {
-            std::hint::spin_loop();
+            spins = spins.wrapping_add(1);
+            // A worker that the OS has switched out needs a core: on a busy
+            // machine, give it ours now and then.
+            if spins.is_multiple_of(4096) {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
         }
     }
 }
 
-/// Runs `f(state, i)` for every `i` in `0..n` on the team, each thread with
-/// its own `state` from `init`. A panic in any item panics the caller,
-/// after every thread has left the loop.
+/// Runs `f(state, i)` for every `i` in `0..n` on the team. `state` is
+/// scratch: `init` makes one for each thread that gets items (on rayon, for
+/// each piece rayon splits the loop into). A panic in any item is resumed
+/// on the caller, after every thread has left the loop. An item that calls
+/// `for_each` itself finds the team busy, so its loop runs on rayon.
 pub fn for_each<S>(
     n: usize,
     init: impl Fn() -> S + Sync + Send,
@@ -184,7 +203,9 @@ pub fn for_each<S>(
     let threads = team.workers + 1;
     let next = AtomicUsize::new(0);
     let body = || {
-        let mut state = init();
+        // Made on the first run this thread gets: a worker that wakes after
+        // the items are gone allocates nothing.
+        let mut state = None;
         let mut lo = next.load(Ordering::Relaxed);
         while lo < n {
             // Guided: each run is a share of what is left, so runs shrink
@@ -192,7 +213,8 @@ pub fn for_each<S>(
             let hi = lo + (n - lo).div_ceil(RUNS_PER_THREAD * threads);
             match next.compare_exchange_weak(lo, hi, Ordering::Relaxed, Ordering::Relaxed) {
                 Ok(_) => {
-                    (lo..hi).for_each(|i| f(&mut state, i));
+                    let state = state.get_or_insert_with(&init);
+                    (lo..hi).for_each(|i| f(state, i));
                     lo = next.load(Ordering::Relaxed);
                 }
                 Err(now) => lo = now,
@@ -200,6 +222,13 @@ pub fn for_each<S>(
         }
     };
     let shared = team.shared;
+    // A worker's panic from a loop whose caller panicked too is stale now.
+    let stale = shared
+        .panic
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .take();
+    drop(stale);
     let job: &(dyn Fn() + Sync + '_) = &body;
     // SAFETY: only the lifetime is erased. The workers call `job` only
     // until they release `pending`, and `finish` below waits for that
@@ -211,7 +240,8 @@ pub fn for_each<S>(
         *shared.job.get() = Some(job);
     }
     shared.pending.store(team.workers, Ordering::Relaxed);
-    shared.panicked.store(false, Ordering::Relaxed);
+    // Nothing from here to `finish` may panic: workers that never saw the
+    // epoch would leave `pending` above zero for ever.
     shared.epoch.fetch_add(1, Ordering::SeqCst);
     if shared.sleepers.load(Ordering::SeqCst) > 0 {
         let _guard = shared.sleep.lock().unwrap_or_else(|e| e.into_inner());
@@ -220,8 +250,13 @@ pub fn for_each<S>(
     let finish = Finish(shared);
     body();
     drop(finish);
-    if shared.panicked.swap(false, Ordering::Relaxed) {
-        panic!("a task of a parallel loop panicked");
+    let payload = shared
+        .panic
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .take();
+    if let Some(payload) = payload {
+        std::panic::resume_unwind(payload);
     }
 }
 
@@ -291,7 +326,13 @@ mod tests {
         let caught = catch_unwind(|| {
             for_each(64, || (), |_, i| assert!(i != 40, "item 40 fails"));
         });
-        assert!(caught.is_err());
+        // The item's own panic, whichever thread ran it.
+        let payload = caught.expect_err("the loop panics");
+        let message = payload
+            .downcast_ref::<&str>()
+            .map(|m| m.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned());
+        assert_eq!(message.as_deref(), Some("item 40 fails"));
         // Workers asleep or awake, the next loops run every item.
         std::thread::sleep(SPIN * 3);
         for _ in 0..3 {
