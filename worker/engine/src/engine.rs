@@ -3,7 +3,6 @@
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::Mutex;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::backend::cpu::CpuBackend;
@@ -583,27 +582,17 @@ impl Engine {
         let vocab = self.config.vocab_size;
         // On the team that runs the CPU backend's loops: with that backend
         // its workers are usually still awake from the forward pass.
-        let draws: Vec<(&SamplingParams, Mutex<(Rng, u32)>)> = order
+        let mut draws: Vec<(&SamplingParams, Rng, u32)> = order
             .iter()
             .map(|&(_, id, chunk)| (&self.seqs[&id], chunk))
             .filter(|(seq, chunk)| seq.num_computed + chunk == seq.total_len())
-            .map(|(seq, _)| (&seq.params, Mutex::new((seq.rng.clone(), 0))))
+            .map(|(seq, _)| (&seq.params, seq.rng.clone(), 0))
             .collect();
-        crate::backend::team::for_each(
-            draws.len(),
-            || (),
-            |_, row| {
-                let (params, draw) = &draws[row];
-                let mut draw = draw.lock().unwrap_or_else(|e| e.into_inner());
-                let (rng, token) = &mut *draw;
-                *token = sample(&logits[row * vocab..(row + 1) * vocab], params, rng);
-            },
-        );
+        crate::backend::team::for_each_mut(&mut draws, |(params, rng, token), row| {
+            *token = sample(&logits[row * vocab..(row + 1) * vocab], params, rng);
+        });
         // The draws are in `order`, as the loop below meets the rows.
-        let sampled: Vec<(Rng, u32)> = draws
-            .into_iter()
-            .map(|(_, draw)| draw.into_inner().unwrap_or_else(|e| e.into_inner()))
-            .collect();
+        let sampled: Vec<(Rng, u32)> = draws.into_iter().map(|(_, r, t)| (r, t)).collect();
         let mut sampled = sampled.into_iter();
         let mut finished = Vec::new();
         for &(_, id, chunk) in &order {

@@ -10,6 +10,16 @@ use lorafleet_engine::backend::{Backend, BackendShape, StepBatch};
 use lorafleet_engine::lora::{AdapterLimits, HostAdapter};
 use lorafleet_engine::model::ModelConfig;
 
+/// The fixtures' backend shape: rank-16 slots and KV blocks of 4 positions.
+fn shape(slots: usize, kv_blocks: usize) -> BackendShape {
+    BackendShape {
+        slots,
+        max_lora_rank: 16,
+        kv_blocks,
+        block_size: 4,
+    }
+}
+
 fn argmax(v: &[f32]) -> u32 {
     let mut best = 0;
     for (i, x) in v.iter().enumerate() {
@@ -27,12 +37,7 @@ fn forward_matches_transformers_and_peft() {
     for model in ["llama-gqa", "qwen2-tied"] {
         let dir = model_dir(model);
         let config = ModelConfig::from_dir(&dir).unwrap();
-        let shape = BackendShape {
-            slots: 1,
-            max_lora_rank: 16,
-            kv_blocks: 8,
-            block_size: 4,
-        };
+        let shape = shape(1, 8);
         let mut backend = CpuBackend::load(&dir, &config, shape).unwrap();
         for case in golden.cases.iter().filter(|c| c.model == model) {
             let slot = match &case.adapter {
@@ -94,12 +99,7 @@ fn a_prefill_gives_the_bits_of_its_tokens_fed_one_at_a_time() {
     for model in ["llama-gqa", "qwen2-tied"] {
         let dir = model_dir(model);
         let config = ModelConfig::from_dir(&dir).unwrap();
-        let shape = BackendShape {
-            slots: 1,
-            max_lora_rank: 16,
-            kv_blocks: 24,
-            block_size: 4,
-        };
+        let shape = shape(1, 24);
         let mut backend = CpuBackend::load(&dir, &config, shape).unwrap();
         let (whole, stepped, other): (Vec<u32>, Vec<u32>, Vec<u32>) =
             ((0..8).collect(), (8..16).collect(), (16..24).collect());
@@ -304,12 +304,7 @@ fn a_bf16_checkpoint_matches_its_f32_widening() {
         let narrow = bf16_copy(model, safetensors::Dtype::BF16);
         let wide = bf16_copy(model, safetensors::Dtype::F32);
         let config = ModelConfig::from_dir(narrow.path()).unwrap();
-        let shape = BackendShape {
-            slots: 1,
-            max_lora_rank: 16,
-            kv_blocks: 8,
-            block_size: 4,
-        };
+        let shape = shape(1, 8);
         let mut backends =
             [narrow.path(), wide.path()].map(|dir| CpuBackend::load(dir, &config, shape).unwrap());
         let case = golden
@@ -380,12 +375,7 @@ fn a_bf16_adapter_matches_its_f32_widening() {
     for model in ["llama-gqa", "qwen2-tied"] {
         let dir = model_dir(model);
         let config = ModelConfig::from_dir(&dir).unwrap();
-        let shape = BackendShape {
-            slots: 6,
-            max_lora_rank: 16,
-            kv_blocks: 12,
-            block_size: 4,
-        };
+        let shape = shape(6, 12);
         let mut backend = CpuBackend::load(&dir, &config, shape).unwrap();
         let limits = AdapterLimits {
             model: &config,

@@ -795,53 +795,46 @@ impl Backend for CpuBackend {
         // packed in parallel: a slot write is a memory-bound copy of a few
         // MB that the step waits for. On the team, whose workers may still
         // be awake from the last step.
-        let modules: Vec<std::sync::Mutex<(&mut Vec<f32>, &mut Vec<f32>)>> = self
+        let mut modules: Vec<(&mut Vec<f32>, &mut Vec<f32>)> = self
             .slots
             .a
             .iter_mut()
             .zip(self.slots.b.iter_mut())
-            .map(std::sync::Mutex::new)
             .collect();
-        super::team::for_each(
-            modules.len(),
-            || (),
-            |_, key| {
-                let mut guard = modules[key].lock().unwrap_or_else(|e| e.into_inner());
-                let (a, b) = &mut *guard;
-                let p = Projection::ALL[key % 7];
-                let Some(m) = adapter
-                    .modules
-                    .get(key / 7)
-                    .and_then(|m| m[p.index()].as_ref())
-                else {
-                    return;
-                };
-                let (fan_in, fan_out) = p.shape(config);
-                let (a_len, b_len) = (
-                    SlotView::a_len(max_rank, fan_in),
-                    SlotView::b_len(max_rank, fan_out),
-                );
-                let (a, b) = (
-                    &mut a[slot * a_len..][..a_len],
-                    &mut b[slot * b_len..][..b_len],
-                );
-                match &m.factors {
-                    Factors::F32 { a_t, b_t } => {
-                        SlotView::pack_transposed(a_t, b_t, m.rank, fan_in, fan_out, max_rank, a, b)
-                    }
-                    Factors::Bf16 { a_t, b_t } => SlotView::pack_transposed(
-                        a_t,
-                        b_t,
-                        m.rank,
-                        fan_in,
-                        fan_out,
-                        max_rank,
-                        &mut as_bits_mut(a)[..a_len],
-                        &mut as_bits_mut(b)[..b_len],
-                    ),
+        super::team::for_each_mut(&mut modules, |(a, b), key| {
+            let p = Projection::ALL[key % 7];
+            let Some(m) = adapter
+                .modules
+                .get(key / 7)
+                .and_then(|m| m[p.index()].as_ref())
+            else {
+                return;
+            };
+            let (fan_in, fan_out) = p.shape(config);
+            let (a_len, b_len) = (
+                SlotView::a_len(max_rank, fan_in),
+                SlotView::b_len(max_rank, fan_out),
+            );
+            let (a, b) = (
+                &mut a[slot * a_len..][..a_len],
+                &mut b[slot * b_len..][..b_len],
+            );
+            match &m.factors {
+                Factors::F32 { a_t, b_t } => {
+                    SlotView::pack_transposed(a_t, b_t, m.rank, fan_in, fan_out, max_rank, a, b)
                 }
-            },
-        );
+                Factors::Bf16 { a_t, b_t } => SlotView::pack_transposed(
+                    a_t,
+                    b_t,
+                    m.rank,
+                    fan_in,
+                    fan_out,
+                    max_rank,
+                    &mut as_bits_mut(a)[..a_len],
+                    &mut as_bits_mut(b)[..b_len],
+                ),
+            }
+        });
         drop(modules);
         for (layer, modules) in adapter.modules.iter().enumerate() {
             for (i, m) in modules.iter().enumerate() {
@@ -961,35 +954,28 @@ impl Backend for CpuBackend {
             let (kc, vc) = (&self.k_cache[layer], &self.v_cache[layer]);
             let (this, kernel) = (&*self, Kernel::detect());
             let mut attn = vec![0f32; n * c.q_dim()];
-            let shared = SharedOut::new(&mut attn);
-            super::team::for_each(
-                n,
-                || (),
-                |_, t| {
-                    let (si, i) = work[t];
-                    // SAFETY: item t alone writes row t, inside `attn`,
-                    // which outlives the loop.
-                    #[allow(unsafe_code)]
-                    let out = unsafe { shared.row(t * c.q_dim(), c.q_dim()) };
-                    let s = &batch.seqs[si];
-                    let (t, pos) = (s.start + i, s.first_position + i);
-                    let lo = c.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w));
-                    let offsets: Vec<usize> = (lo..=pos)
-                        .map(|p| this.kv_index(s.block_table, p))
-                        .collect();
-                    let row = AttentionRow {
-                        q: &q[t * c.q_dim()..(t + 1) * c.q_dim()],
-                        k_cache: kc,
-                        v_cache: vc,
-                        offsets: &offsets,
-                        heads: c.num_heads,
-                        group: c.gqa_group(),
-                        head_dim: hd,
-                        scale,
-                    };
-                    row.attend(kernel, out);
-                },
-            );
+            let mut rows: Vec<&mut [f32]> = attn.chunks_exact_mut(c.q_dim()).collect();
+            super::team::for_each_mut(&mut rows, |out, t| {
+                let (si, i) = work[t];
+                let s = &batch.seqs[si];
+                let (t, pos) = (s.start + i, s.first_position + i);
+                let lo = c.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                let offsets: Vec<usize> = (lo..=pos)
+                    .map(|p| this.kv_index(s.block_table, p))
+                    .collect();
+                let row = AttentionRow {
+                    q: &q[t * c.q_dim()..(t + 1) * c.q_dim()],
+                    k_cache: kc,
+                    v_cache: vc,
+                    offsets: &offsets,
+                    heads: c.num_heads,
+                    group: c.gqa_group(),
+                    head_dim: hd,
+                    scale,
+                };
+                row.attend(kernel, out);
+            });
+            drop(rows);
             let [o] = self.projections(batch, layer, &l.o, [Projection::O], &attn, n);
             for (h, o) in hidden.iter_mut().zip(&o) {
                 *h += o;
@@ -1010,19 +996,12 @@ impl Backend for CpuBackend {
             );
             let mut act = vec![0f32; gate.len()];
             let (width, kernel) = (c.intermediate_size, Kernel::detect());
-            let shared = SharedOut::new(&mut act);
-            super::team::for_each(
-                n,
-                || (),
-                |_, t| {
-                    // SAFETY: item t alone writes row t, inside `act`, which
-                    // outlives the loop.
-                    #[allow(unsafe_code)]
-                    let a = unsafe { shared.row(t * width, width) };
-                    let (g, u) = (&gate[t * width..][..width], &up[t * width..][..width]);
-                    super::activation::silu_mul(kernel, g, u, a);
-                },
-            );
+            let mut rows: Vec<&mut [f32]> = act.chunks_exact_mut(width).collect();
+            super::team::for_each_mut(&mut rows, |a, t| {
+                let (g, u) = (&gate[t * width..][..width], &up[t * width..][..width]);
+                super::activation::silu_mul(kernel, g, u, a);
+            });
+            drop(rows);
             let [down] = self.projections(batch, layer, &l.down, [Projection::Down], &act, n);
             for (h, o) in hidden.iter_mut().zip(&down) {
                 *h += o;

@@ -260,6 +260,45 @@ pub fn for_each<S>(
     }
 }
 
+/// Runs `f(item, i)` for every item of `items` on the team, each item on
+/// one thread: the loop over disjoint rows or buffers that most callers
+/// want, without locks or raw pointers of their own.
+pub fn for_each_mut<T: Send>(items: &mut [T], f: impl Fn(&mut T, usize) + Sync + Send) {
+    let base = Items(items.as_mut_ptr());
+    for_each(
+        items.len(),
+        || (),
+        |_, i| {
+            // SAFETY: `for_each` runs every index in 0..len exactly once, so
+            // no two threads hold the same item, and `items` is borrowed
+            // mutably until the loop has ended.
+            #[allow(unsafe_code)]
+            let item = unsafe { base.get(i) };
+            f(item, i)
+        },
+    );
+}
+
+/// The start of a slice whose items [`for_each_mut`] hands to threads.
+struct Items<T>(*mut T);
+
+// SAFETY: only ever used to reach distinct items from distinct threads, and
+// the items themselves may move between threads (`T: Send`).
+#[allow(unsafe_code)]
+unsafe impl<T: Send> Sync for Items<T> {}
+#[allow(unsafe_code)]
+unsafe impl<T: Send> Send for Items<T> {}
+
+impl<T> Items<T> {
+    /// # Safety
+    /// `i` is inside the slice, and no one else uses item `i` meanwhile.
+    #[allow(unsafe_code, clippy::mut_from_ref)]
+    unsafe fn get(&self, i: usize) -> &mut T {
+        // SAFETY: the caller's contract.
+        unsafe { &mut *self.0.add(i) }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -295,6 +334,15 @@ mod tests {
             );
             assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1), "n={n}");
         }
+    }
+
+    #[test]
+    fn for_each_mut_gives_every_item_to_one_thread() {
+        let mut items: Vec<usize> = vec![0; 500];
+        for round in 1..=3 {
+            for_each_mut(&mut items, |item, i| *item += i * round);
+        }
+        assert!(items.iter().enumerate().all(|(i, &v)| v == 6 * i));
     }
 
     #[test]
