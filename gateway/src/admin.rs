@@ -2109,6 +2109,8 @@ pub struct AuditRow {
     pub tenant: Option<String>,
     pub api_key: Option<String>,
     pub subject: Option<String>,
+    /// The OpenAI `user` field the request sent.
+    pub user: Option<String>,
     pub model: String,
     pub route_revision: Option<i32>,
     pub lora_int_id: Option<i64>,
@@ -2136,6 +2138,7 @@ const AUDIT_COLUMNS: &[&str] = &[
     "tenant",
     "api_key",
     "subject",
+    "user",
     "model",
     "route_revision",
     "lora_int_id",
@@ -2277,7 +2280,8 @@ impl AuditQuery {
     ) -> Result<(Vec<AuditRow>, Option<Cursor>), sqlx::Error> {
         let mut q: QueryBuilder<Postgres> = QueryBuilder::new(
             "SELECT l.id, l.request_id, l.received_at, l.completed_at, t.name AS tenant,
-                    k.prefix AS api_key, l.subject, l.model_name AS model, l.route_revision,
+                    COALESCE(l.api_key_prefix, k.prefix) AS api_key, l.subject,
+                    l.end_user AS user, l.model_name AS model, l.route_revision,
                     l.lora_int_id, l.adapter_name, l.adapter_version, l.base_hash, l.worker_id,
                     l.adapter_residency, l.status::TEXT AS status, l.http_status, l.error_code,
                     l.finish_reason, l.prompt_tokens, l.completion_tokens, l.latency_us,
@@ -2344,9 +2348,13 @@ impl AuditQuery {
     }
 }
 
+/// One CSV cell. A text cell that a spreadsheet would read as a formula
+/// (it starts with `=`, `+`, `-`, `@`, a tab or a carriage return) gets a
+/// leading `'`, so opening an export never runs what a client sent.
 fn csv_field(v: &Value) -> String {
     let s = match v {
         Value::Null => return String::new(),
+        Value::String(s) if s.starts_with(['=', '+', '-', '@', '\t', '\r']) => format!("'{s}"),
         Value::String(s) => s.clone(),
         other => other.to_string(),
     };
@@ -2514,4 +2522,26 @@ pub fn artifact_roots(roots: &[PathBuf]) -> anyhow::Result<Option<Arc<ArtifactRo
     ArtifactRoots::new(roots)
         .map(|r| Some(Arc::new(r)))
         .map_err(|e| anyhow::anyhow!("--artifact-root: {e}"))
+}
+
+#[cfg(test)]
+mod csv_tests {
+    use super::*;
+
+    #[test]
+    fn csv_cells_that_look_like_formulas_are_neutralised() {
+        for (cell, want) in [
+            ("=HYPERLINK(\"x\")", "\"'=HYPERLINK(\"\"x\"\")\""),
+            ("+1", "'+1"),
+            ("-2", "'-2"),
+            ("@SUM(A1)", "'@SUM(A1)"),
+            ("\tx", "'\tx"),
+            ("plain", "plain"),
+        ] {
+            assert_eq!(csv_field(&Value::String(cell.into())), want, "{cell:?}");
+        }
+        // Numbers are numbers, not client text.
+        assert_eq!(csv_field(&json!(-5)), "-5");
+        assert_eq!(csv_field(&Value::Null), "");
+    }
 }

@@ -23,7 +23,7 @@ use tokio::sync::Semaphore;
 use tonic::Code;
 use uuid::Uuid;
 
-use crate::audit::{AuditLog, AuditRecord};
+use crate::audit::{AuditLog, AuditRecord, Durable, Ticket, Unavailable};
 use crate::auth::{self, JwtConfig, Principal};
 use crate::fleet::Fleet;
 use crate::openai::{self, BadRequest, ChatRequest, CompletionRequest, Usage};
@@ -42,6 +42,18 @@ pub struct AppState {
     pub max_body_bytes: usize,
     pub request_timeout: Duration,
     pub max_attempts: usize,
+    /// Longest age of the registry snapshot a completion is served from.
+    pub registry_max_age: Duration,
+    /// Turns true when the drain deadline has passed: open requests end
+    /// with an error event (streams) or a 503, and a `cancelled` row.
+    pub cut: tokio::sync::watch::Receiver<bool>,
+}
+
+/// Resolves once the drain deadline has passed (never, if it cannot).
+async fn cut(mut rx: tokio::sync::watch::Receiver<bool>) {
+    if rx.wait_for(|v| *v).await.is_err() {
+        std::future::pending::<()>().await;
+    }
 }
 
 pub fn router(state: AppState) -> Router {
@@ -138,6 +150,18 @@ impl IntoResponse for ApiError {
 }
 
 async fn ready(State(s): State<AppState>) -> Response {
+    let age = s.registry.age();
+    if age > s.registry_max_age {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "the registry snapshot is {} s old (limit {} s): Postgres is unreachable",
+                age.as_secs(),
+                s.registry_max_age.as_secs()
+            ),
+        )
+            .into_response();
+    }
     let up = s.fleet.workers().iter().filter(|w| w.up()).count();
     if up > 0 {
         (StatusCode::OK, format!("ready: {up} workers up")).into_response()
@@ -198,15 +222,34 @@ async fn chat_completions(State(s): State<AppState>, headers: HeaderMap, body: B
 }
 
 /// What the audit row and metrics need, filled in as the request proceeds.
+///
+/// It holds the request's audit [`Ticket`]: a trail dropped without
+/// [`Trail::close`] (the client went away and the handler's future was
+/// dropped) still records its row, as `cancelled`.
 struct Trail {
     record: AuditRecord,
     started: Instant,
     tenant_name: String,
     adapter_label: String,
+    ticket: Option<Ticket>,
+}
+
+/// HTTP status recorded for a request whose client closed the connection
+/// before any answer (nginx's convention; no response was sent).
+const CLIENT_CLOSED: u16 = 499;
+
+impl Drop for Trail {
+    fn drop(&mut self) {
+        if self.ticket.is_some() {
+            let code = StatusCode::from_u16(CLIENT_CLOSED).expect("a valid status");
+            // The row is queued at once; nobody is left to wait for it.
+            let _ = self.finish("cancelled", code, Some("client_closed"));
+        }
+    }
 }
 
 impl Trail {
-    fn new(request_id: Uuid) -> Trail {
+    fn new(request_id: Uuid, ticket: Ticket) -> Trail {
         let now = Utc::now();
         Trail {
             record: AuditRecord {
@@ -215,7 +258,9 @@ impl Trail {
                 completed_at: now,
                 tenant_id: None,
                 api_key_id: None,
+                api_key_prefix: None,
                 subject: None,
+                end_user: None,
                 model_name: String::new(),
                 route_id: None,
                 route_revision: None,
@@ -238,6 +283,25 @@ impl Trail {
             started: Instant::now(),
             tenant_name: String::new(),
             adapter_label: String::new(),
+            ticket: Some(ticket),
+        }
+    }
+
+    /// Records what a refused body said its `model` and `user` were, made
+    /// safe later like every field.
+    fn note_refused_body(&mut self, body: &[u8]) {
+        let Some(v) = openai::lossy_object(body) else {
+            return;
+        };
+        let text = |v: &Value| match v {
+            Value::String(s) => s.clone(),
+            other => other.to_string(),
+        };
+        if let Some(m) = v.get("model") {
+            self.record.model_name = text(m);
+        }
+        if let Some(u) = v.get("user").filter(|u| !u.is_null()) {
+            self.record.end_user = Some(text(u));
         }
     }
 
@@ -256,8 +320,14 @@ impl Trail {
         }
     }
 
-    /// Finishes the row and the metrics.
-    fn close(mut self, audit: &AuditLog, status: &str, http: StatusCode, code: Option<&str>) {
+    /// Finishes the row and the metrics; the result resolves when the row
+    /// is durable.
+    fn close(mut self, status: &str, http: StatusCode, code: Option<&str>) -> Option<Durable> {
+        self.finish(status, http, code)
+    }
+
+    fn finish(&mut self, status: &str, http: StatusCode, code: Option<&str>) -> Option<Durable> {
+        let ticket = self.ticket.take()?;
         self.record.completed_at = Utc::now();
         self.record.latency_us = self.started.elapsed().as_micros() as i64;
         self.record.status = status.into();
@@ -285,13 +355,61 @@ impl Trail {
             metrics::histogram!("lorafleet_gateway_time_to_first_token_seconds", &labels)
                 .record(ttft as f64 / 1e6);
         }
-        audit.record(self.record);
+        Some(ticket.record(self.record.clone()))
     }
+}
+
+/// Waits for a row to be durable; false if it is not (then the answer must
+/// not be a success).
+async fn durable(d: Option<Durable>) -> bool {
+    match d {
+        Some(d) => d.wait().await,
+        None => false,
+    }
+}
+
+fn audit_unavailable(u: Unavailable) -> ApiError {
+    let mut e = ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "server_error",
+        "audit_unavailable",
+        u.to_string(),
+    );
+    e.retry_after = Some(5);
+    e
+}
+
+fn row_not_durable() -> ApiError {
+    let mut e = ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "server_error",
+        "audit_unavailable",
+        "the completion's audit row could not be made durable, so it is not served; retry shortly"
+            .into(),
+    );
+    e.retry_after = Some(5);
+    e
+}
+
+/// Every completion response carries its request id, the key of its row.
+fn with_request_id(mut r: Response, request_id: Uuid) -> Response {
+    if let Ok(v) = HeaderValue::from_str(&request_id.to_string()) {
+        r.headers_mut().insert("x-request-id", v);
+    }
+    r
 }
 
 async fn handle(s: AppState, headers: HeaderMap, body: Body, kind: Kind) -> Response {
     let request_id = Uuid::now_v7();
-    let mut trail = Trail::new(request_id);
+    // First of all, a place for the row: without one, no work is done.
+    let ticket = match s.audit.admit() {
+        Ok(t) => t,
+        Err(u) => {
+            tracing::warn!(%request_id, reason = u.reason(), "refused: no room for the audit row");
+            return with_request_id(audit_unavailable(u).into_response(), request_id);
+        }
+    };
+    let mut trail = Trail::new(request_id, ticket);
     let span = tracing::info_span!(
         "completion",
         %request_id,
@@ -323,11 +441,12 @@ async fn handle(s: AppState, headers: HeaderMap, body: Body, kind: Kind) -> Resp
             let code = e.code;
             let status = e.status;
             span.in_scope(|| tracing::info!(status = status.as_u16(), code, "refused"));
-            trail.close(&s.audit, "rejected", status, Some(code));
-            return e.into_response();
+            // A refusal is answered even if its row is late: it serves nothing.
+            durable(trail.close("rejected", status, Some(code))).await;
+            return with_request_id(e.into_response(), request_id);
         }
     };
-    run(s, prepared, trail, span, kind, request_id).await
+    with_request_id(run(s, prepared, trail, span, kind, request_id).await, request_id)
 }
 
 struct Prepared {
@@ -363,6 +482,7 @@ async fn prepare(
     let principal = principal(s, headers)?;
     trail.record.tenant_id = Some(principal.tenant_id);
     trail.record.api_key_id = principal.api_key_id;
+    trail.record.api_key_prefix = principal.api_key_prefix.clone();
     trail.record.subject = principal.subject.clone();
     let snapshot = s.registry.snapshot();
     let tenant = snapshot
@@ -389,22 +509,24 @@ async fn prepare(
                 format!("the body is larger than {} bytes", s.max_body_bytes),
             )
         })?;
-    let (common_model, user, stream, include_usage, prompt, sampling) = match kind {
-        Kind::Completion => {
-            let r = CompletionRequest::parse(&bytes).map_err(ApiError::bad_request)?;
-            let (p, sp) = r.to_worker().map_err(ApiError::bad_request)?;
-            let c = r.common;
-            let iu = c.include_usage();
-            (c.model, c.user, c.stream, iu, p, sp)
-        }
-        Kind::Chat => {
-            let r = ChatRequest::parse(&bytes).map_err(ApiError::bad_request)?;
-            let (p, sp) = r.to_worker().map_err(ApiError::bad_request)?;
-            let c = r.common;
-            let iu = c.include_usage();
-            (c.model, c.user, c.stream, iu, p, sp)
-        }
-    };
+    let parsed = parse_body(&bytes, kind);
+    if parsed.is_err() {
+        trail.note_refused_body(&bytes);
+    }
+    let (common_model, user, stream, include_usage, prompt, sampling) = parsed?;
+    trail.record.end_user = user.clone();
+    if s.registry.age() > s.registry_max_age {
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            "registry_stale",
+            format!(
+                "the registry snapshot is older than {} s (Postgres is unreachable), so \
+                 revocations may be missed; retry when it is back",
+                s.registry_max_age.as_secs()
+            ),
+        ));
+    }
     trail.record.model_name = common_model.clone();
     tracing::Span::current().record("model", common_model.as_str());
     s.limiter
@@ -458,6 +580,35 @@ async fn prepare(
         model: common_model,
         charges_tokens: tenant.tpm_limit.is_some(),
         _permit: permit,
+    })
+}
+
+type Parsed = (
+    String,
+    Option<String>,
+    bool,
+    bool,
+    pb::generate_request::Prompt,
+    pb::SamplingParams,
+);
+
+/// The body as (model, user, stream, include_usage, prompt, sampling).
+fn parse_body(bytes: &[u8], kind: Kind) -> Result<Parsed, ApiError> {
+    Ok(match kind {
+        Kind::Completion => {
+            let r = CompletionRequest::parse(bytes).map_err(ApiError::bad_request)?;
+            let (p, sp) = r.to_worker().map_err(ApiError::bad_request)?;
+            let c = r.common;
+            let iu = c.include_usage();
+            (c.model, c.user, c.stream, iu, p, sp)
+        }
+        Kind::Chat => {
+            let r = ChatRequest::parse(bytes).map_err(ApiError::bad_request)?;
+            let (p, sp) = r.to_worker().map_err(ApiError::bad_request)?;
+            let c = r.common;
+            let iu = c.include_usage();
+            (c.model, c.user, c.stream, iu, p, sp)
+        }
     })
 }
 
@@ -614,17 +765,18 @@ async fn run(
     request_id: Uuid,
 ) -> Response {
     use tracing::Instrument;
-    let started = async { start(&s, &p, &mut trail).await }
-        .instrument(span.clone())
-        .await;
+    let started = tokio::select! {
+        r = async { start(&s, &p, &mut trail).await }.instrument(span.clone()) => r.map_err(|e| (e, "error")),
+        () = cut(s.cut.clone()) => Err((shutting_down(), "cancelled")),
+    };
     let started = match started {
         Ok(st) => st,
-        Err(e) => {
+        Err((e, outcome)) => {
             let (status, code) = (e.status, e.code);
             span.in_scope(
                 || tracing::warn!(status = status.as_u16(), code, message = %e.message, "failed"),
             );
-            trail.close(&s.audit, "error", status, Some(code));
+            durable(trail.close(outcome, status, Some(code))).await;
             return e.into_response();
         }
     };
@@ -742,6 +894,23 @@ fn settle(
     usage
 }
 
+fn shutting_down() -> ApiError {
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "server_error",
+        "gateway_shutdown",
+        "the gateway is shutting down and its drain deadline passed; retry on another replica"
+            .into(),
+    )
+}
+
+/// How a worker stream ended before its `Finished` event.
+enum Cut {
+    Worker(tonic::Status),
+    Timeout,
+    Shutdown,
+}
+
 async fn collect_response(
     s: AppState,
     p: Prepared,
@@ -751,29 +920,34 @@ async fn collect_response(
     meta: Meta,
 ) -> Response {
     let mut text = String::new();
-    let mut tokens = 0usize;
     let mut event = Some(st.first.clone());
     let deadline = tokio::time::Instant::now() + s.request_timeout;
     let finished = loop {
         match event.take() {
             Some(pb::generate_event::Event::Delta(d)) => {
                 text.push_str(&d.text);
-                tokens += d.token_ids.len();
+                // Kept on the row as they come, so a client that goes away
+                // leaves a row with the tokens it used.
+                trail.record.completion_tokens += d.token_ids.len() as i32;
             }
             Some(pb::generate_event::Event::Finished(f)) => break Ok(f),
             Some(pb::generate_event::Event::Accepted(_)) | None => {}
         }
-        match tokio::time::timeout_at(deadline, st.stream.message()).await {
-            Ok(Ok(Some(e))) => event = e.event,
-            Ok(Ok(None)) => {
-                break Err(tonic::Status::unavailable(
-                    "the worker closed the stream before the end",
-                ));
-            }
-            Ok(Err(status)) => break Err(status),
-            Err(_) => break Err(tonic::Status::deadline_exceeded("request timeout")),
+        tokio::select! {
+            m = tokio::time::timeout_at(deadline, st.stream.message()) => match m {
+                Ok(Ok(Some(e))) => event = e.event,
+                Ok(Ok(None)) => {
+                    break Err(Cut::Worker(tonic::Status::unavailable(
+                        "the worker closed the stream before the end",
+                    )));
+                }
+                Ok(Err(status)) => break Err(Cut::Worker(status)),
+                Err(_) => break Err(Cut::Timeout),
+            },
+            () = cut(s.cut.clone()) => break Err(Cut::Shutdown),
         }
     };
+    let tokens = trail.record.completion_tokens as usize;
     match finished {
         Ok(f) => {
             let usage = settle(&s, &p, &mut trail, &f, tokens);
@@ -781,24 +955,29 @@ async fn collect_response(
             span.in_scope(|| {
                 tracing::info!(completion_tokens = usage.completion_tokens, "completed")
             });
-            trail.close(&s.audit, "ok", StatusCode::OK, None);
+            // Served only once its row cannot be lost.
+            if !durable(trail.close("ok", StatusCode::OK, None)).await {
+                return row_not_durable().into_response();
+            }
             axum::Json(body).into_response()
         }
-        Err(status) => {
+        Err(cut) => {
             // Tokens were produced, so no retry: the client gets an error.
-            let e = if status.code() == Code::DeadlineExceeded {
-                ApiError::new(
-                    StatusCode::GATEWAY_TIMEOUT,
-                    "server_error",
-                    "timeout",
-                    format!("the request took longer than {:?}", s.request_timeout),
-                )
-            } else {
-                worker_error(&status)
+            let (e, outcome) = match cut {
+                Cut::Timeout => (
+                    ApiError::new(
+                        StatusCode::GATEWAY_TIMEOUT,
+                        "server_error",
+                        "timeout",
+                        format!("the request took longer than {:?}", s.request_timeout),
+                    ),
+                    "error",
+                ),
+                Cut::Shutdown => (shutting_down(), "cancelled"),
+                Cut::Worker(status) => (worker_error(&status), "error"),
             };
-            trail.record.completion_tokens = tokens as i32;
             span.in_scope(|| tracing::warn!(message = %e.message, "failed after the first token"));
-            trail.close(&s.audit, "error", e.status, Some(e.code));
+            durable(trail.close(outcome, e.status, Some(e.code))).await;
             e.into_response()
         }
     }
@@ -818,74 +997,91 @@ fn stream_response(
 ) -> Response {
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(32);
     let task = async move {
-        let mut tokens = 0usize;
         let mut sent_role = false;
         let mut event = Some(st.first.clone());
         let deadline = tokio::time::Instant::now() + s.request_timeout;
+        // Every send also ends at the drain deadline: a client that stops
+        // reading must not hold the shutdown.
+        let send = |v: Bytes| {
+            let (tx, cut_rx) = (tx.clone(), s.cut.clone());
+            async move {
+                tokio::select! {
+                    r = tx.send(Ok(v)) => r.is_ok(),
+                    () = cut(cut_rx) => false,
+                }
+            }
+        };
         if meta.kind == Kind::Chat {
             sent_role = true;
-            if tx
-                .send(Ok(sse(&meta.chunk(None, true, None))))
-                .await
-                .is_err()
-            {
-                trail.close(&s.audit, "cancelled", StatusCode::OK, Some("client_closed"));
+            if !send(sse(&meta.chunk(None, true, None))).await {
+                let _ = trail.close("cancelled", StatusCode::OK, Some("client_closed"));
                 return;
             }
         }
         let outcome: Result<pb::Finished, (&str, &str)> = loop {
             match event.take() {
                 Some(pb::generate_event::Event::Delta(d)) => {
-                    tokens += d.token_ids.len();
+                    trail.record.completion_tokens += d.token_ids.len() as i32;
                     if !d.text.is_empty()
-                        && tx
-                            .send(Ok(sse(&meta.chunk(Some(&d.text), !sent_role, None))))
-                            .await
-                            .is_err()
+                        && !send(sse(&meta.chunk(Some(&d.text), !sent_role, None))).await
                     {
-                        // The client went away: dropping the worker stream
-                        // cancels the request there and frees its blocks.
-                        break Err(("cancelled", "client_closed"));
+                        // The client went away (or the drain deadline cut
+                        // it): dropping the worker stream cancels the
+                        // request there and frees its blocks.
+                        break Err(if *s.cut.borrow() {
+                            ("cancelled", "gateway_shutdown")
+                        } else {
+                            ("cancelled", "client_closed")
+                        });
                     }
                 }
                 Some(pb::generate_event::Event::Finished(f)) => break Ok(f),
                 _ => {}
             }
-            match tokio::time::timeout_at(deadline, st.stream.message()).await {
-                Ok(Ok(Some(e))) => event = e.event,
-                Ok(Ok(None)) => break Err(("error", "worker_stream_ended")),
-                Ok(Err(_)) => break Err(("error", "worker_failed")),
-                Err(_) => break Err(("error", "timeout")),
+            tokio::select! {
+                m = tokio::time::timeout_at(deadline, st.stream.message()) => match m {
+                    Ok(Ok(Some(e))) => event = e.event,
+                    Ok(Ok(None)) => break Err(("error", "worker_stream_ended")),
+                    Ok(Err(_)) => break Err(("error", "worker_failed")),
+                    Err(_) => break Err(("error", "timeout")),
+                },
+                () = tx.closed() => break Err(("cancelled", "client_closed")),
+                () = cut(s.cut.clone()) => break Err(("cancelled", "gateway_shutdown")),
             }
         };
+        let tokens = trail.record.completion_tokens as usize;
         match outcome {
             Ok(f) => {
                 let usage = settle(&s, &p, &mut trail, &f, tokens);
                 let reason = openai::finish_reason(&f);
-                let _ = tx
-                    .send(Ok(sse(&meta.chunk(None, false, Some(reason)))))
-                    .await;
+                send(sse(&meta.chunk(None, false, Some(reason)))).await;
                 if p.include_usage {
-                    let _ = tx.send(Ok(sse(&meta.usage_chunk(&usage)))).await;
+                    send(sse(&meta.usage_chunk(&usage))).await;
                 }
-                let _ = tx.send(Ok(Bytes::from_static(b"data: [DONE]\n\n"))).await;
                 tracing::info!(completion_tokens = usage.completion_tokens, "completed");
-                trail.close(&s.audit, "ok", StatusCode::OK, None);
+                // [DONE] only once the row cannot be lost.
+                if durable(trail.close("ok", StatusCode::OK, None)).await {
+                    send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+                } else {
+                    let e = row_not_durable();
+                    let body = openai::error_body(&e.message, e.kind, None, Some(e.code));
+                    send(sse(&body)).await;
+                }
             }
             Err((status, code)) => {
-                trail.record.completion_tokens = tokens as i32;
-                if status == "error" {
+                if status == "error" || code == "gateway_shutdown" {
                     // Headers are gone; tell the client in-band, OpenAI-style.
-                    let body = openai::error_body(
-                        "the worker failed after the stream started",
-                        "server_error",
-                        None,
-                        Some(code),
-                    );
-                    let _ = tx.send(Ok(sse(&body))).await;
+                    let message = if code == "gateway_shutdown" {
+                        "the gateway is shutting down and its drain deadline passed"
+                    } else {
+                        "the worker failed after the stream started"
+                    };
+                    let body = openai::error_body(message, "server_error", None, Some(code));
+                    // Best effort, and never past the deadline.
+                    let _ = tokio::time::timeout(Duration::from_millis(100), tx.send(Ok(sse(&body)))).await;
                 }
                 tracing::warn!(status, code, "stream ended early");
-                trail.close(&s.audit, status, StatusCode::OK, Some(code));
+                durable(trail.close(status, StatusCode::OK, Some(code))).await;
             }
         }
         drop(st);

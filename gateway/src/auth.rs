@@ -30,6 +30,8 @@ pub const SCOPE_MODELS_READ: &str = "models:read";
 pub struct Principal {
     pub tenant_id: Uuid,
     pub api_key_id: Option<Uuid>,
+    /// The API key's prefix (never its secret), for the audit row.
+    pub api_key_prefix: Option<String>,
     /// The JWT subject, if the caller used a JWT.
     pub subject: Option<String>,
     pub scopes: Vec<String>,
@@ -311,6 +313,7 @@ fn api_key(token: &str, snapshot: &Snapshot) -> Result<Principal, AuthError> {
     Ok(Principal {
         tenant_id: key.tenant_id,
         api_key_id: Some(key.id),
+        api_key_prefix: Some(prefix.to_owned()),
         subject: None,
         scopes: key.scopes.clone(),
     })
@@ -335,6 +338,7 @@ fn json_web_token(
     Ok(Principal {
         tenant_id: tenant.id,
         api_key_id: None,
+        api_key_prefix: None,
         subject: claims.sub,
         scopes,
     })

@@ -8,6 +8,8 @@
 //! ignored.
 
 use lorafleet_proto::worker::v1 as pb;
+
+use crate::audit::sanitize::{MAX_MODEL_BYTES, MAX_USER_BYTES, check_field};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -147,7 +149,22 @@ fn typed<T: serde::de::DeserializeOwned>(v: Value, prefix: &str) -> Result<T, Ba
 }
 
 fn object(body: &[u8]) -> Result<Value, BadRequest> {
-    let v: Value = serde_json::from_slice(body).map_err(|e| BadRequest {
+    // Through serde_path_to_error, so that text no JSON string may hold (a
+    // lone UTF-16 surrogate, say) is refused by the field it is in.
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let v: Value = serde_path_to_error::deserialize(&mut de)
+        .map_err(|e| {
+            let path = e.path().to_string();
+            let inner = e.into_inner();
+            match path.as_str() {
+                "" | "." => BadRequest {
+                    param: String::new(),
+                    message: format!("the body is not valid JSON: {inner}"),
+                },
+                field => bad(field, format!("is not valid JSON text: {inner}")),
+            }
+        })?;
+    de.end().map_err(|e| BadRequest {
         param: String::new(),
         message: format!("the body is not valid JSON: {e}"),
     })?;
@@ -158,6 +175,36 @@ fn object(body: &[u8]) -> Result<Value, BadRequest> {
         });
     }
     Ok(v)
+}
+
+/// The body as a JSON object for the audit row of a refused request, with
+/// UTF-16 surrogate escapes (which a lone one makes invalid) read as U+FFFD.
+/// None if it is not an object even so.
+pub fn lossy_object(body: &[u8]) -> Option<Value> {
+    if let Ok(v @ Value::Object(_)) = serde_json::from_slice(body) {
+        return Some(v);
+    }
+    let mut fixed = Vec::with_capacity(body.len());
+    let mut i = 0;
+    while i < body.len() {
+        let escape = body.get(i..i + 6).filter(|w| {
+            w[0] == b'\\'
+                && w[1] == b'u'
+                && matches!(w[2], b'd' | b'D')
+                && matches!(w[3], b'8'..=b'9' | b'a'..=b'f' | b'A'..=b'F')
+                && w[4..].iter().all(u8::is_ascii_hexdigit)
+        });
+        if escape.is_some() {
+            fixed.extend_from_slice(b"\\ufffd");
+            i += 6;
+        } else {
+            fixed.push(body[i]);
+            i += 1;
+        }
+    }
+    serde_json::from_slice::<Value>(&fixed)
+        .ok()
+        .filter(Value::is_object)
 }
 
 impl CompletionRequest {
@@ -197,6 +244,11 @@ impl ChatRequest {
 
 impl Common {
     fn check(&self) -> Result<(), BadRequest> {
+        // The strings copied into the audit row, before anything else.
+        check_field(&self.model, MAX_MODEL_BYTES).map_err(|m| bad("model", m))?;
+        if let Some(user) = &self.user {
+            check_field(user, MAX_USER_BYTES).map_err(|m| bad("user", m))?;
+        }
         if self.model.trim().is_empty() {
             return Err(bad("model", "is required"));
         }

@@ -75,14 +75,51 @@ pub struct ServeArgs {
     /// enforces its share.
     #[arg(long, env = "LORAFLEET_GATEWAY_REPLICAS", default_value_t = 1)]
     pub gateway_replicas: u32,
-    /// Audit rows wait here while Postgres is unreachable.
-    #[arg(
-        long,
-        env = "LORAFLEET_AUDIT_SPOOL",
-        default_value = "lorafleet-audit-spool.jsonl"
-    )]
+    /// The registry for the admin API, as a role with registry write access
+    /// (`lorafleet_admin`); its own pool, so admin queries never hold up
+    /// audit writes or registry reloads. Defaults to --database-url.
+    #[arg(long, env = "LORAFLEET_ADMIN_DATABASE_URL", hide_env_values = true)]
+    pub admin_database_url: Option<String>,
+    /// Longest one admin API statement may run (audit queries and exports
+    /// page by page), in seconds.
+    #[arg(long, env = "LORAFLEET_ADMIN_STATEMENT_TIMEOUT_SECS", default_value_t = 30)]
+    pub admin_statement_timeout_secs: u64,
+    /// Longest age of the registry snapshot this replica serves from, in
+    /// seconds. Past it (Postgres unreachable that long), completions get
+    /// 503 `registry_stale` and /readyz fails, so a revoked key or route
+    /// cannot keep working indefinitely.
+    #[arg(long, env = "LORAFLEET_REGISTRY_MAX_AGE_SECS", default_value_t = 600)]
+    pub registry_max_age_secs: u64,
+    /// The audit spool's directory: rows wait here while Postgres is
+    /// unreachable. Gateways may share it (a ReadWriteMany volume): each
+    /// writes under its own --audit-spool-owner and adopts the rows of
+    /// owners that are gone.
+    #[arg(long, env = "LORAFLEET_AUDIT_SPOOL", default_value = "lorafleet-audit-spool")]
     pub audit_spool: PathBuf,
-    /// On SIGTERM, how long running requests may take to finish, in seconds.
+    /// This process's name in the spool (default: $HOSTNAME, the pod name).
+    #[arg(long, env = "LORAFLEET_AUDIT_SPOOL_OWNER")]
+    pub audit_spool_owner: Option<String>,
+    /// Disk limit of the whole spool, in bytes. When Postgres is
+    /// unreachable and the spool is this full, new completions get 503
+    /// `audit_unavailable`: nothing is served without its row.
+    #[arg(long, env = "LORAFLEET_AUDIT_SPOOL_MAX_BYTES", default_value_t = 1 << 30)]
+    pub audit_spool_max_bytes: u64,
+    /// Rows the audit queue holds (each request in flight holds one).
+    #[arg(long, env = "LORAFLEET_AUDIT_QUEUE_ROWS", default_value_t = 16384)]
+    pub audit_queue_rows: usize,
+    /// Bytes the audit queue holds.
+    #[arg(long, env = "LORAFLEET_AUDIT_QUEUE_BYTES", default_value_t = 64 << 20)]
+    pub audit_queue_bytes: usize,
+    /// Longest a response waits for its audit row to be durable before it
+    /// is refused instead (503 `audit_unavailable`), in seconds.
+    #[arg(long, env = "LORAFLEET_AUDIT_ACK_TIMEOUT_SECS", default_value_t = 10)]
+    pub audit_ack_timeout_secs: u64,
+    /// On shutdown, how long the audit queue may take to reach Postgres or
+    /// the spool, in seconds.
+    #[arg(long, env = "LORAFLEET_AUDIT_FLUSH_SECS", default_value_t = 10)]
+    pub audit_flush_secs: u64,
+    /// On SIGTERM, how long running requests may take to finish, in
+    /// seconds; then streams end with an error event and a `cancelled` row.
     #[arg(long, env = "LORAFLEET_DRAIN_DEADLINE_SECS", default_value_t = 30)]
     pub drain_deadline_secs: u64,
     #[command(flatten)]
@@ -165,6 +202,11 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         ("--max-body-bytes", args.max_body_bytes as u64),
         ("--max-attempts", args.max_attempts as u64),
         ("--gateway-replicas", u64::from(args.gateway_replicas)),
+        ("--admin-statement-timeout-secs", args.admin_statement_timeout_secs),
+        ("--registry-max-age-secs", args.registry_max_age_secs),
+        ("--audit-queue-rows", args.audit_queue_rows as u64),
+        ("--audit-ack-timeout-secs", args.audit_ack_timeout_secs),
+        ("--audit-flush-secs", args.audit_flush_secs),
     ] {
         if v == 0 {
             bail!("{flag}: must be at least 1");
@@ -191,8 +233,53 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     if args.max_lora_rank == 0 {
         bail!("--max-lora-rank: must be at least 1");
     }
-    let options = db::parse_database_url("--database-url", &args.database_url)?;
+    if args.audit_queue_bytes < crate::audit::MAX_ROW_BYTES {
+        bail!(
+            "--audit-queue-bytes: {} is less than one row ({} bytes)",
+            args.audit_queue_bytes,
+            crate::audit::MAX_ROW_BYTES
+        );
+    }
+    if args.audit_spool_max_bytes < 2 * args.audit_queue_bytes as u64 {
+        bail!(
+            "--audit-spool-max-bytes: {} must be at least twice --audit-queue-bytes ({}), \
+             so that a full queue always fits on disk",
+            args.audit_spool_max_bytes,
+            args.audit_queue_bytes
+        );
+    }
+    if args.audit_spool.is_file() {
+        bail!(
+            "--audit-spool: {} is a file; it must be a directory (the spool is kept in segments)",
+            args.audit_spool.display()
+        );
+    }
+    let audit_config = crate::audit::AuditConfig {
+        spool_dir: args.audit_spool.clone(),
+        spool_owner: spool_owner(args.audit_spool_owner.as_deref())?,
+        spool_max_bytes: args.audit_spool_max_bytes,
+        segment_bytes: (8 << 20).min(args.audit_spool_max_bytes / 4).max(1),
+        queue_rows: args.audit_queue_rows,
+        queue_bytes: args.audit_queue_bytes,
+        ack_timeout: Duration::from_secs(args.audit_ack_timeout_secs),
+    };
+    // The request path's statements are short; a stuck one must not hold
+    // a connection that audit writes and registry reloads need.
+    let options = db::parse_database_url("--database-url", &args.database_url)?
+        .options([("statement_timeout", "5s"), ("lock_timeout", "2s")]);
     let pool = db::connect(options, 8, Duration::from_secs(5)).await?;
+    let admin_timeout = format!("{}s", args.admin_statement_timeout_secs);
+    let admin_pool = if args.admin_listen.is_some() {
+        let (flag, url) = match &args.admin_database_url {
+            Some(url) => ("--admin-database-url", url.as_str()),
+            None => ("--database-url", args.database_url.as_str()),
+        };
+        let options = db::parse_database_url(flag, url)?
+            .options([("statement_timeout", admin_timeout.as_str()), ("lock_timeout", "5s")]);
+        Some(db::connect(options, 4, Duration::from_secs(5)).await?)
+    } else {
+        None
+    };
     let snapshot = Snapshot::load(&pool)
         .await
         .context("--database-url: reading the registry (did `lorafleet-gateway migrate` run?)")?;
@@ -224,7 +311,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         replica_share: args.replica_share,
     });
     fleet.start(discovery);
-    let (audit, audit_writer) = crate::audit::start(pool.clone(), args.audit_spool.clone());
+    let (audit, audit_writer) = crate::audit::start(pool.clone(), &audit_config)
+        .map_err(|e| anyhow::anyhow!("--audit-spool: {e}"))?;
+    let (cut_tx, cut_rx) = tokio::sync::watch::channel(false);
     let state = AppState {
         registry,
         jwt,
@@ -235,6 +324,8 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         max_body_bytes: args.max_body_bytes,
         request_timeout: Duration::from_secs(args.request_timeout_secs),
         max_attempts: args.max_attempts,
+        registry_max_age: Duration::from_secs(args.registry_max_age_secs),
+        cut: cut_rx,
     };
     let admin_addr = match (args.admin_listen, admin_jwt) {
         (Some(listen), Some(jwt)) => {
@@ -243,7 +334,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
                 .with_context(|| format!("--admin-listen {listen}"))?;
             let addr = listener.local_addr()?;
             let admin = crate::admin::router(crate::admin::AdminState {
-                pool: pool.clone(),
+                pool: admin_pool.clone().expect("an admin pool with --admin-listen"),
                 registry: state.registry.clone(),
                 redis: state.limiter.redis(),
                 channel: format!("{}registry", args.redis_prefix),
@@ -274,6 +365,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .install_recorder()
         .context("installing the metrics recorder")?;
     let upkeep = prometheus.clone();
+    let registry_age = state.registry.clone();
     let metrics_app = axum::Router::new().route(
         "/metrics",
         axum::routing::get(move || {
@@ -291,6 +383,8 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         loop {
             every.tick().await;
             upkeep.run_upkeep();
+            metrics::gauge!("lorafleet_gateway_registry_age_seconds")
+                .set(registry_age.age().as_secs_f64());
         }
     });
 
@@ -318,25 +412,98 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             tracing::debug!(error = %e, "TCP_NODELAY");
         }
     });
-    axum::serve(listener, app)
-        .with_graceful_shutdown(async move {
-            wait_for_signal().await;
-            tracing::info!(deadline_secs = drain.as_secs(), "draining");
-        })
-        .await
-        .context("HTTP server")?;
-    // Streaming responses run in their own tasks: wait for them to give
-    // back their permits, up to the deadline.
+    let (signal_tx, signal_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        wait_for_signal().await;
+        let _ = signal_tx.send(true);
+    });
+    let stop_accepting = {
+        let mut rx = signal_rx.clone();
+        async move {
+            let _ = rx.wait_for(|v| *v).await;
+        }
+    };
+    let mut server = tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(stop_accepting)
+            .await
+    });
+    let mut signalled = signal_rx;
+    tokio::select! {
+        r = &mut server => {
+            r.context("HTTP server")?.context("HTTP server")?;
+            bail!("the HTTP server stopped on its own");
+        }
+        _ = signalled.wait_for(|v| *v) => {}
+    }
+    // SIGTERM: no new connections; open requests have the drain deadline.
+    tracing::info!(deadline_secs = drain.as_secs(), "draining");
     let deadline = tokio::time::Instant::now() + drain;
-    while permits.available_permits() < max_permits && tokio::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
+    let drained = tokio::select! {
+        _ = &mut server => true,
+        _ = tokio::time::sleep_until(deadline) => false,
+    };
+    if !drained || permits.available_permits() < max_permits {
+        // Past the deadline: open requests end now, each with an error
+        // event or a 503 and its `cancelled` row.
+        let open = max_permits - permits.available_permits();
+        tracing::warn!(open, "drain deadline passed; ending open requests");
+        let _ = cut_tx.send(true);
+        let settle = tokio::time::Instant::now() + CUT_SETTLE;
+        while permits.available_permits() < max_permits
+            && tokio::time::Instant::now() < settle
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        if tokio::time::timeout_at(settle, &mut server).await.is_err() {
+            server.abort();
+        }
     }
     // Dropping the last AuditLog lets the writer flush and stop.
     drop(state);
-    let _ = tokio::time::timeout(Duration::from_secs(30), audit_writer).await;
+    let flush = Duration::from_secs(args.audit_flush_secs);
+    if tokio::time::timeout(flush, audit_writer).await.is_err() {
+        tracing::error!(
+            flush_secs = flush.as_secs(),
+            "the audit writer did not finish in time; rows no client was answered for may be lost"
+        );
+    }
     pool.close().await;
     tracing::info!("stopped");
     Ok(())
+}
+
+/// After the drain deadline, how long open requests get to write their
+/// rows and close their connections.
+const CUT_SETTLE: Duration = Duration::from_secs(5);
+
+/// This process's directory name in the audit spool.
+fn spool_owner(flag: Option<&str>) -> anyhow::Result<String> {
+    let owner = match flag {
+        Some(o) => o.to_owned(),
+        None => std::env::var("HOSTNAME")
+            .ok()
+            .filter(|h| !h.is_empty())
+            .or_else(|| {
+                std::fs::read_to_string("/proc/sys/kernel/hostname")
+                    .ok()
+                    .map(|h| h.trim().to_owned())
+            })
+            .unwrap_or_else(|| "gateway".into()),
+    };
+    let ok = !owner.is_empty()
+        && owner.len() <= 128
+        && owner
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        && !owner.starts_with('.');
+    if !ok {
+        bail!(
+            "--audit-spool-owner: {owner:?} must be 1 to 128 letters, digits, '-', '_' or '.', \
+             not starting with '.'"
+        );
+    }
+    Ok(owner)
 }
 
 async fn wait_for_signal() {

@@ -251,7 +251,7 @@ async fn fleet(label: &str) -> Fleet {
     .args(["--workers", &addrs.join(",")])
     .args(["--registry-refresh-secs", "1"])
     .arg("--audit-spool")
-    .arg(spool.path().join("audit.jsonl"));
+    .arg(spool.path());
     let gateway = Server::start(cmd, "lorafleet-gateway listening ");
     let base_url = format!("http://{}", gateway.addr("http"));
     let http = reqwest::Client::new();
@@ -792,9 +792,26 @@ async fn tenants_get_exactly_their_adapter_and_nothing_else() {
     );
 }
 
+/// Rows in the spool: lines of every segment under the spool directory.
 fn spool_lines(dir: &Path) -> usize {
-    std::fs::read_to_string(dir.join("audit.jsonl"))
-        .map_or(0, |s| s.lines().filter(|l| !l.is_empty()).count())
+    spool_segments(dir)
+        .iter()
+        .map(|p| {
+            std::fs::read_to_string(p).map_or(0, |s| s.lines().filter(|l| !l.is_empty()).count())
+        })
+        .sum()
+}
+
+fn spool_segments(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for owner in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        for f in std::fs::read_dir(owner.path()).into_iter().flatten().flatten() {
+            if f.path().extension().is_some_and(|x| x == "jsonl") {
+                out.push(f.path());
+            }
+        }
+    }
+    out
 }
 
 #[tokio::test]
@@ -852,7 +869,7 @@ async fn the_gateway_rides_out_a_dead_worker_and_redis_and_postgres_outages() {
     // Replayed with none lost and none doubled.
     f.wait_audit(sent).await;
     let deadline = Instant::now() + Duration::from_secs(30);
-    while f.spool.path().join("audit.jsonl").exists() {
+    while !spool_segments(f.spool.path()).is_empty() {
         assert!(Instant::now() < deadline, "the spool was never cleared");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

@@ -1,0 +1,310 @@
+//! The audit log: one row per completion request, successful or not, and
+//! never lost.
+//!
+//! - **Admission.** A request first takes a [`Ticket`]: a reserved place in
+//!   the bounded queue (rows and bytes). When none is left, because
+//!   Postgres is unreachable and the spool is at its disk limit, the
+//!   request is refused with 503 `audit_unavailable` before any work.
+//! - **Durability before the answer.** [`Ticket::record`] queues the row
+//!   and returns a [`Durable`] that resolves once the row is committed in
+//!   Postgres or fsynced in the spool; the API answers only then, so no
+//!   client is served a completion whose row could still be lost.
+//! - **The writer** ([`writer`]) group-commits whatever is queued. A batch
+//!   Postgres refuses as data (SQLSTATE classes 22 and 23) is split until
+//!   the bad rows are alone; those go to `audit_dead_letter`. Anything else
+//!   is an outage: a circuit breaker opens, rows go straight to the
+//!   [`spool`] until a probe succeeds, then the spool is replayed in
+//!   chunks.
+//! - **Safe values.** Every text field is made safe ([`sanitize::safe`])
+//!   before it is queued, so no client string can poison a batch.
+
+pub mod sanitize;
+pub mod spool;
+mod writer;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use sqlx::PgPool;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
+use uuid::Uuid;
+
+pub use spool::{Spool, SpoolError};
+
+/// One row of `audit_log`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct AuditRecord {
+    pub request_id: Uuid,
+    pub received_at: DateTime<Utc>,
+    pub completed_at: DateTime<Utc>,
+    pub tenant_id: Option<Uuid>,
+    pub api_key_id: Option<Uuid>,
+    /// The API key's prefix; None for a JWT.
+    #[serde(default)]
+    pub api_key_prefix: Option<String>,
+    /// The JWT's `sub`; None for an API key.
+    pub subject: Option<String>,
+    /// The OpenAI `user` field.
+    #[serde(default)]
+    pub end_user: Option<String>,
+    pub model_name: String,
+    pub route_id: Option<Uuid>,
+    pub route_revision: Option<i32>,
+    pub lora_int_id: Option<i64>,
+    pub adapter_name: Option<String>,
+    pub adapter_version: Option<i32>,
+    pub base_hash: Option<String>,
+    pub worker_id: Option<String>,
+    pub adapter_residency: Option<String>,
+    /// ok, cancelled, rejected or error.
+    pub status: String,
+    pub http_status: i16,
+    pub error_code: Option<String>,
+    /// stop or length; set exactly when status is ok.
+    pub finish_reason: Option<String>,
+    pub prompt_tokens: i32,
+    pub completion_tokens: i32,
+    pub latency_us: i64,
+    pub ttft_us: Option<i64>,
+    pub attempts: i16,
+}
+
+/// A row's fixed part, in bytes, for the queue's byte budget.
+const FIXED_ROW_BYTES: usize = 512;
+/// The most a row can weigh once made safe: its fixed part and nine text
+/// fields at their cap (and the cap's marker).
+pub const MAX_ROW_BYTES: usize = FIXED_ROW_BYTES + 9 * (sanitize::MAX_FIELD_BYTES + 32);
+
+impl AuditRecord {
+    /// Makes every text field safe for any text column and bounded.
+    fn make_safe(&mut self) {
+        use sanitize::{MAX_FIELD_BYTES as M, safe, safe_opt};
+        self.model_name = safe(&self.model_name, M);
+        for f in [
+            &mut self.api_key_prefix,
+            &mut self.subject,
+            &mut self.end_user,
+            &mut self.adapter_name,
+            &mut self.base_hash,
+            &mut self.worker_id,
+            &mut self.adapter_residency,
+            &mut self.error_code,
+            &mut self.finish_reason,
+        ] {
+            *f = safe_opt(f, M);
+        }
+        self.status = safe(&self.status, M);
+    }
+
+    fn weight(&self) -> usize {
+        let opt = |s: &Option<String>| s.as_ref().map_or(0, String::len);
+        FIXED_ROW_BYTES
+            + self.model_name.len()
+            + self.status.len()
+            + [
+                &self.api_key_prefix,
+                &self.subject,
+                &self.end_user,
+                &self.adapter_name,
+                &self.base_hash,
+                &self.worker_id,
+                &self.adapter_residency,
+                &self.error_code,
+                &self.finish_reason,
+            ]
+            .into_iter()
+            .map(opt)
+            .sum::<usize>()
+    }
+}
+
+/// The audit log's settings (the `--audit-*` flags).
+#[derive(Debug, Clone)]
+pub struct AuditConfig {
+    /// The spool's root, shared by every gateway that may adopt another's rows.
+    pub spool_dir: PathBuf,
+    /// This process's directory under the root: unique among live gateways.
+    pub spool_owner: String,
+    /// Disk limit of the whole spool root, in bytes.
+    pub spool_max_bytes: u64,
+    /// Size at which a spool segment is closed and a new one begun.
+    pub segment_bytes: u64,
+    /// Rows the queue holds (requests in flight hold one each).
+    pub queue_rows: usize,
+    /// Bytes the queue holds.
+    pub queue_bytes: usize,
+    /// Longest a response waits for its row to be durable.
+    pub ack_timeout: Duration,
+}
+
+/// Why a request cannot be admitted: its row would have nowhere to go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum Unavailable {
+    #[error("the audit queue is full (Postgres is unreachable or slow); retry shortly")]
+    QueueFull,
+    #[error(
+        "Postgres is unreachable and the audit spool is at its disk limit; retry when it is back"
+    )]
+    SpoolFull,
+}
+
+impl Unavailable {
+    pub fn reason(self) -> &'static str {
+        match self {
+            Unavailable::QueueFull => "queue_full",
+            Unavailable::SpoolFull => "spool_full",
+        }
+    }
+}
+
+/// State the writer shares with admission.
+#[derive(Debug)]
+struct Shared {
+    breaker_open: AtomicBool,
+    spool_used: Arc<AtomicU64>,
+    spool_max: u64,
+    queue_bytes: usize,
+}
+
+/// A queued row with what it holds of the queue, and who waits for it.
+#[derive(Debug)]
+struct Queued {
+    record: AuditRecord,
+    _bytes: Option<OwnedSemaphorePermit>,
+    ack: Option<oneshot::Sender<()>>,
+}
+
+/// The request side: cheap to clone.
+#[derive(Debug, Clone)]
+pub struct AuditLog {
+    tx: mpsc::Sender<Queued>,
+    bytes: Arc<Semaphore>,
+    shared: Arc<Shared>,
+    ack_timeout: Duration,
+}
+
+impl AuditLog {
+    /// Reserves the place of one row, or says why there is none.
+    pub fn admit(&self) -> Result<Ticket, Unavailable> {
+        let s = &self.shared;
+        // Admission stops while a full queue could still be spooled, so
+        // every admitted row has room on disk.
+        if s.breaker_open.load(Ordering::Relaxed)
+            && s.spool_used.load(Ordering::Relaxed) + s.queue_bytes as u64 > s.spool_max
+        {
+            return Err(refused(Unavailable::SpoolFull));
+        }
+        let bytes = self
+            .bytes
+            .clone()
+            .try_acquire_many_owned(MAX_ROW_BYTES as u32)
+            .map_err(|_| refused(Unavailable::QueueFull))?;
+        let slot = self
+            .tx
+            .clone()
+            .try_reserve_owned()
+            .map_err(|_| refused(Unavailable::QueueFull))?;
+        Ok(Ticket {
+            slot: Some(slot),
+            bytes: Some(bytes),
+            ack_timeout: self.ack_timeout,
+        })
+    }
+
+    /// True while the circuit breaker keeps rows away from Postgres.
+    pub fn breaker_open(&self) -> bool {
+        self.shared.breaker_open.load(Ordering::Relaxed)
+    }
+}
+
+fn refused(u: Unavailable) -> Unavailable {
+    metrics::counter!("lorafleet_gateway_audit_refused_total", "reason" => u.reason()).increment(1);
+    u
+}
+
+/// One admitted request's row, to be recorded exactly once.
+#[derive(Debug)]
+pub struct Ticket {
+    slot: Option<mpsc::OwnedPermit<Queued>>,
+    bytes: Option<OwnedSemaphorePermit>,
+    ack_timeout: Duration,
+}
+
+impl Ticket {
+    /// Queues the row (made safe first); the result resolves once it is
+    /// durable.
+    pub fn record(mut self, mut record: AuditRecord) -> Durable {
+        record.make_safe();
+        let (ack, waiter) = oneshot::channel();
+        let mut bytes = self.bytes.take();
+        // Keep only what the row weighs; the rest of the reservation goes back.
+        if let Some(b) = bytes.as_mut() {
+            let keep = record.weight().min(MAX_ROW_BYTES) as u32;
+            drop(b.split(b.num_permits().saturating_sub(keep as usize)));
+        }
+        if let Some(slot) = self.slot.take() {
+            slot.send(Queued {
+                record,
+                _bytes: bytes,
+                ack: Some(ack),
+            });
+        }
+        Durable {
+            waiter,
+            timeout: self.ack_timeout,
+        }
+    }
+}
+
+/// Resolves when a row is in Postgres or fsynced in the spool.
+#[derive(Debug)]
+pub struct Durable {
+    waiter: oneshot::Receiver<()>,
+    timeout: Duration,
+}
+
+impl Durable {
+    /// True once the row is durable; false if that did not happen within
+    /// the ack timeout (the row stays queued and is written when it can be).
+    pub async fn wait(self) -> bool {
+        matches!(
+            tokio::time::timeout(self.timeout, self.waiter).await,
+            Ok(Ok(()))
+        )
+    }
+}
+
+/// Opens the spool and starts the writer. Await the returned handle after
+/// every [`AuditLog`] clone and [`Ticket`] is gone to flush on shutdown.
+pub fn start(
+    pool: PgPool,
+    config: &AuditConfig,
+) -> Result<(AuditLog, tokio::task::JoinHandle<()>), SpoolError> {
+    let spool = Spool::open(
+        &config.spool_dir,
+        &config.spool_owner,
+        config.segment_bytes,
+        config.spool_max_bytes,
+    )?;
+    let shared = Arc::new(Shared {
+        breaker_open: AtomicBool::new(false),
+        spool_used: spool.used(),
+        spool_max: spool.max_bytes(),
+        queue_bytes: config.queue_bytes,
+    });
+    let (tx, rx) = mpsc::channel(config.queue_rows);
+    let handle = tokio::spawn(writer::run(pool, spool, rx, shared.clone()));
+    Ok((
+        AuditLog {
+            tx,
+            bytes: Arc::new(Semaphore::new(config.queue_bytes)),
+            shared,
+            ack_timeout: config.ack_timeout,
+        },
+        handle,
+    ))
+}

@@ -1,0 +1,441 @@
+//! The audit spool: where rows wait, on disk, while Postgres is unreachable.
+//!
+//! Layout: `ROOT/OWNER/SEGMENT.jsonl`, one directory per gateway process
+//! (`OWNER` is its pod name), each segment a file of JSON lines, fsynced
+//! after every append. A process holds an exclusive lock on `OWNER/LOCK`
+//! for its life; a directory whose lock is free belongs to a process that
+//! is gone, and any gateway sharing `ROOT` adopts it and replays its rows.
+//! So rows survive a crash (the same process replays them when it
+//! restarts) and a pod that never comes back (another one adopts them).
+//!
+//! - A process never appends to a segment it did not create in this life,
+//!   and a failed append is cut back to the last whole line, so a torn line
+//!   can only be a segment's last, and never glues two rows together.
+//! - Replay reads one segment at a time, in chunks of at most
+//!   [`CHUNK_ROWS`] lines, and deletes a segment only after every one of
+//!   its rows is committed. A line that is torn, not UTF-8 or not a row is
+//!   handed back as a [`BadLine`] to be quarantined, never dropped.
+//! - Disk use is bounded: an append that would take the spool past its
+//!   limit fails with [`SpoolError::Full`].
+
+use std::collections::BTreeMap;
+use std::fs::{File, OpenOptions};
+use std::io::{BufRead, BufReader, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::AuditRecord;
+
+/// Most lines read per replay chunk.
+pub const CHUNK_ROWS: usize = 500;
+/// A line longer than this is not a row (rows are capped far below it); its
+/// first bytes are quarantined and the rest of the line skipped.
+const MAX_LINE: usize = 64 * 1024;
+const LOCK: &str = "LOCK";
+const EXT: &str = "jsonl";
+
+#[derive(Debug, thiserror::Error)]
+pub enum SpoolError {
+    #[error("the spool is full: {used} of {max} bytes used")]
+    Full { used: u64, max: u64 },
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
+        "{0} is locked by another running gateway; give each process its own --audit-spool-owner"
+    )]
+    InUse(PathBuf),
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> SpoolError + '_ {
+    move |source| SpoolError::Io {
+        path: path.to_owned(),
+        source,
+    }
+}
+
+/// A spool line that could not be read back as a row.
+#[derive(Debug)]
+pub struct BadLine {
+    pub reason: String,
+    /// The line as it is on disk (its first [`MAX_LINE`] bytes).
+    pub bytes: Vec<u8>,
+}
+
+/// Up to [`CHUNK_ROWS`] lines of one segment.
+#[derive(Debug)]
+pub struct Chunk {
+    pub rows: Vec<AuditRecord>,
+    pub bad: Vec<BadLine>,
+    segment: PathBuf,
+    end: u64,
+    last: bool,
+}
+
+/// Where replay stands in the segment it is reading.
+#[derive(Debug)]
+struct Cursor {
+    segment: PathBuf,
+    offset: u64,
+}
+
+#[derive(Debug)]
+struct Current {
+    path: PathBuf,
+    file: File,
+    len: u64,
+}
+
+#[derive(Debug)]
+pub struct Spool {
+    root: PathBuf,
+    own: PathBuf,
+    _lock: File,
+    /// Directories of gone processes whose locks this one holds.
+    adopted: BTreeMap<PathBuf, File>,
+    current: Option<Current>,
+    seq: u64,
+    segment_bytes: u64,
+    max_bytes: u64,
+    used: Arc<AtomicU64>,
+    cursor: Option<Cursor>,
+}
+
+impl Spool {
+    /// Opens (creating) `root/owner` and locks it for this process.
+    pub fn open(
+        root: &Path,
+        owner: &str,
+        segment_bytes: u64,
+        max_bytes: u64,
+    ) -> Result<Spool, SpoolError> {
+        std::fs::create_dir_all(root).map_err(io(root))?;
+        let own = root.join(owner);
+        std::fs::create_dir_all(&own).map_err(io(&own))?;
+        let lock = try_lock(&own)?.ok_or_else(|| SpoolError::InUse(own.clone()))?;
+        let spool = Spool {
+            root: root.to_owned(),
+            own,
+            _lock: lock,
+            adopted: BTreeMap::new(),
+            current: None,
+            seq: 0,
+            segment_bytes,
+            max_bytes,
+            used: Arc::new(AtomicU64::new(0)),
+            cursor: None,
+        };
+        let used: u64 = spool
+            .all_segments()
+            .iter()
+            .filter_map(|p| std::fs::metadata(p).ok())
+            .map(|m| m.len())
+            .sum();
+        spool.used.store(used, Ordering::Relaxed);
+        Ok(spool)
+    }
+
+    /// Bytes on disk, shared with admission control.
+    pub fn used(&self) -> Arc<AtomicU64> {
+        self.used.clone()
+    }
+
+    pub fn max_bytes(&self) -> u64 {
+        self.max_bytes
+    }
+
+    /// Appends rows as whole lines and fsyncs them. On failure nothing of
+    /// this call stays in the segment.
+    pub fn append(&mut self, rows: &[&AuditRecord]) -> Result<(), SpoolError> {
+        let mut buf = Vec::new();
+        for r in rows {
+            serde_json::to_writer(&mut buf, r).map_err(|e| SpoolError::Io {
+                path: self.own.clone(),
+                source: std::io::Error::other(e),
+            })?;
+            buf.push(b'\n');
+        }
+        let used = self.used.load(Ordering::Relaxed);
+        if used + buf.len() as u64 > self.max_bytes {
+            return Err(SpoolError::Full {
+                used,
+                max: self.max_bytes,
+            });
+        }
+        if self
+            .current
+            .as_ref()
+            .is_some_and(|c| c.len > 0 && c.len + buf.len() as u64 > self.segment_bytes)
+        {
+            self.seal();
+        }
+        if self.current.is_none() {
+            self.current = Some(self.new_segment()?);
+        }
+        let c = self.current.as_mut().expect("a current segment");
+        let written = c.file.write_all(&buf).and_then(|()| c.file.sync_data());
+        if let Err(e) = written {
+            // Cut back to the last whole line, and never write here again.
+            let _ = c.file.set_len(c.len);
+            let path = c.path.clone();
+            self.current = None;
+            return Err(SpoolError::Io { path, source: e });
+        }
+        c.len += buf.len() as u64;
+        self.used.fetch_add(buf.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Closes the segment being appended to, so replay may read it.
+    pub fn seal(&mut self) {
+        self.current = None;
+    }
+
+    fn new_segment(&mut self) -> Result<Current, SpoolError> {
+        let millis = chrono::Utc::now().timestamp_millis();
+        loop {
+            self.seq += 1;
+            let path = self
+                .own
+                .join(format!("{millis:016}-{:06}.{EXT}", self.seq));
+            match OpenOptions::new().append(true).create_new(true).open(&path) {
+                Ok(file) => {
+                    // The new name itself must survive a crash.
+                    File::open(&self.own)
+                        .and_then(|d| d.sync_all())
+                        .map_err(io(&self.own))?;
+                    return Ok(Current { path, file, len: 0 });
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+                Err(e) => return Err(SpoolError::Io { path, source: e }),
+            }
+        }
+    }
+
+    /// Every segment under the root, oldest first by name.
+    fn all_segments(&self) -> Vec<PathBuf> {
+        let mut out = Vec::new();
+        for dir in subdirs(&self.root) {
+            out.extend(segments_in(&dir));
+        }
+        out.sort_by(|a, b| a.file_name().cmp(&b.file_name()));
+        out
+    }
+
+    /// Segments replay may read: this process's sealed ones and those of
+    /// directories it could adopt, oldest first.
+    fn replayable(&mut self) -> Vec<PathBuf> {
+        for dir in subdirs(&self.root) {
+            if dir == self.own || self.adopted.contains_key(&dir) {
+                continue;
+            }
+            if let Ok(Some(lock)) = try_lock(&dir) {
+                tracing::info!(dir = %dir.display(), "adopting the audit spool of a gateway that is gone");
+                self.adopted.insert(dir, lock);
+            }
+        }
+        let current = self.current.as_ref().map(|c| c.path.clone());
+        let mut out: Vec<PathBuf> = std::iter::once(self.own.clone())
+            .chain(self.adopted.keys().cloned())
+            .flat_map(|d| segments_in(&d))
+            .filter(|p| Some(p) != current.as_ref())
+            .collect();
+        out.sort_by(|a, b| a.file_name().cmp(&b.file_name()));
+        out
+    }
+
+    /// True when some segment waits for replay.
+    pub fn has_backlog(&mut self) -> bool {
+        self.cursor.is_some() || !self.replayable().is_empty()
+    }
+
+    /// The next lines to replay, or None when nothing waits.
+    pub fn next_chunk(&mut self) -> Result<Option<Chunk>, SpoolError> {
+        let cursor = match self.cursor.take() {
+            Some(c) => c,
+            None => match self.replayable().into_iter().next() {
+                Some(segment) => Cursor { segment, offset: 0 },
+                None => {
+                    self.release_empty_adopted();
+                    return Ok(None);
+                }
+            },
+        };
+        let path = cursor.segment.clone();
+        let mut file = File::open(&path).map_err(io(&path))?;
+        file.seek(SeekFrom::Start(cursor.offset))
+            .map_err(io(&path))?;
+        let mut reader = BufReader::new(file);
+        let mut chunk = Chunk {
+            rows: Vec::new(),
+            bad: Vec::new(),
+            segment: path.clone(),
+            end: cursor.offset,
+            last: false,
+        };
+        while chunk.rows.len() + chunk.bad.len() < CHUNK_ROWS {
+            let line = read_line(&mut reader).map_err(io(&path))?;
+            let Some(line) = line else {
+                chunk.last = true;
+                break;
+            };
+            chunk.end += line.consumed;
+            if line.bytes.iter().all(u8::is_ascii_whitespace) && line.complete {
+                continue;
+            }
+            let bad = |reason: String| BadLine {
+                reason,
+                bytes: line.bytes.clone(),
+            };
+            if line.too_long {
+                chunk.bad.push(bad(format!(
+                    "a line of more than {MAX_LINE} bytes is not a row"
+                )));
+            } else if !line.complete {
+                chunk.bad.push(bad(
+                    "torn line: the segment ends without a newline (a write cut short)".into(),
+                ));
+            } else {
+                match std::str::from_utf8(&line.bytes) {
+                    Err(e) => chunk.bad.push(bad(format!("not UTF-8: {e}"))),
+                    Ok(text) => match serde_json::from_str::<AuditRecord>(text) {
+                        Ok(r) => chunk.rows.push(r),
+                        Err(e) => chunk.bad.push(bad(format!("not an audit row: {e}"))),
+                    },
+                }
+            }
+        }
+        if !chunk.last {
+            // Exactly at the end is the end, too.
+            chunk.last = reader.fill_buf().map_err(io(&path))?.is_empty();
+        }
+        Ok(Some(chunk))
+    }
+
+    /// Records that every row and bad line of `chunk` is safely in
+    /// Postgres; a segment read to its end is deleted.
+    pub fn commit(&mut self, chunk: &Chunk) -> Result<(), SpoolError> {
+        if !chunk.last {
+            self.cursor = Some(Cursor {
+                segment: chunk.segment.clone(),
+                offset: chunk.end,
+            });
+            return Ok(());
+        }
+        let size = std::fs::metadata(&chunk.segment).map_or(0, |m| m.len());
+        std::fs::remove_file(&chunk.segment).map_err(io(&chunk.segment))?;
+        if let Some(dir) = chunk.segment.parent() {
+            let _ = File::open(dir).and_then(|d| d.sync_all());
+        }
+        let _ = self
+            .used
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |u| {
+                Some(u.saturating_sub(size))
+            });
+        self.cursor = None;
+        Ok(())
+    }
+
+    /// Removes adopted directories that hold no segment any more.
+    fn release_empty_adopted(&mut self) {
+        let empty: Vec<PathBuf> = self
+            .adopted
+            .keys()
+            .filter(|d| segments_in(d).is_empty())
+            .cloned()
+            .collect();
+        for dir in empty {
+            // Still holding its lock, so no process can be writing there.
+            let _ = std::fs::remove_file(dir.join(LOCK));
+            let _ = std::fs::remove_dir(&dir);
+            self.adopted.remove(&dir);
+            tracing::info!(dir = %dir.display(), "adopted audit spool replayed and removed");
+        }
+    }
+}
+
+/// Locks `dir/LOCK` without waiting: None when another process holds it.
+fn try_lock(dir: &Path) -> Result<Option<File>, SpoolError> {
+    let path = dir.join(LOCK);
+    let file = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(io(&path))?;
+    match file.try_lock() {
+        Ok(()) => Ok(Some(file)),
+        Err(std::fs::TryLockError::WouldBlock) => Ok(None),
+        Err(std::fs::TryLockError::Error(e)) => Err(SpoolError::Io { path, source: e }),
+    }
+}
+
+fn subdirs(root: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return Vec::new();
+    };
+    let mut out: Vec<PathBuf> = entries
+        .filter_map(Result::ok)
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+        .map(|e| e.path())
+        .collect();
+    out.sort();
+    out
+}
+
+fn segments_in(dir: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == EXT) && p.is_file())
+        .collect()
+}
+
+struct Line {
+    bytes: Vec<u8>,
+    /// Bytes of the file this line took, its newline included.
+    consumed: u64,
+    /// It ended with a newline.
+    complete: bool,
+    too_long: bool,
+}
+
+/// Reads one line, keeping at most [`MAX_LINE`] of its bytes; None at the
+/// end of the file.
+fn read_line(reader: &mut impl BufRead) -> std::io::Result<Option<Line>> {
+    let mut line = Line {
+        bytes: Vec::new(),
+        consumed: 0,
+        complete: false,
+        too_long: false,
+    };
+    loop {
+        let buf = reader.fill_buf()?;
+        if buf.is_empty() {
+            return Ok((line.consumed > 0).then_some(line));
+        }
+        let (take, done) = match buf.iter().position(|&b| b == b'\n') {
+            Some(i) => (i + 1, true),
+            None => (buf.len(), false),
+        };
+        let content = if done { &buf[..take - 1] } else { &buf[..take] };
+        let room = MAX_LINE.saturating_sub(line.bytes.len());
+        if content.len() > room {
+            line.too_long = true;
+        }
+        line.bytes.extend_from_slice(&content[..content.len().min(room)]);
+        reader.consume(take);
+        line.consumed += take as u64;
+        if done {
+            line.complete = true;
+            return Ok(Some(line));
+        }
+    }
+}
