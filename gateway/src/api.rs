@@ -446,7 +446,10 @@ async fn handle(s: AppState, headers: HeaderMap, body: Body, kind: Kind) -> Resp
             return with_request_id(e.into_response(), request_id);
         }
     };
-    with_request_id(run(s, prepared, trail, span, kind, request_id).await, request_id)
+    with_request_id(
+        run(s, prepared, trail, span, kind, request_id).await,
+        request_id,
+    )
 }
 
 struct Prepared {
@@ -1078,7 +1081,9 @@ fn stream_response(
                     };
                     let body = openai::error_body(message, "server_error", None, Some(code));
                     // Best effort, and never past the deadline.
-                    let _ = tokio::time::timeout(Duration::from_millis(100), tx.send(Ok(sse(&body)))).await;
+                    let _ =
+                        tokio::time::timeout(Duration::from_millis(100), tx.send(Ok(sse(&body))))
+                            .await;
                 }
                 tracing::warn!(status, code, "stream ended early");
                 durable(trail.close(status, StatusCode::OK, Some(code))).await;

@@ -152,18 +152,17 @@ fn object(body: &[u8]) -> Result<Value, BadRequest> {
     // Through serde_path_to_error, so that text no JSON string may hold (a
     // lone UTF-16 surrogate, say) is refused by the field it is in.
     let mut de = serde_json::Deserializer::from_slice(body);
-    let v: Value = serde_path_to_error::deserialize(&mut de)
-        .map_err(|e| {
-            let path = e.path().to_string();
-            let inner = e.into_inner();
-            match path.as_str() {
-                "" | "." => BadRequest {
-                    param: String::new(),
-                    message: format!("the body is not valid JSON: {inner}"),
-                },
-                field => bad(field, format!("is not valid JSON text: {inner}")),
-            }
-        })?;
+    let v: Value = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        match path.as_str() {
+            "" | "." => BadRequest {
+                param: String::new(),
+                message: format!("the body is not valid JSON: {inner}"),
+            },
+            field => bad(field, format!("is not valid JSON text: {inner}")),
+        }
+    })?;
     de.end().map_err(|e| BadRequest {
         param: String::new(),
         message: format!("the body is not valid JSON: {e}"),

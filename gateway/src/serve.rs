@@ -82,7 +82,11 @@ pub struct ServeArgs {
     pub admin_database_url: Option<String>,
     /// Longest one admin API statement may run (audit queries and exports
     /// page by page), in seconds.
-    #[arg(long, env = "LORAFLEET_ADMIN_STATEMENT_TIMEOUT_SECS", default_value_t = 30)]
+    #[arg(
+        long,
+        env = "LORAFLEET_ADMIN_STATEMENT_TIMEOUT_SECS",
+        default_value_t = 30
+    )]
     pub admin_statement_timeout_secs: u64,
     /// Longest age of the registry snapshot this replica serves from, in
     /// seconds. Past it (Postgres unreachable that long), completions get
@@ -94,7 +98,11 @@ pub struct ServeArgs {
     /// unreachable. Gateways may share it (a ReadWriteMany volume): each
     /// writes under its own --audit-spool-owner and adopts the rows of
     /// owners that are gone.
-    #[arg(long, env = "LORAFLEET_AUDIT_SPOOL", default_value = "lorafleet-audit-spool")]
+    #[arg(
+        long,
+        env = "LORAFLEET_AUDIT_SPOOL",
+        default_value = "lorafleet-audit-spool"
+    )]
     pub audit_spool: PathBuf,
     /// This process's name in the spool (default: $HOSTNAME, the pod name).
     #[arg(long, env = "LORAFLEET_AUDIT_SPOOL_OWNER")]
@@ -202,7 +210,10 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         ("--max-body-bytes", args.max_body_bytes as u64),
         ("--max-attempts", args.max_attempts as u64),
         ("--gateway-replicas", u64::from(args.gateway_replicas)),
-        ("--admin-statement-timeout-secs", args.admin_statement_timeout_secs),
+        (
+            "--admin-statement-timeout-secs",
+            args.admin_statement_timeout_secs,
+        ),
         ("--registry-max-age-secs", args.registry_max_age_secs),
         ("--audit-queue-rows", args.audit_queue_rows as u64),
         ("--audit-ack-timeout-secs", args.audit_ack_timeout_secs),
@@ -274,8 +285,10 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             Some(url) => ("--admin-database-url", url.as_str()),
             None => ("--database-url", args.database_url.as_str()),
         };
-        let options = db::parse_database_url(flag, url)?
-            .options([("statement_timeout", admin_timeout.as_str()), ("lock_timeout", "5s")]);
+        let options = db::parse_database_url(flag, url)?.options([
+            ("statement_timeout", admin_timeout.as_str()),
+            ("lock_timeout", "5s"),
+        ]);
         Some(db::connect(options, 4, Duration::from_secs(5)).await?)
     } else {
         None
@@ -334,7 +347,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
                 .with_context(|| format!("--admin-listen {listen}"))?;
             let addr = listener.local_addr()?;
             let admin = crate::admin::router(crate::admin::AdminState {
-                pool: admin_pool.clone().expect("an admin pool with --admin-listen"),
+                pool: admin_pool
+                    .clone()
+                    .expect("an admin pool with --admin-listen"),
                 registry: state.registry.clone(),
                 redis: state.limiter.redis(),
                 channel: format!("{}registry", args.redis_prefix),
@@ -450,9 +465,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         tracing::warn!(open, "drain deadline passed; ending open requests");
         let _ = cut_tx.send(true);
         let settle = tokio::time::Instant::now() + CUT_SETTLE;
-        while permits.available_permits() < max_permits
-            && tokio::time::Instant::now() < settle
-        {
+        while permits.available_permits() < max_permits && tokio::time::Instant::now() < settle {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         if tokio::time::timeout_at(settle, &mut server).await.is_err() {

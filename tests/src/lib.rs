@@ -78,6 +78,17 @@ impl TestDb {
         )
     }
 
+    /// A URL for this database as another user (trust auth on loopback).
+    pub fn url_as(&self, user: &str) -> String {
+        let admin = admin_options();
+        format!(
+            "postgres://{user}@{}:{}/{}",
+            admin.get_host(),
+            admin.get_port(),
+            self.name
+        )
+    }
+
     /// A fresh pool on this database.
     pub async fn pool(&self) -> PgPool {
         PgPoolOptions::new()
@@ -173,6 +184,27 @@ pub async fn migrated_db(label: &str) -> TestDb {
         String::from_utf8_lossy(&out.stderr)
     );
     db
+}
+
+/// A new login role that is a member of `role` (one of the roles the
+/// migrations create, such as `lorafleet_runtime`) and nothing else: what a
+/// serving process logs in as.
+pub async fn login_member_of(pool: &PgPool, role: &str) -> String {
+    assert!(
+        role.chars().all(|c| c.is_ascii_lowercase() || c == '_'),
+        "{role}"
+    );
+    let name = format!(
+        "lft_{}_{}",
+        &role[10..].chars().take(5).collect::<String>(),
+        &uuid::Uuid::new_v4().simple().to_string()[..12]
+    );
+    // Both names are [a-z0-9_] only, so the statement is safe.
+    let sql = format!("CREATE ROLE {name} LOGIN IN ROLE {role}");
+    pool.execute(sqlx::raw_sql(AssertSqlSafe(sql)))
+        .await
+        .unwrap_or_else(|e| panic!("CREATE ROLE {name}: {e}"));
+    name
 }
 
 /// The engine's fixture directory: small models, adapters and goldens

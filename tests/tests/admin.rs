@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use lorafleet_tests::{Server, TestDb, binary, engine_fixtures, migrated_db};
+use lorafleet_tests::{Server, TestDb, binary, engine_fixtures, login_member_of, migrated_db};
 use serde_json::{Value, json};
 use uuid::Uuid;
 
@@ -103,6 +103,10 @@ fn artifact_root() -> tempfile::TempDir {
 async fn plane(label: &str) -> Plane {
     let db = migrated_db(label).await;
     let pool = db.pool().await;
+    // The gateways log in with the least privileges: the request path as
+    // lorafleet_runtime, the admin API as lorafleet_admin.
+    let runtime_url = db.url_as(&login_member_of(&pool, "lorafleet_runtime").await);
+    let admin_url = db.url_as(&login_member_of(&pool, "lorafleet_admin").await);
     let root = artifact_root();
     let secret_dir = tempfile::tempdir().unwrap();
     let secret = secret_dir.path().join("admin.secret");
@@ -128,7 +132,8 @@ async fn plane(label: &str) -> Plane {
         cmd.args(["serve", "--listen", "127.0.0.1:0"])
             .args(["--metrics-listen", "127.0.0.1:0"])
             .args(["--admin-listen", "127.0.0.1:0"])
-            .args(["--database-url", &db.url()])
+            .args(["--database-url", &runtime_url])
+            .args(["--admin-database-url", &admin_url])
             .args(["--redis-url", "redis://127.0.0.1:6379"])
             .args(["--redis-prefix", &redis_prefix])
             .args(["--workers", worker.addr("grpc")])
@@ -143,7 +148,7 @@ async fn plane(label: &str) -> Plane {
             .arg("--artifact-root")
             .arg(root.path())
             .arg("--audit-spool")
-            .arg(spool.path().join("audit.jsonl"));
+            .arg(spool.path());
         gateways.push(Server::start(cmd, "lorafleet-gateway listening "));
         spools.push(spool);
     }

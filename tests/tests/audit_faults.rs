@@ -11,7 +11,9 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use lorafleet_tests::{Proxy, Server, TestDb, binary, engine_fixtures, migrated_db};
+use lorafleet_tests::{
+    Proxy, Server, TestDb, binary, engine_fixtures, login_member_of, migrated_db,
+};
 use serde_json::{Value, json};
 use sqlx::PgPool;
 use uuid::Uuid;
@@ -80,15 +82,7 @@ async fn seed(pool: &PgPool) {
 
 /// A login role that is a member of `lorafleet_runtime` and nothing else.
 async fn runtime_user(pool: &PgPool) -> String {
-    let name = format!("lft_rt_{}", &Uuid::new_v4().simple().to_string()[..12]);
-    // The name is [a-z0-9_] only.
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "CREATE ROLE {name} LOGIN IN ROLE lorafleet_runtime"
-    )))
-    .execute(pool)
-    .await
-    .unwrap();
-    name
+    login_member_of(pool, "lorafleet_runtime").await
 }
 
 fn worker() -> Server {
@@ -166,12 +160,10 @@ impl Env {
     }
 
     async fn rows(&self) -> Vec<(Uuid, String, i16, Option<String>)> {
-        sqlx::query_as(
-            "SELECT request_id, status::text, http_status, error_code FROM audit_log",
-        )
-        .fetch_all(&self.pool)
-        .await
-        .unwrap()
+        sqlx::query_as("SELECT request_id, status::text, http_status, error_code FROM audit_log")
+            .fetch_all(&self.pool)
+            .await
+            .unwrap()
     }
 
     /// Waits until every answered request has its row, then checks: none
@@ -305,13 +297,35 @@ async fn poison_is_refused_by_field_and_never_blocks_good_rows() {
     // (raw body, the field the 400 must name)
     let poisons: Vec<(Vec<u8>, &str)> = vec![
         (br#"{"model": "x\u0000y", "prompt": "p"}"#.to_vec(), "model"),
-        (br#"{"model": "chat", "prompt": "p", "user": "a\u0000b"}"#.to_vec(), "user"),
-        (br#"{"model": "chat\u0007", "prompt": "p"}"#.to_vec(), "model"),
-        (br#"{"model": "chat", "prompt": "p", "user": "line\nbreak\u001b[31m"}"#.to_vec(), "user"),
+        (
+            br#"{"model": "chat", "prompt": "p", "user": "a\u0000b"}"#.to_vec(),
+            "user",
+        ),
+        (
+            br#"{"model": "chat\u0007", "prompt": "p"}"#.to_vec(),
+            "model",
+        ),
+        (
+            br#"{"model": "chat", "prompt": "p", "user": "line\nbreak\u001b[31m"}"#.to_vec(),
+            "user",
+        ),
         (br#"{"model": "x\ud800y", "prompt": "p"}"#.to_vec(), "model"),
-        (br#"{"model": "chat", "prompt": "p", "user": "\udfff"}"#.to_vec(), "user"),
-        (json!({"model": mib, "prompt": "p"}).to_string().into_bytes(), "model"),
-        (json!({"model": "chat", "prompt": "p", "user": mib}).to_string().into_bytes(), "user"),
+        (
+            br#"{"model": "chat", "prompt": "p", "user": "\udfff"}"#.to_vec(),
+            "user",
+        ),
+        (
+            json!({"model": mib, "prompt": "p"})
+                .to_string()
+                .into_bytes(),
+            "model",
+        ),
+        (
+            json!({"model": "chat", "prompt": "p", "user": mib})
+                .to_string()
+                .into_bytes(),
+            "user",
+        ),
     ];
     let total = 1000 + poisons.len() * 10;
     let mut answered = HashSet::new();
@@ -370,7 +384,10 @@ async fn poison_is_refused_by_field_and_never_blocks_good_rows() {
             assert!(user.unwrap().starts_with("user-"));
         }
     }
-    assert!(e.dead_letters().await.is_empty(), "nothing needed quarantine");
+    assert!(
+        e.dead_letters().await.is_empty(),
+        "nothing needed quarantine"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -477,7 +494,11 @@ async fn sigkill_during_an_outage_loses_no_answered_row() {
                     .await;
                 match r {
                     Ok(r) if r.status() == 200 => {
-                        let id: Uuid = r.headers()["x-request-id"].to_str().unwrap().parse().unwrap();
+                        let id: Uuid = r.headers()["x-request-id"]
+                            .to_str()
+                            .unwrap()
+                            .parse()
+                            .unwrap();
                         // The body must arrive whole for it to count as answered.
                         if r.text().await.is_ok() {
                             got.push(id);
@@ -556,7 +577,10 @@ async fn a_corrupt_spool_is_quarantined_line_by_line() {
     e.expect_rows(&good, &gw).await;
     let deadline = Instant::now() + Duration::from_secs(30);
     while dead.exists() {
-        assert!(Instant::now() < deadline, "the adopted spool was never removed");
+        assert!(
+            Instant::now() < deadline,
+            "the adopted spool was never removed"
+        );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let bad = e.dead_letters().await;
@@ -572,7 +596,9 @@ async fn a_corrupt_spool_is_quarantined_line_by_line() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_with_open_streams_ends_them_and_writes_every_row() {
     let e = env("audit_sigterm").await;
-    let mut gw = e.gateway(&["--drain-deadline-secs", "2", "--audit-flush-secs", "5"]).await;
+    let mut gw = e
+        .gateway(&["--drain-deadline-secs", "2", "--audit-flush-secs", "5"])
+        .await;
     let mut answered = HashSet::new();
     // Plain requests first, then streams that have begun.
     for i in 0..10 {
@@ -586,29 +612,58 @@ async fn sigterm_with_open_streams_ends_them_and_writes_every_row() {
             .http
             .post(format!("{}/v1/chat/completions", gw.url))
             .bearer_auth(KEYS[i % 2])
-            .json(&json!({"model": "chat", "messages": [{"role": "user", "content": "a story"}],
-                          "max_tokens": 400, "stream": true, "ignore_eos": true}))
+            .json(
+                &json!({"model": "chat", "messages": [{"role": "user", "content": "a story"}],
+                          "max_tokens": 400, "stream": true, "ignore_eos": true}),
+            )
             .send()
             .await
             .unwrap();
         assert_eq!(r.status(), 200);
-        answered.insert(r.headers()["x-request-id"].to_str().unwrap().parse().unwrap());
+        answered.insert(
+            r.headers()["x-request-id"]
+                .to_str()
+                .unwrap()
+                .parse()
+                .unwrap(),
+        );
         let first = r.chunk().await.unwrap().unwrap();
         streams.push((r, String::from_utf8_lossy(&first).into_owned()));
     }
     // The worker stalls, so only the drain deadline can end the streams.
     let worker_pid = e.worker.child.id().to_string();
-    assert!(Command::new("kill").args(["-STOP", &worker_pid]).status().unwrap().success());
+    assert!(
+        Command::new("kill")
+            .args(["-STOP", &worker_pid])
+            .status()
+            .unwrap()
+            .success()
+    );
     let started = Instant::now();
     let pid = gw.server.child.id().to_string();
-    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
     let exit = gw.server.child.wait().unwrap();
     let took = started.elapsed();
-    assert!(Command::new("kill").args(["-CONT", &worker_pid]).status().unwrap().success());
+    assert!(
+        Command::new("kill")
+            .args(["-CONT", &worker_pid])
+            .status()
+            .unwrap()
+            .success()
+    );
     assert!(exit.success(), "{exit}: {}", gw.server.log_text());
     // Drain 2 s + settle 5 s + flush 5 s is the most it may take.
     assert!(took < Duration::from_secs(12), "exit took {took:?}");
-    assert!(took >= Duration::from_secs(2), "exit took {took:?}: before the drain deadline");
+    assert!(
+        took >= Duration::from_secs(2),
+        "exit took {took:?}: before the drain deadline"
+    );
     // Every stream ends with an error event that says why.
     for (mut r, mut text) in streams {
         while let Ok(Some(c)) = r.chunk().await {
@@ -643,10 +698,7 @@ async fn the_runtime_role_cannot_erase_the_audit_log() {
     .execute(&pool)
     .await
     .unwrap();
-    let url = format!(
-        "postgres://{user}@127.0.0.1:5432/{}",
-        db.name()
-    );
+    let url = db.url_as(&user);
     let rt = sqlx::postgres::PgPoolOptions::new()
         .max_connections(1)
         .connect(&url)
@@ -656,7 +708,10 @@ async fn the_runtime_role_cannot_erase_the_audit_log() {
         let rt = rt.clone();
         async move {
             let e = sqlx::raw_sql(sql).execute(&rt).await.expect_err(sql);
-            let code = e.as_database_error().and_then(|d| d.code()).map(|c| c.into_owned());
+            let code = e
+                .as_database_error()
+                .and_then(|d| d.code())
+                .map(|c| c.into_owned());
             assert_eq!(code.as_deref(), Some("42501"), "{sql}: {e}");
         }
     };

@@ -805,7 +805,11 @@ fn spool_lines(dir: &Path) -> usize {
 fn spool_segments(dir: &Path) -> Vec<std::path::PathBuf> {
     let mut out = Vec::new();
     for owner in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-        for f in std::fs::read_dir(owner.path()).into_iter().flatten().flatten() {
+        for f in std::fs::read_dir(owner.path())
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
             if f.path().extension().is_some_and(|x| x == "jsonl") {
                 out.push(f.path());
             }

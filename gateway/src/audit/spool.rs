@@ -199,9 +199,7 @@ impl Spool {
         let millis = chrono::Utc::now().timestamp_millis();
         loop {
             self.seq += 1;
-            let path = self
-                .own
-                .join(format!("{millis:016}-{:06}.{EXT}", self.seq));
+            let path = self.own.join(format!("{millis:016}-{:06}.{EXT}", self.seq));
             match OpenOptions::new().append(true).create_new(true).open(&path) {
                 Ok(file) => {
                     // The new name itself must survive a crash.
@@ -430,7 +428,8 @@ fn read_line(reader: &mut impl BufRead) -> std::io::Result<Option<Line>> {
         if content.len() > room {
             line.too_long = true;
         }
-        line.bytes.extend_from_slice(&content[..content.len().min(room)]);
+        line.bytes
+            .extend_from_slice(&content[..content.len().min(room)]);
         reader.consume(take);
         line.consumed += take as u64;
         if done {

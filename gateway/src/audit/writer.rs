@@ -107,7 +107,10 @@ impl Writer {
         let was = self.shared.breaker_open.swap(open, Ordering::Relaxed);
         if was != open {
             if open {
-                tracing::warn!(reason = why, "audit: Postgres unreachable; rows go to the spool until it is back");
+                tracing::warn!(
+                    reason = why,
+                    "audit: Postgres unreachable; rows go to the spool until it is back"
+                );
             } else {
                 tracing::info!("audit: Postgres is back; replaying the spool");
             }
@@ -193,7 +196,10 @@ impl Writer {
             }
             counter("replayed", rows.len());
             if !chunk.bad.is_empty() {
-                tracing::warn!(lines = chunk.bad.len(), "unreadable audit spool lines quarantined in audit_dead_letter");
+                tracing::warn!(
+                    lines = chunk.bad.len(),
+                    "unreadable audit spool lines quarantined in audit_dead_letter"
+                );
             }
         }
         true
