@@ -739,3 +739,92 @@ async fn the_runtime_role_cannot_erase_the_audit_log() {
     .unwrap();
     rt.close().await;
 }
+
+/// A batch holding rows Postgres refuses as data (SQLSTATE class 23 here:
+/// check constraints) is split: every good row lands, each bad one is
+/// quarantined with its reason, and nothing waits on the spool.
+#[tokio::test]
+async fn data_errors_quarantine_only_the_bad_rows() {
+    use lorafleet_gateway::audit::{AuditConfig, AuditRecord, start};
+    let db = migrated_db("audit_data_errors").await;
+    let pool = db.pool().await;
+    let spool = tempfile::tempdir().unwrap();
+    let config = AuditConfig {
+        spool_dir: spool.path().to_owned(),
+        spool_owner: "writer-test".into(),
+        spool_max_bytes: 1 << 30,
+        segment_bytes: 1 << 20,
+        queue_rows: 4096,
+        queue_bytes: 64 << 20,
+        ack_timeout: Duration::from_secs(30),
+    };
+    let (log, writer) = start(pool.clone(), &config).unwrap();
+    let row = |i: usize| {
+        let now = chrono::Utc::now();
+        AuditRecord {
+            request_id: Uuid::now_v7(),
+            received_at: now,
+            completed_at: now,
+            tenant_id: None,
+            api_key_id: None,
+            api_key_prefix: Some("lf_x".into()),
+            subject: None,
+            end_user: Some(format!("u{i}")),
+            model_name: format!("m{i}"),
+            route_id: None,
+            route_revision: None,
+            lora_int_id: None,
+            adapter_name: None,
+            adapter_version: None,
+            base_hash: None,
+            worker_id: None,
+            adapter_residency: None,
+            status: "rejected".into(),
+            // Every 37th row breaks audit_log_http_status_range.
+            http_status: if i % 37 == 5 { 0 } else { 401 },
+            error_code: Some("invalid_api_key".into()),
+            finish_reason: None,
+            prompt_tokens: 0,
+            completion_tokens: 0,
+            latency_us: 1,
+            ttft_us: None,
+            attempts: 0,
+        }
+    };
+    // Admitted all at once, so the writer takes them as large batches.
+    let rows: Vec<AuditRecord> = (0..1000).map(row).collect();
+    let bad: HashSet<Uuid> = rows
+        .iter()
+        .filter(|r| r.http_status == 0)
+        .map(|r| r.request_id)
+        .collect();
+    let tickets: Vec<_> = rows.iter().map(|_| log.admit().unwrap()).collect();
+    let acks: Vec<_> = tickets
+        .into_iter()
+        .zip(rows.iter().cloned())
+        .map(|(t, r)| t.record(r))
+        .collect();
+    for a in acks {
+        assert!(a.wait().await, "every row is durable");
+    }
+    drop(log);
+    writer.await.unwrap();
+    let landed: Vec<Uuid> = sqlx::query_scalar("SELECT request_id FROM audit_log")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(landed.len(), 1000 - bad.len());
+    assert!(landed.iter().all(|id| !bad.contains(id)));
+    let dead: Vec<(String, Option<Uuid>, String)> =
+        sqlx::query_as("SELECT source, request_id, reason FROM audit_dead_letter")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(dead.len(), bad.len());
+    for (source, id, reason) in dead {
+        assert_eq!(source, "insert");
+        assert!(bad.contains(&id.unwrap()));
+        assert!(reason.contains("audit_log_http_status_range"), "{reason}");
+    }
+    assert_eq!(segments(spool.path()), 0, "a data error is not an outage");
+}
