@@ -828,3 +828,123 @@ async fn data_errors_quarantine_only_the_bad_rows() {
     }
     assert_eq!(segments(spool.path()), 0, "a data error is not an outage");
 }
+
+/// A client that goes away still leaves its row: `cancelled`, with the
+/// tokens it used, for a plain request and for a stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_that_go_away_still_get_their_rows() {
+    let e = env("audit_disconnect").await;
+    let gw = e.gateway(&[]).await;
+    let long = |stream: bool| {
+        json!({"model": "chat", "prompt": "a long story", "max_tokens": 400,
+               "ignore_eos": true, "stream": stream, "user": "leaver"})
+    };
+    // A stream read for a few chunks, then dropped.
+    let mut r = e
+        .http
+        .post(format!("{}/v1/completions", gw.url))
+        .bearer_auth(ACME_KEY)
+        .json(&long(true))
+        .send()
+        .await
+        .unwrap();
+    let stream_id: Uuid = r.headers()["x-request-id"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let mut chunks = 0;
+    while chunks < 5 {
+        let c = r.chunk().await.unwrap().unwrap();
+        chunks += String::from_utf8_lossy(&c).matches("data: ").count();
+    }
+    drop(r);
+    // A plain request whose client gives up while the worker generates:
+    // the worker is stopped mid-way so the answer cannot come first.
+    let worker_pid = e.worker.child.id().to_string();
+    let plain = {
+        let (http, url) = (e.http.clone(), gw.url.clone());
+        let body = long(false);
+        tokio::spawn(async move {
+            http.post(format!("{url}/v1/completions"))
+                .bearer_auth(GLOBEX_KEY)
+                .json(&body)
+                .send()
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        Command::new("kill")
+            .args(["-STOP", &worker_pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    plain.abort();
+    let _ = plain.await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        Command::new("kill")
+            .args(["-CONT", &worker_pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+
+    let deadline = Instant::now() + Duration::from_secs(30);
+    type Row = (
+        Uuid,
+        String,
+        i16,
+        Option<String>,
+        i32,
+        Option<String>,
+        Option<String>,
+    );
+    let rows: Vec<Row> = loop {
+        let rows: Vec<Row> = sqlx::query_as(
+            "SELECT request_id, status::text, http_status, error_code, completion_tokens,
+                    end_user, api_key_prefix
+             FROM audit_log ORDER BY received_at",
+        )
+        .fetch_all(&e.pool)
+        .await
+        .unwrap();
+        if rows.len() >= 2 {
+            break rows;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{rows:?}: {}",
+            gw.server.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    let (id, status, http, code, tokens, user, prefix) = &rows[0];
+    assert_eq!(*id, stream_id);
+    assert_eq!(
+        (status.as_str(), code.as_deref()),
+        ("cancelled", Some("client_closed"))
+    );
+    assert_eq!(*http, 200, "the stream's headers had gone out");
+    assert!(
+        *tokens as usize >= chunks,
+        "{tokens} tokens, {chunks} chunks read"
+    );
+    assert_eq!(user.as_deref(), Some("leaver"));
+    assert_eq!(prefix.as_deref(), Some(ACME_KEY.split_once('.').unwrap().0));
+    let (_, status, http, code, tokens, _, prefix) = &rows[1];
+    assert_eq!(
+        (status.as_str(), code.as_deref()),
+        ("cancelled", Some("client_closed"))
+    );
+    assert_eq!(*http, 499);
+    assert!(*tokens > 0, "the tokens it used: {tokens}");
+    assert_eq!(
+        prefix.as_deref(),
+        Some(GLOBEX_KEY.split_once('.').unwrap().0)
+    );
+}
