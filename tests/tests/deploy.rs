@@ -219,6 +219,16 @@ fn check_server(
         pause + drain < grace,
         "{kind} {name}: preStop {pause} s + drain {drain} s must end before the {grace} s grace period"
     );
+    // The gateway also ends cut requests (5 s) and flushes its audit queue
+    // before the kubelet's SIGKILL.
+    if let Some(flush) = env.get("LORAFLEET_AUDIT_FLUSH_SECS") {
+        let flush: u64 = flush.as_deref().unwrap().parse().unwrap();
+        assert!(
+            pause + drain + 5 + flush < grace,
+            "{kind} {name}: preStop {pause} s + drain {drain} s + 5 s + audit flush {flush} s \
+             must end before the {grace} s grace period"
+        );
+    }
     // Prometheus scrapes the metrics port.
     let annotations = &find(objects, kind, name)["spec"]["template"]["metadata"]["annotations"];
     assert_eq!(
@@ -331,8 +341,60 @@ fn check_overlay(overlay: &str) -> Vec<Value> {
         .unwrap();
     assert!(admin_rule["from"].as_array().is_some_and(|f| !f.is_empty()));
 
+    // The audit spool outlives any pod: a volume every gateway pod shares
+    // (ReadWriteMany), so that a live pod adopts a gone pod's rows.
+    let (gw_pod, gw) = pod_of(&objects, "Deployment", "lorafleet-gateway");
+    let spool_volume = gw_pod["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == "spool")
+        .unwrap();
+    let claim = spool_volume["persistentVolumeClaim"]["claimName"]
+        .as_str()
+        .expect("the audit spool is a PersistentVolumeClaim, not an emptyDir");
+    let pvc = find(&objects, "PersistentVolumeClaim", claim);
+    assert_eq!(pvc["spec"]["accessModes"][0], "ReadWriteMany");
+    let spool_mount = gw["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["name"] == "spool")
+        .unwrap()["mountPath"]
+        .as_str()
+        .unwrap();
+    let spool_dir = gateway_env["LORAFLEET_AUDIT_SPOOL"].as_deref().unwrap();
+    assert!(
+        spool_dir.starts_with(&format!("{spool_mount}/")),
+        "{spool_dir}"
+    );
+    let owner = gw["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["name"] == "LORAFLEET_AUDIT_SPOOL_OWNER")
+        .expect("each pod names its own spool directory");
+    assert_eq!(owner["valueFrom"]["fieldRef"]["fieldPath"], "metadata.name");
+
     // The migration Job runs the real subcommand with the real settings.
     let (_, job) = pod_of(&objects, "Job", "lorafleet-migrate");
+    // The schema owner's credential is not the serving processes'.
+    let secret_of = |c: &Value| {
+        c["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["name"] == "DATABASE_URL")
+            .unwrap()["valueFrom"]["secretKeyRef"]["name"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    assert_ne!(
+        secret_of(job),
+        secret_of(gw),
+        "two Secrets: owner and runtime"
+    );
     assert_eq!(job["args"][0], "migrate");
     let accepted = accepts("lorafleet-gateway", "migrate");
     for e in job["env"].as_array().unwrap() {
@@ -394,7 +456,13 @@ fn the_dev_cpu_overlay_renders_and_matches_the_binaries() {
     );
     // Every Secret the pods reference exists in the rendered dev fleet.
     let (_, gateway) = pod_of(&objects, "Deployment", "lorafleet-gateway");
-    for e in gateway["env"].as_array().unwrap() {
+    let (_, job) = pod_of(&objects, "Job", "lorafleet-migrate");
+    for e in gateway["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .chain(job["env"].as_array().unwrap())
+    {
         if let Some(name) = e["valueFrom"]["secretKeyRef"]["name"].as_str() {
             let key = e["valueFrom"]["secretKeyRef"]["key"].as_str().unwrap();
             let secret = find(&objects, "Secret", name);
