@@ -948,3 +948,60 @@ async fn clients_that_go_away_still_get_their_rows() {
         Some(GLOBEX_KEY.split_once('.').unwrap().0)
     );
 }
+
+/// A replica serves from its snapshot through an outage, but only up to
+/// `--registry-max-age-secs`: then completions get 503 `registry_stale`
+/// (with their rows) and /readyz fails, until Postgres is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_registry_stops_serving_until_postgres_returns() {
+    let e = env("audit_stale").await;
+    let gw = e.gateway(&["--registry-max-age-secs", "3"]).await;
+    let mut answered = HashSet::new();
+    let a = post(&e.http, &gw.url, ACME_KEY, normal(0)).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    answered.insert(a.id);
+    e.pg.cut();
+    let a = post(&e.http, &gw.url, GLOBEX_KEY, normal(1)).await;
+    assert_eq!(a.status, 200, "young enough: {}", a.body);
+    answered.insert(a.id);
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let a = post(&e.http, &gw.url, ACME_KEY, normal(2)).await;
+    assert_eq!(a.status, 503, "{}", a.body);
+    assert_eq!(a.body["error"]["code"], "registry_stale");
+    answered.insert(a.id);
+    let ready = e
+        .http
+        .get(format!("{}/readyz", gw.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ready.status(), 503);
+    assert!(ready.text().await.unwrap().contains("registry snapshot"));
+    let metrics_url = format!("http://{}/metrics", gw.server.addr("metrics"));
+    e.pg.restore();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let a = post(&e.http, &gw.url, GLOBEX_KEY, normal(3)).await;
+        answered.insert(a.id);
+        if a.status == 200 {
+            break;
+        }
+        assert_eq!(a.body["error"]["code"], "registry_stale");
+        assert!(Instant::now() < deadline, "never served again");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let metrics = e
+        .http
+        .get(metrics_url)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("lorafleet_gateway_registry_age_seconds"),
+        "{metrics}"
+    );
+    e.expect_rows(&answered, &gw).await;
+}
