@@ -6,6 +6,7 @@ const TABLES: &[&str] = &[
     "adapters",
     "admin_changes",
     "api_keys",
+    "audit_dead_letter",
     "audit_log",
     "base_models",
     "route_revisions",
@@ -56,7 +57,7 @@ async fn migrations_apply_to_an_empty_database_and_rerun_as_a_no_op() {
             .unwrap();
     assert_eq!(
         applied,
-        vec![(1, true), (2, true), (3, true)],
+        vec![(1, true), (2, true), (3, true), (4, true)],
         "each migration applied exactly once"
     );
 }
@@ -78,7 +79,7 @@ async fn migrate_takes_the_url_from_the_environment() {
         .fetch_one(&db.pool().await)
         .await
         .unwrap();
-    assert_eq!(n, 3);
+    assert_eq!(n, 4);
 }
 
 #[test]
