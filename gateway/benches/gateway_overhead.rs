@@ -260,7 +260,7 @@ fn main() {
         );
         seed(&url).await;
 
-        let spool = std::env::temp_dir().join(format!("{db}.jsonl"));
+        let spool = std::env::temp_dir().join(format!("{db}-spool"));
         let mut gateway = Command::new(release_binary("lorafleet-gateway"))
             .args([
                 "serve",
@@ -399,7 +399,7 @@ fn main() {
             .args(["-TERM", &gateway.id().to_string()])
             .status();
         let _ = gateway.wait();
-        let _ = std::fs::remove_file(&spool);
+        let _ = std::fs::remove_dir_all(&spool);
         sqlx::query(sqlx::AssertSqlSafe(format!(
             "DROP DATABASE IF EXISTS {db} WITH (FORCE)"
         )))

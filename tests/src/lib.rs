@@ -207,6 +207,64 @@ pub async fn login_member_of(pool: &PgPool, role: &str) -> String {
     name
 }
 
+/// Seeds the fixture base model `llama-gqa` and, for each (tenant name,
+/// API key `prefix.secret`), the tenant, its key (scope `inference`) and a
+/// route `model` to the base model.
+pub async fn seed_base_routes(pool: &PgPool, tenants: &[(&str, &str)], model: &str) {
+    let hashes: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(engine_fixtures().join("base_hashes.json"))
+            .expect("the fixtures' base_hashes.json"),
+    )
+    .expect("base_hashes.json is JSON");
+    let base: i64 = sqlx::query_scalar(
+        "INSERT INTO base_models (name, base_hash, architecture) VALUES ('llama-gqa', $1, 'llama')
+         RETURNING id",
+    )
+    .bind(hashes["llama-gqa"].as_str().expect("llama-gqa's hash"))
+    .fetch_one(pool)
+    .await
+    .expect("insert the base model");
+    for (name, key) in tenants {
+        let tenant: uuid::Uuid =
+            sqlx::query_scalar("INSERT INTO tenants (name) VALUES ($1) RETURNING id")
+                .bind(name)
+                .fetch_one(pool)
+                .await
+                .expect("insert a tenant");
+        let (prefix, secret) = key.split_once('.').expect("a key is prefix.secret");
+        sqlx::query(
+            "INSERT INTO api_keys (tenant_id, prefix, secret_hash, scopes)
+             VALUES ($1, $2, sha256(convert_to($3, 'UTF8')), ARRAY['inference'])",
+        )
+        .bind(tenant)
+        .bind(prefix)
+        .bind(secret)
+        .execute(pool)
+        .await
+        .expect("insert a key");
+        let mut tx = pool.begin().await.expect("begin");
+        let route: uuid::Uuid = sqlx::query_scalar(
+            "INSERT INTO routes (tenant_id, model_name, current_revision) VALUES ($1, $2, 1)
+             RETURNING id",
+        )
+        .bind(tenant)
+        .bind(model)
+        .fetch_one(&mut *tx)
+        .await
+        .expect("insert a route");
+        sqlx::query(
+            "INSERT INTO route_revisions (route_id, revision, base_model_id, target)
+             VALUES ($1, 1, $2, 'base')",
+        )
+        .bind(route)
+        .bind(base)
+        .execute(&mut *tx)
+        .await
+        .expect("insert a revision");
+        tx.commit().await.expect("commit");
+    }
+}
+
 /// The engine's fixture directory: small models, adapters and goldens
 /// made by `worker/engine/scripts/make_fixtures.py`.
 pub fn engine_fixtures() -> PathBuf {

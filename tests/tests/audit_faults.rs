@@ -12,7 +12,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use lorafleet_tests::{
-    Proxy, Server, TestDb, binary, engine_fixtures, login_member_of, migrated_db,
+    Proxy, Server, TestDb, binary, engine_fixtures, login_member_of, migrated_db, seed_base_routes,
 };
 use serde_json::{Value, json};
 use sqlx::PgPool;
@@ -22,62 +22,9 @@ const ACME_KEY: &str = "lf_acmeaudit1.acme-secret-0123456789";
 const GLOBEX_KEY: &str = "lf_globexaud1.globex-secret-0123456789";
 const KEYS: [&str; 2] = [ACME_KEY, GLOBEX_KEY];
 
-fn base_hash() -> String {
-    let v: Value = serde_json::from_str(
-        &std::fs::read_to_string(engine_fixtures().join("base_hashes.json")).unwrap(),
-    )
-    .unwrap();
-    v["llama-gqa"].as_str().unwrap().to_owned()
-}
-
 /// Two tenants, each with a key and a base-model route `chat`.
 async fn seed(pool: &PgPool) {
-    let base: i64 = sqlx::query_scalar(
-        "INSERT INTO base_models (name, base_hash, architecture) VALUES ('llama-gqa', $1, 'llama')
-         RETURNING id",
-    )
-    .bind(base_hash())
-    .fetch_one(pool)
-    .await
-    .unwrap();
-    for (name, key) in [("acme", ACME_KEY), ("globex", GLOBEX_KEY)] {
-        let tenant: Uuid =
-            sqlx::query_scalar("INSERT INTO tenants (name) VALUES ($1) RETURNING id")
-                .bind(name)
-                .fetch_one(pool)
-                .await
-                .unwrap();
-        let (prefix, secret) = key.split_once('.').unwrap();
-        sqlx::query(
-            "INSERT INTO api_keys (tenant_id, prefix, secret_hash, scopes)
-             VALUES ($1, $2, sha256(convert_to($3, 'UTF8')), ARRAY['inference'])",
-        )
-        .bind(tenant)
-        .bind(prefix)
-        .bind(secret)
-        .execute(pool)
-        .await
-        .unwrap();
-        let mut tx = pool.begin().await.unwrap();
-        let route: Uuid = sqlx::query_scalar(
-            "INSERT INTO routes (tenant_id, model_name, current_revision) VALUES ($1, 'chat', 1)
-             RETURNING id",
-        )
-        .bind(tenant)
-        .fetch_one(&mut *tx)
-        .await
-        .unwrap();
-        sqlx::query(
-            "INSERT INTO route_revisions (route_id, revision, base_model_id, target)
-             VALUES ($1, 1, $2, 'base')",
-        )
-        .bind(route)
-        .bind(base)
-        .execute(&mut *tx)
-        .await
-        .unwrap();
-        tx.commit().await.unwrap();
-    }
+    seed_base_routes(pool, &[("acme", ACME_KEY), ("globex", GLOBEX_KEY)], "chat").await;
 }
 
 /// A login role that is a member of `lorafleet_runtime` and nothing else.
