@@ -952,3 +952,63 @@ async fn a_stale_registry_stops_serving_until_postgres_returns() {
     );
     e.expect_rows(&answered, &gw).await;
 }
+
+/// Fail closed: while Postgres is unreachable and the spool is at its disk
+/// limit, new requests get 503 `audit_unavailable` and nothing is served
+/// without its row; once Postgres is back, serving resumes and every
+/// answered request has its row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_spool_during_an_outage_refuses_new_requests() {
+    let e = env("audit_full").await;
+    let gw = e
+        .gateway(&[
+            "--audit-queue-bytes",
+            "16384",
+            "--audit-spool-max-bytes",
+            "65536",
+        ])
+        .await;
+    let mut answered = HashSet::new();
+    e.pg.cut();
+    let mut refused = 0;
+    for i in 0..400 {
+        let a = post(&e.http, &gw.url, KEYS[i % 2], normal(i)).await;
+        match a.status {
+            200 => {
+                answered.insert(a.id);
+            }
+            503 => {
+                assert_eq!(a.body["error"]["code"], "audit_unavailable", "{}", a.body);
+                refused += 1;
+                if refused == 5 {
+                    break;
+                }
+            }
+            s => panic!("{s}: {}", a.body),
+        }
+    }
+    assert_eq!(refused, 5, "the spool's limit was never reached");
+    assert!(
+        answered.len() > 20,
+        "{} served before the limit",
+        answered.len()
+    );
+    let spooled = walk(e.spool.path())
+        .iter()
+        .filter_map(|p| std::fs::metadata(p).ok())
+        .map(|m| m.len())
+        .sum::<u64>();
+    assert!(spooled <= 65536, "{spooled} bytes spooled");
+    e.pg.restore();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let a = post(&e.http, &gw.url, ACME_KEY, normal(0)).await;
+        if a.status == 200 {
+            answered.insert(a.id);
+            break;
+        }
+        assert!(Instant::now() < deadline, "never served again: {}", a.body);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    e.expect_rows(&answered, &gw).await;
+}
