@@ -19,6 +19,10 @@ CREATE TABLE audit_dead_letter (
     -- 'insert': a row refused by audit_log; 'spool': a spool line that was
     -- torn, not UTF-8 or not a row.
     source         TEXT        NOT NULL,
+    -- Where it came from, unique so that quarantining it again (a retry
+    -- after an outage) keeps one copy: 'insert:<request id>' or
+    -- 'spool:<owner>/<segment>:<byte offset>'.
+    origin         TEXT        NOT NULL,
     -- The row's request id when it could be read.
     request_id     UUID,
     -- Postgres's error, or why the line was unreadable.
@@ -26,7 +30,8 @@ CREATE TABLE audit_dead_letter (
     -- The row as JSON, or the spool line as it was on disk (bytea: a line
     -- may hold bytes that no text column accepts).
     payload        BYTEA       NOT NULL,
-    CONSTRAINT audit_dead_letter_source_known CHECK (source IN ('insert', 'spool'))
+    CONSTRAINT audit_dead_letter_source_known CHECK (source IN ('insert', 'spool')),
+    CONSTRAINT audit_dead_letter_origin_unique UNIQUE (origin)
 );
 
 CREATE INDEX audit_dead_letter_at ON audit_dead_letter (quarantined_at DESC, id DESC);
@@ -65,8 +70,14 @@ BEGIN
             END;
         END IF;
     END LOOP;
-    EXECUTE format('GRANT CONNECT ON DATABASE %I TO lorafleet_runtime, lorafleet_admin',
-                   current_database());
+    -- PUBLIC may connect by default; where a DBA revoked that, the owner
+    -- may lack the right to grant it, and the DBA grants it instead.
+    BEGIN
+        EXECUTE format('GRANT CONNECT ON DATABASE %I TO lorafleet_runtime, lorafleet_admin',
+                       current_database());
+    EXCEPTION WHEN insufficient_privilege THEN
+        RAISE NOTICE 'GRANT CONNECT skipped: % may not grant it', current_user;
+    END;
 END;
 $$;
 

@@ -431,9 +431,13 @@ async fn handle(s: AppState, headers: HeaderMap, body: Body, kind: Kind) -> Resp
     if let Some(id) = lorafleet_telemetry::trace_id(&span) {
         span.record("trace_id", id);
     }
-    let result = {
-        let _enter = span.enter();
-        prepare(&s, &headers, body, kind, &mut trail).await
+    // A slow body or a slow step must not outlive the drain deadline either.
+    let result = tokio::select! {
+        r = tracing::Instrument::instrument(
+            prepare(&s, &headers, body, kind, &mut trail),
+            span.clone(),
+        ) => r,
+        () = cut(s.cut.clone()) => Err(shutting_down()),
     };
     let prepared = match result {
         Ok(p) => p,
@@ -441,8 +445,13 @@ async fn handle(s: AppState, headers: HeaderMap, body: Body, kind: Kind) -> Resp
             let code = e.code;
             let status = e.status;
             span.in_scope(|| tracing::info!(status = status.as_u16(), code, "refused"));
+            let outcome = if code == "gateway_shutdown" {
+                "cancelled"
+            } else {
+                "rejected"
+            };
             // A refusal is answered even if its row is late: it serves nothing.
-            durable(trail.close("rejected", status, Some(code))).await;
+            durable(trail.close(outcome, status, Some(code))).await;
             return with_request_id(e.into_response(), request_id);
         }
     };

@@ -472,7 +472,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             server.abort();
         }
     }
-    // Dropping the last AuditLog lets the writer flush and stop.
+    // The writer stops once every admitted row is placed, even if idle
+    // connections still hold the state.
+    state.audit.close();
     drop(state);
     let flush = Duration::from_secs(args.audit_flush_secs);
     if tokio::time::timeout(flush, audit_writer).await.is_err() {

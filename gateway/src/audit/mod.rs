@@ -73,11 +73,15 @@ pub struct AuditRecord {
     pub attempts: i16,
 }
 
-/// A row's fixed part, in bytes, for the queue's byte budget.
-const FIXED_ROW_BYTES: usize = 512;
-/// The most a row can weigh once made safe: its fixed part and nine text
-/// fields at their cap (and the cap's marker).
-pub const MAX_ROW_BYTES: usize = FIXED_ROW_BYTES + 9 * (sanitize::MAX_FIELD_BYTES + 32);
+/// A row's fixed part as a spool line (keys, ids, times, numbers), in bytes,
+/// with room to spare: the weight bounds the line it becomes.
+const FIXED_ROW_BYTES: usize = 1024;
+/// Text fields of a row.
+const TEXT_FIELDS: usize = 11;
+/// The most a row can weigh once made safe: its fixed part and every text
+/// field at its cap (and the cap's marker), twice over for JSON escapes.
+pub const MAX_ROW_BYTES: usize =
+    FIXED_ROW_BYTES + 2 * TEXT_FIELDS * (sanitize::MAX_FIELD_BYTES + 32);
 
 impl AuditRecord {
     /// Makes every text field safe for any text column and bounded.
@@ -100,11 +104,13 @@ impl AuditRecord {
         self.status = safe(&self.status, M);
     }
 
+    /// At least the bytes of its spool line (a JSON escape doubles a
+    /// character at most, once control characters are gone).
     fn weight(&self) -> usize {
         let opt = |s: &Option<String>| s.as_ref().map_or(0, String::len);
         FIXED_ROW_BYTES
-            + self.model_name.len()
-            + self.status.len()
+            + 2 * self.model_name.len()
+            + 2 * self.status.len()
             + [
                 &self.api_key_prefix,
                 &self.subject,
@@ -117,7 +123,7 @@ impl AuditRecord {
                 &self.finish_reason,
             ]
             .into_iter()
-            .map(opt)
+            .map(|s| 2 * opt(s))
             .sum::<usize>()
     }
 }
@@ -185,17 +191,16 @@ pub struct AuditLog {
     bytes: Arc<Semaphore>,
     shared: Arc<Shared>,
     ack_timeout: Duration,
+    closing: Arc<tokio::sync::Notify>,
 }
 
 impl AuditLog {
     /// Reserves the place of one row, or says why there is none.
     pub fn admit(&self) -> Result<Ticket, Unavailable> {
         let s = &self.shared;
-        // Admission stops while a full queue could still be spooled, so
-        // every admitted row has room on disk.
-        if s.breaker_open.load(Ordering::Relaxed)
-            && s.spool_used.load(Ordering::Relaxed) + s.queue_bytes as u64 > s.spool_max
-        {
+        // Admission stops while a full queue could no longer be spooled, so
+        // every admitted row has room on disk if Postgres goes away.
+        if s.spool_used.load(Ordering::Relaxed) + s.queue_bytes as u64 > s.spool_max {
             return Err(refused(Unavailable::SpoolFull));
         }
         let bytes = self
@@ -218,6 +223,12 @@ impl AuditLog {
     /// True while the circuit breaker keeps rows away from Postgres.
     pub fn breaker_open(&self) -> bool {
         self.shared.breaker_open.load(Ordering::Relaxed)
+    }
+
+    /// Shutdown: no new admissions; the writer stops once every admitted
+    /// row is placed, however many handles (idle connections) remain.
+    pub fn close(&self) {
+        self.closing.notify_one();
     }
 }
 
@@ -290,6 +301,7 @@ pub fn start(
         config.segment_bytes,
         config.spool_max_bytes,
     )?;
+    let closing = Arc::new(tokio::sync::Notify::new());
     let shared = Arc::new(Shared {
         breaker_open: AtomicBool::new(false),
         spool_used: spool.used(),
@@ -297,13 +309,20 @@ pub fn start(
         queue_bytes: config.queue_bytes,
     });
     let (tx, rx) = mpsc::channel(config.queue_rows);
-    let handle = tokio::spawn(writer::run(pool, spool, rx, shared.clone()));
+    let handle = tokio::spawn(writer::run(
+        pool,
+        spool,
+        rx,
+        shared.clone(),
+        closing.clone(),
+    ));
     Ok((
         AuditLog {
             tx,
             bytes: Arc::new(Semaphore::new(config.queue_bytes)),
             shared,
             ack_timeout: config.ack_timeout,
+            closing,
         },
         handle,
     ))

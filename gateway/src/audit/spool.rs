@@ -61,6 +61,9 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> SpoolError + '_ {
 /// A spool line that could not be read back as a row.
 #[derive(Debug)]
 pub struct BadLine {
+    /// Where it was: `OWNER/SEGMENT:OFFSET`, unique, so quarantining it
+    /// twice (a retry after an outage) keeps one copy.
+    pub origin: String,
     pub reason: String,
     /// The line as it is on disk (its first [`MAX_LINE`] bytes).
     pub bytes: Vec<u8>,
@@ -72,6 +75,7 @@ pub struct Chunk {
     pub rows: Vec<AuditRecord>,
     pub bad: Vec<BadLine>,
     segment: PathBuf,
+    start: u64,
     end: u64,
     last: bool,
 }
@@ -106,7 +110,10 @@ pub struct Spool {
 }
 
 impl Spool {
-    /// Opens (creating) `root/owner` and locks it for this process.
+    /// Opens (creating) `root/owner` and locks it for this process. If
+    /// another live gateway holds that directory (it adopted it from this
+    /// owner's previous life, say), this process writes to a fresh
+    /// `owner-XXXXXXXX` instead; the other one replays the old rows.
     pub fn open(
         root: &Path,
         owner: &str,
@@ -114,10 +121,24 @@ impl Spool {
         max_bytes: u64,
     ) -> Result<Spool, SpoolError> {
         std::fs::create_dir_all(root).map_err(io(root))?;
-        let own = root.join(owner);
+        let mut own = root.join(owner);
         std::fs::create_dir_all(&own).map_err(io(&own))?;
-        let lock = try_lock(&own)?.ok_or_else(|| SpoolError::InUse(own.clone()))?;
-        let spool = Spool {
+        let mut lock = try_lock(&own)?;
+        for _ in 0..8 {
+            if lock.is_some() {
+                break;
+            }
+            let fresh = format!(
+                "{owner}-{}",
+                &uuid::Uuid::new_v4().simple().to_string()[..8]
+            );
+            tracing::warn!(dir = %own.display(), fresh, "audit spool directory held by another gateway; writing to a fresh one");
+            own = root.join(fresh);
+            std::fs::create_dir_all(&own).map_err(io(&own))?;
+            lock = try_lock(&own)?;
+        }
+        let lock = lock.ok_or_else(|| SpoolError::InUse(own.clone()))?;
+        let mut spool = Spool {
             root: root.to_owned(),
             own,
             _lock: lock,
@@ -129,14 +150,20 @@ impl Spool {
             used: Arc::new(AtomicU64::new(0)),
             cursor: None,
         };
-        let used: u64 = spool
-            .all_segments()
-            .iter()
+        spool.recount();
+        Ok(spool)
+    }
+
+    /// Sets the disk use to what this process's own and adopted
+    /// directories hold (other live gateways count their own).
+    fn recount(&mut self) {
+        let used: u64 = std::iter::once(&self.own)
+            .chain(self.adopted.keys())
+            .flat_map(|d| segments_in(d))
             .filter_map(|p| std::fs::metadata(p).ok())
             .map(|m| m.len())
             .sum();
-        spool.used.store(used, Ordering::Relaxed);
-        Ok(spool)
+        self.used.store(used, Ordering::Relaxed);
     }
 
     /// Bytes on disk, shared with admission control.
@@ -214,16 +241,6 @@ impl Spool {
         }
     }
 
-    /// Every segment under the root, oldest first by name.
-    fn all_segments(&self) -> Vec<PathBuf> {
-        let mut out = Vec::new();
-        for dir in subdirs(&self.root) {
-            out.extend(segments_in(&dir));
-        }
-        out.sort_by(|a, b| a.file_name().cmp(&b.file_name()));
-        out
-    }
-
     /// Segments replay may read: this process's sealed ones and those of
     /// directories it could adopt, oldest first.
     fn replayable(&mut self) -> Vec<PathBuf> {
@@ -236,6 +253,7 @@ impl Spool {
                 self.adopted.insert(dir, lock);
             }
         }
+        self.recount();
         let current = self.current.as_ref().map(|c| c.path.clone());
         let mut out: Vec<PathBuf> = std::iter::once(self.own.clone())
             .chain(self.adopted.keys().cloned())
@@ -246,9 +264,19 @@ impl Spool {
         out
     }
 
-    /// True when some segment waits for replay.
-    pub fn has_backlog(&mut self) -> bool {
-        self.cursor.is_some() || !self.replayable().is_empty()
+    /// True when some segment of this process's own waits for replay.
+    /// Adopting other directories is left to replay, which runs only while
+    /// Postgres answers.
+    pub fn has_backlog(&self) -> bool {
+        self.cursor.is_some() || !segments_in(&self.own).is_empty()
+    }
+
+    /// After a failed chunk: the next read starts at the chunk again.
+    pub fn rewind(&mut self, chunk: &Chunk) {
+        self.cursor = Some(Cursor {
+            segment: chunk.segment.clone(),
+            offset: chunk.start,
+        });
     }
 
     /// The next lines to replay, or None when nothing waits.
@@ -272,20 +300,28 @@ impl Spool {
             rows: Vec::new(),
             bad: Vec::new(),
             segment: path.clone(),
+            start: cursor.offset,
             end: cursor.offset,
             last: false,
         };
+        let name = path
+            .strip_prefix(&self.root)
+            .unwrap_or(&path)
+            .display()
+            .to_string();
         while chunk.rows.len() + chunk.bad.len() < CHUNK_ROWS {
             let line = read_line(&mut reader).map_err(io(&path))?;
             let Some(line) = line else {
                 chunk.last = true;
                 break;
             };
+            let offset = chunk.end;
             chunk.end += line.consumed;
             if line.bytes.iter().all(u8::is_ascii_whitespace) && line.complete {
                 continue;
             }
             let bad = |reason: String| BadLine {
+                origin: format!("{name}:{offset}"),
                 reason,
                 bytes: line.bytes.clone(),
             };

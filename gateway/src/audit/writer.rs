@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use sqlx::PgPool;
 use tokio::sync::mpsc;
+use tokio::task::JoinSet;
 use tokio::time::Instant;
 use uuid::Uuid;
 
@@ -31,6 +32,8 @@ const STATEMENT: Duration = Duration::from_secs(5);
 const PROBE: Duration = Duration::from_secs(1);
 /// Spool chunks replayed before the writer looks at its queue again.
 const REPLAY_CHUNKS_PER_TURN: usize = 4;
+/// Batches inserted at once.
+const IN_FLIGHT: usize = 4;
 
 /// Postgres is unreachable or failing; the rows are not at fault.
 #[derive(Debug)]
@@ -41,19 +44,27 @@ pub(super) async fn run(
     mut spool: Spool,
     mut rx: mpsc::Receiver<Queued>,
     shared: Arc<Shared>,
+    closing: Arc<tokio::sync::Notify>,
 ) {
     let mut w = Writer {
         pool,
         shared,
         next_probe: Instant::now(),
     };
+    // Batches being inserted: while one waits for its commit the next
+    // gathers, and Postgres commits them together.
+    let mut inserts: JoinSet<(Vec<Queued>, Result<(), Outage>)> = JoinSet::new();
     let mut backlog = spool.has_backlog();
     let mut next_tick = Instant::now();
+    let mut closed = false;
     loop {
         let wake = if backlog { Instant::now() } else { next_tick };
         tokio::select! {
             biased;
-            got = rx.recv() => match got {
+            Some(done) = inserts.join_next(), if !inserts.is_empty() => {
+                backlog |= w.inserted(&mut spool, done).await;
+            }
+            got = rx.recv(), if inserts.len() < IN_FLIGHT => match got {
                 Some(first) => {
                     let mut batch = vec![first];
                     while batch.len() < BATCH {
@@ -62,11 +73,26 @@ pub(super) async fn run(
                             Err(_) => break,
                         }
                     }
-                    w.place(&mut spool, batch).await;
-                    backlog = backlog || w.open();
+                    if w.open() {
+                        w.spool(&mut spool, batch).await;
+                        backlog = true;
+                    } else {
+                        let pool = w.pool.clone();
+                        inserts.spawn(async move {
+                            let rows: Vec<&AuditRecord> = batch.iter().map(|q| &q.record).collect();
+                            let result = insert_resilient(&pool, &rows).await;
+                            drop(rows);
+                            (batch, result)
+                        });
+                    }
                 }
                 None => break,
             },
+            () = closing.notified(), if !closed => {
+                // No new admissions; recv ends once every ticket is spent.
+                rx.close();
+                closed = true;
+            }
             _ = tokio::time::sleep_until(wake) => {
                 next_tick = Instant::now() + TICK;
                 if w.open() {
@@ -82,6 +108,9 @@ pub(super) async fn run(
             }
         }
     }
+    while let Some(done) = inserts.join_next().await {
+        w.inserted(&mut spool, done).await;
+    }
     // Shutdown: every queued row has been placed; a last replay empties
     // the spool if Postgres is there.
     if w.open() {
@@ -89,6 +118,14 @@ pub(super) async fn run(
     }
     if !w.open() {
         w.replay(&mut spool, usize::MAX).await;
+    }
+}
+
+fn ack(batch: Vec<Queued>) {
+    for q in batch {
+        if let Some(ack) = q.ack {
+            let _ = ack.send(());
+        }
     }
 }
 
@@ -130,39 +167,61 @@ impl Writer {
         self.set_open(!ok, "probe failed");
     }
 
-    /// Puts a batch where it is durable, then answers its waiters. Holds
-    /// the batch (and so the queue's room) until somewhere takes it.
-    async fn place(&mut self, spool: &mut Spool, batch: Vec<Queued>) {
-        let rows: Vec<&AuditRecord> = batch.iter().map(|q| &q.record).collect();
-        loop {
-            if !self.open() {
-                match insert_resilient(&self.pool, &rows).await {
+    /// A finished insert task: its rows are acknowledged, or spooled first
+    /// when Postgres failed. True when rows went to the spool.
+    async fn inserted(
+        &mut self,
+        spool: &mut Spool,
+        done: Result<(Vec<Queued>, Result<(), Outage>), tokio::task::JoinError>,
+    ) -> bool {
+        let (batch, result) = match done {
+            Ok(d) => d,
+            Err(e) => {
+                // The task owned the rows; a panic there loses them, loudly.
+                tracing::error!(error = %e, "audit insert task failed; its rows are lost");
+                return false;
+            }
+        };
+        match result {
+            Ok(()) => {
+                counter("postgres", batch.len());
+                ack(batch);
+                false
+            }
+            Err(Outage(e)) => {
+                self.set_open(true, &e);
+                self.spool(spool, batch).await;
+                true
+            }
+        }
+    }
+
+    /// Appends a batch to the spool, then answers its waiters. Holds the
+    /// batch (and so the queue's room) until it is durable somewhere.
+    async fn spool(&mut self, spool: &mut Spool, batch: Vec<Queued>) {
+        {
+            let rows: Vec<&AuditRecord> = batch.iter().map(|q| &q.record).collect();
+            loop {
+                match spool.append(&rows) {
                     Ok(()) => {
-                        counter("postgres", rows.len());
+                        counter("spool", rows.len());
                         break;
                     }
-                    Err(Outage(e)) => self.set_open(true, &e),
-                }
-            }
-            match spool.append(&rows) {
-                Ok(()) => {
-                    counter("spool", rows.len());
-                    break;
-                }
-                Err(e) => {
-                    tracing::error!(error = %e, rows = rows.len(), "audit rows can be neither inserted nor spooled; holding them");
-                    tokio::time::sleep(TICK).await;
-                    self.probe().await;
+                    Err(e) => {
+                        tracing::error!(error = %e, rows = rows.len(), "audit rows can be neither inserted nor spooled; holding them");
+                        tokio::time::sleep(TICK).await;
+                        self.probe().await;
+                        if !self.open() && insert_resilient(&self.pool, &rows).await.is_ok() {
+                            counter("postgres", rows.len());
+                            break;
+                        }
+                    }
                 }
             }
         }
         metrics::gauge!("lorafleet_gateway_audit_spool_bytes")
             .set(self.shared.spool_used.load(Ordering::Relaxed) as f64);
-        for q in batch {
-            if let Some(ack) = q.ack {
-                let _ = ack.send(());
-            }
-        }
+        ack(batch);
     }
 
     /// Replays up to `chunks` chunks; true when more waits.
@@ -180,13 +239,16 @@ impl Writer {
             };
             let rows: Vec<&AuditRecord> = chunk.rows.iter().collect();
             let placed = async {
+                insert_resilient(&self.pool, &rows).await?;
                 for bad in &chunk.bad {
                     quarantine_line(&self.pool, bad).await?;
                 }
-                insert_resilient(&self.pool, &rows).await
+                Ok(())
             }
             .await;
             if let Err(Outage(e)) = placed {
+                // From the chunk's start next time; inserts are idempotent.
+                spool.rewind(&chunk);
                 self.set_open(true, &e);
                 return true;
             }
@@ -241,18 +303,24 @@ async fn insert_resilient(pool: &PgPool, rows: &[&AuditRecord]) -> Result<(), Ou
     }
 }
 
+/// Idempotent on `origin` (its unique constraint), so a retry after an
+/// outage never doubles one. No conflict target: naming one would need
+/// SELECT on the table, which the runtime role does not have.
 const DEAD_LETTER: &str =
-    "INSERT INTO audit_dead_letter (source, request_id, reason, payload) VALUES ($1, $2, $3, $4)";
+    "INSERT INTO audit_dead_letter (source, origin, request_id, reason, payload)
+     VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING";
 
 async fn dead_letter(
     pool: &PgPool,
     source: &str,
+    origin: &str,
     request_id: Option<Uuid>,
     reason: &str,
     payload: &[u8],
 ) -> Result<(), Outage> {
     let q = sqlx::query(DEAD_LETTER)
         .bind(source)
+        .bind(sanitize::safe(origin, 1024))
         .bind(request_id)
         .bind(sanitize::safe(reason, 4096))
         .bind(payload);
@@ -270,11 +338,21 @@ async fn dead_letter(
 async fn quarantine_row(pool: &PgPool, row: &AuditRecord, reason: &str) -> Result<(), Outage> {
     tracing::error!(request_id = %row.request_id, reason, "audit row refused by Postgres; quarantined in audit_dead_letter");
     let payload = serde_json::to_vec(row).unwrap_or_default();
-    dead_letter(pool, "insert", Some(row.request_id), reason, &payload).await
+    let origin = format!("insert:{}", row.request_id);
+    dead_letter(
+        pool,
+        "insert",
+        &origin,
+        Some(row.request_id),
+        reason,
+        &payload,
+    )
+    .await
 }
 
 async fn quarantine_line(pool: &PgPool, bad: &BadLine) -> Result<(), Outage> {
-    dead_letter(pool, "spool", None, &bad.reason, &bad.bytes).await
+    let origin = format!("spool:{}", bad.origin);
+    dead_letter(pool, "spool", &origin, None, &bad.reason, &bad.bytes).await
 }
 
 /// One statement text for every batch size: the rows travel as one array
