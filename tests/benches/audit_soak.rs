@@ -16,7 +16,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use lorafleet_tests::{
-    Proxy, Server, binary, engine_fixtures, login_member_of, migrated_db, seed_base_routes,
+    Proxy, Server, binary, fixture_worker, login_member_of, migrated_db, rss_kib, seed_base_routes,
 };
 use uuid::Uuid;
 
@@ -33,18 +33,6 @@ fn env_u64(name: &str, default: u64) -> u64 {
                 .unwrap_or_else(|_| panic!("{name}: {v:?} is not a number"))
         })
         .unwrap_or(default)
-}
-
-fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|v| v.parse().ok())
-        })
-        .unwrap_or(0)
 }
 
 fn dir_bytes(dir: &Path) -> u64 {
@@ -149,16 +137,7 @@ fn main() {
         seed_base_routes(&pool, &[("acme", KEYS[0]), ("globex", KEYS[1])], "chat").await;
         let user = login_member_of(&pool, "lorafleet_runtime").await;
         let pg = Proxy::start("127.0.0.1:5432");
-        let fixtures = engine_fixtures();
-        let mut cmd = Command::new(binary("lorafleet-worker"));
-        cmd.args(["serve", "--grpc-listen", "127.0.0.1:0"])
-            .args(["--metrics-listen", "127.0.0.1:0", "--worker-id", "w0"])
-            .arg("--model")
-            .arg(fixtures.join("llama-gqa"))
-            .arg("--artifact-root")
-            .arg(fixtures.join("adapters"))
-            .env("RUST_LOG", "warn");
-        let worker = Server::start(cmd, "lorafleet-worker listening ");
+        let worker = fixture_worker("w0", &[]);
         let spool = tempfile::tempdir().unwrap();
         let mut cmd = Command::new(binary("lorafleet-gateway"));
         cmd.args(["serve", "--listen", "127.0.0.1:0"])

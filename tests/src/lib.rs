@@ -271,6 +271,34 @@ pub fn engine_fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../worker/engine/tests/fixtures")
 }
 
+/// A real worker on the fixture model `llama-gqa` with the fixture
+/// adapters as its artifact root, on loopback ports; `extra` adds flags.
+pub fn fixture_worker(id: &str, extra: &[&str]) -> Server {
+    let fixtures = engine_fixtures();
+    let mut cmd = Command::new(binary("lorafleet-worker"));
+    cmd.args(["serve", "--grpc-listen", "127.0.0.1:0"])
+        .args(["--metrics-listen", "127.0.0.1:0", "--worker-id", id])
+        .args(extra)
+        .arg("--model")
+        .arg(fixtures.join("llama-gqa"))
+        .arg("--artifact-root")
+        .arg(fixtures.join("adapters"));
+    Server::start(cmd, "lorafleet-worker listening ")
+}
+
+/// A process's resident memory in KiB (0 if it is gone).
+pub fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
 /// A real server process started by a test, killed when dropped.
 #[derive(Debug)]
 pub struct Server {

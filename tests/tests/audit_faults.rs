@@ -12,7 +12,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use lorafleet_tests::{
-    Proxy, Server, TestDb, binary, engine_fixtures, login_member_of, migrated_db, seed_base_routes,
+    Proxy, Server, TestDb, binary, fixture_worker, login_member_of, migrated_db, rss_kib,
+    seed_base_routes,
 };
 use serde_json::{Value, json};
 use sqlx::PgPool;
@@ -30,18 +31,6 @@ async fn seed(pool: &PgPool) {
 /// A login role that is a member of `lorafleet_runtime` and nothing else.
 async fn runtime_user(pool: &PgPool) -> String {
     login_member_of(pool, "lorafleet_runtime").await
-}
-
-fn worker() -> Server {
-    let fixtures = engine_fixtures();
-    let mut cmd = Command::new(binary("lorafleet-worker"));
-    cmd.args(["serve", "--grpc-listen", "127.0.0.1:0"])
-        .args(["--metrics-listen", "127.0.0.1:0", "--worker-id", "w0"])
-        .arg("--model")
-        .arg(fixtures.join("llama-gqa"))
-        .arg("--artifact-root")
-        .arg(fixtures.join("adapters"));
-    Server::start(cmd, "lorafleet-worker listening ")
 }
 
 struct Env {
@@ -65,7 +54,7 @@ async fn env(label: &str) -> Env {
         pg: Proxy::start("127.0.0.1:5432"),
         user,
         db_name: db.name().to_owned(),
-        worker: worker(),
+        worker: fixture_worker("w0", &[]),
         spool: tempfile::tempdir().unwrap(),
         http: reqwest::Client::new(),
         _db: db,
@@ -193,18 +182,6 @@ fn normal(i: usize) -> Vec<u8> {
            "temperature": 0, "user": format!("user-{}", i % 7)})
     .to_string()
     .into_bytes()
-}
-
-fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|v| v.parse().ok())
-        })
-        .unwrap_or(0)
 }
 
 fn segments(dir: &Path) -> usize {
@@ -630,21 +607,26 @@ async fn sigterm_with_open_streams_ends_them_and_writes_every_row() {
     println!("sigterm: exited in {took:?}; {ok} rows ok, {cut} streams cut at the deadline");
 }
 
-#[tokio::test]
-async fn the_runtime_role_cannot_erase_the_audit_log() {
-    let db = migrated_db("audit_privilege").await;
-    let pool = db.pool().await;
-    seed(&pool).await;
-    let user = runtime_user(&pool).await;
+/// One minimal audit row.
+async fn insert_row(pool: &PgPool) -> Result<(), sqlx::Error> {
     sqlx::query(
         "INSERT INTO audit_log (request_id, received_at, completed_at, model_name, status,
                                 http_status, latency_us)
          VALUES ($1, now(), now(), 'chat', 'rejected', 401, 1)",
     )
     .bind(Uuid::now_v7())
-    .execute(&pool)
+    .execute(pool)
     .await
-    .unwrap();
+    .map(|_| ())
+}
+
+#[tokio::test]
+async fn the_runtime_role_cannot_erase_the_audit_log() {
+    let db = migrated_db("audit_privilege").await;
+    let pool = db.pool().await;
+    seed(&pool).await;
+    let user = runtime_user(&pool).await;
+    insert_row(&pool).await.unwrap();
     let url = db.url_as(&user);
     let rt = sqlx::postgres::PgPoolOptions::new()
         .max_connections(1)
@@ -675,15 +657,7 @@ async fn the_runtime_role_cannot_erase_the_audit_log() {
         .await
         .unwrap();
     assert_eq!(n, 2);
-    sqlx::query(
-        "INSERT INTO audit_log (request_id, received_at, completed_at, model_name, status,
-                                http_status, latency_us)
-         VALUES ($1, now(), now(), 'chat', 'rejected', 401, 1)",
-    )
-    .bind(Uuid::now_v7())
-    .execute(&rt)
-    .await
-    .unwrap();
+    insert_row(&rt).await.unwrap();
     rt.close().await;
 }
 

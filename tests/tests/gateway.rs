@@ -6,7 +6,9 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use lorafleet_tests::{Proxy, Server, TestDb, binary, engine_fixtures, migrated_db};
+use lorafleet_tests::{
+    Proxy, Server, TestDb, binary, engine_fixtures, fixture_worker, migrated_db,
+};
 use serde_json::{Value, json};
 use sqlx::PgPool;
 use uuid::Uuid;
@@ -191,21 +193,7 @@ async fn route(pool: &PgPool, tenant: Uuid, model: &str, base: i64, weights: &[(
 }
 
 fn worker(id: &str) -> Server {
-    let fixtures = engine_fixtures();
-    let mut cmd = Command::new(binary("lorafleet-worker"));
-    cmd.args([
-        "serve",
-        "--grpc-listen",
-        "127.0.0.1:0",
-        "--metrics-listen",
-        "127.0.0.1:0",
-    ])
-    .args(["--worker-id", id, "--max-loras", "2"])
-    .arg("--model")
-    .arg(fixtures.join("llama-gqa"))
-    .arg("--artifact-root")
-    .arg(fixtures.join("adapters"));
-    Server::start(cmd, "lorafleet-worker listening ")
+    fixture_worker(id, &["--max-loras", "2"])
 }
 
 struct Fleet {

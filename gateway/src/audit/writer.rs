@@ -31,7 +31,7 @@ const TICK: Duration = Duration::from_secs(1);
 const STATEMENT: Duration = Duration::from_secs(5);
 const PROBE: Duration = Duration::from_secs(1);
 /// Spool chunks replayed before the writer looks at its queue again.
-const REPLAY_CHUNKS_PER_TURN: usize = 4;
+const REPLAY_CHUNKS_PER_TURN: usize = 1;
 /// Batches inserted at once.
 const IN_FLIGHT: usize = 4;
 
