@@ -231,12 +231,25 @@ async fn concurrent_adapter_streams_match_the_goldens_and_bad_artifacts_are_refu
             "token_ids",
         ),
     ];
+    // No refusal is an oracle: none shows the artifact's actual digest or
+    // a path on the worker's machine.
+    let actual_digest = json("artifact_digests.json")["llama-gqa/qv-r8"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let fixtures = engine_fixtures().canonicalize().unwrap();
     for (r, code, text) in cases {
         let err = generate(&mut c, r).await.expect_err("refused");
         assert_eq!(err.code(), code, "{}", err.message());
         assert!(
             err.message().contains(text),
             "expected {text:?} in {}",
+            err.message()
+        );
+        assert!(!err.message().contains(&actual_digest), "{}", err.message());
+        assert!(
+            !err.message().contains(fixtures.to_str().unwrap()),
+            "{}",
             err.message()
         );
     }

@@ -211,15 +211,25 @@ pub fn adapter_state(a: &AdapterStatus, sha256: &str, epoch: SystemTime) -> pb::
 }
 
 /// The status for an artifact that could not be used.
+///
+/// A status names the field and the reason, never what the caller could not
+/// know: the artifact's actual digest or a path on this machine (those go
+/// to the log), so an error is no oracle for the files.
 pub fn artifact_status(e: &ArtifactError) -> Status {
     match e {
         ArtifactError::InvalidUri { .. } | ArtifactError::OutsideRoots { .. } => {
             Status::invalid_argument(format!("adapter.artifact_uri: {e}"))
         }
         ArtifactError::NotFound { .. } => Status::not_found(format!("adapter.artifact_uri: {e}")),
-        ArtifactError::Unreadable { .. } => Status::failed_precondition(e.to_string()),
+        ArtifactError::Unreadable { .. } => {
+            tracing::warn!(error = %e, "adapter artifact unreadable");
+            Status::failed_precondition("adapter.artifact_uri: the artifact cannot be read")
+        }
         ArtifactError::DigestMismatch { .. } => {
-            Status::failed_precondition(format!("adapter.artifact_sha256: {e}"))
+            tracing::warn!(error = %e, "adapter artifact digest mismatch");
+            Status::failed_precondition(
+                "adapter.artifact_sha256: the artifact's files do not match the registered digest",
+            )
         }
     }
 }
@@ -236,9 +246,16 @@ pub fn engine_status(e: &EngineError) -> Status {
             AdapterError::BaseHashMismatch { .. } => {
                 Status::failed_precondition(format!("adapter.base_hash: {a}"))
             }
-            AdapterError::Unsupported { .. }
-            | AdapterError::Invalid { .. }
-            | AdapterError::Io { .. } => Status::failed_precondition(a.to_string()),
+            AdapterError::Unsupported { .. } | AdapterError::Invalid { .. } => {
+                Status::failed_precondition(a.to_string())
+            }
+            AdapterError::Io { adapter, .. } => {
+                // The path and the OS error go to the log only.
+                tracing::warn!(error = %a, "adapter file unreadable");
+                Status::failed_precondition(format!(
+                    "adapter {adapter}: a file of the artifact cannot be read"
+                ))
+            }
         },
         EngineError::Tokenizer(_) | EngineError::ChatTemplate(_) => {
             Status::invalid_argument(e.to_string())

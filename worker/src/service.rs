@@ -141,8 +141,10 @@ impl WorkerService {
             return if *sha == d.artifact_sha256 {
                 Ok(d.lora_int_id)
             } else {
+                // Which digest it was loaded with is not the caller's to learn.
+                tracing::warn!(lora_int_id = d.lora_int_id, loaded = %sha, asked = %d.artifact_sha256, "adapter id reused with another digest");
                 Err(Status::failed_precondition(format!(
-                    "adapter.lora_int_id: {} is already loaded from an artifact with digest {sha}",
+                    "adapter.lora_int_id: {} is already loaded from an artifact with another digest",
                     d.lora_int_id
                 )))
             };
