@@ -15,6 +15,10 @@ use tonic::transport::Channel;
 type Worker = Server;
 
 fn start(extra_root: &Path) -> Worker {
+    start_with(extra_root, "2")
+}
+
+fn start_with(extra_root: &Path, max_loras: &str) -> Worker {
     let fixtures = engine_fixtures();
     let mut cmd = Command::new(binary("lorafleet-worker"));
     cmd.args([
@@ -26,7 +30,7 @@ fn start(extra_root: &Path) -> Worker {
         "--worker-id",
         "w0",
         "--max-loras",
-        "2",
+        max_loras,
     ])
     .arg("--model")
     .arg(fixtures.join("llama-gqa"))
@@ -622,4 +626,33 @@ async fn watch_shows_an_adapter_load_then_its_eviction_past_the_device_slots() {
         .filter(|a| a.residency == device)
         .count();
     assert!(on_device <= 2, "never more than the slots: {evicted:?}");
+}
+
+/// With `max_loras = 4`, a fourth pin is refused, so one slot always serves
+/// unpinned traffic; an unpinned adapter's request still completes.
+#[tokio::test]
+async fn pins_are_capped_and_unpinned_traffic_still_runs() {
+    let extra = tempfile::tempdir().unwrap();
+    let w = start_with(extra.path(), "4");
+    let mut c = client(&w).await;
+    let pin = |name: &str, id: u64| pb::LoadAdapterRequest {
+        adapter: Some(descriptor(name, id)),
+        target: pb::Residency::Device as i32,
+        pin: Some(true),
+    };
+    for (id, name) in [(1, "qv-r8"), (2, "patterns"), (3, "layer1-mlp")] {
+        c.load_adapter(pin(name, id)).await.unwrap();
+    }
+    let err = c.load_adapter(pin("o-r2", 4)).await.unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted, "{}", err.message());
+    assert!(err.message().contains("max_pinned"), "{}", err.message());
+    for (id, name) in [(4, "o-r2"), (5, "k-r16"), (4, "o-r2")] {
+        let (tokens, _) = generate(
+            &mut c,
+            request("free", Some(descriptor(name, id)), vec![1, 2, 3], 3),
+        )
+        .await
+        .unwrap();
+        assert_eq!(tokens.len(), 3);
+    }
 }

@@ -47,6 +47,7 @@ fn settings() -> EngineSettings {
         max_num_seqs: 32,
         max_batched_tokens: 512,
         max_waiting: 4096,
+        max_pinned: None,
     }
 }
 

@@ -238,7 +238,9 @@ pub fn artifact_status(e: &ArtifactError) -> Status {
 pub fn engine_status(e: &EngineError) -> Status {
     match e {
         EngineError::InvalidRequest { .. } => Status::invalid_argument(e.to_string()),
-        EngineError::QueueFull { .. } => Status::resource_exhausted(e.to_string()),
+        EngineError::QueueFull { .. } | EngineError::PinLimit { .. } => {
+            Status::resource_exhausted(e.to_string())
+        }
         EngineError::Adapter(a) => match a {
             AdapterError::RankTooLarge { .. } => {
                 Status::invalid_argument(format!("adapter.rank: {a}"))

@@ -41,6 +41,10 @@ pub struct EngineFlags {
     /// The most waiting requests before new ones are refused.
     #[arg(long, env = "LORAFLEET_MAX_WAITING", default_value_t = 1024)]
     max_waiting: usize,
+    /// The most adapters pinned at once (default: --max-loras minus one, so
+    /// one slot always serves unpinned traffic).
+    #[arg(long, env = "LORAFLEET_MAX_PINNED")]
+    max_pinned: Option<usize>,
 }
 
 impl EngineFlags {
@@ -93,6 +97,7 @@ impl EngineFlags {
             max_num_seqs: self.max_num_seqs,
             max_batched_tokens: self.max_batched_tokens,
             max_waiting: self.max_waiting,
+            max_pinned: self.max_pinned,
         };
         settings
             .validate()

@@ -276,14 +276,17 @@ fn run(
                     pin,
                     reply,
                 } => {
-                    if let Some(pin) = pin {
-                        engine.pool().set_pinned(id, pin);
+                    let pinned = match pin {
+                        Some(pin) => engine.pool().set_pinned(id, pin),
+                        None => Ok(()),
+                    };
+                    if pinned.is_ok() {
+                        engine.prefetch(id);
+                        if promote {
+                            pending_promotions.push(id);
+                        }
                     }
-                    engine.prefetch(id);
-                    if promote {
-                        pending_promotions.push(id);
-                    }
-                    let _ = reply.send(Ok(()));
+                    let _ = reply.send(pinned);
                 }
                 Command::Unload { id, reply } => {
                     pending_promotions.retain(|&p| p != id);

@@ -154,6 +154,7 @@ fn run_once(model: &std::path::Path, adapter_dirs: &[std::path::PathBuf]) -> Run
         max_num_seqs: 32,
         max_batched_tokens: 512,
         max_waiting: 4096,
+        max_pinned: None,
     };
     let mut e = Engine::load_cpu(model, settings).unwrap();
     let loading = Instant::now();

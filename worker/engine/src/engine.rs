@@ -35,6 +35,9 @@ pub struct EngineSettings {
     pub max_batched_tokens: usize,
     /// The most requests waiting for admission.
     pub max_waiting: usize,
+    /// The most adapters pinned at once; None means `max_loras - 1`, so
+    /// one slot always serves unpinned traffic.
+    pub max_pinned: Option<usize>,
 }
 
 impl Default for EngineSettings {
@@ -48,6 +51,7 @@ impl Default for EngineSettings {
             max_num_seqs: 64,
             max_batched_tokens: 512,
             max_waiting: 1024,
+            max_pinned: None,
         }
     }
 }
@@ -76,6 +80,17 @@ impl EngineSettings {
                 format!(
                     "{} must be at least max_loras ({}): the host tier holds every device adapter",
                     self.max_cpu_loras, self.max_loras
+                ),
+            ));
+        }
+        if let Some(p) = self.max_pinned
+            && p >= self.max_loras
+        {
+            return Err(EngineError::request(
+                "max_pinned",
+                format!(
+                    "{p} must be below max_loras ({}): one slot always serves unpinned traffic",
+                    self.max_loras
                 ),
             ));
         }
@@ -249,13 +264,16 @@ impl Engine {
                 "the backend's slots do not match the settings".into(),
             ));
         }
-        let pool = AdapterPool::new(
+        let mut pool = AdapterPool::new(
             config.clone(),
             settings.max_lora_rank,
             settings.max_loras,
             settings.max_cpu_loras,
             base_hash.clone(),
         );
+        if let Some(p) = settings.max_pinned {
+            pool.set_max_pinned(p);
+        }
         let seed = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64);

@@ -32,6 +32,9 @@ pub enum EngineError {
     /// The waiting queue is full; the caller may retry later or elsewhere.
     #[error("the waiting queue is full ({waiting} requests)")]
     QueueFull { waiting: usize },
+    /// Pinning another adapter would leave no slot for unpinned traffic.
+    #[error("pin: {pinned} adapters are pinned already, the most allowed (max_pinned)")]
+    PinLimit { pinned: usize },
     /// An adapter was refused.
     #[error(transparent)]
     Adapter(#[from] crate::lora::AdapterError),

@@ -104,6 +104,9 @@ struct Entry {
     loading: bool,
     /// Set by `unload` while leases remain; the adapter leaves when they end.
     unload_pending: bool,
+    /// Set by `unload` while a load is in flight: its result is dropped,
+    /// so an unload is never undone by a prefetch finishing after it.
+    discard_load: bool,
 }
 
 type LoadResult = (AdapterId, std::result::Result<HostAdapter, AdapterError>);
@@ -120,6 +123,8 @@ pub struct AdapterPool {
     results: mpsc::Receiver<LoadResult>,
     /// Incremented on every residency change, so watchers can tell.
     generation: u64,
+    /// The most adapters pinned at once.
+    max_pinned: usize,
 }
 
 impl AdapterPool {
@@ -162,7 +167,13 @@ impl AdapterPool {
             jobs,
             results,
             generation: 0,
+            max_pinned: slots.saturating_sub(1),
         }
+    }
+
+    /// Caps pins (default: one slot fewer than there are).
+    pub fn set_max_pinned(&mut self, max: usize) {
+        self.max_pinned = max;
     }
 
     pub fn counters(&self) -> PoolCounters {
@@ -204,6 +215,7 @@ impl AdapterPool {
                         last_used: 0,
                         loading: false,
                         unload_pending: false,
+                        discard_load: false,
                     },
                 );
                 Ok(())
@@ -219,7 +231,7 @@ impl AdapterPool {
         match self.entries.get(&id) {
             Some(e) if e.slot.is_some() => Residency::Device,
             Some(e) if e.host.is_some() => Residency::Host,
-            Some(e) if e.loading => Residency::Loading,
+            Some(e) if e.loading && !e.discard_load => Residency::Loading,
             _ => Residency::NotLoaded,
         }
     }
@@ -251,6 +263,7 @@ impl AdapterPool {
             e.queued += 1;
             e.last_used = now;
             e.unload_pending = false;
+            e.discard_load = false;
         }
         self.request_load(id);
         residency
@@ -326,6 +339,10 @@ impl AdapterPool {
             };
             e.loading = false;
             self.generation += 1;
+            if std::mem::take(&mut e.discard_load) {
+                // Unloaded while it was loading: the unload stands.
+                continue;
+            }
             match result {
                 Ok(adapter) => {
                     e.host = Some(Arc::new(adapter));
@@ -401,7 +418,13 @@ impl AdapterPool {
                         let e = &self.entries[h];
                         !e.pinned && e.leases.load(Ordering::Acquire) == 0
                     })
-                    .min_by_key(|(_, h)| (self.entries[h].last_used, *h));
+                    // An adapter that requests wait for goes last: evicting
+                    // it would only load it again. It still can go, or a
+                    // flooded adapter could starve every other one.
+                    .min_by_key(|(_, h)| {
+                        let e = &self.entries[h];
+                        (e.queued > 0, e.last_used, *h)
+                    });
                 let Some((slot, holder)) = victim else {
                     return Ok(None);
                 };
@@ -449,14 +472,24 @@ impl AdapterPool {
         }
     }
 
-    /// Pins or unpins an adapter's device slot.
-    pub fn set_pinned(&mut self, id: AdapterId, pinned: bool) {
+    /// Pins or unpins an adapter's device slot. A pin beyond `max_pinned`
+    /// is refused, so one slot always serves unpinned traffic.
+    pub fn set_pinned(&mut self, id: AdapterId, pinned: bool) -> Result<()> {
+        let others = self
+            .entries
+            .iter()
+            .filter(|(other, e)| **other != id && e.pinned)
+            .count();
         if let Some(e) = self.entries.get_mut(&id)
             && e.pinned != pinned
         {
+            if pinned && others >= self.max_pinned {
+                return Err(crate::error::EngineError::PinLimit { pinned: others });
+            }
             e.pinned = pinned;
             self.generation += 1;
         }
+        Ok(())
     }
 
     /// Removes an adapter from both tiers now, or once its leases end.
@@ -470,6 +503,9 @@ impl AdapterPool {
         if held > 0 || e.queued > 0 {
             e.unload_pending = true;
             return Ok((before, held));
+        }
+        if e.loading {
+            e.discard_load = true;
         }
         self.drop_entry_now(id, backend)?;
         Ok((before, 0))

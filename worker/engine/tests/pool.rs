@@ -95,13 +95,15 @@ fn a_lease_or_a_pin_prevents_eviction() {
     );
     assert_eq!(pool.slot_of(1), Some(0));
     drop(lease);
-    pool.set_pinned(1, true);
+    // One slot: only a pin cap above the default lets it be pinned.
+    pool.set_max_pinned(1);
+    pool.set_pinned(1, true).unwrap();
     assert_eq!(
         pool.ensure_device(2, &[], &mut backend).unwrap(),
         None,
         "the only slot is pinned"
     );
-    pool.set_pinned(1, false);
+    pool.set_pinned(1, false).unwrap();
     assert_eq!(pool.ensure_device(2, &[], &mut backend).unwrap(), Some(0));
     assert_eq!(pool.residency(1), Residency::Host);
 }
@@ -234,4 +236,55 @@ fn a_request_for_a_cold_adapter_is_not_starved_by_a_hot_one() {
         at < 100,
         "it waited about STARVATION_STEPS plus a drain, not forever: {at} steps"
     );
+}
+
+#[test]
+fn pins_are_capped_so_one_slot_serves_unpinned_traffic() {
+    let (mut pool, mut backend) = setup(4, 10);
+    for id in [1, 2, 3] {
+        pool.set_pinned(id, true).unwrap();
+        access(&mut pool, &mut backend, id);
+    }
+    let err = pool.set_pinned(4, true).unwrap_err();
+    assert!(err.to_string().contains("max_pinned"), "{err}");
+    // Unpinned adapters share the one slot left, one after another.
+    for id in [4, 5, 6, 4] {
+        access(&mut pool, &mut backend, id);
+    }
+    assert_eq!(device_set(&pool), vec![1, 2, 3, 4]);
+    // Unpinning makes room for another pin.
+    pool.set_pinned(1, false).unwrap();
+    pool.set_pinned(4, true).unwrap();
+}
+
+#[test]
+fn an_unload_during_a_load_leaves_the_adapter_unloaded() {
+    let (mut pool, mut backend) = setup(2, 10);
+    pool.request_load(1);
+    assert_eq!(pool.residency(1), Residency::Loading);
+    pool.unload(1, &mut backend).unwrap();
+    assert_eq!(pool.residency(1), Residency::NotLoaded);
+    while pool.loads_in_flight() > 0 {
+        pool.poll_loads(Some(Duration::from_secs(5)));
+    }
+    assert_eq!(
+        pool.residency(1),
+        Residency::NotLoaded,
+        "the load's result was dropped"
+    );
+    assert!(pool.host_adapter(1).is_none());
+    // A request after the unload loads it again.
+    assert_eq!(access(&mut pool, &mut backend, 1), Residency::NotLoaded);
+    assert_eq!(pool.residency(1), Residency::Device);
+}
+
+#[test]
+fn device_eviction_passes_over_adapters_that_requests_wait_for() {
+    let (mut pool, mut backend) = setup(2, 10);
+    access(&mut pool, &mut backend, 1);
+    access(&mut pool, &mut backend, 2);
+    // 1 is the least recently used, but a request waits for it.
+    pool.on_arrival(1);
+    access(&mut pool, &mut backend, 3);
+    assert_eq!(device_set(&pool), vec![1, 3], "2 went, not 1");
 }
