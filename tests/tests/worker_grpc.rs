@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use lorafleet_proto::worker::v1 as pb;
 use lorafleet_proto::worker::v1::worker_client::WorkerClient;
-use lorafleet_tests::{Server, binary, engine_fixtures};
+use lorafleet_tests::{Server, binary, engine_fixtures, fixture_worker};
 use serde_json::Value;
 use tonic::Code;
 use tonic::transport::Channel;
@@ -655,4 +655,75 @@ async fn pins_are_capped_and_unpinned_traffic_still_runs() {
         .unwrap();
         assert_eq!(tokens.len(), 3);
     }
+}
+
+/// An artifact changed on disk after it was verified is never served: the
+/// pool reads only the worker's verified copy (even after a host-tier
+/// eviction), and once the adapter is unloaded the next use verifies the
+/// root again and is refused by name.
+#[tokio::test]
+async fn a_changed_artifact_is_never_served_and_is_refused_after_an_unload() {
+    let extra = tempfile::tempdir().unwrap();
+    let changed = extra.path().join("changed");
+    std::fs::create_dir_all(&changed).unwrap();
+    let source = engine_fixtures().join("adapters/llama-gqa/qv-r8");
+    for f in std::fs::read_dir(&source).unwrap() {
+        let f = f.unwrap();
+        std::fs::copy(f.path(), changed.join(f.file_name())).unwrap();
+    }
+    let root = extra.path().to_str().unwrap().to_owned();
+    let w = fixture_worker(
+        "w0",
+        &[
+            "--max-loras",
+            "2",
+            "--max-cpu-loras",
+            "2",
+            "--artifact-root",
+            &root,
+        ],
+    );
+    let mut c = client(&w).await;
+    let mut d = descriptor("qv-r8", 7);
+    d.artifact_uri = "changed".into();
+    let run = |id: &str, d: pb::AdapterDescriptor| request(id, Some(d), vec![1, 2, 3], 6);
+    let (first, _) = generate(&mut c, run("first", d.clone())).await.unwrap();
+
+    // Same shape, other weights.
+    let weights = changed.join("adapter_model.safetensors");
+    let mut bytes = std::fs::read(&weights).unwrap();
+    let n = bytes.len();
+    for b in &mut bytes[n - 256..] {
+        *b ^= 0x40;
+    }
+    std::fs::write(&weights, &bytes).unwrap();
+
+    // Other adapters push it out of both tiers; it comes back from the copy.
+    for (id, name) in [(10, "patterns"), (11, "layer1-mlp"), (12, "o-r2")] {
+        generate(&mut c, run("other", descriptor(name, id)))
+            .await
+            .unwrap();
+    }
+    let (again, _) = generate(&mut c, run("again", d.clone())).await.unwrap();
+    assert_eq!(
+        again, first,
+        "served from the verified copy, not the changed file"
+    );
+
+    c.unload_adapter(pb::UnloadAdapterRequest { lora_int_id: 7 })
+        .await
+        .unwrap();
+    let err = generate(&mut c, run("after", d)).await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{}", err.message());
+    assert!(
+        err.message().contains("adapter.artifact_sha256"),
+        "{}",
+        err.message()
+    );
+    let m = scrape(w.addr("metrics"));
+    assert!(
+        m.get("lorafleet_adapter_digest_mismatches_total")
+            .is_some_and(|v| *v >= 1.0),
+        "{m:?}"
+    );
 }

@@ -208,9 +208,11 @@ fn main() {
             display_name: format!("a{i}"),
         })
         .collect();
+    let cache = tempfile::tempdir().unwrap();
     let service = WorkerService::new(
         served.clone(),
         roots,
+        cache.path().to_owned(),
         info,
         Arc::new(AtomicBool::new(false)),
     );

@@ -13,6 +13,7 @@ use std::collections::HashMap;
 use std::sync::mpsc as std_mpsc;
 use std::time::{Duration, Instant, SystemTime};
 
+use lorafleet_engine::lora::HostAdapter;
 use lorafleet_engine::{
     Accepted, AdapterId, AdapterSource, Engine, EngineError, EngineStats, Event, Request,
     Residency, StepStats,
@@ -43,6 +44,7 @@ enum Command {
     Register {
         id: AdapterId,
         source: AdapterSource,
+        loaded: Option<Box<HostAdapter>>,
         reply: Reply<()>,
     },
     Prefetch {
@@ -163,10 +165,22 @@ impl EngineHandle {
         ))
     }
 
-    /// Makes an adapter known to the engine.
-    pub async fn register(&self, id: AdapterId, source: AdapterSource) -> Result<(), EngineError> {
-        self.call(|reply| Command::Register { id, source, reply })
-            .await
+    /// Makes an adapter known to the engine; `loaded` is the adapter
+    /// already read and checked from `source`, if the caller has it.
+    pub async fn register(
+        &self,
+        id: AdapterId,
+        source: AdapterSource,
+        loaded: Option<HostAdapter>,
+    ) -> Result<(), EngineError> {
+        let loaded = loaded.map(Box::new);
+        self.call(|reply| Command::Register {
+            id,
+            source,
+            loaded,
+            reply,
+        })
+        .await
     }
 
     /// Starts loading an adapter into the host tier; with `promote`, also
@@ -267,8 +281,14 @@ fn run(
                     engine.abort(&id);
                     load_changed = true;
                 }
-                Command::Register { id, source, reply } => {
-                    let _ = reply.send(engine.register_adapter(id, source));
+                Command::Register {
+                    id,
+                    source,
+                    loaded,
+                    reply,
+                } => {
+                    let loaded = loaded.map(|b| *b);
+                    let _ = reply.send(engine.register_loaded_adapter(id, source, loaded));
                 }
                 Command::Prefetch {
                     id,
@@ -402,6 +422,7 @@ mod tests {
                     dir,
                     declared_base_hash: None,
                 },
+                None,
             )
             .await
             .unwrap();

@@ -49,6 +49,12 @@ pub struct ServeArgs {
     /// On SIGTERM, how long running streams may take to finish, in seconds.
     #[arg(long, env = "LORAFLEET_DRAIN_DEADLINE_SECS", default_value_t = 30)]
     drain_deadline_secs: u64,
+    /// Where this worker keeps its private copies of verified adapter
+    /// artifacts (emptied at start; the pool reads adapters only from
+    /// here). Default: a directory named after the worker id and process
+    /// under the system's temporary directory, removed on a clean exit.
+    #[arg(long, env = "LORAFLEET_ADAPTER_CACHE")]
+    adapter_cache: Option<PathBuf>,
 }
 
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
@@ -57,6 +63,31 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     }
     let settings = args.engine.settings()?;
     let choice = args.engine.backend()?;
+    let cache = args.adapter_cache.clone().unwrap_or_else(|| {
+        let name: String = args
+            .worker_id
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '-' {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .collect();
+        // Per process too: tests run several workers with one id at once.
+        std::env::temp_dir().join(format!(
+            "lorafleet-adapter-cache-{name}-{}",
+            std::process::id()
+        ))
+    });
+    // Every copy in it was verified by this process, none by an earlier one.
+    if cache.exists() {
+        std::fs::remove_dir_all(&cache)
+            .with_context(|| format!("--adapter-cache: emptying {}", cache.display()))?;
+    }
+    std::fs::create_dir_all(&cache)
+        .with_context(|| format!("--adapter-cache: creating {}", cache.display()))?;
     let roots = ArtifactRoots::new(&args.artifact_roots)
         .map_err(|e| anyhow::anyhow!("--artifact-root: {e}"))?;
     let listener = tokio::net::TcpListener::bind(args.grpc_listen)
@@ -96,7 +127,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     );
     let handle = EngineHandle::spawn(engine, Duration::from_millis(250));
     let draining = Arc::new(AtomicBool::new(false));
-    let service = WorkerService::new(handle.clone(), roots, info, draining.clone());
+    let service = WorkerService::new(handle.clone(), roots, cache.clone(), info, draining.clone());
     let in_flight = service.in_flight();
     let (health, health_service) = lorafleet_proto::health::health_reporter();
     health
@@ -155,6 +186,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         } => {}
     }
     handle.shutdown();
+    if args.adapter_cache.is_none() {
+        let _ = std::fs::remove_dir_all(&cache);
+    }
     tracing::info!("stopped");
     Ok(())
 }

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use lorafleet_engine::artifact::ArtifactRoots;
+use lorafleet_engine::artifact::{ArtifactError, ArtifactRoots};
 use lorafleet_engine::lora::{AdapterLimits, HostAdapter};
 use lorafleet_engine::model::ModelConfig;
 use lorafleet_engine::{AdapterSource, EngineError, Event, Request, Residency};
@@ -75,10 +75,16 @@ impl WorkerInfo {
 pub struct WorkerService {
     engine: EngineHandle,
     roots: ArtifactRoots,
+    /// This worker's private copies of verified artifacts, one directory
+    /// per (lora_int_id, digest): the pool reads adapters only from here.
+    cache: Arc<std::path::PathBuf>,
     info: Arc<WorkerInfo>,
     /// lora_int_id -> the artifact digest verified for it. A std mutex,
     /// never held across an await.
     verified: Arc<Mutex<HashMap<u64, String>>>,
+    /// One first-use verification per lora_int_id at a time: concurrent
+    /// first requests wait for it rather than copy the artifact twice.
+    verifying: Arc<Mutex<HashMap<u64, Arc<tokio::sync::Mutex<()>>>>>,
     draining: Arc<AtomicBool>,
     /// Generate streams whose final message the client has not yet taken.
     in_flight: Arc<AtomicUsize>,
@@ -97,17 +103,46 @@ impl WorkerService {
     pub fn new(
         engine: EngineHandle,
         roots: ArtifactRoots,
+        cache: std::path::PathBuf,
         info: WorkerInfo,
         draining: Arc<AtomicBool>,
     ) -> Self {
         WorkerService {
             engine,
             roots,
+            cache: Arc::new(cache),
             info: Arc::new(info),
             verified: Arc::default(),
+            verifying: Arc::default(),
             draining,
             in_flight: Arc::default(),
         }
+    }
+
+    /// Some(result) when this id was verified already (or with another
+    /// digest, which is refused).
+    fn already_verified(&self, d: &Descriptor) -> Option<Result<u64, Status>> {
+        let verified = self.verified.lock().expect("verified map");
+        let sha = verified.get(&d.lora_int_id)?;
+        Some(if *sha == d.artifact_sha256 {
+            Ok(d.lora_int_id)
+        } else {
+            // Which digest it was loaded with is not the caller's to learn.
+            tracing::warn!(lora_int_id = d.lora_int_id, loaded = %sha, asked = %d.artifact_sha256, "adapter id reused with another digest");
+            Err(Status::failed_precondition(format!(
+                "adapter.lora_int_id: {} is already loaded from an artifact with another digest",
+                d.lora_int_id
+            )))
+        })
+    }
+
+    /// Where this worker keeps its verified copy of an adapter.
+    fn copy_dir(&self, d: &Descriptor) -> std::path::PathBuf {
+        self.cache.join(format!(
+            "{}-{}",
+            d.lora_int_id,
+            d.artifact_sha256.to_ascii_lowercase()
+        ))
     }
 
     /// Generate streams not yet delivered to the end; drain waits for zero.
@@ -132,30 +167,36 @@ impl WorkerService {
                 d.rank
             )));
         }
-        if let Some(sha) = self
-            .verified
+        if let Some(done) = self.already_verified(d) {
+            return done;
+        }
+        let gate = self
+            .verifying
             .lock()
-            .expect("verified map")
-            .get(&d.lora_int_id)
-        {
-            return if *sha == d.artifact_sha256 {
-                Ok(d.lora_int_id)
-            } else {
-                // Which digest it was loaded with is not the caller's to learn.
-                tracing::warn!(lora_int_id = d.lora_int_id, loaded = %sha, asked = %d.artifact_sha256, "adapter id reused with another digest");
-                Err(Status::failed_precondition(format!(
-                    "adapter.lora_int_id: {} is already loaded from an artifact with another digest",
-                    d.lora_int_id
-                )))
-            };
+            .expect("verifying map")
+            .entry(d.lora_int_id)
+            .or_default()
+            .clone();
+        let _one_at_a_time = gate.lock().await;
+        if let Some(done) = self.already_verified(d) {
+            return done;
         }
         let (roots, info, desc) = (self.roots.clone(), self.info.clone(), d.clone());
-        let dir = tokio::task::spawn_blocking(move || -> Result<_, Status> {
+        let copy = self.copy_dir(d);
+        let (dir, adapter) = tokio::task::spawn_blocking(move || -> Result<_, Status> {
+            // The bytes hashed are the bytes kept: a private copy, so a
+            // file changed in the artifact root later is never read.
+            let _ = std::fs::remove_dir_all(&copy);
             let dir = roots
-                .resolve_verified(&desc.artifact_uri, &desc.artifact_sha256)
-                .map_err(|e| convert::artifact_status(&e))?;
-            // Parse it once now so a bad adapter fails this call with a
-            // precise status, not a later request.
+                .copy_verified(&desc.artifact_uri, &desc.artifact_sha256, &copy)
+                .map_err(|e| {
+                    if matches!(e, ArtifactError::DigestMismatch { .. }) {
+                        metrics::counter!("lorafleet_adapter_digest_mismatches_total").increment(1);
+                    }
+                    convert::artifact_status(&e)
+                })?;
+            // Parsed once, here, so a bad adapter fails this call with a
+            // precise status; the pool takes this parse into its host tier.
             let limits = AdapterLimits {
                 model: &info.model_config,
                 max_lora_rank: info.capacity.max_lora_rank as usize,
@@ -169,7 +210,7 @@ impl WorkerService {
                     desc.rank, adapter.rank
                 )));
             }
-            Ok(dir)
+            Ok((dir, adapter))
         })
         .await
         .map_err(|e| Status::internal(format!("artifact check: {e}")))??;
@@ -179,7 +220,7 @@ impl WorkerService {
             declared_base_hash: Some(d.base_hash.clone()),
         };
         self.engine
-            .register(d.lora_int_id, source)
+            .register(d.lora_int_id, source, Some(adapter))
             .await
             .map_err(|e| convert::engine_status(&e))?;
         self.verified
@@ -450,6 +491,14 @@ impl pb::worker_server::Worker for WorkerService {
             .unload(id)
             .await
             .map_err(|e| convert::engine_status(&e))?;
+        // The next use verifies the artifact again, from the root: files
+        // changed there since are refused then, never served.
+        if let Some(sha) = self.verified.lock().expect("verified map").remove(&id) {
+            let copy = self.cache.join(format!("{id}-{sha}"));
+            if draining == 0 {
+                let _ = std::fs::remove_dir_all(copy);
+            }
+        }
         Ok(Response::new(pb::UnloadAdapterResponse {
             previous_residency: convert::residency(previous) as i32,
             draining_requests: draining,

@@ -169,6 +169,57 @@ impl ArtifactRoots {
         Ok(dir)
     }
 
+    /// Resolves `uri` and copies the artifact into `dest` (which must not
+    /// exist), hashing exactly the bytes it copies: the copy holds the
+    /// bytes whose digest was checked, whatever happens to the original
+    /// afterwards. On a mismatch or an error nothing is left at `dest`.
+    pub fn copy_verified(
+        &self,
+        uri: &str,
+        expected: &str,
+        dest: &Path,
+    ) -> Result<PathBuf, ArtifactError> {
+        let dir = self.resolve(uri)?;
+        let parent = dest.parent().unwrap_or(Path::new("."));
+        let name = dest
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let partial = parent.join(format!(".{name}.partial-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&partial);
+        let cleanup = |e| {
+            let _ = std::fs::remove_dir_all(&partial);
+            e
+        };
+        std::fs::create_dir_all(&partial).map_err(|source| {
+            cleanup(ArtifactError::Unreadable {
+                path: partial.display().to_string(),
+                source,
+            })
+        })?;
+        let actual = digest_into(
+            &dir,
+            &mut |real| self.roots.iter().any(|r| real.starts_with(r)),
+            &mut |_, _| {},
+            Some(&partial),
+        )
+        .map_err(cleanup)?;
+        if !actual.eq_ignore_ascii_case(expected) {
+            return Err(cleanup(ArtifactError::DigestMismatch {
+                path: uri.into(),
+                expected: expected.to_ascii_lowercase(),
+                actual,
+            }));
+        }
+        std::fs::rename(&partial, dest).map_err(|source| {
+            cleanup(ArtifactError::Unreadable {
+                path: dest.display().to_string(),
+                source,
+            })
+        })?;
+        Ok(dest.to_path_buf())
+    }
+
     /// The digest of a resolved artifact directory, refusing symlinks inside
     /// it that leave the roots.
     pub fn digest(&self, dir: &Path) -> Result<String, ArtifactError> {
@@ -235,6 +286,17 @@ fn digest_with(
     allowed: &mut dyn FnMut(&Path) -> bool,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<String, ArtifactError> {
+    digest_into(dir, allowed, progress, None)
+}
+
+/// The digest; with `copy_to`, every file is also written there, under its
+/// relative path, from the very buffers that were hashed.
+fn digest_into(
+    dir: &Path,
+    allowed: &mut dyn FnMut(&Path) -> bool,
+    progress: &mut dyn FnMut(u64, u64),
+    copy_to: Option<&Path>,
+) -> Result<String, ArtifactError> {
     let unreadable = |path: &Path, source| ArtifactError::Unreadable {
         path: path.display().to_string(),
         source,
@@ -289,6 +351,19 @@ fn digest_with(
         hasher.update((relative.len() as u64).to_le_bytes());
         hasher.update(relative.as_bytes());
         hasher.update(len.to_le_bytes());
+        let mut copy = match copy_to {
+            Some(root) => {
+                let target = root.join(&relative);
+                if let Some(parent) = target.parent() {
+                    std::fs::create_dir_all(parent).map_err(|e| unreadable(parent, e))?;
+                }
+                Some((
+                    std::fs::File::create_new(&target).map_err(|e| unreadable(&target, e))?,
+                    target,
+                ))
+            }
+            None => None,
+        };
         let mut read = 0u64;
         loop {
             let n = file.read(&mut buf).map_err(|e| unreadable(&path, e))?;
@@ -297,6 +372,9 @@ fn digest_with(
             }
             read += n as u64;
             hasher.update(&buf[..n]);
+            if let Some((out, target)) = copy.as_mut() {
+                std::io::Write::write_all(out, &buf[..n]).map_err(|e| unreadable(target, e))?;
+            }
             done += n as u64;
             progress(done, total.max(done));
         }
@@ -313,6 +391,41 @@ fn digest_with(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_verified_copy_holds_the_hashed_bytes_and_a_mismatch_leaves_nothing() {
+        let (root, roots) = tree();
+        let cache = tempfile::tempdir().unwrap();
+        let want = roots.digest(&root.path().join("acme/support/v3")).unwrap();
+        let dest = cache.path().join("7-copy");
+        let copy = roots
+            .copy_verified("acme/support/v3", &want, &dest)
+            .unwrap();
+        assert_eq!(copy, dest);
+        assert_eq!(
+            digest(&copy).unwrap(),
+            want,
+            "the copy has the checked digest"
+        );
+        // The original changes; the copy does not.
+        std::fs::write(
+            root.path().join("acme/support/v3/adapter_config.json"),
+            b"{}",
+        )
+        .unwrap();
+        assert_eq!(digest(&copy).unwrap(), want);
+        let again = cache.path().join("7-again");
+        let err = roots
+            .copy_verified("acme/support/v3", &want, &again)
+            .unwrap_err();
+        assert!(matches!(err, ArtifactError::DigestMismatch { .. }), "{err}");
+        assert!(!again.exists());
+        assert_eq!(
+            std::fs::read_dir(cache.path()).unwrap().count(),
+            1,
+            "no partial copy left"
+        );
+    }
 
     fn tree() -> (tempfile::TempDir, ArtifactRoots) {
         let root = tempfile::tempdir().unwrap();

@@ -331,11 +331,22 @@ impl Engine {
     /// Makes an adapter known under its id. Loading happens on first use or
     /// on [`Engine::prefetch`].
     pub fn register_adapter(&mut self, id: AdapterId, source: AdapterSource) -> Result<()> {
+        self.register_loaded_adapter(id, source, None)
+    }
+
+    /// [`Engine::register_adapter`] with the adapter already read from
+    /// `source` and checked, so it is not read and parsed a second time.
+    pub fn register_loaded_adapter(
+        &mut self,
+        id: AdapterId,
+        source: AdapterSource,
+        loaded: Option<crate::lora::HostAdapter>,
+    ) -> Result<()> {
         if id == 0 {
             return Err(EngineError::request("lora_int_id", "must be positive"));
         }
         self.pool
-            .register(id, source)
+            .register_loaded(id, source, loaded)
             .map_err(|reason| EngineError::request("lora_int_id", reason))
     }
 

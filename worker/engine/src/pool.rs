@@ -195,29 +195,59 @@ impl AdapterPool {
         id: AdapterId,
         source: AdapterSource,
     ) -> std::result::Result<(), String> {
-        match self.entries.get(&id) {
+        self.register_loaded(id, source, None)
+    }
+
+    /// [`AdapterPool::register`], with the adapter already read and checked
+    /// from those files (then it goes straight into the host tier, and is
+    /// not read again until evicted).
+    pub fn register_loaded(
+        &mut self,
+        id: AdapterId,
+        source: AdapterSource,
+        loaded: Option<HostAdapter>,
+    ) -> std::result::Result<(), String> {
+        let now = self.tick();
+        match self.entries.get_mut(&id) {
+            // No paths in the message: it may reach a client.
             Some(e) if e.source.dir != source.dir => Err(format!(
-                "lora_int_id {id} is already registered for {}, not {}",
-                e.source.dir.display(),
-                source.dir.display()
+                "lora_int_id {id} is already registered for other files"
             )),
-            Some(_) => Ok(()),
+            Some(e) => {
+                if let Some(adapter) = loaded
+                    && e.host.is_none()
+                    && !e.loading
+                {
+                    e.host = Some(Arc::new(adapter));
+                    e.last_used = now;
+                    self.counters.host_loads += 1;
+                    self.generation += 1;
+                    self.evict_host_over_capacity();
+                }
+                Ok(())
+            }
             None => {
+                let host = loaded.map(Arc::new);
+                if host.is_some() {
+                    self.counters.host_loads += 1;
+                    self.generation += 1;
+                }
                 self.entries.insert(
                     id,
                     Entry {
                         source,
-                        host: None,
+                        host,
                         slot: None,
                         pinned: false,
                         leases: Arc::new(AtomicU32::new(0)),
                         queued: 0,
-                        last_used: 0,
+                        last_used: now,
                         loading: false,
                         unload_pending: false,
                         discard_load: false,
                     },
                 );
+                self.evict_host_over_capacity();
                 Ok(())
             }
         }
