@@ -49,6 +49,17 @@ pub async fn connect(
     max_connections: u32,
     timeout: Duration,
 ) -> Result<PgPool, DbError> {
+    connect_warm(options, 0, max_connections, timeout).await
+}
+
+/// [`connect`], keeping `min_connections` open, so that a burst does not
+/// wait for new connections (the audit writer's inserts in flight).
+pub async fn connect_warm(
+    options: PgConnectOptions,
+    min_connections: u32,
+    max_connections: u32,
+    timeout: Duration,
+) -> Result<PgPool, DbError> {
     let target = format!(
         "{}:{}/{}",
         options.get_host(),
@@ -56,6 +67,7 @@ pub async fn connect(
         options.get_database().unwrap_or("")
     );
     PgPoolOptions::new()
+        .min_connections(min_connections)
         .max_connections(max_connections)
         .acquire_timeout(timeout)
         .connect_with(options)

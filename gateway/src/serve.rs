@@ -278,7 +278,10 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     // a connection that audit writes and registry reloads need.
     let options = db::parse_database_url("--database-url", &args.database_url)?
         .options([("statement_timeout", "5s"), ("lock_timeout", "2s")]);
-    let pool = db::connect(options, 8, Duration::from_secs(5)).await?;
+    // The audit writer's inserts in flight, plus registry reloads; kept
+    // open, since an answer waits for its row's insert.
+    let in_flight = crate::audit::INSERTS_IN_FLIGHT as u32;
+    let pool = db::connect_warm(options, in_flight, in_flight + 4, Duration::from_secs(5)).await?;
     let admin_timeout = format!("{}s", args.admin_statement_timeout_secs);
     let admin_pool = if args.admin_listen.is_some() {
         let (flag, url) = match &args.admin_database_url {

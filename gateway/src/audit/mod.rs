@@ -34,6 +34,8 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 use uuid::Uuid;
 
 pub use spool::{Spool, SpoolError};
+/// Audit batches inserted at once (the writer's connections).
+pub use writer::IN_FLIGHT as INSERTS_IN_FLIGHT;
 
 /// One row of `audit_log`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]

@@ -33,7 +33,7 @@ const PROBE: Duration = Duration::from_secs(1);
 /// Spool chunks replayed before the writer looks at its queue again.
 const REPLAY_CHUNKS_PER_TURN: usize = 1;
 /// Batches inserted at once.
-const IN_FLIGHT: usize = 4;
+pub const IN_FLIGHT: usize = 8;
 
 /// Postgres is unreachable or failing; the rows are not at fault.
 #[derive(Debug)]
