@@ -446,22 +446,34 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             .with_graceful_shutdown(stop_accepting)
             .await
     });
+    let signal_seen = signal_rx.clone();
     let mut signalled = signal_rx;
+    // Whether the server task has ended; a finished JoinHandle is never
+    // polled again.
+    let mut finished = false;
     tokio::select! {
-        r = &mut server => {
-            r.context("HTTP server")?.context("HTTP server")?;
-            bail!("the HTTP server stopped on its own");
-        }
+        biased;
         _ = signalled.wait_for(|v| *v) => {}
+        r = &mut server => {
+            finished = true;
+            // With no connection open, the graceful shutdown may end the
+            // server before this select sees the signal.
+            if !*signal_seen.borrow() {
+                r.context("HTTP server")?.context("HTTP server")?;
+                bail!("the HTTP server stopped on its own");
+            }
+        }
     }
     // SIGTERM: no new connections; open requests have the drain deadline.
     tracing::info!(deadline_secs = drain.as_secs(), "draining");
     let deadline = tokio::time::Instant::now() + drain;
-    let drained = tokio::select! {
-        _ = &mut server => true,
-        _ = tokio::time::sleep_until(deadline) => false,
-    };
-    if !drained || permits.available_permits() < max_permits {
+    if !finished {
+        finished = tokio::select! {
+            _ = &mut server => true,
+            _ = tokio::time::sleep_until(deadline) => false,
+        };
+    }
+    if !finished || permits.available_permits() < max_permits {
         // Past the deadline: open requests end now, each with an error
         // event or a 503 and its `cancelled` row.
         let open = max_permits - permits.available_permits();
@@ -471,7 +483,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         while permits.available_permits() < max_permits && tokio::time::Instant::now() < settle {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        if tokio::time::timeout_at(settle, &mut server).await.is_err() {
+        if !finished && tokio::time::timeout_at(settle, &mut server).await.is_err() {
             server.abort();
         }
     }
