@@ -42,6 +42,9 @@ pub struct AppState {
     pub max_body_bytes: usize,
     pub request_timeout: Duration,
     pub max_attempts: usize,
+    /// Longest a worker may take to its first token before the request
+    /// moves to the next candidate.
+    pub first_token_timeout: Duration,
     /// Longest age of the registry snapshot a completion is served from.
     pub registry_max_age: Duration,
     /// Turns true when the drain deadline has passed: open requests end
@@ -710,6 +713,7 @@ async fn start(s: &AppState, p: &Prepared, trail: &mut Trail) -> Result<Started,
         .increment(1);
     }
     let mut last: Option<tonic::Status> = None;
+    let mut first_token_timeouts = 0usize;
     for worker in route.candidates.iter().take(s.max_attempts) {
         trail.record.attempts += 1;
         let in_flight = s.fleet.track(worker, lora_int_id);
@@ -734,8 +738,19 @@ async fn start(s: &AppState, p: &Prepared, trail: &mut Trail) -> Result<Started,
                     }
                 }
             }
-        }
-        .await;
+        };
+        // A worker that accepts and never answers is skipped like one that
+        // fails: the next candidate gets the request.
+        let outcome = match tokio::time::timeout(s.first_token_timeout, outcome).await {
+            Ok(o) => o,
+            Err(_) => {
+                first_token_timeouts += 1;
+                Err(tonic::Status::deadline_exceeded(format!(
+                    "no first token within {} s",
+                    s.first_token_timeout.as_secs()
+                )))
+            }
+        };
         match outcome {
             Ok((stream, accepted, first)) => {
                 return Ok(Started {
@@ -752,6 +767,18 @@ async fn start(s: &AppState, p: &Prepared, trail: &mut Trail) -> Result<Started,
             }
             Err(status) => return Err(worker_error(&status)),
         }
+    }
+    if first_token_timeouts > 0 && first_token_timeouts == trail.record.attempts as usize {
+        return Err(ApiError::new(
+            StatusCode::GATEWAY_TIMEOUT,
+            "server_error",
+            "first_token_timeout",
+            format!(
+                "no worker produced a first token within {} s ({} tried)",
+                s.first_token_timeout.as_secs(),
+                first_token_timeouts
+            ),
+        ));
     }
     Err(worker_error(&last.unwrap_or_else(|| {
         tonic::Status::unavailable("no candidate worker")

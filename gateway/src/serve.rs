@@ -68,6 +68,15 @@ pub struct ServeArgs {
     /// Longest a completion may take, in seconds.
     #[arg(long, env = "LORAFLEET_REQUEST_TIMEOUT_SECS", default_value_t = 600)]
     pub request_timeout_secs: u64,
+    /// Longest a worker may take to produce a request's first token, in
+    /// seconds; then the next worker is tried (504 `first_token_timeout`
+    /// when none answers in time).
+    #[arg(
+        long,
+        env = "LORAFLEET_FIRST_TOKEN_TIMEOUT_SECS",
+        default_value_t = 120
+    )]
+    pub first_token_timeout_secs: u64,
     /// Workers tried per request before the first token.
     #[arg(long, env = "LORAFLEET_MAX_ATTEMPTS", default_value_t = 3)]
     pub max_attempts: usize,
@@ -203,6 +212,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     for (flag, v) in [
         ("--registry-refresh-secs", args.registry_refresh_secs),
         ("--request-timeout-secs", args.request_timeout_secs),
+        ("--first-token-timeout-secs", args.first_token_timeout_secs),
         (
             "--max-concurrent-requests",
             args.max_concurrent_requests as u64,
@@ -340,6 +350,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         max_body_bytes: args.max_body_bytes,
         request_timeout: Duration::from_secs(args.request_timeout_secs),
         max_attempts: args.max_attempts,
+        first_token_timeout: Duration::from_secs(args.first_token_timeout_secs),
         registry_max_age: Duration::from_secs(args.registry_max_age_secs),
         cut: cut_rx,
     };

@@ -238,6 +238,7 @@ async fn fleet(label: &str) -> Fleet {
     .args(["--redis-prefix", &format!("test:{}:", Uuid::new_v4())])
     .args(["--workers", &addrs.join(",")])
     .args(["--registry-refresh-secs", "1"])
+    .args(["--first-token-timeout-secs", "5"])
     .arg("--audit-spool")
     .arg(spool.path());
     let gateway = Server::start(cmd, "lorafleet-gateway listening ");
@@ -888,6 +889,54 @@ async fn the_gateway_rides_out_a_dead_worker_and_redis_and_postgres_outages() {
     assert_eq!(f.audit_count().await, sent);
 }
 
+/// A worker that takes the request and never answers is skipped at the
+/// first-token deadline: the request moves to the other worker, and its row
+/// says so.
+#[tokio::test]
+async fn a_worker_that_never_answers_is_skipped_at_the_first_token_deadline() {
+    let f = fleet("gateway_first_token").await;
+    let (s, v) = f.complete("support", "warm", None).await;
+    assert_eq!(s, 200, "{v}");
+    f.wait_audit(1).await;
+    let served: String = sqlx::query_scalar("SELECT worker_id FROM audit_log")
+        .fetch_one(&f.pool)
+        .await
+        .unwrap();
+    let stuck = if served == "w0" { 0 } else { 1 };
+    let pid = f.workers[stuck].child.id().to_string();
+    assert!(
+        Command::new("kill")
+            .args(["-STOP", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let started = Instant::now();
+    let answer = f.complete("support", "a stuck worker", None).await;
+    let took = started.elapsed();
+    assert!(
+        Command::new("kill")
+            .args(["-CONT", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    assert_eq!(answer.0, 200, "{}", answer.1);
+    assert!(
+        took >= Duration::from_secs(5),
+        "{took:?}: before the deadline"
+    );
+    f.wait_audit(2).await;
+    let (attempts, worker): (i16, String) = sqlx::query_as(
+        "SELECT attempts, worker_id FROM audit_log ORDER BY received_at DESC LIMIT 1",
+    )
+    .fetch_one(&f.pool)
+    .await
+    .unwrap();
+    assert_eq!(attempts, 2, "the stuck worker, then the other");
+    assert_ne!(worker, served);
+}
+
 #[test]
 fn serve_refuses_bad_flags_by_name() {
     let cases: &[(&[&str], &str)] = &[
@@ -911,6 +960,10 @@ fn serve_refuses_bad_flags_by_name() {
         (
             &["--max-attempts", "0"],
             "--max-attempts: must be at least 1",
+        ),
+        (
+            &["--first-token-timeout-secs", "0"],
+            "--first-token-timeout-secs: must be at least 1",
         ),
         (
             &["--max-body-bytes", "0"],
