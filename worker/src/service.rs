@@ -202,31 +202,50 @@ impl WorkerService {
                 max_lora_rank: info.capacity.max_lora_rank as usize,
                 base_hash_check: Some((&info.base_model.base_hash, &desc.base_hash)),
             };
-            let adapter = HostAdapter::load(&desc.display_name, &dir, limits)
-                .map_err(|e| convert::engine_status(&EngineError::Adapter(e)))?;
-            if adapter.rank > desc.rank {
-                return Err(Status::invalid_argument(format!(
-                    "adapter.rank: the descriptor says {} but the artifact has rank {}",
-                    desc.rank, adapter.rank
-                )));
+            let checked = HostAdapter::load(&desc.display_name, &dir, limits)
+                .map_err(|e| convert::engine_status(&EngineError::Adapter(e)))
+                .and_then(|adapter| {
+                    if adapter.rank > desc.rank {
+                        return Err(Status::invalid_argument(format!(
+                            "adapter.rank: the descriptor says {} but the artifact has rank {}",
+                            desc.rank, adapter.rank
+                        )));
+                    }
+                    Ok(adapter)
+                });
+            match checked {
+                Ok(adapter) => Ok((dir, adapter)),
+                Err(status) => {
+                    // A refused adapter leaves no copy behind.
+                    let _ = std::fs::remove_dir_all(&dir);
+                    Err(status)
+                }
             }
-            Ok((dir, adapter))
         })
         .await
         .map_err(|e| Status::internal(format!("artifact check: {e}")))??;
         let source = AdapterSource {
             name: d.display_name.clone(),
-            dir,
+            dir: dir.clone(),
             declared_base_hash: Some(d.base_hash.clone()),
         };
-        self.engine
+        if let Err(e) = self
+            .engine
             .register(d.lora_int_id, source, Some(adapter))
             .await
-            .map_err(|e| convert::engine_status(&e))?;
+        {
+            let _ = tokio::task::spawn_blocking(move || std::fs::remove_dir_all(dir)).await;
+            return Err(convert::engine_status(&e));
+        }
         self.verified
             .lock()
             .expect("verified map")
             .insert(d.lora_int_id, d.artifact_sha256.clone());
+        // Later callers find it verified; waiters still hold the gate.
+        self.verifying
+            .lock()
+            .expect("verifying map")
+            .remove(&d.lora_int_id);
         Ok(d.lora_int_id)
     }
 
@@ -492,12 +511,14 @@ impl pb::worker_server::Worker for WorkerService {
             .await
             .map_err(|e| convert::engine_status(&e))?;
         // The next use verifies the artifact again, from the root: files
-        // changed there since are refused then, never served.
-        if let Some(sha) = self.verified.lock().expect("verified map").remove(&id) {
+        // changed there since are refused then, never served. The copy goes
+        // only once nothing holds or waits for the adapter.
+        let sha = self.verified.lock().expect("verified map").remove(&id);
+        if let Some(sha) = sha
+            && draining == 0
+        {
             let copy = self.cache.join(format!("{id}-{sha}"));
-            if draining == 0 {
-                let _ = std::fs::remove_dir_all(copy);
-            }
+            let _ = tokio::task::spawn_blocking(move || std::fs::remove_dir_all(copy)).await;
         }
         Ok(Response::new(pb::UnloadAdapterResponse {
             previous_residency: convert::residency(previous) as i32,

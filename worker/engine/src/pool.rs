@@ -104,12 +104,17 @@ struct Entry {
     loading: bool,
     /// Set by `unload` while leases remain; the adapter leaves when they end.
     unload_pending: bool,
-    /// Set by `unload` while a load is in flight: its result is dropped,
-    /// so an unload is never undone by a prefetch finishing after it.
-    discard_load: bool,
+    /// The number of the latest load asked for. A result carrying another
+    /// number is stale (an unload or a fresher parse came since) and is
+    /// dropped, so an unload is never undone by a load finishing after it.
+    load_seq: u64,
 }
 
-type LoadResult = (AdapterId, std::result::Result<HostAdapter, AdapterError>);
+type LoadResult = (
+    AdapterId,
+    u64,
+    std::result::Result<HostAdapter, AdapterError>,
+);
 
 /// The adapter pool. Owned and driven by the engine's thread.
 #[derive(Debug)]
@@ -119,7 +124,7 @@ pub struct AdapterPool {
     max_cpu_loras: usize,
     clock: u64,
     counters: PoolCounters,
-    jobs: mpsc::Sender<(AdapterId, AdapterSource)>,
+    jobs: mpsc::Sender<(AdapterId, u64, AdapterSource)>,
     results: mpsc::Receiver<LoadResult>,
     /// Incremented on every residency change, so watchers can tell.
     generation: u64,
@@ -137,12 +142,12 @@ impl AdapterPool {
         max_cpu_loras: usize,
         base_hash: String,
     ) -> Self {
-        let (jobs, job_rx) = mpsc::channel::<(AdapterId, AdapterSource)>();
+        let (jobs, job_rx) = mpsc::channel::<(AdapterId, u64, AdapterSource)>();
         let (result_tx, results) = mpsc::channel();
         std::thread::Builder::new()
             .name("adapter-loader".into())
             .spawn(move || {
-                for (id, source) in job_rx {
+                for (id, seq, source) in job_rx {
                     let limits = AdapterLimits {
                         model: &config,
                         max_lora_rank,
@@ -152,7 +157,7 @@ impl AdapterPool {
                             .map(|d| (base_hash.as_str(), d)),
                     };
                     let loaded = HostAdapter::load(&source.name, &source.dir, limits);
-                    if result_tx.send((id, loaded)).is_err() {
+                    if result_tx.send((id, seq, loaded)).is_err() {
                         break;
                     }
                 }
@@ -209,6 +214,27 @@ impl AdapterPool {
     ) -> std::result::Result<(), String> {
         let now = self.tick();
         match self.entries.get_mut(&id) {
+            // An idle entry (unloaded, nothing holds or wants it) may take
+            // new files: the id's adapter was unloaded and registered again.
+            Some(e)
+                if e.source.dir != source.dir
+                    && e.host.is_none()
+                    && e.slot.is_none()
+                    && !e.loading
+                    && !e.unload_pending
+                    && e.queued == 0
+                    && e.leases.load(Ordering::Acquire) == 0 =>
+            {
+                e.source = source;
+                if let Some(adapter) = loaded {
+                    e.host = Some(Arc::new(adapter));
+                    e.last_used = now;
+                    self.counters.host_loads += 1;
+                    self.evict_host_over_capacity();
+                }
+                self.generation += 1;
+                Ok(())
+            }
             // No paths in the message: it may reach a client.
             Some(e) if e.source.dir != source.dir => Err(format!(
                 "lora_int_id {id} is already registered for other files"
@@ -216,8 +242,10 @@ impl AdapterPool {
             Some(e) => {
                 if let Some(adapter) = loaded
                     && e.host.is_none()
-                    && !e.loading
                 {
+                    // A load in flight, if any, is superseded by this parse.
+                    e.loading = false;
+                    e.load_seq += 1;
                     e.host = Some(Arc::new(adapter));
                     e.last_used = now;
                     self.counters.host_loads += 1;
@@ -244,7 +272,7 @@ impl AdapterPool {
                         last_used: now,
                         loading: false,
                         unload_pending: false,
-                        discard_load: false,
+                        load_seq: 0,
                     },
                 );
                 self.evict_host_over_capacity();
@@ -261,7 +289,7 @@ impl AdapterPool {
         match self.entries.get(&id) {
             Some(e) if e.slot.is_some() => Residency::Device,
             Some(e) if e.host.is_some() => Residency::Host,
-            Some(e) if e.loading && !e.discard_load => Residency::Loading,
+            Some(e) if e.loading => Residency::Loading,
             _ => Residency::NotLoaded,
         }
     }
@@ -293,7 +321,6 @@ impl AdapterPool {
             e.queued += 1;
             e.last_used = now;
             e.unload_pending = false;
-            e.discard_load = false;
         }
         self.request_load(id);
         residency
@@ -320,9 +347,10 @@ impl AdapterPool {
             && !e.loading
         {
             e.loading = true;
+            e.load_seq += 1;
             self.generation += 1;
             // The loader lives as long as the pool; a send cannot fail.
-            let _ = self.jobs.send((id, e.source.clone()));
+            let _ = self.jobs.send((id, e.load_seq, e.source.clone()));
         }
     }
 
@@ -342,7 +370,7 @@ impl AdapterPool {
             Err(mpsc::TryRecvError::Disconnected) => Some(Err(())),
         };
         loop {
-            let (id, result) = match first.take().map(Ok).or_else(|| next(&self.results)) {
+            let (id, seq, result) = match first.take().map(Ok).or_else(|| next(&self.results)) {
                 None => break,
                 Some(Ok(r)) => r,
                 Some(Err(())) => {
@@ -367,12 +395,12 @@ impl AdapterPool {
             let Some(e) = self.entries.get_mut(&id) else {
                 continue;
             };
-            e.loading = false;
-            self.generation += 1;
-            if std::mem::take(&mut e.discard_load) {
-                // Unloaded while it was loading: the unload stands.
+            if seq != e.load_seq || !e.loading {
+                // Unloaded, or given a fresher parse, since: that stands.
                 continue;
             }
+            e.loading = false;
+            self.generation += 1;
             match result {
                 Ok(adapter) => {
                     e.host = Some(Arc::new(adapter));
@@ -523,7 +551,8 @@ impl AdapterPool {
     }
 
     /// Removes an adapter from both tiers now, or once its leases end.
-    /// Returns (residency before, leases still held).
+    /// Returns (residency before, requests still holding or waiting for
+    /// it); 0 means it is gone now.
     pub fn unload(&mut self, id: AdapterId, backend: &mut dyn Backend) -> Result<(Residency, u32)> {
         let before = self.residency(id);
         let Some(e) = self.entries.get_mut(&id) else {
@@ -532,10 +561,13 @@ impl AdapterPool {
         let held = e.leases.load(Ordering::Acquire);
         if held > 0 || e.queued > 0 {
             e.unload_pending = true;
-            return Ok((before, held));
+            // Waiting requests count too: they will still read the adapter.
+            return Ok((before, held + e.queued));
         }
         if e.loading {
-            e.discard_load = true;
+            // The load in flight is stale from now on.
+            e.loading = false;
+            e.load_seq += 1;
         }
         self.drop_entry_now(id, backend)?;
         Ok((before, 0))

@@ -288,3 +288,18 @@ fn device_eviction_passes_over_adapters_that_requests_wait_for() {
     access(&mut pool, &mut backend, 3);
     assert_eq!(device_set(&pool), vec![1, 3], "2 went, not 1");
 }
+
+#[test]
+fn an_unloaded_id_may_come_back_with_other_files() {
+    let (mut pool, mut backend) = setup(2, 10);
+    access(&mut pool, &mut backend, 1);
+    let other = fixture_source(MODEL, "patterns");
+    assert!(
+        pool.register(1, other.clone()).is_err(),
+        "not while it is resident"
+    );
+    pool.unload(1, &mut backend).unwrap();
+    pool.register(1, other).unwrap();
+    assert_eq!(access(&mut pool, &mut backend, 1), Residency::NotLoaded);
+    assert_eq!(pool.host_adapter(1).unwrap().name, "patterns");
+}

@@ -312,10 +312,13 @@ impl HostAdapter {
                 source: std::io::Error::new(std::io::ErrorKind::NotFound, "no such file"),
             });
         }
+        let shown = weights_path.display().to_string();
         let files = WeightFiles::open(vec![weights_path]).map_err(|e| AdapterError::Invalid {
             adapter: name.into(),
             field: "adapter_model.safetensors".into(),
-            reason: e.to_string(),
+            // The file's own name only: the reason may reach a client, and
+            // where this machine keeps the file is not the client's to know.
+            reason: e.to_string().replace(&shown, "adapter_model.safetensors"),
         })?;
         build(name, &config, &files, limits)
     }
