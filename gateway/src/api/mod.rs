@@ -1,0 +1,460 @@
+//! The OpenAI-compatible HTTP API: `/v1/completions`,
+//! `/v1/chat/completions` (plain and SSE streaming), `/v1/models`, and
+//! liveness/readiness probes.
+//!
+//! A completion request goes: a place for its audit row → concurrency
+//! permit → authenticate → parse → rate limit → resolve (tenant, model) to
+//! one adapter version → route to workers serving that adapter's base hash
+//! → generate, retrying on the next candidate only before the first token
+//! ([`worker`]) → respond ([`respond`]) → its row, durable before the answer
+//! ([`trail`]).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use chrono::Utc;
+use lorafleet_proto::worker::v1 as pb;
+use serde_json::{Value, json};
+use tokio::sync::Semaphore;
+use tonic::Code;
+use uuid::Uuid;
+
+use crate::audit::{AuditLog, AuditRecord, Durable, Ticket, Unavailable};
+use crate::auth::{self, JwtConfig, Principal};
+use crate::fleet::Fleet;
+use crate::openai::{self, BadRequest, ChatRequest, CompletionRequest, Usage};
+use crate::ratelimit::RateLimiter;
+use crate::registry::{Registry, Resolved};
+
+mod respond;
+mod trail;
+mod worker;
+
+use respond::{run, shutting_down};
+use trail::{Trail, audit_unavailable, durable, row_not_durable, with_request_id};
+use worker::{Started, residency_label, start, worker_error};
+
+/// Everything a request needs. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct AppState {
+    pub registry: Registry,
+    pub jwt: Option<JwtConfig>,
+    pub fleet: Fleet,
+    pub limiter: RateLimiter,
+    pub audit: AuditLog,
+    pub permits: Arc<Semaphore>,
+    pub max_body_bytes: usize,
+    pub request_timeout: Duration,
+    pub max_attempts: usize,
+    /// Longest a worker may take to its first token before the request
+    /// moves to the next candidate.
+    pub first_token_timeout: Duration,
+    /// Longest age of the registry snapshot a completion is served from.
+    pub registry_max_age: Duration,
+    /// Turns true when the drain deadline has passed: open requests end
+    /// with an error event (streams) or a 503, and a `cancelled` row.
+    pub cut: tokio::sync::watch::Receiver<bool>,
+}
+
+/// Resolves once the drain deadline has passed (never, if it cannot).
+async fn cut(mut rx: tokio::sync::watch::Receiver<bool>) {
+    if rx.wait_for(|v| *v).await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(ready))
+        .with_state(state)
+}
+
+/// An OpenAI-shaped error response.
+#[derive(Debug)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub kind: &'static str,
+    pub code: &'static str,
+    pub message: String,
+    pub param: Option<String>,
+    pub retry_after: Option<u64>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, kind: &'static str, code: &'static str, message: String) -> Self {
+        ApiError {
+            status,
+            kind,
+            code,
+            message,
+            param: None,
+            retry_after: None,
+        }
+    }
+
+    fn unauthorized(e: &auth::AuthError) -> Self {
+        // The credential is good; its tenant is not allowed in.
+        if *e == auth::AuthError::TenantDisabled {
+            return Self::new(
+                StatusCode::FORBIDDEN,
+                "permission_error",
+                "tenant_disabled",
+                e.to_string(),
+            );
+        }
+        Self::new(
+            StatusCode::UNAUTHORIZED,
+            "authentication_error",
+            "invalid_api_key",
+            e.to_string(),
+        )
+    }
+
+    fn model_not_found(model: &str) -> Self {
+        // The same answer whether the model does not exist or belongs to
+        // another tenant: the response must not reveal other tenants.
+        let mut e = Self::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "model_not_found",
+            format!("The model `{model}` does not exist or you do not have access to it."),
+        );
+        e.param = Some("model".into());
+        e
+    }
+
+    fn bad_request(b: BadRequest) -> Self {
+        let mut e = Self::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "invalid_request",
+            b.message,
+        );
+        e.param = (!b.param.is_empty()).then_some(b.param);
+        e
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = openai::error_body(
+            &self.message,
+            self.kind,
+            self.param.as_deref(),
+            Some(self.code),
+        );
+        let mut r = (self.status, axum::Json(body)).into_response();
+        if let Some(secs) = self.retry_after {
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        r
+    }
+}
+
+async fn ready(State(s): State<AppState>) -> Response {
+    let age = s.registry.age();
+    if age > s.registry_max_age {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "the registry snapshot is {} s old (limit {} s): Postgres is unreachable",
+                age.as_secs(),
+                s.registry_max_age.as_secs()
+            ),
+        )
+            .into_response();
+    }
+    let up = s.fleet.workers().iter().filter(|w| w.up()).count();
+    if up > 0 {
+        (StatusCode::OK, format!("ready: {up} workers up")).into_response()
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "no worker is up").into_response()
+    }
+}
+
+fn principal(s: &AppState, headers: &HeaderMap) -> Result<Principal, ApiError> {
+    let value = headers
+        .get(header::AUTHORIZATION)
+        .map(|v| v.to_str().unwrap_or(""));
+    auth::authenticate(value, &s.registry.snapshot(), s.jwt.as_ref())
+        .map_err(|e| ApiError::unauthorized(&e))
+}
+
+async fn models(State(s): State<AppState>, headers: HeaderMap) -> Result<Response, ApiError> {
+    let p = principal(&s, &headers)?;
+    if !p.has_scope(auth::SCOPE_MODELS_READ) && !p.has_scope(auth::SCOPE_INFERENCE) {
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "permission_error",
+            "insufficient_scope",
+            "this credential may not list models (scope models:read)".into(),
+        ));
+    }
+    let snapshot = s.registry.snapshot();
+    let owner = snapshot
+        .tenant(&p.tenant_id)
+        .map_or_else(String::new, |t| t.name.clone());
+    let data: Vec<Value> = snapshot
+        .routes_of(&p.tenant_id)
+        .iter()
+        .map(|r| {
+            json!({
+                "id": r.model_name,
+                "object": "model",
+                "created": r.created_at.timestamp(),
+                "owned_by": owner,
+            })
+        })
+        .collect();
+    Ok(axum::Json(json!({"object": "list", "data": data})).into_response())
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+async fn completions(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    handle(s, headers, body, Kind::Completion).await
+}
+
+async fn chat_completions(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    handle(s, headers, body, Kind::Chat).await
+}
+
+async fn handle(s: AppState, headers: HeaderMap, body: Body, kind: Kind) -> Response {
+    let request_id = Uuid::now_v7();
+    // First of all, a place for the row: without one, no work is done.
+    let ticket = match s.audit.admit() {
+        Ok(t) => t,
+        Err(u) => {
+            tracing::warn!(%request_id, reason = u.reason(), "refused: no room for the audit row");
+            return with_request_id(audit_unavailable(u).into_response(), request_id);
+        }
+    };
+    let mut trail = Trail::new(request_id, ticket);
+    let span = tracing::info_span!(
+        "completion",
+        %request_id,
+        tenant = tracing::field::Empty,
+        model = tracing::field::Empty,
+        lora_int_id = tracing::field::Empty,
+        worker = tracing::field::Empty,
+        route_reason = tracing::field::Empty,
+        residency_hit = tracing::field::Empty,
+        trace_id = tracing::field::Empty,
+    );
+    if let Some(tp) = headers.get("traceparent").and_then(|v| v.to_str().ok()) {
+        let ts = headers
+            .get("tracestate")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("");
+        lorafleet_telemetry::set_parent(&span, tp, ts);
+    }
+    if let Some(id) = lorafleet_telemetry::trace_id(&span) {
+        span.record("trace_id", id);
+    }
+    // A slow body or a slow step must not outlive the drain deadline either.
+    let result = tokio::select! {
+        r = tracing::Instrument::instrument(
+            prepare(&s, &headers, body, kind, &mut trail),
+            span.clone(),
+        ) => r,
+        () = cut(s.cut.clone()) => Err(shutting_down()),
+    };
+    let prepared = match result {
+        Ok(p) => p,
+        Err(e) => {
+            let code = e.code;
+            let status = e.status;
+            span.in_scope(|| tracing::info!(status = status.as_u16(), code, "refused"));
+            let outcome = if code == "gateway_shutdown" {
+                "cancelled"
+            } else {
+                "rejected"
+            };
+            // A refusal is answered even if its row is late: it serves nothing.
+            durable(trail.close(outcome, status, Some(code))).await;
+            return with_request_id(e.into_response(), request_id);
+        }
+    };
+    with_request_id(
+        run(s, prepared, trail, span, kind, request_id).await,
+        request_id,
+    )
+}
+
+struct Prepared {
+    principal: Principal,
+    resolved: Resolved,
+    request: pb::GenerateRequest,
+    stream: bool,
+    include_usage: bool,
+    model: String,
+    /// The tenant has a tokens-per-minute limit, so finished requests are
+    /// charged to it.
+    charges_tokens: bool,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+async fn prepare(
+    s: &AppState,
+    headers: &HeaderMap,
+    body: Body,
+    kind: Kind,
+    trail: &mut Trail,
+) -> Result<Prepared, ApiError> {
+    let permit = s.permits.clone().try_acquire_owned().map_err(|_| {
+        let mut e = ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_error",
+            "gateway_overloaded",
+            "the gateway is at its concurrency limit; retry shortly".into(),
+        );
+        e.retry_after = Some(1);
+        e
+    })?;
+    let principal = principal(s, headers)?;
+    trail.record.tenant_id = Some(principal.tenant_id);
+    trail.record.api_key_id = principal.api_key_id;
+    trail.record.api_key_prefix = principal.api_key_prefix.clone();
+    trail.record.subject = principal.subject.clone();
+    let snapshot = s.registry.snapshot();
+    let tenant = snapshot
+        .tenant(&principal.tenant_id)
+        .cloned()
+        .ok_or_else(|| ApiError::unauthorized(&auth::AuthError::InvalidKey))?;
+    trail.tenant_name = tenant.name.clone();
+    tracing::Span::current().record("tenant", tenant.name.as_str());
+    if !principal.has_scope(auth::SCOPE_INFERENCE) {
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "permission_error",
+            "insufficient_scope",
+            "this credential may not run completions (scope inference)".into(),
+        ));
+    }
+    let bytes: Bytes = axum::body::to_bytes(body, s.max_body_bytes)
+        .await
+        .map_err(|_| {
+            ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "invalid_request_error",
+                "request_too_large",
+                format!("the body is larger than {} bytes", s.max_body_bytes),
+            )
+        })?;
+    let parsed = parse_body(&bytes, kind);
+    if parsed.is_err() {
+        trail.note_refused_body(&bytes);
+    }
+    let (common_model, user, stream, include_usage, prompt, sampling) = parsed?;
+    trail.record.end_user = user.clone();
+    if s.registry.age() > s.registry_max_age {
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            "registry_stale",
+            format!(
+                "the registry snapshot is older than {} s (Postgres is unreachable), so \
+                 revocations may be missed; retry when it is back",
+                s.registry_max_age.as_secs()
+            ),
+        ));
+    }
+    trail.record.model_name = common_model.clone();
+    tracing::Span::current().record("model", common_model.as_str());
+    s.limiter
+        .admit(tenant.id, tenant.rpm_limit, tenant.tpm_limit)
+        .await
+        .map_err(|l| {
+            let mut e = ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                "rate_limit_exceeded",
+                format!("rate limit reached: {}", l.what),
+            );
+            e.retry_after = Some(l.retry_after_secs);
+            e
+        })?;
+    let stickiness = user
+        .clone()
+        .unwrap_or_else(|| trail.record.request_id.to_string());
+    let resolved = snapshot
+        .resolve(&principal.tenant_id, &common_model, &stickiness)
+        .ok_or_else(|| ApiError::model_not_found(&common_model))?;
+    trail.resolved(&resolved);
+    let adapter = resolved.adapter.as_ref().map(|a| pb::AdapterDescriptor {
+        lora_int_id: a.lora_int_id,
+        artifact_uri: a.artifact_uri.clone(),
+        artifact_sha256: a.artifact_sha256.clone(),
+        base_hash: a.base_hash.clone(),
+        rank: a.rank,
+        display_name: format!("{}@{}", a.name, a.version),
+    });
+    if let Some(a) = &adapter {
+        tracing::Span::current().record("lora_int_id", a.lora_int_id);
+    }
+    let (traceparent, tracestate) = lorafleet_telemetry::inject(&tracing::Span::current());
+    let request = pb::GenerateRequest {
+        request_id: trail.record.request_id.to_string(),
+        adapter,
+        prompt: Some(prompt),
+        sampling: Some(sampling),
+        trace_context: Some(pb::TraceContext {
+            traceparent,
+            tracestate,
+        }),
+    };
+    Ok(Prepared {
+        principal,
+        resolved,
+        request,
+        stream,
+        include_usage,
+        model: common_model,
+        charges_tokens: tenant.tpm_limit.is_some(),
+        _permit: permit,
+    })
+}
+
+type Parsed = (
+    String,
+    Option<String>,
+    bool,
+    bool,
+    pb::generate_request::Prompt,
+    pb::SamplingParams,
+);
+
+/// The body as (model, user, stream, include_usage, prompt, sampling).
+fn parse_body(bytes: &[u8], kind: Kind) -> Result<Parsed, ApiError> {
+    Ok(match kind {
+        Kind::Completion => {
+            let r = CompletionRequest::parse(bytes).map_err(ApiError::bad_request)?;
+            let (p, sp) = r.to_worker().map_err(ApiError::bad_request)?;
+            let c = r.common;
+            let iu = c.include_usage();
+            (c.model, c.user, c.stream, iu, p, sp)
+        }
+        Kind::Chat => {
+            let r = ChatRequest::parse(bytes).map_err(ApiError::bad_request)?;
+            let (p, sp) = r.to_worker().map_err(ApiError::bad_request)?;
+            let c = r.common;
+            let iu = c.include_usage();
+            (c.model, c.user, c.stream, iu, p, sp)
+        }
+    })
+}

@@ -1,0 +1,346 @@
+//! The answer: a whole response or an SSE stream, each ending with its
+//! row, and cut at the drain deadline.
+
+use super::*;
+
+pub(super) async fn run(
+    s: AppState,
+    p: Prepared,
+    mut trail: Trail,
+    span: tracing::Span,
+    kind: Kind,
+    request_id: Uuid,
+) -> Response {
+    use tracing::Instrument;
+    let started = tokio::select! {
+        r = async { start(&s, &p, &mut trail).await }.instrument(span.clone()) => r.map_err(|e| (e, "error")),
+        () = cut(s.cut.clone()) => Err((shutting_down(), "cancelled")),
+    };
+    let started = match started {
+        Ok(st) => st,
+        Err((e, outcome)) => {
+            let (status, code) = (e.status, e.code);
+            span.in_scope(
+                || tracing::warn!(status = status.as_u16(), code, message = %e.message, "failed"),
+            );
+            durable(trail.close(outcome, status, Some(code))).await;
+            return e.into_response();
+        }
+    };
+    trail.record.ttft_us = Some(trail.started.elapsed().as_micros() as i64);
+    trail.record.prompt_tokens = started.accepted.prompt_tokens as i32;
+    trail.record.adapter_residency = residency_label(started.accepted.adapter_residency())
+        .filter(|_| p.resolved.adapter.is_some())
+        .map(str::to_owned);
+    let created = Utc::now().timestamp();
+    let id = match kind {
+        Kind::Completion => format!("cmpl-{request_id}"),
+        Kind::Chat => format!("chatcmpl-{request_id}"),
+    };
+    let meta = Meta {
+        id,
+        created,
+        model: p.model.clone(),
+        kind,
+    };
+    if p.stream {
+        stream_response(s, p, started, trail, span, meta)
+    } else {
+        collect_response(s, p, started, trail, span, meta).await
+    }
+}
+
+pub(super) struct Meta {
+    id: String,
+    created: i64,
+    model: String,
+    kind: Kind,
+}
+
+impl Meta {
+    fn chunk(&self, text: Option<&str>, role: bool, finish: Option<&str>) -> Value {
+        match self.kind {
+            Kind::Completion => json!({
+                "id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model,
+                "choices": [{"index": 0, "text": text.unwrap_or(""), "logprobs": null,
+                             "finish_reason": finish}],
+            }),
+            Kind::Chat => {
+                let mut delta = serde_json::Map::new();
+                if role {
+                    delta.insert("role".into(), "assistant".into());
+                }
+                if let Some(t) = text {
+                    delta.insert("content".into(), t.into());
+                }
+                json!({
+                    "id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                    "model": self.model,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": null,
+                                 "finish_reason": finish}],
+                })
+            }
+        }
+    }
+
+    fn usage_chunk(&self, usage: &Usage) -> Value {
+        let object = match self.kind {
+            Kind::Completion => "text_completion",
+            Kind::Chat => "chat.completion.chunk",
+        };
+        json!({"id": self.id, "object": object, "created": self.created, "model": self.model,
+               "choices": [], "usage": usage})
+    }
+
+    fn full(&self, text: &str, finish: &str, usage: &Usage) -> Value {
+        match self.kind {
+            Kind::Completion => json!({
+                "id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model,
+                "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}],
+                "usage": usage,
+            }),
+            Kind::Chat => json!({
+                "id": self.id, "object": "chat.completion", "created": self.created,
+                "model": self.model,
+                "choices": [{"index": 0,
+                             "message": {"role": "assistant", "content": text},
+                             "logprobs": null, "finish_reason": finish}],
+                "usage": usage,
+            }),
+        }
+    }
+}
+
+/// Records a finished completion in the trail and charges its tokens to
+/// the tenant's minute; returns the usage to report.
+///
+/// The charge is a Redis round trip that the client need not wait for, so
+/// it runs beside the response instead of before it.
+pub(super) fn settle(
+    s: &AppState,
+    p: &Prepared,
+    trail: &mut Trail,
+    f: &pb::Finished,
+    completion_tokens: usize,
+) -> Usage {
+    let reported = f.usage.unwrap_or_default();
+    let usage = Usage::new(
+        reported.prompt_tokens,
+        reported.completion_tokens.max(completion_tokens as u32),
+    );
+    trail.record.prompt_tokens = usage.prompt_tokens as i32;
+    trail.record.completion_tokens = usage.completion_tokens as i32;
+    trail.record.finish_reason = Some(openai::finish_reason(f).into());
+    if p.charges_tokens {
+        let (limiter, tenant) = (s.limiter.clone(), p.principal.tenant_id);
+        let tokens = u64::from(usage.total_tokens);
+        tokio::spawn(async move { limiter.charge_tokens(tenant, tokens).await });
+    }
+    usage
+}
+
+pub(super) fn shutting_down() -> ApiError {
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "server_error",
+        "gateway_shutdown",
+        "the gateway is shutting down and its drain deadline passed; retry on another replica"
+            .into(),
+    )
+}
+
+/// How a worker stream ended before its `Finished` event.
+pub(super) enum Cut {
+    Worker(tonic::Status),
+    Timeout,
+    Shutdown,
+}
+
+pub(super) async fn collect_response(
+    s: AppState,
+    p: Prepared,
+    mut st: Started,
+    mut trail: Trail,
+    span: tracing::Span,
+    meta: Meta,
+) -> Response {
+    let mut text = String::new();
+    let mut event = Some(st.first.clone());
+    let deadline = tokio::time::Instant::now() + s.request_timeout;
+    let finished = loop {
+        match event.take() {
+            Some(pb::generate_event::Event::Delta(d)) => {
+                text.push_str(&d.text);
+                // Kept on the row as they come, so a client that goes away
+                // leaves a row with the tokens it used.
+                trail.record.completion_tokens += d.token_ids.len() as i32;
+            }
+            Some(pb::generate_event::Event::Finished(f)) => break Ok(f),
+            Some(pb::generate_event::Event::Accepted(_)) | None => {}
+        }
+        tokio::select! {
+            m = tokio::time::timeout_at(deadline, st.stream.message()) => match m {
+                Ok(Ok(Some(e))) => event = e.event,
+                Ok(Ok(None)) => {
+                    break Err(Cut::Worker(tonic::Status::unavailable(
+                        "the worker closed the stream before the end",
+                    )));
+                }
+                Ok(Err(status)) => break Err(Cut::Worker(status)),
+                Err(_) => break Err(Cut::Timeout),
+            },
+            () = cut(s.cut.clone()) => break Err(Cut::Shutdown),
+        }
+    };
+    let tokens = trail.record.completion_tokens as usize;
+    match finished {
+        Ok(f) => {
+            let usage = settle(&s, &p, &mut trail, &f, tokens);
+            let body = meta.full(&text, openai::finish_reason(&f), &usage);
+            span.in_scope(|| {
+                tracing::info!(completion_tokens = usage.completion_tokens, "completed")
+            });
+            // Served only once its row cannot be lost.
+            if !durable(trail.close("ok", StatusCode::OK, None)).await {
+                return row_not_durable().into_response();
+            }
+            axum::Json(body).into_response()
+        }
+        Err(cut) => {
+            // Tokens were produced, so no retry: the client gets an error.
+            let (e, outcome) = match cut {
+                Cut::Timeout => (
+                    ApiError::new(
+                        StatusCode::GATEWAY_TIMEOUT,
+                        "server_error",
+                        "timeout",
+                        format!("the request took longer than {:?}", s.request_timeout),
+                    ),
+                    "error",
+                ),
+                Cut::Shutdown => (shutting_down(), "cancelled"),
+                Cut::Worker(status) => (worker_error(&status), "error"),
+            };
+            span.in_scope(|| tracing::warn!(message = %e.message, "failed after the first token"));
+            durable(trail.close(outcome, e.status, Some(e.code))).await;
+            e.into_response()
+        }
+    }
+}
+
+pub(super) fn sse(v: &Value) -> Bytes {
+    Bytes::from(format!("data: {v}\n\n"))
+}
+
+pub(super) fn stream_response(
+    s: AppState,
+    p: Prepared,
+    mut st: Started,
+    mut trail: Trail,
+    span: tracing::Span,
+    meta: Meta,
+) -> Response {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(32);
+    let task = async move {
+        let mut sent_role = false;
+        let mut event = Some(st.first.clone());
+        let deadline = tokio::time::Instant::now() + s.request_timeout;
+        // Every send also ends at the drain deadline: a client that stops
+        // reading must not hold the shutdown.
+        let send = |v: Bytes| {
+            let (tx, cut_rx) = (tx.clone(), s.cut.clone());
+            async move {
+                tokio::select! {
+                    r = tx.send(Ok(v)) => r.is_ok(),
+                    () = cut(cut_rx) => false,
+                }
+            }
+        };
+        if meta.kind == Kind::Chat {
+            sent_role = true;
+            if !send(sse(&meta.chunk(None, true, None))).await {
+                let _ = trail.close("cancelled", StatusCode::OK, Some("client_closed"));
+                return;
+            }
+        }
+        let outcome: Result<pb::Finished, (&str, &str)> = loop {
+            match event.take() {
+                Some(pb::generate_event::Event::Delta(d)) => {
+                    trail.record.completion_tokens += d.token_ids.len() as i32;
+                    if !d.text.is_empty()
+                        && !send(sse(&meta.chunk(Some(&d.text), !sent_role, None))).await
+                    {
+                        // The client went away (or the drain deadline cut
+                        // it): dropping the worker stream cancels the
+                        // request there and frees its blocks.
+                        break Err(if *s.cut.borrow() {
+                            ("cancelled", "gateway_shutdown")
+                        } else {
+                            ("cancelled", "client_closed")
+                        });
+                    }
+                }
+                Some(pb::generate_event::Event::Finished(f)) => break Ok(f),
+                _ => {}
+            }
+            tokio::select! {
+                m = tokio::time::timeout_at(deadline, st.stream.message()) => match m {
+                    Ok(Ok(Some(e))) => event = e.event,
+                    Ok(Ok(None)) => break Err(("error", "worker_stream_ended")),
+                    Ok(Err(_)) => break Err(("error", "worker_failed")),
+                    Err(_) => break Err(("error", "timeout")),
+                },
+                () = tx.closed() => break Err(("cancelled", "client_closed")),
+                () = cut(s.cut.clone()) => break Err(("cancelled", "gateway_shutdown")),
+            }
+        };
+        let tokens = trail.record.completion_tokens as usize;
+        match outcome {
+            Ok(f) => {
+                let usage = settle(&s, &p, &mut trail, &f, tokens);
+                let reason = openai::finish_reason(&f);
+                send(sse(&meta.chunk(None, false, Some(reason)))).await;
+                if p.include_usage {
+                    send(sse(&meta.usage_chunk(&usage))).await;
+                }
+                tracing::info!(completion_tokens = usage.completion_tokens, "completed");
+                // [DONE] only once the row cannot be lost.
+                if durable(trail.close("ok", StatusCode::OK, None)).await {
+                    send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+                } else {
+                    let e = row_not_durable();
+                    let body = openai::error_body(&e.message, e.kind, None, Some(e.code));
+                    send(sse(&body)).await;
+                }
+            }
+            Err((status, code)) => {
+                if status == "error" || code == "gateway_shutdown" {
+                    // Headers are gone; tell the client in-band, OpenAI-style.
+                    let message = if code == "gateway_shutdown" {
+                        "the gateway is shutting down and its drain deadline passed"
+                    } else {
+                        "the worker failed after the stream started"
+                    };
+                    let body = openai::error_body(message, "server_error", None, Some(code));
+                    // Best effort, and never past the deadline.
+                    let _ =
+                        tokio::time::timeout(Duration::from_millis(100), tx.send(Ok(sse(&body))))
+                            .await;
+                }
+                tracing::warn!(status, code, "stream ended early");
+                durable(trail.close(status, StatusCode::OK, Some(code))).await;
+            }
+        }
+        drop(st);
+    };
+    tokio::spawn(tracing::Instrument::instrument(task, span));
+    let body = Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx));
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(body)
+        .expect("a valid response")
+}

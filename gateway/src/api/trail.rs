@@ -1,0 +1,192 @@
+//! A request's trail: its audit row and metrics, filled in as it goes, and
+//! recorded exactly once (also when the handler is dropped).
+
+use super::*;
+
+/// What the audit row and metrics need, filled in as the request proceeds.
+///
+/// It holds the request's audit [`Ticket`]: a trail dropped without
+/// [`Trail::close`] (the client went away and the handler's future was
+/// dropped) still records its row, as `cancelled`.
+pub(super) struct Trail {
+    pub(super) record: AuditRecord,
+    pub(super) started: Instant,
+    pub(super) tenant_name: String,
+    pub(super) adapter_label: String,
+    pub(super) ticket: Option<Ticket>,
+}
+
+/// HTTP status recorded for a request whose client closed the connection
+/// before any answer (nginx's convention; no response was sent).
+pub(super) const CLIENT_CLOSED: u16 = 499;
+
+impl Drop for Trail {
+    fn drop(&mut self) {
+        if self.ticket.is_some() {
+            let code = StatusCode::from_u16(CLIENT_CLOSED).expect("a valid status");
+            // The row is queued at once; nobody is left to wait for it.
+            let _ = self.finish("cancelled", code, Some("client_closed"));
+        }
+    }
+}
+
+impl Trail {
+    pub(super) fn new(request_id: Uuid, ticket: Ticket) -> Trail {
+        let now = Utc::now();
+        Trail {
+            record: AuditRecord {
+                request_id,
+                received_at: now,
+                completed_at: now,
+                tenant_id: None,
+                api_key_id: None,
+                api_key_prefix: None,
+                subject: None,
+                end_user: None,
+                model_name: String::new(),
+                route_id: None,
+                route_revision: None,
+                lora_int_id: None,
+                adapter_name: None,
+                adapter_version: None,
+                base_hash: None,
+                worker_id: None,
+                adapter_residency: None,
+                status: "rejected".into(),
+                http_status: 0,
+                error_code: None,
+                finish_reason: None,
+                prompt_tokens: 0,
+                completion_tokens: 0,
+                latency_us: 0,
+                ttft_us: None,
+                attempts: 0,
+            },
+            started: Instant::now(),
+            tenant_name: String::new(),
+            adapter_label: String::new(),
+            ticket: Some(ticket),
+        }
+    }
+
+    /// Records what a refused body said its `model` and `user` were, made
+    /// safe later like every field.
+    pub(super) fn note_refused_body(&mut self, body: &[u8]) {
+        let Some(v) = openai::lossy_object(body) else {
+            return;
+        };
+        let text = |v: &Value| match v {
+            Value::String(s) => s.clone(),
+            other => other.to_string(),
+        };
+        if let Some(m) = v.get("model") {
+            self.record.model_name = text(m);
+        }
+        if let Some(u) = v.get("user").filter(|u| !u.is_null()) {
+            self.record.end_user = Some(text(u));
+        }
+    }
+
+    pub(super) fn resolved(&mut self, r: &Resolved) {
+        self.record.route_id = Some(r.route.id);
+        self.record.route_revision = Some(r.route.revision);
+        self.record.base_hash = Some(r.route.base_hash.clone());
+        match &r.adapter {
+            Some(a) => {
+                self.record.lora_int_id = Some(a.lora_int_id as i64);
+                self.record.adapter_name = Some(a.name.clone());
+                self.record.adapter_version = Some(a.version as i32);
+                self.adapter_label = format!("{}@{}", a.name, a.version);
+            }
+            None => self.adapter_label = "base".into(),
+        }
+    }
+
+    /// Finishes the row and the metrics; the result resolves when the row
+    /// is durable.
+    pub(super) fn close(
+        mut self,
+        status: &str,
+        http: StatusCode,
+        code: Option<&str>,
+    ) -> Option<Durable> {
+        self.finish(status, http, code)
+    }
+
+    pub(super) fn finish(
+        &mut self,
+        status: &str,
+        http: StatusCode,
+        code: Option<&str>,
+    ) -> Option<Durable> {
+        let ticket = self.ticket.take()?;
+        self.record.completed_at = Utc::now();
+        self.record.latency_us = self.started.elapsed().as_micros() as i64;
+        self.record.status = status.into();
+        self.record.http_status = http.as_u16() as i16;
+        self.record.error_code = code.map(str::to_owned);
+        if status != "ok" {
+            self.record.finish_reason = None;
+        }
+        let labels = [
+            ("tenant", self.tenant_name.clone()),
+            ("adapter", self.adapter_label.clone()),
+        ];
+        metrics::counter!(
+            "lorafleet_gateway_requests_total",
+            &[
+                ("tenant", self.tenant_name.clone()),
+                ("adapter", self.adapter_label.clone()),
+                ("status", status.to_owned()),
+            ]
+        )
+        .increment(1);
+        metrics::histogram!("lorafleet_gateway_request_duration_seconds", &labels)
+            .record(self.started.elapsed().as_secs_f64());
+        if let Some(ttft) = self.record.ttft_us {
+            metrics::histogram!("lorafleet_gateway_time_to_first_token_seconds", &labels)
+                .record(ttft as f64 / 1e6);
+        }
+        Some(ticket.record(self.record.clone()))
+    }
+}
+
+/// Waits for a row to be durable; false if it is not (then the answer must
+/// not be a success).
+pub(super) async fn durable(d: Option<Durable>) -> bool {
+    match d {
+        Some(d) => d.wait().await,
+        None => false,
+    }
+}
+
+pub(super) fn audit_unavailable(u: Unavailable) -> ApiError {
+    let mut e = ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "server_error",
+        "audit_unavailable",
+        u.to_string(),
+    );
+    e.retry_after = Some(5);
+    e
+}
+
+pub(super) fn row_not_durable() -> ApiError {
+    let mut e = ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "server_error",
+        "audit_unavailable",
+        "the completion's audit row could not be made durable, so it is not served; retry shortly"
+            .into(),
+    );
+    e.retry_after = Some(5);
+    e
+}
+
+/// Every completion response carries its request id, the key of its row.
+pub(super) fn with_request_id(mut r: Response, request_id: Uuid) -> Response {
+    if let Ok(v) = HeaderValue::from_str(&request_id.to_string()) {
+        r.headers_mut().insert("x-request-id", v);
+    }
+    r
+}
