@@ -1,0 +1,509 @@
+//! Adapter versions: register from an artifact (checked with the worker's own rules), list, show and retire.
+
+use super::*;
+
+#[derive(Debug, Serialize, sqlx::FromRow)]
+pub(super) struct AdapterRow {
+    pub(super) lora_int_id: i64,
+    pub(super) name: String,
+    pub(super) version: i32,
+    pub(super) base_model: String,
+    pub(super) tenant: Option<String>,
+    pub(super) rank: i32,
+    pub(super) alpha: f64,
+    pub(super) use_rslora: bool,
+    pub(super) target_modules: Vec<String>,
+    pub(super) artifact_uri: String,
+    artifact_sha256: String,
+    pub(super) state: String,
+    pub(super) created_at: DateTime<Utc>,
+    pub(super) retired_at: Option<DateTime<Utc>>,
+}
+
+pub(super) const ADAPTER_SELECT: &str =
+    "SELECT a.lora_int_id, a.name, a.version, b.name AS base_model, t.name AS tenant,
+        a.rank, a.alpha, a.use_rslora, a.target_modules, a.artifact_uri, a.artifact_sha256,
+        a.state::TEXT AS state, a.created_at, a.retired_at
+     FROM adapters a JOIN base_models b ON b.id = a.base_model_id
+     LEFT JOIN tenants t ON t.id = a.tenant_id";
+
+#[derive(Debug, Deserialize)]
+pub(super) struct AdapterFilter {
+    pub(super) name: Option<String>,
+    pub(super) base_model: Option<String>,
+}
+
+pub(super) async fn list_adapters(
+    State(s): State<AdminState>,
+    headers: HeaderMap,
+    Query(f): Query<AdapterFilter>,
+) -> Result<Response, AdminError> {
+    let actor = authorize(&s, &headers, Need::Read)?;
+    let rows: Vec<AdapterRow> = sqlx::query_as(sql!(
+        "{ADAPTER_SELECT}
+         WHERE ($1::TEXT IS NULL OR a.name = $1) AND ($2::TEXT IS NULL OR b.name = $2)
+         ORDER BY a.name, a.version"
+    ))
+    .bind(f.name)
+    .bind(f.base_model)
+    .fetch_all(&s.pool)
+    .await
+    .map_err(db_error)?;
+    Ok(reply(StatusCode::OK, &actor, json!({ "adapters": rows })))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct NewAdapter {
+    pub(super) name: String,
+    /// Default: one above the highest version of this name.
+    pub(super) version: Option<u32>,
+    pub(super) base_model: String,
+    /// The owning tenant; absent for a platform-wide adapter.
+    pub(super) tenant: Option<String>,
+    pub(super) artifact_uri: String,
+}
+
+/// What registration learns from the artifact itself.
+#[derive(Debug)]
+pub(super) struct Inspected {
+    pub(super) rank: usize,
+    pub(super) alpha: f32,
+    pub(super) use_rslora: bool,
+    pub(super) targets: Vec<String>,
+    pub(super) digest: String,
+}
+
+/// Reads and checks an adapter artifact against a base model: its
+/// `adapter_config.json` (every rule the worker applies), the declared base
+/// model, rank and target modules against the architecture, the weight
+/// file's tensor shapes against the declared ranks, and its digest.
+pub(super) fn inspect_artifact(
+    roots: &ArtifactRoots,
+    uri: &str,
+    adapter_name: &str,
+    base_model: &str,
+    architecture: &str,
+    max_lora_rank: usize,
+) -> Result<Inspected, AdminError> {
+    let dir = roots.resolve(uri).map_err(|e| match e {
+        ArtifactError::OutsideRoots { .. } => AdminError::unprocessable(
+            "artifact_outside_root",
+            "artifact_uri",
+            format!("{uri:?} lies outside the artifact root"),
+        ),
+        ArtifactError::InvalidUri { reason, .. } => {
+            AdminError::unprocessable("invalid_artifact_uri", "artifact_uri", reason)
+        }
+        ArtifactError::NotFound { .. } => AdminError::unprocessable(
+            "artifact_not_found",
+            "artifact_uri",
+            format!("{uri:?} is not under the artifact root"),
+        ),
+        other => {
+            AdminError::unprocessable("artifact_unreadable", "artifact_uri", other.to_string())
+        }
+    })?;
+    let config_param = "adapter_config.json";
+    let text = std::fs::read_to_string(dir.join("adapter_config.json")).map_err(|e| {
+        AdminError::unprocessable(
+            "invalid_adapter_config",
+            config_param,
+            format!("cannot be read: {e}"),
+        )
+    })?;
+    let config = AdapterConfig::from_text(adapter_name, &text, None).map_err(|e| {
+        use lorafleet_engine::lora::AdapterError;
+        let field = match &e {
+            AdapterError::Invalid { field, .. } | AdapterError::Unsupported { field, .. } => {
+                field.clone()
+            }
+            _ => String::new(),
+        };
+        let param = if field.is_empty() || field == config_param {
+            config_param.to_owned()
+        } else {
+            format!("{config_param}.{field}")
+        };
+        AdminError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_adapter_config",
+            Some(&param),
+            e.to_string(),
+        )
+    })?;
+    // The declared base: PEFT records the name or path it was trained on;
+    // its last path segment must name the base model it is registered to.
+    let declared: Option<String> = serde_json::from_str::<Value>(&text).ok().and_then(|v| {
+        v.get("base_model_name_or_path")?
+            .as_str()
+            .map(str::to_owned)
+    });
+    let base_param = "adapter_config.json.base_model_name_or_path";
+    match declared {
+        None => {
+            return Err(AdminError::unprocessable(
+                "base_model_mismatch",
+                base_param,
+                format!("is missing; the adapter must declare its base model {base_model:?}"),
+            ));
+        }
+        Some(d) => {
+            let last = |s: &str| {
+                s.trim_end_matches('/')
+                    .rsplit('/')
+                    .next()
+                    .unwrap_or("")
+                    .to_owned()
+            };
+            if d != base_model && last(&d) != last(base_model) {
+                return Err(AdminError::unprocessable(
+                    "base_model_mismatch",
+                    base_param,
+                    format!(
+                        "{d:?} does not name the base model {base_model:?} it is registered against"
+                    ),
+                ));
+            }
+        }
+    }
+    let rank = config.max_rank();
+    if rank > max_lora_rank {
+        let param = if config.r > max_lora_rank {
+            "adapter_config.json.r"
+        } else {
+            "adapter_config.json.rank_pattern"
+        };
+        return Err(AdminError::unprocessable(
+            "rank_too_large",
+            param,
+            format!("rank {rank} is above the fleet's max LoRA rank {max_lora_rank}"),
+        ));
+    }
+    let modules = match architecture {
+        "llama" | "mistral" | "qwen2" => LLAMA_FAMILY_MODULES,
+        _ => &[][..],
+    };
+    let targets: Vec<String> = config
+        .targets
+        .iter()
+        .map(|p| p.module_name().to_owned())
+        .collect();
+    if let Some(t) = targets.iter().find(|t| !modules.contains(&t.as_str())) {
+        return Err(AdminError::unprocessable(
+            "invalid_adapter_config",
+            "adapter_config.json.target_modules",
+            format!("{t} is not a projection of a {architecture} model"),
+        ));
+    }
+    check_weight_shapes(
+        &dir.join("adapter_model.safetensors"),
+        &config,
+        adapter_name,
+    )?;
+    let digest = roots.digest(&dir).map_err(|e| {
+        AdminError::unprocessable("artifact_unreadable", "artifact_uri", e.to_string())
+    })?;
+    Ok(Inspected {
+        rank,
+        alpha: config.lora_alpha,
+        use_rslora: config.use_rslora,
+        targets,
+        digest,
+    })
+}
+
+/// Checks the safetensors header: every tensor is a lora_A or lora_B of a
+/// targeted module, and its rank dimension is the rank the config gives
+/// that module.
+pub(super) fn check_weight_shapes(
+    path: &std::path::Path,
+    config: &AdapterConfig,
+    adapter_name: &str,
+) -> Result<(), AdminError> {
+    let param = "adapter_model.safetensors";
+    let bad = |m: String| AdminError::unprocessable("invalid_adapter_weights", param, m);
+    let header = read_safetensors_header(path).map_err(bad)?;
+    if header.is_empty() {
+        return Err(bad("holds no tensors".into()));
+    }
+    for (name, info) in &header {
+        if name == "__metadata__" {
+            continue;
+        }
+        let shape: Vec<u64> = info
+            .get("shape")
+            .and_then(Value::as_array)
+            .map(|a| a.iter().filter_map(Value::as_u64).collect())
+            .unwrap_or_default();
+        let (module_path, factor) = name
+            .strip_prefix("base_model.model.")
+            .and_then(|n| {
+                n.strip_suffix(".lora_A.weight")
+                    .map(|m| (m, 'A'))
+                    .or_else(|| n.strip_suffix(".lora_B.weight").map(|m| (m, 'B')))
+            })
+            .ok_or_else(|| {
+                bad(format!(
+                    "tensor {name:?} is not a PEFT lora_A or lora_B weight"
+                ))
+            })?;
+        let module = module_path.rsplit('.').next().unwrap_or_default();
+        if !config.targets.iter().any(|p| p.module_name() == module) {
+            return Err(bad(format!(
+                "tensor {name:?} belongs to {module:?}, which target_modules does not list"
+            )));
+        }
+        let (rank, _) = config
+            .rank_and_alpha(adapter_name, module_path)
+            .map_err(|e| bad(e.to_string()))?;
+        let rank_dim = match (factor, shape.as_slice()) {
+            ('A', [r, _]) => *r,
+            ('B', [_, r]) => *r,
+            _ => return Err(bad(format!("tensor {name:?} has shape {shape:?}, not 2-D"))),
+        };
+        if rank_dim != rank as u64 {
+            return Err(bad(format!(
+                "tensor {name:?} has rank {rank_dim}, but adapter_config.json gives {module_path} rank {rank}"
+            )));
+        }
+    }
+    Ok(())
+}
+
+pub(super) fn read_safetensors_header(
+    path: &std::path::Path,
+) -> Result<serde_json::Map<String, Value>, String> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path).map_err(|e| format!("cannot be opened: {e}"))?;
+    let mut len = [0u8; 8];
+    f.read_exact(&mut len)
+        .map_err(|_| "is too short to be safetensors".to_owned())?;
+    let len = u64::from_le_bytes(len);
+    if len > 100 << 20 {
+        return Err(format!(
+            "declares a {len}-byte header, which is implausible"
+        ));
+    }
+    let mut header = vec![0u8; len as usize];
+    f.read_exact(&mut header)
+        .map_err(|_| "ends inside its header".to_owned())?;
+    match serde_json::from_slice(&header) {
+        Ok(Value::Object(map)) => Ok(map),
+        _ => Err("has a header that is not a JSON object".into()),
+    }
+}
+
+pub(super) async fn register_adapter(
+    State(s): State<AdminState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, AdminError> {
+    let actor = authorize(&s, &headers, Need::Write)?;
+    let a: NewAdapter = parse_body(&body)?;
+    let name_ok = !a.name.is_empty()
+        && a.name.len() <= 128
+        && a.name.as_bytes()[0].is_ascii_alphanumeric()
+        && a.name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+    if !name_ok {
+        return Err(AdminError::field(
+            "name",
+            format!(
+                "{:?} must be 1-128 characters of letters, digits and . _ -",
+                a.name
+            ),
+        ));
+    }
+    if a.version == Some(0) {
+        return Err(AdminError::field("version", "must be at least 1"));
+    }
+    // Registries store the URI relative to the root, the same on every
+    // host; checked before any file is read.
+    let uri = a
+        .artifact_uri
+        .strip_prefix("file:")
+        .unwrap_or(&a.artifact_uri)
+        .to_owned();
+    if uri.starts_with('/') {
+        return Err(AdminError::unprocessable(
+            "artifact_outside_root",
+            "artifact_uri",
+            "must be relative to the artifact root, as every worker resolves it under its own root",
+        ));
+    }
+    let roots = s.artifact_roots.clone().ok_or_else(|| {
+        AdminError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no_artifact_root",
+            Some("artifact_uri"),
+            "this gateway has no --artifact-root, so it cannot read artifacts to register them"
+                .into(),
+        )
+    })?;
+    let base: Option<(i64, String)> =
+        sqlx::query_as("SELECT id, architecture FROM base_models WHERE name = $1")
+            .bind(&a.base_model)
+            .fetch_optional(&s.pool)
+            .await
+            .map_err(db_error)?;
+    let (base_id, architecture) = base.ok_or_else(|| {
+        AdminError::not_found("base_model", format!("base model {:?}", a.base_model))
+    })?;
+    let tenant = match &a.tenant {
+        Some(t) => Some(tenant_id(&s.pool, t, "tenant").await?),
+        None => None,
+    };
+    // Hashing a large artifact is blocking work.
+    let inspected = {
+        let (uri, name, base_model, max) = (
+            a.artifact_uri.clone(),
+            a.name.clone(),
+            a.base_model.clone(),
+            s.max_lora_rank,
+        );
+        tokio::task::spawn_blocking(move || {
+            inspect_artifact(&roots, &uri, &name, &base_model, &architecture, max)
+        })
+        .await
+        .map_err(AdminError::internal)??
+    };
+    let mut tx = s.pool.begin().await.map_err(db_error)?;
+    // Serialises version numbering per name.
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('adapter:' || $1))")
+        .bind(&a.name)
+        .execute(&mut *tx)
+        .await
+        .map_err(db_error)?;
+    let version: i32 = match a.version {
+        Some(v) => i32::try_from(v).map_err(|_| AdminError::field("version", "is too large"))?,
+        None => {
+            sqlx::query_scalar("SELECT COALESCE(max(version), 0) + 1 FROM adapters WHERE name = $1")
+                .bind(&a.name)
+                .fetch_one(&mut *tx)
+                .await
+                .map_err(db_error)?
+        }
+    };
+    let id: i64 = sqlx::query_scalar(
+        "INSERT INTO adapters (name, version, base_model_id, tenant_id, rank, alpha, use_rslora,
+                               target_modules, artifact_uri, artifact_sha256)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) RETURNING lora_int_id",
+    )
+    .bind(&a.name)
+    .bind(version)
+    .bind(base_id)
+    .bind(tenant)
+    .bind(inspected.rank as i32)
+    .bind(f64::from(inspected.alpha))
+    .bind(inspected.use_rslora)
+    .bind(&inspected.targets)
+    .bind(&uri)
+    .bind(&inspected.digest)
+    .fetch_one(&mut *tx)
+    .await
+    .map_err(|e| match db_error(e) {
+        e if e.code == "duplicate" => AdminError::conflict(
+            "duplicate",
+            "version",
+            format!("adapter {:?} version {version} already exists; versions are immutable, register a new one", a.name),
+        ),
+        e => e,
+    })?;
+    let row: AdapterRow = sqlx::query_as(sql!("{ADAPTER_SELECT} WHERE a.lora_int_id = $1"))
+        .bind(id)
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(db_error)?;
+    commit_change(
+        &s,
+        tx,
+        &actor,
+        "adapter.register",
+        ("adapter", &id.to_string()),
+        None,
+        Some(to_json(&row)),
+    )
+    .await?;
+    Ok(reply(StatusCode::CREATED, &actor, to_json(&row)))
+}
+
+pub(super) async fn retire_adapter(
+    State(s): State<AdminState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Response, AdminError> {
+    let actor = authorize(&s, &headers, Need::Write)?;
+    let id: i64 = id.parse().ok().filter(|v| *v > 0).ok_or_else(|| {
+        AdminError::field("lora_int_id", format!("{id:?} is not a positive integer"))
+    })?;
+    let mut tx = s.pool.begin().await.map_err(db_error)?;
+    let before: Option<AdapterRow> = sqlx::query_as(sql!(
+        "{ADAPTER_SELECT} WHERE a.lora_int_id = $1 FOR UPDATE OF a"
+    ))
+    .bind(id)
+    .fetch_optional(&mut *tx)
+    .await
+    .map_err(db_error)?;
+    let before =
+        before.ok_or_else(|| AdminError::not_found("lora_int_id", format!("adapter {id}")))?;
+    if before.state == "retired" {
+        return Err(AdminError::conflict(
+            "no_change",
+            "lora_int_id",
+            format!("adapter {id} is already retired"),
+        ));
+    }
+    let routed: Vec<String> = sqlx::query_scalar(
+        "SELECT t.name || '/' || r.model_name FROM routes r
+         JOIN route_weights w ON w.route_id = r.id AND w.revision = r.current_revision
+         JOIN tenants t ON t.id = r.tenant_id
+         WHERE w.lora_int_id = $1 ORDER BY 1",
+    )
+    .bind(id)
+    .fetch_all(&mut *tx)
+    .await
+    .map_err(db_error)?;
+    if !routed.is_empty() {
+        return Err(AdminError::conflict(
+            "adapter_in_use",
+            "lora_int_id",
+            format!(
+                "adapter {id} still takes traffic on route(s) {}; move them off it (promote or set) first",
+                routed.join(", ")
+            ),
+        ));
+    }
+    sqlx::query("UPDATE adapters SET state = 'retired', retired_at = now() WHERE lora_int_id = $1")
+        .bind(id)
+        .execute(&mut *tx)
+        .await
+        .map_err(db_error)?;
+    let after: AdapterRow = sqlx::query_as(sql!("{ADAPTER_SELECT} WHERE a.lora_int_id = $1"))
+        .bind(id)
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(db_error)?;
+    commit_change(
+        &s,
+        tx,
+        &actor,
+        "adapter.retire",
+        ("adapter", &id.to_string()),
+        Some(to_json(&before)),
+        Some(to_json(&after)),
+    )
+    .await?;
+    Ok(reply(StatusCode::OK, &actor, to_json(&after)))
+}
+
+/// Where admin artifacts come from: the configured roots, canonicalised.
+pub fn artifact_roots(roots: &[PathBuf]) -> anyhow::Result<Option<Arc<ArtifactRoots>>> {
+    if roots.is_empty() {
+        return Ok(None);
+    }
+    ArtifactRoots::new(roots)
+        .map(|r| Some(Arc::new(r)))
+        .map_err(|e| anyhow::anyhow!("--artifact-root: {e}"))
+}

@@ -1,0 +1,108 @@
+//! Base models: register and list.
+
+use super::*;
+
+#[derive(Debug, Serialize, sqlx::FromRow)]
+pub(super) struct BaseModelRow {
+    pub(super) name: String,
+    pub(super) architecture: String,
+    pub(super) base_hash: String,
+    pub(super) created_at: DateTime<Utc>,
+}
+
+pub(super) async fn list_base_models(
+    State(s): State<AdminState>,
+    headers: HeaderMap,
+) -> Result<Response, AdminError> {
+    let actor = authorize(&s, &headers, Need::Read)?;
+    let rows: Vec<BaseModelRow> = sqlx::query_as(
+        "SELECT name, architecture, base_hash, created_at FROM base_models ORDER BY name",
+    )
+    .fetch_all(&s.pool)
+    .await
+    .map_err(db_error)?;
+    Ok(reply(
+        StatusCode::OK,
+        &actor,
+        json!({ "base_models": rows }),
+    ))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct NewBaseModel {
+    pub(super) name: String,
+    pub(super) architecture: String,
+    pub(super) base_hash: String,
+}
+
+pub(super) fn check_model_name(name: &str, param: &str) -> Result<(), AdminError> {
+    let ok = !name.is_empty()
+        && name.len() <= 128
+        && name.as_bytes()[0].is_ascii_alphanumeric()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._:/-".contains(&b));
+    if ok {
+        Ok(())
+    } else {
+        Err(AdminError::field(
+            param,
+            format!(
+                "{name:?} must be 1-128 characters of letters, digits and . _ : / -, starting with a letter or digit"
+            ),
+        ))
+    }
+}
+
+pub(super) async fn register_base_model(
+    State(s): State<AdminState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, AdminError> {
+    let actor = authorize(&s, &headers, Need::Write)?;
+    let b: NewBaseModel = parse_body(&body)?;
+    check_model_name(&b.name, "name")?;
+    if !ARCHITECTURES.contains(&b.architecture.as_str()) {
+        return Err(AdminError::field(
+            "architecture",
+            format!(
+                "{:?} is not supported; expected one of {}",
+                b.architecture,
+                ARCHITECTURES.join(", ")
+            ),
+        ));
+    }
+    if !(b.base_hash.len() == 64
+        && b.base_hash
+            .bytes()
+            .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c)))
+    {
+        return Err(AdminError::field(
+            "base_hash",
+            "must be 64 lowercase hex digits (lorafleetctl base-models hash DIR computes it)",
+        ));
+    }
+    let mut tx = s.pool.begin().await.map_err(db_error)?;
+    let row: BaseModelRow = sqlx::query_as(
+        "INSERT INTO base_models (name, architecture, base_hash) VALUES ($1, $2, $3)
+         RETURNING name, architecture, base_hash, created_at",
+    )
+    .bind(&b.name)
+    .bind(&b.architecture)
+    .bind(&b.base_hash)
+    .fetch_one(&mut *tx)
+    .await
+    .map_err(db_error)?;
+    commit_change(
+        &s,
+        tx,
+        &actor,
+        "base_model.register",
+        ("base_model", &row.name),
+        None,
+        Some(to_json(&row)),
+    )
+    .await?;
+    Ok(reply(StatusCode::CREATED, &actor, to_json(&row)))
+}

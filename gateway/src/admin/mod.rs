@@ -1,0 +1,187 @@
+//! The admin API, under `/admin/v1` on its own listen address: tenants, API
+//! keys, base models, adapter versions, routes and canaries, the fleet view,
+//! and audit-log queries.
+//!
+//! - Callers present an admin JWT whose `role` claim is `admin` (every
+//!   operation), `auditor` (reads and audit queries) or `viewer` (reads).
+//! - Every change runs in one transaction that also writes its
+//!   `admin_changes` row (who, what, when, before and after). After commit
+//!   this replica reloads its registry snapshot and the change is announced
+//!   on Redis, so the other replicas reload within moments.
+//! - Route changes are optimistic: a route's etag is its current revision,
+//!   and a change must send `If-Match` with it.
+//! - Errors use the OpenAI shape, with `param` naming the field at fault.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use chrono::{DateTime, Utc};
+use lorafleet_engine::artifact::{ArtifactError, ArtifactRoots};
+use lorafleet_engine::lora::config::AdapterConfig;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+use sqlx::{PgPool, Postgres, QueryBuilder, Transaction};
+use uuid::Uuid;
+
+use crate::auth::{self, JwtConfig};
+use crate::fleet::Fleet;
+use crate::registry::{self, Registry};
+
+/// The projections a LoRA may target in each architecture the registry
+/// accepts. Llama, Mistral and Qwen2 share one layer layout.
+/// SQL assembled from this module's own constants (column lists, a lock
+/// clause), never from input: input always travels as bind parameters.
+macro_rules! sql {
+    ($($t:tt)*) => {
+        sqlx::AssertSqlSafe(format!($($t)*))
+    };
+}
+
+const LLAMA_FAMILY_MODULES: &[&str] = &[
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+];
+const ARCHITECTURES: &[&str] = &["llama", "mistral", "qwen2"];
+
+/// Admin roles, from the token's `role` claim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    Admin,
+    Auditor,
+    Viewer,
+}
+
+/// What an operation needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Need {
+    Read,
+    Audit,
+    Write,
+}
+
+impl Role {
+    fn parse(s: &str) -> Option<Role> {
+        match s {
+            "admin" => Some(Role::Admin),
+            "auditor" => Some(Role::Auditor),
+            "viewer" => Some(Role::Viewer),
+            _ => None,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Role::Admin => "admin",
+            Role::Auditor => "auditor",
+            Role::Viewer => "viewer",
+        }
+    }
+
+    fn allows(self, need: Need) -> bool {
+        match self {
+            Role::Admin => true,
+            Role::Auditor => need != Need::Write,
+            Role::Viewer => need == Need::Read,
+        }
+    }
+}
+
+/// Everything the admin API needs. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct AdminState {
+    pub pool: PgPool,
+    pub registry: Registry,
+    pub redis: Option<redis::aio::ConnectionManager>,
+    /// The registry change channel.
+    pub channel: String,
+    pub jwt: Arc<JwtConfig>,
+    /// Where adapter artifacts live; None turns adapter registration off.
+    pub artifact_roots: Option<Arc<ArtifactRoots>>,
+    /// The largest LoRA rank any worker pool accepts.
+    pub max_lora_rank: usize,
+    pub fleet: Fleet,
+}
+
+pub fn router(state: AdminState) -> Router {
+    Router::new()
+        .route("/admin/v1/tenants", get(list_tenants).post(create_tenant))
+        .route("/admin/v1/tenants/{tenant}/disable", post(disable_tenant))
+        .route("/admin/v1/tenants/{tenant}/enable", post(enable_tenant))
+        .route(
+            "/admin/v1/tenants/{tenant}/keys",
+            get(list_keys).post(create_key),
+        )
+        .route("/admin/v1/keys/{prefix}/revoke", post(revoke_key))
+        .route(
+            "/admin/v1/base-models",
+            get(list_base_models).post(register_base_model),
+        )
+        .route(
+            "/admin/v1/adapters",
+            get(list_adapters).post(register_adapter),
+        )
+        .route(
+            "/admin/v1/adapters/{lora_int_id}/retire",
+            post(retire_adapter),
+        )
+        .route("/admin/v1/routes", get(list_routes))
+        .route(
+            "/admin/v1/routes/{tenant}/{model}",
+            get(get_route).put(put_route),
+        )
+        .route("/admin/v1/routes/{tenant}/{model}/promote", post(promote))
+        .route("/admin/v1/routes/{tenant}/{model}/rollback", post(rollback))
+        .route("/admin/v1/fleet", get(fleet_view))
+        .route("/admin/v1/audit", get(audit_query))
+        .route("/admin/v1/changes", get(list_changes))
+        .route("/healthz", get(|| async { "ok" }))
+        .fallback(|| async {
+            AdminError::new(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                None,
+                "no such admin endpoint".into(),
+            )
+        })
+        .with_state(state)
+}
+
+// One file per resource, declared after `sql!`, which they use (a macro is
+// in scope only below its definition).
+mod actor;
+mod adapters;
+mod audit;
+mod base_models;
+mod changes;
+mod error;
+mod fleet;
+mod keys;
+mod routes;
+mod tenants;
+
+use actor::*;
+use adapters::*;
+use audit::*;
+use base_models::*;
+use changes::*;
+use error::*;
+use fleet::*;
+use keys::*;
+use routes::*;
+use tenants::*;
+
+pub use adapters::artifact_roots;
+pub use audit::{AuditFilter, AuditQuery, AuditRow, Cursor};

@@ -1,0 +1,576 @@
+//! Routes and canaries: etag-checked revisions, weights, promote and rollback.
+
+use super::*;
+
+#[derive(Debug, Serialize, Deserialize, Clone, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(super) struct Weight {
+    pub(super) lora_int_id: i64,
+    pub(super) weight_bp: u32,
+}
+
+#[derive(Debug, Serialize)]
+pub(super) struct RouteView {
+    pub(super) tenant: String,
+    pub(super) model: String,
+    pub(super) revision: i32,
+    pub(super) etag: String,
+    pub(super) base_model: String,
+    /// "base" or "adapters".
+    pub(super) target: String,
+    pub(super) weights: Vec<WeightView>,
+    pub(super) updated_at: DateTime<Utc>,
+    pub(super) created_by: String,
+}
+
+#[derive(Debug, Serialize, sqlx::FromRow)]
+pub(super) struct WeightView {
+    pub(super) lora_int_id: i64,
+    pub(super) adapter: String,
+    pub(super) version: i32,
+    pub(super) weight_bp: i32,
+}
+
+pub(super) fn etag(revision: i32) -> String {
+    format!("\"{revision}\"")
+}
+
+pub(super) async fn load_route(
+    ex: &mut sqlx::PgConnection,
+    tenant: &str,
+    model: &str,
+    lock: bool,
+) -> Result<Option<(Uuid, RouteView)>, AdminError> {
+    type Row = (
+        Uuid,
+        String,
+        String,
+        i32,
+        String,
+        String,
+        DateTime<Utc>,
+        String,
+    );
+    let row: Option<Row> = sqlx::query_as(sql!(
+        "SELECT r.id, t.name, r.model_name, r.current_revision, b.name, rr.target::TEXT,
+                r.updated_at, rr.created_by
+         FROM routes r JOIN tenants t ON t.id = r.tenant_id
+         JOIN route_revisions rr ON rr.route_id = r.id AND rr.revision = r.current_revision
+         JOIN base_models b ON b.id = rr.base_model_id
+         WHERE t.name = $1 AND r.model_name = $2 {}",
+        if lock { "FOR UPDATE OF r" } else { "" }
+    ))
+    .bind(tenant)
+    .bind(model)
+    .fetch_optional(&mut *ex)
+    .await
+    .map_err(db_error)?;
+    let Some((id, tenant, model, revision, base_model, target, updated_at, created_by)) = row
+    else {
+        return Ok(None);
+    };
+    let weights = revision_weights(ex, id, revision).await?;
+    Ok(Some((
+        id,
+        RouteView {
+            tenant,
+            model,
+            revision,
+            etag: etag(revision),
+            base_model,
+            target,
+            weights,
+            updated_at,
+            created_by,
+        },
+    )))
+}
+
+pub(super) async fn revision_weights(
+    ex: &mut sqlx::PgConnection,
+    route: Uuid,
+    revision: i32,
+) -> Result<Vec<WeightView>, AdminError> {
+    sqlx::query_as(
+        "SELECT w.lora_int_id, a.name AS adapter, a.version, w.weight_bp
+         FROM route_weights w JOIN adapters a ON a.lora_int_id = w.lora_int_id
+         WHERE w.route_id = $1 AND w.revision = $2 ORDER BY w.lora_int_id",
+    )
+    .bind(route)
+    .bind(revision)
+    .fetch_all(&mut *ex)
+    .await
+    .map_err(db_error)
+}
+
+pub(super) fn route_reply(status: StatusCode, actor: &Actor, view: &RouteView) -> Response {
+    let mut r = reply(status, actor, to_json(view));
+    if let Ok(v) = HeaderValue::from_str(&view.etag) {
+        r.headers_mut().insert(header::ETAG, v);
+    }
+    r
+}
+
+#[derive(Debug, Deserialize)]
+pub(super) struct RouteFilter {
+    pub(super) tenant: Option<String>,
+}
+
+pub(super) async fn list_routes(
+    State(s): State<AdminState>,
+    headers: HeaderMap,
+    Query(f): Query<RouteFilter>,
+) -> Result<Response, AdminError> {
+    let actor = authorize(&s, &headers, Need::Read)?;
+    let mut conn = s.pool.acquire().await.map_err(db_error)?;
+    let names: Vec<(String, String)> = sqlx::query_as(
+        "SELECT t.name, r.model_name FROM routes r JOIN tenants t ON t.id = r.tenant_id
+         WHERE ($1::TEXT IS NULL OR t.name = $1) ORDER BY t.name, r.model_name",
+    )
+    .bind(&f.tenant)
+    .fetch_all(&mut *conn)
+    .await
+    .map_err(db_error)?;
+    let mut routes = Vec::new();
+    for (t, m) in names {
+        if let Some((_, view)) = load_route(&mut conn, &t, &m, false).await? {
+            routes.push(view);
+        }
+    }
+    Ok(reply(StatusCode::OK, &actor, json!({ "routes": routes })))
+}
+
+pub(super) async fn get_route(
+    State(s): State<AdminState>,
+    headers: HeaderMap,
+    Path((tenant, model)): Path<(String, String)>,
+) -> Result<Response, AdminError> {
+    let actor = authorize(&s, &headers, Need::Read)?;
+    let mut conn = s.pool.acquire().await.map_err(db_error)?;
+    let (_, view) = load_route(&mut conn, &tenant, &model, false)
+        .await?
+        .ok_or_else(|| AdminError::not_found("model", format!("route {tenant}/{model}")))?;
+    Ok(route_reply(StatusCode::OK, &actor, &view))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RouteSpec {
+    /// Required for a base-model route; for adapter weights it defaults to
+    /// the adapters' base model.
+    pub(super) base_model: Option<String>,
+    /// Empty or absent: the route serves the base model itself.
+    #[serde(default)]
+    pub(super) weights: Vec<Weight>,
+}
+
+/// The revision the client last saw, from `If-Match`.
+pub(super) fn if_match(headers: &HeaderMap) -> Result<Option<i32>, AdminError> {
+    let Some(v) = headers.get(header::IF_MATCH) else {
+        return Ok(None);
+    };
+    let s = v.to_str().unwrap_or_default().trim();
+    let s = s.strip_prefix("W/").unwrap_or(s);
+    s.trim_matches('"').parse::<i32>().map(Some).map_err(|_| {
+        AdminError::field(
+            "If-Match",
+            format!("{s:?} is not a route etag such as \"3\""),
+        )
+    })
+}
+
+/// Checks `If-Match` against the route's current revision.
+pub(super) fn check_etag(
+    sent: Option<i32>,
+    current: Option<i32>,
+    tenant: &str,
+    model: &str,
+) -> Result<(), AdminError> {
+    match (sent, current) {
+        (None, None) => Ok(()),
+        (Some(s), Some(c)) if s == c => Ok(()),
+        (None, Some(c)) => Err(AdminError::new(
+            StatusCode::PRECONDITION_REQUIRED,
+            "etag_required",
+            Some("If-Match"),
+            format!(
+                "If-Match: route {tenant}/{model} exists (etag \"{c}\"); send its etag to change it"
+            ),
+        )),
+        (Some(s), Some(c)) => Err(AdminError::new(
+            StatusCode::PRECONDITION_FAILED,
+            "stale_etag",
+            Some("If-Match"),
+            format!(
+                "If-Match: etag \"{s}\" is stale; route {tenant}/{model} is at \"{c}\" since someone else changed it. Re-read the route and retry"
+            ),
+        )),
+        (Some(s), None) => Err(AdminError::new(
+            StatusCode::PRECONDITION_FAILED,
+            "stale_etag",
+            Some("If-Match"),
+            format!("If-Match: etag \"{s}\" given, but route {tenant}/{model} does not exist"),
+        )),
+    }
+}
+
+/// Validates weights against the registry: every version exists, is
+/// active, belongs to this tenant or the platform, and all share one base
+/// model. Returns that base model's id.
+pub(super) async fn check_weights(
+    ex: &mut sqlx::PgConnection,
+    weights: &[Weight],
+    base_model: Option<&str>,
+    tenant: Uuid,
+) -> Result<i64, AdminError> {
+    let mut seen = std::collections::HashSet::new();
+    let mut sum: u64 = 0;
+    for (i, w) in weights.iter().enumerate() {
+        if !(1..=registry::WEIGHT_TOTAL).contains(&w.weight_bp) {
+            return Err(AdminError::field(
+                &format!("weights[{i}].weight_bp"),
+                format!("{} must be between 1 and 10000 basis points", w.weight_bp),
+            ));
+        }
+        if !seen.insert(w.lora_int_id) {
+            return Err(AdminError::field(
+                &format!("weights[{i}].lora_int_id"),
+                format!("adapter {} is listed twice", w.lora_int_id),
+            ));
+        }
+        sum += u64::from(w.weight_bp);
+    }
+    if sum != u64::from(registry::WEIGHT_TOTAL) {
+        return Err(AdminError::unprocessable(
+            "weights_sum",
+            "weights",
+            format!("the weights sum to {sum} basis points; they must sum to exactly 10000"),
+        ));
+    }
+    let mut base: Option<(i64, String, usize)> = None;
+    if let Some(name) = base_model {
+        let id = base_model_id(&mut *ex, name).await?;
+        base = Some((id, name.to_owned(), usize::MAX));
+    }
+    for (i, w) in weights.iter().enumerate() {
+        let param = format!("weights[{i}].lora_int_id");
+        type Row = (i64, String, String, i32, Option<Uuid>, String);
+        let row: Option<Row> = sqlx::query_as(
+            "SELECT a.base_model_id, b.name, a.name, a.version, a.tenant_id, a.state::TEXT
+             FROM adapters a JOIN base_models b ON b.id = a.base_model_id WHERE a.lora_int_id = $1",
+        )
+        .bind(w.lora_int_id)
+        .fetch_optional(&mut *ex)
+        .await
+        .map_err(db_error)?;
+        let (base_id, base_name, name, version, owner, state) = row.ok_or_else(|| {
+            AdminError::unprocessable(
+                "unknown_adapter",
+                &param,
+                format!("adapter {} does not exist", w.lora_int_id),
+            )
+        })?;
+        if state == "retired" {
+            return Err(AdminError::unprocessable(
+                "adapter_retired",
+                &param,
+                format!(
+                    "adapter {} ({name} v{version}) is retired and cannot receive traffic",
+                    w.lora_int_id
+                ),
+            ));
+        }
+        if owner.is_some_and(|o| o != tenant) {
+            return Err(AdminError::unprocessable(
+                "adapter_of_another_tenant",
+                &param,
+                format!(
+                    "adapter {} ({name} v{version}) belongs to another tenant",
+                    w.lora_int_id
+                ),
+            ));
+        }
+        match &base {
+            None => base = Some((base_id, base_name, i)),
+            Some((id, other, at)) if *id != base_id => {
+                let whose = if *at == usize::MAX {
+                    "the route's base_model".to_owned()
+                } else {
+                    format!("weights[{at}]")
+                };
+                return Err(AdminError::unprocessable(
+                    "mixed_base_models",
+                    &param,
+                    format!(
+                        "adapter {} is on base model {base_name:?} but {whose} is on {other:?}; one route serves one base model",
+                        w.lora_int_id
+                    ),
+                ));
+            }
+            Some(_) => {}
+        }
+    }
+    base.map(|(id, _, _)| id)
+        .ok_or_else(|| AdminError::field("base_model", "is required for a route to the base model"))
+}
+
+/// Writes a new revision of a route (creating the route at revision 1) and
+/// records the change. The caller has checked the etag.
+#[allow(clippy::too_many_arguments)]
+pub(super) async fn write_revision(
+    tx: &mut Transaction<'_, Postgres>,
+    actor: &Actor,
+    action: &str,
+    tenant_name: &str,
+    model: &str,
+    existing: Option<(Uuid, RouteView)>,
+    base_id: i64,
+    weights: &[Weight],
+) -> Result<RouteView, AdminError> {
+    let tenant = tenant_id(&mut **tx, tenant_name, "tenant").await?;
+    let (route_id, revision, before) = match existing {
+        Some((id, view)) => (id, view.revision + 1, Some(view)),
+        None => {
+            check_model_name(model, "model")?;
+            let id: Uuid = sqlx::query_scalar(
+                "INSERT INTO routes (tenant_id, model_name, current_revision) VALUES ($1, $2, 1) RETURNING id",
+            )
+            .bind(tenant)
+            .bind(model)
+            .fetch_one(&mut **tx)
+            .await
+            .map_err(db_error)?;
+            (id, 1, None)
+        }
+    };
+    let target = if weights.is_empty() {
+        "base"
+    } else {
+        "adapters"
+    };
+    sqlx::query(
+        "INSERT INTO route_revisions (route_id, revision, base_model_id, target, created_by)
+         VALUES ($1, $2, $3, $4::route_target, $5)",
+    )
+    .bind(route_id)
+    .bind(revision)
+    .bind(base_id)
+    .bind(target)
+    .bind(&actor.subject)
+    .execute(&mut **tx)
+    .await
+    .map_err(db_error)?;
+    for w in weights {
+        sqlx::query(
+            "INSERT INTO route_weights (route_id, revision, base_model_id, lora_int_id, weight_bp)
+             VALUES ($1, $2, $3, $4, $5)",
+        )
+        .bind(route_id)
+        .bind(revision)
+        .bind(base_id)
+        .bind(w.lora_int_id)
+        .bind(w.weight_bp as i32)
+        .execute(&mut **tx)
+        .await
+        .map_err(db_error)?;
+    }
+    sqlx::query("UPDATE routes SET current_revision = $2, updated_at = now() WHERE id = $1")
+        .bind(route_id)
+        .bind(revision)
+        .execute(&mut **tx)
+        .await
+        .map_err(db_error)?;
+    // The deferred checks (weights sum, revision references) run now, so
+    // their violations are reported as this request's errors.
+    sqlx::query("SET CONSTRAINTS ALL IMMEDIATE")
+        .execute(&mut **tx)
+        .await
+        .map_err(db_error)?;
+    let (_, after) = load_route(tx, tenant_name, model, false)
+        .await?
+        .ok_or_else(|| AdminError::internal("the route vanished inside its transaction"))?;
+    let object = format!("{tenant_name}/{model}");
+    record(
+        tx,
+        actor,
+        action,
+        ("route", &object),
+        before.as_ref().map(to_json),
+        Some(to_json(&after)),
+    )
+    .await?;
+    Ok(after)
+}
+
+pub(super) async fn put_route(
+    State(s): State<AdminState>,
+    headers: HeaderMap,
+    Path((tenant, model)): Path<(String, String)>,
+    body: Bytes,
+) -> Result<Response, AdminError> {
+    let actor = authorize(&s, &headers, Need::Write)?;
+    let sent = if_match(&headers)?;
+    let spec: RouteSpec = parse_body(&body)?;
+    let mut tx = s.pool.begin().await.map_err(db_error)?;
+    let tenant_uuid = tenant_id(&mut *tx, &tenant, "tenant").await?;
+    let existing = load_route(&mut tx, &tenant, &model, true).await?;
+    check_etag(
+        sent,
+        existing.as_ref().map(|(_, v)| v.revision),
+        &tenant,
+        &model,
+    )?;
+    let base_id = if spec.weights.is_empty() {
+        let name = spec.base_model.as_deref().ok_or_else(|| {
+            AdminError::field(
+                "weights",
+                "give adapter weights, or base_model alone for a route to the base model itself",
+            )
+        })?;
+        base_model_id(&mut *tx, name).await?
+    } else {
+        check_weights(
+            &mut tx,
+            &spec.weights,
+            spec.base_model.as_deref(),
+            tenant_uuid,
+        )
+        .await?
+    };
+    let action = if existing.is_some() {
+        "route.update"
+    } else {
+        "route.create"
+    };
+    let created = existing.is_none();
+    let view = write_revision(
+        &mut tx,
+        &actor,
+        action,
+        &tenant,
+        &model,
+        existing,
+        base_id,
+        &spec.weights,
+    )
+    .await?;
+    commit(&s, tx).await?;
+    let status = if created {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    Ok(route_reply(status, &actor, &view))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct PromoteSpec {
+    pub(super) lora_int_id: i64,
+}
+
+pub(super) async fn promote(
+    State(s): State<AdminState>,
+    headers: HeaderMap,
+    Path((tenant, model)): Path<(String, String)>,
+    body: Bytes,
+) -> Result<Response, AdminError> {
+    let actor = authorize(&s, &headers, Need::Write)?;
+    let sent = if_match(&headers)?;
+    let p: PromoteSpec = parse_body(&body)?;
+    let mut tx = s.pool.begin().await.map_err(db_error)?;
+    let tenant_uuid = tenant_id(&mut *tx, &tenant, "tenant").await?;
+    let existing = load_route(&mut tx, &tenant, &model, true)
+        .await?
+        .ok_or_else(|| AdminError::not_found("model", format!("route {tenant}/{model}")))?;
+    check_etag(sent, Some(existing.1.revision), &tenant, &model)?;
+    let weights = [Weight {
+        lora_int_id: p.lora_int_id,
+        weight_bp: registry::WEIGHT_TOTAL,
+    }];
+    let base_id = check_weights(&mut tx, &weights, None, tenant_uuid)
+        .await
+        .map_err(|mut e| {
+            if e.param.as_deref() == Some("weights[0].lora_int_id") {
+                e.param = Some("lora_int_id".into());
+            }
+            e
+        })?;
+    let view = write_revision(
+        &mut tx,
+        &actor,
+        "route.promote",
+        &tenant,
+        &model,
+        Some(existing),
+        base_id,
+        &weights,
+    )
+    .await?;
+    commit(&s, tx).await?;
+    Ok(route_reply(StatusCode::OK, &actor, &view))
+}
+
+pub(super) async fn rollback(
+    State(s): State<AdminState>,
+    headers: HeaderMap,
+    Path((tenant, model)): Path<(String, String)>,
+) -> Result<Response, AdminError> {
+    let actor = authorize(&s, &headers, Need::Write)?;
+    let sent = if_match(&headers)?;
+    let mut tx = s.pool.begin().await.map_err(db_error)?;
+    let tenant_uuid = tenant_id(&mut *tx, &tenant, "tenant").await?;
+    let (route_id, current) = load_route(&mut tx, &tenant, &model, true)
+        .await?
+        .ok_or_else(|| AdminError::not_found("model", format!("route {tenant}/{model}")))?;
+    check_etag(sent, Some(current.revision), &tenant, &model)?;
+    if current.revision <= 1 {
+        return Err(AdminError::conflict(
+            "no_previous_revision",
+            "model",
+            format!("route {tenant}/{model} has no earlier revision to roll back to"),
+        ));
+    }
+    let previous = current.revision - 1;
+    let base_id: i64 = sqlx::query_scalar(
+        "SELECT base_model_id FROM route_revisions WHERE route_id = $1 AND revision = $2",
+    )
+    .bind(route_id)
+    .bind(previous)
+    .fetch_one(&mut *tx)
+    .await
+    .map_err(db_error)?;
+    let weights: Vec<Weight> = revision_weights(&mut tx, route_id, previous)
+        .await?
+        .into_iter()
+        .map(|w| Weight {
+            lora_int_id: w.lora_int_id,
+            weight_bp: w.weight_bp as u32,
+        })
+        .collect();
+    if !weights.is_empty() {
+        check_weights(&mut tx, &weights, None, tenant_uuid)
+            .await
+            .map_err(|e| {
+                AdminError::new(
+                    e.status,
+                    e.code,
+                    Some("model"),
+                    format!("cannot roll back to revision {previous}: {}", e.message),
+                )
+            })?;
+    }
+    let view = write_revision(
+        &mut tx,
+        &actor,
+        "route.rollback",
+        &tenant,
+        &model,
+        Some((route_id, current)),
+        base_id,
+        &weights,
+    )
+    .await?;
+    commit(&s, tx).await?;
+    Ok(route_reply(StatusCode::OK, &actor, &view))
+}

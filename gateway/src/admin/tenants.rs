@@ -1,0 +1,207 @@
+//! Tenants: create, list, show, disable and enable.
+
+use super::*;
+
+#[derive(Debug, Serialize, sqlx::FromRow)]
+pub(super) struct TenantRow {
+    pub(super) name: String,
+    pub(super) display_name: String,
+    pub(super) rpm_limit: Option<i32>,
+    pub(super) tpm_limit: Option<i64>,
+    pub(super) created_at: DateTime<Utc>,
+    pub(super) disabled_at: Option<DateTime<Utc>>,
+}
+
+pub(super) const TENANT_COLUMNS: &str =
+    "name, display_name, rpm_limit, tpm_limit, created_at, disabled_at";
+
+pub(super) fn to_json<T: Serialize>(v: &T) -> Value {
+    serde_json::to_value(v).unwrap_or(Value::Null)
+}
+
+pub(super) async fn list_tenants(
+    State(s): State<AdminState>,
+    headers: HeaderMap,
+) -> Result<Response, AdminError> {
+    let actor = authorize(&s, &headers, Need::Read)?;
+    let rows: Vec<TenantRow> =
+        sqlx::query_as(sql!("SELECT {TENANT_COLUMNS} FROM tenants ORDER BY name"))
+            .fetch_all(&s.pool)
+            .await
+            .map_err(db_error)?;
+    Ok(reply(StatusCode::OK, &actor, json!({ "tenants": rows })))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct NewTenant {
+    pub(super) name: String,
+    #[serde(default)]
+    pub(super) display_name: String,
+    pub(super) rpm_limit: Option<u32>,
+    pub(super) tpm_limit: Option<u64>,
+}
+
+pub(super) fn check_tenant_name(name: &str, param: &str) -> Result<(), AdminError> {
+    let ok = !name.is_empty()
+        && name.len() <= 63
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !name.starts_with('-');
+    if ok {
+        Ok(())
+    } else {
+        Err(AdminError::field(
+            param,
+            format!("{name:?} must be 1-63 characters of a-z, 0-9 and '-', not starting with '-'"),
+        ))
+    }
+}
+
+pub(super) async fn create_tenant(
+    State(s): State<AdminState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, AdminError> {
+    let actor = authorize(&s, &headers, Need::Write)?;
+    let t: NewTenant = parse_body(&body)?;
+    check_tenant_name(&t.name, "name")?;
+    if t.rpm_limit == Some(0) {
+        return Err(AdminError::field("rpm_limit", "must be at least 1"));
+    }
+    if t.tpm_limit == Some(0) {
+        return Err(AdminError::field("tpm_limit", "must be at least 1"));
+    }
+    let rpm = t
+        .rpm_limit
+        .map(|v| i32::try_from(v).map_err(|_| AdminError::field("rpm_limit", "is too large")))
+        .transpose()?;
+    let tpm = t
+        .tpm_limit
+        .map(|v| i64::try_from(v).map_err(|_| AdminError::field("tpm_limit", "is too large")))
+        .transpose()?;
+    let mut tx = s.pool.begin().await.map_err(db_error)?;
+    let row: TenantRow = sqlx::query_as(sql!(
+        "INSERT INTO tenants (name, display_name, rpm_limit, tpm_limit) VALUES ($1, $2, $3, $4)
+         RETURNING {TENANT_COLUMNS}"
+    ))
+    .bind(&t.name)
+    .bind(&t.display_name)
+    .bind(rpm)
+    .bind(tpm)
+    .fetch_one(&mut *tx)
+    .await
+    .map_err(|e| match db_error(e) {
+        e if e.code == "duplicate" => AdminError::conflict(
+            "duplicate",
+            "name",
+            format!("tenant {:?} already exists", t.name),
+        ),
+        e => e,
+    })?;
+    commit_change(
+        &s,
+        tx,
+        &actor,
+        "tenant.create",
+        ("tenant", &row.name),
+        None,
+        Some(to_json(&row)),
+    )
+    .await?;
+    Ok(reply(StatusCode::CREATED, &actor, to_json(&row)))
+}
+
+pub(super) async fn set_tenant_disabled(
+    s: AdminState,
+    headers: HeaderMap,
+    name: String,
+    disable: bool,
+) -> Result<Response, AdminError> {
+    let actor = authorize(&s, &headers, Need::Write)?;
+    let mut tx = s.pool.begin().await.map_err(db_error)?;
+    let before: Option<TenantRow> = sqlx::query_as(sql!(
+        "SELECT {TENANT_COLUMNS} FROM tenants WHERE name = $1 FOR UPDATE"
+    ))
+    .bind(&name)
+    .fetch_optional(&mut *tx)
+    .await
+    .map_err(db_error)?;
+    let before =
+        before.ok_or_else(|| AdminError::not_found("tenant", format!("tenant {name:?}")))?;
+    if before.disabled_at.is_some() == disable {
+        let state = if disable { "disabled" } else { "enabled" };
+        return Err(AdminError::conflict(
+            "no_change",
+            "tenant",
+            format!("tenant {name:?} is already {state}"),
+        ));
+    }
+    let after: TenantRow = sqlx::query_as(sql!(
+        "UPDATE tenants SET disabled_at = CASE WHEN $2 THEN now() ELSE NULL END WHERE name = $1
+         RETURNING {TENANT_COLUMNS}"
+    ))
+    .bind(&name)
+    .bind(disable)
+    .fetch_one(&mut *tx)
+    .await
+    .map_err(db_error)?;
+    let action = if disable {
+        "tenant.disable"
+    } else {
+        "tenant.enable"
+    };
+    commit_change(
+        &s,
+        tx,
+        &actor,
+        action,
+        ("tenant", &name),
+        Some(to_json(&before)),
+        Some(to_json(&after)),
+    )
+    .await?;
+    Ok(reply(StatusCode::OK, &actor, to_json(&after)))
+}
+
+pub(super) async fn disable_tenant(
+    State(s): State<AdminState>,
+    headers: HeaderMap,
+    Path(name): Path<String>,
+) -> Result<Response, AdminError> {
+    set_tenant_disabled(s, headers, name, true).await
+}
+
+pub(super) async fn enable_tenant(
+    State(s): State<AdminState>,
+    headers: HeaderMap,
+    Path(name): Path<String>,
+) -> Result<Response, AdminError> {
+    set_tenant_disabled(s, headers, name, false).await
+}
+
+pub(super) async fn base_model_id(
+    ex: impl sqlx::PgExecutor<'_>,
+    name: &str,
+) -> Result<i64, AdminError> {
+    sqlx::query_scalar("SELECT id FROM base_models WHERE name = $1")
+        .bind(name)
+        .fetch_optional(ex)
+        .await
+        .map_err(db_error)?
+        .ok_or_else(|| AdminError::not_found("base_model", format!("base model {name:?}")))
+}
+
+pub(super) async fn tenant_id(
+    ex: impl sqlx::PgExecutor<'_>,
+    name: &str,
+    param: &str,
+) -> Result<Uuid, AdminError> {
+    sqlx::query_scalar("SELECT id FROM tenants WHERE name = $1")
+        .bind(name)
+        .fetch_optional(ex)
+        .await
+        .map_err(db_error)?
+        .ok_or_else(|| AdminError::not_found(param, format!("tenant {name:?}")))
+}
