@@ -1,0 +1,300 @@
+//! The command line's shape: flags, subcommands and their help.
+
+use super::*;
+
+pub(crate) const EXIT_CODES: &str = "\
+Exit codes:
+  0  success
+  1  the server failed (5xx) or another unexpected error
+  2  usage: a flag or argument is wrong (nothing was sent)
+  3  authentication or permission refused (401, 403)
+  4  not found (404)
+  5  conflict: duplicate, stale etag, or a state that forbids it (409, 412, 428)
+  6  invalid input refused by the server (400, 413, 422)
+  7  the admin API is unreachable or the registry database is down (503)";
+
+/// Administers a lorafleet deployment through the gateway's admin API.
+#[derive(Debug, Parser)]
+#[command(name = "lorafleetctl", version, about, after_help = EXIT_CODES)]
+pub(crate) struct Cli {
+    /// The admin API's base URL.
+    #[arg(
+        long,
+        global = true,
+        env = "LORAFLEET_ADMIN_URL",
+        default_value = "http://127.0.0.1:8081"
+    )]
+    pub(crate) server: String,
+    /// An admin JWT (see `lorafleetctl token`).
+    #[arg(
+        long,
+        global = true,
+        env = "LORAFLEET_ADMIN_TOKEN",
+        hide_env_values = true
+    )]
+    pub(crate) token: Option<String>,
+    /// table for people, json for scripts.
+    #[arg(long, short, global = true, value_enum, default_value_t = Output::Table)]
+    pub(crate) output: Output,
+    /// Seconds to wait for the admin API.
+    #[arg(long, global = true, default_value_t = 120)]
+    pub(crate) timeout_secs: u64,
+    #[command(subcommand)]
+    pub(crate) command: Command,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum Output {
+    Table,
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum Command {
+    /// Tenants: list, create, disable, enable.
+    #[command(subcommand)]
+    Tenants(TenantCmd),
+    /// Tenants' API keys: list, create (the secret is shown once), revoke.
+    #[command(subcommand)]
+    Keys(KeyCmd),
+    /// Base models: list, register, compute a model directory's base hash.
+    #[command(subcommand, name = "base-models")]
+    BaseModels(BaseCmd),
+    /// Adapter versions: list, register, retire, compute an artifact digest.
+    #[command(subcommand)]
+    Adapters(AdapterCmd),
+    /// Routes and canaries: list, get, set, promote, rollback.
+    #[command(subcommand)]
+    Routes(RouteCmd),
+    /// Workers as this gateway sees them: base hash, load, residency by tier.
+    Fleet,
+    /// Queries the audit log (one row per completion), or exports it.
+    Audit(AuditArgs),
+    /// The admin change log: who changed what, when, before and after.
+    Changes {
+        #[arg(long)]
+        object_type: Option<String>,
+        #[arg(long)]
+        object_id: Option<String>,
+        #[arg(long, default_value_t = 50)]
+        limit: u32,
+    },
+    /// Mints an admin JWT signed with an HMAC secret (for bootstrap and
+    /// automation; use your identity provider where there is one).
+    Token(TokenArgs),
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum TenantCmd {
+    List,
+    Create {
+        name: String,
+        #[arg(long, default_value = "")]
+        display_name: String,
+        /// Requests per minute.
+        #[arg(long)]
+        rpm_limit: Option<u32>,
+        /// Tokens per minute.
+        #[arg(long)]
+        tpm_limit: Option<u64>,
+    },
+    /// Refuses the tenant's requests with 403 from now on.
+    Disable {
+        name: String,
+    },
+    Enable {
+        name: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum KeyCmd {
+    List {
+        tenant: String,
+    },
+    Create {
+        tenant: String,
+        #[arg(long, default_value = "")]
+        name: String,
+        /// Comma-separated: inference, models:read. Default: both.
+        #[arg(long, value_delimiter = ',')]
+        scopes: Vec<String>,
+        /// Lifetime such as 90d, 12h, 30m or 3600s.
+        #[arg(long, conflicts_with = "expires_at")]
+        expires_in: Option<String>,
+        /// Expiry as RFC 3339, e.g. 2027-01-01T00:00:00Z.
+        #[arg(long)]
+        expires_at: Option<String>,
+    },
+    Revoke {
+        prefix: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum BaseCmd {
+    List,
+    Register {
+        name: String,
+        /// llama, mistral or qwen2.
+        #[arg(long)]
+        architecture: String,
+        /// The base hash, as `lorafleetctl base-models hash` prints it.
+        #[arg(
+            long,
+            required_unless_present = "model_dir",
+            conflicts_with = "model_dir"
+        )]
+        base_hash: Option<String>,
+        /// Computes the base hash from this Hugging Face model directory.
+        #[arg(long)]
+        model_dir: Option<PathBuf>,
+    },
+    /// Prints the base hash of a model directory, exactly as workers compute it.
+    Hash {
+        model_dir: PathBuf,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum AdapterCmd {
+    List {
+        #[arg(long)]
+        name: Option<String>,
+        #[arg(long)]
+        base_model: Option<String>,
+    },
+    /// Registers a new immutable version from an artifact under the
+    /// gateway's artifact root, and prints its lora_int_id.
+    Register {
+        name: String,
+        #[arg(long)]
+        base_model: String,
+        /// Relative to the artifact root, e.g. acme/support/v3.
+        #[arg(long)]
+        artifact_uri: String,
+        /// Default: one above the highest existing version.
+        #[arg(long)]
+        version: Option<u32>,
+        /// The owning tenant; omit for a platform-wide adapter.
+        #[arg(long)]
+        tenant: Option<String>,
+    },
+    /// Stops routing to a version; requests already running finish.
+    Retire { lora_int_id: i64 },
+    /// Prints the artifact digest of a local adapter directory, as the
+    /// registry records it and workers verify it.
+    Digest { dir: PathBuf },
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum RouteCmd {
+    List {
+        #[arg(long)]
+        tenant: Option<String>,
+    },
+    Get {
+        tenant: String,
+        model: String,
+    },
+    /// Creates a route or replaces its weights atomically.
+    Set {
+        tenant: String,
+        model: String,
+        /// LORA_INT_ID=BASIS_POINTS pairs summing to 10000, e.g. 7=9000,8=1000.
+        #[arg(long, value_delimiter = ',', required_unless_present = "base")]
+        weights: Vec<String>,
+        /// Route to the base model itself (needs --base-model).
+        #[arg(long, conflicts_with = "weights", requires = "base_model")]
+        base: bool,
+        #[arg(long)]
+        base_model: Option<String>,
+        /// The route's current etag (from `routes get`); required to change
+        /// an existing route.
+        #[arg(long)]
+        etag: Option<String>,
+    },
+    /// Sends 100% of the route to one version.
+    Promote {
+        tenant: String,
+        model: String,
+        lora_int_id: i64,
+        #[arg(long)]
+        etag: String,
+    },
+    /// Restores the route's previous weights.
+    Rollback {
+        tenant: String,
+        model: String,
+        #[arg(long)]
+        etag: String,
+    },
+}
+
+#[derive(Debug, clap::Args)]
+pub(crate) struct AuditArgs {
+    #[arg(long)]
+    pub(crate) tenant: Option<String>,
+    /// An API key prefix.
+    #[arg(long)]
+    pub(crate) api_key: Option<String>,
+    #[arg(long)]
+    pub(crate) model: Option<String>,
+    /// NAME or NAME:VERSION.
+    #[arg(long)]
+    pub(crate) adapter: Option<String>,
+    #[arg(long)]
+    pub(crate) lora_int_id: Option<i64>,
+    #[arg(long)]
+    pub(crate) worker: Option<String>,
+    /// ok, cancelled, rejected or error.
+    #[arg(long)]
+    pub(crate) status: Option<String>,
+    #[arg(long)]
+    pub(crate) request_id: Option<String>,
+    /// RFC 3339, inclusive.
+    #[arg(long)]
+    pub(crate) since: Option<String>,
+    /// RFC 3339, exclusive.
+    #[arg(long)]
+    pub(crate) until: Option<String>,
+    /// Rows per page (1-1000).
+    #[arg(long, default_value_t = 100)]
+    pub(crate) limit: u32,
+    /// Continue after a previous page's next_cursor.
+    #[arg(long)]
+    pub(crate) cursor: Option<String>,
+    /// Follow cursors to the last page.
+    #[arg(long)]
+    pub(crate) all: bool,
+    /// Export every matching row as JSON lines or CSV on stdout.
+    #[arg(long, value_enum)]
+    pub(crate) export: Option<Export>,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub(crate) enum Export {
+    Jsonl,
+    Csv,
+}
+
+#[derive(Debug, clap::Args)]
+pub(crate) struct TokenArgs {
+    #[arg(long, env = "LORAFLEET_ADMIN_JWT_HMAC_SECRET_FILE")]
+    pub(crate) hmac_secret_file: PathBuf,
+    /// Who the token speaks for; recorded in the admin change log.
+    #[arg(long)]
+    pub(crate) subject: String,
+    /// admin, auditor or viewer.
+    #[arg(long)]
+    pub(crate) role: String,
+    #[arg(long, env = "LORAFLEET_ADMIN_JWT_ISSUER")]
+    pub(crate) issuer: String,
+    #[arg(long, env = "LORAFLEET_ADMIN_JWT_AUDIENCE")]
+    pub(crate) audience: String,
+    #[arg(long, default_value_t = 3600)]
+    pub(crate) ttl_secs: u64,
+    /// HS256, HS384 or HS512.
+    #[arg(long, default_value = "HS256")]
+    pub(crate) algorithm: String,
+}
