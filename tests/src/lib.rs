@@ -286,6 +286,15 @@ pub fn fixture_worker(id: &str, extra: &[&str]) -> Server {
     Server::start(cmd, "lorafleet-worker listening ")
 }
 
+/// Sends a signal (`"TERM"`, `"STOP"`, `"CONT"`, ...) to a process.
+pub fn signal(pid: u32, name: &str) {
+    let sent = Command::new("kill")
+        .args([format!("-{name}"), pid.to_string()])
+        .status()
+        .unwrap_or_else(|e| panic!("kill -{name} {pid}: {e}"));
+    assert!(sent.success(), "kill -{name} {pid}: {sent}");
+}
+
 /// A process's resident memory in KiB (0 if it is gone).
 pub fn rss_kib(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use lorafleet_tests::{
     Proxy, Server, TestDb, binary, fixture_worker, login_member_of, migrated_db, rss_kib,
-    seed_base_routes,
+    seed_base_routes, signal,
 };
 use serde_json::{Value, json};
 use sqlx::PgPool;
@@ -555,32 +555,14 @@ async fn sigterm_with_open_streams_ends_them_and_writes_every_row() {
         streams.push((r, String::from_utf8_lossy(&first).into_owned()));
     }
     // The worker stalls, so only the drain deadline can end the streams.
-    let worker_pid = e.worker.child.id().to_string();
-    assert!(
-        Command::new("kill")
-            .args(["-STOP", &worker_pid])
-            .status()
-            .unwrap()
-            .success()
-    );
+    let worker_pid = e.worker.child.id();
+    signal(worker_pid, "STOP");
     let started = Instant::now();
-    let pid = gw.server.child.id().to_string();
-    assert!(
-        Command::new("kill")
-            .args(["-TERM", &pid])
-            .status()
-            .unwrap()
-            .success()
-    );
+    let pid = gw.server.child.id();
+    signal(pid, "TERM");
     let exit = gw.server.child.wait().unwrap();
     let took = started.elapsed();
-    assert!(
-        Command::new("kill")
-            .args(["-CONT", &worker_pid])
-            .status()
-            .unwrap()
-            .success()
-    );
+    signal(worker_pid, "CONT");
     assert!(exit.success(), "{exit}: {}", gw.server.log_text());
     // Drain 2 s + settle 5 s + flush 5 s is the most it may take.
     assert!(took < Duration::from_secs(12), "exit took {took:?}");
@@ -782,7 +764,7 @@ async fn clients_that_go_away_still_get_their_rows() {
     drop(r);
     // A plain request whose client gives up while the worker generates:
     // the worker is stopped mid-way so the answer cannot come first.
-    let worker_pid = e.worker.child.id().to_string();
+    let worker_pid = e.worker.child.id();
     let plain = {
         let (http, url) = (e.http.clone(), gw.url.clone());
         let body = long(false);
@@ -795,24 +777,12 @@ async fn clients_that_go_away_still_get_their_rows() {
         })
     };
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(
-        Command::new("kill")
-            .args(["-STOP", &worker_pid])
-            .status()
-            .unwrap()
-            .success()
-    );
+    signal(worker_pid, "STOP");
     tokio::time::sleep(Duration::from_millis(200)).await;
     plain.abort();
     let _ = plain.await;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert!(
-        Command::new("kill")
-            .args(["-CONT", &worker_pid])
-            .status()
-            .unwrap()
-            .success()
-    );
+    signal(worker_pid, "CONT");
 
     let deadline = Instant::now() + Duration::from_secs(30);
     type Row = (

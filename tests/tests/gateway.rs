@@ -7,7 +7,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use lorafleet_tests::{
-    Proxy, Server, TestDb, binary, engine_fixtures, fixture_worker, migrated_db,
+    Proxy, Server, TestDb, binary, engine_fixtures, fixture_worker, migrated_db, signal,
 };
 use serde_json::{Value, json};
 use sqlx::PgPool;
@@ -876,14 +876,8 @@ async fn the_gateway_rides_out_a_dead_worker_and_redis_and_postgres_outages() {
         ok(r);
         sent += 1;
     }
-    let pid = f.gateway.child.id().to_string();
-    assert!(
-        Command::new("kill")
-            .args(["-TERM", &pid])
-            .status()
-            .unwrap()
-            .success()
-    );
+    let pid = f.gateway.child.id();
+    signal(pid, "TERM");
     let exit = f.gateway.child.wait().unwrap();
     assert!(exit.success(), "{exit}: {}", f.gateway.log_text());
     assert_eq!(f.audit_count().await, sent);
@@ -903,24 +897,12 @@ async fn a_worker_that_never_answers_is_skipped_at_the_first_token_deadline() {
         .await
         .unwrap();
     let stuck = if served == "w0" { 0 } else { 1 };
-    let pid = f.workers[stuck].child.id().to_string();
-    assert!(
-        Command::new("kill")
-            .args(["-STOP", &pid])
-            .status()
-            .unwrap()
-            .success()
-    );
+    let pid = f.workers[stuck].child.id();
+    signal(pid, "STOP");
     let started = Instant::now();
     let answer = f.complete("support", "a stuck worker", None).await;
     let took = started.elapsed();
-    assert!(
-        Command::new("kill")
-            .args(["-CONT", &pid])
-            .status()
-            .unwrap()
-            .success()
-    );
+    signal(pid, "CONT");
     assert_eq!(answer.0, 200, "{}", answer.1);
     assert!(
         took >= Duration::from_secs(5),
