@@ -222,11 +222,6 @@ impl AuditLog {
         })
     }
 
-    /// True while the circuit breaker keeps rows away from Postgres.
-    pub fn breaker_open(&self) -> bool {
-        self.shared.breaker_open.load(Ordering::Relaxed)
-    }
-
     /// Shutdown: no new admissions; the writer stops once every admitted
     /// row is placed, however many handles (idle connections) remain.
     pub fn close(&self) {
