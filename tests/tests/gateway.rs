@@ -948,6 +948,26 @@ fn serve_refuses_bad_flags_by_name() {
             "--first-token-timeout-secs: must be at least 1",
         ),
         (
+            &["--registry-max-age-secs", "0"],
+            "--registry-max-age-secs: must be at least 1",
+        ),
+        (
+            &["--audit-queue-bytes", "100"],
+            "--audit-queue-bytes: 100 is less than one row",
+        ),
+        (
+            &["--audit-spool-max-bytes", "1000"],
+            "--audit-spool-max-bytes: 1000 must be at least twice --audit-queue-bytes",
+        ),
+        (
+            &["--audit-spool-owner", "../escape"],
+            "--audit-spool-owner: \"../escape\" must be 1 to 128 letters",
+        ),
+        (
+            &["--audit-spool", "/etc/hostname"],
+            "--audit-spool: /etc/hostname is a file; it must be a directory",
+        ),
+        (
             &["--max-body-bytes", "0"],
             "--max-body-bytes: must be at least 1",
         ),

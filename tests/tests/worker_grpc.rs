@@ -401,6 +401,10 @@ fn serve_refuses_bad_flags_by_name() {
     let roots = fixtures.join("adapters");
     let cases: &[(&[&str], &str)] = &[
         (&["--max-loras", "0"], "--max-loras: must be at least 1"),
+        (
+            &["--max-loras", "2", "--max-pinned", "2"],
+            "--max-pinned: 2 must be below max-loras (2)",
+        ),
         (&["--backend", "tpu"], "--backend: \"tpu\" is not available"),
         (
             &["--dtype", "bf16"],
