@@ -16,7 +16,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use lorafleet_tests::{
-    Proxy, Server, binary, fixture_worker, login_member_of, migrated_db, rss_kib, seed_base_routes,
+    Proxy, Server, binary, files_under, fixture_worker, login_member_of, migrated_db, rss_kib,
+    seed_base_routes,
 };
 use uuid::Uuid;
 
@@ -36,18 +37,10 @@ fn env_u64(name: &str, default: u64) -> u64 {
 }
 
 fn dir_bytes(dir: &Path) -> u64 {
-    let Ok(rd) = std::fs::read_dir(dir) else {
-        return 0;
-    };
-    rd.flatten()
-        .map(|e| {
-            let p = e.path();
-            if p.is_dir() {
-                dir_bytes(&p)
-            } else {
-                e.metadata().map_or(0, |m| m.len())
-            }
-        })
+    files_under(dir)
+        .iter()
+        .filter_map(|p| std::fs::metadata(p).ok())
+        .map(|m| m.len())
         .sum()
 }
 

@@ -286,6 +286,28 @@ pub fn fixture_worker(id: &str, extra: &[&str]) -> Server {
     Server::start(cmd, "lorafleet-worker listening ")
 }
 
+/// Every file under `dir`, at any depth (none if it does not exist).
+pub fn files_under(dir: &std::path::Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(files_under(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}
+
+/// The audit spool's segment files under a spool directory.
+pub fn spool_segments(dir: &std::path::Path) -> Vec<PathBuf> {
+    files_under(dir)
+        .into_iter()
+        .filter(|p| p.extension().is_some_and(|x| x == "jsonl"))
+        .collect()
+}
+
 /// Sends a signal (`"TERM"`, `"STOP"`, `"CONT"`, ...) to a process.
 pub fn signal(pid: u32, name: &str) {
     let sent = Command::new("kill")

@@ -12,8 +12,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use lorafleet_tests::{
-    Proxy, Server, TestDb, binary, fixture_worker, login_member_of, migrated_db, rss_kib,
-    seed_base_routes, signal,
+    Proxy, Server, TestDb, binary, files_under, fixture_worker, login_member_of, migrated_db,
+    rss_kib, seed_base_routes, signal, spool_segments,
 };
 use serde_json::{Value, json};
 use sqlx::PgPool;
@@ -185,25 +185,7 @@ fn normal(i: usize) -> Vec<u8> {
 }
 
 fn segments(dir: &Path) -> usize {
-    walk(dir)
-        .iter()
-        .filter(|p| p.extension().is_some_and(|x| x == "jsonl"))
-        .count()
-}
-
-fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
-    let mut out = Vec::new();
-    if let Ok(rd) = std::fs::read_dir(dir) {
-        for e in rd.flatten() {
-            let p = e.path();
-            if p.is_dir() {
-                out.extend(walk(&p));
-            } else {
-                out.push(p);
-            }
-        }
-    }
-    out
+    spool_segments(dir).len()
 }
 
 fn percentile(v: &mut [Duration], p: f64) -> Duration {
@@ -937,7 +919,7 @@ async fn a_full_spool_during_an_outage_refuses_new_requests() {
         "{} served before the limit",
         answered.len()
     );
-    let spooled = walk(e.spool.path())
+    let spooled = files_under(e.spool.path())
         .iter()
         .filter_map(|p| std::fs::metadata(p).ok())
         .map(|m| m.len())

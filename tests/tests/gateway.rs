@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use lorafleet_tests::{
     Proxy, Server, TestDb, binary, engine_fixtures, fixture_worker, migrated_db, signal,
+    spool_segments,
 };
 use serde_json::{Value, json};
 use sqlx::PgPool;
@@ -789,22 +790,6 @@ fn spool_lines(dir: &Path) -> usize {
             std::fs::read_to_string(p).map_or(0, |s| s.lines().filter(|l| !l.is_empty()).count())
         })
         .sum()
-}
-
-fn spool_segments(dir: &Path) -> Vec<std::path::PathBuf> {
-    let mut out = Vec::new();
-    for owner in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-        for f in std::fs::read_dir(owner.path())
-            .into_iter()
-            .flatten()
-            .flatten()
-        {
-            if f.path().extension().is_some_and(|x| x == "jsonl") {
-                out.push(f.path());
-            }
-        }
-    }
-    out
 }
 
 #[tokio::test]
