@@ -139,7 +139,7 @@ fn main() {
             jwt: std::sync::Arc::new(jwt),
             artifact_roots: None,
             max_lora_rank: 64,
-            fleet: Fleet::new(Policy::default()),
+            fleet: Fleet::new(Policy::default(), lorafleet_gateway::fleet::Transport::Plaintext),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();

@@ -277,6 +277,7 @@ fn main() {
             ])
             .args(["--redis-prefix", &format!("{db}:")])
             .args(["--workers", &worker_addr.to_string()])
+            .arg("--insecure-plaintext")
             .arg("--audit-spool")
             .arg(&spool)
             .env("RUST_LOG", "info")

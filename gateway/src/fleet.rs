@@ -18,6 +18,20 @@ use tonic::transport::{Channel, Endpoint};
 
 use crate::routing::{self, Decision, Router, WorkerView};
 
+/// How the gateway reaches workers.
+#[derive(Debug, Clone)]
+pub enum Transport {
+    /// `--insecure-plaintext`.
+    Plaintext,
+    /// Mutual TLS: the gateway's certificate, the fleet's CA, and the name
+    /// every worker's certificate must carry (None: each worker's own host,
+    /// as its address names it).
+    MutualTls {
+        config: lorafleet_tls::Reloading<lorafleet_tls::rustls::ClientConfig>,
+        server_name: Option<String>,
+    },
+}
+
 /// A report older than this means the worker is gone (it reports at least
 /// every 500 ms).
 const STALE_AFTER: Duration = Duration::from_secs(3);
@@ -99,6 +113,7 @@ pub enum Discovery {
 /// The routable view of every worker, and the router over it.
 #[derive(Debug, Clone)]
 pub struct Fleet {
+    transport: Transport,
     workers: Arc<RwLock<Vec<Arc<Worker>>>>,
     router: Arc<Mutex<RouterState>>,
 }
@@ -120,8 +135,9 @@ pub struct Route {
 }
 
 impl Fleet {
-    pub fn new(policy: routing::Policy) -> Fleet {
+    pub fn new(policy: routing::Policy, transport: Transport) -> Fleet {
         Fleet {
+            transport,
             workers: Arc::default(),
             router: Arc::new(Mutex::new(RouterState {
                 router: Router::new(policy),
@@ -185,9 +201,25 @@ impl Fleet {
                     continue;
                 }
             };
+            let channel = match &self.transport {
+                Transport::Plaintext => endpoint.connect_lazy(),
+                Transport::MutualTls {
+                    config,
+                    server_name,
+                } => {
+                    let name = server_name.clone().unwrap_or_else(|| host_of(addr));
+                    match lorafleet_tls::client::Connector::new(config.clone(), &name) {
+                        Ok(c) => endpoint.connect_with_connector_lazy(c),
+                        Err(e) => {
+                            tracing::error!(worker = %addr, error = %e, "no TLS name to verify this worker by");
+                            continue;
+                        }
+                    }
+                }
+            };
             let worker = Arc::new(Worker {
                 addr: addr.clone(),
-                client: WorkerClient::new(endpoint.connect_lazy()),
+                client: WorkerClient::new(channel),
                 state: RwLock::default(),
                 in_flight: AtomicU32::new(0),
                 task: Mutex::new(None),
@@ -284,6 +316,14 @@ impl Drop for InFlight {
             }
         }
     }
+}
+
+/// The host part of `HOST:PORT` (brackets of an IPv6 address removed).
+fn host_of(addr: &str) -> String {
+    let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
+    host.trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_owned()
 }
 
 /// Holds one Watch stream open for `worker`, reconnecting with backoff.

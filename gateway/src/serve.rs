@@ -11,7 +11,7 @@ use tokio::sync::Semaphore;
 use crate::api::{self, AppState};
 use crate::auth::JwtArgs;
 use crate::db;
-use crate::fleet::{Discovery, Fleet};
+use crate::fleet::{Discovery, Fleet, Transport};
 use crate::ratelimit::RateLimiter;
 use crate::registry::{Registry, Snapshot};
 use crate::routing::Policy;
@@ -45,6 +45,8 @@ pub struct ServeArgs {
     pub workers_dns: Option<String>,
     #[arg(long, env = "LORAFLEET_WORKERS_DNS_REFRESH_SECS", default_value_t = 10)]
     pub workers_dns_refresh_secs: u64,
+    #[command(flatten)]
+    pub worker_tls: WorkerTlsFlags,
     /// Bounded-load factor c: no worker above c × the average load.
     #[arg(long, env = "LORAFLEET_LOAD_FACTOR", default_value_t = 1.25)]
     pub load_factor: f64,
@@ -178,6 +180,88 @@ pub struct AdminJwtArgs {
     pub admin_jwt_audience: Option<String>,
 }
 
+/// Mutual TLS to the workers: the gateway proves itself with a certificate
+/// the fleet's CA signed and checks each worker's against the same CA.
+#[derive(Debug, clap::Args)]
+pub struct WorkerTlsFlags {
+    /// The gateway's client certificate chain (PEM).
+    #[arg(long, env = "LORAFLEET_WORKER_TLS_CERT")]
+    pub worker_tls_cert: Option<PathBuf>,
+    /// The private key of --worker-tls-cert (PEM).
+    #[arg(long, env = "LORAFLEET_WORKER_TLS_KEY")]
+    pub worker_tls_key: Option<PathBuf>,
+    /// The CA bundle (PEM) that workers' certificates must chain to.
+    #[arg(long, env = "LORAFLEET_WORKER_TLS_CA")]
+    pub worker_tls_ca: Option<PathBuf>,
+    /// The name every worker's certificate must carry. Default: each
+    /// worker's host as --workers names it, or the --workers-dns host (whose
+    /// answers are bare addresses).
+    #[arg(long, env = "LORAFLEET_WORKER_TLS_NAME")]
+    pub worker_tls_name: Option<String>,
+    /// Talk to workers in plain text. Only for a trusted network; required
+    /// when no --worker-tls-* flags are given.
+    #[arg(long, env = "LORAFLEET_INSECURE_PLAINTEXT")]
+    pub insecure_plaintext: bool,
+    /// How often the TLS files are checked for a change, in seconds; new
+    /// connections use the new files without a restart.
+    #[arg(long, env = "LORAFLEET_TLS_RELOAD_SECS", default_value_t = 10)]
+    pub tls_reload_secs: u64,
+}
+
+impl WorkerTlsFlags {
+    /// The transport these flags choose; files are read now, so a bad one
+    /// fails at startup, naming its flag.
+    fn transport(&self, discovery: &Discovery) -> anyhow::Result<Transport> {
+        let files = lorafleet_tls::choose(
+            self.worker_tls_cert.clone(),
+            self.worker_tls_key.clone(),
+            self.worker_tls_ca.clone(),
+            self.insecure_plaintext,
+            [
+                "--worker-tls-cert",
+                "--worker-tls-key",
+                "--worker-tls-ca",
+                "--insecure-plaintext",
+            ],
+        )
+        .map_err(|e| anyhow::anyhow!(e))?;
+        if self.tls_reload_secs == 0 {
+            bail!("--tls-reload-secs: must be at least 1");
+        }
+        let Some(files) = files else {
+            if self.worker_tls_name.is_some() {
+                bail!(
+                    "--worker-tls-name: needs the --worker-tls-* files, not --insecure-plaintext"
+                );
+            }
+            tracing::warn!("talking to workers in plain text (--insecure-plaintext)");
+            return Ok(Transport::Plaintext);
+        };
+        let server_name = match (&self.worker_tls_name, discovery) {
+            (Some(name), _) => {
+                lorafleet_tls::rustls::pki_types::ServerName::try_from(name.as_str())
+                    .map_err(|e| anyhow::anyhow!("--worker-tls-name: {name:?}: {e}"))?;
+                Some(name.clone())
+            }
+            (None, Discovery::Dns(name, _)) => Some(
+                name.rsplit_once(':')
+                    .map_or(name.as_str(), |(h, _)| h)
+                    .to_owned(),
+            ),
+            (None, Discovery::Static(_)) => None,
+        };
+        let config = lorafleet_tls::Reloading::start(
+            files,
+            Duration::from_secs(self.tls_reload_secs),
+            lorafleet_tls::client::config,
+        )?;
+        Ok(Transport::MutualTls {
+            config,
+            server_name,
+        })
+    }
+}
+
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let discovery = match (&args.workers_dns, args.workers.is_empty()) {
         (Some(_), false) => bail!("--workers and --workers-dns: give one, not both"),
@@ -203,6 +287,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             Discovery::Static(args.workers.clone())
         }
     };
+    let transport = args.worker_tls.transport(&discovery)?;
     if !(args.load_factor >= 1.0 && args.load_factor.is_finite()) {
         bail!("--load-factor: {} must be at least 1.0", args.load_factor);
     }
@@ -332,10 +417,13 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         format!("{}registry", args.redis_prefix),
         Duration::from_secs(args.registry_refresh_secs),
     );
-    let fleet = Fleet::new(Policy {
-        load_factor: args.load_factor,
-        replica_share: args.replica_share,
-    });
+    let fleet = Fleet::new(
+        Policy {
+            load_factor: args.load_factor,
+            replica_share: args.replica_share,
+        },
+        transport,
+    );
     fleet.start(discovery);
     let (audit, audit_writer) = crate::audit::start(pool.clone(), &audit_config)
         .map_err(|e| anyhow::anyhow!("--audit-spool: {e}"))?;

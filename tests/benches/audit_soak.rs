@@ -12,12 +12,11 @@
 
 use std::collections::HashSet;
 use std::path::Path;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use lorafleet_tests::{
-    Proxy, Server, binary, files_under, fixture_worker, login_member_of, migrated_db, rss_kib,
-    seed_base_routes,
+    Proxy, Server, files_under, fixture_worker, gateway_command, login_member_of, migrated_db,
+    rss_kib, seed_base_routes,
 };
 use uuid::Uuid;
 
@@ -132,17 +131,15 @@ fn main() {
         let pg = Proxy::start("127.0.0.1:5432");
         let worker = fixture_worker("w0", &[]);
         let spool = tempfile::tempdir().unwrap();
-        let mut cmd = Command::new(binary("lorafleet-gateway"));
-        cmd.args(["serve", "--listen", "127.0.0.1:0"])
-            .args(["--metrics-listen", "127.0.0.1:0"])
-            .args([
-                "--database-url",
-                &format!("postgres://{user}@{}/{}", pg.addr, db.name()),
-            ])
-            .args(["--workers", worker.addr("grpc")])
-            .arg("--audit-spool")
-            .arg(spool.path())
-            .env("RUST_LOG", "warn");
+        let mut cmd = gateway_command();
+        cmd.args([
+            "--database-url",
+            &format!("postgres://{user}@{}/{}", pg.addr, db.name()),
+        ])
+        .args(["--workers", worker.addr("grpc")])
+        .arg("--audit-spool")
+        .arg(spool.path())
+        .env("RUST_LOG", "warn");
         let gateway = Server::start(cmd, "lorafleet-gateway listening ");
         let base = format!("http://{}", gateway.addr("http"));
         let http = reqwest::Client::builder()

@@ -271,13 +271,166 @@ pub fn engine_fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../worker/engine/tests/fixtures")
 }
 
+/// The fleet's certificates for tests: a CA, a worker certificate naming
+/// 127.0.0.1 and localhost, and a gateway certificate. Generated once per
+/// build directory (by whichever test process comes first) and shared.
+#[derive(Debug)]
+pub struct TestCerts {
+    pub dir: PathBuf,
+}
+
+impl TestCerts {
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+}
+
+/// See [`TestCerts`].
+pub fn certs() -> &'static TestCerts {
+    static CERTS: std::sync::OnceLock<TestCerts> = std::sync::OnceLock::new();
+    CERTS.get_or_init(|| {
+        let target = binary("lorafleet-worker")
+            .parent()
+            .expect("target/<profile>")
+            .to_owned();
+        let dir = target.join("lorafleet-test-certs-v1");
+        if !dir.join("gateway-key.pem").is_file() {
+            // Written aside, then renamed into place in one step, so a
+            // process racing this one sees all the files or none.
+            let scratch = tempfile::tempdir_in(&target).expect("scratch dir for certificates");
+            write_fleet_certs(scratch.path(), "lorafleet test CA");
+            let _ = std::fs::rename(scratch.keep(), &dir);
+        }
+        assert!(dir.join("gateway-key.pem").is_file(), "{}", dir.display());
+        TestCerts { dir }
+    })
+}
+
+/// Writes a new CA and its worker and gateway certificates into `dir`, as
+/// `lorafleetctl certs` names them; long-lived, as test material.
+pub fn write_fleet_certs(dir: &std::path::Path, ca_name: &str) {
+    use lorafleet_tls::issue::{Ca, Role};
+    let ca = Ca::generate(ca_name, 3650).expect("CA");
+    let names = ["127.0.0.1".to_owned(), "localhost".to_owned()];
+    let worker = ca.issue(Role::Worker, &names, 3650).expect("worker cert");
+    let gateway = ca
+        .issue(Role::Gateway, &["lorafleet-gateway".to_owned()], 3650)
+        .expect("gateway cert");
+    std::fs::create_dir_all(dir).unwrap();
+    for (name, text) in [
+        ("ca.pem", &ca.pem().cert),
+        ("ca-key.pem", &ca.pem().key),
+        ("worker.pem", &worker.cert),
+        ("worker-key.pem", &worker.key),
+        ("gateway.pem", &gateway.cert),
+        ("gateway-key.pem", &gateway.key),
+    ] {
+        std::fs::write(dir.join(name), text).unwrap();
+    }
+}
+
+/// `lorafleet-worker serve` on loopback ports (gRPC, metrics, health), with
+/// mutual TLS from [`certs`]; the caller adds the model and the rest.
+pub fn worker_command() -> Command {
+    worker_command_with(&certs().dir)
+}
+
+/// [`worker_command`] with the TLS files of `dir` (named as [`certs`]
+/// names them).
+pub fn worker_command_with(dir: &std::path::Path) -> Command {
+    let c = TestCerts {
+        dir: dir.to_owned(),
+    };
+    let mut cmd = Command::new(binary("lorafleet-worker"));
+    cmd.args(["serve", "--grpc-listen", "127.0.0.1:0"])
+        .args(["--metrics-listen", "127.0.0.1:0"])
+        .args(["--health-listen", "127.0.0.1:0"])
+        .arg("--tls-cert")
+        .arg(c.path("worker.pem"))
+        .arg("--tls-key")
+        .arg(c.path("worker-key.pem"))
+        .arg("--tls-client-ca")
+        .arg(c.path("ca.pem"));
+    cmd
+}
+
+/// `lorafleet-gateway serve` on loopback ports, calling workers with mutual
+/// TLS from [`certs`]; the caller adds the database, the workers and the rest.
+pub fn gateway_command() -> Command {
+    gateway_command_with(&certs().dir)
+}
+
+/// [`gateway_command`] with the TLS files of `dir`.
+pub fn gateway_command_with(dir: &std::path::Path) -> Command {
+    let c = TestCerts {
+        dir: dir.to_owned(),
+    };
+    let mut cmd = Command::new(binary("lorafleet-gateway"));
+    cmd.args(["serve", "--listen", "127.0.0.1:0"])
+        .args(["--metrics-listen", "127.0.0.1:0"])
+        .arg("--worker-tls-cert")
+        .arg(c.path("gateway.pem"))
+        .arg("--worker-tls-key")
+        .arg(c.path("gateway-key.pem"))
+        .arg("--worker-tls-ca")
+        .arg(c.path("ca.pem"));
+    cmd
+}
+
+/// A gRPC channel to a worker as the gateway makes it: mutual TLS with the
+/// gateway's certificate from [`certs`], the worker named by its IP.
+pub async fn worker_channel(addr: &str) -> Result<tonic::transport::Channel, String> {
+    let c = certs();
+    worker_channel_with(
+        addr,
+        &c.path("gateway.pem"),
+        &c.path("gateway-key.pem"),
+        &c.path("ca.pem"),
+    )
+    .await
+}
+
+/// [`worker_channel`] with other client files.
+pub async fn worker_channel_with(
+    addr: &str,
+    cert: &std::path::Path,
+    key: &std::path::Path,
+    ca: &std::path::Path,
+) -> Result<tonic::transport::Channel, String> {
+    let files = lorafleet_tls::PemFiles {
+        cert: cert.to_owned(),
+        key: key.to_owned(),
+        ca: ca.to_owned(),
+        flags: ["cert", "key", "ca"],
+    };
+    let config = files
+        .load()
+        .and_then(|l| lorafleet_tls::client::config(&l))
+        .map_err(|e| e.to_string())?;
+    worker_channel_config(addr, config).await
+}
+
+/// A gRPC channel to a worker over TLS with any client config.
+pub async fn worker_channel_config(
+    addr: &str,
+    config: lorafleet_tls::rustls::ClientConfig,
+) -> Result<tonic::transport::Channel, String> {
+    let config = lorafleet_tls::Reloading::fixed(config);
+    let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
+    let connector = lorafleet_tls::client::Connector::new(config, host)?;
+    tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .map_err(|e| e.to_string())?
+        .connect_with_connector(connector)
+        .await
+        .map_err(|e| format!("{e}: {:?}", std::error::Error::source(&e)))
+}
+
 /// A real worker on the fixture model `llama-gqa` with the fixture
 /// adapters as its artifact root, on loopback ports; `extra` adds flags.
 pub fn fixture_worker(id: &str, extra: &[&str]) -> Server {
     let fixtures = engine_fixtures();
-    let mut cmd = Command::new(binary("lorafleet-worker"));
-    cmd.args(["serve", "--grpc-listen", "127.0.0.1:0"])
-        .args(["--metrics-listen", "127.0.0.1:0", "--worker-id", id])
+    let mut cmd = worker_command();
+    cmd.args(["--worker-id", id])
         .args(extra)
         .arg("--model")
         .arg(fixtures.join("llama-gqa"))

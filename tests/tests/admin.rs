@@ -7,7 +7,10 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use lorafleet_tests::{Server, TestDb, binary, engine_fixtures, login_member_of, migrated_db};
+use lorafleet_tests::{
+    Server, TestDb, binary, engine_fixtures, gateway_command, login_member_of, migrated_db,
+    worker_command,
+};
 use serde_json::{Value, json};
 use uuid::Uuid;
 
@@ -113,10 +116,8 @@ async fn plane(label: &str) -> Plane {
     std::fs::write(&secret, "an-admin-secret-of-at-least-32-bytes-0123456789").unwrap();
 
     let fixtures = engine_fixtures();
-    let mut cmd = Command::new(binary("lorafleet-worker"));
-    cmd.args(["serve", "--grpc-listen", "127.0.0.1:0"])
-        .args(["--metrics-listen", "127.0.0.1:0"])
-        .args(["--worker-id", "w0", "--max-loras", "2"])
+    let mut cmd = worker_command();
+    cmd.args(["--worker-id", "w0", "--max-loras", "2"])
         .arg("--model")
         .arg(fixtures.join("llama-gqa"))
         .arg("--artifact-root")
@@ -128,10 +129,8 @@ async fn plane(label: &str) -> Plane {
     let mut spools = Vec::new();
     for _ in 0..2 {
         let spool = tempfile::tempdir().unwrap();
-        let mut cmd = Command::new(binary("lorafleet-gateway"));
-        cmd.args(["serve", "--listen", "127.0.0.1:0"])
-            .args(["--metrics-listen", "127.0.0.1:0"])
-            .args(["--admin-listen", "127.0.0.1:0"])
+        let mut cmd = gateway_command();
+        cmd.args(["--admin-listen", "127.0.0.1:0"])
             .args(["--database-url", &runtime_url])
             .args(["--admin-database-url", &admin_url])
             .args(["--redis-url", "redis://127.0.0.1:6379"])

@@ -8,12 +8,11 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::Path;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use lorafleet_tests::{
-    Proxy, Server, TestDb, binary, files_under, fixture_worker, login_member_of, migrated_db,
-    rss_kib, seed_base_routes, signal, spool_segments,
+    Proxy, Server, TestDb, files_under, fixture_worker, gateway_command, login_member_of,
+    migrated_db, rss_kib, seed_base_routes, signal, spool_segments,
 };
 use serde_json::{Value, json};
 use sqlx::PgPool;
@@ -64,19 +63,17 @@ async fn env(label: &str) -> Env {
 impl Env {
     /// A gateway on this environment, once it has seen the worker.
     async fn gateway(&self, extra: &[&str]) -> Gateway {
-        let mut cmd = Command::new(binary("lorafleet-gateway"));
-        cmd.args(["serve", "--listen", "127.0.0.1:0"])
-            .args(["--metrics-listen", "127.0.0.1:0"])
-            .args([
-                "--database-url",
-                &format!("postgres://{}@{}/{}", self.user, self.pg.addr, self.db_name),
-            ])
-            .args(["--workers", self.worker.addr("grpc")])
-            .args(["--registry-refresh-secs", "1"])
-            .args(["--audit-spool-owner", "gw-test"])
-            .arg("--audit-spool")
-            .arg(self.spool.path())
-            .args(extra);
+        let mut cmd = gateway_command();
+        cmd.args([
+            "--database-url",
+            &format!("postgres://{}@{}/{}", self.user, self.pg.addr, self.db_name),
+        ])
+        .args(["--workers", self.worker.addr("grpc")])
+        .args(["--registry-refresh-secs", "1"])
+        .args(["--audit-spool-owner", "gw-test"])
+        .arg("--audit-spool")
+        .arg(self.spool.path())
+        .args(extra);
         let server = Server::start(cmd, "lorafleet-gateway listening ");
         let url = format!("http://{}", server.addr("http"));
         let deadline = Instant::now() + Duration::from_secs(30);

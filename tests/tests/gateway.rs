@@ -7,8 +7,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use lorafleet_tests::{
-    Proxy, Server, TestDb, binary, engine_fixtures, fixture_worker, migrated_db, signal,
-    spool_segments,
+    Proxy, Server, TestDb, binary, engine_fixtures, fixture_worker, gateway_command, migrated_db,
+    signal, spool_segments,
 };
 use serde_json::{Value, json};
 use sqlx::PgPool;
@@ -223,15 +223,8 @@ async fn fleet(label: &str) -> Fleet {
     let spool = tempfile::tempdir().unwrap();
     let redis_prefix = format!("test:{}:", Uuid::new_v4());
     let addrs: Vec<&str> = workers.iter().map(|w| w.addr("grpc")).collect();
-    let mut cmd = Command::new(binary("lorafleet-gateway"));
+    let mut cmd = gateway_command();
     cmd.args([
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--metrics-listen",
-        "127.0.0.1:0",
-    ])
-    .args([
         "--database-url",
         &format!("postgres://postgres@{}/{}", pg.addr, db.name()),
     ])
@@ -992,6 +985,7 @@ fn serve_refuses_bad_flags_by_name() {
                 "127.0.0.1:0",
             ])
             // Defaults through the environment, so a case can override them by flag.
+            .env("LORAFLEET_INSECURE_PLAINTEXT", "true")
             .env("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/unused")
             .env("LORAFLEET_WORKERS", "127.0.0.1:1")
             .args(flags.iter())
@@ -1014,7 +1008,7 @@ fn serve_refuses_bad_flags_by_name() {
         ("RUST_LOG", "info,[", "RUST_LOG: \"info,[\" is not a filter"),
     ] {
         let out = Command::new(binary("lorafleet-gateway"))
-            .args(["serve", "--workers", "127.0.0.1:1"])
+            .args(["serve", "--workers", "127.0.0.1:1", "--insecure-plaintext"])
             .args([
                 "--database-url",
                 "postgres://postgres@127.0.0.1:5432/unused",

@@ -7,7 +7,9 @@ use std::time::{Duration, Instant};
 
 use lorafleet_proto::worker::v1 as pb;
 use lorafleet_proto::worker::v1::worker_client::WorkerClient;
-use lorafleet_tests::{Server, binary, engine_fixtures, fixture_worker};
+use lorafleet_tests::{
+    Server, binary, engine_fixtures, fixture_worker, worker_channel, worker_command,
+};
 use serde_json::Value;
 use tonic::Code;
 use tonic::transport::Channel;
@@ -20,31 +22,19 @@ fn start(extra_root: &Path) -> Worker {
 
 fn start_with(extra_root: &Path, max_loras: &str) -> Worker {
     let fixtures = engine_fixtures();
-    let mut cmd = Command::new(binary("lorafleet-worker"));
-    cmd.args([
-        "serve",
-        "--grpc-listen",
-        "127.0.0.1:0",
-        "--metrics-listen",
-        "127.0.0.1:0",
-        "--worker-id",
-        "w0",
-        "--max-loras",
-        max_loras,
-    ])
-    .arg("--model")
-    .arg(fixtures.join("llama-gqa"))
-    .arg("--artifact-root")
-    .arg(fixtures.join("adapters"))
-    .arg("--artifact-root")
-    .arg(extra_root);
+    let mut cmd = worker_command();
+    cmd.args(["--worker-id", "w0", "--max-loras", max_loras])
+        .arg("--model")
+        .arg(fixtures.join("llama-gqa"))
+        .arg("--artifact-root")
+        .arg(fixtures.join("adapters"))
+        .arg("--artifact-root")
+        .arg(extra_root);
     Server::start(cmd, "lorafleet-worker listening ")
 }
 
 async fn client(w: &Worker) -> WorkerClient<Channel> {
-    WorkerClient::connect(format!("http://{}", w.addr("grpc")))
-        .await
-        .expect("connect")
+    WorkerClient::new(worker_channel(w.addr("grpc")).await.expect("connect"))
 }
 
 /// `GET /metrics`, as (series with labels -> value).
@@ -365,7 +355,7 @@ async fn sigterm_lets_running_streams_finish_refuses_new_ones_and_exits_zero() {
 
     // A new request is refused: UNAVAILABLE while draining, or no
     // connection once the worker has gone.
-    let refused = match WorkerClient::connect(format!("http://{}", w.addr("grpc"))).await {
+    let refused = match worker_channel(w.addr("grpc")).await.map(WorkerClient::new) {
         Err(_) => true,
         Ok(mut fresh) => match generate(&mut fresh, request("new", None, vec![1], 2)).await {
             Err(e) => {
@@ -433,7 +423,9 @@ fn serve_refuses_bad_flags_by_name() {
     for (flags, expected) in cases {
         let out = Command::new(binary("lorafleet-worker"))
             .args(["serve", "--metrics-listen", "127.0.0.1:0"])
+            .args(["--health-listen", "127.0.0.1:0"])
             // Defaults through the environment, so a case can override them by flag.
+            .env("LORAFLEET_INSECURE_PLAINTEXT", "true")
             .env("LORAFLEET_WORKER_ID", "w")
             .env("LORAFLEET_GRPC_LISTEN", "127.0.0.1:0")
             .arg("--model")

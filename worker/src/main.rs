@@ -38,10 +38,10 @@ enum Command {
     /// grpc.health.v1) until SIGTERM, then drains.
     Serve(serve::ServeArgs),
     /// Asks a worker's grpc.health.v1 whether it is SERVING; exit 0 if so.
-    /// For container health checks.
+    /// For container health checks, on the plain-text `--health-listen`.
     Health {
-        /// The worker's gRPC address.
-        #[arg(long, default_value = "127.0.0.1:50051")]
+        /// The worker's health address (`serve --health-listen`).
+        #[arg(long, default_value = "127.0.0.1:50052")]
         addr: String,
     },
 }

@@ -55,12 +55,75 @@ pub struct ServeArgs {
     /// under the system's temporary directory, removed on a clean exit.
     #[arg(long, env = "LORAFLEET_ADAPTER_CACHE")]
     adapter_cache: Option<PathBuf>,
+    #[command(flatten)]
+    tls: TlsFlags,
+    /// Where to serve grpc.health.v1 alone, in plain text, for probes that
+    /// cannot present a client certificate (the kubelet's). It tells only
+    /// SERVING or NOT_SERVING. Port 0 picks a free port, printed on stdout.
+    #[arg(long, env = "LORAFLEET_HEALTH_LISTEN", default_value = "0.0.0.0:50052")]
+    health_listen: SocketAddr,
 }
+
+/// Mutual TLS on the gRPC port: only clients whose certificate the fleet's
+/// CA signed (the gateways) may call this worker.
+#[derive(Debug, clap::Args)]
+pub struct TlsFlags {
+    /// This worker's certificate chain (PEM), naming its DNS names.
+    #[arg(long, env = "LORAFLEET_TLS_CERT")]
+    tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, env = "LORAFLEET_TLS_KEY")]
+    tls_key: Option<PathBuf>,
+    /// The CA bundle (PEM) that clients' certificates must chain to.
+    #[arg(long, env = "LORAFLEET_TLS_CLIENT_CA")]
+    tls_client_ca: Option<PathBuf>,
+    /// Serve gRPC in plain text, to anyone who can reach the port. Only for
+    /// a trusted network; required when no TLS flags are given.
+    #[arg(long, env = "LORAFLEET_INSECURE_PLAINTEXT")]
+    insecure_plaintext: bool,
+    /// How often the TLS files are checked for a change, in seconds; a
+    /// change applies to new connections without a restart.
+    #[arg(long, env = "LORAFLEET_TLS_RELOAD_SECS", default_value_t = 10)]
+    tls_reload_secs: u64,
+}
+
+/// How long a client may take to finish its TLS handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     if args.worker_id.trim().is_empty() {
         bail!("--worker-id: must not be empty");
     }
+    let tls_files = lorafleet_tls::choose(
+        args.tls.tls_cert.clone(),
+        args.tls.tls_key.clone(),
+        args.tls.tls_client_ca.clone(),
+        args.tls.insecure_plaintext,
+        [
+            "--tls-cert",
+            "--tls-key",
+            "--tls-client-ca",
+            "--insecure-plaintext",
+        ],
+    )
+    .map_err(|e| anyhow::anyhow!(e))?;
+    if args.tls.tls_reload_secs == 0 {
+        bail!("--tls-reload-secs: must be at least 1");
+    }
+    // Read before the model loads, so a bad certificate fails in seconds.
+    let tls = match tls_files {
+        Some(files) => Some(lorafleet_tls::Reloading::start(
+            files,
+            Duration::from_secs(args.tls.tls_reload_secs),
+            lorafleet_tls::server::config,
+        )?),
+        None => {
+            tracing::warn!(
+                "serving gRPC in plain text (--insecure-plaintext): anyone who reaches the port can generate with every adapter"
+            );
+            None
+        }
+    };
     let settings = args.engine.settings()?;
     let choice = args.engine.backend()?;
     let cache = args.adapter_cache.clone().unwrap_or_else(|| {
@@ -94,6 +157,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("--grpc-listen {}", args.grpc_listen))?;
 
+    let health_listener = tokio::net::TcpListener::bind(args.health_listen)
+        .await
+        .with_context(|| format!("--health-listen {}", args.health_listen))?;
     let metrics_listener = tokio::net::TcpListener::bind(args.metrics_listen)
         .await
         .with_context(|| format!("--metrics-listen {}", args.metrics_listen))?;
@@ -135,10 +201,25 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .await;
 
     let addr = listener.local_addr()?;
+    let health_addr = health_listener.local_addr()?;
+    // Probes only: the health service alone, never the worker's.
+    let probes = tonic::transport::Server::builder()
+        .add_service(health_service.clone())
+        .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(
+            health_listener,
+        ));
+    tokio::spawn(async move {
+        if let Err(e) = probes.await {
+            tracing::error!(error = %e, "health listener stopped");
+        }
+    });
     // Tests and operators read this line to find the port.
-    println!("lorafleet-worker listening grpc={addr} metrics={metrics_addr}");
+    println!(
+        "lorafleet-worker listening grpc={addr} metrics={metrics_addr} health={health_addr} tls={}",
+        if tls.is_some() { "mutual" } else { "off" }
+    );
     std::io::stdout().flush()?;
-    tracing::info!(grpc = %addr, metrics = %metrics_addr, "listening");
+    tracing::info!(grpc = %addr, metrics = %metrics_addr, health = %health_addr, mtls = tls.is_some(), "listening");
 
     let drain_deadline = Duration::from_secs(args.drain_deadline_secs);
     let reports = handle.reports();
@@ -169,13 +250,21 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         shutdown.await;
         drained_signal.notify_one();
     };
-    let server = tonic::transport::Server::builder()
+    let router = tonic::transport::Server::builder()
         .add_service(health_service)
-        .add_service(pb::worker_server::WorkerServer::new(service))
-        .serve_with_incoming_shutdown(
+        .add_service(pb::worker_server::WorkerServer::new(service));
+    let server: std::pin::Pin<
+        Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>,
+    > = match tls {
+        Some(config) => Box::pin(router.serve_with_incoming_shutdown(
+            lorafleet_tls::server::incoming(listener, config, HANDSHAKE_TIMEOUT),
+            shutdown,
+        )),
+        None => Box::pin(router.serve_with_incoming_shutdown(
             tokio_stream::wrappers::TcpListenerStream::new(listener),
             shutdown,
-        );
+        )),
+    };
     // Once drained, idle connections and Watch streams (which never end on
     // their own) get a short grace period, then the process exits anyway.
     tokio::select! {

@@ -82,6 +82,29 @@ pub(crate) enum Command {
     /// Mints an admin JWT signed with an HMAC secret (for bootstrap and
     /// automation; use your identity provider where there is one).
     Token(TokenArgs),
+    /// Generates a fleet CA and the certificates for mutual TLS between
+    /// gateways and workers (for a local fleet or a test; in Kubernetes,
+    /// use cert-manager as deploy/README.md shows).
+    Certs(CertsArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub(crate) struct CertsArgs {
+    /// The directory to write ca.pem, worker.pem, worker-key.pem,
+    /// gateway.pem and gateway-key.pem into (created; existing files are
+    /// refused, never overwritten).
+    #[arg(long)]
+    pub(crate) out: PathBuf,
+    /// A DNS name or IP address the workers' certificate carries; repeat.
+    #[arg(long = "worker-name", required = true)]
+    pub(crate) worker_names: Vec<String>,
+    /// The gateways' certificate's common name.
+    #[arg(long, default_value = "lorafleet-gateway")]
+    pub(crate) gateway_name: String,
+    /// Days the worker and gateway certificates are valid (the CA: ten
+    /// times as long).
+    #[arg(long, default_value_t = 90)]
+    pub(crate) days: u32,
 }
 
 #[derive(Debug, Subcommand)]

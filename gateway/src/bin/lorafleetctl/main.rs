@@ -11,6 +11,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use serde_json::{Value, json};
 
 mod audit;
+mod certs;
 mod cli;
 mod client;
 mod fleet;
@@ -20,6 +21,7 @@ mod routes;
 mod token;
 
 use audit::*;
+use certs::*;
 use cli::*;
 use client::*;
 use fleet::*;
@@ -81,6 +83,9 @@ fn parse_duration(s: &str) -> Result<u64, Failure> {
 async fn run(cli: Cli) -> Result<(), Failure> {
     if let Command::Token(t) = &cli.command {
         return mint_token(t);
+    }
+    if let Command::Certs(c) = &cli.command {
+        return write_certs(c, cli.output);
     }
     if let Command::BaseModels(BaseCmd::Hash { model_dir }) = &cli.command {
         let hash = hash_model_dir(model_dir)?;
@@ -155,6 +160,6 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             );
             Ok(())
         }
-        Command::Token(_) => unreachable!("handled above"),
+        Command::Token(_) | Command::Certs(_) => unreachable!("handled above"),
     }
 }
