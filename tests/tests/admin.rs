@@ -344,7 +344,9 @@ async fn admins_run_the_registry_and_compliance_reads_the_audit_log_through_lora
             .success()
     };
     assert!(health("lorafleet-gateway", p.gateways[0].addr("http")));
-    assert!(health("lorafleet-worker", p.worker.addr("grpc")));
+    assert!(health("lorafleet-worker", p.worker.addr("health")));
+    // The gRPC port speaks mutual TLS only; a plain-text probe gets nothing.
+    assert!(!health("lorafleet-worker", p.worker.addr("grpc")));
     assert!(!health("lorafleet-gateway", "127.0.0.1:1"));
     assert!(!health("lorafleet-worker", "127.0.0.1:1"));
 

@@ -197,9 +197,10 @@ fn check_server(
                 "{kind} {name}: {probe} path {path} is not an endpoint the gateway serves"
             );
         } else if let Some(grpc) = p.get("grpc") {
-            // grpc.health.v1, which every worker serves on its gRPC port.
+            // grpc.health.v1 on the worker's plain-text health port: the
+            // kubelet cannot present a client certificate to the mTLS one.
             let port = container_port(c, &grpc["port"]);
-            assert_eq!(port, container_port(c, &Value::String("grpc".into())));
+            assert_eq!(port, container_port(c, &Value::String("health".into())));
         } else {
             panic!("{kind} {name}: {probe} is neither httpGet nor grpc");
         }
@@ -238,6 +239,134 @@ fn check_server(
     env
 }
 
+/// The Secret volume a file path lies in (mounted without subPath, so that
+/// rotated Secrets reach the file).
+fn secret_of(pod: &Value, container: &Value, path: &str) -> String {
+    let mount = container["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| path.starts_with(&format!("{}/", m["mountPath"].as_str().unwrap())))
+        .unwrap_or_else(|| panic!("{path} is on no volume mount"));
+    assert!(
+        mount.get("subPath").is_none(),
+        "{path}: a subPath mount never sees a rotated Secret"
+    );
+    let volume = pod["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == mount["name"])
+        .unwrap();
+    volume["secret"]["secretName"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{path} is not from a Secret"))
+        .to_owned()
+}
+
+/// Workers require mutual TLS, gateways present it, both read their files
+/// from the Secrets that deploy/k8s/cert-manager issues, with the usages
+/// and names each side checks.
+fn check_mutual_tls(objects: &[Value], gateway_env: &BTreeMap<String, Option<String>>) {
+    let (wpod, worker) = pod_of(objects, "StatefulSet", "lorafleet-worker");
+    let (gpod, gateway) = pod_of(objects, "Deployment", "lorafleet-gateway");
+    let wenv = container_env(objects, worker);
+    assert!(!wenv.contains_key("LORAFLEET_INSECURE_PLAINTEXT"));
+    assert!(!gateway_env.contains_key("LORAFLEET_INSECURE_PLAINTEXT"));
+    let secret = |pod, c, env: &BTreeMap<String, Option<String>>, keys: [&str; 3]| {
+        let names: Vec<String> = keys
+            .iter()
+            .map(|k| {
+                let path = env[*k].as_deref().unwrap_or_else(|| panic!("{k}"));
+                secret_of(pod, c, path)
+            })
+            .collect();
+        assert!(names.iter().all(|n| n == &names[0]), "{names:?}");
+        names[0].clone()
+    };
+    let worker_secret = secret(
+        wpod,
+        worker,
+        &wenv,
+        [
+            "LORAFLEET_TLS_CERT",
+            "LORAFLEET_TLS_KEY",
+            "LORAFLEET_TLS_CLIENT_CA",
+        ],
+    );
+    let gateway_secret = secret(
+        gpod,
+        gateway,
+        gateway_env,
+        [
+            "LORAFLEET_WORKER_TLS_CERT",
+            "LORAFLEET_WORKER_TLS_KEY",
+            "LORAFLEET_WORKER_TLS_CA",
+        ],
+    );
+    // The name the gateway checks: --worker-tls-name, else the DNS host.
+    let checked = match gateway_env.get("LORAFLEET_WORKER_TLS_NAME") {
+        Some(name) => name.clone().unwrap(),
+        None => {
+            let dns = gateway_env["LORAFLEET_WORKERS_DNS"].as_deref().unwrap();
+            dns.rsplit_once(':').unwrap().0.to_owned()
+        }
+    };
+    let text =
+        std::fs::read_to_string(repo().join("deploy/k8s/cert-manager/certificates.yaml")).unwrap();
+    let issued: Vec<Value> = serde_yaml::Deserializer::from_str(&text)
+        .map(|doc| {
+            let v = <serde_yaml::Value as serde::Deserialize>::deserialize(doc).unwrap();
+            serde_json::to_value(v).unwrap()
+        })
+        .filter(|v| v["kind"] == "Certificate")
+        .collect();
+    let cert_for = |secret: &str| {
+        issued
+            .iter()
+            .find(|c| c["spec"]["secretName"] == secret)
+            .unwrap_or_else(|| panic!("deploy/k8s/cert-manager issues no Secret {secret}"))
+    };
+    let namespace = find(objects, "StatefulSet", "lorafleet-worker")["metadata"]["namespace"]
+        .as_str()
+        .unwrap();
+    let w = cert_for(&worker_secret);
+    let g = cert_for(&gateway_secret);
+    for c in [w, g] {
+        assert_eq!(c["metadata"]["namespace"], namespace);
+        // Both issued by the one fleet CA.
+        assert_eq!(c["spec"]["issuerRef"], w["spec"]["issuerRef"]);
+    }
+    let usages = |c: &Value| -> Vec<String> {
+        c["spec"]["usages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|u| u.as_str().unwrap().to_owned())
+            .collect()
+    };
+    assert!(usages(w).contains(&"server auth".into()));
+    assert!(!usages(w).contains(&"client auth".into()));
+    assert!(usages(g).contains(&"client auth".into()));
+    assert!(!usages(g).contains(&"server auth".into()));
+    let names: Vec<&str> = w["spec"]["dnsNames"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n.as_str().unwrap())
+        .collect();
+    assert!(
+        names.contains(&checked.as_str()),
+        "the workers' certificate must carry {checked}, the name gateways check: {names:?}"
+    );
+    // And each pod's own name, for gateways that list pods.
+    let service = find(objects, "StatefulSet", "lorafleet-worker")["spec"]["serviceName"]
+        .as_str()
+        .unwrap();
+    let pod_wildcard = format!("*.{service}.{namespace}.svc.cluster.local");
+    assert!(names.contains(&pod_wildcard.as_str()), "{names:?}");
+}
+
 fn check_overlay(overlay: &str) -> Vec<Value> {
     let objects = render(overlay);
     let gateway_env = check_server(
@@ -259,8 +388,10 @@ fn check_overlay(overlay: &str) -> Vec<Value> {
         &[
             ("grpc", "LORAFLEET_GRPC_LISTEN"),
             ("metrics", "LORAFLEET_METRICS_LISTEN"),
+            ("health", "LORAFLEET_HEALTH_LISTEN"),
         ],
     );
+    check_mutual_tls(&objects, &gateway_env);
 
     // The gateway resolves the workers' headless Service.
     let sts = find(&objects, "StatefulSet", "lorafleet-worker");

@@ -253,3 +253,168 @@ async fn rotated_files_apply_to_new_connections_without_a_restart() {
         ) >= 1.0
     );
 }
+
+#[test]
+fn tls_flags_are_refused_by_name() {
+    let c = certs();
+    let cert = c.path("worker.pem");
+    let key = c.path("worker-key.pem");
+    let ca = c.path("ca.pem");
+    let not_pem = engine_fixtures().join("llama-gqa/config.json");
+    let (cert, key, ca, not_pem) = (
+        cert.to_str().unwrap(),
+        key.to_str().unwrap(),
+        ca.to_str().unwrap(),
+        not_pem.to_str().unwrap(),
+    );
+    let fixtures = engine_fixtures();
+    let model = fixtures.join("llama-gqa");
+    let worker_cases: &[(&[&str], &str)] = &[
+        (
+            &[],
+            "--tls-cert, --tls-key and --tls-client-ca are required for mutual TLS (or --insecure-plaintext",
+        ),
+        (
+            &["--insecure-plaintext", "--tls-cert", cert],
+            "--insecure-plaintext: cannot be combined with --tls-cert",
+        ),
+        (
+            &["--tls-cert", cert, "--tls-key", key],
+            "--tls-client-ca: required with the other TLS flags",
+        ),
+        (
+            &[
+                "--tls-cert",
+                cert,
+                "--tls-key",
+                "/no/such/key.pem",
+                "--tls-client-ca",
+                ca,
+            ],
+            "--tls-key: cannot read /no/such/key.pem",
+        ),
+        (
+            &[
+                "--tls-cert",
+                not_pem,
+                "--tls-key",
+                key,
+                "--tls-client-ca",
+                ca,
+            ],
+            "--tls-cert: holds no PEM CERTIFICATE block",
+        ),
+        (
+            // The CA's own key does not fit the worker's certificate.
+            &[
+                "--tls-cert",
+                cert,
+                "--tls-key",
+                &format!("{}/ca-key.pem", c.dir.display()),
+                "--tls-client-ca",
+                ca,
+            ],
+            "--tls-key: does not fit the certificate",
+        ),
+        (
+            &[
+                "--tls-cert",
+                cert,
+                "--tls-key",
+                key,
+                "--tls-client-ca",
+                ca,
+                "--tls-reload-secs",
+                "0",
+            ],
+            "--tls-reload-secs: must be at least 1",
+        ),
+    ];
+    for (flags, expected) in worker_cases {
+        let out = std::process::Command::new(lorafleet_tests::binary("lorafleet-worker"))
+            .args(["serve", "--worker-id", "w", "--grpc-listen", "127.0.0.1:0"])
+            .args([
+                "--metrics-listen",
+                "127.0.0.1:0",
+                "--health-listen",
+                "127.0.0.1:0",
+            ])
+            .arg("--model")
+            .arg(&model)
+            .arg("--artifact-root")
+            .arg(fixtures.join("adapters"))
+            .env_remove("LORAFLEET_INSECURE_PLAINTEXT")
+            .args(flags.iter())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flags:?}");
+        assert!(
+            stderr.contains(expected),
+            "{flags:?}: expected {expected:?} in {stderr}"
+        );
+    }
+    let gateway_cases: &[(&[&str], &str)] = &[
+        (
+            &[],
+            "--worker-tls-cert, --worker-tls-key and --worker-tls-ca are required for mutual TLS (or --insecure-plaintext",
+        ),
+        (
+            &["--insecure-plaintext", "--worker-tls-ca", ca],
+            "--insecure-plaintext: cannot be combined with --worker-tls-ca",
+        ),
+        (
+            &["--insecure-plaintext", "--worker-tls-name", "w"],
+            "--worker-tls-name: needs the --worker-tls-* files",
+        ),
+        (
+            &[
+                "--worker-tls-cert",
+                cert,
+                "--worker-tls-key",
+                key,
+                "--worker-tls-ca",
+                not_pem,
+            ],
+            "--worker-tls-ca: holds no PEM CERTIFICATE block",
+        ),
+        (
+            &[
+                "--worker-tls-cert",
+                cert,
+                "--worker-tls-key",
+                key,
+                "--worker-tls-ca",
+                ca,
+                "--worker-tls-name",
+                "not a name!",
+            ],
+            "--worker-tls-name: \"not a name!\"",
+        ),
+    ];
+    for (flags, expected) in gateway_cases {
+        let out = std::process::Command::new(lorafleet_tests::binary("lorafleet-gateway"))
+            .args([
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--metrics-listen",
+                "127.0.0.1:0",
+            ])
+            .args(["--workers", "127.0.0.1:1"])
+            .args([
+                "--database-url",
+                "postgres://postgres@127.0.0.1:5432/unused",
+            ])
+            .env_remove("LORAFLEET_INSECURE_PLAINTEXT")
+            .args(flags.iter())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flags:?}");
+        assert!(
+            stderr.contains(expected),
+            "{flags:?}: expected {expected:?} in {stderr}"
+        );
+    }
+}
