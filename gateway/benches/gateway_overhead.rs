@@ -1,6 +1,7 @@
 //! Gateway overhead: the latency the real gateway adds (p50, p99) at a fixed
 //! request rate, and its maximum requests per second, against calling the
-//! worker directly. Prints a table. Run with:
+//! worker directly; each both in plain text and with mutual TLS between
+//! gateway and worker, so the table also shows what mTLS costs. Run with:
 //!
 //!     cargo build --release --bins && cargo bench -p lorafleet-gateway --bench gateway_overhead
 //!
@@ -9,7 +10,9 @@
 //! worker is a STAND-IN (benchmarks only): an in-process gRPC server
 //! speaking `lorafleet.worker.v1` that answers every Generate at once with
 //! one token, so that what is measured is the gateway, not a model. Direct
-//! calls go to the same stand-in over gRPC.
+//! calls go to the same stand-in over gRPC. Two stand-ins and two gateways
+//! run side by side: one pair in plain text (`--insecure-plaintext`), one
+//! with mutual TLS (certificates generated for the run).
 //!
 //! Needs Postgres at 127.0.0.1:5432 (user postgres, trust) and Redis at
 //! 127.0.0.1:6379, like the tests.
@@ -228,17 +231,171 @@ where
     n as f64 / 5.0
 }
 
+/// A stand-in worker on a loopback port, served with mutual TLS when
+/// `tls` is given.
+async fn stand_in(tls: Option<&lorafleet_tls::PemFiles>) -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let router = tonic::transport::Server::builder()
+        .add_service(pb::worker_server::WorkerServer::new(StandIn));
+    match tls {
+        Some(files) => {
+            let config = lorafleet_tls::Reloading::start(
+                files.clone(),
+                Duration::from_secs(3600),
+                lorafleet_tls::server::config,
+            )
+            .unwrap();
+            let incoming =
+                lorafleet_tls::server::incoming(listener, config, Duration::from_secs(10));
+            tokio::spawn(router.serve_with_incoming(incoming));
+        }
+        None => {
+            // Nagle off, as the worker (and the TLS acceptor) set it.
+            let incoming = tokio_stream::StreamExt::map(
+                tokio_stream::wrappers::TcpListenerStream::new(listener),
+                |conn| {
+                    conn.inspect(|c| {
+                        let _ = c.set_nodelay(true);
+                    })
+                },
+            );
+            tokio::spawn(router.serve_with_incoming(incoming));
+        }
+    }
+    addr
+}
+
+/// The real gateway on `worker`, in plain text or with the TLS files in
+/// `certs`; returns the process and its HTTP address.
+fn gateway(
+    url: &str,
+    prefix: &str,
+    worker: std::net::SocketAddr,
+    spool: &std::path::Path,
+    certs: Option<&std::path::Path>,
+) -> (std::process::Child, String) {
+    let mut cmd = Command::new(release_binary("lorafleet-gateway"));
+    cmd.args([
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics-listen",
+        "127.0.0.1:0",
+    ])
+    .args([
+        "--database-url",
+        url,
+        "--redis-url",
+        "redis://127.0.0.1:6379",
+    ])
+    .args(["--redis-prefix", prefix])
+    .args(["--workers", &worker.to_string()])
+    .arg("--audit-spool")
+    .arg(spool);
+    match certs {
+        Some(dir) => cmd
+            .arg("--worker-tls-cert")
+            .arg(dir.join("gateway.pem"))
+            .arg("--worker-tls-key")
+            .arg(dir.join("gateway-key.pem"))
+            .arg("--worker-tls-ca")
+            .arg(dir.join("ca.pem")),
+        None => cmd.arg("--insecure-plaintext"),
+    };
+    let mut child = cmd
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let line = BufReader::new(child.stdout.take().unwrap())
+        .lines()
+        .map_while(Result::ok)
+        .find(|l| l.starts_with("lorafleet-gateway listening "))
+        .expect("the gateway's ready line");
+    let http_addr = line
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("http="))
+        .unwrap()
+        .to_owned();
+    (child, http_addr)
+}
+
+/// A fleet CA with a worker certificate for 127.0.0.1 and a gateway one.
+fn certificates(dir: &std::path::Path) -> lorafleet_tls::PemFiles {
+    use lorafleet_tls::issue::{Ca, Role};
+    let ca = Ca::generate("bench CA", 1).unwrap();
+    let worker = ca.issue(Role::Worker, &["127.0.0.1".into()], 1).unwrap();
+    let gateway = ca
+        .issue(Role::Gateway, &["lorafleet-gateway".into()], 1)
+        .unwrap();
+    for (name, text) in [
+        ("ca.pem", &ca.pem().cert),
+        ("worker.pem", &worker.cert),
+        ("worker-key.pem", &worker.key),
+        ("gateway.pem", &gateway.cert),
+        ("gateway-key.pem", &gateway.key),
+    ] {
+        std::fs::write(dir.join(name), text).unwrap();
+    }
+    lorafleet_tls::PemFiles {
+        cert: dir.join("worker.pem"),
+        key: dir.join("worker-key.pem"),
+        ca: dir.join("ca.pem"),
+        flags: ["cert", "key", "ca"],
+    }
+}
+
+type Call = std::sync::Arc<
+    dyn Fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = bool> + Send>> + Send + Sync,
+>;
+
+fn via_gateway(http: &reqwest::Client, http_addr: &str) -> Call {
+    let url = format!("http://{http_addr}/v1/completions");
+    let body = serde_json::json!({"model": "m", "prompt": "hello", "max_tokens": 1});
+    let http = http.clone();
+    std::sync::Arc::new(move || {
+        let (http, url, body) = (http.clone(), url.clone(), body.clone());
+        Box::pin(async move {
+            match http.post(&url).bearer_auth(KEY).json(&body).send().await {
+                Ok(r) => r.status() == 200 && r.bytes().await.is_ok(),
+                Err(_) => false,
+            }
+        })
+    })
+}
+
+fn direct(grpc: pb::worker_client::WorkerClient<tonic::transport::Channel>) -> Call {
+    std::sync::Arc::new(move || {
+        let mut c = grpc.clone();
+        Box::pin(async move {
+            let request = pb::GenerateRequest {
+                request_id: "bench".into(),
+                prompt: Some(pb::generate_request::Prompt::Text("hello".into())),
+                sampling: Some(pb::SamplingParams {
+                    max_tokens: 1,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            };
+            let Ok(r) = c.generate(request).await else {
+                return false;
+            };
+            let mut s = r.into_inner();
+            while let Ok(Some(_)) = s.message().await {}
+            true
+        })
+    })
+}
+
 fn main() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
-        // The stand-in worker.
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let worker_addr = listener.local_addr().unwrap();
-        tokio::spawn(
-            tonic::transport::Server::builder()
-                .add_service(pb::worker_server::WorkerServer::new(StandIn))
-                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
-        );
+        let scratch = tempfile::tempdir().unwrap();
+        let tls_files = certificates(scratch.path());
+        let plain_worker = stand_in(None).await;
+        let tls_worker = stand_in(Some(&tls_files)).await;
 
         // A throwaway registry.
         let db = format!("lorafleet_bench_{}", std::process::id());
@@ -260,97 +417,79 @@ fn main() {
         );
         seed(&url).await;
 
-        let spool = std::env::temp_dir().join(format!("{db}-spool"));
-        let mut gateway = Command::new(release_binary("lorafleet-gateway"))
-            .args([
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--metrics-listen",
-                "127.0.0.1:0",
-            ])
-            .args([
-                "--database-url",
-                &url,
-                "--redis-url",
-                "redis://127.0.0.1:6379",
-            ])
-            .args(["--redis-prefix", &format!("{db}:")])
-            .args(["--workers", &worker_addr.to_string()])
-            .arg("--insecure-plaintext")
-            .arg("--audit-spool")
-            .arg(&spool)
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let line = BufReader::new(gateway.stdout.take().unwrap())
-            .lines()
-            .map_while(Result::ok)
-            .find(|l| l.starts_with("lorafleet-gateway listening "))
-            .expect("the gateway's ready line");
-        let http_addr = line
-            .split_whitespace()
-            .find_map(|w| w.strip_prefix("http="))
-            .unwrap()
-            .to_owned();
+        let prefix = format!("{db}:");
+        let (mut plain_gw, plain_http) = gateway(
+            &url,
+            &prefix,
+            plain_worker,
+            &scratch.path().join("spool-plain"),
+            None,
+        );
+        let (mut tls_gw, tls_http) = gateway(
+            &url,
+            &prefix,
+            tls_worker,
+            &scratch.path().join("spool-tls"),
+            Some(scratch.path()),
+        );
         let http = reqwest::Client::builder()
             .pool_max_idle_per_host(256)
             .build()
             .unwrap();
-        let url_completions = format!("http://{http_addr}/v1/completions");
-        for _ in 0..100 {
-            if http
-                .get(format!("http://{http_addr}/readyz"))
-                .send()
-                .await
-                .is_ok_and(|r| r.status() == 200)
-            {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        let body = serde_json::json!({"model": "m", "prompt": "hello", "max_tokens": 1});
-        let via_gateway = {
-            let (http, url, body) = (http.clone(), url_completions.clone(), body.clone());
-            move || {
-                let (http, url, body) = (http.clone(), url.clone(), body.clone());
-                async move {
-                    match http.post(&url).bearer_auth(KEY).json(&body).send().await {
-                        Ok(r) => r.status() == 200 && r.bytes().await.is_ok(),
-                        Err(_) => false,
-                    }
+        for addr in [&plain_http, &tls_http] {
+            for _ in 0..100 {
+                if http
+                    .get(format!("http://{addr}/readyz"))
+                    .send()
+                    .await
+                    .is_ok_and(|r| r.status() == 200)
+                {
+                    break;
                 }
+                tokio::time::sleep(Duration::from_millis(100)).await;
             }
-        };
-        let grpc = pb::worker_client::WorkerClient::connect(format!("http://{worker_addr}"))
+        }
+        let plain_grpc = pb::worker_client::WorkerClient::connect(format!("http://{plain_worker}"))
             .await
             .unwrap();
-        let direct = move || {
-            let mut c = grpc.clone();
-            async move {
-                let request = pb::GenerateRequest {
-                    request_id: "bench".into(),
-                    prompt: Some(pb::generate_request::Prompt::Text("hello".into())),
-                    sampling: Some(pb::SamplingParams {
-                        max_tokens: 1,
-                        ..Default::default()
-                    }),
-                    ..Default::default()
-                };
-                let Ok(r) = c.generate(request).await else {
-                    return false;
-                };
-                let mut s = r.into_inner();
-                while let Ok(Some(_)) = s.message().await {}
-                true
-            }
-        };
-        // Warm both paths.
+        let client_config = lorafleet_tls::PemFiles {
+            cert: scratch.path().join("gateway.pem"),
+            key: scratch.path().join("gateway-key.pem"),
+            ca: scratch.path().join("ca.pem"),
+            flags: ["cert", "key", "ca"],
+        }
+        .load()
+        .and_then(|l| lorafleet_tls::client::config(&l))
+        .unwrap();
+        let connector = lorafleet_tls::client::Connector::new(
+            lorafleet_tls::Reloading::fixed(client_config),
+            "127.0.0.1",
+        )
+        .unwrap();
+        let tls_grpc = pb::worker_client::WorkerClient::new(
+            tonic::transport::Endpoint::from_shared(format!("http://{tls_worker}"))
+                .unwrap()
+                .connect_with_connector(connector)
+                .await
+                .unwrap(),
+        );
+        let paths: [(&str, Call); 4] = [
+            ("worker directly (gRPC, plain text)", direct(plain_grpc)),
+            ("worker directly (gRPC, mTLS)", direct(tls_grpc)),
+            (
+                "through the gateway (plain text to the worker)",
+                via_gateway(&http, &plain_http),
+            ),
+            (
+                "through the gateway (mTLS to the worker)",
+                via_gateway(&http, &tls_http),
+            ),
+        ];
+        // Warm every path.
         for _ in 0..200 {
-            via_gateway().await;
-            direct().await;
+            for (_, call) in &paths {
+                assert!(call().await, "a warm-up call failed");
+            }
         }
 
         println!(
@@ -360,47 +499,51 @@ fn main() {
         );
         println!("| path | ok | failed | p50 | p99 | max req/s (64 callers, 5 s) |");
         println!("|---|---:|---:|---:|---:|---:|");
-        let (mut d_lat, mut d_fail, mut g_lat, mut g_fail) = (Vec::new(), 0, Vec::new(), 0);
-        for round in 0..ROUNDS {
-            for direct_turn in [round % 2 == 0, round % 2 == 1] {
-                if direct_turn {
-                    let (lat, failed) = open_loop(direct.clone()).await;
-                    d_lat.extend(lat);
-                    d_fail += failed;
-                } else {
-                    let (lat, failed) = open_loop(via_gateway.clone()).await;
-                    g_lat.extend(lat);
-                    g_fail += failed;
-                }
+        let mut lat: Vec<Vec<Duration>> = vec![Vec::new(); paths.len()];
+        let mut failed = vec![0; paths.len()];
+        for round in 0..ROUNDS as usize {
+            // Rotate which path goes first, so drift hits all alike.
+            for k in 0..paths.len() {
+                let i = (round + k) % paths.len();
+                let call = paths[i].1.clone();
+                let (l, f) = open_loop(move || call()).await;
+                lat[i].extend(l);
+                failed[i] += f;
             }
         }
-        d_lat.sort();
-        g_lat.sort();
-        let d_max = max_rps(direct, 64).await;
-        let g_max = max_rps(via_gateway, 64).await;
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
-        for (name, lat, failed, max) in [
-            ("worker directly (gRPC)", &d_lat, d_fail, d_max),
-            ("through the gateway (HTTP)", &g_lat, g_fail, g_max),
-        ] {
+        let mut p = Vec::new();
+        for (i, (name, call)) in paths.iter().enumerate() {
+            lat[i].sort();
+            let call = call.clone();
+            let max = max_rps(move || call(), 64).await;
+            let (p50, p99) = (ms(percentile(&lat[i], 0.50)), ms(percentile(&lat[i], 0.99)));
+            p.push((p50, p99));
             println!(
-                "| {name} | {} | {failed} | {:.3} ms | {:.3} ms | {max:.0} |",
-                lat.len(),
-                ms(percentile(lat, 0.50)),
-                ms(percentile(lat, 0.99)),
+                "| {name} | {} | {} | {p50:.3} ms | {p99:.3} ms | {max:.0} |",
+                lat[i].len(),
+                failed[i],
             );
         }
-        println!(
-            "| added by the gateway | | | {:.3} ms | {:.3} ms | |",
-            ms(percentile(&g_lat, 0.50)) - ms(percentile(&d_lat, 0.50)),
-            ms(percentile(&g_lat, 0.99)) - ms(percentile(&d_lat, 0.99)),
-        );
+        for (name, a, b) in [
+            ("added by the gateway (plain text)", 0, 2),
+            ("added by the gateway (mTLS)", 1, 3),
+            ("added by mTLS, worker directly", 0, 1),
+            ("added by mTLS, through the gateway", 2, 3),
+        ] {
+            println!(
+                "| {name} | | | {:.3} ms | {:.3} ms | |",
+                p[b].0 - p[a].0,
+                p[b].1 - p[a].1
+            );
+        }
 
-        let _ = Command::new("kill")
-            .args(["-TERM", &gateway.id().to_string()])
-            .status();
-        let _ = gateway.wait();
-        let _ = std::fs::remove_dir_all(&spool);
+        for gw in [&mut plain_gw, &mut tls_gw] {
+            let _ = Command::new("kill")
+                .args(["-TERM", &gw.id().to_string()])
+                .status();
+            let _ = gw.wait();
+        }
         sqlx::query(sqlx::AssertSqlSafe(format!(
             "DROP DATABASE IF EXISTS {db} WITH (FORCE)"
         )))

@@ -318,6 +318,22 @@ impl Drop for InFlight {
     }
 }
 
+/// An error and its sources, as one line: a TLS refusal sits a few
+/// sources below tonic's "transport error".
+fn causes(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut next = e.source();
+    while let Some(s) = next {
+        let text = s.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        next = s.source();
+    }
+    out
+}
+
 /// The host part of `HOST:PORT` (brackets of an IPv6 address removed).
 fn host_of(addr: &str) -> String {
     let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
@@ -329,6 +345,9 @@ fn host_of(addr: &str) -> String {
 /// Holds one Watch stream open for `worker`, reconnecting with backoff.
 async fn watch(worker: Arc<Worker>) {
     let mut backoff = Duration::from_millis(100);
+    // Why the last call failed: each new reason is logged once (a worker
+    // that refuses this gateway's certificate says so at every retry).
+    let mut last_failure = String::new();
     loop {
         let mut client = worker.client.clone();
         let request = pb::WatchRequest {
@@ -342,6 +361,7 @@ async fn watch(worker: Arc<Worker>) {
                         Ok(Ok(Some(report))) => {
                             worker.apply(&report);
                             backoff = Duration::from_millis(100);
+                            last_failure.clear();
                         }
                         Ok(Ok(None)) => break,
                         Ok(Err(status)) => {
@@ -356,7 +376,11 @@ async fn watch(worker: Arc<Worker>) {
                 }
             }
             Err(status) => {
-                tracing::debug!(worker = %worker.addr, %status, "Watch call failed");
+                let why = causes(&status);
+                if why != last_failure {
+                    tracing::warn!(worker = %worker.addr, error = %why, "cannot reach the worker");
+                    last_failure = why;
+                }
             }
         }
         worker.mark_down();

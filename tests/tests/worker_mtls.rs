@@ -198,6 +198,9 @@ async fn rotated_files_apply_to_new_connections_without_a_restart() {
     };
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert!(!ready().await, "no worker is up with the wrong CA");
+    // The reason is in the gateway's log, once, not a silent retry loop.
+    let log = gateway.log_text();
+    assert!(log.contains("cannot reach the worker"), "{log}");
     // The right files arrive: the gateway's next connection uses them.
     copy_certs(&c.dir, gateway_dir.path(), &GATEWAY_FILES);
     eventually(

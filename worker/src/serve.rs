@@ -261,7 +261,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             shutdown,
         )),
         None => Box::pin(router.serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            nodelay(tokio_stream::wrappers::TcpListenerStream::new(listener)),
             shutdown,
         )),
     };
@@ -280,6 +280,18 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Accepted connections with Nagle's algorithm off (as the TLS acceptor
+/// sets it): a token event is a small write that must leave at once.
+fn nodelay(
+    incoming: tokio_stream::wrappers::TcpListenerStream,
+) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+    tokio_stream::StreamExt::map(incoming, |conn| {
+        conn.inspect(|c| {
+            let _ = c.set_nodelay(true);
+        })
+    })
 }
 
 async fn wait_for_signal() {

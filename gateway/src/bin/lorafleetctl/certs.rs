@@ -43,7 +43,13 @@ pub(crate) fn write_certs(c: &CertsArgs, output: Output) -> Result<(), Failure> 
     }
     let issue_failed =
         |e: lorafleet_tls::issue::Error| fail(FAILURE, format!("generating certificates: {e}"));
-    let ca = Ca::generate("lorafleet fleet CA", c.days.saturating_mul(10)).map_err(issue_failed)?;
+    // A name of its own, so a peer from another fleet's CA is reported as
+    // an unknown issuer rather than a bad signature.
+    let ca_name = format!(
+        "lorafleet fleet CA {}",
+        chrono::Utc::now().format("%Y-%m-%dT%H:%M:%SZ")
+    );
+    let ca = Ca::generate(&ca_name, c.days.saturating_mul(10)).map_err(issue_failed)?;
     let worker = ca
         .issue(Role::Worker, &c.worker_names, c.days)
         .map_err(issue_failed)?;
