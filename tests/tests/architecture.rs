@@ -141,6 +141,42 @@ fn the_engine_does_no_network_io() {
     );
 }
 
+/// Crates that compute: GPU bindings, tokenizers, thread pools, the engine.
+const COMPUTE_CRATES: &[&str] = &["cudarc", "tokenizers", "rayon", "gemm", "lorafleet-engine"];
+
+#[test]
+fn the_gateway_and_the_artifact_rules_need_no_engine() {
+    let g = graph();
+    for member in ["lorafleet-gateway", "lorafleet-artifact"] {
+        let deps = g.transitive_names(member);
+        let found: Vec<&str> = COMPUTE_CRATES
+            .iter()
+            .copied()
+            .filter(|c| deps.contains(*c))
+            .collect();
+        assert!(
+            found.is_empty(),
+            "{member} must not depend on compute crates (checking artifacts needs \
+             lorafleet-artifact only), found {found:?}"
+        );
+    }
+    // The artifact rules are pure file parsing: no network either.
+    let deps = g.transitive_names("lorafleet-artifact");
+    let found: Vec<&str> = NETWORK_CRATES
+        .iter()
+        .copied()
+        .filter(|c| deps.contains(*c))
+        .collect();
+    assert!(found.is_empty(), "lorafleet-artifact: {found:?}");
+    // Both sides share it, so they apply one set of rules.
+    for member in ["lorafleet-gateway", "lorafleet-engine"] {
+        assert!(
+            g.direct_names(member).contains("lorafleet-artifact"),
+            "{member} uses lorafleet-artifact"
+        );
+    }
+}
+
 #[test]
 fn only_proto_knows_the_wire_format() {
     let g = graph();

@@ -113,7 +113,7 @@ pub(super) fn inspect_artifact(
         )
     })?;
     let config = AdapterConfig::from_text(adapter_name, &text, None).map_err(|e| {
-        use lorafleet_engine::lora::AdapterError;
+        use lorafleet_artifact::adapter::AdapterError;
         let field = match &e {
             AdapterError::Invalid { field, .. } | AdapterError::Unsupported { field, .. } => {
                 field.clone()
@@ -223,7 +223,7 @@ pub(super) fn check_weight_shapes(
 ) -> Result<(), AdminError> {
     let param = "adapter_model.safetensors";
     let bad = |m: String| AdminError::unprocessable("invalid_adapter_weights", param, m);
-    let header = read_safetensors_header(path).map_err(bad)?;
+    let header = lorafleet_artifact::safetensors_header::read(path).map_err(bad)?;
     if header.is_empty() {
         return Err(bad("holds no tensors".into()));
     }
@@ -269,29 +269,6 @@ pub(super) fn check_weight_shapes(
         }
     }
     Ok(())
-}
-
-pub(super) fn read_safetensors_header(
-    path: &std::path::Path,
-) -> Result<serde_json::Map<String, Value>, String> {
-    use std::io::Read;
-    let mut f = std::fs::File::open(path).map_err(|e| format!("cannot be opened: {e}"))?;
-    let mut len = [0u8; 8];
-    f.read_exact(&mut len)
-        .map_err(|_| "is too short to be safetensors".to_owned())?;
-    let len = u64::from_le_bytes(len);
-    if len > 100 << 20 {
-        return Err(format!(
-            "declares a {len}-byte header, which is implausible"
-        ));
-    }
-    let mut header = vec![0u8; len as usize];
-    f.read_exact(&mut header)
-        .map_err(|_| "ends inside its header".to_owned())?;
-    match serde_json::from_slice(&header) {
-        Ok(Value::Object(map)) => Ok(map),
-        _ => Err("has a header that is not a JSON object".into()),
-    }
 }
 
 pub(super) async fn register_adapter(

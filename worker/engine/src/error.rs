@@ -43,14 +43,24 @@ pub enum EngineError {
     Backend(String),
 }
 
-impl EngineError {
-    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        EngineError::Io {
-            path: path.into(),
-            source,
+impl From<lorafleet_artifact::FileError> for EngineError {
+    fn from(e: lorafleet_artifact::FileError) -> Self {
+        match e {
+            lorafleet_artifact::FileError::Io { path, source } => EngineError::Io { path, source },
+            lorafleet_artifact::FileError::InvalidModel {
+                file,
+                field,
+                reason,
+            } => EngineError::InvalidModel {
+                file,
+                field,
+                reason,
+            },
         }
     }
+}
 
+impl EngineError {
     pub(crate) fn model(
         file: impl Into<PathBuf>,
         field: impl Into<String>,

@@ -5,7 +5,7 @@
 //! CUDA). It does no network I/O: the worker crate owns every socket, and
 //! the engine sees only requests, tokens and files.
 
-pub mod artifact;
+pub use lorafleet_artifact::roots as artifact;
 pub mod backend;
 pub mod engine;
 pub mod error;

@@ -53,7 +53,7 @@ fn main() -> ExitCode {
 
 fn hash_model_dir(dir: &Path) -> Result<String, Failure> {
     let bar = progress_bar("hashing base weights");
-    let result = lorafleet_engine::model::weights::base_hash(dir, &mut |done, total| {
+    let result = lorafleet_artifact::weights::base_hash(dir, &mut |done, total| {
         bar.set_length(total);
         bar.set_position(done);
     });
@@ -97,7 +97,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
     }
     if let Command::Adapters(AdapterCmd::Digest { dir }) = &cli.command {
         let bar = progress_bar("hashing artifact");
-        let digest = lorafleet_engine::artifact::digest_with_progress(dir, &mut |done, total| {
+        let digest = lorafleet_artifact::roots::digest_with_progress(dir, &mut |done, total| {
             bar.set_length(total);
             bar.set_position(done);
         });

@@ -1,8 +1,11 @@
 //! The base model: its configuration, weights, tokenizer and chat template.
+//! The configuration and the weight files are read by `lorafleet-artifact`,
+//! which the gateway shares.
 
-pub mod config;
 pub mod tokenizer;
-pub mod weights;
+
+pub use lorafleet_artifact::model_config as config;
+pub use lorafleet_artifact::weights;
 
 pub use config::{Architecture, ModelConfig};
 pub use weights::{WeightFiles, base_hash};

@@ -26,8 +26,8 @@ use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 use sha2::{Digest, Sha256};
 
-use crate::error::{EngineError, Result};
-use crate::model::config::{Fields, read_json_object};
+use crate::error::{FileError, Result};
+use crate::model_config::{Fields, read_json_object};
 
 const HASH_DOMAIN: &[u8] = b"lorafleet-base-hash-v1\n";
 
@@ -71,7 +71,7 @@ impl WeightFiles {
             return WeightFiles::open(vec![single]);
         }
         if !index.exists() {
-            return Err(EngineError::model(
+            return Err(FileError::model(
                 dir,
                 "model.safetensors",
                 "neither model.safetensors nor model.safetensors.index.json exists",
@@ -83,7 +83,7 @@ impl WeightFiles {
             map: &root,
         };
         let Some(serde_json::Value::Object(map)) = f.get("weight_map") else {
-            return Err(EngineError::model(
+            return Err(FileError::model(
                 &index,
                 "weight_map",
                 "is required and must be an object",
@@ -92,7 +92,7 @@ impl WeightFiles {
         let mut shards: Vec<String> = Vec::new();
         for (tensor, file) in map {
             let Some(file) = file.as_str() else {
-                return Err(EngineError::model(
+                return Err(FileError::model(
                     &index,
                     format!("weight_map.{tensor}"),
                     "must be a file name",
@@ -100,7 +100,7 @@ impl WeightFiles {
             };
             // A shard must sit beside the index: no directories, no escape.
             if file.is_empty() || file.contains(['/', '\\']) || file == ".." || file == "." {
-                return Err(EngineError::model(
+                return Err(FileError::model(
                     &index,
                     format!("weight_map.{tensor}"),
                     format!("{file:?} must be a plain file name in the model directory"),
@@ -115,7 +115,7 @@ impl WeightFiles {
         for (tensor, file) in map {
             let at = files.index.get(tensor).map(|t| &files.files[t.file].0);
             if at.is_none_or(|p| p.file_name().and_then(|n| n.to_str()) != file.as_str()) {
-                return Err(EngineError::model(
+                return Err(FileError::model(
                     &index,
                     format!("weight_map.{tensor}"),
                     format!("the tensor is not in {file}"),
@@ -130,12 +130,12 @@ impl WeightFiles {
         let mut files: Vec<(PathBuf, Mmap)> = Vec::with_capacity(paths.len());
         let mut index: BTreeMap<String, Located> = BTreeMap::new();
         for path in paths {
-            let file = File::open(&path).map_err(|e| EngineError::io(&path, e))?;
-            let map = map_file(&file).map_err(|e| EngineError::io(&path, e))?;
+            let file = File::open(&path).map_err(|e| FileError::io(&path, e))?;
+            let map = map_file(&file).map_err(|e| FileError::io(&path, e))?;
             // `read_metadata` checks that every tensor's byte range lies
             // inside the file and matches its dtype and shape.
             let (header, metadata) = SafeTensors::read_metadata(&map).map_err(|e| {
-                EngineError::model(
+                FileError::model(
                     &path,
                     "(header)",
                     format!("not a valid safetensors file: {e}"),
@@ -145,7 +145,7 @@ impl WeightFiles {
             let file_index = files.len();
             for (name, info) in metadata.tensors() {
                 if let Some(other) = index.get(&name) {
-                    return Err(EngineError::model(
+                    return Err(FileError::model(
                         &path,
                         name,
                         format!(
@@ -188,7 +188,7 @@ impl WeightFiles {
     pub fn raw(&self, name: &str) -> Result<RawTensor<'_>> {
         let t = self.index.get(name).ok_or_else(|| {
             let first = self.files.first().map(|f| f.0.clone()).unwrap_or_default();
-            EngineError::model(first, name, "the tensor is missing")
+            FileError::model(first, name, "the tensor is missing")
         })?;
         Ok(RawTensor {
             dtype: t.dtype,
@@ -202,7 +202,7 @@ impl WeightFiles {
         let raw = self.raw(name)?;
         let path = self.file_of(name).unwrap_or(Path::new("")).to_path_buf();
         if raw.shape != shape {
-            return Err(EngineError::model(
+            return Err(FileError::model(
                 path,
                 name,
                 format!("has shape {:?}, expected {:?}", raw.shape, shape),
@@ -211,8 +211,8 @@ impl WeightFiles {
         Ok((raw, path))
     }
 
-    fn non_finite(path: &Path, name: &str, value: f32, at: usize) -> EngineError {
-        EngineError::model(
+    fn non_finite(path: &Path, name: &str, value: f32, at: usize) -> FileError {
+        FileError::model(
             path,
             name,
             format!("holds a non-finite value ({value}) at element {at}"),
@@ -223,8 +223,8 @@ impl WeightFiles {
     /// NaN and infinite values are refused.
     pub fn f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
         let (raw, path) = self.shaped(name, shape)?;
-        let values = to_f32(raw.dtype, raw.data)
-            .map_err(|reason| EngineError::model(&path, name, reason))?;
+        let values =
+            to_f32(raw.dtype, raw.data).map_err(|reason| FileError::model(&path, name, reason))?;
         if let Some(bad) = values.iter().position(|v| !v.is_finite()) {
             return Err(Self::non_finite(&path, name, values[bad], bad));
         }

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 
-use crate::error::{EngineError, Result};
+use crate::error::{FileError, Result};
 
 /// The decoder families the engine runs. They share one forward pass and
 /// differ only in the switches of [`ModelConfig`].
@@ -92,7 +92,7 @@ impl ModelConfig {
             .chain(config.eos_token_ids.iter().map(|id| ("eos_token_id", id)))
         {
             if *id as usize >= config.vocab_size {
-                return Err(EngineError::model(
+                return Err(FileError::model(
                     &path,
                     field,
                     format!(
@@ -121,12 +121,12 @@ impl ModelConfig {
     }
 }
 
-pub(crate) fn read_json_object(path: &Path) -> Result<Map<String, Value>> {
-    let text = std::fs::read_to_string(path).map_err(|e| EngineError::io(path, e))?;
+pub fn read_json_object(path: &Path) -> Result<Map<String, Value>> {
+    let text = std::fs::read_to_string(path).map_err(|e| FileError::io(path, e))?;
     match serde_json::from_str::<Value>(&text) {
         Ok(Value::Object(map)) => Ok(map),
-        Ok(_) => Err(EngineError::model(path, "(root)", "must be a JSON object")),
-        Err(e) => Err(EngineError::model(
+        Ok(_) => Err(FileError::model(path, "(root)", "must be a JSON object")),
+        Err(e) => Err(FileError::model(
             path,
             "(root)",
             format!("is not valid JSON: {e}"),
@@ -135,14 +135,15 @@ pub(crate) fn read_json_object(path: &Path) -> Result<Map<String, Value>> {
 }
 
 /// Typed access to one JSON object, with errors that name the file and field.
-pub(crate) struct Fields<'a> {
+#[derive(Debug)]
+pub struct Fields<'a> {
     pub file: &'a Path,
     pub map: &'a Map<String, Value>,
 }
 
 impl Fields<'_> {
-    fn err(&self, field: &str, reason: impl Into<String>) -> EngineError {
-        EngineError::model(PathBuf::from(self.file), field, reason)
+    fn err(&self, field: &str, reason: impl Into<String>) -> FileError {
+        FileError::model(PathBuf::from(self.file), field, reason)
     }
 
     /// The value, treating JSON null as absent.

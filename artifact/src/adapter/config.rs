@@ -5,7 +5,7 @@ use std::path::Path;
 use serde_json::{Map, Value};
 
 use super::{AdapterError, Projection};
-use crate::model::ModelConfig;
+use crate::model_config::ModelConfig;
 
 /// Keys PEFT writes that do not change inference math, whatever their value.
 const HARMLESS_KEYS: &[&str] = &[
