@@ -5,8 +5,8 @@
 
 use std::time::Instant;
 
-use lorafleet_engine::backend::amx;
-use lorafleet_engine::backend::panels::{Kernel, PackedLinear};
+use lorafleet_engine::backend::cpu::amx;
+use lorafleet_engine::backend::cpu::panels::{Kernel, PackedLinear};
 
 fn random(seed: u64, n: usize) -> Vec<f32> {
     let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;

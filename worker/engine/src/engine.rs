@@ -617,7 +617,7 @@ impl Engine {
             .filter(|(seq, chunk)| seq.num_computed + chunk == seq.total_len())
             .map(|(seq, _)| (&seq.params, seq.rng.clone(), 0))
             .collect();
-        crate::backend::team::for_each_mut(&mut draws, |(params, rng, token), row| {
+        crate::backend::cpu::team::for_each_mut(&mut draws, |(params, rng, token), row| {
             *token = sample(&logits[row * vocab..(row + 1) * vocab], params, rng);
         });
         // The draws are in `order`, as the loop below meets the rows.

@@ -298,7 +298,7 @@ fn a_bf16_checkpoint_matches_its_f32_widening() {
     // differently, so the logits agree to f32 rounding. With and without
     // an adapter, for the sharded GQA model and the tied one (whose
     // lm_head comes from the bf16 embeddings).
-    let tiles = lorafleet_engine::backend::amx::available();
+    let tiles = lorafleet_engine::backend::cpu::amx::available();
     let golden = golden();
     for model in ["llama-gqa", "qwen2-tied"] {
         let narrow = bf16_copy(model, safetensors::Dtype::BF16);

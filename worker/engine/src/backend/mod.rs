@@ -2,12 +2,8 @@
 //! reference; a CUDA backend implements the same trait with the same slot
 //! and KV layouts.
 
-pub mod activation;
-pub mod amx;
 pub mod cpu;
 pub mod cuda;
-pub mod panels;
-pub mod team;
 
 use crate::error::{EngineError, Result};
 use crate::lora::HostAdapter;

@@ -82,7 +82,7 @@ impl LoraModule {
 
 fn widen(bits: &[u16]) -> Vec<f32> {
     bits.iter()
-        .map(|&b| crate::backend::panels::bf16_to_f32(b))
+        .map(|&b| crate::backend::cpu::panels::bf16_to_f32(b))
         .collect()
 }
 

@@ -1,0 +1,599 @@
+//! The CPU backend: the exact reference for every other backend.
+//!
+//! All math is f32. Every per-token result is computed with a fixed
+//! summation order that does not depend on which other tokens share the
+//! step, so a sequence produces the same bits alone or in any batch, and a
+//! recomputed prefill reproduces its decode-time KV exactly.
+//!
+//! - `attention.rs`: one token's attention over its cached positions;
+//! - `lora.rs`: the grouped LoRA kernel (SGMV) over packed adapter slots;
+//! - `panels.rs`: packed weights and the projection kernels;
+//! - `amx.rs`: bf16 projections on AMX tiles;
+//! - `activation.rs`: the MLP's `silu(gate) · up`;
+//! - `team.rs`: the threads that run the forward pass's parallel loops.
+
+pub mod activation;
+pub mod amx;
+mod attention;
+mod lora;
+pub mod panels;
+pub mod team;
+
+pub use lora::{SlotView, as_bits, as_bits_mut, lora_segments};
+
+use attention::{AttentionRow, dot};
+use std::path::Path;
+
+use crate::backend::{Backend, BackendShape, StepBatch};
+use crate::error::{EngineError, Result};
+use crate::lora::{Factors, HostAdapter, Projection};
+use crate::model::{ModelConfig, WeightFiles};
+use panels::{Kernel, NR, PackedLinear};
+
+/// A decoder layer's weights. Projections that read the same input are
+/// packed as one (their rows stacked), so each runs as one parallel pass:
+/// every output is still its own chain over its own row of weights.
+#[derive(Debug)]
+struct Layer {
+    input_norm: Vec<f32>,
+    post_norm: Vec<f32>,
+    /// q, k and v, stacked in that order.
+    qkv: PackedLinear,
+    o: PackedLinear,
+    /// gate and up, stacked in that order.
+    gate_up: PackedLinear,
+    down: PackedLinear,
+}
+
+/// The adapter slots of every (layer, projection): one buffer per (layer,
+/// projection), slot-major, each slot padded to `max_lora_rank` rounded up
+/// to a whole panel, and packed into the panels the projection kernels
+/// read (see [`SlotView`]).
+#[derive(Debug)]
+struct SlotTable {
+    /// `max_lora_rank` rounded up to a multiple of [`NR`].
+    max_rank: usize,
+    /// `a[layer * 7 + proj]`: A panels, as [`SlotView::a`].
+    a: Vec<Vec<f32>>,
+    /// `b[layer * 7 + proj]`: Bᵀ panels, as [`SlotView::b`].
+    b: Vec<Vec<f32>>,
+    /// `rank[slot][layer * 7 + proj]`; 0 where the adapter has no module.
+    rank: Vec<Vec<usize>>,
+    /// `scale[slot][layer * 7 + proj]`.
+    scale: Vec<Vec<f32>>,
+    /// `bf16[slot][layer * 7 + proj]`: the module's regions hold bf16 bits
+    /// ([`SlotView::bf16`]).
+    bf16: Vec<Vec<bool>>,
+}
+
+/// The CPU backend.
+#[derive(Debug)]
+pub struct CpuBackend {
+    config: ModelConfig,
+    shape: BackendShape,
+    embed: Vec<f32>,
+    layers: Vec<Layer>,
+    norm: Vec<f32>,
+    /// Packed from `lm_head.weight`, or from the embeddings when tied.
+    lm_head: PackedLinear,
+    /// `k[layer]`, `v[layer]`: `[blocks, block_size, kv_dim]`.
+    k_cache: Vec<Vec<f32>>,
+    v_cache: Vec<Vec<f32>>,
+    slots: SlotTable,
+    inv_freq: Vec<f32>,
+}
+
+impl CpuBackend {
+    /// Bytes the packed projection weights and the lm_head take: half for
+    /// a bf16 checkpoint of what f32 takes.
+    pub fn projection_bytes(&self) -> usize {
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                [&l.qkv, &l.o, &l.gate_up, &l.down]
+                    .iter()
+                    .map(|p| p.weight_bytes())
+                    .sum::<usize>()
+            })
+            .sum();
+        layers + self.lm_head.weight_bytes()
+    }
+
+    /// Loads the weights of a model directory.
+    pub fn load(dir: &Path, config: &ModelConfig, shape: BackendShape) -> Result<CpuBackend> {
+        let files = WeightFiles::open_model_dir(dir)?;
+        let c = config;
+        let embed = files.f32("model.embed_tokens.weight", &[c.vocab_size, c.hidden_size])?;
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for l in 0..c.num_layers {
+            let prefix = format!("model.layers.{l}");
+            // Weights `[fan_out, fan_in]` of the given projections stacked
+            // by rows, and their biases likewise.
+            let stacked = |parts: &[Projection]| -> Result<PackedLinear> {
+                let has_bias = match parts[0] {
+                    Projection::Q | Projection::K | Projection::V => c.qkv_bias,
+                    Projection::O => c.o_bias,
+                    _ => c.mlp_bias,
+                };
+                let fan_in = parts[0].shape(c).0;
+                let (mut w16, mut bias, mut fan_out) = (Some(Vec::new()), Vec::new(), 0);
+                let mut weights = Vec::new();
+                for p in parts {
+                    let out = p.shape(c).1;
+                    let name = format!("{prefix}.{}.{}", p.parent(), p.module_name());
+                    let weight = format!("{name}.weight");
+                    // bf16 checkpoints keep their weights in bf16 (see
+                    // `panels`); any other dtype in the stack means f32.
+                    w16 = match (w16, files.bf16_bits(&weight, &[out, fan_in])?) {
+                        (Some(mut all), Some(bits)) => {
+                            all.extend(bits);
+                            Some(all)
+                        }
+                        _ => None,
+                    };
+                    if has_bias {
+                        bias.extend(files.f32(&format!("{name}.bias"), &[out])?);
+                    }
+                    weights.push((weight, out));
+                    fan_out += out;
+                }
+                let bias = has_bias.then_some(bias);
+                if let Some(w16) = w16 {
+                    return Ok(PackedLinear::pack_bf16(&w16, bias, fan_in, fan_out));
+                }
+                let mut w = Vec::with_capacity(fan_in * fan_out);
+                for (weight, out) in &weights {
+                    w.extend(files.f32(weight, &[*out, fan_in])?);
+                }
+                Ok(PackedLinear::pack(&w, bias, fan_in, fan_out))
+            };
+            use Projection::*;
+            layers.push(Layer {
+                input_norm: files.f32(
+                    &format!("{prefix}.input_layernorm.weight"),
+                    &[c.hidden_size],
+                )?,
+                post_norm: files.f32(
+                    &format!("{prefix}.post_attention_layernorm.weight"),
+                    &[c.hidden_size],
+                )?,
+                qkv: stacked(&[Q, K, V])?,
+                o: stacked(&[O])?,
+                gate_up: stacked(&[Gate, Up])?,
+                down: stacked(&[Down])?,
+            });
+        }
+        let norm = files.f32("model.norm.weight", &[c.hidden_size])?;
+        let head_name = if c.tie_word_embeddings && !files.contains("lm_head.weight") {
+            "model.embed_tokens.weight"
+        } else {
+            "lm_head.weight"
+        };
+        let head_shape = [c.vocab_size, c.hidden_size];
+        let lm_head = match files.bf16_bits(head_name, &head_shape)? {
+            Some(bits) => PackedLinear::pack_bf16(&bits, None, c.hidden_size, c.vocab_size),
+            None if head_name == "lm_head.weight" => {
+                let w = files.f32(head_name, &head_shape)?;
+                PackedLinear::pack(&w, None, c.hidden_size, c.vocab_size)
+            }
+            None => PackedLinear::pack(&embed, None, c.hidden_size, c.vocab_size),
+        };
+        Ok(Self::from_parts(
+            c.clone(),
+            shape,
+            embed,
+            layers,
+            norm,
+            lm_head,
+        ))
+    }
+
+    fn from_parts(
+        config: ModelConfig,
+        shape: BackendShape,
+        embed: Vec<f32>,
+        layers: Vec<Layer>,
+        norm: Vec<f32>,
+        lm_head: PackedLinear,
+    ) -> CpuBackend {
+        let kv_len = shape.kv_blocks * shape.block_size * config.kv_dim();
+        let n = config.num_layers * 7;
+        let max_rank = shape.max_lora_rank.next_multiple_of(NR);
+        let mut a = Vec::with_capacity(n);
+        let mut b = Vec::with_capacity(n);
+        for _ in 0..config.num_layers {
+            for p in Projection::ALL {
+                let (fan_in, fan_out) = p.shape(&config);
+                a.push(vec![0f32; shape.slots * SlotView::a_len(max_rank, fan_in)]);
+                b.push(vec![0f32; shape.slots * SlotView::b_len(max_rank, fan_out)]);
+            }
+        }
+        let half = config.head_dim / 2;
+        // As transformers computes it: 1 / theta^(2i/d), in f32.
+        let inv_freq = (0..half)
+            .map(|i| {
+                1.0 / config
+                    .rope_theta
+                    .powf((2 * i) as f32 / config.head_dim as f32)
+            })
+            .collect();
+        CpuBackend {
+            k_cache: (0..config.num_layers).map(|_| vec![0f32; kv_len]).collect(),
+            v_cache: (0..config.num_layers).map(|_| vec![0f32; kv_len]).collect(),
+            slots: SlotTable {
+                max_rank,
+                a,
+                b,
+                rank: vec![vec![0; n]; shape.slots],
+                scale: vec![vec![0.0; n]; shape.slots],
+                bf16: vec![vec![false; n]; shape.slots],
+            },
+            config,
+            shape,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            inv_freq,
+        }
+    }
+}
+
+fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let d = weight.len();
+    for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+        let mean_sq = dot(xr, xr) / d as f32;
+        let inv = 1.0 / (mean_sq + eps).sqrt();
+        for i in 0..d {
+            or[i] = weight[i] * (xr[i] * inv);
+        }
+    }
+}
+
+impl CpuBackend {
+    /// Adds each segment's LoRA delta to `out` for projection `p` of `layer`.
+    fn apply_lora(
+        &self,
+        batch: &StepBatch<'_>,
+        layer: usize,
+        p: Projection,
+        x: &[f32],
+        out: &mut [f32],
+    ) {
+        let (fan_in, fan_out) = p.shape(&self.config);
+        let key = layer * 7 + p.index();
+        let slots = SlotView {
+            a: &self.slots.a[key],
+            b: &self.slots.b[key],
+            max_rank: self.slots.max_rank,
+            fan_in,
+            fan_out,
+            rank: &|slot| self.slots.rank[slot][key],
+            scale: &|slot| self.slots.scale[slot][key],
+            bf16: &|slot| self.slots.bf16[slot][key],
+        };
+        lora_segments(x, &batch.segments, &slots, out);
+    }
+
+    /// The projections `parts` of `layer`, packed together as `lin`, for
+    /// the `n` rows of `x`, each with its LoRA deltas added: one output
+    /// `[n, fan_out]` per part.
+    fn projections<const K: usize>(
+        &self,
+        batch: &StepBatch<'_>,
+        layer: usize,
+        lin: &PackedLinear,
+        parts: [Projection; K],
+        x: &[f32],
+        n: usize,
+    ) -> [Vec<f32>; K] {
+        let mut outs = lin.forward_split(x, n, parts.map(|p| p.shape(&self.config).1));
+        if !batch.segments.is_empty() {
+            for (p, out) in parts.iter().zip(&mut outs) {
+                self.apply_lora(batch, layer, *p, x, out);
+            }
+        }
+        outs
+    }
+
+    /// `(cos, sin)` of every rotary frequency at each of the step's token
+    /// positions, `[tokens, head_dim / 2]`: computed once per step, since
+    /// every layer and head rotates by the same angles.
+    fn rope_table(&self, batch: &StepBatch<'_>) -> Vec<(f32, f32)> {
+        let half = self.config.head_dim / 2;
+        let mut table = vec![(0f32, 0f32); batch.tokens.len() * half];
+        for s in &batch.seqs {
+            for i in 0..s.len {
+                let (t, position) = (s.start + i, s.first_position + i);
+                for (f, cs) in table[t * half..(t + 1) * half].iter_mut().enumerate() {
+                    let (sin, cos) = (position as f32 * self.inv_freq[f]).sin_cos();
+                    *cs = (cos, sin);
+                }
+            }
+        }
+        table
+    }
+
+    /// Rotate-half RoPE of every head in `v` by one token's angles.
+    fn rope(&self, v: &mut [f32], angles: &[(f32, f32)]) {
+        let half = self.config.head_dim / 2;
+        for head in v.chunks_exact_mut(self.config.head_dim) {
+            for (i, &(cos, sin)) in angles.iter().enumerate() {
+                let (x1, x2) = (head[i], head[i + half]);
+                head[i] = x1 * cos - x2 * sin;
+                head[i + half] = x2 * cos + x1 * sin;
+            }
+        }
+    }
+
+    fn kv_index(&self, block_table: &[u32], position: usize) -> usize {
+        let bs = self.shape.block_size;
+        (block_table[position / bs] as usize * bs + position % bs) * self.config.kv_dim()
+    }
+}
+
+impl Backend for CpuBackend {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn device_name(&self) -> String {
+        format!(
+            "{} CPU ({} threads)",
+            std::env::consts::ARCH,
+            rayon::current_num_threads()
+        )
+    }
+
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn shape(&self) -> BackendShape {
+        self.shape
+    }
+
+    fn write_slot(&mut self, slot: usize, adapter: &HostAdapter) -> Result<()> {
+        super::check_slot_write(&self.shape, slot, adapter)?;
+        self.clear_slot(slot)?;
+        let (max_rank, config) = (self.slots.max_rank, &self.config);
+        // Every (layer, projection) has its own buffers, so the modules are
+        // packed in parallel: a slot write is a memory-bound copy of a few
+        // MB that the step waits for. On the team, whose workers may still
+        // be awake from the last step.
+        let mut modules: Vec<(&mut Vec<f32>, &mut Vec<f32>)> = self
+            .slots
+            .a
+            .iter_mut()
+            .zip(self.slots.b.iter_mut())
+            .collect();
+        team::for_each_mut(&mut modules, |(a, b), key| {
+            let p = Projection::ALL[key % 7];
+            let Some(m) = adapter
+                .modules
+                .get(key / 7)
+                .and_then(|m| m[p.index()].as_ref())
+            else {
+                return;
+            };
+            let (fan_in, fan_out) = p.shape(config);
+            let (a_len, b_len) = (
+                SlotView::a_len(max_rank, fan_in),
+                SlotView::b_len(max_rank, fan_out),
+            );
+            let (a, b) = (
+                &mut a[slot * a_len..][..a_len],
+                &mut b[slot * b_len..][..b_len],
+            );
+            match &m.factors {
+                Factors::F32 { a_t, b_t } => {
+                    SlotView::pack_transposed(a_t, b_t, m.rank, fan_in, fan_out, max_rank, a, b)
+                }
+                Factors::Bf16 { a_t, b_t } => SlotView::pack_transposed(
+                    a_t,
+                    b_t,
+                    m.rank,
+                    fan_in,
+                    fan_out,
+                    max_rank,
+                    &mut as_bits_mut(a)[..a_len],
+                    &mut as_bits_mut(b)[..b_len],
+                ),
+            }
+        });
+        drop(modules);
+        for (layer, modules) in adapter.modules.iter().enumerate() {
+            for (i, m) in modules.iter().enumerate() {
+                if let Some(m) = m {
+                    self.slots.rank[slot][layer * 7 + i] = m.rank;
+                    self.slots.scale[slot][layer * 7 + i] = m.scale;
+                    self.slots.bf16[slot][layer * 7 + i] =
+                        matches!(m.factors, Factors::Bf16 { .. });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn clear_slot(&mut self, slot: usize) -> Result<()> {
+        if slot >= self.shape.slots {
+            return Err(EngineError::Backend(format!("slot {slot} is out of range")));
+        }
+        // Rank 0 is what makes a module absent: `lora_segments` reads a
+        // module's panels only up to its rank, and a slot write covers all
+        // of that, so stale weights past it are never read and the slot's
+        // memory need not be zeroed.
+        for key in 0..self.config.num_layers * 7 {
+            self.slots.rank[slot][key] = 0;
+            self.slots.scale[slot][key] = 0.0;
+            self.slots.bf16[slot][key] = false;
+        }
+        Ok(())
+    }
+
+    fn forward(&mut self, batch: &StepBatch<'_>) -> Result<Vec<f32>> {
+        let c = self.config.clone();
+        let n = batch.tokens.len();
+        let (d, hd, kv_dim) = (c.hidden_size, c.head_dim, c.kv_dim());
+        batch.check(&c, self.shape.block_size)?;
+        let mut hidden = vec![0f32; n * d];
+        for (t, &tok) in batch.tokens.iter().enumerate() {
+            hidden[t * d..(t + 1) * d]
+                .copy_from_slice(&self.embed[tok as usize * d..(tok as usize + 1) * d]);
+        }
+        let scale = 1.0 / (hd as f32).sqrt();
+        let (rope, half) = (self.rope_table(batch), hd / 2);
+        let mut normed = vec![0f32; n * d];
+        // The last layer's output matters only at the rows that want
+        // logits: past its keys and values (which every row stores), it
+        // runs on those rows alone, as one-token sequences at their
+        // positions. Each row's chains do not depend on the batch around
+        // it, so the logits are the same bits.
+        let mut trimmed: Option<StepBatch<'_>> = None;
+        for layer in 0..c.num_layers {
+            rms_norm(
+                &hidden,
+                &self.layers[layer].input_norm,
+                c.rms_norm_eps,
+                &mut normed,
+            );
+            let l = &self.layers[layer];
+            let [mut q, mut k, v] = self.projections(
+                batch,
+                layer,
+                &l.qkv,
+                [Projection::Q, Projection::K, Projection::V],
+                &normed,
+                n,
+            );
+            // Rotate and store the new keys and values before attending, so
+            // a prefill's tokens see each other.
+            for s in &batch.seqs {
+                for i in 0..s.len {
+                    let (t, pos) = (s.start + i, s.first_position + i);
+                    let angles = &rope[t * half..(t + 1) * half];
+                    self.rope(&mut q[t * c.q_dim()..(t + 1) * c.q_dim()], angles);
+                    self.rope(&mut k[t * kv_dim..(t + 1) * kv_dim], angles);
+                    let at = self.kv_index(s.block_table, pos);
+                    self.k_cache[layer][at..at + kv_dim]
+                        .copy_from_slice(&k[t * kv_dim..(t + 1) * kv_dim]);
+                    self.v_cache[layer][at..at + kv_dim]
+                        .copy_from_slice(&v[t * kv_dim..(t + 1) * kv_dim]);
+                }
+            }
+            let kept = batch.seqs.iter().filter(|s| s.want_logits).count();
+            if layer + 1 == c.num_layers && kept < n {
+                let mut sub = StepBatch::default();
+                let (mut sub_q, mut sub_hidden) = (Vec::new(), Vec::new());
+                for s in batch.seqs.iter().filter(|s| s.want_logits) {
+                    let t = s.start + s.len - 1;
+                    sub.push(
+                        &batch.tokens[t..t + 1],
+                        s.first_position + s.len - 1,
+                        s.block_table,
+                        batch.token_slot[t],
+                        true,
+                    );
+                    sub_q.extend_from_slice(&q[t * c.q_dim()..(t + 1) * c.q_dim()]);
+                    sub_hidden.extend_from_slice(&hidden[t * d..(t + 1) * d]);
+                }
+                sub.finish();
+                (q, hidden) = (sub_q, sub_hidden);
+                normed.truncate(kept * d);
+                trimmed = Some(sub);
+            }
+            let batch = trimmed.as_ref().unwrap_or(batch);
+            let n = batch.tokens.len();
+            // Attention, one token (all its heads) per task; keys in position order.
+            let mut work: Vec<(usize, usize)> = Vec::with_capacity(n);
+            for (si, s) in batch.seqs.iter().enumerate() {
+                for i in 0..s.len {
+                    work.push((si, i));
+                }
+            }
+            // Work item t is token t: sequences hold contiguous tokens, in order.
+            debug_assert!(
+                work.iter()
+                    .enumerate()
+                    .all(|(t, &(si, i))| batch.seqs[si].start + i == t)
+            );
+            let (kc, vc) = (&self.k_cache[layer], &self.v_cache[layer]);
+            let (this, kernel) = (&*self, Kernel::detect());
+            let mut attn = vec![0f32; n * c.q_dim()];
+            let mut rows: Vec<&mut [f32]> = attn.chunks_exact_mut(c.q_dim()).collect();
+            team::for_each_mut(&mut rows, |out, t| {
+                let (si, i) = work[t];
+                let s = &batch.seqs[si];
+                let (t, pos) = (s.start + i, s.first_position + i);
+                let lo = c.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                let offsets: Vec<usize> = (lo..=pos)
+                    .map(|p| this.kv_index(s.block_table, p))
+                    .collect();
+                let row = AttentionRow {
+                    q: &q[t * c.q_dim()..(t + 1) * c.q_dim()],
+                    k_cache: kc,
+                    v_cache: vc,
+                    offsets: &offsets,
+                    heads: c.num_heads,
+                    group: c.gqa_group(),
+                    head_dim: hd,
+                    scale,
+                };
+                row.attend(kernel, out);
+            });
+            drop(rows);
+            let [o] = self.projections(batch, layer, &l.o, [Projection::O], &attn, n);
+            for (h, o) in hidden.iter_mut().zip(&o) {
+                *h += o;
+            }
+            rms_norm(
+                &hidden,
+                &self.layers[layer].post_norm,
+                c.rms_norm_eps,
+                &mut normed,
+            );
+            let [gate, up] = self.projections(
+                batch,
+                layer,
+                &l.gate_up,
+                [Projection::Gate, Projection::Up],
+                &normed,
+                n,
+            );
+            let mut act = vec![0f32; gate.len()];
+            let (width, kernel) = (c.intermediate_size, Kernel::detect());
+            let mut rows: Vec<&mut [f32]> = act.chunks_exact_mut(width).collect();
+            team::for_each_mut(&mut rows, |a, t| {
+                let (g, u) = (&gate[t * width..][..width], &up[t * width..][..width]);
+                activation::silu_mul(kernel, g, u, a);
+            });
+            drop(rows);
+            let [down] = self.projections(batch, layer, &l.down, [Projection::Down], &act, n);
+            for (h, o) in hidden.iter_mut().zip(&down) {
+                *h += o;
+            }
+        }
+        // Final norm and lm_head only for the rows that want logits.
+        let batch = trimmed.as_ref().unwrap_or(batch);
+        let rows: Vec<usize> = batch
+            .seqs
+            .iter()
+            .filter(|s| s.want_logits)
+            .map(|s| s.start + s.len - 1)
+            .collect();
+        let mut last = vec![0f32; rows.len() * d];
+        for (i, &t) in rows.iter().enumerate() {
+            last[i * d..(i + 1) * d].copy_from_slice(&hidden[t * d..(t + 1) * d]);
+        }
+        let mut last_normed = vec![0f32; last.len()];
+        rms_norm(&last, &self.norm, c.rms_norm_eps, &mut last_normed);
+        let [logits] = self
+            .lm_head
+            .forward_split(&last_normed, rows.len(), [c.vocab_size]);
+        Ok(logits)
+    }
+}
+
+#[cfg(test)]
+mod tests;
