@@ -12,25 +12,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use lorafleet_proto::worker::v1 as pb;
-use pb::worker_client::WorkerClient;
-use tonic::transport::{Channel, Endpoint};
-
 use crate::routing::{self, Decision, Router, WorkerView};
-
-/// How the gateway reaches workers.
-#[derive(Debug, Clone)]
-pub enum Transport {
-    /// `--insecure-plaintext`.
-    Plaintext,
-    /// Mutual TLS: the gateway's certificate, the fleet's CA, and the name
-    /// every worker's certificate must carry (None: each worker's own host,
-    /// as its address names it).
-    MutualTls {
-        config: lorafleet_tls::Reloading<lorafleet_tls::rustls::ClientConfig>,
-        server_name: Option<String>,
-    },
-}
+pub use crate::upstream::Transport;
+use crate::upstream::{Report, Residency, WorkerClient};
 
 /// A report older than this means the worker is gone (it reports at least
 /// every 500 ms).
@@ -40,7 +24,7 @@ const STALE_AFTER: Duration = Duration::from_secs(3);
 #[derive(Debug)]
 pub struct Worker {
     pub addr: String,
-    pub client: WorkerClient<Channel>,
+    pub client: WorkerClient,
     state: RwLock<WorkerState>,
     /// Requests this gateway has in flight there.
     pub in_flight: AtomicU32,
@@ -54,7 +38,7 @@ pub struct WorkerState {
     pub serving: bool,
     pub base_hash: String,
     pub load: u32,
-    pub adapters: HashMap<u64, pb::Residency>,
+    pub adapters: HashMap<u64, Residency>,
     pub last_report: Option<Instant>,
 }
 
@@ -77,27 +61,17 @@ impl Worker {
         s.connected = false;
     }
 
-    fn apply(&self, r: &pb::WorkerReport) {
+    fn apply(&self, r: Report) {
         let mut s = self.state.write().expect("worker state");
         if !s.connected {
             tracing::info!(worker = %self.addr, worker_id = %r.worker_id, "worker joined the ring");
         }
         s.connected = true;
-        s.worker_id = r.worker_id.clone();
-        s.serving = r.status == pb::ServingStatus::Serving as i32;
-        s.base_hash = r
-            .base_model
-            .as_ref()
-            .map(|b| b.base_hash.clone())
-            .unwrap_or_default();
-        s.load = r
-            .load
-            .map_or(0, |l| l.running_sequences + l.waiting_sequences);
-        s.adapters = r
-            .adapters
-            .iter()
-            .map(|a| (a.lora_int_id, a.residency()))
-            .collect();
+        s.worker_id = r.worker_id;
+        s.serving = r.serving;
+        s.base_hash = r.base_hash;
+        s.load = r.load;
+        s.adapters = r.adapters;
         s.last_report = Some(Instant::now());
     }
 }
@@ -190,36 +164,16 @@ impl Fleet {
             if workers.iter().any(|w| &w.addr == addr) {
                 continue;
             }
-            let endpoint = match Endpoint::from_shared(format!("http://{addr}")) {
-                Ok(e) => e
-                    .connect_timeout(Duration::from_secs(2))
-                    .http2_keep_alive_interval(Duration::from_secs(10))
-                    .keep_alive_timeout(Duration::from_secs(5))
-                    .tcp_nodelay(true),
+            let client = match WorkerClient::connect_lazy(addr, &self.transport) {
+                Ok(c) => c,
                 Err(e) => {
-                    tracing::error!(worker = %addr, error = %e, "not a worker address");
+                    tracing::error!(worker = %addr, error = %e, "cannot call this worker");
                     continue;
-                }
-            };
-            let channel = match &self.transport {
-                Transport::Plaintext => endpoint.connect_lazy(),
-                Transport::MutualTls {
-                    config,
-                    server_name,
-                } => {
-                    let name = server_name.clone().unwrap_or_else(|| host_of(addr));
-                    match lorafleet_tls::client::Connector::new(config.clone(), &name) {
-                        Ok(c) => endpoint.connect_with_connector_lazy(c),
-                        Err(e) => {
-                            tracing::error!(worker = %addr, error = %e, "no TLS name to verify this worker by");
-                            continue;
-                        }
-                    }
                 }
             };
             let worker = Arc::new(Worker {
                 addr: addr.clone(),
-                client: WorkerClient::new(channel),
+                client,
                 state: RwLock::default(),
                 in_flight: AtomicU32::new(0),
                 task: Mutex::new(None),
@@ -242,8 +196,8 @@ impl Fleet {
             .map(|w| {
                 let s = w.state.read().expect("worker state");
                 let residency = match s.adapters.get(&lora_int_id) {
-                    Some(pb::Residency::Device) => routing::Residency::Device,
-                    Some(pb::Residency::Host) => routing::Residency::Host,
+                    Some(Residency::Device) => routing::Residency::Device,
+                    Some(Residency::Host) => routing::Residency::Host,
                     _ => routing::Residency::Absent,
                 };
                 let load = s.load.max(w.in_flight.load(Ordering::Relaxed));
@@ -318,30 +272,6 @@ impl Drop for InFlight {
     }
 }
 
-/// An error and its sources, as one line: a TLS refusal sits a few
-/// sources below tonic's "transport error".
-fn causes(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut next = e.source();
-    while let Some(s) = next {
-        let text = s.to_string();
-        if !out.contains(&text) {
-            out.push_str(": ");
-            out.push_str(&text);
-        }
-        next = s.source();
-    }
-    out
-}
-
-/// The host part of `HOST:PORT` (brackets of an IPv6 address removed).
-fn host_of(addr: &str) -> String {
-    let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
-    host.trim_start_matches('[')
-        .trim_end_matches(']')
-        .to_owned()
-}
-
 /// Holds one Watch stream open for `worker`, reconnecting with backoff.
 async fn watch(worker: Arc<Worker>) {
     let mut backoff = Duration::from_millis(100);
@@ -349,34 +279,28 @@ async fn watch(worker: Arc<Worker>) {
     // that refuses this gateway's certificate says so at every retry).
     let mut last_failure = String::new();
     loop {
-        let mut client = worker.client.clone();
-        let request = pb::WatchRequest {
-            subscriber: format!("gateway-{}", std::process::id()),
-        };
-        match client.watch(request).await {
-            Ok(response) => {
-                let mut stream = response.into_inner();
-                loop {
-                    match tokio::time::timeout(STALE_AFTER, stream.message()).await {
-                        Ok(Ok(Some(report))) => {
-                            worker.apply(&report);
-                            backoff = Duration::from_millis(100);
-                            last_failure.clear();
-                        }
-                        Ok(Ok(None)) => break,
-                        Ok(Err(status)) => {
-                            tracing::debug!(worker = %worker.addr, %status, "Watch stream failed");
-                            break;
-                        }
-                        Err(_) => {
-                            tracing::warn!(worker = %worker.addr, "no Watch report in {STALE_AFTER:?}");
-                            break;
-                        }
+        let subscriber = format!("gateway-{}", std::process::id());
+        match worker.client.watch(subscriber).await {
+            Ok(mut stream) => loop {
+                match tokio::time::timeout(STALE_AFTER, stream.next()).await {
+                    Ok(Ok(Some(report))) => {
+                        worker.apply(report);
+                        backoff = Duration::from_millis(100);
+                        last_failure.clear();
+                    }
+                    Ok(Ok(None)) => break,
+                    Ok(Err(e)) => {
+                        tracing::debug!(worker = %worker.addr, error = %e.detail, "Watch stream failed");
+                        break;
+                    }
+                    Err(_) => {
+                        tracing::warn!(worker = %worker.addr, "no Watch report in {STALE_AFTER:?}");
+                        break;
                     }
                 }
-            }
-            Err(status) => {
-                let why = causes(&status);
+            },
+            Err(e) => {
+                let why = e.detail;
                 if why != last_failure {
                     tracing::warn!(worker = %worker.addr, error = %why, "cannot reach the worker");
                     last_failure = why;

@@ -14,3 +14,4 @@ pub mod ratelimit;
 pub mod registry;
 pub mod routing;
 pub mod serve;
+pub mod upstream;

@@ -7,7 +7,7 @@
 //! `echo`, `best_of`) are refused with a 400 that names the field, never
 //! ignored.
 
-use lorafleet_proto::worker::v1 as pb;
+use crate::upstream::{self, Prompt, Sampling};
 
 use crate::audit::sanitize::{MAX_MODEL_BYTES, MAX_USER_BYTES, check_field};
 use serde::{Deserialize, Serialize};
@@ -307,7 +307,7 @@ impl Common {
         Ok(())
     }
 
-    fn sampling(&self, default_max: u32) -> Result<pb::SamplingParams, BadRequest> {
+    fn sampling(&self, default_max: u32) -> Result<Sampling, BadRequest> {
         let max_tokens = match (self.max_completion_tokens, self.max_tokens) {
             (Some(m), _) | (None, Some(m)) => m,
             (None, None) => default_max,
@@ -331,7 +331,7 @@ impl Common {
         if stop.iter().any(String::is_empty) {
             return Err(bad("stop", "stop strings must not be empty"));
         }
-        Ok(pb::SamplingParams {
+        Ok(Sampling {
             max_tokens,
             temperature: self.temperature,
             top_p: self.top_p,
@@ -352,20 +352,14 @@ impl Common {
 
 impl CompletionRequest {
     /// The worker's prompt and sampling, or the field at fault.
-    pub fn to_worker(
-        &self,
-    ) -> Result<(pb::generate_request::Prompt, pb::SamplingParams), BadRequest> {
+    pub fn to_worker(&self) -> Result<(Prompt, Sampling), BadRequest> {
         self.common.check()?;
         let prompt = match &self.prompt {
-            PromptInput::Text(t) => pb::generate_request::Prompt::Text(t.clone()),
-            PromptInput::Texts(v) if v.len() == 1 => {
-                pb::generate_request::Prompt::Text(v[0].clone())
-            }
-            PromptInput::Tokens(ids) if !ids.is_empty() => {
-                pb::generate_request::Prompt::TokenIds(pb::TokenIds { ids: ids.clone() })
-            }
+            PromptInput::Text(t) => Prompt::Text(t.clone()),
+            PromptInput::Texts(v) if v.len() == 1 => Prompt::Text(v[0].clone()),
+            PromptInput::Tokens(ids) if !ids.is_empty() => Prompt::TokenIds(ids.clone()),
             PromptInput::TokenLists(v) if v.len() == 1 && !v[0].is_empty() => {
-                pb::generate_request::Prompt::TokenIds(pb::TokenIds { ids: v[0].clone() })
+                Prompt::TokenIds(v[0].clone())
             }
             PromptInput::Tokens(_) => return Err(bad("prompt", "must not be empty")),
             _ => {
@@ -375,7 +369,7 @@ impl CompletionRequest {
                 ));
             }
         };
-        if let pb::generate_request::Prompt::Text(t) = &prompt
+        if let Prompt::Text(t) = &prompt
             && t.is_empty()
         {
             return Err(bad("prompt", "must not be empty"));
@@ -388,9 +382,7 @@ impl CompletionRequest {
 }
 
 impl ChatRequest {
-    pub fn to_worker(
-        &self,
-    ) -> Result<(pb::generate_request::Prompt, pb::SamplingParams), BadRequest> {
+    pub fn to_worker(&self) -> Result<(Prompt, Sampling), BadRequest> {
         self.common.check()?;
         if self.messages.is_empty() {
             return Err(bad("messages", "at least one message is required"));
@@ -431,16 +423,13 @@ impl ChatRequest {
             } else {
                 &m.role
             };
-            messages.push(pb::ChatMessage {
+            messages.push(upstream::ChatMessage {
                 role: role.into(),
                 content,
             });
         }
         Ok((
-            pb::generate_request::Prompt::Chat(pb::ChatPrompt {
-                messages,
-                add_generation_prompt: true,
-            }),
+            Prompt::Chat(messages),
             self.common.sampling(CHAT_DEFAULT_MAX_TOKENS)?,
         ))
     }
@@ -464,10 +453,10 @@ impl Usage {
 }
 
 /// OpenAI's finish_reason for the worker's.
-pub fn finish_reason(f: &pb::Finished) -> &'static str {
-    match f.finish_reason() {
-        pb::FinishReason::Length => "length",
-        _ => "stop",
+pub fn finish_reason(f: &upstream::Finished) -> &'static str {
+    match f.reason {
+        upstream::FinishReason::Length => "length",
+        upstream::FinishReason::Stop => "stop",
     }
 }
 
@@ -556,10 +545,7 @@ mod tests {
         )
         .unwrap();
         let (prompt, s) = r.to_worker().unwrap();
-        assert_eq!(
-            prompt,
-            pb::generate_request::Prompt::TokenIds(pb::TokenIds { ids: vec![1, 2, 3] })
-        );
+        assert_eq!(prompt, Prompt::TokenIds(vec![1, 2, 3]));
         assert_eq!(
             (s.max_tokens, s.temperature, s.seed),
             (5, Some(0.0), Some(7))
@@ -570,17 +556,13 @@ mod tests {
         )
         .unwrap();
         let (prompt, s) = r.to_worker().unwrap();
-        let pb::generate_request::Prompt::Chat(chat) = prompt else {
+        let Prompt::Chat(messages) = prompt else {
             panic!()
         };
         assert_eq!(
-            (
-                chat.messages[0].role.as_str(),
-                chat.messages[0].content.as_str()
-            ),
+            (messages[0].role.as_str(), messages[0].content.as_str()),
             ("system", "ab")
         );
-        assert!(chat.add_generation_prompt);
         assert_eq!(s.max_tokens, 9);
     }
 }

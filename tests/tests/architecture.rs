@@ -208,6 +208,37 @@ fn only_proto_knows_the_wire_format() {
     }
 }
 
+/// In the gateway, only `upstream/` knows the wire: every other module
+/// speaks the domain types it converts to, so a change of the wire touches
+/// one folder.
+#[test]
+fn only_upstream_knows_the_wire_in_the_gateway() {
+    let src = std::path::PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../gateway/src"));
+    let upstream = src.join("upstream");
+    let mut checked = 0;
+    for file in walk(&src) {
+        if file.extension().is_none_or(|e| e != "rs") || file.starts_with(&upstream) {
+            continue;
+        }
+        checked += 1;
+        let text = std::fs::read_to_string(&file).unwrap();
+        for needle in ["lorafleet_proto", "tonic::", "pb::"] {
+            assert!(
+                !text.contains(needle),
+                "{} uses {needle}; wire types stay in gateway/src/upstream/",
+                file.display()
+            );
+        }
+    }
+    assert!(checked > 20, "the gateway's sources were found ({checked})");
+    assert!(
+        walk(&upstream).iter().any(|f| std::fs::read_to_string(f)
+            .unwrap()
+            .contains("lorafleet_proto")),
+        "upstream/ is where the wire is converted"
+    );
+}
+
 fn walk(root: &std::path::Path) -> Vec<std::path::PathBuf> {
     let mut out = Vec::new();
     let mut stack = vec![root.to_path_buf()];

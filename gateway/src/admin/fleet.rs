@@ -13,10 +13,12 @@ pub(super) async fn fleet_view(
         let mut tiers: BTreeMap<&'static str, Vec<u64>> = BTreeMap::new();
         for (id, r) in &st.adapters {
             let tier = match r {
-                lorafleet_proto::worker::v1::Residency::Device => "device",
-                lorafleet_proto::worker::v1::Residency::Host => "host",
-                lorafleet_proto::worker::v1::Residency::Loading => "loading",
-                _ => "not_loaded",
+                crate::upstream::Residency::Device => "device",
+                crate::upstream::Residency::Host => "host",
+                crate::upstream::Residency::Loading => "loading",
+                crate::upstream::Residency::NotLoaded | crate::upstream::Residency::Unknown => {
+                    "not_loaded"
+                }
             };
             tiers.entry(tier).or_default().push(*id);
         }

@@ -19,10 +19,8 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use chrono::Utc;
-use lorafleet_proto::worker::v1 as pb;
 use serde_json::{Value, json};
 use tokio::sync::Semaphore;
-use tonic::Code;
 use uuid::Uuid;
 
 use crate::audit::{AuditLog, AuditRecord, Durable, Ticket, Unavailable};
@@ -31,6 +29,7 @@ use crate::fleet::Fleet;
 use crate::openai::{self, BadRequest, ChatRequest, CompletionRequest, Usage};
 use crate::ratelimit::RateLimiter;
 use crate::registry::{Registry, Resolved};
+use crate::upstream::{self, Generation, UpstreamError, UpstreamErrorKind, WorkerEvent};
 
 mod respond;
 mod trail;
@@ -38,7 +37,7 @@ mod worker;
 
 use respond::{run, shutting_down};
 use trail::{Trail, audit_unavailable, durable, row_not_durable, with_request_id};
-use worker::{Started, residency_label, start, worker_error};
+use worker::{Started, start, worker_error};
 
 /// Everything a request needs. Cheap to clone.
 #[derive(Debug, Clone)]
@@ -299,7 +298,7 @@ async fn handle(s: AppState, headers: HeaderMap, body: Body, kind: Kind) -> Resp
 struct Prepared {
     principal: Principal,
     resolved: Resolved,
-    request: pb::GenerateRequest,
+    request: Generation,
     stream: bool,
     include_usage: bool,
     model: String,
@@ -396,7 +395,7 @@ async fn prepare(
         .resolve(&principal.tenant_id, &common_model, &stickiness)
         .ok_or_else(|| ApiError::model_not_found(&common_model))?;
     trail.resolved(&resolved);
-    let adapter = resolved.adapter.as_ref().map(|a| pb::AdapterDescriptor {
+    let adapter = resolved.adapter.as_ref().map(|a| upstream::AdapterRef {
         lora_int_id: a.lora_int_id,
         artifact_uri: a.artifact_uri.clone(),
         artifact_sha256: a.artifact_sha256.clone(),
@@ -408,15 +407,13 @@ async fn prepare(
         tracing::Span::current().record("lora_int_id", a.lora_int_id);
     }
     let (traceparent, tracestate) = lorafleet_telemetry::inject(&tracing::Span::current());
-    let request = pb::GenerateRequest {
+    let request = Generation {
         request_id: trail.record.request_id.to_string(),
         adapter,
-        prompt: Some(prompt),
-        sampling: Some(sampling),
-        trace_context: Some(pb::TraceContext {
-            traceparent,
-            tracestate,
-        }),
+        prompt,
+        sampling,
+        traceparent,
+        tracestate,
     };
     Ok(Prepared {
         principal,
@@ -435,8 +432,8 @@ type Parsed = (
     Option<String>,
     bool,
     bool,
-    pb::generate_request::Prompt,
-    pb::SamplingParams,
+    upstream::Prompt,
+    upstream::Sampling,
 );
 
 /// The body as (model, user, stream, include_usage, prompt, sampling).

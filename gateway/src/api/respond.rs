@@ -29,7 +29,10 @@ pub(super) async fn run(
     };
     trail.record.ttft_us = Some(trail.started.elapsed().as_micros() as i64);
     trail.record.prompt_tokens = started.accepted.prompt_tokens as i32;
-    trail.record.adapter_residency = residency_label(started.accepted.adapter_residency())
+    trail.record.adapter_residency = started
+        .accepted
+        .residency
+        .and_then(upstream::Residency::label)
         .filter(|_| p.resolved.adapter.is_some())
         .map(str::to_owned);
     let created = Utc::now().timestamp();
@@ -122,13 +125,12 @@ pub(super) fn settle(
     s: &AppState,
     p: &Prepared,
     trail: &mut Trail,
-    f: &pb::Finished,
+    f: &upstream::Finished,
     completion_tokens: usize,
 ) -> Usage {
-    let reported = f.usage.unwrap_or_default();
     let usage = Usage::new(
-        reported.prompt_tokens,
-        reported.completion_tokens.max(completion_tokens as u32),
+        f.prompt_tokens,
+        f.completion_tokens.max(completion_tokens as u32),
     );
     trail.record.prompt_tokens = usage.prompt_tokens as i32;
     trail.record.completion_tokens = usage.completion_tokens as i32;
@@ -153,7 +155,7 @@ pub(super) fn shutting_down() -> ApiError {
 
 /// How a worker stream ended before its `Finished` event.
 pub(super) enum Cut {
-    Worker(tonic::Status),
+    Worker(UpstreamError),
     Timeout,
     Shutdown,
 }
@@ -171,20 +173,20 @@ pub(super) async fn collect_response(
     let deadline = tokio::time::Instant::now() + s.request_timeout;
     let finished = loop {
         match event.take() {
-            Some(pb::generate_event::Event::Delta(d)) => {
-                text.push_str(&d.text);
+            Some(WorkerEvent::Delta { token_ids, text: t }) => {
+                text.push_str(&t);
                 // Kept on the row as they come, so a client that goes away
                 // leaves a row with the tokens it used.
-                trail.record.completion_tokens += d.token_ids.len() as i32;
+                trail.record.completion_tokens += token_ids.len() as i32;
             }
-            Some(pb::generate_event::Event::Finished(f)) => break Ok(f),
-            Some(pb::generate_event::Event::Accepted(_)) | None => {}
+            Some(WorkerEvent::Finished(f)) => break Ok(f),
+            Some(WorkerEvent::Accepted(_)) | None => {}
         }
         tokio::select! {
-            m = tokio::time::timeout_at(deadline, st.stream.message()) => match m {
-                Ok(Ok(Some(e))) => event = e.event,
+            m = tokio::time::timeout_at(deadline, st.stream.next()) => match m {
+                Ok(Ok(Some(e))) => event = Some(e),
                 Ok(Ok(None)) => {
-                    break Err(Cut::Worker(tonic::Status::unavailable(
+                    break Err(Cut::Worker(UpstreamError::unavailable(
                         "the worker closed the stream before the end",
                     )));
                 }
@@ -265,12 +267,12 @@ pub(super) fn stream_response(
                 return;
             }
         }
-        let outcome: Result<pb::Finished, (&str, &str)> = loop {
+        let outcome: Result<upstream::Finished, (&str, &str)> = loop {
             match event.take() {
-                Some(pb::generate_event::Event::Delta(d)) => {
-                    trail.record.completion_tokens += d.token_ids.len() as i32;
-                    if !d.text.is_empty()
-                        && !send(sse(&meta.chunk(Some(&d.text), !sent_role, None))).await
+                Some(WorkerEvent::Delta { token_ids, text }) => {
+                    trail.record.completion_tokens += token_ids.len() as i32;
+                    if !text.is_empty()
+                        && !send(sse(&meta.chunk(Some(&text), !sent_role, None))).await
                     {
                         // The client went away (or the drain deadline cut
                         // it): dropping the worker stream cancels the
@@ -282,12 +284,12 @@ pub(super) fn stream_response(
                         });
                     }
                 }
-                Some(pb::generate_event::Event::Finished(f)) => break Ok(f),
+                Some(WorkerEvent::Finished(f)) => break Ok(f),
                 _ => {}
             }
             tokio::select! {
-                m = tokio::time::timeout_at(deadline, st.stream.message()) => match m {
-                    Ok(Ok(Some(e))) => event = e.event,
+                m = tokio::time::timeout_at(deadline, st.stream.next()) => match m {
+                    Ok(Ok(Some(e))) => event = Some(e),
                     Ok(Ok(None)) => break Err(("error", "worker_stream_ended")),
                     Ok(Err(_)) => break Err(("error", "worker_failed")),
                     Err(_) => break Err(("error", "timeout")),

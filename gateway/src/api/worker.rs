@@ -5,55 +5,41 @@ use super::*;
 
 /// A worker stream that has produced its first token (or finished).
 pub(super) struct Started {
-    pub(super) stream: tonic::Streaming<pb::GenerateEvent>,
-    pub(super) accepted: pb::Accepted,
-    pub(super) first: pb::generate_event::Event,
+    pub(super) stream: upstream::Events,
+    pub(super) accepted: upstream::Accepted,
+    pub(super) first: WorkerEvent,
     pub(super) _in_flight: crate::fleet::InFlight,
 }
 
-pub(super) fn retryable(code: Code) -> bool {
-    matches!(
-        code,
-        Code::Unavailable
-            | Code::Unknown
-            | Code::Cancelled
-            | Code::ResourceExhausted
-            | Code::Internal
-            | Code::Aborted
-            | Code::DeadlineExceeded
-    )
-}
-
-pub(super) fn worker_error(status: &tonic::Status) -> ApiError {
-    match status.code() {
-        Code::InvalidArgument => {
-            let mut e = ApiError::new(
+/// A worker's failure as the tenant sees it.
+pub(super) fn worker_error(e: &UpstreamError) -> ApiError {
+    match &e.kind {
+        UpstreamErrorKind::InvalidRequest { field } => {
+            let mut api = ApiError::new(
                 StatusCode::BAD_REQUEST,
                 "invalid_request_error",
                 "invalid_request",
-                status.message().to_owned(),
+                e.message.clone(),
             );
-            e.param = status
-                .message()
-                .split_once(':')
-                .map(|(p, _)| p.trim().to_owned())
-                .filter(|p| !p.contains(' '));
-            e
+            api.param = field.clone();
+            api
         }
-        Code::NotFound | Code::FailedPrecondition => ApiError::new(
+        UpstreamErrorKind::AdapterUnavailable => ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "server_error",
             "adapter_unavailable",
             format!(
                 "the adapter for this model could not be loaded: {}",
-                status.message()
+                e.message
             ),
         ),
-        _ => ApiError::new(
+        UpstreamErrorKind::Unavailable
+        | UpstreamErrorKind::FirstTokenTimeout
+        | UpstreamErrorKind::Failed => ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "server_error",
             "workers_unavailable",
-            format!("no worker could serve the request: {}", status.message()),
+            format!("no worker could serve the request: {}", e.message),
         ),
     }
 }
@@ -92,7 +78,7 @@ pub(super) async fn start(
             "hit" => if route.device_hit { "true" } else { "false" })
         .increment(1);
     }
-    let mut last: Option<tonic::Status> = None;
+    let mut last: Option<UpstreamError> = None;
     let mut first_token_timeouts = 0usize;
     for worker in route.candidates.iter().take(s.max_attempts) {
         trail.record.attempts += 1;
@@ -100,19 +86,15 @@ pub(super) async fn start(
         let worker_id = worker.state().worker_id;
         span.record("worker", worker_id.as_str());
         trail.record.worker_id = Some(worker_id.clone());
-        let mut client = worker.client.clone();
         let outcome = async {
-            let mut stream = client.generate(p.request.clone()).await?.into_inner();
-            let mut accepted = pb::Accepted::default();
+            let mut stream = worker.client.generate(&p.request).await?;
+            let mut accepted = upstream::Accepted::default();
             loop {
-                match stream.message().await? {
-                    Some(pb::GenerateEvent { event: Some(event) }) => match event {
-                        pb::generate_event::Event::Accepted(a) => accepted = a,
-                        first => return Ok((stream, accepted, first)),
-                    },
-                    Some(_) => {}
+                match stream.next().await? {
+                    Some(WorkerEvent::Accepted(a)) => accepted = a,
+                    Some(first) => return Ok((stream, accepted, first)),
                     None => {
-                        return Err(tonic::Status::unavailable(
+                        return Err(UpstreamError::unavailable(
                             "the worker closed the stream before the first token",
                         ));
                     }
@@ -125,7 +107,7 @@ pub(super) async fn start(
             Ok(o) => o,
             Err(_) => {
                 first_token_timeouts += 1;
-                Err(tonic::Status::deadline_exceeded(format!(
+                Err(UpstreamError::first_token_timeout(format!(
                     "no first token within {} s",
                     s.first_token_timeout.as_secs()
                 )))
@@ -140,12 +122,12 @@ pub(super) async fn start(
                     _in_flight: in_flight,
                 });
             }
-            Err(status) if retryable(status.code()) => {
-                tracing::warn!(worker = %worker_id, code = ?status.code(), message = status.message(), "attempt failed before the first token; trying the next worker");
+            Err(e) if e.retry_elsewhere() => {
+                tracing::warn!(worker = %worker_id, kind = ?e.kind, error = %e.detail, "attempt failed before the first token; trying the next worker");
                 metrics::counter!("lorafleet_gateway_retries_total").increment(1);
-                last = Some(status);
+                last = Some(e);
             }
-            Err(status) => return Err(worker_error(&status)),
+            Err(e) => return Err(worker_error(&e)),
         }
     }
     if first_token_timeouts > 0 && first_token_timeouts == trail.record.attempts as usize {
@@ -161,16 +143,6 @@ pub(super) async fn start(
         ));
     }
     Err(worker_error(&last.unwrap_or_else(|| {
-        tonic::Status::unavailable("no candidate worker")
+        UpstreamError::unavailable("no candidate worker")
     })))
-}
-
-pub(super) fn residency_label(r: pb::Residency) -> Option<&'static str> {
-    match r {
-        pb::Residency::Device => Some("device"),
-        pb::Residency::Host => Some("host"),
-        pb::Residency::NotLoaded => Some("not_loaded"),
-        pb::Residency::Loading => Some("loading"),
-        _ => None,
-    }
 }

@@ -1,0 +1,152 @@
+//! The one place where the gateway's domain types become wire messages and
+//! wire messages become domain types.
+
+use lorafleet_proto::worker::v1 as pb;
+use tonic::Code;
+
+use super::*;
+
+impl From<&Generation> for pb::GenerateRequest {
+    fn from(g: &Generation) -> pb::GenerateRequest {
+        pb::GenerateRequest {
+            request_id: g.request_id.clone(),
+            adapter: g.adapter.as_ref().map(|a| pb::AdapterDescriptor {
+                lora_int_id: a.lora_int_id,
+                artifact_uri: a.artifact_uri.clone(),
+                artifact_sha256: a.artifact_sha256.clone(),
+                base_hash: a.base_hash.clone(),
+                rank: a.rank,
+                display_name: a.display_name.clone(),
+            }),
+            prompt: Some(match &g.prompt {
+                Prompt::Text(t) => pb::generate_request::Prompt::Text(t.clone()),
+                Prompt::TokenIds(ids) => {
+                    pb::generate_request::Prompt::TokenIds(pb::TokenIds { ids: ids.clone() })
+                }
+                Prompt::Chat(messages) => pb::generate_request::Prompt::Chat(pb::ChatPrompt {
+                    messages: messages
+                        .iter()
+                        .map(|m| pb::ChatMessage {
+                            role: m.role.clone(),
+                            content: m.content.clone(),
+                        })
+                        .collect(),
+                    add_generation_prompt: true,
+                }),
+            }),
+            sampling: Some(pb::SamplingParams {
+                max_tokens: g.sampling.max_tokens,
+                temperature: g.sampling.temperature,
+                top_p: g.sampling.top_p,
+                top_k: g.sampling.top_k,
+                seed: g.sampling.seed,
+                stop: g.sampling.stop.clone(),
+                stop_token_ids: g.sampling.stop_token_ids.clone(),
+                ignore_eos: g.sampling.ignore_eos,
+            }),
+            trace_context: Some(pb::TraceContext {
+                traceparent: g.traceparent.clone(),
+                tracestate: g.tracestate.clone(),
+            }),
+        }
+    }
+}
+
+pub(super) fn residency(r: pb::Residency) -> Residency {
+    match r {
+        pb::Residency::Device => Residency::Device,
+        pb::Residency::Host => Residency::Host,
+        pb::Residency::Loading => Residency::Loading,
+        pb::Residency::NotLoaded => Residency::NotLoaded,
+        pb::Residency::Unspecified => Residency::Unknown,
+    }
+}
+
+/// An event, or None for one this gateway does not know (skipped).
+pub(super) fn event(e: pb::GenerateEvent) -> Option<WorkerEvent> {
+    Some(match e.event? {
+        pb::generate_event::Event::Accepted(a) => WorkerEvent::Accepted(Accepted {
+            prompt_tokens: a.prompt_tokens,
+            residency: Some(residency(a.adapter_residency())),
+        }),
+        pb::generate_event::Event::Delta(d) => WorkerEvent::Delta {
+            token_ids: d.token_ids,
+            text: d.text,
+        },
+        pb::generate_event::Event::Finished(f) => {
+            let usage = f.usage.unwrap_or_default();
+            WorkerEvent::Finished(Finished {
+                reason: match f.finish_reason() {
+                    pb::FinishReason::Length => FinishReason::Length,
+                    _ => FinishReason::Stop,
+                },
+                prompt_tokens: usage.prompt_tokens,
+                completion_tokens: usage.completion_tokens,
+            })
+        }
+    })
+}
+
+pub(super) fn report(r: &pb::WorkerReport) -> Report {
+    Report {
+        worker_id: r.worker_id.clone(),
+        serving: r.status == pb::ServingStatus::Serving as i32,
+        base_hash: r
+            .base_model
+            .as_ref()
+            .map(|b| b.base_hash.clone())
+            .unwrap_or_default(),
+        load: r
+            .load
+            .map_or(0, |l| l.running_sequences + l.waiting_sequences),
+        adapters: r
+            .adapters
+            .iter()
+            .map(|a| (a.lora_int_id, residency(a.residency())))
+            .collect(),
+    }
+}
+
+/// A worker's status as an [`UpstreamError`]. The field of an
+/// INVALID_ARGUMENT is the status message's prefix before `:`, which the
+/// worker writes as `field: reason`.
+pub(super) fn status(s: &tonic::Status) -> UpstreamError {
+    let kind = match s.code() {
+        Code::InvalidArgument => UpstreamErrorKind::InvalidRequest {
+            field: s
+                .message()
+                .split_once(':')
+                .map(|(p, _)| p.trim().to_owned())
+                .filter(|p| !p.is_empty() && !p.contains(' ')),
+        },
+        Code::NotFound | Code::FailedPrecondition => UpstreamErrorKind::AdapterUnavailable,
+        Code::Unavailable
+        | Code::Unknown
+        | Code::Cancelled
+        | Code::ResourceExhausted
+        | Code::Internal
+        | Code::Aborted
+        | Code::DeadlineExceeded => UpstreamErrorKind::Unavailable,
+        _ => UpstreamErrorKind::Failed,
+    };
+    UpstreamError {
+        kind,
+        message: s.message().to_owned(),
+        detail: causes(s),
+    }
+}
+
+/// An error and its sources, as one line.
+fn causes(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut next = e.source();
+    while let Some(s) = next {
+        let text = s.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        next = s.source();
+    }
+    out
+}

@@ -1,0 +1,198 @@
+//! The workers as the gateway sees them. This module is the only gateway
+//! code that knows the wire format (`lorafleet.worker.v1`): the rest of the
+//! gateway speaks the domain types below, and `convert.rs` is the one place
+//! they become wire messages and back.
+//!
+//! - [`Generation`]: what the gateway asks a worker to generate;
+//! - [`WorkerEvent`]: what a generation streams back;
+//! - [`Report`]: what a worker's Watch stream says about it;
+//! - [`WorkerClient`]: one worker's connection (mutual TLS or plain text);
+//! - [`UpstreamError`]: a failed call, saying whether a retry elsewhere is
+//!   safe.
+
+mod client;
+mod convert;
+
+use std::collections::HashMap;
+
+pub use client::{Events, Reports, Transport, WorkerClient};
+
+/// An adapter a generation uses, as the registry describes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdapterRef {
+    pub lora_int_id: u64,
+    pub artifact_uri: String,
+    pub artifact_sha256: String,
+    pub base_hash: String,
+    pub rank: u32,
+    /// `name@version`, for the worker's logs.
+    pub display_name: String,
+}
+
+/// One message of a chat prompt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+/// The prompt: text, token ids, or chat messages that the worker renders
+/// with the model's template (ending with the assistant's turn).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Prompt {
+    Text(String),
+    TokenIds(Vec<u32>),
+    Chat(Vec<ChatMessage>),
+}
+
+/// How to sample; `None` and zero mean the worker's defaults.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Sampling {
+    pub max_tokens: u32,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    /// 0: off.
+    pub top_k: u32,
+    pub seed: Option<u64>,
+    pub stop: Vec<String>,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+}
+
+/// What the gateway asks one worker to generate.
+#[derive(Debug, Clone)]
+pub struct Generation {
+    pub request_id: String,
+    /// None: the base model.
+    pub adapter: Option<AdapterRef>,
+    pub prompt: Prompt,
+    pub sampling: Sampling,
+    /// W3C trace context, continued by the worker.
+    pub traceparent: String,
+    pub tracestate: String,
+}
+
+/// Where a worker holds an adapter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Residency {
+    Device,
+    Host,
+    Loading,
+    NotLoaded,
+    /// The worker did not say (an older or newer worker).
+    Unknown,
+}
+
+impl Residency {
+    /// The label audit rows and metrics use; None for [`Residency::Unknown`].
+    pub fn label(self) -> Option<&'static str> {
+        match self {
+            Residency::Device => Some("device"),
+            Residency::Host => Some("host"),
+            Residency::Loading => Some("loading"),
+            Residency::NotLoaded => Some("not_loaded"),
+            Residency::Unknown => None,
+        }
+    }
+}
+
+/// Why a generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// End of sequence, a stop token or a stop string.
+    Stop,
+    /// `max_tokens`, or the model's context.
+    Length,
+}
+
+/// The worker took the request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Accepted {
+    pub prompt_tokens: u32,
+    pub residency: Option<Residency>,
+}
+
+/// The end of a generation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Finished {
+    pub reason: FinishReason,
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+}
+
+/// One event of a generation's stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WorkerEvent {
+    Accepted(Accepted),
+    Delta { token_ids: Vec<u32>, text: String },
+    Finished(Finished),
+}
+
+/// One worker's state, from its Watch stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Report {
+    pub worker_id: String,
+    pub serving: bool,
+    pub base_hash: String,
+    /// Running plus waiting sequences.
+    pub load: u32,
+    pub adapters: HashMap<u64, Residency>,
+}
+
+/// What went wrong with a call to a worker.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum UpstreamErrorKind {
+    /// The worker refused the request itself; `field` names the field at
+    /// fault when the worker said which.
+    InvalidRequest { field: Option<String> },
+    /// The adapter could not be loaded there (missing, changed, refused).
+    AdapterUnavailable,
+    /// The worker is overloaded, draining, unreachable or failed; another
+    /// worker may serve the request.
+    Unavailable,
+    /// No first token within the deadline.
+    FirstTokenTimeout,
+    /// The worker failed in a way another worker would too.
+    Failed,
+}
+
+/// A failed call to a worker.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct UpstreamError {
+    pub kind: UpstreamErrorKind,
+    /// The worker's message (or ours, for failures before it answered).
+    pub message: String,
+    /// The message with every underlying cause (a TLS refusal sits a few
+    /// causes below "transport error"), for the gateway's own logs.
+    pub detail: String,
+}
+
+impl UpstreamError {
+    pub fn unavailable(message: impl Into<String>) -> UpstreamError {
+        let message = message.into();
+        UpstreamError {
+            kind: UpstreamErrorKind::Unavailable,
+            detail: message.clone(),
+            message,
+        }
+    }
+
+    pub fn first_token_timeout(message: impl Into<String>) -> UpstreamError {
+        let message = message.into();
+        UpstreamError {
+            kind: UpstreamErrorKind::FirstTokenTimeout,
+            detail: message.clone(),
+            message,
+        }
+    }
+
+    /// Whether the same request may go to another worker: only failures of
+    /// the worker, never a refusal of the request itself.
+    pub fn retry_elsewhere(&self) -> bool {
+        matches!(
+            self.kind,
+            UpstreamErrorKind::Unavailable | UpstreamErrorKind::FirstTokenTimeout
+        )
+    }
+}
