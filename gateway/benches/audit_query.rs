@@ -15,9 +15,9 @@ use std::time::{Duration, Instant};
 
 use chrono::{DateTime, TimeZone, Utc};
 use lorafleet_gateway::admin::{self, AuditFilter, AuditQuery, Cursor};
-use lorafleet_gateway::fleet::Fleet;
+use lorafleet_gateway::router::fleet::Fleet;
 use lorafleet_gateway::registry::{Registry, Snapshot};
-use lorafleet_gateway::routing::Policy;
+use lorafleet_gateway::router::policy::Policy;
 use sqlx::Connection;
 
 const TENANTS: usize = 10;
@@ -139,7 +139,7 @@ fn main() {
             jwt: std::sync::Arc::new(jwt),
             artifact_roots: None,
             max_lora_rank: 64,
-            fleet: Fleet::new(Policy::default(), lorafleet_gateway::fleet::Transport::Plaintext),
+            fleet: Fleet::new(Policy::default(), lorafleet_gateway::router::fleet::Transport::Plaintext),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();

@@ -9,13 +9,13 @@
 //! requests arrive per tick and each holds its worker for 16 ticks, so the
 //! fleet carries 64 requests at once (8 per worker). A request whose adapter
 //! is not in the chosen worker's device slots costs one adapter load.
-//! "Our policy" is `lorafleet_gateway::routing::Router`, the code the gateway
+//! "Our policy" is `lorafleet_gateway::router::policy::Router`, the code the gateway
 //! runs, fed the same view the fleet gives it (load = requests in flight,
 //! residency from the worker's slots).
 
 use std::collections::VecDeque;
 
-use lorafleet_gateway::routing::{Policy, Residency, Router, WorkerView};
+use lorafleet_gateway::router::policy::{Policy, Residency, Router, WorkerView};
 
 const ADAPTERS: usize = 1000;
 const WORKERS: usize = 8;

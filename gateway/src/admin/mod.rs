@@ -32,7 +32,7 @@ use sqlx::{PgPool, Postgres, QueryBuilder, Transaction};
 use uuid::Uuid;
 
 use crate::auth::{self, JwtConfig};
-use crate::fleet::Fleet;
+use crate::router::fleet::Fleet;
 use crate::registry::{self, Registry};
 
 /// The projections a LoRA may target in each architecture the registry

@@ -25,12 +25,13 @@ use uuid::Uuid;
 
 use crate::audit::{AuditLog, AuditRecord, Durable, Ticket, Unavailable};
 use crate::auth::{self, JwtConfig, Principal};
-use crate::fleet::Fleet;
-use crate::openai::{self, BadRequest, ChatRequest, CompletionRequest, Usage};
+use crate::router::fleet::Fleet;
+use openai::{BadRequest, ChatRequest, CompletionRequest, Usage};
 use crate::ratelimit::RateLimiter;
 use crate::registry::{Registry, Resolved};
 use crate::upstream::{self, Generation, UpstreamError, UpstreamErrorKind, WorkerEvent};
 
+pub mod openai;
 mod respond;
 mod trail;
 mod worker;

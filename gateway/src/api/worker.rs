@@ -8,7 +8,7 @@ pub(super) struct Started {
     pub(super) stream: upstream::Events,
     pub(super) accepted: upstream::Accepted,
     pub(super) first: WorkerEvent,
-    pub(super) _in_flight: crate::fleet::InFlight,
+    pub(super) _in_flight: crate::router::fleet::InFlight,
 }
 
 /// A worker's failure as the tenant sees it.

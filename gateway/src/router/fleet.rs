@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use crate::routing::{self, Decision, Router, WorkerView};
+use super::policy::{self, Decision, Router, WorkerView};
 pub use crate::upstream::Transport;
 use crate::upstream::{Report, Residency, WorkerClient};
 
@@ -103,13 +103,13 @@ struct RouterState {
 #[derive(Debug)]
 pub struct Route {
     pub candidates: Vec<Arc<Worker>>,
-    pub reason: routing::Reason,
+    pub reason: policy::Reason,
     /// Whether the first candidate had the adapter on its device.
     pub device_hit: bool,
 }
 
 impl Fleet {
-    pub fn new(policy: routing::Policy, transport: Transport) -> Fleet {
+    pub fn new(policy: policy::Policy, transport: Transport) -> Fleet {
         Fleet {
             transport,
             workers: Arc::default(),
@@ -190,15 +190,15 @@ impl Fleet {
         let workers = self.workers();
         // Read under each worker's lock what this request needs, rather
         // than cloning every worker's adapter map on the request path.
-        let up: Vec<(&Arc<Worker>, String, u32, routing::Residency, bool)> = workers
+        let up: Vec<(&Arc<Worker>, String, u32, policy::Residency, bool)> = workers
             .iter()
             .filter(|w| w.up())
             .map(|w| {
                 let s = w.state.read().expect("worker state");
                 let residency = match s.adapters.get(&lora_int_id) {
-                    Some(Residency::Device) => routing::Residency::Device,
-                    Some(Residency::Host) => routing::Residency::Host,
-                    _ => routing::Residency::Absent,
+                    Some(Residency::Device) => policy::Residency::Device,
+                    Some(Residency::Host) => policy::Residency::Host,
+                    _ => policy::Residency::Absent,
                 };
                 let load = s.load.max(w.in_flight.load(Ordering::Relaxed));
                 (
@@ -224,7 +224,7 @@ impl Fleet {
         r.router.set_workers(&ids);
         let adapter_load = r.adapter_load.get(&lora_int_id).copied().unwrap_or(0);
         let Decision { order, reason } = r.router.choose(lora_int_id, adapter_load, &views)?;
-        let device_hit = views[order[0]].residency == routing::Residency::Device;
+        let device_hit = views[order[0]].residency == policy::Residency::Device;
         Some(Route {
             candidates: order.into_iter().map(|i| up[i].0.clone()).collect(),
             reason,
