@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 
 use chrono::{DateTime, TimeZone, Utc};
 use lorafleet_gateway::admin::{self, AuditFilter, AuditQuery, Cursor};
-use lorafleet_gateway::router::fleet::Fleet;
 use lorafleet_gateway::registry::{Registry, Snapshot};
+use lorafleet_gateway::router::fleet::Fleet;
 use lorafleet_gateway::router::policy::Policy;
 use sqlx::Connection;
 

@@ -11,9 +11,9 @@ use tokio::sync::Semaphore;
 use crate::api::{self, AppState};
 use crate::auth::JwtArgs;
 use crate::db;
-use crate::router::fleet::{Discovery, Fleet, Transport};
 use crate::ratelimit::RateLimiter;
 use crate::registry::{Registry, Snapshot};
+use crate::router::fleet::{Discovery, Fleet, Transport};
 use crate::router::policy::Policy;
 
 /// Flags of `serve`; each has an environment fallback.

@@ -32,8 +32,8 @@ use sqlx::{PgPool, Postgres, QueryBuilder, Transaction};
 use uuid::Uuid;
 
 use crate::auth::{self, JwtConfig};
-use crate::router::fleet::Fleet;
 use crate::registry::{self, Registry};
+use crate::router::fleet::Fleet;
 
 /// The projections a LoRA may target in each architecture the registry
 /// accepts. Llama, Mistral and Qwen2 share one layer layout.

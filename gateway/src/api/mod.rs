@@ -25,11 +25,11 @@ use uuid::Uuid;
 
 use crate::audit::{AuditLog, AuditRecord, Durable, Ticket, Unavailable};
 use crate::auth::{self, JwtConfig, Principal};
-use crate::router::fleet::Fleet;
-use openai::{BadRequest, ChatRequest, CompletionRequest, Usage};
 use crate::ratelimit::RateLimiter;
 use crate::registry::{Registry, Resolved};
+use crate::router::fleet::Fleet;
 use crate::upstream::{self, Generation, UpstreamError, UpstreamErrorKind, WorkerEvent};
+use openai::{BadRequest, ChatRequest, CompletionRequest, Usage};
 
 pub mod openai;
 mod respond;

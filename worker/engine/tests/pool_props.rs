@@ -1,0 +1,144 @@
+//! The adapter pool under random sequences of operations: arrivals (with
+//! their loads and device placement), leases taken and dropped, pins,
+//! dequeues and unloads. After every operation: an adapter that was on the
+//! device while leased or pinned is still there, no slot holds two
+//! adapters, and the counters add up.
+
+mod common;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use common::*;
+use lorafleet_engine::backend::BackendShape;
+use lorafleet_engine::backend::cpu::CpuBackend;
+use lorafleet_engine::model::ModelConfig;
+use lorafleet_engine::pool::{AdapterPool, Lease};
+use proptest::prelude::*;
+
+const MODEL: &str = "llama-gqa";
+const SLOTS: usize = 2;
+const HOST: usize = 3;
+
+#[derive(Debug, Clone)]
+enum Op {
+    Arrive(u64),
+    Lease(u64),
+    Release(usize),
+    Pin(u64, bool),
+    Dequeue(u64),
+    Unload(u64),
+}
+
+fn op(adapters: u64) -> impl Strategy<Value = Op> {
+    let id = 1..=adapters;
+    prop_oneof![
+        4 => id.clone().prop_map(Op::Arrive),
+        2 => id.clone().prop_map(Op::Lease),
+        2 => (0usize..8).prop_map(Op::Release),
+        1 => (id.clone(), any::<bool>()).prop_map(|(i, p)| Op::Pin(i, p)),
+        2 => id.clone().prop_map(Op::Dequeue),
+        1 => id.prop_map(Op::Unload),
+    ]
+}
+
+fn setup() -> (AdapterPool, CpuBackend, u64) {
+    let dir = model_dir(MODEL);
+    let config = ModelConfig::from_dir(&dir).unwrap();
+    let backend = CpuBackend::load(
+        &dir,
+        &config,
+        BackendShape {
+            slots: SLOTS,
+            max_lora_rank: 16,
+            kv_blocks: 4,
+            block_size: 4,
+        },
+    )
+    .unwrap();
+    let mut pool = AdapterPool::new(config, 16, SLOTS, HOST, "h".repeat(64));
+    let names = adapter_names(MODEL);
+    for (i, name) in names.iter().enumerate() {
+        pool.register(i as u64 + 1, fixture_source(MODEL, name))
+            .unwrap();
+    }
+    (pool, backend, names.len() as u64)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(96))]
+
+    #[test]
+    fn leased_or_pinned_adapters_stay_and_counters_add_up(
+        ops in prop::collection::vec(op(5), 1..48)
+    ) {
+        let (mut pool, mut backend, adapters) = setup();
+        let mut leases: Vec<Lease> = Vec::new();
+        let mut pinned: HashMap<u64, bool> = HashMap::new();
+        let mut arrivals = 0u64;
+        // Unloads asked for and not yet undone by an arrival: these may
+        // leave the device as soon as their leases end.
+        let mut unloading: std::collections::HashSet<u64> = Default::default();
+        for op in ops {
+            // What must stay on the device through this operation.
+            let held: Vec<(u64, usize)> = (1..=adapters)
+                .filter(|id| {
+                    leases.iter().any(|l| l.adapter() == *id)
+                        || pinned.get(id).copied().unwrap_or(false)
+                })
+                .filter(|id| !unloading.contains(id))
+                .filter_map(|id| pool.slot_of(id).map(|s| (id, s)))
+                .collect();
+            match op {
+                Op::Arrive(id) if id <= adapters => {
+                    pool.on_arrival(id);
+                    unloading.remove(&id);
+                    arrivals += 1;
+                    while pool.loads_in_flight() > 0 {
+                        pool.poll_loads(Some(Duration::from_secs(5)));
+                    }
+                    pool.ensure_device(id, &[], &mut backend).unwrap();
+                }
+                Op::Lease(id) if id <= adapters && pool.slot_of(id).is_some() => {
+                    leases.push(pool.lease(id));
+                }
+                Op::Release(k) if !leases.is_empty() => {
+                    leases.remove(k % leases.len());
+                    pool.settle_unloads(&mut backend).unwrap();
+                }
+                Op::Pin(id, pin) if id <= adapters => {
+                    if pool.set_pinned(id, pin).is_ok() {
+                        pinned.insert(id, pin);
+                    }
+                }
+                Op::Dequeue(id) if id <= adapters => pool.on_dequeue(id),
+                Op::Unload(id) if id <= adapters => {
+                    pool.unload(id, &mut backend).unwrap();
+                    // An unload takes the adapter out of both tiers and
+                    // ends its pin (at once, or when its last lease ends).
+                    pinned.remove(&id);
+                    unloading.insert(id);
+                }
+                _ => {}
+            }
+            for (id, slot) in held {
+                prop_assert_eq!(
+                    pool.slot_of(id),
+                    Some(slot),
+                    "adapter {} was leased or pinned in slot {} and lost it",
+                    id,
+                    slot
+                );
+            }
+            let mut slots: Vec<usize> = (1..=adapters).filter_map(|id| pool.slot_of(id)).collect();
+            let occupied = slots.len();
+            slots.sort_unstable();
+            slots.dedup();
+            prop_assert_eq!(slots.len(), occupied, "two adapters share a slot");
+            prop_assert!(occupied <= SLOTS);
+            let c = pool.counters();
+            prop_assert_eq!(c.device_hits + c.host_hits + c.misses, arrivals);
+            prop_assert!(c.device_loads >= c.device_evictions + occupied as u64);
+        }
+    }
+}
