@@ -545,6 +545,11 @@ impl AdapterPool {
                 return Err(crate::error::EngineError::PinLimit { pinned: others });
             }
             e.pinned = pinned;
+            // A pin after an unload asks for the adapter again, as an
+            // arrival does: the later request wins, and the pin holds.
+            if pinned {
+                e.unload_pending = false;
+            }
             self.generation += 1;
         }
         Ok(())

@@ -303,3 +303,26 @@ fn an_unloaded_id_may_come_back_with_other_files() {
     assert_eq!(access(&mut pool, &mut backend, 1), Residency::NotLoaded);
     assert_eq!(pool.host_adapter(1).unwrap().name, "patterns");
 }
+
+/// Found by `pool_props`: an unload waiting on a queued request, then a
+/// pin. The pin asks for the adapter again, so the unload is dropped and
+/// the pinned adapter is never evicted.
+#[test]
+fn a_pin_after_a_pending_unload_keeps_the_adapter() {
+    let (mut pool, mut backend) = setup(2, 10);
+    pool.on_arrival(4);
+    while pool.loads_in_flight() > 0 {
+        pool.poll_loads(Some(Duration::from_secs(5)));
+    }
+    let slot = pool.ensure_device(4, &[], &mut backend).unwrap();
+    assert!(slot.is_some());
+    pool.unload(4, &mut backend).unwrap();
+    pool.set_pinned(4, true).unwrap();
+    pool.on_dequeue(4);
+    pool.settle_unloads(&mut backend).unwrap();
+    assert_eq!(pool.slot_of(4), slot, "the pin kept it");
+    for id in [1, 2, 3] {
+        access(&mut pool, &mut backend, id);
+    }
+    assert_eq!(pool.slot_of(4), slot, "a pinned adapter is never evicted");
+}
