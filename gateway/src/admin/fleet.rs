@@ -11,7 +11,7 @@ pub(super) async fn fleet_view(
     for w in s.fleet.workers() {
         let st = w.state();
         let mut tiers: BTreeMap<&'static str, Vec<u64>> = BTreeMap::new();
-        for (id, r) in &st.adapters {
+        for (id, r) in st.adapters.iter() {
             let tier = match r {
                 crate::upstream::Residency::Device => "device",
                 crate::upstream::Residency::Host => "host",

@@ -6,13 +6,21 @@
 //! A worker is routable only while its stream is up, its last report is
 //! fresh and says SERVING; a dropped stream or a stale report takes it out of
 //! the ring at once, and it rejoins with its next report.
+//!
+//! Requests read an immutable [`Table`]: the ring over the routable workers
+//! and what each last reported. A Watch task rebuilds it after each report
+//! or change of state and swaps it in, so the request path is one snapshot
+//! load plus atomic in-flight counts, with no lock. Each adapter's replica
+//! count (the hot-adapter hysteresis) lives beside its in-flight count.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use super::policy::{self, Decision, Router, WorkerView};
+use arc_swap::ArcSwap;
+
+use super::policy::{self, Decision, Ring, WorkerView};
 pub use crate::upstream::Transport;
 use crate::upstream::{Report, Residency, WorkerClient};
 
@@ -38,8 +46,20 @@ pub struct WorkerState {
     pub serving: bool,
     pub base_hash: String,
     pub load: u32,
-    pub adapters: HashMap<u64, Residency>,
+    /// Shared with the routing snapshots built from this report.
+    pub adapters: Arc<HashMap<u64, Residency>>,
     pub last_report: Option<Instant>,
+}
+
+impl WorkerState {
+    /// Routable at `now`: stream up, report fresh, SERVING.
+    fn up_at(&self, now: Instant) -> bool {
+        self.connected
+            && self.serving
+            && self
+                .last_report
+                .is_some_and(|t| now.saturating_duration_since(t) < STALE_AFTER)
+    }
 }
 
 impl Worker {
@@ -49,8 +69,10 @@ impl Worker {
 
     /// Routable: stream up, report fresh, SERVING.
     pub fn up(&self) -> bool {
-        let s = self.state.read().expect("worker state");
-        s.connected && s.serving && s.last_report.is_some_and(|t| t.elapsed() < STALE_AFTER)
+        self.state
+            .read()
+            .expect("worker state")
+            .up_at(Instant::now())
     }
 
     fn mark_down(&self) {
@@ -71,7 +93,7 @@ impl Worker {
         s.serving = r.serving;
         s.base_hash = r.base_hash;
         s.load = r.load;
-        s.adapters = r.adapters;
+        s.adapters = Arc::new(r.adapters);
         s.last_report = Some(Instant::now());
     }
 }
@@ -84,19 +106,59 @@ pub enum Discovery {
     Dns(String, Duration),
 }
 
-/// The routable view of every worker, and the router over it.
+/// The members, the routing snapshot over them, and the per-adapter loads.
 #[derive(Debug, Clone)]
 pub struct Fleet {
     transport: Transport,
+    policy: policy::Policy,
+    /// Every member, routable or not; changed only by discovery.
     workers: Arc<RwLock<Vec<Arc<Worker>>>>,
-    router: Arc<Mutex<RouterState>>,
+    /// What requests route on; rebuilt and swapped, never changed in place.
+    table: Arc<ArcSwap<Table>>,
+    /// Held while a snapshot is built, so a slower rebuild that read older
+    /// states never replaces a newer snapshot (never on the request path).
+    rebuilding: Arc<Mutex<()>>,
+    adapters: Arc<AdapterLoads>,
+}
+
+/// A routing snapshot: the ring over the workers routable when it was
+/// built, and each one's last report (its index is its place in the ring).
+#[derive(Debug, Default)]
+pub struct Table {
+    ring: Arc<Ring>,
+    entries: Vec<Entry>,
 }
 
 #[derive(Debug)]
-struct RouterState {
-    router: Router,
-    /// Requests in flight per adapter through this gateway.
-    adapter_load: HashMap<u64, u32>,
+struct Entry {
+    worker: Arc<Worker>,
+    state: WorkerState,
+}
+
+/// Per adapter: requests in flight through this gateway, and its replica
+/// count. An adapter's counters are made on its first request and kept
+/// (one pair per adapter the registry ever routed to).
+#[derive(Debug, Default)]
+struct AdapterLoads(RwLock<HashMap<u64, Arc<AdapterLoad>>>);
+
+#[derive(Debug, Default)]
+struct AdapterLoad {
+    in_flight: AtomicU32,
+    replicas: AtomicU32,
+}
+
+impl AdapterLoads {
+    fn get(&self, id: u64) -> Arc<AdapterLoad> {
+        if let Some(l) = self.0.read().expect("adapter loads").get(&id) {
+            return l.clone();
+        }
+        self.0
+            .write()
+            .expect("adapter loads")
+            .entry(id)
+            .or_default()
+            .clone()
+    }
 }
 
 /// A routing decision resolved to workers.
@@ -112,12 +174,35 @@ impl Fleet {
     pub fn new(policy: policy::Policy, transport: Transport) -> Fleet {
         Fleet {
             transport,
+            policy,
             workers: Arc::default(),
-            router: Arc::new(Mutex::new(RouterState {
-                router: Router::new(policy),
-                adapter_load: HashMap::new(),
-            })),
+            table: Arc::default(),
+            rebuilding: Arc::default(),
+            adapters: Arc::default(),
         }
+    }
+
+    /// Builds the routing snapshot from every member's current state and
+    /// swaps it in. The ring is reused while the routable set is unchanged.
+    fn rebuild(&self) {
+        let _one_at_a_time = self.rebuilding.lock().expect("rebuild");
+        let now = Instant::now();
+        let entries: Vec<Entry> = self
+            .workers()
+            .into_iter()
+            .filter_map(|worker| {
+                let state = worker.state();
+                state.up_at(now).then_some(Entry { worker, state })
+            })
+            .collect();
+        let ids: Vec<&str> = entries.iter().map(|e| e.state.worker_id.as_str()).collect();
+        let old = self.table.load();
+        let ring = if old.ring.is_over(&ids) {
+            old.ring.clone()
+        } else {
+            Arc::new(Ring::new(&ids))
+        };
+        self.table.store(Arc::new(Table { ring, entries }));
     }
 
     pub fn workers(&self) -> Vec<Arc<Worker>> {
@@ -178,55 +263,61 @@ impl Fleet {
                 in_flight: AtomicU32::new(0),
                 task: Mutex::new(None),
             });
-            let task = tokio::spawn(watch(worker.clone()));
+            let task = tokio::spawn(watch(self.clone(), worker.clone()));
             *worker.task.lock().expect("task") = Some(task.abort_handle());
             workers.push(worker);
         }
+        drop(workers);
+        self.rebuild();
     }
 
     /// Chooses workers for a request on `lora_int_id` (0: the base model)
     /// among those serving `base_hash`. None: no such worker is up.
     pub fn route(&self, lora_int_id: u64, base_hash: &str) -> Option<Route> {
-        let workers = self.workers();
-        // Read under each worker's lock what this request needs, rather
-        // than cloning every worker's adapter map on the request path.
-        let up: Vec<(&Arc<Worker>, String, u32, policy::Residency, bool)> = workers
+        let table = self.table.load();
+        let now = Instant::now();
+        let views: Vec<WorkerView<'_>> = table
+            .entries
             .iter()
-            .filter(|w| w.up())
-            .map(|w| {
-                let s = w.state.read().expect("worker state");
-                let residency = match s.adapters.get(&lora_int_id) {
+            .map(|e| {
+                let residency = match e.state.adapters.get(&lora_int_id) {
                     Some(Residency::Device) => policy::Residency::Device,
                     Some(Residency::Host) => policy::Residency::Host,
                     _ => policy::Residency::Absent,
                 };
-                let load = s.load.max(w.in_flight.load(Ordering::Relaxed));
-                (
-                    w,
-                    s.worker_id.clone(),
-                    load,
+                WorkerView {
+                    id: &e.state.worker_id,
+                    load: e.state.load.max(e.worker.in_flight.load(Ordering::Relaxed)),
                     residency,
-                    s.base_hash == base_hash,
-                )
+                    // A report gone stale since the snapshot was built
+                    // (its Watch task will rebuild it) counts as down.
+                    eligible: e.state.base_hash == base_hash && e.state.up_at(now),
+                }
             })
             .collect();
-        let ids: Vec<&str> = up.iter().map(|u| u.1.as_str()).collect();
-        let views: Vec<WorkerView<'_>> = up
-            .iter()
-            .map(|(_, id, load, residency, eligible)| WorkerView {
-                id,
-                load: *load,
-                residency: *residency,
-                eligible: *eligible,
-            })
-            .collect();
-        let mut r = self.router.lock().expect("router");
-        r.router.set_workers(&ids);
-        let adapter_load = r.adapter_load.get(&lora_int_id).copied().unwrap_or(0);
-        let Decision { order, reason } = r.router.choose(lora_int_id, adapter_load, &views)?;
+        let replicas = if lora_int_id == 0 {
+            1
+        } else {
+            let load = self.adapters.get(lora_int_id);
+            let workers = policy::eligible_ring(&table.ring, lora_int_id, &views).len();
+            let current = load.replicas.load(Ordering::Relaxed) as usize;
+            let k = policy::next_replicas(
+                self.policy,
+                current,
+                load.in_flight.load(Ordering::Relaxed),
+                workers,
+            );
+            load.replicas.store(k as u32, Ordering::Relaxed);
+            k
+        };
+        let Decision { order, reason } =
+            policy::decide(self.policy, &table.ring, lora_int_id, replicas, &views)?;
         let device_hit = views[order[0]].residency == policy::Residency::Device;
         Some(Route {
-            candidates: order.into_iter().map(|i| up[i].0.clone()).collect(),
+            candidates: order
+                .into_iter()
+                .map(|i| table.entries[i].worker.clone())
+                .collect(),
             reason,
             device_hit,
         })
@@ -236,17 +327,11 @@ impl Fleet {
     /// guard drops.
     pub fn track(&self, worker: &Arc<Worker>, lora_int_id: u64) -> InFlight {
         worker.in_flight.fetch_add(1, Ordering::Relaxed);
-        *self
-            .router
-            .lock()
-            .expect("router")
-            .adapter_load
-            .entry(lora_int_id)
-            .or_default() += 1;
+        let adapter = self.adapters.get(lora_int_id);
+        adapter.in_flight.fetch_add(1, Ordering::Relaxed);
         InFlight {
-            fleet: self.clone(),
             worker: worker.clone(),
-            lora_int_id,
+            adapter,
         }
     }
 }
@@ -254,26 +339,19 @@ impl Fleet {
 /// See [`Fleet::track`].
 #[derive(Debug)]
 pub struct InFlight {
-    fleet: Fleet,
     worker: Arc<Worker>,
-    lora_int_id: u64,
+    adapter: Arc<AdapterLoad>,
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.worker.in_flight.fetch_sub(1, Ordering::Relaxed);
-        let mut r = self.fleet.router.lock().expect("router");
-        if let Some(n) = r.adapter_load.get_mut(&self.lora_int_id) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                r.adapter_load.remove(&self.lora_int_id);
-            }
-        }
+        self.adapter.in_flight.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
 /// Holds one Watch stream open for `worker`, reconnecting with backoff.
-async fn watch(worker: Arc<Worker>) {
+async fn watch(fleet: Fleet, worker: Arc<Worker>) {
     let mut backoff = Duration::from_millis(100);
     // Why the last call failed: each new reason is logged once (a worker
     // that refuses this gateway's certificate says so at every retry).
@@ -285,6 +363,7 @@ async fn watch(worker: Arc<Worker>) {
                 match tokio::time::timeout(STALE_AFTER, stream.next()).await {
                     Ok(Ok(Some(report))) => {
                         worker.apply(report);
+                        fleet.rebuild();
                         backoff = Duration::from_millis(100);
                         last_failure.clear();
                     }
@@ -308,6 +387,7 @@ async fn watch(worker: Arc<Worker>) {
             }
         }
         worker.mark_down();
+        fleet.rebuild();
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(Duration::from_secs(5));
     }

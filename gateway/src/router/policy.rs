@@ -1,10 +1,12 @@
 //! Where a request goes: consistent hashing on `lora_int_id` with bounded
 //! loads, residency affinity, and replica sets that grow for hot adapters.
 //!
-//! The policy is pure: [`Router::choose`] takes the workers' current view
-//! (load, residency of this adapter) and returns an ordered candidate list
-//! with the reason for the first choice. The fleet supplies the view; the
-//! routing simulation bench drives the same code.
+//! The policy is pure: [`decide`] takes the ring, the adapter's replica
+//! count and the workers' current view (load, residency of this adapter)
+//! and returns an ordered candidate list with the reason for the first
+//! choice. The fleet supplies the view from its routing snapshot; the
+//! routing simulation bench drives the same code through [`Router`], which
+//! keeps replica counts between calls as the fleet does.
 //!
 //! The rules, in order, among eligible workers (healthy, serving the
 //! adapter's base hash) whose load is under the bound
@@ -95,15 +97,23 @@ impl Default for Policy {
     }
 }
 
-/// The ring and the per-adapter replica counts. Rebuild the ring with
-/// [`Router::set_workers`] when membership changes; views passed to
-/// [`Router::choose`] must be in the same order as those worker ids.
+/// The hash ring over one membership: immutable, so a routing snapshot
+/// can share it until the membership changes.
+#[derive(Debug, Default)]
+pub struct Ring {
+    workers: Vec<String>,
+    /// (point, worker index), sorted by point.
+    points: Vec<(u64, usize)>,
+}
+
+/// A stateful router for simulations and tests: the ring, and each
+/// adapter's replica count kept between calls. The gateway keeps those
+/// counts beside its atomic loads instead (`fleet.rs`) and calls
+/// [`decide`] directly.
 #[derive(Debug, Default)]
 pub struct Router {
     policy: Policy,
-    workers: Vec<String>,
-    /// (point, worker index), sorted by point.
-    ring: Vec<(u64, usize)>,
+    ring: Ring,
     /// Adapter -> current replica count; absent means 1.
     replicas: HashMap<u64, usize>,
 }
@@ -137,6 +147,166 @@ fn mix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+impl Ring {
+    pub fn new(ids: &[&str]) -> Ring {
+        let mut points = Vec::with_capacity(ids.len() * VNODES);
+        for (i, id) in ids.iter().enumerate() {
+            for v in 0..VNODES {
+                points.push((stable_hash(format!("{id}#{v}").as_bytes()), i));
+            }
+        }
+        points.sort_unstable();
+        Ring {
+            workers: ids.iter().map(|s| (*s).to_owned()).collect(),
+            points,
+        }
+    }
+
+    /// The member ids, in index order.
+    pub fn workers(&self) -> &[String] {
+        &self.workers
+    }
+
+    /// Whether this ring is over exactly `ids`, in this order.
+    pub fn is_over(&self, ids: &[&str]) -> bool {
+        self.workers
+            .iter()
+            .map(String::as_str)
+            .eq(ids.iter().copied())
+    }
+
+    /// Distinct workers clockwise from the adapter's point on the ring.
+    pub fn order(&self, key: u64) -> Vec<usize> {
+        let n = self.workers.len();
+        let mut order = Vec::with_capacity(n);
+        if n == 0 {
+            return order;
+        }
+        let point = stable_hash(&key.to_le_bytes());
+        let start = self.points.partition_point(|&(p, _)| p < point);
+        let mut seen = vec![false; n];
+        for k in 0..self.points.len() {
+            let (_, w) = self.points[(start + k) % self.points.len()];
+            if !seen[w] {
+                seen[w] = true;
+                order.push(w);
+                if order.len() == n {
+                    break;
+                }
+            }
+        }
+        order
+    }
+}
+
+/// An adapter's replica count, from its `current` count and `adapter_load`
+/// requests in flight, over `workers` eligible workers. Grows as soon as
+/// the load passes the current replicas' share; shrinks only when it falls
+/// below half of one fewer replica's share, so a load near a boundary does
+/// not flap.
+pub fn next_replicas(policy: Policy, current: usize, adapter_load: u32, workers: usize) -> usize {
+    let share = policy.replica_share;
+    let load = f64::from(adapter_load);
+    let mut k = current.max(1);
+    while k < workers.max(1) && load > k as f64 * share {
+        k += 1;
+    }
+    while k > 1 && load < (k - 1) as f64 * share * 0.5 {
+        k -= 1;
+    }
+    k
+}
+
+/// The eligible workers in ring order for `key`.
+pub fn eligible_ring(ring: &Ring, key: u64, views: &[WorkerView<'_>]) -> Vec<usize> {
+    ring.order(key)
+        .into_iter()
+        .filter(|&i| i < views.len() && views[i].eligible)
+        .collect()
+}
+
+/// Chooses for a request on adapter `key` (0 for the base model) whose
+/// adapter currently has `replicas` replicas; `views` are in the ring's
+/// worker order. None when no worker is eligible. Pure: the same inputs
+/// give the same decision.
+pub fn decide(
+    policy: Policy,
+    ring: &Ring,
+    key: u64,
+    replicas: usize,
+    views: &[WorkerView<'_>],
+) -> Option<Decision> {
+    let eligible: Vec<usize> = (0..views.len()).filter(|&i| views[i].eligible).collect();
+    if eligible.is_empty() {
+        return None;
+    }
+    let total: u64 = eligible.iter().map(|&i| u64::from(views[i].load)).sum();
+    let bound = (policy.load_factor * (total + 1) as f64 / eligible.len() as f64).ceil();
+    let under = |i: usize| f64::from(views[i].load) + 1.0 <= bound;
+    let ring = eligible_ring(ring, key, views);
+    let k = if key == 0 {
+        1
+    } else {
+        replicas.clamp(1, ring.len().max(1))
+    };
+    let replica_rank = |i: usize| ring.iter().position(|&r| r == i).unwrap_or(usize::MAX);
+    let in_replicas = |i: usize| replica_rank(i) < k;
+
+    let first: Option<(usize, Reason)> = if k > 1 {
+        ring[..k]
+            .iter()
+            .copied()
+            .filter(|&i| under(i))
+            .min_by_key(|&i| (views[i].load, views[i].residency, replica_rank(i)))
+            .map(|i| (i, Reason::HotReplica))
+    } else {
+        None
+    };
+    let first = first
+        .or_else(|| {
+            [
+                (Residency::Device, Reason::DeviceResident),
+                (Residency::Host, Reason::HostResident),
+            ]
+            .into_iter()
+            .filter(|_| key != 0)
+            .find_map(|(tier, reason)| {
+                eligible
+                    .iter()
+                    .copied()
+                    .filter(|&i| views[i].residency == tier && under(i))
+                    .min_by_key(|&i| (!in_replicas(i), views[i].load, replica_rank(i)))
+                    .map(|i| (i, reason))
+            })
+        })
+        .or_else(|| {
+            ring.iter().position(|&i| under(i)).map(|p| {
+                (
+                    ring[p],
+                    if p == 0 {
+                        Reason::RingOwner
+                    } else {
+                        Reason::RingSpill
+                    },
+                )
+            })
+        })
+        .unwrap_or_else(|| {
+            let i = *eligible
+                .iter()
+                .min_by_key(|&&i| (views[i].load, replica_rank(i)))
+                .expect("eligible is not empty");
+            (i, Reason::Saturated)
+        });
+    // Fallbacks for retries: the ring order, skipping the first choice.
+    let mut order = vec![first.0];
+    order.extend(ring.iter().copied().filter(|&i| i != first.0));
+    Some(Decision {
+        order,
+        reason: first.1,
+    })
+}
+
 impl Router {
     pub fn new(policy: Policy) -> Router {
         Router {
@@ -151,63 +321,21 @@ impl Router {
 
     /// Rebuilds the ring if the membership changed.
     pub fn set_workers(&mut self, ids: &[&str]) {
-        if self
-            .workers
-            .iter()
-            .map(String::as_str)
-            .eq(ids.iter().copied())
-        {
-            return;
+        if !self.ring.is_over(ids) {
+            self.ring = Ring::new(ids);
         }
-        self.workers = ids.iter().map(|s| (*s).to_owned()).collect();
-        self.ring.clear();
-        for (i, id) in ids.iter().enumerate() {
-            for v in 0..VNODES {
-                self.ring
-                    .push((stable_hash(format!("{id}#{v}").as_bytes()), i));
-            }
-        }
-        self.ring.sort_unstable();
     }
 
     /// Distinct workers clockwise from the adapter's point on the ring.
     pub fn ring_order(&self, key: u64) -> Vec<usize> {
-        let n = self.workers.len();
-        let mut order = Vec::with_capacity(n);
-        if n == 0 {
-            return order;
-        }
-        let point = stable_hash(&key.to_le_bytes());
-        let start = self.ring.partition_point(|&(p, _)| p < point);
-        let mut seen = vec![false; n];
-        for k in 0..self.ring.len() {
-            let (_, w) = self.ring[(start + k) % self.ring.len()];
-            if !seen[w] {
-                seen[w] = true;
-                order.push(w);
-                if order.len() == n {
-                    break;
-                }
-            }
-        }
-        order
+        self.ring.order(key)
     }
 
     /// The adapter's replica count after seeing `adapter_load` requests in
-    /// flight for it. Grows as soon as the load passes the current replicas'
-    /// share; shrinks only when it falls below half of one fewer replica's
-    /// share, so a load near a boundary does not flap.
+    /// flight for it (see [`next_replicas`]), kept for the next call.
     pub fn update_replicas(&mut self, key: u64, adapter_load: u32, workers: usize) -> usize {
-        let share = self.policy.replica_share;
-        let load = f64::from(adapter_load);
         let current = self.replicas.get(&key).copied().unwrap_or(1);
-        let mut k = current;
-        while k < workers.max(1) && load > k as f64 * share {
-            k += 1;
-        }
-        while k > 1 && load < (k - 1) as f64 * share * 0.5 {
-            k -= 1;
-        }
+        let k = next_replicas(self.policy, current, adapter_load, workers);
         if k == 1 {
             self.replicas.remove(&key);
         } else {
@@ -216,88 +344,21 @@ impl Router {
         k
     }
 
-    /// Chooses for a request on adapter `key` (use 0 for the base model),
-    /// with `adapter_load` requests for that adapter already in flight.
-    /// None when no worker is eligible.
+    /// [`decide`] with this router's ring and replica counts, updating the
+    /// adapter's count from `adapter_load` first.
     pub fn choose(
         &mut self,
         key: u64,
         adapter_load: u32,
         views: &[WorkerView<'_>],
     ) -> Option<Decision> {
-        let eligible: Vec<usize> = (0..views.len()).filter(|&i| views[i].eligible).collect();
-        if eligible.is_empty() {
-            return None;
-        }
-        let total: u64 = eligible.iter().map(|&i| u64::from(views[i].load)).sum();
-        let bound = (self.policy.load_factor * (total + 1) as f64 / eligible.len() as f64).ceil();
-        let under = |i: usize| f64::from(views[i].load) + 1.0 <= bound;
-        let ring: Vec<usize> = self
-            .ring_order(key)
-            .into_iter()
-            .filter(|&i| i < views.len() && views[i].eligible)
-            .collect();
         let k = if key == 0 {
             1
         } else {
-            self.update_replicas(key, adapter_load, ring.len())
+            let n = eligible_ring(&self.ring, key, views).len();
+            self.update_replicas(key, adapter_load, n)
         };
-        let replica_rank = |i: usize| ring.iter().position(|&r| r == i).unwrap_or(usize::MAX);
-        let in_replicas = |i: usize| replica_rank(i) < k;
-
-        let first: Option<(usize, Reason)> = if k > 1 {
-            ring[..k]
-                .iter()
-                .copied()
-                .filter(|&i| under(i))
-                .min_by_key(|&i| (views[i].load, views[i].residency, replica_rank(i)))
-                .map(|i| (i, Reason::HotReplica))
-        } else {
-            None
-        };
-        let first = first
-            .or_else(|| {
-                [
-                    (Residency::Device, Reason::DeviceResident),
-                    (Residency::Host, Reason::HostResident),
-                ]
-                .into_iter()
-                .filter(|_| key != 0)
-                .find_map(|(tier, reason)| {
-                    eligible
-                        .iter()
-                        .copied()
-                        .filter(|&i| views[i].residency == tier && under(i))
-                        .min_by_key(|&i| (!in_replicas(i), views[i].load, replica_rank(i)))
-                        .map(|i| (i, reason))
-                })
-            })
-            .or_else(|| {
-                ring.iter().position(|&i| under(i)).map(|p| {
-                    (
-                        ring[p],
-                        if p == 0 {
-                            Reason::RingOwner
-                        } else {
-                            Reason::RingSpill
-                        },
-                    )
-                })
-            })
-            .unwrap_or_else(|| {
-                let i = *eligible
-                    .iter()
-                    .min_by_key(|&&i| (views[i].load, replica_rank(i)))
-                    .expect("eligible is not empty");
-                (i, Reason::Saturated)
-            });
-        // Fallbacks for retries: the ring order, skipping the first choice.
-        let mut order = vec![first.0];
-        order.extend(ring.iter().copied().filter(|&i| i != first.0));
-        Some(Decision {
-            order,
-            reason: first.1,
-        })
+        decide(self.policy, &self.ring, key, k, views)
     }
 }
 
