@@ -78,39 +78,7 @@ impl WeightFiles {
             ));
         }
         let root = read_json_object(&index)?;
-        let f = Fields {
-            file: &index,
-            map: &root,
-        };
-        let Some(serde_json::Value::Object(map)) = f.get("weight_map") else {
-            return Err(FileError::model(
-                &index,
-                "weight_map",
-                "is required and must be an object",
-            ));
-        };
-        let mut shards: Vec<String> = Vec::new();
-        for (tensor, file) in map {
-            let Some(file) = file.as_str() else {
-                return Err(FileError::model(
-                    &index,
-                    format!("weight_map.{tensor}"),
-                    "must be a file name",
-                ));
-            };
-            // A shard must sit beside the index: no directories, no escape.
-            if file.is_empty() || file.contains(['/', '\\']) || file == ".." || file == "." {
-                return Err(FileError::model(
-                    &index,
-                    format!("weight_map.{tensor}"),
-                    format!("{file:?} must be a plain file name in the model directory"),
-                ));
-            }
-            if !shards.iter().any(|s| s == file) {
-                shards.push(file.to_owned());
-            }
-        }
-        shards.sort();
+        let (shards, map) = index_shards(&index, &root)?;
         let files = WeightFiles::open(shards.iter().map(|s| dir.join(s)).collect())?;
         for (tensor, file) in map {
             let at = files.index.get(tensor).map(|t| &files.files[t.file].0);
@@ -126,6 +94,7 @@ impl WeightFiles {
     }
 
     /// Maps the given safetensors files. A tensor name may appear only once.
+    /// (`index_shards` checks a sharded model's index first.)
     pub fn open(paths: Vec<PathBuf>) -> Result<WeightFiles> {
         let mut files: Vec<(PathBuf, Mmap)> = Vec::with_capacity(paths.len());
         let mut index: BTreeMap<String, Located> = BTreeMap::new();
@@ -285,6 +254,44 @@ impl WeightFiles {
 /// The base hash of a model directory; see the module docs.
 pub fn base_hash(dir: &Path, progress: &mut dyn FnMut(u64, u64)) -> Result<String> {
     WeightFiles::open_model_dir(dir)?.base_hash(progress)
+}
+
+/// The shard files a `model.safetensors.index.json` (parsed as `root`)
+/// names, distinct and sorted, and its `weight_map`. A shard must be a
+/// plain file name beside the index: no directories, no escape.
+pub fn index_shards<'m>(
+    index: &Path,
+    root: &'m serde_json::Map<String, serde_json::Value>,
+) -> Result<(Vec<String>, &'m serde_json::Map<String, serde_json::Value>)> {
+    let Some(serde_json::Value::Object(map)) = root.get("weight_map") else {
+        return Err(FileError::model(
+            index,
+            "weight_map",
+            "is required and must be an object",
+        ));
+    };
+    let mut shards: Vec<String> = Vec::new();
+    for (tensor, file) in map {
+        let Some(file) = file.as_str() else {
+            return Err(FileError::model(
+                index,
+                format!("weight_map.{tensor}"),
+                "must be a file name",
+            ));
+        };
+        if file.is_empty() || file.contains(['/', '\\']) || file == ".." || file == "." {
+            return Err(FileError::model(
+                index,
+                format!("weight_map.{tensor}"),
+                format!("{file:?} must be a plain file name in the model directory"),
+            ));
+        }
+        if !shards.iter().any(|s| s == file) {
+            shards.push(file.to_owned());
+        }
+    }
+    shards.sort();
+    Ok((shards, map))
 }
 
 fn to_f32(dtype: Dtype, data: &[u8]) -> std::result::Result<Vec<f32>, String> {

@@ -8,6 +8,8 @@ pub mod api;
 pub mod audit;
 pub mod auth;
 pub mod db;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod ratelimit;
 pub mod registry;
 pub mod router;
