@@ -27,7 +27,7 @@ use safetensors::{Dtype, SafeTensors};
 use sha2::{Digest, Sha256};
 
 use crate::error::{FileError, Result};
-use crate::model_config::{Fields, read_json_object};
+use crate::model_config::read_json_object;
 
 const HASH_DOMAIN: &[u8] = b"lorafleet-base-hash-v1\n";
 
