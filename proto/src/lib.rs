@@ -20,6 +20,11 @@ pub mod health {
     pub use tonic_health::server::{HealthReporter, health_reporter};
 }
 
+/// gRPC's richer error model (`google.rpc.ErrorInfo`, `BadRequest`): a
+/// worker refusal carries its reason code and the field at fault there,
+/// so the gateway reads them instead of parsing the message.
+pub use tonic_types;
+
 /// The fully qualified gRPC service name of the worker, as used by
 /// `grpc.health.v1` to report its status.
 pub const WORKER_SERVICE_NAME: &str = "lorafleet.worker.v1.Worker";

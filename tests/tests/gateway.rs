@@ -864,6 +864,60 @@ async fn the_gateway_rides_out_a_dead_worker_and_redis_and_postgres_outages() {
 /// A worker that takes the request and never answers is skipped at the
 /// first-token deadline: the request moves to the other worker, and its row
 /// says so.
+/// A worker's refusal reaches the tenant as a stable reason code: never the
+/// worker's own words, which may name fields, URIs or digests of the
+/// operator's files (those go to the gateway's log).
+#[tokio::test]
+async fn a_worker_refusal_reaches_the_tenant_as_a_reason_code() {
+    let f = fleet("gateway_refusal").await;
+    // An adapter registered with a digest its files do not have.
+    let uri = "llama-gqa/o-r2";
+    let id: i64 = sqlx::query_scalar(
+        "INSERT INTO adapters (name, version, base_model_id, tenant_id, rank, alpha,
+                               target_modules, artifact_uri, artifact_sha256)
+         VALUES ('tampered', 1, $1, $2, 2, 4, ARRAY['o_proj'], $3, $4)
+         RETURNING lora_int_id",
+    )
+    .bind(f.seeded.llama)
+    .bind(f.seeded.acme)
+    .bind(uri)
+    .bind("ab".repeat(32))
+    .fetch_one(&f.pool)
+    .await
+    .unwrap();
+    route(
+        &f.pool,
+        f.seeded.acme,
+        "tampered",
+        f.seeded.llama,
+        &[(id, 10_000)],
+    )
+    .await;
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let (status, body) = loop {
+        let (s, v) = f.complete("tampered", "hello", None).await;
+        // 404 until the gateway's registry refresh sees the new route.
+        if s != 404 || Instant::now() > deadline {
+            break (s, v);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(status, 503, "{body}");
+    let error = &body["error"];
+    assert_eq!(error["code"], "adapter_unavailable", "{body}");
+    let message = error["message"].as_str().unwrap();
+    assert!(message.contains("artifact_digest_mismatch"), "{message}");
+    for leak in [uri, "adapter.artifact_sha256", "abab", "registered digest"] {
+        assert!(!message.contains(leak), "{leak:?} in {message}");
+    }
+    assert!(
+        f.gateway
+            .log_text()
+            .contains("the worker could not use the adapter"),
+        "the worker's words are in the gateway's log"
+    );
+}
+
 #[tokio::test]
 async fn a_worker_that_never_answers_is_skipped_at_the_first_token_deadline() {
     let f = fleet("gateway_first_token").await;

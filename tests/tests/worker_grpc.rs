@@ -246,6 +246,23 @@ async fn concurrent_adapter_streams_match_the_goldens_and_bad_artifacts_are_refu
             "{}",
             err.message()
         );
+        // The machine-readable parts travel in the status details: a
+        // reason code always, and the field where one is at fault.
+        use lorafleet_proto::tonic_types::StatusExt;
+        let info = err.get_details_error_info().expect("an ErrorInfo");
+        assert_eq!(info.domain, "lorafleet.worker");
+        assert!(!info.reason.is_empty());
+        let names_a_field = text
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.');
+        if code == Code::InvalidArgument && names_a_field {
+            let field = err
+                .get_details_bad_request()
+                .and_then(|b| b.field_violations.into_iter().next())
+                .map(|v| v.field)
+                .unwrap_or_default();
+            assert!(field.contains(text), "field {field:?} for {text:?}");
+        }
     }
     let (tokens, _) = generate(
         &mut c,
@@ -711,6 +728,18 @@ async fn a_changed_artifact_is_never_served_and_is_refused_after_an_unload() {
         .unwrap();
     let err = generate(&mut c, run("after", d)).await.unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "{}", err.message());
+    {
+        use lorafleet_proto::tonic_types::StatusExt;
+        assert_eq!(
+            err.get_details_error_info().map(|i| i.reason).as_deref(),
+            Some("artifact_digest_mismatch")
+        );
+        let field = err
+            .get_details_bad_request()
+            .and_then(|b| b.field_violations.into_iter().next())
+            .map(|v| v.field);
+        assert_eq!(field.as_deref(), Some("adapter.artifact_sha256"));
+    }
     assert!(
         err.message().contains("adapter.artifact_sha256"),
         "{}",

@@ -12,7 +12,7 @@ use lorafleet_engine::{
     EngineError, Finish, FinishReason, Prompt, Residency, SamplingParams, StopReason,
 };
 use lorafleet_proto::worker::v1 as pb;
-use tonic::Status;
+use tonic::{Code, Status};
 
 /// The longest request id accepted.
 pub const MAX_REQUEST_ID: usize = 128;
@@ -28,8 +28,36 @@ pub struct Descriptor {
     pub display_name: String,
 }
 
+/// The domain of every worker refusal's `ErrorInfo`.
+pub const ERROR_DOMAIN: &str = "lorafleet.worker";
+
+/// A refusal with its machine-readable parts in the status details, so the
+/// gateway never parses the message: a stable `reason` (`ErrorInfo`, in
+/// [`ERROR_DOMAIN`]) and, when one request field is at fault, that field
+/// (`BadRequest`). The message stays for people and logs.
+pub fn refusal(
+    code: Code,
+    reason: &str,
+    field: Option<&str>,
+    message: impl Into<String>,
+) -> Status {
+    use lorafleet_proto::tonic_types::{ErrorDetails, StatusExt};
+    let message = message.into();
+    let mut details = ErrorDetails::new();
+    details.set_error_info(reason, ERROR_DOMAIN, std::collections::HashMap::new());
+    if let Some(field) = field {
+        details.add_bad_request_violation(field, message.clone());
+    }
+    Status::with_error_details(code, message, details)
+}
+
 fn invalid(field: &str, reason: impl std::fmt::Display) -> Status {
-    Status::invalid_argument(format!("{field}: {reason}"))
+    refusal(
+        Code::InvalidArgument,
+        "invalid_field",
+        Some(field),
+        format!("{field}: {reason}"),
+    )
 }
 
 fn is_sha256_hex(s: &str) -> bool {
@@ -216,18 +244,35 @@ pub fn adapter_state(a: &AdapterStatus, sha256: &str, epoch: SystemTime) -> pb::
 /// know: the artifact's actual digest or a path on this machine (those go
 /// to the log), so an error is no oracle for the files.
 pub fn artifact_status(e: &ArtifactError) -> Status {
+    const URI: Option<&str> = Some("adapter.artifact_uri");
     match e {
-        ArtifactError::InvalidUri { .. } | ArtifactError::OutsideRoots { .. } => {
-            Status::invalid_argument(format!("adapter.artifact_uri: {e}"))
-        }
-        ArtifactError::NotFound { .. } => Status::not_found(format!("adapter.artifact_uri: {e}")),
+        ArtifactError::InvalidUri { .. } | ArtifactError::OutsideRoots { .. } => refusal(
+            Code::InvalidArgument,
+            "artifact_uri_invalid",
+            URI,
+            format!("adapter.artifact_uri: {e}"),
+        ),
+        ArtifactError::NotFound { .. } => refusal(
+            Code::NotFound,
+            "artifact_not_found",
+            URI,
+            format!("adapter.artifact_uri: {e}"),
+        ),
         ArtifactError::Unreadable { .. } => {
             tracing::warn!(error = %e, "adapter artifact unreadable");
-            Status::failed_precondition("adapter.artifact_uri: the artifact cannot be read")
+            refusal(
+                Code::FailedPrecondition,
+                "artifact_unreadable",
+                URI,
+                "adapter.artifact_uri: the artifact cannot be read",
+            )
         }
         ArtifactError::DigestMismatch { .. } => {
             tracing::warn!(error = %e, "adapter artifact digest mismatch");
-            Status::failed_precondition(
+            refusal(
+                Code::FailedPrecondition,
+                "artifact_digest_mismatch",
+                Some("adapter.artifact_sha256"),
                 "adapter.artifact_sha256: the artifact's files do not match the registered digest",
             )
         }
@@ -237,33 +282,65 @@ pub fn artifact_status(e: &ArtifactError) -> Status {
 /// The status for an engine error, at submission or mid-stream.
 pub fn engine_status(e: &EngineError) -> Status {
     match e {
-        EngineError::InvalidRequest { .. } => Status::invalid_argument(e.to_string()),
-        EngineError::QueueFull { .. } | EngineError::PinLimit { .. } => {
-            Status::resource_exhausted(e.to_string())
+        EngineError::InvalidRequest { field, .. } => refusal(
+            Code::InvalidArgument,
+            "invalid_field",
+            Some(field),
+            e.to_string(),
+        ),
+        EngineError::QueueFull { .. } => {
+            refusal(Code::ResourceExhausted, "queue_full", None, e.to_string())
+        }
+        EngineError::PinLimit { .. } => {
+            refusal(Code::ResourceExhausted, "pin_limit", None, e.to_string())
         }
         EngineError::Adapter(a) => match a {
-            AdapterError::RankTooLarge { .. } => {
-                Status::invalid_argument(format!("adapter.rank: {a}"))
-            }
-            AdapterError::BaseHashMismatch { .. } => {
-                Status::failed_precondition(format!("adapter.base_hash: {a}"))
-            }
-            AdapterError::Unsupported { .. } | AdapterError::Invalid { .. } => {
-                Status::failed_precondition(a.to_string())
-            }
+            AdapterError::RankTooLarge { .. } => refusal(
+                Code::InvalidArgument,
+                "adapter_rank_too_large",
+                Some("adapter.rank"),
+                format!("adapter.rank: {a}"),
+            ),
+            AdapterError::BaseHashMismatch { .. } => refusal(
+                Code::FailedPrecondition,
+                "adapter_base_hash_mismatch",
+                Some("adapter.base_hash"),
+                format!("adapter.base_hash: {a}"),
+            ),
+            AdapterError::Unsupported { .. } => refusal(
+                Code::FailedPrecondition,
+                "adapter_unsupported",
+                None,
+                a.to_string(),
+            ),
+            AdapterError::Invalid { .. } => refusal(
+                Code::FailedPrecondition,
+                "adapter_invalid",
+                None,
+                a.to_string(),
+            ),
             AdapterError::Io { adapter, .. } => {
                 // The path and the OS error go to the log only.
                 tracing::warn!(error = %a, "adapter file unreadable");
-                Status::failed_precondition(format!(
-                    "adapter {adapter}: a file of the artifact cannot be read"
-                ))
+                refusal(
+                    Code::FailedPrecondition,
+                    "artifact_unreadable",
+                    None,
+                    format!("adapter {adapter}: a file of the artifact cannot be read"),
+                )
             }
         },
         EngineError::Tokenizer(_) | EngineError::ChatTemplate(_) => {
-            Status::invalid_argument(e.to_string())
+            refusal(Code::InvalidArgument, "prompt_invalid", None, e.to_string())
         }
         EngineError::Io { .. } | EngineError::InvalidModel { .. } | EngineError::Backend(_) => {
-            Status::internal(e.to_string())
+            tracing::error!(error = %e, "engine failure");
+            refusal(
+                Code::Internal,
+                "internal",
+                None,
+                "the worker failed; see its log",
+            )
         }
     }
 }

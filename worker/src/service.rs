@@ -13,7 +13,7 @@ use lorafleet_proto::worker::v1 as pb;
 use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::{ReceiverStream, WatchStream};
-use tonic::{Response, Status};
+use tonic::{Code, Response, Status};
 use tracing::Instrument;
 
 use crate::convert::{self, Descriptor};
@@ -129,10 +129,15 @@ impl WorkerService {
         } else {
             // Which digest it was loaded with is not the caller's to learn.
             tracing::warn!(lora_int_id = d.lora_int_id, loaded = %sha, asked = %d.artifact_sha256, "adapter id reused with another digest");
-            Err(Status::failed_precondition(format!(
-                "adapter.lora_int_id: {} is already loaded from an artifact with another digest",
-                d.lora_int_id
-            )))
+            Err(convert::refusal(
+                Code::FailedPrecondition,
+                "adapter_id_reused",
+                Some("adapter.lora_int_id"),
+                format!(
+                    "adapter.lora_int_id: {} is already loaded from an artifact with another digest",
+                    d.lora_int_id
+                ),
+            ))
         })
     }
 
@@ -155,17 +160,24 @@ impl WorkerService {
     async fn ensure_adapter(&self, d: &Descriptor) -> Result<u64, Status> {
         let base = &self.info.base_model.base_hash;
         if &d.base_hash != base {
-            return Err(Status::failed_precondition(format!(
-                "adapter.base_hash: {} does not match this worker's base model {base}",
-                d.base_hash
-            )));
+            return Err(convert::refusal(
+                Code::FailedPrecondition,
+                "adapter_base_hash_mismatch",
+                Some("adapter.base_hash"),
+                format!(
+                    "adapter.base_hash: {} does not match this worker's base model {base}",
+                    d.base_hash
+                ),
+            ));
         }
         let max_rank = self.info.capacity.max_lora_rank as usize;
         if d.rank > max_rank {
-            return Err(Status::invalid_argument(format!(
-                "adapter.rank: {} is above max_lora_rank {max_rank}",
-                d.rank
-            )));
+            return Err(convert::refusal(
+                Code::InvalidArgument,
+                "adapter_rank_too_large",
+                Some("adapter.rank"),
+                format!("adapter.rank: {} is above max_lora_rank {max_rank}", d.rank),
+            ));
         }
         if let Some(done) = self.already_verified(d) {
             return done;
@@ -206,10 +218,15 @@ impl WorkerService {
                 .map_err(|e| convert::engine_status(&EngineError::Adapter(e)))
                 .and_then(|adapter| {
                     if adapter.rank > desc.rank {
-                        return Err(Status::invalid_argument(format!(
-                            "adapter.rank: the descriptor says {} but the artifact has rank {}",
-                            desc.rank, adapter.rank
-                        )));
+                        return Err(convert::refusal(
+                            Code::InvalidArgument,
+                            "adapter_rank_mismatch",
+                            Some("adapter.rank"),
+                            format!(
+                                "adapter.rank: the descriptor says {} but the artifact has rank {}",
+                                desc.rank, adapter.rank
+                            ),
+                        ));
                     }
                     Ok(adapter)
                 });
@@ -223,7 +240,15 @@ impl WorkerService {
             }
         })
         .await
-        .map_err(|e| Status::internal(format!("artifact check: {e}")))??;
+        .map_err(|e| {
+            tracing::error!(error = %e, "artifact check task failed");
+            convert::refusal(
+                Code::Internal,
+                "internal",
+                None,
+                "the artifact check failed",
+            )
+        })??;
         let source = AdapterSource {
             name: d.display_name.clone(),
             dir: dir.clone(),
@@ -314,7 +339,12 @@ impl pb::worker_server::Worker for WorkerService {
         request: tonic::Request<pb::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         if self.draining.load(Ordering::Acquire) {
-            return Err(Status::unavailable("the worker is draining"));
+            return Err(convert::refusal(
+                Code::Unavailable,
+                "draining",
+                None,
+                "the worker is draining",
+            ));
         }
         let r = request.into_inner();
         let started = Instant::now();

@@ -11,10 +11,16 @@ pub(super) struct Started {
     pub(super) _in_flight: crate::router::fleet::InFlight,
 }
 
-/// A worker's failure as the tenant sees it.
+/// A worker's failure as the tenant sees it. Only a refusal of the
+/// tenant's own request fields (the prompt, sampling) shows the worker's
+/// words; anything about the adapter, the artifact or the worker shows a
+/// stable reason code, and the worker's text goes to this gateway's log.
 pub(super) fn worker_error(e: &UpstreamError) -> ApiError {
+    let reason = e.reason.as_deref().unwrap_or("unspecified");
     match &e.kind {
-        UpstreamErrorKind::InvalidRequest { field } => {
+        UpstreamErrorKind::InvalidRequest { field }
+            if !field.as_deref().is_some_and(|f| f.starts_with("adapter")) =>
+        {
             let mut api = ApiError::new(
                 StatusCode::BAD_REQUEST,
                 "invalid_request_error",
@@ -24,23 +30,26 @@ pub(super) fn worker_error(e: &UpstreamError) -> ApiError {
             api.param = field.clone();
             api
         }
-        UpstreamErrorKind::AdapterUnavailable => ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "server_error",
-            "adapter_unavailable",
-            format!(
-                "the adapter for this model could not be loaded: {}",
-                e.message
-            ),
-        ),
+        UpstreamErrorKind::InvalidRequest { .. } | UpstreamErrorKind::AdapterUnavailable => {
+            tracing::warn!(reason, error = %e.detail, "the worker could not use the adapter");
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "adapter_unavailable",
+                format!("the adapter for this model could not be loaded ({reason})"),
+            )
+        }
         UpstreamErrorKind::Unavailable
         | UpstreamErrorKind::FirstTokenTimeout
-        | UpstreamErrorKind::Failed => ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "server_error",
-            "workers_unavailable",
-            format!("no worker could serve the request: {}", e.message),
-        ),
+        | UpstreamErrorKind::Failed => {
+            tracing::warn!(reason, error = %e.detail, "no worker served the request");
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "workers_unavailable",
+                format!("no worker could serve the request ({reason})"),
+            )
+        }
     }
 }
 

@@ -107,18 +107,24 @@ pub(super) fn report(r: &pb::WorkerReport) -> Report {
     }
 }
 
-/// A worker's status as an [`UpstreamError`]. The field of an
-/// INVALID_ARGUMENT is the status message's prefix before `:`, which the
-/// worker writes as `field: reason`.
+/// The domain of worker refusals' `ErrorInfo`.
+const WORKER_ERROR_DOMAIN: &str = "lorafleet.worker";
+
+/// A worker's status as an [`UpstreamError`]: the code says what kind of
+/// failure it is; the reason code and the field at fault come from the
+/// status details (`ErrorInfo`, `BadRequest`), never from the message.
 pub(super) fn status(s: &tonic::Status) -> UpstreamError {
+    use lorafleet_proto::tonic_types::StatusExt;
+    let reason = s
+        .get_details_error_info()
+        .filter(|i| i.domain == WORKER_ERROR_DOMAIN)
+        .map(|i| i.reason);
+    let field = s
+        .get_details_bad_request()
+        .and_then(|b| b.field_violations.into_iter().next())
+        .map(|v| v.field);
     let kind = match s.code() {
-        Code::InvalidArgument => UpstreamErrorKind::InvalidRequest {
-            field: s
-                .message()
-                .split_once(':')
-                .map(|(p, _)| p.trim().to_owned())
-                .filter(|p| !p.is_empty() && !p.contains(' ')),
-        },
+        Code::InvalidArgument => UpstreamErrorKind::InvalidRequest { field },
         Code::NotFound | Code::FailedPrecondition => UpstreamErrorKind::AdapterUnavailable,
         Code::Unavailable
         | Code::Unknown
@@ -131,6 +137,7 @@ pub(super) fn status(s: &tonic::Status) -> UpstreamError {
     };
     UpstreamError {
         kind,
+        reason,
         message: s.message().to_owned(),
         detail: causes(s),
     }

@@ -161,6 +161,9 @@ pub enum UpstreamErrorKind {
 #[error("{message}")]
 pub struct UpstreamError {
     pub kind: UpstreamErrorKind,
+    /// The worker's stable reason code (`queue_full`,
+    /// `artifact_digest_mismatch`, ...), when it gave one.
+    pub reason: Option<String>,
     /// The worker's message (or ours, for failures before it answered).
     pub message: String,
     /// The message with every underlying cause (a TLS refusal sits a few
@@ -173,6 +176,7 @@ impl UpstreamError {
         let message = message.into();
         UpstreamError {
             kind: UpstreamErrorKind::Unavailable,
+            reason: None,
             detail: message.clone(),
             message,
         }
@@ -182,6 +186,7 @@ impl UpstreamError {
         let message = message.into();
         UpstreamError {
             kind: UpstreamErrorKind::FirstTokenTimeout,
+            reason: Some("first_token_timeout".into()),
             detail: message.clone(),
             message,
         }
