@@ -64,6 +64,16 @@ pub struct ServeArgs {
         default_value_t = 1024
     )]
     pub max_concurrent_requests: usize,
+    /// Requests one tenant may have in this gateway at once (its body
+    /// reads included); more get 429 `tenant_concurrency_limit`. Default:
+    /// a quarter of --max-concurrent-requests, so no tenant can take them
+    /// all.
+    #[arg(long, env = "LORAFLEET_MAX_CONCURRENT_PER_TENANT")]
+    pub max_concurrent_per_tenant: Option<usize>,
+    /// Longest a client may take to send its request body, in seconds;
+    /// then 408 `body_timeout`.
+    #[arg(long, env = "LORAFLEET_BODY_TIMEOUT_SECS", default_value_t = 30)]
+    pub body_timeout_secs: u64,
     /// Largest request body accepted, in bytes.
     #[arg(long, env = "LORAFLEET_MAX_BODY_BYTES", default_value_t = 1 << 20)]
     pub max_body_bytes: usize,
@@ -298,6 +308,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         ("--registry-refresh-secs", args.registry_refresh_secs),
         ("--request-timeout-secs", args.request_timeout_secs),
         ("--first-token-timeout-secs", args.first_token_timeout_secs),
+        ("--body-timeout-secs", args.body_timeout_secs),
         (
             "--max-concurrent-requests",
             args.max_concurrent_requests as u64,
@@ -318,6 +329,15 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             bail!("{flag}: must be at least 1");
         }
     }
+    let per_tenant = match args.max_concurrent_per_tenant {
+        Some(0) => bail!("--max-concurrent-per-tenant: must be at least 1"),
+        Some(n) if n > args.max_concurrent_requests => bail!(
+            "--max-concurrent-per-tenant: {n} is above --max-concurrent-requests ({})",
+            args.max_concurrent_requests
+        ),
+        Some(n) => n,
+        None => (args.max_concurrent_requests / 4).max(1),
+    };
     let jwt = args.jwt.config()?;
     let a = &args.admin_jwt;
     let admin_jwt = crate::auth::jwt_config(
@@ -435,7 +455,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         limiter: RateLimiter::new(redis, args.redis_prefix.clone(), args.gateway_replicas),
         audit,
         permits: Arc::new(Semaphore::new(args.max_concurrent_requests)),
+        tenant_slots: api::TenantSlots::new(per_tenant),
         max_body_bytes: args.max_body_bytes,
+        body_timeout: Duration::from_secs(args.body_timeout_secs),
         request_timeout: Duration::from_secs(args.request_timeout_secs),
         max_attempts: args.max_attempts,
         first_token_timeout: Duration::from_secs(args.first_token_timeout_secs),

@@ -1028,6 +1028,18 @@ fn serve_refuses_bad_flags_by_name() {
             &["--max-lora-rank", "0"],
             "--max-lora-rank: must be at least 1",
         ),
+        (
+            &["--max-concurrent-per-tenant", "0"],
+            "--max-concurrent-per-tenant: must be at least 1",
+        ),
+        (
+            &["--max-concurrent-per-tenant", "5000"],
+            "--max-concurrent-per-tenant: 5000 is above --max-concurrent-requests (1024)",
+        ),
+        (
+            &["--body-timeout-secs", "0"],
+            "--body-timeout-secs: must be at least 1",
+        ),
     ];
     for (flags, expected) in cases {
         let out = Command::new(binary("lorafleet-gateway"))

@@ -49,7 +49,12 @@ pub struct AppState {
     pub limiter: RateLimiter,
     pub audit: AuditLog,
     pub permits: Arc<Semaphore>,
+    /// Requests one tenant may have in the gateway at once, body reads
+    /// included, so one tenant can never take the others' capacity.
+    pub tenant_slots: TenantSlots,
     pub max_body_bytes: usize,
+    /// Longest a client may take to send its body.
+    pub body_timeout: Duration,
     pub request_timeout: Duration,
     pub max_attempts: usize,
     /// Longest a worker may take to its first token before the request
@@ -60,6 +65,43 @@ pub struct AppState {
     /// Turns true when the drain deadline has passed: open requests end
     /// with an error event (streams) or a 503, and a `cancelled` row.
     pub cut: tokio::sync::watch::Receiver<bool>,
+}
+
+/// Each tenant's share of the gateway: a semaphore per tenant, made on its
+/// first request.
+#[derive(Debug, Clone)]
+pub struct TenantSlots {
+    per_tenant: usize,
+    slots: Arc<std::sync::RwLock<std::collections::HashMap<Uuid, Arc<Semaphore>>>>,
+}
+
+impl TenantSlots {
+    pub fn new(per_tenant: usize) -> TenantSlots {
+        TenantSlots {
+            per_tenant,
+            slots: Arc::default(),
+        }
+    }
+
+    /// A slot for `tenant`, or None when it has `per_tenant` requests in
+    /// the gateway already.
+    fn try_acquire(&self, tenant: Uuid) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        let existing = self
+            .slots
+            .read()
+            .expect("tenant slots")
+            .get(&tenant)
+            .cloned();
+        let sem = existing.unwrap_or_else(|| {
+            self.slots
+                .write()
+                .expect("tenant slots")
+                .entry(tenant)
+                .or_insert_with(|| Arc::new(Semaphore::new(self.per_tenant)))
+                .clone()
+        });
+        sem.try_acquire_owned().ok()
+    }
 }
 
 /// Resolves once the drain deadline has passed (never, if it cannot).
@@ -306,6 +348,7 @@ struct Prepared {
     /// The tenant has a tokens-per-minute limit, so finished requests are
     /// charged to it.
     charges_tokens: bool,
+    _tenant_slot: tokio::sync::OwnedSemaphorePermit,
     _permit: tokio::sync::OwnedSemaphorePermit,
 }
 
@@ -316,16 +359,10 @@ async fn prepare(
     kind: Kind,
     trail: &mut Trail,
 ) -> Result<Prepared, ApiError> {
-    let permit = s.permits.clone().try_acquire_owned().map_err(|_| {
-        let mut e = ApiError::new(
-            StatusCode::TOO_MANY_REQUESTS,
-            "rate_limit_error",
-            "gateway_overloaded",
-            "the gateway is at its concurrency limit; retry shortly".into(),
-        );
-        e.retry_after = Some(1);
-        e
-    })?;
+    // Admission order: the credential (headers only) first, then the
+    // tenant's own share, then its body under a deadline, and only then a
+    // global permit. An unauthenticated client never gets to send a body,
+    // and a tenant with slow bodies holds only its own slots.
     let principal = principal(s, headers)?;
     trail.record.tenant_id = Some(principal.tenant_id);
     trail.record.api_key_id = principal.api_key_id;
@@ -346,16 +383,54 @@ async fn prepare(
             "this credential may not run completions (scope inference)".into(),
         ));
     }
-    let bytes: Bytes = axum::body::to_bytes(body, s.max_body_bytes)
-        .await
-        .map_err(|_| {
-            ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "invalid_request_error",
-                "request_too_large",
-                format!("the body is larger than {} bytes", s.max_body_bytes),
-            )
-        })?;
+    let tenant_slot = s.tenant_slots.try_acquire(tenant.id).ok_or_else(|| {
+        let mut e = ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_error",
+            "tenant_concurrency_limit",
+            format!(
+                "this tenant has {} requests in the gateway already; retry when one ends",
+                s.tenant_slots.per_tenant
+            ),
+        );
+        e.retry_after = Some(1);
+        e
+    })?;
+    let bytes: Bytes =
+        match tokio::time::timeout(s.body_timeout, axum::body::to_bytes(body, s.max_body_bytes))
+            .await
+        {
+            Ok(Ok(bytes)) => bytes,
+            Ok(Err(_)) => {
+                return Err(ApiError::new(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "invalid_request_error",
+                    "request_too_large",
+                    format!("the body is larger than {} bytes", s.max_body_bytes),
+                ));
+            }
+            Err(_) => {
+                return Err(ApiError::new(
+                    StatusCode::REQUEST_TIMEOUT,
+                    "invalid_request_error",
+                    "body_timeout",
+                    format!(
+                        "the body did not arrive within {} s",
+                        s.body_timeout.as_secs()
+                    ),
+                ));
+            }
+        };
+    let permit = s.permits.clone().try_acquire_owned().map_err(|_| {
+        let mut e = ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_error",
+            "gateway_overloaded",
+            "the gateway is at its concurrency limit; retry shortly".into(),
+        );
+        e.retry_after = Some(1);
+        e
+    })?;
     let parsed = parse_body(&bytes, kind);
     if parsed.is_err() {
         trail.note_refused_body(&bytes);
@@ -424,6 +499,7 @@ async fn prepare(
         include_usage,
         model: common_model,
         charges_tokens: tenant.tpm_limit.is_some(),
+        _tenant_slot: tenant_slot,
         _permit: permit,
     })
 }
