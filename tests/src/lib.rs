@@ -428,8 +428,13 @@ pub async fn worker_channel_config(
 /// A real worker on the fixture model `llama-gqa` with the fixture
 /// adapters as its artifact root, on loopback ports; `extra` adds flags.
 pub fn fixture_worker(id: &str, extra: &[&str]) -> Server {
+    fixture_worker_from(worker_command(), id, extra)
+}
+
+/// [`fixture_worker`] from a `serve` command the caller prepared (other
+/// TLS files, say).
+pub fn fixture_worker_from(mut cmd: Command, id: &str, extra: &[&str]) -> Server {
     let fixtures = engine_fixtures();
-    let mut cmd = worker_command();
     cmd.args(["--worker-id", id])
         .args(extra)
         .arg("--model")
@@ -437,6 +442,18 @@ pub fn fixture_worker(id: &str, extra: &[&str]) -> Server {
         .arg("--artifact-root")
         .arg(fixtures.join("adapters"));
     Server::start(cmd, "lorafleet-worker listening ")
+}
+
+/// Runs `cmd` with `flags` added and checks that it refuses to start with
+/// `expected` in its error output: a refusal by name.
+pub fn assert_refused(mut cmd: Command, flags: &[&str], expected: &str) {
+    let out = cmd.args(flags).output().expect("run the command");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{flags:?} was accepted");
+    assert!(
+        stderr.contains(expected),
+        "{flags:?}: expected {expected:?} in {stderr}"
+    );
 }
 
 /// Every file under `dir`, at any depth (none if it does not exist).

@@ -7,22 +7,15 @@ use std::time::{Duration, Instant};
 
 use lorafleet_proto::worker::v1 as pb;
 use lorafleet_tests::{
-    Server, certs, engine_fixtures, gateway_command_with, migrated_db, worker_channel,
-    worker_channel_config, worker_channel_with, worker_command, worker_command_with,
-    write_fleet_certs,
+    Server, assert_refused, certs, engine_fixtures, fixture_worker_from, gateway_command_with,
+    migrated_db, worker_channel, worker_channel_config, worker_channel_with, worker_command,
+    worker_command_with, write_fleet_certs,
 };
 use lorafleet_tls::rustls;
 use pb::worker_client::WorkerClient;
 
-fn fixture(mut cmd: std::process::Command, extra: &[&str]) -> Server {
-    let fixtures = engine_fixtures();
-    cmd.args(["--worker-id", "w0"])
-        .args(extra)
-        .arg("--model")
-        .arg(fixtures.join("llama-gqa"))
-        .arg("--artifact-root")
-        .arg(fixtures.join("adapters"));
-    Server::start(cmd, "lorafleet-worker listening ")
+fn fixture(cmd: std::process::Command, extra: &[&str]) -> Server {
+    fixture_worker_from(cmd, "w0", extra)
 }
 
 /// Whether an `Info` call over `channel` succeeds. A refused client may see
@@ -334,28 +327,16 @@ fn tls_flags_are_refused_by_name() {
         ),
     ];
     for (flags, expected) in worker_cases {
-        let out = std::process::Command::new(lorafleet_tests::binary("lorafleet-worker"))
-            .args(["serve", "--worker-id", "w", "--grpc-listen", "127.0.0.1:0"])
-            .args([
-                "--metrics-listen",
-                "127.0.0.1:0",
-                "--health-listen",
-                "127.0.0.1:0",
-            ])
+        let mut cmd = std::process::Command::new(lorafleet_tests::binary("lorafleet-worker"));
+        cmd.args(["serve", "--worker-id", "w", "--grpc-listen", "127.0.0.1:0"])
+            .args(["--metrics-listen", "127.0.0.1:0"])
+            .args(["--health-listen", "127.0.0.1:0"])
             .arg("--model")
             .arg(&model)
             .arg("--artifact-root")
             .arg(fixtures.join("adapters"))
-            .env_remove("LORAFLEET_INSECURE_PLAINTEXT")
-            .args(flags.iter())
-            .output()
-            .unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "{flags:?}");
-        assert!(
-            stderr.contains(expected),
-            "{flags:?}: expected {expected:?} in {stderr}"
-        );
+            .env_remove("LORAFLEET_INSECURE_PLAINTEXT");
+        assert_refused(cmd, flags, expected);
     }
     let gateway_cases: &[(&[&str], &str)] = &[
         (
@@ -396,28 +377,15 @@ fn tls_flags_are_refused_by_name() {
         ),
     ];
     for (flags, expected) in gateway_cases {
-        let out = std::process::Command::new(lorafleet_tests::binary("lorafleet-gateway"))
-            .args([
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--metrics-listen",
-                "127.0.0.1:0",
-            ])
+        let mut cmd = std::process::Command::new(lorafleet_tests::binary("lorafleet-gateway"));
+        cmd.args(["serve", "--listen", "127.0.0.1:0"])
+            .args(["--metrics-listen", "127.0.0.1:0"])
             .args(["--workers", "127.0.0.1:1"])
             .args([
                 "--database-url",
                 "postgres://postgres@127.0.0.1:5432/unused",
             ])
-            .env_remove("LORAFLEET_INSECURE_PLAINTEXT")
-            .args(flags.iter())
-            .output()
-            .unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "{flags:?}");
-        assert!(
-            stderr.contains(expected),
-            "{flags:?}: expected {expected:?} in {stderr}"
-        );
+            .env_remove("LORAFLEET_INSECURE_PLAINTEXT");
+        assert_refused(cmd, flags, expected);
     }
 }

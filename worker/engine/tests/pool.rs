@@ -6,9 +6,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use lorafleet_engine::backend::BackendShape;
 use lorafleet_engine::backend::cpu::CpuBackend;
-use lorafleet_engine::model::ModelConfig;
 use lorafleet_engine::pool::{AdapterPool, PoolCounters};
 use lorafleet_engine::{
     AdapterSource, Engine, EngineSettings, Prompt, Request, Residency, SamplingParams,
@@ -17,24 +15,7 @@ use lorafleet_engine::{
 const MODEL: &str = "llama-gqa";
 
 fn setup(slots: usize, host: usize) -> (AdapterPool, CpuBackend) {
-    let dir = model_dir(MODEL);
-    let config = ModelConfig::from_dir(&dir).unwrap();
-    let backend = CpuBackend::load(
-        &dir,
-        &config,
-        BackendShape {
-            slots,
-            max_lora_rank: 16,
-            kv_blocks: 4,
-            block_size: 4,
-        },
-    )
-    .unwrap();
-    let mut pool = AdapterPool::new(config, 16, slots, host, "h".repeat(64));
-    for (i, name) in adapter_names(MODEL).iter().enumerate() {
-        pool.register(i as u64 + 1, fixture_source(MODEL, name))
-            .unwrap();
-    }
+    let (pool, backend, _) = fixture_pool(MODEL, slots, host);
     (pool, backend)
 }
 

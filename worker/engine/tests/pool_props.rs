@@ -10,9 +10,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use common::*;
-use lorafleet_engine::backend::BackendShape;
 use lorafleet_engine::backend::cpu::CpuBackend;
-use lorafleet_engine::model::ModelConfig;
 use lorafleet_engine::pool::{AdapterPool, Lease};
 use proptest::prelude::*;
 
@@ -43,26 +41,7 @@ fn op(adapters: u64) -> impl Strategy<Value = Op> {
 }
 
 fn setup() -> (AdapterPool, CpuBackend, u64) {
-    let dir = model_dir(MODEL);
-    let config = ModelConfig::from_dir(&dir).unwrap();
-    let backend = CpuBackend::load(
-        &dir,
-        &config,
-        BackendShape {
-            slots: SLOTS,
-            max_lora_rank: 16,
-            kv_blocks: 4,
-            block_size: 4,
-        },
-    )
-    .unwrap();
-    let mut pool = AdapterPool::new(config, 16, SLOTS, HOST, "h".repeat(64));
-    let names = adapter_names(MODEL);
-    for (i, name) in names.iter().enumerate() {
-        pool.register(i as u64 + 1, fixture_source(MODEL, name))
-            .unwrap();
-    }
-    (pool, backend, names.len() as u64)
+    fixture_pool(MODEL, SLOTS, HOST)
 }
 
 proptest! {

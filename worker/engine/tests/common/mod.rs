@@ -121,3 +121,40 @@ pub fn mixed_workload() -> Vec<lorafleet_engine::Request> {
     }
     out
 }
+
+/// An adapter pool and CPU backend on `model` with `slots` device slots
+/// and `host` host slots, every fixture adapter of the model registered as
+/// ids 1, 2, ... in name order. Returns them and the number of adapters.
+#[allow(dead_code)]
+pub fn fixture_pool(
+    model: &str,
+    slots: usize,
+    host: usize,
+) -> (
+    lorafleet_engine::pool::AdapterPool,
+    lorafleet_engine::backend::cpu::CpuBackend,
+    u64,
+) {
+    use lorafleet_engine::backend::BackendShape;
+    let dir = model_dir(model);
+    let config = lorafleet_engine::model::ModelConfig::from_dir(&dir).unwrap();
+    let backend = lorafleet_engine::backend::cpu::CpuBackend::load(
+        &dir,
+        &config,
+        BackendShape {
+            slots,
+            max_lora_rank: 16,
+            kv_blocks: 4,
+            block_size: 4,
+        },
+    )
+    .unwrap();
+    let mut pool =
+        lorafleet_engine::pool::AdapterPool::new(config, 16, slots, host, "h".repeat(64));
+    let names = adapter_names(model);
+    for (i, name) in names.iter().enumerate() {
+        pool.register(i as u64 + 1, fixture_source(model, name))
+            .unwrap();
+    }
+    (pool, backend, names.len() as u64)
+}
