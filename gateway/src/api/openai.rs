@@ -9,6 +9,11 @@
 
 use crate::upstream::{self, Prompt, Sampling};
 
+/// The longest stop string accepted, in bytes: the workers' own limit
+/// (`lorafleet_engine::sampling::MAX_STOP_STRING_BYTES`), checked here too
+/// so a tenant gets the refusal before the request travels.
+pub const MAX_STOP_STRING_BYTES: usize = 256;
+
 use crate::audit::sanitize::{MAX_MODEL_BYTES, MAX_USER_BYTES, check_field};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -331,6 +336,17 @@ impl Common {
         if stop.iter().any(String::is_empty) {
             return Err(bad("stop", "stop strings must not be empty"));
         }
+        // The worker's limit (each generated token is checked against every
+        // stop string), refused here by name before the request travels.
+        if let Some(long) = stop.iter().find(|s| s.len() > MAX_STOP_STRING_BYTES) {
+            return Err(bad(
+                "stop",
+                format!(
+                    "a stop string of {} bytes is longer than {MAX_STOP_STRING_BYTES}",
+                    long.len()
+                ),
+            ));
+        }
         Ok(Sampling {
             max_tokens,
             temperature: self.temperature,
@@ -524,6 +540,15 @@ mod tests {
             let e = r.to_worker().unwrap_err();
             assert_eq!(e.param, param, "{body}: {e:?}");
         }
+        let long = format!(
+            r#"{{"model":"m","prompt":"x","stop":["{}"]}}"#,
+            "s".repeat(MAX_STOP_STRING_BYTES + 1)
+        );
+        let e = CompletionRequest::parse(long.as_bytes())
+            .unwrap()
+            .to_worker()
+            .unwrap_err();
+        assert_eq!(e.param, "stop", "{e:?}");
         let r =
             ChatRequest::parse(br#"{"model":"m","messages":[{"role":"wizard","content":"x"}]}"#)
                 .unwrap();

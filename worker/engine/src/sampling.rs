@@ -38,6 +38,13 @@ impl Default for SamplingParams {
 
 /// The most stop strings a request may carry.
 pub const MAX_STOP_STRINGS: usize = 16;
+/// The longest stop string, in bytes. Every generated token is checked
+/// against each stop string on the engine's thread, over a window as long
+/// as the longest one, so both limits bound what one request can cost
+/// every other request's tokens.
+pub const MAX_STOP_STRING_BYTES: usize = 256;
+/// The most stop token ids a request may carry.
+pub const MAX_STOP_TOKEN_IDS: usize = 64;
 
 impl SamplingParams {
     /// Checks every field; `prefix` names where the parameters came from
@@ -78,6 +85,21 @@ impl SamplingParams {
             return Err(EngineError::request(
                 field("stop"),
                 "a stop string is empty",
+            ));
+        }
+        if let Some(long) = self.stop.iter().find(|s| s.len() > MAX_STOP_STRING_BYTES) {
+            return Err(EngineError::request(
+                field("stop"),
+                format!(
+                    "a stop string of {} bytes is longer than {MAX_STOP_STRING_BYTES}",
+                    long.len()
+                ),
+            ));
+        }
+        if self.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+            return Err(EngineError::request(
+                field("stop_token_ids"),
+                format!("at most {MAX_STOP_TOKEN_IDS} stop token ids"),
             ));
         }
         if let Some(id) = self
@@ -289,6 +311,20 @@ mod tests {
             (
                 SamplingParams {
                     stop_token_ids: vec![99],
+                    ..Default::default()
+                },
+                "sampling.stop_token_ids",
+            ),
+            (
+                SamplingParams {
+                    stop: vec!["x".repeat(MAX_STOP_STRING_BYTES + 1)],
+                    ..Default::default()
+                },
+                "sampling.stop",
+            ),
+            (
+                SamplingParams {
+                    stop_token_ids: vec![1; MAX_STOP_TOKEN_IDS + 1],
                     ..Default::default()
                 },
                 "sampling.stop_token_ids",
