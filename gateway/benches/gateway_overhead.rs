@@ -291,6 +291,9 @@ fn gateway(
     ])
     .args(["--redis-prefix", prefix])
     .args(["--workers", &worker.to_string()])
+    // No per-tenant rate limit: the bench sends 1,000 requests/s as one
+    // tenant, and measures the gateway, not the limiter refusing.
+    .args(["--default-rpm-limit", "0"])
     .arg("--audit-spool")
     .arg(spool);
     match certs {

@@ -137,6 +137,8 @@ fn main() {
             &format!("postgres://{user}@{}/{}", pg.addr, db.name()),
         ])
         .args(["--workers", worker.addr("grpc")])
+        // The soak's load is one tenant's; the limiter is not under test.
+        .args(["--default-rpm-limit", "0"])
         .arg("--audit-spool")
         .arg(spool.path())
         .env("RUST_LOG", "warn");

@@ -125,3 +125,52 @@ async fn a_tenant_with_slow_bodies_holds_only_its_own_slots() {
         .unwrap();
     assert_eq!(status, 401, "{text}");
 }
+
+/// A tenant whose registry row sets no limits gets the gateway's default
+/// requests per minute, as the schema promises, rather than none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_without_limits_gets_the_gateway_default() {
+    let db = migrated_db("admission_default").await;
+    let pool = db.pool().await;
+    seed_base_routes(&pool, &[("acme", ACME_KEY)], "chat").await;
+    let worker = fixture_worker("w0", &[]);
+    let spool = tempfile::tempdir().unwrap();
+    let mut cmd = gateway_command();
+    cmd.args(["--database-url", &db.url()])
+        .args(["--workers", worker.addr("grpc")])
+        .args(["--default-rpm-limit", "2"])
+        .arg("--audit-spool")
+        .arg(spool.path());
+    let gateway = Server::start(cmd, "lorafleet-gateway listening ");
+    let addr = gateway.addr("http").to_owned();
+    let http = reqwest::Client::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !http
+        .get(format!("http://{addr}/readyz"))
+        .send()
+        .await
+        .is_ok_and(|r| r.status() == 200)
+    {
+        assert!(Instant::now() < deadline, "the gateway became ready");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Five requests at once: at 2 a minute, some are refused (even if a
+    // minute boundary falls among them, it cannot free more than 2 more).
+    let mut refused = Vec::new();
+    for _ in 0..5 {
+        let r = http
+            .post(format!("http://{addr}/v1/completions"))
+            .bearer_auth(ACME_KEY)
+            .json(&json!({"model": "chat", "prompt": "hello", "max_tokens": 1}))
+            .send()
+            .await
+            .unwrap();
+        if r.status() == 429 {
+            refused.push(r.json::<Value>().await.unwrap());
+        }
+    }
+    assert!(!refused.is_empty(), "the default limit applies");
+    for body in &refused {
+        assert_eq!(body["error"]["code"], "rate_limit_exceeded", "{body}");
+    }
+}

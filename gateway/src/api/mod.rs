@@ -55,6 +55,9 @@ pub struct AppState {
     pub max_body_bytes: usize,
     /// Longest a client may take to send its body.
     pub body_timeout: Duration,
+    /// Limits for tenants whose registry row leaves them unset.
+    pub default_rpm_limit: Option<u32>,
+    pub default_tpm_limit: Option<u64>,
     pub request_timeout: Duration,
     pub max_attempts: usize,
     /// Longest a worker may take to its first token before the request
@@ -451,8 +454,11 @@ async fn prepare(
     }
     trail.record.model_name = common_model.clone();
     tracing::Span::current().record("model", common_model.as_str());
+    // A tenant without its own limits gets the gateway's defaults.
+    let rpm_limit = tenant.rpm_limit.or(s.default_rpm_limit);
+    let tpm_limit = tenant.tpm_limit.or(s.default_tpm_limit);
     s.limiter
-        .admit(tenant.id, tenant.rpm_limit, tenant.tpm_limit)
+        .admit(tenant.id, rpm_limit, tpm_limit)
         .await
         .map_err(|l| {
             let mut e = ApiError::new(
@@ -498,7 +504,7 @@ async fn prepare(
         stream,
         include_usage,
         model: common_model,
-        charges_tokens: tenant.tpm_limit.is_some(),
+        charges_tokens: tpm_limit.is_some(),
         _tenant_slot: tenant_slot,
         _permit: permit,
     })
