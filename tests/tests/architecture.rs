@@ -239,6 +239,43 @@ fn only_upstream_knows_the_wire_in_the_gateway() {
     );
 }
 
+/// In the worker, wire messages are built only in `convert.rs`: the
+/// service passes domain values to it (the generated trait's signatures
+/// name wire types, so a use alone is allowed; a struct literal is not).
+#[test]
+fn only_convert_builds_wire_messages_in_the_worker() {
+    let src = std::path::PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../worker/src"));
+    let mut checked = 0;
+    for file in walk(&src) {
+        if file.extension().is_none_or(|e| e != "rs") || file.ends_with("convert.rs") {
+            continue;
+        }
+        checked += 1;
+        let text = std::fs::read_to_string(&file).unwrap();
+        for (n, line) in text.lines().enumerate() {
+            let mut rest = line;
+            while let Some(at) = rest.find("pb::") {
+                let path: String = rest[at + 4..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_' || *c == ':')
+                    .collect();
+                let after = &rest[at + 4 + path.len()..];
+                // `-> pb::X {` opens a function body, not a struct literal.
+                let return_type = rest[..at].trim_end().ends_with("->");
+                assert!(
+                    (return_type || !after.starts_with(" {"))
+                        && !path.contains("generate_event::Event::"),
+                    "{}:{}: builds pb::{path}; wire messages are built in worker/src/convert.rs",
+                    file.display(),
+                    n + 1
+                );
+                rest = after;
+            }
+        }
+    }
+    assert!(checked >= 5, "the worker's sources were found ({checked})");
+}
+
 fn walk(root: &std::path::Path) -> Vec<std::path::PathBuf> {
     let mut out = Vec::new();
     let mut stack = vec![root.to_path_buf()];

@@ -344,3 +344,127 @@ pub fn engine_status(e: &EngineError) -> Status {
         }
     }
 }
+
+fn base_model(b: &crate::service::BaseModel) -> pb::BaseModel {
+    pb::BaseModel {
+        name: b.name.clone(),
+        base_hash: b.base_hash.clone(),
+        architecture: b.architecture.clone(),
+        max_model_len: b.max_model_len,
+        vocab_size: b.vocab_size,
+    }
+}
+
+fn capacity(c: &crate::service::Capacity) -> pb::Capacity {
+    pb::Capacity {
+        max_loras: c.max_loras,
+        max_lora_rank: c.max_lora_rank,
+        device_slots: c.device_slots,
+        host_slots: c.host_slots,
+        kv_blocks_total: c.kv_blocks_total,
+        kv_block_size: c.kv_block_size,
+        max_waiting: c.max_waiting,
+    }
+}
+
+/// One Watch report: who this worker is, its load, its adapters.
+pub fn report(
+    info: &crate::service::WorkerInfo,
+    r: &crate::runtime::Report,
+    status: pb::ServingStatus,
+    adapters: Vec<pb::AdapterState>,
+) -> pb::WorkerReport {
+    let c = r.stats.pool;
+    pb::WorkerReport {
+        worker_id: info.worker_id.clone(),
+        sequence: r.sequence,
+        produced_at: Some(timestamp(r.produced_at)),
+        status: status as i32,
+        base_model: Some(base_model(&info.base_model)),
+        capacity: Some(capacity(&info.capacity)),
+        load: Some(pb::Load {
+            running_sequences: r.stats.running as u32,
+            waiting_sequences: r.stats.waiting as u32,
+            kv_blocks_used: r.stats.kv_blocks_used as u32,
+        }),
+        adapters,
+        counters: Some(pb::PoolCounters {
+            device_hits: c.device_hits,
+            host_hits: c.host_hits,
+            host_loads: c.host_loads,
+            device_loads: c.device_loads,
+            device_evictions: c.device_evictions,
+            host_evictions: c.host_evictions,
+        }),
+        instance_id: info.instance_id.clone(),
+    }
+}
+
+/// The first event of a generation: the request was taken.
+pub fn accepted_event(
+    prompt_tokens: usize,
+    residency_at_arrival: Option<Residency>,
+) -> pb::GenerateEvent {
+    pb::GenerateEvent {
+        event: Some(pb::generate_event::Event::Accepted(pb::Accepted {
+            prompt_tokens: prompt_tokens as u32,
+            adapter_residency: residency_at_arrival.map_or(pb::Residency::Unspecified, residency)
+                as i32,
+        })),
+    }
+}
+
+pub fn delta_event(token_ids: Vec<u32>, text: String) -> pb::GenerateEvent {
+    pb::GenerateEvent {
+        event: Some(pb::generate_event::Event::Delta(pb::TokenDelta {
+            token_ids,
+            text,
+        })),
+    }
+}
+
+pub fn finished_event(f: &Finish) -> pb::GenerateEvent {
+    pb::GenerateEvent {
+        event: Some(pb::generate_event::Event::Finished(finished(f))),
+    }
+}
+
+pub fn load_response(
+    adapter: Option<pb::AdapterState>,
+    previous: Residency,
+    load_time: Duration,
+) -> pb::LoadAdapterResponse {
+    pb::LoadAdapterResponse {
+        adapter,
+        previous_residency: residency(previous) as i32,
+        load_time: Some(duration(load_time)),
+    }
+}
+
+pub fn unload_response(previous: Residency, draining_requests: u32) -> pb::UnloadAdapterResponse {
+    pb::UnloadAdapterResponse {
+        previous_residency: residency(previous) as i32,
+        draining_requests,
+    }
+}
+
+pub fn list_response(adapters: Vec<pb::AdapterState>) -> pb::ListAdaptersResponse {
+    pb::ListAdaptersResponse { adapters }
+}
+
+pub fn info_response(
+    info: &crate::service::WorkerInfo,
+    status: pb::ServingStatus,
+) -> pb::InfoResponse {
+    pb::InfoResponse {
+        worker_id: info.worker_id.clone(),
+        instance_id: info.instance_id.clone(),
+        base_model: Some(base_model(&info.base_model)),
+        capacity: Some(capacity(&info.capacity)),
+        backend: info.backend.clone(),
+        device_name: info.device_name.clone(),
+        version: env!("CARGO_PKG_VERSION").into(),
+        artifact_schemes: vec!["file".into()],
+        status: status as i32,
+    }
+}

@@ -23,13 +23,35 @@ use crate::telemetry;
 /// How long LoadAdapter waits for the adapter to reach its tier.
 const LOAD_WAIT: Duration = Duration::from_secs(60);
 
+/// The served base model, as reports and `Info` describe it.
+#[derive(Debug, Clone)]
+pub struct BaseModel {
+    pub name: String,
+    pub base_hash: String,
+    pub architecture: String,
+    pub max_model_len: u32,
+    pub vocab_size: u32,
+}
+
+/// This worker's sizes, as reports and `Info` describe them.
+#[derive(Debug, Clone, Copy)]
+pub struct Capacity {
+    pub max_loras: u32,
+    pub max_lora_rank: u32,
+    pub device_slots: u32,
+    pub host_slots: u32,
+    pub kv_blocks_total: u32,
+    pub kv_block_size: u32,
+    pub max_waiting: u32,
+}
+
 /// Everything the service needs besides the engine.
 #[derive(Debug)]
 pub struct WorkerInfo {
     pub worker_id: String,
     pub instance_id: String,
-    pub base_model: pb::BaseModel,
-    pub capacity: pb::Capacity,
+    pub base_model: BaseModel,
+    pub capacity: Capacity,
     pub backend: String,
     pub device_name: String,
     pub model_config: ModelConfig,
@@ -47,14 +69,14 @@ impl WorkerInfo {
         WorkerInfo {
             worker_id: worker_id.to_owned(),
             instance_id: format!("{worker_id}-{}", std::process::id()),
-            base_model: pb::BaseModel {
+            base_model: BaseModel {
                 name: model_name,
                 base_hash: engine.base_hash().to_owned(),
                 architecture: config.architecture.model_type().into(),
                 max_model_len: engine.max_model_len() as u32,
                 vocab_size: config.vocab_size as u32,
             },
-            capacity: pb::Capacity {
+            capacity: Capacity {
                 max_loras: settings.max_loras as u32,
                 max_lora_rank: settings.max_lora_rank as u32,
                 device_slots: settings.max_loras as u32,
@@ -276,30 +298,7 @@ impl WorkerService {
 
     fn report(&self, r: &Report) -> pb::WorkerReport {
         let verified = self.verified.lock().expect("verified map").clone();
-        let c = r.stats.pool;
-        pb::WorkerReport {
-            worker_id: self.info.worker_id.clone(),
-            sequence: r.sequence,
-            produced_at: Some(convert::timestamp(r.produced_at)),
-            status: self.status() as i32,
-            base_model: Some(self.info.base_model.clone()),
-            capacity: Some(self.info.capacity),
-            load: Some(pb::Load {
-                running_sequences: r.stats.running as u32,
-                waiting_sequences: r.stats.waiting as u32,
-                kv_blocks_used: r.stats.kv_blocks_used as u32,
-            }),
-            adapters: self.adapters(r, &verified),
-            counters: Some(pb::PoolCounters {
-                device_hits: c.device_hits,
-                host_hits: c.host_hits,
-                host_loads: c.host_loads,
-                device_loads: c.device_loads,
-                device_evictions: c.device_evictions,
-                host_evictions: c.host_evictions,
-            }),
-            instance_id: self.info.instance_id.clone(),
-        }
+        convert::report(&self.info, r, self.status(), self.adapters(r, &verified))
     }
 
     fn adapters(&self, r: &Report, verified: &HashMap<u64, String>) -> Vec<pb::AdapterState> {
@@ -397,15 +396,7 @@ impl pb::worker_server::Worker for WorkerService {
         let (tx, rx) = mpsc::channel::<EventResult>(64);
         self.in_flight.fetch_add(1, Ordering::AcqRel);
         let in_flight = InFlight(self.in_flight.clone());
-        let first = pb::GenerateEvent {
-            event: Some(pb::generate_event::Event::Accepted(pb::Accepted {
-                prompt_tokens: accepted.prompt_tokens as u32,
-                adapter_residency: accepted
-                    .residency
-                    .map_or(pb::Residency::Unspecified, convert::residency)
-                    as i32,
-            })),
-        };
+        let first = convert::accepted_event(accepted.prompt_tokens, accepted.residency);
         tokio::spawn(
             async move {
                 let _in_flight = in_flight;
@@ -422,12 +413,7 @@ impl pb::worker_server::Worker for WorkerService {
                                 Some(t) => telemetry::record_inter_token(now - t),
                             }
                             last_token = Some(now);
-                            Ok(pb::GenerateEvent {
-                                event: Some(pb::generate_event::Event::Delta(pb::TokenDelta {
-                                    token_ids,
-                                    text,
-                                })),
-                            })
+                            Ok(convert::delta_event(token_ids, text))
                         }
                         Event::Finished(f) => {
                             telemetry::record_request("ok");
@@ -436,11 +422,7 @@ impl pb::worker_server::Worker for WorkerService {
                                 finish_reason = ?f.reason,
                                 "finished"
                             );
-                            Ok(pb::GenerateEvent {
-                                event: Some(pb::generate_event::Event::Finished(
-                                    convert::finished(&f),
-                                )),
-                            })
+                            Ok(convert::finished_event(&f))
                         }
                         Event::Failed(e) => {
                             let status = convert::engine_status(&e);
@@ -512,11 +494,9 @@ impl pb::worker_server::Worker for WorkerService {
                 } else {
                     started.elapsed()
                 };
-                return Ok(Response::new(pb::LoadAdapterResponse {
-                    adapter: state,
-                    previous_residency: convert::residency(previous) as i32,
-                    load_time: Some(convert::duration(load_time)),
-                }));
+                return Ok(Response::new(convert::load_response(
+                    state, previous, load_time,
+                )));
             }
             let wait = deadline.saturating_duration_since(Instant::now());
             if wait.is_zero() || tokio::time::timeout(wait, reports.changed()).await.is_err() {
@@ -550,10 +530,7 @@ impl pb::worker_server::Worker for WorkerService {
             let copy = self.cache.join(format!("{id}-{sha}"));
             let _ = tokio::task::spawn_blocking(move || std::fs::remove_dir_all(copy)).await;
         }
-        Ok(Response::new(pb::UnloadAdapterResponse {
-            previous_residency: convert::residency(previous) as i32,
-            draining_requests: draining,
-        }))
+        Ok(Response::new(convert::unload_response(previous, draining)))
     }
 
     async fn list_adapters(
@@ -562,9 +539,9 @@ impl pb::worker_server::Worker for WorkerService {
     ) -> Result<Response<pb::ListAdaptersResponse>, Status> {
         let report = self.engine.reports().borrow().clone();
         let verified = self.verified.lock().expect("verified map").clone();
-        Ok(Response::new(pb::ListAdaptersResponse {
-            adapters: self.adapters(&report, &verified),
-        }))
+        Ok(Response::new(convert::list_response(
+            self.adapters(&report, &verified),
+        )))
     }
 
     async fn watch(
@@ -582,17 +559,10 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         _request: tonic::Request<pb::InfoRequest>,
     ) -> Result<Response<pb::InfoResponse>, Status> {
-        Ok(Response::new(pb::InfoResponse {
-            worker_id: self.info.worker_id.clone(),
-            instance_id: self.info.instance_id.clone(),
-            base_model: Some(self.info.base_model.clone()),
-            capacity: Some(self.info.capacity),
-            backend: self.info.backend.clone(),
-            device_name: self.info.device_name.clone(),
-            version: env!("CARGO_PKG_VERSION").into(),
-            artifact_schemes: vec!["file".into()],
-            status: self.status() as i32,
-        }))
+        Ok(Response::new(convert::info_response(
+            &self.info,
+            self.status(),
+        )))
     }
 }
 
