@@ -220,7 +220,7 @@ async fn ready(State(s): State<AppState>) -> Response {
         )
             .into_response();
     }
-    let up = s.fleet.workers().iter().filter(|w| w.up()).count();
+    let up = s.fleet.routable();
     if up > 0 {
         (StatusCode::OK, format!("ready: {up} workers up")).into_response()
     } else {

@@ -271,6 +271,18 @@ impl Fleet {
         self.rebuild();
     }
 
+    /// Workers routable now, as requests see them (the routing snapshot),
+    /// so readiness never runs ahead of routing.
+    pub fn routable(&self) -> usize {
+        let now = Instant::now();
+        self.table
+            .load()
+            .entries
+            .iter()
+            .filter(|e| e.state.up_at(now))
+            .count()
+    }
+
     /// Chooses workers for a request on `lora_int_id` (0: the base model)
     /// among those serving `base_hash`. None: no such worker is up.
     pub fn route(&self, lora_int_id: u64, base_hash: &str) -> Option<Route> {
