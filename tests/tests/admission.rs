@@ -48,27 +48,24 @@ fn status_of(mut c: std::net::TcpStream) -> (u16, String) {
     (status, text)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_tenant_with_slow_bodies_holds_only_its_own_slots() {
-    let db = migrated_db("admission").await;
-    let pool = db.pool().await;
-    seed_base_routes(&pool, &[("acme", ACME_KEY), ("globex", GLOBEX_KEY)], "chat").await;
-    let worker = fixture_worker("w0", &[]);
-    let spool = tempfile::tempdir().unwrap();
+/// The real gateway on `worker` with `extra` flags, once it is ready.
+async fn ready_gateway(
+    db_url: &str,
+    worker: &Server,
+    spool: &std::path::Path,
+    extra: &[&str],
+) -> Server {
     let mut cmd = gateway_command();
-    cmd.args(["--database-url", &db.url()])
+    cmd.args(["--database-url", db_url])
         .args(["--workers", worker.addr("grpc")])
-        .args(["--max-concurrent-requests", "2"])
-        .args(["--max-concurrent-per-tenant", "2"])
-        .args(["--body-timeout-secs", "3"])
+        .args(extra)
         .arg("--audit-spool")
-        .arg(spool.path());
+        .arg(spool);
     let gateway = Server::start(cmd, "lorafleet-gateway listening ");
-    let addr = gateway.addr("http").to_owned();
     let http = reqwest::Client::new();
     let deadline = Instant::now() + Duration::from_secs(30);
     while !http
-        .get(format!("http://{addr}/readyz"))
+        .get(format!("http://{}/readyz", gateway.addr("http")))
         .send()
         .await
         .is_ok_and(|r| r.status() == 200)
@@ -76,6 +73,32 @@ async fn a_tenant_with_slow_bodies_holds_only_its_own_slots() {
         assert!(Instant::now() < deadline, "the gateway became ready");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    gateway
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_with_slow_bodies_holds_only_its_own_slots() {
+    let db = migrated_db("admission").await;
+    let pool = db.pool().await;
+    seed_base_routes(&pool, &[("acme", ACME_KEY), ("globex", GLOBEX_KEY)], "chat").await;
+    let worker = fixture_worker("w0", &[]);
+    let spool = tempfile::tempdir().unwrap();
+    let gateway = ready_gateway(
+        &db.url(),
+        &worker,
+        spool.path(),
+        &[
+            "--max-concurrent-requests",
+            "2",
+            "--max-concurrent-per-tenant",
+            "2",
+            "--body-timeout-secs",
+            "3",
+        ],
+    )
+    .await;
+    let addr = gateway.addr("http").to_owned();
+    let http = reqwest::Client::new();
     let complete = |key: &'static str| {
         let (http, addr) = (http.clone(), addr.clone());
         async move {
@@ -135,25 +158,15 @@ async fn a_tenant_without_limits_gets_the_gateway_default() {
     seed_base_routes(&pool, &[("acme", ACME_KEY)], "chat").await;
     let worker = fixture_worker("w0", &[]);
     let spool = tempfile::tempdir().unwrap();
-    let mut cmd = gateway_command();
-    cmd.args(["--database-url", &db.url()])
-        .args(["--workers", worker.addr("grpc")])
-        .args(["--default-rpm-limit", "2"])
-        .arg("--audit-spool")
-        .arg(spool.path());
-    let gateway = Server::start(cmd, "lorafleet-gateway listening ");
+    let gateway = ready_gateway(
+        &db.url(),
+        &worker,
+        spool.path(),
+        &["--default-rpm-limit", "2"],
+    )
+    .await;
     let addr = gateway.addr("http").to_owned();
     let http = reqwest::Client::new();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !http
-        .get(format!("http://{addr}/readyz"))
-        .send()
-        .await
-        .is_ok_and(|r| r.status() == 200)
-    {
-        assert!(Instant::now() < deadline, "the gateway became ready");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
     // Five requests at once: at 2 a minute, some are refused (even if a
     // minute boundary falls among them, it cannot free more than 2 more).
     let mut refused = Vec::new();

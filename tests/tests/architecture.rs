@@ -126,15 +126,15 @@ impl Graph {
     }
 }
 
+/// The crates of `list` that `deps` holds.
+fn found<'a>(list: &[&'a str], deps: &BTreeSet<String>) -> Vec<&'a str> {
+    list.iter().copied().filter(|c| deps.contains(*c)).collect()
+}
+
 #[test]
 fn the_engine_does_no_network_io() {
     let g = graph();
-    let deps = g.transitive_names("lorafleet-engine");
-    let found: Vec<&str> = NETWORK_CRATES
-        .iter()
-        .copied()
-        .filter(|c| deps.contains(*c))
-        .collect();
+    let found = found(NETWORK_CRATES, &g.transitive_names("lorafleet-engine"));
     assert!(
         found.is_empty(),
         "lorafleet-engine must not depend on network crates, found {found:?}"
@@ -148,12 +148,7 @@ const COMPUTE_CRATES: &[&str] = &["cudarc", "tokenizers", "rayon", "gemm", "lora
 fn the_gateway_and_the_artifact_rules_need_no_engine() {
     let g = graph();
     for member in ["lorafleet-gateway", "lorafleet-artifact"] {
-        let deps = g.transitive_names(member);
-        let found: Vec<&str> = COMPUTE_CRATES
-            .iter()
-            .copied()
-            .filter(|c| deps.contains(*c))
-            .collect();
+        let found = found(COMPUTE_CRATES, &g.transitive_names(member));
         assert!(
             found.is_empty(),
             "{member} must not depend on compute crates (checking artifacts needs \
@@ -161,13 +156,8 @@ fn the_gateway_and_the_artifact_rules_need_no_engine() {
         );
     }
     // The artifact rules are pure file parsing: no network either.
-    let deps = g.transitive_names("lorafleet-artifact");
-    let found: Vec<&str> = NETWORK_CRATES
-        .iter()
-        .copied()
-        .filter(|c| deps.contains(*c))
-        .collect();
-    assert!(found.is_empty(), "lorafleet-artifact: {found:?}");
+    let network = found(NETWORK_CRATES, &g.transitive_names("lorafleet-artifact"));
+    assert!(network.is_empty(), "lorafleet-artifact: {network:?}");
     // Both sides share it, so they apply one set of rules.
     for member in ["lorafleet-gateway", "lorafleet-engine"] {
         assert!(
@@ -181,12 +171,7 @@ fn the_gateway_and_the_artifact_rules_need_no_engine() {
 fn only_proto_knows_the_wire_format() {
     let g = graph();
     for member in g.members.keys().filter(|m| m.as_str() != "lorafleet-proto") {
-        let direct = g.direct_names(member);
-        let found: Vec<&str> = WIRE_CRATES
-            .iter()
-            .copied()
-            .filter(|c| direct.contains(*c))
-            .collect();
+        let found = found(WIRE_CRATES, &g.direct_names(member));
         assert!(
             found.is_empty(),
             "{member} depends on wire crates {found:?}; go through lorafleet-proto"

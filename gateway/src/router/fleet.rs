@@ -10,7 +10,8 @@
 //! Requests read an immutable [`Table`]: the ring over the routable workers
 //! and what each last reported. A Watch task rebuilds it after each report
 //! or change of state and swaps it in, so the request path is one snapshot
-//! load plus atomic in-flight counts, with no lock. Each adapter's replica
+//! load plus atomic in-flight counts, with no mutex (only a shared read of
+//! the per-adapter counter map, written once per new adapter). Each adapter's replica
 //! count (the hot-adapter hysteresis) lives beside its in-flight count.
 
 use std::collections::HashMap;
