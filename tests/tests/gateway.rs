@@ -1040,6 +1040,10 @@ fn serve_refuses_bad_flags_by_name() {
             &["--body-timeout-secs", "0"],
             "--body-timeout-secs: must be at least 1",
         ),
+        (
+            &["--default-tpm-limit", "0"],
+            "--default-tpm-limit: must be at least 1",
+        ),
     ];
     for (flags, expected) in cases {
         let out = Command::new(binary("lorafleet-gateway"))

@@ -389,3 +389,78 @@ fn tls_flags_are_refused_by_name() {
         assert_refused(cmd, flags, expected);
     }
 }
+
+/// `lorafleetctl certs` writes a fleet CA and the two role certificates,
+/// readable by the owner only, that a worker and a gateway accept; it never
+/// overwrites, and refuses bad flags by name.
+#[tokio::test]
+async fn lorafleetctl_certs_makes_a_working_fleet_ca() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("certs");
+    let ctl = |args: &[&str]| {
+        std::process::Command::new(lorafleet_tests::binary("lorafleetctl"))
+            .arg("certs")
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let out_s = out.to_str().unwrap();
+    let made = ctl(&["--out", out_s, "--worker-name", "127.0.0.1"]);
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    for name in [
+        "ca.pem",
+        "ca-key.pem",
+        "worker.pem",
+        "worker-key.pem",
+        "gateway.pem",
+        "gateway-key.pem",
+    ] {
+        let meta = std::fs::metadata(out.join(name)).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(meta.permissions().mode() & 0o777, 0o600, "{name}");
+    }
+    // The files work: a worker serves with them and a gateway-side client
+    // with the gateway's files is accepted.
+    let worker = fixture(worker_command_with(&out), &[]);
+    info_ok(
+        worker_channel_with(
+            worker.addr("grpc"),
+            &out.join("gateway.pem"),
+            &out.join("gateway-key.pem"),
+            &out.join("ca.pem"),
+        )
+        .await,
+    )
+    .await
+    .expect("the generated certificates work");
+    for (args, expected) in [
+        (
+            vec!["--out", out_s, "--worker-name", "127.0.0.1"],
+            "refusing to overwrite",
+        ),
+        (
+            vec![
+                "--out",
+                "/nonexistent-x",
+                "--worker-name",
+                "a",
+                "--days",
+                "0",
+            ],
+            "--days: must be at least 1",
+        ),
+        (
+            vec!["--out", "/nonexistent-x", "--worker-name", "not a name!"],
+            "--worker-name: \"not a name!\"",
+        ),
+    ] {
+        let o = ctl(&args);
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+    }
+}
