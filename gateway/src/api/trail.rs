@@ -72,18 +72,14 @@ impl Trail {
     /// Records what a refused body said its `model` and `user` were, made
     /// safe later like every field.
     pub(super) fn note_refused_body(&mut self, body: &[u8]) {
-        let Some(v) = openai::lossy_object(body) else {
+        let Some((model, user)) = openai::refused_echo(body) else {
             return;
         };
-        let text = |v: &Value| match v {
-            Value::String(s) => s.clone(),
-            other => other.to_string(),
-        };
-        if let Some(m) = v.get("model") {
-            self.record.model_name = text(m);
+        if let Some(m) = model {
+            self.record.model_name = m;
         }
-        if let Some(u) = v.get("user").filter(|u| !u.is_null()) {
-            self.record.end_user = Some(text(u));
+        if user.is_some() {
+            self.record.end_user = user;
         }
     }
 

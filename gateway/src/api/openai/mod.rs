@@ -1,22 +1,32 @@
 //! The OpenAI wire shapes the gateway accepts and returns, and how a request
 //! body becomes a worker `GenerateRequest`.
 //!
+//! A body is read straight into these typed structs from its bytes, with no
+//! intermediate `serde_json::Value` ([`shapes`]).
+//!
 //! Unknown fields are ignored, as OpenAI's own API does, so that SDKs that
 //! send newer fields keep working. Known fields that would change the output
 //! but are not supported (`n > 1`, penalties, `logit_bias`, `logprobs`,
 //! `echo`, `best_of`) are refused with a 400 that names the field, never
 //! ignored.
 
+use crate::audit::sanitize::{MAX_MODEL_BYTES, MAX_USER_BYTES, check_field};
 use crate::upstream::{self, Prompt, Sampling};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+mod shapes;
+
+pub use shapes::{Content, ContentPart, PromptInput, StopInput};
+use shapes::{Echo, PROMPT_EXPECTED, Presence};
 
 /// The longest stop string accepted, in bytes: the workers' own limit
 /// (`lorafleet_engine::sampling::MAX_STOP_STRING_BYTES`), checked here too
 /// so a tenant gets the refusal before the request travels.
 pub const MAX_STOP_STRING_BYTES: usize = 256;
 
-use crate::audit::sanitize::{MAX_MODEL_BYTES, MAX_USER_BYTES, check_field};
-use serde::{Deserialize, Serialize};
-use serde_json::Value;
+/// The most stop strings one request may carry.
+pub const MAX_STOP_STRINGS: usize = 16;
 
 /// A 400 with the offending field.
 #[derive(Debug, Clone, PartialEq)]
@@ -32,29 +42,14 @@ fn bad(param: &str, message: impl Into<String>) -> BadRequest {
     }
 }
 
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-pub enum PromptInput {
-    Text(String),
-    Texts(Vec<String>),
-    Tokens(Vec<u32>),
-    TokenLists(Vec<Vec<u32>>),
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-pub enum StopInput {
-    One(String),
-    Many(Vec<String>),
-}
-
 #[derive(Debug, Default, Deserialize)]
 pub struct StreamOptions {
     #[serde(default)]
     pub include_usage: bool,
 }
 
-/// The fields shared by both endpoints.
+/// A request body: the fields shared by both endpoints, and each
+/// endpoint's input (`prompt` or `messages`), which the endpoint requires.
 #[derive(Debug, Deserialize)]
 pub struct Common {
     pub model: String,
@@ -72,33 +67,21 @@ pub struct Common {
     pub user: Option<String>,
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
-    pub logit_bias: Option<Value>,
-    pub logprobs: Option<Value>,
-    pub top_logprobs: Option<Value>,
+    logit_bias: Option<Presence>,
+    logprobs: Option<Presence>,
+    top_logprobs: Option<Presence>,
     pub echo: Option<bool>,
     pub best_of: Option<u32>,
     #[serde(default)]
     pub ignore_eos: bool,
+    prompt: Option<PromptInput>,
+    messages: Option<Vec<Message>>,
 }
 
 #[derive(Debug)]
 pub struct CompletionRequest {
     pub prompt: PromptInput,
     pub common: Common,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-pub enum Content {
-    Text(String),
-    Parts(Vec<ContentPart>),
-}
-
-#[derive(Debug, Deserialize)]
-pub struct ContentPart {
-    #[serde(rename = "type")]
-    pub kind: String,
-    pub text: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -119,74 +102,100 @@ const COMPLETIONS_DEFAULT_MAX_TOKENS: u32 = 16;
 /// that a forgotten limit cannot hold a sequence for minutes.
 const CHAT_DEFAULT_MAX_TOKENS: u32 = 1024;
 
-/// Deserializes `v`, naming the field (under `prefix`) on a type error.
-fn typed<T: serde::de::DeserializeOwned>(v: Value, prefix: &str) -> Result<T, BadRequest> {
-    serde_path_to_error::deserialize(v).map_err(|e| {
-        let path = e.path().to_string();
-        let inner = e.into_inner().to_string();
-        let mut param = match (prefix, path.as_str()) {
-            (p, "." | "") => p.to_owned(),
-            ("", path) => path.to_owned(),
-            (p, path) if path.starts_with('[') => format!("{p}{path}"),
-            (p, path) => format!("{p}.{path}"),
-        };
-        // "missing field `x`" is reported at the parent.
-        if let Some(field) = inner
-            .strip_prefix("missing field `")
-            .and_then(|r| r.split('`').next())
-        {
-            param = if param.is_empty() {
-                field.to_owned()
-            } else {
-                format!("{param}.{field}")
-            };
-            return bad(&param, "is required");
-        }
-        if param.is_empty() {
-            BadRequest {
-                param,
-                message: format!("the body is not a valid request: {inner}"),
-            }
+/// Reads a body into [`Common`], naming the field at fault.
+fn parse(body: &[u8]) -> Result<Common, BadRequest> {
+    let first = body.iter().find(|b| !b.is_ascii_whitespace());
+    if first != Some(&b'{') {
+        let message = if serde_json::from_slice::<serde::de::IgnoredAny>(body).is_ok() {
+            "the body must be a JSON object".to_owned()
         } else {
-            bad(&param, inner)
-        }
-    })
-}
-
-fn object(body: &[u8]) -> Result<Value, BadRequest> {
-    // Through serde_path_to_error, so that text no JSON string may hold (a
-    // lone UTF-16 surrogate, say) is refused by the field it is in.
+            format!(
+                "the body is not valid JSON: {}",
+                serde_json::from_slice::<serde::de::IgnoredAny>(body)
+                    .err()
+                    .map_or_else(String::new, |e| e.to_string())
+            )
+        };
+        return Err(BadRequest {
+            param: String::new(),
+            message,
+        });
+    }
+    // Through serde_path_to_error, so every error names its field: a wrong
+    // type, or text no JSON string may hold (a lone UTF-16 surrogate).
     let mut de = serde_json::Deserializer::from_slice(body);
-    let v: Value = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+    let common: Common = serde_path_to_error::deserialize(&mut de).map_err(|e| {
         let path = e.path().to_string();
-        let inner = e.into_inner();
-        match path.as_str() {
-            "" | "." => BadRequest {
-                param: String::new(),
-                message: format!("the body is not valid JSON: {inner}"),
-            },
-            field => bad(field, format!("is not valid JSON text: {inner}")),
-        }
+        field_error(&path, e.into_inner())
     })?;
     de.end().map_err(|e| BadRequest {
         param: String::new(),
         message: format!("the body is not valid JSON: {e}"),
     })?;
-    if !v.is_object() {
-        return Err(BadRequest {
-            param: String::new(),
-            message: "the body must be a JSON object".into(),
-        });
-    }
-    Ok(v)
+    Ok(common)
 }
 
-/// The body as a JSON object for the audit row of a refused request, with
-/// UTF-16 surrogate escapes (which a lone one makes invalid) read as U+FFFD.
-/// None if it is not an object even so.
-pub fn lossy_object(body: &[u8]) -> Option<Value> {
-    if let Ok(v @ Value::Object(_)) = serde_json::from_slice(body) {
-        return Some(v);
+/// The 400 for an error at `path` (serde_path_to_error's rendering).
+fn field_error(path: &str, inner: serde_json::Error) -> BadRequest {
+    use serde_json::error::Category;
+    let syntax = matches!(inner.classify(), Category::Syntax | Category::Eof);
+    // `?` is where serde_path_to_error lost the place (the body ended).
+    let param = match path {
+        "." | "" => String::new(),
+        p if p.contains('?') => String::new(),
+        p => p.to_owned(),
+    };
+    if syntax {
+        return match param.as_str() {
+            "" => BadRequest {
+                param,
+                message: format!("the body is not valid JSON: {inner}"),
+            },
+            field => bad(field, format!("is not valid JSON text: {inner}")),
+        };
+    }
+    let message = inner.to_string();
+    // "missing field `x`" is reported at the parent.
+    if let Some(field) = message
+        .strip_prefix("missing field `")
+        .and_then(|r| r.split('`').next())
+    {
+        let param = if param.is_empty() {
+            field.to_owned()
+        } else {
+            format!("{param}.{field}")
+        };
+        return bad(&param, "is required");
+    }
+    if param == "prompt" || param.starts_with("prompt[") {
+        return bad("prompt", format!("must be {PROMPT_EXPECTED}"));
+    }
+    if param.is_empty() {
+        BadRequest {
+            param,
+            message: format!("the body is not a valid request: {message}"),
+        }
+    } else {
+        bad(&param, message)
+    }
+}
+
+/// The `model` and `user` a refused body gave, for its audit row (made
+/// safe later like every field), with UTF-16 surrogate escapes (which a
+/// lone one makes invalid) read as U+FFFD. None if it is not an object.
+pub fn refused_echo(body: &[u8]) -> Option<(Option<String>, Option<String>)> {
+    #[derive(Deserialize)]
+    struct Fields {
+        model: Option<Echo>,
+        user: Option<Echo>,
+    }
+    let read = |bytes: &[u8]| {
+        serde_json::from_slice::<Fields>(bytes)
+            .ok()
+            .map(|f| (f.model.map(|e| e.0), f.user.map(|e| e.0)))
+    };
+    if let Some(found) = read(body) {
+        return Some(found);
     }
     let mut fixed = Vec::with_capacity(body.len());
     let mut i = 0;
@@ -206,43 +215,32 @@ pub fn lossy_object(body: &[u8]) -> Option<Value> {
             i += 1;
         }
     }
-    serde_json::from_slice::<Value>(&fixed)
-        .ok()
-        .filter(Value::is_object)
+    read(&fixed)
 }
 
 impl CompletionRequest {
     /// Parses a /v1/completions body, naming the field at fault.
     pub fn parse(body: &[u8]) -> Result<CompletionRequest, BadRequest> {
-        let v = object(body)?;
-        let prompt = v
-            .get("prompt")
-            .cloned()
+        let mut common = parse(body)?;
+        let prompt = common
+            .prompt
+            .take()
             .ok_or_else(|| bad("prompt", "is required"))?;
-        Ok(CompletionRequest {
-            prompt: typed(prompt, "prompt").map_err(|_| {
-                bad(
-                    "prompt",
-                    "must be a string, an array of one string, or token ids",
-                )
-            })?,
-            common: typed(v, "")?,
-        })
+        common.messages = None;
+        Ok(CompletionRequest { prompt, common })
     }
 }
 
 impl ChatRequest {
     /// Parses a /v1/chat/completions body, naming the field at fault.
     pub fn parse(body: &[u8]) -> Result<ChatRequest, BadRequest> {
-        let v = object(body)?;
-        let messages = v
-            .get("messages")
-            .cloned()
+        let mut common = parse(body)?;
+        let messages = common
+            .messages
+            .take()
             .ok_or_else(|| bad("messages", "is required"))?;
-        Ok(ChatRequest {
-            messages: typed(messages, "messages")?,
-            common: typed(v, "")?,
-        })
+        common.prompt = None;
+        Ok(ChatRequest { messages, common })
     }
 }
 
@@ -270,20 +268,14 @@ impl Common {
                 return Err(bad(name, "is not supported; omit it or send 0"));
             }
         }
-        if self
-            .logit_bias
-            .as_ref()
-            .is_some_and(|v| !v.is_null() && v.as_object().is_none_or(|o| !o.is_empty()))
-        {
+        if matches!(self.logit_bias, Some(Presence::False | Presence::Other)) {
             return Err(bad("logit_bias", "is not supported"));
         }
         for (name, v) in [
-            ("logprobs", &self.logprobs),
-            ("top_logprobs", &self.top_logprobs),
+            ("logprobs", self.logprobs),
+            ("top_logprobs", self.top_logprobs),
         ] {
-            if v.as_ref()
-                .is_some_and(|v| !v.is_null() && *v != Value::Bool(false))
-            {
+            if matches!(v, Some(Presence::EmptyObject | Presence::Other)) {
                 return Err(bad(name, "is not supported"));
             }
         }
@@ -330,22 +322,27 @@ impl Common {
             Some(StopInput::One(s)) => vec![s.clone()],
             Some(StopInput::Many(v)) => v.clone(),
         };
-        if stop.len() > 16 {
-            return Err(bad("stop", "at most 16 stop strings"));
-        }
-        if stop.iter().any(String::is_empty) {
-            return Err(bad("stop", "stop strings must not be empty"));
-        }
-        // The worker's limit (each generated token is checked against every
-        // stop string), refused here by name before the request travels.
-        if let Some(long) = stop.iter().find(|s| s.len() > MAX_STOP_STRING_BYTES) {
+        if stop.len() > MAX_STOP_STRINGS {
             return Err(bad(
                 "stop",
-                format!(
-                    "a stop string of {} bytes is longer than {MAX_STOP_STRING_BYTES}",
-                    long.len()
-                ),
+                format!("at most {MAX_STOP_STRINGS} stop strings"),
             ));
+        }
+        // Each one by its index (`stop[0]` for a single string too): the
+        // worker's limits, refused here before the request travels.
+        for (i, s) in stop.iter().enumerate() {
+            if s.is_empty() {
+                return Err(bad(&format!("stop[{i}]"), "must not be empty"));
+            }
+            if s.len() > MAX_STOP_STRING_BYTES {
+                return Err(bad(
+                    &format!("stop[{i}]"),
+                    format!(
+                        "is {} bytes, longer than the limit of {MAX_STOP_STRING_BYTES}",
+                        s.len()
+                    ),
+                ));
+            }
         }
         Ok(Sampling {
             max_tokens,
@@ -509,6 +506,76 @@ mod tests {
     }
 
     #[test]
+    fn every_shape_is_read_without_an_intermediate_value() {
+        let prompt = |body: &str| CompletionRequest::parse(body.as_bytes()).map(|r| r.prompt);
+        assert_eq!(
+            prompt(r#"{"model":"m","prompt":[[1,2],[3]]}"#).unwrap(),
+            PromptInput::TokenLists(vec![vec![1, 2], vec![3]])
+        );
+        assert_eq!(
+            prompt(r#"{"model":"m","prompt":["a"]}"#).unwrap(),
+            PromptInput::Texts(vec!["a".into()])
+        );
+        assert_eq!(
+            prompt(r#"{"model":"m","prompt":[]}"#).unwrap(),
+            PromptInput::Tokens(vec![])
+        );
+        for bad_prompt in [r#"["a",1]"#, "[1,[2]]", "[4294967296]", "[-1]", "{}", "7"] {
+            let body = format!(r#"{{"model":"m","prompt":{bad_prompt}}}"#);
+            let e = prompt(&body).unwrap_err();
+            assert_eq!(e.param, "prompt", "{bad_prompt}: {e:?}");
+            assert!(e.message.contains(PROMPT_EXPECTED), "{e:?}");
+        }
+        let e = CompletionRequest::parse(br#"{"model":"m","prompt":"x","stop":[1]}"#).unwrap_err();
+        assert_eq!(e.param, "stop[0]", "{e:?}");
+        let e = CompletionRequest::parse(br#"{"model":"x\ud800y","prompt":"p"}"#).unwrap_err();
+        assert_eq!(e.param, "model", "{e:?}");
+        assert!(e.message.contains("not valid JSON text"), "{e:?}");
+        for (body, says) in [
+            (&b"[1,2]"[..], "must be a JSON object"),
+            (b"  ", "not valid JSON"),
+            (br#"{"model":"m","prompt":"x"} trailing"#, "not valid JSON"),
+            (br#"{"model":"m","prompt":"x""#, "not valid JSON"),
+        ] {
+            let e = CompletionRequest::parse(body).unwrap_err();
+            assert_eq!(e.param, "", "{e:?}");
+            assert!(e.message.contains(says), "{e:?}");
+        }
+        let e = ChatRequest::parse(br#"{"model":"m","messages":[{"role":"user","content":7}]}"#)
+            .unwrap_err();
+        assert_eq!(e.param, "messages[0].content", "{e:?}");
+        // Off values of unsupported fields are accepted; anything else not.
+        for off in [
+            r#""logprobs":false"#,
+            r#""logit_bias":{}"#,
+            r#""top_logprobs":null"#,
+        ] {
+            let body = format!(r#"{{"model":"m","prompt":"x",{off}}}"#);
+            let r = CompletionRequest::parse(body.as_bytes()).unwrap();
+            assert!(r.to_worker().is_ok(), "{off}");
+        }
+        for (on, param) in [
+            (r#""logprobs":{}"#, "logprobs"),
+            (r#""top_logprobs":[1]"#, "top_logprobs"),
+            (r#""logit_bias":false"#, "logit_bias"),
+        ] {
+            let body = format!(r#"{{"model":"m","prompt":"x",{on}}}"#);
+            let r = CompletionRequest::parse(body.as_bytes()).unwrap();
+            assert_eq!(r.to_worker().unwrap_err().param, param, "{on}");
+        }
+        // A refused body's model and user, for its row.
+        assert_eq!(
+            refused_echo(br#"{"model":"x\ud800y","user":null,"n":[1]}"#),
+            Some((Some("x\u{fffd}y".into()), None))
+        );
+        assert_eq!(
+            refused_echo(br#"{"model":{"a":1},"user":7}"#),
+            Some((Some("{object}".into()), Some("7".into())))
+        );
+        assert_eq!(refused_echo(b"[]"), None);
+    }
+
+    #[test]
     fn unsupported_fields_that_change_output_are_refused_by_name() {
         for (body, param) in [
             (r#"{"model":"m","prompt":"x","n":2}"#, "n"),
@@ -530,7 +597,7 @@ mod tests {
             (r#"{"model":"m","prompt":["a","b"]}"#, "prompt"),
             (r#"{"model":"m","prompt":""}"#, "prompt"),
             (r#"{"model":"","prompt":"x"}"#, "model"),
-            (r#"{"model":"m","prompt":"x","stop":["a",""]}"#, "stop"),
+            (r#"{"model":"m","prompt":"x","stop":["a",""]}"#, "stop[1]"),
             (
                 r#"{"model":"m","prompt":"x","stream_options":{"include_usage":true}}"#,
                 "stream_options",
@@ -548,7 +615,7 @@ mod tests {
             .unwrap()
             .to_worker()
             .unwrap_err();
-        assert_eq!(e.param, "stop", "{e:?}");
+        assert_eq!(e.param, "stop[0]", "{e:?}");
         let r =
             ChatRequest::parse(br#"{"model":"m","messages":[{"role":"wizard","content":"x"}]}"#)
                 .unwrap();
