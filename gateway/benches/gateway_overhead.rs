@@ -293,7 +293,7 @@ fn gateway(
     .args(["--workers", &worker.to_string()])
     // No per-tenant rate limit: the bench sends 1,000 requests/s as one
     // tenant, and measures the gateway, not the limiter refusing.
-    .args(["--default-rpm-limit", "0"])
+    .args(["--default-rpm-limit", "0", "--default-tpm-limit", "0"])
     .arg("--audit-spool")
     .arg(spool);
     match certs {

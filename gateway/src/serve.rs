@@ -74,10 +74,10 @@ pub struct ServeArgs {
     /// means unlimited.
     #[arg(long, env = "LORAFLEET_DEFAULT_RPM_LIMIT", default_value_t = 600)]
     pub default_rpm_limit: u32,
-    /// Tokens per minute for a tenant whose registry row sets none (none
-    /// when absent).
-    #[arg(long, env = "LORAFLEET_DEFAULT_TPM_LIMIT")]
-    pub default_tpm_limit: Option<u64>,
+    /// Tokens per minute for a tenant whose registry row sets none; 0
+    /// means unlimited.
+    #[arg(long, env = "LORAFLEET_DEFAULT_TPM_LIMIT", default_value_t = 1_000_000)]
+    pub default_tpm_limit: u64,
     /// Longest a client may take to send its request body, in seconds;
     /// then 408 `body_timeout`.
     #[arg(long, env = "LORAFLEET_BODY_TIMEOUT_SECS", default_value_t = 30)]
@@ -337,9 +337,6 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             bail!("{flag}: must be at least 1");
         }
     }
-    if args.default_tpm_limit == Some(0) {
-        bail!("--default-tpm-limit: must be at least 1 (leave it out for none)");
-    }
     let per_tenant = match args.max_concurrent_per_tenant {
         Some(0) => bail!("--max-concurrent-per-tenant: must be at least 1"),
         Some(n) if n > args.max_concurrent_requests => bail!(
@@ -470,7 +467,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         max_body_bytes: args.max_body_bytes,
         body_timeout: Duration::from_secs(args.body_timeout_secs),
         default_rpm_limit: (args.default_rpm_limit > 0).then_some(args.default_rpm_limit),
-        default_tpm_limit: args.default_tpm_limit,
+        default_tpm_limit: (args.default_tpm_limit > 0).then_some(args.default_tpm_limit),
         request_timeout: Duration::from_secs(args.request_timeout_secs),
         max_attempts: args.max_attempts,
         first_token_timeout: Duration::from_secs(args.first_token_timeout_secs),

@@ -138,7 +138,7 @@ fn main() {
         ])
         .args(["--workers", worker.addr("grpc")])
         // The soak's load is one tenant's; the limiter is not under test.
-        .args(["--default-rpm-limit", "0"])
+        .args(["--default-rpm-limit", "0", "--default-tpm-limit", "0"])
         .arg("--audit-spool")
         .arg(spool.path())
         .env("RUST_LOG", "warn");

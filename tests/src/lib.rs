@@ -643,3 +643,20 @@ impl Proxy {
         self.up.store(true, std::sync::atomic::Ordering::SeqCst);
     }
 }
+
+/// Fails if an error body a tenant sees holds what belongs in the logs: a
+/// filesystem path (a token with two `/`-separated parts) or a hex digest
+/// (16 or more hex digits in a row).
+pub fn assert_tenant_safe(body: &str) {
+    for token in body.split(|c: char| c.is_whitespace() || "\"'`,;()[]{}".contains(c)) {
+        let parts: Vec<&str> = token.split('/').collect();
+        let path_like =
+            parts.len() >= 3 && parts[1..].iter().filter(|p| !p.is_empty()).count() >= 2;
+        assert!(!path_like, "a path {token:?} in a tenant's error: {body}");
+    }
+    let mut run = 0;
+    for c in body.chars() {
+        run = if c.is_ascii_hexdigit() { run + 1 } else { 0 };
+        assert!(run < 16, "a hex digest in a tenant's error: {body}");
+    }
+}

@@ -1,12 +1,15 @@
 //! Gateway admission with the real gateway and worker: one tenant can never
 //! take another tenant's capacity. A tenant's slow bodies hold only its own
 //! slots; the global permits are taken only once a body has arrived, and a
-//! body that does not arrive in time ends with 408.
+//! body that does not arrive in time ends with 408. Concurrency caps and
+//! token budgets hold exactly under concurrent requests.
 
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
-use lorafleet_tests::{Server, fixture_worker, gateway_command, migrated_db, seed_base_routes};
+use lorafleet_tests::{
+    Server, assert_tenant_safe, fixture_worker, gateway_command, migrated_db, seed_base_routes,
+};
 use serde_json::{Value, json};
 
 const ACME_KEY: &str = "lf_acmeadmit1.acme-secret-0123456789";
@@ -186,4 +189,278 @@ async fn a_tenant_without_limits_gets_the_gateway_default() {
     for body in &refused {
         assert_eq!(body["error"]["code"], "rate_limit_exceeded", "{body}");
     }
+    drop(gateway);
+
+    // The tokens-per-minute default too: a request larger than it is told
+    // to lower max_tokens.
+    let gateway = ready_gateway(
+        &db.url(),
+        &worker,
+        spool.path(),
+        &["--default-tpm-limit", "100"],
+    )
+    .await;
+    let r = http
+        .post(format!("http://{}/v1/completions", gateway.addr("http")))
+        .bearer_auth(ACME_KEY)
+        .json(&json!({"model": "chat", "prompt": "hello", "max_tokens": 200}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 429);
+    let body: Value = r.json().await.unwrap();
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(message.contains("lower max_tokens"), "{body}");
+}
+
+/// `tenant`'s requests in the gateway at once, at most: the largest overlap
+/// of its served rows' generation spans (first token to row). Each span
+/// lies inside the time the request held its tenant slot.
+async fn most_at_once(pool: &sqlx::PgPool, tenant: &str) -> usize {
+    let spans: Vec<(chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>)> =
+        sqlx::query_as(
+            "SELECT a.received_at + make_interval(secs => a.ttft_us / 1e6), a.completed_at
+             FROM audit_log a JOIN tenants t ON t.id = a.tenant_id
+             WHERE t.name = $1 AND a.status = 'ok'",
+        )
+        .bind(tenant)
+        .fetch_all(pool)
+        .await
+        .unwrap();
+    let mut edges: Vec<(chrono::DateTime<chrono::Utc>, i32)> =
+        spans.iter().flat_map(|&(a, b)| [(a, 1), (b, -1)]).collect();
+    // An end before a start at the same instant: touching is not overlap.
+    edges.sort();
+    let (mut now, mut most) = (0i32, 0i32);
+    for (_, d) in edges {
+        now += d;
+        most = most.max(now);
+    }
+    most as usize
+}
+
+async fn wait_rows(pool: &sqlx::PgPool, want: i64) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM audit_log")
+            .fetch_one(pool)
+            .await
+            .unwrap();
+        if n >= want {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{n} of {want} audit rows");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A completion from `key`: (status, body).
+async fn complete(http: &reqwest::Client, addr: &str, key: &str, body: Value) -> (u16, Value) {
+    let r = http
+        .post(format!("http://{addr}/v1/completions"))
+        .bearer_auth(key)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    let body = r.json::<Value>().await.unwrap_or(Value::Null);
+    if status != 200 {
+        assert_tenant_safe(&body.to_string());
+    }
+    (status, body)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_over_its_cap_gets_429_and_others_run_meanwhile() {
+    let db = migrated_db("admission_cap").await;
+    let pool = db.pool().await;
+    seed_base_routes(&pool, &[("acme", ACME_KEY), ("globex", GLOBEX_KEY)], "chat").await;
+    let worker = fixture_worker("w0", &[]);
+    let spool = tempfile::tempdir().unwrap();
+    let gateway = ready_gateway(
+        &db.url(),
+        &worker,
+        spool.path(),
+        &["--max-concurrent-per-tenant", "4"],
+    )
+    .await;
+    let addr = gateway.addr("http").to_owned();
+    let http = reqwest::Client::new();
+    let long = json!({"model": "chat", "prompt": "hello", "max_tokens": 400, "ignore_eos": true});
+    // Twenty acme requests at once, and globex's beside them.
+    let acme: Vec<_> = (0..20)
+        .map(|_| {
+            let (http, addr, body) = (http.clone(), addr.clone(), long.clone());
+            tokio::spawn(async move { complete(&http, &addr, ACME_KEY, body).await })
+        })
+        .collect();
+    let globex: Vec<_> = (0..4)
+        .map(|_| {
+            let (http, addr, body) = (http.clone(), addr.clone(), long.clone());
+            tokio::spawn(async move { complete(&http, &addr, GLOBEX_KEY, body).await })
+        })
+        .collect();
+    let mut served = 0;
+    for h in acme {
+        let (status, body) = h.await.unwrap();
+        match status {
+            200 => served += 1,
+            429 => {
+                assert_eq!(body["error"]["code"], "tenant_concurrency_limit", "{body}");
+                assert!(body.to_string().len() < 400, "{body}");
+            }
+            other => panic!("{other}: {body}"),
+        }
+    }
+    for h in globex {
+        let (status, body) = h.await.unwrap();
+        assert_eq!(status, 200, "globex is not held back by acme: {body}");
+    }
+    assert!((4..20).contains(&served), "{served} of 20 acme requests");
+    wait_rows(&pool, 24).await;
+    let acme_most = most_at_once(&pool, "acme").await;
+    assert!(acme_most <= 4, "{acme_most} acme requests ran at once");
+    assert!(acme_most >= 2, "{acme_most}: the requests did overlap");
+}
+
+/// Seconds until the next minute, waited out first if fewer than `need`
+/// remain: a test whose budget is one minute's stays inside it.
+async fn inside_one_minute(need: u64) {
+    let into = chrono::Utc::now().timestamp() as u64 % 60;
+    if 60 - into < need {
+        tokio::time::sleep(Duration::from_secs(60 - into + 1)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_budget_holds_under_concurrency_and_charges_every_end() {
+    let db = migrated_db("admission_tpm").await;
+    let pool = db.pool().await;
+    seed_base_routes(&pool, &[("acme", ACME_KEY)], "chat").await;
+    sqlx::query("UPDATE tenants SET tpm_limit = 1000 WHERE name = 'acme'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let tenant: uuid::Uuid = sqlx::query_scalar("SELECT id FROM tenants WHERE name = 'acme'")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let worker = fixture_worker("w0", &[]);
+    let spool = tempfile::tempdir().unwrap();
+    let prefix = format!("lf-admission-tpm-{}:", uuid::Uuid::new_v4());
+    let gateway = ready_gateway(
+        &db.url(),
+        &worker,
+        spool.path(),
+        &[
+            "--redis-url",
+            "redis://127.0.0.1:6379",
+            "--redis-prefix",
+            &prefix,
+        ],
+    )
+    .await;
+    let addr = gateway.addr("http").to_owned();
+    let http = reqwest::Client::new();
+    inside_one_minute(40).await;
+    let minute = chrono::Utc::now().timestamp() / 60;
+
+    // A stream that the client drops after its first tokens is charged
+    // the tokens it used, not its reservation.
+    let r = http
+        .post(format!("http://{addr}/v1/completions"))
+        .bearer_auth(ACME_KEY)
+        .json(
+            &json!({"model": "chat", "prompt": "hello", "max_tokens": 300,
+                      "ignore_eos": true, "stream": true}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let mut r = r;
+    let first = r.chunk().await.unwrap().unwrap();
+    assert!(first.starts_with(b"data: "), "{first:?}");
+    drop(r);
+
+    // Twenty at once, each reserving 200 tokens plus its prompt: at most
+    // five fit in 1000 (fewer, with the cancelled stream's tokens).
+    let body = json!({"model": "chat", "prompt": "hello", "max_tokens": 200, "ignore_eos": true});
+    let tries: Vec<_> = (0..20)
+        .map(|_| {
+            let (http, addr, body) = (http.clone(), addr.clone(), body.clone());
+            tokio::spawn(async move { complete(&http, &addr, ACME_KEY, body).await })
+        })
+        .collect();
+    let mut admitted = 0;
+    for t in tries {
+        let (status, body) = t.await.unwrap();
+        match status {
+            200 => admitted += 1,
+            429 => {
+                assert_eq!(body["error"]["code"], "rate_limit_exceeded", "{body}");
+                assert!(
+                    body["error"]["message"]
+                        .as_str()
+                        .unwrap()
+                        .contains("tokens per minute"),
+                    "{body}"
+                );
+            }
+            other => panic!("{other}: {body}"),
+        }
+    }
+    assert!((1..=5).contains(&admitted), "{admitted} admitted");
+    assert!(
+        chrono::Utc::now().timestamp() / 60 == minute,
+        "the test stayed inside one minute"
+    );
+
+    // The minute's count is exactly the tokens the rows say were used:
+    // every reservation was settled, the cancelled stream's too.
+    wait_rows(&pool, 21).await;
+    let used: i64 = sqlx::query_scalar(
+        "SELECT coalesce(sum(prompt_tokens + completion_tokens), 0)::bigint FROM audit_log
+         WHERE status IN ('ok', 'cancelled')",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    let cancelled: i32 =
+        sqlx::query_scalar("SELECT completion_tokens FROM audit_log WHERE status = 'cancelled'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert!(cancelled > 0 && cancelled < 300, "{cancelled}");
+    let mut redis = redis::Client::open("redis://127.0.0.1:6379")
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let key = format!("{prefix}rl:{tenant}:tpm:{minute}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let counted: i64 = redis::cmd("GET")
+            .arg(&key)
+            .query_async(&mut redis)
+            .await
+            .unwrap();
+        if counted == used {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the minute counts {counted} tokens; the rows used {used}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // The next minute, the budget is back.
+    let (status, answer) = complete(&http, &addr, ACME_KEY, body.clone()).await;
+    assert_eq!(status, 429, "{answer}");
+    let wait = 60 - chrono::Utc::now().timestamp() % 60;
+    tokio::time::sleep(Duration::from_secs(wait as u64 + 1)).await;
+    let (status, answer) = complete(&http, &addr, ACME_KEY, body).await;
+    assert_eq!(status, 200, "{answer}");
 }

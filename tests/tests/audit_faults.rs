@@ -71,7 +71,7 @@ impl Env {
         .args(["--workers", self.worker.addr("grpc")])
         // These tests load one tenant steadily; the limiter is not under
         // test here (tests/tests/gateway.rs covers it).
-        .args(["--default-rpm-limit", "0"])
+        .args(["--default-rpm-limit", "0", "--default-tpm-limit", "0"])
         .args(["--registry-refresh-secs", "1"])
         .args(["--audit-spool-owner", "gw-test"])
         .arg("--audit-spool")

@@ -393,6 +393,17 @@ fn check_overlay(overlay: &str) -> Vec<Value> {
     );
     check_mutual_tls(&objects, &gateway_env);
 
+    // Without Redis, each gateway replica enforces limit / replicas: the
+    // most the autoscaler may run, or the fleet admits more than a limit.
+    let hpa = find(&objects, "HorizontalPodAutoscaler", "lorafleet-gateway");
+    assert_eq!(
+        gateway_env["LORAFLEET_GATEWAY_REPLICAS"]
+            .as_deref()
+            .and_then(|r| r.parse::<u64>().ok()),
+        hpa["spec"]["maxReplicas"].as_u64(),
+        "LORAFLEET_GATEWAY_REPLICAS is the HPA's maxReplicas"
+    );
+
     // The gateway resolves the workers' headless Service.
     let sts = find(&objects, "StatefulSet", "lorafleet-worker");
     let service_name = sts["spec"]["serviceName"].as_str().unwrap();

@@ -342,15 +342,11 @@ async fn handle(s: AppState, headers: HeaderMap, body: Body, kind: Kind) -> Resp
 }
 
 struct Prepared {
-    principal: Principal,
     resolved: Resolved,
     request: Generation,
     stream: bool,
     include_usage: bool,
     model: String,
-    /// The tenant has a tokens-per-minute limit, so finished requests are
-    /// charged to it.
-    charges_tokens: bool,
     _tenant_slot: tokio::sync::OwnedSemaphorePermit,
     _permit: tokio::sync::OwnedSemaphorePermit,
 }
@@ -457,8 +453,10 @@ async fn prepare(
     // A tenant without its own limits gets the gateway's defaults.
     let rpm_limit = tenant.rpm_limit.or(s.default_rpm_limit);
     let tpm_limit = tenant.tpm_limit.or(s.default_tpm_limit);
-    s.limiter
-        .admit(tenant.id, rpm_limit, tpm_limit)
+    let reserve = u64::from(sampling.max_tokens) + estimate_prompt_tokens(&prompt);
+    trail.tokens = s
+        .limiter
+        .admit(tenant.id, rpm_limit, tpm_limit, reserve)
         .await
         .map_err(|l| {
             let mut e = ApiError::new(
@@ -498,16 +496,32 @@ async fn prepare(
         tracestate,
     };
     Ok(Prepared {
-        principal,
         resolved,
         request,
         stream,
         include_usage,
         model: common_model,
-        charges_tokens: tpm_limit.is_some(),
         _tenant_slot: tenant_slot,
         _permit: permit,
     })
+}
+
+/// The prompt's tokens as the tokens-per-minute reservation counts them
+/// before the worker has tokenized it: exact for token ids, and for text
+/// about four bytes a token (the usual rate of byte-level BPE on English),
+/// plus a few template tokens per chat message. The reservation is settled
+/// to the worker's exact count when the request ends.
+fn estimate_prompt_tokens(prompt: &upstream::Prompt) -> u64 {
+    const BYTES_PER_TOKEN: usize = 4;
+    const TEMPLATE_TOKENS_PER_MESSAGE: u64 = 4;
+    match prompt {
+        upstream::Prompt::TokenIds(ids) => ids.len() as u64,
+        upstream::Prompt::Text(t) => t.len().div_ceil(BYTES_PER_TOKEN) as u64,
+        upstream::Prompt::Chat(messages) => messages
+            .iter()
+            .map(|m| m.content.len().div_ceil(BYTES_PER_TOKEN) as u64 + TEMPLATE_TOKENS_PER_MESSAGE)
+            .sum(),
+    }
 }
 
 type Parsed = (

@@ -116,18 +116,9 @@ impl Meta {
     }
 }
 
-/// Records a finished completion in the trail and charges its tokens to
-/// the tenant's minute; returns the usage to report.
-///
-/// The charge is a Redis round trip that the client need not wait for, so
-/// it runs beside the response instead of before it.
-pub(super) fn settle(
-    s: &AppState,
-    p: &Prepared,
-    trail: &mut Trail,
-    f: &upstream::Finished,
-    completion_tokens: usize,
-) -> Usage {
+/// Records a finished completion in the trail (whose close settles the
+/// tenant's token reservation to it); returns the usage to report.
+pub(super) fn settle(trail: &mut Trail, f: &upstream::Finished, completion_tokens: usize) -> Usage {
     let usage = Usage::new(
         f.prompt_tokens,
         f.completion_tokens.max(completion_tokens as u32),
@@ -135,11 +126,6 @@ pub(super) fn settle(
     trail.record.prompt_tokens = usage.prompt_tokens as i32;
     trail.record.completion_tokens = usage.completion_tokens as i32;
     trail.record.finish_reason = Some(openai::finish_reason(f).into());
-    if p.charges_tokens {
-        let (limiter, tenant) = (s.limiter.clone(), p.principal.tenant_id);
-        let tokens = u64::from(usage.total_tokens);
-        tokio::spawn(async move { limiter.charge_tokens(tenant, tokens).await });
-    }
     usage
 }
 
@@ -162,7 +148,8 @@ pub(super) enum Cut {
 
 pub(super) async fn collect_response(
     s: AppState,
-    p: Prepared,
+    // Held to the end: its permits are the request's place in the gateway.
+    _p: Prepared,
     mut st: Started,
     mut trail: Trail,
     span: tracing::Span,
@@ -199,7 +186,7 @@ pub(super) async fn collect_response(
     let tokens = trail.record.completion_tokens as usize;
     match finished {
         Ok(f) => {
-            let usage = settle(&s, &p, &mut trail, &f, tokens);
+            let usage = settle(&mut trail, &f, tokens);
             let body = meta.full(&text, openai::finish_reason(&f), &usage);
             span.in_scope(|| {
                 tracing::info!(completion_tokens = usage.completion_tokens, "completed")
@@ -301,7 +288,7 @@ pub(super) fn stream_response(
         let tokens = trail.record.completion_tokens as usize;
         match outcome {
             Ok(f) => {
-                let usage = settle(&s, &p, &mut trail, &f, tokens);
+                let usage = settle(&mut trail, &f, tokens);
                 let reason = openai::finish_reason(&f);
                 send(sse(&meta.chunk(None, false, Some(reason)))).await;
                 if p.include_usage {

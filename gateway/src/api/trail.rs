@@ -14,6 +14,9 @@ pub(super) struct Trail {
     pub(super) tenant_name: String,
     pub(super) adapter_label: String,
     pub(super) ticket: Option<Ticket>,
+    /// The tenant's tokens-per-minute reservation, settled to the tokens
+    /// the request used when its row is written, however it ends.
+    pub(super) tokens: Option<crate::ratelimit::Reservation>,
 }
 
 /// HTTP status recorded for a request whose client closed the connection
@@ -66,6 +69,7 @@ impl Trail {
             tenant_name: String::new(),
             adapter_label: String::new(),
             ticket: Some(ticket),
+            tokens: None,
         }
     }
 
@@ -116,6 +120,10 @@ impl Trail {
         code: Option<&str>,
     ) -> Option<Durable> {
         let ticket = self.ticket.take()?;
+        if let Some(reservation) = self.tokens.take() {
+            let used = self.record.prompt_tokens.max(0) + self.record.completion_tokens.max(0);
+            reservation.settle(used as u64);
+        }
         self.record.completed_at = Utc::now();
         self.record.latency_us = self.started.elapsed().as_micros() as i64;
         self.record.status = status.into();

@@ -62,13 +62,15 @@ pub(super) async fn start(
     let lora_int_id = p.resolved.adapter.as_ref().map_or(0, |a| a.lora_int_id);
     let base_hash = &p.resolved.route.base_hash;
     let Some(route) = s.fleet.route(lora_int_id, base_hash) else {
+        // The hash is for the operator's log, not the tenant's answer.
+        tracing::warn!(%base_hash, base_model = %p.resolved.route.base_model, "no compatible worker");
         return Err(ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "server_error",
             "no_compatible_worker",
             format!(
-                "no worker serving base model {} (base hash {base_hash}) is available; \
-                 the request was not sent to any other model",
+                "no worker serving base model {} is available; the request was not sent to \
+                 any other model",
                 p.resolved.route.base_model
             ),
         ));
