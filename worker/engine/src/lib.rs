@@ -16,6 +16,7 @@ pub mod pool;
 pub mod sampling;
 mod scheduler;
 pub mod sequence;
+mod stop;
 
 pub use engine::{
     Accepted, BackendChoice, Completion, Engine, EngineSettings, EngineStats, Event, Prompt,

@@ -81,20 +81,22 @@ impl SamplingParams {
                 format!("at most {MAX_STOP_STRINGS} stop strings"),
             ));
         }
-        if self.stop.iter().any(String::is_empty) {
-            return Err(EngineError::request(
-                field("stop"),
-                "a stop string is empty",
-            ));
-        }
-        if let Some(long) = self.stop.iter().find(|s| s.len() > MAX_STOP_STRING_BYTES) {
-            return Err(EngineError::request(
-                field("stop"),
-                format!(
-                    "a stop string of {} bytes is longer than {MAX_STOP_STRING_BYTES}",
-                    long.len()
-                ),
-            ));
+        for (i, stop) in self.stop.iter().enumerate() {
+            if stop.is_empty() {
+                return Err(EngineError::request(
+                    field(&format!("stop[{i}]")),
+                    "is empty",
+                ));
+            }
+            if stop.len() > MAX_STOP_STRING_BYTES {
+                return Err(EngineError::request(
+                    field(&format!("stop[{i}]")),
+                    format!(
+                        "is {} bytes, longer than the limit of {MAX_STOP_STRING_BYTES}",
+                        stop.len()
+                    ),
+                ));
+            }
         }
         if self.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
             return Err(EngineError::request(
@@ -303,10 +305,10 @@ mod tests {
             ),
             (
                 SamplingParams {
-                    stop: vec![String::new()],
+                    stop: vec!["x".into(), String::new()],
                     ..Default::default()
                 },
-                "sampling.stop",
+                "sampling.stop[1]",
             ),
             (
                 SamplingParams {
@@ -320,7 +322,7 @@ mod tests {
                     stop: vec!["x".repeat(MAX_STOP_STRING_BYTES + 1)],
                     ..Default::default()
                 },
-                "sampling.stop",
+                "sampling.stop[0]",
             ),
             (
                 SamplingParams {

@@ -8,6 +8,7 @@ use crate::error::Result;
 use crate::model::tokenizer::{IncrementalDecoder, Tokenizer};
 use crate::pool::{AdapterId, Lease, Residency};
 use crate::sampling::{Rng, SamplingParams};
+use crate::stop::{StopState, StopStrings};
 
 /// Why a sequence ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,6 +63,8 @@ pub(crate) struct Sequence {
     detok: IncrementalDecoder,
     text: String,
     emitted: usize,
+    stops: StopStrings,
+    stop_state: StopState,
 }
 
 /// What one new token produced.
@@ -83,6 +86,8 @@ impl Sequence {
         Sequence {
             request_id,
             adapter,
+            stops: StopStrings::new(&params.stop),
+            stop_state: StopState::default(),
             detok: IncrementalDecoder::new(&prompt_ids),
             prompt_ids,
             output_ids: Vec::new(),
@@ -167,37 +172,18 @@ impl Sequence {
         Ok(TokenOutput { text, finished })
     }
 
-    /// The earliest stop string that now appears in the text, searching only
-    /// where new text could complete one.
-    fn find_stop(&self, before: usize) -> Option<(usize, String)> {
-        let longest = self.params.stop.iter().map(String::len).max()?;
-        let mut from = before.saturating_sub(longest - 1);
-        while !self.text.is_char_boundary(from) {
-            from -= 1;
-        }
-        self.params
-            .stop
-            .iter()
-            .filter_map(|s| {
-                self.text[from..]
-                    .find(s.as_str())
-                    .map(|i| (from + i, s.clone()))
-            })
-            .min_by_key(|(i, _)| *i)
+    /// The first stop string that the text from `before` on completes,
+    /// as (where the text is cut, the stop string). Only the new bytes are
+    /// fed to the automaton, whose state carries over from earlier tokens.
+    fn find_stop(&mut self, before: usize) -> Option<(usize, String)> {
+        self.stops
+            .feed(&mut self.stop_state, &self.text, before)
+            .map(|m| (m.start, m.stop))
     }
 
     /// Bytes at the end of the text that could be the start of a stop string.
     fn stop_holdback(&self) -> usize {
-        let mut hold = 0;
-        for stop in &self.params.stop {
-            for k in (1..stop.len()).rev() {
-                if k > hold && stop.is_char_boundary(k) && self.text.ends_with(&stop[..k]) {
-                    hold = k;
-                    break;
-                }
-            }
-        }
-        hold
+        self.stops.held(&self.stop_state)
     }
 
     pub fn finish(&self, reason: FinishReason, stop: Option<StopReason>) -> Finish {
