@@ -224,6 +224,12 @@ async fn concurrent_adapter_streams_match_the_goldens_and_bad_artifacts_are_refu
             Code::InvalidArgument,
             "token_ids",
         ),
+        // Longer than max_model_len (512): refused before the engine.
+        (
+            request("r", None, vec![5; 600], 2),
+            Code::InvalidArgument,
+            "sampling.max_tokens",
+        ),
     ];
     // No refusal is an oracle: none shows the artifact's actual digest or
     // a path on the worker's machine.
@@ -289,6 +295,11 @@ async fn concurrent_adapter_streams_match_the_goldens_and_bad_artifacts_are_refu
             );
             assert!(
                 get("lorafleet_inter_token_latency_seconds_count") > 0.0,
+                "{m:?}"
+            );
+            // Every prompt was tokenized and checked off the engine thread.
+            assert!(
+                get("lorafleet_tokenize_seconds_count") >= cases_len as f64,
                 "{m:?}"
             );
             assert!(

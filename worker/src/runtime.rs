@@ -15,7 +15,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use lorafleet_engine::lora::HostAdapter;
 use lorafleet_engine::{
-    Accepted, AdapterId, AdapterSource, Engine, EngineError, EngineStats, Event, Request,
+    Accepted, AdapterId, AdapterSource, Engine, EngineError, EngineStats, Event, Prompt, Request,
     Residency, StepStats,
 };
 use tokio::sync::{mpsc, oneshot, watch};
@@ -65,6 +65,7 @@ enum Command {
 pub struct EngineHandle {
     commands: std_mpsc::Sender<Command>,
     reports: watch::Receiver<Report>,
+    prompter: lorafleet_engine::Prompter,
 }
 
 impl std::fmt::Debug for Command {
@@ -134,11 +135,33 @@ impl EngineHandle {
             last_step: engine.last_step(),
         };
         let (report_tx, reports) = watch::channel(first);
+        let prompter = engine.prompter();
         std::thread::Builder::new()
             .name("engine".into())
             .spawn(move || run(engine, rx, report_tx, report_interval))
             .expect("spawn the engine thread");
-        EngineHandle { commands, reports }
+        EngineHandle {
+            commands,
+            reports,
+            prompter,
+        }
+    }
+
+    /// Tokenizes a prompt and checks it against the model on a blocking
+    /// thread, never the engine's: a long prompt delays no one else's
+    /// tokens, and one that cannot fit never reaches the engine.
+    pub async fn prepare(
+        &self,
+        prompt: Prompt,
+        max_tokens: usize,
+    ) -> Result<Vec<u32>, EngineError> {
+        let prompter = self.prompter.clone();
+        let started = std::time::Instant::now();
+        let ids = tokio::task::spawn_blocking(move || prompter.prepare(&prompt, max_tokens))
+            .await
+            .map_err(|e| EngineError::Backend(format!("the tokenizer thread failed: {e}")))??;
+        crate::telemetry::record_tokenize(started.elapsed());
+        Ok(ids)
     }
 
     /// Queues a request and returns its acceptance and its event stream.

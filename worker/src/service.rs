@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use lorafleet_engine::artifact::{ArtifactError, ArtifactRoots};
 use lorafleet_engine::lora::{AdapterLimits, HostAdapter};
 use lorafleet_engine::model::ModelConfig;
-use lorafleet_engine::{AdapterSource, EngineError, Event, Request, Residency};
+use lorafleet_engine::{AdapterSource, EngineError, Event, Prompt, Request, Residency};
 use lorafleet_proto::worker::v1 as pb;
 use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
@@ -368,11 +368,16 @@ impl pb::worker_server::Worker for WorkerService {
                 ),
                 None => None,
             };
+            let ids = self
+                .engine
+                .prepare(prompt, params.max_tokens)
+                .await
+                .map_err(|e| convert::engine_status(&e))?;
             self.engine
                 .submit(Request {
                     id,
                     adapter,
-                    prompt,
+                    prompt: Prompt::TokenIds(ids),
                     params,
                 })
                 .await

@@ -154,3 +154,8 @@ pub fn record_ttft(d: Duration) {
 pub fn record_inter_token(d: Duration) {
     histogram!("lorafleet_inter_token_latency_seconds").record(d.as_secs_f64());
 }
+
+/// Time to tokenize and check one prompt, on a blocking thread.
+pub fn record_tokenize(d: Duration) {
+    histogram!("lorafleet_tokenize_seconds").record(d.as_secs_f64());
+}

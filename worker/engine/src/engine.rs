@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::backend::cpu::CpuBackend;
@@ -12,6 +13,7 @@ use crate::kv::BlockAllocator;
 use crate::model::tokenizer::{ChatMessage, Tokenizer};
 use crate::model::{ModelConfig, WeightFiles};
 use crate::pool::{AdapterId, AdapterPool, AdapterSource, AdapterStatus, PoolCounters, Residency};
+use crate::prompter::Prompter;
 use crate::sampling::{Rng, SamplingParams, sample};
 use crate::scheduler::{Limits, Queues, Scheduler, SeqId};
 use crate::sequence::{Finish, Sequence};
@@ -184,7 +186,8 @@ pub enum BackendChoice {
 /// The multi-LoRA engine.
 pub struct Engine {
     config: ModelConfig,
-    tokenizer: Tokenizer,
+    tokenizer: Arc<Tokenizer>,
+    prompter: Prompter,
     backend: Box<dyn Backend>,
     base_hash: String,
     settings: EngineSettings,
@@ -277,10 +280,17 @@ impl Engine {
         let seed = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64);
+        let tokenizer = Arc::new(tokenizer);
+        let prompter = Prompter::new(
+            tokenizer.clone(),
+            config.vocab_size,
+            config.max_position_embeddings,
+        );
         Ok(Engine {
             kv: BlockAllocator::new(settings.kv_blocks, settings.block_size),
             config,
             tokenizer,
+            prompter,
             backend,
             base_hash,
             settings,
@@ -300,6 +310,12 @@ impl Engine {
 
     pub fn tokenizer(&self) -> &Tokenizer {
         &self.tokenizer
+    }
+
+    /// The tokenizer and the model's limits, to prepare prompts on other
+    /// threads (see [`Prompter`]).
+    pub fn prompter(&self) -> Prompter {
+        self.prompter.clone()
     }
 
     pub fn base_hash(&self) -> &str {
@@ -375,36 +391,7 @@ impl Engine {
 
     /// Turns a prompt into token ids.
     pub fn tokenize(&self, prompt: &Prompt) -> Result<Vec<u32>> {
-        let ids = match prompt {
-            Prompt::Text(t) => self.tokenizer.encode(t, true)?,
-            Prompt::TokenIds(ids) => ids.clone(),
-            Prompt::Chat {
-                messages,
-                add_generation_prompt,
-            } => {
-                if messages.is_empty() {
-                    return Err(EngineError::request(
-                        "prompt.chat.messages",
-                        "must hold at least one message",
-                    ));
-                }
-                self.tokenizer
-                    .encode_chat(messages, *add_generation_prompt)?
-            }
-        };
-        if ids.is_empty() {
-            return Err(EngineError::request(
-                "prompt",
-                "is empty after tokenization",
-            ));
-        }
-        if let Some(bad) = ids.iter().find(|&&t| t as usize >= self.config.vocab_size) {
-            return Err(EngineError::request(
-                "prompt.token_ids",
-                format!("{bad} is not below vocab_size {}", self.config.vocab_size),
-            ));
-        }
-        Ok(ids)
+        self.prompter.tokenize(prompt)
     }
 
     /// Queues a request. Fails at once for a bad request, an unknown
@@ -435,19 +422,18 @@ impl Engine {
         request
             .params
             .validate("sampling", self.config.vocab_size)?;
-        let prompt_ids = self.tokenize(&request.prompt)?;
+        // Token ids (as the worker sends, having tokenized on another
+        // thread) are only checked here; text is tokenized here.
+        let prompt_ids = match request.prompt {
+            Prompt::TokenIds(ids) => {
+                self.prompter.check(&ids)?;
+                ids
+            }
+            ref other => self.tokenize(other)?,
+        };
+        self.prompter
+            .check_length(prompt_ids.len(), request.params.max_tokens)?;
         let needed = prompt_ids.len() + request.params.max_tokens;
-        if needed > self.max_model_len() {
-            return Err(EngineError::request(
-                "sampling.max_tokens",
-                format!(
-                    "the prompt ({} tokens) plus max_tokens ({}) exceeds max_model_len {}",
-                    prompt_ids.len(),
-                    request.params.max_tokens,
-                    self.max_model_len()
-                ),
-            ));
-        }
         if self.kv.blocks_for(needed) > self.kv.total() {
             return Err(EngineError::request(
                 "sampling.max_tokens",

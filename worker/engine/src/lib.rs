@@ -13,6 +13,7 @@ pub mod kv;
 pub mod lora;
 pub mod model;
 pub mod pool;
+pub mod prompter;
 pub mod sampling;
 mod scheduler;
 pub mod sequence;
@@ -24,5 +25,6 @@ pub use engine::{
 };
 pub use error::{EngineError, Result};
 pub use pool::{AdapterId, AdapterSource, Residency};
+pub use prompter::Prompter;
 pub use sampling::SamplingParams;
 pub use sequence::{Finish, FinishReason, StopReason};

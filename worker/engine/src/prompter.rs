@@ -1,0 +1,90 @@
+//! Turning a prompt into token ids, checked against the model, without the
+//! engine: the worker runs it on a blocking thread before a request reaches
+//! the engine's single thread, so a long prompt never delays other
+//! requests' tokens, and a prompt that cannot fit is refused before it
+//! costs the engine anything.
+
+use std::sync::Arc;
+
+use crate::engine::Prompt;
+use crate::error::{EngineError, Result};
+use crate::model::tokenizer::Tokenizer;
+
+/// The model's tokenizer and limits. Cheap to clone, and `Send`.
+#[derive(Debug, Clone)]
+pub struct Prompter {
+    tokenizer: Arc<Tokenizer>,
+    vocab_size: usize,
+    max_model_len: usize,
+}
+
+impl Prompter {
+    pub(crate) fn new(tokenizer: Arc<Tokenizer>, vocab_size: usize, max_model_len: usize) -> Self {
+        Prompter {
+            tokenizer,
+            vocab_size,
+            max_model_len,
+        }
+    }
+
+    /// The prompt's token ids, every one below the vocabulary size.
+    pub fn tokenize(&self, prompt: &Prompt) -> Result<Vec<u32>> {
+        let ids = match prompt {
+            Prompt::Text(t) => self.tokenizer.encode(t, true)?,
+            Prompt::TokenIds(ids) => ids.clone(),
+            Prompt::Chat {
+                messages,
+                add_generation_prompt,
+            } => {
+                if messages.is_empty() {
+                    return Err(EngineError::request(
+                        "prompt.chat.messages",
+                        "must hold at least one message",
+                    ));
+                }
+                self.tokenizer
+                    .encode_chat(messages, *add_generation_prompt)?
+            }
+        };
+        self.check(&ids)?;
+        Ok(ids)
+    }
+
+    /// [`Prompter::tokenize`], then refuses a prompt that with `max_tokens`
+    /// more would exceed the model's length.
+    pub fn prepare(&self, prompt: &Prompt, max_tokens: usize) -> Result<Vec<u32>> {
+        let ids = self.tokenize(prompt)?;
+        self.check_length(ids.len(), max_tokens)?;
+        Ok(ids)
+    }
+
+    pub(crate) fn check(&self, ids: &[u32]) -> Result<()> {
+        if ids.is_empty() {
+            return Err(EngineError::request(
+                "prompt",
+                "is empty after tokenization",
+            ));
+        }
+        if let Some(bad) = ids.iter().find(|&&t| t as usize >= self.vocab_size) {
+            return Err(EngineError::request(
+                "prompt.token_ids",
+                format!("{bad} is not below vocab_size {}", self.vocab_size),
+            ));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn check_length(&self, prompt_tokens: usize, max_tokens: usize) -> Result<()> {
+        if prompt_tokens + max_tokens > self.max_model_len {
+            return Err(EngineError::request(
+                "sampling.max_tokens",
+                format!(
+                    "the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds \
+                     max_model_len {}",
+                    self.max_model_len
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
