@@ -10,6 +10,7 @@ pub mod auth;
 pub mod db;
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod listener;
 pub mod ratelimit;
 pub mod registry;
 pub mod router;

@@ -78,6 +78,10 @@ pub struct ServeArgs {
     /// means unlimited.
     #[arg(long, env = "LORAFLEET_DEFAULT_TPM_LIMIT", default_value_t = 1_000_000)]
     pub default_tpm_limit: u64,
+    /// Longest a client may take to send its request line and headers, in
+    /// seconds; then the connection is closed.
+    #[arg(long, env = "LORAFLEET_HEADER_TIMEOUT_SECS", default_value_t = 10)]
+    pub header_timeout_secs: u64,
     /// Longest a client may take to send its request body, in seconds;
     /// then 408 `body_timeout`.
     #[arg(long, env = "LORAFLEET_BODY_TIMEOUT_SECS", default_value_t = 30)]
@@ -317,6 +321,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         ("--request-timeout-secs", args.request_timeout_secs),
         ("--first-token-timeout-secs", args.first_token_timeout_secs),
         ("--body-timeout-secs", args.body_timeout_secs),
+        ("--header-timeout-secs", args.header_timeout_secs),
         (
             "--max-concurrent-requests",
             args.max_concurrent_requests as u64,
@@ -553,14 +558,6 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     tracing::info!(http = %addr, metrics = %metrics_addr, admin = ?admin_addr, "listening");
 
     let drain = Duration::from_secs(args.drain_deadline_secs);
-    // Small responses and SSE chunks go out at once rather than waiting on
-    // the client's delayed ACK (Nagle).
-    use axum::serve::ListenerExt;
-    let listener = listener.tap_io(|tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!(error = %e, "TCP_NODELAY");
-        }
-    });
     let (signal_tx, signal_rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
         wait_for_signal().await;
@@ -572,10 +569,10 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             let _ = rx.wait_for(|v| *v).await;
         }
     };
+    let header_timeout = Duration::from_secs(args.header_timeout_secs);
     let mut server = tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(stop_accepting)
-            .await
+        crate::listener::serve(listener, app, header_timeout, stop_accepting).await;
+        Ok::<(), std::io::Error>(())
     });
     let signal_seen = signal_rx.clone();
     let mut signalled = signal_rx;

@@ -204,7 +204,7 @@ pub(super) async fn collect_response(
                     ApiError::new(
                         StatusCode::GATEWAY_TIMEOUT,
                         "server_error",
-                        "timeout",
+                        "request_timeout",
                         format!("the request took longer than {:?}", s.request_timeout),
                     ),
                     "error",
@@ -279,7 +279,7 @@ pub(super) fn stream_response(
                     Ok(Ok(Some(e))) => event = Some(e),
                     Ok(Ok(None)) => break Err(("error", "worker_stream_ended")),
                     Ok(Err(_)) => break Err(("error", "worker_failed")),
-                    Err(_) => break Err(("error", "timeout")),
+                    Err(_) => break Err(("error", "request_timeout")),
                 },
                 () = tx.closed() => break Err(("cancelled", "client_closed")),
                 () = cut(s.cut.clone()) => break Err(("cancelled", "gateway_shutdown")),
@@ -307,10 +307,12 @@ pub(super) fn stream_response(
             Err((status, code)) => {
                 if status == "error" || code == "gateway_shutdown" {
                     // Headers are gone; tell the client in-band, OpenAI-style.
-                    let message = if code == "gateway_shutdown" {
-                        "the gateway is shutting down and its drain deadline passed"
-                    } else {
-                        "the worker failed after the stream started"
+                    let message = match code {
+                        "gateway_shutdown" => {
+                            "the gateway is shutting down and its drain deadline passed"
+                        }
+                        "request_timeout" => "the request took longer than the gateway allows",
+                        _ => "the worker failed after the stream started",
                     };
                     let body = openai::error_body(message, "server_error", None, Some(code));
                     // Best effort, and never past the deadline.
