@@ -28,9 +28,11 @@ use crate::auth::{self, JwtConfig, Principal};
 use crate::ratelimit::RateLimiter;
 use crate::registry::{Registry, Resolved};
 use crate::router::fleet::Fleet;
-use crate::upstream::{self, Generation, UpstreamError, UpstreamErrorKind, WorkerEvent};
-use openai::{BadRequest, ChatRequest, CompletionRequest, Usage};
+use crate::upstream::{self, Generation, UpstreamError, WorkerEvent};
+pub use error::{ApiError, Parts, WorkerFailure};
+use openai::{ChatRequest, CompletionRequest, Usage};
 
+mod error;
 pub mod openai;
 mod respond;
 mod trail;
@@ -124,89 +126,6 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
-/// An OpenAI-shaped error response.
-#[derive(Debug)]
-pub struct ApiError {
-    pub status: StatusCode,
-    pub kind: &'static str,
-    pub code: &'static str,
-    pub message: String,
-    pub param: Option<String>,
-    pub retry_after: Option<u64>,
-}
-
-impl ApiError {
-    fn new(status: StatusCode, kind: &'static str, code: &'static str, message: String) -> Self {
-        ApiError {
-            status,
-            kind,
-            code,
-            message,
-            param: None,
-            retry_after: None,
-        }
-    }
-
-    fn unauthorized(e: &auth::AuthError) -> Self {
-        // The credential is good; its tenant is not allowed in.
-        if *e == auth::AuthError::TenantDisabled {
-            return Self::new(
-                StatusCode::FORBIDDEN,
-                "permission_error",
-                "tenant_disabled",
-                e.to_string(),
-            );
-        }
-        Self::new(
-            StatusCode::UNAUTHORIZED,
-            "authentication_error",
-            "invalid_api_key",
-            e.to_string(),
-        )
-    }
-
-    fn model_not_found(model: &str) -> Self {
-        // The same answer whether the model does not exist or belongs to
-        // another tenant: the response must not reveal other tenants.
-        let mut e = Self::new(
-            StatusCode::NOT_FOUND,
-            "invalid_request_error",
-            "model_not_found",
-            format!("The model `{model}` does not exist or you do not have access to it."),
-        );
-        e.param = Some("model".into());
-        e
-    }
-
-    fn bad_request(b: BadRequest) -> Self {
-        let mut e = Self::new(
-            StatusCode::BAD_REQUEST,
-            "invalid_request_error",
-            "invalid_request",
-            b.message,
-        );
-        e.param = (!b.param.is_empty()).then_some(b.param);
-        e
-    }
-}
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let body = openai::error_body(
-            &self.message,
-            self.kind,
-            self.param.as_deref(),
-            Some(self.code),
-        );
-        let mut r = (self.status, axum::Json(body)).into_response();
-        if let Some(secs) = self.retry_after {
-            r.headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
-        }
-        r
-    }
-}
-
 async fn ready(State(s): State<AppState>) -> Response {
     let age = s.registry.age();
     if age > s.registry_max_age {
@@ -233,18 +152,16 @@ fn principal(s: &AppState, headers: &HeaderMap) -> Result<Principal, ApiError> {
         .get(header::AUTHORIZATION)
         .map(|v| v.to_str().unwrap_or(""));
     auth::authenticate(value, &s.registry.snapshot(), s.jwt.as_ref())
-        .map_err(|e| ApiError::unauthorized(&e))
+        .map_err(ApiError::unauthorized)
 }
 
 async fn models(State(s): State<AppState>, headers: HeaderMap) -> Result<Response, ApiError> {
     let p = principal(&s, &headers)?;
     if !p.has_scope(auth::SCOPE_MODELS_READ) && !p.has_scope(auth::SCOPE_INFERENCE) {
-        return Err(ApiError::new(
-            StatusCode::FORBIDDEN,
-            "permission_error",
-            "insufficient_scope",
-            "this credential may not list models (scope models:read)".into(),
-        ));
+        return Err(ApiError::InsufficientScope {
+            scope: auth::SCOPE_MODELS_READ,
+            what: "list models",
+        });
     }
     let snapshot = s.registry.snapshot();
     let owner = snapshot
@@ -322,8 +239,7 @@ async fn handle(s: AppState, headers: HeaderMap, body: Body, kind: Kind) -> Resp
     let prepared = match result {
         Ok(p) => p,
         Err(e) => {
-            let code = e.code;
-            let status = e.status;
+            let Parts { code, status, .. } = e.parts();
             span.in_scope(|| tracing::info!(status = status.as_u16(), code, "refused"));
             let outcome = if code == "gateway_shutdown" {
                 "cancelled"
@@ -371,65 +287,42 @@ async fn prepare(
     let tenant = snapshot
         .tenant(&principal.tenant_id)
         .cloned()
-        .ok_or_else(|| ApiError::unauthorized(&auth::AuthError::InvalidKey))?;
+        .ok_or(ApiError::Unauthenticated(auth::AuthError::InvalidKey))?;
     trail.tenant_name = tenant.name.clone();
     tracing::Span::current().record("tenant", tenant.name.as_str());
     if !principal.has_scope(auth::SCOPE_INFERENCE) {
-        return Err(ApiError::new(
-            StatusCode::FORBIDDEN,
-            "permission_error",
-            "insufficient_scope",
-            "this credential may not run completions (scope inference)".into(),
-        ));
+        return Err(ApiError::InsufficientScope {
+            scope: auth::SCOPE_INFERENCE,
+            what: "run completions",
+        });
     }
-    let tenant_slot = s.tenant_slots.try_acquire(tenant.id).ok_or_else(|| {
-        let mut e = ApiError::new(
-            StatusCode::TOO_MANY_REQUESTS,
-            "rate_limit_error",
-            "tenant_concurrency_limit",
-            format!(
-                "this tenant has {} requests in the gateway already; retry when one ends",
-                s.tenant_slots.per_tenant
-            ),
-        );
-        e.retry_after = Some(1);
-        e
-    })?;
+    let tenant_slot = s
+        .tenant_slots
+        .try_acquire(tenant.id)
+        .ok_or(ApiError::TenantConcurrency {
+            per_tenant: s.tenant_slots.per_tenant,
+        })?;
     let bytes: Bytes =
         match tokio::time::timeout(s.body_timeout, axum::body::to_bytes(body, s.max_body_bytes))
             .await
         {
             Ok(Ok(bytes)) => bytes,
             Ok(Err(_)) => {
-                return Err(ApiError::new(
-                    StatusCode::PAYLOAD_TOO_LARGE,
-                    "invalid_request_error",
-                    "request_too_large",
-                    format!("the body is larger than {} bytes", s.max_body_bytes),
-                ));
+                return Err(ApiError::BodyTooLarge {
+                    limit: s.max_body_bytes,
+                });
             }
             Err(_) => {
-                return Err(ApiError::new(
-                    StatusCode::REQUEST_TIMEOUT,
-                    "invalid_request_error",
-                    "body_timeout",
-                    format!(
-                        "the body did not arrive within {} s",
-                        s.body_timeout.as_secs()
-                    ),
-                ));
+                return Err(ApiError::BodyTimeout {
+                    after: s.body_timeout,
+                });
             }
         };
-    let permit = s.permits.clone().try_acquire_owned().map_err(|_| {
-        let mut e = ApiError::new(
-            StatusCode::TOO_MANY_REQUESTS,
-            "rate_limit_error",
-            "gateway_overloaded",
-            "the gateway is at its concurrency limit; retry shortly".into(),
-        );
-        e.retry_after = Some(1);
-        e
-    })?;
+    let permit = s
+        .permits
+        .clone()
+        .try_acquire_owned()
+        .map_err(|_| ApiError::GatewayOverloaded)?;
     let parsed = parse_body(&bytes, kind);
     if parsed.is_err() {
         trail.note_refused_body(&bytes);
@@ -437,16 +330,9 @@ async fn prepare(
     let (common_model, user, stream, include_usage, prompt, sampling) = parsed?;
     trail.record.end_user = user.clone();
     if s.registry.age() > s.registry_max_age {
-        return Err(ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "server_error",
-            "registry_stale",
-            format!(
-                "the registry snapshot is older than {} s (Postgres is unreachable), so \
-                 revocations may be missed; retry when it is back",
-                s.registry_max_age.as_secs()
-            ),
-        ));
+        return Err(ApiError::RegistryStale {
+            max_age: s.registry_max_age,
+        });
     }
     trail.record.model_name = common_model.clone();
     tracing::Span::current().record("model", common_model.as_str());
@@ -458,22 +344,16 @@ async fn prepare(
         .limiter
         .admit(tenant.id, rpm_limit, tpm_limit, reserve)
         .await
-        .map_err(|l| {
-            let mut e = ApiError::new(
-                StatusCode::TOO_MANY_REQUESTS,
-                "rate_limit_error",
-                "rate_limit_exceeded",
-                format!("rate limit reached: {}", l.what),
-            );
-            e.retry_after = Some(l.retry_after_secs);
-            e
-        })?;
+        .map_err(ApiError::RateLimited)?;
+
     let stickiness = user
         .clone()
         .unwrap_or_else(|| trail.record.request_id.to_string());
     let resolved = snapshot
         .resolve(&principal.tenant_id, &common_model, &stickiness)
-        .ok_or_else(|| ApiError::model_not_found(&common_model))?;
+        .ok_or_else(|| ApiError::ModelNotFound {
+            model: common_model.clone(),
+        })?;
     trail.resolved(&resolved);
     let adapter = resolved.adapter.as_ref().map(|a| upstream::AdapterRef {
         lora_int_id: a.lora_int_id,
@@ -537,15 +417,15 @@ type Parsed = (
 fn parse_body(bytes: &[u8], kind: Kind) -> Result<Parsed, ApiError> {
     Ok(match kind {
         Kind::Completion => {
-            let r = CompletionRequest::parse(bytes).map_err(ApiError::bad_request)?;
-            let (p, sp) = r.to_worker().map_err(ApiError::bad_request)?;
+            let r = CompletionRequest::parse(bytes)?;
+            let (p, sp) = r.to_worker()?;
             let c = r.common;
             let iu = c.include_usage();
             (c.model, c.user, c.stream, iu, p, sp)
         }
         Kind::Chat => {
-            let r = ChatRequest::parse(bytes).map_err(ApiError::bad_request)?;
-            let (p, sp) = r.to_worker().map_err(ApiError::bad_request)?;
+            let r = ChatRequest::parse(bytes)?;
+            let (p, sp) = r.to_worker()?;
             let c = r.common;
             let iu = c.include_usage();
             (c.model, c.user, c.stream, iu, p, sp)

@@ -19,9 +19,14 @@ pub(super) async fn run(
     let started = match started {
         Ok(st) => st,
         Err((e, outcome)) => {
-            let (status, code) = (e.status, e.code);
+            let Parts {
+                status,
+                code,
+                message,
+                ..
+            } = e.parts();
             span.in_scope(
-                || tracing::warn!(status = status.as_u16(), code, message = %e.message, "failed"),
+                || tracing::warn!(status = status.as_u16(), code, message = %message, "failed"),
             );
             durable(trail.close(outcome, status, Some(code))).await;
             return e.into_response();
@@ -130,13 +135,7 @@ pub(super) fn settle(trail: &mut Trail, f: &upstream::Finished, completion_token
 }
 
 pub(super) fn shutting_down() -> ApiError {
-    ApiError::new(
-        StatusCode::SERVICE_UNAVAILABLE,
-        "server_error",
-        "gateway_shutdown",
-        "the gateway is shutting down and its drain deadline passed; retry on another replica"
-            .into(),
-    )
+    ApiError::GatewayShutdown
 }
 
 /// How a worker stream ended before its `Finished` event.
@@ -201,19 +200,19 @@ pub(super) async fn collect_response(
             // Tokens were produced, so no retry: the client gets an error.
             let (e, outcome) = match cut {
                 Cut::Timeout => (
-                    ApiError::new(
-                        StatusCode::GATEWAY_TIMEOUT,
-                        "server_error",
-                        "request_timeout",
-                        format!("the request took longer than {:?}", s.request_timeout),
-                    ),
+                    ApiError::RequestTimeout {
+                        after: s.request_timeout,
+                    },
                     "error",
                 ),
                 Cut::Shutdown => (shutting_down(), "cancelled"),
                 Cut::Worker(status) => (worker_error(&status), "error"),
             };
-            span.in_scope(|| tracing::warn!(message = %e.message, "failed after the first token"));
-            durable(trail.close(outcome, e.status, Some(e.code))).await;
+            let parts = e.parts();
+            span.in_scope(
+                || tracing::warn!(message = %parts.message, "failed after the first token"),
+            );
+            durable(trail.close(outcome, parts.status, Some(parts.code))).await;
             e.into_response()
         }
     }
@@ -300,7 +299,8 @@ pub(super) fn stream_response(
                     send(Bytes::from_static(b"data: [DONE]\n\n")).await;
                 } else {
                     let e = row_not_durable();
-                    let body = openai::error_body(&e.message, e.kind, None, Some(e.code));
+                    let p = e.parts();
+                    let body = openai::error_body(&p.message, p.kind, None, Some(p.code));
                     send(sse(&body)).await;
                 }
             }

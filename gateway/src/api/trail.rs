@@ -165,26 +165,13 @@ pub(super) async fn durable(d: Option<Durable>) -> bool {
 }
 
 pub(super) fn audit_unavailable(u: Unavailable) -> ApiError {
-    let mut e = ApiError::new(
-        StatusCode::SERVICE_UNAVAILABLE,
-        "server_error",
-        "audit_unavailable",
-        u.to_string(),
-    );
-    e.retry_after = Some(5);
-    e
+    ApiError::AuditUnavailable {
+        reason: u.to_string(),
+    }
 }
 
 pub(super) fn row_not_durable() -> ApiError {
-    let mut e = ApiError::new(
-        StatusCode::SERVICE_UNAVAILABLE,
-        "server_error",
-        "audit_unavailable",
-        "the completion's audit row could not be made durable, so it is not served; retry shortly"
-            .into(),
-    );
-    e.retry_after = Some(5);
-    e
+    ApiError::RowNotDurable
 }
 
 /// Every completion response carries its request id, the key of its row.

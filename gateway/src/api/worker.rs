@@ -11,46 +11,9 @@ pub(super) struct Started {
     pub(super) _in_flight: crate::router::fleet::InFlight,
 }
 
-/// A worker's failure as the tenant sees it. Only a refusal of the
-/// tenant's own request fields (the prompt, sampling) shows the worker's
-/// words; anything about the adapter, the artifact or the worker shows a
-/// stable reason code, and the worker's text goes to this gateway's log.
+/// A worker's failure as the tenant sees it ([`WorkerFailure`]).
 pub(super) fn worker_error(e: &UpstreamError) -> ApiError {
-    let reason = e.reason.as_deref().unwrap_or("unspecified");
-    match &e.kind {
-        UpstreamErrorKind::InvalidRequest { field }
-            if !field.as_deref().is_some_and(|f| f.starts_with("adapter")) =>
-        {
-            let mut api = ApiError::new(
-                StatusCode::BAD_REQUEST,
-                "invalid_request_error",
-                "invalid_request",
-                e.message.clone(),
-            );
-            api.param = field.clone();
-            api
-        }
-        UpstreamErrorKind::InvalidRequest { .. } | UpstreamErrorKind::AdapterUnavailable => {
-            tracing::warn!(reason, error = %e.detail, "the worker could not use the adapter");
-            ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "server_error",
-                "adapter_unavailable",
-                format!("the adapter for this model could not be loaded ({reason})"),
-            )
-        }
-        UpstreamErrorKind::Unavailable
-        | UpstreamErrorKind::FirstTokenTimeout
-        | UpstreamErrorKind::Failed => {
-            tracing::warn!(reason, error = %e.detail, "no worker served the request");
-            ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "server_error",
-                "workers_unavailable",
-                format!("no worker could serve the request ({reason})"),
-            )
-        }
-    }
+    ApiError::Worker(WorkerFailure::from_upstream(e))
 }
 
 /// Tries the candidates in order until one produces a first token.
@@ -64,16 +27,9 @@ pub(super) async fn start(
     let Some(route) = s.fleet.route(lora_int_id, base_hash) else {
         // The hash is for the operator's log, not the tenant's answer.
         tracing::warn!(%base_hash, base_model = %p.resolved.route.base_model, "no compatible worker");
-        return Err(ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "server_error",
-            "no_compatible_worker",
-            format!(
-                "no worker serving base model {} is available; the request was not sent to \
-                 any other model",
-                p.resolved.route.base_model
-            ),
-        ));
+        return Err(ApiError::NoCompatibleWorker {
+            base_model: p.resolved.route.base_model.clone(),
+        });
     };
     let span = tracing::Span::current();
     span.record("route_reason", route.reason.as_str());
@@ -142,16 +98,10 @@ pub(super) async fn start(
         }
     }
     if first_token_timeouts > 0 && first_token_timeouts == trail.record.attempts as usize {
-        return Err(ApiError::new(
-            StatusCode::GATEWAY_TIMEOUT,
-            "server_error",
-            "first_token_timeout",
-            format!(
-                "no worker produced a first token within {} s ({} tried)",
-                s.first_token_timeout.as_secs(),
-                first_token_timeouts
-            ),
-        ));
+        return Err(ApiError::FirstTokenTimeout {
+            after: s.first_token_timeout,
+            tried: first_token_timeouts,
+        });
     }
     Err(worker_error(&last.unwrap_or_else(|| {
         UpstreamError::unavailable("no candidate worker")
