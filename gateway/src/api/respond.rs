@@ -141,8 +141,37 @@ pub(super) fn shutting_down() -> ApiError {
 /// How a worker stream ended before its `Finished` event.
 pub(super) enum Cut {
     Worker(UpstreamError),
+    /// The worker closed the stream without a `Finished` event.
+    WorkerStreamEnded,
     Timeout,
     Shutdown,
+    /// The client went away (streams only: a whole response's handler is
+    /// dropped instead, and its trail records that).
+    ClientClosed,
+}
+
+impl Cut {
+    /// The audit row's outcome, and the error the client is told (None
+    /// when no one is left to tell).
+    fn ending(self, s: &AppState) -> (&'static str, Option<ApiError>, &'static str) {
+        match self {
+            Cut::ClientClosed => ("cancelled", None, "client_closed"),
+            Cut::Shutdown => ("cancelled", Some(shutting_down()), "gateway_shutdown"),
+            Cut::Timeout => {
+                let e = ApiError::RequestTimeout {
+                    after: s.request_timeout,
+                };
+                ("error", Some(e), "request_timeout")
+            }
+            Cut::WorkerStreamEnded => {
+                let e = worker_error(&UpstreamError::unavailable(
+                    "the worker closed the stream before the end",
+                ));
+                ("error", Some(e), "worker_stream_ended")
+            }
+            Cut::Worker(status) => ("error", Some(worker_error(&status)), "worker_failed"),
+        }
+    }
 }
 
 pub(super) async fn collect_response(
@@ -171,11 +200,7 @@ pub(super) async fn collect_response(
         tokio::select! {
             m = tokio::time::timeout_at(deadline, st.stream.next()) => match m {
                 Ok(Ok(Some(e))) => event = Some(e),
-                Ok(Ok(None)) => {
-                    break Err(Cut::Worker(UpstreamError::unavailable(
-                        "the worker closed the stream before the end",
-                    )));
-                }
+                Ok(Ok(None)) => break Err(Cut::WorkerStreamEnded),
                 Ok(Err(status)) => break Err(Cut::Worker(status)),
                 Err(_) => break Err(Cut::Timeout),
             },
@@ -198,16 +223,8 @@ pub(super) async fn collect_response(
         }
         Err(cut) => {
             // Tokens were produced, so no retry: the client gets an error.
-            let (e, outcome) = match cut {
-                Cut::Timeout => (
-                    ApiError::RequestTimeout {
-                        after: s.request_timeout,
-                    },
-                    "error",
-                ),
-                Cut::Shutdown => (shutting_down(), "cancelled"),
-                Cut::Worker(status) => (worker_error(&status), "error"),
-            };
+            let (outcome, told, _) = cut.ending(&s);
+            let e = told.unwrap_or(ApiError::GatewayShutdown);
             let parts = e.parts();
             span.in_scope(
                 || tracing::warn!(message = %parts.message, "failed after the first token"),
@@ -253,7 +270,7 @@ pub(super) fn stream_response(
                 return;
             }
         }
-        let outcome: Result<upstream::Finished, (&str, &str)> = loop {
+        let outcome: Result<upstream::Finished, Cut> = loop {
             match event.take() {
                 Some(WorkerEvent::Delta { token_ids, text }) => {
                     trail.record.completion_tokens += token_ids.len() as i32;
@@ -264,9 +281,9 @@ pub(super) fn stream_response(
                         // it): dropping the worker stream cancels the
                         // request there and frees its blocks.
                         break Err(if *s.cut.borrow() {
-                            ("cancelled", "gateway_shutdown")
+                            Cut::Shutdown
                         } else {
-                            ("cancelled", "client_closed")
+                            Cut::ClientClosed
                         });
                     }
                 }
@@ -276,12 +293,12 @@ pub(super) fn stream_response(
             tokio::select! {
                 m = tokio::time::timeout_at(deadline, st.stream.next()) => match m {
                     Ok(Ok(Some(e))) => event = Some(e),
-                    Ok(Ok(None)) => break Err(("error", "worker_stream_ended")),
-                    Ok(Err(_)) => break Err(("error", "worker_failed")),
-                    Err(_) => break Err(("error", "request_timeout")),
+                    Ok(Ok(None)) => break Err(Cut::WorkerStreamEnded),
+                    Ok(Err(e)) => break Err(Cut::Worker(e)),
+                    Err(_) => break Err(Cut::Timeout),
                 },
-                () = tx.closed() => break Err(("cancelled", "client_closed")),
-                () = cut(s.cut.clone()) => break Err(("cancelled", "gateway_shutdown")),
+                () = tx.closed() => break Err(Cut::ClientClosed),
+                () = cut(s.cut.clone()) => break Err(Cut::Shutdown),
             }
         };
         let tokens = trail.record.completion_tokens as usize;
@@ -304,17 +321,13 @@ pub(super) fn stream_response(
                     send(sse(&body)).await;
                 }
             }
-            Err((status, code)) => {
-                if status == "error" || code == "gateway_shutdown" {
-                    // Headers are gone; tell the client in-band, OpenAI-style.
-                    let message = match code {
-                        "gateway_shutdown" => {
-                            "the gateway is shutting down and its drain deadline passed"
-                        }
-                        "request_timeout" => "the request took longer than the gateway allows",
-                        _ => "the worker failed after the stream started",
-                    };
-                    let body = openai::error_body(message, "server_error", None, Some(code));
+            Err(cut) => {
+                // The row keeps how the stream ended; the client, whose
+                // headers are gone, is told in-band, OpenAI-style.
+                let (status, told, code) = cut.ending(&s);
+                if let Some(e) = told {
+                    let p = e.parts();
+                    let body = openai::error_body(&p.message, p.kind, None, Some(code));
                     // Best effort, and never past the deadline.
                     let _ =
                         tokio::time::timeout(Duration::from_millis(100), tx.send(Ok(sse(&body))))
