@@ -12,6 +12,7 @@
 //! Every failure is one 401 with a reason that does not tell a wrong secret
 //! from an unknown key.
 
+use crate::flag_error::{FlagError, ensure};
 use std::path::PathBuf;
 
 use chrono::Utc;
@@ -110,7 +111,7 @@ fn is_hmac(a: Algorithm) -> bool {
 
 impl JwtArgs {
     /// None when no JWT key is configured (JWTs are then refused).
-    pub fn config(&self) -> anyhow::Result<Option<JwtConfig>> {
+    pub fn config(&self) -> Result<Option<JwtConfig>, FlagError> {
         jwt_config(
             "--jwt-",
             self.jwt_hmac_secret_file.as_deref(),
@@ -132,29 +133,31 @@ pub fn jwt_config(
     algorithm_names: &[String],
     issuer: Option<&str>,
     audience: Option<&str>,
-) -> anyhow::Result<Option<JwtConfig>> {
+) -> Result<Option<JwtConfig>, FlagError> {
     let flag = |name: &str| format!("{flag_prefix}{name}");
     if hmac_secret_file.is_none() && public_key_file.is_none() {
-        anyhow::ensure!(
+        ensure(
             algorithm_names.is_empty(),
-            "{}: set {} or {} too",
             flag("algorithms"),
-            flag("hmac-secret-file"),
-            flag("public-key-file")
-        );
+            format!(
+                "set {} or {} too",
+                flag("hmac-secret-file"),
+                flag("public-key-file")
+            ),
+        )?;
         return Ok(None);
     }
-    anyhow::ensure!(
+    ensure(
         !algorithm_names.is_empty(),
-        "{}: required with a JWT key, e.g. RS256",
-        flag("algorithms")
-    );
+        flag("algorithms"),
+        "required with a JWT key, e.g. RS256",
+    )?;
     let mut algorithms = Vec::new();
     for a in algorithm_names {
         let alg: Algorithm = a.trim().parse().map_err(|_| {
-            anyhow::anyhow!(
-                "{}: {a:?} is not a JWT algorithm such as RS256",
-                flag("algorithms")
+            FlagError::new(
+                flag("algorithms"),
+                format!("{a:?} is not a JWT algorithm such as RS256"),
             )
         })?;
         algorithms.push(alg);
@@ -162,29 +165,29 @@ pub fn jwt_config(
     let hmac = match hmac_secret_file {
         Some(p) => {
             let secret = std::fs::read(p).map_err(|e| {
-                anyhow::anyhow!("{} {}: {e}", flag("hmac-secret-file"), p.display())
+                FlagError::new(flag("hmac-secret-file"), format!("{}: {e}", p.display()))
             })?;
             let secret = secret.trim_ascii();
-            anyhow::ensure!(
+            ensure(
                 secret.len() >= 32,
-                "{}: the secret must be at least 32 bytes",
-                flag("hmac-secret-file")
-            );
+                flag("hmac-secret-file"),
+                "the secret must be at least 32 bytes",
+            )?;
             Some(DecodingKey::from_secret(secret))
         }
         None => None,
     };
     let public = match public_key_file {
         Some(p) => {
-            let pem = std::fs::read(p)
-                .map_err(|e| anyhow::anyhow!("{} {}: {e}", flag("public-key-file"), p.display()))?;
+            let pem = std::fs::read(p).map_err(|e| {
+                FlagError::new(flag("public-key-file"), format!("{}: {e}", p.display()))
+            })?;
             let key = DecodingKey::from_rsa_pem(&pem)
                 .or_else(|_| DecodingKey::from_ec_pem(&pem))
                 .map_err(|e| {
-                    anyhow::anyhow!(
-                        "{} {}: not an RSA or EC public key in PEM: {e}",
+                    FlagError::new(
                         flag("public-key-file"),
-                        p.display()
+                        format!("{}: not an RSA or EC public key in PEM: {e}", p.display()),
                     )
                 })?;
             Some(key)
@@ -197,20 +200,19 @@ pub fn jwt_config(
         } else {
             (public.is_none(), "public-key-file")
         };
-        anyhow::ensure!(
+        ensure(
             !needs.0,
-            "{}: {a:?} needs {}",
             flag("algorithms"),
-            flag(needs.1)
-        );
+            format!("{a:?} needs {}", flag(needs.1)),
+        )?;
     }
     let issuer = issuer
         .filter(|s| !s.is_empty())
-        .ok_or_else(|| anyhow::anyhow!("{}: required with a JWT key", flag("issuer")))?
+        .ok_or_else(|| FlagError::new(flag("issuer"), "required with a JWT key"))?
         .to_owned();
     let audience = audience
         .filter(|s| !s.is_empty())
-        .ok_or_else(|| anyhow::anyhow!("{}: required with a JWT key", flag("audience")))?
+        .ok_or_else(|| FlagError::new(flag("audience"), "required with a JWT key"))?
         .to_owned();
     Ok(Some(JwtConfig {
         hmac,

@@ -12,7 +12,6 @@
 
 use std::collections::HashMap;
 
-use anyhow::{Context as _, bail};
 use opentelemetry::propagation::{Extractor, TextMapPropagator};
 use opentelemetry::trace::{TraceContextExt, TracerProvider as _};
 use opentelemetry_sdk::propagation::TraceContextPropagator;
@@ -48,19 +47,40 @@ impl Drop for Telemetry {
     }
 }
 
+/// A setting (an environment variable) that telemetry could not use.
+#[derive(Debug, thiserror::Error)]
+#[error("{setting}: {reason}")]
+pub struct SetupError {
+    pub setting: &'static str,
+    pub reason: String,
+}
+
+impl SetupError {
+    fn new(setting: &'static str, reason: impl Into<String>) -> SetupError {
+        SetupError {
+            setting,
+            reason: reason.into(),
+        }
+    }
+}
+
 /// Installs the global subscriber and tracer for `service`. Call it once, from
 /// inside the Tokio runtime (the OTLP exporter spawns its connection there).
-pub fn init(service: &'static str) -> anyhow::Result<Telemetry> {
+pub fn init(service: &'static str) -> Result<Telemetry, SetupError> {
     let json = match std::env::var(LOG_FORMAT_ENV) {
         Err(_) => true,
         Ok(v) if v == "json" => true,
         Ok(v) if v == "text" => false,
-        Ok(v) => bail!("{LOG_FORMAT_ENV}: {v:?} is not \"json\" or \"text\""),
+        Ok(v) => {
+            return Err(SetupError::new(
+                LOG_FORMAT_ENV,
+                format!("{v:?} is not \"json\" or \"text\""),
+            ));
+        }
     };
     let filter = match std::env::var("RUST_LOG") {
-        Ok(v) if !v.is_empty() => {
-            EnvFilter::try_new(&v).with_context(|| format!("RUST_LOG: {v:?} is not a filter"))?
-        }
+        Ok(v) if !v.is_empty() => EnvFilter::try_new(&v)
+            .map_err(|e| SetupError::new("RUST_LOG", format!("{v:?} is not a filter: {e}")))?,
         _ => EnvFilter::new("info"),
     };
     let endpoint_set = [
@@ -77,7 +97,12 @@ pub fn init(service: &'static str) -> anyhow::Result<Telemetry> {
         let exporter = opentelemetry_otlp::SpanExporter::builder()
             .with_tonic()
             .build()
-            .context("OTEL_EXPORTER_OTLP_ENDPOINT: the OTLP exporter")?;
+            .map_err(|e| {
+                SetupError::new(
+                    "OTEL_EXPORTER_OTLP_ENDPOINT",
+                    format!("the OTLP exporter: {e}"),
+                )
+            })?;
         builder = builder.with_batch_exporter(exporter);
     }
     let provider = builder.build();
@@ -99,7 +124,12 @@ pub fn init(service: &'static str) -> anyhow::Result<Telemetry> {
             .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
             .try_init()
     };
-    installed.context("a global subscriber is already installed")?;
+    installed.map_err(|e| {
+        SetupError::new(
+            "tracing",
+            format!("a global subscriber is already installed: {e}"),
+        )
+    })?;
     Ok(Telemetry {
         provider,
         exporting: endpoint_set,

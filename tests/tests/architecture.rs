@@ -261,6 +261,44 @@ fn only_convert_builds_wire_messages_in_the_worker() {
     assert!(checked >= 5, "the worker's sources were found ({checked})");
 }
 
+/// `anyhow` only where an error ends: in binaries (`src/bin/`, `main.rs`)
+/// and tests. Library code returns typed errors that say what failed.
+#[test]
+fn anyhow_only_in_binaries_and_tests() {
+    let root = std::path::PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/.."));
+    let mut checked = 0;
+    for krate in [
+        "gateway",
+        "worker",
+        "worker/engine",
+        "artifact",
+        "tls",
+        "telemetry",
+        "proto",
+    ] {
+        let src = root.join(krate).join("src");
+        let bin = src.join("bin");
+        for file in walk(&src) {
+            if file.extension().is_none_or(|e| e != "rs")
+                || file.starts_with(&bin)
+                || file.ends_with("main.rs")
+            {
+                continue;
+            }
+            checked += 1;
+            let text = std::fs::read_to_string(&file).unwrap();
+            // Unit tests at the end of a file may use it.
+            let library = text.split("#[cfg(test)]").next().unwrap_or_default();
+            assert!(
+                !library.contains("anyhow"),
+                "{} uses anyhow; library code returns typed errors",
+                file.display()
+            );
+        }
+    }
+    assert!(checked > 60, "the sources were found ({checked})");
+}
+
 fn walk(root: &std::path::Path) -> Vec<std::path::PathBuf> {
     let mut out = Vec::new();
     let mut stack = vec![root.to_path_buf()];

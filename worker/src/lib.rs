@@ -1,10 +1,9 @@
-//! The lorafleet worker: the engine behind an async handle, and the offline
-//! batch command. The binary in `main.rs` only parses flags and calls in.
+//! The lorafleet worker: the engine behind an async handle, and the gRPC
+//! service over it. The binary (`src/bin/lorafleet-worker/`) holds what
+//! only a process needs: its flags, `serve` (listeners, TLS, signals,
+//! drain) and the offline `generate` command.
 
 pub mod convert;
-pub mod flags;
-pub mod generate;
 pub mod runtime;
-pub mod serve;
 pub mod service;
 pub mod telemetry;

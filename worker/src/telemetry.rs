@@ -18,7 +18,7 @@ const LATENCY_BUCKETS: &[f64] = &[
 const COUNT_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0];
 
 /// Installs the global recorder and serves `GET /metrics` on `listener`.
-pub fn install(listener: TcpListener) -> anyhow::Result<()> {
+pub fn install(listener: TcpListener) -> Result<(), metrics_exporter_prometheus::BuildError> {
     let handle = PrometheusBuilder::new()
         .set_buckets_for_metric(
             metrics_exporter_prometheus::Matcher::Suffix("_seconds".into()),

@@ -476,11 +476,13 @@ pub(super) async fn retire_adapter(
 }
 
 /// Where admin artifacts come from: the configured roots, canonicalised.
-pub fn artifact_roots(roots: &[PathBuf]) -> anyhow::Result<Option<Arc<ArtifactRoots>>> {
+pub fn artifact_roots(
+    roots: &[PathBuf],
+) -> Result<Option<Arc<ArtifactRoots>>, crate::flag_error::FlagError> {
     if roots.is_empty() {
         return Ok(None);
     }
     ArtifactRoots::new(roots)
         .map(|r| Some(Arc::new(r)))
-        .map_err(|e| anyhow::anyhow!("--artifact-root: {e}"))
+        .map_err(|e| crate::flag_error::FlagError::new("--artifact-root", e.to_string()))
 }

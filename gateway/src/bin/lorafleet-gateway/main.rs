@@ -7,6 +7,8 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use lorafleet_gateway::db;
 
+mod serve;
+
 #[derive(Debug, Parser)]
 #[command(name = "lorafleet-gateway", version, about = "The lorafleet gateway")]
 struct Cli {
@@ -20,7 +22,7 @@ enum Command {
     /// several replicas at once.
     Migrate(MigrateArgs),
     /// Serves the OpenAI-compatible API until SIGTERM, then drains.
-    Serve(Box<lorafleet_gateway::serve::ServeArgs>),
+    Serve(Box<serve::ServeArgs>),
     /// Asks a gateway's `/healthz`; exit 0 if it answers 200. For container
     /// health checks.
     Health {
@@ -92,7 +94,7 @@ async fn health(addr: &str) -> anyhow::Result<()> {
 async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Health { .. } => unreachable!("answered before telemetry starts"),
-        Command::Serve(args) => lorafleet_gateway::serve::run(*args).await,
+        Command::Serve(args) => serve::run(*args).await,
         Command::Migrate(args) => {
             if args.connect_timeout_secs == 0 {
                 anyhow::bail!("--connect-timeout-secs: must be at least 1");

@@ -14,8 +14,8 @@ use lorafleet_engine::artifact::ArtifactRoots;
 use lorafleet_engine::{BackendChoice, Engine};
 use lorafleet_proto::worker::v1 as pb;
 
-use crate::runtime::EngineHandle;
-use crate::service::{WorkerInfo, WorkerService};
+use lorafleet_worker::runtime::EngineHandle;
+use lorafleet_worker::service::{WorkerInfo, WorkerService};
 
 /// How long connections may linger after the drain before the process exits.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
@@ -164,7 +164,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("--metrics-listen {}", args.metrics_listen))?;
     let metrics_addr = metrics_listener.local_addr()?;
-    crate::telemetry::install(metrics_listener).context("--metrics-listen")?;
+    lorafleet_worker::telemetry::install(metrics_listener).context("--metrics-listen")?;
     let model = args.model.clone();
     let engine = tokio::task::spawn_blocking(move || Engine::load(&model, settings, choice))
         .await?

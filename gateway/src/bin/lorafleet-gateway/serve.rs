@@ -8,13 +8,13 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use tokio::sync::Semaphore;
 
-use crate::api::{self, AppState};
-use crate::auth::JwtArgs;
-use crate::db;
-use crate::ratelimit::RateLimiter;
-use crate::registry::{Registry, Snapshot};
-use crate::router::fleet::{Discovery, Fleet, Transport};
-use crate::router::policy::Policy;
+use lorafleet_gateway::api::{self, AppState};
+use lorafleet_gateway::auth::JwtArgs;
+use lorafleet_gateway::db;
+use lorafleet_gateway::ratelimit::RateLimiter;
+use lorafleet_gateway::registry::{Registry, Snapshot};
+use lorafleet_gateway::router::fleet::{Discovery, Fleet, Transport};
+use lorafleet_gateway::router::policy::Policy;
 
 /// Flags of `serve`; each has an environment fallback.
 #[derive(Debug, clap::Args)]
@@ -353,7 +353,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     };
     let jwt = args.jwt.config()?;
     let a = &args.admin_jwt;
-    let admin_jwt = crate::auth::jwt_config(
+    let admin_jwt = lorafleet_gateway::auth::jwt_config(
         "--admin-jwt-",
         a.admin_jwt_hmac_secret_file.as_deref(),
         a.admin_jwt_public_key_file.as_deref(),
@@ -368,15 +368,15 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         (None, Some(_)) => bail!("--admin-jwt-*: set --admin-listen too, or drop the admin key"),
         (_, k) => k,
     };
-    let artifact_roots = crate::admin::artifact_roots(&args.artifact_root)?;
+    let artifact_roots = lorafleet_gateway::admin::artifact_roots(&args.artifact_root)?;
     if args.max_lora_rank == 0 {
         bail!("--max-lora-rank: must be at least 1");
     }
-    if args.audit_queue_bytes < crate::audit::MAX_ROW_BYTES {
+    if args.audit_queue_bytes < lorafleet_gateway::audit::MAX_ROW_BYTES {
         bail!(
             "--audit-queue-bytes: {} is less than one row ({} bytes)",
             args.audit_queue_bytes,
-            crate::audit::MAX_ROW_BYTES
+            lorafleet_gateway::audit::MAX_ROW_BYTES
         );
     }
     if args.audit_spool_max_bytes < 2 * args.audit_queue_bytes as u64 {
@@ -393,7 +393,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             args.audit_spool.display()
         );
     }
-    let audit_config = crate::audit::AuditConfig {
+    let audit_config = lorafleet_gateway::audit::AuditConfig {
         spool_dir: args.audit_spool.clone(),
         spool_owner: spool_owner(args.audit_spool_owner.as_deref())?,
         spool_max_bytes: args.audit_spool_max_bytes,
@@ -408,7 +408,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .options([("statement_timeout", "5s"), ("lock_timeout", "2s")]);
     // The audit writer's inserts in flight, plus registry reloads; kept
     // open, since an answer waits for its row's insert.
-    let in_flight = crate::audit::INSERTS_IN_FLIGHT as u32;
+    let in_flight = lorafleet_gateway::audit::INSERTS_IN_FLIGHT as u32;
     let pool = db::connect_warm(options, in_flight, in_flight + 4, Duration::from_secs(5)).await?;
     let admin_timeout = format!("{}s", args.admin_statement_timeout_secs);
     let admin_pool = if args.admin_listen.is_some() {
@@ -458,7 +458,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         transport,
     );
     fleet.start(discovery);
-    let (audit, audit_writer) = crate::audit::start(pool.clone(), &audit_config)
+    let (audit, audit_writer) = lorafleet_gateway::audit::start(pool.clone(), &audit_config)
         .map_err(|e| anyhow::anyhow!("--audit-spool: {e}"))?;
     let (cut_tx, cut_rx) = tokio::sync::watch::channel(false);
     let state = AppState {
@@ -485,7 +485,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
                 .await
                 .with_context(|| format!("--admin-listen {listen}"))?;
             let addr = listener.local_addr()?;
-            let admin = crate::admin::router(crate::admin::AdminState {
+            let admin = lorafleet_gateway::admin::router(lorafleet_gateway::admin::AdminState {
                 pool: admin_pool
                     .clone()
                     .expect("an admin pool with --admin-listen"),
@@ -571,7 +571,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     };
     let header_timeout = Duration::from_secs(args.header_timeout_secs);
     let mut server = tokio::spawn(async move {
-        crate::listener::serve(listener, app, header_timeout, stop_accepting).await;
+        lorafleet_gateway::listener::serve(listener, app, header_timeout, stop_accepting).await;
         Ok::<(), std::io::Error>(())
     });
     let signal_seen = signal_rx.clone();

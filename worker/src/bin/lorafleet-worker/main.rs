@@ -3,7 +3,9 @@
 //! base hash; `generate` runs a JSONL file of requests offline as one mixed
 //! batch.
 
-use lorafleet_worker::{generate, serve};
+mod flags;
+mod generate;
+mod serve;
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
