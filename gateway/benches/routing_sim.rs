@@ -15,7 +15,7 @@
 
 use std::collections::VecDeque;
 
-use lorafleet_gateway::router::policy::{Policy, Residency, Router, WorkerView};
+use lorafleet_gateway::router::policy::{Policy, Router, Tier, WorkerView};
 
 const ADAPTERS: usize = 1000;
 const WORKERS: usize = 8;
@@ -149,11 +149,11 @@ fn simulate(policy: Sim) -> Outcome {
                             id,
                             load: w.running.len() as u32,
                             residency: if w.device.contains(adapter) {
-                                Residency::Device
+                                Tier::Device
                             } else if w.host.contains(adapter) {
-                                Residency::Host
+                                Tier::Host
                             } else {
-                                Residency::Absent
+                                Tier::Absent
                             },
                             eligible: true,
                         })

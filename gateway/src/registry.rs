@@ -7,6 +7,7 @@
 //! backstop for lost announcements. When a rebuild fails (Postgres down),
 //! the previous snapshot keeps serving.
 
+use lorafleet_domain::AdapterId;
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
@@ -40,7 +41,7 @@ pub struct ApiKey {
 /// One adapter version, everything a worker needs to load it.
 #[derive(Debug, Clone)]
 pub struct Adapter {
-    pub lora_int_id: u64,
+    pub lora_int_id: AdapterId,
     pub name: String,
     pub version: u32,
     pub rank: u32,
@@ -222,10 +223,18 @@ impl Snapshot {
         tx.commit().await?;
         let mut by_route: HashMap<Uuid, Vec<(u32, Arc<Adapter>)>> = HashMap::new();
         for (route, weight, id, name, version, rank, uri, sha, base_hash) in weights {
+            // The schema hands ids out from a sequence: never 0 or less.
+            let Some(lora_int_id) = AdapterId::from_registry(id) else {
+                tracing::error!(
+                    lora_int_id = id,
+                    "an adapter id the registry cannot have; skipped"
+                );
+                continue;
+            };
             by_route.entry(route).or_default().push((
                 weight as u32,
                 Arc::new(Adapter {
-                    lora_int_id: id as u64,
+                    lora_int_id,
                     name,
                     version: version as u32,
                     rank: rank as u32,
@@ -417,7 +426,7 @@ mod tests {
 
     fn adapter(id: u64) -> Arc<Adapter> {
         Arc::new(Adapter {
-            lora_int_id: id,
+            lora_int_id: AdapterId::new(id).unwrap(),
             name: format!("a{id}"),
             version: 1,
             rank: 8,
@@ -445,7 +454,7 @@ mod tests {
             for i in 0..10_000 {
                 let request_id = Uuid::from_u128(i as u128 * 0x9e37_79b9).to_string();
                 let a = pick(&route, &weights, &request_id);
-                counts[a.lora_int_id as usize - 1] += 1;
+                counts[a.lora_int_id.get() as usize - 1] += 1;
                 // The same stickiness key always lands on the same version.
                 assert_eq!(
                     pick(&route, &weights, &request_id).lora_int_id,
@@ -468,7 +477,7 @@ mod tests {
         for i in 0..10_000 {
             let user = format!("user-{i}");
             let (b, a) = (pick(&route, &before, &user), pick(&route, &after, &user));
-            if b.lora_int_id == 2 && a.lora_int_id == 1 {
+            if b.lora_int_id.get() == 2 && a.lora_int_id.get() == 1 {
                 moved_back += 1;
             }
         }

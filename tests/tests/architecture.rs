@@ -299,6 +299,39 @@ fn anyhow_only_in_binaries_and_tests() {
     assert!(checked > 60, "the sources were found ({checked})");
 }
 
+/// One adapter id type and one residency type, defined in
+/// `lorafleet-domain` and used by the gateway, the worker and the engine:
+/// no other crate defines its own.
+#[test]
+fn one_adapter_id_and_one_residency_type() {
+    let root = std::path::PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/.."));
+    let mut checked = 0;
+    for krate in ["gateway", "worker", "worker/engine", "artifact"] {
+        for file in walk(&root.join(krate).join("src")) {
+            if file.extension().is_none_or(|e| e != "rs") {
+                continue;
+            }
+            checked += 1;
+            let text = std::fs::read_to_string(&file).unwrap();
+            for needle in [
+                "enum Residency",
+                "type AdapterId",
+                "struct AdapterId",
+            ] {
+                assert!(
+                    !text.contains(needle),
+                    "{} defines `{needle}`; it is lorafleet_domain's",
+                    file.display()
+                );
+            }
+        }
+    }
+    assert!(checked > 60, "the sources were found ({checked})");
+    let domain = std::fs::read_to_string(root.join("domain/src/lib.rs")).unwrap();
+    assert!(domain.contains("pub struct AdapterId(NonZeroU64)"));
+    assert!(domain.contains("pub enum Residency"));
+}
+
 fn walk(root: &std::path::Path) -> Vec<std::path::PathBuf> {
     let mut out = Vec::new();
     let mut stack = vec![root.to_path_buf()];

@@ -60,7 +60,7 @@ fn prompt(r: usize) -> Vec<u32> {
 fn engine_request(r: usize) -> Request {
     Request {
         id: format!("r{r}"),
-        adapter: Some((r % ADAPTERS) as u64 + 1),
+        adapter: lorafleet_engine::AdapterId::new((r % ADAPTERS) as u64 + 1),
         prompt: Prompt::TokenIds(prompt(r)),
         params: SamplingParams {
             max_tokens: NEW,
@@ -180,7 +180,11 @@ fn main() {
     let load = || {
         let mut e = Engine::load_cpu(&model, settings()).unwrap();
         for (i, d) in dirs.iter().enumerate() {
-            e.register_adapter(i as u64 + 1, source(i, d)).unwrap();
+            e.register_adapter(
+                lorafleet_engine::AdapterId::new(i as u64 + 1).unwrap(),
+                source(i, d),
+            )
+            .unwrap();
         }
         e
     };

@@ -4,6 +4,7 @@
 
 use std::time::{Duration, SystemTime};
 
+use lorafleet_engine::AdapterId;
 use lorafleet_engine::artifact::ArtifactError;
 use lorafleet_engine::lora::AdapterError;
 use lorafleet_engine::model::tokenizer::ChatMessage;
@@ -20,7 +21,7 @@ pub const MAX_REQUEST_ID: usize = 128;
 /// A checked adapter descriptor.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Descriptor {
-    pub lora_int_id: u64,
+    pub lora_int_id: AdapterId,
     pub artifact_uri: String,
     pub artifact_sha256: String,
     pub base_hash: String,
@@ -64,11 +65,14 @@ fn is_sha256_hex(s: &str) -> bool {
     s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
+/// A wire `lora_int_id`: refused by `field` unless positive.
+pub fn adapter_id(id: u64, field: &str) -> Result<AdapterId, Status> {
+    AdapterId::new(id).ok_or_else(|| invalid(field, "must be positive"))
+}
+
 /// Checks a descriptor; `field` is its path in the request, such as "adapter".
 pub fn descriptor(d: &pb::AdapterDescriptor, field: &str) -> Result<Descriptor, Status> {
-    if d.lora_int_id == 0 {
-        return Err(invalid(&format!("{field}.lora_int_id"), "must be positive"));
-    }
+    let lora_int_id = adapter_id(d.lora_int_id, &format!("{field}.lora_int_id"))?;
     if d.artifact_uri.is_empty() {
         return Err(invalid(&format!("{field}.artifact_uri"), "is required"));
     }
@@ -88,7 +92,7 @@ pub fn descriptor(d: &pb::AdapterDescriptor, field: &str) -> Result<Descriptor, 
         return Err(invalid(&format!("{field}.rank"), "must be positive"));
     }
     Ok(Descriptor {
-        lora_int_id: d.lora_int_id,
+        lora_int_id,
         artifact_uri: d.artifact_uri.clone(),
         artifact_sha256: d.artifact_sha256.to_ascii_lowercase(),
         base_hash: d.base_hash.to_ascii_lowercase(),
@@ -224,7 +228,7 @@ pub fn finished(f: &Finish) -> pb::Finished {
 /// verified for it.
 pub fn adapter_state(a: &AdapterStatus, sha256: &str, epoch: SystemTime) -> pb::AdapterState {
     pb::AdapterState {
-        lora_int_id: a.id,
+        lora_int_id: a.id.get(),
         artifact_sha256: sha256.to_owned(),
         rank: a.rank as u32,
         residency: residency(a.residency) as i32,

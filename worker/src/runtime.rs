@@ -439,7 +439,7 @@ mod tests {
         for (id, name) in [(1, "qv-r8"), (2, "patterns")] {
             let dir = fixtures().join("adapters/llama-gqa").join(name);
             h.register(
-                id,
+                AdapterId::new(id).unwrap(),
                 AdapterSource {
                     name: name.into(),
                     dir,
@@ -456,7 +456,7 @@ mod tests {
     fn request(id: &str, adapter: Option<u64>, max_tokens: usize) -> Request {
         Request {
             id: id.into(),
-            adapter,
+            adapter: adapter.and_then(AdapterId::new),
             prompt: Prompt::Text("The quick brown fox".into()),
             params: SamplingParams {
                 max_tokens,
@@ -540,7 +540,9 @@ mod tests {
     async fn prefetch_promotes_and_pins_and_reports_keep_coming() {
         let h = handle().await;
         let mut reports = h.reports();
-        h.prefetch(2, true, Some(true)).await.unwrap();
+        h.prefetch(AdapterId::new(2).unwrap(), true, Some(true))
+            .await
+            .unwrap();
         let deadline = Instant::now() + Duration::from_secs(10);
         let mut last_seq = reports.borrow_and_update().sequence;
         let mut seen = 0;
@@ -550,7 +552,7 @@ mod tests {
             assert!(r.sequence > last_seq);
             last_seq = r.sequence;
             seen += 1;
-            let a = r.stats.adapters.iter().find(|a| a.id == 2);
+            let a = r.stats.adapters.iter().find(|a| a.id.get() == 2);
             // Reports keep coming while idle, not only on changes.
             if a.is_some_and(|a| a.residency == Residency::Device && a.pinned) && seen >= 4 {
                 break;
@@ -561,7 +563,7 @@ mod tests {
                 r.stats.adapters
             );
         }
-        let (before, draining) = h.unload(2).await.unwrap();
+        let (before, draining) = h.unload(AdapterId::new(2).unwrap()).await.unwrap();
         assert_eq!((before, draining), (Residency::Device, 0));
         h.shutdown();
     }

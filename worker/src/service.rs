@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use lorafleet_engine::artifact::{ArtifactError, ArtifactRoots};
 use lorafleet_engine::lora::{AdapterLimits, HostAdapter};
 use lorafleet_engine::model::ModelConfig;
-use lorafleet_engine::{AdapterSource, EngineError, Event, Prompt, Request, Residency};
+use lorafleet_engine::{AdapterId, AdapterSource, EngineError, Event, Prompt, Request, Residency};
 use lorafleet_proto::worker::v1 as pb;
 use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
@@ -103,10 +103,10 @@ pub struct WorkerService {
     info: Arc<WorkerInfo>,
     /// lora_int_id -> the artifact digest verified for it. A std mutex,
     /// never held across an await.
-    verified: Arc<Mutex<HashMap<u64, String>>>,
+    verified: Arc<Mutex<HashMap<AdapterId, String>>>,
     /// One first-use verification per lora_int_id at a time: concurrent
     /// first requests wait for it rather than copy the artifact twice.
-    verifying: Arc<Mutex<HashMap<u64, Arc<tokio::sync::Mutex<()>>>>>,
+    verifying: Arc<Mutex<HashMap<AdapterId, Arc<tokio::sync::Mutex<()>>>>>,
     draining: Arc<AtomicBool>,
     /// Generate streams whose final message the client has not yet taken.
     in_flight: Arc<AtomicUsize>,
@@ -143,14 +143,14 @@ impl WorkerService {
 
     /// Some(result) when this id was verified already (or with another
     /// digest, which is refused).
-    fn already_verified(&self, d: &Descriptor) -> Option<Result<u64, Status>> {
+    fn already_verified(&self, d: &Descriptor) -> Option<Result<AdapterId, Status>> {
         let verified = self.verified.lock().expect("verified map");
         let sha = verified.get(&d.lora_int_id)?;
         Some(if *sha == d.artifact_sha256 {
             Ok(d.lora_int_id)
         } else {
             // Which digest it was loaded with is not the caller's to learn.
-            tracing::warn!(lora_int_id = d.lora_int_id, loaded = %sha, asked = %d.artifact_sha256, "adapter id reused with another digest");
+            tracing::warn!(lora_int_id = d.lora_int_id.get(), loaded = %sha, asked = %d.artifact_sha256, "adapter id reused with another digest");
             Err(convert::refusal(
                 Code::FailedPrecondition,
                 "adapter_id_reused",
@@ -179,7 +179,7 @@ impl WorkerService {
 
     /// Checks a descriptor against this worker, verifies and validates its
     /// artifact on first use, and registers it with the engine.
-    async fn ensure_adapter(&self, d: &Descriptor) -> Result<u64, Status> {
+    async fn ensure_adapter(&self, d: &Descriptor) -> Result<AdapterId, Status> {
         let base = &self.info.base_model.base_hash;
         if &d.base_hash != base {
             return Err(convert::refusal(
@@ -301,7 +301,7 @@ impl WorkerService {
         convert::report(&self.info, r, self.status(), self.adapters(r, &verified))
     }
 
-    fn adapters(&self, r: &Report, verified: &HashMap<u64, String>) -> Vec<pb::AdapterState> {
+    fn adapters(&self, r: &Report, verified: &HashMap<AdapterId, String>) -> Vec<pb::AdapterState> {
         r.stats
             .adapters
             .iter()
@@ -493,7 +493,7 @@ impl pb::worker_server::Worker for WorkerService {
                 let state = self
                     .adapters(&report, &verified)
                     .into_iter()
-                    .find(|a| a.lora_int_id == id);
+                    .find(|a| a.lora_int_id == id.get());
                 let load_time = if previous == now {
                     Duration::ZERO
                 } else {
@@ -516,10 +516,7 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         request: tonic::Request<pb::UnloadAdapterRequest>,
     ) -> Result<Response<pb::UnloadAdapterResponse>, Status> {
-        let id = request.into_inner().lora_int_id;
-        if id == 0 {
-            return Err(Status::invalid_argument("lora_int_id: must be positive"));
-        }
+        let id = convert::adapter_id(request.into_inner().lora_int_id, "lora_int_id")?;
         let (previous, draining) = self
             .engine
             .unload(id)

@@ -12,15 +12,7 @@ pub(super) async fn fleet_view(
         let st = w.state();
         let mut tiers: BTreeMap<&'static str, Vec<u64>> = BTreeMap::new();
         for (id, r) in st.adapters.iter() {
-            let tier = match r {
-                crate::upstream::Residency::Device => "device",
-                crate::upstream::Residency::Host => "host",
-                crate::upstream::Residency::Loading => "loading",
-                crate::upstream::Residency::NotLoaded | crate::upstream::Residency::Unknown => {
-                    "not_loaded"
-                }
-            };
-            tiers.entry(tier).or_default().push(*id);
+            tiers.entry(r.label()).or_default().push(id.get());
         }
         for v in tiers.values_mut() {
             v.sort_unstable();

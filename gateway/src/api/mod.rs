@@ -364,7 +364,7 @@ async fn prepare(
         display_name: format!("{}@{}", a.name, a.version),
     });
     if let Some(a) = &adapter {
-        tracing::Span::current().record("lora_int_id", a.lora_int_id);
+        tracing::Span::current().record("lora_int_id", a.lora_int_id.get());
     }
     let (traceparent, tracestate) = lorafleet_telemetry::inject(&tracing::Span::current());
     let request = Generation {

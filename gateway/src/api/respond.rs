@@ -37,7 +37,7 @@ pub(super) async fn run(
     trail.record.adapter_residency = started
         .accepted
         .residency
-        .and_then(upstream::Residency::label)
+        .map(upstream::Residency::label)
         .filter(|_| p.resolved.adapter.is_some())
         .map(str::to_owned);
     let created = Utc::now().timestamp();

@@ -93,7 +93,7 @@ impl Trail {
         self.record.base_hash = Some(r.route.base_hash.clone());
         match &r.adapter {
             Some(a) => {
-                self.record.lora_int_id = Some(a.lora_int_id as i64);
+                self.record.lora_int_id = Some(a.lora_int_id.to_registry());
                 self.record.adapter_name = Some(a.name.clone());
                 self.record.adapter_version = Some(a.version as i32);
                 self.adapter_label = format!("{}@{}", a.name, a.version);

@@ -22,9 +22,9 @@ pub(super) async fn start(
     p: &Prepared,
     trail: &mut Trail,
 ) -> Result<Started, ApiError> {
-    let lora_int_id = p.resolved.adapter.as_ref().map_or(0, |a| a.lora_int_id);
+    let adapter = p.resolved.adapter.as_ref().map(|a| a.lora_int_id);
     let base_hash = &p.resolved.route.base_hash;
-    let Some(route) = s.fleet.route(lora_int_id, base_hash) else {
+    let Some(route) = s.fleet.route(adapter, base_hash) else {
         // The hash is for the operator's log, not the tenant's answer.
         tracing::warn!(%base_hash, base_model = %p.resolved.route.base_model, "no compatible worker");
         return Err(ApiError::NoCompatibleWorker {
@@ -38,7 +38,7 @@ pub(super) async fn start(
         "reason" => route.reason.as_str(),
         "device_hit" => if route.device_hit { "true" } else { "false" })
     .increment(1);
-    if lora_int_id != 0 {
+    if adapter.is_some() {
         metrics::counter!("lorafleet_gateway_residency_checks_total",
             "tenant" => trail.tenant_name.clone(),
             "adapter" => trail.adapter_label.clone(),
@@ -49,7 +49,7 @@ pub(super) async fn start(
     let mut first_token_timeouts = 0usize;
     for worker in route.candidates.iter().take(s.max_attempts) {
         trail.record.attempts += 1;
-        let in_flight = s.fleet.track(worker, lora_int_id);
+        let in_flight = s.fleet.track(worker, adapter);
         let worker_id = worker.state().worker_id;
         span.record("worker", worker_id.as_str());
         trail.record.worker_id = Some(worker_id.clone());

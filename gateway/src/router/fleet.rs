@@ -23,7 +23,7 @@ use arc_swap::ArcSwap;
 
 use super::policy::{self, Decision, Ring, WorkerView};
 pub use crate::upstream::Transport;
-use crate::upstream::{Report, Residency, WorkerClient};
+use crate::upstream::{AdapterId, Report, Residency, WorkerClient};
 
 /// A report older than this means the worker is gone (it reports at least
 /// every 500 ms).
@@ -48,7 +48,7 @@ pub struct WorkerState {
     pub base_hash: String,
     pub load: u32,
     /// Shared with the routing snapshots built from this report.
-    pub adapters: Arc<HashMap<u64, Residency>>,
+    pub adapters: Arc<HashMap<AdapterId, Residency>>,
     pub last_report: Option<Instant>,
 }
 
@@ -140,7 +140,7 @@ struct Entry {
 /// count. An adapter's counters are made on its first request and kept
 /// (one pair per adapter the registry ever routed to).
 #[derive(Debug, Default)]
-struct AdapterLoads(RwLock<HashMap<u64, Arc<AdapterLoad>>>);
+struct AdapterLoads(RwLock<HashMap<AdapterId, Arc<AdapterLoad>>>);
 
 #[derive(Debug, Default)]
 struct AdapterLoad {
@@ -149,7 +149,7 @@ struct AdapterLoad {
 }
 
 impl AdapterLoads {
-    fn get(&self, id: u64) -> Arc<AdapterLoad> {
+    fn get(&self, id: AdapterId) -> Arc<AdapterLoad> {
         if let Some(l) = self.0.read().expect("adapter loads").get(&id) {
             return l.clone();
         }
@@ -284,19 +284,19 @@ impl Fleet {
             .count()
     }
 
-    /// Chooses workers for a request on `lora_int_id` (0: the base model)
+    /// Chooses workers for a request on `adapter` (None: the base model)
     /// among those serving `base_hash`. None: no such worker is up.
-    pub fn route(&self, lora_int_id: u64, base_hash: &str) -> Option<Route> {
+    pub fn route(&self, adapter: Option<AdapterId>, base_hash: &str) -> Option<Route> {
         let table = self.table.load();
         let now = Instant::now();
         let views: Vec<WorkerView<'_>> = table
             .entries
             .iter()
             .map(|e| {
-                let residency = match e.state.adapters.get(&lora_int_id) {
-                    Some(Residency::Device) => policy::Residency::Device,
-                    Some(Residency::Host) => policy::Residency::Host,
-                    _ => policy::Residency::Absent,
+                let residency = match adapter.and_then(|id| e.state.adapters.get(&id)) {
+                    Some(Residency::Device) => policy::Tier::Device,
+                    Some(Residency::Host) => policy::Tier::Host,
+                    _ => policy::Tier::Absent,
                 };
                 WorkerView {
                     id: &e.state.worker_id,
@@ -308,24 +308,26 @@ impl Fleet {
                 }
             })
             .collect();
-        let replicas = if lora_int_id == 0 {
-            1
-        } else {
-            let load = self.adapters.get(lora_int_id);
-            let workers = policy::eligible_ring(&table.ring, lora_int_id, &views).len();
-            let current = load.replicas.load(Ordering::Relaxed) as usize;
-            let k = policy::next_replicas(
-                self.policy,
-                current,
-                load.in_flight.load(Ordering::Relaxed),
-                workers,
-            );
-            load.replicas.store(k as u32, Ordering::Relaxed);
-            k
+        let key = ring_key(adapter);
+        let replicas = match adapter {
+            None => 1,
+            Some(id) => {
+                let load = self.adapters.get(id);
+                let workers = policy::eligible_ring(&table.ring, key, &views).len();
+                let current = load.replicas.load(Ordering::Relaxed) as usize;
+                let k = policy::next_replicas(
+                    self.policy,
+                    current,
+                    load.in_flight.load(Ordering::Relaxed),
+                    workers,
+                );
+                load.replicas.store(k as u32, Ordering::Relaxed);
+                k
+            }
         };
         let Decision { order, reason } =
-            policy::decide(self.policy, &table.ring, lora_int_id, replicas, &views)?;
-        let device_hit = views[order[0]].residency == policy::Residency::Device;
+            policy::decide(self.policy, &table.ring, key, replicas, &views)?;
+        let device_hit = views[order[0]].residency == policy::Tier::Device;
         Some(Route {
             candidates: order
                 .into_iter()
@@ -336,12 +338,14 @@ impl Fleet {
         })
     }
 
-    /// Counts a request in flight on `worker` for `lora_int_id` until the
+    /// Counts a request in flight on `worker` for `adapter` until the
     /// guard drops.
-    pub fn track(&self, worker: &Arc<Worker>, lora_int_id: u64) -> InFlight {
+    pub fn track(&self, worker: &Arc<Worker>, adapter: Option<AdapterId>) -> InFlight {
         worker.in_flight.fetch_add(1, Ordering::Relaxed);
-        let adapter = self.adapters.get(lora_int_id);
-        adapter.in_flight.fetch_add(1, Ordering::Relaxed);
+        let adapter = adapter.map(|id| self.adapters.get(id));
+        if let Some(a) = &adapter {
+            a.in_flight.fetch_add(1, Ordering::Relaxed);
+        }
         InFlight {
             worker: worker.clone(),
             adapter,
@@ -353,13 +357,22 @@ impl Fleet {
 #[derive(Debug)]
 pub struct InFlight {
     worker: Arc<Worker>,
-    adapter: Arc<AdapterLoad>,
+    /// None for the base model, which has no replica set of its own.
+    adapter: Option<Arc<AdapterLoad>>,
+}
+
+/// The ring key of a request: its adapter id, or 0 for the base model
+/// (which no adapter id is).
+fn ring_key(adapter: Option<AdapterId>) -> u64 {
+    adapter.map_or(0, AdapterId::get)
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.worker.in_flight.fetch_sub(1, Ordering::Relaxed);
-        self.adapter.in_flight.fetch_sub(1, Ordering::Relaxed);
+        if let Some(a) = &self.adapter {
+            a.in_flight.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 }
 

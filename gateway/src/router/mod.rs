@@ -11,4 +11,4 @@ pub mod policy;
 mod policy_props;
 
 pub use fleet::{Discovery, Fleet, InFlight, Route, Worker, WorkerState};
-pub use policy::{Decision, Policy, Reason, Residency, Router, WorkerView};
+pub use policy::{Decision, Policy, Reason, Router, Tier, WorkerView};

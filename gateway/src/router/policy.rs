@@ -27,9 +27,11 @@ use std::hash::Hasher;
 /// key space within a few percent of evenly.
 const VNODES: usize = 160;
 
-/// Where an adapter is on one worker, as that worker last reported.
+/// How near an adapter is on one worker, for routing: the worker's last
+/// reported [`lorafleet_domain::Residency`], with every state that needs a
+/// read from disk (loading, not loaded) as `Absent`. Ordered nearest first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Residency {
+pub enum Tier {
     Device,
     Host,
     Absent,
@@ -42,7 +44,7 @@ pub struct WorkerView<'a> {
     /// Requests running or queued there.
     pub load: u32,
     /// Where this request's adapter is there (Absent for the base model).
-    pub residency: Residency,
+    pub residency: Tier,
     /// Healthy and serving the request's base hash.
     pub eligible: bool,
 }
@@ -265,8 +267,8 @@ pub fn decide(
     let first = first
         .or_else(|| {
             [
-                (Residency::Device, Reason::DeviceResident),
-                (Residency::Host, Reason::HostResident),
+                (Tier::Device, Reason::DeviceResident),
+                (Tier::Host, Reason::HostResident),
             ]
             .into_iter()
             .filter(|_| key != 0)
@@ -372,7 +374,7 @@ mod tests {
             .map(|(id, &load)| WorkerView {
                 id,
                 load,
-                residency: Residency::Absent,
+                residency: Tier::Absent,
                 eligible: true,
             })
             .collect()
@@ -419,7 +421,7 @@ mod tests {
         let owner = r.ring_order(key)[0];
         let other = (owner + 1) % 4;
         let mut v = views(&ids, &[2, 2, 2, 2]);
-        v[other].residency = Residency::Device;
+        v[other].residency = Tier::Device;
         let d = r.choose(key, 0, &v).unwrap();
         assert_eq!((d.order[0], d.reason), (other, Reason::DeviceResident));
         assert_eq!(d.order.len(), 4);
@@ -428,12 +430,12 @@ mod tests {
         // full), the resident worker is skipped and the ring owner takes it.
         let mut v = views(&ids, &[2, 2, 2, 2]);
         v[other].load = 4;
-        v[other].residency = Residency::Device;
+        v[other].residency = Tier::Device;
         let d = r.choose(key, 0, &v).unwrap();
         assert_eq!((d.order[0], d.reason), (owner, Reason::RingOwner));
 
         let mut v = views(&ids, &[0, 0, 0, 0]);
-        v[other].residency = Residency::Host;
+        v[other].residency = Tier::Host;
         assert_eq!(r.choose(key, 0, &v).unwrap().reason, Reason::HostResident);
     }
 

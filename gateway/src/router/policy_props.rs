@@ -4,22 +4,18 @@
 
 use proptest::prelude::*;
 
-use super::policy::{Policy, Reason, Residency, Router, WorkerView};
+use super::policy::{Policy, Reason, Router, Tier, WorkerView};
 
 fn ids(n: usize) -> Vec<String> {
     (0..n).map(|i| format!("worker-{i}")).collect()
 }
 
-fn residency() -> impl Strategy<Value = Residency> {
-    prop_oneof![
-        Just(Residency::Device),
-        Just(Residency::Host),
-        Just(Residency::Absent)
-    ]
+fn residency() -> impl Strategy<Value = Tier> {
+    prop_oneof![Just(Tier::Device), Just(Tier::Host), Just(Tier::Absent)]
 }
 
 /// A fleet of 1-12 workers, each with a load, a residency and eligibility.
-fn fleet() -> impl Strategy<Value = Vec<(u32, Residency, bool)>> {
+fn fleet() -> impl Strategy<Value = Vec<(u32, Tier, bool)>> {
     prop::collection::vec((0u32..40, residency(), prop::bool::weighted(0.8)), 1..12)
 }
 

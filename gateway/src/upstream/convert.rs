@@ -11,7 +11,7 @@ impl From<&Generation> for pb::GenerateRequest {
         pb::GenerateRequest {
             request_id: g.request_id.clone(),
             adapter: g.adapter.as_ref().map(|a| pb::AdapterDescriptor {
-                lora_int_id: a.lora_int_id,
+                lora_int_id: a.lora_int_id.get(),
                 artifact_uri: a.artifact_uri.clone(),
                 artifact_sha256: a.artifact_sha256.clone(),
                 base_hash: a.base_hash.clone(),
@@ -52,13 +52,15 @@ impl From<&Generation> for pb::GenerateRequest {
     }
 }
 
-pub(super) fn residency(r: pb::Residency) -> Residency {
+/// None for a residency this gateway does not know (an older or newer
+/// worker's).
+pub(super) fn residency(r: pb::Residency) -> Option<Residency> {
     match r {
-        pb::Residency::Device => Residency::Device,
-        pb::Residency::Host => Residency::Host,
-        pb::Residency::Loading => Residency::Loading,
-        pb::Residency::NotLoaded => Residency::NotLoaded,
-        pb::Residency::Unspecified => Residency::Unknown,
+        pb::Residency::Device => Some(Residency::Device),
+        pb::Residency::Host => Some(Residency::Host),
+        pb::Residency::Loading => Some(Residency::Loading),
+        pb::Residency::NotLoaded => Some(Residency::NotLoaded),
+        pb::Residency::Unspecified => None,
     }
 }
 
@@ -67,7 +69,7 @@ pub(super) fn event(e: pb::GenerateEvent) -> Option<WorkerEvent> {
     Some(match e.event? {
         pb::generate_event::Event::Accepted(a) => WorkerEvent::Accepted(Accepted {
             prompt_tokens: a.prompt_tokens,
-            residency: Some(residency(a.adapter_residency())),
+            residency: residency(a.adapter_residency()),
         }),
         pb::generate_event::Event::Delta(d) => WorkerEvent::Delta {
             token_ids: d.token_ids,
@@ -102,7 +104,7 @@ pub(super) fn report(r: &pb::WorkerReport) -> Report {
         adapters: r
             .adapters
             .iter()
-            .map(|a| (a.lora_int_id, residency(a.residency())))
+            .filter_map(|a| Some((AdapterId::new(a.lora_int_id)?, residency(a.residency())?)))
             .collect(),
     }
 }

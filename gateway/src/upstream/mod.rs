@@ -16,11 +16,12 @@ mod convert;
 use std::collections::HashMap;
 
 pub use client::{Events, Reports, Transport, WorkerClient};
+pub use lorafleet_domain::{AdapterId, Residency};
 
 /// An adapter a generation uses, as the registry describes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AdapterRef {
-    pub lora_int_id: u64,
+    pub lora_int_id: AdapterId,
     pub artifact_uri: String,
     pub artifact_sha256: String,
     pub base_hash: String,
@@ -72,30 +73,6 @@ pub struct Generation {
     pub tracestate: String,
 }
 
-/// Where a worker holds an adapter.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Residency {
-    Device,
-    Host,
-    Loading,
-    NotLoaded,
-    /// The worker did not say (an older or newer worker).
-    Unknown,
-}
-
-impl Residency {
-    /// The label audit rows and metrics use; None for [`Residency::Unknown`].
-    pub fn label(self) -> Option<&'static str> {
-        match self {
-            Residency::Device => Some("device"),
-            Residency::Host => Some("host"),
-            Residency::Loading => Some("loading"),
-            Residency::NotLoaded => Some("not_loaded"),
-            Residency::Unknown => None,
-        }
-    }
-}
-
 /// Why a generation ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishReason {
@@ -136,7 +113,7 @@ pub struct Report {
     pub base_hash: String,
     /// Running plus waiting sequences.
     pub load: u32,
-    pub adapters: HashMap<u64, Residency>,
+    pub adapters: HashMap<AdapterId, Residency>,
 }
 
 /// What went wrong with a call to a worker.

@@ -160,7 +160,7 @@ fn run_once(model: &std::path::Path, adapter_dirs: &[std::path::PathBuf]) -> Run
     let loading = Instant::now();
     for (i, dir) in adapter_dirs.iter().enumerate() {
         e.register_adapter(
-            i as u64 + 1,
+            aid(i as u64 + 1),
             AdapterSource {
                 name: format!("a{i}"),
                 dir: dir.clone(),
@@ -168,7 +168,7 @@ fn run_once(model: &std::path::Path, adapter_dirs: &[std::path::PathBuf]) -> Run
             },
         )
         .unwrap();
-        e.prefetch(i as u64 + 1);
+        e.prefetch(aid(i as u64 + 1));
     }
     while e
         .stats()
@@ -187,7 +187,7 @@ fn run_once(model: &std::path::Path, adapter_dirs: &[std::path::PathBuf]) -> Run
     let requests: Vec<Request> = (0..REQUESTS)
         .map(|r| Request {
             id: format!("r{r}"),
-            adapter: Some((r % n) as u64 + 1),
+            adapter: Some(aid((r % n) as u64 + 1)),
             prompt: Prompt::TokenIds(
                 (0..PROMPT)
                     .map(|k| ((r * 31 + k * 7) % 380 + 3) as u32)
@@ -257,4 +257,8 @@ fn stolen_cpu_seconds() -> Option<f64> {
     let cpu = stat.lines().find(|l| l.starts_with("cpu "))?;
     let steal: f64 = cpu.split_whitespace().nth(8)?.parse().ok()?;
     Some(steal / 100.0)
+}
+
+fn aid(n: u64) -> lorafleet_engine::AdapterId {
+    lorafleet_engine::AdapterId::new(n).expect("ids start at 1")
 }

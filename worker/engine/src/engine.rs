@@ -358,9 +358,6 @@ impl Engine {
         source: AdapterSource,
         loaded: Option<crate::lora::HostAdapter>,
     ) -> Result<()> {
-        if id == 0 {
-            return Err(EngineError::request("lora_int_id", "must be positive"));
-        }
         self.pool
             .register_loaded(id, source, loaded)
             .map_err(|reason| EngineError::request("lora_int_id", reason))

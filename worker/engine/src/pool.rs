@@ -18,8 +18,7 @@ use crate::error::Result;
 use crate::lora::{AdapterError, AdapterLimits, HostAdapter};
 use crate::model::ModelConfig;
 
-/// An adapter's id: the registry's `lora_int_id`.
-pub type AdapterId = u64;
+pub use lorafleet_domain::{AdapterId, Residency};
 
 /// Where an adapter's files are, and what it claims to be.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -29,15 +28,6 @@ pub struct AdapterSource {
     pub dir: PathBuf,
     /// The base hash the adapter was registered against, when known.
     pub declared_base_hash: Option<String>,
-}
-
-/// Where an adapter is now.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Residency {
-    Device,
-    Host,
-    Loading,
-    NotLoaded,
 }
 
 /// Cumulative pool counters.

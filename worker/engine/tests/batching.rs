@@ -148,7 +148,7 @@ fn the_engine_reproduces_the_golden_greedy_tokens() {
                 adapter: c
                     .adapter
                     .as_ref()
-                    .map(|a| ids.iter().position(|n| n == a).unwrap() as u64 + 1),
+                    .map(|a| aid(ids.iter().position(|n| n == a).unwrap() as u64 + 1)),
                 prompt: Prompt::TokenIds(c.prompt_ids.clone()),
                 params: SamplingParams {
                     max_tokens: golden.max_new_tokens,
@@ -173,7 +173,7 @@ fn cancelling_frees_kv_blocks_at_once() {
     let mut e = engine(EngineSettings::default());
     let r = Request {
         id: "long".into(),
-        adapter: Some(1),
+        adapter: Some(aid(1)),
         prompt: Prompt::Text("The quick brown fox".into()),
         params: SamplingParams {
             max_tokens: 200,
@@ -191,7 +191,7 @@ fn cancelling_frees_kv_blocks_at_once() {
         e.stats()
             .adapters
             .iter()
-            .find(|a| a.id == 1)
+            .find(|a| a.id == aid(1))
             .unwrap()
             .active,
         1
@@ -202,7 +202,7 @@ fn cancelling_frees_kv_blocks_at_once() {
         e.stats()
             .adapters
             .iter()
-            .find(|a| a.id == 1)
+            .find(|a| a.id == aid(1))
             .unwrap()
             .active,
         0,
@@ -272,7 +272,7 @@ fn a_batch_larger_than_the_waiting_queue_still_runs_whole() {
     let requests: Vec<Request> = (0..10)
         .map(|i| Request {
             id: format!("q{i}"),
-            adapter: Some(i % 3 + 1),
+            adapter: Some(aid(i % 3 + 1)),
             prompt: Prompt::Text("def forward(self, x):".into()),
             params: SamplingParams {
                 max_tokens: 3,

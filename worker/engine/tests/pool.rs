@@ -21,23 +21,25 @@ fn setup(slots: usize, host: usize) -> (AdapterPool, CpuBackend) {
 
 /// One request for `id` arriving and running to completion.
 fn access(pool: &mut AdapterPool, backend: &mut CpuBackend, id: u64) -> Residency {
-    let found = pool.on_arrival(id);
-    while pool.host_adapter(id).is_none() {
+    let found = pool.on_arrival(aid(id));
+    while pool.host_adapter(aid(id)).is_none() {
         assert!(
             pool.poll_loads(Some(Duration::from_secs(5))).is_empty(),
             "load failed"
         );
     }
-    let slot = pool.ensure_device(id, &[], backend).unwrap();
+    let slot = pool.ensure_device(aid(id), &[], backend).unwrap();
     assert!(slot.is_some(), "adapter {id} got a slot");
-    let lease = pool.lease(id);
-    pool.on_dequeue(id);
+    let lease = pool.lease(aid(id));
+    pool.on_dequeue(aid(id));
     drop(lease);
     found
 }
 
 fn device_set(pool: &AdapterPool) -> Vec<u64> {
-    let mut v: Vec<u64> = (1..=10).filter(|&id| pool.slot_of(id).is_some()).collect();
+    let mut v: Vec<u64> = (1..=10)
+        .filter(|&id| pool.slot_of(aid(id)).is_some())
+        .collect();
     v.sort();
     v
 }
@@ -54,7 +56,7 @@ fn the_least_recently_used_slot_is_evicted_first() {
     access(&mut pool, &mut backend, 5); // then 3
     assert_eq!(device_set(&pool), vec![1, 4, 5]);
     assert_eq!(
-        pool.residency(2),
+        pool.residency(aid(2)),
         Residency::Host,
         "evicted from the device, still on the host"
     );
@@ -64,29 +66,32 @@ fn the_least_recently_used_slot_is_evicted_first() {
 fn a_lease_or_a_pin_prevents_eviction() {
     let (mut pool, mut backend) = setup(1, 10);
     access(&mut pool, &mut backend, 1);
-    let lease = pool.lease(1);
-    pool.on_arrival(2);
-    while pool.host_adapter(2).is_none() {
+    let lease = pool.lease(aid(1));
+    pool.on_arrival(aid(2));
+    while pool.host_adapter(aid(2)).is_none() {
         pool.poll_loads(Some(Duration::from_secs(5)));
     }
     assert_eq!(
-        pool.ensure_device(2, &[], &mut backend).unwrap(),
+        pool.ensure_device(aid(2), &[], &mut backend).unwrap(),
         None,
         "the only slot is leased"
     );
-    assert_eq!(pool.slot_of(1), Some(0));
+    assert_eq!(pool.slot_of(aid(1)), Some(0));
     drop(lease);
     // One slot: only a pin cap above the default lets it be pinned.
     pool.set_max_pinned(1);
-    pool.set_pinned(1, true).unwrap();
+    pool.set_pinned(aid(1), true).unwrap();
     assert_eq!(
-        pool.ensure_device(2, &[], &mut backend).unwrap(),
+        pool.ensure_device(aid(2), &[], &mut backend).unwrap(),
         None,
         "the only slot is pinned"
     );
-    pool.set_pinned(1, false).unwrap();
-    assert_eq!(pool.ensure_device(2, &[], &mut backend).unwrap(), Some(0));
-    assert_eq!(pool.residency(1), Residency::Host);
+    pool.set_pinned(aid(1), false).unwrap();
+    assert_eq!(
+        pool.ensure_device(aid(2), &[], &mut backend).unwrap(),
+        Some(0)
+    );
+    assert_eq!(pool.residency(aid(1)), Residency::Host);
 }
 
 #[test]
@@ -135,7 +140,7 @@ fn more_distinct_adapters_than_slots_all_complete() {
     let requests: Vec<Request> = (0..names.len() as u64 * 2)
         .map(|i| Request {
             id: format!("r{i}"),
-            adapter: Some(i % names.len() as u64 + 1),
+            adapter: Some(aid(i % names.len() as u64 + 1)),
             prompt: Prompt::Text("The quick brown fox".into()),
             params: SamplingParams {
                 max_tokens: 4,
@@ -177,7 +182,7 @@ fn a_request_for_a_cold_adapter_is_not_starved_by_a_hot_one() {
     for id in [1u64, 2] {
         let name = &adapter_names(MODEL)[id as usize];
         e.register_adapter(
-            id,
+            aid(id),
             AdapterSource {
                 name: name.clone(),
                 dir: adapter_dir(MODEL, name),
@@ -188,7 +193,7 @@ fn a_request_for_a_cold_adapter_is_not_starved_by_a_hot_one() {
     }
     let request = |id: String, adapter: u64| Request {
         id,
-        adapter: Some(adapter),
+        adapter: Some(aid(adapter)),
         prompt: Prompt::Text("The quick brown fox".into()),
         params: SamplingParams {
             max_tokens: 6,
@@ -223,10 +228,10 @@ fn a_request_for_a_cold_adapter_is_not_starved_by_a_hot_one() {
 fn pins_are_capped_so_one_slot_serves_unpinned_traffic() {
     let (mut pool, mut backend) = setup(4, 10);
     for id in [1, 2, 3] {
-        pool.set_pinned(id, true).unwrap();
+        pool.set_pinned(aid(id), true).unwrap();
         access(&mut pool, &mut backend, id);
     }
-    let err = pool.set_pinned(4, true).unwrap_err();
+    let err = pool.set_pinned(aid(4), true).unwrap_err();
     assert!(err.to_string().contains("max_pinned"), "{err}");
     // Unpinned adapters share the one slot left, one after another.
     for id in [4, 5, 6, 4] {
@@ -234,29 +239,29 @@ fn pins_are_capped_so_one_slot_serves_unpinned_traffic() {
     }
     assert_eq!(device_set(&pool), vec![1, 2, 3, 4]);
     // Unpinning makes room for another pin.
-    pool.set_pinned(1, false).unwrap();
-    pool.set_pinned(4, true).unwrap();
+    pool.set_pinned(aid(1), false).unwrap();
+    pool.set_pinned(aid(4), true).unwrap();
 }
 
 #[test]
 fn an_unload_during_a_load_leaves_the_adapter_unloaded() {
     let (mut pool, mut backend) = setup(2, 10);
-    pool.request_load(1);
-    assert_eq!(pool.residency(1), Residency::Loading);
-    pool.unload(1, &mut backend).unwrap();
-    assert_eq!(pool.residency(1), Residency::NotLoaded);
+    pool.request_load(aid(1));
+    assert_eq!(pool.residency(aid(1)), Residency::Loading);
+    pool.unload(aid(1), &mut backend).unwrap();
+    assert_eq!(pool.residency(aid(1)), Residency::NotLoaded);
     while pool.loads_in_flight() > 0 {
         pool.poll_loads(Some(Duration::from_secs(5)));
     }
     assert_eq!(
-        pool.residency(1),
+        pool.residency(aid(1)),
         Residency::NotLoaded,
         "the load's result was dropped"
     );
-    assert!(pool.host_adapter(1).is_none());
+    assert!(pool.host_adapter(aid(1)).is_none());
     // A request after the unload loads it again.
     assert_eq!(access(&mut pool, &mut backend, 1), Residency::NotLoaded);
-    assert_eq!(pool.residency(1), Residency::Device);
+    assert_eq!(pool.residency(aid(1)), Residency::Device);
 }
 
 #[test]
@@ -265,7 +270,7 @@ fn device_eviction_passes_over_adapters_that_requests_wait_for() {
     access(&mut pool, &mut backend, 1);
     access(&mut pool, &mut backend, 2);
     // 1 is the least recently used, but a request waits for it.
-    pool.on_arrival(1);
+    pool.on_arrival(aid(1));
     access(&mut pool, &mut backend, 3);
     assert_eq!(device_set(&pool), vec![1, 3], "2 went, not 1");
 }
@@ -276,13 +281,13 @@ fn an_unloaded_id_may_come_back_with_other_files() {
     access(&mut pool, &mut backend, 1);
     let other = fixture_source(MODEL, "patterns");
     assert!(
-        pool.register(1, other.clone()).is_err(),
+        pool.register(aid(1), other.clone()).is_err(),
         "not while it is resident"
     );
-    pool.unload(1, &mut backend).unwrap();
-    pool.register(1, other).unwrap();
+    pool.unload(aid(1), &mut backend).unwrap();
+    pool.register(aid(1), other).unwrap();
     assert_eq!(access(&mut pool, &mut backend, 1), Residency::NotLoaded);
-    assert_eq!(pool.host_adapter(1).unwrap().name, "patterns");
+    assert_eq!(pool.host_adapter(aid(1)).unwrap().name, "patterns");
 }
 
 /// Found by `pool_props`: an unload waiting on a queued request, then a
@@ -291,19 +296,23 @@ fn an_unloaded_id_may_come_back_with_other_files() {
 #[test]
 fn a_pin_after_a_pending_unload_keeps_the_adapter() {
     let (mut pool, mut backend) = setup(2, 10);
-    pool.on_arrival(4);
+    pool.on_arrival(aid(4));
     while pool.loads_in_flight() > 0 {
         pool.poll_loads(Some(Duration::from_secs(5)));
     }
-    let slot = pool.ensure_device(4, &[], &mut backend).unwrap();
+    let slot = pool.ensure_device(aid(4), &[], &mut backend).unwrap();
     assert!(slot.is_some());
-    pool.unload(4, &mut backend).unwrap();
-    pool.set_pinned(4, true).unwrap();
-    pool.on_dequeue(4);
+    pool.unload(aid(4), &mut backend).unwrap();
+    pool.set_pinned(aid(4), true).unwrap();
+    pool.on_dequeue(aid(4));
     pool.settle_unloads(&mut backend).unwrap();
-    assert_eq!(pool.slot_of(4), slot, "the pin kept it");
+    assert_eq!(pool.slot_of(aid(4)), slot, "the pin kept it");
     for id in [1, 2, 3] {
         access(&mut pool, &mut backend, id);
     }
-    assert_eq!(pool.slot_of(4), slot, "a pinned adapter is never evicted");
+    assert_eq!(
+        pool.slot_of(aid(4)),
+        slot,
+        "a pinned adapter is never evicted"
+    );
 }

@@ -62,38 +62,38 @@ proptest! {
             // What must stay on the device through this operation.
             let held: Vec<(u64, usize)> = (1..=adapters)
                 .filter(|id| {
-                    leases.iter().any(|l| l.adapter() == *id)
+                    leases.iter().any(|l| l.adapter() == aid(*id))
                         || pinned.get(id).copied().unwrap_or(false)
                 })
                 .filter(|id| !unloading.contains(id))
-                .filter_map(|id| pool.slot_of(id).map(|s| (id, s)))
+                .filter_map(|id| pool.slot_of(aid(id)).map(|s| (id, s)))
                 .collect();
             match op {
                 Op::Arrive(id) if id <= adapters => {
-                    pool.on_arrival(id);
+                    pool.on_arrival(aid(id));
                     unloading.remove(&id);
                     arrivals += 1;
                     while pool.loads_in_flight() > 0 {
                         pool.poll_loads(Some(Duration::from_secs(5)));
                     }
-                    pool.ensure_device(id, &[], &mut backend).unwrap();
+                    pool.ensure_device(aid(id), &[], &mut backend).unwrap();
                 }
-                Op::Lease(id) if id <= adapters && pool.slot_of(id).is_some() => {
-                    leases.push(pool.lease(id));
+                Op::Lease(id) if id <= adapters && pool.slot_of(aid(id)).is_some() => {
+                    leases.push(pool.lease(aid(id)));
                 }
                 Op::Release(k) if !leases.is_empty() => {
                     leases.remove(k % leases.len());
                     pool.settle_unloads(&mut backend).unwrap();
                 }
-                Op::Pin(id, pin) if id <= adapters && pool.set_pinned(id, pin).is_ok() => {
+                Op::Pin(id, pin) if id <= adapters && pool.set_pinned(aid(id), pin).is_ok() => {
                     pinned.insert(id, pin);
                     if pin {
                         unloading.remove(&id);
                     }
                 }
-                Op::Dequeue(id) if id <= adapters => pool.on_dequeue(id),
+                Op::Dequeue(id) if id <= adapters => pool.on_dequeue(aid(id)),
                 Op::Unload(id) if id <= adapters => {
-                    pool.unload(id, &mut backend).unwrap();
+                    pool.unload(aid(id), &mut backend).unwrap();
                     // An unload takes the adapter out of both tiers and
                     // ends its pin (at once, or when its last lease ends).
                     pinned.remove(&id);
@@ -107,14 +107,14 @@ proptest! {
                     continue;
                 }
                 prop_assert_eq!(
-                    pool.slot_of(id),
+                    pool.slot_of(aid(id)),
                     Some(slot),
                     "adapter {} was leased or pinned in slot {} and lost it",
                     id,
                     slot
                 );
             }
-            let mut slots: Vec<usize> = (1..=adapters).filter_map(|id| pool.slot_of(id)).collect();
+            let mut slots: Vec<usize> = (1..=adapters).filter_map(|id| pool.slot_of(aid(id))).collect();
             let occupied = slots.len();
             slots.sort_unstable();
             slots.dedup();

@@ -85,7 +85,7 @@ pub fn fixture_engine_on(
 ) -> lorafleet_engine::Engine {
     let mut e = lorafleet_engine::Engine::load(&model_dir(model), settings, choice).unwrap();
     for (i, name) in adapter_names(model).iter().enumerate() {
-        e.register_adapter(i as u64 + 1, fixture_source(model, name))
+        e.register_adapter(aid(i as u64 + 1), fixture_source(model, name))
             .unwrap();
     }
     e
@@ -103,7 +103,11 @@ pub fn mixed_workload() -> Vec<lorafleet_engine::Request> {
     ];
     let mut out = Vec::new();
     for i in 0..24u64 {
-        let adapter = if i < 20 { Some(i % 10 + 1) } else { None };
+        let adapter = if i < 20 {
+            Some(aid(i % 10 + 1))
+        } else {
+            None
+        };
         let sampled = i % 2 == 1;
         out.push(lorafleet_engine::Request {
             id: format!("r{i}"),
@@ -153,8 +157,13 @@ pub fn fixture_pool(
         lorafleet_engine::pool::AdapterPool::new(config, 16, slots, host, "h".repeat(64));
     let names = adapter_names(model);
     for (i, name) in names.iter().enumerate() {
-        pool.register(i as u64 + 1, fixture_source(model, name))
+        pool.register(aid(i as u64 + 1), fixture_source(model, name))
             .unwrap();
     }
     (pool, backend, names.len() as u64)
+}
+
+/// The adapter id for a test's small number.
+pub fn aid(n: u64) -> lorafleet_engine::AdapterId {
+    lorafleet_engine::AdapterId::new(n).expect("test ids start at 1")
 }

@@ -87,10 +87,10 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         .with_context(|| format!("--input {}", args.input.display()))?;
     let mut engine = Engine::load(&args.model, settings, choice)
         .with_context(|| format!("--model {}", args.model.display()))?;
-    let ids: BTreeMap<&str, u64> = loras
+    let ids: BTreeMap<&str, lorafleet_engine::AdapterId> = loras
         .keys()
-        .enumerate()
-        .map(|(i, n)| (n.as_str(), i as u64 + 1))
+        .zip(1..)
+        .filter_map(|(n, i)| Some((n.as_str(), lorafleet_engine::AdapterId::new(i)?)))
         .collect();
     for (name, dir) in &loras {
         let source = AdapterSource {
