@@ -537,3 +537,114 @@ async fn a_client_that_never_finishes_its_headers_is_dropped_at_the_deadline() {
     .await;
     assert_eq!(status, 200, "{body}");
 }
+
+/// One trickling body: headers at once, then one byte of body a second.
+/// Returns the status the gateway answered with (0 if none).
+async fn trickle(addr: String, key: &'static str) -> u16 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(c) = tokio::net::TcpStream::connect(&addr).await else {
+        return 0;
+    };
+    let (mut rd, mut wr) = c.into_split();
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {key}\r\n\
+         content-type: application/json\r\ncontent-length: 200\r\n\r\n{{"
+    );
+    if wr.write_all(head.as_bytes()).await.is_err() {
+        return 0;
+    }
+    let writer = tokio::spawn(async move {
+        for _ in 0..60 {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            if wr.write_all(b" ").await.is_err() {
+                return;
+            }
+        }
+    });
+    let mut buf = vec![0u8; 2048];
+    let n = tokio::time::timeout(Duration::from_secs(60), rd.read(&mut buf))
+        .await
+        .ok()
+        .and_then(Result::ok)
+        .unwrap_or(0);
+    writer.abort();
+    String::from_utf8_lossy(&buf[..n])
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Tenant A trickles 500 bodies a byte a second; tenant B is served all
+/// the while, and every one of A's requests ends at the body deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn five_hundred_trickling_bodies_do_not_hold_back_another_tenant() {
+    let db = migrated_db("admission_trickle").await;
+    let pool = db.pool().await;
+    seed_base_routes(&pool, &[("acme", ACME_KEY), ("globex", GLOBEX_KEY)], "chat").await;
+    let worker = fixture_worker("w0", &[]);
+    let spool = tempfile::tempdir().unwrap();
+    let gateway = ready_gateway(
+        &db.url(),
+        &worker,
+        spool.path(),
+        &[
+            "--max-concurrent-requests",
+            "1024",
+            "--max-concurrent-per-tenant",
+            "600",
+            "--body-timeout-secs",
+            "5",
+        ],
+    )
+    .await;
+    let addr = gateway.addr("http").to_owned();
+    let slow: Vec<_> = (0..500)
+        .map(|_| tokio::spawn(trickle(addr.clone(), ACME_KEY)))
+        .collect();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Globex meanwhile: 4 callers, 10 requests each.
+    let http = reqwest::Client::new();
+    let callers: Vec<_> = (0..4)
+        .map(|_| {
+            let (http, addr) = (http.clone(), addr.clone());
+            tokio::spawn(async move {
+                let mut took = Vec::new();
+                for _ in 0..10 {
+                    let started = Instant::now();
+                    let (status, body) = complete(
+                        &http,
+                        &addr,
+                        GLOBEX_KEY,
+                        json!({"model": "chat", "prompt": "hello", "max_tokens": 2}),
+                    )
+                    .await;
+                    assert_eq!(status, 200, "{body}");
+                    took.push(started.elapsed());
+                }
+                took
+            })
+        })
+        .collect();
+    let mut took = Vec::new();
+    for c in callers {
+        took.extend(c.await.unwrap());
+    }
+    took.sort();
+    let p99 = took[took.len() * 99 / 100 - 1];
+    println!(
+        "globex beside 500 trickling bodies: {} requests, p50 {:?}, p99 {:?}",
+        took.len(),
+        took[took.len() / 2],
+        p99
+    );
+    let mut statuses = std::collections::BTreeMap::new();
+    for s in slow {
+        *statuses.entry(s.await.unwrap()).or_insert(0) += 1;
+    }
+    assert_eq!(
+        statuses,
+        std::collections::BTreeMap::from([(408, 500)]),
+        "every trickling body ends at the deadline"
+    );
+}

@@ -313,11 +313,7 @@ fn one_adapter_id_and_one_residency_type() {
             }
             checked += 1;
             let text = std::fs::read_to_string(&file).unwrap();
-            for needle in [
-                "enum Residency",
-                "type AdapterId",
-                "struct AdapterId",
-            ] {
+            for needle in ["enum Residency", "type AdapterId", "struct AdapterId"] {
                 assert!(
                     !text.contains(needle),
                     "{} defines `{needle}`; it is lorafleet_domain's",

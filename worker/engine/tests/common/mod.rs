@@ -103,11 +103,7 @@ pub fn mixed_workload() -> Vec<lorafleet_engine::Request> {
     ];
     let mut out = Vec::new();
     for i in 0..24u64 {
-        let adapter = if i < 20 {
-            Some(aid(i % 10 + 1))
-        } else {
-            None
-        };
+        let adapter = if i < 20 { Some(aid(i % 10 + 1)) } else { None };
         let sampled = i % 2 == 1;
         out.push(lorafleet_engine::Request {
             id: format!("r{i}"),
