@@ -2,24 +2,6 @@
 
 use super::*;
 
-#[derive(Debug, Serialize, sqlx::FromRow)]
-pub(super) struct AdapterRow {
-    pub(super) lora_int_id: i64,
-    pub(super) name: String,
-    pub(super) version: i32,
-    pub(super) base_model: String,
-    pub(super) tenant: Option<String>,
-    pub(super) rank: i32,
-    pub(super) alpha: f64,
-    pub(super) use_rslora: bool,
-    pub(super) target_modules: Vec<String>,
-    pub(super) artifact_uri: String,
-    artifact_sha256: String,
-    pub(super) state: String,
-    pub(super) created_at: DateTime<Utc>,
-    pub(super) retired_at: Option<DateTime<Utc>>,
-}
-
 pub(super) const ADAPTER_SELECT: &str =
     "SELECT a.lora_int_id, a.name, a.version, b.name AS base_model, t.name AS tenant,
         a.rank, a.alpha, a.use_rslora, a.target_modules, a.artifact_uri, a.artifact_sha256,
@@ -49,19 +31,11 @@ pub(super) async fn list_adapters(
     .fetch_all(&s.pool)
     .await
     .map_err(db_error)?;
-    Ok(reply(StatusCode::OK, &actor, json!({ "adapters": rows })))
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct NewAdapter {
-    pub(super) name: String,
-    /// Default: one above the highest version of this name.
-    pub(super) version: Option<u32>,
-    pub(super) base_model: String,
-    /// The owning tenant; absent for a platform-wide adapter.
-    pub(super) tenant: Option<String>,
-    pub(super) artifact_uri: String,
+    Ok(reply(
+        StatusCode::OK,
+        &actor,
+        to_json(&AdapterList { adapters: rows }),
+    ))
 }
 
 /// What registration learns from the artifact itself.

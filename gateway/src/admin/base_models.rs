@@ -2,14 +2,6 @@
 
 use super::*;
 
-#[derive(Debug, Serialize, sqlx::FromRow)]
-pub(super) struct BaseModelRow {
-    pub(super) name: String,
-    pub(super) architecture: String,
-    pub(super) base_hash: String,
-    pub(super) created_at: DateTime<Utc>,
-}
-
 pub(super) async fn list_base_models(
     State(s): State<AdminState>,
     headers: HeaderMap,
@@ -24,16 +16,8 @@ pub(super) async fn list_base_models(
     Ok(reply(
         StatusCode::OK,
         &actor,
-        json!({ "base_models": rows }),
+        to_json(&BaseModelList { base_models: rows }),
     ))
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct NewBaseModel {
-    pub(super) name: String,
-    pub(super) architecture: String,
-    pub(super) base_hash: String,
 }
 
 pub(super) fn check_model_name(name: &str, param: &str) -> Result<(), AdminError> {

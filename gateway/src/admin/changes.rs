@@ -10,20 +10,6 @@ pub(super) struct ChangeFilter {
     pub(super) limit: Option<u32>,
 }
 
-#[derive(Debug, Serialize, sqlx::FromRow)]
-pub(super) struct ChangeRow {
-    pub(super) id: i64,
-    pub(super) at: DateTime<Utc>,
-    pub(super) actor: String,
-    pub(super) role: String,
-    pub(super) action: String,
-    pub(super) object_type: String,
-    pub(super) object_id: String,
-    pub(super) before: Option<Value>,
-    pub(super) after: Option<Value>,
-    pub(super) request_id: Uuid,
-}
-
 pub(super) async fn list_changes(
     State(s): State<AdminState>,
     headers: HeaderMap,
@@ -50,5 +36,9 @@ pub(super) async fn list_changes(
     .fetch_all(&s.pool)
     .await
     .map_err(db_error)?;
-    Ok(reply(StatusCode::OK, &actor, json!({ "changes": rows })))
+    Ok(reply(
+        StatusCode::OK,
+        &actor,
+        to_json(&ChangeList { changes: rows }),
+    ))
 }

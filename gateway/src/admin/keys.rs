@@ -2,17 +2,6 @@
 
 use super::*;
 
-#[derive(Debug, Serialize, sqlx::FromRow)]
-pub(super) struct KeyRow {
-    pub(super) prefix: String,
-    pub(super) tenant: String,
-    pub(super) name: String,
-    pub(super) scopes: Vec<String>,
-    pub(super) created_at: DateTime<Utc>,
-    pub(super) expires_at: Option<DateTime<Utc>>,
-    pub(super) revoked_at: Option<DateTime<Utc>>,
-}
-
 pub(super) const KEY_SELECT: &str =
     "SELECT k.prefix, t.name AS tenant, k.name, k.scopes, k.created_at, k.expires_at, k.revoked_at
      FROM api_keys k JOIN tenants t ON t.id = k.tenant_id";
@@ -31,17 +20,11 @@ pub(super) async fn list_keys(
     .fetch_all(&s.pool)
     .await
     .map_err(db_error)?;
-    Ok(reply(StatusCode::OK, &actor, json!({ "keys": rows })))
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct NewKey {
-    #[serde(default)]
-    pub(super) name: String,
-    pub(super) scopes: Option<Vec<String>>,
-    pub(super) expires_at: Option<DateTime<Utc>>,
-    pub(super) expires_in_secs: Option<u64>,
+    Ok(reply(
+        StatusCode::OK,
+        &actor,
+        to_json(&KeyList { keys: rows }),
+    ))
 }
 
 pub(super) async fn create_key(
@@ -127,10 +110,9 @@ pub(super) async fn create_key(
         Some(to_json(&row)),
     )
     .await?;
-    let mut body = to_json(&row);
     // The only time the secret leaves the gateway.
-    body["key"] = Value::String(full_key);
-    Ok(reply(StatusCode::CREATED, &actor, body))
+    let created = CreatedKey { row, key: full_key };
+    Ok(reply(StatusCode::CREATED, &actor, to_json(&created)))
 }
 
 pub(super) async fn revoke_key(

@@ -34,6 +34,7 @@ use uuid::Uuid;
 use crate::auth::{self, JwtConfig};
 use crate::registry::{self, Registry};
 use crate::router::fleet::Fleet;
+use types::*;
 
 /// The projections a LoRA may target in each architecture the registry
 /// accepts. Llama, Mistral and Qwen2 share one layer layout.
@@ -180,6 +181,7 @@ mod fleet;
 mod keys;
 mod routes;
 mod tenants;
+pub mod types;
 
 use actor::*;
 use adapters::*;

@@ -2,35 +2,6 @@
 
 use super::*;
 
-#[derive(Debug, Serialize, Deserialize, Clone, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub(super) struct Weight {
-    pub(super) lora_int_id: i64,
-    pub(super) weight_bp: u32,
-}
-
-#[derive(Debug, Serialize)]
-pub(super) struct RouteView {
-    pub(super) tenant: String,
-    pub(super) model: String,
-    pub(super) revision: i32,
-    pub(super) etag: String,
-    pub(super) base_model: String,
-    /// "base" or "adapters".
-    pub(super) target: String,
-    pub(super) weights: Vec<WeightView>,
-    pub(super) updated_at: DateTime<Utc>,
-    pub(super) created_by: String,
-}
-
-#[derive(Debug, Serialize, sqlx::FromRow)]
-pub(super) struct WeightView {
-    pub(super) lora_int_id: i64,
-    pub(super) adapter: String,
-    pub(super) version: i32,
-    pub(super) weight_bp: i32,
-}
-
 pub(super) fn etag(revision: i32) -> String {
     format!("\"{revision}\"")
 }
@@ -137,7 +108,11 @@ pub(super) async fn list_routes(
             routes.push(view);
         }
     }
-    Ok(reply(StatusCode::OK, &actor, json!({ "routes": routes })))
+    Ok(reply(
+        StatusCode::OK,
+        &actor,
+        to_json(&RouteList { routes }),
+    ))
 }
 
 pub(super) async fn get_route(
@@ -151,17 +126,6 @@ pub(super) async fn get_route(
         .await?
         .ok_or_else(|| AdminError::not_found("model", format!("route {tenant}/{model}")))?;
     Ok(route_reply(StatusCode::OK, &actor, &view))
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct RouteSpec {
-    /// Required for a base-model route; for adapter weights it defaults to
-    /// the adapters' base model.
-    pub(super) base_model: Option<String>,
-    /// Empty or absent: the route serves the base model itself.
-    #[serde(default)]
-    pub(super) weights: Vec<Weight>,
 }
 
 /// The revision the client last saw, from `If-Match`.
@@ -461,12 +425,6 @@ pub(super) async fn put_route(
         StatusCode::OK
     };
     Ok(route_reply(status, &actor, &view))
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct PromoteSpec {
-    pub(super) lora_int_id: i64,
 }
 
 pub(super) async fn promote(

@@ -2,16 +2,6 @@
 
 use super::*;
 
-#[derive(Debug, Serialize, sqlx::FromRow)]
-pub(super) struct TenantRow {
-    pub(super) name: String,
-    pub(super) display_name: String,
-    pub(super) rpm_limit: Option<i32>,
-    pub(super) tpm_limit: Option<i64>,
-    pub(super) created_at: DateTime<Utc>,
-    pub(super) disabled_at: Option<DateTime<Utc>>,
-}
-
 pub(super) const TENANT_COLUMNS: &str =
     "name, display_name, rpm_limit, tpm_limit, created_at, disabled_at";
 
@@ -29,17 +19,11 @@ pub(super) async fn list_tenants(
             .fetch_all(&s.pool)
             .await
             .map_err(db_error)?;
-    Ok(reply(StatusCode::OK, &actor, json!({ "tenants": rows })))
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct NewTenant {
-    pub(super) name: String,
-    #[serde(default)]
-    pub(super) display_name: String,
-    pub(super) rpm_limit: Option<u32>,
-    pub(super) tpm_limit: Option<u64>,
+    Ok(reply(
+        StatusCode::OK,
+        &actor,
+        to_json(&TenantList { tenants: rows }),
+    ))
 }
 
 pub(super) fn check_tenant_name(name: &str, param: &str) -> Result<(), AdminError> {

@@ -121,8 +121,53 @@ impl Client {
             .await
     }
 
-    pub(crate) async fn post(&self, path: &str, body: Value) -> Result<Value, Failure> {
-        self.call(reqwest::Method::POST, path, &[], Some(body), None)
+    /// A call whose request and answer are the admin API's own types
+    /// ([`lorafleet_gateway::admin::types`]).
+    pub(crate) async fn call_as<T: serde::de::DeserializeOwned>(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<&impl serde::Serialize>,
+        if_match: Option<&str>,
+    ) -> Result<T, Failure> {
+        let body = body
+            .map(serde_json::to_value)
+            .transpose()
+            .map_err(|e| fail(1, format!("cannot encode the request: {e}")))?;
+        let value = self.call(method, path, &[], body, if_match).await?;
+        serde_json::from_value(value).map_err(|e| {
+            fail(
+                1,
+                format!("the admin API sent an answer this lorafleetctl does not understand: {e}"),
+            )
+        })
+    }
+
+    pub(crate) async fn get_as<T: serde::de::DeserializeOwned>(
+        &self,
+        path: &str,
+        query: &[(&str, String)],
+    ) -> Result<T, Failure> {
+        let value = self.get(path, query).await?;
+        serde_json::from_value(value).map_err(|e| {
+            fail(
+                1,
+                format!("the admin API sent an answer this lorafleetctl does not understand: {e}"),
+            )
+        })
+    }
+
+    pub(crate) async fn post_as<T: serde::de::DeserializeOwned>(
+        &self,
+        path: &str,
+        body: &impl serde::Serialize,
+    ) -> Result<T, Failure> {
+        self.call_as(reqwest::Method::POST, path, Some(body), None)
             .await
     }
+}
+
+/// A typed answer as JSON, for the table renderers.
+pub(crate) fn as_json(v: &impl serde::Serialize) -> Value {
+    serde_json::to_value(v).unwrap_or(Value::Null)
 }

@@ -151,10 +151,11 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             if let Some(i) = object_id {
                 q.push(("object_id", i));
             }
-            let body = c.get("/changes", &q).await?;
+            let list: lorafleet_gateway::admin::types::ChangeList =
+                c.get_as("/changes", &q).await?;
             show_list(
                 &c,
-                &body,
+                &as_json(&list),
                 "changes",
                 &["at", "actor", "role", "action", "object_type", "object_id"],
             );

@@ -1,6 +1,7 @@
 //! Tenants, API keys, base models and adapter versions.
 
 use super::*;
+use lorafleet_gateway::admin::types::*;
 
 pub(crate) const TENANT_COLUMNS: &[&str] = &[
     "name",
@@ -14,8 +15,8 @@ pub(crate) const TENANT_COLUMNS: &[&str] = &[
 pub(crate) async fn tenants(c: &Client, cmd: TenantCmd) -> Result<(), Failure> {
     match cmd {
         TenantCmd::List => {
-            let body = c.get("/tenants", &[]).await?;
-            show_list(c, &body, "tenants", TENANT_COLUMNS);
+            let list: TenantList = c.get_as("/tenants", &[]).await?;
+            show_list(c, &as_json(&list), "tenants", TENANT_COLUMNS);
         }
         TenantCmd::Create {
             name,
@@ -23,26 +24,24 @@ pub(crate) async fn tenants(c: &Client, cmd: TenantCmd) -> Result<(), Failure> {
             rpm_limit,
             tpm_limit,
         } => {
-            let body = c
-                .post(
-                    "/tenants",
-                    json!({"name": name, "display_name": display_name,
-                           "rpm_limit": rpm_limit, "tpm_limit": tpm_limit}),
-                )
-                .await?;
-            show_one(c, &body, TENANT_COLUMNS);
+            let new = NewTenant {
+                name,
+                display_name,
+                rpm_limit,
+                tpm_limit,
+            };
+            let tenant: TenantRow = c.post_as("/tenants", &new).await?;
+            show_one(c, &as_json(&tenant), TENANT_COLUMNS);
         }
         TenantCmd::Disable { name } => {
-            let body = c
-                .post(&format!("/tenants/{}/disable", segment(&name)), json!({}))
-                .await?;
-            show_one(c, &body, TENANT_COLUMNS);
+            let path = format!("/tenants/{}/disable", segment(&name));
+            let tenant: TenantRow = c.post_as(&path, &json!({})).await?;
+            show_one(c, &as_json(&tenant), TENANT_COLUMNS);
         }
         TenantCmd::Enable { name } => {
-            let body = c
-                .post(&format!("/tenants/{}/enable", segment(&name)), json!({}))
-                .await?;
-            show_one(c, &body, TENANT_COLUMNS);
+            let path = format!("/tenants/{}/enable", segment(&name));
+            let tenant: TenantRow = c.post_as(&path, &json!({})).await?;
+            show_one(c, &as_json(&tenant), TENANT_COLUMNS);
         }
     }
     Ok(())
@@ -61,10 +60,10 @@ pub(crate) const KEY_COLUMNS: &[&str] = &[
 pub(crate) async fn keys(c: &Client, cmd: KeyCmd) -> Result<(), Failure> {
     match cmd {
         KeyCmd::List { tenant } => {
-            let body = c
-                .get(&format!("/tenants/{}/keys", segment(&tenant)), &[])
+            let list: KeyList = c
+                .get_as(&format!("/tenants/{}/keys", segment(&tenant)), &[])
                 .await?;
-            show_list(c, &body, "keys", KEY_COLUMNS);
+            show_list(c, &as_json(&list), "keys", KEY_COLUMNS);
         }
         KeyCmd::Create {
             tenant,
@@ -73,33 +72,36 @@ pub(crate) async fn keys(c: &Client, cmd: KeyCmd) -> Result<(), Failure> {
             expires_in,
             expires_at,
         } => {
-            let mut req = json!({ "name": name });
-            if !scopes.is_empty() {
-                req["scopes"] = json!(scopes);
-            }
-            if let Some(d) = expires_in {
-                req["expires_in_secs"] = json!(parse_duration(&d)?);
-            }
-            if let Some(at) = expires_at {
-                req["expires_at"] = json!(at);
-            }
-            let body = c
-                .post(&format!("/tenants/{}/keys", segment(&tenant)), req)
+            let new = NewKey {
+                name,
+                scopes: (!scopes.is_empty()).then_some(scopes),
+                expires_in_secs: expires_in.map(|d| parse_duration(&d)).transpose()?,
+                expires_at: expires_at
+                    .map(|at| {
+                        chrono::DateTime::parse_from_rfc3339(&at)
+                            .map(|t| t.with_timezone(&chrono::Utc))
+                            .map_err(|e| fail(USAGE, format!("--expires-at: {at:?}: {e}")))
+                    })
+                    .transpose()?,
+            };
+            let created: CreatedKey = c
+                .post_as(&format!("/tenants/{}/keys", segment(&tenant)), &new)
                 .await?;
+            let body = as_json(&created);
             if c.output == Output::Json {
                 println!("{body}");
             } else {
                 show_one(c, &body, KEY_COLUMNS);
                 println!();
-                println!("key: {}", cell(&body["key"]));
+                println!("key: {}", created.key);
                 eprintln!("Store this key now: it is not shown again.");
             }
         }
         KeyCmd::Revoke { prefix } => {
-            let body = c
-                .post(&format!("/keys/{}/revoke", segment(&prefix)), json!({}))
+            let key: KeyRow = c
+                .post_as(&format!("/keys/{}/revoke", segment(&prefix)), &json!({}))
                 .await?;
-            show_one(c, &body, KEY_COLUMNS);
+            show_one(c, &as_json(&key), KEY_COLUMNS);
         }
     }
     Ok(())
@@ -109,8 +111,8 @@ pub(crate) async fn base_models(c: &Client, cmd: BaseCmd) -> Result<(), Failure>
     let columns = &["name", "architecture", "base_hash", "created_at"];
     match cmd {
         BaseCmd::List => {
-            let body = c.get("/base-models", &[]).await?;
-            show_list(c, &body, "base_models", columns);
+            let list: BaseModelList = c.get_as("/base-models", &[]).await?;
+            show_list(c, &as_json(&list), "base_models", columns);
         }
         BaseCmd::Register {
             name,
@@ -123,13 +125,13 @@ pub(crate) async fn base_models(c: &Client, cmd: BaseCmd) -> Result<(), Failure>
                 (None, Some(dir)) => hash_model_dir(&dir)?,
                 (None, None) => return Err(fail(USAGE, "--base-hash or --model-dir: required")),
             };
-            let body = c
-                .post(
-                    "/base-models",
-                    json!({"name": name, "architecture": architecture, "base_hash": hash}),
-                )
-                .await?;
-            show_one(c, &body, columns);
+            let new = NewBaseModel {
+                name,
+                architecture,
+                base_hash: hash,
+            };
+            let base: BaseModelRow = c.post_as("/base-models", &new).await?;
+            show_one(c, &as_json(&base), columns);
         }
         BaseCmd::Hash { .. } => unreachable!("handled before connecting"),
     }
@@ -158,8 +160,8 @@ pub(crate) async fn adapters(c: &Client, cmd: AdapterCmd) -> Result<(), Failure>
             if let Some(b) = base_model {
                 q.push(("base_model", b));
             }
-            let body = c.get("/adapters", &q).await?;
-            show_list(c, &body, "adapters", ADAPTER_COLUMNS);
+            let list: AdapterList = c.get_as("/adapters", &q).await?;
+            show_list(c, &as_json(&list), "adapters", ADAPTER_COLUMNS);
         }
         AdapterCmd::Register {
             name,
@@ -168,16 +170,17 @@ pub(crate) async fn adapters(c: &Client, cmd: AdapterCmd) -> Result<(), Failure>
             version,
             tenant,
         } => {
-            let body = c
-                .post(
-                    "/adapters",
-                    json!({"name": name, "base_model": base_model, "artifact_uri": artifact_uri,
-                           "version": version, "tenant": tenant}),
-                )
-                .await?;
+            let new = NewAdapter {
+                name,
+                version,
+                base_model,
+                tenant,
+                artifact_uri,
+            };
+            let adapter: AdapterRow = c.post_as("/adapters", &new).await?;
             show_one(
                 c,
-                &body,
+                &as_json(&adapter),
                 &[
                     "lora_int_id",
                     "name",
@@ -194,10 +197,10 @@ pub(crate) async fn adapters(c: &Client, cmd: AdapterCmd) -> Result<(), Failure>
             );
         }
         AdapterCmd::Retire { lora_int_id } => {
-            let body = c
-                .post(&format!("/adapters/{lora_int_id}/retire"), json!({}))
+            let adapter: AdapterRow = c
+                .post_as(&format!("/adapters/{lora_int_id}/retire"), &json!({}))
                 .await?;
-            show_one(c, &body, ADAPTER_COLUMNS);
+            show_one(c, &as_json(&adapter), ADAPTER_COLUMNS);
         }
         AdapterCmd::Digest { .. } => unreachable!("handled before connecting"),
     }

@@ -1,6 +1,7 @@
 //! Routes and canaries.
 
 use super::*;
+use lorafleet_gateway::admin::types::*;
 
 pub(crate) fn show_route(c: &Client, r: &Value) {
     if c.output == Output::Json {
@@ -39,7 +40,8 @@ pub(crate) async fn routes(c: &Client, cmd: RouteCmd) -> Result<(), Failure> {
     match cmd {
         RouteCmd::List { tenant } => {
             let q: Vec<(&str, String)> = tenant.into_iter().map(|t| ("tenant", t)).collect();
-            let body = c.get("/routes", &q).await?;
+            let list: RouteList = c.get_as("/routes", &q).await?;
+            let body = as_json(&list);
             if c.output == Output::Json {
                 println!("{body}");
             } else {
@@ -82,8 +84,8 @@ pub(crate) async fn routes(c: &Client, cmd: RouteCmd) -> Result<(), Failure> {
             }
         }
         RouteCmd::Get { tenant, model } => {
-            let body = c.get(&route_path(&tenant, &model), &[]).await?;
-            show_route(c, &body);
+            let route: RouteView = c.get_as(&route_path(&tenant, &model), &[]).await?;
+            show_route(c, &as_json(&route));
         }
         RouteCmd::Set {
             tenant,
@@ -111,19 +113,25 @@ pub(crate) async fn routes(c: &Client, cmd: RouteCmd) -> Result<(), Failure> {
                             ),
                         )
                     })?;
-                    list.push(json!({"lora_int_id": id, "weight_bp": bp}));
+                    list.push(Weight {
+                        lora_int_id: id,
+                        weight_bp: bp,
+                    });
                 }
             }
-            let body = c
-                .call(
+            let spec = RouteSpec {
+                base_model,
+                weights: list,
+            };
+            let route: RouteView = c
+                .call_as(
                     reqwest::Method::PUT,
                     &route_path(&tenant, &model),
-                    &[],
-                    Some(json!({"base_model": base_model, "weights": list})),
+                    Some(&spec),
                     etag.as_deref(),
                 )
                 .await?;
-            show_route(c, &body);
+            show_route(c, &as_json(&route));
         }
         RouteCmd::Promote {
             tenant,
@@ -131,32 +139,30 @@ pub(crate) async fn routes(c: &Client, cmd: RouteCmd) -> Result<(), Failure> {
             lora_int_id,
             etag,
         } => {
-            let body = c
-                .call(
+            let route: RouteView = c
+                .call_as(
                     reqwest::Method::POST,
                     &format!("{}/promote", route_path(&tenant, &model)),
-                    &[],
-                    Some(json!({ "lora_int_id": lora_int_id })),
+                    Some(&PromoteSpec { lora_int_id }),
                     Some(&etag),
                 )
                 .await?;
-            show_route(c, &body);
+            show_route(c, &as_json(&route));
         }
         RouteCmd::Rollback {
             tenant,
             model,
             etag,
         } => {
-            let body = c
-                .call(
+            let route: RouteView = c
+                .call_as(
                     reqwest::Method::POST,
                     &format!("{}/rollback", route_path(&tenant, &model)),
-                    &[],
-                    None,
+                    None::<&Value>,
                     Some(&etag),
                 )
                 .await?;
-            show_route(c, &body);
+            show_route(c, &as_json(&route));
         }
     }
     Ok(())
