@@ -1,0 +1,243 @@
+//! The gateway's refusals and deadlines with real workers: a worker's
+//! refusal reaches the tenant as a reason code, a worker that never answers
+//! is skipped at the first-token deadline, and bad flags are refused by
+//! name.
+
+#[path = "support/fleet.rs"]
+mod fleet;
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use fleet::*;
+use lorafleet_tests::{binary, signal};
+
+/// A worker's refusal reaches the tenant as a stable reason code: never the
+/// worker's own words, which may name fields, URIs or digests of the
+/// operator's files (those go to the gateway's log).
+#[tokio::test]
+async fn a_worker_refusal_reaches_the_tenant_as_a_reason_code() {
+    let f = fleet("gateway_refusal").await;
+    // An adapter registered with a digest its files do not have.
+    let uri = "llama-gqa/o-r2";
+    let id: i64 = sqlx::query_scalar(
+        "INSERT INTO adapters (name, version, base_model_id, tenant_id, rank, alpha,
+                               target_modules, artifact_uri, artifact_sha256)
+         VALUES ('tampered', 1, $1, $2, 2, 4, ARRAY['o_proj'], $3, $4)
+         RETURNING lora_int_id",
+    )
+    .bind(f.seeded.llama)
+    .bind(f.seeded.acme)
+    .bind(uri)
+    .bind("ab".repeat(32))
+    .fetch_one(&f.pool)
+    .await
+    .unwrap();
+    route(
+        &f.pool,
+        f.seeded.acme,
+        "tampered",
+        f.seeded.llama,
+        &[(id, 10_000)],
+    )
+    .await;
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let (status, body) = loop {
+        let (s, v) = f.complete("tampered", "hello", None).await;
+        // 404 until the gateway's registry refresh sees the new route.
+        if s != 404 || Instant::now() > deadline {
+            break (s, v);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(status, 503, "{body}");
+    let error = &body["error"];
+    assert_eq!(error["code"], "adapter_unavailable", "{body}");
+    let message = error["message"].as_str().unwrap();
+    assert!(message.contains("artifact_digest_mismatch"), "{message}");
+    for leak in [uri, "adapter.artifact_sha256", "abab", "registered digest"] {
+        assert!(!message.contains(leak), "{leak:?} in {message}");
+    }
+    assert!(
+        f.gateway
+            .log_text()
+            .contains("the worker could not use the adapter"),
+        "the worker's words are in the gateway's log"
+    );
+}
+
+/// A worker that takes the request and never answers is skipped at the
+/// first-token deadline: the request moves to the other worker, and its row
+/// says so.
+#[tokio::test]
+async fn a_worker_that_never_answers_is_skipped_at_the_first_token_deadline() {
+    let f = fleet("gateway_first_token").await;
+    let (s, v) = f.complete("support", "warm", None).await;
+    assert_eq!(s, 200, "{v}");
+    f.wait_audit(1).await;
+    let served: String = sqlx::query_scalar("SELECT worker_id FROM audit_log")
+        .fetch_one(&f.pool)
+        .await
+        .unwrap();
+    let stuck = if served == "w0" { 0 } else { 1 };
+    let pid = f.workers[stuck].child.id();
+    signal(pid, "STOP");
+    let started = Instant::now();
+    let answer = f.complete("support", "a stuck worker", None).await;
+    let took = started.elapsed();
+    signal(pid, "CONT");
+    assert_eq!(answer.0, 200, "{}", answer.1);
+    assert!(
+        took >= Duration::from_secs(5),
+        "{took:?}: before the deadline"
+    );
+    f.wait_audit(2).await;
+    let (attempts, worker): (i16, String) = sqlx::query_as(
+        "SELECT attempts, worker_id FROM audit_log ORDER BY received_at DESC LIMIT 1",
+    )
+    .fetch_one(&f.pool)
+    .await
+    .unwrap();
+    assert_eq!(attempts, 2, "the stuck worker, then the other");
+    assert_ne!(worker, served);
+}
+
+#[test]
+fn serve_refuses_bad_flags_by_name() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["--workers", ""], "--workers: \"\" is not HOST:PORT"),
+        (
+            &["--workers", "nohost"],
+            "--workers: \"nohost\" is not HOST:PORT",
+        ),
+        (
+            &["--workers-dns", "workers:50051"],
+            "--workers and --workers-dns: give one, not both",
+        ),
+        (
+            &["--load-factor", "0.5"],
+            "--load-factor: 0.5 must be at least 1.0",
+        ),
+        (
+            &["--replica-share", "0"],
+            "--replica-share: 0 must be at least 1",
+        ),
+        (
+            &["--max-attempts", "0"],
+            "--max-attempts: must be at least 1",
+        ),
+        (
+            &["--first-token-timeout-secs", "0"],
+            "--first-token-timeout-secs: must be at least 1",
+        ),
+        (
+            &["--registry-max-age-secs", "0"],
+            "--registry-max-age-secs: must be at least 1",
+        ),
+        (
+            &["--audit-queue-bytes", "100"],
+            "--audit-queue-bytes: 100 is less than one row",
+        ),
+        (
+            &["--audit-spool-max-bytes", "1000"],
+            "--audit-spool-max-bytes: 1000 must be at least twice --audit-queue-bytes",
+        ),
+        (
+            &["--audit-spool-owner", "../escape"],
+            "--audit-spool-owner: \"../escape\" must be 1 to 128 letters",
+        ),
+        (
+            &["--audit-spool", "/etc/hostname"],
+            "--audit-spool: /etc/hostname is a file; it must be a directory",
+        ),
+        (
+            &["--max-body-bytes", "0"],
+            "--max-body-bytes: must be at least 1",
+        ),
+        (
+            &["--jwt-algorithms", "HS256"],
+            "--jwt-algorithms: set --jwt-hmac-secret-file or --jwt-public-key-file too",
+        ),
+        (
+            &["--database-url", "mysql://db/x"],
+            "--database-url: must start with postgres://",
+        ),
+        (&["--load-factor", "lots"], "--load-factor"),
+        (
+            &["--admin-listen", "127.0.0.1:0"],
+            "--admin-listen: needs an admin token key",
+        ),
+        (
+            &["--admin-jwt-algorithms", "HS256"],
+            "--admin-jwt-algorithms: set --admin-jwt-hmac-secret-file or --admin-jwt-public-key-file too",
+        ),
+        (
+            &["--artifact-root", "/no/such/artifact/root"],
+            "--artifact-root: artifact root /no/such/artifact/root",
+        ),
+        (
+            &["--max-lora-rank", "0"],
+            "--max-lora-rank: must be at least 1",
+        ),
+        (
+            &["--max-concurrent-per-tenant", "0"],
+            "--max-concurrent-per-tenant: must be at least 1",
+        ),
+        (
+            &["--max-concurrent-per-tenant", "5000"],
+            "--max-concurrent-per-tenant: 5000 is above --max-concurrent-requests (1024)",
+        ),
+        (
+            &["--body-timeout-secs", "0"],
+            "--body-timeout-secs: must be at least 1",
+        ),
+        (&["--default-tpm-limit", "lots"], "--default-tpm-limit"),
+    ];
+    for (flags, expected) in cases {
+        let out = Command::new(binary("lorafleet-gateway"))
+            .args([
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--metrics-listen",
+                "127.0.0.1:0",
+            ])
+            // Defaults through the environment, so a case can override them by flag.
+            .env("LORAFLEET_INSECURE_PLAINTEXT", "true")
+            .env("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/unused")
+            .env("LORAFLEET_WORKERS", "127.0.0.1:1")
+            .args(flags.iter())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flags:?}");
+        assert!(
+            stderr.contains(expected),
+            "{flags:?}: expected {expected:?} in {stderr}"
+        );
+    }
+    // Logging settings are checked the same way, by variable.
+    for (var, value, expected) in [
+        (
+            "LORAFLEET_LOG_FORMAT",
+            "yaml",
+            "LORAFLEET_LOG_FORMAT: \"yaml\" is not",
+        ),
+        ("RUST_LOG", "info,[", "RUST_LOG: \"info,[\" is not a filter"),
+    ] {
+        let out = Command::new(binary("lorafleet-gateway"))
+            .args(["serve", "--workers", "127.0.0.1:1", "--insecure-plaintext"])
+            .args([
+                "--database-url",
+                "postgres://postgres@127.0.0.1:5432/unused",
+            ])
+            .env(var, value)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && stderr.contains(expected),
+            "{var}: {stderr}"
+        );
+    }
+}

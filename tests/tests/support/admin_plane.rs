@@ -1,0 +1,302 @@
+//! The admin plane a suite drives: the real `lorafleetctl` binary against
+//! two real gateway replicas (sharing real Postgres and Redis) in front of
+//! a real worker on the fixture model, with an artifact root of copies.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use lorafleet_tests::{
+    Server, TestDb, binary, engine_fixtures, gateway_command, login_member_of, migrated_db,
+    worker_command,
+};
+use serde_json::{Value, json};
+use uuid::Uuid;
+
+pub const ISSUER: &str = "lorafleet-test";
+pub const AUDIENCE: &str = "lorafleet-admin";
+
+/// What one `lorafleetctl` run produced.
+#[derive(Debug)]
+pub struct Ctl {
+    pub code: i32,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl Ctl {
+    pub fn json(&self) -> Value {
+        assert_eq!(self.code, 0, "lorafleetctl failed: {}", self.stderr);
+        serde_json::from_str(&self.stdout)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.stdout))
+    }
+
+    /// Asserts the exit code and that the message names `needle`.
+    pub fn refused(&self, code: i32, needle: &str) {
+        assert_eq!(
+            self.code, code,
+            "expected exit {code} naming {needle:?}; stdout {} stderr {}",
+            self.stdout, self.stderr
+        );
+        assert!(
+            self.stderr.contains(needle),
+            "the error should name {needle:?}: {}",
+            self.stderr
+        );
+    }
+}
+
+pub struct Plane {
+    pub gateways: Vec<Server>,
+    pub worker: Server,
+    pub http: reqwest::Client,
+    pub root: tempfile::TempDir,
+    pub secret: PathBuf,
+    pub admin_token: String,
+    pub pool: sqlx::PgPool,
+    pub _spools: Vec<tempfile::TempDir>,
+    pub _secret_dir: tempfile::TempDir,
+    pub _db: TestDb,
+}
+
+pub fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+}
+
+/// An artifact root holding copies of fixture adapters and broken ones.
+pub fn artifact_root() -> tempfile::TempDir {
+    let root = tempfile::tempdir().unwrap();
+    let fixtures = engine_fixtures().join("adapters");
+    for a in [
+        "llama-gqa/qv-r8",
+        "llama-gqa/o-r2",
+        "llama-gqa/k-r16",
+        "qwen2-tied/qv-r8",
+    ] {
+        copy_dir(&fixtures.join(a), &root.path().join(a));
+    }
+    let good = root.path().join("llama-gqa/qv-r8");
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(good.join("adapter_config.json")).unwrap())
+            .unwrap();
+    let variant = |name: &str, edit: &dyn Fn(&mut Value)| {
+        let dir = root.path().join("bad").join(name);
+        copy_dir(&good, &dir);
+        let mut c = config.clone();
+        edit(&mut c);
+        std::fs::write(dir.join("adapter_config.json"), c.to_string()).unwrap();
+    };
+    variant("dora", &|c| c["use_dora"] = json!(true));
+    variant("no-base", &|c| {
+        c.as_object_mut().unwrap().remove("base_model_name_or_path");
+    });
+    // Claims rank 4 while its tensors have rank 8.
+    variant("shape", &|c| c["r"] = json!(4));
+    let malformed = root.path().join("bad/malformed");
+    copy_dir(&good, &malformed);
+    std::fs::write(malformed.join("adapter_config.json"), "{\"r\": 8,").unwrap();
+    root
+}
+
+pub async fn plane(label: &str) -> Plane {
+    let db = migrated_db(label).await;
+    let pool = db.pool().await;
+    // The gateways log in with the least privileges: the request path as
+    // lorafleet_runtime, the admin API as lorafleet_admin.
+    let runtime_url = db.url_as(&login_member_of(&pool, "lorafleet_runtime").await);
+    let admin_url = db.url_as(&login_member_of(&pool, "lorafleet_admin").await);
+    let root = artifact_root();
+    let secret_dir = tempfile::tempdir().unwrap();
+    let secret = secret_dir.path().join("admin.secret");
+    std::fs::write(&secret, "an-admin-secret-of-at-least-32-bytes-0123456789").unwrap();
+
+    let fixtures = engine_fixtures();
+    let mut cmd = worker_command();
+    cmd.args(["--worker-id", "w0", "--max-loras", "2"])
+        .arg("--model")
+        .arg(fixtures.join("llama-gqa"))
+        .arg("--artifact-root")
+        .arg(root.path());
+    let worker = Server::start(cmd, "lorafleet-worker listening ");
+
+    let redis_prefix = format!("test:{}:", Uuid::new_v4());
+    let mut gateways = Vec::new();
+    let mut spools = Vec::new();
+    for _ in 0..2 {
+        let spool = tempfile::tempdir().unwrap();
+        let mut cmd = gateway_command();
+        cmd.args(["--admin-listen", "127.0.0.1:0"])
+            .args(["--database-url", &runtime_url])
+            .args(["--admin-database-url", &admin_url])
+            .args(["--redis-url", "redis://127.0.0.1:6379"])
+            .args(["--redis-prefix", &redis_prefix])
+            .args(["--workers", worker.addr("grpc")])
+            // Long, so that changes must travel by announcement.
+            .args(["--registry-refresh-secs", "600"])
+            .args(["--max-lora-rank", "8"])
+            .arg("--admin-jwt-hmac-secret-file")
+            .arg(&secret)
+            .args(["--admin-jwt-algorithms", "HS256"])
+            .args(["--admin-jwt-issuer", ISSUER])
+            .args(["--admin-jwt-audience", AUDIENCE])
+            .arg("--artifact-root")
+            .arg(root.path())
+            .arg("--audit-spool")
+            .arg(spool.path());
+        gateways.push(Server::start(cmd, "lorafleet-gateway listening "));
+        spools.push(spool);
+    }
+    let mut p = Plane {
+        gateways,
+        worker,
+        http: reqwest::Client::new(),
+        root,
+        secret,
+        admin_token: String::new(),
+        pool,
+        _spools: spools,
+        _secret_dir: secret_dir,
+        _db: db,
+    };
+    p.admin_token = p.token("alice", "admin");
+    p
+}
+
+impl Plane {
+    pub fn admin_url(&self, replica: usize) -> String {
+        format!("http://{}", self.gateways[replica].addr("admin"))
+    }
+
+    pub fn api_url(&self, replica: usize) -> String {
+        format!("http://{}", self.gateways[replica].addr("http"))
+    }
+
+    pub fn token(&self, subject: &str, role: &str) -> String {
+        let out = self.run_as(
+            None,
+            &[
+                "token",
+                "--hmac-secret-file",
+                self.secret.to_str().unwrap(),
+                "--subject",
+                subject,
+                "--role",
+                role,
+                "--issuer",
+                ISSUER,
+                "--audience",
+                AUDIENCE,
+            ],
+        );
+        assert_eq!(out.code, 0, "token: {}", out.stderr);
+        out.stdout.trim().to_owned()
+    }
+
+    pub fn run_as(&self, token: Option<&str>, args: &[&str]) -> Ctl {
+        let mut cmd = Command::new(binary("lorafleetctl"));
+        cmd.args(args)
+            .env_remove("LORAFLEET_ADMIN_TOKEN")
+            .env("LORAFLEET_ADMIN_URL", self.admin_url(0));
+        if let Some(t) = token {
+            cmd.env("LORAFLEET_ADMIN_TOKEN", t);
+        }
+        let out = cmd.output().expect("run lorafleetctl");
+        Ctl {
+            code: out.status.code().unwrap_or(-1),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        }
+    }
+
+    /// lorafleetctl as alice, the admin.
+    pub fn ctl(&self, args: &[&str]) -> Ctl {
+        self.run_as(Some(&self.admin_token), args)
+    }
+
+    pub fn ctl_json(&self, args: &[&str]) -> Value {
+        let mut a = vec!["--output", "json"];
+        a.extend_from_slice(args);
+        self.ctl(&a).json()
+    }
+
+    pub async fn complete(
+        &self,
+        replica: usize,
+        key: &str,
+        model: &str,
+        user: &str,
+    ) -> (u16, Value) {
+        let resp = self
+            .http
+            .post(format!("{}/v1/completions", self.api_url(replica)))
+            .bearer_auth(key)
+            .json(&json!({"model": model, "prompt": "Hello", "max_tokens": 2,
+                          "temperature": 0, "user": user}))
+            .send()
+            .await
+            .expect("the gateway answers");
+        let status = resp.status().as_u16();
+        (status, resp.json().await.unwrap_or(Value::Null))
+    }
+
+    /// Waits until `replica` answers `key` on `model` with `want`, and
+    /// returns how long that took.
+    pub async fn until_status(
+        &self,
+        replica: usize,
+        key: &str,
+        model: &str,
+        want: u16,
+    ) -> Duration {
+        let start = Instant::now();
+        loop {
+            let (status, body) = self.complete(replica, key, model, "probe").await;
+            if status == want {
+                return start.elapsed();
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "replica {replica} still answers {status} ({body}), not {want}"
+            );
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+
+    /// Every audit row of (tenant, model), through `lorafleetctl audit`,
+    /// once `want` rows are there.
+    pub async fn audit_rows(&self, tenant: &str, model: &str, want: usize) -> Vec<Value> {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let body = self.ctl_json(&[
+                "audit", "--tenant", tenant, "--model", model, "--all", "--limit", "1000",
+            ]);
+            let rows = body["rows"].as_array().unwrap().clone();
+            if rows.len() >= want {
+                return rows;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{} of {want} audit rows",
+                rows.len()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+pub fn fixture_json(name: &str) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(engine_fixtures().join(name)).unwrap()).unwrap()
+}
+
+pub fn request_id(completion: &Value) -> String {
+    completion["id"]
+        .as_str()
+        .and_then(|id| id.strip_prefix("cmpl-"))
+        .unwrap_or_else(|| panic!("no completion id in {completion}"))
+        .to_owned()
+}
