@@ -21,8 +21,7 @@ pub(super) fn authorize(
     headers: &HeaderMap,
     need: Need,
 ) -> Result<Actor, AdminError> {
-    let unauthorized =
-        |m: String| AdminError::new(StatusCode::UNAUTHORIZED, "invalid_admin_token", None, m);
+    let unauthorized = |m: String| AdminError::new(AdminCode::InvalidAdminToken, None, m);
     let value = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok());
@@ -45,8 +44,7 @@ pub(super) fn authorize(
             Need::Write => "change the registry",
         };
         return Err(AdminError::new(
-            StatusCode::FORBIDDEN,
-            "insufficient_role",
+            AdminCode::InsufficientRole,
             None,
             format!("role {} may not {what}", role.name()),
         ));

@@ -62,26 +62,28 @@ pub(super) fn inspect_artifact(
 ) -> Result<Inspected, AdminError> {
     let dir = roots.resolve(uri).map_err(|e| match e {
         ArtifactError::OutsideRoots { .. } => AdminError::unprocessable(
-            "artifact_outside_root",
+            AdminCode::ArtifactOutsideRoot,
             "artifact_uri",
             format!("{uri:?} lies outside the artifact root"),
         ),
         ArtifactError::InvalidUri { reason, .. } => {
-            AdminError::unprocessable("invalid_artifact_uri", "artifact_uri", reason)
+            AdminError::unprocessable(AdminCode::InvalidArtifactUri, "artifact_uri", reason)
         }
         ArtifactError::NotFound { .. } => AdminError::unprocessable(
-            "artifact_not_found",
+            AdminCode::ArtifactNotFound,
             "artifact_uri",
             format!("{uri:?} is not under the artifact root"),
         ),
-        other => {
-            AdminError::unprocessable("artifact_unreadable", "artifact_uri", other.to_string())
-        }
+        other => AdminError::unprocessable(
+            AdminCode::ArtifactUnreadable,
+            "artifact_uri",
+            other.to_string(),
+        ),
     })?;
     let config_param = "adapter_config.json";
     let text = std::fs::read_to_string(dir.join("adapter_config.json")).map_err(|e| {
         AdminError::unprocessable(
-            "invalid_adapter_config",
+            AdminCode::InvalidAdapterConfig,
             config_param,
             format!("cannot be read: {e}"),
         )
@@ -99,12 +101,7 @@ pub(super) fn inspect_artifact(
         } else {
             format!("{config_param}.{field}")
         };
-        AdminError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "invalid_adapter_config",
-            Some(&param),
-            e.to_string(),
-        )
+        AdminError::new(AdminCode::InvalidAdapterConfig, Some(&param), e.to_string())
     })?;
     // The declared base: PEFT records the name or path it was trained on;
     // its last path segment must name the base model it is registered to.
@@ -117,7 +114,7 @@ pub(super) fn inspect_artifact(
     match declared {
         None => {
             return Err(AdminError::unprocessable(
-                "base_model_mismatch",
+                AdminCode::BaseModelMismatch,
                 base_param,
                 format!("is missing; the adapter must declare its base model {base_model:?}"),
             ));
@@ -132,7 +129,7 @@ pub(super) fn inspect_artifact(
             };
             if d != base_model && last(&d) != last(base_model) {
                 return Err(AdminError::unprocessable(
-                    "base_model_mismatch",
+                    AdminCode::BaseModelMismatch,
                     base_param,
                     format!(
                         "{d:?} does not name the base model {base_model:?} it is registered against"
@@ -149,7 +146,7 @@ pub(super) fn inspect_artifact(
             "adapter_config.json.rank_pattern"
         };
         return Err(AdminError::unprocessable(
-            "rank_too_large",
+            AdminCode::RankTooLarge,
             param,
             format!("rank {rank} is above the fleet's max LoRA rank {max_lora_rank}"),
         ));
@@ -165,7 +162,7 @@ pub(super) fn inspect_artifact(
         .collect();
     if let Some(t) = targets.iter().find(|t| !modules.contains(&t.as_str())) {
         return Err(AdminError::unprocessable(
-            "invalid_adapter_config",
+            AdminCode::InvalidAdapterConfig,
             "adapter_config.json.target_modules",
             format!("{t} is not a projection of a {architecture} model"),
         ));
@@ -176,7 +173,7 @@ pub(super) fn inspect_artifact(
         adapter_name,
     )?;
     let digest = roots.digest(&dir).map_err(|e| {
-        AdminError::unprocessable("artifact_unreadable", "artifact_uri", e.to_string())
+        AdminError::unprocessable(AdminCode::ArtifactUnreadable, "artifact_uri", e.to_string())
     })?;
     Ok(Inspected {
         rank,
@@ -196,7 +193,7 @@ pub(super) fn check_weight_shapes(
     adapter_name: &str,
 ) -> Result<(), AdminError> {
     let param = "adapter_model.safetensors";
-    let bad = |m: String| AdminError::unprocessable("invalid_adapter_weights", param, m);
+    let bad = |m: String| AdminError::unprocessable(AdminCode::InvalidAdapterWeights, param, m);
     let header = lorafleet_artifact::safetensors_header::read(path).map_err(bad)?;
     if header.is_empty() {
         return Err(bad("holds no tensors".into()));
@@ -279,15 +276,14 @@ pub(super) async fn register_adapter(
         .to_owned();
     if uri.starts_with('/') {
         return Err(AdminError::unprocessable(
-            "artifact_outside_root",
+            AdminCode::ArtifactOutsideRoot,
             "artifact_uri",
             "must be relative to the artifact root, as every worker resolves it under its own root",
         ));
     }
     let roots = s.artifact_roots.clone().ok_or_else(|| {
         AdminError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "no_artifact_root",
+            AdminCode::NoArtifactRoot,
             Some("artifact_uri"),
             "this gateway has no --artifact-root, so it cannot read artifacts to register them"
                 .into(),
@@ -355,8 +351,8 @@ pub(super) async fn register_adapter(
     .fetch_one(&mut *tx)
     .await
     .map_err(|e| match db_error(e) {
-        e if e.code == "duplicate" => AdminError::conflict(
-            "duplicate",
+        e if e.code == AdminCode::Duplicate => AdminError::conflict(
+            AdminCode::Duplicate,
             "version",
             format!("adapter {:?} version {version} already exists; versions are immutable, register a new one", a.name),
         ),
@@ -401,7 +397,7 @@ pub(super) async fn retire_adapter(
         before.ok_or_else(|| AdminError::not_found("lora_int_id", format!("adapter {id}")))?;
     if before.state == "retired" {
         return Err(AdminError::conflict(
-            "no_change",
+            AdminCode::NoChange,
             "lora_int_id",
             format!("adapter {id} is already retired"),
         ));
@@ -418,7 +414,7 @@ pub(super) async fn retire_adapter(
     .map_err(db_error)?;
     if !routed.is_empty() {
         return Err(AdminError::conflict(
-            "adapter_in_use",
+            AdminCode::AdapterInUse,
             "lora_int_id",
             format!(
                 "adapter {id} still takes traffic on route(s) {}; move them off it (promote or set) first",

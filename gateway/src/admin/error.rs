@@ -1,36 +1,161 @@
-//! The admin API's error type and its one mapping to a status and a stable code.
+//! The admin API's errors: every stable code is an [`AdminCode`], mapped in
+//! one exhaustive place ([`AdminCode::status`]) to its HTTP status, and the
+//! error type OpenAI-style clients read from the status.
 
 use super::*;
+
+/// A stable error code of the admin API; it decides the HTTP status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum AdminCode {
+    AdapterInUse,
+    AdapterOfAnotherTenant,
+    AdapterRetired,
+    ArtifactNotFound,
+    ArtifactOutsideRoot,
+    ArtifactUnreadable,
+    BaseModelMismatch,
+    DatabaseUnavailable,
+    Duplicate,
+    EtagRequired,
+    InsufficientRole,
+    InternalError,
+    InvalidAdapterConfig,
+    InvalidAdapterWeights,
+    InvalidAdminToken,
+    InvalidArtifactUri,
+    InvalidField,
+    MixedBaseModels,
+    NoArtifactRoot,
+    NoChange,
+    NoPreviousRevision,
+    NotFound,
+    RankTooLarge,
+    StaleEtag,
+    UnknownAdapter,
+    WeightsSum,
+}
+
+impl AdminCode {
+    /// Every code.
+    #[cfg(test)]
+    pub const ALL: [AdminCode; 26] = [
+        AdminCode::AdapterInUse,
+        AdminCode::AdapterOfAnotherTenant,
+        AdminCode::AdapterRetired,
+        AdminCode::ArtifactNotFound,
+        AdminCode::ArtifactOutsideRoot,
+        AdminCode::ArtifactUnreadable,
+        AdminCode::BaseModelMismatch,
+        AdminCode::DatabaseUnavailable,
+        AdminCode::Duplicate,
+        AdminCode::EtagRequired,
+        AdminCode::InsufficientRole,
+        AdminCode::InternalError,
+        AdminCode::InvalidAdapterConfig,
+        AdminCode::InvalidAdapterWeights,
+        AdminCode::InvalidAdminToken,
+        AdminCode::InvalidArtifactUri,
+        AdminCode::InvalidField,
+        AdminCode::MixedBaseModels,
+        AdminCode::NoArtifactRoot,
+        AdminCode::NoChange,
+        AdminCode::NoPreviousRevision,
+        AdminCode::NotFound,
+        AdminCode::RankTooLarge,
+        AdminCode::StaleEtag,
+        AdminCode::UnknownAdapter,
+        AdminCode::WeightsSum,
+    ];
+
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            AdminCode::AdapterInUse => "adapter_in_use",
+            AdminCode::AdapterOfAnotherTenant => "adapter_of_another_tenant",
+            AdminCode::AdapterRetired => "adapter_retired",
+            AdminCode::ArtifactNotFound => "artifact_not_found",
+            AdminCode::ArtifactOutsideRoot => "artifact_outside_root",
+            AdminCode::ArtifactUnreadable => "artifact_unreadable",
+            AdminCode::BaseModelMismatch => "base_model_mismatch",
+            AdminCode::DatabaseUnavailable => "database_unavailable",
+            AdminCode::Duplicate => "duplicate",
+            AdminCode::EtagRequired => "etag_required",
+            AdminCode::InsufficientRole => "insufficient_role",
+            AdminCode::InternalError => "internal_error",
+            AdminCode::InvalidAdapterConfig => "invalid_adapter_config",
+            AdminCode::InvalidAdapterWeights => "invalid_adapter_weights",
+            AdminCode::InvalidAdminToken => "invalid_admin_token",
+            AdminCode::InvalidArtifactUri => "invalid_artifact_uri",
+            AdminCode::InvalidField => "invalid_field",
+            AdminCode::MixedBaseModels => "mixed_base_models",
+            AdminCode::NoArtifactRoot => "no_artifact_root",
+            AdminCode::NoChange => "no_change",
+            AdminCode::NoPreviousRevision => "no_previous_revision",
+            AdminCode::NotFound => "not_found",
+            AdminCode::RankTooLarge => "rank_too_large",
+            AdminCode::StaleEtag => "stale_etag",
+            AdminCode::UnknownAdapter => "unknown_adapter",
+            AdminCode::WeightsSum => "weights_sum",
+        }
+    }
+
+    /// The one mapping from a code to its status.
+    pub const fn status(self) -> StatusCode {
+        match self {
+            AdminCode::AdapterInUse => StatusCode::CONFLICT,
+            AdminCode::AdapterOfAnotherTenant => StatusCode::UNPROCESSABLE_ENTITY,
+            AdminCode::AdapterRetired => StatusCode::UNPROCESSABLE_ENTITY,
+            AdminCode::ArtifactNotFound => StatusCode::UNPROCESSABLE_ENTITY,
+            AdminCode::ArtifactOutsideRoot => StatusCode::UNPROCESSABLE_ENTITY,
+            AdminCode::ArtifactUnreadable => StatusCode::UNPROCESSABLE_ENTITY,
+            AdminCode::BaseModelMismatch => StatusCode::UNPROCESSABLE_ENTITY,
+            AdminCode::DatabaseUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            AdminCode::Duplicate => StatusCode::CONFLICT,
+            AdminCode::EtagRequired => StatusCode::PRECONDITION_REQUIRED,
+            AdminCode::InsufficientRole => StatusCode::FORBIDDEN,
+            AdminCode::InternalError => StatusCode::INTERNAL_SERVER_ERROR,
+            AdminCode::InvalidAdapterConfig => StatusCode::UNPROCESSABLE_ENTITY,
+            AdminCode::InvalidAdapterWeights => StatusCode::UNPROCESSABLE_ENTITY,
+            AdminCode::InvalidAdminToken => StatusCode::UNAUTHORIZED,
+            AdminCode::InvalidArtifactUri => StatusCode::UNPROCESSABLE_ENTITY,
+            AdminCode::InvalidField => StatusCode::BAD_REQUEST,
+            AdminCode::MixedBaseModels => StatusCode::UNPROCESSABLE_ENTITY,
+            AdminCode::NoArtifactRoot => StatusCode::SERVICE_UNAVAILABLE,
+            AdminCode::NoChange => StatusCode::CONFLICT,
+            AdminCode::NoPreviousRevision => StatusCode::CONFLICT,
+            AdminCode::NotFound => StatusCode::NOT_FOUND,
+            AdminCode::RankTooLarge => StatusCode::UNPROCESSABLE_ENTITY,
+            AdminCode::StaleEtag => StatusCode::PRECONDITION_FAILED,
+            AdminCode::UnknownAdapter => StatusCode::UNPROCESSABLE_ENTITY,
+            AdminCode::WeightsSum => StatusCode::UNPROCESSABLE_ENTITY,
+        }
+    }
+}
 
 /// An error response: `{"error": {"message", "type", "code", "param"}}`.
 #[derive(Debug)]
 pub struct AdminError {
-    pub(super) status: StatusCode,
-    pub(super) code: &'static str,
+    pub(super) code: AdminCode,
     pub(super) param: Option<String>,
     pub(super) message: String,
 }
 
 impl AdminError {
-    pub(super) fn new(
-        status: StatusCode,
-        code: &'static str,
-        param: Option<&str>,
-        message: String,
-    ) -> AdminError {
+    pub(super) fn new(code: AdminCode, param: Option<&str>, message: String) -> AdminError {
         AdminError {
-            status,
             code,
             param: param.map(str::to_owned),
             message,
         }
     }
 
+    pub(super) fn status(&self) -> StatusCode {
+        self.code.status()
+    }
+
     /// A field that is malformed: 400.
     pub(super) fn field(param: &str, message: impl Into<String>) -> AdminError {
         AdminError::new(
-            StatusCode::BAD_REQUEST,
-            "invalid_field",
+            AdminCode::InvalidField,
             Some(param),
             format!("{param}: {}", message.into()),
         )
@@ -38,45 +163,31 @@ impl AdminError {
 
     /// Well-formed but refused by a rule: 422.
     pub(super) fn unprocessable(
-        code: &'static str,
+        code: AdminCode,
         param: &str,
         message: impl Into<String>,
     ) -> AdminError {
-        AdminError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            code,
-            Some(param),
-            format!("{param}: {}", message.into()),
-        )
+        debug_assert_eq!(code.status(), StatusCode::UNPROCESSABLE_ENTITY, "{code:?}");
+        AdminError::new(code, Some(param), format!("{param}: {}", message.into()))
     }
 
     pub(super) fn not_found(param: &str, what: impl Into<String>) -> AdminError {
         AdminError::new(
-            StatusCode::NOT_FOUND,
-            "not_found",
+            AdminCode::NotFound,
             Some(param),
             format!("{param}: {} does not exist", what.into()),
         )
     }
 
-    pub(super) fn conflict(
-        code: &'static str,
-        param: &str,
-        message: impl Into<String>,
-    ) -> AdminError {
-        AdminError::new(
-            StatusCode::CONFLICT,
-            code,
-            Some(param),
-            format!("{param}: {}", message.into()),
-        )
+    pub(super) fn conflict(code: AdminCode, param: &str, message: impl Into<String>) -> AdminError {
+        debug_assert_eq!(code.status(), StatusCode::CONFLICT, "{code:?}");
+        AdminError::new(code, Some(param), format!("{param}: {}", message.into()))
     }
 
     pub(super) fn internal(e: impl std::fmt::Display) -> AdminError {
         tracing::error!(error = %e, "admin request failed");
         AdminError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "internal_error",
+            AdminCode::InternalError,
             None,
             format!("internal error: {e}"),
         )
@@ -85,7 +196,8 @@ impl AdminError {
 
 impl IntoResponse for AdminError {
     fn into_response(self) -> Response {
-        let kind = match self.status.as_u16() {
+        let status = self.status();
+        let kind = match status.as_u16() {
             401 => "authentication_error",
             403 => "permission_error",
             404 => "not_found_error",
@@ -96,10 +208,10 @@ impl IntoResponse for AdminError {
         let body = json!({"error": {
             "message": self.message,
             "type": kind,
-            "code": self.code,
+            "code": self.code.as_str(),
             "param": self.param,
         }});
-        (self.status, axum::Json(body)).into_response()
+        (status, axum::Json(body)).into_response()
     }
 }
 
@@ -110,55 +222,33 @@ pub(super) fn db_error(e: sqlx::Error) -> AdminError {
         && let Some(constraint) = d.constraint()
     {
         let message = d.message().to_owned();
-        let (status, code, param) = match constraint {
-            "tenants_name_unique" => (StatusCode::CONFLICT, "duplicate", "name"),
-            "tenants_name_format" => (StatusCode::BAD_REQUEST, "invalid_field", "name"),
-            "tenants_rpm_limit_positive" => (StatusCode::BAD_REQUEST, "invalid_field", "rpm_limit"),
-            "tenants_tpm_limit_positive" => (StatusCode::BAD_REQUEST, "invalid_field", "tpm_limit"),
-            "base_models_name_unique" => (StatusCode::CONFLICT, "duplicate", "name"),
-            "base_models_base_hash_unique" => (StatusCode::CONFLICT, "duplicate", "base_hash"),
-            "adapters_name_version_unique" => (StatusCode::CONFLICT, "duplicate", "version"),
-            "adapters_name_format" => (StatusCode::BAD_REQUEST, "invalid_field", "name"),
-            "adapters_artifact_uri_relative" => (
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "artifact_outside_root",
-                "artifact_uri",
-            ),
+        let (code, param) = match constraint {
+            "tenants_name_unique" => (AdminCode::Duplicate, "name"),
+            "tenants_name_format" => (AdminCode::InvalidField, "name"),
+            "tenants_rpm_limit_positive" => (AdminCode::InvalidField, "rpm_limit"),
+            "tenants_tpm_limit_positive" => (AdminCode::InvalidField, "tpm_limit"),
+            "base_models_name_unique" => (AdminCode::Duplicate, "name"),
+            "base_models_base_hash_unique" => (AdminCode::Duplicate, "base_hash"),
+            "adapters_name_version_unique" => (AdminCode::Duplicate, "version"),
+            "adapters_name_format" => (AdminCode::InvalidField, "name"),
+            "adapters_artifact_uri_relative" => (AdminCode::ArtifactOutsideRoot, "artifact_uri"),
             "adapters_alpha_finite_positive" => (
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "invalid_adapter_config",
+                AdminCode::InvalidAdapterConfig,
                 "adapter_config.json.lora_alpha",
             ),
-            "routes_model_name_format" => (StatusCode::BAD_REQUEST, "invalid_field", "model"),
-            "route_weights_adapter_active" => (
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "adapter_retired",
-                "weights",
-            ),
-            "route_weights_adapter_tenant" => (
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "adapter_of_another_tenant",
-                "weights",
-            ),
-            "route_weights_adapter_same_base_fk" => (
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "mixed_base_models",
-                "weights",
-            ),
-            "route_revisions_weights_sum_10000" => {
-                (StatusCode::UNPROCESSABLE_ENTITY, "weights_sum", "weights")
-            }
-            "api_keys_expiry_after_creation" => {
-                (StatusCode::BAD_REQUEST, "invalid_field", "expires_at")
-            }
+            "routes_model_name_format" => (AdminCode::InvalidField, "model"),
+            "route_weights_adapter_active" => (AdminCode::AdapterRetired, "weights"),
+            "route_weights_adapter_tenant" => (AdminCode::AdapterOfAnotherTenant, "weights"),
+            "route_weights_adapter_same_base_fk" => (AdminCode::MixedBaseModels, "weights"),
+            "route_revisions_weights_sum_10000" => (AdminCode::WeightsSum, "weights"),
+            "api_keys_expiry_after_creation" => (AdminCode::InvalidField, "expires_at"),
             _ => return AdminError::internal(e),
         };
-        return AdminError::new(status, code, Some(param), format!("{param}: {message}"));
+        return AdminError::new(code, Some(param), format!("{param}: {message}"));
     }
     if matches!(e, sqlx::Error::PoolTimedOut | sqlx::Error::Io(_)) {
         return AdminError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "database_unavailable",
+            AdminCode::DatabaseUnavailable,
             None,
             format!("the registry database is unavailable: {e}"),
         );
@@ -178,4 +268,33 @@ pub(super) fn parse_body<T: DeserializeOwned>(body: &Bytes) -> Result<T, AdminEr
             AdminError::field(&path, inner.to_string())
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_code_is_unique_and_has_one_status() {
+        let names: std::collections::BTreeSet<&str> =
+            AdminCode::ALL.iter().map(|c| c.as_str()).collect();
+        assert_eq!(names.len(), AdminCode::ALL.len());
+        for c in AdminCode::ALL {
+            let status = c.status();
+            assert!(
+                status.is_client_error() || status.is_server_error(),
+                "{c:?}: {status}"
+            );
+            assert!(
+                c.as_str()
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b == b'_')
+            );
+        }
+        assert_eq!(
+            AdminCode::StaleEtag.status(),
+            StatusCode::PRECONDITION_FAILED
+        );
+        assert_eq!(AdminCode::Duplicate.status(), StatusCode::CONFLICT);
+    }
 }

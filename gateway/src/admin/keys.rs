@@ -132,7 +132,7 @@ pub(super) async fn revoke_key(
         before.ok_or_else(|| AdminError::not_found("prefix", format!("API key {prefix:?}")))?;
     if before.revoked_at.is_some() {
         return Err(AdminError::conflict(
-            "no_change",
+            AdminCode::NoChange,
             "prefix",
             format!("API key {prefix:?} is already revoked"),
         ));

@@ -150,12 +150,7 @@ pub fn router(state: AdminState) -> Router {
         .route("/admin/v1/changes", get(list_changes))
         .route("/healthz", get(|| async { "ok" }))
         .fallback(|| async {
-            AdminError::new(
-                StatusCode::NOT_FOUND,
-                "not_found",
-                None,
-                "no such admin endpoint".into(),
-            )
+            AdminError::new(AdminCode::NotFound, None, "no such admin endpoint".into())
         })
         .with_state(state)
 }

@@ -154,24 +154,21 @@ pub(super) fn check_etag(
         (None, None) => Ok(()),
         (Some(s), Some(c)) if s == c => Ok(()),
         (None, Some(c)) => Err(AdminError::new(
-            StatusCode::PRECONDITION_REQUIRED,
-            "etag_required",
+            AdminCode::EtagRequired,
             Some("If-Match"),
             format!(
                 "If-Match: route {tenant}/{model} exists (etag \"{c}\"); send its etag to change it"
             ),
         )),
         (Some(s), Some(c)) => Err(AdminError::new(
-            StatusCode::PRECONDITION_FAILED,
-            "stale_etag",
+            AdminCode::StaleEtag,
             Some("If-Match"),
             format!(
                 "If-Match: etag \"{s}\" is stale; route {tenant}/{model} is at \"{c}\" since someone else changed it. Re-read the route and retry"
             ),
         )),
         (Some(s), None) => Err(AdminError::new(
-            StatusCode::PRECONDITION_FAILED,
-            "stale_etag",
+            AdminCode::StaleEtag,
             Some("If-Match"),
             format!("If-Match: etag \"{s}\" given, but route {tenant}/{model} does not exist"),
         )),
@@ -206,7 +203,7 @@ pub(super) async fn check_weights(
     }
     if sum != u64::from(registry::WEIGHT_TOTAL) {
         return Err(AdminError::unprocessable(
-            "weights_sum",
+            AdminCode::WeightsSum,
             "weights",
             format!("the weights sum to {sum} basis points; they must sum to exactly 10000"),
         ));
@@ -229,14 +226,14 @@ pub(super) async fn check_weights(
         .map_err(db_error)?;
         let (base_id, base_name, name, version, owner, state) = row.ok_or_else(|| {
             AdminError::unprocessable(
-                "unknown_adapter",
+                AdminCode::UnknownAdapter,
                 &param,
                 format!("adapter {} does not exist", w.lora_int_id),
             )
         })?;
         if state == "retired" {
             return Err(AdminError::unprocessable(
-                "adapter_retired",
+                AdminCode::AdapterRetired,
                 &param,
                 format!(
                     "adapter {} ({name} v{version}) is retired and cannot receive traffic",
@@ -246,7 +243,7 @@ pub(super) async fn check_weights(
         }
         if owner.is_some_and(|o| o != tenant) {
             return Err(AdminError::unprocessable(
-                "adapter_of_another_tenant",
+                AdminCode::AdapterOfAnotherTenant,
                 &param,
                 format!(
                     "adapter {} ({name} v{version}) belongs to another tenant",
@@ -263,7 +260,7 @@ pub(super) async fn check_weights(
                     format!("weights[{at}]")
                 };
                 return Err(AdminError::unprocessable(
-                    "mixed_base_models",
+                    AdminCode::MixedBaseModels,
                     &param,
                     format!(
                         "adapter {} is on base model {base_name:?} but {whose} is on {other:?}; one route serves one base model",
@@ -484,7 +481,7 @@ pub(super) async fn rollback(
     check_etag(sent, Some(current.revision), &tenant, &model)?;
     if current.revision <= 1 {
         return Err(AdminError::conflict(
-            "no_previous_revision",
+            AdminCode::NoPreviousRevision,
             "model",
             format!("route {tenant}/{model} has no earlier revision to roll back to"),
         ));
@@ -511,7 +508,6 @@ pub(super) async fn rollback(
             .await
             .map_err(|e| {
                 AdminError::new(
-                    e.status,
                     e.code,
                     Some("model"),
                     format!("cannot roll back to revision {previous}: {}", e.message),

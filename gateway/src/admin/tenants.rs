@@ -77,8 +77,8 @@ pub(super) async fn create_tenant(
     .fetch_one(&mut *tx)
     .await
     .map_err(|e| match db_error(e) {
-        e if e.code == "duplicate" => AdminError::conflict(
-            "duplicate",
+        e if e.code == AdminCode::Duplicate => AdminError::conflict(
+            AdminCode::Duplicate,
             "name",
             format!("tenant {:?} already exists", t.name),
         ),
@@ -117,7 +117,7 @@ pub(super) async fn set_tenant_disabled(
     if before.disabled_at.is_some() == disable {
         let state = if disable { "disabled" } else { "enabled" };
         return Err(AdminError::conflict(
-            "no_change",
+            AdminCode::NoChange,
             "tenant",
             format!("tenant {name:?} is already {state}"),
         ));
