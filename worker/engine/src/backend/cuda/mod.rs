@@ -22,10 +22,17 @@
 #![allow(unsafe_code)]
 
 mod device;
+mod dtype;
 pub mod kernels;
+mod meta;
 pub mod plan;
+mod sample;
 #[doc(hidden)]
 pub mod testing;
+
+pub use dtype::Dtype;
+use meta::StepMeta;
+pub use sample::DeviceSample;
 
 use std::ffi::c_void;
 use std::path::Path;
@@ -41,70 +48,6 @@ use super::{Backend, BackendShape, StepBatch};
 use crate::error::{EngineError, Result};
 use crate::lora::{HostAdapter, Projection};
 use crate::model::{ModelConfig, WeightFiles};
-
-/// The type the base weights are held and multiplied in. The LoRA path
-/// and every accumulation are f32 whatever this is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Dtype {
-    /// Full precision: the mode in which the backend is checked against
-    /// the CPU reference.
-    F32,
-    Bf16,
-    F16,
-}
-
-impl Dtype {
-    pub fn name(self) -> &'static str {
-        match self {
-            Dtype::F32 => "f32",
-            Dtype::Bf16 => "bf16",
-            Dtype::F16 => "f16",
-        }
-    }
-
-    fn bytes(self) -> usize {
-        match self {
-            Dtype::F32 => 4,
-            Dtype::Bf16 | Dtype::F16 => 2,
-        }
-    }
-
-    fn cuda_type(self) -> blas_sys::cudaDataType {
-        match self {
-            Dtype::F32 => blas_sys::cudaDataType::CUDA_R_32F,
-            Dtype::Bf16 => blas_sys::cudaDataType::CUDA_R_16BF,
-            Dtype::F16 => blas_sys::cudaDataType::CUDA_R_16F,
-        }
-    }
-
-    /// Host bytes of `values` in this type (round to nearest even).
-    fn encode(self, values: &[f32]) -> Vec<u8> {
-        match self {
-            Dtype::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            Dtype::Bf16 => values
-                .iter()
-                .flat_map(|&v| half::bf16::from_f32(v).to_bits().to_le_bytes())
-                .collect(),
-            Dtype::F16 => values
-                .iter()
-                .flat_map(|&v| half::f16::from_f32(v).to_bits().to_le_bytes())
-                .collect(),
-        }
-    }
-}
-
-impl std::str::FromStr for Dtype {
-    type Err = String;
-
-    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
-        match s {
-            "f32" | "float32" => Ok(Dtype::F32),
-            "bf16" | "bfloat16" => Ok(Dtype::Bf16),
-            "f16" | "float16" => Ok(Dtype::F16),
-            other => Err(format!("{other:?} is not one of f32, bf16, f16")),
-        }
-    }
-}
 
 /// Checks that the CUDA driver, NVRTC and cuBLAS libraries can be loaded
 /// and that a device exists. cudarc panics on a call into a library it
@@ -165,19 +108,6 @@ struct Slots {
     scale: CudaSlice<f32>,
     rank_host: Vec<i32>,
     scale_host: Vec<f32>,
-}
-
-/// How a request's next token is chosen on the device; `u` is its uniform
-/// draw in [0, 1) from the request's own seeded stream.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct DeviceSample {
-    /// 0 is greedy.
-    pub temperature: f32,
-    /// 0 is off.
-    pub top_k: usize,
-    /// 1 is off.
-    pub top_p: f32,
-    pub u: f32,
 }
 
 /// The CUDA backend.
@@ -493,200 +423,6 @@ impl CudaBackend {
             segments: meta.segments,
             h_part: meta.h_part,
         })
-    }
-
-    /// Samples one token per row of the last forward's logits, on the
-    /// device. Greedy rows take the highest logit (the lowest id among
-    /// ties, as the CPU's `argmax`); the others draw with their own `u`.
-    pub fn sample_last(&mut self, rows: &[DeviceSample]) -> Result<Vec<u32>> {
-        let Some((logits, n)) = &self.last_logits else {
-            return Err(EngineError::Backend(
-                "cuda: no logits to sample from".into(),
-            ));
-        };
-        if rows.len() != *n {
-            return Err(EngineError::Backend(format!(
-                "cuda: {} sampling rows for {n} rows of logits",
-                rows.len()
-            )));
-        }
-        let vocab = self.config.vocab_size as i32;
-        let logits = self.dev.p(logits);
-        let upload_f32 = |v: Vec<f32>| self.dev.stream.clone_htod(&v).map_err(cuda("sampling"));
-        let greedy_out = self
-            .dev
-            .stream
-            .alloc_zeros::<i32>(rows.len())
-            .map_err(cuda("sampling"))?;
-        self.dev.launch(
-            "argmax_rows",
-            (rows.len() as u32, 1, 1),
-            256,
-            &[
-                Arg::Ptr(logits),
-                Arg::I32(vocab),
-                Arg::Ptr(self.dev.p(&greedy_out)),
-            ],
-        )?;
-        let mut picked = self
-            .dev
-            .stream
-            .clone_dtoh(&greedy_out)
-            .map_err(cuda("sampling"))?;
-        if rows.iter().any(|r| r.temperature > 0.0) {
-            let temperature = upload_f32(
-                rows.iter()
-                    .map(|r| {
-                        if r.temperature > 0.0 {
-                            r.temperature
-                        } else {
-                            1.0
-                        }
-                    })
-                    .collect(),
-            )?;
-            let top_k: Vec<i32> = rows.iter().map(|r| r.top_k as i32).collect();
-            let top_k = self
-                .dev
-                .stream
-                .clone_htod(&top_k)
-                .map_err(cuda("sampling"))?;
-            let top_p = upload_f32(rows.iter().map(|r| r.top_p).collect())?;
-            let u = upload_f32(rows.iter().map(|r| r.u).collect())?;
-            // A row the kernel leaves unwritten stays -1 and is refused.
-            let out = self
-                .dev
-                .stream
-                .clone_htod(&vec![-1i32; rows.len()])
-                .map_err(cuda("sampling"))?;
-            self.dev.launch(
-                "sample_rows",
-                (rows.len() as u32, 1, 1),
-                1024,
-                &[
-                    Arg::Ptr(logits),
-                    Arg::I32(vocab),
-                    Arg::Ptr(self.dev.p(&temperature)),
-                    Arg::Ptr(self.dev.p(&top_k)),
-                    Arg::Ptr(self.dev.p(&top_p)),
-                    Arg::Ptr(self.dev.p(&u)),
-                    Arg::Ptr(self.dev.p(&out)),
-                ],
-            )?;
-            let drawn = self.dev.stream.clone_dtoh(&out).map_err(cuda("sampling"))?;
-            for (i, r) in rows.iter().enumerate() {
-                if r.temperature > 0.0 {
-                    picked[i] = drawn[i];
-                }
-            }
-        }
-        picked
-            .into_iter()
-            .map(|t| {
-                u32::try_from(t)
-                    .map_err(|_| EngineError::Backend(format!("cuda: sampling produced token {t}")))
-            })
-            .collect()
-    }
-}
-
-/// A step's metadata on the device: addresses inside one uploaded i32
-/// buffer.
-struct StepMeta {
-    tokens: u64,
-    pos: u64,
-    kv_row: u64,
-    tok_seq: u64,
-    bt_off: u64,
-    block_tables: u64,
-    /// Each segment's tokens, in segment order (SGMV's sorted token
-    /// indices).
-    token_idx: u64,
-    /// `segments + 1` offsets into `token_idx`.
-    seg_off: u64,
-    seg_slot: u64,
-    /// The rows whose logits are wanted.
-    rows: u64,
-    segments: usize,
-    /// The shrink's output and the expand's input: `[slices, splits,
-    /// tokens, max_rank]` f32.
-    h_part: u64,
-}
-
-impl StepMeta {
-    /// Builds and uploads the step's metadata in one copy.
-    fn upload(
-        backend: &CudaBackend,
-        batch: &StepBatch<'_>,
-        rows: &[usize],
-    ) -> Result<(StepMeta, CudaSlice<i32>)> {
-        let bs = backend.shape.block_size;
-        let mut buf: Vec<i32> = Vec::new();
-        let section = |buf: &mut Vec<i32>, values: &mut dyn Iterator<Item = i32>| {
-            let at = buf.len();
-            buf.extend(values);
-            at
-        };
-        let tokens = section(&mut buf, &mut batch.tokens.iter().map(|&t| t as i32));
-        // (sequence, position) of each token: a sequence's tokens are
-        // contiguous and in sequence order (`StepBatch::push`).
-        let by_token: Vec<(usize, usize)> = batch
-            .seqs
-            .iter()
-            .enumerate()
-            .flat_map(|(si, s)| (0..s.len).map(move |i| (si, s.first_position + i)))
-            .collect();
-        let pos = section(&mut buf, &mut by_token.iter().map(|&(_, p)| p as i32));
-        let kv_row = section(
-            &mut buf,
-            &mut by_token.iter().map(|&(si, p)| {
-                let bt = batch.seqs[si].block_table;
-                (bt[p / bs] as usize * bs + p % bs) as i32
-            }),
-        );
-        let tok_seq = section(&mut buf, &mut by_token.iter().map(|&(si, _)| si as i32));
-        let mut offsets = Vec::with_capacity(batch.seqs.len());
-        let mut total = 0;
-        for s in &batch.seqs {
-            offsets.push(total as i32);
-            total += s.block_table.len();
-        }
-        let bt_off = section(&mut buf, &mut offsets.into_iter());
-        let block_tables = section(
-            &mut buf,
-            &mut batch
-                .seqs
-                .iter()
-                .flat_map(|s| s.block_table.iter().map(|&b| b as i32)),
-        );
-        let (token_idx, seg_off, seg_slot) = device::push_segments(&mut buf, &batch.segments);
-        let rows = section(&mut buf, &mut rows.iter().map(|&r| r as i32));
-        // Keep every section's address valid even when it is empty.
-        buf.push(0);
-        let dev = backend
-            .dev
-            .stream
-            .clone_htod(&buf)
-            .map_err(cuda("uploading step metadata"))?;
-        let base = backend.dev.p(&dev);
-        let at = |i: usize| base + (i * 4) as u64;
-        Ok((
-            StepMeta {
-                tokens: at(tokens),
-                pos: at(pos),
-                kv_row: at(kv_row),
-                tok_seq: at(tok_seq),
-                bt_off: at(bt_off),
-                block_tables: at(block_tables),
-                token_idx: at(token_idx),
-                seg_off: at(seg_off),
-                seg_slot: at(seg_slot),
-                rows: at(rows),
-                segments: batch.segments.len(),
-                h_part: 0,
-            },
-            dev,
-        ))
     }
 }
 
