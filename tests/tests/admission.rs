@@ -189,6 +189,19 @@ async fn a_tenant_without_limits_gets_the_gateway_default() {
     for body in &refused {
         assert_eq!(body["error"]["code"], "rate_limit_exceeded", "{body}");
     }
+
+    // A stop string of 100 KiB is refused by its index before it travels.
+    let huge = "x".repeat(100 * 1024);
+    let (status, body) = complete(
+        &http,
+        gateway.addr("http"),
+        ACME_KEY,
+        json!({"model": "chat", "prompt": "hello", "max_tokens": 1, "stop": [huge]}),
+    )
+    .await;
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(body["error"]["param"], "stop[0]", "{body}");
+    assert!(body.to_string().len() < 1024, "the refusal does not echo it");
     drop(gateway);
 
     // The tokens-per-minute default too: a request larger than it is told
