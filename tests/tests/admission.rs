@@ -201,7 +201,10 @@ async fn a_tenant_without_limits_gets_the_gateway_default() {
     .await;
     assert_eq!(status, 400, "{body}");
     assert_eq!(body["error"]["param"], "stop[0]", "{body}");
-    assert!(body.to_string().len() < 1024, "the refusal does not echo it");
+    assert!(
+        body.to_string().len() < 1024,
+        "the refusal does not echo it"
+    );
     drop(gateway);
 
     // The tokens-per-minute default too: a request larger than it is told

@@ -48,6 +48,7 @@ fn settings() -> EngineSettings {
         max_batched_tokens: 512,
         max_waiting: 4096,
         max_pinned: None,
+        prefix_caching: true,
     }
 }
 
@@ -76,6 +77,7 @@ fn source(i: usize, dir: &std::path::Path) -> AdapterSource {
         name: format!("a{i}"),
         dir: dir.to_owned(),
         declared_base_hash: None,
+        digest: None,
     }
 }
 

@@ -444,6 +444,7 @@ mod tests {
                     name: name.into(),
                     dir,
                     declared_base_hash: None,
+                    digest: None,
                 },
                 None,
             )

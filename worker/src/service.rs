@@ -275,6 +275,8 @@ impl WorkerService {
             name: d.display_name.clone(),
             dir: dir.clone(),
             declared_base_hash: Some(d.base_hash.clone()),
+            // Verified above: the bytes the pool reads hash to this.
+            digest: Some(d.artifact_sha256.clone()),
         };
         if let Err(e) = self
             .engine

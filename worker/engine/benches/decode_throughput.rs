@@ -155,6 +155,7 @@ fn run_once(model: &std::path::Path, adapter_dirs: &[std::path::PathBuf]) -> Run
         max_batched_tokens: 512,
         max_waiting: 4096,
         max_pinned: None,
+        prefix_caching: true,
     };
     let mut e = Engine::load_cpu(model, settings).unwrap();
     let loading = Instant::now();
@@ -165,6 +166,7 @@ fn run_once(model: &std::path::Path, adapter_dirs: &[std::path::PathBuf]) -> Run
                 name: format!("a{i}"),
                 dir: dir.clone(),
                 declared_base_hash: None,
+                digest: None,
             },
         )
         .unwrap();

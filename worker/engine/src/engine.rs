@@ -40,6 +40,9 @@ pub struct EngineSettings {
     /// The most adapters pinned at once; None means `max_loras - 1`, so
     /// one slot always serves unpinned traffic.
     pub max_pinned: Option<usize>,
+    /// Whether computed KV blocks are kept and shared between requests
+    /// with the same prefix and weights (see [`crate::kv`]).
+    pub prefix_caching: bool,
 }
 
 impl Default for EngineSettings {
@@ -54,6 +57,7 @@ impl Default for EngineSettings {
             max_batched_tokens: 512,
             max_waiting: 1024,
             max_pinned: None,
+            prefix_caching: true,
         }
     }
 }
@@ -156,6 +160,9 @@ pub struct EngineStats {
     pub waiting: usize,
     pub kv_blocks_used: usize,
     pub kv_blocks_total: usize,
+    /// Blocks whose contents are kept for reuse (held or idle).
+    pub kv_blocks_cached: usize,
+    pub prefix: crate::kv::PrefixCounters,
     pub pool: PoolCounters,
     pub adapters: Vec<AdapterStatus>,
     /// Changes whenever adapter residency changes.
@@ -287,7 +294,11 @@ impl Engine {
             config.max_position_embeddings,
         );
         Ok(Engine {
-            kv: BlockAllocator::new(settings.kv_blocks, settings.block_size),
+            kv: BlockAllocator::with_caching(
+                settings.kv_blocks,
+                settings.block_size,
+                settings.prefix_caching,
+            ),
             config,
             tokenizer,
             prompter,
@@ -450,6 +461,13 @@ impl Engine {
             prompt_tokens: prompt_ids.len(),
             residency,
         };
+        // The identity of the weights the KV will come from: the adapter's
+        // artifact digest, or the base hash (never a name or an id alone).
+        let identity = match request.adapter {
+            Some(a) => self.pool.weights_identity(a).unwrap_or_default(),
+            None => &self.base_hash,
+        };
+        let weights_seed = crate::kv::weights_seed(identity);
         let id = self.next_seq;
         self.next_seq += 1;
         self.by_request.insert(request.id.clone(), id);
@@ -462,6 +480,7 @@ impl Engine {
                 request.params,
                 seed,
                 residency,
+                weights_seed,
             ),
         );
         self.queues.waiting.push_back(id);
@@ -504,6 +523,8 @@ impl Engine {
             waiting: self.queues.waiting.len(),
             kv_blocks_used: self.kv.used_blocks(),
             kv_blocks_total: self.kv.total(),
+            kv_blocks_cached: self.kv.cached_blocks(),
+            prefix: self.kv.counters(),
             pool: self.pool.counters(),
             adapters: self.pool.statuses(),
             residency_generation: self.pool.generation(),
@@ -610,6 +631,15 @@ impl Engine {
         for &(_, id, chunk) in &order {
             let seq = self.seqs.get_mut(&id).expect("scheduled sequence exists");
             seq.num_computed += chunk;
+            // Blocks this step filled are registered for reuse.
+            let full = seq.num_computed / self.kv.block_size();
+            if self.kv.caching() && full > seq.registered {
+                seq.hashes_upto(full, self.kv.block_size());
+                for i in seq.registered..full {
+                    self.kv.register(seq.blocks[i], seq.block_hashes[i]);
+                }
+                seq.registered = full;
+            }
             if seq.num_computed < seq.total_len() {
                 continue; // a prefill chunk that does not reach the end yet
             }

@@ -1,22 +1,91 @@
 //! The paged KV cache's bookkeeping: fixed-size blocks handed out from a
-//! free list. The backend holds the memory; this allocator decides who owns
-//! which block.
+//! free list, with a prefix cache. The backend holds the memory; this
+//! allocator decides who owns which block.
+//!
+//! Prefix caching: a full block whose keys and values are computed is
+//! registered under a [`BlockHash`], chained over every token up to the
+//! block's end and seeded with the identity of the weights that produced
+//! them (the adapter's artifact digest, or the base hash): never a name or
+//! an id alone, so an adapter reloaded under the same name with other
+//! weights never meets its old blocks. A sequence whose first blocks hash
+//! the same takes those blocks (counted references) and skips their
+//! prefill. A released block keeps its contents and its registration while
+//! no one holds it, and is reused (least recently released first) only
+//! when the free list is empty.
 
-/// Hands out KV block ids from a free list.
+use std::collections::{BTreeMap, HashMap};
+
+use sha2::{Digest, Sha256};
+
+/// A block's content key: SHA-256 over its parent's key (or the weights'
+/// identity for the first block) and its token ids.
+pub type BlockHash = [u8; 32];
+
+/// The identity of the weights a sequence's KV comes from.
+pub fn weights_seed(identity: &str) -> BlockHash {
+    let mut h = Sha256::new();
+    h.update(b"lorafleet-kv-v1\0");
+    h.update(identity.as_bytes());
+    h.finalize().into()
+}
+
+/// The key of a block holding `tokens` after the block keyed `parent`.
+pub fn chain(parent: &BlockHash, tokens: &[u32]) -> BlockHash {
+    let mut h = Sha256::new();
+    h.update(parent);
+    for t in tokens {
+        h.update(t.to_le_bytes());
+    }
+    h.finalize().into()
+}
+
+/// Cumulative prefix-cache counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrefixCounters {
+    /// Positions looked up at admission.
+    pub queried_tokens: u64,
+    /// Of those, positions found cached (their prefill skipped).
+    pub hit_tokens: u64,
+}
+
+/// Hands out KV block ids, and keeps computed blocks for reuse.
 #[derive(Debug, Clone)]
 pub struct BlockAllocator {
+    /// Blocks with nothing worth keeping.
     free: Vec<u32>,
     total: usize,
     block_size: usize,
+    caching: bool,
+    refs: Vec<u32>,
+    hash_of: Vec<Option<BlockHash>>,
+    cached: HashMap<BlockHash, u32>,
+    /// Registered blocks no one holds, by release order: reused oldest first.
+    idle: BTreeMap<u64, u32>,
+    idle_since: Vec<u64>,
+    clock: u64,
+    counters: PrefixCounters,
 }
 
 impl BlockAllocator {
     pub fn new(total: usize, block_size: usize) -> Self {
+        BlockAllocator::with_caching(total, block_size, true)
+    }
+
+    /// `caching`: whether computed blocks are kept and shared.
+    pub fn with_caching(total: usize, block_size: usize, caching: bool) -> Self {
         // Pop from the end: low ids first, which keeps tests readable.
         BlockAllocator {
             free: (0..total as u32).rev().collect(),
             total,
             block_size,
+            caching,
+            refs: vec![0; total],
+            hash_of: vec![None; total],
+            cached: HashMap::new(),
+            idle: BTreeMap::new(),
+            idle_since: vec![0; total],
+            clock: 0,
+            counters: PrefixCounters::default(),
         }
     }
 
@@ -28,12 +97,27 @@ impl BlockAllocator {
         self.total
     }
 
-    pub fn free_blocks(&self) -> usize {
-        self.free.len()
+    pub fn caching(&self) -> bool {
+        self.caching
     }
 
+    /// Blocks a sequence could take now: free ones and idle cached ones.
+    pub fn free_blocks(&self) -> usize {
+        self.free.len() + self.idle.len()
+    }
+
+    /// Blocks held by sequences.
     pub fn used_blocks(&self) -> usize {
-        self.total - self.free.len()
+        self.total - self.free_blocks()
+    }
+
+    /// Blocks whose contents are registered for reuse (held or idle).
+    pub fn cached_blocks(&self) -> usize {
+        self.cached.len()
+    }
+
+    pub fn counters(&self) -> PrefixCounters {
+        self.counters
     }
 
     /// Blocks needed to hold `tokens` positions.
@@ -42,21 +126,83 @@ impl BlockAllocator {
     }
 
     /// Grows `table` to hold `tokens` positions. All or nothing: on failure
-    /// the table is unchanged.
+    /// the table is unchanged. Idle cached blocks are reused, least
+    /// recently released first, only once the free list is empty.
     pub fn grow(&mut self, table: &mut Vec<u32>, tokens: usize) -> bool {
         let needed = self.blocks_for(tokens).saturating_sub(table.len());
-        if needed > self.free.len() {
+        if needed > self.free_blocks() {
             return false;
         }
         for _ in 0..needed {
-            table.push(self.free.pop().expect("checked above"));
+            let b = match self.free.pop() {
+                Some(b) => b,
+                None => {
+                    let (_, b) = self.idle.pop_first().expect("checked above");
+                    if let Some(h) = self.hash_of[b as usize].take() {
+                        self.cached.remove(&h);
+                    }
+                    b
+                }
+            };
+            self.refs[b as usize] = 1;
+            table.push(b);
         }
         true
     }
 
-    /// Returns every block of `table` to the free list.
+    /// Gives back every block of `table`. A registered block no one else
+    /// holds stays cached, idle, until its space is needed.
     pub fn release(&mut self, table: &mut Vec<u32>) {
-        self.free.append(table);
+        for b in table.drain(..) {
+            let i = b as usize;
+            self.refs[i] = self.refs[i].saturating_sub(1);
+            if self.refs[i] > 0 {
+                continue;
+            }
+            if self.hash_of[i].is_some() {
+                self.clock += 1;
+                self.idle_since[i] = self.clock;
+                self.idle.insert(self.clock, b);
+            } else {
+                self.free.push(b);
+            }
+        }
+    }
+
+    /// The cached blocks that hold the first of `hashes` in order, taken
+    /// by the caller (one reference each). Counts `tokens` positions as
+    /// looked up.
+    pub fn take_cached(&mut self, hashes: &[BlockHash], tokens: usize) -> Vec<u32> {
+        self.counters.queried_tokens += tokens as u64;
+        if !self.caching {
+            return Vec::new();
+        }
+        let mut taken = Vec::new();
+        for h in hashes {
+            let Some(&b) = self.cached.get(h) else {
+                break;
+            };
+            let i = b as usize;
+            if self.refs[i] == 0 {
+                self.idle.remove(&self.idle_since[i]);
+            }
+            self.refs[i] += 1;
+            taken.push(b);
+        }
+        self.counters.hit_tokens += (taken.len() * self.block_size).min(tokens) as u64;
+        taken
+    }
+
+    /// Registers `block`, now full and computed, under `hash`. If another
+    /// block already holds the same contents, this one stays unregistered
+    /// (and is freed normally); reuse then finds the other.
+    pub fn register(&mut self, block: u32, hash: BlockHash) {
+        let i = block as usize;
+        if !self.caching || self.hash_of[i].is_some() || self.cached.contains_key(&hash) {
+            return;
+        }
+        self.cached.insert(hash, block);
+        self.hash_of[i] = Some(hash);
     }
 }
 
@@ -80,5 +226,45 @@ mod tests {
         assert!(t1.is_empty());
         assert_eq!((a.free_blocks(), a.used_blocks()), (4, 0));
         assert!(a.grow(&mut t2, 64));
+    }
+
+    #[test]
+    fn a_released_registered_block_is_shared_and_evicted_last_released_last() {
+        let mut a = BlockAllocator::new(3, 4);
+        let seed = weights_seed("base");
+        let h0 = chain(&seed, &[1, 2, 3, 4]);
+        let h1 = chain(&h0, &[5, 6, 7, 8]);
+        let mut t = Vec::new();
+        assert!(a.grow(&mut t, 8));
+        a.register(t[0], h0);
+        a.register(t[1], h1);
+        let blocks = t.clone();
+        a.release(&mut t);
+        assert_eq!((a.free_blocks(), a.cached_blocks()), (3, 2));
+        // Another sequence with the same first block takes it.
+        let mut u = a.take_cached(&[h0, chain(&h0, &[9, 9, 9, 9])], 8);
+        assert_eq!(u, vec![blocks[0]]);
+        assert_eq!(a.counters().hit_tokens, 4);
+        // Two more blocks: the free one, then the idle cached one (h1).
+        assert!(a.grow(&mut u, 12));
+        assert_eq!(a.cached_blocks(), 1, "h1's block was reused");
+        assert!(a.take_cached(&[h1], 4).is_empty());
+        // A different seed (another adapter's weights) never matches.
+        let other = chain(&weights_seed("adapter-digest"), &[1, 2, 3, 4]);
+        assert!(a.take_cached(&[other], 4).is_empty());
+        a.release(&mut u);
+        assert_eq!(a.used_blocks(), 0);
+    }
+
+    #[test]
+    fn without_caching_nothing_is_kept() {
+        let mut a = BlockAllocator::with_caching(2, 4, false);
+        let h = chain(&weights_seed("base"), &[1, 2, 3, 4]);
+        let mut t = Vec::new();
+        assert!(a.grow(&mut t, 4));
+        a.register(t[0], h);
+        a.release(&mut t);
+        assert!(a.take_cached(&[h], 4).is_empty());
+        assert_eq!(a.cached_blocks(), 0);
     }
 }

@@ -28,6 +28,11 @@ pub struct AdapterSource {
     pub dir: PathBuf,
     /// The base hash the adapter was registered against, when known.
     pub declared_base_hash: Option<String>,
+    /// The artifact digest of `dir` (as `lorafleet_artifact::roots::digest`
+    /// computes it), when the caller has verified it; otherwise the pool
+    /// computes it at registration. It is the identity prefix-cached KV
+    /// blocks are keyed by.
+    pub digest: Option<String>,
 }
 
 /// Cumulative pool counters.
@@ -202,6 +207,17 @@ impl AdapterPool {
         source: AdapterSource,
         loaded: Option<HostAdapter>,
     ) -> std::result::Result<(), String> {
+        let mut source = source;
+        if source.digest.is_none() {
+            // No paths in the message: it may reach a client.
+            let digest = lorafleet_artifact::roots::digest(&source.dir).map_err(|_| {
+                format!(
+                    "the files of adapter {:?} cannot be read to identify its weights",
+                    source.name
+                )
+            })?;
+            source.digest = Some(digest);
+        }
         let now = self.tick();
         match self.entries.get_mut(&id) {
             // An idle entry (unloaded, nothing holds or wants it) may take
@@ -269,6 +285,12 @@ impl AdapterPool {
                 Ok(())
             }
         }
+    }
+
+    /// The artifact digest of a registered adapter's weights: the identity
+    /// its prefix-cached KV blocks are keyed by.
+    pub fn weights_identity(&self, id: AdapterId) -> Option<&str> {
+        self.entries.get(&id)?.source.digest.as_deref()
     }
 
     pub fn is_registered(&self, id: AdapterId) -> bool {

@@ -154,9 +154,27 @@ impl Scheduler<'_> {
                 }
             }
             let seq = self.seqs.get_mut(&id).expect("waiting sequence exists");
+            if seq.blocks.is_empty() && self.kv.caching() {
+                // Cached blocks of the same weights and prefix skip their
+                // prefill. The last position is always computed: its logits
+                // choose the next token.
+                let bs = self.kv.block_size();
+                let reusable = (seq.total_len() - 1) / bs;
+                let hashes = seq.hashes_upto(reusable, bs).to_vec();
+                let taken = self.kv.take_cached(&hashes, seq.total_len());
+                seq.num_computed = taken.len() * bs;
+                seq.registered = taken.len();
+                if seq.preemptions == 0 {
+                    seq.cached_tokens = seq.num_computed.min(seq.prompt_ids.len());
+                }
+                seq.blocks = taken;
+            }
             let chunk = (seq.total_len() - seq.num_computed).min(budget);
             if !self.kv.grow(&mut seq.blocks, seq.num_computed + chunk) {
                 // The KV cache is full: nobody behind can be admitted either.
+                self.kv.release(&mut seq.blocks);
+                seq.num_computed = 0;
+                seq.registered = 0;
                 break;
             }
             if seq.first_scheduled.is_none() {
@@ -193,6 +211,7 @@ impl Scheduler<'_> {
         let seq = self.seqs.get_mut(&id).expect("preempted sequence exists");
         self.kv.release(&mut seq.blocks);
         seq.num_computed = 0;
+        seq.registered = 0;
         seq.preemptions += 1;
         if let Some(lease) = seq.lease.take() {
             let adapter = lease.adapter();

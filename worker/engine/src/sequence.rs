@@ -5,6 +5,7 @@
 use std::time::{Duration, Instant};
 
 use crate::error::Result;
+use crate::kv::{BlockHash, chain};
 use crate::model::tokenizer::{IncrementalDecoder, Tokenizer};
 use crate::pool::{AdapterId, Lease, Residency};
 use crate::sampling::{Rng, SamplingParams};
@@ -39,6 +40,8 @@ pub struct Finish {
     /// Where the adapter was on arrival; None for the base model.
     pub residency: Option<Residency>,
     pub preemptions: u32,
+    /// Prompt tokens served from the prefix cache (their prefill skipped).
+    pub cached_tokens: usize,
 }
 
 #[derive(Debug)]
@@ -60,6 +63,16 @@ pub(crate) struct Sequence {
     pub preemptions: u32,
     /// Steps this request waited while others were admitted past it.
     pub skipped: u32,
+    /// The identity of the weights this sequence's KV comes from, which
+    /// seeds its blocks' content keys.
+    pub weights_seed: BlockHash,
+    /// Content keys of the sequence's full blocks, in order, as far as
+    /// they have been needed.
+    pub block_hashes: Vec<BlockHash>,
+    /// Of `blocks`, how many are registered in the prefix cache.
+    pub registered: usize,
+    /// Prompt tokens whose prefill the prefix cache saved at admission.
+    pub cached_tokens: usize,
     detok: IncrementalDecoder,
     text: String,
     emitted: usize,
@@ -82,6 +95,7 @@ impl Sequence {
         params: SamplingParams,
         seed: u64,
         residency: Option<Residency>,
+        weights_seed: BlockHash,
     ) -> Sequence {
         Sequence {
             request_id,
@@ -102,6 +116,10 @@ impl Sequence {
             first_token: None,
             preemptions: 0,
             skipped: 0,
+            weights_seed,
+            block_hashes: Vec::new(),
+            registered: 0,
+            cached_tokens: 0,
             text: String::new(),
             emitted: 0,
         }
@@ -110,6 +128,23 @@ impl Sequence {
     /// Prompt plus output tokens.
     pub fn total_len(&self) -> usize {
         self.prompt_ids.len() + self.output_ids.len()
+    }
+
+    /// The content keys of the first `n` full blocks of prompt-then-output
+    /// (every one of their positions must hold a token).
+    pub fn hashes_upto(&mut self, n: usize, block_size: usize) -> &[BlockHash] {
+        while self.block_hashes.len() < n {
+            let i = self.block_hashes.len();
+            let parent = match i {
+                0 => self.weights_seed,
+                _ => self.block_hashes[i - 1],
+            };
+            let tokens: Vec<u32> = (i * block_size..(i + 1) * block_size)
+                .map(|p| self.token_at(p))
+                .collect();
+            self.block_hashes.push(chain(&parent, &tokens));
+        }
+        &self.block_hashes[..n]
     }
 
     /// The token at a position of prompt-then-output.
@@ -200,6 +235,7 @@ impl Sequence {
             total_time: now.duration_since(self.arrived),
             residency: self.residency,
             preemptions: self.preemptions,
+            cached_tokens: self.cached_tokens,
         }
     }
 }

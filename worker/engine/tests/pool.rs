@@ -187,6 +187,7 @@ fn a_request_for_a_cold_adapter_is_not_starved_by_a_hot_one() {
                 name: name.clone(),
                 dir: adapter_dir(MODEL, name),
                 declared_base_hash: None,
+                digest: None,
             },
         )
         .unwrap();

@@ -65,6 +65,7 @@ pub fn fixture_source(model: &str, name: &str) -> lorafleet_engine::AdapterSourc
         name: name.into(),
         dir: adapter_dir(model, name),
         declared_base_hash: None,
+        digest: None,
     }
 }
 

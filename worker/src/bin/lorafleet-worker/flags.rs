@@ -45,6 +45,10 @@ pub struct EngineFlags {
     /// one slot always serves unpinned traffic).
     #[arg(long, env = "LORAFLEET_MAX_PINNED")]
     max_pinned: Option<usize>,
+    /// Turns off prefix caching: computed KV blocks are then never kept
+    /// and shared between requests with the same prefix and weights.
+    #[arg(long, env = "LORAFLEET_NO_PREFIX_CACHING")]
+    no_prefix_caching: bool,
 }
 
 impl EngineFlags {
@@ -98,6 +102,7 @@ impl EngineFlags {
             max_batched_tokens: self.max_batched_tokens,
             max_waiting: self.max_waiting,
             max_pinned: self.max_pinned,
+            prefix_caching: !self.no_prefix_caching,
         };
         settings
             .validate()

@@ -97,6 +97,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             name: name.clone(),
             dir: dir.clone(),
             declared_base_hash: None,
+            digest: None,
         };
         engine.register_adapter(ids[name.as_str()], source)?;
     }
