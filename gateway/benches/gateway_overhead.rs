@@ -62,6 +62,7 @@ impl pb::worker_server::Worker for StandIn {
                 usage: Some(pb::Usage {
                     prompt_tokens: 4,
                     completion_tokens: 1,
+                    cached_prompt_tokens: 0,
                 }),
                 ..Default::default()
             }),

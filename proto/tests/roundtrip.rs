@@ -255,6 +255,7 @@ fn every_message_round_trips_with_every_field_set() {
     cov.check(vec![Usage {
         prompt_tokens: 12,
         completion_tokens: 34,
+        cached_prompt_tokens: 8,
     }]);
     let finished = |stop| Finished {
         finish_reason: FinishReason::Stop as i32,
@@ -262,6 +263,7 @@ fn every_message_round_trips_with_every_field_set() {
         usage: Some(Usage {
             prompt_tokens: 12,
             completion_tokens: 34,
+            cached_prompt_tokens: 8,
         }),
         queue_time: Some(dur(0, 1_500_000)),
         time_to_first_token: Some(dur(0, 25_000_000)),

@@ -660,3 +660,35 @@ pub fn assert_tenant_safe(body: &str) {
         assert!(run < 16, "a hex digest in a tenant's error: {body}");
     }
 }
+
+/// The real gateway on `worker` (and `--database-url`), its audit spool in
+/// `spool`, with `extra` flags, once its `/readyz` says ready.
+pub async fn ready_gateway(
+    db_url: &str,
+    worker: &Server,
+    spool: &std::path::Path,
+    extra: &[&str],
+) -> Server {
+    let mut cmd = gateway_command();
+    cmd.args(["--database-url", db_url])
+        .args(["--workers", worker.addr("grpc")])
+        .args(extra)
+        .arg("--audit-spool")
+        .arg(spool);
+    let gateway = Server::start(cmd, "lorafleet-gateway listening ");
+    let http = reqwest::Client::new();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !http
+        .get(format!("http://{}/readyz", gateway.addr("http")))
+        .send()
+        .await
+        .is_ok_and(|r| r.status() == 200)
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the gateway became ready"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    gateway
+}

@@ -8,7 +8,7 @@ use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
 use lorafleet_tests::{
-    Server, assert_tenant_safe, fixture_worker, gateway_command, migrated_db, seed_base_routes,
+    assert_tenant_safe, fixture_worker, migrated_db, ready_gateway, seed_base_routes,
 };
 use serde_json::{Value, json};
 
@@ -49,34 +49,6 @@ fn status_of(mut c: std::net::TcpStream) -> (u16, String) {
         .and_then(|s| s.parse().ok())
         .unwrap_or(0);
     (status, text)
-}
-
-/// The real gateway on `worker` with `extra` flags, once it is ready.
-async fn ready_gateway(
-    db_url: &str,
-    worker: &Server,
-    spool: &std::path::Path,
-    extra: &[&str],
-) -> Server {
-    let mut cmd = gateway_command();
-    cmd.args(["--database-url", db_url])
-        .args(["--workers", worker.addr("grpc")])
-        .args(extra)
-        .arg("--audit-spool")
-        .arg(spool);
-    let gateway = Server::start(cmd, "lorafleet-gateway listening ");
-    let http = reqwest::Client::new();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !http
-        .get(format!("http://{}/readyz", gateway.addr("http")))
-        .send()
-        .await
-        .is_ok_and(|r| r.status() == 200)
-    {
-        assert!(Instant::now() < deadline, "the gateway became ready");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    gateway
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -115,6 +115,7 @@ async fn data_errors_quarantine_only_the_bad_rows() {
             finish_reason: None,
             prompt_tokens: 0,
             completion_tokens: 0,
+            cached_tokens: 0,
             latency_us: 1,
             ttft_us: None,
             attempts: 0,

@@ -215,6 +215,7 @@ pub fn finished(f: &Finish) -> pb::Finished {
         usage: Some(pb::Usage {
             prompt_tokens: f.prompt_tokens as u32,
             completion_tokens: f.completion_tokens as u32,
+            cached_prompt_tokens: f.cached_tokens as u32,
         }),
         queue_time: Some(duration(f.queue_time)),
         time_to_first_token: Some(duration(f.time_to_first_token)),

@@ -117,6 +117,11 @@ pub fn record_stats(stats: &EngineStats) {
     gauge!("lorafleet_running_sequences").set(stats.running as f64);
     gauge!("lorafleet_queue_depth").set(stats.waiting as f64);
     gauge!("lorafleet_kv_blocks_used").set(stats.kv_blocks_used as f64);
+    // The prefix cache: blocks kept for reuse, and prompt positions looked
+    // up and found (their ratio is the hit rate in tokens).
+    gauge!("lorafleet_prefix_cache_blocks").set(stats.kv_blocks_cached as f64);
+    counter!("lorafleet_prefix_cache_queried_tokens_total").absolute(stats.prefix.queried_tokens);
+    counter!("lorafleet_prefix_cache_hit_tokens_total").absolute(stats.prefix.hit_tokens);
     gauge!("lorafleet_kv_utilization")
         .set(stats.kv_blocks_used as f64 / stats.kv_blocks_total.max(1) as f64);
     let mut resident = [0usize; 3];

@@ -127,8 +127,10 @@ pub(super) fn settle(trail: &mut Trail, f: &upstream::Finished, completion_token
     let usage = Usage::new(
         f.prompt_tokens,
         f.completion_tokens.max(completion_tokens as u32),
+        f.cached_prompt_tokens,
     );
     trail.record.prompt_tokens = usage.prompt_tokens as i32;
+    trail.record.cached_tokens = usage.prompt_tokens_details.cached_tokens as i32;
     trail.record.completion_tokens = usage.completion_tokens as i32;
     trail.record.finish_reason = Some(openai::finish_reason(f).into());
     usage

@@ -61,6 +61,7 @@ impl Trail {
                 finish_reason: None,
                 prompt_tokens: 0,
                 completion_tokens: 0,
+                cached_tokens: 0,
                 latency_us: 0,
                 ttft_us: None,
                 attempts: 0,

@@ -70,6 +70,9 @@ pub struct AuditRecord {
     pub finish_reason: Option<String>,
     pub prompt_tokens: i32,
     pub completion_tokens: i32,
+    /// Of the prompt tokens, those the worker's prefix cache served.
+    #[serde(default)]
+    pub cached_tokens: i32,
     pub latency_us: i64,
     pub ttft_us: Option<i64>,
     pub attempts: i16,

@@ -84,6 +84,7 @@ pub(super) fn event(e: pb::GenerateEvent) -> Option<WorkerEvent> {
                 },
                 prompt_tokens: usage.prompt_tokens,
                 completion_tokens: usage.completion_tokens,
+                cached_prompt_tokens: usage.cached_prompt_tokens.min(usage.prompt_tokens),
             })
         }
     })

@@ -95,6 +95,8 @@ pub struct Finished {
     pub reason: FinishReason,
     pub prompt_tokens: u32,
     pub completion_tokens: u32,
+    /// Of the prompt tokens, those the worker's prefix cache served.
+    pub cached_prompt_tokens: u32,
 }
 
 /// One event of a generation's stream.

@@ -453,14 +453,25 @@ pub struct Usage {
     pub prompt_tokens: u32,
     pub completion_tokens: u32,
     pub total_tokens: u32,
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+/// OpenAI's breakdown of the prompt's tokens.
+#[derive(Debug, Serialize)]
+pub struct PromptTokensDetails {
+    /// Served from the worker's prefix cache (their prefill skipped).
+    pub cached_tokens: u32,
 }
 
 impl Usage {
-    pub fn new(prompt: u32, completion: u32) -> Usage {
+    pub fn new(prompt: u32, completion: u32, cached: u32) -> Usage {
         Usage {
             prompt_tokens: prompt,
             completion_tokens: completion,
             total_tokens: prompt + completion,
+            prompt_tokens_details: PromptTokensDetails {
+                cached_tokens: cached.min(prompt),
+            },
         }
     }
 }
