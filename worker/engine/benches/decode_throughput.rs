@@ -1,6 +1,7 @@
 //! Benchmark (b): decode throughput on a ~100M-parameter STAND-IN Llama with
-//! the traffic spread over 1, 8, 64 and 512 distinct rank-16 adapters (q, k,
-//! v, o). Prints a table. Run with:
+//! every request on the base model (0 adapters), then the traffic spread
+//! over 1, 8, 64 and 512 distinct rank-16 adapters (q, k, v, o). Prints a
+//! table. Run with:
 //!
 //!     cargo bench -p lorafleet-engine --bench decode_throughput
 //!
@@ -37,7 +38,7 @@ fn main() {
                 .map(|x| x.trim().parse().expect("adapter counts"))
                 .collect()
         })
-        .unwrap_or_else(|_| vec![1, 8, 64, 512]);
+        .unwrap_or_else(|_| vec![0, 1, 8, 64, 512]);
     // The stand-in is stored in f32; `bf16` runs the same draws rounded to
     // bf16 and stored so, which the engine keeps in bf16 in memory.
     let dtype = match std::env::var("LORAFLEET_BENCH_DTYPE").as_deref() {
@@ -97,8 +98,13 @@ fn main() {
             .collect();
         let last = runs[i].last().unwrap();
         let stolen: Option<f64> = runs[i].iter().map(|r| r.stolen).sum();
+        let label = if n == 0 {
+            "0 (base model)".to_owned()
+        } else {
+            n.to_string()
+        };
         println!(
-            "| {n} | {} | {:.1} | {} | {:.1}% | {:.1}% | {} | {:.1} | {} |",
+            "| {label} | {} | {:.1} | {} | {:.1}% | {:.1}% | {} | {:.1} | {} |",
             last.generated,
             median(&tps),
             tps.iter()
@@ -189,7 +195,8 @@ fn run_once(model: &std::path::Path, adapter_dirs: &[std::path::PathBuf]) -> Run
     let requests: Vec<Request> = (0..REQUESTS)
         .map(|r| Request {
             id: format!("r{r}"),
-            adapter: Some(aid((r % n) as u64 + 1)),
+            // 0 adapters: every request runs on the base model alone.
+            adapter: (n > 0).then(|| aid((r % n) as u64 + 1)),
             prompt: Prompt::TokenIds(
                 (0..PROMPT)
                     .map(|k| ((r * 31 + k * 7) % 380 + 3) as u32)
