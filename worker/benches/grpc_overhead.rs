@@ -49,6 +49,7 @@ fn settings() -> EngineSettings {
         max_waiting: 4096,
         max_pinned: None,
         prefix_caching: true,
+        fair_admission: true,
     }
 }
 

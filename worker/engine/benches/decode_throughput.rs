@@ -162,6 +162,7 @@ fn run_once(model: &std::path::Path, adapter_dirs: &[std::path::PathBuf]) -> Run
         max_waiting: 4096,
         max_pinned: None,
         prefix_caching: true,
+        fair_admission: true,
     };
     let mut e = Engine::load_cpu(model, settings).unwrap();
     let loading = Instant::now();

@@ -83,6 +83,7 @@ fn run(model: &std::path::Path, dirs: &[std::path::PathBuf], prefix_caching: boo
         max_waiting: 4096,
         max_pinned: None,
         prefix_caching,
+        fair_admission: true,
     };
     let mut e = Engine::load_cpu(model, settings).expect("the stand-in model");
     let aid = |i: usize| AdapterId::new(i as u64 + 1).expect("ids start at 1");

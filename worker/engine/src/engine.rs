@@ -43,6 +43,9 @@ pub struct EngineSettings {
     /// Whether computed KV blocks are kept and shared between requests
     /// with the same prefix and weights (see [`crate::kv`]).
     pub prefix_caching: bool,
+    /// Whether waiting requests are admitted by fair shares between their
+    /// fairness keys (tenants) rather than in arrival order.
+    pub fair_admission: bool,
 }
 
 impl Default for EngineSettings {
@@ -58,6 +61,7 @@ impl Default for EngineSettings {
             max_waiting: 1024,
             max_pinned: None,
             prefix_caching: true,
+            fair_admission: true,
         }
     }
 }
@@ -120,6 +124,26 @@ pub enum Prompt {
         messages: Vec<ChatMessage>,
         add_generation_prompt: bool,
     },
+}
+
+/// Whose share of the engine a request uses: a key (the tenant) and the
+/// key's weight. Waiting requests are admitted from the key with the least
+/// weighted service so far (see [`crate::scheduler`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Fairness {
+    pub key: String,
+    /// Positive; a key of weight 2 gets twice the tokens of one of weight 1
+    /// when both wait.
+    pub weight: f64,
+}
+
+impl Default for Fairness {
+    fn default() -> Fairness {
+        Fairness {
+            key: String::new(),
+            weight: 1.0,
+        }
+    }
 }
 
 /// A request to the engine.
@@ -206,6 +230,7 @@ pub struct Engine {
     next_seq: SeqId,
     seed_source: crate::sampling::Rng,
     last_step: StepStats,
+    fair: crate::scheduler::FairShares,
 }
 
 impl std::fmt::Debug for Engine {
@@ -312,6 +337,7 @@ impl Engine {
             next_seq: 0,
             seed_source: crate::sampling::Rng::new(seed),
             last_step: StepStats::default(),
+            fair: crate::scheduler::FairShares::default(),
         })
     }
 
@@ -405,6 +431,17 @@ impl Engine {
     /// Queues a request. Fails at once for a bad request, an unknown
     /// adapter, a duplicate id or a full queue.
     pub fn submit(&mut self, request: Request) -> Result<Accepted> {
+        self.submit_fair(request, Fairness::default())
+    }
+
+    /// [`Engine::submit`], on the share of `fairness.key`.
+    pub fn submit_fair(&mut self, request: Request, fairness: Fairness) -> Result<Accepted> {
+        if !(fairness.weight.is_finite() && fairness.weight > 0.0) {
+            return Err(EngineError::request(
+                "fairness.weight",
+                format!("{} is not a positive number", fairness.weight),
+            ));
+        }
         if request.id.is_empty() {
             return Err(EngineError::request("request_id", "is required"));
         }
@@ -483,6 +520,20 @@ impl Engine {
                 weights_seed,
             ),
         );
+        let key: std::sync::Arc<str> = std::sync::Arc::from(fairness.key);
+        // The other live requests' keys (this one is in `seqs` already).
+        let others: Vec<std::sync::Arc<str>> = self
+            .seqs
+            .iter()
+            .filter(|(s, _)| **s != id)
+            .map(|(_, s)| s.fair_key.clone())
+            .collect();
+        if !others.contains(&key) {
+            self.fair.activate(&key, others.iter().map(|k| &**k));
+        }
+        let seq = self.seqs.get_mut(&id).expect("just inserted");
+        seq.fair_key = key;
+        seq.fair_weight = fairness.weight;
         self.queues.waiting.push_back(id);
         Ok(accepted)
     }
@@ -557,6 +608,7 @@ impl Engine {
                 max_batched_tokens: self.settings.max_batched_tokens,
                 max_loras: self.settings.max_loras,
             },
+            fair: self.settings.fair_admission.then_some(&mut self.fair),
         }
         .schedule()?;
         if plan.scheduled.is_empty() {

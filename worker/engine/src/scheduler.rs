@@ -61,6 +61,40 @@ pub(crate) struct Scheduler<'a> {
     pub kv: &'a mut BlockAllocator,
     pub backend: &'a mut dyn Backend,
     pub limits: Limits,
+    /// Fair shares between keys (tenants), or None for arrival order.
+    pub fair: Option<&'a mut FairShares>,
+}
+
+/// Each fairness key's service so far: the tokens its requests were fed
+/// (prefill and decode), divided by the key's weight.
+#[derive(Debug, Default)]
+pub(crate) struct FairShares {
+    served: HashMap<std::sync::Arc<str>, f64>,
+}
+
+impl FairShares {
+    pub fn served(&self, key: &str) -> f64 {
+        self.served.get(key).copied().unwrap_or(0.0)
+    }
+
+    fn serve(&mut self, key: &std::sync::Arc<str>, amount: f64) {
+        *self.served.entry(key.clone()).or_default() += amount;
+    }
+
+    /// A key that becomes active starts at the least service among the
+    /// keys already active (`active`), so idle time is not banked: a
+    /// tenant that was away does not come back owed the whole interval.
+    pub fn activate<'k>(
+        &mut self,
+        key: &std::sync::Arc<str>,
+        active: impl Iterator<Item = &'k str>,
+    ) {
+        let floor = active.map(|k| self.served(k)).fold(f64::INFINITY, f64::min);
+        let entry = self.served.entry(key.clone()).or_default();
+        if floor.is_finite() && *entry < floor {
+            *entry = floor;
+        }
+    }
 }
 
 impl Scheduler<'_> {
@@ -104,7 +138,9 @@ impl Scheduler<'_> {
             return Ok(plan);
         }
 
-        // 2. Waiting requests, in arrival order.
+        // 2. Waiting requests: in arrival order, or with fair shares the
+        // key with the least weighted service first (arrival order within
+        // a key), its service counted as admissions are made.
         let head_starving = self
             .queues
             .waiting
@@ -114,15 +150,38 @@ impl Scheduler<'_> {
         // before them; they age only if someone behind them got in.
         let mut passed_over: Vec<(SeqId, usize)> = Vec::new();
         let mut admitted = 0;
-        let mut j = 0;
-        while j < self.queues.waiting.len()
+        let mut candidates: Vec<SeqId> = if head_starving {
+            // Only the starving head may be admitted until it is.
+            self.queues.waiting.front().copied().into_iter().collect()
+        } else {
+            self.queues.waiting.iter().copied().collect()
+        };
+        let mut virtual_service: HashMap<std::sync::Arc<str>, f64> = HashMap::new();
+        while !candidates.is_empty()
             && budget > 0
             && self.queues.running.len() < self.limits.max_num_seqs
         {
-            if head_starving && j > 0 {
-                break;
-            }
-            let id = self.queues.waiting[j];
+            let k = match &self.fair {
+                Some(fair) => {
+                    let service = |id: &SeqId| {
+                        let key = &self.seqs[id].fair_key;
+                        virtual_service
+                            .get(key)
+                            .copied()
+                            .unwrap_or_else(|| fair.served(key))
+                    };
+                    // The first (oldest) among the least served keys.
+                    let mut best = 0;
+                    for (i, id) in candidates.iter().enumerate().skip(1) {
+                        if service(id) < service(&candidates[best]) {
+                            best = i;
+                        }
+                    }
+                    best
+                }
+                None => 0,
+            };
+            let id = candidates.remove(k);
             let adapter = self.seqs[&id].adapter;
             let mut slot = None;
             if let Some(a) = adapter {
@@ -136,7 +195,6 @@ impl Scheduler<'_> {
                 };
                 if new_distinct && distinct_now >= self.limits.max_loras {
                     passed_over.push((id, admitted));
-                    j += 1;
                     continue;
                 }
                 if self.pool.residency(a) == Residency::NotLoaded {
@@ -149,7 +207,6 @@ impl Scheduler<'_> {
                     if self.pool.host_adapter(a).is_some() {
                         passed_over.push((id, admitted));
                     }
-                    j += 1;
                     continue;
                 }
             }
@@ -188,11 +245,28 @@ impl Scheduler<'_> {
             if let Some(s) = slot {
                 busy_slots.push(s);
             }
-            self.queues.waiting.remove(j);
+            let seq = &self.seqs[&id];
+            let served = chunk as f64 / seq.fair_weight;
+            let key = seq.fair_key.clone();
+            if let Some(fair) = &self.fair {
+                let now = virtual_service
+                    .get(&key)
+                    .copied()
+                    .unwrap_or_else(|| fair.served(&key));
+                virtual_service.insert(key, now + served);
+            }
+            self.queues.waiting.retain(|&w| w != id);
             self.queues.running.push(id);
             plan.scheduled.push((id, chunk));
             budget -= chunk;
             admitted += 1;
+        }
+        // Every token this step feeds counts as service to its key.
+        if let Some(fair) = self.fair.as_deref_mut() {
+            for &(id, chunk) in &plan.scheduled {
+                let seq = &self.seqs[&id];
+                fair.serve(&seq.fair_key, chunk as f64 / seq.fair_weight);
+            }
         }
         for (id, admitted_before) in passed_over {
             if admitted > admitted_before {

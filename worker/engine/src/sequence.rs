@@ -73,6 +73,10 @@ pub(crate) struct Sequence {
     pub registered: usize,
     /// Prompt tokens whose prefill the prefix cache saved at admission.
     pub cached_tokens: usize,
+    /// Whose share of the engine this request uses (the tenant), and the
+    /// share's weight.
+    pub fair_key: std::sync::Arc<str>,
+    pub fair_weight: f64,
     detok: IncrementalDecoder,
     text: String,
     emitted: usize,
@@ -120,6 +124,8 @@ impl Sequence {
             block_hashes: Vec::new(),
             registered: 0,
             cached_tokens: 0,
+            fair_key: std::sync::Arc::from(""),
+            fair_weight: 1.0,
             text: String::new(),
             emitted: 0,
         }

@@ -49,6 +49,10 @@ pub struct EngineFlags {
     /// and shared between requests with the same prefix and weights.
     #[arg(long, env = "LORAFLEET_NO_PREFIX_CACHING")]
     no_prefix_caching: bool,
+    /// Admits waiting requests in arrival order instead of by fair shares
+    /// between tenants.
+    #[arg(long, env = "LORAFLEET_NO_FAIR_ADMISSION")]
+    no_fair_admission: bool,
 }
 
 impl EngineFlags {
@@ -103,6 +107,7 @@ impl EngineFlags {
             max_waiting: self.max_waiting,
             max_pinned: self.max_pinned,
             prefix_caching: !self.no_prefix_caching,
+            fair_admission: !self.no_fair_admission,
         };
         settings
             .validate()
