@@ -404,6 +404,7 @@ mod tests {
             rpm_limit: None,
             tpm_limit: None,
             disabled: false,
+            weight: 1.0,
         };
         let mut s = Snapshot::default();
         s.insert_tenant(tenant.clone());

@@ -26,6 +26,8 @@ pub struct Tenant {
     pub rpm_limit: Option<u32>,
     pub tpm_limit: Option<u64>,
     pub disabled: bool,
+    /// The tenant's weight in every worker's fair admission (default 1).
+    pub weight: f64,
 }
 
 #[derive(Debug, Clone)]
@@ -139,13 +141,13 @@ impl Snapshot {
             .execute(&mut *tx)
             .await?;
         let mut s = Snapshot::default();
-        type TenantRow = (Uuid, String, Option<i32>, Option<i64>, bool);
+        type TenantRow = (Uuid, String, Option<i32>, Option<i64>, bool, f64);
         let tenants: Vec<TenantRow> = sqlx::query_as(
-            "SELECT id, name, rpm_limit, tpm_limit, disabled_at IS NOT NULL FROM tenants",
+            "SELECT id, name, rpm_limit, tpm_limit, disabled_at IS NOT NULL, weight FROM tenants",
         )
         .fetch_all(&mut *tx)
         .await?;
-        for (id, name, rpm, tpm, disabled) in tenants {
+        for (id, name, rpm, tpm, disabled, weight) in tenants {
             s.tenant_names.insert(name.clone(), id);
             s.tenants.insert(
                 id,
@@ -155,6 +157,7 @@ impl Snapshot {
                     rpm_limit: rpm.map(|v| v as u32),
                     tpm_limit: tpm.map(|v| v as u64),
                     disabled,
+                    weight,
                 },
             );
         }

@@ -217,6 +217,8 @@ fn every_message_round_trips_with_every_field_set() {
             prompt: Some(generate_request::Prompt::Text("Once upon a time".into())),
             sampling: Some(sampling()),
             trace_context: Some(trace.clone()),
+            fairness_key: String::new(),
+            fairness_weight: 0.0,
         },
         GenerateRequest {
             request_id: "r2".into(),
@@ -229,6 +231,8 @@ fn every_message_round_trips_with_every_field_set() {
                 ..Default::default()
             }),
             trace_context: None,
+            fairness_key: String::new(),
+            fairness_weight: 0.0,
         },
         GenerateRequest {
             request_id: "r3".into(),
@@ -242,6 +246,8 @@ fn every_message_round_trips_with_every_field_set() {
             })),
             sampling: Some(sampling()),
             trace_context: Some(trace),
+            fairness_key: String::new(),
+            fairness_weight: 0.0,
         },
     ]);
     cov.check(vec![Accepted {

@@ -57,7 +57,14 @@ async fn migrations_apply_to_an_empty_database_and_rerun_as_a_no_op() {
             .unwrap();
     assert_eq!(
         applied,
-        vec![(1, true), (2, true), (3, true), (4, true), (5, true)],
+        vec![
+            (1, true),
+            (2, true),
+            (3, true),
+            (4, true),
+            (5, true),
+            (6, true)
+        ],
         "each migration applied exactly once"
     );
 }
@@ -79,7 +86,7 @@ async fn migrate_takes_the_url_from_the_environment() {
         .fetch_one(&db.pool().await)
         .await
         .unwrap();
-    assert_eq!(n, 5);
+    assert_eq!(n, 6);
 }
 
 #[test]

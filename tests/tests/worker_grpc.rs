@@ -92,6 +92,8 @@ fn request(
             ..Default::default()
         }),
         trace_context: None,
+        fairness_key: String::new(),
+        fairness_weight: 0.0,
     }
 }
 
@@ -229,6 +231,14 @@ async fn concurrent_adapter_streams_match_the_goldens_and_bad_artifacts_are_refu
             request("r", None, vec![5; 600], 2),
             Code::InvalidArgument,
             "sampling.max_tokens",
+        ),
+        (
+            pb::GenerateRequest {
+                fairness_weight: -1.0,
+                ..request("r", None, vec![5], 2)
+            },
+            Code::InvalidArgument,
+            "fairness_weight",
         ),
     ];
     // No refusal is an oracle: none shows the artifact's actual digest or

@@ -142,6 +142,8 @@ async fn run_grpc(
                 ..Default::default()
             }),
             trace_context: None,
+            fairness_key: String::new(),
+            fairness_weight: 0.0,
         };
         tasks.push(tokio::spawn(async move {
             let mut stream = c.generate(request).await.unwrap().into_inner();

@@ -10,7 +10,7 @@ use lorafleet_engine::lora::AdapterError;
 use lorafleet_engine::model::tokenizer::ChatMessage;
 use lorafleet_engine::pool::AdapterStatus;
 use lorafleet_engine::{
-    EngineError, Finish, FinishReason, Prompt, Residency, SamplingParams, StopReason,
+    EngineError, Fairness, Finish, FinishReason, Prompt, Residency, SamplingParams, StopReason,
 };
 use lorafleet_proto::worker::v1 as pb;
 use tonic::{Code, Status};
@@ -106,6 +106,30 @@ pub fn descriptor(d: &pb::AdapterDescriptor, field: &str) -> Result<Descriptor, 
 }
 
 /// The request id, prompt and sampling of a Generate request.
+/// The request's fair share: its key and weight, refused by field.
+pub fn fairness(r: &pb::GenerateRequest) -> Result<Fairness, Status> {
+    if r.fairness_key.len() > MAX_REQUEST_ID {
+        return Err(invalid(
+            "fairness_key",
+            format!("is longer than {MAX_REQUEST_ID} bytes"),
+        ));
+    }
+    let weight = match r.fairness_weight {
+        0.0 => 1.0,
+        w if w.is_finite() && w > 0.0 => w,
+        w => {
+            return Err(invalid(
+                "fairness_weight",
+                format!("{w} is not a positive number"),
+            ));
+        }
+    };
+    Ok(Fairness {
+        key: r.fairness_key.clone(),
+        weight,
+    })
+}
+
 pub fn generate_request(
     r: &pb::GenerateRequest,
 ) -> Result<(String, Prompt, SamplingParams), Status> {

@@ -35,6 +35,7 @@ type Reply<T> = oneshot::Sender<Result<T, EngineError>>;
 enum Command {
     Submit {
         request: Request,
+        fairness: lorafleet_engine::Fairness,
         events: mpsc::UnboundedSender<Event>,
         reply: Reply<Accepted>,
     },
@@ -166,12 +167,23 @@ impl EngineHandle {
 
     /// Queues a request and returns its acceptance and its event stream.
     pub async fn submit(&self, request: Request) -> Result<(Accepted, RequestStream), EngineError> {
+        self.submit_fair(request, lorafleet_engine::Fairness::default())
+            .await
+    }
+
+    /// [`EngineHandle::submit`] on the share of `fairness.key`.
+    pub async fn submit_fair(
+        &self,
+        request: Request,
+        fairness: lorafleet_engine::Fairness,
+    ) -> Result<(Accepted, RequestStream), EngineError> {
         let (events_tx, events) = mpsc::unbounded_channel();
         let (reply, accepted) = oneshot::channel();
         let id = request.id.clone();
         self.commands
             .send(Command::Submit {
                 request,
+                fairness,
                 events: events_tx,
                 reply,
             })
@@ -288,11 +300,12 @@ fn run(
             match command {
                 Command::Submit {
                     request,
+                    fairness,
                     events,
                     reply,
                 } => {
                     let id = request.id.clone();
-                    let result = engine.submit(request);
+                    let result = engine.submit_fair(request, fairness);
                     if result.is_ok() {
                         streams.insert(id, events);
                         load_changed = true;

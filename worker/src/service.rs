@@ -363,6 +363,7 @@ impl pb::worker_server::Worker for WorkerService {
         }
         let admitted = async {
             let (id, prompt, params) = convert::generate_request(&r)?;
+            let fairness = convert::fairness(&r)?;
             let adapter = match &r.adapter {
                 Some(d) => Some(
                     self.ensure_adapter(&convert::descriptor(d, "adapter")?)
@@ -376,12 +377,15 @@ impl pb::worker_server::Worker for WorkerService {
                 .await
                 .map_err(|e| convert::engine_status(&e))?;
             self.engine
-                .submit(Request {
-                    id,
-                    adapter,
-                    prompt: Prompt::TokenIds(ids),
-                    params,
-                })
+                .submit_fair(
+                    Request {
+                        id,
+                        adapter,
+                        prompt: Prompt::TokenIds(ids),
+                        params,
+                    },
+                    fairness,
+                )
                 .await
                 .map_err(|e| convert::engine_status(&e))
         }

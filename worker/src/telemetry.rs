@@ -120,6 +120,16 @@ pub fn record_stats(stats: &EngineStats) {
     // The prefix cache: blocks kept for reuse, and prompt positions looked
     // up and found (their ratio is the hit rate in tokens).
     gauge!("lorafleet_prefix_cache_blocks").set(stats.kv_blocks_cached as f64);
+    // Fair admission, per fairness key (the gateway sends the tenant's id).
+    for share in &stats.fair_shares {
+        let key = if share.key.is_empty() {
+            "default".to_owned()
+        } else {
+            share.key.clone()
+        };
+        gauge!("lorafleet_fair_waiting_requests", "key" => key.clone()).set(share.waiting as f64);
+        gauge!("lorafleet_fair_served_tokens", "key" => key).set(share.served);
+    }
     counter!("lorafleet_prefix_cache_queried_tokens_total").absolute(stats.prefix.queried_tokens);
     counter!("lorafleet_prefix_cache_hit_tokens_total").absolute(stats.prefix.hit_tokens);
     gauge!("lorafleet_kv_utilization")

@@ -374,6 +374,9 @@ async fn prepare(
         sampling,
         traceparent,
         tracestate,
+        // Each tenant is its own share of every worker.
+        fairness_key: tenant.id.to_string(),
+        fairness_weight: tenant.weight,
     };
     Ok(Prepared {
         resolved,

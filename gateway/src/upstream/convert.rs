@@ -48,6 +48,8 @@ impl From<&Generation> for pb::GenerateRequest {
                 traceparent: g.traceparent.clone(),
                 tracestate: g.tracestate.clone(),
             }),
+            fairness_key: g.fairness_key.clone(),
+            fairness_weight: g.fairness_weight,
         }
     }
 }

@@ -71,6 +71,10 @@ pub struct Generation {
     /// W3C trace context, continued by the worker.
     pub traceparent: String,
     pub tracestate: String,
+    /// Whose share of the worker the request uses (the tenant), and its
+    /// weight.
+    pub fairness_key: String,
+    pub fairness_weight: f64,
 }
 
 /// Why a generation ended.

@@ -191,6 +191,18 @@ pub struct EngineStats {
     pub adapters: Vec<AdapterStatus>,
     /// Changes whenever adapter residency changes.
     pub residency_generation: u64,
+    /// Per fairness key (tenant) that has been served: its waiting
+    /// requests and its weighted service so far.
+    pub fair_shares: Vec<FairShare>,
+}
+
+/// One fairness key's place in the engine.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FairShare {
+    pub key: String,
+    pub waiting: usize,
+    /// Tokens fed (prefill and decode), divided by the key's weight.
+    pub served: f64,
 }
 
 /// What one step did, for metrics.
@@ -579,7 +591,26 @@ impl Engine {
             pool: self.pool.counters(),
             adapters: self.pool.statuses(),
             residency_generation: self.pool.generation(),
+            fair_shares: self.fair_shares(),
         }
+    }
+
+    fn fair_shares(&self) -> Vec<FairShare> {
+        let mut waiting: HashMap<&str, usize> = HashMap::new();
+        for id in &self.queues.waiting {
+            *waiting.entry(&self.seqs[id].fair_key).or_default() += 1;
+        }
+        let mut out: Vec<FairShare> = self
+            .fair
+            .keys()
+            .map(|(key, served)| FairShare {
+                key: key.to_owned(),
+                waiting: waiting.get(key).copied().unwrap_or(0),
+                served,
+            })
+            .collect();
+        out.sort_by(|a, b| a.key.cmp(&b.key));
+        out
     }
 
     /// What the last step ran.

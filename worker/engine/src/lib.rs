@@ -20,8 +20,8 @@ pub mod sequence;
 mod stop;
 
 pub use engine::{
-    Accepted, BackendChoice, Completion, Engine, EngineSettings, EngineStats, Event, Fairness,
-    Prompt, Request, StepStats,
+    Accepted, BackendChoice, Completion, Engine, EngineSettings, EngineStats, Event, FairShare,
+    Fairness, Prompt, Request, StepStats,
 };
 pub use error::{EngineError, Result};
 pub use pool::{AdapterId, AdapterSource, Residency};

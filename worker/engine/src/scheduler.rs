@@ -77,6 +77,11 @@ impl FairShares {
         self.served.get(key).copied().unwrap_or(0.0)
     }
 
+    /// Every key served so far, with its service.
+    pub fn keys(&self) -> impl Iterator<Item = (&str, f64)> {
+        self.served.iter().map(|(k, v)| (&**k, *v))
+    }
+
     fn serve(&mut self, key: &std::sync::Arc<str>, amount: f64) {
         *self.served.entry(key.clone()).or_default() += amount;
     }
