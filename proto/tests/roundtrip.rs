@@ -217,8 +217,8 @@ fn every_message_round_trips_with_every_field_set() {
             prompt: Some(generate_request::Prompt::Text("Once upon a time".into())),
             sampling: Some(sampling()),
             trace_context: Some(trace.clone()),
-            fairness_key: String::new(),
-            fairness_weight: 0.0,
+            fairness_key: "0197a3b2-tenant".into(),
+            fairness_weight: 2.5,
         },
         GenerateRequest {
             request_id: "r2".into(),

@@ -180,3 +180,53 @@ fn blocks_are_shared_by_weights_content_never_by_name_or_id() {
     e.register_adapter(aid(103), source(&names[0])).unwrap();
     assert_eq!(one(&mut e, Some(103), q).cached_tokens, 96);
 }
+
+/// The backend's view of a hit: a second sequence that reuses the first's
+/// full blocks of a prefix and computes only the rest gives the same logit
+/// bits as computing the whole prompt itself, with and without an adapter.
+#[test]
+fn a_prefix_hit_gives_the_logit_bits_of_a_miss() {
+    use lorafleet_engine::backend::cpu::CpuBackend;
+    use lorafleet_engine::backend::{Backend, BackendShape, StepBatch};
+    use lorafleet_engine::lora::{AdapterLimits, HostAdapter};
+    use lorafleet_engine::model::ModelConfig;
+
+    let dir = model_dir(MODEL);
+    let config = ModelConfig::from_dir(&dir).unwrap();
+    let shape = BackendShape {
+        slots: 1,
+        max_lora_rank: 16,
+        kv_blocks: 32,
+        block_size: 16,
+    };
+    let mut backend = CpuBackend::load(&dir, &config, shape).unwrap();
+    let name = &adapter_names(MODEL)[0];
+    let limits = AdapterLimits {
+        model: &config,
+        max_lora_rank: 16,
+        base_hash_check: None,
+    };
+    let adapter = HostAdapter::load(name, &adapter_dir(MODEL, name), limits).unwrap();
+    backend.write_slot(0, &adapter).unwrap();
+    let ids = prompt(3);
+    for slot in [None, Some(0)] {
+        let mut forward = |tokens: &[u32], start: usize, table: &[u32]| {
+            let mut batch = StepBatch::default();
+            batch.push(tokens, start, table, slot, true);
+            batch.finish();
+            backend.forward(&batch).unwrap()
+        };
+        // A miss: the whole prompt into its own blocks.
+        let miss = forward(&ids, 0, &[0, 1, 2, 3, 4, 5, 6]);
+        // A hit: the six full blocks (96 tokens) of another sequence that
+        // computed the same prefix, then the rest in a block of its own.
+        let first = forward(&ids, 0, &[10, 11, 12, 13, 14, 15, 16]);
+        assert_eq!(
+            first.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            miss.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        );
+        let hit = forward(&ids[96..], 96, &[10, 11, 12, 13, 14, 15, 20]);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&hit), bits(&miss), "slot {slot:?}");
+    }
+}
