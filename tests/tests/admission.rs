@@ -15,6 +15,53 @@ use serde_json::{Value, json};
 const ACME_KEY: &str = "lf_acmeadmit1.acme-secret-0123456789";
 const GLOBEX_KEY: &str = "lf_globexadm1.globex-secret-0123456789";
 
+/// One test's world: a database seeded with `tenants` on the route
+/// "chat", one fixture worker, and a ready gateway with `flags`.
+struct Env {
+    db: lorafleet_tests::TestDb,
+    pool: sqlx::PgPool,
+    worker: lorafleet_tests::Server,
+    spool: tempfile::TempDir,
+    gateway: lorafleet_tests::Server,
+}
+
+/// [`Env`], running `setup` (SQL) on the seeded database before the
+/// gateway reads it.
+async fn env(label: &str, tenants: &[(&str, &str)], setup: &[&'static str], flags: &[&str]) -> Env {
+    let db = migrated_db(label).await;
+    let pool = db.pool().await;
+    seed_base_routes(&pool, tenants, "chat").await;
+    for sql in setup {
+        sqlx::query(*sql).execute(&pool).await.unwrap();
+    }
+    let worker = fixture_worker("w0", &[]);
+    let spool = tempfile::tempdir().unwrap();
+    let gateway = ready_gateway(&db.url(), &worker, spool.path(), flags).await;
+    Env {
+        db,
+        pool,
+        worker,
+        spool,
+        gateway,
+    }
+}
+
+/// `n` copies of `body` from `key`, sent at once.
+fn at_once(
+    http: &reqwest::Client,
+    addr: &str,
+    key: &'static str,
+    body: &Value,
+    n: usize,
+) -> Vec<tokio::task::JoinHandle<(u16, Value)>> {
+    (0..n)
+        .map(|_| {
+            let (http, addr, body) = (http.clone(), addr.to_owned(), body.clone());
+            tokio::spawn(async move { complete(&http, &addr, key, body).await })
+        })
+        .collect()
+}
+
 /// A request whose headers arrive at once and whose body never finishes.
 fn slow_body(addr: &str, key: &str) -> std::net::TcpStream {
     let mut c = std::net::TcpStream::connect(addr).unwrap();
@@ -53,15 +100,10 @@ fn status_of(mut c: std::net::TcpStream) -> (u16, String) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenant_with_slow_bodies_holds_only_its_own_slots() {
-    let db = migrated_db("admission").await;
-    let pool = db.pool().await;
-    seed_base_routes(&pool, &[("acme", ACME_KEY), ("globex", GLOBEX_KEY)], "chat").await;
-    let worker = fixture_worker("w0", &[]);
-    let spool = tempfile::tempdir().unwrap();
-    let gateway = ready_gateway(
-        &db.url(),
-        &worker,
-        spool.path(),
+    let e = env(
+        "admission",
+        &[("acme", ACME_KEY), ("globex", GLOBEX_KEY)],
+        &[],
         &[
             "--max-concurrent-requests",
             "2",
@@ -72,6 +114,7 @@ async fn a_tenant_with_slow_bodies_holds_only_its_own_slots() {
         ],
     )
     .await;
+    let gateway = &e.gateway;
     let addr = gateway.addr("http").to_owned();
     let http = reqwest::Client::new();
     let complete = |key: &'static str| {
@@ -128,18 +171,14 @@ async fn a_tenant_with_slow_bodies_holds_only_its_own_slots() {
 /// requests per minute, as the schema promises, rather than none.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenant_without_limits_gets_the_gateway_default() {
-    let db = migrated_db("admission_default").await;
-    let pool = db.pool().await;
-    seed_base_routes(&pool, &[("acme", ACME_KEY)], "chat").await;
-    let worker = fixture_worker("w0", &[]);
-    let spool = tempfile::tempdir().unwrap();
-    let gateway = ready_gateway(
-        &db.url(),
-        &worker,
-        spool.path(),
+    let e = env(
+        "admission_default",
+        &[("acme", ACME_KEY)],
+        &[],
         &["--default-rpm-limit", "2"],
     )
     .await;
+    let gateway = &e.gateway;
     let addr = gateway.addr("http").to_owned();
     let http = reqwest::Client::new();
     // Five requests at once: at 2 a minute, some are refused (even if a
@@ -177,14 +216,13 @@ async fn a_tenant_without_limits_gets_the_gateway_default() {
         body.to_string().len() < 1024,
         "the refusal does not echo it"
     );
-    drop(gateway);
 
     // The tokens-per-minute default too: a request larger than it is told
     // to lower max_tokens.
     let gateway = ready_gateway(
-        &db.url(),
-        &worker,
-        spool.path(),
+        &e.db.url(),
+        &e.worker,
+        e.spool.path(),
         &["--default-tpm-limit", "100"],
     )
     .await;
@@ -261,34 +299,20 @@ async fn complete(http: &reqwest::Client, addr: &str, key: &str, body: Value) ->
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenant_over_its_cap_gets_429_and_others_run_meanwhile() {
-    let db = migrated_db("admission_cap").await;
-    let pool = db.pool().await;
-    seed_base_routes(&pool, &[("acme", ACME_KEY), ("globex", GLOBEX_KEY)], "chat").await;
-    let worker = fixture_worker("w0", &[]);
-    let spool = tempfile::tempdir().unwrap();
-    let gateway = ready_gateway(
-        &db.url(),
-        &worker,
-        spool.path(),
+    let e = env(
+        "admission_cap",
+        &[("acme", ACME_KEY), ("globex", GLOBEX_KEY)],
+        &[],
         &["--max-concurrent-per-tenant", "4"],
     )
     .await;
+    let gateway = &e.gateway;
     let addr = gateway.addr("http").to_owned();
     let http = reqwest::Client::new();
     let long = json!({"model": "chat", "prompt": "hello", "max_tokens": 400, "ignore_eos": true});
     // Twenty acme requests at once, and globex's beside them.
-    let acme: Vec<_> = (0..20)
-        .map(|_| {
-            let (http, addr, body) = (http.clone(), addr.clone(), long.clone());
-            tokio::spawn(async move { complete(&http, &addr, ACME_KEY, body).await })
-        })
-        .collect();
-    let globex: Vec<_> = (0..4)
-        .map(|_| {
-            let (http, addr, body) = (http.clone(), addr.clone(), long.clone());
-            tokio::spawn(async move { complete(&http, &addr, GLOBEX_KEY, body).await })
-        })
-        .collect();
+    let acme = at_once(&http, &addr, ACME_KEY, &long, 20);
+    let globex = at_once(&http, &addr, GLOBEX_KEY, &long, 4);
     let mut served = 0;
     for h in acme {
         let (status, body) = h.await.unwrap();
@@ -306,8 +330,8 @@ async fn a_tenant_over_its_cap_gets_429_and_others_run_meanwhile() {
         assert_eq!(status, 200, "globex is not held back by acme: {body}");
     }
     assert!((4..20).contains(&served), "{served} of 20 acme requests");
-    wait_rows(&pool, 24).await;
-    let acme_most = most_at_once(&pool, "acme").await;
+    wait_rows(&e.pool, 24).await;
+    let acme_most = most_at_once(&e.pool, "acme").await;
     assert!(acme_most <= 4, "{acme_most} acme requests ran at once");
     assert!(acme_most >= 2, "{acme_most}: the requests did overlap");
 }
@@ -323,24 +347,11 @@ async fn inside_one_minute(need: u64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_token_budget_holds_under_concurrency_and_charges_every_end() {
-    let db = migrated_db("admission_tpm").await;
-    let pool = db.pool().await;
-    seed_base_routes(&pool, &[("acme", ACME_KEY)], "chat").await;
-    sqlx::query("UPDATE tenants SET tpm_limit = 1000 WHERE name = 'acme'")
-        .execute(&pool)
-        .await
-        .unwrap();
-    let tenant: uuid::Uuid = sqlx::query_scalar("SELECT id FROM tenants WHERE name = 'acme'")
-        .fetch_one(&pool)
-        .await
-        .unwrap();
-    let worker = fixture_worker("w0", &[]);
-    let spool = tempfile::tempdir().unwrap();
     let prefix = format!("lf-admission-tpm-{}:", uuid::Uuid::new_v4());
-    let gateway = ready_gateway(
-        &db.url(),
-        &worker,
-        spool.path(),
+    let e = env(
+        "admission_tpm",
+        &[("acme", ACME_KEY)],
+        &["UPDATE tenants SET tpm_limit = 1000 WHERE name = 'acme'"],
         &[
             "--redis-url",
             "redis://127.0.0.1:6379",
@@ -349,6 +360,11 @@ async fn a_token_budget_holds_under_concurrency_and_charges_every_end() {
         ],
     )
     .await;
+    let gateway = &e.gateway;
+    let tenant: uuid::Uuid = sqlx::query_scalar("SELECT id FROM tenants WHERE name = 'acme'")
+        .fetch_one(&e.pool)
+        .await
+        .unwrap();
     let addr = gateway.addr("http").to_owned();
     let http = reqwest::Client::new();
     inside_one_minute(40).await;
@@ -375,12 +391,7 @@ async fn a_token_budget_holds_under_concurrency_and_charges_every_end() {
     // Twenty at once, each reserving 200 tokens plus its prompt: at most
     // five fit in 1000 (fewer, with the cancelled stream's tokens).
     let body = json!({"model": "chat", "prompt": "hello", "max_tokens": 200, "ignore_eos": true});
-    let tries: Vec<_> = (0..20)
-        .map(|_| {
-            let (http, addr, body) = (http.clone(), addr.clone(), body.clone());
-            tokio::spawn(async move { complete(&http, &addr, ACME_KEY, body).await })
-        })
-        .collect();
+    let tries = at_once(&http, &addr, ACME_KEY, &body, 20);
     let mut admitted = 0;
     for t in tries {
         let (status, body) = t.await.unwrap();
@@ -407,17 +418,17 @@ async fn a_token_budget_holds_under_concurrency_and_charges_every_end() {
 
     // The minute's count is exactly the tokens the rows say were used:
     // every reservation was settled, the cancelled stream's too.
-    wait_rows(&pool, 21).await;
+    wait_rows(&e.pool, 21).await;
     let used: i64 = sqlx::query_scalar(
         "SELECT coalesce(sum(prompt_tokens + completion_tokens), 0)::bigint FROM audit_log
          WHERE status IN ('ok', 'cancelled')",
     )
-    .fetch_one(&pool)
+    .fetch_one(&e.pool)
     .await
     .unwrap();
     let cancelled: i32 =
         sqlx::query_scalar("SELECT completion_tokens FROM audit_log WHERE status = 'cancelled'")
-            .fetch_one(&pool)
+            .fetch_one(&e.pool)
             .await
             .unwrap();
     assert!(cancelled > 0 && cancelled < 300, "{cancelled}");
@@ -468,18 +479,14 @@ async fn a_token_budget_holds_under_concurrency_and_charges_every_end() {
 /// deadline, and counted; it never reaches the API, so it has no row.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_never_finishes_its_headers_is_dropped_at_the_deadline() {
-    let db = migrated_db("admission_headers").await;
-    let pool = db.pool().await;
-    seed_base_routes(&pool, &[("acme", ACME_KEY)], "chat").await;
-    let worker = fixture_worker("w0", &[]);
-    let spool = tempfile::tempdir().unwrap();
-    let gateway = ready_gateway(
-        &db.url(),
-        &worker,
-        spool.path(),
+    let e = env(
+        "admission_headers",
+        &[("acme", ACME_KEY)],
+        &[],
         &["--header-timeout-secs", "2"],
     )
     .await;
+    let gateway = &e.gateway;
     let addr = gateway.addr("http").to_owned();
     let started = Instant::now();
     let closed = tokio::task::spawn_blocking(move || {
@@ -567,15 +574,10 @@ async fn trickle(addr: String, key: &'static str) -> u16 {
 /// the while, and every one of A's requests ends at the body deadline.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn five_hundred_trickling_bodies_do_not_hold_back_another_tenant() {
-    let db = migrated_db("admission_trickle").await;
-    let pool = db.pool().await;
-    seed_base_routes(&pool, &[("acme", ACME_KEY), ("globex", GLOBEX_KEY)], "chat").await;
-    let worker = fixture_worker("w0", &[]);
-    let spool = tempfile::tempdir().unwrap();
-    let gateway = ready_gateway(
-        &db.url(),
-        &worker,
-        spool.path(),
+    let e = env(
+        "admission_trickle",
+        &[("acme", ACME_KEY), ("globex", GLOBEX_KEY)],
+        &[],
         &[
             "--max-concurrent-requests",
             "1024",
@@ -586,6 +588,7 @@ async fn five_hundred_trickling_bodies_do_not_hold_back_another_tenant() {
         ],
     )
     .await;
+    let gateway = &e.gateway;
     let addr = gateway.addr("http").to_owned();
     let slow: Vec<_> = (0..500)
         .map(|_| tokio::spawn(trickle(addr.clone(), ACME_KEY)))
