@@ -18,8 +18,7 @@ mod standin;
 use std::time::{Duration, Instant};
 
 use lorafleet_engine::{
-    AdapterId, AdapterSource, Engine, EngineSettings, Event, Prompt, Request, Residency,
-    SamplingParams,
+    AdapterId, Engine, EngineSettings, Event, Prompt, Request, Residency, SamplingParams,
 };
 
 fn main() {
@@ -37,19 +36,8 @@ fn main() {
         ..Default::default()
     };
     let mut e = Engine::load_cpu(&model, settings).expect("the stand-in model");
-    let aid = |i: usize| AdapterId::new(i as u64 + 1).expect("ids start at 1");
-    for (i, dir) in dirs.iter().enumerate() {
-        e.register_adapter(
-            aid(i),
-            AdapterSource {
-                name: format!("a{i}"),
-                dir: dir.clone(),
-                declared_base_hash: None,
-                digest: None,
-            },
-        )
-        .expect("a stand-in adapter");
-    }
+    let aid = standin::id;
+    standin::register(&mut e, &dirs);
     println!(
         "time to first token by the adapter's tier on arrival, STAND-IN ~100M Llama (h={}, L={}), rank {}, 64-token prompt, {rounds} arrivals per tier, {} threads",
         standin::HIDDEN,

@@ -16,9 +16,7 @@ mod standin;
 
 use std::time::{Duration, Instant};
 
-use lorafleet_engine::{
-    AdapterId, AdapterSource, Engine, EngineSettings, Event, Prompt, Request, SamplingParams,
-};
+use lorafleet_engine::{Engine, EngineSettings, Event, Prompt, Request, SamplingParams};
 
 const ADAPTERS: usize = 16;
 const PER_ADAPTER: usize = 32;
@@ -86,18 +84,9 @@ fn run(model: &std::path::Path, dirs: &[std::path::PathBuf], prefix_caching: boo
         fair_admission: true,
     };
     let mut e = Engine::load_cpu(model, settings).expect("the stand-in model");
-    let aid = |i: usize| AdapterId::new(i as u64 + 1).expect("ids start at 1");
-    for (i, dir) in dirs.iter().enumerate() {
-        e.register_adapter(
-            aid(i),
-            AdapterSource {
-                name: format!("a{i}"),
-                dir: dir.clone(),
-                declared_base_hash: None,
-                digest: None,
-            },
-        )
-        .expect("a stand-in adapter");
+    let aid = standin::id;
+    standin::register(&mut e, dirs);
+    for i in 0..dirs.len() {
         e.prefetch(aid(i));
     }
     while e

@@ -80,6 +80,16 @@ fn run(e: &mut Engine, a: usize, b: usize) -> (Vec<usize>, Vec<usize>, usize) {
     (ttft_a, ttft_b, done_a)
 }
 
+/// The requests that got a first token in the next step.
+fn first_tokens(e: &mut Engine) -> Vec<String> {
+    e.step()
+        .unwrap()
+        .into_iter()
+        .filter(|(_, ev)| matches!(ev, Event::Delta { .. }))
+        .map(|(id, _)| id)
+        .collect()
+}
+
 fn median(v: &mut [usize]) -> usize {
     v.sort_unstable();
     v[v.len() / 2]
@@ -130,13 +140,7 @@ fn weights_divide_the_engine_and_idle_time_is_not_banked() {
         )
         .unwrap();
     }
-    let first: Vec<String> = e
-        .step()
-        .unwrap()
-        .into_iter()
-        .filter(|(_, ev)| matches!(ev, Event::Delta { .. }))
-        .map(|(id, _)| id)
-        .collect();
+    let first = first_tokens(&mut e);
     let a = first.iter().filter(|id| id.starts_with('a')).count();
     assert_eq!((first.len(), a), (8, 6), "{first:?}");
     // A weight must be positive.
@@ -174,13 +178,7 @@ fn weights_divide_the_engine_and_idle_time_is_not_banked() {
         e.submit_fair(request(format!("b{i}"), 100 + i), fair("b"))
             .unwrap();
     }
-    let first: Vec<String> = e
-        .step()
-        .unwrap()
-        .into_iter()
-        .filter(|(_, ev)| matches!(ev, Event::Delta { .. }))
-        .map(|(id, _)| id)
-        .collect();
+    let first = first_tokens(&mut e);
     let b = first.iter().filter(|id| id.starts_with('b')).count();
     assert_eq!((first.len(), b), (8, 4), "{first:?}");
 }

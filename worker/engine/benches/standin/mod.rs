@@ -178,3 +178,24 @@ pub fn adapters(n: usize) -> Vec<PathBuf> {
         })
         .collect()
 }
+
+/// Registers `dirs` on `e` as adapters 1, 2, ... (named `a0`, `a1`, ...).
+pub fn register(e: &mut lorafleet_engine::Engine, dirs: &[PathBuf]) {
+    for (i, dir) in dirs.iter().enumerate() {
+        e.register_adapter(
+            id(i),
+            lorafleet_engine::AdapterSource {
+                name: format!("a{i}"),
+                dir: dir.clone(),
+                declared_base_hash: None,
+                digest: None,
+            },
+        )
+        .expect("a stand-in adapter");
+    }
+}
+
+/// The id [`register`] gave the `i`-th adapter.
+pub fn id(i: usize) -> lorafleet_engine::AdapterId {
+    lorafleet_engine::AdapterId::new(i as u64 + 1).expect("ids start at 1")
+}
