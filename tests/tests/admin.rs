@@ -78,7 +78,13 @@ async fn admins_run_the_registry_and_compliance_reads_the_audit_log_through_lora
     // --- Tenants ----------------------------------------------------------
     let acme = p.ctl_json(&["tenants", "create", "acme", "--display-name", "Acme"]);
     assert_eq!(acme["name"], "acme");
-    p.ctl_json(&["tenants", "create", "globex"]);
+    let globex = p.ctl_json(&["tenants", "create", "globex", "--weight", "2.5"]);
+    assert_eq!(
+        (acme["weight"].as_f64(), globex["weight"].as_f64()),
+        (Some(1.0), Some(2.5))
+    );
+    p.ctl(&["tenants", "create", "heavy", "--weight", "0"])
+        .refused(6, "weight: 0 is not in (0, 1000]");
     p.ctl(&["tenants", "create", "acme"])
         .refused(5, "name: tenant \"acme\" already exists");
     p.ctl(&["tenants", "create", "Bad_Name"])

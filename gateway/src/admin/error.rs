@@ -227,6 +227,7 @@ pub(super) fn db_error(e: sqlx::Error) -> AdminError {
             "tenants_name_format" => (AdminCode::InvalidField, "name"),
             "tenants_rpm_limit_positive" => (AdminCode::InvalidField, "rpm_limit"),
             "tenants_tpm_limit_positive" => (AdminCode::InvalidField, "tpm_limit"),
+            "tenants_weight_range" => (AdminCode::InvalidField, "weight"),
             "base_models_name_unique" => (AdminCode::Duplicate, "name"),
             "base_models_base_hash_unique" => (AdminCode::Duplicate, "base_hash"),
             "adapters_name_version_unique" => (AdminCode::Duplicate, "version"),

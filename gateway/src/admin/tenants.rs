@@ -3,7 +3,7 @@
 use super::*;
 
 pub(super) const TENANT_COLUMNS: &str =
-    "name, display_name, rpm_limit, tpm_limit, created_at, disabled_at";
+    "name, display_name, rpm_limit, tpm_limit, weight, created_at, disabled_at";
 
 pub(super) fn to_json<T: Serialize>(v: &T) -> Value {
     serde_json::to_value(v).unwrap_or(Value::Null)
@@ -57,6 +57,13 @@ pub(super) async fn create_tenant(
     if t.tpm_limit == Some(0) {
         return Err(AdminError::field("tpm_limit", "must be at least 1"));
     }
+    let weight = t.weight.unwrap_or(1.0);
+    if !(weight.is_finite() && weight > 0.0 && weight <= 1000.0) {
+        return Err(AdminError::field(
+            "weight",
+            format!("{weight} is not in (0, 1000]"),
+        ));
+    }
     let rpm = t
         .rpm_limit
         .map(|v| i32::try_from(v).map_err(|_| AdminError::field("rpm_limit", "is too large")))
@@ -67,13 +74,15 @@ pub(super) async fn create_tenant(
         .transpose()?;
     let mut tx = s.pool.begin().await.map_err(db_error)?;
     let row: TenantRow = sqlx::query_as(sql!(
-        "INSERT INTO tenants (name, display_name, rpm_limit, tpm_limit) VALUES ($1, $2, $3, $4)
+        "INSERT INTO tenants (name, display_name, rpm_limit, tpm_limit, weight)
+         VALUES ($1, $2, $3, $4, $5)
          RETURNING {TENANT_COLUMNS}"
     ))
     .bind(&t.name)
     .bind(&t.display_name)
     .bind(rpm)
     .bind(tpm)
+    .bind(weight)
     .fetch_one(&mut *tx)
     .await
     .map_err(|e| match db_error(e) {

@@ -19,6 +19,9 @@ pub struct NewTenant {
     pub rpm_limit: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tpm_limit: Option<u64>,
+    /// The tenant's weight in the workers' fair admission; default 1.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub weight: Option<f64>,
 }
 
 /// A tenant, as every tenant endpoint answers.
@@ -28,6 +31,7 @@ pub struct TenantRow {
     pub display_name: String,
     pub rpm_limit: Option<i32>,
     pub tpm_limit: Option<i64>,
+    pub weight: f64,
     pub created_at: DateTime<Utc>,
     pub disabled_at: Option<DateTime<Utc>>,
 }

@@ -120,6 +120,9 @@ pub(crate) enum TenantCmd {
         /// Tokens per minute.
         #[arg(long)]
         tpm_limit: Option<u64>,
+        /// The tenant's weight in the workers' fair admission (default 1).
+        #[arg(long)]
+        weight: Option<f64>,
     },
     /// Refuses the tenant's requests with 403 from now on.
     Disable {

@@ -8,6 +8,7 @@ pub(crate) const TENANT_COLUMNS: &[&str] = &[
     "display_name",
     "rpm_limit",
     "tpm_limit",
+    "weight",
     "created_at",
     "disabled_at",
 ];
@@ -23,12 +24,14 @@ pub(crate) async fn tenants(c: &Client, cmd: TenantCmd) -> Result<(), Failure> {
             display_name,
             rpm_limit,
             tpm_limit,
+            weight,
         } => {
             let new = NewTenant {
                 name,
                 display_name,
                 rpm_limit,
                 tpm_limit,
+                weight,
             };
             let tenant: TenantRow = c.post_as("/tenants", &new).await?;
             show_one(c, &as_json(&tenant), TENANT_COLUMNS);
