@@ -192,6 +192,10 @@ fn serve_refuses_bad_flags_by_name() {
             "--body-timeout-secs: must be at least 1",
         ),
         (&["--default-tpm-limit", "lots"], "--default-tpm-limit"),
+        (
+            &["--header-timeout-secs", "0"],
+            "--header-timeout-secs: must be at least 1",
+        ),
     ];
     for (flags, expected) in cases {
         let out = Command::new(binary("lorafleet-gateway"))

@@ -240,6 +240,14 @@ async fn concurrent_adapter_streams_match_the_goldens_and_bad_artifacts_are_refu
             Code::InvalidArgument,
             "fairness_weight",
         ),
+        (
+            pb::GenerateRequest {
+                fairness_key: "k".repeat(129),
+                ..request("r", None, vec![5], 2)
+            },
+            Code::InvalidArgument,
+            "fairness_key",
+        ),
     ];
     // No refusal is an oracle: none shows the artifact's actual digest or
     // a path on the worker's machine.
