@@ -35,20 +35,71 @@ build() {
   ls -l "$out"
 }
 
+# Puts the directory holding library $1 on LD_LIBRARY_PATH when the
+# loader cannot already find it (the CUDA toolkit's lib64, or a Python
+# wheel's nvidia/*/lib).
+find_lib() {
+  ldconfig -p 2>/dev/null | grep -q "$1" && return 0
+  local dir found
+  for dir in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
+    [ -e "$dir/$1" ] && found=$dir && break
+  done
+  if [ -z "${found:-}" ]; then
+    found=$(find /usr/local /opt /usr/lib -name "$1" -print -quit 2>/dev/null | xargs -r dirname)
+  fi
+  if [ -n "${found:-}" ]; then
+    export LD_LIBRARY_PATH="$found${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    echo "gpu-check: $1 from $found"
+  else
+    echo "gpu-check: $1 not found" >&2
+  fi
+}
+
 run() {
   for exe in cuda_kernels_compile cuda_gpu cuda_lora; do
     [ -x "$out/$exe" ] || { echo "gpu-check: $out/$exe is missing; run '$0 build' first" >&2; exit 1; }
   done
-  # The CUDA libraries wherever the toolkit put them.
-  for dir in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
-    [ -d "$dir" ] && export LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  done
-  export LORAFLEET_REQUIRE_GPU=1 LORAFLEET_REQUIRE_NVRTC=1
+  # Logs and the benchmark table go to GPU_CHECK_OUT (default
+  # target/gpu-check/results).
+  local results=${GPU_CHECK_OUT:-$out/results}
+  mkdir -p "$results"
+  find_lib libnvrtc.so.13
+  find_lib libcublas.so.13
+  export LORAFLEET_REQUIRE_GPU=1 LORAFLEET_REQUIRE_NVRTC=1 RUST_BACKTRACE=1
   export LORAFLEET_FIXTURES="$PWD/worker/engine/tests/fixtures"
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-  "$out/cuda_kernels_compile" --test-threads=1
-  "$out/cuda_gpu" --test-threads=1
-  "$out/cuda_lora"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$results/gpu.txt" || true
+  # Every step runs even when one before it fails, so one run reports all
+  # of them; the exit status says whether all passed.
+  local failed=()
+  step() {
+    local name=$1
+    shift
+    echo "== $name"
+    if "$@" > "$results/$name.log" 2>&1; then
+      echo "== $name: passed"
+    else
+      echo "== $name: FAILED (exit $?)"
+      failed+=("$name")
+    fi
+    grep -E '^(test |thread |  left|  right|---- |failures:|test result)|panicked|relative error' \
+      "$results/$name.log" | head -80 || true
+  }
+  step kernels_compile "$out/cuda_kernels_compile" --test-threads=1
+  step cuda_gpu "$out/cuda_gpu" --test-threads=1
+  step cuda_lora "$out/cuda_lora"
+  # What transformers + PEFT themselves give in bf16 and f16 on this GPU,
+  # beside the engine's own figures, where python3 has them.
+  if python3 -c 'import torch, transformers, peft' 2>/dev/null; then
+    step reduced_precision python3 worker/engine/scripts/reduced_precision.py \
+      "$LORAFLEET_FIXTURES" "$results/reduced_precision.json"
+    tail -2 "$results/reduced_precision.log"
+  fi
+  cat "$results/cuda_lora.log" | tail -40
+  if [ ${#failed[@]} -gt 0 ]; then
+    echo "gpu-check: failed: ${failed[*]}" >&2
+    exit 1
+  fi
+  echo "gpu-check: every step passed"
 }
 
 case "${1:-all}" in

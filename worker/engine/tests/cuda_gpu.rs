@@ -1,8 +1,9 @@
 //! The CUDA backend against the CPU reference, on a GPU: every kernel on
 //! fresh random inputs with its output poisoned first (relative error
 //! ≤ 1e-5 in f32), the whole model in f32 on the golden fixtures for every
-//! adapter (greedy tokens equal), bf16 within 2e-2, and a mixed batch equal
-//! to one request at a time.
+//! adapter (greedy tokens equal), bf16 and f16 as close to the f32
+//! reference as transformers + PEFT in those types, and a mixed batch
+//! equal to one request at a time.
 //!
 //! These run only where a CUDA device is present. `deploy/gpu-check.sh`
 //! sets `LORAFLEET_REQUIRE_GPU=1`, under which a missing device fails
@@ -395,7 +396,8 @@ fn grouped_lora_shrink_and_expand_match_the_cpu_kernel() {
     let h = KernelHarness::new(SHAPES).unwrap();
     // Three slices sharing an input of 96 features: two split-K chunks of
     // 64, the second partial. Slot 2 lacks the second slice (rank 0).
-    let (fan_in, max_rank, slots, tokens) = (96usize, 16usize, 4usize, 11usize);
+    // Slot 1's segment of 37 tokens spans three tiles, the last partial.
+    let (fan_in, max_rank, slots, tokens) = (96usize, 16usize, 4usize, 48usize);
     let widths = [64usize, 32, 32];
     let ranks: [[usize; 4]; 3] = [[5, 16, 12, 1], [5, 16, 0, 1], [3, 8, 12, 16]];
     let scales: [[f32; 4]; 3] = [
@@ -403,7 +405,13 @@ fn grouped_lora_shrink_and_expand_match_the_cpu_kernel() {
         [1.0, 0.5, 0.0, 3.0],
         [2.0, 1.0, 0.75, 0.5],
     ];
-    let slot_of = |t: usize| [0, 0, 0, 1, 1, 3, 3, 2, 2, 2, 0][t];
+    let slot_of = |t: usize| match t {
+        0..3 => 0,
+        3..40 => 1,
+        40..42 => 3,
+        42..45 => 2,
+        _ => 0,
+    };
     let mut segments: Vec<Segment> = Vec::new();
     for t in 0..tokens {
         match segments.last_mut() {
@@ -473,23 +481,7 @@ fn grouped_lora_shrink_and_expand_match_the_cpu_kernel() {
         .map(|r| h.i32(&r.map(|v| v as i32)).unwrap())
         .collect();
     let scale_dev: Vec<Buf> = scales.iter().map(|s| h.f32(s).unwrap()).collect();
-    let mut meta = Vec::new();
-    meta.extend(
-        segments
-            .iter()
-            .flat_map(|s| (s.start..s.end).map(|t| t as i32)),
-    );
-    let seg_off_at = meta.len();
-    let mut acc = 0;
-    meta.push(0);
-    for s in &segments {
-        acc += (s.end - s.start) as i32;
-        meta.push(acc);
-    }
-    let seg_slot_at = meta.len();
-    meta.extend(segments.iter().map(|s| s.slot as i32));
-    let meta_b = h.i32(&meta).unwrap();
-    let at = |i: usize| h.ptr(&meta_b) + (i * 4) as u64;
+    let (_meta, seg_args, tiles) = h.segments(&segments).unwrap();
     let splits = fan_in.div_ceil(64);
     let h_part = h.f32(&poison(3 * splits * tokens * max_rank)).unwrap();
     let (xb, out) = (h.f32(&x).unwrap(), h.f32(&base).unwrap());
@@ -497,28 +489,19 @@ fn grouped_lora_shrink_and_expand_match_the_cpu_kernel() {
         Arg::Ptr(h.ptr(&xb)),
         Arg::I32(fan_in as i32),
         Arg::I32(tokens as i32),
-        Arg::Ptr(at(0)),
-        Arg::Ptr(at(seg_off_at)),
-        Arg::Ptr(at(seg_slot_at)),
     ];
+    args.extend(seg_args);
     args.extend(a_dev.iter().map(|b| Arg::Ptr(h.ptr(b))));
     args.extend(rank_dev.iter().map(|b| Arg::Ptr(h.ptr(b))));
     args.push(Arg::Ptr(h.ptr(&h_part)));
-    h.launch(
-        "lora_shrink",
-        (segments.len() as u32, splits as u32, 3),
-        256,
-        &args,
-    )
-    .unwrap();
+    h.launch("lora_shrink", (tiles as u32, splits as u32, 3), 256, &args)
+        .unwrap();
     let mut args = vec![
         Arg::Ptr(h.ptr(&h_part)),
         Arg::I32(splits as i32),
         Arg::I32(tokens as i32),
-        Arg::Ptr(at(0)),
-        Arg::Ptr(at(seg_off_at)),
-        Arg::Ptr(at(seg_slot_at)),
     ];
+    args.extend(seg_args);
     args.extend(b_dev.iter().map(|b| Arg::Ptr(h.ptr(b))));
     args.extend(rank_dev.iter().map(|b| Arg::Ptr(h.ptr(b))));
     args.extend(scale_dev.iter().map(|b| Arg::Ptr(h.ptr(b))));
@@ -526,12 +509,12 @@ fn grouped_lora_shrink_and_expand_match_the_cpu_kernel() {
     args.extend([0, 64, 96].map(Arg::I32));
     args.push(Arg::Ptr(h.ptr(&out)));
     args.push(Arg::I32(stride as i32));
-    h.launch("lora_expand", (segments.len() as u32, 1, 3), 256, &args)
+    h.launch("lora_expand", (tiles as u32, 1, 3), 256, &args)
         .unwrap();
     let got = h.read(&out).unwrap();
     assert_close(&got, &want, 1e-5, "lora shrink + expand");
     // Slot 2's second slice has rank 0: its columns are the base, untouched.
-    for t in 7..10 {
+    for t in 42..45 {
         assert_eq!(
             &got[t * stride + 64..][..32],
             &base[t * stride + 64..][..32]
@@ -721,27 +704,73 @@ fn the_model_in_f32_gives_the_cpu_backends_greedy_tokens_for_every_adapter() {
     assert_eq!(checked, golden.cases.len());
 }
 
+/// transformers + PEFT's own error in bf16 and f16 against the f32 golden
+/// logits, per case, measured on a GPU by `scripts/reduced_precision.py`.
+#[derive(serde::Deserialize)]
+struct ReducedPrecision {
+    device: String,
+    cases: Vec<ReducedCase>,
+}
+
+#[derive(serde::Deserialize)]
+struct ReducedCase {
+    model: String,
+    adapter: Option<String>,
+    prompt: String,
+    bf16: f32,
+    f16: f32,
+}
+
+/// The stated tolerance in a 16-bit type: the engine is no further from
+/// the f32 reference than the reference implementation itself in that
+/// type. Per case, within 2e-2 or 1.5× transformers + PEFT's error,
+/// whichever is larger (random fixture weights make some cases sensitive
+/// to any rounding); over all cases, a mean error no larger than theirs.
 #[test]
-fn the_model_in_bf16_and_f16_stays_within_2e_2_of_the_reference() {
+fn the_model_in_bf16_and_f16_is_as_close_to_the_reference_as_transformers_in_that_type() {
     if !gpu() {
         return;
     }
     let golden = golden();
+    let text = std::fs::read_to_string(fixtures().join("reduced_precision.json")).unwrap();
+    let reference: ReducedPrecision = serde_json::from_str(&text).unwrap();
+    assert_eq!(reference.cases.len(), golden.cases.len());
     for dtype in [Dtype::Bf16, Dtype::F16] {
+        let (mut ours, mut theirs) = (Vec::new(), Vec::new());
         for model in ["llama-gqa", "qwen2-tied"] {
             let dir = model_dir(model);
             let config = ModelConfig::from_dir(&dir).unwrap();
             let mut gpu = CudaBackend::load(&dir, &config, SHAPE, 0, dtype, LIMITS).unwrap();
             for case in golden.cases.iter().filter(|c| c.model == model) {
+                let what = format!("{dtype:?} {model}/{:?} {:?}", case.adapter, case.prompt);
+                let r = reference
+                    .cases
+                    .iter()
+                    .find(|r| {
+                        r.model == case.model
+                            && r.adapter == case.adapter
+                            && r.prompt == case.prompt
+                    })
+                    .unwrap_or_else(|| panic!("{what}: no reference figure"));
+                let their = if dtype == Dtype::Bf16 { r.bf16 } else { r.f16 };
                 let (logits, _) = run_golden(&mut gpu, model, case);
-                assert_close(
-                    &logits,
-                    &case.logits,
-                    2e-2,
-                    &format!("{dtype:?} {model}/{:?} {:?}", case.adapter, case.prompt),
-                );
+                assert_close(&logits, &case.logits, (1.5 * their).max(2e-2), &what);
+                let err = relative_error(&logits, &case.logits);
+                eprintln!("{what}: {err:.4} (transformers + PEFT: {their:.4})");
+                ours.push(err);
+                theirs.push(their);
             }
         }
+        let mean = |v: &[f32]| v.iter().sum::<f32>() / v.len() as f32;
+        let (ours, theirs) = (mean(&ours), mean(&theirs));
+        eprintln!(
+            "{dtype:?}: mean relative error {ours:.4}; transformers + PEFT on {}: {theirs:.4}",
+            reference.device
+        );
+        assert!(
+            ours <= theirs,
+            "{dtype:?}: mean relative error {ours} above transformers + PEFT's {theirs}"
+        );
     }
 }
 

@@ -105,6 +105,10 @@ impl SlotView<'_> {
         assert!(rank <= max_rank && max_rank.is_multiple_of(NR));
         assert_eq!(a_t.len(), fan_in * rank);
         assert_eq!(b_t.len(), rank * fan_out);
+        if rank == 0 {
+            // A module of rank 0 reads nothing.
+            return;
+        }
         let k = rank.next_multiple_of(NR);
         // A: panel q holds ranks q*NR.., input-major, which is Aᵀ's order:
         // a slot write (while the step waits) copies whole rows, and at

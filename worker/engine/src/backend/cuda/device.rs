@@ -68,11 +68,14 @@ impl Device {
                 .map_err(|e| EngineError::Backend(format!("cuda: kernel {kernel}: {e}")))?;
             functions.insert(kernel, f);
         }
+        // A stream of its own, not the legacy default stream, which CUDA
+        // graphs cannot capture.
+        let stream = ctx.new_stream().map_err(cuda("creating a stream"))?;
         Ok(Device {
             functions,
             shapes,
             name,
-            stream: ctx.default_stream(),
+            stream,
             ctx,
         })
     }
@@ -125,7 +128,7 @@ impl Device {
     /// input: one shrink and one expand launch for every adapter in the
     /// step.
     pub fn lora(&self, l: &LoraLaunch) -> Result<()> {
-        if l.segments == 0 {
+        if l.tiles == 0 {
             return Ok(());
         }
         assert!((1..=3).contains(&l.slices.len()));
@@ -133,20 +136,24 @@ impl Device {
         // Unused slice arguments repeat the last slice; the grid never
         // reaches them.
         let slice = |i: usize| &l.slices[i.min(l.slices.len() - 1)];
+        let segments = [
+            Arg::Ptr(l.segments.token_idx),
+            Arg::Ptr(l.segments.seg_off),
+            Arg::Ptr(l.segments.seg_slot),
+            Arg::Ptr(l.segments.tiles),
+        ];
         let mut args = vec![
             Arg::Ptr(l.x),
             Arg::I32(l.fan_in as i32),
             Arg::I32(l.n as i32),
-            Arg::Ptr(l.token_idx),
-            Arg::Ptr(l.seg_off),
-            Arg::Ptr(l.seg_slot),
         ];
+        args.extend(segments);
         args.extend((0..3).map(|i| Arg::Ptr(slice(i).a)));
         args.extend((0..3).map(|i| Arg::Ptr(slice(i).rank)));
         args.push(Arg::Ptr(l.h_part));
         self.launch(
             "lora_shrink",
-            (l.segments as u32, splits as u32, l.slices.len() as u32),
+            (l.tiles as u32, splits as u32, l.slices.len() as u32),
             256,
             &args,
         )?;
@@ -154,10 +161,8 @@ impl Device {
             Arg::Ptr(l.h_part),
             Arg::I32(splits as i32),
             Arg::I32(l.n as i32),
-            Arg::Ptr(l.token_idx),
-            Arg::Ptr(l.seg_off),
-            Arg::Ptr(l.seg_slot),
         ];
+        args.extend(segments);
         args.extend((0..3).map(|i| Arg::Ptr(slice(i).b)));
         args.extend((0..3).map(|i| Arg::Ptr(slice(i).rank)));
         args.extend((0..3).map(|i| Arg::Ptr(slice(i).scale)));
@@ -169,7 +174,7 @@ impl Device {
         self.launch(
             "lora_expand",
             (
-                l.segments as u32,
+                l.tiles as u32,
                 widest.div_ceil(256) as u32,
                 l.slices.len() as u32,
             ),
@@ -205,23 +210,48 @@ pub(super) struct LoraLaunch {
     pub out: u64,
     pub out_stride: usize,
     pub slices: Vec<LoraSlice>,
-    /// Each segment's tokens in segment order, `segments + 1` offsets into
-    /// them, and each segment's slot (i32).
-    pub token_idx: u64,
-    pub seg_off: u64,
-    pub seg_slot: u64,
-    pub segments: usize,
+    pub segments: SegmentPtrs,
+    /// How many tiles `segments.tiles` lists: the launches' grid.
+    pub tiles: usize,
     /// `[slices, splits, n, max_rank]` f32 scratch.
     pub h_part: u64,
 }
 
-/// The segment sections of a step's metadata: each segment's token
-/// indices, the offsets into them, and each segment's slot, appended to
-/// `buf`; returns where each section starts.
+/// Where a step's segment sections start, as element indices into the
+/// i32 metadata buffer, or as device addresses once uploaded.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct SegmentPtrs {
+    /// Each segment's tokens in segment order (SGMV's sorted indices).
+    pub token_idx: u64,
+    /// `segments + 1` offsets into `token_idx`.
+    pub seg_off: u64,
+    /// Each segment's slot.
+    pub seg_slot: u64,
+    /// (segment, first index into `token_idx`) of each tile of at most
+    /// [`kernels::LORA_TT`] tokens.
+    pub tiles: u64,
+}
+
+impl SegmentPtrs {
+    /// The sections as addresses in a buffer uploaded at `base`.
+    pub fn at(self, base: u64) -> SegmentPtrs {
+        let at = |i: u64| base + i * 4;
+        SegmentPtrs {
+            token_idx: at(self.token_idx),
+            seg_off: at(self.seg_off),
+            seg_slot: at(self.seg_slot),
+            tiles: at(self.tiles),
+        }
+    }
+}
+
+/// Appends the segment sections of a step's metadata to `buf`: each
+/// segment's token indices, the offsets into them, each segment's slot and
+/// the tiles. Returns where each section starts and the number of tiles.
 pub(super) fn push_segments(
     buf: &mut Vec<i32>,
     segments: &[super::super::Segment],
-) -> (usize, usize, usize) {
+) -> (SegmentPtrs, usize) {
     let token_idx = buf.len();
     buf.extend(
         segments
@@ -237,5 +267,21 @@ pub(super) fn push_segments(
     }
     let seg_slot = buf.len();
     buf.extend(segments.iter().map(|s| s.slot as i32));
-    (token_idx, seg_off, seg_slot)
+    let tiles = buf.len();
+    let mut first = 0;
+    for (i, s) in segments.iter().enumerate() {
+        let len = s.end - s.start;
+        for t in (0..len).step_by(kernels::LORA_TT) {
+            buf.extend([i as i32, (first + t) as i32]);
+        }
+        first += len;
+    }
+    let count = (buf.len() - tiles) / 2;
+    let ptrs = SegmentPtrs {
+        token_idx: token_idx as u64,
+        seg_off: seg_off as u64,
+        seg_slot: seg_slot as u64,
+        tiles: tiles as u64,
+    };
+    (ptrs, count)
 }

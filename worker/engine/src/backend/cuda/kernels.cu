@@ -6,6 +6,7 @@
 //   HEAD_DIM   attention head size (even)
 //   MAX_RANK   the rank every adapter slot is sized for
 //   SHRINK_KC  input features per split-K chunk of the LoRA shrink (a multiple of 32)
+//   LORA_TT    tokens per tile of the LoRA kernels
 //
 // Activations, the residual stream and all LoRA math are f32; the base
 // GEMMs (cuBLAS) read the weights' type, and the KV cache is stored in it
@@ -53,6 +54,25 @@ __device__ __forceinline__ float warp_sum(float v) {
 __device__ __forceinline__ float warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
     return v;
+}
+
+// Sixteen sums across a warp at once: a reduce-scatter over the lane bits
+// 16, 8, 4 and 2, then a final exchange over bit 1. Each value's partial
+// sums pair up in the order of `warp_sum` (xor 16 first, then 8, 4, 2, 1)
+// and IEEE addition commutes, so every value is bitwise what `warp_sum`
+// gives it; lanes 2m and 2m + 1 both hold value m. 16 shuffles, not 80.
+__device__ __forceinline__ float reduce16(float v[16], int lane) {
+#pragma unroll
+    for (int width = 8, bit = 16; width >= 1; width >>= 1, bit >>= 1) {
+        bool upper = (lane & bit) != 0;
+#pragma unroll
+        for (int m = 0; m < width; m++) {
+            float send = upper ? v[m] : v[m + width];
+            float keep = upper ? v[m + width] : v[m];
+            v[m] = keep + __shfl_xor_sync(FULL_MASK, send, bit);
+        }
+    }
+    return v[0] + __shfl_xor_sync(FULL_MASK, v[0], 1);
 }
 
 // Block-wide reductions; blockDim.x is a multiple of 32. `scratch` holds 32
@@ -234,56 +254,103 @@ extern "C" __global__ void attention(const float* qkv, int q_dim, int kv_dim, co
     if (d1 < HEAD_DIM) o[d1] = acc1 / l;
 }
 
-// Tokens per tile in the LoRA kernels.
-#define LORA_TT 8
+// Threads per block of the LoRA kernels (the launches use this many).
+#define LORA_THREADS 256
+
+// LORA_TT, tokens per tile in the LoRA kernels: a segment of many tokens
+// (one adapter with a long prefill, or a large batch on few adapters) is
+// cut into tiles, each its own block, so the grid fills the device
+// whatever the adapter mix; a tile's A and B rows are shared by its
+// tokens through registers and shared memory.
+
+// A tile of the step's LoRA work: `tiles[2 * i]` is its segment and
+// `tiles[2 * i + 1]` its first token's index into token_idx; it runs to
+// LORA_TT tokens or the segment's end.
+__device__ __forceinline__ void lora_tile(const int* tiles, const int* seg_off, int i, int* seg,
+                                          int* lo, int* hi) {
+    *seg = tiles[2 * i];
+    *lo = tiles[2 * i + 1];
+    *hi = min(*lo + LORA_TT, seg_off[*seg + 1]);
+}
 
 // Grouped LoRA shrink (SGMV), one launch for every adapter in the step and
 // for up to three projections that share the input (q/k/v, gate/up):
 //   h_part[slice][split][tok][r] = sum over this split's k of x[tok, k] * A[slot, r, k]
-// for each segment's tokens (token_idx[seg_off[s]..seg_off[s+1]], all using
-// slot seg_slot[s]) and r below the slot's rank for that projection; rows
-// past the rank are never computed or read. A slice's A is
-// [slots, MAX_RANK, fan_in] and its ranks [slots]. Split-K: block y covers
-// input features [y * SHRINK_KC, (y + 1) * SHRINK_KC); the expand sums the
-// splits in order, so no atomics and a fixed order.
-// Grid: (segments, splits, slices); block: 256 threads (8 warps).
-extern "C" __global__ void lora_shrink(const float* x, int fan_in, int n, const int* token_idx,
-                                       const int* seg_off, const int* seg_slot, const float* a0,
-                                       const float* a1, const float* a2, const int* rank0,
-                                       const int* rank1, const int* rank2, float* h_part) {
+// for each tile's tokens (all of one segment, so one slot) and r below the
+// slot's rank for that projection; rows past the rank are never computed
+// or read. A slice's A is [slots, MAX_RANK, fan_in] and its ranks [slots].
+// Split-K: block y covers input features [y * SHRINK_KC, (y + 1) *
+// SHRINK_KC); the expand sums the splits in order, so no atomics and a
+// fixed order.
+// Grid: (tiles, splits, slices); block: 256 threads (8 warps).
+extern "C" __global__ void __launch_bounds__(LORA_THREADS) lora_shrink(const float* x, int fan_in, int n, const int* token_idx,
+                                       const int* seg_off, const int* seg_slot, const int* tiles,
+                                       const float* a0, const float* a1, const float* a2,
+                                       const int* rank0, const int* rank1, const int* rank2,
+                                       float* h_part) {
     __shared__ float xs[LORA_TT * SHRINK_KC];
     const float* a = blockIdx.z == 0 ? a0 : (blockIdx.z == 1 ? a1 : a2);
     const int* ranks = blockIdx.z == 0 ? rank0 : (blockIdx.z == 1 ? rank1 : rank2);
-    int s = blockIdx.x, slot = seg_slot[s];
+    int s, lo, hi;
+    lora_tile(tiles, seg_off, blockIdx.x, &s, &lo, &hi);
+    int slot = seg_slot[s];
     int rank = ranks[slot];
     if (rank == 0) return;  // the adapter has no such module
     int k0 = blockIdx.y * SHRINK_KC, kn = min(SHRINK_KC, fan_in - k0);
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     float* part = h_part + ((size_t)blockIdx.z * gridDim.y + blockIdx.y) * n * MAX_RANK;
-    int lo = seg_off[s], hi = seg_off[s + 1];
-    for (int t0 = lo; t0 < hi; t0 += LORA_TT) {
-        int tt = min(LORA_TT, hi - t0);
-        __syncthreads();
-        for (int i = threadIdx.x; i < tt * SHRINK_KC; i += blockDim.x) {
-            int j = i / SHRINK_KC, k = i % SHRINK_KC;
-            xs[i] = k < kn ? x[(size_t)token_idx[t0 + j] * fan_in + k0 + k] : 0.0f;
-        }
-        __syncthreads();
-        for (int r = warp; r < rank; r += warps) {
-            const float* arow = a + ((size_t)slot * MAX_RANK + r) * fan_in + k0;
-            float av[SHRINK_KC / 32];
+    int tt = hi - lo;
+    __shared__ int toks[LORA_TT];
+    if (threadIdx.x < LORA_TT) toks[threadIdx.x] = threadIdx.x < tt ? token_idx[lo + threadIdx.x] : 0;
+    __syncthreads();
+    // The tile's inputs, rows past the tile zero: every load issued before
+    // the first store, so their latencies overlap.
+    float xv[LORA_TT * SHRINK_KC / LORA_THREADS];
+#pragma unroll
+    for (int it = 0; it < LORA_TT * SHRINK_KC / LORA_THREADS; it++) {
+        int i = threadIdx.x + it * LORA_THREADS, j = i / SHRINK_KC, k = i % SHRINK_KC;
+        xv[it] = j < tt && k < kn ? x[(size_t)toks[j] * fan_in + k0 + k] : 0.0f;
+    }
+#pragma unroll
+    for (int it = 0; it < LORA_TT * SHRINK_KC / LORA_THREADS; it++) xs[threadIdx.x + it * LORA_THREADS] = xv[it];
+    __syncthreads();
+    // Each warp takes four rank rows at a time, their chunks of A in
+    // registers, and four tokens at a time: every x value read from
+    // shared memory feeds four rows. The sixteen dot products then reduce
+    // across the warp together (`reduce16`), in the same tree as
+    // `warp_sum`, so a token's sum never depends on its place in a tile.
+    const float* abase = a + (size_t)slot * MAX_RANK * fan_in + k0;
+    for (int r0 = 4 * warp; r0 < rank; r0 += 4 * warps) {
+        float av[4][SHRINK_KC / 32];
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
 #pragma unroll
             for (int i = 0; i < SHRINK_KC / 32; i++) {
                 int k = lane + 32 * i;
-                av[i] = k < kn ? arow[k] : 0.0f;
+                av[q][i] = r0 + q < rank && k < kn ? abase[(size_t)(r0 + q) * fan_in + k] : 0.0f;
             }
-            for (int j = 0; j < tt; j++) {
-                float acc = 0.0f;
+        }
+        for (int j0 = 0; j0 < tt; j0 += 4) {
+            float acc[16];
 #pragma unroll
-                for (int i = 0; i < SHRINK_KC / 32; i++) acc = fmaf(av[i], xs[j * SHRINK_KC + lane + 32 * i], acc);
-                acc = warp_sum(acc);
-                if (lane == 0) part[(size_t)token_idx[t0 + j] * MAX_RANK + r] = acc;
+            for (int v = 0; v < 16; v++) acc[v] = 0.0f;
+#pragma unroll
+            for (int i = 0; i < SHRINK_KC / 32; i++) {
+                float xv[4];
+#pragma unroll
+                for (int u = 0; u < 4; u++) xv[u] = xs[(j0 + u) * SHRINK_KC + lane + 32 * i];
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+#pragma unroll
+                    for (int u = 0; u < 4; u++) acc[q * 4 + u] = fmaf(av[q][i], xv[u], acc[q * 4 + u]);
+                }
             }
+            // Lane L ends with value (L >> 1) & 15: row r0 + that / 4,
+            // token j0 + that % 4. Even lanes write it.
+            float sum = reduce16(acc, lane);
+            int v = (lane >> 1) & 15, q = v >> 2, u = v & 3;
+            if ((lane & 1) == 0 && r0 + q < rank && j0 + u < tt)
+                part[(size_t)token_idx[lo + j0 + u] * MAX_RANK + r0 + q] = sum;
         }
     }
 }
@@ -293,14 +360,14 @@ extern "C" __global__ void lora_shrink(const float* x, int fan_in, int n, const 
 // with h the shrink's splits summed in order. Each slice has its own B
 // ([slots, MAX_RANK, width], Bᵀ rows), width and column offset into the
 // fused output row of `out_stride` (q/k/v into [q | k | v], gate/up into
-// [gate | up]). Grid: (segments, ceil(max width / 256), slices); block: 256.
-extern "C" __global__ void lora_expand(const float* h_part, int splits, int n, const int* token_idx,
-                                       const int* seg_off, const int* seg_slot, const float* b0,
-                                       const float* b1, const float* b2, const int* rank0,
-                                       const int* rank1, const int* rank2, const float* scale0,
-                                       const float* scale1, const float* scale2, int width0,
-                                       int width1, int width2, int off0, int off1, int off2,
-                                       float* out, int out_stride) {
+// [gate | up]). Grid: (tiles, ceil(max width / 256), slices); block: 256.
+extern "C" __global__ void __launch_bounds__(LORA_THREADS) lora_expand(const float* h_part, int splits, int n, const int* token_idx,
+                                       const int* seg_off, const int* seg_slot, const int* tiles,
+                                       const float* b0, const float* b1, const float* b2,
+                                       const int* rank0, const int* rank1, const int* rank2,
+                                       const float* scale0, const float* scale1,
+                                       const float* scale2, int width0, int width1, int width2,
+                                       int off0, int off1, int off2, float* out, int out_stride) {
     __shared__ float hs[LORA_TT * MAX_RANK];
     int z = blockIdx.z;
     const float* b = z == 0 ? b0 : (z == 1 ? b1 : b2);
@@ -308,40 +375,75 @@ extern "C" __global__ void lora_expand(const float* h_part, int splits, int n, c
     const float* scales = z == 0 ? scale0 : (z == 1 ? scale1 : scale2);
     int width = z == 0 ? width0 : (z == 1 ? width1 : width2);
     int off = z == 0 ? off0 : (z == 1 ? off1 : off2);
-    int s = blockIdx.x, slot = seg_slot[s];
+    int s, lo, hi;
+    lora_tile(tiles, seg_off, blockIdx.x, &s, &lo, &hi);
+    int slot = seg_slot[s];
     int rank = ranks[slot];
     if (rank == 0 || blockIdx.y * blockDim.x >= width) return;  // whole block exits together
     float scale = scales[slot];
     int o = blockIdx.y * blockDim.x + threadIdx.x;
     const float* part = h_part + (size_t)z * splits * n * MAX_RANK;
-    int lo = seg_off[s], hi = seg_off[s + 1];
-    for (int t0 = lo; t0 < hi; t0 += LORA_TT) {
-        int tt = min(LORA_TT, hi - t0);
-        __syncthreads();
-        for (int i = threadIdx.x; i < tt * MAX_RANK; i += blockDim.x) {
+    int tt = hi - lo;
+    __shared__ int toks[LORA_TT];
+    if (threadIdx.x < LORA_TT) toks[threadIdx.x] = threadIdx.x < tt ? token_idx[lo + threadIdx.x] : 0;
+    __syncthreads();
+    // h for the tile, rows past the tile and ranks past the slot's zero;
+    // the splits are summed in order, four loads in flight at a time.
+    size_t split_stride = (size_t)n * MAX_RANK;
+#pragma unroll
+    for (int it = 0; it < (LORA_TT * MAX_RANK + LORA_THREADS - 1) / LORA_THREADS; it++) {
+        int i = threadIdx.x + it * LORA_THREADS;
+        if (i < LORA_TT * MAX_RANK) {
             int j = i / MAX_RANK, r = i % MAX_RANK;
             float h = 0.0f;
-            if (r < rank) {
-                size_t at = (size_t)token_idx[t0 + j] * MAX_RANK + r;
-                for (int p = 0; p < splits; p++) h += part[(size_t)p * n * MAX_RANK + at];
+            if (r < rank && j < tt) {
+                const float* pp = part + (size_t)toks[j] * MAX_RANK + r;
+                int p = 0;
+                for (; p + 4 <= splits; p += 4) {
+                    float v0 = pp[p * split_stride], v1 = pp[(p + 1) * split_stride];
+                    float v2 = pp[(p + 2) * split_stride], v3 = pp[(p + 3) * split_stride];
+                    h += v0;
+                    h += v1;
+                    h += v2;
+                    h += v3;
+                }
+                for (; p < splits; p++) h += pp[p * split_stride];
             }
             hs[i] = h;
         }
-        __syncthreads();
-        if (o < width) {
-            float acc[LORA_TT];
+    }
+    __syncthreads();
+    if (o >= width) return;
+    float acc[LORA_TT];
 #pragma unroll
-            for (int j = 0; j < LORA_TT; j++) acc[j] = 0.0f;
-            const float* bcol = b + (size_t)slot * MAX_RANK * width + o;
-            for (int r = 0; r < rank; r++) {
-                float bv = bcol[(size_t)r * width];
+    for (int j = 0; j < LORA_TT; j++) acc[j] = 0.0f;
+    const float* bcol = b + (size_t)slot * MAX_RANK * width + o;
+    // Sixteen rows of B loaded before any is used, so their latencies
+    // overlap; rows past the rank add h = 0 and leave the sums exact.
+    for (int r0 = 0; r0 < rank; r0 += 16) {
+        float bv[16];
 #pragma unroll
-                for (int j = 0; j < LORA_TT; j++) acc[j] = fmaf(hs[j * MAX_RANK + r], bv, acc[j]);
+        for (int u = 0; u < 16; u++) bv[u] = r0 + u < rank ? bcol[(size_t)(r0 + u) * width] : 0.0f;
+#pragma unroll
+        for (int u = 0; u < 16; u++) {
+            if (r0 + u < MAX_RANK) {
+                // Four tokens at a time, as far as the tile goes.
+#pragma unroll
+                for (int c = 0; c < LORA_TT; c += 4) {
+                    if (c < tt) {
+#pragma unroll
+                        for (int j = c; j < c + 4; j++)
+                            acc[j] = fmaf(hs[j * MAX_RANK + r0 + u], bv[u], acc[j]);
+                    }
+                }
             }
-            for (int j = 0; j < tt; j++) {
-                float* y = out + (size_t)token_idx[t0 + j] * out_stride + off + o;
-                *y += scale * acc[j];
-            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < LORA_TT; j++) {
+        if (j < tt) {
+            float* y = out + (size_t)token_idx[lo + j] * out_stride + off + o;
+            *y += scale * acc[j];
         }
     }
 }

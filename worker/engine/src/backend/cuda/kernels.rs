@@ -27,8 +27,15 @@ pub const KERNELS: &[&str] = &[
     "sample_rows",
 ];
 
-/// The most input features one split-K chunk of the shrink covers.
+/// The most input features one split-K chunk of the shrink covers. 128
+/// gave a step of few adapters more blocks but cost the many-adapter steps
+/// more (BENCHMARKS.md, cuda_lora).
 pub const MAX_SHRINK_KC: usize = 512;
+
+/// Tokens per tile of the grouped LoRA kernels: each tile is one block.
+/// The kernels take four tokens at a time.
+pub const LORA_TT: usize = 16;
+const _: () = assert!(LORA_TT.is_multiple_of(4));
 
 /// The compile-time shapes of one model's kernels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,7 +71,8 @@ impl KernelShapes {
             Dtype::F16 => 2,
         };
         format!(
-            "#define WDTYPE {wdtype}\n#define HEAD_DIM {}\n#define MAX_RANK {}\n#define SHRINK_KC {}\n{SOURCE}",
+            "#define WDTYPE {wdtype}\n#define HEAD_DIM {}\n#define MAX_RANK {}\n#define SHRINK_KC {}\n\
+             #define LORA_TT {LORA_TT}\n{SOURCE}",
             self.head_dim, self.max_rank, self.shrink_kc
         )
     }

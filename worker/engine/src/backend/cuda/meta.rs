@@ -4,7 +4,7 @@
 use cudarc::driver::CudaSlice;
 
 use super::CudaBackend;
-use super::device::{self, cuda};
+use super::device::{self, SegmentPtrs, cuda};
 use crate::backend::StepBatch;
 use crate::error::Result;
 
@@ -17,15 +17,11 @@ pub(super) struct StepMeta {
     pub(super) tok_seq: u64,
     pub(super) bt_off: u64,
     pub(super) block_tables: u64,
-    /// Each segment's tokens, in segment order (SGMV's sorted token
-    /// indices).
-    pub(super) token_idx: u64,
-    /// `segments + 1` offsets into `token_idx`.
-    pub(super) seg_off: u64,
-    pub(super) seg_slot: u64,
+    /// The LoRA segments and their tiles.
+    pub(super) segments: SegmentPtrs,
+    pub(super) tiles: usize,
     /// The rows whose logits are wanted.
     pub(super) rows: u64,
-    pub(super) segments: usize,
     /// The shrink's output and the expand's input: `[slices, splits,
     /// tokens, max_rank]` f32.
     pub(super) h_part: u64,
@@ -77,7 +73,7 @@ impl StepMeta {
                 .iter()
                 .flat_map(|s| s.block_table.iter().map(|&b| b as i32)),
         );
-        let (token_idx, seg_off, seg_slot) = device::push_segments(&mut buf, &batch.segments);
+        let (segments, tiles) = device::push_segments(&mut buf, &batch.segments);
         let rows = section(&mut buf, &mut rows.iter().map(|&r| r as i32));
         // Keep every section's address valid even when it is empty.
         buf.push(0);
@@ -96,11 +92,9 @@ impl StepMeta {
                 tok_seq: at(tok_seq),
                 bt_off: at(bt_off),
                 block_tables: at(block_tables),
-                token_idx: at(token_idx),
-                seg_off: at(seg_off),
-                seg_slot: at(seg_slot),
+                segments: segments.at(base),
+                tiles,
                 rows: at(rows),
-                segments: batch.segments.len(),
                 h_part: 0,
             },
             dev,

@@ -417,10 +417,8 @@ impl CudaBackend {
             out,
             out_stride: offset,
             slices,
-            token_idx: meta.token_idx,
-            seg_off: meta.seg_off,
-            seg_slot: meta.seg_slot,
             segments: meta.segments,
+            tiles: meta.tiles,
             h_part: meta.h_part,
         })
     }

@@ -2,9 +2,7 @@
 //! host data, and the grouped LoRA pair on synthetic slots. Not part of
 //! the engine's API.
 
-use std::time::Instant;
-
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, sys};
 
 use super::Dtype;
 pub use super::device::Arg;
@@ -72,6 +70,24 @@ impl KernelHarness {
         args: &[Arg],
     ) -> Result<()> {
         self.dev.launch(name, grid, block, args)
+    }
+
+    /// A step's LoRA segments uploaded as the grouped kernels read them:
+    /// the buffer, the four section arguments (token indices, segment
+    /// offsets, segment slots, tiles) and the number of tiles (the grid).
+    pub fn segments(&self, segments: &[Segment]) -> Result<(Buf, [Arg; 4], usize)> {
+        let mut buf = Vec::new();
+        let (ptrs, tiles) = push_segments(&mut buf, segments);
+        buf.push(0);
+        let dev = self.i32(&buf)?;
+        let p = ptrs.at(self.ptr(&dev));
+        let args = [
+            Arg::Ptr(p.token_idx),
+            Arg::Ptr(p.seg_off),
+            Arg::Ptr(p.seg_slot),
+            Arg::Ptr(p.tiles),
+        ];
+        Ok((dev, args, tiles))
     }
 
     pub fn read(&self, b: &Buf) -> Result<Vec<f32>> {
@@ -167,11 +183,26 @@ impl LoraBench {
         &self.dev.name
     }
 
-    /// Milliseconds per shrink + expand over `segments` (tokens
-    /// `0..n`, at most `max_tokens`), averaged over `iters` runs; with
+    /// Sets every slot's rank; rank 0 makes both kernels return at once,
+    /// which measures the fixed cost of the launch pair.
+    pub fn set_rank(&mut self, rank: usize) -> Result<()> {
+        assert!(rank <= self.max_rank);
+        self.dev
+            .stream
+            .memcpy_htod(&vec![rank as i32; self.slots], &mut self.rank)
+            .map_err(cuda("upload"))
+    }
+
+    /// Microseconds per shrink + expand over `segments` (tokens `0..n`, at
+    /// most `max_tokens`): the median of several timed replays of a CUDA
+    /// graph holding the launches, timed with device events, so launch
+    /// gaps are what a captured decode step would see. With
     /// `per_segment`, each segment is its own pair of launches, as a loop
     /// over adapters would run them.
-    pub fn time(&self, segments: &[Segment], iters: usize, per_segment: bool) -> Result<f64> {
+    pub fn time(&self, segments: &[Segment], per_segment: bool) -> Result<f64> {
+        const REPS: usize = 10;
+        const REPLAYS: usize = 20;
+        const TRIALS: usize = 7;
         let n = segments.iter().map(|s| s.end).max().unwrap_or(0);
         assert!(n <= self.max_tokens);
         let groups: Vec<&[Segment]> = if per_segment {
@@ -183,10 +214,9 @@ impl LoraBench {
         let mut launches = Vec::new();
         for group in groups {
             let mut buf = Vec::new();
-            let (token_idx, seg_off, seg_slot) = push_segments(&mut buf, group);
+            let (ptrs, tiles) = push_segments(&mut buf, group);
+            buf.push(0);
             let dev_buf = self.dev.stream.clone_htod(&buf).map_err(cuda("upload"))?;
-            let base = self.dev.p(&dev_buf);
-            let at = |i: usize| base + (i * 4) as u64;
             launches.push(LoraLaunch {
                 x: self.dev.p(&self.x),
                 fan_in: self.fan_in,
@@ -201,10 +231,8 @@ impl LoraBench {
                     width: self.fan_out,
                     offset: 0,
                 }],
-                token_idx: at(token_idx),
-                seg_off: at(seg_off),
-                seg_slot: at(seg_slot),
-                segments: group.len(),
+                segments: ptrs.at(self.dev.p(&dev_buf)),
+                tiles,
                 h_part: self.dev.p(&self.h_part),
             });
             held.push(dev_buf);
@@ -216,14 +244,36 @@ impl LoraBench {
             Ok(())
         };
         run()?;
-        self.dev.stream.synchronize().map_err(cuda("sync"))?;
-        let start = Instant::now();
-        for _ in 0..iters {
+        let stream = &self.dev.stream;
+        stream.synchronize().map_err(cuda("sync"))?;
+        stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(cuda("capture"))?;
+        for _ in 0..REPS {
             run()?;
         }
-        self.dev.stream.synchronize().map_err(cuda("sync"))?;
+        let graph = stream
+            .end_capture(sys::CUgraphInstantiate_flags(0))
+            .map_err(cuda("capture"))?
+            .ok_or_else(|| crate::EngineError::Backend("cuda: an empty graph".into()))?;
+        graph.upload().map_err(cuda("graph upload"))?;
+        graph.launch().map_err(cuda("graph launch"))?;
+        let mut trials = Vec::with_capacity(TRIALS);
+        for _ in 0..TRIALS {
+            let timed = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+            let start = stream.record_event(timed).map_err(cuda("event"))?;
+            for _ in 0..REPLAYS {
+                graph.launch().map_err(cuda("graph launch"))?;
+            }
+            let end = stream.record_event(timed).map_err(cuda("event"))?;
+            let ms = start.elapsed_ms(&end).map_err(cuda("event"))?;
+            trials.push(f64::from(ms) * 1e3 / (REPS * REPLAYS) as f64);
+        }
+        stream.synchronize().map_err(cuda("sync"))?;
+        drop(graph);
         drop(held);
-        Ok(start.elapsed().as_secs_f64() * 1e3 / iters as f64)
+        trials.sort_by(f64::total_cmp);
+        Ok(trials[TRIALS / 2])
     }
 
     /// Device-to-device copy bandwidth in GB/s (bytes read plus written),
@@ -244,16 +294,16 @@ impl LoraBench {
             .stream
             .memcpy_dtod(&src, &mut dst)
             .map_err(cuda("copy"))?;
-        self.dev.stream.synchronize().map_err(cuda("sync"))?;
-        let start = Instant::now();
+        let timed = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = self.dev.stream.record_event(timed).map_err(cuda("event"))?;
         for _ in 0..iters {
             self.dev
                 .stream
                 .memcpy_dtod(&src, &mut dst)
                 .map_err(cuda("copy"))?;
         }
-        self.dev.stream.synchronize().map_err(cuda("sync"))?;
-        let secs = start.elapsed().as_secs_f64() / iters as f64;
+        let end = self.dev.stream.record_event(timed).map_err(cuda("event"))?;
+        let secs = f64::from(start.elapsed_ms(&end).map_err(cuda("event"))?) / 1e3 / iters as f64;
         Ok(2.0 * (n * 4) as f64 / secs / 1e9)
     }
 }
