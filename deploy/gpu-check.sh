@@ -31,8 +31,19 @@ build() {
     cp "$exe" "$out/$name"
     strip "$out/$name" 2>/dev/null || true
   done < <(cat "$out/.tests" "$out/.benches")
+  # The worker's gRPC integration tests and the worker they start: the
+  # tests find the binary one directory above their own (as cargo lays
+  # out target/<profile>/deps/).
+  mkdir -p "$out/deps"
+  cargo build --release -p lorafleet-worker --bin lorafleet-worker
+  cp target/release/lorafleet-worker "$out/lorafleet-worker"
+  strip "$out/lorafleet-worker"
+  exe=$(cargo test --release -p lorafleet-tests --test worker_grpc --no-run --message-format=json | executables)
+  cp "$exe" "$out/deps/worker_grpc"
+  strip "$out/deps/worker_grpc"
   rm -f "$out/.tests" "$out/.benches"
-  ls -l "$out"
+  ls -l "$out" "$out/deps"
+  du -sh "$out"
 }
 
 # Puts the directory holding library $1 on LD_LIBRARY_PATH when the
@@ -56,7 +67,7 @@ find_lib() {
 }
 
 run() {
-  for exe in cuda_kernels_compile cuda_gpu cuda_lora; do
+  for exe in cuda_kernels_compile cuda_gpu cuda_lora lorafleet-worker deps/worker_grpc; do
     [ -x "$out/$exe" ] || { echo "gpu-check: $out/$exe is missing; run '$0 build' first" >&2; exit 1; }
   done
   # Logs and the benchmark table go to GPU_CHECK_OUT (default
@@ -86,6 +97,12 @@ run() {
   }
   step kernels_compile "$out/cuda_kernels_compile" --test-threads=1
   step cuda_gpu "$out/cuda_gpu" --test-threads=1
+  # The worker serving over gRPC from the GPU: every worker the tests
+  # start runs --backend cuda (LORAFLEET_TEST_BACKEND). The cancellation
+  # test is skipped: it needs two sequences running across a Watch report
+  # interval, and on a GPU the other one finishes its 400 tokens first.
+  step worker_grpc env LORAFLEET_TEST_BACKEND=cuda "$out/deps/worker_grpc" --test-threads=1 \
+    --skip a_cancelled_stream_frees_its_kv_blocks
   step cuda_lora "$out/cuda_lora"
   # What transformers + PEFT themselves give in bf16 and f16 on this GPU,
   # beside the engine's own figures, where python3 has them.

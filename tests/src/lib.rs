@@ -268,7 +268,12 @@ pub async fn seed_base_routes(pool: &PgPool, tenants: &[(&str, &str)], model: &s
 /// The engine's fixture directory: small models, adapters and goldens
 /// made by `worker/engine/scripts/make_fixtures.py`.
 pub fn engine_fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../worker/engine/tests/fixtures")
+    // LORAFLEET_FIXTURES where the tests run from another checkout than
+    // the one they were built in (the GPU check copies binaries there).
+    std::env::var_os("LORAFLEET_FIXTURES").map_or_else(
+        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../worker/engine/tests/fixtures"),
+        PathBuf::from,
+    )
 }
 
 /// The fleet's certificates for tests: a CA, a worker certificate naming
@@ -351,6 +356,15 @@ pub fn worker_command_with(dir: &std::path::Path) -> Command {
         .arg(c.path("worker-key.pem"))
         .arg("--tls-client-ca")
         .arg(c.path("ca.pem"));
+    // LORAFLEET_TEST_BACKEND=cuda runs every worker the tests start on the
+    // GPU, in f32 so that greedy tokens equal the goldens
+    // (`deploy/gpu-check.sh` does this); the default is the CPU backend.
+    if let Ok(backend) = std::env::var("LORAFLEET_TEST_BACKEND") {
+        cmd.args(["--backend", &backend]);
+        if backend == "cuda" {
+            cmd.args(["--dtype", "f32"]);
+        }
+    }
     cmd
 }
 
