@@ -357,6 +357,15 @@ fn every_message_round_trips_with_every_field_set() {
         instance_id: "0193a1c2-0000-7000-8000-00000000abcd".into(),
     }]);
     cov.check(vec![InfoRequest {}]);
+    let plan = MemoryPlan {
+        weights_bytes: 16_060_000_000,
+        kv_cache_bytes: 8 << 30,
+        adapter_slots_bytes: 1 << 30,
+        workspace_bytes: 300 << 20,
+        margin_bytes: 4_600 << 20,
+        device_total_bytes: 85_520_000_000,
+    };
+    cov.check(vec![plan]);
     cov.check(vec![InfoResponse {
         worker_id: "lorafleet-worker-0".into(),
         instance_id: "i-1".into(),
@@ -367,6 +376,7 @@ fn every_message_round_trips_with_every_field_set() {
         version: "0.1.0".into(),
         artifact_schemes: vec!["file".into()],
         status: ServingStatus::Serving as i32,
+        memory_plan: Some(plan),
     }]);
 
     let shapes = package_messages();

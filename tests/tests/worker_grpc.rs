@@ -128,9 +128,27 @@ async fn concurrent_adapter_streams_match_the_goldens_and_bad_artifacts_are_refu
 
     let info = c.info(pb::InfoRequest {}).await.unwrap().into_inner();
     assert_eq!(
-        info.base_model.unwrap().base_hash,
+        info.base_model.as_ref().unwrap().base_hash,
         json("base_hashes.json")["llama-gqa"].as_str().unwrap()
     );
+    // On a GPU, Info carries the device memory plan; the CPU backend has
+    // no memory of its own to plan.
+    let plan = info.memory_plan;
+    match info.backend.as_str() {
+        "cuda" => {
+            let p = plan.expect("a memory plan on the cuda backend");
+            let parts = [
+                p.weights_bytes,
+                p.kv_cache_bytes,
+                p.adapter_slots_bytes,
+                p.workspace_bytes,
+                p.margin_bytes,
+            ];
+            assert!(parts.iter().all(|&b| b > 0), "{p:?}");
+            assert!(parts.iter().sum::<u64>() < p.device_total_bytes, "{p:?}");
+        }
+        other => assert_eq!(plan, None, "{other}"),
+    }
 
     let golden = json("golden.json");
     let max_new = golden["max_new_tokens"].as_u64().unwrap() as u32;
@@ -336,6 +354,33 @@ async fn concurrent_adapter_streams_match_the_goldens_and_bad_artifacts_are_refu
                 get("lorafleet_batch_size_count") > 0.0
                     && get("lorafleet_batch_distinct_adapters_count") > 0.0
             );
+            // Every copy into a device slot was timed, and on a GPU the
+            // memory plan and the memory in use are published.
+            let uploads = get("lorafleet_slot_upload_seconds_count");
+            assert!(uploads >= 1.0, "{m:?}");
+            assert_eq!(
+                uploads,
+                get("lorafleet_adapter_loads_total{tier=\"device\"}"),
+                "{m:?}"
+            );
+            if let Some(p) = plan {
+                assert_eq!(
+                    get("lorafleet_device_memory_plan_bytes{part=\"weights\"}"),
+                    p.weights_bytes as f64,
+                    "{m:?}"
+                );
+                assert_eq!(
+                    get("lorafleet_device_memory_plan_bytes{part=\"kv_cache\"}"),
+                    p.kv_cache_bytes as f64,
+                    "{m:?}"
+                );
+                let used = get("lorafleet_device_memory_used_bytes");
+                assert!(used > p.weights_bytes as f64, "{m:?}");
+                assert_eq!(
+                    get("lorafleet_device_memory_total_bytes"),
+                    p.device_total_bytes as f64
+                );
+            }
             assert!(
                 m.contains_key("lorafleet_kv_utilization")
                     && m.contains_key("lorafleet_queue_depth")

@@ -495,5 +495,13 @@ pub fn info_response(
         version: env!("CARGO_PKG_VERSION").into(),
         artifact_schemes: vec!["file".into()],
         status: status as i32,
+        memory_plan: info.memory_plan.map(|p| pb::MemoryPlan {
+            weights_bytes: p.weights,
+            kv_cache_bytes: p.kv_cache,
+            adapter_slots_bytes: p.adapter_slots,
+            workspace_bytes: p.workspace,
+            margin_bytes: p.margin,
+            device_total_bytes: p.device_total,
+        }),
     }
 }

@@ -421,6 +421,10 @@ fn run(
             sequence += 1;
             let stats = engine.stats();
             crate::telemetry::record_stats(&stats);
+            crate::telemetry::record_device(
+                engine.device_memory(),
+                &engine.take_slot_upload_times(),
+            );
             let _ = reports.send(Report {
                 sequence,
                 produced_at: SystemTime::now(),

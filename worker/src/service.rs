@@ -54,6 +54,8 @@ pub struct WorkerInfo {
     pub capacity: Capacity,
     pub backend: String,
     pub device_name: String,
+    /// How the backend divided device memory; None on the CPU backend.
+    pub memory_plan: Option<lorafleet_engine::backend::cuda::plan::MemoryPlan>,
     pub model_config: ModelConfig,
 }
 
@@ -87,6 +89,7 @@ impl WorkerInfo {
             },
             backend: engine.backend_name().into(),
             device_name: engine.device_name(),
+            memory_plan: engine.memory_plan(),
             model_config: config,
         }
     }

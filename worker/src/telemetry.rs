@@ -14,12 +14,21 @@ use tokio::net::TcpListener;
 const LATENCY_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 ];
+/// Buckets for an adapter's copy into a device slot, in seconds: from a
+/// small adapter over PCIe to a large one from pageable memory.
+const UPLOAD_BUCKETS: &[f64] = &[
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+];
 /// Buckets for batch sizes and distinct adapters per batch.
 const COUNT_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0];
 
 /// Installs the global recorder and serves `GET /metrics` on `listener`.
 pub fn install(listener: TcpListener) -> Result<(), metrics_exporter_prometheus::BuildError> {
     let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(
+            metrics_exporter_prometheus::Matcher::Full("lorafleet_slot_upload_seconds".into()),
+            UPLOAD_BUCKETS,
+        )?
         .set_buckets_for_metric(
             metrics_exporter_prometheus::Matcher::Suffix("_seconds".into()),
             LATENCY_BUCKETS,
@@ -110,6 +119,31 @@ pub fn record_step(step: &StepStats, generated: usize, took: Duration) {
     }
     counter!("lorafleet_generated_tokens_total").increment(generated as u64);
     counter!("lorafleet_preemptions_total").increment(step.preempted as u64);
+}
+
+/// Once, at start: how the backend divided device memory (absent on the
+/// CPU backend, which has no memory of its own).
+pub fn record_memory_plan(plan: &lorafleet_engine::backend::cuda::plan::MemoryPlan) {
+    for (part, bytes) in plan.parts() {
+        gauge!("lorafleet_device_memory_plan_bytes", "part" => part).set(bytes as f64);
+    }
+}
+
+/// Whenever the engine publishes a report: device memory in use (the
+/// device's own account, other processes included) and how long each
+/// adapter's copy into a device slot took since the last report.
+pub fn record_device(
+    memory: Option<lorafleet_engine::backend::DeviceMemory>,
+    uploads: &[std::time::Duration],
+) {
+    if let Some(m) = memory {
+        gauge!("lorafleet_device_memory_used_bytes").set(m.used as f64);
+        gauge!("lorafleet_device_memory_total_bytes").set(m.total as f64);
+    }
+    let h = histogram!("lorafleet_slot_upload_seconds");
+    for d in uploads {
+        h.record(d.as_secs_f64());
+    }
 }
 
 /// Whenever the engine publishes a report.

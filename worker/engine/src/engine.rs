@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::backend::cpu::CpuBackend;
-use crate::backend::{Backend, BackendShape, StepBatch};
+use crate::backend::{Backend, BackendShape, DeviceSample, StepBatch};
 use crate::error::{EngineError, Result};
 use crate::kv::BlockAllocator;
 use crate::model::tokenizer::{ChatMessage, Tokenizer};
@@ -383,9 +383,20 @@ impl Engine {
         self.backend.device_name()
     }
 
+    /// Device memory in use and in all, where the backend has its own.
+    pub fn device_memory(&self) -> Option<crate::backend::DeviceMemory> {
+        self.backend.device_memory()
+    }
+
+    /// How long each adapter's copy into a device slot took, since the
+    /// last call.
+    pub fn take_slot_upload_times(&mut self) -> Vec<Duration> {
+        self.pool.take_upload_times()
+    }
+
     /// How the backend divides device memory, if it has its own.
-    pub fn memory_report(&self) -> Option<String> {
-        self.backend.memory_report()
+    pub fn memory_plan(&self) -> Option<crate::backend::cuda::plan::MemoryPlan> {
+        self.backend.memory_plan()
     }
 
     /// The longest prompt plus completion accepted.
@@ -672,41 +683,71 @@ impl Engine {
             }
         }
 
-        let logits = {
-            let mut batch = StepBatch::default();
-            let mut tokens = Vec::new();
-            for &(slot, id, chunk) in &order {
-                let seq = &self.seqs[&id];
-                tokens.clear();
-                tokens
-                    .extend((seq.num_computed..seq.num_computed + chunk).map(|p| seq.token_at(p)));
-                let want = seq.num_computed + chunk == seq.total_len();
-                batch.push(&tokens, seq.num_computed, &seq.blocks, slot, want);
-            }
-            batch.finish();
-            self.last_step = StepStats {
-                sequences: batch.seqs.len(),
-                tokens: batch.tokens.len(),
-                distinct_adapters: batch.distinct_adapters(),
-                preempted: plan.preempted.len(),
-            };
-            self.backend.forward(&batch)?
+        let mut batch = StepBatch::default();
+        let mut tokens = Vec::new();
+        for &(slot, id, chunk) in &order {
+            let seq = &self.seqs[&id];
+            tokens.clear();
+            tokens.extend((seq.num_computed..seq.num_computed + chunk).map(|p| seq.token_at(p)));
+            let want = seq.num_computed + chunk == seq.total_len();
+            batch.push(&tokens, seq.num_computed, &seq.blocks, slot, want);
+        }
+        batch.finish();
+        self.last_step = StepStats {
+            sequences: batch.seqs.len(),
+            tokens: batch.tokens.len(),
+            distinct_adapters: batch.distinct_adapters(),
+            preempted: plan.preempted.len(),
         };
-
-        // Sample every row that wants a token, in parallel: each draws only
-        // from its own request's generator, so the order does not matter.
-        let vocab = self.config.vocab_size;
-        // On the team that runs the CPU backend's loops: with that backend
-        // its workers are usually still awake from the forward pass.
+        // Each row that wants a token, with a copy of its request's
+        // generator: the draws are written back only once the step stands.
         let mut draws: Vec<(&SamplingParams, Rng, u32)> = order
             .iter()
             .map(|&(_, id, chunk)| (&self.seqs[&id], chunk))
             .filter(|(seq, chunk)| seq.num_computed + chunk == seq.total_len())
             .map(|(seq, _)| (&seq.params, seq.rng.clone(), 0))
             .collect();
-        crate::backend::cpu::team::for_each_mut(&mut draws, |(params, rng, token), row| {
-            *token = sample(&logits[row * vocab..(row + 1) * vocab], params, rng);
-        });
+        if self.backend.samples_on_device() {
+            // The uniform draw comes from the request's own stream, here,
+            // as the host sampler would take it (only when sampling), so a
+            // request's tokens do not depend on its batch.
+            let rows: Vec<DeviceSample> = draws
+                .iter_mut()
+                .map(|(params, rng, _)| DeviceSample {
+                    temperature: params.temperature,
+                    top_k: params.top_k,
+                    top_p: params.top_p,
+                    u: if params.temperature > 0.0 {
+                        rng.next_f64() as f32
+                    } else {
+                        0.0
+                    },
+                })
+                .collect();
+            let picked = self.backend.forward_sampled(&batch, &rows)?;
+            if picked.len() != draws.len() {
+                return Err(EngineError::Backend(format!(
+                    "the backend sampled {} tokens for {} rows",
+                    picked.len(),
+                    draws.len()
+                )));
+            }
+            for ((_, _, token), t) in draws.iter_mut().zip(picked) {
+                *token = t;
+            }
+        } else {
+            let logits = self.backend.forward(&batch)?;
+            // Sample every row that wants a token, in parallel: each draws
+            // only from its own request's generator, so the order does not
+            // matter. On the team that runs the CPU backend's loops: with
+            // that backend its workers are usually still awake from the
+            // forward pass.
+            let vocab = self.config.vocab_size;
+            crate::backend::cpu::team::for_each_mut(&mut draws, |(params, rng, token), row| {
+                *token = sample(&logits[row * vocab..(row + 1) * vocab], params, rng);
+            });
+        }
+        drop(batch);
         // The draws are in `order`, as the loop below meets the rows.
         let sampled: Vec<(Rng, u32)> = draws.into_iter().map(|(_, r, t)| (r, t)).collect();
         let mut sampled = sampled.into_iter();

@@ -125,7 +125,12 @@ pub struct AdapterPool {
     generation: u64,
     /// The most adapters pinned at once.
     max_pinned: usize,
+    /// How long each slot write took, since they were last taken.
+    upload_times: Vec<Duration>,
 }
+
+/// Slot write times kept between two takes; older ones are dropped.
+const MAX_UPLOAD_TIMES: usize = 4096;
 
 impl AdapterPool {
     /// A pool with `slots` device slots and a host tier of `max_cpu_loras`.
@@ -168,12 +173,19 @@ impl AdapterPool {
             results,
             generation: 0,
             max_pinned: slots.saturating_sub(1),
+            upload_times: Vec::new(),
         }
     }
 
     /// Caps pins (default: one slot fewer than there are).
     pub fn set_max_pinned(&mut self, max: usize) {
         self.max_pinned = max;
+    }
+
+    /// How long each slot write (host tier to device slot) took since the
+    /// last call.
+    pub fn take_upload_times(&mut self) -> Vec<Duration> {
+        std::mem::take(&mut self.upload_times)
     }
 
     pub fn counters(&self) -> PoolCounters {
@@ -507,7 +519,11 @@ impl AdapterPool {
                 slot
             }
         };
+        let started = std::time::Instant::now();
         backend.write_slot(slot, &host)?;
+        if self.upload_times.len() < MAX_UPLOAD_TIMES {
+            self.upload_times.push(started.elapsed());
+        }
         self.slots[slot] = Some(id);
         let now = self.tick();
         let e = self.entries.get_mut(&id).expect("checked above");

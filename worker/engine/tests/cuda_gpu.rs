@@ -846,3 +846,66 @@ fn a_mixed_batch_on_the_gpu_equals_one_request_at_a_time() {
         );
     }
 }
+
+/// On the CUDA backend the engine draws tokens on the device, with each
+/// request's own uniform draws: its tokens are those of the sampling
+/// kernel fed `Rng::new(seed)` one draw per token, step by step.
+#[test]
+fn the_engine_samples_on_the_device_with_each_requests_own_draws() {
+    if !gpu() {
+        return;
+    }
+    let model = "llama-gqa";
+    let prompt = golden().cases[0].prompt_ids.clone();
+    let (temperature, top_k, top_p, seed, max_tokens) = (0.9f32, 50, 0.95f32, 7u64, 10);
+    let mut engine = fixture_engine_on(
+        model,
+        EngineSettings::default(),
+        BackendChoice::Cuda {
+            device: 0,
+            dtype: Dtype::F32,
+        },
+    );
+    let done = engine
+        .run_to_completion(vec![lorafleet_engine::Request {
+            id: "s".into(),
+            adapter: None,
+            prompt: lorafleet_engine::Prompt::TokenIds(prompt.clone()),
+            params: lorafleet_engine::SamplingParams {
+                max_tokens,
+                temperature,
+                top_p,
+                top_k,
+                seed: Some(seed),
+                ignore_eos: true,
+                ..Default::default()
+            },
+        }])
+        .unwrap()
+        .pop()
+        .unwrap();
+    assert!(done.error.is_none(), "{:?}", done.error);
+
+    let dir = model_dir(model);
+    let config = ModelConfig::from_dir(&dir).unwrap();
+    let mut gpu = CudaBackend::load(&dir, &config, SHAPE, 0, Dtype::F32, LIMITS).unwrap();
+    let table: Vec<u32> = vec![5, 2, 7, 0, 3, 6, 1, 4];
+    let mut rng = Rng::new(seed);
+    let (mut want, mut input, mut pos) = (Vec::new(), prompt, 0);
+    while want.len() < max_tokens {
+        let mut batch = StepBatch::default();
+        batch.push(&input, pos, &table, None, true);
+        batch.finish();
+        let row = DeviceSample {
+            temperature,
+            top_k,
+            top_p,
+            u: rng.next_f64() as f32,
+        };
+        let token = gpu.forward_sampled(&batch, &[row]).unwrap()[0];
+        pos += input.len();
+        input = vec![token];
+        want.push(token);
+    }
+    assert_eq!(done.token_ids, want);
+}

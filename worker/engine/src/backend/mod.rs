@@ -162,9 +162,14 @@ pub trait Backend: Send {
     fn name(&self) -> &'static str;
     /// A human-readable device name.
     fn device_name(&self) -> String;
-    /// How device memory is divided, for the logs; None where there is no
+    /// How device memory is divided, planned at start; None where there
+    /// is no separate device memory.
+    fn memory_plan(&self) -> Option<cuda::plan::MemoryPlan> {
+        None
+    }
+    /// Device memory in use and in all, now; None where there is no
     /// separate device memory.
-    fn memory_report(&self) -> Option<String> {
+    fn device_memory(&self) -> Option<DeviceMemory> {
         None
     }
     fn config(&self) -> &ModelConfig;
@@ -177,4 +182,45 @@ pub trait Backend: Send {
     /// cache and returns logits, `vocab_size` per sequence that wants them,
     /// in sequence order.
     fn forward(&mut self, batch: &StepBatch<'_>) -> Result<Vec<f32>>;
+    /// Whether [`Backend::forward_sampled`] is available: the backend
+    /// draws tokens where the logits are, and they never travel to the
+    /// host.
+    fn samples_on_device(&self) -> bool {
+        false
+    }
+    /// Runs one step as [`Backend::forward`] and draws one token per
+    /// sequence that wants logits, in sequence order, each as its `rows`
+    /// entry says.
+    fn forward_sampled(
+        &mut self,
+        batch: &StepBatch<'_>,
+        rows: &[DeviceSample],
+    ) -> Result<Vec<u32>> {
+        let _ = (batch, rows);
+        Err(EngineError::Backend(format!(
+            "the {} backend does not sample on its device",
+            self.name()
+        )))
+    }
+}
+
+/// A device's memory at one moment, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceMemory {
+    pub used: u64,
+    pub total: u64,
+}
+
+/// How one row's next token is drawn on the device: `u` is the request's
+/// own uniform draw in [0, 1) from its seeded stream, taken on the host,
+/// so the token does not depend on what else is in the batch.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DeviceSample {
+    /// 0 is greedy: the highest logit, the lowest id among ties.
+    pub temperature: f32,
+    /// 0 is off.
+    pub top_k: usize,
+    /// 1 is off.
+    pub top_p: f32,
+    pub u: f32,
 }

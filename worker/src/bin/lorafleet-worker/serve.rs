@@ -179,7 +179,10 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .file_name()
         .map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned());
     let info = WorkerInfo::describe(&engine, &args.worker_id, name, &settings);
-    let engine_memory = engine.memory_report();
+    let engine_memory = engine.memory_plan().map(|p| {
+        lorafleet_worker::telemetry::record_memory_plan(&p);
+        p.summary()
+    });
     tracing::info!(
         worker_id = %args.worker_id,
         base_hash = %info.base_model.base_hash,

@@ -30,9 +30,9 @@ mod sample;
 #[doc(hidden)]
 pub mod testing;
 
+pub use super::DeviceSample;
 pub use dtype::Dtype;
 use meta::StepMeta;
-pub use sample::DeviceSample;
 
 use std::ffi::c_void;
 use std::path::Path;
@@ -433,8 +433,18 @@ impl Backend for CudaBackend {
         self.dev.name.clone()
     }
 
-    fn memory_report(&self) -> Option<String> {
-        Some(self.plan.summary())
+    fn memory_plan(&self) -> Option<MemoryPlan> {
+        Some(self.plan)
+    }
+
+    fn device_memory(&self) -> Option<super::DeviceMemory> {
+        // Another process on the device counts too: this is the device's
+        // own account.
+        let (free, total) = self.dev.ctx.mem_get_info().ok()?;
+        Some(super::DeviceMemory {
+            used: (total - free) as u64,
+            total: total as u64,
+        })
     }
 
     fn config(&self) -> &ModelConfig {
@@ -493,11 +503,44 @@ impl Backend for CudaBackend {
     }
 
     fn forward(&mut self, batch: &StepBatch<'_>) -> Result<Vec<f32>> {
+        self.run_step(batch)?;
+        match &self.last_logits {
+            Some((logits, _)) => self
+                .dev
+                .stream
+                .clone_dtoh(logits)
+                .map_err(cuda("running the step")),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    fn samples_on_device(&self) -> bool {
+        true
+    }
+
+    fn forward_sampled(
+        &mut self,
+        batch: &StepBatch<'_>,
+        rows: &[DeviceSample],
+    ) -> Result<Vec<u32>> {
+        self.run_step(batch)?;
+        if rows.is_empty() && self.last_logits.is_none() {
+            return Ok(Vec::new());
+        }
+        self.sample_last(rows)
+    }
+}
+
+impl CudaBackend {
+    /// Runs one step on the device, leaving the logits of the rows that
+    /// want them in `last_logits` (None when no row does).
+    fn run_step(&mut self, batch: &StepBatch<'_>) -> Result<()> {
         batch.check(&self.config, self.shape.block_size)?;
+        self.last_logits = None;
         let c = self.config.clone();
         let n = batch.tokens.len();
         if n == 0 {
-            return Ok(Vec::new());
+            return Ok(());
         }
         let (d, inter, q_dim, kv_dim) = (c.hidden_size, c.intermediate_size, c.q_dim(), c.kv_dim());
         let qkv_dim = q_dim + 2 * kv_dim;
@@ -668,9 +711,8 @@ impl Backend for CudaBackend {
             add(hidden, proj, n * d)?;
         }
         if rows.is_empty() {
-            self.last_logits = None;
             st.synchronize().map_err(cuda("running the step"))?;
-            return Ok(Vec::new());
+            return Ok(());
         }
         norm_rows(hidden, meta.rows, &self.norm, normed, rows.len())?;
         let logits = alloc(rows.len() * c.vocab_size)?;
@@ -680,9 +722,8 @@ impl Backend for CudaBackend {
             self.dev.p(&logits),
             rows.len(),
         )?;
-        let host = st.clone_dtoh(&logits).map_err(cuda("running the step"))?;
         self.last_logits = Some((logits, rows.len()));
-        Ok(host)
+        Ok(())
     }
 }
 

@@ -23,6 +23,8 @@ pub struct MemoryPlan {
     /// Kept free for the CUDA context, cuBLAS and allocator slack: 512 MiB
     /// plus 5% of the device.
     pub margin: u64,
+    /// The device's memory in all.
+    pub device_total: u64,
 }
 
 impl MemoryPlan {
@@ -93,6 +95,7 @@ impl MemoryPlan {
             adapter_slots,
             workspace: activations + logits,
             margin: 512 * MIB + total / 20,
+            device_total: total,
         }
     }
 
@@ -113,6 +116,17 @@ impl MemoryPlan {
             free / MIB,
             self.summary()
         )))
+    }
+
+    /// Each part by its metric label, in bytes.
+    pub fn parts(&self) -> [(&'static str, u64); 5] {
+        [
+            ("weights", self.weights),
+            ("kv_cache", self.kv_cache),
+            ("adapter_slots", self.adapter_slots),
+            ("workspace", self.workspace),
+            ("margin", self.margin),
+        ]
     }
 
     /// "weights 2470 MiB, KV cache 1024 MiB, …" for logs and errors.

@@ -4,18 +4,7 @@ use super::CudaBackend;
 use super::device::{Arg, cuda};
 use crate::error::{EngineError, Result};
 
-/// How a request's next token is chosen on the device; `u` is its uniform
-/// draw in [0, 1) from the request's own seeded stream.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct DeviceSample {
-    /// 0 is greedy.
-    pub temperature: f32,
-    /// 0 is off.
-    pub top_k: usize,
-    /// 1 is off.
-    pub top_p: f32,
-    pub u: f32,
-}
+use crate::backend::DeviceSample;
 
 impl CudaBackend {
     /// Samples one token per row of the last forward's logits, on the
