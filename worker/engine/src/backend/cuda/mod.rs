@@ -27,6 +27,7 @@ pub mod kernels;
 mod meta;
 pub mod plan;
 mod sample;
+mod slots;
 #[doc(hidden)]
 pub mod testing;
 
@@ -44,6 +45,7 @@ use cudarc::driver::{CudaContext, CudaSlice};
 use self::device::{Arg, Device, LoraLaunch, LoraSlice, cuda};
 use self::kernels::KernelShapes;
 use self::plan::MemoryPlan;
+use self::slots::Slots;
 use super::{Backend, BackendShape, StepBatch};
 use crate::error::{EngineError, Result};
 use crate::lora::{HostAdapter, Projection};
@@ -96,18 +98,6 @@ struct Layer {
     /// `[gate | up]`.
     gate_up: Linear,
     down: Linear,
-}
-
-/// Adapter slots of every (layer, projection): key `layer * 7 + proj`.
-struct Slots {
-    max_rank: usize,
-    a: Vec<CudaSlice<f32>>,
-    b: Vec<CudaSlice<f32>>,
-    /// `[key][slot]` on the device, mirrored on the host.
-    rank: CudaSlice<i32>,
-    scale: CudaSlice<f32>,
-    rank_host: Vec<i32>,
-    scale_host: Vec<f32>,
 }
 
 /// The CUDA backend.
@@ -265,11 +255,6 @@ impl CudaBackend {
         drop(embed_host);
 
         let kv_len = shape.kv_blocks * shape.block_size * c.kv_dim();
-        let zeros = |n: usize| {
-            stream
-                .alloc_zeros::<f32>(n)
-                .map_err(cuda("allocating device memory"))
-        };
         let mut k_cache = Vec::with_capacity(c.num_layers);
         let mut v_cache = Vec::with_capacity(c.num_layers);
         let kv_bytes = kv_len * dtype.bytes();
@@ -282,28 +267,7 @@ impl CudaBackend {
             k_cache.push(bytes()?);
             v_cache.push(bytes()?);
         }
-        let max_rank = dev.shapes.max_rank;
-        let mut a = Vec::with_capacity(c.num_layers * 7);
-        let mut b = Vec::with_capacity(c.num_layers * 7);
-        for _ in 0..c.num_layers {
-            for p in Projection::ALL {
-                let (fan_in, fan_out) = p.shape(c);
-                a.push(zeros(shape.slots * max_rank * fan_in)?);
-                b.push(zeros(shape.slots * max_rank * fan_out)?);
-            }
-        }
-        let keys = c.num_layers * 7 * shape.slots;
-        let slots = Slots {
-            max_rank,
-            a,
-            b,
-            rank: stream
-                .alloc_zeros::<i32>(keys)
-                .map_err(cuda("allocating device memory"))?,
-            scale: zeros(keys)?,
-            rank_host: vec![0; keys],
-            scale_host: vec![0.0; keys],
-        };
+        let slots = Slots::new(&dev, c, &shape)?;
         let inv_freq: Vec<f32> = (0..c.head_dim / 2)
             .map(|i| 1.0 / c.rope_theta.powf((2 * i) as f32 / c.head_dim as f32))
             .collect();
@@ -391,7 +355,6 @@ impl CudaBackend {
         out: u64,
         meta: &StepMeta,
     ) -> Result<()> {
-        let slots = self.shape.slots;
         let mut offset = 0;
         let slices = projs
             .iter()
@@ -401,8 +364,8 @@ impl CudaBackend {
                 let slice = LoraSlice {
                     a: self.dev.p(&self.slots.a[key]),
                     b: self.dev.p(&self.slots.b[key]),
-                    rank: self.dev.p(&self.slots.rank) + (key * slots * 4) as u64,
-                    scale: self.dev.p(&self.slots.scale) + (key * slots * 4) as u64,
+                    rank: self.slots.rank_of(&self.dev, key),
+                    scale: self.slots.scale_of(&self.dev, key),
                     width,
                     offset,
                 };
@@ -457,49 +420,14 @@ impl Backend for CudaBackend {
 
     fn write_slot(&mut self, slot: usize, adapter: &HostAdapter) -> Result<()> {
         super::check_slot_write(&self.shape, slot, adapter)?;
-        self.reset_ranks(slot);
-        let (slots, max_rank) = (self.shape.slots, self.slots.max_rank);
-        for (layer, modules) in adapter.modules.iter().enumerate() {
-            for p in Projection::ALL {
-                let Some(m) = &modules[p.index()] else {
-                    continue;
-                };
-                let (fan_in, fan_out) = p.shape(&self.config);
-                let key = layer * 7 + p.index();
-                // Rows past the module's rank are never read.
-                let a_at = slot * max_rank * fan_in;
-                // The device slots hold f32, A row-major: bf16 factors are
-                // widened, exactly, on the way (an f32 Bᵀ is copied from
-                // where it is).
-                let (a, b_t) = (m.a_f32(), m.b_t_f32());
-                self.dev
-                    .stream
-                    .memcpy_htod(
-                        &a[..],
-                        &mut self.slots.a[key].slice_mut(a_at..a_at + m.rank * fan_in),
-                    )
-                    .map_err(cuda("writing a slot"))?;
-                let b_at = slot * max_rank * fan_out;
-                self.dev
-                    .stream
-                    .memcpy_htod(
-                        &b_t[..],
-                        &mut self.slots.b[key].slice_mut(b_at..b_at + m.rank * fan_out),
-                    )
-                    .map_err(cuda("writing a slot"))?;
-                self.slots.rank_host[key * slots + slot] = m.rank as i32;
-                self.slots.scale_host[key * slots + slot] = m.scale;
-            }
-        }
-        self.upload_ranks()
+        self.slots.write(&self.dev, &self.config, slot, adapter)
     }
 
     fn clear_slot(&mut self, slot: usize) -> Result<()> {
         if slot >= self.shape.slots {
             return Err(EngineError::Backend(format!("slot {slot} is out of range")));
         }
-        self.reset_ranks(slot);
-        self.upload_ranks()
+        self.slots.clear(&self.dev, slot)
     }
 
     fn forward(&mut self, batch: &StepBatch<'_>) -> Result<Vec<f32>> {
@@ -550,6 +478,7 @@ impl CudaBackend {
             .filter(|s| s.want_logits)
             .map(|s| s.start + s.len - 1)
             .collect();
+        self.slots.wait_for(&self.dev, &batch.segments)?;
         let (mut meta, _meta_buf) = StepMeta::upload(self, batch, &rows)?;
         let st = self.dev.stream.clone();
         let alloc = |len: usize| {
@@ -723,31 +652,6 @@ impl CudaBackend {
             rows.len(),
         )?;
         self.last_logits = Some((logits, rows.len()));
-        Ok(())
-    }
-}
-
-impl CudaBackend {
-    /// Marks every module of `slot` absent on the host side. Rank 0 is what
-    /// makes a module absent: the kernels read a slot only up to its rank,
-    /// so its weights need not be zeroed.
-    fn reset_ranks(&mut self, slot: usize) {
-        let slots = self.shape.slots;
-        for key in 0..self.config.num_layers * 7 {
-            self.slots.rank_host[key * slots + slot] = 0;
-            self.slots.scale_host[key * slots + slot] = 0.0;
-        }
-    }
-
-    fn upload_ranks(&mut self) -> Result<()> {
-        self.dev
-            .stream
-            .memcpy_htod(&self.slots.rank_host, &mut self.slots.rank)
-            .map_err(cuda("writing slot ranks"))?;
-        self.dev
-            .stream
-            .memcpy_htod(&self.slots.scale_host, &mut self.slots.scale)
-            .map_err(cuda("writing slot scales"))?;
         Ok(())
     }
 }
