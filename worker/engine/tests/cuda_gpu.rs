@@ -909,3 +909,61 @@ fn the_engine_samples_on_the_device_with_each_requests_own_draws() {
     }
     assert_eq!(done.token_ids, want);
 }
+
+/// A slot write returns before its copy is done, and the copy runs on a
+/// stream of its own: while it is held in flight, a step that does not use
+/// the slot runs to the end; a step that uses the slot waits for the copy
+/// and sees the adapter exactly.
+#[test]
+fn a_slot_copy_overlaps_the_steps_that_do_not_use_the_slot() {
+    if !gpu() {
+        return;
+    }
+    let model = "llama-gqa";
+    let dir = model_dir(model);
+    let config = ModelConfig::from_dir(&dir).unwrap();
+    let mut gpu = CudaBackend::load(&dir, &config, SHAPE, 0, Dtype::F32, LIMITS).unwrap();
+    let golden = golden();
+    let case = |adapter: Option<&str>| {
+        golden
+            .cases
+            .iter()
+            .find(|c| c.model == model && c.adapter.as_deref() == adapter)
+            .unwrap()
+    };
+    let adapter = load_adapter(&config, model, "qv-r8");
+    // Both staging buffers allocated first, so the timed write allocates
+    // nothing.
+    gpu.write_slot(1, &adapter).unwrap();
+    gpu.write_slot(1, &adapter).unwrap();
+    gpu.clear_slot(1).unwrap();
+    let table: Vec<u32> = vec![5, 2, 7, 0, 3, 6, 1, 4];
+    let step = |gpu: &mut CudaBackend, case: &GoldenCase, slot: Option<usize>| {
+        let mut batch = StepBatch::default();
+        batch.push(&case.prompt_ids, 0, &table, slot, true);
+        batch.finish();
+        gpu.forward(&batch).unwrap()
+    };
+    // About a second of GPU clock, against a step of this model's
+    // hundreds of microseconds.
+    gpu.stall_slot_copies(2_000_000_000).unwrap();
+    gpu.write_slot(1, &adapter).unwrap();
+    assert!(
+        gpu.slot_copy_in_flight(1),
+        "the write returned before its copy"
+    );
+    let base = step(&mut gpu, case(None), None);
+    assert!(
+        gpu.slot_copy_in_flight(1),
+        "a base-model step did not wait for the copy into slot 1"
+    );
+    assert_close(&base, &case(None).logits, 1e-4, "the base step");
+    let tuned = step(&mut gpu, case(Some("qv-r8")), Some(1));
+    assert!(!gpu.slot_copy_in_flight(1));
+    assert_close(
+        &tuned,
+        &case(Some("qv-r8")).logits,
+        1e-4,
+        "the step on slot 1, after its copy",
+    );
+}

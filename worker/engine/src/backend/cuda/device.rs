@@ -94,11 +94,23 @@ impl Device {
         block: u32,
         args: &[Arg],
     ) -> Result<()> {
+        self.launch_on(&self.stream, name, grid, block, args)
+    }
+
+    /// [`Device::launch`] on another stream of the same context.
+    pub fn launch_on(
+        &self,
+        stream: &Arc<CudaStream>,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        args: &[Arg],
+    ) -> Result<()> {
         let f = self
             .functions
             .get(name)
             .ok_or_else(|| EngineError::Backend(format!("cuda: no kernel {name}")))?;
-        let mut builder = self.stream.launch_builder(f);
+        let mut builder = stream.launch_builder(f);
         for arg in args {
             match arg {
                 Arg::Ptr(v) => builder.arg(v),

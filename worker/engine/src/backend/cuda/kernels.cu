@@ -586,3 +586,12 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows(const f
         out[blockIdx.x] = last;
     }
 }
+
+// Holds a stream for `cycles` clock cycles: the tests use it to keep a slot
+// copy in flight while steps run on the compute stream. Grid: one block of
+// one thread.
+extern "C" __global__ void spin(long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) {
+    }
+}

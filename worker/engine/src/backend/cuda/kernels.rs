@@ -25,6 +25,7 @@ pub const KERNELS: &[&str] = &[
     "lora_expand",
     "argmax_rows",
     "sample_rows",
+    "spin",
 ];
 
 /// The most input features one split-K chunk of the shrink covers. 128

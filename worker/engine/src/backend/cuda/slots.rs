@@ -196,6 +196,16 @@ impl Slots {
         Ok(())
     }
 
+    /// Whether the copy of `slot`'s last write is still in flight.
+    pub fn copy_in_flight(&self, slot: usize) -> bool {
+        self.ready[slot].as_ref().is_some_and(|e| !e.is_complete())
+    }
+
+    /// The copy stream, for the tests' hooks.
+    pub fn copy_stream(&self) -> &Arc<CudaStream> {
+        &self.copy
+    }
+
     /// The ranks of slice `key`, as an address the kernels read.
     pub fn rank_of(&self, dev: &Device, key: usize) -> u64 {
         dev.p(&self.rank) + (key * self.slots * 4) as u64

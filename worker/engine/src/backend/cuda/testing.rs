@@ -105,6 +105,25 @@ impl KernelHarness {
     }
 }
 
+impl super::CudaBackend {
+    /// Holds the slot copy stream for about `cycles` GPU clock cycles, so
+    /// the next slot write stays in flight that long.
+    pub fn stall_slot_copies(&self, cycles: i64) -> Result<()> {
+        self.dev.launch_on(
+            self.slots.copy_stream(),
+            "spin",
+            (1, 1, 1),
+            1,
+            &[Arg::I64(cycles)],
+        )
+    }
+
+    /// Whether the copy of `slot`'s last write is still in flight.
+    pub fn slot_copy_in_flight(&self, slot: usize) -> bool {
+        self.slots.copy_in_flight(slot)
+    }
+}
+
 /// One projection's grouped LoRA pair on synthetic slots (f32, every slot
 /// of rank `rank`), for the kernel benchmark.
 pub struct LoraBench {
