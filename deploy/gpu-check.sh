@@ -24,8 +24,8 @@ build() {
   mkdir -p "$out"
   cargo test --release -p lorafleet-engine --test cuda_gpu --test cuda_kernels_compile \
     --no-run --message-format=json | executables > "$out/.tests"
-  cargo bench -p lorafleet-engine --bench cuda_lora --no-run --message-format=json \
-    | executables > "$out/.benches"
+  cargo bench -p lorafleet-engine --bench cuda_lora --bench cuda_decode --no-run \
+    --message-format=json | executables > "$out/.benches"
   while read -r exe; do
     name=$(basename "$exe" | sed 's/-[0-9a-f]*$//')
     cp "$exe" "$out/$name"
@@ -67,7 +67,7 @@ find_lib() {
 }
 
 run() {
-  for exe in cuda_kernels_compile cuda_gpu cuda_lora lorafleet-worker deps/worker_grpc; do
+  for exe in cuda_kernels_compile cuda_gpu cuda_lora cuda_decode lorafleet-worker deps/worker_grpc; do
     [ -x "$out/$exe" ] || { echo "gpu-check: $out/$exe is missing; run '$0 build' first" >&2; exit 1; }
   done
   # Logs and the benchmark table go to GPU_CHECK_OUT (default
@@ -104,6 +104,10 @@ run() {
   step worker_grpc env LORAFLEET_TEST_BACKEND=cuda "$out/deps/worker_grpc" --test-threads=1 \
     --skip a_cancelled_stream_frees_its_kv_blocks
   step cuda_lora "$out/cuda_lora"
+  # The engine on a Llama-3.2-1B-shape stand-in (about 6 GB written under
+  # LORAFLEET_BENCH_STANDIN the first time).
+  export LORAFLEET_BENCH_STANDIN=${LORAFLEET_BENCH_STANDIN:-/tmp/lorafleet-standin}
+  step cuda_decode "$out/cuda_decode"
   # What transformers + PEFT themselves give in bf16 and f16 on this GPU,
   # beside the engine's own figures, where python3 has them.
   if python3 -c 'import torch, transformers, peft' 2>/dev/null; then
@@ -111,7 +115,8 @@ run() {
       "$LORAFLEET_FIXTURES" "$results/reduced_precision.json"
     tail -2 "$results/reduced_precision.log"
   fi
-  cat "$results/cuda_lora.log" | tail -40
+  tail -40 "$results/cuda_lora.log"
+  grep '^|' "$results/cuda_decode.log" || true
   if [ ${#failed[@]} -gt 0 ]; then
     echo "gpu-check: failed: ${failed[*]}" >&2
     exit 1

@@ -1,7 +1,9 @@
 //! A STAND-IN model and adapters for benchmarks only: random weights in the
-//! shape of a ~100M-parameter Llama, and random rank-16 PEFT adapters on the
-//! attention projections. They are written once under `target/bench-standin`
-//! and reused. Nothing here is used by the engine itself or by tests.
+//! shape of a ~100M-parameter Llama ([`SMALL`]) or of Llama-3.2-1B
+//! ([`LLAMA_1B`]), and random rank-16 PEFT adapters on the attention
+//! projections. They are written once under `target/bench-standin` (or
+//! `LORAFLEET_BENCH_STANDIN`) and reused. Nothing here is used by the
+//! engine itself or by tests.
 
 #![allow(dead_code)]
 
@@ -19,8 +21,48 @@ pub const KV_HEADS: usize = 4;
 pub const VOCAB: usize = 32000;
 pub const RANK: usize = 16;
 
-/// `target/bench-standin` of the workspace, whichever crate's bench asks.
+/// A stand-in model's shape.
+#[derive(Debug, Clone, Copy)]
+pub struct Shape {
+    /// Its directory under [`root`]; empty for [`SMALL`].
+    pub dir: &'static str,
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub vocab: usize,
+}
+
+/// ~100M parameters: the CPU benchmarks' model.
+pub const SMALL: Shape = Shape {
+    dir: "",
+    hidden: HIDDEN,
+    intermediate: INTERMEDIATE,
+    layers: LAYERS,
+    heads: HEADS,
+    kv_heads: KV_HEADS,
+    vocab: VOCAB,
+};
+
+/// Llama-3.2-1B's shape: 1.24B parameters with the tied embedding.
+pub const LLAMA_1B: Shape = Shape {
+    dir: "llama-3.2-1b-shape",
+    hidden: 2048,
+    intermediate: 8192,
+    layers: 16,
+    heads: 32,
+    kv_heads: 8,
+    vocab: 128_256,
+};
+
+/// `target/bench-standin` of the workspace, whichever crate's bench asks,
+/// or `LORAFLEET_BENCH_STANDIN` (where the benchmark runs from a copy of
+/// the binaries, as on the GPU machine).
 pub fn root() -> PathBuf {
+    if let Some(dir) = std::env::var_os("LORAFLEET_BENCH_STANDIN") {
+        return PathBuf::from(dir);
+    }
     let mut dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     while !dir.join("Cargo.lock").exists() {
         assert!(
@@ -67,7 +109,21 @@ pub fn model() -> PathBuf {
 /// The stand-in base model stored as `dtype` (F32 or BF16): the same random
 /// draws, rounded to bf16 for BF16. Created if missing.
 pub fn model_in(dtype: Dtype) -> PathBuf {
-    let dir = root().join(match dtype {
+    model_shaped(&SMALL, dtype)
+}
+
+/// [`model_in`] for a model of `shape`.
+pub fn model_shaped(shape: &Shape, dtype: Dtype) -> PathBuf {
+    let Shape {
+        hidden,
+        intermediate,
+        layers,
+        heads,
+        kv_heads,
+        vocab,
+        ..
+    } = *shape;
+    let dir = root().join(shape.dir).join(match dtype {
         Dtype::BF16 => "model-bf16",
         Dtype::F32 => "model-f32",
         other => panic!("no stand-in model in {other:?}"),
@@ -76,38 +132,43 @@ pub fn model_in(dtype: Dtype) -> PathBuf {
         return dir;
     }
     std::fs::create_dir_all(&dir).unwrap();
-    let head_dim = HIDDEN / HEADS;
+    let head_dim = hidden / heads;
     let config = serde_json::json!({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE, "num_hidden_layers": LAYERS,
-        "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": head_dim,
-        "vocab_size": VOCAB, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+        "hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+        "vocab_size": vocab, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0, "tie_word_embeddings": true, "hidden_act": "silu",
         "bos_token_id": 1, "eos_token_id": 2,
         "torch_dtype": if dtype == Dtype::BF16 { "bfloat16" } else { "float32" }
     });
     std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-    let fixtures = root().join("../../worker/engine/tests/fixtures/llama-gqa");
+    let fixtures = std::env::var_os("LORAFLEET_FIXTURES")
+        .map_or_else(
+            || root().join("../../worker/engine/tests/fixtures"),
+            PathBuf::from,
+        )
+        .join("llama-gqa");
     for f in ["tokenizer.json", "tokenizer_config.json"] {
         std::fs::copy(fixtures.join(f), dir.join(f)).unwrap();
     }
     let mut rng = Rng::new(42);
-    let kv = KV_HEADS * head_dim;
+    let kv = kv_heads * head_dim;
     let mut t = vec![(
         "model.embed_tokens.weight".to_string(),
-        vec![VOCAB, HIDDEN],
-        random(&mut rng, VOCAB * HIDDEN, 0.05),
+        vec![vocab, hidden],
+        random(&mut rng, vocab * hidden, 0.05),
     )];
-    for l in 0..LAYERS {
+    for l in 0..layers {
         let p = format!("model.layers.{l}");
         for (name, out, inp) in [
-            ("self_attn.q_proj", HIDDEN, HIDDEN),
-            ("self_attn.k_proj", kv, HIDDEN),
-            ("self_attn.v_proj", kv, HIDDEN),
-            ("self_attn.o_proj", HIDDEN, HIDDEN),
-            ("mlp.gate_proj", INTERMEDIATE, HIDDEN),
-            ("mlp.up_proj", INTERMEDIATE, HIDDEN),
-            ("mlp.down_proj", HIDDEN, INTERMEDIATE),
+            ("self_attn.q_proj", hidden, hidden),
+            ("self_attn.k_proj", kv, hidden),
+            ("self_attn.v_proj", kv, hidden),
+            ("self_attn.o_proj", hidden, hidden),
+            ("mlp.gate_proj", intermediate, hidden),
+            ("mlp.up_proj", intermediate, hidden),
+            ("mlp.down_proj", hidden, intermediate),
         ] {
             t.push((
                 format!("{p}.{name}.weight"),
@@ -117,19 +178,19 @@ pub fn model_in(dtype: Dtype) -> PathBuf {
         }
         t.push((
             format!("{p}.input_layernorm.weight"),
-            vec![HIDDEN],
-            vec![1.0; HIDDEN],
+            vec![hidden],
+            vec![1.0; hidden],
         ));
         t.push((
             format!("{p}.post_attention_layernorm.weight"),
-            vec![HIDDEN],
-            vec![1.0; HIDDEN],
+            vec![hidden],
+            vec![1.0; hidden],
         ));
     }
     t.push((
         "model.norm.weight".to_string(),
-        vec![HIDDEN],
-        vec![1.0; HIDDEN],
+        vec![hidden],
+        vec![1.0; hidden],
     ));
     write(&dir.join("model.safetensors"), t, dtype);
     dir
@@ -137,11 +198,26 @@ pub fn model_in(dtype: Dtype) -> PathBuf {
 
 /// `n` stand-in adapters (rank 16 on q, k, v, o), created if missing.
 pub fn adapters(n: usize) -> Vec<PathBuf> {
-    let head_dim = HIDDEN / HEADS;
-    let kv = KV_HEADS * head_dim;
+    adapters_shaped(&SMALL, n)
+}
+
+/// [`adapters`] for a model of `shape`.
+pub fn adapters_shaped(shape: &Shape, n: usize) -> Vec<PathBuf> {
+    let Shape {
+        hidden,
+        layers,
+        heads,
+        kv_heads,
+        ..
+    } = *shape;
+    let head_dim = hidden / heads;
+    let kv = kv_heads * head_dim;
     (0..n)
         .map(|i| {
-            let dir = root().join("adapters").join(format!("a{i:04}"));
+            let dir = root()
+                .join(shape.dir)
+                .join("adapters")
+                .join(format!("a{i:04}"));
             if dir.join("adapter_model.safetensors").exists() {
                 return dir;
             }
@@ -153,18 +229,18 @@ pub fn adapters(n: usize) -> Vec<PathBuf> {
             std::fs::write(dir.join("adapter_config.json"), config.to_string()).unwrap();
             let mut rng = Rng::new(1000 + i as u64);
             let mut t = Vec::new();
-            for l in 0..LAYERS {
+            for l in 0..layers {
                 for (name, out) in [
-                    ("q_proj", HIDDEN),
+                    ("q_proj", hidden),
                     ("k_proj", kv),
                     ("v_proj", kv),
-                    ("o_proj", HIDDEN),
+                    ("o_proj", hidden),
                 ] {
                     let p = format!("base_model.model.model.layers.{l}.self_attn.{name}");
                     t.push((
                         format!("{p}.lora_A.weight"),
-                        vec![RANK, HIDDEN],
-                        random(&mut rng, RANK * HIDDEN, 0.05),
+                        vec![RANK, hidden],
+                        random(&mut rng, RANK * hidden, 0.05),
                     ));
                     t.push((
                         format!("{p}.lora_B.weight"),

@@ -54,6 +54,47 @@ impl LoraModule {
         }
     }
 
+    /// Writes A, `[rank, fan_in]` row-major f32, into `dst` (its length),
+    /// in order, with no copy between: a slot write fills page-locked
+    /// memory this way.
+    pub fn write_a_f32(&self, dst: &mut [f32]) {
+        let (len, _) = self.factors_len();
+        assert_eq!(dst.len(), len);
+        let rank = self.rank.max(1);
+        let fan_in = len / rank;
+        for (r, row) in dst.chunks_exact_mut(fan_in.max(1)).enumerate() {
+            match &self.factors {
+                Factors::F32 { a_t, .. } => {
+                    for (i, d) in row.iter_mut().enumerate() {
+                        *d = a_t[i * rank + r];
+                    }
+                }
+                Factors::Bf16 { a_t, .. } => {
+                    for (i, d) in row.iter_mut().enumerate() {
+                        *d = crate::backend::cpu::panels::bf16_to_f32(a_t[i * rank + r]);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Writes Bᵀ, `[rank, fan_out]` row-major f32, into `dst` (its length).
+    pub fn write_b_t_f32(&self, dst: &mut [f32]) {
+        match &self.factors {
+            Factors::F32 { b_t, .. } => dst.copy_from_slice(b_t),
+            Factors::Bf16 { b_t, .. } => {
+                for (d, &b) in dst.iter_mut().zip(b_t) {
+                    *d = crate::backend::cpu::panels::bf16_to_f32(b);
+                }
+            }
+        }
+    }
+
+    /// The lengths of A and Bᵀ, in values.
+    pub fn factor_lens(&self) -> (usize, usize) {
+        self.factors_len()
+    }
+
     /// The lengths of Aᵀ and Bᵀ.
     fn factors_len(&self) -> (usize, usize) {
         match &self.factors {

@@ -9,6 +9,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, PinnedHostSlice};
+use rayon::prelude::*;
 
 use super::device::{Device, cuda};
 use crate::backend::{BackendShape, Segment};
@@ -98,20 +99,21 @@ impl Slots {
     ) -> Result<()> {
         self.reset(slot);
         let max_rank = self.max_rank;
-        // (key, A rows, Bᵀ rows, rank, scale) of every module present.
+        // (key, projection, module) of every module present.
         let mut modules = Vec::new();
         for (layer, projs) in adapter.modules.iter().enumerate() {
             for p in Projection::ALL {
                 if let Some(m) = &projs[p.index()] {
-                    // The device slots hold f32, A row-major: bf16 factors
-                    // are widened, exactly, on the way.
-                    modules.push((layer * 7 + p.index(), p, m.a_f32(), m.b_t_f32(), m));
+                    modules.push((layer * 7 + p.index(), p, m));
                 }
             }
         }
         let floats: usize = modules
             .iter()
-            .map(|(_, _, a, b, _)| a.len() + b.len())
+            .map(|(_, _, m)| {
+                let (a, b) = m.factor_lens();
+                a + b
+            })
             .sum();
         let i = self.next;
         self.next = (self.next + 1) % STAGING;
@@ -137,22 +139,32 @@ impl Slots {
             .host
             .as_mut_slice()
             .map_err(cuda("staging an adapter"))?;
-        let mut at = 0;
+        // Each module's A rows then Bᵀ rows, widened to f32 straight into
+        // the page-locked buffer, modules in parallel.
         let mut copies = Vec::with_capacity(2 * modules.len());
-        for (key, p, a, b_t, m) in &modules {
+        let mut parts = Vec::with_capacity(2 * modules.len());
+        let mut rest = &mut host[..floats];
+        let mut at = 0;
+        for &(key, p, m) in &modules {
             let (fan_in, fan_out) = p.shape(config);
-            host[at..at + a.len()].copy_from_slice(a);
+            let (a_len, b_len) = m.factor_lens();
+            let (a, tail) = rest.split_at_mut(a_len);
+            let (b, tail) = tail.split_at_mut(b_len);
+            rest = tail;
             // Rows past the module's rank are never read.
-            let a_dst = dev.p(&self.a[*key]) + (slot * max_rank * fan_in * 4) as u64;
-            copies.push((a_dst, at, a.len()));
-            at += a.len();
-            host[at..at + b_t.len()].copy_from_slice(b_t);
-            let b_dst = dev.p(&self.b[*key]) + (slot * max_rank * fan_out * 4) as u64;
-            copies.push((b_dst, at, b_t.len()));
-            at += b_t.len();
+            let a_dst = dev.p(&self.a[key]) + (slot * max_rank * fan_in * 4) as u64;
+            copies.push((a_dst, at, a_len));
+            let b_dst = dev.p(&self.b[key]) + (slot * max_rank * fan_out * 4) as u64;
+            copies.push((b_dst, at + a_len, b_len));
+            at += a_len + b_len;
+            parts.push((m, a, b));
             self.rank_host[key * self.slots + slot] = m.rank as i32;
             self.scale_host[key * self.slots + slot] = m.scale;
         }
+        parts.into_par_iter().for_each(|(m, a, b)| {
+            m.write_a_f32(a);
+            m.write_b_t_f32(b);
+        });
         let host = &host[..at];
         for (dst, from, len) in copies {
             // SAFETY: the source is page-locked and stays untouched until

@@ -1,0 +1,258 @@
+//! The engine on the GPU, on a STAND-IN model of Llama-3.2-1B's shape
+//! (random weights stored in bf16; for benchmarks only) with rank-16
+//! adapters on q, k, v and o:
+//!
+//! - decode tokens/s with the traffic spread over 1, 8, 64 and 512 distinct
+//!   adapters (`LORAFLEET_BENCH_ADAPTERS`), in the workload of
+//!   `decode_throughput`: 512 requests of 8 prompt tokens and 8 new ones,
+//!   greedy, up to 32 sequences a step, 32 device slots, the adapters read
+//!   into the host tier before timing;
+//! - batch-1 decode: the time per token of one request generating 128
+//!   tokens, against the weights-through-HBM floor (every weight the step
+//!   reads, once, at the device-to-device copy bandwidth);
+//! - an adapter's copy from the host tier into a device slot: p50 and p99
+//!   over 64 writes, from the call until the copy's event has fired.
+//!
+//! Targets (issue: CUDA on a real GPU): at 512 adapters ≥ 90% of the
+//! one-adapter tokens/s; batch-1 decode within 1.5× of the floor; upload
+//! p50 ≤ 2 ms.
+//!
+//! Run on a machine with an NVIDIA GPU:
+//!   cargo bench -p lorafleet-engine --bench cuda_decode
+//! (`deploy/gpu-check.sh` builds it here and runs it there). The stand-in
+//! is written under `LORAFLEET_BENCH_STANDIN` (default
+//! `target/bench-standin`), about 6 GB with 512 adapters.
+
+mod standin;
+
+use std::time::{Duration, Instant};
+
+use lorafleet_engine::backend::cuda::testing::LoraBench;
+use lorafleet_engine::backend::cuda::{CudaBackend, DeviceSample, Dtype, StepLimits};
+use lorafleet_engine::backend::{Backend, BackendShape, StepBatch};
+use lorafleet_engine::lora::{AdapterLimits, HostAdapter};
+use lorafleet_engine::model::ModelConfig;
+use lorafleet_engine::{BackendChoice, Engine, EngineSettings, Prompt, Request, SamplingParams};
+use standin::LLAMA_1B as SHAPE;
+
+const REQUESTS: usize = 512;
+const PROMPT: usize = 8;
+const NEW: usize = 8;
+
+fn main() {
+    if let Err(e) = lorafleet_engine::backend::cuda::probe() {
+        eprintln!("cuda_decode needs a GPU: {e}");
+        std::process::exit(2);
+    }
+    let counts: Vec<usize> = std::env::var("LORAFLEET_BENCH_ADAPTERS")
+        .map(|v| {
+            v.split(',')
+                .map(|x| x.trim().parse().expect("adapter counts"))
+                .collect()
+        })
+        .unwrap_or_else(|_| vec![1, 8, 64, 512]);
+    let written = Instant::now();
+    let model = standin::model_shaped(&SHAPE, safetensors::Dtype::BF16);
+    let dirs = standin::adapters_shaped(&SHAPE, *counts.iter().max().unwrap());
+    eprintln!(
+        "stand-in model and {} adapters ready in {:.1} s",
+        dirs.len(),
+        written.elapsed().as_secs_f64()
+    );
+    let settings = EngineSettings {
+        max_loras: 32,
+        max_lora_rank: 16,
+        max_cpu_loras: 512,
+        kv_blocks: 2048,
+        block_size: 16,
+        max_num_seqs: 32,
+        max_batched_tokens: 512,
+        max_waiting: 4096,
+        max_pinned: None,
+        prefix_caching: true,
+        fair_admission: true,
+    };
+    let choice = BackendChoice::Cuda {
+        device: 0,
+        dtype: Dtype::Bf16,
+    };
+    let mut engine = Engine::load(&model, settings, choice).unwrap();
+    standin::register(&mut engine, &dirs);
+    println!(
+        "decode, STAND-IN Llama-3.2-1B shape (h={}, L={}, vocab {}, bf16), rank {}, {REQUESTS} requests x {NEW} new tokens, up to 32 a step",
+        SHAPE.hidden,
+        SHAPE.layers,
+        SHAPE.vocab,
+        standin::RANK
+    );
+    println!("| adapters | tokens/s | vs 1 adapter | device loads | mean distinct/step |");
+    println!("|---:|---:|---:|---:|---:|");
+    // One untimed run first: module load, cuBLAS heuristics, page faults.
+    run(&mut engine, counts[0]);
+    let mut first = None;
+    for &n in &counts {
+        let (tps, loads, distinct) = run(&mut engine, n);
+        let base = *first.get_or_insert(tps);
+        println!(
+            "| {n} | {tps:.0} | {:.1}% | {loads} | {distinct:.1} |",
+            tps / base * 100.0
+        );
+    }
+    drop(engine);
+
+    let config = ModelConfig::from_dir(&model).unwrap();
+    let shape = BackendShape {
+        slots: 4,
+        max_lora_rank: 16,
+        kv_blocks: 64,
+        block_size: 16,
+    };
+    let limits = StepLimits {
+        max_tokens: 512,
+        max_rows: 32,
+    };
+    let mut gpu = CudaBackend::load(&model, &config, shape, 0, Dtype::Bf16, limits).unwrap();
+    let plan = gpu.memory_plan().unwrap();
+    // Per token a decode step reads every linear weight and the lm_head
+    // once; of the embedding table, one row.
+    let embed = (config.vocab_size * config.hidden_size * 2) as u64;
+    let read = plan.weights - embed;
+    let bandwidth = LoraBench::new(64, 64, 1, 8, 8, 1)
+        .unwrap()
+        .copy_bandwidth(1 << 30, 20)
+        .unwrap();
+    let floor_ms = read as f64 / (bandwidth * 1e9) * 1e3;
+    let table: Vec<u32> = (0..9).collect();
+    let greedy = [DeviceSample {
+        temperature: 0.0,
+        top_k: 0,
+        top_p: 1.0,
+        u: 0.0,
+    }];
+    let step = |gpu: &mut CudaBackend, tokens: &[u32], pos: usize| -> u32 {
+        let mut batch = StepBatch::default();
+        batch.push(tokens, pos, &table, None, true);
+        batch.finish();
+        gpu.forward_sampled(&batch, &greedy).unwrap()[0]
+    };
+    let prompt: Vec<u32> = (3..3 + PROMPT as u32).collect();
+    let mut token = step(&mut gpu, &prompt, 0);
+    // Warm-up decode steps, then 128 timed ones.
+    for pos in PROMPT..PROMPT + 8 {
+        token = step(&mut gpu, &[token], pos);
+    }
+    let started = Instant::now();
+    for pos in PROMPT + 8..PROMPT + 8 + 128 {
+        token = step(&mut gpu, &[token], pos);
+    }
+    let per_token_ms = started.elapsed().as_secs_f64() * 1e3 / 128.0;
+    println!();
+    println!("| batch-1 decode | ms per token | HBM floor ms | x floor |");
+    println!("|---|---:|---:|---:|");
+    println!(
+        "| {:.2} GB of weights read per token, copy bandwidth {bandwidth:.0} GB/s | {per_token_ms:.3} | {floor_ms:.3} | {:.2} |",
+        read as f64 / 1e9,
+        per_token_ms / floor_ms
+    );
+
+    let limits = AdapterLimits {
+        model: &config,
+        max_lora_rank: 16,
+        base_hash_check: None,
+    };
+    let hosts: Vec<HostAdapter> = dirs
+        .iter()
+        .take(8)
+        .enumerate()
+        .map(|(i, d)| HostAdapter::load(&format!("a{i}"), d, limits).unwrap())
+        .collect();
+    let mut took: Vec<Duration> = Vec::new();
+    for i in 0..72 {
+        let slot = i % 4;
+        let started = Instant::now();
+        gpu.write_slot(slot, &hosts[i % hosts.len()]).unwrap();
+        while gpu.slot_copy_in_flight(slot) {
+            std::hint::spin_loop();
+        }
+        // The first writes allocate the staging buffers.
+        if i >= 8 {
+            took.push(started.elapsed());
+        }
+    }
+    took.sort();
+    let at = |q: f64| took[((took.len() - 1) as f64 * q).round() as usize].as_secs_f64() * 1e3;
+    let bytes: usize = hosts[0]
+        .modules
+        .iter()
+        .flatten()
+        .flatten()
+        .map(|m| m.rank * 4 * (m.a_f32().len() / m.rank + m.b_t_f32().len() / m.rank))
+        .sum();
+    println!();
+    println!(
+        "| slot upload (rank 16, q/k/v/o, {:.1} MB as f32) | p50 ms | p99 ms |",
+        bytes as f64 / 1e6
+    );
+    println!("|---|---:|---:|");
+    println!(
+        "| host tier to device slot, {} writes | {:.3} | {:.3} |",
+        took.len(),
+        at(0.5),
+        at(0.99)
+    );
+}
+
+/// One timed run of the workload over `n` adapters on a warm engine:
+/// tokens/s, device loads, mean distinct adapters per step.
+fn run(e: &mut Engine, n: usize) -> (f64, u64, f64) {
+    for i in 0..n {
+        e.prefetch(standin::id(i));
+    }
+    while e
+        .stats()
+        .adapters
+        .iter()
+        .take(n)
+        .any(|a| a.residency == lorafleet_engine::Residency::Loading)
+    {
+        e.pool().poll_loads(Some(Duration::from_millis(50)));
+    }
+    let loads_before = e.stats().pool.device_loads;
+    for r in 0..REQUESTS {
+        e.submit(Request {
+            id: format!("r{r}"),
+            adapter: Some(standin::id(r % n)),
+            prompt: Prompt::TokenIds(
+                (0..PROMPT)
+                    .map(|k| ((r * 31 + k * 7) % 380 + 3) as u32)
+                    .collect(),
+            ),
+            params: SamplingParams {
+                max_tokens: NEW,
+                temperature: 0.0,
+                ignore_eos: true,
+                ..Default::default()
+            },
+        })
+        .unwrap();
+    }
+    let started = Instant::now();
+    let (mut generated, mut steps, mut distinct) = (0usize, 0usize, 0usize);
+    while e.has_work() {
+        for (_, ev) in e.step().unwrap() {
+            if let lorafleet_engine::Event::Delta { token_ids, .. } = ev {
+                generated += token_ids.len();
+            }
+        }
+        let s = e.last_step();
+        if s.sequences > 0 {
+            steps += 1;
+            distinct += s.distinct_adapters;
+        }
+    }
+    (
+        generated as f64 / started.elapsed().as_secs_f64(),
+        e.stats().pool.device_loads - loads_before,
+        distinct as f64 / steps.max(1) as f64,
+    )
+}
