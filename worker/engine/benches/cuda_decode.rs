@@ -32,7 +32,7 @@ use lorafleet_engine::backend::cuda::{CudaBackend, DeviceSample, Dtype, StepLimi
 use lorafleet_engine::backend::{Backend, BackendShape, StepBatch};
 use lorafleet_engine::lora::{AdapterLimits, HostAdapter};
 use lorafleet_engine::model::ModelConfig;
-use lorafleet_engine::{BackendChoice, Engine, EngineSettings, Prompt, Request, SamplingParams};
+use lorafleet_engine::{BackendChoice, Engine, EngineSettings};
 use standin::LLAMA_1B as SHAPE;
 
 const REQUESTS: usize = 512;
@@ -219,21 +219,12 @@ fn run(e: &mut Engine, n: usize) -> (f64, u64, f64) {
     }
     let loads_before = e.stats().pool.device_loads;
     for r in 0..REQUESTS {
-        e.submit(Request {
-            id: format!("r{r}"),
-            adapter: Some(standin::id(r % n)),
-            prompt: Prompt::TokenIds(
-                (0..PROMPT)
-                    .map(|k| ((r * 31 + k * 7) % 380 + 3) as u32)
-                    .collect(),
-            ),
-            params: SamplingParams {
-                max_tokens: NEW,
-                temperature: 0.0,
-                ignore_eos: true,
-                ..Default::default()
-            },
-        })
+        e.submit(standin::decode_request(
+            r,
+            Some(standin::id(r % n)),
+            PROMPT,
+            NEW,
+        ))
         .unwrap();
     }
     let started = Instant::now();

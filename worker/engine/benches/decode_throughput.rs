@@ -25,7 +25,7 @@ mod standin;
 
 use std::time::{Duration, Instant};
 
-use lorafleet_engine::{AdapterSource, Engine, EngineSettings, Prompt, Request, SamplingParams};
+use lorafleet_engine::{AdapterSource, Engine, EngineSettings, Request};
 
 const REQUESTS: usize = 512;
 const PROMPT: usize = 8;
@@ -194,22 +194,8 @@ fn run_once(model: &std::path::Path, adapter_dirs: &[std::path::PathBuf]) -> Run
         loading.elapsed().as_secs_f64()
     );
     let requests: Vec<Request> = (0..REQUESTS)
-        .map(|r| Request {
-            id: format!("r{r}"),
-            // 0 adapters: every request runs on the base model alone.
-            adapter: (n > 0).then(|| aid((r % n) as u64 + 1)),
-            prompt: Prompt::TokenIds(
-                (0..PROMPT)
-                    .map(|k| ((r * 31 + k * 7) % 380 + 3) as u32)
-                    .collect(),
-            ),
-            params: SamplingParams {
-                max_tokens: NEW,
-                temperature: 0.0,
-                ignore_eos: true,
-                ..Default::default()
-            },
-        })
+        // 0 adapters: every request runs on the base model alone.
+        .map(|r| standin::decode_request(r, (n > 0).then(|| aid((r % n) as u64 + 1)), PROMPT, NEW))
         .collect();
     let loads_before = e.stats().pool.device_loads;
     let stolen_before = stolen_cpu_seconds();

@@ -271,6 +271,32 @@ pub fn register(e: &mut lorafleet_engine::Engine, dirs: &[PathBuf]) {
     }
 }
 
+/// Request `r` of the decode workload (`decode_throughput`, `cuda_decode`):
+/// `prompt` token ids drawn from `r`, `new` tokens generated greedily past
+/// any EOS.
+pub fn decode_request(
+    r: usize,
+    adapter: Option<lorafleet_engine::AdapterId>,
+    prompt: usize,
+    new: usize,
+) -> lorafleet_engine::Request {
+    lorafleet_engine::Request {
+        id: format!("r{r}"),
+        adapter,
+        prompt: lorafleet_engine::Prompt::TokenIds(
+            (0..prompt)
+                .map(|k| ((r * 31 + k * 7) % 380 + 3) as u32)
+                .collect(),
+        ),
+        params: lorafleet_engine::SamplingParams {
+            max_tokens: new,
+            temperature: 0.0,
+            ignore_eos: true,
+            ..Default::default()
+        },
+    }
+}
+
 /// The id [`register`] gave the `i`-th adapter.
 pub fn id(i: usize) -> lorafleet_engine::AdapterId {
     lorafleet_engine::AdapterId::new(i as u64 + 1).expect("ids start at 1")
