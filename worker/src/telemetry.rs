@@ -130,8 +130,9 @@ pub fn record_memory_plan(plan: &lorafleet_engine::backend::cuda::plan::MemoryPl
 }
 
 /// Whenever the engine publishes a report: device memory in use (the
-/// device's own account, other processes included) and how long each
-/// adapter's copy into a device slot took since the last report.
+/// device's own account, other processes included) and how long each slot
+/// write since the last report held the engine thread (on the GPU the
+/// copy itself then runs on its own stream).
 pub fn record_device(
     memory: Option<lorafleet_engine::backend::DeviceMemory>,
     uploads: &[std::time::Duration],
