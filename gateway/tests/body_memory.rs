@@ -32,11 +32,16 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static ALLOCATOR: Counting = Counting;
 
-/// The peak of live bytes above the start while `f` runs. One at a time:
-/// the counter is the whole process's.
-fn peak_during(f: impl FnOnce()) -> usize {
+/// Held for a whole test: the counter is the whole process's, so another
+/// test building its bodies while this one measures would count too.
+fn alone() -> std::sync::MutexGuard<'static, ()> {
     static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The peak of live bytes above the start while `f` runs; call it under
+/// [`alone`].
+fn peak_during(f: impl FnOnce()) -> usize {
     let base = LIVE.load(Ordering::Relaxed);
     PEAK.store(base, Ordering::Relaxed);
     f();
@@ -57,6 +62,7 @@ fn numbers(bytes: usize) -> String {
 
 #[test]
 fn a_megabyte_of_numbers_costs_about_a_megabyte() {
+    let _alone = alone();
     const MIB: usize = 1 << 20;
     let n = numbers(MIB);
     // Skipped: an unknown field and an unsupported one.
@@ -87,6 +93,7 @@ fn a_megabyte_of_numbers_costs_about_a_megabyte() {
 
 #[test]
 fn the_value_route_would_fail_this_check() {
+    let _alone = alone();
     // The bound above is meaningful: the old way, through `Value`, breaks it.
     let n = numbers(1 << 20);
     let body = format!(r#"{{"model":"m","prompt":"x","unknown":{n}}}"#);
