@@ -108,6 +108,14 @@ run() {
   # LORAFLEET_BENCH_STANDIN the first time).
   export LORAFLEET_BENCH_STANDIN=${LORAFLEET_BENCH_STANDIN:-/tmp/lorafleet-standin}
   step cuda_decode "$out/cuda_decode"
+  # transformers + PEFT on the same GPU, stand-in and workload as
+  # cuda_decode: the baseline its tokens/s are compared with.
+  if python3 -c 'import torch, transformers, peft' 2>/dev/null; then
+    step peft_baseline env PEFT_DEVICE=cuda PEFT_MODEL=model-bf16 PEFT_DTYPE=bfloat16 \
+      python3 worker/engine/benches/peft_baseline.py \
+      "$LORAFLEET_BENCH_STANDIN/llama-3.2-1b-shape" 1,8,64,512
+    grep '^|' "$results/peft_baseline.log" || true
+  fi
   # What transformers + PEFT themselves give in bf16 and f16 on this GPU,
   # beside the engine's own figures, where python3 has them.
   if python3 -c 'import torch, transformers, peft' 2>/dev/null; then

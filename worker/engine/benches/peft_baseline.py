@@ -16,6 +16,11 @@ the arithmetic lorafleet's CPU engine does. PEFT_MODEL=model-bf16 takes the
 bf16 stand-in (LORAFLEET_BENCH_DTYPE=bf16 in (b)); PEFT_DTYPE=bfloat16
 computes in bf16 instead. The last column is the CPU time the hypervisor gave to
 other guests during the row (Linux /proc/stat), as in (b).
+
+On a GPU (the baseline of `cuda_decode`; `deploy/gpu-check.sh` runs it there):
+
+    PEFT_DEVICE=cuda PEFT_MODEL=model-bf16 PEFT_DTYPE=bfloat16 \
+        python3 worker/engine/benches/peft_baseline.py <standin>/llama-3.2-1b-shape 1,8,64,512
 """
 
 import os
@@ -46,8 +51,9 @@ def main():
     counts = [int(c) for c in (sys.argv[2] if len(sys.argv) > 2 else "1,8,64,512").split(",")]
     model_dir = os.path.join(root, os.environ.get("PEFT_MODEL", "model-f32"))
     dtype = getattr(torch, os.environ.get("PEFT_DTYPE", "float32"))
+    device = os.environ.get("PEFT_DEVICE", "cpu")
     torch.set_num_threads(os.cpu_count())
-    print(f"transformers + PEFT baseline, STAND-IN model {os.path.basename(model_dir)} computed in {dtype}, "
+    print(f"transformers + PEFT baseline on {device}, STAND-IN model {os.path.basename(model_dir)} computed in {dtype}, "
           f"{REQUESTS} requests x {NEW} new tokens, static batches of {BATCH}, {torch.get_num_threads()} threads")
     print("| adapters | generated tokens | seconds | tokens/s | stolen CPU s |")
     print("|---:|---:|---:|---:|---:|")
@@ -59,7 +65,7 @@ def main():
         )
         for i in range(1, n):
             model.load_adapter(os.path.join(root, "adapters", adapters[i]), adapter_name=f"a{i}")
-        model.eval()
+        model = model.to(device).eval()
         prompts = [[(r * 31 + k * 7) % 380 + 3 for k in range(PROMPT)] for r in range(REQUESTS)]
         names = [f"a{r % n}" for r in range(REQUESTS)]
         generated = 0
@@ -67,7 +73,7 @@ def main():
         start = time.perf_counter()
         with torch.no_grad():
             for b in range(0, REQUESTS, BATCH):
-                ids = torch.tensor(prompts[b : b + BATCH])
+                ids = torch.tensor(prompts[b : b + BATCH], device=device)
                 out = model.generate(
                     input_ids=ids,
                     attention_mask=torch.ones_like(ids),
@@ -78,6 +84,8 @@ def main():
                     pad_token_id=0,
                 )
                 generated += (out.shape[1] - PROMPT) * out.shape[0]
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
         secs = time.perf_counter() - start
         stolen_after = stolen_cpu_seconds()
         stolen = "n/a" if stolen_before is None else f"{stolen_after - stolen_before:.1f}"
