@@ -271,7 +271,7 @@ fn run(
     let mut pending_promotions: Vec<AdapterId> = Vec::new();
     let mut sequence = 0u64;
     let mut last_report = Instant::now();
-    let mut last_generation = engine.stats().residency_generation;
+    let mut last_generation = engine.residency_generation();
     // Set when a sequence is admitted or leaves, so routers see load moves
     // within MIN_REPORT_GAP instead of the next periodic report.
     let mut load_changed = false;
@@ -411,7 +411,9 @@ fn run(
             });
         }
 
-        let generation = engine.stats().residency_generation;
+        // Every turn of the loop: read without building the stats, which
+        // clone every adapter's status.
+        let generation = engine.residency_generation();
         let since = last_report.elapsed();
         if generation != last_generation
             || since >= interval

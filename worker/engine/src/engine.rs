@@ -383,6 +383,12 @@ impl Engine {
         self.backend.device_name()
     }
 
+    /// Changes whenever adapter residency changes: the same number as
+    /// [`EngineStats::residency_generation`], without building the stats.
+    pub fn residency_generation(&self) -> u64 {
+        self.pool.generation()
+    }
+
     /// Device memory in use and in all, where the backend has its own.
     pub fn device_memory(&self) -> Option<crate::backend::DeviceMemory> {
         self.backend.device_memory()
