@@ -22,7 +22,7 @@ executables() {
 
 build() {
   mkdir -p "$out"
-  cargo test --release -p lorafleet-engine --test cuda_gpu --test cuda_kernels_compile \
+  cargo test --release -p lorafleet-engine --test cuda_gpu --test cuda_engine --test cuda_kernels_compile \
     --no-run --message-format=json | executables > "$out/.tests"
   cargo bench -p lorafleet-engine --bench cuda_lora --bench cuda_decode --no-run \
     --message-format=json | executables > "$out/.benches"
@@ -67,7 +67,7 @@ find_lib() {
 }
 
 run() {
-  for exe in cuda_kernels_compile cuda_gpu cuda_lora cuda_decode lorafleet-worker deps/worker_grpc; do
+  for exe in cuda_kernels_compile cuda_gpu cuda_engine cuda_lora cuda_decode lorafleet-worker deps/worker_grpc; do
     [ -x "$out/$exe" ] || { echo "gpu-check: $out/$exe is missing; run '$0 build' first" >&2; exit 1; }
   done
   # Logs and the benchmark table go to GPU_CHECK_OUT (default
@@ -97,6 +97,7 @@ run() {
   }
   step kernels_compile "$out/cuda_kernels_compile" --test-threads=1
   step cuda_gpu "$out/cuda_gpu" --test-threads=1
+  step cuda_engine "$out/cuda_engine" --test-threads=1
   # The worker serving over gRPC from the GPU: every worker the tests
   # start runs --backend cuda (LORAFLEET_TEST_BACKEND). The cancellation
   # test is skipped: it needs two sequences running across a Watch report

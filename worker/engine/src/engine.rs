@@ -10,172 +10,16 @@ use crate::backend::cpu::CpuBackend;
 use crate::backend::{Backend, BackendShape, DeviceSample, StepBatch};
 use crate::error::{EngineError, Result};
 use crate::kv::BlockAllocator;
-use crate::model::tokenizer::{ChatMessage, Tokenizer};
+use crate::model::tokenizer::Tokenizer;
 use crate::model::{ModelConfig, WeightFiles};
 use crate::pool::{AdapterId, AdapterPool, AdapterSource, AdapterStatus, PoolCounters, Residency};
 use crate::prompter::Prompter;
 use crate::sampling::{Rng, SamplingParams, sample};
 use crate::scheduler::{Limits, Queues, Scheduler, SeqId};
-use crate::sequence::{Finish, Sequence};
+use crate::sequence::Sequence;
 
-/// The engine's sizes and limits. Field names match the worker's flags.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct EngineSettings {
-    /// Device slots: the most distinct adapters in one step.
-    pub max_loras: usize,
-    /// The largest adapter rank accepted; every slot is sized for it.
-    pub max_lora_rank: usize,
-    /// Adapters the host tier holds.
-    pub max_cpu_loras: usize,
-    /// KV cache blocks.
-    pub kv_blocks: usize,
-    /// Tokens per KV block.
-    pub block_size: usize,
-    /// The most sequences in one step.
-    pub max_num_seqs: usize,
-    /// The most tokens in one step; longer prompts are prefilled in chunks.
-    pub max_batched_tokens: usize,
-    /// The most requests waiting for admission.
-    pub max_waiting: usize,
-    /// The most adapters pinned at once; None means `max_loras - 1`, so
-    /// one slot always serves unpinned traffic.
-    pub max_pinned: Option<usize>,
-    /// Whether computed KV blocks are kept and shared between requests
-    /// with the same prefix and weights (see [`crate::kv`]).
-    pub prefix_caching: bool,
-    /// Whether waiting requests are admitted by fair shares between their
-    /// fairness keys (tenants) rather than in arrival order.
-    pub fair_admission: bool,
-}
-
-impl Default for EngineSettings {
-    fn default() -> Self {
-        EngineSettings {
-            max_loras: 4,
-            max_lora_rank: 16,
-            max_cpu_loras: 32,
-            kv_blocks: 1024,
-            block_size: 16,
-            max_num_seqs: 64,
-            max_batched_tokens: 512,
-            max_waiting: 1024,
-            max_pinned: None,
-            prefix_caching: true,
-            fair_admission: true,
-        }
-    }
-}
-
-impl EngineSettings {
-    /// Checks every limit, naming the setting that is wrong.
-    pub fn validate(&self) -> Result<()> {
-        let positive = [
-            ("max_loras", self.max_loras),
-            ("max_lora_rank", self.max_lora_rank),
-            ("max_cpu_loras", self.max_cpu_loras),
-            ("kv_blocks", self.kv_blocks),
-            ("block_size", self.block_size),
-            ("max_num_seqs", self.max_num_seqs),
-            ("max_batched_tokens", self.max_batched_tokens),
-            ("max_waiting", self.max_waiting),
-        ];
-        for (name, value) in positive {
-            if value == 0 {
-                return Err(EngineError::request(name, "must be at least 1"));
-            }
-        }
-        if self.max_cpu_loras < self.max_loras {
-            return Err(EngineError::request(
-                "max_cpu_loras",
-                format!(
-                    "{} must be at least max_loras ({}): the host tier holds every device adapter",
-                    self.max_cpu_loras, self.max_loras
-                ),
-            ));
-        }
-        if let Some(p) = self.max_pinned
-            && p >= self.max_loras
-        {
-            return Err(EngineError::request(
-                "max_pinned",
-                format!(
-                    "{p} must be below max_loras ({}): one slot always serves unpinned traffic",
-                    self.max_loras
-                ),
-            ));
-        }
-        if self.max_lora_rank > 512 {
-            return Err(EngineError::request(
-                "max_lora_rank",
-                format!("{} is above 512", self.max_lora_rank),
-            ));
-        }
-        Ok(())
-    }
-}
-
-/// A request's prompt.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Prompt {
-    /// Tokenized with the model's special tokens (such as BOS).
-    Text(String),
-    TokenIds(Vec<u32>),
-    Chat {
-        messages: Vec<ChatMessage>,
-        add_generation_prompt: bool,
-    },
-}
-
-/// Whose share of the engine a request uses: a key (the tenant) and the
-/// key's weight. Waiting requests are admitted from the key with the least
-/// weighted service so far (see [`crate::scheduler`]).
-#[derive(Debug, Clone, PartialEq)]
-pub struct Fairness {
-    pub key: String,
-    /// Positive; a key of weight 2 gets twice the tokens of one of weight 1
-    /// when both wait.
-    pub weight: f64,
-}
-
-impl Default for Fairness {
-    fn default() -> Fairness {
-        Fairness {
-            key: String::new(),
-            weight: 1.0,
-        }
-    }
-}
-
-/// A request to the engine.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Request {
-    /// Unique among the engine's live requests.
-    pub id: String,
-    /// None for the base model.
-    pub adapter: Option<AdapterId>,
-    pub prompt: Prompt,
-    pub params: SamplingParams,
-}
-
-/// What a request produced, streamed out of [`Engine::step`].
-#[derive(Debug)]
-pub enum Event {
-    /// New tokens and the text they complete.
-    Delta { token_ids: Vec<u32>, text: String },
-    /// The request completed.
-    Finished(Finish),
-    /// The request failed after it was accepted (for example, its adapter
-    /// could not be loaded). No further events follow.
-    Failed(EngineError),
-}
-
-/// What [`Engine::submit`] tells the caller.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Accepted {
-    pub prompt_tokens: usize,
-    /// Where the adapter was on arrival; None for the base model.
-    pub residency: Option<Residency>,
-}
+pub use crate::request::{Accepted, Completion, Event, Fairness, Prompt, Request};
+pub use crate::settings::{BackendChoice, EngineSettings};
 
 /// A point-in-time view of the engine's load.
 #[derive(Debug, Clone, PartialEq)]
@@ -212,18 +56,6 @@ pub struct StepStats {
     pub tokens: usize,
     pub distinct_adapters: usize,
     pub preempted: usize,
-}
-
-/// Which backend an engine runs on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BackendChoice {
-    /// The exact f32 reference.
-    Cpu,
-    /// CUDA device `device`, with base weights in `dtype`.
-    Cuda {
-        device: usize,
-        dtype: crate::backend::cuda::Dtype,
-    },
 }
 
 /// The multi-LoRA engine.
@@ -831,19 +663,6 @@ impl Engine {
             }
         }
     }
-}
-
-/// One request's whole output, as collected by [`Engine::run_to_completion`].
-#[derive(Debug)]
-pub struct Completion {
-    pub request_id: String,
-    pub prompt_ids: Vec<u32>,
-    pub token_ids: Vec<u32>,
-    pub text: String,
-    /// Set when the request completed.
-    pub finish: Option<Finish>,
-    /// Set when the request was refused or failed.
-    pub error: Option<EngineError>,
 }
 
 impl Engine {

@@ -14,9 +14,11 @@ pub mod lora;
 pub mod model;
 pub mod pool;
 pub mod prompter;
+pub mod request;
 pub mod sampling;
 mod scheduler;
 pub mod sequence;
+pub mod settings;
 mod stop;
 
 pub use engine::{

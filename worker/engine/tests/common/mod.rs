@@ -2,6 +2,8 @@
 
 #![allow(dead_code)]
 
+pub mod gpu;
+
 use std::path::PathBuf;
 
 /// The fixtures directory; `LORAFLEET_FIXTURES` overrides it for test

@@ -1,0 +1,84 @@
+//! What goes into the engine (a request, its prompt and fairness) and
+//! what comes out (events, the acceptance, a whole completion).
+
+use crate::error::EngineError;
+use crate::model::tokenizer::ChatMessage;
+use crate::pool::{AdapterId, Residency};
+use crate::sampling::SamplingParams;
+use crate::sequence::Finish;
+
+/// A request's prompt.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    /// Tokenized with the model's special tokens (such as BOS).
+    Text(String),
+    TokenIds(Vec<u32>),
+    Chat {
+        messages: Vec<ChatMessage>,
+        add_generation_prompt: bool,
+    },
+}
+
+/// Whose share of the engine a request uses: a key (the tenant) and the
+/// key's weight. Waiting requests are admitted from the key with the least
+/// weighted service so far (see [`crate::scheduler`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Fairness {
+    pub key: String,
+    /// Positive; a key of weight 2 gets twice the tokens of one of weight 1
+    /// when both wait.
+    pub weight: f64,
+}
+
+impl Default for Fairness {
+    fn default() -> Fairness {
+        Fairness {
+            key: String::new(),
+            weight: 1.0,
+        }
+    }
+}
+
+/// A request to the engine.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Request {
+    /// Unique among the engine's live requests.
+    pub id: String,
+    /// None for the base model.
+    pub adapter: Option<AdapterId>,
+    pub prompt: Prompt,
+    pub params: SamplingParams,
+}
+
+/// What a request produced, streamed out of [`Engine::step`](crate::Engine::step).
+#[derive(Debug)]
+pub enum Event {
+    /// New tokens and the text they complete.
+    Delta { token_ids: Vec<u32>, text: String },
+    /// The request completed.
+    Finished(Finish),
+    /// The request failed after it was accepted (for example, its adapter
+    /// could not be loaded). No further events follow.
+    Failed(EngineError),
+}
+
+/// What [`Engine::submit`](crate::Engine::submit) tells the caller.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Accepted {
+    pub prompt_tokens: usize,
+    /// Where the adapter was on arrival; None for the base model.
+    pub residency: Option<Residency>,
+}
+
+/// One request's whole output, as collected by [`Engine::run_to_completion`](crate::Engine::run_to_completion).
+#[derive(Debug)]
+pub struct Completion {
+    pub request_id: String,
+    pub prompt_ids: Vec<u32>,
+    pub token_ids: Vec<u32>,
+    pub text: String,
+    /// Set when the request completed.
+    pub finish: Option<Finish>,
+    /// Set when the request was refused or failed.
+    pub error: Option<EngineError>,
+}
