@@ -186,7 +186,10 @@ fn main() {
         .iter()
         .flatten()
         .flatten()
-        .map(|m| m.rank * 4 * (m.a_f32().len() / m.rank + m.b_t_f32().len() / m.rank))
+        .map(|m| {
+            let (a, b) = m.factor_lens();
+            4 * (a + b)
+        })
         .sum();
     println!();
     println!(

@@ -585,7 +585,6 @@ impl Engine {
                 *token = sample(&logits[row * vocab..(row + 1) * vocab], params, rng);
             });
         }
-        drop(batch);
         // The draws are in `order`, as the loop below meets the rows.
         let sampled: Vec<(Rng, u32)> = draws.into_iter().map(|(_, r, t)| (r, t)).collect();
         let mut sampled = sampled.into_iter();
