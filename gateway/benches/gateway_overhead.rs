@@ -10,9 +10,12 @@
 //! worker is a STAND-IN (benchmarks only): an in-process gRPC server
 //! speaking `lorafleet.worker.v1` that answers every Generate at once with
 //! one token, so that what is measured is the gateway, not a model. Direct
-//! calls go to the same stand-in over gRPC. Two stand-ins and two gateways
-//! run side by side: one pair in plain text (`--insecure-plaintext`), one
-//! with mutual TLS (certificates generated for the run).
+//! calls go to the same stand-in over gRPC. Two stand-ins and three
+//! gateways run side by side: one pair in plain text
+//! (`--insecure-plaintext`), one with mutual TLS (certificates generated
+//! for the run), and a third gateway on the plain-text stand-in with
+//! `--audit-durability journal` (answers wait for the audit row's fsync in
+//! the local journal instead of its Postgres commit).
 //!
 //! Needs Postgres at 127.0.0.1:5432 (user postgres, trust) and Redis at
 //! 127.0.0.1:6379, like the tests.
@@ -275,6 +278,7 @@ fn gateway(
     worker: std::net::SocketAddr,
     spool: &std::path::Path,
     certs: Option<&std::path::Path>,
+    durability: &str,
 ) -> (std::process::Child, String) {
     let mut cmd = Command::new(release_binary("lorafleet-gateway"));
     cmd.args([
@@ -295,6 +299,7 @@ fn gateway(
     // No per-tenant rate limit: the bench sends 1,000 requests/s as one
     // tenant, and measures the gateway, not the limiter refusing.
     .args(["--default-rpm-limit", "0", "--default-tpm-limit", "0"])
+    .args(["--audit-durability", durability])
     .arg("--audit-spool")
     .arg(spool);
     match certs {
@@ -428,6 +433,15 @@ fn main() {
             plain_worker,
             &scratch.path().join("spool-plain"),
             None,
+            "commit",
+        );
+        let (mut journal_gw, journal_http) = gateway(
+            &url,
+            &prefix,
+            plain_worker,
+            &scratch.path().join("spool-journal"),
+            None,
+            "journal",
         );
         let (mut tls_gw, tls_http) = gateway(
             &url,
@@ -435,12 +449,13 @@ fn main() {
             tls_worker,
             &scratch.path().join("spool-tls"),
             Some(scratch.path()),
+            "commit",
         );
         let http = reqwest::Client::builder()
             .pool_max_idle_per_host(256)
             .build()
             .unwrap();
-        for addr in [&plain_http, &tls_http] {
+        for addr in [&plain_http, &tls_http, &journal_http] {
             for _ in 0..100 {
                 if http
                     .get(format!("http://{addr}/readyz"))
@@ -477,7 +492,7 @@ fn main() {
                 .await
                 .unwrap(),
         );
-        let paths: [(&str, Call); 4] = [
+        let paths: [(&str, Call); 5] = [
             ("worker directly (gRPC, plain text)", direct(plain_grpc)),
             ("worker directly (gRPC, mTLS)", direct(tls_grpc)),
             (
@@ -487,6 +502,10 @@ fn main() {
             (
                 "through the gateway (mTLS to the worker)",
                 via_gateway(&http, &tls_http),
+            ),
+            (
+                "through the gateway (plain text, --audit-durability journal)",
+                via_gateway(&http, &journal_http),
             ),
         ];
         // Warm every path.
@@ -534,6 +553,7 @@ fn main() {
             ("added by the gateway (mTLS)", 1, 3),
             ("added by mTLS, worker directly", 0, 1),
             ("added by mTLS, through the gateway", 2, 3),
+            ("added by the gateway (plain text, journal)", 0, 4),
         ] {
             println!(
                 "| {name} | | | {:.3} ms | {:.3} ms | |",
@@ -542,7 +562,7 @@ fn main() {
             );
         }
 
-        for gw in [&mut plain_gw, &mut tls_gw] {
+        for gw in [&mut plain_gw, &mut tls_gw, &mut journal_gw] {
             let _ = Command::new("kill")
                 .args(["-TERM", &gw.id().to_string()])
                 .status();

@@ -599,6 +599,7 @@ impl Server {
 pub struct Proxy {
     pub addr: std::net::SocketAddr,
     up: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    stalled: std::sync::Arc<std::sync::atomic::AtomicBool>,
     generation: tokio::sync::watch::Sender<u64>,
 }
 
@@ -611,9 +612,10 @@ impl Proxy {
         listener.set_nonblocking(true).expect("nonblocking");
         let addr = listener.local_addr().expect("proxy address");
         let up = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let stalled = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let (generation, _) = tokio::sync::watch::channel(0u64);
         let target = target.to_owned();
-        let (flag, cut) = (up.clone(), generation.clone());
+        let (flag, cut, stall) = (up.clone(), generation.clone(), stalled.clone());
         std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -621,6 +623,13 @@ impl Proxy {
                 .expect("proxy runtime");
             rt.block_on(async move {
                 let listener = tokio::net::TcpListener::from_std(listener).expect("listener");
+                // While stalled, a connection is held open and silent, and
+                // closed at the restore.
+                let hold = |stall: std::sync::Arc<std::sync::atomic::AtomicBool>| async move {
+                    while stall.load(Ordering::SeqCst) {
+                        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                    }
+                };
                 while let Ok((mut client, _)) = listener.accept().await {
                     if !flag.load(Ordering::SeqCst) {
                         drop(client);
@@ -628,13 +637,18 @@ impl Proxy {
                     }
                     let mut cut = cut.subscribe();
                     let target = target.clone();
+                    let stall = stall.clone();
                     tokio::spawn(async move {
+                        if stall.load(Ordering::SeqCst) {
+                            hold(stall).await;
+                            return;
+                        }
                         let Ok(mut server) = tokio::net::TcpStream::connect(&target).await else {
                             return;
                         };
                         tokio::select! {
                             _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
-                            _ = cut.changed() => {}
+                            _ = cut.changed() => hold(stall).await,
                         }
                     });
                 }
@@ -643,8 +657,18 @@ impl Proxy {
         Proxy {
             addr,
             up,
+            stalled,
             generation,
         }
+    }
+
+    /// Holds every connection open without forwarding a byte, new ones
+    /// too, until [`Proxy::restore`]: a server that hangs rather than
+    /// refuses.
+    pub fn stall(&self) {
+        self.stalled
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.generation.send_modify(|g| *g += 1);
     }
 
     /// Closes every connection and refuses new ones until [`Proxy::restore`].
@@ -654,6 +678,8 @@ impl Proxy {
     }
 
     pub fn restore(&self) {
+        self.stalled
+            .store(false, std::sync::atomic::Ordering::SeqCst);
         self.up.store(true, std::sync::atomic::Ordering::SeqCst);
     }
 }

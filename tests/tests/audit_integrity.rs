@@ -10,6 +10,7 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use audit_env::*;
+use lorafleet_gateway::audit::Durability;
 use lorafleet_tests::{files_under, migrated_db, signal};
 use serde_json::json;
 use sqlx::PgPool;
@@ -74,8 +75,20 @@ async fn the_runtime_role_cannot_erase_the_audit_log() {
 /// quarantined with its reason, and nothing waits on the spool.
 #[tokio::test]
 async fn data_errors_quarantine_only_the_bad_rows() {
+    data_errors_case(Durability::Commit, "audit_data_errors").await;
+}
+
+/// The same through the journal: each batch is fsynced in the spool and
+/// answered before its insert, and a journal segment whose rows are all
+/// in Postgres (or quarantined) is deleted, not replayed.
+#[tokio::test]
+async fn journaled_rows_land_once_and_leave_no_segment() {
+    data_errors_case(Durability::Journal, "audit_data_errors_journal").await;
+}
+
+async fn data_errors_case(durability: Durability, label: &str) {
     use lorafleet_gateway::audit::{AuditConfig, AuditRecord, start};
-    let db = migrated_db("audit_data_errors").await;
+    let db = migrated_db(label).await;
     let pool = db.pool().await;
     let spool = tempfile::tempdir().unwrap();
     let config = AuditConfig {
@@ -86,6 +99,7 @@ async fn data_errors_quarantine_only_the_bad_rows() {
         queue_rows: 4096,
         queue_bytes: 64 << 20,
         ack_timeout: Duration::from_secs(30),
+        durability,
     };
     let (log, writer) = start(pool.clone(), &config).unwrap();
     let row = |i: usize| {

@@ -7,8 +7,9 @@
 //!   request is refused with 503 `audit_unavailable` before any work.
 //! - **Durability before the answer.** [`Ticket::record`] queues the row
 //!   and returns a [`Durable`] that resolves once the row is committed in
-//!   Postgres or fsynced in the spool; the API answers only then, so no
-//!   client is served a completion whose row could still be lost.
+//!   Postgres or fsynced in the spool (with [`Durability::Journal`], always
+//!   the spool's journal first); the API answers only then, so no client is
+//!   served a completion whose row could still be lost.
 //! - **The writer** ([`writer`]) group-commits whatever is queued. A batch
 //!   Postgres refuses as data (SQLSTATE classes 22 and 23) is split until
 //!   the bad rows are alone; those go to `audit_dead_letter`. Anything else
@@ -150,6 +151,33 @@ pub struct AuditConfig {
     pub queue_bytes: usize,
     /// Longest a response waits for its row to be durable.
     pub ack_timeout: Duration,
+    /// What a response waits for.
+    pub durability: Durability,
+}
+
+/// What makes a row durable before its response is sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Durability {
+    /// Its commit in Postgres (or, while Postgres is unreachable, its
+    /// fsync in the spool). Rows are in `audit_log` before the answer.
+    #[default]
+    Commit,
+    /// Its fsync in the spool's journal, before the insert starts: a local
+    /// write instead of a database round trip on every answer. Rows reach
+    /// `audit_log` just after the answer; after a crash the journal is
+    /// replayed by the same gateway or adopted by another.
+    Journal,
+}
+
+impl std::str::FromStr for Durability {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "commit" => Ok(Durability::Commit),
+            "journal" => Ok(Durability::Journal),
+            other => Err(format!("{other:?} is neither \"commit\" nor \"journal\"")),
+        }
+    }
 }
 
 /// Why a request cannot be admitted: its row would have nowhere to go.
@@ -314,6 +342,7 @@ pub fn start(
         spool,
         rx,
         shared.clone(),
+        config.durability,
         closing.clone(),
     ));
     Ok((

@@ -17,6 +17,14 @@
 //!   handed back as a [`BadLine`] to be quarantined, never dropped.
 //! - Disk use is bounded: an append that would take the spool past its
 //!   limit fails with [`SpoolError::Full`].
+//! - **Journal.** With `--audit-durability journal` every batch is
+//!   appended here before its insert, and answered once fsynced. Such a
+//!   segment is tracked: replay skips it while inserts of its rows are in
+//!   flight; once sealed with all of them committed it is deleted unread,
+//!   and if any insert failed it is replayed like an outage's. A segment
+//!   from an earlier life is untracked, so replay reads it (inserts are
+//!   idempotent on `request_id`, so a row both inserted and replayed stays
+//!   one row).
 
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
@@ -94,6 +102,14 @@ struct Current {
     len: u64,
 }
 
+/// A journal segment of this life: inserts of its rows in flight, and
+/// whether one failed (its rows then wait for replay).
+#[derive(Debug, Default)]
+struct Journaled {
+    in_flight: usize,
+    failed: bool,
+}
+
 #[derive(Debug)]
 pub struct Spool {
     root: PathBuf,
@@ -107,6 +123,7 @@ pub struct Spool {
     max_bytes: u64,
     used: Arc<AtomicU64>,
     cursor: Option<Cursor>,
+    journal: BTreeMap<PathBuf, Journaled>,
 }
 
 impl Spool {
@@ -149,6 +166,7 @@ impl Spool {
             max_bytes,
             used: Arc::new(AtomicU64::new(0)),
             cursor: None,
+            journal: BTreeMap::new(),
         };
         spool.recount();
         Ok(spool)
@@ -175,9 +193,21 @@ impl Spool {
         self.max_bytes
     }
 
-    /// Appends rows as whole lines and fsyncs them. On failure nothing of
-    /// this call stays in the segment.
+    /// Appends rows as whole lines and fsyncs them, for replay. On failure
+    /// nothing of this call stays in the segment.
     pub fn append(&mut self, rows: &[&AuditRecord]) -> Result<(), SpoolError> {
+        self.write(rows)?;
+        // Rows no insert will commit: a journal segment holding them must
+        // be replayed, not deleted.
+        if let Some(c) = &self.current
+            && let Some(j) = self.journal.get_mut(&c.path)
+        {
+            j.failed = true;
+        }
+        Ok(())
+    }
+
+    fn write(&mut self, rows: &[&AuditRecord]) -> Result<(), SpoolError> {
         let mut buf = Vec::new();
         for r in rows {
             serde_json::to_writer(&mut buf, r).map_err(|e| SpoolError::Io {
@@ -217,9 +247,73 @@ impl Spool {
         Ok(())
     }
 
-    /// Closes the segment being appended to, so replay may read it.
+    /// Appends a batch whose insert is about to start (the journal), and
+    /// names its segment for [`Spool::journal_done`].
+    pub fn journal(&mut self, rows: &[&AuditRecord]) -> Result<PathBuf, SpoolError> {
+        self.write(rows)?;
+        let path = self.current.as_ref().expect("appended").path.clone();
+        self.journal.entry(path.clone()).or_default().in_flight += 1;
+        Ok(path)
+    }
+
+    /// The insert of a batch journaled in `segment` has ended: its rows are
+    /// committed (`inserted`), or they wait for replay. A sealed segment
+    /// whose rows are all committed is deleted.
+    pub fn journal_done(&mut self, segment: &Path, inserted: bool) {
+        if let Some(j) = self.journal.get_mut(segment) {
+            j.in_flight = j.in_flight.saturating_sub(1);
+            j.failed |= !inserted;
+        }
+        self.drop_finished(segment);
+    }
+
+    /// Deletes `segment` when it is sealed and every row it journaled is
+    /// committed; forgets it once it needs no more tracking.
+    fn drop_finished(&mut self, segment: &Path) {
+        let current = self.current.as_ref().is_some_and(|c| c.path == segment);
+        let Some(j) = self.journal.get(segment) else {
+            return;
+        };
+        if current || j.in_flight > 0 {
+            return;
+        }
+        if j.failed {
+            // Replay reads it from now on, as any outage segment.
+            self.journal.remove(segment);
+            return;
+        }
+        let size = std::fs::metadata(segment).map_or(0, |m| m.len());
+        match std::fs::remove_file(segment) {
+            Ok(()) => {
+                self.journal.remove(segment);
+                let _ = self
+                    .used
+                    .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |u| {
+                        Some(u.saturating_sub(size))
+                    });
+            }
+            Err(e) => {
+                // Left for replay, which re-inserts idempotently.
+                tracing::warn!(segment = %segment.display(), error = %e, "journal segment not removed; replay will read it");
+                self.journal.remove(segment);
+            }
+        }
+    }
+
+    /// True when replay must leave `segment` alone: a journal segment of
+    /// this life with inserts in flight or none failed.
+    fn journaled(&self, segment: &Path) -> bool {
+        self.journal
+            .get(segment)
+            .is_some_and(|j| j.in_flight > 0 || !j.failed)
+    }
+
+    /// Closes the segment being appended to, so replay may read it (or, for
+    /// a journal segment whose rows are all committed, so it is deleted).
     pub fn seal(&mut self) {
-        self.current = None;
+        if let Some(c) = self.current.take() {
+            self.drop_finished(&c.path);
+        }
     }
 
     fn new_segment(&mut self) -> Result<Current, SpoolError> {
@@ -258,7 +352,7 @@ impl Spool {
         let mut out: Vec<PathBuf> = std::iter::once(self.own.clone())
             .chain(self.adopted.keys().cloned())
             .flat_map(|d| segments_in(&d))
-            .filter(|p| Some(p) != current.as_ref())
+            .filter(|p| Some(p) != current.as_ref() && !self.journaled(p))
             .collect();
         out.sort_by(|a, b| a.file_name().cmp(&b.file_name()));
         out
@@ -268,7 +362,7 @@ impl Spool {
     /// Adopting other directories is left to replay, which runs only while
     /// Postgres answers.
     pub fn has_backlog(&self) -> bool {
-        self.cursor.is_some() || !segments_in(&self.own).is_empty()
+        self.cursor.is_some() || segments_in(&self.own).iter().any(|p| !self.journaled(p))
     }
 
     /// After a failed chunk: the next read starts at the chunk again.
@@ -472,5 +566,93 @@ fn read_line(reader: &mut impl BufRead) -> std::io::Result<Option<Line>> {
             line.complete = true;
             return Ok(Some(line));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(i: u32) -> AuditRecord {
+        let now = chrono::Utc::now();
+        AuditRecord {
+            request_id: uuid::Uuid::now_v7(),
+            received_at: now,
+            completed_at: now,
+            tenant_id: None,
+            api_key_id: None,
+            api_key_prefix: None,
+            subject: None,
+            end_user: None,
+            model_name: format!("m{i}"),
+            route_id: None,
+            route_revision: None,
+            lora_int_id: None,
+            adapter_name: None,
+            adapter_version: None,
+            base_hash: None,
+            worker_id: None,
+            adapter_residency: None,
+            status: "rejected".into(),
+            http_status: 401,
+            error_code: None,
+            finish_reason: None,
+            prompt_tokens: 0,
+            completion_tokens: 0,
+            cached_tokens: 0,
+            latency_us: 1,
+            ttft_us: None,
+            attempts: 0,
+        }
+    }
+
+    fn replayed(spool: &mut Spool) -> Vec<String> {
+        let mut names = Vec::new();
+        while let Some(chunk) = spool.next_chunk().unwrap() {
+            names.extend(chunk.rows.iter().map(|r| r.model_name.clone()));
+            spool.commit(&chunk).unwrap();
+        }
+        names
+    }
+
+    #[test]
+    fn a_journal_segment_is_deleted_once_its_rows_are_committed_and_replayed_otherwise() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut spool = Spool::open(dir.path(), "gw", 1 << 20, 1 << 30).unwrap();
+
+        // Every insert committed: the sealed segment goes, unread.
+        let seg = spool.journal(&[&row(0)]).unwrap();
+        assert!(!spool.has_backlog(), "rows being inserted are no backlog");
+        spool.journal_done(&seg, true);
+        assert!(seg.exists(), "the current segment stays until sealed");
+        spool.seal();
+        assert!(!seg.exists());
+        assert_eq!(spool.used().load(Ordering::Relaxed), 0);
+        assert!(replayed(&mut spool).is_empty());
+
+        // A failed insert: its rows are replayed.
+        let seg = spool.journal(&[&row(1)]).unwrap();
+        spool.journal_done(&seg, false);
+        spool.seal();
+        assert!(spool.has_backlog());
+        assert_eq!(replayed(&mut spool), ["m1"]);
+        assert!(!seg.exists());
+
+        // Rows spooled during an outage into a journal segment keep it for
+        // replay, though the journaled batch's insert succeeded.
+        let seg = spool.journal(&[&row(2)]).unwrap();
+        spool.append(&[&row(3)]).unwrap();
+        spool.journal_done(&seg, true);
+        spool.seal();
+        assert!(seg.exists());
+        assert_eq!(replayed(&mut spool), ["m2", "m3"]);
+
+        // While an insert is in flight, replay leaves the segment alone,
+        // even sealed.
+        let seg = spool.journal(&[&row(4)]).unwrap();
+        spool.seal();
+        assert!(replayed(&mut spool).is_empty());
+        spool.journal_done(&seg, true);
+        assert!(!seg.exists());
     }
 }

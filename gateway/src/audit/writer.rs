@@ -9,6 +9,7 @@
 //!   permissions): Postgres is at fault. The breaker opens and rows go
 //!   straight to the spool, with no wait per batch, until a probe succeeds.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -20,7 +21,7 @@ use tokio::time::Instant;
 use uuid::Uuid;
 
 use super::spool::{BadLine, Spool};
-use super::{AuditRecord, Queued, Shared, sanitize};
+use super::{AuditRecord, Durability, Queued, Shared, sanitize};
 
 /// Most rows per INSERT.
 const BATCH: usize = 500;
@@ -44,16 +45,18 @@ pub(super) async fn run(
     mut spool: Spool,
     mut rx: mpsc::Receiver<Queued>,
     shared: Arc<Shared>,
+    durability: Durability,
     closing: Arc<tokio::sync::Notify>,
 ) {
     let mut w = Writer {
         pool,
         shared,
+        durability,
         next_probe: Instant::now(),
     };
     // Batches being inserted: while one waits for its commit the next
     // gathers, and Postgres commits them together.
-    let mut inserts: JoinSet<(Vec<Queued>, Result<(), Outage>)> = JoinSet::new();
+    let mut inserts: JoinSet<Inserted> = JoinSet::new();
     let mut backlog = spool.has_backlog();
     let mut next_tick = Instant::now();
     let mut closed = false;
@@ -77,12 +80,16 @@ pub(super) async fn run(
                         w.spool(&mut spool, batch).await;
                         backlog = true;
                     } else {
+                        let journaled = match w.durability {
+                            Durability::Journal => journal(&mut spool, &mut batch),
+                            Durability::Commit => None,
+                        };
                         let pool = w.pool.clone();
                         inserts.spawn(async move {
                             let rows: Vec<&AuditRecord> = batch.iter().map(|q| &q.record).collect();
                             let result = insert_resilient(&pool, &rows).await;
                             drop(rows);
-                            (batch, result)
+                            Inserted { batch, journaled, result }
                         });
                     }
                 }
@@ -129,9 +136,40 @@ fn ack(batch: Vec<Queued>) {
     }
 }
 
+/// An insert task's end: its rows, the journal segment that already holds
+/// them (their waiters were answered then), and how Postgres took them.
+struct Inserted {
+    batch: Vec<Queued>,
+    journaled: Option<PathBuf>,
+    result: Result<(), Outage>,
+}
+
+/// Journals a batch before its insert and answers its waiters: the rows
+/// are durable once fsynced there. None when the journal refused them
+/// (full or failing); the waiters then wait for the commit.
+fn journal(spool: &mut Spool, batch: &mut [Queued]) -> Option<PathBuf> {
+    let rows: Vec<&AuditRecord> = batch.iter().map(|q| &q.record).collect();
+    match spool.journal(&rows) {
+        Ok(segment) => {
+            counter("journal", rows.len());
+            for q in batch.iter_mut() {
+                if let Some(ack) = q.ack.take() {
+                    let _ = ack.send(());
+                }
+            }
+            Some(segment)
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, rows = rows.len(), "audit journal refused a batch; its answers wait for the commit");
+            None
+        }
+    }
+}
+
 struct Writer {
     pool: PgPool,
     shared: Arc<Shared>,
+    durability: Durability,
     next_probe: Instant,
 }
 
@@ -172,23 +210,37 @@ impl Writer {
     async fn inserted(
         &mut self,
         spool: &mut Spool,
-        done: Result<(Vec<Queued>, Result<(), Outage>), tokio::task::JoinError>,
+        done: Result<Inserted, tokio::task::JoinError>,
     ) -> bool {
-        let (batch, result) = match done {
+        let Inserted {
+            batch,
+            journaled,
+            result,
+        } = match done {
             Ok(d) => d,
             Err(e) => {
-                // The task owned the rows; a panic there loses them, loudly.
+                // The task owned the rows; a panic there loses them, loudly
+                // (unless journaled: replay after a restart brings them).
                 tracing::error!(error = %e, "audit insert task failed; its rows are lost");
                 return false;
             }
         };
-        match result {
-            Ok(()) => {
+        match (result, journaled) {
+            (Ok(()), journaled) => {
                 counter("postgres", batch.len());
+                if let Some(segment) = journaled {
+                    spool.journal_done(&segment, true);
+                }
                 ack(batch);
                 false
             }
-            Err(Outage(e)) => {
+            (Err(Outage(e)), Some(segment)) => {
+                // Already durable in the journal: replay brings them.
+                self.set_open(true, &e);
+                spool.journal_done(&segment, false);
+                true
+            }
+            (Err(Outage(e)), None) => {
                 self.set_open(true, &e);
                 self.spool(spool, batch).await;
                 true

@@ -155,6 +155,13 @@ pub struct ServeArgs {
     /// is refused instead (503 `audit_unavailable`), in seconds.
     #[arg(long, env = "LORAFLEET_AUDIT_ACK_TIMEOUT_SECS", default_value_t = 10)]
     pub audit_ack_timeout_secs: u64,
+    /// What a completion's answer waits for: `commit` (its audit row
+    /// committed in Postgres) or `journal` (the row fsynced in this
+    /// gateway's spool directory, then inserted just after; a crash
+    /// replays it). `journal` takes the database round trip off every
+    /// answer; put the spool on a disk with fast fsync.
+    #[arg(long, env = "LORAFLEET_AUDIT_DURABILITY", default_value = "commit")]
+    pub audit_durability: lorafleet_gateway::audit::Durability,
     /// On shutdown, how long the audit queue may take to reach Postgres or
     /// the spool, in seconds.
     #[arg(long, env = "LORAFLEET_AUDIT_FLUSH_SECS", default_value_t = 10)]
@@ -401,6 +408,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         queue_rows: args.audit_queue_rows,
         queue_bytes: args.audit_queue_bytes,
         ack_timeout: Duration::from_secs(args.audit_ack_timeout_secs),
+        durability: args.audit_durability,
     };
     // The request path's statements are short; a stuck one must not hold
     // a connection that audit writes and registry reloads need.
