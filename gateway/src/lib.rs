@@ -15,5 +15,6 @@ pub mod fuzzing;
 pub mod listener;
 pub mod ratelimit;
 pub mod registry;
+pub mod rollout;
 pub mod router;
 pub mod upstream;

@@ -9,6 +9,9 @@ const TABLES: &[&str] = &[
     "audit_dead_letter",
     "audit_log",
     "base_models",
+    "controller_leases",
+    "rollout_decisions",
+    "rollouts",
     "route_revisions",
     "route_weights",
     "routes",
@@ -63,7 +66,8 @@ async fn migrations_apply_to_an_empty_database_and_rerun_as_a_no_op() {
             (3, true),
             (4, true),
             (5, true),
-            (6, true)
+            (6, true),
+            (7, true)
         ],
         "each migration applied exactly once"
     );
@@ -86,7 +90,7 @@ async fn migrate_takes_the_url_from_the_environment() {
         .fetch_one(&db.pool().await)
         .await
         .unwrap();
-    assert_eq!(n, 6);
+    assert_eq!(n, 7);
 }
 
 #[test]

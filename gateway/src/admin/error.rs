@@ -29,7 +29,9 @@ pub enum AdminCode {
     NoChange,
     NoPreviousRevision,
     NotFound,
+    NoActiveRollout,
     RankTooLarge,
+    RolloutActive,
     StaleEtag,
     UnknownAdapter,
     WeightsSum,
@@ -38,7 +40,7 @@ pub enum AdminCode {
 impl AdminCode {
     /// Every code.
     #[cfg(test)]
-    pub const ALL: [AdminCode; 26] = [
+    pub const ALL: [AdminCode; 28] = [
         AdminCode::AdapterInUse,
         AdminCode::AdapterOfAnotherTenant,
         AdminCode::AdapterRetired,
@@ -61,7 +63,9 @@ impl AdminCode {
         AdminCode::NoChange,
         AdminCode::NoPreviousRevision,
         AdminCode::NotFound,
+        AdminCode::NoActiveRollout,
         AdminCode::RankTooLarge,
+        AdminCode::RolloutActive,
         AdminCode::StaleEtag,
         AdminCode::UnknownAdapter,
         AdminCode::WeightsSum,
@@ -91,7 +95,9 @@ impl AdminCode {
             AdminCode::NoChange => "no_change",
             AdminCode::NoPreviousRevision => "no_previous_revision",
             AdminCode::NotFound => "not_found",
+            AdminCode::NoActiveRollout => "no_active_rollout",
             AdminCode::RankTooLarge => "rank_too_large",
+            AdminCode::RolloutActive => "rollout_active",
             AdminCode::StaleEtag => "stale_etag",
             AdminCode::UnknownAdapter => "unknown_adapter",
             AdminCode::WeightsSum => "weights_sum",
@@ -123,7 +129,9 @@ impl AdminCode {
             AdminCode::NoChange => StatusCode::CONFLICT,
             AdminCode::NoPreviousRevision => StatusCode::CONFLICT,
             AdminCode::NotFound => StatusCode::NOT_FOUND,
+            AdminCode::NoActiveRollout => StatusCode::CONFLICT,
             AdminCode::RankTooLarge => StatusCode::UNPROCESSABLE_ENTITY,
+            AdminCode::RolloutActive => StatusCode::CONFLICT,
             AdminCode::StaleEtag => StatusCode::PRECONDITION_FAILED,
             AdminCode::UnknownAdapter => StatusCode::UNPROCESSABLE_ENTITY,
             AdminCode::WeightsSum => StatusCode::UNPROCESSABLE_ENTITY,

@@ -1,6 +1,6 @@
 //! The admin API, under `/admin/v1` on its own listen address: tenants, API
-//! keys, base models, adapter versions, routes and canaries, the fleet view,
-//! and audit-log queries.
+//! keys, base models, adapter versions, routes, canaries and progressive
+//! rollouts, the fleet view, and audit-log queries.
 //!
 //! - Callers present an admin JWT whose `role` claim is `admin` (every
 //!   operation), `auditor` (reads and audit queries) or `viewer` (reads).
@@ -145,6 +145,22 @@ pub fn router(state: AdminState) -> Router {
         )
         .route("/admin/v1/routes/{tenant}/{model}/promote", post(promote))
         .route("/admin/v1/routes/{tenant}/{model}/rollback", post(rollback))
+        .route(
+            "/admin/v1/routes/{tenant}/{model}/rollout",
+            get(get_rollout).post(start_rollout),
+        )
+        .route(
+            "/admin/v1/routes/{tenant}/{model}/rollout/pause",
+            post(pause_rollout),
+        )
+        .route(
+            "/admin/v1/routes/{tenant}/{model}/rollout/resume",
+            post(resume_rollout),
+        )
+        .route(
+            "/admin/v1/routes/{tenant}/{model}/rollout/abort",
+            post(abort_rollout),
+        )
         .route("/admin/v1/fleet", get(fleet_view))
         .route("/admin/v1/audit", get(audit_query))
         .route("/admin/v1/changes", get(list_changes))
@@ -174,6 +190,7 @@ mod changes;
 mod error;
 mod fleet;
 mod keys;
+mod rollouts;
 mod routes;
 mod tenants;
 pub mod types;
@@ -186,8 +203,10 @@ use changes::*;
 use error::*;
 use fleet::*;
 use keys::*;
+use rollouts::*;
 use routes::*;
 use tenants::*;
 
 pub use adapters::artifact_roots;
 pub use audit::{AuditFilter, AuditQuery, AuditRow, Cursor};
+pub use rollouts::{LEASE as ROLLOUT_LEASE, drive as drive_rollouts};

@@ -287,6 +287,7 @@ pub(super) async fn write_revision(
     existing: Option<(Uuid, RouteView)>,
     base_id: i64,
     weights: &[Weight],
+    rollout: Option<Value>,
 ) -> Result<RouteView, AdminError> {
     let tenant = tenant_id(&mut **tx, tenant_name, "tenant").await?;
     let (route_id, revision, before) = match existing {
@@ -351,13 +352,18 @@ pub(super) async fn write_revision(
         .await?
         .ok_or_else(|| AdminError::internal("the route vanished inside its transaction"))?;
     let object = format!("{tenant_name}/{model}");
+    let mut after_json = to_json(&after);
+    if let Some(r) = rollout {
+        // A rollout's step: what decided it, with its figures.
+        after_json["rollout"] = r;
+    }
     record(
         tx,
         actor,
         action,
         ("route", &object),
         before.as_ref().map(to_json),
-        Some(to_json(&after)),
+        Some(after_json),
     )
     .await?;
     Ok(after)
@@ -381,6 +387,9 @@ pub(super) async fn put_route(
         &tenant,
         &model,
     )?;
+    if let Some((route_id, _)) = &existing {
+        refuse_during_rollout(&mut tx, *route_id, &tenant, &model).await?;
+    }
     let base_id = if spec.weights.is_empty() {
         let name = spec.base_model.as_deref().ok_or_else(|| {
             AdminError::field(
@@ -413,6 +422,7 @@ pub(super) async fn put_route(
         existing,
         base_id,
         &spec.weights,
+        None,
     )
     .await?;
     commit(&s, tx).await?;
@@ -439,6 +449,7 @@ pub(super) async fn promote(
         .await?
         .ok_or_else(|| AdminError::not_found("model", format!("route {tenant}/{model}")))?;
     check_etag(sent, Some(existing.1.revision), &tenant, &model)?;
+    refuse_during_rollout(&mut tx, existing.0, &tenant, &model).await?;
     let weights = [Weight {
         lora_int_id: p.lora_int_id,
         weight_bp: registry::WEIGHT_TOTAL,
@@ -460,6 +471,7 @@ pub(super) async fn promote(
         Some(existing),
         base_id,
         &weights,
+        None,
     )
     .await?;
     commit(&s, tx).await?;
@@ -479,6 +491,7 @@ pub(super) async fn rollback(
         .await?
         .ok_or_else(|| AdminError::not_found("model", format!("route {tenant}/{model}")))?;
     check_etag(sent, Some(current.revision), &tenant, &model)?;
+    refuse_during_rollout(&mut tx, route_id, &tenant, &model).await?;
     if current.revision <= 1 {
         return Err(AdminError::conflict(
             AdminCode::NoPreviousRevision,
@@ -523,6 +536,7 @@ pub(super) async fn rollback(
         Some((route_id, current)),
         base_id,
         &weights,
+        None,
     )
     .await?;
     commit(&s, tx).await?;

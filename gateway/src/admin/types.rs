@@ -224,3 +224,71 @@ pub struct ChangeRow {
 pub struct ChangeList {
     pub changes: Vec<ChangeRow>,
 }
+
+/// `POST /routes/{tenant}/{model}/rollout`: a candidate version takes the
+/// route step by step. Absent fields take the defaults shown by
+/// `lorafleetctl routes rollout start --help`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RolloutSpec {
+    pub candidate_lora_int_id: i64,
+    /// The candidate's share at each step, in basis points, rising to
+    /// 10000 (default 100, 1000, 5000, 10000).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub steps: Option<Vec<u32>>,
+    /// How long each step is held before it may advance (default 300).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hold_secs: Option<u32>,
+    /// Requests each version needs in a step's window before any decision
+    /// (default 20).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub min_requests: Option<u32>,
+    /// How far the candidate's error rate may exceed the stable's, as a
+    /// fraction (default 0.01).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_error_rate_increase: Option<f64>,
+    /// The candidate's p95 time to first token at most this multiple of the
+    /// stable's (default 1.5).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_ttft_p95_ratio: Option<f64>,
+    /// The same for the p95 time per output token (default 1.5).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_tpot_p95_ratio: Option<f64>,
+}
+
+/// One decision of a rollout, with the figures it was taken on.
+#[derive(Debug, Clone, Serialize, Deserialize, sqlx::FromRow)]
+pub struct RolloutDecision {
+    pub at: DateTime<Utc>,
+    /// start, advance, succeed, roll_back, pause, resume or abort.
+    pub decision: String,
+    pub step_index: i32,
+    pub revision: Option<i32>,
+    pub actor: String,
+    pub figures: Option<Value>,
+    pub reason: Option<String>,
+}
+
+/// A rollout as `GET /routes/{tenant}/{model}/rollout` answers (the route's
+/// latest).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RolloutView {
+    pub id: Uuid,
+    pub tenant: String,
+    pub model: String,
+    /// running, paused, succeeded, rolled_back or aborted.
+    pub state: String,
+    pub stable_lora_int_id: i64,
+    pub candidate_lora_int_id: i64,
+    pub steps: Vec<u32>,
+    pub step_index: u32,
+    pub step_started_at: DateTime<Utc>,
+    pub hold_secs: u32,
+    pub min_requests: u32,
+    pub max_error_rate_increase: f64,
+    pub max_ttft_p95_ratio: f64,
+    pub max_tpot_p95_ratio: f64,
+    pub reason: Option<String>,
+    pub created_by: String,
+    pub decisions: Vec<RolloutDecision>,
+}

@@ -139,6 +139,9 @@ pub async fn plane(label: &str) -> Plane {
             // Long, so that changes must travel by announcement.
             .args(["--registry-refresh-secs", "600"])
             .args(["--max-lora-rank", "8"])
+            // Rollouts in seconds: judged every 200 ms, a leader replaced
+            // within 2 s.
+            .args(["--rollout-tick-ms", "200", "--rollout-lease-secs", "2"])
             .arg("--admin-jwt-hmac-secret-file")
             .arg(&secret)
             .args(["--admin-jwt-algorithms", "HS256"])

@@ -162,6 +162,14 @@ pub struct ServeArgs {
     /// answer; put the spool on a disk with fast fsync.
     #[arg(long, env = "LORAFLEET_AUDIT_DURABILITY", default_value = "commit")]
     pub audit_durability: lorafleet_gateway::audit::Durability,
+    /// How often the rollout controller judges running rollouts (and the
+    /// replica holding its lease renews it), in milliseconds.
+    #[arg(long, env = "LORAFLEET_ROLLOUT_TICK_MS", default_value_t = 5000)]
+    pub rollout_tick_ms: u64,
+    /// How long the rollout lease lasts unrenewed, in seconds: when the
+    /// replica driving rollouts dies, another takes over within this.
+    #[arg(long, env = "LORAFLEET_ROLLOUT_LEASE_SECS", default_value_t = 30)]
+    pub rollout_lease_secs: u64,
     /// On shutdown, how long the audit queue may take to reach Postgres or
     /// the spool, in seconds.
     #[arg(long, env = "LORAFLEET_AUDIT_FLUSH_SECS", default_value_t = 10)]
@@ -344,10 +352,20 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         ("--audit-queue-rows", args.audit_queue_rows as u64),
         ("--audit-ack-timeout-secs", args.audit_ack_timeout_secs),
         ("--audit-flush-secs", args.audit_flush_secs),
+        ("--rollout-tick-ms", args.rollout_tick_ms),
+        ("--rollout-lease-secs", args.rollout_lease_secs),
     ] {
         if v == 0 {
             bail!("{flag}: must be at least 1");
         }
+    }
+    if args.rollout_tick_ms.saturating_mul(2) > args.rollout_lease_secs.saturating_mul(1000) {
+        bail!(
+            "--rollout-tick-ms: {} must be at most half of --rollout-lease-secs ({} s), \
+             so that the lease is renewed before it expires",
+            args.rollout_tick_ms,
+            args.rollout_lease_secs
+        );
     }
     let per_tenant = match args.max_concurrent_per_tenant {
         Some(0) => bail!("--max-concurrent-per-tenant: must be at least 1"),
@@ -493,7 +511,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
                 .await
                 .with_context(|| format!("--admin-listen {listen}"))?;
             let addr = listener.local_addr()?;
-            let admin = lorafleet_gateway::admin::router(lorafleet_gateway::admin::AdminState {
+            let admin_state = lorafleet_gateway::admin::AdminState {
                 pool: admin_pool
                     .clone()
                     .expect("an admin pool with --admin-listen"),
@@ -504,7 +522,22 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
                 artifact_roots,
                 max_lora_rank: args.max_lora_rank,
                 fleet: state.fleet.clone(),
-            });
+            };
+            // Every replica with an admin plane runs the rollout
+            // controller; the lease lets one act at a time.
+            tokio::spawn(lorafleet_gateway::rollout::run(
+                admin_state.clone(),
+                lorafleet_gateway::rollout::ControllerConfig {
+                    holder: format!(
+                        "{}-{}",
+                        audit_config.spool_owner,
+                        &uuid::Uuid::new_v4().simple().to_string()[..8]
+                    ),
+                    tick: Duration::from_millis(args.rollout_tick_ms),
+                    lease: Duration::from_secs(args.rollout_lease_secs),
+                },
+            ));
+            let admin = lorafleet_gateway::admin::router(admin_state);
             tokio::spawn(async move {
                 let _ = axum::serve(listener, admin).await;
             });

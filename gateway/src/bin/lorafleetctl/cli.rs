@@ -255,6 +255,56 @@ pub(crate) enum RouteCmd {
         #[arg(long)]
         etag: String,
     },
+    /// Progressive rollouts: a candidate version takes the route step by
+    /// step, advanced or rolled back by the gateway on error rate and
+    /// latency.
+    #[command(subcommand)]
+    Rollout(RolloutCmd),
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum RolloutCmd {
+    /// Starts a rollout of CANDIDATE on a route that sends all its traffic
+    /// to one version (the stable one).
+    Start {
+        tenant: String,
+        model: String,
+        /// The candidate's lora_int_id.
+        candidate: i64,
+        /// The candidate's share at each step, in basis points, rising to
+        /// 10000.
+        #[arg(long, value_delimiter = ',', default_value = "100,1000,5000,10000")]
+        steps: Vec<u32>,
+        /// Seconds each step is held before it may advance.
+        #[arg(long, default_value_t = 300)]
+        hold_secs: u32,
+        /// Requests each version needs in a step's window before any decision.
+        #[arg(long, default_value_t = 20)]
+        min_requests: u32,
+        /// How far the candidate's error rate may exceed the stable's (0.01:
+        /// one percentage point).
+        #[arg(long, default_value_t = 0.01)]
+        max_error_rate_increase: f64,
+        /// The candidate's p95 time to first token at most this multiple of
+        /// the stable's.
+        #[arg(long, default_value_t = 1.5)]
+        max_ttft_p95_ratio: f64,
+        /// The same for the p95 time per output token.
+        #[arg(long, default_value_t = 1.5)]
+        max_tpot_p95_ratio: f64,
+        /// The route's current etag (from `routes get`).
+        #[arg(long)]
+        etag: String,
+    },
+    /// The route's latest rollout: its step, gates and every decision with
+    /// its figures.
+    Status { tenant: String, model: String },
+    /// Holds the current step: no decision until resumed.
+    Pause { tenant: String, model: String },
+    /// Resumes a paused rollout; the step's window starts again.
+    Resume { tenant: String, model: String },
+    /// Ends the rollout and sends all traffic back to the stable version.
+    Abort { tenant: String, model: String },
 }
 
 #[derive(Debug, clap::Args)]

@@ -17,6 +17,7 @@ mod client;
 mod fleet;
 mod registry;
 mod render;
+mod rollout;
 mod routes;
 mod token;
 
@@ -27,6 +28,7 @@ use client::*;
 use fleet::*;
 use registry::*;
 use render::*;
+use rollout::*;
 use routes::*;
 use token::*;
 

@@ -164,6 +164,7 @@ pub(crate) async fn routes(c: &Client, cmd: RouteCmd) -> Result<(), Failure> {
                 .await?;
             show_route(c, &as_json(&route));
         }
+        RouteCmd::Rollout(cmd) => rollout(c, cmd).await?,
     }
     Ok(())
 }

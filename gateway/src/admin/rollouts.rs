@@ -1,0 +1,663 @@
+//! Progressive rollouts on a route: start, status, pause, resume and abort
+//! from the admin API, and the controller's decisions (advance, succeed,
+//! roll back). Every change of weights is a route revision written with its
+//! `admin_changes` row; a decision's row carries the figures it was taken
+//! on. While a rollout is in progress, manual weight changes are refused.
+
+use super::*;
+use crate::rollout::gates::{self, Figures, Gates, Verdict};
+
+/// The actor of the controller's decisions in `admin_changes`.
+pub const CONTROLLER: &str = "rollout-controller";
+/// The lease row that names the replica driving rollouts.
+pub const LEASE: &str = "rollouts";
+const DEFAULT_STEPS: [u32; 4] = [100, 1000, 5000, 10000];
+const DEFAULT_HOLD_SECS: u32 = 300;
+const MAX_HOLD_SECS: u32 = 7 * 24 * 3600;
+
+#[derive(Debug, Clone, sqlx::FromRow)]
+struct Rollout {
+    id: Uuid,
+    route_id: Uuid,
+    stable_lora_int_id: i64,
+    candidate_lora_int_id: i64,
+    steps_bp: Vec<i32>,
+    hold_secs: i32,
+    min_requests: i32,
+    max_error_rate_increase: f64,
+    max_ttft_p95_ratio: f64,
+    max_tpot_p95_ratio: f64,
+    step_index: i32,
+    step_started_at: DateTime<Utc>,
+    state: String,
+    reason: Option<String>,
+    created_by: String,
+}
+
+const COLUMNS: &str = "id, route_id, stable_lora_int_id, candidate_lora_int_id, steps_bp, \
+    hold_secs, min_requests, max_error_rate_increase, max_ttft_p95_ratio, max_tpot_p95_ratio, \
+    step_index, step_started_at, state::TEXT AS state, reason, created_by";
+
+impl Rollout {
+    fn gates(&self) -> Gates {
+        Gates {
+            min_requests: self.min_requests as u64,
+            max_error_rate_increase: self.max_error_rate_increase,
+            max_ttft_p95_ratio: self.max_ttft_p95_ratio,
+            max_tpot_p95_ratio: self.max_tpot_p95_ratio,
+        }
+    }
+
+    fn share(&self, step: i32) -> u32 {
+        self.steps_bp[step as usize] as u32
+    }
+
+    /// The route's weights with the candidate at `share` basis points.
+    fn weights(&self, share: u32) -> Vec<Weight> {
+        let mut w = vec![Weight {
+            lora_int_id: self.candidate_lora_int_id,
+            weight_bp: share,
+        }];
+        if share < registry::WEIGHT_TOTAL {
+            w.push(Weight {
+                lora_int_id: self.stable_lora_int_id,
+                weight_bp: registry::WEIGHT_TOTAL - share,
+            });
+        }
+        w.sort_by_key(|w| w.lora_int_id);
+        w
+    }
+
+    fn stable_only(&self) -> Vec<Weight> {
+        vec![Weight {
+            lora_int_id: self.stable_lora_int_id,
+            weight_bp: registry::WEIGHT_TOTAL,
+        }]
+    }
+}
+
+/// The rollout in progress on a route, if any.
+async fn active(
+    ex: &mut sqlx::PgConnection,
+    route_id: Uuid,
+    lock: bool,
+) -> Result<Option<Rollout>, AdminError> {
+    sqlx::query_as(sql!(
+        "SELECT {COLUMNS} FROM rollouts WHERE route_id = $1 AND state IN ('running', 'paused') {}",
+        if lock { "FOR UPDATE" } else { "" }
+    ))
+    .bind(route_id)
+    .fetch_optional(ex)
+    .await
+    .map_err(db_error)
+}
+
+/// Refuses a manual change of a route's weights while a rollout drives it.
+pub(super) async fn refuse_during_rollout(
+    ex: &mut sqlx::PgConnection,
+    route_id: Uuid,
+    tenant: &str,
+    model: &str,
+) -> Result<(), AdminError> {
+    if active(ex, route_id, false).await?.is_some() {
+        return Err(AdminError::conflict(
+            AdminCode::RolloutActive,
+            "model",
+            format!(
+                "route {tenant}/{model} has a rollout in progress; abort it first \
+                 (lorafleetctl routes rollout abort {tenant} {model})"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// One row of `rollout_decisions`.
+struct Decision<'a> {
+    what: &'a str,
+    step_index: i32,
+    revision: Option<i32>,
+    actor: &'a str,
+    figures: Option<Value>,
+    reason: Option<&'a str>,
+}
+
+async fn decision(
+    tx: &mut Transaction<'_, Postgres>,
+    r: &Rollout,
+    d: Decision<'_>,
+) -> Result<(), AdminError> {
+    sqlx::query(
+        "INSERT INTO rollout_decisions (rollout_id, decision, step_index, revision, actor, figures, reason)
+         VALUES ($1, $2, $3, $4, $5, $6, $7)",
+    )
+    .bind(r.id)
+    .bind(d.what)
+    .bind(d.step_index)
+    .bind(d.revision)
+    .bind(d.actor)
+    .bind(d.figures)
+    .bind(d.reason)
+    .execute(&mut **tx)
+    .await
+    .map_err(db_error)?;
+    metrics::counter!("lorafleet_gateway_rollout_decisions_total", "decision" => d.what.to_owned())
+        .increment(1);
+    Ok(())
+}
+
+/// The route's latest rollout with its decisions.
+async fn view(
+    ex: &mut sqlx::PgConnection,
+    tenant: &str,
+    model: &str,
+    route_id: Uuid,
+) -> Result<Option<RolloutView>, AdminError> {
+    let r: Option<Rollout> = sqlx::query_as(sql!(
+        "SELECT {COLUMNS} FROM rollouts WHERE route_id = $1 ORDER BY created_at DESC, id LIMIT 1"
+    ))
+    .bind(route_id)
+    .fetch_optional(&mut *ex)
+    .await
+    .map_err(db_error)?;
+    let Some(r) = r else { return Ok(None) };
+    let decisions: Vec<RolloutDecision> = sqlx::query_as(
+        "SELECT at, decision, step_index, revision, actor, figures, reason
+         FROM rollout_decisions WHERE rollout_id = $1 ORDER BY id",
+    )
+    .bind(r.id)
+    .fetch_all(&mut *ex)
+    .await
+    .map_err(db_error)?;
+    Ok(Some(RolloutView {
+        id: r.id,
+        tenant: tenant.to_owned(),
+        model: model.to_owned(),
+        state: r.state.clone(),
+        stable_lora_int_id: r.stable_lora_int_id,
+        candidate_lora_int_id: r.candidate_lora_int_id,
+        steps: r.steps_bp.iter().map(|&s| s as u32).collect(),
+        step_index: r.step_index as u32,
+        step_started_at: r.step_started_at,
+        hold_secs: r.hold_secs as u32,
+        min_requests: r.min_requests as u32,
+        max_error_rate_increase: r.max_error_rate_increase,
+        max_ttft_p95_ratio: r.max_ttft_p95_ratio,
+        max_tpot_p95_ratio: r.max_tpot_p95_ratio,
+        reason: r.reason,
+        created_by: r.created_by,
+        decisions,
+    }))
+}
+
+fn no_route(tenant: &str, model: &str) -> AdminError {
+    AdminError::not_found("model", format!("route {tenant}/{model}"))
+}
+
+pub(super) async fn start_rollout(
+    State(s): State<AdminState>,
+    headers: HeaderMap,
+    Path((tenant, model)): Path<(String, String)>,
+    body: Bytes,
+) -> Result<Response, AdminError> {
+    let actor = authorize(&s, &headers, Need::Write)?;
+    let sent = if_match(&headers)?;
+    let spec: RolloutSpec = parse_body(&body)?;
+    let steps = spec.steps.clone().unwrap_or_else(|| DEFAULT_STEPS.to_vec());
+    gates::check_steps(&steps).map_err(|(f, m)| AdminError::field(f, m))?;
+    let defaults = Gates::default();
+    let g = Gates {
+        min_requests: spec.min_requests.map_or(defaults.min_requests, u64::from),
+        max_error_rate_increase: spec
+            .max_error_rate_increase
+            .unwrap_or(defaults.max_error_rate_increase),
+        max_ttft_p95_ratio: spec
+            .max_ttft_p95_ratio
+            .unwrap_or(defaults.max_ttft_p95_ratio),
+        max_tpot_p95_ratio: spec
+            .max_tpot_p95_ratio
+            .unwrap_or(defaults.max_tpot_p95_ratio),
+    };
+    gates::check_gates(&g).map_err(|(f, m)| AdminError::field(f, m))?;
+    let hold = spec.hold_secs.unwrap_or(DEFAULT_HOLD_SECS);
+    if hold == 0 || hold > MAX_HOLD_SECS {
+        return Err(AdminError::field(
+            "hold_secs",
+            format!("{hold} must be between 1 and {MAX_HOLD_SECS}"),
+        ));
+    }
+    let mut tx = s.pool.begin().await.map_err(db_error)?;
+    let tenant_uuid = tenant_id(&mut *tx, &tenant, "tenant").await?;
+    let (route_id, current) = load_route(&mut tx, &tenant, &model, true)
+        .await?
+        .ok_or_else(|| no_route(&tenant, &model))?;
+    check_etag(sent, Some(current.revision), &tenant, &model)?;
+    refuse_during_rollout(&mut tx, route_id, &tenant, &model).await?;
+    let stable = match current.weights.as_slice() {
+        [w] if w.weight_bp == registry::WEIGHT_TOTAL as i32 => w.lora_int_id,
+        other => {
+            return Err(AdminError::conflict(
+                AdminCode::RolloutActive,
+                "model",
+                format!(
+                    "route {tenant}/{model} sends its traffic to {} versions; a rollout starts \
+                     from a route on exactly one (promote one first)",
+                    other.len()
+                ),
+            ));
+        }
+    };
+    if spec.candidate_lora_int_id == stable {
+        return Err(AdminError::field(
+            "candidate_lora_int_id",
+            format!("{stable} already takes all of route {tenant}/{model}"),
+        ));
+    }
+    let mut r = Rollout {
+        id: Uuid::nil(),
+        route_id,
+        stable_lora_int_id: stable,
+        candidate_lora_int_id: spec.candidate_lora_int_id,
+        steps_bp: steps.iter().map(|&s| s as i32).collect(),
+        hold_secs: hold as i32,
+        min_requests: g.min_requests as i32,
+        max_error_rate_increase: g.max_error_rate_increase,
+        max_ttft_p95_ratio: g.max_ttft_p95_ratio,
+        max_tpot_p95_ratio: g.max_tpot_p95_ratio,
+        step_index: 0,
+        step_started_at: Utc::now(),
+        state: "running".into(),
+        reason: None,
+        created_by: actor.subject.clone(),
+    };
+    let weights = r.weights(steps[0]);
+    let base_id = check_weights(&mut tx, &weights, None, tenant_uuid)
+        .await
+        .map_err(|mut e| {
+            if e.param
+                .as_deref()
+                .is_some_and(|p| p.starts_with("weights["))
+            {
+                e.param = Some("candidate_lora_int_id".into());
+            }
+            e
+        })?;
+    r.id = sqlx::query_scalar(
+        "INSERT INTO rollouts (route_id, stable_lora_int_id, candidate_lora_int_id, steps_bp,
+             hold_secs, min_requests, max_error_rate_increase, max_ttft_p95_ratio,
+             max_tpot_p95_ratio, created_by)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) RETURNING id",
+    )
+    .bind(r.route_id)
+    .bind(r.stable_lora_int_id)
+    .bind(r.candidate_lora_int_id)
+    .bind(&r.steps_bp)
+    .bind(r.hold_secs)
+    .bind(r.min_requests)
+    .bind(r.max_error_rate_increase)
+    .bind(r.max_ttft_p95_ratio)
+    .bind(r.max_tpot_p95_ratio)
+    .bind(&r.created_by)
+    .fetch_one(&mut *tx)
+    .await
+    .map_err(db_error)?;
+    let note = json!({"rollout": r.id, "decision": "start", "step_index": 0,
+                      "candidate_share_bp": steps[0]});
+    let route = write_revision(
+        &mut tx,
+        &actor,
+        "route.rollout_start",
+        &tenant,
+        &model,
+        Some((route_id, current)),
+        base_id,
+        &weights,
+        Some(note),
+    )
+    .await?;
+    let start = Decision {
+        what: "start",
+        step_index: 0,
+        revision: Some(route.revision),
+        actor: &actor.subject,
+        figures: None,
+        reason: None,
+    };
+    decision(&mut tx, &r, start).await?;
+    let v = view(&mut tx, &tenant, &model, route_id)
+        .await?
+        .ok_or_else(|| AdminError::internal("the rollout vanished inside its transaction"))?;
+    commit(&s, tx).await?;
+    Ok(reply(StatusCode::CREATED, &actor, to_json(&v)))
+}
+
+pub(super) async fn get_rollout(
+    State(s): State<AdminState>,
+    headers: HeaderMap,
+    Path((tenant, model)): Path<(String, String)>,
+) -> Result<Response, AdminError> {
+    let actor = authorize(&s, &headers, Need::Read)?;
+    let mut conn = s.pool.acquire().await.map_err(db_error)?;
+    let (route_id, _) = load_route(&mut conn, &tenant, &model, false)
+        .await?
+        .ok_or_else(|| no_route(&tenant, &model))?;
+    let v = view(&mut conn, &tenant, &model, route_id)
+        .await?
+        .ok_or_else(|| AdminError::not_found("model", format!("a rollout on {tenant}/{model}")))?;
+    Ok(reply(StatusCode::OK, &actor, to_json(&v)))
+}
+
+pub(super) async fn pause_rollout(
+    s: State<AdminState>,
+    headers: HeaderMap,
+    path: Path<(String, String)>,
+) -> Result<Response, AdminError> {
+    change_rollout(s, headers, path, "pause").await
+}
+
+pub(super) async fn resume_rollout(
+    s: State<AdminState>,
+    headers: HeaderMap,
+    path: Path<(String, String)>,
+) -> Result<Response, AdminError> {
+    change_rollout(s, headers, path, "resume").await
+}
+
+pub(super) async fn abort_rollout(
+    s: State<AdminState>,
+    headers: HeaderMap,
+    path: Path<(String, String)>,
+) -> Result<Response, AdminError> {
+    change_rollout(s, headers, path, "abort").await
+}
+
+async fn change_rollout(
+    State(s): State<AdminState>,
+    headers: HeaderMap,
+    Path((tenant, model)): Path<(String, String)>,
+    what: &str,
+) -> Result<Response, AdminError> {
+    let actor = authorize(&s, &headers, Need::Write)?;
+    let mut tx = s.pool.begin().await.map_err(db_error)?;
+    let tenant_uuid = tenant_id(&mut *tx, &tenant, "tenant").await?;
+    let (route_id, current) = load_route(&mut tx, &tenant, &model, true)
+        .await?
+        .ok_or_else(|| no_route(&tenant, &model))?;
+    let r = active(&mut tx, route_id, true).await?.ok_or_else(|| {
+        AdminError::conflict(
+            AdminCode::NoActiveRollout,
+            "model",
+            format!("route {tenant}/{model} has no rollout in progress"),
+        )
+    })?;
+    let before = json!({"state": r.state, "step_index": r.step_index});
+    let object = format!("{tenant}/{model}");
+    let (state, revision) = match (what, r.state.as_str()) {
+        ("pause", "running") => ("paused", None),
+        // A resumed step's window starts again: figures from before the
+        // pause are not the step's.
+        ("resume", "paused") => ("running", None),
+        ("abort", _) => {
+            let weights = r.stable_only();
+            let base_id = check_weights(&mut tx, &weights, None, tenant_uuid).await?;
+            let note = json!({"rollout": r.id, "decision": "abort", "step_index": r.step_index});
+            let route = write_revision(
+                &mut tx,
+                &actor,
+                "route.rollout_abort",
+                &tenant,
+                &model,
+                Some((route_id, current)),
+                base_id,
+                &weights,
+                Some(note),
+            )
+            .await?;
+            ("aborted", Some(route.revision))
+        }
+        (_, now) => {
+            return Err(AdminError::conflict(
+                AdminCode::NoActiveRollout,
+                "model",
+                format!("the rollout on {tenant}/{model} is {now}; it cannot {what}"),
+            ));
+        }
+    };
+    let reason = (what == "abort").then(|| format!("aborted by {}", actor.subject));
+    sqlx::query(
+        "UPDATE rollouts SET state = $2::rollout_state, reason = coalesce($3, reason),
+             step_started_at = CASE WHEN $4 THEN now() ELSE step_started_at END,
+             updated_at = now()
+         WHERE id = $1",
+    )
+    .bind(r.id)
+    .bind(state)
+    .bind(&reason)
+    .bind(what == "resume")
+    .execute(&mut *tx)
+    .await
+    .map_err(db_error)?;
+    let d = Decision {
+        what,
+        step_index: r.step_index,
+        revision,
+        actor: &actor.subject,
+        figures: None,
+        reason: reason.as_deref(),
+    };
+    decision(&mut tx, &r, d).await?;
+    if revision.is_none() {
+        let after = json!({"state": state, "step_index": r.step_index});
+        record(
+            &mut tx,
+            &actor,
+            &format!("route.rollout_{what}"),
+            ("route", &object),
+            Some(before),
+            Some(after),
+        )
+        .await?;
+    }
+    let v = view(&mut tx, &tenant, &model, route_id)
+        .await?
+        .ok_or_else(|| AdminError::internal("the rollout vanished inside its transaction"))?;
+    commit(&s, tx).await?;
+    Ok(reply(StatusCode::OK, &actor, to_json(&v)))
+}
+
+/// What each version did since the step began, from the audit log.
+async fn window(pool: &PgPool, r: &Rollout) -> Result<(Figures, Figures), AdminError> {
+    type Row = (i64, i64, i64, Option<f64>, Option<f64>);
+    let rows: Vec<Row> = sqlx::query_as(
+        "SELECT lora_int_id,
+                count(*) FILTER (WHERE status = 'ok' OR (status = 'error' AND http_status >= 500)),
+                count(*) FILTER (WHERE status = 'error' AND http_status >= 500),
+                percentile_cont(0.95) WITHIN GROUP (ORDER BY ttft_us)
+                    FILTER (WHERE status = 'ok' AND ttft_us IS NOT NULL),
+                percentile_cont(0.95) WITHIN GROUP
+                    (ORDER BY (latency_us - ttft_us)::FLOAT8 / (completion_tokens - 1))
+                    FILTER (WHERE status = 'ok' AND ttft_us IS NOT NULL AND completion_tokens > 1)
+         FROM audit_log
+         WHERE route_id = $1 AND received_at >= $2 AND lora_int_id = ANY($3)
+         GROUP BY lora_int_id",
+    )
+    .bind(r.route_id)
+    .bind(r.step_started_at)
+    .bind(vec![r.candidate_lora_int_id, r.stable_lora_int_id])
+    .fetch_all(pool)
+    .await
+    .map_err(db_error)?;
+    let mut out = (Figures::default(), Figures::default());
+    for (id, requests, errors, ttft, tpot) in rows {
+        let f = Figures {
+            requests: requests as u64,
+            errors: errors as u64,
+            ttft_p95_ms: ttft.map(|us| us / 1000.0),
+            tpot_p95_ms: tpot.map(|us| us / 1000.0),
+        };
+        if id == r.candidate_lora_int_id {
+            out.0 = f;
+        } else {
+            out.1 = f;
+        }
+    }
+    Ok(out)
+}
+
+/// One turn of the controller, run by the replica that holds the lease:
+/// judges every running rollout's step and writes what it decides. Returns
+/// the decisions written.
+pub async fn drive(state: &AdminState, holder: &str) -> Result<usize, String> {
+    let running: Vec<Rollout> = sqlx::query_as(sql!(
+        "SELECT {COLUMNS} FROM rollouts WHERE state = 'running' ORDER BY created_at"
+    ))
+    .fetch_all(&state.pool)
+    .await
+    .map_err(|e| e.to_string())?;
+    let mut written = 0;
+    for r in running {
+        match judge_step(state, holder, &r).await {
+            Ok(true) => written += 1,
+            Ok(false) => {}
+            Err(e) => {
+                tracing::warn!(rollout = %r.id, error = %e.message, "rollout step not judged")
+            }
+        }
+    }
+    Ok(written)
+}
+
+async fn judge_step(state: &AdminState, holder: &str, r: &Rollout) -> Result<bool, AdminError> {
+    let (candidate, stable) = window(&state.pool, r).await?;
+    let held = Utc::now() - r.step_started_at >= chrono::Duration::seconds(r.hold_secs.into());
+    let verdict = gates::judge(&r.gates(), &candidate, &stable, held);
+    export(r, &candidate, &stable);
+    let (what, next, reason) = match &verdict {
+        Verdict::Wait(_) => return Ok(false),
+        // The last step is all traffic: reaching it ends the rollout, since
+        // no stable traffic is left to compare with.
+        Verdict::Advance if r.share(r.step_index + 1) == registry::WEIGHT_TOTAL => {
+            ("succeed", r.step_index + 1, None)
+        }
+        Verdict::Advance => ("advance", r.step_index + 1, None),
+        Verdict::RollBack(why) => ("roll_back", r.step_index, Some(why.clone())),
+    };
+    let mut tx = state.pool.begin().await.map_err(db_error)?;
+    // Only the lease holder writes, and the lease cannot change hands
+    // until this transaction ends (the row is share-locked).
+    let leased: Option<String> = sqlx::query_scalar(
+        "SELECT holder FROM controller_leases
+         WHERE name = $1 AND holder = $2 AND expires_at > now() FOR SHARE",
+    )
+    .bind(LEASE)
+    .bind(holder)
+    .fetch_optional(&mut *tx)
+    .await
+    .map_err(db_error)?;
+    if leased.is_none() {
+        return Ok(false);
+    }
+    // The rollout as it was judged: a step another replica took, or a
+    // pause since, writes nothing.
+    let now: Option<Rollout> = sqlx::query_as(sql!(
+        "SELECT {COLUMNS} FROM rollouts WHERE id = $1 FOR UPDATE"
+    ))
+    .bind(r.id)
+    .fetch_optional(&mut *tx)
+    .await
+    .map_err(db_error)?;
+    if !now.is_some_and(|n| n.state == "running" && n.step_index == r.step_index) {
+        return Ok(false);
+    }
+    let (tenant, tenant_uuid, model): (String, Uuid, String) = sqlx::query_as(
+        "SELECT t.name, t.id, r.model_name FROM routes r JOIN tenants t ON t.id = r.tenant_id
+         WHERE r.id = $1",
+    )
+    .bind(r.route_id)
+    .fetch_one(&mut *tx)
+    .await
+    .map_err(db_error)?;
+    let current = load_route(&mut tx, &tenant, &model, true)
+        .await?
+        .ok_or_else(|| no_route(&tenant, &model))?;
+    let weights = match what {
+        "roll_back" => r.stable_only(),
+        _ => r.weights(r.share(next)),
+    };
+    let base_id = check_weights(&mut tx, &weights, None, tenant_uuid).await?;
+    let figures = json!({"candidate": candidate, "stable": stable});
+    let note = json!({"rollout": r.id, "decision": what, "step_index": next,
+                      "candidate_share_bp": weights.iter()
+                          .find(|w| w.lora_int_id == r.candidate_lora_int_id)
+                          .map_or(0, |w| w.weight_bp),
+                      "figures": figures, "reason": reason});
+    let actor = Actor {
+        subject: CONTROLLER.into(),
+        role: Role::Admin,
+        request_id: Uuid::now_v7(),
+    };
+    let route = write_revision(
+        &mut tx,
+        &actor,
+        &format!("route.rollout_{what}"),
+        &tenant,
+        &model,
+        Some(current),
+        base_id,
+        &weights,
+        Some(note),
+    )
+    .await?;
+    let new_state = match what {
+        "succeed" => "succeeded",
+        "roll_back" => "rolled_back",
+        _ => "running",
+    };
+    sqlx::query(
+        "UPDATE rollouts SET state = $2::rollout_state, step_index = $3, reason = $4,
+             step_started_at = now(), updated_at = now()
+         WHERE id = $1",
+    )
+    .bind(r.id)
+    .bind(new_state)
+    .bind(next)
+    .bind(&reason)
+    .execute(&mut *tx)
+    .await
+    .map_err(db_error)?;
+    let d = Decision {
+        what,
+        step_index: next,
+        revision: Some(route.revision),
+        actor: CONTROLLER,
+        figures: Some(figures),
+        reason: reason.as_deref(),
+    };
+    decision(&mut tx, r, d).await?;
+    commit(state, tx).await?;
+    tracing::info!(rollout = %r.id, route = %format!("{tenant}/{model}"), decision = what,
+                   step_index = next, reason = reason.as_deref().unwrap_or(""), "rollout decision");
+    Ok(true)
+}
+
+/// The rollout's step and gate figures at `/metrics`.
+fn export(r: &Rollout, candidate: &Figures, stable: &Figures) {
+    let id = r.id.to_string();
+    metrics::gauge!("lorafleet_gateway_rollout_candidate_share_bp", "rollout" => id.clone())
+        .set(f64::from(r.steps_bp[r.step_index as usize]));
+    for (version, f) in [("candidate", candidate), ("stable", stable)] {
+        let g = |figure: &'static str, v: f64| {
+            metrics::gauge!("lorafleet_gateway_rollout_window", "rollout" => id.clone(),
+                            "version" => version, "figure" => figure)
+            .set(v);
+        };
+        g("requests", f.requests as f64);
+        g("error_rate", f.error_rate());
+        if let Some(v) = f.ttft_p95_ms {
+            g("ttft_p95_ms", v);
+        }
+        if let Some(v) = f.tpot_p95_ms {
+            g("tpot_p95_ms", v);
+        }
+    }
+}

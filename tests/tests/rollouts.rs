@@ -1,0 +1,383 @@
+//! Progressive rollouts with real processes: two gateway replicas (each
+//! running the controller, one holding the lease), a worker on the fixture
+//! model, Postgres and Redis, driven through `lorafleetctl`.
+
+#[path = "support/admin_plane.rs"]
+mod admin_plane;
+
+use std::time::{Duration, Instant};
+
+use admin_plane::*;
+use serde_json::Value;
+
+/// Tenant acme with a key, the fixture base model, `support` v1 (qv-r8)
+/// at 100% and a candidate v2 from `candidate_uri`. Returns (key, v1, v2).
+fn setup(p: &Plane, candidate_uri: &str) -> (String, i64, i64) {
+    p.ctl_json(&["tenants", "create", "acme"]);
+    let key = p.ctl_json(&["keys", "create", "acme"])["key"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let llama = lorafleet_tests::engine_fixtures().join("llama-gqa");
+    p.ctl_json(&[
+        "base-models",
+        "register",
+        "llama-gqa",
+        "--architecture",
+        "llama",
+        "--model-dir",
+        llama.to_str().unwrap(),
+    ]);
+    let register = |uri: &str| {
+        p.ctl_json(&[
+            "adapters",
+            "register",
+            "support",
+            "--tenant",
+            "acme",
+            "--base-model",
+            "llama-gqa",
+            "--artifact-uri",
+            uri,
+        ])["lora_int_id"]
+            .as_i64()
+            .unwrap()
+    };
+    let v1 = register("llama-gqa/qv-r8");
+    let v2 = register(candidate_uri);
+    p.ctl_json(&[
+        "routes",
+        "set",
+        "acme",
+        "support",
+        "--weights",
+        &format!("{v1}=10000"),
+    ]);
+    (key, v1, v2)
+}
+
+fn etag(p: &Plane) -> String {
+    p.ctl_json(&["routes", "get", "acme", "support"])["etag"]
+        .as_str()
+        .unwrap()
+        .to_owned()
+}
+
+/// Starts a rollout. `latency_ratio` is both p95 latency gates: generous
+/// where a test is not about latency, since a p95 over a handful of
+/// requests on a shared machine is noise.
+fn start(
+    p: &Plane,
+    candidate: i64,
+    steps: &str,
+    hold: &str,
+    min: &str,
+    latency_ratio: &str,
+) -> Value {
+    let etag = etag(p);
+    p.ctl_json(&[
+        "routes",
+        "rollout",
+        "start",
+        "acme",
+        "support",
+        &candidate.to_string(),
+        "--steps",
+        steps,
+        "--hold-secs",
+        hold,
+        "--min-requests",
+        min,
+        "--max-ttft-p95-ratio",
+        latency_ratio,
+        "--max-tpot-p95-ratio",
+        latency_ratio,
+        "--etag",
+        &etag,
+    ])
+}
+
+fn status(p: &Plane) -> Value {
+    p.ctl_json(&["routes", "rollout", "status", "acme", "support"])
+}
+
+/// Sends traffic through `replica` (a new `user` each time, so the split
+/// spreads) until the rollout is no longer running; returns its status.
+async fn traffic_until_done(p: &Plane, replica: usize, key: &str) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let mut i = 0;
+    loop {
+        for _ in 0..8 {
+            i += 1;
+            p.complete(replica, key, "support", &format!("user-{i}"))
+                .await;
+        }
+        let s = status(p);
+        if s["state"] != "running" {
+            return s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the rollout never ended: {s}\n{}",
+            p.gateways[0].log_text()
+        );
+    }
+}
+
+fn decisions(s: &Value) -> Vec<(String, i64, String)> {
+    s["decisions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| {
+            (
+                d["decision"].as_str().unwrap().to_owned(),
+                d["step_index"].as_i64().unwrap(),
+                d["actor"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect()
+}
+
+fn route_weights(p: &Plane) -> Vec<(i64, i64)> {
+    p.ctl_json(&["routes", "get", "acme", "support"])["weights"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| {
+            (
+                w["lora_int_id"].as_i64().unwrap(),
+                w["weight_bp"].as_i64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_healthy_candidate_advances_through_every_step_to_all_traffic() {
+    let p = plane("rollout_healthy").await;
+    let (key, _v1, v2) = setup(&p, "llama-gqa/o-r2");
+    let started = start(&p, v2, "2000,5000,10000", "1", "5", "100");
+    assert_eq!(started["state"], "running", "{started}");
+    let end = traffic_until_done(&p, 0, &key).await;
+    assert_eq!(end["state"], "succeeded", "{end}");
+    let controller = "rollout-controller".to_owned();
+    assert_eq!(
+        decisions(&end),
+        [
+            ("start".into(), 0, "alice".into()),
+            ("advance".into(), 1, controller.clone()),
+            ("succeed".into(), 2, controller),
+        ]
+    );
+    assert_eq!(route_weights(&p), [(v2, 10000)]);
+    // One revision per decision, each with its admin_changes row carrying
+    // the figures it was taken on.
+    let changes = p.ctl_json(&[
+        "changes",
+        "--object-type",
+        "route",
+        "--object-id",
+        "acme/support",
+    ]);
+    let by_controller: Vec<&Value> = changes["changes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["actor"] == "rollout-controller")
+        .collect();
+    assert_eq!(by_controller.len(), 2, "{changes}");
+    for c in by_controller {
+        let figures = &c["after"]["rollout"]["figures"];
+        assert!(
+            figures["candidate"]["requests"].as_u64().unwrap() >= 5
+                && figures["stable"]["requests"].as_u64().unwrap() >= 5,
+            "{c}"
+        );
+        assert!(
+            figures["candidate"]["ttft_p95_ms"].as_f64().is_some(),
+            "{c}"
+        );
+    }
+    let revisions: Vec<i64> = end["decisions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["revision"].as_i64().unwrap())
+        .collect();
+    assert!(
+        revisions.windows(2).all(|w| w[1] == w[0] + 1),
+        "{revisions:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broken_candidate_is_rolled_back_within_one_window() {
+    let p = plane("rollout_broken").await;
+    // A candidate the registry accepts and every worker then refuses: its
+    // weights change after registration, so the digest no longer matches.
+    copy_dir(
+        &p.root.path().join("llama-gqa/o-r2"),
+        &p.root.path().join("llama-gqa/broken"),
+    );
+    let (key, v1, v2) = setup(&p, "llama-gqa/broken");
+    let weights = p
+        .root
+        .path()
+        .join("llama-gqa/broken/adapter_model.safetensors");
+    let mut bytes = std::fs::read(&weights).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0xff;
+    std::fs::write(&weights, bytes).unwrap();
+    // A long hold: only a failed gate can end this step.
+    start(&p, v2, "2000,10000", "600", "5", "100");
+    let began = Instant::now();
+    let end = traffic_until_done(&p, 0, &key).await;
+    assert!(began.elapsed() < Duration::from_secs(600));
+    assert_eq!(end["state"], "rolled_back", "{end}");
+    let reason = end["reason"].as_str().unwrap();
+    assert!(reason.contains("error rate"), "{reason}");
+    assert_eq!(
+        decisions(&end).last().unwrap(),
+        &("roll_back".into(), 0, "rollout-controller".into())
+    );
+    assert_eq!(route_weights(&p), [(v1, 10000)]);
+    // From the rollback on (once the change has reached this replica, by
+    // announcement), the broken candidate takes no request: every one is
+    // answered.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    for i in 0..10 {
+        let (status, body) = p.complete(0, &key, "support", &format!("after-{i}")).await;
+        assert_eq!(status, 200, "{body}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_replica_takes_over_a_rollout_when_the_leader_dies() {
+    let mut p = plane("rollout_failover").await;
+    let (key, _v1, v2) = setup(&p, "llama-gqa/o-r2");
+    let lease = || async {
+        sqlx::query_scalar::<_, String>(
+            "SELECT holder FROM controller_leases WHERE name = 'rollouts'",
+        )
+        .fetch_optional(&p.pool)
+        .await
+        .unwrap()
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let first = loop {
+        if let Some(h) = lease().await {
+            break h;
+        }
+        assert!(Instant::now() < deadline, "no replica took the lease");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    // Which replica leads: the one whose metrics say so.
+    let mut leader = None;
+    for (i, g) in p.gateways.iter().enumerate() {
+        let m = reqwest::get(format!("http://{}/metrics", g.addr("metrics")))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        if m.lines().any(|l| l == "lorafleet_gateway_rollout_leader 1") {
+            assert!(leader.is_none(), "two leaders");
+            leader = Some(i);
+        }
+    }
+    let leader = leader.expect("one replica leads");
+    start(&p, v2, "2000,5000,10000", "1", "5", "100");
+    p.gateways[leader].child.kill().unwrap();
+    p.gateways[leader].child.wait().unwrap();
+    // lorafleetctl and the traffic go to replica 0: make it the survivor.
+    if leader == 0 {
+        p.gateways.swap(0, 1);
+    }
+    let end = traffic_until_done(&p, 0, &key).await;
+    assert_eq!(end["state"], "succeeded", "{end}");
+    let second = lease().await.unwrap();
+    assert_ne!(first, second, "the survivor holds the lease");
+    let steps: Vec<i64> = decisions(&end).iter().map(|d| d.1).collect();
+    assert_eq!(steps, [0, 1, 2], "no step taken twice: {end}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pause_and_abort_do_what_they_say_and_manual_changes_wait_for_the_end() {
+    let p = plane("rollout_pause").await;
+    let (key, v1, v2) = setup(&p, "llama-gqa/o-r2");
+    start(&p, v2, "5000,10000", "1", "3", "100");
+    let tag = etag(&p);
+    p.ctl(&[
+        "routes",
+        "promote",
+        "acme",
+        "support",
+        &v2.to_string(),
+        "--etag",
+        &tag,
+    ])
+    .refused(5, "rollout in progress");
+    p.ctl(&["routes", "rollback", "acme", "support", "--etag", &tag])
+        .refused(5, "rollout in progress");
+    p.ctl(&[
+        "routes",
+        "set",
+        "acme",
+        "support",
+        "--weights",
+        &format!("{v1}=10000"),
+        "--etag",
+        &tag,
+    ])
+    .refused(5, "rollout in progress");
+    p.ctl(&[
+        "routes",
+        "rollout",
+        "start",
+        "acme",
+        "support",
+        &v2.to_string(),
+        "--etag",
+        &tag,
+    ])
+    .refused(5, "rollout in progress");
+
+    let paused = p.ctl_json(&["routes", "rollout", "pause", "acme", "support"]);
+    assert_eq!(paused["state"], "paused");
+    // Enough traffic and time for a step, yet no decision while paused.
+    for i in 0..24 {
+        p.complete(0, &key, "support", &format!("user-{i}")).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let still = status(&p);
+    assert_eq!(
+        (still["state"].as_str(), still["step_index"].as_i64()),
+        (Some("paused"), Some(0)),
+        "{still}"
+    );
+    p.ctl(&["routes", "rollout", "pause", "acme", "support"])
+        .refused(5, "paused");
+    assert_eq!(
+        p.ctl_json(&["routes", "rollout", "resume", "acme", "support"])["state"],
+        "running"
+    );
+    let aborted = p.ctl_json(&["routes", "rollout", "abort", "acme", "support"]);
+    assert_eq!(aborted["state"], "aborted");
+    let kinds: Vec<String> = decisions(&aborted).into_iter().map(|d| d.0).collect();
+    assert_eq!(kinds, ["start", "pause", "resume", "abort"]);
+    assert_eq!(route_weights(&p), [(v1, 10000)]);
+    p.ctl(&["routes", "rollout", "abort", "acme", "support"])
+        .refused(5, "no rollout in progress");
+    // Over: manual changes are allowed again.
+    let promoted = p.ctl_json(&[
+        "routes",
+        "promote",
+        "acme",
+        "support",
+        &v2.to_string(),
+        "--etag",
+        &etag(&p),
+    ]);
+    assert_eq!(promoted["weights"][0]["lora_int_id"], v2);
+}
