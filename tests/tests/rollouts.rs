@@ -349,6 +349,17 @@ async fn pause_and_abort_do_what_they_say_and_manual_changes_wait_for_the_end() 
     for i in 0..24 {
         p.complete(0, &key, "support", &format!("user-{i}")).await;
     }
+    // Within a step (here 50/50), a user keeps to one version.
+    for _ in 0..6 {
+        p.complete(0, &key, "support", "sticky").await;
+    }
+    let versions: i64 = sqlx::query_scalar(
+        "SELECT count(DISTINCT lora_int_id) FROM audit_log WHERE end_user = 'sticky'",
+    )
+    .fetch_one(&p.pool)
+    .await
+    .unwrap();
+    assert_eq!(versions, 1, "a user's requests split across versions");
     tokio::time::sleep(Duration::from_secs(2)).await;
     let still = status(&p);
     assert_eq!(
