@@ -242,6 +242,18 @@ async fn a_broken_candidate_is_rolled_back_within_one_window() {
         &("roll_back".into(), 0, "rollout-controller".into())
     );
     assert_eq!(route_weights(&p), [(v1, 10000)]);
+    // The candidate took about its step's share (20%) until then: well
+    // under half.
+    let (candidate, total): (i64, i64) =
+        sqlx::query_as("SELECT count(*) FILTER (WHERE lora_int_id = $1), count(*) FROM audit_log")
+            .bind(v2)
+            .fetch_one(&p.pool)
+            .await
+            .unwrap();
+    assert!(
+        candidate >= 5 && 2 * candidate < total,
+        "{candidate} of {total} requests hit the candidate"
+    );
     // From the rollback on (once the change has reached this replica, by
     // announcement), the broken candidate takes no request: every one is
     // answered.
