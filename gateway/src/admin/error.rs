@@ -32,6 +32,7 @@ pub enum AdminCode {
     NoActiveRollout,
     RankTooLarge,
     RolloutActive,
+    RolloutNeedsOneVersion,
     StaleEtag,
     UnknownAdapter,
     WeightsSum,
@@ -40,7 +41,7 @@ pub enum AdminCode {
 impl AdminCode {
     /// Every code.
     #[cfg(test)]
-    pub const ALL: [AdminCode; 28] = [
+    pub const ALL: [AdminCode; 29] = [
         AdminCode::AdapterInUse,
         AdminCode::AdapterOfAnotherTenant,
         AdminCode::AdapterRetired,
@@ -66,6 +67,7 @@ impl AdminCode {
         AdminCode::NoActiveRollout,
         AdminCode::RankTooLarge,
         AdminCode::RolloutActive,
+        AdminCode::RolloutNeedsOneVersion,
         AdminCode::StaleEtag,
         AdminCode::UnknownAdapter,
         AdminCode::WeightsSum,
@@ -98,6 +100,7 @@ impl AdminCode {
             AdminCode::NoActiveRollout => "no_active_rollout",
             AdminCode::RankTooLarge => "rank_too_large",
             AdminCode::RolloutActive => "rollout_active",
+            AdminCode::RolloutNeedsOneVersion => "rollout_needs_one_version",
             AdminCode::StaleEtag => "stale_etag",
             AdminCode::UnknownAdapter => "unknown_adapter",
             AdminCode::WeightsSum => "weights_sum",
@@ -132,6 +135,7 @@ impl AdminCode {
             AdminCode::NoActiveRollout => StatusCode::CONFLICT,
             AdminCode::RankTooLarge => StatusCode::UNPROCESSABLE_ENTITY,
             AdminCode::RolloutActive => StatusCode::CONFLICT,
+            AdminCode::RolloutNeedsOneVersion => StatusCode::CONFLICT,
             AdminCode::StaleEtag => StatusCode::PRECONDITION_FAILED,
             AdminCode::UnknownAdapter => StatusCode::UNPROCESSABLE_ENTITY,
             AdminCode::WeightsSum => StatusCode::UNPROCESSABLE_ENTITY,

@@ -237,10 +237,10 @@ pub(super) async fn start_rollout(
         [w] if w.weight_bp == registry::WEIGHT_TOTAL as i32 => w.lora_int_id,
         other => {
             return Err(AdminError::conflict(
-                AdminCode::RolloutActive,
+                AdminCode::RolloutNeedsOneVersion,
                 "model",
                 format!(
-                    "route {tenant}/{model} sends its traffic to {} versions; a rollout starts \
+                    "route {tenant}/{model} sends its traffic to {} adapter versions; a rollout starts \
                      from a route on exactly one (promote one first)",
                     other.len()
                 ),
@@ -465,17 +465,21 @@ async fn change_rollout(
     Ok(reply(StatusCode::OK, &actor, to_json(&v)))
 }
 
-/// What each version did since the step began, from the audit log.
+/// What each version did since the step began, from the audit log. An
+/// error is a worker failure or a 5xx, or a stream cut after its first
+/// token (recorded `error` with the 200 it had started with); a client's
+/// 4xx is neither a request nor an error of the version.
 async fn window(pool: &PgPool, r: &Rollout) -> Result<(Figures, Figures), AdminError> {
     type Row = (i64, i64, i64, Option<f64>, Option<f64>);
     let rows: Vec<Row> = sqlx::query_as(
         "SELECT lora_int_id,
-                count(*) FILTER (WHERE status = 'ok' OR (status = 'error' AND http_status >= 500)),
-                count(*) FILTER (WHERE status = 'error' AND http_status >= 500),
+                count(*) FILTER (WHERE status = 'ok'
+                                 OR (status = 'error' AND http_status NOT BETWEEN 400 AND 499)),
+                count(*) FILTER (WHERE status = 'error' AND http_status NOT BETWEEN 400 AND 499),
                 percentile_cont(0.95) WITHIN GROUP (ORDER BY ttft_us)
                     FILTER (WHERE status = 'ok' AND ttft_us IS NOT NULL),
                 percentile_cont(0.95) WITHIN GROUP
-                    (ORDER BY (latency_us - ttft_us)::FLOAT8 / (completion_tokens - 1))
+                    (ORDER BY (latency_us - ttft_us)::FLOAT8 / NULLIF(completion_tokens - 1, 0))
                     FILTER (WHERE status = 'ok' AND ttft_us IS NOT NULL AND completion_tokens > 1)
          FROM audit_log
          WHERE route_id = $1 AND received_at >= $2 AND lora_int_id = ANY($3)
@@ -557,18 +561,8 @@ async fn judge_step(state: &AdminState, holder: &str, r: &Rollout) -> Result<boo
     if leased.is_none() {
         return Ok(false);
     }
-    // The rollout as it was judged: a step another replica took, or a
-    // pause since, writes nothing.
-    let now: Option<Rollout> = sqlx::query_as(sql!(
-        "SELECT {COLUMNS} FROM rollouts WHERE id = $1 FOR UPDATE"
-    ))
-    .bind(r.id)
-    .fetch_optional(&mut *tx)
-    .await
-    .map_err(db_error)?;
-    if !now.is_some_and(|n| n.state == "running" && n.step_index == r.step_index) {
-        return Ok(false);
-    }
+    // The route first, then the rollout: the order the admin calls lock
+    // them in, so the two never deadlock.
     let (tenant, tenant_uuid, model): (String, Uuid, String) = sqlx::query_as(
         "SELECT t.name, t.id, r.model_name FROM routes r JOIN tenants t ON t.id = r.tenant_id
          WHERE r.id = $1",
@@ -580,6 +574,22 @@ async fn judge_step(state: &AdminState, holder: &str, r: &Rollout) -> Result<boo
     let current = load_route(&mut tx, &tenant, &model, true)
         .await?
         .ok_or_else(|| no_route(&tenant, &model))?;
+    // The rollout as it was judged: a step another replica took, or a
+    // pause (and resume, which restarts the window) since, writes nothing.
+    let now: Option<Rollout> = sqlx::query_as(sql!(
+        "SELECT {COLUMNS} FROM rollouts WHERE id = $1 FOR UPDATE"
+    ))
+    .bind(r.id)
+    .fetch_optional(&mut *tx)
+    .await
+    .map_err(db_error)?;
+    if !now.is_some_and(|n| {
+        n.state == "running"
+            && n.step_index == r.step_index
+            && n.step_started_at == r.step_started_at
+    }) {
+        return Ok(false);
+    }
     let weights = match what {
         "roll_back" => r.stable_only(),
         _ => r.weights(r.share(next)),

@@ -22,15 +22,29 @@ pub(super) async fn load_route(
         DateTime<Utc>,
         String,
     );
-    let row: Option<Row> = sqlx::query_as(sql!(
+    if lock {
+        // The route row alone first: locked through the join below, a row
+        // another transaction changed meanwhile would be re-checked against
+        // its old revision's join and missed. The next statement sees the
+        // committed change.
+        sqlx::query(
+            "SELECT r.id FROM routes r JOIN tenants t ON t.id = r.tenant_id
+             WHERE t.name = $1 AND r.model_name = $2 FOR UPDATE OF r",
+        )
+        .bind(tenant)
+        .bind(model)
+        .fetch_optional(&mut *ex)
+        .await
+        .map_err(db_error)?;
+    }
+    let row: Option<Row> = sqlx::query_as(
         "SELECT r.id, t.name, r.model_name, r.current_revision, b.name, rr.target::TEXT,
                 r.updated_at, rr.created_by
          FROM routes r JOIN tenants t ON t.id = r.tenant_id
          JOIN route_revisions rr ON rr.route_id = r.id AND rr.revision = r.current_revision
          JOIN base_models b ON b.id = rr.base_model_id
-         WHERE t.name = $1 AND r.model_name = $2 {}",
-        if lock { "FOR UPDATE OF r" } else { "" }
-    ))
+         WHERE t.name = $1 AND r.model_name = $2",
+    )
     .bind(tenant)
     .bind(model)
     .fetch_optional(&mut *ex)
