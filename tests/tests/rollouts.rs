@@ -187,7 +187,7 @@ async fn a_healthy_candidate_advances_through_every_step_to_all_traffic() {
     let p = plane("rollout_healthy").await;
     let (key, v1, v2) = setup(&p, "llama-gqa/o-r2");
     warm(&p, &key, v1, v2).await;
-    let started = start(&p, v2, "2000,5000,10000", "1", "8", "100");
+    let started = start(&p, v2, "2000,5000,10000", "2", "8", "100");
     assert_eq!(started["state"], "running", "{started}");
     let end = traffic_until_done(&p, 0, &key).await;
     assert_eq!(end["state"], "succeeded", "{end}");
@@ -330,7 +330,7 @@ async fn another_replica_takes_over_a_rollout_when_the_leader_dies() {
         }
     }
     let leader = leader.expect("one replica leads");
-    start(&p, v2, "2000,5000,10000", "1", "8", "100");
+    start(&p, v2, "2000,5000,10000", "2", "8", "100");
     p.gateways[leader].child.kill().unwrap();
     p.gateways[leader].child.wait().unwrap();
     // lorafleetctl and the traffic go to replica 0: make it the survivor.
@@ -434,4 +434,39 @@ async fn pause_and_abort_do_what_they_say_and_manual_changes_wait_for_the_end() 
         &etag(&p),
     ]);
     assert_eq!(promoted["weights"][0]["lora_int_id"], v2);
+}
+
+/// A step that never gets enough requests is inconclusive: after ten hold
+/// times the controller pauses the rollout for an operator, the weights
+/// unchanged, rather than keep the candidate's share forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_inconclusive_step_pauses_for_an_operator() {
+    let p = plane("rollout_inconclusive").await;
+    let (key, v1, v2) = setup(&p, "llama-gqa/o-r2");
+    start(&p, v2, "5000,10000", "1", "1000", "100");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut i = 0;
+    let end = loop {
+        i += 1;
+        p.complete(0, &key, "support", &format!("user-{i}")).await;
+        let s = status(&p);
+        if s["state"] != "running" {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "never paused: {s}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(end["state"], "paused", "{end}");
+    let reason = end["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("inconclusive") && reason.contains("of 1000 requests"),
+        "{reason}"
+    );
+    assert_eq!(
+        decisions(&end).last().unwrap(),
+        &("pause".into(), 0, "rollout-controller".into())
+    );
+    let mut weights = route_weights(&p);
+    weights.sort();
+    assert_eq!(weights, [(v1, 5000), (v2, 5000)], "the step's weights stay");
 }

@@ -14,6 +14,11 @@ pub const LEASE: &str = "rollouts";
 const DEFAULT_STEPS: [u32; 4] = [100, 1000, 5000, 10000];
 const DEFAULT_HOLD_SECS: u32 = 300;
 const MAX_HOLD_SECS: u32 = 7 * 24 * 3600;
+/// A step still short of requests after this many hold times is
+/// inconclusive: the controller pauses the rollout for an operator (resume
+/// to give it a fresh window, or abort) rather than hold the candidate's
+/// share indefinitely.
+const INCONCLUSIVE_HOLDS: i64 = 10;
 
 #[derive(Debug, Clone, sqlx::FromRow)]
 struct Rollout {
@@ -533,10 +538,21 @@ pub async fn drive(state: &AdminState, holder: &str) -> Result<usize, String> {
 
 async fn judge_step(state: &AdminState, holder: &str, r: &Rollout) -> Result<bool, AdminError> {
     let (candidate, stable) = window(&state.pool, r).await?;
-    let held = Utc::now() - r.step_started_at >= chrono::Duration::seconds(r.hold_secs.into());
+    let elapsed = Utc::now() - r.step_started_at;
+    let held = elapsed >= chrono::Duration::seconds(r.hold_secs.into());
+    let inconclusive =
+        elapsed >= chrono::Duration::seconds(INCONCLUSIVE_HOLDS * i64::from(r.hold_secs));
     let verdict = gates::judge(&r.gates(), &candidate, &stable, held);
     export(r, &candidate, &stable);
     let (what, next, reason) = match &verdict {
+        Verdict::Wait(why) if inconclusive => (
+            "pause",
+            r.step_index,
+            Some(format!(
+                "inconclusive: after {INCONCLUSIVE_HOLDS} hold times, {why}; resume for a fresh \
+                 window or abort"
+            )),
+        ),
         Verdict::Wait(_) => return Ok(false),
         // The last step is all traffic: reaching it ends the rollout, since
         // no stable traffic is left to compare with.
@@ -590,22 +606,57 @@ async fn judge_step(state: &AdminState, holder: &str, r: &Rollout) -> Result<boo
     }) {
         return Ok(false);
     }
-    let weights = match what {
-        "roll_back" => r.stable_only(),
-        _ => r.weights(r.share(next)),
-    };
-    let base_id = check_weights(&mut tx, &weights, None, tenant_uuid).await?;
     let figures = json!({"candidate": candidate, "stable": stable});
-    let note = json!({"rollout": r.id, "decision": what, "step_index": next,
-                      "candidate_share_bp": weights.iter()
-                          .find(|w| w.lora_int_id == r.candidate_lora_int_id)
-                          .map_or(0, |w| w.weight_bp),
-                      "figures": figures, "reason": reason});
     let actor = Actor {
         subject: CONTROLLER.into(),
         role: Role::Admin,
         request_id: Uuid::now_v7(),
     };
+    if what == "pause" {
+        // The weights stay; only the rollout waits for an operator.
+        sqlx::query(
+            "UPDATE rollouts SET state = 'paused', reason = $2, updated_at = now() WHERE id = $1",
+        )
+        .bind(r.id)
+        .bind(&reason)
+        .execute(&mut *tx)
+        .await
+        .map_err(db_error)?;
+        record(
+            &mut tx,
+            &actor,
+            "route.rollout_pause",
+            ("route", &format!("{tenant}/{model}")),
+            Some(json!({"state": "running", "step_index": r.step_index})),
+            Some(json!({"state": "paused", "step_index": r.step_index,
+                        "rollout": {"rollout": r.id, "decision": what, "figures": figures,
+                                    "reason": reason}})),
+        )
+        .await?;
+        let d = Decision {
+            what,
+            step_index: r.step_index,
+            revision: None,
+            actor: CONTROLLER,
+            figures: Some(figures),
+            reason: reason.as_deref(),
+        };
+        decision(&mut tx, r, d).await?;
+        commit(state, tx).await?;
+        tracing::warn!(rollout = %r.id, route = %format!("{tenant}/{model}"),
+                       reason = reason.as_deref().unwrap_or(""), "rollout paused");
+        return Ok(true);
+    }
+    let weights = match what {
+        "roll_back" => r.stable_only(),
+        _ => r.weights(r.share(next)),
+    };
+    let base_id = check_weights(&mut tx, &weights, None, tenant_uuid).await?;
+    let note = json!({"rollout": r.id, "decision": what, "step_index": next,
+                      "candidate_share_bp": weights.iter()
+                          .find(|w| w.lora_int_id == r.candidate_lora_int_id)
+                          .map_or(0, |w| w.weight_bp),
+                      "figures": figures, "reason": reason});
     let route = write_revision(
         &mut tx,
         &actor,
