@@ -17,6 +17,9 @@
 //! `--audit-durability journal` (answers wait for the audit row's fsync in
 //! the local journal instead of its Postgres commit).
 //!
+//! `GATEWAY_OVERHEAD_ALONE=commit` (or `journal`) runs one gateway on one
+//! stand-in instead, with nothing else of the bench beside it.
+//!
 //! Needs Postgres at 127.0.0.1:5432 (user postgres, trust) and Redis at
 //! 127.0.0.1:6379, like the tests.
 
@@ -398,6 +401,58 @@ fn direct(grpc: pb::worker_client::WorkerClient<tonic::transport::Channel>) -> C
     })
 }
 
+/// Warms every path, measures each open loop in interleaved rounds and its
+/// maximum rate, and prints the table; `added` names differences (b - a).
+async fn measure(paths: &[(&str, Call)], added: &[(&str, usize, usize)]) {
+    // Warm every path.
+    for _ in 0..200 {
+        for (_, call) in paths {
+            assert!(call().await, "a warm-up call failed");
+        }
+    }
+
+    println!(
+        "gateway overhead, STAND-IN worker (one token, no model), {RATE} req/s open loop, \
+         {ROUNDS} interleaved rounds of {ROUND_SECS} s per path, {} cores",
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+    println!("| path | ok | failed | p50 | p99 | max req/s (64 callers, 5 s) |");
+    println!("|---|---:|---:|---:|---:|---:|");
+    let mut lat: Vec<Vec<Duration>> = vec![Vec::new(); paths.len()];
+    let mut failed = vec![0; paths.len()];
+    for round in 0..ROUNDS as usize {
+        // Rotate which path goes first, so drift hits all alike.
+        for k in 0..paths.len() {
+            let i = (round + k) % paths.len();
+            let call = paths[i].1.clone();
+            let (l, f) = open_loop(move || call()).await;
+            lat[i].extend(l);
+            failed[i] += f;
+        }
+    }
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let mut p = Vec::new();
+    for (i, (name, call)) in paths.iter().enumerate() {
+        lat[i].sort();
+        let call = call.clone();
+        let max = max_rps(move || call(), 64).await;
+        let (p50, p99) = (ms(percentile(&lat[i], 0.50)), ms(percentile(&lat[i], 0.99)));
+        p.push((p50, p99));
+        println!(
+            "| {name} | {} | {} | {p50:.3} ms | {p99:.3} ms | {max:.0} |",
+            lat[i].len(),
+            failed[i],
+        );
+    }
+    for &(name, a, b) in added {
+        println!(
+            "| {name} | | | {:.3} ms | {:.3} ms | |",
+            p[b].0 - p[a].0,
+            p[b].1 - p[a].1
+        );
+    }
+}
+
 fn main() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
@@ -427,6 +482,62 @@ fn main() {
         seed(&url).await;
 
         let prefix = format!("{db}:");
+        if let Ok(mode) = std::env::var("GATEWAY_OVERHEAD_ALONE") {
+            // One gateway and one stand-in: what the gateway adds with
+            // nothing else of the bench's running beside it.
+            assert!(
+                mode == "commit" || mode == "journal",
+                "GATEWAY_OVERHEAD_ALONE: {mode:?} is neither commit nor journal"
+            );
+            let (mut gw, gw_http) = gateway(
+                &url,
+                &prefix,
+                plain_worker,
+                &scratch.path().join("spool-alone"),
+                None,
+                &mode,
+            );
+            let http = reqwest::Client::builder()
+                .pool_max_idle_per_host(256)
+                .build()
+                .unwrap();
+            for _ in 0..100 {
+                if http
+                    .get(format!("http://{gw_http}/readyz"))
+                    .send()
+                    .await
+                    .is_ok_and(|r| r.status() == 200)
+                {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            let grpc = pb::worker_client::WorkerClient::connect(format!("http://{plain_worker}"))
+                .await
+                .unwrap();
+            let through =
+                format!("through the gateway alone (plain text, --audit-durability {mode})");
+            let added = format!("added by the gateway alone ({mode})");
+            measure(
+                &[
+                    ("worker directly (gRPC, plain text)", direct(grpc)),
+                    (&through, via_gateway(&http, &gw_http)),
+                ],
+                &[(&added, 0, 1)],
+            )
+            .await;
+            let _ = Command::new("kill")
+                .args(["-TERM", &gw.id().to_string()])
+                .status();
+            let _ = gw.wait();
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "DROP DATABASE IF EXISTS {db} WITH (FORCE)"
+            )))
+            .execute(&mut c)
+            .await
+            .unwrap();
+            return;
+        }
         let (mut plain_gw, plain_http) = gateway(
             &url,
             &prefix,
@@ -508,59 +619,17 @@ fn main() {
                 via_gateway(&http, &journal_http),
             ),
         ];
-        // Warm every path.
-        for _ in 0..200 {
-            for (_, call) in &paths {
-                assert!(call().await, "a warm-up call failed");
-            }
-        }
-
-        println!(
-            "gateway overhead, STAND-IN worker (one token, no model), {RATE} req/s open loop, \
-             {ROUNDS} interleaved rounds of {ROUND_SECS} s per path, {} cores",
-            std::thread::available_parallelism().map_or(0, |n| n.get())
-        );
-        println!("| path | ok | failed | p50 | p99 | max req/s (64 callers, 5 s) |");
-        println!("|---|---:|---:|---:|---:|---:|");
-        let mut lat: Vec<Vec<Duration>> = vec![Vec::new(); paths.len()];
-        let mut failed = vec![0; paths.len()];
-        for round in 0..ROUNDS as usize {
-            // Rotate which path goes first, so drift hits all alike.
-            for k in 0..paths.len() {
-                let i = (round + k) % paths.len();
-                let call = paths[i].1.clone();
-                let (l, f) = open_loop(move || call()).await;
-                lat[i].extend(l);
-                failed[i] += f;
-            }
-        }
-        let ms = |d: Duration| d.as_secs_f64() * 1e3;
-        let mut p = Vec::new();
-        for (i, (name, call)) in paths.iter().enumerate() {
-            lat[i].sort();
-            let call = call.clone();
-            let max = max_rps(move || call(), 64).await;
-            let (p50, p99) = (ms(percentile(&lat[i], 0.50)), ms(percentile(&lat[i], 0.99)));
-            p.push((p50, p99));
-            println!(
-                "| {name} | {} | {} | {p50:.3} ms | {p99:.3} ms | {max:.0} |",
-                lat[i].len(),
-                failed[i],
-            );
-        }
-        for (name, a, b) in [
-            ("added by the gateway (plain text)", 0, 2),
-            ("added by the gateway (mTLS)", 1, 3),
-            ("added by mTLS, worker directly", 0, 1),
-            ("added by mTLS, through the gateway", 2, 3),
-            ("added by the gateway (plain text, journal)", 0, 4),
-        ] {
-            println!(
-                "| {name} | | | {:.3} ms | {:.3} ms | |",
-                p[b].0 - p[a].0,
-                p[b].1 - p[a].1
-            );
-        }
+        measure(
+            &paths,
+            &[
+                ("added by the gateway (plain text)", 0, 2),
+                ("added by the gateway (mTLS)", 1, 3),
+                ("added by mTLS, worker directly", 0, 1),
+                ("added by mTLS, through the gateway", 2, 3),
+                ("added by the gateway (plain text, journal)", 0, 4),
+            ],
+        )
+        .await;
 
         for gw in [&mut plain_gw, &mut tls_gw, &mut journal_gw] {
             let _ = Command::new("kill")
