@@ -217,8 +217,9 @@ async fn the_local_fleet_serves_each_demo_route_its_adapters_golden() {
         ("LORAFLEET_DEMO_PORT", free_port().to_string()),
         ("LORAFLEET_ADMIN_PORT", free_port().to_string()),
     ];
-    let printed = fleet("up", &env);
+    // Whatever happens below, the fleet's processes stop.
     let stopped = Stop { env: &env };
+    let printed = fleet("up", &env);
     let exports = printed
         .lines()
         .find(|l| l.starts_with("export DEMO_KEY="))

@@ -37,11 +37,15 @@ struct Rollout {
     state: String,
     reason: Option<String>,
     created_by: String,
+    /// Seconds since the step began, by the database's clock (the one that
+    /// set `step_started_at`), not this replica's.
+    elapsed_secs: f64,
 }
 
 const COLUMNS: &str = "id, route_id, stable_lora_int_id, candidate_lora_int_id, steps_bp, \
     hold_secs, min_requests, max_error_rate_increase, max_ttft_p95_ratio, max_tpot_p95_ratio, \
-    step_index, step_started_at, state::TEXT AS state, reason, created_by";
+    step_index, step_started_at, state::TEXT AS state, reason, created_by, \
+    EXTRACT(EPOCH FROM now() - step_started_at)::FLOAT8 AS elapsed_secs";
 
 impl Rollout {
     fn gates(&self) -> Gates {
@@ -274,6 +278,7 @@ pub(super) async fn start_rollout(
         state: "running".into(),
         reason: None,
         created_by: actor.subject.clone(),
+        elapsed_secs: 0.0,
     };
     let weights = r.weights(steps[0]);
     let base_id = check_weights(&mut tx, &weights, None, tenant_uuid)
@@ -538,10 +543,8 @@ pub async fn drive(state: &AdminState, holder: &str) -> Result<usize, String> {
 
 async fn judge_step(state: &AdminState, holder: &str, r: &Rollout) -> Result<bool, AdminError> {
     let (candidate, stable) = window(&state.pool, r).await?;
-    let elapsed = Utc::now() - r.step_started_at;
-    let held = elapsed >= chrono::Duration::seconds(r.hold_secs.into());
-    let inconclusive =
-        elapsed >= chrono::Duration::seconds(INCONCLUSIVE_HOLDS * i64::from(r.hold_secs));
+    let held = r.elapsed_secs >= f64::from(r.hold_secs);
+    let inconclusive = r.elapsed_secs >= (INCONCLUSIVE_HOLDS * i64::from(r.hold_secs)) as f64;
     let verdict = gates::judge(&r.gates(), &candidate, &stable, held);
     export(r, &candidate, &stable);
     let (what, next, reason) = match &verdict {
