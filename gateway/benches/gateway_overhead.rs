@@ -401,6 +401,28 @@ fn direct(grpc: pb::worker_client::WorkerClient<tonic::transport::Channel>) -> C
     })
 }
 
+fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .pool_max_idle_per_host(256)
+        .build()
+        .unwrap()
+}
+
+/// Waits (up to 10 s) until the gateway at `addr` answers /readyz with 200.
+async fn wait_ready(http: &reqwest::Client, addr: &str) {
+    for _ in 0..100 {
+        if http
+            .get(format!("http://{addr}/readyz"))
+            .send()
+            .await
+            .is_ok_and(|r| r.status() == 200)
+        {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// Warms every path, measures each open loop in interleaved rounds and its
 /// maximum rate, and prints the table; `added` names differences (b - a).
 async fn measure(paths: &[(&str, Call)], added: &[(&str, usize, usize)]) {
@@ -497,21 +519,8 @@ fn main() {
                 None,
                 &mode,
             );
-            let http = reqwest::Client::builder()
-                .pool_max_idle_per_host(256)
-                .build()
-                .unwrap();
-            for _ in 0..100 {
-                if http
-                    .get(format!("http://{gw_http}/readyz"))
-                    .send()
-                    .await
-                    .is_ok_and(|r| r.status() == 200)
-                {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
+            let http = client();
+            wait_ready(&http, &gw_http).await;
             let grpc = pb::worker_client::WorkerClient::connect(format!("http://{plain_worker}"))
                 .await
                 .unwrap();
@@ -562,22 +571,9 @@ fn main() {
             Some(scratch.path()),
             "commit",
         );
-        let http = reqwest::Client::builder()
-            .pool_max_idle_per_host(256)
-            .build()
-            .unwrap();
+        let http = client();
         for addr in [&plain_http, &tls_http, &journal_http] {
-            for _ in 0..100 {
-                if http
-                    .get(format!("http://{addr}/readyz"))
-                    .send()
-                    .await
-                    .is_ok_and(|r| r.status() == 200)
-                {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
+            wait_ready(&http, addr).await;
         }
         let plain_grpc = pb::worker_client::WorkerClient::connect(format!("http://{plain_worker}"))
             .await
