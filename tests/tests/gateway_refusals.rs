@@ -155,6 +155,18 @@ fn serve_refuses_bad_flags_by_name() {
             "--max-body-bytes: must be at least 1",
         ),
         (
+            &["--audit-durability", "eventually"],
+            "\"eventually\" is neither \"commit\" nor \"journal\"",
+        ),
+        (
+            &["--rollout-lease-secs", "0"],
+            "--rollout-lease-secs: must be at least 1",
+        ),
+        (
+            &["--rollout-tick-ms", "20000"],
+            "--rollout-tick-ms: 20000 must be at most half of --rollout-lease-secs (30 s)",
+        ),
+        (
             &["--jwt-algorithms", "HS256"],
             "--jwt-algorithms: set --jwt-hmac-secret-file or --jwt-public-key-file too",
         ),

@@ -349,6 +349,18 @@ async fn another_replica_takes_over_a_rollout_when_the_leader_dies() {
 async fn pause_and_abort_do_what_they_say_and_manual_changes_wait_for_the_end() {
     let p = plane("rollout_pause").await;
     let (key, v1, v2) = setup(&p, "llama-gqa/o-r2");
+    let first = etag(&p);
+    p.ctl(&[
+        "routes",
+        "rollout",
+        "start",
+        "acme",
+        "support",
+        &v1.to_string(),
+        "--etag",
+        &first,
+    ])
+    .refused(6, "candidate_lora_int_id");
     start(&p, v2, "5000,10000", "1", "3", "100");
     let tag = etag(&p);
     p.ctl(&[
@@ -386,6 +398,41 @@ async fn pause_and_abort_do_what_they_say_and_manual_changes_wait_for_the_end() 
     ])
     .refused(5, "rollout in progress");
 
+    // Bad settings are refused by field (exit 6) or by flag (exit 2).
+    let refuse = |extra: &[&str], code: i32, needle: &str| {
+        let mut args = vec![
+            "routes", "rollout", "start", "acme", "support", "--etag", &tag,
+        ];
+        args.extend_from_slice(extra);
+        p.ctl(&args).refused(code, needle);
+    };
+    let v2s = v2.to_string();
+    refuse(
+        &[&v2s, "--hold-secs", "0"],
+        6,
+        "hold_secs: 0 must be between 1",
+    );
+    refuse(
+        &[&v2s, "--steps", "10000"],
+        6,
+        "steps: give between 2 and 20",
+    );
+    refuse(
+        &[&v2s, "--steps", "500,200,10000"],
+        6,
+        "steps[1]: 200 does not rise",
+    );
+    refuse(
+        &[&v2s, "--min-requests", "0"],
+        6,
+        "min_requests: 0 must be between",
+    );
+    refuse(
+        &[&v2s, "--max-ttft-p95-ratio", "0.5"],
+        6,
+        "max_ttft_p95_ratio: 0.5 must be between 1 and 100",
+    );
+    refuse(&[&v2s, "--steps", "half"], 2, "--steps");
     let paused = p.ctl_json(&["routes", "rollout", "pause", "acme", "support"]);
     assert_eq!(paused["state"], "paused");
     // Enough traffic and time for a step, yet no decision while paused.
