@@ -11,6 +11,8 @@ use std::process::{Command, Output};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{AssertSqlSafe, ConnectOptions, Connection, Executor, PgConnection};
 
+pub mod browser;
+
 /// The default server URL; trust auth on loopback.
 pub const DEFAULT_ADMIN_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
 

@@ -6,6 +6,7 @@ use super::*;
 pub(super) struct AdminClaims {
     pub(super) sub: String,
     pub(super) role: String,
+    pub(super) exp: i64,
 }
 
 /// The authenticated admin and this request's id.
@@ -21,13 +22,46 @@ pub(super) fn authorize(
     headers: &HeaderMap,
     need: Need,
 ) -> Result<Actor, AdminError> {
-    let unauthorized = |m: String| AdminError::new(AdminCode::InvalidAdminToken, None, m);
     let value = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok());
-    let token = auth::bearer(value).map_err(|e| unauthorized(e.to_string()))?;
+    let token = auth::bearer(value)
+        .map_err(|e| AdminError::new(AdminCode::InvalidAdminToken, None, e.to_string()))?;
+    let identity = identify(&state.jwt, token)?;
+    if !identity.role.allows(need) {
+        let what = match need {
+            Need::Read => "read the registry",
+            Need::Audit => "query the audit log",
+            Need::Write => "change the registry",
+        };
+        return Err(AdminError::new(
+            AdminCode::InsufficientRole,
+            None,
+            format!("role {} may not {what}", identity.role.name()),
+        ));
+    }
+    Ok(Actor {
+        subject: identity.subject,
+        role: identity.role,
+        request_id: Uuid::now_v7(),
+    })
+}
+
+/// Who an admin token names, once it is verified.
+#[derive(Debug, Clone)]
+pub struct Identity {
+    pub subject: String,
+    pub role: Role,
+    /// When the token expires (its `exp`), in seconds since the epoch.
+    pub expires_at: i64,
+}
+
+/// Verifies an admin token (signature, issuer, audience, expiry) and reads
+/// its subject and role: the one check the admin API and the console share.
+pub fn identify(jwt: &JwtConfig, token: &str) -> Result<Identity, AdminError> {
+    let unauthorized = |m: String| AdminError::new(AdminCode::InvalidAdminToken, None, m);
     let claims: AdminClaims =
-        auth::decode_jwt(token, &state.jwt).map_err(|e| unauthorized(e.to_string()))?;
+        auth::decode_jwt(token, jwt).map_err(|e| unauthorized(e.to_string()))?;
     if claims.sub.trim().is_empty() {
         return Err(unauthorized("invalid token: sub is empty".into()));
     }
@@ -37,22 +71,10 @@ pub(super) fn authorize(
             claims.role
         ))
     })?;
-    if !role.allows(need) {
-        let what = match need {
-            Need::Read => "read the registry",
-            Need::Audit => "query the audit log",
-            Need::Write => "change the registry",
-        };
-        return Err(AdminError::new(
-            AdminCode::InsufficientRole,
-            None,
-            format!("role {} may not {what}", role.name()),
-        ));
-    }
-    Ok(Actor {
+    Ok(Identity {
         subject: claims.sub,
         role,
-        request_id: Uuid::now_v7(),
+        expires_at: claims.exp,
     })
 }
 

@@ -152,6 +152,11 @@ pub struct AdminError {
 }
 
 impl AdminError {
+    /// What went wrong, as the admin API would say it.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
     pub(super) fn new(code: AdminCode, param: Option<&str>, message: String) -> AdminError {
         AdminError {
             code,

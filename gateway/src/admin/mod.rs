@@ -83,12 +83,22 @@ impl Role {
         }
     }
 
-    fn name(self) -> &'static str {
+    pub fn name(self) -> &'static str {
         match self {
             Role::Admin => "admin",
             Role::Auditor => "auditor",
             Role::Viewer => "viewer",
         }
+    }
+
+    /// May this role change the registry?
+    pub fn can_write(self) -> bool {
+        self.allows(Need::Write)
+    }
+
+    /// May this role query the audit log and the change log?
+    pub fn can_audit(self) -> bool {
+        self.allows(Need::Audit)
     }
 
     fn allows(self, need: Need) -> bool {
@@ -207,6 +217,8 @@ use rollouts::*;
 use routes::*;
 use tenants::*;
 
+pub use actor::{Identity, identify};
 pub use adapters::artifact_roots;
 pub use audit::{AuditFilter, AuditQuery, AuditRow, Cursor};
+pub use error::AdminError;
 pub use rollouts::{LEASE as ROLLOUT_LEASE, drive as drive_rollouts};

@@ -45,8 +45,12 @@ pub struct WorkerState {
     pub worker_id: String,
     pub connected: bool,
     pub serving: bool,
+    pub draining: bool,
+    pub base_name: String,
     pub base_hash: String,
     pub load: u32,
+    pub kv_blocks_used: u32,
+    pub kv_blocks_total: u32,
     /// Shared with the routing snapshots built from this report.
     pub adapters: Arc<HashMap<AdapterId, Residency>>,
     pub last_report: Option<Instant>,
@@ -92,8 +96,12 @@ impl Worker {
         s.connected = true;
         s.worker_id = r.worker_id;
         s.serving = r.serving;
+        s.draining = r.draining;
+        s.base_name = r.base_name;
         s.base_hash = r.base_hash;
         s.load = r.load;
+        s.kv_blocks_used = r.kv_blocks_used;
+        s.kv_blocks_total = r.kv_blocks_total;
         s.adapters = Arc::new(r.adapters);
         s.last_report = Some(Instant::now());
     }

@@ -96,6 +96,12 @@ pub(super) fn report(r: &pb::WorkerReport) -> Report {
     Report {
         worker_id: r.worker_id.clone(),
         serving: r.status == pb::ServingStatus::Serving as i32,
+        draining: r.status == pb::ServingStatus::Draining as i32,
+        base_name: r
+            .base_model
+            .as_ref()
+            .map(|b| b.name.clone())
+            .unwrap_or_default(),
         base_hash: r
             .base_model
             .as_ref()
@@ -104,6 +110,8 @@ pub(super) fn report(r: &pb::WorkerReport) -> Report {
         load: r
             .load
             .map_or(0, |l| l.running_sequences + l.waiting_sequences),
+        kv_blocks_used: r.load.map_or(0, |l| l.kv_blocks_used),
+        kv_blocks_total: r.capacity.map_or(0, |c| c.kv_blocks_total),
         adapters: r
             .adapters
             .iter()

@@ -116,9 +116,16 @@ pub enum WorkerEvent {
 pub struct Report {
     pub worker_id: String,
     pub serving: bool,
+    /// Draining: running streams finish, new requests are refused.
+    pub draining: bool,
+    /// The base model's name as the worker was configured with it.
+    pub base_name: String,
     pub base_hash: String,
     /// Running plus waiting sequences.
     pub load: u32,
+    /// KV cache blocks in use, and in all.
+    pub kv_blocks_used: u32,
+    pub kv_blocks_total: u32,
     pub adapters: HashMap<AdapterId, Residency>,
 }
 

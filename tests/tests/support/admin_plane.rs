@@ -50,6 +50,8 @@ impl Ctl {
 pub struct Plane {
     pub gateways: Vec<Server>,
     pub worker: Server,
+    /// Workers beyond the first (see [`plane_with_workers`]).
+    pub more_workers: Vec<Server>,
     pub http: reqwest::Client,
     pub root: tempfile::TempDir,
     pub secret: PathBuf,
@@ -104,6 +106,11 @@ pub fn artifact_root() -> tempfile::TempDir {
 }
 
 pub async fn plane(label: &str) -> Plane {
+    plane_with_workers(label, 1).await
+}
+
+/// The plane with `workers` workers (ids w0, w1, …) behind both gateways.
+pub async fn plane_with_workers(label: &str, workers: usize) -> Plane {
     let db = migrated_db(label).await;
     let pool = db.pool().await;
     // The gateways log in with the least privileges: the request path as
@@ -116,13 +123,19 @@ pub async fn plane(label: &str) -> Plane {
     std::fs::write(&secret, "an-admin-secret-of-at-least-32-bytes-0123456789").unwrap();
 
     let fixtures = engine_fixtures();
-    let mut cmd = worker_command();
-    cmd.args(["--worker-id", "w0", "--max-loras", "2"])
-        .arg("--model")
-        .arg(fixtures.join("llama-gqa"))
-        .arg("--artifact-root")
-        .arg(root.path());
-    let worker = Server::start(cmd, "lorafleet-worker listening ");
+    let mut started: Vec<Server> = (0..workers.max(1))
+        .map(|i| {
+            let mut cmd = worker_command();
+            cmd.args(["--worker-id", &format!("w{i}"), "--max-loras", "2"])
+                .arg("--model")
+                .arg(fixtures.join("llama-gqa"))
+                .arg("--artifact-root")
+                .arg(root.path());
+            Server::start(cmd, "lorafleet-worker listening ")
+        })
+        .collect();
+    let addrs: Vec<String> = started.iter().map(|w| w.addr("grpc").to_owned()).collect();
+    let worker = started.remove(0);
 
     let redis_prefix = format!("test:{}:", Uuid::new_v4());
     let mut gateways = Vec::new();
@@ -135,7 +148,7 @@ pub async fn plane(label: &str) -> Plane {
             .args(["--admin-database-url", &admin_url])
             .args(["--redis-url", "redis://127.0.0.1:6379"])
             .args(["--redis-prefix", &redis_prefix])
-            .args(["--workers", worker.addr("grpc")])
+            .args(["--workers", &addrs.join(",")])
             // Long, so that changes must travel by announcement.
             .args(["--registry-refresh-secs", "600"])
             .args(["--max-lora-rank", "8"])
@@ -157,6 +170,7 @@ pub async fn plane(label: &str) -> Plane {
     let mut p = Plane {
         gateways,
         worker,
+        more_workers: started,
         http: reqwest::Client::new(),
         root,
         secret,

@@ -184,6 +184,11 @@ pub struct ServeArgs {
     /// admin JWT key.
     #[arg(long, env = "LORAFLEET_ADMIN_LISTEN")]
     pub admin_listen: Option<SocketAddr>,
+    /// Let the admin console's session cookie travel over plain HTTP to a
+    /// host other than localhost. By default it is `Secure`: browsers keep
+    /// it only over HTTPS (or on `http://localhost`).
+    #[arg(long, env = "LORAFLEET_CONSOLE_INSECURE_COOKIE")]
+    pub console_insecure_cookie: bool,
     #[command(flatten)]
     pub admin_jwt: AdminJwtArgs,
     /// Directory holding adapter artifacts; registration reads and digests
@@ -537,7 +542,13 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
                     lease: Duration::from_secs(args.rollout_lease_secs),
                 },
             ));
-            let admin = lorafleet_gateway::admin::router(admin_state);
+            let console = lorafleet_gateway::console::router(
+                admin_state.clone(),
+                lorafleet_gateway::console::ConsoleOptions {
+                    secure_cookie: !args.console_insecure_cookie,
+                },
+            );
+            let admin = lorafleet_gateway::admin::router(admin_state).merge(console);
             tokio::spawn(async move {
                 let _ = axum::serve(listener, admin).await;
             });

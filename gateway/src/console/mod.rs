@@ -1,0 +1,240 @@
+//! The admin console: server-rendered pages under `/console` on the admin
+//! listener, for the people who run the fleet.
+//!
+//! - **One authority.** Every read and write goes through the admin API's
+//!   own router, in process, with the signed-in admin's token: the console
+//!   adds no rule of its own, so roles, validation, etags and the change log
+//!   hold exactly as for `lorafleetctl`.
+//! - **The session is the admin token**, kept in an `HttpOnly`,
+//!   `SameSite=Strict` cookie scoped to `/console`, and valid until the
+//!   token's own expiry. A token never appears in a URL.
+//! - **Writes are forms** that carry a CSRF token derived from the session;
+//!   a cross-site request is refused before the token is even compared.
+//! - **Every response carries a strict Content-Security-Policy**: scripts
+//!   and styles only from `/console/static`, no inline code, no framing.
+//! - Pages are minijinja templates compiled into the binary; the only
+//!   script is `static/console.js` (live refresh of the fleet view). There
+//!   is no front-end build step and no third-party front-end code.
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Redirect, Response};
+use axum::routing::{get, post};
+use minijinja::Environment;
+use serde_json::{Value, json};
+
+use crate::admin::{self, AdminState};
+use crate::auth::JwtConfig;
+
+mod client;
+mod pages;
+mod session;
+
+use client::ApiError;
+pub use session::COOKIE;
+use session::{Fields, Session};
+
+/// How the console is served.
+#[derive(Debug, Clone, Copy)]
+pub struct ConsoleOptions {
+    /// Mark the session cookie `Secure` (HTTPS only; browsers also keep it
+    /// on `http://localhost`). Off only for plain HTTP on another host.
+    pub secure_cookie: bool,
+}
+
+/// What every console handler shares. Cheap to clone.
+#[derive(Clone)]
+pub struct Console {
+    /// The admin API, called in process.
+    admin: Router,
+    jwt: Arc<JwtConfig>,
+    templates: Arc<Environment<'static>>,
+    options: ConsoleOptions,
+}
+
+impl std::fmt::Debug for Console {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Console")
+            .field("options", &self.options)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The policy every console response carries.
+const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; \
+                   connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'";
+
+const TEMPLATES: &[(&str, &str)] = &[
+    ("base.html", include_str!("templates/base.html")),
+    ("macros.html", include_str!("templates/macros.html")),
+    ("login.html", include_str!("templates/login.html")),
+    ("error.html", include_str!("templates/error.html")),
+    ("fleet.html", include_str!("templates/fleet.html")),
+    ("fleet_live.html", include_str!("templates/fleet_live.html")),
+    ("routes.html", include_str!("templates/routes.html")),
+    ("route.html", include_str!("templates/route.html")),
+    ("adapters.html", include_str!("templates/adapters.html")),
+    ("tenants.html", include_str!("templates/tenants.html")),
+    ("tenant.html", include_str!("templates/tenant.html")),
+    ("audit.html", include_str!("templates/audit.html")),
+    ("audit_row.html", include_str!("templates/audit_row.html")),
+    ("changes.html", include_str!("templates/changes.html")),
+];
+
+fn environment() -> Environment<'static> {
+    let mut env = Environment::new();
+    for (name, source) in TEMPLATES {
+        env.add_template(name, source)
+            .unwrap_or_else(|e| panic!("console template {name}: {e}"));
+    }
+    env
+}
+
+/// The console's routes, to merge into the admin listener's router.
+pub fn router(admin_state: AdminState, options: ConsoleOptions) -> Router {
+    let console = Console {
+        jwt: admin_state.jwt.clone(),
+        admin: admin::router(admin_state),
+        templates: Arc::new(environment()),
+        options,
+    };
+    Router::new()
+        .route("/console", get(|| async { Redirect::to("/console/fleet") }))
+        .route(
+            "/console/",
+            get(|| async { Redirect::to("/console/fleet") }),
+        )
+        .route("/console/login", get(login_page).post(session::login))
+        .route("/console/logout", post(session::logout))
+        .route("/console/static/console.css", get(stylesheet))
+        .route("/console/static/console.js", get(script))
+        .merge(pages::router())
+        // Not a fallback: the admin router this merges into has its own.
+        .route("/console/{*rest}", get(not_found).post(not_found))
+        .layer(axum::middleware::map_response(security_headers))
+        .with_state(console)
+}
+
+async fn security_headers(mut r: Response) -> Response {
+    let h = r.headers_mut();
+    h.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(CSP),
+    );
+    h.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    h.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
+    h.insert(
+        header::REFERRER_POLICY,
+        HeaderValue::from_static("no-referrer"),
+    );
+    h.insert(
+        "cross-origin-opener-policy",
+        HeaderValue::from_static("same-origin"),
+    );
+    // Pages hold registry and audit data: never cached.
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    r
+}
+
+async fn stylesheet() -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/css; charset=utf-8")],
+        include_str!("static/console.css"),
+    )
+        .into_response()
+}
+
+async fn script() -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/javascript; charset=utf-8")],
+        include_str!("static/console.js"),
+    )
+        .into_response()
+}
+
+async fn login_page(State(c): State<Console>) -> Response {
+    c.render(None, "login.html", StatusCode::OK, json!({}))
+}
+
+async fn not_found(State(c): State<Console>, session: Option<Session>) -> Response {
+    c.error_page(
+        session.as_ref(),
+        &ApiError::local(StatusCode::NOT_FOUND, None, "no such console page"),
+    )
+}
+
+impl Console {
+    /// Renders `template` with `data` (a JSON object) plus who is signed in
+    /// and the session's CSRF token.
+    fn render(
+        &self,
+        session: Option<&Session>,
+        template: &str,
+        status: StatusCode,
+        mut data: Value,
+    ) -> Response {
+        if let (Some(s), Some(obj)) = (session, data.as_object_mut()) {
+            obj.insert(
+                "me".into(),
+                json!({
+                    "subject": s.identity.subject,
+                    "role": s.identity.role.name(),
+                    "can_write": s.identity.role.can_write(),
+                    "can_audit": s.identity.role.can_audit(),
+                }),
+            );
+            obj.insert("csrf".into(), Value::String(s.csrf.clone()));
+        }
+        let rendered = self
+            .templates
+            .get_template(template)
+            .and_then(|t| t.render(&data));
+        match rendered {
+            Ok(html) => (
+                status,
+                [(header::CONTENT_TYPE, "text/html; charset=utf-8")],
+                html,
+            )
+                .into_response(),
+            Err(e) => {
+                tracing::error!(template, error = %e, "console template failed");
+                (
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "the page could not be rendered",
+                )
+                    .into_response()
+            }
+        }
+    }
+
+    /// A page that only says what went wrong.
+    fn error_page(&self, session: Option<&Session>, e: &ApiError) -> Response {
+        self.render(
+            session,
+            "error.html",
+            e.status,
+            json!({ "error": e, "title": e.status.canonical_reason().unwrap_or("Error") }),
+        )
+    }
+}
+
+/// A plain response (for the audit export) with the console's headers.
+fn passthrough(status: StatusCode, headers: HeaderMap, body: Body) -> Response {
+    let mut r = Response::new(body);
+    *r.status_mut() = status;
+    *r.headers_mut() = headers;
+    r
+}
+
+/// A form's value, trimmed, or None when blank.
+fn non_blank(v: &str) -> Option<&str> {
+    let v = v.trim();
+    (!v.is_empty()).then_some(v)
+}

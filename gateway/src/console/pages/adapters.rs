@@ -1,0 +1,105 @@
+//! Adapters: every version with its digest, base model, rank, targets and
+//! state; register a new version from an artifact URI; retire one.
+
+use super::*;
+use crate::admin::types::{AdapterList, BaseModelList};
+
+pub(super) async fn page(State(c): State<Console>, s: Session) -> Response {
+    render(&c, &s, Outcome::default()).await
+}
+
+async fn render(c: &Console, s: &Session, outcome: Outcome) -> Response {
+    let data = async {
+        let adapters: AdapterList = c.api(s, Call::get("/admin/v1/adapters")).await?;
+        let bases: BaseModelList = c.api(s, Call::get("/admin/v1/base-models")).await?;
+        let rows: Vec<Value> = adapters
+            .adapters
+            .iter()
+            .map(|a| {
+                json!({
+                    "lora_int_id": a.lora_int_id,
+                    "name": a.name,
+                    "version": a.version,
+                    "tenant": a.tenant,
+                    "base_model": a.base_model,
+                    "rank": a.rank,
+                    "alpha": a.alpha,
+                    "use_rslora": a.use_rslora,
+                    "targets": a.target_modules.join(", "),
+                    "artifact_uri": a.artifact_uri,
+                    "sha256": a.artifact_sha256,
+                    "sha256_short": short(&a.artifact_sha256),
+                    "state": a.state,
+                    "created_at": a.created_at.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+                })
+            })
+            .collect();
+        let bases: Vec<&str> = bases.base_models.iter().map(|b| b.name.as_str()).collect();
+        Ok(json!({ "adapters": rows, "base_models": bases }))
+    }
+    .await;
+    show(c, s, "adapters.html", "adapters", outcome, data)
+}
+
+pub(super) async fn register(
+    State(c): State<Console>,
+    s: Session,
+    headers: HeaderMap,
+    form: axum::Form<Vec<(String, String)>>,
+) -> Response {
+    let fields = match checked(&c, &s, &headers, form) {
+        Ok(f) => f,
+        Err(r) => return *r,
+    };
+    let result = async {
+        let mut spec = json!({
+            "name": fields.get("name"),
+            "base_model": fields.get("base_model"),
+            "artifact_uri": fields.get("artifact_uri"),
+        });
+        if let Some(v) = number::<u32>(&fields, "version")? {
+            spec["version"] = json!(v);
+        }
+        if let Some(t) = non_blank(fields.get("tenant")) {
+            spec["tenant"] = json!(t);
+        }
+        c.api::<Value>(&s, Call::post("/admin/v1/adapters", spec))
+            .await
+    }
+    .await;
+    match result {
+        Ok(a) => {
+            let notice = format!(
+                "registered {}:v{} as adapter {}",
+                a["name"].as_str().unwrap_or_default(),
+                a["version"],
+                a["lora_int_id"]
+            );
+            let outcome = Outcome {
+                form: Some("register"),
+                notice: Some(notice),
+                ..Outcome::default()
+            };
+            render(&c, &s, outcome).await
+        }
+        Err(e) => render(&c, &s, Outcome::refused("register", e, Some(&fields))).await,
+    }
+}
+
+pub(super) async fn retire(
+    State(c): State<Console>,
+    s: Session,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    form: axum::Form<Vec<(String, String)>>,
+) -> Response {
+    let fields = match checked(&c, &s, &headers, form) {
+        Ok(f) => f,
+        Err(r) => return *r,
+    };
+    let path = format!("/admin/v1/adapters/{}/retire", seg(&id));
+    match c.api::<Value>(&s, Call::post(path, json!({}))).await {
+        Ok(_) => Redirect::to("/console/adapters").into_response(),
+        Err(e) => render(&c, &s, Outcome::refused("retire", e, Some(&fields))).await,
+    }
+}

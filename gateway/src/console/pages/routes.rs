@@ -1,0 +1,211 @@
+//! Routes: each tenant's routes with their weights as bars; one route's
+//! revision history; set weights, promote and roll back, each sent with the
+//! etag the page was rendered with, so a stale page shows the conflict
+//! instead of overwriting someone else's change.
+
+use super::*;
+use crate::admin::types::{ChangeList, RouteList, RouteView};
+
+pub(super) async fn list(State(c): State<Console>, s: Session) -> Response {
+    let data = async {
+        let routes: RouteList = c.api(&s, Call::get("/admin/v1/routes")).await?;
+        let mut routes: Vec<Value> = routes.routes.iter().map(view).collect();
+        routes.sort_by(|a, b| {
+            (a["tenant"].as_str(), a["model"].as_str())
+                .cmp(&(b["tenant"].as_str(), b["model"].as_str()))
+        });
+        Ok(json!({ "routes": routes }))
+    }
+    .await;
+    show(&c, &s, "routes.html", "routes", Outcome::default(), data)
+}
+
+/// A route with its weights laid out as bar segments.
+fn view(r: &RouteView) -> Value {
+    let mut offset = 0.0;
+    let segments: Vec<Value> = r
+        .weights
+        .iter()
+        .enumerate()
+        .map(|(i, w)| {
+            let percent = f64::from(w.weight_bp) / 100.0;
+            let seg = json!({
+                "lora_int_id": w.lora_int_id,
+                "label": format!("{}:v{}", w.adapter, w.version),
+                "weight_bp": w.weight_bp,
+                "percent": percent,
+                "share": if w.weight_bp % 100 == 0 {
+                    format!("{}%", w.weight_bp / 100)
+                } else {
+                    format!("{percent:.2}%")
+                },
+                "offset": offset,
+                "colour": i % 6,
+            });
+            offset += percent;
+            seg
+        })
+        .collect();
+    json!({
+        "tenant": r.tenant,
+        "model": r.model,
+        "path": format!("{}/{}", seg(&r.tenant), seg(&r.model)),
+        "revision": r.revision,
+        "etag": r.etag.trim_matches('"'),
+        "base_model": r.base_model,
+        "target": r.target,
+        "weights": segments,
+        "updated_at": r.updated_at.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+        "created_by": r.created_by,
+    })
+}
+
+pub(super) async fn page(
+    State(c): State<Console>,
+    s: Session,
+    Path((tenant, model)): Path<(String, String)>,
+) -> Response {
+    render(&c, &s, &tenant, &model, Outcome::default()).await
+}
+
+async fn render(c: &Console, s: &Session, tenant: &str, model: &str, outcome: Outcome) -> Response {
+    let data = async {
+        let path = format!("/admin/v1/routes/{}/{}", seg(tenant), seg(model));
+        let route: RouteView = c.api(s, Call::get(path)).await?;
+        // The history is the change log's, which auditors and admins read.
+        let history = if s.identity.role.can_audit() {
+            let q = format!(
+                "/admin/v1/changes?object_type=route&object_id={}&limit=50",
+                seg(&format!("{tenant}/{model}"))
+            );
+            let changes: ChangeList = c.api(s, Call::get(q)).await?;
+            Some(
+                changes
+                    .changes
+                    .iter()
+                    .map(|ch| {
+                        json!({
+                            "at": ch.at.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+                            "actor": ch.actor,
+                            "action": ch.action,
+                            "revision": ch.after.as_ref().and_then(|a| a.get("revision")).cloned(),
+                            "weights": ch.after.as_ref().and_then(|a| a.get("weights")).cloned(),
+                        })
+                    })
+                    .collect::<Vec<_>>(),
+            )
+        } else {
+            None
+        };
+        Ok(json!({ "route": view(&route), "history": history }))
+    }
+    .await;
+    show(c, s, "route.html", "routes", outcome, data)
+}
+
+/// After a write: back to the route, or the route again with the refusal.
+async fn finish(
+    c: &Console,
+    s: &Session,
+    tenant: &str,
+    model: &str,
+    form: &'static str,
+    fields: &Fields,
+    result: Result<Value, ApiError>,
+) -> Response {
+    match result {
+        Ok(_) => {
+            Redirect::to(&format!("/console/routes/{}/{}", seg(tenant), seg(model))).into_response()
+        }
+        Err(e) => render(c, s, tenant, model, Outcome::refused(form, e, Some(fields))).await,
+    }
+}
+
+pub(super) async fn set_weights(
+    State(c): State<Console>,
+    s: Session,
+    headers: HeaderMap,
+    Path((tenant, model)): Path<(String, String)>,
+    form: axum::Form<Vec<(String, String)>>,
+) -> Response {
+    let fields = match checked(&c, &s, &headers, form) {
+        Ok(f) => f,
+        Err(r) => return *r,
+    };
+    let result = async {
+        let ids = fields.all("lora_int_id");
+        let bps = fields.all("weight_bp");
+        let mut weights = Vec::new();
+        for (i, (id, bp)) in ids.iter().zip(bps.iter()).enumerate() {
+            if id.is_empty() && bp.is_empty() {
+                continue;
+            }
+            let n = weights.len();
+            let id: i64 = id.parse().map_err(|_| {
+                ApiError::field(
+                    &format!("weights[{n}].lora_int_id"),
+                    &format!("row {}: {id:?} is not an adapter id", i + 1),
+                )
+            })?;
+            let bp: u32 = bp.parse().map_err(|_| {
+                ApiError::field(
+                    &format!("weights[{n}].weight_bp"),
+                    &format!("row {}: {bp:?} is not a number of basis points", i + 1),
+                )
+            })?;
+            weights.push(json!({ "lora_int_id": id, "weight_bp": bp }));
+        }
+        let mut spec = json!({ "weights": weights });
+        if let Some(b) = non_blank(fields.get("base_model")) {
+            spec["base_model"] = json!(b);
+        }
+        let path = format!("/admin/v1/routes/{}/{}", seg(&tenant), seg(&model));
+        c.api(&s, Call::put(path, spec).if_match(fields.get("etag")))
+            .await
+    }
+    .await;
+    finish(&c, &s, &tenant, &model, "weights", &fields, result).await
+}
+
+pub(super) async fn promote(
+    State(c): State<Console>,
+    s: Session,
+    headers: HeaderMap,
+    Path((tenant, model)): Path<(String, String)>,
+    form: axum::Form<Vec<(String, String)>>,
+) -> Response {
+    let fields = match checked(&c, &s, &headers, form) {
+        Ok(f) => f,
+        Err(r) => return *r,
+    };
+    let result = async {
+        let id = number::<i64>(&fields, "lora_int_id")?
+            .ok_or_else(|| ApiError::field("lora_int_id", "choose the version to promote"))?;
+        let path = format!("/admin/v1/routes/{}/{}/promote", seg(&tenant), seg(&model));
+        c.api(
+            &s,
+            Call::post(path, json!({ "lora_int_id": id })).if_match(fields.get("etag")),
+        )
+        .await
+    }
+    .await;
+    finish(&c, &s, &tenant, &model, "promote", &fields, result).await
+}
+
+pub(super) async fn rollback(
+    State(c): State<Console>,
+    s: Session,
+    headers: HeaderMap,
+    Path((tenant, model)): Path<(String, String)>,
+    form: axum::Form<Vec<(String, String)>>,
+) -> Response {
+    let fields = match checked(&c, &s, &headers, form) {
+        Ok(f) => f,
+        Err(r) => return *r,
+    };
+    let path = format!("/admin/v1/routes/{}/{}/rollback", seg(&tenant), seg(&model));
+    let result = c
+        .api(&s, Call::post(path, json!({})).if_match(fields.get("etag")))
+        .await;
+    finish(&c, &s, &tenant, &model, "rollback", &fields, result).await
+}

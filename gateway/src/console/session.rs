@@ -1,0 +1,261 @@
+//! Signing in and out, the session cookie, and the checks every write
+//! passes: same-site origin and the session's CSRF token.
+
+use axum::Form;
+use axum::extract::{FromRequestParts, OptionalFromRequestParts};
+use axum::http::request::Parts;
+use sha2::{Digest, Sha256};
+
+use super::*;
+use crate::admin::Identity;
+
+/// The session cookie's name.
+pub const COOKIE: &str = "lorafleet_console";
+
+/// The signed-in admin: the token, who it names, and the CSRF token
+/// derived from it.
+#[derive(Debug, Clone)]
+pub struct Session {
+    pub token: String,
+    pub identity: Identity,
+    pub csrf: String,
+}
+
+impl Session {
+    fn from_token(c: &Console, token: &str) -> Result<Session, ApiError> {
+        let identity = admin::identify(&c.jwt, token)
+            .map_err(|e| ApiError::local(StatusCode::UNAUTHORIZED, None, e.message()))?;
+        Ok(Session {
+            token: token.to_owned(),
+            identity,
+            csrf: csrf_token(token),
+        })
+    }
+}
+
+/// The CSRF token of a session: a digest of its admin token, so only a
+/// page that the session itself loaded can know it (a cross-site page can
+/// neither read the `HttpOnly` cookie nor our pages), and every replica
+/// derives the same one without shared state.
+fn csrf_token(token: &str) -> String {
+    let mut h = Sha256::new();
+    h.update(b"lorafleet-console-csrf\n");
+    h.update(token.as_bytes());
+    hex::encode(h.finalize())
+}
+
+fn cookie_token(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .filter_map(|kv| kv.trim().split_once('='))
+        .find(|(k, _)| *k == COOKIE)
+        .map(|(_, v)| v)
+}
+
+/// Without a valid session, a page sends the browser to sign in.
+impl FromRequestParts<Console> for Session {
+    type Rejection = Response;
+
+    async fn from_request_parts(parts: &mut Parts, c: &Console) -> Result<Session, Response> {
+        let token = cookie_token(&parts.headers).ok_or_else(to_login)?;
+        Session::from_token(c, token).map_err(|_| {
+            let mut r = to_login();
+            r.headers_mut()
+                .insert(header::SET_COOKIE, clear_cookie(c.options));
+            r
+        })
+    }
+}
+
+impl OptionalFromRequestParts<Console> for Session {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(
+        parts: &mut Parts,
+        c: &Console,
+    ) -> Result<Option<Session>, Self::Rejection> {
+        Ok(cookie_token(&parts.headers).and_then(|t| Session::from_token(c, t).ok()))
+    }
+}
+
+fn to_login() -> Response {
+    Redirect::to("/console/login").into_response()
+}
+
+fn cookie_attributes(options: ConsoleOptions) -> &'static str {
+    if options.secure_cookie {
+        "Path=/console; HttpOnly; SameSite=Strict; Secure"
+    } else {
+        "Path=/console; HttpOnly; SameSite=Strict"
+    }
+}
+
+fn clear_cookie(options: ConsoleOptions) -> HeaderValue {
+    HeaderValue::from_str(&format!(
+        "{COOKIE}=; Max-Age=0; {}",
+        cookie_attributes(options)
+    ))
+    .expect("a constant cookie")
+}
+
+/// Refuses a request another site made the browser send. `Sec-Fetch-Site`
+/// where the browser sends it, else `Origin` against `Host`.
+fn same_origin(headers: &HeaderMap) -> Result<(), ApiError> {
+    let refused = |why: &str| {
+        ApiError::local(
+            StatusCode::FORBIDDEN,
+            None,
+            &format!("cross-site request refused: {why}"),
+        )
+    };
+    if let Some(site) = headers.get("sec-fetch-site").and_then(|v| v.to_str().ok()) {
+        return match site {
+            "same-origin" | "none" => Ok(()),
+            other => Err(refused(&format!("Sec-Fetch-Site is {other}"))),
+        };
+    }
+    if let Some(origin) = headers.get(header::ORIGIN).and_then(|v| v.to_str().ok()) {
+        let host = headers
+            .get(header::HOST)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default();
+        let origin_host = origin.split_once("://").map_or(origin, |(_, h)| h);
+        if origin_host != host {
+            return Err(refused(&format!("Origin {origin} is not this console")));
+        }
+    }
+    Ok(())
+}
+
+/// A submitted form, once its origin and CSRF token are checked.
+#[derive(Debug)]
+pub struct Fields(Vec<(String, String)>);
+
+impl Fields {
+    /// Checks a write: same origin, then the session's CSRF token.
+    pub fn check(
+        session: &Session,
+        headers: &HeaderMap,
+        Form(pairs): Form<Vec<(String, String)>>,
+    ) -> Result<Fields, ApiError> {
+        same_origin(headers)?;
+        let sent = pairs
+            .iter()
+            .find(|(k, _)| k == "csrf")
+            .map(|(_, v)| v.as_str())
+            .unwrap_or_default();
+        // Compared in constant time: the token is a secret.
+        let matches = sent.len() == session.csrf.len()
+            && sent
+                .bytes()
+                .zip(session.csrf.bytes())
+                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                == 0;
+        if !matches {
+            return Err(ApiError::local(
+                StatusCode::FORBIDDEN,
+                Some("csrf"),
+                "the form's CSRF token is missing or not this session's; reload the page and retry",
+            ));
+        }
+        Ok(Fields(pairs))
+    }
+
+    /// The first value of `name`, trimmed ("" when absent).
+    pub fn get(&self, name: &str) -> &str {
+        self.0
+            .iter()
+            .find(|(k, _)| k == name)
+            .map_or("", |(_, v)| v.trim())
+    }
+
+    /// Every value of `name`, in order.
+    pub fn all(&self, name: &str) -> Vec<&str> {
+        self.0
+            .iter()
+            .filter(|(k, _)| k == name)
+            .map(|(_, v)| v.trim())
+            .collect()
+    }
+
+    /// The values as they were typed, to show the form again after a
+    /// refusal (never the CSRF token).
+    pub fn echo(&self) -> Value {
+        let mut m = serde_json::Map::new();
+        for (k, v) in &self.0 {
+            if k != "csrf" {
+                m.entry(k.clone())
+                    .or_insert_with(|| Value::String(v.clone()));
+            }
+        }
+        Value::Object(m)
+    }
+}
+
+/// `POST /console/login`: a pasted admin token becomes the session.
+pub(super) async fn login(
+    State(c): State<Console>,
+    headers: HeaderMap,
+    Form(pairs): Form<Vec<(String, String)>>,
+) -> Response {
+    let token = pairs
+        .iter()
+        .find(|(k, _)| k == "token")
+        .map_or("", |(_, v)| v.trim());
+    let refused = |e: ApiError| c.render(None, "login.html", e.status, json!({ "error": e }));
+    if let Err(e) = same_origin(&headers) {
+        return refused(e);
+    }
+    if token.is_empty() {
+        return refused(ApiError::local(
+            StatusCode::BAD_REQUEST,
+            Some("token"),
+            "paste an admin token (lorafleetctl token prints one)",
+        ));
+    }
+    let session = match Session::from_token(&c, token) {
+        Ok(s) => s,
+        Err(mut e) => {
+            e.param = Some("token".into());
+            return refused(e);
+        }
+    };
+    let max_age = (session.identity.expires_at - chrono::Utc::now().timestamp()).max(0);
+    let cookie = format!(
+        "{COOKIE}={}; Max-Age={max_age}; {}",
+        session.token,
+        cookie_attributes(c.options)
+    );
+    tracing::info!(actor = %session.identity.subject, role = session.identity.role.name(), "console sign-in");
+    let mut r = Redirect::to("/console/fleet").into_response();
+    match HeaderValue::from_str(&cookie) {
+        Ok(v) => {
+            r.headers_mut().insert(header::SET_COOKIE, v);
+            r
+        }
+        Err(_) => refused(ApiError::local(
+            StatusCode::BAD_REQUEST,
+            Some("token"),
+            "the token holds characters a cookie cannot carry",
+        )),
+    }
+}
+
+/// `POST /console/logout`.
+pub(super) async fn logout(
+    State(c): State<Console>,
+    session: Session,
+    headers: HeaderMap,
+    form: Form<Vec<(String, String)>>,
+) -> Response {
+    if let Err(e) = Fields::check(&session, &headers, form) {
+        return c.error_page(Some(&session), &e);
+    }
+    let mut r = Redirect::to("/console/login").into_response();
+    r.headers_mut()
+        .insert(header::SET_COOKIE, clear_cookie(c.options));
+    r
+}
