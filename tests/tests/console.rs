@@ -300,6 +300,7 @@ async fn an_admin_runs_the_fleet_from_the_console() {
     b.click("#register-form button[type=submit]").await;
     let error = b.text("[data-error-for=artifact_uri]").await;
     assert!(error.contains("artifact_uri"), "{error}");
+    shoot(&b, "adapters-refusal").await;
     assert_eq!(
         b.attribute(&b.find("#register-form input[name=name]").await, "value")
             .await
