@@ -633,6 +633,19 @@ async fn admins_run_the_registry_and_compliance_reads_the_audit_log_through_lora
     assert_eq!(w0["worker_id"], "w0");
     assert_eq!(w0["up"], true);
     assert_eq!(w0["base_hash"], hashes["llama-gqa"]);
+    assert_eq!(w0["status"], "serving");
+    assert_eq!(w0["base_model"], "llama-gqa");
+    assert!(w0["kv_blocks_total"].as_u64().unwrap() > 0, "{fleet}");
+    // Each adapter's traffic over the window, from the audit log.
+    let traffic = fleet["adapters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["lora_int_id"].as_i64() == Some(a2))
+        .unwrap_or_else(|| panic!("no traffic for {a2}: {fleet}"));
+    assert!(traffic["requests"].as_i64().unwrap() > 0, "{traffic}");
+    let hit = traffic["device_hit_rate"].as_f64().unwrap();
+    assert!((0.0..=1.0).contains(&hit), "{traffic}");
     let resident: Vec<i64> = ["device", "host"]
         .iter()
         .flat_map(|t| w0["adapters"][*t].as_array().cloned().unwrap_or_default())

@@ -259,3 +259,85 @@ pub(super) async fn logout(
         .insert(header::SET_COOKIE, clear_cookie(c.options));
     r
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::admin::Role;
+
+    fn session(token: &str) -> Session {
+        Session {
+            token: token.into(),
+            identity: Identity {
+                subject: "alice".into(),
+                role: Role::Admin,
+                expires_at: 0,
+            },
+            csrf: csrf_token(token),
+        }
+    }
+
+    fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.append(*k, HeaderValue::from_str(v).unwrap());
+        }
+        h
+    }
+
+    fn form(pairs: &[(&str, &str)]) -> Form<Vec<(String, String)>> {
+        Form(
+            pairs
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+        )
+    }
+
+    #[test]
+    fn the_csrf_token_is_the_sessions_own() {
+        assert_eq!(csrf_token("a.b.c"), csrf_token("a.b.c"));
+        assert_ne!(csrf_token("a.b.c"), csrf_token("a.b.d"));
+        assert!(!csrf_token("a.b.c").contains("a.b.c"));
+    }
+
+    #[test]
+    fn the_session_cookie_is_found_among_others() {
+        let h = headers(&[("cookie", "x=1; lorafleet_console=tok.en.sig; y=2")]);
+        assert_eq!(cookie_token(&h), Some("tok.en.sig"));
+        let h = headers(&[("cookie", "lorafleet_console_x=no")]);
+        assert_eq!(cookie_token(&h), None);
+    }
+
+    #[test]
+    fn a_write_needs_the_same_origin_and_the_sessions_token() {
+        let s = session("t1");
+        let good = || form(&[("csrf", &s.csrf), ("name", " acme ")]);
+        let fields = Fields::check(&s, &headers(&[("sec-fetch-site", "same-origin")]), good())
+            .expect("a same-origin form with the token");
+        assert_eq!(fields.get("name"), "acme");
+        assert!(fields.echo().get("csrf").is_none(), "the token is never echoed");
+        for h in [
+            headers(&[("sec-fetch-site", "cross-site")]),
+            headers(&[("sec-fetch-site", "same-site")]),
+            headers(&[("origin", "https://evil.example"), ("host", "console:8081")]),
+        ] {
+            let e = Fields::check(&s, &h, good()).unwrap_err();
+            assert_eq!(e.status, StatusCode::FORBIDDEN);
+        }
+        // Origin matching Host, without Sec-Fetch-Site (older browsers).
+        let h = headers(&[("origin", "http://console:8081"), ("host", "console:8081")]);
+        assert!(Fields::check(&s, &h, good()).is_ok());
+        for bad in [
+            form(&[("name", "acme")]),
+            form(&[("csrf", &csrf_token("another session"))]),
+            form(&[("csrf", "")]),
+        ] {
+            let e = Fields::check(&s, &HeaderMap::new(), bad).unwrap_err();
+            assert_eq!(
+                (e.status, e.param.as_deref()),
+                (StatusCode::FORBIDDEN, Some("csrf"))
+            );
+        }
+    }
+}
