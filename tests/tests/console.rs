@@ -372,6 +372,41 @@ async fn an_admin_runs_the_fleet_from_the_console() {
     assert!(b.text("#detail-ttft").await.ends_with("ms"));
     shoot(&b, "audit-row").await;
 
+    // Keyset pages: one row a page, and the next page is another row.
+    b.goto(&format!("{console}/console/audit?tenant=acme&limit=1"))
+        .await;
+    let first = b
+        .attribute(
+            &b.find("#audit-rows tbody tr[data-request]").await,
+            "data-request",
+        )
+        .await;
+    b.click("#next-page").await;
+    let second = b
+        .attribute(
+            &b.find("#audit-rows tbody tr[data-request]").await,
+            "data-request",
+        )
+        .await;
+    assert!(
+        first.is_some() && second.is_some() && first != second,
+        "{first:?} {second:?}"
+    );
+    // The export link carries the filters and downloads every matching row.
+    b.goto(&format!("{console}/console/audit?request_id={request_id}"))
+        .await;
+    let csv = b
+        .run(
+            "const r = await fetch(document.querySelector('#export-csv').href);
+             return [r.headers.get('content-disposition'), await r.text()];",
+            json!([]),
+        )
+        .await;
+    assert_eq!(csv[0], "attachment; filename=\"audit.csv\"", "{csv}");
+    let lines: Vec<&str> = csv[1].as_str().unwrap().lines().collect();
+    assert_eq!(lines.len(), 2, "a header and the one row: {lines:?}");
+    assert!(lines[1].contains(&request_id));
+
     // The change log: every change made here, by alice, through the API.
     b.goto(&format!("{console}/console/changes")).await;
     let changes = b.text("#changes").await;
@@ -448,6 +483,13 @@ async fn a_viewer_sees_no_write_controls_and_cannot_forge_one() {
     ]);
     let console = p.admin_url(0);
     let b = Browser::start().await;
+    // A token that is not one is refused beside the field.
+    b.goto(&format!("{console}/console/login")).await;
+    b.fill("#login textarea[name=token]", "not-a-token").await;
+    b.click("#login button[type=submit]").await;
+    let refused = b.text("[data-error-for=token]").await;
+    assert!(refused.contains("invalid token"), "{refused}");
+    assert!(b.cookies().await.is_empty());
     let viewer = p.token("vera", "viewer");
     sign_in(&b, &console, &viewer).await;
     assert_eq!(b.text("#role").await, "viewer");

@@ -316,7 +316,10 @@ mod tests {
         let fields = Fields::check(&s, &headers(&[("sec-fetch-site", "same-origin")]), good())
             .expect("a same-origin form with the token");
         assert_eq!(fields.get("name"), "acme");
-        assert!(fields.echo().get("csrf").is_none(), "the token is never echoed");
+        assert!(
+            fields.echo().get("csrf").is_none(),
+            "the token is never echoed"
+        );
         for h in [
             headers(&[("sec-fetch-site", "cross-site")]),
             headers(&[("sec-fetch-site", "same-site")]),

@@ -22,7 +22,11 @@ pub(crate) async fn fleet(c: &Client) -> Result<(), Failure> {
                         cell(&w["base_model"]),
                         hash.chars().take(12).collect(),
                         cell(&w["load"]),
-                        format!("{}/{}", cell(&w["kv_blocks_used"]), cell(&w["kv_blocks_total"])),
+                        format!(
+                            "{}/{}",
+                            cell(&w["kv_blocks_used"]),
+                            cell(&w["kv_blocks_total"])
+                        ),
                         tier("device"),
                         tier("host"),
                         tier("loading"),
