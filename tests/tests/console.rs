@@ -37,51 +37,12 @@ async fn shoot(b: &Browser, name: &str) {
     }
 }
 
-/// Tenant acme with a key; the fixture base model; `support` v1 (qv-r8)
-/// at 100% and v2 (o-r2) registered. Returns (key, v1, v2).
+/// Tenant acme with a key, `support` v1 at 100% and v2 registered (see
+/// `acme_support`), and a second tenant. Returns (key, v1, v2).
 fn setup(p: &Plane) -> (String, i64, i64) {
-    p.ctl_json(&["tenants", "create", "acme", "--display-name", "Acme Corp"]);
-    p.ctl_json(&["tenants", "create", "globex"]);
-    let key = p.ctl_json(&["keys", "create", "acme", "--name", "app"])["key"]
-        .as_str()
-        .unwrap()
-        .to_owned();
-    let llama = lorafleet_tests::engine_fixtures().join("llama-gqa");
-    p.ctl_json(&[
-        "base-models",
-        "register",
-        "llama-gqa",
-        "--architecture",
-        "llama",
-        "--model-dir",
-        llama.to_str().unwrap(),
-    ]);
-    let register = |uri: &str| {
-        p.ctl_json(&[
-            "adapters",
-            "register",
-            "support",
-            "--tenant",
-            "acme",
-            "--base-model",
-            "llama-gqa",
-            "--artifact-uri",
-            uri,
-        ])["lora_int_id"]
-            .as_i64()
-            .unwrap()
-    };
-    let v1 = register("llama-gqa/qv-r8");
-    let v2 = register("llama-gqa/o-r2");
-    p.ctl_json(&[
-        "routes",
-        "set",
-        "acme",
-        "support",
-        "--weights",
-        &format!("{v1}=10000"),
-    ]);
-    (key, v1, v2)
+    let ids = acme_support(p, "llama-gqa/o-r2");
+    p.ctl_json(&["tenants", "create", "globex", "--display-name", "Globex"]);
+    ids
 }
 
 fn route_weights(p: &Plane) -> (String, Vec<(i64, i64)>) {

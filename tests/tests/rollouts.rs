@@ -10,52 +10,6 @@ use std::time::{Duration, Instant};
 use admin_plane::*;
 use serde_json::Value;
 
-/// Tenant acme with a key, the fixture base model, `support` v1 (qv-r8)
-/// at 100% and a candidate v2 from `candidate_uri`. Returns (key, v1, v2).
-fn setup(p: &Plane, candidate_uri: &str) -> (String, i64, i64) {
-    p.ctl_json(&["tenants", "create", "acme"]);
-    let key = p.ctl_json(&["keys", "create", "acme"])["key"]
-        .as_str()
-        .unwrap()
-        .to_owned();
-    let llama = lorafleet_tests::engine_fixtures().join("llama-gqa");
-    p.ctl_json(&[
-        "base-models",
-        "register",
-        "llama-gqa",
-        "--architecture",
-        "llama",
-        "--model-dir",
-        llama.to_str().unwrap(),
-    ]);
-    let register = |uri: &str| {
-        p.ctl_json(&[
-            "adapters",
-            "register",
-            "support",
-            "--tenant",
-            "acme",
-            "--base-model",
-            "llama-gqa",
-            "--artifact-uri",
-            uri,
-        ])["lora_int_id"]
-            .as_i64()
-            .unwrap()
-    };
-    let v1 = register("llama-gqa/qv-r8");
-    let v2 = register(candidate_uri);
-    p.ctl_json(&[
-        "routes",
-        "set",
-        "acme",
-        "support",
-        "--weights",
-        &format!("{v1}=10000"),
-    ]);
-    (key, v1, v2)
-}
-
 /// Loads both versions on the worker before a rollout, so that no
 /// window's p95 holds a cold adapter load: a short 50/50 split, then v1
 /// alone again. Needs the route's etag to be "1" (just created).
@@ -185,7 +139,7 @@ fn route_weights(p: &Plane) -> Vec<(i64, i64)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_healthy_candidate_advances_through_every_step_to_all_traffic() {
     let p = plane("rollout_healthy").await;
-    let (key, v1, v2) = setup(&p, "llama-gqa/o-r2");
+    let (key, v1, v2) = acme_support(&p, "llama-gqa/o-r2");
     warm(&p, &key, v1, v2).await;
     let started = start(&p, v2, "2000,5000,10000", "2", "8", "100");
     assert_eq!(started["state"], "running", "{started}");
@@ -250,7 +204,7 @@ async fn a_broken_candidate_is_rolled_back_within_one_window() {
         &p.root.path().join("llama-gqa/o-r2"),
         &p.root.path().join("llama-gqa/broken"),
     );
-    let (key, v1, v2) = setup(&p, "llama-gqa/broken");
+    let (key, v1, v2) = acme_support(&p, "llama-gqa/broken");
     let weights = p
         .root
         .path()
@@ -297,7 +251,7 @@ async fn a_broken_candidate_is_rolled_back_within_one_window() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_replica_takes_over_a_rollout_when_the_leader_dies() {
     let mut p = plane("rollout_failover").await;
-    let (key, v1, v2) = setup(&p, "llama-gqa/o-r2");
+    let (key, v1, v2) = acme_support(&p, "llama-gqa/o-r2");
     warm(&p, &key, v1, v2).await;
     let lease = || async {
         sqlx::query_scalar::<_, String>(
@@ -348,7 +302,7 @@ async fn another_replica_takes_over_a_rollout_when_the_leader_dies() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pause_and_abort_do_what_they_say_and_manual_changes_wait_for_the_end() {
     let p = plane("rollout_pause").await;
-    let (key, v1, v2) = setup(&p, "llama-gqa/o-r2");
+    let (key, v1, v2) = acme_support(&p, "llama-gqa/o-r2");
     let first = etag(&p);
     p.ctl(&[
         "routes",
@@ -489,7 +443,7 @@ async fn pause_and_abort_do_what_they_say_and_manual_changes_wait_for_the_end() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_inconclusive_step_pauses_for_an_operator() {
     let p = plane("rollout_inconclusive").await;
-    let (key, v1, v2) = setup(&p, "llama-gqa/o-r2");
+    let (key, v1, v2) = acme_support(&p, "llama-gqa/o-r2");
     start(&p, v2, "5000,10000", "1", "1000", "100");
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut i = 0;

@@ -306,6 +306,52 @@ impl Plane {
     }
 }
 
+/// Tenant acme with a key, the fixture base model, `support` v1 (qv-r8)
+/// at 100% and a candidate v2 from `candidate_uri`. Returns (key, v1, v2).
+pub fn acme_support(p: &Plane, candidate_uri: &str) -> (String, i64, i64) {
+    p.ctl_json(&["tenants", "create", "acme"]);
+    let key = p.ctl_json(&["keys", "create", "acme"])["key"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let llama = lorafleet_tests::engine_fixtures().join("llama-gqa");
+    p.ctl_json(&[
+        "base-models",
+        "register",
+        "llama-gqa",
+        "--architecture",
+        "llama",
+        "--model-dir",
+        llama.to_str().unwrap(),
+    ]);
+    let register = |uri: &str| {
+        p.ctl_json(&[
+            "adapters",
+            "register",
+            "support",
+            "--tenant",
+            "acme",
+            "--base-model",
+            "llama-gqa",
+            "--artifact-uri",
+            uri,
+        ])["lora_int_id"]
+            .as_i64()
+            .unwrap()
+    };
+    let v1 = register("llama-gqa/qv-r8");
+    let v2 = register(candidate_uri);
+    p.ctl_json(&[
+        "routes",
+        "set",
+        "acme",
+        "support",
+        "--weights",
+        &format!("{v1}=10000"),
+    ]);
+    (key, v1, v2)
+}
+
 pub fn fixture_json(name: &str) -> Value {
     serde_json::from_str(&std::fs::read_to_string(engine_fixtures().join(name)).unwrap()).unwrap()
 }
