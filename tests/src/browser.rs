@@ -221,14 +221,39 @@ impl Browser {
         .map(str::to_owned)
     }
 
+    /// Clicks a link or a submit button and waits for the page it leads
+    /// to: until the old document is gone and the new one has loaded, so
+    /// that what is read next is never the page before the click.
     pub async fn click(&self, css: &str) {
         let e = self.find(css).await;
+        self.run(
+            "window.__lorafleet_old_page = true; return true;",
+            json!([]),
+        )
+        .await;
         self.checked(
             reqwest::Method::POST,
             &format!("/element/{}/click", e.0),
             Some(json!({})),
         )
         .await;
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            let state = self
+                .run(
+                    "return window.__lorafleet_old_page ? 'old' : document.readyState;",
+                    json!([]),
+                )
+                .await;
+            if state == "complete" {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "clicking {css} led to no new page"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     /// Clears the field matching `css` and types `text` into it.
