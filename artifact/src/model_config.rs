@@ -11,12 +11,15 @@ use serde_json::{Map, Value};
 use crate::error::{FileError, Result};
 
 /// The decoder families the engine runs. They share one forward pass and
-/// differ only in the switches of [`ModelConfig`].
+/// differ only in the switches of [`ModelConfig`]; Mixtral and Qwen3-MoE
+/// replace the MLP with a Mixture-of-Experts block ([`MoeConfig`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Architecture {
     Llama,
     Mistral,
     Qwen2,
+    Mixtral,
+    Qwen3Moe,
 }
 
 impl Architecture {
@@ -26,8 +29,39 @@ impl Architecture {
             Architecture::Llama => "llama",
             Architecture::Mistral => "mistral",
             Architecture::Qwen2 => "qwen2",
+            Architecture::Mixtral => "mixtral",
+            Architecture::Qwen3Moe => "qwen3_moe",
         }
     }
+
+    /// Every architecture, for the lists that name them all.
+    pub const ALL: [Architecture; 5] = [
+        Architecture::Llama,
+        Architecture::Mistral,
+        Architecture::Qwen2,
+        Architecture::Mixtral,
+        Architecture::Qwen3Moe,
+    ];
+
+    /// The architecture a `model_type` names.
+    pub fn from_model_type(model_type: &str) -> Option<Architecture> {
+        Architecture::ALL
+            .into_iter()
+            .find(|a| a.model_type() == model_type)
+    }
+}
+
+/// A Mixture-of-Experts block in place of every layer's MLP: a router picks
+/// `top_k` of `num_experts` SwiGLU experts per token and sums their outputs
+/// weighted by the router's softmax.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoeConfig {
+    pub num_experts: usize,
+    /// Experts each token goes to (`num_experts_per_tok`).
+    pub top_k: usize,
+    /// Renormalize the chosen experts' probabilities to sum to one
+    /// (Mixtral always; Qwen3-MoE with `norm_topk_prob`).
+    pub norm_topk_prob: bool,
 }
 
 /// A validated model configuration.
@@ -36,6 +70,8 @@ pub struct ModelConfig {
     pub architecture: Architecture,
     pub vocab_size: usize,
     pub hidden_size: usize,
+    /// The width of the MLP's gate and up projections: of the one MLP of a
+    /// dense model, of each expert of a Mixture-of-Experts model.
     pub intermediate_size: usize,
     pub num_layers: usize,
     pub num_heads: usize,
@@ -53,6 +89,11 @@ pub struct ModelConfig {
     pub mlp_bias: bool,
     /// Attend to at most this many most recent positions (Mistral).
     pub sliding_window: Option<usize>,
+    /// RMSNorm over each head of q and k before the rotary embedding
+    /// (Qwen3).
+    pub qk_norm: bool,
+    /// Mixture-of-Experts MLPs; None for a dense model.
+    pub moe: Option<MoeConfig>,
     pub bos_token_id: Option<u32>,
     /// Every token that ends a sequence, from config.json and
     /// generation_config.json together.
@@ -216,17 +257,16 @@ fn parse_config(path: &Path, map: &Map<String, Value>) -> Result<ModelConfig> {
     let model_type = f
         .str("model_type")?
         .ok_or_else(|| f.err("model_type", "is required"))?;
-    let architecture = match model_type {
-        "llama" => Architecture::Llama,
-        "mistral" => Architecture::Mistral,
-        "qwen2" => Architecture::Qwen2,
-        other => {
-            return Err(f.err(
-                "model_type",
-                format!("{other:?} is not supported; expected llama, mistral or qwen2"),
-            ));
-        }
-    };
+    let architecture = Architecture::from_model_type(model_type).ok_or_else(|| {
+        let known: Vec<&str> = Architecture::ALL.iter().map(|a| a.model_type()).collect();
+        f.err(
+            "model_type",
+            format!(
+                "{model_type:?} is not supported; expected one of {}",
+                known.join(", ")
+            ),
+        )
+    })?;
     let hidden_size = f.positive("hidden_size")?;
     let num_heads = f.positive("num_attention_heads")?;
     let num_kv_heads = f.usize("num_key_value_heads")?.unwrap_or(num_heads);
@@ -300,15 +340,16 @@ fn parse_config(path: &Path, map: &Map<String, Value>) -> Result<ModelConfig> {
             attention_bias,
             f.bool("mlp_bias")?.unwrap_or(false),
         ),
-        Architecture::Mistral => (false, false, false),
+        Architecture::Qwen3Moe => (attention_bias, attention_bias, false),
+        Architecture::Mistral | Architecture::Mixtral => (false, false, false),
     };
     let sliding_window = match architecture {
-        Architecture::Mistral => f.usize("sliding_window")?,
-        Architecture::Qwen2 => {
+        Architecture::Mistral | Architecture::Mixtral => f.usize("sliding_window")?,
+        Architecture::Qwen2 | Architecture::Qwen3Moe => {
             if f.bool("use_sliding_window")?.unwrap_or(false) {
                 return Err(f.err(
                     "use_sliding_window",
-                    "Qwen2 sliding-window attention is not supported",
+                    "Qwen sliding-window attention is not supported",
                 ));
             }
             None
@@ -327,11 +368,16 @@ fn parse_config(path: &Path, map: &Map<String, Value>) -> Result<ModelConfig> {
         return Err(f.err("rope_theta", "must be positive"));
     }
     let tie_default = false;
+    let moe = parse_moe(&f, architecture)?;
+    let intermediate_size = match architecture {
+        Architecture::Qwen3Moe => f.positive("moe_intermediate_size")?,
+        _ => f.positive("intermediate_size")?,
+    };
     Ok(ModelConfig {
         architecture,
         vocab_size: f.positive("vocab_size")?,
         hidden_size,
-        intermediate_size: f.positive("intermediate_size")?,
+        intermediate_size,
         num_layers: f.positive("num_hidden_layers")?,
         num_heads,
         num_kv_heads,
@@ -344,11 +390,67 @@ fn parse_config(path: &Path, map: &Map<String, Value>) -> Result<ModelConfig> {
         o_bias,
         mlp_bias,
         sliding_window,
+        qk_norm: architecture == Architecture::Qwen3Moe,
+        moe,
         bos_token_id: f
             .token_ids("bos_token_id")?
             .and_then(|v| v.first().copied()),
         eos_token_ids: f.token_ids("eos_token_id")?.unwrap_or_default(),
     })
+}
+
+/// The Mixture-of-Experts fields; anything that would change the routing
+/// and is not supported is refused by name.
+fn parse_moe(f: &Fields<'_>, architecture: Architecture) -> Result<Option<MoeConfig>> {
+    let norm_topk_prob = match architecture {
+        Architecture::Mixtral => true,
+        Architecture::Qwen3Moe => f.bool("norm_topk_prob")?.unwrap_or(false),
+        _ => return Ok(None),
+    };
+    // Qwen3-MoE has written both names.
+    let experts_field = if f.get("num_experts").is_some() {
+        "num_experts"
+    } else {
+        "num_local_experts"
+    };
+    let num_experts = f.positive(experts_field)?;
+    let top_k = f.positive("num_experts_per_tok")?;
+    if top_k > num_experts {
+        return Err(f.err(
+            "num_experts_per_tok",
+            format!("{top_k} is more than the {num_experts} experts"),
+        ));
+    }
+    if architecture == Architecture::Qwen3Moe {
+        // Every layer sparse: the layout the engine runs.
+        if f.usize("decoder_sparse_step")?.is_some_and(|s| s != 1) {
+            return Err(f.err(
+                "decoder_sparse_step",
+                "only 1 (every layer a Mixture-of-Experts layer) is supported",
+            ));
+        }
+        if let Some(layers) = f.get("mlp_only_layers")
+            && layers.as_array().is_none_or(|a| !a.is_empty())
+        {
+            return Err(f.err(
+                "mlp_only_layers",
+                format!("{layers} is not supported; only [] (no dense layers)"),
+            ));
+        }
+        if f.usize("shared_expert_intermediate_size")?
+            .is_some_and(|s| s > 0)
+        {
+            return Err(f.err(
+                "shared_expert_intermediate_size",
+                "shared experts are not supported",
+            ));
+        }
+    }
+    Ok(Some(MoeConfig {
+        num_experts,
+        top_k,
+        norm_topk_prob,
+    }))
 }
 
 #[cfg(test)]

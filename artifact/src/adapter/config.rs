@@ -52,7 +52,33 @@ impl AdapterConfig {
             path: "adapter_config.json".into(),
             source,
         })?;
-        AdapterConfig::from_text(adapter, &text, Some(model.num_layers))
+        AdapterConfig::from_text(adapter, &text, Some(model.num_layers))?.for_model(adapter, model)
+    }
+
+    /// Checks the targets against the model: on a Mixture-of-Experts model
+    /// only the attention projections, until the engine carries LoRA on
+    /// experts. (PEFT writes "all-linear" on such a model as the attention
+    /// modules plus `target_parameters` on the experts and the router,
+    /// which `parse` refuses.)
+    pub fn for_model(
+        self,
+        adapter: &str,
+        model: &ModelConfig,
+    ) -> Result<AdapterConfig, AdapterError> {
+        if model.moe.is_none() {
+            return Ok(self);
+        }
+        if let Some(p) = self.targets.iter().find(|p| p.parent() != "self_attn") {
+            return Err(unsupported(
+                adapter,
+                "target_modules",
+                &format!(
+                    "{:?} targets the experts of a Mixture-of-Experts model; LoRA on experts is not supported yet, only on q_proj, k_proj, v_proj and o_proj",
+                    p.module_name()
+                ),
+            ));
+        }
+        Ok(self)
     }
 
     /// Parses the text of an `adapter_config.json`. Without `num_layers`

@@ -153,6 +153,8 @@ pub(super) fn inspect_artifact(
     }
     let modules = match architecture {
         "llama" | "mistral" | "qwen2" => LLAMA_FAMILY_MODULES,
+        // Mixture-of-Experts models: LoRA on attention only, so far.
+        "mixtral" | "qwen3_moe" => ATTENTION_MODULES,
         _ => &[][..],
     };
     let targets: Vec<String> = config

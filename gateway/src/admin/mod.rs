@@ -55,7 +55,9 @@ const LLAMA_FAMILY_MODULES: &[&str] = &[
     "up_proj",
     "down_proj",
 ];
-const ARCHITECTURES: &[&str] = &["llama", "mistral", "qwen2"];
+/// The projections a LoRA may target on a Mixture-of-Experts model.
+const ATTENTION_MODULES: &[&str] = &["q_proj", "k_proj", "v_proj", "o_proj"];
+const ARCHITECTURES: &[&str] = &["llama", "mistral", "qwen2", "mixtral", "qwen3_moe"];
 
 /// Admin roles, from the token's `role` claim.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -566,18 +566,22 @@ impl AdapterPool {
             .iter()
             .filter(|(other, e)| **other != id && e.pinned)
             .count();
-        if let Some(e) = self.entries.get_mut(&id)
-            && e.pinned != pinned
-        {
+        let Some(e) = self.entries.get_mut(&id) else {
+            return Ok(());
+        };
+        if e.pinned != pinned {
             if pinned && others >= self.max_pinned {
                 return Err(crate::error::EngineError::PinLimit { pinned: others });
             }
             e.pinned = pinned;
-            // A pin after an unload asks for the adapter again, as an
-            // arrival does: the later request wins, and the pin holds.
-            if pinned {
-                e.unload_pending = false;
-            }
+            self.generation += 1;
+        }
+        // A pin after an unload asks for the adapter again, as an arrival
+        // does: the later request wins, and the pin holds. This holds too
+        // when the pin was never dropped, because the unload waits for
+        // leases to end before it takes the pin away.
+        if pinned && e.unload_pending {
+            e.unload_pending = false;
             self.generation += 1;
         }
         Ok(())

@@ -340,7 +340,11 @@ fn artifact_digests_match_an_independent_implementation() {
         &std::fs::read_to_string(fixtures().join("artifact_digests.json")).unwrap(),
     )
     .unwrap();
-    assert_eq!(expected.len(), 12);
+    assert_eq!(
+        expected.len(),
+        17,
+        "12 dense and 5 Mixture-of-Experts adapters"
+    );
     let roots =
         lorafleet_engine::artifact::ArtifactRoots::new(&[fixtures().join("adapters")]).unwrap();
     for (uri, digest) in &expected {

@@ -16,6 +16,7 @@ pub mod activation;
 pub mod amx;
 mod attention;
 mod lora;
+mod moe;
 pub mod panels;
 pub mod team;
 
@@ -40,9 +41,20 @@ struct Layer {
     /// q, k and v, stacked in that order.
     qkv: PackedLinear,
     o: PackedLinear,
-    /// gate and up, stacked in that order.
-    gate_up: PackedLinear,
-    down: PackedLinear,
+    /// Per-head RMSNorm weights of q and k (Qwen3), applied before RoPE.
+    qk_norm: Option<(Vec<f32>, Vec<f32>)>,
+    mlp: Mlp,
+}
+
+/// A layer's MLP: one SwiGLU, or a Mixture of SwiGLU experts.
+#[derive(Debug)]
+enum Mlp {
+    Dense {
+        /// gate and up, stacked in that order.
+        gate_up: PackedLinear,
+        down: PackedLinear,
+    },
+    Moe(moe::MoeBlock),
 }
 
 /// The adapter slots of every (layer, projection): one buffer per (layer,
@@ -91,10 +103,11 @@ impl CpuBackend {
             .layers
             .iter()
             .map(|l| {
-                [&l.qkv, &l.o, &l.gate_up, &l.down]
-                    .iter()
-                    .map(|p| p.weight_bytes())
-                    .sum::<usize>()
+                let mlp = match &l.mlp {
+                    Mlp::Dense { gate_up, down } => gate_up.weight_bytes() + down.weight_bytes(),
+                    Mlp::Moe(block) => block.weight_bytes(),
+                };
+                l.qkv.weight_bytes() + l.o.weight_bytes() + mlp
             })
             .sum();
         layers + self.lm_head.weight_bytes()
@@ -108,45 +121,29 @@ impl CpuBackend {
         let mut layers = Vec::with_capacity(c.num_layers);
         for l in 0..c.num_layers {
             let prefix = format!("model.layers.{l}");
-            // Weights `[fan_out, fan_in]` of the given projections stacked
-            // by rows, and their biases likewise.
+            // The given projections stacked by rows, with their biases.
             let stacked = |parts: &[Projection]| -> Result<PackedLinear> {
                 let has_bias = match parts[0] {
                     Projection::Q | Projection::K | Projection::V => c.qkv_bias,
                     Projection::O => c.o_bias,
                     _ => c.mlp_bias,
                 };
-                let fan_in = parts[0].shape(c).0;
-                let (mut w16, mut bias, mut fan_out) = (Some(Vec::new()), Vec::new(), 0);
                 let mut weights = Vec::new();
+                let mut bias = Vec::new();
                 for p in parts {
-                    let out = p.shape(c).1;
                     let name = format!("{prefix}.{}.{}", p.parent(), p.module_name());
-                    let weight = format!("{name}.weight");
-                    // bf16 checkpoints keep their weights in bf16 (see
-                    // `panels`); any other dtype in the stack means f32.
-                    w16 = match (w16, files.bf16_bits(&weight, &[out, fan_in])?) {
-                        (Some(mut all), Some(bits)) => {
-                            all.extend(bits);
-                            Some(all)
-                        }
-                        _ => None,
-                    };
+                    let out = p.shape(c).1;
                     if has_bias {
                         bias.extend(files.f32(&format!("{name}.bias"), &[out])?);
                     }
-                    weights.push((weight, out));
-                    fan_out += out;
+                    weights.push((format!("{name}.weight"), out));
                 }
-                let bias = has_bias.then_some(bias);
-                if let Some(w16) = w16 {
-                    return Ok(PackedLinear::pack_bf16(&w16, bias, fan_in, fan_out));
-                }
-                let mut w = Vec::with_capacity(fan_in * fan_out);
-                for (weight, out) in &weights {
-                    w.extend(files.f32(weight, &[*out, fan_in])?);
-                }
-                Ok(PackedLinear::pack(&w, bias, fan_in, fan_out))
+                pack_stacked(
+                    &files,
+                    &weights,
+                    has_bias.then_some(bias),
+                    parts[0].shape(c).0,
+                )
             };
             use Projection::*;
             layers.push(Layer {
@@ -160,8 +157,21 @@ impl CpuBackend {
                 )?,
                 qkv: stacked(&[Q, K, V])?,
                 o: stacked(&[O])?,
-                gate_up: stacked(&[Gate, Up])?,
-                down: stacked(&[Down])?,
+                qk_norm: if c.qk_norm {
+                    let norm = |which: &str| {
+                        files.f32(&format!("{prefix}.self_attn.{which}.weight"), &[c.head_dim])
+                    };
+                    Some((norm("q_norm")?, norm("k_norm")?))
+                } else {
+                    None
+                },
+                mlp: match c.moe {
+                    Some(moe) => Mlp::Moe(moe::MoeBlock::load(&files, c, moe, l)?),
+                    None => Mlp::Dense {
+                        gate_up: stacked(&[Gate, Up])?,
+                        down: stacked(&[Down])?,
+                    },
+                },
             });
         }
         let norm = files.f32("model.norm.weight", &[c.hidden_size])?;
@@ -238,6 +248,36 @@ impl CpuBackend {
             inv_freq,
         }
     }
+}
+
+/// Weights `[fan_out, fan_in]` stacked by rows into one projection, with
+/// their biases. A bf16 checkpoint keeps its weights in bf16 (see
+/// `panels`); any other dtype in the stack means f32.
+fn pack_stacked(
+    files: &WeightFiles,
+    weights: &[(String, usize)],
+    bias: Option<Vec<f32>>,
+    fan_in: usize,
+) -> Result<PackedLinear> {
+    let fan_out: usize = weights.iter().map(|(_, out)| out).sum();
+    let mut w16 = Some(Vec::new());
+    for (name, out) in weights {
+        w16 = match (w16, files.bf16_bits(name, &[*out, fan_in])?) {
+            (Some(mut all), Some(bits)) => {
+                all.extend(bits);
+                Some(all)
+            }
+            _ => None,
+        };
+    }
+    if let Some(w16) = w16 {
+        return Ok(PackedLinear::pack_bf16(&w16, bias, fan_in, fan_out));
+    }
+    let mut w = Vec::with_capacity(fan_in * fan_out);
+    for (name, out) in weights {
+        w.extend(files.f32(name, &[*out, fan_in])?);
+    }
+    Ok(PackedLinear::pack(&w, bias, fan_in, fan_out))
 }
 
 fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
@@ -467,6 +507,11 @@ impl Backend for CpuBackend {
                 &normed,
                 n,
             );
+            if let Some((qn, kn)) = &l.qk_norm {
+                let (q_in, k_in) = (q.clone(), k.clone());
+                rms_norm(&q_in, qn, c.rms_norm_eps, &mut q);
+                rms_norm(&k_in, kn, c.rms_norm_eps, &mut k);
+            }
             // Rotate and store the new keys and values before attending, so
             // a prefill's tokens see each other.
             for s in &batch.seqs {
@@ -553,24 +598,30 @@ impl Backend for CpuBackend {
                 c.rms_norm_eps,
                 &mut normed,
             );
-            let [gate, up] = self.projections(
-                batch,
-                layer,
-                &l.gate_up,
-                [Projection::Gate, Projection::Up],
-                &normed,
-                n,
-            );
-            let mut act = vec![0f32; gate.len()];
-            let (width, kernel) = (c.intermediate_size, Kernel::detect());
-            let mut rows: Vec<&mut [f32]> = act.chunks_exact_mut(width).collect();
-            team::for_each_mut(&mut rows, |a, t| {
-                let (g, u) = (&gate[t * width..][..width], &up[t * width..][..width]);
-                activation::silu_mul(kernel, g, u, a);
-            });
-            drop(rows);
-            let [down] = self.projections(batch, layer, &l.down, [Projection::Down], &act, n);
-            for (h, o) in hidden.iter_mut().zip(&down) {
+            let out = match &l.mlp {
+                Mlp::Dense { gate_up, down } => {
+                    let [gate, up] = self.projections(
+                        batch,
+                        layer,
+                        gate_up,
+                        [Projection::Gate, Projection::Up],
+                        &normed,
+                        n,
+                    );
+                    let mut act = vec![0f32; gate.len()];
+                    let (width, kernel) = (c.intermediate_size, Kernel::detect());
+                    let mut rows: Vec<&mut [f32]> = act.chunks_exact_mut(width).collect();
+                    team::for_each_mut(&mut rows, |a, t| {
+                        let (g, u) = (&gate[t * width..][..width], &up[t * width..][..width]);
+                        activation::silu_mul(kernel, g, u, a);
+                    });
+                    drop(rows);
+                    let [out] = self.projections(batch, layer, down, [Projection::Down], &act, n);
+                    out
+                }
+                Mlp::Moe(block) => block.forward(&normed, n),
+            };
+            for (h, o) in hidden.iter_mut().zip(&out) {
                 *h += o;
             }
         }

@@ -154,6 +154,16 @@ impl CudaBackend {
         limits: StepLimits,
     ) -> Result<CudaBackend> {
         let c = config;
+        if c.moe.is_some() || c.qk_norm {
+            return Err(EngineError::InvalidModel {
+                file: dir.join("config.json"),
+                field: "model_type".into(),
+                reason: format!(
+                    "{} runs on the CPU backend only so far; the CUDA backend has no Mixture-of-Experts or q/k-norm kernels yet",
+                    c.architecture.model_type()
+                ),
+            });
+        }
         let dev = Device::open(
             ordinal,
             KernelShapes::for_model(c, shape.max_lora_rank, dtype),

@@ -165,6 +165,8 @@ mod tests {
             o_bias: false,
             mlp_bias: false,
             sliding_window: None,
+            qk_norm: false,
+            moe: None,
             bos_token_id: Some(128_000),
             eos_token_ids: vec![128_001],
         }

@@ -1,0 +1,235 @@
+//! Mixture-of-Experts models (Qwen3-MoE, Mixtral) on the CPU backend:
+//! against transformers + PEFT (logits within 1e-4 relative, greedy tokens
+//! exactly), a staggered mixed batch equal to one request at a time, and
+//! the refusals of what the engine does not run yet.
+
+mod common;
+
+use common::*;
+use lorafleet_engine::backend::cpu::CpuBackend;
+use lorafleet_engine::backend::{Backend, BackendShape, StepBatch};
+use lorafleet_engine::lora::{AdapterLimits, HostAdapter};
+use lorafleet_engine::model::ModelConfig;
+use lorafleet_engine::{Engine, EngineSettings, Event, Prompt, Request, SamplingParams};
+
+const MODELS: [&str; 2] = ["qwen3-moe", "mixtral-moe"];
+
+fn golden_moe() -> Golden {
+    let text = std::fs::read_to_string(fixtures().join("golden_moe.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, x) in v.iter().enumerate() {
+        if *x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+#[test]
+fn moe_forward_matches_transformers_and_peft() {
+    let golden = golden_moe();
+    let mut checked = 0;
+    for model in MODELS {
+        let dir = model_dir(model);
+        let config = ModelConfig::from_dir(&dir).unwrap();
+        assert!(
+            config.moe.is_some(),
+            "{model} is a Mixture-of-Experts model"
+        );
+        let shape = BackendShape {
+            slots: 1,
+            max_lora_rank: 16,
+            kv_blocks: 8,
+            block_size: 4,
+        };
+        let mut backend = CpuBackend::load(&dir, &config, shape).unwrap();
+        for case in golden.cases.iter().filter(|c| c.model == model) {
+            let slot = case.adapter.as_ref().map(|name| {
+                let limits = AdapterLimits {
+                    model: &config,
+                    max_lora_rank: 16,
+                    base_hash_check: None,
+                };
+                let adapter = HostAdapter::load(name, &adapter_dir(model, name), limits).unwrap();
+                backend.write_slot(0, &adapter).unwrap();
+                0
+            });
+            let table: Vec<u32> = vec![5, 2, 7, 0, 3, 6, 1, 4];
+            let mut batch = StepBatch::default();
+            batch.push(&case.prompt_ids, 0, &table, slot, true);
+            batch.finish();
+            let logits = backend.forward(&batch).unwrap();
+            let err = relative_error(&logits, &case.logits);
+            assert!(
+                err <= 1e-4,
+                "{model}/{:?} {:?}: logits relative error {err}",
+                case.adapter,
+                case.prompt
+            );
+            let mut tokens = vec![argmax(&logits)];
+            let mut pos = case.prompt_ids.len();
+            while tokens.len() < case.greedy.len() && ![2, 4].contains(tokens.last().unwrap()) {
+                let mut batch = StepBatch::default();
+                batch.push(&[*tokens.last().unwrap()], pos, &table, slot, true);
+                batch.finish();
+                tokens.push(argmax(&backend.forward(&batch).unwrap()));
+                pos += 1;
+            }
+            assert_eq!(
+                tokens, case.greedy,
+                "{model}/{:?} {:?}: greedy tokens",
+                case.adapter, case.prompt
+            );
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, golden.cases.len());
+    assert!(checked >= 21, "every model, adapter and prompt: {checked}");
+}
+
+/// Three requests per adapter plus three on the base model, half greedy,
+/// half seeded sampling.
+fn workload(adapters: usize) -> Vec<Request> {
+    let prompts = [
+        "The quick brown fox",
+        "Grüße aus München! 🚀",
+        "SELECT * FROM adapters WHERE lora_int_id = 42;",
+        "def forward(self, x):",
+    ];
+    let n = (adapters as u64 + 1) * 3;
+    (0..n)
+        .map(|i| {
+            let which = i % (adapters as u64 + 1);
+            let sampled = i % 2 == 1;
+            Request {
+                id: format!("r{i}"),
+                adapter: (which > 0).then(|| aid(which)),
+                prompt: Prompt::Text(prompts[i as usize % prompts.len()].into()),
+                params: SamplingParams {
+                    max_tokens: 5 + (i as usize % 6),
+                    temperature: if sampled { 0.9 } else { 0.0 },
+                    top_p: if sampled { 0.95 } else { 1.0 },
+                    top_k: if sampled { 50 } else { 0 },
+                    seed: Some(500 + i),
+                    ..Default::default()
+                },
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn a_staggered_mixed_batch_of_moe_adapters_equals_one_at_a_time() {
+    for model in MODELS {
+        let adapters = adapter_names(model).len();
+        let requests = workload(adapters);
+        let mut solo = fixture_engine(
+            model,
+            EngineSettings {
+                max_loras: 1,
+                max_cpu_loras: 1,
+                ..Default::default()
+            },
+        );
+        let expected: Vec<(Vec<u32>, String)> = requests
+            .iter()
+            .map(|r| {
+                let c = solo
+                    .run_to_completion(vec![r.clone()])
+                    .unwrap()
+                    .pop()
+                    .unwrap();
+                assert!(c.error.is_none(), "{:?}", c.error);
+                (c.token_ids, c.text)
+            })
+            .collect();
+
+        let mut e: Engine = fixture_engine(
+            model,
+            EngineSettings {
+                max_loras: 2,
+                max_cpu_loras: 3,
+                max_batched_tokens: 16,
+                max_num_seqs: 8,
+                ..Default::default()
+            },
+        );
+        let mut outputs: Vec<(Vec<u32>, String)> = vec![Default::default(); requests.len()];
+        let (mut finished, mut step, mut max_distinct, mut max_tokens) = (0, 0, 0, 0);
+        let mut pending = requests.iter();
+        while finished < requests.len() {
+            if step % 2 == 0 {
+                for r in pending.by_ref().take(2) {
+                    e.submit(r.clone()).unwrap();
+                }
+            }
+            for (id, event) in e.step().unwrap() {
+                let i: usize = id[1..].parse().unwrap();
+                match event {
+                    Event::Delta { token_ids, text } => {
+                        outputs[i].0.extend(token_ids);
+                        outputs[i].1.push_str(&text);
+                    }
+                    Event::Finished(_) => finished += 1,
+                    Event::Failed(err) => panic!("{model} {id}: {err}"),
+                }
+            }
+            max_distinct = max_distinct.max(e.last_step().distinct_adapters);
+            max_tokens = max_tokens.max(e.last_step().tokens);
+            step += 1;
+            assert!(step < 10_000, "the batch never drained");
+        }
+        for (i, (got, want)) in outputs.iter().zip(&expected).enumerate() {
+            assert_eq!(got, want, "{model}: r{i} differs between batched and alone");
+        }
+        assert!(
+            max_distinct >= 2,
+            "{model}: steps mixed adapters ({max_distinct})"
+        );
+        assert!(max_tokens > 1, "{model}: steps batched several tokens");
+    }
+}
+
+#[test]
+fn what_the_engine_does_not_run_yet_is_refused_by_field() {
+    let config = ModelConfig::from_dir(&model_dir("qwen3-moe")).unwrap();
+    let limits = || AdapterLimits {
+        model: &config,
+        max_lora_rank: 16,
+        base_hash_check: None,
+    };
+    // LoRA on the experts, as PEFT's target_modules or its
+    // target_parameters on the fused expert tensors.
+    let dir = tempfile::tempdir().unwrap();
+    let src = adapter_dir("qwen3-moe", "qv-r8");
+    for f in ["adapter_config.json", "adapter_model.safetensors"] {
+        std::fs::copy(src.join(f), dir.path().join(f)).unwrap();
+    }
+    let original: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("adapter_config.json")).unwrap())
+            .unwrap();
+    for (field, value, needle) in [
+        (
+            "target_modules",
+            serde_json::json!(["q_proj", "gate_proj"]),
+            "gate_proj",
+        ),
+        (
+            "target_parameters",
+            serde_json::json!(["mlp.experts.gate_up_proj"]),
+            "target_parameters",
+        ),
+    ] {
+        let mut c = original.clone();
+        c[field] = value;
+        std::fs::write(dir.path().join("adapter_config.json"), c.to_string()).unwrap();
+        let err = HostAdapter::load("x", dir.path(), limits())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(needle), "{field}: {err}");
+    }
+}
