@@ -499,6 +499,70 @@ mod tests {
         assert!(!c.tie_word_embeddings && !c.qkv_bias);
     }
 
+    fn qwen3_moe() -> Value {
+        serde_json::json!({
+            "model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 96,
+            "moe_intermediate_size": 48, "num_experts": 4, "num_experts_per_tok": 2,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "vocab_size": 100, "decoder_sparse_step": 1, "mlp_only_layers": []
+        })
+    }
+
+    #[test]
+    fn reads_the_experts_of_qwen3_moe_and_mixtral() {
+        let dir = tempfile::tempdir().unwrap();
+        write(dir.path(), "config.json", qwen3_moe());
+        let c = ModelConfig::from_dir(dir.path()).unwrap();
+        assert_eq!(
+            c.moe,
+            Some(MoeConfig {
+                num_experts: 4,
+                top_k: 2,
+                norm_topk_prob: false
+            })
+        );
+        assert_eq!(c.intermediate_size, 48, "each expert's width");
+        assert!(c.qk_norm);
+        let mut mixtral = llama();
+        mixtral["model_type"] = serde_json::json!("mixtral");
+        mixtral["num_local_experts"] = serde_json::json!(8);
+        mixtral["num_experts_per_tok"] = serde_json::json!(2);
+        write(dir.path(), "config.json", mixtral);
+        let c = ModelConfig::from_dir(dir.path()).unwrap();
+        assert_eq!(
+            c.moe.map(|m| (m.num_experts, m.norm_topk_prob)),
+            Some((8, true))
+        );
+        assert_eq!(c.intermediate_size, 128);
+        assert!(!c.qk_norm);
+        write(dir.path(), "config.json", llama());
+        assert_eq!(ModelConfig::from_dir(dir.path()).unwrap().moe, None);
+    }
+
+    #[test]
+    fn refuses_expert_layouts_it_does_not_run_naming_the_field() {
+        for (field, value) in [
+            ("num_experts_per_tok", serde_json::json!(5)),
+            ("decoder_sparse_step", serde_json::json!(2)),
+            ("mlp_only_layers", serde_json::json!([0])),
+            ("shared_expert_intermediate_size", serde_json::json!(64)),
+            ("moe_intermediate_size", serde_json::Value::Null),
+            ("num_experts", serde_json::Value::Null),
+        ] {
+            let dir = tempfile::tempdir().unwrap();
+            let mut cfg = qwen3_moe();
+            cfg[field] = value;
+            write(dir.path(), "config.json", cfg);
+            let err = ModelConfig::from_dir(dir.path()).unwrap_err().to_string();
+            let named = if field == "num_experts" {
+                "num_local_experts"
+            } else {
+                field
+            };
+            assert!(err.contains(&format!("`{named}`")), "{field}: {err}");
+        }
+    }
+
     #[test]
     fn refuses_what_would_change_the_math_naming_the_field() {
         let cases = [

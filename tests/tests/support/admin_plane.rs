@@ -79,6 +79,7 @@ pub fn artifact_root() -> tempfile::TempDir {
         "llama-gqa/o-r2",
         "llama-gqa/k-r16",
         "qwen2-tied/qv-r8",
+        "qwen3-moe/qv-r8",
     ] {
         copy_dir(&fixtures.join(a), &root.path().join(a));
     }
@@ -111,6 +112,11 @@ pub async fn plane(label: &str) -> Plane {
 
 /// The plane with `workers` workers (ids w0, w1, …) behind both gateways.
 pub async fn plane_with_workers(label: &str, workers: usize) -> Plane {
+    plane_on(label, workers, "llama-gqa").await
+}
+
+/// The plane with its workers on the fixture model `model`.
+pub async fn plane_on(label: &str, workers: usize, model: &str) -> Plane {
     let db = migrated_db(label).await;
     let pool = db.pool().await;
     // The gateways log in with the least privileges: the request path as
@@ -128,7 +134,7 @@ pub async fn plane_with_workers(label: &str, workers: usize) -> Plane {
             let mut cmd = worker_command();
             cmd.args(["--worker-id", &format!("w{i}"), "--max-loras", "2"])
                 .arg("--model")
-                .arg(fixtures.join("llama-gqa"))
+                .arg(fixtures.join(model))
                 .arg("--artifact-root")
                 .arg(root.path());
             Server::start(cmd, "lorafleet-worker listening ")
