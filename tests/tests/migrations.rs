@@ -67,7 +67,8 @@ async fn migrations_apply_to_an_empty_database_and_rerun_as_a_no_op() {
             (4, true),
             (5, true),
             (6, true),
-            (7, true)
+            (7, true),
+            (8, true)
         ],
         "each migration applied exactly once"
     );
@@ -90,7 +91,7 @@ async fn migrate_takes_the_url_from_the_environment() {
         .fetch_one(&db.pool().await)
         .await
         .unwrap();
-    assert_eq!(n, 7);
+    assert_eq!(n, 8);
 }
 
 #[test]

@@ -1,8 +1,8 @@
 //! A Mixture-of-Experts model served end to end: `lorafleet-worker
 //! generate` gives the transformers + PEFT goldens on Qwen3-MoE, and a
 //! tenant's completion through the gateway, routed to a worker on that
-//! model with a LoRA adapter registered through `lorafleetctl`, gives the
-//! same text.
+//! model with LoRA adapters registered through `lorafleetctl` (one on
+//! attention, one on the experts), gives the same text.
 
 #[path = "support/admin_plane.rs"]
 mod admin_plane;
@@ -13,8 +13,11 @@ use serde_json::{Value, json};
 
 const MODEL: &str = "qwen3-moe";
 
-/// The golden cases of the base model and `qv-r8`, through the offline
-/// batch command; returns each case's (adapter, prompt, text).
+/// The adapters served, and the route each gets.
+const ADAPTERS: [(&str, &str); 2] = [("qv-r8", "support"), ("experts-r4", "experts")];
+
+/// The golden cases of the base model and [`ADAPTERS`], through the
+/// offline batch command; returns each case's (adapter, prompt, text).
 fn generate_goldens() -> Vec<(Option<String>, String, String)> {
     let fixtures = engine_fixtures();
     let golden: Value =
@@ -25,9 +28,12 @@ fn generate_goldens() -> Vec<(Option<String>, String, String)> {
         .as_array()
         .unwrap()
         .iter()
-        .filter(|c| c["model"] == MODEL && (c["adapter"].is_null() || c["adapter"] == "qv-r8"))
+        .filter(|c| {
+            c["model"] == MODEL
+                && (c["adapter"].is_null() || ADAPTERS.iter().any(|(a, _)| c["adapter"] == *a))
+        })
         .collect();
-    assert_eq!(cases.len(), 6);
+    assert_eq!(cases.len(), 9);
     let dir = tempfile::tempdir().unwrap();
     let (input, output) = (dir.path().join("in.jsonl"), dir.path().join("out.jsonl"));
     let lines: Vec<String> = cases
@@ -38,28 +44,21 @@ fn generate_goldens() -> Vec<(Option<String>, String, String)> {
         })
         .collect();
     std::fs::write(&input, lines.join("\n") + "\n").unwrap();
-    let out = run(
-        "lorafleet-worker",
-        &[
-            "generate",
-            "--model",
-            fixtures.join(MODEL).to_str().unwrap(),
-            "--input",
-            input.to_str().unwrap(),
-            "--output",
-            output.to_str().unwrap(),
-            "--lora",
-            &format!(
-                "qv-r8={}",
-                fixtures
-                    .join("adapters")
-                    .join(MODEL)
-                    .join("qv-r8")
-                    .display()
-            ),
-        ],
-        &[],
-    );
+    let mut args: Vec<String> = vec![
+        "generate".into(),
+        "--model".into(),
+        fixtures.join(MODEL).display().to_string(),
+        "--input".into(),
+        input.display().to_string(),
+        "--output".into(),
+        output.display().to_string(),
+    ];
+    for (a, _) in ADAPTERS {
+        let dir = fixtures.join("adapters").join(MODEL).join(a);
+        args.extend(["--lora".into(), format!("{a}={}", dir.display())]);
+    }
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = run("lorafleet-worker", &refs, &[]);
     assert!(
         out.status.success(),
         "{}",
@@ -107,27 +106,32 @@ async fn a_tenant_gets_a_moe_adapters_golden_text_through_the_gateway() {
         "--model-dir",
         engine_fixtures().join(MODEL).to_str().unwrap(),
     ]);
-    let v1 = p.ctl_json(&[
-        "adapters",
-        "register",
-        "support",
-        "--tenant",
-        "acme",
-        "--base-model",
-        MODEL,
-        "--artifact-uri",
-        "qwen3-moe/qv-r8",
-    ])["lora_int_id"]
-        .as_i64()
-        .unwrap();
-    p.ctl_json(&[
-        "routes",
-        "set",
-        "acme",
-        "support",
-        "--weights",
-        &format!("{v1}=10000"),
-    ]);
+    let mut ids = Vec::new();
+    for (adapter, route) in ADAPTERS {
+        let id = p.ctl_json(&[
+            "adapters",
+            "register",
+            route,
+            "--tenant",
+            "acme",
+            "--base-model",
+            MODEL,
+            "--artifact-uri",
+            &format!("{MODEL}/{adapter}"),
+        ])["lora_int_id"]
+            .as_i64()
+            .unwrap();
+        p.ctl_json(&[
+            "routes",
+            "set",
+            "acme",
+            route,
+            "--weights",
+            &format!("{id}=10000"),
+        ]);
+        ids.push(id);
+    }
+    let v1 = ids[0];
     p.ctl_json(&[
         "routes",
         "set",
@@ -137,7 +141,8 @@ async fn a_tenant_gets_a_moe_adapters_golden_text_through_the_gateway() {
         "--base-model",
         MODEL,
     ]);
-    // A LoRA on the experts is refused at registration, naming the field.
+    // Per-expert modules (which a transformers 5 MoE does not have) are
+    // refused at registration, naming the field.
     let bad = p.root.path().join("qwen3-moe/experts");
     copy_dir(&p.root.path().join("qwen3-moe/qv-r8"), &bad);
     let mut config: Value =
@@ -159,7 +164,10 @@ async fn a_tenant_gets_a_moe_adapters_golden_text_through_the_gateway() {
     .refused(6, "target_modules");
 
     for (adapter, prompt, text) in &expected {
-        let model = if adapter.is_some() { "support" } else { "base" };
+        let model = match adapter {
+            Some(a) => ADAPTERS.iter().find(|(n, _)| n == a).unwrap().1,
+            None => "base",
+        };
         let resp = p
             .http
             .post(format!("{}/v1/completions", p.api_url(0)))
@@ -180,6 +188,11 @@ async fn a_tenant_gets_a_moe_adapters_golden_text_through_the_gateway() {
     // view the worker's base model.
     let rows = p.audit_rows("acme", "support", 3).await;
     assert!(rows.iter().all(|r| r["lora_int_id"].as_i64() == Some(v1)));
+    let rows = p.audit_rows("acme", "experts", 3).await;
+    assert!(
+        rows.iter()
+            .all(|r| r["lora_int_id"].as_i64() == Some(ids[1]))
+    );
     let fleet = p.ctl_json(&["fleet"]);
     assert_eq!(fleet["workers"][0]["base_model"], MODEL);
 }

@@ -39,6 +39,39 @@ pub struct AdapterConfig {
     pub targets: Vec<Projection>,
     /// None: every layer.
     pub layers_to_transform: Option<Vec<usize>>,
+    /// Parameters of a Mixture-of-Experts block targeted directly
+    /// (`target_parameters`), sorted: PEFT's form for LoRA on the fused
+    /// expert tensors and on the router.
+    pub expert_targets: Vec<ExpertTarget>,
+}
+
+/// A parameter of a Mixture-of-Experts block that a LoRA may target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum ExpertTarget {
+    /// `mlp.experts.gate_up_proj`: every expert's gate and up, fused
+    /// `[experts, 2 * intermediate, hidden]`.
+    GateUp,
+    /// `mlp.experts.down_proj`: `[experts, hidden, intermediate]`.
+    Down,
+    /// `mlp.gate.weight`: the router, `[experts, hidden]`.
+    Router,
+}
+
+impl ExpertTarget {
+    /// The path rank_pattern and alpha_pattern match for this parameter
+    /// in `layer` (PEFT's module path, then the parameter's name).
+    pub fn path(self, layer: usize) -> String {
+        format!("model.layers.{layer}.{}", self.parameter_name())
+    }
+
+    /// The parameter's name as `target_parameters` lists it.
+    pub fn parameter_name(self) -> &'static str {
+        match self {
+            ExpertTarget::GateUp => "mlp.experts.gate_up_proj",
+            ExpertTarget::Down => "mlp.experts.down_proj",
+            ExpertTarget::Router => "mlp.gate.weight",
+        }
+    }
 }
 
 impl AdapterConfig {
@@ -56,10 +89,11 @@ impl AdapterConfig {
     }
 
     /// Checks the targets against the model: on a Mixture-of-Experts model
-    /// only the attention projections, until the engine carries LoRA on
-    /// experts. (PEFT writes "all-linear" on such a model as the attention
-    /// modules plus `target_parameters` on the experts and the router,
-    /// which `parse` refuses.)
+    /// `target_modules` may name the attention projections, and
+    /// `target_parameters` the experts and the router (PEFT's form on
+    /// transformers 5, whose experts are fused tensors rather than modules;
+    /// its "all-linear" is written as both); on a dense model there are no
+    /// expert parameters.
     pub fn for_model(
         self,
         adapter: &str,
@@ -73,7 +107,7 @@ impl AdapterConfig {
                 adapter,
                 "target_modules",
                 &format!(
-                    "{:?} targets the experts of a Mixture-of-Experts model; LoRA on experts is not supported yet, only on q_proj, k_proj, v_proj and o_proj",
+                    "{:?} is not a module of a Mixture-of-Experts model, whose experts are fused tensors: target them with target_parameters (mlp.experts.gate_up_proj, mlp.experts.down_proj)",
                     p.module_name()
                 ),
             ));
@@ -222,10 +256,6 @@ fn parse(
             "fan_in_fan_out (Conv1D-style weights) is not supported",
         ),
         ("lora_bias", "a bias on lora_B is not supported"),
-        (
-            "target_parameters",
-            "targeting parameters directly is not supported",
-        ),
         ("layer_replication", "layer replication is not supported"),
         (
             "trainable_token_indices",
@@ -291,6 +321,7 @@ fn parse(
         "rank_pattern",
         "alpha_pattern",
         "target_modules",
+        "target_parameters",
         "layers_to_transform",
         "layers_pattern",
         "bias",
@@ -345,6 +376,7 @@ fn parse(
             .map(|a| a as f32)
     })?;
 
+    let expert_targets = parse_target_parameters(adapter, get("target_parameters"))?;
     let mut targets: Vec<Projection> = match get("target_modules") {
         Some(Value::String(s)) if s == "all-linear" => Projection::ALL.to_vec(),
         Some(Value::String(s)) => {
@@ -384,6 +416,8 @@ fn parse(
             }
             out
         }
+        // LoRA on parameters alone.
+        None | Some(Value::Array(_)) if !expert_targets.is_empty() => Vec::new(),
         _ => {
             return Err(invalid(
                 adapter,
@@ -432,7 +466,49 @@ fn parse(
         alpha_pattern,
         targets,
         layers_to_transform,
+        expert_targets,
     })
+}
+
+/// `target_parameters`: PEFT names a parameter by a suffix of its path
+/// (`gate_up_proj`, `mlp.experts.down_proj`, `gate.weight`).
+fn parse_target_parameters(
+    adapter: &str,
+    value: Option<&Value>,
+) -> Result<Vec<ExpertTarget>, AdapterError> {
+    let Some(value) = value else {
+        return Ok(Vec::new());
+    };
+    let items = value.as_array().ok_or_else(|| {
+        invalid(
+            adapter,
+            "target_parameters",
+            "must be a list of parameter names".into(),
+        )
+    })?;
+    let mut out = Vec::new();
+    for item in items {
+        let name = item.as_str().unwrap_or_default();
+        let target = [ExpertTarget::GateUp, ExpertTarget::Down, ExpertTarget::Router]
+            .into_iter()
+            .find(|t| {
+                let full = t.parameter_name();
+                !name.is_empty() && (full == name || full.ends_with(&format!(".{name}")))
+            })
+            .ok_or_else(|| {
+                invalid(
+                    adapter,
+                    "target_parameters",
+                    format!(
+                        "{item} is not a parameter LoRA may target; expected mlp.experts.gate_up_proj, mlp.experts.down_proj or mlp.gate.weight"
+                    ),
+                )
+            })?;
+        out.push(target);
+    }
+    out.sort();
+    out.dedup();
+    Ok(out)
 }
 
 /// Module-path patterns with their values.

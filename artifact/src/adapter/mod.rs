@@ -5,7 +5,7 @@
 
 pub mod config;
 
-pub use config::AdapterConfig;
+pub use config::{AdapterConfig, ExpertTarget};
 
 use crate::model_config::ModelConfig;
 

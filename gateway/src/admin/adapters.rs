@@ -153,10 +153,23 @@ pub(super) fn inspect_artifact(
     }
     let modules = match architecture {
         "llama" | "mistral" | "qwen2" => LLAMA_FAMILY_MODULES,
-        // Mixture-of-Experts models: LoRA on attention only, so far.
+        // Mixture-of-Experts models: LoRA on attention as modules, on the
+        // experts and the router as target_parameters.
         "mixtral" | "qwen3_moe" => ATTENTION_MODULES,
         _ => &[][..],
     };
+    if modules != ATTENTION_MODULES
+        && let Some(t) = config.expert_targets.first()
+    {
+        return Err(AdminError::unprocessable(
+            AdminCode::InvalidAdapterConfig,
+            "adapter_config.json.target_parameters",
+            format!(
+                "{} is a Mixture-of-Experts parameter, and a {architecture} model has no experts",
+                t.parameter_name()
+            ),
+        ));
+    }
     let targets: Vec<String> = config
         .targets
         .iter()
@@ -189,6 +202,27 @@ pub(super) fn inspect_artifact(
 /// Checks the safetensors header: every tensor is a lora_A or lora_B of a
 /// targeted module, and its rank dimension is the rank the config gives
 /// that module.
+/// The expert parameter a tensor's module path stores, as PEFT names them
+/// (see `lorafleet_engine::lora::experts`); None for any other module.
+fn expert_target(config: &AdapterConfig, module_path: &str) -> Option<ExpertTarget> {
+    let targets = &config.expert_targets;
+    let both = targets.contains(&ExpertTarget::GateUp) && targets.contains(&ExpertTarget::Down);
+    let found = if module_path.ends_with(".mlp.gate") {
+        ExpertTarget::Router
+    } else if module_path.ends_with(".mlp.experts.base_layer") && both {
+        ExpertTarget::GateUp
+    } else if module_path.ends_with(".mlp.experts") {
+        if both || targets.contains(&ExpertTarget::Down) {
+            ExpertTarget::Down
+        } else {
+            ExpertTarget::GateUp
+        }
+    } else {
+        return None;
+    };
+    targets.contains(&found).then_some(found)
+}
+
 pub(super) fn check_weight_shapes(
     path: &std::path::Path,
     config: &AdapterConfig,
@@ -221,6 +255,29 @@ pub(super) fn check_weight_shapes(
                     "tensor {name:?} is not a PEFT lora_A or lora_B weight"
                 ))
             })?;
+        let rank_dim = match (factor, shape.as_slice()) {
+            ('A', [r, _]) => *r,
+            ('B', [_, r]) => *r,
+            _ => return Err(bad(format!("tensor {name:?} has shape {shape:?}, not 2-D"))),
+        };
+        // A parameter of a Mixture-of-Experts block (target_parameters):
+        // its rank dimension holds every expert's rank, expert by expert.
+        if let Some(target) = expert_target(config, module_path) {
+            let layer = module_path
+                .strip_prefix("model.layers.")
+                .and_then(|r| r.split('.').next())
+                .and_then(|l| l.parse().ok())
+                .unwrap_or(0);
+            let (rank, _) = config
+                .rank_and_alpha(adapter_name, &target.path(layer))
+                .map_err(|e| bad(e.to_string()))?;
+            if rank_dim == 0 || rank_dim % rank as u64 != 0 {
+                return Err(bad(format!(
+                    "tensor {name:?} has rank dimension {rank_dim}, not a multiple of its rank {rank}"
+                )));
+            }
+            continue;
+        }
         let module = module_path.rsplit('.').next().unwrap_or_default();
         if !config.targets.iter().any(|p| p.module_name() == module) {
             return Err(bad(format!(
@@ -230,11 +287,6 @@ pub(super) fn check_weight_shapes(
         let (rank, _) = config
             .rank_and_alpha(adapter_name, module_path)
             .map_err(|e| bad(e.to_string()))?;
-        let rank_dim = match (factor, shape.as_slice()) {
-            ('A', [r, _]) => *r,
-            ('B', [_, r]) => *r,
-            _ => return Err(bad(format!("tensor {name:?} has shape {shape:?}, not 2-D"))),
-        };
         if rank_dim != rank as u64 {
             return Err(bad(format!(
                 "tensor {name:?} has rank {rank_dim}, but adapter_config.json gives {module_path} rank {rank}"

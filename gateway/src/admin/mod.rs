@@ -23,7 +23,7 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use chrono::{DateTime, Utc};
-use lorafleet_artifact::adapter::AdapterConfig;
+use lorafleet_artifact::adapter::{AdapterConfig, ExpertTarget};
 use lorafleet_artifact::roots::{ArtifactError, ArtifactRoots};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};

@@ -80,6 +80,7 @@ pub fn artifact_root() -> tempfile::TempDir {
         "llama-gqa/k-r16",
         "qwen2-tied/qv-r8",
         "qwen3-moe/qv-r8",
+        "qwen3-moe/experts-r4",
     ] {
         copy_dir(&fixtures.join(a), &root.path().join(a));
     }

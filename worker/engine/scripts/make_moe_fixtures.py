@@ -12,10 +12,10 @@ It writes, under the fixtures directory:
   renormalization, q/k norms), f32;
 - `mixtral-moe/`: a small random Mixtral (4 experts, top 2), bf16;
 - `adapters/<model>/<name>/`: PEFT LoRA adapters on their attention
-  projections (list targets, rank and alpha patterns, rsLoRA). PEFT's
-  "all-linear" on these models also targets the experts and the router
-  (as `target_parameters` on the fused expert tensors), which the engine
-  refuses until it carries expert LoRA;
+  projections (list targets, rank and alpha patterns, rsLoRA), on their
+  experts and router (`target_parameters` on the fused expert tensors,
+  PEFT's form on transformers 5), on both, and "all-linear" (which PEFT
+  writes as the attention modules plus the experts and the router);
 - `golden_moe.json`: as `golden.json`, for these models and adapters;
 - and adds their base hashes and artifact digests to `base_hashes.json`
   and `artifact_digests.json`.
@@ -45,6 +45,11 @@ ADAPTERS = {
         ("qv-r8", dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])),
         ("kv-r16", dict(r=16, lora_alpha=8, target_modules=["k_proj", "v_proj"])),
         (
+            "experts-r4",
+            dict(r=4, lora_alpha=8, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+        ),
+        ("all-linear-r4", dict(r=4, lora_alpha=12, target_modules="all-linear")),
+        (
             "patterns",
             dict(
                 r=8,
@@ -58,6 +63,11 @@ ADAPTERS = {
     "mixtral-moe": [
         ("qkvo-r4", dict(r=4, lora_alpha=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])),
         ("o-r6-rslora", dict(r=6, lora_alpha=12, use_rslora=True, target_modules=["o_proj"])),
+        ("down-r8-rslora", dict(r=8, lora_alpha=4, use_rslora=True, target_modules=[], target_parameters=["mlp.experts.down_proj"])),
+        (
+            "router-gate-up-r2",
+            dict(r=2, lora_alpha=4, target_modules=["v_proj"], target_parameters=["mlp.gate.weight", "mlp.experts.gate_up_proj"]),
+        ),
     ],
 }
 

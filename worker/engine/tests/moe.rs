@@ -202,8 +202,9 @@ fn what_the_engine_does_not_run_yet_is_refused_by_field() {
         max_lora_rank: 16,
         base_hash_check: None,
     };
-    // LoRA on the experts, as PEFT's target_modules or its
-    // target_parameters on the fused expert tensors.
+    // Per-expert modules do not exist in a transformers 5 MoE (its experts
+    // are fused tensors), and only the expert and router tensors may be
+    // targeted as parameters.
     let dir = tempfile::tempdir().unwrap();
     let src = adapter_dir("qwen3-moe", "qv-r8");
     for f in ["adapter_config.json", "adapter_model.safetensors"] {
@@ -220,7 +221,7 @@ fn what_the_engine_does_not_run_yet_is_refused_by_field() {
         ),
         (
             "target_parameters",
-            serde_json::json!(["mlp.experts.gate_up_proj"]),
+            serde_json::json!(["self_attn.q_proj.weight"]),
             "target_parameters",
         ),
     ] {
@@ -232,4 +233,57 @@ fn what_the_engine_does_not_run_yet_is_refused_by_field() {
             .to_string();
         assert!(err.contains(needle), "{field}: {err}");
     }
+}
+
+#[test]
+fn the_expert_lora_path_is_skipped_for_adapters_without_expert_weights() {
+    let model = "qwen3-moe";
+    let dir = model_dir(model);
+    let config = ModelConfig::from_dir(&dir).unwrap();
+    let shape = BackendShape {
+        slots: 2,
+        max_lora_rank: 16,
+        kv_blocks: 16,
+        block_size: 4,
+    };
+    let mut backend = CpuBackend::load(&dir, &config, shape).unwrap();
+    let limits = AdapterLimits {
+        model: &config,
+        max_lora_rank: 16,
+        base_hash_check: None,
+    };
+    let attention = HostAdapter::load("qv-r8", &adapter_dir(model, "qv-r8"), limits).unwrap();
+    let experts =
+        HostAdapter::load("experts-r4", &adapter_dir(model, "experts-r4"), limits).unwrap();
+    assert!(attention.experts.iter().all(|l| l.is_empty()));
+    assert!(
+        experts
+            .experts
+            .iter()
+            .all(|l| l.gate_up.is_some() && l.down.is_some())
+    );
+    backend.write_slot(0, &attention).unwrap();
+    backend.write_slot(1, &experts).unwrap();
+    let prompt = [1u32, 40, 41, 42, 43];
+    let step = |backend: &mut CpuBackend, slots: &[Option<usize>]| {
+        let mut batch = StepBatch::default();
+        let tables: Vec<Vec<u32>> = (0..slots.len() as u32)
+            .map(|i| vec![i * 2, i * 2 + 1])
+            .collect();
+        for (slot, table) in slots.iter().zip(&tables) {
+            batch.push(&prompt, 0, table, *slot, true);
+        }
+        batch.finish();
+        backend.forward(&batch).unwrap();
+    };
+    // The base model and an attention-only adapter: no row enters it.
+    step(&mut backend, &[None, Some(0)]);
+    assert_eq!(backend.expert_lora_rows(), 0);
+    // An adapter with expert weights beside them: only its rows do, in
+    // each layer (the last layer runs only the row that wants logits).
+    step(&mut backend, &[None, Some(0), Some(1)]);
+    assert_eq!(
+        backend.expert_lora_rows(),
+        (prompt.len() * (config.num_layers - 1) + 1) as u64
+    );
 }

@@ -9,7 +9,10 @@
 use std::path::Path;
 
 pub use lorafleet_artifact::adapter::config;
-pub use lorafleet_artifact::adapter::{AdapterConfig, AdapterError, Projection};
+pub use lorafleet_artifact::adapter::{AdapterConfig, AdapterError, ExpertTarget, Projection};
+
+pub mod experts;
+pub use experts::{ExpertFactors, ExpertLayer};
 
 use crate::model::{ModelConfig, WeightFiles};
 
@@ -146,6 +149,9 @@ pub struct HostAdapter {
     pub rank: usize,
     /// `modules[layer][projection.index()]`.
     pub modules: Vec<[Option<LoraModule>; 7]>,
+    /// `experts[layer]`: LoRA on a Mixture-of-Experts block; empty for a
+    /// dense model or an adapter without expert targets.
+    pub experts: Vec<ExpertLayer>,
     /// Bytes of weights held.
     pub bytes: usize,
 }
@@ -231,6 +237,7 @@ fn build(
             expected.insert(tensor_name(layer, p, 'B'));
         }
     }
+    expected.extend(experts::expected_names(config, model.num_layers));
     for tensor in files.names() {
         if !expected.contains(tensor) {
             let reason = if tensor.contains("lora_embedding") || tensor.contains("embed_tokens") {
@@ -240,7 +247,7 @@ fn build(
             } else if tensor.contains("lora_magnitude_vector") {
                 "DoRA magnitude vectors are not supported".to_owned()
             } else {
-                "is not a lora_A/lora_B weight of a targeted q/k/v/o/gate/up/down projection in a transformed layer"
+                "is not a lora_A/lora_B weight of a targeted projection or expert parameter in a transformed layer"
                     .to_owned()
             };
             return Err(invalid(tensor, reason));
@@ -321,10 +328,24 @@ fn build(
             slots[p.index()] = Some(module);
         }
     }
+    let experts = experts::load(name, config, files, limits)?;
+    max_rank = experts
+        .iter()
+        .flat_map(|l| [&l.gate_up, &l.down, &l.router])
+        .flatten()
+        .map(|f| f.rank)
+        .fold(max_rank, usize::max);
+    bytes += experts
+        .iter()
+        .flat_map(|l| [&l.gate_up, &l.down, &l.router])
+        .flatten()
+        .map(ExpertFactors::bytes)
+        .sum::<usize>();
     Ok(HostAdapter {
         name: name.into(),
         rank: max_rank,
         modules,
+        experts,
         bytes,
     })
 }

@@ -27,7 +27,7 @@ use std::path::Path;
 
 use crate::backend::{Backend, BackendShape, StepBatch};
 use crate::error::{EngineError, Result};
-use crate::lora::{Factors, HostAdapter, Projection};
+use crate::lora::{ExpertLayer, Factors, HostAdapter, Projection};
 use crate::model::{ModelConfig, WeightFiles};
 use panels::{Kernel, NR, PackedLinear};
 
@@ -92,10 +92,24 @@ pub struct CpuBackend {
     k_cache: Vec<Vec<f32>>,
     v_cache: Vec<Vec<f32>>,
     slots: SlotTable,
+    /// `expert_slots[slot]`: the slot's adapter's LoRA on the
+    /// Mixture-of-Experts blocks, per layer; None where it has none.
+    expert_slots: Vec<Option<std::sync::Arc<Vec<ExpertLayer>>>>,
+    /// Rows that went through an expert LoRA, all steps together: tokens
+    /// whose adapter has no expert weights skip that path, and the tests
+    /// check it here.
+    expert_lora_rows: std::sync::atomic::AtomicU64,
     inv_freq: Vec<f32>,
 }
 
 impl CpuBackend {
+    /// Token rows that have gone through an expert LoRA (shrink and expand
+    /// on an expert or the router) since the backend was made.
+    pub fn expert_lora_rows(&self) -> u64 {
+        self.expert_lora_rows
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Bytes the packed projection weights and the lm_head take: half for
     /// a bf16 checkpoint of what f32 takes.
     pub fn projection_bytes(&self) -> usize {
@@ -239,6 +253,8 @@ impl CpuBackend {
                 scale: vec![vec![0.0; n]; shape.slots],
                 bf16: vec![vec![false; n]; shape.slots],
             },
+            expert_slots: vec![None; shape.slots],
+            expert_lora_rows: Default::default(),
             config,
             shape,
             embed,
@@ -453,6 +469,9 @@ impl Backend for CpuBackend {
                 }
             }
         }
+        if adapter.experts.iter().any(|l| !l.is_empty()) {
+            self.expert_slots[slot] = Some(std::sync::Arc::new(adapter.experts.clone()));
+        }
         Ok(())
     }
 
@@ -464,6 +483,7 @@ impl Backend for CpuBackend {
         // module's panels only up to its rank, and a slot write covers all
         // of that, so stale weights past it are never read and the slot's
         // memory need not be zeroed.
+        self.expert_slots[slot] = None;
         for key in 0..self.config.num_layers * 7 {
             self.slots.rank[slot][key] = 0;
             self.slots.scale[slot][key] = 0.0;
@@ -619,7 +639,19 @@ impl Backend for CpuBackend {
                     let [out] = self.projections(batch, layer, down, [Projection::Down], &act, n);
                     out
                 }
-                Mlp::Moe(block) => block.forward(&normed, n),
+                Mlp::Moe(block) => {
+                    // Each token's expert LoRA for this layer, by its slot.
+                    let lora: Vec<Option<&ExpertLayer>> = batch
+                        .token_slot
+                        .iter()
+                        .map(|s| {
+                            s.and_then(|s| self.expert_slots[s].as_ref())
+                                .map(|layers| &layers[layer])
+                                .filter(|l| !l.is_empty())
+                        })
+                        .collect();
+                    block.forward(&normed, n, &lora, &self.expert_lora_rows)
+                }
             };
             for (h, o) in hidden.iter_mut().zip(&out) {
                 *h += o;

@@ -11,7 +11,10 @@
 use super::attention::dot;
 use super::panels::{Kernel, PackedLinear};
 use super::{activation, pack_stacked, team};
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use crate::error::Result;
+use crate::lora::ExpertLayer;
 use crate::model::config::{Architecture, MoeConfig};
 use crate::model::{ModelConfig, WeightFiles};
 
@@ -76,25 +79,41 @@ impl MoeBlock {
                 .sum::<usize>()
     }
 
-    /// Each token's experts and their weights, in expert order.
-    pub(super) fn route(&self, x: &[f32], n: usize) -> Vec<Vec<(usize, f32)>> {
+    /// Each token's experts and their weights, in expert order; a token's
+    /// adapter may carry a LoRA on the router's logits.
+    fn route(&self, x: &[f32], n: usize, lora: &[Option<&ExpertLayer>]) -> Vec<Vec<(usize, f32)>> {
         let (h, experts) = (self.hidden, self.moe.num_experts);
         (0..n)
             .map(|t| {
                 let row = &x[t * h..(t + 1) * h];
-                let logits: Vec<f32> = (0..experts)
+                let mut logits: Vec<f32> = (0..experts)
                     .map(|e| dot(row, &self.router[e * h..(e + 1) * h]))
                     .collect();
+                if let Some(router) = lora[t].and_then(|l| l.router.as_ref()) {
+                    router.add_delta(0, row, &mut logits);
+                }
                 choose(&logits, self.moe.top_k, self.moe.norm_topk_prob)
             })
             .collect()
     }
 
     /// The block's output for `n` rows of `x` (to be added to the
-    /// residual stream).
-    pub(super) fn forward(&self, x: &[f32], n: usize) -> Vec<f32> {
+    /// residual stream). `lora[t]` is token t's adapter's LoRA on this
+    /// block, if any: rows without one never enter the expert LoRA path
+    /// (`lora_rows` counts those that do).
+    pub(super) fn forward(
+        &self,
+        x: &[f32],
+        n: usize,
+        lora: &[Option<&ExpertLayer>],
+        lora_rows: &AtomicU64,
+    ) -> Vec<f32> {
         let (h, inter) = (self.hidden, self.inter);
-        let routes = self.route(x, n);
+        let routes = self.route(x, n, lora);
+        let with_lora = lora.iter().filter(|l| l.is_some()).count();
+        if with_lora > 0 {
+            lora_rows.fetch_add(with_lora as u64, Ordering::Relaxed);
+        }
         // Per expert: its tokens, in token order.
         let mut tokens: Vec<Vec<usize>> = vec![Vec::new(); self.experts.len()];
         for (t, chosen) in routes.iter().enumerate() {
@@ -108,7 +127,8 @@ impl MoeBlock {
             .experts
             .iter()
             .zip(&tokens)
-            .map(|(expert, rows)| {
+            .enumerate()
+            .map(|(e, (expert, rows))| {
                 let m = rows.len();
                 if m == 0 {
                     return Vec::new();
@@ -117,7 +137,24 @@ impl MoeBlock {
                 for &t in rows {
                     xe.extend_from_slice(&x[t * h..(t + 1) * h]);
                 }
-                let [gate, up] = expert.gate_up.forward_split(&xe, m, [inter, inter]);
+                let [mut gate, mut up] = expert.gate_up.forward_split(&xe, m, [inter, inter]);
+                // Expert LoRA, grouped by (expert, adapter): the rows of one
+                // adapter are adjacent, since the batch is ordered by slot.
+                for (r, &t) in rows.iter().enumerate() {
+                    if let Some(f) = lora[t].and_then(|l| l.gate_up.as_ref()) {
+                        let mut delta = vec![0f32; 2 * inter];
+                        f.add_delta(e, &xe[r * h..(r + 1) * h], &mut delta);
+                        for (g, d) in gate[r * inter..(r + 1) * inter].iter_mut().zip(&delta) {
+                            *g += d;
+                        }
+                        for (u, d) in up[r * inter..(r + 1) * inter]
+                            .iter_mut()
+                            .zip(&delta[inter..])
+                        {
+                            *u += d;
+                        }
+                    }
+                }
                 let mut act = vec![0f32; m * inter];
                 let mut act_rows: Vec<&mut [f32]> = act.chunks_exact_mut(inter).collect();
                 team::for_each_mut(&mut act_rows, |a, r| {
@@ -125,7 +162,16 @@ impl MoeBlock {
                     activation::silu_mul(kernel, g, u, a);
                 });
                 drop(act_rows);
-                let [down] = expert.down.forward_split(&act, m, [h]);
+                let [mut down] = expert.down.forward_split(&act, m, [h]);
+                for (r, &t) in rows.iter().enumerate() {
+                    if let Some(f) = lora[t].and_then(|l| l.down.as_ref()) {
+                        f.add_delta(
+                            e,
+                            &act[r * inter..(r + 1) * inter],
+                            &mut down[r * h..(r + 1) * h],
+                        );
+                    }
+                }
                 down
             })
             .collect();
