@@ -184,6 +184,10 @@ fn generate_refuses_bad_engine_flags_by_name() {
     let cases: &[(&[&str], &str)] = &[
         (&["--max-loras", "0"], "--max-loras: must be at least 1"),
         (
+            &["--max-cpu-lora-bytes", "0"],
+            "--max-cpu-lora-bytes: must be at least 1 when given",
+        ),
+        (
             &["--max-loras", "8", "--max-cpu-loras", "4"],
             "--max-cpu-loras: 4 must be at least max-loras (8)",
         ),

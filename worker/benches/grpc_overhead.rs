@@ -42,6 +42,7 @@ fn settings() -> EngineSettings {
         max_loras: 8,
         max_lora_rank: 16,
         max_cpu_loras: 16,
+        max_cpu_lora_bytes: None,
         kv_blocks: 1024,
         block_size: 16,
         max_num_seqs: 32,

@@ -63,6 +63,7 @@ fn main() {
         max_loras: 32,
         max_lora_rank: 16,
         max_cpu_loras: 512,
+        max_cpu_lora_bytes: None,
         kv_blocks: 2048,
         block_size: 16,
         max_num_seqs: 32,

@@ -155,6 +155,7 @@ fn run_once(model: &std::path::Path, adapter_dirs: &[std::path::PathBuf]) -> Run
         max_loras: 32,
         max_lora_rank: 16,
         max_cpu_loras: 512,
+        max_cpu_lora_bytes: None,
         kv_blocks: 512,
         block_size: 16,
         max_num_seqs: 32,

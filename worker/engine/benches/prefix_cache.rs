@@ -74,6 +74,7 @@ fn run(model: &std::path::Path, dirs: &[std::path::PathBuf], prefix_caching: boo
         max_loras: ADAPTERS,
         max_lora_rank: 16,
         max_cpu_loras: ADAPTERS,
+        max_cpu_lora_bytes: None,
         kv_blocks: 4096,
         block_size: 16,
         max_num_seqs: 32,

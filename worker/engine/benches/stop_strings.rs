@@ -91,6 +91,7 @@ fn run(model: &std::path::Path, stops: &[String]) -> f64 {
         max_loras: 4,
         max_lora_rank: 8,
         max_cpu_loras: 4,
+        max_cpu_lora_bytes: None,
         kv_blocks: 1024,
         block_size: 16,
         max_num_seqs: 2 * PER_TENANT,

@@ -153,6 +153,7 @@ impl Engine {
         if let Some(p) = settings.max_pinned {
             pool.set_max_pinned(p);
         }
+        pool.set_host_byte_budget(settings.max_cpu_lora_bytes);
         let seed = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64);

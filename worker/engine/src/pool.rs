@@ -117,6 +117,10 @@ pub struct AdapterPool {
     entries: HashMap<AdapterId, Entry>,
     slots: Vec<Option<AdapterId>>,
     max_cpu_loras: usize,
+    /// The host tier's budget in bytes of adapter weights, if any: an
+    /// adapter costs its real size (one with expert weights many times an
+    /// attention-only one), not one place of `max_cpu_loras`.
+    max_cpu_bytes: Option<usize>,
     clock: u64,
     counters: PoolCounters,
     jobs: mpsc::Sender<(AdapterId, u64, AdapterSource)>,
@@ -167,6 +171,7 @@ impl AdapterPool {
             entries: HashMap::new(),
             slots: vec![None; slots],
             max_cpu_loras,
+            max_cpu_bytes: None,
             clock: 0,
             counters: PoolCounters::default(),
             jobs,
@@ -180,6 +185,22 @@ impl AdapterPool {
     /// Caps pins (default: one slot fewer than there are).
     pub fn set_max_pinned(&mut self, max: usize) {
         self.max_pinned = max;
+    }
+
+    /// Caps the host tier's adapter weights at `bytes` as well as at
+    /// `max_cpu_loras` adapters (None: the count alone).
+    pub fn set_host_byte_budget(&mut self, bytes: Option<usize>) {
+        self.max_cpu_bytes = bytes;
+        self.evict_host_over_capacity();
+    }
+
+    /// Bytes of adapter weights the host tier holds.
+    pub fn host_bytes(&self) -> usize {
+        self.entries
+            .values()
+            .filter_map(|e| e.host.as_ref())
+            .map(|h| h.bytes)
+            .sum()
     }
 
     /// How long each slot write (host tier to device slot) took since the
@@ -444,7 +465,8 @@ impl AdapterPool {
     fn evict_host_over_capacity(&mut self) {
         loop {
             let held = self.entries.values().filter(|e| e.host.is_some()).count();
-            if held <= self.max_cpu_loras {
+            let over_bytes = self.max_cpu_bytes.is_some_and(|b| self.host_bytes() > b);
+            if held <= self.max_cpu_loras && !over_bytes {
                 return;
             }
             let victim = self

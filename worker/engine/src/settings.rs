@@ -11,6 +11,10 @@ pub struct EngineSettings {
     pub max_lora_rank: usize,
     /// Adapters the host tier holds.
     pub max_cpu_loras: usize,
+    /// Bytes of adapter weights the host tier holds, if capped: each
+    /// adapter counts its real size, so one with LoRA on every expert of a
+    /// Mixture-of-Experts model costs what it weighs.
+    pub max_cpu_lora_bytes: Option<usize>,
     /// KV cache blocks.
     pub kv_blocks: usize,
     /// Tokens per KV block.
@@ -38,6 +42,7 @@ impl Default for EngineSettings {
             max_loras: 4,
             max_lora_rank: 16,
             max_cpu_loras: 32,
+            max_cpu_lora_bytes: None,
             kv_blocks: 1024,
             block_size: 16,
             max_num_seqs: 64,
@@ -67,6 +72,12 @@ impl EngineSettings {
             if value == 0 {
                 return Err(EngineError::request(name, "must be at least 1"));
             }
+        }
+        if self.max_cpu_lora_bytes == Some(0) {
+            return Err(EngineError::request(
+                "max_cpu_lora_bytes",
+                "must be at least 1 when given",
+            ));
         }
         if self.max_cpu_loras < self.max_loras {
             return Err(EngineError::request(

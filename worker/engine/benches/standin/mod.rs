@@ -301,3 +301,155 @@ pub fn decode_request(
 pub fn id(i: usize) -> lorafleet_engine::AdapterId {
     lorafleet_engine::AdapterId::new(i as u64 + 1).expect("ids start at 1")
 }
+
+/// The Mixture-of-Experts STAND-IN: a Qwen3-MoE shape of ~100M active
+/// parameters (hidden 768, 12 layers, 12 heads of 64, 4 KV heads, 8 experts
+/// of width 1024, top 2, q/k norms, tied 32000-token embedding; ~270M in
+/// all), stored in bf16.
+pub const MOE_EXPERTS: usize = 8;
+pub const MOE_TOP_K: usize = 2;
+pub const MOE_INTERMEDIATE: usize = 1024;
+
+/// The MoE stand-in's directory; created if missing.
+pub fn moe_model() -> PathBuf {
+    let (hidden, layers, heads, kv_heads, vocab) = (HIDDEN, LAYERS, HEADS, KV_HEADS, VOCAB);
+    let (experts, inter) = (MOE_EXPERTS, MOE_INTERMEDIATE);
+    let dir = root().join("qwen3-moe-shape").join("model-bf16");
+    if dir.join("model.safetensors").exists() {
+        return dir;
+    }
+    std::fs::create_dir_all(&dir).unwrap();
+    let head_dim = hidden / heads;
+    let config = serde_json::json!({
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "hidden_size": hidden, "intermediate_size": 3072, "moe_intermediate_size": inter,
+        "num_experts": experts, "num_experts_per_tok": MOE_TOP_K, "norm_topk_prob": true,
+        "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": head_dim, "vocab_size": vocab,
+        "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "tie_word_embeddings": true, "hidden_act": "silu", "attention_bias": false,
+        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"
+    });
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let fixtures = std::env::var_os("LORAFLEET_FIXTURES")
+        .map_or_else(
+            || root().join("../../worker/engine/tests/fixtures"),
+            PathBuf::from,
+        )
+        .join("llama-gqa");
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(fixtures.join(f), dir.join(f)).unwrap();
+    }
+    let mut rng = Rng::new(43);
+    let kv = kv_heads * head_dim;
+    let mut t = vec![(
+        "model.embed_tokens.weight".to_string(),
+        vec![vocab, hidden],
+        random(&mut rng, vocab * hidden, 0.05),
+    )];
+    for l in 0..layers {
+        let p = format!("model.layers.{l}");
+        let mut shapes: Vec<(String, usize, usize)> = vec![
+            ("self_attn.q_proj".into(), hidden, hidden),
+            ("self_attn.k_proj".into(), kv, hidden),
+            ("self_attn.v_proj".into(), kv, hidden),
+            ("self_attn.o_proj".into(), hidden, hidden),
+            ("mlp.gate".into(), experts, hidden),
+        ];
+        for e in 0..experts {
+            shapes.push((format!("mlp.experts.{e}.gate_proj"), inter, hidden));
+            shapes.push((format!("mlp.experts.{e}.up_proj"), inter, hidden));
+            shapes.push((format!("mlp.experts.{e}.down_proj"), hidden, inter));
+        }
+        for (name, out, inp) in shapes {
+            t.push((
+                format!("{p}.{name}.weight"),
+                vec![out, inp],
+                random(&mut rng, out * inp, 0.04),
+            ));
+        }
+        for norm in [
+            ("input_layernorm", hidden),
+            ("post_attention_layernorm", hidden),
+            ("self_attn.q_norm", head_dim),
+            ("self_attn.k_norm", head_dim),
+        ] {
+            t.push((
+                format!("{p}.{}.weight", norm.0),
+                vec![norm.1],
+                vec![1.0; norm.1],
+            ));
+        }
+    }
+    t.push((
+        "model.norm.weight".to_string(),
+        vec![hidden],
+        vec![1.0; hidden],
+    ));
+    write(&dir.join("model.safetensors"), t, Dtype::BF16);
+    dir
+}
+
+/// `n` MoE stand-in adapters, created if missing: rank 16 on q, k, v and o
+/// and on every expert's gate_up and down (PEFT's `target_parameters`
+/// form), bf16.
+pub fn moe_adapters(n: usize) -> Vec<PathBuf> {
+    let (hidden, layers, experts, inter) = (HIDDEN, LAYERS, MOE_EXPERTS, MOE_INTERMEDIATE);
+    let kv = KV_HEADS * (HIDDEN / HEADS);
+    (0..n)
+        .map(|i| {
+            let dir = root()
+                .join("qwen3-moe-shape")
+                .join("adapters")
+                .join(format!("a{i:04}"));
+            if dir.join("adapter_model.safetensors").exists() {
+                return dir;
+            }
+            std::fs::create_dir_all(&dir).unwrap();
+            let config = serde_json::json!({
+                "peft_type": "LORA", "r": RANK, "lora_alpha": 32, "bias": "none",
+                "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+                "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+                "task_type": "CAUSAL_LM"
+            });
+            std::fs::write(dir.join("adapter_config.json"), config.to_string()).unwrap();
+            let mut rng = Rng::new(5000 + i as u64);
+            let mut t = Vec::new();
+            for l in 0..layers {
+                let base = format!("base_model.model.model.layers.{l}");
+                let mut parts: Vec<(String, usize, usize, usize)> = [
+                    ("q_proj", hidden),
+                    ("k_proj", kv),
+                    ("v_proj", kv),
+                    ("o_proj", hidden),
+                ]
+                .map(|(m, out)| (format!("{base}.self_attn.{m}"), hidden, out, RANK))
+                .to_vec();
+                // (module, fan_in, fan_out, rank rows): every expert's
+                // factors stacked along the rank, as PEFT stores them.
+                parts.push((
+                    format!("{base}.mlp.experts.base_layer"),
+                    hidden,
+                    2 * inter,
+                    RANK * experts,
+                ));
+                parts.push((format!("{base}.mlp.experts"), inter, hidden, RANK * experts));
+                for (p, fan_in, fan_out, r) in parts {
+                    t.push((
+                        format!("{p}.lora_A.weight"),
+                        vec![r, fan_in],
+                        random(&mut rng, r * fan_in, 0.05),
+                    ));
+                    t.push((
+                        format!("{p}.lora_B.weight"),
+                        vec![fan_out, r],
+                        random(&mut rng, fan_out * r, 0.05),
+                    ));
+                }
+            }
+            write(&dir.join("adapter_model.safetensors"), t, Dtype::BF16);
+            dir
+        })
+        .collect()
+}

@@ -151,7 +151,8 @@ pub struct HostAdapter {
     pub modules: Vec<[Option<LoraModule>; 7]>,
     /// `experts[layer]`: LoRA on a Mixture-of-Experts block; empty for a
     /// dense model or an adapter without expert targets.
-    pub experts: Vec<ExpertLayer>,
+    /// Shared, not copied, by the slots that hold the adapter.
+    pub experts: std::sync::Arc<Vec<ExpertLayer>>,
     /// Bytes of weights held.
     pub bytes: usize,
 }
@@ -345,7 +346,7 @@ fn build(
         name: name.into(),
         rank: max_rank,
         modules,
-        experts,
+        experts: std::sync::Arc::new(experts),
         bytes,
     })
 }

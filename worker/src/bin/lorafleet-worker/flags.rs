@@ -26,6 +26,12 @@ pub struct EngineFlags {
     /// Adapters kept in the host tier.
     #[arg(long, env = "LORAFLEET_MAX_CPU_LORAS", default_value_t = 32)]
     max_cpu_loras: usize,
+    /// Bytes of adapter weights kept in the host tier, as well as the
+    /// count: an adapter counts its real size (LoRA on every expert of a
+    /// Mixture-of-Experts model weighs many attention-only ones). Default:
+    /// the count alone.
+    #[arg(long, env = "LORAFLEET_MAX_CPU_LORA_BYTES")]
+    max_cpu_lora_bytes: Option<usize>,
     /// KV cache blocks.
     #[arg(long, env = "LORAFLEET_KV_BLOCKS", default_value_t = 2048)]
     kv_blocks: usize,
@@ -100,6 +106,7 @@ impl EngineFlags {
             max_loras: self.max_loras,
             max_lora_rank: self.max_lora_rank,
             max_cpu_loras: self.max_cpu_loras,
+            max_cpu_lora_bytes: self.max_cpu_lora_bytes,
             kv_blocks: self.kv_blocks,
             block_size: self.block_size,
             max_num_seqs: self.max_num_seqs,

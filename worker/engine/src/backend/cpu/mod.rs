@@ -470,7 +470,7 @@ impl Backend for CpuBackend {
             }
         }
         if adapter.experts.iter().any(|l| !l.is_empty()) {
-            self.expert_slots[slot] = Some(std::sync::Arc::new(adapter.experts.clone()));
+            self.expert_slots[slot] = Some(adapter.experts.clone());
         }
         Ok(())
     }

@@ -140,20 +140,27 @@ impl MoeBlock {
                 let [mut gate, mut up] = expert.gate_up.forward_split(&xe, m, [inter, inter]);
                 // Expert LoRA, grouped by (expert, adapter): the rows of one
                 // adapter are adjacent, since the batch is ordered by slot.
-                for (r, &t) in rows.iter().enumerate() {
-                    if let Some(f) = lora[t].and_then(|l| l.gate_up.as_ref()) {
-                        let mut delta = vec![0f32; 2 * inter];
-                        f.add_delta(e, &xe[r * h..(r + 1) * h], &mut delta);
-                        for (g, d) in gate[r * inter..(r + 1) * inter].iter_mut().zip(&delta) {
-                            *g += d;
+                // Rows are independent, so they run on the team.
+                if rows
+                    .iter()
+                    .any(|&t| lora[t].is_some_and(|l| l.gate_up.is_some()))
+                {
+                    let mut pairs: Vec<(&mut [f32], &mut [f32])> = gate
+                        .chunks_exact_mut(inter)
+                        .zip(up.chunks_exact_mut(inter))
+                        .collect();
+                    team::for_each_mut(&mut pairs, |(g, u), r| {
+                        if let Some(f) = lora[rows[r]].and_then(|l| l.gate_up.as_ref()) {
+                            let mut delta = vec![0f32; 2 * inter];
+                            f.add_delta(e, &xe[r * h..(r + 1) * h], &mut delta);
+                            for (g, d) in g.iter_mut().zip(&delta) {
+                                *g += d;
+                            }
+                            for (u, d) in u.iter_mut().zip(&delta[inter..]) {
+                                *u += d;
+                            }
                         }
-                        for (u, d) in up[r * inter..(r + 1) * inter]
-                            .iter_mut()
-                            .zip(&delta[inter..])
-                        {
-                            *u += d;
-                        }
-                    }
+                    });
                 }
                 let mut act = vec![0f32; m * inter];
                 let mut act_rows: Vec<&mut [f32]> = act.chunks_exact_mut(inter).collect();
@@ -163,14 +170,16 @@ impl MoeBlock {
                 });
                 drop(act_rows);
                 let [mut down] = expert.down.forward_split(&act, m, [h]);
-                for (r, &t) in rows.iter().enumerate() {
-                    if let Some(f) = lora[t].and_then(|l| l.down.as_ref()) {
-                        f.add_delta(
-                            e,
-                            &act[r * inter..(r + 1) * inter],
-                            &mut down[r * h..(r + 1) * h],
-                        );
-                    }
+                if rows
+                    .iter()
+                    .any(|&t| lora[t].is_some_and(|l| l.down.is_some()))
+                {
+                    let mut out_rows: Vec<&mut [f32]> = down.chunks_exact_mut(h).collect();
+                    team::for_each_mut(&mut out_rows, |out, r| {
+                        if let Some(f) = lora[rows[r]].and_then(|l| l.down.as_ref()) {
+                            f.add_delta(e, &act[r * inter..(r + 1) * inter], out);
+                        }
+                    });
                 }
                 down
             })

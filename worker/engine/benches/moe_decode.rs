@@ -1,0 +1,140 @@
+//! Decode throughput on a Mixture-of-Experts STAND-IN (a Qwen3-MoE shape of
+//! ~100M active parameters, 8 experts, top 2, bf16; see
+//! `standin::moe_model`): every request on the base model, then spread over
+//! 1, 8 and 64 distinct rank-16 adapters with LoRA on q, k, v, o and on
+//! every expert. Prints a table. Run with:
+//!
+//!     cargo bench -p lorafleet-engine --bench moe_decode
+//!
+//! The same `REQUESTS` requests in every row (8 prompt tokens, 8 generated,
+//! greedy), request r on adapter r mod N, as one continuous batch of up to
+//! 32 sequences with 32 slots; adapters are in the host tier before timing.
+//! The rows take turns for `LORAFLEET_BENCH_ROUNDS` rounds (default 3);
+//! the table gives medians. `peft_moe_baseline.py` runs the same workload
+//! through transformers + PEFT.
+
+mod standin;
+
+use std::time::{Duration, Instant};
+
+use lorafleet_engine::{AdapterSource, Engine, EngineSettings, Request};
+
+const REQUESTS: usize = 128;
+const PROMPT: usize = 8;
+const NEW: usize = 8;
+
+fn main() {
+    let counts = [0usize, 1, 8, 64];
+    let rounds: usize = std::env::var("LORAFLEET_BENCH_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3)
+        .max(1);
+    let made = Instant::now();
+    let model = standin::moe_model();
+    let adapters = standin::moe_adapters(64);
+    eprintln!("stand-in ready in {:.1} s", made.elapsed().as_secs_f64());
+    println!(
+        "MoE decode throughput, STAND-IN Qwen3-MoE shape (h={}, L={}, {} experts of {}, top {}, bf16), rank {} on q/k/v/o and every expert, {REQUESTS} requests x {NEW} new tokens, {} threads, {rounds} rounds",
+        standin::HIDDEN,
+        standin::LAYERS,
+        standin::MOE_EXPERTS,
+        standin::MOE_INTERMEDIATE,
+        standin::MOE_TOP_K,
+        standin::RANK,
+        rayon::current_num_threads()
+    );
+    let mut tps: Vec<Vec<f64>> = vec![Vec::new(); counts.len()];
+    for round in 0..rounds {
+        for (i, &n) in counts.iter().enumerate() {
+            let t = run_once(&model, &adapters[..n]);
+            eprintln!("round {}: {n} adapters, {t:.1} tokens/s", round + 1);
+            tps[i].push(t);
+        }
+    }
+    println!("| adapters | tokens/s (median) | each round | vs base model |");
+    println!("|---:|---:|---|---:|");
+    let base = median(&tps[0]);
+    for (i, &n) in counts.iter().enumerate() {
+        let label = if n == 0 {
+            "0 (base model)".to_owned()
+        } else {
+            n.to_string()
+        };
+        println!(
+            "| {label} | {:.1} | {} | {:.1}% |",
+            median(&tps[i]),
+            tps[i]
+                .iter()
+                .map(|t| format!("{t:.1}"))
+                .collect::<Vec<_>>()
+                .join(" / "),
+            median(&tps[i]) / base * 100.0
+        );
+    }
+}
+
+fn median(values: &[f64]) -> f64 {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// One timed run over the given adapters on a fresh engine; tokens/s.
+fn run_once(model: &std::path::Path, dirs: &[std::path::PathBuf]) -> f64 {
+    let n = dirs.len();
+    let settings = EngineSettings {
+        max_loras: 32,
+        max_lora_rank: 16,
+        max_cpu_loras: 64,
+        max_cpu_lora_bytes: None,
+        kv_blocks: 512,
+        block_size: 16,
+        max_num_seqs: 32,
+        max_batched_tokens: 512,
+        max_waiting: 4096,
+        max_pinned: None,
+        prefix_caching: true,
+        fair_admission: true,
+    };
+    let mut e = Engine::load_cpu(model, settings).unwrap();
+    for (i, dir) in dirs.iter().enumerate() {
+        e.register_adapter(
+            standin::id(i),
+            AdapterSource {
+                name: format!("a{i}"),
+                dir: dir.clone(),
+                declared_base_hash: None,
+                digest: None,
+            },
+        )
+        .unwrap();
+        e.prefetch(standin::id(i));
+    }
+    while e
+        .stats()
+        .adapters
+        .iter()
+        .filter(|a| a.residency != lorafleet_engine::Residency::Loading)
+        .count()
+        < n
+    {
+        e.pool().poll_loads(Some(Duration::from_millis(50)));
+    }
+    let requests: Vec<Request> = (0..REQUESTS)
+        .map(|r| standin::decode_request(r, (n > 0).then(|| standin::id(r % n)), PROMPT, NEW))
+        .collect();
+    let started = Instant::now();
+    for r in requests {
+        e.submit(r).unwrap();
+    }
+    let mut generated = 0;
+    while e.has_work() {
+        for (_, ev) in e.step().unwrap() {
+            if let lorafleet_engine::Event::Delta { token_ids, .. } = ev {
+                generated += token_ids.len();
+            }
+        }
+    }
+    generated as f64 / started.elapsed().as_secs_f64()
+}
