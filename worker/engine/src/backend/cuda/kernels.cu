@@ -587,6 +587,57 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows(const f
     }
 }
 
+// Grouped expert-LoRA shrink for Mixture-of-Experts layers, one launch for
+// every (expert, adapter slot) group of the step:
+//   t[row][r] = sum over k of x[row, k] * A[slot, expert, r, k]
+// for the rows of each group (the tokens routed to that expert whose
+// adapter is in that slot; rows of adapters without expert weights are in
+// no group and never reach this path) and r below the slot's rank. A is
+// [slots, experts, MAX_RANK, fan_in]; groups[4 g .. 4 g + 4] is (first row,
+// end row, slot, expert); ranks is [slots]. One warp per (row, r), the sum
+// over k in a fixed order (lane-strided, then a fixed shuffle tree).
+// Grid: (the longest group's rows, groups); block: 256 threads (8 warps).
+extern "C" __global__ void __launch_bounds__(LORA_THREADS) moe_lora_shrink(const float* x, int fan_in, int experts,
+                                       const int* groups, const float* a, const int* ranks,
+                                       float* t) {
+    const int* g = groups + 4 * blockIdx.y;
+    int row = g[0] + blockIdx.x;
+    if (row >= g[1]) return;
+    int slot = g[2], expert = g[3];
+    int rank = ranks[slot];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const float* xr = x + (size_t)row * fan_in;
+    for (int r = warp; r < rank; r += warps) {
+        const float* ar = a + (((size_t)slot * experts + expert) * MAX_RANK + r) * fan_in;
+        float acc = 0.0f;
+        for (int k = lane; k < fan_in; k += 32) acc += xr[k] * ar[k];
+        for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, off);
+        if (lane == 0) t[(size_t)row * MAX_RANK + r] = acc;
+    }
+}
+
+// The matching expand: out[row, o] += scale[slot] * sum over r of
+// t[row][r] * B[slot, expert, o, r], B being [slots, experts, fan_out,
+// MAX_RANK]; each output is written by one thread, so no atomics.
+// Grid: (the longest group's rows, groups); block: 256 threads.
+extern "C" __global__ void __launch_bounds__(LORA_THREADS) moe_lora_expand(const float* t, int fan_out, int experts,
+                                       const int* groups, const float* b, const int* ranks,
+                                       const float* scales, float* out) {
+    const int* g = groups + 4 * blockIdx.y;
+    int row = g[0] + blockIdx.x;
+    if (row >= g[1]) return;
+    int slot = g[2], expert = g[3];
+    int rank = ranks[slot];
+    float scale = scales[slot];
+    const float* tr = t + (size_t)row * MAX_RANK;
+    for (int o = threadIdx.x; o < fan_out; o += blockDim.x) {
+        const float* bo = b + (((size_t)slot * experts + expert) * fan_out + o) * MAX_RANK;
+        float acc = 0.0f;
+        for (int r = 0; r < rank; r++) acc += tr[r] * bo[r];
+        out[(size_t)row * fan_out + o] += scale * acc;
+    }
+}
+
 // Holds a stream for `cycles` clock cycles: the tests use it to keep a slot
 // copy in flight while steps run on the compute stream. Grid: one block of
 // one thread.

@@ -23,6 +23,8 @@ pub const KERNELS: &[&str] = &[
     "attention",
     "lora_shrink",
     "lora_expand",
+    "moe_lora_shrink",
+    "moe_lora_expand",
     "argmax_rows",
     "sample_rows",
     "spin",
