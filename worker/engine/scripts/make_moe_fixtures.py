@@ -50,6 +50,10 @@ ADAPTERS = {
         ),
         ("all-linear-r4", dict(r=4, lora_alpha=12, target_modules="all-linear")),
         (
+            "experts-only-r8",
+            dict(r=8, lora_alpha=4, target_modules=[], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+        ),
+        (
             "patterns",
             dict(
                 r=8,

@@ -321,17 +321,18 @@ fn a_pin_after_a_pending_unload_keeps_the_adapter() {
 #[test]
 fn an_adapter_with_expert_weights_costs_its_real_size_in_the_host_tier() {
     // qwen3-moe's fixture adapters, ids in name order: 1 all-linear-r4,
-    // 2 experts-r4, 3 kv-r16, 4 patterns, 5 qv-r8.
-    let (mut pool, mut backend, n) = fixture_pool("qwen3-moe", 1, 5);
-    assert_eq!(n, 5);
-    for id in [2, 5, 3] {
+    // 2 experts-only-r8, 3 experts-r4, 4 kv-r16, 5 patterns, 6 qv-r8.
+    let (mut pool, mut backend, n) = fixture_pool("qwen3-moe", 1, 6);
+    assert_eq!(n, 6);
+    let (experts_id, qv_id, kv_id) = (3, 6, 4);
+    for id in [experts_id, qv_id, kv_id] {
         access(&mut pool, &mut backend, id);
     }
     let bytes = |pool: &AdapterPool, id: u64| pool.host_adapter(aid(id)).map(|a| a.bytes);
     let (experts, qv, kv) = (
-        bytes(&pool, 2).unwrap(),
-        bytes(&pool, 5).unwrap(),
-        bytes(&pool, 3).unwrap(),
+        bytes(&pool, experts_id).unwrap(),
+        bytes(&pool, qv_id).unwrap(),
+        bytes(&pool, kv_id).unwrap(),
     );
     assert!(
         experts > qv.max(kv),
@@ -342,17 +343,17 @@ fn an_adapter_with_expert_weights_costs_its_real_size_in_the_host_tier() {
     // the two attention-only ones, so the least recently used goes.
     pool.set_host_byte_budget(Some(qv + kv));
     assert_eq!(
-        bytes(&pool, 2),
+        bytes(&pool, experts_id),
         None,
         "the expert adapter left the host tier"
     );
-    assert!(bytes(&pool, 5).is_some() && bytes(&pool, 3).is_some());
+    assert!(bytes(&pool, qv_id).is_some() && bytes(&pool, kv_id).is_some());
     assert_eq!(pool.counters().host_evictions, 1);
     assert!(pool.host_bytes() <= qv + kv);
     // Brought back, it pushes out what it needs to, least recently used
     // first, but never the adapter in the device slot.
-    access(&mut pool, &mut backend, 2);
-    assert!(bytes(&pool, 2).is_some());
-    assert_eq!(bytes(&pool, 5), None);
-    assert_eq!(bytes(&pool, 3), None);
+    access(&mut pool, &mut backend, experts_id);
+    assert!(bytes(&pool, experts_id).is_some());
+    assert_eq!(bytes(&pool, qv_id), None);
+    assert_eq!(bytes(&pool, kv_id), None);
 }
