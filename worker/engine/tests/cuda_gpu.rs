@@ -484,6 +484,109 @@ fn grouped_lora_shrink_and_expand_match_the_cpu_kernel() {
 }
 
 #[test]
+fn expert_lora_shrink_and_expand_match_the_cpu_reference() {
+    if !gpu() {
+        return;
+    }
+    use lorafleet_engine::lora::ExpertFactors;
+    let h = KernelHarness::new(SHAPES).unwrap();
+    let max_rank = SHAPES.max_rank;
+    // Two slots, four experts, 96 inputs and 80 outputs; groups of (rows,
+    // slot, expert), with row 7 in none (its adapter has no expert
+    // weights, so its output must stay as it was).
+    let (slots, experts, fan_in, fan_out, rows) = (2usize, 4usize, 96usize, 80usize, 8usize);
+    let ranks = [5usize, 16];
+    let scales = [0.5f32, 2.0];
+    let groups: [(usize, usize, usize, usize); 3] = [(0, 3, 0, 2), (3, 4, 1, 0), (4, 7, 1, 3)];
+    let x = random(31, rows * fan_in);
+    let a = random(32, slots * experts * max_rank * fan_in);
+    let b = random(33, slots * experts * fan_out * max_rank);
+    let base = random(34, rows * fan_out);
+    // The CPU reference: each slot's factors as the engine holds them.
+    let factors: Vec<ExpertFactors> = (0..slots)
+        .map(|s| {
+            let r = ranks[s];
+            let mut f = ExpertFactors {
+                rank: r,
+                scale: scales[s],
+                fan_in,
+                fan_out,
+                a_t: Vec::new(),
+                b_t: Vec::new(),
+            };
+            for e in 0..experts {
+                let mut a_t = vec![0f32; fan_in * r];
+                let mut b_t = vec![0f32; r * fan_out];
+                for k in 0..r {
+                    for i in 0..fan_in {
+                        a_t[i * r + k] = a[((s * experts + e) * max_rank + k) * fan_in + i];
+                    }
+                    for o in 0..fan_out {
+                        b_t[k * fan_out + o] = b[((s * experts + e) * fan_out + o) * max_rank + k];
+                    }
+                }
+                f.a_t.push(a_t);
+                f.b_t.push(b_t);
+            }
+            f
+        })
+        .collect();
+    let mut want = base.clone();
+    for &(lo, hi, slot, expert) in &groups {
+        for row in lo..hi {
+            factors[slot].add_delta(
+                expert,
+                &x[row * fan_in..(row + 1) * fan_in],
+                &mut want[row * fan_out..(row + 1) * fan_out],
+            );
+        }
+    }
+    let flat: Vec<i32> = groups
+        .iter()
+        .flat_map(|&(lo, hi, s, e)| [lo as i32, hi as i32, s as i32, e as i32])
+        .collect();
+    let (xb, ab, bb) = (h.f32(&x).unwrap(), h.f32(&a).unwrap(), h.f32(&b).unwrap());
+    let gb = h.i32(&flat).unwrap();
+    let rb = h.i32(&ranks.map(|r| r as i32)).unwrap();
+    let sb = h.f32(&scales).unwrap();
+    let t = h.f32(&poison(rows * max_rank)).unwrap();
+    let out = h.f32(&base).unwrap();
+    let grid = (3, groups.len() as u32, 1);
+    h.launch(
+        "moe_lora_shrink",
+        grid,
+        256,
+        &[
+            Arg::Ptr(h.ptr(&xb)),
+            Arg::I32(fan_in as i32),
+            Arg::I32(experts as i32),
+            Arg::Ptr(h.ptr(&gb)),
+            Arg::Ptr(h.ptr(&ab)),
+            Arg::Ptr(h.ptr(&rb)),
+            Arg::Ptr(h.ptr(&t)),
+        ],
+    )
+    .unwrap();
+    h.launch(
+        "moe_lora_expand",
+        grid,
+        256,
+        &[
+            Arg::Ptr(h.ptr(&t)),
+            Arg::I32(fan_out as i32),
+            Arg::I32(experts as i32),
+            Arg::Ptr(h.ptr(&gb)),
+            Arg::Ptr(h.ptr(&bb)),
+            Arg::Ptr(h.ptr(&rb)),
+            Arg::Ptr(h.ptr(&sb)),
+            Arg::Ptr(h.ptr(&out)),
+        ],
+    )
+    .unwrap();
+    assert_close(&h.read(&out).unwrap(), &want, 1e-5, "expert LoRA");
+}
+
+#[test]
 fn argmax_and_seeded_sampling_kernels_agree_with_the_host() {
     if !gpu() {
         return;
