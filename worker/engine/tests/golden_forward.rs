@@ -20,16 +20,6 @@ fn shape(slots: usize, kv_blocks: usize) -> BackendShape {
     }
 }
 
-fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, x) in v.iter().enumerate() {
-        if *x > v[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
 #[test]
 fn forward_matches_transformers_and_peft() {
     let golden = golden();
@@ -54,35 +44,7 @@ fn forward_matches_transformers_and_peft() {
                     Some(0)
                 }
             };
-            // Blocks in a scattered order, to exercise the block table.
-            let table: Vec<u32> = vec![5, 2, 7, 0, 3, 6, 1, 4];
-            let mut batch = StepBatch::default();
-            batch.push(&case.prompt_ids, 0, &table, slot, true);
-            batch.finish();
-            let logits = backend.forward(&batch).unwrap();
-            let err = relative_error(&logits, &case.logits);
-            assert!(
-                err <= 1e-4,
-                "{model}/{:?} {:?}: logits relative error {err}",
-                case.adapter,
-                case.prompt
-            );
-
-            let mut tokens = vec![argmax(&logits)];
-            let mut pos = case.prompt_ids.len();
-            while tokens.len() < case.greedy.len() && ![2, 4].contains(tokens.last().unwrap()) {
-                let mut batch = StepBatch::default();
-                batch.push(&[*tokens.last().unwrap()], pos, &table, slot, true);
-                batch.finish();
-                let logits = backend.forward(&batch).unwrap();
-                tokens.push(argmax(&logits));
-                pos += 1;
-            }
-            assert_eq!(
-                tokens, case.greedy,
-                "{model}/{:?} {:?}: greedy tokens",
-                case.adapter, case.prompt
-            );
+            check_golden_case(&mut backend, case, slot);
             checked += 1;
         }
     }

@@ -19,16 +19,6 @@ fn golden_moe() -> Golden {
     serde_json::from_str(&text).unwrap()
 }
 
-fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, x) in v.iter().enumerate() {
-        if *x > v[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
 #[test]
 fn moe_forward_matches_transformers_and_peft() {
     let golden = golden_moe();
@@ -58,32 +48,7 @@ fn moe_forward_matches_transformers_and_peft() {
                 backend.write_slot(0, &adapter).unwrap();
                 0
             });
-            let table: Vec<u32> = vec![5, 2, 7, 0, 3, 6, 1, 4];
-            let mut batch = StepBatch::default();
-            batch.push(&case.prompt_ids, 0, &table, slot, true);
-            batch.finish();
-            let logits = backend.forward(&batch).unwrap();
-            let err = relative_error(&logits, &case.logits);
-            assert!(
-                err <= 1e-4,
-                "{model}/{:?} {:?}: logits relative error {err}",
-                case.adapter,
-                case.prompt
-            );
-            let mut tokens = vec![argmax(&logits)];
-            let mut pos = case.prompt_ids.len();
-            while tokens.len() < case.greedy.len() && ![2, 4].contains(tokens.last().unwrap()) {
-                let mut batch = StepBatch::default();
-                batch.push(&[*tokens.last().unwrap()], pos, &table, slot, true);
-                batch.finish();
-                tokens.push(argmax(&backend.forward(&batch).unwrap()));
-                pos += 1;
-            }
-            assert_eq!(
-                tokens, case.greedy,
-                "{model}/{:?} {:?}: greedy tokens",
-                case.adapter, case.prompt
-            );
+            check_golden_case(&mut backend, case, slot);
             checked += 1;
         }
     }

@@ -39,7 +39,9 @@ impl ExpertFactors {
         if std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU has AVX2, checked just above.
             #[allow(unsafe_code)]
-            unsafe { delta_avx2(a_t, b_t, self.rank, self.fan_out, self.scale, x, out) };
+            unsafe {
+                delta_avx2(a_t, b_t, self.rank, self.fan_out, self.scale, x, out)
+            };
             return;
         }
         delta(a_t, b_t, self.rank, self.fan_out, self.scale, x, out);

@@ -54,6 +54,46 @@ pub fn golden() -> Golden {
     serde_json::from_str(&text).unwrap()
 }
 
+/// Runs a golden case on `backend`, one sequence alone in `slot`, and
+/// checks it: logits at the last prompt position within 1e-4 relative
+/// error, then greedy tokens (until EOS 2 or 4) equal.
+pub fn check_golden_case(
+    backend: &mut dyn lorafleet_engine::backend::Backend,
+    case: &GoldenCase,
+    slot: Option<usize>,
+) {
+    use lorafleet_engine::backend::StepBatch;
+    // Blocks in a scattered order, to exercise the block table.
+    let table: Vec<u32> = vec![5, 2, 7, 0, 3, 6, 1, 4];
+    let mut batch = StepBatch::default();
+    batch.push(&case.prompt_ids, 0, &table, slot, true);
+    batch.finish();
+    let logits = backend.forward(&batch).unwrap();
+    let err = relative_error(&logits, &case.logits);
+    assert!(
+        err <= 1e-4,
+        "{}/{:?} {:?}: logits relative error {err}",
+        case.model,
+        case.adapter,
+        case.prompt
+    );
+    use lorafleet_engine::sampling::argmax;
+    let mut tokens = vec![argmax(&logits)];
+    let mut pos = case.prompt_ids.len();
+    while tokens.len() < case.greedy.len() && ![2, 4].contains(tokens.last().unwrap()) {
+        let mut batch = StepBatch::default();
+        batch.push(&[*tokens.last().unwrap()], pos, &table, slot, true);
+        batch.finish();
+        tokens.push(argmax(&backend.forward(&batch).unwrap()));
+        pos += 1;
+    }
+    assert_eq!(
+        tokens, case.greedy,
+        "{}/{:?} {:?}: greedy tokens",
+        case.model, case.adapter, case.prompt
+    );
+}
+
 /// max |a - b| / max |b|: the relative error of a logit vector.
 pub fn relative_error(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
