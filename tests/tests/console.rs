@@ -251,6 +251,58 @@ async fn an_admin_runs_the_fleet_from_the_console() {
     assert_eq!(route_weights(&p), after_rollback);
     shoot(&b, "route-conflict").await;
 
+    // A progressive rollout from the route page: refused while the route
+    // splits traffic, then started from one version, paused and aborted.
+    b.goto(&format!("{console}/console/routes/acme/support"))
+        .await;
+    b.fill(
+        "#rollout-form input[name=candidate_lora_int_id]",
+        &v2.to_string(),
+    )
+    .await;
+    b.fill("#rollout-form input[name=steps]", "100,10000").await;
+    b.fill("#rollout-form input[name=hold_secs]", "600").await;
+    b.click("#rollout-form button[type=submit]").await;
+    let refusal = b.find("#refusal").await;
+    assert_eq!(
+        b.attribute(&refusal, "data-code").await.as_deref(),
+        Some("rollout_needs_one_version")
+    );
+    let etag = route_weights(&p).0;
+    p.ctl_json(&[
+        "routes",
+        "set",
+        "acme",
+        "support",
+        "--weights",
+        &format!("{v1}=10000"),
+        "--etag",
+        &etag,
+    ]);
+    b.goto(&format!("{console}/console/routes/acme/support"))
+        .await;
+    b.fill(
+        "#rollout-form input[name=candidate_lora_int_id]",
+        &v2.to_string(),
+    )
+    .await;
+    b.fill("#rollout-form input[name=steps]", "100,10000").await;
+    b.fill("#rollout-form input[name=hold_secs]", "600").await;
+    b.click("#rollout-form button[type=submit]").await;
+    assert_eq!(b.text("#rollout-state").await, "running");
+    assert_eq!(b.text("ol.steps li.current").await, "1%");
+    let (_, weights) = route_weights(&p);
+    assert_eq!(weights, vec![(v1, 9900), (v2, 100)]);
+    assert!(b.all("#weights-form").await.is_empty() && b.all("#manual-locked").await.len() == 1);
+    shoot(&b, "route-rollout").await;
+    b.click("#rollout-pause button").await;
+    assert_eq!(b.text("#rollout-state").await, "paused");
+    b.click("#rollout-abort button").await;
+    assert_eq!(b.text("#rollout-state").await, "aborted");
+    assert!(b.text("#rollout-decisions").await.contains("abort"));
+    assert_eq!(route_weights(&p).1, vec![(v1, 10000)]);
+    let after_rollback = route_weights(&p);
+
     // Adapters: a refusal is shown beside the field it names; a good
     // registration is listed.
     b.goto(&format!("{console}/console/adapters")).await;

@@ -33,6 +33,14 @@ pub(super) fn router() -> Router<Console> {
             post(routes::rollback),
         )
         .route(
+            "/console/routes/{tenant}/{model}/rollout",
+            post(routes::start_rollout),
+        )
+        .route(
+            "/console/routes/{tenant}/{model}/rollout/{action}",
+            post(routes::change_rollout),
+        )
+        .route(
             "/console/adapters",
             get(adapters::page).post(adapters::register),
         )

@@ -4,7 +4,7 @@
 //! instead of overwriting someone else's change.
 
 use super::*;
-use crate::admin::types::{ChangeList, RouteList, RouteView};
+use crate::admin::types::{ChangeList, RolloutView, RouteList, RouteView};
 
 pub(super) async fn list(State(c): State<Console>, s: Session) -> Response {
     let data = async {
@@ -18,6 +18,15 @@ pub(super) async fn list(State(c): State<Console>, s: Session) -> Response {
     }
     .await;
     show(&c, &s, "routes.html", "routes", Outcome::default(), data)
+}
+
+/// Basis points as a percentage: "90%", or "0.25%".
+fn share(bp: i64) -> String {
+    if bp % 100 == 0 {
+        format!("{}%", bp / 100)
+    } else {
+        format!("{:.2}%", bp as f64 / 100.0)
+    }
 }
 
 /// A route with its weights laid out as bar segments.
@@ -34,11 +43,7 @@ fn view(r: &RouteView) -> Value {
                 "label": format!("{}:v{}", w.adapter, w.version),
                 "weight_bp": w.weight_bp,
                 "percent": percent,
-                "share": if w.weight_bp % 100 == 0 {
-                    format!("{}%", w.weight_bp / 100)
-                } else {
-                    format!("{percent:.2}%")
-                },
+                "share": share(i64::from(w.weight_bp)),
                 "offset": offset,
                 "colour": i % 6,
             });
@@ -97,10 +102,67 @@ async fn render(c: &Console, s: &Session, tenant: &str, model: &str, outcome: Ou
         } else {
             None
         };
-        Ok(json!({ "route": view(&route), "history": history }))
+        // The route's latest rollout, if it ever had one.
+        let rollout = match c
+            .api::<RolloutView>(
+                s,
+                Call::get(format!(
+                    "/admin/v1/routes/{}/{}/rollout",
+                    seg(tenant),
+                    seg(model)
+                )),
+            )
+            .await
+        {
+            Ok(r) => Some(rollout_view(&r)),
+            Err(e) if e.status == StatusCode::NOT_FOUND => None,
+            Err(e) => return Err(e),
+        };
+        Ok(json!({ "route": view(&route), "history": history, "rollout": rollout }))
     }
     .await;
     show(c, s, "route.html", "routes", outcome, data)
+}
+
+/// A rollout as the route page shows it: its steps as shares, the current
+/// one marked, and its latest decisions first.
+fn rollout_view(r: &RolloutView) -> Value {
+    let steps: Vec<Value> = r
+        .steps
+        .iter()
+        .enumerate()
+        .map(|(i, &bp)| json!({ "share": share(i64::from(bp)), "current": i as u32 == r.step_index }))
+        .collect();
+    let decisions: Vec<Value> = r
+        .decisions
+        .iter()
+        .rev()
+        .take(10)
+        .map(|d| {
+            json!({
+                "at": d.at.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+                "decision": d.decision,
+                "step": d.step_index,
+                "actor": d.actor,
+                "reason": d.reason,
+            })
+        })
+        .collect();
+    json!({
+        "state": r.state,
+        "active": matches!(r.state.as_str(), "running" | "paused"),
+        "stable": r.stable_lora_int_id,
+        "candidate": r.candidate_lora_int_id,
+        "steps": steps,
+        "hold_secs": r.hold_secs,
+        "min_requests": r.min_requests,
+        "max_error_rate_increase": r.max_error_rate_increase,
+        "max_ttft_p95_ratio": r.max_ttft_p95_ratio,
+        "max_tpot_p95_ratio": r.max_tpot_p95_ratio,
+        "reason": r.reason,
+        "created_by": r.created_by,
+        "decisions": decisions,
+    })
 }
 
 /// After a write: back to the route, or the route again with the refusal.
@@ -208,4 +270,82 @@ pub(super) async fn rollback(
         .api(&s, Call::post(path, json!({})).if_match(fields.get("etag")))
         .await;
     finish(&c, &s, &tenant, &model, "rollback", &fields, result).await
+}
+
+/// `POST …/rollout`: starts a progressive rollout of a candidate version.
+pub(super) async fn start_rollout(
+    State(c): State<Console>,
+    s: Session,
+    headers: HeaderMap,
+    Path((tenant, model)): Path<(String, String)>,
+    form: axum::Form<Vec<(String, String)>>,
+) -> Response {
+    let fields = match checked(&c, &s, &headers, form) {
+        Ok(f) => f,
+        Err(r) => return *r,
+    };
+    let result = async {
+        let candidate = number::<i64>(&fields, "candidate_lora_int_id")?.ok_or_else(|| {
+            ApiError::field("candidate_lora_int_id", "name the candidate version")
+        })?;
+        let mut spec = json!({ "candidate_lora_int_id": candidate });
+        if let Some(steps) = non_blank(fields.get("steps")) {
+            let parsed: std::result::Result<Vec<u32>, _> =
+                steps.split(',').map(|p| p.trim().parse::<u32>()).collect();
+            spec["steps"] = json!(parsed.map_err(|_| {
+                ApiError::field(
+                    "steps",
+                    &format!("{steps:?} is not a list of basis points such as 100,1000,10000"),
+                )
+            })?);
+        }
+        for name in ["hold_secs", "min_requests"] {
+            if let Some(v) = number::<u32>(&fields, name)? {
+                spec[name] = json!(v);
+            }
+        }
+        for name in [
+            "max_error_rate_increase",
+            "max_ttft_p95_ratio",
+            "max_tpot_p95_ratio",
+        ] {
+            if let Some(v) = number::<f64>(&fields, name)? {
+                spec[name] = json!(v);
+            }
+        }
+        let path = format!("/admin/v1/routes/{}/{}/rollout", seg(&tenant), seg(&model));
+        c.api(&s, Call::post(path, spec).if_match(fields.get("etag")))
+            .await
+    }
+    .await;
+    finish(&c, &s, &tenant, &model, "rollout", &fields, result).await
+}
+
+/// `POST …/rollout/{pause,resume,abort}`.
+pub(super) async fn change_rollout(
+    State(c): State<Console>,
+    s: Session,
+    headers: HeaderMap,
+    Path((tenant, model, action)): Path<(String, String, String)>,
+    form: axum::Form<Vec<(String, String)>>,
+) -> Response {
+    let fields = match checked(&c, &s, &headers, form) {
+        Ok(f) => f,
+        Err(r) => return *r,
+    };
+    let result = if matches!(action.as_str(), "pause" | "resume" | "abort") {
+        let path = format!(
+            "/admin/v1/routes/{}/{}/rollout/{action}",
+            seg(&tenant),
+            seg(&model)
+        );
+        c.api(&s, Call::post(path, json!({}))).await
+    } else {
+        Err(ApiError::local(
+            StatusCode::NOT_FOUND,
+            None,
+            &format!("{action:?} is not pause, resume or abort"),
+        ))
+    };
+    finish(&c, &s, &tenant, &model, "rollout", &fields, result).await
 }
