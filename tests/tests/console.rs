@@ -452,12 +452,27 @@ async fn an_admin_runs_the_fleet_from_the_console() {
     let tokenless = http
         .post(&url)
         .header("cookie", &cookie)
+        .header("sec-fetch-site", "same-origin")
         .form(&[("etag", "4")])
         .send()
         .await
         .unwrap();
     assert_eq!(tokenless.status(), 403);
     assert!(tokenless.text().await.unwrap().contains("CSRF"));
+    // Neither Sec-Fetch-Site nor Origin: no browser sends that, so it is
+    // refused even with the token.
+    let headerless = http
+        .post(&url)
+        .header("cookie", &cookie)
+        .form(&[("csrf", csrf.as_str()), ("etag", "4")])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(headerless.status(), 403);
+    assert!(
+        headerless.text().await.unwrap().contains("neither"),
+        "names the missing headers"
+    );
     assert_eq!(route_weights(&p), after_rollback);
 
     // Every response carries the strict policy.
@@ -502,6 +517,13 @@ async fn a_viewer_sees_no_write_controls_and_cannot_forge_one() {
     b.click("#login button[type=submit]").await;
     let refused = b.text("[data-error-for=token]").await;
     assert!(refused.contains("invalid token"), "{refused}");
+    // A valid token that outlives a console session (12 h) is refused
+    // too: a cookie taken from a browser must not be worth a day.
+    let long = p.token_for("vera", "viewer", 24 * 3600);
+    b.fill("#login textarea[name=token]", &long).await;
+    b.click("#login button[type=submit]").await;
+    let refused = b.text("[data-error-for=token]").await;
+    assert!(refused.contains("at most 12 hours"), "{refused}");
     assert!(b.cookies().await.is_empty());
     let viewer = p.token("vera", "viewer");
     sign_in(&b, &console, &viewer).await;

@@ -87,6 +87,10 @@ const TEMPLATES: &[(&str, &str)] = &[
 
 fn environment() -> Environment<'static> {
     let mut env = Environment::new();
+    // `{{ x|seg }}`: a value percent-encoded as one path segment, for
+    // links built from data (HTML escaping alone would let a `/` or `?`
+    // change where the link goes).
+    env.add_filter("seg", |s: String| client::seg(&s));
     for (name, source) in TEMPLATES {
         env.add_template(name, source)
             .unwrap_or_else(|e| panic!("console template {name}: {e}"));
@@ -115,12 +119,23 @@ pub fn router(admin_state: AdminState, options: ConsoleOptions) -> Router {
         .merge(pages::router())
         // Not a fallback: the admin router this merges into has its own.
         .route("/console/{*rest}", get(not_found).post(not_found))
-        .layer(axum::middleware::map_response(security_headers))
+        .layer(axum::middleware::map_response_with_state(
+            options,
+            security_headers,
+        ))
         .with_state(console)
 }
 
-async fn security_headers(mut r: Response) -> Response {
+async fn security_headers(State(options): State<ConsoleOptions>, mut r: Response) -> Response {
     let h = r.headers_mut();
+    if options.secure_cookie {
+        // The session cookie is `Secure`, so the console is meant to be
+        // reached over HTTPS only; browsers ignore this header over HTTP.
+        h.insert(
+            header::STRICT_TRANSPORT_SECURITY,
+            HeaderValue::from_static("max-age=31536000"),
+        );
+    }
     h.insert(
         header::CONTENT_SECURITY_POLICY,
         HeaderValue::from_static(CSP),

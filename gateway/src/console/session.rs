@@ -12,13 +12,28 @@ use crate::admin::Identity;
 /// The session cookie's name.
 pub const COOKIE: &str = "lorafleet_console";
 
+/// The longest a console session lasts: a token that would outlive it is
+/// refused at sign-in, so a cookie taken from a browser is worth hours,
+/// not the days a long-lived automation token may carry.
+pub const MAX_SESSION_SECS: i64 = 12 * 3600;
+
 /// The signed-in admin: the token, who it names, and the CSRF token
 /// derived from it.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Session {
     pub token: String,
     pub identity: Identity,
     pub csrf: String,
+}
+
+/// Never prints the token or the CSRF token: a `?session` in a log line
+/// must not hand out the admin's credential.
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session")
+            .field("identity", &self.identity)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Session {
@@ -44,15 +59,21 @@ fn csrf_token(token: &str) -> String {
     hex::encode(h.finalize())
 }
 
+/// The session cookie's value. Two cookies of that name (one set for a
+/// parent domain by a sibling site, say) mean no session: which one the
+/// browser meant cannot be told, and taking either could sign the admin
+/// in as someone else.
 fn cookie_token(headers: &HeaderMap) -> Option<&str> {
-    headers
+    let mut found = headers
         .get_all(header::COOKIE)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(';'))
         .filter_map(|kv| kv.trim().split_once('='))
-        .find(|(k, _)| *k == COOKIE)
-        .map(|(_, v)| v)
+        .filter(|(k, _)| *k == COOKIE)
+        .map(|(_, v)| v);
+    let first = found.next()?;
+    found.next().is_none().then_some(first)
 }
 
 /// Without a valid session, a page sends the browser to sign in.
@@ -102,7 +123,9 @@ fn clear_cookie(options: ConsoleOptions) -> HeaderValue {
 }
 
 /// Refuses a request another site made the browser send. `Sec-Fetch-Site`
-/// where the browser sends it, else `Origin` against `Host`.
+/// where the browser sends it, else `Origin` against `Host`; a POST with
+/// neither is refused too, since every browser the console supports sends
+/// one, and sign-in has no CSRF token to fall back on.
 fn same_origin(headers: &HeaderMap) -> Result<(), ApiError> {
     let refused = |why: &str| {
         ApiError::local(
@@ -126,13 +149,24 @@ fn same_origin(headers: &HeaderMap) -> Result<(), ApiError> {
         if origin_host != host {
             return Err(refused(&format!("Origin {origin} is not this console")));
         }
+        return Ok(());
     }
-    Ok(())
+    Err(refused(
+        "the request carries neither Sec-Fetch-Site nor Origin",
+    ))
 }
 
 /// A submitted form, once its origin and CSRF token are checked.
-#[derive(Debug)]
 pub struct Fields(Vec<(String, String)>);
+
+/// Prints the field names only: values may be secrets (the CSRF token).
+impl std::fmt::Debug for Fields {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list()
+            .entries(self.0.iter().map(|(k, _)| k))
+            .finish()
+    }
+}
 
 impl Fields {
     /// Checks a write: same origin, then the session's CSRF token.
@@ -224,6 +258,18 @@ pub(super) async fn login(
         }
     };
     let max_age = (session.identity.expires_at - chrono::Utc::now().timestamp()).max(0);
+    if max_age > MAX_SESSION_SECS {
+        return refused(ApiError::local(
+            StatusCode::BAD_REQUEST,
+            Some("token"),
+            &format!(
+                "the token is valid for {}; a console session lasts at most {} hours: \
+                 mint one with `lorafleetctl token --ttl-secs {MAX_SESSION_SECS}` or less",
+                humantime_secs(max_age),
+                MAX_SESSION_SECS / 3600
+            ),
+        ));
+    }
     let cookie = format!(
         "{COOKIE}={}; Max-Age={max_age}; {}",
         session.token,
@@ -241,6 +287,15 @@ pub(super) async fn login(
             Some("token"),
             "the token holds characters a cookie cannot carry",
         )),
+    }
+}
+
+/// "3 h 20 min" for a number of seconds.
+fn humantime_secs(secs: i64) -> String {
+    match (secs / 3600, (secs % 3600) / 60) {
+        (0, m) => format!("{m} min"),
+        (h, 0) => format!("{h} h"),
+        (h, m) => format!("{h} h {m} min"),
     }
 }
 
@@ -307,6 +362,27 @@ mod tests {
         assert_eq!(cookie_token(&h), Some("tok.en.sig"));
         let h = headers(&[("cookie", "lorafleet_console_x=no")]);
         assert_eq!(cookie_token(&h), None);
+        // Two of them (one planted for a parent domain): neither is taken.
+        let h = headers(&[(
+            "cookie",
+            "lorafleet_console=mine; lorafleet_console=planted",
+        )]);
+        assert_eq!(cookie_token(&h), None);
+        let h = headers(&[
+            ("cookie", "lorafleet_console=mine"),
+            ("cookie", "lorafleet_console=planted"),
+        ]);
+        assert_eq!(cookie_token(&h), None);
+    }
+
+    #[test]
+    fn debug_output_never_holds_the_token_or_the_csrf_token() {
+        let s = session("secret.admin.token");
+        let fields = Fields(vec![("csrf".into(), s.csrf.clone())]);
+        let printed = format!("{s:?} {fields:?}");
+        assert!(printed.contains("alice"), "{printed}");
+        assert!(!printed.contains("secret.admin.token"), "{printed}");
+        assert!(!printed.contains(&s.csrf), "{printed}");
     }
 
     #[test]
@@ -324,6 +400,8 @@ mod tests {
             headers(&[("sec-fetch-site", "cross-site")]),
             headers(&[("sec-fetch-site", "same-site")]),
             headers(&[("origin", "https://evil.example"), ("host", "console:8081")]),
+            // Neither header: a browser always sends one, so this is not one.
+            headers(&[("host", "console:8081")]),
         ] {
             let e = Fields::check(&s, &h, good()).unwrap_err();
             assert_eq!(e.status, StatusCode::FORBIDDEN);
@@ -336,7 +414,8 @@ mod tests {
             form(&[("csrf", &csrf_token("another session"))]),
             form(&[("csrf", "")]),
         ] {
-            let e = Fields::check(&s, &HeaderMap::new(), bad).unwrap_err();
+            let same = headers(&[("sec-fetch-site", "same-origin")]);
+            let e = Fields::check(&s, &same, bad).unwrap_err();
             assert_eq!(
                 (e.status, e.param.as_deref()),
                 (StatusCode::FORBIDDEN, Some("csrf"))

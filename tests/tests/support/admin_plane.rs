@@ -201,10 +201,18 @@ impl Plane {
     }
 
     pub fn token(&self, subject: &str, role: &str) -> String {
+        self.token_for(subject, role, 3600)
+    }
+
+    /// A token valid for `ttl_secs`.
+    pub fn token_for(&self, subject: &str, role: &str, ttl_secs: u64) -> String {
+        let ttl = ttl_secs.to_string();
         let out = self.run_as(
             None,
             &[
                 "token",
+                "--ttl-secs",
+                &ttl,
                 "--hmac-secret-file",
                 self.secret.to_str().unwrap(),
                 "--subject",
