@@ -19,6 +19,8 @@
 //!
 //! `GATEWAY_OVERHEAD_ALONE=commit` (or `journal`) runs one gateway on one
 //! stand-in instead, with nothing else of the bench beside it.
+//! `GATEWAY_OVERHEAD_GATEWAY_THREADS=N` gives each gateway N runtime
+//! threads (tokio's default is one per core).
 //!
 //! Needs Postgres at 127.0.0.1:5432 (user postgres, trust) and Redis at
 //! 127.0.0.1:6379, like the tests.
@@ -315,6 +317,11 @@ fn gateway(
             .arg(dir.join("ca.pem")),
         None => cmd.arg("--insecure-plaintext"),
     };
+    // The gateway's runtime threads, for comparing settings (tokio's
+    // default is one per core).
+    if let Ok(threads) = std::env::var("GATEWAY_OVERHEAD_GATEWAY_THREADS") {
+        cmd.env("TOKIO_WORKER_THREADS", threads);
+    }
     let mut child = cmd
         .env("RUST_LOG", "info")
         .stdout(Stdio::piped())
