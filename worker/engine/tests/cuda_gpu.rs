@@ -506,29 +506,24 @@ fn expert_lora_shrink_and_expand_match_the_cpu_reference() {
     let factors: Vec<ExpertFactors> = (0..slots)
         .map(|s| {
             let r = ranks[s];
-            let mut f = ExpertFactors {
-                rank: r,
-                scale: scales[s],
-                fan_in,
-                fan_out,
-                a_t: Vec::new(),
-                b_t: Vec::new(),
-            };
+            let (mut a_e, mut b_e) = (Vec::new(), Vec::new());
             for e in 0..experts {
-                let mut a_t = vec![0f32; fan_in * r];
-                let mut b_t = vec![0f32; r * fan_out];
-                for k in 0..r {
-                    for i in 0..fan_in {
-                        a_t[i * r + k] = a[((s * experts + e) * max_rank + k) * fan_in + i];
-                    }
-                    for o in 0..fan_out {
-                        b_t[k * fan_out + o] = b[((s * experts + e) * fan_out + o) * max_rank + k];
-                    }
-                }
-                f.a_t.push(a_t);
-                f.b_t.push(b_t);
+                let at = |k: usize| ((s * experts + e) * max_rank + k) * fan_in;
+                a_e.push(
+                    (0..r)
+                        .flat_map(|k| a[at(k)..at(k) + fan_in].to_vec())
+                        .collect(),
+                );
+                b_e.push(
+                    (0..fan_out)
+                        .flat_map(|o| {
+                            let at = ((s * experts + e) * fan_out + o) * max_rank;
+                            b[at..at + r].to_vec()
+                        })
+                        .collect(),
+                );
             }
-            f
+            ExpertFactors::new(r, scales[s], (fan_in, fan_out), &a_e, &b_e)
         })
         .collect();
     let mut want = base.clone();

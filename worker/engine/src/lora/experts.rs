@@ -12,84 +12,69 @@
 //! `experts.`.
 
 use super::{AdapterConfig, AdapterError, AdapterLimits, ExpertTarget, strip_file};
+use crate::backend::cpu::panels::PackedLinear;
 use crate::model::WeightFiles;
 
-/// One targeted tensor's factors, per expert, in f32 (bf16 widened
-/// exactly): Aᵀ `[fan_in, rank]` and Bᵀ `[rank, fan_out]`.
+/// One targeted tensor's factors, per expert, packed as two projections
+/// (A: `fan_in` to `rank`, B: `rank` to `fan_out`) in the panels the CPU
+/// projection kernels read, once, when the adapter is read: the shrink and
+/// expand then run on those kernels, in their fixed per-row order.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ExpertFactors {
     pub rank: usize,
     pub scale: f32,
     pub fan_in: usize,
     pub fan_out: usize,
-    /// `a_t[expert]`.
-    pub a_t: Vec<Vec<f32>>,
-    /// `b_t[expert]`.
-    pub b_t: Vec<Vec<f32>>,
+    a: Vec<PackedLinear>,
+    b: Vec<PackedLinear>,
 }
 
 impl ExpertFactors {
-    /// Adds `scale · (x·Aᵀ)·Bᵀ` of expert `e` to `out`, for one row `x`,
-    /// in a fixed order (whatever else is in the batch). Where the CPU has
-    /// AVX2 the same operations run on wider vectors: Rust never fuses a
-    /// multiply and an add, so the results are the same bits.
-    pub fn add_delta(&self, e: usize, x: &[f32], out: &mut [f32]) {
-        let (a_t, b_t) = (&self.a_t[e], &self.b_t[e]);
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU has AVX2, checked just above.
-            #[allow(unsafe_code)]
-            unsafe {
-                delta_avx2(a_t, b_t, self.rank, self.fan_out, self.scale, x, out)
-            };
-            return;
+    /// From each expert's A (`[rank, fan_in]`) and B (`[fan_out, rank]`),
+    /// row-major f32 (bf16 widened exactly).
+    pub fn new(
+        rank: usize,
+        scale: f32,
+        (fan_in, fan_out): (usize, usize),
+        a: &[Vec<f32>],
+        b: &[Vec<f32>],
+    ) -> ExpertFactors {
+        ExpertFactors {
+            rank,
+            scale,
+            fan_in,
+            fan_out,
+            a: a.iter()
+                .map(|a| PackedLinear::pack(a, None, fan_in, rank))
+                .collect(),
+            b: b.iter()
+                .map(|b| PackedLinear::pack(b, None, rank, fan_out))
+                .collect(),
         }
-        delta(a_t, b_t, self.rank, self.fan_out, self.scale, x, out);
+    }
+
+    /// Adds `scale · (x·Aᵀ)·Bᵀ` of expert `e` to `out` for the `m` rows of
+    /// `x` (`out` is `[m, fan_out]`), on the calling thread: the callers
+    /// run one (expert, adapter) group of rows per thread. Each row's
+    /// result is the same whatever rows come with it.
+    pub fn add_delta_rows(&self, e: usize, x: &[f32], m: usize, out: &mut [f32]) {
+        let mut t = vec![0f32; m * self.rank];
+        self.a[e].add_scaled_on_this_thread(x, m, 1.0, &mut t);
+        self.b[e].add_scaled_on_this_thread(&t, m, self.scale, out);
+    }
+
+    /// [`ExpertFactors::add_delta_rows`] for one row.
+    pub fn add_delta(&self, e: usize, x: &[f32], out: &mut [f32]) {
+        self.add_delta_rows(e, x, 1, out);
     }
 
     pub fn bytes(&self) -> usize {
-        4 * (self.a_t.iter().map(Vec::len).sum::<usize>()
-            + self.b_t.iter().map(Vec::len).sum::<usize>())
+        self.a
+            .iter()
+            .chain(&self.b)
+            .map(PackedLinear::weight_bytes)
+            .sum()
     }
-}
-
-#[inline(always)]
-fn delta(
-    a_t: &[f32],
-    b_t: &[f32],
-    r: usize,
-    fan_out: usize,
-    scale: f32,
-    x: &[f32],
-    out: &mut [f32],
-) {
-    let mut t = [0f32; 512];
-    let t = &mut t[..r];
-    for (xi, row) in x.iter().zip(a_t.chunks_exact(r)) {
-        for (tk, a) in t.iter_mut().zip(row) {
-            *tk += xi * a;
-        }
-    }
-    for (tk, b_row) in t.iter().zip(b_t.chunks_exact(fan_out)) {
-        let s = scale * tk;
-        for (o, b) in out.iter_mut().zip(b_row) {
-            *o += s * b;
-        }
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn delta_avx2(
-    a_t: &[f32],
-    b_t: &[f32],
-    r: usize,
-    fan_out: usize,
-    scale: f32,
-    x: &[f32],
-    out: &mut [f32],
-) {
-    delta(a_t, b_t, r, fan_out, scale, x, out)
 }
 
 /// One layer's LoRA on its Mixture-of-Experts block.
@@ -197,30 +182,20 @@ pub(super) fn load(
             let b = files
                 .f32(&b_name, &[fan_out, r * n])
                 .map_err(|e| invalid(&b_name, strip_file(e)))?;
-            let mut factors = ExpertFactors {
-                rank: r,
-                scale,
-                fan_in,
-                fan_out,
-                a_t: Vec::with_capacity(n),
-                b_t: Vec::with_capacity(n),
+            // Expert e's A is rows e·r.. of lora_A; its B is the columns
+            // k·n + e of lora_B.
+            let a_of = |e: usize| a[e * r * fan_in..(e + 1) * r * fan_in].to_vec();
+            let b_of = |e: usize| {
+                let mut b_e = vec![0f32; fan_out * r];
+                for o in 0..fan_out {
+                    for k in 0..r {
+                        b_e[o * r + k] = b[o * (r * n) + k * n + e];
+                    }
+                }
+                b_e
             };
-            for e in 0..n {
-                let mut a_t = vec![0f32; fan_in * r];
-                for k in 0..r {
-                    for x in 0..fan_in {
-                        a_t[x * r + k] = a[(e * r + k) * fan_in + x];
-                    }
-                }
-                let mut b_t = vec![0f32; r * fan_out];
-                for k in 0..r {
-                    for o in 0..fan_out {
-                        b_t[k * fan_out + o] = b[o * (r * n) + k * n + e];
-                    }
-                }
-                factors.a_t.push(a_t);
-                factors.b_t.push(b_t);
-            }
+            let (a_e, b_e): (Vec<_>, Vec<_>) = (0..n).map(|e| (a_of(e), b_of(e))).unzip();
+            let factors = ExpertFactors::new(r, scale, (fan_in, fan_out), &a_e, &b_e);
             match target {
                 ExpertTarget::GateUp => layer.gate_up = Some(factors),
                 ExpertTarget::Down => layer.down = Some(factors),

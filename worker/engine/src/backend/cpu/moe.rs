@@ -14,7 +14,7 @@ use super::{activation, pack_stacked, team};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::Result;
-use crate::lora::ExpertLayer;
+use crate::lora::{ExpertFactors, ExpertLayer};
 use crate::model::config::{Architecture, MoeConfig};
 use crate::model::{ModelConfig, WeightFiles};
 
@@ -139,28 +139,33 @@ impl MoeBlock {
                 }
                 let [mut gate, mut up] = expert.gate_up.forward_split(&xe, m, [inter, inter]);
                 // Expert LoRA, grouped by (expert, adapter): the rows of one
-                // adapter are adjacent, since the batch is ordered by slot.
-                // Rows are independent, so they run on the team.
-                if rows
-                    .iter()
-                    .any(|&t| lora[t].is_some_and(|l| l.gate_up.is_some()))
-                {
-                    let mut pairs: Vec<(&mut [f32], &mut [f32])> = gate
-                        .chunks_exact_mut(inter)
-                        .zip(up.chunks_exact_mut(inter))
+                // adapter are adjacent, since the batch is ordered by slot,
+                // and each run of them is one shrink and one expand on one
+                // thread, the runs side by side on the team.
+                let gate_up_runs: Vec<(usize, usize, &ExpertFactors)> = runs(rows, lora)
+                    .into_iter()
+                    .filter_map(|(lo, hi, l)| l.gate_up.as_ref().map(|f| (lo, hi, f)))
+                    .collect();
+                if !gate_up_runs.is_empty() {
+                    let mut deltas: Vec<Vec<f32>> = gate_up_runs
+                        .iter()
+                        .map(|&(lo, hi, _)| vec![0f32; (hi - lo) * 2 * inter])
                         .collect();
-                    team::for_each_mut(&mut pairs, |(g, u), r| {
-                        if let Some(f) = lora[rows[r]].and_then(|l| l.gate_up.as_ref()) {
-                            let mut delta = vec![0f32; 2 * inter];
-                            f.add_delta(e, &xe[r * h..(r + 1) * h], &mut delta);
-                            for (g, d) in g.iter_mut().zip(&delta) {
-                                *g += d;
+                    team::for_each_mut(&mut deltas, |d, i| {
+                        let (lo, hi, f) = gate_up_runs[i];
+                        f.add_delta_rows(e, &xe[lo * h..hi * h], hi - lo, d);
+                    });
+                    for (&(lo, _, _), d) in gate_up_runs.iter().zip(&deltas) {
+                        for (r, d) in (lo..).zip(d.chunks_exact(2 * inter)) {
+                            let (dg, du) = d.split_at(inter);
+                            for (g, v) in gate[r * inter..][..inter].iter_mut().zip(dg) {
+                                *g += v;
                             }
-                            for (u, d) in u.iter_mut().zip(&delta[inter..]) {
-                                *u += d;
+                            for (u, v) in up[r * inter..][..inter].iter_mut().zip(du) {
+                                *u += v;
                             }
                         }
-                    });
+                    }
                 }
                 let mut act = vec![0f32; m * inter];
                 let mut act_rows: Vec<&mut [f32]> = act.chunks_exact_mut(inter).collect();
@@ -170,17 +175,22 @@ impl MoeBlock {
                 });
                 drop(act_rows);
                 let [mut down] = expert.down.forward_split(&act, m, [h]);
-                if rows
-                    .iter()
-                    .any(|&t| lora[t].is_some_and(|l| l.down.is_some()))
-                {
-                    let mut out_rows: Vec<&mut [f32]> = down.chunks_exact_mut(h).collect();
-                    team::for_each_mut(&mut out_rows, |out, r| {
-                        if let Some(f) = lora[rows[r]].and_then(|l| l.down.as_ref()) {
-                            f.add_delta(e, &act[r * inter..(r + 1) * inter], out);
-                        }
-                    });
+                // The runs are disjoint and in order: each gets its own
+                // rows of `down` to add to.
+                let mut down_runs: Vec<(&mut [f32], usize, usize, &ExpertFactors)> = Vec::new();
+                let mut rest: &mut [f32] = &mut down;
+                let mut at = 0;
+                for (lo, hi, l) in runs(rows, lora) {
+                    let Some(f) = l.down.as_ref() else { continue };
+                    let (_, from_lo) = std::mem::take(&mut rest).split_at_mut((lo - at) * h);
+                    let (mine, after) = from_lo.split_at_mut((hi - lo) * h);
+                    down_runs.push((mine, lo, hi, f));
+                    (rest, at) = (after, hi);
                 }
+                team::for_each_mut(&mut down_runs, |(out, lo, hi, f), _| {
+                    f.add_delta_rows(e, &act[*lo * inter..*hi * inter], *hi - *lo, out);
+                });
+                drop(down_runs);
                 down
             })
             .collect();
@@ -199,6 +209,24 @@ impl MoeBlock {
         }
         out
     }
+}
+
+/// The runs of `rows` (indices into one expert's rows) whose tokens share
+/// one adapter's expert LoRA: (first, end, that LoRA). Rows without one
+/// are in no run.
+fn runs<'a>(
+    rows: &[usize],
+    lora: &[Option<&'a ExpertLayer>],
+) -> Vec<(usize, usize, &'a ExpertLayer)> {
+    let mut out: Vec<(usize, usize, &'a ExpertLayer)> = Vec::new();
+    for (r, &t) in rows.iter().enumerate() {
+        let Some(layer) = lora[t] else { continue };
+        match out.last_mut() {
+            Some((_, end, last)) if *end == r && std::ptr::eq(*last, layer) => *end = r + 1,
+            _ => out.push((r, r + 1, layer)),
+        }
+    }
+    out
 }
 
 /// The router's choice for one token: the softmax of `logits`, its `top_k`

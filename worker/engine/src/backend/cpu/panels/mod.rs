@@ -25,7 +25,7 @@ pub const GROUP: usize = 3;
 const KC: usize = 128;
 
 /// A dense projection with its weights packed into panels.
-#[derive(Debug)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct PackedLinear {
     /// `[fan_out.div_ceil(NR), fan_in, NR]`; the last panel is zero-padded.
     panels: Panels,
@@ -43,7 +43,7 @@ pub struct PackedLinear {
 /// panels at a time just before use. Widening is exact (the 16 bits become
 /// the top half of an f32), so there the products are the ones f32 weights
 /// of the same values give, bit for bit.
-#[derive(Debug)]
+#[derive(Debug, Clone, PartialEq)]
 enum Panels {
     F32(Vec<f32>),
     Bf16(Vec<u16>),
@@ -172,7 +172,7 @@ impl PackedLinear {
             .zip(widths)
             .map(|(o, w)| (w, SharedOut(o.as_mut_ptr())))
             .collect();
-        self.fill(Kernel::detect(), amx::available(), x, n, &parts);
+        self.fill(Kernel::detect(), amx::available(), x, n, &parts, true);
         for (o, w) in outs.iter_mut().zip(widths) {
             // SAFETY: the capacity is n * w, and `fill` returned, so it
             // wrote every row of every part's columns (the parts cover
@@ -207,13 +207,43 @@ impl PackedLinear {
                 (width, SharedOut(out.as_mut_ptr()))
             })
             .collect();
-        self.fill(kernel, amx, x, n, &parts);
+        self.fill(kernel, amx, x, n, &parts, true);
+    }
+
+    /// `out[t, o] += scale · x[t]·W[o]` for the `n` rows of `x`, all on the
+    /// calling thread: for small projections that a caller already runs
+    /// many of side by side on the team. The products are those of
+    /// [`PackedLinear::forward`] (the same kernel, the same groups of
+    /// panels), so a row's result does not depend on which one ran it.
+    pub fn add_scaled_on_this_thread(&self, x: &[f32], n: usize, scale: f32, out: &mut [f32]) {
+        assert_eq!(out.len(), n * self.fan_out, "out holds {n} rows of fan_out");
+        let mut y: Vec<f32> = Vec::with_capacity(n * self.fan_out);
+        let parts = [(self.fan_out, SharedOut(y.as_mut_ptr()))];
+        self.fill(Kernel::detect(), amx::available(), x, n, &parts, false);
+        // SAFETY: the capacity is n * fan_out, and `fill` returned, so it
+        // wrote every row of every column.
+        #[allow(unsafe_code)]
+        unsafe {
+            y.set_len(n * self.fan_out)
+        };
+        for (o, v) in out.iter_mut().zip(&y) {
+            *o += scale * v;
+        }
     }
 
     /// Writes all `n` rows of each part's columns: `parts` are (width,
     /// buffer of `[n, width]`, which may be uninitialized), the widths
-    /// adding up to `fan_out`, side by side.
-    fn fill(&self, kernel: Kernel, amx: bool, x: &[f32], n: usize, parts: &[(usize, SharedOut)]) {
+    /// adding up to `fan_out`, side by side. The groups of panels run on
+    /// the team if `parallel`, else one after another on this thread.
+    fn fill(
+        &self,
+        kernel: Kernel,
+        amx: bool,
+        x: &[f32],
+        n: usize,
+        parts: &[(usize, SharedOut)],
+        parallel: bool,
+    ) {
         let (fan_in, fan_out) = (self.fan_in, self.fan_out);
         assert_eq!(x.len(), n * fan_in, "x holds {n} rows of {fan_in}");
         let mut lo = 0;
@@ -238,83 +268,79 @@ impl PackedLinear {
             Some(split) => (amx::GROUP, split.rows()),
             None => (GROUP, n),
         };
-        super::team::for_each(
-            panels.div_ceil(group_size),
-            || (vec![0f32; rows * group_size * NR], Vec::new()),
-            |(local, wide): &mut (Vec<f32>, Vec<f32>), b| {
-                let (first, count) = (b * group_size, group_size.min(panels - b * group_size));
-                let width = count * NR;
-                let local = &mut local[..rows * width];
-                match (&self.panels, &split) {
-                    (Panels::F32(all), _) => {
-                        let panel_len = fan_in * NR;
-                        let group: Vec<&[f32]> = all[first * panel_len..][..count * panel_len]
-                            .chunks_exact(panel_len)
-                            .collect();
-                        // The group after this one is what this task most
-                        // likely runs next (the team hands each thread a
-                        // run of groups).
-                        let next = &all[(first + count) * panel_len
-                            ..(first + count + GROUP).min(panels) * panel_len];
-                        kernel.group(x, fan_in, n, &group, Prefetch::of(next), local);
-                    }
-                    (Panels::Bf16(all), Some(split)) => {
-                        let panel_len = amx::padded(fan_in) * NR;
-                        let group = &all[first * panel_len..][..count * panel_len];
-                        #[cfg(target_arch = "x86_64")]
-                        // SAFETY: `split` exists only where the caller
-                        // passed `amx`, which `forward_parts` takes from
-                        // `amx::available`, and the tests only where it
-                        // is true.
-                        #[allow(unsafe_code)]
-                        unsafe {
-                            amx::group(split, group, count, local)
-                        };
-                        #[cfg(not(target_arch = "x86_64"))]
-                        unreachable!("AMX on {split:?} without x86_64 {group:?}");
-                    }
-                    (Panels::Bf16(all), None) => {
-                        let panel_len = amx::padded(fan_in) * NR;
-                        let group: Vec<&[u16]> = all[first * panel_len..][..count * panel_len]
-                            .chunks_exact(panel_len)
-                            .collect();
-                        let next = &all[(first + count) * panel_len
-                            ..(first + count + GROUP).min(panels) * panel_len];
-                        kernel.group_bf16_pairs(
-                            x,
-                            fan_in,
-                            n,
-                            &group,
-                            wide,
-                            Prefetch::of(next),
-                            local,
-                        );
-                    }
+        let groups = panels.div_ceil(group_size);
+        let scratch = || (vec![0f32; rows * group_size * NR], Vec::new());
+        let run = |(local, wide): &mut (Vec<f32>, Vec<f32>), b: usize| {
+            let (first, count) = (b * group_size, group_size.min(panels - b * group_size));
+            let width = count * NR;
+            let local = &mut local[..rows * width];
+            match (&self.panels, &split) {
+                (Panels::F32(all), _) => {
+                    let panel_len = fan_in * NR;
+                    let group: Vec<&[f32]> = all[first * panel_len..][..count * panel_len]
+                        .chunks_exact(panel_len)
+                        .collect();
+                    // The group after this one is what this task most
+                    // likely runs next (the team hands each thread a
+                    // run of groups).
+                    let next = &all[(first + count) * panel_len
+                        ..(first + count + GROUP).min(panels) * panel_len];
+                    kernel.group(x, fan_in, n, &group, Prefetch::of(next), local);
                 }
-                let (glo, ghi) = (first * NR, (first * NR + width).min(fan_out));
-                for (plo, pw, out) in &parts {
-                    let (lo, hi) = (glo.max(*plo), ghi.min(plo + pw));
-                    if lo >= hi {
-                        continue;
-                    }
-                    for t in 0..n {
-                        let src = &mut local[t * width + lo - glo..t * width + hi - glo];
-                        if let Some(bias) = &self.bias {
-                            for (y, &b) in src.iter_mut().zip(&bias[lo..hi]) {
-                                *y += b;
-                            }
+                (Panels::Bf16(all), Some(split)) => {
+                    let panel_len = amx::padded(fan_in) * NR;
+                    let group = &all[first * panel_len..][..count * panel_len];
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: `split` exists only where the caller
+                    // passed `amx`, which `forward_parts` takes from
+                    // `amx::available`, and the tests only where it
+                    // is true.
+                    #[allow(unsafe_code)]
+                    unsafe {
+                        amx::group(split, group, count, local)
+                    };
+                    #[cfg(not(target_arch = "x86_64"))]
+                    unreachable!("AMX on {split:?} without x86_64 {group:?}");
+                }
+                (Panels::Bf16(all), None) => {
+                    let panel_len = amx::padded(fan_in) * NR;
+                    let group: Vec<&[u16]> = all[first * panel_len..][..count * panel_len]
+                        .chunks_exact(panel_len)
+                        .collect();
+                    let next = &all[(first + count) * panel_len
+                        ..(first + count + GROUP).min(panels) * panel_len];
+                    kernel.group_bf16_pairs(x, fan_in, n, &group, wide, Prefetch::of(next), local);
+                }
+            }
+            let (glo, ghi) = (first * NR, (first * NR + width).min(fan_out));
+            for (plo, pw, out) in &parts {
+                let (lo, hi) = (glo.max(*plo), ghi.min(plo + pw));
+                if lo >= hi {
+                    continue;
+                }
+                for t in 0..n {
+                    let src = &mut local[t * width + lo - glo..t * width + hi - glo];
+                    if let Some(bias) = &self.bias {
+                        for (y, &b) in src.iter_mut().zip(&bias[lo..hi]) {
+                            *y += b;
                         }
-                        // SAFETY: columns lo..hi of this part belong to this
-                        // group alone, and row t is inside the part's
-                        // `[n, pw]` buffer, which outlives the parallel loop.
-                        #[allow(unsafe_code)]
-                        unsafe {
-                            out.write(t * pw + lo - plo, src)
-                        };
                     }
+                    // SAFETY: columns lo..hi of this part belong to this
+                    // group alone, and row t is inside the part's
+                    // `[n, pw]` buffer, which outlives the parallel loop.
+                    #[allow(unsafe_code)]
+                    unsafe {
+                        out.write(t * pw + lo - plo, src)
+                    };
                 }
-            },
-        );
+            }
+        };
+        if parallel {
+            super::team::for_each(groups, scratch, run);
+        } else {
+            let mut state = scratch();
+            (0..groups).for_each(|b| run(&mut state, b));
+        }
     }
 }
 

@@ -388,3 +388,26 @@ fn every_kernel_gives_the_same_bits_alone_or_in_any_batch() {
         }
     }
 }
+
+#[test]
+fn a_projection_on_this_thread_gives_the_bits_of_the_team_one() {
+    // Expert LoRA runs its small projections one per thread; a row's
+    // result must not depend on whether the team or one thread ran it,
+    // nor on the rows beside it. Shapes: rank-wide (one group of panels)
+    // and wide (many groups, a ragged last panel).
+    for (fan_in, fan_out) in [(96, 16), (16, 200), (130, 5)] {
+        let lin = PackedLinear::pack(&random(1, fan_in * fan_out), None, fan_in, fan_out);
+        let x = random(2, 7 * fan_in);
+        let mut team = vec![0f32; 7 * fan_out];
+        lin.forward(&x, 7, &mut team);
+        let base = random(3, 7 * fan_out);
+        let mut local = base.clone();
+        lin.add_scaled_on_this_thread(&x, 7, 0.5, &mut local);
+        let want: Vec<f32> = base.iter().zip(&team).map(|(b, t)| b + 0.5 * t).collect();
+        assert_eq!(bits(&local), bits(&want), "{fan_in} -> {fan_out}");
+        // Row 3 alone.
+        let mut alone = base[3 * fan_out..4 * fan_out].to_vec();
+        lin.add_scaled_on_this_thread(&x[3 * fan_in..4 * fan_in], 1, 0.5, &mut alone);
+        assert_eq!(bits(&alone), bits(&want[3 * fan_out..4 * fan_out]));
+    }
+}
