@@ -239,10 +239,17 @@ impl Browser {
         .await;
         let deadline = Instant::now() + Duration::from_secs(15);
         loop {
+            // A script that runs while the old document unloads can be cut
+            // off ("script timeout"): that is the navigation still under
+            // way, so it is asked again, not failed.
             let state = self
-                .run(
-                    "return window.__lorafleet_old_page ? 'old' : document.readyState;",
-                    json!([]),
+                .call(
+                    reqwest::Method::POST,
+                    "/execute/sync",
+                    Some(json!({
+                        "script": "return window.__lorafleet_old_page ? 'old' : document.readyState;",
+                        "args": [],
+                    })),
                 )
                 .await;
             if state == "complete" {

@@ -7,9 +7,11 @@
 //!   hold exactly as for `lorafleetctl`.
 //! - **The session is the admin token**, kept in an `HttpOnly`,
 //!   `SameSite=Strict` cookie scoped to `/console`, and valid until the
-//!   token's own expiry. A token never appears in a URL.
+//!   token's own expiry, at most 12 hours. A token never appears in a URL.
 //! - **Writes are forms** that carry a CSRF token derived from the session;
 //!   a cross-site request is refused before the token is even compared.
+//!   Every write handler takes a `session::Write`, the extractor that runs
+//!   both checks, so none can skip them.
 //! - **Every response carries a strict Content-Security-Policy**: scripts
 //!   and styles only from `/console/static`, no inline code, no framing.
 //! - Pages are minijinja templates compiled into the binary; the only
@@ -36,7 +38,7 @@ mod session;
 
 use client::ApiError;
 pub use session::COOKIE;
-use session::{Fields, Session};
+use session::{Fields, Session, Write};
 
 /// How the console is served.
 #[derive(Debug, Clone, Copy)]

@@ -229,6 +229,35 @@ impl Fields {
     }
 }
 
+/// A write: the session and its submitted form, once the origin and the
+/// CSRF token are checked. Every POST handler but sign-in takes one, so no
+/// handler can skip the checks; a refusal is the error page.
+pub struct Write {
+    pub session: Session,
+    pub fields: Fields,
+}
+
+impl axum::extract::FromRequest<Console> for Write {
+    type Rejection = Response;
+
+    async fn from_request(req: axum::extract::Request, c: &Console) -> Result<Write, Response> {
+        let (mut parts, body) = req.into_parts();
+        let session =
+            <Session as FromRequestParts<Console>>::from_request_parts(&mut parts, c).await?;
+        let headers = parts.headers.clone();
+        let form = Form::<Vec<(String, String)>>::from_request(
+            axum::extract::Request::from_parts(parts, body),
+            c,
+        )
+        .await
+        .map_err(IntoResponse::into_response)?;
+        match Fields::check(&session, &headers, form) {
+            Ok(fields) => Ok(Write { session, fields }),
+            Err(e) => Err(c.error_page(Some(&session), &e)),
+        }
+    }
+}
+
 /// `POST /console/login`: a pasted admin token becomes the session.
 pub(super) async fn login(
     State(c): State<Console>,
@@ -300,15 +329,7 @@ fn humantime_secs(secs: i64) -> String {
 }
 
 /// `POST /console/logout`.
-pub(super) async fn logout(
-    State(c): State<Console>,
-    session: Session,
-    headers: HeaderMap,
-    form: Form<Vec<(String, String)>>,
-) -> Response {
-    if let Err(e) = Fields::check(&session, &headers, form) {
-        return c.error_page(Some(&session), &e);
-    }
+pub(super) async fn logout(State(c): State<Console>, _: Write) -> Response {
     let mut r = Redirect::to("/console/login").into_response();
     r.headers_mut()
         .insert(header::SET_COOKIE, clear_cookie(c.options));

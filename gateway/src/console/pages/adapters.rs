@@ -43,14 +43,8 @@ async fn render(c: &Console, s: &Session, outcome: Outcome) -> Response {
 
 pub(super) async fn register(
     State(c): State<Console>,
-    s: Session,
-    headers: HeaderMap,
-    form: axum::Form<Vec<(String, String)>>,
+    Write { session: s, fields }: Write,
 ) -> Response {
-    let fields = match checked(&c, &s, &headers, form) {
-        Ok(f) => f,
-        Err(r) => return *r,
-    };
     let result = async {
         let mut spec = json!({
             "name": fields.get("name"),
@@ -88,15 +82,9 @@ pub(super) async fn register(
 
 pub(super) async fn retire(
     State(c): State<Console>,
-    s: Session,
-    headers: HeaderMap,
     Path(id): Path<String>,
-    form: axum::Form<Vec<(String, String)>>,
+    Write { session: s, fields }: Write,
 ) -> Response {
-    let fields = match checked(&c, &s, &headers, form) {
-        Ok(f) => f,
-        Err(r) => return *r,
-    };
     let path = format!("/admin/v1/adapters/{}/retire", seg(&id));
     match c.api::<Value>(&s, Call::post(path, json!({}))).await {
         Ok(_) => Redirect::to("/console/adapters").into_response(),

@@ -122,16 +122,6 @@ fn show(
     }
 }
 
-/// Checks a write's form; a refused check is its own page.
-fn checked(
-    c: &Console,
-    s: &Session,
-    headers: &HeaderMap,
-    form: axum::Form<Vec<(String, String)>>,
-) -> Result<Fields, Box<Response>> {
-    Fields::check(s, headers, form).map_err(|e| Box::new(c.error_page(Some(s), &e)))
-}
-
 /// A form's optional number, or a refusal naming its field.
 fn number<T: std::str::FromStr>(fields: &Fields, name: &str) -> Result<Option<T>, ApiError> {
     match non_blank(fields.get(name)) {

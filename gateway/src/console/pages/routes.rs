@@ -185,15 +185,9 @@ async fn finish(
 
 pub(super) async fn set_weights(
     State(c): State<Console>,
-    s: Session,
-    headers: HeaderMap,
     Path((tenant, model)): Path<(String, String)>,
-    form: axum::Form<Vec<(String, String)>>,
+    Write { session: s, fields }: Write,
 ) -> Response {
-    let fields = match checked(&c, &s, &headers, form) {
-        Ok(f) => f,
-        Err(r) => return *r,
-    };
     let result = async {
         let ids = fields.all("lora_int_id");
         let bps = fields.all("weight_bp");
@@ -231,15 +225,9 @@ pub(super) async fn set_weights(
 
 pub(super) async fn promote(
     State(c): State<Console>,
-    s: Session,
-    headers: HeaderMap,
     Path((tenant, model)): Path<(String, String)>,
-    form: axum::Form<Vec<(String, String)>>,
+    Write { session: s, fields }: Write,
 ) -> Response {
-    let fields = match checked(&c, &s, &headers, form) {
-        Ok(f) => f,
-        Err(r) => return *r,
-    };
     let result = async {
         let id = number::<i64>(&fields, "lora_int_id")?
             .ok_or_else(|| ApiError::field("lora_int_id", "choose the version to promote"))?;
@@ -256,15 +244,9 @@ pub(super) async fn promote(
 
 pub(super) async fn rollback(
     State(c): State<Console>,
-    s: Session,
-    headers: HeaderMap,
     Path((tenant, model)): Path<(String, String)>,
-    form: axum::Form<Vec<(String, String)>>,
+    Write { session: s, fields }: Write,
 ) -> Response {
-    let fields = match checked(&c, &s, &headers, form) {
-        Ok(f) => f,
-        Err(r) => return *r,
-    };
     let path = format!("/admin/v1/routes/{}/{}/rollback", seg(&tenant), seg(&model));
     let result = c
         .api(&s, Call::post(path, json!({})).if_match(fields.get("etag")))
@@ -275,15 +257,9 @@ pub(super) async fn rollback(
 /// `POST …/rollout`: starts a progressive rollout of a candidate version.
 pub(super) async fn start_rollout(
     State(c): State<Console>,
-    s: Session,
-    headers: HeaderMap,
     Path((tenant, model)): Path<(String, String)>,
-    form: axum::Form<Vec<(String, String)>>,
+    Write { session: s, fields }: Write,
 ) -> Response {
-    let fields = match checked(&c, &s, &headers, form) {
-        Ok(f) => f,
-        Err(r) => return *r,
-    };
     let result = async {
         let candidate = number::<i64>(&fields, "candidate_lora_int_id")?.ok_or_else(|| {
             ApiError::field("candidate_lora_int_id", "name the candidate version")
@@ -324,15 +300,9 @@ pub(super) async fn start_rollout(
 /// `POST …/rollout/{pause,resume,abort}`.
 pub(super) async fn change_rollout(
     State(c): State<Console>,
-    s: Session,
-    headers: HeaderMap,
     Path((tenant, model, action)): Path<(String, String, String)>,
-    form: axum::Form<Vec<(String, String)>>,
+    Write { session: s, fields }: Write,
 ) -> Response {
-    let fields = match checked(&c, &s, &headers, form) {
-        Ok(f) => f,
-        Err(r) => return *r,
-    };
     let result = if matches!(action.as_str(), "pause" | "resume" | "abort") {
         let path = format!(
             "/admin/v1/routes/{}/{}/rollout/{action}",

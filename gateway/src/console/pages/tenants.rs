@@ -35,14 +35,8 @@ async fn render_list(c: &Console, s: &Session, outcome: Outcome) -> Response {
 
 pub(super) async fn create(
     State(c): State<Console>,
-    s: Session,
-    headers: HeaderMap,
-    form: axum::Form<Vec<(String, String)>>,
+    Write { session: s, fields }: Write,
 ) -> Response {
-    let fields = match checked(&c, &s, &headers, form) {
-        Ok(f) => f,
-        Err(r) => return *r,
-    };
     let result = async {
         let mut spec = json!({
             "name": fields.get("name"),
@@ -67,18 +61,7 @@ pub(super) async fn create(
     }
 }
 
-async fn switch(
-    c: Console,
-    s: Session,
-    headers: HeaderMap,
-    tenant: String,
-    form: axum::Form<Vec<(String, String)>>,
-    action: &str,
-) -> Response {
-    let fields = match checked(&c, &s, &headers, form) {
-        Ok(f) => f,
-        Err(r) => return *r,
-    };
+async fn switch(c: Console, s: Session, fields: Fields, tenant: String, action: &str) -> Response {
     let path = format!("/admin/v1/tenants/{}/{action}", seg(&tenant));
     match c.api::<Value>(&s, Call::post(path, json!({}))).await {
         Ok(_) => Redirect::to("/console/tenants").into_response(),
@@ -88,22 +71,18 @@ async fn switch(
 
 pub(super) async fn disable(
     State(c): State<Console>,
-    s: Session,
-    headers: HeaderMap,
     Path(tenant): Path<String>,
-    form: axum::Form<Vec<(String, String)>>,
+    Write { session: s, fields }: Write,
 ) -> Response {
-    switch(c, s, headers, tenant, form, "disable").await
+    switch(c, s, fields, tenant, "disable").await
 }
 
 pub(super) async fn enable(
     State(c): State<Console>,
-    s: Session,
-    headers: HeaderMap,
     Path(tenant): Path<String>,
-    form: axum::Form<Vec<(String, String)>>,
+    Write { session: s, fields }: Write,
 ) -> Response {
-    switch(c, s, headers, tenant, form, "enable").await
+    switch(c, s, fields, tenant, "enable").await
 }
 
 pub(super) async fn page(
@@ -147,15 +126,9 @@ async fn render(
 
 pub(super) async fn create_key(
     State(c): State<Console>,
-    s: Session,
-    headers: HeaderMap,
     Path(tenant): Path<String>,
-    form: axum::Form<Vec<(String, String)>>,
+    Write { session: s, fields }: Write,
 ) -> Response {
-    let fields = match checked(&c, &s, &headers, form) {
-        Ok(f) => f,
-        Err(r) => return *r,
-    };
     let result = async {
         let mut spec = json!({ "name": fields.get("name") });
         if let Some(v) = number::<u64>(&fields, "expires_in_secs")? {
@@ -185,15 +158,9 @@ pub(super) async fn create_key(
 
 pub(super) async fn revoke_key(
     State(c): State<Console>,
-    s: Session,
-    headers: HeaderMap,
     Path((tenant, prefix)): Path<(String, String)>,
-    form: axum::Form<Vec<(String, String)>>,
+    Write { session: s, fields }: Write,
 ) -> Response {
-    let fields = match checked(&c, &s, &headers, form) {
-        Ok(f) => f,
-        Err(r) => return *r,
-    };
     let path = format!("/admin/v1/keys/{}/revoke", seg(&prefix));
     match c.api::<Value>(&s, Call::post(path, json!({}))).await {
         Ok(_) => Redirect::to(&format!("/console/tenants/{}", seg(&tenant))).into_response(),
