@@ -74,6 +74,20 @@ pub fn root() -> PathBuf {
     dir.join("target/bench-standin")
 }
 
+/// Gives a stand-in model the fixture model's real tokenizer (the weights
+/// are random; the vocabulary need not be).
+fn copy_tokenizer(dir: &Path) {
+    let fixtures = std::env::var_os("LORAFLEET_FIXTURES")
+        .map_or_else(
+            || root().join("../../worker/engine/tests/fixtures"),
+            PathBuf::from,
+        )
+        .join("llama-gqa");
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(fixtures.join(f), dir.join(f)).unwrap();
+    }
+}
+
 fn random(rng: &mut Rng, n: usize, scale: f32) -> Vec<f32> {
     (0..n)
         .map(|_| (rng.next_f64() as f32 * 2.0 - 1.0) * scale)
@@ -143,15 +157,7 @@ pub fn model_shaped(shape: &Shape, dtype: Dtype) -> PathBuf {
         "torch_dtype": if dtype == Dtype::BF16 { "bfloat16" } else { "float32" }
     });
     std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-    let fixtures = std::env::var_os("LORAFLEET_FIXTURES")
-        .map_or_else(
-            || root().join("../../worker/engine/tests/fixtures"),
-            PathBuf::from,
-        )
-        .join("llama-gqa");
-    for f in ["tokenizer.json", "tokenizer_config.json"] {
-        std::fs::copy(fixtures.join(f), dir.join(f)).unwrap();
-    }
+    copy_tokenizer(&dir);
     let mut rng = Rng::new(42);
     let kv = kv_heads * head_dim;
     let mut t = vec![(
@@ -332,15 +338,7 @@ pub fn moe_model() -> PathBuf {
         "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"
     });
     std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-    let fixtures = std::env::var_os("LORAFLEET_FIXTURES")
-        .map_or_else(
-            || root().join("../../worker/engine/tests/fixtures"),
-            PathBuf::from,
-        )
-        .join("llama-gqa");
-    for f in ["tokenizer.json", "tokenizer_config.json"] {
-        std::fs::copy(fixtures.join(f), dir.join(f)).unwrap();
-    }
+    copy_tokenizer(&dir);
     let mut rng = Rng::new(43);
     let kv = kv_heads * head_dim;
     let mut t = vec![(
