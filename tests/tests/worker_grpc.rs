@@ -495,6 +495,18 @@ fn serve_refuses_bad_flags_by_name() {
             &["--backend", "cuda", "--dtype", "f8"],
             "--dtype: \"f8\" is not one of f32, bf16, f16",
         ),
+        (
+            &["--backend", "cuda", "--lora-dtype", "f8"],
+            "--lora-dtype: \"f8\" is not one of f32, bf16, f16",
+        ),
+        (
+            &["--lora-dtype", "bf16"],
+            "--lora-dtype: the cpu backend holds adapters in f32",
+        ),
+        (
+            &["--no-cuda-graphs"],
+            "--no-cuda-graphs: the cpu backend has no CUDA graphs",
+        ),
         (&["--worker-id", " "], "--worker-id: must not be empty"),
         (
             &["--artifact-root", "/nonexistent-artifact-root"],

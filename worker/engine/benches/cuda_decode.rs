@@ -59,8 +59,14 @@ fn main() {
         dirs.len(),
         written.elapsed().as_secs_f64()
     );
+    // Bench knobs: LORAFLEET_BENCH_SLOTS (device slots, default 32: as
+    // many as sequences in a step) and LORAFLEET_BENCH_TABLES_ONLY=1 (the
+    // tokens/s tables alone).
+    let slots: usize = std::env::var("LORAFLEET_BENCH_SLOTS")
+        .map(|v| v.parse().expect("LORAFLEET_BENCH_SLOTS: a slot count"))
+        .unwrap_or(32);
     let settings = EngineSettings {
-        max_loras: 32,
+        max_loras: slots,
         max_lora_rank: 16,
         max_cpu_loras: 512,
         max_cpu_lora_bytes: None,
@@ -73,34 +79,47 @@ fn main() {
         prefix_caching: true,
         fair_admission: true,
     };
-    let choice = BackendChoice::Cuda {
-        device: 0,
-        dtype: Dtype::Bf16,
-    };
-    let mut engine = Engine::load(&model, settings, choice).unwrap();
-    standin::register(&mut engine, &dirs);
     println!(
-        "decode, STAND-IN Llama-3.2-1B shape (h={}, L={}, vocab {}, bf16), rank {}, {REQUESTS} requests x {NEW} new tokens, up to 32 a step",
+        "decode, STAND-IN Llama-3.2-1B shape (h={}, L={}, vocab {}, bf16), rank {}, {REQUESTS} requests x {NEW} new tokens, up to 32 a step, {slots} device slots",
         SHAPE.hidden,
         SHAPE.layers,
         SHAPE.vocab,
-        standin::RANK
+        standin::RANK,
     );
-    println!("| adapters | tokens/s | vs 1 adapter | device loads | mean distinct/step |");
-    println!("|---:|---:|---:|---:|---:|");
-    // One untimed run first: module load, cuBLAS heuristics, page faults.
-    run(&mut engine, counts[0]);
-    let mut first = None;
-    for &n in &counts {
-        let (tps, loads, distinct) = run(&mut engine, n);
-        let base = *first.get_or_insert(tps);
+    // The adapter slots in f32 (the default) and in bf16.
+    for lora_dtype in [Dtype::F32, Dtype::Bf16] {
+        let choice = BackendChoice::Cuda {
+            device: 0,
+            dtype: Dtype::Bf16,
+            lora_dtype,
+            graphs: true,
+        };
+        let mut engine = Engine::load(&model, settings, choice).unwrap();
+        standin::register(&mut engine, &dirs);
+        println!();
         println!(
-            "| {n} | {tps:.0} | {:.1}% | {loads} | {distinct:.1} |",
-            tps / base * 100.0
+            "| adapters ({} slots) | tokens/s | vs 1 adapter | device loads | mean distinct/step | steps | mean sequences/step | steps from a graph |",
+            lora_dtype.name()
         );
+        println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
+        // One untimed run first: module load, cuBLAS heuristics, page faults.
+        run(&mut engine, counts[0]);
+        let mut first = None;
+        for &n in &counts {
+            let replays = engine.stats().graphs.unwrap().replays;
+            let (tps, loads, distinct, steps, seqs) = run(&mut engine, n);
+            let replayed = engine.stats().graphs.unwrap().replays - replays;
+            let base = *first.get_or_insert(tps);
+            println!(
+                "| {n} | {tps:.0} | {:.1}% | {loads} | {distinct:.1} | {steps} | {seqs:.1} | {replayed} |",
+                tps / base * 100.0
+            );
+        }
     }
-    drop(engine);
 
+    if std::env::var("LORAFLEET_BENCH_TABLES_ONLY").is_ok_and(|v| v == "1") {
+        return;
+    }
     let config = ModelConfig::from_dir(&model).unwrap();
     let shape = BackendShape {
         slots: 4,
@@ -137,24 +156,57 @@ fn main() {
         gpu.forward_sampled(&batch, &greedy).unwrap()[0]
     };
     let prompt: Vec<u32> = (3..3 + PROMPT as u32).collect();
-    let mut token = step(&mut gpu, &prompt, 0);
-    // Warm-up decode steps, then 128 timed ones.
-    for pos in PROMPT..PROMPT + 8 {
-        token = step(&mut gpu, &[token], pos);
-    }
-    let started = Instant::now();
-    for pos in PROMPT + 8..PROMPT + 8 + 128 {
-        token = step(&mut gpu, &[token], pos);
-    }
-    let per_token_ms = started.elapsed().as_secs_f64() * 1e3 / 128.0;
     println!();
     println!("| batch-1 decode | ms per token | HBM floor ms | x floor |");
     println!("|---|---:|---:|---:|");
-    println!(
-        "| {:.2} GB of weights read per token, copy bandwidth {bandwidth:.0} GB/s | {per_token_ms:.3} | {floor_ms:.3} | {:.2} |",
-        read as f64 / 1e9,
-        per_token_ms / floor_ms
+    // Launched kernel by kernel, then replayed from a CUDA graph (the same
+    // tokens either way). Then where the step's device time goes, each
+    // part replayed from a graph of its own.
+    let mut tokens_seen = Vec::new();
+    let mut profiles = Vec::new();
+    for (name, graphs) in [("kernel by kernel", false), ("CUDA graph", true)] {
+        gpu.set_graphs(graphs);
+        let mut token = step(&mut gpu, &prompt, 0);
+        let mut generated = vec![token];
+        // Warm-up decode steps (the graph is captured on the second), then
+        // 128 timed ones.
+        for pos in PROMPT..PROMPT + 8 {
+            token = step(&mut gpu, &[token], pos);
+            generated.push(token);
+        }
+        let started = Instant::now();
+        for pos in PROMPT + 8..PROMPT + 8 + 128 {
+            token = step(&mut gpu, &[token], pos);
+            generated.push(token);
+        }
+        let per_token_ms = started.elapsed().as_secs_f64() * 1e3 / 128.0;
+        println!(
+            "| {name}: {:.2} GB of weights read per token, copy bandwidth {bandwidth:.0} GB/s | {per_token_ms:.3} | {floor_ms:.3} | {:.2} |",
+            read as f64 / 1e9,
+            per_token_ms / floor_ms
+        );
+        tokens_seen.push(generated);
+        if graphs {
+            profiles.push((name, gpu.profile_last_step(100).unwrap()));
+        }
+    }
+    let counters = gpu.graph_counters().unwrap();
+    assert_eq!(
+        tokens_seen[0], tokens_seen[1],
+        "graph replays give the tokens of kernel-by-kernel launches"
     );
+    assert!(
+        counters.replays >= 128,
+        "the timed steps replayed a graph: {counters:?}"
+    );
+    println!();
+    println!("| batch-1 step, device time | ms | x floor |");
+    println!("|---|---:|---:|");
+    for (name, parts) in profiles {
+        for (part, ms) in parts {
+            println!("| {name}: {part} | {ms:.3} | {:.2} |", ms / floor_ms);
+        }
+    }
 
     let limits = AdapterLimits {
         model: &config,
@@ -168,20 +220,26 @@ fn main() {
         .map(|(i, d)| HostAdapter::load(&format!("a{i}"), d, limits).unwrap())
         .collect();
     let mut took: Vec<Duration> = Vec::new();
+    let mut staged: Vec<Duration> = Vec::new();
     for i in 0..72 {
         let slot = i % 4;
         let started = Instant::now();
         gpu.write_slot(slot, &hosts[i % hosts.len()]).unwrap();
+        let returned = started.elapsed();
         while gpu.slot_copy_in_flight(slot) {
             std::hint::spin_loop();
         }
         // The first writes allocate the staging buffers.
         if i >= 8 {
             took.push(started.elapsed());
+            staged.push(returned);
         }
     }
     took.sort();
-    let at = |q: f64| took[((took.len() - 1) as f64 * q).round() as usize].as_secs_f64() * 1e3;
+    staged.sort();
+    let q =
+        |v: &[Duration], q: f64| v[((v.len() - 1) as f64 * q).round() as usize].as_secs_f64() * 1e3;
+    let at = |p: f64| q(&took, p);
     let bytes: usize = hosts[0]
         .modules
         .iter()
@@ -204,11 +262,105 @@ fn main() {
         at(0.5),
         at(0.99)
     );
+    println!(
+        "| of which staging on the host (until write_slot returns) | {:.3} | {:.3} |",
+        q(&staged, 0.5),
+        q(&staged, 0.99)
+    );
+    drop(gpu);
+    batch32_lora(&model, &config, &hosts[0]);
+}
+
+/// A batch-32 decode step of one adapter, replayed from its graph, with
+/// the slots in bf16 and in f32, and with no adapter: ms per step and the
+/// LoRA launches' device time.
+fn batch32_lora(model: &std::path::Path, config: &ModelConfig, host: &HostAdapter) {
+    let shape = BackendShape {
+        slots: 4,
+        max_lora_rank: 16,
+        kv_blocks: 64,
+        block_size: 16,
+    };
+    let limits = StepLimits {
+        max_tokens: 512,
+        max_rows: 32,
+    };
+    let greedy = vec![
+        DeviceSample {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            u: 0.0,
+        };
+        32
+    ];
+    let tables: Vec<Vec<u32>> = (0..32u32).map(|i| vec![2 * i, 2 * i + 1]).collect();
+    println!();
+    println!(
+        "| batch-32 decode step, one adapter | ms per step | LoRA launches, device ms | slot upload p50 ms |"
+    );
+    println!("|---|---:|---:|---:|");
+    for (name, slot_dtype, adapter) in [
+        ("bf16 slots", Dtype::Bf16, Some(0)),
+        ("f32 slots", Dtype::F32, Some(0)),
+        ("no adapter", Dtype::Bf16, None),
+    ] {
+        let mut gpu = CudaBackend::load_with_slot_dtype(
+            model,
+            config,
+            shape,
+            0,
+            Dtype::Bf16,
+            slot_dtype,
+            limits,
+        )
+        .unwrap();
+        let mut uploads = Vec::new();
+        for i in 0..24 {
+            let started = Instant::now();
+            gpu.write_slot(1 + i % 3, host).unwrap();
+            while gpu.slot_copy_in_flight(1 + i % 3) {
+                std::hint::spin_loop();
+            }
+            if i >= 4 {
+                uploads.push(started.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+        uploads.sort_by(f64::total_cmp);
+        let upload = uploads[uploads.len() / 2];
+        gpu.write_slot(0, host).unwrap();
+        let prompt: Vec<u32> = (3..3 + PROMPT as u32).collect();
+        let mut step = |len: usize, pos: usize| {
+            let mut batch = StepBatch::default();
+            for t in &tables {
+                batch.push(&prompt[..len], pos, t, adapter, true);
+            }
+            batch.finish();
+            gpu.forward_sampled(&batch, &greedy).unwrap();
+        };
+        step(PROMPT, 0);
+        for pos in PROMPT..PROMPT + 4 {
+            step(1, pos);
+        }
+        let started = Instant::now();
+        for pos in PROMPT + 4..PROMPT + 20 {
+            step(1, pos);
+        }
+        let ms = started.elapsed().as_secs_f64() * 1e3 / 16.0;
+        let lora = gpu
+            .profile_last_step(50)
+            .unwrap()
+            .into_iter()
+            .find(|(part, _)| *part == "LoRA launches")
+            .map_or(0.0, |(_, ms)| ms);
+        println!("| {name} | {ms:.3} | {lora:.3} | {upload:.3} |");
+    }
 }
 
 /// One timed run of the workload over `n` adapters on a warm engine:
-/// tokens/s, device loads, mean distinct adapters per step.
-fn run(e: &mut Engine, n: usize) -> (f64, u64, f64) {
+/// tokens/s, device loads, mean distinct adapters per step, steps, mean
+/// sequences per step.
+fn run(e: &mut Engine, n: usize) -> (f64, u64, f64, usize, f64) {
     for i in 0..n {
         e.prefetch(standin::id(i));
     }
@@ -232,7 +384,7 @@ fn run(e: &mut Engine, n: usize) -> (f64, u64, f64) {
         .unwrap();
     }
     let started = Instant::now();
-    let (mut generated, mut steps, mut distinct) = (0usize, 0usize, 0usize);
+    let (mut generated, mut steps, mut distinct, mut seqs) = (0usize, 0usize, 0usize, 0usize);
     while e.has_work() {
         for (_, ev) in e.step().unwrap() {
             if let lorafleet_engine::Event::Delta { token_ids, .. } = ev {
@@ -243,11 +395,14 @@ fn run(e: &mut Engine, n: usize) -> (f64, u64, f64) {
         if s.sequences > 0 {
             steps += 1;
             distinct += s.distinct_adapters;
+            seqs += s.sequences;
         }
     }
     (
         generated as f64 / started.elapsed().as_secs_f64(),
         e.stats().pool.device_loads - loads_before,
         distinct as f64 / steps.max(1) as f64,
+        steps,
+        seqs as f64 / steps.max(1) as f64,
     )
 }

@@ -16,6 +16,14 @@ one (that is how a bf16 model is served):
 
 The error is the one the Rust tests use: max |a - b| / max |b| over the last
 prompt position's logits.
+
+Each case is measured twice per type: as PEFT loads an adapter by default
+(`autocast_adapter_dtype=True`: the LoRA weights upcast to f32 and the LoRA
+path computed in f32), recorded as `bf16` / `f16`, and with the LoRA
+weights in the model's own type (`autocast_adapter_dtype=False`), recorded
+as `bf16_adapter_in_type` / `f16_adapter_in_type`. The CUDA backend's f32
+adapter slots (its default) compute as the first; `--lora-dtype bf16` or
+`f16` slots (as vLLM holds LoRA weights) as the second.
 """
 
 import json
@@ -40,12 +48,18 @@ def main():
 
     models = {}
 
-    def model(name, adapter, dtype):
-        key = (name, adapter, dtype)
+    def model(name, adapter, dtype, upcast):
+        key = (name, adapter, dtype, upcast)
         if key not in models:
             m = AutoModelForCausalLM.from_pretrained(os.path.join(fixtures, name), dtype=dtype)
             if adapter is not None:
-                m = PeftModel.from_pretrained(m, os.path.join(fixtures, "adapters", name, adapter))
+                m = PeftModel.from_pretrained(
+                    m,
+                    os.path.join(fixtures, "adapters", name, adapter),
+                    autocast_adapter_dtype=upcast,
+                )
+                lora_dtypes = {str(p.dtype) for n, p in m.named_parameters() if "lora_" in n}
+                print(f"{name}/{adapter} in {dtype}, upcast={upcast}: LoRA weights in {sorted(lora_dtypes)}")
             models[key] = m.to(device).eval()
         return models[key]
 
@@ -54,11 +68,12 @@ def main():
         entry = {"model": case["model"], "adapter": case["adapter"], "prompt": case["prompt"]}
         want = torch.tensor(case["logits"], dtype=torch.float64)
         for label, dtype in DTYPES.items():
-            ids = torch.tensor([case["prompt_ids"]], device=device)
-            with torch.no_grad():
-                got = model(case["model"], case["adapter"], dtype)(ids).logits[0, -1]
-            got = got.to(torch.float64).cpu()
-            entry[label] = float((got - want).abs().max() / want.abs().max())
+            for suffix, upcast in (("", True), ("_adapter_in_type", False)):
+                ids = torch.tensor([case["prompt_ids"]], device=device)
+                with torch.no_grad():
+                    got = model(case["model"], case["adapter"], dtype, upcast)(ids).logits[0, -1]
+                got = got.to(torch.float64).cpu()
+                entry[label + suffix] = float((got - want).abs().max() / want.abs().max())
         cases.append(entry)
 
     report = {
@@ -72,7 +87,7 @@ def main():
     with open(out, "w") as f:
         json.dump(report, f, indent=1)
         f.write("\n")
-    for label in DTYPES:
+    for label in [d + s for d in DTYPES for s in ("", "_adapter_in_type")]:
         errs = [c[label] for c in cases]
         print(f"{label}: max {max(errs):.4f}, mean {sum(errs) / len(errs):.4f} over {len(errs)} cases")
 

@@ -38,6 +38,8 @@ pub struct EngineStats {
     /// Per fairness key (tenant) that has been served: its waiting
     /// requests and its weighted service so far.
     pub fair_shares: Vec<FairShare>,
+    /// How decode steps ran through CUDA graphs (None on the CPU backend).
+    pub graphs: Option<crate::backend::GraphCounters>,
 }
 
 /// One fairness key's place in the engine.
@@ -114,14 +116,21 @@ impl Engine {
         };
         let backend: Box<dyn Backend> = match choice {
             BackendChoice::Cpu => Box::new(CpuBackend::load(model_dir, &config, shape)?),
-            BackendChoice::Cuda { device, dtype } => {
+            BackendChoice::Cuda {
+                device,
+                dtype,
+                lora_dtype,
+                graphs,
+            } => {
                 let limits = crate::backend::cuda::StepLimits {
                     max_tokens: settings.max_batched_tokens,
                     max_rows: settings.max_num_seqs.min(settings.max_batched_tokens),
                 };
-                Box::new(crate::backend::cuda::CudaBackend::load(
-                    model_dir, &config, shape, device, dtype, limits,
-                )?)
+                let mut cuda = crate::backend::cuda::CudaBackend::load_with_slot_dtype(
+                    model_dir, &config, shape, device, dtype, lora_dtype, limits,
+                )?;
+                cuda.set_graphs(graphs);
+                Box::new(cuda)
             }
         };
         let tokenizer = Tokenizer::from_dir(model_dir)?;
@@ -442,6 +451,7 @@ impl Engine {
             adapters: self.pool.statuses(),
             residency_generation: self.pool.generation(),
             fair_shares: self.fair_shares(),
+            graphs: self.backend.graph_counters(),
         }
     }
 

@@ -5,17 +5,31 @@
 //! 1. Running sequences go first, oldest first: a decode token each, or the
 //!    next chunk of a prefill. When KV blocks run out, the newest running
 //!    sequence is preempted (its blocks freed, to be recomputed later).
-//! 2. If nothing was preempted, waiting requests are admitted in arrival
-//!    order while the token budget, the KV blocks and the adapter slots
-//!    allow. A request whose adapter is still loading, or cannot get a
-//!    slot, is skipped rather than blocking the queue.
-//! 3. Anti-starvation: once the oldest waiting request has been passed
-//!    over for a slot (someone behind it admitted while its adapter, already
-//!    in the host tier, had no slot) in [`STARVATION_STEPS`] steps, nothing
-//!    behind it is admitted
-//!    until it is. Running sequences keep going and finish, their leases
-//!    end, and a slot frees up for it; without the rule, a steady stream of
-//!    requests for resident adapters could hold every slot forever.
+//! 2. If nothing was preempted, waiting requests are admitted while the
+//!    token budget, the KV blocks and the adapter slots allow. The next one
+//!    is taken from the least-served fairness key (with fair shares) or
+//!    from the whole queue, and within that, **residency first**: the
+//!    oldest request whose adapter already has a device slot (or that
+//!    needs none), else the oldest. So on a GPU a step's admissions reuse
+//!    the adapters that are resident instead of evicting the ones the next
+//!    requests need (S-LoRA's observation: with more adapters than slots,
+//!    arrival order turns every request into a device load).
+//! 3. A request whose adapter is still loading from disk, or cannot get a
+//!    slot, is skipped rather than blocking the queue; so is one whose
+//!    slot's copy to the device is still in flight while the step is at
+//!    least half full (the copy overlaps this step and the request joins
+//!    the next), which makes each slot write a prefetch instead of a
+//!    stall. A step under half full waits for the copy instead.
+//! 4. Anti-starvation: a waiting request is *overtaken* in a step when a
+//!    younger request of its own key is admitted before it (the residency
+//!    order), or when it was passed over for want of a slot and anyone
+//!    behind it got in. Once a request has been overtaken in
+//!    [`STARVATION_STEPS`] steps, only it may be admitted until it is:
+//!    running sequences finish, their leases end, and a slot frees up for
+//!    it. So no request waits more than [`STARVATION_STEPS`] overtaking
+//!    steps plus the time for a slot to free, whatever the residency order
+//!    prefers. Waiting for the disk is not counted; neither is being
+//!    behind another key under fair shares, which has its own bound.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -143,49 +157,40 @@ impl Scheduler<'_> {
             return Ok(plan);
         }
 
-        // 2. Waiting requests: in arrival order, or with fair shares the
-        // key with the least weighted service first (arrival order within
-        // a key), its service counted as admissions are made.
-        let head_starving = self
+        // 2. Waiting requests. Positions in the queue say who is younger.
+        let position: HashMap<SeqId, usize> = self
             .queues
             .waiting
-            .front()
-            .is_some_and(|id| self.seqs[id].skipped >= STARVATION_STEPS);
+            .iter()
+            .enumerate()
+            .map(|(i, &id)| (id, i))
+            .collect();
+        let starving = self
+            .queues
+            .waiting
+            .iter()
+            .copied()
+            .find(|id| self.seqs[id].skipped >= STARVATION_STEPS);
         // Requests passed over for want of a slot, with the admissions made
-        // before them; they age only if someone behind them got in.
+        // before them; those made after overtake them.
         let mut passed_over: Vec<(SeqId, usize)> = Vec::new();
-        let mut admitted = 0;
-        let mut candidates: Vec<SeqId> = if head_starving {
-            // Only the starving head may be admitted until it is.
-            self.queues.waiting.front().copied().into_iter().collect()
-        } else {
-            self.queues.waiting.iter().copied().collect()
+        // Each admission's queue position and key.
+        let mut admissions: Vec<(usize, std::sync::Arc<str>)> = Vec::new();
+        let mut candidates: Vec<SeqId> = match starving {
+            // Only the starving request may be admitted until it is.
+            Some(id) => vec![id],
+            None => self.queues.waiting.iter().copied().collect(),
         };
         let mut virtual_service: HashMap<std::sync::Arc<str>, f64> = HashMap::new();
+        // Slots whose copy this step started (or found in flight) for a
+        // request that joins a later step: no admission after it in this
+        // step may evict them.
+        let mut reserved: Vec<usize> = Vec::new();
         while !candidates.is_empty()
             && budget > 0
             && self.queues.running.len() < self.limits.max_num_seqs
         {
-            let k = match &self.fair {
-                Some(fair) => {
-                    let service = |id: &SeqId| {
-                        let key = &self.seqs[id].fair_key;
-                        virtual_service
-                            .get(key)
-                            .copied()
-                            .unwrap_or_else(|| fair.served(key))
-                    };
-                    // The first (oldest) among the least served keys.
-                    let mut best = 0;
-                    for (i, id) in candidates.iter().enumerate().skip(1) {
-                        if service(id) < service(&candidates[best]) {
-                            best = i;
-                        }
-                    }
-                    best
-                }
-                None => 0,
-            };
+            let k = self.pick(&candidates, &virtual_service);
             let id = candidates.remove(k);
             let adapter = self.seqs[&id].adapter;
             let mut slot = None;
@@ -199,20 +204,35 @@ impl Scheduler<'_> {
                     s.len()
                 };
                 if new_distinct && distinct_now >= self.limits.max_loras {
-                    passed_over.push((id, admitted));
+                    passed_over.push((id, admissions.len()));
                     continue;
                 }
                 if self.pool.residency(a) == Residency::NotLoaded {
                     // Evicted from the host tier while it waited: read it again.
                     self.pool.request_load(a);
                 }
-                slot = self.pool.ensure_device(a, &busy_slots, self.backend)?;
-                if slot.is_none() {
-                    // Waiting for the disk is not starvation; waiting for a slot is.
-                    if self.pool.host_adapter(a).is_some() {
-                        passed_over.push((id, admitted));
+                let keep: Vec<usize> = busy_slots.iter().chain(&reserved).copied().collect();
+                slot = self.pool.ensure_device(a, &keep, self.backend)?;
+                match slot {
+                    None => {
+                        // Waiting for the disk is not starvation; waiting for a slot is.
+                        if self.pool.host_adapter(a).is_some() {
+                            passed_over.push((id, admissions.len()));
+                        }
+                        continue;
                     }
-                    continue;
+                    // Its copy runs while this step does; it joins the next.
+                    // A step under half full waits for it instead: a
+                    // decode step costs about the same whatever its size,
+                    // so a near-empty one would waste the wait it saves.
+                    Some(s)
+                        if 2 * plan.scheduled.len() >= self.limits.max_num_seqs
+                            && !self.backend.slot_ready(s) =>
+                    {
+                        reserved.push(s);
+                        continue;
+                    }
+                    Some(_) => {}
                 }
             }
             let seq = self.seqs.get_mut(&id).expect("waiting sequence exists");
@@ -258,13 +278,13 @@ impl Scheduler<'_> {
                     .get(&key)
                     .copied()
                     .unwrap_or_else(|| fair.served(&key));
-                virtual_service.insert(key, now + served);
+                virtual_service.insert(key.clone(), now + served);
             }
+            admissions.push((position[&id], key));
             self.queues.waiting.retain(|&w| w != id);
             self.queues.running.push(id);
             plan.scheduled.push((id, chunk));
             budget -= chunk;
-            admitted += 1;
         }
         // Every token this step feeds counts as service to its key.
         if let Some(fair) = self.fair.as_deref_mut() {
@@ -273,15 +293,82 @@ impl Scheduler<'_> {
                 fair.serve(&seq.fair_key, chunk as f64 / seq.fair_weight);
             }
         }
-        for (id, admitted_before) in passed_over {
-            if admitted > admitted_before {
+        self.count_overtakes(&position, &admissions, &passed_over);
+        Ok(plan)
+    }
+
+    /// The candidate to try next: among the least-served keys' requests
+    /// (all of them without fair shares), the oldest whose adapter has a
+    /// device slot or that needs none, else the oldest.
+    fn pick(
+        &self,
+        candidates: &[SeqId],
+        virtual_service: &HashMap<std::sync::Arc<str>, f64>,
+    ) -> usize {
+        let eligible: Vec<usize> = match &self.fair {
+            Some(fair) => {
+                let service = |id: &SeqId| {
+                    let key = &self.seqs[id].fair_key;
+                    virtual_service
+                        .get(key)
+                        .copied()
+                        .unwrap_or_else(|| fair.served(key))
+                };
+                let least = candidates.iter().map(service).fold(f64::INFINITY, f64::min);
+                (0..candidates.len())
+                    .filter(|&i| service(&candidates[i]) <= least)
+                    .collect()
+            }
+            None => (0..candidates.len()).collect(),
+        };
+        let resident = |i: &usize| {
+            self.seqs[&candidates[*i]]
+                .adapter
+                .is_none_or(|a| self.pool.slot_of(a).is_some())
+        };
+        eligible
+            .iter()
+            .copied()
+            .find(resident)
+            .unwrap_or(eligible[0])
+    }
+
+    /// Ages the requests still waiting that this step overtook (see the
+    /// module's rule 4).
+    fn count_overtakes(
+        &mut self,
+        position: &HashMap<SeqId, usize>,
+        admissions: &[(usize, std::sync::Arc<str>)],
+        passed_over: &[(SeqId, usize)],
+    ) {
+        if admissions.is_empty() {
+            return;
+        }
+        for &id in &self.queues.waiting {
+            let seq = &self.seqs[&id];
+            let waits_for_disk = seq.adapter.is_some_and(|a| {
+                matches!(
+                    self.pool.residency(a),
+                    Residency::Loading | Residency::NotLoaded
+                )
+            });
+            if waits_for_disk {
+                continue;
+            }
+            let at = position[&id];
+            let by_own_key = admissions
+                .iter()
+                .any(|(p, key)| *p > at && *key == seq.fair_key);
+            let for_a_slot = passed_over
+                .iter()
+                .any(|&(p, before)| p == id && admissions.len() > before);
+            if by_own_key || for_a_slot {
                 self.seqs
                     .get_mut(&id)
                     .expect("waiting sequence exists")
                     .skipped += 1;
             }
         }
-        Ok(plan)
     }
 
     /// Frees a running sequence's KV and lease and puts it at the head of the

@@ -114,9 +114,13 @@ impl EngineSettings {
 pub enum BackendChoice {
     /// The exact f32 reference.
     Cpu,
-    /// CUDA device `device`, with base weights in `dtype`.
+    /// CUDA device `device`, with base weights in `dtype` and adapter
+    /// slots in `lora_dtype`; decode steps replay captured CUDA graphs
+    /// unless `graphs` is false.
     Cuda {
         device: usize,
         dtype: crate::backend::cuda::Dtype,
+        lora_dtype: crate::backend::cuda::Dtype,
+        graphs: bool,
     },
 }

@@ -117,15 +117,25 @@ struct ReducedCase {
     model: String,
     adapter: Option<String>,
     prompt: String,
+    /// PEFT's default: the LoRA weights upcast to f32 (the engine's f32
+    /// slots).
     bf16: f32,
     f16: f32,
+    /// The LoRA weights in the model's type (the engine's 16-bit slots).
+    bf16_adapter_in_type: f32,
+    f16_adapter_in_type: f32,
 }
 
 /// The stated tolerance in a 16-bit type: the engine is no further from
 /// the f32 reference than the reference implementation itself in that
-/// type. Per case, within 2e-2 or 1.5× transformers + PEFT's error,
-/// whichever is larger (random fixture weights make some cases sensitive
-/// to any rounding); over all cases, a mean error no larger than theirs.
+/// type, computing the adapter as the engine does. With f32 slots (the
+/// default) that is PEFT's default, the LoRA weights upcast to f32; with
+/// slots in the model's type, PEFT with the LoRA weights in that type.
+/// Per case, within 2e-2 or 1.5× transformers + PEFT's error, whichever is
+/// larger (random fixture weights make some cases sensitive to any
+/// rounding; with 16-bit slots, against the larger of PEFT's two errors,
+/// as single cases swing either way); over all cases, a mean error no
+/// larger than theirs.
 #[test]
 fn the_model_in_bf16_and_f16_is_as_close_to_the_reference_as_transformers_in_that_type() {
     if !gpu() {
@@ -136,41 +146,60 @@ fn the_model_in_bf16_and_f16_is_as_close_to_the_reference_as_transformers_in_tha
     let reference: ReducedPrecision = serde_json::from_str(&text).unwrap();
     assert_eq!(reference.cases.len(), golden.cases.len());
     for dtype in [Dtype::Bf16, Dtype::F16] {
-        let (mut ours, mut theirs) = (Vec::new(), Vec::new());
-        for model in ["llama-gqa", "qwen2-tied"] {
-            let dir = model_dir(model);
-            let config = ModelConfig::from_dir(&dir).unwrap();
-            let mut gpu = CudaBackend::load(&dir, &config, SHAPE, 0, dtype, LIMITS).unwrap();
-            for case in golden.cases.iter().filter(|c| c.model == model) {
-                let what = format!("{dtype:?} {model}/{:?} {:?}", case.adapter, case.prompt);
-                let r = reference
-                    .cases
-                    .iter()
-                    .find(|r| {
-                        r.model == case.model
-                            && r.adapter == case.adapter
-                            && r.prompt == case.prompt
-                    })
-                    .unwrap_or_else(|| panic!("{what}: no reference figure"));
-                let their = if dtype == Dtype::Bf16 { r.bf16 } else { r.f16 };
-                let (logits, _) = run_golden(&mut gpu, model, case);
-                assert_close(&logits, &case.logits, (1.5 * their).max(2e-2), &what);
-                let err = relative_error(&logits, &case.logits);
-                eprintln!("{what}: {err:.4} (transformers + PEFT: {their:.4})");
-                ours.push(err);
-                theirs.push(their);
+        for slot_dtype in [Dtype::F32, dtype] {
+            let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+            for model in ["llama-gqa", "qwen2-tied"] {
+                let dir = model_dir(model);
+                let config = ModelConfig::from_dir(&dir).unwrap();
+                let mut gpu = CudaBackend::load_with_slot_dtype(
+                    &dir, &config, SHAPE, 0, dtype, slot_dtype, LIMITS,
+                )
+                .unwrap();
+                for case in golden.cases.iter().filter(|c| c.model == model) {
+                    let what = format!(
+                        "{dtype:?}, {slot_dtype:?} slots, {model}/{:?} {:?}",
+                        case.adapter, case.prompt
+                    );
+                    let r = reference
+                        .cases
+                        .iter()
+                        .find(|r| {
+                            r.model == case.model
+                                && r.adapter == case.adapter
+                                && r.prompt == case.prompt
+                        })
+                        .unwrap_or_else(|| panic!("{what}: no reference figure"));
+                    let (in_type, upcast) = if dtype == Dtype::Bf16 {
+                        (r.bf16_adapter_in_type, r.bf16)
+                    } else {
+                        (r.f16_adapter_in_type, r.f16)
+                    };
+                    let (their, yardstick) = if slot_dtype == Dtype::F32 {
+                        (upcast, upcast)
+                    } else {
+                        (in_type, in_type.max(upcast))
+                    };
+                    let (logits, _) = run_golden(&mut gpu, model, case);
+                    let err = relative_error(&logits, &case.logits);
+                    eprintln!(
+                        "{what}: {err:.4} (transformers + PEFT: {their:.4}; adapter upcast {upcast:.4}, in the type {in_type:.4})"
+                    );
+                    assert_close(&logits, &case.logits, (1.5 * yardstick).max(2e-2), &what);
+                    ours.push(err);
+                    theirs.push(their);
+                }
             }
+            let mean = |v: &[f32]| v.iter().sum::<f32>() / v.len() as f32;
+            let (ours, theirs) = (mean(&ours), mean(&theirs));
+            eprintln!(
+                "{dtype:?}, {slot_dtype:?} slots: mean relative error {ours:.4}; transformers + PEFT on {}: {theirs:.4}",
+                reference.device
+            );
+            assert!(
+                ours <= theirs,
+                "{dtype:?}, {slot_dtype:?} slots: mean relative error {ours} above transformers + PEFT's {theirs}"
+            );
         }
-        let mean = |v: &[f32]| v.iter().sum::<f32>() / v.len() as f32;
-        let (ours, theirs) = (mean(&ours), mean(&theirs));
-        eprintln!(
-            "{dtype:?}: mean relative error {ours:.4}; transformers + PEFT on {}: {theirs:.4}",
-            reference.device
-        );
-        assert!(
-            ours <= theirs,
-            "{dtype:?}: mean relative error {ours} above transformers + PEFT's {theirs}"
-        );
     }
 }
 
@@ -183,6 +212,8 @@ fn a_mixed_batch_on_the_gpu_equals_one_request_at_a_time() {
     let choice = BackendChoice::Cuda {
         device: 0,
         dtype: Dtype::F32,
+        lora_dtype: Dtype::F32,
+        graphs: true,
     };
     let requests = mixed_workload();
     let mut single = fixture_engine_on(
@@ -247,6 +278,108 @@ fn a_mixed_batch_on_the_gpu_equals_one_request_at_a_time() {
     }
 }
 
+/// Decode steps replay CUDA graphs: the mixed workload (10 adapters and the
+/// base model, greedy and sampled) submitted at once runs decode steps of
+/// every adapter together through graphs, with the tokens of the same run
+/// launched kernel by kernel and of each request alone.
+#[test]
+fn decode_steps_replay_cuda_graphs_with_the_tokens_of_eager_launches() {
+    if !gpu() {
+        return;
+    }
+    let model = "llama-gqa";
+    let requests = mixed_workload();
+    let settings = EngineSettings {
+        max_loras: 10,
+        max_cpu_loras: 10,
+        max_num_seqs: 32,
+        max_batched_tokens: 1024,
+        ..Default::default()
+    };
+    let choice = |graphs| BackendChoice::Cuda {
+        device: 0,
+        dtype: Dtype::F32,
+        lora_dtype: Dtype::F32,
+        graphs,
+    };
+    // (tokens per request, graph replays, whether a replayed step mixed
+    // every adapter and the base)
+    let run = |graphs: bool| {
+        let mut e = fixture_engine_on(model, settings, choice(graphs));
+        // Every adapter in the host tier first, so all requests start
+        // together.
+        for id in 1..=10 {
+            e.prefetch(aid(id));
+        }
+        while e.pool().loads_in_flight() > 0 {
+            e.pool().poll_loads(Some(std::time::Duration::from_secs(5)));
+        }
+        for r in &requests {
+            e.submit(r.clone()).unwrap();
+        }
+        let mut outputs: Vec<Vec<u32>> = vec![Vec::new(); requests.len()];
+        let mut mixed_replay = false;
+        while e.has_work() {
+            let before = e.stats().graphs.unwrap().replays;
+            for (id, event) in e.step().unwrap() {
+                let i: usize = id[1..].parse().unwrap();
+                match event {
+                    Event::Delta { token_ids, .. } => outputs[i].extend(token_ids),
+                    Event::Finished(_) => {}
+                    Event::Failed(err) => panic!("{id}: {err}"),
+                }
+            }
+            let replayed = e.stats().graphs.unwrap().replays > before;
+            // 10 adapters, plus base-model sequences (not counted as
+            // adapters) in the same step.
+            if replayed && e.last_step().distinct_adapters == 10 && e.last_step().sequences > 20 {
+                mixed_replay = true;
+            }
+        }
+        let counters = e.stats().graphs.unwrap();
+        assert_eq!(counters.failed_captures, 0, "{counters:?}");
+        (outputs, counters, mixed_replay)
+    };
+    let (eager, eager_counters, _) = run(false);
+    assert_eq!(eager_counters.replays, 0, "graphs off: {eager_counters:?}");
+    let (graphed, counters, mixed_replay) = run(true);
+    assert!(counters.replays > 0 && counters.graphs > 0, "{counters:?}");
+    assert!(
+        mixed_replay,
+        "a step of 10 adapters and the base ran from a graph: {counters:?}"
+    );
+    for (i, (g, want)) in graphed.iter().zip(&eager).enumerate() {
+        assert!(!want.is_empty(), "request r{i} produced tokens");
+        assert_eq!(
+            g, want,
+            "request r{i}: graph replay differs from eager launches"
+        );
+    }
+    // Each request alone (batch 1, also through graphs) gives the same.
+    let mut single = fixture_engine_on(
+        model,
+        EngineSettings {
+            max_loras: 1,
+            max_cpu_loras: 1,
+            ..Default::default()
+        },
+        choice(true),
+    );
+    for (i, r) in requests.iter().enumerate() {
+        let c = single
+            .run_to_completion(vec![r.clone()])
+            .unwrap()
+            .pop()
+            .unwrap();
+        assert!(c.error.is_none(), "{:?}", c.error);
+        assert_eq!(
+            c.token_ids, graphed[i],
+            "request r{i}: batched through graphs differs from alone"
+        );
+    }
+    assert!(single.stats().graphs.unwrap().replays > 0);
+}
+
 /// On the CUDA backend the engine draws tokens on the device, with each
 /// request's own uniform draws: its tokens are those of the sampling
 /// kernel fed `Rng::new(seed)` one draw per token, step by step.
@@ -264,6 +397,8 @@ fn the_engine_samples_on_the_device_with_each_requests_own_draws() {
         BackendChoice::Cuda {
             device: 0,
             dtype: Dtype::F32,
+            lora_dtype: Dtype::F32,
+            graphs: true,
         },
     );
     let done = engine

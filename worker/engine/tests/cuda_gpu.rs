@@ -19,6 +19,7 @@ use lorafleet_engine::sampling;
 
 const SHAPES: KernelShapes = KernelShapes {
     dtype: Dtype::F32,
+    slot_dtype: Dtype::F32,
     head_dim: 16,
     max_rank: 16,
     shrink_kc: 64,
@@ -455,6 +456,7 @@ fn grouped_lora_shrink_and_expand_match_the_cpu_kernel() {
     args.extend(a_dev.iter().map(|b| Arg::Ptr(h.ptr(b))));
     args.extend(rank_dev.iter().map(|b| Arg::Ptr(h.ptr(b))));
     args.push(Arg::Ptr(h.ptr(&h_part)));
+    args.push(Arg::I64((max_rank * fan_in) as i64));
     h.launch("lora_shrink", (tiles as u32, splits as u32, 3), 256, &args)
         .unwrap();
     let mut args = vec![
@@ -470,6 +472,7 @@ fn grouped_lora_shrink_and_expand_match_the_cpu_kernel() {
     args.extend([0, 64, 96].map(Arg::I32));
     args.push(Arg::Ptr(h.ptr(&out)));
     args.push(Arg::I32(stride as i32));
+    args.extend(widths.iter().map(|&w| Arg::I64((max_rank * w) as i64)));
     h.launch("lora_expand", (tiles as u32, 1, 3), 256, &args)
         .unwrap();
     let got = h.read(&out).unwrap();

@@ -39,6 +39,7 @@ fn every_kernel_compiles_to_ptx_for_every_weight_type_and_shape() {
             for arch in ["compute_80", "compute_90"] {
                 let spec = KernelShapes {
                     dtype,
+                    slot_dtype: dtype,
                     head_dim,
                     max_rank,
                     shrink_kc,
@@ -88,6 +89,7 @@ fn shapes_the_kernels_cannot_take_are_refused_by_name() {
     // Caught before NVRTC runs, so on every machine.
     let odd = KernelShapes {
         dtype: Dtype::F32,
+        slot_dtype: Dtype::F32,
         head_dim: 15,
         max_rank: 16,
         shrink_kc: 64,

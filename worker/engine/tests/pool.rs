@@ -357,3 +357,69 @@ fn an_adapter_with_expert_weights_costs_its_real_size_in_the_host_tier() {
     assert_eq!(bytes(&pool, qv_id), None);
     assert_eq!(bytes(&pool, kv_id), None);
 }
+
+/// Requests spread round-robin over more adapters than device slots, all
+/// waiting at once: admission by residency serves each resident adapter's
+/// queued requests before loading another, so the loads are about one per
+/// adapter, where arrival order made one per request (every admission
+/// evicted an adapter that the next requests needed). The tokens are those
+/// of a run where every adapter has a slot of its own.
+#[test]
+fn admission_by_residency_loads_each_adapter_about_once() {
+    let adapters = adapter_names(MODEL).len() as u64;
+    assert!(adapters >= 8, "the fixture has enough adapters");
+    let requests: Vec<Request> = (0..4 * adapters)
+        .map(|i| Request {
+            id: format!("r{i}"),
+            adapter: Some(aid(i % adapters + 1)),
+            prompt: Prompt::Text(format!("request {i}: the quick brown fox")),
+            params: SamplingParams {
+                max_tokens: 4,
+                temperature: 0.0,
+                ignore_eos: true,
+                ..Default::default()
+            },
+        })
+        .collect();
+    let run = |slots: usize| {
+        let mut e = fixture_engine(
+            MODEL,
+            EngineSettings {
+                max_loras: slots,
+                max_cpu_loras: adapters as usize,
+                max_num_seqs: 4,
+                ..Default::default()
+            },
+        );
+        for id in 1..=adapters {
+            e.prefetch(aid(id));
+        }
+        while e.pool().loads_in_flight() > 0 {
+            e.pool().poll_loads(Some(Duration::from_secs(5)));
+        }
+        let mut done = e.run_to_completion(requests.clone()).unwrap();
+        done.sort_by(|a, b| a.request_id.cmp(&b.request_id));
+        let tokens: Vec<Vec<u32>> = done
+            .into_iter()
+            .map(|c| {
+                assert!(c.error.is_none(), "{:?}", c.error);
+                c.token_ids
+            })
+            .collect();
+        (tokens, e.stats().pool.device_loads)
+    };
+    let (every_slot, loads_with_room) = run(adapters as usize);
+    assert_eq!(loads_with_room, adapters, "one load per adapter with room");
+    let (four_slots, loads) = run(4);
+    assert_eq!(
+        four_slots, every_slot,
+        "admission order changes no request's tokens"
+    );
+    // Arrival order: one load per request (4 x adapters). Residency
+    // first: each adapter once, plus the few that anti-starvation forces.
+    assert!(
+        loads <= adapters + adapters / 2,
+        "{loads} device loads for {} requests over {adapters} adapters and 4 slots",
+        requests.len()
+    );
+}

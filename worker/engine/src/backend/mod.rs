@@ -178,6 +178,13 @@ pub trait Backend: Send {
     fn write_slot(&mut self, slot: usize, adapter: &HostAdapter) -> Result<()>;
     /// Empties a device slot.
     fn clear_slot(&mut self, slot: usize) -> Result<()>;
+    /// Whether the last write into `slot` has reached the device: a step
+    /// using the slot now would not wait for its copy. Backends whose
+    /// writes complete before returning say true.
+    fn slot_ready(&self, slot: usize) -> bool {
+        let _ = slot;
+        true
+    }
     /// Runs one step: writes the new tokens' keys and values into the KV
     /// cache and returns logits, `vocab_size` per sequence that wants them,
     /// in sequence order.
@@ -202,6 +209,26 @@ pub trait Backend: Send {
             self.name()
         )))
     }
+    /// How decode steps ran through captured graphs; None where the
+    /// backend has none.
+    fn graph_counters(&self) -> Option<GraphCounters> {
+        None
+    }
+}
+
+/// How a backend's decode steps ran: replayed from a captured graph, or
+/// launched one kernel at a time.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GraphCounters {
+    /// Graphs captured and held (one per decode batch size seen twice).
+    pub graphs: usize,
+    /// Decode steps replayed from a graph.
+    pub replays: u64,
+    /// Decode steps launched kernel by kernel (graphs off, a batch size's
+    /// first step, or a failed capture).
+    pub eager_decode_steps: u64,
+    /// Captures that failed (that batch size then runs without a graph).
+    pub failed_captures: u64,
 }
 
 /// A device's memory at one moment, in bytes.

@@ -61,6 +61,23 @@ impl LoraModule {
     /// in order, with no copy between: a slot write fills page-locked
     /// memory this way.
     pub fn write_a_f32(&self, dst: &mut [f32]) {
+        self.write_a_as(dst, |v| v, crate::backend::cpu::panels::bf16_to_f32);
+    }
+
+    /// Writes Bᵀ, `[rank, fan_out]` row-major f32, into `dst` (its length).
+    pub fn write_b_t_f32(&self, dst: &mut [f32]) {
+        self.write_b_t_as(dst, |v| v, crate::backend::cpu::panels::bf16_to_f32);
+    }
+
+    /// Writes A, `[rank, fan_in]` row-major, into `dst` (its length), each
+    /// value through `from_f32`, or `from_bf16` (its bits) when the file
+    /// stored bf16.
+    pub fn write_a_as<T>(
+        &self,
+        dst: &mut [T],
+        from_f32: impl Fn(f32) -> T,
+        from_bf16: impl Fn(u16) -> T,
+    ) {
         let (len, _) = self.factors_len();
         assert_eq!(dst.len(), len);
         let rank = self.rank.max(1);
@@ -69,25 +86,35 @@ impl LoraModule {
             match &self.factors {
                 Factors::F32 { a_t, .. } => {
                     for (i, d) in row.iter_mut().enumerate() {
-                        *d = a_t[i * rank + r];
+                        *d = from_f32(a_t[i * rank + r]);
                     }
                 }
                 Factors::Bf16 { a_t, .. } => {
                     for (i, d) in row.iter_mut().enumerate() {
-                        *d = crate::backend::cpu::panels::bf16_to_f32(a_t[i * rank + r]);
+                        *d = from_bf16(a_t[i * rank + r]);
                     }
                 }
             }
         }
     }
 
-    /// Writes Bᵀ, `[rank, fan_out]` row-major f32, into `dst` (its length).
-    pub fn write_b_t_f32(&self, dst: &mut [f32]) {
+    /// Writes Bᵀ, `[rank, fan_out]` row-major, into `dst` (its length), as
+    /// [`LoraModule::write_a_as`].
+    pub fn write_b_t_as<T>(
+        &self,
+        dst: &mut [T],
+        from_f32: impl Fn(f32) -> T,
+        from_bf16: impl Fn(u16) -> T,
+    ) {
         match &self.factors {
-            Factors::F32 { b_t, .. } => dst.copy_from_slice(b_t),
+            Factors::F32 { b_t, .. } => {
+                for (d, &b) in dst.iter_mut().zip(b_t) {
+                    *d = from_f32(b);
+                }
+            }
             Factors::Bf16 { b_t, .. } => {
                 for (d, &b) in dst.iter_mut().zip(b_t) {
-                    *d = crate::backend::cpu::panels::bf16_to_f32(b);
+                    *d = from_bf16(b);
                 }
             }
         }

@@ -17,6 +17,16 @@ pub struct EngineFlags {
     /// The CUDA device ordinal.
     #[arg(long, env = "LORAFLEET_CUDA_DEVICE", default_value_t = 0)]
     cuda_device: usize,
+    /// The type the cuda backend's adapter slots hold: "f32" (default:
+    /// an f32 adapter's exact values, as PEFT computes) or "bf16"/"f16"
+    /// (half the bytes a slot load copies).
+    #[arg(long, env = "LORAFLEET_LORA_DTYPE")]
+    lora_dtype: Option<String>,
+    /// Launches every kernel of a decode step one by one on the cuda
+    /// backend, instead of replaying the step from a captured CUDA graph
+    /// (vLLM's --enforce-eager).
+    #[arg(long, env = "LORAFLEET_NO_CUDA_GRAPHS")]
+    no_cuda_graphs: bool,
     /// Device slots: the most distinct adapters in one step.
     #[arg(long, env = "LORAFLEET_MAX_LORAS", default_value_t = 4)]
     max_loras: usize,
@@ -72,8 +82,22 @@ impl EngineFlags {
                     .map_err(|e| anyhow::anyhow!("--dtype: {e}"))
             })
             .transpose()?;
+        let lora_dtype = self
+            .lora_dtype
+            .as_deref()
+            .map(|d| {
+                d.parse::<Dtype>()
+                    .map_err(|e| anyhow::anyhow!("--lora-dtype: {e}"))
+            })
+            .transpose()?;
         match self.backend.as_str() {
             "cpu" => match dtype {
+                _ if lora_dtype.is_some() => anyhow::bail!(
+                    "--lora-dtype: the cpu backend holds adapters in f32; it applies to --backend cuda"
+                ),
+                _ if self.no_cuda_graphs => anyhow::bail!(
+                    "--no-cuda-graphs: the cpu backend has no CUDA graphs; it applies to --backend cuda"
+                ),
                 None | Some(Dtype::F32) => Ok(BackendChoice::Cpu),
                 Some(other) => anyhow::bail!(
                     "--dtype: {} is not available on the cpu backend, which computes in f32",
@@ -92,6 +116,8 @@ impl EngineFlags {
                 Ok(BackendChoice::Cuda {
                     device: self.cuda_device,
                     dtype: dtype.unwrap_or(Dtype::Bf16),
+                    lora_dtype: lora_dtype.unwrap_or(Dtype::F32),
+                    graphs: !self.no_cuda_graphs,
                 })
             }
             other => {

@@ -163,6 +163,7 @@ impl Device {
         args.extend((0..3).map(|i| Arg::Ptr(slice(i).a)));
         args.extend((0..3).map(|i| Arg::Ptr(slice(i).rank)));
         args.push(Arg::Ptr(l.h_part));
+        args.push(Arg::I64(l.a_stride as i64));
         self.launch(
             "lora_shrink",
             (l.tiles as u32, splits as u32, l.slices.len() as u32),
@@ -182,6 +183,7 @@ impl Device {
         args.extend((0..3).map(|i| Arg::I32(slice(i).offset as i32)));
         args.push(Arg::Ptr(l.out));
         args.push(Arg::I32(l.out_stride as i32));
+        args.extend((0..3).map(|i| Arg::I64(slice(i).b_stride as i64)));
         let widest = l.slices.iter().map(|s| s.width).max().unwrap_or(0);
         self.launch(
             "lora_expand",
@@ -199,10 +201,13 @@ impl Device {
 /// One projection of a grouped LoRA launch.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct LoraSlice {
-    /// `[slots, max_rank, fan_in]` f32.
+    /// Slot 0's A, `[max_rank, fan_in]` in the weights' type; slot s's
+    /// starts `LoraLaunch::a_stride` values further.
     pub a: u64,
-    /// Bᵀ, `[slots, max_rank, width]` f32.
+    /// Slot 0's Bᵀ, `[max_rank, width]`; slot s's starts `b_stride`
+    /// values further.
     pub b: u64,
+    pub b_stride: usize,
     /// `[slots]` i32 and f32.
     pub rank: u64,
     pub scale: u64,
@@ -222,8 +227,11 @@ pub(super) struct LoraLaunch {
     pub out: u64,
     pub out_stride: usize,
     pub slices: Vec<LoraSlice>,
+    /// Values from one slot's A to the next's (the same for every slice).
+    pub a_stride: usize,
     pub segments: SegmentPtrs,
-    /// How many tiles `segments.tiles` lists: the launches' grid.
+    /// The launches' grid: at least the tiles `segments.tiles` lists
+    /// (blocks past its count return at once).
     pub tiles: usize,
     /// `[slices, splits, n, max_rank]` f32 scratch.
     pub h_part: u64,
@@ -239,8 +247,8 @@ pub(super) struct SegmentPtrs {
     pub seg_off: u64,
     /// Each segment's slot.
     pub seg_slot: u64,
-    /// (segment, first index into `token_idx`) of each tile of at most
-    /// [`kernels::LORA_TT`] tokens.
+    /// The number of tiles, then (segment, first index into `token_idx`)
+    /// of each tile of at most [`kernels::LORA_TT`] tokens.
     pub tiles: u64,
 }
 
@@ -259,17 +267,33 @@ impl SegmentPtrs {
 
 /// Appends the segment sections of a step's metadata to `buf`: each
 /// segment's token indices, the offsets into them, each segment's slot and
-/// the tiles. Returns where each section starts and the number of tiles.
+/// the tiles (their count first). Returns where each section starts and the
+/// number of tiles.
+///
+/// With `capacity` (a step's token count), every section is padded to the
+/// most that many tokens can need, so where each section starts depends on
+/// the token count alone: a CUDA graph captured for that count reads any
+/// later step's segments at the same addresses.
 pub(super) fn push_segments(
     buf: &mut Vec<i32>,
     segments: &[super::super::Segment],
+    capacity: Option<usize>,
 ) -> (SegmentPtrs, usize) {
+    let pad = |buf: &mut Vec<i32>, from: usize, len: usize| {
+        if let Some(len) = len.checked_sub(buf.len() - from) {
+            buf.resize(buf.len() + len, 0);
+        }
+    };
+    let cap = |extra: usize, per_token: usize| capacity.map(|n| extra + per_token * n);
     let token_idx = buf.len();
     buf.extend(
         segments
             .iter()
             .flat_map(|s| (s.start..s.end).map(|t| t as i32)),
     );
+    if let Some(len) = cap(0, 1) {
+        pad(buf, token_idx, len);
+    }
     let seg_off = buf.len();
     let mut acc = 0;
     buf.push(0);
@@ -277,9 +301,16 @@ pub(super) fn push_segments(
         acc += (s.end - s.start) as i32;
         buf.push(acc);
     }
+    if let Some(len) = cap(1, 1) {
+        pad(buf, seg_off, len);
+    }
     let seg_slot = buf.len();
     buf.extend(segments.iter().map(|s| s.slot as i32));
+    if let Some(len) = cap(0, 1) {
+        pad(buf, seg_slot, len);
+    }
     let tiles = buf.len();
+    buf.push(0);
     let mut first = 0;
     for (i, s) in segments.iter().enumerate() {
         let len = s.end - s.start;
@@ -288,7 +319,11 @@ pub(super) fn push_segments(
         }
         first += len;
     }
-    let count = (buf.len() - tiles) / 2;
+    let count = (buf.len() - tiles - 1) / 2;
+    buf[tiles] = count as i32;
+    if let Some(len) = cap(1, 2) {
+        pad(buf, tiles, len);
+    }
     let ptrs = SegmentPtrs {
         token_idx: token_idx as u64,
         seg_off: seg_off as u64,

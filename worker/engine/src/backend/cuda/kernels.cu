@@ -3,14 +3,17 @@
 // The backend prepends the model's shapes as defines, so loops over them
 // have compile-time bounds:
 //   WDTYPE     the base weights' type: 0 f32, 1 bf16, 2 f16
+//   SDTYPE     the adapter slots' type, likewise (the weights' by default)
 //   HEAD_DIM   attention head size (even)
 //   MAX_RANK   the rank every adapter slot is sized for
 //   SHRINK_KC  input features per split-K chunk of the LoRA shrink (a multiple of 32)
 //   LORA_TT    tokens per tile of the LoRA kernels
 //
 // Activations, the residual stream and all LoRA math are f32; the base
-// GEMMs (cuBLAS) read the weights' type, and the KV cache is stored in it
-// (keys and values are rounded once, when stored). Every reduction in
+// GEMMs (cuBLAS) read the weights' type, and the KV cache and the adapter
+// slots are stored in it (keys and values are rounded once, when stored;
+// an adapter once, when written into a slot, and not at all when its file
+// holds that type). Every reduction in
 // these kernels has a fixed order that depends on the token's own data,
 // never on the batch. cuBLAS makes no such promise: it may pick another
 // algorithm for another batch size.
@@ -40,6 +43,22 @@ __device__ __forceinline__ wt wstore(float v) {
     return r;
 }
 #endif
+#endif
+
+// The adapter slots' values, read as f32.
+#if SDTYPE == 0
+typedef float st;
+__device__ __forceinline__ float sload(st v) { return v; }
+#elif SDTYPE == 1
+typedef unsigned short st;
+__device__ __forceinline__ float sload(st v) { return __uint_as_float(((unsigned int)v) << 16); }
+#else
+typedef unsigned short st;
+__device__ __forceinline__ float sload(st v) {
+    float r;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(v));
+    return r;
+}
 #endif
 
 #define FULL_MASK 0xffffffffu
@@ -204,12 +223,24 @@ __device__ __forceinline__ float attn_score(const float* qs, const wt* k_cache, 
     return acc * scale;
 }
 
+// The most warps an attention block may have (its shared accumulators).
+#define ATTN_MAX_WARPS 8
+// Output dimensions per lane in the value pass.
+#define ATTN_DPL ((HEAD_DIM + 31) / 32)
+
 // Paged attention for decode and prefill alike: token t (position pos[t],
 // of sequence tok_seq[t]) attends to its sequence's keys at positions
 // lo..=pos[t] through the block table, which the same step's rope_store
-// has already filled. Grid: (tokens, query heads); block: a multiple of 32
-// threads, at least HEAD_DIM / 2. A query head reads KV head h / group
-// (grouped-query attention). `window` > 0 is a sliding window.
+// has already filled. Grid: (tokens, query heads); block: 32 to
+// 32 * ATTN_MAX_WARPS threads, a multiple of 32 and at least HEAD_DIM / 2.
+// A query head reads KV head h / group (grouped-query attention). `window`
+// > 0 is a sliding window.
+//
+// The value pass spreads positions over the warps (warp w takes positions
+// w, w + warps, ...) with each lane owning output dimensions lane + 32 i,
+// so a warp reads whole value rows at once and the warps' loads overlap;
+// the warps' partial sums are then added in warp order. Every order
+// depends on the token's position alone, never on the batch.
 extern "C" __global__ void attention(const float* qkv, int q_dim, int kv_dim, const wt* k_cache,
                                      const wt* v_cache, const int* pos, const int* tok_seq,
                                      const int* bt_off, const int* block_tables, int block_size,
@@ -217,7 +248,10 @@ extern "C" __global__ void attention(const float* qkv, int q_dim, int kv_dim, co
     __shared__ float qs[HEAD_DIM];
     __shared__ float sc[ATTN_CHUNK];
     __shared__ float scratch[32];
+    __shared__ float part[ATTN_MAX_WARPS][HEAD_DIM];
+    __shared__ float part_l[ATTN_MAX_WARPS];
     int t = blockIdx.x, h = blockIdx.y;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     int group = (q_dim / HEAD_DIM) / (kv_dim / HEAD_DIM);
     int kvh = h / group;
     const float* q = qkv + (size_t)t * (q_dim + 2 * kv_dim) + h * HEAD_DIM;
@@ -230,28 +264,46 @@ extern "C" __global__ void attention(const float* qkv, int q_dim, int kv_dim, co
     for (int j = lo + threadIdx.x; j <= p; j += blockDim.x)
         m = fmaxf(m, attn_score(qs, k_cache, kv_dim, kvh, bt, block_size, j, scale));
     m = block_max(m, scratch);
-    // Each thread owns output dims d0 and d0 + blockDim.x (if below HEAD_DIM).
-    int d0 = threadIdx.x, d1 = threadIdx.x + blockDim.x;
-    float acc0 = 0.0f, acc1 = 0.0f, l = 0.0f;
+    float acc[ATTN_DPL];
+#pragma unroll
+    for (int i = 0; i < ATTN_DPL; i++) acc[i] = 0.0f;
+    float l = 0.0f;
     for (int c0 = lo; c0 <= p; c0 += ATTN_CHUNK) {
         int cn = min(ATTN_CHUNK, p + 1 - c0);
         __syncthreads();
         for (int j = threadIdx.x; j < cn; j += blockDim.x)
             sc[j] = expf(attn_score(qs, k_cache, kv_dim, kvh, bt, block_size, c0 + j, scale) - m);
         __syncthreads();
-        for (int j = 0; j < cn; j++) {
+#pragma unroll 4
+        for (int j = warp; j < cn; j += warps) {
             int jj = c0 + j;
             size_t row = (size_t)bt[jj / block_size] * block_size + jj % block_size;
             const wt* vr = v_cache + row * kv_dim + kvh * HEAD_DIM;
             float w = sc[j];
             l += w;
-            if (d0 < HEAD_DIM) acc0 = fmaf(w, wload(vr[d0]), acc0);
-            if (d1 < HEAD_DIM) acc1 = fmaf(w, wload(vr[d1]), acc1);
+#pragma unroll
+            for (int i = 0; i < ATTN_DPL; i++) {
+                int d = lane + 32 * i;
+                if (d < HEAD_DIM) acc[i] = fmaf(w, wload(vr[d]), acc[i]);
+            }
         }
     }
+#pragma unroll
+    for (int i = 0; i < ATTN_DPL; i++) {
+        int d = lane + 32 * i;
+        if (d < HEAD_DIM) part[warp][d] = acc[i];
+    }
+    if (lane == 0) part_l[warp] = l;
+    __syncthreads();
     float* o = out + (size_t)t * q_dim + h * HEAD_DIM;
-    if (d0 < HEAD_DIM) o[d0] = acc0 / l;
-    if (d1 < HEAD_DIM) o[d1] = acc1 / l;
+    for (int d = threadIdx.x; d < HEAD_DIM; d += blockDim.x) {
+        float a = 0.0f, total = 0.0f;
+        for (int w = 0; w < warps; w++) {
+            a += part[w][d];
+            total += part_l[w];
+        }
+        o[d] = a / total;
+    }
 }
 
 // Threads per block of the LoRA kernels (the launches use this many).
@@ -263,14 +315,19 @@ extern "C" __global__ void attention(const float* qkv, int q_dim, int kv_dim, co
 // whatever the adapter mix; a tile's A and B rows are shared by its
 // tokens through registers and shared memory.
 
-// A tile of the step's LoRA work: `tiles[2 * i]` is its segment and
-// `tiles[2 * i + 1]` its first token's index into token_idx; it runs to
-// LORA_TT tokens or the segment's end.
-__device__ __forceinline__ void lora_tile(const int* tiles, const int* seg_off, int i, int* seg,
+// The step's LoRA work: `tiles[0]` is the number of tiles, and tile i has
+// its segment at `tiles[1 + 2 * i]` and its first token's index into
+// token_idx at `tiles[2 + 2 * i]`; it runs to LORA_TT tokens or the
+// segment's end. The count is device data, so a grid captured in a CUDA
+// graph for the most tiles a batch size can have serves any adapter mix:
+// blocks past the count return at once.
+__device__ __forceinline__ bool lora_tile(const int* tiles, const int* seg_off, int i, int* seg,
                                           int* lo, int* hi) {
-    *seg = tiles[2 * i];
-    *lo = tiles[2 * i + 1];
+    if (i >= tiles[0]) return false;
+    *seg = tiles[1 + 2 * i];
+    *lo = tiles[2 + 2 * i];
     *hi = min(*lo + LORA_TT, seg_off[*seg + 1]);
+    return true;
 }
 
 // Grouped LoRA shrink (SGMV), one launch for every adapter in the step and
@@ -278,21 +335,23 @@ __device__ __forceinline__ void lora_tile(const int* tiles, const int* seg_off, 
 //   h_part[slice][split][tok][r] = sum over this split's k of x[tok, k] * A[slot, r, k]
 // for each tile's tokens (all of one segment, so one slot) and r below the
 // slot's rank for that projection; rows past the rank are never computed
-// or read. A slice's A is [slots, MAX_RANK, fan_in] and its ranks [slots].
+// or read. A slice's A holds each slot's [MAX_RANK, fan_in] rows `a_stride`
+// values apart (every slot's adapter in one image, in the backend), and its
+// ranks are [slots].
 // Split-K: block y covers input features [y * SHRINK_KC, (y + 1) *
 // SHRINK_KC); the expand sums the splits in order, so no atomics and a
 // fixed order.
 // Grid: (tiles, splits, slices); block: 256 threads (8 warps).
 extern "C" __global__ void __launch_bounds__(LORA_THREADS) lora_shrink(const float* x, int fan_in, int n, const int* token_idx,
                                        const int* seg_off, const int* seg_slot, const int* tiles,
-                                       const float* a0, const float* a1, const float* a2,
+                                       const st* a0, const st* a1, const st* a2,
                                        const int* rank0, const int* rank1, const int* rank2,
-                                       float* h_part) {
+                                       float* h_part, long long a_stride) {
     __shared__ float xs[LORA_TT * SHRINK_KC];
-    const float* a = blockIdx.z == 0 ? a0 : (blockIdx.z == 1 ? a1 : a2);
+    const st* a = blockIdx.z == 0 ? a0 : (blockIdx.z == 1 ? a1 : a2);
     const int* ranks = blockIdx.z == 0 ? rank0 : (blockIdx.z == 1 ? rank1 : rank2);
     int s, lo, hi;
-    lora_tile(tiles, seg_off, blockIdx.x, &s, &lo, &hi);
+    if (!lora_tile(tiles, seg_off, blockIdx.x, &s, &lo, &hi)) return;  // the whole block
     int slot = seg_slot[s];
     int rank = ranks[slot];
     if (rank == 0) return;  // the adapter has no such module
@@ -319,7 +378,7 @@ extern "C" __global__ void __launch_bounds__(LORA_THREADS) lora_shrink(const flo
     // shared memory feeds four rows. The sixteen dot products then reduce
     // across the warp together (`reduce16`), in the same tree as
     // `warp_sum`, so a token's sum never depends on its place in a tile.
-    const float* abase = a + (size_t)slot * MAX_RANK * fan_in + k0;
+    const st* abase = a + (size_t)slot * a_stride + k0;
     for (int r0 = 4 * warp; r0 < rank; r0 += 4 * warps) {
         float av[4][SHRINK_KC / 32];
 #pragma unroll
@@ -327,7 +386,7 @@ extern "C" __global__ void __launch_bounds__(LORA_THREADS) lora_shrink(const flo
 #pragma unroll
             for (int i = 0; i < SHRINK_KC / 32; i++) {
                 int k = lane + 32 * i;
-                av[q][i] = r0 + q < rank && k < kn ? abase[(size_t)(r0 + q) * fan_in + k] : 0.0f;
+                av[q][i] = r0 + q < rank && k < kn ? sload(abase[(size_t)(r0 + q) * fan_in + k]) : 0.0f;
             }
         }
         for (int j0 = 0; j0 < tt; j0 += 4) {
@@ -358,25 +417,28 @@ extern "C" __global__ void __launch_bounds__(LORA_THREADS) lora_shrink(const flo
 // Grouped LoRA expand, the shrink's partner:
 //   out[tok, off + o] += scale[slot] * sum_r h[tok, r] * B[slot, r, o]
 // with h the shrink's splits summed in order. Each slice has its own B
-// ([slots, MAX_RANK, width], Bᵀ rows), width and column offset into the
+// (each slot's [MAX_RANK, width] Bᵀ rows, `b_stride` values apart), width
+// and column offset into the
 // fused output row of `out_stride` (q/k/v into [q | k | v], gate/up into
 // [gate | up]). Grid: (tiles, ceil(max width / 256), slices); block: 256.
 extern "C" __global__ void __launch_bounds__(LORA_THREADS) lora_expand(const float* h_part, int splits, int n, const int* token_idx,
                                        const int* seg_off, const int* seg_slot, const int* tiles,
-                                       const float* b0, const float* b1, const float* b2,
+                                       const st* b0, const st* b1, const st* b2,
                                        const int* rank0, const int* rank1, const int* rank2,
                                        const float* scale0, const float* scale1,
                                        const float* scale2, int width0, int width1, int width2,
-                                       int off0, int off1, int off2, float* out, int out_stride) {
+                                       int off0, int off1, int off2, float* out, int out_stride,
+                                       long long b_stride0, long long b_stride1, long long b_stride2) {
     __shared__ float hs[LORA_TT * MAX_RANK];
     int z = blockIdx.z;
-    const float* b = z == 0 ? b0 : (z == 1 ? b1 : b2);
+    const st* b = z == 0 ? b0 : (z == 1 ? b1 : b2);
     const int* ranks = z == 0 ? rank0 : (z == 1 ? rank1 : rank2);
     const float* scales = z == 0 ? scale0 : (z == 1 ? scale1 : scale2);
     int width = z == 0 ? width0 : (z == 1 ? width1 : width2);
     int off = z == 0 ? off0 : (z == 1 ? off1 : off2);
+    long long b_stride = z == 0 ? b_stride0 : (z == 1 ? b_stride1 : b_stride2);
     int s, lo, hi;
-    lora_tile(tiles, seg_off, blockIdx.x, &s, &lo, &hi);
+    if (!lora_tile(tiles, seg_off, blockIdx.x, &s, &lo, &hi)) return;  // the whole block
     int slot = seg_slot[s];
     int rank = ranks[slot];
     if (rank == 0 || blockIdx.y * blockDim.x >= width) return;  // whole block exits together
@@ -417,13 +479,13 @@ extern "C" __global__ void __launch_bounds__(LORA_THREADS) lora_expand(const flo
     float acc[LORA_TT];
 #pragma unroll
     for (int j = 0; j < LORA_TT; j++) acc[j] = 0.0f;
-    const float* bcol = b + (size_t)slot * MAX_RANK * width + o;
+    const st* bcol = b + (size_t)slot * b_stride + o;
     // Sixteen rows of B loaded before any is used, so their latencies
     // overlap; rows past the rank add h = 0 and leave the sums exact.
     for (int r0 = 0; r0 < rank; r0 += 16) {
         float bv[16];
 #pragma unroll
-        for (int u = 0; u < 16; u++) bv[u] = r0 + u < rank ? bcol[(size_t)(r0 + u) * width] : 0.0f;
+        for (int u = 0; u < 16; u++) bv[u] = r0 + u < rank ? sload(bcol[(size_t)(r0 + u) * width]) : 0.0f;
 #pragma unroll
         for (int u = 0; u < 16; u++) {
             if (r0 + u < MAX_RANK) {

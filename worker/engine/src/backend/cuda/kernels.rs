@@ -44,6 +44,8 @@ const _: () = assert!(LORA_TT.is_multiple_of(4));
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KernelShapes {
     pub dtype: Dtype,
+    /// The type the adapter slots hold (the weights' type unless chosen).
+    pub slot_dtype: Dtype,
     pub head_dim: usize,
     /// The rank each adapter slot is sized for.
     pub max_rank: usize,
@@ -55,6 +57,7 @@ impl KernelShapes {
     pub fn for_model(config: &ModelConfig, max_lora_rank: usize, dtype: Dtype) -> KernelShapes {
         KernelShapes {
             dtype,
+            slot_dtype: dtype,
             head_dim: config.head_dim,
             max_rank: max_lora_rank.max(1),
             shrink_kc: config.hidden_size.next_multiple_of(32).min(MAX_SHRINK_KC),
@@ -68,13 +71,14 @@ impl KernelShapes {
 
     /// The source with this model's defines in front.
     pub fn source(&self) -> String {
-        let wdtype = match self.dtype {
+        let code = |d: Dtype| match d {
             Dtype::F32 => 0,
             Dtype::Bf16 => 1,
             Dtype::F16 => 2,
         };
+        let (wdtype, sdtype) = (code(self.dtype), code(self.slot_dtype));
         format!(
-            "#define WDTYPE {wdtype}\n#define HEAD_DIM {}\n#define MAX_RANK {}\n#define SHRINK_KC {}\n\
+            "#define WDTYPE {wdtype}\n#define SDTYPE {sdtype}\n#define HEAD_DIM {}\n#define MAX_RANK {}\n#define SHRINK_KC {}\n\
              #define LORA_TT {LORA_TT}\n{SOURCE}",
             self.head_dim, self.max_rank, self.shrink_kc
         )

@@ -1,15 +1,13 @@
 //! A step's metadata (tokens, positions, KV rows, block tables, LoRA
-//! segments) uploaded to the device in one buffer.
+//! segments), built on the host and copied into the workspace's metadata
+//! buffer in one copy.
 
-use cudarc::driver::CudaSlice;
-
-use super::CudaBackend;
-use super::device::{self, SegmentPtrs, cuda};
+use super::device::{self, SegmentPtrs};
 use crate::backend::StepBatch;
-use crate::error::Result;
 
-/// A step's metadata on the device: addresses inside one uploaded i32
-/// buffer.
+/// A step's metadata on the device: addresses inside the workspace's i32
+/// metadata buffer.
+#[derive(Debug, Clone, Copy)]
 pub(super) struct StepMeta {
     pub(super) tokens: u64,
     pub(super) pos: u64,
@@ -19,6 +17,8 @@ pub(super) struct StepMeta {
     pub(super) block_tables: u64,
     /// The LoRA segments and their tiles.
     pub(super) segments: SegmentPtrs,
+    /// The LoRA launches' grid: the tiles, or for a graph the most tiles
+    /// the step's token count can have.
     pub(super) tiles: usize,
     /// The rows whose logits are wanted.
     pub(super) rows: u64,
@@ -27,18 +27,44 @@ pub(super) struct StepMeta {
     pub(super) h_part: u64,
 }
 
-impl StepMeta {
-    /// Builds and uploads the step's metadata in one copy.
-    pub(super) fn upload(
-        backend: &CudaBackend,
+/// A step's metadata on the host, with each section's start (an index into
+/// `buf`).
+pub(super) struct HostMeta {
+    pub(super) buf: Vec<i32>,
+    tokens: usize,
+    pos: usize,
+    kv_row: usize,
+    tok_seq: usize,
+    bt_off: usize,
+    rows: usize,
+    segments: SegmentPtrs,
+    tiles: usize,
+    block_tables: usize,
+    /// The step's token count when every section but the block tables
+    /// (the last) sits where it does for any step of that count.
+    fixed: Option<usize>,
+}
+
+impl HostMeta {
+    /// Builds a step's metadata. With `fixed`, each section is padded to
+    /// what the step's token count can need, so every address but the
+    /// block tables' contents depends on that count alone (what a CUDA
+    /// graph captured for the count reads).
+    pub(super) fn build(
         batch: &StepBatch<'_>,
         rows: &[usize],
-    ) -> Result<(StepMeta, CudaSlice<i32>)> {
-        let bs = backend.shape.block_size;
+        block_size: usize,
+        fixed: bool,
+    ) -> HostMeta {
+        let n = batch.tokens.len();
         let mut buf: Vec<i32> = Vec::new();
         let section = |buf: &mut Vec<i32>, values: &mut dyn Iterator<Item = i32>| {
             let at = buf.len();
             buf.extend(values);
+            if fixed {
+                // Decode steps: one token, one sequence and one row each.
+                buf.resize(at + n, 0);
+            }
             at
         };
         let tokens = section(&mut buf, &mut batch.tokens.iter().map(|&t| t as i32));
@@ -55,7 +81,7 @@ impl StepMeta {
             &mut buf,
             &mut by_token.iter().map(|&(si, p)| {
                 let bt = batch.seqs[si].block_table;
-                (bt[p / bs] as usize * bs + p % bs) as i32
+                (bt[p / block_size] as usize * block_size + p % block_size) as i32
             }),
         );
         let tok_seq = section(&mut buf, &mut by_token.iter().map(|&(si, _)| si as i32));
@@ -66,38 +92,55 @@ impl StepMeta {
             total += s.block_table.len();
         }
         let bt_off = section(&mut buf, &mut offsets.into_iter());
-        let block_tables = section(
-            &mut buf,
-            &mut batch
+        let rows = section(&mut buf, &mut rows.iter().map(|&r| r as i32));
+        let (segments, tiles) =
+            device::push_segments(&mut buf, &batch.segments, fixed.then_some(n));
+        // Last, so its length moves no other section.
+        let block_tables = buf.len();
+        buf.extend(
+            batch
                 .seqs
                 .iter()
                 .flat_map(|s| s.block_table.iter().map(|&b| b as i32)),
         );
-        let (segments, tiles) = device::push_segments(&mut buf, &batch.segments);
-        let rows = section(&mut buf, &mut rows.iter().map(|&r| r as i32));
         // Keep every section's address valid even when it is empty.
         buf.push(0);
-        let dev = backend
-            .dev
-            .stream
-            .clone_htod(&buf)
-            .map_err(cuda("uploading step metadata"))?;
-        let base = backend.dev.p(&dev);
+        HostMeta {
+            buf,
+            tokens,
+            pos,
+            kv_row,
+            tok_seq,
+            bt_off,
+            rows,
+            segments,
+            tiles,
+            block_tables,
+            fixed: fixed.then_some(n),
+        }
+    }
+
+    /// The sections' device addresses once `buf` is copied to `base`.
+    pub(super) fn at(&self, base: u64) -> StepMeta {
         let at = |i: usize| base + (i * 4) as u64;
-        Ok((
-            StepMeta {
-                tokens: at(tokens),
-                pos: at(pos),
-                kv_row: at(kv_row),
-                tok_seq: at(tok_seq),
-                bt_off: at(bt_off),
-                block_tables: at(block_tables),
-                segments: segments.at(base),
-                tiles,
-                rows: at(rows),
-                h_part: 0,
+        StepMeta {
+            tokens: at(self.tokens),
+            pos: at(self.pos),
+            kv_row: at(self.kv_row),
+            tok_seq: at(self.tok_seq),
+            bt_off: at(self.bt_off),
+            block_tables: at(self.block_tables),
+            segments: self.segments.at(base),
+            // A graph's grid covers the most tiles its token count can
+            // have: one per token.
+            // (none at all when no token has an adapter: that graph has no
+            // LoRA launches).
+            tiles: match self.fixed {
+                Some(n) if self.tiles > 0 => n,
+                _ => self.tiles,
             },
-            dev,
-        ))
+            rows: at(self.rows),
+            h_part: 0,
+        }
     }
 }

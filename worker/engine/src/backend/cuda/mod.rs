@@ -28,12 +28,15 @@ mod meta;
 pub mod plan;
 mod sample;
 mod slots;
+mod step;
 #[doc(hidden)]
 pub mod testing;
 
 pub use super::DeviceSample;
 pub use dtype::Dtype;
 use meta::StepMeta;
+pub use step::MAX_GRAPH_TOKENS;
+use step::{Graphs, Workspace};
 
 use std::ffi::c_void;
 use std::path::Path;
@@ -46,7 +49,7 @@ use self::device::{Arg, Device, LoraLaunch, LoraSlice, cuda};
 use self::kernels::KernelShapes;
 use self::plan::MemoryPlan;
 use self::slots::Slots;
-use super::{Backend, BackendShape, StepBatch};
+use super::{Backend, BackendShape, GraphCounters, StepBatch};
 use crate::error::{EngineError, Result};
 use crate::lora::{HostAdapter, Projection};
 use crate::model::{ModelConfig, WeightFiles};
@@ -116,12 +119,23 @@ pub struct CudaBackend {
     v_cache: Vec<CudaSlice<u8>>,
     inv_freq: CudaSlice<f32>,
     slots: Slots,
-    /// The logits of the last forward, `[rows, vocab]`, for device sampling.
-    last_logits: Option<(CudaSlice<f32>, usize)>,
+    /// Decode steps captured as CUDA graphs, by shape; they go before the
+    /// workspace whose addresses they hold.
+    graphs: Graphs,
+    ws: Workspace,
+    /// How many rows of `ws.logits` the last forward left, for device
+    /// sampling.
+    last_logits: Option<usize>,
     plan: MemoryPlan,
     blas: CudaBlas,
+    /// cuBLAS's workspace, set explicitly so that a captured GEMM never
+    /// allocates.
+    _blas_workspace: CudaSlice<u8>,
     dev: Device,
 }
+
+/// The cuBLAS workspace (what cuBLAS itself asks for on Hopper).
+const BLAS_WORKSPACE: usize = 32 << 20;
 
 /// The most a step carries, for sizing its workspace.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -153,6 +167,23 @@ impl CudaBackend {
         dtype: Dtype,
         limits: StepLimits,
     ) -> Result<CudaBackend> {
+        Self::load_with_slot_dtype(dir, config, shape, ordinal, dtype, Dtype::F32, limits)
+    }
+
+    /// [`CudaBackend::load`] with adapter slots held in `slot_dtype`
+    /// rather than f32. f32 slots keep an f32 adapter's values exactly (as
+    /// PEFT computes by default) and are the faster ones for the LoRA
+    /// kernels today; 16-bit slots halve the bytes a slot write copies
+    /// (BENCHMARKS.md, "decode on a Llama-3.2-1B-shape stand-in").
+    pub fn load_with_slot_dtype(
+        dir: &Path,
+        config: &ModelConfig,
+        shape: BackendShape,
+        ordinal: usize,
+        dtype: Dtype,
+        slot_dtype: Dtype,
+        limits: StepLimits,
+    ) -> Result<CudaBackend> {
         let c = config;
         if c.moe.is_some() || c.qk_norm {
             return Err(EngineError::InvalidModel {
@@ -166,7 +197,10 @@ impl CudaBackend {
         }
         let dev = Device::open(
             ordinal,
-            KernelShapes::for_model(c, shape.max_lora_rank, dtype),
+            KernelShapes {
+                slot_dtype,
+                ..KernelShapes::for_model(c, shape.max_lora_rank, dtype)
+            },
         )?;
         let (free, total) = dev
             .ctx
@@ -179,7 +213,8 @@ impl CudaBackend {
             limits.max_tokens,
             limits.max_rows,
             total as u64,
-        );
+        )
+        .with_slot_dtype(c, &shape, slot_dtype);
         // Refused before anything is allocated.
         plan.check(free as u64)?;
         let stream = dev.stream.clone();
@@ -191,6 +226,20 @@ impl CudaBackend {
         }
         .result()
         .map_err(cuda("setting the cuBLAS math mode"))?;
+        let blas_workspace = stream
+            .alloc_zeros::<u8>(BLAS_WORKSPACE)
+            .map_err(cuda("allocating the cuBLAS workspace"))?;
+        // SAFETY: the workspace outlives the handle (field order) and is
+        // used only by work on the handle's stream.
+        unsafe {
+            blas_sys::cublasSetWorkspace_v2(
+                *blas.handle(),
+                dev.p(&blas_workspace) as *mut c_void,
+                BLAS_WORKSPACE,
+            )
+        }
+        .result()
+        .map_err(cuda("setting the cuBLAS workspace"))?;
 
         let files = WeightFiles::open_model_dir(dir)?;
         let up_f32 = |v: &[f32]| stream.clone_htod(v).map_err(cuda("uploading weights"));
@@ -282,6 +331,19 @@ impl CudaBackend {
             .map(|i| 1.0 / c.rope_theta.powf((2 * i) as f32 / c.head_dim as f32))
             .collect();
         let inv_freq = up_f32(&inv_freq)?;
+        // Every section of a step's metadata is at most one entry per
+        // token (two per tile), plus the block tables; grown if a step
+        // needs more.
+        let meta = 16 * limits.max_tokens + 4 * limits.max_rows + 4096;
+        let ws = Workspace::new(
+            &dev,
+            c,
+            dtype,
+            slots.max_rank,
+            limits.max_tokens,
+            limits.max_rows,
+            meta,
+        )?;
         stream.synchronize().map_err(cuda("loading the model"))?;
         Ok(CudaBackend {
             config: c.clone(),
@@ -295,15 +357,30 @@ impl CudaBackend {
             v_cache,
             inv_freq,
             slots,
+            graphs: Graphs::new(true),
+            ws,
             last_logits: None,
             plan,
             blas,
+            _blas_workspace: blas_workspace,
             dev,
         })
     }
 
     pub fn dtype(&self) -> Dtype {
         self.dtype
+    }
+
+    /// Turns CUDA graphs for decode steps on (the default) or off; off,
+    /// every step launches its kernels one by one.
+    pub fn set_graphs(&mut self, enabled: bool) {
+        self.graphs.enabled = enabled;
+    }
+
+    /// Why the last graph capture failed, if one did (that batch size then
+    /// runs without a graph).
+    pub fn graph_failure(&self) -> Option<&str> {
+        self.graphs.last_failure.as_deref()
     }
 
     /// `y[n, out] = x[n, in] · Wᵀ (+ bias)`: x in the weights' type, y f32.
@@ -337,6 +414,10 @@ impl CudaBackend {
             )
         }
         .map_err(cuda("cuBLAS GEMM"))?;
+        self.add_bias(lin, y, n)
+    }
+
+    fn add_bias(&self, lin: &Linear, y: u64, n: usize) -> Result<()> {
         if let Some(bias) = &lin.bias {
             self.dev.launch(
                 "add_bias",
@@ -372,8 +453,9 @@ impl CudaBackend {
                 let key = layer * 7 + p.index();
                 let width = p.shape(&self.config).1;
                 let slice = LoraSlice {
-                    a: self.dev.p(&self.slots.a[key]),
-                    b: self.dev.p(&self.slots.b[key]),
+                    a: self.slots.a_of(&self.dev, key),
+                    b: self.slots.b_of(&self.dev, key),
+                    b_stride: self.slots.stride,
                     rank: self.slots.rank_of(&self.dev, key),
                     scale: self.slots.scale_of(&self.dev, key),
                     width,
@@ -390,6 +472,7 @@ impl CudaBackend {
             out,
             out_stride: offset,
             slices,
+            a_stride: self.slots.stride,
             segments: meta.segments,
             tiles: meta.tiles,
             h_part: meta.h_part,
@@ -433,6 +516,10 @@ impl Backend for CudaBackend {
         self.slots.write(&self.dev, &self.config, slot, adapter)
     }
 
+    fn slot_ready(&self, slot: usize) -> bool {
+        !self.slots.copy_in_flight(slot)
+    }
+
     fn clear_slot(&mut self, slot: usize) -> Result<()> {
         if slot >= self.shape.slots {
             return Err(EngineError::Backend(format!("slot {slot} is out of range")));
@@ -442,14 +529,18 @@ impl Backend for CudaBackend {
 
     fn forward(&mut self, batch: &StepBatch<'_>) -> Result<Vec<f32>> {
         self.run_step(batch)?;
-        match &self.last_logits {
-            Some((logits, _)) => self
+        match self.last_logits {
+            Some(rows) => self
                 .dev
                 .stream
-                .clone_dtoh(logits)
+                .clone_dtoh(&self.ws.logits.slice(0..rows * self.config.vocab_size))
                 .map_err(cuda("running the step")),
             None => Ok(Vec::new()),
         }
+    }
+
+    fn graph_counters(&self) -> Option<GraphCounters> {
+        Some(self.graphs.counters())
     }
 
     fn samples_on_device(&self) -> bool {
@@ -466,202 +557,5 @@ impl Backend for CudaBackend {
             return Ok(Vec::new());
         }
         self.sample_last(rows)
-    }
-}
-
-impl CudaBackend {
-    /// Runs one step on the device, leaving the logits of the rows that
-    /// want them in `last_logits` (None when no row does).
-    fn run_step(&mut self, batch: &StepBatch<'_>) -> Result<()> {
-        batch.check(&self.config, self.shape.block_size)?;
-        self.last_logits = None;
-        let c = self.config.clone();
-        let n = batch.tokens.len();
-        if n == 0 {
-            return Ok(());
-        }
-        let (d, inter, q_dim, kv_dim) = (c.hidden_size, c.intermediate_size, c.q_dim(), c.kv_dim());
-        let qkv_dim = q_dim + 2 * kv_dim;
-        let rows: Vec<usize> = batch
-            .seqs
-            .iter()
-            .filter(|s| s.want_logits)
-            .map(|s| s.start + s.len - 1)
-            .collect();
-        self.slots.wait_for(&self.dev, &batch.segments)?;
-        let (mut meta, _meta_buf) = StepMeta::upload(self, batch, &rows)?;
-        let st = self.dev.stream.clone();
-        let alloc = |len: usize| {
-            st.alloc_zeros::<f32>(len.max(1))
-                .map_err(cuda("allocating step buffers"))
-        };
-        let hidden = alloc(n * d)?;
-        let normed = alloc(n * d)?;
-        let qkv = alloc(n * qkv_dim)?;
-        let attn = alloc(n * q_dim)?;
-        let proj = alloc(n * d)?;
-        let gu = alloc(n * 2 * inter)?;
-        let act = alloc(n * inter)?;
-        let widest = d.max(inter).max(q_dim);
-        let splits = self.dev.shapes.splits(widest);
-        let h_part = alloc(3 * splits * n * self.slots.max_rank)?;
-        // The GEMM inputs in the weights' type; in f32 mode the f32
-        // buffers serve directly.
-        let cast_buf = if self.dtype == Dtype::F32 {
-            None
-        } else {
-            Some(
-                st.alloc_zeros::<u8>(n.max(rows.len()) * widest * self.dtype.bytes())
-                    .map_err(cuda("allocating step buffers"))?,
-            )
-        };
-        let cast = cast_buf.as_ref().map(|b| self.dev.p(b));
-        let (hidden, normed, qkv, attn, proj, gu, act, h_part) = (
-            self.dev.p(&hidden),
-            self.dev.p(&normed),
-            self.dev.p(&qkv),
-            self.dev.p(&attn),
-            self.dev.p(&proj),
-            self.dev.p(&gu),
-            self.dev.p(&act),
-            self.dev.p(&h_part),
-        );
-        meta.h_part = h_part;
-        // A kernel's f32 output as a GEMM input: the cast buffer after
-        // `to_wt`, or the f32 buffer itself.
-        let gemm_input = |src: u64, len: usize| -> Result<u64> {
-            match cast {
-                None => Ok(src),
-                Some(dst) => {
-                    self.dev.launch(
-                        "to_wt",
-                        Device::elementwise_grid(len),
-                        256,
-                        &[Arg::Ptr(src), Arg::Ptr(dst), Arg::I64(len as i64)],
-                    )?;
-                    Ok(dst)
-                }
-            }
-        };
-        let norm_rows = |x: u64, rows_ptr: u64, w: &CudaSlice<f32>, out: u64, count: usize| {
-            self.dev.launch(
-                "rms_norm",
-                (count as u32, 1, 1),
-                256,
-                &[
-                    Arg::Ptr(x),
-                    Arg::Ptr(rows_ptr),
-                    Arg::Ptr(self.dev.p(w)),
-                    Arg::Ptr(out),
-                    Arg::Ptr(cast.unwrap_or(0)),
-                    Arg::I32(d as i32),
-                    Arg::F32(c.rms_norm_eps),
-                ],
-            )
-        };
-        let add = |h: u64, y: u64, len: usize| {
-            self.dev.launch(
-                "add_into",
-                Device::elementwise_grid(len),
-                256,
-                &[Arg::Ptr(h), Arg::Ptr(y), Arg::I64(len as i64)],
-            )
-        };
-        self.dev.launch(
-            "embed",
-            (n as u32, 1, 1),
-            256,
-            &[
-                Arg::Ptr(self.dev.p(&self.embed)),
-                Arg::Ptr(meta.tokens),
-                Arg::Ptr(hidden),
-                Arg::I32(d as i32),
-            ],
-        )?;
-        let scale = 1.0 / (c.head_dim as f32).sqrt();
-        let window = c.sliding_window.map_or(0, |w| w as i32);
-        for (l, layer) in self.layers.iter().enumerate() {
-            norm_rows(hidden, 0, &layer.input_norm, normed, n)?;
-            self.linear(&layer.qkv, cast.unwrap_or(normed), qkv, n)?;
-            self.lora(
-                l,
-                &[Projection::Q, Projection::K, Projection::V],
-                normed,
-                n,
-                qkv,
-                &meta,
-            )?;
-            self.dev.launch(
-                "rope_store",
-                (n as u32, 1, 1),
-                128,
-                &[
-                    Arg::Ptr(qkv),
-                    Arg::I32(q_dim as i32),
-                    Arg::I32(kv_dim as i32),
-                    Arg::Ptr(meta.pos),
-                    Arg::Ptr(meta.kv_row),
-                    Arg::Ptr(self.dev.p(&self.inv_freq)),
-                    Arg::Ptr(self.dev.p(&self.k_cache[l])),
-                    Arg::Ptr(self.dev.p(&self.v_cache[l])),
-                ],
-            )?;
-            self.dev.launch(
-                "attention",
-                (n as u32, c.num_heads as u32, 1),
-                128,
-                &[
-                    Arg::Ptr(qkv),
-                    Arg::I32(q_dim as i32),
-                    Arg::I32(kv_dim as i32),
-                    Arg::Ptr(self.dev.p(&self.k_cache[l])),
-                    Arg::Ptr(self.dev.p(&self.v_cache[l])),
-                    Arg::Ptr(meta.pos),
-                    Arg::Ptr(meta.tok_seq),
-                    Arg::Ptr(meta.bt_off),
-                    Arg::Ptr(meta.block_tables),
-                    Arg::I32(self.shape.block_size as i32),
-                    Arg::I32(window),
-                    Arg::F32(scale),
-                    Arg::Ptr(attn),
-                ],
-            )?;
-            let x = gemm_input(attn, n * q_dim)?;
-            self.linear(&layer.o, x, proj, n)?;
-            self.lora(l, &[Projection::O], attn, n, proj, &meta)?;
-            add(hidden, proj, n * d)?;
-            norm_rows(hidden, 0, &layer.post_norm, normed, n)?;
-            self.linear(&layer.gate_up, cast.unwrap_or(normed), gu, n)?;
-            self.lora(l, &[Projection::Gate, Projection::Up], normed, n, gu, &meta)?;
-            self.dev.launch(
-                "silu_mul",
-                Device::elementwise_grid(n * inter),
-                256,
-                &[
-                    Arg::Ptr(gu),
-                    Arg::Ptr(act),
-                    Arg::Ptr(cast.unwrap_or(0)),
-                    Arg::I32(n as i32),
-                    Arg::I32(inter as i32),
-                ],
-            )?;
-            self.linear(&layer.down, cast.unwrap_or(act), proj, n)?;
-            self.lora(l, &[Projection::Down], act, n, proj, &meta)?;
-            add(hidden, proj, n * d)?;
-        }
-        if rows.is_empty() {
-            st.synchronize().map_err(cuda("running the step"))?;
-            return Ok(());
-        }
-        norm_rows(hidden, meta.rows, &self.norm, normed, rows.len())?;
-        let logits = alloc(rows.len() * c.vocab_size)?;
-        self.linear(
-            &self.lm_head,
-            cast.unwrap_or(normed),
-            self.dev.p(&logits),
-            rows.len(),
-        )?;
-        self.last_logits = Some((logits, rows.len()));
-        Ok(())
     }
 }

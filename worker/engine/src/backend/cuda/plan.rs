@@ -65,16 +65,7 @@ impl MemoryPlan {
         let kv_cache =
             2 * (c.num_layers * shape.kv_blocks * shape.block_size * c.kv_dim()) as u64 * w;
         let rank = shape.max_lora_rank.max(1) as u64;
-        let slot_floats: u64 = Projection::ALL
-            .iter()
-            .map(|p| {
-                let (i, o) = p.shape(c);
-                rank * (i + o) as u64
-            })
-            .sum();
-        let adapter_slots = (slot_floats * shape.slots as u64 + 2 * shape.slots as u64 * 7)
-            * 4
-            * c.num_layers as u64;
+        let adapter_slots = adapter_slot_bytes(c, shape, dtype);
         let (d, inter, q, kv) = (
             c.hidden_size as u64,
             c.intermediate_size as u64,
@@ -96,6 +87,20 @@ impl MemoryPlan {
             workspace: activations + logits,
             margin: 512 * MIB + total / 20,
             device_total: total,
+        }
+    }
+
+    /// The plan with adapter slots of `slot_dtype` instead of the
+    /// weights' type.
+    pub fn with_slot_dtype(
+        self,
+        config: &ModelConfig,
+        shape: &BackendShape,
+        slot_dtype: Dtype,
+    ) -> MemoryPlan {
+        MemoryPlan {
+            adapter_slots: adapter_slot_bytes(config, shape, slot_dtype),
+            ..self
         }
     }
 
@@ -234,4 +239,19 @@ mod tests {
         assert!(more_tokens.workspace > p0.workspace);
         assert_eq!(more_tokens.adapter_slots, p0.adapter_slots);
     }
+}
+
+/// Bytes of every adapter slot: A and Bᵀ of each (layer, projection) at the
+/// slot rank in `dtype`, plus 4-byte ranks and scales.
+fn adapter_slot_bytes(c: &ModelConfig, shape: &BackendShape, dtype: Dtype) -> u64 {
+    let rank = shape.max_lora_rank.max(1) as u64;
+    let slot_values: u64 = Projection::ALL
+        .iter()
+        .map(|p| {
+            let (i, o) = p.shape(c);
+            rank * (i + o) as u64
+        })
+        .sum();
+    (slot_values * shape.slots as u64 * dtype.bytes() as u64 + 2 * shape.slots as u64 * 7 * 4)
+        * c.num_layers as u64
 }

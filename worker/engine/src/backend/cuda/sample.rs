@@ -11,25 +11,21 @@ impl CudaBackend {
     /// device. Greedy rows take the highest logit (the lowest id among
     /// ties, as the CPU's `argmax`); the others draw with their own `u`.
     pub fn sample_last(&mut self, rows: &[DeviceSample]) -> Result<Vec<u32>> {
-        let Some((logits, n)) = &self.last_logits else {
+        let Some(n) = self.last_logits else {
             return Err(EngineError::Backend(
                 "cuda: no logits to sample from".into(),
             ));
         };
-        if rows.len() != *n {
+        if rows.len() != n {
             return Err(EngineError::Backend(format!(
                 "cuda: {} sampling rows for {n} rows of logits",
                 rows.len()
             )));
         }
         let vocab = self.config.vocab_size as i32;
-        let logits = self.dev.p(logits);
+        let logits = self.dev.p(&self.ws.logits);
         let upload_f32 = |v: Vec<f32>| self.dev.stream.clone_htod(&v).map_err(cuda("sampling"));
-        let greedy_out = self
-            .dev
-            .stream
-            .alloc_zeros::<i32>(rows.len())
-            .map_err(cuda("sampling"))?;
+        let greedy_out = self.ws.picked.slice(0..rows.len());
         self.dev.launch(
             "argmax_rows",
             (rows.len() as u32, 1, 1),
@@ -37,7 +33,7 @@ impl CudaBackend {
             &[
                 Arg::Ptr(logits),
                 Arg::I32(vocab),
-                Arg::Ptr(self.dev.p(&greedy_out)),
+                Arg::Ptr(self.dev.p(&self.ws.picked)),
             ],
         )?;
         let mut picked = self

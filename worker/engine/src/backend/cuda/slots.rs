@@ -1,20 +1,24 @@
 //! The adapter slots on the device and how adapters reach them.
 //!
-//! A slot write is off the step's critical path: the adapter is staged in
-//! page-locked host memory and copied on a stream of its own, with an event
-//! per slot. A step waits only for the slots its segments use, so a load
-//! overlaps the steps that do not need it. The staging buffers are used in
-//! turn; one is refilled only after its last copy finished.
+//! Every slot is one contiguous image holding the A and Bᵀ of every (layer,
+//! projection), each sized for the slot rank, in the base weights' type.
+//! A slot write is off the step's critical path and is one copy: the
+//! adapter is laid out as that image in page-locked host memory and copied
+//! on a stream of its own, with an event per slot. A step waits only for
+//! the slots its segments use, so a load overlaps the steps that do not
+//! need it. The staging buffers are used in turn; one is refilled only
+//! after its last copy finished.
 
 use std::sync::Arc;
 
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, PinnedHostSlice};
 use rayon::prelude::*;
 
+use super::Dtype;
 use super::device::{Device, cuda};
 use crate::backend::{BackendShape, Segment};
 use crate::error::Result;
-use crate::lora::{HostAdapter, Projection};
+use crate::lora::{HostAdapter, LoraModule, Projection};
 use crate::model::ModelConfig;
 
 /// Staging buffers in turn: two, so one fills while the other is copied.
@@ -24,9 +28,17 @@ const STAGING: usize = 2;
 pub(super) struct Slots {
     pub max_rank: usize,
     slots: usize,
-    /// A `[slots, max_rank, in]` and Bᵀ `[slots, max_rank, out]`, f32.
-    pub a: Vec<CudaSlice<f32>>,
-    pub b: Vec<CudaSlice<f32>>,
+    /// The type the slots hold: the base weights' (the kernels widen it to
+    /// f32 as they read). bf16 halves the bytes a write copies against f32.
+    dtype: Dtype,
+    /// `slots` images of `stride` values each.
+    data: CudaSlice<u8>,
+    /// Values in one slot's image.
+    pub stride: usize,
+    /// Where each key's A `[max_rank, in]` and Bᵀ `[max_rank, out]` start
+    /// in an image, in values.
+    a_at: Vec<usize>,
+    b_at: Vec<usize>,
     /// `[key][slot]` on the device, mirrored on the host.
     pub rank: CudaSlice<i32>,
     pub scale: CudaSlice<f32>,
@@ -41,39 +53,41 @@ pub(super) struct Slots {
 
 /// A page-locked staging buffer and the end of its last copy.
 struct Staged {
-    host: PinnedHostSlice<f32>,
+    host: PinnedHostSlice<u8>,
     done: Option<CudaEvent>,
 }
 
 impl Slots {
     pub fn new(dev: &Device, config: &ModelConfig, shape: &BackendShape) -> Result<Slots> {
         let c = config;
-        let zeros = |n: usize| {
-            dev.stream
-                .alloc_zeros::<f32>(n)
-                .map_err(cuda("allocating adapter slots"))
-        };
         let max_rank = dev.shapes.max_rank;
-        let mut a = Vec::with_capacity(c.num_layers * 7);
-        let mut b = Vec::with_capacity(c.num_layers * 7);
+        let dtype = dev.shapes.slot_dtype;
+        let (mut a_at, mut b_at) = (Vec::new(), Vec::new());
+        let mut stride = 0;
         for _ in 0..c.num_layers {
             for p in Projection::ALL {
                 let (fan_in, fan_out) = p.shape(c);
-                a.push(zeros(shape.slots * max_rank * fan_in)?);
-                b.push(zeros(shape.slots * max_rank * fan_out)?);
+                a_at.push(stride);
+                stride += max_rank * fan_in;
+                b_at.push(stride);
+                stride += max_rank * fan_out;
             }
         }
         let keys = c.num_layers * 7 * shape.slots;
+        let alloc = "allocating adapter slots";
         Ok(Slots {
             max_rank,
             slots: shape.slots,
-            a,
-            b,
-            rank: dev
+            dtype,
+            data: dev
                 .stream
-                .alloc_zeros::<i32>(keys)
-                .map_err(cuda("allocating adapter slots"))?,
-            scale: zeros(keys)?,
+                .alloc_zeros::<u8>((shape.slots * stride * dtype.bytes()).max(1))
+                .map_err(cuda(alloc))?,
+            stride,
+            a_at,
+            b_at,
+            rank: dev.stream.alloc_zeros::<i32>(keys).map_err(cuda(alloc))?,
+            scale: dev.stream.alloc_zeros::<f32>(keys).map_err(cuda(alloc))?,
             rank_host: vec![0; keys],
             scale_host: vec![0.0; keys],
             ready: (0..shape.slots).map(|_| None).collect(),
@@ -86,39 +100,37 @@ impl Slots {
         })
     }
 
-    /// Stages `adapter` and queues its copy into `slot` on the copy stream;
-    /// returns before the copy is done. The slot's ranks and scales go on
-    /// the compute stream at once: a step that does not use the slot never
-    /// reads them, and one that does waits for the copy ([`Slots::wait_for`]).
+    /// Slot 0's A of `key`, as an address the kernels read.
+    pub fn a_of(&self, dev: &Device, key: usize) -> u64 {
+        dev.p(&self.data) + (self.a_at[key] * self.dtype.bytes()) as u64
+    }
+
+    /// Slot 0's Bᵀ of `key`.
+    pub fn b_of(&self, dev: &Device, key: usize) -> u64 {
+        dev.p(&self.data) + (self.b_at[key] * self.dtype.bytes()) as u64
+    }
+
+    /// Lays `adapter` out as a slot image in page-locked memory and queues
+    /// its copy into `slot` on the copy stream, as one copy; returns before
+    /// the copy is done. The slot's ranks and scales go on the compute
+    /// stream at once: a step that does not use the slot never reads them,
+    /// and one that does waits for the copy ([`Slots::wait_for`]). Rows
+    /// past a module's rank, and modules the adapter lacks, are copied as
+    /// whatever the staging buffer held: their rank keeps them unread.
     pub fn write(
         &mut self,
         dev: &Device,
-        config: &ModelConfig,
+        _config: &ModelConfig,
         slot: usize,
         adapter: &HostAdapter,
     ) -> Result<()> {
         self.reset(slot);
-        let max_rank = self.max_rank;
-        // (key, projection, module) of every module present.
-        let mut modules = Vec::new();
-        for (layer, projs) in adapter.modules.iter().enumerate() {
-            for p in Projection::ALL {
-                if let Some(m) = &projs[p.index()] {
-                    modules.push((layer * 7 + p.index(), p, m));
-                }
-            }
-        }
-        let floats: usize = modules
-            .iter()
-            .map(|(_, _, m)| {
-                let (a, b) = m.factor_lens();
-                a + b
-            })
-            .sum();
+        let elem = self.dtype.bytes();
+        let len = self.stride * elem;
         let i = self.next;
         self.next = (self.next + 1) % STAGING;
         let mut staged = match self.staging[i].take() {
-            Some(s) if s.host.len() >= floats => s,
+            Some(s) if s.host.len() >= len => s,
             old => {
                 // Too small (or none yet): a new one, once the old one's
                 // copy no longer reads it.
@@ -126,8 +138,9 @@ impl Slots {
                     e.synchronize().map_err(cuda("staging an adapter"))?;
                 }
                 drop(old);
-                // SAFETY: every element read is written below first.
-                let host = unsafe { dev.ctx.alloc_pinned::<f32>(floats.max(1)) }
+                // SAFETY: bytes are plain data; what is never written is
+                // never read (see above).
+                let host = unsafe { dev.ctx.alloc_pinned::<u8>(len.max(4)) }
                     .map_err(cuda("allocating page-locked staging memory"))?;
                 Staged { host, done: None }
             }
@@ -139,46 +152,41 @@ impl Slots {
             .host
             .as_mut_slice()
             .map_err(cuda("staging an adapter"))?;
-        // Each module's A rows then Bᵀ rows, widened to f32 straight into
-        // the page-locked buffer, modules in parallel.
-        let mut copies = Vec::with_capacity(2 * modules.len());
-        let mut parts = Vec::with_capacity(2 * modules.len());
-        let mut rest = &mut host[..floats];
+        // Each present module's A rows and Bᵀ rows, in the slots' type, at
+        // their places in the image, modules in parallel. Keys ascend with
+        // the image's offsets, so the image splits into disjoint pieces.
+        let mut parts = Vec::new();
+        let mut rest = &mut host[..len];
         let mut at = 0;
-        for &(key, p, m) in &modules {
-            let (fan_in, fan_out) = p.shape(config);
-            let (a_len, b_len) = m.factor_lens();
-            let (a, tail) = rest.split_at_mut(a_len);
-            let (b, tail) = tail.split_at_mut(b_len);
-            rest = tail;
-            // Rows past the module's rank are never read.
-            let a_dst = dev.p(&self.a[key]) + (slot * max_rank * fan_in * 4) as u64;
-            copies.push((a_dst, at, a_len));
-            let b_dst = dev.p(&self.b[key]) + (slot * max_rank * fan_out * 4) as u64;
-            copies.push((b_dst, at + a_len, b_len));
-            at += a_len + b_len;
-            parts.push((m, a, b));
-            self.rank_host[key * self.slots + slot] = m.rank as i32;
-            self.scale_host[key * self.slots + slot] = m.scale;
-        }
-        parts.into_par_iter().for_each(|(m, a, b)| {
-            m.write_a_f32(a);
-            m.write_b_t_f32(b);
-        });
-        let host = &host[..at];
-        for (dst, from, len) in copies {
-            // SAFETY: the source is page-locked and stays untouched until
-            // `done` completes; the destination lies inside the slot's
-            // region of its buffer.
-            unsafe {
-                cudarc::driver::result::memcpy_htod_async(
-                    dst,
-                    &host[from..from + len],
-                    self.copy.cu_stream(),
-                )
+        for (layer, projs) in adapter.modules.iter().enumerate() {
+            for p in Projection::ALL {
+                let Some(m) = &projs[p.index()] else {
+                    continue;
+                };
+                let key = layer * 7 + p.index();
+                let (a_len, b_len) = m.factor_lens();
+                let (_, tail) = rest.split_at_mut((self.a_at[key] - at) * elem);
+                let (a, tail) = tail.split_at_mut(a_len * elem);
+                let (_, tail) = tail.split_at_mut((self.b_at[key] - self.a_at[key] - a_len) * elem);
+                let (b, tail) = tail.split_at_mut(b_len * elem);
+                rest = tail;
+                at = self.b_at[key] + b_len;
+                parts.push((m, a, b));
+                self.rank_host[key * self.slots + slot] = m.rank as i32;
+                self.scale_host[key * self.slots + slot] = m.scale;
             }
-            .map_err(cuda("copying an adapter into its slot"))?;
         }
+        let dtype = self.dtype;
+        parts
+            .into_par_iter()
+            .for_each(|(m, a, b)| encode_module(m, dtype, a, b));
+        let dst = dev.p(&self.data) + (slot * len) as u64;
+        // SAFETY: the source is page-locked and stays untouched until
+        // `done` completes; the destination is the slot's image.
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(dst, &host[..len], self.copy.cu_stream())
+        }
+        .map_err(cuda("copying an adapter into its slot"))?;
         let done = |s: &CudaStream| s.record_event(None).map_err(cuda("copying an adapter"));
         staged.done = Some(done(&self.copy)?);
         self.ready[slot] = Some(done(&self.copy)?);
@@ -244,5 +252,39 @@ impl Slots {
         dev.stream
             .memcpy_htod(&self.scale_host, &mut self.scale)
             .map_err(cuda("writing slot scales"))
+    }
+}
+
+/// Writes a module's A and Bᵀ into `a` and `b` (bytes, in order) as `dtype`
+/// values: f32 as the host holds it, bf16 as the file's own bits when it
+/// stored bf16 (else rounded to nearest even), f16 rounded from f32.
+fn encode_module(m: &LoraModule, dtype: Dtype, a: &mut [u8], b: &mut [u8]) {
+    fn view<T>(bytes: &mut [u8]) -> &mut [T] {
+        // SAFETY: the page-locked buffer is page-aligned and every module
+        // starts at a multiple of the element size; any bit pattern is a
+        // valid f32 or u16.
+        let (head, values, tail) = unsafe { bytes.align_to_mut::<T>() };
+        assert!(
+            head.is_empty() && tail.is_empty(),
+            "a misaligned slot staging buffer"
+        );
+        values
+    }
+    let bf16_bits = |v: f32| half::bf16::from_f32(v).to_bits();
+    let f16_bits = |v: f32| half::f16::from_f32(v).to_bits();
+    let widen = crate::backend::cpu::panels::bf16_to_f32;
+    match dtype {
+        Dtype::F32 => {
+            m.write_a_f32(view(a));
+            m.write_b_t_f32(view(b));
+        }
+        Dtype::Bf16 => {
+            m.write_a_as(view(a), bf16_bits, |bits| bits);
+            m.write_b_t_as(view(b), bf16_bits, |bits| bits);
+        }
+        Dtype::F16 => {
+            m.write_a_as(view(a), f16_bits, |bits| f16_bits(widen(bits)));
+            m.write_b_t_as(view(b), f16_bits, |bits| f16_bits(widen(bits)));
+        }
     }
 }

@@ -10,6 +10,7 @@ use super::device::{Device, LoraLaunch, LoraSlice, cuda, push_segments};
 use super::kernels::{KernelShapes, MAX_SHRINK_KC};
 use crate::backend::Segment;
 use crate::error::Result;
+use crate::lora::Projection;
 
 /// A device buffer of the harness.
 #[derive(Debug)]
@@ -77,7 +78,7 @@ impl KernelHarness {
     /// offsets, segment slots, tiles) and the number of tiles (the grid).
     pub fn segments(&self, segments: &[Segment]) -> Result<(Buf, [Arg; 4], usize)> {
         let mut buf = Vec::new();
-        let (ptrs, tiles) = push_segments(&mut buf, segments);
+        let (ptrs, tiles) = push_segments(&mut buf, segments, None);
         buf.push(0);
         let dev = self.i32(&buf)?;
         let p = ptrs.at(self.ptr(&dev));
@@ -163,6 +164,7 @@ impl LoraBench {
     ) -> Result<LoraBench> {
         let shapes = KernelShapes {
             dtype: Dtype::F32,
+            slot_dtype: Dtype::F32,
             head_dim: 2,
             max_rank,
             shrink_kc: fan_in.next_multiple_of(32).min(MAX_SHRINK_KC),
@@ -233,7 +235,7 @@ impl LoraBench {
         let mut launches = Vec::new();
         for group in groups {
             let mut buf = Vec::new();
-            let (ptrs, tiles) = push_segments(&mut buf, group);
+            let (ptrs, tiles) = push_segments(&mut buf, group, None);
             buf.push(0);
             let dev_buf = self.dev.stream.clone_htod(&buf).map_err(cuda("upload"))?;
             launches.push(LoraLaunch {
@@ -247,9 +249,11 @@ impl LoraBench {
                     b: self.dev.p(&self.b),
                     rank: self.dev.p(&self.rank),
                     scale: self.dev.p(&self.scale),
+                    b_stride: self.max_rank * self.fan_out,
                     width: self.fan_out,
                     offset: 0,
                 }],
+                a_stride: self.max_rank * self.fan_in,
                 segments: ptrs.at(self.dev.p(&dev_buf)),
                 tiles,
                 h_part: self.dev.p(&self.h_part),
@@ -324,5 +328,76 @@ impl LoraBench {
         let end = self.dev.stream.record_event(timed).map_err(cuda("event"))?;
         let secs = f64::from(start.elapsed_ms(&end).map_err(cuda("event"))?) / 1e3 / iters as f64;
         Ok(2.0 * (n * 4) as f64 / secs / 1e9)
+    }
+}
+
+impl super::CudaBackend {
+    /// Where the last step's device time goes: the step's launches, the
+    /// base GEMMs alone, the LoRA launches alone and the rest (norms,
+    /// RoPE, attention, casts, residual adds), each captured in a graph
+    /// and replayed `iters` times between device events. Milliseconds per
+    /// replay, in that order; the buffers hold the last step's data.
+    pub fn profile_last_step(&self, iters: usize) -> Result<Vec<(&'static str, f64)>> {
+        let (meta, n, rows) = self
+            .graphs
+            .last_step
+            .ok_or_else(|| crate::EngineError::Backend("cuda: no step has run yet".into()))?;
+        // The widest buffers serve every projection's input and output.
+        let x = self.dev.p(&self.ws.act);
+        let y = self.dev.p(&self.ws.gu);
+        let input = self.ws.cast.as_ref().map_or(x, |c| self.dev.p(c));
+        let gemms = || -> Result<()> {
+            for layer in &self.layers {
+                for lin in [&layer.qkv, &layer.o, &layer.gate_up, &layer.down] {
+                    self.linear(lin, input, y, n)?;
+                }
+            }
+            if rows > 0 {
+                self.linear(&self.lm_head, input, self.dev.p(&self.ws.logits), rows)?;
+            }
+            Ok(())
+        };
+        let loras = || -> Result<()> {
+            for l in 0..self.layers.len() {
+                for projs in [
+                    &[Projection::Q, Projection::K, Projection::V][..],
+                    &[Projection::O],
+                    &[Projection::Gate, Projection::Up],
+                    &[Projection::Down],
+                ] {
+                    self.lora(l, projs, x, n, y, &meta)?;
+                }
+            }
+            Ok(())
+        };
+        let step = self.time_replays(|| self.launch_forward(&meta, n, rows), iters)?;
+        let gemm = self.time_replays(gemms, iters)?;
+        // A step with no adapter has no LoRA launches to time.
+        let lora = if meta.tiles == 0 {
+            0.0
+        } else {
+            self.time_replays(loras, iters)?
+        };
+        Ok(vec![
+            ("whole step", step),
+            ("base GEMMs", gemm),
+            ("LoRA launches", lora),
+            ("the rest", step - gemm - lora),
+        ])
+    }
+
+    fn time_replays(&self, launch: impl FnOnce() -> Result<()>, iters: usize) -> Result<f64> {
+        let graph = self.capture_with(launch)?;
+        let st = &self.dev.stream;
+        for _ in 0..3 {
+            graph.launch().map_err(cuda("replaying"))?;
+        }
+        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = st.record_event(timing).map_err(cuda("timing"))?;
+        for _ in 0..iters {
+            graph.launch().map_err(cuda("replaying"))?;
+        }
+        let end = st.record_event(timing).map_err(cuda("timing"))?;
+        Ok(start.elapsed_ms(&end).map_err(cuda("timing"))? as f64 / iters.max(1) as f64)
     }
 }
