@@ -147,6 +147,21 @@ impl MemoryPlan {
     }
 }
 
+/// Bytes of every adapter slot: A and Bᵀ of each (layer, projection) at the
+/// slot rank in `dtype`, plus 4-byte ranks and scales.
+fn adapter_slot_bytes(c: &ModelConfig, shape: &BackendShape, dtype: Dtype) -> u64 {
+    let rank = shape.max_lora_rank.max(1) as u64;
+    let slot_values: u64 = Projection::ALL
+        .iter()
+        .map(|p| {
+            let (i, o) = p.shape(c);
+            rank * (i + o) as u64
+        })
+        .sum();
+    (slot_values * shape.slots as u64 * dtype.bytes() as u64 + 2 * shape.slots as u64 * 7 * 4)
+        * c.num_layers as u64
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -239,19 +254,4 @@ mod tests {
         assert!(more_tokens.workspace > p0.workspace);
         assert_eq!(more_tokens.adapter_slots, p0.adapter_slots);
     }
-}
-
-/// Bytes of every adapter slot: A and Bᵀ of each (layer, projection) at the
-/// slot rank in `dtype`, plus 4-byte ranks and scales.
-fn adapter_slot_bytes(c: &ModelConfig, shape: &BackendShape, dtype: Dtype) -> u64 {
-    let rank = shape.max_lora_rank.max(1) as u64;
-    let slot_values: u64 = Projection::ALL
-        .iter()
-        .map(|p| {
-            let (i, o) = p.shape(c);
-            rank * (i + o) as u64
-        })
-        .sum();
-    (slot_values * shape.slots as u64 * dtype.bytes() as u64 + 2 * shape.slots as u64 * 7 * 4)
-        * c.num_layers as u64
 }
