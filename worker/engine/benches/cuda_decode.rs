@@ -36,6 +36,17 @@ use lorafleet_engine::{BackendChoice, Engine, EngineSettings};
 use standin::LLAMA_1B as SHAPE;
 
 const REQUESTS: usize = 512;
+/// The backend of the batch-1 and batch-32 measurements: 4 slots.
+const SMALL_SHAPE: BackendShape = BackendShape {
+    slots: 4,
+    max_lora_rank: 16,
+    kv_blocks: 64,
+    block_size: 16,
+};
+const SMALL_LIMITS: StepLimits = StepLimits {
+    max_tokens: 512,
+    max_rows: 32,
+};
 const PROMPT: usize = 8;
 const NEW: usize = 8;
 
@@ -121,16 +132,7 @@ fn main() {
         return;
     }
     let config = ModelConfig::from_dir(&model).unwrap();
-    let shape = BackendShape {
-        slots: 4,
-        max_lora_rank: 16,
-        kv_blocks: 64,
-        block_size: 16,
-    };
-    let limits = StepLimits {
-        max_tokens: 512,
-        max_rows: 32,
-    };
+    let (shape, limits) = (SMALL_SHAPE, SMALL_LIMITS);
     let mut gpu = CudaBackend::load(&model, &config, shape, 0, Dtype::Bf16, limits).unwrap();
     let plan = gpu.memory_plan().unwrap();
     // Per token a decode step reads every linear weight and the lm_head
@@ -275,16 +277,7 @@ fn main() {
 /// the slots in bf16 and in f32, and with no adapter: ms per step and the
 /// LoRA launches' device time.
 fn batch32_lora(model: &std::path::Path, config: &ModelConfig, host: &HostAdapter) {
-    let shape = BackendShape {
-        slots: 4,
-        max_lora_rank: 16,
-        kv_blocks: 64,
-        block_size: 16,
-    };
-    let limits = StepLimits {
-        max_tokens: 512,
-        max_rows: 32,
-    };
+    let (shape, limits) = (SMALL_SHAPE, SMALL_LIMITS);
     let greedy = vec![
         DeviceSample {
             temperature: 0.0,

@@ -36,6 +36,24 @@ fn access(pool: &mut AdapterPool, backend: &mut CpuBackend, id: u64) -> Residenc
     found
 }
 
+/// `count` greedy requests of 4 tokens, request i on adapter i mod
+/// `adapters` (ids from 1), with the prompt `prompt(i)`.
+fn round_robin(count: u64, adapters: u64, prompt: impl Fn(u64) -> String) -> Vec<Request> {
+    (0..count)
+        .map(|i| Request {
+            id: format!("r{i}"),
+            adapter: Some(aid(i % adapters + 1)),
+            prompt: Prompt::Text(prompt(i)),
+            params: SamplingParams {
+                max_tokens: 4,
+                temperature: 0.0,
+                ignore_eos: true,
+                ..Default::default()
+            },
+        })
+        .collect()
+}
+
 fn device_set(pool: &AdapterPool) -> Vec<u64> {
     let mut v: Vec<u64> = (1..=10)
         .filter(|&id| pool.slot_of(aid(id)).is_some())
@@ -137,19 +155,9 @@ fn more_distinct_adapters_than_slots_all_complete() {
     };
     let mut e = fixture_engine(MODEL, settings);
     let names = adapter_names(MODEL);
-    let requests: Vec<Request> = (0..names.len() as u64 * 2)
-        .map(|i| Request {
-            id: format!("r{i}"),
-            adapter: Some(aid(i % names.len() as u64 + 1)),
-            prompt: Prompt::Text("The quick brown fox".into()),
-            params: SamplingParams {
-                max_tokens: 4,
-                temperature: 0.0,
-                ignore_eos: true,
-                ..Default::default()
-            },
-        })
-        .collect();
+    let requests = round_robin(names.len() as u64 * 2, names.len() as u64, |_| {
+        "The quick brown fox".into()
+    });
     let results = e.run_to_completion(requests).unwrap();
     assert!(
         results
@@ -368,19 +376,9 @@ fn an_adapter_with_expert_weights_costs_its_real_size_in_the_host_tier() {
 fn admission_by_residency_loads_each_adapter_about_once() {
     let adapters = adapter_names(MODEL).len() as u64;
     assert!(adapters >= 8, "the fixture has enough adapters");
-    let requests: Vec<Request> = (0..4 * adapters)
-        .map(|i| Request {
-            id: format!("r{i}"),
-            adapter: Some(aid(i % adapters + 1)),
-            prompt: Prompt::Text(format!("request {i}: the quick brown fox")),
-            params: SamplingParams {
-                max_tokens: 4,
-                temperature: 0.0,
-                ignore_eos: true,
-                ..Default::default()
-            },
-        })
-        .collect();
+    let requests = round_robin(4 * adapters, adapters, |i| {
+        format!("request {i}: the quick brown fox")
+    });
     let run = |slots: usize| {
         let mut e = fixture_engine(
             MODEL,

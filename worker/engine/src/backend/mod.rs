@@ -115,6 +115,16 @@ impl<'a> StepBatch<'a> {
         Ok(())
     }
 
+    /// The token index of each sequence's last token, for the sequences
+    /// that want logits: the rows a step's logits come from.
+    pub fn logit_rows(&self) -> Vec<usize> {
+        self.seqs
+            .iter()
+            .filter(|s| s.want_logits)
+            .map(|s| s.start + s.len - 1)
+            .collect()
+    }
+
     /// The number of distinct adapter slots used.
     pub fn distinct_adapters(&self) -> usize {
         let mut slots: Vec<usize> = self.segments.iter().map(|s| s.slot).collect();

@@ -659,12 +659,7 @@ impl Backend for CpuBackend {
         }
         // Final norm and lm_head only for the rows that want logits.
         let batch = trimmed.as_ref().unwrap_or(batch);
-        let rows: Vec<usize> = batch
-            .seqs
-            .iter()
-            .filter(|s| s.want_logits)
-            .map(|s| s.start + s.len - 1)
-            .collect();
+        let rows = batch.logit_rows();
         let mut last = vec![0f32; rows.len() * d];
         for (i, &t) in rows.iter().enumerate() {
             last[i * d..(i + 1) * d].copy_from_slice(&hidden[t * d..(t + 1) * d]);

@@ -65,7 +65,8 @@ impl MemoryPlan {
         let kv_cache =
             2 * (c.num_layers * shape.kv_blocks * shape.block_size * c.kv_dim()) as u64 * w;
         let rank = shape.max_lora_rank.max(1) as u64;
-        let adapter_slots = adapter_slot_bytes(c, shape, dtype);
+        // f32 slots, the default; `with_slot_dtype` plans others.
+        let adapter_slots = adapter_slot_bytes(c, shape, Dtype::F32);
         let (d, inter, q, kv) = (
             c.hidden_size as u64,
             c.intermediate_size as u64,
@@ -214,6 +215,14 @@ mod tests {
             plan.adapter_slots,
             (32 * 16 * sum_in_out as u64 + 2 * 32 * 7) * 4 * 32
         );
+        // bf16 slots (`--lora-dtype bf16`): the factors at 2 bytes, the
+        // ranks and scales still 4.
+        let bf16_slots = plan.with_slot_dtype(&llama_8b(), &shape, Dtype::Bf16);
+        assert_eq!(
+            bf16_slots.adapter_slots,
+            (32 * 16 * sum_in_out as u64 * 2 + 2 * 32 * 7 * 4) * 32
+        );
+        assert_eq!(bf16_slots.weights, plan.weights);
         assert!(plan.check(80 * GIB).is_ok(), "{}", plan.summary());
         // In f32 the weights alone double; on a 24 GiB device it cannot fit.
         let f32_plan = MemoryPlan::new(&llama_8b(), &shape, Dtype::F32, 2048, 256, 24 * GIB);

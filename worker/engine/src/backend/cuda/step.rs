@@ -193,12 +193,7 @@ impl CudaBackend {
         if n == 0 {
             return Ok(());
         }
-        let rows: Vec<usize> = batch
-            .seqs
-            .iter()
-            .filter(|s| s.want_logits)
-            .map(|s| s.start + s.len - 1)
-            .collect();
+        let rows = batch.logit_rows();
         let decode =
             n <= MAX_GRAPH_TOKENS && batch.seqs.iter().all(|s| s.len == 1 && s.want_logits);
         let host = HostMeta::build(batch, &rows, self.shape.block_size, decode);
