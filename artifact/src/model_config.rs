@@ -34,6 +34,14 @@ impl Architecture {
         }
     }
 
+    /// Whether its MLP is a Mixture of Experts.
+    pub fn is_moe(self) -> bool {
+        match self {
+            Architecture::Llama | Architecture::Mistral | Architecture::Qwen2 => false,
+            Architecture::Mixtral | Architecture::Qwen3Moe => true,
+        }
+    }
+
     /// Every architecture, for the lists that name them all.
     pub const ALL: [Architecture; 5] = [
         Architecture::Llama,

@@ -1,6 +1,8 @@
 //! A safetensors file's JSON header, read without the tensor data: the
-//! admin plane checks an adapter's tensor names and shapes at registration.
+//! admin plane checks an adapter's tensor names and shapes at registration
+//! with the rules the worker applies ([`crate::adapter::tensors`]).
 
+use std::collections::BTreeMap;
 use std::io::Read;
 use std::path::Path;
 
@@ -9,14 +11,58 @@ use serde_json::{Map, Value};
 /// The largest header accepted; real adapter headers are kilobytes.
 const MAX_HEADER_BYTES: u64 = 100 << 20;
 
-/// The header's JSON object (tensor name → dtype, shape, offsets, plus
-/// `__metadata__`). The error says what is wrong with the file.
-pub fn read(path: &Path) -> Result<Map<String, Value>, String> {
-    let mut f = std::fs::File::open(path).map_err(|e| format!("cannot be opened: {e}"))?;
-    parse(&mut f)
+/// One tensor as the header describes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorInfo {
+    /// The safetensors dtype as written (`F32`, `BF16`, ...).
+    pub dtype: String,
+    pub shape: Vec<u64>,
 }
 
-/// [`read`] from any reader.
+/// A typed header: every tensor by name (`__metadata__` left out).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Header {
+    pub tensors: BTreeMap<String, TensorInfo>,
+}
+
+impl Header {
+    /// The tensors of a header's JSON object; a tensor without a dtype or a
+    /// shape of whole numbers is refused by name.
+    pub fn from_json(map: &Map<String, Value>) -> Result<Header, String> {
+        let mut tensors = BTreeMap::new();
+        for (name, info) in map {
+            if name == "__metadata__" {
+                continue;
+            }
+            let dtype = info
+                .get("dtype")
+                .and_then(Value::as_str)
+                .ok_or_else(|| format!("tensor {name:?} has no dtype"))?;
+            let shape = info
+                .get("shape")
+                .and_then(Value::as_array)
+                .and_then(|a| a.iter().map(Value::as_u64).collect::<Option<Vec<_>>>())
+                .ok_or_else(|| format!("tensor {name:?} has no shape of whole numbers"))?;
+            tensors.insert(
+                name.clone(),
+                TensorInfo {
+                    dtype: dtype.to_owned(),
+                    shape,
+                },
+            );
+        }
+        Ok(Header { tensors })
+    }
+}
+
+/// A file's typed header. The error says what is wrong with the file.
+pub fn read(path: &Path) -> Result<Header, String> {
+    let mut f = std::fs::File::open(path).map_err(|e| format!("cannot be opened: {e}"))?;
+    Header::from_json(&parse(&mut f)?)
+}
+
+/// The header's JSON object (tensor name → dtype, shape, offsets, plus
+/// `__metadata__`) from any reader.
 pub fn parse(r: &mut impl Read) -> Result<Map<String, Value>, String> {
     let mut len = [0u8; 8];
     r.read_exact(&mut len)
@@ -75,6 +121,23 @@ mod tests {
         assert_eq!(
             parse(&mut &file(b"[1]", 3)[..]).unwrap_err(),
             "has a header that is not a JSON object"
+        );
+    }
+
+    #[test]
+    fn typed_headers_refuse_a_tensor_without_dtype_or_shape_by_name() {
+        let read = |h: &[u8]| Header::from_json(&parse(&mut &file(h, h.len() as u64)[..]).unwrap());
+        let ok = read(br#"{"__metadata__":{"format":"pt"},"a":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]}}"#)
+            .unwrap();
+        assert_eq!(ok.tensors.len(), 1);
+        assert_eq!(ok.tensors["a"].shape, vec![2, 3]);
+        assert_eq!(
+            read(br#"{"a":{"shape":[1]}}"#).unwrap_err(),
+            "tensor \"a\" has no dtype"
+        );
+        assert_eq!(
+            read(br#"{"a":{"dtype":"F32","shape":[-1]}}"#).unwrap_err(),
+            "tensor \"a\" has no shape of whole numbers"
         );
     }
 }

@@ -144,6 +144,24 @@ impl WeightFiles {
         self.index.keys().map(String::as_str)
     }
 
+    /// Every tensor's dtype and shape, as a checked header describes them.
+    pub fn header(&self) -> crate::safetensors_header::Header {
+        use crate::safetensors_header::{Header, TensorInfo};
+        Header {
+            tensors: self
+                .index
+                .iter()
+                .map(|(name, t)| {
+                    let info = TensorInfo {
+                        dtype: format!("{:?}", t.dtype),
+                        shape: t.shape.iter().map(|&d| d as u64).collect(),
+                    };
+                    (name.clone(), info)
+                })
+                .collect(),
+        }
+    }
+
     pub fn contains(&self, name: &str) -> bool {
         self.index.contains_key(name)
     }

@@ -20,6 +20,9 @@ pub mod health {
     pub use tonic_health::server::{HealthReporter, health_reporter};
 }
 
+/// The stable reason codes of worker refusals.
+pub mod refusal;
+
 /// gRPC's richer error model (`google.rpc.ErrorInfo`, `BadRequest`): a
 /// worker refusal carries its reason code and the field at fault there,
 /// so the gateway reads them instead of parsing the message.

@@ -28,8 +28,9 @@ use lorafleet_engine::{
     AdapterSource, Engine, EngineSettings, Event, Prompt, Request, SamplingParams,
 };
 use lorafleet_proto::worker::v1 as pb;
+use lorafleet_worker::info::WorkerInfo;
 use lorafleet_worker::runtime::EngineHandle;
-use lorafleet_worker::service::{WorkerInfo, WorkerService};
+use lorafleet_worker::service::WorkerService;
 
 const REQUESTS: usize = 128;
 const ROUNDS: usize = 5;

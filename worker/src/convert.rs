@@ -1,5 +1,5 @@
 //! The one place where `lorafleet.worker.v1` wire messages become engine
-//! types and back, and where engine errors become gRPC statuses. Every
+//! types and back, and where a [`Refusal`] becomes a gRPC status. Every
 //! refusal names the proto field it concerns.
 
 use std::time::{Duration, SystemTime};
@@ -12,8 +12,12 @@ use lorafleet_engine::pool::AdapterStatus;
 use lorafleet_engine::{
     EngineError, Fairness, Finish, FinishReason, Prompt, Residency, SamplingParams, StopReason,
 };
+use lorafleet_proto::refusal::{ERROR_DOMAIN, Reason};
 use lorafleet_proto::worker::v1 as pb;
 use tonic::{Code, Status};
+
+use crate::info::{BaseModel, Capacity, WorkerInfo};
+use crate::refusal::Refusal;
 
 /// The longest request id accepted.
 pub const MAX_REQUEST_ID: usize = 128;
@@ -29,67 +33,41 @@ pub struct Descriptor {
     pub display_name: String,
 }
 
-/// The domain of every worker refusal's `ErrorInfo`.
-pub const ERROR_DOMAIN: &str = "lorafleet.worker";
-
-/// A refusal with its machine-readable parts in the status details, so the
-/// gateway never parses the message: a stable `reason` (`ErrorInfo`, in
-/// [`ERROR_DOMAIN`]) and, when one request field is at fault, that field
-/// (`BadRequest`). The message stays for people and logs.
-pub fn refusal(
-    code: Code,
-    reason: &str,
-    field: Option<&str>,
-    message: impl Into<String>,
-) -> Status {
-    use lorafleet_proto::tonic_types::{ErrorDetails, StatusExt};
-    let message = message.into();
-    let mut details = ErrorDetails::new();
-    details.set_error_info(reason, ERROR_DOMAIN, std::collections::HashMap::new());
-    if let Some(field) = field {
-        details.add_bad_request_violation(field, message.clone());
-    }
-    Status::with_error_details(code, message, details)
-}
-
-fn invalid(field: &str, reason: impl std::fmt::Display) -> Status {
-    refusal(
-        Code::InvalidArgument,
-        "invalid_field",
-        Some(field),
-        format!("{field}: {reason}"),
-    )
-}
-
 fn is_sha256_hex(s: &str) -> bool {
     s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
 /// A wire `lora_int_id`: refused by `field` unless positive.
-pub fn adapter_id(id: u64, field: &str) -> Result<AdapterId, Status> {
-    AdapterId::new(id).ok_or_else(|| invalid(field, "must be positive"))
+pub fn adapter_id(id: u64, field: &str) -> Result<AdapterId, Refusal> {
+    AdapterId::new(id).ok_or_else(|| Refusal::descriptor(field, "must be positive"))
 }
 
 /// Checks a descriptor; `field` is its path in the request, such as "adapter".
-pub fn descriptor(d: &pb::AdapterDescriptor, field: &str) -> Result<Descriptor, Status> {
+pub fn descriptor(d: &pb::AdapterDescriptor, field: &str) -> Result<Descriptor, Refusal> {
     let lora_int_id = adapter_id(d.lora_int_id, &format!("{field}.lora_int_id"))?;
     if d.artifact_uri.is_empty() {
-        return Err(invalid(&format!("{field}.artifact_uri"), "is required"));
+        return Err(Refusal::descriptor(
+            format!("{field}.artifact_uri"),
+            "is required",
+        ));
     }
     if !is_sha256_hex(&d.artifact_sha256) {
-        return Err(invalid(
-            &format!("{field}.artifact_sha256"),
+        return Err(Refusal::descriptor(
+            format!("{field}.artifact_sha256"),
             "must be 64 hexadecimal digits",
         ));
     }
     if !is_sha256_hex(&d.base_hash) {
-        return Err(invalid(
-            &format!("{field}.base_hash"),
+        return Err(Refusal::descriptor(
+            format!("{field}.base_hash"),
             "must be 64 hexadecimal digits",
         ));
     }
     if d.rank == 0 {
-        return Err(invalid(&format!("{field}.rank"), "must be positive"));
+        return Err(Refusal::descriptor(
+            format!("{field}.rank"),
+            "must be positive",
+        ));
     }
     Ok(Descriptor {
         lora_int_id,
@@ -105,11 +83,10 @@ pub fn descriptor(d: &pb::AdapterDescriptor, field: &str) -> Result<Descriptor, 
     })
 }
 
-/// The request id, prompt and sampling of a Generate request.
 /// The request's fair share: its key and weight, refused by field.
-pub fn fairness(r: &pb::GenerateRequest) -> Result<Fairness, Status> {
+pub fn fairness(r: &pb::GenerateRequest) -> Result<Fairness, Refusal> {
     if r.fairness_key.len() > MAX_REQUEST_ID {
-        return Err(invalid(
+        return Err(Refusal::field(
             "fairness_key",
             format!("is longer than {MAX_REQUEST_ID} bytes"),
         ));
@@ -118,7 +95,7 @@ pub fn fairness(r: &pb::GenerateRequest) -> Result<Fairness, Status> {
         0.0 => 1.0,
         w if w.is_finite() && w > 0.0 => w,
         w => {
-            return Err(invalid(
+            return Err(Refusal::field(
                 "fairness_weight",
                 format!("{w} is not a positive number"),
             ));
@@ -130,44 +107,45 @@ pub fn fairness(r: &pb::GenerateRequest) -> Result<Fairness, Status> {
     })
 }
 
+/// The request id, prompt and sampling of a Generate request.
 pub fn generate_request(
     r: &pb::GenerateRequest,
-) -> Result<(String, Prompt, SamplingParams), Status> {
+) -> Result<(String, Prompt, SamplingParams), Refusal> {
     if r.request_id.is_empty() {
-        return Err(invalid("request_id", "is required"));
+        return Err(Refusal::field("request_id", "is required"));
     }
     if r.request_id.len() > MAX_REQUEST_ID {
-        return Err(invalid(
+        return Err(Refusal::field(
             "request_id",
             format!("is longer than {MAX_REQUEST_ID} bytes"),
         ));
     }
     let prompt = match &r.prompt {
         None => {
-            return Err(invalid(
+            return Err(Refusal::field(
                 "prompt",
                 "one of text, token_ids or chat is required",
             ));
         }
         Some(pb::generate_request::Prompt::Text(t)) if t.is_empty() => {
-            return Err(invalid("prompt.text", "is empty"));
+            return Err(Refusal::field("prompt.text", "is empty"));
         }
         Some(pb::generate_request::Prompt::Text(t)) => Prompt::Text(t.clone()),
         Some(pb::generate_request::Prompt::TokenIds(ids)) if ids.ids.is_empty() => {
-            return Err(invalid("prompt.token_ids.ids", "is empty"));
+            return Err(Refusal::field("prompt.token_ids.ids", "is empty"));
         }
         Some(pb::generate_request::Prompt::TokenIds(ids)) => Prompt::TokenIds(ids.ids.clone()),
         Some(pb::generate_request::Prompt::Chat(chat)) => {
             if chat.messages.is_empty() {
-                return Err(invalid(
+                return Err(Refusal::field(
                     "prompt.chat.messages",
                     "must hold at least one message",
                 ));
             }
             for (i, m) in chat.messages.iter().enumerate() {
                 if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "tool") {
-                    return Err(invalid(
-                        &format!("prompt.chat.messages[{i}].role"),
+                    return Err(Refusal::field(
+                        format!("prompt.chat.messages[{i}].role"),
                         format!("{:?} is not system, user, assistant or tool", m.role),
                     ));
                 }
@@ -188,7 +166,7 @@ pub fn generate_request(
     let s = r
         .sampling
         .as_ref()
-        .ok_or_else(|| invalid("sampling", "is required"))?;
+        .ok_or_else(|| Refusal::field("sampling", "is required"))?;
     let params = SamplingParams {
         max_tokens: s.max_tokens as usize,
         temperature: s.temperature.unwrap_or(1.0),
@@ -267,114 +245,189 @@ pub fn adapter_state(a: &AdapterStatus, sha256: &str, epoch: SystemTime) -> pb::
     }
 }
 
-/// The status for an artifact that could not be used.
+/// The gRPC status for a refusal: the one exhaustive mapping to a code, a
+/// reason code ([`Reason`], in `ErrorInfo`) and the field at fault (in
+/// `BadRequest`). The message stays for people and logs.
 ///
-/// A status names the field and the reason, never what the caller could not
-/// know: the artifact's actual digest or a path on this machine (those go
-/// to the log), so an error is no oracle for the files.
-pub fn artifact_status(e: &ArtifactError) -> Status {
-    const URI: Option<&str> = Some("adapter.artifact_uri");
+/// A status never says what the caller could not know: an artifact's
+/// actual digest or a path on this machine go to the log only, so an error
+/// is no oracle for the files.
+pub fn status(r: &Refusal) -> Status {
+    let (code, reason, field, message) = parts(r);
+    use lorafleet_proto::tonic_types::{ErrorDetails, StatusExt};
+    let mut details = ErrorDetails::new();
+    details.set_error_info(
+        reason.as_str(),
+        ERROR_DOMAIN,
+        std::collections::HashMap::new(),
+    );
+    if let Some(field) = field {
+        details.add_bad_request_violation(field, message.clone());
+    }
+    Status::with_error_details(code, message, details)
+}
+
+impl From<Refusal> for Status {
+    fn from(r: Refusal) -> Status {
+        status(&r)
+    }
+}
+
+type Parts = (Code, Reason, Option<String>, String);
+
+fn parts(r: &Refusal) -> Parts {
+    use Code::*;
+    let text = r.to_string();
+    match r {
+        Refusal::InvalidField { field, .. } => (
+            InvalidArgument,
+            Reason::InvalidField,
+            Some(field.clone()),
+            text,
+        ),
+        Refusal::InvalidDescriptor { field, .. } => (
+            InvalidArgument,
+            Reason::DescriptorInvalid,
+            Some(field.clone()),
+            text,
+        ),
+        Refusal::Draining => (Unavailable, Reason::Draining, None, text),
+        Refusal::AdapterIdReused { .. } => (
+            FailedPrecondition,
+            Reason::AdapterIdReused,
+            Some("adapter.lora_int_id".into()),
+            text,
+        ),
+        Refusal::BaseHashMismatch { .. } => (
+            FailedPrecondition,
+            Reason::AdapterBaseHashMismatch,
+            Some("adapter.base_hash".into()),
+            text,
+        ),
+        Refusal::RankTooLarge { .. } => (
+            InvalidArgument,
+            Reason::AdapterRankTooLarge,
+            Some("adapter.rank".into()),
+            text,
+        ),
+        Refusal::RankMismatch { .. } => (
+            InvalidArgument,
+            Reason::AdapterRankMismatch,
+            Some("adapter.rank".into()),
+            text,
+        ),
+        Refusal::LoadTimeout { .. } => (DeadlineExceeded, Reason::AdapterLoadTimeout, None, text),
+        Refusal::Artifact(e) => artifact_parts(e),
+        Refusal::Engine(e) => engine_parts(e),
+        Refusal::TaskFailed { .. } => {
+            tracing::error!(error = %r, "worker task failed");
+            (Internal, Reason::Internal, None, text)
+        }
+    }
+}
+
+fn artifact_parts(e: &ArtifactError) -> Parts {
+    let uri = || Some("adapter.artifact_uri".to_owned());
     match e {
-        ArtifactError::InvalidUri { .. } | ArtifactError::OutsideRoots { .. } => refusal(
+        ArtifactError::InvalidUri { .. } | ArtifactError::OutsideRoots { .. } => (
             Code::InvalidArgument,
-            "artifact_uri_invalid",
-            URI,
+            Reason::ArtifactUriInvalid,
+            uri(),
             format!("adapter.artifact_uri: {e}"),
         ),
-        ArtifactError::NotFound { .. } => refusal(
+        ArtifactError::NotFound { .. } => (
             Code::NotFound,
-            "artifact_not_found",
-            URI,
+            Reason::ArtifactNotFound,
+            uri(),
             format!("adapter.artifact_uri: {e}"),
         ),
         ArtifactError::Unreadable { .. } => {
             tracing::warn!(error = %e, "adapter artifact unreadable");
-            refusal(
+            (
                 Code::FailedPrecondition,
-                "artifact_unreadable",
-                URI,
-                "adapter.artifact_uri: the artifact cannot be read",
+                Reason::ArtifactUnreadable,
+                uri(),
+                "adapter.artifact_uri: the artifact cannot be read".into(),
             )
         }
         ArtifactError::DigestMismatch { .. } => {
             tracing::warn!(error = %e, "adapter artifact digest mismatch");
-            refusal(
+            (
                 Code::FailedPrecondition,
-                "artifact_digest_mismatch",
-                Some("adapter.artifact_sha256"),
-                "adapter.artifact_sha256: the artifact's files do not match the registered digest",
+                Reason::ArtifactDigestMismatch,
+                Some("adapter.artifact_sha256".into()),
+                "adapter.artifact_sha256: the artifact's files do not match the registered digest"
+                    .into(),
             )
         }
     }
 }
 
-/// The status for an engine error, at submission or mid-stream.
-pub fn engine_status(e: &EngineError) -> Status {
+fn engine_parts(e: &EngineError) -> Parts {
+    use Code::*;
     match e {
-        EngineError::InvalidRequest { field, .. } => refusal(
-            Code::InvalidArgument,
-            "invalid_field",
-            Some(field),
+        EngineError::InvalidRequest { field, .. } => (
+            InvalidArgument,
+            Reason::InvalidField,
+            Some(field.to_string()),
             e.to_string(),
         ),
         EngineError::QueueFull { .. } => {
-            refusal(Code::ResourceExhausted, "queue_full", None, e.to_string())
+            (ResourceExhausted, Reason::QueueFull, None, e.to_string())
         }
-        EngineError::PinLimit { .. } => {
-            refusal(Code::ResourceExhausted, "pin_limit", None, e.to_string())
-        }
+        EngineError::PinLimit { .. } => (ResourceExhausted, Reason::PinLimit, None, e.to_string()),
         EngineError::Adapter(a) => match a {
-            AdapterError::RankTooLarge { .. } => refusal(
-                Code::InvalidArgument,
-                "adapter_rank_too_large",
-                Some("adapter.rank"),
+            AdapterError::RankTooLarge { .. } => (
+                InvalidArgument,
+                Reason::AdapterRankTooLarge,
+                Some("adapter.rank".into()),
                 format!("adapter.rank: {a}"),
             ),
-            AdapterError::BaseHashMismatch { .. } => refusal(
-                Code::FailedPrecondition,
-                "adapter_base_hash_mismatch",
-                Some("adapter.base_hash"),
+            AdapterError::BaseHashMismatch { .. } => (
+                FailedPrecondition,
+                Reason::AdapterBaseHashMismatch,
+                Some("adapter.base_hash".into()),
                 format!("adapter.base_hash: {a}"),
             ),
-            AdapterError::Unsupported { .. } => refusal(
-                Code::FailedPrecondition,
-                "adapter_unsupported",
+            AdapterError::Unsupported { .. } => (
+                FailedPrecondition,
+                Reason::AdapterUnsupported,
                 None,
                 a.to_string(),
             ),
-            AdapterError::Invalid { .. } => refusal(
-                Code::FailedPrecondition,
-                "adapter_invalid",
+            AdapterError::Invalid { .. } | AdapterError::InvalidTensor { .. } => (
+                FailedPrecondition,
+                Reason::AdapterInvalid,
                 None,
                 a.to_string(),
             ),
             AdapterError::Io { adapter, .. } => {
                 // The path and the OS error go to the log only.
                 tracing::warn!(error = %a, "adapter file unreadable");
-                refusal(
-                    Code::FailedPrecondition,
-                    "artifact_unreadable",
+                (
+                    FailedPrecondition,
+                    Reason::ArtifactUnreadable,
                     None,
                     format!("adapter {adapter}: a file of the artifact cannot be read"),
                 )
             }
         },
         EngineError::Tokenizer(_) | EngineError::ChatTemplate(_) => {
-            refusal(Code::InvalidArgument, "prompt_invalid", None, e.to_string())
+            (InvalidArgument, Reason::PromptInvalid, None, e.to_string())
         }
         EngineError::Io { .. } | EngineError::InvalidModel { .. } | EngineError::Backend(_) => {
             tracing::error!(error = %e, "engine failure");
-            refusal(
-                Code::Internal,
-                "internal",
+            (
+                Internal,
+                Reason::Internal,
                 None,
-                "the worker failed; see its log",
+                "the worker failed; see its log".into(),
             )
         }
     }
 }
 
-fn base_model(b: &crate::service::BaseModel) -> pb::BaseModel {
+fn base_model(b: &BaseModel) -> pb::BaseModel {
     pb::BaseModel {
         name: b.name.clone(),
         base_hash: b.base_hash.clone(),
@@ -384,7 +437,7 @@ fn base_model(b: &crate::service::BaseModel) -> pb::BaseModel {
     }
 }
 
-fn capacity(c: &crate::service::Capacity) -> pb::Capacity {
+fn capacity(c: &Capacity) -> pb::Capacity {
     pb::Capacity {
         max_loras: c.max_loras,
         max_lora_rank: c.max_lora_rank,
@@ -398,7 +451,7 @@ fn capacity(c: &crate::service::Capacity) -> pb::Capacity {
 
 /// One Watch report: who this worker is, its load, its adapters.
 pub fn report(
-    info: &crate::service::WorkerInfo,
+    info: &WorkerInfo,
     r: &crate::runtime::Report,
     status: pb::ServingStatus,
     adapters: Vec<pb::AdapterState>,
@@ -481,10 +534,7 @@ pub fn list_response(adapters: Vec<pb::AdapterState>) -> pb::ListAdaptersRespons
     pb::ListAdaptersResponse { adapters }
 }
 
-pub fn info_response(
-    info: &crate::service::WorkerInfo,
-    status: pb::ServingStatus,
-) -> pb::InfoResponse {
+pub fn info_response(info: &WorkerInfo, status: pb::ServingStatus) -> pb::InfoResponse {
     pb::InfoResponse {
         worker_id: info.worker_id.clone(),
         instance_id: info.instance_id.clone(),
@@ -503,5 +553,166 @@ pub fn info_response(
             margin_bytes: p.margin,
             device_total_bytes: p.device_total,
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use lorafleet_proto::tonic_types::StatusExt;
+
+    use super::*;
+
+    fn adapter_error(which: usize) -> AdapterError {
+        let (adapter, field, reason) = ("a".to_owned(), "f".to_owned(), "r".to_owned());
+        match which {
+            0 => AdapterError::RankTooLarge {
+                adapter,
+                field,
+                rank: 9,
+                max: 8,
+            },
+            1 => AdapterError::BaseHashMismatch {
+                adapter,
+                declared: "x".into(),
+                actual: "y".into(),
+            },
+            2 => AdapterError::Unsupported {
+                adapter,
+                field,
+                reason,
+            },
+            3 => AdapterError::Invalid {
+                adapter,
+                field,
+                reason,
+            },
+            4 => AdapterError::InvalidTensor {
+                adapter,
+                tensor: "t".into(),
+                reason,
+            },
+            _ => AdapterError::Io {
+                adapter,
+                path: "/secret/path".into(),
+                source: std::io::Error::other("denied"),
+            },
+        }
+    }
+
+    /// One refusal of every kind the worker can give.
+    fn every_refusal() -> Vec<Refusal> {
+        let id = AdapterId::new(7).unwrap();
+        let io = || std::io::Error::other("denied");
+        let mut all = vec![
+            Refusal::field("sampling.top_p", "must be in (0, 1]"),
+            Refusal::descriptor("adapter.rank", "must be positive"),
+            Refusal::Draining,
+            Refusal::AdapterIdReused { id },
+            Refusal::BaseHashMismatch {
+                asked: "a".into(),
+                served: "b".into(),
+            },
+            Refusal::RankTooLarge { rank: 64, max: 16 },
+            Refusal::RankMismatch {
+                declared: 8,
+                actual: 16,
+            },
+            Refusal::LoadTimeout {
+                id,
+                target: Residency::Device,
+                waited: Duration::from_secs(60),
+            },
+            Refusal::TaskFailed { what: "a check" },
+            Refusal::Artifact(ArtifactError::InvalidUri {
+                uri: "x".into(),
+                reason: "r".into(),
+            }),
+            Refusal::Artifact(ArtifactError::OutsideRoots { uri: "x".into() }),
+            Refusal::Artifact(ArtifactError::NotFound { uri: "x".into() }),
+            Refusal::Artifact(ArtifactError::Unreadable {
+                path: "/secret/path".into(),
+                source: io(),
+            }),
+            Refusal::Artifact(ArtifactError::DigestMismatch {
+                path: "/secret/path".into(),
+                expected: "e".repeat(64),
+                actual: "f".repeat(64),
+            }),
+            Refusal::Engine(EngineError::InvalidRequest {
+                field: "prompt".into(),
+                reason: "too long".into(),
+            }),
+            Refusal::Engine(EngineError::QueueFull { waiting: 3 }),
+            Refusal::Engine(EngineError::PinLimit { pinned: 3 }),
+            Refusal::Engine(EngineError::Tokenizer("bad".into())),
+            Refusal::Engine(EngineError::ChatTemplate("bad".into())),
+            Refusal::Engine(EngineError::Backend("oom".into())),
+            Refusal::Engine(EngineError::Io {
+                path: "/secret/path".into(),
+                source: io(),
+            }),
+            Refusal::Engine(EngineError::InvalidModel {
+                file: "/secret/path".into(),
+                field: "f".into(),
+                reason: "r".into(),
+            }),
+        ];
+        all.extend((0..6).map(|i| Refusal::Engine(EngineError::Adapter(adapter_error(i)))));
+        all
+    }
+
+    #[test]
+    fn every_refusal_carries_a_known_reason_code_and_never_a_path_or_digest() {
+        let mut reasons = std::collections::BTreeSet::new();
+        for r in every_refusal() {
+            let s = status(&r);
+            let info = s
+                .get_details_error_info()
+                .unwrap_or_else(|| panic!("{r:?}: no ErrorInfo"));
+            assert_eq!(info.domain, ERROR_DOMAIN, "{r:?}");
+            let reason = Reason::parse(&info.reason)
+                .unwrap_or_else(|| panic!("{r:?}: unknown reason {}", info.reason));
+            reasons.insert(reason.as_str());
+            assert_ne!(s.code(), Code::Ok, "{r:?}");
+            assert!(!s.message().is_empty(), "{r:?}");
+            assert!(
+                !s.message().contains("/secret/path"),
+                "{r:?}: {}",
+                s.message()
+            );
+            assert!(
+                !s.message().contains(&"f".repeat(64)),
+                "{r:?}: {}",
+                s.message()
+            );
+            // The field at fault, when named, is also the message's subject.
+            if let Some(bad) = s.get_details_bad_request() {
+                let field = &bad.field_violations[0].field;
+                assert!(
+                    s.message().starts_with(field.as_str()),
+                    "{r:?}: {}",
+                    s.message()
+                );
+            }
+        }
+        // Every reason a worker can send is one some refusal gives.
+        let all: std::collections::BTreeSet<_> = Reason::ALL.iter().map(|r| r.as_str()).collect();
+        assert_eq!(reasons, all);
+    }
+
+    #[test]
+    fn descriptor_fields_and_request_fields_carry_different_reasons() {
+        let d = pb::AdapterDescriptor {
+            lora_int_id: 0,
+            ..Default::default()
+        };
+        let refused = status(&descriptor(&d, "adapter").unwrap_err());
+        let info = refused.get_details_error_info().unwrap();
+        assert_eq!(info.reason, Reason::DescriptorInvalid.as_str());
+        let r = pb::GenerateRequest::default();
+        let refused = status(&generate_request(&r).unwrap_err());
+        let info = refused.get_details_error_info().unwrap();
+        assert_eq!(info.reason, Reason::InvalidField.as_str());
+        assert!(refused.message().starts_with("request_id"));
     }
 }

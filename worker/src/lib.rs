@@ -4,6 +4,8 @@
 //! drain) and the offline `generate` command.
 
 pub mod convert;
+pub mod info;
+pub mod refusal;
 pub mod runtime;
 pub mod service;
 pub mod telemetry;

@@ -7,93 +7,22 @@ use std::time::{Duration, Instant};
 
 use lorafleet_engine::artifact::{ArtifactError, ArtifactRoots};
 use lorafleet_engine::lora::{AdapterLimits, HostAdapter};
-use lorafleet_engine::model::ModelConfig;
 use lorafleet_engine::{AdapterId, AdapterSource, EngineError, Event, Prompt, Request, Residency};
 use lorafleet_proto::worker::v1 as pb;
 use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::{ReceiverStream, WatchStream};
-use tonic::{Code, Response, Status};
+use tonic::{Response, Status};
 use tracing::Instrument;
 
 use crate::convert::{self, Descriptor};
+use crate::info::WorkerInfo;
+use crate::refusal::Refusal;
 use crate::runtime::{EngineHandle, Report};
 use crate::telemetry;
 
 /// How long LoadAdapter waits for the adapter to reach its tier.
 const LOAD_WAIT: Duration = Duration::from_secs(60);
-
-/// The served base model, as reports and `Info` describe it.
-#[derive(Debug, Clone)]
-pub struct BaseModel {
-    pub name: String,
-    pub base_hash: String,
-    pub architecture: String,
-    pub max_model_len: u32,
-    pub vocab_size: u32,
-}
-
-/// This worker's sizes, as reports and `Info` describe them.
-#[derive(Debug, Clone, Copy)]
-pub struct Capacity {
-    pub max_loras: u32,
-    pub max_lora_rank: u32,
-    pub device_slots: u32,
-    pub host_slots: u32,
-    pub kv_blocks_total: u32,
-    pub kv_block_size: u32,
-    pub max_waiting: u32,
-}
-
-/// Everything the service needs besides the engine.
-#[derive(Debug)]
-pub struct WorkerInfo {
-    pub worker_id: String,
-    pub instance_id: String,
-    pub base_model: BaseModel,
-    pub capacity: Capacity,
-    pub backend: String,
-    pub device_name: String,
-    /// How the backend divided device memory; None on the CPU backend.
-    pub memory_plan: Option<lorafleet_engine::backend::cuda::plan::MemoryPlan>,
-    pub model_config: ModelConfig,
-}
-
-impl WorkerInfo {
-    /// What a worker serving `engine` under `worker_id` reports about itself.
-    pub fn describe(
-        engine: &lorafleet_engine::Engine,
-        worker_id: &str,
-        model_name: String,
-        settings: &lorafleet_engine::EngineSettings,
-    ) -> WorkerInfo {
-        let config = engine.config().clone();
-        WorkerInfo {
-            worker_id: worker_id.to_owned(),
-            instance_id: format!("{worker_id}-{}", std::process::id()),
-            base_model: BaseModel {
-                name: model_name,
-                base_hash: engine.base_hash().to_owned(),
-                architecture: config.architecture.model_type().into(),
-                max_model_len: engine.max_model_len() as u32,
-                vocab_size: config.vocab_size as u32,
-            },
-            capacity: Capacity {
-                max_loras: settings.max_loras as u32,
-                max_lora_rank: settings.max_lora_rank as u32,
-                device_slots: settings.max_loras as u32,
-                host_slots: settings.max_cpu_loras as u32,
-                kv_blocks_total: settings.kv_blocks as u32,
-                kv_block_size: settings.block_size as u32,
-                max_waiting: settings.max_waiting as u32,
-            },
-            backend: engine.backend_name().into(),
-            device_name: engine.device_name(),
-            memory_plan: engine.memory_plan(),
-            model_config: config,
-        }
-    }
-}
 
 /// The gRPC service. Cheap to clone.
 #[derive(Debug, Clone)]
@@ -146,7 +75,7 @@ impl WorkerService {
 
     /// Some(result) when this id was verified already (or with another
     /// digest, which is refused).
-    fn already_verified(&self, d: &Descriptor) -> Option<Result<AdapterId, Status>> {
+    fn already_verified(&self, d: &Descriptor) -> Option<Result<AdapterId, Refusal>> {
         let verified = self.verified.lock().expect("verified map");
         let sha = verified.get(&d.lora_int_id)?;
         Some(if *sha == d.artifact_sha256 {
@@ -154,15 +83,7 @@ impl WorkerService {
         } else {
             // Which digest it was loaded with is not the caller's to learn.
             tracing::warn!(lora_int_id = d.lora_int_id.get(), loaded = %sha, asked = %d.artifact_sha256, "adapter id reused with another digest");
-            Err(convert::refusal(
-                Code::FailedPrecondition,
-                "adapter_id_reused",
-                Some("adapter.lora_int_id"),
-                format!(
-                    "adapter.lora_int_id: {} is already loaded from an artifact with another digest",
-                    d.lora_int_id
-                ),
-            ))
+            Err(Refusal::AdapterIdReused { id: d.lora_int_id })
         })
     }
 
@@ -182,27 +103,20 @@ impl WorkerService {
 
     /// Checks a descriptor against this worker, verifies and validates its
     /// artifact on first use, and registers it with the engine.
-    async fn ensure_adapter(&self, d: &Descriptor) -> Result<AdapterId, Status> {
+    async fn ensure_adapter(&self, d: &Descriptor) -> Result<AdapterId, Refusal> {
         let base = &self.info.base_model.base_hash;
         if &d.base_hash != base {
-            return Err(convert::refusal(
-                Code::FailedPrecondition,
-                "adapter_base_hash_mismatch",
-                Some("adapter.base_hash"),
-                format!(
-                    "adapter.base_hash: {} does not match this worker's base model {base}",
-                    d.base_hash
-                ),
-            ));
+            return Err(Refusal::BaseHashMismatch {
+                asked: d.base_hash.clone(),
+                served: base.clone(),
+            });
         }
         let max_rank = self.info.capacity.max_lora_rank as usize;
         if d.rank > max_rank {
-            return Err(convert::refusal(
-                Code::InvalidArgument,
-                "adapter_rank_too_large",
-                Some("adapter.rank"),
-                format!("adapter.rank: {} is above max_lora_rank {max_rank}", d.rank),
-            ));
+            return Err(Refusal::RankTooLarge {
+                rank: d.rank,
+                max: max_rank,
+            });
         }
         if let Some(done) = self.already_verified(d) {
             return done;
@@ -220,17 +134,16 @@ impl WorkerService {
         }
         let (roots, info, desc) = (self.roots.clone(), self.info.clone(), d.clone());
         let copy = self.copy_dir(d);
-        let (dir, adapter) = tokio::task::spawn_blocking(move || -> Result<_, Status> {
+        let (dir, adapter) = tokio::task::spawn_blocking(move || -> Result<_, Refusal> {
             // The bytes hashed are the bytes kept: a private copy, so a
             // file changed in the artifact root later is never read.
             let _ = std::fs::remove_dir_all(&copy);
             let dir = roots
                 .copy_verified(&desc.artifact_uri, &desc.artifact_sha256, &copy)
-                .map_err(|e| {
+                .inspect_err(|e| {
                     if matches!(e, ArtifactError::DigestMismatch { .. }) {
                         metrics::counter!("lorafleet_adapter_digest_mismatches_total").increment(1);
                     }
-                    convert::artifact_status(&e)
                 })?;
             // Parsed once, here, so a bad adapter fails this call with a
             // precise status; the pool takes this parse into its host tier.
@@ -240,39 +153,31 @@ impl WorkerService {
                 base_hash_check: Some((&info.base_model.base_hash, &desc.base_hash)),
             };
             let checked = HostAdapter::load(&desc.display_name, &dir, limits)
-                .map_err(|e| convert::engine_status(&EngineError::Adapter(e)))
+                .map_err(|e| Refusal::Engine(EngineError::Adapter(e)))
                 .and_then(|adapter| {
                     if adapter.rank > desc.rank {
-                        return Err(convert::refusal(
-                            Code::InvalidArgument,
-                            "adapter_rank_mismatch",
-                            Some("adapter.rank"),
-                            format!(
-                                "adapter.rank: the descriptor says {} but the artifact has rank {}",
-                                desc.rank, adapter.rank
-                            ),
-                        ));
+                        return Err(Refusal::RankMismatch {
+                            declared: desc.rank,
+                            actual: adapter.rank,
+                        });
                     }
                     Ok(adapter)
                 });
             match checked {
                 Ok(adapter) => Ok((dir, adapter)),
-                Err(status) => {
+                Err(refusal) => {
                     // A refused adapter leaves no copy behind.
                     let _ = std::fs::remove_dir_all(&dir);
-                    Err(status)
+                    Err(refusal)
                 }
             }
         })
         .await
         .map_err(|e| {
             tracing::error!(error = %e, "artifact check task failed");
-            convert::refusal(
-                Code::Internal,
-                "internal",
-                None,
-                "the artifact check failed",
-            )
+            Refusal::TaskFailed {
+                what: "the artifact check",
+            }
         })??;
         let source = AdapterSource {
             name: d.display_name.clone(),
@@ -287,7 +192,7 @@ impl WorkerService {
             .await
         {
             let _ = tokio::task::spawn_blocking(move || std::fs::remove_dir_all(dir)).await;
-            return Err(convert::engine_status(&e));
+            return Err(e.into());
         }
         self.verified
             .lock()
@@ -343,12 +248,7 @@ impl pb::worker_server::Worker for WorkerService {
         request: tonic::Request<pb::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         if self.draining.load(Ordering::Acquire) {
-            return Err(convert::refusal(
-                Code::Unavailable,
-                "draining",
-                None,
-                "the worker is draining",
-            ));
+            return Err(Refusal::Draining.into());
         }
         let r = request.into_inner();
         let started = Instant::now();
@@ -374,11 +274,7 @@ impl pb::worker_server::Worker for WorkerService {
                 ),
                 None => None,
             };
-            let ids = self
-                .engine
-                .prepare(prompt, params.max_tokens)
-                .await
-                .map_err(|e| convert::engine_status(&e))?;
+            let ids = self.engine.prepare(prompt, params.max_tokens).await?;
             self.engine
                 .submit_fair(
                     Request {
@@ -390,10 +286,11 @@ impl pb::worker_server::Worker for WorkerService {
                     fairness,
                 )
                 .await
-                .map_err(|e| convert::engine_status(&e))
+                .map_err(Refusal::from)
         }
         .instrument(span.clone())
-        .await;
+        .await
+        .map_err(Status::from);
         let (accepted, mut stream) = admitted.inspect_err(|status| {
             telemetry::record_request(code_name(status.code()));
             span.in_scope(|| {
@@ -439,8 +336,8 @@ impl pb::worker_server::Worker for WorkerService {
                             Ok(convert::finished_event(&f))
                         }
                         Event::Failed(e) => {
-                            let status = convert::engine_status(&e);
                             tracing::warn!(error = %e, "failed");
+                            let status = convert::status(&Refusal::Engine(e));
                             telemetry::record_request(code_name(status.code()));
                             Err(status)
                         }
@@ -466,16 +363,16 @@ impl pb::worker_server::Worker for WorkerService {
         let d = convert::descriptor(
             r.adapter
                 .as_ref()
-                .ok_or_else(|| Status::invalid_argument("adapter: is required"))?,
+                .ok_or_else(|| Refusal::descriptor("adapter", "is required"))?,
             "adapter",
         )?;
         let target = match r.target() {
             pb::Residency::Device => Residency::Device,
             pb::Residency::Host | pb::Residency::Unspecified => Residency::Host,
             other => {
-                return Err(Status::invalid_argument(format!(
-                    "target: {other:?} is not DEVICE or HOST"
-                )));
+                return Err(
+                    Refusal::field("target", format!("{other:?} is not DEVICE or HOST")).into(),
+                );
             }
         };
         let started = Instant::now();
@@ -492,7 +389,7 @@ impl pb::worker_server::Worker for WorkerService {
         self.engine
             .prefetch(id, target == Residency::Device, r.pin)
             .await
-            .map_err(|e| convert::engine_status(&e))?;
+            .map_err(Refusal::from)?;
         let deadline = Instant::now() + LOAD_WAIT;
         loop {
             let report = reports.borrow_and_update().clone();
@@ -514,9 +411,12 @@ impl pb::worker_server::Worker for WorkerService {
             }
             let wait = deadline.saturating_duration_since(Instant::now());
             if wait.is_zero() || tokio::time::timeout(wait, reports.changed()).await.is_err() {
-                return Err(Status::deadline_exceeded(format!(
-                    "adapter {id} did not reach {target:?} within {LOAD_WAIT:?}; every slot may be leased or pinned"
-                )));
+                return Err(Refusal::LoadTimeout {
+                    id,
+                    target,
+                    waited: LOAD_WAIT,
+                }
+                .into());
             }
         }
     }
@@ -526,11 +426,7 @@ impl pb::worker_server::Worker for WorkerService {
         request: tonic::Request<pb::UnloadAdapterRequest>,
     ) -> Result<Response<pb::UnloadAdapterResponse>, Status> {
         let id = convert::adapter_id(request.into_inner().lora_int_id, "lora_int_id")?;
-        let (previous, draining) = self
-            .engine
-            .unload(id)
-            .await
-            .map_err(|e| convert::engine_status(&e))?;
+        let (previous, draining) = self.engine.unload(id).await.map_err(Refusal::from)?;
         // The next use verifies the artifact again, from the root: files
         // changed there since are refused then, never served. The copy goes
         // only once nothing holds or waits for the adapter.

@@ -5,7 +5,7 @@ use std::path::Path;
 use serde_json::{Map, Value};
 
 use super::{AdapterError, Projection};
-use crate::model_config::ModelConfig;
+use crate::model_config::{Architecture, ModelConfig};
 
 /// Keys PEFT writes that do not change inference math, whatever their value.
 const HARMLESS_KEYS: &[&str] = &[
@@ -88,18 +88,39 @@ impl AdapterConfig {
         AdapterConfig::from_text(adapter, &text, Some(model.num_layers))?.for_model(adapter, model)
     }
 
-    /// Checks the targets against the model: on a Mixture-of-Experts model
-    /// `target_modules` may name the attention projections, and
-    /// `target_parameters` the experts and the router (PEFT's form on
-    /// transformers 5, whose experts are fused tensors rather than modules;
-    /// its "all-linear" is written as both); on a dense model there are no
-    /// expert parameters.
+    /// Checks the targets against the model's architecture; see
+    /// [`AdapterConfig::for_architecture`].
     pub fn for_model(
         self,
         adapter: &str,
         model: &ModelConfig,
     ) -> Result<AdapterConfig, AdapterError> {
-        if model.moe.is_none() {
+        self.for_architecture(adapter, model.architecture)
+    }
+
+    /// Checks the targets against an architecture: on a Mixture-of-Experts
+    /// model `target_modules` may name the attention projections, and
+    /// `target_parameters` the experts and the router (PEFT's form on
+    /// transformers 5, whose experts are fused tensors rather than modules;
+    /// its "all-linear" is written as both); on a dense model there are no
+    /// expert parameters. The registry checks with the architecture alone.
+    pub fn for_architecture(
+        self,
+        adapter: &str,
+        architecture: Architecture,
+    ) -> Result<AdapterConfig, AdapterError> {
+        if !architecture.is_moe() {
+            if let Some(t) = self.expert_targets.first() {
+                return Err(invalid(
+                    adapter,
+                    "target_parameters",
+                    format!(
+                        "{} is a Mixture-of-Experts parameter, and a {} model has no experts",
+                        t.parameter_name(),
+                        architecture.model_type()
+                    ),
+                ));
+            }
             return Ok(self);
         }
         if let Some(p) = self.targets.iter().find(|p| p.parent() != "self_attn") {

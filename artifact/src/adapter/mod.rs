@@ -4,6 +4,7 @@
 //! plane checks one at registration with the same rules.
 
 pub mod config;
+pub mod tensors;
 
 pub use config::{AdapterConfig, ExpertTarget};
 
@@ -110,6 +111,13 @@ pub enum AdapterError {
         field: String,
         reason: String,
     },
+    /// A tensor of the weight file is unexpected, malformed or missing.
+    #[error("adapter {adapter}: `{tensor}`: {reason}")]
+    InvalidTensor {
+        adapter: String,
+        tensor: String,
+        reason: String,
+    },
     /// A file could not be read.
     #[error("adapter {adapter}: {path}: {source}")]
     Io {
@@ -160,6 +168,15 @@ impl AdapterError {
             } => AdapterError::Invalid {
                 adapter: adapter.clone(),
                 field: field.clone(),
+                reason: reason.clone(),
+            },
+            AdapterError::InvalidTensor {
+                adapter,
+                tensor,
+                reason,
+            } => AdapterError::InvalidTensor {
+                adapter: adapter.clone(),
+                tensor: tensor.clone(),
                 reason: reason.clone(),
             },
             AdapterError::Io {

@@ -88,21 +88,18 @@ pub(super) fn inspect_artifact(
             format!("cannot be read: {e}"),
         )
     })?;
-    let config = AdapterConfig::from_text(adapter_name, &text, None).map_err(|e| {
-        use lorafleet_artifact::adapter::AdapterError;
-        let field = match &e {
-            AdapterError::Invalid { field, .. } | AdapterError::Unsupported { field, .. } => {
-                field.clone()
-            }
-            _ => String::new(),
-        };
-        let param = if field.is_empty() || field == config_param {
-            config_param.to_owned()
-        } else {
-            format!("{config_param}.{field}")
-        };
-        AdminError::new(AdminCode::InvalidAdapterConfig, Some(&param), e.to_string())
+    let architecture = Architecture::from_model_type(architecture).ok_or_else(|| {
+        AdminError::unprocessable(
+            AdminCode::InvalidField,
+            "base_model",
+            format!("has architecture {architecture:?}, which the engine does not serve"),
+        )
     })?;
+    // The worker's own rules, from the crate it uses: the config, its
+    // targets against the architecture, the weight file's tensors.
+    let config = AdapterConfig::from_text(adapter_name, &text, None)
+        .and_then(|c| c.for_architecture(adapter_name, architecture))
+        .map_err(adapter_refusal)?;
     // The declared base: PEFT records the name or path it was trained on;
     // its last path segment must name the base model it is registered to.
     let declared: Option<String> = serde_json::from_str::<Value>(&text).ok().and_then(|v| {
@@ -151,42 +148,15 @@ pub(super) fn inspect_artifact(
             format!("rank {rank} is above the fleet's max LoRA rank {max_lora_rank}"),
         ));
     }
-    let modules = match architecture {
-        "llama" | "mistral" | "qwen2" => LLAMA_FAMILY_MODULES,
-        // Mixture-of-Experts models: LoRA on attention as modules, on the
-        // experts and the router as target_parameters.
-        "mixtral" | "qwen3_moe" => ATTENTION_MODULES,
-        _ => &[][..],
-    };
-    if modules != ATTENTION_MODULES
-        && let Some(t) = config.expert_targets.first()
-    {
-        return Err(AdminError::unprocessable(
-            AdminCode::InvalidAdapterConfig,
-            "adapter_config.json.target_parameters",
-            format!(
-                "{} is a Mixture-of-Experts parameter, and a {architecture} model has no experts",
-                t.parameter_name()
-            ),
-        ));
-    }
+    let weights = "adapter_model.safetensors";
+    let header = safetensors_header::read(&dir.join(weights))
+        .map_err(|m| AdminError::unprocessable(AdminCode::InvalidAdapterWeights, weights, m))?;
+    tensors::check(adapter_name, &config, &header, None).map_err(adapter_refusal)?;
     let targets: Vec<String> = config
         .targets
         .iter()
         .map(|p| p.module_name().to_owned())
         .collect();
-    if let Some(t) = targets.iter().find(|t| !modules.contains(&t.as_str())) {
-        return Err(AdminError::unprocessable(
-            AdminCode::InvalidAdapterConfig,
-            "adapter_config.json.target_modules",
-            format!("{t} is not a projection of a {architecture} model"),
-        ));
-    }
-    check_weight_shapes(
-        &dir.join("adapter_model.safetensors"),
-        &config,
-        adapter_name,
-    )?;
     let digest = roots.digest(&dir).map_err(|e| {
         AdminError::unprocessable(AdminCode::ArtifactUnreadable, "artifact_uri", e.to_string())
     })?;
@@ -199,101 +169,31 @@ pub(super) fn inspect_artifact(
     })
 }
 
-/// Checks the safetensors header: every tensor is a lora_A or lora_B of a
-/// targeted module, and its rank dimension is the rank the config gives
-/// that module.
-/// The expert parameter a tensor's module path stores, as PEFT names them
-/// (see `lorafleet_engine::lora::experts`); None for any other module.
-fn expert_target(config: &AdapterConfig, module_path: &str) -> Option<ExpertTarget> {
-    let targets = &config.expert_targets;
-    let both = targets.contains(&ExpertTarget::GateUp) && targets.contains(&ExpertTarget::Down);
-    let found = if module_path.ends_with(".mlp.gate") {
-        ExpertTarget::Router
-    } else if module_path.ends_with(".mlp.experts.base_layer") && both {
-        ExpertTarget::GateUp
-    } else if module_path.ends_with(".mlp.experts") {
-        if both || targets.contains(&ExpertTarget::Down) {
-            ExpertTarget::Down
-        } else {
-            ExpertTarget::GateUp
+/// An adapter refused by the artifact rules, as the admin API reports it:
+/// a tensor's fault names the weight file, a config field's names that
+/// field of `adapter_config.json`.
+fn adapter_refusal(e: AdapterError) -> AdminError {
+    const CONFIG: &str = "adapter_config.json";
+    match &e {
+        AdapterError::InvalidTensor { .. } => AdminError::unprocessable(
+            AdminCode::InvalidAdapterWeights,
+            "adapter_model.safetensors",
+            e.to_string(),
+        ),
+        AdapterError::Invalid { field, .. } | AdapterError::Unsupported { field, .. } => {
+            let param = if field.is_empty() || field == CONFIG {
+                CONFIG.to_owned()
+            } else {
+                format!("{CONFIG}.{field}")
+            };
+            AdminError::new(AdminCode::InvalidAdapterConfig, Some(&param), e.to_string())
         }
-    } else {
-        return None;
-    };
-    targets.contains(&found).then_some(found)
-}
-
-pub(super) fn check_weight_shapes(
-    path: &std::path::Path,
-    config: &AdapterConfig,
-    adapter_name: &str,
-) -> Result<(), AdminError> {
-    let param = "adapter_model.safetensors";
-    let bad = |m: String| AdminError::unprocessable(AdminCode::InvalidAdapterWeights, param, m);
-    let header = lorafleet_artifact::safetensors_header::read(path).map_err(bad)?;
-    if header.is_empty() {
-        return Err(bad("holds no tensors".into()));
-    }
-    for (name, info) in &header {
-        if name == "__metadata__" {
-            continue;
-        }
-        let shape: Vec<u64> = info
-            .get("shape")
-            .and_then(Value::as_array)
-            .map(|a| a.iter().filter_map(Value::as_u64).collect())
-            .unwrap_or_default();
-        let (module_path, factor) = name
-            .strip_prefix("base_model.model.")
-            .and_then(|n| {
-                n.strip_suffix(".lora_A.weight")
-                    .map(|m| (m, 'A'))
-                    .or_else(|| n.strip_suffix(".lora_B.weight").map(|m| (m, 'B')))
-            })
-            .ok_or_else(|| {
-                bad(format!(
-                    "tensor {name:?} is not a PEFT lora_A or lora_B weight"
-                ))
-            })?;
-        let rank_dim = match (factor, shape.as_slice()) {
-            ('A', [r, _]) => *r,
-            ('B', [_, r]) => *r,
-            _ => return Err(bad(format!("tensor {name:?} has shape {shape:?}, not 2-D"))),
-        };
-        // A parameter of a Mixture-of-Experts block (target_parameters):
-        // its rank dimension holds every expert's rank, expert by expert.
-        if let Some(target) = expert_target(config, module_path) {
-            let layer = module_path
-                .strip_prefix("model.layers.")
-                .and_then(|r| r.split('.').next())
-                .and_then(|l| l.parse().ok())
-                .unwrap_or(0);
-            let (rank, _) = config
-                .rank_and_alpha(adapter_name, &target.path(layer))
-                .map_err(|e| bad(e.to_string()))?;
-            if rank_dim == 0 || rank_dim % rank as u64 != 0 {
-                return Err(bad(format!(
-                    "tensor {name:?} has rank dimension {rank_dim}, not a multiple of its rank {rank}"
-                )));
-            }
-            continue;
-        }
-        let module = module_path.rsplit('.').next().unwrap_or_default();
-        if !config.targets.iter().any(|p| p.module_name() == module) {
-            return Err(bad(format!(
-                "tensor {name:?} belongs to {module:?}, which target_modules does not list"
-            )));
-        }
-        let (rank, _) = config
-            .rank_and_alpha(adapter_name, module_path)
-            .map_err(|e| bad(e.to_string()))?;
-        if rank_dim != rank as u64 {
-            return Err(bad(format!(
-                "tensor {name:?} has rank {rank_dim}, but adapter_config.json gives {module_path} rank {rank}"
-            )));
+        AdapterError::RankTooLarge { .. }
+        | AdapterError::BaseHashMismatch { .. }
+        | AdapterError::Io { .. } => {
+            AdminError::new(AdminCode::InvalidAdapterConfig, Some(CONFIG), e.to_string())
         }
     }
-    Ok(())
 }
 
 pub(super) async fn register_adapter(

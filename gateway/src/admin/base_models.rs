@@ -47,13 +47,14 @@ pub(super) async fn register_base_model(
     let actor = authorize(&s, &headers, Need::Write)?;
     let b: NewBaseModel = parse_body(&body)?;
     check_model_name(&b.name, "name")?;
-    if !ARCHITECTURES.contains(&b.architecture.as_str()) {
+    if Architecture::from_model_type(&b.architecture).is_none() {
+        let known: Vec<&str> = Architecture::ALL.iter().map(|a| a.model_type()).collect();
         return Err(AdminError::field(
             "architecture",
             format!(
                 "{:?} is not supported; expected one of {}",
                 b.architecture,
-                ARCHITECTURES.join(", ")
+                known.join(", ")
             ),
         ));
     }

@@ -23,8 +23,10 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use chrono::{DateTime, Utc};
-use lorafleet_artifact::adapter::{AdapterConfig, ExpertTarget};
+use lorafleet_artifact::adapter::{AdapterConfig, AdapterError, tensors};
+use lorafleet_artifact::model_config::Architecture;
 use lorafleet_artifact::roots::{ArtifactError, ArtifactRoots};
+use lorafleet_artifact::safetensors_header;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
@@ -36,8 +38,6 @@ use crate::registry::{self, Registry};
 use crate::router::fleet::Fleet;
 use types::*;
 
-/// The projections a LoRA may target in each architecture the registry
-/// accepts. Llama, Mistral and Qwen2 share one layer layout.
 /// SQL assembled from this module's own constants (column lists, a lock
 /// clause), never from input: input always travels as bind parameters.
 macro_rules! sql {
@@ -45,19 +45,6 @@ macro_rules! sql {
         sqlx::AssertSqlSafe(format!($($t)*))
     };
 }
-
-const LLAMA_FAMILY_MODULES: &[&str] = &[
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-];
-/// The projections a LoRA may target on a Mixture-of-Experts model.
-const ATTENTION_MODULES: &[&str] = &["q_proj", "k_proj", "v_proj", "o_proj"];
-const ARCHITECTURES: &[&str] = &["llama", "mistral", "qwen2", "mixtral", "qwen3_moe"];
 
 /// Admin roles, from the token's `role` claim.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

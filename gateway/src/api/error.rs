@@ -94,17 +94,13 @@ pub enum WorkerFailure {
 impl WorkerFailure {
     /// The tenant's view of `e`; the worker's full text goes to the log.
     pub fn from_upstream(e: &UpstreamError) -> WorkerFailure {
-        let reason = e.reason.as_deref().unwrap_or("unspecified").to_owned();
+        let reason = e.reason_code().to_owned();
         match &e.kind {
-            UpstreamErrorKind::InvalidRequest { field }
-                if !field.as_deref().is_some_and(|f| f.starts_with("adapter")) =>
-            {
-                WorkerFailure::InvalidRequest {
-                    field: field.clone(),
-                    message: e.message.clone(),
-                }
-            }
-            UpstreamErrorKind::InvalidRequest { .. } | UpstreamErrorKind::AdapterUnavailable => {
+            UpstreamErrorKind::InvalidRequest { field } => WorkerFailure::InvalidRequest {
+                field: field.clone(),
+                message: e.message.clone(),
+            },
+            UpstreamErrorKind::AdapterUnavailable => {
                 tracing::warn!(reason, error = %e.detail, "the worker could not use the adapter");
                 WorkerFailure::AdapterUnavailable { reason }
             }

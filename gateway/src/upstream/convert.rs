@@ -1,6 +1,7 @@
 //! The one place where the gateway's domain types become wire messages and
 //! wire messages become domain types.
 
+use lorafleet_proto::refusal::{ERROR_DOMAIN, Reason};
 use lorafleet_proto::worker::v1 as pb;
 use tonic::Code;
 
@@ -120,39 +121,72 @@ pub(super) fn report(r: &pb::WorkerReport) -> Report {
     }
 }
 
-/// The domain of worker refusals' `ErrorInfo`.
-const WORKER_ERROR_DOMAIN: &str = "lorafleet.worker";
-
-/// A worker's status as an [`UpstreamError`]: the code says what kind of
-/// failure it is; the reason code and the field at fault come from the
-/// status details (`ErrorInfo`, `BadRequest`), never from the message.
+/// A worker's status as an [`UpstreamError`]. The worker's reason code
+/// (`ErrorInfo`) says what kind of failure it is and the field at fault
+/// comes from `BadRequest`; never from the message. A status without a
+/// reason this build knows (a transport failure, a newer worker) is judged
+/// by its code alone, and a refusal of unknown meaning is never shown to a
+/// tenant as a refusal of their own fields.
 pub(super) fn status(s: &tonic::Status) -> UpstreamError {
     use lorafleet_proto::tonic_types::StatusExt;
     let reason = s
         .get_details_error_info()
-        .filter(|i| i.domain == WORKER_ERROR_DOMAIN)
-        .map(|i| i.reason);
+        .filter(|i| i.domain == ERROR_DOMAIN)
+        .and_then(|i| {
+            let known = Reason::parse(&i.reason);
+            if known.is_none() {
+                tracing::debug!(reason = %i.reason, "a worker refusal reason this gateway does not know");
+            }
+            known
+        });
     let field = s
         .get_details_bad_request()
         .and_then(|b| b.field_violations.into_iter().next())
         .map(|v| v.field);
-    let kind = match s.code() {
-        Code::InvalidArgument => UpstreamErrorKind::InvalidRequest { field },
-        Code::NotFound | Code::FailedPrecondition => UpstreamErrorKind::AdapterUnavailable,
-        Code::Unavailable
-        | Code::Unknown
-        | Code::Cancelled
-        | Code::ResourceExhausted
-        | Code::Internal
-        | Code::Aborted
-        | Code::DeadlineExceeded => UpstreamErrorKind::Unavailable,
-        _ => UpstreamErrorKind::Failed,
+    let kind = match reason {
+        Some(r) => kind_of(r, field),
+        None => match s.code() {
+            Code::NotFound | Code::FailedPrecondition => UpstreamErrorKind::AdapterUnavailable,
+            Code::Unavailable
+            | Code::Unknown
+            | Code::Cancelled
+            | Code::ResourceExhausted
+            | Code::Internal
+            | Code::Aborted
+            | Code::DeadlineExceeded => UpstreamErrorKind::Unavailable,
+            _ => UpstreamErrorKind::Failed,
+        },
     };
     UpstreamError {
         kind,
         reason,
         message: s.message().to_owned(),
         detail: causes(s),
+    }
+}
+
+/// What a worker's reason code means for the request.
+fn kind_of(reason: Reason, field: Option<String>) -> UpstreamErrorKind {
+    match reason {
+        // The tenant's own request: their fields, their prompt.
+        Reason::InvalidField | Reason::PromptInvalid => UpstreamErrorKind::InvalidRequest { field },
+        // The adapter or its artifact, never the tenant's to see in detail.
+        Reason::DescriptorInvalid
+        | Reason::ArtifactUriInvalid
+        | Reason::ArtifactNotFound
+        | Reason::ArtifactUnreadable
+        | Reason::ArtifactDigestMismatch
+        | Reason::AdapterBaseHashMismatch
+        | Reason::AdapterRankTooLarge
+        | Reason::AdapterRankMismatch
+        | Reason::AdapterIdReused
+        | Reason::AdapterUnsupported
+        | Reason::AdapterInvalid
+        | Reason::AdapterLoadTimeout => UpstreamErrorKind::AdapterUnavailable,
+        // This worker, now: another may serve the request.
+        Reason::QueueFull | Reason::PinLimit | Reason::Draining | Reason::Internal => {
+            UpstreamErrorKind::Unavailable
+        }
     }
 }
 
@@ -169,4 +203,66 @@ fn causes(e: &dyn std::error::Error) -> String {
         next = s.source();
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use lorafleet_proto::tonic_types::{ErrorDetails, StatusExt};
+
+    use super::*;
+
+    fn refusal(code: Code, reason: &str, field: Option<&str>) -> tonic::Status {
+        let mut d = ErrorDetails::new();
+        d.set_error_info(
+            reason,
+            ERROR_DOMAIN,
+            std::collections::HashMap::<String, String>::new(),
+        );
+        if let Some(f) = field {
+            d.add_bad_request_violation(f, "bad");
+        }
+        tonic::Status::with_error_details(code, "bad", d)
+    }
+
+    #[test]
+    fn the_reason_code_not_the_field_or_message_decides_what_a_refusal_means() {
+        // The tenant's own field keeps its words.
+        let e = status(&refusal(
+            Code::InvalidArgument,
+            "invalid_field",
+            Some("prompt"),
+        ));
+        assert_eq!(
+            e.kind,
+            UpstreamErrorKind::InvalidRequest {
+                field: Some("prompt".into())
+            }
+        );
+        // A descriptor field is the adapter's, whatever its name.
+        for field in ["adapter.rank", "lora_int_id", "prompt"] {
+            let e = status(&refusal(
+                Code::InvalidArgument,
+                "descriptor_invalid",
+                Some(field),
+            ));
+            assert_eq!(e.kind, UpstreamErrorKind::AdapterUnavailable, "{field}");
+            assert_eq!(e.reason_code(), "descriptor_invalid");
+        }
+        let e = status(&refusal(Code::ResourceExhausted, "queue_full", None));
+        assert!(e.retry_elsewhere());
+        // A reason this build does not know is never shown as the tenant's
+        // own refusal.
+        let e = status(&refusal(
+            Code::InvalidArgument,
+            "from_the_future",
+            Some("prompt"),
+        ));
+        assert_eq!(e.kind, UpstreamErrorKind::Failed);
+        assert_eq!(e.reason_code(), "unspecified");
+        // Every reason a worker sends means something here.
+        for &r in Reason::ALL {
+            let e = status(&refusal(Code::InvalidArgument, r.as_str(), None));
+            assert_eq!(e.reason, Some(r));
+        }
+    }
 }

@@ -15,6 +15,8 @@ mod convert;
 
 use std::collections::HashMap;
 
+use lorafleet_proto::refusal::Reason;
+
 pub use client::{Events, Reports, Transport, WorkerClient};
 pub use lorafleet_domain::{AdapterId, Residency};
 
@@ -151,9 +153,8 @@ pub enum UpstreamErrorKind {
 #[error("{message}")]
 pub struct UpstreamError {
     pub kind: UpstreamErrorKind,
-    /// The worker's stable reason code (`queue_full`,
-    /// `artifact_digest_mismatch`, ...), when it gave one.
-    pub reason: Option<String>,
+    /// The worker's stable reason code, when it gave one this build knows.
+    pub reason: Option<Reason>,
     /// The worker's message (or ours, for failures before it answered).
     pub message: String,
     /// The message with every underlying cause (a TLS refusal sits a few
@@ -176,9 +177,19 @@ impl UpstreamError {
         let message = message.into();
         UpstreamError {
             kind: UpstreamErrorKind::FirstTokenTimeout,
-            reason: Some("first_token_timeout".into()),
+            reason: None,
             detail: message.clone(),
             message,
+        }
+    }
+
+    /// The stable code of the failure, for logs and tenants' messages:
+    /// the worker's reason, or what the gateway saw itself.
+    pub fn reason_code(&self) -> &'static str {
+        match (self.reason, &self.kind) {
+            (Some(r), _) => r.as_str(),
+            (None, UpstreamErrorKind::FirstTokenTimeout) => "first_token_timeout",
+            (None, _) => "unspecified",
         }
     }
 

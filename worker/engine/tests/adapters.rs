@@ -232,7 +232,7 @@ fn rank_shape_weights_and_base_hash_are_checked() {
         "base_model.model.model.layers.0.self_attn.v_proj.lora_B.weight",
         "has shape [32, 8], expected [16, 8]",
     );
-    assert!(matches!(err, AdapterError::Invalid { .. }));
+    assert!(matches!(err, AdapterError::InvalidTensor { .. }));
 
     // NaN and infinite weights.
     for bad in [f32::NAN, f32::INFINITY] {

@@ -11,7 +11,7 @@
 //! gate_up's factors sit under `experts.base_layer.` and down's under
 //! `experts.`.
 
-use super::{AdapterConfig, AdapterError, AdapterLimits, ExpertTarget, strip_file};
+use super::{AdapterConfig, AdapterError, AdapterLimits, ExpertTarget, strip_file, tensors};
 use crate::backend::cpu::panels::PackedLinear;
 use crate::model::WeightFiles;
 
@@ -93,33 +93,6 @@ impl ExpertLayer {
     }
 }
 
-/// Where each targeted parameter's factors are stored in one layer.
-fn prefixes(layer: usize, targets: &[ExpertTarget]) -> Vec<(ExpertTarget, String)> {
-    let experts = format!("base_model.model.model.layers.{layer}.mlp.experts");
-    let both = targets.contains(&ExpertTarget::GateUp) && targets.contains(&ExpertTarget::Down);
-    targets
-        .iter()
-        .map(|&t| {
-            let prefix = match t {
-                ExpertTarget::GateUp if both => format!("{experts}.base_layer"),
-                ExpertTarget::GateUp | ExpertTarget::Down => experts.clone(),
-                ExpertTarget::Router => format!("base_model.model.model.layers.{layer}.mlp.gate"),
-            };
-            (t, prefix)
-        })
-        .collect()
-}
-
-/// The tensor names the expert targets of `config` store, for the check
-/// that an adapter holds nothing else.
-pub(super) fn expected_names(config: &AdapterConfig, layers: usize) -> Vec<String> {
-    (0..layers)
-        .filter(|&l| config.transforms_layer(l))
-        .flat_map(|l| prefixes(l, &config.expert_targets))
-        .flat_map(|(_, p)| [format!("{p}.lora_A.weight"), format!("{p}.lora_B.weight")])
-        .collect()
-}
-
 /// Reads every layer's expert LoRA; empty layers where none is targeted.
 pub(super) fn load(
     name: &str,
@@ -131,9 +104,9 @@ pub(super) fn load(
     let Some(moe) = model.moe else {
         return Ok(Vec::new());
     };
-    let invalid = |field: &str, reason: String| AdapterError::Invalid {
+    let invalid = |tensor: &str, reason: String| AdapterError::InvalidTensor {
         adapter: name.into(),
-        field: field.into(),
+        tensor: tensor.into(),
         reason,
     };
     let experts = moe.num_experts;
@@ -143,24 +116,13 @@ pub(super) fn load(
         if !config.transforms_layer(l) {
             continue;
         }
-        for (target, prefix) in prefixes(l, &config.expert_targets) {
+        for &target in &config.expert_targets {
+            let prefix = tensors::expert_prefix(l, target, &config.expert_targets);
             // PEFT matches rank_pattern and alpha_pattern against the
             // parameter's path (its "all-linear" gives the fused gate_up
             // twice the rank this way).
             let path = target.path(l);
             let (r, alpha) = config.rank_and_alpha(name, &path)?;
-            if r > limits.max_lora_rank {
-                return Err(AdapterError::RankTooLarge {
-                    adapter: name.into(),
-                    field: if r == config.r {
-                        "r".into()
-                    } else {
-                        format!("rank_pattern ({path})")
-                    },
-                    rank: r,
-                    max: limits.max_lora_rank,
-                });
-            }
             let scale = if config.use_rslora {
                 alpha / (r as f32).sqrt()
             } else {

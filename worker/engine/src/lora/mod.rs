@@ -9,6 +9,7 @@
 use std::path::Path;
 
 pub use lorafleet_artifact::adapter::config;
+use lorafleet_artifact::adapter::tensors::{self, Factor};
 pub use lorafleet_artifact::adapter::{AdapterConfig, AdapterError, ExpertTarget, Projection};
 
 pub mod experts;
@@ -232,14 +233,32 @@ impl HostAdapter {
     }
 }
 
-/// The adapter-weight tensor name for one layer's projection factor, as
-/// PEFT saves it.
-fn tensor_name(layer: usize, p: Projection, factor: char) -> String {
-    format!(
-        "base_model.model.model.layers.{layer}.{}.{}.lora_{factor}.weight",
-        p.parent(),
-        p.module_name()
-    )
+/// Refuses a rank above the engine's maximum, naming `r` or the
+/// `rank_pattern` entry that gives it, before any tensor is looked at.
+fn check_ranks(
+    name: &str,
+    config: &AdapterConfig,
+    limits: AdapterLimits<'_>,
+) -> Result<(), AdapterError> {
+    for layer in 0..limits.model.num_layers {
+        for e in tensors::expected_in_layer(config, layer) {
+            let path = tensors::rank_path(&e);
+            let (rank, _) = config.rank_and_alpha(name, &path)?;
+            if rank > limits.max_lora_rank {
+                return Err(AdapterError::RankTooLarge {
+                    adapter: name.into(),
+                    field: if rank == config.r {
+                        "r".into()
+                    } else {
+                        format!("rank_pattern ({path})")
+                    },
+                    rank,
+                    max: limits.max_lora_rank,
+                });
+            }
+        }
+    }
+    Ok(())
 }
 
 fn build(
@@ -249,38 +268,16 @@ fn build(
     limits: AdapterLimits<'_>,
 ) -> Result<HostAdapter, AdapterError> {
     let model = limits.model;
-    let invalid = |field: &str, reason: String| AdapterError::Invalid {
+    let invalid = |tensor: &str, reason: String| AdapterError::InvalidTensor {
         adapter: name.into(),
-        field: field.into(),
+        tensor: tensor.into(),
         reason,
     };
-    // Every tensor must be one we expect; anything else would be ignored math.
-    let mut expected = std::collections::BTreeSet::new();
-    for layer in 0..model.num_layers {
-        if !config.transforms_layer(layer) {
-            continue;
-        }
-        for &p in &config.targets {
-            expected.insert(tensor_name(layer, p, 'A'));
-            expected.insert(tensor_name(layer, p, 'B'));
-        }
-    }
-    expected.extend(experts::expected_names(config, model.num_layers));
-    for tensor in files.names() {
-        if !expected.contains(tensor) {
-            let reason = if tensor.contains("lora_embedding") || tensor.contains("embed_tokens") {
-                "embedding adapters are not supported".to_owned()
-            } else if tensor.contains("lm_head") {
-                "lm_head adapters are not supported".to_owned()
-            } else if tensor.contains("lora_magnitude_vector") {
-                "DoRA magnitude vectors are not supported".to_owned()
-            } else {
-                "is not a lora_A/lora_B weight of a targeted projection or expert parameter in a transformed layer"
-                    .to_owned()
-            };
-            return Err(invalid(tensor, reason));
-        }
-    }
+    // Every tensor must be one the config implies, and every one it implies
+    // must be there: anything else would be ignored math. The registry
+    // checks the same rules at registration.
+    check_ranks(name, config, limits)?;
+    tensors::check(name, config, &files.header(), Some(model.num_layers))?;
     let mut modules: Vec<[Option<LoraModule>; 7]> =
         (0..model.num_layers).map(|_| Default::default()).collect();
     let (mut max_rank, mut bytes) = (0usize, 0usize);
@@ -291,26 +288,9 @@ fn build(
         for &p in &config.targets {
             let module_path = format!("model.layers.{layer}.{}.{}", p.parent(), p.module_name());
             let (rank, alpha) = config.rank_and_alpha(name, &module_path)?;
-            if rank > limits.max_lora_rank {
-                return Err(AdapterError::RankTooLarge {
-                    adapter: name.into(),
-                    field: if rank == config.r {
-                        "r".into()
-                    } else {
-                        format!("rank_pattern ({module_path})")
-                    },
-                    rank,
-                    max: limits.max_lora_rank,
-                });
-            }
             let (fan_in, fan_out) = p.shape(model);
-            let a_name = tensor_name(layer, p, 'A');
-            let b_name = tensor_name(layer, p, 'B');
-            for n in [&a_name, &b_name] {
-                if !files.contains(n) {
-                    return Err(invalid(n, "the tensor is missing".into()));
-                }
-            }
+            let a_name = tensors::module_tensor(layer, p, Factor::A);
+            let b_name = tensors::module_tensor(layer, p, Factor::B);
             // bf16 stays bf16 when both factors are stored so; anything
             // else is widened to f32, exactly.
             let a_bits = files

@@ -14,8 +14,9 @@ use lorafleet_engine::artifact::ArtifactRoots;
 use lorafleet_engine::{BackendChoice, Engine};
 use lorafleet_proto::worker::v1 as pb;
 
+use lorafleet_worker::info::WorkerInfo;
 use lorafleet_worker::runtime::EngineHandle;
-use lorafleet_worker::service::{WorkerInfo, WorkerService};
+use lorafleet_worker::service::WorkerService;
 
 /// How long connections may linger after the drain before the process exits.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);

@@ -1,0 +1,300 @@
+//! The tensors of a PEFT adapter: the names PEFT gives them, and the one
+//! check of a weight file's header against its `adapter_config.json` that
+//! the admin plane runs at registration and the worker before it loads a
+//! byte.
+
+use crate::safetensors_header::Header;
+
+use super::{AdapterConfig, AdapterError, ExpertTarget, Projection};
+
+/// What one adapter tensor holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Holds {
+    /// A projection targeted by `target_modules`.
+    Module(Projection),
+    /// A Mixture-of-Experts parameter targeted by `target_parameters`.
+    Expert(ExpertTarget),
+}
+
+/// Which factor of a LoRA pair a tensor is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Factor {
+    /// `lora_A`: `[rank, in]`.
+    A,
+    /// `lora_B`: `[out, rank]`.
+    B,
+}
+
+impl Factor {
+    fn letter(self) -> char {
+        match self {
+            Factor::A => 'A',
+            Factor::B => 'B',
+        }
+    }
+}
+
+/// One tensor an adapter stores.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Expected {
+    pub name: String,
+    pub layer: usize,
+    pub holds: Holds,
+    pub factor: Factor,
+}
+
+/// The name PEFT gives one layer's projection factor.
+pub fn module_tensor(layer: usize, p: Projection, factor: Factor) -> String {
+    format!(
+        "base_model.model.model.layers.{layer}.{}.{}.lora_{}.weight",
+        p.parent(),
+        p.module_name(),
+        factor.letter()
+    )
+}
+
+/// Where PEFT stores an expert parameter's factors in one layer: the fused
+/// gate_up sits under `base_layer` when down is targeted too.
+pub fn expert_prefix(layer: usize, target: ExpertTarget, targets: &[ExpertTarget]) -> String {
+    let experts = format!("base_model.model.model.layers.{layer}.mlp.experts");
+    let both = targets.contains(&ExpertTarget::GateUp) && targets.contains(&ExpertTarget::Down);
+    match target {
+        ExpertTarget::GateUp if both => format!("{experts}.base_layer"),
+        ExpertTarget::GateUp | ExpertTarget::Down => experts,
+        ExpertTarget::Router => format!("base_model.model.model.layers.{layer}.mlp.gate"),
+    }
+}
+
+/// Every tensor `config` stores in `layer` (none when the layer is not
+/// transformed).
+pub fn expected_in_layer(config: &AdapterConfig, layer: usize) -> Vec<Expected> {
+    if !config.transforms_layer(layer) {
+        return Vec::new();
+    }
+    let mut out = Vec::new();
+    for &p in &config.targets {
+        for factor in [Factor::A, Factor::B] {
+            out.push(Expected {
+                name: module_tensor(layer, p, factor),
+                layer,
+                holds: Holds::Module(p),
+                factor,
+            });
+        }
+    }
+    for &t in &config.expert_targets {
+        let prefix = expert_prefix(layer, t, &config.expert_targets);
+        for factor in [Factor::A, Factor::B] {
+            out.push(Expected {
+                name: format!("{prefix}.lora_{}.weight", factor.letter()),
+                layer,
+                holds: Holds::Expert(t),
+                factor,
+            });
+        }
+    }
+    out
+}
+
+/// The layer a PEFT tensor name belongs to, if it names one.
+fn layer_of(name: &str) -> Option<usize> {
+    name.strip_prefix("base_model.model.model.layers.")?
+        .split('.')
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// Why a tensor that no target explains is refused.
+fn unexpected(name: &str) -> &'static str {
+    if name.contains("lora_embedding") || name.contains("embed_tokens") {
+        "embedding adapters are not supported"
+    } else if name.contains("lm_head") {
+        "lm_head adapters are not supported"
+    } else if name.contains("lora_magnitude_vector") {
+        "DoRA magnitude vectors are not supported"
+    } else {
+        "is not a lora_A/lora_B weight of a targeted projection or expert parameter in a transformed layer"
+    }
+}
+
+/// The module path a tensor's rank is looked up by in `rank_pattern`.
+pub fn rank_path(e: &Expected) -> String {
+    match e.holds {
+        Holds::Module(p) => format!(
+            "model.layers.{}.{}.{}",
+            e.layer,
+            p.parent(),
+            p.module_name()
+        ),
+        Holds::Expert(t) => t.path(e.layer),
+    }
+}
+
+/// Checks a weight file's header against its config: every tensor is a
+/// `lora_A` or `lora_B` of a targeted projection or expert parameter in a
+/// transformed layer, two-dimensional, with the rank the config gives it
+/// (a multiple of it for fused experts, one rank per expert). With the
+/// base model's layer count (the worker), every tensor the config implies
+/// must be there too and no layer lies past the model; without it (the
+/// registry) the layers present are checked.
+pub fn check(
+    adapter: &str,
+    config: &AdapterConfig,
+    header: &Header,
+    layers: Option<usize>,
+) -> Result<(), AdapterError> {
+    let bad = |tensor: &str, reason: String| AdapterError::InvalidTensor {
+        adapter: adapter.into(),
+        tensor: tensor.into(),
+        reason,
+    };
+    if header.tensors.is_empty() {
+        return Err(bad("adapter_model.safetensors", "holds no tensors".into()));
+    }
+    for (name, info) in &header.tensors {
+        let expected = layer_of(name)
+            .filter(|&l| layers.is_none_or(|n| l < n))
+            .and_then(|l| {
+                expected_in_layer(config, l)
+                    .into_iter()
+                    .find(|e| &e.name == name)
+            })
+            .ok_or_else(|| bad(name, unexpected(name).into()))?;
+        let [rows, cols] = info.shape[..] else {
+            return Err(bad(
+                name,
+                format!("has shape {:?}, not two-dimensional", info.shape),
+            ));
+        };
+        let rank_dim = match expected.factor {
+            Factor::A => rows,
+            Factor::B => cols,
+        };
+        let path = rank_path(&expected);
+        let (rank, _) = config.rank_and_alpha(adapter, &path)?;
+        let fits = match expected.holds {
+            Holds::Module(_) => rank_dim == rank as u64,
+            Holds::Expert(_) => rank_dim != 0 && rank_dim % rank as u64 == 0,
+        };
+        if !fits {
+            return Err(bad(
+                name,
+                format!(
+                    "has rank dimension {rank_dim}, but adapter_config.json gives {path} rank {rank}"
+                ),
+            ));
+        }
+    }
+    if let Some(layers) = layers {
+        for layer in 0..layers {
+            if let Some(missing) = expected_in_layer(config, layer)
+                .into_iter()
+                .find(|e| !header.tensors.contains_key(&e.name))
+            {
+                return Err(bad(&missing.name, "the tensor is missing".into()));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::safetensors_header::TensorInfo;
+
+    use super::*;
+
+    fn config(text: &str) -> AdapterConfig {
+        AdapterConfig::from_text("a", text, None).unwrap()
+    }
+
+    fn header(tensors: &[(&str, &[u64])]) -> Header {
+        Header {
+            tensors: tensors
+                .iter()
+                .map(|(n, s)| {
+                    (
+                        (*n).to_owned(),
+                        TensorInfo {
+                            dtype: "F32".into(),
+                            shape: s.to_vec(),
+                        },
+                    )
+                })
+                .collect(),
+        }
+    }
+
+    const Q_A: &str = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight";
+    const Q_B: &str = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight";
+
+    fn reason(e: AdapterError) -> (String, String) {
+        match e {
+            AdapterError::InvalidTensor { tensor, reason, .. } => (tensor, reason),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_header_that_fits_its_config_passes_and_every_misfit_is_refused_by_tensor() {
+        let c = config(r#"{"peft_type":"LORA","r":4,"lora_alpha":8,"target_modules":["q_proj"]}"#);
+        assert!(
+            check(
+                "a",
+                &c,
+                &header(&[(Q_A, &[4, 16]), (Q_B, &[16, 4])]),
+                Some(1)
+            )
+            .is_ok()
+        );
+        // Without the layer count, the layers present are checked.
+        assert!(check("a", &c, &header(&[(Q_A, &[4, 16]), (Q_B, &[16, 4])]), None).is_ok());
+
+        let (t, r) =
+            reason(check("a", &c, &header(&[(Q_A, &[8, 16]), (Q_B, &[16, 4])]), None).unwrap_err());
+        assert_eq!(t, Q_A);
+        assert!(
+            r.contains("rank dimension 8") && r.contains("rank 4"),
+            "{r}"
+        );
+
+        let (t, r) = reason(check("a", &c, &header(&[(Q_A, &[4, 16, 1])]), None).unwrap_err());
+        assert_eq!(t, Q_A);
+        assert!(r.contains("not two-dimensional"), "{r}");
+
+        let k = "base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight";
+        let (t, r) = reason(check("a", &c, &header(&[(k, &[4, 16])]), None).unwrap_err());
+        assert_eq!(t, k);
+        assert!(r.contains("not a lora_A/lora_B weight"), "{r}");
+
+        let head = "base_model.model.lm_head.lora_A.weight";
+        let (_, r) = reason(check("a", &c, &header(&[(head, &[4, 16])]), None).unwrap_err());
+        assert_eq!(r, "lm_head adapters are not supported");
+
+        // A layer past the model, and a tensor the config implies but the
+        // file lacks, are refused when the model is known.
+        let far = "base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight";
+        let (t, _) = reason(check("a", &c, &header(&[(far, &[4, 16])]), Some(2)).unwrap_err());
+        assert_eq!(t, far);
+        let (t, r) = reason(check("a", &c, &header(&[(Q_A, &[4, 16])]), Some(1)).unwrap_err());
+        assert_eq!((t.as_str(), r.as_str()), (Q_B, "the tensor is missing"));
+
+        let (_, r) = reason(check("a", &c, &header(&[]), None).unwrap_err());
+        assert_eq!(r, "holds no tensors");
+    }
+
+    #[test]
+    fn fused_expert_factors_hold_a_multiple_of_the_rank() {
+        let c = config(
+            r#"{"peft_type":"LORA","r":2,"lora_alpha":4,"target_modules":[],
+                "target_parameters":["mlp.experts.down_proj"]}"#,
+        );
+        let a = "base_model.model.model.layers.0.mlp.experts.lora_A.weight";
+        let b = "base_model.model.model.layers.0.mlp.experts.lora_B.weight";
+        assert!(check("a", &c, &header(&[(a, &[8, 16]), (b, &[16, 8])]), Some(1)).is_ok());
+        let (t, _) =
+            reason(check("a", &c, &header(&[(a, &[7, 16]), (b, &[16, 8])]), None).unwrap_err());
+        assert_eq!(t, a);
+    }
+}
