@@ -347,3 +347,132 @@ fn walk(root: &std::path::Path) -> Vec<std::path::PathBuf> {
     }
     out
 }
+
+/// The top-level modules of a crate's `src/` (a `NAME.rs` file or a `NAME/`
+/// directory; binaries left out) and which others each one's non-test code
+/// names as `crate::OTHER`.
+fn module_graph(src: &std::path::Path) -> BTreeMap<String, BTreeSet<String>> {
+    let mut modules = BTreeSet::new();
+    for entry in std::fs::read_dir(src).unwrap().flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if entry.path().is_dir() {
+            if name != "bin" {
+                modules.insert(name);
+            }
+        } else if let Some(stem) = name.strip_suffix(".rs")
+            && stem != "lib"
+            && stem != "main"
+        {
+            modules.insert(stem.to_owned());
+        }
+    }
+    let mut graph = BTreeMap::new();
+    for m in &modules {
+        let dir = src.join(m);
+        let files = if dir.is_dir() {
+            walk(&dir)
+        } else {
+            vec![src.join(format!("{m}.rs"))]
+        };
+        let mut uses = BTreeSet::new();
+        for file in files
+            .iter()
+            .filter(|f| f.extension().is_some_and(|e| e == "rs"))
+        {
+            let text = std::fs::read_to_string(file).unwrap();
+            // A file's unit tests sit at its end; they may reach anywhere.
+            let code = text.split("#[cfg(test)]\nmod tests").next().unwrap();
+            let mut rest = code;
+            while let Some(at) = rest.find("crate::") {
+                rest = &rest[at + "crate::".len()..];
+                let named: String = rest
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                // `crate::{a, b}` names several.
+                let names: Vec<String> = if named.is_empty() && rest.starts_with('{') {
+                    let list = &rest[1..rest.find('}').unwrap_or(rest.len())];
+                    list.split(',')
+                        .filter_map(|p| p.trim().split("::").next())
+                        .map(str::to_owned)
+                        .collect()
+                } else {
+                    vec![named]
+                };
+                uses.extend(names.into_iter().filter(|n| n != m && modules.contains(n)));
+            }
+        }
+        graph.insert(m.clone(), uses);
+    }
+    graph
+}
+
+/// A cycle in `graph`, as the modules along it, if there is one.
+fn find_cycle(graph: &BTreeMap<String, BTreeSet<String>>) -> Option<Vec<String>> {
+    fn visit(
+        m: &str,
+        graph: &BTreeMap<String, BTreeSet<String>>,
+        path: &mut Vec<String>,
+        done: &mut BTreeSet<String>,
+    ) -> Option<Vec<String>> {
+        if let Some(at) = path.iter().position(|p| p == m) {
+            let mut cycle = path[at..].to_vec();
+            cycle.push(m.to_owned());
+            return Some(cycle);
+        }
+        if done.contains(m) {
+            return None;
+        }
+        path.push(m.to_owned());
+        for next in &graph[m] {
+            if let Some(c) = visit(next, graph, path, done) {
+                return Some(c);
+            }
+        }
+        path.pop();
+        done.insert(m.to_owned());
+        None
+    }
+    let mut done = BTreeSet::new();
+    graph
+        .keys()
+        .find_map(|m| visit(m, graph, &mut Vec::new(), &mut done))
+}
+
+/// The gateway's and the worker's top-level modules form layers: none
+/// reaches back into a module that reaches it (the rollout controller
+/// once called into the admin plane that called it).
+#[test]
+fn no_module_cycle_in_the_gateway_or_the_worker() {
+    let root = std::path::PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/.."));
+    for (src, expected) in [
+        (
+            "gateway/src",
+            &["admin", "api", "rollout", "router", "upstream"][..],
+        ),
+        (
+            "worker/src",
+            &["convert", "refusal", "runtime", "service"][..],
+        ),
+    ] {
+        let graph = module_graph(&root.join(src));
+        for m in expected {
+            assert!(graph.contains_key(*m), "{src}: module {m} was not found");
+        }
+        assert!(
+            graph.values().map(BTreeSet::len).sum::<usize>() >= expected.len(),
+            "{src}: the modules' uses were found: {graph:?}"
+        );
+        if let Some(cycle) = find_cycle(&graph) {
+            panic!("{src}: a module cycle: {}", cycle.join(" -> "));
+        }
+    }
+    // The check finds a cycle when there is one.
+    let mut g = BTreeMap::new();
+    g.insert("a".to_owned(), BTreeSet::from(["b".to_owned()]));
+    g.insert("b".to_owned(), BTreeSet::from(["a".to_owned()]));
+    assert_eq!(
+        find_cycle(&g),
+        Some(vec!["a".to_owned(), "b".to_owned(), "a".to_owned()])
+    );
+}

@@ -210,4 +210,3 @@ pub use actor::{Identity, identify};
 pub use adapters::artifact_roots;
 pub use audit::{AuditFilter, AuditQuery, AuditRow, Cursor};
 pub use error::AdminError;
-pub use rollouts::{LEASE as ROLLOUT_LEASE, drive as drive_rollouts};

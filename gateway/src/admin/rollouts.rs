@@ -5,20 +5,14 @@
 //! on. While a rollout is in progress, manual weight changes are refused.
 
 use super::*;
-use crate::rollout::gates::{self, Figures, Gates, Verdict};
+use crate::rollout::gates::{self, Figures, Gates};
+use crate::rollout::{
+    self, Action, CONTROLLER, Decision, INCONCLUSIVE_HOLDS, LEASE, State as RolloutState,
+};
 
-/// The actor of the controller's decisions in `admin_changes`.
-pub const CONTROLLER: &str = "rollout-controller";
-/// The lease row that names the replica driving rollouts.
-pub const LEASE: &str = "rollouts";
 const DEFAULT_STEPS: [u32; 4] = [100, 1000, 5000, 10000];
 const DEFAULT_HOLD_SECS: u32 = 300;
 const MAX_HOLD_SECS: u32 = 7 * 24 * 3600;
-/// A step still short of requests after this many hold times is
-/// inconclusive: the controller pauses the rollout for an operator (resume
-/// to give it a fresh window, or abort) rather than hold the candidate's
-/// share indefinitely.
-const INCONCLUSIVE_HOLDS: i64 = 10;
 
 #[derive(Debug, Clone, sqlx::FromRow)]
 struct Rollout {
@@ -34,7 +28,8 @@ struct Rollout {
     max_tpot_p95_ratio: f64,
     step_index: i32,
     step_started_at: DateTime<Utc>,
-    state: String,
+    #[sqlx(try_from = "String")]
+    state: RolloutState,
     reason: Option<String>,
     created_by: String,
     /// Seconds since the step began, by the database's clock (the one that
@@ -122,8 +117,8 @@ pub(super) async fn refuse_during_rollout(
 }
 
 /// One row of `rollout_decisions`.
-struct Decision<'a> {
-    what: &'a str,
+struct DecisionRow<'a> {
+    what: Decision,
     step_index: i32,
     revision: Option<i32>,
     actor: &'a str,
@@ -134,14 +129,14 @@ struct Decision<'a> {
 async fn decision(
     tx: &mut Transaction<'_, Postgres>,
     r: &Rollout,
-    d: Decision<'_>,
+    d: DecisionRow<'_>,
 ) -> Result<(), AdminError> {
     sqlx::query(
         "INSERT INTO rollout_decisions (rollout_id, decision, step_index, revision, actor, figures, reason)
          VALUES ($1, $2, $3, $4, $5, $6, $7)",
     )
     .bind(r.id)
-    .bind(d.what)
+    .bind(d.what.as_str())
     .bind(d.step_index)
     .bind(d.revision)
     .bind(d.actor)
@@ -150,7 +145,7 @@ async fn decision(
     .execute(&mut **tx)
     .await
     .map_err(db_error)?;
-    metrics::counter!("lorafleet_gateway_rollout_decisions_total", "decision" => d.what.to_owned())
+    metrics::counter!("lorafleet_gateway_rollout_decisions_total", "decision" => d.what.as_str())
         .increment(1);
     Ok(())
 }
@@ -182,7 +177,7 @@ async fn view(
         id: r.id,
         tenant: tenant.to_owned(),
         model: model.to_owned(),
-        state: r.state.clone(),
+        state: r.state.as_str().to_owned(),
         stable_lora_int_id: r.stable_lora_int_id,
         candidate_lora_int_id: r.candidate_lora_int_id,
         steps: r.steps_bp.iter().map(|&s| s as u32).collect(),
@@ -275,7 +270,7 @@ pub(super) async fn start_rollout(
         max_tpot_p95_ratio: g.max_tpot_p95_ratio,
         step_index: 0,
         step_started_at: Utc::now(),
-        state: "running".into(),
+        state: RolloutState::Running,
         reason: None,
         created_by: actor.subject.clone(),
         elapsed_secs: 0.0,
@@ -311,12 +306,12 @@ pub(super) async fn start_rollout(
     .fetch_one(&mut *tx)
     .await
     .map_err(db_error)?;
-    let note = json!({"rollout": r.id, "decision": "start", "step_index": 0,
+    let note = json!({"rollout": r.id, "decision": Decision::Start.as_str(), "step_index": 0,
                       "candidate_share_bp": steps[0]});
     let route = write_revision(
         &mut tx,
         &actor,
-        "route.rollout_start",
+        &Decision::Start.change_action(),
         &tenant,
         &model,
         Some((route_id, current)),
@@ -325,8 +320,8 @@ pub(super) async fn start_rollout(
         Some(note),
     )
     .await?;
-    let start = Decision {
-        what: "start",
+    let start = DecisionRow {
+        what: Decision::Start,
         step_index: 0,
         revision: Some(route.revision),
         actor: &actor.subject,
@@ -362,7 +357,7 @@ pub(super) async fn pause_rollout(
     headers: HeaderMap,
     path: Path<(String, String)>,
 ) -> Result<Response, AdminError> {
-    change_rollout(s, headers, path, "pause").await
+    change_rollout(s, headers, path, Action::Pause).await
 }
 
 pub(super) async fn resume_rollout(
@@ -370,7 +365,7 @@ pub(super) async fn resume_rollout(
     headers: HeaderMap,
     path: Path<(String, String)>,
 ) -> Result<Response, AdminError> {
-    change_rollout(s, headers, path, "resume").await
+    change_rollout(s, headers, path, Action::Resume).await
 }
 
 pub(super) async fn abort_rollout(
@@ -378,14 +373,14 @@ pub(super) async fn abort_rollout(
     headers: HeaderMap,
     path: Path<(String, String)>,
 ) -> Result<Response, AdminError> {
-    change_rollout(s, headers, path, "abort").await
+    change_rollout(s, headers, path, Action::Abort).await
 }
 
 async fn change_rollout(
     State(s): State<AdminState>,
     headers: HeaderMap,
     Path((tenant, model)): Path<(String, String)>,
-    what: &str,
+    action: Action,
 ) -> Result<Response, AdminError> {
     let actor = authorize(&s, &headers, Need::Write)?;
     let mut tx = s.pool.begin().await.map_err(db_error)?;
@@ -400,21 +395,28 @@ async fn change_rollout(
             format!("route {tenant}/{model} has no rollout in progress"),
         )
     })?;
-    let before = json!({"state": r.state, "step_index": r.step_index});
+    let what = action.decision_from(r.state).ok_or_else(|| {
+        AdminError::conflict(
+            AdminCode::NoActiveRollout,
+            "model",
+            format!(
+                "the rollout on {tenant}/{model} is {}; it cannot {action}",
+                r.state
+            ),
+        )
+    })?;
+    let before = json!({"state": r.state.as_str(), "step_index": r.step_index});
     let object = format!("{tenant}/{model}");
-    let (state, revision) = match (what, r.state.as_str()) {
-        ("pause", "running") => ("paused", None),
-        // A resumed step's window starts again: figures from before the
-        // pause are not the step's.
-        ("resume", "paused") => ("running", None),
-        ("abort", _) => {
+    let revision = match what {
+        Decision::Abort => {
             let weights = r.stable_only();
             let base_id = check_weights(&mut tx, &weights, None, tenant_uuid).await?;
-            let note = json!({"rollout": r.id, "decision": "abort", "step_index": r.step_index});
+            let note =
+                json!({"rollout": r.id, "decision": what.as_str(), "step_index": r.step_index});
             let route = write_revision(
                 &mut tx,
                 &actor,
-                "route.rollout_abort",
+                &what.change_action(),
                 &tenant,
                 &model,
                 Some((route_id, current)),
@@ -423,17 +425,12 @@ async fn change_rollout(
                 Some(note),
             )
             .await?;
-            ("aborted", Some(route.revision))
+            Some(route.revision)
         }
-        (_, now) => {
-            return Err(AdminError::conflict(
-                AdminCode::NoActiveRollout,
-                "model",
-                format!("the rollout on {tenant}/{model} is {now}; it cannot {what}"),
-            ));
-        }
+        _ => None,
     };
-    let reason = (what == "abort").then(|| format!("aborted by {}", actor.subject));
+    let state = what.state_after();
+    let reason = (what == Decision::Abort).then(|| format!("aborted by {}", actor.subject));
     sqlx::query(
         "UPDATE rollouts SET state = $2::rollout_state, reason = coalesce($3, reason),
              step_started_at = CASE WHEN $4 THEN now() ELSE step_started_at END,
@@ -441,13 +438,15 @@ async fn change_rollout(
          WHERE id = $1",
     )
     .bind(r.id)
-    .bind(state)
+    .bind(state.as_str())
     .bind(&reason)
-    .bind(what == "resume")
+    // A resumed step's window starts again: figures from before the pause
+    // are not the step's.
+    .bind(what == Decision::Resume)
     .execute(&mut *tx)
     .await
     .map_err(db_error)?;
-    let d = Decision {
+    let d = DecisionRow {
         what,
         step_index: r.step_index,
         revision,
@@ -457,11 +456,11 @@ async fn change_rollout(
     };
     decision(&mut tx, &r, d).await?;
     if revision.is_none() {
-        let after = json!({"state": state, "step_index": r.step_index});
+        let after = json!({"state": state.as_str(), "step_index": r.step_index});
         record(
             &mut tx,
             &actor,
-            &format!("route.rollout_{what}"),
+            &what.change_action(),
             ("route", &object),
             Some(before),
             Some(after),
@@ -518,27 +517,28 @@ async fn window(pool: &PgPool, r: &Rollout) -> Result<(Figures, Figures), AdminE
     Ok(out)
 }
 
-/// One turn of the controller, run by the replica that holds the lease:
-/// judges every running rollout's step and writes what it decides. Returns
-/// the decisions written.
-pub async fn drive(state: &AdminState, holder: &str) -> Result<usize, String> {
-    let running: Vec<Rollout> = sqlx::query_as(sql!(
-        "SELECT {COLUMNS} FROM rollouts WHERE state = 'running' ORDER BY created_at"
-    ))
-    .fetch_all(&state.pool)
-    .await
-    .map_err(|e| e.to_string())?;
-    let mut written = 0;
-    for r in running {
-        match judge_step(state, holder, &r).await {
-            Ok(true) => written += 1,
-            Ok(false) => {}
-            Err(e) => {
-                tracing::warn!(rollout = %r.id, error = %e.message, "rollout step not judged")
+/// The controller's turns (see [`crate::rollout::run`]), taken by the
+/// replica that holds the lease: each running rollout's step judged, and
+/// what is decided written as a route revision with its change row.
+impl rollout::Turn for AdminState {
+    async fn turn(&self, holder: &str) -> Result<usize, sqlx::Error> {
+        let running: Vec<Rollout> = sqlx::query_as(sql!(
+            "SELECT {COLUMNS} FROM rollouts WHERE state = 'running' ORDER BY created_at"
+        ))
+        .fetch_all(&self.pool)
+        .await?;
+        let mut written = 0;
+        for r in running {
+            match judge_step(self, holder, &r).await {
+                Ok(true) => written += 1,
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!(rollout = %r.id, error = %e.message, "rollout step not judged")
+                }
             }
         }
+        Ok(written)
     }
-    Ok(written)
 }
 
 async fn judge_step(state: &AdminState, holder: &str, r: &Rollout) -> Result<bool, AdminError> {
@@ -547,23 +547,10 @@ async fn judge_step(state: &AdminState, holder: &str, r: &Rollout) -> Result<boo
     let inconclusive = r.elapsed_secs >= (INCONCLUSIVE_HOLDS * i64::from(r.hold_secs)) as f64;
     let verdict = gates::judge(&r.gates(), &candidate, &stable, held);
     export(r, &candidate, &stable);
-    let (what, next, reason) = match &verdict {
-        Verdict::Wait(why) if inconclusive => (
-            "pause",
-            r.step_index,
-            Some(format!(
-                "inconclusive: after {INCONCLUSIVE_HOLDS} hold times, {why}; resume for a fresh \
-                 window or abort"
-            )),
-        ),
-        Verdict::Wait(_) => return Ok(false),
-        // The last step is all traffic: reaching it ends the rollout, since
-        // no stable traffic is left to compare with.
-        Verdict::Advance if r.share(r.step_index + 1) == registry::WEIGHT_TOTAL => {
-            ("succeed", r.step_index + 1, None)
-        }
-        Verdict::Advance => ("advance", r.step_index + 1, None),
-        Verdict::RollBack(why) => ("roll_back", r.step_index, Some(why.clone())),
+    let last = r.share(r.step_index + 1) == registry::WEIGHT_TOTAL;
+    let Some((what, next, reason)) = rollout::decide(&verdict, r.step_index, last, inconclusive)
+    else {
+        return Ok(false);
     };
     let mut tx = state.pool.begin().await.map_err(db_error)?;
     // Only the lease holder writes, and the lease cannot change hands
@@ -603,7 +590,7 @@ async fn judge_step(state: &AdminState, holder: &str, r: &Rollout) -> Result<boo
     .await
     .map_err(db_error)?;
     if !now.is_some_and(|n| {
-        n.state == "running"
+        n.state == RolloutState::Running
             && n.step_index == r.step_index
             && n.step_started_at == r.step_started_at
     }) {
@@ -615,7 +602,7 @@ async fn judge_step(state: &AdminState, holder: &str, r: &Rollout) -> Result<boo
         role: Role::Admin,
         request_id: Uuid::now_v7(),
     };
-    if what == "pause" {
+    if what == Decision::Pause {
         // The weights stay; only the rollout waits for an operator.
         sqlx::query(
             "UPDATE rollouts SET state = 'paused', reason = $2, updated_at = now() WHERE id = $1",
@@ -628,15 +615,17 @@ async fn judge_step(state: &AdminState, holder: &str, r: &Rollout) -> Result<boo
         record(
             &mut tx,
             &actor,
-            "route.rollout_pause",
+            &what.change_action(),
             ("route", &format!("{tenant}/{model}")),
-            Some(json!({"state": "running", "step_index": r.step_index})),
-            Some(json!({"state": "paused", "step_index": r.step_index,
-                        "rollout": {"rollout": r.id, "decision": what, "figures": figures,
-                                    "reason": reason}})),
+            Some(json!({"state": RolloutState::Running.as_str(), "step_index": r.step_index})),
+            Some(
+                json!({"state": RolloutState::Paused.as_str(), "step_index": r.step_index,
+                        "rollout": {"rollout": r.id, "decision": what.as_str(), "figures": figures,
+                                    "reason": reason}}),
+            ),
         )
         .await?;
-        let d = Decision {
+        let d = DecisionRow {
             what,
             step_index: r.step_index,
             revision: None,
@@ -651,11 +640,11 @@ async fn judge_step(state: &AdminState, holder: &str, r: &Rollout) -> Result<boo
         return Ok(true);
     }
     let weights = match what {
-        "roll_back" => r.stable_only(),
+        Decision::RollBack => r.stable_only(),
         _ => r.weights(r.share(next)),
     };
     let base_id = check_weights(&mut tx, &weights, None, tenant_uuid).await?;
-    let note = json!({"rollout": r.id, "decision": what, "step_index": next,
+    let note = json!({"rollout": r.id, "decision": what.as_str(), "step_index": next,
                       "candidate_share_bp": weights.iter()
                           .find(|w| w.lora_int_id == r.candidate_lora_int_id)
                           .map_or(0, |w| w.weight_bp),
@@ -663,7 +652,7 @@ async fn judge_step(state: &AdminState, holder: &str, r: &Rollout) -> Result<boo
     let route = write_revision(
         &mut tx,
         &actor,
-        &format!("route.rollout_{what}"),
+        &what.change_action(),
         &tenant,
         &model,
         Some(current),
@@ -672,24 +661,19 @@ async fn judge_step(state: &AdminState, holder: &str, r: &Rollout) -> Result<boo
         Some(note),
     )
     .await?;
-    let new_state = match what {
-        "succeed" => "succeeded",
-        "roll_back" => "rolled_back",
-        _ => "running",
-    };
     sqlx::query(
         "UPDATE rollouts SET state = $2::rollout_state, step_index = $3, reason = $4,
              step_started_at = now(), updated_at = now()
          WHERE id = $1",
     )
     .bind(r.id)
-    .bind(new_state)
+    .bind(what.state_after().as_str())
     .bind(next)
     .bind(&reason)
     .execute(&mut *tx)
     .await
     .map_err(db_error)?;
-    let d = Decision {
+    let d = DecisionRow {
         what,
         step_index: next,
         revision: Some(route.revision),
@@ -699,7 +683,7 @@ async fn judge_step(state: &AdminState, holder: &str, r: &Rollout) -> Result<boo
     };
     decision(&mut tx, r, d).await?;
     commit(state, tx).await?;
-    tracing::info!(rollout = %r.id, route = %format!("{tenant}/{model}"), decision = what,
+    tracing::info!(rollout = %r.id, route = %format!("{tenant}/{model}"), decision = what.as_str(),
                    step_index = next, reason = reason.as_deref().unwrap_or(""), "rollout decision");
     Ok(true)
 }

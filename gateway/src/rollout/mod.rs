@@ -1,18 +1,192 @@
 //! Progressive rollouts: the controller that moves a candidate adapter
 //! version through a route's steps, or rolls it back, on what the audit
-//! log shows. Every gateway replica runs [`run`]; the one holding the lease
-//! row `controller_leases.rollouts` acts, the others wait to take over
-//! when it stops renewing. The decisions themselves are written by the
-//! admin plane ([`crate::admin::drive_rollouts`]), as route revisions with
-//! their `admin_changes` rows.
+//! log shows.
+//!
+//! - [`gates`]: the figures of a step's window and the verdict on them;
+//! - [`State`], [`Decision`], [`Action`]: a rollout's states, what a
+//!   controller or an operator decides, typed end to end (the database
+//!   keeps their [`as_str`](Decision::as_str) forms);
+//! - [`decide`]: a verdict turned into the controller's decision;
+//! - [`run`]: the controller loop. Every gateway replica runs it; the one
+//!   holding the lease row `controller_leases.rollouts` takes turns
+//!   ([`Turn`]), the others wait to take over when it stops renewing.
+//!
+//! This module depends on no other gateway module but the registry's
+//! weight total: the admin plane implements [`Turn`] (each decision is a
+//! route revision written with its `admin_changes` row) and calls
+//! [`gates`] and [`decide`], never the other way round.
 
 pub mod gates;
 
+use std::future::Future;
 use std::time::Duration;
 
 use sqlx::PgPool;
 
-use crate::admin::{AdminState, ROLLOUT_LEASE, drive_rollouts};
+use gates::Verdict;
+
+/// The lease row that names the replica driving rollouts.
+pub const LEASE: &str = "rollouts";
+/// The actor of the controller's decisions in `admin_changes`.
+pub const CONTROLLER: &str = "rollout-controller";
+/// A step still short of requests after this many hold times is
+/// inconclusive: the controller pauses the rollout for an operator (resume
+/// to give it a fresh window, or abort) rather than hold the candidate's
+/// share indefinitely.
+pub const INCONCLUSIVE_HOLDS: i64 = 10;
+
+/// Declares a string enum: its variants, their database strings, `as_str`,
+/// `parse` and the `TryFrom<String>` that reads it from a row.
+macro_rules! string_enum {
+    ($(#[$m:meta])* $name:ident { $($(#[$vm:meta])* $variant:ident => $s:literal,)* }) => {
+        $(#[$m])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        pub enum $name {
+            $($(#[$vm])* $variant,)*
+        }
+
+        impl $name {
+            /// Every value.
+            pub const ALL: &[$name] = &[$($name::$variant),*];
+
+            /// The database's and the API's string.
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $($name::$variant => $s,)*
+                }
+            }
+
+            /// The value a string names.
+            pub fn parse(s: &str) -> Option<$name> {
+                $name::ALL.iter().copied().find(|v| v.as_str() == s)
+            }
+        }
+
+        impl TryFrom<String> for $name {
+            type Error = String;
+
+            fn try_from(s: String) -> Result<$name, String> {
+                $name::parse(&s).ok_or_else(|| {
+                    format!("{s:?} is not a {}", stringify!($name))
+                })
+            }
+        }
+
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+    };
+}
+
+string_enum! {
+    /// Where a rollout stands (the `rollout_state` type).
+    State {
+        Running => "running",
+        Paused => "paused",
+        Succeeded => "succeeded",
+        RolledBack => "rolled_back",
+        Aborted => "aborted",
+    }
+}
+
+string_enum! {
+    /// One decision on a rollout (a `rollout_decisions.decision`, and the
+    /// `route.rollout_*` change it records).
+    Decision {
+        /// An operator started it at its first step.
+        Start => "start",
+        /// The controller moved it to the next step.
+        Advance => "advance",
+        /// The controller moved it to its last step: all traffic.
+        Succeed => "succeed",
+        /// The controller sent all traffic back to the stable version.
+        RollBack => "roll_back",
+        /// The controller or an operator stopped it where it is.
+        Pause => "pause",
+        /// An operator restarted a paused step's window.
+        Resume => "resume",
+        /// An operator sent all traffic back to the stable version.
+        Abort => "abort",
+    }
+}
+
+string_enum! {
+    /// What an operator can do to a rollout in progress.
+    Action {
+        Pause => "pause",
+        Resume => "resume",
+        Abort => "abort",
+    }
+}
+
+impl Decision {
+    /// The state a rollout is in after this decision.
+    pub fn state_after(self) -> State {
+        match self {
+            Decision::Start | Decision::Advance | Decision::Resume => State::Running,
+            Decision::Pause => State::Paused,
+            Decision::Succeed => State::Succeeded,
+            Decision::RollBack => State::RolledBack,
+            Decision::Abort => State::Aborted,
+        }
+    }
+
+    /// The `admin_changes` action that records it.
+    pub fn change_action(self) -> String {
+        format!("route.rollout_{}", self.as_str())
+    }
+}
+
+impl Action {
+    /// The decision it records, if a rollout in `state` allows it; an
+    /// abort is allowed in any state a rollout in progress has.
+    pub fn decision_from(self, state: State) -> Option<Decision> {
+        match (self, state) {
+            (Action::Pause, State::Running) => Some(Decision::Pause),
+            (Action::Resume, State::Paused) => Some(Decision::Resume),
+            (Action::Abort, State::Running | State::Paused) => Some(Decision::Abort),
+            _ => None,
+        }
+    }
+}
+
+/// What the controller does on a step's verdict: the decision, the step
+/// the rollout is at after it, and the reason it records. `None`: wait.
+///
+/// A wait that has lasted [`INCONCLUSIVE_HOLDS`] hold times pauses; an
+/// advance onto the last step (all traffic) succeeds, since no stable
+/// traffic is left to compare with.
+pub fn decide(
+    verdict: &Verdict,
+    step_index: i32,
+    next_share_is_all: bool,
+    inconclusive: bool,
+) -> Option<(Decision, i32, Option<String>)> {
+    match verdict {
+        Verdict::Wait(why) if inconclusive => Some((
+            Decision::Pause,
+            step_index,
+            Some(format!(
+                "inconclusive: after {INCONCLUSIVE_HOLDS} hold times, {why}; resume for a fresh \
+                 window or abort"
+            )),
+        )),
+        Verdict::Wait(_) => None,
+        Verdict::Advance if next_share_is_all => Some((Decision::Succeed, step_index + 1, None)),
+        Verdict::Advance => Some((Decision::Advance, step_index + 1, None)),
+        Verdict::RollBack(why) => Some((Decision::RollBack, step_index, Some(why.clone()))),
+    }
+}
+
+/// One turn of the controller: judge every running rollout and write what
+/// is decided. The admin plane implements it; `holder` is the lease holder
+/// the writes are checked against.
+pub trait Turn: Send + Sync + 'static {
+    /// The decisions written.
+    fn turn(&self, holder: &str) -> impl Future<Output = Result<usize, sqlx::Error>> + Send;
+}
 
 /// Takes or renews the lease `name` for `holder` until `ttl` from now;
 /// true when `holder` has it.
@@ -50,11 +224,10 @@ pub struct ControllerConfig {
 }
 
 /// The controller loop; runs until the task is dropped.
-pub async fn run(state: AdminState, config: ControllerConfig) {
+pub async fn run(pool: PgPool, turns: impl Turn, config: ControllerConfig) {
     let mut leading = false;
     loop {
-        let held = match hold_lease(&state.pool, ROLLOUT_LEASE, &config.holder, config.lease).await
-        {
+        let held = match hold_lease(&pool, LEASE, &config.holder, config.lease).await {
             Ok(h) => h,
             Err(e) => {
                 tracing::warn!(error = %e, "rollout lease not renewed");
@@ -66,9 +239,70 @@ pub async fn run(state: AdminState, config: ControllerConfig) {
             leading = held;
         }
         metrics::gauge!("lorafleet_gateway_rollout_leader").set(if held { 1.0 } else { 0.0 });
-        if held && let Err(e) = drive_rollouts(&state, &config.holder).await {
+        if held && let Err(e) = turns.turn(&config.holder).await {
             tracing::warn!(error = %e, "rollout controller turn failed");
         }
         tokio::time::sleep(config.tick).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_state_decision_and_action_round_trips_through_its_string() {
+        for s in State::ALL {
+            assert_eq!(State::parse(s.as_str()), Some(*s));
+            assert_eq!(State::try_from(s.as_str().to_owned()), Ok(*s));
+        }
+        for d in Decision::ALL {
+            assert_eq!(Decision::parse(d.as_str()), Some(*d));
+        }
+        for a in Action::ALL {
+            assert_eq!(Action::parse(a.as_str()), Some(*a));
+        }
+        assert!(State::try_from("sideways".to_owned()).is_err());
+    }
+
+    #[test]
+    fn verdicts_become_decisions_and_operator_actions_respect_the_state() {
+        let wait = Verdict::Wait("12 of 50 requests".into());
+        assert_eq!(decide(&wait, 1, false, false), None);
+        let (d, step, why) = decide(&wait, 1, false, true).unwrap();
+        assert_eq!((d, step), (Decision::Pause, 1));
+        assert!(why.unwrap().starts_with("inconclusive"));
+        assert_eq!(
+            decide(&Verdict::Advance, 1, false, false),
+            Some((Decision::Advance, 2, None))
+        );
+        assert_eq!(
+            decide(&Verdict::Advance, 2, true, false),
+            Some((Decision::Succeed, 3, None))
+        );
+        let back = Verdict::RollBack("errors".into());
+        assert_eq!(
+            decide(&back, 2, false, true),
+            Some((Decision::RollBack, 2, Some("errors".into())))
+        );
+        assert_eq!(Decision::Succeed.state_after(), State::Succeeded);
+        assert_eq!(Decision::RollBack.state_after(), State::RolledBack);
+        assert_eq!(Decision::Advance.state_after(), State::Running);
+
+        assert_eq!(
+            Action::Pause.decision_from(State::Running),
+            Some(Decision::Pause)
+        );
+        assert_eq!(Action::Pause.decision_from(State::Paused), None);
+        assert_eq!(
+            Action::Resume.decision_from(State::Paused),
+            Some(Decision::Resume)
+        );
+        assert_eq!(Action::Resume.decision_from(State::Running), None);
+        assert_eq!(
+            Action::Abort.decision_from(State::Paused),
+            Some(Decision::Abort)
+        );
+        assert_eq!(Action::Abort.decision_from(State::Succeeded), None);
     }
 }

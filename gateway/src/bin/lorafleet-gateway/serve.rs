@@ -531,6 +531,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             // Every replica with an admin plane runs the rollout
             // controller; the lease lets one act at a time.
             tokio::spawn(lorafleet_gateway::rollout::run(
+                admin_state.pool.clone(),
                 admin_state.clone(),
                 lorafleet_gateway::rollout::ControllerConfig {
                     holder: format!(
