@@ -1,8 +1,9 @@
 //! The lorafleet gateway: the tenants' OpenAI-compatible front door, the
 //! registry snapshot, adapter-affinity routing to workers, and the admin plane.
 //!
-//! What only a process needs (flags, listeners, signals, drain) lives with
-//! its binary in `src/bin/`; everything it serves lives here.
+//! `server` checks a process's flags, starts everything it serves and
+//! drains it; the binaries in `src/bin/` only parse flags, wait for a
+//! signal and call it.
 
 pub mod admin;
 pub mod api;
@@ -18,4 +19,5 @@ pub mod ratelimit;
 pub mod registry;
 pub mod rollout;
 pub mod router;
+pub mod server;
 pub mod upstream;

@@ -1,7 +1,7 @@
 //! The gateway's refusals and deadlines with real workers: a worker's
 //! refusal reaches the tenant as a reason code, a worker that never answers
 //! is skipped at the first-token deadline, and bad flags are refused by
-//! name.
+//! name. A gateway also starts in process, on port 0, and drains.
 
 #[path = "support/fleet.rs"]
 mod fleet;
@@ -104,110 +104,25 @@ async fn a_worker_that_never_answers_is_skipped_at_the_first_token_deadline() {
 
 #[test]
 fn serve_refuses_bad_flags_by_name() {
+    // Every check of the flags' values is a unit test of
+    // `ServeArgs::validate` (gateway/src/server/flags.rs); here, that the
+    // process reports them, and what clap refuses before them.
     let cases: &[(&[&str], &str)] = &[
         (&["--workers", ""], "--workers: \"\" is not HOST:PORT"),
-        (
-            &["--workers", "nohost"],
-            "--workers: \"nohost\" is not HOST:PORT",
-        ),
-        (
-            &["--workers-dns", "workers:50051"],
-            "--workers and --workers-dns: give one, not both",
-        ),
-        (
-            &["--load-factor", "0.5"],
-            "--load-factor: 0.5 must be at least 1.0",
-        ),
-        (
-            &["--replica-share", "0"],
-            "--replica-share: 0 must be at least 1",
-        ),
-        (
-            &["--max-attempts", "0"],
-            "--max-attempts: must be at least 1",
-        ),
-        (
-            &["--first-token-timeout-secs", "0"],
-            "--first-token-timeout-secs: must be at least 1",
-        ),
-        (
-            &["--registry-max-age-secs", "0"],
-            "--registry-max-age-secs: must be at least 1",
-        ),
-        (
-            &["--audit-queue-bytes", "100"],
-            "--audit-queue-bytes: 100 is less than one row",
-        ),
-        (
-            &["--audit-spool-max-bytes", "1000"],
-            "--audit-spool-max-bytes: 1000 must be at least twice --audit-queue-bytes",
-        ),
-        (
-            &["--audit-spool-owner", "../escape"],
-            "--audit-spool-owner: \"../escape\" must be 1 to 128 letters",
-        ),
-        (
-            &["--audit-spool", "/etc/hostname"],
-            "--audit-spool: /etc/hostname is a file; it must be a directory",
-        ),
-        (
-            &["--max-body-bytes", "0"],
-            "--max-body-bytes: must be at least 1",
-        ),
-        (
-            &["--audit-durability", "eventually"],
-            "\"eventually\" is neither \"commit\" nor \"journal\"",
-        ),
-        (
-            &["--rollout-lease-secs", "0"],
-            "--rollout-lease-secs: must be at least 1",
-        ),
-        (
-            &["--rollout-tick-ms", "20000"],
-            "--rollout-tick-ms: 20000 must be at most half of --rollout-lease-secs (30 s)",
-        ),
-        (
-            &["--jwt-algorithms", "HS256"],
-            "--jwt-algorithms: set --jwt-hmac-secret-file or --jwt-public-key-file too",
-        ),
         (
             &["--database-url", "mysql://db/x"],
             "--database-url: must start with postgres://",
         ),
-        (&["--load-factor", "lots"], "--load-factor"),
         (
             &["--admin-listen", "127.0.0.1:0"],
             "--admin-listen: needs an admin token key",
         ),
         (
-            &["--admin-jwt-algorithms", "HS256"],
-            "--admin-jwt-algorithms: set --admin-jwt-hmac-secret-file or --admin-jwt-public-key-file too",
+            &["--audit-durability", "eventually"],
+            "\"eventually\" is neither \"commit\" nor \"journal\"",
         ),
-        (
-            &["--artifact-root", "/no/such/artifact/root"],
-            "--artifact-root: artifact root /no/such/artifact/root",
-        ),
-        (
-            &["--max-lora-rank", "0"],
-            "--max-lora-rank: must be at least 1",
-        ),
-        (
-            &["--max-concurrent-per-tenant", "0"],
-            "--max-concurrent-per-tenant: must be at least 1",
-        ),
-        (
-            &["--max-concurrent-per-tenant", "5000"],
-            "--max-concurrent-per-tenant: 5000 is above --max-concurrent-requests (1024)",
-        ),
-        (
-            &["--body-timeout-secs", "0"],
-            "--body-timeout-secs: must be at least 1",
-        ),
+        (&["--load-factor", "lots"], "--load-factor"),
         (&["--default-tpm-limit", "lots"], "--default-tpm-limit"),
-        (
-            &["--header-timeout-secs", "0"],
-            "--header-timeout-secs: must be at least 1",
-        ),
     ];
     for (flags, expected) in cases {
         let out = Command::new(binary("lorafleet-gateway"))
@@ -256,4 +171,80 @@ fn serve_refuses_bad_flags_by_name() {
             "{var}: {stderr}"
         );
     }
+}
+
+/// The gateway as a library: flags checked into a config, listeners bound
+/// on port 0, everything started in this process, served, then drained.
+#[tokio::test]
+async fn a_gateway_starts_in_process_and_drains() {
+    use clap::Parser;
+    use lorafleet_gateway::server::{self, Listeners, ServeArgs};
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+    let db = lorafleet_tests::migrated_db("gateway_in_process").await;
+    let spool = tempfile::tempdir().unwrap();
+    let url = db.url();
+    let config = Cli::parse_from([
+        "serve",
+        "--database-url",
+        &url,
+        "--workers",
+        "127.0.0.1:1",
+        "--insecure-plaintext",
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--audit-spool",
+        spool.path().to_str().unwrap(),
+        "--audit-spool-owner",
+        "in-process",
+    ])
+    .serve
+    .validate()
+    .unwrap();
+    let listeners = Listeners::bind(&config).await.unwrap();
+    let running = server::start(config, listeners).await.unwrap();
+    assert_ne!(running.http.port(), 0, "port 0 became a real port");
+    let client = reqwest::Client::new();
+    let health = client
+        .get(format!("http://{}/healthz", running.http))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(health.status(), 200);
+    let metrics = client
+        .get(format!("http://{}/metrics", running.metrics))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(metrics.status(), 200);
+    // A completion with no credential is refused by the running API.
+    let refused = client
+        .post(format!("http://{}/v1/completions", running.http))
+        .json(&serde_json::json!({"model": "m", "prompt": "hi"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 401);
+    let http = running.http;
+    tokio::time::timeout(
+        Duration::from_secs(20),
+        running.drain(Duration::from_secs(2)),
+    )
+    .await
+    .expect("the drain ends");
+    assert!(
+        client
+            .get(format!("http://{http}/healthz"))
+            .timeout(Duration::from_secs(2))
+            .send()
+            .await
+            .is_err(),
+        "a drained gateway accepts no connection"
+    );
 }

@@ -43,6 +43,23 @@ pub enum TlsError {
     Pem { flag: &'static str, why: String },
     #[error("{flag}: {why}")]
     Config { flag: &'static str, why: String },
+    /// Neither the TLS files nor plain text was chosen.
+    #[error("{cert}, {key} and {ca} are required for mutual TLS (or {plain} to go without it)")]
+    NoChoice {
+        cert: &'static str,
+        key: &'static str,
+        ca: &'static str,
+        plain: &'static str,
+    },
+    /// Plain text and a TLS file were both given.
+    #[error("{plain}: cannot be combined with {given}")]
+    BothChosen {
+        plain: &'static str,
+        given: &'static str,
+    },
+    /// Some of the TLS files are missing.
+    #[error("{missing}: required with the other TLS flags")]
+    Incomplete { missing: String },
 }
 
 /// The one crypto provider both sides use (ring: no C toolchain beyond cc).
@@ -68,7 +85,7 @@ pub fn choose(
     ca: Option<PathBuf>,
     insecure_plaintext: bool,
     names: [&'static str; 4],
-) -> Result<Option<PemFiles>, String> {
+) -> Result<Option<PemFiles>, TlsError> {
     let [cert_flag, key_flag, ca_flag, plain_flag] = names;
     match (cert, key, ca, insecure_plaintext) {
         (None, None, None, true) => Ok(None),
@@ -78,16 +95,21 @@ pub fn choose(
             ca,
             flags: [cert_flag, key_flag, ca_flag],
         })),
-        (None, None, None, false) => Err(format!(
-            "{cert_flag}, {key_flag} and {ca_flag} are required for mutual TLS \
-             (or {plain_flag} to go without it)"
-        )),
+        (None, None, None, false) => Err(TlsError::NoChoice {
+            cert: cert_flag,
+            key: key_flag,
+            ca: ca_flag,
+            plain: plain_flag,
+        }),
         (cert, key, ca, true) => {
             let given = [(cert, cert_flag), (key, key_flag), (ca, ca_flag)]
                 .into_iter()
                 .find_map(|(p, f)| p.map(|_| f))
                 .unwrap_or(cert_flag);
-            Err(format!("{plain_flag}: cannot be combined with {given}"))
+            Err(TlsError::BothChosen {
+                plain: plain_flag,
+                given,
+            })
         }
         (cert, key, ca, false) => {
             let missing = [
@@ -99,7 +121,7 @@ pub fn choose(
             .filter_map(|(m, f)| m.then_some(f))
             .collect::<Vec<_>>()
             .join(", ");
-            Err(format!("{missing}: required with the other TLS flags"))
+            Err(TlsError::Incomplete { missing })
         }
     }
 }

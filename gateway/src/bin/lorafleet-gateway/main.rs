@@ -22,7 +22,7 @@ enum Command {
     /// several replicas at once.
     Migrate(MigrateArgs),
     /// Serves the OpenAI-compatible API until SIGTERM, then drains.
-    Serve(Box<serve::ServeArgs>),
+    Serve(Box<lorafleet_gateway::server::ServeArgs>),
     /// Asks a gateway's `/healthz`; exit 0 if it answers 200. For container
     /// health checks.
     Health {

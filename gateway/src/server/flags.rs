@@ -1,0 +1,784 @@
+//! The flags of `lorafleet-gateway serve` (each with an environment
+//! fallback), and [`ServeArgs::validate`]: every check of them, turning
+//! them into a [`GatewayConfig`] or a [`FlagError`] that names the flag.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::admin::artifact_roots;
+use crate::audit::{self, AuditConfig};
+use crate::auth::{self, JwtArgs};
+use crate::flag_error::{FlagError, ensure};
+use crate::router::fleet::Discovery;
+use crate::router::policy::Policy;
+
+use super::config::{AdminConfig, ConfigError, GatewayConfig, WorkerTls};
+
+/// Flags of `serve`; each has an environment fallback.
+#[derive(Debug, clap::Args)]
+pub struct ServeArgs {
+    /// The registry database, as postgres://USER[:PASSWORD]@HOST:PORT/DATABASE.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    pub database_url: String,
+    /// Redis for shared rate limits and registry change announcements, as
+    /// redis://HOST:PORT. Without it limits are per replica and the registry
+    /// refreshes on the interval only.
+    #[arg(long, env = "LORAFLEET_REDIS_URL", hide_env_values = true)]
+    pub redis_url: Option<String>,
+    /// Prefix of every Redis key and channel this gateway uses.
+    #[arg(long, env = "LORAFLEET_REDIS_PREFIX", default_value = "lorafleet:")]
+    pub redis_prefix: String,
+    /// Where to serve the OpenAI API. Port 0 picks a free port, printed on stdout.
+    #[arg(long, env = "LORAFLEET_LISTEN", default_value = "0.0.0.0:8080")]
+    pub listen: SocketAddr,
+    /// Where to serve Prometheus metrics (`GET /metrics`).
+    #[arg(long, env = "LORAFLEET_METRICS_LISTEN", default_value = "0.0.0.0:9091")]
+    pub metrics_listen: SocketAddr,
+    /// Worker gRPC addresses, HOST:PORT, comma-separated.
+    #[arg(long, env = "LORAFLEET_WORKERS", value_delimiter = ',')]
+    pub workers: Vec<String>,
+    /// A DNS name (HOST:PORT) whose addresses are the workers, such as a
+    /// Kubernetes headless service; re-resolved every --workers-dns-refresh-secs.
+    #[arg(long, env = "LORAFLEET_WORKERS_DNS")]
+    pub workers_dns: Option<String>,
+    #[arg(long, env = "LORAFLEET_WORKERS_DNS_REFRESH_SECS", default_value_t = 10)]
+    pub workers_dns_refresh_secs: u64,
+    #[command(flatten)]
+    pub worker_tls: WorkerTlsFlags,
+    /// Bounded-load factor c: no worker above c × the average load.
+    #[arg(long, env = "LORAFLEET_LOAD_FACTOR", default_value_t = 1.25)]
+    pub load_factor: f64,
+    /// In-flight requests one replica of an adapter carries before the
+    /// adapter spreads to another worker.
+    #[arg(long, env = "LORAFLEET_REPLICA_SHARE", default_value_t = 8.0)]
+    pub replica_share: f64,
+    /// Registry snapshot refresh interval, as a backstop to announcements.
+    #[arg(long, env = "LORAFLEET_REGISTRY_REFRESH_SECS", default_value_t = 30)]
+    pub registry_refresh_secs: u64,
+    /// Requests handled at once; more get 429.
+    #[arg(
+        long,
+        env = "LORAFLEET_MAX_CONCURRENT_REQUESTS",
+        default_value_t = 1024
+    )]
+    pub max_concurrent_requests: usize,
+    /// Requests one tenant may have in this gateway at once (its body
+    /// reads included); more get 429 `tenant_concurrency_limit`. Default:
+    /// a quarter of --max-concurrent-requests, so no tenant can take them
+    /// all.
+    #[arg(long, env = "LORAFLEET_MAX_CONCURRENT_PER_TENANT")]
+    pub max_concurrent_per_tenant: Option<usize>,
+    /// Requests per minute for a tenant whose registry row sets none; 0
+    /// means unlimited.
+    #[arg(long, env = "LORAFLEET_DEFAULT_RPM_LIMIT", default_value_t = 600)]
+    pub default_rpm_limit: u32,
+    /// Tokens per minute for a tenant whose registry row sets none; 0
+    /// means unlimited.
+    #[arg(long, env = "LORAFLEET_DEFAULT_TPM_LIMIT", default_value_t = 1_000_000)]
+    pub default_tpm_limit: u64,
+    /// Longest a client may take to send its request line and headers, in
+    /// seconds; then the connection is closed.
+    #[arg(long, env = "LORAFLEET_HEADER_TIMEOUT_SECS", default_value_t = 10)]
+    pub header_timeout_secs: u64,
+    /// Longest a client may take to send its request body, in seconds;
+    /// then 408 `body_timeout`.
+    #[arg(long, env = "LORAFLEET_BODY_TIMEOUT_SECS", default_value_t = 30)]
+    pub body_timeout_secs: u64,
+    /// Largest request body accepted, in bytes.
+    #[arg(long, env = "LORAFLEET_MAX_BODY_BYTES", default_value_t = 1 << 20)]
+    pub max_body_bytes: usize,
+    /// Longest a completion may take, in seconds.
+    #[arg(long, env = "LORAFLEET_REQUEST_TIMEOUT_SECS", default_value_t = 600)]
+    pub request_timeout_secs: u64,
+    /// Longest a worker may take to produce a request's first token, in
+    /// seconds; then the next worker is tried (504 `first_token_timeout`
+    /// when none answers in time).
+    #[arg(
+        long,
+        env = "LORAFLEET_FIRST_TOKEN_TIMEOUT_SECS",
+        default_value_t = 120
+    )]
+    pub first_token_timeout_secs: u64,
+    /// Workers tried per request before the first token.
+    #[arg(long, env = "LORAFLEET_MAX_ATTEMPTS", default_value_t = 3)]
+    pub max_attempts: usize,
+    /// Gateway replicas sharing the rate limits; without Redis each replica
+    /// enforces its share.
+    #[arg(long, env = "LORAFLEET_GATEWAY_REPLICAS", default_value_t = 1)]
+    pub gateway_replicas: u32,
+    /// The registry for the admin API, as a role with registry write access
+    /// (`lorafleet_admin`); its own pool, so admin queries never hold up
+    /// audit writes or registry reloads. Defaults to --database-url.
+    #[arg(long, env = "LORAFLEET_ADMIN_DATABASE_URL", hide_env_values = true)]
+    pub admin_database_url: Option<String>,
+    /// Longest one admin API statement may run (audit queries and exports
+    /// page by page), in seconds.
+    #[arg(
+        long,
+        env = "LORAFLEET_ADMIN_STATEMENT_TIMEOUT_SECS",
+        default_value_t = 30
+    )]
+    pub admin_statement_timeout_secs: u64,
+    /// Longest age of the registry snapshot this replica serves from, in
+    /// seconds. Past it (Postgres unreachable that long), completions get
+    /// 503 `registry_stale` and /readyz fails, so a revoked key or route
+    /// cannot keep working indefinitely.
+    #[arg(long, env = "LORAFLEET_REGISTRY_MAX_AGE_SECS", default_value_t = 600)]
+    pub registry_max_age_secs: u64,
+    /// The audit spool's directory: rows wait here while Postgres is
+    /// unreachable. Gateways may share it (a ReadWriteMany volume): each
+    /// writes under its own --audit-spool-owner and adopts the rows of
+    /// owners that are gone.
+    #[arg(
+        long,
+        env = "LORAFLEET_AUDIT_SPOOL",
+        default_value = "lorafleet-audit-spool"
+    )]
+    pub audit_spool: PathBuf,
+    /// This process's name in the spool (default: $HOSTNAME, the pod name).
+    #[arg(long, env = "LORAFLEET_AUDIT_SPOOL_OWNER")]
+    pub audit_spool_owner: Option<String>,
+    /// Disk limit of the whole spool, in bytes. When Postgres is
+    /// unreachable and the spool is this full, new completions get 503
+    /// `audit_unavailable`: nothing is served without its row.
+    #[arg(long, env = "LORAFLEET_AUDIT_SPOOL_MAX_BYTES", default_value_t = 1 << 30)]
+    pub audit_spool_max_bytes: u64,
+    /// Rows the audit queue holds (each request in flight holds one).
+    #[arg(long, env = "LORAFLEET_AUDIT_QUEUE_ROWS", default_value_t = 16384)]
+    pub audit_queue_rows: usize,
+    /// Bytes the audit queue holds.
+    #[arg(long, env = "LORAFLEET_AUDIT_QUEUE_BYTES", default_value_t = 64 << 20)]
+    pub audit_queue_bytes: usize,
+    /// Longest a response waits for its audit row to be durable before it
+    /// is refused instead (503 `audit_unavailable`), in seconds.
+    #[arg(long, env = "LORAFLEET_AUDIT_ACK_TIMEOUT_SECS", default_value_t = 10)]
+    pub audit_ack_timeout_secs: u64,
+    /// What a completion's answer waits for: `commit` (its audit row
+    /// committed in Postgres) or `journal` (the row fsynced in this
+    /// gateway's spool directory, then inserted just after; a crash
+    /// replays it). `journal` takes the database round trip off every
+    /// answer; put the spool on a disk with fast fsync.
+    #[arg(long, env = "LORAFLEET_AUDIT_DURABILITY", default_value = "commit")]
+    pub audit_durability: crate::audit::Durability,
+    /// How often the rollout controller judges running rollouts (and the
+    /// replica holding its lease renews it), in milliseconds.
+    #[arg(long, env = "LORAFLEET_ROLLOUT_TICK_MS", default_value_t = 5000)]
+    pub rollout_tick_ms: u64,
+    /// How long the rollout lease lasts unrenewed, in seconds: when the
+    /// replica driving rollouts dies, another takes over within this.
+    #[arg(long, env = "LORAFLEET_ROLLOUT_LEASE_SECS", default_value_t = 30)]
+    pub rollout_lease_secs: u64,
+    /// On shutdown, how long the audit queue may take to reach Postgres or
+    /// the spool, in seconds.
+    #[arg(long, env = "LORAFLEET_AUDIT_FLUSH_SECS", default_value_t = 10)]
+    pub audit_flush_secs: u64,
+    /// On SIGTERM, how long running requests may take to finish, in
+    /// seconds; then streams end with an error event and a `cancelled` row.
+    #[arg(long, env = "LORAFLEET_DRAIN_DEADLINE_SECS", default_value_t = 30)]
+    pub drain_deadline_secs: u64,
+    #[command(flatten)]
+    pub jwt: JwtArgs,
+    /// Where to serve the admin API (`/admin/v1`). Off unless set; needs an
+    /// admin JWT key.
+    #[arg(long, env = "LORAFLEET_ADMIN_LISTEN")]
+    pub admin_listen: Option<SocketAddr>,
+    /// Let the admin console's session cookie travel over plain HTTP to a
+    /// host other than localhost. By default it is `Secure`: browsers keep
+    /// it only over HTTPS (or on `http://localhost`).
+    #[arg(long, env = "LORAFLEET_CONSOLE_INSECURE_COOKIE")]
+    pub console_insecure_cookie: bool,
+    #[command(flatten)]
+    pub admin_jwt: AdminJwtArgs,
+    /// Directory holding adapter artifacts; registration reads and digests
+    /// artifacts here. Repeatable.
+    #[arg(long, env = "LORAFLEET_ARTIFACT_ROOT", value_delimiter = ',')]
+    pub artifact_root: Vec<PathBuf>,
+    /// The largest LoRA rank any worker pool accepts; registration refuses
+    /// adapters above it.
+    #[arg(long, env = "LORAFLEET_MAX_LORA_RANK", default_value_t = 64)]
+    pub max_lora_rank: usize,
+}
+
+/// Admin JWT settings. Admin tokens carry `sub` and a `role` claim
+/// (admin, auditor or viewer).
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct AdminJwtArgs {
+    /// File holding the shared secret for HS256/HS384/HS512 admin tokens.
+    #[arg(long, env = "LORAFLEET_ADMIN_JWT_HMAC_SECRET_FILE")]
+    pub admin_jwt_hmac_secret_file: Option<PathBuf>,
+    /// PEM file with the RSA or EC public key for RS*/PS*/ES* admin tokens.
+    #[arg(long, env = "LORAFLEET_ADMIN_JWT_PUBLIC_KEY_FILE")]
+    pub admin_jwt_public_key_file: Option<PathBuf>,
+    /// Algorithms accepted for admin tokens (comma-separated).
+    #[arg(long, env = "LORAFLEET_ADMIN_JWT_ALGORITHMS", value_delimiter = ',')]
+    pub admin_jwt_algorithms: Vec<String>,
+    /// Required `iss` of admin tokens.
+    #[arg(long, env = "LORAFLEET_ADMIN_JWT_ISSUER")]
+    pub admin_jwt_issuer: Option<String>,
+    /// Required `aud` of admin tokens.
+    #[arg(long, env = "LORAFLEET_ADMIN_JWT_AUDIENCE")]
+    pub admin_jwt_audience: Option<String>,
+}
+
+/// Mutual TLS to the workers: the gateway proves itself with a certificate
+/// the fleet's CA signed and checks each worker's against the same CA.
+#[derive(Debug, clap::Args)]
+pub struct WorkerTlsFlags {
+    /// The gateway's client certificate chain (PEM).
+    #[arg(long, env = "LORAFLEET_WORKER_TLS_CERT")]
+    pub worker_tls_cert: Option<PathBuf>,
+    /// The private key of --worker-tls-cert (PEM).
+    #[arg(long, env = "LORAFLEET_WORKER_TLS_KEY")]
+    pub worker_tls_key: Option<PathBuf>,
+    /// The CA bundle (PEM) that workers' certificates must chain to.
+    #[arg(long, env = "LORAFLEET_WORKER_TLS_CA")]
+    pub worker_tls_ca: Option<PathBuf>,
+    /// The name every worker's certificate must carry. Default: each
+    /// worker's host as --workers names it, or the --workers-dns host (whose
+    /// answers are bare addresses).
+    #[arg(long, env = "LORAFLEET_WORKER_TLS_NAME")]
+    pub worker_tls_name: Option<String>,
+    /// Talk to workers in plain text. Only for a trusted network; required
+    /// when no --worker-tls-* flags are given.
+    #[arg(long, env = "LORAFLEET_INSECURE_PLAINTEXT")]
+    pub insecure_plaintext: bool,
+    /// How often the TLS files are checked for a change, in seconds; new
+    /// connections use the new files without a restart.
+    #[arg(long, env = "LORAFLEET_TLS_RELOAD_SECS", default_value_t = 10)]
+    pub tls_reload_secs: u64,
+}
+
+impl WorkerTlsFlags {
+    /// The TLS files these flags choose (None: plain text) and the name
+    /// workers' certificates must carry. Files are read at start.
+    fn validate(&self, discovery: &Discovery) -> Result<WorkerTls, ConfigError> {
+        let files = lorafleet_tls::choose(
+            self.worker_tls_cert.clone(),
+            self.worker_tls_key.clone(),
+            self.worker_tls_ca.clone(),
+            self.insecure_plaintext,
+            [
+                "--worker-tls-cert",
+                "--worker-tls-key",
+                "--worker-tls-ca",
+                "--insecure-plaintext",
+            ],
+        )?;
+        ensure(
+            self.tls_reload_secs > 0,
+            "--tls-reload-secs",
+            "must be at least 1",
+        )?;
+        let reload = Duration::from_secs(self.tls_reload_secs);
+        let Some(files) = files else {
+            ensure(
+                self.worker_tls_name.is_none(),
+                "--worker-tls-name",
+                "needs the --worker-tls-* files, not --insecure-plaintext",
+            )?;
+            return Ok(WorkerTls {
+                files: None,
+                server_name: None,
+                reload,
+            });
+        };
+        let server_name = match (&self.worker_tls_name, discovery) {
+            (Some(name), _) => {
+                lorafleet_tls::rustls::pki_types::ServerName::try_from(name.as_str())
+                    .map_err(|e| FlagError::new("--worker-tls-name", format!("{name:?}: {e}")))?;
+                Some(name.clone())
+            }
+            (None, Discovery::Dns(name, _)) => Some(
+                name.rsplit_once(':')
+                    .map_or(name.as_str(), |(h, _)| h)
+                    .to_owned(),
+            ),
+            (None, Discovery::Static(_)) => None,
+        };
+        Ok(WorkerTls {
+            files: Some(files),
+            server_name,
+            reload,
+        })
+    }
+}
+
+impl ServeArgs {
+    /// Every check of the flags, in the order an operator reads them; the
+    /// first refusal names its flag. Reads only the key files the flags
+    /// name (JWT keys, artifact roots); connects to nothing.
+    pub fn validate(&self) -> Result<GatewayConfig, ConfigError> {
+        let discovery = self.discovery()?;
+        let worker_tls = self.worker_tls.validate(&discovery)?;
+        ensure(
+            self.load_factor >= 1.0 && self.load_factor.is_finite(),
+            "--load-factor",
+            format!("{} must be at least 1.0", self.load_factor),
+        )?;
+        ensure(
+            self.replica_share >= 1.0 && self.replica_share.is_finite(),
+            "--replica-share",
+            format!("{} must be at least 1", self.replica_share),
+        )?;
+        for (flag, v) in [
+            ("--registry-refresh-secs", self.registry_refresh_secs),
+            ("--request-timeout-secs", self.request_timeout_secs),
+            ("--first-token-timeout-secs", self.first_token_timeout_secs),
+            ("--body-timeout-secs", self.body_timeout_secs),
+            ("--header-timeout-secs", self.header_timeout_secs),
+            (
+                "--max-concurrent-requests",
+                self.max_concurrent_requests as u64,
+            ),
+            ("--max-body-bytes", self.max_body_bytes as u64),
+            ("--max-attempts", self.max_attempts as u64),
+            ("--gateway-replicas", u64::from(self.gateway_replicas)),
+            (
+                "--admin-statement-timeout-secs",
+                self.admin_statement_timeout_secs,
+            ),
+            ("--registry-max-age-secs", self.registry_max_age_secs),
+            ("--audit-queue-rows", self.audit_queue_rows as u64),
+            ("--audit-ack-timeout-secs", self.audit_ack_timeout_secs),
+            ("--audit-flush-secs", self.audit_flush_secs),
+            ("--rollout-tick-ms", self.rollout_tick_ms),
+            ("--rollout-lease-secs", self.rollout_lease_secs),
+        ] {
+            ensure(v > 0, flag, "must be at least 1")?;
+        }
+        ensure(
+            self.rollout_tick_ms.saturating_mul(2) <= self.rollout_lease_secs.saturating_mul(1000),
+            "--rollout-tick-ms",
+            format!(
+                "{} must be at most half of --rollout-lease-secs ({} s), so that the lease is \
+                 renewed before it expires",
+                self.rollout_tick_ms, self.rollout_lease_secs
+            ),
+        )?;
+        let per_tenant = match self.max_concurrent_per_tenant {
+            Some(0) => {
+                return Err(
+                    FlagError::new("--max-concurrent-per-tenant", "must be at least 1").into(),
+                );
+            }
+            Some(n) if n > self.max_concurrent_requests => {
+                return Err(FlagError::new(
+                    "--max-concurrent-per-tenant",
+                    format!(
+                        "{n} is above --max-concurrent-requests ({})",
+                        self.max_concurrent_requests
+                    ),
+                )
+                .into());
+            }
+            Some(n) => n,
+            None => (self.max_concurrent_requests / 4).max(1),
+        };
+        let jwt = self.jwt.config()?;
+        let admin = self.admin_key()?;
+        let artifact_roots = artifact_roots(&self.artifact_root)?;
+        ensure(
+            self.max_lora_rank > 0,
+            "--max-lora-rank",
+            "must be at least 1",
+        )?;
+        let admin = admin.map(|(listen, jwt)| AdminConfig {
+            listen,
+            jwt: Arc::new(jwt),
+            artifact_roots,
+            max_lora_rank: self.max_lora_rank,
+            secure_cookie: !self.console_insecure_cookie,
+        });
+        ensure(
+            self.audit_queue_bytes >= audit::MAX_ROW_BYTES,
+            "--audit-queue-bytes",
+            format!(
+                "{} is less than one row ({} bytes)",
+                self.audit_queue_bytes,
+                audit::MAX_ROW_BYTES
+            ),
+        )?;
+        ensure(
+            self.audit_spool_max_bytes >= 2 * self.audit_queue_bytes as u64,
+            "--audit-spool-max-bytes",
+            format!(
+                "{} must be at least twice --audit-queue-bytes ({}), so that a full queue \
+                 always fits on disk",
+                self.audit_spool_max_bytes, self.audit_queue_bytes
+            ),
+        )?;
+        ensure(
+            !self.audit_spool.is_file(),
+            "--audit-spool",
+            format!(
+                "{} is a file; it must be a directory (the spool is kept in segments)",
+                self.audit_spool.display()
+            ),
+        )?;
+        let audit = AuditConfig {
+            spool_dir: self.audit_spool.clone(),
+            spool_owner: spool_owner(self.audit_spool_owner.as_deref())?,
+            spool_max_bytes: self.audit_spool_max_bytes,
+            segment_bytes: (8 << 20).min(self.audit_spool_max_bytes / 4).max(1),
+            queue_rows: self.audit_queue_rows,
+            queue_bytes: self.audit_queue_bytes,
+            ack_timeout: Duration::from_secs(self.audit_ack_timeout_secs),
+            durability: self.audit_durability,
+        };
+        // The admin pool's URL, checked now so a bad one is named.
+        crate::db::parse_database_url("--database-url", &self.database_url)
+            .map_err(|e| FlagError::new("--database-url", flag_reason(&e.to_string())))?;
+        if let Some(url) = &self.admin_database_url {
+            crate::db::parse_database_url("--admin-database-url", url)
+                .map_err(|e| FlagError::new("--admin-database-url", flag_reason(&e.to_string())))?;
+        }
+        Ok(GatewayConfig {
+            database_url: self.database_url.clone(),
+            admin_database_url: self.admin_database_url.clone(),
+            redis_url: self.redis_url.clone(),
+            redis_prefix: self.redis_prefix.clone(),
+            listen: self.listen,
+            metrics_listen: self.metrics_listen,
+            discovery,
+            worker_tls,
+            policy: Policy {
+                load_factor: self.load_factor,
+                replica_share: self.replica_share,
+            },
+            registry_refresh: Duration::from_secs(self.registry_refresh_secs),
+            max_concurrent_requests: self.max_concurrent_requests,
+            max_concurrent_per_tenant: per_tenant,
+            default_rpm_limit: (self.default_rpm_limit > 0).then_some(self.default_rpm_limit),
+            default_tpm_limit: (self.default_tpm_limit > 0).then_some(self.default_tpm_limit),
+            header_timeout: Duration::from_secs(self.header_timeout_secs),
+            body_timeout: Duration::from_secs(self.body_timeout_secs),
+            max_body_bytes: self.max_body_bytes,
+            request_timeout: Duration::from_secs(self.request_timeout_secs),
+            first_token_timeout: Duration::from_secs(self.first_token_timeout_secs),
+            max_attempts: self.max_attempts,
+            gateway_replicas: self.gateway_replicas,
+            admin_statement_timeout: Duration::from_secs(self.admin_statement_timeout_secs),
+            registry_max_age: Duration::from_secs(self.registry_max_age_secs),
+            audit,
+            audit_flush: Duration::from_secs(self.audit_flush_secs),
+            rollout_tick: Duration::from_millis(self.rollout_tick_ms),
+            rollout_lease: Duration::from_secs(self.rollout_lease_secs),
+            drain_deadline: Duration::from_secs(self.drain_deadline_secs),
+            jwt,
+            admin,
+        })
+    }
+
+    fn discovery(&self) -> Result<Discovery, FlagError> {
+        match (&self.workers_dns, self.workers.is_empty()) {
+            (Some(_), false) => Err(FlagError::new(
+                "--workers and --workers-dns",
+                "give one, not both",
+            )),
+            (None, true) => Err(FlagError::new("--workers", "required (or --workers-dns)")),
+            (Some(name), true) => {
+                ensure(
+                    name.contains(':'),
+                    "--workers-dns",
+                    format!("{name:?} must be HOST:PORT"),
+                )?;
+                ensure(
+                    self.workers_dns_refresh_secs > 0,
+                    "--workers-dns-refresh-secs",
+                    "must be at least 1",
+                )?;
+                Ok(Discovery::Dns(
+                    name.clone(),
+                    Duration::from_secs(self.workers_dns_refresh_secs),
+                ))
+            }
+            (None, false) => {
+                for w in &self.workers {
+                    ensure(
+                        w.parse::<SocketAddr>().is_ok() || w.contains(':'),
+                        "--workers",
+                        format!("{w:?} is not HOST:PORT"),
+                    )?;
+                }
+                Ok(Discovery::Static(self.workers.clone()))
+            }
+        }
+    }
+
+    /// The admin plane's address and token key, when `--admin-listen`
+    /// asks for it.
+    fn admin_key(&self) -> Result<Option<(SocketAddr, auth::JwtConfig)>, FlagError> {
+        let a = &self.admin_jwt;
+        let jwt = auth::jwt_config(
+            "--admin-jwt-",
+            a.admin_jwt_hmac_secret_file.as_deref(),
+            a.admin_jwt_public_key_file.as_deref(),
+            &a.admin_jwt_algorithms,
+            a.admin_jwt_issuer.as_deref(),
+            a.admin_jwt_audience.as_deref(),
+        )?;
+        let (listen, jwt) = match (self.admin_listen, jwt) {
+            (Some(_), None) => {
+                return Err(FlagError::new(
+                    "--admin-listen",
+                    "needs an admin token key (--admin-jwt-hmac-secret-file or \
+                     --admin-jwt-public-key-file)",
+                ));
+            }
+            (None, Some(_)) => {
+                return Err(FlagError::new(
+                    "--admin-jwt-*",
+                    "set --admin-listen too, or drop the admin key",
+                ));
+            }
+            (None, None) => return Ok(None),
+            (Some(listen), Some(jwt)) => (listen, jwt),
+        };
+        Ok(Some((listen, jwt)))
+    }
+}
+
+/// The reason part of a "FLAG: reason" message.
+fn flag_reason(message: &str) -> String {
+    message
+        .split_once(": ")
+        .map_or(message, |(_, r)| r)
+        .to_owned()
+}
+
+/// This process's directory name in the audit spool.
+fn spool_owner(flag: Option<&str>) -> Result<String, FlagError> {
+    let owner = match flag {
+        Some(o) => o.to_owned(),
+        None => std::env::var("HOSTNAME")
+            .ok()
+            .filter(|h| !h.is_empty())
+            .or_else(|| {
+                std::fs::read_to_string("/proc/sys/kernel/hostname")
+                    .ok()
+                    .map(|h| h.trim().to_owned())
+            })
+            .unwrap_or_else(|| "gateway".into()),
+    };
+    let ok = !owner.is_empty()
+        && owner.len() <= 128
+        && owner
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        && !owner.starts_with('.');
+    ensure(
+        ok,
+        "--audit-spool-owner",
+        format!(
+            "{owner:?} must be 1 to 128 letters, digits, '-', '_' or '.', not starting with '.'"
+        ),
+    )?;
+    Ok(owner)
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Debug, Parser)]
+    #[command(args_override_self = true)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+
+    /// The flags with the settings every case needs first, so a case can
+    /// override them.
+    fn parse(flags: &[&str]) -> ServeArgs {
+        let base = [
+            "serve",
+            "--insecure-plaintext",
+            "--database-url",
+            "postgres://postgres@127.0.0.1:5432/unused",
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ];
+        let workers: &[&str] = if flags.contains(&"--workers-dns") && !flags.contains(&"--workers")
+        {
+            &[]
+        } else {
+            &["--workers", "127.0.0.1:1"]
+        };
+        let args = base.iter().chain(workers).chain(flags);
+        Cli::try_parse_from(args).unwrap().serve
+    }
+
+    #[test]
+    fn every_bad_flag_is_refused_by_name() {
+        let cases: &[(&[&str], &str)] = &[
+            (&["--workers", ""], "--workers: \"\" is not HOST:PORT"),
+            (
+                &["--workers", "nohost"],
+                "--workers: \"nohost\" is not HOST:PORT",
+            ),
+            (
+                &["--workers", "127.0.0.1:1", "--workers-dns", "workers:50051"],
+                "--workers and --workers-dns: give one, not both",
+            ),
+            (
+                &["--workers-dns", "workers"],
+                "--workers-dns: \"workers\" must be HOST:PORT",
+            ),
+            (
+                &["--load-factor", "0.5"],
+                "--load-factor: 0.5 must be at least 1.0",
+            ),
+            (
+                &["--replica-share", "0"],
+                "--replica-share: 0 must be at least 1",
+            ),
+            (
+                &["--max-attempts", "0"],
+                "--max-attempts: must be at least 1",
+            ),
+            (
+                &["--first-token-timeout-secs", "0"],
+                "--first-token-timeout-secs: must be at least 1",
+            ),
+            (
+                &["--registry-max-age-secs", "0"],
+                "--registry-max-age-secs: must be at least 1",
+            ),
+            (
+                &["--audit-queue-bytes", "100"],
+                "--audit-queue-bytes: 100 is less than one row",
+            ),
+            (
+                &["--audit-spool-max-bytes", "1000"],
+                "--audit-spool-max-bytes: 1000 must be at least twice --audit-queue-bytes",
+            ),
+            (
+                &["--audit-spool-owner", "../escape"],
+                "--audit-spool-owner: \"../escape\" must be 1 to 128 letters",
+            ),
+            (
+                &["--audit-spool", "/etc/hostname"],
+                "--audit-spool: /etc/hostname is a file; it must be a directory",
+            ),
+            (
+                &["--max-body-bytes", "0"],
+                "--max-body-bytes: must be at least 1",
+            ),
+            (
+                &["--rollout-lease-secs", "0"],
+                "--rollout-lease-secs: must be at least 1",
+            ),
+            (
+                &["--rollout-tick-ms", "20000"],
+                "--rollout-tick-ms: 20000 must be at most half of --rollout-lease-secs (30 s)",
+            ),
+            (
+                &["--jwt-algorithms", "HS256"],
+                "--jwt-algorithms: set --jwt-hmac-secret-file or --jwt-public-key-file too",
+            ),
+            (
+                &["--database-url", "mysql://db/x"],
+                "--database-url: must start with postgres://",
+            ),
+            (
+                &["--admin-database-url", "mysql://db/x"],
+                "--admin-database-url: must start with postgres://",
+            ),
+            (
+                &["--admin-listen", "127.0.0.1:0"],
+                "--admin-listen: needs an admin token key",
+            ),
+            (
+                &["--admin-jwt-algorithms", "HS256"],
+                "--admin-jwt-algorithms: set --admin-jwt-hmac-secret-file or --admin-jwt-public-key-file too",
+            ),
+            (
+                &["--artifact-root", "/no/such/artifact/root"],
+                "--artifact-root: artifact root /no/such/artifact/root",
+            ),
+            (
+                &["--max-lora-rank", "0"],
+                "--max-lora-rank: must be at least 1",
+            ),
+            (
+                &["--max-concurrent-per-tenant", "0"],
+                "--max-concurrent-per-tenant: must be at least 1",
+            ),
+            (
+                &["--max-concurrent-per-tenant", "5000"],
+                "--max-concurrent-per-tenant: 5000 is above --max-concurrent-requests (1024)",
+            ),
+            (
+                &["--body-timeout-secs", "0"],
+                "--body-timeout-secs: must be at least 1",
+            ),
+            (
+                &["--header-timeout-secs", "0"],
+                "--header-timeout-secs: must be at least 1",
+            ),
+            (
+                &["--tls-reload-secs", "0"],
+                "--tls-reload-secs: must be at least 1",
+            ),
+            (
+                &["--worker-tls-name", "worker"],
+                "--worker-tls-name: needs the --worker-tls-* files, not --insecure-plaintext",
+            ),
+            (
+                &["--worker-tls-ca", "/ca.pem"],
+                "--insecure-plaintext: cannot be combined with --worker-tls-ca",
+            ),
+        ];
+        for (flags, expected) in cases {
+            let refused = parse(flags)
+                .validate()
+                .map(|_| ())
+                .expect_err(&format!("{flags:?} was accepted"));
+            let message = refused.to_string();
+            assert!(
+                message.starts_with(expected),
+                "{flags:?}: expected {expected:?}, got {message:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn good_flags_become_the_config_they_say() {
+        let c = parse(&[
+            "--max-concurrent-requests",
+            "100",
+            "--default-rpm-limit",
+            "0",
+            "--rollout-tick-ms",
+            "250",
+            "--audit-spool-owner",
+            "gw-1",
+        ])
+        .validate()
+        .unwrap();
+        assert_eq!(c.max_concurrent_requests, 100);
+        // A quarter of the global cap by default, so no tenant takes all.
+        assert_eq!(c.max_concurrent_per_tenant, 25);
+        assert_eq!(c.default_rpm_limit, None, "0 means unlimited");
+        assert_eq!(c.default_tpm_limit, Some(1_000_000));
+        assert_eq!(c.rollout_tick, Duration::from_millis(250));
+        assert_eq!(c.audit.spool_owner, "gw-1");
+        assert!(c.worker_tls.files.is_none());
+        assert!(c.admin.is_none());
+        assert!(matches!(c.discovery, Discovery::Static(ref w) if w == &["127.0.0.1:1"]));
+        // Debug never shows the database URL (it may hold a password).
+        let shown = format!(
+            "{:?}",
+            parse(&["--database-url", "postgres://u:hunter2@db/x"])
+                .validate()
+                .unwrap()
+        );
+        assert!(!shown.contains("hunter2"), "{shown}");
+    }
+}
