@@ -1,7 +1,9 @@
 //! The values the gateway and the worker both speak of, with one type
-//! each: the adapter id and where an adapter resides. No I/O, no
-//! dependencies; each side converts them to its wire or its database at
-//! its own boundary.
+//! each: the adapter id, where an adapter resides, and a refused flag. No
+//! I/O, no dependencies; each side converts them to its wire or its
+//! database at its own boundary.
+
+pub mod flag;
 
 use std::fmt;
 use std::num::NonZeroU64;

@@ -24,7 +24,7 @@ pub struct GenerateArgs {
     #[arg(long)]
     output: PathBuf,
     #[command(flatten)]
-    engine: crate::flags::EngineFlags,
+    engine: lorafleet_worker::server::EngineFlags,
 }
 
 /// One input line. Unknown fields are refused, not ignored.

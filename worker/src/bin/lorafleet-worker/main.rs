@@ -3,7 +3,6 @@
 //! base hash; `generate` runs a JSONL file of requests offline as one mixed
 //! batch.
 
-mod flags;
 mod generate;
 mod serve;
 
@@ -38,7 +37,7 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// Serves the model and its adapters over gRPC (lorafleet.worker.v1 and
     /// grpc.health.v1) until SIGTERM, then drains.
-    Serve(serve::ServeArgs),
+    Serve(lorafleet_worker::server::ServeArgs),
     /// Asks a worker's grpc.health.v1 whether it is SERVING; exit 0 if so.
     /// For container health checks, on the plain-text `--health-listen`.
     Health {
