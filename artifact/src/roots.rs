@@ -59,6 +59,21 @@ pub enum ArtifactError {
     },
 }
 
+/// Why a list of artifact roots cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum RootsError {
+    #[error("at least one artifact root is required")]
+    None,
+    #[error("artifact root {}: {source}", root.display())]
+    Unusable {
+        root: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("artifact root {} is not a directory", root.display())]
+    NotDirectory { root: PathBuf },
+}
+
 /// The directories artifacts may be read from.
 #[derive(Debug, Clone)]
 pub struct ArtifactRoots {
@@ -68,20 +83,18 @@ pub struct ArtifactRoots {
 
 impl ArtifactRoots {
     /// Canonicalises each root; every root must be an existing directory.
-    pub fn new(roots: &[PathBuf]) -> Result<ArtifactRoots, String> {
+    pub fn new(roots: &[PathBuf]) -> Result<ArtifactRoots, RootsError> {
         if roots.is_empty() {
-            return Err("at least one artifact root is required".into());
+            return Err(RootsError::None);
         }
         let mut out = Vec::new();
         for root in roots {
-            let canonical = root
-                .canonicalize()
-                .map_err(|e| format!("artifact root {}: {e}", root.display()))?;
+            let canonical = root.canonicalize().map_err(|source| RootsError::Unusable {
+                root: root.clone(),
+                source,
+            })?;
             if !canonical.is_dir() {
-                return Err(format!(
-                    "artifact root {} is not a directory",
-                    root.display()
-                ));
+                return Err(RootsError::NotDirectory { root: root.clone() });
             }
             out.push(canonical);
         }

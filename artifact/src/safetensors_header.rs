@@ -11,6 +11,27 @@ use serde_json::{Map, Value};
 /// The largest header accepted; real adapter headers are kilobytes.
 const MAX_HEADER_BYTES: u64 = 100 << 20;
 
+/// What is wrong with a safetensors header; the file is named by the caller.
+#[derive(Debug, thiserror::Error)]
+pub enum HeaderError {
+    #[error("cannot be opened: {0}")]
+    Open(#[source] std::io::Error),
+    #[error("cannot be read: {0}")]
+    Read(#[source] std::io::Error),
+    #[error("is too short to be safetensors")]
+    TooShort,
+    #[error("declares a {0}-byte header, which is implausible")]
+    Implausible(u64),
+    #[error("ends inside its header")]
+    Truncated,
+    #[error("has a header that is not a JSON object")]
+    NotObject,
+    #[error("tensor {0:?} has no dtype")]
+    NoDtype(String),
+    #[error("tensor {0:?} has no shape of whole numbers")]
+    NoShape(String),
+}
+
 /// One tensor as the header describes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TensorInfo {
@@ -28,7 +49,7 @@ pub struct Header {
 impl Header {
     /// The tensors of a header's JSON object; a tensor without a dtype or a
     /// shape of whole numbers is refused by name.
-    pub fn from_json(map: &Map<String, Value>) -> Result<Header, String> {
+    pub fn from_json(map: &Map<String, Value>) -> Result<Header, HeaderError> {
         let mut tensors = BTreeMap::new();
         for (name, info) in map {
             if name == "__metadata__" {
@@ -37,12 +58,12 @@ impl Header {
             let dtype = info
                 .get("dtype")
                 .and_then(Value::as_str)
-                .ok_or_else(|| format!("tensor {name:?} has no dtype"))?;
+                .ok_or_else(|| HeaderError::NoDtype(name.clone()))?;
             let shape = info
                 .get("shape")
                 .and_then(Value::as_array)
                 .and_then(|a| a.iter().map(Value::as_u64).collect::<Option<Vec<_>>>())
-                .ok_or_else(|| format!("tensor {name:?} has no shape of whole numbers"))?;
+                .ok_or_else(|| HeaderError::NoShape(name.clone()))?;
             tensors.insert(
                 name.clone(),
                 TensorInfo {
@@ -56,35 +77,32 @@ impl Header {
 }
 
 /// A file's typed header. The error says what is wrong with the file.
-pub fn read(path: &Path) -> Result<Header, String> {
-    let mut f = std::fs::File::open(path).map_err(|e| format!("cannot be opened: {e}"))?;
+pub fn read(path: &Path) -> Result<Header, HeaderError> {
+    let mut f = std::fs::File::open(path).map_err(HeaderError::Open)?;
     Header::from_json(&parse(&mut f)?)
 }
 
 /// The header's JSON object (tensor name → dtype, shape, offsets, plus
 /// `__metadata__`) from any reader.
-pub fn parse(r: &mut impl Read) -> Result<Map<String, Value>, String> {
+pub fn parse(r: &mut impl Read) -> Result<Map<String, Value>, HeaderError> {
     let mut len = [0u8; 8];
-    r.read_exact(&mut len)
-        .map_err(|_| "is too short to be safetensors".to_owned())?;
+    r.read_exact(&mut len).map_err(|_| HeaderError::TooShort)?;
     let len = u64::from_le_bytes(len);
     if len > MAX_HEADER_BYTES {
-        return Err(format!(
-            "declares a {len}-byte header, which is implausible"
-        ));
+        return Err(HeaderError::Implausible(len));
     }
     // Grown as bytes arrive, so a short file that declares a huge header
     // costs what it holds, not what it claims.
     let mut header = Vec::new();
     r.take(len)
         .read_to_end(&mut header)
-        .map_err(|e| format!("cannot be read: {e}"))?;
+        .map_err(HeaderError::Read)?;
     if header.len() as u64 != len {
-        return Err("ends inside its header".into());
+        return Err(HeaderError::Truncated);
     }
     match serde_json::from_slice(&header) {
         Ok(Value::Object(map)) => Ok(map),
-        _ => Err("has a header that is not a JSON object".into()),
+        _ => Err(HeaderError::NotObject),
     }
 }
 
@@ -104,22 +122,25 @@ mod tests {
         let map = parse(&mut &file(ok, ok.len() as u64)[..]).unwrap();
         assert!(map.contains_key("a"));
         assert_eq!(
-            parse(&mut &b"\x01\x02"[..]).unwrap_err(),
+            parse(&mut &b"\x01\x02"[..]).unwrap_err().to_string(),
             "is too short to be safetensors"
         );
         // A short file that claims a large header is refused without
         // allocating what it claims.
         assert_eq!(
-            parse(&mut &file(b"{}", 50 << 20)[..]).unwrap_err(),
+            parse(&mut &file(b"{}", 50 << 20)[..])
+                .unwrap_err()
+                .to_string(),
             "ends inside its header"
         );
         assert!(
             parse(&mut &file(b"{}", 200 << 20)[..])
                 .unwrap_err()
+                .to_string()
                 .contains("implausible")
         );
         assert_eq!(
-            parse(&mut &file(b"[1]", 3)[..]).unwrap_err(),
+            parse(&mut &file(b"[1]", 3)[..]).unwrap_err().to_string(),
             "has a header that is not a JSON object"
         );
     }
@@ -132,11 +153,13 @@ mod tests {
         assert_eq!(ok.tensors.len(), 1);
         assert_eq!(ok.tensors["a"].shape, vec![2, 3]);
         assert_eq!(
-            read(br#"{"a":{"shape":[1]}}"#).unwrap_err(),
+            read(br#"{"a":{"shape":[1]}}"#).unwrap_err().to_string(),
             "tensor \"a\" has no dtype"
         );
         assert_eq!(
-            read(br#"{"a":{"dtype":"F32","shape":[-1]}}"#).unwrap_err(),
+            read(br#"{"a":{"dtype":"F32","shape":[-1]}}"#)
+                .unwrap_err()
+                .to_string(),
             "tensor \"a\" has no shape of whole numbers"
         );
     }

@@ -210,8 +210,13 @@ impl WeightFiles {
     /// NaN and infinite values are refused.
     pub fn f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
         let (raw, path) = self.shaped(name, shape)?;
-        let values =
-            to_f32(raw.dtype, raw.data).map_err(|reason| FileError::model(&path, name, reason))?;
+        let values = to_f32(raw.dtype, raw.data).map_err(|other| {
+            FileError::model(
+                &path,
+                name,
+                format!("dtype {other:?} is not supported; expected F32, F16 or BF16"),
+            )
+        })?;
         if let Some(bad) = values.iter().position(|v| !v.is_finite()) {
             return Err(Self::non_finite(&path, name, values[bad], bad));
         }
@@ -312,7 +317,8 @@ pub fn index_shards<'m>(
     Ok((shards, map))
 }
 
-fn to_f32(dtype: Dtype, data: &[u8]) -> std::result::Result<Vec<f32>, String> {
+/// The values of a float tensor; the dtype itself when it is not one.
+fn to_f32(dtype: Dtype, data: &[u8]) -> std::result::Result<Vec<f32>, Dtype> {
     Ok(match dtype {
         Dtype::F32 => data
             .chunks_exact(4)
@@ -326,11 +332,7 @@ fn to_f32(dtype: Dtype, data: &[u8]) -> std::result::Result<Vec<f32>, String> {
             .chunks_exact(2)
             .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
             .collect(),
-        other => {
-            return Err(format!(
-                "dtype {other:?} is not supported; expected F32, F16 or BF16"
-            ));
-        }
+        other => return Err(other),
     })
 }
 

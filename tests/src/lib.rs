@@ -433,7 +433,8 @@ pub async fn worker_channel_config(
 ) -> Result<tonic::transport::Channel, String> {
     let config = lorafleet_tls::Reloading::fixed(config);
     let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
-    let connector = lorafleet_tls::client::Connector::new(config, host)?;
+    let connector =
+        lorafleet_tls::client::Connector::new(config, host).map_err(|e| e.to_string())?;
     tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
         .map_err(|e| e.to_string())?
         .connect_with_connector(connector)

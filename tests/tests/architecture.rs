@@ -476,3 +476,85 @@ fn no_module_cycle_in_the_gateway_or_the_worker() {
         Some(vec!["a".to_owned(), "b".to_owned(), "a".to_owned()])
     );
 }
+
+/// The error argument of every `Result<T, E>` written in `code`, with the
+/// line it is on.
+fn result_error_types(code: &str) -> Vec<(usize, String)> {
+    let mut out = Vec::new();
+    let mut from = 0;
+    while let Some(at) = code[from..].find("Result<") {
+        let start = from + at + "Result<".len();
+        let (mut depth, mut comma, mut end) = (1, None, None);
+        for (i, c) in code[start..].char_indices() {
+            match c {
+                '<' | '(' | '[' => depth += 1,
+                '>' | ')' | ']' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        end = Some(start + i);
+                        break;
+                    }
+                }
+                ',' if depth == 1 => comma = Some(start + i),
+                _ => {}
+            }
+        }
+        if let (Some(comma), Some(end)) = (comma, end) {
+            let line = code[..start].lines().count();
+            out.push((line, code[comma + 1..end].trim().to_owned()));
+        }
+        from = start;
+    }
+    out
+}
+
+/// Library code returns typed errors, never `Result<_, String>`: a caller
+/// can match a variant, a message cannot be matched without parsing it.
+/// Binaries, tests, benchmarks and the test-support crate may.
+#[test]
+fn no_string_errors_in_library_code() {
+    let root = std::path::PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/.."));
+    let mut checked = 0;
+    let mut found = Vec::new();
+    for krate in [
+        "artifact",
+        "domain",
+        "gateway",
+        "proto",
+        "telemetry",
+        "tls",
+        "worker",
+        "worker/engine",
+    ] {
+        let src = root.join(krate).join("src");
+        for file in walk(&src) {
+            if file.extension().is_none_or(|e| e != "rs")
+                || file.components().any(|c| c.as_os_str() == "bin")
+            {
+                continue;
+            }
+            checked += 1;
+            let text = std::fs::read_to_string(&file).unwrap();
+            let code = text.split("#[cfg(test)]\nmod tests").next().unwrap();
+            for (line, error) in result_error_types(code) {
+                if error == "String" || error == "std::string::String" {
+                    found.push(format!("{}:{line}", file.display()));
+                }
+            }
+        }
+    }
+    assert!(checked > 100, "the sources were found ({checked})");
+    assert!(
+        found.is_empty(),
+        "Result<_, String> in library code: {found:#?}"
+    );
+    // The scan sees through nesting, and finds what it must.
+    assert_eq!(
+        result_error_types("fn f() -> Result<Vec<(u8, u16)>, String> {}"),
+        vec![(1, "String".to_owned())]
+    );
+    assert_eq!(
+        result_error_types("type R = std::result::Result<T, E>;"),
+        vec![(1, "E".to_owned())]
+    );
+}

@@ -46,9 +46,16 @@ pub struct Connector {
 impl Connector {
     /// `server_name` is a DNS name or an IP address; an error says why it
     /// is neither.
-    pub fn new(config: Reloading<ClientConfig>, server_name: &str) -> Result<Connector, String> {
-        let server_name = ServerName::try_from(server_name.to_owned())
-            .map_err(|e| format!("{server_name:?} is not a DNS name or IP address: {e}"))?;
+    pub fn new(
+        config: Reloading<ClientConfig>,
+        server_name: &str,
+    ) -> Result<Connector, crate::TlsError> {
+        let server_name = ServerName::try_from(server_name.to_owned()).map_err(|e| {
+            crate::TlsError::ServerName {
+                name: server_name.to_owned(),
+                why: e.to_string(),
+            }
+        })?;
         Ok(Connector {
             config,
             server_name,

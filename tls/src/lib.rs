@@ -57,6 +57,10 @@ pub enum TlsError {
         plain: &'static str,
         given: &'static str,
     },
+    /// A name a peer's certificate must carry is neither a DNS name nor an
+    /// IP address.
+    #[error("{name:?} is not a DNS name or IP address: {why}")]
+    ServerName { name: String, why: String },
     /// Some of the TLS files are missing.
     #[error("{missing}: required with the other TLS flags")]
     Incomplete { missing: String },

@@ -149,8 +149,9 @@ pub(super) fn inspect_artifact(
         ));
     }
     let weights = "adapter_model.safetensors";
-    let header = safetensors_header::read(&dir.join(weights))
-        .map_err(|m| AdminError::unprocessable(AdminCode::InvalidAdapterWeights, weights, m))?;
+    let header = safetensors_header::read(&dir.join(weights)).map_err(|e| {
+        AdminError::unprocessable(AdminCode::InvalidAdapterWeights, weights, e.to_string())
+    })?;
     tensors::check(adapter_name, &config, &header, None).map_err(adapter_refusal)?;
     let targets: Vec<String> = config
         .targets

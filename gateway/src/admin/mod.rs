@@ -175,10 +175,8 @@ pub fn router(state: AdminState) -> Router {
 /// An audit `cursor` parameter decoded and encoded again, or why it is
 /// refused (for the fuzz target).
 #[doc(hidden)]
-pub fn audit_cursor(s: &str) -> Result<String, String> {
-    audit::Cursor::decode(s)
-        .map(|c| c.encode())
-        .map_err(|e| format!("{e:?}"))
+pub fn audit_cursor(s: &str) -> Result<String, AdminError> {
+    audit::Cursor::decode(s).map(|c| c.encode())
 }
 
 mod actor;

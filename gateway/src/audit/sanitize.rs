@@ -17,18 +17,24 @@ pub const MAX_FIELD_BYTES: usize = 512;
 
 /// Why a client string is refused; the message names no field (the caller
 /// does).
-pub fn check_field(value: &str, max_bytes: usize) -> Result<(), String> {
-    if let Some((i, c)) = value.char_indices().find(|(_, c)| c.is_control()) {
-        return Err(format!(
-            "must not contain control characters (found U+{:04X} at byte {i})",
-            c as u32
-        ));
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FieldError {
+    #[error("must not contain control characters (found U+{code:04X} at byte {at})")]
+    Control { code: u32, at: usize },
+    #[error("is {len} bytes long; at most {max} are allowed")]
+    TooLong { len: usize, max: usize },
+}
+
+/// Refuses a client string with control characters or over `max_bytes`.
+pub fn check_field(value: &str, max_bytes: usize) -> Result<(), FieldError> {
+    if let Some((at, c)) = value.char_indices().find(|(_, c)| c.is_control()) {
+        return Err(FieldError::Control { code: c as u32, at });
     }
     if value.len() > max_bytes {
-        return Err(format!(
-            "is {} bytes long; at most {max_bytes} are allowed",
-            value.len()
-        ));
+        return Err(FieldError::TooLong {
+            len: value.len(),
+            max: max_bytes,
+        });
     }
     Ok(())
 }
@@ -75,11 +81,11 @@ mod tests {
     fn check_names_the_control_character_and_the_length() {
         assert!(check_field("support", 16).is_ok());
         assert!(check_field("héllo wörld", 16).is_ok());
-        let e = check_field("x\u{0}y", 16).unwrap_err();
+        let e = check_field("x\u{0}y", 16).unwrap_err().to_string();
         assert!(e.contains("U+0000 at byte 1"), "{e}");
-        let e = check_field("a\u{7f}", 16).unwrap_err();
+        let e = check_field("a\u{7f}", 16).unwrap_err().to_string();
         assert!(e.contains("U+007F"), "{e}");
-        let e = check_field(&"a".repeat(17), 16).unwrap_err();
+        let e = check_field(&"a".repeat(17), 16).unwrap_err().to_string();
         assert!(e.contains("17 bytes long; at most 16"), "{e}");
     }
 

@@ -35,6 +35,14 @@ pub const CONTROLLER: &str = "rollout-controller";
 /// share indefinitely.
 pub const INCONCLUSIVE_HOLDS: i64 = 10;
 
+/// A database string that names no value of a rollout enum.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{value:?} is not a rollout {what}")]
+pub struct UnknownValue {
+    pub what: &'static str,
+    pub value: String,
+}
+
 /// Declares a string enum: its variants, their database strings, `as_str`,
 /// `parse` and the `TryFrom<String>` that reads it from a row.
 macro_rules! string_enum {
@@ -63,11 +71,12 @@ macro_rules! string_enum {
         }
 
         impl TryFrom<String> for $name {
-            type Error = String;
+            type Error = UnknownValue;
 
-            fn try_from(s: String) -> Result<$name, String> {
-                $name::parse(&s).ok_or_else(|| {
-                    format!("{s:?} is not a {}", stringify!($name))
+            fn try_from(s: String) -> Result<$name, UnknownValue> {
+                $name::parse(&s).ok_or(UnknownValue {
+                    what: stringify!($name),
+                    value: s,
                 })
             }
         }

@@ -26,12 +26,23 @@ pub enum Transport {
 #[derive(Debug, Clone)]
 pub struct WorkerClient(pb::worker_client::WorkerClient<Channel>);
 
+/// Why a worker's address cannot be called.
+#[derive(Debug, thiserror::Error)]
+pub enum AddressError {
+    /// Not a usable HOST:PORT.
+    #[error("{0}")]
+    Uri(#[source] tonic::transport::Error),
+    /// Its TLS name is neither a DNS name nor an IP address.
+    #[error(transparent)]
+    TlsName(#[from] lorafleet_tls::TlsError),
+}
+
 impl WorkerClient {
     /// A client for the worker at `addr` (HOST:PORT). The error says why
     /// the address or its TLS name is unusable.
-    pub fn connect_lazy(addr: &str, transport: &Transport) -> Result<WorkerClient, String> {
+    pub fn connect_lazy(addr: &str, transport: &Transport) -> Result<WorkerClient, AddressError> {
         let endpoint = Endpoint::from_shared(format!("http://{addr}"))
-            .map_err(|e| e.to_string())?
+            .map_err(AddressError::Uri)?
             .connect_timeout(Duration::from_secs(2))
             .http2_keep_alive_interval(Duration::from_secs(10))
             .keep_alive_timeout(Duration::from_secs(5))

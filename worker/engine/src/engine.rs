@@ -268,7 +268,7 @@ impl Engine {
     ) -> Result<()> {
         self.pool
             .register_loaded(id, source, loaded)
-            .map_err(|reason| EngineError::request("lora_int_id", reason))
+            .map_err(|e| EngineError::request("lora_int_id", e.to_string()))
     }
 
     pub fn is_registered(&self, id: AdapterId) -> bool {

@@ -36,6 +36,16 @@ pub struct AdapterSource {
 }
 
 /// Cumulative pool counters.
+/// Why an adapter cannot be registered. No paths in the messages: they
+/// may reach a client.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RegisterError {
+    #[error("lora_int_id {id} is already registered for other files")]
+    OtherFiles { id: AdapterId },
+    #[error("the files of adapter {name:?} cannot be read to identify its weights")]
+    Unreadable { name: String },
+}
+
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PoolCounters {
     /// Requests whose adapter was in a device slot when they arrived.
@@ -227,7 +237,7 @@ impl AdapterPool {
         &mut self,
         id: AdapterId,
         source: AdapterSource,
-    ) -> std::result::Result<(), String> {
+    ) -> std::result::Result<(), RegisterError> {
         self.register_loaded(id, source, None)
     }
 
@@ -239,15 +249,13 @@ impl AdapterPool {
         id: AdapterId,
         source: AdapterSource,
         loaded: Option<HostAdapter>,
-    ) -> std::result::Result<(), String> {
+    ) -> std::result::Result<(), RegisterError> {
         let mut source = source;
         if source.digest.is_none() {
-            // No paths in the message: it may reach a client.
             let digest = lorafleet_artifact::roots::digest(&source.dir).map_err(|_| {
-                format!(
-                    "the files of adapter {:?} cannot be read to identify its weights",
-                    source.name
-                )
+                RegisterError::Unreadable {
+                    name: source.name.clone(),
+                }
             })?;
             source.digest = Some(digest);
         }
@@ -274,10 +282,7 @@ impl AdapterPool {
                 self.generation += 1;
                 Ok(())
             }
-            // No paths in the message: it may reach a client.
-            Some(e) if e.source.dir != source.dir => Err(format!(
-                "lora_int_id {id} is already registered for other files"
-            )),
+            Some(e) if e.source.dir != source.dir => Err(RegisterError::OtherFiles { id }),
             Some(e) => {
                 if let Some(adapter) = loaded
                     && e.host.is_none()

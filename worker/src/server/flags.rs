@@ -265,7 +265,7 @@ impl ServeArgs {
         let settings = self.engine.settings()?;
         let backend = self.engine.backend()?;
         let artifact_roots = ArtifactRoots::new(&self.artifact_roots)
-            .map_err(|e| FlagError::new("--artifact-root", e))?;
+            .map_err(|e| FlagError::new("--artifact-root", e.to_string()))?;
         Ok(WorkerConfig {
             model: self.model.clone(),
             artifact_roots,

@@ -247,9 +247,9 @@ impl ChatRequest {
 impl Common {
     fn check(&self) -> Result<(), BadRequest> {
         // The strings copied into the audit row, before anything else.
-        check_field(&self.model, MAX_MODEL_BYTES).map_err(|m| bad("model", m))?;
+        check_field(&self.model, MAX_MODEL_BYTES).map_err(|e| bad("model", e.to_string()))?;
         if let Some(user) = &self.user {
-            check_field(user, MAX_USER_BYTES).map_err(|m| bad("user", m))?;
+            check_field(user, MAX_USER_BYTES).map_err(|e| bad("user", e.to_string()))?;
         }
         if self.model.trim().is_empty() {
             return Err(bad("model", "is required"));
