@@ -144,6 +144,58 @@ fn the_engine_does_no_network_io() {
 /// Crates that compute: GPU bindings, tokenizers, thread pools, the engine.
 const COMPUTE_CRATES: &[&str] = &["cudarc", "tokenizers", "rayon", "gemm", "lorafleet-engine"];
 
+/// The admin CLI links no server code: it speaks the admin API through the
+/// shared body types alone.
+#[test]
+fn lorafleetctl_links_no_server() {
+    // `cargo tree` resolves features for this package alone, as building
+    // it does (the workspace-wide metadata unifies the gateway's `sqlx`
+    // feature of the shared types into every user).
+    let out = Command::new(env!("CARGO"))
+        .args([
+            "tree",
+            "-p",
+            "lorafleetctl",
+            "-e",
+            "normal",
+            "--prefix",
+            "none",
+            "--locked",
+            "--offline",
+        ])
+        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
+        .output()
+        .expect("run cargo tree");
+    assert!(
+        out.status.success(),
+        "cargo tree: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let deps: BTreeSet<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .map(str::to_owned)
+        .collect();
+    assert!(deps.len() > 20, "the tree was read: {deps:?}");
+    let g = graph();
+    for server in [
+        "lorafleet-gateway",
+        "sqlx",
+        "axum",
+        "redis",
+        "tonic",
+        "lorafleet-engine",
+    ] {
+        assert!(!deps.contains(server), "lorafleetctl depends on {server}");
+    }
+    assert!(deps.contains("lorafleet-admin-types"));
+    // The gateway reads and writes the same types.
+    assert!(
+        g.direct_names("lorafleet-gateway")
+            .contains("lorafleet-admin-types")
+    );
+}
+
 #[test]
 fn the_gateway_and_the_artifact_rules_need_no_engine() {
     let g = graph();

@@ -122,7 +122,7 @@ impl Client {
     }
 
     /// A call whose request and answer are the admin API's own types
-    /// ([`lorafleet_gateway::admin::types`]).
+    /// ([`lorafleet_admin_types`]).
     pub(crate) async fn call_as<T: serde::de::DeserializeOwned>(
         &self,
         method: reqwest::Method,

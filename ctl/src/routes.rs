@@ -1,7 +1,7 @@
 //! Routes and canaries.
 
 use super::*;
-use lorafleet_gateway::admin::types::*;
+use lorafleet_admin_types::*;
 
 pub(crate) fn show_route(c: &Client, r: &Value) {
     if c.output == Output::Json {

@@ -1,7 +1,7 @@
 //! Progressive rollouts on a route.
 
 use super::*;
-use lorafleet_gateway::admin::types::*;
+use lorafleet_admin_types::*;
 
 fn show_rollout(c: &Client, r: &RolloutView) {
     let body = as_json(r);

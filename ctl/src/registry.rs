@@ -1,7 +1,7 @@
 //! Tenants, API keys, base models and adapter versions.
 
 use super::*;
-use lorafleet_gateway::admin::types::*;
+use lorafleet_admin_types::*;
 
 pub(crate) const TENANT_COLUMNS: &[&str] = &[
     "name",

@@ -153,8 +153,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             if let Some(i) = object_id {
                 q.push(("object_id", i));
             }
-            let list: lorafleet_gateway::admin::types::ChangeList =
-                c.get_as("/changes", &q).await?;
+            let list: lorafleet_admin_types::ChangeList = c.get_as("/changes", &q).await?;
             show_list(
                 &c,
                 &as_json(&list),

@@ -1,0 +1,304 @@
+//! The admin API's request and response bodies. The gateway's handlers read
+//! and write exactly these types, and `lorafleetctl` sends and reads the
+//! same ones, so the server and its client cannot drift apart. Wire names
+//! are the field names.
+//!
+//! A crate of its own, so the CLI links no server code: the `sqlx` feature
+//! (the gateway's) adds the row mappings the server reads them with.
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use uuid::Uuid;
+
+/// `POST /tenants`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NewTenant {
+    pub name: String,
+    #[serde(default)]
+    pub display_name: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rpm_limit: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tpm_limit: Option<u64>,
+    /// The tenant's weight in the workers' fair admission; default 1.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub weight: Option<f64>,
+}
+
+/// A tenant, as every tenant endpoint answers.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
+pub struct TenantRow {
+    pub name: String,
+    pub display_name: String,
+    pub rpm_limit: Option<i32>,
+    pub tpm_limit: Option<i64>,
+    pub weight: f64,
+    pub created_at: DateTime<Utc>,
+    pub disabled_at: Option<DateTime<Utc>>,
+}
+
+/// `GET /tenants`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TenantList {
+    pub tenants: Vec<TenantRow>,
+}
+
+/// `POST /tenants/{tenant}/keys`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NewKey {
+    #[serde(default)]
+    pub name: String,
+    /// Default: `inference` and `models:read`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub scopes: Option<Vec<String>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expires_at: Option<DateTime<Utc>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expires_in_secs: Option<u64>,
+}
+
+/// An API key without its secret.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
+pub struct KeyRow {
+    pub prefix: String,
+    pub tenant: String,
+    pub name: String,
+    pub scopes: Vec<String>,
+    pub created_at: DateTime<Utc>,
+    pub expires_at: Option<DateTime<Utc>>,
+    pub revoked_at: Option<DateTime<Utc>>,
+}
+
+/// A key just created: the only answer that carries its secret.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CreatedKey {
+    #[serde(flatten)]
+    pub row: KeyRow,
+    /// The whole key, `lf_<prefix>.<secret>`: shown once.
+    pub key: String,
+}
+
+/// `GET /tenants/{tenant}/keys`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct KeyList {
+    pub keys: Vec<KeyRow>,
+}
+
+/// `POST /base-models`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NewBaseModel {
+    pub name: String,
+    pub architecture: String,
+    pub base_hash: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
+pub struct BaseModelRow {
+    pub name: String,
+    pub architecture: String,
+    pub base_hash: String,
+    pub created_at: DateTime<Utc>,
+}
+
+/// `GET /base-models`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BaseModelList {
+    pub base_models: Vec<BaseModelRow>,
+}
+
+/// `POST /adapters`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NewAdapter {
+    pub name: String,
+    /// Default: one above the highest version of this name.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub version: Option<u32>,
+    pub base_model: String,
+    /// The owning tenant; absent for a platform-wide adapter.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
+    pub artifact_uri: String,
+}
+
+/// An adapter version.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
+pub struct AdapterRow {
+    pub lora_int_id: i64,
+    pub name: String,
+    pub version: i32,
+    pub base_model: String,
+    pub tenant: Option<String>,
+    pub rank: i32,
+    pub alpha: f64,
+    pub use_rslora: bool,
+    pub target_modules: Vec<String>,
+    pub artifact_uri: String,
+    pub artifact_sha256: String,
+    pub state: String,
+    pub created_at: DateTime<Utc>,
+    pub retired_at: Option<DateTime<Utc>>,
+}
+
+/// `GET /adapters`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AdapterList {
+    pub adapters: Vec<AdapterRow>,
+}
+
+/// One version's share of a route, in basis points.
+#[derive(Debug, Serialize, Deserialize, Clone, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Weight {
+    pub lora_int_id: i64,
+    pub weight_bp: u32,
+}
+
+/// `PUT /routes/{tenant}/{model}`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteSpec {
+    /// Required for a base-model route; for adapter weights it defaults to
+    /// the adapters' base model.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub base_model: Option<String>,
+    /// Empty or absent: the route serves the base model itself.
+    #[serde(default)]
+    pub weights: Vec<Weight>,
+}
+
+/// `POST /routes/{tenant}/{model}/promote`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PromoteSpec {
+    pub lora_int_id: i64,
+}
+
+/// A route at its current revision.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RouteView {
+    pub tenant: String,
+    pub model: String,
+    pub revision: i32,
+    pub etag: String,
+    pub base_model: String,
+    /// "base" or "adapters".
+    pub target: String,
+    pub weights: Vec<WeightView>,
+    pub updated_at: DateTime<Utc>,
+    pub created_by: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
+pub struct WeightView {
+    pub lora_int_id: i64,
+    pub adapter: String,
+    pub version: i32,
+    pub weight_bp: i32,
+}
+
+/// `GET /routes`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RouteList {
+    pub routes: Vec<RouteView>,
+}
+
+/// One row of the admin change log.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
+pub struct ChangeRow {
+    pub id: i64,
+    pub at: DateTime<Utc>,
+    pub actor: String,
+    pub role: String,
+    pub action: String,
+    pub object_type: String,
+    pub object_id: String,
+    pub before: Option<Value>,
+    pub after: Option<Value>,
+    pub request_id: Uuid,
+}
+
+/// `GET /changes`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ChangeList {
+    pub changes: Vec<ChangeRow>,
+}
+
+/// `POST /routes/{tenant}/{model}/rollout`: a candidate version takes the
+/// route step by step. Absent fields take the defaults shown by
+/// `lorafleetctl routes rollout start --help`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RolloutSpec {
+    pub candidate_lora_int_id: i64,
+    /// The candidate's share at each step, in basis points, rising to
+    /// 10000 (default 100, 1000, 5000, 10000).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub steps: Option<Vec<u32>>,
+    /// How long each step is held before it may advance (default 300).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hold_secs: Option<u32>,
+    /// Requests each version needs in a step's window before any decision
+    /// (default 20).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub min_requests: Option<u32>,
+    /// How far the candidate's error rate may exceed the stable's, as a
+    /// fraction (default 0.01).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_error_rate_increase: Option<f64>,
+    /// The candidate's p95 time to first token at most this multiple of the
+    /// stable's (default 1.5).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_ttft_p95_ratio: Option<f64>,
+    /// The same for the p95 time per output token (default 1.5).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_tpot_p95_ratio: Option<f64>,
+}
+
+/// One decision of a rollout, with the figures it was taken on.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
+pub struct RolloutDecision {
+    pub at: DateTime<Utc>,
+    /// start, advance, succeed, roll_back, pause, resume or abort.
+    pub decision: String,
+    pub step_index: i32,
+    pub revision: Option<i32>,
+    pub actor: String,
+    pub figures: Option<Value>,
+    pub reason: Option<String>,
+}
+
+/// A rollout as `GET /routes/{tenant}/{model}/rollout` answers (the route's
+/// latest).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RolloutView {
+    pub id: Uuid,
+    pub tenant: String,
+    pub model: String,
+    /// running, paused, succeeded, rolled_back or aborted.
+    pub state: String,
+    pub stable_lora_int_id: i64,
+    pub candidate_lora_int_id: i64,
+    pub steps: Vec<u32>,
+    pub step_index: u32,
+    pub step_started_at: DateTime<Utc>,
+    pub hold_secs: u32,
+    pub min_requests: u32,
+    pub max_error_rate_increase: f64,
+    pub max_ttft_p95_ratio: f64,
+    pub max_tpot_p95_ratio: f64,
+    pub reason: Option<String>,
+    pub created_by: String,
+    pub decisions: Vec<RolloutDecision>,
+}
