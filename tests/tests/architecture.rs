@@ -610,3 +610,53 @@ fn no_string_errors_in_library_code() {
         vec![(1, "E".to_owned())]
     );
 }
+
+/// Every path ARCHITECTURE.md names exists: a path from the repository
+/// root, or, inside a code-map row or an invariant about one folder, a
+/// path that ends a real one (`backend/cpu/amx.rs`).
+#[test]
+fn architecture_md_names_only_paths_that_exist() {
+    let root = std::path::PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/.."));
+    let mut known = BTreeSet::new();
+    for file in walk(&root) {
+        let rel = file
+            .strip_prefix(&root)
+            .unwrap()
+            .to_string_lossy()
+            .into_owned();
+        let parts: Vec<&str> = rel.split('/').collect();
+        for i in 1..parts.len() {
+            known.insert(format!("{}/", parts[..i].join("/")));
+        }
+        known.insert(rel);
+    }
+    let text = std::fs::read_to_string(root.join("ARCHITECTURE.md")).unwrap();
+    let mut checked = 0;
+    let mut stale = Vec::new();
+    for (i, quoted) in text.split('`').enumerate() {
+        // Odd pieces are inside backticks.
+        let path = quoted.split("::").next().unwrap();
+        let looks_like_path = i % 2 == 1
+            && path.contains('/')
+            && !path.starts_with('/')
+            && path
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "_./-".contains(c));
+        if !looks_like_path {
+            continue;
+        }
+        checked += 1;
+        let found = known.contains(path) || known.iter().any(|k| k.ends_with(&format!("/{path}")));
+        if !found {
+            stale.push(path.to_owned());
+        }
+    }
+    assert!(
+        checked > 100,
+        "ARCHITECTURE.md's paths were read ({checked})"
+    );
+    assert!(
+        stale.is_empty(),
+        "ARCHITECTURE.md names paths that do not exist: {stale:?}"
+    );
+}
