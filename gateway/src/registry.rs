@@ -9,7 +9,9 @@
 
 use lorafleet_domain::AdapterId;
 use std::collections::HashMap;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
@@ -310,30 +312,58 @@ fn pick(route: &Uuid, weights: &[(u32, Arc<Adapter>)], stickiness: &str) -> Arc<
 /// The current snapshot, shared by every request.
 #[derive(Debug, Clone)]
 pub struct Registry {
-    current: Arc<RwLock<Arc<Snapshot>>>,
-    loaded_at: Arc<RwLock<Instant>>,
+    /// The snapshot in use and when it was loaded, swapped as one: a
+    /// request reads both with one load and no lock.
+    current: Arc<ArcSwap<Current>>,
+}
+
+/// A snapshot and when it was loaded. Derefs to the [`Snapshot`].
+#[derive(Debug)]
+pub struct Current {
+    snapshot: Snapshot,
+    loaded_at: Instant,
+}
+
+impl Current {
+    /// How old this snapshot is.
+    pub fn age(&self) -> Duration {
+        self.loaded_at.elapsed()
+    }
+}
+
+impl std::ops::Deref for Current {
+    type Target = Snapshot;
+
+    fn deref(&self) -> &Snapshot {
+        &self.snapshot
+    }
 }
 
 impl Registry {
     pub fn new(snapshot: Snapshot) -> Registry {
         Registry {
-            current: Arc::new(RwLock::new(Arc::new(snapshot))),
-            loaded_at: Arc::new(RwLock::new(Instant::now())),
+            current: Arc::new(ArcSwap::from_pointee(Current {
+                snapshot,
+                loaded_at: Instant::now(),
+            })),
         }
     }
 
-    pub fn snapshot(&self) -> Arc<Snapshot> {
-        self.current.read().expect("registry lock").clone()
+    /// The snapshot in use, with its age: read once per request.
+    pub fn snapshot(&self) -> Arc<Current> {
+        self.current.load_full()
     }
 
     /// Age of the snapshot in use.
     pub fn age(&self) -> Duration {
-        self.loaded_at.read().expect("registry lock").elapsed()
+        self.current.load().age()
     }
 
-    fn replace(&self, s: Snapshot) {
-        *self.current.write().expect("registry lock") = Arc::new(s);
-        *self.loaded_at.write().expect("registry lock") = Instant::now();
+    fn replace(&self, snapshot: Snapshot) {
+        self.current.store(Arc::new(Current {
+            snapshot,
+            loaded_at: Instant::now(),
+        }));
     }
 
     /// Rebuilds the snapshot; on failure keeps the old one.

@@ -26,7 +26,7 @@ use uuid::Uuid;
 use crate::audit::{AuditLog, AuditRecord, Durable, Ticket, Unavailable};
 use crate::auth::{self, JwtConfig, Principal};
 use crate::ratelimit::RateLimiter;
-use crate::registry::{Registry, Resolved};
+use crate::registry::{Registry, Resolved, Snapshot};
 use crate::router::fleet::Fleet;
 use crate::upstream::{self, Generation, UpstreamError, WorkerEvent};
 pub use error::{ApiError, Parts, WorkerFailure};
@@ -147,23 +147,27 @@ async fn ready(State(s): State<AppState>) -> Response {
     }
 }
 
-fn principal(s: &AppState, headers: &HeaderMap) -> Result<Principal, ApiError> {
+/// The caller, by the registry snapshot the request reads throughout.
+fn principal(
+    s: &AppState,
+    snapshot: &Snapshot,
+    headers: &HeaderMap,
+) -> Result<Principal, ApiError> {
     let value = headers
         .get(header::AUTHORIZATION)
         .map(|v| v.to_str().unwrap_or(""));
-    auth::authenticate(value, &s.registry.snapshot(), s.jwt.as_ref())
-        .map_err(ApiError::unauthorized)
+    auth::authenticate(value, snapshot, s.jwt.as_ref()).map_err(ApiError::unauthorized)
 }
 
 async fn models(State(s): State<AppState>, headers: HeaderMap) -> Result<Response, ApiError> {
-    let p = principal(&s, &headers)?;
+    let snapshot = s.registry.snapshot();
+    let p = principal(&s, &snapshot, &headers)?;
     if !p.has_scope(auth::SCOPE_MODELS_READ) && !p.has_scope(auth::SCOPE_INFERENCE) {
         return Err(ApiError::InsufficientScope {
             scope: auth::SCOPE_MODELS_READ,
             what: "list models",
         });
     }
-    let snapshot = s.registry.snapshot();
     let owner = snapshot
         .tenant(&p.tenant_id)
         .map_or_else(String::new, |t| t.name.clone());
@@ -278,12 +282,14 @@ async fn prepare(
     // tenant's own share, then its body under a deadline, and only then a
     // global permit. An unauthenticated client never gets to send a body,
     // and a tenant with slow bodies holds only its own slots.
-    let principal = principal(s, headers)?;
+    // One read of the registry for the whole request: its credential, its
+    // tenant, its route and the snapshot's age all come from it.
+    let snapshot = s.registry.snapshot();
+    let principal = principal(s, &snapshot, headers)?;
     trail.record.tenant_id = Some(principal.tenant_id);
     trail.record.api_key_id = principal.api_key_id;
     trail.record.api_key_prefix = principal.api_key_prefix.clone();
     trail.record.subject = principal.subject.clone();
-    let snapshot = s.registry.snapshot();
     let tenant = snapshot
         .tenant(&principal.tenant_id)
         .cloned()
@@ -329,7 +335,7 @@ async fn prepare(
     }
     let (common_model, user, stream, include_usage, prompt, sampling) = parsed?;
     trail.record.end_user = user.clone();
-    if s.registry.age() > s.registry_max_age {
+    if snapshot.age() > s.registry_max_age {
         return Err(ApiError::RegistryStale {
             max_age: s.registry_max_age,
         });
