@@ -541,6 +541,62 @@ impl rollout::Turn for AdminState {
     }
 }
 
+/// In a decision's transaction: the lease still held by `holder` (share-
+/// locked, so it cannot change hands until the transaction ends), then the
+/// route and the rollout locked, in the order the admin calls lock them in
+/// (so the two never deadlock). `None` when the lease is lost or the
+/// rollout is no longer as it was judged.
+async fn lock_as_judged(
+    tx: &mut Transaction<'_, Postgres>,
+    holder: &str,
+    r: &Rollout,
+) -> Result<Option<(String, Uuid, String, (Uuid, RouteView))>, AdminError> {
+    // Only the lease holder writes, and the lease cannot change hands
+    // until this transaction ends (the row is share-locked).
+    let leased: Option<String> = sqlx::query_scalar(
+        "SELECT holder FROM controller_leases
+         WHERE name = $1 AND holder = $2 AND expires_at > now() FOR SHARE",
+    )
+    .bind(LEASE)
+    .bind(holder)
+    .fetch_optional(&mut **tx)
+    .await
+    .map_err(db_error)?;
+    if leased.is_none() {
+        return Ok(None);
+    }
+    // The route first, then the rollout: the order the admin calls lock
+    // them in, so the two never deadlock.
+    let (tenant, tenant_uuid, model): (String, Uuid, String) = sqlx::query_as(
+        "SELECT t.name, t.id, r.model_name FROM routes r JOIN tenants t ON t.id = r.tenant_id
+         WHERE r.id = $1",
+    )
+    .bind(r.route_id)
+    .fetch_one(&mut **tx)
+    .await
+    .map_err(db_error)?;
+    let current = load_route(tx, &tenant, &model, true)
+        .await?
+        .ok_or_else(|| no_route(&tenant, &model))?;
+    // The rollout as it was judged: a step another replica took, or a
+    // pause (and resume, which restarts the window) since, writes nothing.
+    let now: Option<Rollout> = sqlx::query_as(sql!(
+        "SELECT {COLUMNS} FROM rollouts WHERE id = $1 FOR UPDATE"
+    ))
+    .bind(r.id)
+    .fetch_optional(&mut **tx)
+    .await
+    .map_err(db_error)?;
+    if !now.is_some_and(|n| {
+        n.state == RolloutState::Running
+            && n.step_index == r.step_index
+            && n.step_started_at == r.step_started_at
+    }) {
+        return Ok(None);
+    }
+    Ok(Some((tenant, tenant_uuid, model, current)))
+}
+
 async fn judge_step(state: &AdminState, holder: &str, r: &Rollout) -> Result<bool, AdminError> {
     let (candidate, stable) = window(&state.pool, r).await?;
     let held = r.elapsed_secs >= f64::from(r.hold_secs);
@@ -553,49 +609,10 @@ async fn judge_step(state: &AdminState, holder: &str, r: &Rollout) -> Result<boo
         return Ok(false);
     };
     let mut tx = state.pool.begin().await.map_err(db_error)?;
-    // Only the lease holder writes, and the lease cannot change hands
-    // until this transaction ends (the row is share-locked).
-    let leased: Option<String> = sqlx::query_scalar(
-        "SELECT holder FROM controller_leases
-         WHERE name = $1 AND holder = $2 AND expires_at > now() FOR SHARE",
-    )
-    .bind(LEASE)
-    .bind(holder)
-    .fetch_optional(&mut *tx)
-    .await
-    .map_err(db_error)?;
-    if leased.is_none() {
+    let Some((tenant, tenant_uuid, model, current)) = lock_as_judged(&mut tx, holder, r).await?
+    else {
         return Ok(false);
-    }
-    // The route first, then the rollout: the order the admin calls lock
-    // them in, so the two never deadlock.
-    let (tenant, tenant_uuid, model): (String, Uuid, String) = sqlx::query_as(
-        "SELECT t.name, t.id, r.model_name FROM routes r JOIN tenants t ON t.id = r.tenant_id
-         WHERE r.id = $1",
-    )
-    .bind(r.route_id)
-    .fetch_one(&mut *tx)
-    .await
-    .map_err(db_error)?;
-    let current = load_route(&mut tx, &tenant, &model, true)
-        .await?
-        .ok_or_else(|| no_route(&tenant, &model))?;
-    // The rollout as it was judged: a step another replica took, or a
-    // pause (and resume, which restarts the window) since, writes nothing.
-    let now: Option<Rollout> = sqlx::query_as(sql!(
-        "SELECT {COLUMNS} FROM rollouts WHERE id = $1 FOR UPDATE"
-    ))
-    .bind(r.id)
-    .fetch_optional(&mut *tx)
-    .await
-    .map_err(db_error)?;
-    if !now.is_some_and(|n| {
-        n.state == RolloutState::Running
-            && n.step_index == r.step_index
-            && n.step_started_at == r.step_started_at
-    }) {
-        return Ok(false);
-    }
+    };
     let figures = json!({"candidate": candidate, "stable": stable});
     let actor = Actor {
         subject: CONTROLLER.into(),

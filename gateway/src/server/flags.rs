@@ -14,7 +14,8 @@ use crate::flag_error::{FlagError, ensure};
 use crate::router::fleet::Discovery;
 use crate::router::policy::Policy;
 
-use super::config::{AdminConfig, ConfigError, GatewayConfig, WorkerTls};
+use super::config::{AdminConfig, ConfigError, GatewayConfig};
+use super::worker_tls::WorkerTlsFlags;
 
 /// Flags of `serve`; each has an environment fallback.
 #[derive(Debug, clap::Args)]
@@ -222,89 +223,6 @@ pub struct AdminJwtArgs {
     pub admin_jwt_audience: Option<String>,
 }
 
-/// Mutual TLS to the workers: the gateway proves itself with a certificate
-/// the fleet's CA signed and checks each worker's against the same CA.
-#[derive(Debug, clap::Args)]
-pub struct WorkerTlsFlags {
-    /// The gateway's client certificate chain (PEM).
-    #[arg(long, env = "LORAFLEET_WORKER_TLS_CERT")]
-    pub worker_tls_cert: Option<PathBuf>,
-    /// The private key of --worker-tls-cert (PEM).
-    #[arg(long, env = "LORAFLEET_WORKER_TLS_KEY")]
-    pub worker_tls_key: Option<PathBuf>,
-    /// The CA bundle (PEM) that workers' certificates must chain to.
-    #[arg(long, env = "LORAFLEET_WORKER_TLS_CA")]
-    pub worker_tls_ca: Option<PathBuf>,
-    /// The name every worker's certificate must carry. Default: each
-    /// worker's host as --workers names it, or the --workers-dns host (whose
-    /// answers are bare addresses).
-    #[arg(long, env = "LORAFLEET_WORKER_TLS_NAME")]
-    pub worker_tls_name: Option<String>,
-    /// Talk to workers in plain text. Only for a trusted network; required
-    /// when no --worker-tls-* flags are given.
-    #[arg(long, env = "LORAFLEET_INSECURE_PLAINTEXT")]
-    pub insecure_plaintext: bool,
-    /// How often the TLS files are checked for a change, in seconds; new
-    /// connections use the new files without a restart.
-    #[arg(long, env = "LORAFLEET_TLS_RELOAD_SECS", default_value_t = 10)]
-    pub tls_reload_secs: u64,
-}
-
-impl WorkerTlsFlags {
-    /// The TLS files these flags choose (None: plain text) and the name
-    /// workers' certificates must carry. Files are read at start.
-    fn validate(&self, discovery: &Discovery) -> Result<WorkerTls, ConfigError> {
-        let files = lorafleet_tls::choose(
-            self.worker_tls_cert.clone(),
-            self.worker_tls_key.clone(),
-            self.worker_tls_ca.clone(),
-            self.insecure_plaintext,
-            [
-                "--worker-tls-cert",
-                "--worker-tls-key",
-                "--worker-tls-ca",
-                "--insecure-plaintext",
-            ],
-        )?;
-        ensure(
-            self.tls_reload_secs > 0,
-            "--tls-reload-secs",
-            "must be at least 1",
-        )?;
-        let reload = Duration::from_secs(self.tls_reload_secs);
-        let Some(files) = files else {
-            ensure(
-                self.worker_tls_name.is_none(),
-                "--worker-tls-name",
-                "needs the --worker-tls-* files, not --insecure-plaintext",
-            )?;
-            return Ok(WorkerTls {
-                files: None,
-                server_name: None,
-                reload,
-            });
-        };
-        let server_name = match (&self.worker_tls_name, discovery) {
-            (Some(name), _) => {
-                lorafleet_tls::rustls::pki_types::ServerName::try_from(name.as_str())
-                    .map_err(|e| FlagError::new("--worker-tls-name", format!("{name:?}: {e}")))?;
-                Some(name.clone())
-            }
-            (None, Discovery::Dns(name, _)) => Some(
-                name.rsplit_once(':')
-                    .map_or(name.as_str(), |(h, _)| h)
-                    .to_owned(),
-            ),
-            (None, Discovery::Static(_)) => None,
-        };
-        Ok(WorkerTls {
-            files: Some(files),
-            server_name,
-            reload,
-        })
-    }
-}
-
 impl ServeArgs {
     /// Every check of the flags, in the order an operator reads them; the
     /// first refusal names its flag. Reads only the key files the flags
@@ -312,6 +230,71 @@ impl ServeArgs {
     pub fn validate(&self) -> Result<GatewayConfig, ConfigError> {
         let discovery = self.discovery()?;
         let worker_tls = self.worker_tls.validate(&discovery)?;
+        self.check_limits()?;
+        let per_tenant = self.per_tenant()?;
+        let jwt = self.jwt.config()?;
+        let admin = self.admin_key()?;
+        let artifact_roots = artifact_roots(&self.artifact_root)?;
+        ensure(
+            self.max_lora_rank > 0,
+            "--max-lora-rank",
+            "must be at least 1",
+        )?;
+        let admin = admin.map(|(listen, jwt)| AdminConfig {
+            listen,
+            jwt: Arc::new(jwt),
+            artifact_roots,
+            max_lora_rank: self.max_lora_rank,
+            secure_cookie: !self.console_insecure_cookie,
+        });
+        let audit = self.audit_config()?;
+        // The admin pool's URL, checked now so a bad one is named.
+        crate::db::parse_database_url("--database-url", &self.database_url)
+            .map_err(|e| FlagError::new("--database-url", flag_reason(&e.to_string())))?;
+        if let Some(url) = &self.admin_database_url {
+            crate::db::parse_database_url("--admin-database-url", url)
+                .map_err(|e| FlagError::new("--admin-database-url", flag_reason(&e.to_string())))?;
+        }
+        Ok(GatewayConfig {
+            database_url: self.database_url.clone(),
+            admin_database_url: self.admin_database_url.clone(),
+            redis_url: self.redis_url.clone(),
+            redis_prefix: self.redis_prefix.clone(),
+            listen: self.listen,
+            metrics_listen: self.metrics_listen,
+            discovery,
+            worker_tls,
+            policy: Policy {
+                load_factor: self.load_factor,
+                replica_share: self.replica_share,
+            },
+            registry_refresh: Duration::from_secs(self.registry_refresh_secs),
+            max_concurrent_requests: self.max_concurrent_requests,
+            max_concurrent_per_tenant: per_tenant,
+            default_rpm_limit: (self.default_rpm_limit > 0).then_some(self.default_rpm_limit),
+            default_tpm_limit: (self.default_tpm_limit > 0).then_some(self.default_tpm_limit),
+            header_timeout: Duration::from_secs(self.header_timeout_secs),
+            body_timeout: Duration::from_secs(self.body_timeout_secs),
+            max_body_bytes: self.max_body_bytes,
+            request_timeout: Duration::from_secs(self.request_timeout_secs),
+            first_token_timeout: Duration::from_secs(self.first_token_timeout_secs),
+            max_attempts: self.max_attempts,
+            gateway_replicas: self.gateway_replicas,
+            admin_statement_timeout: Duration::from_secs(self.admin_statement_timeout_secs),
+            registry_max_age: Duration::from_secs(self.registry_max_age_secs),
+            audit,
+            audit_flush: Duration::from_secs(self.audit_flush_secs),
+            rollout_tick: Duration::from_millis(self.rollout_tick_ms),
+            rollout_lease: Duration::from_secs(self.rollout_lease_secs),
+            drain_deadline: Duration::from_secs(self.drain_deadline_secs),
+            jwt,
+            admin,
+        })
+    }
+
+    /// The numeric flags: each at least 1, and the rollout tick at most
+    /// half the lease.
+    fn check_limits(&self) -> Result<(), FlagError> {
         ensure(
             self.load_factor >= 1.0 && self.load_factor.is_finite(),
             "--load-factor",
@@ -357,11 +340,18 @@ impl ServeArgs {
                 self.rollout_tick_ms, self.rollout_lease_secs
             ),
         )?;
-        let per_tenant = match self.max_concurrent_per_tenant {
+        Ok(())
+    }
+
+    /// One tenant's concurrency in this gateway: a quarter of the global
+    /// cap by default, so no tenant can take them all.
+    fn per_tenant(&self) -> Result<usize, FlagError> {
+        Ok(match self.max_concurrent_per_tenant {
             Some(0) => {
-                return Err(
-                    FlagError::new("--max-concurrent-per-tenant", "must be at least 1").into(),
-                );
+                return Err(FlagError::new(
+                    "--max-concurrent-per-tenant",
+                    "must be at least 1",
+                ));
             }
             Some(n) if n > self.max_concurrent_requests => {
                 return Err(FlagError::new(
@@ -370,27 +360,15 @@ impl ServeArgs {
                         "{n} is above --max-concurrent-requests ({})",
                         self.max_concurrent_requests
                     ),
-                )
-                .into());
+                ));
             }
             Some(n) => n,
             None => (self.max_concurrent_requests / 4).max(1),
-        };
-        let jwt = self.jwt.config()?;
-        let admin = self.admin_key()?;
-        let artifact_roots = artifact_roots(&self.artifact_root)?;
-        ensure(
-            self.max_lora_rank > 0,
-            "--max-lora-rank",
-            "must be at least 1",
-        )?;
-        let admin = admin.map(|(listen, jwt)| AdminConfig {
-            listen,
-            jwt: Arc::new(jwt),
-            artifact_roots,
-            max_lora_rank: self.max_lora_rank,
-            secure_cookie: !self.console_insecure_cookie,
-        });
+        })
+    }
+
+    /// The audit log's settings.
+    fn audit_config(&self) -> Result<AuditConfig, FlagError> {
         ensure(
             self.audit_queue_bytes >= audit::MAX_ROW_BYTES,
             "--audit-queue-bytes",
@@ -417,7 +395,7 @@ impl ServeArgs {
                 self.audit_spool.display()
             ),
         )?;
-        let audit = AuditConfig {
+        Ok(AuditConfig {
             spool_dir: self.audit_spool.clone(),
             spool_owner: spool_owner(self.audit_spool_owner.as_deref())?,
             spool_max_bytes: self.audit_spool_max_bytes,
@@ -426,48 +404,6 @@ impl ServeArgs {
             queue_bytes: self.audit_queue_bytes,
             ack_timeout: Duration::from_secs(self.audit_ack_timeout_secs),
             durability: self.audit_durability,
-        };
-        // The admin pool's URL, checked now so a bad one is named.
-        crate::db::parse_database_url("--database-url", &self.database_url)
-            .map_err(|e| FlagError::new("--database-url", flag_reason(&e.to_string())))?;
-        if let Some(url) = &self.admin_database_url {
-            crate::db::parse_database_url("--admin-database-url", url)
-                .map_err(|e| FlagError::new("--admin-database-url", flag_reason(&e.to_string())))?;
-        }
-        Ok(GatewayConfig {
-            database_url: self.database_url.clone(),
-            admin_database_url: self.admin_database_url.clone(),
-            redis_url: self.redis_url.clone(),
-            redis_prefix: self.redis_prefix.clone(),
-            listen: self.listen,
-            metrics_listen: self.metrics_listen,
-            discovery,
-            worker_tls,
-            policy: Policy {
-                load_factor: self.load_factor,
-                replica_share: self.replica_share,
-            },
-            registry_refresh: Duration::from_secs(self.registry_refresh_secs),
-            max_concurrent_requests: self.max_concurrent_requests,
-            max_concurrent_per_tenant: per_tenant,
-            default_rpm_limit: (self.default_rpm_limit > 0).then_some(self.default_rpm_limit),
-            default_tpm_limit: (self.default_tpm_limit > 0).then_some(self.default_tpm_limit),
-            header_timeout: Duration::from_secs(self.header_timeout_secs),
-            body_timeout: Duration::from_secs(self.body_timeout_secs),
-            max_body_bytes: self.max_body_bytes,
-            request_timeout: Duration::from_secs(self.request_timeout_secs),
-            first_token_timeout: Duration::from_secs(self.first_token_timeout_secs),
-            max_attempts: self.max_attempts,
-            gateway_replicas: self.gateway_replicas,
-            admin_statement_timeout: Duration::from_secs(self.admin_statement_timeout_secs),
-            registry_max_age: Duration::from_secs(self.registry_max_age_secs),
-            audit,
-            audit_flush: Duration::from_secs(self.audit_flush_secs),
-            rollout_tick: Duration::from_millis(self.rollout_tick_ms),
-            rollout_lease: Duration::from_secs(self.rollout_lease_secs),
-            drain_deadline: Duration::from_secs(self.drain_deadline_secs),
-            jwt,
-            admin,
         })
     }
 

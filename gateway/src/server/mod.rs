@@ -7,9 +7,11 @@
 
 mod config;
 mod flags;
+mod worker_tls;
 
 pub use config::{AdminConfig, ConfigError, GatewayConfig, WorkerTls};
-pub use flags::{AdminJwtArgs, ServeArgs, WorkerTlsFlags};
+pub use flags::{AdminJwtArgs, ServeArgs};
+pub use worker_tls::WorkerTlsFlags;
 
 use std::net::SocketAddr;
 use std::sync::{Arc, OnceLock};
@@ -207,33 +209,8 @@ pub async fn start(config: GatewayConfig, listeners: Listeners) -> Result<Runnin
     let mut background = Vec::new();
     let admin = match (&config.admin, listeners.admin) {
         (Some(a), Some(listener)) => {
-            let addr = local_addr("--admin-listen", &listener)?;
-            let admin_state = admin_state(&config, a, &state, channel).await?;
-            // Every replica with an admin plane runs the rollout
-            // controller; the lease lets one act at a time.
-            background.push(tokio::spawn(crate::rollout::run(
-                admin_state.pool.clone(),
-                admin_state.clone(),
-                ControllerConfig {
-                    holder: format!(
-                        "{}-{}",
-                        config.audit.spool_owner,
-                        &uuid::Uuid::new_v4().simple().to_string()[..8]
-                    ),
-                    tick: config.rollout_tick,
-                    lease: config.rollout_lease,
-                },
-            )));
-            let console = crate::console::router(
-                admin_state.clone(),
-                crate::console::ConsoleOptions {
-                    secure_cookie: a.secure_cookie,
-                },
-            );
-            let app = crate::admin::router(admin_state).merge(console);
-            background.push(tokio::spawn(async move {
-                let _ = axum::serve(listener, app).await;
-            }));
+            let (addr, tasks) = start_admin(&config, a, listener, &state, channel).await?;
+            background.extend(tasks);
             Some(addr)
         }
         _ => None,
@@ -278,6 +255,44 @@ fn local_addr(flag: &'static str, l: &TcpListener) -> Result<SocketAddr, ServerE
         addr: SocketAddr::from(([0, 0, 0, 0], 0)),
         source,
     })
+}
+
+/// The admin API and console on their listener, and the rollout controller
+/// (every replica with an admin plane runs it; the lease lets one act at a
+/// time).
+async fn start_admin(
+    config: &GatewayConfig,
+    a: &AdminConfig,
+    listener: TcpListener,
+    state: &AppState,
+    channel: String,
+) -> Result<(SocketAddr, Vec<JoinHandle<()>>), ServerError> {
+    let addr = local_addr("--admin-listen", &listener)?;
+    let admin_state = admin_state(config, a, state, channel).await?;
+    let controller = tokio::spawn(crate::rollout::run(
+        admin_state.pool.clone(),
+        admin_state.clone(),
+        ControllerConfig {
+            holder: format!(
+                "{}-{}",
+                config.audit.spool_owner,
+                &uuid::Uuid::new_v4().simple().to_string()[..8]
+            ),
+            tick: config.rollout_tick,
+            lease: config.rollout_lease,
+        },
+    ));
+    let console = crate::console::router(
+        admin_state.clone(),
+        crate::console::ConsoleOptions {
+            secure_cookie: a.secure_cookie,
+        },
+    );
+    let app = crate::admin::router(admin_state).merge(console);
+    let server = tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    Ok((addr, vec![controller, server]))
 }
 
 /// The admin plane's state, on its own pool so admin queries never hold up
