@@ -143,6 +143,16 @@ impl Snapshot {
             .execute(&mut *tx)
             .await?;
         let mut s = Snapshot::default();
+        // One read-only transaction at one point in time for all of it.
+        s.load_principals(&mut tx).await?;
+        s.load_routes(&mut tx).await?;
+        tx.commit().await?;
+        Ok(s)
+    }
+
+    /// Tenants and their API keys.
+    async fn load_principals(&mut self, tx: &mut sqlx::PgConnection) -> Result<(), sqlx::Error> {
+        let s = self;
         type TenantRow = (Uuid, String, Option<i32>, Option<i64>, bool, f64);
         let tenants: Vec<TenantRow> = sqlx::query_as(
             "SELECT id, name, rpm_limit, tpm_limit, disabled_at IS NOT NULL, weight FROM tenants",
@@ -194,6 +204,12 @@ impl Snapshot {
                 },
             );
         }
+        Ok(())
+    }
+
+    /// Routes with their current revision's weights and adapters.
+    async fn load_routes(&mut self, tx: &mut sqlx::PgConnection) -> Result<(), sqlx::Error> {
+        let s = self;
         type RouteRow = (
             Uuid,
             Uuid,
@@ -225,7 +241,6 @@ impl Snapshot {
         )
         .fetch_all(&mut *tx)
         .await?;
-        tx.commit().await?;
         let mut by_route: HashMap<Uuid, Vec<(u32, Arc<Adapter>)>> = HashMap::new();
         for (route, weight, id, name, version, rank, uri, sha, base_hash) in weights {
             // The schema hands ids out from a sequence: never 0 or less.
@@ -278,7 +293,7 @@ impl Snapshot {
                 }),
             );
         }
-        Ok(s)
+        Ok(())
     }
 }
 

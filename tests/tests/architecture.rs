@@ -660,3 +660,77 @@ fn architecture_md_names_only_paths_that_exist() {
         "ARCHITECTURE.md names paths that do not exist: {stale:?}"
     );
 }
+
+/// The non-test functions of `src` longer than `max` lines, as
+/// `file::name (lines)`. A function runs from its `fn` line to the first
+/// line at its indentation that closes it (rustfmt's layout).
+fn long_functions(src: &std::path::Path, max: usize) -> Vec<String> {
+    let mut out = Vec::new();
+    for file in walk(src) {
+        if file.extension().is_none_or(|e| e != "rs") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&file).unwrap();
+        let code = text.split("#[cfg(test)]\nmod tests").next().unwrap();
+        let lines: Vec<&str> = code.lines().collect();
+        let mut i = 0;
+        while i < lines.len() {
+            let line = lines[i];
+            let body = line.trim_start();
+            let indent = line.len() - body.len();
+            let head = ["pub ", "pub(crate) ", "pub(super) ", "async ", "const "]
+                .iter()
+                .fold(body, |b, p| b.strip_prefix(p).unwrap_or(b));
+            let head = head.strip_prefix("async ").unwrap_or(head);
+            if let Some(rest) = head.strip_prefix("fn ")
+                && !line.trim_end().ends_with(';')
+            {
+                let name: String = rest
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                let close = format!("{}}}", " ".repeat(indent));
+                let end = (i + 1..lines.len())
+                    .find(|&j| lines[j].starts_with(&close))
+                    .unwrap_or(lines.len() - 1);
+                let n = end - i + 1;
+                if n > max {
+                    let rel = file.strip_prefix(src).unwrap().display().to_string();
+                    out.push(format!("{rel}::{name} ({n})"));
+                }
+                i = end;
+            }
+            i += 1;
+        }
+    }
+    out.sort();
+    out
+}
+
+/// No gateway function outside tests runs over 120 lines, but the one
+/// exhaustive mapping of API errors, and no gateway file over 800.
+#[test]
+fn gateway_functions_and_files_stay_short() {
+    let src = std::path::PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../gateway/src"));
+    let long: Vec<String> = long_functions(&src, 120)
+        .into_iter()
+        .filter(|f| !f.starts_with("api/error.rs::parts "))
+        .collect();
+    assert!(
+        long.is_empty(),
+        "gateway functions over 120 lines: {long:?}"
+    );
+    for file in walk(&src) {
+        let lines = std::fs::read_to_string(&file).map_or(0, |t| t.lines().count());
+        assert!(lines <= 800, "{} has {lines} lines", file.display());
+    }
+    // The measure finds a long function.
+    let dir = tempfile::tempdir().unwrap();
+    let body = "    let x = 1;\n".repeat(130);
+    std::fs::write(
+        dir.path().join("a.rs"),
+        format!("pub async fn big() {{\n{body}}}\n"),
+    )
+    .unwrap();
+    assert_eq!(long_functions(dir.path(), 120), vec!["a.rs::big (132)"]);
+}

@@ -197,13 +197,10 @@ fn adapter_refusal(e: AdapterError) -> AdminError {
     }
 }
 
-pub(super) async fn register_adapter(
-    State(s): State<AdminState>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Result<Response, AdminError> {
-    let actor = authorize(&s, &headers, Need::Write)?;
-    let a: NewAdapter = parse_body(&body)?;
+/// A new version's name and version, and its artifact URI as the registry
+/// stores it (relative to the root, the same on every host), checked
+/// before any file is read.
+fn check_new_adapter(a: &NewAdapter) -> Result<String, AdminError> {
     let name_ok = !a.name.is_empty()
         && a.name.len() <= 128
         && a.name.as_bytes()[0].is_ascii_alphanumeric()
@@ -222,8 +219,6 @@ pub(super) async fn register_adapter(
     if a.version == Some(0) {
         return Err(AdminError::field("version", "must be at least 1"));
     }
-    // Registries store the URI relative to the root, the same on every
-    // host; checked before any file is read.
     let uri = a
         .artifact_uri
         .strip_prefix("file:")
@@ -236,6 +231,17 @@ pub(super) async fn register_adapter(
             "must be relative to the artifact root, as every worker resolves it under its own root",
         ));
     }
+    Ok(uri)
+}
+
+pub(super) async fn register_adapter(
+    State(s): State<AdminState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, AdminError> {
+    let actor = authorize(&s, &headers, Need::Write)?;
+    let a: NewAdapter = parse_body(&body)?;
+    let uri = check_new_adapter(&a)?;
     let roots = s.artifact_roots.clone().ok_or_else(|| {
         AdminError::new(
             AdminCode::NoArtifactRoot,

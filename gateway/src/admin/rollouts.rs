@@ -198,15 +198,9 @@ fn no_route(tenant: &str, model: &str) -> AdminError {
     AdminError::not_found("model", format!("route {tenant}/{model}"))
 }
 
-pub(super) async fn start_rollout(
-    State(s): State<AdminState>,
-    headers: HeaderMap,
-    Path((tenant, model)): Path<(String, String)>,
-    body: Bytes,
-) -> Result<Response, AdminError> {
-    let actor = authorize(&s, &headers, Need::Write)?;
-    let sent = if_match(&headers)?;
-    let spec: RolloutSpec = parse_body(&body)?;
+/// A rollout's steps, gates and hold time from its spec, defaults filled
+/// in, each refused by field.
+fn plan(spec: &RolloutSpec) -> Result<(Vec<u32>, Gates, u32), AdminError> {
     let steps = spec.steps.clone().unwrap_or_else(|| DEFAULT_STEPS.to_vec());
     gates::check_steps(&steps).map_err(|(f, m)| AdminError::field(f, m))?;
     let defaults = Gates::default();
@@ -230,6 +224,19 @@ pub(super) async fn start_rollout(
             format!("{hold} must be between 1 and {MAX_HOLD_SECS}"),
         ));
     }
+    Ok((steps, g, hold))
+}
+
+pub(super) async fn start_rollout(
+    State(s): State<AdminState>,
+    headers: HeaderMap,
+    Path((tenant, model)): Path<(String, String)>,
+    body: Bytes,
+) -> Result<Response, AdminError> {
+    let actor = authorize(&s, &headers, Need::Write)?;
+    let sent = if_match(&headers)?;
+    let spec: RolloutSpec = parse_body(&body)?;
+    let (steps, g, hold) = plan(&spec)?;
     let mut tx = s.pool.begin().await.map_err(db_error)?;
     let tenant_uuid = tenant_id(&mut *tx, &tenant, "tenant").await?;
     let (route_id, current) = load_route(&mut tx, &tenant, &model, true)

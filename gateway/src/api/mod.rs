@@ -271,6 +271,19 @@ struct Prepared {
     _permit: tokio::sync::OwnedSemaphorePermit,
 }
 
+/// The request body, within the size limit and the body deadline.
+async fn read_body(s: &AppState, body: Body) -> Result<Bytes, ApiError> {
+    match tokio::time::timeout(s.body_timeout, axum::body::to_bytes(body, s.max_body_bytes)).await {
+        Ok(Ok(bytes)) => Ok(bytes),
+        Ok(Err(_)) => Err(ApiError::BodyTooLarge {
+            limit: s.max_body_bytes,
+        }),
+        Err(_) => Err(ApiError::BodyTimeout {
+            after: s.body_timeout,
+        }),
+    }
+}
+
 async fn prepare(
     s: &AppState,
     headers: &HeaderMap,
@@ -308,22 +321,7 @@ async fn prepare(
         .ok_or(ApiError::TenantConcurrency {
             per_tenant: s.tenant_slots.per_tenant,
         })?;
-    let bytes: Bytes =
-        match tokio::time::timeout(s.body_timeout, axum::body::to_bytes(body, s.max_body_bytes))
-            .await
-        {
-            Ok(Ok(bytes)) => bytes,
-            Ok(Err(_)) => {
-                return Err(ApiError::BodyTooLarge {
-                    limit: s.max_body_bytes,
-                });
-            }
-            Err(_) => {
-                return Err(ApiError::BodyTimeout {
-                    after: s.body_timeout,
-                });
-            }
-        };
+    let bytes = read_body(s, body).await?;
     let permit = s
         .permits
         .clone()
