@@ -421,3 +421,59 @@ fn admission_by_residency_loads_each_adapter_about_once() {
         requests.len()
     );
 }
+
+/// The scheduler issue's case: 96 interleaved requests over 4 adapters
+/// with 2 device slots load at most 12 times (arrival order loads about
+/// once per request), all finish, and each output equals the request run
+/// alone.
+#[test]
+fn ninety_six_interleaved_requests_over_four_adapters_and_two_slots_load_at_most_twelve_times() {
+    let requests = round_robin(96, 4, |i| format!("request {i}: over the lazy dog"));
+    let engine = |slots: usize| {
+        let mut e = fixture_engine(
+            MODEL,
+            EngineSettings {
+                max_loras: slots,
+                max_cpu_loras: 4,
+                max_num_seqs: 8,
+                ..Default::default()
+            },
+        );
+        for id in 1..=4 {
+            e.prefetch(aid(id));
+        }
+        while e.pool().loads_in_flight() > 0 {
+            e.pool().poll_loads(Some(Duration::from_secs(5)));
+        }
+        e
+    };
+    let mut e = engine(2);
+    let mut done = e.run_to_completion(requests.clone()).unwrap();
+    let loads = e.stats().pool.device_loads;
+    assert_eq!(done.len(), 96, "every request finishes");
+    assert!(
+        loads <= 12,
+        "{loads} device loads for 96 requests on 2 slots"
+    );
+    done.sort_by(|a, b| a.request_id.cmp(&b.request_id));
+    // Alone: one request at a time, with a slot for each adapter.
+    let mut alone_engine = engine(4);
+    let mut alone: Vec<_> = requests
+        .iter()
+        .map(|r| {
+            alone_engine
+                .run_to_completion(vec![r.clone()])
+                .unwrap()
+                .remove(0)
+        })
+        .collect();
+    alone.sort_by(|a, b| a.request_id.cmp(&b.request_id));
+    for (batched, single) in done.iter().zip(&alone) {
+        assert!(batched.error.is_none(), "{:?}", batched.error);
+        assert_eq!(
+            batched.token_ids, single.token_ids,
+            "{}: batched with the others as alone",
+            batched.request_id
+        );
+    }
+}
