@@ -1,8 +1,10 @@
 //! The values the gateway and the worker both speak of, with one type
-//! each: the adapter id, where an adapter resides, and a refused flag. No
+//! each: the adapter id, where an adapter resides, a SHA-256 digest, and a
+//! refused flag. No
 //! I/O, no dependencies; each side converts them to its wire or its
 //! database at its own boundary.
 
+pub mod digest;
 pub mod flag;
 
 use std::fmt;

@@ -21,6 +21,8 @@ use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use uuid::Uuid;
 
+use crate::ids::{KeyId, TenantId};
+
 use crate::registry::Snapshot;
 
 pub const SCOPE_INFERENCE: &str = "inference";
@@ -29,8 +31,8 @@ pub const SCOPE_MODELS_READ: &str = "models:read";
 /// An authenticated caller.
 #[derive(Debug, Clone)]
 pub struct Principal {
-    pub tenant_id: Uuid,
-    pub api_key_id: Option<Uuid>,
+    pub tenant_id: TenantId,
+    pub api_key_id: Option<KeyId>,
     /// The API key's prefix (never its secret), for the audit row.
     pub api_key_prefix: Option<String>,
     /// The JWT subject, if the caller used a JWT.
@@ -397,9 +399,9 @@ mod tests {
 
     const SECRET: &[u8] = b"an hmac secret of at least 32 bytes!";
 
-    fn snapshot() -> (Snapshot, Uuid) {
+    fn snapshot() -> (Snapshot, TenantId) {
         let tenant = Tenant {
-            id: Uuid::from_u128(1),
+            id: TenantId(Uuid::from_u128(1)),
             name: "acme".into(),
             rpm_limit: None,
             tpm_limit: None,
@@ -409,7 +411,7 @@ mod tests {
         let mut s = Snapshot::default();
         s.insert_tenant(tenant.clone());
         let key = |id: u128, scopes: &[&str], expired: bool, revoked: bool| ApiKey {
-            id: Uuid::from_u128(id),
+            id: KeyId(Uuid::from_u128(id)),
             tenant_id: tenant.id,
             secret_sha256: Sha256::digest(b"s3cret").into(),
             scopes: scopes.iter().map(|s| (*s).to_owned()).collect(),

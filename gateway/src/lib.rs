@@ -14,6 +14,7 @@ pub mod db;
 pub mod flag_error;
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod ids;
 pub mod listener;
 pub mod ratelimit;
 pub mod registry;

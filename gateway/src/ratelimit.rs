@@ -20,7 +20,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use uuid::Uuid;
+use crate::ids::TenantId;
 
 /// How long a limit check may wait for Redis before the local fallback.
 const REDIS_TIMEOUT: Duration = Duration::from_millis(100);
@@ -33,7 +33,7 @@ pub struct Limited {
 }
 
 /// (tenant, kind, minute) -> count, for the fallback.
-type LocalWindows = HashMap<(Uuid, &'static str, u64), i64>;
+type LocalWindows = HashMap<(TenantId, &'static str, u64), i64>;
 
 #[derive(Debug, Clone)]
 pub struct RateLimiter {
@@ -48,7 +48,7 @@ pub struct RateLimiter {
 #[must_use = "a reservation is settled to the tokens used when the request ends"]
 pub struct Reservation {
     limiter: RateLimiter,
-    tenant: Uuid,
+    tenant: TenantId,
     minute: u64,
     reserved: u64,
 }
@@ -109,7 +109,7 @@ impl RateLimiter {
     /// reservation is None when the tenant has no tokens-per-minute limit.
     pub async fn admit(
         &self,
-        tenant: Uuid,
+        tenant: TenantId,
         rpm: Option<u32>,
         tpm: Option<u64>,
         tokens: u64,
@@ -164,7 +164,7 @@ impl RateLimiter {
     }
 
     /// Adds each `(kind, by)` to the tenant's minute, returning the counts.
-    async fn add(&self, tenant: Uuid, minute: u64, adds: &[(&'static str, i64)]) -> Counts {
+    async fn add(&self, tenant: TenantId, minute: u64, adds: &[(&'static str, i64)]) -> Counts {
         if let Some(redis) = &self.redis {
             let mut pipe = redis::pipe();
             pipe.atomic();
@@ -234,8 +234,9 @@ impl Counts {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use uuid::Uuid;
 
-    const TENANT: Uuid = Uuid::from_u128(7);
+    const TENANT: TenantId = TenantId(Uuid::from_u128(7));
 
     /// Waits out the last seconds of a minute, so a test's windows do not
     /// reset under it.

@@ -14,16 +14,18 @@ use std::sync::Arc;
 use arc_swap::ArcSwap;
 use std::time::{Duration, Instant};
 
+use lorafleet_domain::digest::Sha256Hex;
+
+use crate::ids::{KeyId, RouteId, TenantId};
 use chrono::{DateTime, Utc};
 use sqlx::PgPool;
-use uuid::Uuid;
 
 /// Canary weights are in basis points: 10000 is the whole route.
 pub const WEIGHT_TOTAL: u32 = 10_000;
 
 #[derive(Debug, Clone)]
 pub struct Tenant {
-    pub id: Uuid,
+    pub id: TenantId,
     pub name: String,
     pub rpm_limit: Option<u32>,
     pub tpm_limit: Option<u64>,
@@ -34,8 +36,8 @@ pub struct Tenant {
 
 #[derive(Debug, Clone)]
 pub struct ApiKey {
-    pub id: Uuid,
-    pub tenant_id: Uuid,
+    pub id: KeyId,
+    pub tenant_id: TenantId,
     pub secret_sha256: [u8; 32],
     pub scopes: Vec<String>,
     pub expires_at: Option<DateTime<Utc>>,
@@ -50,8 +52,8 @@ pub struct Adapter {
     pub version: u32,
     pub rank: u32,
     pub artifact_uri: String,
-    pub artifact_sha256: String,
-    pub base_hash: String,
+    pub artifact_sha256: Sha256Hex,
+    pub base_hash: Sha256Hex,
 }
 
 #[derive(Debug, Clone)]
@@ -65,12 +67,12 @@ pub enum Target {
 
 #[derive(Debug, Clone)]
 pub struct Route {
-    pub id: Uuid,
-    pub tenant_id: Uuid,
+    pub id: RouteId,
+    pub tenant_id: TenantId,
     pub model_name: String,
     pub revision: i32,
     pub base_model: String,
-    pub base_hash: String,
+    pub base_hash: Sha256Hex,
     pub target: Target,
     pub created_at: DateTime<Utc>,
 }
@@ -86,11 +88,11 @@ pub struct Resolved {
 /// A consistent cut of the registry.
 #[derive(Debug, Default)]
 pub struct Snapshot {
-    pub tenants: HashMap<Uuid, Tenant>,
+    pub tenants: HashMap<TenantId, Tenant>,
     pub api_keys: HashMap<String, ApiKey>,
-    tenant_names: HashMap<String, Uuid>,
+    tenant_names: HashMap<String, TenantId>,
     /// (tenant, model name) -> route.
-    routes: HashMap<(Uuid, String), Arc<Route>>,
+    routes: HashMap<(TenantId, String), Arc<Route>>,
 }
 
 impl Snapshot {
@@ -100,7 +102,7 @@ impl Snapshot {
         self.tenants.insert(t.id, t);
     }
 
-    pub fn tenant(&self, id: &Uuid) -> Option<&Tenant> {
+    pub fn tenant(&self, id: &TenantId) -> Option<&Tenant> {
         self.tenants.get(id)
     }
 
@@ -111,7 +113,7 @@ impl Snapshot {
     }
 
     /// The tenant's routes, by model name.
-    pub fn routes_of(&self, tenant: &Uuid) -> Vec<Arc<Route>> {
+    pub fn routes_of(&self, tenant: &TenantId) -> Vec<Arc<Route>> {
         let mut v: Vec<_> = self
             .routes
             .iter()
@@ -127,7 +129,7 @@ impl Snapshot {
     /// `user`, else its request id), so a user stays on one version and a
     /// retry lands where the first try did. None: no such route for this
     /// tenant, which callers must not tell apart from another tenant's.
-    pub fn resolve(&self, tenant: &Uuid, model: &str, stickiness: &str) -> Option<Resolved> {
+    pub fn resolve(&self, tenant: &TenantId, model: &str, stickiness: &str) -> Option<Resolved> {
         let route = self.routes.get(&(*tenant, model.to_owned()))?.clone();
         let adapter = match &route.target {
             Target::Base => None,
@@ -153,7 +155,7 @@ impl Snapshot {
     /// Tenants and their API keys.
     async fn load_principals(&mut self, tx: &mut sqlx::PgConnection) -> Result<(), sqlx::Error> {
         let s = self;
-        type TenantRow = (Uuid, String, Option<i32>, Option<i64>, bool, f64);
+        type TenantRow = (TenantId, String, Option<i32>, Option<i64>, bool, f64);
         let tenants: Vec<TenantRow> = sqlx::query_as(
             "SELECT id, name, rpm_limit, tpm_limit, disabled_at IS NOT NULL, weight FROM tenants",
         )
@@ -174,8 +176,8 @@ impl Snapshot {
             );
         }
         type KeyRow = (
-            Uuid,
-            Uuid,
+            KeyId,
+            TenantId,
             String,
             Vec<u8>,
             Vec<String>,
@@ -211,8 +213,8 @@ impl Snapshot {
     async fn load_routes(&mut self, tx: &mut sqlx::PgConnection) -> Result<(), sqlx::Error> {
         let s = self;
         type RouteRow = (
-            Uuid,
-            Uuid,
+            RouteId,
+            TenantId,
             String,
             i32,
             String,
@@ -229,7 +231,7 @@ impl Snapshot {
         )
         .fetch_all(&mut *tx)
         .await?;
-        type WeightRow = (Uuid, i32, i64, String, i32, i32, String, String, String);
+        type WeightRow = (RouteId, i32, i64, String, i32, i32, String, String, String);
         let weights: Vec<WeightRow> = sqlx::query_as(
             "SELECT w.route_id, w.weight_bp, a.lora_int_id, a.name, a.version, a.rank,
                     a.artifact_uri, a.artifact_sha256, b.base_hash
@@ -241,13 +243,23 @@ impl Snapshot {
         )
         .fetch_all(&mut *tx)
         .await?;
-        let mut by_route: HashMap<Uuid, Vec<(u32, Arc<Adapter>)>> = HashMap::new();
+        let mut by_route: HashMap<RouteId, Vec<(u32, Arc<Adapter>)>> = HashMap::new();
         for (route, weight, id, name, version, rank, uri, sha, base_hash) in weights {
             // The schema hands ids out from a sequence: never 0 or less.
             let Some(lora_int_id) = AdapterId::from_registry(id) else {
                 tracing::error!(
                     lora_int_id = id,
                     "an adapter id the registry cannot have; skipped"
+                );
+                continue;
+            };
+            // The schema keeps both as 64 hexadecimal digits.
+            let (Some(artifact_sha256), Some(base_hash)) =
+                (Sha256Hex::parse(&sha), Sha256Hex::parse(&base_hash))
+            else {
+                tracing::error!(
+                    lora_int_id = id,
+                    "a digest the registry cannot have; skipped"
                 );
                 continue;
             };
@@ -259,7 +271,7 @@ impl Snapshot {
                     version: version as u32,
                     rank: rank as u32,
                     artifact_uri: uri,
-                    artifact_sha256: sha,
+                    artifact_sha256,
                     base_hash,
                 }),
             ));
@@ -267,6 +279,10 @@ impl Snapshot {
         for (id, tenant_id, model_name, revision, base_model, base_hash, target, created_at) in
             routes
         {
+            let Some(base_hash) = Sha256Hex::parse(&base_hash) else {
+                tracing::error!(route = %id, "a base hash the registry cannot have; skipped");
+                continue;
+            };
             let target = if target == "base" {
                 Target::Base
             } else {
@@ -300,17 +316,17 @@ impl Snapshot {
 /// The canary bucket of `stickiness` on `route`, in [0, WEIGHT_TOTAL):
 /// SHA-256 of the route id and the key, so buckets are uniform whatever the
 /// keys look like, and the same in every gateway replica and release.
-pub fn bucket(route: &Uuid, stickiness: &str) -> u32 {
+pub fn bucket(route: &RouteId, stickiness: &str) -> u32 {
     use sha2::{Digest, Sha256};
     let digest = Sha256::new()
-        .chain_update(route.as_bytes())
+        .chain_update(route.0.as_bytes())
         .chain_update(stickiness.as_bytes())
         .finalize();
     let head = u64::from_le_bytes(digest[..8].try_into().expect("8 bytes"));
     (head % u64::from(WEIGHT_TOTAL)) as u32
 }
 
-fn pick(route: &Uuid, weights: &[(u32, Arc<Adapter>)], stickiness: &str) -> Arc<Adapter> {
+fn pick(route: &RouteId, weights: &[(u32, Arc<Adapter>)], stickiness: &str) -> Arc<Adapter> {
     let b = bucket(route, stickiness);
     let mut acc = 0;
     for (w, a) in weights {
@@ -471,6 +487,7 @@ pub async fn announce_change(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use uuid::Uuid;
 
     fn adapter(id: u64) -> Arc<Adapter> {
         Arc::new(Adapter {
@@ -479,14 +496,14 @@ mod tests {
             version: 1,
             rank: 8,
             artifact_uri: format!("a{id}"),
-            artifact_sha256: "0".repeat(64),
-            base_hash: "0".repeat(64),
+            artifact_sha256: Sha256Hex::parse(&"0".repeat(64)).unwrap(),
+            base_hash: Sha256Hex::parse(&"0".repeat(64)).unwrap(),
         })
     }
 
     #[test]
     fn a_canary_split_over_10000_requests_is_within_one_percent_and_sticky() {
-        let route = Uuid::from_u128(0x1234_5678_9abc_def0_1234_5678_9abc_def0);
+        let route = RouteId(Uuid::from_u128(0x1234_5678_9abc_def0_1234_5678_9abc_def0));
         for split in [
             [7_000u32, 3_000, 0],
             [9_000, 900, 100],
@@ -518,7 +535,7 @@ mod tests {
 
     #[test]
     fn moving_weight_moves_only_the_users_it_must() {
-        let route = Uuid::from_u128(42);
+        let route = RouteId(Uuid::from_u128(42));
         let before = vec![(9_000, adapter(1)), (1_000, adapter(2))];
         let after = vec![(8_000, adapter(1)), (2_000, adapter(2))];
         let mut moved_back = 0;

@@ -400,7 +400,11 @@ async fn admins_run_the_registry_and_compliance_reads_the_audit_log_through_lora
         let user = format!("user-{i}");
         let (status, body) = p.complete(i % 2, &key, "support", &user).await;
         assert_eq!(status, 200, "{body}");
-        let expected = if lorafleet_gateway::registry::bucket(&route_id, &user) < 9000 {
+        let expected = if lorafleet_gateway::registry::bucket(
+            &lorafleet_gateway::ids::RouteId(route_id),
+            &user,
+        ) < 9000
+        {
             a1
         } else {
             a2

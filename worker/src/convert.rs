@@ -4,6 +4,7 @@
 
 use std::time::{Duration, SystemTime};
 
+use lorafleet_domain::digest::Sha256Hex;
 use lorafleet_engine::AdapterId;
 use lorafleet_engine::artifact::ArtifactError;
 use lorafleet_engine::lora::AdapterError;
@@ -27,14 +28,10 @@ pub const MAX_REQUEST_ID: usize = 128;
 pub struct Descriptor {
     pub lora_int_id: AdapterId,
     pub artifact_uri: String,
-    pub artifact_sha256: String,
-    pub base_hash: String,
+    pub artifact_sha256: Sha256Hex,
+    pub base_hash: Sha256Hex,
     pub rank: usize,
     pub display_name: String,
-}
-
-fn is_sha256_hex(s: &str) -> bool {
-    s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
 /// A wire `lora_int_id`: refused by `field` unless positive.
@@ -51,18 +48,13 @@ pub fn descriptor(d: &pb::AdapterDescriptor, field: &str) -> Result<Descriptor, 
             "is required",
         ));
     }
-    if !is_sha256_hex(&d.artifact_sha256) {
-        return Err(Refusal::descriptor(
-            format!("{field}.artifact_sha256"),
-            "must be 64 hexadecimal digits",
-        ));
-    }
-    if !is_sha256_hex(&d.base_hash) {
-        return Err(Refusal::descriptor(
-            format!("{field}.base_hash"),
-            "must be 64 hexadecimal digits",
-        ));
-    }
+    let digest = |value: &str, name: &str| {
+        Sha256Hex::parse(value).ok_or_else(|| {
+            Refusal::descriptor(format!("{field}.{name}"), "must be 64 hexadecimal digits")
+        })
+    };
+    let artifact_sha256 = digest(&d.artifact_sha256, "artifact_sha256")?;
+    let base_hash = digest(&d.base_hash, "base_hash")?;
     if d.rank == 0 {
         return Err(Refusal::descriptor(
             format!("{field}.rank"),
@@ -72,8 +64,8 @@ pub fn descriptor(d: &pb::AdapterDescriptor, field: &str) -> Result<Descriptor, 
     Ok(Descriptor {
         lora_int_id,
         artifact_uri: d.artifact_uri.clone(),
-        artifact_sha256: d.artifact_sha256.to_ascii_lowercase(),
-        base_hash: d.base_hash.to_ascii_lowercase(),
+        artifact_sha256,
+        base_hash,
         rank: d.rank as usize,
         display_name: if d.display_name.is_empty() {
             format!("lora-{}", d.lora_int_id)

@@ -78,7 +78,7 @@ impl WorkerService {
     fn already_verified(&self, d: &Descriptor) -> Option<Result<AdapterId, Refusal>> {
         let verified = self.verified.lock().expect("verified map");
         let sha = verified.get(&d.lora_int_id)?;
-        Some(if *sha == d.artifact_sha256 {
+        Some(if sha.as_str() == d.artifact_sha256.as_str() {
             Ok(d.lora_int_id)
         } else {
             // Which digest it was loaded with is not the caller's to learn.
@@ -105,9 +105,9 @@ impl WorkerService {
     /// artifact on first use, and registers it with the engine.
     async fn ensure_adapter(&self, d: &Descriptor) -> Result<AdapterId, Refusal> {
         let base = &self.info.base_model.base_hash;
-        if &d.base_hash != base {
+        if d.base_hash.as_str() != base {
             return Err(Refusal::BaseHashMismatch {
-                asked: d.base_hash.clone(),
+                asked: d.base_hash.to_string(),
                 served: base.clone(),
             });
         }
@@ -182,9 +182,9 @@ impl WorkerService {
         let source = AdapterSource {
             name: d.display_name.clone(),
             dir: dir.clone(),
-            declared_base_hash: Some(d.base_hash.clone()),
+            declared_base_hash: Some(d.base_hash.to_string()),
             // Verified above: the bytes the pool reads hash to this.
-            digest: Some(d.artifact_sha256.clone()),
+            digest: Some(d.artifact_sha256.to_string()),
         };
         if let Err(e) = self
             .engine
@@ -197,7 +197,7 @@ impl WorkerService {
         self.verified
             .lock()
             .expect("verified map")
-            .insert(d.lora_int_id, d.artifact_sha256.clone());
+            .insert(d.lora_int_id, d.artifact_sha256.to_string());
         // Later callers find it verified; waiters still hold the gate.
         self.verifying
             .lock()

@@ -5,6 +5,7 @@
 //! on. While a rollout is in progress, manual weight changes are refused.
 
 use super::*;
+use crate::ids::{RolloutId, RouteId};
 use crate::rollout::gates::{self, Figures, Gates};
 use crate::rollout::{
     self, Action, CONTROLLER, Decision, INCONCLUSIVE_HOLDS, LEASE, State as RolloutState,
@@ -16,8 +17,8 @@ const MAX_HOLD_SECS: u32 = 7 * 24 * 3600;
 
 #[derive(Debug, Clone, sqlx::FromRow)]
 struct Rollout {
-    id: Uuid,
-    route_id: Uuid,
+    id: RolloutId,
+    route_id: RouteId,
     stable_lora_int_id: i64,
     candidate_lora_int_id: i64,
     steps_bp: Vec<i32>,
@@ -174,7 +175,7 @@ async fn view(
     .await
     .map_err(db_error)?;
     Ok(Some(RolloutView {
-        id: r.id,
+        id: r.id.get(),
         tenant: tenant.to_owned(),
         model: model.to_owned(),
         state: r.state.as_str().to_owned(),
@@ -265,8 +266,8 @@ pub(super) async fn start_rollout(
         ));
     }
     let mut r = Rollout {
-        id: Uuid::nil(),
-        route_id,
+        id: RolloutId(Uuid::nil()),
+        route_id: RouteId(route_id),
         stable_lora_int_id: stable,
         candidate_lora_int_id: spec.candidate_lora_int_id,
         steps_bp: steps.iter().map(|&s| s as i32).collect(),

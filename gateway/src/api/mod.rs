@@ -23,6 +23,8 @@ use serde_json::{Value, json};
 use tokio::sync::Semaphore;
 use uuid::Uuid;
 
+use crate::ids::TenantId;
+
 use crate::audit::{AuditLog, AuditRecord, Durable, Ticket, Unavailable};
 use crate::auth::{self, JwtConfig, Principal};
 use crate::ratelimit::RateLimiter;
@@ -77,7 +79,7 @@ pub struct AppState {
 #[derive(Debug, Clone)]
 pub struct TenantSlots {
     per_tenant: usize,
-    slots: Arc<std::sync::RwLock<std::collections::HashMap<Uuid, Arc<Semaphore>>>>,
+    slots: Arc<std::sync::RwLock<std::collections::HashMap<TenantId, Arc<Semaphore>>>>,
 }
 
 impl TenantSlots {
@@ -90,7 +92,7 @@ impl TenantSlots {
 
     /// A slot for `tenant`, or None when it has `per_tenant` requests in
     /// the gateway already.
-    fn try_acquire(&self, tenant: Uuid) -> Option<tokio::sync::OwnedSemaphorePermit> {
+    fn try_acquire(&self, tenant: TenantId) -> Option<tokio::sync::OwnedSemaphorePermit> {
         let existing = self
             .slots
             .read()

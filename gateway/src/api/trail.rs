@@ -91,7 +91,7 @@ impl Trail {
     pub(super) fn resolved(&mut self, r: &Resolved) {
         self.record.route_id = Some(r.route.id);
         self.record.route_revision = Some(r.route.revision);
-        self.record.base_hash = Some(r.route.base_hash.clone());
+        self.record.base_hash = Some(r.route.base_hash.to_string());
         match &r.adapter {
             Some(a) => {
                 self.record.lora_int_id = Some(a.lora_int_id.to_registry());

@@ -34,6 +34,8 @@ use sqlx::PgPool;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 use uuid::Uuid;
 
+use crate::ids::{KeyId, RouteId, TenantId};
+
 pub use spool::{Spool, SpoolError};
 /// Audit batches inserted at once (the writer's connections).
 pub use writer::IN_FLIGHT as INSERTS_IN_FLIGHT;
@@ -44,8 +46,8 @@ pub struct AuditRecord {
     pub request_id: Uuid,
     pub received_at: DateTime<Utc>,
     pub completed_at: DateTime<Utc>,
-    pub tenant_id: Option<Uuid>,
-    pub api_key_id: Option<Uuid>,
+    pub tenant_id: Option<TenantId>,
+    pub api_key_id: Option<KeyId>,
     /// The API key's prefix; None for a JWT.
     #[serde(default)]
     pub api_key_prefix: Option<String>,
@@ -55,7 +57,7 @@ pub struct AuditRecord {
     #[serde(default)]
     pub end_user: Option<String>,
     pub model_name: String,
-    pub route_id: Option<Uuid>,
+    pub route_id: Option<RouteId>,
     pub route_revision: Option<i32>,
     pub lora_int_id: Option<i64>,
     pub adapter_name: Option<String>,

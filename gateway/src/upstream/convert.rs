@@ -14,8 +14,8 @@ impl From<&Generation> for pb::GenerateRequest {
             adapter: g.adapter.as_ref().map(|a| pb::AdapterDescriptor {
                 lora_int_id: a.lora_int_id.get(),
                 artifact_uri: a.artifact_uri.clone(),
-                artifact_sha256: a.artifact_sha256.clone(),
-                base_hash: a.base_hash.clone(),
+                artifact_sha256: a.artifact_sha256.to_string(),
+                base_hash: a.base_hash.to_string(),
                 rank: a.rank,
                 display_name: a.display_name.clone(),
             }),

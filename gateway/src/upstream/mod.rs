@@ -15,6 +15,7 @@ mod convert;
 
 use std::collections::HashMap;
 
+use lorafleet_domain::digest::Sha256Hex;
 use lorafleet_proto::refusal::Reason;
 
 pub use client::{Events, Reports, Transport, WorkerClient};
@@ -25,8 +26,8 @@ pub use lorafleet_domain::{AdapterId, Residency};
 pub struct AdapterRef {
     pub lora_int_id: AdapterId,
     pub artifact_uri: String,
-    pub artifact_sha256: String,
-    pub base_hash: String,
+    pub artifact_sha256: Sha256Hex,
+    pub base_hash: Sha256Hex,
     pub rank: u32,
     /// `name@version`, for the worker's logs.
     pub display_name: String,
