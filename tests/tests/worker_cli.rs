@@ -216,3 +216,83 @@ fn generate_refuses_bad_engine_flags_by_name() {
         );
     }
 }
+
+/// `generate --stats` writes what the run did: 24 requests over 4 adapters
+/// on 2 slots load each adapter a few times at most, every token is
+/// counted, and the steps and waits are those of a real schedule.
+#[test]
+fn generate_writes_run_statistics() {
+    let dir = tempfile::tempdir().unwrap();
+    let (input, output) = (dir.path().join("in.jsonl"), dir.path().join("out.jsonl"));
+    let stats = dir.path().join("stats.json");
+    let adapters = ["qv-r8", "patterns", "layer1-mlp", "all-linear-rslora"];
+    let lines: Vec<Value> = (0..24)
+        .map(|i| {
+            json!({"prompt": format!("request {i} of the run"), "lora": adapters[i % 4],
+                   "max_tokens": 3, "temperature": 0})
+        })
+        .collect();
+    write_lines(&input, &lines);
+    let fixtures = engine_fixtures();
+    let mut args: Vec<String> = [
+        "generate",
+        "--model",
+        fixtures.join("llama-gqa").to_str().unwrap(),
+        "--input",
+        input.to_str().unwrap(),
+        "--output",
+        output.to_str().unwrap(),
+        "--stats",
+        stats.to_str().unwrap(),
+        "--max-loras",
+        "2",
+        "--max-cpu-loras",
+        "4",
+        "--max-num-seqs",
+        "4",
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .collect();
+    for a in adapters {
+        args.push("--lora".into());
+        args.push(format!(
+            "{a}={}",
+            fixtures.join("adapters/llama-gqa").join(a).display()
+        ));
+    }
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    stdout(&run("lorafleet-worker", &refs, &[]));
+    let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    let results: Vec<Value> = std::fs::read_to_string(&output)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let generated: usize = results
+        .iter()
+        .map(|r| r["token_ids"].as_array().unwrap().len())
+        .sum();
+    let prompt: usize = results
+        .iter()
+        .map(|r| r["prompt_token_ids"].as_array().unwrap().len())
+        .sum();
+    assert_eq!(s["generated_tokens"], generated, "{s}");
+    assert_eq!(s["prompt_tokens"], prompt, "{s}");
+    assert_eq!(generated, 24 * 3);
+    let (device, host) = (
+        s["device_loads"].as_u64().unwrap(),
+        s["host_loads"].as_u64().unwrap(),
+    );
+    assert!((4..=12).contains(&device), "{s}");
+    assert!(host >= 4, "each adapter read once at least: {s}");
+    // At most 4 sequences a step: at least 24 × 3 / 4 decode steps.
+    let steps = s["steps"].as_u64().unwrap();
+    assert!(steps >= 18, "{s}");
+    let mean = s["mean_distinct_adapters_per_step"].as_f64().unwrap();
+    assert!((1.0..=2.0).contains(&mean), "2 slots: {s}");
+    // 4 at a time: later requests waited for earlier ones' steps.
+    let waited = s["max_wait_steps"].as_u64().unwrap();
+    assert!(waited > 0 && waited < steps, "{s}");
+    assert!(s["wall_secs"].as_f64().unwrap() > 0.0);
+}

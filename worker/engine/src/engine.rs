@@ -40,6 +40,7 @@ pub struct EngineStats {
     pub fair_shares: Vec<FairShare>,
     /// How decode steps ran through CUDA graphs (None on the CPU backend).
     pub graphs: Option<crate::backend::GraphCounters>,
+    pub run: RunCounters,
 }
 
 /// One fairness key's place in the engine.
@@ -49,6 +50,29 @@ pub struct FairShare {
     pub waiting: usize,
     /// Tokens fed (prefill and decode), divided by the key's weight.
     pub served: f64,
+}
+
+/// What a run of the engine has done, for run statistics: steps that ran a
+/// batch, the distinct adapters over them, and the longest a request
+/// waited, in steps that ran without it, before it was first scheduled.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RunCounters {
+    pub steps: u64,
+    /// The sum over steps of the distinct adapters (the base counts as
+    /// one) in each.
+    pub distinct_adapters: u64,
+    pub max_wait_steps: u64,
+}
+
+impl RunCounters {
+    /// The mean distinct adapters per step that ran a batch.
+    pub fn mean_distinct_adapters(&self) -> f64 {
+        if self.steps == 0 {
+            0.0
+        } else {
+            self.distinct_adapters as f64 / self.steps as f64
+        }
+    }
 }
 
 /// What one step did, for metrics.
@@ -76,6 +100,7 @@ pub struct Engine {
     next_seq: SeqId,
     seed_source: crate::sampling::Rng,
     last_step: StepStats,
+    run: RunCounters,
     fair: crate::scheduler::FairShares,
 }
 
@@ -191,6 +216,7 @@ impl Engine {
             next_seq: 0,
             seed_source: crate::sampling::Rng::new(seed),
             last_step: StepStats::default(),
+            run: RunCounters::default(),
             fair: crate::scheduler::FairShares::default(),
         })
     }
@@ -391,6 +417,9 @@ impl Engine {
                 weights_seed,
             ),
         );
+        if let Some(seq) = self.seqs.get_mut(&id) {
+            seq.arrived_step = self.run.steps;
+        }
         let key: std::sync::Arc<str> = std::sync::Arc::from(fairness.key);
         // The other live requests' keys (this one is in `seqs` already).
         let others: Vec<std::sync::Arc<str>> = self
@@ -452,6 +481,7 @@ impl Engine {
             residency_generation: self.pool.generation(),
             fair_shares: self.fair_shares(),
             graphs: self.backend.graph_counters(),
+            run: self.run,
         }
     }
 
@@ -513,6 +543,16 @@ impl Engine {
             return Ok(events);
         }
 
+        // How long each newly scheduled request waited, in steps that ran
+        // without it.
+        for &(id, _) in &plan.scheduled {
+            let seq = self.seqs.get_mut(&id).expect("a scheduled sequence");
+            if seq.waited_steps.is_none() {
+                let waited = self.run.steps - seq.arrived_step;
+                seq.waited_steps = Some(waited);
+                self.run.max_wait_steps = self.run.max_wait_steps.max(waited);
+            }
+        }
         // Order by slot (base first) so each adapter's tokens are one segment.
         let mut order: Vec<(Option<usize>, SeqId, usize)> = plan
             .scheduled
@@ -548,6 +588,8 @@ impl Engine {
             distinct_adapters: batch.distinct_adapters(),
             preempted: plan.preempted.len(),
         };
+        self.run.steps += 1;
+        self.run.distinct_adapters += batch.distinct_adapters() as u64;
         // Each row that wants a token, with a copy of its request's
         // generator: the draws are written back only once the step stands.
         let mut draws: Vec<(&SamplingParams, Rng, u32)> = order

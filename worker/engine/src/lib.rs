@@ -23,7 +23,7 @@ mod stop;
 
 pub use engine::{
     Accepted, BackendChoice, Completion, Engine, EngineSettings, EngineStats, Event, FairShare,
-    Fairness, Prompt, Request, StepStats,
+    Fairness, Prompt, Request, RunCounters, StepStats,
 };
 pub use error::{EngineError, Result};
 pub use pool::{AdapterId, AdapterSource, Residency};

@@ -61,6 +61,10 @@ pub(crate) struct Sequence {
     pub first_scheduled: Option<Instant>,
     pub first_token: Option<Instant>,
     pub preemptions: u32,
+    /// The engine's step count when the request arrived, and how many
+    /// steps ran before it was first scheduled.
+    pub arrived_step: u64,
+    pub waited_steps: Option<u64>,
     /// Steps this request waited while others were admitted past it.
     pub skipped: u32,
     /// The identity of the weights this sequence's KV comes from, which
@@ -119,6 +123,8 @@ impl Sequence {
             first_scheduled: None,
             first_token: None,
             preemptions: 0,
+            arrived_step: 0,
+            waited_steps: None,
             skipped: 0,
             weights_seed,
             block_hashes: Vec::new(),

@@ -23,6 +23,10 @@ pub struct GenerateArgs {
     /// Where to write the results, one JSON object per line, in input order.
     #[arg(long)]
     output: PathBuf,
+    /// Where to write the run's statistics as JSON: adapter loads, steps,
+    /// tokens, time, distinct adapters per step, the longest wait.
+    #[arg(long)]
+    stats: Option<PathBuf>,
     #[command(flatten)]
     engine: lorafleet_worker::server::EngineFlags,
 }
@@ -60,6 +64,20 @@ struct OutputLine<'a> {
     token_ids: &'a [u32],
     text: &'a str,
     finish_reason: &'static str,
+}
+
+/// What `--stats` writes.
+#[derive(Debug, serde::Serialize)]
+struct RunStats {
+    device_loads: u64,
+    host_loads: u64,
+    steps: u64,
+    prompt_tokens: usize,
+    generated_tokens: usize,
+    wall_secs: f64,
+    mean_distinct_adapters_per_step: f64,
+    /// The most steps that ran while a request waited for its first one.
+    max_wait_steps: u64,
 }
 
 /// Parses the `--lora NAME=DIR` flags.
@@ -166,8 +184,24 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             );
         }
     })?;
+    let wall_secs = started.elapsed().as_secs_f64();
     if show {
         eprintln!();
+    }
+    if let Some(path) = &args.stats {
+        let stats = engine.stats();
+        let run = RunStats {
+            device_loads: stats.pool.device_loads,
+            host_loads: stats.pool.host_loads,
+            steps: stats.run.steps,
+            prompt_tokens: results.iter().map(|c| c.prompt_ids.len()).sum(),
+            generated_tokens: results.iter().map(|c| c.token_ids.len()).sum(),
+            wall_secs,
+            mean_distinct_adapters_per_step: stats.run.mean_distinct_adapters(),
+            max_wait_steps: stats.run.max_wait_steps,
+        };
+        let text = serde_json::to_string_pretty(&run)?;
+        std::fs::write(path, text + "\n").with_context(|| format!("--stats {}", path.display()))?;
     }
     let out = std::fs::File::create(&args.output)
         .with_context(|| format!("--output {}", args.output.display()))?;
