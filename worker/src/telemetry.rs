@@ -190,6 +190,10 @@ pub fn record_stats(stats: &EngineStats) {
     counter!("lorafleet_adapter_evictions_total", "tier" => "host").absolute(p.host_evictions);
     counter!("lorafleet_adapter_evictions_total", "tier" => "device").absolute(p.device_evictions);
     counter!("lorafleet_adapter_load_failures_total").absolute(p.load_failures);
+    // Copies into free slots started for waiting requests, and the
+    // admissions that found their adapter there.
+    counter!("lorafleet_adapter_prefetches_total", "outcome" => "started").absolute(p.prefetches);
+    counter!("lorafleet_adapter_prefetches_total", "outcome" => "hit").absolute(p.prefetch_hits);
 }
 
 /// A Generate call's outcome: "ok", or the gRPC code's name.

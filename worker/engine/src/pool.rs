@@ -35,7 +35,6 @@ pub struct AdapterSource {
     pub digest: Option<String>,
 }
 
-/// Cumulative pool counters.
 /// Why an adapter cannot be registered. No paths in the messages: they
 /// may reach a client.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -46,6 +45,7 @@ pub enum RegisterError {
     Unreadable { name: String },
 }
 
+/// Cumulative pool counters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PoolCounters {
     /// Requests whose adapter was in a device slot when they arrived.
@@ -61,6 +61,11 @@ pub struct PoolCounters {
     pub device_evictions: u64,
     pub host_evictions: u64,
     pub load_failures: u64,
+    /// Copies into a free slot started for a waiting request before its
+    /// admission (part of `device_loads`).
+    pub prefetches: u64,
+    /// Admissions that found their adapter where a prefetch put it.
+    pub prefetch_hits: u64,
 }
 
 /// Keeps an adapter resident while held. Dropping it releases the hold.
@@ -109,6 +114,8 @@ struct Entry {
     loading: bool,
     /// Set by `unload` while leases remain; the adapter leaves when they end.
     unload_pending: bool,
+    /// In its slot by a prefetch no admission has used yet.
+    prefetched: bool,
     /// The number of the latest load asked for. A result carrying another
     /// number is stale (an unload or a fresher parse came since) and is
     /// dropped, so an unload is never undone by a load finishing after it.
@@ -316,6 +323,7 @@ impl AdapterPool {
                         last_used: now,
                         loading: false,
                         unload_pending: false,
+                        prefetched: false,
                         load_seq: 0,
                     },
                 );
@@ -537,10 +545,12 @@ impl AdapterPool {
                 let Some((slot, holder)) = victim else {
                     return Ok(None);
                 };
-                self.entries
+                let evicted = self
+                    .entries
                     .get_mut(&holder)
-                    .expect("slot holder is registered")
-                    .slot = None;
+                    .expect("slot holder is registered");
+                evicted.slot = None;
+                evicted.prefetched = false;
                 self.slots[slot] = None;
                 self.counters.device_evictions += 1;
                 slot
@@ -571,10 +581,38 @@ impl AdapterPool {
             .expect("lease on a registered adapter");
         e.last_used = now;
         e.leases.fetch_add(1, Ordering::AcqRel);
+        if std::mem::take(&mut e.prefetched) {
+            self.counters.prefetch_hits += 1;
+        }
         Lease {
             count: e.leases.clone(),
             id,
         }
+    }
+
+    /// Device slots that hold no adapter.
+    pub fn free_slots(&self) -> usize {
+        self.slots.iter().filter(|s| s.is_none()).count()
+    }
+
+    /// Starts copying an adapter a waiting request needs into a free slot,
+    /// so the copy runs before its admission; never evicts. True when a
+    /// copy started.
+    pub fn prefetch_device(&mut self, id: AdapterId, backend: &mut dyn Backend) -> Result<bool> {
+        let ready = self
+            .entries
+            .get(&id)
+            .is_some_and(|e| e.slot.is_none() && e.host.is_some() && !e.unload_pending);
+        if !ready || self.free_slots() == 0 {
+            return Ok(false);
+        }
+        let every_slot: Vec<usize> = (0..self.slots.len()).collect();
+        if self.ensure_device(id, &every_slot, backend)?.is_none() {
+            return Ok(false);
+        }
+        self.entries.get_mut(&id).expect("checked above").prefetched = true;
+        self.counters.prefetches += 1;
+        Ok(true)
     }
 
     /// Marks an adapter used by the current step.

@@ -30,6 +30,10 @@
 //!    steps plus the time for a slot to free, whatever the residency order
 //!    prefers. Waiting for the disk is not counted; neither is being
 //!    behind another key under fair shares, which has its own bound.
+//! 5. Prefetch: after admission, free device slots take the adapters the
+//!    waiting requests need, in queue order, so their copies overlap this
+//!    step and the requests are resident when admitted. Only free slots are
+//!    used: a guess never evicts a resident adapter.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -294,7 +298,24 @@ impl Scheduler<'_> {
             }
         }
         self.count_overtakes(&position, &admissions, &passed_over);
+        self.prefetch()?;
         Ok(plan)
+    }
+
+    /// Free device slots take the adapters the waiting requests need, in
+    /// queue order, so their copies run while this step computes and the
+    /// requests find them resident when admitted (SGLang's overlap
+    /// loading). Only free slots: nothing resident is evicted for a guess.
+    fn prefetch(&mut self) -> Result<()> {
+        for &id in &self.queues.waiting {
+            if self.pool.free_slots() == 0 {
+                break;
+            }
+            if let Some(a) = self.seqs[&id].adapter {
+                self.pool.prefetch_device(a, self.backend)?;
+            }
+        }
+        Ok(())
     }
 
     /// The candidate to try next: among the least-served keys' requests

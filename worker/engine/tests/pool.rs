@@ -141,6 +141,8 @@ fn a_thrashing_trace_is_counted_right() {
             device_evictions: 4,
             host_evictions: 2,
             load_failures: 0,
+            prefetches: 0,
+            prefetch_hits: 0,
         }
     );
     assert_eq!(device_set(&pool), vec![1, 2]);
@@ -476,4 +478,57 @@ fn ninety_six_interleaved_requests_over_four_adapters_and_two_slots_load_at_most
             batched.request_id
         );
     }
+}
+
+/// Prefetch: with free slots and requests that wait for their turn (one
+/// sequence a step), the adapters the waiting requests need are copied into
+/// the free slots while the first one runs, and each later admission finds
+/// its adapter there. The loads are the same (one per adapter), and so are
+/// the tokens.
+#[test]
+fn free_slots_take_the_waiting_requests_adapters_before_their_admission() {
+    let requests = round_robin(4, 4, |i| format!("request {i}: a prefetch"));
+    let run = |settings: EngineSettings| {
+        let mut e = fixture_engine(MODEL, settings);
+        for id in 1..=4 {
+            e.prefetch(aid(id));
+        }
+        while e.pool().loads_in_flight() > 0 {
+            e.pool().poll_loads(Some(Duration::from_secs(5)));
+        }
+        let mut done = e.run_to_completion(requests.clone()).unwrap();
+        done.sort_by(|a, b| a.request_id.cmp(&b.request_id));
+        let tokens: Vec<Vec<u32>> = done.into_iter().map(|c| c.token_ids).collect();
+        (tokens, e.stats().pool)
+    };
+    let (one_at_a_time, pool) = run(EngineSettings {
+        max_loras: 4,
+        max_cpu_loras: 4,
+        max_num_seqs: 1,
+        ..Default::default()
+    });
+    assert_eq!(pool.device_loads, 4, "{pool:?}");
+    assert_eq!(
+        pool.prefetches, 3,
+        "the three waiting requests' adapters: {pool:?}"
+    );
+    assert_eq!(
+        pool.prefetch_hits, 3,
+        "each used by its admission: {pool:?}"
+    );
+    let (together, _) = run(EngineSettings {
+        max_loras: 4,
+        max_cpu_loras: 4,
+        max_num_seqs: 4,
+        ..Default::default()
+    });
+    assert_eq!(one_at_a_time, together, "prefetch changes no token");
+    // No free slot, no prefetch: a guess never evicts.
+    let (_, full) = run(EngineSettings {
+        max_loras: 1,
+        max_cpu_loras: 4,
+        max_num_seqs: 1,
+        ..Default::default()
+    });
+    assert_eq!((full.prefetches, full.device_loads), (0, 4), "{full:?}");
 }
