@@ -33,7 +33,8 @@
 //! 5. Prefetch: after admission, free device slots take the adapters the
 //!    waiting requests need, in queue order, so their copies overlap this
 //!    step and the requests are resident when admitted. Only free slots are
-//!    used: a guess never evicts a resident adapter.
+//!    used: a guess never evicts a resident adapter; at most
+//!    [`PREFETCH_PER_STEP`] copies start per step.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -46,6 +47,9 @@ use crate::sequence::Sequence;
 /// Steps the oldest waiting request may be passed over before the queue
 /// behind it stops taking new slots.
 pub const STARVATION_STEPS: u32 = 16;
+
+/// The most slot copies one step starts ahead of admission.
+pub const PREFETCH_PER_STEP: usize = 2;
 
 /// Internal sequence handle.
 pub(crate) type SeqId = u64;
@@ -306,13 +310,21 @@ impl Scheduler<'_> {
     /// queue order, so their copies run while this step computes and the
     /// requests find them resident when admitted (SGLang's overlap
     /// loading). Only free slots: nothing resident is evicted for a guess.
+    ///
+    /// At most [`PREFETCH_PER_STEP`] copies start per step: the CUDA
+    /// backend stages slot copies through two page-locked buffers, and a
+    /// third write in one step would wait on the engine thread for the
+    /// first copy to end.
     fn prefetch(&mut self) -> Result<()> {
+        let mut started = 0;
         for &id in &self.queues.waiting {
-            if self.pool.free_slots() == 0 {
+            if started == PREFETCH_PER_STEP || self.pool.free_slots() == 0 {
                 break;
             }
-            if let Some(a) = self.seqs[&id].adapter {
-                self.pool.prefetch_device(a, self.backend)?;
+            if let Some(a) = self.seqs[&id].adapter
+                && self.pool.prefetch_device(a, self.backend)?
+            {
+                started += 1;
             }
         }
         Ok(())
