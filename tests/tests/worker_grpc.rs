@@ -815,3 +815,36 @@ async fn a_changed_artifact_is_never_served_and_is_refused_after_an_unload() {
         "{m:?}"
     );
 }
+
+/// A killed worker cannot remove its default adapter cache, but its lock
+/// ends with it: the next worker to start removes the directory, and leaves
+/// a running worker's alone.
+#[test]
+fn a_killed_workers_cache_is_removed_by_the_next_start() {
+    let cache_of = |w: &lorafleet_tests::Server, id: &str| {
+        std::env::temp_dir().join(format!("lorafleet-adapter-cache-{id}-{}", w.child.id()))
+    };
+    let mut killed = lorafleet_tests::fixture_worker("cache-killed", &[]);
+    let killed_cache = cache_of(&killed, "cache-killed");
+    assert!(
+        killed_cache.join(".lock").exists(),
+        "{}",
+        killed_cache.display()
+    );
+    killed.child.kill().unwrap();
+    killed.child.wait().unwrap();
+    assert!(
+        killed_cache.exists(),
+        "a killed worker leaves its cache behind"
+    );
+    let running = lorafleet_tests::fixture_worker("cache-running", &[]);
+    let running_cache = cache_of(&running, "cache-running");
+    let next = lorafleet_tests::fixture_worker("cache-next", &[]);
+    assert!(
+        !killed_cache.exists(),
+        "the next start removes {}",
+        killed_cache.display()
+    );
+    assert!(running_cache.exists(), "a running worker's cache stays");
+    drop((running, next));
+}

@@ -4,6 +4,7 @@
 //! `grpc.health.v1` served ([`start`]), and its drain ([`Running::drain`]).
 //! The binary only parses flags, waits for a signal and calls these.
 
+mod cache;
 mod flags;
 
 pub use flags::{EngineFlags, ServeArgs, TlsFlags};
@@ -139,28 +140,40 @@ pub struct Running {
     in_flight: Arc<AtomicUsize>,
     reporter: HealthReporter,
     handle: EngineHandle,
-    /// The adapter cache to remove after the drain (the default one).
-    remove_cache: Option<PathBuf>,
+    /// The default adapter cache, removed after the drain, with its lock
+    /// (held until then).
+    remove_cache: Option<(PathBuf, std::fs::File)>,
     probes: JoinHandle<()>,
 }
 
-/// The default adapter cache: named after the worker id and this process,
-/// since tests run several workers with one id at once.
-fn default_cache(worker_id: &str) -> PathBuf {
-    let name: String = worker_id
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '-' {
-                c
-            } else {
-                '_'
-            }
-        })
-        .collect();
-    std::env::temp_dir().join(format!(
-        "lorafleet-adapter-cache-{name}-{}",
-        std::process::id()
-    ))
+/// The adapter cache, emptied: every copy in it is one this process
+/// verified. `--adapter-cache` as given; by default a locked directory of
+/// this process under the temporary directory, after the caches of
+/// workers that are gone were removed.
+fn adapter_cache(config: &WorkerConfig) -> Result<(PathBuf, Option<std::fs::File>), ServerError> {
+    let error = |what, path: &PathBuf, source| ServerError::Cache {
+        what,
+        path: path.clone(),
+        source,
+    };
+    if let Some(dir) = &config.adapter_cache {
+        if dir.exists() {
+            std::fs::remove_dir_all(dir).map_err(|e| error("emptying", dir, e))?;
+        }
+        std::fs::create_dir_all(dir).map_err(|e| error("creating", dir, e))?;
+        return Ok((dir.clone(), None));
+    }
+    let root = std::env::temp_dir();
+    let removed = cache::sweep(&root);
+    if !removed.is_empty() {
+        tracing::info!(
+            count = removed.len(),
+            "removed the adapter caches of workers that are gone"
+        );
+    }
+    let dir = cache::default_dir(&root, &config.worker_id);
+    let lock = cache::create_locked(&dir).map_err(|e| error("creating", &dir, e))?;
+    Ok((dir, Some(lock)))
 }
 
 fn local_addr(flag: &'static str, l: &TcpListener) -> Result<SocketAddr, ServerError> {
@@ -191,20 +204,7 @@ pub async fn start(config: WorkerConfig, listeners: Listeners) -> Result<Running
             None
         }
     };
-    let cache = config
-        .adapter_cache
-        .clone()
-        .unwrap_or_else(|| default_cache(&config.worker_id));
-    let cache_error = |what, source| ServerError::Cache {
-        what,
-        path: cache.clone(),
-        source,
-    };
-    // Every copy in it was verified by this process, none by an earlier one.
-    if cache.exists() {
-        std::fs::remove_dir_all(&cache).map_err(|e| cache_error("emptying", e))?;
-    }
-    std::fs::create_dir_all(&cache).map_err(|e| cache_error("creating", e))?;
+    let (cache, cache_lock) = adapter_cache(&config)?;
     let metrics = local_addr("--metrics-listen", &listeners.metrics)?;
     crate::telemetry::install(listeners.metrics).map_err(ServerError::Metrics)?;
     let engine = load(&config).await?;
@@ -289,7 +289,7 @@ pub async fn start(config: WorkerConfig, listeners: Listeners) -> Result<Running
         in_flight,
         reporter,
         handle,
-        remove_cache: config.adapter_cache.is_none().then_some(cache),
+        remove_cache: cache_lock.map(|lock| (cache, lock)),
         probes,
     })
 }
@@ -373,8 +373,9 @@ impl Running {
         }
         self.probes.abort();
         self.handle.shutdown();
-        if let Some(cache) = self.remove_cache {
+        if let Some((cache, lock)) = self.remove_cache {
             let _ = std::fs::remove_dir_all(cache);
+            drop(lock);
         }
         tracing::info!("stopped");
     }
