@@ -96,10 +96,22 @@ impl WorkerFailure {
     pub fn from_upstream(e: &UpstreamError) -> WorkerFailure {
         let reason = e.reason_code().to_owned();
         match &e.kind {
-            UpstreamErrorKind::InvalidRequest { field } => WorkerFailure::InvalidRequest {
-                field: field.clone(),
-                message: e.message.clone(),
-            },
+            UpstreamErrorKind::InvalidRequest { field } => {
+                // The worker names its own wire fields; the client hears
+                // of the fields it sent.
+                let client = field.as_deref().and_then(client_field);
+                let message = match (field, &client) {
+                    (Some(f), Some(c)) => match e.message.strip_prefix(f.as_str()) {
+                        Some(rest) => format!("{c}{rest}"),
+                        None => e.message.clone(),
+                    },
+                    _ => e.message.clone(),
+                };
+                WorkerFailure::InvalidRequest {
+                    field: client,
+                    message,
+                }
+            }
             UpstreamErrorKind::AdapterUnavailable => {
                 tracing::warn!(reason, error = %e.detail, "the worker could not use the adapter");
                 WorkerFailure::AdapterUnavailable { reason }
@@ -112,6 +124,23 @@ impl WorkerFailure {
             }
         }
     }
+}
+
+/// The request field a client sent that a worker's field stands for:
+/// `sampling.max_tokens` is `max_tokens`, `prompt.token_ids` is `prompt`,
+/// `prompt.chat.messages[2].content` is `messages[2].content`. None for a
+/// field of the worker's own request that no client field stands for.
+pub fn client_field(worker_field: &str) -> Option<String> {
+    if let Some(rest) = worker_field.strip_prefix("prompt.chat.") {
+        return Some(rest.to_owned());
+    }
+    if worker_field == "prompt" || worker_field.starts_with("prompt.") {
+        return Some("prompt".to_owned());
+    }
+    worker_field
+        .strip_prefix("sampling.")
+        .filter(|rest| !rest.is_empty())
+        .map(str::to_owned)
 }
 
 /// How a client sees an [`ApiError`].
@@ -432,6 +461,38 @@ mod tests {
                 .param
                 .as_deref(),
             Some("model")
+        );
+    }
+
+    #[test]
+    fn a_workers_field_reaches_the_client_as_the_field_it_sent() {
+        for (worker, client) in [
+            ("sampling.max_tokens", Some("max_tokens")),
+            ("sampling.stop[0]", Some("stop[0]")),
+            ("prompt", Some("prompt")),
+            ("prompt.token_ids.ids", Some("prompt")),
+            ("prompt.text", Some("prompt")),
+            ("prompt.chat.messages[2].role", Some("messages[2].role")),
+            ("request_id", None),
+            ("fairness_key", None),
+            ("sampling", None),
+        ] {
+            assert_eq!(client_field(worker).as_deref(), client, "{worker}");
+        }
+        let upstream = UpstreamError {
+            kind: UpstreamErrorKind::InvalidRequest {
+                field: Some("sampling.max_tokens".into()),
+            },
+            reason: None,
+            message: "sampling.max_tokens: 99 exceeds the context".into(),
+            detail: String::new(),
+        };
+        assert_eq!(
+            WorkerFailure::from_upstream(&upstream),
+            WorkerFailure::InvalidRequest {
+                field: Some("max_tokens".into()),
+                message: "max_tokens: 99 exceeds the context".into(),
+            }
         );
     }
 }
