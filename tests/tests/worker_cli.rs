@@ -296,3 +296,37 @@ fn generate_writes_run_statistics() {
     assert!(waited > 0 && waited < steps, "{s}");
     assert!(s["wall_secs"].as_f64().unwrap() > 0.0);
 }
+
+/// A `--stats` path that cannot be written is refused by name before any
+/// work: before the model is even read (the model path here does not
+/// exist either, and the refusal names `--stats`), and no output is written.
+#[test]
+fn generate_refuses_a_stats_path_it_cannot_write_before_any_work() {
+    let dir = tempfile::tempdir().unwrap();
+    let (input, output) = (dir.path().join("in.jsonl"), dir.path().join("out.jsonl"));
+    write_lines(&input, &[json!({"prompt": "hi", "max_tokens": 2})]);
+    let stats = dir.path().join("no-such-dir/stats.json");
+    let model = dir.path().join("no-such-model");
+    let out = run(
+        "lorafleet-worker",
+        &[
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--input",
+            input.to_str().unwrap(),
+            "--output",
+            output.to_str().unwrap(),
+            "--stats",
+            stats.to_str().unwrap(),
+        ],
+        &[],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains(&format!("--stats {}", stats.display())),
+        "{stderr}"
+    );
+    assert!(!output.exists(), "no work was done");
+}

@@ -103,6 +103,14 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let choice = args.engine.backend()?;
     let input = std::fs::File::open(&args.input)
         .with_context(|| format!("--input {}", args.input.display()))?;
+    // Opened now, so a path that cannot be written fails before any work.
+    let stats_file = args
+        .stats
+        .as_ref()
+        .map(|path| {
+            std::fs::File::create(path).with_context(|| format!("--stats {}", path.display()))
+        })
+        .transpose()?;
     let mut engine = Engine::load(&args.model, settings, choice)
         .with_context(|| format!("--model {}", args.model.display()))?;
     let ids: BTreeMap<&str, lorafleet_engine::AdapterId> = loras
@@ -188,7 +196,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     if show {
         eprintln!();
     }
-    if let Some(path) = &args.stats {
+    if let (Some(mut file), Some(path)) = (stats_file, &args.stats) {
         let stats = engine.stats();
         let run = RunStats {
             device_loads: stats.pool.device_loads,
@@ -201,7 +209,8 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             max_wait_steps: stats.run.max_wait_steps,
         };
         let text = serde_json::to_string_pretty(&run)?;
-        std::fs::write(path, text + "\n").with_context(|| format!("--stats {}", path.display()))?;
+        file.write_all((text + "\n").as_bytes())
+            .with_context(|| format!("--stats {}", path.display()))?;
     }
     let out = std::fs::File::create(&args.output)
         .with_context(|| format!("--output {}", args.output.display()))?;
