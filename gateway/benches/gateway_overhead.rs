@@ -64,6 +64,7 @@ impl pb::worker_server::Worker for StandIn {
             pb::generate_event::Event::Delta(pb::TokenDelta {
                 token_ids: vec![7],
                 text: "x".into(),
+                logprobs: vec![],
             }),
             pb::generate_event::Event::Finished(pb::Finished {
                 finish_reason: pb::FinishReason::Length as i32,

@@ -171,6 +171,21 @@ fn sampling() -> SamplingParams {
         stop: vec!["\n\n".into(), "</s>".into()],
         stop_token_ids: vec![2, 7],
         ignore_eos: true,
+        logprobs: Some(5),
+        prompt_logprobs: Some(0),
+    }
+}
+
+fn token_logprob(logprob: Option<f32>) -> TokenLogprob {
+    TokenLogprob {
+        token_id: 450,
+        logprob,
+        token: vec![0xE2, 0x9C],
+        top: vec![TopLogprob {
+            token_id: 7,
+            logprob: -0.25,
+            token: b"The".to_vec(),
+        }],
     }
 }
 
@@ -257,6 +272,16 @@ fn every_message_round_trips_with_every_field_set() {
     cov.check(vec![TokenDelta {
         token_ids: vec![450, 29871],
         text: "The ✓".into(),
+        logprobs: vec![token_logprob(Some(-1.5)), token_logprob(Some(0.0))],
+    }]);
+    cov.check(vec![PromptLogprobs {
+        logprobs: vec![token_logprob(None), token_logprob(Some(-3.0))],
+    }]);
+    cov.check(vec![token_logprob(Some(-1.0))]);
+    cov.check(vec![TopLogprob {
+        token_id: 1,
+        logprob: -0.5,
+        token: vec![1],
     }]);
     cov.check(vec![Usage {
         prompt_tokens: 12,
@@ -292,12 +317,18 @@ fn every_message_round_trips_with_every_field_set() {
             event: Some(generate_event::Event::Delta(TokenDelta {
                 token_ids: vec![9],
                 text: "x".into(),
+                logprobs: vec![],
             })),
         },
         GenerateEvent {
             event: Some(generate_event::Event::Finished(finished(
                 finished::StopReason::StopTokenId(2),
             ))),
+        },
+        GenerateEvent {
+            event: Some(generate_event::Event::PromptLogprobs(PromptLogprobs {
+                logprobs: vec![token_logprob(None)],
+            })),
         },
     ]);
     cov.check(vec![LoadAdapterRequest {

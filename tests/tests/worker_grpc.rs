@@ -108,6 +108,7 @@ async fn generate(
     while let Some(event) = stream.message().await? {
         match event.event.unwrap() {
             pb::generate_event::Event::Accepted(_) => accepted = true,
+            pb::generate_event::Event::PromptLogprobs(_) => {}
             pb::generate_event::Event::Delta(d) => tokens.extend(d.token_ids),
             pb::generate_event::Event::Finished(f) => {
                 assert!(accepted, "Accepted comes first");
@@ -436,7 +437,8 @@ async fn sigterm_lets_running_streams_finish_refuses_new_ones_and_exits_zero() {
         match event.event.unwrap() {
             pb::generate_event::Event::Delta(d) => tokens += d.token_ids.len(),
             pb::generate_event::Event::Finished(_) => finished = true,
-            pb::generate_event::Event::Accepted(_) => {}
+            pb::generate_event::Event::Accepted(_)
+            | pb::generate_event::Event::PromptLogprobs(_) => {}
         }
     }
     assert!(

@@ -7,11 +7,13 @@ use std::time::{Duration, SystemTime};
 use lorafleet_domain::digest::Sha256Hex;
 use lorafleet_engine::AdapterId;
 use lorafleet_engine::artifact::ArtifactError;
+use lorafleet_engine::logprobs::TokenLogprob;
 use lorafleet_engine::lora::AdapterError;
 use lorafleet_engine::model::tokenizer::ChatMessage;
 use lorafleet_engine::pool::AdapterStatus;
 use lorafleet_engine::{
-    EngineError, Fairness, Finish, FinishReason, Prompt, Residency, SamplingParams, StopReason,
+    EngineError, Fairness, Finish, FinishReason, Prompt, Prompter, Residency, SamplingParams,
+    StopReason,
 };
 use lorafleet_proto::refusal::{ERROR_DOMAIN, Reason};
 use lorafleet_proto::worker::v1 as pb;
@@ -168,6 +170,8 @@ pub fn generate_request(
         stop: s.stop.clone(),
         stop_token_ids: s.stop_token_ids.clone(),
         ignore_eos: s.ignore_eos,
+        logprobs: s.logprobs.map(|n| n as usize),
+        prompt_logprobs: s.prompt_logprobs.map(|n| n as usize),
     };
     Ok((r.request_id.clone(), prompt, params))
 }
@@ -488,12 +492,51 @@ pub fn accepted_event(
     }
 }
 
-pub fn delta_event(token_ids: Vec<u32>, text: String) -> pb::GenerateEvent {
+/// New tokens, with their log probabilities when asked; `prompter` gives
+/// each token's bytes.
+pub fn delta_event(
+    token_ids: Vec<u32>,
+    text: String,
+    logprobs: &[TokenLogprob],
+    prompter: &Prompter,
+) -> pb::GenerateEvent {
     pb::GenerateEvent {
         event: Some(pb::generate_event::Event::Delta(pb::TokenDelta {
             token_ids,
             text,
+            logprobs: logprobs
+                .iter()
+                .map(|l| token_logprob(l, prompter))
+                .collect(),
         })),
+    }
+}
+
+/// Prompt tokens' log probabilities.
+pub fn prompt_logprobs_event(scored: &[TokenLogprob], prompter: &Prompter) -> pb::GenerateEvent {
+    pb::GenerateEvent {
+        event: Some(pb::generate_event::Event::PromptLogprobs(
+            pb::PromptLogprobs {
+                logprobs: scored.iter().map(|l| token_logprob(l, prompter)).collect(),
+            },
+        )),
+    }
+}
+
+fn token_logprob(l: &TokenLogprob, prompter: &Prompter) -> pb::TokenLogprob {
+    pb::TokenLogprob {
+        token_id: l.token,
+        logprob: l.logprob,
+        token: prompter.token_bytes(l.token).to_vec(),
+        top: l
+            .top
+            .iter()
+            .map(|&(id, logprob)| pb::TopLogprob {
+                token_id: id,
+                logprob,
+                token: prompter.token_bytes(id).to_vec(),
+            })
+            .collect(),
     }
 }
 

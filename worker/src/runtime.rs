@@ -166,6 +166,11 @@ impl EngineHandle {
     }
 
     /// Queues a request and returns its acceptance and its event stream.
+    /// The model's tokenizer and limits.
+    pub fn prompter(&self) -> &lorafleet_engine::Prompter {
+        &self.prompter
+    }
+
     pub async fn submit(&self, request: Request) -> Result<(Accepted, RequestStream), EngineError> {
         self.submit_fair(request, lorafleet_engine::Fairness::default())
             .await
@@ -495,6 +500,7 @@ mod tests {
                 Event::Delta { token_ids, .. } => tokens.extend(token_ids),
                 Event::Finished(_) => finished = true,
                 Event::Failed(e) => panic!("{e}"),
+                Event::PromptLogprobs(_) => {}
             }
         }
         (tokens, finished)

@@ -308,6 +308,7 @@ impl pb::worker_server::Worker for WorkerService {
         self.in_flight.fetch_add(1, Ordering::AcqRel);
         let in_flight = InFlight(self.in_flight.clone());
         let first = convert::accepted_event(accepted.prompt_tokens, accepted.residency);
+        let prompter = self.engine.prompter().clone();
         tokio::spawn(
             async move {
                 let _in_flight = in_flight;
@@ -317,14 +318,21 @@ impl pb::worker_server::Worker for WorkerService {
                 let mut last_token: Option<Instant> = None;
                 while let Some(event) = stream.next().await {
                     let message = match event {
-                        Event::Delta { token_ids, text } => {
+                        Event::Delta {
+                            token_ids,
+                            text,
+                            logprobs,
+                        } => {
                             let now = Instant::now();
                             match last_token {
                                 None => telemetry::record_ttft(now - started),
                                 Some(t) => telemetry::record_inter_token(now - t),
                             }
                             last_token = Some(now);
-                            Ok(convert::delta_event(token_ids, text))
+                            Ok(convert::delta_event(token_ids, text, &logprobs, &prompter))
+                        }
+                        Event::PromptLogprobs(scored) => {
+                            Ok(convert::prompt_logprobs_event(&scored, &prompter))
                         }
                         Event::Finished(f) => {
                             telemetry::record_request("ok");

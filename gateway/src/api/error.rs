@@ -137,6 +137,10 @@ pub fn client_field(worker_field: &str) -> Option<String> {
     if worker_field == "prompt" || worker_field.starts_with("prompt.") {
         return Some("prompt".to_owned());
     }
+    if worker_field == "sampling.prompt_logprobs" {
+        // The worker's name for what the client asked with `echo`.
+        return Some("echo".to_owned());
+    }
     worker_field
         .strip_prefix("sampling.")
         .filter(|rest| !rest.is_empty())
@@ -469,6 +473,8 @@ mod tests {
         for (worker, client) in [
             ("sampling.max_tokens", Some("max_tokens")),
             ("sampling.stop[0]", Some("stop[0]")),
+            ("sampling.logprobs", Some("logprobs")),
+            ("sampling.prompt_logprobs", Some("echo")),
             ("prompt", Some("prompt")),
             ("prompt.token_ids.ids", Some("prompt")),
             ("prompt.text", Some("prompt")),

@@ -35,6 +35,7 @@ pub use error::{ApiError, Parts, WorkerFailure};
 use openai::{ChatRequest, CompletionRequest, Usage};
 
 mod error;
+mod logprobs;
 pub mod openai;
 mod respond;
 mod trail;

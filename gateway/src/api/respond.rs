@@ -1,7 +1,9 @@
 //! The answer: a whole response or an SSE stream, each ending with its
 //! row, and cut at the drain deadline.
 
+use super::logprobs::{self, Asked};
 use super::*;
+use crate::upstream::TokenLogprob;
 
 pub(super) async fn run(
     s: AppState,
@@ -66,12 +68,19 @@ pub(super) struct Meta {
 }
 
 impl Meta {
-    fn chunk(&self, text: Option<&str>, role: bool, finish: Option<&str>) -> Value {
+    fn chunk(
+        &self,
+        text: Option<&str>,
+        role: bool,
+        finish: Option<&str>,
+        logprobs: Option<Value>,
+    ) -> Value {
+        let logprobs = logprobs.unwrap_or(Value::Null);
         match self.kind {
             Kind::Completion => json!({
                 "id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.model,
-                "choices": [{"index": 0, "text": text.unwrap_or(""), "logprobs": null,
+                "choices": [{"index": 0, "text": text.unwrap_or(""), "logprobs": logprobs,
                              "finish_reason": finish}],
             }),
             Kind::Chat => {
@@ -85,11 +94,29 @@ impl Meta {
                 json!({
                     "id": self.id, "object": "chat.completion.chunk", "created": self.created,
                     "model": self.model,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": null,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
                                  "finish_reason": finish}],
                 })
             }
         }
+    }
+
+    /// The log probabilities of `entries` in this endpoint's shape, or
+    /// None when the request did not ask for them. `offset` is the legacy
+    /// shape's running text offset.
+    fn logprobs(
+        &self,
+        asked: &Asked,
+        entries: &[TokenLogprob],
+        offset: &mut usize,
+    ) -> Option<Value> {
+        if !asked.tokens {
+            return None;
+        }
+        Some(match self.kind {
+            Kind::Completion => logprobs::legacy(entries, offset),
+            Kind::Chat => logprobs::chat(entries),
+        })
     }
 
     fn usage_chunk(&self, usage: &Usage) -> Value {
@@ -101,12 +128,13 @@ impl Meta {
                "choices": [], "usage": usage})
     }
 
-    fn full(&self, text: &str, finish: &str, usage: &Usage) -> Value {
+    fn full(&self, text: &str, finish: &str, usage: &Usage, logprobs: Value) -> Value {
         match self.kind {
             Kind::Completion => json!({
                 "id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.model,
-                "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}],
+                "choices": [{"index": 0, "text": text, "logprobs": logprobs,
+                             "finish_reason": finish}],
                 "usage": usage,
             }),
             Kind::Chat => json!({
@@ -114,7 +142,7 @@ impl Meta {
                 "model": self.model,
                 "choices": [{"index": 0,
                              "message": {"role": "assistant", "content": text},
-                             "logprobs": null, "finish_reason": finish}],
+                             "logprobs": logprobs, "finish_reason": finish}],
                 "usage": usage,
             }),
         }
@@ -179,23 +207,31 @@ impl Cut {
 pub(super) async fn collect_response(
     s: AppState,
     // Held to the end: its permits are the request's place in the gateway.
-    _p: Prepared,
+    p: Prepared,
     mut st: Started,
     mut trail: Trail,
     span: tracing::Span,
     meta: Meta,
 ) -> Response {
+    let asked = Asked::new(&p.request.prompt, &p.request.sampling);
     let mut text = String::new();
+    let (mut prompt_scored, mut scored) = (Vec::new(), Vec::new());
     let mut event = Some(st.first.clone());
     let deadline = tokio::time::Instant::now() + s.request_timeout;
     let finished = loop {
         match event.take() {
-            Some(WorkerEvent::Delta { token_ids, text: t }) => {
+            Some(WorkerEvent::Delta {
+                token_ids,
+                text: t,
+                logprobs,
+            }) => {
                 text.push_str(&t);
+                scored.extend(logprobs);
                 // Kept on the row as they come, so a client that goes away
                 // leaves a row with the tokens it used.
                 trail.record.completion_tokens += token_ids.len() as i32;
             }
+            Some(WorkerEvent::PromptLogprobs(v)) => prompt_scored.extend(v),
             Some(WorkerEvent::Finished(f)) => break Ok(f),
             Some(WorkerEvent::Accepted(_)) | None => {}
         }
@@ -213,7 +249,18 @@ pub(super) async fn collect_response(
     match finished {
         Ok(f) => {
             let usage = settle(&mut trail, &f, tokens);
-            let body = meta.full(&text, openai::finish_reason(&f), &usage);
+            if let Some(echo) = asked.echo_text(&prompt_scored) {
+                text.insert_str(0, &echo);
+                prompt_scored.append(&mut scored);
+                scored = prompt_scored;
+            }
+            let logprobs = meta.logprobs(&asked, &scored, &mut 0);
+            let body = meta.full(
+                &text,
+                openai::finish_reason(&f),
+                &usage,
+                logprobs.unwrap_or(Value::Null),
+            );
             span.in_scope(|| {
                 tracing::info!(completion_tokens = usage.completion_tokens, "completed")
             });
@@ -251,6 +298,11 @@ pub(super) fn stream_response(
 ) -> Response {
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(32);
     let task = async move {
+        let asked = Asked::new(&p.request.prompt, &p.request.sampling);
+        // The echoed prompt waits for its last log probabilities, then goes
+        // out as the first chunk of text.
+        let mut echo: Option<Vec<TokenLogprob>> = asked.echo.as_ref().map(|_| Vec::new());
+        let mut offset = 0;
         let mut sent_role = false;
         let mut event = Some(st.first.clone());
         let deadline = tokio::time::Instant::now() + s.request_timeout;
@@ -267,17 +319,36 @@ pub(super) fn stream_response(
         };
         if meta.kind == Kind::Chat {
             sent_role = true;
-            if !send(sse(&meta.chunk(None, true, None))).await {
+            if !send(sse(&meta.chunk(None, true, None, None))).await {
                 let _ = trail.close("cancelled", StatusCode::OK, Some("client_closed"));
                 return;
             }
         }
         let outcome: Result<upstream::Finished, Cut> = loop {
             match event.take() {
-                Some(WorkerEvent::Delta { token_ids, text }) => {
+                Some(WorkerEvent::PromptLogprobs(v)) => {
+                    if let Some(e) = echo.as_mut() {
+                        e.extend(v);
+                    }
+                }
+                Some(WorkerEvent::Delta {
+                    token_ids,
+                    text,
+                    logprobs,
+                }) => {
                     trail.record.completion_tokens += token_ids.len() as i32;
-                    if !text.is_empty()
-                        && !send(sse(&meta.chunk(Some(&text), !sent_role, None))).await
+                    let echoed = match echo.take() {
+                        Some(prompt) => {
+                            send(sse(&echo_chunk(&meta, &asked, &prompt, &mut offset))).await
+                        }
+                        None => true,
+                    };
+                    let logprobs = meta.logprobs(&asked, &logprobs, &mut offset);
+                    let says = !text.is_empty() || logprobs.is_some();
+                    if !echoed
+                        || (says
+                            && !send(sse(&meta.chunk(Some(&text), !sent_role, None, logprobs)))
+                                .await)
                     {
                         // The client went away (or the drain deadline cut
                         // it): dropping the worker stream cancels the
@@ -308,7 +379,11 @@ pub(super) fn stream_response(
             Ok(f) => {
                 let usage = settle(&mut trail, &f, tokens);
                 let reason = openai::finish_reason(&f);
-                send(sse(&meta.chunk(None, false, Some(reason)))).await;
+                if let Some(prompt) = echo.take() {
+                    // A prompt scored alone (max_tokens 0).
+                    send(sse(&echo_chunk(&meta, &asked, &prompt, &mut offset))).await;
+                }
+                send(sse(&meta.chunk(None, false, Some(reason), None))).await;
                 if p.include_usage {
                     send(sse(&meta.usage_chunk(&usage))).await;
                 }
@@ -349,4 +424,12 @@ pub(super) fn stream_response(
         .header(header::CACHE_CONTROL, "no-cache")
         .body(body)
         .expect("a valid response")
+}
+
+/// The chunk that echoes the prompt: its text, and its tokens' log
+/// probabilities when asked.
+fn echo_chunk(meta: &Meta, asked: &Asked, prompt: &[TokenLogprob], offset: &mut usize) -> Value {
+    let text = asked.echo_text(prompt).unwrap_or_default();
+    let logprobs = meta.logprobs(asked, prompt, offset);
+    meta.chunk(Some(&text), false, None, logprobs)
 }

@@ -44,6 +44,8 @@ impl From<&Generation> for pb::GenerateRequest {
                 stop: g.sampling.stop.clone(),
                 stop_token_ids: g.sampling.stop_token_ids.clone(),
                 ignore_eos: g.sampling.ignore_eos,
+                logprobs: g.sampling.logprobs,
+                prompt_logprobs: g.sampling.prompt_logprobs,
             }),
             trace_context: Some(pb::TraceContext {
                 traceparent: g.traceparent.clone(),
@@ -77,7 +79,11 @@ pub(super) fn event(e: pb::GenerateEvent) -> Option<WorkerEvent> {
         pb::generate_event::Event::Delta(d) => WorkerEvent::Delta {
             token_ids: d.token_ids,
             text: d.text,
+            logprobs: d.logprobs.into_iter().map(token_logprob).collect(),
         },
+        pb::generate_event::Event::PromptLogprobs(p) => {
+            WorkerEvent::PromptLogprobs(p.logprobs.into_iter().map(token_logprob).collect())
+        }
         pb::generate_event::Event::Finished(f) => {
             let usage = f.usage.unwrap_or_default();
             WorkerEvent::Finished(Finished {
@@ -91,6 +97,23 @@ pub(super) fn event(e: pb::GenerateEvent) -> Option<WorkerEvent> {
             })
         }
     })
+}
+
+fn token_logprob(l: pb::TokenLogprob) -> TokenLogprob {
+    TokenLogprob {
+        token_id: l.token_id,
+        logprob: l.logprob,
+        bytes: l.token,
+        top: l
+            .top
+            .into_iter()
+            .map(|t| TopLogprob {
+                token_id: t.token_id,
+                logprob: t.logprob,
+                bytes: t.token,
+            })
+            .collect(),
+    }
 }
 
 pub(super) fn report(r: &pb::WorkerReport) -> Report {

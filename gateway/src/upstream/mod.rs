@@ -61,6 +61,32 @@ pub struct Sampling {
     pub stop: Vec<String>,
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
+    /// Log probabilities of each completion token, with this many
+    /// alternatives (0 to 20). None: none.
+    pub logprobs: Option<u32>,
+    /// The same for each prompt token (OpenAI's `echo`). With it,
+    /// `max_tokens` may be 0.
+    pub prompt_logprobs: Option<u32>,
+}
+
+/// One token at one position: its log probability and the most likely
+/// tokens there.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub token_id: u32,
+    /// None only for a prompt's first token.
+    pub logprob: Option<f32>,
+    /// The bytes the token stands for; not always valid UTF-8.
+    pub bytes: Vec<u8>,
+    /// Most likely first.
+    pub top: Vec<TopLogprob>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct TopLogprob {
+    pub token_id: u32,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
 }
 
 /// What the gateway asks one worker to generate.
@@ -107,10 +133,17 @@ pub struct Finished {
 }
 
 /// One event of a generation's stream.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum WorkerEvent {
     Accepted(Accepted),
-    Delta { token_ids: Vec<u32>, text: String },
+    /// Prompt tokens' log probabilities, in position order from the first.
+    PromptLogprobs(Vec<TokenLogprob>),
+    /// New tokens; `logprobs` has one entry per token when asked.
+    Delta {
+        token_ids: Vec<u32>,
+        text: String,
+        logprobs: Vec<TokenLogprob>,
+    },
     Finished(Finished),
 }
 

@@ -150,7 +150,7 @@ fn ttft(e: &mut Engine, adapter: AdapterId, n: usize, arrived: Option<Residency>
                     }
                 }
                 Event::Failed(err) => panic!("{err}"),
-                Event::Delta { .. } => {}
+                Event::Delta { .. } | Event::PromptLogprobs(_) => {}
             }
         }
     }

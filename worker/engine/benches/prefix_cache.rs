@@ -131,6 +131,7 @@ fn run(model: &std::path::Path, dirs: &[std::path::PathBuf], prefix_caching: boo
                     cached += f.cached_tokens;
                 }
                 Event::Failed(err) => panic!("{id}: {err}"),
+                Event::PromptLogprobs(_) => {}
             }
         }
     }

@@ -10,6 +10,7 @@ pub mod backend;
 pub mod engine;
 pub mod error;
 pub mod kv;
+pub mod logprobs;
 pub mod lora;
 pub mod model;
 pub mod pool;

@@ -58,6 +58,11 @@ impl Prompter {
         Ok(ids)
     }
 
+    /// The bytes a token stands for (see [`Tokenizer::token_bytes`]).
+    pub fn token_bytes(&self, id: u32) -> &[u8] {
+        self.tokenizer.token_bytes(id)
+    }
+
     pub(crate) fn check(&self, ids: &[u32]) -> Result<()> {
         if ids.is_empty() {
             return Err(EngineError::request(

@@ -2,6 +2,7 @@
 //! what comes out (events, the acceptance, a whole completion).
 
 use crate::error::EngineError;
+use crate::logprobs::TokenLogprob;
 use crate::model::tokenizer::ChatMessage;
 use crate::pool::{AdapterId, Residency};
 use crate::sampling::SamplingParams;
@@ -53,8 +54,18 @@ pub struct Request {
 /// What a request produced, streamed out of [`Engine::step`](crate::Engine::step).
 #[derive(Debug)]
 pub enum Event {
-    /// New tokens and the text they complete.
-    Delta { token_ids: Vec<u32>, text: String },
+    /// Log probabilities of prompt tokens, in position order from the
+    /// first (whose `logprob` is None); only for requests with
+    /// `prompt_logprobs`, before their first `Delta`. A long prompt's come
+    /// in several events, one per prefill chunk.
+    PromptLogprobs(Vec<TokenLogprob>),
+    /// New tokens and the text they complete; `logprobs` holds one entry
+    /// per token when the request asked for log probabilities.
+    Delta {
+        token_ids: Vec<u32>,
+        text: String,
+        logprobs: Vec<TokenLogprob>,
+    },
     /// The request completed.
     Finished(Finish),
     /// The request failed after it was accepted (for example, its adapter
@@ -81,4 +92,8 @@ pub struct Completion {
     pub finish: Option<Finish>,
     /// Set when the request was refused or failed.
     pub error: Option<EngineError>,
+    /// One per completion token, with `logprobs`.
+    pub logprobs: Vec<TokenLogprob>,
+    /// One per prompt token, with `prompt_logprobs`.
+    pub prompt_logprobs: Vec<TokenLogprob>,
 }

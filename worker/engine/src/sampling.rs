@@ -3,6 +3,7 @@
 //! else shares the batch.
 
 use crate::error::{EngineError, Result};
+use crate::logprobs::MAX_TOP_LOGPROBS;
 
 /// How a request chooses tokens and when it stops.
 #[derive(Debug, Clone, PartialEq)]
@@ -19,6 +20,14 @@ pub struct SamplingParams {
     pub stop: Vec<String>,
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
+    /// Log probabilities of every completion token, with this many most
+    /// likely alternatives at each (0 to 20). None: no log probabilities.
+    pub logprobs: Option<usize>,
+    /// The same for every prompt token after the first (OpenAI's `echo`).
+    /// A request that sets it computes its whole prompt: its prefill skips
+    /// no cached blocks. With it, `max_tokens` may be 0 (score the prompt
+    /// alone).
+    pub prompt_logprobs: Option<usize>,
 }
 
 impl Default for SamplingParams {
@@ -32,6 +41,8 @@ impl Default for SamplingParams {
             stop: Vec::new(),
             stop_token_ids: Vec::new(),
             ignore_eos: false,
+            logprobs: None,
+            prompt_logprobs: None,
         }
     }
 }
@@ -57,11 +68,24 @@ impl SamplingParams {
                 format!("{prefix}.{name}")
             }
         };
-        if self.max_tokens == 0 {
+        if self.max_tokens == 0 && self.prompt_logprobs.is_none() {
             return Err(EngineError::request(
                 field("max_tokens"),
-                "must be at least 1",
+                "must be at least 1 (0 only with prompt_logprobs)",
             ));
+        }
+        for (name, n) in [
+            ("logprobs", self.logprobs),
+            ("prompt_logprobs", self.prompt_logprobs),
+        ] {
+            if let Some(n) = n
+                && n > MAX_TOP_LOGPROBS
+            {
+                return Err(EngineError::request(
+                    field(name),
+                    format!("{n} is above the limit of {MAX_TOP_LOGPROBS}"),
+                ));
+            }
         }
         if !(self.temperature.is_finite() && (0.0..=2.0).contains(&self.temperature)) {
             return Err(EngineError::request(
@@ -331,11 +355,32 @@ mod tests {
                 },
                 "sampling.stop_token_ids",
             ),
+            (
+                SamplingParams {
+                    logprobs: Some(21),
+                    ..Default::default()
+                },
+                "sampling.logprobs",
+            ),
+            (
+                SamplingParams {
+                    prompt_logprobs: Some(21),
+                    ..Default::default()
+                },
+                "sampling.prompt_logprobs",
+            ),
         ];
         for (p, field) in bad {
             let err = p.validate("sampling", 50).unwrap_err().to_string();
             assert!(err.starts_with(field), "{err}");
         }
         SamplingParams::default().validate("sampling", 50).unwrap();
+        SamplingParams {
+            max_tokens: 0,
+            prompt_logprobs: Some(0),
+            ..Default::default()
+        }
+        .validate("sampling", 50)
+        .unwrap();
     }
 }

@@ -135,7 +135,13 @@ impl Scheduler<'_> {
         while i < self.queues.running.len() && budget > 0 {
             let id = self.queues.running[i];
             let seq = &self.seqs[&id];
-            let chunk = (seq.total_len() - seq.num_computed).min(budget);
+            let scoring =
+                seq.params.prompt_logprobs.is_some() && seq.prompt_scored < seq.prompt_ids.len();
+            let mut chunk = (seq.total_len() - seq.num_computed).min(budget);
+            if scoring {
+                // Each scored position is a row of logits on the host.
+                chunk = chunk.min(crate::logprobs::MAX_SCORED_POSITIONS_PER_STEP);
+            }
             let target = seq.num_computed + chunk;
             let mut preempted_self = false;
             loop {
@@ -244,7 +250,10 @@ impl Scheduler<'_> {
                 }
             }
             let seq = self.seqs.get_mut(&id).expect("waiting sequence exists");
-            if seq.blocks.is_empty() && self.kv.caching() {
+            // A request scoring its prompt computes every position of it.
+            let scoring =
+                seq.params.prompt_logprobs.is_some() && seq.prompt_scored < seq.prompt_ids.len();
+            if seq.blocks.is_empty() && self.kv.caching() && !scoring {
                 // Cached blocks of the same weights and prefix skip their
                 // prefill. The last position is always computed: its logits
                 // choose the next token.
@@ -259,7 +268,11 @@ impl Scheduler<'_> {
                 }
                 seq.blocks = taken;
             }
-            let chunk = (seq.total_len() - seq.num_computed).min(budget);
+            let mut chunk = (seq.total_len() - seq.num_computed).min(budget);
+            if scoring {
+                // Each scored position is a row of logits on the host.
+                chunk = chunk.min(crate::logprobs::MAX_SCORED_POSITIONS_PER_STEP);
+            }
             if !self.kv.grow(&mut seq.blocks, seq.num_computed + chunk) {
                 // The KV cache is full: nobody behind can be admitted either.
                 self.kv.release(&mut seq.blocks);

@@ -77,6 +77,9 @@ pub(crate) struct Sequence {
     pub registered: usize,
     /// Prompt tokens whose prefill the prefix cache saved at admission.
     pub cached_tokens: usize,
+    /// With `prompt_logprobs`: the prompt positions whose log probability
+    /// has been sent (the first, which has none, counts once sent).
+    pub prompt_scored: usize,
     /// Whose share of the engine this request uses (the tenant), and the
     /// share's weight.
     pub fair_key: std::sync::Arc<str>,
@@ -130,6 +133,7 @@ impl Sequence {
             block_hashes: Vec::new(),
             registered: 0,
             cached_tokens: 0,
+            prompt_scored: 0,
             fair_key: std::sync::Arc::from(""),
             fair_weight: 1.0,
             text: String::new(),

@@ -63,12 +63,15 @@ fn a_mixed_batch_with_staggered_arrivals_equals_one_at_a_time() {
         for (id, event) in e.step().unwrap() {
             let i: usize = id[1..].parse().unwrap();
             match event {
-                Event::Delta { token_ids, text } => {
+                Event::Delta {
+                    token_ids, text, ..
+                } => {
                     outputs[i].0.extend(token_ids);
                     outputs[i].1.push_str(&text);
                 }
                 Event::Finished(_) => finished += 1,
                 Event::Failed(err) => panic!("{id}: {err}"),
+                Event::PromptLogprobs(_) => {}
             }
         }
         max_distinct = max_distinct.max(e.last_step().distinct_adapters);

@@ -259,6 +259,7 @@ fn a_mixed_batch_on_the_gpu_equals_one_request_at_a_time() {
                 Event::Delta { token_ids, .. } => outputs[i].extend(token_ids),
                 Event::Finished(_) => finished += 1,
                 Event::Failed(err) => panic!("{id}: {err}"),
+                Event::PromptLogprobs(_) => {}
             }
         }
         max_distinct = max_distinct.max(e.last_step().distinct_adapters);
@@ -322,6 +323,7 @@ fn decode_steps_replay_cuda_graphs_with_the_tokens_of_eager_launches() {
                     Event::Delta { token_ids, .. } => outputs[i].extend(token_ids),
                     Event::Finished(_) => {}
                     Event::Failed(err) => panic!("{id}: {err}"),
+                    Event::PromptLogprobs(_) => {}
                 }
             }
             let replayed = e.stats().graphs.unwrap().replays > before;

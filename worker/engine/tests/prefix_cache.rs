@@ -69,6 +69,7 @@ fn run(settings: EngineSettings, requests: &[Request]) -> (Vec<(Vec<u32>, Finish
                     done += 1;
                 }
                 Event::Failed(err) => panic!("{id}: {err}"),
+                Event::PromptLogprobs(_) => {}
             }
         }
         step += 1;
@@ -143,7 +144,7 @@ fn one(e: &mut Engine, adapter: Option<u64>, ids: Vec<u32>) -> Finish {
             match event {
                 Event::Finished(f) => return f,
                 Event::Failed(err) => panic!("{err}"),
-                Event::Delta { .. } => {}
+                Event::Delta { .. } | Event::PromptLogprobs(_) => {}
             }
         }
     }

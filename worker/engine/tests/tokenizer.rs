@@ -81,3 +81,23 @@ fn a_prompt_cut_inside_a_character_still_streams_text() {
     assert!(!out.is_empty() && !out.contains('\u{FFFD}'), "{out:?}");
     assert!("日本語".ends_with(&out), "{out:?}");
 }
+
+#[test]
+fn each_tokens_bytes_concatenate_to_the_text_even_inside_a_character() {
+    let t = Tokenizer::from_dir(&model_dir("llama-gqa")).unwrap();
+    let text = "Grüße aus München! 🚀 日本語";
+    let ids = t.encode(text, false).unwrap();
+    let bytes: Vec<u8> = ids
+        .iter()
+        .flat_map(|&id| t.token_bytes(id).to_vec())
+        .collect();
+    assert_eq!(bytes, text.as_bytes());
+    // Some token holds part of a character: its bytes are not UTF-8.
+    assert!(
+        ids.iter()
+            .any(|&id| std::str::from_utf8(t.token_bytes(id)).is_err()),
+        "the fixture splits a multi-byte character"
+    );
+    assert_eq!(t.token_bytes(1), b"<s>", "a special token is its text");
+    assert!(t.token_bytes(1_000_000).is_empty());
+}

@@ -6,9 +6,13 @@
 //!
 //! Unknown fields are ignored, as OpenAI's own API does, so that SDKs that
 //! send newer fields keep working. Known fields that would change the output
-//! but are not supported (`n > 1`, penalties, `logit_bias`, `logprobs`,
-//! `echo`, `best_of`) are refused with a 400 that names the field, never
-//! ignored.
+//! but are not supported (`n > 1`, penalties, `logit_bias`, `best_of`) are
+//! refused with a 400 that names the field, never ignored.
+//!
+//! Log probabilities: `logprobs` (0 to 20) and `echo` on /v1/completions,
+//! `logprobs: true` with `top_logprobs` (0 to 20) on chat. They are the
+//! model's own log-softmax over the whole vocabulary, before temperature
+//! and the other sampling controls.
 
 use crate::audit::sanitize::{MAX_MODEL_BYTES, MAX_USER_BYTES, check_field};
 use crate::upstream::{self, Prompt, Sampling};
@@ -17,7 +21,7 @@ use serde_json::Value;
 
 mod shapes;
 
-pub use shapes::{Content, ContentPart, PromptInput, StopInput};
+pub use shapes::{Content, ContentPart, LogprobsInput, PromptInput, StopInput};
 use shapes::{Echo, PROMPT_EXPECTED, Presence};
 
 /// The longest stop string accepted, in bytes: the workers' own limit
@@ -68,8 +72,8 @@ pub struct Common {
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
     logit_bias: Option<Presence>,
-    logprobs: Option<Presence>,
-    top_logprobs: Option<Presence>,
+    logprobs: Option<LogprobsInput>,
+    top_logprobs: Option<i64>,
     pub echo: Option<bool>,
     pub best_of: Option<u32>,
     #[serde(default)]
@@ -271,17 +275,6 @@ impl Common {
         if matches!(self.logit_bias, Some(Presence::False | Presence::Other)) {
             return Err(bad("logit_bias", "is not supported"));
         }
-        for (name, v) in [
-            ("logprobs", self.logprobs),
-            ("top_logprobs", self.top_logprobs),
-        ] {
-            if matches!(v, Some(Presence::EmptyObject | Presence::Other)) {
-                return Err(bad(name, "is not supported"));
-            }
-        }
-        if self.echo == Some(true) {
-            return Err(bad("echo", "is not supported"));
-        }
         if self.stream_options.is_some() && !self.stream {
             return Err(bad(
                 "stream_options",
@@ -304,12 +297,13 @@ impl Common {
         Ok(())
     }
 
-    fn sampling(&self, default_max: u32) -> Result<Sampling, BadRequest> {
+    /// The worker's sampling; `scores_prompt` (echo) allows `max_tokens` 0.
+    fn sampling(&self, default_max: u32, scores_prompt: bool) -> Result<Sampling, BadRequest> {
         let max_tokens = match (self.max_completion_tokens, self.max_tokens) {
             (Some(m), _) | (None, Some(m)) => m,
             (None, None) => default_max,
         };
-        if max_tokens == 0 {
+        if max_tokens == 0 && !scores_prompt {
             let field = if self.max_completion_tokens.is_some() {
                 "max_completion_tokens"
             } else {
@@ -353,7 +347,58 @@ impl Common {
             stop,
             stop_token_ids: vec![],
             ignore_eos: self.ignore_eos,
+            logprobs: None,
+            prompt_logprobs: None,
         })
+    }
+
+    /// `logprobs` and `echo` on /v1/completions: the count of alternatives
+    /// for completion tokens, and for prompt tokens.
+    fn completion_logprobs(&self) -> Result<(Option<u32>, Option<u32>), BadRequest> {
+        if self.top_logprobs.is_some() {
+            return Err(bad(
+                "top_logprobs",
+                "is the chat API's; /v1/completions takes \"logprobs\": N",
+            ));
+        }
+        let logprobs = match self.logprobs {
+            None | Some(LogprobsInput::Switch(false)) => None,
+            Some(LogprobsInput::Switch(true)) => {
+                return Err(bad(
+                    "logprobs",
+                    format!("must be an integer from 0 to {MAX_TOP_LOGPROBS} on /v1/completions"),
+                ));
+            }
+            Some(LogprobsInput::Count(n)) => Some(top_count("logprobs", n)?),
+        };
+        let echo = self.echo == Some(true);
+        Ok((logprobs, echo.then(|| logprobs.unwrap_or(0))))
+    }
+
+    /// `logprobs` and `top_logprobs` on chat: the count of alternatives for
+    /// completion tokens, when asked.
+    fn chat_logprobs(&self) -> Result<Option<u32>, BadRequest> {
+        if self.echo == Some(true) {
+            return Err(bad("echo", "is only for /v1/completions"));
+        }
+        let on = match self.logprobs {
+            None | Some(LogprobsInput::Switch(false)) => false,
+            Some(LogprobsInput::Switch(true)) => true,
+            Some(LogprobsInput::Count(_)) => {
+                return Err(bad(
+                    "logprobs",
+                    "must be true or false on chat completions; top_logprobs gives the count",
+                ));
+            }
+        };
+        let top = match self.top_logprobs {
+            None => 0,
+            Some(n) => top_count("top_logprobs", n)?,
+        };
+        if top > 0 && !on {
+            return Err(bad("top_logprobs", "needs \"logprobs\": true"));
+        }
+        Ok(on.then_some(top))
     }
 
     pub fn include_usage(&self) -> bool {
@@ -387,10 +432,15 @@ impl CompletionRequest {
         {
             return Err(bad("prompt", "must not be empty"));
         }
-        Ok((
-            prompt,
-            self.common.sampling(COMPLETIONS_DEFAULT_MAX_TOKENS)?,
-        ))
+        let (logprobs, prompt_logprobs) = self.common.completion_logprobs()?;
+        let sampling = Sampling {
+            logprobs,
+            prompt_logprobs,
+            ..self
+                .common
+                .sampling(COMPLETIONS_DEFAULT_MAX_TOKENS, prompt_logprobs.is_some())?
+        };
+        Ok((prompt, sampling))
     }
 }
 
@@ -441,10 +491,11 @@ impl ChatRequest {
                 content,
             });
         }
-        Ok((
-            Prompt::Chat(messages),
-            self.common.sampling(CHAT_DEFAULT_MAX_TOKENS)?,
-        ))
+        let sampling = Sampling {
+            logprobs: self.common.chat_logprobs()?,
+            ..self.common.sampling(CHAT_DEFAULT_MAX_TOKENS, false)?
+        };
+        Ok((Prompt::Chat(messages), sampling))
     }
 }
 
@@ -482,6 +533,21 @@ pub fn finish_reason(f: &upstream::Finished) -> &'static str {
         upstream::FinishReason::Length => "length",
         upstream::FinishReason::Stop => "stop",
     }
+}
+
+/// The most alternatives per position (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: u32 = 20;
+
+fn top_count(field: &str, n: i64) -> Result<u32, BadRequest> {
+    u32::try_from(n)
+        .ok()
+        .filter(|&n| n <= MAX_TOP_LOGPROBS)
+        .ok_or_else(|| {
+            bad(
+                field,
+                format!("{n} is not an integer from 0 to {MAX_TOP_LOGPROBS}"),
+            )
+        })
 }
 
 /// The body of an OpenAI error.
@@ -555,7 +621,7 @@ mod tests {
         let e = ChatRequest::parse(br#"{"model":"m","messages":[{"role":"user","content":7}]}"#)
             .unwrap_err();
         assert_eq!(e.param, "messages[0].content", "{e:?}");
-        // Off values of unsupported fields are accepted; anything else not.
+        // Off values are accepted; anything else not.
         for off in [
             r#""logprobs":false"#,
             r#""logit_bias":{}"#,
@@ -571,8 +637,10 @@ mod tests {
             (r#""logit_bias":false"#, "logit_bias"),
         ] {
             let body = format!(r#"{{"model":"m","prompt":"x",{on}}}"#);
-            let r = CompletionRequest::parse(body.as_bytes()).unwrap();
-            assert_eq!(r.to_worker().unwrap_err().param, param, "{on}");
+            let e = CompletionRequest::parse(body.as_bytes())
+                .and_then(|r| r.to_worker())
+                .unwrap_err();
+            assert_eq!(e.param, param, "{on}");
         }
         // A refused body's model and user, for its row.
         assert_eq!(
@@ -598,8 +666,13 @@ mod tests {
                 r#"{"model":"m","prompt":"x","logit_bias":{"1":5}}"#,
                 "logit_bias",
             ),
-            (r#"{"model":"m","prompt":"x","logprobs":2}"#, "logprobs"),
-            (r#"{"model":"m","prompt":"x","echo":true}"#, "echo"),
+            (r#"{"model":"m","prompt":"x","logprobs":21}"#, "logprobs"),
+            (r#"{"model":"m","prompt":"x","logprobs":-1}"#, "logprobs"),
+            (r#"{"model":"m","prompt":"x","logprobs":true}"#, "logprobs"),
+            (
+                r#"{"model":"m","prompt":"x","top_logprobs":2}"#,
+                "top_logprobs",
+            ),
             (
                 r#"{"model":"m","prompt":"x","temperature":3}"#,
                 "temperature",
@@ -639,6 +712,57 @@ mod tests {
             r.to_worker().unwrap_err().param,
             "messages[0].content[0].type"
         );
+        for (extra, param) in [
+            (r#""logprobs":2"#, "logprobs"),
+            (r#""top_logprobs":3"#, "top_logprobs"),
+            (r#""logprobs":true,"top_logprobs":21"#, "top_logprobs"),
+            (r#""echo":true"#, "echo"),
+            (r#""max_tokens":0,"logprobs":true"#, "max_tokens"),
+        ] {
+            let body =
+                format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],{extra}}}"#);
+            let e = ChatRequest::parse(body.as_bytes())
+                .unwrap()
+                .to_worker()
+                .unwrap_err();
+            assert_eq!(e.param, param, "{extra}: {e:?}");
+        }
+    }
+
+    #[test]
+    fn logprobs_and_echo_map_to_the_worker_fields() {
+        let completion = |extra: &str| {
+            let body = format!(r#"{{"model":"m","prompt":"x",{extra}}}"#);
+            let (_, s) = CompletionRequest::parse(body.as_bytes())
+                .unwrap()
+                .to_worker()
+                .unwrap();
+            (s.max_tokens, s.logprobs, s.prompt_logprobs)
+        };
+        assert_eq!(completion(r#""logprobs":5"#), (16, Some(5), None));
+        assert_eq!(completion(r#""logprobs":0"#), (16, Some(0), None));
+        // lm-evaluation-harness's loglikelihood request.
+        assert_eq!(
+            completion(r#""logprobs":1,"echo":true,"max_tokens":1"#),
+            (1, Some(1), Some(1))
+        );
+        // The prompt alone, with its text.
+        assert_eq!(
+            completion(r#""echo":true,"max_tokens":0"#),
+            (0, None, Some(0))
+        );
+        let chat = |extra: &str| {
+            let body =
+                format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],{extra}}}"#);
+            let (_, s) = ChatRequest::parse(body.as_bytes())
+                .unwrap()
+                .to_worker()
+                .unwrap();
+            (s.logprobs, s.prompt_logprobs)
+        };
+        assert_eq!(chat(r#""logprobs":true"#), (Some(0), None));
+        assert_eq!(chat(r#""logprobs":true,"top_logprobs":4"#), (Some(4), None));
+        assert_eq!(chat(r#""logprobs":false,"top_logprobs":0"#), (None, None));
     }
 
     #[test]

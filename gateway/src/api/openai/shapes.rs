@@ -268,3 +268,33 @@ impl<'de> Deserialize<'de> for Echo {
         d.deserialize_any(V)
     }
 }
+
+/// `logprobs`: a count on /v1/completions (the legacy API), a switch on
+/// chat; each endpoint refuses the other's shape by name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogprobsInput {
+    Switch(bool),
+    Count(i64),
+}
+
+impl<'de> Deserialize<'de> for LogprobsInput {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = LogprobsInput;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a boolean or an integer")
+            }
+            fn visit_bool<E: de::Error>(self, b: bool) -> Result<LogprobsInput, E> {
+                Ok(LogprobsInput::Switch(b))
+            }
+            fn visit_i64<E: de::Error>(self, n: i64) -> Result<LogprobsInput, E> {
+                Ok(LogprobsInput::Count(n))
+            }
+            fn visit_u64<E: de::Error>(self, n: u64) -> Result<LogprobsInput, E> {
+                Ok(LogprobsInput::Count(i64::try_from(n).unwrap_or(i64::MAX)))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}

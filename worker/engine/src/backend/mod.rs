@@ -22,8 +22,10 @@ pub struct SeqStep<'a> {
     pub first_position: usize,
     /// KV blocks holding positions `0..first_position + len`.
     pub block_table: &'a [u32],
-    /// Whether the caller wants logits for this sequence's last token.
-    pub want_logits: bool,
+    /// How many of this sequence's last tokens want logits: 0 (a prefill
+    /// chunk that does not reach the end), 1 (the next token is chosen
+    /// from the last), or more (prompt log probabilities).
+    pub logit_rows: usize,
 }
 
 /// A contiguous run of tokens that use one adapter slot: the SGMV segment.
@@ -56,6 +58,26 @@ impl<'a> StepBatch<'a> {
         slot: Option<usize>,
         want_logits: bool,
     ) {
+        self.push_rows(
+            tokens,
+            first_position,
+            block_table,
+            slot,
+            usize::from(want_logits),
+        );
+    }
+
+    /// [`StepBatch::push`], with logits for the last `logit_rows` tokens
+    /// (at most `tokens.len()`).
+    pub fn push_rows(
+        &mut self,
+        tokens: &[u32],
+        first_position: usize,
+        block_table: &'a [u32],
+        slot: Option<usize>,
+        logit_rows: usize,
+    ) {
+        debug_assert!(logit_rows <= tokens.len());
         let start = self.tokens.len();
         self.tokens.extend_from_slice(tokens);
         self.token_slot
@@ -65,7 +87,7 @@ impl<'a> StepBatch<'a> {
             len: tokens.len(),
             first_position,
             block_table,
-            want_logits,
+            logit_rows: logit_rows.min(tokens.len()),
         });
     }
 
@@ -115,13 +137,12 @@ impl<'a> StepBatch<'a> {
         Ok(())
     }
 
-    /// The token index of each sequence's last token, for the sequences
-    /// that want logits: the rows a step's logits come from.
+    /// The token index of every token that wants logits, in sequence
+    /// order: the rows a step's logits come from.
     pub fn logit_rows(&self) -> Vec<usize> {
         self.seqs
             .iter()
-            .filter(|s| s.want_logits)
-            .map(|s| s.start + s.len - 1)
+            .flat_map(|s| s.start + s.len - s.logit_rows..s.start + s.len)
             .collect()
     }
 
@@ -196,8 +217,8 @@ pub trait Backend: Send {
         true
     }
     /// Runs one step: writes the new tokens' keys and values into the KV
-    /// cache and returns logits, `vocab_size` per sequence that wants them,
-    /// in sequence order.
+    /// cache and returns logits, `vocab_size` per row of
+    /// [`StepBatch::logit_rows`], in that order.
     fn forward(&mut self, batch: &StepBatch<'_>) -> Result<Vec<f32>>;
     /// Whether [`Backend::forward_sampled`] is available: the backend
     /// draws tokens where the logits are, and they never travel to the

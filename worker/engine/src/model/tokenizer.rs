@@ -24,6 +24,8 @@ pub struct Tokenizer {
     chat_template: Option<String>,
     bos_token: String,
     eos_token: String,
+    /// Each token's own bytes, built on first use (log probabilities).
+    token_bytes: std::sync::OnceLock<Vec<Vec<u8>>>,
 }
 
 impl Tokenizer {
@@ -62,6 +64,7 @@ impl Tokenizer {
             chat_template,
             bos_token,
             eos_token,
+            token_bytes: std::sync::OnceLock::new(),
         };
         if let Some(template) = &tokenizer.chat_template {
             // Compile once now so a broken template fails at load, not per request.
@@ -91,6 +94,46 @@ impl Tokenizer {
         self.inner
             .decode(ids, true)
             .map_err(|e| EngineError::Tokenizer(format!("decode: {e}")))
+    }
+
+    /// The bytes a token stands for, alone: what OpenAI's `bytes` field
+    /// holds. A byte-level BPE token may be part of a UTF-8 character, so
+    /// these need not be valid UTF-8. Empty for an id outside the
+    /// vocabulary.
+    pub fn token_bytes(&self, id: u32) -> &[u8] {
+        let table = self.token_bytes.get_or_init(|| {
+            let byte_level = matches!(
+                self.inner.get_decoder(),
+                Some(tokenizers::DecoderWrapper::ByteLevel(_))
+            );
+            let unicode_to_byte = byte_level_alphabet();
+            (0..self.inner.get_vocab_size(true) as u32)
+                .map(|id| {
+                    let piece = self.inner.id_to_token(id).unwrap_or_default();
+                    if byte_level && !self.inner.get_added_vocabulary().is_special_token(&piece) {
+                        if let Some(bytes) = piece
+                            .chars()
+                            .map(|c| unicode_to_byte.get(&c).copied())
+                            .collect::<Option<Vec<u8>>>()
+                        {
+                            return bytes;
+                        }
+                    }
+                    // SentencePiece's byte fallback pieces, "<0xE3>".
+                    if let Some(hex) = piece.strip_prefix("<0x").and_then(|h| h.strip_suffix('>'))
+                        && hex.len() == 2
+                        && let Ok(b) = u8::from_str_radix(hex, 16)
+                    {
+                        return vec![b];
+                    }
+                    self.inner
+                        .decode(&[id], false)
+                        .map(String::into_bytes)
+                        .unwrap_or_else(|_| piece.into_bytes())
+                })
+                .collect()
+        });
+        table.get(id as usize).map_or(&[], Vec::as_slice)
     }
 
     /// The number of tokens in the vocabulary, added tokens included.
@@ -223,4 +266,22 @@ impl IncrementalDecoder {
             .map(str::to_owned)
             .unwrap_or_default())
     }
+}
+
+/// GPT-2's byte-level alphabet, reversed: the printable character that
+/// stands for each byte in a byte-level BPE vocabulary, to that byte.
+fn byte_level_alphabet() -> std::collections::HashMap<char, u8> {
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    let mut out = std::collections::HashMap::with_capacity(256);
+    let mut next = 256u32;
+    for b in 0..=255u8 {
+        let c = if printable(b) {
+            b as u32
+        } else {
+            next += 1;
+            next - 1
+        };
+        out.insert(char::from_u32(c).expect("a valid code point"), b);
+    }
+    out
 }

@@ -547,21 +547,22 @@ impl Backend for CpuBackend {
                         .copy_from_slice(&v[t * kv_dim..(t + 1) * kv_dim]);
                 }
             }
-            let kept = batch.seqs.iter().filter(|s| s.want_logits).count();
+            let kept: usize = batch.seqs.iter().map(|s| s.logit_rows).sum();
             if layer + 1 == c.num_layers && kept < n {
                 let mut sub = StepBatch::default();
                 let (mut sub_q, mut sub_hidden) = (Vec::new(), Vec::new());
-                for s in batch.seqs.iter().filter(|s| s.want_logits) {
-                    let t = s.start + s.len - 1;
-                    sub.push(
-                        &batch.tokens[t..t + 1],
-                        s.first_position + s.len - 1,
+                for s in batch.seqs.iter().filter(|s| s.logit_rows > 0) {
+                    let (k, end) = (s.logit_rows, s.start + s.len);
+                    let t = end - k;
+                    sub.push_rows(
+                        &batch.tokens[t..end],
+                        s.first_position + s.len - k,
                         s.block_table,
                         batch.token_slot[t],
-                        true,
+                        k,
                     );
-                    sub_q.extend_from_slice(&q[t * c.q_dim()..(t + 1) * c.q_dim()]);
-                    sub_hidden.extend_from_slice(&hidden[t * d..(t + 1) * d]);
+                    sub_q.extend_from_slice(&q[t * c.q_dim()..end * c.q_dim()]);
+                    sub_hidden.extend_from_slice(&hidden[t * d..end * d]);
                 }
                 sub.finish();
                 (q, hidden) = (sub_q, sub_hidden);

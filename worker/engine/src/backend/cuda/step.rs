@@ -195,7 +195,7 @@ impl CudaBackend {
         }
         let rows = batch.logit_rows();
         let decode =
-            n <= MAX_GRAPH_TOKENS && batch.seqs.iter().all(|s| s.len == 1 && s.want_logits);
+            n <= MAX_GRAPH_TOKENS && batch.seqs.iter().all(|s| s.len == 1 && s.logit_rows == 1);
         let host = HostMeta::build(batch, &rows, self.shape.block_size, decode);
         if !self.ws.holds(n, rows.len(), host.buf.len()) {
             // Larger than planned: a new workspace, and the graphs that

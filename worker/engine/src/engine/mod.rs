@@ -7,16 +7,17 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::backend::cpu::CpuBackend;
-use crate::backend::{Backend, BackendShape, DeviceSample, StepBatch};
+use crate::backend::{Backend, BackendShape};
 use crate::error::{EngineError, Result};
 use crate::kv::BlockAllocator;
 use crate::model::tokenizer::Tokenizer;
 use crate::model::{ModelConfig, WeightFiles};
 use crate::pool::{AdapterId, AdapterPool, AdapterSource, AdapterStatus, PoolCounters, Residency};
 use crate::prompter::Prompter;
-use crate::sampling::{Rng, SamplingParams, sample};
-use crate::scheduler::{Limits, Queues, Scheduler, SeqId};
+use crate::scheduler::{Queues, SeqId};
 use crate::sequence::Sequence;
+
+mod step;
 
 pub use crate::request::{Accepted, Completion, Event, Fairness, Prompt, Request};
 pub use crate::settings::{BackendChoice, EngineSettings};
@@ -507,214 +508,6 @@ impl Engine {
     pub fn last_step(&self) -> StepStats {
         self.last_step
     }
-
-    /// Runs one iteration: settles adapter loads, schedules, runs the
-    /// forward pass and samples. Returns each request's new events.
-    ///
-    /// When nothing can run because every waiting request's adapter is
-    /// still loading, it waits briefly for a load rather than spinning.
-    pub fn step(&mut self) -> Result<Vec<(String, Event)>> {
-        let mut events = Vec::new();
-        self.settle_loads(None, &mut events);
-        self.pool.settle_unloads(self.backend.as_mut())?;
-
-        let plan = Scheduler {
-            queues: &mut self.queues,
-            seqs: &mut self.seqs,
-            pool: &mut self.pool,
-            kv: &mut self.kv,
-            backend: self.backend.as_mut(),
-            limits: Limits {
-                max_num_seqs: self.settings.max_num_seqs,
-                max_batched_tokens: self.settings.max_batched_tokens,
-                max_loras: self.settings.max_loras,
-            },
-            fair: self.settings.fair_admission.then_some(&mut self.fair),
-        }
-        .schedule()?;
-        if plan.scheduled.is_empty() {
-            self.last_step = StepStats {
-                preempted: plan.preempted.len(),
-                ..Default::default()
-            };
-            if self.pool.loads_in_flight() > 0 {
-                self.settle_loads(Some(Duration::from_millis(20)), &mut events);
-            }
-            return Ok(events);
-        }
-
-        // How long each newly scheduled request waited, in steps that ran
-        // without it.
-        for &(id, _) in &plan.scheduled {
-            let seq = self.seqs.get_mut(&id).expect("a scheduled sequence");
-            if seq.waited_steps.is_none() {
-                let waited = self.run.steps - seq.arrived_step;
-                seq.waited_steps = Some(waited);
-                self.run.max_wait_steps = self.run.max_wait_steps.max(waited);
-            }
-        }
-        // Order by slot (base first) so each adapter's tokens are one segment.
-        let mut order: Vec<(Option<usize>, SeqId, usize)> = plan
-            .scheduled
-            .iter()
-            .map(|&(id, chunk)| {
-                (
-                    self.seqs[&id].adapter.and_then(|a| self.pool.slot_of(a)),
-                    id,
-                    chunk,
-                )
-            })
-            .collect();
-        order.sort_by_key(|&(slot, id, _)| (slot.map_or(0, |s| s + 1), id));
-        for &(_, id, _) in &order {
-            if let Some(a) = self.seqs[&id].adapter {
-                self.pool.touch(a);
-            }
-        }
-
-        let mut batch = StepBatch::default();
-        let mut tokens = Vec::new();
-        for &(slot, id, chunk) in &order {
-            let seq = &self.seqs[&id];
-            tokens.clear();
-            tokens.extend((seq.num_computed..seq.num_computed + chunk).map(|p| seq.token_at(p)));
-            let want = seq.num_computed + chunk == seq.total_len();
-            batch.push(&tokens, seq.num_computed, &seq.blocks, slot, want);
-        }
-        batch.finish();
-        self.last_step = StepStats {
-            sequences: batch.seqs.len(),
-            tokens: batch.tokens.len(),
-            distinct_adapters: batch.distinct_adapters(),
-            preempted: plan.preempted.len(),
-        };
-        self.run.steps += 1;
-        self.run.distinct_adapters += batch.distinct_adapters() as u64;
-        // Each row that wants a token, with a copy of its request's
-        // generator: the draws are written back only once the step stands.
-        let mut draws: Vec<(&SamplingParams, Rng, u32)> = order
-            .iter()
-            .map(|&(_, id, chunk)| (&self.seqs[&id], chunk))
-            .filter(|(seq, chunk)| seq.num_computed + chunk == seq.total_len())
-            .map(|(seq, _)| (&seq.params, seq.rng.clone(), 0))
-            .collect();
-        if self.backend.samples_on_device() {
-            // The uniform draw comes from the request's own stream, here,
-            // as the host sampler would take it (only when sampling), so a
-            // request's tokens do not depend on its batch.
-            let rows: Vec<DeviceSample> = draws
-                .iter_mut()
-                .map(|(params, rng, _)| DeviceSample {
-                    temperature: params.temperature,
-                    top_k: params.top_k,
-                    top_p: params.top_p,
-                    u: if params.temperature > 0.0 {
-                        rng.next_f64() as f32
-                    } else {
-                        0.0
-                    },
-                })
-                .collect();
-            let picked = self.backend.forward_sampled(&batch, &rows)?;
-            if picked.len() != draws.len() {
-                return Err(EngineError::Backend(format!(
-                    "the backend sampled {} tokens for {} rows",
-                    picked.len(),
-                    draws.len()
-                )));
-            }
-            for ((_, _, token), t) in draws.iter_mut().zip(picked) {
-                *token = t;
-            }
-        } else {
-            let logits = self.backend.forward(&batch)?;
-            // Sample every row that wants a token, in parallel: each draws
-            // only from its own request's generator, so the order does not
-            // matter. On the team that runs the CPU backend's loops: with
-            // that backend its workers are usually still awake from the
-            // forward pass.
-            let vocab = self.config.vocab_size;
-            crate::backend::cpu::team::for_each_mut(&mut draws, |(params, rng, token), row| {
-                *token = sample(&logits[row * vocab..(row + 1) * vocab], params, rng);
-            });
-        }
-        // The draws are in `order`, as the loop below meets the rows.
-        let sampled: Vec<(Rng, u32)> = draws.into_iter().map(|(_, r, t)| (r, t)).collect();
-        let mut sampled = sampled.into_iter();
-        let mut finished = Vec::new();
-        for &(_, id, chunk) in &order {
-            let seq = self.seqs.get_mut(&id).expect("scheduled sequence exists");
-            seq.num_computed += chunk;
-            // Blocks this step filled are registered for reuse.
-            let full = seq.num_computed / self.kv.block_size();
-            if self.kv.caching() && full > seq.registered {
-                seq.hashes_upto(full, self.kv.block_size());
-                for i in seq.registered..full {
-                    self.kv.register(seq.blocks[i], seq.block_hashes[i]);
-                }
-                seq.registered = full;
-            }
-            if seq.num_computed < seq.total_len() {
-                continue; // a prefill chunk that does not reach the end yet
-            }
-            let (rng, token) = sampled.next().expect("a row was sampled");
-            seq.rng = rng;
-            let out = match seq.push_token(
-                token,
-                &self.tokenizer,
-                &self.config.eos_token_ids,
-                self.config.max_position_embeddings,
-            ) {
-                Ok(out) => out,
-                Err(e) => {
-                    // Only this sequence is affected; the rest of the step stands.
-                    events.push((seq.request_id.clone(), Event::Failed(e)));
-                    finished.push(id);
-                    continue;
-                }
-            };
-            events.push((
-                seq.request_id.clone(),
-                Event::Delta {
-                    token_ids: vec![token],
-                    text: out.text,
-                },
-            ));
-            if let Some((reason, stop)) = out.finished {
-                events.push((
-                    seq.request_id.clone(),
-                    Event::Finished(seq.finish(reason, stop)),
-                ));
-                finished.push(id);
-            }
-        }
-        for id in finished {
-            self.remove(id);
-        }
-        Ok(events)
-    }
-
-    /// Takes finished adapter loads; fails the requests whose adapter could
-    /// not be loaded.
-    fn settle_loads(&mut self, wait: Option<Duration>, events: &mut Vec<(String, Event)>) {
-        for (adapter, err) in self.pool.poll_loads(wait) {
-            let victims: Vec<SeqId> = self
-                .queues
-                .waiting
-                .iter()
-                .copied()
-                .filter(|id| self.seqs[id].adapter == Some(adapter))
-                .collect();
-            for id in victims {
-                if let Some(seq) = self.remove(id) {
-                    events.push((
-                        seq.request_id,
-                        Event::Failed(EngineError::Adapter(err.duplicate())),
-                    ));
-                }
-            }
-        }
-    }
 }
 
 impl Engine {
@@ -743,6 +536,8 @@ impl Engine {
                 text: String::new(),
                 finish: None,
                 error: None,
+                logprobs: Vec::new(),
+                prompt_logprobs: Vec::new(),
             };
             if index.contains_key(&request.id) {
                 completion.error = Some(EngineError::request(
@@ -775,10 +570,16 @@ impl Engine {
             for (request_id, event) in self.step()? {
                 let c = &mut out[index[&request_id]];
                 match event {
-                    Event::Delta { token_ids, text } => {
+                    Event::Delta {
+                        token_ids,
+                        text,
+                        logprobs,
+                    } => {
                         c.token_ids.extend(token_ids);
                         c.text.push_str(&text);
+                        c.logprobs.extend(logprobs);
                     }
+                    Event::PromptLogprobs(scored) => c.prompt_logprobs.extend(scored),
                     Event::Finished(f) => {
                         c.finish = Some(f);
                         done += 1;

@@ -1,0 +1,400 @@
+//! One engine iteration: settle adapter loads, schedule, run the forward
+//! pass, score and sample the rows that want it, and turn the results into
+//! each request's events.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use super::{Engine, StepStats};
+use crate::backend::{Backend, DeviceSample, StepBatch};
+use crate::error::{EngineError, Result};
+use crate::logprobs::{TokenLogprob, score};
+use crate::request::Event;
+use crate::sampling::{Rng, sample};
+use crate::scheduler::{Limits, Scheduler, SeqId};
+use crate::sequence::{FinishReason, Sequence};
+
+/// One scheduled sequence's place in a step: its slot, id, how many tokens
+/// it feeds, and the rows of the step's logits that are its own.
+struct Row {
+    id: SeqId,
+    chunk: usize,
+    /// Its first logit row, and how many it has.
+    first_row: usize,
+    rows: usize,
+}
+
+impl Sequence {
+    /// How many of this chunk's last positions need logits: the prompt
+    /// positions whose next token is still to be scored, and the last
+    /// position when the chunk reaches the end (it chooses the next token).
+    fn logit_rows(&self, chunk: usize) -> usize {
+        let end = self.num_computed + chunk;
+        let mut from = if end == self.total_len() {
+            end - 1
+        } else {
+            end
+        };
+        if self.params.prompt_logprobs.is_some() && self.prompt_scored < self.prompt_ids.len() {
+            // Position p's logits score prompt token p + 1.
+            from = from.min(self.num_computed.max(self.prompt_scored.saturating_sub(1)));
+        }
+        end - from.min(end)
+    }
+
+    /// Whether a chunk ending at the sequence's end draws a token: not when
+    /// the request only scores its prompt (`max_tokens` 0).
+    fn draws(&self, chunk: usize) -> bool {
+        self.num_computed + chunk == self.total_len() && self.params.max_tokens > 0
+    }
+}
+
+impl Engine {
+    /// Runs one iteration: settles adapter loads, schedules, runs the
+    /// forward pass and samples. Returns each request's new events.
+    ///
+    /// When nothing can run because every waiting request's adapter is
+    /// still loading, it waits briefly for a load rather than spinning.
+    pub fn step(&mut self) -> Result<Vec<(String, Event)>> {
+        let mut events = Vec::new();
+        self.settle_loads(None, &mut events);
+        self.pool.settle_unloads(self.backend.as_mut())?;
+
+        let plan = Scheduler {
+            queues: &mut self.queues,
+            seqs: &mut self.seqs,
+            pool: &mut self.pool,
+            kv: &mut self.kv,
+            backend: self.backend.as_mut(),
+            limits: Limits {
+                max_num_seqs: self.settings.max_num_seqs,
+                max_batched_tokens: self.settings.max_batched_tokens,
+                max_loras: self.settings.max_loras,
+            },
+            fair: self.settings.fair_admission.then_some(&mut self.fair),
+        }
+        .schedule()?;
+        if plan.scheduled.is_empty() {
+            self.last_step = StepStats {
+                preempted: plan.preempted.len(),
+                ..Default::default()
+            };
+            if self.pool.loads_in_flight() > 0 {
+                self.settle_loads(Some(Duration::from_millis(20)), &mut events);
+            }
+            return Ok(events);
+        }
+
+        // How long each newly scheduled request waited, in steps that ran
+        // without it.
+        for &(id, _) in &plan.scheduled {
+            let seq = self.seqs.get_mut(&id).expect("a scheduled sequence");
+            if seq.waited_steps.is_none() {
+                let waited = self.run.steps - seq.arrived_step;
+                seq.waited_steps = Some(waited);
+                self.run.max_wait_steps = self.run.max_wait_steps.max(waited);
+            }
+        }
+        // Order by slot (base first) so each adapter's tokens are one segment.
+        let mut order: Vec<(Option<usize>, SeqId, usize)> = plan
+            .scheduled
+            .iter()
+            .map(|&(id, chunk)| {
+                (
+                    self.seqs[&id].adapter.and_then(|a| self.pool.slot_of(a)),
+                    id,
+                    chunk,
+                )
+            })
+            .collect();
+        order.sort_by_key(|&(slot, id, _)| (slot.map_or(0, |s| s + 1), id));
+        for &(_, id, _) in &order {
+            if let Some(a) = self.seqs[&id].adapter {
+                self.pool.touch(a);
+            }
+        }
+
+        let mut batch = StepBatch::default();
+        let mut tokens = Vec::new();
+        let mut rows: Vec<Row> = Vec::with_capacity(order.len());
+        let mut next_row = 0;
+        for &(slot, id, chunk) in &order {
+            let seq = &self.seqs[&id];
+            tokens.clear();
+            tokens.extend((seq.num_computed..seq.num_computed + chunk).map(|p| seq.token_at(p)));
+            let n = seq.logit_rows(chunk);
+            batch.push_rows(&tokens, seq.num_computed, &seq.blocks, slot, n);
+            rows.push(Row {
+                id,
+                chunk,
+                first_row: next_row,
+                rows: n,
+            });
+            next_row += n;
+        }
+        batch.finish();
+        self.last_step = StepStats {
+            sequences: batch.seqs.len(),
+            tokens: batch.tokens.len(),
+            distinct_adapters: batch.distinct_adapters(),
+            preempted: plan.preempted.len(),
+        };
+        self.run.steps += 1;
+        self.run.distinct_adapters += batch.distinct_adapters() as u64;
+
+        let (logits, draws) = forward_and_draw(
+            self.backend.as_mut(),
+            &self.seqs,
+            self.config.vocab_size,
+            &batch,
+            &rows,
+        )?;
+        let scored = self.score_and_collect(&rows, &logits, draws);
+        let mut scored = scored.into_iter();
+        let mut finished = Vec::new();
+        for row in &rows {
+            let seq = self
+                .seqs
+                .get_mut(&row.id)
+                .expect("scheduled sequence exists");
+            let (prompt, drawn) = scored.next().expect("one result per scheduled sequence");
+            if !prompt.is_empty() {
+                events.push((seq.request_id.clone(), Event::PromptLogprobs(prompt)));
+            }
+            let draws = seq.draws(row.chunk);
+            let reaches_end = seq.num_computed + row.chunk == seq.total_len();
+            seq.num_computed += row.chunk;
+            // Blocks this step filled are registered for reuse.
+            let full = seq.num_computed / self.kv.block_size();
+            if self.kv.caching() && full > seq.registered {
+                seq.hashes_upto(full, self.kv.block_size());
+                for i in seq.registered..full {
+                    self.kv.register(seq.blocks[i], seq.block_hashes[i]);
+                }
+                seq.registered = full;
+            }
+            if !reaches_end {
+                continue; // a prefill chunk that does not reach the end yet
+            }
+            if !draws {
+                // The prompt alone was asked for (max_tokens 0).
+                events.push((
+                    seq.request_id.clone(),
+                    Event::Finished(seq.finish(FinishReason::Length, None)),
+                ));
+                finished.push(row.id);
+                continue;
+            }
+            let (rng, token, logprob) = drawn.expect("a drawing row was sampled");
+            seq.rng = rng;
+            let out = match seq.push_token(
+                token,
+                &self.tokenizer,
+                &self.config.eos_token_ids,
+                self.config.max_position_embeddings,
+            ) {
+                Ok(out) => out,
+                Err(e) => {
+                    // Only this sequence is affected; the rest of the step stands.
+                    events.push((seq.request_id.clone(), Event::Failed(e)));
+                    finished.push(row.id);
+                    continue;
+                }
+            };
+            events.push((
+                seq.request_id.clone(),
+                Event::Delta {
+                    token_ids: vec![token],
+                    text: out.text,
+                    logprobs: logprob.into_iter().collect(),
+                },
+            ));
+            if let Some((reason, stop)) = out.finished {
+                events.push((
+                    seq.request_id.clone(),
+                    Event::Finished(seq.finish(reason, stop)),
+                ));
+                finished.push(row.id);
+            }
+        }
+        for id in finished {
+            self.remove(id);
+        }
+        Ok(events)
+    }
+
+    /// Per scheduled sequence in `rows` order, the prompt positions it
+    /// scored and the token it drew (with the generator that drew it,
+    /// written back only once the step stands, and the token's log
+    /// probabilities when asked).
+    #[allow(clippy::type_complexity)]
+    fn score_and_collect(
+        &mut self,
+        rows: &[Row],
+        logits: &[f32],
+        draws: Vec<Draw>,
+    ) -> Vec<(Vec<TokenLogprob>, Option<(Rng, u32, Option<TokenLogprob>)>)> {
+        let vocab = self.config.vocab_size;
+        let row_of = |k: usize| &logits[k * vocab..(k + 1) * vocab];
+        let mut draws = draws.into_iter().peekable();
+        let mut out = Vec::with_capacity(rows.len());
+        for (i, r) in rows.iter().enumerate() {
+            let seq = self.seqs.get_mut(&r.id).expect("scheduled sequence exists");
+            let mut prompt = Vec::new();
+            if let Some(top_n) = seq.params.prompt_logprobs
+                && seq.prompt_scored < seq.prompt_ids.len()
+                && r.rows > 0
+            {
+                if seq.prompt_scored == 0 {
+                    // The first token, which nothing predicts, opens the list.
+                    prompt.push(TokenLogprob {
+                        token: seq.prompt_ids[0],
+                        logprob: None,
+                        top: Vec::new(),
+                    });
+                    seq.prompt_scored = 1;
+                }
+                let first_position = seq.num_computed + r.chunk - r.rows;
+                for k in 0..r.rows {
+                    let target = first_position + k + 1;
+                    if target == seq.prompt_scored && target < seq.prompt_ids.len() {
+                        let token = seq.prompt_ids[target];
+                        prompt.push(score(row_of(r.first_row + k), token, top_n));
+                        seq.prompt_scored += 1;
+                    }
+                }
+            }
+            let drawn = match draws.peek() {
+                Some(d) if d.index == i => {
+                    let d = draws.next().expect("peeked");
+                    let logprob = seq
+                        .params
+                        .logprobs
+                        .map(|top_n| score(row_of(d.row), d.token, top_n));
+                    Some((d.rng, d.token, logprob))
+                }
+                _ => None,
+            };
+            out.push((prompt, drawn));
+        }
+        out
+    }
+
+    /// Takes finished adapter loads; fails the requests whose adapter could
+    /// not be loaded.
+    pub(super) fn settle_loads(
+        &mut self,
+        wait: Option<std::time::Duration>,
+        events: &mut Vec<(String, Event)>,
+    ) {
+        for (adapter, err) in self.pool.poll_loads(wait) {
+            let victims: Vec<SeqId> = self
+                .queues
+                .waiting
+                .iter()
+                .copied()
+                .filter(|id| self.seqs[id].adapter == Some(adapter))
+                .collect();
+            for id in victims {
+                if let Some(seq) = self.remove(id) {
+                    events.push((
+                        seq.request_id,
+                        Event::Failed(EngineError::Adapter(err.duplicate())),
+                    ));
+                }
+            }
+        }
+    }
+}
+
+/// A sequence that draws a token this step: its index in the step's rows,
+/// a copy of its generator, the token, and its logit row.
+struct Draw {
+    index: usize,
+    rng: Rng,
+    token: u32,
+    row: usize,
+}
+
+/// Runs the forward pass and draws the next token of every sequence whose
+/// chunk reaches its end. Returns the logits brought to the host (empty
+/// when the backend sampled on its device) and the draws, in row order.
+fn forward_and_draw(
+    backend: &mut dyn Backend,
+    seqs: &HashMap<SeqId, Sequence>,
+    vocab: usize,
+    batch: &StepBatch<'_>,
+    rows: &[Row],
+) -> Result<(Vec<f32>, Vec<Draw>)> {
+    let mut draws: Vec<Draw> = rows
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| seqs[&r.id].draws(r.chunk))
+        .map(|(index, r)| Draw {
+            index,
+            rng: seqs[&r.id].rng.clone(),
+            token: 0,
+            row: r.first_row + r.rows - 1,
+        })
+        .collect();
+    let scores = rows.iter().any(|r| {
+        let p = &seqs[&r.id].params;
+        p.logprobs.is_some() || p.prompt_logprobs.is_some()
+    });
+    if backend.samples_on_device() && !scores {
+        // The uniform draw comes from the request's own stream, here, as
+        // the host sampler would take it (only when sampling), so a
+        // request's tokens do not depend on its batch.
+        let device_rows: Vec<DeviceSample> = draws
+            .iter_mut()
+            .map(|d| {
+                let params = &seqs[&rows[d.index].id].params;
+                DeviceSample {
+                    temperature: params.temperature,
+                    top_k: params.top_k,
+                    top_p: params.top_p,
+                    u: if params.temperature > 0.0 {
+                        d.rng.next_f64() as f32
+                    } else {
+                        0.0
+                    },
+                }
+            })
+            .collect();
+        let picked = backend.forward_sampled(batch, &device_rows)?;
+        if picked.len() != draws.len() {
+            return Err(EngineError::Backend(format!(
+                "the backend sampled {} tokens for {} rows",
+                picked.len(),
+                draws.len()
+            )));
+        }
+        for (d, t) in draws.iter_mut().zip(picked) {
+            d.token = t;
+        }
+        return Ok((Vec::new(), draws));
+    }
+    // A step that scores (or a backend without its own sampler) brings the
+    // logits to the host and samples there.
+    let logits = backend.forward(batch)?;
+    let want = rows.iter().map(|r| r.rows).sum::<usize>() * vocab;
+    if logits.len() != want {
+        return Err(EngineError::Backend(format!(
+            "the backend returned {} logits for {want}",
+            logits.len()
+        )));
+    }
+    // Sample every row that wants a token, in parallel: each draws only
+    // from its own request's generator, so the order does not matter. On
+    // the team that runs the CPU backend's loops: with that backend its
+    // workers are usually still awake from the forward pass.
+    crate::backend::cpu::team::for_each_mut(&mut draws, |d, _| {
+        let params = &seqs[&rows[d.index].id].params;
+        d.token = sample(
+            &logits[d.row * vocab..(d.row + 1) * vocab],
+            params,
+            &mut d.rng,
+        );
+    });
+    Ok((logits, draws))
+}
