@@ -1,8 +1,9 @@
 //! Log probabilities in OpenAI's two shapes: the legacy one of
 //! /v1/completions (`tokens`, `token_logprobs`, `top_logprobs`,
 //! `text_offset`) and chat's (`content[]` with `token`, `logprob`, `bytes`,
-//! `top_logprobs`). A token's text is its bytes as UTF-8, with U+FFFD where
-//! a token holds part of a character; chat also gives the raw bytes.
+//! `top_logprobs`). A token is named by its text; one that holds part of a
+//! character is named `bytes:\xNN...`, as OpenAI names it, so that two
+//! such tokens never share a name. Chat also gives the raw bytes.
 
 use serde_json::{Map, Value, json};
 
@@ -51,8 +52,58 @@ impl Asked {
     }
 }
 
+/// A token's name: its text, or `bytes:` and its bytes escaped.
 fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
+    match std::str::from_utf8(bytes) {
+        Ok(t) => t.to_owned(),
+        Err(_) => {
+            let mut out = String::from("bytes:");
+            for b in bytes {
+                out.push_str(&format!("\\x{b:02x}"));
+            }
+            out
+        }
+    }
+}
+
+/// Where the next token starts in the text, in characters: bytes of a
+/// character split across tokens wait for the rest of it.
+#[derive(Debug, Default)]
+pub(super) struct TextOffset {
+    chars: usize,
+    pending: Vec<u8>,
+}
+
+impl TextOffset {
+    fn advance(&mut self, bytes: &[u8]) {
+        self.pending.extend_from_slice(bytes);
+        loop {
+            match std::str::from_utf8(&self.pending) {
+                Ok(t) => {
+                    self.chars += t.chars().count();
+                    self.pending.clear();
+                    return;
+                }
+                Err(e) => {
+                    let valid = e.valid_up_to();
+                    self.chars += std::str::from_utf8(&self.pending[..valid])
+                        .map_or(0, |t| t.chars().count());
+                    match e.error_len() {
+                        // The rest may be completed by the next token.
+                        None => {
+                            self.pending.drain(..valid);
+                            return;
+                        }
+                        // Never valid: one U+FFFD in the text.
+                        Some(n) => {
+                            self.chars += 1;
+                            self.pending.drain(..valid + n);
+                        }
+                    }
+                }
+            }
+        }
+    }
 }
 
 fn number(x: f32) -> Value {
@@ -60,14 +111,14 @@ fn number(x: f32) -> Value {
     serde_json::Number::from_f64(f64::from(x)).map_or(Value::Null, Value::Number)
 }
 
-/// The legacy shape for `entries`; `offset` is the text offset, in
-/// characters, of the first, and moves past the last.
-pub(super) fn legacy(entries: &[TokenLogprob], offset: &mut usize) -> Value {
+/// The legacy shape for `entries`; `offset` is where the first starts in
+/// the text, and moves past the last.
+pub(super) fn legacy(entries: &[TokenLogprob], offset: &mut TextOffset) -> Value {
     let (mut tokens, mut values, mut tops, mut offsets) = (vec![], vec![], vec![], vec![]);
     for e in entries {
         let token = text(&e.bytes);
-        offsets.push(json!(*offset));
-        *offset += token.chars().count();
+        offsets.push(json!(offset.chars));
+        offset.advance(&e.bytes);
         match e.logprob {
             // The prompt's first token: nothing predicts it.
             None => {
@@ -146,16 +197,25 @@ mod tests {
             // The first two bytes of "\u{1F680}" alone.
             entry(&[0xF0, 0x9F], Some(-2.0), &[(b"!", -0.25)]),
         ];
-        let mut offset = 0;
+        let mut offset = TextOffset::default();
         let v = legacy(&entries, &mut offset);
-        assert_eq!(v["tokens"], json!(["He", "llo", "\u{FFFD}"]));
+        assert_eq!(v["tokens"], json!(["He", "llo", "bytes:\\xf0\\x9f"]));
         assert_eq!(v["token_logprobs"], json!([null, -0.5, -2.0]));
         assert_eq!(v["top_logprobs"][0], Value::Null);
         assert_eq!(v["top_logprobs"][1], json!({"llo": -0.5, "y": -1.5}));
         // The chosen token joins the alternatives.
-        assert_eq!(v["top_logprobs"][2], json!({"!": -0.25, "\u{FFFD}": -2.0}));
+        assert_eq!(
+            v["top_logprobs"][2],
+            json!({"!": -0.25, "bytes:\\xf0\\x9f": -2.0})
+        );
         assert_eq!(v["text_offset"], json!([0, 2, 5]));
-        assert_eq!(offset, 6);
+        // The rest of the rocket completes one character.
+        let v = legacy(&[entry(&[0x9A, 0x80], Some(-0.1), &[])], &mut offset);
+        assert_eq!(v["text_offset"], json!([5]));
+        assert_eq!(offset.chars, 6);
+        // A byte that can never be UTF-8 is one replacement character.
+        offset.advance(&[0xFF, b'a']);
+        assert_eq!(offset.chars, 8);
     }
 
     #[test]
@@ -163,7 +223,7 @@ mod tests {
         let v = chat(&[entry(&[0xF0, 0x9F], Some(-2.0), &[(b"a", -0.1)])]);
         assert_eq!(
             v,
-            json!({"content": [{"token": "\u{FFFD}", "logprob": -2.0, "bytes": [240, 159],
+            json!({"content": [{"token": "bytes:\\xf0\\x9f", "logprob": -2.0, "bytes": [240, 159],
                                 "top_logprobs": [{"token": "a", "logprob": -0.1f32 as f64, "bytes": [97]}]}],
                    "refusal": null})
         );

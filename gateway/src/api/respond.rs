@@ -1,7 +1,7 @@
 //! The answer: a whole response or an SSE stream, each ending with its
 //! row, and cut at the drain deadline.
 
-use super::logprobs::{self, Asked};
+use super::logprobs::{self, Asked, TextOffset};
 use super::*;
 use crate::upstream::TokenLogprob;
 
@@ -108,7 +108,7 @@ impl Meta {
         &self,
         asked: &Asked,
         entries: &[TokenLogprob],
-        offset: &mut usize,
+        offset: &mut TextOffset,
     ) -> Option<Value> {
         if !asked.tokens {
             return None;
@@ -254,7 +254,7 @@ pub(super) async fn collect_response(
                 prompt_scored.append(&mut scored);
                 scored = prompt_scored;
             }
-            let logprobs = meta.logprobs(&asked, &scored, &mut 0);
+            let logprobs = meta.logprobs(&asked, &scored, &mut TextOffset::default());
             let body = meta.full(
                 &text,
                 openai::finish_reason(&f),
@@ -302,7 +302,7 @@ pub(super) fn stream_response(
         // The echoed prompt waits for its last log probabilities, then goes
         // out as the first chunk of text.
         let mut echo: Option<Vec<TokenLogprob>> = asked.echo.as_ref().map(|_| Vec::new());
-        let mut offset = 0;
+        let mut offset = TextOffset::default();
         let mut sent_role = false;
         let mut event = Some(st.first.clone());
         let deadline = tokio::time::Instant::now() + s.request_timeout;
@@ -428,7 +428,12 @@ pub(super) fn stream_response(
 
 /// The chunk that echoes the prompt: its text, and its tokens' log
 /// probabilities when asked.
-fn echo_chunk(meta: &Meta, asked: &Asked, prompt: &[TokenLogprob], offset: &mut usize) -> Value {
+fn echo_chunk(
+    meta: &Meta,
+    asked: &Asked,
+    prompt: &[TokenLogprob],
+    offset: &mut TextOffset,
+) -> Value {
     let text = asked.echo_text(prompt).unwrap_or_default();
     let logprobs = meta.logprobs(asked, prompt, offset);
     meta.chunk(Some(&text), false, None, logprobs)

@@ -1,0 +1,332 @@
+//! Log probabilities through the real gateway and workers: `echo` and
+//! `logprobs` on /v1/completions and `logprobs`/`top_logprobs` on chat,
+//! whole and streamed, equal to transformers + PEFT; and two real clients,
+//! lm-evaluation-harness (its loglikelihoods equal to its own `hf` backend
+//! on the same model and adapter) and the official OpenAI Python SDK.
+
+#[path = "support/fleet.rs"]
+mod fleet;
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use fleet::*;
+use lorafleet_tests::engine_fixtures;
+use serde_json::{Value, json};
+
+/// transformers + PEFT log probabilities of the engine's fixtures.
+fn golden_case(adapter: Option<&str>, prompt: usize) -> Value {
+    let g = fixture_json("golden_logprobs.json");
+    g["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["model"] == "llama-gqa" && c["adapter"].as_str() == adapter)
+        .nth(prompt)
+        .unwrap()
+        .clone()
+}
+
+fn close(got: &Value, want: &Value, what: &str) {
+    let (g, w) = (got.as_f64().unwrap(), want.as_f64().unwrap());
+    assert!((g - w).abs() <= 1e-4, "{what}: {g} against {w}");
+}
+
+/// Reads an SSE body's JSON events (not `[DONE]`).
+fn events(body: &str) -> Vec<Value> {
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect()
+}
+
+#[tokio::test]
+async fn echo_and_logprobs_through_the_gateway_equal_transformers_and_peft() {
+    let f = fleet("openai_logprobs").await;
+    for (model, adapter) in [("support", Some("qv-r8")), ("base-llama", None)] {
+        let case = golden_case(adapter, 0);
+        let ids = case["prompt_ids"].clone();
+        let n_prompt = ids.as_array().unwrap().len();
+        let completion = case["completion"].as_array().unwrap();
+        let body = json!({"model": model, "prompt": ids, "max_tokens": completion.len(),
+                          "temperature": 0, "logprobs": 5, "echo": true, "ignore_eos": true});
+        let (status, v) = f
+            .post("/v1/completions", Some(ACME_KEY), body.clone())
+            .await;
+        assert_eq!(status, 200, "{v}");
+        let lp = &v["choices"][0]["logprobs"];
+        let values = lp["token_logprobs"].as_array().unwrap();
+        assert_eq!(values.len(), n_prompt + completion.len(), "{v}");
+        assert_eq!(values[0], Value::Null, "nothing predicts the first token");
+        assert_eq!(lp["top_logprobs"][0], Value::Null);
+        for (i, want) in case["prompt"].as_array().unwrap().iter().enumerate() {
+            close(
+                &values[i + 1],
+                &want["logprob"],
+                &format!("{model} prompt[{}]", i + 1),
+            );
+        }
+        for (i, want) in completion.iter().enumerate() {
+            let at = n_prompt + i;
+            close(
+                &values[at],
+                &want["logprob"],
+                &format!("{model} completion[{i}]"),
+            );
+            // Greedy: the chosen token is the most likely one.
+            let top = lp["top_logprobs"][at].as_object().unwrap();
+            assert!(top.len() >= 5, "{top:?}");
+            close(
+                &json!(
+                    top.values()
+                        .map(|x| x.as_f64().unwrap())
+                        .fold(f64::MIN, f64::max)
+                ),
+                &want["top"][0][1],
+                "the best alternative",
+            );
+        }
+        // The text offsets walk the echoed text, which the text opens.
+        let offsets: Vec<u64> = lp["text_offset"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|o| o.as_u64().unwrap())
+            .collect();
+        assert_eq!(offsets[0], 0);
+        assert!(offsets.windows(2).all(|w| w[0] <= w[1]), "{offsets:?}");
+        let chars = text(&v).chars().count() as u64;
+        assert!(*offsets.last().unwrap() < chars, "{offsets:?} in {chars}");
+        assert_eq!(v["usage"]["completion_tokens"], completion.len());
+
+        // Streamed: the same tokens and values, chunk by chunk.
+        let mut streamed = body.clone();
+        streamed["stream"] = true.into();
+        let text = f
+            .http
+            .post(format!("{}/v1/completions", f.base_url))
+            .bearer_auth(ACME_KEY)
+            .json(&streamed)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let mut s_tokens = Vec::new();
+        let mut s_values = Vec::new();
+        let mut s_text = String::new();
+        for e in events(&text) {
+            let choice = &e["choices"][0];
+            s_text.push_str(choice["text"].as_str().unwrap_or(""));
+            if let Some(l) = choice["logprobs"].as_object() {
+                s_tokens.extend(l["tokens"].as_array().unwrap().clone());
+                s_values.extend(l["token_logprobs"].as_array().unwrap().clone());
+            }
+        }
+        assert_eq!(s_tokens, lp["tokens"].as_array().unwrap().clone(), "{text}");
+        assert_eq!(&s_values, values);
+        assert_eq!(s_text, v["choices"][0]["text"].as_str().unwrap());
+
+        // The prompt alone: max_tokens 0 with echo.
+        let (status, v) = f
+            .post(
+                "/v1/completions",
+                Some(ACME_KEY),
+                json!({"model": model, "prompt": case["prompt_ids"], "max_tokens": 0,
+                       "echo": true, "logprobs": 0}),
+            )
+            .await;
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["usage"]["completion_tokens"], 0);
+        assert_eq!(v["choices"][0]["finish_reason"], "length");
+        let values = v["choices"][0]["logprobs"]["token_logprobs"]
+            .as_array()
+            .unwrap();
+        assert_eq!(values.len(), n_prompt);
+        close(
+            &values[n_prompt - 1],
+            &case["prompt"][n_prompt - 2]["logprob"],
+            "last prompt token",
+        );
+    }
+
+    // A text prompt's echo is the client's own text.
+    let (status, v) = f
+        .post(
+            "/v1/completions",
+            Some(ACME_KEY),
+            json!({"model": "support", "prompt": "Grüße aus", "max_tokens": 2, "echo": true,
+                   "temperature": 0}),
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    assert!(text(&v).starts_with("Grüße aus"), "{v}");
+    assert_eq!(
+        v["choices"][0]["logprobs"],
+        Value::Null,
+        "echo without logprobs"
+    );
+
+    // Chat: content[] with bytes and the asked number of alternatives.
+    let chat = json!({"model": "support", "messages": [{"role": "user", "content": "Grüße aus München! 🚀"}],
+                      "max_tokens": 6, "temperature": 0, "logprobs": true, "top_logprobs": 3,
+                      "ignore_eos": true});
+    let (status, v) = f
+        .post("/v1/chat/completions", Some(ACME_KEY), chat.clone())
+        .await;
+    assert_eq!(status, 200, "{v}");
+    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len(), 6, "{v}");
+    let mut bytes = Vec::new();
+    for c in content {
+        let top = c["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3);
+        // Greedy: the chosen token is the first alternative.
+        assert_eq!(c["logprob"], top[0]["logprob"], "{c}");
+        assert!(c["logprob"].as_f64().unwrap() <= 0.0);
+        bytes.extend(
+            c["bytes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|b| b.as_u64().unwrap() as u8),
+        );
+    }
+    // The tokens' bytes spell the message's text.
+    let message = v["choices"][0]["message"]["content"].as_str().unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&bytes).replace('\u{FFFD}', ""),
+        message.replace('\u{FFFD}', "")
+    );
+    let mut streamed = chat.clone();
+    streamed["stream"] = true.into();
+    let text = f
+        .http
+        .post(format!("{}/v1/chat/completions", f.base_url))
+        .bearer_auth(ACME_KEY)
+        .json(&streamed)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let s_content: Vec<Value> = events(&text)
+        .iter()
+        .filter_map(|e| e["choices"][0]["logprobs"]["content"].as_array().cloned())
+        .flatten()
+        .collect();
+    assert_eq!(&s_content, content);
+
+    // Each endpoint refuses the other's shape, by field.
+    for (path, body, param) in [
+        (
+            "/v1/chat/completions",
+            json!({"model": "support", "messages": [{"role": "user", "content": "x"}], "logprobs": 2}),
+            "logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": "support", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}),
+            "top_logprobs",
+        ),
+        (
+            "/v1/completions",
+            json!({"model": "support", "prompt": "x", "logprobs": 21}),
+            "logprobs",
+        ),
+        (
+            "/v1/completions",
+            json!({"model": "support", "prompt": "x", "max_tokens": 0}),
+            "max_tokens",
+        ),
+    ] {
+        let (status, v) = f.post(path, Some(ACME_KEY), body).await;
+        assert_eq!(status, 400, "{v}");
+        assert_eq!(v["error"]["param"], param, "{v}");
+    }
+}
+
+/// The Python that has lm-eval and the OpenAI SDK (`.ci/run` installs it).
+fn python() -> PathBuf {
+    if let Some(p) = std::env::var_os("LORAFLEET_LM_EVAL_PYTHON") {
+        return PathBuf::from(p);
+    }
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/lm-eval-venv/bin/python");
+    assert!(
+        p.exists(),
+        "{} is missing: `bash .ci/run` installs lm-eval and the OpenAI SDK there \
+         (or set LORAFLEET_LM_EVAL_PYTHON)",
+        p.display()
+    );
+    p
+}
+
+fn run_python(args: &[&str], envs: &[(&str, &str)]) -> String {
+    let out = Command::new(python())
+        .args(args)
+        .envs(envs.iter().copied())
+        .env("HF_DATASETS_OFFLINE", "1")
+        .env("HF_HUB_OFFLINE", "1")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{args:?} failed:\n{stderr}");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[tokio::test]
+async fn lm_eval_and_the_openai_sdk_are_served_as_by_the_reference() {
+    let f = fleet("openai_clients").await;
+    let here = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let out = tempfile::tempdir().unwrap();
+    let results = out.path().join("gateway.json");
+    let tokenizer = engine_fixtures().join("llama-gqa");
+    run_python(
+        &[
+            here.join("lm_eval/run.py").to_str().unwrap(),
+            "gateway",
+            &f.base_url,
+            "support",
+            tokenizer.to_str().unwrap(),
+            results.to_str().unwrap(),
+        ],
+        &[("OPENAI_API_KEY", ACME_KEY)],
+    );
+    let got: Value = serde_json::from_str(&std::fs::read_to_string(&results).unwrap()).unwrap();
+    let want: Value =
+        serde_json::from_str(&std::fs::read_to_string(here.join("lm_eval/goldens.json")).unwrap())
+            .unwrap();
+    // Loglikelihoods (multiple choice): lm-eval's `hf` backend on the same
+    // model and adapter, within 1e-3.
+    let mc = want["lorafleet_mc"].as_object().unwrap();
+    assert_eq!(got["lorafleet_mc"].as_object().unwrap().len(), mc.len());
+    for (doc, choices) in mc {
+        for (i, w) in choices.as_array().unwrap().iter().enumerate() {
+            let g = &got["lorafleet_mc"][doc][i];
+            let (g, w) = (g.as_f64().unwrap(), w.as_f64().unwrap());
+            assert!(
+                (g - w).abs() <= 1e-3,
+                "doc {doc} choice {i}: {g} against {w}"
+            );
+        }
+    }
+    // Greedy generations: the same text.
+    assert_eq!(got["lorafleet_gen"], want["lorafleet_gen"]);
+    // Through chat (the template applied): an answer per document.
+    let chat = got["lorafleet_gen_chat"].as_object().unwrap();
+    assert_eq!(chat.len(), want["lorafleet_gen"].as_object().unwrap().len());
+
+    // The official SDK parses every shape, streaming included.
+    let said = run_python(
+        &[
+            here.join("openai_sdk/check.py").to_str().unwrap(),
+            &format!("{}/v1", f.base_url),
+            "support",
+        ],
+        &[("OPENAI_API_KEY", ACME_KEY)],
+    );
+    assert!(said.contains("openai sdk: ok"), "{said}");
+}
