@@ -298,11 +298,7 @@ pub(super) fn stream_response(
 ) -> Response {
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(32);
     let task = async move {
-        let asked = Asked::new(&p.request.prompt, &p.request.sampling);
-        // The echoed prompt waits for its last log probabilities, then goes
-        // out as the first chunk of text.
-        let mut echo: Option<Vec<TokenLogprob>> = asked.echo.as_ref().map(|_| Vec::new());
-        let mut offset = TextOffset::default();
+        let mut scores = StreamScores::new(&p);
         let mut sent_role = false;
         let mut event = Some(st.first.clone());
         let deadline = tokio::time::Instant::now() + s.request_timeout;
@@ -326,30 +322,22 @@ pub(super) fn stream_response(
         }
         let outcome: Result<upstream::Finished, Cut> = loop {
             match event.take() {
-                Some(WorkerEvent::PromptLogprobs(v)) => {
-                    if let Some(e) = echo.as_mut() {
-                        e.extend(v);
-                    }
-                }
+                Some(WorkerEvent::PromptLogprobs(v)) => scores.prompt(v),
                 Some(WorkerEvent::Delta {
                     token_ids,
                     text,
                     logprobs,
                 }) => {
                     trail.record.completion_tokens += token_ids.len() as i32;
-                    let echoed = match echo.take() {
-                        Some(prompt) => {
-                            send(sse(&echo_chunk(&meta, &asked, &prompt, &mut offset))).await
-                        }
-                        None => true,
-                    };
-                    let logprobs = meta.logprobs(&asked, &logprobs, &mut offset);
-                    let says = !text.is_empty() || logprobs.is_some();
-                    if !echoed
-                        || (says
-                            && !send(sse(&meta.chunk(Some(&text), !sent_role, None, logprobs)))
-                                .await)
+                    let mut sent = true;
+                    let echo = scores.echo(&meta);
+                    for chunk in echo
+                        .into_iter()
+                        .chain(scores.delta(&meta, &text, !sent_role, &logprobs))
                     {
+                        sent = sent && send(sse(&chunk)).await;
+                    }
+                    if !sent {
                         // The client went away (or the drain deadline cut
                         // it): dropping the worker stream cancels the
                         // request there and frees its blocks.
@@ -379,9 +367,9 @@ pub(super) fn stream_response(
             Ok(f) => {
                 let usage = settle(&mut trail, &f, tokens);
                 let reason = openai::finish_reason(&f);
-                if let Some(prompt) = echo.take() {
+                if let Some(chunk) = scores.echo(&meta) {
                     // A prompt scored alone (max_tokens 0).
-                    send(sse(&echo_chunk(&meta, &asked, &prompt, &mut offset))).await;
+                    send(sse(&chunk)).await;
                 }
                 send(sse(&meta.chunk(None, false, Some(reason), None))).await;
                 if p.include_usage {
@@ -398,21 +386,7 @@ pub(super) fn stream_response(
                     send(sse(&body)).await;
                 }
             }
-            Err(cut) => {
-                // The row keeps how the stream ended; the client, whose
-                // headers are gone, is told in-band, OpenAI-style.
-                let (status, told, code) = cut.ending(&s);
-                if let Some(e) = told {
-                    let p = e.parts();
-                    let body = openai::error_body(&p.message, p.kind, None, Some(code));
-                    // Best effort, and never past the deadline.
-                    let _ =
-                        tokio::time::timeout(Duration::from_millis(100), tx.send(Ok(sse(&body))))
-                            .await;
-                }
-                tracing::warn!(status, code, "stream ended early");
-                durable(trail.close(status, StatusCode::OK, Some(code))).await;
-            }
+            Err(cut) => end_early(&s, &tx, trail, cut).await,
         }
         drop(st);
     };
@@ -426,15 +400,70 @@ pub(super) fn stream_response(
         .expect("a valid response")
 }
 
-/// The chunk that echoes the prompt: its text, and its tokens' log
-/// probabilities when asked.
-fn echo_chunk(
-    meta: &Meta,
-    asked: &Asked,
-    prompt: &[TokenLogprob],
-    offset: &mut TextOffset,
-) -> Value {
-    let text = asked.echo_text(prompt).unwrap_or_default();
-    let logprobs = meta.logprobs(asked, prompt, offset);
-    meta.chunk(Some(&text), false, None, logprobs)
+/// A stream cut before its end: the row keeps how it ended, and the
+/// client, whose headers are gone, is told in-band, OpenAI-style.
+async fn end_early(
+    s: &AppState,
+    tx: &tokio::sync::mpsc::Sender<Result<Bytes, std::io::Error>>,
+    trail: Trail,
+    cut: Cut,
+) {
+    let (status, told, code) = cut.ending(s);
+    if let Some(e) = told {
+        let p = e.parts();
+        let body = openai::error_body(&p.message, p.kind, None, Some(code));
+        // Best effort, and never past the deadline.
+        let _ = tokio::time::timeout(Duration::from_millis(100), tx.send(Ok(sse(&body)))).await;
+    }
+    tracing::warn!(status, code, "stream ended early");
+    durable(trail.close(status, StatusCode::OK, Some(code))).await;
+}
+
+/// What a stream still owes about log probabilities: the echoed prompt,
+/// which waits for its last log probabilities and then goes out as the
+/// first chunk of text, and the legacy shape's running text offset.
+struct StreamScores {
+    asked: Asked,
+    echo: Option<Vec<TokenLogprob>>,
+    offset: TextOffset,
+}
+
+impl StreamScores {
+    fn new(p: &Prepared) -> StreamScores {
+        let asked = Asked::new(&p.request.prompt, &p.request.sampling);
+        StreamScores {
+            echo: asked.echo.as_ref().map(|_| Vec::new()),
+            asked,
+            offset: TextOffset::default(),
+        }
+    }
+
+    fn prompt(&mut self, scored: Vec<TokenLogprob>) {
+        if let Some(e) = self.echo.as_mut() {
+            e.extend(scored);
+        }
+    }
+
+    /// The chunk that echoes the prompt, once: its text, and its tokens'
+    /// log probabilities when asked.
+    fn echo(&mut self, meta: &Meta) -> Option<Value> {
+        let prompt = self.echo.take()?;
+        let text = self.asked.echo_text(&prompt).unwrap_or_default();
+        let logprobs = meta.logprobs(&self.asked, &prompt, &mut self.offset);
+        Some(meta.chunk(Some(&text), false, None, logprobs))
+    }
+
+    /// The chunk a delta becomes, unless it says nothing (its text held
+    /// back, no log probabilities asked).
+    fn delta(
+        &mut self,
+        meta: &Meta,
+        text: &str,
+        role: bool,
+        scored: &[TokenLogprob],
+    ) -> Option<Value> {
+        let logprobs = meta.logprobs(&self.asked, scored, &mut self.offset);
+        (!text.is_empty() || logprobs.is_some())
+            .then(|| meta.chunk(Some(text), role, None, logprobs))
+    }
 }

@@ -110,14 +110,14 @@ impl Tokenizer {
             (0..self.inner.get_vocab_size(true) as u32)
                 .map(|id| {
                     let piece = self.inner.id_to_token(id).unwrap_or_default();
-                    if byte_level && !self.inner.get_added_vocabulary().is_special_token(&piece) {
-                        if let Some(bytes) = piece
+                    if byte_level
+                        && !self.inner.get_added_vocabulary().is_special_token(&piece)
+                        && let Some(bytes) = piece
                             .chars()
                             .map(|c| unicode_to_byte.get(&c).copied())
                             .collect::<Option<Vec<u8>>>()
-                        {
-                            return bytes;
-                        }
+                    {
+                        return bytes;
                     }
                     // SentencePiece's byte fallback pieces, "<0xE3>".
                     if let Some(hex) = piece.strip_prefix("<0x").and_then(|h| h.strip_suffix('>'))
