@@ -120,6 +120,73 @@ fn generate_runs_a_mixed_batch_and_matches_the_goldens() {
     }
 }
 
+/// Token-id prompts and log probabilities, as vLLM's `LLM.generate` takes
+/// them, equal to transformers + PEFT.
+#[test]
+fn generate_takes_token_ids_and_returns_log_probabilities() {
+    let fixtures = engine_fixtures();
+    let golden: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures.join("golden_logprobs.json")).unwrap(),
+    )
+    .unwrap();
+    let case = golden["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["model"] == "llama-gqa" && c["adapter"] == "qv-r8")
+        .unwrap();
+    let n = case["completion"].as_array().unwrap().len();
+    let dir = tempfile::tempdir().unwrap();
+    let (input, output) = (dir.path().join("in.jsonl"), dir.path().join("out.jsonl"));
+    write_lines(
+        &input,
+        &[
+            json!({"prompt_token_ids": case["prompt_ids"], "lora": "qv-r8", "max_tokens": n,
+                   "temperature": 0, "logprobs": 5, "prompt_logprobs": 5}),
+            json!({"prompt_token_ids": case["prompt_ids"], "max_tokens": 0, "prompt_logprobs": 0}),
+            json!({"prompt": "hi", "max_tokens": 2}),
+        ],
+    );
+    stdout(&generate(&input, &output, &["qv-r8"]));
+    let results: Vec<Value> = std::fs::read_to_string(&output)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let close = |got: &Value, want: &Value, what: String| {
+        let (g, w) = (got.as_f64().unwrap(), want.as_f64().unwrap());
+        assert!((g - w).abs() <= 1e-4, "{what}: {g} against {w}");
+    };
+    let r = &results[0];
+    assert_eq!(r["prompt_token_ids"], case["prompt_ids"]);
+    assert_eq!(r["prompt_logprobs"][0]["logprob"], Value::Null);
+    for (i, want) in case["prompt"].as_array().unwrap().iter().enumerate() {
+        let got = &r["prompt_logprobs"][i + 1];
+        assert_eq!(got["token_id"], want["token"]);
+        close(
+            &got["logprob"],
+            &want["logprob"],
+            format!("prompt[{}]", i + 1),
+        );
+        assert_eq!(got["top"][0][0], want["top"][0][0]);
+    }
+    for (i, want) in case["completion"].as_array().unwrap().iter().enumerate() {
+        assert_eq!(r["token_ids"][i], want["token"]);
+        close(
+            &r["logprobs"][i]["logprob"],
+            &want["logprob"],
+            format!("completion[{i}]"),
+        );
+    }
+    // The prompt scored alone, and a line that asked for nothing.
+    assert_eq!(results[1]["token_ids"], json!([]));
+    assert_eq!(
+        results[1]["prompt_logprobs"].as_array().unwrap().len(),
+        case["prompt_ids"].as_array().unwrap().len()
+    );
+    assert!(results[2].get("logprobs").is_none() && results[2].get("prompt_logprobs").is_none());
+}
+
 #[test]
 fn a_bad_input_line_fails_the_run_before_any_work() {
     let dir = tempfile::tempdir().unwrap();
@@ -142,7 +209,22 @@ fn a_bad_input_line_fails_the_run_before_any_work() {
             json!({"prompt": "hi", "colour": "red"}),
             "line 3: unknown field `colour`",
         ),
-        (json!({"lora": "qv-r8"}), "line 3: missing field `prompt`"),
+        (
+            json!({"lora": "qv-r8"}),
+            "line 3: exactly one of prompt and prompt_token_ids is required",
+        ),
+        (
+            json!({"prompt": "hi", "prompt_token_ids": [1, 2]}),
+            "line 3: exactly one of prompt and prompt_token_ids is required",
+        ),
+        (
+            json!({"prompt_token_ids": [1, 99999]}),
+            "line 3: prompt.token_ids: 99999 is not below vocab_size",
+        ),
+        (
+            json!({"prompt": "hi", "logprobs": 21}),
+            "line 3: logprobs: 21 is above the limit of 20",
+        ),
         (
             json!({"prompt": "hi", "max_tokens": 100000}),
             "line 3: max_tokens: the prompt",

@@ -35,7 +35,12 @@ pub struct GenerateArgs {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct InputLine {
-    prompt: String,
+    /// Text, tokenized with the model's special tokens; or
+    /// `prompt_token_ids`, used as they are. Exactly one.
+    #[serde(default)]
+    prompt: Option<String>,
+    #[serde(default)]
+    prompt_token_ids: Option<Vec<u32>>,
     #[serde(default)]
     lora: Option<String>,
     #[serde(default = "default_max_tokens")]
@@ -50,6 +55,37 @@ struct InputLine {
     seed: Option<u64>,
     #[serde(default)]
     stop: Option<Vec<String>>,
+    #[serde(default)]
+    stop_token_ids: Option<Vec<u32>>,
+    #[serde(default)]
+    ignore_eos: bool,
+    /// Log probabilities of each completion token with this many
+    /// alternatives; `prompt_logprobs` the same for the prompt's tokens.
+    #[serde(default)]
+    logprobs: Option<usize>,
+    #[serde(default)]
+    prompt_logprobs: Option<usize>,
+}
+
+/// One position's log probability, as an output line carries it.
+#[derive(Debug, serde::Serialize)]
+struct Scored {
+    token_id: u32,
+    /// Null for the prompt's first token.
+    logprob: Option<f32>,
+    /// `[token_id, logprob]`, most likely first.
+    top: Vec<(u32, f32)>,
+}
+
+fn scored(entries: &[lorafleet_engine::logprobs::TokenLogprob]) -> Vec<Scored> {
+    entries
+        .iter()
+        .map(|e| Scored {
+            token_id: e.token,
+            logprob: e.logprob,
+            top: e.top.clone(),
+        })
+        .collect()
 }
 
 fn default_max_tokens() -> usize {
@@ -64,6 +100,10 @@ struct OutputLine<'a> {
     token_ids: &'a [u32],
     text: &'a str,
     finish_reason: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    logprobs: Option<Vec<Scored>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    prompt_logprobs: Option<Vec<Scored>>,
 }
 
 /// What `--stats` writes.
@@ -131,6 +171,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     // Check every line before any work starts.
     let mut requests = Vec::new();
     let mut names: Vec<Option<String>> = Vec::new();
+    let mut wants: Vec<(bool, bool)> = Vec::new();
     for (n, line) in std::io::BufReader::new(input).lines().enumerate() {
         let line_no = n + 1;
         let line = line.with_context(|| format!("{}: line {line_no}", args.input.display()))?;
@@ -156,12 +197,23 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             top_k: parsed.top_k.unwrap_or(0),
             seed: parsed.seed,
             stop: parsed.stop.unwrap_or_default(),
-            ..SamplingParams::default()
+            stop_token_ids: parsed.stop_token_ids.unwrap_or_default(),
+            ignore_eos: parsed.ignore_eos,
+            logprobs: parsed.logprobs,
+            prompt_logprobs: parsed.prompt_logprobs,
         };
         params
             .validate("", engine.config().vocab_size)
             .map_err(|e| at(e.to_string()))?;
-        let prompt = Prompt::Text(parsed.prompt);
+        let prompt = match (parsed.prompt, parsed.prompt_token_ids) {
+            (Some(text), None) => Prompt::Text(text),
+            (None, Some(ids)) => Prompt::TokenIds(ids),
+            _ => {
+                return Err(at(
+                    "exactly one of prompt and prompt_token_ids is required".into()
+                ));
+            }
+        };
         let prompt_len = engine
             .tokenize(&prompt)
             .map_err(|e| at(e.to_string()))?
@@ -173,6 +225,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
                 engine.max_model_len()
             )));
         }
+        wants.push((params.logprobs.is_some(), params.prompt_logprobs.is_some()));
         requests.push(Request {
             id: format!("line-{line_no}"),
             adapter,
@@ -215,7 +268,9 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let out = std::fs::File::create(&args.output)
         .with_context(|| format!("--output {}", args.output.display()))?;
     let mut out = BufWriter::new(out);
-    for (index, (c, lora)) in results.iter().zip(&names).enumerate() {
+    for (index, ((c, lora), &(logprobs, prompt_logprobs))) in
+        results.iter().zip(&names).zip(&wants).enumerate()
+    {
         if let Some(e) = &c.error {
             bail!("request {index} ({}) failed: {e}", c.request_id);
         }
@@ -233,6 +288,8 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
                 FinishReason::Stop => "stop",
                 FinishReason::Length => "length",
             },
+            logprobs: logprobs.then(|| scored(&c.logprobs)),
+            prompt_logprobs: prompt_logprobs.then(|| scored(&c.prompt_logprobs)),
         };
         serde_json::to_writer(&mut out, &line)?;
         out.write_all(b"\n")?;
