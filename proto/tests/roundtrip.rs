@@ -173,6 +173,11 @@ fn sampling() -> SamplingParams {
         ignore_eos: true,
         logprobs: Some(5),
         prompt_logprobs: Some(0),
+        logit_bias: [(7, 2.5), (9, -100.0)].into_iter().collect(),
+        min_tokens: 3,
+        repetition_penalty: Some(1.1),
+        frequency_penalty: 0.5,
+        presence_penalty: -0.5,
     }
 }
 

@@ -220,6 +220,36 @@ async fn echo_and_logprobs_through_the_gateway_equal_transformers_and_peft() {
         .collect();
     assert_eq!(&s_content, content);
 
+    // The sampling controls reach the worker: a bias of 100 on one token
+    // makes it every token; min_tokens holds back a biased end.
+    let (status, v) = f
+        .post(
+            "/v1/completions",
+            Some(ACME_KEY),
+            json!({"model": "support", "prompt": "The quick", "max_tokens": 4, "temperature": 0,
+                   "logit_bias": {"7": 100}, "logprobs": 0, "presence_penalty": 0.5,
+                   "frequency_penalty": 0.5, "repetition_penalty": 1.1}),
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    let tokens = v["choices"][0]["logprobs"]["tokens"].as_array().unwrap();
+    assert_eq!(tokens.len(), 4);
+    assert!(tokens.iter().all(|t| *t == tokens[0]), "{v}");
+    let (status, v) = f
+        .post(
+            "/v1/completions",
+            Some(ACME_KEY),
+            json!({"model": "support", "prompt": "The quick", "max_tokens": 6, "temperature": 0,
+                   "logit_bias": {"2": 100}, "min_tokens": 3}),
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(
+        v["usage"]["completion_tokens"], 4,
+        "three tokens, then EOS: {v}"
+    );
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+
     // Each endpoint refuses the other's shape, by field.
     for (path, body, param) in [
         (

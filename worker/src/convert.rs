@@ -172,6 +172,19 @@ pub fn generate_request(
         ignore_eos: s.ignore_eos,
         logprobs: s.logprobs.map(|n| n as usize),
         prompt_logprobs: s.prompt_logprobs.map(|n| n as usize),
+        // In token order, so a request's controls do not depend on the
+        // map's order on the wire.
+        logit_bias: s
+            .logit_bias
+            .iter()
+            .map(|(&id, &bias)| (id, bias))
+            .collect::<std::collections::BTreeMap<u32, f32>>()
+            .into_iter()
+            .collect(),
+        min_tokens: s.min_tokens as usize,
+        repetition_penalty: s.repetition_penalty.unwrap_or(1.0),
+        frequency_penalty: s.frequency_penalty,
+        presence_penalty: s.presence_penalty,
     };
     Ok((r.request_id.clone(), prompt, params))
 }

@@ -46,6 +46,11 @@ impl From<&Generation> for pb::GenerateRequest {
                 ignore_eos: g.sampling.ignore_eos,
                 logprobs: g.sampling.logprobs,
                 prompt_logprobs: g.sampling.prompt_logprobs,
+                logit_bias: g.sampling.logit_bias.iter().copied().collect(),
+                min_tokens: g.sampling.min_tokens,
+                repetition_penalty: g.sampling.repetition_penalty,
+                frequency_penalty: g.sampling.frequency_penalty,
+                presence_penalty: g.sampling.presence_penalty,
             }),
             trace_context: Some(pb::TraceContext {
                 traceparent: g.traceparent.clone(),

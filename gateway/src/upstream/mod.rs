@@ -67,6 +67,13 @@ pub struct Sampling {
     /// The same for each prompt token (OpenAI's `echo`). With it,
     /// `max_tokens` may be 0.
     pub prompt_logprobs: Option<u32>,
+    /// Token id -> bias, in token order.
+    pub logit_bias: Vec<(u32, f32)>,
+    pub min_tokens: u32,
+    /// None: off (1).
+    pub repetition_penalty: Option<f32>,
+    pub frequency_penalty: f32,
+    pub presence_penalty: f32,
 }
 
 /// One token at one position: its log probability and the most likely

@@ -19,6 +19,13 @@ and each prompt, it writes to `golden_logprobs.json`:
 
 Log probabilities are log_softmax over the whole vocabulary of the f32
 logits, before any sampling control, computed here with torch alone.
+
+It also writes `controls`: greedy tokens (CONTROL_NEW of them, past any
+end-of-sequence id) under each sampling control that changes the logits,
+applied by reference code that is not lorafleet's: transformers'
+RepetitionPenaltyLogitsProcessor for `repetition_penalty`, and OpenAI's
+published formulas for `frequency_penalty`, `presence_penalty` (over the
+completion's tokens) and `logit_bias` (added).
 """
 
 import json
@@ -28,7 +35,7 @@ import sys
 import torch
 from peft import PeftModel
 from tokenizers import Tokenizer
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, RepetitionPenaltyLogitsProcessor
 
 PROMPTS = [
     "The quick brown fox",
@@ -66,6 +73,39 @@ def record(model, ids):
     return prompt, completion
 
 
+CONTROL_NEW = 10
+CONTROLS = [
+    {"repetition_penalty": 1.3},
+    {"frequency_penalty": 1.5},
+    {"presence_penalty": 1.8},
+    {"frequency_penalty": 0.7, "presence_penalty": 0.4, "repetition_penalty": 1.2},
+    {"logit_bias": {"7": 6.0, "100": -100.0}},
+]
+
+
+def controlled(model, ids, control):
+    seq = list(ids)
+    out = []
+    rep = control.get("repetition_penalty", 1.0)
+    freq = control.get("frequency_penalty", 0.0)
+    pres = control.get("presence_penalty", 0.0)
+    bias = control.get("logit_bias", {})
+    with torch.no_grad():
+        for _ in range(CONTROL_NEW):
+            logits = model(torch.tensor([seq])).logits[0, -1].float().clone()
+            for k, v in bias.items():
+                logits[int(k)] += v
+            if rep != 1.0:
+                logits = RepetitionPenaltyLogitsProcessor(rep)(torch.tensor([seq]), logits[None])[0]
+            for t in set(out):
+                logits[t] -= out.count(t) * freq + pres
+            best = logits.max()
+            token = int((logits == best).nonzero()[0].item())
+            out.append(token)
+            seq.append(token)
+    return out
+
+
 def main():
     root = sys.argv[1] if len(sys.argv) > 1 else "worker/engine/tests/fixtures"
     tok = Tokenizer.from_file(os.path.join(root, "tokenizer", "tokenizer.json"))
@@ -90,9 +130,22 @@ def main():
                         "completion": completion,
                     }
                 )
+    controls = []
+    for adapter in [None, "qv-r8"]:
+        path = os.path.join(root, "llama-gqa")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        if adapter is not None:
+            model = PeftModel.from_pretrained(model, os.path.join(root, "adapters", "llama-gqa", adapter))
+        model.eval()
+        ids = tok.encode(PROMPTS[0]).ids
+        for control in CONTROLS:
+            controls.append(
+                {"model": "llama-gqa", "adapter": adapter, "prompt_ids": ids, "control": control,
+                 "greedy": controlled(model, ids, control), "plain": controlled(model, ids, {})}
+            )
     out = os.path.join(root, "golden_logprobs.json")
     with open(out, "w") as f:
-        json.dump({"top": TOP, "new_tokens": NEW, "cases": cases}, f)
+        json.dump({"top": TOP, "new_tokens": NEW, "cases": cases, "controls": controls}, f)
     print(f"wrote {len(cases)} cases to {out}")
 
 

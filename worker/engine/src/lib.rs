@@ -13,6 +13,7 @@ pub mod kv;
 pub mod logprobs;
 pub mod lora;
 pub mod model;
+pub mod penalties;
 pub mod pool;
 pub mod prompter;
 pub mod request;

@@ -28,6 +28,17 @@ pub struct SamplingParams {
     /// no cached blocks. With it, `max_tokens` may be 0 (score the prompt
     /// alone).
     pub prompt_logprobs: Option<usize>,
+    /// Added to a token's logit before sampling, -100 to 100 each (see
+    /// [`crate::penalties`]).
+    pub logit_bias: Vec<(u32, f32)>,
+    /// End-of-sequence and stop token ids cannot end the sequence before
+    /// this many tokens.
+    pub min_tokens: usize,
+    /// 1 is off; above 1 discourages every token of prompt and output.
+    pub repetition_penalty: f32,
+    /// OpenAI's, -2 to 2; 0 is off.
+    pub frequency_penalty: f32,
+    pub presence_penalty: f32,
 }
 
 impl Default for SamplingParams {
@@ -43,6 +54,11 @@ impl Default for SamplingParams {
             ignore_eos: false,
             logprobs: None,
             prompt_logprobs: None,
+            logit_bias: Vec::new(),
+            min_tokens: 0,
+            repetition_penalty: 1.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
         }
     }
 }
@@ -54,6 +70,9 @@ pub const MAX_STOP_STRINGS: usize = 16;
 /// as the longest one, so both limits bound what one request can cost
 /// every other request's tokens.
 pub const MAX_STOP_STRING_BYTES: usize = 256;
+/// The most `logit_bias` entries a request may carry (OpenAI's limit).
+pub const MAX_LOGIT_BIAS: usize = 300;
+
 /// The most stop token ids a request may carry.
 pub const MAX_STOP_TOKEN_IDS: usize = 64;
 
@@ -97,6 +116,52 @@ impl SamplingParams {
             return Err(EngineError::request(
                 field("top_p"),
                 format!("{} is not in (0, 1]", self.top_p),
+            ));
+        }
+        for (name, v) in [
+            ("frequency_penalty", self.frequency_penalty),
+            ("presence_penalty", self.presence_penalty),
+        ] {
+            if !(v.is_finite() && (-2.0..=2.0).contains(&v)) {
+                return Err(EngineError::request(
+                    field(name),
+                    format!("{v} is not in [-2, 2]"),
+                ));
+            }
+        }
+        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
+            return Err(EngineError::request(
+                field("repetition_penalty"),
+                format!("{} is not a positive number", self.repetition_penalty),
+            ));
+        }
+        if self.logit_bias.len() > MAX_LOGIT_BIAS {
+            return Err(EngineError::request(
+                field("logit_bias"),
+                format!("at most {MAX_LOGIT_BIAS} entries"),
+            ));
+        }
+        for &(id, bias) in &self.logit_bias {
+            if id as usize >= vocab_size {
+                return Err(EngineError::request(
+                    field(&format!("logit_bias[{id}]")),
+                    format!("{id} is not below vocab_size {vocab_size}"),
+                ));
+            }
+            if !(bias.is_finite() && (-100.0..=100.0).contains(&bias)) {
+                return Err(EngineError::request(
+                    field(&format!("logit_bias[{id}]")),
+                    format!("{bias} is not in [-100, 100]"),
+                ));
+            }
+        }
+        if self.min_tokens > self.max_tokens {
+            return Err(EngineError::request(
+                field("min_tokens"),
+                format!(
+                    "{} is above max_tokens {}",
+                    self.min_tokens, self.max_tokens
+                ),
             ));
         }
         if self.stop.len() > MAX_STOP_STRINGS {
@@ -354,6 +419,48 @@ mod tests {
                     ..Default::default()
                 },
                 "sampling.stop_token_ids",
+            ),
+            (
+                SamplingParams {
+                    frequency_penalty: 2.5,
+                    ..Default::default()
+                },
+                "sampling.frequency_penalty",
+            ),
+            (
+                SamplingParams {
+                    presence_penalty: f32::NAN,
+                    ..Default::default()
+                },
+                "sampling.presence_penalty",
+            ),
+            (
+                SamplingParams {
+                    repetition_penalty: 0.0,
+                    ..Default::default()
+                },
+                "sampling.repetition_penalty",
+            ),
+            (
+                SamplingParams {
+                    logit_bias: vec![(60, 1.0)],
+                    ..Default::default()
+                },
+                "sampling.logit_bias[60]",
+            ),
+            (
+                SamplingParams {
+                    logit_bias: vec![(3, 101.0)],
+                    ..Default::default()
+                },
+                "sampling.logit_bias[3]",
+            ),
+            (
+                SamplingParams {
+                    min_tokens: 17,
+                    ..Default::default()
+                },
+                "sampling.min_tokens",
             ),
             (
                 SamplingParams {

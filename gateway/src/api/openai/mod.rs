@@ -6,8 +6,12 @@
 //!
 //! Unknown fields are ignored, as OpenAI's own API does, so that SDKs that
 //! send newer fields keep working. Known fields that would change the output
-//! but are not supported (`n > 1`, penalties, `logit_bias`, `best_of`) are
-//! refused with a 400 that names the field, never ignored.
+//! but are not supported (`n > 1`, `best_of`) are refused with a 400 that
+//! names the field, never ignored.
+//!
+//! Sampling controls: `presence_penalty` and `frequency_penalty` (OpenAI's),
+//! `repetition_penalty` (vLLM's), `logit_bias`, `min_tokens`,
+//! `stop_token_ids` and `ignore_eos`.
 //!
 //! Log probabilities: `logprobs` (0 to 20) and `echo` on /v1/completions,
 //! `logprobs: true` with `top_logprobs` (0 to 20) on chat. They are the
@@ -22,7 +26,7 @@ use serde_json::Value;
 mod shapes;
 
 pub use shapes::{Content, ContentPart, LogprobsInput, PromptInput, StopInput};
-use shapes::{Echo, PROMPT_EXPECTED, Presence};
+use shapes::{Echo, PROMPT_EXPECTED};
 
 /// The longest stop string accepted, in bytes: the workers' own limit
 /// (`lorafleet_engine::sampling::MAX_STOP_STRING_BYTES`), checked here too
@@ -31,6 +35,12 @@ pub const MAX_STOP_STRING_BYTES: usize = 256;
 
 /// The most stop strings one request may carry.
 pub const MAX_STOP_STRINGS: usize = 16;
+
+/// The most stop token ids one request may carry (the workers' limit).
+pub const MAX_STOP_TOKEN_IDS: usize = 64;
+
+/// The most `logit_bias` entries (OpenAI's limit, and the workers').
+pub const MAX_LOGIT_BIAS: usize = 300;
 
 /// A 400 with the offending field.
 #[derive(Debug, Clone, PartialEq)]
@@ -71,7 +81,12 @@ pub struct Common {
     pub user: Option<String>,
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
-    logit_bias: Option<Presence>,
+    /// vLLM's extra field.
+    pub repetition_penalty: Option<f32>,
+    /// Token id (as a string, OpenAI's shape) -> bias.
+    logit_bias: Option<std::collections::BTreeMap<String, f32>>,
+    pub min_tokens: Option<u32>,
+    pub stop_token_ids: Option<Vec<u32>>,
     logprobs: Option<LogprobsInput>,
     top_logprobs: Option<i64>,
     pub echo: Option<bool>,
@@ -268,12 +283,25 @@ impl Common {
             ("presence_penalty", self.presence_penalty),
             ("frequency_penalty", self.frequency_penalty),
         ] {
-            if v.is_some_and(|v| v != 0.0) {
-                return Err(bad(name, "is not supported; omit it or send 0"));
+            if v.is_some_and(|v| !(-2.0..=2.0).contains(&v)) {
+                return Err(bad(name, "must be between -2 and 2"));
             }
         }
-        if matches!(self.logit_bias, Some(Presence::False | Presence::Other)) {
-            return Err(bad("logit_bias", "is not supported"));
+        if self
+            .repetition_penalty
+            .is_some_and(|v| !(v.is_finite() && v > 0.0))
+        {
+            return Err(bad("repetition_penalty", "must be a positive number"));
+        }
+        if self
+            .stop_token_ids
+            .as_ref()
+            .is_some_and(|ids| ids.len() > MAX_STOP_TOKEN_IDS)
+        {
+            return Err(bad(
+                "stop_token_ids",
+                format!("at most {MAX_STOP_TOKEN_IDS} token ids"),
+            ));
         }
         if self.stream_options.is_some() && !self.stream {
             return Err(bad(
@@ -345,11 +373,56 @@ impl Common {
             top_k: self.top_k.map_or(0, |k| k.max(0) as u32),
             seed: self.seed,
             stop,
-            stop_token_ids: vec![],
+            stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
             ignore_eos: self.ignore_eos,
             logprobs: None,
             prompt_logprobs: None,
+            logit_bias: self.logit_bias()?,
+            min_tokens: match self.min_tokens {
+                Some(m) if m > max_tokens => {
+                    return Err(bad(
+                        "min_tokens",
+                        format!("{m} is above max_tokens {max_tokens}"),
+                    ));
+                }
+                m => m.unwrap_or(0),
+            },
+            repetition_penalty: self.repetition_penalty.filter(|&p| p != 1.0),
+            frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
+            presence_penalty: self.presence_penalty.unwrap_or(0.0),
         })
+    }
+
+    /// `logit_bias`: token ids (as strings) to biases from -100 to 100, in
+    /// token order.
+    fn logit_bias(&self) -> Result<Vec<(u32, f32)>, BadRequest> {
+        let Some(map) = &self.logit_bias else {
+            return Ok(Vec::new());
+        };
+        if map.len() > MAX_LOGIT_BIAS {
+            return Err(bad(
+                "logit_bias",
+                format!("at most {MAX_LOGIT_BIAS} entries"),
+            ));
+        }
+        let mut out = Vec::with_capacity(map.len());
+        for (key, &bias) in map {
+            let id: u32 = key.parse().map_err(|_| {
+                bad(
+                    "logit_bias",
+                    format!("{key:?} is not a token id (a non-negative integer)"),
+                )
+            })?;
+            if !(-100.0..=100.0).contains(&bias) {
+                return Err(bad(
+                    "logit_bias",
+                    format!("the bias of token {id}, {bias}, is not between -100 and 100"),
+                ));
+            }
+            out.push((id, bias));
+        }
+        out.sort_by_key(|&(id, _)| id);
+        Ok(out)
     }
 
     /// `logprobs` and `echo` on /v1/completions: the count of alternatives
@@ -626,6 +699,7 @@ mod tests {
             r#""logprobs":false"#,
             r#""logit_bias":{}"#,
             r#""top_logprobs":null"#,
+            r#""presence_penalty":0"#,
         ] {
             let body = format!(r#"{{"model":"m","prompt":"x",{off}}}"#);
             let r = CompletionRequest::parse(body.as_bytes()).unwrap();
@@ -635,6 +709,12 @@ mod tests {
             (r#""logprobs":{}"#, "logprobs"),
             (r#""top_logprobs":[1]"#, "top_logprobs"),
             (r#""logit_bias":false"#, "logit_bias"),
+            (r#""logit_bias":{"x":1}"#, "logit_bias"),
+            (r#""logit_bias":{"5":101}"#, "logit_bias"),
+            (r#""presence_penalty":2.5"#, "presence_penalty"),
+            (r#""frequency_penalty":-3"#, "frequency_penalty"),
+            (r#""repetition_penalty":0"#, "repetition_penalty"),
+            (r#""min_tokens":17"#, "min_tokens"),
         ] {
             let body = format!(r#"{{"model":"m","prompt":"x",{on}}}"#);
             let e = CompletionRequest::parse(body.as_bytes())
@@ -658,14 +738,6 @@ mod tests {
     fn unsupported_fields_that_change_output_are_refused_by_name() {
         for (body, param) in [
             (r#"{"model":"m","prompt":"x","n":2}"#, "n"),
-            (
-                r#"{"model":"m","prompt":"x","presence_penalty":0.5}"#,
-                "presence_penalty",
-            ),
-            (
-                r#"{"model":"m","prompt":"x","logit_bias":{"1":5}}"#,
-                "logit_bias",
-            ),
             (r#"{"model":"m","prompt":"x","logprobs":21}"#, "logprobs"),
             (r#"{"model":"m","prompt":"x","logprobs":-1}"#, "logprobs"),
             (r#"{"model":"m","prompt":"x","logprobs":true}"#, "logprobs"),

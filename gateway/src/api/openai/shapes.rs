@@ -163,65 +163,6 @@ impl<'de> Deserialize<'de> for Content {
     }
 }
 
-/// A field the gateway does not support and only needs to tell apart from
-/// "off": its value is skipped, never kept.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Presence {
-    Null,
-    False,
-    EmptyObject,
-    Other,
-}
-
-impl<'de> Deserialize<'de> for Presence {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = Presence;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("any JSON value")
-            }
-            fn visit_unit<E: de::Error>(self) -> Result<Presence, E> {
-                Ok(Presence::Null)
-            }
-            fn visit_none<E: de::Error>(self) -> Result<Presence, E> {
-                Ok(Presence::Null)
-            }
-            fn visit_bool<E: de::Error>(self, b: bool) -> Result<Presence, E> {
-                Ok(if b { Presence::Other } else { Presence::False })
-            }
-            fn visit_i64<E: de::Error>(self, _: i64) -> Result<Presence, E> {
-                Ok(Presence::Other)
-            }
-            fn visit_u64<E: de::Error>(self, _: u64) -> Result<Presence, E> {
-                Ok(Presence::Other)
-            }
-            fn visit_f64<E: de::Error>(self, _: f64) -> Result<Presence, E> {
-                Ok(Presence::Other)
-            }
-            fn visit_str<E: de::Error>(self, _: &str) -> Result<Presence, E> {
-                Ok(Presence::Other)
-            }
-            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Presence, A::Error> {
-                while seq.next_element::<IgnoredAny>()?.is_some() {}
-                Ok(Presence::Other)
-            }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Presence, A::Error> {
-                let mut empty = true;
-                while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {
-                    empty = false;
-                }
-                Ok(if empty {
-                    Presence::EmptyObject
-                } else {
-                    Presence::Other
-                })
-            }
-        }
-        d.deserialize_any(V)
-    }
-}
-
 /// A field of a refused body, as text for its audit row: a string as it
 /// is, a scalar as its JSON, and an array or object by its kind alone.
 #[derive(Debug)]

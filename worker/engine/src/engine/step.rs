@@ -9,6 +9,7 @@ use super::{Engine, StepStats};
 use crate::backend::{Backend, DeviceSample, StepBatch};
 use crate::error::{EngineError, Result};
 use crate::logprobs::{TokenLogprob, score};
+use crate::penalties::{History, adjust};
 use crate::request::Event;
 use crate::sampling::{Rng, sample};
 use crate::scheduler::{Limits, Scheduler, SeqId};
@@ -146,6 +147,7 @@ impl Engine {
             self.backend.as_mut(),
             &self.seqs,
             self.config.vocab_size,
+            &self.config.eos_token_ids,
             &batch,
             &rows,
         )?;
@@ -323,6 +325,7 @@ fn forward_and_draw(
     backend: &mut dyn Backend,
     seqs: &HashMap<SeqId, Sequence>,
     vocab: usize,
+    eos: &[u32],
     batch: &StepBatch<'_>,
     rows: &[Row],
 ) -> Result<(Vec<f32>, Vec<Draw>)> {
@@ -337,9 +340,10 @@ fn forward_and_draw(
             row: r.first_row + r.rows - 1,
         })
         .collect();
+    // Scoring and the controls that change logits run on the host.
     let scores = rows.iter().any(|r| {
         let p = &seqs[&r.id].params;
-        p.logprobs.is_some() || p.prompt_logprobs.is_some()
+        p.logprobs.is_some() || p.prompt_logprobs.is_some() || p.adjusts_logits()
     });
     if backend.samples_on_device() && !scores {
         // The uniform draw comes from the request's own stream, here, as
@@ -389,12 +393,17 @@ fn forward_and_draw(
     // the team that runs the CPU backend's loops: with that backend its
     // workers are usually still awake from the forward pass.
     crate::backend::cpu::team::for_each_mut(&mut draws, |d, _| {
-        let params = &seqs[&rows[d.index].id].params;
-        d.token = sample(
-            &logits[d.row * vocab..(d.row + 1) * vocab],
-            params,
-            &mut d.rng,
-        );
+        let seq = &seqs[&rows[d.index].id];
+        let row = &logits[d.row * vocab..(d.row + 1) * vocab];
+        let history = History {
+            prompt: &seq.prompt_ids,
+            output: &seq.output_ids,
+            eos,
+        };
+        d.token = match adjust(row, &seq.params, &history) {
+            Some(adjusted) => sample(&adjusted, &seq.params, &mut d.rng),
+            None => sample(row, &seq.params, &mut d.rng),
+        };
     });
     Ok((logits, draws))
 }

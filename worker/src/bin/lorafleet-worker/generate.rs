@@ -65,6 +65,17 @@ struct InputLine {
     logprobs: Option<usize>,
     #[serde(default)]
     prompt_logprobs: Option<usize>,
+    /// Token id -> bias, -100 to 100.
+    #[serde(default)]
+    logit_bias: BTreeMap<u32, f32>,
+    #[serde(default)]
+    min_tokens: usize,
+    #[serde(default)]
+    repetition_penalty: Option<f32>,
+    #[serde(default)]
+    frequency_penalty: f32,
+    #[serde(default)]
+    presence_penalty: f32,
 }
 
 /// One position's log probability, as an output line carries it.
@@ -201,6 +212,11 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             ignore_eos: parsed.ignore_eos,
             logprobs: parsed.logprobs,
             prompt_logprobs: parsed.prompt_logprobs,
+            logit_bias: parsed.logit_bias.into_iter().collect(),
+            min_tokens: parsed.min_tokens,
+            repetition_penalty: parsed.repetition_penalty.unwrap_or(1.0),
+            frequency_penalty: parsed.frequency_penalty,
+            presence_penalty: parsed.presence_penalty,
         };
         params
             .validate("", engine.config().vocab_size)
