@@ -250,6 +250,79 @@ async fn echo_and_logprobs_through_the_gateway_equal_transformers_and_peft() {
     );
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
 
+    // n choices: choice i is the request with seed + i; usage counts every
+    // choice's tokens and the prompt once.
+    let body = |n: u32, seed: u64, stream: bool| {
+        json!({"model": "support", "prompt": "Once upon a time", "max_tokens": 5, "n": n,
+               "temperature": 1.0, "seed": seed, "ignore_eos": true, "stream": stream})
+    };
+    let (status, v) = f
+        .post("/v1/completions", Some(ACME_KEY), body(3, 40, false))
+        .await;
+    assert_eq!(status, 200, "{v}");
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3);
+    assert_eq!(v["usage"]["completion_tokens"], 15, "{v}");
+    let (_, one) = f
+        .post("/v1/completions", Some(ACME_KEY), body(1, 40, false))
+        .await;
+    let prompt_tokens = one["usage"]["prompt_tokens"].clone();
+    assert_eq!(v["usage"]["prompt_tokens"], prompt_tokens);
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        let (_, alone) = f
+            .post(
+                "/v1/completions",
+                Some(ACME_KEY),
+                body(1, 40 + i as u64, false),
+            )
+            .await;
+        assert_eq!(c["text"], alone["choices"][0]["text"], "choice {i}");
+    }
+    assert_ne!(choices[0]["text"], choices[1]["text"], "the seeds differ");
+    // Streamed: every chunk names its choice, each choice ends with its own
+    // finish reason, and the texts are the whole response's.
+    let streamed = f
+        .http
+        .post(format!("{}/v1/completions", f.base_url))
+        .bearer_auth(ACME_KEY)
+        .json(&body(3, 40, true))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let mut texts = vec![String::new(); 3];
+    let mut finishes = 0;
+    for e in events(&streamed) {
+        for c in e["choices"].as_array().unwrap() {
+            let i = c["index"].as_u64().unwrap() as usize;
+            texts[i].push_str(c["text"].as_str().unwrap_or(""));
+            finishes += usize::from(c["finish_reason"].is_string());
+        }
+    }
+    assert_eq!(finishes, 3, "{streamed}");
+    for (i, t) in texts.iter().enumerate() {
+        assert_eq!(
+            t,
+            choices[i]["text"].as_str().unwrap(),
+            "streamed choice {i}"
+        );
+    }
+    let (status, v) = f
+        .post(
+            "/v1/chat/completions",
+            Some(ACME_KEY),
+            json!({"model": "support", "messages": [{"role": "user", "content": "hi"}],
+                   "max_tokens": 3, "n": 2, "temperature": 0}),
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    let c = v["choices"].as_array().unwrap();
+    assert_eq!(c.len(), 2);
+    assert_eq!(c[0]["message"], c[1]["message"], "greedy choices agree");
+
     // Each endpoint refuses the other's shape, by field.
     for (path, body, param) in [
         (

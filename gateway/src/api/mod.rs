@@ -34,6 +34,7 @@ use crate::upstream::{self, Generation, UpstreamError, WorkerEvent};
 pub use error::{ApiError, Parts, WorkerFailure};
 use openai::{ChatRequest, CompletionRequest, Usage};
 
+mod choices;
 mod error;
 mod logprobs;
 pub mod openai;
@@ -43,7 +44,7 @@ mod worker;
 
 use respond::{run, shutting_down};
 use trail::{Trail, audit_unavailable, durable, row_not_durable, with_request_id};
-use worker::{Started, start, worker_error};
+use worker::{start, worker_error};
 
 /// Everything a request needs. Cheap to clone.
 #[derive(Debug, Clone)]
@@ -267,6 +268,8 @@ async fn handle(s: AppState, headers: HeaderMap, body: Body, kind: Kind) -> Resp
 struct Prepared {
     resolved: Resolved,
     request: Generation,
+    /// Choices to generate, each a request of its own on one worker.
+    n: u32,
     stream: bool,
     include_usage: bool,
     model: String,
@@ -334,7 +337,15 @@ async fn prepare(
     if parsed.is_err() {
         trail.note_refused_body(&bytes);
     }
-    let (common_model, user, stream, include_usage, prompt, sampling) = parsed?;
+    let Parsed {
+        model: common_model,
+        user,
+        stream,
+        include_usage,
+        prompt,
+        sampling,
+        n,
+    } = parsed?;
     trail.record.end_user = user.clone();
     if snapshot.age() > s.registry_max_age {
         return Err(ApiError::RegistryStale {
@@ -346,7 +357,8 @@ async fn prepare(
     // A tenant without its own limits gets the gateway's defaults.
     let rpm_limit = tenant.rpm_limit.or(s.default_rpm_limit);
     let tpm_limit = tenant.tpm_limit.or(s.default_tpm_limit);
-    let reserve = u64::from(sampling.max_tokens) + estimate_prompt_tokens(&prompt);
+    // Every choice's tokens, and the prompt once.
+    let reserve = u64::from(sampling.max_tokens) * u64::from(n) + estimate_prompt_tokens(&prompt);
     trail.tokens = s
         .limiter
         .admit(tenant.id, rpm_limit, tpm_limit, reserve)
@@ -388,6 +400,7 @@ async fn prepare(
     Ok(Prepared {
         resolved,
         request,
+        n,
         stream,
         include_usage,
         model: common_model,
@@ -414,31 +427,38 @@ fn estimate_prompt_tokens(prompt: &upstream::Prompt) -> u64 {
     }
 }
 
-type Parsed = (
-    String,
-    Option<String>,
-    bool,
-    bool,
-    upstream::Prompt,
-    upstream::Sampling,
-);
+/// What a request body asks for.
+struct Parsed {
+    model: String,
+    user: Option<String>,
+    stream: bool,
+    include_usage: bool,
+    prompt: upstream::Prompt,
+    sampling: upstream::Sampling,
+    /// Choices to generate (`n`).
+    n: u32,
+}
 
-/// The body as (model, user, stream, include_usage, prompt, sampling).
 fn parse_body(bytes: &[u8], kind: Kind) -> Result<Parsed, ApiError> {
-    Ok(match kind {
+    let (prompt, sampling, c) = match kind {
         Kind::Completion => {
             let r = CompletionRequest::parse(bytes)?;
             let (p, sp) = r.to_worker()?;
-            let c = r.common;
-            let iu = c.include_usage();
-            (c.model, c.user, c.stream, iu, p, sp)
+            (p, sp, r.common)
         }
         Kind::Chat => {
             let r = ChatRequest::parse(bytes)?;
             let (p, sp) = r.to_worker()?;
-            let c = r.common;
-            let iu = c.include_usage();
-            (c.model, c.user, c.stream, iu, p, sp)
+            (p, sp, r.common)
         }
+    };
+    Ok(Parsed {
+        include_usage: c.include_usage(),
+        n: c.n.unwrap_or(1),
+        model: c.model,
+        user: c.user,
+        stream: c.stream,
+        prompt,
+        sampling,
     })
 }

@@ -1,7 +1,9 @@
 //! The answer: a whole response or an SSE stream, each ending with its
 //! row, and cut at the drain deadline.
 
+use super::choices::{Choices, Ended};
 use super::logprobs::{self, Asked, TextOffset};
+use super::worker::start_siblings;
 use super::*;
 use crate::upstream::TokenLogprob;
 
@@ -15,7 +17,11 @@ pub(super) async fn run(
 ) -> Response {
     use tracing::Instrument;
     let started = tokio::select! {
-        r = async { start(&s, &p, &mut trail).await }.instrument(span.clone()) => r.map_err(|e| (e, "error")),
+        r = async {
+            let first = start(&s, &p, &mut trail).await?;
+            let others = start_siblings(&s, &p, &first).await?;
+            Ok(Choices::new(std::iter::once(first).chain(others).collect()))
+        }.instrument(span.clone()) => r.map_err(|e| (e, "error")),
         () = cut(s.cut.clone()) => Err((shutting_down(), "cancelled")),
     };
     let started = match started {
@@ -70,6 +76,7 @@ pub(super) struct Meta {
 impl Meta {
     fn chunk(
         &self,
+        index: usize,
         text: Option<&str>,
         role: bool,
         finish: Option<&str>,
@@ -80,7 +87,7 @@ impl Meta {
             Kind::Completion => json!({
                 "id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.model,
-                "choices": [{"index": 0, "text": text.unwrap_or(""), "logprobs": logprobs,
+                "choices": [{"index": index, "text": text.unwrap_or(""), "logprobs": logprobs,
                              "finish_reason": finish}],
             }),
             Kind::Chat => {
@@ -94,7 +101,7 @@ impl Meta {
                 json!({
                     "id": self.id, "object": "chat.completion.chunk", "created": self.created,
                     "model": self.model,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+                    "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                                  "finish_reason": finish}],
                 })
             }
@@ -128,39 +135,49 @@ impl Meta {
                "choices": [], "usage": usage})
     }
 
-    fn full(&self, text: &str, finish: &str, usage: &Usage, logprobs: Value) -> Value {
-        match self.kind {
-            Kind::Completion => json!({
-                "id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.model,
-                "choices": [{"index": 0, "text": text, "logprobs": logprobs,
-                             "finish_reason": finish}],
-                "usage": usage,
-            }),
-            Kind::Chat => json!({
-                "id": self.id, "object": "chat.completion", "created": self.created,
-                "model": self.model,
-                "choices": [{"index": 0,
-                             "message": {"role": "assistant", "content": text},
-                             "logprobs": logprobs, "finish_reason": finish}],
-                "usage": usage,
-            }),
-        }
+    /// The whole response: each choice's (text, finish reason, log
+    /// probabilities), in index order.
+    fn full(&self, choices: &[(String, &str, Value)], usage: &Usage) -> Value {
+        let choices: Vec<Value> = choices
+            .iter()
+            .enumerate()
+            .map(|(index, (text, finish, logprobs))| match self.kind {
+                Kind::Completion => json!({"index": index, "text": text, "logprobs": logprobs,
+                                           "finish_reason": finish}),
+                Kind::Chat => json!({"index": index,
+                                     "message": {"role": "assistant", "content": text},
+                                     "logprobs": logprobs, "finish_reason": finish}),
+            })
+            .collect();
+        let object = match self.kind {
+            Kind::Completion => "text_completion",
+            Kind::Chat => "chat.completion",
+        };
+        json!({"id": self.id, "object": object, "created": self.created, "model": self.model,
+               "choices": choices, "usage": usage})
     }
 }
 
-/// Records a finished completion in the trail (whose close settles the
-/// tenant's token reservation to it); returns the usage to report.
-pub(super) fn settle(trail: &mut Trail, f: &upstream::Finished, completion_tokens: usize) -> Usage {
+/// Records a finished request in the trail (whose close settles the
+/// tenant's token reservation to it); returns the usage to report. The
+/// prompt counts once; completion tokens are every choice's. The row's
+/// finish reason is choice 0's.
+pub(super) fn settle(
+    trail: &mut Trail,
+    finished: &[upstream::Finished],
+    completion_tokens: usize,
+) -> Usage {
+    let first = &finished[0];
+    let reported: u32 = finished.iter().map(|f| f.completion_tokens).sum();
     let usage = Usage::new(
-        f.prompt_tokens,
-        f.completion_tokens.max(completion_tokens as u32),
-        f.cached_prompt_tokens,
+        first.prompt_tokens,
+        reported.max(completion_tokens as u32),
+        first.cached_prompt_tokens,
     );
     trail.record.prompt_tokens = usage.prompt_tokens as i32;
     trail.record.cached_tokens = usage.prompt_tokens_details.cached_tokens as i32;
     trail.record.completion_tokens = usage.completion_tokens as i32;
-    trail.record.finish_reason = Some(openai::finish_reason(f).into());
+    trail.record.finish_reason = Some(openai::finish_reason(first).into());
     usage
 }
 
@@ -204,63 +221,95 @@ impl Cut {
     }
 }
 
+impl From<Ended> for Cut {
+    fn from(e: Ended) -> Cut {
+        match e {
+            Ended::Worker(e) => Cut::Worker(e),
+            Ended::Closed => Cut::WorkerStreamEnded,
+        }
+    }
+}
+
+/// What one choice of a whole response has produced so far.
+#[derive(Default)]
+struct Collected {
+    text: String,
+    prompt_scored: Vec<TokenLogprob>,
+    scored: Vec<TokenLogprob>,
+    finished: Option<upstream::Finished>,
+}
+
+impl Collected {
+    /// (text, finish reason, log probabilities) once finished, the echoed
+    /// prompt first.
+    fn into_choice(mut self, meta: &Meta, asked: &Asked) -> (String, &'static str, Value) {
+        let finish = openai::finish_reason(self.finished.as_ref().expect("a finished choice"));
+        if let Some(echo) = asked.echo_text(&self.prompt_scored) {
+            self.text.insert_str(0, &echo);
+            self.prompt_scored.append(&mut self.scored);
+            self.scored = self.prompt_scored;
+        }
+        let logprobs = meta.logprobs(asked, &self.scored, &mut TextOffset::default());
+        (self.text, finish, logprobs.unwrap_or(Value::Null))
+    }
+}
+
 pub(super) async fn collect_response(
     s: AppState,
     // Held to the end: its permits are the request's place in the gateway.
     p: Prepared,
-    mut st: Started,
+    mut st: Choices,
     mut trail: Trail,
     span: tracing::Span,
     meta: Meta,
 ) -> Response {
     let asked = Asked::new(&p.request.prompt, &p.request.sampling);
-    let mut text = String::new();
-    let (mut prompt_scored, mut scored) = (Vec::new(), Vec::new());
-    let mut event = Some(st.first.clone());
+    let mut choices: Vec<Collected> = (0..st.len()).map(|_| Collected::default()).collect();
+    let mut left = st.len();
     let deadline = tokio::time::Instant::now() + s.request_timeout;
     let finished = loop {
-        match event.take() {
-            Some(WorkerEvent::Delta {
+        let (i, event) = tokio::select! {
+            m = tokio::time::timeout_at(deadline, st.next()) => match m {
+                Ok(Ok(e)) => e,
+                Ok(Err(ended)) => break Err(Cut::from(ended)),
+                Err(_) => break Err(Cut::Timeout),
+            },
+            () = cut(s.cut.clone()) => break Err(Cut::Shutdown),
+        };
+        let c = &mut choices[i];
+        match event {
+            WorkerEvent::Delta {
                 token_ids,
-                text: t,
+                text,
                 logprobs,
-            }) => {
-                text.push_str(&t);
-                scored.extend(logprobs);
+            } => {
+                c.text.push_str(&text);
+                c.scored.extend(logprobs);
                 // Kept on the row as they come, so a client that goes away
                 // leaves a row with the tokens it used.
                 trail.record.completion_tokens += token_ids.len() as i32;
             }
-            Some(WorkerEvent::PromptLogprobs(v)) => prompt_scored.extend(v),
-            Some(WorkerEvent::Finished(f)) => break Ok(f),
-            Some(WorkerEvent::Accepted(_)) | None => {}
-        }
-        tokio::select! {
-            m = tokio::time::timeout_at(deadline, st.stream.next()) => match m {
-                Ok(Ok(Some(e))) => event = Some(e),
-                Ok(Ok(None)) => break Err(Cut::WorkerStreamEnded),
-                Ok(Err(status)) => break Err(Cut::Worker(status)),
-                Err(_) => break Err(Cut::Timeout),
-            },
-            () = cut(s.cut.clone()) => break Err(Cut::Shutdown),
+            WorkerEvent::PromptLogprobs(v) => c.prompt_scored.extend(v),
+            WorkerEvent::Finished(f) => {
+                c.finished = Some(f);
+                left -= 1;
+                if left == 0 {
+                    break Ok(());
+                }
+            }
+            WorkerEvent::Accepted(_) => {}
         }
     };
     let tokens = trail.record.completion_tokens as usize;
     match finished {
-        Ok(f) => {
-            let usage = settle(&mut trail, &f, tokens);
-            if let Some(echo) = asked.echo_text(&prompt_scored) {
-                text.insert_str(0, &echo);
-                prompt_scored.append(&mut scored);
-                scored = prompt_scored;
-            }
-            let logprobs = meta.logprobs(&asked, &scored, &mut TextOffset::default());
-            let body = meta.full(
-                &text,
-                openai::finish_reason(&f),
-                &usage,
-                logprobs.unwrap_or(Value::Null),
-            );
+        Ok(()) => {
+            let ends: Vec<upstream::Finished> = choices.iter().filter_map(|c| c.finished).collect();
+            let usage = settle(&mut trail, &ends, tokens);
+            let choices: Vec<_> = choices
+                .into_iter()
+                .map(|c| c.into_choice(&meta, &asked))
+                .collect();
+            let body = meta.full(&choices, &usage);
             span.in_scope(|| {
                 tracing::info!(completion_tokens = usage.completion_tokens, "completed")
             });
@@ -291,16 +340,17 @@ pub(super) fn sse(v: &Value) -> Bytes {
 pub(super) fn stream_response(
     s: AppState,
     p: Prepared,
-    mut st: Started,
+    mut st: Choices,
     mut trail: Trail,
     span: tracing::Span,
     meta: Meta,
 ) -> Response {
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(32);
     let task = async move {
-        let mut scores = StreamScores::new(&p);
-        let mut sent_role = false;
-        let mut event = Some(st.first.clone());
+        let n = st.len();
+        let mut scores: Vec<StreamScores> = (0..n).map(|_| StreamScores::new(&p)).collect();
+        let mut ends: Vec<Option<upstream::Finished>> = vec![None; n];
+        let mut left = n;
         let deadline = tokio::time::Instant::now() + s.request_timeout;
         // Every send also ends at the drain deadline: a client that stops
         // reading must not hold the shutdown.
@@ -314,64 +364,73 @@ pub(super) fn stream_response(
             }
         };
         if meta.kind == Kind::Chat {
-            sent_role = true;
-            if !send(sse(&meta.chunk(None, true, None, None))).await {
-                let _ = trail.close("cancelled", StatusCode::OK, Some("client_closed"));
-                return;
+            for i in 0..n {
+                if !send(sse(&meta.chunk(i, None, true, None, None))).await {
+                    let _ = trail.close("cancelled", StatusCode::OK, Some("client_closed"));
+                    return;
+                }
             }
         }
-        let outcome: Result<upstream::Finished, Cut> = loop {
-            match event.take() {
-                Some(WorkerEvent::PromptLogprobs(v)) => scores.prompt(v),
-                Some(WorkerEvent::Delta {
-                    token_ids,
-                    text,
-                    logprobs,
-                }) => {
-                    trail.record.completion_tokens += token_ids.len() as i32;
-                    let mut sent = true;
-                    let echo = scores.echo(&meta);
-                    for chunk in echo
-                        .into_iter()
-                        .chain(scores.delta(&meta, &text, !sent_role, &logprobs))
-                    {
-                        sent = sent && send(sse(&chunk)).await;
-                    }
-                    if !sent {
-                        // The client went away (or the drain deadline cut
-                        // it): dropping the worker stream cancels the
-                        // request there and frees its blocks.
-                        break Err(if *s.cut.borrow() {
-                            Cut::Shutdown
-                        } else {
-                            Cut::ClientClosed
-                        });
-                    }
-                }
-                Some(WorkerEvent::Finished(f)) => break Ok(f),
-                _ => {}
-            }
-            tokio::select! {
-                m = tokio::time::timeout_at(deadline, st.stream.next()) => match m {
-                    Ok(Ok(Some(e))) => event = Some(e),
-                    Ok(Ok(None)) => break Err(Cut::WorkerStreamEnded),
-                    Ok(Err(e)) => break Err(Cut::Worker(e)),
+        let outcome: Result<(), Cut> = loop {
+            let (i, event) = tokio::select! {
+                m = tokio::time::timeout_at(deadline, st.next()) => match m {
+                    Ok(Ok(e)) => e,
+                    Ok(Err(ended)) => break Err(Cut::from(ended)),
                     Err(_) => break Err(Cut::Timeout),
                 },
                 () = tx.closed() => break Err(Cut::ClientClosed),
                 () = cut(s.cut.clone()) => break Err(Cut::Shutdown),
+            };
+            let chunks: Vec<Value> = match event {
+                WorkerEvent::PromptLogprobs(v) => {
+                    scores[i].prompt(v);
+                    Vec::new()
+                }
+                WorkerEvent::Delta {
+                    token_ids,
+                    text,
+                    logprobs,
+                } => {
+                    trail.record.completion_tokens += token_ids.len() as i32;
+                    let echo = scores[i].echo(&meta, i);
+                    echo.into_iter()
+                        .chain(scores[i].delta(&meta, i, &text, &logprobs))
+                        .collect()
+                }
+                WorkerEvent::Finished(f) => {
+                    // An echo not sent yet: a prompt scored alone.
+                    let mut c: Vec<Value> = scores[i].echo(&meta, i).into_iter().collect();
+                    let reason = openai::finish_reason(&f);
+                    c.push(meta.chunk(i, None, false, Some(reason), None));
+                    ends[i] = Some(f);
+                    left -= 1;
+                    c
+                }
+                WorkerEvent::Accepted(_) => Vec::new(),
+            };
+            let mut sent = true;
+            for chunk in chunks {
+                sent = sent && send(sse(&chunk)).await;
+            }
+            if left == 0 {
+                break Ok(());
+            }
+            if !sent {
+                // The client went away (or the drain deadline cut it):
+                // dropping the worker streams cancels the requests there
+                // and frees their blocks.
+                break Err(if *s.cut.borrow() {
+                    Cut::Shutdown
+                } else {
+                    Cut::ClientClosed
+                });
             }
         };
         let tokens = trail.record.completion_tokens as usize;
         match outcome {
-            Ok(f) => {
-                let usage = settle(&mut trail, &f, tokens);
-                let reason = openai::finish_reason(&f);
-                if let Some(chunk) = scores.echo(&meta) {
-                    // A prompt scored alone (max_tokens 0).
-                    send(sse(&chunk)).await;
-                }
-                send(sse(&meta.chunk(None, false, Some(reason), None))).await;
+            Ok(()) => {
+                let ends: Vec<upstream::Finished> = ends.into_iter().flatten().collect();
+                let usage = settle(&mut trail, &ends, tokens);
                 if p.include_usage {
                     send(sse(&meta.usage_chunk(&usage))).await;
                 }
@@ -446,11 +505,11 @@ impl StreamScores {
 
     /// The chunk that echoes the prompt, once: its text, and its tokens'
     /// log probabilities when asked.
-    fn echo(&mut self, meta: &Meta) -> Option<Value> {
+    fn echo(&mut self, meta: &Meta, index: usize) -> Option<Value> {
         let prompt = self.echo.take()?;
         let text = self.asked.echo_text(&prompt).unwrap_or_default();
         let logprobs = meta.logprobs(&self.asked, &prompt, &mut self.offset);
-        Some(meta.chunk(Some(&text), false, None, logprobs))
+        Some(meta.chunk(index, Some(&text), false, None, logprobs))
     }
 
     /// The chunk a delta becomes, unless it says nothing (its text held
@@ -458,12 +517,12 @@ impl StreamScores {
     fn delta(
         &mut self,
         meta: &Meta,
+        index: usize,
         text: &str,
-        role: bool,
         scored: &[TokenLogprob],
     ) -> Option<Value> {
         let logprobs = meta.logprobs(&self.asked, scored, &mut self.offset);
         (!text.is_empty() || logprobs.is_some())
-            .then(|| meta.chunk(Some(text), role, None, logprobs))
+            .then(|| meta.chunk(index, Some(text), false, None, logprobs))
     }
 }

@@ -9,6 +9,8 @@ pub(super) struct Started {
     pub(super) accepted: upstream::Accepted,
     pub(super) first: WorkerEvent,
     pub(super) _in_flight: crate::router::fleet::InFlight,
+    /// Where it runs: a request's other choices go there too.
+    pub(super) worker: Arc<crate::router::fleet::Worker>,
 }
 
 /// A worker's failure as the tenant sees it ([`WorkerFailure`]).
@@ -53,21 +55,7 @@ pub(super) async fn start(
         let worker_id = worker.state().worker_id;
         span.record("worker", worker_id.as_str());
         trail.record.worker_id = Some(worker_id.clone());
-        let outcome = async {
-            let mut stream = worker.client.generate(&p.request).await?;
-            let mut accepted = upstream::Accepted::default();
-            loop {
-                match stream.next().await? {
-                    Some(WorkerEvent::Accepted(a)) => accepted = a,
-                    Some(first) => return Ok((stream, accepted, first)),
-                    None => {
-                        return Err(UpstreamError::unavailable(
-                            "the worker closed the stream before the first token",
-                        ));
-                    }
-                }
-            }
-        };
+        let outcome = first_event(worker, &p.request);
         // A worker that accepts and never answers is skipped like one that
         // fails: the next candidate gets the request.
         let outcome = match tokio::time::timeout(s.first_token_timeout, outcome).await {
@@ -87,6 +75,7 @@ pub(super) async fn start(
                     accepted,
                     first,
                     _in_flight: in_flight,
+                    worker: worker.clone(),
                 });
             }
             Err(e) if e.retry_elsewhere() => {
@@ -106,4 +95,63 @@ pub(super) async fn start(
     Err(worker_error(&last.unwrap_or_else(|| {
         UpstreamError::unavailable("no candidate worker")
     })))
+}
+
+/// Sends `g` to `worker` and reads up to its first event past `Accepted`.
+async fn first_event(
+    worker: &crate::router::fleet::Worker,
+    g: &Generation,
+) -> Result<(upstream::Events, upstream::Accepted, WorkerEvent), UpstreamError> {
+    let mut stream = worker.client.generate(g).await?;
+    let mut accepted = upstream::Accepted::default();
+    loop {
+        match stream.next().await? {
+            Some(WorkerEvent::Accepted(a)) => accepted = a,
+            Some(first) => return Ok((stream, accepted, first)),
+            None => {
+                return Err(UpstreamError::unavailable(
+                    "the worker closed the stream before the first token",
+                ));
+            }
+        }
+    }
+}
+
+/// Starts choices 1.. of a request on the worker that serves its choice 0
+/// (`first`), whose prefix cache holds the prompt by then. Choice i is the
+/// request with `-i` after its id and, when a seed was given, seed + i.
+/// A choice that fails fails the request: it is not retried elsewhere.
+pub(super) async fn start_siblings(
+    s: &AppState,
+    p: &Prepared,
+    first: &Started,
+) -> Result<Vec<Started>, ApiError> {
+    let adapter = p.resolved.adapter.as_ref().map(|a| a.lora_int_id);
+    let starts = (1..p.n).map(|i| {
+        let mut g = p.request.clone();
+        g.request_id = format!("{}-{i}", g.request_id);
+        g.sampling.seed = g.sampling.seed.map(|seed| seed.wrapping_add(u64::from(i)));
+        let worker = first.worker.clone();
+        async move {
+            let in_flight = s.fleet.track(&worker, adapter);
+            let started = tokio::time::timeout(s.first_token_timeout, first_event(&worker, &g))
+                .await
+                .map_err(|_| {
+                    UpstreamError::first_token_timeout(format!(
+                        "no first token within {} s",
+                        s.first_token_timeout.as_secs()
+                    ))
+                })?;
+            started.map(|(stream, accepted, first)| Started {
+                stream,
+                accepted,
+                first,
+                _in_flight: in_flight,
+                worker,
+            })
+        }
+    });
+    futures::future::try_join_all(starts)
+        .await
+        .map_err(|e| worker_error(&e))
 }

@@ -39,6 +39,9 @@ pub const MAX_STOP_STRINGS: usize = 16;
 /// The most stop token ids one request may carry (the workers' limit).
 pub const MAX_STOP_TOKEN_IDS: usize = 64;
 
+/// The most choices one request may ask for (`n`).
+pub const MAX_CHOICES: u32 = 16;
+
 /// The most `logit_bias` entries (OpenAI's limit, and the workers').
 pub const MAX_LOGIT_BIAS: usize = 300;
 
@@ -273,11 +276,14 @@ impl Common {
         if self.model.trim().is_empty() {
             return Err(bad("model", "is required"));
         }
-        if self.n.is_some_and(|n| n != 1) {
-            return Err(bad("n", "only 1 is supported"));
+        if self.n.is_some_and(|n| !(1..=MAX_CHOICES).contains(&n)) {
+            return Err(bad("n", format!("must be from 1 to {MAX_CHOICES}")));
         }
-        if self.best_of.is_some_and(|n| n != 1) {
-            return Err(bad("best_of", "only 1 is supported"));
+        if self.best_of.is_some_and(|b| b != self.n.unwrap_or(1)) {
+            return Err(bad(
+                "best_of",
+                "only equal to n is supported (every choice is returned)",
+            ));
         }
         for (name, v) in [
             ("presence_penalty", self.presence_penalty),
