@@ -381,33 +381,11 @@ pub(super) fn stream_response(
                 () = tx.closed() => break Err(Cut::ClientClosed),
                 () = cut(s.cut.clone()) => break Err(Cut::Shutdown),
             };
-            let chunks: Vec<Value> = match event {
-                WorkerEvent::PromptLogprobs(v) => {
-                    scores[i].prompt(v);
-                    Vec::new()
-                }
-                WorkerEvent::Delta {
-                    token_ids,
-                    text,
-                    logprobs,
-                } => {
-                    trail.record.completion_tokens += token_ids.len() as i32;
-                    let echo = scores[i].echo(&meta, i);
-                    echo.into_iter()
-                        .chain(scores[i].delta(&meta, i, &text, &logprobs))
-                        .collect()
-                }
-                WorkerEvent::Finished(f) => {
-                    // An echo not sent yet: a prompt scored alone.
-                    let mut c: Vec<Value> = scores[i].echo(&meta, i).into_iter().collect();
-                    let reason = openai::finish_reason(&f);
-                    c.push(meta.chunk(i, None, false, Some(reason), None));
-                    ends[i] = Some(f);
-                    left -= 1;
-                    c
-                }
-                WorkerEvent::Accepted(_) => Vec::new(),
-            };
+            let (chunks, end) = scores[i].chunks(&meta, i, event, &mut trail);
+            if let Some(f) = end {
+                ends[i] = Some(f);
+                left -= 1;
+            }
             let mut sent = true;
             for chunk in chunks {
                 sent = sent && send(sse(&chunk)).await;
@@ -494,6 +472,44 @@ impl StreamScores {
             echo: asked.echo.as_ref().map(|_| Vec::new()),
             asked,
             offset: TextOffset::default(),
+        }
+    }
+
+    /// The chunks one event of choice `index` becomes, and its end when it
+    /// is the choice's `Finished`.
+    fn chunks(
+        &mut self,
+        meta: &Meta,
+        index: usize,
+        event: WorkerEvent,
+        trail: &mut Trail,
+    ) -> (Vec<Value>, Option<upstream::Finished>) {
+        match event {
+            WorkerEvent::PromptLogprobs(v) => {
+                self.prompt(v);
+                (Vec::new(), None)
+            }
+            WorkerEvent::Delta {
+                token_ids,
+                text,
+                logprobs,
+            } => {
+                trail.record.completion_tokens += token_ids.len() as i32;
+                let echo = self.echo(meta, index);
+                let chunks = echo
+                    .into_iter()
+                    .chain(self.delta(meta, index, &text, &logprobs))
+                    .collect();
+                (chunks, None)
+            }
+            WorkerEvent::Finished(f) => {
+                // An echo not sent yet: a prompt scored alone.
+                let mut chunks: Vec<Value> = self.echo(meta, index).into_iter().collect();
+                let reason = openai::finish_reason(&f);
+                chunks.push(meta.chunk(index, None, false, Some(reason), None));
+                (chunks, Some(f))
+            }
+            WorkerEvent::Accepted(_) => (Vec::new(), None),
         }
     }
 
