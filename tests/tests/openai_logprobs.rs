@@ -310,6 +310,44 @@ async fn echo_and_logprobs_through_the_gateway_equal_transformers_and_peft() {
             "streamed choice {i}"
         );
     }
+    // best_of: the n of best_of choices with the highest cumulative log
+    // probability; usage counts all of them.
+    let mut four = body(4, 40, false);
+    four["logprobs"] = 0.into();
+    let (_, all) = f.post("/v1/completions", Some(ACME_KEY), four).await;
+    let mut ranked: Vec<(f64, String)> = all["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            let total = c["logprobs"]["token_logprobs"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap())
+                .sum();
+            (total, c["text"].as_str().unwrap().to_owned())
+        })
+        .collect();
+    ranked.sort_by(|a, b| b.0.total_cmp(&a.0));
+    let mut best_of = body(2, 40, false);
+    best_of["best_of"] = 4.into();
+    let (status, v) = f.post("/v1/completions", Some(ACME_KEY), best_of).await;
+    assert_eq!(status, 200, "{v}");
+    let texts: Vec<&str> = v["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["text"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        texts,
+        [ranked[0].1.as_str(), ranked[1].1.as_str()],
+        "{ranked:?}"
+    );
+    assert_eq!(v["choices"][0]["logprobs"], Value::Null, "not asked for");
+    assert_eq!(v["usage"]["completion_tokens"], 20);
+
     let (status, v) = f
         .post(
             "/v1/chat/completions",

@@ -30,9 +30,12 @@ pub(super) enum Echo {
 }
 
 impl Asked {
-    pub fn new(prompt: &Prompt, sampling: &Sampling) -> Asked {
+    /// What `sampling` asks for; `show` is whether the client asked for
+    /// completion tokens' log probabilities (`best_of` asks the worker for
+    /// them alone).
+    pub fn new(prompt: &Prompt, sampling: &Sampling, show: bool) -> Asked {
         Asked {
-            tokens: sampling.logprobs.is_some(),
+            tokens: show && sampling.logprobs.is_some(),
             echo: sampling.prompt_logprobs.map(|_| match prompt {
                 Prompt::Text(t) => Echo::Text(t.clone()),
                 _ => Echo::FromTokens,

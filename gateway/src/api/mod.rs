@@ -268,8 +268,13 @@ async fn handle(s: AppState, headers: HeaderMap, body: Body, kind: Kind) -> Resp
 struct Prepared {
     resolved: Resolved,
     request: Generation,
-    /// Choices to generate, each a request of its own on one worker.
+    /// Choices to generate, each a request of its own on one worker, and
+    /// how many of them (the most likely) to return.
     n: u32,
+    returned: u32,
+    /// The client asked for log probabilities (`best_of` asks for them
+    /// without showing them).
+    show_logprobs: bool,
     stream: bool,
     include_usage: bool,
     model: String,
@@ -343,9 +348,16 @@ async fn prepare(
         stream,
         include_usage,
         prompt,
-        sampling,
+        mut sampling,
         n,
+        returned,
     } = parsed?;
+    // Choosing the best needs each choice's log probabilities; the client
+    // sees them only if it asked.
+    let show_logprobs = sampling.logprobs.is_some();
+    if returned < n && sampling.logprobs.is_none() {
+        sampling.logprobs = Some(0);
+    }
     trail.record.end_user = user.clone();
     if snapshot.age() > s.registry_max_age {
         return Err(ApiError::RegistryStale {
@@ -401,6 +413,8 @@ async fn prepare(
         resolved,
         request,
         n,
+        returned,
+        show_logprobs,
         stream,
         include_usage,
         model: common_model,
@@ -435,8 +449,9 @@ struct Parsed {
     include_usage: bool,
     prompt: upstream::Prompt,
     sampling: upstream::Sampling,
-    /// Choices to generate (`n`).
+    /// Choices to generate (`best_of`, else `n`), and to return (`n`).
     n: u32,
+    returned: u32,
 }
 
 fn parse_body(bytes: &[u8], kind: Kind) -> Result<Parsed, ApiError> {
@@ -452,9 +467,11 @@ fn parse_body(bytes: &[u8], kind: Kind) -> Result<Parsed, ApiError> {
             (p, sp, r.common)
         }
     };
+    let (n, returned) = c.choices();
     Ok(Parsed {
         include_usage: c.include_usage(),
-        n: c.n.unwrap_or(1),
+        n,
+        returned,
         model: c.model,
         user: c.user,
         stream: c.stream,

@@ -254,6 +254,25 @@ impl Collected {
     }
 }
 
+/// The `keep` choices with the highest cumulative log probability, most
+/// likely first (`best_of`); all of them, in order, when none is dropped.
+fn best(mut choices: Vec<Collected>, keep: usize) -> Vec<Collected> {
+    if keep >= choices.len() {
+        return choices;
+    }
+    let total = |c: &Collected| -> f64 {
+        c.scored
+            .iter()
+            .filter_map(|t| t.logprob)
+            .map(f64::from)
+            .sum()
+    };
+    // Stable: equal scores keep their index order.
+    choices.sort_by(|a, b| total(b).total_cmp(&total(a)));
+    choices.truncate(keep);
+    choices
+}
+
 pub(super) async fn collect_response(
     s: AppState,
     // Held to the end: its permits are the request's place in the gateway.
@@ -263,7 +282,7 @@ pub(super) async fn collect_response(
     span: tracing::Span,
     meta: Meta,
 ) -> Response {
-    let asked = Asked::new(&p.request.prompt, &p.request.sampling);
+    let asked = Asked::new(&p.request.prompt, &p.request.sampling, p.show_logprobs);
     let mut choices: Vec<Collected> = (0..st.len()).map(|_| Collected::default()).collect();
     let mut left = st.len();
     let deadline = tokio::time::Instant::now() + s.request_timeout;
@@ -305,7 +324,8 @@ pub(super) async fn collect_response(
         Ok(()) => {
             let ends: Vec<upstream::Finished> = choices.iter().filter_map(|c| c.finished).collect();
             let usage = settle(&mut trail, &ends, tokens);
-            let choices: Vec<_> = choices
+            // Usage counts every choice generated, returned or not.
+            let choices: Vec<_> = best(choices, p.returned as usize)
                 .into_iter()
                 .map(|c| c.into_choice(&meta, &asked))
                 .collect();
@@ -467,7 +487,7 @@ struct StreamScores {
 
 impl StreamScores {
     fn new(p: &Prepared) -> StreamScores {
-        let asked = Asked::new(&p.request.prompt, &p.request.sampling);
+        let asked = Asked::new(&p.request.prompt, &p.request.sampling, p.show_logprobs);
         StreamScores {
             echo: asked.echo.as_ref().map(|_| Vec::new()),
             asked,

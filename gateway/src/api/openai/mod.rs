@@ -6,8 +6,12 @@
 //!
 //! Unknown fields are ignored, as OpenAI's own API does, so that SDKs that
 //! send newer fields keep working. Known fields that would change the output
-//! but are not supported (`n > 1`, `best_of`) are refused with a 400 that
-//! names the field, never ignored.
+//! but are not supported are refused with a 400 that names the field,
+//! never ignored.
+//!
+//! Choices: `n` (1 to 16) on both endpoints; `best_of` (n to 16, not
+//! streamed) on /v1/completions generates that many and returns the `n`
+//! with the highest cumulative log probability.
 //!
 //! Sampling controls: `presence_penalty` and `frequency_penalty` (OpenAI's),
 //! `repetition_penalty` (vLLM's), `logit_bias`, `min_tokens`,
@@ -279,11 +283,17 @@ impl Common {
         if self.n.is_some_and(|n| !(1..=MAX_CHOICES).contains(&n)) {
             return Err(bad("n", format!("must be from 1 to {MAX_CHOICES}")));
         }
-        if self.best_of.is_some_and(|b| b != self.n.unwrap_or(1)) {
-            return Err(bad(
-                "best_of",
-                "only equal to n is supported (every choice is returned)",
-            ));
+        let n = self.n.unwrap_or(1);
+        if let Some(b) = self.best_of {
+            if !(n..=MAX_CHOICES).contains(&b) {
+                return Err(bad(
+                    "best_of",
+                    format!("must be from n ({n}) to {MAX_CHOICES}"),
+                ));
+            }
+            if b > n && self.stream {
+                return Err(bad("best_of", "above n cannot be streamed"));
+            }
         }
         for (name, v) in [
             ("presence_penalty", self.presence_penalty),
@@ -460,6 +470,9 @@ impl Common {
         if self.echo == Some(true) {
             return Err(bad("echo", "is only for /v1/completions"));
         }
+        if self.best_of.is_some() {
+            return Err(bad("best_of", "is only for /v1/completions"));
+        }
         let on = match self.logprobs {
             None | Some(LogprobsInput::Switch(false)) => false,
             Some(LogprobsInput::Switch(true)) => true,
@@ -478,6 +491,13 @@ impl Common {
             return Err(bad("top_logprobs", "needs \"logprobs\": true"));
         }
         Ok(on.then_some(top))
+    }
+
+    /// Choices to generate, and how many of them to return: `best_of`
+    /// (default `n`) and `n`.
+    pub fn choices(&self) -> (u32, u32) {
+        let n = self.n.unwrap_or(1);
+        (self.best_of.unwrap_or(n), n)
     }
 
     pub fn include_usage(&self) -> bool {

@@ -102,7 +102,10 @@ fn unsupported_fields_that_change_output_are_refused_by_name() {
     for (body, param) in [
         (r#"{"model":"m","prompt":"x","n":17}"#, "n"),
         (r#"{"model":"m","prompt":"x","n":0}"#, "n"),
-        (r#"{"model":"m","prompt":"x","n":2,"best_of":3}"#, "best_of"),
+        (
+            r#"{"model":"m","prompt":"x","n":2,"best_of":17}"#,
+            "best_of",
+        ),
         (r#"{"model":"m","prompt":"x","logprobs":21}"#, "logprobs"),
         (r#"{"model":"m","prompt":"x","logprobs":-1}"#, "logprobs"),
         (r#"{"model":"m","prompt":"x","logprobs":true}"#, "logprobs"),
