@@ -28,9 +28,12 @@ fn package_messages() -> BTreeMap<String, MessageShape> {
     let mut out = BTreeMap::new();
     for file in fds.file.iter().filter(|f| f.package() == PACKAGE) {
         for msg in &file.message_type {
+            // A map field's entry type is the only nested message.
             assert!(
-                msg.nested_type.is_empty(),
-                "nested messages are not expected in {PACKAGE}"
+                msg.nested_type
+                    .iter()
+                    .all(|n| n.options.as_ref().is_some_and(|o| o.map_entry())),
+                "nested messages other than map entries are not expected in {PACKAGE}"
             );
             let mut shape = MessageShape::default();
             for field in &msg.field {
@@ -178,6 +181,9 @@ fn sampling() -> SamplingParams {
         repetition_penalty: Some(1.1),
         frequency_penalty: 0.5,
         presence_penalty: -0.5,
+        constraint: Some(sampling_params::Constraint::JsonSchema(
+            r#"{"type":"object"}"#.into(),
+        )),
     }
 }
 
@@ -225,7 +231,22 @@ fn every_message_round_trips_with_every_field_set() {
         ],
         add_generation_prompt: true,
     }]);
-    cov.check(vec![sampling()]);
+    let with = |c| SamplingParams {
+        constraint: Some(c),
+        ..sampling()
+    };
+    cov.check(vec![
+        sampling(),
+        with(sampling_params::Constraint::JsonObject(true)),
+        with(sampling_params::Constraint::Regex("[0-9]+".into())),
+        with(sampling_params::Constraint::Choice(Choices {
+            choices: vec!["yes".into(), "no".into()],
+        })),
+        with(sampling_params::Constraint::Grammar("start: \"x\"".into())),
+    ]);
+    cov.check(vec![Choices {
+        choices: vec!["a".into()],
+    }]);
     let trace = TraceContext {
         traceparent: "00-01-02-01".into(),
         tracestate: String::new(),

@@ -361,6 +361,62 @@ async fn echo_and_logprobs_through_the_gateway_equal_transformers_and_peft() {
     assert_eq!(c.len(), 2);
     assert_eq!(c[0]["message"], c[1]["message"], "greedy choices agree");
 
+    // Structured outputs: sampled answers parse and validate; streamed too.
+    let schema = json!({"type": "object", "properties": {
+        "answer": {"enum": ["yes", "no"]}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["answer", "n"], "additionalProperties": false});
+    for seed in 0..3 {
+        let (status, v) = f
+            .post(
+                "/v1/chat/completions",
+                Some(ACME_KEY),
+                json!({"model": "support", "messages": [{"role": "user", "content": "Answer in JSON"}],
+                       "max_tokens": 60, "temperature": 1.0, "seed": seed,
+                       "response_format": {"type": "json_schema",
+                                           "json_schema": {"name": "a", "strict": true, "schema": schema}}}),
+            )
+            .await;
+        assert_eq!(status, 200, "{v}");
+        let content = v["choices"][0]["message"]["content"].as_str().unwrap();
+        let parsed: Value =
+            serde_json::from_str(content).unwrap_or_else(|e| panic!("{content:?}: {e}"));
+        assert!(
+            ["yes", "no"].contains(&parsed["answer"].as_str().unwrap()),
+            "{parsed}"
+        );
+        assert!(parsed["n"].as_u64().unwrap() <= 99, "{parsed}");
+        assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    }
+    let streamed = f
+        .http
+        .post(format!("{}/v1/completions", f.base_url))
+        .bearer_auth(ACME_KEY)
+        .json(
+            &json!({"model": "support", "prompt": "Pick:", "max_tokens": 10, "temperature": 1.0,
+                      "seed": 3, "stream": true, "guided_choice": ["alpha", "beta gamma"]}),
+        )
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let text: String = events(&streamed)
+        .iter()
+        .filter_map(|e| e["choices"][0]["text"].as_str().map(str::to_owned))
+        .collect();
+    assert!(["alpha", "beta gamma"].contains(&text.as_str()), "{text:?}");
+    // A constraint the worker cannot compile is the client's field.
+    let (status, v) = f
+        .post(
+            "/v1/completions",
+            Some(ACME_KEY),
+            json!({"model": "support", "prompt": "x", "guided_regex": "(unclosed"}),
+        )
+        .await;
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["param"], "guided_regex", "{v}");
+
     // Each endpoint refuses the other's shape, by field.
     for (path, body, param) in [
         (

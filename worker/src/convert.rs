@@ -7,6 +7,7 @@ use std::time::{Duration, SystemTime};
 use lorafleet_domain::digest::Sha256Hex;
 use lorafleet_engine::AdapterId;
 use lorafleet_engine::artifact::ArtifactError;
+use lorafleet_engine::constraint::Constraint;
 use lorafleet_engine::logprobs::TokenLogprob;
 use lorafleet_engine::lora::AdapterError;
 use lorafleet_engine::model::tokenizer::ChatMessage;
@@ -185,6 +186,17 @@ pub fn generate_request(
         repetition_penalty: s.repetition_penalty.unwrap_or(1.0),
         frequency_penalty: s.frequency_penalty,
         presence_penalty: s.presence_penalty,
+        constraint: s.constraint.as_ref().and_then(|c| {
+            use pb::sampling_params::Constraint as C;
+            Some(match c {
+                C::JsonSchema(schema) => Constraint::JsonSchema(schema.clone()),
+                C::JsonObject(true) => Constraint::JsonObject,
+                C::JsonObject(false) => return None,
+                C::Regex(r) => Constraint::Regex(r.clone()),
+                C::Choice(list) => Constraint::Choice(list.choices.clone()),
+                C::Grammar(g) => Constraint::Lark(g.clone()),
+            })
+        }),
     };
     Ok((r.request_id.clone(), prompt, params))
 }

@@ -137,9 +137,18 @@ pub fn client_field(worker_field: &str) -> Option<String> {
     if worker_field == "prompt" || worker_field.starts_with("prompt.") {
         return Some("prompt".to_owned());
     }
-    if worker_field == "sampling.prompt_logprobs" {
-        // The worker's name for what the client asked with `echo`.
-        return Some("echo".to_owned());
+    // The worker's names for what the client asked with `echo` and the
+    // structured-output fields.
+    let named = match worker_field {
+        "sampling.prompt_logprobs" => Some("echo"),
+        "sampling.json_schema" => Some("response_format"),
+        "sampling.regex" => Some("guided_regex"),
+        "sampling.choice" => Some("guided_choice"),
+        "sampling.grammar" => Some("guided_grammar"),
+        _ => None,
+    };
+    if let Some(n) = named {
+        return Some(n.to_owned());
     }
     worker_field
         .strip_prefix("sampling.")
@@ -475,6 +484,8 @@ mod tests {
             ("sampling.stop[0]", Some("stop[0]")),
             ("sampling.logprobs", Some("logprobs")),
             ("sampling.prompt_logprobs", Some("echo")),
+            ("sampling.json_schema", Some("response_format")),
+            ("sampling.regex", Some("guided_regex")),
             ("prompt", Some("prompt")),
             ("prompt.token_ids.ids", Some("prompt")),
             ("prompt.text", Some("prompt")),

@@ -51,6 +51,16 @@ impl From<&Generation> for pb::GenerateRequest {
                 repetition_penalty: g.sampling.repetition_penalty,
                 frequency_penalty: g.sampling.frequency_penalty,
                 presence_penalty: g.sampling.presence_penalty,
+                constraint: g.sampling.constraint.as_ref().map(|c| {
+                    use pb::sampling_params::Constraint as C;
+                    match c {
+                        Constraint::JsonObject => C::JsonObject(true),
+                        Constraint::JsonSchema(s) => C::JsonSchema(s.clone()),
+                        Constraint::Regex(r) => C::Regex(r.clone()),
+                        Constraint::Choice(c) => C::Choice(pb::Choices { choices: c.clone() }),
+                        Constraint::Grammar(g) => C::Grammar(g.clone()),
+                    }
+                }),
             }),
             trace_context: Some(pb::TraceContext {
                 traceparent: g.traceparent.clone(),

@@ -74,6 +74,22 @@ pub struct Sampling {
     pub repetition_penalty: Option<f32>,
     pub frequency_penalty: f32,
     pub presence_penalty: f32,
+    /// What the output must match (structured outputs).
+    pub constraint: Option<Constraint>,
+}
+
+/// A structured-output constraint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Constraint {
+    /// Any JSON object.
+    JsonObject,
+    /// A JSON schema, as JSON text.
+    JsonSchema(String),
+    Regex(String),
+    /// Exactly one of these strings.
+    Choice(Vec<String>),
+    /// A Lark grammar.
+    Grammar(String),
 }
 
 /// One token at one position: its log probability and the most likely

@@ -39,6 +39,8 @@ pub struct SamplingParams {
     /// OpenAI's, -2 to 2; 0 is off.
     pub frequency_penalty: f32,
     pub presence_penalty: f32,
+    /// What the output must match (structured outputs). None: anything.
+    pub constraint: Option<crate::constraint::Constraint>,
 }
 
 impl Default for SamplingParams {
@@ -59,6 +61,7 @@ impl Default for SamplingParams {
             repetition_penalty: 1.0,
             frequency_penalty: 0.0,
             presence_penalty: 0.0,
+            constraint: None,
         }
     }
 }

@@ -80,6 +80,9 @@ pub(crate) struct Sequence {
     /// With `prompt_logprobs`: the prompt positions whose log probability
     /// has been sent (the first, which has none, counts once sent).
     pub prompt_scored: usize,
+    /// The compiled constraint, when the request has one. Behind a lock so
+    /// that the step's sampling threads can compute its mask.
+    pub grammar: Option<std::sync::Mutex<crate::constraint::Grammar>>,
     /// Whose share of the engine this request uses (the tenant), and the
     /// share's weight.
     pub fair_key: std::sync::Arc<str>,
@@ -134,6 +137,7 @@ impl Sequence {
             registered: 0,
             cached_tokens: 0,
             prompt_scored: 0,
+            grammar: None,
             fair_key: std::sync::Arc::from(""),
             fair_weight: 1.0,
             text: String::new(),
@@ -221,6 +225,15 @@ impl Sequence {
         let text = self.text[self.emitted.min(safe)..safe].to_owned();
         self.emitted = self.emitted.max(safe);
         Ok(TokenOutput { text, finished })
+    }
+
+    /// Ends the output here (a grammar completed): releases the text held
+    /// back for a partial character or a possible stop string.
+    pub fn flush(&mut self, tokenizer: &Tokenizer) -> Result<String> {
+        self.text.push_str(&self.detok.flush(tokenizer)?);
+        let text = self.text[self.emitted.min(self.text.len())..].to_owned();
+        self.emitted = self.text.len();
+        Ok(text)
     }
 
     /// The first stop string that the text from `before` on completes,

@@ -231,3 +231,61 @@ fn accepted_requests_map_to_the_worker_fields() {
     );
     assert_eq!(s.max_tokens, 9);
 }
+
+#[test]
+fn structured_output_fields_map_to_one_constraint() {
+    use upstream::Constraint as C;
+    let constraint = |extra: &str| {
+        let body =
+            format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],{extra}}}"#);
+        ChatRequest::parse(body.as_bytes())
+            .and_then(|r| r.to_worker())
+            .map(|(_, s)| s.constraint)
+    };
+    assert_eq!(constraint(r#""response_format":{"type":"text"}"#), Ok(None));
+    assert_eq!(
+        constraint(r#""response_format":{"type":"json_object"}"#),
+        Ok(Some(C::JsonObject))
+    );
+    // The schema travels as the client's own text.
+    assert_eq!(
+        constraint(
+            r#""response_format":{"type":"json_schema","json_schema":{"name":"p","strict":true,"schema":{"type": "integer"}}}"#
+        ),
+        Ok(Some(C::JsonSchema(r#"{"type": "integer"}"#.into())))
+    );
+    assert_eq!(
+        constraint(r#""guided_json":"{\"type\":\"string\"}""#),
+        Ok(Some(C::JsonSchema(r#"{"type":"string"}"#.into())))
+    );
+    assert_eq!(
+        constraint(r#""guided_choice":["a","b"]"#),
+        Ok(Some(C::Choice(vec!["a".into(), "b".into()])))
+    );
+    assert_eq!(
+        constraint(r#""guided_regex":"[0-9]+""#),
+        Ok(Some(C::Regex("[0-9]+".into())))
+    );
+    for (extra, param) in [
+        (
+            r#""response_format":{"type":"xml"}"#,
+            "response_format.type",
+        ),
+        (
+            r#""response_format":{"type":"json_schema","json_schema":{"name":"p"}}"#,
+            "response_format.json_schema.schema",
+        ),
+        (r#""guided_choice":[]"#, "guided_choice"),
+        (
+            r#""guided_regex":"a","guided_choice":["b"]"#,
+            "guided_choice",
+        ),
+    ] {
+        assert_eq!(constraint(extra).unwrap_err().param, param, "{extra}");
+    }
+    let big = format!(
+        r#""guided_regex":"{}""#,
+        "a".repeat(MAX_CONSTRAINT_BYTES + 1)
+    );
+    assert_eq!(constraint(&big).unwrap_err().param, "guided_regex");
+}

@@ -103,6 +103,7 @@ pub struct Engine {
     last_step: StepStats,
     run: RunCounters,
     fair: crate::scheduler::FairShares,
+    constraints: crate::constraint::Compiler,
 }
 
 impl std::fmt::Debug for Engine {
@@ -193,6 +194,11 @@ impl Engine {
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64);
         let tokenizer = Arc::new(tokenizer);
+        let constraints = crate::constraint::Compiler::new(
+            tokenizer.clone(),
+            config.vocab_size,
+            config.eos_token_ids.first().copied().unwrap_or(0),
+        );
         let prompter = Prompter::new(
             tokenizer.clone(),
             config.vocab_size,
@@ -219,6 +225,7 @@ impl Engine {
             last_step: StepStats::default(),
             run: RunCounters::default(),
             fair: crate::scheduler::FairShares::default(),
+            constraints,
         })
     }
 
@@ -387,6 +394,10 @@ impl Engine {
                 ),
             ));
         }
+        let grammar = match &request.params.constraint {
+            Some(c) => Some(std::sync::Mutex::new(self.constraints.compile(c)?)),
+            None => None,
+        };
         let residency = request.adapter.map(|a| self.pool.on_arrival(a));
         let seed = request
             .params
@@ -420,6 +431,7 @@ impl Engine {
         );
         if let Some(seq) = self.seqs.get_mut(&id) {
             seq.arrived_step = self.run.steps;
+            seq.grammar = grammar;
         }
         let key: std::sync::Arc<str> = std::sync::Arc::from(fairness.key);
         // The other live requests' keys (this one is in `seqs` already).

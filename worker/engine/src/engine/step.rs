@@ -187,7 +187,17 @@ impl Engine {
                 finished.push(row.id);
                 continue;
             }
-            let (rng, token, logprob) = drawn.expect("a drawing row was sampled");
+            let Drawn {
+                rng,
+                token,
+                logprob,
+                failed,
+            } = drawn.expect("a drawing row was sampled");
+            if let Some(e) = failed {
+                events.push((seq.request_id.clone(), Event::Failed(e)));
+                finished.push(row.id);
+                continue;
+            }
             seq.rng = rng;
             let out = match seq.push_token(
                 token,
@@ -203,6 +213,32 @@ impl Engine {
                     continue;
                 }
             };
+            let mut out = out;
+            if out.finished.is_none()
+                && let Some(grammar) = seq.grammar.as_mut()
+            {
+                let grammar = grammar.get_mut().expect("a grammar's lock");
+                match grammar.advance(token) {
+                    // The grammar is complete: the output ends here.
+                    Ok(true) => match seq.flush(&self.tokenizer) {
+                        Ok(rest) => {
+                            out.text.push_str(&rest);
+                            out.finished = Some((FinishReason::Stop, None));
+                        }
+                        Err(e) => {
+                            events.push((seq.request_id.clone(), Event::Failed(e)));
+                            finished.push(row.id);
+                            continue;
+                        }
+                    },
+                    Ok(false) => {}
+                    Err(e) => {
+                        events.push((seq.request_id.clone(), Event::Failed(e)));
+                        finished.push(row.id);
+                        continue;
+                    }
+                }
+            }
             events.push((
                 seq.request_id.clone(),
                 Event::Delta {
@@ -235,7 +271,7 @@ impl Engine {
         rows: &[Row],
         logits: &[f32],
         draws: Vec<Draw>,
-    ) -> Vec<(Vec<TokenLogprob>, Option<(Rng, u32, Option<TokenLogprob>)>)> {
+    ) -> Vec<(Vec<TokenLogprob>, Option<Drawn>)> {
         let vocab = self.config.vocab_size;
         let row_of = |k: usize| &logits[k * vocab..(k + 1) * vocab];
         let mut draws = draws.into_iter().peekable();
@@ -273,7 +309,12 @@ impl Engine {
                         .params
                         .logprobs
                         .map(|top_n| score(row_of(d.row), d.token, top_n));
-                    Some((d.rng, d.token, logprob))
+                    Some(Drawn {
+                        rng: d.rng,
+                        token: d.token,
+                        logprob,
+                        failed: d.failed,
+                    })
                 }
                 _ => None,
             };
@@ -309,6 +350,15 @@ impl Engine {
     }
 }
 
+/// What a sequence drew: its generator after the draw, the token, the
+/// token's log probabilities when asked, or why the draw failed.
+struct Drawn {
+    rng: Rng,
+    token: u32,
+    logprob: Option<TokenLogprob>,
+    failed: Option<EngineError>,
+}
+
 /// A sequence that draws a token this step: its index in the step's rows,
 /// a copy of its generator, the token, and its logit row.
 struct Draw {
@@ -316,6 +366,8 @@ struct Draw {
     rng: Rng,
     token: u32,
     row: usize,
+    /// The constraint's mask could not be computed: the sequence fails.
+    failed: Option<EngineError>,
 }
 
 /// Runs the forward pass and draws the next token of every sequence whose
@@ -338,12 +390,16 @@ fn forward_and_draw(
             rng: seqs[&r.id].rng.clone(),
             token: 0,
             row: r.first_row + r.rows - 1,
+            failed: None,
         })
         .collect();
     // Scoring and the controls that change logits run on the host.
     let scores = rows.iter().any(|r| {
         let p = &seqs[&r.id].params;
-        p.logprobs.is_some() || p.prompt_logprobs.is_some() || p.adjusts_logits()
+        p.logprobs.is_some()
+            || p.prompt_logprobs.is_some()
+            || p.adjusts_logits()
+            || p.constraint.is_some()
     });
     if backend.samples_on_device() && !scores {
         // The uniform draw comes from the request's own stream, here, as
@@ -400,9 +456,21 @@ fn forward_and_draw(
             output: &seq.output_ids,
             eos,
         };
-        d.token = match adjust(row, &seq.params, &history) {
-            Some(adjusted) => sample(&adjusted, &seq.params, &mut d.rng),
-            None => sample(row, &seq.params, &mut d.rng),
+        let adjusted = adjust(row, &seq.params, &history);
+        d.token = match (&seq.grammar, adjusted) {
+            (Some(grammar), adjusted) => {
+                let mut masked = adjusted.unwrap_or_else(|| row.to_vec());
+                let mut grammar = grammar.lock().expect("a grammar's lock");
+                match grammar.mask(&mut masked) {
+                    Ok(()) => sample(&masked, &seq.params, &mut d.rng),
+                    Err(e) => {
+                        d.failed = Some(e);
+                        0
+                    }
+                }
+            }
+            (None, Some(adjusted)) => sample(&adjusted, &seq.params, &mut d.rng),
+            (None, None) => sample(row, &seq.params, &mut d.rng),
         };
     });
     Ok((logits, draws))

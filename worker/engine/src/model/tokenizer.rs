@@ -136,6 +136,14 @@ impl Tokenizer {
         table.get(id as usize).map_or(&[], Vec::as_slice)
     }
 
+    /// Whether `id` is a special token (such as BOS or EOS), which text
+    /// never spells.
+    pub fn is_special(&self, id: u32) -> bool {
+        self.inner
+            .id_to_token(id)
+            .is_some_and(|p| self.inner.get_added_vocabulary().is_special_token(&p))
+    }
+
     /// The number of tokens in the vocabulary, added tokens included.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)

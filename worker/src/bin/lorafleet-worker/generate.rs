@@ -217,6 +217,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             repetition_penalty: parsed.repetition_penalty.unwrap_or(1.0),
             frequency_penalty: parsed.frequency_penalty,
             presence_penalty: parsed.presence_penalty,
+            constraint: None,
         };
         params
             .validate("", engine.config().vocab_size)

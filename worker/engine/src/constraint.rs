@@ -1,0 +1,221 @@
+//! Structured outputs: a request's output constrained to a JSON schema, any
+//! JSON object, a regular expression, one of a list of strings, or a Lark
+//! grammar, with llguidance (the library vLLM and SGLang use for this).
+//!
+//! A constraint is compiled when the request is submitted (refused there,
+//! by field, if it does not compile or is too large); at each step its
+//! token mask removes every token the grammar cannot take next, after the
+//! other sampling controls and before the draw. Log probabilities are the
+//! model's own, taken before the mask. A request without a constraint pays
+//! nothing.
+
+use std::sync::{Arc, OnceLock};
+
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::{TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
+use llguidance::{Matcher, ParserFactory};
+
+use crate::error::{EngineError, Result};
+use crate::model::tokenizer::Tokenizer;
+
+/// The largest constraint source accepted, in bytes.
+pub const MAX_CONSTRAINT_BYTES: usize = 64 * 1024;
+
+/// What a request's output must match.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Constraint {
+    /// Any JSON object (OpenAI's `json_object`).
+    JsonObject,
+    /// A JSON schema, as JSON text.
+    JsonSchema(String),
+    /// A regular expression the whole output matches.
+    Regex(String),
+    /// Exactly one of these strings.
+    Choice(Vec<String>),
+    /// A Lark grammar (llguidance's dialect).
+    Lark(String),
+}
+
+impl Constraint {
+    /// The field a refusal names, under `sampling.`.
+    pub fn field(&self) -> &'static str {
+        match self {
+            Constraint::JsonObject | Constraint::JsonSchema(_) => "json_schema",
+            Constraint::Regex(_) => "regex",
+            Constraint::Choice(_) => "choice",
+            Constraint::Lark(_) => "grammar",
+        }
+    }
+
+    fn grammar(&self) -> Result<TopLevelGrammar> {
+        let refuse = |why: String| EngineError::request(format!("sampling.{}", self.field()), why);
+        let size = match self {
+            Constraint::JsonObject => 0,
+            Constraint::JsonSchema(s) | Constraint::Regex(s) | Constraint::Lark(s) => s.len(),
+            Constraint::Choice(c) => c.iter().map(String::len).sum(),
+        };
+        if size > MAX_CONSTRAINT_BYTES {
+            return Err(refuse(format!(
+                "is {size} bytes, above the limit of {MAX_CONSTRAINT_BYTES}"
+            )));
+        }
+        Ok(match self {
+            Constraint::JsonObject => TopLevelGrammar::from_json_schema(json_layout(
+                serde_json::json!({"type": "object"}),
+            )),
+            Constraint::JsonSchema(s) => {
+                let schema: serde_json::Value = serde_json::from_str(s)
+                    .map_err(|e| refuse(format!("is not valid JSON: {e}")))?;
+                TopLevelGrammar::from_json_schema(json_layout(schema))
+            }
+            Constraint::Regex(r) => TopLevelGrammar::from_regex(r),
+            Constraint::Choice(choices) => {
+                if choices.is_empty() || choices.iter().any(String::is_empty) {
+                    return Err(refuse("must hold at least one non-empty string".into()));
+                }
+                let alternatives: Vec<String> = choices.iter().map(|c| lark_string(c)).collect();
+                TopLevelGrammar::from_lark(format!("start: {}", alternatives.join(" | ")))
+            }
+            Constraint::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
+        })
+    }
+}
+
+/// JSON as `json.dumps` lays it out (`", "` and `": "`, no other
+/// whitespace) unless the schema sets llguidance's own `x-guidance`
+/// options: free whitespace lets a model pad its output until max_tokens.
+fn json_layout(mut schema: serde_json::Value) -> serde_json::Value {
+    if let Some(o) = schema.as_object_mut()
+        && !o.contains_key("x-guidance")
+    {
+        o.insert(
+            "x-guidance".into(),
+            serde_json::json!({"whitespace_flexible": false, "item_separator": ", ",
+                               "key_separator": ": "}),
+        );
+    }
+    schema
+}
+
+/// A Lark string literal for `s`.
+fn lark_string(s: &str) -> String {
+    serde_json::to_string(s).expect("a string serializes")
+}
+
+/// The model's tokens as llguidance sees them: each token's bytes, special
+/// tokens marked so that no grammar produces them as text.
+struct Tokens {
+    trie: TokTrie,
+    tokenizer: Arc<Tokenizer>,
+}
+
+impl TokenizerEnv for Tokens {
+    fn tok_trie(&self) -> &TokTrie {
+        &self.trie
+    }
+
+    fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
+        self.tokenizer
+            .encode(&String::from_utf8_lossy(s), false)
+            .unwrap_or_default()
+    }
+}
+
+/// Compiles constraints for one model. The token trie and the parser
+/// factory are built on the first constrained request.
+#[derive(Clone)]
+pub struct Compiler {
+    tokenizer: Arc<Tokenizer>,
+    vocab_size: usize,
+    eos: u32,
+    factory: Arc<OnceLock<std::result::Result<ParserFactory, String>>>,
+}
+
+impl std::fmt::Debug for Compiler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Compiler")
+            .field("vocab_size", &self.vocab_size)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Compiler {
+    pub(crate) fn new(tokenizer: Arc<Tokenizer>, vocab_size: usize, eos: u32) -> Compiler {
+        Compiler {
+            tokenizer,
+            vocab_size,
+            eos,
+            factory: Arc::new(OnceLock::new()),
+        }
+    }
+
+    fn factory(&self) -> Result<&ParserFactory> {
+        self.factory
+            .get_or_init(|| {
+                let words: Vec<Vec<u8>> = (0..self.vocab_size as u32)
+                    .map(|id| {
+                        let bytes = self.tokenizer.token_bytes(id);
+                        if self.tokenizer.is_special(id) {
+                            [&[TokTrie::SPECIAL_TOKEN_MARKER][..], bytes].concat()
+                        } else {
+                            bytes.to_vec()
+                        }
+                    })
+                    .collect();
+                let info = TokRxInfo::new(self.vocab_size as u32, self.eos);
+                let env: TokEnv = Arc::new(Tokens {
+                    trie: TokTrie::from(&info, &words),
+                    tokenizer: self.tokenizer.clone(),
+                });
+                let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
+                factory.quiet();
+                Ok(factory)
+            })
+            .as_ref()
+            .map_err(|e| EngineError::Backend(format!("structured outputs: {e}")))
+    }
+
+    /// Compiles `c` into a matcher at the start of the output.
+    pub fn compile(&self, c: &Constraint) -> Result<Grammar> {
+        let grammar = c.grammar()?;
+        let parser = self
+            .factory()?
+            .create_parser(grammar)
+            .map_err(|e| EngineError::request(format!("sampling.{}", c.field()), e.to_string()))?;
+        Ok(Grammar(Matcher::new(Ok(parser))))
+    }
+}
+
+/// A compiled constraint following one sequence's output.
+pub struct Grammar(Matcher);
+
+impl std::fmt::Debug for Grammar {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Grammar")
+    }
+}
+
+impl Grammar {
+    /// Sets every token the grammar cannot take next to -inf in `logits`.
+    pub fn mask(&mut self, logits: &mut [f32]) -> Result<()> {
+        let allowed = self
+            .0
+            .compute_mask_or_eos()
+            .map_err(|e| EngineError::Backend(format!("structured outputs: {e}")))?;
+        for (id, x) in logits.iter_mut().enumerate() {
+            if !allowed.is_allowed(id as TokenId) {
+                *x = f32::NEG_INFINITY;
+            }
+        }
+        Ok(())
+    }
+
+    /// Moves past a drawn token. True once the grammar is complete: the
+    /// output must end here.
+    pub fn advance(&mut self, token: u32) -> Result<bool> {
+        self.0
+            .consume_token(token)
+            .map_err(|e| EngineError::Backend(format!("structured outputs: {e}")))?;
+        Ok(self.0.is_stopped())
+    }
+}

@@ -1,0 +1,152 @@
+//! Structured outputs on a random-weights model: whatever the model would
+//! say, sampled output under a constraint parses and validates.
+
+mod common;
+
+use common::*;
+use lorafleet_engine::constraint::Constraint;
+use lorafleet_engine::{EngineSettings, Prompt, Request, SamplingParams};
+use serde_json::Value;
+
+fn request(id: String, constraint: Constraint, seed: u64) -> Request {
+    Request {
+        id,
+        adapter: Some(aid(seed % 3 + 1)),
+        prompt: Prompt::Text("The quick brown fox".into()),
+        params: SamplingParams {
+            max_tokens: 120,
+            temperature: 1.0,
+            seed: Some(seed),
+            constraint: Some(constraint),
+            ..Default::default()
+        },
+    }
+}
+
+#[test]
+fn sampled_output_matches_its_schema_regex_choice_or_grammar() {
+    let mut e = fixture_engine("llama-gqa", EngineSettings::default());
+    let schema = r#"{"type":"object","properties":{"name":{"type":"string","maxLength":6},
+        "age":{"type":"integer","minimum":0,"maximum":150},"tags":{"type":"array","items":{"enum":["a","b"]},"maxItems":3}},
+        "required":["name","age","tags"],"additionalProperties":false}"#;
+    let kinds = [
+        Constraint::JsonSchema(schema.into()),
+        Constraint::JsonObject,
+        Constraint::Regex("[0-9]{3}-[a-z]{2}".into()),
+        Constraint::Choice(vec!["yes".into(), "no".into(), "maybe not".into()]),
+        Constraint::Lark("start: \"(\" NUM (\",\" NUM)* \")\"\nNUM: /[0-9]{1,2}/".into()),
+    ];
+    // Any JSON object leaves string lengths open, and a random model
+    // rarely picks the closing quote: a bias towards `"` and `}` ends its
+    // strings and objects within max_tokens.
+    let t =
+        lorafleet_engine::model::tokenizer::Tokenizer::from_dir(&model_dir("llama-gqa")).unwrap();
+    let bias: Vec<(u32, f32)> = ["\"", "}"]
+        .iter()
+        .map(|s| (t.encode(s, false).unwrap()[0], 6.0))
+        .collect();
+    let mut requests = Vec::new();
+    for (k, c) in kinds.iter().enumerate() {
+        for seed in 0..4u64 {
+            let mut r = request(format!("k{k}s{seed}"), c.clone(), seed);
+            if *c == Constraint::JsonObject {
+                r.params.logit_bias = bias.clone();
+            }
+            requests.push(r);
+        }
+    }
+    // And an unconstrained request beside them, which stays free.
+    let mut free = request("free".into(), Constraint::JsonObject, 9);
+    free.params.constraint = None;
+    free.params.max_tokens = 12;
+    requests.push(free);
+    let out = e.run_to_completion(requests).unwrap();
+    for (i, c) in out.iter().enumerate().take(kinds.len() * 4) {
+        assert!(c.error.is_none(), "{}: {:?}", c.request_id, c.error);
+        let finish = c.finish.as_ref().unwrap();
+        assert_eq!(
+            finish.reason,
+            lorafleet_engine::FinishReason::Stop,
+            "{}: ended by its grammar, not max_tokens: {:?}",
+            c.request_id,
+            c.text
+        );
+        let text = c.text.as_str();
+        match &kinds[i / 4] {
+            Constraint::JsonSchema(_) => {
+                let v: Value =
+                    serde_json::from_str(text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+                let o = v.as_object().unwrap();
+                assert_eq!(o.len(), 3, "{text}");
+                assert!(o["name"].as_str().unwrap().chars().count() <= 6, "{text}");
+                assert!((0..=150).contains(&o["age"].as_i64().unwrap()), "{text}");
+                let tags = o["tags"].as_array().unwrap();
+                assert!(
+                    tags.len() <= 3 && tags.iter().all(|t| t == "a" || t == "b"),
+                    "{text}"
+                );
+            }
+            Constraint::JsonObject => {
+                let v: Value =
+                    serde_json::from_str(text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+                assert!(v.is_object(), "{text}");
+            }
+            Constraint::Regex(_) => {
+                let b = text.as_bytes();
+                assert!(
+                    b.len() == 6
+                        && b[..3].iter().all(u8::is_ascii_digit)
+                        && b[3] == b'-'
+                        && b[4..].iter().all(u8::is_ascii_lowercase),
+                    "{text:?}"
+                );
+            }
+            Constraint::Choice(choices) => assert!(choices.contains(&text.to_owned()), "{text:?}"),
+            Constraint::Lark(_) => {
+                let inner = text
+                    .strip_prefix('(')
+                    .and_then(|t| t.strip_suffix(')'))
+                    .unwrap();
+                assert!(
+                    inner.split(',').all(
+                        |n| (1..=2).contains(&n.len()) && n.bytes().all(|b| b.is_ascii_digit())
+                    ),
+                    "{text:?}"
+                );
+            }
+        }
+    }
+    let free = out.last().unwrap();
+    assert_eq!(
+        free.token_ids.len(),
+        12,
+        "the unconstrained request is not cut"
+    );
+}
+
+#[test]
+fn a_constraint_that_does_not_compile_is_refused_by_field() {
+    let mut e = fixture_engine("llama-gqa", EngineSettings::default());
+    for (c, field) in [
+        (
+            Constraint::JsonSchema("{not json".into()),
+            "sampling.json_schema",
+        ),
+        (Constraint::Regex("(unclosed".into()), "sampling.regex"),
+        (Constraint::Choice(vec![]), "sampling.choice"),
+        (
+            Constraint::Lark("start: undefined_rule".into()),
+            "sampling.grammar",
+        ),
+        (
+            Constraint::JsonSchema(format!("{{\"description\":\"{}\"}}", "x".repeat(70_000))),
+            "sampling.json_schema",
+        ),
+    ] {
+        let err = e
+            .submit(request("bad".into(), c.clone(), 1))
+            .unwrap_err()
+            .to_string();
+        assert!(err.starts_with(field), "{c:?}: {err}");
+    }
+}
