@@ -305,14 +305,10 @@ impl Engine {
             let drawn = match draws.peek() {
                 Some(d) if d.index == i => {
                     let d = draws.next().expect("peeked");
-                    let logprob = seq
-                        .params
-                        .logprobs
-                        .map(|top_n| score(row_of(d.row), d.token, top_n));
                     Some(Drawn {
                         rng: d.rng,
                         token: d.token,
-                        logprob,
+                        logprob: d.logprob,
                         failed: d.failed,
                     })
                 }
@@ -368,6 +364,9 @@ struct Draw {
     row: usize,
     /// The constraint's mask could not be computed: the sequence fails.
     failed: Option<EngineError>,
+    /// The token's log probabilities, when asked (scored on the sampling
+    /// threads, beside the draw).
+    logprob: Option<TokenLogprob>,
 }
 
 /// Runs the forward pass and draws the next token of every sequence whose
@@ -391,6 +390,7 @@ fn forward_and_draw(
             token: 0,
             row: r.first_row + r.rows - 1,
             failed: None,
+            logprob: None,
         })
         .collect();
     // Scoring and the controls that change logits run on the host.
@@ -472,6 +472,7 @@ fn forward_and_draw(
             (None, Some(adjusted)) => sample(&adjusted, &seq.params, &mut d.rng),
             (None, None) => sample(row, &seq.params, &mut d.rng),
         };
+        d.logprob = seq.params.logprobs.map(|n| score(row, d.token, n));
     });
     Ok((logits, draws))
 }
