@@ -348,16 +348,11 @@ async fn prepare(
         stream,
         include_usage,
         prompt,
-        mut sampling,
+        sampling,
         n,
         returned,
+        show_logprobs,
     } = parsed?;
-    // Choosing the best needs each choice's log probabilities; the client
-    // sees them only if it asked.
-    let show_logprobs = sampling.logprobs.is_some();
-    if returned < n && sampling.logprobs.is_none() {
-        sampling.logprobs = Some(0);
-    }
     trail.record.end_user = user.clone();
     if snapshot.age() > s.registry_max_age {
         return Err(ApiError::RegistryStale {
@@ -386,14 +381,7 @@ async fn prepare(
             model: common_model.clone(),
         })?;
     trail.resolved(&resolved);
-    let adapter = resolved.adapter.as_ref().map(|a| upstream::AdapterRef {
-        lora_int_id: a.lora_int_id,
-        artifact_uri: a.artifact_uri.clone(),
-        artifact_sha256: a.artifact_sha256.clone(),
-        base_hash: a.base_hash.clone(),
-        rank: a.rank,
-        display_name: format!("{}@{}", a.name, a.version),
-    });
+    let adapter = adapter_ref(&resolved);
     if let Some(a) = &adapter {
         tracing::Span::current().record("lora_int_id", a.lora_int_id.get());
     }
@@ -420,6 +408,18 @@ async fn prepare(
         model: common_model,
         _tenant_slot: tenant_slot,
         _permit: permit,
+    })
+}
+
+/// The adapter a resolved route sends the worker, if any.
+fn adapter_ref(resolved: &Resolved) -> Option<upstream::AdapterRef> {
+    resolved.adapter.as_ref().map(|a| upstream::AdapterRef {
+        lora_int_id: a.lora_int_id,
+        artifact_uri: a.artifact_uri.clone(),
+        artifact_sha256: a.artifact_sha256.clone(),
+        base_hash: a.base_hash.clone(),
+        rank: a.rank,
+        display_name: format!("{}@{}", a.name, a.version),
     })
 }
 
@@ -452,6 +452,8 @@ struct Parsed {
     /// Choices to generate (`best_of`, else `n`), and to return (`n`).
     n: u32,
     returned: u32,
+    /// The client asked for completion tokens' log probabilities.
+    show_logprobs: bool,
 }
 
 fn parse_body(bytes: &[u8], kind: Kind) -> Result<Parsed, ApiError> {
@@ -468,7 +470,15 @@ fn parse_body(bytes: &[u8], kind: Kind) -> Result<Parsed, ApiError> {
         }
     };
     let (n, returned) = c.choices();
+    // Choosing the best needs each choice's log probabilities; the client
+    // sees them only if it asked.
+    let mut sampling = sampling;
+    let show_logprobs = sampling.logprobs.is_some();
+    if returned < n && sampling.logprobs.is_none() {
+        sampling.logprobs = Some(0);
+    }
     Ok(Parsed {
+        show_logprobs,
         include_usage: c.include_usage(),
         n,
         returned,

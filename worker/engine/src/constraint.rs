@@ -128,7 +128,7 @@ pub struct Compiler {
     tokenizer: Arc<Tokenizer>,
     vocab_size: usize,
     eos: u32,
-    factory: Arc<OnceLock<std::result::Result<ParserFactory, String>>>,
+    factory: Arc<OnceLock<Result<ParserFactory>>>,
 }
 
 impl std::fmt::Debug for Compiler {
@@ -167,7 +167,8 @@ impl Compiler {
                     trie: TokTrie::from(&info, &words),
                     tokenizer: self.tokenizer.clone(),
                 });
-                let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
+                let mut factory = ParserFactory::new_simple(&env)
+                    .map_err(|e| EngineError::Backend(e.to_string()))?;
                 factory.quiet();
                 Ok(factory)
             })
