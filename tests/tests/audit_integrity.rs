@@ -130,6 +130,7 @@ async fn data_errors_case(durability: Durability, label: &str) {
             prompt_tokens: 0,
             completion_tokens: 0,
             cached_tokens: 0,
+            features: String::new(),
             latency_us: 1,
             ttft_us: None,
             attempts: 0,

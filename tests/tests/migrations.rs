@@ -68,7 +68,8 @@ async fn migrations_apply_to_an_empty_database_and_rerun_as_a_no_op() {
             (5, true),
             (6, true),
             (7, true),
-            (8, true)
+            (8, true),
+            (9, true)
         ],
         "each migration applied exactly once"
     );
@@ -91,7 +92,7 @@ async fn migrate_takes_the_url_from_the_environment() {
         .fetch_one(&db.pool().await)
         .await
         .unwrap();
-    assert_eq!(n, 8);
+    assert_eq!(n, 9);
 }
 
 #[test]

@@ -444,6 +444,42 @@ async fn echo_and_logprobs_through_the_gateway_equal_transformers_and_peft() {
         assert_eq!(status, 400, "{v}");
         assert_eq!(v["error"]["param"], param, "{v}");
     }
+
+    // Each row records the features its request used.
+    let want = [
+        "logprobs,echo",
+        "echo",
+        "n",
+        "n,best_of",
+        "logprobs,n",
+        "logit_bias,min_tokens",
+        "logprobs,logit_bias,penalties",
+        "structured_output",
+    ];
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let rows: Vec<String> =
+            sqlx::query_scalar("SELECT features FROM audit_log WHERE status = 'ok'")
+                .fetch_all(&f.pool)
+                .await
+                .unwrap();
+        let missing: Vec<&&str> = want
+            .iter()
+            .filter(|w| !rows.iter().any(|r| r == **w))
+            .collect();
+        if missing.is_empty() {
+            assert!(
+                rows.iter().any(String::is_empty),
+                "plain requests record none"
+            );
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "missing {missing:?} in {rows:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
 }
 
 /// The Python that has lm-eval and the OpenAI SDK (`.ci/run` installs it).

@@ -56,6 +56,8 @@ pub struct AuditRow {
     pub completion_tokens: i32,
     /// Of the prompt tokens, those the worker's prefix cache served.
     pub cached_tokens: i32,
+    /// The API features the request used, comma-separated.
+    pub features: String,
     pub latency_us: i64,
     pub ttft_us: Option<i64>,
     pub attempts: i16,
@@ -85,6 +87,7 @@ pub(super) const AUDIT_COLUMNS: &[&str] = &[
     "prompt_tokens",
     "completion_tokens",
     "cached_tokens",
+    "features",
     "latency_us",
     "ttft_us",
     "attempts",
@@ -216,7 +219,7 @@ impl AuditQuery {
                     l.end_user AS user, l.model_name AS model, l.route_revision,
                     l.lora_int_id, l.adapter_name, l.adapter_version, l.base_hash, l.worker_id,
                     l.adapter_residency, l.status::TEXT AS status, l.http_status, l.error_code,
-                    l.finish_reason, l.prompt_tokens, l.completion_tokens, l.cached_tokens, l.latency_us,
+                    l.finish_reason, l.prompt_tokens, l.completion_tokens, l.cached_tokens, l.features, l.latency_us,
                     l.ttft_us, l.attempts
              FROM audit_log l
              LEFT JOIN tenants t ON t.id = l.tenant_id

@@ -352,7 +352,9 @@ async fn prepare(
         n,
         returned,
         show_logprobs,
+        features,
     } = parsed?;
+    trail.record.features = features;
     trail.record.end_user = user.clone();
     if snapshot.age() > s.registry_max_age {
         return Err(ApiError::RegistryStale {
@@ -454,6 +456,33 @@ struct Parsed {
     returned: u32,
     /// The client asked for completion tokens' log probabilities.
     show_logprobs: bool,
+    /// For the audit row.
+    features: String,
+}
+
+/// The API features a request uses, as the audit row records them: stable
+/// names, comma-separated, in a fixed order.
+fn features(s: &upstream::Sampling, n: u32, returned: u32) -> String {
+    let used = [
+        ("logprobs", s.logprobs.is_some()),
+        ("echo", s.prompt_logprobs.is_some()),
+        ("n", returned > 1),
+        ("best_of", n > returned),
+        ("logit_bias", !s.logit_bias.is_empty()),
+        (
+            "penalties",
+            s.repetition_penalty.is_some()
+                || s.frequency_penalty != 0.0
+                || s.presence_penalty != 0.0,
+        ),
+        ("min_tokens", s.min_tokens > 0),
+        ("structured_output", s.constraint.is_some()),
+    ];
+    used.iter()
+        .filter(|(_, on)| *on)
+        .map(|(name, _)| *name)
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 fn parse_body(bytes: &[u8], kind: Kind) -> Result<Parsed, ApiError> {
@@ -470,6 +499,7 @@ fn parse_body(bytes: &[u8], kind: Kind) -> Result<Parsed, ApiError> {
         }
     };
     let (n, returned) = c.choices();
+    let features = features(&sampling, n, returned);
     // Choosing the best needs each choice's log probabilities; the client
     // sees them only if it asked.
     let mut sampling = sampling;
@@ -478,6 +508,7 @@ fn parse_body(bytes: &[u8], kind: Kind) -> Result<Parsed, ApiError> {
         sampling.logprobs = Some(0);
     }
     Ok(Parsed {
+        features,
         show_logprobs,
         include_usage: c.include_usage(),
         n,

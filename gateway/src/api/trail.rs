@@ -62,6 +62,7 @@ impl Trail {
                 prompt_tokens: 0,
                 completion_tokens: 0,
                 cached_tokens: 0,
+                features: String::new(),
                 latency_us: 0,
                 ttft_us: None,
                 attempts: 0,

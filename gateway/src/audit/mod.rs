@@ -76,6 +76,10 @@ pub struct AuditRecord {
     /// Of the prompt tokens, those the worker's prefix cache served.
     #[serde(default)]
     pub cached_tokens: i32,
+    /// The API features the request used, comma-separated in a fixed
+    /// order (see `api::features`); empty for a plain request.
+    #[serde(default)]
+    pub features: String,
     pub latency_us: i64,
     pub ttft_us: Option<i64>,
     pub attempts: i16,
@@ -85,7 +89,7 @@ pub struct AuditRecord {
 /// with room to spare: the weight bounds the line it becomes.
 const FIXED_ROW_BYTES: usize = 1024;
 /// Text fields of a row.
-const TEXT_FIELDS: usize = 11;
+const TEXT_FIELDS: usize = 12;
 /// The most a row can weigh once made safe: its fixed part and every text
 /// field at its cap (and the cap's marker), twice over for JSON escapes.
 pub const MAX_ROW_BYTES: usize =
@@ -110,6 +114,7 @@ impl AuditRecord {
             *f = safe_opt(f, M);
         }
         self.status = safe(&self.status, M);
+        self.features = safe(&self.features, M);
     }
 
     /// At least the bytes of its spool line (a JSON escape doubles a
@@ -119,6 +124,7 @@ impl AuditRecord {
         FIXED_ROW_BYTES
             + 2 * self.model_name.len()
             + 2 * self.status.len()
+            + 2 * self.features.len()
             + [
                 &self.api_key_prefix,
                 &self.subject,

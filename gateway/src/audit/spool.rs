@@ -600,6 +600,7 @@ mod tests {
             prompt_tokens: 0,
             completion_tokens: 0,
             cached_tokens: 0,
+            features: String::new(),
             latency_us: 1,
             ttft_us: None,
             attempts: 0,

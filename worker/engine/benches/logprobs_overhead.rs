@@ -1,10 +1,11 @@
-//! What log probabilities cost: decode tokens/s on the ~100M-parameter
+//! What log probabilities and structured outputs cost: decode tokens/s on
+//! the ~100M-parameter
 //! STAND-IN Llama with traffic spread over 8 rank-16 adapters, without log
 //! probabilities, with them on every request (0, 5 and 20 alternatives),
 //! with them on one request in 8 (a step carrying any scoring request
 //! brings its logits to the host), and the loglikelihood request
-//! lm-evaluation-harness sends (the prompt scored, one token). Prints a
-//! table. Run with:
+//! lm-evaluation-harness sends (the prompt scored, one token), and with a
+//! JSON schema on every request or one in 8. Prints a table. Run with:
 //!
 //!     cargo bench -p lorafleet-engine --bench logprobs_overhead
 //!
@@ -19,6 +20,7 @@ mod standin;
 
 use std::time::Instant;
 
+use lorafleet_engine::constraint::Constraint;
 use lorafleet_engine::{Engine, EngineSettings, Request};
 
 const REQUESTS: usize = 256;
@@ -34,15 +36,20 @@ struct Config {
     logprobs: Option<usize>,
     prompt_logprobs: Option<usize>,
     new: usize,
+    schema: bool,
 }
 
-const CONFIGS: [Config; 6] = [
+/// An object of numbers: 16 tokens stay inside it whatever the model says.
+const SCHEMA: &str = r#"{"type":"object","properties":{"a":{"type":"array","items":{"type":"integer"}}},"required":["a"]}"#;
+
+const CONFIGS: [Config; 8] = [
     Config {
         label: "no logprobs",
         every: 0,
         logprobs: None,
         prompt_logprobs: None,
         new: NEW,
+        schema: false,
     },
     Config {
         label: "logprobs 0, every request",
@@ -50,6 +57,7 @@ const CONFIGS: [Config; 6] = [
         logprobs: Some(0),
         prompt_logprobs: None,
         new: NEW,
+        schema: false,
     },
     Config {
         label: "logprobs 5, every request",
@@ -57,6 +65,7 @@ const CONFIGS: [Config; 6] = [
         logprobs: Some(5),
         prompt_logprobs: None,
         new: NEW,
+        schema: false,
     },
     Config {
         label: "logprobs 20, every request",
@@ -64,6 +73,7 @@ const CONFIGS: [Config; 6] = [
         logprobs: Some(20),
         prompt_logprobs: None,
         new: NEW,
+        schema: false,
     },
     Config {
         label: "logprobs 5, 1 request in 8",
@@ -71,6 +81,7 @@ const CONFIGS: [Config; 6] = [
         logprobs: Some(5),
         prompt_logprobs: None,
         new: NEW,
+        schema: false,
     },
     Config {
         label: "echo + logprobs 1, max_tokens 1 (lm-eval)",
@@ -78,6 +89,23 @@ const CONFIGS: [Config; 6] = [
         logprobs: Some(1),
         prompt_logprobs: Some(1),
         new: 1,
+        schema: false,
+    },
+    Config {
+        label: "JSON schema, every request",
+        every: 1,
+        logprobs: None,
+        prompt_logprobs: None,
+        new: NEW,
+        schema: true,
+    },
+    Config {
+        label: "JSON schema, 1 request in 8",
+        every: 8,
+        logprobs: None,
+        prompt_logprobs: None,
+        new: NEW,
+        schema: true,
     },
 ];
 
@@ -151,6 +179,9 @@ fn run_once(model: &std::path::Path, adapters: &[std::path::PathBuf], c: Config)
             if c.every > 0 && r % c.every == 0 {
                 req.params.logprobs = c.logprobs;
                 req.params.prompt_logprobs = c.prompt_logprobs;
+                if c.schema {
+                    req.params.constraint = Some(Constraint::JsonSchema(SCHEMA.into()));
+                }
             }
             req
         })
