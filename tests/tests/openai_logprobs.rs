@@ -103,17 +103,7 @@ async fn echo_and_logprobs_through_the_gateway_equal_transformers_and_peft() {
         // Streamed: the same tokens and values, chunk by chunk.
         let mut streamed = body.clone();
         streamed["stream"] = true.into();
-        let text = f
-            .http
-            .post(format!("{}/v1/completions", f.base_url))
-            .bearer_auth(ACME_KEY)
-            .json(&streamed)
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let text = f.stream("/v1/completions", &streamed).await;
         let mut s_tokens = Vec::new();
         let mut s_values = Vec::new();
         let mut s_text = String::new();
@@ -202,17 +192,7 @@ async fn echo_and_logprobs_through_the_gateway_equal_transformers_and_peft() {
     );
     let mut streamed = chat.clone();
     streamed["stream"] = true.into();
-    let text = f
-        .http
-        .post(format!("{}/v1/chat/completions", f.base_url))
-        .bearer_auth(ACME_KEY)
-        .json(&streamed)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = f.stream("/v1/chat/completions", &streamed).await;
     let s_content: Vec<Value> = events(&text)
         .iter()
         .filter_map(|e| e["choices"][0]["logprobs"]["content"].as_array().cloned())
@@ -282,17 +262,7 @@ async fn echo_and_logprobs_through_the_gateway_equal_transformers_and_peft() {
     assert_ne!(choices[0]["text"], choices[1]["text"], "the seeds differ");
     // Streamed: every chunk names its choice, each choice ends with its own
     // finish reason, and the texts are the whole response's.
-    let streamed = f
-        .http
-        .post(format!("{}/v1/completions", f.base_url))
-        .bearer_auth(ACME_KEY)
-        .json(&body(3, 40, true))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let streamed = f.stream("/v1/completions", &body(3, 40, true)).await;
     let mut texts = vec![String::new(); 3];
     let mut finishes = 0;
     for e in events(&streamed) {
@@ -387,20 +357,9 @@ async fn echo_and_logprobs_through_the_gateway_equal_transformers_and_peft() {
         assert!(parsed["n"].as_u64().unwrap() <= 99, "{parsed}");
         assert_eq!(v["choices"][0]["finish_reason"], "stop");
     }
-    let streamed = f
-        .http
-        .post(format!("{}/v1/completions", f.base_url))
-        .bearer_auth(ACME_KEY)
-        .json(
-            &json!({"model": "support", "prompt": "Pick:", "max_tokens": 10, "temperature": 1.0,
-                      "seed": 3, "stream": true, "guided_choice": ["alpha", "beta gamma"]}),
-        )
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let choice = json!({"model": "support", "prompt": "Pick:", "max_tokens": 10, "temperature": 1.0,
+                        "seed": 3, "guided_choice": ["alpha", "beta gamma"]});
+    let streamed = f.stream("/v1/completions", &choice).await;
     let text: String = events(&streamed)
         .iter()
         .filter_map(|e| e["choices"][0]["text"].as_str().map(str::to_owned))

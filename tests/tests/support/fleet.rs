@@ -296,6 +296,22 @@ impl Fleet {
         (status, v)
     }
 
+    /// A streamed request's whole SSE body, as acme.
+    pub async fn stream(&self, path: &str, body: &Value) -> String {
+        let mut body = body.clone();
+        body["stream"] = true.into();
+        self.http
+            .post(format!("{}{path}", self.base_url))
+            .bearer_auth(ACME_KEY)
+            .json(&body)
+            .send()
+            .await
+            .expect("the gateway answers")
+            .text()
+            .await
+            .expect("a whole body")
+    }
+
     pub async fn complete(&self, model: &str, prompt: &str, user: Option<&str>) -> (u16, Value) {
         let mut body = json!({
             "model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0
