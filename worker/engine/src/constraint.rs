@@ -197,18 +197,12 @@ impl std::fmt::Debug for Grammar {
 }
 
 impl Grammar {
-    /// Sets every token the grammar cannot take next to -inf in `logits`.
-    pub fn mask(&mut self, logits: &mut [f32]) -> Result<()> {
-        let allowed = self
-            .0
+    /// The tokens the grammar can take next.
+    pub fn allowed(&mut self) -> Result<Allowed> {
+        self.0
             .compute_mask_or_eos()
-            .map_err(|e| EngineError::Backend(format!("structured outputs: {e}")))?;
-        for (id, x) in logits.iter_mut().enumerate() {
-            if !allowed.is_allowed(id as TokenId) {
-                *x = f32::NEG_INFINITY;
-            }
-        }
-        Ok(())
+            .map(Allowed)
+            .map_err(|e| EngineError::Backend(format!("structured outputs: {e}")))
     }
 
     /// Moves past a drawn token. True once the grammar is complete: the
@@ -218,5 +212,20 @@ impl Grammar {
             .consume_token(token)
             .map_err(|e| EngineError::Backend(format!("structured outputs: {e}")))?;
         Ok(self.0.is_stopped())
+    }
+}
+
+/// The tokens a grammar can take next: a step's token mask.
+#[derive(Debug)]
+pub struct Allowed(llguidance::toktrie::SimpleVob);
+
+impl Allowed {
+    /// Sets every token outside the mask to -inf in `logits`.
+    pub fn apply(&self, logits: &mut [f32]) {
+        for (id, x) in logits.iter_mut().enumerate() {
+            if !self.0.is_allowed(id as TokenId) {
+                *x = f32::NEG_INFINITY;
+            }
+        }
     }
 }

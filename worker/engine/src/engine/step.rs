@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use super::{Engine, StepStats};
 use crate::backend::{Backend, DeviceSample, StepBatch};
+use crate::constraint::Allowed;
 use crate::error::{EngineError, Result};
 use crate::logprobs::{TokenLogprob, score};
 use crate::penalties::{History, adjust};
@@ -436,7 +437,38 @@ fn forward_and_draw(
     }
     // A step that scores (or a backend without its own sampler) brings the
     // logits to the host and samples there.
-    let logits = backend.forward(batch)?;
+    // The constrained rows' token masks depend only on the tokens so far:
+    // they are computed on their own thread while the forward pass runs.
+    let constrained: Vec<usize> = draws
+        .iter()
+        .enumerate()
+        .filter(|(_, d)| seqs[&rows[d.index].id].grammar.is_some())
+        .map(|(i, _)| i)
+        .collect();
+    let (logits, mut masks) = if constrained.is_empty() {
+        (backend.forward(batch)?, Vec::new())
+    } else {
+        std::thread::scope(|scope| {
+            let masks = scope.spawn(|| {
+                constrained
+                    .iter()
+                    .map(|&i| {
+                        let seq = &seqs[&rows[draws[i].index].id];
+                        let grammar = seq.grammar.as_ref().expect("a constrained row");
+                        grammar.lock().expect("a grammar's lock").allowed()
+                    })
+                    .collect::<Vec<_>>()
+            });
+            let logits = backend.forward(batch);
+            let masks = masks.join().expect("the mask thread does not panic");
+            logits.map(|l| (l, masks))
+        })?
+    };
+    // Each draw's mask, in draw order.
+    let mut mask_of: Vec<Option<Result<Allowed>>> = (0..draws.len()).map(|_| None).collect();
+    for (&i, m) in constrained.iter().zip(masks.drain(..)) {
+        mask_of[i] = Some(m);
+    }
     let want = rows.iter().map(|r| r.rows).sum::<usize>() * vocab;
     if logits.len() != want {
         return Err(EngineError::Backend(format!(
@@ -448,7 +480,9 @@ fn forward_and_draw(
     // from its own request's generator, so the order does not matter. On
     // the team that runs the CPU backend's loops: with that backend its
     // workers are usually still awake from the forward pass.
-    crate::backend::cpu::team::for_each_mut(&mut draws, |d, _| {
+    let mut work: Vec<(&mut Draw, Option<Result<Allowed>>)> =
+        draws.iter_mut().zip(mask_of).collect();
+    crate::backend::cpu::team::for_each_mut(&mut work, |(d, mask), _| {
         let seq = &seqs[&rows[d.index].id];
         let row = &logits[d.row * vocab..(d.row + 1) * vocab];
         let history = History {
@@ -457,17 +491,15 @@ fn forward_and_draw(
             eos,
         };
         let adjusted = adjust(row, &seq.params, &history);
-        d.token = match (&seq.grammar, adjusted) {
-            (Some(grammar), adjusted) => {
+        d.token = match (mask.take(), adjusted) {
+            (Some(Ok(allowed)), adjusted) => {
                 let mut masked = adjusted.unwrap_or_else(|| row.to_vec());
-                let mut grammar = grammar.lock().expect("a grammar's lock");
-                match grammar.mask(&mut masked) {
-                    Ok(()) => sample(&masked, &seq.params, &mut d.rng),
-                    Err(e) => {
-                        d.failed = Some(e);
-                        0
-                    }
-                }
+                allowed.apply(&mut masked);
+                sample(&masked, &seq.params, &mut d.rng)
+            }
+            (Some(Err(e)), _) => {
+                d.failed = Some(e);
+                0
             }
             (None, Some(adjusted)) => sample(&adjusted, &seq.params, &mut d.rng),
             (None, None) => sample(row, &seq.params, &mut d.rng),
