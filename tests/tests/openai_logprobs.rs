@@ -260,6 +260,49 @@ async fn echo_and_logprobs_through_the_gateway_equal_transformers_and_peft() {
         assert_eq!(c["text"], alone["choices"][0]["text"], "choice {i}");
     }
     assert_ne!(choices[0]["text"], choices[1]["text"], "the seeds differ");
+    // The choices after the first take the prompt's full KV blocks from
+    // the worker's prefix cache.
+    let hits = || async {
+        let mut total = 0.0;
+        for w in &f.workers {
+            let text = reqwest::get(format!("http://{}/metrics", w.addr("metrics")))
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap();
+            total += text
+                .lines()
+                .find(|l| l.starts_with("lorafleet_prefix_cache_hit_tokens_total"))
+                .and_then(|l| l.split_whitespace().last())
+                .map_or(0.0, |v| v.parse::<f64>().unwrap());
+        }
+        total
+    };
+    let long = "Once upon a time, there was a little model that served many adapters. ".repeat(3);
+    // The workers report their counters every 500 ms: earlier requests'
+    // hits land before the count starts.
+    tokio::time::sleep(std::time::Duration::from_millis(1200)).await;
+    let before = hits().await;
+    let (status, v) = f
+        .post(
+            "/v1/completions",
+            Some(ACME_KEY),
+            json!({"model": "support", "prompt": long, "max_tokens": 2, "n": 4, "temperature": 1.0}),
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    let prompt = v["usage"]["prompt_tokens"].as_u64().unwrap() as f64;
+    let shared = 3.0 * ((prompt - 1.0) / 16.0).floor() * 16.0;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while hits().await - before < shared {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} prefix-cache hits, {shared} expected",
+            hits().await - before
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
     // Streamed: every chunk names its choice, each choice ends with its own
     // finish reason, and the texts are the whole response's.
     let streamed = f.stream("/v1/completions", &body(3, 40, true)).await;
