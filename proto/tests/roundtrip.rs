@@ -214,22 +214,42 @@ fn every_message_round_trips_with_every_field_set() {
     cov.check(vec![TokenIds {
         ids: vec![1, 15043, 3186, 0, u32::MAX],
     }]);
-    cov.check(vec![ChatMessage {
-        role: "user".into(),
-        content: "héllo ✓".into(),
-    }]);
+    cov.check(vec![
+        ChatMessage {
+            role: "user".into(),
+            content: "héllo ✓".into(),
+            ..Default::default()
+        },
+        ChatMessage {
+            role: "assistant".into(),
+            content: String::new(),
+            tool_calls_json:
+                r#"[{"id":"c1","type":"function","function":{"name":"f","arguments":{}}}]"#.into(),
+            tool_call_id: String::new(),
+            name: "bot".into(),
+        },
+        ChatMessage {
+            role: "tool".into(),
+            content: "42".into(),
+            tool_call_id: "c1".into(),
+            ..Default::default()
+        },
+    ]);
     cov.check(vec![ChatPrompt {
         messages: vec![
             ChatMessage {
                 role: "system".into(),
                 content: "be brief".into(),
+                ..Default::default()
             },
             ChatMessage {
                 role: "user".into(),
                 content: "hi".into(),
+                ..Default::default()
             },
         ],
         add_generation_prompt: true,
+        tools_json: r#"[{"type":"function","function":{"name":"f"}}]"#.into(),
     }]);
     let with = |c| SamplingParams {
         constraint: Some(c),
@@ -282,8 +302,10 @@ fn every_message_round_trips_with_every_field_set() {
                 messages: vec![ChatMessage {
                     role: "user".into(),
                     content: "hi".into(),
+                    ..Default::default()
                 }],
                 add_generation_prompt: true,
+                tools_json: String::new(),
             })),
             sampling: Some(sampling()),
             trace_context: Some(trace),

@@ -5,6 +5,7 @@ OpenAI Python SDK, whole and streamed, and fails on anything it cannot read.
     OPENAI_API_KEY=... python tests/openai_sdk/check.py BASE_URL/v1 MODEL
 """
 
+import json
 import sys
 
 from openai import OpenAI
@@ -51,6 +52,23 @@ def main():
             streamed += chunk.choices[0].logprobs.content or []
     assert [t.token for t in streamed] == [t.token for t in content], (streamed, content)
     assert [t.logprob for t in streamed] == [t.logprob for t in content]
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}}]
+    choice = {"type": "function", "function": {"name": "weather"}}
+    r = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=120, temperature=1.0, seed=1, tools=tools, tool_choice=choice
+    )
+    call = r.choices[0].message.tool_calls[0]
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "weather", r
+    assert isinstance(json.loads(call.function.arguments)["city"], str), call
+    names = []
+    for chunk in client.chat.completions.create(
+        model=model, messages=messages, max_tokens=120, temperature=1.0, seed=1, tools=tools, tool_choice=choice,
+        stream=True,
+    ):
+        for c in chunk.choices:
+            names += [t.function.name for t in (c.delta.tool_calls or [])]
+    assert names == ["weather"], names
     print("openai sdk: ok")
 
 

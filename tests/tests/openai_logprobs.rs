@@ -419,6 +419,103 @@ async fn echo_and_logprobs_through_the_gateway_equal_transformers_and_peft() {
     assert_eq!(status, 400, "{v}");
     assert_eq!(v["error"]["param"], "guided_regex", "{v}");
 
+    // Tool calls: a named function or `required` always gives valid calls.
+    let tools = json!([
+        {"type": "function", "function": {"name": "weather", "parameters": {"type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+            "additionalProperties": false}}},
+        {"type": "function", "function": {"name": "time", "parameters": {"type": "object",
+            "properties": {}, "additionalProperties": false}}},
+    ]);
+    let ask = |choice: Value, stream: bool| {
+        json!({"model": "support", "messages": [{"role": "user", "content": "Weather in Paris?"}],
+               "max_tokens": 120, "temperature": 1.0, "seed": 5, "tools": tools,
+               "tool_choice": choice, "parallel_tool_calls": false, "stream": stream})
+    };
+    let named = json!({"type": "function", "function": {"name": "weather"}});
+    for choice in [named.clone(), json!("required")] {
+        let (status, v) = f
+            .post(
+                "/v1/chat/completions",
+                Some(ACME_KEY),
+                ask(choice.clone(), false),
+            )
+            .await;
+        assert_eq!(status, 200, "{v}");
+        let c = &v["choices"][0];
+        assert_eq!(c["finish_reason"], "tool_calls", "{v}");
+        assert_eq!(c["message"]["content"], Value::Null, "{v}");
+        let call = &c["message"]["tool_calls"][0];
+        assert_eq!(call["type"], "function");
+        assert!(call["id"].as_str().unwrap().starts_with("call_"));
+        let args: Value =
+            serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+        match call["function"]["name"].as_str().unwrap() {
+            "weather" => assert!(
+                args["city"].as_str().unwrap().chars().count() <= 8,
+                "{args}"
+            ),
+            "time" => assert_eq!(args, json!({})),
+            other => panic!("{other}"),
+        }
+        if choice == named {
+            assert_eq!(call["function"]["name"], "weather");
+        }
+    }
+    let streamed = f
+        .stream("/v1/chat/completions", &ask(named.clone(), true))
+        .await;
+    let deltas: Vec<Value> = events(&streamed)
+        .iter()
+        .filter_map(|e| e["choices"][0]["delta"]["tool_calls"].as_array().cloned())
+        .flatten()
+        .collect();
+    assert_eq!(deltas.len(), 1, "{streamed}");
+    assert_eq!(deltas[0]["index"], 0);
+    assert_eq!(deltas[0]["function"]["name"], "weather");
+    assert!(
+        streamed.contains(r#""finish_reason":"tool_calls""#),
+        "{streamed}"
+    );
+    // Tool results round-trip through the template; `auto` leaves a text
+    // answer as text.
+    let (status, v) = f
+        .post(
+            "/v1/chat/completions",
+            Some(ACME_KEY),
+            json!({"model": "support", "max_tokens": 4, "temperature": 0, "tools": tools,
+                   "messages": [
+                       {"role": "user", "content": "Weather in Paris?"},
+                       {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1",
+                           "type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                       {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]}),
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    assert!(v["choices"][0]["message"]["tool_calls"].is_null(), "{v}");
+    assert!(v["choices"][0]["message"]["content"].is_string(), "{v}");
+    for (path, body, param) in [
+        (
+            "/v1/chat/completions",
+            json!({"model": "support", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}),
+            "tool_choice",
+        ),
+        (
+            "/v1/completions",
+            json!({"model": "support", "prompt": "x", "tools": tools}),
+            "tools",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": "support", "messages": [{"role": "user", "content": "x"}], "tools": tools, "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+            "tool_choice.function.name",
+        ),
+    ] {
+        let (status, v) = f.post(path, Some(ACME_KEY), body).await;
+        assert_eq!(status, 400, "{v}");
+        assert_eq!(v["error"]["param"], param, "{v}");
+    }
+
     // Each endpoint refuses the other's shape, by field.
     for (path, body, param) in [
         (

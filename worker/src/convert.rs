@@ -145,16 +145,31 @@ pub fn generate_request(
                     ));
                 }
             }
+            let json = |text: &str, field: String| -> Result<Option<serde_json::Value>, Refusal> {
+                if text.is_empty() {
+                    return Ok(None);
+                }
+                match serde_json::from_str::<serde_json::Value>(text) {
+                    Ok(v @ serde_json::Value::Array(_)) => Ok(Some(v)),
+                    Ok(_) => Err(Refusal::field(field, "must be a JSON array")),
+                    Err(e) => Err(Refusal::field(field, format!("is not valid JSON: {e}"))),
+                }
+            };
+            let mut messages = Vec::with_capacity(chat.messages.len());
+            for (i, m) in chat.messages.iter().enumerate() {
+                let field = format!("prompt.chat.messages[{i}].tool_calls_json");
+                messages.push(ChatMessage {
+                    role: m.role.clone(),
+                    content: m.content.clone(),
+                    tool_calls: json(&m.tool_calls_json, field)?,
+                    tool_call_id: Some(m.tool_call_id.clone()).filter(|s| !s.is_empty()),
+                    name: Some(m.name.clone()).filter(|s| !s.is_empty()),
+                });
+            }
             Prompt::Chat {
-                messages: chat
-                    .messages
-                    .iter()
-                    .map(|m| ChatMessage {
-                        role: m.role.clone(),
-                        content: m.content.clone(),
-                    })
-                    .collect(),
+                messages,
                 add_generation_prompt: chat.add_generation_prompt,
+                tools: json(&chat.tools_json, "prompt.chat.tools_json".into())?,
             }
         }
     };

@@ -34,7 +34,9 @@ type Reply<T> = oneshot::Sender<Result<T, EngineError>>;
 
 enum Command {
     Submit {
-        request: Request,
+        /// Boxed: a request's sampling parameters are large beside the
+        /// other commands.
+        request: Box<Request>,
         fairness: lorafleet_engine::Fairness,
         events: mpsc::UnboundedSender<Event>,
         reply: Reply<Accepted>,
@@ -187,7 +189,7 @@ impl EngineHandle {
         let id = request.id.clone();
         self.commands
             .send(Command::Submit {
-                request,
+                request: Box::new(request),
                 fairness,
                 events: events_tx,
                 reply,
@@ -310,7 +312,7 @@ fn run(
                     reply,
                 } => {
                     let id = request.id.clone();
-                    let result = engine.submit_fair(request, fairness);
+                    let result = engine.submit_fair(*request, fairness);
                     if result.is_ok() {
                         streams.insert(id, events);
                         load_changed = true;

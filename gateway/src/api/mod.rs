@@ -34,6 +34,7 @@ use crate::upstream::{self, Generation, UpstreamError, WorkerEvent};
 pub use error::{ApiError, Parts, WorkerFailure};
 use openai::{ChatRequest, CompletionRequest, Usage};
 
+mod calls;
 mod choices;
 mod error;
 mod logprobs;
@@ -275,6 +276,8 @@ struct Prepared {
     /// The client asked for log probabilities (`best_of` asks for them
     /// without showing them).
     show_logprobs: bool,
+    /// Chat's tools: the answer's text is read for calls.
+    tools: Option<openai::tools::Tools>,
     stream: bool,
     include_usage: bool,
     model: String,
@@ -353,6 +356,7 @@ async fn prepare(
         returned,
         show_logprobs,
         features,
+        tools,
     } = parsed?;
     trail.record.features = features;
     trail.record.end_user = user.clone();
@@ -405,6 +409,7 @@ async fn prepare(
         n,
         returned,
         show_logprobs,
+        tools,
         stream,
         include_usage,
         model: common_model,
@@ -436,7 +441,7 @@ fn estimate_prompt_tokens(prompt: &upstream::Prompt) -> u64 {
     match prompt {
         upstream::Prompt::TokenIds(ids) => ids.len() as u64,
         upstream::Prompt::Text(t) => t.len().div_ceil(BYTES_PER_TOKEN) as u64,
-        upstream::Prompt::Chat(messages) => messages
+        upstream::Prompt::Chat { messages, .. } => messages
             .iter()
             .map(|m| m.content.len().div_ceil(BYTES_PER_TOKEN) as u64 + TEMPLATE_TOKENS_PER_MESSAGE)
             .sum(),
@@ -458,6 +463,7 @@ struct Parsed {
     show_logprobs: bool,
     /// For the audit row.
     features: String,
+    tools: Option<openai::tools::Tools>,
 }
 
 /// The API features a request uses, as the audit row records them: stable
@@ -486,16 +492,17 @@ fn features(s: &upstream::Sampling, n: u32, returned: u32) -> String {
 }
 
 fn parse_body(bytes: &[u8], kind: Kind) -> Result<Parsed, ApiError> {
-    let (prompt, sampling, c) = match kind {
+    let (prompt, sampling, c, tools) = match kind {
         Kind::Completion => {
             let r = CompletionRequest::parse(bytes)?;
             let (p, sp) = r.to_worker()?;
-            (p, sp, r.common)
+            (p, sp, r.common, None)
         }
         Kind::Chat => {
             let r = ChatRequest::parse(bytes)?;
             let (p, sp) = r.to_worker()?;
-            (p, sp, r.common)
+            let tools = r.tools()?;
+            (p, sp, r.common, tools)
         }
     };
     let (n, returned) = c.choices();
@@ -508,6 +515,7 @@ fn parse_body(bytes: &[u8], kind: Kind) -> Result<Parsed, ApiError> {
         sampling.logprobs = Some(0);
     }
     Ok(Parsed {
+        tools,
         features,
         show_logprobs,
         include_usage: c.include_usage(),

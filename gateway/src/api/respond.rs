@@ -137,16 +137,21 @@ impl Meta {
 
     /// The whole response: each choice's (text, finish reason, log
     /// probabilities), in index order.
-    fn full(&self, choices: &[(String, &str, Value)], usage: &Usage) -> Value {
+    fn full(&self, choices: &[ChoiceBody], usage: &Usage) -> Value {
         let choices: Vec<Value> = choices
             .iter()
             .enumerate()
-            .map(|(index, (text, finish, logprobs))| match self.kind {
-                Kind::Completion => json!({"index": index, "text": text, "logprobs": logprobs,
-                                           "finish_reason": finish}),
-                Kind::Chat => json!({"index": index,
-                                     "message": {"role": "assistant", "content": text},
-                                     "logprobs": logprobs, "finish_reason": finish}),
+            .map(|(index, c)| match self.kind {
+                Kind::Completion => json!({"index": index, "text": c.text, "logprobs": c.logprobs,
+                                           "finish_reason": c.finish}),
+                Kind::Chat => {
+                    let mut message = json!({"role": "assistant", "content": c.text});
+                    if let Some(calls) = &c.tool_calls {
+                        message["tool_calls"] = calls.clone();
+                    }
+                    json!({"index": index, "message": message, "logprobs": c.logprobs,
+                           "finish_reason": c.finish})
+                }
             })
             .collect();
         let object = match self.kind {
@@ -239,18 +244,47 @@ struct Collected {
     finished: Option<upstream::Finished>,
 }
 
+/// One choice of a whole response.
+struct ChoiceBody {
+    /// None: a chat answer that is only tool calls.
+    text: Option<String>,
+    finish: &'static str,
+    logprobs: Value,
+    tool_calls: Option<Value>,
+}
+
 impl Collected {
-    /// (text, finish reason, log probabilities) once finished, the echoed
-    /// prompt first.
-    fn into_choice(mut self, meta: &Meta, asked: &Asked) -> (String, &'static str, Value) {
+    /// The choice once finished: the echoed prompt first, and a chat
+    /// answer's tool calls read out of its text.
+    fn into_choice(
+        mut self,
+        meta: &Meta,
+        asked: &Asked,
+        tools: Option<&openai::tools::Tools>,
+    ) -> ChoiceBody {
         let finish = openai::finish_reason(self.finished.as_ref().expect("a finished choice"));
         if let Some(echo) = asked.echo_text(&self.prompt_scored) {
             self.text.insert_str(0, &echo);
             self.prompt_scored.append(&mut self.scored);
             self.scored = self.prompt_scored;
         }
-        let logprobs = meta.logprobs(asked, &self.scored, &mut TextOffset::default());
-        (self.text, finish, logprobs.unwrap_or(Value::Null))
+        let logprobs = meta
+            .logprobs(asked, &self.scored, &mut TextOffset::default())
+            .unwrap_or(Value::Null);
+        match calls::split(tools, &self.text) {
+            Some((content, found)) => ChoiceBody {
+                text: content,
+                finish: "tool_calls",
+                logprobs,
+                tool_calls: Some(calls::tool_calls(&found, false)),
+            },
+            None => ChoiceBody {
+                text: Some(self.text),
+                finish,
+                logprobs,
+                tool_calls: None,
+            },
+        }
     }
 }
 
@@ -327,7 +361,7 @@ pub(super) async fn collect_response(
             // Usage counts every choice generated, returned or not.
             let choices: Vec<_> = best(choices, p.returned as usize)
                 .into_iter()
-                .map(|c| c.into_choice(&meta, &asked))
+                .map(|c| c.into_choice(&meta, &asked, p.tools.as_ref()))
                 .collect();
             let body = meta.full(&choices, &usage);
             span.in_scope(|| {
@@ -483,6 +517,10 @@ struct StreamScores {
     asked: Asked,
     echo: Option<Vec<TokenLogprob>>,
     offset: TextOffset,
+    /// With tools, the answer's text, held until it is complete and read
+    /// for calls.
+    held: Option<String>,
+    tools: Option<openai::tools::Tools>,
 }
 
 impl StreamScores {
@@ -492,6 +530,8 @@ impl StreamScores {
             echo: asked.echo.as_ref().map(|_| Vec::new()),
             asked,
             offset: TextOffset::default(),
+            held: calls::reads_calls(p.tools.as_ref()).then(String::new),
+            tools: p.tools.clone(),
         }
     }
 
@@ -525,7 +565,24 @@ impl StreamScores {
             WorkerEvent::Finished(f) => {
                 // An echo not sent yet: a prompt scored alone.
                 let mut chunks: Vec<Value> = self.echo(meta, index).into_iter().collect();
-                let reason = openai::finish_reason(&f);
+                let mut reason = openai::finish_reason(&f);
+                if let Some(text) = self.held.take() {
+                    // The whole answer: its calls, or its text.
+                    match calls::split(self.tools.as_ref(), &text) {
+                        Some((content, found)) => {
+                            let mut chunk =
+                                meta.chunk(index, content.as_deref(), false, None, None);
+                            chunk["choices"][0]["delta"]["tool_calls"] =
+                                calls::tool_calls(&found, true);
+                            chunks.push(chunk);
+                            reason = "tool_calls";
+                        }
+                        None if !text.is_empty() => {
+                            chunks.push(meta.chunk(index, Some(&text), false, None, None));
+                        }
+                        None => {}
+                    }
+                }
                 chunks.push(meta.chunk(index, None, false, Some(reason), None));
                 (chunks, Some(f))
             }
@@ -558,6 +615,13 @@ impl StreamScores {
         scored: &[TokenLogprob],
     ) -> Option<Value> {
         let logprobs = meta.logprobs(&self.asked, scored, &mut self.offset);
+        let text = match self.held.as_mut() {
+            Some(held) => {
+                held.push_str(text);
+                ""
+            }
+            None => text,
+        };
         (!text.is_empty() || logprobs.is_some())
             .then(|| meta.chunk(index, Some(text), false, None, logprobs))
     }

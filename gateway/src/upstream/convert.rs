@@ -24,15 +24,22 @@ impl From<&Generation> for pb::GenerateRequest {
                 Prompt::TokenIds(ids) => {
                     pb::generate_request::Prompt::TokenIds(pb::TokenIds { ids: ids.clone() })
                 }
-                Prompt::Chat(messages) => pb::generate_request::Prompt::Chat(pb::ChatPrompt {
+                Prompt::Chat {
+                    messages,
+                    tools_json,
+                } => pb::generate_request::Prompt::Chat(pb::ChatPrompt {
                     messages: messages
                         .iter()
                         .map(|m| pb::ChatMessage {
                             role: m.role.clone(),
                             content: m.content.clone(),
+                            tool_calls_json: m.tool_calls_json.clone().unwrap_or_default(),
+                            tool_call_id: m.tool_call_id.clone().unwrap_or_default(),
+                            name: m.name.clone().unwrap_or_default(),
                         })
                         .collect(),
                     add_generation_prompt: true,
+                    tools_json: tools_json.clone().unwrap_or_default(),
                 }),
             }),
             sampling: Some(pb::SamplingParams {

@@ -38,6 +38,12 @@ pub struct AdapterRef {
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// An assistant's tool calls: a JSON array in OpenAI's shape, each
+    /// call's arguments a JSON object.
+    pub tool_calls_json: Option<String>,
+    /// A tool message: the call it answers.
+    pub tool_call_id: Option<String>,
+    pub name: Option<String>,
 }
 
 /// The prompt: text, token ids, or chat messages that the worker renders
@@ -46,7 +52,11 @@ pub struct ChatMessage {
 pub enum Prompt {
     Text(String),
     TokenIds(Vec<u32>),
-    Chat(Vec<ChatMessage>),
+    Chat {
+        messages: Vec<ChatMessage>,
+        /// The tools the model may call, a JSON array, for the template.
+        tools_json: Option<String>,
+    },
 }
 
 /// How to sample; `None` and zero mean the worker's defaults.

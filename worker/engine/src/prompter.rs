@@ -35,6 +35,7 @@ impl Prompter {
             Prompt::Chat {
                 messages,
                 add_generation_prompt,
+                tools,
             } => {
                 if messages.is_empty() {
                     return Err(EngineError::request(
@@ -42,8 +43,11 @@ impl Prompter {
                         "must hold at least one message",
                     ));
                 }
-                self.tokenizer
-                    .encode_chat(messages, *add_generation_prompt)?
+                self.tokenizer.encode_chat_with_tools(
+                    messages,
+                    tools.as_ref(),
+                    *add_generation_prompt,
+                )?
             }
         };
         self.check(&ids)?;

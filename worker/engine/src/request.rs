@@ -17,6 +17,9 @@ pub enum Prompt {
     Chat {
         messages: Vec<ChatMessage>,
         add_generation_prompt: bool,
+        /// The tools the model may call (OpenAI's `tools`), for the
+        /// template.
+        tools: Option<serde_json::Value>,
     },
 }
 

@@ -16,10 +16,12 @@ fn encodes_with_bos_and_renders_the_chat_template() {
         ChatMessage {
             role: "system".into(),
             content: "  be brief ".into(),
+            ..Default::default()
         },
         ChatMessage {
             role: "user".into(),
             content: "hi".into(),
+            ..Default::default()
         },
     ];
     let text = t.apply_chat_template(&messages, true).unwrap();
@@ -100,4 +102,63 @@ fn each_tokens_bytes_concatenate_to_the_text_even_inside_a_character() {
     );
     assert_eq!(t.token_bytes(1), b"<s>", "a special token is its text");
     assert!(t.token_bytes(1_000_000).is_empty());
+}
+
+#[test]
+fn the_template_renders_tools_tool_calls_and_tool_results() {
+    // A Hermes-style template (what Qwen2.5 ships), on the fixture tokenizer.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(
+        model_dir("llama-gqa").join("tokenizer.json"),
+        dir.path().join("tokenizer.json"),
+    )
+    .unwrap();
+    let template = concat!(
+        "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }}:{{ t.function.parameters | tojson }};{% endfor %}</tools>\n{% endif %}",
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}",
+        "{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{\"name\": \"{{ c.function.name }}\", \"arguments\": {{ c.function.arguments | tojson }}}</tool_call>{% endfor %}{% endif %}",
+        "{% if m.tool_call_id %}[{{ m.tool_call_id }}]{% endif %}<|im_end|>\n{% endfor %}",
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    );
+    std::fs::write(
+        dir.path().join("tokenizer_config.json"),
+        serde_json::json!({"chat_template": template}).to_string(),
+    )
+    .unwrap();
+    let t = Tokenizer::from_dir(dir.path()).unwrap();
+    let tools = serde_json::json!([{"type": "function", "function": {"name": "weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
+    let messages = vec![
+        ChatMessage {
+            role: "user".into(),
+            content: "Paris?".into(),
+            ..Default::default()
+        },
+        ChatMessage {
+            role: "assistant".into(),
+            content: String::new(),
+            tool_calls: Some(serde_json::json!([{"id": "c1", "type": "function",
+                "function": {"name": "weather", "arguments": {"city": "Paris"}}}])),
+            ..Default::default()
+        },
+        ChatMessage {
+            role: "tool".into(),
+            content: "sunny".into(),
+            tool_call_id: Some("c1".into()),
+            ..Default::default()
+        },
+    ];
+    let text = t.render_chat(&messages, Some(&tools), true).unwrap();
+    assert_eq!(
+        text,
+        concat!(
+            "<tools>weather:{\"properties\":{\"city\":{\"type\":\"string\"}},\"type\":\"object\"};</tools>\n",
+            "<|im_start|>user\nParis?<|im_end|>\n",
+            "<|im_start|>assistant\n<tool_call>{\"name\": \"weather\", \"arguments\": {\"city\":\"Paris\"}}</tool_call><|im_end|>\n",
+            "<|im_start|>tool\nsunny[c1]<|im_end|>\n<|im_start|>assistant\n"
+        )
+    );
+    // Without tools, the template sees none.
+    let plain = t.render_chat(&messages[..1], None, false).unwrap();
+    assert_eq!(plain, "<|im_start|>user\nParis?<|im_end|>\n");
 }

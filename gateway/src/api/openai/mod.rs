@@ -27,7 +27,12 @@ use crate::upstream::{self, Prompt, Sampling};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+mod constraint;
 mod shapes;
+pub mod tools;
+
+pub use constraint::MAX_CONSTRAINT_BYTES;
+use constraint::ResponseFormat;
 
 pub use shapes::{Content, ContentPart, LogprobsInput, PromptInput, StopInput};
 use shapes::{Echo, PROMPT_EXPECTED};
@@ -100,6 +105,10 @@ pub struct Common {
     guided_regex: Option<String>,
     guided_choice: Option<Vec<String>>,
     guided_grammar: Option<String>,
+    /// Chat's tools (`tools.rs`).
+    tools: Option<Box<serde_json::value::RawValue>>,
+    tool_choice: Option<Box<serde_json::value::RawValue>>,
+    parallel_tool_calls: Option<bool>,
     logprobs: Option<LogprobsInput>,
     top_logprobs: Option<i64>,
     pub echo: Option<bool>,
@@ -109,27 +118,6 @@ pub struct Common {
     prompt: Option<PromptInput>,
     messages: Option<Vec<Message>>,
 }
-
-/// OpenAI's `response_format`.
-#[derive(Debug, Deserialize)]
-struct ResponseFormat {
-    #[serde(rename = "type")]
-    kind: String,
-    json_schema: Option<JsonSchemaFormat>,
-}
-
-#[derive(Debug, Deserialize)]
-struct JsonSchemaFormat {
-    /// Kept as the client's own text: a schema is never rebuilt.
-    schema: Option<Box<serde_json::value::RawValue>>,
-    /// Every schema is enforced exactly, so `strict` changes nothing.
-    #[serde(rename = "strict")]
-    _strict: Option<bool>,
-}
-
-/// The largest schema, regular expression, choice list or grammar
-/// accepted, in bytes (the workers' limit).
-pub const MAX_CONSTRAINT_BYTES: usize = 64 * 1024;
 
 #[derive(Debug)]
 pub struct CompletionRequest {
@@ -141,6 +129,11 @@ pub struct CompletionRequest {
 pub struct Message {
     pub role: String,
     pub content: Option<Content>,
+    /// An assistant's earlier tool calls (OpenAI's shape).
+    tool_calls: Option<Box<serde_json::value::RawValue>>,
+    /// A tool message: the call it answers.
+    tool_call_id: Option<String>,
+    name: Option<String>,
 }
 
 #[derive(Debug)]
@@ -437,84 +430,6 @@ impl Common {
         })
     }
 
-    /// The structured-output constraint: `response_format`, or one of
-    /// vLLM's `guided_json`, `guided_regex`, `guided_choice` and
-    /// `guided_grammar`; at most one of them.
-    fn constraint(&self) -> Result<Option<upstream::Constraint>, BadRequest> {
-        use upstream::Constraint as C;
-        let mut found: Vec<(&str, C)> = Vec::new();
-        if let Some(f) = &self.response_format {
-            match f.kind.as_str() {
-                "text" => {}
-                "json_object" => found.push(("response_format", C::JsonObject)),
-                "json_schema" => {
-                    let schema = f
-                        .json_schema
-                        .as_ref()
-                        .and_then(|j| j.schema.as_ref())
-                        .ok_or_else(|| bad("response_format.json_schema.schema", "is required"))?;
-                    found.push((
-                        "response_format.json_schema.schema",
-                        C::JsonSchema(schema.get().to_owned()),
-                    ));
-                }
-                other => {
-                    return Err(bad(
-                        "response_format.type",
-                        format!("{other:?} is not text, json_object or json_schema"),
-                    ));
-                }
-            }
-        }
-        if let Some(raw) = &self.guided_json {
-            // A schema object, or a string holding one.
-            let text = match serde_json::from_str::<String>(raw.get()) {
-                Ok(inner) => inner,
-                Err(_) => raw.get().to_owned(),
-            };
-            found.push(("guided_json", C::JsonSchema(text)));
-        }
-        if let Some(r) = &self.guided_regex {
-            found.push(("guided_regex", C::Regex(r.clone())));
-        }
-        if let Some(c) = &self.guided_choice {
-            if c.is_empty() || c.iter().any(String::is_empty) {
-                return Err(bad(
-                    "guided_choice",
-                    "must hold at least one non-empty string",
-                ));
-            }
-            found.push(("guided_choice", C::Choice(c.clone())));
-        }
-        if let Some(g) = &self.guided_grammar {
-            found.push(("guided_grammar", C::Grammar(g.clone())));
-        }
-        if found.len() > 1 {
-            return Err(bad(
-                found[1].0,
-                format!(
-                    "only one constraint per request; {} is given too",
-                    found[0].0
-                ),
-            ));
-        }
-        let Some((field, c)) = found.pop() else {
-            return Ok(None);
-        };
-        let size = match &c {
-            C::JsonObject => 0,
-            C::JsonSchema(t) | C::Regex(t) | C::Grammar(t) => t.len(),
-            C::Choice(v) => v.iter().map(String::len).sum(),
-        };
-        if size > MAX_CONSTRAINT_BYTES {
-            return Err(bad(
-                field,
-                format!("is {size} bytes, above the limit of {MAX_CONSTRAINT_BYTES}"),
-            ));
-        }
-        Ok(Some(c))
-    }
-
     /// `logit_bias`: token ids (as strings) to biases from -100 to 100, in
     /// token order.
     fn logit_bias(&self) -> Result<Vec<(u32, f32)>, BadRequest> {
@@ -553,7 +468,7 @@ impl Common {
         if self.top_logprobs.is_some() {
             return Err(bad(
                 "top_logprobs",
-                "is the chat API's; /v1/completions takes \"logprobs\": N",
+                "is the chat API's; completions take \"logprobs\": N",
             ));
         }
         let logprobs = match self.logprobs {
@@ -561,7 +476,9 @@ impl Common {
             Some(LogprobsInput::Switch(true)) => {
                 return Err(bad(
                     "logprobs",
-                    format!("must be an integer from 0 to {MAX_TOP_LOGPROBS} on /v1/completions"),
+                    format!(
+                        "must be an integer from 0 to {MAX_TOP_LOGPROBS} on (legacy) completions"
+                    ),
                 ));
             }
             Some(LogprobsInput::Count(n)) => Some(top_count("logprobs", n)?),
@@ -574,10 +491,10 @@ impl Common {
     /// completion tokens, when asked.
     fn chat_logprobs(&self) -> Result<Option<u32>, BadRequest> {
         if self.echo == Some(true) {
-            return Err(bad("echo", "is only for /v1/completions"));
+            return Err(bad("echo", "is only for (legacy) completions"));
         }
         if self.best_of.is_some() {
-            return Err(bad("best_of", "is only for /v1/completions"));
+            return Err(bad("best_of", "is only for (legacy) completions"));
         }
         let on = match self.logprobs {
             None | Some(LogprobsInput::Switch(false)) => false,
@@ -617,6 +534,9 @@ impl CompletionRequest {
     /// The worker's prompt and sampling, or the field at fault.
     pub fn to_worker(&self) -> Result<(Prompt, Sampling), BadRequest> {
         self.common.check()?;
+        if self.common.tools.is_some() {
+            return Err(bad("tools", "is only for chat completions"));
+        }
         let prompt = match &self.prompt {
             PromptInput::Text(t) => Prompt::Text(t.clone()),
             PromptInput::Texts(v) if v.len() == 1 => Prompt::Text(v[0].clone()),
@@ -694,13 +614,43 @@ impl ChatRequest {
             messages.push(upstream::ChatMessage {
                 role: role.into(),
                 content,
+                tool_calls_json: m
+                    .tool_calls
+                    .as_deref()
+                    .map(|raw| tool_calls_for_template(raw, i))
+                    .transpose()?,
+                tool_call_id: m.tool_call_id.clone(),
+                name: m.name.clone(),
             });
         }
-        let sampling = Sampling {
+        let tools = self.tools()?;
+        let mut sampling = Sampling {
             logprobs: self.common.chat_logprobs()?,
             ..self.common.sampling(CHAT_DEFAULT_MAX_TOKENS, false)?
         };
-        Ok((Prompt::Chat(messages), sampling))
+        if let Some(c) = tools.as_ref().and_then(tools::Tools::constraint) {
+            if sampling.constraint.is_some() {
+                return Err(bad(
+                    "tool_choice",
+                    "required or a named function cannot be combined with response_format or guided_*",
+                ));
+            }
+            sampling.constraint = Some(c);
+        }
+        let prompt = Prompt::Chat {
+            messages,
+            tools_json: tools.map(|t| t.json.to_string()),
+        };
+        Ok((prompt, sampling))
+    }
+
+    /// The request's tools, checked.
+    pub fn tools(&self) -> Result<Option<tools::Tools>, BadRequest> {
+        tools::parse(
+            self.common.tools.as_deref(),
+            self.common.tool_choice.as_deref(),
+            self.common.parallel_tool_calls,
+        )
     }
 }
 
@@ -738,6 +688,30 @@ pub fn finish_reason(f: &upstream::Finished) -> &'static str {
         upstream::FinishReason::Length => "length",
         upstream::FinishReason::Stop => "stop",
     }
+}
+
+/// An assistant message's `tool_calls` as the chat template reads them:
+/// each call's `function.arguments`, a JSON string on the wire, as the
+/// object it holds.
+fn tool_calls_for_template(
+    raw: &serde_json::value::RawValue,
+    message: usize,
+) -> Result<String, BadRequest> {
+    let field = format!("messages[{message}].tool_calls");
+    let mut calls: Vec<Value> =
+        serde_json::from_str(raw.get()).map_err(|e| bad(&field, e.to_string()))?;
+    for (j, c) in calls.iter_mut().enumerate() {
+        let args = &mut c["function"]["arguments"];
+        if let Value::String(text) = args {
+            *args = serde_json::from_str(text).map_err(|e| {
+                bad(
+                    &format!("{field}[{j}].function.arguments"),
+                    format!("is not JSON: {e}"),
+                )
+            })?;
+        }
+    }
+    Ok(Value::Array(calls).to_string())
 }
 
 /// The most alternatives per position (OpenAI's limit).

@@ -222,7 +222,7 @@ fn accepted_requests_map_to_the_worker_fields() {
     )
     .unwrap();
     let (prompt, s) = r.to_worker().unwrap();
-    let Prompt::Chat(messages) = prompt else {
+    let Prompt::Chat { messages, .. } = prompt else {
         panic!()
     };
     assert_eq!(

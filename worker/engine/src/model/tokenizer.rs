@@ -11,10 +11,19 @@ use crate::error::{EngineError, Result};
 use crate::model::config::read_json_object;
 
 /// One chat message, as the template sees it.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// An assistant's tool calls, in OpenAI's shape with each call's
+    /// `arguments` as a JSON object (what Hugging Face templates read).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Value>,
+    /// A tool message's answer: the call it answers.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 /// The model's tokenizer and chat template.
@@ -159,6 +168,18 @@ impl Tokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String> {
+        self.render_chat(messages, None, add_generation_prompt)
+    }
+
+    /// Renders chat messages, and the tools the model may call (OpenAI's
+    /// `tools`, which the template receives as `tools`), with the model's
+    /// template.
+    pub fn render_chat(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let template = self.chat_template.as_deref().ok_or_else(|| {
             EngineError::ChatTemplate(
                 "the model has no chat_template in tokenizer_config.json".into(),
@@ -170,6 +191,7 @@ impl Tokenizer {
             .map_err(|e| EngineError::ChatTemplate(e.to_string()))?;
         tmpl.render(context! {
             messages => messages,
+            tools => tools,
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token,
             eos_token => self.eos_token,
@@ -184,7 +206,17 @@ impl Tokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>> {
-        let text = self.apply_chat_template(messages, add_generation_prompt)?;
+        self.encode_chat_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// [`Tokenizer::encode_chat`], with the tools the model may call.
+    pub fn encode_chat_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&Value>,
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>> {
+        let text = self.render_chat(messages, tools, add_generation_prompt)?;
         self.encode(&text, false)
     }
 
