@@ -1,7 +1,7 @@
 -- Which OpenAI API features a completion used, for compliance and billing
 -- queries: a comma-separated list of stable names in a fixed order
 -- (logprobs, echo, n, best_of, logit_bias, penalties, min_tokens,
--- structured_output). Empty for a plain request, and for rows written
+-- structured_output, tools). Empty for a plain request, and for rows written
 -- before it was recorded.
 ALTER TABLE audit_log
     ADD COLUMN features TEXT NOT NULL DEFAULT ''

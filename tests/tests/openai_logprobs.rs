@@ -554,6 +554,7 @@ async fn echo_and_logprobs_through_the_gateway_equal_transformers_and_peft() {
         "logit_bias,min_tokens",
         "logprobs,logit_bias,penalties",
         "structured_output",
+        "tools",
     ];
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
     loop {

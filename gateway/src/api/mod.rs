@@ -468,7 +468,7 @@ struct Parsed {
 
 /// The API features a request uses, as the audit row records them: stable
 /// names, comma-separated, in a fixed order.
-fn features(s: &upstream::Sampling, n: u32, returned: u32) -> String {
+fn features(s: &upstream::Sampling, n: u32, returned: u32, tools: bool) -> String {
     let used = [
         ("logprobs", s.logprobs.is_some()),
         ("echo", s.prompt_logprobs.is_some()),
@@ -482,7 +482,8 @@ fn features(s: &upstream::Sampling, n: u32, returned: u32) -> String {
                 || s.presence_penalty != 0.0,
         ),
         ("min_tokens", s.min_tokens > 0),
-        ("structured_output", s.constraint.is_some()),
+        ("structured_output", s.constraint.is_some() && !tools),
+        ("tools", tools),
     ];
     used.iter()
         .filter(|(_, on)| *on)
@@ -506,7 +507,7 @@ fn parse_body(bytes: &[u8], kind: Kind) -> Result<Parsed, ApiError> {
         }
     };
     let (n, returned) = c.choices();
-    let features = features(&sampling, n, returned);
+    let features = features(&sampling, n, returned, tools.is_some());
     // Choosing the best needs each choice's log probabilities; the client
     // sees them only if it asked.
     let mut sampling = sampling;
