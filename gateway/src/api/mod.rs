@@ -370,8 +370,7 @@ async fn prepare(
     // A tenant without its own limits gets the gateway's defaults.
     let rpm_limit = tenant.rpm_limit.or(s.default_rpm_limit);
     let tpm_limit = tenant.tpm_limit.or(s.default_tpm_limit);
-    // Every choice's tokens, and the prompt once.
-    let reserve = u64::from(sampling.max_tokens) * u64::from(n) + estimate_prompt_tokens(&prompt);
+    let reserve = reservation(&sampling, &prompt, n);
     trail.tokens = s
         .limiter
         .admit(tenant.id, rpm_limit, tpm_limit, reserve)
@@ -428,6 +427,17 @@ fn adapter_ref(resolved: &Resolved) -> Option<upstream::AdapterRef> {
         rank: a.rank,
         display_name: format!("{}@{}", a.name, a.version),
     })
+}
+
+/// The tokens a request reserves of its tenant's tokens per minute: every
+/// choice's `max_tokens`, the prompt once, and a constraint's source
+/// (compiled on the worker) as tokens of about four bytes.
+fn reservation(sampling: &upstream::Sampling, prompt: &upstream::Prompt, n: u32) -> u64 {
+    let constraint = sampling
+        .constraint
+        .as_ref()
+        .map_or(0, |c| c.source_bytes().div_ceil(4) as u64);
+    u64::from(sampling.max_tokens) * u64::from(n) + estimate_prompt_tokens(prompt) + constraint
 }
 
 /// The prompt's tokens as the tokens-per-minute reservation counts them
@@ -528,4 +538,41 @@ fn parse_body(bytes: &[u8], kind: Kind) -> Result<Parsed, ApiError> {
         prompt,
         sampling,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_reservation_counts_every_choice_the_prompt_once_and_the_constraint() {
+        let sampling = upstream::Sampling {
+            max_tokens: 10,
+            ..Default::default()
+        };
+        let prompt = upstream::Prompt::TokenIds(vec![1; 7]);
+        assert_eq!(reservation(&sampling, &prompt, 1), 17);
+        assert_eq!(reservation(&sampling, &prompt, 3), 37);
+        let constrained = upstream::Sampling {
+            constraint: Some(upstream::Constraint::Regex("a".repeat(40))),
+            ..sampling
+        };
+        assert_eq!(reservation(&constrained, &prompt, 1), 27);
+        // The features the audit row records, in their fixed order.
+        let s = upstream::Sampling {
+            logprobs: Some(1),
+            prompt_logprobs: Some(1),
+            frequency_penalty: 0.5,
+            ..Default::default()
+        };
+        assert_eq!(
+            features(&s, 4, 2, false),
+            "logprobs,echo,n,best_of,penalties"
+        );
+        assert_eq!(
+            features(&upstream::Sampling::default(), 1, 1, true),
+            "tools"
+        );
+        assert_eq!(features(&upstream::Sampling::default(), 1, 1, false), "");
+    }
 }

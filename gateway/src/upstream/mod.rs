@@ -102,6 +102,17 @@ pub enum Constraint {
     Grammar(String),
 }
 
+impl Constraint {
+    /// The bytes of its source.
+    pub fn source_bytes(&self) -> usize {
+        match self {
+            Constraint::JsonObject => 0,
+            Constraint::JsonSchema(t) | Constraint::Regex(t) | Constraint::Grammar(t) => t.len(),
+            Constraint::Choice(v) => v.iter().map(String::len).sum(),
+        }
+    }
+}
+
 /// One token at one position: its log probability and the most likely
 /// tokens there.
 #[derive(Debug, Clone, PartialEq)]

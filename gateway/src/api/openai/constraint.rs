@@ -93,11 +93,7 @@ impl Common {
         let Some((field, c)) = found.pop() else {
             return Ok(None);
         };
-        let size = match &c {
-            C::JsonObject => 0,
-            C::JsonSchema(t) | C::Regex(t) | C::Grammar(t) => t.len(),
-            C::Choice(v) => v.iter().map(String::len).sum(),
-        };
+        let size = c.source_bytes();
         if size > MAX_CONSTRAINT_BYTES {
             return Err(bad(
                 field,
