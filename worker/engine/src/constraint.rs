@@ -140,7 +140,7 @@ impl std::fmt::Debug for Compiler {
 }
 
 impl Compiler {
-    pub(crate) fn new(tokenizer: Arc<Tokenizer>, vocab_size: usize, eos: u32) -> Compiler {
+    pub fn new(tokenizer: Arc<Tokenizer>, vocab_size: usize, eos: u32) -> Compiler {
         Compiler {
             tokenizer,
             vocab_size,

@@ -150,3 +150,25 @@ fn a_constraint_that_does_not_compile_is_refused_by_field() {
         assert!(err.starts_with(field), "{c:?}: {err}");
     }
 }
+
+#[test]
+fn a_model_vocabulary_larger_than_the_tokenizers_still_compiles_and_masks_the_rest() {
+    // Qwen's config.json counts padding rows past the tokenizer's last id;
+    // those ids have no bytes and are never allowed.
+    let t = std::sync::Arc::new(
+        lorafleet_engine::model::tokenizer::Tokenizer::from_dir(&model_dir("llama-gqa")).unwrap(),
+    );
+    let vocab = t.vocab_size() + 16;
+    let compiler = lorafleet_engine::constraint::Compiler::new(t, vocab, 2);
+    let mut g = compiler
+        .compile(&Constraint::Regex("[0-9]+".into()))
+        .unwrap();
+    let mut logits = vec![0.0f32; vocab];
+    g.allowed().unwrap().apply(&mut logits);
+    let allowed: Vec<usize> = (0..vocab).filter(|&i| logits[i].is_finite()).collect();
+    assert!(!allowed.is_empty());
+    assert!(
+        allowed.iter().all(|&i| i < vocab - 16),
+        "padding ids stay masked: {allowed:?}"
+    );
+}
