@@ -97,6 +97,57 @@ fn json_layout(mut schema: serde_json::Value) -> serde_json::Value {
     schema
 }
 
+/// Where in `schema` (a JSON pointer) the feature llguidance refused with
+/// `message` sits: an unimplemented keyword, an unknown `format`, or a
+/// `$ref` it cannot follow. None when the message names none of them.
+fn place_of(schema: &serde_json::Value, message: &str) -> Option<String> {
+    let quoted = |after: &str, open: char, close: char| -> Option<String> {
+        let rest = &message[message.find(after)? + after.len()..];
+        let start = rest.find(open)? + 1;
+        let end = start + rest[start..].find(close)?;
+        Some(rest[start..end].to_owned())
+    };
+    // The key to find, and the value it must hold, if any.
+    let (key, value): (String, Option<String>) = if message.contains("Unimplemented keys") {
+        (quoted("Unimplemented keys", '"', '"')?, None)
+    } else if let Some(rest) = message.split("Unknown format:").nth(1) {
+        ("format".into(), Some(rest.trim().to_owned()))
+    } else if message.contains("ref '") {
+        ("$ref".into(), Some(quoted("ref ", '\'', '\'')?))
+    } else {
+        return None;
+    };
+    walk(schema, "", &key, value.as_deref())
+}
+
+/// The JSON pointer of the first object in `v` (depth first) holding `key`
+/// (with `value`, when given).
+fn walk(v: &serde_json::Value, at: &str, key: &str, value: Option<&str>) -> Option<String> {
+    use serde_json::Value;
+    match v {
+        Value::Object(o) => {
+            if let Some(found) = o.get(key)
+                && value.is_none_or(|want| found.as_str() == Some(want))
+            {
+                return Some(if at.is_empty() {
+                    "/".into()
+                } else {
+                    at.to_owned()
+                });
+            }
+            o.iter().find_map(|(k, child)| {
+                let k = k.replace('~', "~0").replace('/', "~1");
+                walk(child, &format!("{at}/{k}"), key, value)
+            })
+        }
+        Value::Array(items) => items
+            .iter()
+            .enumerate()
+            .find_map(|(i, child)| walk(child, &format!("{at}/{i}"), key, value)),
+        _ => None,
+    }
+}
+
 /// A Lark string literal for `s`.
 fn lark_string(s: &str) -> String {
     serde_json::to_string(s).expect("a string serializes")
@@ -179,10 +230,20 @@ impl Compiler {
     /// Compiles `c` into a matcher at the start of the output.
     pub fn compile(&self, c: &Constraint) -> Result<Grammar> {
         let grammar = c.grammar()?;
-        let parser = self
-            .factory()?
-            .create_parser(grammar)
-            .map_err(|e| EngineError::request(format!("sampling.{}", c.field()), e.to_string()))?;
+        let parser = self.factory()?.create_parser(grammar).map_err(|e| {
+            let message = e.to_string();
+            let message = match c {
+                Constraint::JsonSchema(text) => match serde_json::from_str(text)
+                    .ok()
+                    .and_then(|schema| place_of(&schema, &message))
+                {
+                    Some(place) => format!("at {place}: {message}"),
+                    None => message,
+                },
+                _ => message,
+            };
+            EngineError::request(format!("sampling.{}", c.field()), message)
+        })?;
         Ok(Grammar(Matcher::new(Ok(parser))))
     }
 }

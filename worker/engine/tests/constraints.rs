@@ -172,3 +172,35 @@ fn a_model_vocabulary_larger_than_the_tokenizers_still_compiles_and_masks_the_re
         "padding ids stay masked: {allowed:?}"
     );
 }
+
+#[test]
+fn an_unsupported_schema_feature_is_refused_at_its_place_in_the_schema() {
+    let mut e = fixture_engine("llama-gqa", EngineSettings::default());
+    for (schema, place) in [
+        (
+            r#"{"type":"object","properties":{"a":{"$ref":"http://example.com/x.json"}}}"#,
+            "/properties/a",
+        ),
+        (
+            r#"{"type":"object","properties":{"a":{"type":"array","items":{"type":"string","format":"no-such-format"}}}}"#,
+            "/properties/a/items",
+        ),
+        (
+            r#"{"type":"object","properties":{"b":{"type":"integer"},"a":{"not":{"type":"string"}}}}"#,
+            "/properties/a",
+        ),
+    ] {
+        let err = e
+            .submit(request(
+                "bad".into(),
+                Constraint::JsonSchema(schema.into()),
+                1,
+            ))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with(&format!("sampling.json_schema: at {place}: ")),
+            "{schema}: {err}"
+        );
+    }
+}
