@@ -69,6 +69,13 @@ def main():
         for c in chunk.choices:
             names += [t.function.name for t in (c.delta.tool_calls or [])]
     assert names == ["weather"], names
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"],
+              "additionalProperties": False}
+    r = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=60, temperature=1.0, seed=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}},
+    )
+    assert json.loads(r.choices[0].message.content)["answer"] in ("yes", "no"), r
     print("openai sdk: ok")
 
 

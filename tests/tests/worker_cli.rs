@@ -145,6 +145,8 @@ fn generate_takes_token_ids_and_returns_log_probabilities() {
                    "temperature": 0, "logprobs": 5, "prompt_logprobs": 5}),
             json!({"prompt_token_ids": case["prompt_ids"], "max_tokens": 0, "prompt_logprobs": 0}),
             json!({"prompt": "hi", "max_tokens": 2}),
+            json!({"prompt": "hi", "max_tokens": 12, "temperature": 1.0, "seed": 3, "regex": "[0-9]{3}-[a-z]"}),
+            json!({"prompt": "hi", "max_tokens": 12, "temperature": 1.0, "seed": 4, "choice": ["red", "green"]}),
         ],
     );
     stdout(&generate(&input, &output, &["qv-r8"]));
@@ -185,6 +187,14 @@ fn generate_takes_token_ids_and_returns_log_probabilities() {
         case["prompt_ids"].as_array().unwrap().len()
     );
     assert!(results[2].get("logprobs").is_none() && results[2].get("prompt_logprobs").is_none());
+    // Structured outputs: the text matches its constraint.
+    let text = results[3]["text"].as_str().unwrap().as_bytes();
+    assert!(
+        text.len() == 5 && text[..3].iter().all(u8::is_ascii_digit) && text[3] == b'-',
+        "{:?}",
+        results[3]["text"]
+    );
+    assert!(["red", "green"].contains(&results[4]["text"].as_str().unwrap()));
 }
 
 #[test]
@@ -224,6 +234,14 @@ fn a_bad_input_line_fails_the_run_before_any_work() {
         (
             json!({"prompt": "hi", "logprobs": 21}),
             "line 3: logprobs: 21 is above the limit of 20",
+        ),
+        (
+            json!({"prompt": "hi", "regex": "(unclosed"}),
+            "line 3: regex: ",
+        ),
+        (
+            json!({"prompt": "hi", "regex": "a", "choice": ["b"]}),
+            "line 3: at most one of json_schema, json_object, regex, choice and grammar",
         ),
         (
             json!({"prompt": "hi", "max_tokens": 100000}),

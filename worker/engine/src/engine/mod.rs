@@ -329,6 +329,12 @@ impl Engine {
     }
 
     /// Turns a prompt into token ids.
+    /// Compiles a constraint as a request carrying it would, to refuse it
+    /// before any work (the offline command checks every line first).
+    pub fn check_constraint(&self, c: &crate::constraint::Constraint) -> Result<()> {
+        self.constraints.compile(c).map(drop)
+    }
+
     pub fn tokenize(&self, prompt: &Prompt) -> Result<Vec<u32>> {
         self.prompter.tokenize(prompt)
     }

@@ -6,6 +6,7 @@ use std::io::{BufRead, BufWriter, IsTerminal, Write};
 use std::path::PathBuf;
 
 use anyhow::{Context, bail};
+use lorafleet_engine::constraint::Constraint;
 use lorafleet_engine::{AdapterSource, Engine, FinishReason, Prompt, Request, SamplingParams};
 use serde::Deserialize;
 
@@ -76,6 +77,47 @@ struct InputLine {
     frequency_penalty: f32,
     #[serde(default)]
     presence_penalty: f32,
+    /// Structured outputs, at most one: a JSON schema (an object), any
+    /// JSON object (`"json_object": true`), a regular expression, one of a
+    /// list of strings, or a Lark grammar.
+    #[serde(default)]
+    json_schema: Option<serde_json::Value>,
+    #[serde(default)]
+    json_object: bool,
+    #[serde(default)]
+    regex: Option<String>,
+    #[serde(default)]
+    choice: Option<Vec<String>>,
+    #[serde(default)]
+    grammar: Option<String>,
+}
+
+impl InputLine {
+    /// The line's constraint, or why it cannot have one.
+    fn constraint(&mut self) -> Result<Option<Constraint>, String> {
+        let mut found = Vec::new();
+        if let Some(s) = self.json_schema.take() {
+            found.push(Constraint::JsonSchema(s.to_string()));
+        }
+        if self.json_object {
+            found.push(Constraint::JsonObject);
+        }
+        if let Some(r) = self.regex.take() {
+            found.push(Constraint::Regex(r));
+        }
+        if let Some(c) = self.choice.take() {
+            found.push(Constraint::Choice(c));
+        }
+        if let Some(g) = self.grammar.take() {
+            found.push(Constraint::Lark(g));
+        }
+        if found.len() > 1 {
+            return Err(
+                "at most one of json_schema, json_object, regex, choice and grammar".into(),
+            );
+        }
+        Ok(found.pop())
+    }
 }
 
 /// One position's log probability, as an output line carries it.
@@ -191,7 +233,8 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         }
         let at =
             |reason: String| anyhow::anyhow!("{}: line {line_no}: {reason}", args.input.display());
-        let parsed: InputLine = serde_json::from_str(&line).map_err(|e| at(e.to_string()))?;
+        let mut parsed: InputLine = serde_json::from_str(&line).map_err(|e| at(e.to_string()))?;
+        let constraint = parsed.constraint().map_err(at)?;
         let adapter = match &parsed.lora {
             None => None,
             Some(name) => Some(*ids.get(name.as_str()).ok_or_else(|| {
@@ -217,11 +260,16 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             repetition_penalty: parsed.repetition_penalty.unwrap_or(1.0),
             frequency_penalty: parsed.frequency_penalty,
             presence_penalty: parsed.presence_penalty,
-            constraint: None,
+            constraint,
         };
         params
             .validate("", engine.config().vocab_size)
             .map_err(|e| at(e.to_string()))?;
+        if let Some(c) = &params.constraint {
+            engine
+                .check_constraint(c)
+                .map_err(|e| at(e.to_string().replace("sampling.", "")))?;
+        }
         let prompt = match (parsed.prompt, parsed.prompt_token_ids) {
             (Some(text), None) => Prompt::Text(text),
             (None, Some(ids)) => Prompt::TokenIds(ids),
