@@ -519,7 +519,7 @@ struct StreamScores {
     offset: TextOffset,
     /// With tools, the answer's text, held until it is complete and read
     /// for calls.
-    held: Option<String>,
+    held: Option<calls::Holder>,
     tools: Option<openai::tools::Tools>,
 }
 
@@ -530,7 +530,11 @@ impl StreamScores {
             echo: asked.echo.as_ref().map(|_| Vec::new()),
             asked,
             offset: TextOffset::default(),
-            held: calls::reads_calls(p.tools.as_ref()).then(String::new),
+            held: p
+                .tools
+                .as_ref()
+                .filter(|t| calls::reads_calls(Some(t)))
+                .map(calls::Holder::new),
             tools: p.tools.clone(),
         }
     }
@@ -566,8 +570,8 @@ impl StreamScores {
                 // An echo not sent yet: a prompt scored alone.
                 let mut chunks: Vec<Value> = self.echo(meta, index).into_iter().collect();
                 let mut reason = openai::finish_reason(&f);
-                if let Some(text) = self.held.take() {
-                    // The whole answer: its calls, or its text.
+                if let Some(text) = self.held.take().map(calls::Holder::finish) {
+                    // What was held: its calls, or its text.
                     match calls::split(self.tools.as_ref(), &text) {
                         Some((content, found)) => {
                             let mut chunk =
@@ -616,13 +620,10 @@ impl StreamScores {
     ) -> Option<Value> {
         let logprobs = meta.logprobs(&self.asked, scored, &mut self.offset);
         let text = match self.held.as_mut() {
-            Some(held) => {
-                held.push_str(text);
-                ""
-            }
-            None => text,
+            Some(held) => held.push(text),
+            None => text.to_owned(),
         };
         (!text.is_empty() || logprobs.is_some())
-            .then(|| meta.chunk(index, Some(text), false, None, logprobs))
+            .then(|| meta.chunk(index, Some(&text), false, None, logprobs))
     }
 }

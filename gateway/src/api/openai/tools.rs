@@ -236,6 +236,20 @@ impl Tools {
     }
 }
 
+/// Tools with one function and `choice` (`"auto"`, `"required"`...), for
+/// other modules' tests.
+#[cfg(test)]
+pub fn for_tests(choice: &str) -> Tools {
+    let raw = serde_json::value::RawValue::from_string(
+        r#"[{"type":"function","function":{"name":"time"}}]"#.into(),
+    )
+    .expect("JSON");
+    let choice = serde_json::value::RawValue::from_string(format!("{choice:?}")).expect("JSON");
+    parse(Some(&raw), Some(&choice), None)
+        .expect("valid tools")
+        .expect("tools")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
