@@ -47,6 +47,21 @@ fn write_lines(path: &Path, lines: &[Value]) {
 }
 
 fn generate(input: &Path, output: &Path, adapters: &[&str]) -> std::process::Output {
+    generate_with(
+        input,
+        output,
+        adapters,
+        &["--max-loras", "2", "--max-cpu-loras", "3"],
+    )
+}
+
+/// `generate` on the llama-gqa fixture with `adapters` and `flags`.
+fn generate_with(
+    input: &Path,
+    output: &Path,
+    adapters: &[&str],
+    flags: &[&str],
+) -> std::process::Output {
     let fixtures = engine_fixtures();
     let model = fixtures.join("llama-gqa");
     let mut args: Vec<String> = vec![
@@ -57,11 +72,8 @@ fn generate(input: &Path, output: &Path, adapters: &[&str]) -> std::process::Out
         input.to_str().unwrap().into(),
         "--output".into(),
         output.to_str().unwrap().into(),
-        "--max-loras".into(),
-        "2".into(),
-        "--max-cpu-loras".into(),
-        "3".into(),
     ];
+    args.extend(flags.iter().map(|f| (*f).to_owned()));
     for a in adapters {
         args.push("--lora".into());
         args.push(format!(
@@ -71,6 +83,15 @@ fn generate(input: &Path, output: &Path, adapters: &[&str]) -> std::process::Out
     }
     let refs: Vec<&str> = args.iter().map(String::as_str).collect();
     run("lorafleet-worker", &refs, &[])
+}
+
+/// The output lines of a `generate` run.
+fn results(output: &Path) -> Vec<Value> {
+    std::fs::read_to_string(output)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
 }
 
 #[test]
@@ -100,11 +121,7 @@ fn generate_runs_a_mixed_batch_and_matches_the_goldens() {
         .collect();
     write_lines(&input, &lines);
     stdout(&generate(&input, &output, &adapters));
-    let results: Vec<Value> = std::fs::read_to_string(&output)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let results: Vec<Value> = results(&output);
     assert_eq!(results.len(), chosen.len());
     for (i, (r, c)) in results.iter().zip(&chosen).enumerate() {
         assert_eq!(r["index"], i);
@@ -150,11 +167,7 @@ fn generate_takes_token_ids_and_returns_log_probabilities() {
         ],
     );
     stdout(&generate(&input, &output, &["qv-r8"]));
-    let results: Vec<Value> = std::fs::read_to_string(&output)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let results: Vec<Value> = results(&output);
     let close = |got: &Value, want: &Value, what: String| {
         let (g, w) = (got.as_f64().unwrap(), want.as_f64().unwrap());
         assert!((g - w).abs() <= 1e-4, "{what}: {g} against {w}");
@@ -333,42 +346,23 @@ fn generate_writes_run_statistics() {
         })
         .collect();
     write_lines(&input, &lines);
-    let fixtures = engine_fixtures();
-    let mut args: Vec<String> = [
-        "generate",
-        "--model",
-        fixtures.join("llama-gqa").to_str().unwrap(),
-        "--input",
-        input.to_str().unwrap(),
-        "--output",
-        output.to_str().unwrap(),
-        "--stats",
-        stats.to_str().unwrap(),
-        "--max-loras",
-        "2",
-        "--max-cpu-loras",
-        "4",
-        "--max-num-seqs",
-        "4",
-    ]
-    .iter()
-    .map(|s| (*s).to_owned())
-    .collect();
-    for a in adapters {
-        args.push("--lora".into());
-        args.push(format!(
-            "{a}={}",
-            fixtures.join("adapters/llama-gqa").join(a).display()
-        ));
-    }
-    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-    stdout(&run("lorafleet-worker", &refs, &[]));
+    stdout(&generate_with(
+        &input,
+        &output,
+        &adapters,
+        &[
+            "--stats",
+            stats.to_str().unwrap(),
+            "--max-loras",
+            "2",
+            "--max-cpu-loras",
+            "4",
+            "--max-num-seqs",
+            "4",
+        ],
+    ));
     let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
-    let results: Vec<Value> = std::fs::read_to_string(&output)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let results: Vec<Value> = results(&output);
     let generated: usize = results
         .iter()
         .map(|r| r["token_ids"].as_array().unwrap().len())

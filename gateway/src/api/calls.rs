@@ -7,18 +7,6 @@ use serde_json::{Value, json};
 
 use super::openai::tools::{Call, ToolChoice, Tools};
 
-/// Whether a request's text is read for calls: it has tools and does not
-/// forbid them.
-pub(super) fn reads_calls(tools: Option<&Tools>) -> bool {
-    tools.is_some_and(|t| t.choice != ToolChoice::None)
-}
-
-/// The answer's text split into its content (None when empty) and its
-/// calls, or None when it holds no call.
-pub(super) fn split(tools: Option<&Tools>, text: &str) -> Option<(Option<String>, Vec<Call>)> {
-    tools?.read(text)
-}
-
 /// OpenAI's `tool_calls` for `calls`; with `indexed`, as stream deltas.
 pub(super) fn tool_calls(calls: &[Call], indexed: bool) -> Value {
     calls

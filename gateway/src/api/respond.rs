@@ -271,7 +271,7 @@ impl Collected {
         let logprobs = meta
             .logprobs(asked, &self.scored, &mut TextOffset::default())
             .unwrap_or(Value::Null);
-        match calls::split(tools, &self.text) {
+        match tools.and_then(|t| t.read(&self.text)) {
             Some((content, found)) => ChoiceBody {
                 text: content,
                 finish: "tool_calls",
@@ -533,7 +533,7 @@ impl StreamScores {
             held: p
                 .tools
                 .as_ref()
-                .filter(|t| calls::reads_calls(Some(t)))
+                .filter(|t| t.reads_calls())
                 .map(calls::Holder::new),
             tools: p.tools.clone(),
         }
@@ -572,7 +572,7 @@ impl StreamScores {
                 let mut reason = openai::finish_reason(&f);
                 if let Some(text) = self.held.take().map(calls::Holder::finish) {
                     // What was held: its calls, or its text.
-                    match calls::split(self.tools.as_ref(), &text) {
+                    match self.tools.as_ref().and_then(|t| t.read(&text)) {
                         Some((content, found)) => {
                             let mut chunk =
                                 meta.chunk(index, content.as_deref(), false, None, None);

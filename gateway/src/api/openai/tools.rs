@@ -76,13 +76,12 @@ pub(super) fn parse(
         .transpose()
         .map_err(|e| bad("tools", e.to_string()))?
         .unwrap_or_default();
-    let specs = Some(specs.as_slice());
-    let Some(specs) = specs.filter(|t| !t.is_empty()) else {
+    if specs.is_empty() {
         if choice.is_some_and(|c| !matches!(c.get().trim(), "\"none\"" | "\"auto\"" | "null")) {
             return Err(bad("tool_choice", "needs tools"));
         }
         return Ok(None);
-    };
+    }
     if specs.len() > MAX_TOOLS {
         return Err(bad("tools", format!("at most {MAX_TOOLS} tools")));
     }
@@ -165,6 +164,11 @@ pub(super) fn parse(
 }
 
 impl Tools {
+    /// Whether the answer's text is read for calls: unless `none`.
+    pub fn reads_calls(&self) -> bool {
+        self.choice != ToolChoice::None
+    }
+
     /// The constraint `required` and a named function put on the output.
     pub fn constraint(&self) -> Option<Constraint> {
         let call = |name: &str, parameters: &Value| {
@@ -194,7 +198,7 @@ impl Tools {
     /// The calls in the model's text, and the text left around them (None
     /// when empty); None when the text holds no call of these tools.
     pub fn read(&self, text: &str) -> Option<(Option<String>, Vec<Call>)> {
-        if self.choice == ToolChoice::None {
+        if !self.reads_calls() {
             return None;
         }
         let known = |name: &str| self.functions.iter().any(|(f, _)| f == name);
