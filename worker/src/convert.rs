@@ -790,4 +790,71 @@ mod tests {
         assert_eq!(info.reason, Reason::InvalidField.as_str());
         assert!(refused.message().starts_with("request_id"));
     }
+
+    #[test]
+    fn tool_json_that_does_not_parse_is_refused_by_field() {
+        let request = |chat: pb::ChatPrompt| pb::GenerateRequest {
+            request_id: "r".into(),
+            prompt: Some(pb::generate_request::Prompt::Chat(chat)),
+            sampling: Some(pb::SamplingParams {
+                max_tokens: 1,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let user = pb::ChatMessage {
+            role: "user".into(),
+            content: "hi".into(),
+            ..Default::default()
+        };
+        for (chat, field) in [
+            (
+                pb::ChatPrompt {
+                    messages: vec![user.clone()],
+                    tools_json: "{not json".into(),
+                    ..Default::default()
+                },
+                "prompt.chat.tools_json",
+            ),
+            (
+                pb::ChatPrompt {
+                    messages: vec![user.clone()],
+                    tools_json: r#"{"type":"function"}"#.into(),
+                    ..Default::default()
+                },
+                "prompt.chat.tools_json",
+            ),
+            (
+                pb::ChatPrompt {
+                    messages: vec![
+                        user.clone(),
+                        pb::ChatMessage {
+                            role: "assistant".into(),
+                            tool_calls_json: "[".into(),
+                            ..Default::default()
+                        },
+                    ],
+                    ..Default::default()
+                },
+                "prompt.chat.messages[1].tool_calls_json",
+            ),
+        ] {
+            let refused = status(&generate_request(&request(chat)).unwrap_err());
+            assert!(
+                refused.message().starts_with(field),
+                "{}",
+                refused.message()
+            );
+        }
+        let (_, prompt, _) = generate_request(&request(pb::ChatPrompt {
+            messages: vec![user],
+            tools_json: r#"[{"type":"function","function":{"name":"f"}}]"#.into(),
+            ..Default::default()
+        }))
+        .unwrap();
+        let Prompt::Chat { tools, .. } = prompt else {
+            panic!()
+        };
+        assert_eq!(tools.unwrap()[0]["function"]["name"], "f");
+    }
 }
