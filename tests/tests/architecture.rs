@@ -734,3 +734,58 @@ fn gateway_functions_and_files_stay_short() {
     .unwrap();
     assert_eq!(long_functions(dir.path(), 120), vec!["a.rs::big (132)"]);
 }
+
+/// The admin plane has one core: only `admin/core.rs` checks a role,
+/// begins or commits a transaction and writes `admin_changes`; the HTTP
+/// handlers (`admin/http.rs`) and the console call `exec`/`read` and never
+/// build a request body or reach the admin API over HTTP.
+#[test]
+fn the_admin_plane_changes_through_its_core_alone() {
+    let root = std::path::PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../gateway/src"));
+    // (files, banned there); `Role` itself (admin/mod.rs) defines `allows`.
+    let rules: &[(&str, &[&str])] = &[
+        (
+            "admin/",
+            &[".begin()", ".commit()", "INSERT INTO admin_changes"],
+        ),
+        ("admin/http.rs", &["sqlx::", "Transaction"]),
+        ("console/", &["/admin/v1/", "oneshot", "Bearer "]),
+        ("", &[".allows("]),
+    ];
+    let mut found = Vec::new();
+    let mut checked = 0;
+    for file in walk(&root) {
+        let rel = file
+            .strip_prefix(&root)
+            .unwrap()
+            .to_string_lossy()
+            .into_owned();
+        if !rel.ends_with(".rs") || rel == "admin/core.rs" {
+            continue;
+        }
+        let text = std::fs::read_to_string(&file).unwrap();
+        let code = text.split("#[cfg(test)]").next().unwrap();
+        for (scope, banned) in rules {
+            if !rel.starts_with(scope) || (scope.is_empty() && rel == "admin/mod.rs") {
+                continue;
+            }
+            checked += 1;
+            for b in *banned {
+                if code.contains(b) {
+                    found.push(format!("{rel}: {b}"));
+                }
+            }
+        }
+    }
+    assert!(checked > 20, "the sources were found ({checked})");
+    assert!(found.is_empty(), "outside the admin core: {found:#?}");
+    let core = std::fs::read_to_string(root.join("admin/core.rs")).unwrap();
+    for needed in [
+        ".allows(",
+        ".begin()",
+        ".commit()",
+        "INSERT INTO admin_changes",
+    ] {
+        assert!(core.contains(needed), "admin/core.rs lacks {needed}");
+    }
+}

@@ -9,33 +9,31 @@ pub(super) const ADAPTER_SELECT: &str =
      FROM adapters a JOIN base_models b ON b.id = a.base_model_id
      LEFT JOIN tenants t ON t.id = a.tenant_id";
 
-#[derive(Debug, Deserialize)]
-pub(super) struct AdapterFilter {
-    pub(super) name: Option<String>,
-    pub(super) base_model: Option<String>,
+/// Adapter versions, by name and base model.
+#[derive(Debug, Default, Deserialize)]
+pub struct ListAdapters {
+    pub name: Option<String>,
+    pub base_model: Option<String>,
 }
 
-pub(super) async fn list_adapters(
-    State(s): State<AdminState>,
-    headers: HeaderMap,
-    Query(f): Query<AdapterFilter>,
-) -> Result<Response, AdminError> {
-    let actor = authorize(&s, &headers, Need::Read)?;
-    let rows: Vec<AdapterRow> = sqlx::query_as(sql!(
-        "{ADAPTER_SELECT}
+impl Query for ListAdapters {
+    type Output = AdapterList;
+    const NEED: Need = Need::Read;
+
+    async fn run(self, s: &AdminState) -> Result<AdapterList, AdminError> {
+        let f = self;
+        let adapters: Vec<AdapterRow> = sqlx::query_as(sql!(
+            "{ADAPTER_SELECT}
          WHERE ($1::TEXT IS NULL OR a.name = $1) AND ($2::TEXT IS NULL OR b.name = $2)
          ORDER BY a.name, a.version"
-    ))
-    .bind(f.name)
-    .bind(f.base_model)
-    .fetch_all(&s.pool)
-    .await
-    .map_err(db_error)?;
-    Ok(reply(
-        StatusCode::OK,
-        &actor,
-        to_json(&AdapterList { adapters: rows }),
-    ))
+        ))
+        .bind(f.name)
+        .bind(f.base_model)
+        .fetch_all(&s.pool)
+        .await
+        .map_err(db_error)?;
+        Ok(AdapterList { adapters })
+    }
 }
 
 /// What registration learns from the artifact itself.
@@ -234,67 +232,73 @@ fn check_new_adapter(a: &NewAdapter) -> Result<String, AdminError> {
     Ok(uri)
 }
 
-pub(super) async fn register_adapter(
-    State(s): State<AdminState>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Result<Response, AdminError> {
-    let actor = authorize(&s, &headers, Need::Write)?;
-    let a: NewAdapter = parse_body(&body)?;
-    let uri = check_new_adapter(&a)?;
-    let roots = s.artifact_roots.clone().ok_or_else(|| {
-        AdminError::new(
-            AdminCode::NoArtifactRoot,
-            Some("artifact_uri"),
-            "this gateway has no --artifact-root, so it cannot read artifacts to register them"
-                .into(),
-        )
-    })?;
-    let base: Option<(i64, String)> =
-        sqlx::query_as("SELECT id, architecture FROM base_models WHERE name = $1")
-            .bind(&a.base_model)
-            .fetch_optional(&s.pool)
+/// An adapter version registered from its artifact, read and checked
+/// with the worker's own rules before anything is written.
+#[derive(Debug)]
+pub struct RegisterAdapter(pub NewAdapter);
+
+impl Command for RegisterAdapter {
+    type Output = AdapterRow;
+
+    async fn run(self, cx: &mut Cx<'_>) -> Result<AdapterRow, AdminError> {
+        let a = self.0;
+        let s = cx.state;
+        let uri = check_new_adapter(&a)?;
+        let roots = s.artifact_roots.clone().ok_or_else(|| {
+            AdminError::new(
+                AdminCode::NoArtifactRoot,
+                Some("artifact_uri"),
+                "this gateway has no --artifact-root, so it cannot read artifacts to register them"
+                    .into(),
+            )
+        })?;
+        let base: Option<(i64, String)> =
+            sqlx::query_as("SELECT id, architecture FROM base_models WHERE name = $1")
+                .bind(&a.base_model)
+                .fetch_optional(&s.pool)
+                .await
+                .map_err(db_error)?;
+        let (base_id, architecture) = base.ok_or_else(|| {
+            AdminError::not_found("base_model", format!("base model {:?}", a.base_model))
+        })?;
+        let tenant = match &a.tenant {
+            Some(t) => Some(tenant_id(&s.pool, t, "tenant").await?),
+            None => None,
+        };
+        // Hashing a large artifact is blocking work.
+        let inspected = {
+            let (uri, name, base_model, max) = (
+                a.artifact_uri.clone(),
+                a.name.clone(),
+                a.base_model.clone(),
+                s.max_lora_rank,
+            );
+            tokio::task::spawn_blocking(move || {
+                inspect_artifact(&roots, &uri, &name, &base_model, &architecture, max)
+            })
+            .await
+            .map_err(AdminError::internal)??
+        };
+        let tx = cx.db().await?;
+        // Serialises version numbering per name.
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtext('adapter:' || $1))")
+            .bind(&a.name)
+            .execute(&mut *tx)
             .await
             .map_err(db_error)?;
-    let (base_id, architecture) = base.ok_or_else(|| {
-        AdminError::not_found("base_model", format!("base model {:?}", a.base_model))
-    })?;
-    let tenant = match &a.tenant {
-        Some(t) => Some(tenant_id(&s.pool, t, "tenant").await?),
-        None => None,
-    };
-    // Hashing a large artifact is blocking work.
-    let inspected = {
-        let (uri, name, base_model, max) = (
-            a.artifact_uri.clone(),
-            a.name.clone(),
-            a.base_model.clone(),
-            s.max_lora_rank,
-        );
-        tokio::task::spawn_blocking(move || {
-            inspect_artifact(&roots, &uri, &name, &base_model, &architecture, max)
-        })
-        .await
-        .map_err(AdminError::internal)??
-    };
-    let mut tx = s.pool.begin().await.map_err(db_error)?;
-    // Serialises version numbering per name.
-    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('adapter:' || $1))")
-        .bind(&a.name)
-        .execute(&mut *tx)
-        .await
-        .map_err(db_error)?;
-    let version: i32 = match a.version {
-        Some(v) => i32::try_from(v).map_err(|_| AdminError::field("version", "is too large"))?,
-        None => {
-            sqlx::query_scalar("SELECT COALESCE(max(version), 0) + 1 FROM adapters WHERE name = $1")
-                .bind(&a.name)
-                .fetch_one(&mut *tx)
-                .await
-                .map_err(db_error)?
-        }
-    };
-    let id: i64 = sqlx::query_scalar(
+        let version: i32 = match a.version {
+            Some(v) => {
+                i32::try_from(v).map_err(|_| AdminError::field("version", "is too large"))?
+            }
+            None => sqlx::query_scalar(
+                "SELECT COALESCE(max(version), 0) + 1 FROM adapters WHERE name = $1",
+            )
+            .bind(&a.name)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(db_error)?,
+        };
+        let id: i64 = sqlx::query_scalar(
         "INSERT INTO adapters (name, version, base_model_id, tenant_id, rank, alpha, use_rslora,
                                target_modules, artifact_uri, artifact_sha256)
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) RETURNING lora_int_id",
@@ -319,91 +323,97 @@ pub(super) async fn register_adapter(
         ),
         e => e,
     })?;
-    let row: AdapterRow = sqlx::query_as(sql!("{ADAPTER_SELECT} WHERE a.lora_int_id = $1"))
-        .bind(id)
-        .fetch_one(&mut *tx)
-        .await
-        .map_err(db_error)?;
-    commit_change(
-        &s,
-        tx,
-        &actor,
-        "adapter.register",
-        ("adapter", &id.to_string()),
-        None,
-        Some(to_json(&row)),
-    )
-    .await?;
-    Ok(reply(StatusCode::CREATED, &actor, to_json(&row)))
+        let row: AdapterRow = sqlx::query_as(sql!("{ADAPTER_SELECT} WHERE a.lora_int_id = $1"))
+            .bind(id)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(db_error)?;
+        cx.record(
+            "adapter.register",
+            ("adapter", &id.to_string()),
+            None,
+            Some(to_json(&row)),
+        );
+        Ok(row)
+    }
 }
 
-pub(super) async fn retire_adapter(
-    State(s): State<AdminState>,
-    headers: HeaderMap,
-    Path(id): Path<String>,
-) -> Result<Response, AdminError> {
-    let actor = authorize(&s, &headers, Need::Write)?;
-    let id: i64 = id.parse().ok().filter(|v| *v > 0).ok_or_else(|| {
+/// A `lora_int_id` path segment: a positive integer.
+pub fn parse_lora_int_id(id: &str) -> Result<i64, AdminError> {
+    id.parse().ok().filter(|v| *v > 0).ok_or_else(|| {
         AdminError::field("lora_int_id", format!("{id:?} is not a positive integer"))
-    })?;
-    let mut tx = s.pool.begin().await.map_err(db_error)?;
-    let before: Option<AdapterRow> = sqlx::query_as(sql!(
-        "{ADAPTER_SELECT} WHERE a.lora_int_id = $1 FOR UPDATE OF a"
-    ))
-    .bind(id)
-    .fetch_optional(&mut *tx)
-    .await
-    .map_err(db_error)?;
-    let before =
-        before.ok_or_else(|| AdminError::not_found("lora_int_id", format!("adapter {id}")))?;
-    if before.state == "retired" {
-        return Err(AdminError::conflict(
-            AdminCode::NoChange,
-            "lora_int_id",
-            format!("adapter {id} is already retired"),
-        ));
-    }
-    let routed: Vec<String> = sqlx::query_scalar(
-        "SELECT t.name || '/' || r.model_name FROM routes r
+    })
+}
+
+/// An adapter version retired: it takes no traffic again. Refused while a
+/// route still sends it traffic.
+#[derive(Debug)]
+pub struct RetireAdapter {
+    pub lora_int_id: i64,
+}
+
+impl Command for RetireAdapter {
+    type Output = AdapterRow;
+
+    async fn run(self, cx: &mut Cx<'_>) -> Result<AdapterRow, AdminError> {
+        let id = self.lora_int_id;
+        let tx = cx.db().await?;
+        let before: Option<AdapterRow> = sqlx::query_as(sql!(
+            "{ADAPTER_SELECT} WHERE a.lora_int_id = $1 FOR UPDATE OF a"
+        ))
+        .bind(id)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(db_error)?;
+        let before =
+            before.ok_or_else(|| AdminError::not_found("lora_int_id", format!("adapter {id}")))?;
+        if before.state == "retired" {
+            return Err(AdminError::conflict(
+                AdminCode::NoChange,
+                "lora_int_id",
+                format!("adapter {id} is already retired"),
+            ));
+        }
+        let routed: Vec<String> = sqlx::query_scalar(
+            "SELECT t.name || '/' || r.model_name FROM routes r
          JOIN route_weights w ON w.route_id = r.id AND w.revision = r.current_revision
          JOIN tenants t ON t.id = r.tenant_id
          WHERE w.lora_int_id = $1 ORDER BY 1",
-    )
-    .bind(id)
-    .fetch_all(&mut *tx)
-    .await
-    .map_err(db_error)?;
-    if !routed.is_empty() {
-        return Err(AdminError::conflict(
-            AdminCode::AdapterInUse,
-            "lora_int_id",
-            format!(
-                "adapter {id} still takes traffic on route(s) {}; move them off it (promote or set) first",
-                routed.join(", ")
-            ),
-        ));
-    }
-    sqlx::query("UPDATE adapters SET state = 'retired', retired_at = now() WHERE lora_int_id = $1")
+        )
+        .bind(id)
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(db_error)?;
+        if !routed.is_empty() {
+            return Err(AdminError::conflict(
+                AdminCode::AdapterInUse,
+                "lora_int_id",
+                format!(
+                    "adapter {id} still takes traffic on route(s) {}; move them off it (promote or set) first",
+                    routed.join(", ")
+                ),
+            ));
+        }
+        sqlx::query(
+            "UPDATE adapters SET state = 'retired', retired_at = now() WHERE lora_int_id = $1",
+        )
         .bind(id)
         .execute(&mut *tx)
         .await
         .map_err(db_error)?;
-    let after: AdapterRow = sqlx::query_as(sql!("{ADAPTER_SELECT} WHERE a.lora_int_id = $1"))
-        .bind(id)
-        .fetch_one(&mut *tx)
-        .await
-        .map_err(db_error)?;
-    commit_change(
-        &s,
-        tx,
-        &actor,
-        "adapter.retire",
-        ("adapter", &id.to_string()),
-        Some(to_json(&before)),
-        Some(to_json(&after)),
-    )
-    .await?;
-    Ok(reply(StatusCode::OK, &actor, to_json(&after)))
+        let after: AdapterRow = sqlx::query_as(sql!("{ADAPTER_SELECT} WHERE a.lora_int_id = $1"))
+            .bind(id)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(db_error)?;
+        cx.record(
+            "adapter.retire",
+            ("adapter", &id.to_string()),
+            Some(to_json(&before)),
+            Some(to_json(&after)),
+        );
+        Ok(after)
+    }
 }
 
 /// Where admin artifacts come from: the configured roots, canonicalised.

@@ -311,86 +311,95 @@ pub(super) fn csv_line(row: &AuditRow) -> String {
     line
 }
 
-pub(super) async fn audit_query(
-    State(s): State<AdminState>,
-    headers: HeaderMap,
-    query: Result<Query<AuditFilter>, axum::extract::rejection::QueryRejection>,
-) -> Result<Response, AdminError> {
-    let actor = authorize(&s, &headers, Need::Audit)?;
-    let Query(f) = query.map_err(|e| AdminError::field("query", e.body_text()))?;
-    let q = AuditQuery::new(&s.pool, &f).await?;
-    let cursor = f.cursor.as_deref().map(Cursor::decode).transpose()?;
-    match f.format.as_deref().unwrap_or("json") {
-        "json" => {
-            let (rows, next) = q.page(&s.pool, cursor).await.map_err(db_error)?;
-            Ok(reply(
-                StatusCode::OK,
-                &actor,
-                json!({ "rows": rows, "next_cursor": next.map(|c| c.encode()) }),
-            ))
-        }
-        format @ ("jsonl" | "csv") => {
-            // An export streams every matching row, page by page, so its
-            // size is not bounded by memory.
-            let csv = format == "csv";
-            let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(4);
-            let pool = s.pool.clone();
-            let mut q = q;
-            q.limit = 1000;
-            tokio::spawn(async move {
-                if csv {
-                    let _ = tx
-                        .send(Ok(Bytes::from(format!("{}\n", AUDIT_COLUMNS.join(",")))))
-                        .await;
-                }
-                let mut cursor = cursor;
-                loop {
-                    match q.page(&pool, cursor).await {
-                        Ok((rows, next)) => {
-                            let mut chunk = String::new();
-                            for r in &rows {
-                                if csv {
-                                    chunk.push_str(&csv_line(r));
-                                } else {
-                                    chunk.push_str(&to_json(r).to_string());
-                                    chunk.push('\n');
-                                }
-                            }
-                            if tx.send(Ok(Bytes::from(chunk))).await.is_err() {
-                                return;
-                            }
-                            match next {
-                                Some(c) => cursor = Some(c),
-                                None => return,
+/// One page of the audit log, newest first, and the cursor of the next.
+#[derive(Debug)]
+pub struct SearchAudit(pub AuditFilter);
+
+/// A page of audit rows.
+#[derive(Debug, Serialize)]
+pub struct AuditPage {
+    pub rows: Vec<AuditRow>,
+    pub next_cursor: Option<String>,
+}
+
+impl Query for SearchAudit {
+    type Output = AuditPage;
+    const NEED: Need = Need::Audit;
+
+    async fn run(self, s: &AdminState) -> Result<AuditPage, AdminError> {
+        let q = AuditQuery::new(&s.pool, &self.0).await?;
+        let cursor = self.0.cursor.as_deref().map(Cursor::decode).transpose()?;
+        let (rows, next) = q.page(&s.pool, cursor).await.map_err(db_error)?;
+        Ok(AuditPage {
+            rows,
+            next_cursor: next.map(|c| c.encode()),
+        })
+    }
+}
+
+/// Every matching audit row, streamed page by page as CSV (with a header
+/// line) or JSON lines, so an export's size is not bounded by memory. A
+/// database failure midway ends the stream with an error, so the client
+/// sees a failed transfer rather than a short export.
+#[derive(Debug)]
+pub struct ExportAudit {
+    pub filter: AuditFilter,
+    pub csv: bool,
+}
+
+/// An export's bytes as they are read.
+pub type ExportStream = tokio_stream::wrappers::ReceiverStream<Result<Bytes, std::io::Error>>;
+
+impl Query for ExportAudit {
+    type Output = ExportStream;
+    const NEED: Need = Need::Audit;
+
+    async fn run(self, s: &AdminState) -> Result<ExportStream, AdminError> {
+        let mut q = AuditQuery::new(&s.pool, &self.filter).await?;
+        let mut cursor = self
+            .filter
+            .cursor
+            .as_deref()
+            .map(Cursor::decode)
+            .transpose()?;
+        let csv = self.csv;
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(4);
+        let pool = s.pool.clone();
+        q.limit = 1000;
+        tokio::spawn(async move {
+            if csv {
+                let _ = tx
+                    .send(Ok(Bytes::from(format!("{}\n", AUDIT_COLUMNS.join(",")))))
+                    .await;
+            }
+            loop {
+                match q.page(&pool, cursor).await {
+                    Ok((rows, next)) => {
+                        let mut chunk = String::new();
+                        for r in &rows {
+                            if csv {
+                                chunk.push_str(&csv_line(r));
+                            } else {
+                                chunk.push_str(&to_json(r).to_string());
+                                chunk.push('\n');
                             }
                         }
-                        Err(e) => {
-                            // Cut the body short so the client sees a
-                            // failed transfer rather than a short export.
-                            let _ = tx.send(Err(std::io::Error::other(e.to_string()))).await;
+                        if tx.send(Ok(Bytes::from(chunk))).await.is_err() {
                             return;
                         }
+                        match next {
+                            Some(c) => cursor = Some(c),
+                            None => return,
+                        }
+                    }
+                    Err(e) => {
+                        let _ = tx.send(Err(std::io::Error::other(e.to_string()))).await;
+                        return;
                     }
                 }
-            });
-            let body = Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx));
-            let content_type = if csv {
-                "text/csv; charset=utf-8"
-            } else {
-                "application/x-ndjson"
-            };
-            let mut r = Response::new(body);
-            r.headers_mut()
-                .insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
-            if let Ok(v) = HeaderValue::from_str(&actor.request_id.to_string()) {
-                r.headers_mut().insert("x-request-id", v);
             }
-            Ok(r)
-        }
-        other => Err(AdminError::field(
-            "format",
-            format!("{other:?} is not json, jsonl or csv"),
-        )),
+        });
+        Ok(tokio_stream::wrappers::ReceiverStream::new(rx))
     }
 }
 

@@ -2,22 +2,23 @@
 
 use super::*;
 
-pub(super) async fn list_base_models(
-    State(s): State<AdminState>,
-    headers: HeaderMap,
-) -> Result<Response, AdminError> {
-    let actor = authorize(&s, &headers, Need::Read)?;
-    let rows: Vec<BaseModelRow> = sqlx::query_as(
-        "SELECT name, architecture, base_hash, created_at FROM base_models ORDER BY name",
-    )
-    .fetch_all(&s.pool)
-    .await
-    .map_err(db_error)?;
-    Ok(reply(
-        StatusCode::OK,
-        &actor,
-        to_json(&BaseModelList { base_models: rows }),
-    ))
+/// Every base model.
+#[derive(Debug)]
+pub struct ListBaseModels;
+
+impl Query for ListBaseModels {
+    type Output = BaseModelList;
+    const NEED: Need = Need::Read;
+
+    async fn run(self, s: &AdminState) -> Result<BaseModelList, AdminError> {
+        let base_models: Vec<BaseModelRow> = sqlx::query_as(
+            "SELECT name, architecture, base_hash, created_at FROM base_models ORDER BY name",
+        )
+        .fetch_all(&s.pool)
+        .await
+        .map_err(db_error)?;
+        Ok(BaseModelList { base_models })
+    }
 }
 
 pub(super) fn check_model_name(name: &str, param: &str) -> Result<(), AdminError> {
@@ -39,55 +40,53 @@ pub(super) fn check_model_name(name: &str, param: &str) -> Result<(), AdminError
     }
 }
 
-pub(super) async fn register_base_model(
-    State(s): State<AdminState>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Result<Response, AdminError> {
-    let actor = authorize(&s, &headers, Need::Write)?;
-    let b: NewBaseModel = parse_body(&body)?;
-    check_model_name(&b.name, "name")?;
-    if Architecture::from_model_type(&b.architecture).is_none() {
-        let known: Vec<&str> = Architecture::ALL.iter().map(|a| a.model_type()).collect();
-        return Err(AdminError::field(
-            "architecture",
-            format!(
-                "{:?} is not supported; expected one of {}",
-                b.architecture,
-                known.join(", ")
-            ),
-        ));
-    }
-    if !(b.base_hash.len() == 64
-        && b.base_hash
-            .bytes()
-            .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c)))
-    {
-        return Err(AdminError::field(
-            "base_hash",
-            "must be 64 lowercase hex digits (lorafleetctl base-models hash DIR computes it)",
-        ));
-    }
-    let mut tx = s.pool.begin().await.map_err(db_error)?;
-    let row: BaseModelRow = sqlx::query_as(
-        "INSERT INTO base_models (name, architecture, base_hash) VALUES ($1, $2, $3)
+/// A base model registered by name, architecture and base hash.
+#[derive(Debug)]
+pub struct RegisterBaseModel(pub NewBaseModel);
+
+impl Command for RegisterBaseModel {
+    type Output = BaseModelRow;
+
+    async fn run(self, cx: &mut Cx<'_>) -> Result<BaseModelRow, AdminError> {
+        let b = self.0;
+        check_model_name(&b.name, "name")?;
+        if Architecture::from_model_type(&b.architecture).is_none() {
+            let known: Vec<&str> = Architecture::ALL.iter().map(|a| a.model_type()).collect();
+            return Err(AdminError::field(
+                "architecture",
+                format!(
+                    "{:?} is not supported; expected one of {}",
+                    b.architecture,
+                    known.join(", ")
+                ),
+            ));
+        }
+        if !(b.base_hash.len() == 64
+            && b.base_hash
+                .bytes()
+                .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c)))
+        {
+            return Err(AdminError::field(
+                "base_hash",
+                "must be 64 lowercase hex digits (lorafleetctl base-models hash DIR computes it)",
+            ));
+        }
+        let row: BaseModelRow = sqlx::query_as(
+            "INSERT INTO base_models (name, architecture, base_hash) VALUES ($1, $2, $3)
          RETURNING name, architecture, base_hash, created_at",
-    )
-    .bind(&b.name)
-    .bind(&b.architecture)
-    .bind(&b.base_hash)
-    .fetch_one(&mut *tx)
-    .await
-    .map_err(db_error)?;
-    commit_change(
-        &s,
-        tx,
-        &actor,
-        "base_model.register",
-        ("base_model", &row.name),
-        None,
-        Some(to_json(&row)),
-    )
-    .await?;
-    Ok(reply(StatusCode::CREATED, &actor, to_json(&row)))
+        )
+        .bind(&b.name)
+        .bind(&b.architecture)
+        .bind(&b.base_hash)
+        .fetch_one(cx.db().await?)
+        .await
+        .map_err(db_error)?;
+        cx.record(
+            "base_model.register",
+            ("base_model", &row.name),
+            None,
+            Some(to_json(&row)),
+        );
+        Ok(row)
+    }
 }

@@ -157,6 +157,16 @@ impl AdminError {
         &self.message
     }
 
+    /// The stable code, which decides the status.
+    pub fn code(&self) -> AdminCode {
+        self.code
+    }
+
+    /// The field at fault, if one is.
+    pub fn param(&self) -> Option<&str> {
+        self.param.as_deref()
+    }
+
     pub(super) fn new(code: AdminCode, param: Option<&str>, message: String) -> AdminError {
         AdminError {
             code,

@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use axum::Router;
 use axum::body::{Body, Bytes};
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -54,9 +54,9 @@ pub enum Role {
     Viewer,
 }
 
-/// What an operation needs.
+/// What an operation needs of the caller's role.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Need {
+pub enum Need {
     Read,
     Audit,
     Write,
@@ -90,7 +90,8 @@ impl Role {
         self.allows(Need::Audit)
     }
 
-    fn allows(self, need: Need) -> bool {
+    /// The one rule: what each role may do.
+    pub fn allows(self, need: Need) -> bool {
         match self {
             Role::Admin => true,
             Role::Auditor => need != Need::Write,
@@ -115,61 +116,6 @@ pub struct AdminState {
     pub fleet: Fleet,
 }
 
-pub fn router(state: AdminState) -> Router {
-    Router::new()
-        .route("/admin/v1/tenants", get(list_tenants).post(create_tenant))
-        .route("/admin/v1/tenants/{tenant}/disable", post(disable_tenant))
-        .route("/admin/v1/tenants/{tenant}/enable", post(enable_tenant))
-        .route(
-            "/admin/v1/tenants/{tenant}/keys",
-            get(list_keys).post(create_key),
-        )
-        .route("/admin/v1/keys/{prefix}/revoke", post(revoke_key))
-        .route(
-            "/admin/v1/base-models",
-            get(list_base_models).post(register_base_model),
-        )
-        .route(
-            "/admin/v1/adapters",
-            get(list_adapters).post(register_adapter),
-        )
-        .route(
-            "/admin/v1/adapters/{lora_int_id}/retire",
-            post(retire_adapter),
-        )
-        .route("/admin/v1/routes", get(list_routes))
-        .route(
-            "/admin/v1/routes/{tenant}/{model}",
-            get(get_route).put(put_route),
-        )
-        .route("/admin/v1/routes/{tenant}/{model}/promote", post(promote))
-        .route("/admin/v1/routes/{tenant}/{model}/rollback", post(rollback))
-        .route(
-            "/admin/v1/routes/{tenant}/{model}/rollout",
-            get(get_rollout).post(start_rollout),
-        )
-        .route(
-            "/admin/v1/routes/{tenant}/{model}/rollout/pause",
-            post(pause_rollout),
-        )
-        .route(
-            "/admin/v1/routes/{tenant}/{model}/rollout/resume",
-            post(resume_rollout),
-        )
-        .route(
-            "/admin/v1/routes/{tenant}/{model}/rollout/abort",
-            post(abort_rollout),
-        )
-        .route("/admin/v1/fleet", get(fleet_view))
-        .route("/admin/v1/audit", get(audit_query))
-        .route("/admin/v1/changes", get(list_changes))
-        .route("/healthz", get(|| async { "ok" }))
-        .fallback(|| async {
-            AdminError::new(AdminCode::NotFound, None, "no such admin endpoint".into())
-        })
-        .with_state(state)
-}
-
 // One file per resource, declared after `sql!`, which they use (a macro is
 // in scope only below its definition).
 /// An audit `cursor` parameter decoded and encoded again, or why it is
@@ -184,27 +130,36 @@ mod adapters;
 mod audit;
 mod base_models;
 mod changes;
+mod core;
 mod error;
 mod fleet;
+mod http;
 mod keys;
 mod rollouts;
 mod routes;
 mod tenants;
 pub mod types;
 
-use actor::*;
-use adapters::*;
-use audit::*;
 use base_models::*;
-use changes::*;
 use error::*;
-use fleet::*;
-use keys::*;
 use rollouts::*;
 use routes::*;
 use tenants::*;
 
 pub use actor::{Identity, identify};
-pub use adapters::artifact_roots;
-pub use audit::{AuditFilter, AuditQuery, AuditRow, Cursor};
-pub use error::AdminError;
+pub use adapters::{
+    ListAdapters, RegisterAdapter, RetireAdapter, artifact_roots, parse_lora_int_id,
+};
+pub use audit::{
+    AuditFilter, AuditPage, AuditQuery, AuditRow, Cursor, ExportAudit, ExportStream, SearchAudit,
+};
+pub use base_models::{ListBaseModels, RegisterBaseModel};
+pub use changes::ListChanges;
+pub use core::{Caller, Command, Cx, Query};
+pub use error::{AdminCode, AdminError};
+pub use fleet::FleetView;
+pub use http::router;
+pub use keys::{CreateKey, ListKeys, RevokeKey};
+pub use rollouts::{ChangeRollout, GetRollout, StartRollout};
+pub use routes::{GetRoute, ListRoutes, Promote, PutRoute, Rollback, RouteWritten, parse_etag};
+pub use tenants::{CreateTenant, ListTenants, SetTenantDisabled};

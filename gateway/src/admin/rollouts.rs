@@ -128,7 +128,7 @@ struct DecisionRow<'a> {
 }
 
 async fn decision(
-    tx: &mut Transaction<'_, Postgres>,
+    tx: &mut sqlx::PgConnection,
     r: &Rollout,
     d: DecisionRow<'_>,
 ) -> Result<(), AdminError> {
@@ -143,7 +143,7 @@ async fn decision(
     .bind(d.actor)
     .bind(d.figures)
     .bind(d.reason)
-    .execute(&mut **tx)
+    .execute(&mut *tx)
     .await
     .map_err(db_error)?;
     metrics::counter!("lorafleet_gateway_rollout_decisions_total", "decision" => d.what.as_str())
@@ -228,258 +228,260 @@ fn plan(spec: &RolloutSpec) -> Result<(Vec<u32>, Gates, u32), AdminError> {
     Ok((steps, g, hold))
 }
 
-pub(super) async fn start_rollout(
-    State(s): State<AdminState>,
-    headers: HeaderMap,
-    Path((tenant, model)): Path<(String, String)>,
-    body: Bytes,
-) -> Result<Response, AdminError> {
-    let actor = authorize(&s, &headers, Need::Write)?;
-    let sent = if_match(&headers)?;
-    let spec: RolloutSpec = parse_body(&body)?;
-    let (steps, g, hold) = plan(&spec)?;
-    let mut tx = s.pool.begin().await.map_err(db_error)?;
-    let tenant_uuid = tenant_id(&mut *tx, &tenant, "tenant").await?;
-    let (route_id, current) = load_route(&mut tx, &tenant, &model, true)
-        .await?
-        .ok_or_else(|| no_route(&tenant, &model))?;
-    check_etag(sent, Some(current.revision), &tenant, &model)?;
-    refuse_during_rollout(&mut tx, route_id, &tenant, &model).await?;
-    let stable = match current.weights.as_slice() {
-        [w] if w.weight_bp == registry::WEIGHT_TOTAL as i32 => w.lora_int_id,
-        other => {
-            return Err(AdminError::conflict(
-                AdminCode::RolloutNeedsOneVersion,
-                "model",
-                format!(
-                    "route {tenant}/{model} sends its traffic to {} adapter versions; a rollout starts \
+/// A progressive rollout started on a route that sends all its traffic to
+/// one version: the candidate takes the first step's share at once.
+#[derive(Debug)]
+pub struct StartRollout {
+    pub tenant: String,
+    pub model: String,
+    pub if_match: Option<i32>,
+    pub spec: RolloutSpec,
+}
+
+impl Command for StartRollout {
+    type Output = RolloutView;
+
+    async fn run(self, cx: &mut Cx<'_>) -> Result<RolloutView, AdminError> {
+        let StartRollout {
+            tenant,
+            model,
+            if_match: sent,
+            spec,
+        } = self;
+        let (steps, g, hold) = plan(&spec)?;
+        let subject = cx.caller.subject.clone();
+        let tx = cx.db().await?;
+        let tenant_uuid = tenant_id(&mut *tx, &tenant, "tenant").await?;
+        let (route_id, current) = load_route(&mut *tx, &tenant, &model, true)
+            .await?
+            .ok_or_else(|| no_route(&tenant, &model))?;
+        check_etag(sent, Some(current.revision), &tenant, &model)?;
+        refuse_during_rollout(&mut *tx, route_id, &tenant, &model).await?;
+        let stable = match current.weights.as_slice() {
+            [w] if w.weight_bp == registry::WEIGHT_TOTAL as i32 => w.lora_int_id,
+            other => {
+                return Err(AdminError::conflict(
+                    AdminCode::RolloutNeedsOneVersion,
+                    "model",
+                    format!(
+                        "route {tenant}/{model} sends its traffic to {} adapter versions; a rollout starts \
                      from a route on exactly one (promote one first)",
-                    other.len()
-                ),
+                        other.len()
+                    ),
+                ));
+            }
+        };
+        if spec.candidate_lora_int_id == stable {
+            return Err(AdminError::field(
+                "candidate_lora_int_id",
+                format!("{stable} already takes all of route {tenant}/{model}"),
             ));
         }
-    };
-    if spec.candidate_lora_int_id == stable {
-        return Err(AdminError::field(
-            "candidate_lora_int_id",
-            format!("{stable} already takes all of route {tenant}/{model}"),
-        ));
-    }
-    let mut r = Rollout {
-        id: RolloutId(Uuid::nil()),
-        route_id: RouteId(route_id),
-        stable_lora_int_id: stable,
-        candidate_lora_int_id: spec.candidate_lora_int_id,
-        steps_bp: steps.iter().map(|&s| s as i32).collect(),
-        hold_secs: hold as i32,
-        min_requests: g.min_requests as i32,
-        max_error_rate_increase: g.max_error_rate_increase,
-        max_ttft_p95_ratio: g.max_ttft_p95_ratio,
-        max_tpot_p95_ratio: g.max_tpot_p95_ratio,
-        step_index: 0,
-        step_started_at: Utc::now(),
-        state: RolloutState::Running,
-        reason: None,
-        created_by: actor.subject.clone(),
-        elapsed_secs: 0.0,
-    };
-    let weights = r.weights(steps[0]);
-    let base_id = check_weights(&mut tx, &weights, None, tenant_uuid)
-        .await
-        .map_err(|mut e| {
-            if e.param
-                .as_deref()
-                .is_some_and(|p| p.starts_with("weights["))
-            {
-                e.param = Some("candidate_lora_int_id".into());
-            }
-            e
-        })?;
-    r.id = sqlx::query_scalar(
-        "INSERT INTO rollouts (route_id, stable_lora_int_id, candidate_lora_int_id, steps_bp,
+        let mut r = Rollout {
+            id: RolloutId(Uuid::nil()),
+            route_id: RouteId(route_id),
+            stable_lora_int_id: stable,
+            candidate_lora_int_id: spec.candidate_lora_int_id,
+            steps_bp: steps.iter().map(|&s| s as i32).collect(),
+            hold_secs: hold as i32,
+            min_requests: g.min_requests as i32,
+            max_error_rate_increase: g.max_error_rate_increase,
+            max_ttft_p95_ratio: g.max_ttft_p95_ratio,
+            max_tpot_p95_ratio: g.max_tpot_p95_ratio,
+            step_index: 0,
+            step_started_at: Utc::now(),
+            state: RolloutState::Running,
+            reason: None,
+            created_by: subject.clone(),
+            elapsed_secs: 0.0,
+        };
+        let weights = r.weights(steps[0]);
+        let base_id = check_weights(&mut *tx, &weights, None, tenant_uuid)
+            .await
+            .map_err(|mut e| {
+                if e.param
+                    .as_deref()
+                    .is_some_and(|p| p.starts_with("weights["))
+                {
+                    e.param = Some("candidate_lora_int_id".into());
+                }
+                e
+            })?;
+        r.id = sqlx::query_scalar(
+            "INSERT INTO rollouts (route_id, stable_lora_int_id, candidate_lora_int_id, steps_bp,
              hold_secs, min_requests, max_error_rate_increase, max_ttft_p95_ratio,
              max_tpot_p95_ratio, created_by)
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) RETURNING id",
-    )
-    .bind(r.route_id)
-    .bind(r.stable_lora_int_id)
-    .bind(r.candidate_lora_int_id)
-    .bind(&r.steps_bp)
-    .bind(r.hold_secs)
-    .bind(r.min_requests)
-    .bind(r.max_error_rate_increase)
-    .bind(r.max_ttft_p95_ratio)
-    .bind(r.max_tpot_p95_ratio)
-    .bind(&r.created_by)
-    .fetch_one(&mut *tx)
-    .await
-    .map_err(db_error)?;
-    let note = json!({"rollout": r.id, "decision": Decision::Start.as_str(), "step_index": 0,
+        )
+        .bind(r.route_id)
+        .bind(r.stable_lora_int_id)
+        .bind(r.candidate_lora_int_id)
+        .bind(&r.steps_bp)
+        .bind(r.hold_secs)
+        .bind(r.min_requests)
+        .bind(r.max_error_rate_increase)
+        .bind(r.max_ttft_p95_ratio)
+        .bind(r.max_tpot_p95_ratio)
+        .bind(&r.created_by)
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(db_error)?;
+        let note = json!({"rollout": r.id, "decision": Decision::Start.as_str(), "step_index": 0,
                       "candidate_share_bp": steps[0]});
-    let route = write_revision(
-        &mut tx,
-        &actor,
-        &Decision::Start.change_action(),
-        &tenant,
-        &model,
-        Some((route_id, current)),
-        base_id,
-        &weights,
-        Some(note),
-    )
-    .await?;
-    let start = DecisionRow {
-        what: Decision::Start,
-        step_index: 0,
-        revision: Some(route.revision),
-        actor: &actor.subject,
-        figures: None,
-        reason: None,
-    };
-    decision(&mut tx, &r, start).await?;
-    let v = view(&mut tx, &tenant, &model, route_id)
-        .await?
-        .ok_or_else(|| AdminError::internal("the rollout vanished inside its transaction"))?;
-    commit(&s, tx).await?;
-    Ok(reply(StatusCode::CREATED, &actor, to_json(&v)))
-}
-
-pub(super) async fn get_rollout(
-    State(s): State<AdminState>,
-    headers: HeaderMap,
-    Path((tenant, model)): Path<(String, String)>,
-) -> Result<Response, AdminError> {
-    let actor = authorize(&s, &headers, Need::Read)?;
-    let mut conn = s.pool.acquire().await.map_err(db_error)?;
-    let (route_id, _) = load_route(&mut conn, &tenant, &model, false)
-        .await?
-        .ok_or_else(|| no_route(&tenant, &model))?;
-    let v = view(&mut conn, &tenant, &model, route_id)
-        .await?
-        .ok_or_else(|| AdminError::not_found("model", format!("a rollout on {tenant}/{model}")))?;
-    Ok(reply(StatusCode::OK, &actor, to_json(&v)))
-}
-
-pub(super) async fn pause_rollout(
-    s: State<AdminState>,
-    headers: HeaderMap,
-    path: Path<(String, String)>,
-) -> Result<Response, AdminError> {
-    change_rollout(s, headers, path, Action::Pause).await
-}
-
-pub(super) async fn resume_rollout(
-    s: State<AdminState>,
-    headers: HeaderMap,
-    path: Path<(String, String)>,
-) -> Result<Response, AdminError> {
-    change_rollout(s, headers, path, Action::Resume).await
-}
-
-pub(super) async fn abort_rollout(
-    s: State<AdminState>,
-    headers: HeaderMap,
-    path: Path<(String, String)>,
-) -> Result<Response, AdminError> {
-    change_rollout(s, headers, path, Action::Abort).await
-}
-
-async fn change_rollout(
-    State(s): State<AdminState>,
-    headers: HeaderMap,
-    Path((tenant, model)): Path<(String, String)>,
-    action: Action,
-) -> Result<Response, AdminError> {
-    let actor = authorize(&s, &headers, Need::Write)?;
-    let mut tx = s.pool.begin().await.map_err(db_error)?;
-    let tenant_uuid = tenant_id(&mut *tx, &tenant, "tenant").await?;
-    let (route_id, current) = load_route(&mut tx, &tenant, &model, true)
-        .await?
-        .ok_or_else(|| no_route(&tenant, &model))?;
-    let r = active(&mut tx, route_id, true).await?.ok_or_else(|| {
-        AdminError::conflict(
-            AdminCode::NoActiveRollout,
-            "model",
-            format!("route {tenant}/{model} has no rollout in progress"),
+        let route = write_revision(
+            cx,
+            &Decision::Start.change_action(),
+            &tenant,
+            &model,
+            Some((route_id, current)),
+            base_id,
+            &weights,
+            Some(note),
         )
-    })?;
-    let what = action.decision_from(r.state).ok_or_else(|| {
-        AdminError::conflict(
-            AdminCode::NoActiveRollout,
-            "model",
-            format!(
-                "the rollout on {tenant}/{model} is {}; it cannot {action}",
-                r.state
-            ),
-        )
-    })?;
-    let before = json!({"state": r.state.as_str(), "step_index": r.step_index});
-    let object = format!("{tenant}/{model}");
-    let revision = match what {
-        Decision::Abort => {
-            let weights = r.stable_only();
-            let base_id = check_weights(&mut tx, &weights, None, tenant_uuid).await?;
-            let note =
-                json!({"rollout": r.id, "decision": what.as_str(), "step_index": r.step_index});
-            let route = write_revision(
-                &mut tx,
-                &actor,
-                &what.change_action(),
-                &tenant,
-                &model,
-                Some((route_id, current)),
-                base_id,
-                &weights,
-                Some(note),
+        .await?;
+        let start = DecisionRow {
+            what: Decision::Start,
+            step_index: 0,
+            revision: Some(route.revision),
+            actor: &subject,
+            figures: None,
+            reason: None,
+        };
+        let tx = cx.db().await?;
+        decision(&mut *tx, &r, start).await?;
+        view(&mut *tx, &tenant, &model, route_id)
+            .await?
+            .ok_or_else(|| AdminError::internal("the rollout vanished inside its transaction"))
+    }
+}
+
+/// A route's latest rollout, with its decisions.
+#[derive(Debug)]
+pub struct GetRollout {
+    pub tenant: String,
+    pub model: String,
+}
+
+impl Query for GetRollout {
+    type Output = RolloutView;
+    const NEED: Need = Need::Read;
+
+    async fn run(self, s: &AdminState) -> Result<RolloutView, AdminError> {
+        let GetRollout { tenant, model } = self;
+        let mut conn = s.pool.acquire().await.map_err(db_error)?;
+        let (route_id, _) = load_route(&mut conn, &tenant, &model, false)
+            .await?
+            .ok_or_else(|| no_route(&tenant, &model))?;
+        view(&mut conn, &tenant, &model, route_id)
+            .await?
+            .ok_or_else(|| AdminError::not_found("model", format!("a rollout on {tenant}/{model}")))
+    }
+}
+
+/// An operator's pause, resume or abort of the rollout in progress.
+#[derive(Debug)]
+pub struct ChangeRollout {
+    pub tenant: String,
+    pub model: String,
+    pub action: Action,
+}
+
+impl Command for ChangeRollout {
+    type Output = RolloutView;
+
+    async fn run(self, cx: &mut Cx<'_>) -> Result<RolloutView, AdminError> {
+        let ChangeRollout {
+            tenant,
+            model,
+            action,
+        } = self;
+        let subject = cx.caller.subject.clone();
+        let tx = cx.db().await?;
+        let tenant_uuid = tenant_id(&mut *tx, &tenant, "tenant").await?;
+        let (route_id, current) = load_route(&mut *tx, &tenant, &model, true)
+            .await?
+            .ok_or_else(|| no_route(&tenant, &model))?;
+        let r = active(&mut *tx, route_id, true).await?.ok_or_else(|| {
+            AdminError::conflict(
+                AdminCode::NoActiveRollout,
+                "model",
+                format!("route {tenant}/{model} has no rollout in progress"),
             )
-            .await?;
-            Some(route.revision)
-        }
-        _ => None,
-    };
-    let state = what.state_after();
-    let reason = (what == Decision::Abort).then(|| format!("aborted by {}", actor.subject));
-    sqlx::query(
-        "UPDATE rollouts SET state = $2::rollout_state, reason = coalesce($3, reason),
+        })?;
+        let what = action.decision_from(r.state).ok_or_else(|| {
+            AdminError::conflict(
+                AdminCode::NoActiveRollout,
+                "model",
+                format!(
+                    "the rollout on {tenant}/{model} is {}; it cannot {action}",
+                    r.state
+                ),
+            )
+        })?;
+        let before = json!({"state": r.state.as_str(), "step_index": r.step_index});
+        let object = format!("{tenant}/{model}");
+        let revision = match what {
+            Decision::Abort => {
+                let weights = r.stable_only();
+                let base_id = check_weights(&mut *tx, &weights, None, tenant_uuid).await?;
+                let note =
+                    json!({"rollout": r.id, "decision": what.as_str(), "step_index": r.step_index});
+                let route = write_revision(
+                    cx,
+                    &what.change_action(),
+                    &tenant,
+                    &model,
+                    Some((route_id, current)),
+                    base_id,
+                    &weights,
+                    Some(note),
+                )
+                .await?;
+                Some(route.revision)
+            }
+            _ => None,
+        };
+        let state = what.state_after();
+        let reason = (what == Decision::Abort).then(|| format!("aborted by {subject}"));
+        let tx = cx.db().await?;
+        sqlx::query(
+            "UPDATE rollouts SET state = $2::rollout_state, reason = coalesce($3, reason),
              step_started_at = CASE WHEN $4 THEN now() ELSE step_started_at END,
              updated_at = now()
          WHERE id = $1",
-    )
-    .bind(r.id)
-    .bind(state.as_str())
-    .bind(&reason)
-    // A resumed step's window starts again: figures from before the pause
-    // are not the step's.
-    .bind(what == Decision::Resume)
-    .execute(&mut *tx)
-    .await
-    .map_err(db_error)?;
-    let d = DecisionRow {
-        what,
-        step_index: r.step_index,
-        revision,
-        actor: &actor.subject,
-        figures: None,
-        reason: reason.as_deref(),
-    };
-    decision(&mut tx, &r, d).await?;
-    if revision.is_none() {
-        let after = json!({"state": state.as_str(), "step_index": r.step_index});
-        record(
-            &mut tx,
-            &actor,
-            &what.change_action(),
-            ("route", &object),
-            Some(before),
-            Some(after),
         )
-        .await?;
+        .bind(r.id)
+        .bind(state.as_str())
+        .bind(&reason)
+        // A resumed step's window starts again: figures from before the pause
+        // are not the step's.
+        .bind(what == Decision::Resume)
+        .execute(&mut *tx)
+        .await
+        .map_err(db_error)?;
+        let d = DecisionRow {
+            what,
+            step_index: r.step_index,
+            revision,
+            actor: &subject,
+            figures: None,
+            reason: reason.as_deref(),
+        };
+        decision(&mut *tx, &r, d).await?;
+        let v = view(&mut *tx, &tenant, &model, route_id)
+            .await?
+            .ok_or_else(|| AdminError::internal("the rollout vanished inside its transaction"))?;
+        if revision.is_none() {
+            let after = json!({"state": state.as_str(), "step_index": r.step_index});
+            cx.record(
+                &what.change_action(),
+                ("route", &object),
+                Some(before),
+                Some(after),
+            );
+        }
+        Ok(v)
     }
-    let v = view(&mut tx, &tenant, &model, route_id)
-        .await?
-        .ok_or_else(|| AdminError::internal("the rollout vanished inside its transaction"))?;
-    commit(&s, tx).await?;
-    Ok(reply(StatusCode::OK, &actor, to_json(&v)))
 }
 
 /// What each version did since the step began, from the audit log. An
@@ -555,7 +557,7 @@ impl rollout::Turn for AdminState {
 /// (so the two never deadlock). `None` when the lease is lost or the
 /// rollout is no longer as it was judged.
 async fn lock_as_judged(
-    tx: &mut Transaction<'_, Postgres>,
+    tx: &mut sqlx::PgConnection,
     holder: &str,
     r: &Rollout,
 ) -> Result<Option<(String, Uuid, String, (Uuid, RouteView))>, AdminError> {
@@ -567,7 +569,7 @@ async fn lock_as_judged(
     )
     .bind(LEASE)
     .bind(holder)
-    .fetch_optional(&mut **tx)
+    .fetch_optional(&mut *tx)
     .await
     .map_err(db_error)?;
     if leased.is_none() {
@@ -580,7 +582,7 @@ async fn lock_as_judged(
          WHERE r.id = $1",
     )
     .bind(r.route_id)
-    .fetch_one(&mut **tx)
+    .fetch_one(&mut *tx)
     .await
     .map_err(db_error)?;
     let current = load_route(tx, &tenant, &model, true)
@@ -592,7 +594,7 @@ async fn lock_as_judged(
         "SELECT {COLUMNS} FROM rollouts WHERE id = $1 FOR UPDATE"
     ))
     .bind(r.id)
-    .fetch_optional(&mut **tx)
+    .fetch_optional(&mut *tx)
     .await
     .map_err(db_error)?;
     if !now.is_some_and(|n| {
@@ -616,101 +618,129 @@ async fn judge_step(state: &AdminState, holder: &str, r: &Rollout) -> Result<boo
     else {
         return Ok(false);
     };
-    let mut tx = state.pool.begin().await.map_err(db_error)?;
-    let Some((tenant, tenant_uuid, model, current)) = lock_as_judged(&mut tx, holder, r).await?
-    else {
-        return Ok(false);
+    let step = Step {
+        holder,
+        rollout: r,
+        what,
+        next,
+        reason: reason.clone(),
+        figures: json!({"candidate": candidate, "stable": stable}),
     };
-    let figures = json!({"candidate": candidate, "stable": stable});
-    let actor = Actor {
-        subject: CONTROLLER.into(),
-        role: Role::Admin,
-        request_id: Uuid::now_v7(),
-    };
-    if what == Decision::Pause {
-        // The weights stay; only the rollout waits for an operator.
+    let written = state.exec(&Caller::controller(), step).await?;
+    if written {
+        tracing::info!(rollout = %r.id, decision = what.as_str(), step_index = next,
+                       reason = reason.as_deref().unwrap_or(""), "rollout decision");
+    }
+    Ok(written)
+}
+
+/// One decision of the controller, written as the lease holder: nothing
+/// when the lease is lost or the rollout is no longer as it was judged.
+struct Step<'a> {
+    holder: &'a str,
+    rollout: &'a Rollout,
+    what: Decision,
+    next: i32,
+    reason: Option<String>,
+    figures: Value,
+}
+
+impl Command for Step<'_> {
+    type Output = bool;
+
+    async fn run(self, cx: &mut Cx<'_>) -> Result<bool, AdminError> {
+        let Step {
+            holder,
+            rollout: r,
+            what,
+            next,
+            reason,
+            figures,
+        } = self;
+        let tx = cx.db().await?;
+        let Some((tenant, tenant_uuid, model, current)) = lock_as_judged(tx, holder, r).await?
+        else {
+            return Ok(false);
+        };
+        let object = format!("{tenant}/{model}");
+        if what == Decision::Pause {
+            // The weights stay; only the rollout waits for an operator.
+            sqlx::query(
+                "UPDATE rollouts SET state = 'paused', reason = $2, updated_at = now() WHERE id = $1",
+            )
+            .bind(r.id)
+            .bind(&reason)
+            .execute(&mut *tx)
+            .await
+            .map_err(db_error)?;
+            let d = DecisionRow {
+                what,
+                step_index: r.step_index,
+                revision: None,
+                actor: CONTROLLER,
+                figures: Some(figures.clone()),
+                reason: reason.as_deref(),
+            };
+            decision(&mut *tx, r, d).await?;
+            cx.record(
+                &what.change_action(),
+                ("route", &object),
+                Some(json!({"state": RolloutState::Running.as_str(), "step_index": r.step_index})),
+                Some(
+                    json!({"state": RolloutState::Paused.as_str(), "step_index": r.step_index,
+                            "rollout": {"rollout": r.id, "decision": what.as_str(), "figures": figures,
+                                        "reason": reason}}),
+                ),
+            );
+            tracing::warn!(rollout = %r.id, route = %object,
+                           reason = reason.as_deref().unwrap_or(""), "rollout paused");
+            return Ok(true);
+        }
+        let weights = match what {
+            Decision::RollBack => r.stable_only(),
+            _ => r.weights(r.share(next)),
+        };
+        let base_id = check_weights(&mut *tx, &weights, None, tenant_uuid).await?;
+        let note = json!({"rollout": r.id, "decision": what.as_str(), "step_index": next,
+                          "candidate_share_bp": weights.iter()
+                              .find(|w| w.lora_int_id == r.candidate_lora_int_id)
+                              .map_or(0, |w| w.weight_bp),
+                          "figures": figures, "reason": reason});
+        let route = write_revision(
+            cx,
+            &what.change_action(),
+            &tenant,
+            &model,
+            Some(current),
+            base_id,
+            &weights,
+            Some(note),
+        )
+        .await?;
+        let tx = cx.db().await?;
         sqlx::query(
-            "UPDATE rollouts SET state = 'paused', reason = $2, updated_at = now() WHERE id = $1",
+            "UPDATE rollouts SET state = $2::rollout_state, step_index = $3, reason = $4,
+                 step_started_at = now(), updated_at = now()
+             WHERE id = $1",
         )
         .bind(r.id)
+        .bind(what.state_after().as_str())
+        .bind(next)
         .bind(&reason)
         .execute(&mut *tx)
         .await
         .map_err(db_error)?;
-        record(
-            &mut tx,
-            &actor,
-            &what.change_action(),
-            ("route", &format!("{tenant}/{model}")),
-            Some(json!({"state": RolloutState::Running.as_str(), "step_index": r.step_index})),
-            Some(
-                json!({"state": RolloutState::Paused.as_str(), "step_index": r.step_index,
-                        "rollout": {"rollout": r.id, "decision": what.as_str(), "figures": figures,
-                                    "reason": reason}}),
-            ),
-        )
-        .await?;
         let d = DecisionRow {
             what,
-            step_index: r.step_index,
-            revision: None,
+            step_index: next,
+            revision: Some(route.revision),
             actor: CONTROLLER,
             figures: Some(figures),
             reason: reason.as_deref(),
         };
-        decision(&mut tx, r, d).await?;
-        commit(state, tx).await?;
-        tracing::warn!(rollout = %r.id, route = %format!("{tenant}/{model}"),
-                       reason = reason.as_deref().unwrap_or(""), "rollout paused");
-        return Ok(true);
+        decision(&mut *tx, r, d).await?;
+        Ok(true)
     }
-    let weights = match what {
-        Decision::RollBack => r.stable_only(),
-        _ => r.weights(r.share(next)),
-    };
-    let base_id = check_weights(&mut tx, &weights, None, tenant_uuid).await?;
-    let note = json!({"rollout": r.id, "decision": what.as_str(), "step_index": next,
-                      "candidate_share_bp": weights.iter()
-                          .find(|w| w.lora_int_id == r.candidate_lora_int_id)
-                          .map_or(0, |w| w.weight_bp),
-                      "figures": figures, "reason": reason});
-    let route = write_revision(
-        &mut tx,
-        &actor,
-        &what.change_action(),
-        &tenant,
-        &model,
-        Some(current),
-        base_id,
-        &weights,
-        Some(note),
-    )
-    .await?;
-    sqlx::query(
-        "UPDATE rollouts SET state = $2::rollout_state, step_index = $3, reason = $4,
-             step_started_at = now(), updated_at = now()
-         WHERE id = $1",
-    )
-    .bind(r.id)
-    .bind(what.state_after().as_str())
-    .bind(next)
-    .bind(&reason)
-    .execute(&mut *tx)
-    .await
-    .map_err(db_error)?;
-    let d = DecisionRow {
-        what,
-        step_index: next,
-        revision: Some(route.revision),
-        actor: CONTROLLER,
-        figures: Some(figures),
-        reason: reason.as_deref(),
-    };
-    decision(&mut tx, r, d).await?;
-    commit(state, tx).await?;
-    tracing::info!(rollout = %r.id, route = %format!("{tenant}/{model}"), decision = what.as_str(),
-                   step_index = next, reason = reason.as_deref().unwrap_or(""), "rollout decision");
-    Ok(true)
 }
 
 /// The rollout's step and gate figures at `/metrics`.

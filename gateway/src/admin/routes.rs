@@ -88,66 +88,64 @@ pub(super) async fn revision_weights(
     .map_err(db_error)
 }
 
-pub(super) fn route_reply(status: StatusCode, actor: &Actor, view: &RouteView) -> Response {
-    let mut r = reply(status, actor, to_json(view));
-    if let Ok(v) = HeaderValue::from_str(&view.etag) {
-        r.headers_mut().insert(header::ETAG, v);
-    }
-    r
+/// Every route (of one tenant, if given) at its current revision.
+#[derive(Debug, Default, Deserialize)]
+pub struct ListRoutes {
+    pub tenant: Option<String>,
 }
 
-#[derive(Debug, Deserialize)]
-pub(super) struct RouteFilter {
-    pub(super) tenant: Option<String>,
-}
+impl Query for ListRoutes {
+    type Output = RouteList;
+    const NEED: Need = Need::Read;
 
-pub(super) async fn list_routes(
-    State(s): State<AdminState>,
-    headers: HeaderMap,
-    Query(f): Query<RouteFilter>,
-) -> Result<Response, AdminError> {
-    let actor = authorize(&s, &headers, Need::Read)?;
-    let mut conn = s.pool.acquire().await.map_err(db_error)?;
-    let names: Vec<(String, String)> = sqlx::query_as(
-        "SELECT t.name, r.model_name FROM routes r JOIN tenants t ON t.id = r.tenant_id
+    async fn run(self, s: &AdminState) -> Result<RouteList, AdminError> {
+        let f = self;
+        let mut conn = s.pool.acquire().await.map_err(db_error)?;
+        let names: Vec<(String, String)> = sqlx::query_as(
+            "SELECT t.name, r.model_name FROM routes r JOIN tenants t ON t.id = r.tenant_id
          WHERE ($1::TEXT IS NULL OR t.name = $1) ORDER BY t.name, r.model_name",
-    )
-    .bind(&f.tenant)
-    .fetch_all(&mut *conn)
-    .await
-    .map_err(db_error)?;
-    let mut routes = Vec::new();
-    for (t, m) in names {
-        if let Some((_, view)) = load_route(&mut conn, &t, &m, false).await? {
-            routes.push(view);
+        )
+        .bind(&f.tenant)
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(db_error)?;
+        let mut routes = Vec::new();
+        for (t, m) in names {
+            if let Some((_, view)) = load_route(&mut conn, &t, &m, false).await? {
+                routes.push(view);
+            }
         }
+        Ok(RouteList { routes })
     }
-    Ok(reply(
-        StatusCode::OK,
-        &actor,
-        to_json(&RouteList { routes }),
-    ))
 }
 
-pub(super) async fn get_route(
-    State(s): State<AdminState>,
-    headers: HeaderMap,
-    Path((tenant, model)): Path<(String, String)>,
-) -> Result<Response, AdminError> {
-    let actor = authorize(&s, &headers, Need::Read)?;
-    let mut conn = s.pool.acquire().await.map_err(db_error)?;
-    let (_, view) = load_route(&mut conn, &tenant, &model, false)
-        .await?
-        .ok_or_else(|| AdminError::not_found("model", format!("route {tenant}/{model}")))?;
-    Ok(route_reply(StatusCode::OK, &actor, &view))
+/// One route at its current revision.
+#[derive(Debug)]
+pub struct GetRoute {
+    pub tenant: String,
+    pub model: String,
 }
 
-/// The revision the client last saw, from `If-Match`.
-pub(super) fn if_match(headers: &HeaderMap) -> Result<Option<i32>, AdminError> {
-    let Some(v) = headers.get(header::IF_MATCH) else {
+impl Query for GetRoute {
+    type Output = RouteView;
+    const NEED: Need = Need::Read;
+
+    async fn run(self, s: &AdminState) -> Result<RouteView, AdminError> {
+        let GetRoute { tenant, model } = self;
+        let mut conn = s.pool.acquire().await.map_err(db_error)?;
+        let (_, view) = load_route(&mut conn, &tenant, &model, false)
+            .await?
+            .ok_or_else(|| AdminError::not_found("model", format!("route {tenant}/{model}")))?;
+        Ok(view)
+    }
+}
+
+/// The revision the client last saw, from an `If-Match` value.
+pub fn parse_etag(value: Option<&str>) -> Result<Option<i32>, AdminError> {
+    let Some(s) = value else {
         return Ok(None);
     };
-    let s = v.to_str().unwrap_or_default().trim();
+    let s = s.trim();
     let s = s.strip_prefix("W/").unwrap_or(s);
     s.trim_matches('"').parse::<i32>().map(Some).map_err(|_| {
         AdminError::field(
@@ -293,8 +291,7 @@ pub(super) async fn check_weights(
 /// records the change. The caller has checked the etag.
 #[allow(clippy::too_many_arguments)]
 pub(super) async fn write_revision(
-    tx: &mut Transaction<'_, Postgres>,
-    actor: &Actor,
+    cx: &mut Cx<'_>,
     action: &str,
     tenant_name: &str,
     model: &str,
@@ -303,7 +300,9 @@ pub(super) async fn write_revision(
     weights: &[Weight],
     rollout: Option<Value>,
 ) -> Result<RouteView, AdminError> {
-    let tenant = tenant_id(&mut **tx, tenant_name, "tenant").await?;
+    let created_by = cx.caller.subject.clone();
+    let tx = cx.db().await?;
+    let tenant = tenant_id(&mut *tx, tenant_name, "tenant").await?;
     let (route_id, revision, before) = match existing {
         Some((id, view)) => (id, view.revision + 1, Some(view)),
         None => {
@@ -313,7 +312,7 @@ pub(super) async fn write_revision(
             )
             .bind(tenant)
             .bind(model)
-            .fetch_one(&mut **tx)
+            .fetch_one(&mut *tx)
             .await
             .map_err(db_error)?;
             (id, 1, None)
@@ -332,8 +331,8 @@ pub(super) async fn write_revision(
     .bind(revision)
     .bind(base_id)
     .bind(target)
-    .bind(&actor.subject)
-    .execute(&mut **tx)
+    .bind(&created_by)
+    .execute(&mut *tx)
     .await
     .map_err(db_error)?;
     for w in weights {
@@ -346,20 +345,20 @@ pub(super) async fn write_revision(
         .bind(base_id)
         .bind(w.lora_int_id)
         .bind(w.weight_bp as i32)
-        .execute(&mut **tx)
+        .execute(&mut *tx)
         .await
         .map_err(db_error)?;
     }
     sqlx::query("UPDATE routes SET current_revision = $2, updated_at = now() WHERE id = $1")
         .bind(route_id)
         .bind(revision)
-        .execute(&mut **tx)
+        .execute(&mut *tx)
         .await
         .map_err(db_error)?;
     // The deferred checks (weights sum, revision references) run now, so
     // their violations are reported as this request's errors.
     sqlx::query("SET CONSTRAINTS ALL IMMEDIATE")
-        .execute(&mut **tx)
+        .execute(&mut *tx)
         .await
         .map_err(db_error)?;
     let (_, after) = load_route(tx, tenant_name, model, false)
@@ -371,188 +370,214 @@ pub(super) async fn write_revision(
         // A rollout's step: what decided it, with its figures.
         after_json["rollout"] = r;
     }
-    record(
-        tx,
-        actor,
+    cx.record(
         action,
         ("route", &object),
         before.as_ref().map(to_json),
         Some(after_json),
-    )
-    .await?;
+    );
     Ok(after)
 }
 
-pub(super) async fn put_route(
-    State(s): State<AdminState>,
-    headers: HeaderMap,
-    Path((tenant, model)): Path<(String, String)>,
-    body: Bytes,
-) -> Result<Response, AdminError> {
-    let actor = authorize(&s, &headers, Need::Write)?;
-    let sent = if_match(&headers)?;
-    let spec: RouteSpec = parse_body(&body)?;
-    let mut tx = s.pool.begin().await.map_err(db_error)?;
-    let tenant_uuid = tenant_id(&mut *tx, &tenant, "tenant").await?;
-    let existing = load_route(&mut tx, &tenant, &model, true).await?;
-    check_etag(
-        sent,
-        existing.as_ref().map(|(_, v)| v.revision),
-        &tenant,
-        &model,
-    )?;
-    if let Some((route_id, _)) = &existing {
-        refuse_during_rollout(&mut tx, *route_id, &tenant, &model).await?;
-    }
-    let base_id = if spec.weights.is_empty() {
-        let name = spec.base_model.as_deref().ok_or_else(|| {
+/// A route written as a new revision, or created at revision 1.
+#[derive(Debug)]
+pub struct PutRoute {
+    pub tenant: String,
+    pub model: String,
+    /// The revision the caller last saw (`If-Match`); required once the
+    /// route exists.
+    pub if_match: Option<i32>,
+    pub spec: RouteSpec,
+}
+
+/// A route as a change left it.
+#[derive(Debug)]
+pub struct RouteWritten {
+    pub route: RouteView,
+    pub created: bool,
+}
+
+impl Command for PutRoute {
+    type Output = RouteWritten;
+
+    async fn run(self, cx: &mut Cx<'_>) -> Result<RouteWritten, AdminError> {
+        let PutRoute {
+            tenant,
+            model,
+            if_match: sent,
+            spec,
+        } = self;
+        let tx = cx.db().await?;
+        let tenant_uuid = tenant_id(&mut *tx, &tenant, "tenant").await?;
+        let existing = load_route(&mut *tx, &tenant, &model, true).await?;
+        check_etag(
+            sent,
+            existing.as_ref().map(|(_, v)| v.revision),
+            &tenant,
+            &model,
+        )?;
+        if let Some((route_id, _)) = &existing {
+            refuse_during_rollout(&mut *tx, *route_id, &tenant, &model).await?;
+        }
+        let base_id = if spec.weights.is_empty() {
+            let name = spec.base_model.as_deref().ok_or_else(|| {
             AdminError::field(
                 "weights",
                 "give adapter weights, or base_model alone for a route to the base model itself",
             )
         })?;
-        base_model_id(&mut *tx, name).await?
-    } else {
-        check_weights(
-            &mut tx,
+            base_model_id(&mut *tx, name).await?
+        } else {
+            check_weights(
+                &mut *tx,
+                &spec.weights,
+                spec.base_model.as_deref(),
+                tenant_uuid,
+            )
+            .await?
+        };
+        let action = if existing.is_some() {
+            "route.update"
+        } else {
+            "route.create"
+        };
+        let created = existing.is_none();
+        let route = write_revision(
+            cx,
+            action,
+            &tenant,
+            &model,
+            existing,
+            base_id,
             &spec.weights,
-            spec.base_model.as_deref(),
-            tenant_uuid,
+            None,
         )
-        .await?
-    };
-    let action = if existing.is_some() {
-        "route.update"
-    } else {
-        "route.create"
-    };
-    let created = existing.is_none();
-    let view = write_revision(
-        &mut tx,
-        &actor,
-        action,
-        &tenant,
-        &model,
-        existing,
-        base_id,
-        &spec.weights,
-        None,
-    )
-    .await?;
-    commit(&s, tx).await?;
-    let status = if created {
-        StatusCode::CREATED
-    } else {
-        StatusCode::OK
-    };
-    Ok(route_reply(status, &actor, &view))
-}
-
-pub(super) async fn promote(
-    State(s): State<AdminState>,
-    headers: HeaderMap,
-    Path((tenant, model)): Path<(String, String)>,
-    body: Bytes,
-) -> Result<Response, AdminError> {
-    let actor = authorize(&s, &headers, Need::Write)?;
-    let sent = if_match(&headers)?;
-    let p: PromoteSpec = parse_body(&body)?;
-    let mut tx = s.pool.begin().await.map_err(db_error)?;
-    let tenant_uuid = tenant_id(&mut *tx, &tenant, "tenant").await?;
-    let existing = load_route(&mut tx, &tenant, &model, true)
-        .await?
-        .ok_or_else(|| AdminError::not_found("model", format!("route {tenant}/{model}")))?;
-    check_etag(sent, Some(existing.1.revision), &tenant, &model)?;
-    refuse_during_rollout(&mut tx, existing.0, &tenant, &model).await?;
-    let weights = [Weight {
-        lora_int_id: p.lora_int_id,
-        weight_bp: registry::WEIGHT_TOTAL,
-    }];
-    let base_id = check_weights(&mut tx, &weights, None, tenant_uuid)
-        .await
-        .map_err(|mut e| {
-            if e.param.as_deref() == Some("weights[0].lora_int_id") {
-                e.param = Some("lora_int_id".into());
-            }
-            e
-        })?;
-    let view = write_revision(
-        &mut tx,
-        &actor,
-        "route.promote",
-        &tenant,
-        &model,
-        Some(existing),
-        base_id,
-        &weights,
-        None,
-    )
-    .await?;
-    commit(&s, tx).await?;
-    Ok(route_reply(StatusCode::OK, &actor, &view))
-}
-
-pub(super) async fn rollback(
-    State(s): State<AdminState>,
-    headers: HeaderMap,
-    Path((tenant, model)): Path<(String, String)>,
-) -> Result<Response, AdminError> {
-    let actor = authorize(&s, &headers, Need::Write)?;
-    let sent = if_match(&headers)?;
-    let mut tx = s.pool.begin().await.map_err(db_error)?;
-    let tenant_uuid = tenant_id(&mut *tx, &tenant, "tenant").await?;
-    let (route_id, current) = load_route(&mut tx, &tenant, &model, true)
-        .await?
-        .ok_or_else(|| AdminError::not_found("model", format!("route {tenant}/{model}")))?;
-    check_etag(sent, Some(current.revision), &tenant, &model)?;
-    refuse_during_rollout(&mut tx, route_id, &tenant, &model).await?;
-    if current.revision <= 1 {
-        return Err(AdminError::conflict(
-            AdminCode::NoPreviousRevision,
-            "model",
-            format!("route {tenant}/{model} has no earlier revision to roll back to"),
-        ));
+        .await?;
+        Ok(RouteWritten { route, created })
     }
-    let previous = current.revision - 1;
-    let base_id: i64 = sqlx::query_scalar(
-        "SELECT base_model_id FROM route_revisions WHERE route_id = $1 AND revision = $2",
-    )
-    .bind(route_id)
-    .bind(previous)
-    .fetch_one(&mut *tx)
-    .await
-    .map_err(db_error)?;
-    let weights: Vec<Weight> = revision_weights(&mut tx, route_id, previous)
-        .await?
-        .into_iter()
-        .map(|w| Weight {
-            lora_int_id: w.lora_int_id,
-            weight_bp: w.weight_bp as u32,
-        })
-        .collect();
-    if !weights.is_empty() {
-        check_weights(&mut tx, &weights, None, tenant_uuid)
+}
+
+/// One adapter version given all of a route's traffic.
+#[derive(Debug)]
+pub struct Promote {
+    pub tenant: String,
+    pub model: String,
+    pub if_match: Option<i32>,
+    pub lora_int_id: i64,
+}
+
+impl Command for Promote {
+    type Output = RouteView;
+
+    async fn run(self, cx: &mut Cx<'_>) -> Result<RouteView, AdminError> {
+        let Promote {
+            tenant,
+            model,
+            if_match: sent,
+            lora_int_id,
+        } = self;
+        let tx = cx.db().await?;
+        let tenant_uuid = tenant_id(&mut *tx, &tenant, "tenant").await?;
+        let existing = load_route(&mut *tx, &tenant, &model, true)
+            .await?
+            .ok_or_else(|| AdminError::not_found("model", format!("route {tenant}/{model}")))?;
+        check_etag(sent, Some(existing.1.revision), &tenant, &model)?;
+        refuse_during_rollout(&mut *tx, existing.0, &tenant, &model).await?;
+        let weights = [Weight {
+            lora_int_id,
+            weight_bp: registry::WEIGHT_TOTAL,
+        }];
+        let base_id = check_weights(&mut *tx, &weights, None, tenant_uuid)
             .await
-            .map_err(|e| {
-                AdminError::new(
-                    e.code,
-                    Some("model"),
-                    format!("cannot roll back to revision {previous}: {}", e.message),
-                )
+            .map_err(|mut e| {
+                if e.param.as_deref() == Some("weights[0].lora_int_id") {
+                    e.param = Some("lora_int_id".into());
+                }
+                e
             })?;
+        write_revision(
+            cx,
+            "route.promote",
+            &tenant,
+            &model,
+            Some(existing),
+            base_id,
+            &weights,
+            None,
+        )
+        .await
     }
-    let view = write_revision(
-        &mut tx,
-        &actor,
-        "route.rollback",
-        &tenant,
-        &model,
-        Some((route_id, current)),
-        base_id,
-        &weights,
-        None,
-    )
-    .await?;
-    commit(&s, tx).await?;
-    Ok(route_reply(StatusCode::OK, &actor, &view))
+}
+
+/// A route back at its previous revision's weights, as a new revision.
+#[derive(Debug)]
+pub struct Rollback {
+    pub tenant: String,
+    pub model: String,
+    pub if_match: Option<i32>,
+}
+
+impl Command for Rollback {
+    type Output = RouteView;
+
+    async fn run(self, cx: &mut Cx<'_>) -> Result<RouteView, AdminError> {
+        let Rollback {
+            tenant,
+            model,
+            if_match: sent,
+        } = self;
+        let tx = cx.db().await?;
+        let tenant_uuid = tenant_id(&mut *tx, &tenant, "tenant").await?;
+        let (route_id, current) = load_route(&mut *tx, &tenant, &model, true)
+            .await?
+            .ok_or_else(|| AdminError::not_found("model", format!("route {tenant}/{model}")))?;
+        check_etag(sent, Some(current.revision), &tenant, &model)?;
+        refuse_during_rollout(&mut *tx, route_id, &tenant, &model).await?;
+        if current.revision <= 1 {
+            return Err(AdminError::conflict(
+                AdminCode::NoPreviousRevision,
+                "model",
+                format!("route {tenant}/{model} has no earlier revision to roll back to"),
+            ));
+        }
+        let previous = current.revision - 1;
+        let base_id: i64 = sqlx::query_scalar(
+            "SELECT base_model_id FROM route_revisions WHERE route_id = $1 AND revision = $2",
+        )
+        .bind(route_id)
+        .bind(previous)
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(db_error)?;
+        let weights: Vec<Weight> = revision_weights(&mut *tx, route_id, previous)
+            .await?
+            .into_iter()
+            .map(|w| Weight {
+                lora_int_id: w.lora_int_id,
+                weight_bp: w.weight_bp as u32,
+            })
+            .collect();
+        if !weights.is_empty() {
+            check_weights(&mut *tx, &weights, None, tenant_uuid)
+                .await
+                .map_err(|e| {
+                    AdminError::new(
+                        e.code,
+                        Some("model"),
+                        format!("cannot roll back to revision {previous}: {}", e.message),
+                    )
+                })?;
+        }
+        write_revision(
+            cx,
+            "route.rollback",
+            &tenant,
+            &model,
+            Some((route_id, current)),
+            base_id,
+            &weights,
+            None,
+        )
+        .await
+    }
 }

@@ -9,21 +9,22 @@ pub(super) fn to_json<T: Serialize>(v: &T) -> Value {
     serde_json::to_value(v).unwrap_or(Value::Null)
 }
 
-pub(super) async fn list_tenants(
-    State(s): State<AdminState>,
-    headers: HeaderMap,
-) -> Result<Response, AdminError> {
-    let actor = authorize(&s, &headers, Need::Read)?;
-    let rows: Vec<TenantRow> =
-        sqlx::query_as(sql!("SELECT {TENANT_COLUMNS} FROM tenants ORDER BY name"))
-            .fetch_all(&s.pool)
-            .await
-            .map_err(db_error)?;
-    Ok(reply(
-        StatusCode::OK,
-        &actor,
-        to_json(&TenantList { tenants: rows }),
-    ))
+/// Every tenant.
+#[derive(Debug)]
+pub struct ListTenants;
+
+impl Query for ListTenants {
+    type Output = TenantList;
+    const NEED: Need = Need::Read;
+
+    async fn run(self, s: &AdminState) -> Result<TenantList, AdminError> {
+        let tenants: Vec<TenantRow> =
+            sqlx::query_as(sql!("SELECT {TENANT_COLUMNS} FROM tenants ORDER BY name"))
+                .fetch_all(&s.pool)
+                .await
+                .map_err(db_error)?;
+        Ok(TenantList { tenants })
+    }
 }
 
 pub(super) fn check_tenant_name(name: &str, param: &str) -> Result<(), AdminError> {
@@ -43,135 +44,118 @@ pub(super) fn check_tenant_name(name: &str, param: &str) -> Result<(), AdminErro
     }
 }
 
-pub(super) async fn create_tenant(
-    State(s): State<AdminState>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Result<Response, AdminError> {
-    let actor = authorize(&s, &headers, Need::Write)?;
-    let t: NewTenant = parse_body(&body)?;
-    check_tenant_name(&t.name, "name")?;
-    if t.rpm_limit == Some(0) {
-        return Err(AdminError::field("rpm_limit", "must be at least 1"));
-    }
-    if t.tpm_limit == Some(0) {
-        return Err(AdminError::field("tpm_limit", "must be at least 1"));
-    }
-    let weight = t.weight.unwrap_or(1.0);
-    if !(weight.is_finite() && weight > 0.0 && weight <= 1000.0) {
-        return Err(AdminError::field(
-            "weight",
-            format!("{weight} is not in (0, 1000]"),
-        ));
-    }
-    let rpm = t
-        .rpm_limit
-        .map(|v| i32::try_from(v).map_err(|_| AdminError::field("rpm_limit", "is too large")))
-        .transpose()?;
-    let tpm = t
-        .tpm_limit
-        .map(|v| i64::try_from(v).map_err(|_| AdminError::field("tpm_limit", "is too large")))
-        .transpose()?;
-    let mut tx = s.pool.begin().await.map_err(db_error)?;
-    let row: TenantRow = sqlx::query_as(sql!(
-        "INSERT INTO tenants (name, display_name, rpm_limit, tpm_limit, weight)
+/// A new tenant.
+#[derive(Debug)]
+pub struct CreateTenant(pub NewTenant);
+
+impl Command for CreateTenant {
+    type Output = TenantRow;
+
+    async fn run(self, cx: &mut Cx<'_>) -> Result<TenantRow, AdminError> {
+        let t = self.0;
+        check_tenant_name(&t.name, "name")?;
+        if t.rpm_limit == Some(0) {
+            return Err(AdminError::field("rpm_limit", "must be at least 1"));
+        }
+        if t.tpm_limit == Some(0) {
+            return Err(AdminError::field("tpm_limit", "must be at least 1"));
+        }
+        let weight = t.weight.unwrap_or(1.0);
+        if !(weight.is_finite() && weight > 0.0 && weight <= 1000.0) {
+            return Err(AdminError::field(
+                "weight",
+                format!("{weight} is not in (0, 1000]"),
+            ));
+        }
+        let rpm = t
+            .rpm_limit
+            .map(|v| i32::try_from(v).map_err(|_| AdminError::field("rpm_limit", "is too large")))
+            .transpose()?;
+        let tpm = t
+            .tpm_limit
+            .map(|v| i64::try_from(v).map_err(|_| AdminError::field("tpm_limit", "is too large")))
+            .transpose()?;
+        let row: TenantRow = sqlx::query_as(sql!(
+            "INSERT INTO tenants (name, display_name, rpm_limit, tpm_limit, weight)
          VALUES ($1, $2, $3, $4, $5)
          RETURNING {TENANT_COLUMNS}"
-    ))
-    .bind(&t.name)
-    .bind(&t.display_name)
-    .bind(rpm)
-    .bind(tpm)
-    .bind(weight)
-    .fetch_one(&mut *tx)
-    .await
-    .map_err(|e| match db_error(e) {
-        e if e.code == AdminCode::Duplicate => AdminError::conflict(
-            AdminCode::Duplicate,
-            "name",
-            format!("tenant {:?} already exists", t.name),
-        ),
-        e => e,
-    })?;
-    commit_change(
-        &s,
-        tx,
-        &actor,
-        "tenant.create",
-        ("tenant", &row.name),
-        None,
-        Some(to_json(&row)),
-    )
-    .await?;
-    Ok(reply(StatusCode::CREATED, &actor, to_json(&row)))
-}
-
-pub(super) async fn set_tenant_disabled(
-    s: AdminState,
-    headers: HeaderMap,
-    name: String,
-    disable: bool,
-) -> Result<Response, AdminError> {
-    let actor = authorize(&s, &headers, Need::Write)?;
-    let mut tx = s.pool.begin().await.map_err(db_error)?;
-    let before: Option<TenantRow> = sqlx::query_as(sql!(
-        "SELECT {TENANT_COLUMNS} FROM tenants WHERE name = $1 FOR UPDATE"
-    ))
-    .bind(&name)
-    .fetch_optional(&mut *tx)
-    .await
-    .map_err(db_error)?;
-    let before =
-        before.ok_or_else(|| AdminError::not_found("tenant", format!("tenant {name:?}")))?;
-    if before.disabled_at.is_some() == disable {
-        let state = if disable { "disabled" } else { "enabled" };
-        return Err(AdminError::conflict(
-            AdminCode::NoChange,
-            "tenant",
-            format!("tenant {name:?} is already {state}"),
-        ));
+        ))
+        .bind(&t.name)
+        .bind(&t.display_name)
+        .bind(rpm)
+        .bind(tpm)
+        .bind(weight)
+        .fetch_one(cx.db().await?)
+        .await
+        .map_err(|e| match db_error(e) {
+            e if e.code == AdminCode::Duplicate => AdminError::conflict(
+                AdminCode::Duplicate,
+                "name",
+                format!("tenant {:?} already exists", t.name),
+            ),
+            e => e,
+        })?;
+        cx.record(
+            "tenant.create",
+            ("tenant", &row.name),
+            None,
+            Some(to_json(&row)),
+        );
+        Ok(row)
     }
-    let after: TenantRow = sqlx::query_as(sql!(
-        "UPDATE tenants SET disabled_at = CASE WHEN $2 THEN now() ELSE NULL END WHERE name = $1
+}
+
+/// A tenant disabled (every key refused) or enabled again.
+#[derive(Debug)]
+pub struct SetTenantDisabled {
+    pub tenant: String,
+    pub disabled: bool,
+}
+
+impl Command for SetTenantDisabled {
+    type Output = TenantRow;
+
+    async fn run(self, cx: &mut Cx<'_>) -> Result<TenantRow, AdminError> {
+        let (name, disable) = (self.tenant, self.disabled);
+        let before: Option<TenantRow> = sqlx::query_as(sql!(
+            "SELECT {TENANT_COLUMNS} FROM tenants WHERE name = $1 FOR UPDATE"
+        ))
+        .bind(&name)
+        .fetch_optional(cx.db().await?)
+        .await
+        .map_err(db_error)?;
+        let before =
+            before.ok_or_else(|| AdminError::not_found("tenant", format!("tenant {name:?}")))?;
+        if before.disabled_at.is_some() == disable {
+            let state = if disable { "disabled" } else { "enabled" };
+            return Err(AdminError::conflict(
+                AdminCode::NoChange,
+                "tenant",
+                format!("tenant {name:?} is already {state}"),
+            ));
+        }
+        let after: TenantRow = sqlx::query_as(sql!(
+            "UPDATE tenants SET disabled_at = CASE WHEN $2 THEN now() ELSE NULL END WHERE name = $1
          RETURNING {TENANT_COLUMNS}"
-    ))
-    .bind(&name)
-    .bind(disable)
-    .fetch_one(&mut *tx)
-    .await
-    .map_err(db_error)?;
-    let action = if disable {
-        "tenant.disable"
-    } else {
-        "tenant.enable"
-    };
-    commit_change(
-        &s,
-        tx,
-        &actor,
-        action,
-        ("tenant", &name),
-        Some(to_json(&before)),
-        Some(to_json(&after)),
-    )
-    .await?;
-    Ok(reply(StatusCode::OK, &actor, to_json(&after)))
-}
-
-pub(super) async fn disable_tenant(
-    State(s): State<AdminState>,
-    headers: HeaderMap,
-    Path(name): Path<String>,
-) -> Result<Response, AdminError> {
-    set_tenant_disabled(s, headers, name, true).await
-}
-
-pub(super) async fn enable_tenant(
-    State(s): State<AdminState>,
-    headers: HeaderMap,
-    Path(name): Path<String>,
-) -> Result<Response, AdminError> {
-    set_tenant_disabled(s, headers, name, false).await
+        ))
+        .bind(&name)
+        .bind(disable)
+        .fetch_one(cx.db().await?)
+        .await
+        .map_err(db_error)?;
+        let action = if disable {
+            "tenant.disable"
+        } else {
+            "tenant.enable"
+        };
+        cx.record(
+            action,
+            ("tenant", &name),
+            Some(to_json(&before)),
+            Some(to_json(&after)),
+        );
+        Ok(after)
+    }
 }
 
 pub(super) async fn base_model_id(

@@ -1,10 +1,10 @@
 //! The admin console: server-rendered pages under `/console` on the admin
 //! listener, for the people who run the fleet.
 //!
-//! - **One authority.** Every read and write goes through the admin API's
-//!   own router, in process, with the signed-in admin's token: the console
-//!   adds no rule of its own, so roles, validation, etags and the change log
-//!   hold exactly as for `lorafleetctl`.
+//! - **One authority.** Every read and write is a typed query or command of
+//!   the admin plane's core, run as the signed-in admin: the console adds
+//!   no rule of its own, so roles, validation, etags and the change log hold
+//!   exactly as for the admin API and `lorafleetctl`.
 //! - **The session is the admin token**, kept in an `HttpOnly`,
 //!   `SameSite=Strict` cookie scoped to `/console`, and valid until the
 //!   token's own expiry, at most 12 hours. A token never appears in a URL.
@@ -51,8 +51,8 @@ pub struct ConsoleOptions {
 /// What every console handler shares. Cheap to clone.
 #[derive(Clone)]
 pub struct Console {
-    /// The admin API, called in process.
-    admin: Router,
+    /// The admin plane's core, called in process.
+    admin: AdminState,
     jwt: Arc<JwtConfig>,
     templates: Arc<Environment<'static>>,
     options: ConsoleOptions,
@@ -104,7 +104,7 @@ fn environment() -> Environment<'static> {
 pub fn router(admin_state: AdminState, options: ConsoleOptions) -> Router {
     let console = Console {
         jwt: admin_state.jwt.clone(),
-        admin: admin::router(admin_state),
+        admin: admin_state,
         templates: Arc::new(environment()),
         options,
     };

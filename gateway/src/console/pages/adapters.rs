@@ -2,7 +2,10 @@
 //! state; register a new version from an artifact URI; retire one.
 
 use super::*;
-use crate::admin::types::{AdapterList, BaseModelList};
+use crate::admin::types::NewAdapter;
+use crate::admin::{
+    ListAdapters, ListBaseModels, RegisterAdapter, RetireAdapter, parse_lora_int_id,
+};
 
 pub(super) async fn page(State(c): State<Console>, s: Session) -> Response {
     render(&c, &s, Outcome::default()).await
@@ -10,8 +13,8 @@ pub(super) async fn page(State(c): State<Console>, s: Session) -> Response {
 
 async fn render(c: &Console, s: &Session, outcome: Outcome) -> Response {
     let data = async {
-        let adapters: AdapterList = c.api(s, Call::get("/admin/v1/adapters")).await?;
-        let bases: BaseModelList = c.api(s, Call::get("/admin/v1/base-models")).await?;
+        let adapters = c.read(s, ListAdapters::default()).await?;
+        let bases = c.read(s, ListBaseModels).await?;
         let rows: Vec<Value> = adapters
             .adapters
             .iter()
@@ -46,28 +49,21 @@ pub(super) async fn register(
     Write { session: s, fields }: Write,
 ) -> Response {
     let result = async {
-        let mut spec = json!({
-            "name": fields.get("name"),
-            "base_model": fields.get("base_model"),
-            "artifact_uri": fields.get("artifact_uri"),
-        });
-        if let Some(v) = number::<u32>(&fields, "version")? {
-            spec["version"] = json!(v);
-        }
-        if let Some(t) = non_blank(fields.get("tenant")) {
-            spec["tenant"] = json!(t);
-        }
-        c.api::<Value>(&s, Call::post("/admin/v1/adapters", spec))
-            .await
+        let spec = NewAdapter {
+            name: fields.get("name").to_owned(),
+            version: number(&fields, "version")?,
+            base_model: fields.get("base_model").to_owned(),
+            tenant: non_blank(fields.get("tenant")).map(str::to_owned),
+            artifact_uri: fields.get("artifact_uri").to_owned(),
+        };
+        c.exec(&s, RegisterAdapter(spec)).await
     }
     .await;
     match result {
         Ok(a) => {
             let notice = format!(
                 "registered {}:v{} as adapter {}",
-                a["name"].as_str().unwrap_or_default(),
-                a["version"],
-                a["lora_int_id"]
+                a.name, a.version, a.lora_int_id
             );
             let outcome = Outcome {
                 form: Some("register"),
@@ -85,8 +81,11 @@ pub(super) async fn retire(
     Path(id): Path<String>,
     Write { session: s, fields }: Write,
 ) -> Response {
-    let path = format!("/admin/v1/adapters/{}/retire", seg(&id));
-    match c.api::<Value>(&s, Call::post(path, json!({}))).await {
+    let result = match parse_lora_int_id(&id) {
+        Ok(lora_int_id) => c.exec(&s, RetireAdapter { lora_int_id }).await,
+        Err(e) => Err(e.into()),
+    };
+    match result {
         Ok(_) => Redirect::to("/console/adapters").into_response(),
         Err(e) => render(&c, &s, Outcome::refused("retire", e, Some(&fields))).await,
     }

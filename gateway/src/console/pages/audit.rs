@@ -3,7 +3,11 @@
 
 use std::collections::HashMap;
 
+use axum::extract::Query as Params;
+use axum::http::Uri;
+
 use super::*;
+use crate::admin::{AuditFilter, ExportAudit, SearchAudit};
 
 /// The filters the admin API takes, in the order the form shows them.
 const FILTERS: &[&str] = &[
@@ -30,23 +34,28 @@ fn query(q: &HashMap<String, String>, extra: &[&str]) -> String {
         .join("&")
 }
 
+/// The typed filter the page's non-blank values (and `extra` keys) make,
+/// read as the admin API reads its query string.
+fn filter(q: &HashMap<String, String>, extra: &[&str]) -> Result<AuditFilter, ApiError> {
+    let uri: Uri = format!("/?{}", query(q, extra))
+        .parse()
+        .map_err(|_| ApiError::field("query", "is not a valid query string"))?;
+    Params::<AuditFilter>::try_from_uri(&uri)
+        .map(|Params(f)| f)
+        .map_err(|e| ApiError::field("query", &e.body_text()))
+}
+
 pub(super) async fn page(
     State(c): State<Console>,
     s: Session,
     Query(q): Query<HashMap<String, String>>,
 ) -> Response {
     let data = async {
-        let page: Value = c
-            .api(
-                &s,
-                Call::get(format!(
-                    "/admin/v1/audit?{}",
-                    query(&q, &["limit", "cursor"])
-                )),
-            )
+        let page = c
+            .read(&s, SearchAudit(filter(&q, &["limit", "cursor"])?))
             .await?;
         let filters = query(&q, &[]);
-        let next = page["next_cursor"].as_str().map(|cursor| {
+        let next = page.next_cursor.as_deref().map(|cursor| {
             let mut next = filters.clone();
             if let Some(l) = q.get("limit").and_then(|l| non_blank(l)) {
                 next.push_str(&format!("&limit={}", seg(l)));
@@ -59,7 +68,7 @@ pub(super) async fn page(
             .filter_map(|k| Some((*k, q.get(*k)?.as_str())))
             .collect();
         Ok(json!({
-            "rows": page["rows"],
+            "rows": serde_json::to_value(&page.rows).unwrap_or_default(),
             "filters": echo,
             "query": filters,
             "next": next,
@@ -75,19 +84,25 @@ pub(super) async fn row(
     Path(request_id): Path<String>,
 ) -> Response {
     let data = async {
-        let page: Value = c
-            .api(
-                &s,
-                Call::get(format!("/admin/v1/audit?request_id={}", seg(&request_id))),
-            )
-            .await?;
-        let row = page["rows"].get(0).cloned().ok_or_else(|| {
-            ApiError::local(
-                StatusCode::NOT_FOUND,
-                Some("request_id"),
-                &format!("no audit row for request {request_id}"),
-            )
+        let id = request_id.parse().map_err(|_| {
+            ApiError::field("request_id", &format!("{request_id:?} is not a request id"))
         })?;
+        let one = AuditFilter {
+            request_id: Some(id),
+            ..AuditFilter::default()
+        };
+        let page = c.read(&s, SearchAudit(one)).await?;
+        let row = page
+            .rows
+            .first()
+            .map(|r| serde_json::to_value(r).unwrap_or_default())
+            .ok_or_else(|| {
+                ApiError::local(
+                    StatusCode::NOT_FOUND,
+                    Some("request_id"),
+                    &format!("no audit row for request {request_id}"),
+                )
+            })?;
         Ok(json!({ "row": row }))
     }
     .await;
@@ -109,19 +124,28 @@ pub(super) async fn export(
             );
         }
     };
-    let filters = query(&q, &[]);
-    let sep = if filters.is_empty() { "" } else { "&" };
-    let r = c
-        .send(
-            &s,
-            Call::get(format!("/admin/v1/audit?{filters}{sep}format={format}")),
-        )
-        .await;
-    let (mut parts, body) = r.into_parts();
-    if parts.status.is_success()
-        && let Ok(v) = HeaderValue::from_str(&format!("attachment; filename=\"audit.{format}\""))
-    {
-        parts.headers.insert(header::CONTENT_DISPOSITION, v);
+    let result = async {
+        let filter = filter(&q, &[])?;
+        let csv = format == "csv";
+        c.read(&s, ExportAudit { filter, csv }).await
     }
-    passthrough(parts.status, parts.headers, body)
+    .await;
+    match result {
+        Ok(stream) => {
+            let mut headers = HeaderMap::new();
+            let content_type = if format == "csv" {
+                "text/csv; charset=utf-8"
+            } else {
+                "application/x-ndjson"
+            };
+            headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+            if let Ok(v) =
+                HeaderValue::from_str(&format!("attachment; filename=\"audit.{format}\""))
+            {
+                headers.insert(header::CONTENT_DISPOSITION, v);
+            }
+            passthrough(StatusCode::OK, headers, Body::from_stream(stream))
+        }
+        Err(e) => c.error_page(Some(&s), &e),
+    }
 }

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 
 use super::*;
-use crate::admin::types::ChangeList;
+use crate::admin::ListChanges;
 
 pub(super) async fn page(
     State(c): State<Console>,
@@ -11,13 +11,13 @@ pub(super) async fn page(
     Query(q): Query<HashMap<String, String>>,
 ) -> Response {
     let data = async {
-        let mut path = "/admin/v1/changes?limit=200".to_owned();
-        for k in ["object_type", "object_id"] {
-            if let Some(v) = q.get(k).and_then(|v| non_blank(v)) {
-                path.push_str(&format!("&{k}={}", seg(v)));
-            }
-        }
-        let changes: ChangeList = c.api(&s, Call::get(path)).await?;
+        let given = |k: &str| q.get(k).and_then(|v| non_blank(v)).map(str::to_owned);
+        let query = ListChanges {
+            object_type: given("object_type"),
+            object_id: given("object_id"),
+            limit: Some(200),
+        };
+        let changes = c.read(&s, query).await?;
         let pretty = |v: &Option<Value>| {
             v.as_ref()
                 .map(|v| serde_json::to_string_pretty(v).unwrap_or_default())

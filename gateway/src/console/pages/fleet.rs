@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use super::*;
-use crate::admin::types::AdapterList;
+use crate::admin::{FleetView, ListAdapters};
 
 pub(super) async fn page(State(c): State<Console>, s: Session) -> Response {
     let data = load(&c, &s).await;
@@ -21,8 +21,8 @@ pub(super) async fn live(State(c): State<Console>, s: Session) -> Response {
 }
 
 async fn load(c: &Console, s: &Session) -> Result<Value, ApiError> {
-    let fleet: Value = c.api(s, Call::get("/admin/v1/fleet")).await?;
-    let adapters: AdapterList = c.api(s, Call::get("/admin/v1/adapters")).await?;
+    let fleet = c.read(s, FleetView).await?;
+    let adapters = c.read(s, ListAdapters::default()).await?;
     let mut workers: Vec<&Value> = fleet["workers"].as_array().into_iter().flatten().collect();
     let name = |w: &Value| {
         w["worker_id"]

@@ -4,7 +4,7 @@
 use axum::extract::{Path, Query};
 use serde::Serialize;
 
-use super::client::{Call, seg};
+use super::client::seg;
 use super::*;
 
 mod adapters;

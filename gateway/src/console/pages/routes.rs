@@ -4,11 +4,16 @@
 //! instead of overwriting someone else's change.
 
 use super::*;
-use crate::admin::types::{ChangeList, RolloutView, RouteList, RouteView};
+use crate::admin::types::{RolloutSpec, RolloutView, RouteSpec, RouteView, Weight};
+use crate::admin::{
+    AdminCode, ChangeRollout, GetRollout, GetRoute, ListChanges, ListRoutes, Promote, PutRoute,
+    Rollback, StartRollout, parse_etag,
+};
+use crate::rollout::Action;
 
 pub(super) async fn list(State(c): State<Console>, s: Session) -> Response {
     let data = async {
-        let routes: RouteList = c.api(&s, Call::get("/admin/v1/routes")).await?;
+        let routes = c.read(&s, ListRoutes::default()).await?;
         let mut routes: Vec<Value> = routes.routes.iter().map(view).collect();
         routes.sort_by(|a, b| {
             (a["tenant"].as_str(), a["model"].as_str())
@@ -75,15 +80,24 @@ pub(super) async fn page(
 
 async fn render(c: &Console, s: &Session, tenant: &str, model: &str, outcome: Outcome) -> Response {
     let data = async {
-        let path = format!("/admin/v1/routes/{}/{}", seg(tenant), seg(model));
-        let route: RouteView = c.api(s, Call::get(path)).await?;
+        let (tenant, model) = (tenant.to_owned(), model.to_owned());
+        let route = c
+            .read(
+                s,
+                GetRoute {
+                    tenant: tenant.clone(),
+                    model: model.clone(),
+                },
+            )
+            .await?;
         // The history is the change log's, which auditors and admins read.
         let history = if s.identity.role.can_audit() {
-            let q = format!(
-                "/admin/v1/changes?object_type=route&object_id={}&limit=50",
-                seg(&format!("{tenant}/{model}"))
-            );
-            let changes: ChangeList = c.api(s, Call::get(q)).await?;
+            let q = ListChanges {
+                object_type: Some("route".into()),
+                object_id: Some(format!("{tenant}/{model}")),
+                limit: Some(50),
+            };
+            let changes = c.read(s, q).await?;
             Some(
                 changes
                     .changes
@@ -103,19 +117,9 @@ async fn render(c: &Console, s: &Session, tenant: &str, model: &str, outcome: Ou
             None
         };
         // The route's latest rollout, if it ever had one.
-        let rollout = match c
-            .api::<RolloutView>(
-                s,
-                Call::get(format!(
-                    "/admin/v1/routes/{}/{}/rollout",
-                    seg(tenant),
-                    seg(model)
-                )),
-            )
-            .await
-        {
+        let rollout = match c.read(s, GetRollout { tenant, model }).await {
             Ok(r) => Some(rollout_view(&r)),
-            Err(e) if e.status == StatusCode::NOT_FOUND => None,
+            Err(e) if e.is(AdminCode::NotFound) => None,
             Err(e) => return Err(e),
         };
         Ok(json!({ "route": view(&route), "history": history, "rollout": rollout }))
@@ -165,6 +169,11 @@ fn rollout_view(r: &RolloutView) -> Value {
     })
 }
 
+/// The etag the form was rendered with.
+fn etag(fields: &Fields) -> Result<Option<i32>, ApiError> {
+    Ok(parse_etag(non_blank(fields.get("etag")))?)
+}
+
 /// After a write: back to the route, or the route again with the refusal.
 async fn finish(
     c: &Console,
@@ -173,7 +182,7 @@ async fn finish(
     model: &str,
     form: &'static str,
     fields: &Fields,
-    result: Result<Value, ApiError>,
+    result: Result<(), ApiError>,
 ) -> Response {
     match result {
         Ok(_) => {
@@ -209,15 +218,22 @@ pub(super) async fn set_weights(
                     &format!("row {}: {bp:?} is not a number of basis points", i + 1),
                 )
             })?;
-            weights.push(json!({ "lora_int_id": id, "weight_bp": bp }));
+            weights.push(Weight {
+                lora_int_id: id,
+                weight_bp: bp,
+            });
         }
-        let mut spec = json!({ "weights": weights });
-        if let Some(b) = non_blank(fields.get("base_model")) {
-            spec["base_model"] = json!(b);
-        }
-        let path = format!("/admin/v1/routes/{}/{}", seg(&tenant), seg(&model));
-        c.api(&s, Call::put(path, spec).if_match(fields.get("etag")))
-            .await
+        let spec = RouteSpec {
+            base_model: non_blank(fields.get("base_model")).map(str::to_owned),
+            weights,
+        };
+        let command = PutRoute {
+            tenant: tenant.clone(),
+            model: model.clone(),
+            if_match: etag(&fields)?,
+            spec,
+        };
+        c.exec(&s, command).await.map(drop)
     }
     .await;
     finish(&c, &s, &tenant, &model, "weights", &fields, result).await
@@ -231,12 +247,13 @@ pub(super) async fn promote(
     let result = async {
         let id = number::<i64>(&fields, "lora_int_id")?
             .ok_or_else(|| ApiError::field("lora_int_id", "choose the version to promote"))?;
-        let path = format!("/admin/v1/routes/{}/{}/promote", seg(&tenant), seg(&model));
-        c.api(
-            &s,
-            Call::post(path, json!({ "lora_int_id": id })).if_match(fields.get("etag")),
-        )
-        .await
+        let command = Promote {
+            tenant: tenant.clone(),
+            model: model.clone(),
+            if_match: etag(&fields)?,
+            lora_int_id: id,
+        };
+        c.exec(&s, command).await.map(drop)
     }
     .await;
     finish(&c, &s, &tenant, &model, "promote", &fields, result).await
@@ -247,10 +264,15 @@ pub(super) async fn rollback(
     Path((tenant, model)): Path<(String, String)>,
     Write { session: s, fields }: Write,
 ) -> Response {
-    let path = format!("/admin/v1/routes/{}/{}/rollback", seg(&tenant), seg(&model));
-    let result = c
-        .api(&s, Call::post(path, json!({})).if_match(fields.get("etag")))
-        .await;
+    let result = async {
+        let command = Rollback {
+            tenant: tenant.clone(),
+            model: model.clone(),
+            if_match: etag(&fields)?,
+        };
+        c.exec(&s, command).await.map(drop)
+    }
+    .await;
     finish(&c, &s, &tenant, &model, "rollback", &fields, result).await
 }
 
@@ -264,34 +286,39 @@ pub(super) async fn start_rollout(
         let candidate = number::<i64>(&fields, "candidate_lora_int_id")?.ok_or_else(|| {
             ApiError::field("candidate_lora_int_id", "name the candidate version")
         })?;
-        let mut spec = json!({ "candidate_lora_int_id": candidate });
-        if let Some(steps) = non_blank(fields.get("steps")) {
-            let parsed: std::result::Result<Vec<u32>, _> =
-                steps.split(',').map(|p| p.trim().parse::<u32>()).collect();
-            spec["steps"] = json!(parsed.map_err(|_| {
-                ApiError::field(
-                    "steps",
-                    &format!("{steps:?} is not a list of basis points such as 100,1000,10000"),
-                )
-            })?);
-        }
-        for name in ["hold_secs", "min_requests"] {
-            if let Some(v) = number::<u32>(&fields, name)? {
-                spec[name] = json!(v);
-            }
-        }
-        for name in [
-            "max_error_rate_increase",
-            "max_ttft_p95_ratio",
-            "max_tpot_p95_ratio",
-        ] {
-            if let Some(v) = number::<f64>(&fields, name)? {
-                spec[name] = json!(v);
-            }
-        }
-        let path = format!("/admin/v1/routes/{}/{}/rollout", seg(&tenant), seg(&model));
-        c.api(&s, Call::post(path, spec).if_match(fields.get("etag")))
-            .await
+        let steps = match non_blank(fields.get("steps")) {
+            None => None,
+            Some(steps) => Some(
+                steps
+                    .split(',')
+                    .map(|p| p.trim().parse::<u32>())
+                    .collect::<Result<Vec<u32>, _>>()
+                    .map_err(|_| {
+                        ApiError::field(
+                            "steps",
+                            &format!(
+                                "{steps:?} is not a list of basis points such as 100,1000,10000"
+                            ),
+                        )
+                    })?,
+            ),
+        };
+        let spec = RolloutSpec {
+            candidate_lora_int_id: candidate,
+            steps,
+            hold_secs: number(&fields, "hold_secs")?,
+            min_requests: number(&fields, "min_requests")?,
+            max_error_rate_increase: number(&fields, "max_error_rate_increase")?,
+            max_ttft_p95_ratio: number(&fields, "max_ttft_p95_ratio")?,
+            max_tpot_p95_ratio: number(&fields, "max_tpot_p95_ratio")?,
+        };
+        let command = StartRollout {
+            tenant: tenant.clone(),
+            model: model.clone(),
+            if_match: etag(&fields)?,
+            spec,
+        };
+        c.exec(&s, command).await.map(drop)
     }
     .await;
     finish(&c, &s, &tenant, &model, "rollout", &fields, result).await
@@ -303,19 +330,26 @@ pub(super) async fn change_rollout(
     Path((tenant, model, action)): Path<(String, String, String)>,
     Write { session: s, fields }: Write,
 ) -> Response {
-    let result = if matches!(action.as_str(), "pause" | "resume" | "abort") {
-        let path = format!(
-            "/admin/v1/routes/{}/{}/rollout/{action}",
-            seg(&tenant),
-            seg(&model)
-        );
-        c.api(&s, Call::post(path, json!({}))).await
-    } else {
-        Err(ApiError::local(
+    let action = match action.as_str() {
+        "pause" => Some(Action::Pause),
+        "resume" => Some(Action::Resume),
+        "abort" => Some(Action::Abort),
+        _ => None,
+    };
+    let result = match action {
+        Some(action) => {
+            let command = ChangeRollout {
+                tenant: tenant.clone(),
+                model: model.clone(),
+                action,
+            };
+            c.exec(&s, command).await.map(drop)
+        }
+        None => Err(ApiError::local(
             StatusCode::NOT_FOUND,
             None,
-            &format!("{action:?} is not pause, resume or abort"),
-        ))
+            "the rollout action is not pause, resume or abort",
+        )),
     };
     finish(&c, &s, &tenant, &model, "rollout", &fields, result).await
 }

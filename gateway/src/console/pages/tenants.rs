@@ -2,7 +2,8 @@
 //! (the secret is shown once, on the page that created it) and revoke them.
 
 use super::*;
-use crate::admin::types::{KeyList, TenantList};
+use crate::admin::types::{NewKey, NewTenant};
+use crate::admin::{CreateKey, CreateTenant, ListKeys, ListTenants, RevokeKey, SetTenantDisabled};
 
 pub(super) async fn list(State(c): State<Console>, s: Session) -> Response {
     render_list(&c, &s, Outcome::default()).await
@@ -10,7 +11,7 @@ pub(super) async fn list(State(c): State<Console>, s: Session) -> Response {
 
 async fn render_list(c: &Console, s: &Session, outcome: Outcome) -> Response {
     let data = async {
-        let tenants: TenantList = c.api(s, Call::get("/admin/v1/tenants")).await?;
+        let tenants = c.read(s, ListTenants).await?;
         let rows: Vec<Value> = tenants
             .tenants
             .iter()
@@ -38,21 +39,14 @@ pub(super) async fn create(
     Write { session: s, fields }: Write,
 ) -> Response {
     let result = async {
-        let mut spec = json!({
-            "name": fields.get("name"),
-            "display_name": fields.get("display_name"),
-        });
-        if let Some(v) = number::<u32>(&fields, "rpm_limit")? {
-            spec["rpm_limit"] = json!(v);
-        }
-        if let Some(v) = number::<u64>(&fields, "tpm_limit")? {
-            spec["tpm_limit"] = json!(v);
-        }
-        if let Some(v) = number::<f64>(&fields, "weight")? {
-            spec["weight"] = json!(v);
-        }
-        c.api::<Value>(&s, Call::post("/admin/v1/tenants", spec))
-            .await
+        let spec = NewTenant {
+            name: fields.get("name").to_owned(),
+            display_name: fields.get("display_name").to_owned(),
+            rpm_limit: number(&fields, "rpm_limit")?,
+            tpm_limit: number(&fields, "tpm_limit")?,
+            weight: number(&fields, "weight")?,
+        };
+        c.exec(&s, CreateTenant(spec)).await
     }
     .await;
     match result {
@@ -61,9 +55,14 @@ pub(super) async fn create(
     }
 }
 
-async fn switch(c: Console, s: Session, fields: Fields, tenant: String, action: &str) -> Response {
-    let path = format!("/admin/v1/tenants/{}/{action}", seg(&tenant));
-    match c.api::<Value>(&s, Call::post(path, json!({}))).await {
+async fn switch(
+    c: Console,
+    s: Session,
+    fields: Fields,
+    tenant: String,
+    disabled: bool,
+) -> Response {
+    match c.exec(&s, SetTenantDisabled { tenant, disabled }).await {
         Ok(_) => Redirect::to("/console/tenants").into_response(),
         Err(e) => render_list(&c, &s, Outcome::refused("switch", e, Some(&fields))).await,
     }
@@ -74,7 +73,7 @@ pub(super) async fn disable(
     Path(tenant): Path<String>,
     Write { session: s, fields }: Write,
 ) -> Response {
-    switch(c, s, fields, tenant, "disable").await
+    switch(c, s, fields, tenant, true).await
 }
 
 pub(super) async fn enable(
@@ -82,7 +81,7 @@ pub(super) async fn enable(
     Path(tenant): Path<String>,
     Write { session: s, fields }: Write,
 ) -> Response {
-    switch(c, s, fields, tenant, "enable").await
+    switch(c, s, fields, tenant, false).await
 }
 
 pub(super) async fn page(
@@ -102,8 +101,8 @@ async fn render(
     created: Option<Value>,
 ) -> Response {
     let data = async {
-        let path = format!("/admin/v1/tenants/{}/keys", seg(tenant));
-        let keys: KeyList = c.api(s, Call::get(path)).await?;
+        let tenant_name = tenant.to_owned();
+        let keys = c.read(s, ListKeys { tenant: tenant_name }).await?;
         let rows: Vec<Value> = keys
             .keys
             .iter()
@@ -130,17 +129,18 @@ pub(super) async fn create_key(
     Write { session: s, fields }: Write,
 ) -> Response {
     let result = async {
-        let mut spec = json!({ "name": fields.get("name") });
-        if let Some(v) = number::<u64>(&fields, "expires_in_secs")? {
-            spec["expires_in_secs"] = json!(v);
-        }
-        let path = format!("/admin/v1/tenants/{}/keys", seg(&tenant));
-        c.api::<Value>(&s, Call::post(path, spec)).await
+        let spec = NewKey {
+            name: fields.get("name").to_owned(),
+            expires_in_secs: number(&fields, "expires_in_secs")?,
+            ..NewKey::default()
+        };
+        let tenant = tenant.clone();
+        c.exec(&s, CreateKey { tenant, spec }).await
     }
     .await;
     match result {
         Ok(key) => {
-            let created = json!({ "prefix": key["prefix"], "key": key["key"] });
+            let created = json!({ "prefix": key.row.prefix, "key": key.key });
             render(&c, &s, &tenant, Outcome::default(), Some(created)).await
         }
         Err(e) => {
@@ -161,8 +161,7 @@ pub(super) async fn revoke_key(
     Path((tenant, prefix)): Path<(String, String)>,
     Write { session: s, fields }: Write,
 ) -> Response {
-    let path = format!("/admin/v1/keys/{}/revoke", seg(&prefix));
-    match c.api::<Value>(&s, Call::post(path, json!({}))).await {
+    match c.exec(&s, RevokeKey { prefix }).await {
         Ok(_) => Redirect::to(&format!("/console/tenants/{}", seg(&tenant))).into_response(),
         Err(e) => {
             render(
