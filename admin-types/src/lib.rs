@@ -27,17 +27,168 @@ pub struct NewTenant {
     pub weight: Option<f64>,
 }
 
+/// One of a tenant's limits: the gateway's default (`null` on the wire),
+/// explicitly `"unlimited"`, or a positive number. The registry stores
+/// NULL, 0 and the number.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Limit {
+    #[default]
+    Default,
+    Unlimited,
+    Max(u64),
+}
+
+impl Limit {
+    /// As the registry stores it.
+    pub fn to_column(self) -> Option<i64> {
+        match self {
+            Limit::Default => None,
+            Limit::Unlimited => Some(0),
+            Limit::Max(n) => Some(i64::try_from(n).unwrap_or(i64::MAX)),
+        }
+    }
+
+    /// As the registry stores it (a negative value is refused there).
+    pub fn from_column(v: Option<i64>) -> Limit {
+        match v {
+            None => Limit::Default,
+            Some(n) if n <= 0 => Limit::Unlimited,
+            Some(n) => Limit::Max(n as u64),
+        }
+    }
+
+    /// The limit in force, given the gateway's default (`None`: unlimited).
+    pub fn resolve(self, default: Option<u64>) -> Option<u64> {
+        match self {
+            Limit::Default => default,
+            Limit::Unlimited => None,
+            Limit::Max(n) => Some(n),
+        }
+    }
+}
+
+impl From<Option<i64>> for Limit {
+    fn from(v: Option<i64>) -> Limit {
+        Limit::from_column(v)
+    }
+}
+
+impl Serialize for Limit {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Limit::Default => s.serialize_none(),
+            Limit::Unlimited => s.serialize_str("unlimited"),
+            Limit::Max(n) => s.serialize_u64(*n),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Limit {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Limit, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Wire {
+            Number(u64),
+            Word(String),
+        }
+        match Option::<Wire>::deserialize(d)? {
+            None => Ok(Limit::Default),
+            Some(Wire::Number(0)) => Err(serde::de::Error::custom(
+                "0 is not a limit: give a positive number, \"unlimited\", or null for the gateway's default",
+            )),
+            Some(Wire::Number(n)) => Ok(Limit::Max(n)),
+            Some(Wire::Word(w)) if w == "unlimited" => Ok(Limit::Unlimited),
+            Some(Wire::Word(w)) => Err(serde::de::Error::custom(format!(
+                "{w:?} is not a limit: give a positive number, \"unlimited\", or null for the gateway's default"
+            ))),
+        }
+    }
+}
+
+/// A limit written as something else.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NotALimit(pub String);
+
+impl std::fmt::Display for NotALimit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{:?} is not a limit: give a positive number, unlimited or default",
+            self.0
+        )
+    }
+}
+
+impl std::error::Error for NotALimit {}
+
+impl std::str::FromStr for Limit {
+    type Err = NotALimit;
+
+    /// `default`, `unlimited` or a positive number, as the CLI takes it.
+    fn from_str(s: &str) -> Result<Limit, NotALimit> {
+        match s {
+            "default" => Ok(Limit::Default),
+            "unlimited" => Ok(Limit::Unlimited),
+            _ => match s.parse::<u64>() {
+                Ok(n) if n > 0 => Ok(Limit::Max(n)),
+                _ => Err(NotALimit(s.to_owned())),
+            },
+        }
+    }
+}
+
 /// A tenant, as every tenant endpoint answers.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
 pub struct TenantRow {
     pub name: String,
     pub display_name: String,
-    pub rpm_limit: Option<i32>,
-    pub tpm_limit: Option<i64>,
+    #[cfg_attr(feature = "sqlx", sqlx(try_from = "Option<i64>"))]
+    pub rpm_limit: Limit,
+    #[cfg_attr(feature = "sqlx", sqlx(try_from = "Option<i64>"))]
+    pub tpm_limit: Limit,
+    /// Requests in flight at once on one gateway.
+    #[cfg_attr(feature = "sqlx", sqlx(try_from = "Option<i64>"))]
+    pub max_concurrent: Limit,
     pub weight: f64,
     pub created_at: DateTime<Utc>,
     pub disabled_at: Option<DateTime<Utc>>,
+}
+
+/// `PATCH /tenants/{tenant}`: only the fields present change; a limit set
+/// to `null` goes back to the gateway's default.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantPatch {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub display_name: Option<String>,
+    #[serde(
+        default,
+        deserialize_with = "present",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub rpm_limit: Option<Limit>,
+    #[serde(
+        default,
+        deserialize_with = "present",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub tpm_limit: Option<Limit>,
+    #[serde(
+        default,
+        deserialize_with = "present",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub max_concurrent: Option<Limit>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight: Option<f64>,
+}
+
+/// A field that is present, even as `null` (absent stays `None`).
+fn present<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(
+    d: D,
+) -> Result<Option<T>, D::Error> {
+    T::deserialize(d).map(Some)
 }
 
 /// `GET /tenants`.

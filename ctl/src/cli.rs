@@ -1,6 +1,7 @@
 //! The command line's shape: flags, subcommands and their help.
 
 use super::*;
+use lorafleet_admin_types::Limit;
 
 pub(crate) const EXIT_CODES: &str = "\
 Exit codes:
@@ -121,6 +122,26 @@ pub(crate) enum TenantCmd {
         #[arg(long)]
         tpm_limit: Option<u64>,
         /// The tenant's weight in the workers' fair admission (default 1).
+        #[arg(long)]
+        weight: Option<f64>,
+    },
+    /// Changes a tenant's limits, weight or display name; what is not
+    /// given stays. A limit is a positive number, `unlimited`, or `default`
+    /// (the gateway's flag).
+    Update {
+        name: String,
+        #[arg(long)]
+        display_name: Option<String>,
+        /// Requests per minute, across the gateways.
+        #[arg(long)]
+        rpm_limit: Option<Limit>,
+        /// Tokens per minute, across the gateways.
+        #[arg(long)]
+        tpm_limit: Option<Limit>,
+        /// Requests in flight at once on each gateway.
+        #[arg(long)]
+        max_concurrent: Option<Limit>,
+        /// The tenant's weight in the workers' fair admission.
         #[arg(long)]
         weight: Option<f64>,
     },

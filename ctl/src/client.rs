@@ -165,6 +165,15 @@ impl Client {
         self.call_as(reqwest::Method::POST, path, Some(body), None)
             .await
     }
+
+    pub(crate) async fn patch_as<T: serde::de::DeserializeOwned>(
+        &self,
+        path: &str,
+        body: &impl serde::Serialize,
+    ) -> Result<T, Failure> {
+        self.call_as(reqwest::Method::PATCH, path, Some(body), None)
+            .await
+    }
 }
 
 /// A typed answer as JSON, for the table renderers.

@@ -8,6 +8,7 @@ pub(crate) const TENANT_COLUMNS: &[&str] = &[
     "display_name",
     "rpm_limit",
     "tpm_limit",
+    "max_concurrent",
     "weight",
     "created_at",
     "disabled_at",
@@ -34,6 +35,25 @@ pub(crate) async fn tenants(c: &Client, cmd: TenantCmd) -> Result<(), Failure> {
                 weight,
             };
             let tenant: TenantRow = c.post_as("/tenants", &new).await?;
+            show_one(c, &as_json(&tenant), TENANT_COLUMNS);
+        }
+        TenantCmd::Update {
+            name,
+            display_name,
+            rpm_limit,
+            tpm_limit,
+            max_concurrent,
+            weight,
+        } => {
+            let patch = TenantPatch {
+                display_name,
+                rpm_limit,
+                tpm_limit,
+                max_concurrent,
+                weight,
+            };
+            let path = format!("/tenants/{}", segment(&name));
+            let tenant: TenantRow = c.patch_as(&path, &patch).await?;
             show_one(c, &as_json(&tenant), TENANT_COLUMNS);
         }
         TenantCmd::Disable { name } => {

@@ -394,7 +394,7 @@ fn random_alnum(n: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::registry::{ApiKey, Tenant};
+    use crate::registry::{ApiKey, Limit, Tenant};
     use jsonwebtoken::{EncodingKey, Header};
 
     const SECRET: &[u8] = b"an hmac secret of at least 32 bytes!";
@@ -403,8 +403,9 @@ mod tests {
         let tenant = Tenant {
             id: TenantId(Uuid::from_u128(1)),
             name: "acme".into(),
-            rpm_limit: None,
-            tpm_limit: None,
+            rpm_limit: Limit::Default,
+            tpm_limit: Limit::Default,
+            max_concurrent: Limit::Default,
             disabled: false,
             weight: 1.0,
         };

@@ -20,6 +20,8 @@ use crate::ids::{KeyId, RouteId, TenantId};
 use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 
+pub use lorafleet_admin_types::Limit;
+
 /// Canary weights are in basis points: 10000 is the whole route.
 pub const WEIGHT_TOTAL: u32 = 10_000;
 
@@ -27,8 +29,10 @@ pub const WEIGHT_TOTAL: u32 = 10_000;
 pub struct Tenant {
     pub id: TenantId,
     pub name: String,
-    pub rpm_limit: Option<u32>,
-    pub tpm_limit: Option<u64>,
+    pub rpm_limit: Limit,
+    pub tpm_limit: Limit,
+    /// Requests in flight at once on one gateway.
+    pub max_concurrent: Limit,
     pub disabled: bool,
     /// The tenant's weight in every worker's fair admission (default 1).
     pub weight: f64,
@@ -155,21 +159,32 @@ impl Snapshot {
     /// Tenants and their API keys.
     async fn load_principals(&mut self, tx: &mut sqlx::PgConnection) -> Result<(), sqlx::Error> {
         let s = self;
-        type TenantRow = (TenantId, String, Option<i32>, Option<i64>, bool, f64);
+        type TenantRow = (
+            TenantId,
+            String,
+            Option<i64>,
+            Option<i64>,
+            Option<i64>,
+            bool,
+            f64,
+        );
         let tenants: Vec<TenantRow> = sqlx::query_as(
-            "SELECT id, name, rpm_limit, tpm_limit, disabled_at IS NOT NULL, weight FROM tenants",
+            "SELECT id, name, rpm_limit::INT8, tpm_limit, max_concurrent::INT8,
+                    disabled_at IS NOT NULL, weight
+             FROM tenants",
         )
         .fetch_all(&mut *tx)
         .await?;
-        for (id, name, rpm, tpm, disabled, weight) in tenants {
+        for (id, name, rpm, tpm, concurrent, disabled, weight) in tenants {
             s.tenant_names.insert(name.clone(), id);
             s.tenants.insert(
                 id,
                 Tenant {
                     id,
                     name,
-                    rpm_limit: rpm.map(|v| v as u32),
-                    tpm_limit: tpm.map(|v| v as u64),
+                    rpm_limit: Limit::from_column(rpm),
+                    tpm_limit: Limit::from_column(tpm),
+                    max_concurrent: Limit::from_column(concurrent),
                     disabled,
                     weight,
                 },

@@ -691,3 +691,133 @@ async fn admins_run_the_registry_and_compliance_reads_the_audit_log_through_lora
         .await;
     assert!(tampered.is_err(), "the change log is append-only");
 }
+
+/// `n` completions from `key` sent at once to `replica`, each asking for
+/// `max_tokens`; their statuses and bodies.
+async fn at_once(p: &Plane, key: &str, n: usize, max_tokens: u32) -> Vec<(u16, Value)> {
+    let sends = (0..n).map(|_| {
+        let req = p
+            .http
+            .post(format!("{}/v1/completions", p.api_url(0)))
+            .bearer_auth(key)
+            .json(&serde_json::json!({"model": "support", "prompt": "Hello",
+                                      "max_tokens": max_tokens, "ignore_eos": true}))
+            .send();
+        async move {
+            let r = req.await.expect("the gateway answers");
+            let status = r.status().as_u16();
+            (status, r.json().await.unwrap_or(Value::Null))
+        }
+    });
+    futures::future::join_all(sends).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admin_changes_a_tenants_limits_and_the_next_requests_follow_them() {
+    let p = plane("tenant_limits").await;
+    let (key, _, _) = acme_support(&p, "llama-gqa/o-r2");
+
+    // Two requests a minute: of five, some are refused (a minute boundary
+    // among them frees at most two more).
+    let row = p.ctl_json(&["tenants", "update", "acme", "--rpm-limit", "2"]);
+    assert_eq!(row["rpm_limit"], 2, "{row}");
+    let mut refused = 0;
+    for _ in 0..5 {
+        let (status, body) = p.complete(0, &key, "support", "u").await;
+        if status == 429 {
+            assert_eq!(body["error"]["code"], "rate_limit_exceeded", "{body}");
+            refused += 1;
+        } else {
+            assert_eq!(status, 200, "{body}");
+        }
+    }
+    assert!(refused >= 1, "the lowered limit applies");
+
+    // Raised to unlimited: every request passes, on this replica at once
+    // and on the other once it has reloaded.
+    let row = p.ctl_json(&["tenants", "update", "acme", "--rpm-limit", "unlimited"]);
+    assert_eq!(row["rpm_limit"], "unlimited", "{row}");
+    for _ in 0..6 {
+        let (status, body) = p.complete(0, &key, "support", "u").await;
+        assert_eq!(status, 200, "{body}");
+    }
+    p.until_status(1, &key, "support", 200).await;
+
+    // One request in flight at a time: of six sent at once, some are
+    // refused by the tenant's own cap, and the refusal names it.
+    let row = p.ctl_json(&["tenants", "update", "acme", "--max-concurrent", "1"]);
+    assert_eq!(row["max_concurrent"], 1, "{row}");
+    let answers = at_once(&p, &key, 6, 48).await;
+    let capped: Vec<&Value> = answers
+        .iter()
+        .filter(|(s, _)| *s == 429)
+        .map(|(_, b)| b)
+        .collect();
+    assert!(!capped.is_empty(), "{answers:?}");
+    for b in &capped {
+        assert_eq!(b["error"]["code"], "tenant_concurrency_limit", "{b}");
+    }
+    assert!(answers.iter().any(|(s, _)| *s == 200), "{answers:?}");
+    // Back to the gateway's default cap (far above six): all six pass.
+    let row = p.ctl_json(&["tenants", "update", "acme", "--max-concurrent", "default"]);
+    assert_eq!(row["max_concurrent"], Value::Null, "{row}");
+    let answers = at_once(&p, &key, 6, 48).await;
+    assert!(answers.iter().all(|(s, _)| *s == 200), "{answers:?}");
+
+    // Refused by field, before anything changes.
+    p.ctl(&["tenants", "update", "acme", "--rpm-limit", "0"])
+        .refused(2, "not a limit");
+    p.ctl(&["tenants", "update", "acme"])
+        .refused(6, "names nothing to change");
+    p.ctl(&["tenants", "update", "acme", "--weight", "0"])
+        .refused(6, "weight");
+    p.ctl(&["tenants", "update", "nobody", "--rpm-limit", "5"])
+        .refused(4, "tenant \"nobody\"");
+    let patch = |body: Value| {
+        p.http
+            .patch(format!("{}/admin/v1/tenants/acme", p.admin_url(0)))
+            .bearer_auth(&p.admin_token)
+            .json(&body)
+            .send()
+    };
+    for (body, field) in [
+        (serde_json::json!({"tpm_limit": 0}), "tpm_limit"),
+        (serde_json::json!({"tpm_limit": "lots"}), "tpm_limit"),
+        (
+            serde_json::json!({"rpm_limit": 3_000_000_000u64}),
+            "rpm_limit",
+        ),
+        (serde_json::json!({"burst": 3}), "burst"),
+    ] {
+        let r = patch(body.clone()).await.unwrap();
+        assert_eq!(r.status(), 400, "{body}");
+        let e: Value = r.json().await.unwrap();
+        assert!(
+            e["error"]["message"].as_str().unwrap().contains(field),
+            "{body}: {e}"
+        );
+    }
+    // A viewer may not change limits.
+    let viewer = p.token("victor", "viewer");
+    p.run_as(
+        Some(&viewer),
+        &["tenants", "update", "acme", "--rpm-limit", "9"],
+    )
+    .refused(3, "may not change the registry");
+    // Sending the values it has changes nothing and records nothing.
+    p.ctl_json(&["tenants", "update", "acme", "--rpm-limit", "unlimited"]);
+
+    // Each change is in the change log, before and after.
+    let changes = p.ctl_json(&["changes", "--object-type", "tenant", "--object-id", "acme"]);
+    let updates: Vec<&Value> = changes["changes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["action"] == "tenant.update")
+        .collect();
+    assert_eq!(updates.len(), 4, "{changes}");
+    let newest = updates[0];
+    assert_eq!(newest["before"]["max_concurrent"], 1, "{newest}");
+    assert_eq!(newest["after"]["max_concurrent"], Value::Null, "{newest}");
+    assert_eq!(newest["actor"], "alice", "{newest}");
+}

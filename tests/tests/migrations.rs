@@ -69,7 +69,8 @@ async fn migrations_apply_to_an_empty_database_and_rerun_as_a_no_op() {
             (6, true),
             (7, true),
             (8, true),
-            (9, true)
+            (9, true),
+            (10, true)
         ],
         "each migration applied exactly once"
     );
@@ -92,7 +93,7 @@ async fn migrate_takes_the_url_from_the_environment() {
         .fetch_one(&db.pool().await)
         .await
         .unwrap();
-    assert_eq!(n, 9);
+    assert_eq!(n, 10);
 }
 
 #[test]

@@ -7,11 +7,14 @@ use axum::extract::Query as Params;
 use axum::extract::rejection::QueryRejection;
 
 use super::*;
+use axum::routing::patch;
+
 use crate::rollout::Action;
 
 pub fn router(state: AdminState) -> Router {
     Router::new()
         .route("/admin/v1/tenants", get(list_tenants).post(create_tenant))
+        .route("/admin/v1/tenants/{tenant}", patch(update_tenant))
         .route("/admin/v1/tenants/{tenant}/disable", post(disable_tenant))
         .route("/admin/v1/tenants/{tenant}/enable", post(enable_tenant))
         .route(
@@ -114,6 +117,18 @@ async fn create_tenant(State(s): State<AdminState>, headers: HeaderMap, body: By
     let c = caller(&s, &headers)?;
     let row = s.exec(&c, CreateTenant(parse_body(&body)?)).await?;
     Ok(reply(StatusCode::CREATED, &c, &row))
+}
+
+async fn update_tenant(
+    State(s): State<AdminState>,
+    headers: HeaderMap,
+    Path(tenant): Path<String>,
+    body: Bytes,
+) -> Answer {
+    let c = caller(&s, &headers)?;
+    let patch = parse_body(&body)?;
+    let row = s.exec(&c, UpdateTenant { tenant, patch }).await?;
+    Ok(reply(StatusCode::OK, &c, &row))
 }
 
 async fn switch_tenant(

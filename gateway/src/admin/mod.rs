@@ -162,4 +162,4 @@ pub use http::router;
 pub use keys::{CreateKey, ListKeys, RevokeKey};
 pub use rollouts::{ChangeRollout, GetRollout, StartRollout};
 pub use routes::{GetRoute, ListRoutes, Promote, PutRoute, Rollback, RouteWritten, parse_etag};
-pub use tenants::{CreateTenant, ListTenants, SetTenantDisabled};
+pub use tenants::{CreateTenant, ListTenants, SetTenantDisabled, UpdateTenant};

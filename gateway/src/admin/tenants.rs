@@ -2,8 +2,8 @@
 
 use super::*;
 
-pub(super) const TENANT_COLUMNS: &str =
-    "name, display_name, rpm_limit, tpm_limit, weight, created_at, disabled_at";
+pub(super) const TENANT_COLUMNS: &str = "name, display_name, rpm_limit::INT8 AS rpm_limit, \
+    tpm_limit, max_concurrent::INT8 AS max_concurrent, weight, created_at, disabled_at";
 
 pub(super) fn to_json<T: Serialize>(v: &T) -> Value {
     serde_json::to_value(v).unwrap_or(Value::Null)
@@ -102,6 +102,111 @@ impl Command for CreateTenant {
             Some(to_json(&row)),
         );
         Ok(row)
+    }
+}
+
+/// A tenant's limits, weight or display name changed; absent fields stay.
+#[derive(Debug)]
+pub struct UpdateTenant {
+    pub tenant: String,
+    pub patch: TenantPatch,
+}
+
+impl Command for UpdateTenant {
+    type Output = TenantRow;
+
+    async fn run(self, cx: &mut Cx<'_>) -> Result<TenantRow, AdminError> {
+        let UpdateTenant {
+            tenant: name,
+            patch: p,
+        } = self;
+        if let Some(w) = p.weight
+            && !(w.is_finite() && w > 0.0 && w <= 1000.0)
+        {
+            return Err(AdminError::field(
+                "weight",
+                format!("{w} is not in (0, 1000]"),
+            ));
+        }
+        let rpm = p
+            .rpm_limit
+            .map(|l| column(l, "rpm_limit", i64::from(i32::MAX)))
+            .transpose()?;
+        let tpm = p
+            .tpm_limit
+            .map(|l| column(l, "tpm_limit", i64::MAX))
+            .transpose()?;
+        let concurrent = p
+            .max_concurrent
+            .map(|l| column(l, "max_concurrent", i64::from(i32::MAX)))
+            .transpose()?;
+        if p.display_name.is_none()
+            && rpm.is_none()
+            && tpm.is_none()
+            && concurrent.is_none()
+            && p.weight.is_none()
+        {
+            return Err(AdminError::field(
+                "body",
+                "names nothing to change: give display_name, rpm_limit, tpm_limit, max_concurrent or weight",
+            ));
+        }
+        let tx = cx.db().await?;
+        let before: Option<TenantRow> = sqlx::query_as(sql!(
+            "SELECT {TENANT_COLUMNS} FROM tenants WHERE name = $1 FOR UPDATE"
+        ))
+        .bind(&name)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(db_error)?;
+        let before =
+            before.ok_or_else(|| AdminError::not_found("tenant", format!("tenant {name:?}")))?;
+        // A present field is written, even as NULL (the gateway's default).
+        let after: TenantRow = sqlx::query_as(sql!(
+            "UPDATE tenants SET
+                 display_name = CASE WHEN $2 THEN $3 ELSE display_name END,
+                 rpm_limit = CASE WHEN $4 THEN $5::INT4 ELSE rpm_limit END,
+                 tpm_limit = CASE WHEN $6 THEN $7::INT8 ELSE tpm_limit END,
+                 max_concurrent = CASE WHEN $8 THEN $9::INT4 ELSE max_concurrent END,
+                 weight = coalesce($10, weight)
+             WHERE name = $1
+             RETURNING {TENANT_COLUMNS}"
+        ))
+        .bind(&name)
+        .bind(p.display_name.is_some())
+        .bind(p.display_name.clone().unwrap_or_default())
+        .bind(rpm.is_some())
+        .bind(rpm.flatten())
+        .bind(tpm.is_some())
+        .bind(tpm.flatten())
+        .bind(concurrent.is_some())
+        .bind(concurrent.flatten())
+        .bind(p.weight)
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(db_error)?;
+        // Values equal to the current ones change nothing and record nothing.
+        if to_json(&before) == to_json(&after) {
+            return Ok(after);
+        }
+        cx.record(
+            "tenant.update",
+            ("tenant", &name),
+            Some(to_json(&before)),
+            Some(to_json(&after)),
+        );
+        Ok(after)
+    }
+}
+
+/// A limit as its column stores it, refused by field when too large.
+fn column(l: Limit, param: &str, max: i64) -> Result<Option<i64>, AdminError> {
+    match l.to_column() {
+        Some(v) if v > max => Err(AdminError::field(
+            param,
+            format!("{v} is too large (at most {max})"),
+        )),
+        v => Ok(v),
     }
 }
 

@@ -81,9 +81,13 @@ pub struct AppState {
 /// first request.
 #[derive(Debug, Clone)]
 pub struct TenantSlots {
+    /// The cap of a tenant without its own (`--max-concurrent-per-tenant`).
     per_tenant: usize,
-    slots: Arc<std::sync::RwLock<std::collections::HashMap<TenantId, Arc<Semaphore>>>>,
+    slots: Arc<std::sync::RwLock<std::collections::HashMap<TenantId, Slots>>>,
 }
+
+/// A tenant's semaphore and the cap it was made for.
+type Slots = (usize, Arc<Semaphore>);
 
 impl TenantSlots {
     pub fn new(per_tenant: usize) -> TenantSlots {
@@ -93,24 +97,39 @@ impl TenantSlots {
         }
     }
 
-    /// A slot for `tenant`, or None when it has `per_tenant` requests in
-    /// the gateway already.
-    fn try_acquire(&self, tenant: TenantId) -> Option<tokio::sync::OwnedSemaphorePermit> {
+    /// A slot for `tenant` under its cap (its own, else the gateway's):
+    /// `Ok(None)` when it is unlimited, `Err(cap)` when it has `cap`
+    /// requests in the gateway already. A changed cap takes a new
+    /// semaphore: requests already in flight finish under the old one.
+    fn try_acquire(
+        &self,
+        tenant: TenantId,
+        limit: crate::registry::Limit,
+    ) -> Result<Option<tokio::sync::OwnedSemaphorePermit>, usize> {
+        let Some(cap) = limit.resolve(Some(self.per_tenant as u64)) else {
+            return Ok(None);
+        };
+        let cap = usize::try_from(cap)
+            .unwrap_or(usize::MAX)
+            .min(Semaphore::MAX_PERMITS);
         let existing = self
             .slots
             .read()
             .expect("tenant slots")
             .get(&tenant)
-            .cloned();
+            .filter(|(c, _)| *c == cap)
+            .map(|(_, sem)| sem.clone());
         let sem = existing.unwrap_or_else(|| {
-            self.slots
-                .write()
-                .expect("tenant slots")
+            let mut slots = self.slots.write().expect("tenant slots");
+            let entry = slots
                 .entry(tenant)
-                .or_insert_with(|| Arc::new(Semaphore::new(self.per_tenant)))
-                .clone()
+                .or_insert_with(|| (cap, Arc::new(Semaphore::new(cap))));
+            if entry.0 != cap {
+                *entry = (cap, Arc::new(Semaphore::new(cap)));
+            }
+            entry.1.clone()
         });
-        sem.try_acquire_owned().ok()
+        sem.try_acquire_owned().map(Some).map_err(|_| cap)
     }
 }
 
@@ -281,7 +300,7 @@ struct Prepared {
     stream: bool,
     include_usage: bool,
     model: String,
-    _tenant_slot: tokio::sync::OwnedSemaphorePermit,
+    _tenant_slot: Option<tokio::sync::OwnedSemaphorePermit>,
     _permit: tokio::sync::OwnedSemaphorePermit,
 }
 
@@ -331,10 +350,8 @@ async fn prepare(
     }
     let tenant_slot = s
         .tenant_slots
-        .try_acquire(tenant.id)
-        .ok_or(ApiError::TenantConcurrency {
-            per_tenant: s.tenant_slots.per_tenant,
-        })?;
+        .try_acquire(tenant.id, tenant.max_concurrent)
+        .map_err(|per_tenant| ApiError::TenantConcurrency { per_tenant })?;
     let bytes = read_body(s, body).await?;
     let permit = s
         .permits
@@ -368,8 +385,11 @@ async fn prepare(
     trail.record.model_name = common_model.clone();
     tracing::Span::current().record("model", common_model.as_str());
     // A tenant without its own limits gets the gateway's defaults.
-    let rpm_limit = tenant.rpm_limit.or(s.default_rpm_limit);
-    let tpm_limit = tenant.tpm_limit.or(s.default_tpm_limit);
+    let rpm_limit = tenant
+        .rpm_limit
+        .resolve(s.default_rpm_limit.map(u64::from))
+        .map(|v| u32::try_from(v).unwrap_or(u32::MAX));
+    let tpm_limit = tenant.tpm_limit.resolve(s.default_tpm_limit);
     let reserve = reservation(&sampling, &prompt, n);
     trail.tokens = s
         .limiter

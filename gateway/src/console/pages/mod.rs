@@ -54,6 +54,10 @@ pub(super) fn router() -> Router<Console> {
         .route("/console/tenants/{tenant}/enable", post(tenants::enable))
         .route("/console/tenants/{tenant}/keys", post(tenants::create_key))
         .route(
+            "/console/tenants/{tenant}/limits",
+            post(tenants::update_limits),
+        )
+        .route(
             "/console/tenants/{tenant}/keys/{prefix}/revoke",
             post(tenants::revoke_key),
         )

@@ -2,8 +2,10 @@
 //! (the secret is shown once, on the page that created it) and revoke them.
 
 use super::*;
-use crate::admin::types::{NewKey, NewTenant};
-use crate::admin::{CreateKey, CreateTenant, ListKeys, ListTenants, RevokeKey, SetTenantDisabled};
+use crate::admin::types::{Limit, NewKey, NewTenant, TenantPatch};
+use crate::admin::{
+    CreateKey, CreateTenant, ListKeys, ListTenants, RevokeKey, SetTenantDisabled, UpdateTenant,
+};
 
 pub(super) async fn list(State(c): State<Console>, s: Session) -> Response {
     render_list(&c, &s, Outcome::default()).await
@@ -103,6 +105,15 @@ async fn render(
     let data = async {
         let tenant_name = tenant.to_owned();
         let keys = c.read(s, ListKeys { tenant: tenant_name }).await?;
+        let tenants = c.read(s, ListTenants).await?;
+        let limits = tenants.tenants.iter().find(|t| t.name == tenant).map(|t| {
+            json!({
+                "rpm_limit": limit_text(t.rpm_limit),
+                "tpm_limit": limit_text(t.tpm_limit),
+                "max_concurrent": limit_text(t.max_concurrent),
+                "weight": t.weight.to_string(),
+            })
+        });
         let rows: Vec<Value> = keys
             .keys
             .iter()
@@ -117,7 +128,8 @@ async fn render(
                 })
             })
             .collect();
-        Ok(json!({ "tenant": tenant, "path": seg(tenant), "keys": rows, "created": created }))
+        Ok(json!({ "tenant": tenant, "path": seg(tenant), "keys": rows, "created": created,
+                   "limits": limits }))
     }
     .await;
     show(c, s, "tenant.html", "tenants", outcome, data)
@@ -169,6 +181,59 @@ pub(super) async fn revoke_key(
                 &s,
                 &tenant,
                 Outcome::refused("revoke", e, Some(&fields)),
+                None,
+            )
+            .await
+        }
+    }
+}
+
+/// A limit as the form shows and takes it.
+fn limit_text(l: Limit) -> String {
+    match l {
+        Limit::Default => "default".into(),
+        Limit::Unlimited => "unlimited".into(),
+        Limit::Max(n) => n.to_string(),
+    }
+}
+
+/// A form's limit: blank leaves it as it is.
+fn limit(fields: &Fields, name: &str) -> Result<Option<Limit>, ApiError> {
+    match non_blank(fields.get(name)) {
+        None => Ok(None),
+        Some(v) => v
+            .parse()
+            .map(Some)
+            .map_err(|e: crate::admin::types::NotALimit| ApiError::field(name, &e.to_string())),
+    }
+}
+
+/// `POST /console/tenants/{tenant}/limits`: the limits form.
+pub(super) async fn update_limits(
+    State(c): State<Console>,
+    Path(tenant): Path<String>,
+    Write { session: s, fields }: Write,
+) -> Response {
+    let result = async {
+        let patch = TenantPatch {
+            display_name: None,
+            rpm_limit: limit(&fields, "rpm_limit")?,
+            tpm_limit: limit(&fields, "tpm_limit")?,
+            max_concurrent: limit(&fields, "max_concurrent")?,
+            weight: number(&fields, "weight")?,
+        };
+        let tenant = tenant.clone();
+        c.exec(&s, UpdateTenant { tenant, patch }).await
+    }
+    .await;
+    match result {
+        Ok(_) => Redirect::to(&format!("/console/tenants/{}", seg(&tenant))).into_response(),
+        Err(e) => {
+            render(
+                &c,
+                &s,
+                &tenant,
+                Outcome::refused("limits", e, Some(&fields)),
                 None,
             )
             .await
