@@ -72,6 +72,12 @@ async fn sign_in(b: &Browser, console: &str, token: &str) {
 }
 
 /// Waits until the text of `css` satisfies `ok`, without reloading.
+/// The value a field of the limits form shows.
+async fn shown(b: &Browser, name: &str) -> String {
+    let input = b.find(&format!("#limits-form input[name={name}]")).await;
+    b.attribute(&input, "value").await.unwrap_or_default()
+}
+
 async fn until_text(b: &Browser, css: &str, what: &str, ok: impl Fn(&str) -> bool) -> String {
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
@@ -360,6 +366,28 @@ async fn an_admin_runs_the_fleet_from_the_console() {
     .await;
     p.until_status(0, &made, "support", 401).await;
     p.until_status(1, &made, "support", 401).await;
+
+    // Limits: shown as they are; a bad one is refused beside its field; a
+    // good change is saved and recorded.
+    b.goto(&format!("{console}/console/tenants/acme")).await;
+    assert_eq!(shown(&b, "rpm_limit").await, "default");
+    b.fill("#limits-form input[name=rpm_limit]", "lots").await;
+    b.click("#limits-form button[type=submit]").await;
+    let error = b.text("[data-error-for=rpm_limit]").await;
+    assert!(error.contains("not a limit"), "{error}");
+    b.fill("#limits-form input[name=rpm_limit]", "700").await;
+    b.fill("#limits-form input[name=tpm_limit]", "unlimited")
+        .await;
+    b.click("#limits-form button[type=submit]").await;
+    assert_eq!(shown(&b, "rpm_limit").await, "700");
+    assert_eq!(shown(&b, "tpm_limit").await, "unlimited");
+    shoot(&b, "tenant-limits").await;
+    let acme = p.ctl_json(&["tenants", "list"])["tenants"][0].clone();
+    assert_eq!(
+        (acme["name"].as_str(), acme["rpm_limit"].as_u64()),
+        (Some("acme"), Some(700))
+    );
+    assert_eq!(acme["tpm_limit"], "unlimited");
 
     // The audit log filtered to one request, and that request's details.
     b.goto(&format!("{console}/console/audit")).await;
