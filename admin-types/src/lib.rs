@@ -147,7 +147,7 @@ pub struct TenantRow {
     pub rpm_limit: Limit,
     #[cfg_attr(feature = "sqlx", sqlx(try_from = "Option<i64>"))]
     pub tpm_limit: Limit,
-    /// Requests in flight at once on one gateway.
+    /// Requests in flight at once, across the gateways.
     #[cfg_attr(feature = "sqlx", sqlx(try_from = "Option<i64>"))]
     pub max_concurrent: Limit,
     pub weight: f64,

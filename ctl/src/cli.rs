@@ -138,7 +138,7 @@ pub(crate) enum TenantCmd {
         /// Tokens per minute, across the gateways.
         #[arg(long)]
         tpm_limit: Option<Limit>,
-        /// Requests in flight at once on each gateway.
+        /// Requests in flight at once, across the gateways.
         #[arg(long)]
         max_concurrent: Option<Limit>,
         /// The tenant's weight in the workers' fair admission.

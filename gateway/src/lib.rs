@@ -9,6 +9,7 @@ pub mod admin;
 pub mod api;
 pub mod audit;
 pub mod auth;
+pub mod concurrency;
 pub mod console;
 pub mod db;
 pub mod flag_error;

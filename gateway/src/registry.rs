@@ -31,7 +31,7 @@ pub struct Tenant {
     pub name: String,
     pub rpm_limit: Limit,
     pub tpm_limit: Limit,
-    /// Requests in flight at once on one gateway.
+    /// Requests in flight at once, across the gateways.
     pub max_concurrent: Limit,
     pub disabled: bool,
     /// The tenant's weight in every worker's fair admission (default 1).

@@ -692,13 +692,16 @@ async fn admins_run_the_registry_and_compliance_reads_the_audit_log_through_lora
     assert!(tampered.is_err(), "the change log is append-only");
 }
 
-/// `n` completions from `key` sent at once to `replica`, each asking for
-/// `max_tokens`; their statuses and bodies.
+/// `n` completions from `key` sent at once, spread over the gateways, each
+/// asking for `max_tokens`; their statuses and bodies.
 async fn at_once(p: &Plane, key: &str, n: usize, max_tokens: u32) -> Vec<(u16, Value)> {
-    let sends = (0..n).map(|_| {
+    let sends = (0..n).map(|i| {
         let req = p
             .http
-            .post(format!("{}/v1/completions", p.api_url(0)))
+            .post(format!(
+                "{}/v1/completions",
+                p.api_url(i % p.gateways.len())
+            ))
             .bearer_auth(key)
             .json(&serde_json::json!({"model": "support", "prompt": "Hello",
                                       "max_tokens": max_tokens, "ignore_eos": true}))
@@ -758,11 +761,26 @@ async fn an_admin_changes_a_tenants_limits_and_the_next_requests_follow_them() {
         assert_eq!(b["error"]["code"], "tenant_concurrency_limit", "{b}");
     }
     assert!(answers.iter().any(|(s, _)| *s == 200), "{answers:?}");
+    // The cap holds across the two gateways: of eight long requests sent
+    // at once, four to each, at most two run.
+    p.ctl_json(&["tenants", "update", "acme", "--max-concurrent", "2"]);
+    p.until_status(1, &key, "support", 200).await;
+    let answers = at_once(&p, &key, 8, 200).await;
+    let ran = answers.iter().filter(|(s, _)| *s == 200).count();
+    assert!((1..=2).contains(&ran), "{ran} ran: {answers:?}");
     // Back to the gateway's default cap (far above six): all six pass.
     let row = p.ctl_json(&["tenants", "update", "acme", "--max-concurrent", "default"]);
     assert_eq!(row["max_concurrent"], Value::Null, "{row}");
-    let answers = at_once(&p, &key, 6, 48).await;
-    assert!(answers.iter().all(|(s, _)| *s == 200), "{answers:?}");
+    // (live on the other replica once its registry reloads).
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let answers = at_once(&p, &key, 6, 48).await;
+        if answers.iter().all(|(s, _)| *s == 200) {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{answers:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 
     // Refused by field, before anything changes.
     p.ctl(&["tenants", "update", "acme", "--rpm-limit", "0"])
@@ -815,9 +833,9 @@ async fn an_admin_changes_a_tenants_limits_and_the_next_requests_follow_them() {
         .iter()
         .filter(|c| c["action"] == "tenant.update")
         .collect();
-    assert_eq!(updates.len(), 4, "{changes}");
+    assert_eq!(updates.len(), 5, "{changes}");
     let newest = updates[0];
-    assert_eq!(newest["before"]["max_concurrent"], 1, "{newest}");
+    assert_eq!(newest["before"]["max_concurrent"], 2, "{newest}");
     assert_eq!(newest["after"]["max_concurrent"], Value::Null, "{newest}");
     assert_eq!(newest["actor"], "alice", "{newest}");
 }

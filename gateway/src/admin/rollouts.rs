@@ -251,12 +251,7 @@ impl Command for StartRollout {
         let (steps, g, hold) = plan(&spec)?;
         let subject = cx.caller.subject.clone();
         let tx = cx.db().await?;
-        let tenant_uuid = tenant_id(&mut *tx, &tenant, "tenant").await?;
-        let (route_id, current) = load_route(&mut *tx, &tenant, &model, true)
-            .await?
-            .ok_or_else(|| no_route(&tenant, &model))?;
-        check_etag(sent, Some(current.revision), &tenant, &model)?;
-        refuse_during_rollout(&mut *tx, route_id, &tenant, &model).await?;
+        let (tenant_uuid, route_id, current) = route_to_change(tx, &tenant, &model, sent).await?;
         let stable = match current.weights.as_slice() {
             [w] if w.weight_bp == registry::WEIGHT_TOTAL as i32 => w.lora_int_id,
             other => {

@@ -187,6 +187,24 @@ pub(super) fn check_etag(
     }
 }
 
+/// The route an operator's change applies to, locked: its tenant's id,
+/// its id and its current revision, once the etag the caller sent matches
+/// and no rollout drives it.
+pub(super) async fn route_to_change(
+    tx: &mut sqlx::PgConnection,
+    tenant: &str,
+    model: &str,
+    sent: Option<i32>,
+) -> Result<(Uuid, Uuid, RouteView), AdminError> {
+    let tenant_uuid = tenant_id(&mut *tx, tenant, "tenant").await?;
+    let (route_id, current) = load_route(&mut *tx, tenant, model, true)
+        .await?
+        .ok_or_else(|| AdminError::not_found("model", format!("route {tenant}/{model}")))?;
+    check_etag(sent, Some(current.revision), tenant, model)?;
+    refuse_during_rollout(&mut *tx, route_id, tenant, model).await?;
+    Ok((tenant_uuid, route_id, current))
+}
+
 /// Validates weights against the registry: every version exists, is
 /// active, belongs to this tenant or the platform, and all share one base
 /// model. Returns that base model's id.
@@ -477,12 +495,7 @@ impl Command for Promote {
             lora_int_id,
         } = self;
         let tx = cx.db().await?;
-        let tenant_uuid = tenant_id(&mut *tx, &tenant, "tenant").await?;
-        let existing = load_route(&mut *tx, &tenant, &model, true)
-            .await?
-            .ok_or_else(|| AdminError::not_found("model", format!("route {tenant}/{model}")))?;
-        check_etag(sent, Some(existing.1.revision), &tenant, &model)?;
-        refuse_during_rollout(&mut *tx, existing.0, &tenant, &model).await?;
+        let (tenant_uuid, route_id, current) = route_to_change(tx, &tenant, &model, sent).await?;
         let weights = [Weight {
             lora_int_id,
             weight_bp: registry::WEIGHT_TOTAL,
@@ -500,7 +513,7 @@ impl Command for Promote {
             "route.promote",
             &tenant,
             &model,
-            Some(existing),
+            Some((route_id, current)),
             base_id,
             &weights,
             None,
@@ -527,12 +540,7 @@ impl Command for Rollback {
             if_match: sent,
         } = self;
         let tx = cx.db().await?;
-        let tenant_uuid = tenant_id(&mut *tx, &tenant, "tenant").await?;
-        let (route_id, current) = load_route(&mut *tx, &tenant, &model, true)
-            .await?
-            .ok_or_else(|| AdminError::not_found("model", format!("route {tenant}/{model}")))?;
-        check_etag(sent, Some(current.revision), &tenant, &model)?;
-        refuse_during_rollout(&mut *tx, route_id, &tenant, &model).await?;
+        let (tenant_uuid, route_id, current) = route_to_change(tx, &tenant, &model, sent).await?;
         if current.revision <= 1 {
             return Err(AdminError::conflict(
                 AdminCode::NoPreviousRevision,

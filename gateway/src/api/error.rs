@@ -241,7 +241,7 @@ impl ApiError {
                     RATE,
                     "tenant_concurrency_limit",
                     format!(
-                        "this tenant has {per_tenant} requests in the gateway already; retry \
+                        "this tenant has {per_tenant} requests in flight already; retry \
                          when one ends"
                     ),
                 )

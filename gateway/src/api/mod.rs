@@ -23,8 +23,6 @@ use serde_json::{Value, json};
 use tokio::sync::Semaphore;
 use uuid::Uuid;
 
-use crate::ids::TenantId;
-
 use crate::audit::{AuditLog, AuditRecord, Durable, Ticket, Unavailable};
 use crate::auth::{self, JwtConfig, Principal};
 use crate::ratelimit::RateLimiter;
@@ -56,9 +54,12 @@ pub struct AppState {
     pub limiter: RateLimiter,
     pub audit: AuditLog,
     pub permits: Arc<Semaphore>,
-    /// Requests one tenant may have in the gateway at once, body reads
-    /// included, so one tenant can never take the others' capacity.
-    pub tenant_slots: TenantSlots,
+    /// Requests one tenant may have in flight at once across the fleet,
+    /// body reads included, so one tenant can never take the others'
+    /// capacity.
+    pub tenant_slots: crate::concurrency::TenantSlots,
+    /// The cap of a tenant whose registry row sets none.
+    pub default_max_concurrent: usize,
     pub max_body_bytes: usize,
     /// Longest a client may take to send its body.
     pub body_timeout: Duration,
@@ -75,62 +76,6 @@ pub struct AppState {
     /// Turns true when the drain deadline has passed: open requests end
     /// with an error event (streams) or a 503, and a `cancelled` row.
     pub cut: tokio::sync::watch::Receiver<bool>,
-}
-
-/// Each tenant's share of the gateway: a semaphore per tenant, made on its
-/// first request.
-#[derive(Debug, Clone)]
-pub struct TenantSlots {
-    /// The cap of a tenant without its own (`--max-concurrent-per-tenant`).
-    per_tenant: usize,
-    slots: Arc<std::sync::RwLock<std::collections::HashMap<TenantId, Slots>>>,
-}
-
-/// A tenant's semaphore and the cap it was made for.
-type Slots = (usize, Arc<Semaphore>);
-
-impl TenantSlots {
-    pub fn new(per_tenant: usize) -> TenantSlots {
-        TenantSlots {
-            per_tenant,
-            slots: Arc::default(),
-        }
-    }
-
-    /// A slot for `tenant` under its cap (its own, else the gateway's):
-    /// `Ok(None)` when it is unlimited, `Err(cap)` when it has `cap`
-    /// requests in the gateway already. A changed cap takes a new
-    /// semaphore: requests already in flight finish under the old one.
-    fn try_acquire(
-        &self,
-        tenant: TenantId,
-        limit: crate::registry::Limit,
-    ) -> Result<Option<tokio::sync::OwnedSemaphorePermit>, usize> {
-        let Some(cap) = limit.resolve(Some(self.per_tenant as u64)) else {
-            return Ok(None);
-        };
-        let cap = usize::try_from(cap)
-            .unwrap_or(usize::MAX)
-            .min(Semaphore::MAX_PERMITS);
-        let existing = self
-            .slots
-            .read()
-            .expect("tenant slots")
-            .get(&tenant)
-            .filter(|(c, _)| *c == cap)
-            .map(|(_, sem)| sem.clone());
-        let sem = existing.unwrap_or_else(|| {
-            let mut slots = self.slots.write().expect("tenant slots");
-            let entry = slots
-                .entry(tenant)
-                .or_insert_with(|| (cap, Arc::new(Semaphore::new(cap))));
-            if entry.0 != cap {
-                *entry = (cap, Arc::new(Semaphore::new(cap)));
-            }
-            entry.1.clone()
-        });
-        sem.try_acquire_owned().map(Some).map_err(|_| cap)
-    }
 }
 
 /// Resolves once the drain deadline has passed (never, if it cannot).
@@ -300,7 +245,7 @@ struct Prepared {
     stream: bool,
     include_usage: bool,
     model: String,
-    _tenant_slot: Option<tokio::sync::OwnedSemaphorePermit>,
+    _tenant_slot: Option<crate::concurrency::Slot>,
     _permit: tokio::sync::OwnedSemaphorePermit,
 }
 
@@ -315,6 +260,32 @@ async fn read_body(s: &AppState, body: Body) -> Result<Bytes, ApiError> {
             after: s.body_timeout,
         }),
     }
+}
+
+/// A slot under the tenant's concurrency cap (its own, else the
+/// gateway's), across the replicas; None when the tenant is unlimited.
+async fn tenant_slot(
+    s: &AppState,
+    tenant: &crate::registry::Tenant,
+) -> Result<Option<crate::concurrency::Slot>, ApiError> {
+    let cap = tenant
+        .max_concurrent
+        .resolve(Some(s.default_max_concurrent as u64));
+    let Some(cap) = cap else { return Ok(None) };
+    let cap = usize::try_from(cap).unwrap_or(usize::MAX);
+    let slot = s.tenant_slots.try_acquire(tenant.id, cap).await;
+    slot.map(Some)
+        .ok_or(ApiError::TenantConcurrency { per_tenant: cap })
+}
+
+/// The tenant's requests and tokens per minute: its own, else the
+/// gateway's defaults (None: unlimited).
+fn rate_limits(s: &AppState, tenant: &crate::registry::Tenant) -> (Option<u32>, Option<u64>) {
+    let rpm = tenant
+        .rpm_limit
+        .resolve(s.default_rpm_limit.map(u64::from))
+        .map(|v| u32::try_from(v).unwrap_or(u32::MAX));
+    (rpm, tenant.tpm_limit.resolve(s.default_tpm_limit))
 }
 
 async fn prepare(
@@ -348,10 +319,7 @@ async fn prepare(
             what: "run completions",
         });
     }
-    let tenant_slot = s
-        .tenant_slots
-        .try_acquire(tenant.id, tenant.max_concurrent)
-        .map_err(|per_tenant| ApiError::TenantConcurrency { per_tenant })?;
+    let tenant_slot = tenant_slot(s, &tenant).await?;
     let bytes = read_body(s, body).await?;
     let permit = s
         .permits
@@ -385,11 +353,7 @@ async fn prepare(
     trail.record.model_name = common_model.clone();
     tracing::Span::current().record("model", common_model.as_str());
     // A tenant without its own limits gets the gateway's defaults.
-    let rpm_limit = tenant
-        .rpm_limit
-        .resolve(s.default_rpm_limit.map(u64::from))
-        .map(|v| u32::try_from(v).unwrap_or(u32::MAX));
-    let tpm_limit = tenant.tpm_limit.resolve(s.default_tpm_limit);
+    let (rpm_limit, tpm_limit) = rate_limits(s, &tenant);
     let reserve = reservation(&sampling, &prompt, n);
     trail.tokens = s
         .limiter

@@ -65,8 +65,10 @@ pub struct ServeArgs {
         default_value_t = 1024
     )]
     pub max_concurrent_requests: usize,
-    /// Requests one tenant may have in this gateway at once (its body
-    /// reads included); more get 429 `tenant_concurrency_limit`. Default:
+    /// Requests one tenant may have in flight at once (its body reads
+    /// included), across the gateways through Redis, for a tenant whose
+    /// registry row sets no `max_concurrent`; more get 429
+    /// `tenant_concurrency_limit`. Default:
     /// a quarter of --max-concurrent-requests, so no tenant can take them
     /// all.
     #[arg(long, env = "LORAFLEET_MAX_CONCURRENT_PER_TENANT")]

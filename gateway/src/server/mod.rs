@@ -26,6 +26,7 @@ use tokio::task::JoinHandle;
 use crate::admin::AdminState;
 use crate::api::{self, AppState};
 use crate::audit::SpoolError;
+use crate::concurrency::TenantSlots;
 use crate::db::{self, DbError};
 use crate::ratelimit::RateLimiter;
 use crate::registry::{Registry, Snapshot};
@@ -192,10 +193,15 @@ pub async fn start(config: GatewayConfig, listeners: Listeners) -> Result<Runnin
         registry,
         jwt: config.jwt.clone(),
         fleet,
+        tenant_slots: TenantSlots::new(
+            redis.clone(),
+            config.redis_prefix.clone(),
+            config.gateway_replicas,
+        ),
+        default_max_concurrent: config.max_concurrent_per_tenant,
         limiter: RateLimiter::new(redis, config.redis_prefix.clone(), config.gateway_replicas),
         audit,
         permits: Arc::new(Semaphore::new(config.max_concurrent_requests)),
-        tenant_slots: api::TenantSlots::new(config.max_concurrent_per_tenant),
         max_body_bytes: config.max_body_bytes,
         body_timeout: config.body_timeout,
         default_rpm_limit: config.default_rpm_limit,
