@@ -35,6 +35,8 @@ macro_rules! reasons {
 reasons! {
     /// A field of the request itself (prompt, sampling, ids) is invalid.
     InvalidField => "invalid_field",
+    /// The prompt plus max_tokens does not fit the model's context.
+    ContextLengthExceeded => "context_length_exceeded",
     /// The prompt cannot be tokenized or templated.
     PromptInvalid => "prompt_invalid",
     /// A field of the adapter descriptor is invalid.

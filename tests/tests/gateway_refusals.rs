@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use fleet::*;
 use lorafleet_tests::{binary, signal};
+use serde_json::{Value, json};
 
 /// A worker's refusal reaches the tenant as a stable reason code: never the
 /// worker's own words, which may name fields, URIs or digests of the
@@ -64,6 +65,50 @@ async fn a_worker_refusal_reaches_the_tenant_as_a_reason_code() {
             .contains("the worker could not use the adapter"),
         "the worker's words are in the gateway's log"
     );
+}
+
+/// A request that cannot fit the model's context is a 400
+/// `context_length_exceeded` naming `max_tokens`: decided by the gateway,
+/// before any limit is charged, when it is certain (`max_tokens` alone, or
+/// with a prompt of token ids), and by the worker for a text prompt.
+#[tokio::test]
+async fn a_request_over_the_context_is_refused_in_the_clients_terms_before_any_limit() {
+    let f = fleet("context_length").await;
+    let over = |body: Value| {
+        let f = &f;
+        async move {
+            let (status, v) = f.post("/v1/completions", Some(INITECH_KEY), body).await;
+            assert_eq!(status, 400, "{v}");
+            assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
+            assert_eq!(v["error"]["param"], "max_tokens", "{v}");
+            v["error"]["message"].as_str().unwrap().to_owned()
+        }
+    };
+    // The fixture's context is 512 tokens; initech may send 3 requests a
+    // minute. Five refusals by the gateway cost none of them.
+    for _ in 0..5 {
+        let m = over(json!({"model": "base", "prompt": "hi", "max_tokens": 100_000_000})).await;
+        assert!(m.contains("512"), "{m}");
+    }
+    let ids: Vec<u32> = (1..=20).collect();
+    let m = over(json!({"model": "base", "prompt": ids, "max_tokens": 500})).await;
+    assert!(m.contains("the prompt (20 tokens)"), "{m}");
+    // A text prompt's length is the worker's to count: the same answer.
+    let long = "hello ".repeat(60);
+    let m = over(json!({"model": "base", "prompt": long, "max_tokens": 500})).await;
+    assert!(m.starts_with("max_tokens:"), "{m}");
+    // The refusals before the worker charged nothing: of three requests a
+    // minute, two remain after the one the worker refused.
+    for _ in 0..2 {
+        let (status, v) = f
+            .post(
+                "/v1/completions",
+                Some(INITECH_KEY),
+                json!({"model": "base", "prompt": "hi", "max_tokens": 2}),
+            )
+            .await;
+        assert_eq!(status, 200, "{v}");
+    }
 }
 
 /// A worker that takes the request and never answers is skipped at the

@@ -408,6 +408,12 @@ fn engine_parts(e: &EngineError) -> Parts {
             Some(field.to_string()),
             e.to_string(),
         ),
+        EngineError::ContextLength { .. } => (
+            InvalidArgument,
+            Reason::ContextLengthExceeded,
+            Some("sampling.max_tokens".into()),
+            e.to_string(),
+        ),
         EngineError::QueueFull { .. } => {
             (ResourceExhausted, Reason::QueueFull, None, e.to_string())
         }
@@ -716,6 +722,11 @@ mod tests {
             Refusal::Engine(EngineError::InvalidRequest {
                 field: "prompt".into(),
                 reason: "too long".into(),
+            }),
+            Refusal::Engine(EngineError::ContextLength {
+                prompt_tokens: 9,
+                max_tokens: 8,
+                max_model_len: 16,
             }),
             Refusal::Engine(EngineError::QueueFull { waiting: 3 }),
             Refusal::Engine(EngineError::PinLimit { pinned: 3 }),

@@ -36,6 +36,14 @@ pub enum ApiError {
     BodyTooLarge {
         limit: usize,
     },
+    /// The request cannot fit the context of the workers serving its
+    /// model, decided before any limit is charged.
+    ContextLength {
+        /// Known exactly when the prompt was sent as token ids.
+        prompt_tokens: Option<u64>,
+        max_tokens: u32,
+        max_model_len: u32,
+    },
     BodyTimeout {
         after: Duration,
     },
@@ -82,6 +90,9 @@ pub enum WorkerFailure {
     InvalidRequest {
         field: Option<String>,
         message: String,
+        /// The prompt plus `max_tokens` is over the model's context
+        /// (OpenAI's `context_length_exceeded`).
+        context: bool,
     },
     AdapterUnavailable {
         reason: String,
@@ -110,6 +121,7 @@ impl WorkerFailure {
                 WorkerFailure::InvalidRequest {
                     field: client,
                     message,
+                    context: e.context_exceeded(),
                 }
             }
             UpstreamErrorKind::AdapterUnavailable => {
@@ -326,13 +338,43 @@ impl ApiError {
                  replica"
                     .into(),
             ),
-            ApiError::Worker(WorkerFailure::InvalidRequest { field, message }) => Parts {
+            ApiError::Worker(WorkerFailure::InvalidRequest {
+                field,
+                message,
+                context,
+            }) => Parts {
                 param: field.clone(),
                 ..p(
                     StatusCode::BAD_REQUEST,
                     INVALID,
-                    "invalid_request",
+                    if *context {
+                        "context_length_exceeded"
+                    } else {
+                        "invalid_request"
+                    },
                     message.clone(),
+                )
+            },
+            ApiError::ContextLength {
+                prompt_tokens,
+                max_tokens,
+                max_model_len,
+            } => Parts {
+                param: Some("max_tokens".into()),
+                ..p(
+                    StatusCode::BAD_REQUEST,
+                    INVALID,
+                    "context_length_exceeded",
+                    match prompt_tokens {
+                        Some(n) => format!(
+                            "max_tokens: the prompt ({n} tokens) plus max_tokens ({max_tokens}) \
+                             exceeds the model's context of {max_model_len} tokens"
+                        ),
+                        None => format!(
+                            "max_tokens: {max_tokens} exceeds the model's context of \
+                             {max_model_len} tokens"
+                        ),
+                    },
                 )
             },
             ApiError::Worker(WorkerFailure::AdapterUnavailable { reason }) => p(
@@ -437,7 +479,13 @@ mod tests {
             ApiError::Worker(WorkerFailure::InvalidRequest {
                 field: Some("prompt".into()),
                 message: "prompt: too long".into(),
+                context: false,
             }),
+            ApiError::ContextLength {
+                prompt_tokens: Some(3),
+                max_tokens: 100,
+                max_model_len: 64,
+            },
             ApiError::Worker(WorkerFailure::AdapterUnavailable {
                 reason: "artifact_digest_mismatch".into(),
             }),
@@ -509,6 +557,7 @@ mod tests {
             WorkerFailure::InvalidRequest {
                 field: Some("max_tokens".into()),
                 message: "max_tokens: 99 exceeds the context".into(),
+                context: false,
             }
         );
     }

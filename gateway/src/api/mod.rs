@@ -278,6 +278,33 @@ async fn tenant_slot(
         .ok_or(ApiError::TenantConcurrency { per_tenant: cap })
 }
 
+/// Refuses a request whose `max_tokens` (plus its prompt, when it was
+/// sent as token ids and so is known exactly) exceeds the context of the
+/// workers serving its base model. A text prompt's length is the worker's
+/// to count: it refuses the rest with the same code.
+fn fits_the_context(
+    s: &AppState,
+    resolved: &crate::registry::Resolved,
+    prompt: &upstream::Prompt,
+    sampling: &upstream::Sampling,
+) -> Result<(), ApiError> {
+    let Some(max_model_len) = s.fleet.max_model_len(resolved.route.base_hash.as_str()) else {
+        return Ok(());
+    };
+    let prompt_tokens = match prompt {
+        upstream::Prompt::TokenIds(ids) => Some(ids.len() as u64),
+        _ => None,
+    };
+    if u64::from(sampling.max_tokens) + prompt_tokens.unwrap_or(0) > u64::from(max_model_len) {
+        return Err(ApiError::ContextLength {
+            prompt_tokens,
+            max_tokens: sampling.max_tokens,
+            max_model_len,
+        });
+    }
+    Ok(())
+}
+
 /// The tenant's requests and tokens per minute: its own, else the
 /// gateway's defaults (None: unlimited).
 fn rate_limits(s: &AppState, tenant: &crate::registry::Tenant) -> (Option<u32>, Option<u64>) {
@@ -353,14 +380,6 @@ async fn prepare(
     trail.record.model_name = common_model.clone();
     tracing::Span::current().record("model", common_model.as_str());
     // A tenant without its own limits gets the gateway's defaults.
-    let (rpm_limit, tpm_limit) = rate_limits(s, &tenant);
-    let reserve = reservation(&sampling, &prompt, n);
-    trail.tokens = s
-        .limiter
-        .admit(tenant.id, rpm_limit, tpm_limit, reserve)
-        .await
-        .map_err(ApiError::RateLimited)?;
-
     let stickiness = user
         .clone()
         .unwrap_or_else(|| trail.record.request_id.to_string());
@@ -370,6 +389,16 @@ async fn prepare(
             model: common_model.clone(),
         })?;
     trail.resolved(&resolved);
+    // A request that cannot fit the model's context is refused before it
+    // is charged against any limit.
+    fits_the_context(s, &resolved, &prompt, &sampling)?;
+    let (rpm_limit, tpm_limit) = rate_limits(s, &tenant);
+    let reserve = reservation(&sampling, &prompt, n);
+    trail.tokens = s
+        .limiter
+        .admit(tenant.id, rpm_limit, tpm_limit, reserve)
+        .await
+        .map_err(ApiError::RateLimited)?;
     let adapter = adapter_ref(&resolved);
     if let Some(a) = &adapter {
         tracing::Span::current().record("lora_int_id", a.lora_int_id.get());

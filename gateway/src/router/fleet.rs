@@ -48,6 +48,8 @@ pub struct WorkerState {
     pub draining: bool,
     pub base_name: String,
     pub base_hash: String,
+    /// 0 until the worker has reported.
+    pub max_model_len: u32,
     pub load: u32,
     pub kv_blocks_used: u32,
     pub kv_blocks_total: u32,
@@ -99,6 +101,7 @@ impl Worker {
         s.draining = r.draining;
         s.base_name = r.base_name;
         s.base_hash = r.base_hash;
+        s.max_model_len = r.max_model_len;
         s.load = r.load;
         s.kv_blocks_used = r.kv_blocks_used;
         s.kv_blocks_total = r.kv_blocks_total;
@@ -212,6 +215,17 @@ impl Fleet {
             Arc::new(Ring::new(&ids))
         };
         self.table.store(Arc::new(Table { ring, entries }));
+    }
+
+    /// The context every reporting worker on `base_hash` accepts (the
+    /// smallest of theirs); None while none has reported.
+    pub fn max_model_len(&self, base_hash: &str) -> Option<u32> {
+        self.workers()
+            .iter()
+            .map(|w| w.state())
+            .filter(|s| s.base_hash == base_hash && s.max_model_len > 0)
+            .map(|s| s.max_model_len)
+            .min()
     }
 
     pub fn workers(&self) -> Vec<Arc<Worker>> {

@@ -153,6 +153,7 @@ pub(super) fn report(r: &pb::WorkerReport) -> Report {
             .as_ref()
             .map(|b| b.base_hash.clone())
             .unwrap_or_default(),
+        max_model_len: r.base_model.as_ref().map_or(0, |b| b.max_model_len),
         load: r
             .load
             .map_or(0, |l| l.running_sequences + l.waiting_sequences),
@@ -214,7 +215,9 @@ pub(super) fn status(s: &tonic::Status) -> UpstreamError {
 fn kind_of(reason: Reason, field: Option<String>) -> UpstreamErrorKind {
     match reason {
         // The tenant's own request: their fields, their prompt.
-        Reason::InvalidField | Reason::PromptInvalid => UpstreamErrorKind::InvalidRequest { field },
+        Reason::InvalidField | Reason::PromptInvalid | Reason::ContextLengthExceeded => {
+            UpstreamErrorKind::InvalidRequest { field }
+        }
         // The adapter or its artifact, never the tenant's to see in detail.
         Reason::DescriptorInvalid
         | Reason::ArtifactUriInvalid

@@ -201,6 +201,8 @@ pub struct Report {
     /// The base model's name as the worker was configured with it.
     pub base_name: String,
     pub base_hash: String,
+    /// The longest sequence (prompt plus completion) the worker accepts.
+    pub max_model_len: u32,
     /// Running plus waiting sequences.
     pub load: u32,
     /// KV cache blocks in use, and in all.
@@ -263,6 +265,11 @@ impl UpstreamError {
 
     /// The stable code of the failure, for logs and tenants' messages:
     /// the worker's reason, or what the gateway saw itself.
+    /// The worker found the prompt plus `max_tokens` over its context.
+    pub fn context_exceeded(&self) -> bool {
+        self.reason == Some(Reason::ContextLengthExceeded)
+    }
+
     pub fn reason_code(&self) -> &'static str {
         match (self.reason, &self.kind) {
             (Some(r), _) => r.as_str(),

@@ -29,6 +29,16 @@ pub enum EngineError {
     /// A request field is out of range.
     #[error("{field}: {reason}")]
     InvalidRequest { field: String, reason: String },
+    /// The prompt plus `max_tokens` does not fit the model's context.
+    #[error(
+        "sampling.max_tokens: the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) \
+         exceeds the model's context of {max_model_len} tokens"
+    )]
+    ContextLength {
+        prompt_tokens: usize,
+        max_tokens: usize,
+        max_model_len: usize,
+    },
     /// The waiting queue is full; the caller may retry later or elsewhere.
     #[error("the waiting queue is full ({waiting} requests)")]
     QueueFull { waiting: usize },

@@ -85,14 +85,11 @@ impl Prompter {
 
     pub(crate) fn check_length(&self, prompt_tokens: usize, max_tokens: usize) -> Result<()> {
         if prompt_tokens + max_tokens > self.max_model_len {
-            return Err(EngineError::request(
-                "sampling.max_tokens",
-                format!(
-                    "the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds \
-                     max_model_len {}",
-                    self.max_model_len
-                ),
-            ));
+            return Err(EngineError::ContextLength {
+                prompt_tokens,
+                max_tokens,
+                max_model_len: self.max_model_len,
+            });
         }
         Ok(())
     }
