@@ -453,3 +453,22 @@ pub struct RolloutView {
     pub created_by: String,
     pub decisions: Vec<RolloutDecision>,
 }
+
+/// `POST /tokens/revoke`: an admin token revoked by its `jti` until its
+/// expiry (`lorafleetctl token revoke TOKEN` reads both from the token).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenRevocation {
+    pub jti: String,
+    pub expires_at: DateTime<Utc>,
+}
+
+/// A revoked admin token.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
+pub struct TokenRevoked {
+    pub jti: String,
+    pub expires_at: DateTime<Utc>,
+    pub revoked_at: DateTime<Utc>,
+    pub revoked_by: String,
+}

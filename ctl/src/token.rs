@@ -44,6 +44,8 @@ pub(crate) fn mint_token(t: &TokenArgs) -> Result<(), Failure> {
     let claims = json!({
         "sub": t.subject, "role": t.role, "iss": t.issuer, "aud": t.audience,
         "iat": now, "nbf": now, "exp": now + t.ttl_secs as i64,
+        // Its id, by which an admin (or the console's sign-out) revokes it.
+        "jti": uuid::Uuid::now_v7().to_string(),
     });
     let token = jsonwebtoken::encode(
         &Header::new(alg),

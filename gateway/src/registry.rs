@@ -97,6 +97,8 @@ pub struct Snapshot {
     tenant_names: HashMap<String, TenantId>,
     /// (tenant, model name) -> route.
     routes: HashMap<(TenantId, String), Arc<Route>>,
+    /// The `jti` of every admin token revoked before its expiry.
+    revoked_admin_tokens: std::collections::HashSet<String>,
 }
 
 impl Snapshot {
@@ -104,6 +106,11 @@ impl Snapshot {
     pub fn insert_tenant(&mut self, t: Tenant) {
         self.tenant_names.insert(t.name.clone(), t.id);
         self.tenants.insert(t.id, t);
+    }
+
+    /// Was the admin token with this `jti` revoked?
+    pub fn admin_token_revoked(&self, jti: &str) -> bool {
+        self.revoked_admin_tokens.contains(jti)
     }
 
     pub fn tenant(&self, id: &TenantId) -> Option<&Tenant> {
@@ -152,6 +159,12 @@ impl Snapshot {
         // One read-only transaction at one point in time for all of it.
         s.load_principals(&mut tx).await?;
         s.load_routes(&mut tx).await?;
+        s.revoked_admin_tokens =
+            sqlx::query_scalar("SELECT jti FROM admin_token_revocations WHERE expires_at > now()")
+                .fetch_all(&mut *tx)
+                .await?
+                .into_iter()
+                .collect();
         tx.commit().await?;
         Ok(s)
     }

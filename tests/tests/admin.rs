@@ -839,3 +839,108 @@ async fn an_admin_changes_a_tenants_limits_and_the_next_requests_follow_them() {
     assert_eq!(newest["after"]["max_concurrent"], Value::Null, "{newest}");
     assert_eq!(newest["actor"], "alice", "{newest}");
 }
+
+/// A token's `jti` and `exp`, read from its payload (unverified).
+fn jti_and_exp(token: &str) -> (String, i64) {
+    use base64::Engine as _;
+    let payload = token.split('.').nth(1).expect("a JWT");
+    let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(payload)
+        .expect("base64url");
+    let claims: Value = serde_json::from_slice(&bytes).unwrap();
+    (
+        claims["jti"]
+            .as_str()
+            .expect("lorafleetctl mints a jti")
+            .to_owned(),
+        claims["exp"].as_i64().unwrap(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_admin_token_is_refused_on_every_replica_within_two_seconds() {
+    let p = plane("token_revocation").await;
+    let get = |replica: usize, token: String| {
+        let req = p
+            .http
+            .get(format!("{}/admin/v1/tenants", p.admin_url(replica)))
+            .bearer_auth(token)
+            .send();
+        async move {
+            let r = req.await.unwrap();
+            let status = r.status().as_u16();
+            (status, r.json::<Value>().await.unwrap_or(Value::Null))
+        }
+    };
+    let until_refused = |token: String| {
+        let get = &get;
+        async move {
+            let start = std::time::Instant::now();
+            for replica in 0..2 {
+                loop {
+                    let (status, body) = get(replica, token.clone()).await;
+                    if status == 401 {
+                        assert!(
+                            body["error"]["message"]
+                                .as_str()
+                                .unwrap()
+                                .contains("revoked"),
+                            "{body}"
+                        );
+                        break;
+                    }
+                    assert_eq!(status, 200, "{body}");
+                    assert!(
+                        start.elapsed() < Duration::from_secs(2),
+                        "replica {replica} still accepts a revoked token"
+                    );
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+        }
+    };
+
+    // An admin revokes another's token by its jti.
+    let victor = p.token("victor", "viewer");
+    for replica in 0..2 {
+        assert_eq!(get(replica, victor.clone()).await.0, 200);
+    }
+    let (jti, exp) = jti_and_exp(&victor);
+    let expires_at = chrono::DateTime::from_timestamp(exp, 0)
+        .unwrap()
+        .to_rfc3339();
+    let revoke = |token: &str, body: Value| {
+        p.http
+            .post(format!("{}/admin/v1/tokens/revoke", p.admin_url(0)))
+            .bearer_auth(token)
+            .json(&body)
+            .send()
+    };
+    let body = serde_json::json!({"jti": jti, "expires_at": expires_at});
+    // A viewer may not revoke others' tokens.
+    let r = revoke(&victor, body.clone()).await.unwrap();
+    assert_eq!(r.status(), 403);
+    let r = revoke(&p.admin_token, body.clone()).await.unwrap();
+    assert_eq!(r.status(), 200);
+    until_refused(victor.clone()).await;
+    // Twice is refused by name; the change log has it once.
+    let r = revoke(&p.admin_token, body).await.unwrap();
+    assert_eq!(r.status(), 409);
+    let changes = p.ctl_json(&["changes", "--object-type", "admin_token"]);
+    assert_eq!(changes["changes"].as_array().unwrap().len(), 1, "{changes}");
+    assert_eq!(changes["changes"][0]["object_id"], jti.as_str());
+
+    // Any holder revokes its own token (the console's sign-out does).
+    let audrey = p.token("audrey", "auditor");
+    let r = p
+        .http
+        .post(format!("{}/admin/v1/tokens/revoke-own", p.admin_url(1)))
+        .bearer_auth(&audrey)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    until_refused(audrey).await;
+    // Other tokens of the same subject are untouched.
+    assert_eq!(get(0, p.token("audrey", "auditor")).await.0, 200);
+}

@@ -71,13 +71,13 @@ async fn sign_in(b: &Browser, console: &str, token: &str) {
     b.find("#me").await;
 }
 
-/// Waits until the text of `css` satisfies `ok`, without reloading.
 /// The value a field of the limits form shows.
 async fn shown(b: &Browser, name: &str) -> String {
     let input = b.find(&format!("#limits-form input[name={name}]")).await;
     b.attribute(&input, "value").await.unwrap_or_default()
 }
 
+/// Waits until the text of `css` satisfies `ok`, without reloading.
 async fn until_text(b: &Browser, css: &str, what: &str, ok: impl Fn(&str) -> bool) -> String {
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
@@ -614,4 +614,44 @@ async fn a_viewer_sees_no_write_controls_and_cannot_forge_one() {
     // So is one that goes straight to the audit log.
     b.goto(&format!("{console}/console/audit")).await;
     assert!(b.text("main").await.contains("insufficient_role"));
+
+    // Signing out revokes the session's token: within 2 s every replica
+    // refuses it, to the API and to a copied cookie alike.
+    b.goto(&format!("{console}/console/fleet")).await;
+    b.click("form.signout button").await;
+    b.find("#login").await;
+    let http = reqwest::Client::new();
+    let start = Instant::now();
+    for replica in 0..2 {
+        loop {
+            let r = http
+                .get(format!("{}/admin/v1/tenants", p.admin_url(replica)))
+                .bearer_auth(&viewer)
+                .send()
+                .await
+                .unwrap();
+            if r.status() == 401 {
+                assert!(r.text().await.unwrap().contains("revoked"));
+                break;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(2),
+                "replica {replica} still accepts a signed-out token"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    let cookie = format!("{}={viewer}", lorafleet_gateway::console::COOKIE);
+    let page = http
+        .get(format!("{console}/console/fleet"))
+        .header("cookie", cookie)
+        .send()
+        .await
+        .unwrap();
+    assert!(
+        page.url().path().ends_with("/console/login") || page.status() == 401,
+        "{} {}",
+        page.status(),
+        page.url()
+    );
 }

@@ -5,6 +5,7 @@ use lorafleet_tests::{TestDb, run};
 const TABLES: &[&str] = &[
     "adapters",
     "admin_changes",
+    "admin_token_revocations",
     "api_keys",
     "audit_dead_letter",
     "audit_log",
@@ -70,7 +71,8 @@ async fn migrations_apply_to_an_empty_database_and_rerun_as_a_no_op() {
             (7, true),
             (8, true),
             (9, true),
-            (10, true)
+            (10, true),
+            (11, true)
         ],
         "each migration applied exactly once"
     );
@@ -93,7 +95,7 @@ async fn migrate_takes_the_url_from_the_environment() {
         .fetch_one(&db.pool().await)
         .await
         .unwrap();
-    assert_eq!(n, 10);
+    assert_eq!(n, 11);
 }
 
 #[test]

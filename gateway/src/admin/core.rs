@@ -22,6 +22,9 @@ pub struct Caller {
     pub(super) subject: String,
     pub(super) role: Role,
     pub(super) request_id: Uuid,
+    /// The caller's token: its `jti` and `exp` (for revoking it).
+    pub(super) token_id: Option<String>,
+    pub(super) token_expires_at: i64,
 }
 
 impl Caller {
@@ -31,6 +34,8 @@ impl Caller {
             subject: identity.subject.clone(),
             role: identity.role,
             request_id: Uuid::now_v7(),
+            token_id: identity.jti.clone(),
+            token_expires_at: identity.expires_at,
         }
     }
 
@@ -40,6 +45,8 @@ impl Caller {
             subject: crate::rollout::CONTROLLER.into(),
             role: Role::Admin,
             request_id: Uuid::now_v7(),
+            token_id: None,
+            token_expires_at: 0,
         }
     }
 
@@ -69,6 +76,9 @@ impl Caller {
 /// and records what it changed; [`AdminState::exec`] does the rest.
 pub trait Command: Send {
     type Output: Send;
+    /// What the caller's role must allow: a change, unless the command
+    /// says otherwise (signing out revokes one's own token at any role).
+    const NEED: Need = Need::Write;
 
     fn run(self, cx: &mut Cx<'_>) -> impl Future<Output = Result<Self::Output, AdminError>> + Send;
 }
@@ -146,7 +156,7 @@ impl AdminState {
         caller: &Caller,
         command: C,
     ) -> Result<C::Output, AdminError> {
-        caller.may(Need::Write)?;
+        caller.may(C::NEED)?;
         let mut cx = Cx {
             caller,
             state: self,

@@ -49,6 +49,8 @@ pub fn router(state: AdminState) -> Router {
             "/admin/v1/routes/{tenant}/{model}/rollout/{action}",
             post(change_rollout),
         )
+        .route("/admin/v1/tokens/revoke", post(revoke_token))
+        .route("/admin/v1/tokens/revoke-own", post(revoke_own_token))
         .route("/admin/v1/fleet", get(fleet_view))
         .route("/admin/v1/audit", get(audit_query))
         .route("/admin/v1/changes", get(list_changes))
@@ -68,7 +70,7 @@ fn caller(s: &AdminState, headers: &HeaderMap) -> Result<Caller, AdminError> {
         .and_then(|v| v.to_str().ok());
     let token = auth::bearer(value)
         .map_err(|e| AdminError::new(AdminCode::InvalidAdminToken, None, e.to_string()))?;
-    Ok(Caller::new(&identify(&s.jwt, token)?))
+    Ok(Caller::new(&s.verify(token)?))
 }
 
 /// A JSON answer carrying the request id.
@@ -362,6 +364,18 @@ async fn change_rollout(
     };
     let view = s.exec(&c, command).await?;
     Ok(reply(StatusCode::OK, &c, &view))
+}
+
+async fn revoke_token(State(s): State<AdminState>, headers: HeaderMap, body: Bytes) -> Answer {
+    let c = caller(&s, &headers)?;
+    let row = s.exec(&c, RevokeAdminToken(parse_body(&body)?)).await?;
+    Ok(reply(StatusCode::OK, &c, &row))
+}
+
+async fn revoke_own_token(State(s): State<AdminState>, headers: HeaderMap) -> Answer {
+    let c = caller(&s, &headers)?;
+    let row = s.exec(&c, RevokeOwnToken).await?;
+    Ok(reply(StatusCode::OK, &c, &row))
 }
 
 async fn fleet_view(State(s): State<AdminState>, headers: HeaderMap) -> Answer {

@@ -138,6 +138,7 @@ mod keys;
 mod rollouts;
 mod routes;
 mod tenants;
+mod tokens;
 pub mod types;
 
 use base_models::*;
@@ -163,3 +164,4 @@ pub use keys::{CreateKey, ListKeys, RevokeKey};
 pub use rollouts::{ChangeRollout, GetRollout, StartRollout};
 pub use routes::{GetRoute, ListRoutes, Promote, PutRoute, Rollback, RouteWritten, parse_etag};
 pub use tenants::{CreateTenant, ListTenants, SetTenantDisabled, UpdateTenant};
+pub use tokens::{RevokeAdminToken, RevokeOwnToken};

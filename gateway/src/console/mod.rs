@@ -29,8 +29,7 @@ use axum::routing::{get, post};
 use minijinja::Environment;
 use serde_json::{Value, json};
 
-use crate::admin::{self, AdminState};
-use crate::auth::JwtConfig;
+use crate::admin::AdminState;
 
 mod client;
 mod pages;
@@ -53,7 +52,6 @@ pub struct ConsoleOptions {
 pub struct Console {
     /// The admin plane's core, called in process.
     admin: AdminState,
-    jwt: Arc<JwtConfig>,
     templates: Arc<Environment<'static>>,
     options: ConsoleOptions,
 }
@@ -103,7 +101,6 @@ fn environment() -> Environment<'static> {
 /// The console's routes, to merge into the admin listener's router.
 pub fn router(admin_state: AdminState, options: ConsoleOptions) -> Router {
     let console = Console {
-        jwt: admin_state.jwt.clone(),
         admin: admin_state,
         templates: Arc::new(environment()),
         options,

@@ -38,7 +38,9 @@ impl std::fmt::Debug for Session {
 
 impl Session {
     fn from_token(c: &Console, token: &str) -> Result<Session, ApiError> {
-        let identity = admin::identify(&c.jwt, token)
+        let identity = c
+            .admin
+            .verify(token)
             .map_err(|e| ApiError::local(StatusCode::UNAUTHORIZED, None, e.message()))?;
         Ok(Session {
             token: token.to_owned(),
@@ -329,7 +331,16 @@ fn humantime_secs(secs: i64) -> String {
 }
 
 /// `POST /console/logout`.
-pub(super) async fn logout(State(c): State<Console>, _: Write) -> Response {
+/// Signs out: the session's token is revoked (fleet-wide within the
+/// registry's reload time), then the cookie cleared. A token without a
+/// `jti` cannot be revoked; it ends at its expiry, at most 12 hours.
+pub(super) async fn logout(State(c): State<Console>, w: Write) -> Response {
+    if w.session.identity.jti.is_some()
+        && let Err(e) = c.exec(&w.session, crate::admin::RevokeOwnToken).await
+        && !e.is(crate::admin::AdminCode::NoChange)
+    {
+        tracing::warn!(error = %e.message, "console sign-out: the token was not revoked");
+    }
     let mut r = Redirect::to("/console/login").into_response();
     r.headers_mut()
         .insert(header::SET_COOKIE, clear_cookie(c.options));
@@ -348,6 +359,7 @@ mod tests {
                 subject: "alice".into(),
                 role: Role::Admin,
                 expires_at: 0,
+                jti: None,
             },
             csrf: csrf_token(token),
         }
