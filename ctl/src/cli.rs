@@ -375,23 +375,38 @@ pub(crate) enum Export {
     Csv,
 }
 
+/// `token` mints an admin token; `token revoke TOKEN` revokes one.
 #[derive(Debug, clap::Args)]
+#[command(args_conflicts_with_subcommands = true)]
 pub(crate) struct TokenArgs {
+    #[command(subcommand)]
+    pub(crate) action: Option<TokenAction>,
     #[arg(long, env = "LORAFLEET_ADMIN_JWT_HMAC_SECRET_FILE")]
-    pub(crate) hmac_secret_file: PathBuf,
+    pub(crate) hmac_secret_file: Option<PathBuf>,
     /// Who the token speaks for; recorded in the admin change log.
     #[arg(long)]
-    pub(crate) subject: String,
+    pub(crate) subject: Option<String>,
     /// admin, auditor or viewer.
     #[arg(long)]
-    pub(crate) role: String,
+    pub(crate) role: Option<String>,
     #[arg(long, env = "LORAFLEET_ADMIN_JWT_ISSUER")]
-    pub(crate) issuer: String,
+    pub(crate) issuer: Option<String>,
     #[arg(long, env = "LORAFLEET_ADMIN_JWT_AUDIENCE")]
-    pub(crate) audience: String,
+    pub(crate) audience: Option<String>,
     #[arg(long, default_value_t = 3600)]
     pub(crate) ttl_secs: u64,
     /// HS256, HS384 or HS512.
     #[arg(long, default_value = "HS256")]
     pub(crate) algorithm: String,
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum TokenAction {
+    /// Revokes an admin token before it expires (by its jti, read from the
+    /// token): every gateway refuses it within about a second.
+    Revoke {
+        /// The token itself, as `lorafleetctl token` printed it.
+        #[arg(value_name = "TOKEN")]
+        revoked: String,
+    },
 }

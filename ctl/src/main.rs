@@ -83,7 +83,9 @@ fn parse_duration(s: &str) -> Result<u64, Failure> {
 }
 
 async fn run(cli: Cli) -> Result<(), Failure> {
-    if let Command::Token(t) = &cli.command {
+    if let Command::Token(t) = &cli.command
+        && t.action.is_none()
+    {
         return mint_token(t);
     }
     if let Command::Certs(c) = &cli.command {
@@ -162,6 +164,10 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             );
             Ok(())
         }
+        Command::Token(TokenArgs {
+            action: Some(TokenAction::Revoke { revoked }),
+            ..
+        }) => revoke_token(&c, &revoked).await,
         Command::Token(_) | Command::Certs(_) => unreachable!("handled above"),
     }
 }

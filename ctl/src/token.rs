@@ -2,12 +2,22 @@
 
 use super::*;
 
+/// A minting flag's value, or the usage error naming it.
+fn given<'a, T: ?Sized>(v: Option<&'a T>, flag: &str) -> Result<&'a T, Failure> {
+    v.ok_or_else(|| fail(USAGE, format!("{flag}: required to mint a token")))
+}
+
 pub(crate) fn mint_token(t: &TokenArgs) -> Result<(), Failure> {
     use jsonwebtoken::{Algorithm, EncodingKey, Header};
-    if !["admin", "auditor", "viewer"].contains(&t.role.as_str()) {
+    let hmac_secret_file = given(t.hmac_secret_file.as_deref(), "--hmac-secret-file")?;
+    let subject = given(t.subject.as_deref(), "--subject")?;
+    let role = given(t.role.as_deref(), "--role")?;
+    let issuer = given(t.issuer.as_deref(), "--issuer")?;
+    let audience = given(t.audience.as_deref(), "--audience")?;
+    if !["admin", "auditor", "viewer"].contains(&role) {
         return Err(fail(
             USAGE,
-            format!("--role: {:?} is not admin, auditor or viewer", t.role),
+            format!("--role: {role:?} is not admin, auditor or viewer"),
         ));
     }
     let alg = match t.algorithm.as_str() {
@@ -21,16 +31,16 @@ pub(crate) fn mint_token(t: &TokenArgs) -> Result<(), Failure> {
             ));
         }
     };
-    if t.subject.trim().is_empty() {
+    if subject.trim().is_empty() {
         return Err(fail(USAGE, "--subject: must not be empty"));
     }
     if t.ttl_secs == 0 {
         return Err(fail(USAGE, "--ttl-secs: must be at least 1"));
     }
-    let secret = std::fs::read(&t.hmac_secret_file).map_err(|e| {
+    let secret = std::fs::read(hmac_secret_file).map_err(|e| {
         fail(
             USAGE,
-            format!("--hmac-secret-file {}: {e}", t.hmac_secret_file.display()),
+            format!("--hmac-secret-file {}: {e}", hmac_secret_file.display()),
         )
     })?;
     let secret = secret.trim_ascii();
@@ -42,7 +52,7 @@ pub(crate) fn mint_token(t: &TokenArgs) -> Result<(), Failure> {
     }
     let now = chrono::Utc::now().timestamp();
     let claims = json!({
-        "sub": t.subject, "role": t.role, "iss": t.issuer, "aud": t.audience,
+        "sub": subject, "role": role, "iss": issuer, "aud": audience,
         "iat": now, "nbf": now, "exp": now + t.ttl_secs as i64,
         // Its id, by which an admin (or the console's sign-out) revokes it.
         "jti": uuid::Uuid::now_v7().to_string(),
@@ -54,5 +64,41 @@ pub(crate) fn mint_token(t: &TokenArgs) -> Result<(), Failure> {
     )
     .map_err(|e| fail(1, format!("signing the token: {e}")))?;
     println!("{token}");
+    Ok(())
+}
+
+/// Revokes `token` by its `jti` until its `exp`, both read from its payload
+/// (the gateway verifies nothing here: revoking a token needs an admin's
+/// own token, and a forged jti revokes nothing real).
+pub(crate) async fn revoke_token(c: &Client, token: &str) -> Result<(), Failure> {
+    use base64::Engine as _;
+    let bad = |why: &str| fail(USAGE, format!("TOKEN: {why}"));
+    let payload = token
+        .trim()
+        .split('.')
+        .nth(1)
+        .ok_or_else(|| bad("is not a JWT (three dot-separated parts)"))?;
+    let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(payload.trim_end_matches('='))
+        .map_err(|_| bad("its payload is not base64url"))?;
+    let claims: serde_json::Value =
+        serde_json::from_slice(&bytes).map_err(|_| bad("its payload is not JSON"))?;
+    let jti = claims["jti"]
+        .as_str()
+        .ok_or_else(|| bad("has no jti claim, so it cannot be revoked; it ends at its exp"))?;
+    let expires_at = claims["exp"]
+        .as_i64()
+        .and_then(|e| chrono::DateTime::from_timestamp(e, 0))
+        .ok_or_else(|| bad("has no valid exp claim"))?;
+    let body = lorafleet_admin_types::TokenRevocation {
+        jti: jti.to_owned(),
+        expires_at,
+    };
+    let revoked: lorafleet_admin_types::TokenRevoked = c.post_as("/tokens/revoke", &body).await?;
+    show_one(
+        c,
+        &as_json(&revoked),
+        &["jti", "expires_at", "revoked_at", "revoked_by"],
+    );
     Ok(())
 }
