@@ -163,5 +163,5 @@ pub use http::router;
 pub use keys::{CreateKey, ListKeys, RevokeKey};
 pub use rollouts::{ChangeRollout, GetRollout, StartRollout};
 pub use routes::{GetRoute, ListRoutes, Promote, PutRoute, Rollback, RouteWritten, parse_etag};
-pub use tenants::{CreateTenant, ListTenants, SetTenantDisabled, UpdateTenant};
+pub use tenants::{CreateTenant, GetTenant, ListTenants, SetTenantDisabled, UpdateTenant};
 pub use tokens::{RevokeAdminToken, RevokeOwnToken};

@@ -44,6 +44,27 @@ pub(super) fn check_tenant_name(name: &str, param: &str) -> Result<(), AdminErro
     }
 }
 
+/// One tenant, by name.
+#[derive(Debug)]
+pub struct GetTenant {
+    pub tenant: String,
+}
+
+impl Query for GetTenant {
+    type Output = TenantRow;
+    const NEED: Need = Need::Read;
+
+    async fn run(self, s: &AdminState) -> Result<TenantRow, AdminError> {
+        let row: Option<TenantRow> =
+            sqlx::query_as(sql!("SELECT {TENANT_COLUMNS} FROM tenants WHERE name = $1"))
+                .bind(&self.tenant)
+                .fetch_optional(&s.pool)
+                .await
+                .map_err(db_error)?;
+        row.ok_or_else(|| AdminError::not_found("tenant", format!("tenant {:?}", self.tenant)))
+    }
+}
+
 /// A new tenant.
 #[derive(Debug)]
 pub struct CreateTenant(pub NewTenant);

@@ -219,12 +219,16 @@ impl Fleet {
 
     /// The context every reporting worker on `base_hash` accepts (the
     /// smallest of theirs); None while none has reported.
+    /// Read under the locks, without copying any worker's state: it runs
+    /// once per request.
     pub fn max_model_len(&self, base_hash: &str) -> Option<u32> {
-        self.workers()
+        let workers = self.workers.read().expect("fleet");
+        workers
             .iter()
-            .map(|w| w.state())
-            .filter(|s| s.base_hash == base_hash && s.max_model_len > 0)
-            .map(|s| s.max_model_len)
+            .filter_map(|w| {
+                let s = w.state.read().expect("worker state");
+                (s.base_hash == base_hash && s.max_model_len > 0).then_some(s.max_model_len)
+            })
             .min()
     }
 

@@ -4,7 +4,8 @@
 use super::*;
 use crate::admin::types::{Limit, NewKey, NewTenant, TenantPatch};
 use crate::admin::{
-    CreateKey, CreateTenant, ListKeys, ListTenants, RevokeKey, SetTenantDisabled, UpdateTenant,
+    CreateKey, CreateTenant, GetTenant, ListKeys, ListTenants, RevokeKey, SetTenantDisabled,
+    UpdateTenant,
 };
 
 pub(super) async fn list(State(c): State<Console>, s: Session) -> Response {
@@ -105,14 +106,19 @@ async fn render(
     let data = async {
         let tenant_name = tenant.to_owned();
         let keys = c.read(s, ListKeys { tenant: tenant_name }).await?;
-        let tenants = c.read(s, ListTenants).await?;
-        let limits = tenants.tenants.iter().find(|t| t.name == tenant).map(|t| {
-            json!({
-                "rpm_limit": limit_text(t.rpm_limit),
-                "tpm_limit": limit_text(t.tpm_limit),
-                "max_concurrent": limit_text(t.max_concurrent),
-                "weight": t.weight.to_string(),
-            })
+        let t = c
+            .read(
+                s,
+                GetTenant {
+                    tenant: tenant.to_owned(),
+                },
+            )
+            .await?;
+        let limits = json!({
+            "rpm_limit": limit_text(t.rpm_limit),
+            "tpm_limit": limit_text(t.tpm_limit),
+            "max_concurrent": limit_text(t.max_concurrent),
+            "weight": t.weight.to_string(),
         });
         let rows: Vec<Value> = keys
             .keys
