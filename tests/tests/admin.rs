@@ -920,6 +920,30 @@ async fn a_revoked_admin_token_is_refused_on_every_replica_within_two_seconds() 
     // A viewer may not revoke others' tokens.
     let r = revoke(&victor, body.clone()).await.unwrap();
     assert_eq!(r.status(), 403);
+    // A malformed revocation is refused by the field at fault.
+    for (bad, field) in [
+        (
+            serde_json::json!({"jti": "", "expires_at": expires_at}),
+            "jti",
+        ),
+        (
+            serde_json::json!({"jti": "x".repeat(300), "expires_at": expires_at}),
+            "jti",
+        ),
+        (serde_json::json!({"jti": "x"}), "expires_at"),
+        (
+            serde_json::json!({"jti": "x", "expires_at": "soon"}),
+            "expires_at",
+        ),
+    ] {
+        let r = revoke(&p.admin_token, bad.clone()).await.unwrap();
+        assert_eq!(r.status(), 400, "{bad}");
+        let e: Value = r.json().await.unwrap();
+        assert!(
+            e["error"]["message"].as_str().unwrap().contains(field),
+            "{bad}: {e}"
+        );
+    }
     p.run_as(Some(&victor), &["token", "revoke", &victor])
         .refused(3, "may not change the registry");
     let revoked = p.ctl_json(&["token", "revoke", &victor]);
