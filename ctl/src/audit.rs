@@ -4,7 +4,7 @@ use super::*;
 
 pub(crate) async fn audit(c: &Client, a: AuditArgs) -> Result<(), Failure> {
     let mut q: Vec<(&str, String)> = Vec::new();
-    let pairs: [(&str, Option<String>); 10] = [
+    let pairs: [(&str, Option<String>); 11] = [
         ("tenant", a.tenant),
         ("api_key", a.api_key),
         ("model", a.model),
@@ -13,6 +13,7 @@ pub(crate) async fn audit(c: &Client, a: AuditArgs) -> Result<(), Failure> {
         ("worker", a.worker),
         ("status", a.status),
         ("request_id", a.request_id),
+        ("client", a.client),
         ("since", a.since),
         ("until", a.until),
     ];

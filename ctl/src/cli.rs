@@ -349,6 +349,9 @@ pub(crate) struct AuditArgs {
     pub(crate) status: Option<String>,
     #[arg(long)]
     pub(crate) request_id: Option<String>,
+    /// A client address: its requests and its failed authentications.
+    #[arg(long)]
+    pub(crate) client: Option<String>,
     /// RFC 3339, inclusive.
     #[arg(long)]
     pub(crate) since: Option<String>,

@@ -22,4 +22,5 @@ pub mod registry;
 pub mod rollout;
 pub mod router;
 pub mod server;
+pub mod sources;
 pub mod upstream;

@@ -16,6 +16,7 @@ use hyper_util::server::conn::auto::Builder;
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
+use tower::ServiceExt;
 
 /// Serves `app` on `listener` until `stop`, then drains.
 pub async fn serve(
@@ -50,7 +51,13 @@ pub async fn serve(
         if let Err(e) = tcp.set_nodelay(true) {
             tracing::debug!(error = %e, "TCP_NODELAY");
         }
-        let service = TowerToHyperService::new(app.clone());
+        // Handlers see the peer as axum's `ConnectInfo`.
+        let service = TowerToHyperService::new(app.clone().map_request(
+            move |mut r: axum::http::Request<hyper::body::Incoming>| {
+                r.extensions_mut().insert(axum::extract::ConnectInfo(peer));
+                r
+            },
+        ));
         let connection = builder
             .serve_connection(TokioIo::new(tcp), service)
             .into_owned();

@@ -384,6 +384,9 @@ pub fn gateway_command_with(dir: &std::path::Path) -> Command {
     let mut cmd = Command::new(binary("lorafleet-gateway"));
     cmd.args(["serve", "--listen", "127.0.0.1:0"])
         .args(["--metrics-listen", "127.0.0.1:0"])
+        // Failed authentications reach the audit log a second after, not
+        // a minute, so tests that count rows need not wait.
+        .args(["--failed-auth-window-secs", "1"])
         .arg("--worker-tls-cert")
         .arg(c.path("gateway.pem"))
         .arg("--worker-tls-key")
@@ -704,6 +707,111 @@ pub fn assert_tenant_safe(body: &str) {
     }
 }
 
+/// The request fields of the OpenAI API a refusal may name although the
+/// client left them out (a default was at fault, or the field is required).
+pub const OPENAI_REQUEST_FIELDS: &[&str] = &[
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stream",
+    "stream_options",
+    "stop",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "best_of",
+    "logit_bias",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "user",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "suffix",
+    // Extensions the gateway accepts, as vLLM does.
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_json",
+];
+
+/// Asserts that the `param` of a refusal (`answer`, an OpenAI error body)
+/// is a field of the request as the client sent it (`sent`): a path such
+/// as `messages[2].content` or `stop[0]` that exists in the body, or a
+/// top-level request field; never a name of the gateway's or the worker's
+/// own (`sampling.max_tokens`, `prompt.token_ids`).
+pub fn assert_client_param(sent: &serde_json::Value, answer: &serde_json::Value) {
+    let Some(param) = answer["error"]["param"].as_str() else {
+        return;
+    };
+    let steps = param_steps(param).unwrap_or_else(|| {
+        panic!("param {param:?} is not a field path: {answer}");
+    });
+    let (serde_json::Value::Object(_), Some(Step::Key(top))) = (sent, steps.first()) else {
+        panic!("param {param:?} does not start with a field name: {answer}");
+    };
+    let mut at = sent;
+    for (i, step) in steps.iter().enumerate() {
+        let next = match step {
+            Step::Key(k) => at.get(k.as_str()),
+            Step::Index(n) => at.get(*n),
+        };
+        match next {
+            Some(v) => at = v,
+            None => {
+                // Only a top-level field the client left out may be named
+                // without being in the body.
+                assert!(
+                    i == 0 && steps.len() == 1 && OPENAI_REQUEST_FIELDS.contains(&top.as_str()),
+                    "param {param:?} names nothing the client sent ({sent}): {answer}"
+                );
+                return;
+            }
+        }
+    }
+}
+
+enum Step {
+    Key(String),
+    Index(usize),
+}
+
+/// `a.b[2].c` as keys and indices.
+fn param_steps(param: &str) -> Option<Vec<Step>> {
+    let mut steps = Vec::new();
+    for part in param.split('.') {
+        let (key, mut rest) = match part.find('[') {
+            Some(i) => (&part[..i], &part[i..]),
+            None => (part, ""),
+        };
+        if key.is_empty() && steps.is_empty() {
+            return None;
+        }
+        if !key.is_empty() {
+            steps.push(Step::Key(key.to_owned()));
+        }
+        while let Some(r) = rest.strip_prefix('[') {
+            let (n, after) = r.split_once(']')?;
+            steps.push(Step::Index(n.parse().ok()?));
+            rest = after;
+        }
+        if !rest.is_empty() {
+            return None;
+        }
+    }
+    Some(steps)
+}
+
 /// The real gateway on `worker` (and `--database-url`), its audit spool in
 /// `spool`, with `extra` flags, once its `/readyz` says ready.
 pub async fn ready_gateway(
@@ -734,4 +842,48 @@ pub async fn ready_gateway(
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
     gateway
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn refusal(param: &str) -> serde_json::Value {
+        json!({"error": {"message": "m", "type": "invalid_request_error", "param": param}})
+    }
+
+    #[test]
+    fn a_param_the_client_sent_passes() {
+        let sent = json!({"model": "m", "messages": [{"role": "user"}, {"role": "x", "content": 3}],
+                          "stop": ["a"]});
+        for p in [
+            "model",
+            "messages[1].content",
+            "stop[0]",
+            "messages",
+            "max_tokens",
+        ] {
+            assert_client_param(&sent, &refusal(p));
+        }
+        assert_client_param(&sent, &json!({"error": {"param": null}}));
+    }
+
+    #[test]
+    #[should_panic(expected = "names nothing the client sent")]
+    fn an_internal_name_fails() {
+        assert_client_param(&json!({"prompt": "x"}), &refusal("sampling.max_tokens"));
+    }
+
+    #[test]
+    #[should_panic(expected = "names nothing the client sent")]
+    fn a_path_into_what_was_not_sent_fails() {
+        assert_client_param(&json!({"prompt": [1, 2]}), &refusal("prompt.token_ids"));
+    }
+
+    #[test]
+    #[should_panic(expected = "names nothing the client sent")]
+    fn an_index_past_the_end_fails() {
+        assert_client_param(&json!({"stop": ["a"]}), &refusal("stop[3]"));
+    }
 }

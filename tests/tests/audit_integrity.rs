@@ -134,6 +134,9 @@ async fn data_errors_case(durability: Durability, label: &str) {
             latency_us: 1,
             ttft_us: None,
             attempts: 0,
+            client_addr: Some("203.0.113.9".into()),
+            occurrences: 1,
+            last_key_prefix: None,
         }
     };
     // Admitted all at once, so the writer takes them as large batches.

@@ -111,6 +111,115 @@ async fn a_request_over_the_context_is_refused_in_the_clients_terms_before_any_l
     }
 }
 
+/// Every refusal of a request's fields names the field as the client sent
+/// it: a top-level name, or a path into the body (`messages[1].role`,
+/// `stop[0]`), whether the gateway or the worker refused it. `Fleet::post`
+/// checks the same of every refusal any test provokes; this walks one of
+/// each kind the API has.
+#[tokio::test]
+async fn every_refusal_names_a_field_the_client_sent() {
+    let f = fleet("refusal_params").await;
+    let long = "hello ".repeat(700);
+    let completions = [
+        (json!({"model": "support"}), "prompt"),
+        (json!({"prompt": "x"}), "model"),
+        (
+            json!({"model": "support", "prompt": "x", "max_tokens": "ten"}),
+            "max_tokens",
+        ),
+        (
+            json!({"model": "support", "prompt": "x", "temperature": 9}),
+            "temperature",
+        ),
+        (
+            json!({"model": "support", "prompt": "x", "top_p": 2}),
+            "top_p",
+        ),
+        (json!({"model": "support", "prompt": "x", "n": 0}), "n"),
+        (
+            json!({"model": "support", "prompt": "x", "stop": ["a", ""]}),
+            "stop[1]",
+        ),
+        (
+            json!({"model": "support", "prompt": "x", "logprobs": 99}),
+            "logprobs",
+        ),
+        (
+            json!({"model": "support", "prompt": "x", "n": 3, "best_of": 2}),
+            "best_of",
+        ),
+        (
+            json!({"model": "support", "prompt": "x", "presence_penalty": 7}),
+            "presence_penalty",
+        ),
+        (
+            json!({"model": "support", "prompt": "x", "user": "u".repeat(10_000)}),
+            "user",
+        ),
+        (json!({"model": "support", "prompt": []}), "prompt"),
+        (
+            json!({"model": "support", "prompt": [1, 4_000_000_000u64]}),
+            "prompt",
+        ),
+        (
+            json!({"model": "support", "prompt": [1, 2], "max_tokens": 100_000_000}),
+            "max_tokens",
+        ),
+        (
+            json!({"model": "support", "prompt": vec![7; 600], "max_tokens": 1}),
+            "prompt",
+        ),
+        (
+            json!({"model": "support", "prompt": long, "max_tokens": 1}),
+            "prompt",
+        ),
+        (
+            json!({"model": "support", "prompt": "x",
+                   "response_format": {"type": "json_schema", "json_schema": {"schema": 5}}}),
+            "response_format",
+        ),
+    ];
+    let chat = [
+        (json!({"model": "support", "messages": []}), "messages"),
+        (
+            json!({"model": "support", "messages": [{"role": "user", "content": "hi"},
+                                                     {"role": "pirate", "content": "arr"}]}),
+            "messages[1].role",
+        ),
+        (
+            json!({"model": "support", "messages": [{"role": "user", "content": 5}]}),
+            "messages[0].content",
+        ),
+        (
+            json!({"model": "support", "messages": [{"role": "user", "content": "hi"}],
+                   "tool_choice": "sometimes"}),
+            "tool_choice",
+        ),
+        (
+            json!({"model": "support", "messages": [{"role": "user", "content": long}],
+                   "max_tokens": 1}),
+            "messages",
+        ),
+    ];
+    let mut seen = Vec::new();
+    for (path, cases) in [
+        ("/v1/completions", &completions[..]),
+        ("/v1/chat/completions", &chat[..]),
+    ] {
+        for (body, param) in cases {
+            let (status, v) = f.post(path, Some(ACME_KEY), body.clone()).await;
+            assert!((400..500).contains(&status), "{path} {body}: {status} {v}");
+            seen.push((path, v["error"]["param"].clone(), *param, v));
+        }
+    }
+    let wrong: Vec<String> = seen
+        .iter()
+        .filter(|(_, got, want, _)| got != want)
+        .map(|(path, got, want, v)| format!("{path}: want {want:?}, got {got}: {v}"))
+        .collect();
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
+
 /// A worker that takes the request and never answers is skipped at the
 /// first-token deadline: the request moves to the other worker, and its row
 /// says so.

@@ -408,10 +408,14 @@ fn engine_parts(e: &EngineError) -> Parts {
             Some(field.to_string()),
             e.to_string(),
         ),
-        EngineError::ContextLength { .. } => (
+        EngineError::ContextLength {
+            prompt_tokens,
+            max_model_len,
+            ..
+        } => (
             InvalidArgument,
             Reason::ContextLengthExceeded,
-            Some("sampling.max_tokens".into()),
+            Some(lorafleet_engine::context_field(*prompt_tokens, *max_model_len).into()),
             e.to_string(),
         ),
         EngineError::QueueFull { .. } => {

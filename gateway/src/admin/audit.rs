@@ -22,6 +22,9 @@ pub struct AuditFilter {
     pub until: Option<DateTime<Utc>>,
     /// Rows per page, 1 to 1000 (default 100).
     pub limit: Option<u32>,
+    /// A client address (see `--trusted-proxies`): its requests and its
+    /// failed authentications.
+    pub client: Option<std::net::IpAddr>,
     /// The `next_cursor` of the previous page.
     pub cursor: Option<String>,
     /// json (one page, default), jsonl or csv (every matching row).
@@ -61,6 +64,14 @@ pub struct AuditRow {
     pub latency_us: i64,
     pub ttft_us: Option<i64>,
     pub attempts: i16,
+    /// The client's address.
+    pub client: Option<String>,
+    /// The requests this row stands for: 1, or one source's failed
+    /// authentications in one window.
+    pub occurrences: i32,
+    /// Of such a row, the last API key prefix seen (`api_key` is the
+    /// first).
+    pub last_api_key: Option<String>,
 }
 
 pub(super) const AUDIT_COLUMNS: &[&str] = &[
@@ -91,6 +102,9 @@ pub(super) const AUDIT_COLUMNS: &[&str] = &[
     "latency_us",
     "ttft_us",
     "attempts",
+    "client",
+    "occurrences",
+    "last_api_key",
 ];
 
 /// A validated audit query, ready to run page by page.
@@ -104,6 +118,7 @@ pub struct AuditQuery {
     pub(super) worker: Option<String>,
     pub(super) status: Option<String>,
     pub(super) request_id: Option<Uuid>,
+    pub(super) client: Option<std::net::IpAddr>,
     pub(super) since: Option<DateTime<Utc>>,
     pub(super) until: Option<DateTime<Utc>>,
     pub limit: i64,
@@ -200,6 +215,7 @@ impl AuditQuery {
             worker: f.worker.clone(),
             status: f.status.clone(),
             request_id: f.request_id,
+            client: f.client,
             since: f.since,
             until: f.until,
             limit: i64::from(limit),
@@ -220,7 +236,8 @@ impl AuditQuery {
                     l.lora_int_id, l.adapter_name, l.adapter_version, l.base_hash, l.worker_id,
                     l.adapter_residency, l.status::TEXT AS status, l.http_status, l.error_code,
                     l.finish_reason, l.prompt_tokens, l.completion_tokens, l.cached_tokens, l.features, l.latency_us,
-                    l.ttft_us, l.attempts
+                    l.ttft_us, l.attempts, host(l.client_addr) AS client, l.occurrences,
+                    l.last_key_prefix AS last_api_key
              FROM audit_log l
              LEFT JOIN tenants t ON t.id = l.tenant_id
              LEFT JOIN api_keys k ON k.id = l.api_key_id
@@ -254,6 +271,11 @@ impl AuditQuery {
         }
         if let Some(v) = self.request_id {
             q.push(" AND l.request_id = ").push_bind(v);
+        }
+        if let Some(v) = self.client {
+            q.push(" AND l.client_addr = ")
+                .push_bind(v.to_string())
+                .push("::inet");
         }
         if let Some(v) = self.since {
             q.push(" AND l.received_at >= ").push_bind(v);

@@ -19,6 +19,11 @@ use crate::upstream::{UpstreamError, UpstreamErrorKind};
 pub enum ApiError {
     /// No usable credential.
     Unauthenticated(AuthError),
+    /// This client address has failed authentication too often; its
+    /// requests are refused before their bodies until the bucket refills.
+    FailedAuthLimited {
+        retry_after: Duration,
+    },
     /// A good credential whose tenant is disabled.
     TenantDisabled,
     /// The credential lacks the scope; `what` is the action refused.
@@ -104,13 +109,15 @@ pub enum WorkerFailure {
 
 impl WorkerFailure {
     /// The tenant's view of `e`; the worker's full text goes to the log.
-    pub fn from_upstream(e: &UpstreamError) -> WorkerFailure {
+    /// `chat`: the request was a chat completion, whose prompt the client
+    /// sent as `messages`.
+    pub fn from_upstream(e: &UpstreamError, chat: bool) -> WorkerFailure {
         let reason = e.reason_code().to_owned();
         match &e.kind {
             UpstreamErrorKind::InvalidRequest { field } => {
                 // The worker names its own wire fields; the client hears
                 // of the fields it sent.
-                let client = field.as_deref().and_then(client_field);
+                let client = field.as_deref().and_then(|f| client_field(f, chat));
                 let message = match (field, &client) {
                     (Some(f), Some(c)) => match e.message.strip_prefix(f.as_str()) {
                         Some(rest) => format!("{c}{rest}"),
@@ -142,12 +149,13 @@ impl WorkerFailure {
 /// `sampling.max_tokens` is `max_tokens`, `prompt.token_ids` is `prompt`,
 /// `prompt.chat.messages[2].content` is `messages[2].content`. None for a
 /// field of the worker's own request that no client field stands for.
-pub fn client_field(worker_field: &str) -> Option<String> {
+pub fn client_field(worker_field: &str, chat: bool) -> Option<String> {
     if let Some(rest) = worker_field.strip_prefix("prompt.chat.") {
         return Some(rest.to_owned());
     }
     if worker_field == "prompt" || worker_field.starts_with("prompt.") {
-        return Some("prompt".to_owned());
+        // A chat request's prompt is the messages it sent.
+        return Some(if chat { "messages" } else { "prompt" }.to_owned());
     }
     // The worker's names for what the client asked with `echo` and the
     // structured-output fields.
@@ -201,9 +209,22 @@ impl ApiError {
             ApiError::Unauthenticated(e) => p(
                 StatusCode::UNAUTHORIZED,
                 "authentication_error",
-                "invalid_api_key",
+                crate::sources::UNAUTHENTICATED_CODE,
                 e.to_string(),
             ),
+            ApiError::FailedAuthLimited { retry_after } => Parts {
+                retry_after_secs: Some(retry_after.as_secs_f64().ceil().max(1.0) as u64),
+                ..p(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    RATE,
+                    crate::sources::THROTTLED_CODE,
+                    format!(
+                        "too many failed authentications from this address; retry in {} s \
+                         with a valid credential",
+                        retry_after.as_secs_f64().ceil().max(1.0)
+                    ),
+                )
+            },
             ApiError::TenantDisabled => p(
                 StatusCode::FORBIDDEN,
                 "permission_error",
@@ -359,24 +380,32 @@ impl ApiError {
                 prompt_tokens,
                 max_tokens,
                 max_model_len,
-            } => Parts {
-                param: Some("max_tokens".into()),
-                ..p(
-                    StatusCode::BAD_REQUEST,
-                    INVALID,
-                    "context_length_exceeded",
-                    match prompt_tokens {
-                        Some(n) => format!(
-                            "max_tokens: the prompt ({n} tokens) plus max_tokens ({max_tokens}) \
+            } => {
+                // The prompt is at fault when it fills the context alone
+                // (a token-id prompt is only ever sent as `prompt`).
+                let field = match prompt_tokens {
+                    Some(n) if *n >= u64::from(*max_model_len) => "prompt",
+                    _ => "max_tokens",
+                };
+                Parts {
+                    param: Some(field.into()),
+                    ..p(
+                        StatusCode::BAD_REQUEST,
+                        INVALID,
+                        "context_length_exceeded",
+                        match prompt_tokens {
+                            Some(n) => format!(
+                                "{field}: the prompt ({n} tokens) plus max_tokens ({max_tokens}) \
                              exceeds the model's context of {max_model_len} tokens"
-                        ),
-                        None => format!(
-                            "max_tokens: {max_tokens} exceeds the model's context of \
+                            ),
+                            None => format!(
+                                "max_tokens: {max_tokens} exceeds the model's context of \
                              {max_model_len} tokens"
-                        ),
-                    },
-                )
-            },
+                            ),
+                        },
+                    )
+                }
+            }
             ApiError::Worker(WorkerFailure::AdapterUnavailable { reason }) => p(
                 StatusCode::SERVICE_UNAVAILABLE,
                 SERVER,
@@ -447,6 +476,7 @@ mod tests {
         let d = Duration::from_secs(3);
         let all = [
             ApiError::Unauthenticated(AuthError::Missing),
+            ApiError::FailedAuthLimited { retry_after: d },
             ApiError::TenantDisabled,
             ApiError::InsufficientScope {
                 scope: "inference",
@@ -542,7 +572,32 @@ mod tests {
             ("fairness_key", None),
             ("sampling", None),
         ] {
-            assert_eq!(client_field(worker).as_deref(), client, "{worker}");
+            assert_eq!(client_field(worker, false).as_deref(), client, "{worker}");
+        }
+        // A chat request sent its prompt as messages.
+        assert_eq!(client_field("prompt", true).as_deref(), Some("messages"));
+        assert_eq!(
+            client_field("prompt.chat.messages[1].content", true).as_deref(),
+            Some("messages[1].content")
+        );
+        assert_eq!(
+            client_field("sampling.stop[0]", true).as_deref(),
+            Some("stop[0]")
+        );
+        let long_chat = UpstreamError {
+            kind: UpstreamErrorKind::InvalidRequest {
+                field: Some("prompt".into()),
+            },
+            reason: None,
+            message: "prompt: 9000 tokens and max_tokens 16 exceed the context (8192)".into(),
+            detail: String::new(),
+        };
+        match WorkerFailure::from_upstream(&long_chat, true) {
+            WorkerFailure::InvalidRequest { field, message, .. } => {
+                assert_eq!(field.as_deref(), Some("messages"));
+                assert!(message.starts_with("messages: 9000 tokens"), "{message}");
+            }
+            other => panic!("{other:?}"),
         }
         let upstream = UpstreamError {
             kind: UpstreamErrorKind::InvalidRequest {
@@ -553,7 +608,7 @@ mod tests {
             detail: String::new(),
         };
         assert_eq!(
-            WorkerFailure::from_upstream(&upstream),
+            WorkerFailure::from_upstream(&upstream, false),
             WorkerFailure::InvalidRequest {
                 field: Some("max_tokens".into()),
                 message: "max_tokens: 99 exceeds the context".into(),

@@ -24,10 +24,11 @@ use tokio::sync::Semaphore;
 use uuid::Uuid;
 
 use crate::audit::{AuditLog, AuditRecord, Durable, Ticket, Unavailable};
-use crate::auth::{self, JwtConfig, Principal};
+use crate::auth::{self, AuthError, JwtConfig, Principal};
 use crate::ratelimit::RateLimiter;
 use crate::registry::{Registry, Resolved, Snapshot};
 use crate::router::fleet::Fleet;
+use crate::sources::{Sources, Verdict};
 use crate::upstream::{self, Generation, UpstreamError, WorkerEvent};
 pub use error::{ApiError, Parts, WorkerFailure};
 use openai::{ChatRequest, CompletionRequest, Usage};
@@ -76,6 +77,8 @@ pub struct AppState {
     /// Turns true when the drain deadline has passed: open requests end
     /// with an error event (streams) or a 503, and a `cancelled` row.
     pub cut: tokio::sync::watch::Receiver<bool>,
+    /// Client addresses, their failed-authentication limit and its rows.
+    pub sources: Sources,
 }
 
 /// Resolves once the drain deadline has passed (never, if it cannot).
@@ -128,9 +131,47 @@ fn principal(
     auth::authenticate(value, snapshot, s.jwt.as_ref()).map_err(ApiError::unauthorized)
 }
 
-async fn models(State(s): State<AppState>, headers: HeaderMap) -> Result<Response, ApiError> {
+/// The client address of a request: its peer, or what a trusted proxy
+/// says (see [`crate::sources`]).
+fn client_of(s: &AppState, parts: &axum::http::request::Parts) -> Option<std::net::IpAddr> {
+    let peer = parts
+        .extensions
+        .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
+        .map(|c| c.0.ip());
+    s.sources.client(peer, &parts.headers)
+}
+
+/// A failed authentication: counted against its source and in the
+/// source's aggregated audit row (never a row of its own), and answered
+/// 401, or 429 once the source is past its limit.
+fn failed_auth(
+    s: &AppState,
+    client: Option<std::net::IpAddr>,
+    headers: &HeaderMap,
+    why: AuthError,
+) -> ApiError {
+    let prefix = crate::sources::key_prefix(headers);
+    match s.sources.failed(client, prefix.as_deref()) {
+        Verdict::Unauthenticated => ApiError::Unauthenticated(why),
+        Verdict::Throttled { retry_after } => ApiError::FailedAuthLimited { retry_after },
+    }
+}
+
+async fn models(State(s): State<AppState>, request: axum::extract::Request) -> Response {
+    let (parts, _body) = request.into_parts();
+    let client = client_of(&s, &parts);
+    match list_models(&s, &parts.headers) {
+        Ok(r) => r,
+        Err(ApiError::Unauthenticated(why)) => {
+            failed_auth(&s, client, &parts.headers, why).into_response()
+        }
+        Err(e) => e.into_response(),
+    }
+}
+
+fn list_models(s: &AppState, headers: &HeaderMap) -> Result<Response, ApiError> {
     let snapshot = s.registry.snapshot();
-    let p = principal(&s, &snapshot, &headers)?;
+    let p = principal(s, &snapshot, headers)?;
     if !p.has_scope(auth::SCOPE_MODELS_READ) && !p.has_scope(auth::SCOPE_INFERENCE) {
         return Err(ApiError::InsufficientScope {
             scope: auth::SCOPE_MODELS_READ,
@@ -161,15 +202,18 @@ enum Kind {
     Chat,
 }
 
-async fn completions(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Response {
-    handle(s, headers, body, Kind::Completion).await
+async fn completions(State(s): State<AppState>, request: axum::extract::Request) -> Response {
+    handle(s, request, Kind::Completion).await
 }
 
-async fn chat_completions(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Response {
-    handle(s, headers, body, Kind::Chat).await
+async fn chat_completions(State(s): State<AppState>, request: axum::extract::Request) -> Response {
+    handle(s, request, Kind::Chat).await
 }
 
-async fn handle(s: AppState, headers: HeaderMap, body: Body, kind: Kind) -> Response {
+async fn handle(s: AppState, request: axum::extract::Request, kind: Kind) -> Response {
+    let (parts, body) = request.into_parts();
+    let client = client_of(&s, &parts);
+    let headers = parts.headers;
     let request_id = Uuid::now_v7();
     // First of all, a place for the row: without one, no work is done.
     let ticket = match s.audit.admit() {
@@ -180,6 +224,7 @@ async fn handle(s: AppState, headers: HeaderMap, body: Body, kind: Kind) -> Resp
         }
     };
     let mut trail = Trail::new(request_id, ticket);
+    trail.record.client_addr = client.map(|c| c.to_string());
     let span = tracing::info_span!(
         "completion",
         %request_id,
@@ -211,6 +256,13 @@ async fn handle(s: AppState, headers: HeaderMap, body: Body, kind: Kind) -> Resp
     };
     let prepared = match result {
         Ok(p) => p,
+        Err(ApiError::Unauthenticated(why)) => {
+            // Counted in its source's aggregated row, not a row of its own.
+            trail.discard();
+            let e = failed_auth(&s, client, &headers, why);
+            span.in_scope(|| tracing::debug!(code = e.code(), "unauthenticated"));
+            return with_request_id(e.into_response(), request_id);
+        }
         Err(e) => {
             let Parts { code, status, .. } = e.parts();
             span.in_scope(|| tracing::info!(status = status.as_u16(), code, "refused"));
@@ -247,6 +299,13 @@ struct Prepared {
     model: String,
     _tenant_slot: Option<crate::concurrency::Slot>,
     _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl Prepared {
+    /// A chat completion: the client sent its prompt as `messages`.
+    fn chat(&self) -> bool {
+        matches!(self.request.prompt, upstream::Prompt::Chat { .. })
+    }
 }
 
 /// The request body, within the size limit and the body deadline.

@@ -205,7 +205,7 @@ pub(super) enum Cut {
 impl Cut {
     /// The audit row's outcome, and the error the client is told (None
     /// when no one is left to tell).
-    fn ending(self, s: &AppState) -> (&'static str, Option<ApiError>, &'static str) {
+    fn ending(self, s: &AppState, chat: bool) -> (&'static str, Option<ApiError>, &'static str) {
         match self {
             Cut::ClientClosed => ("cancelled", None, "client_closed"),
             Cut::Shutdown => ("cancelled", Some(shutting_down()), "gateway_shutdown"),
@@ -216,12 +216,13 @@ impl Cut {
                 ("error", Some(e), "request_timeout")
             }
             Cut::WorkerStreamEnded => {
-                let e = worker_error(&UpstreamError::unavailable(
-                    "the worker closed the stream before the end",
-                ));
+                let e = worker_error(
+                    &UpstreamError::unavailable("the worker closed the stream before the end"),
+                    chat,
+                );
                 ("error", Some(e), "worker_stream_ended")
             }
-            Cut::Worker(status) => ("error", Some(worker_error(&status)), "worker_failed"),
+            Cut::Worker(status) => ("error", Some(worker_error(&status, chat)), "worker_failed"),
         }
     }
 }
@@ -375,7 +376,7 @@ pub(super) async fn collect_response(
         }
         Err(cut) => {
             // Tokens were produced, so no retry: the client gets an error.
-            let (outcome, told, _) = cut.ending(&s);
+            let (outcome, told, _) = cut.ending(&s, p.chat());
             let e = told.unwrap_or(ApiError::GatewayShutdown);
             let parts = e.parts();
             span.in_scope(
@@ -400,6 +401,7 @@ pub(super) fn stream_response(
     meta: Meta,
 ) -> Response {
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(32);
+    let chat = p.chat();
     let task = async move {
         let n = st.len();
         let mut scores: Vec<StreamScores> = (0..n).map(|_| StreamScores::new(&p)).collect();
@@ -477,7 +479,7 @@ pub(super) fn stream_response(
                     send(sse(&body)).await;
                 }
             }
-            Err(cut) => end_early(&s, &tx, trail, cut).await,
+            Err(cut) => end_early(&s, &tx, trail, cut, chat).await,
         }
         drop(st);
     };
@@ -498,8 +500,9 @@ async fn end_early(
     tx: &tokio::sync::mpsc::Sender<Result<Bytes, std::io::Error>>,
     trail: Trail,
     cut: Cut,
+    chat: bool,
 ) {
-    let (status, told, code) = cut.ending(s);
+    let (status, told, code) = cut.ending(s, chat);
     if let Some(e) = told {
         let p = e.parts();
         let body = openai::error_body(&p.message, p.kind, None, Some(code));

@@ -35,44 +35,20 @@ impl Drop for Trail {
 
 impl Trail {
     pub(super) fn new(request_id: Uuid, ticket: Ticket) -> Trail {
-        let now = Utc::now();
         Trail {
-            record: AuditRecord {
-                request_id,
-                received_at: now,
-                completed_at: now,
-                tenant_id: None,
-                api_key_id: None,
-                api_key_prefix: None,
-                subject: None,
-                end_user: None,
-                model_name: String::new(),
-                route_id: None,
-                route_revision: None,
-                lora_int_id: None,
-                adapter_name: None,
-                adapter_version: None,
-                base_hash: None,
-                worker_id: None,
-                adapter_residency: None,
-                status: "rejected".into(),
-                http_status: 0,
-                error_code: None,
-                finish_reason: None,
-                prompt_tokens: 0,
-                completion_tokens: 0,
-                cached_tokens: 0,
-                features: String::new(),
-                latency_us: 0,
-                ttft_us: None,
-                attempts: 0,
-            },
+            record: AuditRecord::refused(request_id, Utc::now()),
             started: Instant::now(),
             tenant_name: String::new(),
             adapter_label: String::new(),
             ticket: Some(ticket),
             tokens: None,
         }
+    }
+
+    /// Gives the row's place back unwritten: the request is recorded
+    /// elsewhere (a failed authentication, in its source's aggregate).
+    pub(super) fn discard(&mut self) {
+        self.ticket = None;
     }
 
     /// Records what a refused body said its `model` and `user` were, made

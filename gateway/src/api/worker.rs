@@ -13,9 +13,10 @@ pub(super) struct Started {
     pub(super) worker: Arc<crate::router::fleet::Worker>,
 }
 
-/// A worker's failure as the tenant sees it ([`WorkerFailure`]).
-pub(super) fn worker_error(e: &UpstreamError) -> ApiError {
-    ApiError::Worker(WorkerFailure::from_upstream(e))
+/// A worker's failure as the tenant sees it ([`WorkerFailure`]); `chat`:
+/// the client sent its prompt as `messages`.
+pub(super) fn worker_error(e: &UpstreamError, chat: bool) -> ApiError {
+    ApiError::Worker(WorkerFailure::from_upstream(e, chat))
 }
 
 /// Tries the candidates in order until one produces a first token.
@@ -83,7 +84,7 @@ pub(super) async fn start(
                 metrics::counter!("lorafleet_gateway_retries_total").increment(1);
                 last = Some(e);
             }
-            Err(e) => return Err(worker_error(&e)),
+            Err(e) => return Err(worker_error(&e, p.chat())),
         }
     }
     if first_token_timeouts > 0 && first_token_timeouts == trail.record.attempts as usize {
@@ -92,9 +93,10 @@ pub(super) async fn start(
             tried: first_token_timeouts,
         });
     }
-    Err(worker_error(&last.unwrap_or_else(|| {
-        UpstreamError::unavailable("no candidate worker")
-    })))
+    Err(worker_error(
+        &last.unwrap_or_else(|| UpstreamError::unavailable("no candidate worker")),
+        p.chat(),
+    ))
 }
 
 /// Sends `g` to `worker` and reads up to its first event past `Accepted`.
@@ -153,5 +155,5 @@ pub(super) async fn start_siblings(
     });
     futures::future::try_join_all(starts)
         .await
-        .map_err(|e| worker_error(&e))
+        .map_err(|e| worker_error(&e, p.chat()))
 }

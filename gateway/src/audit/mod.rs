@@ -83,19 +83,73 @@ pub struct AuditRecord {
     pub latency_us: i64,
     pub ttft_us: Option<i64>,
     pub attempts: i16,
+    /// The client's address (see [`crate::sources`]); None for a request
+    /// that came through no socket, and for rows from before it was kept.
+    #[serde(default)]
+    pub client_addr: Option<String>,
+    /// The requests this row stands for: 1, or the failed authentications
+    /// of one source in one window.
+    #[serde(default = "one")]
+    pub occurrences: i32,
+    /// Of an aggregated row, the last API key prefix seen (the first is in
+    /// `api_key_prefix`).
+    #[serde(default)]
+    pub last_key_prefix: Option<String>,
+}
+
+fn one() -> i32 {
+    1
 }
 
 /// A row's fixed part as a spool line (keys, ids, times, numbers), in bytes,
 /// with room to spare: the weight bounds the line it becomes.
 const FIXED_ROW_BYTES: usize = 1024;
 /// Text fields of a row.
-const TEXT_FIELDS: usize = 12;
+const TEXT_FIELDS: usize = 14;
 /// The most a row can weigh once made safe: its fixed part and every text
 /// field at its cap (and the cap's marker), twice over for JSON escapes.
 pub const MAX_ROW_BYTES: usize =
     FIXED_ROW_BYTES + 2 * TEXT_FIELDS * (sanitize::MAX_FIELD_BYTES + 32);
 
 impl AuditRecord {
+    /// A `rejected` row received at `at`, with nothing known yet: the
+    /// request fills it in as it goes.
+    pub fn refused(request_id: Uuid, at: DateTime<Utc>) -> AuditRecord {
+        AuditRecord {
+            request_id,
+            received_at: at,
+            completed_at: at,
+            tenant_id: None,
+            api_key_id: None,
+            api_key_prefix: None,
+            subject: None,
+            end_user: None,
+            model_name: String::new(),
+            route_id: None,
+            route_revision: None,
+            lora_int_id: None,
+            adapter_name: None,
+            adapter_version: None,
+            base_hash: None,
+            worker_id: None,
+            adapter_residency: None,
+            status: "rejected".into(),
+            http_status: 0,
+            error_code: None,
+            finish_reason: None,
+            prompt_tokens: 0,
+            completion_tokens: 0,
+            cached_tokens: 0,
+            features: String::new(),
+            latency_us: 0,
+            ttft_us: None,
+            attempts: 0,
+            client_addr: None,
+            occurrences: 1,
+            last_key_prefix: None,
+        }
+    }
+
     /// Makes every text field safe for any text column and bounded.
     fn make_safe(&mut self) {
         use sanitize::{MAX_FIELD_BYTES as M, safe, safe_opt};
@@ -110,6 +164,8 @@ impl AuditRecord {
             &mut self.adapter_residency,
             &mut self.error_code,
             &mut self.finish_reason,
+            &mut self.client_addr,
+            &mut self.last_key_prefix,
         ] {
             *f = safe_opt(f, M);
         }

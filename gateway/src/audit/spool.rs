@@ -574,37 +574,11 @@ mod tests {
     use super::*;
 
     fn row(i: u32) -> AuditRecord {
-        let now = chrono::Utc::now();
-        AuditRecord {
-            request_id: uuid::Uuid::now_v7(),
-            received_at: now,
-            completed_at: now,
-            tenant_id: None,
-            api_key_id: None,
-            api_key_prefix: None,
-            subject: None,
-            end_user: None,
-            model_name: format!("m{i}"),
-            route_id: None,
-            route_revision: None,
-            lora_int_id: None,
-            adapter_name: None,
-            adapter_version: None,
-            base_hash: None,
-            worker_id: None,
-            adapter_residency: None,
-            status: "rejected".into(),
-            http_status: 401,
-            error_code: None,
-            finish_reason: None,
-            prompt_tokens: 0,
-            completion_tokens: 0,
-            cached_tokens: 0,
-            features: String::new(),
-            latency_us: 1,
-            ttft_us: None,
-            attempts: 0,
-        }
+        let mut r = AuditRecord::refused(uuid::Uuid::now_v7(), chrono::Utc::now());
+        r.model_name = format!("m{i}");
+        r.http_status = 401;
+        r.latency_us = 1;
+        r
     }
 
     fn replayed(spool: &mut Spool) -> Vec<String> {

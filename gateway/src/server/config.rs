@@ -73,6 +73,8 @@ pub struct GatewayConfig {
     pub admin_statement_timeout: Duration,
     pub registry_max_age: Duration,
     pub audit: AuditConfig,
+    /// The client address and the failed-authentication limit.
+    pub sources: crate::sources::SourcesConfig,
     /// On shutdown, how long the audit queue may take to be placed.
     pub audit_flush: Duration,
     pub rollout_tick: Duration,

@@ -13,6 +13,7 @@ use crate::auth::{self, JwtArgs};
 use crate::flag_error::{FlagError, ensure};
 use crate::router::fleet::Discovery;
 use crate::router::policy::Policy;
+use crate::sources::{GuardConfig, SourcesConfig, TrustedProxies};
 
 use super::config::{AdminConfig, ConfigError, GatewayConfig};
 use super::worker_tls::WorkerTlsFlags;
@@ -89,6 +90,29 @@ pub struct ServeArgs {
     /// then 408 `body_timeout`.
     #[arg(long, env = "LORAFLEET_BODY_TIMEOUT_SECS", default_value_t = 30)]
     pub body_timeout_secs: u64,
+    /// The proxies in front of the gateway (CIDRs or addresses,
+    /// comma-separated) whose `X-Forwarded-For` is believed: the client is
+    /// the nearest hop that is not one of them. Empty: the TCP peer.
+    #[arg(long, env = "LORAFLEET_TRUSTED_PROXIES", value_delimiter = ',')]
+    pub trusted_proxies: Vec<String>,
+    /// Failed authentications one client address may make in a burst;
+    /// past them its requests get 429 `too_many_failed_authentications`.
+    #[arg(long, env = "LORAFLEET_FAILED_AUTH_BURST", default_value_t = 20)]
+    pub failed_auth_burst: u32,
+    /// Failed authentications per minute a client address gets back.
+    #[arg(long, env = "LORAFLEET_FAILED_AUTH_PER_MINUTE", default_value_t = 10)]
+    pub failed_auth_per_minute: u32,
+    /// Seconds one audit row of a source's failed authentications covers.
+    #[arg(long, env = "LORAFLEET_FAILED_AUTH_WINDOW_SECS", default_value_t = 60)]
+    pub failed_auth_window_secs: u32,
+    /// Client addresses the failed-authentication limit remembers at once;
+    /// past them new addresses share one bucket.
+    #[arg(
+        long,
+        env = "LORAFLEET_FAILED_AUTH_MAX_SOURCES",
+        default_value_t = 100_000
+    )]
+    pub failed_auth_max_sources: usize,
     /// Largest request body accepted, in bytes.
     #[arg(long, env = "LORAFLEET_MAX_BODY_BYTES", default_value_t = 1 << 20)]
     pub max_body_bytes: usize,
@@ -250,6 +274,7 @@ impl ServeArgs {
             secure_cookie: !self.console_insecure_cookie,
         });
         let audit = self.audit_config()?;
+        let sources = self.sources()?;
         // The admin pool's URL, checked now so a bad one is named.
         crate::db::parse_database_url("--database-url", &self.database_url)
             .map_err(|e| FlagError::new("--database-url", flag_reason(&e.to_string())))?;
@@ -285,6 +310,7 @@ impl ServeArgs {
             admin_statement_timeout: Duration::from_secs(self.admin_statement_timeout_secs),
             registry_max_age: Duration::from_secs(self.registry_max_age_secs),
             audit,
+            sources,
             audit_flush: Duration::from_secs(self.audit_flush_secs),
             rollout_tick: Duration::from_millis(self.rollout_tick_ms),
             rollout_lease: Duration::from_secs(self.rollout_lease_secs),
@@ -366,6 +392,42 @@ impl ServeArgs {
             }
             Some(n) => n,
             None => (self.max_concurrent_requests / 4).max(1),
+        })
+    }
+
+    /// The client address and the failed-authentication limit.
+    fn sources(&self) -> Result<SourcesConfig, FlagError> {
+        let trusted_proxies = TrustedProxies::parse(&self.trusted_proxies)?;
+        for (flag, v) in [
+            ("--failed-auth-burst", u64::from(self.failed_auth_burst)),
+            (
+                "--failed-auth-per-minute",
+                u64::from(self.failed_auth_per_minute),
+            ),
+            (
+                "--failed-auth-window-secs",
+                u64::from(self.failed_auth_window_secs),
+            ),
+            (
+                "--failed-auth-max-sources",
+                self.failed_auth_max_sources as u64,
+            ),
+        ] {
+            ensure(v > 0, flag, "must be at least 1")?;
+        }
+        ensure(
+            self.failed_auth_window_secs <= 3600,
+            "--failed-auth-window-secs",
+            format!("{} is more than an hour", self.failed_auth_window_secs),
+        )?;
+        Ok(SourcesConfig {
+            trusted_proxies,
+            guard: GuardConfig {
+                burst: self.failed_auth_burst,
+                per_minute: self.failed_auth_per_minute,
+                max_sources: self.failed_auth_max_sources,
+            },
+            window_secs: self.failed_auth_window_secs,
         })
     }
 
@@ -579,6 +641,18 @@ mod tests {
             (
                 &["--max-attempts", "0"],
                 "--max-attempts: must be at least 1",
+            ),
+            (
+                &["--trusted-proxies", "10.0.0.0/8,proxy"],
+                "--trusted-proxies: \"proxy\" is not a CIDR",
+            ),
+            (
+                &["--failed-auth-burst", "0"],
+                "--failed-auth-burst: must be at least 1",
+            ),
+            (
+                &["--failed-auth-window-secs", "7200"],
+                "--failed-auth-window-secs: 7200 is more than an hour",
             ),
             (
                 &["--first-token-timeout-secs", "0"],

@@ -211,8 +211,9 @@ pub async fn start(config: GatewayConfig, listeners: Listeners) -> Result<Runnin
         first_token_timeout: config.first_token_timeout,
         registry_max_age: config.registry_max_age,
         cut: cut_rx,
+        sources: crate::sources::Sources::new(config.sources.clone()),
     };
-    let mut background = Vec::new();
+    let mut background = vec![state.sources.spawn_flusher(state.audit.clone())];
     let admin = match (&config.admin, listeners.admin) {
         (Some(a), Some(listener)) => {
             let (addr, tasks) = start_admin(&config, a, listener, &state, channel).await?;
@@ -409,6 +410,8 @@ impl Running {
                 }
             }
         }
+        // Failed authentications of the windows still open get their rows.
+        self.state.sources.flush(&self.state.audit, true);
         // The writer stops once every admitted row is placed, even if idle
         // connections still hold the state.
         self.state.audit.close();

@@ -216,6 +216,11 @@ pub struct Fleet {
 }
 
 pub async fn fleet(label: &str) -> Fleet {
+    fleet_with(label, &[]).await
+}
+
+/// [`fleet`] with `extra` gateway flags.
+pub async fn fleet_with(label: &str, extra: &[&str]) -> Fleet {
     let db = migrated_db(label).await;
     let pool = db.pool().await;
     let seeded = seed(&pool).await;
@@ -235,6 +240,7 @@ pub async fn fleet(label: &str) -> Fleet {
     .args(["--workers", &addrs.join(",")])
     .args(["--registry-refresh-secs", "1"])
     .args(["--first-token-timeout-secs", "5"])
+    .args(extra)
     .arg("--audit-spool")
     .arg(spool.path());
     let gateway = Server::start(cmd, "lorafleet-gateway listening ");
@@ -293,6 +299,10 @@ impl Fleet {
             Ok(v) => v,
             Err(_) => Value::String(text),
         };
+        // And every field it names is one the client sent.
+        if status >= 400 {
+            lorafleet_tests::assert_client_param(&body, &v);
+        }
         (status, v)
     }
 
@@ -322,8 +332,10 @@ impl Fleet {
         self.post("/v1/completions", Some(ACME_KEY), body).await
     }
 
+    /// The requests the audit log records: one a row, except the rows of
+    /// failed authentications, which count theirs.
     pub async fn audit_count(&self) -> i64 {
-        sqlx::query_scalar("SELECT count(*) FROM audit_log")
+        sqlx::query_scalar("SELECT coalesce(sum(occurrences), 0)::int8 FROM audit_log")
             .fetch_one(&self.pool)
             .await
             .unwrap()

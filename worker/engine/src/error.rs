@@ -29,10 +29,13 @@ pub enum EngineError {
     /// A request field is out of range.
     #[error("{field}: {reason}")]
     InvalidRequest { field: String, reason: String },
-    /// The prompt plus `max_tokens` does not fit the model's context.
+    /// The prompt plus `max_tokens` does not fit the model's context. The
+    /// field at fault ([`EngineError::context_field`]) is the prompt when
+    /// it leaves no room for a single token, else `max_tokens`.
     #[error(
-        "sampling.max_tokens: the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) \
-         exceeds the model's context of {max_model_len} tokens"
+        "{}: the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) \
+         exceeds the model's context of {max_model_len} tokens",
+        context_field(*prompt_tokens, *max_model_len)
     )]
     ContextLength {
         prompt_tokens: usize,
@@ -93,3 +96,13 @@ impl EngineError {
 
 /// The engine's result type.
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;
+
+/// The field a context-length refusal blames: the prompt when it fills
+/// the context alone, else `max_tokens`.
+pub fn context_field(prompt_tokens: usize, max_model_len: usize) -> &'static str {
+    if prompt_tokens >= max_model_len {
+        "prompt"
+    } else {
+        "sampling.max_tokens"
+    }
+}

@@ -28,7 +28,7 @@ pub use engine::{
     Accepted, BackendChoice, Completion, Engine, EngineSettings, EngineStats, Event, FairShare,
     Fairness, Prompt, Request, RunCounters, StepStats,
 };
-pub use error::{EngineError, Result};
+pub use error::{EngineError, Result, context_field};
 pub use pool::{AdapterId, AdapterSource, Residency};
 pub use prompter::Prompter;
 pub use sampling::SamplingParams;
