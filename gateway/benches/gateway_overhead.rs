@@ -21,6 +21,9 @@
 //! stand-in instead, with nothing else of the bench beside it.
 //! `GATEWAY_OVERHEAD_GATEWAY_THREADS=N` gives each gateway N runtime
 //! threads (tokio's default is one per core).
+//! `GATEWAY_OVERHEAD_FLOOD=1` runs one gateway and measures the tenant's
+//! latency alone and beside a flood of bad API keys from one address at
+//! the same rate (10,000 in all), and how many audit rows the flood cost.
 //!
 //! Needs Postgres at 127.0.0.1:5432 (user postgres, trust) and Redis at
 //! 127.0.0.1:6379, like the tests.
@@ -483,6 +486,108 @@ async fn measure(paths: &[(&str, Call)], added: &[(&str, usize, usize)]) {
     }
 }
 
+/// Bad-key requests at RATE for ROUND_SECS: (401s, 429s, other).
+async fn flood_loop(http: reqwest::Client, url: String) -> (usize, usize, usize) {
+    let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / RATE));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    let mut tasks = Vec::new();
+    for i in 0..RATE * ROUND_SECS {
+        tick.tick().await;
+        let req = http
+            .post(&url)
+            .bearer_auth(format!("lf_flood{i:06}.wrong"))
+            .json(&serde_json::json!({"model": "m", "prompt": "hello", "max_tokens": 1}));
+        tasks.push(tokio::spawn(async move {
+            req.send().await.map_or(0, |r| r.status().as_u16())
+        }));
+    }
+    let mut n = (0, 0, 0);
+    for t in tasks {
+        match t.await.unwrap() {
+            401 => n.0 += 1,
+            429 => n.1 += 1,
+            _ => n.2 += 1,
+        }
+    }
+    n
+}
+
+/// The tenant alone and beside a bad-key flood, in alternating rounds.
+async fn flood(url: &str, gw_http: &str, gw: &mut std::process::Child) {
+    let http = client();
+    let tenant = via_gateway(&http, gw_http);
+    for _ in 0..200 {
+        assert!(tenant().await, "a warm-up call failed");
+    }
+    let flood_url = format!("http://{gw_http}/v1/completions");
+    let (mut quiet, mut loud) = (Vec::new(), Vec::new());
+    let mut failed = [0usize; 2];
+    let mut answers = (0, 0, 0);
+    for round in 0..ROUNDS {
+        for k in 0..2 {
+            let flooded = (round + k) % 2 == 1;
+            let call = tenant.clone();
+            if flooded {
+                let ((l, f), (a, b, c)) = tokio::join!(
+                    open_loop(move || call()),
+                    flood_loop(client(), flood_url.clone())
+                );
+                loud.extend(l);
+                failed[1] += f;
+                answers = (answers.0 + a, answers.1 + b, answers.2 + c);
+            } else {
+                let (l, f) = open_loop(move || call()).await;
+                quiet.extend(l);
+                failed[0] += f;
+            }
+        }
+    }
+    // The flood's rows reach Postgres when their window (60 s) ends, or
+    // at the gateway's drain.
+    let _ = Command::new("kill")
+        .args(["-TERM", &gw.id().to_string()])
+        .status();
+    let _ = gw.wait();
+    let mut c = sqlx::PgConnection::connect(url).await.unwrap();
+    let (rows, counted): (i64, i64) = sqlx::query_as(
+        "SELECT count(*), coalesce(sum(occurrences), 0)::int8 FROM audit_log
+         WHERE tenant_id IS NULL",
+    )
+    .fetch_one(&mut c)
+    .await
+    .unwrap();
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    quiet.sort();
+    loud.sort();
+    println!(
+        "a tenant at {RATE} req/s, alone and beside {RATE} bad-key req/s from one address, \
+         {ROUNDS} interleaved rounds of {ROUND_SECS} s, STAND-IN worker, {} cores",
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+    println!("| tenant traffic | ok | failed | p50 | p99 |");
+    println!("|---|---:|---:|---:|---:|");
+    for (name, lat, f) in [
+        ("alone", &quiet, failed[0]),
+        ("beside the flood", &loud, failed[1]),
+    ] {
+        println!(
+            "| {name} | {} | {f} | {:.3} ms | {:.3} ms |",
+            lat.len(),
+            ms(percentile(lat, 0.5)),
+            ms(percentile(lat, 0.99))
+        );
+    }
+    let (p99a, p99b) = (percentile(&quiet, 0.99), percentile(&loud, 0.99));
+    println!(
+        "p99 change: {:+.1}%; the flood: {} × 401, {} × 429, {} other; \
+         {rows} audit rows counting {counted} requests",
+        (p99b.as_secs_f64() / p99a.as_secs_f64() - 1.0) * 100.0,
+        answers.0,
+        answers.1,
+        answers.2
+    );
+}
+
 fn main() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
@@ -512,6 +617,19 @@ fn main() {
         seed(&url).await;
 
         let prefix = format!("{db}:");
+        if std::env::var_os("GATEWAY_OVERHEAD_FLOOD").is_some() {
+            let spool = scratch.path().join("spool-flood");
+            let (mut gw, gw_http) = gateway(&url, &prefix, plain_worker, &spool, None, "commit");
+            wait_ready(&client(), &gw_http).await;
+            flood(&url, &gw_http, &mut gw).await;
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "DROP DATABASE IF EXISTS {db} WITH (FORCE)"
+            )))
+            .execute(&mut c)
+            .await
+            .unwrap();
+            return;
+        }
         if let Ok(mode) = std::env::var("GATEWAY_OVERHEAD_ALONE") {
             // One gateway and one stand-in: what the gateway adds with
             // nothing else of the bench's running beside it.

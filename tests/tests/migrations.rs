@@ -72,7 +72,8 @@ async fn migrations_apply_to_an_empty_database_and_rerun_as_a_no_op() {
             (8, true),
             (9, true),
             (10, true),
-            (11, true)
+            (11, true),
+            (12, true)
         ],
         "each migration applied exactly once"
     );
@@ -95,7 +96,7 @@ async fn migrate_takes_the_url_from_the_environment() {
         .fetch_one(&db.pool().await)
         .await
         .unwrap();
-    assert_eq!(n, 11);
+    assert_eq!(n, 12);
 }
 
 #[test]

@@ -245,11 +245,12 @@ async fn concurrent_adapter_streams_match_the_goldens_and_bad_artifacts_are_refu
             Code::InvalidArgument,
             "token_ids",
         ),
-        // Longer than max_model_len (512): refused before the engine.
+        // Longer than max_model_len (512): refused before the engine, the
+        // prompt being at fault (it leaves no room for a single token).
         (
             request("r", None, vec![5; 600], 2),
             Code::InvalidArgument,
-            "sampling.max_tokens",
+            "prompt: the prompt (600 tokens)",
         ),
         (
             pb::GenerateRequest {

@@ -83,7 +83,7 @@ pub struct AuditRecord {
     pub latency_us: i64,
     pub ttft_us: Option<i64>,
     pub attempts: i16,
-    /// The client's address (see [`crate::sources`]); None for a request
+    /// The client's address (the gateway's `sources`); None for a request
     /// that came through no socket, and for rows from before it was kept.
     #[serde(default)]
     pub client_addr: Option<String>,

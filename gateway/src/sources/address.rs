@@ -21,6 +21,10 @@ impl TrustedProxies {
         let mut nets = Vec::with_capacity(values.len());
         for v in values {
             let v = v.trim();
+            // An empty setting (an unset environment variable) is none.
+            if v.is_empty() {
+                continue;
+            }
             let net = IpNet::from_str(v)
                 .or_else(|_| IpAddr::from_str(v).map(IpNet::from))
                 .map_err(|_| {
@@ -159,6 +163,7 @@ mod tests {
 
     #[test]
     fn a_bad_flag_is_named() {
+        assert!(TrustedProxies::parse(&["".into()]).unwrap().0.is_empty());
         let e = TrustedProxies::parse(&["10.0.0.0/33".into()]).unwrap_err();
         assert!(e.to_string().contains("--trusted-proxies"), "{e}");
         assert!(e.to_string().contains("10.0.0.0/33"), "{e}");
