@@ -52,6 +52,7 @@ fn settings() -> EngineSettings {
         max_pinned: None,
         prefix_caching: true,
         fair_admission: true,
+        eviction: Default::default(),
     }
 }
 

@@ -89,6 +89,7 @@ fn main() {
         max_pinned: None,
         prefix_caching: true,
         fair_admission: true,
+        eviction: Default::default(),
     };
     println!(
         "decode, STAND-IN Llama-3.2-1B shape (h={}, L={}, vocab {}, bf16), rank {}, {REQUESTS} requests x {NEW} new tokens, up to 32 a step, {slots} device slots",

@@ -17,7 +17,8 @@
 //! 5); the table gives each row's median tokens/s, the ratio of that median
 //! to the first row's, and the median over rounds of the ratio taken within
 //! one round. `LORAFLEET_BENCH_ADAPTERS=1,512` picks the adapter counts;
-//! `LORAFLEET_BENCH_STEPS=1` prints, for each run, the time spent in steps
+//! `LORAFLEET_BENCH_EVICTION=lru` runs the device tier's LRU eviction
+//! instead of eviction by value. `LORAFLEET_BENCH_STEPS=1` prints, for each run, the time spent in steps
 //! of each size (tokens per step) on stderr: in this workload the steps of
 //! 256 tokens are prefills and those of 32 decodes.
 
@@ -164,6 +165,10 @@ fn run_once(model: &std::path::Path, adapter_dirs: &[std::path::PathBuf]) -> Run
         max_pinned: None,
         prefix_caching: true,
         fair_admission: true,
+        // LORAFLEET_BENCH_EVICTION=lru compares the device tier's old policy.
+        eviction: std::env::var("LORAFLEET_BENCH_EVICTION")
+            .map(|v| v.parse().expect("LORAFLEET_BENCH_EVICTION: value or lru"))
+            .unwrap_or_default(),
     };
     let mut e = Engine::load_cpu(model, settings).unwrap();
     let loading = Instant::now();

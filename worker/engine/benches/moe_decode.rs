@@ -96,6 +96,7 @@ fn run_once(model: &std::path::Path, dirs: &[std::path::PathBuf]) -> f64 {
         max_pinned: None,
         prefix_caching: true,
         fair_admission: true,
+        eviction: Default::default(),
     };
     let mut e = Engine::load_cpu(model, settings).unwrap();
     for (i, dir) in dirs.iter().enumerate() {

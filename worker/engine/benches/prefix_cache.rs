@@ -83,6 +83,7 @@ fn run(model: &std::path::Path, dirs: &[std::path::PathBuf], prefix_caching: boo
         max_pinned: None,
         prefix_caching,
         fair_admission: true,
+        eviction: Default::default(),
     };
     let mut e = Engine::load_cpu(model, settings).expect("the stand-in model");
     let aid = standin::id;

@@ -100,6 +100,7 @@ fn run(model: &std::path::Path, stops: &[String]) -> f64 {
         max_pinned: None,
         prefix_caching: true,
         fair_admission: true,
+        eviction: Default::default(),
     };
     let mut e = Engine::load_cpu(model, settings).expect("the fixture model");
     let request = |tenant: &str, i: usize, stop: Vec<String>| Request {

@@ -10,6 +10,7 @@ pub mod backend;
 pub mod constraint;
 pub mod engine;
 pub mod error;
+pub mod eviction;
 pub mod kv;
 pub mod logprobs;
 pub mod lora;

@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use crate::backend::Backend;
 use crate::error::Result;
+use crate::eviction::{EvictionPolicy, RequestRate, victim_key};
 use crate::lora::{AdapterError, AdapterLimits, HostAdapter};
 use crate::model::ModelConfig;
 
@@ -111,6 +112,8 @@ struct Entry {
     leases: Arc<AtomicU32>,
     queued: u32,
     last_used: u64,
+    /// Its recent request rate, for eviction by value.
+    rate: RequestRate,
     loading: bool,
     /// Set by `unload` while leases remain; the adapter leaves when they end.
     unload_pending: bool,
@@ -148,6 +151,10 @@ pub struct AdapterPool {
     max_pinned: usize,
     /// How long each slot write took, since they were last taken.
     upload_times: Vec<Duration>,
+    /// How a device slot is chosen for eviction.
+    eviction: EvictionPolicy,
+    /// Requests that arrived: the clock of request rates.
+    arrivals: u64,
 }
 
 /// Slot write times kept between two takes; older ones are dropped.
@@ -196,7 +203,14 @@ impl AdapterPool {
             generation: 0,
             max_pinned: slots.saturating_sub(1),
             upload_times: Vec::new(),
+            eviction: EvictionPolicy::default(),
+            arrivals: 0,
         }
+    }
+
+    /// How a device slot is chosen for eviction (default: by value).
+    pub fn set_eviction(&mut self, policy: EvictionPolicy) {
+        self.eviction = policy;
     }
 
     /// Caps pins (default: one slot fewer than there are).
@@ -321,6 +335,7 @@ impl AdapterPool {
                         leases: Arc::new(AtomicU32::new(0)),
                         queued: 0,
                         last_used: now,
+                        rate: RequestRate::default(),
                         loading: false,
                         unload_pending: false,
                         prefetched: false,
@@ -375,9 +390,11 @@ impl AdapterPool {
             Residency::Loading | Residency::NotLoaded => self.counters.misses += 1,
         }
         let now = self.tick();
+        self.arrivals += 1;
         if let Some(e) = self.entries.get_mut(&id) {
             e.queued += 1;
             e.last_used = now;
+            e.rate.arrive(self.arrivals);
             e.unload_pending = false;
         }
         self.request_load(id);
@@ -504,9 +521,10 @@ impl AdapterPool {
         }
     }
 
-    /// Puts an adapter in a device slot, evicting the least recently used
-    /// slot that is neither leased, pinned nor in `busy` (slots the current
-    /// step already uses). Returns None when no slot can be had now.
+    /// Puts an adapter in a device slot, evicting the slot the policy
+    /// values least (see [`crate::eviction`]) that is neither leased,
+    /// pinned nor in `busy` (slots the current step already uses). Returns
+    /// None when no slot can be had now.
     pub fn ensure_device(
         &mut self,
         id: AdapterId,
@@ -537,10 +555,13 @@ impl AdapterPool {
                     })
                     // An adapter that requests wait for goes last: evicting
                     // it would only load it again. It still can go, or a
-                    // flooded adapter could starve every other one.
+                    // flooded adapter could starve every other one. Then
+                    // the policy: by value or by recency.
                     .min_by_key(|(_, h)| {
                         let e = &self.entries[h];
-                        (e.queued > 0, e.last_used, *h)
+                        let rate = e.rate.at(self.arrivals);
+                        let key = victim_key(self.eviction, e.queued > 0, rate, e.last_used);
+                        (key, *h)
                     });
                 let Some((slot, holder)) = victim else {
                     return Ok(None);

@@ -417,18 +417,17 @@ impl Scheduler<'_> {
         }
     }
 
-    /// Frees a running sequence's KV and lease and puts it at the head of the
-    /// waiting queue, to be recomputed from its tokens.
+    /// Frees a running sequence's KV and puts it at the head of the waiting
+    /// queue, to be recomputed from its tokens. It keeps its lease: a live
+    /// sequence's adapter is never evicted, so it resumes without a load.
     fn preempt(&mut self, id: SeqId) {
         let seq = self.seqs.get_mut(&id).expect("preempted sequence exists");
         self.kv.release(&mut seq.blocks);
         seq.num_computed = 0;
         seq.registered = 0;
         seq.preemptions += 1;
-        if let Some(lease) = seq.lease.take() {
-            let adapter = lease.adapter();
-            drop(lease);
-            self.pool.on_requeue(adapter);
+        if let Some(lease) = &seq.lease {
+            self.pool.on_requeue(lease.adapter());
         }
         self.queues.running.retain(|&r| r != id);
         self.queues.waiting.push_front(id);

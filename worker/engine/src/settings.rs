@@ -34,6 +34,8 @@ pub struct EngineSettings {
     /// Whether waiting requests are admitted by fair shares between their
     /// fairness keys (tenants) rather than in arrival order.
     pub fair_admission: bool,
+    /// How a device slot is chosen for eviction (see [`crate::eviction`]).
+    pub eviction: crate::eviction::EvictionPolicy,
 }
 
 impl Default for EngineSettings {
@@ -51,6 +53,7 @@ impl Default for EngineSettings {
             max_pinned: None,
             prefix_caching: true,
             fair_admission: true,
+            eviction: crate::eviction::EvictionPolicy::Value,
         }
     }
 }

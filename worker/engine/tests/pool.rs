@@ -1,4 +1,4 @@
-//! The adapter pool: LRU eviction order, leases that prevent eviction,
+//! The adapter pool: eviction order (by value, and LRU), leases that prevent eviction,
 //! counters on a thrashing trace, and more adapters than slots.
 
 mod common;
@@ -63,8 +63,29 @@ fn device_set(pool: &AdapterPool) -> Vec<u64> {
 }
 
 #[test]
+fn by_value_a_popular_adapter_keeps_its_slot_over_recent_one_offs() {
+    use lorafleet_engine::eviction::EvictionPolicy;
+    for (policy, kept) in [
+        (EvictionPolicy::Value, vec![1, 3, 4]),
+        (EvictionPolicy::Lru, vec![2, 3, 4]),
+    ] {
+        let (mut pool, mut backend) = setup(3, 10);
+        pool.set_eviction(policy);
+        for _ in 0..5 {
+            access(&mut pool, &mut backend, 1);
+        }
+        // Two one-offs after it: 1 is now the least recently used.
+        access(&mut pool, &mut backend, 2);
+        access(&mut pool, &mut backend, 3);
+        access(&mut pool, &mut backend, 4);
+        assert_eq!(device_set(&pool), kept, "{policy:?}");
+    }
+}
+
+#[test]
 fn the_least_recently_used_slot_is_evicted_first() {
     let (mut pool, mut backend) = setup(3, 10);
+    pool.set_eviction(lorafleet_engine::eviction::EvictionPolicy::Lru);
     for id in [1, 2, 3] {
         access(&mut pool, &mut backend, id);
     }

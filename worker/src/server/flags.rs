@@ -145,6 +145,12 @@ pub struct EngineFlags {
     /// between tenants.
     #[arg(long, env = "LORAFLEET_NO_FAIR_ADMISSION")]
     no_fair_admission: bool,
+    /// Which device slot gives way to an adapter that needs one: `value`
+    /// (no queued requests, then the lowest recent request rate, then the
+    /// least recently used) or `lru` (no queued requests, then the least
+    /// recently used).
+    #[arg(long, env = "LORAFLEET_ADAPTER_EVICTION", default_value = "value")]
+    adapter_eviction: String,
 }
 
 impl EngineFlags {
@@ -210,6 +216,10 @@ impl EngineFlags {
 
     /// The checked settings; an error names the flag, as `--max-loras: …`.
     pub fn settings(&self) -> Result<EngineSettings, FlagError> {
+        let eviction = self
+            .adapter_eviction
+            .parse()
+            .map_err(|e: String| FlagError::new("--adapter-eviction", e))?;
         let settings = EngineSettings {
             max_loras: self.max_loras,
             max_lora_rank: self.max_lora_rank,
@@ -223,6 +233,7 @@ impl EngineFlags {
             max_pinned: self.max_pinned,
             prefix_caching: !self.no_prefix_caching,
             fair_admission: !self.no_fair_admission,
+            eviction,
         };
         settings.validate().map_err(|e| {
             let text = e.to_string().replace('_', "-");

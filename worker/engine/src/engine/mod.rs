@@ -190,6 +190,7 @@ impl Engine {
             pool.set_max_pinned(p);
         }
         pool.set_host_byte_budget(settings.max_cpu_lora_bytes);
+        pool.set_eviction(settings.eviction);
         let seed = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64);
