@@ -23,7 +23,9 @@
 //! threads (tokio's default is one per core).
 //! `GATEWAY_OVERHEAD_FLOOD=1` runs one gateway and measures the tenant's
 //! latency alone and beside a flood of bad API keys from one address at
-//! the same rate (10,000 in all), and how many audit rows the flood cost.
+//! the same rate (10,000 in all), and how many audit rows the flood cost;
+//! `GATEWAY_OVERHEAD_FLOOD=healthz` floods `GET /healthz` instead, the
+//! cheapest request there is, for comparison.
 //!
 //! Needs Postgres at 127.0.0.1:5432 (user postgres, trust) and Redis at
 //! 127.0.0.1:6379, like the tests.
@@ -487,16 +489,21 @@ async fn measure(paths: &[(&str, Call)], added: &[(&str, usize, usize)]) {
 }
 
 /// Bad-key requests at RATE for ROUND_SECS: (401s, 429s, other).
-async fn flood_loop(http: reqwest::Client, url: String) -> (usize, usize, usize) {
+/// With `healthz`, the flood is `GET /healthz` instead: what any request
+/// costs the shared cores, against which the bad keys' own cost shows.
+async fn flood_loop(http: reqwest::Client, url: String, healthz: bool) -> (usize, usize, usize) {
     let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / RATE));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
     let mut tasks = Vec::new();
     for i in 0..RATE * ROUND_SECS {
         tick.tick().await;
-        let req = http
-            .post(&url)
-            .bearer_auth(format!("lf_flood{i:06}.wrong"))
-            .json(&serde_json::json!({"model": "m", "prompt": "hello", "max_tokens": 1}));
+        let req = if healthz {
+            http.get(url.replace("/v1/completions", "/healthz"))
+        } else {
+            http.post(&url)
+                .bearer_auth(format!("lf_flood{i:06}.wrong"))
+                .json(&serde_json::json!({"model": "m", "prompt": "hello", "max_tokens": 1}))
+        };
         tasks.push(tokio::spawn(async move {
             req.send().await.map_or(0, |r| r.status().as_u16())
         }));
@@ -504,7 +511,7 @@ async fn flood_loop(http: reqwest::Client, url: String) -> (usize, usize, usize)
     let mut n = (0, 0, 0);
     for t in tasks {
         match t.await.unwrap() {
-            401 => n.0 += 1,
+            401 | 200 => n.0 += 1,
             429 => n.1 += 1,
             _ => n.2 += 1,
         }
@@ -513,7 +520,7 @@ async fn flood_loop(http: reqwest::Client, url: String) -> (usize, usize, usize)
 }
 
 /// The tenant alone and beside a bad-key flood, in alternating rounds.
-async fn flood(url: &str, gw_http: &str, gw: &mut std::process::Child) {
+async fn flood(url: &str, gw_http: &str, gw: &mut std::process::Child, healthz: bool) {
     let http = client();
     let tenant = via_gateway(&http, gw_http);
     for _ in 0..200 {
@@ -530,7 +537,7 @@ async fn flood(url: &str, gw_http: &str, gw: &mut std::process::Child) {
             if flooded {
                 let ((l, f), (a, b, c)) = tokio::join!(
                     open_loop(move || call()),
-                    flood_loop(client(), flood_url.clone())
+                    flood_loop(client(), flood_url.clone(), healthz)
                 );
                 loud.extend(l);
                 failed[1] += f;
@@ -559,8 +566,9 @@ async fn flood(url: &str, gw_http: &str, gw: &mut std::process::Child) {
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     quiet.sort();
     loud.sort();
+    let what = if healthz { "GET /healthz" } else { "bad-key" };
     println!(
-        "a tenant at {RATE} req/s, alone and beside {RATE} bad-key req/s from one address, \
+        "a tenant at {RATE} req/s, alone and beside {RATE} {what} req/s from one address, \
          {ROUNDS} interleaved rounds of {ROUND_SECS} s, STAND-IN worker, {} cores",
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
@@ -579,7 +587,7 @@ async fn flood(url: &str, gw_http: &str, gw: &mut std::process::Child) {
     }
     let (p99a, p99b) = (percentile(&quiet, 0.99), percentile(&loud, 0.99));
     println!(
-        "p99 change: {:+.1}%; the flood: {} × 401, {} × 429, {} other; \
+        "p99 change: {:+.1}%; the flood: {} × 401 (200 for /healthz), {} × 429, {} other; \
          {rows} audit rows counting {counted} requests",
         (p99b.as_secs_f64() / p99a.as_secs_f64() - 1.0) * 100.0,
         answers.0,
@@ -617,11 +625,11 @@ fn main() {
         seed(&url).await;
 
         let prefix = format!("{db}:");
-        if std::env::var_os("GATEWAY_OVERHEAD_FLOOD").is_some() {
+        if let Ok(flood_of) = std::env::var("GATEWAY_OVERHEAD_FLOOD") {
             let spool = scratch.path().join("spool-flood");
             let (mut gw, gw_http) = gateway(&url, &prefix, plain_worker, &spool, None, "commit");
             wait_ready(&client(), &gw_http).await;
-            flood(&url, &gw_http, &mut gw).await;
+            flood(&url, &gw_http, &mut gw, flood_of == "healthz").await;
             sqlx::query(sqlx::AssertSqlSafe(format!(
                 "DROP DATABASE IF EXISTS {db} WITH (FORCE)"
             )))
