@@ -360,6 +360,8 @@ async fn concurrent_adapter_streams_match_the_goldens_and_bad_artifacts_are_refu
             // memory plan and the memory in use are published.
             let uploads = get("lorafleet_slot_upload_seconds_count");
             assert!(uploads >= 1.0, "{m:?}");
+            // Each adapter request's wait for its adapter.
+            assert!(get("lorafleet_adapter_wait_seconds_count") >= 1.0, "{m:?}");
             assert_eq!(
                 uploads,
                 get("lorafleet_adapter_loads_total{tier=\"device\"}"),

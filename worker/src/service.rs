@@ -336,6 +336,9 @@ impl pb::worker_server::Worker for WorkerService {
                         }
                         Event::Finished(f) => {
                             telemetry::record_request("ok");
+                            if let Some(wait) = f.adapter_wait {
+                                telemetry::record_adapter_wait(wait);
+                            }
                             tracing::info!(
                                 completion_tokens = f.completion_tokens,
                                 finish_reason = ?f.reason,

@@ -205,6 +205,11 @@ pub fn record_ttft(d: Duration) {
     histogram!("lorafleet_time_to_first_token_seconds").record(d.as_secs_f64());
 }
 
+/// How long a request waited for its adapter to be in a ready device slot.
+pub fn record_adapter_wait(d: Duration) {
+    histogram!("lorafleet_adapter_wait_seconds").record(d.as_secs_f64());
+}
+
 pub fn record_inter_token(d: Duration) {
     histogram!("lorafleet_inter_token_latency_seconds").record(d.as_secs_f64());
 }

@@ -11,8 +11,8 @@
 //! The rules, in order, among eligible workers (healthy, serving the
 //! adapter's base hash) whose load is under the bound
 //! `ceil(c × (total load + 1) / workers)`:
-//! 1. a hot adapter (replicas > 1): the least-loaded of its replica set,
-//!    device-resident first on ties;
+//! 1. a hot adapter (replicas > 1): of its replica set, one where it is
+//!    device-resident, then host-resident, the least loaded first;
 //! 2. a worker where the adapter is device-resident (the ring's replica set
 //!    first, then the lower load);
 //! 3. a worker where it is host-resident, likewise;
@@ -259,7 +259,9 @@ pub fn decide(
             .iter()
             .copied()
             .filter(|&i| under(i))
-            .min_by_key(|&i| (views[i].load, views[i].residency, replica_rank(i)))
+            // The replica that has the adapter nearest, then the least
+            // loaded: both under the bound.
+            .min_by_key(|&i| (views[i].residency, views[i].load, replica_rank(i)))
             .map(|i| (i, Reason::HotReplica))
     } else {
         None

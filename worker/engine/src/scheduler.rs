@@ -246,7 +246,11 @@ impl Scheduler<'_> {
                         reserved.push(s);
                         continue;
                     }
-                    Some(_) => {}
+                    Some(_) => {
+                        // Ready now (or waited for within this step).
+                        let seq = self.seqs.get_mut(&id).expect("waiting sequence exists");
+                        seq.adapter_ready.get_or_insert_with(std::time::Instant::now);
+                    }
                 }
             }
             let seq = self.seqs.get_mut(&id).expect("waiting sequence exists");

@@ -42,6 +42,10 @@ pub struct Finish {
     pub preemptions: u32,
     /// Prompt tokens served from the prefix cache (their prefill skipped).
     pub cached_tokens: usize,
+    /// How long the request waited for its adapter to be in a ready
+    /// device slot (zero when it was there on arrival); None for the base
+    /// model.
+    pub adapter_wait: Option<Duration>,
 }
 
 #[derive(Debug)]
@@ -58,6 +62,8 @@ pub(crate) struct Sequence {
     pub lease: Option<Lease>,
     pub residency: Option<Residency>,
     pub arrived: Instant,
+    /// When the scheduler first found its adapter in a ready device slot.
+    pub adapter_ready: Option<Instant>,
     pub first_scheduled: Option<Instant>,
     pub first_token: Option<Instant>,
     pub preemptions: u32,
@@ -126,6 +132,7 @@ impl Sequence {
             lease: None,
             residency,
             arrived: Instant::now(),
+            adapter_ready: None,
             first_scheduled: None,
             first_token: None,
             preemptions: 0,
@@ -265,6 +272,7 @@ impl Sequence {
             residency: self.residency,
             preemptions: self.preemptions,
             cached_tokens: self.cached_tokens,
+            adapter_wait: self.adapter.map(|_| since(self.adapter_ready)),
         }
     }
 }

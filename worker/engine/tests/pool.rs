@@ -553,3 +553,47 @@ fn free_slots_take_the_waiting_requests_adapters_before_their_admission() {
     });
     assert_eq!((full.prefetches, full.device_loads), (0, 4), "{full:?}");
 }
+
+/// The time a request waited for its adapter: none for the base model,
+/// zero for an adapter already in a slot, and, with one slot, the second
+/// adapter's request waits at least as long as the first one runs.
+#[test]
+fn the_wait_for_an_adapter_is_measured() {
+    let settings = EngineSettings {
+        max_loras: 1,
+        max_cpu_loras: 10,
+        ..Default::default()
+    };
+    let mut e = fixture_engine(MODEL, settings);
+    let mut requests = round_robin(2, 2, |i| format!("wait {i}"));
+    let mut base = requests[0].clone();
+    base.id = "base".into();
+    base.adapter = None;
+    requests.push(base);
+    let done = e.run_to_completion(requests).unwrap();
+    let finish = |id: &str| {
+        done.iter()
+            .find(|c| c.request_id == id)
+            .and_then(|c| c.finish.clone())
+            .unwrap()
+    };
+    let (first, second) = (finish("r0"), finish("r1"));
+    assert_eq!(finish("base").adapter_wait, None);
+    let waited = second.adapter_wait.expect("an adapter request");
+    assert!(
+        waited + Duration::from_millis(5) >= first.total_time,
+        "r1 waited {waited:?} for the only slot, which r0 held for {:?}",
+        first.total_time
+    );
+    // Its adapter now in the slot, a new request waits for nothing.
+    let again = e
+        .run_to_completion(vec![Request {
+            id: "again".into(),
+            ..round_robin(2, 2, |i| format!("wait {i}"))[1].clone()
+        }])
+        .unwrap();
+    assert_eq!(
+        again[0].finish.as_ref().unwrap().adapter_wait,
+        Some(Duration::ZERO)
+    );
+}

@@ -439,6 +439,10 @@ impl Engine {
         if let Some(seq) = self.seqs.get_mut(&id) {
             seq.arrived_step = self.run.steps;
             seq.grammar = grammar;
+            // Its adapter was in a device slot when it came: no wait.
+            if residency == Some(Residency::Device) {
+                seq.adapter_ready = Some(seq.arrived);
+            }
         }
         let key: std::sync::Arc<str> = std::sync::Arc::from(fairness.key);
         // The other live requests' keys (this one is in `seqs` already).
