@@ -181,6 +181,13 @@ fn best(scores: &[f64], rng: &mut Rng) -> usize {
     tied[(rng.next() % tied.len() as u64) as usize]
 }
 
+/// The policies' own state: round-robin's position and the draws that
+/// break score ties.
+struct Picks {
+    rr: usize,
+    rng: Rng,
+}
+
 fn choose(
     policy: Sim,
     adapter: u64,
@@ -188,10 +195,10 @@ fn choose(
     ids: &[String],
     router: &mut Router,
     adapter_in_flight: u32,
-    rr: &mut usize,
-    rng: &mut Rng,
+    picks: &mut Picks,
 ) -> usize {
     let n = workers.len();
+    let (rr, rng) = (&mut picks.rr, &mut picks.rng);
     match policy {
         Sim::RoundRobin => {
             *rr = (*rr + 1) % n;
@@ -268,7 +275,10 @@ fn choose(
                     eligible: true,
                 })
                 .collect();
-            router.choose(adapter, adapter_in_flight, &views).unwrap().order[0]
+            router
+                .choose(adapter, adapter_in_flight, &views)
+                .unwrap()
+                .order[0]
         }
     }
 }
@@ -303,7 +313,10 @@ fn simulate(fleet: Fleet, policy: Sim) -> Outcome {
     for i in (1..ids_of_rank.len()).rev() {
         ids_of_rank.swap(i, (rng.next() % (i as u64 + 1)) as usize);
     }
-    let mut picks = Rng(11);
+    let mut picks = Picks {
+        rr: 0,
+        rng: Rng(11),
+    };
     let ids: Vec<String> = (0..fleet.workers).map(|i| format!("worker-{i}")).collect();
     let mut router = Router::new(policy_from_env());
     router.set_workers(&ids.iter().map(String::as_str).collect::<Vec<_>>());
@@ -318,7 +331,6 @@ fn simulate(fleet: Fleet, policy: Sim) -> Outcome {
         .collect();
     // Requests in flight per adapter (what the gateway tracks).
     let mut adapter_running: HashMap<u64, Vec<usize>> = HashMap::new();
-    let mut rr = 0usize;
     let (mut requests, mut hits, mut loads) = (0u64, 0u64, 0u64);
     let (mut peak_ratio_sum, mut peak_samples) = (0.0, 0u64);
     // Half a request per worker per tick: 8 in flight per worker.
@@ -343,7 +355,6 @@ fn simulate(fleet: Fleet, policy: Sim) -> Outcome {
                 &ids,
                 &mut router,
                 in_flight,
-                &mut rr,
                 &mut picks,
             );
             let measured = arrived >= WARMUP;
@@ -442,7 +453,9 @@ fn main() {
             .collect();
         summary.push((fleet, us.max_over_mean_served, beaten_by));
     }
-    println!("\n| workers | adapters | Zipf s | lorafleet max/mean | peers within {BOUND} with no more loads |");
+    println!(
+        "\n| workers | adapters | Zipf s | lorafleet max/mean | peers within {BOUND} with no more loads |"
+    );
     println!("|---:|---:|---:|---:|---|");
     for (f, balance, beaten_by) in summary {
         println!(

@@ -692,29 +692,6 @@ async fn admins_run_the_registry_and_compliance_reads_the_audit_log_through_lora
     assert!(tampered.is_err(), "the change log is append-only");
 }
 
-/// `n` completions from `key` sent at once, spread over the gateways, each
-/// asking for `max_tokens`; their statuses and bodies.
-async fn at_once(p: &Plane, key: &str, n: usize, max_tokens: u32) -> Vec<(u16, Value)> {
-    let sends = (0..n).map(|i| {
-        let req = p
-            .http
-            .post(format!(
-                "{}/v1/completions",
-                p.api_url(i % p.gateways.len())
-            ))
-            .bearer_auth(key)
-            .json(&serde_json::json!({"model": "support", "prompt": "Hello",
-                                      "max_tokens": max_tokens, "ignore_eos": true}))
-            .send();
-        async move {
-            let r = req.await.expect("the gateway answers");
-            let status = r.status().as_u16();
-            (status, r.json().await.unwrap_or(Value::Null))
-        }
-    });
-    futures::future::join_all(sends).await
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_admin_changes_a_tenants_limits_and_the_next_requests_follow_them() {
     let p = plane("tenant_limits").await;

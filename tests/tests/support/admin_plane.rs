@@ -8,7 +8,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use lorafleet_tests::{
-    Server, TestDb, binary, engine_fixtures, gateway_command, login_member_of, migrated_db,
+    Proxy, Server, TestDb, binary, engine_fixtures, gateway_command, login_member_of, migrated_db,
     worker_command,
 };
 use serde_json::{Value, json};
@@ -49,6 +49,8 @@ impl Ctl {
 
 pub struct Plane {
     pub gateways: Vec<Server>,
+    /// Redis as both gateways reach it: a proxy a test can cut.
+    pub redis: Proxy,
     pub worker: Server,
     /// Workers beyond the first (see [`plane_with_workers`]).
     pub more_workers: Vec<Server>,
@@ -145,6 +147,7 @@ pub async fn plane_on(label: &str, workers: usize, model: &str) -> Plane {
     let worker = started.remove(0);
 
     let redis_prefix = format!("test:{}:", Uuid::new_v4());
+    let redis = Proxy::start("127.0.0.1:6379");
     let mut gateways = Vec::new();
     let mut spools = Vec::new();
     for _ in 0..2 {
@@ -153,8 +156,10 @@ pub async fn plane_on(label: &str, workers: usize, model: &str) -> Plane {
         cmd.args(["--admin-listen", "127.0.0.1:0"])
             .args(["--database-url", &runtime_url])
             .args(["--admin-database-url", &admin_url])
-            .args(["--redis-url", "redis://127.0.0.1:6379"])
+            .args(["--redis-url", &format!("redis://{}", redis.addr)])
             .args(["--redis-prefix", &redis_prefix])
+            // Without Redis, each replica keeps half of every limit.
+            .args(["--gateway-replicas", "2"])
             .args(["--workers", &addrs.join(",")])
             // Long, so that changes must travel by announcement.
             .args(["--registry-refresh-secs", "600"])
@@ -176,6 +181,7 @@ pub async fn plane_on(label: &str, workers: usize, model: &str) -> Plane {
     }
     let mut p = Plane {
         gateways,
+        redis,
         worker,
         more_workers: started,
         http: reqwest::Client::new(),
@@ -189,6 +195,38 @@ pub async fn plane_on(label: &str, workers: usize, model: &str) -> Plane {
     };
     p.admin_token = p.token("alice", "admin");
     p
+}
+
+/// `n` completions from `key` sent at once, spread over the gateways, each
+/// asking for `max_tokens`; their statuses and bodies.
+pub async fn at_once(p: &Plane, key: &str, n: usize, max_tokens: u32) -> Vec<(u16, Value)> {
+    at_once_to(p, None, key, n, max_tokens).await
+}
+
+/// [`at_once`], all to gateway `replica` when it is given.
+pub async fn at_once_to(
+    p: &Plane,
+    replica: Option<usize>,
+    key: &str,
+    n: usize,
+    max_tokens: u32,
+) -> Vec<(u16, Value)> {
+    let sends = (0..n).map(|i| {
+        let to = replica.unwrap_or(i % p.gateways.len());
+        let req = p
+            .http
+            .post(format!("{}/v1/completions", p.api_url(to)))
+            .bearer_auth(key)
+            .json(&serde_json::json!({"model": "support", "prompt": "Hello",
+                                      "max_tokens": max_tokens, "ignore_eos": true}))
+            .send();
+        async move {
+            let r = req.await.expect("the gateway answers");
+            let status = r.status().as_u16();
+            (status, r.json().await.unwrap_or(Value::Null))
+        }
+    });
+    futures::future::join_all(sends).await
 }
 
 impl Plane {

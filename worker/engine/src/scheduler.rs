@@ -249,7 +249,8 @@ impl Scheduler<'_> {
                     Some(_) => {
                         // Ready now (or waited for within this step).
                         let seq = self.seqs.get_mut(&id).expect("waiting sequence exists");
-                        seq.adapter_ready.get_or_insert_with(std::time::Instant::now);
+                        seq.adapter_ready
+                            .get_or_insert_with(std::time::Instant::now);
                     }
                 }
             }
