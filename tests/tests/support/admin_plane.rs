@@ -49,7 +49,7 @@ impl Ctl {
 
 pub struct Plane {
     pub gateways: Vec<Server>,
-    /// Redis as both gateways reach it: a proxy a test can cut.
+    /// Redis as every gateway reaches it: a proxy a test can cut.
     pub redis: Proxy,
     pub worker: Server,
     /// Workers beyond the first (see [`plane_with_workers`]).
@@ -120,6 +120,13 @@ pub async fn plane_with_workers(label: &str, workers: usize) -> Plane {
 
 /// The plane with its workers on the fixture model `model`.
 pub async fn plane_on(label: &str, workers: usize, model: &str) -> Plane {
+    plane_sized(label, 2, workers, model).await
+}
+
+/// The plane with `gateways` gateway replicas (each told there are that
+/// many) and `workers` workers on the fixture model `model`.
+pub async fn plane_sized(label: &str, gateways: usize, workers: usize, model: &str) -> Plane {
+    let replicas = gateways.to_string();
     let db = migrated_db(label).await;
     let pool = db.pool().await;
     // The gateways log in with the least privileges: the request path as
@@ -148,9 +155,9 @@ pub async fn plane_on(label: &str, workers: usize, model: &str) -> Plane {
 
     let redis_prefix = format!("test:{}:", Uuid::new_v4());
     let redis = Proxy::start("127.0.0.1:6379");
-    let mut gateways = Vec::new();
+    let mut started_gateways = Vec::new();
     let mut spools = Vec::new();
-    for _ in 0..2 {
+    for _ in 0..gateways {
         let spool = tempfile::tempdir().unwrap();
         let mut cmd = gateway_command();
         cmd.args(["--admin-listen", "127.0.0.1:0"])
@@ -158,8 +165,8 @@ pub async fn plane_on(label: &str, workers: usize, model: &str) -> Plane {
             .args(["--admin-database-url", &admin_url])
             .args(["--redis-url", &format!("redis://{}", redis.addr)])
             .args(["--redis-prefix", &redis_prefix])
-            // Without Redis, each replica keeps half of every limit.
-            .args(["--gateway-replicas", "2"])
+            // Without Redis, each replica keeps its share of every limit.
+            .args(["--gateway-replicas", &replicas])
             .args(["--workers", &addrs.join(",")])
             // Long, so that changes must travel by announcement.
             .args(["--registry-refresh-secs", "600"])
@@ -176,11 +183,11 @@ pub async fn plane_on(label: &str, workers: usize, model: &str) -> Plane {
             .arg(root.path())
             .arg("--audit-spool")
             .arg(spool.path());
-        gateways.push(Server::start(cmd, "lorafleet-gateway listening "));
+        started_gateways.push(Server::start(cmd, "lorafleet-gateway listening "));
         spools.push(spool);
     }
     let mut p = Plane {
-        gateways,
+        gateways: started_gateways,
         redis,
         worker,
         more_workers: started,
