@@ -86,19 +86,9 @@ impl Drop for Slot {
         } = self
         {
             renew.abort();
-            let (mut redis, key, member) =
-                (redis.clone(), std::mem::take(key), std::mem::take(member));
+            let (redis, key, member) = (redis.clone(), std::mem::take(key), std::mem::take(member));
             if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                rt.spawn(async move {
-                    let r: redis::RedisResult<i64> = redis::cmd("ZREM")
-                        .arg(&key)
-                        .arg(&member)
-                        .query_async(&mut redis)
-                        .await;
-                    if let Err(e) = r {
-                        tracing::debug!(error = %e, "a tenant slot was not given back; its lease runs out");
-                    }
-                });
+                rt.spawn(give_back(redis, key, member));
             }
         }
     }
@@ -175,12 +165,22 @@ impl TenantSlots {
             .arg(&member)
             .arg(now + lease)
             .arg(2 * lease);
-        let taken: i64 =
-            match tokio::time::timeout(REDIS_TIMEOUT, call.invoke_async(&mut conn)).await {
-                Ok(Ok(v)) => v,
-                Ok(Err(e)) => return Err(Unshared::Failed(e)),
-                Err(_) => return Err(Unshared::TimedOut),
-            };
+        let answer = tokio::time::timeout(REDIS_TIMEOUT, call.invoke_async(&mut conn)).await;
+        let taken: i64 = match answer {
+            Ok(Ok(v)) => v,
+            // The script may have run without its answer arriving (a slow
+            // reconnect, a loaded Redis): take back the slot it may have
+            // added, or it would hold a place of the cap until its lease
+            // runs out while this request runs on the local fallback.
+            Ok(Err(e)) => {
+                take_back(redis.clone(), key, member);
+                return Err(Unshared::Failed(e));
+            }
+            Err(_) => {
+                take_back(redis.clone(), key, member);
+                return Err(Unshared::TimedOut);
+            }
+        };
         if taken == 0 {
             return Ok(None);
         }
@@ -215,6 +215,34 @@ impl TenantSlots {
             entry.1.clone()
         });
         sem.try_acquire_owned().ok().map(Slot::Local)
+    }
+}
+
+/// Removes `member` from `key` in the background (see [`give_back`]).
+fn take_back(redis: redis::aio::ConnectionManager, key: String, member: String) {
+    tokio::spawn(give_back(redis, key, member));
+}
+
+/// Removes `member` from `key`, trying again while Redis is away, until
+/// its lease would have run out anyway: a slot given back during a Redis
+/// blip must not hold a place of the tenant's cap for a whole lease once
+/// Redis returns.
+async fn give_back(mut redis: redis::aio::ConnectionManager, key: String, member: String) {
+    let until = tokio::time::Instant::now() + LEASE;
+    let mut pause = Duration::from_millis(100);
+    loop {
+        let zrem = redis::cmd("ZREM").arg(&key).arg(&member).to_owned();
+        let r: Result<redis::RedisResult<i64>, _> =
+            tokio::time::timeout(Duration::from_secs(1), zrem.query_async(&mut redis)).await;
+        if matches!(r, Ok(Ok(_))) {
+            return;
+        }
+        if tokio::time::Instant::now() + pause >= until {
+            tracing::debug!("a tenant slot was not given back; its lease runs out");
+            return;
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(2));
     }
 }
 

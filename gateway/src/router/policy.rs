@@ -10,7 +10,7 @@
 //!
 //! The rules, in order, among eligible workers (healthy, serving the
 //! adapter's base hash) whose load is under the bound
-//! `ceil(c × (total load + 1) / workers)`:
+//! `max(ceil(c × (total load + 1) / workers), MIN_BOUND)`:
 //! 1. a hot adapter (replicas > 1): of its replica set, one where it is
 //!    device-resident, then host-resident, the least loaded first;
 //! 2. a worker where the adapter is device-resident (the ring's replica set
@@ -22,6 +22,14 @@
 
 use std::collections::HashMap;
 use std::hash::Hasher;
+
+/// The bound never falls below this many requests in flight: a worker
+/// running a few requests decodes them in one step for about the cost of
+/// one, so on a nearly idle fleet moving a request off the worker that
+/// holds its adapter would cost an adapter load and save nothing. (Without
+/// it, the bound of an idle fleet of four is one request, and one report
+/// arriving late sends the next request elsewhere.)
+pub const MIN_BOUND: f64 = 4.0;
 
 /// Virtual nodes per worker on the ring: enough that 8 workers split the
 /// key space within a few percent of evenly.
@@ -243,7 +251,9 @@ pub fn decide(
         return None;
     }
     let total: u64 = eligible.iter().map(|&i| u64::from(views[i].load)).sum();
-    let bound = (policy.load_factor * (total + 1) as f64 / eligible.len() as f64).ceil();
+    let bound = (policy.load_factor * (total + 1) as f64 / eligible.len() as f64)
+        .ceil()
+        .max(MIN_BOUND);
     let under = |i: usize| f64::from(views[i].load) + 1.0 <= bound;
     let ring = eligible_ring(ring, key, views);
     let k = if key == 0 {

@@ -204,6 +204,15 @@ pub async fn plane_sized(label: &str, gateways: usize, workers: usize, model: &s
     p
 }
 
+/// Waits until the wall clock is at least 10 s from a minute boundary, so
+/// that a per-minute window does not roll over mid-check.
+pub async fn away_from_a_minute_boundary() {
+    use chrono::Timelike;
+    while chrono::Utc::now().second() >= 50 {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 /// `n` completions from `key` sent at once, spread over the gateways, each
 /// asking for `max_tokens`; their statuses and bodies.
 pub async fn at_once(p: &Plane, key: &str, n: usize, max_tokens: u32) -> Vec<(u16, Value)> {
