@@ -596,6 +596,16 @@ async fn flood(url: &str, gw_http: &str, gw: &mut std::process::Child, healthz: 
     );
 }
 
+/// Drops the bench's throwaway database.
+async fn drop_db(c: &mut sqlx::PgConnection, db: &str) {
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DROP DATABASE IF EXISTS {db} WITH (FORCE)"
+    )))
+    .execute(c)
+    .await
+    .unwrap();
+}
+
 fn main() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
@@ -630,12 +640,7 @@ fn main() {
             let (mut gw, gw_http) = gateway(&url, &prefix, plain_worker, &spool, None, "commit");
             wait_ready(&client(), &gw_http).await;
             flood(&url, &gw_http, &mut gw, flood_of == "healthz").await;
-            sqlx::query(sqlx::AssertSqlSafe(format!(
-                "DROP DATABASE IF EXISTS {db} WITH (FORCE)"
-            )))
-            .execute(&mut c)
-            .await
-            .unwrap();
+            drop_db(&mut c, &db).await;
             return;
         }
         if let Ok(mode) = std::env::var("GATEWAY_OVERHEAD_ALONE") {
@@ -673,12 +678,7 @@ fn main() {
                 .args(["-TERM", &gw.id().to_string()])
                 .status();
             let _ = gw.wait();
-            sqlx::query(sqlx::AssertSqlSafe(format!(
-                "DROP DATABASE IF EXISTS {db} WITH (FORCE)"
-            )))
-            .execute(&mut c)
-            .await
-            .unwrap();
+            drop_db(&mut c, &db).await;
             return;
         }
         let (mut plain_gw, plain_http) = gateway(
@@ -767,11 +767,6 @@ fn main() {
                 .status();
             let _ = gw.wait();
         }
-        sqlx::query(sqlx::AssertSqlSafe(format!(
-            "DROP DATABASE IF EXISTS {db} WITH (FORCE)"
-        )))
-        .execute(&mut c)
-        .await
-        .unwrap();
+        drop_db(&mut c, &db).await;
     });
 }

@@ -39,31 +39,6 @@ async fn ready(p: &Plane) {
     }
 }
 
-/// Registers `name` for acme on the artifact `uri` and routes it at 100%.
-fn route(p: &Plane, name: &str, uri: &str) {
-    let id = p.ctl_json(&[
-        "adapters",
-        "register",
-        name,
-        "--tenant",
-        "acme",
-        "--base-model",
-        "llama-gqa",
-        "--artifact-uri",
-        uri,
-    ])["lora_int_id"]
-        .as_i64()
-        .unwrap();
-    p.ctl_json(&[
-        "routes",
-        "set",
-        "acme",
-        name,
-        "--weights",
-        &format!("{id}=10000"),
-    ]);
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_gateways_agree_share_limits_exactly_and_lose_no_answered_row() {
     let p = plane_sized("fleet_of_gateways", GATEWAYS, WORKERS, "llama-gqa").await;
@@ -71,7 +46,12 @@ async fn three_gateways_agree_share_limits_exactly_and_lose_no_answered_row() {
     // places an adapter while its ring owner looks down.
     ready(&p).await;
     let (key, _, _) = acme_support(&p, "llama-gqa/o-r2");
-    route(&p, "ops", "llama-gqa/o-r2");
+    route_all(
+        &p,
+        "acme",
+        "ops",
+        register_adapter(&p, "acme", "ops", "llama-gqa/o-r2"),
+    );
     for g in 0..GATEWAYS {
         for model in ["support", "ops"] {
             p.until_status(g, &key, model, 200).await;
@@ -129,27 +109,8 @@ async fn three_gateways_agree_share_limits_exactly_and_lose_no_answered_row() {
         .as_str()
         .unwrap()
         .to_owned();
-    let id = p.ctl_json(&[
-        "adapters",
-        "register",
-        "support",
-        "--tenant",
-        "globex",
-        "--base-model",
-        "llama-gqa",
-        "--artifact-uri",
-        "llama-gqa/qv-r8",
-    ])["lora_int_id"]
-        .as_i64()
-        .unwrap();
-    p.ctl_json(&[
-        "routes",
-        "set",
-        "globex",
-        "support",
-        "--weights",
-        &format!("{id}=10000"),
-    ]);
+    let id = register_adapter(&p, "globex", "support", "llama-gqa/qv-r8");
+    route_all(&p, "globex", "support", id);
     for g in 0..GATEWAYS {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {

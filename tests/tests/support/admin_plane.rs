@@ -375,6 +375,36 @@ impl Plane {
     }
 }
 
+/// Registers adapter `name` for `tenant` on the fixture base model from
+/// the artifact `uri`; its `lora_int_id`.
+pub fn register_adapter(p: &Plane, tenant: &str, name: &str, uri: &str) -> i64 {
+    p.ctl_json(&[
+        "adapters",
+        "register",
+        name,
+        "--tenant",
+        tenant,
+        "--base-model",
+        "llama-gqa",
+        "--artifact-uri",
+        uri,
+    ])["lora_int_id"]
+        .as_i64()
+        .unwrap()
+}
+
+/// Routes `tenant`'s `model` wholly to adapter `id`.
+pub fn route_all(p: &Plane, tenant: &str, model: &str, id: i64) {
+    p.ctl_json(&[
+        "routes",
+        "set",
+        tenant,
+        model,
+        "--weights",
+        &format!("{id}=10000"),
+    ]);
+}
+
 /// Tenant acme with a key, the fixture base model, `support` v1 (qv-r8)
 /// at 100% and a candidate v2 from `candidate_uri`. Returns (key, v1, v2).
 pub fn acme_support(p: &Plane, candidate_uri: &str) -> (String, i64, i64) {
@@ -393,31 +423,10 @@ pub fn acme_support(p: &Plane, candidate_uri: &str) -> (String, i64, i64) {
         "--model-dir",
         llama.to_str().unwrap(),
     ]);
-    let register = |uri: &str| {
-        p.ctl_json(&[
-            "adapters",
-            "register",
-            "support",
-            "--tenant",
-            "acme",
-            "--base-model",
-            "llama-gqa",
-            "--artifact-uri",
-            uri,
-        ])["lora_int_id"]
-            .as_i64()
-            .unwrap()
-    };
+    let register = |uri: &str| register_adapter(p, "acme", "support", uri);
     let v1 = register("llama-gqa/qv-r8");
     let v2 = register(candidate_uri);
-    p.ctl_json(&[
-        "routes",
-        "set",
-        "acme",
-        "support",
-        "--weights",
-        &format!("{v1}=10000"),
-    ]);
+    route_all(p, "acme", "support", v1);
     (key, v1, v2)
 }
 
