@@ -533,8 +533,22 @@ pub struct Server {
 
 impl Drop for Server {
     fn drop(&mut self) {
+        let pid = self.child.id();
         let _ = self.child.kill();
         let _ = self.child.wait();
+        // A killed worker cannot remove its default adapter cache (the next
+        // worker to start would, `worker/src/server/cache.rs`): the harness
+        // does, so that the suite leaves no directory behind.
+        let suffix = format!("-{pid}");
+        if let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) {
+            for e in entries.flatten() {
+                let name = e.file_name();
+                let name = name.to_string_lossy();
+                if name.starts_with("lorafleet-adapter-cache-") && name.ends_with(&suffix) {
+                    let _ = std::fs::remove_dir_all(e.path());
+                }
+            }
+        }
     }
 }
 
