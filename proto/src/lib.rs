@@ -39,3 +39,9 @@ pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(
     env!("OUT_DIR"),
     "/lorafleet_worker_v1_descriptor.bin"
 ));
+
+/// A message's size on the wire, in bytes: for the benchmarks and metrics
+/// of crates that do not speak protobuf themselves.
+pub fn encoded_len(message: &impl prost::Message) -> usize {
+    message.encoded_len()
+}
