@@ -103,41 +103,16 @@ async fn data_errors_case(durability: Durability, label: &str) {
     };
     let (log, writer) = start(pool.clone(), &config).unwrap();
     let row = |i: usize| {
-        let now = chrono::Utc::now();
-        AuditRecord {
-            request_id: Uuid::now_v7(),
-            received_at: now,
-            completed_at: now,
-            tenant_id: None,
-            api_key_id: None,
-            api_key_prefix: Some("lf_x".into()),
-            subject: None,
-            end_user: Some(format!("u{i}")),
-            model_name: format!("m{i}"),
-            route_id: None,
-            route_revision: None,
-            lora_int_id: None,
-            adapter_name: None,
-            adapter_version: None,
-            base_hash: None,
-            worker_id: None,
-            adapter_residency: None,
-            status: "rejected".into(),
-            // Every 37th row breaks audit_log_http_status_range.
-            http_status: if i % 37 == 5 { 0 } else { 401 },
-            error_code: Some("invalid_api_key".into()),
-            finish_reason: None,
-            prompt_tokens: 0,
-            completion_tokens: 0,
-            cached_tokens: 0,
-            features: String::new(),
-            latency_us: 1,
-            ttft_us: None,
-            attempts: 0,
-            client_addr: Some("203.0.113.9".into()),
-            occurrences: 1,
-            last_key_prefix: None,
-        }
+        let mut r = AuditRecord::refused(Uuid::now_v7(), chrono::Utc::now());
+        r.api_key_prefix = Some("lf_x".into());
+        r.end_user = Some(format!("u{i}"));
+        r.model_name = format!("m{i}");
+        // Every 37th row breaks audit_log_http_status_range.
+        r.http_status = if i % 37 == 5 { 0 } else { 401 };
+        r.error_code = Some("invalid_api_key".into());
+        r.latency_us = 1;
+        r.client_addr = Some("203.0.113.9".into());
+        r
     };
     // Admitted all at once, so the writer takes them as large batches.
     let rows: Vec<AuditRecord> = (0..1000).map(row).collect();
