@@ -24,7 +24,7 @@ build() {
   mkdir -p "$out"
   cargo test --release -p lorafleet-engine --test cuda_gpu --test cuda_engine --test cuda_kernels_compile \
     --no-run --message-format=json | executables > "$out/.tests"
-  cargo bench -p lorafleet-engine --bench cuda_lora --bench cuda_decode --no-run \
+  cargo bench -p lorafleet-engine --bench cuda_lora --bench cuda_decode --bench moe_decode --no-run \
     --message-format=json | executables > "$out/.benches"
   while read -r exe; do
     name=$(basename "$exe" | sed 's/-[0-9a-f]*$//')
@@ -67,7 +67,7 @@ find_lib() {
 }
 
 run() {
-  for exe in cuda_kernels_compile cuda_gpu cuda_engine cuda_lora cuda_decode lorafleet-worker deps/worker_grpc; do
+  for exe in cuda_kernels_compile cuda_gpu cuda_engine cuda_lora cuda_decode moe_decode lorafleet-worker deps/worker_grpc; do
     [ -x "$out/$exe" ] || { echo "gpu-check: $out/$exe is missing; run '$0 build' first" >&2; exit 1; }
   done
   # Logs and the benchmark table go to GPU_CHECK_OUT (default
@@ -112,9 +112,18 @@ run() {
   step worker_grpc env LORAFLEET_TEST_BACKEND=cuda "$out/deps/worker_grpc" --test-threads=1 \
     --skip a_cancelled_stream_frees_its_kv_blocks
   step cuda_lora "$out/cuda_lora"
+  export LORAFLEET_BENCH_STANDIN=${LORAFLEET_BENCH_STANDIN:-/tmp/lorafleet-standin}
+  # Mixture-of-Experts decode on the GPU (a ~270M Qwen3-MoE-shape stand-in,
+  # written the first time), then transformers + PEFT on the same GPU,
+  # stand-in and workload.
+  step moe_decode env LORAFLEET_BENCH_BACKEND=cuda "$out/moe_decode"
+  if python3 -c 'import torch, transformers, peft' 2>/dev/null; then
+    step peft_moe_baseline env PEFT_DEVICE=cuda PEFT_DTYPE=bfloat16 \
+      timeout "${PEFT_MOE_TIMEOUT:-300}" python3 worker/engine/benches/peft_moe_baseline.py \
+      "$LORAFLEET_BENCH_STANDIN/qwen3-moe-shape" "${PEFT_MOE_COUNTS:-1,8,64}"
+  fi
   # The engine on a Llama-3.2-1B-shape stand-in (about 6 GB written under
   # LORAFLEET_BENCH_STANDIN the first time).
-  export LORAFLEET_BENCH_STANDIN=${LORAFLEET_BENCH_STANDIN:-/tmp/lorafleet-standin}
   step cuda_decode "$out/cuda_decode"
   # transformers + PEFT on the same GPU, stand-in and workload as
   # cuda_decode: the baseline its tokens/s are compared with.
@@ -133,6 +142,9 @@ run() {
   fi
   [ -f "$results/cuda_lora.log" ] && tail -40 "$results/cuda_lora.log"
   grep '^|' "$results/cuda_decode.log" || true
+  for log in moe_decode peft_moe_baseline; do
+    [ -f "$results/$log.log" ] && grep -E '^(\||MoE|[0-9]+ adapters)' "$results/$log.log" || true
+  done
   if [ ${#failed[@]} -gt 0 ]; then
     echo "gpu-check: failed: ${failed[*]}" >&2
     exit 1

@@ -12,12 +12,31 @@
 //! The rows take turns for `LORAFLEET_BENCH_ROUNDS` rounds (default 3);
 //! the table gives medians. `peft_moe_baseline.py` runs the same workload
 //! through transformers + PEFT.
+//!
+//! `LORAFLEET_BENCH_BACKEND=cuda` runs it on CUDA device 0 with bf16
+//! weights and f32 slots (`deploy/gpu-check.sh` does, beside
+//! `peft_moe_baseline.py` with `PEFT_DEVICE=cuda`).
 
 mod standin;
 
 use std::time::{Duration, Instant};
 
-use lorafleet_engine::{AdapterSource, Engine, EngineSettings, Request};
+use lorafleet_engine::backend::cuda::Dtype;
+use lorafleet_engine::{AdapterSource, BackendChoice, Engine, EngineSettings, Request};
+
+/// The backend the bench runs on: the CPU, or CUDA device 0 with
+/// `LORAFLEET_BENCH_BACKEND=cuda`.
+fn backend() -> BackendChoice {
+    match std::env::var("LORAFLEET_BENCH_BACKEND").as_deref() {
+        Ok("cuda") => BackendChoice::Cuda {
+            device: 0,
+            dtype: Dtype::Bf16,
+            lora_dtype: Dtype::F32,
+            graphs: true,
+        },
+        _ => BackendChoice::Cpu,
+    }
+}
 
 const REQUESTS: usize = 128;
 const PROMPT: usize = 8;
@@ -34,15 +53,18 @@ fn main() {
     let model = standin::moe_model();
     let adapters = standin::moe_adapters(64);
     eprintln!("stand-in ready in {:.1} s", made.elapsed().as_secs_f64());
+    let on = match backend() {
+        BackendChoice::Cpu => format!("CPU, {} threads", rayon::current_num_threads()),
+        BackendChoice::Cuda { .. } => "CUDA device 0, bf16 weights, f32 slots".to_owned(),
+    };
     println!(
-        "MoE decode throughput, STAND-IN Qwen3-MoE shape (h={}, L={}, {} experts of {}, top {}, bf16), rank {} on q/k/v/o and every expert, {REQUESTS} requests x {NEW} new tokens, {} threads, {rounds} rounds",
+        "MoE decode throughput, STAND-IN Qwen3-MoE shape (h={}, L={}, {} experts of {}, top {}, bf16), rank {} on q/k/v/o and every expert, {REQUESTS} requests x {NEW} new tokens, {on}, {rounds} rounds",
         standin::HIDDEN,
         standin::LAYERS,
         standin::MOE_EXPERTS,
         standin::MOE_INTERMEDIATE,
         standin::MOE_TOP_K,
         standin::RANK,
-        rayon::current_num_threads()
     );
     let mut tps: Vec<Vec<f64>> = vec![Vec::new(); counts.len()];
     for round in 0..rounds {
@@ -98,7 +120,7 @@ fn run_once(model: &std::path::Path, dirs: &[std::path::PathBuf]) -> f64 {
         fair_admission: true,
         eviction: Default::default(),
     };
-    let mut e = Engine::load_cpu(model, settings).unwrap();
+    let mut e = Engine::load(model, settings, backend()).unwrap();
     for (i, dir) in dirs.iter().enumerate() {
         e.register_adapter(
             standin::id(i),

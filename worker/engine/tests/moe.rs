@@ -10,14 +10,8 @@ use lorafleet_engine::backend::cpu::CpuBackend;
 use lorafleet_engine::backend::{Backend, BackendShape, StepBatch};
 use lorafleet_engine::lora::{AdapterLimits, HostAdapter};
 use lorafleet_engine::model::ModelConfig;
-use lorafleet_engine::{Engine, EngineSettings, Event, Prompt, Request, SamplingParams};
 
 const MODELS: [&str; 2] = ["qwen3-moe", "mixtral-moe"];
-
-fn golden_moe() -> Golden {
-    let text = std::fs::read_to_string(fixtures().join("golden_moe.json")).unwrap();
-    serde_json::from_str(&text).unwrap()
-}
 
 #[test]
 fn moe_forward_matches_transformers_and_peft() {
@@ -56,109 +50,10 @@ fn moe_forward_matches_transformers_and_peft() {
     assert!(checked >= 21, "every model, adapter and prompt: {checked}");
 }
 
-/// Three requests per adapter plus three on the base model, half greedy,
-/// half seeded sampling.
-fn workload(adapters: usize) -> Vec<Request> {
-    let prompts = [
-        "The quick brown fox",
-        "Grüße aus München! 🚀",
-        "SELECT * FROM adapters WHERE lora_int_id = 42;",
-        "def forward(self, x):",
-    ];
-    let n = (adapters as u64 + 1) * 3;
-    (0..n)
-        .map(|i| {
-            let which = i % (adapters as u64 + 1);
-            let sampled = i % 2 == 1;
-            Request {
-                id: format!("r{i}"),
-                adapter: (which > 0).then(|| aid(which)),
-                prompt: Prompt::Text(prompts[i as usize % prompts.len()].into()),
-                params: SamplingParams {
-                    max_tokens: 5 + (i as usize % 6),
-                    temperature: if sampled { 0.9 } else { 0.0 },
-                    top_p: if sampled { 0.95 } else { 1.0 },
-                    top_k: if sampled { 50 } else { 0 },
-                    seed: Some(500 + i),
-                    ..Default::default()
-                },
-            }
-        })
-        .collect()
-}
-
 #[test]
 fn a_staggered_mixed_batch_of_moe_adapters_equals_one_at_a_time() {
     for model in MODELS {
-        let adapters = adapter_names(model).len();
-        let requests = workload(adapters);
-        let mut solo = fixture_engine(
-            model,
-            EngineSettings {
-                max_loras: 1,
-                max_cpu_loras: 1,
-                ..Default::default()
-            },
-        );
-        let expected: Vec<(Vec<u32>, String)> = requests
-            .iter()
-            .map(|r| {
-                let c = solo
-                    .run_to_completion(vec![r.clone()])
-                    .unwrap()
-                    .pop()
-                    .unwrap();
-                assert!(c.error.is_none(), "{:?}", c.error);
-                (c.token_ids, c.text)
-            })
-            .collect();
-
-        let mut e: Engine = fixture_engine(
-            model,
-            EngineSettings {
-                max_loras: 2,
-                max_cpu_loras: 3,
-                max_batched_tokens: 16,
-                max_num_seqs: 8,
-                ..Default::default()
-            },
-        );
-        let mut outputs: Vec<(Vec<u32>, String)> = vec![Default::default(); requests.len()];
-        let (mut finished, mut step, mut max_distinct, mut max_tokens) = (0, 0, 0, 0);
-        let mut pending = requests.iter();
-        while finished < requests.len() {
-            if step % 2 == 0 {
-                for r in pending.by_ref().take(2) {
-                    e.submit(r.clone()).unwrap();
-                }
-            }
-            for (id, event) in e.step().unwrap() {
-                let i: usize = id[1..].parse().unwrap();
-                match event {
-                    Event::Delta {
-                        token_ids, text, ..
-                    } => {
-                        outputs[i].0.extend(token_ids);
-                        outputs[i].1.push_str(&text);
-                    }
-                    Event::Finished(_) => finished += 1,
-                    Event::Failed(err) => panic!("{model} {id}: {err}"),
-                    Event::PromptLogprobs(_) => {}
-                }
-            }
-            max_distinct = max_distinct.max(e.last_step().distinct_adapters);
-            max_tokens = max_tokens.max(e.last_step().tokens);
-            step += 1;
-            assert!(step < 10_000, "the batch never drained");
-        }
-        for (i, (got, want)) in outputs.iter().zip(&expected).enumerate() {
-            assert_eq!(got, want, "{model}: r{i} differs between batched and alone");
-        }
-        assert!(
-            max_distinct >= 2,
-            "{model}: steps mixed adapters ({max_distinct})"
-        );
-        assert!(max_tokens > 1, "{model}: steps batched several tokens");
+        assert_staggered_batch_equals_alone(model, lorafleet_engine::BackendChoice::Cpu);
     }
 }
 

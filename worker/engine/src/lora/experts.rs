@@ -68,6 +68,21 @@ impl ExpertFactors {
         self.add_delta_rows(e, x, 1, out);
     }
 
+    /// Expert `e`'s A, row-major `[rank, fan_in]`, as it was read.
+    pub fn a_matrix(&self, e: usize) -> Vec<f32> {
+        self.a[e].unpack()
+    }
+
+    /// Expert `e`'s B, row-major `[fan_out, rank]`, as it was read.
+    pub fn b_matrix(&self, e: usize) -> Vec<f32> {
+        self.b[e].unpack()
+    }
+
+    /// How many experts the factors hold (1 for the router's).
+    pub fn experts(&self) -> usize {
+        self.a.len()
+    }
+
     pub fn bytes(&self) -> usize {
         self.a
             .iter()

@@ -54,6 +54,12 @@ pub fn golden() -> Golden {
     serde_json::from_str(&text).unwrap()
 }
 
+/// The Mixture-of-Experts models' golden cases.
+pub fn golden_moe() -> Golden {
+    let text = std::fs::read_to_string(fixtures().join("golden_moe.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
 /// Runs a golden case on `backend`, one sequence alone in `slot`, and
 /// checks it: logits at the last prompt position within 1e-4 relative
 /// error, then greedy tokens (until EOS 2 or 4) equal.
@@ -205,4 +211,112 @@ pub fn fixture_pool(
 /// The adapter id for a test's small number.
 pub fn aid(n: u64) -> lorafleet_engine::AdapterId {
     lorafleet_engine::AdapterId::new(n).expect("test ids start at 1")
+}
+
+/// For the Mixture-of-Experts models: three requests per adapter plus
+/// three on the base model, half greedy, half seeded sampling.
+pub fn moe_workload(adapters: usize) -> Vec<lorafleet_engine::Request> {
+    let prompts = [
+        "The quick brown fox",
+        "Grüße aus München! 🚀",
+        "SELECT * FROM adapters WHERE lora_int_id = 42;",
+        "def forward(self, x):",
+    ];
+    let n = (adapters as u64 + 1) * 3;
+    (0..n)
+        .map(|i| {
+            let which = i % (adapters as u64 + 1);
+            let sampled = i % 2 == 1;
+            lorafleet_engine::Request {
+                id: format!("r{i}"),
+                adapter: (which > 0).then(|| aid(which)),
+                prompt: lorafleet_engine::Prompt::Text(prompts[i as usize % prompts.len()].into()),
+                params: lorafleet_engine::SamplingParams {
+                    max_tokens: 5 + (i as usize % 6),
+                    temperature: if sampled { 0.9 } else { 0.0 },
+                    top_p: if sampled { 0.95 } else { 1.0 },
+                    top_k: if sampled { 50 } else { 0 },
+                    seed: Some(500 + i),
+                    ..Default::default()
+                },
+            }
+        })
+        .collect()
+}
+
+/// A staggered mixed batch of a Mixture-of-Experts model's adapters (two
+/// requests submitted every other step) gives each request the tokens and
+/// text it gets alone, on `choice`.
+pub fn assert_staggered_batch_equals_alone(model: &str, choice: lorafleet_engine::BackendChoice) {
+    let adapters = adapter_names(model).len();
+    let requests = moe_workload(adapters);
+    let mut solo = fixture_engine_on(
+        model,
+        lorafleet_engine::EngineSettings {
+            max_loras: 1,
+            max_cpu_loras: 1,
+            ..Default::default()
+        },
+        choice,
+    );
+    let expected: Vec<(Vec<u32>, String)> = requests
+        .iter()
+        .map(|r| {
+            let c = solo
+                .run_to_completion(vec![r.clone()])
+                .unwrap()
+                .pop()
+                .unwrap();
+            assert!(c.error.is_none(), "{:?}", c.error);
+            (c.token_ids, c.text)
+        })
+        .collect();
+
+    let mut e = fixture_engine_on(
+        model,
+        lorafleet_engine::EngineSettings {
+            max_loras: 2,
+            max_cpu_loras: 3,
+            max_batched_tokens: 16,
+            max_num_seqs: 8,
+            ..Default::default()
+        },
+        choice,
+    );
+    let mut outputs: Vec<(Vec<u32>, String)> = vec![Default::default(); requests.len()];
+    let (mut finished, mut step, mut max_distinct, mut max_tokens) = (0, 0, 0, 0);
+    let mut pending = requests.iter();
+    while finished < requests.len() {
+        if step % 2 == 0 {
+            for r in pending.by_ref().take(2) {
+                e.submit(r.clone()).unwrap();
+            }
+        }
+        for (id, event) in e.step().unwrap() {
+            let i: usize = id[1..].parse().unwrap();
+            match event {
+                lorafleet_engine::Event::Delta {
+                    token_ids, text, ..
+                } => {
+                    outputs[i].0.extend(token_ids);
+                    outputs[i].1.push_str(&text);
+                }
+                lorafleet_engine::Event::Finished(_) => finished += 1,
+                lorafleet_engine::Event::Failed(err) => panic!("{model} {id}: {err}"),
+                lorafleet_engine::Event::PromptLogprobs(_) => {}
+            }
+        }
+        max_distinct = max_distinct.max(e.last_step().distinct_adapters);
+        max_tokens = max_tokens.max(e.last_step().tokens);
+        step += 1;
+        assert!(step < 10_000, "the batch never drained");
+    }
+    for (i, (got, want)) in outputs.iter().zip(&expected).enumerate() {
+        assert_eq!(got, want, "{model}: r{i} differs between batched and alone");
+    }
+    assert!(
+        max_distinct >= 2,
+        "{model}: steps mixed adapters ({max_distinct})"
+    );
+    assert!(max_tokens > 1, "{model}: steps batched several tokens");
 }

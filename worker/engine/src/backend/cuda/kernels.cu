@@ -211,6 +211,27 @@ extern "C" __global__ void rope_store(float* qkv, int q_dim, int kv_dim, const i
     }
 }
 
+// Per-head RMSNorm of the query and key heads of each token's fused
+// [q | k | v] row, in place, before RoPE (Qwen3's q_norm and k_norm, each
+// HEAD_DIM weights): the CPU backend's rms_norm over each head. Grid: one
+// block per token; each warp takes heads in turn.
+extern "C" __global__ void head_norm(float* qkv, int q_dim, int kv_dim, const float* q_w,
+                                     const float* k_w, float eps) {
+    float* row = qkv + (size_t)blockIdx.x * (q_dim + 2 * kv_dim);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    int nq = q_dim / HEAD_DIM, heads = nq + kv_dim / HEAD_DIM;
+    for (int head = warp; head < heads; head += warps) {
+        // The key heads follow the query heads in the row.
+        float* hp = row + (size_t)head * HEAD_DIM;
+        const float* w = head < nq ? q_w : k_w;
+        float ss = 0.0f;
+        for (int i = lane; i < HEAD_DIM; i += 32) ss = fmaf(hp[i], hp[i], ss);
+        ss = warp_sum(ss);
+        float inv = 1.0f / sqrtf(ss / (float)HEAD_DIM + eps);
+        for (int i = lane; i < HEAD_DIM; i += 32) hp[i] = w[i] * (hp[i] * inv);
+    }
+}
+
 #define ATTN_CHUNK 128
 
 __device__ __forceinline__ float attn_score(const float* qs, const wt* k_cache, int kv_dim, int kvh,
@@ -697,6 +718,87 @@ extern "C" __global__ void __launch_bounds__(LORA_THREADS) moe_lora_expand(const
         float acc = 0.0f;
         for (int r = 0; r < rank; r++) acc += tr[r] * bo[r];
         out[(size_t)row * fan_out + o] += scale * acc;
+    }
+}
+
+// The Mixture-of-Experts router's choice for each of `n` tokens, as the
+// CPU backend's `choose`: the softmax of the token's `experts` logits, its
+// `top_k` largest probabilities (the lower expert first on a tie),
+// renormalized to sum to one when `normalize`, written in expert order to
+// out_e / out_w[t * top_k ..]. The sums run in expert order, as on the
+// CPU. One thread per token.
+extern "C" __global__ void moe_route(const float* logits, int n, int experts, int top_k,
+                                     int normalize, int* out_e, float* out_w) {
+    int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= n) return;
+    const float* l = logits + (size_t)t * experts;
+    int* oe = out_e + (size_t)t * top_k;
+    float* ow = out_w + (size_t)t * top_k;
+    float m = -INFINITY;
+    for (int e = 0; e < experts; e++) m = fmaxf(m, l[e]);
+    float sum = 0.0f;
+    for (int e = 0; e < experts; e++) sum += expf(l[e] - m);
+    // The top_k by repeated scans, largest first.
+    float chosen_sum = 0.0f;
+    for (int j = 0; j < top_k; j++) {
+        int best = -1;
+        float bv = 0.0f;
+        for (int e = 0; e < experts; e++) {
+            bool taken = false;
+            for (int i = 0; i < j; i++) taken = taken || oe[i] == e;
+            if (taken) continue;
+            float v = expf(l[e] - m);
+            if (best < 0 || v > bv) {
+                best = e;
+                bv = v;
+            }
+        }
+        oe[j] = best;
+        ow[j] = bv / sum;
+        chosen_sum += ow[j];
+    }
+    if (normalize)
+        for (int j = 0; j < top_k; j++) ow[j] = ow[j] / chosen_sum;
+    // Expert order (insertion sort of top_k entries).
+    for (int j = 1; j < top_k; j++) {
+        int e = oe[j];
+        float w = ow[j];
+        int i = j - 1;
+        while (i >= 0 && oe[i] > e) {
+            oe[i + 1] = oe[i];
+            ow[i + 1] = ow[i];
+            i--;
+        }
+        oe[i + 1] = e;
+        ow[i + 1] = w;
+    }
+}
+
+// out[r] = x[order[r]] for the rows of every expert's group (each expert's
+// tokens, experts in order), in f32 and, when out_w is not null, in the
+// weights' type for the experts' GEMMs. Grid: one block per row.
+extern "C" __global__ void moe_gather(const float* x, const int* order, int d, float* out,
+                                      wt* out_w) {
+    const float* src = x + (size_t)order[blockIdx.x] * d;
+    float* o = out + (size_t)blockIdx.x * d;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        float v = src[i];
+        o[i] = v;
+        if (out_w) out_w[(size_t)blockIdx.x * d + i] = wstore(v);
+    }
+}
+
+// hidden[t] += sum over j of y[row_of[t, j]] * w[t, j]: each token's
+// experts' outputs weighed and summed from zero in expert order, then added
+// to the residual stream, as on the CPU. Grid: one block per token.
+extern "C" __global__ void moe_combine(float* hidden, const float* y, const int* row_of,
+                                       const float* w, int top_k, int d) {
+    int t = blockIdx.x;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        float acc = 0.0f;
+        for (int j = 0; j < top_k; j++)
+            acc += y[(size_t)row_of[t * top_k + j] * d + i] * w[t * top_k + j];
+        hidden[(size_t)t * d + i] += acc;
     }
 }
 

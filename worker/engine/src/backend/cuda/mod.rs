@@ -25,6 +25,7 @@ mod device;
 mod dtype;
 pub mod kernels;
 mod meta;
+mod moe;
 pub mod plan;
 mod sample;
 mod slots;
@@ -97,10 +98,21 @@ struct Layer {
     post_norm: CudaSlice<f32>,
     /// `[q | k | v]`.
     qkv: Linear,
+    /// Per-head RMSNorm weights of the queries and keys (Qwen3), applied
+    /// before RoPE.
+    qk_norm: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
     o: Linear,
-    /// `[gate | up]`.
-    gate_up: Linear,
-    down: Linear,
+    mlp: Mlp,
+}
+
+/// A layer's MLP: one SwiGLU, or a Mixture of SwiGLU experts.
+enum Mlp {
+    Dense {
+        /// `[gate | up]`.
+        gate_up: Linear,
+        down: Linear,
+    },
+    Moe(moe::MoeLayer),
 }
 
 /// The CUDA backend.
@@ -119,6 +131,15 @@ pub struct CudaBackend {
     v_cache: Vec<CudaSlice<u8>>,
     inv_freq: CudaSlice<f32>,
     slots: Slots,
+    /// Each slot's expert LoRA, for a Mixture-of-Experts model's adapters
+    /// that have one.
+    expert_slots: moe::ExpertSlots,
+    /// The adapter slot of each token of the step being launched (the
+    /// Mixture-of-Experts blocks group their LoRA rows by it).
+    token_slots: Vec<Option<usize>>,
+    /// Token rows that have gone through an expert LoRA, all steps
+    /// together (as the CPU backend counts them).
+    expert_lora_rows: std::sync::atomic::AtomicU64,
     /// Decode steps captured as CUDA graphs, by shape; they go before the
     /// workspace whose addresses they hold.
     graphs: Graphs,
@@ -185,16 +206,6 @@ impl CudaBackend {
         limits: StepLimits,
     ) -> Result<CudaBackend> {
         let c = config;
-        if c.moe.is_some() || c.qk_norm {
-            return Err(EngineError::InvalidModel {
-                file: dir.join("config.json"),
-                field: "model_type".into(),
-                reason: format!(
-                    "{} runs on the CPU backend only so far; the CUDA backend has no Mixture-of-Experts or q/k-norm kernels yet",
-                    c.architecture.model_type()
-                ),
-            });
-        }
         let dev = Device::open(
             ordinal,
             KernelShapes {
@@ -285,6 +296,9 @@ impl CudaBackend {
                     fan_out,
                 })
             };
+            let head_norm = |which: &str| {
+                up_f32(&files.f32(&format!("{prefix}.self_attn.{which}.weight"), &[c.head_dim])?)
+            };
             layers.push(Layer {
                 input_norm: up_f32(&files.f32(
                     &format!("{prefix}.input_layernorm.weight"),
@@ -295,9 +309,19 @@ impl CudaBackend {
                     &[c.hidden_size],
                 )?)?,
                 qkv: fused(&[Projection::Q, Projection::K, Projection::V])?,
+                qk_norm: if c.qk_norm {
+                    Some((head_norm("q_norm")?, head_norm("k_norm")?))
+                } else {
+                    None
+                },
                 o: fused(&[Projection::O])?,
-                gate_up: fused(&[Projection::Gate, Projection::Up])?,
-                down: fused(&[Projection::Down])?,
+                mlp: match c.moe {
+                    Some(m) => Mlp::Moe(moe::MoeLayer::load(&files, c, m, l, &dev, dtype)?),
+                    None => Mlp::Dense {
+                        gate_up: fused(&[Projection::Gate, Projection::Up])?,
+                        down: fused(&[Projection::Down])?,
+                    },
+                },
             });
         }
         let norm = up_f32(&files.f32("model.norm.weight", &[c.hidden_size])?)?;
@@ -357,7 +381,12 @@ impl CudaBackend {
             v_cache,
             inv_freq,
             slots,
-            graphs: Graphs::new(true),
+            expert_slots: moe::ExpertSlots::new(shape.slots),
+            token_slots: Vec::new(),
+            expert_lora_rows: Default::default(),
+            // A Mixture-of-Experts step reads the router's choices back
+            // mid-step, which a graph cannot hold.
+            graphs: Graphs::new(c.moe.is_none()),
             ws,
             last_logits: None,
             plan,
@@ -373,8 +402,18 @@ impl CudaBackend {
 
     /// Turns CUDA graphs for decode steps on (the default) or off; off,
     /// every step launches its kernels one by one.
+    /// A Mixture-of-Experts model never uses them (its steps read the
+    /// router's choices back mid-step).
     pub fn set_graphs(&mut self, enabled: bool) {
-        self.graphs.enabled = enabled;
+        self.graphs.enabled = enabled && self.config.moe.is_none();
+    }
+
+    /// Token rows that have gone through an expert LoRA (router, gate/up
+    /// or down of a Mixture-of-Experts block) since the backend was made:
+    /// tokens whose adapter has no expert weights never do.
+    pub fn expert_lora_rows(&self) -> u64 {
+        self.expert_lora_rows
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Why the last graph capture failed, if one did (that batch size then
@@ -385,9 +424,26 @@ impl CudaBackend {
 
     /// `y[n, out] = x[n, in] · Wᵀ (+ bias)`: x in the weights' type, y f32.
     fn linear(&self, lin: &Linear, x: u64, y: u64, n: usize) -> Result<()> {
-        let (alpha, beta) = (1f32, 0f32);
         let ty = self.dtype.cuda_type();
-        let (m, k) = (lin.fan_out as i32, lin.fan_in as i32);
+        self.gemm(self.dev.p(&lin.w), ty, lin.fan_in, lin.fan_out, x, y, n)?;
+        self.add_bias(lin, y, n)
+    }
+
+    /// `y[n, fan_out] = x[n, fan_in] · Wᵀ` through cuBLAS: W row-major
+    /// `[fan_out, fan_in]` at `w`, W and x of type `ty`, y f32.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(
+        &self,
+        w: u64,
+        ty: blas_sys::cudaDataType,
+        fan_in: usize,
+        fan_out: usize,
+        x: u64,
+        y: u64,
+        n: usize,
+    ) -> Result<()> {
+        let (alpha, beta) = (1f32, 0f32);
+        let (m, k) = (fan_out as i32, fan_in as i32);
         // Row-major y[n, m] = x[n, k]·W[m, k]ᵀ is column-major
         // yᵀ[m, n] = W·xᵀ: W is a column-major [k, m] matrix, transposed.
         unsafe {
@@ -399,7 +455,7 @@ impl CudaBackend {
                 n as i32,
                 k,
                 (&alpha as *const f32).cast::<c_void>(),
-                self.dev.p(&lin.w) as *const c_void,
+                w as *const c_void,
                 ty,
                 k,
                 x as *const c_void,
@@ -413,8 +469,7 @@ impl CudaBackend {
                 blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
         }
-        .map_err(cuda("cuBLAS GEMM"))?;
-        self.add_bias(lin, y, n)
+        .map_err(cuda("cuBLAS GEMM"))
     }
 
     fn add_bias(&self, lin: &Linear, y: u64, n: usize) -> Result<()> {
@@ -513,7 +568,8 @@ impl Backend for CudaBackend {
 
     fn write_slot(&mut self, slot: usize, adapter: &HostAdapter) -> Result<()> {
         super::check_slot_write(&self.shape, slot, adapter)?;
-        self.slots.write(&self.dev, &self.config, slot, adapter)
+        self.slots.write(&self.dev, &self.config, slot, adapter)?;
+        self.expert_slots.write(&self.dev, slot, adapter)
     }
 
     fn slot_ready(&self, slot: usize) -> bool {
@@ -524,6 +580,7 @@ impl Backend for CudaBackend {
         if slot >= self.shape.slots {
             return Err(EngineError::Backend(format!("slot {slot} is out of range")));
         }
+        self.expert_slots.clear(slot);
         self.slots.clear(&self.dev, slot)
     }
 

@@ -58,10 +58,18 @@ impl MemoryPlan {
             } else {
                 0
             }) as u64;
+        // A Mixture-of-Experts model has its experts and router in place of
+        // the one MLP.
+        let mlp = (3 * c.hidden_size * c.intermediate_size) as u64;
+        let (linear, experts) = match c.moe {
+            Some(moe) => (linear - mlp, super::moe::weight_bytes(c, moe, dtype)),
+            None => (linear, 0),
+        };
         let per_layer = linear * w + (biases + 2 * c.hidden_size as u64) * 4;
         // Embeddings, and the lm_head (a second copy when tied).
         let vocab = (c.vocab_size * c.hidden_size) as u64 * w;
-        let weights = per_layer * c.num_layers as u64 + 2 * vocab + c.hidden_size as u64 * 4;
+        let weights =
+            per_layer * c.num_layers as u64 + experts + 2 * vocab + c.hidden_size as u64 * 4;
         let kv_cache =
             2 * (c.num_layers * shape.kv_blocks * shape.block_size * c.kv_dim()) as u64 * w;
         let rank = shape.max_lora_rank.max(1) as u64;
@@ -81,11 +89,14 @@ impl MemoryPlan {
             + 3 * splits * n * rank * 4
             + n * widest * w;
         let logits = max_rows as u64 * c.vocab_size as u64 * 4;
+        let experts_workspace = c.moe.map_or(0, |moe| {
+            super::moe::MoeBuffers::bytes(c, moe, dtype, rank as usize, max_tokens)
+        });
         MemoryPlan {
             weights,
             kv_cache,
             adapter_slots,
-            workspace: activations + logits,
+            workspace: activations + logits + experts_workspace,
             margin: 512 * MIB + total / 20,
             device_total: total,
         }
@@ -232,6 +243,59 @@ mod tests {
         assert!(err.contains("KV cache 16384 MiB"), "{err}");
         assert!(err.contains("weights 30"), "{err}");
         assert!(err.contains("--kv-blocks"), "{err}");
+    }
+
+    #[test]
+    fn a_mixture_of_experts_model_plans_every_expert_and_its_router() {
+        // Qwen3-30B-A3B's shape: 48 layers of 128 experts of width 768.
+        let c = ModelConfig {
+            architecture: Architecture::Qwen3Moe,
+            vocab_size: 151_936,
+            hidden_size: 2048,
+            intermediate_size: 768,
+            num_layers: 48,
+            num_heads: 32,
+            num_kv_heads: 4,
+            head_dim: 128,
+            qk_norm: true,
+            moe: Some(crate::model::config::MoeConfig {
+                num_experts: 128,
+                top_k: 8,
+                norm_topk_prob: true,
+            }),
+            ..llama_8b()
+        };
+        let shape = BackendShape {
+            slots: 8,
+            max_lora_rank: 16,
+            kv_blocks: 1024,
+            block_size: 16,
+        };
+        let plan = MemoryPlan::new(&c, &shape, Dtype::Bf16, 512, 64, 141 * GIB);
+        // 30.5B parameters at 2 bytes (29.0B of them in experts), the
+        // routers in f32.
+        let gib = plan.weights as f64 / GIB as f64;
+        assert!((56.0..58.0).contains(&gib), "weights {gib} GiB");
+        let dense = MemoryPlan::new(
+            &ModelConfig {
+                moe: None,
+                ..c.clone()
+            },
+            &shape,
+            Dtype::Bf16,
+            512,
+            64,
+            141 * GIB,
+        );
+        assert!(
+            plan.weights > 50 * dense.weights / 10,
+            "{} vs {}",
+            plan.weights,
+            dense.weights
+        );
+        // The expert rows of a step: 512 tokens × top 8.
+        assert!(plan.workspace > dense.workspace + (512 * 8 * 2048 * 4) as u64);
+        assert!(plan.check(141 * GIB).is_ok(), "{}", plan.summary());
     }
 
     #[test]

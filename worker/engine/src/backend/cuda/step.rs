@@ -23,7 +23,7 @@ use cudarc::driver::{CudaGraph, CudaSlice};
 
 use super::device::{Arg, Device, cuda};
 use super::meta::{HostMeta, StepMeta};
-use super::{CudaBackend, Dtype};
+use super::{CudaBackend, Dtype, Mlp};
 use crate::backend::{GraphCounters, StepBatch};
 use crate::error::Result;
 use crate::lora::Projection;
@@ -54,6 +54,8 @@ pub(super) struct Workspace {
     pub(super) picked: CudaSlice<i32>,
     /// The step's metadata ([`HostMeta`]).
     meta: CudaSlice<i32>,
+    /// A Mixture-of-Experts model's expert rows.
+    pub(super) moe: Option<super::moe::MoeBuffers>,
 }
 
 impl Workspace {
@@ -101,6 +103,10 @@ impl Workspace {
             meta: st
                 .alloc_zeros::<i32>(meta.max(1))
                 .map_err(cuda("allocating the step workspace"))?,
+            moe: c
+                .moe
+                .map(|m| super::moe::MoeBuffers::new(dev, c, m, dtype, tokens))
+                .transpose()?,
         })
     }
 
@@ -197,6 +203,9 @@ impl CudaBackend {
         let decode =
             n <= MAX_GRAPH_TOKENS && batch.seqs.iter().all(|s| s.len == 1 && s.logit_rows == 1);
         let host = HostMeta::build(batch, &rows, self.shape.block_size, decode);
+        if self.config.moe.is_some() {
+            self.token_slots.clone_from(&batch.token_slot);
+        }
         if !self.ws.holds(n, rows.len(), host.buf.len()) {
             // Larger than planned: a new workspace, and the graphs that
             // read the old one's addresses go with it.
@@ -406,6 +415,21 @@ impl CudaBackend {
                 qkv,
                 meta,
             )?;
+            if let Some((q_w, k_w)) = &layer.qk_norm {
+                self.dev.launch(
+                    "head_norm",
+                    (n as u32, 1, 1),
+                    128,
+                    &[
+                        Arg::Ptr(qkv),
+                        Arg::I32(q_dim as i32),
+                        Arg::I32(kv_dim as i32),
+                        Arg::Ptr(self.dev.p(q_w)),
+                        Arg::Ptr(self.dev.p(k_w)),
+                        Arg::F32(c.rms_norm_eps),
+                    ],
+                )?;
+            }
             self.dev.launch(
                 "rope_store",
                 (n as u32, 1, 1),
@@ -446,7 +470,14 @@ impl CudaBackend {
             self.lora(l, &[Projection::O], attn, n, proj, meta)?;
             add(hidden, proj, n * d)?;
             norm_rows(hidden, 0, &layer.post_norm, normed, n)?;
-            self.linear(&layer.gate_up, cast.unwrap_or(normed), gu, n)?;
+            let (gate_up, down) = match &layer.mlp {
+                Mlp::Dense { gate_up, down } => (gate_up, down),
+                Mlp::Moe(block) => {
+                    self.moe_block(l, block, normed, n, hidden)?;
+                    continue;
+                }
+            };
+            self.linear(gate_up, cast.unwrap_or(normed), gu, n)?;
             self.lora(l, &[Projection::Gate, Projection::Up], normed, n, gu, meta)?;
             self.dev.launch(
                 "silu_mul",
@@ -460,7 +491,7 @@ impl CudaBackend {
                     Arg::I32(inter as i32),
                 ],
             )?;
-            self.linear(&layer.down, cast.unwrap_or(act), proj, n)?;
+            self.linear(down, cast.unwrap_or(act), proj, n)?;
             self.lora(l, &[Projection::Down], act, n, proj, meta)?;
             add(hidden, proj, n * d)?;
         }

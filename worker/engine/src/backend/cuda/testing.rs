@@ -348,7 +348,12 @@ impl super::CudaBackend {
         let input = self.ws.cast.as_ref().map_or(x, |c| self.dev.p(c));
         let gemms = || -> Result<()> {
             for layer in &self.layers {
-                for lin in [&layer.qkv, &layer.o, &layer.gate_up, &layer.down] {
+                let super::Mlp::Dense { gate_up, down } = &layer.mlp else {
+                    return Err(crate::EngineError::Backend(
+                        "cuda: the step profile covers dense models only".into(),
+                    ));
+                };
+                for lin in [&layer.qkv, &layer.o, gate_up, down] {
                     self.linear(lin, input, y, n)?;
                 }
             }

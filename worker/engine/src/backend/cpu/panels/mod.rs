@@ -129,6 +129,27 @@ impl PackedLinear {
         }
     }
 
+    /// The weights back as row-major `[fan_out, fan_in]` f32 (bf16 widened
+    /// exactly): what was packed, for a backend that lays them out its own
+    /// way.
+    pub fn unpack(&self) -> Vec<f32> {
+        let (fan_in, fan_out) = (self.fan_in, self.fan_out);
+        let mut w = vec![0f32; fan_in * fan_out];
+        for (o, row) in w.chunks_exact_mut(fan_in.max(1)).enumerate().take(fan_out) {
+            let (p, j) = (o / NR, o % NR);
+            for (k, v) in row.iter_mut().enumerate() {
+                *v = match &self.panels {
+                    Panels::F32(all) => all[(p * fan_in + k) * NR + j],
+                    Panels::Bf16(all) => {
+                        let kpad = amx::padded(fan_in);
+                        bf16_to_f32(all[p * kpad * NR + (k / 2) * 2 * NR + 2 * j + k % 2])
+                    }
+                };
+            }
+        }
+        w
+    }
+
     #[cfg(test)]
     fn f32_panels(&self) -> &[f32] {
         match &self.panels {

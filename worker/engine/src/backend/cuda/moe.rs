@@ -1,0 +1,638 @@
+//! The Mixture-of-Experts MLP on the device (Mixtral, Qwen3-MoE), and the
+//! expert LoRA it carries.
+//!
+//! One layer's block runs as the CPU backend's does, step by step:
+//!
+//! 1. the router's logits (an f32 GEMM), plus each token's router LoRA;
+//! 2. `moe_route` picks each token's `top_k` experts and weights on the
+//!    device;
+//! 3. the choices come to the host (`top_k` integers a token), which groups
+//!    the tokens by expert, in token order, and uploads that order;
+//! 4. `moe_gather` lays the groups out row by row, one cuBLAS GEMM per
+//!    expert with tokens runs its gate and up projections, the expert LoRA
+//!    of the tokens whose adapter has one is added by the grouped
+//!    `moe_lora_shrink` / `moe_lora_expand` pair (one pair per adapter in
+//!    the step: rows of adapters without expert weights are in no group),
+//!    then SiLU·up, the down GEMMs and their LoRA;
+//! 5. `moe_combine` weighs each token's experts, sums them in expert order
+//!    and adds the sum to the residual stream.
+//!
+//! Step 3 reads the device mid-step, so a Mixture-of-Experts model's steps
+//! are never captured as CUDA graphs (the backend turns them off).
+//!
+//! An adapter's expert LoRA lives in device memory of its own per slot,
+//! allocated when the adapter is written (sized to its targets, not to the
+//! largest rank of every expert of every layer), and freed when the slot
+//! is cleared or rewritten.
+
+use std::sync::atomic::Ordering;
+
+use cudarc::cublas::sys::cudaDataType;
+use cudarc::driver::CudaSlice;
+
+use super::device::{Arg, Device, cuda};
+use super::{CudaBackend, Dtype};
+use crate::error::Result;
+use crate::lora::{ExpertFactors, HostAdapter};
+use crate::model::config::{Architecture, MoeConfig};
+use crate::model::{ModelConfig, WeightFiles};
+
+/// One layer's router and experts on the device.
+pub(super) struct MoeLayer {
+    /// `[experts, hidden]`, f32 (as the CPU backend holds it).
+    router: CudaSlice<f32>,
+    /// `[experts, 2 * inter, hidden]` in the weights' type: each expert's
+    /// `[gate | up]`.
+    gate_up: CudaSlice<u8>,
+    /// `[experts, hidden, inter]` in the weights' type.
+    down: CudaSlice<u8>,
+}
+
+impl MoeLayer {
+    /// Reads layer `layer`'s router and experts, named as the model's
+    /// family stores them, one expert at a time.
+    pub(super) fn load(
+        files: &WeightFiles,
+        c: &ModelConfig,
+        moe: MoeConfig,
+        layer: usize,
+        dev: &Device,
+        dtype: Dtype,
+    ) -> Result<MoeLayer> {
+        let (h, i, experts) = (c.hidden_size, c.intermediate_size, moe.num_experts);
+        let (block, [gate, up, down]) = match c.architecture {
+            Architecture::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
+            _ => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+        };
+        let prefix = format!("model.layers.{layer}.{block}");
+        let st = &dev.stream;
+        let up_err = cuda("uploading weights");
+        let router = st
+            .clone_htod(&files.f32(&format!("{prefix}.gate.weight"), &[experts, h])?)
+            .map_err(&up_err)?;
+        let w = dtype.bytes();
+        let mut gate_up = st
+            .alloc_zeros::<u8>(experts * 2 * i * h * w)
+            .map_err(&up_err)?;
+        let mut down_w = st.alloc_zeros::<u8>(experts * h * i * w).map_err(&up_err)?;
+        for e in 0..experts {
+            let name = |m: &str| format!("{prefix}.experts.{e}.{m}.weight");
+            let mut gu = files.f32(&name(gate), &[i, h])?;
+            gu.extend(files.f32(&name(up), &[i, h])?);
+            let at = e * 2 * i * h * w;
+            st.memcpy_htod(
+                &dtype.encode(&gu),
+                &mut gate_up.slice_mut(at..at + 2 * i * h * w),
+            )
+            .map_err(&up_err)?;
+            let d = files.f32(&name(down), &[h, i])?;
+            let at = e * h * i * w;
+            st.memcpy_htod(&dtype.encode(&d), &mut down_w.slice_mut(at..at + h * i * w))
+                .map_err(&up_err)?;
+        }
+        Ok(MoeLayer {
+            router,
+            gate_up,
+            down: down_w,
+        })
+    }
+}
+
+/// The device bytes of the Mixture-of-Experts blocks of `c` with weights
+/// in `dtype`, all layers (the router in f32).
+pub fn weight_bytes(c: &ModelConfig, moe: MoeConfig, dtype: Dtype) -> u64 {
+    let (h, i, e) = (
+        c.hidden_size as u64,
+        c.intermediate_size as u64,
+        moe.num_experts as u64,
+    );
+    c.num_layers as u64 * (e * 3 * h * i * dtype.bytes() as u64 + e * h * 4)
+}
+
+/// A step's buffers for the Mixture-of-Experts blocks, for `tokens` tokens
+/// (`tokens * top_k` expert rows).
+pub(super) struct MoeBuffers {
+    /// `[tokens, experts]`.
+    logits: CudaSlice<f32>,
+    /// Each token's experts and weights, `[tokens, top_k]`.
+    route_e: CudaSlice<i32>,
+    route_w: CudaSlice<f32>,
+    /// The rows' tokens (`order`, `[rows]`), then each (token, choice)'s
+    /// row (`row_of`, `[rows]`).
+    index: CudaSlice<i32>,
+    /// The grouped expert-LoRA kernels' (first row, end row, slot, expert)
+    /// groups.
+    groups: CudaSlice<i32>,
+    xg: CudaSlice<f32>,
+    /// `xg` in the weights' type (none in f32 mode); likewise `actg_w`.
+    xg_w: Option<CudaSlice<u8>>,
+    gug: CudaSlice<f32>,
+    actg: CudaSlice<f32>,
+    actg_w: Option<CudaSlice<u8>>,
+    downg: CudaSlice<f32>,
+    /// The expert LoRA's shrink output, `[rows, max_rank]`.
+    t: CudaSlice<f32>,
+}
+
+impl MoeBuffers {
+    pub(super) fn new(
+        dev: &Device,
+        c: &ModelConfig,
+        moe: MoeConfig,
+        dtype: Dtype,
+        tokens: usize,
+    ) -> Result<MoeBuffers> {
+        let st = &dev.stream;
+        let err = cuda("allocating the step workspace");
+        let (h, i) = (c.hidden_size, c.intermediate_size);
+        let rows = tokens * moe.top_k;
+        let f32s = |len: usize| st.alloc_zeros::<f32>(len.max(1)).map_err(&err);
+        let cast = |len: usize| -> Result<Option<CudaSlice<u8>>> {
+            if dtype == Dtype::F32 {
+                return Ok(None);
+            }
+            Ok(Some(
+                st.alloc_zeros::<u8>(len.max(1) * dtype.bytes())
+                    .map_err(&err)?,
+            ))
+        };
+        Ok(MoeBuffers {
+            logits: f32s(tokens * moe.num_experts)?,
+            route_e: st.alloc_zeros::<i32>(rows.max(1)).map_err(&err)?,
+            route_w: f32s(rows)?,
+            index: st.alloc_zeros::<i32>(2 * rows.max(1)).map_err(&err)?,
+            // Router groups at most one a token, expert groups one a row,
+            // for each of the three targets.
+            groups: st
+                .alloc_zeros::<i32>(4 * (tokens + 2 * rows).max(1))
+                .map_err(&err)?,
+            xg: f32s(rows * h)?,
+            xg_w: cast(rows * h)?,
+            gug: f32s(rows * 2 * i)?,
+            actg: f32s(rows * i)?,
+            actg_w: cast(rows * i)?,
+            downg: f32s(rows * h)?,
+            t: f32s(rows * dev.shapes.max_rank)?,
+        })
+    }
+
+    /// Bytes for `tokens` tokens (the memory plan's share).
+    pub fn bytes(
+        c: &ModelConfig,
+        moe: MoeConfig,
+        dtype: Dtype,
+        max_rank: usize,
+        tokens: usize,
+    ) -> u64 {
+        let (h, i) = (c.hidden_size, c.intermediate_size);
+        let rows = tokens * moe.top_k;
+        let f32s = tokens * moe.num_experts + rows * (1 + 2 * h + 3 * i + max_rank);
+        let ints = rows * 3 + 4 * (tokens + 2 * rows);
+        let cast = if dtype == Dtype::F32 {
+            0
+        } else {
+            rows * (h + i) * dtype.bytes()
+        };
+        (4 * (f32s + ints) + cast) as u64
+    }
+}
+
+/// One targeted tensor's expert LoRA in one slot, as the grouped kernels
+/// read it: A `[experts, max_rank, fan_in]` and B `[experts, fan_out,
+/// max_rank]` in f32, the rank and scale as one-entry arrays (a group's
+/// slot index is 0: each slot's factors are their own allocation).
+struct ExpertTensor {
+    a: CudaSlice<f32>,
+    b: CudaSlice<f32>,
+    rank: CudaSlice<i32>,
+    scale: CudaSlice<f32>,
+    experts: usize,
+}
+
+impl ExpertTensor {
+    fn upload(dev: &Device, f: &ExpertFactors) -> Result<ExpertTensor> {
+        let max_rank = dev.shapes.max_rank;
+        let (experts, r) = (f.experts(), f.rank);
+        let mut a = vec![0f32; experts * max_rank * f.fan_in];
+        let mut b = vec![0f32; experts * f.fan_out * max_rank];
+        for e in 0..experts {
+            let (ae, be) = (f.a_matrix(e), f.b_matrix(e));
+            a[e * max_rank * f.fan_in..][..r * f.fan_in].copy_from_slice(&ae);
+            for o in 0..f.fan_out {
+                b[(e * f.fan_out + o) * max_rank..][..r].copy_from_slice(&be[o * r..(o + 1) * r]);
+            }
+        }
+        let st = &dev.stream;
+        let err = cuda("copying an adapter's expert LoRA into its slot");
+        Ok(ExpertTensor {
+            a: st.clone_htod(&a).map_err(&err)?,
+            b: st.clone_htod(&b).map_err(&err)?,
+            rank: st.clone_htod(&[r as i32]).map_err(&err)?,
+            scale: st.clone_htod(&[f.scale]).map_err(&err)?,
+            experts,
+        })
+    }
+}
+
+/// One layer's expert LoRA in one slot.
+#[derive(Default)]
+struct ExpertLayerSlot {
+    gate_up: Option<ExpertTensor>,
+    down: Option<ExpertTensor>,
+    router: Option<ExpertTensor>,
+}
+
+impl ExpertLayerSlot {
+    fn any(&self) -> bool {
+        self.gate_up.is_some() || self.down.is_some() || self.router.is_some()
+    }
+}
+
+/// Every slot's expert LoRA, where its adapter has one.
+pub(super) struct ExpertSlots {
+    slots: Vec<Option<Vec<ExpertLayerSlot>>>,
+}
+
+impl ExpertSlots {
+    pub(super) fn new(slots: usize) -> ExpertSlots {
+        ExpertSlots {
+            slots: (0..slots).map(|_| None).collect(),
+        }
+    }
+
+    /// Puts `adapter`'s expert LoRA into `slot` (on the compute stream, so
+    /// every later step sees it), or empties the slot's if it has none.
+    pub(super) fn write(&mut self, dev: &Device, slot: usize, adapter: &HostAdapter) -> Result<()> {
+        self.slots[slot] = None;
+        if adapter.experts.iter().all(|l| l.is_empty()) {
+            return Ok(());
+        }
+        let up = |f: &Option<ExpertFactors>| {
+            f.as_ref().map(|f| ExpertTensor::upload(dev, f)).transpose()
+        };
+        let layers = adapter
+            .experts
+            .iter()
+            .map(|l| {
+                Ok(ExpertLayerSlot {
+                    gate_up: up(&l.gate_up)?,
+                    down: up(&l.down)?,
+                    router: up(&l.router)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.slots[slot] = Some(layers);
+        Ok(())
+    }
+
+    pub(super) fn clear(&mut self, slot: usize) {
+        self.slots[slot] = None;
+    }
+
+    fn layer(&self, slot: Option<usize>, layer: usize) -> Option<&ExpertLayerSlot> {
+        self.slots[slot?].as_ref()?.get(layer).filter(|l| l.any())
+    }
+}
+
+/// Which of a layer's expert LoRA tensors a launch applies.
+#[derive(Clone, Copy)]
+enum Target {
+    Router,
+    GateUp,
+    Down,
+}
+
+impl Target {
+    fn of(self, l: &ExpertLayerSlot) -> Option<&ExpertTensor> {
+        match self {
+            Target::Router => l.router.as_ref(),
+            Target::GateUp => l.gate_up.as_ref(),
+            Target::Down => l.down.as_ref(),
+        }
+    }
+}
+
+/// The groups of one launch pair: one adapter slot's runs of rows.
+struct Launch {
+    slot: usize,
+    /// Index of its first group in the uploaded list.
+    first: usize,
+    count: usize,
+    /// Rows in its longest group (the grid's x).
+    longest: usize,
+}
+
+/// Groups `(first row, end row, 0, expert)` of consecutive rows whose
+/// token's slot has `target`, per slot, appended to `flat`; `rows` gives,
+/// per expert, its rows' range and each row's token slot.
+fn groups_by_slot(
+    flat: &mut Vec<i32>,
+    per_expert: &[(usize, Vec<Option<usize>>)],
+    has: impl Fn(Option<usize>) -> bool,
+) -> Vec<Launch> {
+    let mut by_slot: std::collections::BTreeMap<usize, Vec<[i32; 4]>> = Default::default();
+    for (e, (start, slots)) in per_expert.iter().enumerate() {
+        let mut r = 0;
+        while r < slots.len() {
+            let s = slots[r];
+            let mut end = r + 1;
+            while end < slots.len() && slots[end] == s {
+                end += 1;
+            }
+            if let (Some(slot), true) = (s, has(s)) {
+                by_slot.entry(slot).or_default().push([
+                    (start + r) as i32,
+                    (start + end) as i32,
+                    0,
+                    e as i32,
+                ]);
+            }
+            r = end;
+        }
+    }
+    by_slot
+        .into_iter()
+        .map(|(slot, groups)| {
+            let launch = Launch {
+                slot,
+                first: flat.len() / 4,
+                count: groups.len(),
+                longest: groups
+                    .iter()
+                    .map(|g| (g[1] - g[0]) as usize)
+                    .max()
+                    .unwrap_or(0),
+            };
+            flat.extend(groups.into_iter().flatten());
+            launch
+        })
+        .collect()
+}
+
+impl CudaBackend {
+    /// Layer `l`'s Mixture-of-Experts block over the `n` rows of `normed`
+    /// (f32), added into `hidden`.
+    pub(super) fn moe_block(
+        &self,
+        l: usize,
+        layer: &MoeLayer,
+        normed: u64,
+        n: usize,
+        hidden: u64,
+    ) -> Result<()> {
+        let c = &self.config;
+        let moe = c.moe.expect("a Mixture-of-Experts layer has a MoE config");
+        let b = self
+            .ws
+            .moe
+            .as_ref()
+            .expect("a Mixture-of-Experts model's workspace has its buffers");
+        let dev = &self.dev;
+        let p = |s: &CudaSlice<f32>| dev.p(s);
+        let (h, inter, experts, k) = (
+            c.hidden_size,
+            c.intermediate_size,
+            moe.num_experts,
+            moe.top_k,
+        );
+        let rows = n * k;
+        let slot_of = &self.token_slots[..n];
+        let lora = |s: Option<usize>| self.expert_slots.layer(s, l);
+        let with_lora = slot_of.iter().filter(|&&s| lora(s).is_some()).count();
+        self.expert_lora_rows
+            .fetch_add(with_lora as u64, Ordering::Relaxed);
+
+        // 1. The router's logits and each token's router LoRA.
+        self.gemm(
+            dev.p(&layer.router),
+            cudaDataType::CUDA_R_32F,
+            h,
+            experts,
+            normed,
+            p(&b.logits),
+            n,
+        )?;
+        let mut flat = Vec::new();
+        let token_rows = [(0usize, slot_of.to_vec())];
+        let routers = groups_by_slot(&mut flat, &token_rows, |s| {
+            lora(s).is_some_and(|x| x.router.is_some())
+        });
+        if !routers.is_empty() {
+            self.upload_i32(&flat, &b.groups, 0)?;
+            for launch in &routers {
+                self.expert_lora(
+                    launch,
+                    l,
+                    Target::Router,
+                    (normed, h),
+                    (p(&b.logits), experts),
+                    b,
+                )?;
+            }
+        }
+
+        // 2. Each token's experts, 3. grouped by expert on the host.
+        dev.launch(
+            "moe_route",
+            ((n as u32).div_ceil(128), 1, 1),
+            128,
+            &[
+                Arg::Ptr(p(&b.logits)),
+                Arg::I32(n as i32),
+                Arg::I32(experts as i32),
+                Arg::I32(k as i32),
+                Arg::I32(i32::from(moe.norm_topk_prob)),
+                Arg::Ptr(dev.p(&b.route_e)),
+                Arg::Ptr(p(&b.route_w)),
+            ],
+        )?;
+        let chosen = dev
+            .stream
+            .clone_dtoh(&b.route_e.slice(0..rows))
+            .map_err(cuda("reading the router's choices"))?;
+        let mut by_expert: Vec<Vec<usize>> = vec![Vec::new(); experts];
+        for (a, &e) in chosen.iter().enumerate() {
+            let e = usize::try_from(e)
+                .ok()
+                .filter(|&e| e < experts)
+                .ok_or_else(|| {
+                    crate::EngineError::Backend(format!(
+                        "cuda: the router chose expert {e} of {experts}"
+                    ))
+                })?;
+            by_expert[e].push(a);
+        }
+        let mut index = vec![0i32; 2 * rows];
+        let mut per_expert = Vec::with_capacity(experts);
+        let mut r = 0;
+        for assigned in &by_expert {
+            let start = r;
+            for &a in assigned {
+                index[r] = (a / k) as i32;
+                index[rows + a] = r as i32;
+                r += 1;
+            }
+            per_expert.push((
+                start,
+                assigned.iter().map(|&a| slot_of[a / k]).collect::<Vec<_>>(),
+            ));
+        }
+        self.upload_i32(&index, &b.index, 0)?;
+
+        // 4. The experts over their rows.
+        let w = self.dtype.bytes() as u64;
+        let wty = self.dtype.cuda_type();
+        let (xg, actg) = (p(&b.xg), p(&b.actg));
+        let xg_in = b.xg_w.as_ref().map_or(xg, |c| dev.p(c));
+        let act_in = b.actg_w.as_ref().map_or(actg, |c| dev.p(c));
+        let in_bytes = if b.xg_w.is_some() { w } else { 4 };
+        dev.launch(
+            "moe_gather",
+            (rows as u32, 1, 1),
+            256,
+            &[
+                Arg::Ptr(normed),
+                Arg::Ptr(dev.p(&b.index)),
+                Arg::I32(h as i32),
+                Arg::Ptr(xg),
+                Arg::Ptr(b.xg_w.as_ref().map_or(0, |c| dev.p(c))),
+            ],
+        )?;
+        for (e, (start, slots)) in per_expert.iter().enumerate() {
+            let (start, m) = (*start as u64, slots.len());
+            if m == 0 {
+                continue;
+            }
+            let wt = dev.p(&layer.gate_up) + e as u64 * (2 * inter * h) as u64 * w;
+            let x = xg_in + start * h as u64 * in_bytes;
+            let y = p(&b.gug) + start * (2 * inter) as u64 * 4;
+            self.gemm(wt, wty, h, 2 * inter, x, y, m)?;
+        }
+        let mut flat = Vec::new();
+        let gate_ups = groups_by_slot(&mut flat, &per_expert, |s| {
+            lora(s).is_some_and(|x| x.gate_up.is_some())
+        });
+        let downs = groups_by_slot(&mut flat, &per_expert, |s| {
+            lora(s).is_some_and(|x| x.down.is_some())
+        });
+        if !flat.is_empty() {
+            self.upload_i32(&flat, &b.groups, 0)?;
+        }
+        for launch in &gate_ups {
+            self.expert_lora(
+                launch,
+                l,
+                Target::GateUp,
+                (xg, h),
+                (p(&b.gug), 2 * inter),
+                b,
+            )?;
+        }
+        dev.launch(
+            "silu_mul",
+            Device::elementwise_grid(rows * inter),
+            256,
+            &[
+                Arg::Ptr(p(&b.gug)),
+                Arg::Ptr(actg),
+                Arg::Ptr(b.actg_w.as_ref().map_or(0, |c| dev.p(c))),
+                Arg::I32(rows as i32),
+                Arg::I32(inter as i32),
+            ],
+        )?;
+        for (e, (start, slots)) in per_expert.iter().enumerate() {
+            let (start, m) = (*start as u64, slots.len());
+            if m == 0 {
+                continue;
+            }
+            let wt = dev.p(&layer.down) + e as u64 * (h * inter) as u64 * w;
+            let x = act_in + start * inter as u64 * in_bytes;
+            let y = p(&b.downg) + start * h as u64 * 4;
+            self.gemm(wt, wty, inter, h, x, y, m)?;
+        }
+        for launch in &downs {
+            self.expert_lora(launch, l, Target::Down, (actg, inter), (p(&b.downg), h), b)?;
+        }
+
+        // 5. Each token's experts, weighed, into the residual stream.
+        dev.launch(
+            "moe_combine",
+            (n as u32, 1, 1),
+            256,
+            &[
+                Arg::Ptr(hidden),
+                Arg::Ptr(p(&b.downg)),
+                Arg::Ptr(dev.p(&b.index) + (rows * 4) as u64),
+                Arg::Ptr(p(&b.route_w)),
+                Arg::I32(k as i32),
+                Arg::I32(h as i32),
+            ],
+        )
+    }
+
+    /// Copies `values` into `dst` from element `at` on the compute stream.
+    fn upload_i32(&self, values: &[i32], dst: &CudaSlice<i32>, at: usize) -> Result<()> {
+        let dst_ptr = self.dev.p(dst) + (at * 4) as u64;
+        // SAFETY: `dst` holds at least `at + values.len()` entries (the
+        // buffers are sized for the step's rows); a copy from pageable
+        // memory has read the source when it returns.
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(dst_ptr, values, self.dev.stream.cu_stream())
+        }
+        .map_err(cuda("uploading the experts' grouping"))
+    }
+
+    /// One adapter's grouped expert-LoRA pair for `target`: `x` (f32,
+    /// `fan_in` wide) to `out` (f32, `fan_out` wide), over the groups of
+    /// `launch` in the uploaded list.
+    fn expert_lora(
+        &self,
+        launch: &Launch,
+        l: usize,
+        target: Target,
+        (x, fan_in): (u64, usize),
+        (out, fan_out): (u64, usize),
+        b: &MoeBuffers,
+    ) -> Result<()> {
+        let Some(tensor) = self
+            .expert_slots
+            .layer(Some(launch.slot), l)
+            .and_then(|s| target.of(s))
+        else {
+            return Ok(());
+        };
+        let dev = &self.dev;
+        let groups = dev.p(&b.groups) + (launch.first * 16) as u64;
+        let grid = (launch.longest as u32, launch.count as u32, 1);
+        let t = dev.p(&b.t);
+        dev.launch(
+            "moe_lora_shrink",
+            grid,
+            256,
+            &[
+                Arg::Ptr(x),
+                Arg::I32(fan_in as i32),
+                Arg::I32(tensor.experts as i32),
+                Arg::Ptr(groups),
+                Arg::Ptr(dev.p(&tensor.a)),
+                Arg::Ptr(dev.p(&tensor.rank)),
+                Arg::Ptr(t),
+            ],
+        )?;
+        dev.launch(
+            "moe_lora_expand",
+            grid,
+            256,
+            &[
+                Arg::Ptr(t),
+                Arg::I32(fan_out as i32),
+                Arg::I32(tensor.experts as i32),
+                Arg::Ptr(groups),
+                Arg::Ptr(dev.p(&tensor.b)),
+                Arg::Ptr(dev.p(&tensor.rank)),
+                Arg::Ptr(dev.p(&tensor.scale)),
+                Arg::Ptr(out),
+            ],
+        )
+    }
+}
