@@ -496,30 +496,18 @@ fn expert_lora_shrink_and_expand_match_the_cpu_reference() {
     let scales = [0.5f32, 2.0];
     let groups: [(usize, usize, usize, usize); 3] = [(0, 3, 0, 2), (3, 4, 1, 0), (4, 7, 1, 3)];
     let x = random(31, rows * fan_in);
-    let a = random(32, slots * experts * max_rank * fan_in);
-    let b = random(33, slots * experts * fan_out * max_rank);
     let base = random(34, rows * fan_out);
-    // The CPU reference: each slot's factors as the engine holds them.
+    // Each slot's factors as the engine holds them (A [rank, fan_in] and
+    // B [fan_out, rank] per expert), the CPU reference.
     let factors: Vec<ExpertFactors> = (0..slots)
         .map(|s| {
             let r = ranks[s];
-            let (mut a_e, mut b_e) = (Vec::new(), Vec::new());
-            for e in 0..experts {
-                let at = |k: usize| ((s * experts + e) * max_rank + k) * fan_in;
-                a_e.push(
-                    (0..r)
-                        .flat_map(|k| a[at(k)..at(k) + fan_in].to_vec())
-                        .collect(),
-                );
-                b_e.push(
-                    (0..fan_out)
-                        .flat_map(|o| {
-                            let at = ((s * experts + e) * fan_out + o) * max_rank;
-                            b[at..at + r].to_vec()
-                        })
-                        .collect(),
-                );
-            }
+            let a_e: Vec<Vec<f32>> = (0..experts)
+                .map(|e| random(40 + (s * experts + e) as u64, r * fan_in))
+                .collect();
+            let b_e: Vec<Vec<f32>> = (0..experts)
+                .map(|e| random(80 + (s * experts + e) as u64, fan_out * r))
+                .collect();
             ExpertFactors::new(r, scales[s], (fan_in, fan_out), &a_e, &b_e)
         })
         .collect();
@@ -533,11 +521,28 @@ fn expert_lora_shrink_and_expand_match_the_cpu_reference() {
             );
         }
     }
+    // On the device: each slot's panels as one allocation of its own, as
+    // a slot write lays them out, reached through a table of addresses.
+    let panels = |s: usize, which: usize| -> Vec<f32> {
+        (0..experts)
+            .flat_map(|e| {
+                let (a, b) = factors[s].panels(e);
+                if which == 0 { a.to_vec() } else { b.to_vec() }
+            })
+            .collect()
+    };
+    let a_bufs: Vec<_> = (0..slots).map(|s| h.f32(&panels(s, 0)).unwrap()).collect();
+    let b_bufs: Vec<_> = (0..slots).map(|s| h.f32(&panels(s, 1)).unwrap()).collect();
+    let table = |bufs: &[_]| {
+        h.pointers(&bufs.iter().map(|b| h.ptr(b)).collect::<Vec<u64>>())
+            .unwrap()
+    };
+    let (a_ptrs, b_ptrs) = (table(&a_bufs), table(&b_bufs));
     let flat: Vec<i32> = groups
         .iter()
         .flat_map(|&(lo, hi, s, e)| [lo as i32, hi as i32, s as i32, e as i32])
         .collect();
-    let (xb, ab, bb) = (h.f32(&x).unwrap(), h.f32(&a).unwrap(), h.f32(&b).unwrap());
+    let xb = h.f32(&x).unwrap();
     let gb = h.i32(&flat).unwrap();
     let rb = h.i32(&ranks.map(|r| r as i32)).unwrap();
     let sb = h.f32(&scales).unwrap();
@@ -551,9 +556,8 @@ fn expert_lora_shrink_and_expand_match_the_cpu_reference() {
         &[
             Arg::Ptr(h.ptr(&xb)),
             Arg::I32(fan_in as i32),
-            Arg::I32(experts as i32),
             Arg::Ptr(h.ptr(&gb)),
-            Arg::Ptr(h.ptr(&ab)),
+            Arg::Ptr(h.ptr(&a_ptrs)),
             Arg::Ptr(h.ptr(&rb)),
             Arg::Ptr(h.ptr(&t)),
         ],
@@ -566,9 +570,8 @@ fn expert_lora_shrink_and_expand_match_the_cpu_reference() {
         &[
             Arg::Ptr(h.ptr(&t)),
             Arg::I32(fan_out as i32),
-            Arg::I32(experts as i32),
             Arg::Ptr(h.ptr(&gb)),
-            Arg::Ptr(h.ptr(&bb)),
+            Arg::Ptr(h.ptr(&b_ptrs)),
             Arg::Ptr(h.ptr(&rb)),
             Arg::Ptr(h.ptr(&sb)),
             Arg::Ptr(h.ptr(&out)),

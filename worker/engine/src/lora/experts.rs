@@ -68,14 +68,14 @@ impl ExpertFactors {
         self.add_delta_rows(e, x, 1, out);
     }
 
-    /// Expert `e`'s A, row-major `[rank, fan_in]`, as it was read.
-    pub fn a_matrix(&self, e: usize) -> Vec<f32> {
-        self.a[e].unpack()
-    }
-
-    /// Expert `e`'s B, row-major `[fan_out, rank]`, as it was read.
-    pub fn b_matrix(&self, e: usize) -> Vec<f32> {
-        self.b[e].unpack()
+    /// Expert `e`'s A and B as the projection kernels' f32 panels (A:
+    /// `rank` outputs of `fan_in`, B: `fan_out` outputs of `rank`; see
+    /// `PackedLinear::panels_f32`), for a backend that reads that layout.
+    pub fn panels(&self, e: usize) -> (&[f32], &[f32]) {
+        fn f32s(p: &PackedLinear) -> &[f32] {
+            p.panels_f32().expect("expert factors are packed in f32")
+        }
+        (f32s(&self.a[e]), f32s(&self.b[e]))
     }
 
     /// How many experts the factors hold (1 for the router's).

@@ -8,6 +8,7 @@
 //   MAX_RANK   the rank every adapter slot is sized for
 //   SHRINK_KC  input features per split-K chunk of the LoRA shrink (a multiple of 32)
 //   LORA_TT    tokens per tile of the LoRA kernels
+//   PANEL      outputs per panel of the host tier's packed expert factors
 //
 // Activations, the residual stream and all LoRA math are f32; the base
 // GEMMs (cuBLAS) read the weights' type, and the KV cache and the adapter
@@ -671,52 +672,61 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows(const f
 }
 
 // Grouped expert-LoRA shrink for Mixture-of-Experts layers, one launch for
-// every (expert, adapter slot) group of the step:
-//   t[row][r] = sum over k of x[row, k] * A[slot, expert, r, k]
+// every (expert, adapter slot) group of the step, all slots together:
+//   t[row][r] = sum over k of x[row, k] * A_slot[expert][r, k]
 // for the rows of each group (the tokens routed to that expert whose
 // adapter is in that slot; rows of adapters without expert weights are in
-// no group and never reach this path) and r below the slot's rank. A is
-// [slots, experts, MAX_RANK, fan_in]; groups[4 g .. 4 g + 4] is (first row,
-// end row, slot, expert); ranks is [slots]. One warp per (row, r), the sum
-// over k in a fixed order (lane-strided, then a fixed shuffle tree).
+// no group and never reach this path) and r below the slot's rank.
+// groups[4 g .. 4 g + 4] is (first row, end row, slot, expert); ranks is
+// [slots]. Each slot's factors are their own allocation, in the host
+// tier's panel layout copied as it is (PANEL outputs per panel, input-major
+// within a panel): a_ptrs[slot] points at expert 0's A, whose panels hold
+// the rank rows (ceil(rank / PANEL) panels of fan_in x PANEL), the experts
+// one after another. One warp per (row, r), the sum over k in a fixed
+// order (lane-strided, then a fixed shuffle tree).
 // Grid: (the longest group's rows, groups); block: 256 threads (8 warps).
-extern "C" __global__ void __launch_bounds__(LORA_THREADS) moe_lora_shrink(const float* x, int fan_in, int experts,
-                                       const int* groups, const float* a, const int* ranks,
-                                       float* t) {
+extern "C" __global__ void __launch_bounds__(LORA_THREADS) moe_lora_shrink(const float* x, int fan_in,
+                                       const int* groups, const unsigned long long* a_ptrs,
+                                       const int* ranks, float* t) {
     const int* g = groups + 4 * blockIdx.y;
     int row = g[0] + blockIdx.x;
     if (row >= g[1]) return;
     int slot = g[2], expert = g[3];
     int rank = ranks[slot];
+    size_t a_len = (size_t)((rank + PANEL - 1) / PANEL) * PANEL * fan_in;
+    const float* a = (const float*)a_ptrs[slot] + (size_t)expert * a_len;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const float* xr = x + (size_t)row * fan_in;
     for (int r = warp; r < rank; r += warps) {
-        const float* ar = a + (((size_t)slot * experts + expert) * MAX_RANK + r) * fan_in;
+        const float* ar = a + (size_t)(r / PANEL) * fan_in * PANEL + r % PANEL;
         float acc = 0.0f;
-        for (int k = lane; k < fan_in; k += 32) acc += xr[k] * ar[k];
+        for (int k = lane; k < fan_in; k += 32) acc += xr[k] * ar[(size_t)k * PANEL];
         for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, off);
         if (lane == 0) t[(size_t)row * MAX_RANK + r] = acc;
     }
 }
 
 // The matching expand: out[row, o] += scale[slot] * sum over r of
-// t[row][r] * B[slot, expert, o, r], B being [slots, experts, fan_out,
-// MAX_RANK]; each output is written by one thread, so no atomics.
+// t[row][r] * B_slot[expert][o, r]; b_ptrs[slot] points at expert 0's B in
+// the panel layout (ceil(fan_out / PANEL) panels of rank x PANEL a
+// expert). Each output is written by one thread, so no atomics.
 // Grid: (the longest group's rows, groups); block: 256 threads.
-extern "C" __global__ void __launch_bounds__(LORA_THREADS) moe_lora_expand(const float* t, int fan_out, int experts,
-                                       const int* groups, const float* b, const int* ranks,
-                                       const float* scales, float* out) {
+extern "C" __global__ void __launch_bounds__(LORA_THREADS) moe_lora_expand(const float* t, int fan_out,
+                                       const int* groups, const unsigned long long* b_ptrs,
+                                       const int* ranks, const float* scales, float* out) {
     const int* g = groups + 4 * blockIdx.y;
     int row = g[0] + blockIdx.x;
     if (row >= g[1]) return;
     int slot = g[2], expert = g[3];
     int rank = ranks[slot];
     float scale = scales[slot];
+    size_t b_len = (size_t)((fan_out + PANEL - 1) / PANEL) * PANEL * rank;
+    const float* b = (const float*)b_ptrs[slot] + (size_t)expert * b_len;
     const float* tr = t + (size_t)row * MAX_RANK;
     for (int o = threadIdx.x; o < fan_out; o += blockDim.x) {
-        const float* bo = b + (((size_t)slot * experts + expert) * fan_out + o) * MAX_RANK;
+        const float* bo = b + (size_t)(o / PANEL) * rank * PANEL + o % PANEL;
         float acc = 0.0f;
-        for (int r = 0; r < rank; r++) acc += tr[r] * bo[r];
+        for (int r = 0; r < rank; r++) acc += tr[r] * bo[(size_t)r * PANEL];
         out[(size_t)row * fan_out + o] += scale * acc;
     }
 }

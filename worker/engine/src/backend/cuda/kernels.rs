@@ -83,8 +83,11 @@ impl KernelShapes {
         let (wdtype, sdtype) = (code(self.dtype), code(self.slot_dtype));
         format!(
             "#define WDTYPE {wdtype}\n#define SDTYPE {sdtype}\n#define HEAD_DIM {}\n#define MAX_RANK {}\n#define SHRINK_KC {}\n\
-             #define LORA_TT {LORA_TT}\n{SOURCE}",
-            self.head_dim, self.max_rank, self.shrink_kc
+             #define LORA_TT {LORA_TT}\n#define PANEL {}\n{SOURCE}",
+            self.head_dim,
+            self.max_rank,
+            self.shrink_kc,
+            crate::backend::cpu::panels::NR
         )
     }
 

@@ -351,6 +351,8 @@ impl CudaBackend {
             v_cache.push(bytes()?);
         }
         let slots = Slots::new(&dev, c, &shape)?;
+        let moe_layers = if c.moe.is_some() { c.num_layers } else { 0 };
+        let expert_slots = moe::ExpertSlots::new(&dev, moe_layers, shape.slots)?;
         let inv_freq: Vec<f32> = (0..c.head_dim / 2)
             .map(|i| 1.0 / c.rope_theta.powf((2 * i) as f32 / c.head_dim as f32))
             .collect();
@@ -381,7 +383,7 @@ impl CudaBackend {
             v_cache,
             inv_freq,
             slots,
-            expert_slots: moe::ExpertSlots::new(shape.slots),
+            expert_slots,
             token_slots: Vec::new(),
             expert_lora_rows: Default::default(),
             // A Mixture-of-Experts step reads the router's choices back
@@ -580,7 +582,7 @@ impl Backend for CudaBackend {
         if slot >= self.shape.slots {
             return Err(EngineError::Backend(format!("slot {slot} is out of range")));
         }
-        self.expert_slots.clear(slot);
+        self.expert_slots.clear(&self.dev, slot)?;
         self.slots.clear(&self.dev, slot)
     }
 

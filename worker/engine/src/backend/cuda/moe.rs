@@ -33,7 +33,7 @@ use cudarc::driver::CudaSlice;
 use super::device::{Arg, Device, cuda};
 use super::{CudaBackend, Dtype};
 use crate::error::Result;
-use crate::lora::{ExpertFactors, HostAdapter};
+use crate::lora::{ExpertFactors, ExpertLayer, HostAdapter};
 use crate::model::config::{Architecture, MoeConfig};
 use crate::model::{ModelConfig, WeightFiles};
 
@@ -197,113 +197,18 @@ impl MoeBuffers {
     }
 }
 
-/// One targeted tensor's expert LoRA in one slot, as the grouped kernels
-/// read it: A `[experts, max_rank, fan_in]` and B `[experts, fan_out,
-/// max_rank]` in f32, the rank and scale as one-entry arrays (a group's
-/// slot index is 0: each slot's factors are their own allocation).
-struct ExpertTensor {
-    a: CudaSlice<f32>,
-    b: CudaSlice<f32>,
-    rank: CudaSlice<i32>,
-    scale: CudaSlice<f32>,
-    experts: usize,
-}
-
-impl ExpertTensor {
-    fn upload(dev: &Device, f: &ExpertFactors) -> Result<ExpertTensor> {
-        let max_rank = dev.shapes.max_rank;
-        let (experts, r) = (f.experts(), f.rank);
-        let mut a = vec![0f32; experts * max_rank * f.fan_in];
-        let mut b = vec![0f32; experts * f.fan_out * max_rank];
-        for e in 0..experts {
-            let (ae, be) = (f.a_matrix(e), f.b_matrix(e));
-            a[e * max_rank * f.fan_in..][..r * f.fan_in].copy_from_slice(&ae);
-            for o in 0..f.fan_out {
-                b[(e * f.fan_out + o) * max_rank..][..r].copy_from_slice(&be[o * r..(o + 1) * r]);
-            }
-        }
-        let st = &dev.stream;
-        let err = cuda("copying an adapter's expert LoRA into its slot");
-        Ok(ExpertTensor {
-            a: st.clone_htod(&a).map_err(&err)?,
-            b: st.clone_htod(&b).map_err(&err)?,
-            rank: st.clone_htod(&[r as i32]).map_err(&err)?,
-            scale: st.clone_htod(&[f.scale]).map_err(&err)?,
-            experts,
-        })
-    }
-}
-
-/// One layer's expert LoRA in one slot.
-#[derive(Default)]
-struct ExpertLayerSlot {
-    gate_up: Option<ExpertTensor>,
-    down: Option<ExpertTensor>,
-    router: Option<ExpertTensor>,
-}
-
-impl ExpertLayerSlot {
-    fn any(&self) -> bool {
-        self.gate_up.is_some() || self.down.is_some() || self.router.is_some()
-    }
-}
-
-/// Every slot's expert LoRA, where its adapter has one.
-pub(super) struct ExpertSlots {
-    slots: Vec<Option<Vec<ExpertLayerSlot>>>,
-}
-
-impl ExpertSlots {
-    pub(super) fn new(slots: usize) -> ExpertSlots {
-        ExpertSlots {
-            slots: (0..slots).map(|_| None).collect(),
-        }
-    }
-
-    /// Puts `adapter`'s expert LoRA into `slot` (on the compute stream, so
-    /// every later step sees it), or empties the slot's if it has none.
-    pub(super) fn write(&mut self, dev: &Device, slot: usize, adapter: &HostAdapter) -> Result<()> {
-        self.slots[slot] = None;
-        if adapter.experts.iter().all(|l| l.is_empty()) {
-            return Ok(());
-        }
-        let up = |f: &Option<ExpertFactors>| {
-            f.as_ref().map(|f| ExpertTensor::upload(dev, f)).transpose()
-        };
-        let layers = adapter
-            .experts
-            .iter()
-            .map(|l| {
-                Ok(ExpertLayerSlot {
-                    gate_up: up(&l.gate_up)?,
-                    down: up(&l.down)?,
-                    router: up(&l.router)?,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        self.slots[slot] = Some(layers);
-        Ok(())
-    }
-
-    pub(super) fn clear(&mut self, slot: usize) {
-        self.slots[slot] = None;
-    }
-
-    fn layer(&self, slot: Option<usize>, layer: usize) -> Option<&ExpertLayerSlot> {
-        self.slots[slot?].as_ref()?.get(layer).filter(|l| l.any())
-    }
-}
-
-/// Which of a layer's expert LoRA tensors a launch applies.
+/// Which of a layer's expert LoRA tensors.
 #[derive(Clone, Copy)]
 enum Target {
-    Router,
-    GateUp,
-    Down,
+    Router = 0,
+    GateUp = 1,
+    Down = 2,
 }
 
+const TARGETS: usize = 3;
+
 impl Target {
-    fn of(self, l: &ExpertLayerSlot) -> Option<&ExpertTensor> {
+    fn of(self, l: &ExpertLayer) -> Option<&ExpertFactors> {
         match self {
             Target::Router => l.router.as_ref(),
             Target::GateUp => l.gate_up.as_ref(),
@@ -312,9 +217,154 @@ impl Target {
     }
 }
 
-/// The groups of one launch pair: one adapter slot's runs of rows.
+/// Every slot's expert LoRA. A slot's factors (every layer and target of
+/// its adapter) are one allocation written by one copy, in the host tier's
+/// panel layout as it is (no conversion on a slot write). A table per
+/// (layer, target) gives the kernels each slot's A and B addresses, rank
+/// and scale (rank 0 where the slot's adapter lacks that tensor), so one
+/// launch pair a target covers every adapter in the step.
+pub(super) struct ExpertSlots {
+    slots: usize,
+    layers: usize,
+    /// Each slot's factors, if its adapter has expert LoRA.
+    data: Vec<Option<CudaSlice<f32>>>,
+    /// `has[slot][layer * TARGETS + target]`.
+    has: Vec<Vec<bool>>,
+    /// The tables, mirrored on the host: per (layer, target), `slots` A
+    /// addresses (u64), `slots` B addresses (u64), `slots` ranks (i32) and
+    /// `slots` scales (f32).
+    table_host: Vec<u8>,
+    table: CudaSlice<u8>,
+}
+
+impl ExpertSlots {
+    /// For `slots` slots of a model of `layers` Mixture-of-Experts layers
+    /// (0 for a dense model: nothing is allocated).
+    pub(super) fn new(dev: &Device, layers: usize, slots: usize) -> Result<ExpertSlots> {
+        let bytes = layers * TARGETS * 24 * slots;
+        Ok(ExpertSlots {
+            slots,
+            layers,
+            data: (0..slots).map(|_| None).collect(),
+            has: vec![vec![false; layers * TARGETS]; slots],
+            table_host: vec![0; bytes],
+            table: dev
+                .stream
+                .alloc_zeros::<u8>(bytes.max(1))
+                .map_err(cuda("allocating the expert-LoRA tables"))?,
+        })
+    }
+
+    /// Where the table of (`layer`, `target`) starts, in bytes.
+    fn section(&self, layer: usize, target: Target) -> usize {
+        (layer * TARGETS + target as usize) * 24 * self.slots
+    }
+
+    fn set_entry(
+        &mut self,
+        slot: usize,
+        layer: usize,
+        target: Target,
+        entry: (u64, u64, i32, f32),
+    ) {
+        let (base, n) = (self.section(layer, target), self.slots);
+        let t = &mut self.table_host;
+        t[base + 8 * slot..][..8].copy_from_slice(&entry.0.to_le_bytes());
+        t[base + 8 * (n + slot)..][..8].copy_from_slice(&entry.1.to_le_bytes());
+        t[base + 16 * n + 4 * slot..][..4].copy_from_slice(&entry.2.to_le_bytes());
+        t[base + 20 * n + 4 * slot..][..4].copy_from_slice(&entry.3.to_le_bytes());
+        self.has[slot][layer * TARGETS + target as usize] = entry.2 > 0;
+    }
+
+    fn upload_table(&mut self, dev: &Device) -> Result<()> {
+        if self.table_host.is_empty() {
+            return Ok(());
+        }
+        dev.stream
+            .memcpy_htod(&self.table_host, &mut self.table)
+            .map_err(cuda("uploading the expert-LoRA tables"))
+    }
+
+    /// Puts `adapter`'s expert LoRA into `slot` (on the compute stream, so
+    /// every later step sees it), or empties the slot's if it has none.
+    pub(super) fn write(&mut self, dev: &Device, slot: usize, adapter: &HostAdapter) -> Result<()> {
+        let layers = adapter.experts.iter().take(self.layers);
+        if adapter.experts.iter().all(|l| l.is_empty()) {
+            return self.clear(dev, slot);
+        }
+        // The image: each present tensor's A panels then B panels, every
+        // expert's in turn.
+        let mut image: Vec<f32> = Vec::new();
+        let mut placed = Vec::new();
+        for (l, layer) in layers.enumerate() {
+            for target in [Target::Router, Target::GateUp, Target::Down] {
+                let Some(f) = target.of(layer) else { continue };
+                let a_at = image.len();
+                for e in 0..f.experts() {
+                    image.extend_from_slice(f.panels(e).0);
+                }
+                let b_at = image.len();
+                for e in 0..f.experts() {
+                    image.extend_from_slice(f.panels(e).1);
+                }
+                placed.push((l, target, a_at, b_at, f.rank as i32, f.scale));
+            }
+        }
+        let data = dev
+            .stream
+            .clone_htod(&image)
+            .map_err(cuda("copying an adapter's expert LoRA into its slot"))?;
+        let base = dev.p(&data);
+        self.zero(slot);
+        for (l, target, a_at, b_at, rank, scale) in placed {
+            let at = |i: usize| base + (i * 4) as u64;
+            self.set_entry(slot, l, target, (at(a_at), at(b_at), rank, scale));
+        }
+        self.data[slot] = Some(data);
+        self.upload_table(dev)
+    }
+
+    fn zero(&mut self, slot: usize) {
+        for l in 0..self.layers {
+            for target in [Target::Router, Target::GateUp, Target::Down] {
+                self.set_entry(slot, l, target, (0, 0, 0, 0.0));
+            }
+        }
+    }
+
+    pub(super) fn clear(&mut self, dev: &Device, slot: usize) -> Result<()> {
+        if self.data[slot].is_none() {
+            return Ok(());
+        }
+        self.zero(slot);
+        self.data[slot] = None;
+        self.upload_table(dev)
+    }
+
+    fn has(&self, slot: Option<usize>, layer: usize, target: Target) -> bool {
+        slot.is_some_and(|s| self.has[s][layer * TARGETS + target as usize])
+    }
+
+    fn any(&self, slot: Option<usize>, layer: usize) -> bool {
+        [Target::Router, Target::GateUp, Target::Down]
+            .into_iter()
+            .any(|t| self.has(slot, layer, t))
+    }
+
+    /// The device addresses of (`layer`, `target`)'s A table, B table,
+    /// ranks and scales.
+    fn table(&self, dev: &Device, layer: usize, target: Target) -> [u64; 4] {
+        let (base, n) = (
+            dev.p(&self.table) + self.section(layer, target) as u64,
+            self.slots as u64,
+        );
+        [base, base + 8 * n, base + 16 * n, base + 20 * n]
+    }
+}
+
+/// The groups of one launch pair: every adapter's runs of rows for one
+/// target.
 struct Launch {
-    slot: usize,
     /// Index of its first group in the uploaded list.
     first: usize,
     count: usize,
@@ -322,15 +372,16 @@ struct Launch {
     longest: usize,
 }
 
-/// Groups `(first row, end row, 0, expert)` of consecutive rows whose
-/// token's slot has `target`, per slot, appended to `flat`; `rows` gives,
-/// per expert, its rows' range and each row's token slot.
-fn groups_by_slot(
+/// Appends to `flat` the groups `(first row, end row, slot, expert)` of
+/// consecutive rows whose token's slot `has` the target; `per_expert`
+/// gives, per expert, its first row and each of its rows' token slot.
+fn groups(
     flat: &mut Vec<i32>,
     per_expert: &[(usize, Vec<Option<usize>>)],
     has: impl Fn(Option<usize>) -> bool,
-) -> Vec<Launch> {
-    let mut by_slot: std::collections::BTreeMap<usize, Vec<[i32; 4]>> = Default::default();
+) -> Launch {
+    let first = flat.len() / 4;
+    let mut longest = 0;
     for (e, (start, slots)) in per_expert.iter().enumerate() {
         let mut r = 0;
         while r < slots.len() {
@@ -340,33 +391,22 @@ fn groups_by_slot(
                 end += 1;
             }
             if let (Some(slot), true) = (s, has(s)) {
-                by_slot.entry(slot).or_default().push([
+                flat.extend([
                     (start + r) as i32,
                     (start + end) as i32,
-                    0,
+                    slot as i32,
                     e as i32,
                 ]);
+                longest = longest.max(end - r);
             }
             r = end;
         }
     }
-    by_slot
-        .into_iter()
-        .map(|(slot, groups)| {
-            let launch = Launch {
-                slot,
-                first: flat.len() / 4,
-                count: groups.len(),
-                longest: groups
-                    .iter()
-                    .map(|g| (g[1] - g[0]) as usize)
-                    .max()
-                    .unwrap_or(0),
-            };
-            flat.extend(groups.into_iter().flatten());
-            launch
-        })
-        .collect()
+    Launch {
+        first,
+        count: flat.len() / 4 - first,
+        longest,
+    }
 }
 
 impl CudaBackend {
@@ -397,8 +437,8 @@ impl CudaBackend {
         );
         let rows = n * k;
         let slot_of = &self.token_slots[..n];
-        let lora = |s: Option<usize>| self.expert_slots.layer(s, l);
-        let with_lora = slot_of.iter().filter(|&&s| lora(s).is_some()).count();
+        let slots = &self.expert_slots;
+        let with_lora = slot_of.iter().filter(|&&s| slots.any(s, l)).count();
         self.expert_lora_rows
             .fetch_add(with_lora as u64, Ordering::Relaxed);
 
@@ -414,21 +454,17 @@ impl CudaBackend {
         )?;
         let mut flat = Vec::new();
         let token_rows = [(0usize, slot_of.to_vec())];
-        let routers = groups_by_slot(&mut flat, &token_rows, |s| {
-            lora(s).is_some_and(|x| x.router.is_some())
-        });
-        if !routers.is_empty() {
+        let routers = groups(&mut flat, &token_rows, |s| slots.has(s, l, Target::Router));
+        if routers.count > 0 {
             self.upload_i32(&flat, &b.groups, 0)?;
-            for launch in &routers {
-                self.expert_lora(
-                    launch,
-                    l,
-                    Target::Router,
-                    (normed, h),
-                    (p(&b.logits), experts),
-                    b,
-                )?;
-            }
+            self.expert_lora(
+                &routers,
+                l,
+                Target::Router,
+                (normed, h),
+                (p(&b.logits), experts),
+                b,
+            )?;
         }
 
         // 2. Each token's experts, 3. grouped by expert on the host.
@@ -509,25 +545,19 @@ impl CudaBackend {
             self.gemm(wt, wty, h, 2 * inter, x, y, m)?;
         }
         let mut flat = Vec::new();
-        let gate_ups = groups_by_slot(&mut flat, &per_expert, |s| {
-            lora(s).is_some_and(|x| x.gate_up.is_some())
-        });
-        let downs = groups_by_slot(&mut flat, &per_expert, |s| {
-            lora(s).is_some_and(|x| x.down.is_some())
-        });
+        let gate_ups = groups(&mut flat, &per_expert, |s| slots.has(s, l, Target::GateUp));
+        let downs = groups(&mut flat, &per_expert, |s| slots.has(s, l, Target::Down));
         if !flat.is_empty() {
             self.upload_i32(&flat, &b.groups, 0)?;
         }
-        for launch in &gate_ups {
-            self.expert_lora(
-                launch,
-                l,
-                Target::GateUp,
-                (xg, h),
-                (p(&b.gug), 2 * inter),
-                b,
-            )?;
-        }
+        self.expert_lora(
+            &gate_ups,
+            l,
+            Target::GateUp,
+            (xg, h),
+            (p(&b.gug), 2 * inter),
+            b,
+        )?;
         dev.launch(
             "silu_mul",
             Device::elementwise_grid(rows * inter),
@@ -550,9 +580,7 @@ impl CudaBackend {
             let y = p(&b.downg) + start * h as u64 * 4;
             self.gemm(wt, wty, inter, h, x, y, m)?;
         }
-        for launch in &downs {
-            self.expert_lora(launch, l, Target::Down, (actg, inter), (p(&b.downg), h), b)?;
-        }
+        self.expert_lora(&downs, l, Target::Down, (actg, inter), (p(&b.downg), h), b)?;
 
         // 5. Each token's experts, weighed, into the residual stream.
         dev.launch(
@@ -582,9 +610,9 @@ impl CudaBackend {
         .map_err(cuda("uploading the experts' grouping"))
     }
 
-    /// One adapter's grouped expert-LoRA pair for `target`: `x` (f32,
-    /// `fan_in` wide) to `out` (f32, `fan_out` wide), over the groups of
-    /// `launch` in the uploaded list.
+    /// The grouped expert-LoRA pair of every adapter in the step for
+    /// (`l`, `target`): `x` (f32, `fan_in` wide) to `out` (f32, `fan_out`
+    /// wide), over the groups of `launch` in the uploaded list.
     fn expert_lora(
         &self,
         launch: &Launch,
@@ -594,14 +622,11 @@ impl CudaBackend {
         (out, fan_out): (u64, usize),
         b: &MoeBuffers,
     ) -> Result<()> {
-        let Some(tensor) = self
-            .expert_slots
-            .layer(Some(launch.slot), l)
-            .and_then(|s| target.of(s))
-        else {
+        if launch.count == 0 {
             return Ok(());
-        };
+        }
         let dev = &self.dev;
+        let [a_ptrs, b_ptrs, ranks, scales] = self.expert_slots.table(dev, l, target);
         let groups = dev.p(&b.groups) + (launch.first * 16) as u64;
         let grid = (launch.longest as u32, launch.count as u32, 1);
         let t = dev.p(&b.t);
@@ -612,10 +637,9 @@ impl CudaBackend {
             &[
                 Arg::Ptr(x),
                 Arg::I32(fan_in as i32),
-                Arg::I32(tensor.experts as i32),
                 Arg::Ptr(groups),
-                Arg::Ptr(dev.p(&tensor.a)),
-                Arg::Ptr(dev.p(&tensor.rank)),
+                Arg::Ptr(a_ptrs),
+                Arg::Ptr(ranks),
                 Arg::Ptr(t),
             ],
         )?;
@@ -626,11 +650,10 @@ impl CudaBackend {
             &[
                 Arg::Ptr(t),
                 Arg::I32(fan_out as i32),
-                Arg::I32(tensor.experts as i32),
                 Arg::Ptr(groups),
-                Arg::Ptr(dev.p(&tensor.b)),
-                Arg::Ptr(dev.p(&tensor.rank)),
-                Arg::Ptr(dev.p(&tensor.scale)),
+                Arg::Ptr(b_ptrs),
+                Arg::Ptr(ranks),
+                Arg::Ptr(scales),
                 Arg::Ptr(out),
             ],
         )

@@ -56,6 +56,16 @@ impl KernelHarness {
         ))
     }
 
+    /// A table of device addresses (as the kernels read `unsigned long
+    /// long`), held as pairs of 32-bit halves.
+    pub fn pointers(&self, v: &[u64]) -> Result<Buf> {
+        let halves: Vec<i32> = v
+            .iter()
+            .flat_map(|p| [*p as u32 as i32, (*p >> 32) as u32 as i32])
+            .collect();
+        self.i32(&halves)
+    }
+
     pub fn ptr(&self, b: &Buf) -> u64 {
         match b {
             Buf::F32(s) => self.dev.p(s),

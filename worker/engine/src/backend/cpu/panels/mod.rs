@@ -129,25 +129,14 @@ impl PackedLinear {
         }
     }
 
-    /// The weights back as row-major `[fan_out, fan_in]` f32 (bf16 widened
-    /// exactly): what was packed, for a backend that lays them out its own
-    /// way.
-    pub fn unpack(&self) -> Vec<f32> {
-        let (fan_in, fan_out) = (self.fan_in, self.fan_out);
-        let mut w = vec![0f32; fan_in * fan_out];
-        for (o, row) in w.chunks_exact_mut(fan_in.max(1)).enumerate().take(fan_out) {
-            let (p, j) = (o / NR, o % NR);
-            for (k, v) in row.iter_mut().enumerate() {
-                *v = match &self.panels {
-                    Panels::F32(all) => all[(p * fan_in + k) * NR + j],
-                    Panels::Bf16(all) => {
-                        let kpad = amx::padded(fan_in);
-                        bf16_to_f32(all[p * kpad * NR + (k / 2) * 2 * NR + 2 * j + k % 2])
-                    }
-                };
-            }
+    /// The f32 panels as they are laid out (`[fan_out.div_ceil(NR),
+    /// fan_in, NR]`, zero-padded), for a backend that reads that layout;
+    /// None for bf16 panels.
+    pub fn panels_f32(&self) -> Option<&[f32]> {
+        match &self.panels {
+            Panels::F32(all) => Some(all),
+            Panels::Bf16(_) => None,
         }
-        w
     }
 
     #[cfg(test)]

@@ -411,23 +411,3 @@ fn a_projection_on_this_thread_gives_the_bits_of_the_team_one() {
         assert_eq!(bits(&alone), bits(&want[3 * fan_out..4 * fan_out]));
     }
 }
-
-#[test]
-fn unpacking_gives_back_the_packed_weights_in_both_layouts() {
-    // Odd shapes: a last panel only partly used, an odd fan_in for the
-    // bf16 pair layout.
-    for (fan_in, fan_out) in [(97, 33), (64, 48), (1, 16), (130, 7), (5, 1)] {
-        let w = random(fan_in as u64 * 1000 + fan_out as u64, fan_in * fan_out);
-        assert_eq!(
-            bits(&PackedLinear::pack(&w, None, fan_in, fan_out).unpack()),
-            bits(&w),
-            "f32 [{fan_out}, {fan_in}]"
-        );
-        let h = bf16_bits(&w);
-        assert_eq!(
-            bits(&PackedLinear::pack_bf16(&h, None, fan_in, fan_out).unpack()),
-            bits(&widened(&h)),
-            "bf16 [{fan_out}, {fan_in}]"
-        );
-    }
-}
