@@ -67,15 +67,22 @@ fn main() {
         standin::RANK,
     );
     let mut tps: Vec<Vec<f64>> = vec![Vec::new(); counts.len()];
+    let mut loads = vec![(0u64, 0f64); counts.len()];
     for round in 0..rounds {
         for (i, &n) in counts.iter().enumerate() {
-            let t = run_once(&model, &adapters[..n]);
-            eprintln!("round {}: {n} adapters, {t:.1} tokens/s", round + 1);
+            let (t, device_loads, write_ms) = run_once(&model, &adapters[..n]);
+            eprintln!(
+                "round {}: {n} adapters, {t:.1} tokens/s, {device_loads} device loads, {write_ms:.1} ms writing slots",
+                round + 1
+            );
             tps[i].push(t);
+            loads[i] = (device_loads, write_ms);
         }
     }
-    println!("| adapters | tokens/s (median) | each round | vs base model |");
-    println!("|---:|---:|---|---:|");
+    println!(
+        "| adapters | tokens/s (median) | each round | vs base model | device loads | ms in slot writes (engine thread) |"
+    );
+    println!("|---:|---:|---|---:|---:|---:|");
     let base = median(&tps[0]);
     for (i, &n) in counts.iter().enumerate() {
         let label = if n == 0 {
@@ -84,14 +91,16 @@ fn main() {
             n.to_string()
         };
         println!(
-            "| {label} | {:.1} | {} | {:.1}% |",
+            "| {label} | {:.1} | {} | {:.1}% | {} | {:.1} |",
             median(&tps[i]),
             tps[i]
                 .iter()
                 .map(|t| format!("{t:.1}"))
                 .collect::<Vec<_>>()
                 .join(" / "),
-            median(&tps[i]) / base * 100.0
+            median(&tps[i]) / base * 100.0,
+            loads[i].0,
+            loads[i].1
         );
     }
 }
@@ -102,8 +111,10 @@ fn median(values: &[f64]) -> f64 {
     v[v.len() / 2]
 }
 
-/// One timed run over the given adapters on a fresh engine; tokens/s.
-fn run_once(model: &std::path::Path, dirs: &[std::path::PathBuf]) -> f64 {
+/// One timed run over the given adapters on a fresh engine: tokens/s, the
+/// device loads and the milliseconds the engine thread spent writing
+/// slots during it.
+fn run_once(model: &std::path::Path, dirs: &[std::path::PathBuf]) -> (f64, u64, f64) {
     let n = dirs.len();
     let settings = EngineSettings {
         max_loras: 32,
@@ -147,6 +158,8 @@ fn run_once(model: &std::path::Path, dirs: &[std::path::PathBuf]) -> f64 {
     let requests: Vec<Request> = (0..REQUESTS)
         .map(|r| standin::decode_request(r, (n > 0).then(|| standin::id(r % n)), PROMPT, NEW))
         .collect();
+    let loads_before = e.stats().pool.device_loads;
+    e.take_slot_upload_times();
     let started = Instant::now();
     for r in requests {
         e.submit(r).unwrap();
@@ -159,5 +172,11 @@ fn run_once(model: &std::path::Path, dirs: &[std::path::PathBuf]) -> f64 {
             }
         }
     }
-    generated as f64 / started.elapsed().as_secs_f64()
+    let tps = generated as f64 / started.elapsed().as_secs_f64();
+    let writes: Duration = e.take_slot_upload_times().iter().sum();
+    (
+        tps,
+        e.stats().pool.device_loads - loads_before,
+        writes.as_secs_f64() * 1e3,
+    )
 }

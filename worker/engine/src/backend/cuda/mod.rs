@@ -570,8 +570,11 @@ impl Backend for CudaBackend {
 
     fn write_slot(&mut self, slot: usize, adapter: &HostAdapter) -> Result<()> {
         super::check_slot_write(&self.shape, slot, adapter)?;
-        self.slots.write(&self.dev, &self.config, slot, adapter)?;
-        self.expert_slots.write(&self.dev, slot, adapter)
+        // The expert factors' copy goes first on the copy stream, so the
+        // slot's ready event, recorded after the dense copy, covers both.
+        self.expert_slots
+            .write(&self.dev, self.slots.copy_stream(), slot, adapter)?;
+        self.slots.write(&self.dev, &self.config, slot, adapter)
     }
 
     fn slot_ready(&self, slot: usize) -> bool {

@@ -7,13 +7,15 @@
 //! 2. `moe_route` picks each token's `top_k` experts and weights on the
 //!    device;
 //! 3. the choices come to the host (`top_k` integers a token), which groups
-//!    the tokens by expert, in token order, and uploads that order;
+//!    the tokens by expert, in token order, and uploads that order with the
+//!    expert-LoRA groups in one copy;
 //! 4. `moe_gather` lays the groups out row by row, one cuBLAS GEMM per
 //!    expert with tokens runs its gate and up projections, the expert LoRA
 //!    of the tokens whose adapter has one is added by the grouped
-//!    `moe_lora_shrink` / `moe_lora_expand` pair (one pair per adapter in
-//!    the step: rows of adapters without expert weights are in no group),
-//!    then SiLU·up, the down GEMMs and their LoRA;
+//!    `moe_lora_shrink` / `moe_lora_expand` pair (one pair per target for
+//!    every adapter in the step, each slot's factors reached through a
+//!    table of addresses; rows of adapters without expert weights are in no
+//!    group), then SiLU·up, the down GEMMs and their LoRA;
 //! 5. `moe_combine` weighs each token's experts, sums them in expert order
 //!    and adds the sum to the residual stream.
 //!
@@ -22,13 +24,17 @@
 //!
 //! An adapter's expert LoRA lives in device memory of its own per slot,
 //! allocated when the adapter is written (sized to its targets, not to the
-//! largest rank of every expert of every layer), and freed when the slot
-//! is cleared or rewritten.
+//! largest rank of every expert of every layer), copied from the host
+//! tier's panels as they are, and freed when the slot is cleared or
+//! rewritten.
 
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use cudarc::cublas::sys::cudaDataType;
-use cudarc::driver::CudaSlice;
+
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, PinnedHostSlice};
+use rayon::prelude::*;
 
 use super::device::{Arg, Device, cuda};
 use super::{CudaBackend, Dtype};
@@ -120,8 +126,8 @@ pub(super) struct MoeBuffers {
     /// The rows' tokens (`order`, `[rows]`), then each (token, choice)'s
     /// row (`row_of`, `[rows]`).
     index: CudaSlice<i32>,
-    /// The grouped expert-LoRA kernels' (first row, end row, slot, expert)
-    /// groups.
+    /// The router LoRA's (first row, end row, slot, expert) groups (the
+    /// experts' follow the rows' order in `index`).
     groups: CudaSlice<i32>,
     xg: CudaSlice<f32>,
     /// `xg` in the weights' type (none in f32 mode); likewise `actg_w`.
@@ -160,12 +166,11 @@ impl MoeBuffers {
             logits: f32s(tokens * moe.num_experts)?,
             route_e: st.alloc_zeros::<i32>(rows.max(1)).map_err(&err)?,
             route_w: f32s(rows)?,
-            index: st.alloc_zeros::<i32>(2 * rows.max(1)).map_err(&err)?,
-            // Router groups at most one a token, expert groups one a row,
-            // for each of the three targets.
-            groups: st
-                .alloc_zeros::<i32>(4 * (tokens + 2 * rows).max(1))
-                .map_err(&err)?,
+            // The rows' tokens and each choice's row, then the gate/up and
+            // down groups (at most one a row each).
+            index: st.alloc_zeros::<i32>(10 * rows.max(1)).map_err(&err)?,
+            // The router's groups: at most one a token.
+            groups: st.alloc_zeros::<i32>(4 * tokens.max(1)).map_err(&err)?,
             xg: f32s(rows * h)?,
             xg_w: cast(rows * h)?,
             gug: f32s(rows * 2 * i)?,
@@ -187,7 +192,7 @@ impl MoeBuffers {
         let (h, i) = (c.hidden_size, c.intermediate_size);
         let rows = tokens * moe.top_k;
         let f32s = tokens * moe.num_experts + rows * (1 + 2 * h + 3 * i + max_rank);
-        let ints = rows * 3 + 4 * (tokens + 2 * rows);
+        let ints = 11 * rows + 4 * tokens;
         let cast = if dtype == Dtype::F32 {
             0
         } else {
@@ -235,6 +240,8 @@ pub(super) struct ExpertSlots {
     /// `slots` scales (f32).
     table_host: Vec<u8>,
     table: CudaSlice<u8>,
+    /// Page-locked staging for slot writes, and the end of its last copy.
+    staging: Option<(PinnedHostSlice<f32>, Option<CudaEvent>)>,
 }
 
 impl ExpertSlots {
@@ -252,6 +259,7 @@ impl ExpertSlots {
                 .stream
                 .alloc_zeros::<u8>(bytes.max(1))
                 .map_err(cuda("allocating the expert-LoRA tables"))?,
+            staging: None,
         })
     }
 
@@ -285,35 +293,81 @@ impl ExpertSlots {
             .map_err(cuda("uploading the expert-LoRA tables"))
     }
 
-    /// Puts `adapter`'s expert LoRA into `slot` (on the compute stream, so
-    /// every later step sees it), or empties the slot's if it has none.
-    pub(super) fn write(&mut self, dev: &Device, slot: usize, adapter: &HostAdapter) -> Result<()> {
-        let layers = adapter.experts.iter().take(self.layers);
+    /// Puts `adapter`'s expert LoRA into `slot`, or empties the slot's if
+    /// it has none. The factors are staged in page-locked memory (tensors
+    /// in parallel) and copied on `copy`, the stream of the slot's dense
+    /// copy, before that copy: the slot's ready event, recorded after it,
+    /// covers both, and a step that uses the slot waits for it.
+    pub(super) fn write(
+        &mut self,
+        dev: &Device,
+        copy: &Arc<CudaStream>,
+        slot: usize,
+        adapter: &HostAdapter,
+    ) -> Result<()> {
         if adapter.experts.iter().all(|l| l.is_empty()) {
             return self.clear(dev, slot);
         }
-        // The image: each present tensor's A panels then B panels, every
+        // Where each present tensor's A panels then B panels go, every
         // expert's in turn.
-        let mut image: Vec<f32> = Vec::new();
+        let mut parts: Vec<&[f32]> = Vec::new();
         let mut placed = Vec::new();
-        for (l, layer) in layers.enumerate() {
+        let mut len = 0;
+        for (l, layer) in adapter.experts.iter().take(self.layers).enumerate() {
             for target in [Target::Router, Target::GateUp, Target::Down] {
                 let Some(f) = target.of(layer) else { continue };
-                let a_at = image.len();
-                for e in 0..f.experts() {
-                    image.extend_from_slice(f.panels(e).0);
-                }
-                let b_at = image.len();
-                for e in 0..f.experts() {
-                    image.extend_from_slice(f.panels(e).1);
-                }
+                let a_at = len;
+                parts.extend((0..f.experts()).map(|e| f.panels(e).0));
+                len += (0..f.experts()).map(|e| f.panels(e).0.len()).sum::<usize>();
+                let b_at = len;
+                parts.extend((0..f.experts()).map(|e| f.panels(e).1));
+                len += (0..f.experts()).map(|e| f.panels(e).1.len()).sum::<usize>();
                 placed.push((l, target, a_at, b_at, f.rank as i32, f.scale));
             }
         }
-        let data = dev
-            .stream
-            .clone_htod(&image)
-            .map_err(cuda("copying an adapter's expert LoRA into its slot"))?;
+        let err = cuda("copying an adapter's expert LoRA into its slot");
+        let (mut host, done) = match self.staging.take() {
+            Some((host, done)) if host.len() >= len => (host, done),
+            old => {
+                if let Some((_, Some(e))) = &old {
+                    e.synchronize().map_err(&err)?;
+                }
+                drop(old);
+                // SAFETY: f32 is plain data, and every value copied is
+                // written first.
+                let host = unsafe { dev.ctx.alloc_pinned::<f32>(len.max(1)) }.map_err(&err)?;
+                (host, None)
+            }
+        };
+        if let Some(e) = done {
+            e.synchronize().map_err(&err)?;
+        }
+        let staged = host.as_mut_slice().map_err(&err)?;
+        let mut pieces = Vec::with_capacity(parts.len());
+        let mut rest = &mut staged[..len];
+        for part in &parts {
+            let (mine, tail) = rest.split_at_mut(part.len());
+            pieces.push((mine, *part));
+            rest = tail;
+        }
+        pieces
+            .into_par_iter()
+            .for_each(|(dst, src)| dst.copy_from_slice(src));
+        // SAFETY: every value is written by the copy below before any
+        // kernel reads it (a step waits for the slot's ready event).
+        let data = unsafe { copy.alloc::<f32>(len.max(1)) }.map_err(&err)?;
+        // SAFETY: the source is page-locked and is not written again until
+        // the event recorded after this copy has fired.
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(
+                dev.p(&data),
+                &staged[..len],
+                copy.cu_stream(),
+            )
+        }
+        .map_err(&err)?;
+        let done = copy.record_event(None).map_err(&err)?;
+        self.staging = Some((host, Some(done)));
         let base = dev.p(&data);
         self.zero(slot);
         for (l, target, a_at, b_at, rank, scale) in placed {
@@ -365,7 +419,7 @@ impl ExpertSlots {
 /// The groups of one launch pair: every adapter's runs of rows for one
 /// target.
 struct Launch {
-    /// Index of its first group in the uploaded list.
+    /// Where its first group starts in the uploaded list, in entries.
     first: usize,
     count: usize,
     /// Rows in its longest group (the grid's x).
@@ -380,7 +434,9 @@ fn groups(
     per_expert: &[(usize, Vec<Option<usize>>)],
     has: impl Fn(Option<usize>) -> bool,
 ) -> Launch {
-    let first = flat.len() / 4;
+    // The groups follow whatever `flat` holds before them (the rows'
+    // tokens and choices, for the experts' groups).
+    let first = flat.len();
     let mut longest = 0;
     for (e, (start, slots)) in per_expert.iter().enumerate() {
         let mut r = 0;
@@ -404,7 +460,7 @@ fn groups(
     }
     Launch {
         first,
-        count: flat.len() / 4 - first,
+        count: (flat.len() - first) / 4,
         longest,
     }
 }
@@ -463,7 +519,7 @@ impl CudaBackend {
                 Target::Router,
                 (normed, h),
                 (p(&b.logits), experts),
-                b,
+                (dev.p(&b.groups), p(&b.t)),
             )?;
         }
 
@@ -498,6 +554,8 @@ impl CudaBackend {
                 })?;
             by_expert[e].push(a);
         }
+        // The rows' tokens and each choice's row, then (below) the
+        // expert-LoRA groups: one upload.
         let mut index = vec![0i32; 2 * rows];
         let mut per_expert = Vec::with_capacity(experts);
         let mut r = 0;
@@ -513,7 +571,10 @@ impl CudaBackend {
                 assigned.iter().map(|&a| slot_of[a / k]).collect::<Vec<_>>(),
             ));
         }
+        let gate_ups = groups(&mut index, &per_expert, |s| slots.has(s, l, Target::GateUp));
+        let downs = groups(&mut index, &per_expert, |s| slots.has(s, l, Target::Down));
         self.upload_i32(&index, &b.index, 0)?;
+        let expert_groups = (dev.p(&b.index), p(&b.t));
 
         // 4. The experts over their rows.
         let w = self.dtype.bytes() as u64;
@@ -544,19 +605,13 @@ impl CudaBackend {
             let y = p(&b.gug) + start * (2 * inter) as u64 * 4;
             self.gemm(wt, wty, h, 2 * inter, x, y, m)?;
         }
-        let mut flat = Vec::new();
-        let gate_ups = groups(&mut flat, &per_expert, |s| slots.has(s, l, Target::GateUp));
-        let downs = groups(&mut flat, &per_expert, |s| slots.has(s, l, Target::Down));
-        if !flat.is_empty() {
-            self.upload_i32(&flat, &b.groups, 0)?;
-        }
         self.expert_lora(
             &gate_ups,
             l,
             Target::GateUp,
             (xg, h),
             (p(&b.gug), 2 * inter),
-            b,
+            expert_groups,
         )?;
         dev.launch(
             "silu_mul",
@@ -580,7 +635,14 @@ impl CudaBackend {
             let y = p(&b.downg) + start * h as u64 * 4;
             self.gemm(wt, wty, inter, h, x, y, m)?;
         }
-        self.expert_lora(&downs, l, Target::Down, (actg, inter), (p(&b.downg), h), b)?;
+        self.expert_lora(
+            &downs,
+            l,
+            Target::Down,
+            (actg, inter),
+            (p(&b.downg), h),
+            expert_groups,
+        )?;
 
         // 5. Each token's experts, weighed, into the residual stream.
         dev.launch(
@@ -620,16 +682,15 @@ impl CudaBackend {
         target: Target,
         (x, fan_in): (u64, usize),
         (out, fan_out): (u64, usize),
-        b: &MoeBuffers,
+        (groups, t): (u64, u64),
     ) -> Result<()> {
         if launch.count == 0 {
             return Ok(());
         }
         let dev = &self.dev;
         let [a_ptrs, b_ptrs, ranks, scales] = self.expert_slots.table(dev, l, target);
-        let groups = dev.p(&b.groups) + (launch.first * 16) as u64;
+        let groups = groups + (launch.first * 4) as u64;
         let grid = (launch.longest as u32, launch.count as u32, 1);
-        let t = dev.p(&b.t);
         dev.launch(
             "moe_lora_shrink",
             grid,
