@@ -57,6 +57,25 @@ fn run_golden(backend: &mut dyn Backend, model: &str, case: &GoldenCase) -> (Vec
     (first, tokens)
 }
 
+/// Runs a golden case on both backends: the GPU's logits within 1e-5 of
+/// the CPU's and 1e-4 of PEFT's, its greedy tokens equal to both. Returns
+/// the GPU's tokens.
+fn assert_gpu_matches_cpu(
+    cpu: &mut dyn Backend,
+    gpu: &mut dyn Backend,
+    model: &str,
+    case: &GoldenCase,
+    what: &str,
+) -> Vec<u32> {
+    let (cpu_logits, cpu_tokens) = run_golden(cpu, model, case);
+    let (gpu_logits, gpu_tokens) = run_golden(gpu, model, case);
+    assert_close(&gpu_logits, &cpu_logits, 1e-5, what);
+    assert_close(&gpu_logits, &case.logits, 1e-4, &format!("{what} vs PEFT"));
+    assert_eq!(gpu_tokens, cpu_tokens, "{what}: greedy tokens");
+    assert_eq!(gpu_tokens, case.greedy, "{what}: greedy tokens vs PEFT");
+    gpu_tokens
+}
+
 const SHAPE: BackendShape = BackendShape {
     slots: 2,
     max_lora_rank: 16,
@@ -82,12 +101,7 @@ fn the_model_in_f32_gives_the_cpu_backends_greedy_tokens_for_every_adapter() {
         let mut gpu = CudaBackend::load(&dir, &config, SHAPE, 0, Dtype::F32, LIMITS).unwrap();
         for case in golden.cases.iter().filter(|c| c.model == model) {
             let what = format!("{model}/{:?} {:?}", case.adapter, case.prompt);
-            let (cpu_logits, cpu_tokens) = run_golden(&mut cpu, model, case);
-            let (gpu_logits, gpu_tokens) = run_golden(&mut gpu, model, case);
-            assert_close(&gpu_logits, &cpu_logits, 1e-5, &what);
-            assert_close(&gpu_logits, &case.logits, 1e-4, &format!("{what} vs PEFT"));
-            assert_eq!(gpu_tokens, cpu_tokens, "{what}: greedy tokens");
-            assert_eq!(gpu_tokens, case.greedy, "{what}: greedy tokens vs PEFT");
+            let gpu_tokens = assert_gpu_matches_cpu(&mut cpu, &mut gpu, model, case, &what);
             // The device's argmax of the last step is the host's.
             let last = gpu.sample_last(&[DeviceSample {
                 temperature: 0.0,
@@ -524,12 +538,7 @@ fn moe_models_in_f32_give_the_cpu_backends_tokens_for_every_adapter() {
         for case in golden.cases.iter().filter(|c| c.model == model) {
             let what = format!("{model}/{:?} {:?}", case.adapter, case.prompt);
             let (cpu_before, gpu_before) = (cpu.expert_lora_rows(), gpu.expert_lora_rows());
-            let (cpu_logits, cpu_tokens) = run_golden(&mut cpu, model, case);
-            let (gpu_logits, gpu_tokens) = run_golden(&mut gpu, model, case);
-            assert_close(&gpu_logits, &cpu_logits, 1e-5, &what);
-            assert_close(&gpu_logits, &case.logits, 1e-4, &format!("{what} vs PEFT"));
-            assert_eq!(gpu_tokens, cpu_tokens, "{what}: greedy tokens");
-            assert_eq!(gpu_tokens, case.greedy, "{what}: greedy tokens vs PEFT");
+            assert_gpu_matches_cpu(&mut cpu, &mut gpu, model, case, &what);
             let cpu_rows = cpu.expert_lora_rows() - cpu_before;
             let gpu_rows = gpu.expert_lora_rows() - gpu_before;
             // The CPU runs its last layer over the logit rows alone, so
