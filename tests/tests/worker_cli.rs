@@ -389,6 +389,22 @@ fn generate_writes_run_statistics() {
     let waited = s["max_wait_steps"].as_u64().unwrap();
     assert!(waited > 0 && waited < steps, "{s}");
     assert!(s["wall_secs"].as_f64().unwrap() > 0.0);
+    // Every request named an adapter; with 4 adapters on 2 slots some
+    // found theirs not ready and waited for a load.
+    let wait = &s["adapter_wait"];
+    assert_eq!(wait["requests"], 24, "{s}");
+    let waited_for_adapter = wait["waited"].as_u64().unwrap();
+    assert!((1..=24).contains(&waited_for_adapter), "{s}");
+    let (p50, p99, max) = (
+        wait["p50_ms"].as_f64().unwrap(),
+        wait["p99_ms"].as_f64().unwrap(),
+        wait["max_ms"].as_f64().unwrap(),
+    );
+    assert!(0.0 <= p50 && p50 <= p99 && p99 <= max && max > 0.0, "{s}");
+    assert!(s["device_evictions"].as_u64().unwrap() >= 2, "4 adapters through 2 slots: {s}");
+    for field in ["prefetches", "prefetch_hits", "preemptions"] {
+        assert!(s[field].is_u64(), "{field}: {s}");
+    }
 }
 
 /// A `--stats` path that cannot be written is refused by name before any

@@ -171,6 +171,46 @@ struct RunStats {
     mean_distinct_adapters_per_step: f64,
     /// The most steps that ran while a request waited for its first one.
     max_wait_steps: u64,
+    /// Copies into free device slots started for waiting requests, and the
+    /// admissions that found their adapter where a prefetch put it.
+    prefetches: u64,
+    prefetch_hits: u64,
+    device_evictions: u64,
+    /// Times a running sequence was preempted, all requests together.
+    preemptions: u64,
+    /// How long the requests on an adapter waited for it to be in a ready
+    /// device slot.
+    adapter_wait: AdapterWait,
+}
+
+/// Adapter-wait figures over the requests that named an adapter.
+#[derive(Debug, serde::Serialize)]
+struct AdapterWait {
+    requests: usize,
+    /// Of those, the ones whose adapter was not ready on arrival.
+    waited: usize,
+    p50_ms: f64,
+    p99_ms: f64,
+    max_ms: f64,
+}
+
+impl AdapterWait {
+    fn of(waits: impl Iterator<Item = std::time::Duration>) -> AdapterWait {
+        let mut ms: Vec<f64> = waits.map(|d| d.as_secs_f64() * 1e3).collect();
+        ms.sort_by(f64::total_cmp);
+        let at = |q: f64| {
+            ms.get(((ms.len().max(1) - 1) as f64 * q).round() as usize)
+                .copied()
+                .unwrap_or(0.0)
+        };
+        AdapterWait {
+            requests: ms.len(),
+            waited: ms.iter().filter(|&&m| m > 0.0).count(),
+            p50_ms: at(0.5),
+            p99_ms: at(0.99),
+            max_ms: ms.last().copied().unwrap_or(0.0),
+        }
+    }
 }
 
 /// Parses the `--lora NAME=DIR` flags.
@@ -325,6 +365,19 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             wall_secs,
             mean_distinct_adapters_per_step: stats.run.mean_distinct_adapters(),
             max_wait_steps: stats.run.max_wait_steps,
+            prefetches: stats.pool.prefetches,
+            prefetch_hits: stats.pool.prefetch_hits,
+            device_evictions: stats.pool.device_evictions,
+            preemptions: results
+                .iter()
+                .filter_map(|c| c.finish.as_ref())
+                .map(|f| u64::from(f.preemptions))
+                .sum(),
+            adapter_wait: AdapterWait::of(
+                results
+                    .iter()
+                    .filter_map(|c| c.finish.as_ref()?.adapter_wait),
+            ),
         };
         let text = serde_json::to_string_pretty(&run)?;
         file.write_all((text + "\n").as_bytes())
