@@ -401,7 +401,10 @@ fn generate_writes_run_statistics() {
         wait["max_ms"].as_f64().unwrap(),
     );
     assert!(0.0 <= p50 && p50 <= p99 && p99 <= max && max > 0.0, "{s}");
-    assert!(s["device_evictions"].as_u64().unwrap() >= 2, "4 adapters through 2 slots: {s}");
+    assert!(
+        s["device_evictions"].as_u64().unwrap() >= 2,
+        "4 adapters through 2 slots: {s}"
+    );
     for field in ["prefetches", "prefetch_hits", "preemptions"] {
         assert!(s[field].is_u64(), "{field}: {s}");
     }

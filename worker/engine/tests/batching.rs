@@ -130,6 +130,80 @@ fn preemption_recomputes_to_the_same_tokens() {
     }
 }
 
+/// A preempted sequence keeps its adapter's lease while it waits to be
+/// recomputed, so the slot it needs cannot be given to another adapter: after
+/// every step, each adapter's active count (its leases) covers every request
+/// of it that has produced tokens and not finished, preempted or running.
+/// Three adapters through two slots, a cache too small for the running
+/// sequences; the outputs are still each request's own.
+#[test]
+fn a_preempted_sequence_keeps_its_adapters_lease() {
+    let prompt = "Once upon a time, there was a little model that served many adapters.";
+    let request = |i: usize, adapter: u64| Request {
+        id: format!("r{i}"),
+        adapter: Some(aid(adapter)),
+        prompt: Prompt::Text(prompt.into()),
+        params: SamplingParams {
+            max_tokens: 24,
+            temperature: 0.0,
+            ignore_eos: true,
+            ..Default::default()
+        },
+    };
+    let requests: Vec<Request> = (0..6)
+        .map(|i| request(i, 1 + (i % 2) as u64))
+        .chain((6..8).map(|i| request(i, 3)))
+        .collect();
+    let expected = alone(&requests);
+    let mut e = engine(EngineSettings {
+        max_loras: 2,
+        max_cpu_loras: 3,
+        kv_blocks: 24,
+        block_size: 4,
+        max_num_seqs: 6,
+        ..Default::default()
+    });
+    for r in &requests {
+        e.submit(r.clone()).unwrap();
+    }
+    let mut outputs: Vec<Vec<u32>> = vec![Vec::new(); requests.len()];
+    let mut finished = vec![false; requests.len()];
+    let (mut preemptions, mut steps) = (0, 0);
+    while finished.iter().any(|f| !f) {
+        for (id, event) in e.step().unwrap() {
+            let i: usize = id[1..].parse().unwrap();
+            match event {
+                Event::Delta { token_ids, .. } => outputs[i].extend(token_ids),
+                Event::Finished(_) => finished[i] = true,
+                Event::Failed(err) => panic!("{id}: {err}"),
+                Event::PromptLogprobs(_) => {}
+            }
+        }
+        preemptions += e.last_step().preempted;
+        for status in e.stats().adapters {
+            let live = requests
+                .iter()
+                .enumerate()
+                .filter(|(i, r)| {
+                    r.adapter == Some(status.id) && !outputs[*i].is_empty() && !finished[*i]
+                })
+                .count();
+            assert!(
+                status.active as usize >= live,
+                "step {steps}: adapter {} holds {} leases for {live} live requests",
+                status.id,
+                status.active
+            );
+        }
+        steps += 1;
+        assert!(steps < 10_000, "the batch never drained");
+    }
+    assert!(preemptions > 0, "the small cache forced preemption");
+    for (i, (got, want)) in outputs.iter().zip(&expected).enumerate() {
+        assert_eq!(got, &want.0, "r{i}");
+    }
+}
+
 #[test]
 fn the_engine_reproduces_the_golden_greedy_tokens() {
     let golden = golden();
