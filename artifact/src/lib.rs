@@ -8,12 +8,15 @@
 //!   projections an adapter may target, and why one is refused;
 //! - [`model_config`]: a base model's `config.json`;
 //! - [`weights`]: safetensors files (one or sharded) and the base hash;
+//! - [`quantization`]: a quantized base's `quantization_config` and how its
+//!   weights dequantize;
 //! - [`safetensors_header`]: a safetensors header read without mapping the
 //!   data, for checks at registration.
 
 pub mod adapter;
 pub mod error;
 pub mod model_config;
+pub mod quantization;
 pub mod roots;
 pub mod safetensors_header;
 pub mod weights;

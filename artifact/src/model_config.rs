@@ -115,6 +115,9 @@ impl ModelConfig {
         let path = dir.join("config.json");
         let root = read_json_object(&path)?;
         let mut config = parse_config(&path, &root)?;
+        // A quantization the weights cannot be read in is refused with the
+        // configuration, by its field.
+        crate::quantization::parse(&path, &root)?;
         let gen_path = dir.join("generation_config.json");
         if gen_path.exists() {
             let generation = read_json_object(&gen_path)?;

@@ -28,6 +28,7 @@ use sha2::{Digest, Sha256};
 
 use crate::error::{FileError, Result};
 use crate::model_config::read_json_object;
+use crate::quantization::{self, Format, Quantization};
 
 const HASH_DOMAIN: &[u8] = b"lorafleet-base-hash-v1\n";
 
@@ -40,6 +41,9 @@ pub struct WeightFiles {
     /// the JSON header again for each one made loading quadratic in the
     /// number of tensors.
     index: BTreeMap<String, Located>,
+    /// How a quantized model's linear weights are stored (from its
+    /// `config.json`); they are dequantized as they are read.
+    quantization: Option<Quantization>,
 }
 
 /// One tensor's place in the mapped files.
@@ -65,6 +69,15 @@ impl WeightFiles {
     /// Opens `model.safetensors`, or the shards that
     /// `model.safetensors.index.json` names.
     pub fn open_model_dir(dir: &Path) -> Result<WeightFiles> {
+        let mut files = WeightFiles::open_model_files(dir)?;
+        let config = dir.join("config.json");
+        if config.exists() {
+            files.quantization = quantization::parse(&config, &read_json_object(&config)?)?;
+        }
+        Ok(files)
+    }
+
+    fn open_model_files(dir: &Path) -> Result<WeightFiles> {
         let single = dir.join("model.safetensors");
         let index = dir.join("model.safetensors.index.json");
         if single.exists() {
@@ -136,7 +149,11 @@ impl WeightFiles {
             }
             files.push((path, map));
         }
-        Ok(WeightFiles { files, index })
+        Ok(WeightFiles {
+            files,
+            index,
+            quantization: None,
+        })
     }
 
     /// Every tensor name, sorted.
@@ -163,7 +180,100 @@ impl WeightFiles {
     }
 
     pub fn contains(&self, name: &str) -> bool {
-        self.index.contains_key(name)
+        self.index.contains_key(name) || self.quantized(name).is_some()
+    }
+
+    /// How the model's linear weights are quantized, if they are.
+    pub fn quantization(&self) -> Option<&Quantization> {
+        self.quantization.as_ref()
+    }
+
+    /// The quantization of weight `name`, when it is stored quantized: a
+    /// `….weight` with a `….weight_scale` beside it.
+    fn quantized<'a>(&self, name: &'a str) -> Option<(&Quantization, &'a str)> {
+        let q = self.quantization.as_ref()?;
+        let stem = name.strip_suffix(".weight")?;
+        self.index
+            .contains_key(&format!("{stem}.weight_scale"))
+            .then_some((q, stem))
+    }
+
+    /// A quantized `[out, in]` weight dequantized to f32 (see
+    /// [`crate::quantization`]); `None` when `name` is not stored quantized.
+    fn dequantized(&self, name: &str, shape: &[usize]) -> Result<Option<Vec<f32>>> {
+        let Some((q, stem)) = self.quantized(name) else {
+            return Ok(None);
+        };
+        let &[out, fan_in] = shape else {
+            return Err(FileError::model(
+                self.file_of(&format!("{stem}.weight_scale"))
+                    .unwrap_or(Path::new("")),
+                name,
+                format!("a quantized weight must be a matrix, expected {shape:?}"),
+            ));
+        };
+        let stored = |tensor: &str, dtype: Dtype, shape: &[usize]| -> Result<RawTensor<'_>> {
+            let (raw, path) = self.shaped(tensor, shape)?;
+            if raw.dtype != dtype {
+                return Err(FileError::model(
+                    path,
+                    tensor,
+                    format!(
+                        "dtype {:?} does not match the {} quantization; expected {dtype:?}",
+                        raw.dtype,
+                        q.format.name()
+                    ),
+                ));
+            }
+            Ok(raw)
+        };
+        let values: Vec<f32> = match q.format {
+            Format::Int8 => stored(name, Dtype::I8, shape)?
+                .data
+                .iter()
+                .map(|&b| f32::from(b as i8))
+                .collect(),
+            Format::Fp8E4m3 => stored(name, Dtype::F8_E4M3, shape)?
+                .data
+                .iter()
+                .map(|&b| quantization::fp8_e4m3_to_f32(b))
+                .collect(),
+            Format::PackedInt4 => {
+                let packed = format!("{stem}.weight_packed");
+                let words = stored(&packed, Dtype::I32, &[out, fan_in.div_ceil(8)])?;
+                quantization::unpack_int4(words.data, (out, fan_in))
+            }
+        };
+        let scale_shape = quantization::scale_shape(q.strategy, out, fan_in);
+        let scale_name = format!("{stem}.weight_scale");
+        let scales = self.f32_values(&scale_name, &scale_shape)?;
+        let zero_points = if q.symmetric {
+            None
+        } else {
+            let zp = format!("{stem}.weight_zero_point");
+            let raw = stored(&zp, Dtype::I8, &scale_shape)?;
+            Some(
+                raw.data
+                    .iter()
+                    .map(|&b| f32::from(b as i8))
+                    .collect::<Vec<f32>>(),
+            )
+        };
+        let w = quantization::dequantize(
+            q.strategy,
+            (out, fan_in),
+            &values,
+            &scales,
+            zero_points.as_deref(),
+        );
+        if let Some(bad) = w.iter().position(|v| !v.is_finite()) {
+            let path = self
+                .file_of(&scale_name)
+                .unwrap_or(Path::new(""))
+                .to_path_buf();
+            return Err(Self::non_finite(&path, name, w[bad], bad));
+        }
+        Ok(Some(w))
     }
 
     /// The file a tensor lives in, for error messages.
@@ -209,6 +319,14 @@ impl WeightFiles {
     /// One tensor as f32, checking its shape. f32, f16 and bf16 are accepted;
     /// NaN and infinite values are refused.
     pub fn f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        if let Some(w) = self.dequantized(name, shape)? {
+            return Ok(w);
+        }
+        self.f32_values(name, shape)
+    }
+
+    /// [`WeightFiles::f32`] for a tensor stored as floats.
+    fn f32_values(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
         let (raw, path) = self.shaped(name, shape)?;
         let values = to_f32(raw.dtype, raw.data).map_err(|other| {
             FileError::model(
@@ -227,6 +345,9 @@ impl WeightFiles {
     /// shape and refusing NaN and infinite values as [`WeightFiles::f32`]
     /// does; `None` for any other dtype.
     pub fn bf16_bits(&self, name: &str, shape: &[usize]) -> Result<Option<Vec<u16>>> {
+        if self.quantized(name).is_some() {
+            return Ok(None);
+        }
         let (raw, path) = self.shaped(name, shape)?;
         if raw.dtype != Dtype::BF16 {
             return Ok(None);

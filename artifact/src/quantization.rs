@@ -1,0 +1,418 @@
+//! Quantized base weights: a checkpoint's `quantization_config` and the
+//! dequantization of its linear layers' weights.
+//!
+//! Read as they are shipped, in the `compressed-tensors` layout that
+//! llm-compressor writes and vLLM reads (`quant_method:
+//! "compressed-tensors"`), one config group whose weights are:
+//!
+//! - `int-quantized`: `W.weight` int8 `[out, in]`, 8 bits, symmetric or
+//!   asymmetric (`W.weight_zero_point`, int8, the scale's shape);
+//! - `pack-quantized`: `W.weight_packed` int32 `[out, in / 8]` (4 bits,
+//!   symmetric: each value plus 8, eight to a word, column `c` in bits
+//!   `4 (c mod 8)` of word `c / 8`) and `W.weight_shape`;
+//! - `float-quantized`: `W.weight` FP8 e4m3 `[out, in]`;
+//!
+//! with `W.weight_scale` (f32, f16 or bf16) per tensor (`[1]`), per output
+//! channel (`[out, 1]`) or per group of `group_size` inputs (`[out, in /
+//! group_size]`). A weight dequantizes as `(q - zero_point) · scale`,
+//! computed in f32 (the scale widened exactly). Activation quantization
+//! (`input_activations`) is not applied: activations stay f32, as in the
+//! reference the goldens are checked against.
+//!
+//! Everything else — another `quant_method` (GPTQ, AWQ, bitsandbytes…), a
+//! format, bit width, type or strategy not listed — is refused by the field
+//! that names it.
+
+use std::path::Path;
+
+use serde_json::{Map, Value};
+
+use crate::error::{FileError, Result};
+
+/// How a checkpoint's quantized weights are stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Quantization {
+    pub format: Format,
+    pub strategy: Strategy,
+    pub symmetric: bool,
+    /// Modules left unquantized (by name or `re:` pattern), as written.
+    pub ignore: Vec<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    /// int8 weights.
+    Int8,
+    /// 4-bit weights packed eight to an int32.
+    PackedInt4,
+    /// FP8 e4m3 weights.
+    Fp8E4m3,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Strategy {
+    Tensor,
+    Channel,
+    Group(usize),
+}
+
+impl Format {
+    pub fn name(self) -> &'static str {
+        match self {
+            Format::Int8 => "int8",
+            Format::PackedInt4 => "int4",
+            Format::Fp8E4m3 => "fp8-e4m3",
+        }
+    }
+
+    /// Bits a weight takes in the file.
+    pub fn bits(self) -> usize {
+        match self {
+            Format::PackedInt4 => 4,
+            Format::Int8 | Format::Fp8E4m3 => 8,
+        }
+    }
+}
+
+/// Reads `quantization_config` of `config.json` at `file`, if there is one.
+pub fn parse(file: &Path, config: &Map<String, Value>) -> Result<Option<Quantization>> {
+    let Some(q) = config.get("quantization_config").filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
+    let err = |field: &str, reason: String| {
+        FileError::model(file, format!("quantization_config{field}"), reason)
+    };
+    let Value::Object(q) = q else {
+        return Err(err("", "must be an object".into()));
+    };
+    let text = |map: &Map<String, Value>, field: &str| {
+        map.get(field).and_then(Value::as_str).map(str::to_owned)
+    };
+    match text(q, "quant_method").as_deref() {
+        Some("compressed-tensors") => {}
+        Some(other) => {
+            return Err(err(
+                ".quant_method",
+                format!(
+                    "{other:?} is not supported; quantized bases are read in the \"compressed-tensors\" layout"
+                ),
+            ));
+        }
+        None => return Err(err(".quant_method", "is required".into())),
+    }
+    if let Some(status) = text(q, "quantization_status")
+        && status != "compressed"
+    {
+        return Err(err(
+            ".quantization_status",
+            format!("{status:?}: only compressed checkpoints are read"),
+        ));
+    }
+    let format = text(q, "format").unwrap_or_default();
+    let groups = match q.get("config_groups") {
+        Some(Value::Object(g)) if g.len() == 1 => g,
+        Some(Value::Object(g)) => {
+            return Err(err(
+                ".config_groups",
+                format!(
+                    "has {} groups; one group for every linear layer is supported",
+                    g.len()
+                ),
+            ));
+        }
+        _ => {
+            return Err(err(
+                ".config_groups",
+                "must be an object of one group".into(),
+            ));
+        }
+    };
+    let (group_name, group) = groups.iter().next().expect("one group");
+    let at = |field: &str| format!(".config_groups.{group_name}{field}");
+    let Value::Object(group) = group else {
+        return Err(err(&at(""), "must be an object".into()));
+    };
+    let targets_linear = group
+        .get("targets")
+        .and_then(Value::as_array)
+        .is_some_and(|t| t.iter().any(|t| t.as_str() == Some("Linear")));
+    if !targets_linear {
+        return Err(err(&at(".targets"), "must include \"Linear\"".into()));
+    }
+    let Some(Value::Object(w)) = group.get("weights") else {
+        return Err(err(&at(".weights"), "must be an object".into()));
+    };
+    let bits = w.get("num_bits").and_then(Value::as_u64);
+    let kind = text(w, "type").unwrap_or_default();
+    let symmetric = w.get("symmetric").and_then(Value::as_bool).unwrap_or(true);
+    let format = match (format.as_str(), kind.as_str(), bits) {
+        ("int-quantized", "int", Some(8)) => Format::Int8,
+        ("pack-quantized", "int", Some(4)) => Format::PackedInt4,
+        ("float-quantized", "float", Some(8)) => Format::Fp8E4m3,
+        ("int-quantized" | "pack-quantized" | "float-quantized", _, _) => {
+            return Err(err(
+                &at(".weights"),
+                format!(
+                    "{kind:?} weights of {bits:?} bits are not supported in {format:?}; \
+                     expected int 8 (int-quantized), int 4 (pack-quantized) or float 8 (float-quantized)"
+                ),
+            ));
+        }
+        _ => {
+            return Err(err(
+                ".format",
+                format!(
+                    "{format:?} is not supported; expected \"int-quantized\", \"pack-quantized\" or \"float-quantized\""
+                ),
+            ));
+        }
+    };
+    if !symmetric && format != Format::Int8 {
+        return Err(err(
+            &at(".weights.symmetric"),
+            format!("asymmetric {} weights are not supported", format.name()),
+        ));
+    }
+    if w.get("dynamic").and_then(Value::as_bool) == Some(true) {
+        return Err(err(
+            &at(".weights.dynamic"),
+            "dynamic weight scales are not supported".into(),
+        ));
+    }
+    let strategy = match text(w, "strategy").as_deref() {
+        Some("tensor") => Strategy::Tensor,
+        Some("channel") => Strategy::Channel,
+        Some("group") => match w.get("group_size").and_then(Value::as_u64) {
+            Some(g) if g > 0 => Strategy::Group(g as usize),
+            _ => {
+                return Err(err(
+                    &at(".weights.group_size"),
+                    "must be a positive integer".into(),
+                ));
+            }
+        },
+        other => {
+            return Err(err(
+                &at(".weights.strategy"),
+                format!(
+                    "{other:?} is not supported; expected \"tensor\", \"channel\" or \"group\""
+                ),
+            ));
+        }
+    };
+    if format == Format::PackedInt4 && !matches!(strategy, Strategy::Group(_) | Strategy::Channel) {
+        return Err(err(
+            &at(".weights.strategy"),
+            "4-bit weights need per-channel or per-group scales".into(),
+        ));
+    }
+    let ignore = match q.get("ignore") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(names)) => names
+            .iter()
+            .map(|n| n.as_str().map(str::to_owned))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| err(".ignore", "must be a list of module names".into()))?,
+        Some(_) => return Err(err(".ignore", "must be a list of module names".into())),
+    };
+    Ok(Some(Quantization {
+        format,
+        strategy,
+        symmetric,
+        ignore,
+    }))
+}
+
+/// FP8 e4m3 (the OCP "fn" variant: no infinities, S.1111.111 is NaN) to f32.
+pub fn fp8_e4m3_to_f32(b: u8) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
+    let exp = i32::from((b >> 3) & 0xf);
+    let mant = f32::from(b & 0x7);
+    if exp == 0xf && b & 0x7 == 0x7 {
+        return f32::NAN;
+    }
+    let magnitude = if exp == 0 {
+        mant / 8.0 * 2f32.powi(-6)
+    } else {
+        (1.0 + mant / 8.0) * 2f32.powi(exp - 7)
+    };
+    sign * magnitude
+}
+
+/// The scale (or zero point) that covers weight `(o, c)` of an `[out, in]`
+/// matrix, by strategy: index into the flat scale tensor.
+fn scale_index(strategy: Strategy, o: usize, c: usize, groups: usize) -> usize {
+    match strategy {
+        Strategy::Tensor => 0,
+        Strategy::Channel => o,
+        Strategy::Group(g) => o * groups + c / g,
+    }
+}
+
+/// Dequantizes an `[out, in]` matrix: `values[o * in + c]` are the stored
+/// integers (or FP8 values) widened to f32, `scales` and `zero_points` the
+/// flat per-strategy tensors.
+pub fn dequantize(
+    strategy: Strategy,
+    (out, fan_in): (usize, usize),
+    values: &[f32],
+    scales: &[f32],
+    zero_points: Option<&[f32]>,
+) -> Vec<f32> {
+    let groups = match strategy {
+        Strategy::Group(g) => fan_in.div_ceil(g),
+        _ => 1,
+    };
+    let mut w = vec![0f32; out * fan_in];
+    for o in 0..out {
+        for c in 0..fan_in {
+            let s = scale_index(strategy, o, c, groups);
+            let q = values[o * fan_in + c] - zero_points.map_or(0.0, |z| z[s]);
+            w[o * fan_in + c] = q * scales[s];
+        }
+    }
+    w
+}
+
+/// The shape the scale tensor of an `[out, in]` matrix has, by strategy.
+pub fn scale_shape(strategy: Strategy, out: usize, fan_in: usize) -> Vec<usize> {
+    match strategy {
+        Strategy::Tensor => vec![1],
+        Strategy::Channel => vec![out, 1],
+        Strategy::Group(g) => vec![out, fan_in.div_ceil(g)],
+    }
+}
+
+/// The values of 4-bit weights packed eight to an int32 (`[out, in.div_ceil(8)]`
+/// words, little-endian), each stored plus 8, as signed integers in f32.
+pub fn unpack_int4(words: &[u8], (out, fan_in): (usize, usize)) -> Vec<f32> {
+    let per_row = fan_in.div_ceil(8);
+    let mut values = vec![0f32; out * fan_in];
+    for o in 0..out {
+        for c in 0..fan_in {
+            let at = (o * per_row + c / 8) * 4;
+            let word = u32::from_le_bytes([words[at], words[at + 1], words[at + 2], words[at + 3]]);
+            let nibble = (word >> (4 * (c % 8))) & 0xf;
+            values[o * fan_in + c] = nibble as f32 - 8.0;
+        }
+    }
+    values
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fp8_e4m3_decodes_every_class_of_value() {
+        assert_eq!(fp8_e4m3_to_f32(0x00), 0.0);
+        // 1.0 is exponent 7, mantissa 0.
+        assert_eq!(fp8_e4m3_to_f32(0x38), 1.0);
+        assert_eq!(fp8_e4m3_to_f32(0xb8), -1.0);
+        // The largest finite value, 448 = 1.75 × 2^8.
+        assert_eq!(fp8_e4m3_to_f32(0x7e), 448.0);
+        // The smallest subnormal, 2^-9.
+        assert_eq!(fp8_e4m3_to_f32(0x01), 2f32.powi(-9));
+        assert!(fp8_e4m3_to_f32(0x7f).is_nan());
+    }
+
+    #[test]
+    fn int4_words_unpack_column_by_nibble_and_dequantize_by_group() {
+        // One row of 10 columns: values -8..=1; two words.
+        let values: Vec<i32> = (-8..2).collect();
+        let mut words = [0u32; 2];
+        for (c, v) in values.iter().enumerate() {
+            words[c / 8] |= ((v + 8) as u32) << (4 * (c % 8));
+        }
+        let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        let unpacked = unpack_int4(&bytes, (1, 10));
+        assert_eq!(
+            unpacked,
+            values.iter().map(|&v| v as f32).collect::<Vec<_>>()
+        );
+        // Groups of 4: scales 1, 2, 3 (the last group partial).
+        let w = dequantize(
+            Strategy::Group(4),
+            (1, 10),
+            &unpacked,
+            &[1.0, 2.0, 3.0],
+            None,
+        );
+        assert_eq!(w[0], -8.0);
+        assert_eq!(w[4], -4.0 * 2.0);
+        assert_eq!(w[9], 1.0 * 3.0);
+        // Asymmetric: minus the zero point first.
+        let w = dequantize(Strategy::Tensor, (1, 2), &[5.0, 7.0], &[0.5], Some(&[3.0]));
+        assert_eq!(w, vec![1.0, 2.0]);
+    }
+
+    #[test]
+    fn anything_but_the_supported_layouts_is_refused_by_field() {
+        let file = Path::new("config.json");
+        let config = |q: Value| -> Map<String, Value> {
+            let mut m = Map::new();
+            m.insert("quantization_config".into(), q);
+            m
+        };
+        let good = serde_json::json!({
+            "quant_method": "compressed-tensors",
+            "format": "pack-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                "num_bits": 4, "type": "int", "symmetric": true, "strategy": "group", "group_size": 32}}},
+            "ignore": ["lm_head"]
+        });
+        let q = parse(file, &config(good.clone())).unwrap().unwrap();
+        assert_eq!(q.format, Format::PackedInt4);
+        assert_eq!(q.strategy, Strategy::Group(32));
+        assert_eq!(q.ignore, vec!["lm_head".to_owned()]);
+        assert_eq!(parse(file, &Map::new()).unwrap(), None);
+        let refused = |edit: &dyn Fn(&mut Value), field: &str| {
+            let mut v = good.clone();
+            edit(&mut v);
+            let e = parse(file, &config(v)).unwrap_err().to_string();
+            assert!(e.contains(field), "{field}: {e}");
+        };
+        let weights = |v: &mut Value, k: &str, x: Value| {
+            v["config_groups"]["group_0"]["weights"][k] = x;
+        };
+        refused(
+            &|v| v["quant_method"] = "gptq".into(),
+            "quantization_config.quant_method",
+        );
+        refused(
+            &|v| v["format"] = "naive-quantized".into(),
+            "quantization_config.format",
+        );
+        refused(
+            &|v| v["quantization_status"] = "frozen".into(),
+            "quantization_config.quantization_status",
+        );
+        refused(
+            &|v| weights(v, "num_bits", 3.into()),
+            "config_groups.group_0.weights",
+        );
+        refused(
+            &|v| weights(v, "symmetric", false.into()),
+            "weights.symmetric",
+        );
+        refused(
+            &|v| weights(v, "strategy", "block".into()),
+            "weights.strategy",
+        );
+        refused(
+            &|v| weights(v, "group_size", 0.into()),
+            "weights.group_size",
+        );
+        refused(&|v| weights(v, "dynamic", true.into()), "weights.dynamic");
+        refused(
+            &|v| v["config_groups"]["group_1"] = v["config_groups"]["group_0"].clone(),
+            "quantization_config.config_groups",
+        );
+        refused(
+            &|v| v["config_groups"]["group_0"]["targets"] = serde_json::json!(["Embedding"]),
+            "targets",
+        );
+        refused(&|v| v["ignore"] = 3.into(), "quantization_config.ignore");
+    }
+}

@@ -1,0 +1,187 @@
+#!/usr/bin/env python3
+"""Builds the quantized-base fixtures and their goldens with transformers + PEFT.
+
+Run by hand, never by CI, after make_fixtures.py (it quantizes that
+script's `llama-gqa`):
+
+    python3 -m venv .venv && .venv/bin/pip install torch transformers peft safetensors
+    .venv/bin/python worker/engine/scripts/make_quantized_fixtures.py worker/engine/tests/fixtures
+
+It writes, under the fixtures directory, three checkpoints of `llama-gqa`
+in the `compressed-tensors` layout (what llm-compressor writes and vLLM
+reads), every linear layer of every decoder layer quantized, the
+embeddings, norms and lm_head left in f32 (`ignore: ["lm_head"]`):
+
+- `llama-gqa-int8/`: `int-quantized`, int8, symmetric, one f32 scale per
+  output channel (`weight_scale` `[out, 1]`);
+- `llama-gqa-fp8/`: `float-quantized`, FP8 e4m3, one f32 scale per output
+  channel;
+- `llama-gqa-int4/`: `pack-quantized`, 4 bits, symmetric, one bf16 scale
+  per group of 32 inputs (`weight_scale` `[out, in / 32]`), eight values
+  to an int32 (each plus 8, column c in bits 4 (c mod 8) of word c / 8);
+- `golden_quantized.json`: for each of them, the base model and two of
+  llama-gqa's adapters, the greedy tokens and the last prompt position's
+  logits of transformers + PEFT run in f32 on the weights dequantized
+  here with the format's formula, (q - zero_point) * scale in f32. Nothing
+  here shares code with the Rust reader.
+"""
+
+import json
+import os
+import shutil
+import sys
+
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from make_fixtures import MAX_NEW, PROMPTS  # noqa: E402
+
+from tokenizers import Tokenizer  # noqa: E402
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ADAPTERS = ["qkvo-r4", "all-linear-rslora"]
+GROUP = 32
+
+
+def quantization_config(fmt, num_bits, kind, strategy, group_size=None):
+    return {
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {
+                    "num_bits": num_bits,
+                    "type": kind,
+                    "symmetric": True,
+                    "strategy": strategy,
+                    "group_size": group_size,
+                    "dynamic": False,
+                },
+                "input_activations": None,
+            }
+        },
+        "ignore": ["lm_head"],
+    }
+
+
+def int8_channel(w):
+    scale = w.abs().amax(dim=1, keepdim=True) / 127.0
+    q = torch.clamp(torch.round(w / scale), -128, 127).to(torch.int8)
+    stored = {"weight": q, "weight_scale": scale.to(torch.float32)}
+    return stored, q.to(torch.float32) * scale.to(torch.float32)
+
+
+def fp8_channel(w):
+    scale = (w.abs().amax(dim=1, keepdim=True) / 448.0).to(torch.float32)
+    q = (w / scale).to(torch.float8_e4m3fn)
+    stored = {"weight": q, "weight_scale": scale}
+    return stored, q.to(torch.float32) * scale
+
+
+def int4_group(w):
+    out, fan_in = w.shape
+    groups = w.reshape(out, fan_in // GROUP, GROUP)
+    scale = (groups.abs().amax(dim=2) / 7.0).to(torch.bfloat16)
+    s32 = scale.to(torch.float32)
+    q = torch.clamp(torch.round(groups / s32.unsqueeze(2)), -8, 7).to(torch.int32).reshape(out, fan_in)
+    # Eight values to a word: value + 8 in bits 4 * (c % 8) of word c // 8.
+    u = (q + 8).to(torch.int64)
+    words = torch.zeros(out, fan_in // 8, dtype=torch.int64)
+    for i in range(8):
+        words |= u[:, i::8] << (4 * i)
+    packed = (words - ((words >> 31) << 32)).to(torch.int32)  # two's complement
+    deq = (q.to(torch.float32).reshape(out, fan_in // GROUP, GROUP) * s32.unsqueeze(2)).reshape(out, fan_in)
+    stored = {
+        "weight_packed": packed,
+        "weight_shape": torch.tensor([out, fan_in], dtype=torch.int32),
+        "weight_scale": scale,
+    }
+    return stored, deq
+
+
+VARIANTS = {
+    "llama-gqa-int8": (int8_channel, quantization_config("int-quantized", 8, "int", "channel")),
+    "llama-gqa-fp8": (fp8_channel, quantization_config("float-quantized", 8, "float", "channel")),
+    "llama-gqa-int4": (int4_group, quantization_config("pack-quantized", 4, "int", "group", GROUP)),
+}
+
+
+def main():
+    out = sys.argv[1] if len(sys.argv) > 1 else "worker/engine/tests/fixtures"
+    src = os.path.join(out, "llama-gqa")
+    index = json.load(open(os.path.join(src, "model.safetensors.index.json")))
+    dense = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        dense.update(load_file(os.path.join(src, shard)))
+    tok = Tokenizer.from_file(os.path.join(src, "tokenizer.json"))
+    golden = {"max_new_tokens": MAX_NEW, "cases": []}
+    for variant, (quantize, qconfig) in VARIANTS.items():
+        stored, dequantized = {}, {}
+        for name, t in dense.items():
+            stem = name[: -len(".weight")] if name.endswith(".weight") else None
+            if stem and stem.split(".")[-1] in LINEARS and stem.startswith("model.layers."):
+                parts, deq = quantize(t.to(torch.float32))
+                for k, v in parts.items():
+                    stored[f"{stem}.{k}"] = v.contiguous()
+                dequantized[name] = deq
+            else:
+                stored[name] = t
+                dequantized[name] = t.to(torch.float32)
+        path = os.path.join(out, variant)
+        shutil.rmtree(path, ignore_errors=True)
+        os.makedirs(path)
+        save_file(stored, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        config = json.load(open(os.path.join(src, "config.json")))
+        config["quantization_config"] = qconfig
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        for extra in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(os.path.join(src, extra), path)
+
+        # The reference: the dequantized weights as a plain f32 checkpoint.
+        ref = os.path.join(out, f".{variant}-dequantized")
+        shutil.rmtree(ref, ignore_errors=True)
+        os.makedirs(ref)
+        save_file({k: v.contiguous() for k, v in dequantized.items()}, os.path.join(ref, "model.safetensors"), metadata={"format": "pt"})
+        plain = dict(config)
+        del plain["quantization_config"]
+        with open(os.path.join(ref, "config.json"), "w") as f:
+            json.dump(plain, f)
+
+        def record(m, adapter):
+            for prompt in PROMPTS:
+                ids = tok.encode(prompt).ids
+                x = torch.tensor([ids])
+                with torch.no_grad():
+                    logits = m(x).logits[0, -1].tolist()
+                    gen = m.generate(
+                        x,
+                        attention_mask=torch.ones_like(x),
+                        do_sample=False,
+                        max_new_tokens=MAX_NEW,
+                        eos_token_id=[2, 4],
+                        pad_token_id=0,
+                    )[0, len(ids):].tolist()
+                golden["cases"].append(
+                    {"model": variant, "adapter": adapter, "prompt": prompt, "prompt_ids": ids, "greedy": gen, "logits": logits}
+                )
+
+        record(AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval(), None)
+        for adapter in ADAPTERS:
+            adir = os.path.join(out, "adapters", "llama-gqa", adapter)
+            m = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32), adir).eval()
+            record(m, adapter)
+        shutil.rmtree(ref)
+
+    with open(os.path.join(out, "golden_quantized.json"), "w") as f:
+        json.dump(golden, f)
+    print(f"wrote {len(golden['cases'])} golden cases to {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+//! Quantized base models in the `compressed-tensors` layout (int8 per
+//! channel, FP8 e4m3 per channel, 4-bit packed per group of 32) on the CPU
+//! backend: logits within 1e-4 of transformers + PEFT run on the same
+//! weights dequantized in f32 (`scripts/make_quantized_fixtures.py`) and
+//! greedy tokens equal, for the base model and llama-gqa's adapters; and
+//! what is not read is refused by the field that names it.
+
+mod common;
+
+use common::*;
+use lorafleet_engine::backend::cpu::CpuBackend;
+use lorafleet_engine::backend::{Backend, BackendShape};
+use lorafleet_engine::lora::{AdapterLimits, HostAdapter};
+use lorafleet_engine::model::{ModelConfig, WeightFiles};
+
+const VARIANTS: [&str; 3] = ["llama-gqa-int8", "llama-gqa-fp8", "llama-gqa-int4"];
+
+fn golden_quantized() -> Golden {
+    let text = std::fs::read_to_string(fixtures().join("golden_quantized.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+#[test]
+fn quantized_bases_match_transformers_and_peft_on_their_dequantized_weights() {
+    let golden = golden_quantized();
+    let mut checked = 0;
+    for model in VARIANTS {
+        let dir = model_dir(model);
+        let config = ModelConfig::from_dir(&dir).unwrap();
+        let files = WeightFiles::open_model_dir(&dir).unwrap();
+        assert!(files.quantization().is_some(), "{model} is quantized");
+        let shape = BackendShape {
+            slots: 1,
+            max_lora_rank: 16,
+            kv_blocks: 8,
+            block_size: 4,
+        };
+        let mut backend = CpuBackend::load(&dir, &config, shape).unwrap();
+        for case in golden.cases.iter().filter(|c| c.model == model) {
+            let slot = case.adapter.as_ref().map(|name| {
+                let limits = AdapterLimits {
+                    model: &config,
+                    max_lora_rank: 16,
+                    base_hash_check: None,
+                };
+                // The adapters were trained on (made for) llama-gqa.
+                let adapter =
+                    HostAdapter::load(name, &adapter_dir("llama-gqa", name), limits).unwrap();
+                backend.write_slot(0, &adapter).unwrap();
+                0
+            });
+            check_golden_case(&mut backend, case, slot);
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, golden.cases.len());
+    assert_eq!(checked, 27, "3 formats x (base + 2 adapters) x 3 prompts");
+}
+
+/// The base hash covers the stored (quantized) bytes: each quantization of
+/// a base is a different base model, so an adapter's declared base hash
+/// tells them apart.
+#[test]
+fn each_quantization_of_a_base_has_its_own_base_hash() {
+    let mut hashes: Vec<String> = ["llama-gqa"]
+        .into_iter()
+        .chain(VARIANTS)
+        .map(|m| {
+            WeightFiles::open_model_dir(&model_dir(m))
+                .unwrap()
+                .base_hash(&mut |_, _| {})
+                .unwrap()
+        })
+        .collect();
+    hashes.sort();
+    hashes.dedup();
+    assert_eq!(hashes.len(), 4);
+}
+
+/// Copies a quantized fixture with its `config.json` edited.
+fn edited(model: &str, edit: impl Fn(&mut serde_json::Value)) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(model_dir(model)).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), dir.path().join(entry.file_name())).unwrap();
+    }
+    let path = dir.path().join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut config);
+    std::fs::write(&path, config.to_string()).unwrap();
+    dir
+}
+
+#[test]
+fn a_quantization_that_is_not_read_is_refused_by_its_field() {
+    // At the configuration: another method, format or width.
+    for (edit, field) in [
+        (
+            &(|c: &mut serde_json::Value| c["quantization_config"]["quant_method"] = "gptq".into())
+                as &dyn Fn(&mut serde_json::Value),
+            "quantization_config.quant_method",
+        ),
+        (
+            &|c: &mut serde_json::Value| c["quantization_config"]["format"] = "marlin-24".into(),
+            "quantization_config.format",
+        ),
+        (
+            &|c: &mut serde_json::Value| {
+                c["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] =
+                    2.into()
+            },
+            "quantization_config.config_groups.group_0.weights",
+        ),
+    ] {
+        let dir = edited("llama-gqa-int8", edit);
+        let err = ModelConfig::from_dir(dir.path()).unwrap_err().to_string();
+        assert!(err.contains(field), "{field}: {err}");
+        let err = WeightFiles::open_model_dir(dir.path())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(field), "{field}: {err}");
+    }
+    // At the weights: int8 tensors under an FP8 configuration are refused
+    // by the tensor's name and dtype, not read as something else.
+    let dir = edited("llama-gqa-int8", |c| {
+        let q = &mut c["quantization_config"];
+        q["format"] = "float-quantized".into();
+        q["config_groups"]["group_0"]["weights"]["type"] = "float".into();
+    });
+    let config = ModelConfig::from_dir(dir.path()).unwrap();
+    let shape = BackendShape {
+        slots: 1,
+        max_lora_rank: 16,
+        kv_blocks: 8,
+        block_size: 4,
+    };
+    let err = CpuBackend::load(dir.path(), &config, shape)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("model.layers.0.self_attn.q_proj.weight"),
+        "{err}"
+    );
+    assert!(err.contains("F8_E4M3") && err.contains("I8"), "{err}");
+}
