@@ -6,9 +6,12 @@
 
 #[path = "support/admin_plane.rs"]
 mod admin_plane;
+#[path = "support/goldens.rs"]
+mod goldens;
 
 use admin_plane::*;
-use lorafleet_tests::{engine_fixtures, run};
+use goldens::{assert_gateway_gives, generate_goldens};
+use lorafleet_tests::engine_fixtures;
 use serde_json::{Value, json};
 
 const MODEL: &str = "qwen3-moe";
@@ -16,81 +19,10 @@ const MODEL: &str = "qwen3-moe";
 /// The adapters served, and the route each gets.
 const ADAPTERS: [(&str, &str); 2] = [("qv-r8", "support"), ("experts-r4", "experts")];
 
-/// The golden cases of the base model and [`ADAPTERS`], through the
-/// offline batch command; returns each case's (adapter, prompt, text).
-fn generate_goldens() -> Vec<(Option<String>, String, String)> {
-    let fixtures = engine_fixtures();
-    let golden: Value =
-        serde_json::from_str(&std::fs::read_to_string(fixtures.join("golden_moe.json")).unwrap())
-            .unwrap();
-    let max_new = golden["max_new_tokens"].as_u64().unwrap();
-    let cases: Vec<&Value> = golden["cases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|c| {
-            c["model"] == MODEL
-                && (c["adapter"].is_null() || ADAPTERS.iter().any(|(a, _)| c["adapter"] == *a))
-        })
-        .collect();
-    assert_eq!(cases.len(), 9);
-    let dir = tempfile::tempdir().unwrap();
-    let (input, output) = (dir.path().join("in.jsonl"), dir.path().join("out.jsonl"));
-    let lines: Vec<String> = cases
-        .iter()
-        .map(|c| {
-            json!({"prompt": c["prompt"], "lora": c["adapter"], "max_tokens": max_new, "temperature": 0})
-                .to_string()
-        })
-        .collect();
-    std::fs::write(&input, lines.join("\n") + "\n").unwrap();
-    let mut args: Vec<String> = vec![
-        "generate".into(),
-        "--model".into(),
-        fixtures.join(MODEL).display().to_string(),
-        "--input".into(),
-        input.display().to_string(),
-        "--output".into(),
-        output.display().to_string(),
-    ];
-    for (a, _) in ADAPTERS {
-        let dir = fixtures.join("adapters").join(MODEL).join(a);
-        args.extend(["--lora".into(), format!("{a}={}", dir.display())]);
-    }
-    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-    let out = run("lorafleet-worker", &refs, &[]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let results: Vec<Value> = std::fs::read_to_string(&output)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    assert_eq!(results.len(), cases.len());
-    results
-        .iter()
-        .zip(&cases)
-        .map(|(r, c)| {
-            assert_eq!(
-                r["token_ids"], c["greedy"],
-                "{} / {}",
-                c["adapter"], c["prompt"]
-            );
-            (
-                c["adapter"].as_str().map(str::to_owned),
-                c["prompt"].as_str().unwrap().to_owned(),
-                r["text"].as_str().unwrap().to_owned(),
-            )
-        })
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenant_gets_a_moe_adapters_golden_text_through_the_gateway() {
-    let expected = generate_goldens();
+    let names: Vec<&str> = ADAPTERS.iter().map(|(a, _)| *a).collect();
+    let expected = generate_goldens("golden_moe.json", MODEL, MODEL, &names, 9);
     let p = plane_on("moe_e2e", 1, MODEL).await;
     p.ctl_json(&["tenants", "create", "acme"]);
     let key = p.ctl_json(&["keys", "create", "acme"])["key"]
@@ -163,27 +95,11 @@ async fn a_tenant_gets_a_moe_adapters_golden_text_through_the_gateway() {
     ])
     .refused(6, "target_modules");
 
-    for (adapter, prompt, text) in &expected {
-        let model = match adapter {
-            Some(a) => ADAPTERS.iter().find(|(n, _)| n == a).unwrap().1,
-            None => "base",
-        };
-        let resp = p
-            .http
-            .post(format!("{}/v1/completions", p.api_url(0)))
-            .bearer_auth(&key)
-            .json(&json!({"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0}))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(resp.status(), 200);
-        let body: Value = resp.json().await.unwrap();
-        assert_eq!(
-            body["choices"][0]["text"].as_str().unwrap(),
-            text,
-            "{model} / {prompt}"
-        );
-    }
+    assert_gateway_gives(&p, &key, &expected, |adapter| match adapter {
+        Some(a) => ADAPTERS.iter().find(|(n, _)| *n == a).unwrap().1,
+        None => "base",
+    })
+    .await;
     // The audit log names the adapter version that served, and the fleet
     // view the worker's base model.
     let rows = p.audit_rows("acme", "support", 3).await;

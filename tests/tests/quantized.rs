@@ -1,0 +1,118 @@
+//! A quantized base served end to end: `lorafleet-worker generate` gives
+//! the transformers + PEFT goldens on the 4-bit llama-gqa (compressed-tensors
+//! pack-quantized, made by `make_quantized_fixtures.py`), and a tenant's
+//! completion through the gateway — the base registered with `lorafleetctl`
+//! from its directory (its base hash covers the quantized bytes), a worker
+//! serving it, an adapter trained on llama-gqa routed to it — gives the
+//! same text.
+
+#[path = "support/admin_plane.rs"]
+mod admin_plane;
+#[path = "support/goldens.rs"]
+mod goldens;
+
+use admin_plane::*;
+use goldens::{assert_gateway_gives, generate_goldens};
+use lorafleet_tests::engine_fixtures;
+
+const MODEL: &str = "llama-gqa-int4";
+const ADAPTER: &str = "qkvo-r4";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_gets_a_quantized_bases_golden_text_through_the_gateway() {
+    let expected = generate_goldens("golden_quantized.json", MODEL, "llama-gqa", &[ADAPTER], 6);
+    let p = plane_on("quantized_e2e", 1, MODEL).await;
+    // The adapter was trained on llama-gqa; it is declared for this
+    // quantization of it by name (`base_model_name_or_path`), which the
+    // registry checks against the base it is registered on: a copy for a
+    // quantized base says so.
+    let copy = p.root.path().join("llama-gqa").join(ADAPTER);
+    copy_dir(
+        &engine_fixtures().join("adapters/llama-gqa").join(ADAPTER),
+        &copy,
+    );
+    let config_path = copy.join("adapter_config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    config["base_model_name_or_path"] = MODEL.into();
+    std::fs::write(&config_path, config.to_string()).unwrap();
+    p.ctl_json(&["tenants", "create", "acme"]);
+    let key = p.ctl_json(&["keys", "create", "acme"])["key"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let base = p.ctl_json(&[
+        "base-models",
+        "register",
+        MODEL,
+        "--architecture",
+        "llama",
+        "--model-dir",
+        engine_fixtures().join(MODEL).to_str().unwrap(),
+    ]);
+    // Not the dense model's hash: each quantization is its own base.
+    let hashes: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(engine_fixtures().join("base_hashes.json")).unwrap(),
+    )
+    .unwrap();
+    assert!(base["base_hash"].is_string(), "{base}");
+    assert_ne!(base["base_hash"], hashes["llama-gqa"], "{base}");
+    let id = p.ctl_json(&[
+        "adapters",
+        "register",
+        "support",
+        "--tenant",
+        "acme",
+        "--base-model",
+        MODEL,
+        "--artifact-uri",
+        &format!("llama-gqa/{ADAPTER}"),
+    ])["lora_int_id"]
+        .as_i64()
+        .unwrap();
+    // The same adapter as trained, declaring the dense llama-gqa, is
+    // refused on the quantized base by that field: an adapter is served
+    // only on the quantization it is declared for.
+    let dense_copy = p.root.path().join("llama-gqa/as-trained");
+    copy_dir(
+        &engine_fixtures().join("adapters/llama-gqa").join(ADAPTER),
+        &dense_copy,
+    );
+    p.ctl(&[
+        "adapters",
+        "register",
+        "as-trained",
+        "--tenant",
+        "acme",
+        "--base-model",
+        MODEL,
+        "--artifact-uri",
+        "llama-gqa/as-trained",
+    ])
+    .refused(6, "base_model_name_or_path");
+    p.ctl_json(&[
+        "routes",
+        "set",
+        "acme",
+        "support",
+        "--weights",
+        &format!("{id}=10000"),
+    ]);
+    p.ctl_json(&[
+        "routes",
+        "set",
+        "acme",
+        "base",
+        "--base",
+        "--base-model",
+        MODEL,
+    ]);
+    assert_gateway_gives(&p, &key, &expected, |adapter| match adapter {
+        Some(_) => "support",
+        None => "base",
+    })
+    .await;
+    let rows = p.audit_rows("acme", "support", 3).await;
+    assert!(rows.iter().all(|r| r["lora_int_id"].as_i64() == Some(id)));
+    assert_eq!(p.ctl_json(&["fleet"])["workers"][0]["base_model"], MODEL);
+}
