@@ -24,27 +24,7 @@ fn moe_forward_matches_transformers_and_peft() {
             config.moe.is_some(),
             "{model} is a Mixture-of-Experts model"
         );
-        let shape = BackendShape {
-            slots: 1,
-            max_lora_rank: 16,
-            kv_blocks: 8,
-            block_size: 4,
-        };
-        let mut backend = CpuBackend::load(&dir, &config, shape).unwrap();
-        for case in golden.cases.iter().filter(|c| c.model == model) {
-            let slot = case.adapter.as_ref().map(|name| {
-                let limits = AdapterLimits {
-                    model: &config,
-                    max_lora_rank: 16,
-                    base_hash_check: None,
-                };
-                let adapter = HostAdapter::load(name, &adapter_dir(model, name), limits).unwrap();
-                backend.write_slot(0, &adapter).unwrap();
-                0
-            });
-            check_golden_case(&mut backend, case, slot);
-            checked += 1;
-        }
+        checked += check_golden_cases_on_cpu(&golden, model, model);
     }
     assert_eq!(checked, golden.cases.len());
     assert!(checked >= 21, "every model, adapter and prompt: {checked}");

@@ -8,9 +8,8 @@
 mod common;
 
 use common::*;
+use lorafleet_engine::backend::BackendShape;
 use lorafleet_engine::backend::cpu::CpuBackend;
-use lorafleet_engine::backend::{Backend, BackendShape};
-use lorafleet_engine::lora::{AdapterLimits, HostAdapter};
 use lorafleet_engine::model::{ModelConfig, WeightFiles};
 
 const VARIANTS: [&str; 3] = ["llama-gqa-int8", "llama-gqa-fp8", "llama-gqa-int4"];
@@ -25,33 +24,10 @@ fn quantized_bases_match_transformers_and_peft_on_their_dequantized_weights() {
     let golden = golden_quantized();
     let mut checked = 0;
     for model in VARIANTS {
-        let dir = model_dir(model);
-        let config = ModelConfig::from_dir(&dir).unwrap();
-        let files = WeightFiles::open_model_dir(&dir).unwrap();
+        let files = WeightFiles::open_model_dir(&model_dir(model)).unwrap();
         assert!(files.quantization().is_some(), "{model} is quantized");
-        let shape = BackendShape {
-            slots: 1,
-            max_lora_rank: 16,
-            kv_blocks: 8,
-            block_size: 4,
-        };
-        let mut backend = CpuBackend::load(&dir, &config, shape).unwrap();
-        for case in golden.cases.iter().filter(|c| c.model == model) {
-            let slot = case.adapter.as_ref().map(|name| {
-                let limits = AdapterLimits {
-                    model: &config,
-                    max_lora_rank: 16,
-                    base_hash_check: None,
-                };
-                // The adapters were trained on (made for) llama-gqa.
-                let adapter =
-                    HostAdapter::load(name, &adapter_dir("llama-gqa", name), limits).unwrap();
-                backend.write_slot(0, &adapter).unwrap();
-                0
-            });
-            check_golden_case(&mut backend, case, slot);
-            checked += 1;
-        }
+        // The adapters were trained on (made for) llama-gqa.
+        checked += check_golden_cases_on_cpu(&golden, model, "llama-gqa");
     }
     assert_eq!(checked, golden.cases.len());
     assert_eq!(checked, 27, "3 formats x (base + 2 adapters) x 3 prompts");

@@ -320,3 +320,41 @@ pub fn assert_staggered_batch_equals_alone(model: &str, choice: lorafleet_engine
     );
     assert!(max_tokens > 1, "{model}: steps batched several tokens");
 }
+
+/// Runs every golden case of `model` on its CPU backend (one slot), each
+/// case's adapter loaded from `adapter_model`'s fixture adapters into the
+/// slot first; returns how many cases ran.
+pub fn check_golden_cases_on_cpu(golden: &Golden, model: &str, adapter_model: &str) -> usize {
+    use lorafleet_engine::backend::Backend;
+    let dir = model_dir(model);
+    let config = lorafleet_engine::model::ModelConfig::from_dir(&dir).unwrap();
+    let shape = lorafleet_engine::backend::BackendShape {
+        slots: 1,
+        max_lora_rank: 16,
+        kv_blocks: 8,
+        block_size: 4,
+    };
+    let mut backend =
+        lorafleet_engine::backend::cpu::CpuBackend::load(&dir, &config, shape).unwrap();
+    let mut checked = 0;
+    for case in golden.cases.iter().filter(|c| c.model == model) {
+        let slot = case.adapter.as_ref().map(|name| {
+            let limits = lorafleet_engine::lora::AdapterLimits {
+                model: &config,
+                max_lora_rank: 16,
+                base_hash_check: None,
+            };
+            let adapter = lorafleet_engine::lora::HostAdapter::load(
+                name,
+                &adapter_dir(adapter_model, name),
+                limits,
+            )
+            .unwrap();
+            backend.write_slot(0, &adapter).unwrap();
+            0
+        });
+        check_golden_case(&mut backend, case, slot);
+        checked += 1;
+    }
+    checked
+}
