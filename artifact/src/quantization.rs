@@ -19,7 +19,15 @@
 //! (`input_activations`) is not applied: activations stay f32, as in the
 //! reference the goldens are checked against.
 //!
-//! Everything else — another `quant_method` (GPTQ, AWQ, bitsandbytes…), a
+//! and GPTQ checkpoints (`quant_method: "gptq"`, 4 bits): `W.qweight` int32
+//! `[in / 8, out]` (eight values along the input to a word, row k in bits
+//! `4 (k mod 8)` of word row `k / 8`), `W.qzeros` int32 `[groups, out / 8]`
+//! (packed along the output the same way), `W.scales` `[groups, out]` and
+//! `W.g_idx` (each input's group; `k / group_size` without it), dequantized
+//! as `(q - zero) · scale` with the zero point stored minus one in
+//! AutoGPTQ's `checkpoint_format: "gptq"` and as it is in `"gptq_v2"`.
+//!
+//! Everything else — another `quant_method` (AWQ, bitsandbytes…), a
 //! format, bit width, type or strategy not listed — is refused by the field
 //! that names it.
 
@@ -47,6 +55,11 @@ pub enum Format {
     PackedInt4,
     /// FP8 e4m3 weights.
     Fp8E4m3,
+    /// GPTQ 4-bit (`qweight`, `qzeros`, `scales`, `g_idx`), zero points
+    /// stored minus one (AutoGPTQ's format).
+    Gptq4,
+    /// GPTQ 4-bit with zero points stored as they are.
+    Gptq4V2,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,13 +75,14 @@ impl Format {
             Format::Int8 => "int8",
             Format::PackedInt4 => "int4",
             Format::Fp8E4m3 => "fp8-e4m3",
+            Format::Gptq4 | Format::Gptq4V2 => "gptq-int4",
         }
     }
 
     /// Bits a weight takes in the file.
     pub fn bits(self) -> usize {
         match self {
-            Format::PackedInt4 => 4,
+            Format::PackedInt4 | Format::Gptq4 | Format::Gptq4V2 => 4,
             Format::Int8 | Format::Fp8E4m3 => 8,
         }
     }
@@ -90,11 +104,12 @@ pub fn parse(file: &Path, config: &Map<String, Value>) -> Result<Option<Quantiza
     };
     match text(q, "quant_method").as_deref() {
         Some("compressed-tensors") => {}
+        Some("gptq") => return parse_gptq(q, &err).map(Some),
         Some(other) => {
             return Err(err(
                 ".quant_method",
                 format!(
-                    "{other:?} is not supported; quantized bases are read in the \"compressed-tensors\" layout"
+                    "{other:?} is not supported; quantized bases are read in the \"compressed-tensors\" or \"gptq\" layout"
                 ),
             ));
         }
@@ -223,6 +238,86 @@ pub fn parse(file: &Path, config: &Map<String, Value>) -> Result<Option<Quantiza
     }))
 }
 
+/// A GPTQ checkpoint's `quantization_config`: 4 bits, a group size (or
+/// -1, one group per output channel), `desc_act` (the groups then follow
+/// `g_idx`), `sym`, and `checkpoint_format` `"gptq"` (zero points stored
+/// minus one, as AutoGPTQ writes them) or `"gptq_v2"`.
+fn parse_gptq(
+    q: &Map<String, Value>,
+    err: &dyn Fn(&str, String) -> FileError,
+) -> Result<Quantization> {
+    match q.get("bits").and_then(Value::as_u64) {
+        Some(4) => {}
+        other => {
+            return Err(err(
+                ".bits",
+                format!("{other:?} is not supported; GPTQ weights are read at 4 bits"),
+            ));
+        }
+    }
+    let strategy = match q.get("group_size").and_then(Value::as_i64) {
+        Some(-1) => Strategy::Channel,
+        Some(g) if g > 0 => Strategy::Group(g as usize),
+        _ => {
+            return Err(err(
+                ".group_size",
+                "must be a positive integer or -1".into(),
+            ));
+        }
+    };
+    let format = match q.get("checkpoint_format").and_then(Value::as_str) {
+        None | Some("gptq") => Format::Gptq4,
+        Some("gptq_v2") => Format::Gptq4V2,
+        Some(other) => {
+            return Err(err(
+                ".checkpoint_format",
+                format!("{other:?} is not supported; expected \"gptq\" or \"gptq_v2\""),
+            ));
+        }
+    };
+    Ok(Quantization {
+        format,
+        strategy,
+        symmetric: q.get("sym").and_then(Value::as_bool).unwrap_or(true),
+        ignore: Vec::new(),
+    })
+}
+
+/// Unpacks 4-bit values packed eight to an int32 along the rows of a
+/// `[rows.div_ceil(8), cols]` word matrix (GPTQ's `qweight`): value `(r,
+/// c)` is bits `4 (r mod 8)` of word `(r / 8, c)`.
+pub fn unpack_int4_rows(words: &[u8], (rows, cols): (usize, usize)) -> Vec<u32> {
+    let mut values = vec![0u32; rows * cols];
+    for r in 0..rows {
+        for c in 0..cols {
+            let at = ((r / 8) * cols + c) * 4;
+            let word = u32::from_le_bytes([words[at], words[at + 1], words[at + 2], words[at + 3]]);
+            values[r * cols + c] = (word >> (4 * (r % 8))) & 0xf;
+        }
+    }
+    values
+}
+
+/// Dequantizes a GPTQ `[out, in]` weight: `q` is `[in, out]` (as
+/// `qweight` unpacks), `zeros` and `scales` `[groups, out]`, `group[k]`
+/// input k's group; `w[o, k] = (q[k, o] - zero[g, o]) · scale[g, o]`.
+pub fn dequantize_gptq(
+    (out, fan_in): (usize, usize),
+    q: &[u32],
+    zeros: &[f32],
+    scales: &[f32],
+    group: &[usize],
+) -> Vec<f32> {
+    let mut w = vec![0f32; out * fan_in];
+    for o in 0..out {
+        for k in 0..fan_in {
+            let g = group[k];
+            w[o * fan_in + k] = (q[k * out + o] as f32 - zeros[g * out + o]) * scales[g * out + o];
+        }
+    }
+    w
+}
+
 /// FP8 e4m3 (the OCP "fn" variant: no infinities, S.1111.111 is NaN) to f32.
 pub fn fp8_e4m3_to_f32(b: u8) -> f32 {
     let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
@@ -347,6 +442,59 @@ mod tests {
     }
 
     #[test]
+    fn gptq_unpacks_along_the_input_and_offsets_its_zero_points() {
+        // 10 inputs, 2 outputs: qweight is [2 words, 2 outputs].
+        let q: Vec<u32> = (0..20).map(|i| (i * 7 % 16) as u32).collect(); // [in, out]
+        let mut words = [0u32; 2 * 2];
+        for k in 0..10 {
+            for o in 0..2 {
+                words[(k / 8) * 2 + o] |= q[k * 2 + o] << (4 * (k % 8));
+            }
+        }
+        let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        assert_eq!(unpack_int4_rows(&bytes, (10, 2)), q);
+        // One group; zero points 8 (stored 7 in AutoGPTQ's format and
+        // offset by one when read), scales 0.5 and 2.
+        let w = dequantize_gptq((2, 10), &q, &[8.0, 8.0], &[0.5, 2.0], &[0; 10]);
+        assert_eq!(w[0], (q[0] as f32 - 8.0) * 0.5);
+        assert_eq!(w[10 + 3], (q[3 * 2 + 1] as f32 - 8.0) * 2.0);
+        let file = Path::new("config.json");
+        let gptq = |q: Value| {
+            let mut m = Map::new();
+            m.insert("quantization_config".into(), q);
+            parse(file, &m)
+        };
+        let good = serde_json::json!({"quant_method": "gptq", "bits": 4, "group_size": 128,
+            "desc_act": true, "sym": false, "checkpoint_format": "gptq"});
+        let q = gptq(good.clone()).unwrap().unwrap();
+        assert_eq!(
+            (q.format, q.strategy, q.symmetric),
+            (Format::Gptq4, Strategy::Group(128), false)
+        );
+        let mut channel = good.clone();
+        channel["group_size"] = (-1).into();
+        assert_eq!(gptq(channel).unwrap().unwrap().strategy, Strategy::Channel);
+        for (field, value, needle) in [
+            ("bits", Value::from(8), "quantization_config.bits"),
+            (
+                "group_size",
+                Value::from(0),
+                "quantization_config.group_size",
+            ),
+            (
+                "checkpoint_format",
+                Value::from("marlin"),
+                "quantization_config.checkpoint_format",
+            ),
+        ] {
+            let mut bad = good.clone();
+            bad[field] = value;
+            let e = gptq(bad).unwrap_err().to_string();
+            assert!(e.contains(needle), "{needle}: {e}");
+        }
+    }
+
+    #[test]
     fn anything_but_the_supported_layouts_is_refused_by_field() {
         let file = Path::new("config.json");
         let config = |q: Value| -> Map<String, Value> {
@@ -377,7 +525,7 @@ mod tests {
             v["config_groups"]["group_0"]["weights"][k] = x;
         };
         refused(
-            &|v| v["quant_method"] = "gptq".into(),
+            &|v| v["quant_method"] = "awq".into(),
             "quantization_config.quant_method",
         );
         refused(

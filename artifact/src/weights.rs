@@ -193,8 +193,12 @@ impl WeightFiles {
     fn quantized<'a>(&self, name: &'a str) -> Option<(&Quantization, &'a str)> {
         let q = self.quantization.as_ref()?;
         let stem = name.strip_suffix(".weight")?;
+        let marker = match q.format {
+            Format::Gptq4 | Format::Gptq4V2 => "qweight",
+            _ => "weight_scale",
+        };
         self.index
-            .contains_key(&format!("{stem}.weight_scale"))
+            .contains_key(&format!("{stem}.{marker}"))
             .then_some((q, stem))
     }
 
@@ -227,6 +231,11 @@ impl WeightFiles {
             }
             Ok(raw)
         };
+        if matches!(q.format, Format::Gptq4 | Format::Gptq4V2) {
+            return self
+                .dequantized_gptq(q, name, stem, (out, fan_in))
+                .map(Some);
+        }
         let values: Vec<f32> = match q.format {
             Format::Int8 => stored(name, Dtype::I8, shape)?
                 .data
@@ -243,6 +252,7 @@ impl WeightFiles {
                 let words = stored(&packed, Dtype::I32, &[out, fan_in.div_ceil(8)])?;
                 quantization::unpack_int4(words.data, (out, fan_in))
             }
+            Format::Gptq4 | Format::Gptq4V2 => unreachable!("read above"),
         };
         let scale_shape = quantization::scale_shape(q.strategy, out, fan_in);
         let scale_name = format!("{stem}.weight_scale");
@@ -323,6 +333,79 @@ impl WeightFiles {
             return Ok(w);
         }
         self.f32_values(name, shape)
+    }
+
+    /// A GPTQ weight dequantized (see [`crate::quantization`]).
+    fn dequantized_gptq(
+        &self,
+        q: &Quantization,
+        name: &str,
+        stem: &str,
+        (out, fan_in): (usize, usize),
+    ) -> Result<Vec<f32>> {
+        let int32 = |tensor: &str, shape: &[usize]| -> Result<RawTensor<'_>> {
+            let (raw, path) = self.shaped(tensor, shape)?;
+            if raw.dtype != Dtype::I32 {
+                return Err(FileError::model(
+                    path,
+                    tensor,
+                    format!("dtype {:?}; GPTQ stores it as I32", raw.dtype),
+                ));
+            }
+            Ok(raw)
+        };
+        let group_size = match q.strategy {
+            quantization::Strategy::Group(g) => g,
+            _ => fan_in,
+        };
+        let groups = fan_in.div_ceil(group_size);
+        let qweight = int32(&format!("{stem}.qweight"), &[fan_in.div_ceil(8), out])?;
+        let values = quantization::unpack_int4_rows(qweight.data, (fan_in, out));
+        let qzeros = int32(&format!("{stem}.qzeros"), &[groups, out.div_ceil(8)])?;
+        // The zeros are packed along the output: a [groups, out] matrix
+        // whose rows are read as the columns of unpack_int4_rows.
+        let offset = if q.format == Format::Gptq4 { 1.0 } else { 0.0 };
+        let zeros: Vec<f32> = (0..groups)
+            .flat_map(|g| {
+                let row = &qzeros.data[g * out.div_ceil(8) * 4..(g + 1) * out.div_ceil(8) * 4];
+                quantization::unpack_int4(row, (1, out))
+                    .into_iter()
+                    .map(move |v| v + 8.0 + offset)
+            })
+            .collect();
+        let scales = self.f32_values(&format!("{stem}.scales"), &[groups, out])?;
+        let g_idx = format!("{stem}.g_idx");
+        let group: Vec<usize> = if self.index.contains_key(&g_idx) {
+            let raw = int32(&g_idx, &[fan_in])?;
+            let path = self.file_of(&g_idx).unwrap_or(Path::new("")).to_path_buf();
+            raw.data
+                .chunks_exact(4)
+                .map(|b| {
+                    let g = i32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                    usize::try_from(g)
+                        .ok()
+                        .filter(|&g| g < groups)
+                        .ok_or_else(|| {
+                            FileError::model(
+                                &path,
+                                &g_idx,
+                                format!("group {g} is not below {groups}"),
+                            )
+                        })
+                })
+                .collect::<Result<_>>()?
+        } else {
+            (0..fan_in).map(|k| k / group_size).collect()
+        };
+        let w = quantization::dequantize_gptq((out, fan_in), &values, &zeros, &scales, &group);
+        if let Some(bad) = w.iter().position(|v| !v.is_finite()) {
+            let path = self
+                .file_of(&format!("{stem}.scales"))
+                .unwrap_or(Path::new(""))
+                .to_path_buf();
+            return Err(Self::non_finite(&path, name, w[bad], bad));
+        }
+        Ok(w)
     }
 
     /// [`WeightFiles::f32`] for a tensor stored as floats.

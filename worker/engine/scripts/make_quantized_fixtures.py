@@ -7,9 +7,9 @@ script's `llama-gqa`):
     python3 -m venv .venv && .venv/bin/pip install torch transformers peft safetensors
     .venv/bin/python worker/engine/scripts/make_quantized_fixtures.py worker/engine/tests/fixtures
 
-It writes, under the fixtures directory, three checkpoints of `llama-gqa`
+It writes, under the fixtures directory, four checkpoints of `llama-gqa`
 in the `compressed-tensors` layout (what llm-compressor writes and vLLM
-reads), every linear layer of every decoder layer quantized, the
+reads) and in GPTQ's, every linear layer of every decoder layer quantized, the
 embeddings, norms and lm_head left in f32 (`ignore: ["lm_head"]`):
 
 - `llama-gqa-int8/`: `int-quantized`, int8, symmetric, one f32 scale per
@@ -19,6 +19,9 @@ embeddings, norms and lm_head left in f32 (`ignore: ["lm_head"]`):
 - `llama-gqa-int4/`: `pack-quantized`, 4 bits, symmetric, one bf16 scale
   per group of 32 inputs (`weight_scale` `[out, in / 32]`), eight values
   to an int32 (each plus 8, column c in bits 4 (c mod 8) of word c / 8);
+- `llama-gqa-gptq/`: GPTQ 4-bit as AutoGPTQ stores it (`qweight` packed
+  along the input, `qzeros` along the output and stored minus one, f16
+  `scales`, `g_idx`), groups of 32, symmetric;
 - `golden_quantized.json`: for each of them, the base model and two of
   llama-gqa's adapters, the greedy tokens and the last prompt position's
   logits of transformers + PEFT run in f32 on the weights dequantized
@@ -104,10 +107,41 @@ def int4_group(w):
     return stored, deq
 
 
+def pack_rows(values):
+    """Eight 4-bit values along the rows to an int32: row r in bits 4 (r % 8) of word row r // 8."""
+    rows, cols = values.shape
+    words = torch.zeros(rows // 8, cols, dtype=torch.int64)
+    for i in range(8):
+        words |= values[i::8, :].to(torch.int64) << (4 * i)
+    return (words - ((words >> 31) << 32)).to(torch.int32)
+
+
+def gptq_group(w):
+    """GPTQ as AutoGPTQ stores it (checkpoint_format "gptq"): qweight [in/8, out]
+    packed along the input, qzeros [groups, out/8] packed along the output and
+    stored minus one, scales [groups, out] in f16, g_idx [in]."""
+    out, fan_in = w.shape
+    groups = w.reshape(out, fan_in // GROUP, GROUP)
+    scale = (groups.abs().amax(dim=2) / 7.0).to(torch.float16)  # [out, groups]
+    s32 = scale.to(torch.float32)
+    zero = 8
+    q = torch.clamp(torch.round(groups / s32.unsqueeze(2)) + zero, 0, 15).to(torch.int32).reshape(out, fan_in)
+    qweight = pack_rows(q.t().contiguous())  # [in/8, out]
+    zeros = torch.full((fan_in // GROUP, out), zero - 1, dtype=torch.int32)
+    qzeros = pack_rows(zeros.t().contiguous()).t().contiguous()  # [groups, out/8]
+    g_idx = torch.arange(fan_in, dtype=torch.int32) // GROUP
+    deq = ((q.to(torch.float32) - zero).reshape(out, fan_in // GROUP, GROUP) * s32.unsqueeze(2)).reshape(out, fan_in)
+    stored = {"qweight": qweight, "qzeros": qzeros, "scales": scale.t().contiguous(), "g_idx": g_idx}
+    return stored, deq
+
+
+GPTQ_CONFIG = {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "sym": True, "checkpoint_format": "gptq"}
+
 VARIANTS = {
     "llama-gqa-int8": (int8_channel, quantization_config("int-quantized", 8, "int", "channel")),
     "llama-gqa-fp8": (fp8_channel, quantization_config("float-quantized", 8, "float", "channel")),
     "llama-gqa-int4": (int4_group, quantization_config("pack-quantized", 4, "int", "group", GROUP)),
+    "llama-gqa-gptq": (gptq_group, GPTQ_CONFIG),
 }
 
 
