@@ -27,7 +27,13 @@
 //! as `(q - zero) · scale` with the zero point stored minus one in
 //! AutoGPTQ's `checkpoint_format: "gptq"` and as it is in `"gptq_v2"`.
 //!
-//! Everything else — another `quant_method` (AWQ, bitsandbytes…), a
+//! AWQ checkpoints (`quant_method: "awq"`, 4 bits, `version: "gemm"`, with
+//! zero points) are AutoAWQ's GEMM layout: `W.qweight` int32 `[in, out /
+//! 8]` and `W.qzeros` int32 `[groups, out / 8]`, both packed along the
+//! output with column `8 w + [0, 2, 4, 6, 1, 3, 5, 7][i]` in bits `4 i` of
+//! word `w`, and `W.scales` `[groups, out]`; `(q - zero) · scale`.
+//!
+//! Everything else — another `quant_method` (bitsandbytes, HQQ…), a
 //! format, bit width, type or strategy not listed — is refused by the field
 //! that names it.
 
@@ -60,6 +66,8 @@ pub enum Format {
     Gptq4,
     /// GPTQ 4-bit with zero points stored as they are.
     Gptq4V2,
+    /// AWQ 4-bit in AutoAWQ's GEMM layout.
+    Awq4,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -76,13 +84,14 @@ impl Format {
             Format::PackedInt4 => "int4",
             Format::Fp8E4m3 => "fp8-e4m3",
             Format::Gptq4 | Format::Gptq4V2 => "gptq-int4",
+            Format::Awq4 => "awq-int4",
         }
     }
 
     /// Bits a weight takes in the file.
     pub fn bits(self) -> usize {
         match self {
-            Format::PackedInt4 | Format::Gptq4 | Format::Gptq4V2 => 4,
+            Format::PackedInt4 | Format::Gptq4 | Format::Gptq4V2 | Format::Awq4 => 4,
             Format::Int8 | Format::Fp8E4m3 => 8,
         }
     }
@@ -105,11 +114,12 @@ pub fn parse(file: &Path, config: &Map<String, Value>) -> Result<Option<Quantiza
     match text(q, "quant_method").as_deref() {
         Some("compressed-tensors") => {}
         Some("gptq") => return parse_gptq(q, &err).map(Some),
+        Some("awq") => return parse_awq(q, &err).map(Some),
         Some(other) => {
             return Err(err(
                 ".quant_method",
                 format!(
-                    "{other:?} is not supported; quantized bases are read in the \"compressed-tensors\" or \"gptq\" layout"
+                    "{other:?} is not supported; quantized bases are read in the \"compressed-tensors\", \"gptq\" or \"awq\" layout"
                 ),
             ));
         }
@@ -281,6 +291,80 @@ fn parse_gptq(
         symmetric: q.get("sym").and_then(Value::as_bool).unwrap_or(true),
         ignore: Vec::new(),
     })
+}
+
+/// An AWQ checkpoint's `quantization_config`: 4 bits, a group size,
+/// `zero_point: true` and `version: "gemm"` (AutoAWQ's GEMM layout).
+fn parse_awq(
+    q: &Map<String, Value>,
+    err: &dyn Fn(&str, String) -> FileError,
+) -> Result<Quantization> {
+    match q
+        .get("bits")
+        .or_else(|| q.get("w_bit"))
+        .and_then(Value::as_u64)
+    {
+        Some(4) => {}
+        other => {
+            return Err(err(
+                ".bits",
+                format!("{other:?} is not supported; AWQ weights are read at 4 bits"),
+            ));
+        }
+    }
+    let strategy = match q
+        .get("group_size")
+        .or_else(|| q.get("q_group_size"))
+        .and_then(Value::as_i64)
+    {
+        Some(g) if g > 0 => Strategy::Group(g as usize),
+        _ => return Err(err(".group_size", "must be a positive integer".into())),
+    };
+    match q.get("version").and_then(Value::as_str) {
+        None => {}
+        Some(v) if v.eq_ignore_ascii_case("gemm") => {}
+        Some(other) => {
+            return Err(err(
+                ".version",
+                format!("{other:?} is not supported; AWQ weights are read in the \"gemm\" layout"),
+            ));
+        }
+    }
+    if q.get("zero_point").and_then(Value::as_bool) == Some(false) {
+        return Err(err(
+            ".zero_point",
+            "AWQ without zero points is not supported".into(),
+        ));
+    }
+    Ok(Quantization {
+        format: Format::Awq4,
+        strategy,
+        symmetric: false,
+        ignore: Vec::new(),
+    })
+}
+
+/// Where AutoAWQ's GEMM layout puts the eight columns of a word: nibble
+/// `i` of word `w` holds column `8 w + AWQ_ORDER[i]`.
+pub const AWQ_ORDER: [usize; 8] = [0, 2, 4, 6, 1, 3, 5, 7];
+
+/// Unpacks AWQ's `[rows, cols / 8]` words (packed along the columns in
+/// [`AWQ_ORDER`]) into `[rows, cols]` 4-bit values.
+pub fn unpack_awq(words: &[u8], (rows, cols): (usize, usize)) -> Vec<u32> {
+    let per_row = cols.div_ceil(8);
+    let mut values = vec![0u32; rows * cols];
+    for r in 0..rows {
+        for w in 0..per_row {
+            let at = (r * per_row + w) * 4;
+            let word = u32::from_le_bytes([words[at], words[at + 1], words[at + 2], words[at + 3]]);
+            for (i, &c) in AWQ_ORDER.iter().enumerate() {
+                if 8 * w + c < cols {
+                    values[r * cols + 8 * w + c] = (word >> (4 * i)) & 0xf;
+                }
+            }
+        }
+    }
+    values
 }
 
 /// Unpacks 4-bit values packed eight to an int32 along the rows of a
@@ -495,6 +579,54 @@ mod tests {
     }
 
     #[test]
+    fn awq_unpacks_in_its_column_order_and_refuses_other_layouts_by_field() {
+        // One row of 8 columns 0..8 packed in AWQ's order: nibble i holds
+        // column AWQ_ORDER[i].
+        let word: u32 = AWQ_ORDER
+            .iter()
+            .enumerate()
+            .map(|(i, &c)| (c as u32) << (4 * i))
+            .sum();
+        assert_eq!(
+            unpack_awq(&word.to_le_bytes(), (1, 8)),
+            (0..8).collect::<Vec<u32>>()
+        );
+        let file = Path::new("config.json");
+        let awq = |q: Value| {
+            let mut m = Map::new();
+            m.insert("quantization_config".into(), q);
+            parse(file, &m)
+        };
+        let good = serde_json::json!({"quant_method": "awq", "bits": 4, "group_size": 128,
+            "zero_point": true, "version": "gemm"});
+        let q = awq(good.clone()).unwrap().unwrap();
+        assert_eq!((q.format, q.strategy), (Format::Awq4, Strategy::Group(128)));
+        for (field, value, needle) in [
+            ("bits", Value::from(3), "quantization_config.bits"),
+            (
+                "group_size",
+                Value::from(-1),
+                "quantization_config.group_size",
+            ),
+            (
+                "version",
+                Value::from("gemv"),
+                "quantization_config.version",
+            ),
+            (
+                "zero_point",
+                Value::from(false),
+                "quantization_config.zero_point",
+            ),
+        ] {
+            let mut bad = good.clone();
+            bad[field] = value;
+            let e = awq(bad).unwrap_err().to_string();
+            assert!(e.contains(needle), "{needle}: {e}");
+        }
+    }
+
+    #[test]
     fn anything_but_the_supported_layouts_is_refused_by_field() {
         let file = Path::new("config.json");
         let config = |q: Value| -> Map<String, Value> {
@@ -525,7 +657,7 @@ mod tests {
             v["config_groups"]["group_0"]["weights"][k] = x;
         };
         refused(
-            &|v| v["quant_method"] = "awq".into(),
+            &|v| v["quant_method"] = "bitsandbytes".into(),
             "quantization_config.quant_method",
         );
         refused(

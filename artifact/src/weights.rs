@@ -194,7 +194,7 @@ impl WeightFiles {
         let q = self.quantization.as_ref()?;
         let stem = name.strip_suffix(".weight")?;
         let marker = match q.format {
-            Format::Gptq4 | Format::Gptq4V2 => "qweight",
+            Format::Gptq4 | Format::Gptq4V2 | Format::Awq4 => "qweight",
             _ => "weight_scale",
         };
         self.index
@@ -231,7 +231,7 @@ impl WeightFiles {
             }
             Ok(raw)
         };
-        if matches!(q.format, Format::Gptq4 | Format::Gptq4V2) {
+        if matches!(q.format, Format::Gptq4 | Format::Gptq4V2 | Format::Awq4) {
             return self
                 .dequantized_gptq(q, name, stem, (out, fan_in))
                 .map(Some);
@@ -252,7 +252,7 @@ impl WeightFiles {
                 let words = stored(&packed, Dtype::I32, &[out, fan_in.div_ceil(8)])?;
                 quantization::unpack_int4(words.data, (out, fan_in))
             }
-            Format::Gptq4 | Format::Gptq4V2 => unreachable!("read above"),
+            Format::Gptq4 | Format::Gptq4V2 | Format::Awq4 => unreachable!("read above"),
         };
         let scale_shape = quantization::scale_shape(q.strategy, out, fan_in);
         let scale_name = format!("{stem}.weight_scale");
@@ -335,7 +335,7 @@ impl WeightFiles {
         self.f32_values(name, shape)
     }
 
-    /// A GPTQ weight dequantized (see [`crate::quantization`]).
+    /// A GPTQ or AWQ weight dequantized (see [`crate::quantization`]).
     fn dequantized_gptq(
         &self,
         q: &Quantization,
@@ -359,23 +359,37 @@ impl WeightFiles {
             _ => fan_in,
         };
         let groups = fan_in.div_ceil(group_size);
-        let qweight = int32(&format!("{stem}.qweight"), &[fan_in.div_ceil(8), out])?;
-        let values = quantization::unpack_int4_rows(qweight.data, (fan_in, out));
         let qzeros = int32(&format!("{stem}.qzeros"), &[groups, out.div_ceil(8)])?;
-        // The zeros are packed along the output: a [groups, out] matrix
-        // whose rows are read as the columns of unpack_int4_rows.
-        let offset = if q.format == Format::Gptq4 { 1.0 } else { 0.0 };
-        let zeros: Vec<f32> = (0..groups)
-            .flat_map(|g| {
-                let row = &qzeros.data[g * out.div_ceil(8) * 4..(g + 1) * out.div_ceil(8) * 4];
-                quantization::unpack_int4(row, (1, out))
-                    .into_iter()
-                    .map(move |v| v + 8.0 + offset)
-            })
-            .collect();
+        let (values, zeros): (Vec<u32>, Vec<f32>) = if q.format == Format::Awq4 {
+            // [in, out], packed along the output in AWQ's order, as are
+            // the zero points.
+            let qweight = int32(&format!("{stem}.qweight"), &[fan_in, out.div_ceil(8)])?;
+            let zeros = quantization::unpack_awq(qzeros.data, (groups, out));
+            (
+                quantization::unpack_awq(qweight.data, (fan_in, out)),
+                zeros.into_iter().map(|z| z as f32).collect(),
+            )
+        } else {
+            let qweight = int32(&format!("{stem}.qweight"), &[fan_in.div_ceil(8), out])?;
+            // The zeros are packed along the output, in order: a [groups,
+            // out] matrix read a row at a time.
+            let offset = if q.format == Format::Gptq4 { 1.0 } else { 0.0 };
+            let zeros: Vec<f32> = (0..groups)
+                .flat_map(|g| {
+                    let row = &qzeros.data[g * out.div_ceil(8) * 4..(g + 1) * out.div_ceil(8) * 4];
+                    quantization::unpack_int4(row, (1, out))
+                        .into_iter()
+                        .map(move |v| v + 8.0 + offset)
+                })
+                .collect();
+            (
+                quantization::unpack_int4_rows(qweight.data, (fan_in, out)),
+                zeros,
+            )
+        };
         let scales = self.f32_values(&format!("{stem}.scales"), &[groups, out])?;
         let g_idx = format!("{stem}.g_idx");
-        let group: Vec<usize> = if self.index.contains_key(&g_idx) {
+        let group: Vec<usize> = if q.format != Format::Awq4 && self.index.contains_key(&g_idx) {
             let raw = int32(&g_idx, &[fan_in])?;
             let path = self.file_of(&g_idx).unwrap_or(Path::new("")).to_path_buf();
             raw.data

@@ -7,9 +7,9 @@ script's `llama-gqa`):
     python3 -m venv .venv && .venv/bin/pip install torch transformers peft safetensors
     .venv/bin/python worker/engine/scripts/make_quantized_fixtures.py worker/engine/tests/fixtures
 
-It writes, under the fixtures directory, four checkpoints of `llama-gqa`
+It writes, under the fixtures directory, five checkpoints of `llama-gqa`
 in the `compressed-tensors` layout (what llm-compressor writes and vLLM
-reads) and in GPTQ's, every linear layer of every decoder layer quantized, the
+reads) and in GPTQ's and AWQ's, every linear layer of every decoder layer quantized, the
 embeddings, norms and lm_head left in f32 (`ignore: ["lm_head"]`):
 
 - `llama-gqa-int8/`: `int-quantized`, int8, symmetric, one f32 scale per
@@ -22,6 +22,9 @@ embeddings, norms and lm_head left in f32 (`ignore: ["lm_head"]`):
 - `llama-gqa-gptq/`: GPTQ 4-bit as AutoGPTQ stores it (`qweight` packed
   along the input, `qzeros` along the output and stored minus one, f16
   `scales`, `g_idx`), groups of 32, symmetric;
+- `llama-gqa-awq/`: AWQ 4-bit as AutoAWQ stores it (GEMM layout: `qweight`
+  and `qzeros` packed along the output in the order 0 2 4 6 1 3 5 7, f16
+  `scales`), groups of 32, with zero points;
 - `golden_quantized.json`: for each of them, the base model and two of
   llama-gqa's adapters, the greedy tokens and the last prompt position's
   logits of transformers + PEFT run in f32 on the weights dequantized
@@ -135,6 +138,42 @@ def gptq_group(w):
     return stored, deq
 
 
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+def pack_awq(values):
+    """AutoAWQ's GEMM packing of [rows, cols] 4-bit values: word w of a row
+    holds column 8 w + AWQ_ORDER[i] in bits 4 i."""
+    rows, cols = values.shape
+    words = torch.zeros(rows, cols // 8, dtype=torch.int64)
+    for i, c in enumerate(AWQ_ORDER):
+        words |= values[:, c::8].to(torch.int64) << (4 * i)
+    return (words - ((words >> 31) << 32)).to(torch.int32)
+
+
+def awq_group(w):
+    """AWQ as AutoAWQ stores it (version "gemm"): asymmetric, scales and zero
+    points per group of 32 inputs and output; qweight [in, out/8] and qzeros
+    [groups, out/8] packed along the output in AWQ's order, f16 scales."""
+    out, fan_in = w.shape
+    groups = w.reshape(out, fan_in // GROUP, GROUP)
+    lo, hi = groups.amin(dim=2), groups.amax(dim=2)
+    scale = ((hi - lo) / 15.0).to(torch.float16)  # [out, groups]
+    s32 = scale.to(torch.float32)
+    zero = torch.clamp(torch.round(-lo / s32), 0, 15)
+    q = torch.clamp(torch.round(groups / s32.unsqueeze(2)) + zero.unsqueeze(2), 0, 15)
+    deq = ((q - zero.unsqueeze(2)) * s32.unsqueeze(2)).reshape(out, fan_in)
+    q = q.to(torch.int32).reshape(out, fan_in)
+    stored = {
+        "qweight": pack_awq(q.t().contiguous()),
+        "qzeros": pack_awq(zero.to(torch.int32).t().contiguous()),
+        "scales": scale.t().contiguous(),
+    }
+    return stored, deq
+
+
+AWQ_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"}
+
 GPTQ_CONFIG = {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "sym": True, "checkpoint_format": "gptq"}
 
 VARIANTS = {
@@ -142,6 +181,7 @@ VARIANTS = {
     "llama-gqa-fp8": (fp8_channel, quantization_config("float-quantized", 8, "float", "channel")),
     "llama-gqa-int4": (int4_group, quantization_config("pack-quantized", 4, "int", "group", GROUP)),
     "llama-gqa-gptq": (gptq_group, GPTQ_CONFIG),
+    "llama-gqa-awq": (awq_group, AWQ_CONFIG),
 }
 
 

@@ -1,6 +1,7 @@
 //! Quantized base models in the `compressed-tensors` layout (int8 per
-//! channel, FP8 e4m3 per channel, 4-bit packed per group of 32) and GPTQ's
-//! (4-bit, groups of 32, AutoGPTQ's zero points) on the CPU backend: logits within 1e-4 of transformers + PEFT run on the same
+//! channel, FP8 e4m3 per channel, 4-bit packed per group of 32), GPTQ's
+//! (4-bit, groups of 32, AutoGPTQ's zero points) and AWQ's (4-bit, groups
+//! of 32, AutoAWQ's GEMM layout) on the CPU backend: logits within 1e-4 of transformers + PEFT run on the same
 //! weights dequantized in f32 (`scripts/make_quantized_fixtures.py`) and
 //! greedy tokens equal, for the base model and llama-gqa's adapters; and
 //! what is not read is refused by the field that names it.
@@ -12,11 +13,12 @@ use lorafleet_engine::backend::BackendShape;
 use lorafleet_engine::backend::cpu::CpuBackend;
 use lorafleet_engine::model::{ModelConfig, WeightFiles};
 
-const VARIANTS: [&str; 4] = [
+const VARIANTS: [&str; 5] = [
     "llama-gqa-int8",
     "llama-gqa-fp8",
     "llama-gqa-int4",
     "llama-gqa-gptq",
+    "llama-gqa-awq",
 ];
 
 fn golden_quantized() -> Golden {
@@ -35,7 +37,7 @@ fn quantized_bases_match_transformers_and_peft_on_their_dequantized_weights() {
         checked += check_golden_cases_on_cpu(&golden, model, "llama-gqa");
     }
     assert_eq!(checked, golden.cases.len());
-    assert_eq!(checked, 36, "4 formats x (base + 2 adapters) x 3 prompts");
+    assert_eq!(checked, 45, "5 formats x (base + 2 adapters) x 3 prompts");
 }
 
 /// The base hash covers the stored (quantized) bytes: each quantization of
@@ -55,7 +57,7 @@ fn each_quantization_of_a_base_has_its_own_base_hash() {
         .collect();
     hashes.sort();
     hashes.dedup();
-    assert_eq!(hashes.len(), 5);
+    assert_eq!(hashes.len(), 6);
 }
 
 /// Copies a quantized fixture with its `config.json` edited.
@@ -78,8 +80,9 @@ fn a_quantization_that_is_not_read_is_refused_by_its_field() {
     // At the configuration: another method, format or width.
     for (edit, field) in [
         (
-            &(|c: &mut serde_json::Value| c["quantization_config"]["quant_method"] = "awq".into())
-                as &dyn Fn(&mut serde_json::Value),
+            &(|c: &mut serde_json::Value| {
+                c["quantization_config"]["quant_method"] = "bitsandbytes".into()
+            }) as &dyn Fn(&mut serde_json::Value),
             "quantization_config.quant_method",
         ),
         (
