@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU check: every CUDA test and the grouped-LoRA kernel benchmark, in
-# one command.
+# The GPU check: every CUDA test, the worker's gRPC tests on the GPU, and
+# the benchmarks (grouped LoRA kernels, dense and Mixture-of-Experts decode,
+# each beside transformers + PEFT on the same GPU), in one command.
 #
 #   deploy/gpu-check.sh build   on the build machine (x86_64 Linux with cargo):
 #                               release test and benchmark binaries into
@@ -11,7 +12,9 @@
 #
 # `run` fails if any GPU test fails or cannot find the GPU or NVRTC (the
 # GPU tests run with --include-ignored; LORAFLEET_REQUIRE_NVRTC=1), then prints the
-# benchmark table, whose last lines say which targets were missed.
+# benchmark tables, whose last lines say which targets were missed.
+# GPU_CHECK_SKIP="step ..." leaves steps out (and their binaries need not
+# be there), for a run that fits the device time at hand.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=target/gpu-check
