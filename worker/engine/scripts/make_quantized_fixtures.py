@@ -2,34 +2,36 @@
 """Builds the quantized-base fixtures and their goldens with transformers + PEFT.
 
 Run by hand, never by CI, after make_fixtures.py (it quantizes that
-script's `llama-gqa`):
+script's `llama-gqa` and `qwen2-tied`):
 
     python3 -m venv .venv && .venv/bin/pip install torch transformers peft safetensors
     .venv/bin/python worker/engine/scripts/make_quantized_fixtures.py worker/engine/tests/fixtures
 
-It writes, under the fixtures directory, five checkpoints of `llama-gqa`
-in the `compressed-tensors` layout (what llm-compressor writes and vLLM
-reads) and in GPTQ's and AWQ's, every linear layer of every decoder layer quantized, the
-embeddings, norms and lm_head left in f32 (`ignore: ["lm_head"]`):
+It writes, under the fixtures directory, five checkpoints of each model
+(`<model>-<format>/`), every linear layer of every decoder layer quantized,
+the embeddings, norms, biases and lm_head left as they were (`ignore:
+["lm_head"]`):
 
-- `llama-gqa-int8/`: `int-quantized`, int8, symmetric, one f32 scale per
-  output channel (`weight_scale` `[out, 1]`);
-- `llama-gqa-fp8/`: `float-quantized`, FP8 e4m3, one f32 scale per output
-  channel;
-- `llama-gqa-int4/`: `pack-quantized`, 4 bits, symmetric, one bf16 scale
-  per group of 32 inputs (`weight_scale` `[out, in / 32]`), eight values
-  to an int32 (each plus 8, column c in bits 4 (c mod 8) of word c / 8);
-- `llama-gqa-gptq/`: GPTQ 4-bit as AutoGPTQ stores it (`qweight` packed
-  along the input, `qzeros` along the output and stored minus one, f16
-  `scales`, `g_idx`), groups of 32, symmetric;
-- `llama-gqa-awq/`: AWQ 4-bit as AutoAWQ stores it (GEMM layout: `qweight`
-  and `qzeros` packed along the output in the order 0 2 4 6 1 3 5 7, f16
+- `-int8`: compressed-tensors `int-quantized`, int8, symmetric, one f32
+  scale per output channel (`weight_scale` `[out, 1]`);
+- `-fp8`: compressed-tensors `float-quantized`, FP8 e4m3, one f32 scale
+  per output channel;
+- `-int4`: compressed-tensors `pack-quantized`, 4 bits, symmetric, one
+  bf16 scale per group of 32 inputs (`weight_scale` `[out, in / 32]`),
+  eight values to an int32 (each plus 8, column c in bits 4 (c mod 8) of
+  word c / 8);
+- `-gptq`: GPTQ 4-bit as AutoGPTQ stores it (`qweight` packed along the
+  input, `qzeros` along the output and stored minus one, f16 `scales`,
+  `g_idx`), groups of 32, symmetric;
+- `-awq`: AWQ 4-bit as AutoAWQ stores it (GEMM layout: `qweight` and
+  `qzeros` packed along the output in the order 0 2 4 6 1 3 5 7, f16
   `scales`), groups of 32, with zero points;
-- `golden_quantized.json`: for each of them, the base model and two of
-  llama-gqa's adapters, the greedy tokens and the last prompt position's
-  logits of transformers + PEFT run in f32 on the weights dequantized
-  here with the format's formula, (q - zero_point) * scale in f32. Nothing
-  here shares code with the Rust reader.
+
+and `golden_quantized.json`: for each of them, the base model and two of
+its dense model's adapters, the greedy tokens and the last prompt
+position's logits of transformers + PEFT run in f32 on the weights
+dequantized here with the format's formula, (q - zero_point) * scale in
+f32. Nothing here shares code with the Rust reader.
 """
 
 import json
@@ -48,7 +50,8 @@ from make_fixtures import MAX_NEW, PROMPTS  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-ADAPTERS = ["qkvo-r4", "all-linear-rslora"]
+# The dense fixtures quantized, and two of each one's adapters.
+SOURCES = {"llama-gqa": ["qkvo-r4", "all-linear-rslora"], "qwen2-tied": ["qv-r8", "all-linear-r4"]}
 GROUP = 32
 
 
@@ -176,85 +179,96 @@ AWQ_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point
 
 GPTQ_CONFIG = {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "sym": True, "checkpoint_format": "gptq"}
 
-VARIANTS = {
-    "llama-gqa-int8": (int8_channel, quantization_config("int-quantized", 8, "int", "channel")),
-    "llama-gqa-fp8": (fp8_channel, quantization_config("float-quantized", 8, "float", "channel")),
-    "llama-gqa-int4": (int4_group, quantization_config("pack-quantized", 4, "int", "group", GROUP)),
-    "llama-gqa-gptq": (gptq_group, GPTQ_CONFIG),
-    "llama-gqa-awq": (awq_group, AWQ_CONFIG),
+FORMATS = {
+    "int8": (int8_channel, quantization_config("int-quantized", 8, "int", "channel")),
+    "fp8": (fp8_channel, quantization_config("float-quantized", 8, "float", "channel")),
+    "int4": (int4_group, quantization_config("pack-quantized", 4, "int", "group", GROUP)),
+    "gptq": (gptq_group, GPTQ_CONFIG),
+    "awq": (awq_group, AWQ_CONFIG),
 }
 
 
 def main():
     out = sys.argv[1] if len(sys.argv) > 1 else "worker/engine/tests/fixtures"
-    src = os.path.join(out, "llama-gqa")
-    index = json.load(open(os.path.join(src, "model.safetensors.index.json")))
-    dense = {}
-    for shard in sorted(set(index["weight_map"].values())):
-        dense.update(load_file(os.path.join(src, shard)))
-    tok = Tokenizer.from_file(os.path.join(src, "tokenizer.json"))
     golden = {"max_new_tokens": MAX_NEW, "cases": []}
-    for variant, (quantize, qconfig) in VARIANTS.items():
-        stored, dequantized = {}, {}
-        for name, t in dense.items():
-            stem = name[: -len(".weight")] if name.endswith(".weight") else None
-            if stem and stem.split(".")[-1] in LINEARS and stem.startswith("model.layers."):
-                parts, deq = quantize(t.to(torch.float32))
-                for k, v in parts.items():
-                    stored[f"{stem}.{k}"] = v.contiguous()
-                dequantized[name] = deq
-            else:
-                stored[name] = t
-                dequantized[name] = t.to(torch.float32)
-        path = os.path.join(out, variant)
-        shutil.rmtree(path, ignore_errors=True)
-        os.makedirs(path)
-        save_file(stored, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-        config = json.load(open(os.path.join(src, "config.json")))
-        config["quantization_config"] = qconfig
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(config, f, indent=2)
-        for extra in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(os.path.join(src, extra), path)
-
-        # The reference: the dequantized weights as a plain f32 checkpoint.
-        ref = os.path.join(out, f".{variant}-dequantized")
-        shutil.rmtree(ref, ignore_errors=True)
-        os.makedirs(ref)
-        save_file({k: v.contiguous() for k, v in dequantized.items()}, os.path.join(ref, "model.safetensors"), metadata={"format": "pt"})
-        plain = dict(config)
-        del plain["quantization_config"]
-        with open(os.path.join(ref, "config.json"), "w") as f:
-            json.dump(plain, f)
-
-        def record(m, adapter):
-            for prompt in PROMPTS:
-                ids = tok.encode(prompt).ids
-                x = torch.tensor([ids])
-                with torch.no_grad():
-                    logits = m(x).logits[0, -1].tolist()
-                    gen = m.generate(
-                        x,
-                        attention_mask=torch.ones_like(x),
-                        do_sample=False,
-                        max_new_tokens=MAX_NEW,
-                        eos_token_id=[2, 4],
-                        pad_token_id=0,
-                    )[0, len(ids):].tolist()
-                golden["cases"].append(
-                    {"model": variant, "adapter": adapter, "prompt": prompt, "prompt_ids": ids, "greedy": gen, "logits": logits}
-                )
-
-        record(AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval(), None)
-        for adapter in ADAPTERS:
-            adir = os.path.join(out, "adapters", "llama-gqa", adapter)
-            m = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32), adir).eval()
-            record(m, adapter)
-        shutil.rmtree(ref)
-
+    for source, adapters in SOURCES.items():
+        for fmt, (quantize, qconfig) in FORMATS.items():
+            write_variant(out, source, adapters, f"{source}-{fmt}", quantize, qconfig, golden)
     with open(os.path.join(out, "golden_quantized.json"), "w") as f:
         json.dump(golden, f)
     print(f"wrote {len(golden['cases'])} golden cases to {out}")
+
+
+def read_dense(src):
+    index = os.path.join(src, "model.safetensors.index.json")
+    if not os.path.exists(index):
+        return load_file(os.path.join(src, "model.safetensors"))
+    dense = {}
+    for shard in sorted(set(json.load(open(index))["weight_map"].values())):
+        dense.update(load_file(os.path.join(src, shard)))
+    return dense
+
+
+def write_variant(out, source, adapters, variant, quantize, qconfig, golden):
+    src = os.path.join(out, source)
+    dense = read_dense(src)
+    tok = Tokenizer.from_file(os.path.join(src, "tokenizer.json"))
+    stored, dequantized = {}, {}
+    for name, t in dense.items():
+        stem = name[: -len(".weight")] if name.endswith(".weight") else None
+        if stem and stem.split(".")[-1] in LINEARS and stem.startswith("model.layers."):
+            parts, deq = quantize(t.to(torch.float32))
+            for k, v in parts.items():
+                stored[f"{stem}.{k}"] = v.contiguous()
+            dequantized[name] = deq
+        else:
+            stored[name] = t
+            dequantized[name] = t.to(torch.float32)
+    path = os.path.join(out, variant)
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+    save_file(stored, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    config = json.load(open(os.path.join(src, "config.json")))
+    config["quantization_config"] = qconfig
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    for extra in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(src, extra), path)
+
+    # The reference: the dequantized weights as a plain f32 checkpoint.
+    ref = os.path.join(out, f".{variant}-dequantized")
+    shutil.rmtree(ref, ignore_errors=True)
+    os.makedirs(ref)
+    save_file({k: v.contiguous() for k, v in dequantized.items()}, os.path.join(ref, "model.safetensors"), metadata={"format": "pt"})
+    plain = dict(config)
+    del plain["quantization_config"]
+    with open(os.path.join(ref, "config.json"), "w") as f:
+        json.dump(plain, f)
+
+    def record(m, adapter):
+        for prompt in PROMPTS:
+            ids = tok.encode(prompt).ids
+            x = torch.tensor([ids])
+            with torch.no_grad():
+                logits = m(x).logits[0, -1].tolist()
+                gen = m.generate(
+                    x,
+                    attention_mask=torch.ones_like(x),
+                    do_sample=False,
+                    max_new_tokens=MAX_NEW,
+                    eos_token_id=[2, 4],
+                    pad_token_id=0,
+                )[0, len(ids):].tolist()
+            golden["cases"].append(
+                {"model": variant, "adapter": adapter, "prompt": prompt, "prompt_ids": ids, "greedy": gen, "logits": logits}
+            )
+
+    record(AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval(), None)
+    for adapter in adapters:
+        adir = os.path.join(out, "adapters", source, adapter)
+        m = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32), adir).eval()
+        record(m, adapter)
+    shutil.rmtree(ref)
 
 
 if __name__ == "__main__":

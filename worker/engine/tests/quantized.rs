@@ -1,9 +1,10 @@
-//! Quantized base models in the `compressed-tensors` layout (int8 per
-//! channel, FP8 e4m3 per channel, 4-bit packed per group of 32), GPTQ's
-//! (4-bit, groups of 32, AutoGPTQ's zero points) and AWQ's (4-bit, groups
-//! of 32, AutoAWQ's GEMM layout) on the CPU backend: logits within 1e-4 of transformers + PEFT run on the same
-//! weights dequantized in f32 (`scripts/make_quantized_fixtures.py`) and
-//! greedy tokens equal, for the base model and llama-gqa's adapters; and
+//! Quantized base models — the tiny Llama and Qwen2 fixtures in the
+//! `compressed-tensors` layout (int8 per channel, FP8 e4m3 per channel,
+//! 4-bit packed per group of 32), GPTQ's (4-bit, groups of 32, AutoGPTQ's
+//! zero points) and AWQ's (4-bit, groups of 32, AutoAWQ's GEMM layout) — on
+//! the CPU backend: logits within 1e-4 of transformers + PEFT run on the
+//! same weights dequantized in f32 (`scripts/make_quantized_fixtures.py`)
+//! and greedy tokens equal, for the base model and two adapters each; and
 //! what is not read is refused by the field that names it.
 
 mod common;
@@ -13,13 +14,17 @@ use lorafleet_engine::backend::BackendShape;
 use lorafleet_engine::backend::cpu::CpuBackend;
 use lorafleet_engine::model::{ModelConfig, WeightFiles};
 
-const VARIANTS: [&str; 5] = [
-    "llama-gqa-int8",
-    "llama-gqa-fp8",
-    "llama-gqa-int4",
-    "llama-gqa-gptq",
-    "llama-gqa-awq",
-];
+/// The dense fixtures, each quantized in every format.
+const SOURCES: [&str; 2] = ["llama-gqa", "qwen2-tied"];
+const FORMATS: [&str; 5] = ["int8", "fp8", "int4", "gptq", "awq"];
+
+/// (quantized model, the dense model its adapters were made for).
+fn variants() -> Vec<(String, &'static str)> {
+    SOURCES
+        .iter()
+        .flat_map(|s| FORMATS.iter().map(move |f| (format!("{s}-{f}"), *s)))
+        .collect()
+}
 
 fn golden_quantized() -> Golden {
     let text = std::fs::read_to_string(fixtures().join("golden_quantized.json")).unwrap();
@@ -30,14 +35,17 @@ fn golden_quantized() -> Golden {
 fn quantized_bases_match_transformers_and_peft_on_their_dequantized_weights() {
     let golden = golden_quantized();
     let mut checked = 0;
-    for model in VARIANTS {
-        let files = WeightFiles::open_model_dir(&model_dir(model)).unwrap();
+    for (model, dense) in variants() {
+        let files = WeightFiles::open_model_dir(&model_dir(&model)).unwrap();
         assert!(files.quantization().is_some(), "{model} is quantized");
-        // The adapters were trained on (made for) llama-gqa.
-        checked += check_golden_cases_on_cpu(&golden, model, "llama-gqa");
+        // The adapters were trained on (made for) the dense model.
+        checked += check_golden_cases_on_cpu(&golden, &model, dense);
     }
     assert_eq!(checked, golden.cases.len());
-    assert_eq!(checked, 45, "5 formats x (base + 2 adapters) x 3 prompts");
+    assert_eq!(
+        checked, 90,
+        "2 models x 5 formats x (base + 2 adapters) x 3 prompts"
+    );
 }
 
 /// The base hash covers the stored (quantized) bytes: each quantization of
@@ -45,11 +53,12 @@ fn quantized_bases_match_transformers_and_peft_on_their_dequantized_weights() {
 /// tells them apart.
 #[test]
 fn each_quantization_of_a_base_has_its_own_base_hash() {
-    let mut hashes: Vec<String> = ["llama-gqa"]
-        .into_iter()
-        .chain(VARIANTS)
+    let mut hashes: Vec<String> = SOURCES
+        .iter()
+        .map(|s| s.to_string())
+        .chain(variants().into_iter().map(|(m, _)| m))
         .map(|m| {
-            WeightFiles::open_model_dir(&model_dir(m))
+            WeightFiles::open_model_dir(&model_dir(&m))
                 .unwrap()
                 .base_hash(&mut |_, _| {})
                 .unwrap()
@@ -57,7 +66,7 @@ fn each_quantization_of_a_base_has_its_own_base_hash() {
         .collect();
     hashes.sort();
     hashes.dedup();
-    assert_eq!(hashes.len(), 6);
+    assert_eq!(hashes.len(), 12);
 }
 
 /// Copies a quantized fixture with its `config.json` edited.
