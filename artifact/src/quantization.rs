@@ -87,14 +87,6 @@ impl Format {
             Format::Awq4 => "awq-int4",
         }
     }
-
-    /// Bits a weight takes in the file.
-    pub fn bits(self) -> usize {
-        match self {
-            Format::PackedInt4 | Format::Gptq4 | Format::Gptq4V2 | Format::Awq4 => 4,
-            Format::Int8 | Format::Fp8E4m3 => 8,
-        }
-    }
 }
 
 /// Reads `quantization_config` of `config.json` at `file`, if there is one.

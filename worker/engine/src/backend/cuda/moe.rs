@@ -512,7 +512,7 @@ impl CudaBackend {
         let token_rows = [(0usize, slot_of.to_vec())];
         let routers = groups(&mut flat, &token_rows, |s| slots.has(s, l, Target::Router));
         if routers.count > 0 {
-            self.upload_i32(&flat, &b.groups, 0)?;
+            self.upload_i32(&flat, &b.groups)?;
             self.expert_lora(
                 &routers,
                 l,
@@ -573,7 +573,7 @@ impl CudaBackend {
         }
         let gate_ups = groups(&mut index, &per_expert, |s| slots.has(s, l, Target::GateUp));
         let downs = groups(&mut index, &per_expert, |s| slots.has(s, l, Target::Down));
-        self.upload_i32(&index, &b.index, 0)?;
+        self.upload_i32(&index, &b.index)?;
         let expert_groups = (dev.p(&b.index), p(&b.t));
 
         // 4. The experts over their rows.
@@ -660,10 +660,10 @@ impl CudaBackend {
         )
     }
 
-    /// Copies `values` into `dst` from element `at` on the compute stream.
-    fn upload_i32(&self, values: &[i32], dst: &CudaSlice<i32>, at: usize) -> Result<()> {
-        let dst_ptr = self.dev.p(dst) + (at * 4) as u64;
-        // SAFETY: `dst` holds at least `at + values.len()` entries (the
+    /// Copies `values` into the start of `dst` on the compute stream.
+    fn upload_i32(&self, values: &[i32], dst: &CudaSlice<i32>) -> Result<()> {
+        let dst_ptr = self.dev.p(dst);
+        // SAFETY: `dst` holds at least `values.len()` entries (the
         // buffers are sized for the step's rows); a copy from pageable
         // memory has read the source when it returns.
         unsafe {
