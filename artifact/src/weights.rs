@@ -190,7 +190,7 @@ impl WeightFiles {
 
     /// The quantization of weight `name`, when it is stored quantized: a
     /// `….weight` with a `….weight_scale` beside it.
-    fn quantized<'a>(&self, name: &'a str) -> Option<(&Quantization, &'a str)> {
+    pub(crate) fn quantized<'a>(&self, name: &'a str) -> Option<(&Quantization, &'a str)> {
         let q = self.quantization.as_ref()?;
         let stem = name.strip_suffix(".weight")?;
         let marker = match q.format {
@@ -205,85 +205,12 @@ impl WeightFiles {
     /// A quantized `[out, in]` weight dequantized to f32 (see
     /// [`crate::quantization`]); `None` when `name` is not stored quantized.
     fn dequantized(&self, name: &str, shape: &[usize]) -> Result<Option<Vec<f32>>> {
-        let Some((q, stem)) = self.quantized(name) else {
-            return Ok(None);
-        };
-        let &[out, fan_in] = shape else {
-            return Err(FileError::model(
-                self.file_of(&format!("{stem}.weight_scale"))
-                    .unwrap_or(Path::new("")),
-                name,
-                format!("a quantized weight must be a matrix, expected {shape:?}"),
-            ));
-        };
-        let stored = |tensor: &str, dtype: Dtype, shape: &[usize]| -> Result<RawTensor<'_>> {
-            let (raw, path) = self.shaped(tensor, shape)?;
-            if raw.dtype != dtype {
-                return Err(FileError::model(
-                    path,
-                    tensor,
-                    format!(
-                        "dtype {:?} does not match the {} quantization; expected {dtype:?}",
-                        raw.dtype,
-                        q.format.name()
-                    ),
-                ));
-            }
-            Ok(raw)
-        };
-        if matches!(q.format, Format::Gptq4 | Format::Gptq4V2 | Format::Awq4) {
-            return self
-                .dequantized_gptq(q, name, stem, (out, fan_in))
-                .map(Some);
-        }
-        let values: Vec<f32> = match q.format {
-            Format::Int8 => stored(name, Dtype::I8, shape)?
-                .data
-                .iter()
-                .map(|&b| f32::from(b as i8))
-                .collect(),
-            Format::Fp8E4m3 => stored(name, Dtype::F8_E4M3, shape)?
-                .data
-                .iter()
-                .map(|&b| quantization::fp8_e4m3_to_f32(b))
-                .collect(),
-            Format::PackedInt4 => {
-                let packed = format!("{stem}.weight_packed");
-                let words = stored(&packed, Dtype::I32, &[out, fan_in.div_ceil(8)])?;
-                quantization::unpack_int4(words.data, (out, fan_in))
-            }
-            Format::Gptq4 | Format::Gptq4V2 | Format::Awq4 => unreachable!("read above"),
-        };
-        let scale_shape = quantization::scale_shape(q.strategy, out, fan_in);
-        let scale_name = format!("{stem}.weight_scale");
-        let scales = self.f32_values(&scale_name, &scale_shape)?;
-        let zero_points = if q.symmetric {
-            None
-        } else {
-            let zp = format!("{stem}.weight_zero_point");
-            let raw = stored(&zp, Dtype::I8, &scale_shape)?;
-            Some(
-                raw.data
-                    .iter()
-                    .map(|&b| f32::from(b as i8))
-                    .collect::<Vec<f32>>(),
-            )
-        };
-        let w = quantization::dequantize(
-            q.strategy,
-            (out, fan_in),
-            &values,
-            &scales,
-            zero_points.as_deref(),
-        );
-        if let Some(bad) = w.iter().position(|v| !v.is_finite()) {
-            let path = self
-                .file_of(&scale_name)
-                .unwrap_or(Path::new(""))
-                .to_path_buf();
-            return Err(Self::non_finite(&path, name, w[bad], bad));
-        }
-        Ok(Some(w))
+        Ok(self.quantized_matrix(name, shape)?.map(|m| m.to_f32()))
+    }
+
+    /// Whether the files hold a tensor of this name, as stored.
+    pub(crate) fn has_tensor(&self, name: &str) -> bool {
+        self.index.contains_key(name)
     }
 
     /// The file a tensor lives in, for error messages.
@@ -305,7 +232,7 @@ impl WeightFiles {
     }
 
     /// One tensor with its shape checked, and the file it is in.
-    fn shaped(&self, name: &str, shape: &[usize]) -> Result<(RawTensor<'_>, PathBuf)> {
+    pub(crate) fn shaped(&self, name: &str, shape: &[usize]) -> Result<(RawTensor<'_>, PathBuf)> {
         let raw = self.raw(name)?;
         let path = self.file_of(name).unwrap_or(Path::new("")).to_path_buf();
         if raw.shape != shape {
@@ -318,7 +245,7 @@ impl WeightFiles {
         Ok((raw, path))
     }
 
-    fn non_finite(path: &Path, name: &str, value: f32, at: usize) -> FileError {
+    pub(crate) fn non_finite(path: &Path, name: &str, value: f32, at: usize) -> FileError {
         FileError::model(
             path,
             name,
@@ -335,95 +262,8 @@ impl WeightFiles {
         self.f32_values(name, shape)
     }
 
-    /// A GPTQ or AWQ weight dequantized (see [`crate::quantization`]).
-    fn dequantized_gptq(
-        &self,
-        q: &Quantization,
-        name: &str,
-        stem: &str,
-        (out, fan_in): (usize, usize),
-    ) -> Result<Vec<f32>> {
-        let int32 = |tensor: &str, shape: &[usize]| -> Result<RawTensor<'_>> {
-            let (raw, path) = self.shaped(tensor, shape)?;
-            if raw.dtype != Dtype::I32 {
-                return Err(FileError::model(
-                    path,
-                    tensor,
-                    format!("dtype {:?}; GPTQ stores it as I32", raw.dtype),
-                ));
-            }
-            Ok(raw)
-        };
-        let group_size = match q.strategy {
-            quantization::Strategy::Group(g) => g,
-            _ => fan_in,
-        };
-        let groups = fan_in.div_ceil(group_size);
-        let qzeros = int32(&format!("{stem}.qzeros"), &[groups, out.div_ceil(8)])?;
-        let (values, zeros): (Vec<u32>, Vec<f32>) = if q.format == Format::Awq4 {
-            // [in, out], packed along the output in AWQ's order, as are
-            // the zero points.
-            let qweight = int32(&format!("{stem}.qweight"), &[fan_in, out.div_ceil(8)])?;
-            let zeros = quantization::unpack_awq(qzeros.data, (groups, out));
-            (
-                quantization::unpack_awq(qweight.data, (fan_in, out)),
-                zeros.into_iter().map(|z| z as f32).collect(),
-            )
-        } else {
-            let qweight = int32(&format!("{stem}.qweight"), &[fan_in.div_ceil(8), out])?;
-            // The zeros are packed along the output, in order: a [groups,
-            // out] matrix read a row at a time.
-            let offset = if q.format == Format::Gptq4 { 1.0 } else { 0.0 };
-            let zeros: Vec<f32> = (0..groups)
-                .flat_map(|g| {
-                    let row = &qzeros.data[g * out.div_ceil(8) * 4..(g + 1) * out.div_ceil(8) * 4];
-                    quantization::unpack_int4(row, (1, out))
-                        .into_iter()
-                        .map(move |v| v + 8.0 + offset)
-                })
-                .collect();
-            (
-                quantization::unpack_int4_rows(qweight.data, (fan_in, out)),
-                zeros,
-            )
-        };
-        let scales = self.f32_values(&format!("{stem}.scales"), &[groups, out])?;
-        let g_idx = format!("{stem}.g_idx");
-        let group: Vec<usize> = if q.format != Format::Awq4 && self.index.contains_key(&g_idx) {
-            let raw = int32(&g_idx, &[fan_in])?;
-            let path = self.file_of(&g_idx).unwrap_or(Path::new("")).to_path_buf();
-            raw.data
-                .chunks_exact(4)
-                .map(|b| {
-                    let g = i32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                    usize::try_from(g)
-                        .ok()
-                        .filter(|&g| g < groups)
-                        .ok_or_else(|| {
-                            FileError::model(
-                                &path,
-                                &g_idx,
-                                format!("group {g} is not below {groups}"),
-                            )
-                        })
-                })
-                .collect::<Result<_>>()?
-        } else {
-            (0..fan_in).map(|k| k / group_size).collect()
-        };
-        let w = quantization::dequantize_gptq((out, fan_in), &values, &zeros, &scales, &group);
-        if let Some(bad) = w.iter().position(|v| !v.is_finite()) {
-            let path = self
-                .file_of(&format!("{stem}.scales"))
-                .unwrap_or(Path::new(""))
-                .to_path_buf();
-            return Err(Self::non_finite(&path, name, w[bad], bad));
-        }
-        Ok(w)
-    }
-
     /// [`WeightFiles::f32`] for a tensor stored as floats.
-    fn f32_values(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+    pub(crate) fn f32_values(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
         let (raw, path) = self.shaped(name, shape)?;
         let values = to_f32(raw.dtype, raw.data).map_err(|other| {
             FileError::model(

@@ -267,8 +267,9 @@ impl CpuBackend {
 }
 
 /// Weights `[fan_out, fan_in]` stacked by rows into one projection, with
-/// their biases. A bf16 checkpoint keeps its weights in bf16 (see
-/// `panels`); any other dtype in the stack means f32.
+/// their biases. A quantized checkpoint keeps its codes at their width
+/// and a bf16 one its weights in bf16 (see `panels`); a stack that mixes
+/// them is packed in f32.
 fn pack_stacked(
     files: &WeightFiles,
     weights: &[(String, usize)],
@@ -276,6 +277,16 @@ fn pack_stacked(
     fan_in: usize,
 ) -> Result<PackedLinear> {
     let fan_out: usize = weights.iter().map(|(_, out)| out).sum();
+    let quantized = weights
+        .iter()
+        .map(|(name, out)| files.quantized_matrix(name, &[*out, fan_in]))
+        .collect::<std::result::Result<Option<Vec<_>>, _>>()?;
+    if let Some(stack) = quantized {
+        let stack: Vec<_> = stack.iter().collect();
+        if let Some(packed) = PackedLinear::pack_quantized(&stack, bias.clone()) {
+            return Ok(packed);
+        }
+    }
     let mut w16 = Some(Vec::new());
     for (name, out) in weights {
         w16 = match (w16, files.bf16_bits(name, &[*out, fan_in])?) {

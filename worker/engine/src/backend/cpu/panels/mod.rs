@@ -12,7 +12,11 @@
 //! and the AVX-512 kernel give the same bits, and so does any tile size,
 //! which is what keeps a token's result independent of its batch.
 
+use lorafleet_artifact::quantization::QuantizedMatrix;
+
 use super::amx;
+use quant::QuantPanels;
+pub use quant::Widen;
 
 /// Output features per panel.
 pub const NR: usize = 16;
@@ -47,6 +51,8 @@ pub struct PackedLinear {
 enum Panels {
     F32(Vec<f32>),
     Bf16(Vec<u16>),
+    /// int8, 4-bit or FP8 codes with their scales (see [`quant`]).
+    Quant(QuantPanels),
 }
 
 /// Packs row-major `[fan_out, fan_in]` bf16 bits into the AMX pair layout:
@@ -113,6 +119,19 @@ impl PackedLinear {
         }
     }
 
+    /// Quantized `[out_i, fan_in]` matrices stacked by rows, kept at their
+    /// width (see [`quant`]); `None` when they cannot share one set of
+    /// panels (see [`QuantPanels::pack`]).
+    pub fn pack_quantized(stack: &[&QuantizedMatrix], bias: Option<Vec<f32>>) -> Option<Self> {
+        let panels = QuantPanels::pack(stack)?;
+        Some(PackedLinear {
+            panels: Panels::Quant(panels),
+            bias,
+            fan_in: stack[0].fan_in,
+            fan_out: stack.iter().map(|m| m.out).sum(),
+        })
+    }
+
     pub fn fan_in(&self) -> usize {
         self.fan_in
     }
@@ -126,16 +145,17 @@ impl PackedLinear {
         match &self.panels {
             Panels::F32(p) => p.len() * 4,
             Panels::Bf16(p) => p.len() * 2,
+            Panels::Quant(p) => p.bytes(),
         }
     }
 
     /// The f32 panels as they are laid out (`[fan_out.div_ceil(NR),
     /// fan_in, NR]`, zero-padded), for a backend that reads that layout;
-    /// None for bf16 panels.
+    /// None for bf16 or quantized panels.
     pub fn panels_f32(&self) -> Option<&[f32]> {
         match &self.panels {
             Panels::F32(all) => Some(all),
-            Panels::Bf16(_) => None,
+            Panels::Bf16(_) | Panels::Quant(_) => None,
         }
     }
 
@@ -143,7 +163,7 @@ impl PackedLinear {
     fn f32_panels(&self) -> &[f32] {
         match &self.panels {
             Panels::F32(all) => all,
-            Panels::Bf16(_) => panic!("the panels are bf16"),
+            Panels::Bf16(_) | Panels::Quant(_) => panic!("the panels are not f32"),
         }
     }
 
@@ -296,6 +316,20 @@ impl PackedLinear {
                     let next = &all[(first + count) * panel_len
                         ..(first + count + GROUP).min(panels) * panel_len];
                     kernel.group(x, fan_in, n, &group, Prefetch::of(next), local);
+                }
+                (Panels::Quant(all), _) => {
+                    let next = all.codes_of(first + count, first + count + GROUP);
+                    kernel.group_widened(
+                        x,
+                        fan_in,
+                        n,
+                        first,
+                        count,
+                        all,
+                        wide,
+                        Prefetch::of(next),
+                        local,
+                    );
                 }
                 (Panels::Bf16(all), Some(split)) => {
                     let panel_len = amx::padded(fan_in) * NR;
@@ -706,6 +740,7 @@ fn portable(x: &[f32], fan_in: usize, n: usize, panels: &[&[f32]], out: &mut [f3
     }
 }
 
+mod quant;
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 mod x86;

@@ -27,7 +27,7 @@ fn widened(h: &[u16]) -> Vec<f32> {
 fn bf16_panels(lin: &PackedLinear) -> &[u16] {
     match &lin.panels {
         Panels::Bf16(all) => all,
-        Panels::F32(_) => panic!("the panels are f32"),
+        Panels::F32(_) | Panels::Quant(_) => panic!("the panels are not bf16"),
     }
 }
 

@@ -354,6 +354,69 @@ unsafe fn group<const P: usize, W: super::PanelValue>(
 }
 
 /// # Safety
+/// The CPU has AVX-512F; `x` holds `n` rows of `fan_in`, `src` panels
+/// `first..first + count` (1 to 3) of `fan_in` inputs, `scratch` holds
+/// `count * KC * NR` values and `out` `n * count * NR`.
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn group_widened_avx512<S: super::Widen>(
+    x: &[f32],
+    fan_in: usize,
+    n: usize,
+    first: usize,
+    count: usize,
+    src: &S,
+    scratch: &mut [f32],
+    ahead: super::Prefetch,
+    out: &mut [f32],
+) {
+    let tiles = n.div_ceil(8);
+    let mut pf = Ahead::new(ahead, tiles * fan_in);
+    // SAFETY: the caller's contract, for each panel count.
+    unsafe {
+        match count {
+            1 => widened::<1, S>(x, fan_in, n, first, src, scratch, &mut pf, out),
+            2 => widened::<2, S>(x, fan_in, n, first, src, scratch, &mut pf, out),
+            3 => widened::<3, S>(x, fan_in, n, first, src, scratch, &mut pf, out),
+            _ => unreachable!("1 to 3 panels"),
+        }
+    }
+}
+
+/// [`group`] on panels that widen a block at a time: each block of `KC`
+/// inputs of each panel is widened into `scratch` (24 KB for three
+/// panels, so it stays in L1) just before its tiles run. The tiles are
+/// [`group`]'s, on the widened values.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn widened<const P: usize, S: super::Widen>(
+    x: &[f32],
+    fan_in: usize,
+    n: usize,
+    first: usize,
+    src: &S,
+    scratch: &mut [f32],
+    pf: &mut Ahead,
+    out: &mut [f32],
+) {
+    let (xp, op) = (x.as_ptr(), out.as_mut_ptr());
+    let block = super::KC * NR;
+    let mut k0 = 0;
+    while k0 < fan_in {
+        let k1 = (k0 + super::KC).min(fan_in);
+        for (q, dst) in scratch.chunks_exact_mut(block).take(P).enumerate() {
+            src.widen(first + q, k0, k1, &mut dst[..(k1 - k0) * NR]);
+        }
+        let sp = scratch.as_ptr();
+        // SAFETY: block q of scratch holds inputs k0..k1 of panel q.
+        let ws: [*const f32; P] = std::array::from_fn(|q| unsafe { sp.add(q * block) });
+        // SAFETY: see the function's contract.
+        unsafe { tiles!(8, n, tile512[P, f32](xp, fan_in, k0, k1, k0, ws, pf, op)) }
+        k0 = k1;
+    }
+}
+
+/// # Safety
 /// The CPU has AVX-512F; `x` holds `n` rows of `fan_in`, each panel is
 /// a pair-layout bf16 panel of at least `fan_in` (rounded up to even)
 /// inputs, `scratch` holds `panels.len() * KC * NR` values and `out`

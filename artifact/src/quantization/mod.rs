@@ -43,6 +43,12 @@ use serde_json::{Map, Value};
 
 use crate::error::{FileError, Result};
 
+mod matrix;
+
+pub use matrix::{
+    AWQ_ORDER, Codes, QuantizedMatrix, fp8_e4m3_to_f32, scale_shape, unpack_awq, unpack_int4_rows,
+};
+
 /// How a checkpoint's quantized weights are stored.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Quantization {
@@ -336,140 +342,6 @@ fn parse_awq(
     })
 }
 
-/// Where AutoAWQ's GEMM layout puts the eight columns of a word: nibble
-/// `i` of word `w` holds column `8 w + AWQ_ORDER[i]`.
-pub const AWQ_ORDER: [usize; 8] = [0, 2, 4, 6, 1, 3, 5, 7];
-
-/// Unpacks AWQ's `[rows, cols / 8]` words (packed along the columns in
-/// [`AWQ_ORDER`]) into `[rows, cols]` 4-bit values.
-pub fn unpack_awq(words: &[u8], (rows, cols): (usize, usize)) -> Vec<u32> {
-    let per_row = cols.div_ceil(8);
-    let mut values = vec![0u32; rows * cols];
-    for r in 0..rows {
-        for w in 0..per_row {
-            let at = (r * per_row + w) * 4;
-            let word = u32::from_le_bytes([words[at], words[at + 1], words[at + 2], words[at + 3]]);
-            for (i, &c) in AWQ_ORDER.iter().enumerate() {
-                if 8 * w + c < cols {
-                    values[r * cols + 8 * w + c] = (word >> (4 * i)) & 0xf;
-                }
-            }
-        }
-    }
-    values
-}
-
-/// Unpacks 4-bit values packed eight to an int32 along the rows of a
-/// `[rows.div_ceil(8), cols]` word matrix (GPTQ's `qweight`): value `(r,
-/// c)` is bits `4 (r mod 8)` of word `(r / 8, c)`.
-pub fn unpack_int4_rows(words: &[u8], (rows, cols): (usize, usize)) -> Vec<u32> {
-    let mut values = vec![0u32; rows * cols];
-    for r in 0..rows {
-        for c in 0..cols {
-            let at = ((r / 8) * cols + c) * 4;
-            let word = u32::from_le_bytes([words[at], words[at + 1], words[at + 2], words[at + 3]]);
-            values[r * cols + c] = (word >> (4 * (r % 8))) & 0xf;
-        }
-    }
-    values
-}
-
-/// Dequantizes a GPTQ `[out, in]` weight: `q` is `[in, out]` (as
-/// `qweight` unpacks), `zeros` and `scales` `[groups, out]`, `group[k]`
-/// input k's group; `w[o, k] = (q[k, o] - zero[g, o]) · scale[g, o]`.
-pub fn dequantize_gptq(
-    (out, fan_in): (usize, usize),
-    q: &[u32],
-    zeros: &[f32],
-    scales: &[f32],
-    group: &[usize],
-) -> Vec<f32> {
-    let mut w = vec![0f32; out * fan_in];
-    for o in 0..out {
-        for k in 0..fan_in {
-            let g = group[k];
-            w[o * fan_in + k] = (q[k * out + o] as f32 - zeros[g * out + o]) * scales[g * out + o];
-        }
-    }
-    w
-}
-
-/// FP8 e4m3 (the OCP "fn" variant: no infinities, S.1111.111 is NaN) to f32.
-pub fn fp8_e4m3_to_f32(b: u8) -> f32 {
-    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
-    let exp = i32::from((b >> 3) & 0xf);
-    let mant = f32::from(b & 0x7);
-    if exp == 0xf && b & 0x7 == 0x7 {
-        return f32::NAN;
-    }
-    let magnitude = if exp == 0 {
-        mant / 8.0 * 2f32.powi(-6)
-    } else {
-        (1.0 + mant / 8.0) * 2f32.powi(exp - 7)
-    };
-    sign * magnitude
-}
-
-/// The scale (or zero point) that covers weight `(o, c)` of an `[out, in]`
-/// matrix, by strategy: index into the flat scale tensor.
-fn scale_index(strategy: Strategy, o: usize, c: usize, groups: usize) -> usize {
-    match strategy {
-        Strategy::Tensor => 0,
-        Strategy::Channel => o,
-        Strategy::Group(g) => o * groups + c / g,
-    }
-}
-
-/// Dequantizes an `[out, in]` matrix: `values[o * in + c]` are the stored
-/// integers (or FP8 values) widened to f32, `scales` and `zero_points` the
-/// flat per-strategy tensors.
-pub fn dequantize(
-    strategy: Strategy,
-    (out, fan_in): (usize, usize),
-    values: &[f32],
-    scales: &[f32],
-    zero_points: Option<&[f32]>,
-) -> Vec<f32> {
-    let groups = match strategy {
-        Strategy::Group(g) => fan_in.div_ceil(g),
-        _ => 1,
-    };
-    let mut w = vec![0f32; out * fan_in];
-    for o in 0..out {
-        for c in 0..fan_in {
-            let s = scale_index(strategy, o, c, groups);
-            let q = values[o * fan_in + c] - zero_points.map_or(0.0, |z| z[s]);
-            w[o * fan_in + c] = q * scales[s];
-        }
-    }
-    w
-}
-
-/// The shape the scale tensor of an `[out, in]` matrix has, by strategy.
-pub fn scale_shape(strategy: Strategy, out: usize, fan_in: usize) -> Vec<usize> {
-    match strategy {
-        Strategy::Tensor => vec![1],
-        Strategy::Channel => vec![out, 1],
-        Strategy::Group(g) => vec![out, fan_in.div_ceil(g)],
-    }
-}
-
-/// The values of 4-bit weights packed eight to an int32 (`[out, in.div_ceil(8)]`
-/// words, little-endian), each stored plus 8, as signed integers in f32.
-pub fn unpack_int4(words: &[u8], (out, fan_in): (usize, usize)) -> Vec<f32> {
-    let per_row = fan_in.div_ceil(8);
-    let mut values = vec![0f32; out * fan_in];
-    for o in 0..out {
-        for c in 0..fan_in {
-            let at = (o * per_row + c / 8) * 4;
-            let word = u32::from_le_bytes([words[at], words[at + 1], words[at + 2], words[at + 3]]);
-            let nibble = (word >> (4 * (c % 8))) & 0xf;
-            values[o * fan_in + c] = nibble as f32 - 8.0;
-        }
-    }
-    values
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -488,33 +360,41 @@ mod tests {
     }
 
     #[test]
-    fn int4_words_unpack_column_by_nibble_and_dequantize_by_group() {
-        // One row of 10 columns: values -8..=1; two words.
-        let values: Vec<i32> = (-8..2).collect();
-        let mut words = [0u32; 2];
-        for (c, v) in values.iter().enumerate() {
-            words[c / 8] |= ((v + 8) as u32) << (4 * (c % 8));
-        }
-        let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
-        let unpacked = unpack_int4(&bytes, (1, 10));
-        assert_eq!(
-            unpacked,
-            values.iter().map(|&v| v as f32).collect::<Vec<_>>()
-        );
-        // Groups of 4: scales 1, 2, 3 (the last group partial).
-        let w = dequantize(
-            Strategy::Group(4),
-            (1, 10),
-            &unpacked,
-            &[1.0, 2.0, 3.0],
-            None,
-        );
+    fn a_weight_is_its_code_minus_the_zero_point_times_the_scale_of_its_group() {
+        // One row of 10 inputs, values -8..=1, groups of 4 (the last
+        // partial): scales 1, 2, 3.
+        let m = QuantizedMatrix {
+            out: 1,
+            fan_in: 10,
+            codes: Codes::Int4((-8..2).collect()),
+            scales: vec![1.0, 2.0, 3.0],
+            zeros: None,
+            group: (0..10).map(|k| k / 4).collect(),
+        };
+        let w = m.to_f32();
         assert_eq!(w[0], -8.0);
         assert_eq!(w[4], -4.0 * 2.0);
         assert_eq!(w[9], 1.0 * 3.0);
-        // Asymmetric: minus the zero point first.
-        let w = dequantize(Strategy::Tensor, (1, 2), &[5.0, 7.0], &[0.5], Some(&[3.0]));
-        assert_eq!(w, vec![1.0, 2.0]);
+        assert_eq!(m.stored_bytes(), 5 + 3 * 4);
+        // With zero points: minus the zero point first; groups follow
+        // `group`, in any order.
+        let m = QuantizedMatrix {
+            out: 2,
+            fan_in: 2,
+            codes: Codes::Uint4(vec![5, 7, 9, 0]),
+            scales: vec![0.5, 1.0, 2.0, 4.0],
+            zeros: Some(vec![3.0, 8.0, 1.0, 0.0]),
+            group: vec![1, 0],
+        };
+        assert_eq!(
+            m.to_f32(),
+            vec![
+                (5.0 - 1.0) * 2.0,
+                (7.0 - 3.0) * 0.5,
+                9.0 * 4.0,
+                (0.0 - 8.0) * 1.0
+            ]
+        );
     }
 
     #[test]
@@ -529,11 +409,6 @@ mod tests {
         }
         let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
         assert_eq!(unpack_int4_rows(&bytes, (10, 2)), q);
-        // One group; zero points 8 (stored 7 in AutoGPTQ's format and
-        // offset by one when read), scales 0.5 and 2.
-        let w = dequantize_gptq((2, 10), &q, &[8.0, 8.0], &[0.5, 2.0], &[0; 10]);
-        assert_eq!(w[0], (q[0] as f32 - 8.0) * 0.5);
-        assert_eq!(w[10 + 3], (q[3 * 2 + 1] as f32 - 8.0) * 2.0);
         let file = Path::new("config.json");
         let gptq = |q: Value| {
             let mut m = Map::new();
