@@ -48,6 +48,70 @@ fn quantized_bases_match_transformers_and_peft_on_their_dequantized_weights() {
     );
 }
 
+/// Quantized projections stay at their width in memory (codes, scales and
+/// zero points), and a tied embedding is held once, in the lm_head.
+#[test]
+fn quantized_weights_stay_at_their_width_in_memory() {
+    let load = |model: &str| {
+        let dir = model_dir(model);
+        let config = ModelConfig::from_dir(&dir).unwrap();
+        let shape = BackendShape {
+            slots: 1,
+            max_lora_rank: 16,
+            kv_blocks: 8,
+            block_size: 4,
+        };
+        CpuBackend::load(&dir, &config, shape).unwrap()
+    };
+    for dense in SOURCES {
+        let f32_model = load(dense);
+        // Bytes per weight of the dense model (qwen2-tied is stored in
+        // bf16, and its projections stay bf16).
+        let width = match WeightFiles::open_model_dir(&model_dir(dense))
+            .unwrap()
+            .raw("model.layers.0.self_attn.o_proj.weight")
+            .unwrap()
+            .dtype
+        {
+            safetensors::Dtype::BF16 => 2.0,
+            _ => 4.0,
+        };
+        let f32_bytes = f32_model.layer_projection_bytes() as f64 * 4.0 / width;
+        for format in FORMATS {
+            let q = load(&format!("{dense}-{format}"));
+            let ratio = q.layer_projection_bytes() as f64 / f32_bytes;
+            // 8-bit: a quarter of f32, plus a scale per output; 4-bit: an
+            // eighth, plus a scale (and a zero point) per 32 inputs. At
+            // the fixtures' 64-wide layers the scales and the map of
+            // inputs to groups add about a tenth of the codes.
+            let most = if matches!(format, "int8" | "fp8") {
+                0.3
+            } else {
+                0.25
+            };
+            eprintln!("{dense}-{format}: layer projections at {:.3} of f32", ratio);
+            assert!(ratio < most, "{dense}-{format}: {ratio}");
+            // The embeddings and norms are stored as in the dense model.
+            assert_eq!(
+                q.weight_bytes() - q.layer_projection_bytes(),
+                f32_model.weight_bytes() - f32_model.layer_projection_bytes(),
+                "{dense}-{format}"
+            );
+        }
+        // qwen2-tied's embeddings are its lm_head: held once.
+        let embed_and_head = f32_model.weight_bytes() - f32_model.projection_bytes();
+        let config = ModelConfig::from_dir(&model_dir(dense)).unwrap();
+        let table = config.vocab_size * config.hidden_size * width as usize;
+        let norms = (config.num_layers * 2 + 1) * config.hidden_size * 4;
+        let tied = dense == "qwen2-tied";
+        assert_eq!(
+            embed_and_head,
+            norms + if tied { 0 } else { table },
+            "{dense}"
+        );
+    }
+}
+
 /// The base hash covers the stored (quantized) bytes: each quantization of
 /// a base is a different base model, so an adapter's declared base hash
 /// tells them apart.

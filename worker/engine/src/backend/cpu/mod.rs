@@ -78,12 +78,32 @@ struct SlotTable {
     bf16: Vec<Vec<bool>>,
 }
 
+/// The token embeddings, in the checkpoint's precision. A model whose
+/// lm_head is tied to them reads each row out of the lm_head's panels
+/// (`PackedLinear::row`), the same values, so the table is held once.
+#[derive(Debug)]
+enum Embedding {
+    F32(Vec<f32>),
+    Bf16(Vec<u16>),
+    Head,
+}
+
+impl Embedding {
+    fn bytes(&self) -> usize {
+        match self {
+            Embedding::F32(t) => t.len() * 4,
+            Embedding::Bf16(t) => t.len() * 2,
+            Embedding::Head => 0,
+        }
+    }
+}
+
 /// The CPU backend.
 #[derive(Debug)]
 pub struct CpuBackend {
     config: ModelConfig,
     shape: BackendShape,
-    embed: Vec<f32>,
+    embed: Embedding,
     layers: Vec<Layer>,
     norm: Vec<f32>,
     /// Packed from `lm_head.weight`, or from the embeddings when tied.
@@ -110,11 +130,28 @@ impl CpuBackend {
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Bytes the model's weights take in memory: the projections, the
+    /// lm_head and the token embeddings (nothing for embeddings tied to
+    /// the lm_head), with the norms.
+    pub fn weight_bytes(&self) -> usize {
+        let norms: usize = self
+            .layers
+            .iter()
+            .map(|l| (l.input_norm.len() + l.post_norm.len()) * 4)
+            .sum();
+        self.projection_bytes() + self.embed.bytes() + norms + self.norm.len() * 4
+    }
+
     /// Bytes the packed projection weights and the lm_head take: half for
     /// a bf16 checkpoint of what f32 takes.
     pub fn projection_bytes(&self) -> usize {
-        let layers: usize = self
-            .layers
+        self.layer_projection_bytes() + self.lm_head.weight_bytes()
+    }
+
+    /// Bytes the layers' packed projections take: their codes, scales and
+    /// zero points for a quantized checkpoint.
+    pub fn layer_projection_bytes(&self) -> usize {
+        self.layers
             .iter()
             .map(|l| {
                 let mlp = match &l.mlp {
@@ -123,15 +160,13 @@ impl CpuBackend {
                 };
                 l.qkv.weight_bytes() + l.o.weight_bytes() + mlp
             })
-            .sum();
-        layers + self.lm_head.weight_bytes()
+            .sum()
     }
 
     /// Loads the weights of a model directory.
     pub fn load(dir: &Path, config: &ModelConfig, shape: BackendShape) -> Result<CpuBackend> {
         let files = WeightFiles::open_model_dir(dir)?;
         let c = config;
-        let embed = files.f32("model.embed_tokens.weight", &[c.vocab_size, c.hidden_size])?;
         let mut layers = Vec::with_capacity(c.num_layers);
         for l in 0..c.num_layers {
             let prefix = format!("model.layers.{l}");
@@ -189,19 +224,27 @@ impl CpuBackend {
             });
         }
         let norm = files.f32("model.norm.weight", &[c.hidden_size])?;
+        let embed_name = "model.embed_tokens.weight";
         let head_name = if c.tie_word_embeddings && !files.contains("lm_head.weight") {
-            "model.embed_tokens.weight"
+            embed_name
         } else {
             "lm_head.weight"
         };
-        let head_shape = [c.vocab_size, c.hidden_size];
-        let lm_head = match files.bf16_bits(head_name, &head_shape)? {
+        let table = [c.vocab_size, c.hidden_size];
+        let lm_head = match files.bf16_bits(head_name, &table)? {
             Some(bits) => PackedLinear::pack_bf16(&bits, None, c.hidden_size, c.vocab_size),
-            None if head_name == "lm_head.weight" => {
-                let w = files.f32(head_name, &head_shape)?;
+            None => {
+                let w = files.f32(head_name, &table)?;
                 PackedLinear::pack(&w, None, c.hidden_size, c.vocab_size)
             }
-            None => PackedLinear::pack(&embed, None, c.hidden_size, c.vocab_size),
+        };
+        let embed = if head_name == embed_name {
+            Embedding::Head
+        } else {
+            match files.bf16_bits(embed_name, &table)? {
+                Some(bits) => Embedding::Bf16(bits),
+                None => Embedding::F32(files.f32(embed_name, &table)?),
+            }
         };
         Ok(Self::from_parts(
             c.clone(),
@@ -216,7 +259,7 @@ impl CpuBackend {
     fn from_parts(
         config: ModelConfig,
         shape: BackendShape,
-        embed: Vec<f32>,
+        embed: Embedding,
         layers: Vec<Layer>,
         norm: Vec<f32>,
         lm_head: PackedLinear,
@@ -509,9 +552,17 @@ impl Backend for CpuBackend {
         let (d, hd, kv_dim) = (c.hidden_size, c.head_dim, c.kv_dim());
         batch.check(&c, self.shape.block_size)?;
         let mut hidden = vec![0f32; n * d];
-        for (t, &tok) in batch.tokens.iter().enumerate() {
-            hidden[t * d..(t + 1) * d]
-                .copy_from_slice(&self.embed[tok as usize * d..(tok as usize + 1) * d]);
+        for (&tok, row) in batch.tokens.iter().zip(hidden.chunks_exact_mut(d)) {
+            let at = tok as usize * d;
+            match &self.embed {
+                Embedding::F32(table) => row.copy_from_slice(&table[at..at + d]),
+                Embedding::Bf16(table) => {
+                    for (v, &b) in row.iter_mut().zip(&table[at..at + d]) {
+                        *v = panels::bf16_to_f32(b);
+                    }
+                }
+                Embedding::Head => self.lm_head.row(tok as usize, row),
+            }
         }
         let scale = 1.0 / (hd as f32).sqrt();
         let (rope, half) = (self.rope_table(batch), hd / 2);

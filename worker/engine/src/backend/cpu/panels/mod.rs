@@ -741,6 +741,7 @@ fn portable(x: &[f32], fan_in: usize, n: usize, panels: &[&[f32]], out: &mut [f3
 }
 
 mod quant;
+mod row;
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 mod x86;

@@ -113,6 +113,16 @@ impl QuantPanels {
             + self.group.len() * 4
     }
 
+    /// Output `j` of panel `p`, all `fan_in` weights, as [`Widen::widen`]
+    /// computes them.
+    pub fn column(&self, p: usize, j: usize, out: &mut [f32]) {
+        let mut rows = vec![0f32; self.fan_in * NR];
+        self.widen(p, 0, self.fan_in, &mut rows);
+        for (v, row) in out.iter_mut().zip(rows.chunks_exact(NR)) {
+            *v = row[j];
+        }
+    }
+
     /// The codes of panels `from..to`, for prefetching.
     pub fn codes_of(&self, from: usize, to: usize) -> &[u8] {
         let per = self.fan_in * row_bytes(self.kind);
@@ -397,6 +407,13 @@ mod tests {
         let other_kind = matrix(3, 16, 64, "int4", &group);
         assert!(PackedLinear::pack_quantized(&[&a, &other_groups], None).is_none());
         assert!(PackedLinear::pack_quantized(&[&a, &other_kind], None).is_none());
-        assert!(PackedLinear::pack_quantized(&[&a, &a], None).is_some());
+        let both = PackedLinear::pack_quantized(&[&a, &a], None).expect("alike");
+        // A row reads back the weights the projection uses.
+        let dense = a.to_f32();
+        let mut row = vec![0f32; 64];
+        for o in [0, 5, 16, 31] {
+            both.row(o, &mut row);
+            assert_eq!(row, dense[(o % 16) * 64..][..64]);
+        }
     }
 }
