@@ -52,7 +52,7 @@ enum Panels {
     F32(Vec<f32>),
     Bf16(Vec<u16>),
     /// int8, 4-bit or FP8 codes with their scales (see [`quant`]).
-    Quant(QuantPanels),
+    Quant(Box<QuantPanels>),
 }
 
 /// Packs row-major `[fan_out, fan_in]` bf16 bits into the AMX pair layout:
@@ -125,7 +125,7 @@ impl PackedLinear {
     pub fn pack_quantized(stack: &[&QuantizedMatrix], bias: Option<Vec<f32>>) -> Option<Self> {
         let panels = QuantPanels::pack(stack)?;
         Some(PackedLinear {
-            panels: Panels::Quant(panels),
+            panels: Panels::Quant(Box::new(panels)),
             bias,
             fan_in: stack[0].fan_in,
             fan_out: stack.iter().map(|m| m.out).sum(),
@@ -325,7 +325,7 @@ impl PackedLinear {
                         n,
                         first,
                         count,
-                        all,
+                        all.as_ref(),
                         wide,
                         Prefetch::of(next),
                         local,
