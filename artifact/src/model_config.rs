@@ -102,6 +102,9 @@ pub struct ModelConfig {
     pub qk_norm: bool,
     /// Mixture-of-Experts MLPs; None for a dense model.
     pub moe: Option<MoeConfig>,
+    /// How the linear weights are stored quantized; None for a dense
+    /// checkpoint (f32, f16 or bf16).
+    pub quantization: Option<crate::quantization::Quantization>,
     pub bos_token_id: Option<u32>,
     /// Every token that ends a sequence, from config.json and
     /// generation_config.json together.
@@ -117,7 +120,7 @@ impl ModelConfig {
         let mut config = parse_config(&path, &root)?;
         // A quantization the weights cannot be read in is refused with the
         // configuration, by its field.
-        crate::quantization::parse(&path, &root)?;
+        config.quantization = crate::quantization::parse(&path, &root)?;
         let gen_path = dir.join("generation_config.json");
         if gen_path.exists() {
             let generation = read_json_object(&gen_path)?;
@@ -403,6 +406,7 @@ fn parse_config(path: &Path, map: &Map<String, Value>) -> Result<ModelConfig> {
         sliding_window,
         qk_norm: architecture == Architecture::Qwen3Moe,
         moe,
+        quantization: None,
         bos_token_id: f
             .token_ids("bos_token_id")?
             .and_then(|v| v.first().copied()),

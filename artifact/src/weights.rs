@@ -15,8 +15,17 @@
 //!       )
 //! ```
 //!
-//! It is printed as 64 lowercase hex digits. The same weights stored in
-//! another dtype are a different base model (their numbers differ).
+//! followed, for a quantized model, by
+//!
+//! ```text
+//!         "quantization\n"  u64le(len(q))  q   -- Quantization::canonical()
+//! ```
+//!
+//! (a dense model's hash has nothing after its tensors). It is printed as 64
+//! lowercase hex digits. The same weights stored in another dtype are a
+//! different base model (their numbers differ), and so are the same
+//! quantized bytes under another quantization config (GPTQ's zero-point
+//! convention, a group size): they dequantize to other weights.
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -327,6 +336,12 @@ impl WeightFiles {
                 done += chunk.len() as u64;
                 progress(done, total);
             }
+        }
+        if let Some(q) = &self.quantization {
+            let canonical = q.canonical();
+            hasher.update(b"quantization\n");
+            hasher.update(len(canonical.len()));
+            hasher.update(canonical.as_bytes());
         }
         Ok(hex::encode(hasher.finalize()))
     }

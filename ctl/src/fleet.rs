@@ -21,6 +21,7 @@ pub(crate) async fn fleet(c: &Client) -> Result<(), Failure> {
                         cell(&w["status"]),
                         cell(&w["base_model"]),
                         hash.chars().take(12).collect(),
+                        weights(w),
                         cell(&w["load"]),
                         format!(
                             "{}/{}",
@@ -42,6 +43,7 @@ pub(crate) async fn fleet(c: &Client) -> Result<(), Failure> {
             "state",
             "base_model",
             "base_hash",
+            "weights",
             "load",
             "kv_blocks",
             "device",
@@ -51,4 +53,20 @@ pub(crate) async fn fleet(c: &Client) -> Result<(), Failure> {
         &rows,
     );
     Ok(())
+}
+
+/// A worker's weights as held: "89.5 MB" or "89.5 MB int4, groups of 128".
+fn weights(w: &serde_json::Value) -> String {
+    let Some(bytes) = w["weights_bytes"].as_u64().filter(|b| *b > 0) else {
+        return "-".into();
+    };
+    let size = if bytes >= 1 << 30 {
+        format!("{:.1} GiB", bytes as f64 / f64::from(1u32 << 30))
+    } else {
+        format!("{:.1} MiB", bytes as f64 / f64::from(1u32 << 20))
+    };
+    match w["quantization"].as_str().filter(|q| !q.is_empty()) {
+        Some(q) => format!("{size} {q}"),
+        None => size,
+    }
 }

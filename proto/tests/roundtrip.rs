@@ -135,6 +135,8 @@ fn base_model() -> BaseModel {
         architecture: "llama".into(),
         max_model_len: 4096,
         vocab_size: 32000,
+        quantization: "gptq-int4, groups of 128".into(),
+        weights_bytes: 35_000_000_000,
     }
 }
 

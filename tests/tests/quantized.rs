@@ -114,5 +114,20 @@ async fn a_tenant_gets_a_quantized_bases_golden_text_through_the_gateway() {
     .await;
     let rows = p.audit_rows("acme", "support", 3).await;
     assert!(rows.iter().all(|r| r["lora_int_id"].as_i64() == Some(id)));
-    assert_eq!(p.ctl_json(&["fleet"])["workers"][0]["base_model"], MODEL);
+    let worker = &p.ctl_json(&["fleet"])["workers"][0];
+    assert_eq!(worker["base_model"], MODEL);
+    // The fleet shows the quantization and what the weights take as the
+    // worker holds them: the 4-bit codes, well under the f32 checkpoint.
+    assert_eq!(worker["quantization"], "int4, groups of 32", "{worker}");
+    let held = worker["weights_bytes"].as_u64().unwrap();
+    // The dense llama-gqa's shards, f32.
+    let dense: u64 = std::fs::read_dir(engine_fixtures().join("llama-gqa"))
+        .unwrap()
+        .map(|e| e.unwrap())
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".safetensors"))
+        .map(|e| e.metadata().unwrap().len())
+        .sum();
+    assert!(held > 0 && held < dense * 3 / 4, "{held} of {dense}");
+    let table = p.ctl(&["fleet"]).stdout;
+    assert!(table.contains("int4, groups of 32"), "{table}");
 }

@@ -480,6 +480,8 @@ fn base_model(b: &BaseModel) -> pb::BaseModel {
         architecture: b.architecture.clone(),
         max_model_len: b.max_model_len,
         vocab_size: b.vocab_size,
+        quantization: b.quantization.clone(),
+        weights_bytes: b.weights_bytes,
     }
 }
 

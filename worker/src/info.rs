@@ -11,6 +11,10 @@ pub struct BaseModel {
     pub architecture: String,
     pub max_model_len: u32,
     pub vocab_size: u32,
+    /// `Quantization::label`, or empty for a dense checkpoint.
+    pub quantization: String,
+    /// Bytes the weights take in the backend's memory.
+    pub weights_bytes: u64,
 }
 
 /// This worker's sizes, as reports and `Info` describe them.
@@ -57,6 +61,12 @@ impl WorkerInfo {
                 architecture: config.architecture.model_type().into(),
                 max_model_len: engine.max_model_len() as u32,
                 vocab_size: config.vocab_size as u32,
+                quantization: config
+                    .quantization
+                    .as_ref()
+                    .map(|q| q.label())
+                    .unwrap_or_default(),
+                weights_bytes: engine.weight_bytes(),
             },
             capacity: Capacity {
                 max_loras: settings.max_loras as u32,

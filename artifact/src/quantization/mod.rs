@@ -95,6 +95,45 @@ impl Format {
     }
 }
 
+impl Quantization {
+    /// A short description for operators: `"gptq-int4, groups of 128"`.
+    pub fn label(&self) -> String {
+        let scales = match self.strategy {
+            Strategy::Tensor => "per tensor".to_owned(),
+            Strategy::Channel => "per channel".to_owned(),
+            Strategy::Group(g) => format!("groups of {g}"),
+        };
+        format!("{}, {scales}", self.format.name())
+    }
+
+    /// What the base hash covers of the configuration (see
+    /// [`crate::weights`]): every field that changes what the stored bytes
+    /// dequantize to, written the same whatever the JSON's layout, so the
+    /// same bytes read another way are another base model.
+    pub fn canonical(&self) -> String {
+        let format = match self.format {
+            Format::Int8 => "int8",
+            Format::PackedInt4 => "int4-packed",
+            Format::Fp8E4m3 => "fp8-e4m3",
+            Format::Gptq4 => "gptq-int4",
+            Format::Gptq4V2 => "gptq-v2-int4",
+            Format::Awq4 => "awq-int4-gemm",
+        };
+        let strategy = match self.strategy {
+            Strategy::Tensor => "tensor".to_owned(),
+            Strategy::Channel => "channel".to_owned(),
+            Strategy::Group(g) => format!("group-{g}"),
+        };
+        let mut ignore = self.ignore.clone();
+        ignore.sort();
+        format!(
+            "format={format};strategy={strategy};symmetric={};ignore={}",
+            self.symmetric,
+            ignore.join(",")
+        )
+    }
+}
+
 /// Reads `quantization_config` of `config.json` at `file`, if there is one.
 pub fn parse(file: &Path, config: &Map<String, Value>) -> Result<Option<Quantization>> {
     let Some(q) = config.get("quantization_config").filter(|v| !v.is_null()) else {

@@ -48,6 +48,8 @@ impl Query for FleetView {
                 "status": status,
                 "base_model": st.base_name,
                 "base_hash": st.base_hash,
+                "quantization": st.quantization,
+                "weights_bytes": st.weights_bytes,
                 "load": st.load,
                 "kv_blocks_used": st.kv_blocks_used,
                 "kv_blocks_total": st.kv_blocks_total,

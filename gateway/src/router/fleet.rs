@@ -50,6 +50,10 @@ pub struct WorkerState {
     pub base_hash: String,
     /// 0 until the worker has reported.
     pub max_model_len: u32,
+    /// How the base's weights are quantized (empty: dense), and the bytes
+    /// they take in the worker's backend.
+    pub quantization: String,
+    pub weights_bytes: u64,
     pub load: u32,
     pub kv_blocks_used: u32,
     pub kv_blocks_total: u32,
@@ -102,6 +106,8 @@ impl Worker {
         s.base_name = r.base_name;
         s.base_hash = r.base_hash;
         s.max_model_len = r.max_model_len;
+        s.quantization = r.quantization;
+        s.weights_bytes = r.weights_bytes;
         s.load = r.load;
         s.kv_blocks_used = r.kv_blocks_used;
         s.kv_blocks_total = r.kv_blocks_total;

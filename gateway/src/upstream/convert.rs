@@ -154,6 +154,12 @@ pub(super) fn report(r: &pb::WorkerReport) -> Report {
             .map(|b| b.base_hash.clone())
             .unwrap_or_default(),
         max_model_len: r.base_model.as_ref().map_or(0, |b| b.max_model_len),
+        quantization: r
+            .base_model
+            .as_ref()
+            .map(|b| b.quantization.clone())
+            .unwrap_or_default(),
+        weights_bytes: r.base_model.as_ref().map_or(0, |b| b.weights_bytes),
         load: r
             .load
             .map_or(0, |l| l.running_sequences + l.waiting_sequences),

@@ -203,6 +203,10 @@ pub struct Report {
     pub base_hash: String,
     /// The longest sequence (prompt plus completion) the worker accepts.
     pub max_model_len: u32,
+    /// How the base's weights are quantized; empty for a dense base.
+    pub quantization: String,
+    /// Bytes the base's weights take in the worker's backend.
+    pub weights_bytes: u64,
     /// Running plus waiting sequences.
     pub load: u32,
     /// KV cache blocks in use, and in all.

@@ -5,7 +5,9 @@
 //!
 //!     cargo bench -p lorafleet-engine --bench decode_throughput
 //!
-//! The model is stored in f32 (`LORAFLEET_BENCH_DTYPE=bf16` for bf16).
+//! The model is stored in f32 (`LORAFLEET_BENCH_DTYPE=bf16` for bf16,
+//! `int8` or `int4` for that bf16 model quantized), and the weights'
+//! bytes in memory are printed first.
 //! Every configuration runs the same 512 requests (8 prompt tokens, 8
 //! generated, greedy) as one continuous batch of up to 32 sequences with 32
 //! device slots. Adapters are read into the host tier before timing starts,
@@ -41,11 +43,15 @@ fn main() {
         })
         .unwrap_or_else(|_| vec![0, 1, 8, 64, 512]);
     // The stand-in is stored in f32; `bf16` runs the same draws rounded to
-    // bf16 and stored so, which the engine keeps in bf16 in memory.
-    let dtype = match std::env::var("LORAFLEET_BENCH_DTYPE").as_deref() {
-        Ok("f32") | Err(_) => safetensors::Dtype::F32,
-        Ok("bf16") => safetensors::Dtype::BF16,
-        Ok(other) => panic!("LORAFLEET_BENCH_DTYPE={other}: expected bf16 or f32"),
+    // bf16 and stored so, which the engine keeps in bf16 in memory; `int8`
+    // and `int4` that bf16 model quantized (see `standin::quantized`).
+    let weights = std::env::var("LORAFLEET_BENCH_DTYPE").unwrap_or_else(|_| "f32".into());
+    let model = match weights.as_str() {
+        "f32" => standin::model_in(safetensors::Dtype::F32),
+        "bf16" => standin::model_in(safetensors::Dtype::BF16),
+        "int8" => standin::model_quantized(8),
+        "int4" => standin::model_quantized(4),
+        other => panic!("LORAFLEET_BENCH_DTYPE={other}: expected f32, bf16, int8 or int4"),
     };
     let rounds: usize = std::env::var("LORAFLEET_BENCH_ROUNDS")
         .map(|v| {
@@ -54,10 +60,24 @@ fn main() {
         })
         .unwrap_or(5)
         .max(1);
-    let model = standin::model_in(dtype);
+    let config = lorafleet_engine::model::ModelConfig::from_dir(&model).unwrap();
+    let shape = lorafleet_engine::backend::BackendShape {
+        slots: 1,
+        max_lora_rank: 16,
+        kv_blocks: 1,
+        block_size: 16,
+    };
+    let backend = lorafleet_engine::backend::cpu::CpuBackend::load(&model, &config, shape).unwrap();
+    let weight_mb = |b: usize| b as f64 / 1e6;
+    println!(
+        "weights in memory: {:.1} MB ({:.1} MB the layers' projections)",
+        weight_mb(backend.weight_bytes()),
+        weight_mb(backend.layer_projection_bytes())
+    );
+    drop(backend);
     let adapter_dirs = standin::adapters(*counts.iter().max().unwrap());
     println!(
-        "decode throughput, STAND-IN ~100M Llama (h={}, L={}, weights {dtype:?}), rank {}, {REQUESTS} requests x {NEW} new tokens, {} threads, {rounds} rounds",
+        "decode throughput, STAND-IN ~100M Llama (h={}, L={}, weights {weights}), rank {}, {REQUESTS} requests x {NEW} new tokens, {} threads, {rounds} rounds",
         standin::HIDDEN,
         standin::LAYERS,
         standin::RANK,

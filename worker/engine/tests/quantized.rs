@@ -131,6 +131,25 @@ fn each_quantization_of_a_base_has_its_own_base_hash() {
     hashes.sort();
     hashes.dedup();
     assert_eq!(hashes.len(), 12);
+    // The config is covered too, by what it means: the same GPTQ bytes
+    // under the other zero-point convention are another base.
+    let hash = |dir: &std::path::Path| {
+        WeightFiles::open_model_dir(dir)
+            .unwrap()
+            .base_hash(&mut |_, _| {})
+            .unwrap()
+    };
+    let gptq = hash(&model_dir("llama-gqa-gptq"));
+    let v2 = edited("llama-gqa-gptq", |c| {
+        c["quantization_config"]["checkpoint_format"] = "gptq_v2".into()
+    });
+    assert_ne!(hash(v2.path()), gptq);
+    // How it was made (not how it reads) is not part of it.
+    let annotated = edited("llama-gqa-gptq", |c| {
+        c["quantization_config"]["damp_percent"] = 0.01.into();
+        c["quantization_config"]["true_sequential"] = true.into();
+    });
+    assert_eq!(hash(annotated.path()), gptq);
 }
 
 /// Copies a quantized fixture with its `config.json` edited.

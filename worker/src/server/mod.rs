@@ -221,6 +221,8 @@ pub async fn start(config: WorkerConfig, listeners: Listeners) -> Result<Running
     tracing::info!(
         worker_id = %config.worker_id,
         base_hash = %info.base_model.base_hash,
+        quantization = %info.base_model.quantization,
+        weights_bytes = info.base_model.weights_bytes,
         backend = %info.backend,
         max_loras = settings.max_loras,
         max_cpu_loras = settings.max_cpu_loras,

@@ -13,6 +13,10 @@ use lorafleet_engine::sampling::Rng;
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 
+mod quantized;
+#[allow(unused_imports)]
+pub use quantized::model_quantized;
+
 pub const HIDDEN: usize = 768;
 pub const INTERMEDIATE: usize = 2048;
 pub const LAYERS: usize = 12;

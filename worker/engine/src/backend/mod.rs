@@ -193,6 +193,9 @@ pub trait Backend: Send {
     fn name(&self) -> &'static str;
     /// A human-readable device name.
     fn device_name(&self) -> String;
+    /// Bytes the base model's weights take in the backend's memory, as
+    /// held (a quantized checkpoint's codes where the backend keeps them).
+    fn weight_bytes(&self) -> u64;
     /// How device memory is divided, planned at start; None where there
     /// is no separate device memory.
     fn memory_plan(&self) -> Option<cuda::plan::MemoryPlan> {

@@ -277,6 +277,11 @@ impl Engine {
         self.pool.take_upload_times()
     }
 
+    /// Bytes the base model's weights take in the backend's memory.
+    pub fn weight_bytes(&self) -> u64 {
+        self.backend.weight_bytes()
+    }
+
     /// How the backend divides device memory, if it has its own.
     pub fn memory_plan(&self) -> Option<crate::backend::cuda::plan::MemoryPlan> {
         self.backend.memory_plan()

@@ -444,6 +444,10 @@ impl CpuBackend {
 }
 
 impl Backend for CpuBackend {
+    fn weight_bytes(&self) -> u64 {
+        CpuBackend::weight_bytes(self) as u64
+    }
+
     fn name(&self) -> &'static str {
         "cpu"
     }

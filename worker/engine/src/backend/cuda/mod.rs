@@ -550,6 +550,10 @@ impl Backend for CudaBackend {
         Some(self.plan)
     }
 
+    fn weight_bytes(&self) -> u64 {
+        self.plan.weights
+    }
+
     fn device_memory(&self) -> Option<super::DeviceMemory> {
         // Another process on the device counts too: this is the device's
         // own account.

@@ -198,6 +198,7 @@ mod tests {
             mlp_bias: false,
             sliding_window: None,
             qk_norm: false,
+            quantization: None,
             moe: None,
             bos_token_id: Some(128_000),
             eos_token_ids: vec![128_001],

@@ -169,6 +169,21 @@ pub trait Widen: Sync {
 impl Widen for QuantPanels {
     #[inline(always)]
     fn widen(&self, panel: usize, k0: usize, k1: usize, dst: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if super::Kernel::detect() == super::Kernel::Avx512 {
+            // SAFETY: `detect` chose AVX-512 only where the CPU has
+            // AVX-512F.
+            #[allow(unsafe_code)]
+            return unsafe { self.widen_avx512(panel, k0, k1, dst) };
+        }
+        self.widen_portable(panel, k0, k1, dst)
+    }
+}
+
+impl QuantPanels {
+    /// [`Widen::widen`] one scalar at a time.
+    #[inline(always)]
+    fn widen_portable(&self, panel: usize, k0: usize, k1: usize, dst: &mut [f32]) {
         match self.kind {
             Kind::Int8 => self.widen_rows(panel, k0, k1, dst, |c: &[u8; NR], v| {
                 for j in 0..NR {
@@ -188,9 +203,73 @@ impl Widen for QuantPanels {
             }),
         }
     }
-}
 
-impl QuantPanels {
+    /// [`Widen::widen`] a panel row at a time on AVX-512 vectors: the same
+    /// operations as [`QuantPanels::widen_portable`] (a subtraction, then
+    /// a multiplication, never fused), so the same bits.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    #[allow(unsafe_code)]
+    unsafe fn widen_avx512(&self, panel: usize, k0: usize, k1: usize, dst: &mut [f32]) {
+        use std::arch::x86_64::*;
+        let (groups, fan_in, rb) = (self.groups, self.fan_in, row_bytes(self.kind));
+        assert!(k0 <= k1 && k1 <= fan_in && dst.len() >= (k1 - k0) * NR);
+        let codes = &self.codes[panel * fan_in * rb..][..fan_in * rb];
+        let scales = &self.scales[panel * groups * NR..][..groups * NR];
+        let zeros = self
+            .zeros
+            .as_ref()
+            .map(|z| &z[panel * groups * NR..][..groups * NR]);
+        // Lane j of a nibble row is byte j / 2 shifted by 4 (j % 2).
+        let shifts = _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0);
+        let (low, sign, magnitude) = (
+            _mm512_set1_epi32(0xf),
+            _mm512_set1_epi32(0x80),
+            _mm512_set1_epi32(0x7f),
+        );
+        let pow120 = _mm512_set1_ps(f32::from_bits(0x7b80_0000));
+        for (k, out) in (k0..k1).zip(dst.chunks_exact_mut(NR)) {
+            let g = self.group[k] as usize;
+            // SAFETY: row k of the panel is `rb` bytes inside `codes`
+            // (16 for 8-bit codes, 8 for nibbles, each load reads that
+            // many); scales and zeros hold NR values at g * NR; `out` is
+            // NR values.
+            unsafe {
+                let c = codes.as_ptr().add(k * rb);
+                let v = match self.kind {
+                    Kind::Int8 => {
+                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(c.cast())))
+                    }
+                    Kind::Fp8 => {
+                        let b = _mm512_cvtepu8_epi32(_mm_loadu_si128(c.cast()));
+                        let bits = _mm512_or_si512(
+                            _mm512_slli_epi32::<24>(_mm512_and_si512(b, sign)),
+                            _mm512_slli_epi32::<20>(_mm512_and_si512(b, magnitude)),
+                        );
+                        _mm512_mul_ps(_mm512_castsi512_ps(bits), pow120)
+                    }
+                    Kind::Nibbles { bias } => {
+                        let b = _mm_loadl_epi64(c.cast());
+                        let pairs = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, b));
+                        let n = _mm512_and_si512(_mm512_srlv_epi32(pairs, shifts), low);
+                        _mm512_sub_ps(_mm512_cvtepi32_ps(n), _mm512_set1_ps(bias))
+                    }
+                };
+                let s = _mm512_loadu_ps(scales.as_ptr().add(g * NR));
+                let w = match zeros {
+                    Some(z) => {
+                        _mm512_mul_ps(_mm512_sub_ps(v, _mm512_loadu_ps(z.as_ptr().add(g * NR))), s)
+                    }
+                    None => _mm512_mul_ps(v, s),
+                };
+                _mm512_storeu_ps(out.as_mut_ptr(), w);
+            }
+        }
+    }
+
     /// [`Widen::widen`] with `decode` turning one panel row of codes into
     /// their values; then `(value - zero) · scale` or `value · scale`.
     #[inline(always)]
@@ -395,6 +474,32 @@ mod tests {
                         "{kind} {kernel:?} n={n} fan_in={fan_in} outs={outs:?}"
                     );
                 }
+            }
+        }
+    }
+
+    /// The AVX-512 widening gives the portable one's bits, every code of
+    /// every kind (the projections above run whichever the CPU has).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn vector_widening_gives_the_portable_bits() {
+        if Kernel::detect() != Kernel::Avx512 {
+            eprintln!("no AVX-512 here: only the portable widening runs");
+            return;
+        }
+        let group: Vec<u32> = (0..256).map(|k| (k * 5 % 3) as u32).collect();
+        for kind in ["int8", "int8-asym", "int4", "uint4", "fp8"] {
+            let m = matrix(9, 40, 256, kind, &group);
+            let q = QuantPanels::pack(&[&m]).unwrap();
+            for p in 0..3 {
+                let (mut a, mut b) = (vec![0f32; 200 * NR], vec![1f32; 200 * NR]);
+                q.widen_portable(p, 40, 240, &mut a);
+                // SAFETY: the CPU has AVX-512F (checked above).
+                #[allow(unsafe_code)]
+                unsafe {
+                    q.widen_avx512(p, 40, 240, &mut b)
+                };
+                assert_eq!(bits(&a), bits(&b), "{kind} panel {p}");
             }
         }
     }
