@@ -305,17 +305,28 @@ impl WeightFiles {
         };
         let scale_shape = scale_shape(strategy, out, fan_in);
         let scales = self.f32_values(&format!("{stem}.weight_scale"), &scale_shape)?;
-        let zeros = if symmetric {
-            None
-        } else {
-            let raw = self.stored(
-                &format!("{stem}.weight_zero_point"),
-                Dtype::I8,
-                &scale_shape,
-                format,
-            )?;
-            let flat = raw.data.iter().map(|&b| f32::from(b as i8)).collect();
-            Some(by_group(strategy, out, fan_in, flat))
+        let zero_point = format!("{stem}.weight_zero_point");
+        let zeros = match (symmetric, format) {
+            (true, _) => None,
+            // Packed like the weights, each plus 8, but along the output:
+            // output o in bits 4 (o mod 8) of word row o / 8.
+            (false, Format::PackedInt4) => {
+                let groups = scale_shape[1];
+                let words =
+                    self.stored(&zero_point, Dtype::I32, &[out.div_ceil(8), groups], format)?;
+                let flat = (0..out * groups)
+                    .map(|i| {
+                        let (o, g) = (i / groups, i % groups);
+                        f32::from(nibble(words.data, ((o / 8) * groups + g) * 4, o % 8) as i8 - 8)
+                    })
+                    .collect();
+                Some(by_group(strategy, out, fan_in, flat))
+            }
+            (false, _) => {
+                let raw = self.stored(&zero_point, Dtype::I8, &scale_shape, format)?;
+                let flat = raw.data.iter().map(|&b| f32::from(b as i8)).collect();
+                Some(by_group(strategy, out, fan_in, flat))
+            }
         };
         Ok(QuantizedMatrix {
             out,

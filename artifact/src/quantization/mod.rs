@@ -8,8 +8,11 @@
 //! - `int-quantized`: `W.weight` int8 `[out, in]`, 8 bits, symmetric or
 //!   asymmetric (`W.weight_zero_point`, int8, the scale's shape);
 //! - `pack-quantized`: `W.weight_packed` int32 `[out, in / 8]` (4 bits,
-//!   symmetric: each value plus 8, eight to a word, column `c` in bits
-//!   `4 (c mod 8)` of word `c / 8`) and `W.weight_shape`;
+//!   signed: each value plus 8, eight to a word, column `c` in bits
+//!   `4 (c mod 8)` of word `c / 8`) and `W.weight_shape`; asymmetric, with
+//!   `W.weight_zero_point` int32 `[out / 8, groups]`, signed 4-bit zero
+//!   points packed the same way but along the output (output `o` in bits
+//!   `4 (o mod 8)` of word row `o / 8`);
 //! - `float-quantized`: `W.weight` FP8 e4m3 `[out, in]`;
 //!
 //! with `W.weight_scale` (f32, f16 or bf16) per tensor (`[1]`), per output
@@ -229,7 +232,7 @@ pub fn parse(file: &Path, config: &Map<String, Value>) -> Result<Option<Quantiza
             ));
         }
     };
-    if !symmetric && format != Format::Int8 {
+    if !symmetric && format == Format::Fp8E4m3 {
         return Err(err(
             &at(".weights.symmetric"),
             format!("asymmetric {} weights are not supported", format.name()),
@@ -578,8 +581,18 @@ mod tests {
             &|v| weights(v, "num_bits", 3.into()),
             "config_groups.group_0.weights",
         );
+        // Asymmetric 4-bit is read (zero points packed along the output);
+        // asymmetric FP8 is not a format.
+        let mut asymmetric = good.clone();
+        weights(&mut asymmetric, "symmetric", false.into());
+        assert!(!parse(file, &config(asymmetric)).unwrap().unwrap().symmetric);
         refused(
-            &|v| weights(v, "symmetric", false.into()),
+            &|v| {
+                v["format"] = "float-quantized".into();
+                weights(v, "type", "float".into());
+                weights(v, "num_bits", 8.into());
+                weights(v, "symmetric", false.into());
+            },
             "weights.symmetric",
         );
         refused(
