@@ -7,7 +7,7 @@ script's `llama-gqa` and `qwen2-tied`):
     python3 -m venv .venv && .venv/bin/pip install torch transformers peft safetensors
     .venv/bin/python worker/engine/scripts/make_quantized_fixtures.py worker/engine/tests/fixtures
 
-It writes, under the fixtures directory, five checkpoints of each model
+It writes, under the fixtures directory, six checkpoints of each model
 (`<model>-<format>/`), every linear layer of every decoder layer quantized,
 the embeddings, norms, biases and lm_head left as they were (`ignore:
 ["lm_head"]`):
@@ -20,6 +20,9 @@ the embeddings, norms, biases and lm_head left as they were (`ignore:
   bf16 scale per group of 32 inputs (`weight_scale` `[out, in / 32]`),
   eight values to an int32 (each plus 8, column c in bits 4 (c mod 8) of
   word c / 8);
+- `-int4-asym`: the same, asymmetric: signed zero points per output and
+  group (`weight_zero_point` `[out / 8, in / 32]`, packed eight to an
+  int32 along the output, each plus 8);
 - `-gptq`: GPTQ 4-bit as AutoGPTQ stores it (`qweight` packed along the
   input, `qzeros` along the output and stored minus one, f16 `scales`,
   `g_idx`), groups of 32, symmetric;
@@ -27,8 +30,8 @@ the embeddings, norms, biases and lm_head left as they were (`ignore:
   `qzeros` packed along the output in the order 0 2 4 6 1 3 5 7, f16
   `scales`), groups of 32, with zero points;
 
-and `golden_quantized.json`: for each of them, the base model and two of
-its dense model's adapters, the greedy tokens and the last prompt
+and `golden_quantized.json`: for each of them, the base model and every
+adapter of its dense model, the greedy tokens and the last prompt
 position's logits of transformers + PEFT run in f32 on the weights
 dequantized here with the format's formula, (q - zero_point) * scale in
 f32. Nothing here shares code with the Rust reader.
@@ -50,12 +53,18 @@ from make_fixtures import MAX_NEW, PROMPTS  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# The dense fixtures quantized, and two of each one's adapters.
-SOURCES = {"llama-gqa": ["qkvo-r4", "all-linear-rslora"], "qwen2-tied": ["qv-r8", "all-linear-r4"]}
+# The dense fixtures quantized, and every one of their adapters.
+SOURCES = {
+    "llama-gqa": [
+        "qv-r8", "all-linear-rslora", "patterns", "layer1-mlp", "k-r16",
+        "o-r2", "down-r12", "qkvo-r4", "gate-up-r8", "layer0-q",
+    ],
+    "qwen2-tied": ["qv-r8", "all-linear-r4"],
+}
 GROUP = 32
 
 
-def quantization_config(fmt, num_bits, kind, strategy, group_size=None):
+def quantization_config(fmt, num_bits, kind, strategy, group_size=None, symmetric=True):
     return {
         "quant_method": "compressed-tensors",
         "format": fmt,
@@ -66,7 +75,7 @@ def quantization_config(fmt, num_bits, kind, strategy, group_size=None):
                 "weights": {
                     "num_bits": num_bits,
                     "type": kind,
-                    "symmetric": True,
+                    "symmetric": symmetric,
                     "strategy": strategy,
                     "group_size": group_size,
                     "dynamic": False,
@@ -109,6 +118,34 @@ def int4_group(w):
         "weight_packed": packed,
         "weight_shape": torch.tensor([out, fan_in], dtype=torch.int32),
         "weight_scale": scale,
+    }
+    return stored, deq
+
+
+def int4_group_asymmetric(w):
+    """compressed-tensors pack-quantized, asymmetric: signed 4-bit values
+    q in [-8, 7] and signed zero points z in [-8, 7], w = (q - z) * scale.
+    The weights are packed as int4_group's; the zero points too, each plus
+    8, but along the output: weight_zero_point [out / 8, groups], output o
+    in bits 4 (o % 8) of word row o // 8."""
+    out, fan_in = w.shape
+    groups = w.reshape(out, fan_in // GROUP, GROUP)
+    lo, hi = groups.amin(dim=2), groups.amax(dim=2)
+    scale = ((hi - lo) / 15.0).to(torch.bfloat16)  # [out, groups]
+    s32 = scale.to(torch.float32)
+    zero = torch.clamp(torch.round(-8.0 - lo / s32), -8, 7)  # [out, groups]
+    q = torch.clamp(torch.round(groups / s32.unsqueeze(2)) + zero.unsqueeze(2), -8, 7)
+    deq = ((q - zero.unsqueeze(2)) * s32.unsqueeze(2)).reshape(out, fan_in)
+    u = (q.reshape(out, fan_in) + 8).to(torch.int64)
+    words = torch.zeros(out, fan_in // 8, dtype=torch.int64)
+    for i in range(8):
+        words |= u[:, i::8] << (4 * i)
+    packed = (words - ((words >> 31) << 32)).to(torch.int32)
+    stored = {
+        "weight_packed": packed,
+        "weight_shape": torch.tensor([out, fan_in], dtype=torch.int32),
+        "weight_scale": scale,
+        "weight_zero_point": pack_rows((zero + 8).to(torch.int32)),
     }
     return stored, deq
 
@@ -183,6 +220,10 @@ FORMATS = {
     "int8": (int8_channel, quantization_config("int-quantized", 8, "int", "channel")),
     "fp8": (fp8_channel, quantization_config("float-quantized", 8, "float", "channel")),
     "int4": (int4_group, quantization_config("pack-quantized", 4, "int", "group", GROUP)),
+    "int4-asym": (
+        int4_group_asymmetric,
+        quantization_config("pack-quantized", 4, "int", "group", GROUP, symmetric=False),
+    ),
     "gptq": (gptq_group, GPTQ_CONFIG),
     "awq": (awq_group, AWQ_CONFIG),
 }

@@ -1,10 +1,11 @@
 //! Quantized base models — the tiny Llama and Qwen2 fixtures in the
 //! `compressed-tensors` layout (int8 per channel, FP8 e4m3 per channel,
-//! 4-bit packed per group of 32), GPTQ's (4-bit, groups of 32, AutoGPTQ's
+//! 4-bit packed per group of 32, symmetric and asymmetric), GPTQ's (4-bit, groups of 32, AutoGPTQ's
 //! zero points) and AWQ's (4-bit, groups of 32, AutoAWQ's GEMM layout) — on
 //! the CPU backend: logits within 1e-4 of transformers + PEFT run on the
 //! same weights dequantized in f32 (`scripts/make_quantized_fixtures.py`)
-//! and greedy tokens equal, for the base model and two adapters each; and
+//! and greedy tokens equal, for the base model and every adapter of the
+//! dense goldens; and
 //! what is not read is refused by the field that names it.
 
 mod common;
@@ -16,7 +17,7 @@ use lorafleet_engine::model::{ModelConfig, WeightFiles};
 
 /// The dense fixtures, each quantized in every format.
 const SOURCES: [&str; 2] = ["llama-gqa", "qwen2-tied"];
-const FORMATS: [&str; 5] = ["int8", "fp8", "int4", "gptq", "awq"];
+const FORMATS: [&str; 6] = ["int8", "fp8", "int4", "int4-asym", "gptq", "awq"];
 
 /// (quantized model, the dense model its adapters were made for).
 fn variants() -> Vec<(String, &'static str)> {
@@ -43,8 +44,9 @@ fn quantized_bases_match_transformers_and_peft_on_their_dequantized_weights() {
     }
     assert_eq!(checked, golden.cases.len());
     assert_eq!(
-        checked, 90,
-        "2 models x 5 formats x (base + 2 adapters) x 3 prompts"
+        checked,
+        6 * 3 * ((1 + 10) + (1 + 2)),
+        "6 formats x 3 prompts x (llama-gqa: base + 10 adapters, qwen2-tied: base + 2)"
     );
 }
 
@@ -130,7 +132,7 @@ fn each_quantization_of_a_base_has_its_own_base_hash() {
         .collect();
     hashes.sort();
     hashes.dedup();
-    assert_eq!(hashes.len(), 12);
+    assert_eq!(hashes.len(), 2 + 2 * FORMATS.len());
     // The config is covered too, by what it means: the same GPTQ bytes
     // under the other zero-point convention are another base.
     let hash = |dir: &std::path::Path| {
