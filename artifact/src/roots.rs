@@ -41,7 +41,7 @@ pub enum ArtifactError {
     #[error("artifact URI {uri:?}: resolves outside the artifact roots")]
     OutsideRoots { uri: String },
     /// No root holds the artifact.
-    #[error("artifact URI {uri:?}: not found in any artifact root")]
+    #[error("artifact URI {uri:?}: not found in any artifact root or store")]
     NotFound { uri: String },
     /// The artifact exists but cannot be read.
     #[error("artifact {path}: cannot be read: {source}")]
@@ -50,6 +50,10 @@ pub enum ArtifactError {
         #[source]
         source: std::io::Error,
     },
+    /// The object store holding the artifact did not answer in time or
+    /// failed (after its retries); another try may succeed.
+    #[error("artifact {uri}: the object store is unavailable: {reason}")]
+    StoreUnavailable { uri: String, reason: String },
     /// The files differ from what the registry recorded.
     #[error("artifact {path}: digest {actual} does not match the expected {expected}")]
     DigestMismatch {
@@ -274,6 +278,64 @@ pub fn digest_with_progress(
     digest_with(dir, &mut |real| real.starts_with(&real_dir), progress)
 }
 
+/// The artifact digest of files given one at a time, in byte order of
+/// their relative paths (see the module docs): how an artifact fetched
+/// from an object store is hashed while it is written, to the digest the
+/// same directory has on disk.
+pub struct ArtifactHasher {
+    hasher: Sha256,
+    /// Bytes the current file declared and bytes given so far.
+    declared: u64,
+    given: u64,
+}
+
+impl std::fmt::Debug for ArtifactHasher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ArtifactHasher")
+            .field("declared", &self.declared)
+            .field("given", &self.given)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for ArtifactHasher {
+    fn default() -> Self {
+        let mut hasher = Sha256::new();
+        hasher.update(DIGEST_DOMAIN);
+        ArtifactHasher {
+            hasher,
+            declared: 0,
+            given: 0,
+        }
+    }
+}
+
+impl ArtifactHasher {
+    /// Starts the file at `relative` ('/'-separated) of `len` bytes. False
+    /// if the previous file was given another number of bytes than it
+    /// declared.
+    pub fn file(&mut self, relative: &str, len: u64) -> bool {
+        let whole = self.given == self.declared;
+        self.hasher.update((relative.len() as u64).to_le_bytes());
+        self.hasher.update(relative.as_bytes());
+        self.hasher.update(len.to_le_bytes());
+        (self.declared, self.given) = (len, 0);
+        whole
+    }
+
+    /// The current file's next bytes.
+    pub fn update(&mut self, data: &[u8]) {
+        self.hasher.update(data);
+        self.given += data.len() as u64;
+    }
+
+    /// The digest, or None if the last file was given another number of
+    /// bytes than it declared.
+    pub fn finish(self) -> Option<String> {
+        (self.given == self.declared).then(|| hex::encode(self.hasher.finalize()))
+    }
+}
+
 fn has_scheme(uri: &str) -> bool {
     let Some((scheme, _)) = uri.split_once(':') else {
         return false;
@@ -355,15 +417,12 @@ fn digest_into(
         .map(|m| m.len())
         .sum();
     let mut done = 0u64;
-    let mut hasher = Sha256::new();
-    hasher.update(DIGEST_DOMAIN);
+    let mut hasher = ArtifactHasher::default();
     let mut buf = vec![0u8; 1 << 20];
     for (relative, path) in files {
         let mut file = std::fs::File::open(&path).map_err(|e| unreadable(&path, e))?;
         let len = file.metadata().map_err(|e| unreadable(&path, e))?.len();
-        hasher.update((relative.len() as u64).to_le_bytes());
-        hasher.update(relative.as_bytes());
-        hasher.update(len.to_le_bytes());
+        hasher.file(&relative, len);
         let mut copy = match copy_to {
             Some(root) => {
                 let target = root.join(&relative);
@@ -398,7 +457,9 @@ fn digest_into(
             ));
         }
     }
-    Ok(hex::encode(hasher.finalize()))
+    Ok(hasher
+        .finish()
+        .expect("every file was given the bytes it declared"))
 }
 
 #[cfg(test)]

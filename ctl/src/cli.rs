@@ -227,6 +227,27 @@ pub(crate) enum AdapterCmd {
         #[arg(long)]
         tenant: Option<String>,
     },
+    /// Uploads a PEFT adapter directory to an object store (an artifact is
+    /// immutable: the prefix must be empty) and registers it in one step,
+    /// with a progress bar; credentials from the AWS chain.
+    Push {
+        dir: PathBuf,
+        /// The artifact's URI, s3://bucket/prefix/..., inside one of the
+        /// gateway's --artifact-store entries.
+        #[arg(long)]
+        to: String,
+        #[arg(long)]
+        name: String,
+        #[arg(long)]
+        base_model: String,
+        #[arg(long)]
+        version: Option<u32>,
+        #[arg(long)]
+        tenant: Option<String>,
+        /// An S3-compatible server's URL (default: AWS, or AWS_ENDPOINT_URL).
+        #[arg(long, env = "LORAFLEET_ARTIFACT_STORE_ENDPOINT")]
+        endpoint: Option<String>,
+    },
     /// Stops routing to a version; requests already running finish.
     Retire { lora_int_id: i64 },
     /// Prints the artifact digest of a local adapter directory, as the

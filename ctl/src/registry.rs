@@ -173,6 +173,39 @@ pub(crate) const ADAPTER_COLUMNS: &[&str] = &[
     "artifact_uri",
 ];
 
+/// Uploads `dir` to the object at `uri` with a progress bar; its digest.
+async fn push(dir: &Path, uri: &str, endpoint: Option<String>) -> Result<String, Failure> {
+    let bucket = uri
+        .strip_prefix("s3://")
+        .and_then(|rest| rest.split('/').next())
+        .filter(|b| !b.is_empty())
+        .ok_or_else(|| {
+            fail(
+                USAGE,
+                format!("--to: {uri:?} must be s3://bucket/prefix/..."),
+            )
+        })?;
+    let spec: lorafleet_store::StoreSpec = format!("push=s3://{bucket}")
+        .parse()
+        .map_err(|e: String| fail(USAGE, format!("--to: {e}")))?;
+    let stores = lorafleet_store::ObjectStores::new(
+        &[spec],
+        lorafleet_store::FetchOptions {
+            endpoint,
+            ..Default::default()
+        },
+    )
+    .map_err(|e| fail(USAGE, e))?;
+    let bar = progress_bar("uploading artifact");
+    let pushed = lorafleet_store::push_dir(&stores, dir, uri, &mut |p| {
+        bar.set_length(p.total);
+        bar.set_position(p.sent);
+    })
+    .await;
+    bar.finish_and_clear();
+    pushed.map_err(|e| fail(1, format!("--to {uri}: {e}")))
+}
+
 pub(crate) async fn adapters(c: &Client, cmd: AdapterCmd) -> Result<(), Failure> {
     match cmd {
         AdapterCmd::List { name, base_model } => {
@@ -218,6 +251,36 @@ pub(crate) async fn adapters(c: &Client, cmd: AdapterCmd) -> Result<(), Failure>
                     "artifact_sha256",
                 ],
             );
+        }
+        AdapterCmd::Push {
+            dir,
+            to,
+            name,
+            base_model,
+            version,
+            tenant,
+            endpoint,
+        } => {
+            let digest = push(&dir, &to, endpoint).await?;
+            let new = NewAdapter {
+                name,
+                version,
+                base_model,
+                tenant,
+                artifact_uri: to,
+            };
+            let adapter: AdapterRow = c.post_as("/adapters", &new).await?;
+            // The registry hashed what it fetched back: the bytes sent.
+            if adapter.artifact_sha256 != digest {
+                return Err(fail(
+                    1,
+                    format!(
+                        "the registered digest {} is not the pushed directory's {digest}: the objects changed after the upload",
+                        adapter.artifact_sha256
+                    ),
+                ));
+            }
+            show_one(c, &as_json(&adapter), ADAPTER_COLUMNS);
         }
         AdapterCmd::Retire { lora_int_id } => {
             let adapter: AdapterRow = c

@@ -138,6 +138,7 @@ fn main() {
             channel: String::new(),
             jwt: std::sync::Arc::new(jwt),
             artifact_roots: None,
+            artifact_stores: lorafleet_store::ObjectStores::none(),
             max_lora_rank: 64,
             fleet: Fleet::new(Policy::default(), lorafleet_gateway::router::fleet::Transport::Plaintext),
         });

@@ -49,6 +49,9 @@ reasons! {
     ArtifactUnreadable => "artifact_unreadable",
     /// The artifact's bytes do not hash to the registered digest.
     ArtifactDigestMismatch => "artifact_digest_mismatch",
+    /// The object store holding the artifact failed or did not answer in
+    /// time, after its retries.
+    ArtifactStoreUnavailable => "artifact_store_unavailable",
     /// The adapter was trained on another base model.
     AdapterBaseHashMismatch => "adapter_base_hash_mismatch",
     /// The adapter's rank is above the worker's maximum.

@@ -12,6 +12,7 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{AssertSqlSafe, ConnectOptions, Connection, Executor, PgConnection};
 
 pub mod browser;
+pub mod s3;
 
 /// The default server URL; trust auth on loopback.
 pub const DEFAULT_ADMIN_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";

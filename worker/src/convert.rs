@@ -386,6 +386,12 @@ fn artifact_parts(e: &ArtifactError) -> Parts {
                 "adapter.artifact_uri: the artifact cannot be read".into(),
             )
         }
+        ArtifactError::StoreUnavailable { .. } => (
+            Code::Unavailable,
+            Reason::ArtifactStoreUnavailable,
+            uri(),
+            format!("adapter.artifact_uri: {e}"),
+        ),
         ArtifactError::DigestMismatch { .. } => {
             tracing::warn!(error = %e, "adapter artifact digest mismatch");
             (
@@ -716,6 +722,10 @@ mod tests {
             }),
             Refusal::Artifact(ArtifactError::OutsideRoots { uri: "x".into() }),
             Refusal::Artifact(ArtifactError::NotFound { uri: "x".into() }),
+            Refusal::Artifact(ArtifactError::StoreUnavailable {
+                uri: "s3://b/x".into(),
+                reason: "timed out".into(),
+            }),
             Refusal::Artifact(ArtifactError::Unreadable {
                 path: "/secret/path".into(),
                 source: io(),

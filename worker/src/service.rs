@@ -29,6 +29,8 @@ const LOAD_WAIT: Duration = Duration::from_secs(60);
 pub struct WorkerService {
     engine: EngineHandle,
     roots: ArtifactRoots,
+    /// The object stores `s3://` artifact URIs may name.
+    stores: lorafleet_store::ObjectStores,
     /// This worker's private copies of verified artifacts, one directory
     /// per (lora_int_id, digest): the pool reads adapters only from here.
     cache: Arc<std::path::PathBuf>,
@@ -64,6 +66,7 @@ impl WorkerService {
         WorkerService {
             engine,
             roots,
+            stores: lorafleet_store::ObjectStores::none(),
             cache: Arc::new(cache),
             info: Arc::new(info),
             verified: Arc::default(),
@@ -94,6 +97,12 @@ impl WorkerService {
             d.lora_int_id,
             d.artifact_sha256.to_ascii_lowercase()
         ))
+    }
+
+    /// The object stores `s3://` artifact URIs may name (none by default).
+    pub fn with_stores(mut self, stores: lorafleet_store::ObjectStores) -> Self {
+        self.stores = stores;
+        self
     }
 
     /// Generate streams not yet delivered to the end; drain waits for zero.
@@ -134,17 +143,34 @@ impl WorkerService {
         }
         let (roots, info, desc) = (self.roots.clone(), self.info.clone(), d.clone());
         let copy = self.copy_dir(d);
+        let count_mismatch = |e: &ArtifactError| {
+            if matches!(e, ArtifactError::DigestMismatch { .. }) {
+                metrics::counter!("lorafleet_adapter_digest_mismatches_total").increment(1);
+            }
+        };
+        // From an object store: fetched into the private copy, hashed as
+        // it is written, and kept only if the digest matches.
+        let fetched = if lorafleet_store::is_object_uri(&d.artifact_uri) {
+            let _ = tokio::fs::remove_dir_all(&copy).await;
+            self.stores
+                .fetch_verified(&d.artifact_uri, Some(&d.artifact_sha256), &copy)
+                .await
+                .inspect_err(count_mismatch)?;
+            true
+        } else {
+            false
+        };
         let (dir, adapter) = tokio::task::spawn_blocking(move || -> Result<_, Refusal> {
             // The bytes hashed are the bytes kept: a private copy, so a
             // file changed in the artifact root later is never read.
-            let _ = std::fs::remove_dir_all(&copy);
-            let dir = roots
-                .copy_verified(&desc.artifact_uri, &desc.artifact_sha256, &copy)
-                .inspect_err(|e| {
-                    if matches!(e, ArtifactError::DigestMismatch { .. }) {
-                        metrics::counter!("lorafleet_adapter_digest_mismatches_total").increment(1);
-                    }
-                })?;
+            let dir = if fetched {
+                copy
+            } else {
+                let _ = std::fs::remove_dir_all(&copy);
+                roots
+                    .copy_verified(&desc.artifact_uri, &desc.artifact_sha256, &copy)
+                    .inspect_err(count_mismatch)?
+            };
             // Parsed once, here, so a bad adapter fails this call with a
             // precise status; the pool takes this parse into its host tier.
             let limits = AdapterLimits {

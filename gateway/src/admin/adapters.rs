@@ -58,7 +58,23 @@ pub(super) fn inspect_artifact(
     architecture: &str,
     max_lora_rank: usize,
 ) -> Result<Inspected, AdminError> {
-    let dir = roots.resolve(uri).map_err(|e| match e {
+    let dir = roots.resolve(uri).map_err(|e| artifact_refusal(uri, e))?;
+    let digest = roots.digest(&dir).map_err(|e| {
+        AdminError::unprocessable(AdminCode::ArtifactUnreadable, "artifact_uri", e.to_string())
+    })?;
+    inspect_dir(
+        &dir,
+        digest,
+        adapter_name,
+        base_model,
+        architecture,
+        max_lora_rank,
+    )
+}
+
+/// An artifact the admin plane could not reach or read, by field.
+fn artifact_refusal(uri: &str, e: ArtifactError) -> AdminError {
+    match e {
         ArtifactError::OutsideRoots { .. } => AdminError::unprocessable(
             AdminCode::ArtifactOutsideRoot,
             "artifact_uri",
@@ -77,7 +93,61 @@ pub(super) fn inspect_artifact(
             "artifact_uri",
             other.to_string(),
         ),
-    })?;
+    }
+}
+
+/// Fetches an artifact from its object store into a private directory
+/// (hashed as it is written) and checks it as [`inspect_artifact`] does.
+async fn inspect_object(
+    stores: &lorafleet_store::ObjectStores,
+    uri: &str,
+    adapter_name: &str,
+    base_model: &str,
+    architecture: &str,
+    max_lora_rank: usize,
+) -> Result<Inspected, AdminError> {
+    let dir = std::env::temp_dir().join(format!(
+        "lorafleet-registration-{}-{}",
+        std::process::id(),
+        uuid::Uuid::new_v4()
+    ));
+    let refused = |e: ArtifactError| match e {
+        ArtifactError::NotFound { .. } => AdminError::unprocessable(
+            AdminCode::ArtifactNotFound,
+            "artifact_uri",
+            format!("{uri:?}: the store holds no object under it"),
+        ),
+        other => artifact_refusal(uri, other),
+    };
+    let digest = stores
+        .fetch_verified(uri, None, &dir)
+        .await
+        .map_err(refused)?;
+    let (name, base, arch, d) = (
+        adapter_name.to_owned(),
+        base_model.to_owned(),
+        architecture.to_owned(),
+        dir.clone(),
+    );
+    let inspected = tokio::task::spawn_blocking(move || {
+        inspect_dir(&d, digest, &name, &base, &arch, max_lora_rank)
+    })
+    .await
+    .map_err(AdminError::internal);
+    let _ = tokio::fs::remove_dir_all(&dir).await;
+    inspected?
+}
+
+/// [`inspect_artifact`] on a directory already resolved (or fetched) and
+/// hashed to `digest`.
+fn inspect_dir(
+    dir: &std::path::Path,
+    digest: String,
+    adapter_name: &str,
+    base_model: &str,
+    architecture: &str,
+    max_lora_rank: usize,
+) -> Result<Inspected, AdminError> {
     let config_param = "adapter_config.json";
     let text = std::fs::read_to_string(dir.join("adapter_config.json")).map_err(|e| {
         AdminError::unprocessable(
@@ -156,9 +226,6 @@ pub(super) fn inspect_artifact(
         .iter()
         .map(|p| p.module_name().to_owned())
         .collect();
-    let digest = roots.digest(&dir).map_err(|e| {
-        AdminError::unprocessable(AdminCode::ArtifactUnreadable, "artifact_uri", e.to_string())
-    })?;
     Ok(Inspected {
         rank,
         alpha: config.lora_alpha,
@@ -217,6 +284,9 @@ fn check_new_adapter(a: &NewAdapter) -> Result<String, AdminError> {
     if a.version == Some(0) {
         return Err(AdminError::field("version", "must be at least 1"));
     }
+    if lorafleet_store::is_object_uri(&a.artifact_uri) {
+        return Ok(a.artifact_uri.clone());
+    }
     let uri = a
         .artifact_uri
         .strip_prefix("file:")
@@ -244,14 +314,18 @@ impl Command for RegisterAdapter {
         let a = self.0;
         let s = cx.state;
         let uri = check_new_adapter(&a)?;
-        let roots = s.artifact_roots.clone().ok_or_else(|| {
-            AdminError::new(
-                AdminCode::NoArtifactRoot,
-                Some("artifact_uri"),
-                "this gateway has no --artifact-root, so it cannot read artifacts to register them"
-                    .into(),
-            )
-        })?;
+        let object = lorafleet_store::is_object_uri(&uri);
+        let roots = match (object, s.artifact_roots.clone()) {
+            (false, None) => {
+                return Err(AdminError::new(
+                    AdminCode::NoArtifactRoot,
+                    Some("artifact_uri"),
+                    "this gateway has no --artifact-root, so it cannot read artifacts to register them"
+                        .into(),
+                ));
+            }
+            (_, roots) => roots,
+        };
         let base: Option<(i64, String)> =
             sqlx::query_as("SELECT id, architecture FROM base_models WHERE name = $1")
                 .bind(&a.base_model)
@@ -265,19 +339,33 @@ impl Command for RegisterAdapter {
             Some(t) => Some(tenant_id(&s.pool, t, "tenant").await?),
             None => None,
         };
-        // Hashing a large artifact is blocking work.
-        let inspected = {
-            let (uri, name, base_model, max) = (
-                a.artifact_uri.clone(),
-                a.name.clone(),
-                a.base_model.clone(),
-                s.max_lora_rank,
-            );
-            tokio::task::spawn_blocking(move || {
-                inspect_artifact(&roots, &uri, &name, &base_model, &architecture, max)
-            })
-            .await
-            .map_err(AdminError::internal)??
+        let inspected = match roots {
+            _ if object => {
+                inspect_object(
+                    &s.artifact_stores,
+                    &uri,
+                    &a.name,
+                    &a.base_model,
+                    &architecture,
+                    s.max_lora_rank,
+                )
+                .await?
+            }
+            Some(roots) => {
+                // Hashing a large artifact is blocking work.
+                let (uri, name, base_model, max) = (
+                    a.artifact_uri.clone(),
+                    a.name.clone(),
+                    a.base_model.clone(),
+                    s.max_lora_rank,
+                );
+                tokio::task::spawn_blocking(move || {
+                    inspect_artifact(&roots, &uri, &name, &base_model, &architecture, max)
+                })
+                .await
+                .map_err(AdminError::internal)??
+            }
+            None => unreachable!("refused above without an artifact root"),
         };
         let tx = cx.db().await?;
         // Serialises version numbering per name.

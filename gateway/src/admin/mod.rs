@@ -111,6 +111,8 @@ pub struct AdminState {
     pub jwt: Arc<JwtConfig>,
     /// Where adapter artifacts live; None turns adapter registration off.
     pub artifact_roots: Option<Arc<ArtifactRoots>>,
+    /// The object stores `s3://` artifacts may be registered from.
+    pub artifact_stores: lorafleet_store::ObjectStores,
     /// The largest LoRA rank any worker pool accepts.
     pub max_lora_rank: usize,
     pub fleet: Fleet,

@@ -40,6 +40,8 @@ pub struct AdminConfig {
     pub listen: SocketAddr,
     pub jwt: Arc<JwtConfig>,
     pub artifact_roots: Option<Arc<ArtifactRoots>>,
+    /// The object stores `s3://` artifacts may be registered from.
+    pub artifact_stores: lorafleet_store::ObjectStores,
     pub max_lora_rank: usize,
     /// The console's session cookie is `Secure`.
     pub secure_cookie: bool,

@@ -222,6 +222,19 @@ pub struct ServeArgs {
     /// artifacts here. Repeatable.
     #[arg(long, env = "LORAFLEET_ARTIFACT_ROOT", value_delimiter = ',')]
     pub artifact_root: Vec<PathBuf>,
+    /// An object store adapter artifacts may be registered from,
+    /// NAME=s3://bucket/prefix; repeatable, the same list as the workers'.
+    /// Credentials come from the AWS chain.
+    #[arg(
+        long = "artifact-store",
+        env = "LORAFLEET_ARTIFACT_STORES",
+        value_delimiter = ','
+    )]
+    pub artifact_stores: Vec<lorafleet_store::StoreSpec>,
+    /// An S3-compatible server's URL for the stores (default: AWS, or
+    /// AWS_ENDPOINT_URL).
+    #[arg(long, env = "LORAFLEET_ARTIFACT_STORE_ENDPOINT")]
+    pub artifact_store_endpoint: Option<String>,
     /// The largest LoRA rank any worker pool accepts; registration refuses
     /// adapters above it.
     #[arg(long, env = "LORAFLEET_MAX_LORA_RANK", default_value_t = 64)]
@@ -261,6 +274,14 @@ impl ServeArgs {
         let jwt = self.jwt.config()?;
         let admin = self.admin_key()?;
         let artifact_roots = artifact_roots(&self.artifact_root)?;
+        let artifact_stores = lorafleet_store::ObjectStores::new(
+            &self.artifact_stores,
+            lorafleet_store::FetchOptions {
+                endpoint: self.artifact_store_endpoint.clone(),
+                ..Default::default()
+            },
+        )
+        .map_err(|e| FlagError::new("--artifact-store", e))?;
         ensure(
             self.max_lora_rank > 0,
             "--max-lora-rank",
@@ -270,6 +291,7 @@ impl ServeArgs {
             listen,
             jwt: Arc::new(jwt),
             artifact_roots,
+            artifact_stores,
             max_lora_rank: self.max_lora_rank,
             secure_cookie: !self.console_insecure_cookie,
         });

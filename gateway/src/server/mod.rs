@@ -326,6 +326,7 @@ async fn admin_state(
         channel,
         jwt: a.jwt.clone(),
         artifact_roots: a.artifact_roots.clone(),
+        artifact_stores: a.artifact_stores.clone(),
         max_lora_rank: a.max_lora_rank,
         fleet: state.fleet.clone(),
     })

@@ -230,6 +230,7 @@ fn kind_of(reason: Reason, field: Option<String>) -> UpstreamErrorKind {
         | Reason::ArtifactNotFound
         | Reason::ArtifactUnreadable
         | Reason::ArtifactDigestMismatch
+        | Reason::ArtifactStoreUnavailable
         | Reason::AdapterBaseHashMismatch
         | Reason::AdapterRankTooLarge
         | Reason::AdapterRankMismatch

@@ -58,6 +58,8 @@ pub struct Plane {
     pub root: tempfile::TempDir,
     pub secret: PathBuf,
     pub admin_token: String,
+    /// The environment every lorafleetctl run gets (the plane's `Extra`).
+    pub env: Vec<(String, String)>,
     pub pool: sqlx::PgPool,
     pub _spools: Vec<tempfile::TempDir>,
     pub _secret_dir: tempfile::TempDir,
@@ -126,6 +128,26 @@ pub async fn plane_on(label: &str, workers: usize, model: &str) -> Plane {
 /// The plane with `gateways` gateway replicas (each told there are that
 /// many) and `workers` workers on the fixture model `model`.
 pub async fn plane_sized(label: &str, gateways: usize, workers: usize, model: &str) -> Plane {
+    plane_with(label, gateways, workers, model, &Extra::default()).await
+}
+
+/// What a test adds to every worker and gateway of its plane: environment
+/// variables and flags.
+#[derive(Debug, Default, Clone)]
+pub struct Extra {
+    pub env: Vec<(String, String)>,
+    pub worker_args: Vec<String>,
+    pub gateway_args: Vec<String>,
+}
+
+/// [`plane_sized`] with `extra` environment and flags.
+pub async fn plane_with(
+    label: &str,
+    gateways: usize,
+    workers: usize,
+    model: &str,
+    extra: &Extra,
+) -> Plane {
     let replicas = gateways.to_string();
     let db = migrated_db(label).await;
     let pool = db.pool().await;
@@ -146,7 +168,9 @@ pub async fn plane_sized(label: &str, gateways: usize, workers: usize, model: &s
                 .arg("--model")
                 .arg(fixtures.join(model))
                 .arg("--artifact-root")
-                .arg(root.path());
+                .arg(root.path())
+                .args(&extra.worker_args)
+                .envs(extra.env.iter().cloned());
             Server::start(cmd, "lorafleet-worker listening ")
         })
         .collect();
@@ -182,7 +206,9 @@ pub async fn plane_sized(label: &str, gateways: usize, workers: usize, model: &s
             .arg("--artifact-root")
             .arg(root.path())
             .arg("--audit-spool")
-            .arg(spool.path());
+            .arg(spool.path())
+            .args(&extra.gateway_args)
+            .envs(extra.env.iter().cloned());
         started_gateways.push(Server::start(cmd, "lorafleet-gateway listening "));
         spools.push(spool);
     }
@@ -195,6 +221,7 @@ pub async fn plane_sized(label: &str, gateways: usize, workers: usize, model: &s
         root,
         secret,
         admin_token: String::new(),
+        env: extra.env.clone(),
         pool,
         _spools: spools,
         _secret_dir: secret_dir,
@@ -287,7 +314,8 @@ impl Plane {
         let mut cmd = Command::new(binary("lorafleetctl"));
         cmd.args(args)
             .env_remove("LORAFLEET_ADMIN_TOKEN")
-            .env("LORAFLEET_ADMIN_URL", self.admin_url(0));
+            .env("LORAFLEET_ADMIN_URL", self.admin_url(0))
+            .envs(self.env.iter().cloned());
         if let Some(t) = token {
             cmd.env("LORAFLEET_ADMIN_TOKEN", t);
         }

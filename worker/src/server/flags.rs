@@ -27,6 +27,35 @@ pub struct ServeArgs {
         required = true
     )]
     pub artifact_roots: Vec<PathBuf>,
+    /// An object store artifact URIs may name, NAME=s3://bucket/prefix;
+    /// repeat for more (env: comma-separated). The same list as the
+    /// gateways'. Credentials come from the AWS chain (environment, web
+    /// identity, instance metadata).
+    #[arg(
+        long = "artifact-store",
+        env = "LORAFLEET_ARTIFACT_STORES",
+        value_delimiter = ','
+    )]
+    pub artifact_stores: Vec<lorafleet_store::StoreSpec>,
+    /// An S3-compatible server's URL for the stores (default: AWS, or
+    /// AWS_ENDPOINT_URL).
+    #[arg(long, env = "LORAFLEET_ARTIFACT_STORE_ENDPOINT")]
+    pub artifact_store_endpoint: Option<String>,
+    /// The deadline of one artifact fetch from a store, listing and every
+    /// object, in seconds.
+    #[arg(
+        long,
+        env = "LORAFLEET_ARTIFACT_FETCH_TIMEOUT_SECS",
+        default_value_t = 300
+    )]
+    pub artifact_fetch_timeout_secs: u64,
+    /// Artifact fetches from stores at once; more wait their turn.
+    #[arg(
+        long,
+        env = "LORAFLEET_ARTIFACT_FETCH_CONCURRENCY",
+        default_value_t = 8
+    )]
+    pub artifact_fetch_concurrency: usize,
     /// Where to serve gRPC. Port 0 picks a free port, printed on stdout.
     #[arg(long, env = "LORAFLEET_GRPC_LISTEN", default_value = "0.0.0.0:50051")]
     pub grpc_listen: SocketAddr,
@@ -277,9 +306,30 @@ impl ServeArgs {
         let backend = self.engine.backend()?;
         let artifact_roots = ArtifactRoots::new(&self.artifact_roots)
             .map_err(|e| FlagError::new("--artifact-root", e.to_string()))?;
+        ensure(
+            self.artifact_fetch_timeout_secs > 0,
+            "--artifact-fetch-timeout-secs",
+            "must be at least 1",
+        )?;
+        ensure(
+            self.artifact_fetch_concurrency > 0,
+            "--artifact-fetch-concurrency",
+            "must be at least 1",
+        )?;
+        let artifact_stores = lorafleet_store::ObjectStores::new(
+            &self.artifact_stores,
+            lorafleet_store::FetchOptions {
+                endpoint: self.artifact_store_endpoint.clone(),
+                concurrency: self.artifact_fetch_concurrency,
+                timeout: Duration::from_secs(self.artifact_fetch_timeout_secs),
+                ..Default::default()
+            },
+        )
+        .map_err(|e| FlagError::new("--artifact-store", e))?;
         Ok(WorkerConfig {
             model: self.model.clone(),
             artifact_roots,
+            artifact_stores,
             grpc_listen: self.grpc_listen,
             metrics_listen: self.metrics_listen,
             health_listen: self.health_listen,

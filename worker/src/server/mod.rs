@@ -85,6 +85,8 @@ pub struct WorkerConfig {
     /// The base model directory.
     pub model: PathBuf,
     pub artifact_roots: ArtifactRoots,
+    /// The object stores artifact URIs may name (`s3://`).
+    pub artifact_stores: lorafleet_store::ObjectStores,
     pub grpc_listen: SocketAddr,
     pub metrics_listen: SocketAddr,
     pub health_listen: SocketAddr,
@@ -239,7 +241,8 @@ pub async fn start(config: WorkerConfig, listeners: Listeners) -> Result<Running
         cache.clone(),
         info,
         draining.clone(),
-    );
+    )
+    .with_stores(config.artifact_stores.clone());
     let in_flight = service.in_flight();
     let (reporter, health_service) = lorafleet_proto::health::health_reporter();
     reporter

@@ -34,10 +34,10 @@ enum Command {
     },
     /// Runs every request of a JSONL file as one continuous mixed batch and
     /// writes the results in input order.
-    Generate(generate::GenerateArgs),
+    Generate(Box<generate::GenerateArgs>),
     /// Serves the model and its adapters over gRPC (lorafleet.worker.v1 and
     /// grpc.health.v1) until SIGTERM, then drains.
-    Serve(lorafleet_worker::server::ServeArgs),
+    Serve(Box<lorafleet_worker::server::ServeArgs>),
     /// Asks a worker's grpc.health.v1 whether it is SERVING; exit 0 if so.
     /// For container health checks, on the plain-text `--health-listen`.
     Health {
@@ -51,7 +51,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::BaseHash { model } => base_hash(&model),
-        Command::Generate(args) => generate::run(args),
+        Command::Generate(args) => generate::run(*args),
         Command::Health { addr } => tokio::runtime::Runtime::new()
             .map_err(anyhow::Error::from)
             .and_then(|rt| rt.block_on(health(&addr))),
@@ -60,7 +60,7 @@ fn main() -> ExitCode {
             .and_then(|rt| {
                 rt.block_on(async {
                     let _telemetry = lorafleet_telemetry::init("lorafleet-worker")?;
-                    serve::run(args).await
+                    serve::run(*args).await
                 })
             }),
     };
