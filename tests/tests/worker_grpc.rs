@@ -207,6 +207,11 @@ async fn concurrent_adapter_streams_match_the_goldens_and_bad_artifacts_are_refu
         (
             bad(|d| d.artifact_uri = "s3://bucket/qv-r8".into()),
             Code::InvalidArgument,
+            "--artifact-store",
+        ),
+        (
+            bad(|d| d.artifact_uri = "ftp://host/qv-r8".into()),
+            Code::InvalidArgument,
             "file: URIs",
         ),
         (
