@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::admin::artifact_roots;
+use super::artifact_flags::ArtifactFlags;
 use crate::audit::{self, AuditConfig};
 use crate::auth::{self, JwtArgs};
 use crate::flag_error::{FlagError, ensure};
@@ -218,23 +218,8 @@ pub struct ServeArgs {
     pub console_insecure_cookie: bool,
     #[command(flatten)]
     pub admin_jwt: AdminJwtArgs,
-    /// Directory holding adapter artifacts; registration reads and digests
-    /// artifacts here. Repeatable.
-    #[arg(long, env = "LORAFLEET_ARTIFACT_ROOT", value_delimiter = ',')]
-    pub artifact_root: Vec<PathBuf>,
-    /// An object store adapter artifacts may be registered from,
-    /// NAME=s3://bucket/prefix; repeatable, the same list as the workers'.
-    /// Credentials come from the AWS chain.
-    #[arg(
-        long = "artifact-store",
-        env = "LORAFLEET_ARTIFACT_STORES",
-        value_delimiter = ','
-    )]
-    pub artifact_stores: Vec<lorafleet_store::StoreSpec>,
-    /// An S3-compatible server's URL for the stores (default: AWS, or
-    /// AWS_ENDPOINT_URL).
-    #[arg(long, env = "LORAFLEET_ARTIFACT_STORE_ENDPOINT")]
-    pub artifact_store_endpoint: Option<String>,
+    #[command(flatten)]
+    pub artifacts: ArtifactFlags,
     /// The largest LoRA rank any worker pool accepts; registration refuses
     /// adapters above it.
     #[arg(long, env = "LORAFLEET_MAX_LORA_RANK", default_value_t = 64)]
@@ -273,15 +258,7 @@ impl ServeArgs {
         let per_tenant = self.per_tenant()?;
         let jwt = self.jwt.config()?;
         let admin = self.admin_key()?;
-        let artifact_roots = artifact_roots(&self.artifact_root)?;
-        let artifact_stores = lorafleet_store::ObjectStores::new(
-            &self.artifact_stores,
-            lorafleet_store::FetchOptions {
-                endpoint: self.artifact_store_endpoint.clone(),
-                ..Default::default()
-            },
-        )
-        .map_err(|e| FlagError::new("--artifact-store", e))?;
+        let (artifact_roots, artifact_stores) = self.artifacts.validate()?;
         ensure(
             self.max_lora_rank > 0,
             "--max-lora-rank",

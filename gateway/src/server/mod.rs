@@ -5,6 +5,7 @@
 //! flags, waits for a signal and calls these; a test starts a gateway in
 //! process on port 0 the same way.
 
+mod artifact_flags;
 mod config;
 mod flags;
 mod worker_tls;
