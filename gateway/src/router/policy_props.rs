@@ -51,7 +51,11 @@ proptest! {
             prop_assert!(views[i].eligible, "worker {i} is not eligible but was chosen");
         }
         let total: u64 = eligible.iter().map(|&i| u64::from(views[i].load)).sum();
-        let bound = (load_factor * (total + 1) as f64 / eligible.len() as f64).ceil();
+        // The policy's bound, with its floor (an idle fleet's bound is never
+        // below MIN_BOUND).
+        let bound = (load_factor * (total + 1) as f64 / eligible.len() as f64)
+            .ceil()
+            .max(crate::router::policy::MIN_BOUND);
         let under = |i: usize| f64::from(views[i].load) + 1.0 <= bound;
         let first = decision.order[0];
         if decision.reason == Reason::Saturated {
