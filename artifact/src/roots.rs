@@ -105,6 +105,12 @@ impl ArtifactRoots {
         Ok(ArtifactRoots { roots: out })
     }
 
+    /// No roots at all: every file URI is refused (a worker that reads
+    /// artifacts from object stores only).
+    pub fn none() -> ArtifactRoots {
+        ArtifactRoots { roots: Vec::new() }
+    }
+
     pub fn roots(&self) -> &[PathBuf] {
         &self.roots
     }

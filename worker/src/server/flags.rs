@@ -19,12 +19,13 @@ pub struct ServeArgs {
     /// The base model directory (config.json, *.safetensors, tokenizer.json).
     #[arg(long, env = "LORAFLEET_MODEL")]
     pub model: PathBuf,
-    /// A directory adapter artifact URIs resolve in; repeat for more (env: comma-separated).
+    /// A directory adapter artifact URIs resolve in; repeat for more (env:
+    /// comma-separated). Optional when `--artifact-store` is given.
     #[arg(
         long = "artifact-root",
         env = "LORAFLEET_ARTIFACT_ROOTS",
         value_delimiter = ',',
-        required = true
+        required_unless_present = "artifact_stores"
     )]
     pub artifact_roots: Vec<PathBuf>,
     /// An object store artifact URIs may name, NAME=s3://bucket/prefix;
@@ -304,8 +305,12 @@ impl ServeArgs {
         )?;
         let settings = self.engine.settings()?;
         let backend = self.engine.backend()?;
-        let artifact_roots = ArtifactRoots::new(&self.artifact_roots)
-            .map_err(|e| FlagError::new("--artifact-root", e.to_string()))?;
+        let artifact_roots = if self.artifact_roots.is_empty() {
+            ArtifactRoots::none()
+        } else {
+            ArtifactRoots::new(&self.artifact_roots)
+                .map_err(|e| FlagError::new("--artifact-root", e.to_string()))?
+        };
         ensure(
             self.artifact_fetch_timeout_secs > 0,
             "--artifact-fetch-timeout-secs",
@@ -373,6 +378,32 @@ mod tests {
             roots,
         ];
         Cli::try_parse_from(base.iter().chain(flags)).unwrap().serve
+    }
+
+    /// A worker that reads artifacts from object stores only needs no
+    /// artifact root; one with neither is refused.
+    #[test]
+    fn an_object_store_makes_the_artifact_root_optional() {
+        let base = [
+            "serve",
+            "--insecure-plaintext",
+            "--worker-id",
+            "w",
+            "--model",
+            "/m",
+        ];
+        let stores = ["--artifact-store", "fleet=s3://adapters/prod"];
+        let args = Cli::try_parse_from(base.iter().chain(&stores))
+            .unwrap()
+            .serve;
+        assert!(args.artifact_roots.is_empty());
+        assert_eq!(args.artifact_stores[0].bucket, "adapters");
+        let e = Cli::try_parse_from(base.iter()).unwrap_err().to_string();
+        assert!(e.contains("--artifact-root"), "{e}");
+        let e = Cli::try_parse_from(base.iter().chain(&["--artifact-store", "fleet=s3://A/x"]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("not a valid bucket name"), "{e}");
     }
 
     #[test]
