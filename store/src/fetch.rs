@@ -60,6 +60,13 @@ impl ObjectStores {
         let outcome = match verified {
             Ok((digest, bytes)) => match tokio::fs::rename(&partial, dest).await {
                 Ok(()) => {
+                    tracing::info!(
+                        store = %store,
+                        uri,
+                        bytes,
+                        ms = started.elapsed().as_millis() as u64,
+                        "artifact fetched"
+                    );
                     metrics::counter!("lorafleet_artifact_fetch_bytes_total", "store" => store.clone())
                         .increment(bytes);
                     Ok(digest)

@@ -554,6 +554,13 @@ impl Drop for Server {
 }
 
 impl Server {
+    /// Kills the process and waits for it (what dropping it does, without
+    /// giving up the value).
+    pub fn stop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
     /// Starts `cmd` and waits (up to 60 s) for its ready line on stdout.
     pub fn start(mut cmd: Command, ready_prefix: &str) -> Server {
         use std::io::{BufRead, BufReader};

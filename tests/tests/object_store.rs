@@ -3,7 +3,8 @@
 //! adapters push` uploads a PEFT directory and registers it (the gateway
 //! fetches it back and checks it as it checks a file artifact); a tenant's
 //! completion through the gateway, the worker fetching the adapter from
-//! the bucket into its verified cache, gives the goldens' text; an object
+//! the bucket into its verified cache, gives the goldens' text, and so does
+//! a restarted worker (empty cache, fetched again); an object
 //! changed after registration, a missing object and a store that stops
 //! answering are each refused with a clear error while the adapter already
 //! fetched keeps serving; URIs outside the allowed stores and a push over
@@ -64,7 +65,7 @@ async fn adapters_in_a_bucket_are_pushed_served_and_refused_when_changed_missing
         gateway_args: Vec::new(),
     };
     let expected = generate_goldens("golden.json", "llama-gqa", "llama-gqa", &[ADAPTER], 6);
-    let p = plane_with("object_store", 1, 1, "llama-gqa", &extra).await;
+    let mut p = plane_with("object_store", 1, 1, "llama-gqa", &extra).await;
     p.ctl_json(&["tenants", "create", "acme"]);
     let key = p.ctl_json(&["keys", "create", "acme"])["key"]
         .as_str()
@@ -173,6 +174,22 @@ async fn adapters_in_a_bucket_are_pushed_served_and_refused_when_changed_missing
     // Once the store answers again, the stalled adapter is fetched.
     p.until_status(0, &key, "stalled", 200).await;
 
+    // A restarted worker (a new process, an empty cache, the same address)
+    // fetches from the bucket again and serves the same text.
+    let addr = p.worker.addr("grpc").to_owned();
+    p.worker.stop();
+    p.worker = restarted_worker(&addr, &p, &extra);
+    assert_gateway_gives(&p, &key, &expected, |adapter| match adapter {
+        Some(_) => "support",
+        None => "base",
+    })
+    .await;
+    let log = p.worker.log_text();
+    assert!(
+        log.contains("artifact fetched") && log.contains("support/v1"),
+        "{log}"
+    );
+
     // Refused by field: a bucket no store allows, and a push over an
     // existing artifact (artifacts are immutable).
     p.ctl(&[
@@ -202,4 +219,31 @@ async fn adapters_in_a_bucket_are_pushed_served_and_refused_when_changed_missing
     ]);
     assert_ne!(again.code, 0);
     assert!(again.stderr.contains("immutable"), "{}", again.stderr);
+}
+
+/// A worker as the plane starts it, listening on `addr`.
+fn restarted_worker(addr: &str, p: &Plane, extra: &Extra) -> lorafleet_tests::Server {
+    let c = lorafleet_tests::certs();
+    let mut cmd = std::process::Command::new(lorafleet_tests::binary("lorafleet-worker"));
+    cmd.args(["serve", "--grpc-listen", addr])
+        .args([
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--health-listen",
+            "127.0.0.1:0",
+        ])
+        .arg("--tls-cert")
+        .arg(c.path("worker.pem"))
+        .arg("--tls-key")
+        .arg(c.path("worker-key.pem"))
+        .arg("--tls-client-ca")
+        .arg(c.path("ca.pem"))
+        .args(["--worker-id", "w0", "--max-loras", "2"])
+        .arg("--model")
+        .arg(engine_fixtures().join("llama-gqa"))
+        .arg("--artifact-root")
+        .arg(p.root.path())
+        .args(&extra.worker_args)
+        .envs(extra.env.iter().cloned());
+    lorafleet_tests::Server::start(cmd, "lorafleet-worker listening ")
 }
