@@ -66,7 +66,7 @@ fn main() {
     for i in 0..n {
         write_adapter(&root.join(format!("a{i:02}")), bytes, i as u64);
     }
-    let roots = ArtifactRoots::new(&[root.clone()]).unwrap();
+    let roots = ArtifactRoots::new(std::slice::from_ref(&root)).unwrap();
     let spec: StoreSpec = "bench=s3://bench/prod".parse().unwrap();
     let rt = tokio::runtime::Runtime::new().unwrap();
     let stores = |concurrency: usize| {
@@ -153,8 +153,8 @@ fn main() {
     }
     let t = Instant::now();
     std::thread::scope(|s| {
-        for i in 0..n {
-            let (roots, d, want) = (&roots, dest("disk-all", i), &digests[i]);
+        for (i, want) in digests.iter().enumerate() {
+            let (roots, d) = (&roots, dest("disk-all", i));
             s.spawn(move || roots.copy_verified(&format!("a{i:02}"), want, &d).unwrap());
         }
     });
