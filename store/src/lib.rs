@@ -19,6 +19,7 @@
 //! are never logged; `AWS_ENDPOINT_URL` points the client at an
 //! S3-compatible server.
 
+mod counting;
 mod fetch;
 mod push;
 
@@ -164,6 +165,9 @@ impl ObjectStores {
                 builder = builder.with_endpoint(url);
             }
             let client = builder
+                .with_http_connector(counting::Counting {
+                    store: spec.name.clone(),
+                })
                 .with_client_options(
                     object_store::ClientOptions::new()
                         .with_timeout(options.timeout)

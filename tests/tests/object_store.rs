@@ -174,6 +174,25 @@ async fn adapters_in_a_bucket_are_pushed_served_and_refused_when_changed_missing
     // Once the store answers again, the stalled adapter is fetched.
     p.until_status(0, &key, "stalled", 200).await;
 
+    // What operators watch, by store: bytes fetched, failures by reason,
+    // and the transient errors the client retried.
+    let metrics = reqwest::get(format!("http://{}/metrics", p.worker.addr("metrics")))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for series in [
+        "lorafleet_artifact_fetch_bytes_total{store=\"fleet\"}",
+        "lorafleet_artifact_fetch_seconds_count{store=\"fleet\"}",
+        "reason=\"digest_mismatch\"",
+        "reason=\"not_found\"",
+        "reason=\"unavailable\"",
+        "lorafleet_artifact_store_transient_errors_total{store=\"fleet\"}",
+    ] {
+        assert!(metrics.contains(series), "{series}: {metrics}");
+    }
+
     // A restarted worker (a new process, an empty cache, the same address)
     // fetches from the bucket again and serves the same text.
     let addr = p.worker.addr("grpc").to_owned();
