@@ -73,7 +73,8 @@ async fn migrations_apply_to_an_empty_database_and_rerun_as_a_no_op() {
             (9, true),
             (10, true),
             (11, true),
-            (12, true)
+            (12, true),
+            (13, true)
         ],
         "each migration applied exactly once"
     );
@@ -96,7 +97,7 @@ async fn migrate_takes_the_url_from_the_environment() {
         .fetch_one(&db.pool().await)
         .await
         .unwrap();
-    assert_eq!(n, 12);
+    assert_eq!(n, 13);
 }
 
 #[test]

@@ -495,7 +495,11 @@ async fn an_adapter_needs_an_existing_base_model_and_a_positive_rank() {
         "/etc/passwd",
         "a/../../b",
         "..",
-        "s3://bucket/x",
+        "http://bucket/x",
+        "s3://Bad_Bucket/x",
+        "s3://bucket/../x",
+        "s3://bucket",
+        "s3:///x",
         "file:///abs",
     ] {
         assert_violates(
@@ -507,9 +511,25 @@ async fn an_adapter_needs_an_existing_base_model_and_a_positive_rank() {
         insert(16.0, vec!["q_proj"], "x/v1", "ABC".into()).await,
         "adapters_artifact_sha256_format",
     );
-    insert(16.0, vec!["q_proj", "down_proj"], "file:x/v1", good_sha)
-        .await
-        .expect("a file: URI relative to a root");
+    insert(
+        16.0,
+        vec!["q_proj", "down_proj"],
+        "file:x/v1",
+        good_sha.clone(),
+    )
+    .await
+    .expect("a file: URI relative to a root");
+    // An object store's artifact (which stores are allowed is the
+    // processes' --artifact-store list).
+    sqlx::query(
+        "INSERT INTO adapters (name, version, base_model_id, rank, alpha, target_modules, artifact_uri, artifact_sha256)
+         VALUES ('y', 1, $1, 8, 16, ARRAY['q_proj'], 's3://adapters/prod/acme/v1', $2)",
+    )
+    .bind(base)
+    .bind(good_sha)
+    .execute(&pool)
+    .await
+        .expect("an s3:// URI");
 }
 
 #[tokio::test]
