@@ -149,9 +149,14 @@ impl ObjectStores {
                     .await
                     .map_err(|e| io(dir, e))?;
             }
-            let mut file = tokio::fs::File::create_new(&target)
-                .await
-                .map_err(|e| io(&target, e))?;
+            // Buffered: the stream's chunks are small, and each write to a
+            // tokio file is a trip to the blocking pool.
+            let mut file = tokio::io::BufWriter::with_capacity(
+                1 << 20,
+                tokio::fs::File::create_new(&target)
+                    .await
+                    .map_err(|e| io(&target, e))?,
+            );
             let got = client.get(&meta.location).await.map_err(|e| match e {
                 object_store::Error::NotFound { .. } => ArtifactError::NotFound { uri: uri.into() },
                 other => unavailable(&other),
