@@ -169,9 +169,11 @@ impl ObjectStores {
                     store: spec.name.clone(),
                 })
                 .with_client_options(
+                    // One request gets a third of the fetch's deadline, so
+                    // a stalled request is retried within it.
                     object_store::ClientOptions::new()
-                        .with_timeout(options.timeout)
-                        .with_connect_timeout(Duration::from_secs(10).min(options.timeout))
+                        .with_timeout((options.timeout / 3).max(Duration::from_secs(1)))
+                        .with_connect_timeout(Duration::from_secs(10).min(options.timeout / 3))
                         .with_allow_http(
                             endpoint
                                 .as_deref()
