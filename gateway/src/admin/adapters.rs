@@ -53,23 +53,23 @@ pub(super) struct Inspected {
 pub(super) fn inspect_artifact(
     roots: &ArtifactRoots,
     uri: &str,
-    adapter_name: &str,
-    base_model: &str,
-    architecture: &str,
-    max_lora_rank: usize,
+    expected: &Expected,
 ) -> Result<Inspected, AdminError> {
     let dir = roots.resolve(uri).map_err(|e| artifact_refusal(uri, e))?;
     let digest = roots.digest(&dir).map_err(|e| {
         AdminError::unprocessable(AdminCode::ArtifactUnreadable, "artifact_uri", e.to_string())
     })?;
-    inspect_dir(
-        &dir,
-        digest,
-        adapter_name,
-        base_model,
-        architecture,
-        max_lora_rank,
-    )
+    inspect_dir(&dir, digest, expected)
+}
+
+/// What an artifact is checked against at registration.
+#[derive(Debug, Clone)]
+pub(super) struct Expected {
+    pub(super) adapter_name: String,
+    /// The base model it is registered on, and that model's architecture.
+    pub(super) base_model: String,
+    pub(super) architecture: String,
+    pub(super) max_lora_rank: usize,
 }
 
 /// An artifact the admin plane could not reach or read, by field.
@@ -101,10 +101,7 @@ fn artifact_refusal(uri: &str, e: ArtifactError) -> AdminError {
 async fn inspect_object(
     stores: &lorafleet_store::ObjectStores,
     uri: &str,
-    adapter_name: &str,
-    base_model: &str,
-    architecture: &str,
-    max_lora_rank: usize,
+    expected: Expected,
 ) -> Result<Inspected, AdminError> {
     let dir = std::env::temp_dir().join(format!(
         "lorafleet-registration-{}-{}",
@@ -123,17 +120,10 @@ async fn inspect_object(
         .fetch_verified(uri, None, &dir)
         .await
         .map_err(refused)?;
-    let (name, base, arch, d) = (
-        adapter_name.to_owned(),
-        base_model.to_owned(),
-        architecture.to_owned(),
-        dir.clone(),
-    );
-    let inspected = tokio::task::spawn_blocking(move || {
-        inspect_dir(&d, digest, &name, &base, &arch, max_lora_rank)
-    })
-    .await
-    .map_err(AdminError::internal);
+    let d = dir.clone();
+    let inspected = tokio::task::spawn_blocking(move || inspect_dir(&d, digest, &expected))
+        .await
+        .map_err(AdminError::internal);
     let _ = tokio::fs::remove_dir_all(&dir).await;
     inspected?
 }
@@ -143,11 +133,15 @@ async fn inspect_object(
 fn inspect_dir(
     dir: &std::path::Path,
     digest: String,
-    adapter_name: &str,
-    base_model: &str,
-    architecture: &str,
-    max_lora_rank: usize,
+    expected: &Expected,
 ) -> Result<Inspected, AdminError> {
+    let Expected {
+        adapter_name,
+        base_model,
+        architecture,
+        max_lora_rank,
+    } = expected;
+    let (base_model, max_lora_rank) = (base_model.as_str(), *max_lora_rank);
     let config_param = "adapter_config.json";
     let text = std::fs::read_to_string(dir.join("adapter_config.json")).map_err(|e| {
         AdminError::unprocessable(
@@ -339,31 +333,20 @@ impl Command for RegisterAdapter {
             Some(t) => Some(tenant_id(&s.pool, t, "tenant").await?),
             None => None,
         };
+        let expected = Expected {
+            adapter_name: a.name.clone(),
+            base_model: a.base_model.clone(),
+            architecture,
+            max_lora_rank: s.max_lora_rank,
+        };
         let inspected = match roots {
-            _ if object => {
-                inspect_object(
-                    &s.artifact_stores,
-                    &uri,
-                    &a.name,
-                    &a.base_model,
-                    &architecture,
-                    s.max_lora_rank,
-                )
-                .await?
-            }
+            _ if object => inspect_object(&s.artifact_stores, &uri, expected).await?,
             Some(roots) => {
                 // Hashing a large artifact is blocking work.
-                let (uri, name, base_model, max) = (
-                    a.artifact_uri.clone(),
-                    a.name.clone(),
-                    a.base_model.clone(),
-                    s.max_lora_rank,
-                );
-                tokio::task::spawn_blocking(move || {
-                    inspect_artifact(&roots, &uri, &name, &base_model, &architecture, max)
-                })
-                .await
-                .map_err(AdminError::internal)??
+                let uri = a.artifact_uri.clone();
+                tokio::task::spawn_blocking(move || inspect_artifact(&roots, &uri, &expected))
+                    .await
+                    .map_err(AdminError::internal)??
             }
             None => unreachable!("refused above without an artifact root"),
         };
