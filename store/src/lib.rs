@@ -21,6 +21,8 @@
 
 mod counting;
 mod fetch;
+#[cfg(feature = "clap")]
+mod flags;
 mod push;
 
 use std::sync::Arc;
@@ -30,6 +32,8 @@ use lorafleet_artifact::roots::ArtifactError;
 use object_store::ObjectStore;
 use object_store::aws::AmazonS3Builder;
 
+#[cfg(feature = "clap")]
+pub use flags::StoreFlags;
 pub use push::{PushProgress, push_dir};
 
 /// One allowed store, as an operator writes it: `NAME=s3://bucket/prefix`.

@@ -15,19 +15,8 @@ pub struct ArtifactFlags {
     /// artifacts here. Repeatable.
     #[arg(long, env = "LORAFLEET_ARTIFACT_ROOT", value_delimiter = ',')]
     pub artifact_root: Vec<PathBuf>,
-    /// An object store adapter artifacts may be registered from,
-    /// NAME=s3://bucket/prefix; repeatable, the same list as the workers'.
-    /// Credentials come from the AWS chain.
-    #[arg(
-        long = "artifact-store",
-        env = "LORAFLEET_ARTIFACT_STORES",
-        value_delimiter = ','
-    )]
-    pub artifact_stores: Vec<lorafleet_store::StoreSpec>,
-    /// An S3-compatible server's URL for the stores (default: AWS, or
-    /// AWS_ENDPOINT_URL).
-    #[arg(long, env = "LORAFLEET_ARTIFACT_STORE_ENDPOINT")]
-    pub artifact_store_endpoint: Option<String>,
+    #[command(flatten)]
+    pub stores: lorafleet_store::StoreFlags,
 }
 
 impl ArtifactFlags {
@@ -36,14 +25,10 @@ impl ArtifactFlags {
         &self,
     ) -> Result<(Option<Arc<ArtifactRoots>>, lorafleet_store::ObjectStores), FlagError> {
         let roots = artifact_roots(&self.artifact_root)?;
-        let stores = lorafleet_store::ObjectStores::new(
-            &self.artifact_stores,
-            lorafleet_store::FetchOptions {
-                endpoint: self.artifact_store_endpoint.clone(),
-                ..Default::default()
-            },
-        )
-        .map_err(|e| FlagError::new("--artifact-store", e))?;
+        let stores = self
+            .stores
+            .stores(Default::default())
+            .map_err(|e| FlagError::new("--artifact-store", e))?;
         Ok((roots, stores))
     }
 }

@@ -28,20 +28,8 @@ pub struct ServeArgs {
         required_unless_present = "artifact_stores"
     )]
     pub artifact_roots: Vec<PathBuf>,
-    /// An object store artifact URIs may name, NAME=s3://bucket/prefix;
-    /// repeat for more (env: comma-separated). The same list as the
-    /// gateways'. Credentials come from the AWS chain (environment, web
-    /// identity, instance metadata).
-    #[arg(
-        long = "artifact-store",
-        env = "LORAFLEET_ARTIFACT_STORES",
-        value_delimiter = ','
-    )]
-    pub artifact_stores: Vec<lorafleet_store::StoreSpec>,
-    /// An S3-compatible server's URL for the stores (default: AWS, or
-    /// AWS_ENDPOINT_URL).
-    #[arg(long, env = "LORAFLEET_ARTIFACT_STORE_ENDPOINT")]
-    pub artifact_store_endpoint: Option<String>,
+    #[command(flatten)]
+    pub stores: lorafleet_store::StoreFlags,
     /// The deadline of one artifact fetch from a store, listing and every
     /// object, in seconds.
     #[arg(
@@ -321,16 +309,14 @@ impl ServeArgs {
             "--artifact-fetch-concurrency",
             "must be at least 1",
         )?;
-        let artifact_stores = lorafleet_store::ObjectStores::new(
-            &self.artifact_stores,
-            lorafleet_store::FetchOptions {
-                endpoint: self.artifact_store_endpoint.clone(),
+        let artifact_stores = self
+            .stores
+            .stores(lorafleet_store::FetchOptions {
                 concurrency: self.artifact_fetch_concurrency,
                 timeout: Duration::from_secs(self.artifact_fetch_timeout_secs),
                 ..Default::default()
-            },
-        )
-        .map_err(|e| FlagError::new("--artifact-store", e))?;
+            })
+            .map_err(|e| FlagError::new("--artifact-store", e))?;
         Ok(WorkerConfig {
             model: self.model.clone(),
             artifact_roots,
@@ -397,7 +383,7 @@ mod tests {
             .unwrap()
             .serve;
         assert!(args.artifact_roots.is_empty());
-        assert_eq!(args.artifact_stores[0].bucket, "adapters");
+        assert_eq!(args.stores.artifact_stores[0].bucket, "adapters");
         let e = Cli::try_parse_from(base.iter()).unwrap_err().to_string();
         assert!(e.contains("--artifact-root"), "{e}");
         let e = Cli::try_parse_from(base.iter().chain(&["--artifact-store", "fleet=s3://A/x"]))

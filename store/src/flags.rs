@@ -1,0 +1,35 @@
+//! The stores' command-line flags, the same on the gateway and the worker.
+
+use crate::{FetchOptions, ObjectStores, StoreSpec};
+
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct StoreFlags {
+    /// An object store `s3://` artifact URIs may name,
+    /// NAME=s3://bucket/prefix; repeatable (env: comma-separated), the same
+    /// list on the gateways and the workers. Credentials come from the AWS
+    /// chain (environment, web identity, instance metadata).
+    #[arg(
+        long = "artifact-store",
+        env = "LORAFLEET_ARTIFACT_STORES",
+        value_delimiter = ','
+    )]
+    pub artifact_stores: Vec<StoreSpec>,
+    /// An S3-compatible server's URL for the stores (default: AWS, or
+    /// AWS_ENDPOINT_URL).
+    #[arg(long, env = "LORAFLEET_ARTIFACT_STORE_ENDPOINT")]
+    pub artifact_store_endpoint: Option<String>,
+}
+
+impl StoreFlags {
+    /// The stores' clients, fetching with `options` (whose endpoint these
+    /// flags set).
+    pub fn stores(&self, options: FetchOptions) -> Result<ObjectStores, String> {
+        ObjectStores::new(
+            &self.artifact_stores,
+            FetchOptions {
+                endpoint: self.artifact_store_endpoint.clone(),
+                ..options
+            },
+        )
+    }
+}
