@@ -34,7 +34,7 @@ pub async fn push_dir(
         uri: uri.into(),
         reason: e.to_string(),
     };
-    let (dir2, files) = {
+    let (digest, files) = {
         let dir = dir.to_path_buf();
         tokio::task::spawn_blocking(move || -> Result<_, ArtifactError> {
             let digest = lorafleet_artifact::roots::digest(&dir)?;
@@ -43,7 +43,6 @@ pub async fn push_dir(
         .await
         .map_err(|e| unavailable(&e))??
     };
-    let digest = dir2;
     let prefix = ObjectPath::from(at.key.as_str());
     if let Some(first) = client.list(Some(&prefix)).next().await {
         let first = first.map_err(|e| unavailable(&e))?;
