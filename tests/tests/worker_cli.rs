@@ -443,3 +443,88 @@ fn generate_refuses_a_stats_path_it_cannot_write_before_any_work() {
     );
     assert!(!output.exists(), "no work was done");
 }
+
+/// With one memory budget for KV blocks and adapter slots, the split
+/// follows the work through the real binary: many adapters with short
+/// requests fill slots with most of it, one adapter with long requests
+/// fills KV with most of it; neither passes it, and the tokens are those
+/// of a run with fixed sizes.
+#[test]
+fn generate_under_a_memory_budget_gives_it_to_whichever_side_the_work_needs() {
+    // Four slots of the tiny Llama at rank 16 (118,784 bytes each) and 20
+    // KV blocks of 16 positions (8,192 bytes each).
+    const BUDGET: u64 = 4 * 118_784 + 20 * 8_192;
+    let dir = tempfile::tempdir().unwrap();
+    let adapters = [
+        "qv-r8",
+        "patterns",
+        "layer1-mlp",
+        "all-linear-rslora",
+        "k-r16",
+        "o-r2",
+        "down-r12",
+        "gate-up-r8",
+    ];
+    let many: Vec<Value> = (0..24)
+        .map(|i| {
+            json!({"prompt": format!("short {i}"), "lora": adapters[i % 8],
+                   "max_tokens": 4, "temperature": 0})
+        })
+        .collect();
+    let long: Vec<Value> = (0..8u32)
+        .map(|i| {
+            let ids: Vec<u32> = (0..70).map(|t| 3 + (t * 7 + i) % 380).collect();
+            json!({"prompt_token_ids": ids, "lora": "qv-r8", "max_tokens": 60,
+                   "temperature": 0, "ignore_eos": true})
+        })
+        .collect();
+    let budget = BUDGET.to_string();
+    for (name, lines, kv_side) in [("many", &many, false), ("long", &long, true)] {
+        let input = dir.path().join(format!("{name}.jsonl"));
+        write_lines(&input, lines);
+        let (shared, fixed) = (
+            dir.path().join(format!("{name}-shared.jsonl")),
+            dir.path().join(format!("{name}-fixed.jsonl")),
+        );
+        let stats = dir.path().join(format!("{name}-stats.json"));
+        let flags = [
+            "--memory-budget-bytes",
+            &budget,
+            "--max-loras",
+            "8",
+            "--max-cpu-loras",
+            "8",
+            "--max-num-seqs",
+            "16",
+            "--stats",
+            stats.to_str().unwrap(),
+        ];
+        stdout(&generate_with(&input, &shared, &adapters, &flags));
+        stdout(&generate_with(
+            &input,
+            &fixed,
+            &adapters,
+            &["--max-loras", "2"],
+        ));
+        let tokens = |path: &Path| -> Vec<Value> {
+            results(path)
+                .iter()
+                .map(|r| r["token_ids"].clone())
+                .collect()
+        };
+        assert_eq!(tokens(&shared), tokens(&fixed), "{name}: the same tokens");
+        let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+        let m = &s["memory"];
+        assert_eq!(m["budget_bytes"], BUDGET, "{s}");
+        let (kv, slots) = (
+            m["peak_kv_bytes"].as_u64().unwrap(),
+            m["peak_adapter_bytes"].as_u64().unwrap(),
+        );
+        assert!(kv <= BUDGET && slots <= BUDGET, "{name}: {s}");
+        let (this, other) = if kv_side { (kv, slots) } else { (slots, kv) };
+        assert!(
+            this > BUDGET / 2 && other < BUDGET / 2,
+            "{name}: the work's side took most of the budget: {s}"
+        );
+    }
+}

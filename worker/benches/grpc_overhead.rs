@@ -53,6 +53,7 @@ fn settings() -> EngineSettings {
         prefix_caching: true,
         fair_admission: true,
         eviction: Default::default(),
+        memory_budget_bytes: None,
     }
 }
 

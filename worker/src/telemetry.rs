@@ -169,6 +169,13 @@ pub fn record_stats(stats: &EngineStats) {
     counter!("lorafleet_prefix_cache_hit_tokens_total").absolute(stats.prefix.hit_tokens);
     gauge!("lorafleet_kv_utilization")
         .set(stats.kv_blocks_used as f64 / stats.kv_blocks_total.max(1) as f64);
+    // The memory budget shared by KV blocks and adapter slots: how it is
+    // divided now (KV blocks with contents, filled slots, free).
+    if let Some(m) = stats.memory {
+        for (part, bytes) in [("kv", m.kv), ("adapters", m.adapters), ("free", m.free())] {
+            gauge!("lorafleet_memory_budget_bytes", "part" => part).set(bytes as f64);
+        }
+    }
     let mut resident = [0usize; 3];
     for a in &stats.adapters {
         match a.residency {

@@ -90,6 +90,7 @@ fn main() {
         prefix_caching: true,
         fair_admission: true,
         eviction: Default::default(),
+        memory_budget_bytes: None,
     };
     println!(
         "decode, STAND-IN Llama-3.2-1B shape (h={}, L={}, vocab {}, bf16), rank {}, {REQUESTS} requests x {NEW} new tokens, up to 32 a step, {slots} device slots",

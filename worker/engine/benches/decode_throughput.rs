@@ -189,6 +189,7 @@ fn run_once(model: &std::path::Path, adapter_dirs: &[std::path::PathBuf]) -> Run
         eviction: std::env::var("LORAFLEET_BENCH_EVICTION")
             .map(|v| v.parse().expect("LORAFLEET_BENCH_EVICTION: value or lru"))
             .unwrap_or_default(),
+        memory_budget_bytes: None,
     };
     let mut e = Engine::load_cpu(model, settings).unwrap();
     let loading = Instant::now();

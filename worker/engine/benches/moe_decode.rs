@@ -130,6 +130,7 @@ fn run_once(model: &std::path::Path, dirs: &[std::path::PathBuf]) -> (f64, u64, 
         prefix_caching: true,
         fair_admission: true,
         eviction: Default::default(),
+        memory_budget_bytes: None,
     };
     let mut e = Engine::load(model, settings, backend()).unwrap();
     for (i, dir) in dirs.iter().enumerate() {

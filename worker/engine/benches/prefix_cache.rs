@@ -84,6 +84,7 @@ fn run(model: &std::path::Path, dirs: &[std::path::PathBuf], prefix_caching: boo
         prefix_caching,
         fair_admission: true,
         eviction: Default::default(),
+        memory_budget_bytes: None,
     };
     let mut e = Engine::load_cpu(model, settings).expect("the stand-in model");
     let aid = standin::id;

@@ -101,6 +101,7 @@ fn run(model: &std::path::Path, stops: &[String]) -> f64 {
         prefix_caching: true,
         fair_admission: true,
         eviction: Default::default(),
+        memory_budget_bytes: None,
     };
     let mut e = Engine::load_cpu(model, settings).expect("the fixture model");
     let request = |tenant: &str, i: usize, stop: Vec<String>| Request {

@@ -12,8 +12,16 @@
 //! prefill. A released block keeps its contents and its registration while
 //! no one holds it, and is reused (least recently released first) only
 //! when the free list is empty.
+//!
+//! Under a shared [`MemoryBudget`] a block with contents (held, or idle in
+//! the cache) counts against the budget; a fresh block is handed out only
+//! while the budget has room, and idle cached blocks can be dropped to give
+//! their bytes to an adapter slot ([`BlockAllocator::shed_idle`]).
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use crate::budget::MemoryBudget;
 
 use sha2::{Digest, Sha256};
 
@@ -64,6 +72,8 @@ pub struct BlockAllocator {
     idle_since: Vec<u64>,
     clock: u64,
     counters: PrefixCounters,
+    /// The byte budget shared with the adapter slots, if any.
+    budget: Option<Arc<MemoryBudget>>,
 }
 
 impl BlockAllocator {
@@ -86,6 +96,30 @@ impl BlockAllocator {
             idle_since: vec![0; total],
             clock: 0,
             counters: PrefixCounters::default(),
+            budget: None,
+        }
+    }
+
+    /// Counts this cache's blocks against `budget`, shared with the
+    /// adapter slots.
+    pub fn set_budget(&mut self, budget: Arc<MemoryBudget>) {
+        self.budget = Some(budget);
+        self.report();
+    }
+
+    /// Tells the budget how many blocks have contents.
+    fn report(&self) {
+        if let Some(b) = &self.budget {
+            b.set_kv_blocks(self.total - self.free.len());
+        }
+    }
+
+    /// Blocks off the free list that may be handed out now: all of them,
+    /// or under a budget as many as its free bytes hold.
+    fn fresh_room(&self) -> usize {
+        match &self.budget {
+            Some(b) => self.free.len().min(b.kv_room()),
+            None => self.free.len(),
         }
     }
 
@@ -101,14 +135,27 @@ impl BlockAllocator {
         self.caching
     }
 
-    /// Blocks a sequence could take now: free ones and idle cached ones.
+    /// Blocks a sequence could take now: free ones (under a budget, as
+    /// many as it has room for) and idle cached ones.
     pub fn free_blocks(&self) -> usize {
-        self.free.len() + self.idle.len()
+        self.fresh_room() + self.idle.len()
     }
 
     /// Blocks held by sequences.
     pub fn used_blocks(&self) -> usize {
-        self.total - self.free_blocks()
+        self.total - self.free.len() - self.idle.len()
+    }
+
+    /// Blocks without contents (the free list), whether or not a budget
+    /// has room for them.
+    pub fn unused_blocks(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Registered blocks no one holds: a cache, dropped first when room
+    /// is needed.
+    pub fn idle_blocks(&self) -> usize {
+        self.idle.len()
     }
 
     /// Blocks whose contents are registered for reuse (held or idle).
@@ -134,20 +181,37 @@ impl BlockAllocator {
             return false;
         }
         for _ in 0..needed {
-            let b = match self.free.pop() {
-                Some(b) => b,
-                None => {
-                    let (_, b) = self.idle.pop_first().expect("checked above");
-                    if let Some(h) = self.hash_of[b as usize].take() {
-                        self.cached.remove(&h);
-                    }
-                    b
-                }
+            let b = match self.fresh_room() {
+                0 => self.pop_idle().expect("checked above"),
+                _ => self.free.pop().expect("room is within the free list"),
             };
             self.refs[b as usize] = 1;
             table.push(b);
+            self.report();
         }
         true
+    }
+
+    /// The least recently released idle block, unregistered.
+    fn pop_idle(&mut self) -> Option<u32> {
+        let (_, b) = self.idle.pop_first()?;
+        if let Some(h) = self.hash_of[b as usize].take() {
+            self.cached.remove(&h);
+        }
+        Some(b)
+    }
+
+    /// Drops up to `blocks` idle cached blocks, least recently released
+    /// first, so their bytes go back to the budget. Returns how many.
+    pub fn shed_idle(&mut self, blocks: usize) -> usize {
+        let mut shed = 0;
+        while shed < blocks {
+            let Some(b) = self.pop_idle() else { break };
+            self.free.push(b);
+            shed += 1;
+        }
+        self.report();
+        shed
     }
 
     /// Gives back every block of `table`. A registered block no one else
@@ -167,6 +231,7 @@ impl BlockAllocator {
                 self.free.push(b);
             }
         }
+        self.report();
     }
 
     /// The cached blocks that hold the first of `hashes` in order, taken
@@ -254,6 +319,46 @@ mod tests {
         assert!(a.take_cached(&[other], 4).is_empty());
         a.release(&mut u);
         assert_eq!(a.used_blocks(), 0);
+    }
+
+    #[test]
+    fn under_a_budget_fresh_blocks_stop_at_its_room_and_idle_ones_can_be_shed() {
+        use crate::budget::{MemoryBudget, MemoryUnits};
+        let units = MemoryUnits {
+            block_bytes: 10,
+            slot_bytes: 30,
+        };
+        // 100 bytes: a slot filled elsewhere leaves room for 7 blocks.
+        let budget = Arc::new(MemoryBudget::new(100, units).unwrap());
+        let mut a = BlockAllocator::new(budget.max_kv_blocks(), 4);
+        a.set_budget(budget.clone());
+        budget.set_slots(1);
+        assert_eq!((a.total(), a.free_blocks()), (7, 7));
+        let mut t = Vec::new();
+        assert!(a.grow(&mut t, 20), "five blocks");
+        assert_eq!(budget.split().kv, 50);
+        budget.set_slots(2);
+        assert_eq!(a.free_blocks(), 0, "the second slot took the last room");
+        assert!(!a.grow(&mut t, 24));
+        // Registered and released: idle, still counted, and reusable.
+        let seed = weights_seed("base");
+        let mut parent = seed;
+        for (i, &b) in t.iter().enumerate() {
+            parent = chain(&parent, &[i as u32; 4]);
+            a.register(b, parent);
+        }
+        a.release(&mut t);
+        assert_eq!((a.idle_blocks(), budget.split().kv), (5, 50));
+        assert_eq!(
+            a.free_blocks(),
+            5,
+            "idle blocks are reused within the budget"
+        );
+        // Shedding gives their bytes back, oldest released first.
+        assert_eq!(a.shed_idle(3), 3);
+        assert_eq!((a.idle_blocks(), budget.split().kv), (2, 20));
+        assert_eq!(a.shed_idle(9), 2);
+        assert_eq!((a.cached_blocks(), budget.split().free()), (0, 40));
     }
 
     #[test]

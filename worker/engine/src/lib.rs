@@ -7,6 +7,7 @@
 
 pub use lorafleet_artifact::roots as artifact;
 pub mod backend;
+pub mod budget;
 pub mod constraint;
 pub mod engine;
 pub mod error;

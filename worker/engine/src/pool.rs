@@ -6,6 +6,11 @@
 //! tier. Every running sequence holds a [`Lease`] on its adapter; a leased
 //! or pinned adapter is never evicted from either tier. Loads from disk run
 //! on a loader thread, so the engine keeps stepping while they happen.
+//!
+//! Under a shared [`MemoryBudget`] a slot holding an adapter counts against
+//! the budget: an empty slot is filled only while the budget has room, and
+//! [`AdapterPool::shed_slots`] empties slots no sequence leases to give
+//! their bytes to the KV cache.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -14,6 +19,7 @@ use std::sync::{Arc, mpsc};
 use std::time::Duration;
 
 use crate::backend::Backend;
+use crate::budget::MemoryBudget;
 use crate::error::Result;
 use crate::eviction::{EvictionPolicy, RequestRate, victim_key};
 use crate::lora::{AdapterError, AdapterLimits, HostAdapter};
@@ -155,6 +161,8 @@ pub struct AdapterPool {
     eviction: EvictionPolicy,
     /// Requests that arrived: the clock of request rates.
     arrivals: u64,
+    /// The byte budget shared with the KV cache, if any.
+    budget: Option<Arc<MemoryBudget>>,
 }
 
 /// Slot write times kept between two takes; older ones are dropped.
@@ -205,7 +213,87 @@ impl AdapterPool {
             upload_times: Vec::new(),
             eviction: EvictionPolicy::default(),
             arrivals: 0,
+            budget: None,
         }
+    }
+
+    /// Counts this pool's filled slots against `budget`, shared with the
+    /// KV cache.
+    pub fn set_budget(&mut self, budget: Arc<MemoryBudget>) {
+        self.budget = Some(budget);
+        self.report();
+    }
+
+    /// Tells the budget how many slots hold an adapter.
+    fn report(&self) {
+        if let Some(b) = &self.budget {
+            b.set_slots(self.slots.iter().filter(|s| s.is_some()).count());
+        }
+    }
+
+    /// Whether the budget (if any) has room for one more filled slot.
+    fn room_for_a_slot(&self) -> bool {
+        self.budget.as_ref().is_none_or(|b| b.slot_room() > 0)
+    }
+
+    /// Slots that may be emptied now: filled, not pinned, not leased, not
+    /// in `keep`; by the eviction policy, least valued first.
+    fn evictable(&self, keep: &[usize]) -> Vec<(usize, AdapterId)> {
+        let mut out: Vec<(usize, AdapterId)> = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter(|(slot, _)| !keep.contains(slot))
+            .filter_map(|(slot, holder)| holder.map(|h| (slot, h)))
+            .filter(|(_, h)| {
+                let e = &self.entries[h];
+                !e.pinned && e.leases.load(Ordering::Acquire) == 0
+            })
+            .collect();
+        // An adapter that requests wait for goes last: evicting it would
+        // only load it again. It still can go, or a flooded adapter could
+        // starve every other one. Then the policy: by value or by recency.
+        out.sort_by_key(|(_, h)| {
+            let e = &self.entries[h];
+            let rate = e.rate.at(self.arrivals);
+            (
+                victim_key(self.eviction, e.queued > 0, rate, e.last_used),
+                *h,
+            )
+        });
+        out
+    }
+
+    /// Filled slots that [`AdapterPool::shed_slots`] could empty now.
+    pub fn sheddable_slots(&self, keep: &[usize]) -> usize {
+        self.evictable(keep).len()
+    }
+
+    /// Empties up to `count` slots that no sequence leases, none pinned
+    /// nor in `keep`, least valued first, so their bytes go to the KV
+    /// cache. The adapters stay in the host tier. Returns how many.
+    pub fn shed_slots(
+        &mut self,
+        count: usize,
+        keep: &[usize],
+        backend: &mut dyn Backend,
+    ) -> Result<usize> {
+        let victims: Vec<(usize, AdapterId)> =
+            self.evictable(keep).into_iter().take(count).collect();
+        for &(slot, holder) in &victims {
+            backend.clear_slot(slot)?;
+            let e = self
+                .entries
+                .get_mut(&holder)
+                .expect("slot holder is registered");
+            e.slot = None;
+            e.prefetched = false;
+            self.slots[slot] = None;
+            self.counters.device_evictions += 1;
+            self.generation += 1;
+        }
+        self.report();
+        Ok(victims.len())
     }
 
     /// How a device slot is chosen for eviction (default: by value).
@@ -540,30 +628,15 @@ impl AdapterPool {
         let Some(host) = entry.host.clone() else {
             return Ok(None);
         };
-        let slot = match self.slots.iter().position(Option::is_none) {
+        let free = self
+            .slots
+            .iter()
+            .position(Option::is_none)
+            .filter(|_| self.room_for_a_slot());
+        let slot = match free {
             Some(free) => free,
             None => {
-                let victim = self
-                    .slots
-                    .iter()
-                    .enumerate()
-                    .filter(|(slot, _)| !busy.contains(slot))
-                    .filter_map(|(slot, holder)| holder.map(|h| (slot, h)))
-                    .filter(|(_, h)| {
-                        let e = &self.entries[h];
-                        !e.pinned && e.leases.load(Ordering::Acquire) == 0
-                    })
-                    // An adapter that requests wait for goes last: evicting
-                    // it would only load it again. It still can go, or a
-                    // flooded adapter could starve every other one. Then
-                    // the policy: by value or by recency.
-                    .min_by_key(|(_, h)| {
-                        let e = &self.entries[h];
-                        let rate = e.rate.at(self.arrivals);
-                        let key = victim_key(self.eviction, e.queued > 0, rate, e.last_used);
-                        (key, *h)
-                    });
-                let Some((slot, holder)) = victim else {
+                let Some(&(slot, holder)) = self.evictable(busy).first() else {
                     return Ok(None);
                 };
                 let evicted = self
@@ -589,6 +662,7 @@ impl AdapterPool {
         e.last_used = now;
         self.counters.device_loads += 1;
         self.generation += 1;
+        self.report();
         self.evict_host_over_capacity();
         Ok(Some(slot))
     }
@@ -611,9 +685,20 @@ impl AdapterPool {
         }
     }
 
-    /// Device slots that hold no adapter.
+    /// Device slots that hold no adapter (under a budget, as many as it
+    /// has room to fill).
     pub fn free_slots(&self) -> usize {
-        self.slots.iter().filter(|s| s.is_none()).count()
+        let empty = self.slots.iter().filter(|s| s.is_none()).count();
+        match &self.budget {
+            Some(b) => empty.min(b.slot_room()),
+            None => empty,
+        }
+    }
+
+    /// Whether an adapter could take an empty slot but for the budget's
+    /// room: then dropping idle KV blocks would let it in.
+    pub fn slot_waits_for_budget(&self) -> bool {
+        self.slots.iter().any(Option::is_none) && !self.room_for_a_slot()
     }
 
     /// Starts copying an adapter a waiting request needs into a free slot,
@@ -707,6 +792,7 @@ impl AdapterPool {
             e.unload_pending = false;
             self.generation += 1;
         }
+        self.report();
         Ok(())
     }
 

@@ -35,10 +35,20 @@
 //!    step and the requests are resident when admitted. Only free slots are
 //!    used: a guess never evicts a resident adapter; at most
 //!    [`PREFETCH_PER_STEP`] copies start per step.
+//! 6. Under a shared memory budget ([`crate::budget`]): an adapter that
+//!    needs a slot the budget has no room for first drops idle prefix-cache
+//!    blocks; a sequence that needs KV blocks first recycles idle cached
+//!    blocks, then empties adapter slots no sequence leases (least valued
+//!    first), and only then preempts. When even the oldest running
+//!    sequence would have to preempt itself, or nothing runs and the
+//!    oldest waiting request cannot be admitted, the leases of preempted
+//!    (waiting) sequences are given back so their slots can go to KV; they
+//!    take new ones when admitted again.
 
 use std::collections::{HashMap, VecDeque};
 
 use crate::backend::Backend;
+use crate::budget::MemoryBudget;
 use crate::error::Result;
 use crate::kv::BlockAllocator;
 use crate::pool::{AdapterPool, Residency};
@@ -85,6 +95,8 @@ pub(crate) struct Scheduler<'a> {
     pub limits: Limits,
     /// Fair shares between keys (tenants), or None for arrival order.
     pub fair: Option<&'a mut FairShares>,
+    /// The byte budget the KV cache and the slots share, if any.
+    pub budget: Option<&'a MemoryBudget>,
 }
 
 /// Each fairness key's service so far: the tokens its requests were fed
@@ -144,12 +156,27 @@ impl Scheduler<'_> {
             }
             let target = seq.num_computed + chunk;
             let mut preempted_self = false;
+            let (mut shed_tried, mut revoked) = (false, false);
             loop {
                 let seq = self.seqs.get_mut(&id).expect("running sequence exists");
                 if self.kv.grow(&mut seq.blocks, target) {
                     break;
                 }
+                let more = self.kv.blocks_for(target) - seq.blocks.len();
+                if !shed_tried {
+                    shed_tried = true;
+                    if self.make_kv_room(more, &busy_slots)? {
+                        continue;
+                    }
+                }
                 let victim = *self.queues.running.last().expect("running is not empty");
+                if victim == id && !revoked && self.budget.is_some() {
+                    revoked = true;
+                    if self.revoke_waiting_leases(None) {
+                        shed_tried = false;
+                        continue;
+                    }
+                }
                 self.preempt(victim);
                 plan.preempted.push(victim);
                 if victim == id {
@@ -226,6 +253,9 @@ impl Scheduler<'_> {
                     self.pool.request_load(a);
                 }
                 let keep: Vec<usize> = busy_slots.iter().chain(&reserved).copied().collect();
+                if self.pool.slot_of(a).is_none() && self.pool.host_adapter(a).is_some() {
+                    self.make_slot_room();
+                }
                 slot = self.pool.ensure_device(a, &keep, self.backend)?;
                 match slot {
                     None => {
@@ -278,13 +308,18 @@ impl Scheduler<'_> {
                 // Each scored position is a row of logits on the host.
                 chunk = chunk.min(crate::logprobs::MAX_SCORED_POSITIONS_PER_STEP);
             }
-            if !self.kv.grow(&mut seq.blocks, seq.num_computed + chunk) {
+            let target = seq.num_computed + chunk;
+            if !self.kv.grow(&mut seq.blocks, target)
+                && !self.admit_with_room(id, target, slot, &busy_slots, &reserved)?
+            {
                 // The KV cache is full: nobody behind can be admitted either.
+                let seq = self.seqs.get_mut(&id).expect("waiting sequence exists");
                 self.kv.release(&mut seq.blocks);
                 seq.num_computed = 0;
                 seq.registered = 0;
                 break;
             }
+            let seq = self.seqs.get_mut(&id).expect("waiting sequence exists");
             if seq.first_scheduled.is_none() {
                 seq.first_scheduled = Some(std::time::Instant::now());
             }
@@ -322,6 +357,93 @@ impl Scheduler<'_> {
         self.count_overtakes(&position, &admissions, &passed_over);
         self.prefetch()?;
         Ok(plan)
+    }
+
+    /// Under a shared budget, gives a waiting request's KV blocks the room
+    /// that adapter slots nobody leases hold (not `slot`, the request's
+    /// own, nor the step's), and, when nothing runs, the slots that
+    /// preempted sequences lease; then grows its table to `target`
+    /// positions. True when it grew.
+    fn admit_with_room(
+        &mut self,
+        id: SeqId,
+        target: usize,
+        slot: Option<usize>,
+        busy: &[usize],
+        reserved: &[usize],
+    ) -> Result<bool> {
+        if self.budget.is_none() {
+            return Ok(false);
+        }
+        let keep: Vec<usize> = busy.iter().chain(reserved).chain(&slot).copied().collect();
+        for last_resort in [false, true] {
+            if last_resort
+                && !(self.queues.running.is_empty() && self.revoke_waiting_leases(Some(id)))
+            {
+                return Ok(false);
+            }
+            let more = {
+                let seq = &self.seqs[&id];
+                self.kv.blocks_for(target).saturating_sub(seq.blocks.len())
+            };
+            if self.make_kv_room(more, &keep)? {
+                let seq = self.seqs.get_mut(&id).expect("waiting sequence exists");
+                if self.kv.grow(&mut seq.blocks, target) {
+                    return Ok(true);
+                }
+            }
+        }
+        Ok(false)
+    }
+
+    /// Under a shared budget, empties adapter slots that no sequence
+    /// leases (none pinned nor in `keep`) until `blocks` more KV blocks
+    /// fit. Empties nothing when that would not be enough. True when the
+    /// blocks fit now.
+    fn make_kv_room(&mut self, blocks: usize, keep: &[usize]) -> Result<bool> {
+        let Some(budget) = self.budget else {
+            return Ok(false);
+        };
+        // Idle cached blocks are recycled before fresh ones are needed.
+        let fresh = blocks.saturating_sub(self.kv.idle_blocks());
+        if fresh > self.kv.unused_blocks() {
+            return Ok(false);
+        }
+        let slots = budget.slots_short_of(fresh);
+        if slots > self.pool.sheddable_slots(keep) {
+            return Ok(false);
+        }
+        if slots > 0 {
+            self.pool.shed_slots(slots, keep, self.backend)?;
+        }
+        Ok(true)
+    }
+
+    /// Under a shared budget, drops idle prefix-cache blocks when an
+    /// adapter could take an empty slot but for the budget's room.
+    fn make_slot_room(&mut self) {
+        let Some(budget) = self.budget else { return };
+        if self.pool.slot_waits_for_budget() {
+            let short = budget.blocks_short_of_a_slot();
+            if short <= self.kv.idle_blocks() {
+                self.kv.shed_idle(short);
+            }
+        }
+    }
+
+    /// Gives back the leases of waiting (preempted) sequences, except
+    /// `except`'s: they hold no KV, and their slots' bytes are needed for
+    /// the KV of a sequence that runs. True when any was given back.
+    fn revoke_waiting_leases(&mut self, except: Option<SeqId>) -> bool {
+        let mut any = false;
+        for id in &self.queues.waiting {
+            if Some(*id) == except {
+                continue;
+            }
+            let seq = self.seqs.get_mut(id).expect("waiting sequence exists");
+            any |= seq.lease.take().is_some();
+        }
+        any
     }
 
     /// Free device slots take the adapters the waiting requests need, in

@@ -36,6 +36,11 @@ pub struct EngineSettings {
     pub fair_admission: bool,
     /// How a device slot is chosen for eviction (see [`crate::eviction`]).
     pub eviction: crate::eviction::EvictionPolicy,
+    /// One byte budget for the KV cache and the adapter slots together
+    /// (see [`crate::budget`]); `kv_blocks` then follows from it (the
+    /// budget less one slot, in blocks) and `max_loras` is the most slots.
+    /// None: `kv_blocks` and `max_loras` are fixed, each on its own.
+    pub memory_budget_bytes: Option<u64>,
 }
 
 impl Default for EngineSettings {
@@ -54,6 +59,7 @@ impl Default for EngineSettings {
             prefix_caching: true,
             fair_admission: true,
             eviction: crate::eviction::EvictionPolicy::Value,
+            memory_budget_bytes: None,
         }
     }
 }

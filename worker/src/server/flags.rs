@@ -139,6 +139,17 @@ pub struct EngineFlags {
     /// KV cache blocks.
     #[arg(long, env = "LORAFLEET_KV_BLOCKS", default_value_t = 2048)]
     kv_blocks: usize,
+    /// One byte budget for the KV cache and the adapter slots together
+    /// (cpu backend): KV blocks and filled slots draw from it as the work
+    /// needs, so few adapters get more KV and many get more resident
+    /// adapters. The KV blocks then follow from it; `--max-loras` is the
+    /// most slots.
+    #[arg(
+        long,
+        env = "LORAFLEET_MEMORY_BUDGET_BYTES",
+        conflicts_with = "kv_blocks"
+    )]
+    memory_budget_bytes: Option<u64>,
     /// Tokens per KV block.
     #[arg(long, env = "LORAFLEET_BLOCK_SIZE", default_value_t = 16)]
     block_size: usize,
@@ -252,7 +263,14 @@ impl EngineFlags {
             prefix_caching: !self.no_prefix_caching,
             fair_admission: !self.no_fair_admission,
             eviction,
+            memory_budget_bytes: self.memory_budget_bytes,
         };
+        if self.memory_budget_bytes.is_some() && self.backend != "cpu" {
+            return Err(FlagError::new(
+                "--memory-budget-bytes",
+                "is for the cpu backend; the cuda backend divides device memory by its memory plan",
+            ));
+        }
         settings.validate().map_err(|e| {
             let text = e.to_string().replace('_', "-");
             match text.split_once(": ") {
@@ -421,6 +439,10 @@ mod tests {
                 &["--no-cuda-graphs"],
                 "--no-cuda-graphs: the cpu backend has no CUDA graphs",
             ),
+            (
+                &["--backend", "cuda", "--memory-budget-bytes", "1000000"],
+                "--memory-budget-bytes: is for the cpu backend",
+            ),
             (&["--worker-id", " "], "--worker-id: must not be empty"),
             (
                 &["--artifact-root", "/nonexistent-artifact-root"],
@@ -458,5 +480,34 @@ mod tests {
         assert_eq!(c.backend, BackendChoice::Cpu);
         assert!(c.tls.is_none());
         assert!(c.adapter_cache.is_none());
+        let c = parse(&["--memory-budget-bytes", "1000000"])
+            .validate()
+            .unwrap();
+        assert_eq!(c.settings.memory_budget_bytes, Some(1_000_000));
+    }
+
+    /// The KV blocks follow from a memory budget, so both are not taken.
+    #[test]
+    fn a_memory_budget_and_kv_blocks_conflict() {
+        let e = Cli::try_parse_from([
+            "serve",
+            "--insecure-plaintext",
+            "--worker-id",
+            "w",
+            "--model",
+            "/m",
+            "--artifact-root",
+            "/r",
+            "--memory-budget-bytes",
+            "1000000",
+            "--kv-blocks",
+            "64",
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("--memory-budget-bytes") && e.contains("--kv-blocks"),
+            "{e}"
+        );
     }
 }

@@ -214,7 +214,9 @@ pub async fn start(config: WorkerConfig, listeners: Listeners) -> Result<Running
         .model
         .file_name()
         .map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned());
-    let settings = config.settings;
+    // The engine's settings, as it derived them (a memory budget sets the
+    // KV blocks).
+    let settings = engine.settings();
     let info = WorkerInfo::describe(&engine, &config.worker_id, name, &settings);
     let engine_memory = engine.memory_plan().map(|p| {
         crate::telemetry::record_memory_plan(&p);
@@ -229,6 +231,7 @@ pub async fn start(config: WorkerConfig, listeners: Listeners) -> Result<Running
         max_loras = settings.max_loras,
         max_cpu_loras = settings.max_cpu_loras,
         kv_blocks = settings.kv_blocks,
+        memory_budget_bytes = settings.memory_budget_bytes,
         device = %info.device_name,
         memory = engine_memory.as_deref().unwrap_or("host memory"),
         "model loaded"

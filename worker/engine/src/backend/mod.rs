@@ -196,6 +196,12 @@ pub trait Backend: Send {
     /// Bytes the base model's weights take in the backend's memory, as
     /// held (a quantized checkpoint's codes where the backend keeps them).
     fn weight_bytes(&self) -> u64;
+    /// What one KV block and one adapter slot take, for a memory budget
+    /// they share ([`crate::budget`]); None where the backend's memory is
+    /// divided otherwise (the CUDA backend's plan).
+    fn memory_units(&self) -> Option<crate::budget::MemoryUnits> {
+        None
+    }
     /// How device memory is divided, planned at start; None where there
     /// is no separate device memory.
     fn memory_plan(&self) -> Option<cuda::plan::MemoryPlan> {

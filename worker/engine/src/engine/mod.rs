@@ -42,6 +42,9 @@ pub struct EngineStats {
     /// How decode steps ran through CUDA graphs (None on the CPU backend).
     pub graphs: Option<crate::backend::GraphCounters>,
     pub run: RunCounters,
+    /// How the memory budget shared by KV blocks and adapter slots is
+    /// divided now; None without one.
+    pub memory: Option<crate::budget::MemorySplit>,
 }
 
 /// One fairness key's place in the engine.
@@ -95,6 +98,8 @@ pub struct Engine {
     settings: EngineSettings,
     pool: AdapterPool,
     kv: BlockAllocator,
+    /// The byte budget the KV cache and the slots share, if any.
+    budget: Option<Arc<crate::budget::MemoryBudget>>,
     queues: Queues,
     seqs: HashMap<SeqId, Sequence>,
     by_request: HashMap<String, SeqId>,
@@ -134,6 +139,18 @@ impl Engine {
             crate::backend::cuda::probe()?;
         }
         let config = ModelConfig::from_dir(model_dir)?;
+        let mut settings = settings;
+        if let Some(bytes) = settings.memory_budget_bytes {
+            if !matches!(choice, BackendChoice::Cpu) {
+                return Err(EngineError::request(
+                    "memory_budget_bytes",
+                    "the cuda backend divides device memory by its memory plan; a budget shared by KV blocks and adapter slots is the cpu backend's",
+                ));
+            }
+            let units =
+                CpuBackend::memory_units(&config, settings.block_size, settings.max_lora_rank);
+            settings.kv_blocks = crate::budget::MemoryBudget::new(bytes, units)?.max_kv_blocks();
+        }
         let base_hash = WeightFiles::open_model_dir(model_dir)?.base_hash(&mut |_, _| {})?;
         let shape = BackendShape {
             slots: settings.max_loras,
@@ -191,6 +208,39 @@ impl Engine {
         }
         pool.set_host_byte_budget(settings.max_cpu_lora_bytes);
         pool.set_eviction(settings.eviction);
+        let mut kv = BlockAllocator::with_caching(
+            settings.kv_blocks,
+            settings.block_size,
+            settings.prefix_caching,
+        );
+        let budget = match settings.memory_budget_bytes {
+            None => None,
+            Some(bytes) => {
+                let units = backend.memory_units().ok_or_else(|| {
+                    EngineError::request(
+                        "memory_budget_bytes",
+                        format!(
+                            "the {} backend divides its memory by its own plan, not by a shared budget",
+                            backend.name()
+                        ),
+                    )
+                })?;
+                let budget = Arc::new(crate::budget::MemoryBudget::new(bytes, units)?);
+                if settings.kv_blocks > budget.max_kv_blocks() {
+                    return Err(EngineError::request(
+                        "kv_blocks",
+                        format!(
+                            "{} blocks do not fit a memory budget of {bytes} bytes beside one slot (at most {})",
+                            settings.kv_blocks,
+                            budget.max_kv_blocks()
+                        ),
+                    ));
+                }
+                kv.set_budget(budget.clone());
+                pool.set_budget(budget.clone());
+                Some(budget)
+            }
+        };
         let seed = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64);
@@ -206,11 +256,8 @@ impl Engine {
             config.max_position_embeddings,
         );
         Ok(Engine {
-            kv: BlockAllocator::with_caching(
-                settings.kv_blocks,
-                settings.block_size,
-                settings.prefix_caching,
-            ),
+            kv,
+            budget,
             config,
             tokenizer,
             prompter,
@@ -511,6 +558,7 @@ impl Engine {
             fair_shares: self.fair_shares(),
             graphs: self.backend.graph_counters(),
             run: self.run,
+            memory: self.budget.as_ref().map(|b| b.split()),
         }
     }
 

@@ -74,6 +74,7 @@ impl Engine {
                 max_loras: self.settings.max_loras,
             },
             fair: self.settings.fair_admission.then_some(&mut self.fair),
+            budget: self.budget.as_deref(),
         }
         .schedule()?;
         if plan.scheduled.is_empty() {

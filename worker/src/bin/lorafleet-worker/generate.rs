@@ -181,6 +181,17 @@ struct RunStats {
     /// How long the requests on an adapter waited for it to be in a ready
     /// device slot.
     adapter_wait: AdapterWait,
+    /// With `--memory-budget-bytes`: the budget and the most of it KV
+    /// blocks and filled adapter slots each took.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    memory: Option<MemoryPeaks>,
+}
+
+#[derive(Debug, serde::Serialize)]
+struct MemoryPeaks {
+    budget_bytes: u64,
+    peak_kv_bytes: u64,
+    peak_adapter_bytes: u64,
 }
 
 /// Adapter-wait figures over the requests that named an adapter.
@@ -378,6 +389,11 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
                     .iter()
                     .filter_map(|c| c.finish.as_ref()?.adapter_wait),
             ),
+            memory: stats.memory.map(|m| MemoryPeaks {
+                budget_bytes: m.budget,
+                peak_kv_bytes: m.peak_kv,
+                peak_adapter_bytes: m.peak_adapters,
+            }),
         };
         let text = serde_json::to_string_pretty(&run)?;
         file.write_all((text + "\n").as_bytes())

@@ -164,6 +164,28 @@ impl CpuBackend {
     }
 
     /// Loads the weights of a model directory.
+    /// What a KV block and an adapter slot of this backend take, in
+    /// bytes: keys and values in f32 for every layer, and each module's
+    /// A and Bᵀ panels in f32 at `max_lora_rank` rounded up to a panel.
+    pub fn memory_units(
+        config: &ModelConfig,
+        block_size: usize,
+        max_lora_rank: usize,
+    ) -> crate::budget::MemoryUnits {
+        let max_rank = max_lora_rank.next_multiple_of(NR);
+        let per_layer: usize = Projection::ALL
+            .iter()
+            .map(|p| {
+                let (fan_in, fan_out) = p.shape(config);
+                SlotView::a_len(max_rank, fan_in) + SlotView::b_len(max_rank, fan_out)
+            })
+            .sum();
+        crate::budget::MemoryUnits {
+            block_bytes: (2 * config.num_layers * block_size * config.kv_dim() * 4) as u64,
+            slot_bytes: (config.num_layers * per_layer * 4) as u64,
+        }
+    }
+
     pub fn load(dir: &Path, config: &ModelConfig, shape: BackendShape) -> Result<CpuBackend> {
         let files = WeightFiles::open_model_dir(dir)?;
         let c = config;
@@ -444,6 +466,14 @@ impl CpuBackend {
 }
 
 impl Backend for CpuBackend {
+    fn memory_units(&self) -> Option<crate::budget::MemoryUnits> {
+        Some(CpuBackend::memory_units(
+            &self.config,
+            self.shape.block_size,
+            self.shape.max_lora_rank,
+        ))
+    }
+
     fn weight_bytes(&self) -> u64 {
         CpuBackend::weight_bytes(self) as u64
     }

@@ -1,0 +1,323 @@
+//! One memory budget for KV blocks and adapter slots: the split between
+//! them follows the work (few adapters and long sequences get KV, many
+//! adapters get slots), the two never pass the budget together, an adapter
+//! with live sequences is never evicted to make room, and outputs are the
+//! same as each request run alone.
+
+mod common;
+
+use std::collections::HashMap;
+
+use common::*;
+use lorafleet_engine::backend::cpu::CpuBackend;
+use lorafleet_engine::budget::MemoryUnits;
+use lorafleet_engine::model::ModelConfig;
+use lorafleet_engine::pool::Residency;
+use lorafleet_engine::{Engine, EngineSettings, Event, Prompt, Request, SamplingParams};
+use proptest::prelude::*;
+
+const MODEL: &str = "llama-gqa";
+const BLOCK_SIZE: usize = 16;
+const MAX_LORA_RANK: usize = 16;
+
+fn units() -> MemoryUnits {
+    let config = ModelConfig::from_dir(&model_dir(MODEL)).unwrap();
+    CpuBackend::memory_units(&config, BLOCK_SIZE, MAX_LORA_RANK)
+}
+
+/// A budget of `slots` adapter slots and `blocks` KV blocks' bytes.
+fn budget(slots: u64, blocks: u64) -> u64 {
+    let u = units();
+    slots * u.slot_bytes + blocks * u.block_bytes
+}
+
+fn settings(budget_bytes: u64, max_loras: usize) -> EngineSettings {
+    EngineSettings {
+        max_loras,
+        max_lora_rank: MAX_LORA_RANK,
+        max_cpu_loras: 12,
+        block_size: BLOCK_SIZE,
+        max_num_seqs: 16,
+        max_batched_tokens: 256,
+        memory_budget_bytes: Some(budget_bytes),
+        ..Default::default()
+    }
+}
+
+fn request(id: String, adapter: u64, prompt_tokens: usize, max_tokens: usize) -> Request {
+    // Token ids 3.. (below the vocabulary of 384), varied per request.
+    let salt = id.bytes().map(u32::from).sum::<u32>();
+    Request {
+        adapter: (adapter > 0).then(|| aid(adapter)),
+        prompt: Prompt::TokenIds(
+            (0..prompt_tokens as u32)
+                .map(|i| 3 + (i * 7 + salt) % 380)
+                .collect(),
+        ),
+        params: SamplingParams {
+            max_tokens,
+            temperature: 0.0,
+            ignore_eos: true,
+            ..Default::default()
+        },
+        id,
+    }
+}
+
+/// Each request's tokens, run alone on an engine with room to spare.
+fn alone(requests: &[Request]) -> HashMap<String, Vec<u32>> {
+    let mut e = fixture_engine(
+        MODEL,
+        EngineSettings {
+            max_loras: 1,
+            max_cpu_loras: 1,
+            block_size: BLOCK_SIZE,
+            ..Default::default()
+        },
+    );
+    requests
+        .iter()
+        .map(|r| {
+            let c = e.run_to_completion(vec![r.clone()]).unwrap().pop().unwrap();
+            assert!(c.error.is_none(), "{:?}", c.error);
+            (r.id.clone(), c.token_ids)
+        })
+        .collect()
+}
+
+/// The most of each side a run used, in blocks and slots.
+#[derive(Debug, Default, Clone, Copy)]
+struct Peaks {
+    kv_blocks: u64,
+    slots: u64,
+}
+
+/// Submits `requests` (`per_step` every step) and steps until all finish,
+/// checking after every step that the budget holds and that every adapter
+/// a sequence leases is on the device. Returns the peaks.
+fn run(
+    e: &mut Engine,
+    requests: &[Request],
+    per_step: usize,
+    outputs: &mut HashMap<String, Vec<u32>>,
+) -> Peaks {
+    let u = units();
+    let mut pending = requests.iter();
+    let mut left = requests.len();
+    let mut peaks = Peaks::default();
+    let mut steps = 0;
+    while left > 0 {
+        for r in pending.by_ref().take(per_step) {
+            e.submit(r.clone()).unwrap();
+        }
+        for (id, event) in e.step().unwrap() {
+            match event {
+                Event::Delta { token_ids, .. } => outputs.entry(id).or_default().extend(token_ids),
+                Event::Finished(_) => left -= 1,
+                Event::Failed(err) => panic!("{id}: {err}"),
+                Event::PromptLogprobs(_) => {}
+            }
+        }
+        let stats = e.stats();
+        let m = stats.memory.expect("the engine has a budget");
+        assert!(
+            m.kv + m.adapters <= m.budget,
+            "step {steps}: KV {} + adapters {} bytes pass the budget {}",
+            m.kv,
+            m.adapters,
+            m.budget
+        );
+        for a in &stats.adapters {
+            assert!(
+                a.active == 0 || a.residency == Residency::Device,
+                "step {steps}: adapter {} has {} leases but is {:?}",
+                a.id,
+                a.active,
+                a.residency
+            );
+        }
+        peaks.kv_blocks = peaks.kv_blocks.max(m.kv / u.block_bytes);
+        peaks.slots = peaks.slots.max(m.adapters / u.slot_bytes);
+        steps += 1;
+        assert!(steps < 20_000, "the work never drained");
+    }
+    peaks
+}
+
+#[test]
+fn the_split_between_kv_and_adapter_slots_follows_the_work() {
+    let u = units();
+    assert!(
+        u.slot_bytes > 8 * u.block_bytes,
+        "a slot of the test model weighs many KV blocks ({} vs {})",
+        u.slot_bytes,
+        u.block_bytes
+    );
+    // Four slots and forty blocks' worth, shared.
+    let bytes = budget(4, 40);
+    // Long sequences on one adapter: 10 × 130 positions = 90 blocks.
+    let long: Vec<Request> = (0..10)
+        .map(|i| request(format!("long{i}"), 1, 70, 60))
+        .collect();
+    // Short sequences on all ten adapters.
+    let many: Vec<Request> = (0..30)
+        .map(|i| request(format!("many{i}"), 1 + i % 10, 8, 4))
+        .collect();
+    let again: Vec<Request> = (0..10)
+        .map(|i| request(format!("again{i}"), 2, 70, 60))
+        .collect();
+    let everything: Vec<Request> = long.iter().chain(&many).chain(&again).cloned().collect();
+    let expected = alone(&everything);
+
+    let mut e = fixture_engine(MODEL, settings(bytes, 8));
+    assert_eq!(
+        e.settings().kv_blocks as u64,
+        (bytes - u.slot_bytes) / u.block_bytes,
+        "the KV cache is the budget less one slot"
+    );
+    let mut outputs = HashMap::new();
+    let first = run(&mut e, &long, 10, &mut outputs);
+    let second = run(&mut e, &many, 30, &mut outputs);
+    let evictions_before = e.stats().pool.device_evictions;
+    let third = run(&mut e, &again, 10, &mut outputs);
+
+    // With few adapters, KV took what four fixed slots would have kept:
+    // more than the budget less two slots holds.
+    let kv_beside_two_slots = (bytes - 2 * u.slot_bytes) / u.block_bytes;
+    assert!(
+        first.kv_blocks > kv_beside_two_slots,
+        "long sequences peaked at {} KV blocks; a split with two slots has {kv_beside_two_slots}",
+        first.kv_blocks
+    );
+    // With many adapters, slots took what that KV held: more slots at
+    // once than fit beside the first phase's KV.
+    let slots_beside_first = (bytes - first.kv_blocks * u.block_bytes) / u.slot_bytes;
+    assert!(
+        second.slots >= 4 && second.slots > slots_beside_first,
+        "ten adapters peaked at {} slots; beside the first phase's KV only {slots_beside_first} fit",
+        second.slots
+    );
+    // And back: KV took the slots' bytes again, emptying resident adapters
+    // nobody was using.
+    assert!(
+        third.kv_blocks > kv_beside_two_slots,
+        "the third phase peaked at {} KV blocks",
+        third.kv_blocks
+    );
+    assert!(
+        e.stats().pool.device_evictions > evictions_before,
+        "idle adapters left their slots for KV"
+    );
+    for r in &everything {
+        assert_eq!(outputs[&r.id], expected[&r.id], "{}", r.id);
+    }
+}
+
+#[test]
+fn a_sequence_that_needs_a_preempted_ones_slot_for_its_kv_gets_it() {
+    // Two slots and ten blocks: two long sequences on two adapters start
+    // together. Beside both slots KV holds 10 blocks; each needs 15 in the
+    // end, so the newer is preempted and, holding no KV, gives its lease
+    // and then its slot's bytes to the older. Without that the older
+    // would preempt itself over and over.
+    let bytes = budget(2, 10);
+    let requests = vec![
+        request("a".into(), 1, 40, 200),
+        request("b".into(), 2, 40, 200),
+    ];
+    let expected = alone(&requests);
+    let mut e = fixture_engine(MODEL, settings(bytes, 2));
+    let mut outputs = HashMap::new();
+    run(&mut e, &requests, 2, &mut outputs);
+    for r in &requests {
+        assert_eq!(outputs[&r.id], expected[&r.id], "{}", r.id);
+    }
+    assert!(
+        e.stats().pool.device_evictions > 0,
+        "the preempted sequence's adapter left its slot for KV"
+    );
+}
+
+#[test]
+fn a_budget_that_cannot_hold_a_slot_and_a_block_is_refused_by_name() {
+    let u = units();
+    let err = Engine::load_cpu(
+        &model_dir(MODEL),
+        settings(u.slot_bytes + u.block_bytes - 1, 4),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.starts_with("memory_budget_bytes: "), "{err}");
+    // A request longer than the budget's KV is refused at submission.
+    let mut e = fixture_engine(MODEL, settings(budget(1, 4), 4));
+    let err = e
+        .submit(request("big".into(), 1, 60, 40))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("KV blocks"), "{err}");
+}
+
+#[test]
+fn the_cuda_backend_refuses_a_shared_budget_by_name() {
+    let err = Engine::load(
+        &model_dir(MODEL),
+        settings(budget(4, 40), 4),
+        lorafleet_engine::BackendChoice::Cuda {
+            device: 0,
+            dtype: lorafleet_engine::backend::cuda::Dtype::F32,
+            lora_dtype: lorafleet_engine::backend::cuda::Dtype::F32,
+            graphs: false,
+        },
+    )
+    .unwrap_err()
+    .to_string();
+    // Without a GPU the probe may refuse first; either way nothing loads.
+    assert!(
+        err.starts_with("memory_budget_bytes: ") || err.to_lowercase().contains("cuda"),
+        "{err}"
+    );
+}
+
+#[derive(Debug, Clone)]
+struct Arrival {
+    adapter: u64,
+    prompt_tokens: usize,
+    max_tokens: usize,
+}
+
+fn arrival() -> impl Strategy<Value = Arrival> {
+    (0u64..=10, 1usize..96, 1usize..48).prop_map(|(adapter, prompt_tokens, max_tokens)| Arrival {
+        adapter,
+        prompt_tokens,
+        max_tokens,
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    /// Random work under random budgets: after every step the budget
+    /// holds and every leased adapter is on the device; every request
+    /// finishes with the tokens it gets alone.
+    #[test]
+    fn under_any_budget_the_accounting_holds_and_outputs_do_not_change(
+        slots in 1u64..5,
+        blocks in 10u64..48,
+        max_loras in 1usize..8,
+        per_step in 1usize..8,
+        arrivals in prop::collection::vec(arrival(), 1..24),
+    ) {
+        let requests: Vec<Request> = arrivals
+            .iter()
+            .enumerate()
+            .map(|(i, a)| request(format!("p{i}"), a.adapter, a.prompt_tokens, a.max_tokens))
+            .collect();
+        let expected = alone(&requests);
+        let mut e = fixture_engine(MODEL, settings(budget(slots, blocks), max_loras));
+        let mut outputs = HashMap::new();
+        run(&mut e, &requests, per_step, &mut outputs);
+        for r in &requests {
+            prop_assert_eq!(&outputs[&r.id], &expected[&r.id], "{}", r.id);
+        }
+    }
+}
