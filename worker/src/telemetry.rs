@@ -201,6 +201,8 @@ pub fn record_stats(stats: &EngineStats) {
     // admissions that found their adapter there.
     counter!("lorafleet_adapter_prefetches_total", "outcome" => "started").absolute(p.prefetches);
     counter!("lorafleet_adapter_prefetches_total", "outcome" => "hit").absolute(p.prefetch_hits);
+    // Loads at admission that a prefetch could have started a step before.
+    counter!("lorafleet_adapter_late_loads_total").absolute(p.late_loads);
 }
 
 /// A Generate call's outcome: "ok", or the gRPC code's name.

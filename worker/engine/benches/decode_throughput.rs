@@ -105,10 +105,10 @@ fn main() {
         }
     }
     println!(
-        "| adapters | generated tokens | tokens/s (median) | each round | vs {0} adapters (ratio of medians) | vs {0} adapters (median of rounds) | device loads | mean distinct/step | stolen CPU s |",
+        "| adapters | generated tokens | tokens/s (median) | each round | vs {0} adapters (ratio of medians) | vs {0} adapters (median of rounds) | device loads | late loads | mean distinct/step | stolen CPU s |",
         counts[0]
     );
-    println!("|---:|---:|---:|---|---:|---:|---:|---:|---:|");
+    println!("|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|");
     let first_median = median(&runs[0].iter().map(Run::tokens_per_s).collect::<Vec<_>>());
     for (i, &n) in counts.iter().enumerate() {
         let tps: Vec<f64> = runs[i].iter().map(Run::tokens_per_s).collect();
@@ -125,7 +125,7 @@ fn main() {
             n.to_string()
         };
         println!(
-            "| {label} | {} | {:.1} | {} | {:.1}% | {:.1}% | {} | {:.1} | {} |",
+            "| {label} | {} | {:.1} | {} | {:.1}% | {:.1}% | {} | {} | {:.1} | {} |",
             last.generated,
             median(&tps),
             tps.iter()
@@ -135,6 +135,7 @@ fn main() {
             median(&tps) / first_median * 100.0,
             median(&ratios) * 100.0,
             last.device_loads,
+            last.late_loads,
             last.mean_distinct,
             stolen.map_or("n/a".to_string(), |s| format!("{s:.1}")),
         );
@@ -146,6 +147,8 @@ struct Run {
     generated: usize,
     seconds: f64,
     device_loads: u64,
+    /// Loads at admission a prefetch could have started a step earlier.
+    late_loads: u64,
     mean_distinct: f64,
     /// CPU seconds stolen by the hypervisor during the run, if known.
     stolen: Option<f64>,
@@ -225,6 +228,7 @@ fn run_once(model: &std::path::Path, adapter_dirs: &[std::path::PathBuf]) -> Run
         .map(|r| standin::decode_request(r, (n > 0).then(|| aid((r % n) as u64 + 1)), PROMPT, NEW))
         .collect();
     let loads_before = e.stats().pool.device_loads;
+    let late_before = e.stats().pool.late_loads;
     let stolen_before = stolen_cpu_seconds();
     let started = Instant::now();
     let mut generated = 0;
@@ -264,6 +268,7 @@ fn run_once(model: &std::path::Path, adapter_dirs: &[std::path::PathBuf]) -> Run
         generated,
         seconds,
         device_loads: e.stats().pool.device_loads - loads_before,
+        late_loads: e.stats().pool.late_loads - late_before,
         mean_distinct: distinct as f64 / steps as f64,
         stolen: stolen_before
             .zip(stolen_cpu_seconds())

@@ -73,6 +73,11 @@ pub struct PoolCounters {
     pub prefetches: u64,
     /// Admissions that found their adapter where a prefetch put it.
     pub prefetch_hits: u64,
+    /// Device loads made at admission, on the step's path, for an adapter
+    /// that a prefetch could have started a step earlier: it was in the
+    /// host tier while a slot was free (with room in the budget) and
+    /// requests waited for it, but the step's prefetches went elsewhere.
+    pub late_loads: u64,
 }
 
 /// Keeps an adapter resident while held. Dropping it releases the hold.
@@ -125,6 +130,9 @@ struct Entry {
     unload_pending: bool,
     /// In its slot by a prefetch no admission has used yet.
     prefetched: bool,
+    /// At the end of the last step it was in the host tier, wanted, and a
+    /// slot was free for it, but no prefetch started.
+    prefetchable: bool,
     /// The number of the latest load asked for. A result carrying another
     /// number is stale (an unload or a fresher parse came since) and is
     /// dropped, so an unload is never undone by a load finishing after it.
@@ -427,6 +435,7 @@ impl AdapterPool {
                         loading: false,
                         unload_pending: false,
                         prefetched: false,
+                        prefetchable: false,
                         load_seq: 0,
                     },
                 );
@@ -658,6 +667,9 @@ impl AdapterPool {
         self.slots[slot] = Some(id);
         let now = self.tick();
         let e = self.entries.get_mut(&id).expect("checked above");
+        if std::mem::take(&mut e.prefetchable) {
+            self.counters.late_loads += 1;
+        }
         e.slot = Some(slot);
         e.last_used = now;
         self.counters.device_loads += 1;
@@ -719,6 +731,31 @@ impl AdapterPool {
         self.entries.get_mut(&id).expect("checked above").prefetched = true;
         self.counters.prefetches += 1;
         Ok(true)
+    }
+
+    /// Marks, after a step's prefetches, the wanted adapters (in queue
+    /// order) a prefetch could still have started: in the host tier, not
+    /// on the device, one per free slot. A later load of one at admission
+    /// counts as late.
+    pub fn mark_prefetchable(&mut self, wanted: &[AdapterId]) {
+        for e in self.entries.values_mut() {
+            e.prefetchable = false;
+        }
+        let mut free = self.free_slots();
+        for id in wanted {
+            if free == 0 {
+                break;
+            }
+            if let Some(e) = self.entries.get_mut(id)
+                && e.slot.is_none()
+                && e.host.is_some()
+                && !e.unload_pending
+                && !e.prefetchable
+            {
+                e.prefetchable = true;
+                free -= 1;
+            }
+        }
     }
 
     /// Marks an adapter used by the current step.

@@ -467,6 +467,15 @@ impl Scheduler<'_> {
                 started += 1;
             }
         }
+        // What is still wanted and could have been started: a load of it at
+        // the next admission is late (counted).
+        let wanted: Vec<_> = self
+            .queues
+            .waiting
+            .iter()
+            .filter_map(|id| self.seqs[id].adapter)
+            .collect();
+        self.pool.mark_prefetchable(&wanted);
         Ok(())
     }
 

@@ -164,6 +164,7 @@ fn a_thrashing_trace_is_counted_right() {
             load_failures: 0,
             prefetches: 0,
             prefetch_hits: 0,
+            late_loads: 0,
         }
     );
     assert_eq!(device_set(&pool), vec![1, 2]);
@@ -596,4 +597,65 @@ fn the_wait_for_an_adapter_is_measured() {
         again[0].finish.as_ref().unwrap().adapter_wait,
         Some(Duration::ZERO)
     );
+}
+
+/// A load at admission is counted as late when a prefetch could have
+/// started it a step earlier (the adapter was in the host tier, requests
+/// waited for it and a slot was free, but the step's prefetches, at most
+/// `PREFETCH_PER_STEP`, went to others); requests that arrive one step
+/// apart are all prefetched in time and none is late.
+#[test]
+fn loads_that_a_prefetch_could_have_started_are_counted_as_late() {
+    let engine = || {
+        let mut e = fixture_engine(
+            MODEL,
+            EngineSettings {
+                max_loras: 8,
+                max_cpu_loras: 10,
+                max_num_seqs: 4,
+                ..Default::default()
+            },
+        );
+        for id in 1..=10 {
+            e.prefetch(aid(id));
+        }
+        while e.pool().loads_in_flight() > 0 {
+            e.pool().poll_loads(Some(Duration::from_secs(5)));
+        }
+        e
+    };
+    let one_token = |i: u64| Request {
+        id: format!("r{i}"),
+        adapter: Some(aid(i % 10 + 1)),
+        prompt: Prompt::Text(format!("request {i}")),
+        params: SamplingParams {
+            max_tokens: 1,
+            temperature: 0.0,
+            ..Default::default()
+        },
+    };
+    // Ten at once, four a step: the first four load at admission (nothing
+    // could have been prefetched before), two are prefetched, and the
+    // next step's other two loads are late.
+    let mut e = engine();
+    let done = e
+        .run_to_completion((0..10).map(one_token).collect())
+        .unwrap();
+    assert!(done.iter().all(|c| c.error.is_none()));
+    let p = e.stats().pool;
+    assert!(p.late_loads >= 2, "{p:?}");
+    assert!(p.late_loads <= p.device_loads - p.prefetches, "{p:?}");
+    // One arrival a step: each is admitted the step it arrives, before
+    // any prefetch could start it, so none is late.
+    let mut e = engine();
+    for i in 0..10 {
+        e.submit(one_token(i)).unwrap();
+        e.step().unwrap();
+    }
+    while e.has_work() {
+        e.step().unwrap();
+    }
+    let p = e.stats().pool;
+    assert_eq!(p.late_loads, 0, "{p:?}");
+    assert_eq!(p.device_loads, 10, "{p:?}");
 }

@@ -175,6 +175,9 @@ struct RunStats {
     /// admissions that found their adapter where a prefetch put it.
     prefetches: u64,
     prefetch_hits: u64,
+    /// Device loads at admission that a prefetch could have started a
+    /// step earlier (a slot was free, the adapter in the host tier).
+    late_loads: u64,
     device_evictions: u64,
     /// Times a running sequence was preempted, all requests together.
     preemptions: u64,
@@ -378,6 +381,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             max_wait_steps: stats.run.max_wait_steps,
             prefetches: stats.pool.prefetches,
             prefetch_hits: stats.pool.prefetch_hits,
+            late_loads: stats.pool.late_loads,
             device_evictions: stats.pool.device_evictions,
             preemptions: results
                 .iter()
