@@ -65,6 +65,18 @@ impl AdapterPool {
         self.evictable(keep).len()
     }
 
+    /// Takes `holder`'s adapter out of `slot` (an eviction).
+    fn vacate(&mut self, slot: usize, holder: AdapterId) {
+        let e = self
+            .entries
+            .get_mut(&holder)
+            .expect("slot holder is registered");
+        e.slot = None;
+        e.prefetched = false;
+        self.slots[slot] = None;
+        self.counters.device_evictions += 1;
+    }
+
     /// Empties up to `count` slots that no sequence leases, none pinned
     /// nor in `keep`, least valued first, so their bytes go to the KV
     /// cache. The adapters stay in the host tier. Returns how many.
@@ -78,14 +90,7 @@ impl AdapterPool {
             self.evictable(keep).into_iter().take(count).collect();
         for &(slot, holder) in &victims {
             backend.clear_slot(slot)?;
-            let e = self
-                .entries
-                .get_mut(&holder)
-                .expect("slot holder is registered");
-            e.slot = None;
-            e.prefetched = false;
-            self.slots[slot] = None;
-            self.counters.device_evictions += 1;
+            self.vacate(slot, holder);
             self.generation += 1;
         }
         self.report();
@@ -122,14 +127,7 @@ impl AdapterPool {
                 let Some(&(slot, holder)) = self.evictable(busy).first() else {
                     return Ok(None);
                 };
-                let evicted = self
-                    .entries
-                    .get_mut(&holder)
-                    .expect("slot holder is registered");
-                evicted.slot = None;
-                evicted.prefetched = false;
-                self.slots[slot] = None;
-                self.counters.device_evictions += 1;
+                self.vacate(slot, holder);
                 slot
             }
         };
