@@ -7,7 +7,10 @@
 //! cursor), and the first page with an adapter and status filter too. Each
 //! is timed through the gateway's `AuditQuery` (the SQL alone) and through
 //! the real admin HTTP API (`GET /admin/v1/audit`, JWT checked, JSON
-//! encoded) served in-process on loopback.
+//! encoded) served in-process on loopback. The log is partitioned by day
+//! (migration 0014) from the first generated day on, so a question reads
+//! one day's partition; the table line says how many partitions there are
+//! and how large the log is on disk.
 //!
 //! cargo bench -p lorafleet-gateway --bench audit_query [-- ROWS]
 
@@ -63,6 +66,21 @@ fn main() {
             .connect(&url)
             .await
             .unwrap();
+        // Partitioned by day from the first generated day on, as a log
+        // partitioned then and written since would be.
+        let start: DateTime<Utc> = Utc.with_ymd_and_hms(2026, 10, 1, 0, 0, 0).unwrap();
+        lorafleet_gateway::db::MIGRATOR
+            .run_to(13, &pool)
+            .await
+            .unwrap();
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "ALTER TABLE audit_log ADD CONSTRAINT audit_log_before_partitions
+             CHECK (received_at < '{}'::timestamptz)",
+            start.to_rfc3339()
+        )))
+        .execute(&pool)
+        .await
+        .unwrap();
         lorafleet_gateway::db::migrate(&pool).await.unwrap();
 
         let t0 = Instant::now();
@@ -73,7 +91,6 @@ fn main() {
                 .await
                 .unwrap();
         }
-        let start: DateTime<Utc> = Utc.with_ymd_and_hms(2026, 10, 1, 0, 0, 0).unwrap();
         let step_us = DAYS * 86_400 * 1_000_000 / rows as i64;
         // Rows in time order, as a gateway writes them; every tenant spread
         // over the whole month.
@@ -101,7 +118,10 @@ fn main() {
         .execute(&pool)
         .await
         .unwrap();
-        sqlx::query("ANALYZE audit_log").execute(&pool).await.unwrap();
+        sqlx::query("ANALYZE audit_log")
+            .execute(&pool)
+            .await
+            .unwrap();
         let loaded = t0.elapsed();
         let count: i64 = sqlx::query_scalar("SELECT count(*) FROM audit_log")
             .fetch_one(&pool)
@@ -140,7 +160,10 @@ fn main() {
             artifact_roots: None,
             artifact_stores: lorafleet_store::ObjectStores::none(),
             max_lora_rank: 64,
-            fleet: Fleet::new(Policy::default(), lorafleet_gateway::router::fleet::Transport::Plaintext),
+            fleet: Fleet::new(
+                Policy::default(),
+                lorafleet_gateway::router::fleet::Transport::Plaintext,
+            ),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
@@ -225,9 +248,18 @@ fn main() {
             results.push((name, "admin HTTP API", api));
         }
 
+        let (partitions, bytes): (i64, i64) = sqlx::query_as(
+            "SELECT count(*), sum(pg_total_relation_size(name::regclass))::INT8
+               FROM audit_log_partitions()",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
         println!();
         println!(
-            "audit_log: {count} rows ({TENANTS} tenants, {DAYS} days), generated and analysed in {:.1} s; {SAMPLES} questions each",
+            "audit_log: {count} rows ({TENANTS} tenants, {DAYS} days) in {partitions} partitions, \
+             {:.2} GiB with indexes, generated and analysed in {:.1} s; {SAMPLES} questions each",
+            bytes as f64 / (1u64 << 30) as f64,
             loaded.as_secs_f64()
         );
         println!();

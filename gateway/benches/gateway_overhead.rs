@@ -26,6 +26,9 @@
 //! the same rate (10,000 in all), and how many audit rows the flood cost;
 //! `GATEWAY_OVERHEAD_FLOOD=healthz` floods `GET /healthz` instead, the
 //! cheapest request there is, for comparison.
+//! `GATEWAY_OVERHEAD_CPU=1` runs one gateway per durability mode (commit,
+//! then journal) and reports its CPU time per request (user + system from
+//! `/proc`, over the measured rounds only) beside the latency it added.
 //!
 //! Needs Postgres at 127.0.0.1:5432 (user postgres, trust) and Redis at
 //! 127.0.0.1:6379, like the tests.
@@ -35,6 +38,9 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant, SystemTime};
 
 use lorafleet_proto::worker::v1 as pb;
+
+#[path = "support/cpu.rs"]
+mod cpu;
 use sqlx::Connection;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
@@ -640,6 +646,57 @@ fn main() {
             let (mut gw, gw_http) = gateway(&url, &prefix, plain_worker, &spool, None, "commit");
             wait_ready(&client(), &gw_http).await;
             flood(&url, &gw_http, &mut gw, flood_of == "healthz").await;
+            drop_db(&mut c, &db).await;
+            return;
+        }
+        if std::env::var("GATEWAY_OVERHEAD_CPU").is_ok() {
+            let grpc = pb::worker_client::WorkerClient::connect(format!("http://{plain_worker}"))
+                .await
+                .unwrap();
+            println!(
+                "gateway CPU per request, STAND-IN worker (one token, no model), {RATE} req/s \
+                 open loop, {ROUNDS} rounds of {ROUND_SECS} s per mode, {} cores",
+                std::thread::available_parallelism().map_or(0, |n| n.get())
+            );
+            println!("| --audit-durability | requests | gateway CPU | CPU per request | added p50 | added p99 |");
+            println!("|---|---:|---:|---:|---:|---:|");
+            for mode in ["commit", "journal"] {
+                let spool = scratch.path().join(format!("spool-cpu-{mode}"));
+                let (mut gw, gw_http) = gateway(&url, &prefix, plain_worker, &spool, None, mode);
+                let http = client();
+                wait_ready(&http, &gw_http).await;
+                let via = via_gateway(&http, &gw_http);
+                let direct = direct(grpc.clone());
+                for _ in 0..500 {
+                    assert!(via().await && direct().await, "a warm-up call failed");
+                }
+                let (mut through, mut alone, mut cpu, mut n) =
+                    (Vec::new(), Vec::new(), Duration::ZERO, 0);
+                for _ in 0..ROUNDS {
+                    let d = direct.clone();
+                    alone.extend(open_loop(move || d()).await.0);
+                    let before = cpu::used(gw.id());
+                    let v = via.clone();
+                    let (lat, failed) = open_loop(move || v()).await;
+                    cpu += cpu::used(gw.id()) - before;
+                    n += lat.len() + failed;
+                    through.extend(lat);
+                }
+                through.sort();
+                alone.sort();
+                let ms = |a: &[Duration], p| percentile(a, p).as_secs_f64() * 1e3;
+                println!(
+                    "| {mode} | {n} | {:.2} s | **{:.0} µs** | {:.3} ms | {:.3} ms |",
+                    cpu.as_secs_f64(),
+                    cpu.as_secs_f64() * 1e6 / n as f64,
+                    ms(&through, 0.50) - ms(&alone, 0.50),
+                    ms(&through, 0.99) - ms(&alone, 0.99),
+                );
+                let _ = Command::new("kill")
+                    .args(["-TERM", &gw.id().to_string()])
+                    .status();
+                let _ = gw.wait();
+            }
             drop_db(&mut c, &db).await;
             return;
         }

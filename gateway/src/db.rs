@@ -22,6 +22,8 @@ pub enum DbError {
     },
     #[error("applying migrations failed: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
+    #[error("preparing the audit log for partitioning (rerun `lorafleet-gateway migrate`): {0}")]
+    PrepareAudit(#[source] sqlx::Error),
 }
 
 /// Parses and checks a Postgres URL. `flag` names the setting it came from,
@@ -76,8 +78,14 @@ pub async fn connect_warm(
 }
 
 /// Applies every pending migration. Safe to run from several processes at
-/// once: sqlx serialises them with a Postgres advisory lock.
+/// once: sqlx serialises them with a Postgres advisory lock. An
+/// unpartitioned audit log is first prepared online
+/// ([`prepare_online`](crate::audit::partitions::prepare_online)), so that
+/// partitioning it blocks writes for milliseconds whatever its size.
 pub async fn migrate(pool: &PgPool) -> Result<usize, DbError> {
+    crate::audit::partitions::prepare_online(pool)
+        .await
+        .map_err(DbError::PrepareAudit)?;
     let before = applied_versions(pool).await;
     MIGRATOR.run(pool).await?;
     let after = applied_versions(pool).await;

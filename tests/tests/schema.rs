@@ -663,6 +663,8 @@ async fn the_audit_log_is_append_only_and_replays_idempotently() {
     let db = migrated_db("audit_log").await;
     let pool = db.pool().await;
     let request_id = Uuid::now_v7();
+    // A replay carries the time the row was first written with.
+    let received_at = chrono::Utc::now() - chrono::TimeDelta::seconds(1);
     let insert = |status: &'static str, finish: Option<&'static str>| {
         let pool = pool.clone();
         async move {
@@ -671,15 +673,16 @@ async fn the_audit_log_is_append_only_and_replays_idempotently() {
                                         lora_int_id, adapter_name, adapter_version, base_hash, worker_id,
                                         adapter_residency, status, http_status, finish_reason,
                                         prompt_tokens, completion_tokens, latency_us, ttft_us)
-                 VALUES ($1, now() - interval '1 second', now(), $2, 'support', 7, 'support', 3, $3,
+                 VALUES ($1, $6, $6 + interval '1 second', $2, 'support', 7, 'support', 3, $3,
                          'worker-0', 'device', $4::audit_status, 200, $5, 12, 34, 1000000, 25000)
-                 ON CONFLICT (request_id) DO NOTHING",
+                 ON CONFLICT (request_id, received_at) DO NOTHING",
             )
             .bind(request_id)
             .bind(Uuid::new_v4())
             .bind(hash(1))
             .bind(status)
             .bind(finish)
+            .bind(received_at)
             .execute(&pool)
             .await
             .map(|r| r.rows_affected())

@@ -229,7 +229,39 @@ impl AuditQuery {
         pool: &PgPool,
         cursor: Option<Cursor>,
     ) -> Result<(Vec<AuditRow>, Option<Cursor>), sqlx::Error> {
-        let mut q: QueryBuilder<Postgres> = QueryBuilder::new(
+        let mut q = self.select("", cursor);
+        let rows: Vec<AuditRow> = q.build_query_as().fetch_all(pool).await?;
+        let next = if rows.len() as i64 == self.limit {
+            rows.last().map(|r| Cursor {
+                received_at: r.received_at,
+                id: r.id,
+            })
+        } else {
+            None
+        };
+        Ok((rows, next))
+    }
+
+    /// Postgres's plan of [`page`](Self::page) (`EXPLAIN` in text form):
+    /// which partitions of the log it reads.
+    pub async fn explain(
+        &self,
+        pool: &PgPool,
+        cursor: Option<Cursor>,
+    ) -> Result<String, sqlx::Error> {
+        let mut q = self.select("EXPLAIN ", cursor);
+        let lines: Vec<String> = q.build_query_scalar().fetch_all(pool).await?;
+        Ok(lines.join("\n"))
+    }
+
+    /// The page's query. Every bound on time is also a bound on
+    /// `received_at` alone (the partition key), so that Postgres reads only
+    /// the partitions that can hold the page: the cursor's time, and the
+    /// time a UUIDv7 request id was minted (the gateway mints it on
+    /// receipt).
+    fn select(&self, prefix: &'static str, cursor: Option<Cursor>) -> QueryBuilder<Postgres> {
+        let mut q: QueryBuilder<Postgres> = QueryBuilder::new(prefix);
+        q.push(
             "SELECT l.id, l.request_id, l.received_at, l.completed_at, t.name AS tenant,
                     COALESCE(l.api_key_prefix, k.prefix) AS api_key, l.subject,
                     l.end_user AS user, l.model_name AS model, l.route_revision,
@@ -271,6 +303,12 @@ impl AuditQuery {
         }
         if let Some(v) = self.request_id {
             q.push(" AND l.request_id = ").push_bind(v);
+            if let Some(minted) = minted_at(v) {
+                q.push(" AND l.received_at >= ")
+                    .push_bind(minted - REQUEST_ID_SLACK)
+                    .push(" AND l.received_at < ")
+                    .push_bind(minted + REQUEST_ID_SLACK);
+            }
         }
         if let Some(v) = self.client {
             q.push(" AND l.client_addr = ")
@@ -284,7 +322,9 @@ impl AuditQuery {
             q.push(" AND l.received_at < ").push_bind(v);
         }
         if let Some(c) = cursor {
-            q.push(" AND (l.received_at, l.id) < (")
+            q.push(" AND l.received_at <= ")
+                .push_bind(c.received_at)
+                .push(" AND (l.received_at, l.id) < (")
                 .push_bind(c.received_at)
                 .push(", ")
                 .push_bind(c.id)
@@ -292,17 +332,23 @@ impl AuditQuery {
         }
         q.push(" ORDER BY l.received_at DESC, l.id DESC LIMIT ")
             .push_bind(self.limit);
-        let rows: Vec<AuditRow> = q.build_query_as().fetch_all(pool).await?;
-        let next = if rows.len() as i64 == self.limit {
-            rows.last().map(|r| Cursor {
-                received_at: r.received_at,
-                id: r.id,
-            })
-        } else {
-            None
-        };
-        Ok((rows, next))
+        q
     }
+}
+
+/// How far a row's `received_at` may be from its UUIDv7 request id's time:
+/// the gateway mints the id on receipt (a failed-authentication row's, at
+/// the window's first failure), so seconds apart at most; an hour is room
+/// for any clock step.
+const REQUEST_ID_SLACK: chrono::TimeDelta = chrono::TimeDelta::hours(1);
+
+/// When a UUIDv7 was minted; None for any other version.
+fn minted_at(id: Uuid) -> Option<DateTime<Utc>> {
+    if id.get_version_num() != 7 {
+        return None;
+    }
+    let (secs, nanos) = id.get_timestamp()?.to_unix();
+    DateTime::from_timestamp(i64::try_from(secs).ok()?, nanos)
 }
 
 /// One CSV cell. A text cell that a spreadsheet would read as a formula

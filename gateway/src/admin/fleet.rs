@@ -60,17 +60,11 @@ impl Query for FleetView {
         }
         // From the audit log, so the rates are the whole fleet's (every
         // gateway replica's requests), not this replica's alone.
-        let traffic: Vec<AdapterTraffic> = sqlx::query_as(
-            "SELECT lora_int_id, count(*) AS requests,
-                count(*) FILTER (WHERE adapter_residency = 'device') AS device_hits
-         FROM audit_log
-         WHERE lora_int_id IS NOT NULL AND received_at > now() - make_interval(secs => $1)
-         GROUP BY lora_int_id ORDER BY lora_int_id",
-        )
-        .bind(RATE_WINDOW_SECS as f64)
-        .fetch_all(&s.pool)
-        .await
-        .map_err(db_error)?;
+        let traffic: Vec<AdapterTraffic> = sqlx::query_as(TRAFFIC_SQL)
+            .bind(RATE_WINDOW_SECS as f64)
+            .fetch_all(&s.pool)
+            .await
+            .map_err(db_error)?;
         let adapters: Vec<Value> = traffic
             .iter()
             .map(|t| {
@@ -87,3 +81,11 @@ impl Query for FleetView {
         )
     }
 }
+
+/// The fleet view's adapter traffic over the last `$1` seconds of the audit
+/// log (its partitions of those seconds alone).
+pub const TRAFFIC_SQL: &str = "SELECT lora_int_id, count(*) AS requests,
+        count(*) FILTER (WHERE adapter_residency = 'device') AS device_hits
+     FROM audit_log
+     WHERE lora_int_id IS NOT NULL AND received_at > now() - make_interval(secs => $1)
+     GROUP BY lora_int_id ORDER BY lora_int_id";

@@ -485,26 +485,13 @@ impl Command for ChangeRollout {
 /// 4xx is neither a request nor an error of the version.
 async fn window(pool: &PgPool, r: &Rollout) -> Result<(Figures, Figures), AdminError> {
     type Row = (i64, i64, i64, Option<f64>, Option<f64>);
-    let rows: Vec<Row> = sqlx::query_as(
-        "SELECT lora_int_id,
-                count(*) FILTER (WHERE status = 'ok'
-                                 OR (status = 'error' AND http_status NOT BETWEEN 400 AND 499)),
-                count(*) FILTER (WHERE status = 'error' AND http_status NOT BETWEEN 400 AND 499),
-                percentile_cont(0.95) WITHIN GROUP (ORDER BY ttft_us)
-                    FILTER (WHERE status = 'ok' AND ttft_us IS NOT NULL),
-                percentile_cont(0.95) WITHIN GROUP
-                    (ORDER BY (latency_us - ttft_us)::FLOAT8 / NULLIF(completion_tokens - 1, 0))
-                    FILTER (WHERE status = 'ok' AND ttft_us IS NOT NULL AND completion_tokens > 1)
-         FROM audit_log
-         WHERE route_id = $1 AND received_at >= $2 AND lora_int_id = ANY($3)
-         GROUP BY lora_int_id",
-    )
-    .bind(r.route_id)
-    .bind(r.step_started_at)
-    .bind(vec![r.candidate_lora_int_id, r.stable_lora_int_id])
-    .fetch_all(pool)
-    .await
-    .map_err(db_error)?;
+    let rows: Vec<Row> = sqlx::query_as(WINDOW_SQL)
+        .bind(r.route_id)
+        .bind(r.step_started_at)
+        .bind(vec![r.candidate_lora_int_id, r.stable_lora_int_id])
+        .fetch_all(pool)
+        .await
+        .map_err(db_error)?;
     let mut out = (Figures::default(), Figures::default());
     for (id, requests, errors, ttft, tpot) in rows {
         let f = Figures {
@@ -759,3 +746,19 @@ fn export(r: &Rollout, candidate: &Figures, stable: &Figures) {
         }
     }
 }
+
+/// A rollout step's window in the audit log: each version's requests,
+/// errors and p95s on route `$1` since `$2` (the step's start; only its
+/// partitions are read) for the adapters `$3`.
+pub const WINDOW_SQL: &str = "SELECT lora_int_id,
+                count(*) FILTER (WHERE status = 'ok'
+                                 OR (status = 'error' AND http_status NOT BETWEEN 400 AND 499)),
+                count(*) FILTER (WHERE status = 'error' AND http_status NOT BETWEEN 400 AND 499),
+                percentile_cont(0.95) WITHIN GROUP (ORDER BY ttft_us)
+                    FILTER (WHERE status = 'ok' AND ttft_us IS NOT NULL),
+                percentile_cont(0.95) WITHIN GROUP
+                    (ORDER BY (latency_us - ttft_us)::FLOAT8 / NULLIF(completion_tokens - 1, 0))
+                    FILTER (WHERE status = 'ok' AND ttft_us IS NOT NULL AND completion_tokens > 1)
+         FROM audit_log
+         WHERE route_id = $1 AND received_at >= $2 AND lora_int_id = ANY($3)
+         GROUP BY lora_int_id";

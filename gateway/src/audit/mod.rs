@@ -19,6 +19,7 @@
 //! - **Safe values.** Every text field is made safe ([`sanitize::safe`])
 //!   before it is queued, so no client string can poison a batch.
 
+pub mod partitions;
 pub mod sanitize;
 pub mod spool;
 mod writer;

@@ -422,7 +422,7 @@ const INSERT: &str = "INSERT INTO audit_log (request_id, received_at, completed_
      $17::int2[], $18::text[], $19::text[], $20::int4[], $21::int4[], $22::int8[],
      $23::int8[], $24::int2[], $25::text[], $26::text[], $27::int4[], $28::text[],
      $29::text[]::inet[], $30::int4[], $31::text[])
-   ON CONFLICT (request_id) DO NOTHING";
+   ON CONFLICT (request_id, received_at) DO NOTHING";
 
 async fn insert(pool: &PgPool, rows: &[&AuditRecord]) -> Result<(), sqlx::Error> {
     fn col<T>(rows: &[&AuditRecord], f: impl Fn(&AuditRecord) -> T) -> Vec<T> {

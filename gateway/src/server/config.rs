@@ -79,6 +79,8 @@ pub struct GatewayConfig {
     pub sources: crate::sources::SourcesConfig,
     /// On shutdown, how long the audit queue may take to be placed.
     pub audit_flush: Duration,
+    /// `--audit-retention-days`: None keeps every row.
+    pub audit_retention_days: Option<u32>,
     pub rollout_tick: Duration,
     pub rollout_lease: Duration,
     /// On SIGTERM, how long running requests may take to finish.

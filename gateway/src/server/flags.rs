@@ -201,6 +201,11 @@ pub struct ServeArgs {
     /// the spool, in seconds.
     #[arg(long, env = "LORAFLEET_AUDIT_FLUSH_SECS", default_value_t = 10)]
     pub audit_flush_secs: u64,
+    /// Days of audit rows kept: the gateway holding the partition lease
+    /// drops each day's partition once it is this old, as an audited change
+    /// (needs the admin plane). Unset keeps every row.
+    #[arg(long, env = "LORAFLEET_AUDIT_RETENTION_DAYS")]
+    pub audit_retention_days: Option<u32>,
     /// On SIGTERM, how long running requests may take to finish, in
     /// seconds; then streams end with an error event and a `cancelled` row.
     #[arg(long, env = "LORAFLEET_DRAIN_DEADLINE_SECS", default_value_t = 30)]
@@ -274,6 +279,18 @@ impl ServeArgs {
         });
         let audit = self.audit_config()?;
         let sources = self.sources()?;
+        if let Some(days) = self.audit_retention_days {
+            ensure(
+                days > 0,
+                "--audit-retention-days",
+                "must be at least 1 (leave it unset to keep every row)",
+            )?;
+            ensure(
+                admin.is_some(),
+                "--audit-retention-days",
+                "needs the admin plane (--admin-listen): retention runs as its role",
+            )?;
+        }
         // The admin pool's URL, checked now so a bad one is named.
         crate::db::parse_database_url("--database-url", &self.database_url)
             .map_err(|e| FlagError::new("--database-url", flag_reason(&e.to_string())))?;
@@ -311,6 +328,7 @@ impl ServeArgs {
             audit,
             sources,
             audit_flush: Duration::from_secs(self.audit_flush_secs),
+            audit_retention_days: self.audit_retention_days,
             rollout_tick: Duration::from_millis(self.rollout_tick_ms),
             rollout_lease: Duration::from_secs(self.rollout_lease_secs),
             drain_deadline: Duration::from_secs(self.drain_deadline_secs),

@@ -265,9 +265,9 @@ fn local_addr(flag: &'static str, l: &TcpListener) -> Result<SocketAddr, ServerE
     })
 }
 
-/// The admin API and console on their listener, and the rollout controller
-/// (every replica with an admin plane runs it; the lease lets one act at a
-/// time).
+/// The admin API and console on their listener, the rollout controller and
+/// the audit partition maintainer (every replica with an admin plane runs
+/// both; a lease each lets one act at a time).
 async fn start_admin(
     config: &GatewayConfig,
     a: &AdminConfig,
@@ -277,17 +277,25 @@ async fn start_admin(
 ) -> Result<(SocketAddr, Vec<JoinHandle<()>>), ServerError> {
     let addr = local_addr("--admin-listen", &listener)?;
     let admin_state = admin_state(config, a, state, channel).await?;
+    let holder = format!(
+        "{}-{}",
+        config.audit.spool_owner,
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    );
     let controller = tokio::spawn(crate::rollout::run(
         admin_state.pool.clone(),
         admin_state.clone(),
         ControllerConfig {
-            holder: format!(
-                "{}-{}",
-                config.audit.spool_owner,
-                &uuid::Uuid::new_v4().simple().to_string()[..8]
-            ),
+            holder: holder.clone(),
             tick: config.rollout_tick,
             lease: config.rollout_lease,
+        },
+    ));
+    let partitions = tokio::spawn(crate::audit::partitions::run(
+        admin_state.pool.clone(),
+        crate::audit::partitions::MaintainerConfig {
+            holder,
+            retention_days: config.audit_retention_days,
         },
     ));
     let console = crate::console::router(
@@ -300,7 +308,7 @@ async fn start_admin(
     let server = tokio::spawn(async move {
         let _ = axum::serve(listener, app).await;
     });
-    Ok((addr, vec![controller, server]))
+    Ok((addr, vec![controller, partitions, server]))
 }
 
 /// The admin plane's state, on its own pool so admin queries never hold up
