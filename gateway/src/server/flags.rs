@@ -680,6 +680,14 @@ mod tests {
                 "--registry-max-age-secs: must be at least 1",
             ),
             (
+                &["--audit-retention-days", "0"],
+                "--audit-retention-days: must be at least 1",
+            ),
+            (
+                &["--audit-retention-days", "30"],
+                "--audit-retention-days: needs the admin plane (--admin-listen)",
+            ),
+            (
                 &["--audit-queue-bytes", "100"],
                 "--audit-queue-bytes: 100 is less than one row",
             ),
