@@ -658,8 +658,11 @@ fn main() {
                  open loop, {ROUNDS} rounds of {ROUND_SECS} s per mode, {} cores",
                 std::thread::available_parallelism().map_or(0, |n| n.get())
             );
-            println!("| --audit-durability | requests | gateway CPU | CPU per request | added p50 | added p99 |");
-            println!("|---|---:|---:|---:|---:|---:|");
+            println!(
+                "| --audit-durability | requests | gateway CPU | CPU per request | \
+                 (scheduler's count) | added p50 | added p99 |"
+            );
+            println!("|---|---:|---:|---:|---:|---:|---:|");
             for mode in ["commit", "journal"] {
                 let spool = scratch.path().join(format!("spool-cpu-{mode}"));
                 let (mut gw, gw_http) = gateway(&url, &prefix, plain_worker, &spool, None, mode);
@@ -670,15 +673,16 @@ fn main() {
                 for _ in 0..500 {
                     assert!(via().await && direct().await, "a warm-up call failed");
                 }
-                let (mut through, mut alone, mut cpu, mut n) =
-                    (Vec::new(), Vec::new(), Duration::ZERO, 0);
+                let (mut through, mut alone, mut cpu, mut sched, mut n) =
+                    (Vec::new(), Vec::new(), Duration::ZERO, Duration::ZERO, 0);
                 for _ in 0..ROUNDS {
                     let d = direct.clone();
                     alone.extend(open_loop(move || d()).await.0);
-                    let before = cpu::used(gw.id());
+                    let (before, sched_before) = (cpu::used(gw.id()), cpu::scheduled(gw.id()));
                     let v = via.clone();
                     let (lat, failed) = open_loop(move || v()).await;
                     cpu += cpu::used(gw.id()) - before;
+                    sched += cpu::scheduled(gw.id()).saturating_sub(sched_before);
                     n += lat.len() + failed;
                     through.extend(lat);
                 }
@@ -686,9 +690,10 @@ fn main() {
                 alone.sort();
                 let ms = |a: &[Duration], p| percentile(a, p).as_secs_f64() * 1e3;
                 println!(
-                    "| {mode} | {n} | {:.2} s | **{:.0} µs** | {:.3} ms | {:.3} ms |",
+                    "| {mode} | {n} | {:.2} s | **{:.0} µs** | {:.0} µs | {:.3} ms | {:.3} ms |",
                     cpu.as_secs_f64(),
                     cpu.as_secs_f64() * 1e6 / n as f64,
+                    sched.as_secs_f64() * 1e6 / n as f64,
                     ms(&through, 0.50) - ms(&alone, 0.50),
                     ms(&through, 0.99) - ms(&alone, 0.99),
                 );
