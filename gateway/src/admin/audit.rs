@@ -114,6 +114,8 @@ pub struct AuditQuery {
     pub(super) api_key: Option<Uuid>,
     pub(super) model: Option<String>,
     pub(super) adapter: Option<(String, Option<i32>)>,
+    /// The `lora_int_id`s registered under `adapter`'s name (and version).
+    pub(super) adapter_ids: Vec<i64>,
     pub(super) lora_int_id: Option<i64>,
     pub(super) worker: Option<String>,
     pub(super) status: Option<String>,
@@ -186,6 +188,22 @@ impl AuditQuery {
                 None => Some((a.clone(), None)),
             },
         };
+        // Adapter versions are never deleted nor renamed, and a row copies
+        // the id with the name, so the ids registered under the name are
+        // exactly those its rows can hold: the query then walks the
+        // adapter's index instead of every row of the tenant's range.
+        let adapter_ids: Vec<i64> = match &adapter {
+            None => Vec::new(),
+            Some((name, version)) => sqlx::query_scalar(
+                "SELECT lora_int_id FROM adapters
+                  WHERE name = $1 AND ($2::INT4 IS NULL OR version = $2)",
+            )
+            .bind(name)
+            .bind(*version)
+            .fetch_all(pool)
+            .await
+            .map_err(db_error)?,
+        };
         if let Some(st) = &f.status
             && !["ok", "cancelled", "rejected", "error"].contains(&st.as_str())
         {
@@ -211,6 +229,7 @@ impl AuditQuery {
             api_key,
             model: f.model.clone(),
             adapter,
+            adapter_ids,
             lora_int_id: f.lora_int_id,
             worker: f.worker.clone(),
             status: f.status.clone(),
@@ -289,6 +308,9 @@ impl AuditQuery {
             if let Some(v) = version {
                 q.push(" AND l.adapter_version = ").push_bind(*v);
             }
+            q.push(" AND l.lora_int_id = ANY(")
+                .push_bind(self.adapter_ids.clone())
+                .push(")");
         }
         if let Some(v) = self.lora_int_id {
             q.push(" AND l.lora_int_id = ").push_bind(v);
