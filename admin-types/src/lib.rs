@@ -379,6 +379,29 @@ pub struct ChangeRow {
     pub request_id: Uuid,
 }
 
+/// One day (or the legacy range) of the audit log.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
+pub struct AuditPartition {
+    pub name: String,
+    /// None for `audit_log_legacy`: every time before the cutover.
+    pub from_time: Option<DateTime<Utc>>,
+    pub to_time: DateTime<Utc>,
+    /// Postgres's estimate, not a count.
+    pub estimated_rows: i64,
+}
+
+/// `GET /audit/partitions`: the audit log's partitions, oldest first, and
+/// the gateway replica that maintains them.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AuditPartitions {
+    pub partitions: Vec<AuditPartition>,
+    /// The holder of the lease `audit_partitions` and when it lapses
+    /// unrenewed; None when no replica has held it.
+    pub maintainer: Option<String>,
+    pub maintainer_lease_expires_at: Option<DateTime<Utc>>,
+}
+
 /// `GET /changes`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ChangeList {

@@ -71,6 +71,9 @@ pub(crate) enum Command {
     Fleet,
     /// Queries the audit log (one row per completion), or exports it.
     Audit(AuditArgs),
+    /// The audit log's day partitions (estimated rows each) and the
+    /// gateway replica that makes them ahead and retires them.
+    AuditPartitions,
     /// The admin change log: who changed what, when, before and after.
     Changes {
         #[arg(long)]

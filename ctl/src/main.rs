@@ -143,6 +143,25 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Routes(cmd) => routes(&c, cmd).await,
         Command::Fleet => fleet(&c).await,
         Command::Audit(a) => audit(&c, a).await,
+        Command::AuditPartitions => {
+            let list: lorafleet_admin_types::AuditPartitions =
+                c.get_as("/audit/partitions", &[]).await?;
+            let body = as_json(&list);
+            show_list(
+                &c,
+                &body,
+                "partitions",
+                &["name", "from_time", "to_time", "estimated_rows"],
+            );
+            if c.output != Output::Json {
+                println!(
+                    "maintainer: {} (lease until {})",
+                    cell(&body["maintainer"]),
+                    cell(&body["maintainer_lease_expires_at"])
+                );
+            }
+            Ok(())
+        }
         Command::Changes {
             object_type,
             object_id,

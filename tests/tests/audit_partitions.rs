@@ -4,6 +4,9 @@
 //! gateway as an audited change that only the admin role can make; and
 //! every audit query of the admin plane reading only its partitions.
 
+#[path = "support/admin_plane.rs"]
+mod admin_plane;
+
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, TimeDelta, Utc};
@@ -476,4 +479,55 @@ async fn every_audit_query_reads_only_the_partitions_it_needs() {
         "{read:?}"
     );
     assert!(read.contains(&day_of(day)), "{read:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lorafleetctl_lists_the_partitions_and_the_replica_maintaining_them() {
+    let p = admin_plane::plane("audit_partition_list").await;
+    // One of the two replicas takes the lease on its first turn.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let listed = loop {
+        let v = p.ctl_json(&["audit-partitions"]);
+        if v["maintainer"].is_string() {
+            break v;
+        }
+        assert!(Instant::now() < deadline, "no replica took the lease: {v}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let names: Vec<&str> = listed["partitions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names[0], "audit_log_legacy");
+    assert!(listed["partitions"][0]["from_time"].is_null());
+    assert!(
+        names[1..].iter().all(|n| n.starts_with("audit_log_p")),
+        "{names:?}"
+    );
+    assert!(names.len() >= 7, "{names:?}");
+    let expires: DateTime<Utc> =
+        serde_json::from_value(listed["maintainer_lease_expires_at"].clone()).unwrap();
+    assert!(expires > Utc::now(), "the lease lapsed at {expires}");
+    let holder = listed["maintainer"].as_str().unwrap();
+    let held: String =
+        sqlx::query_scalar("SELECT holder FROM controller_leases WHERE name = 'audit_partitions'")
+            .fetch_one(&p.pool)
+            .await
+            .unwrap();
+    assert_eq!(holder, held);
+
+    // For people: a table and the maintainer's line; a viewer may not.
+    let text = p.ctl(&["audit-partitions"]);
+    assert_eq!(text.code, 0, "{}", text.stderr);
+    assert!(text.stdout.contains("audit_log_legacy"), "{}", text.stdout);
+    assert!(
+        text.stdout.contains(&format!("maintainer: {holder}")),
+        "{}",
+        text.stdout
+    );
+    let viewer = p.token("victor", "viewer");
+    p.run_as(Some(&viewer), &["audit-partitions"])
+        .refused(3, "role viewer may not query the audit log");
 }

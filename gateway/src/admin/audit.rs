@@ -358,6 +358,44 @@ impl AuditQuery {
     }
 }
 
+/// `GET /admin/v1/audit/partitions`: the log's partitions, oldest first,
+/// and the replica maintaining them. Takes no filters.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListAuditPartitions {}
+
+impl Query for ListAuditPartitions {
+    type Output = AuditPartitions;
+    const NEED: Need = Need::Audit;
+
+    async fn run(self, s: &AdminState) -> Result<AuditPartitions, AdminError> {
+        use crate::audit::partitions;
+        let partitions = partitions::list(&s.pool)
+            .await
+            .map_err(db_error)?
+            .into_iter()
+            .map(|p| AuditPartition {
+                name: p.name,
+                from_time: p.from_time,
+                to_time: p.to_time,
+                estimated_rows: p.estimated_rows,
+            })
+            .collect();
+        let lease: Option<(String, DateTime<Utc>)> =
+            sqlx::query_as("SELECT holder, expires_at FROM controller_leases WHERE name = $1")
+                .bind(partitions::LEASE)
+                .fetch_optional(&s.pool)
+                .await
+                .map_err(db_error)?;
+        let (maintainer, maintainer_lease_expires_at) = lease.unzip();
+        Ok(AuditPartitions {
+            partitions,
+            maintainer,
+            maintainer_lease_expires_at,
+        })
+    }
+}
+
 /// How far a row's `received_at` may be from its UUIDv7 request id's time:
 /// the gateway mints the id on receipt (a failed-authentication row's, at
 /// the window's first failure), so seconds apart at most; an hour is room

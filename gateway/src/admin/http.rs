@@ -53,6 +53,7 @@ pub fn router(state: AdminState) -> Router {
         .route("/admin/v1/tokens/revoke-own", post(revoke_own_token))
         .route("/admin/v1/fleet", get(fleet_view))
         .route("/admin/v1/audit", get(audit_query))
+        .route("/admin/v1/audit/partitions", get(audit_partitions))
         .route("/admin/v1/changes", get(list_changes))
         .route("/healthz", get(|| async { "ok" }))
         .fallback(|| async {
@@ -422,6 +423,17 @@ async fn list_changes(
     State(s): State<AdminState>,
     headers: HeaderMap,
     query: Result<Params<ListChanges>, QueryRejection>,
+) -> Answer {
+    let c = caller(&s, &headers)?;
+    let q = filters(query)?;
+    let list = s.read(&c, q).await?;
+    Ok(reply(StatusCode::OK, &c, &list))
+}
+
+async fn audit_partitions(
+    State(s): State<AdminState>,
+    headers: HeaderMap,
+    query: Result<Params<ListAuditPartitions>, QueryRejection>,
 ) -> Answer {
     let c = caller(&s, &headers)?;
     let q = filters(query)?;

@@ -154,7 +154,8 @@ pub use adapters::{
     ListAdapters, RegisterAdapter, RetireAdapter, artifact_roots, parse_lora_int_id,
 };
 pub use audit::{
-    AuditFilter, AuditPage, AuditQuery, AuditRow, Cursor, ExportAudit, ExportStream, SearchAudit,
+    AuditFilter, AuditPage, AuditQuery, AuditRow, Cursor, ExportAudit, ExportStream,
+    ListAuditPartitions, SearchAudit,
 };
 pub use base_models::{ListBaseModels, RegisterBaseModel};
 pub use changes::ListChanges;
