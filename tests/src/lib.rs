@@ -166,12 +166,11 @@ pub fn run(name: &str, args: &[&str], env: &[(&str, &str)]) -> Output {
     cmd.output().unwrap_or_else(|e| panic!("spawn {name}: {e}"))
 }
 
-/// Creates a database and brings it to the current schema by running the
-/// real `lorafleet-gateway migrate`.
-pub async fn migrated_db(label: &str) -> TestDb {
-    let db = TestDb::create(label).await;
+/// Runs the real `lorafleet-gateway migrate` on `db` (off the runtime's
+/// threads, so the test's tasks keep running) and returns what it printed.
+pub async fn migrate(db: &TestDb) -> Output {
     let url = db.url();
-    let out = tokio::task::spawn_blocking(move || {
+    tokio::task::spawn_blocking(move || {
         run(
             "lorafleet-gateway",
             &["migrate", "--database-url", &url],
@@ -179,7 +178,14 @@ pub async fn migrated_db(label: &str) -> TestDb {
         )
     })
     .await
-    .expect("migrate task");
+    .expect("migrate task")
+}
+
+/// Creates a database and brings it to the current schema by running the
+/// real `lorafleet-gateway migrate`.
+pub async fn migrated_db(label: &str) -> TestDb {
+    let db = TestDb::create(label).await;
+    let out = migrate(&db).await;
     assert!(
         out.status.success(),
         "lorafleet-gateway migrate failed: {}\n{}",

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use chrono::{DateTime, TimeDelta, Utc};
 use lorafleet_gateway::admin::{AuditFilter, AuditQuery, Cursor};
 use lorafleet_gateway::db::MIGRATOR;
-use lorafleet_tests::{Server, TestDb, gateway_command, login_member_of, run};
+use lorafleet_tests::{Server, TestDb, gateway_command, login_member_of, migrate};
 use sqlx::PgPool;
 use uuid::Uuid;
 
@@ -84,17 +84,8 @@ async fn an_unpartitioned_log_is_partitioned_while_rows_arrive_and_loses_none() 
     };
     tokio::time::sleep(Duration::from_millis(300)).await;
 
-    let url = db.url();
     let started = Instant::now();
-    let out = tokio::task::spawn_blocking(move || {
-        run(
-            "lorafleet-gateway",
-            &["migrate", "--database-url", &url],
-            &[],
-        )
-    })
-    .await
-    .unwrap();
+    let out = migrate(&db).await;
     let took = started.elapsed();
     let log =
         String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
