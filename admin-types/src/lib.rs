@@ -437,6 +437,84 @@ pub struct RolloutSpec {
     /// The same for the p95 time per output token (default 1.5).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_tpot_p95_ratio: Option<f64>,
+    /// An evaluation set of the route (`NAME`, its latest version, or
+    /// `NAME@VERSION`): before any step, both versions are scored on it and
+    /// the rollout starts only if the candidate's score reaches the
+    /// stable's plus `min_score_delta`; otherwise it ends `rejected`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eval: Option<String>,
+    /// The score difference (a fraction of the items, -1 to 1) the
+    /// candidate must reach over the stable version (default 0; -0.01 lets
+    /// it be up to one item in a hundred worse). Only with `eval`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub min_score_delta: Option<f64>,
+    /// The seed of the evaluation's requests (default 0). Only with `eval`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eval_seed: Option<u64>,
+}
+
+/// `POST /routes/{tenant}/{model}/evals`: an evaluation set for a route,
+/// the JSON Lines file's text in `jsonl`. Registering a name again makes
+/// its next version.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NewEvalSet {
+    pub name: String,
+    pub jsonl: String,
+}
+
+/// An evaluation set, as registered.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct EvalSetView {
+    pub id: Uuid,
+    pub tenant: String,
+    pub model: String,
+    pub name: String,
+    pub version: i32,
+    /// SHA-256 of the file as registered.
+    pub sha256: String,
+    pub items: i32,
+    pub multiple_choice: i32,
+    pub generation: i32,
+    pub bytes: i32,
+    pub created_by: String,
+    pub created_at: DateTime<Utc>,
+}
+
+/// `GET /routes/{tenant}/{model}/evals`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct EvalSetList {
+    pub sets: Vec<EvalSetView>,
+}
+
+/// An item whose outcome differs between the two versions.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct EvalItemChange {
+    pub item_index: i32,
+    pub stable_correct: bool,
+    pub candidate_correct: bool,
+    /// What each version did (loglikelihoods and choice, or the answer).
+    pub stable: Value,
+    pub candidate: Value,
+}
+
+/// A rollout's evaluation, as far as it has gone.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct EvaluationView {
+    /// `NAME@VERSION`.
+    pub set: String,
+    pub sha256: String,
+    pub items: i32,
+    pub min_score_delta: f64,
+    pub seed: u64,
+    /// Items scored so far, per version.
+    pub stable_done: i32,
+    pub candidate_done: i32,
+    /// Fractions of the items right, once every item is scored.
+    pub stable_score: Option<f64>,
+    pub candidate_score: Option<f64>,
+    /// The items the two versions disagree on, in order.
+    pub changed: Vec<EvalItemChange>,
 }
 
 /// One decision of a rollout, with the figures it was taken on.
@@ -444,7 +522,8 @@ pub struct RolloutSpec {
 #[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
 pub struct RolloutDecision {
     pub at: DateTime<Utc>,
-    /// start, advance, succeed, roll_back, pause, resume or abort.
+    /// evaluate, start, reject, advance, succeed, roll_back, pause, resume
+    /// or abort.
     pub decision: String,
     pub step_index: i32,
     pub revision: Option<i32>,
@@ -460,7 +539,8 @@ pub struct RolloutView {
     pub id: Uuid,
     pub tenant: String,
     pub model: String,
-    /// running, paused, succeeded, rolled_back or aborted.
+    /// evaluating, running, paused, succeeded, rolled_back, aborted or
+    /// rejected.
     pub state: String,
     pub stable_lora_int_id: i64,
     pub candidate_lora_int_id: i64,
@@ -475,6 +555,9 @@ pub struct RolloutView {
     pub reason: Option<String>,
     pub created_by: String,
     pub decisions: Vec<RolloutDecision>,
+    /// Its evaluation, if it names a set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub evaluation: Option<EvaluationView>,
 }
 
 /// `POST /tokens/revoke`: an admin token revoked by its `jti` until its

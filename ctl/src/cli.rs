@@ -67,6 +67,11 @@ pub(crate) enum Command {
     /// Routes and canaries: list, get, set, promote, rollback.
     #[command(subcommand)]
     Routes(RouteCmd),
+    /// A route's evaluation sets: register (a JSON Lines file; a name's
+    /// next version) and list. `routes rollout start --eval` scores a
+    /// candidate on one before it takes traffic.
+    #[command(subcommand)]
+    Evals(EvalCmd),
     /// Workers as this gateway sees them: base hash, load, residency by tier.
     Fleet,
     /// Queries the audit log (one row per completion), or exports it.
@@ -90,6 +95,25 @@ pub(crate) enum Command {
     /// gateways and workers (for a local fleet or a test; in Kubernetes,
     /// use cert-manager as deploy/README.md shows).
     Certs(CertsArgs),
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum EvalCmd {
+    /// Registers FILE, one item a line: `{"prompt", "choices", "answer"}`
+    /// (multiple choice, scored by loglikelihood as lm-evaluation-harness
+    /// does) or `{"prompt" or "messages", "expected"}` (the greedy answer,
+    /// exact match, or with `"match": "regex"` a pattern found in it;
+    /// `max_tokens` default 32, `stop` default a newline).
+    Register {
+        tenant: String,
+        model: String,
+        file: PathBuf,
+        /// The set's name [default: the file's name without its extension].
+        #[arg(long)]
+        name: Option<String>,
+    },
+    /// The route's sets, every version.
+    List { tenant: String, model: String },
 }
 
 #[derive(Debug, clap::Args)]
@@ -337,12 +361,26 @@ pub(crate) enum RolloutCmd {
         /// The same for the p95 time per output token.
         #[arg(long, default_value_t = 1.5)]
         max_tpot_p95_ratio: f64,
+        /// An evaluation set of the route (NAME or NAME@VERSION; see `evals`):
+        /// both versions are scored on it first, and the candidate takes
+        /// traffic only if its score reaches the stable's plus
+        /// --min-score-delta; otherwise the rollout ends `rejected`.
+        #[arg(long)]
+        eval: Option<String>,
+        /// With --eval: the score difference (a fraction of the items, -1
+        /// to 1) the candidate must reach over the stable version; -0.01
+        /// lets it be one item in a hundred worse [default: 0].
+        #[arg(long, allow_hyphen_values = true, requires = "eval")]
+        min_score_delta: Option<f64>,
+        /// With --eval: the seed of the evaluation's requests [default: 0].
+        #[arg(long, requires = "eval")]
+        eval_seed: Option<u64>,
         /// The route's current etag (from `routes get`).
         #[arg(long)]
         etag: String,
     },
-    /// The route's latest rollout: its step, gates and every decision with
-    /// its figures.
+    /// The route's latest rollout: its evaluation, step, gates and every
+    /// decision with its figures.
     Status { tenant: String, model: String },
     /// Holds the current step: no decision until resumed.
     Pause { tenant: String, model: String },

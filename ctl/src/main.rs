@@ -14,6 +14,7 @@ mod audit;
 mod certs;
 mod cli;
 mod client;
+mod evals;
 mod fleet;
 mod registry;
 mod render;
@@ -25,6 +26,7 @@ use audit::*;
 use certs::*;
 use cli::*;
 use client::*;
+use evals::*;
 use fleet::*;
 use registry::*;
 use render::*;
@@ -141,6 +143,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::BaseModels(cmd) => base_models(&c, cmd).await,
         Command::Adapters(cmd) => adapters(&c, cmd).await,
         Command::Routes(cmd) => routes(&c, cmd).await,
+        Command::Evals(cmd) => evals(&c, cmd).await,
         Command::Fleet => fleet(&c).await,
         Command::Audit(a) => audit(&c, a).await,
         Command::AuditPartitions => {

@@ -30,6 +30,9 @@ fn show_rollout(c: &Client, r: &RolloutView) {
         r.max_ttft_p95_ratio,
         r.max_tpot_p95_ratio
     );
+    if let Some(e) = &r.evaluation {
+        show_evaluation(e);
+    }
     if let Some(reason) = &r.reason {
         println!("reason       {reason}");
     }
@@ -40,6 +43,9 @@ fn show_rollout(c: &Client, r: &RolloutView) {
         .map(|d| {
             let fig = |who: &str| {
                 d.figures.as_ref().map_or("-".into(), |f| {
+                    if let Some(score) = f.get(format!("{who}_score")) {
+                        return format!("score {}", cell(score));
+                    }
                     let f = &f[who];
                     format!(
                         "{} req, {} err, ttft {} ms, tpot {} ms",
@@ -77,6 +83,43 @@ fn show_rollout(c: &Client, r: &RolloutView) {
     );
 }
 
+fn show_evaluation(e: &EvaluationView) {
+    let score = |s: Option<f64>| s.map_or("-".into(), |s| format!("{s:.4}"));
+    println!(
+        "evaluation   {} ({} items, sha256 {}…); seed {}; min score delta {:+}",
+        e.set,
+        e.items,
+        &e.sha256[..12.min(e.sha256.len())],
+        e.seed,
+        e.min_score_delta
+    );
+    println!(
+        "scores       stable {} ({}/{} items scored), candidate {} ({}/{} items scored)",
+        score(e.stable_score),
+        e.stable_done,
+        e.items,
+        score(e.candidate_score),
+        e.candidate_done,
+        e.items
+    );
+    if !e.changed.is_empty() {
+        let rows: Vec<Vec<String>> = e
+            .changed
+            .iter()
+            .map(|c| {
+                let right = |r: bool| if r { "right" } else { "wrong" }.to_owned();
+                vec![
+                    c.item_index.to_string(),
+                    right(c.stable_correct),
+                    right(c.candidate_correct),
+                ]
+            })
+            .collect();
+        println!("changed items:");
+        table(&["item", "stable", "candidate"], &rows);
+    }
+}
+
 pub(crate) async fn rollout(c: &Client, cmd: RolloutCmd) -> Result<(), Failure> {
     let path =
         |tenant: &str, model: &str, op: &str| format!("{}/rollout{op}", route_path(tenant, model));
@@ -91,6 +134,9 @@ pub(crate) async fn rollout(c: &Client, cmd: RolloutCmd) -> Result<(), Failure> 
             max_error_rate_increase,
             max_ttft_p95_ratio,
             max_tpot_p95_ratio,
+            eval,
+            min_score_delta,
+            eval_seed,
             etag,
         } => {
             let spec = RolloutSpec {
@@ -101,6 +147,9 @@ pub(crate) async fn rollout(c: &Client, cmd: RolloutCmd) -> Result<(), Failure> 
                 max_error_rate_increase: Some(max_error_rate_increase),
                 max_ttft_p95_ratio: Some(max_ttft_p95_ratio),
                 max_tpot_p95_ratio: Some(max_tpot_p95_ratio),
+                eval,
+                min_score_delta,
+                eval_seed,
             };
             c.call_as(
                 reqwest::Method::POST,

@@ -12,6 +12,7 @@ pub mod auth;
 pub mod concurrency;
 pub mod console;
 pub mod db;
+pub mod evaluation;
 pub mod flag_error;
 #[doc(hidden)]
 pub mod fuzzing;

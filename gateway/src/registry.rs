@@ -123,6 +123,12 @@ impl Snapshot {
             .and_then(|id| self.tenants.get(id))
     }
 
+    /// The route (tenant name, model), whatever its weights.
+    pub fn route(&self, tenant: &str, model: &str) -> Option<Arc<Route>> {
+        let id = self.tenant_names.get(tenant)?;
+        self.routes.get(&(*id, model.to_owned())).cloned()
+    }
+
     /// The tenant's routes, by model name.
     pub fn routes_of(&self, tenant: &TenantId) -> Vec<Arc<Route>> {
         let mut v: Vec<_> = self

@@ -270,6 +270,9 @@ pub(super) fn db_error(e: sqlx::Error) -> AdminError {
             "route_weights_adapter_same_base_fk" => (AdminCode::MixedBaseModels, "weights"),
             "route_revisions_weights_sum_10000" => (AdminCode::WeightsSum, "weights"),
             "api_keys_expiry_after_creation" => (AdminCode::InvalidField, "expires_at"),
+            "eval_sets_name_format" => (AdminCode::InvalidField, "name"),
+            "eval_sets_name_version_unique" => (AdminCode::Duplicate, "name"),
+            "rollouts_one_active_per_route" => (AdminCode::RolloutActive, "model"),
             _ => return AdminError::internal(e),
         };
         return AdminError::new(code, Some(param), format!("{param}: {message}"));

@@ -49,6 +49,10 @@ pub fn router(state: AdminState) -> Router {
             "/admin/v1/routes/{tenant}/{model}/rollout/{action}",
             post(change_rollout),
         )
+        .route(
+            "/admin/v1/routes/{tenant}/{model}/evals",
+            get(list_eval_sets).post(register_eval_set),
+        )
         .route("/admin/v1/tokens/revoke", post(revoke_token))
         .route("/admin/v1/tokens/revoke-own", post(revoke_own_token))
         .route("/admin/v1/fleet", get(fleet_view))
@@ -365,6 +369,32 @@ async fn change_rollout(
     };
     let view = s.exec(&c, command).await?;
     Ok(reply(StatusCode::OK, &c, &view))
+}
+
+async fn list_eval_sets(
+    State(s): State<AdminState>,
+    headers: HeaderMap,
+    Path((tenant, model)): Path<(String, String)>,
+) -> Answer {
+    let c = caller(&s, &headers)?;
+    let list = s.read(&c, ListEvalSets { tenant, model }).await?;
+    Ok(reply(StatusCode::OK, &c, &list))
+}
+
+async fn register_eval_set(
+    State(s): State<AdminState>,
+    headers: HeaderMap,
+    Path((tenant, model)): Path<(String, String)>,
+    body: Bytes,
+) -> Answer {
+    let c = caller(&s, &headers)?;
+    let command = RegisterEvalSet {
+        tenant,
+        model,
+        set: parse_body(&body)?,
+    };
+    let view = s.exec(&c, command).await?;
+    Ok(reply(StatusCode::CREATED, &c, &view))
 }
 
 async fn revoke_token(State(s): State<AdminState>, headers: HeaderMap, body: Bytes) -> Answer {

@@ -134,6 +134,7 @@ mod base_models;
 mod changes;
 mod core;
 mod error;
+mod evals;
 mod fleet;
 mod http;
 mod keys;
@@ -165,7 +166,10 @@ pub use fleet::{FleetView, TRAFFIC_SQL as FLEET_TRAFFIC_SQL};
 pub use http::router;
 pub use keys::{CreateKey, ListKeys, RevokeKey};
 pub use rollouts::WINDOW_SQL as ROLLOUT_WINDOW_SQL;
-pub use rollouts::{ChangeRollout, GetRollout, StartRollout};
+pub use evals::{ListEvalSets, RegisterEvalSet};
+pub use rollouts::{
+    ChangeRollout, ConcludeEvaluation, EvaluationWork, GetRollout, StartRollout, record_outcome,
+};
 pub use routes::{GetRoute, ListRoutes, Promote, PutRoute, Rollback, RouteWritten, parse_etag};
 pub use tenants::{CreateTenant, GetTenant, ListTenants, SetTenantDisabled, UpdateTenant};
 pub use tokens::{RevokeAdminToken, RevokeOwnToken};

@@ -36,6 +36,7 @@ use openai::{ChatRequest, CompletionRequest, Usage};
 mod calls;
 mod choices;
 mod error;
+pub mod internal;
 mod logprobs;
 pub mod openai;
 mod respond;

@@ -18,7 +18,7 @@ pub(super) async fn run(
     use tracing::Instrument;
     let started = tokio::select! {
         r = async {
-            let first = start(&s, &p, &mut trail).await?;
+            let first = start(&s, &p.resolved, &p.request, p.chat(), &mut trail).await?;
             let others = start_siblings(&s, &p, &first).await?;
             Ok(Choices::new(std::iter::once(first).chain(others).collect()))
         }.instrument(span.clone()) => r.map_err(|e| (e, "error")),

@@ -22,16 +22,18 @@ pub(super) fn worker_error(e: &UpstreamError, chat: bool) -> ApiError {
 /// Tries the candidates in order until one produces a first token.
 pub(super) async fn start(
     s: &AppState,
-    p: &Prepared,
+    resolved: &Resolved,
+    request: &Generation,
+    chat: bool,
     trail: &mut Trail,
 ) -> Result<Started, ApiError> {
-    let adapter = p.resolved.adapter.as_ref().map(|a| a.lora_int_id);
-    let base_hash = &p.resolved.route.base_hash;
+    let adapter = resolved.adapter.as_ref().map(|a| a.lora_int_id);
+    let base_hash = &resolved.route.base_hash;
     let Some(route) = s.fleet.route(adapter, base_hash) else {
         // The hash is for the operator's log, not the tenant's answer.
-        tracing::warn!(%base_hash, base_model = %p.resolved.route.base_model, "no compatible worker");
+        tracing::warn!(%base_hash, base_model = %resolved.route.base_model, "no compatible worker");
         return Err(ApiError::NoCompatibleWorker {
-            base_model: p.resolved.route.base_model.clone(),
+            base_model: resolved.route.base_model.clone(),
         });
     };
     let span = tracing::Span::current();
@@ -56,7 +58,7 @@ pub(super) async fn start(
         let worker_id = worker.state().worker_id;
         span.record("worker", worker_id.as_str());
         trail.record.worker_id = Some(worker_id.clone());
-        let outcome = first_event(worker, &p.request);
+        let outcome = first_event(worker, request);
         // A worker that accepts and never answers is skipped like one that
         // fails: the next candidate gets the request.
         let outcome = match tokio::time::timeout(s.first_token_timeout, outcome).await {
@@ -84,7 +86,7 @@ pub(super) async fn start(
                 metrics::counter!("lorafleet_gateway_retries_total").increment(1);
                 last = Some(e);
             }
-            Err(e) => return Err(worker_error(&e, p.chat())),
+            Err(e) => return Err(worker_error(&e, chat)),
         }
     }
     if first_token_timeouts > 0 && first_token_timeouts == trail.record.attempts as usize {
@@ -95,7 +97,7 @@ pub(super) async fn start(
     }
     Err(worker_error(
         &last.unwrap_or_else(|| UpstreamError::unavailable("no candidate worker")),
-        p.chat(),
+        chat,
     ))
 }
 

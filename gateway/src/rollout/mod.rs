@@ -92,11 +92,17 @@ macro_rules! string_enum {
 string_enum! {
     /// Where a rollout stands (the `rollout_state` type).
     State {
+        /// Both versions are being scored on the rollout's evaluation set;
+        /// the candidate takes no traffic yet.
+        Evaluating => "evaluating",
         Running => "running",
         Paused => "paused",
         Succeeded => "succeeded",
         RolledBack => "rolled_back",
         Aborted => "aborted",
+        /// The candidate scored too low on the evaluation set: it never
+        /// took traffic.
+        Rejected => "rejected",
     }
 }
 
@@ -104,8 +110,15 @@ string_enum! {
     /// One decision on a rollout (a `rollout_decisions.decision`, and the
     /// `route.rollout_*` change it records).
     Decision {
-        /// An operator started it at its first step.
+        /// An operator started it with an evaluation set: both versions
+        /// are scored before any step.
+        Evaluate => "evaluate",
+        /// It started at its first step: an operator's start, or the
+        /// controller's once the candidate passed its evaluation.
         Start => "start",
+        /// The controller ended it before any step: the candidate scored
+        /// too low.
+        Reject => "reject",
         /// The controller moved it to the next step.
         Advance => "advance",
         /// The controller moved it to its last step: all traffic.
@@ -134,7 +147,9 @@ impl Decision {
     /// The state a rollout is in after this decision.
     pub fn state_after(self) -> State {
         match self {
+            Decision::Evaluate => State::Evaluating,
             Decision::Start | Decision::Advance | Decision::Resume => State::Running,
+            Decision::Reject => State::Rejected,
             Decision::Pause => State::Paused,
             Decision::Succeed => State::Succeeded,
             Decision::RollBack => State::RolledBack,
@@ -150,12 +165,15 @@ impl Decision {
 
 impl Action {
     /// The decision it records, if a rollout in `state` allows it; an
-    /// abort is allowed in any state a rollout in progress has.
+    /// abort is allowed in any state a rollout in progress has (an
+    /// evaluation cannot be paused: abort it and start again).
     pub fn decision_from(self, state: State) -> Option<Decision> {
         match (self, state) {
             (Action::Pause, State::Running) => Some(Decision::Pause),
             (Action::Resume, State::Paused) => Some(Decision::Resume),
-            (Action::Abort, State::Running | State::Paused) => Some(Decision::Abort),
+            (Action::Abort, State::Evaluating | State::Running | State::Paused) => {
+                Some(Decision::Abort)
+            }
             _ => None,
         }
     }
@@ -218,6 +236,18 @@ pub async fn hold_lease(
     .fetch_optional(pool)
     .await?;
     Ok(got.is_some())
+}
+
+/// Does `holder` hold the lease `name` now?
+pub async fn holds_lease(pool: &PgPool, name: &str, holder: &str) -> Result<bool, sqlx::Error> {
+    let held: Option<i32> = sqlx::query_scalar(
+        "SELECT 1 FROM controller_leases WHERE name = $1 AND holder = $2 AND expires_at > now()",
+    )
+    .bind(name)
+    .bind(holder)
+    .fetch_optional(pool)
+    .await?;
+    Ok(held.is_some())
 }
 
 /// Settings of the controller (the `--rollout-*` flags).
@@ -313,5 +343,13 @@ mod tests {
             Some(Decision::Abort)
         );
         assert_eq!(Action::Abort.decision_from(State::Succeeded), None);
+        assert_eq!(
+            Action::Abort.decision_from(State::Evaluating),
+            Some(Decision::Abort)
+        );
+        assert_eq!(Action::Pause.decision_from(State::Evaluating), None);
+        assert_eq!(Decision::Evaluate.state_after(), State::Evaluating);
+        assert_eq!(Decision::Reject.state_after(), State::Rejected);
+        assert_eq!(Action::Abort.decision_from(State::Rejected), None);
     }
 }

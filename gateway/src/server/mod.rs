@@ -265,9 +265,9 @@ fn local_addr(flag: &'static str, l: &TcpListener) -> Result<SocketAddr, ServerE
     })
 }
 
-/// The admin API and console on their listener, the rollout controller and
-/// the audit partition maintainer (every replica with an admin plane runs
-/// both; a lease each lets one act at a time).
+/// The admin API and console on their listener, the rollout controller
+/// with its evaluator, and the audit partition maintainer (every replica
+/// with an admin plane runs them; a lease each lets one act at a time).
 async fn start_admin(
     config: &GatewayConfig,
     a: &AdminConfig,
@@ -291,6 +291,14 @@ async fn start_admin(
             lease: config.rollout_lease,
         },
     ));
+    let evaluator = tokio::spawn(crate::evaluation::runner::run(
+        admin_state.clone(),
+        state.clone(),
+        crate::evaluation::runner::EvaluatorConfig {
+            holder: holder.clone(),
+            tick: config.rollout_tick,
+        },
+    ));
     let partitions = tokio::spawn(crate::audit::partitions::run(
         admin_state.pool.clone(),
         crate::audit::partitions::MaintainerConfig {
@@ -308,7 +316,7 @@ async fn start_admin(
     let server = tokio::spawn(async move {
         let _ = axum::serve(listener, app).await;
     });
-    Ok((addr, vec![controller, partitions, server]))
+    Ok((addr, vec![controller, evaluator, partitions, server]))
 }
 
 /// The admin plane's state, on its own pool so admin queries never hold up

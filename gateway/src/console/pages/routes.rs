@@ -311,6 +311,9 @@ pub(super) async fn start_rollout(
             max_error_rate_increase: number(&fields, "max_error_rate_increase")?,
             max_ttft_p95_ratio: number(&fields, "max_ttft_p95_ratio")?,
             max_tpot_p95_ratio: number(&fields, "max_tpot_p95_ratio")?,
+            eval: non_blank(fields.get("eval")).map(str::to_owned),
+            min_score_delta: number(&fields, "min_score_delta")?,
+            eval_seed: number(&fields, "eval_seed")?,
         };
         let command = StartRollout {
             tenant: tenant.clone(),

@@ -1,0 +1,267 @@
+//! The evaluator: scores each evaluating rollout's items on both versions
+//! through the fleet, records each outcome, and concludes.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use uuid::Uuid;
+
+use super::score::{self, Outcome};
+use super::set::{Item, Prompt};
+use crate::admin::{AdminState, Caller, ConcludeEvaluation, EvaluationWork, record_outcome};
+use crate::api::internal::{self, InternalCall};
+use crate::api::{ApiError, AppState};
+use crate::registry::{Adapter, Route};
+use crate::upstream;
+
+/// The worker's fairness key of evaluation traffic: one share for all of
+/// it, apart from every tenant's.
+pub const FAIRNESS_KEY: &str = "lorafleet-evaluation";
+/// Its weight: each token it is served counts a hundred times, so a
+/// tenant's waiting request is always admitted first.
+pub const FAIRNESS_WEIGHT: f64 = 0.01;
+/// The subject of its audit rows.
+pub const SUBJECT: &str = "rollout-evaluator";
+
+/// Where the evaluator runs.
+#[derive(Debug, Clone)]
+pub struct EvaluatorConfig {
+    /// This replica's name in the controller's lease.
+    pub holder: String,
+    /// How often it looks for work (and retries an item that failed).
+    pub tick: Duration,
+}
+
+/// The evaluator loop; runs until the task is dropped. One rollout is
+/// evaluated at a time per rollout, one request at a time per rollout.
+pub async fn run(admin: AdminState, api: AppState, config: EvaluatorConfig) {
+    let busy: Arc<Mutex<HashSet<Uuid>>> = Arc::default();
+    loop {
+        let held = crate::rollout::holds_lease(&admin.pool, crate::rollout::LEASE, &config.holder)
+            .await
+            .unwrap_or(false);
+        if held {
+            match EvaluationWork::load(&admin).await {
+                Ok(work) => {
+                    for w in work {
+                        if !busy.lock().expect("not poisoned").insert(w.rollout) {
+                            continue;
+                        }
+                        let (admin, api, holder, busy) =
+                            (admin.clone(), api.clone(), config.holder.clone(), busy.clone());
+                        tokio::spawn(async move {
+                            let id = w.rollout;
+                            evaluate(&admin, &api, &holder, w).await;
+                            busy.lock().expect("not poisoned").remove(&id);
+                        });
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e.message(), "evaluations not loaded"),
+            }
+        }
+        tokio::time::sleep(config.tick).await;
+    }
+}
+
+/// Scores every item not yet recorded, stable then candidate item by item,
+/// and concludes once all are. Stops at the first failure (the next tick
+/// retries from there) or when the lease or the rollout moves on.
+async fn evaluate(admin: &AdminState, api: &AppState, holder: &str, w: EvaluationWork) {
+    let Some(route) = api.registry.snapshot().route(&w.tenant, &w.model) else {
+        tracing::warn!(rollout = %w.rollout, "the evaluated route is not in the registry snapshot yet");
+        return;
+    };
+    tracing::info!(rollout = %w.rollout, items = w.items.len(), done = w.done.len(), "evaluating");
+    for (i, item) in w.items.iter().enumerate() {
+        let index = i as i32;
+        for adapter in [&w.stable, &w.candidate] {
+            let id = adapter.lora_int_id.to_registry();
+            if w.done.contains(&(id, index)) {
+                continue;
+            }
+            let scored = score_item(api, &route, adapter, item, w.seed).await;
+            let (outcome, requests) = match scored {
+                Ok(s) => s,
+                Err(f) => {
+                    let (code, message) = match f {
+                        Failure::Api(e) => {
+                            let p = e.parts();
+                            (p.code, p.message)
+                        }
+                        Failure::Unscorable(m) => ("unscorable", m),
+                    };
+                    tracing::warn!(rollout = %w.rollout, item = i, lora_int_id = id, code,
+                                   error = %message,
+                                   "an evaluation item failed; retried at the next tick");
+                    metrics::counter!("lorafleet_gateway_rollout_eval_failures_total", "code" => code)
+                        .increment(1);
+                    return;
+                }
+            };
+            let recorded =
+                record_outcome(admin, holder, w.rollout, id, index, &outcome, &requests).await;
+            match recorded {
+                Ok(true) => {}
+                Ok(false) => {
+                    tracing::info!(rollout = %w.rollout, "evaluation stopped: the lease or the rollout moved on");
+                    return;
+                }
+                Err(e) => {
+                    tracing::warn!(rollout = %w.rollout, error = %e.message(), "an outcome not recorded");
+                    return;
+                }
+            }
+        }
+    }
+    let conclude = ConcludeEvaluation {
+        holder: holder.to_owned(),
+        rollout: w.rollout,
+    };
+    match admin.exec(&Caller::controller(), conclude).await {
+        Ok(Some(d)) => tracing::info!(rollout = %w.rollout, decision = d.as_str(), "evaluation concluded"),
+        Ok(None) => {}
+        Err(e) => tracing::warn!(rollout = %w.rollout, error = %e.message(), "evaluation not concluded"),
+    }
+}
+
+/// Why an item could not be scored this time.
+enum Failure {
+    /// Its request failed as a tenant's would.
+    Api(ApiError),
+    /// The answer cannot be scored (a choice with no token of its own).
+    Unscorable(String),
+}
+
+impl From<ApiError> for Failure {
+    fn from(e: ApiError) -> Failure {
+        Failure::Api(e)
+    }
+}
+
+/// One request of an evaluation.
+fn call(
+    route: &Arc<Route>,
+    adapter: &Arc<Adapter>,
+    prompt: upstream::Prompt,
+    sampling: upstream::Sampling,
+    features: &str,
+) -> InternalCall {
+    InternalCall {
+        route: route.clone(),
+        adapter: adapter.clone(),
+        prompt,
+        sampling,
+        subject: SUBJECT.into(),
+        features: features.into(),
+        fairness_key: FAIRNESS_KEY.into(),
+        fairness_weight: FAIRNESS_WEIGHT,
+    }
+}
+
+/// The log probabilities of a text's tokens (None for the first), scored
+/// alone.
+async fn token_logprobs(
+    api: &AppState,
+    route: &Arc<Route>,
+    adapter: &Arc<Adapter>,
+    text: String,
+    seed: u64,
+    requests: &mut Vec<Uuid>,
+) -> Result<Vec<Option<f32>>, ApiError> {
+    let sampling = upstream::Sampling {
+        max_tokens: 0,
+        prompt_logprobs: Some(0),
+        seed: Some(seed),
+        ..Default::default()
+    };
+    let c = call(
+        route,
+        adapter,
+        upstream::Prompt::Text(text),
+        sampling,
+        "echo,evaluation",
+    );
+    let answer = internal::generate(api, c).await?;
+    requests.push(answer.request_id);
+    Ok(answer.prompt_logprobs.iter().map(|t| t.logprob).collect())
+}
+
+/// What `adapter` does on `item`, with the audit rows of its requests.
+async fn score_item(
+    api: &AppState,
+    route: &Arc<Route>,
+    adapter: &Arc<Adapter>,
+    item: &Item,
+    seed: u64,
+) -> Result<(Outcome, Vec<Uuid>), Failure> {
+    let mut requests = Vec::new();
+    let outcome = match item {
+        Item::Choice {
+            prompt,
+            choices,
+            answer,
+        } => {
+            let (context, _) = score::split(prompt, "");
+            let context_tokens =
+                token_logprobs(api, route, adapter, context.to_owned(), seed, &mut requests)
+                    .await?
+                    .len();
+            let mut loglikelihoods = Vec::with_capacity(choices.len());
+            for choice in choices {
+                let (context, continuation) = score::split(prompt, choice);
+                let whole = format!("{context}{continuation}");
+                let lps = token_logprobs(api, route, adapter, whole, seed, &mut requests).await?;
+                let ll = score::loglikelihood(context_tokens, &lps)
+                    .map_err(|why| Failure::Unscorable(format!("choice {choice:?}: {why}")))?;
+                loglikelihoods.push(ll);
+            }
+            let chosen = score::choose(&loglikelihoods);
+            Outcome::Choice {
+                loglikelihoods,
+                chosen,
+                correct: chosen == *answer,
+            }
+        }
+        Item::Generate {
+            prompt,
+            expected,
+            matching,
+            max_tokens,
+            stop,
+        } => {
+            let prompt = match prompt {
+                Prompt::Text(t) => upstream::Prompt::Text(t.clone()),
+                Prompt::Messages(m) => upstream::Prompt::Chat {
+                    messages: m
+                        .iter()
+                        .map(|m| upstream::ChatMessage {
+                            role: m.role.clone(),
+                            content: m.content.clone(),
+                            tool_calls_json: None,
+                            tool_call_id: None,
+                            name: None,
+                        })
+                        .collect(),
+                    tools_json: None,
+                },
+            };
+            let sampling = upstream::Sampling {
+                max_tokens: *max_tokens,
+                temperature: Some(0.0),
+                seed: Some(seed),
+                stop: stop.clone(),
+                ..Default::default()
+            };
+            let c = call(route, adapter, prompt, sampling, "evaluation");
+            let answer = internal::generate(api, c).await?;
+            requests.push(answer.request_id);
+            let correct = score::matches(expected, *matching, &answer.text);
+            Outcome::Generate {
+                answer: answer.text,
+                correct,
+            }
+        }
+    };
+    Ok((outcome, requests))
+}
