@@ -25,14 +25,7 @@ fn show_sets(c: &Client, sets: &[EvalSetView]) {
         .collect();
     table(
         &[
-            "set",
-            "items",
-            "choice",
-            "generate",
-            "bytes",
-            "sha256",
-            "by",
-            "at",
+            "set", "items", "choice", "generate", "bytes", "sha256", "by", "at",
         ],
         &rows,
     );

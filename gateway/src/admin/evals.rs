@@ -82,9 +82,8 @@ impl Command for RegisterEvalSet {
     async fn run(self, cx: &mut Cx<'_>) -> Result<EvalSetView, AdminError> {
         let RegisterEvalSet { tenant, model, set } = self;
         check_name(&set.name)?;
-        let parsed = set::parse(set.jsonl.as_bytes()).map_err(|e| {
-            AdminError::field(&format!("jsonl.{}", e.field), e.message.clone())
-        })?;
+        let parsed = set::parse(set.jsonl.as_bytes())
+            .map_err(|e| AdminError::field(&format!("jsonl.{}", e.field), e.message.clone()))?;
         let subject = cx.caller.subject.clone();
         let tx = cx.db().await?;
         // Locked, so that two registrations of a name take two versions.
@@ -119,11 +118,16 @@ impl Command for RegisterEvalSet {
         let view = EvalSetView::from(row);
         cx.record(
             "eval_set.register",
-            ("eval_set", &format!("{tenant}/{model}/{}@{}", view.name, view.version)),
+            (
+                "eval_set",
+                &format!("{tenant}/{model}/{}@{}", view.name, view.version),
+            ),
             None,
-            Some(json!({"id": view.id, "sha256": view.sha256, "items": view.items,
+            Some(
+                json!({"id": view.id, "sha256": view.sha256, "items": view.items,
                         "multiple_choice": view.multiple_choice, "generation": view.generation,
-                        "bytes": view.bytes})),
+                        "bytes": view.bytes}),
+            ),
         );
         Ok(view)
     }

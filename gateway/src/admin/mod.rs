@@ -162,11 +162,11 @@ pub use base_models::{ListBaseModels, RegisterBaseModel};
 pub use changes::ListChanges;
 pub use core::{Caller, Command, Cx, Query};
 pub use error::{AdminCode, AdminError};
+pub use evals::{ListEvalSets, RegisterEvalSet};
 pub use fleet::{FleetView, TRAFFIC_SQL as FLEET_TRAFFIC_SQL};
 pub use http::router;
 pub use keys::{CreateKey, ListKeys, RevokeKey};
 pub use rollouts::WINDOW_SQL as ROLLOUT_WINDOW_SQL;
-pub use evals::{ListEvalSets, RegisterEvalSet};
 pub use rollouts::{
     ChangeRollout, ConcludeEvaluation, EvaluationWork, GetRollout, StartRollout, record_outcome,
 };

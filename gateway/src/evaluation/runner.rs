@@ -48,8 +48,12 @@ pub async fn run(admin: AdminState, api: AppState, config: EvaluatorConfig) {
                         if !busy.lock().expect("not poisoned").insert(w.rollout) {
                             continue;
                         }
-                        let (admin, api, holder, busy) =
-                            (admin.clone(), api.clone(), config.holder.clone(), busy.clone());
+                        let (admin, api, holder, busy) = (
+                            admin.clone(),
+                            api.clone(),
+                            config.holder.clone(),
+                            busy.clone(),
+                        );
                         tokio::spawn(async move {
                             let id = w.rollout;
                             evaluate(&admin, &api, &holder, w).await;
@@ -119,9 +123,13 @@ async fn evaluate(admin: &AdminState, api: &AppState, holder: &str, w: Evaluatio
         rollout: w.rollout,
     };
     match admin.exec(&Caller::controller(), conclude).await {
-        Ok(Some(d)) => tracing::info!(rollout = %w.rollout, decision = d.as_str(), "evaluation concluded"),
+        Ok(Some(d)) => {
+            tracing::info!(rollout = %w.rollout, decision = d.as_str(), "evaluation concluded")
+        }
         Ok(None) => {}
-        Err(e) => tracing::warn!(rollout = %w.rollout, error = %e.message(), "evaluation not concluded"),
+        Err(e) => {
+            tracing::warn!(rollout = %w.rollout, error = %e.message(), "evaluation not concluded")
+        }
     }
 }
 

@@ -34,12 +34,8 @@ pub fn loglikelihood(context_tokens: usize, whole: &[Option<f32>]) -> Result<f64
         .iter()
         .enumerate()
         .map(|(i, lp)| {
-            lp.map(f64::from).ok_or_else(|| {
-                format!(
-                    "token {} has no log probability",
-                    context_tokens + i
-                )
-            })
+            lp.map(f64::from)
+                .ok_or_else(|| format!("token {} has no log probability", context_tokens + i))
         })
         .sum()
 }

@@ -170,8 +170,8 @@ pub fn parse(bytes: &[u8]) -> Result<EvalSet, SetError> {
         if items.len() == MAX_ITEMS {
             return Err(whole(format!("more than {MAX_ITEMS} items")));
         }
-        let line: Line = serde_json::from_str(raw)
-            .map_err(|e| refuse(n, "", format!("is not an item: {e}")))?;
+        let line: Line =
+            serde_json::from_str(raw).map_err(|e| refuse(n, "", format!("is not an item: {e}")))?;
         items.push(item(n, line)?);
     }
     if items.is_empty() {
@@ -223,9 +223,7 @@ fn choice(n: usize, l: Line) -> Result<Item, SetError> {
             return Err(refuse(n, field, "applies to generation items only"));
         }
     }
-    let prompt = l
-        .prompt
-        .ok_or_else(|| refuse(n, "prompt", "is missing"))?;
+    let prompt = l.prompt.ok_or_else(|| refuse(n, "prompt", "is missing"))?;
     let choices = l.choices.unwrap_or_default();
     if !(2..=MAX_CHOICES).contains(&choices.len()) {
         return Err(refuse(
@@ -279,7 +277,11 @@ fn generate(n: usize, l: Line) -> Result<Item, SetError> {
     }
     let prompt = match (l.prompt, l.messages) {
         (Some(_), Some(_)) => {
-            return Err(refuse(n, "messages", "give `prompt` or `messages`, not both"));
+            return Err(refuse(
+                n,
+                "messages",
+                "give `prompt` or `messages`, not both",
+            ));
         }
         (None, None) => return Err(refuse(n, "prompt", "is missing (or give `messages`)")),
         (Some(t), None) => Prompt::Text(t),
@@ -392,26 +394,74 @@ mod tests {
     #[test]
     fn every_malformed_item_is_refused_by_line_and_field() {
         let cases: &[(&str, &str)] = &[
-            (r#"{"prompt": "p", "choices": ["a"], "answer": 0}"#, "line 1.choices"),
-            (r#"{"prompt": "p", "choices": ["a", "a"], "answer": 0}"#, "line 1.choices[1]"),
-            (r#"{"prompt": "p", "choices": ["a", ""], "answer": 0}"#, "line 1.choices[1]"),
-            (r#"{"prompt": "p", "choices": ["a", "b"], "answer": 2}"#, "line 1.answer"),
-            (r#"{"prompt": "p", "choices": ["a", "b"], "answer": -1}"#, "line 1.answer"),
+            (
+                r#"{"prompt": "p", "choices": ["a"], "answer": 0}"#,
+                "line 1.choices",
+            ),
+            (
+                r#"{"prompt": "p", "choices": ["a", "a"], "answer": 0}"#,
+                "line 1.choices[1]",
+            ),
+            (
+                r#"{"prompt": "p", "choices": ["a", ""], "answer": 0}"#,
+                "line 1.choices[1]",
+            ),
+            (
+                r#"{"prompt": "p", "choices": ["a", "b"], "answer": 2}"#,
+                "line 1.answer",
+            ),
+            (
+                r#"{"prompt": "p", "choices": ["a", "b"], "answer": -1}"#,
+                "line 1.answer",
+            ),
             (r#"{"prompt": "p", "choices": ["a", "b"]}"#, "line 1.answer"),
             (r#"{"choices": ["a", "b"], "answer": 0}"#, "line 1.prompt"),
             (r#"{"prompt": "", "expected": "x"}"#, "line 1.prompt"),
-            (r#"{"prompt": "p", "choices": ["a", "b"], "answer": 0, "expected": "a"}"#, "line 1.expected"),
-            (r#"{"prompt": "p", "choices": ["a", "b"], "answer": 0, "max_tokens": 3}"#, "line 1.max_tokens"),
-            (r#"{"messages": [{"role": "user", "content": "q"}], "choices": ["a", "b"], "answer": 0}"#, "line 1.messages"),
+            (
+                r#"{"prompt": "p", "choices": ["a", "b"], "answer": 0, "expected": "a"}"#,
+                "line 1.expected",
+            ),
+            (
+                r#"{"prompt": "p", "choices": ["a", "b"], "answer": 0, "max_tokens": 3}"#,
+                "line 1.max_tokens",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "q"}], "choices": ["a", "b"], "answer": 0}"#,
+                "line 1.messages",
+            ),
             (r#"{"prompt": "p"}"#, "line 1"),
-            (r#"{"prompt": "p", "expected": "x", "answer": 1}"#, "line 1.answer"),
-            (r#"{"prompt": "p", "expected": "(", "match": "regex"}"#, "line 1.expected"),
-            (r#"{"prompt": "p", "expected": "x", "match": "fuzzy"}"#, "line 1"),
-            (r#"{"prompt": "p", "expected": "x", "max_tokens": 0}"#, "line 1.max_tokens"),
-            (r#"{"prompt": "p", "expected": "x", "stop": [""]}"#, "line 1.stop"),
-            (r#"{"prompt": "p", "messages": [], "expected": "x"}"#, "line 1.messages"),
-            (r#"{"messages": [{"role": "robot", "content": "q"}], "expected": "x"}"#, "line 1.messages[0].role"),
-            (r#"{"prompt": "p", "expected": "x", "colour": "red"}"#, "line 1"),
+            (
+                r#"{"prompt": "p", "expected": "x", "answer": 1}"#,
+                "line 1.answer",
+            ),
+            (
+                r#"{"prompt": "p", "expected": "(", "match": "regex"}"#,
+                "line 1.expected",
+            ),
+            (
+                r#"{"prompt": "p", "expected": "x", "match": "fuzzy"}"#,
+                "line 1",
+            ),
+            (
+                r#"{"prompt": "p", "expected": "x", "max_tokens": 0}"#,
+                "line 1.max_tokens",
+            ),
+            (
+                r#"{"prompt": "p", "expected": "x", "stop": [""]}"#,
+                "line 1.stop",
+            ),
+            (
+                r#"{"prompt": "p", "messages": [], "expected": "x"}"#,
+                "line 1.messages",
+            ),
+            (
+                r#"{"messages": [{"role": "robot", "content": "q"}], "expected": "x"}"#,
+                "line 1.messages[0].role",
+            ),
+            (
+                r#"{"prompt": "p", "expected": "x", "colour": "red"}"#,
+                "line 1",
+            ),
             ("not json", "line 1"),
         ];
         for (line, field) in cases {
@@ -419,15 +469,24 @@ mod tests {
             assert_eq!(e.field, *field, "{line}: {e}");
         }
         // The line number counts blank lines.
-        let e = parse(b"{\"prompt\": \"p\", \"expected\": \"x\"}\n\n{\"prompt\": \"p\"}").unwrap_err();
+        let e =
+            parse(b"{\"prompt\": \"p\", \"expected\": \"x\"}\n\n{\"prompt\": \"p\"}").unwrap_err();
         assert_eq!(e.field, "line 3");
         assert_eq!(parse(b"\n \n").unwrap_err().field, "file");
         assert_eq!(parse(&[0xff, 0xfe]).unwrap_err().field, "file");
         let big = vec![b' '; MAX_BYTES + 1];
         assert!(parse(&big).unwrap_err().message.contains("at most"));
         let many = "{\"prompt\": \"p\", \"expected\": \"x\"}\n".repeat(MAX_ITEMS + 1);
-        assert!(parse(many.as_bytes()).unwrap_err().message.contains("more than"));
-        let long = format!("{{\"prompt\": \"{}\", \"expected\": \"x\"}}", "a".repeat(MAX_TEXT_BYTES + 1));
+        assert!(
+            parse(many.as_bytes())
+                .unwrap_err()
+                .message
+                .contains("more than")
+        );
+        let long = format!(
+            "{{\"prompt\": \"{}\", \"expected\": \"x\"}}",
+            "a".repeat(MAX_TEXT_BYTES + 1)
+        );
         assert_eq!(parse(long.as_bytes()).unwrap_err().field, "line 1.prompt");
     }
 }

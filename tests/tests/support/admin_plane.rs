@@ -194,7 +194,13 @@ pub async fn plane_with(
             .args(["--workers", &addrs.join(",")])
             // Long, so that changes must travel by announcement.
             .args(["--registry-refresh-secs", "600"])
-            .args(["--max-lora-rank", "8"])
+            .args(
+                if extra.gateway_args.iter().any(|a| a == "--max-lora-rank") {
+                    &[][..]
+                } else {
+                    &["--max-lora-rank", "8"][..]
+                },
+            )
             // Rollouts in seconds: judged every 200 ms, a leader replaced
             // within 2 s.
             .args(["--rollout-tick-ms", "200", "--rollout-lease-secs", "2"])

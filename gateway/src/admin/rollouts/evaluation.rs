@@ -110,13 +110,12 @@ pub(super) async fn view(
     let Some(set_id) = r.eval_set_id else {
         return Ok(None);
     };
-    let (name, version, sha256, items): (String, i32, String, i32) = sqlx::query_as(
-        "SELECT name, version, sha256, item_count FROM eval_sets WHERE id = $1",
-    )
-    .bind(set_id)
-    .fetch_one(&mut *ex)
-    .await
-    .map_err(db_error)?;
+    let (name, version, sha256, items): (String, i32, String, i32) =
+        sqlx::query_as("SELECT name, version, sha256, item_count FROM eval_sets WHERE id = $1")
+            .bind(set_id)
+            .fetch_one(&mut *ex)
+            .await
+            .map_err(db_error)?;
     let all = outcomes(ex, r.id.get()).await?;
     let empty = BTreeMap::new();
     let stable = all.get(&r.stable_lora_int_id).unwrap_or(&empty);
@@ -328,7 +327,10 @@ impl Command for ConcludeEvaluation {
             return Ok(None);
         };
         let n = items as usize;
-        let (stable, candidate) = (score::score(stable_right, n), score::score(candidate_right, n));
+        let (stable, candidate) = (
+            score::score(stable_right, n),
+            score::score(candidate_right, n),
+        );
         let delta = r.min_score_delta.unwrap_or(0.0);
         let passed = score::passes(candidate, stable, delta, n);
         let figures = json!({"eval_set": set, "items": n, "stable_score": stable,
@@ -369,8 +371,10 @@ impl Command for ConcludeEvaluation {
                 &Decision::Reject.change_action(),
                 ("route", &object),
                 Some(json!({"rollout": r.id, "state": RolloutState::Evaluating.as_str()})),
-                Some(json!({"rollout": r.id, "state": RolloutState::Rejected.as_str(),
-                            "figures": figures, "reason": reason})),
+                Some(
+                    json!({"rollout": r.id, "state": RolloutState::Rejected.as_str(),
+                            "figures": figures, "reason": reason}),
+                ),
             );
             tracing::warn!(rollout = %r.id, route = %object, %reason, "rollout rejected");
             return Ok(Some(Decision::Reject));

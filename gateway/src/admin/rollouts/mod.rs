@@ -360,7 +360,9 @@ impl Command for StartRollout {
             decision(&mut *tx, &r, d).await?;
             let v = view(&mut *tx, &tenant, &model, route_id)
                 .await?
-                .ok_or_else(|| AdminError::internal("the rollout vanished inside its transaction"))?;
+                .ok_or_else(|| {
+                    AdminError::internal("the rollout vanished inside its transaction")
+                })?;
             cx.record(
                 &Decision::Evaluate.change_action(),
                 ("route", &format!("{tenant}/{model}")),
