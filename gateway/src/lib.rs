@@ -13,6 +13,7 @@ pub mod concurrency;
 pub mod console;
 pub mod db;
 pub mod evaluation;
+pub mod evaluator;
 pub mod flag_error;
 #[doc(hidden)]
 pub mod fuzzing;

@@ -184,6 +184,17 @@ fn golden_score(adapter: &str) -> f64 {
     goldens()["adapters"][adapter]["score"].as_f64().unwrap()
 }
 
+/// An evaluation request's audit row: status, features, subject, received,
+/// completed, request id.
+type EvalRow = (
+    String,
+    String,
+    Option<String>,
+    chrono::DateTime<chrono::Utc>,
+    chrono::DateTime<chrono::Utc>,
+    uuid::Uuid,
+);
+
 fn p50(v: &[Duration]) -> Duration {
     let mut v = v.to_vec();
     v.sort();
@@ -336,14 +347,7 @@ async fn a_worse_candidate_is_rejected_before_any_tenant_request_and_a_better_on
 
     // Every evaluation request has its audit row, flagged, by the evaluator,
     // one at a time.
-    let rows: Vec<(
-        String,
-        String,
-        Option<String>,
-        chrono::DateTime<chrono::Utc>,
-        chrono::DateTime<chrono::Utc>,
-        uuid::Uuid,
-    )> = sqlx::query_as(
+    let rows: Vec<EvalRow> = sqlx::query_as(
         "SELECT status::TEXT, features, subject, received_at, completed_at, request_id FROM audit_log
              WHERE features LIKE '%evaluation%' ORDER BY received_at",
     )

@@ -11,7 +11,9 @@ const TABLES: &[&str] = &[
     "audit_log",
     "base_models",
     "controller_leases",
+    "eval_sets",
     "rollout_decisions",
+    "rollout_eval_results",
     "rollouts",
     "route_revisions",
     "route_weights",
@@ -77,7 +79,9 @@ async fn migrations_apply_to_an_empty_database_and_rerun_as_a_no_op() {
             (11, true),
             (12, true),
             (13, true),
-            (14, true)
+            (14, true),
+            (15, true),
+            (16, true)
         ],
         "each migration applied exactly once"
     );
@@ -100,7 +104,7 @@ async fn migrate_takes_the_url_from_the_environment() {
         .fetch_one(&db.pool().await)
         .await
         .unwrap();
-    assert_eq!(n, 14);
+    assert_eq!(n, 16);
 }
 
 #[test]

@@ -20,24 +20,40 @@ pub fn split<'a>(prompt: &'a str, choice: &str) -> (&'a str, String) {
 /// the whole text's tokens after the first `context_tokens` (the number of
 /// tokens the context alone is), as lm-evaluation-harness slices the
 /// whole's tokens by the context's count.
-pub fn loglikelihood(context_tokens: usize, whole: &[Option<f32>]) -> Result<f64, String> {
+pub fn loglikelihood(context_tokens: usize, whole: &[Option<f32>]) -> Result<f64, Unscorable> {
     if context_tokens == 0 {
-        return Err("the context has no token".into());
+        return Err(Unscorable::NoContext);
     }
     if context_tokens >= whole.len() {
-        return Err(format!(
-            "the continuation has no token of its own ({} tokens in all, {context_tokens} of context)",
-            whole.len()
-        ));
+        return Err(Unscorable::NoContinuation {
+            tokens: whole.len(),
+            context_tokens,
+        });
     }
     whole[context_tokens..]
         .iter()
         .enumerate()
         .map(|(i, lp)| {
             lp.map(f64::from)
-                .ok_or_else(|| format!("token {} has no log probability", context_tokens + i))
+                .ok_or(Unscorable::NoLogprob(context_tokens + i))
         })
         .sum()
+}
+
+/// Why a choice cannot be scored.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Unscorable {
+    #[error("the context has no token")]
+    NoContext,
+    #[error(
+        "the continuation has no token of its own ({tokens} tokens in all, {context_tokens} of context)"
+    )]
+    NoContinuation {
+        tokens: usize,
+        context_tokens: usize,
+    },
+    #[error("token {0} has no log probability")]
+    NoLogprob(usize),
 }
 
 /// The most likely choice: the first of equals, as `numpy.argmax` picks.
@@ -121,7 +137,10 @@ mod tests {
         let whole = [None, Some(-1.0), Some(-2.0), Some(-0.5)];
         assert_eq!(loglikelihood(2, &whole), Ok(-2.5));
         assert_eq!(loglikelihood(1, &whole), Ok(-3.5));
-        assert!(loglikelihood(4, &whole).unwrap_err().contains("no token"));
+        assert!(matches!(
+            loglikelihood(4, &whole),
+            Err(Unscorable::NoContinuation { .. })
+        ));
         assert!(loglikelihood(0, &whole).is_err());
         assert!(loglikelihood(0, &[None, Some(-1.0)]).is_err());
     }

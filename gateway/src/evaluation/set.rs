@@ -310,7 +310,13 @@ fn generate(n: usize, l: Line) -> Result<Item, SetError> {
             return Err(refuse(n, "expected", "is empty"));
         }
         Match::Regex => {
-            regex_of(&expected).map_err(|e| refuse(n, "expected", e))?;
+            regex_of(&expected).map_err(|e| {
+                refuse(
+                    n,
+                    "expected",
+                    format!("is not a regular expression this gateway accepts: {e}"),
+                )
+            })?;
         }
         Match::Exact => {}
     }
@@ -340,11 +346,10 @@ fn generate(n: usize, l: Line) -> Result<Item, SetError> {
 }
 
 /// A generation item's regular expression, compiled within a size limit.
-pub fn regex_of(pattern: &str) -> Result<regex::Regex, String> {
+pub fn regex_of(pattern: &str) -> Result<regex::Regex, regex::Error> {
     regex::RegexBuilder::new(pattern)
         .size_limit(1 << 20)
         .build()
-        .map_err(|e| format!("is not a regular expression this gateway accepts: {e}"))
 }
 
 #[cfg(test)]

@@ -291,10 +291,10 @@ async fn start_admin(
             lease: config.rollout_lease,
         },
     ));
-    let evaluator = tokio::spawn(crate::evaluation::runner::run(
+    let evaluator = tokio::spawn(crate::evaluator::run(
         admin_state.clone(),
         state.clone(),
-        crate::evaluation::runner::EvaluatorConfig {
+        crate::evaluator::EvaluatorConfig {
             holder: holder.clone(),
             tick: config.rollout_tick,
         },

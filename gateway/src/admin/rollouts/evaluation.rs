@@ -208,6 +208,41 @@ impl EvaluationWork {
     }
 }
 
+/// The start of a rollout with an evaluation: its `evaluate` decision and
+/// change row; no route revision, since no traffic moves yet.
+pub(super) async fn begin(
+    cx: &mut Cx<'_>,
+    r: &Rollout,
+    e: &EvalPlan,
+    tenant: &str,
+    model: &str,
+) -> Result<RolloutView, AdminError> {
+    let subject = cx.caller.subject.clone();
+    let tx = cx.db().await?;
+    let d = DecisionRow {
+        what: Decision::Evaluate,
+        step_index: 0,
+        revision: None,
+        actor: &subject,
+        figures: None,
+        reason: None,
+    };
+    decision(&mut *tx, r, d).await?;
+    let v = super::view(&mut *tx, tenant, model, r.route_id.get())
+        .await?
+        .ok_or_else(|| AdminError::internal("the rollout vanished inside its transaction"))?;
+    cx.record(
+        &Decision::Evaluate.change_action(),
+        ("route", &format!("{tenant}/{model}")),
+        None,
+        Some(json!({"rollout": r.id, "state": r.state.as_str(),
+                    "candidate_lora_int_id": r.candidate_lora_int_id,
+                    "eval_set": e.label, "min_score_delta": e.min_score_delta,
+                    "eval_seed": e.seed})),
+    );
+    Ok(v)
+}
+
 /// An adapter version as a worker loads it.
 async fn adapter(ex: &mut sqlx::PgConnection, id: i64) -> Result<Adapter, AdminError> {
     let (name, version, rank, uri, sha, base): (String, i32, i32, String, String, String) =
@@ -245,41 +280,87 @@ pub async fn record_outcome(
     outcome: &Outcome,
     request_ids: &[Uuid],
 ) -> Result<bool, AdminError> {
-    let mut tx = s.pool.begin().await.map_err(db_error)?;
-    let ours: Option<i32> = sqlx::query_scalar(
-        "SELECT 1 FROM controller_leases l, rollouts r
-         WHERE l.name = $1 AND l.holder = $2 AND l.expires_at > now()
-           AND r.id = $3 AND r.state = 'evaluating'
-         FOR SHARE",
+    // One statement: the conditions and the insert see one snapshot.
+    let ours: bool = sqlx::query_scalar(
+        "WITH ours AS (
+             SELECT EXISTS (SELECT 1 FROM controller_leases
+                            WHERE name = $1 AND holder = $2 AND expires_at > now())
+                AND EXISTS (SELECT 1 FROM rollouts WHERE id = $3 AND state = 'evaluating') AS ours),
+         written AS (
+             INSERT INTO rollout_eval_results
+                 (rollout_id, lora_int_id, item_index, correct, outcome, request_ids)
+             SELECT $3, $4, $5, $6, $7, $8 FROM ours WHERE ours.ours
+             ON CONFLICT DO NOTHING)
+         SELECT ours FROM ours",
     )
     .bind(LEASE)
     .bind(holder)
-    .bind(rollout)
-    .fetch_optional(&mut *tx)
-    .await
-    .map_err(db_error)?;
-    if ours.is_none() {
-        return Ok(false);
-    }
-    sqlx::query(
-        "INSERT INTO rollout_eval_results
-             (rollout_id, lora_int_id, item_index, correct, outcome, request_ids)
-         VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
-    )
     .bind(rollout)
     .bind(lora_int_id)
     .bind(item)
     .bind(outcome.correct())
     .bind(serde_json::to_value(outcome).map_err(AdminError::internal)?)
     .bind(request_ids)
-    .execute(&mut *tx)
+    .fetch_one(&s.pool)
     .await
     .map_err(db_error)?;
-    tx.commit().await.map_err(db_error)?;
+    if !ours {
+        return Ok(false);
+    }
     metrics::counter!("lorafleet_gateway_rollout_eval_items_total",
         "correct" => if outcome.correct() { "true" } else { "false" })
     .increment(1);
     Ok(true)
+}
+
+/// A rejection: the rollout ends `rejected` with both scores, its
+/// decision and change row.
+async fn reject(
+    cx: &mut Cx<'_>,
+    r: &Rollout,
+    object: &str,
+    (stable, candidate): (f64, f64),
+    (stable_right, candidate_right): (usize, usize),
+    (n, set, delta): (usize, &str, f64),
+    figures: Value,
+) -> Result<(), AdminError> {
+    let tx = cx.db().await?;
+    let reason = format!(
+        "the candidate scored {candidate_right}/{n} on {set} against the stable version's \
+             {stable_right}/{n}; it needed at least the stable's score {delta:+}"
+    );
+    sqlx::query(
+        "UPDATE rollouts SET state = 'rejected', reason = $2, stable_score = $3,
+                 candidate_score = $4, updated_at = now()
+             WHERE id = $1",
+    )
+    .bind(r.id)
+    .bind(&reason)
+    .bind(stable)
+    .bind(candidate)
+    .execute(&mut *tx)
+    .await
+    .map_err(db_error)?;
+    let d = DecisionRow {
+        what: Decision::Reject,
+        step_index: 0,
+        revision: None,
+        actor: CONTROLLER,
+        figures: Some(figures.clone()),
+        reason: Some(&reason),
+    };
+    decision(&mut *tx, r, d).await?;
+    cx.record(
+        &Decision::Reject.change_action(),
+        ("route", object),
+        Some(json!({"rollout": r.id, "state": RolloutState::Evaluating.as_str()})),
+        Some(
+            json!({"rollout": r.id, "state": RolloutState::Rejected.as_str(),
+                        "figures": figures, "reason": reason}),
+        ),
+    );
+    tracing::warn!(rollout = %r.id, route = %object, %reason, "rollout rejected");
+    Ok(())
 }
 
 /// The controller's conclusion once both versions have every item
@@ -342,41 +423,17 @@ impl Command for ConcludeEvaluation {
         }
         let object = format!("{tenant}/{model}");
         if !passed {
-            let reason = format!(
-                "the candidate scored {candidate_right}/{n} on {set} against the stable version's \
-                 {stable_right}/{n}; it needed at least the stable's score {delta:+}"
-            );
-            sqlx::query(
-                "UPDATE rollouts SET state = 'rejected', reason = $2, stable_score = $3,
-                     candidate_score = $4, updated_at = now()
-                 WHERE id = $1",
+            let right = (stable_right, candidate_right);
+            reject(
+                cx,
+                &r,
+                &object,
+                (stable, candidate),
+                right,
+                (n, &set, delta),
+                figures,
             )
-            .bind(r.id)
-            .bind(&reason)
-            .bind(stable)
-            .bind(candidate)
-            .execute(&mut *tx)
-            .await
-            .map_err(db_error)?;
-            let d = DecisionRow {
-                what: Decision::Reject,
-                step_index: 0,
-                revision: None,
-                actor: CONTROLLER,
-                figures: Some(figures.clone()),
-                reason: Some(&reason),
-            };
-            decision(&mut *tx, &r, d).await?;
-            cx.record(
-                &Decision::Reject.change_action(),
-                ("route", &object),
-                Some(json!({"rollout": r.id, "state": RolloutState::Evaluating.as_str()})),
-                Some(
-                    json!({"rollout": r.id, "state": RolloutState::Rejected.as_str(),
-                            "figures": figures, "reason": reason}),
-                ),
-            );
-            tracing::warn!(rollout = %r.id, route = %object, %reason, "rollout rejected");
+            .await?;
             return Ok(Some(Decision::Reject));
         }
         let weights = r.weights(r.share(0));

@@ -322,57 +322,11 @@ impl Command for StartRollout {
                 }
                 e
             })?;
-        r.id = sqlx::query_scalar(
-            "INSERT INTO rollouts (route_id, stable_lora_int_id, candidate_lora_int_id, steps_bp,
-             hold_secs, min_requests, max_error_rate_increase, max_ttft_p95_ratio,
-             max_tpot_p95_ratio, created_by, state, eval_set_id, min_score_delta, eval_seed)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11::rollout_state, $12, $13, $14)
-         RETURNING id",
-        )
-        .bind(r.route_id)
-        .bind(r.stable_lora_int_id)
-        .bind(r.candidate_lora_int_id)
-        .bind(&r.steps_bp)
-        .bind(r.hold_secs)
-        .bind(r.min_requests)
-        .bind(r.max_error_rate_increase)
-        .bind(r.max_ttft_p95_ratio)
-        .bind(r.max_tpot_p95_ratio)
-        .bind(&r.created_by)
-        .bind(r.state.as_str())
-        .bind(r.eval_set_id)
-        .bind(r.min_score_delta)
-        .bind(r.eval_seed)
-        .fetch_one(&mut *tx)
-        .await
-        .map_err(db_error)?;
+        r.id = insert(&mut *tx, &r).await?;
         if let Some(e) = &eval {
             // No traffic moves yet: the controller scores both versions
             // first, then starts the steps or rejects the candidate.
-            let d = DecisionRow {
-                what: Decision::Evaluate,
-                step_index: 0,
-                revision: None,
-                actor: &subject,
-                figures: None,
-                reason: None,
-            };
-            decision(&mut *tx, &r, d).await?;
-            let v = view(&mut *tx, &tenant, &model, route_id)
-                .await?
-                .ok_or_else(|| {
-                    AdminError::internal("the rollout vanished inside its transaction")
-                })?;
-            cx.record(
-                &Decision::Evaluate.change_action(),
-                ("route", &format!("{tenant}/{model}")),
-                None,
-                Some(json!({"rollout": r.id, "state": r.state.as_str(),
-                            "candidate_lora_int_id": r.candidate_lora_int_id,
-                            "eval_set": e.label, "min_score_delta": e.min_score_delta,
-                            "eval_seed": e.seed})),
-            );
-            return Ok(v);
+            return evaluation::begin(cx, &r, e, &tenant, &model).await;
         }
         let note = json!({"rollout": r.id, "decision": Decision::Start.as_str(), "step_index": 0,
                       "candidate_share_bp": steps[0]});
@@ -401,6 +355,34 @@ impl Command for StartRollout {
             .await?
             .ok_or_else(|| AdminError::internal("the rollout vanished inside its transaction"))
     }
+}
+
+/// Inserts a new rollout; its id.
+async fn insert(tx: &mut sqlx::PgConnection, r: &Rollout) -> Result<RolloutId, AdminError> {
+    sqlx::query_scalar(
+        "INSERT INTO rollouts (route_id, stable_lora_int_id, candidate_lora_int_id, steps_bp,
+             hold_secs, min_requests, max_error_rate_increase, max_ttft_p95_ratio,
+             max_tpot_p95_ratio, created_by, state, eval_set_id, min_score_delta, eval_seed)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11::rollout_state, $12, $13, $14)
+         RETURNING id",
+    )
+    .bind(r.route_id)
+    .bind(r.stable_lora_int_id)
+    .bind(r.candidate_lora_int_id)
+    .bind(&r.steps_bp)
+    .bind(r.hold_secs)
+    .bind(r.min_requests)
+    .bind(r.max_error_rate_increase)
+    .bind(r.max_ttft_p95_ratio)
+    .bind(r.max_tpot_p95_ratio)
+    .bind(&r.created_by)
+    .bind(r.state.as_str())
+    .bind(r.eval_set_id)
+    .bind(r.min_score_delta)
+    .bind(r.eval_seed)
+    .fetch_one(&mut *tx)
+    .await
+    .map_err(db_error)
 }
 
 /// A route's latest rollout, with its decisions.

@@ -1,5 +1,13 @@
 //! The evaluator: scores each evaluating rollout's items on both versions
 //! through the fleet, records each outcome, and concludes.
+//!
+//! Every gateway replica with an admin plane runs it; it works only while
+//! its replica holds the rollout controller's lease, sends each item
+//! through the fleet as the gateway's own low-priority traffic
+//! ([`crate::api::internal`]), records each outcome as it goes (a replica
+//! that takes over goes on where the last stopped), and has the admin
+//! plane conclude: the first step, or `rejected`. Scoring itself is
+//! [`crate::evaluation`]'s.
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
@@ -7,11 +15,11 @@ use std::time::Duration;
 
 use uuid::Uuid;
 
-use super::score::{self, Outcome};
-use super::set::{Item, Prompt};
 use crate::admin::{AdminState, Caller, ConcludeEvaluation, EvaluationWork, record_outcome};
 use crate::api::internal::{self, InternalCall};
 use crate::api::{ApiError, AppState};
+use crate::evaluation::score::{self, Outcome};
+use crate::evaluation::set::{Item, Prompt};
 use crate::registry::{Adapter, Route};
 use crate::upstream;
 
