@@ -397,6 +397,40 @@ async fn a_worse_candidate_is_rejected_before_any_tenant_request_and_a_better_on
         ]
     );
 
+    // The console's route page shows the set, both scores and the items
+    // the candidate changed.
+    let page = p
+        .http
+        .get(format!("{}/console/routes/acme/scripture", p.admin_url(0)))
+        .header(
+            "cookie",
+            format!("{}={}", lorafleet_gateway::console::COOKIE, p.admin_token),
+        )
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for needle in [
+        "id=\"eval-sets\"",
+        "id=\"rollout-evaluation\"",
+        "capitals@1",
+        "<b id=\"eval-stable-score\">57.1%</b>",
+        "<b id=\"eval-candidate-score\">0.0%</b>",
+        "id=\"eval-changed\"",
+        "rejected",
+    ] {
+        assert!(
+            page.contains(needle),
+            "the route page lacks {needle}:\n{page}"
+        );
+    }
+    assert_eq!(
+        page.matches("<td>right</td><td>wrong</td>").count(),
+        v2_right.len()
+    );
+
     // Reproducible: the same set, adapter and seed give the same outcomes.
     let again = start(
         &p,

@@ -4,10 +4,10 @@
 //! instead of overwriting someone else's change.
 
 use super::*;
-use crate::admin::types::{RolloutSpec, RolloutView, RouteSpec, RouteView, Weight};
+use crate::admin::types::{EvaluationView, RolloutSpec, RolloutView, RouteSpec, RouteView, Weight};
 use crate::admin::{
-    AdminCode, ChangeRollout, GetRollout, GetRoute, ListChanges, ListRoutes, Promote, PutRoute,
-    Rollback, StartRollout, parse_etag,
+    AdminCode, ChangeRollout, GetRollout, GetRoute, ListChanges, ListEvalSets, ListRoutes, Promote,
+    PutRoute, Rollback, StartRollout, parse_etag,
 };
 use crate::rollout::Action;
 
@@ -116,13 +116,34 @@ async fn render(c: &Console, s: &Session, tenant: &str, model: &str, outcome: Ou
         } else {
             None
         };
+        // Its evaluation sets, every version.
+        let evals = c
+            .read(
+                s,
+                ListEvalSets {
+                    tenant: tenant.clone(),
+                    model: model.clone(),
+                },
+            )
+            .await?
+            .sets
+            .iter()
+            .map(|e| {
+                json!({"set": format!("{}@{}", e.name, e.version), "items": e.items,
+                       "multiple_choice": e.multiple_choice, "generation": e.generation,
+                       "sha256": short(&e.sha256), "created_by": e.created_by})
+            })
+            .collect::<Vec<_>>();
         // The route's latest rollout, if it ever had one.
         let rollout = match c.read(s, GetRollout { tenant, model }).await {
             Ok(r) => Some(rollout_view(&r)),
             Err(e) if e.is(AdminCode::NotFound) => None,
             Err(e) => return Err(e),
         };
-        Ok(json!({ "route": view(&route), "history": history, "rollout": rollout }))
+        Ok(
+            json!({ "route": view(&route), "history": history, "rollout": rollout,
+                   "evals": evals }),
+        )
     }
     .await;
     show(c, s, "route.html", "routes", outcome, data)
@@ -154,7 +175,8 @@ fn rollout_view(r: &RolloutView) -> Value {
         .collect();
     json!({
         "state": r.state,
-        "active": matches!(r.state.as_str(), "running" | "paused"),
+        "active": matches!(r.state.as_str(), "evaluating" | "running" | "paused"),
+        "evaluation": r.evaluation.as_ref().map(evaluation_view),
         "stable": r.stable_lora_int_id,
         "candidate": r.candidate_lora_int_id,
         "steps": steps,
@@ -166,6 +188,40 @@ fn rollout_view(r: &RolloutView) -> Value {
         "reason": r.reason,
         "created_by": r.created_by,
         "decisions": decisions,
+    })
+}
+
+/// A rollout's evaluation as the route page shows it: the set, both
+/// scores (or how far scoring has gone), and the items whose verdict the
+/// candidate changed.
+fn evaluation_view(e: &EvaluationView) -> Value {
+    let verdict = |right: bool| if right { "right" } else { "wrong" };
+    let score = |s: Option<f64>, done: i32| match s {
+        Some(s) => format!("{:.1}%", 100.0 * s),
+        None => format!("{done} of {} items scored", e.items),
+    };
+    let changed: Vec<Value> = e
+        .changed
+        .iter()
+        .map(|c| {
+            json!({
+                "item": c.item_index,
+                "stable": verdict(c.stable_correct),
+                "candidate": verdict(c.candidate_correct),
+                "detail": c.candidate.get("answer").and_then(Value::as_str).map(str::to_owned)
+                    .or_else(|| c.candidate.get("chosen").map(|v| format!("chose {v}"))),
+            })
+        })
+        .collect();
+    json!({
+        "set": e.set,
+        "sha256": short(&e.sha256),
+        "items": e.items,
+        "min_score_delta": e.min_score_delta,
+        "seed": e.seed,
+        "stable_score": score(e.stable_score, e.stable_done),
+        "candidate_score": score(e.candidate_score, e.candidate_done),
+        "changed": changed,
     })
 }
 
