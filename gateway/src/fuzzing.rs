@@ -55,3 +55,23 @@ pub fn audit_cursor(data: &[u8]) {
         assert_eq!(again, c);
     }
 }
+
+/// An evaluation set file, as an admin registers it: a set that is read
+/// stores and reads back as the same items, and its regular expressions
+/// compile again when scored.
+pub fn eval_set(data: &[u8]) {
+    use crate::evaluation::{score, set};
+    if let Ok(s) = set::parse(data) {
+        let stored = serde_json::to_value(&s.items).expect("items serialize");
+        let back: Vec<set::Item> = serde_json::from_value(stored).expect("stored items read back");
+        assert_eq!(back, s.items);
+        for item in &s.items {
+            if let set::Item::Generate {
+                expected, matching, ..
+            } = item
+            {
+                let _ = score::matches(expected, *matching, "AN ANSWER");
+            }
+        }
+    }
+}
