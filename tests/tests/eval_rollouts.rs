@@ -36,14 +36,17 @@ const SET: &str = "evals/shout.jsonl";
 /// The plane on the demo model, tenant acme with a key, the demo adapters
 /// registered, `scripture` wholly on shout-v2, and the set registered as
 /// `capitals`. Returns (key, ids by adapter name).
-async fn setup() -> (Plane, String, std::collections::HashMap<String, i64>) {
+async fn setup(
+    label: &str,
+    gateways: usize,
+) -> (Plane, String, std::collections::HashMap<String, i64>) {
     let extra = Extra {
         // shout-v2 is rank 16.
         gateway_args: vec!["--max-lora-rank".into(), "16".into()],
         ..Extra::default()
     };
     let model = demo().join("kjv-small").canonicalize().unwrap();
-    let p = plane_with("eval_rollouts", 1, 1, model.to_str().unwrap(), &extra).await;
+    let p = plane_with(label, gateways, 1, model.to_str().unwrap(), &extra).await;
     for name in ["shout", "shout-v2", "telegram"] {
         copy_dir(
             &demo().join("adapters/kjv-small").join(name),
@@ -213,7 +216,7 @@ fn p50(v: &[Duration]) -> Duration {
 
 #[tokio::test]
 async fn a_worse_candidate_is_rejected_before_any_tenant_request_and_a_better_one_proceeds() {
-    let (p, key, ids) = setup().await;
+    let (p, key, ids) = setup("eval_rollouts", 1).await;
     let file = here().join(SET);
     let file = file.to_str().unwrap();
 
@@ -533,5 +536,91 @@ async fn a_worse_candidate_is_rejected_before_any_tenant_request_and_a_better_on
         quantiles(&mut during_us),
         p50(&idle),
         p50(&during)
+    );
+}
+
+/// The replica whose metrics say it holds the rollout lease.
+async fn leader(p: &Plane) -> usize {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let mut leaders = Vec::new();
+        for (i, g) in p.gateways.iter().enumerate() {
+            let m = reqwest::get(format!("http://{}/metrics", g.addr("metrics")))
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap();
+            if m.lines().any(|l| l == "lorafleet_gateway_rollout_leader 1") {
+                leaders.push(i);
+            }
+        }
+        assert!(leaders.len() <= 1, "two leaders: {leaders:?}");
+        if let Some(&l) = leaders.first() {
+            return l;
+        }
+        assert!(Instant::now() < deadline, "no replica leads");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test]
+async fn another_replica_finishes_an_evaluation_where_the_dead_leader_stopped() {
+    let (mut p, key, ids) = setup("eval_failover", 2).await;
+    let file = here().join(SET);
+    p.ctl_json(&[
+        "evals",
+        "register",
+        "acme",
+        "scripture",
+        file.to_str().unwrap(),
+        "--name",
+        "capitals",
+    ]);
+    let leader = leader(&p).await;
+    let s = start(&p, ids["telegram"], &["--eval", "capitals"]);
+    let rollout = s["id"].as_str().unwrap().to_owned();
+    let recorded = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM rollout_eval_results WHERE rollout_id = $1::UUID",
+        )
+        .bind(&rollout)
+        .fetch_one(&p.pool)
+        .await
+        .unwrap()
+    };
+    // Some items scored, not all: then the leader dies.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while recorded().await < 6 {
+        assert!(Instant::now() < deadline, "the evaluation never began");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    p.gateways[leader].child.kill().unwrap();
+    p.gateways[leader].child.wait().unwrap();
+    let at_death = recorded().await;
+    assert!(at_death < 28, "the evaluation ended before the leader died");
+    if leader == 0 {
+        p.gateways.swap(0, 1);
+    }
+    let (s, _) = while_evaluating(&p, &key).await;
+    assert_eq!(s["state"], "rejected", "{s}\n{}", p.gateways[0].log_text());
+    // Every item once per version, scored as by lm-evaluation-harness.
+    assert_eq!(recorded().await, 28);
+    same_as_lm_eval(&outcomes(&p, &rollout, ids["telegram"]).await, "telegram");
+    same_as_lm_eval(&outcomes(&p, &rollout, ids["shout-v2"]).await, "shout-v2");
+    let decisions: Vec<(&str, &str)> = s["decisions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| {
+            (
+                d["decision"].as_str().unwrap(),
+                d["actor"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        decisions,
+        [("evaluate", "alice"), ("reject", "rollout-controller")]
     );
 }
