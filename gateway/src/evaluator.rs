@@ -9,7 +9,7 @@
 //! plane conclude: the first step, or `rejected`. Scoring itself is
 //! [`crate::evaluation`]'s.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -17,7 +17,7 @@ use uuid::Uuid;
 
 use crate::admin::{AdminState, Caller, ConcludeEvaluation, EvaluationWork, record_outcome};
 use crate::api::internal::{self, InternalCall};
-use crate::api::{ApiError, AppState};
+use crate::api::{ApiError, AppState, WorkerFailure};
 use crate::evaluation::score::{self, Outcome};
 use crate::evaluation::set::{Item, Prompt};
 use crate::registry::{Adapter, Route};
@@ -29,6 +29,12 @@ pub const FAIRNESS_KEY: &str = "lorafleet-evaluation";
 /// Its weight: each token it is served counts a hundred times, so a
 /// tenant's waiting request is always admitted first.
 pub const FAIRNESS_WEIGHT: f64 = 0.01;
+/// How many times in a row an item may fail by the version's own fault
+/// (its adapter cannot be loaded, the worker refuses the request) before
+/// it is recorded as failed, and so wrong. Other failures (no worker,
+/// timeouts) are the fleet's: retried at every tick until an operator
+/// aborts.
+pub const ATTEMPTS_BEFORE_FAILED: u32 = 3;
 /// The subject of its audit rows.
 pub const SUBJECT: &str = "rollout-evaluator";
 
@@ -45,6 +51,7 @@ pub struct EvaluatorConfig {
 /// evaluated at a time per rollout, one request at a time per rollout.
 pub async fn run(admin: AdminState, api: AppState, config: EvaluatorConfig) {
     let busy: Arc<Mutex<HashSet<Uuid>>> = Arc::default();
+    let attempts: Attempts = Arc::default();
     loop {
         let held = crate::rollout::holds_lease(&admin.pool, crate::rollout::LEASE, &config.holder)
             .await
@@ -53,20 +60,9 @@ pub async fn run(admin: AdminState, api: AppState, config: EvaluatorConfig) {
             match EvaluationWork::load(&admin).await {
                 Ok(work) => {
                     for w in work {
-                        if !busy.lock().expect("not poisoned").insert(w.rollout) {
-                            continue;
+                        if busy.lock().expect("not poisoned").insert(w.rollout) {
+                            spawn(&admin, &api, &config.holder, &busy, &attempts, w);
                         }
-                        let (admin, api, holder, busy) = (
-                            admin.clone(),
-                            api.clone(),
-                            config.holder.clone(),
-                            busy.clone(),
-                        );
-                        tokio::spawn(async move {
-                            let id = w.rollout;
-                            evaluate(&admin, &api, &holder, w).await;
-                            busy.lock().expect("not poisoned").remove(&id);
-                        });
                     }
                 }
                 Err(e) => tracing::warn!(error = %e.message(), "evaluations not loaded"),
@@ -76,10 +72,56 @@ pub async fn run(admin: AdminState, api: AppState, config: EvaluatorConfig) {
     }
 }
 
+/// One rollout's evaluation in a task of its own, marked busy until it
+/// ends.
+fn spawn(
+    admin: &AdminState,
+    api: &AppState,
+    holder: &str,
+    busy: &Arc<Mutex<HashSet<Uuid>>>,
+    attempts: &Attempts,
+    w: EvaluationWork,
+) {
+    let (admin, api, holder, busy, attempts) = (
+        admin.clone(),
+        api.clone(),
+        holder.to_owned(),
+        busy.clone(),
+        attempts.clone(),
+    );
+    tokio::spawn(async move {
+        let id = w.rollout;
+        evaluate(&admin, &api, &holder, &attempts, w).await;
+        busy.lock().expect("not poisoned").remove(&id);
+    });
+}
+
+/// Failed attempts in a row, by (rollout, version, item).
+type Attempts = Arc<Mutex<HashMap<(Uuid, i64, i32), u32>>>;
+
+/// Is a failure the version's own (its adapter, the request as it makes
+/// it), rather than the fleet's?
+fn versions_fault(e: &ApiError) -> bool {
+    matches!(
+        e,
+        ApiError::Worker(
+            WorkerFailure::AdapterUnavailable { .. } | WorkerFailure::InvalidRequest { .. }
+        ) | ApiError::ContextLength { .. }
+    )
+}
+
 /// Scores every item not yet recorded, stable then candidate item by item,
 /// and concludes once all are. Stops at the first failure (the next tick
-/// retries from there) or when the lease or the rollout moves on.
-async fn evaluate(admin: &AdminState, api: &AppState, holder: &str, w: EvaluationWork) {
+/// retries from there; the version's own fault, [`ATTEMPTS_BEFORE_FAILED`]
+/// times in a row, records the item failed) or when the lease or the
+/// rollout moves on.
+async fn evaluate(
+    admin: &AdminState,
+    api: &AppState,
+    holder: &str,
+    attempts: &Attempts,
+    w: EvaluationWork,
+) {
     let Some(route) = api.registry.snapshot().route(&w.tenant, &w.model) else {
         tracing::warn!(rollout = %w.rollout, "the evaluated route is not in the registry snapshot yet");
         return;
@@ -92,25 +134,42 @@ async fn evaluate(admin: &AdminState, api: &AppState, holder: &str, w: Evaluatio
             if w.done.contains(&(id, index)) {
                 continue;
             }
-            let scored = score_item(api, &route, adapter, item, w.seed).await;
-            let (outcome, requests) = match scored {
-                Ok(s) => s,
+            let mut requests = Vec::new();
+            let scored = score_item(api, &route, adapter, item, w.seed, &mut requests).await;
+            let key = (w.rollout, id, index);
+            let outcome = match scored {
+                Ok(o) => o,
                 Err(f) => {
-                    let (code, message) = match f {
+                    let (code, message, theirs) = match &f {
                         Failure::Api(e) => {
                             let p = e.parts();
-                            (p.code, p.message)
+                            (p.code, p.message, versions_fault(e))
                         }
-                        Failure::Unscorable(m) => ("unscorable", m),
+                        Failure::Unscorable(u) => ("unscorable", u.to_string(), true),
                     };
-                    tracing::warn!(rollout = %w.rollout, item = i, lora_int_id = id, code,
-                                   error = %message,
-                                   "an evaluation item failed; retried at the next tick");
                     metrics::counter!("lorafleet_gateway_rollout_eval_failures_total", "code" => code)
                         .increment(1);
-                    return;
+                    let tries = {
+                        let mut a = attempts.lock().expect("not poisoned");
+                        let n = a.entry(key).or_default();
+                        *n += u32::from(theirs);
+                        *n
+                    };
+                    if tries < ATTEMPTS_BEFORE_FAILED {
+                        tracing::warn!(rollout = %w.rollout, item = i, lora_int_id = id, code,
+                                       error = %message, tries,
+                                       "an evaluation item failed; retried at the next tick");
+                        return;
+                    }
+                    tracing::warn!(rollout = %w.rollout, item = i, lora_int_id = id, code,
+                                   error = %message, "an evaluation item failed again: recorded wrong");
+                    Outcome::Failed {
+                        code: code.to_owned(),
+                        message,
+                    }
                 }
             };
+            attempts.lock().expect("not poisoned").remove(&key);
             let recorded =
                 record_outcome(admin, holder, w.rollout, id, index, &outcome, &requests).await;
             match recorded {
@@ -146,7 +205,7 @@ enum Failure {
     /// Its request failed as a tenant's would.
     Api(ApiError),
     /// The answer cannot be scored (a choice with no token of its own).
-    Unscorable(String),
+    Unscorable(score::Unscorable),
 }
 
 impl From<ApiError> for Failure {
@@ -210,8 +269,8 @@ async fn score_item(
     adapter: &Arc<Adapter>,
     item: &Item,
     seed: u64,
-) -> Result<(Outcome, Vec<Uuid>), Failure> {
-    let mut requests = Vec::new();
+    requests: &mut Vec<Uuid>,
+) -> Result<Outcome, Failure> {
     let outcome = match item {
         Item::Choice {
             prompt,
@@ -220,16 +279,15 @@ async fn score_item(
         } => {
             let (context, _) = score::split(prompt, "");
             let context_tokens =
-                token_logprobs(api, route, adapter, context.to_owned(), seed, &mut requests)
+                token_logprobs(api, route, adapter, context.to_owned(), seed, requests)
                     .await?
                     .len();
             let mut loglikelihoods = Vec::with_capacity(choices.len());
             for choice in choices {
                 let (context, continuation) = score::split(prompt, choice);
                 let whole = format!("{context}{continuation}");
-                let lps = token_logprobs(api, route, adapter, whole, seed, &mut requests).await?;
-                let ll = score::loglikelihood(context_tokens, &lps)
-                    .map_err(|why| Failure::Unscorable(format!("choice {choice:?}: {why}")))?;
+                let lps = token_logprobs(api, route, adapter, whole, seed, requests).await?;
+                let ll = score::loglikelihood(context_tokens, &lps).map_err(Failure::Unscorable)?;
                 loglikelihoods.push(ll);
             }
             let chosen = score::choose(&loglikelihoods);
@@ -279,5 +337,5 @@ async fn score_item(
             }
         }
     };
-    Ok((outcome, requests))
+    Ok(outcome)
 }

@@ -624,3 +624,59 @@ async fn another_replica_finishes_an_evaluation_where_the_dead_leader_stopped() 
         [("evaluate", "alice"), ("reject", "rollout-controller")]
     );
 }
+
+#[tokio::test]
+async fn a_candidate_that_cannot_load_fails_every_item_and_is_rejected() {
+    let (p, key, ids) = setup("eval_broken", 1).await;
+    let file = here().join(SET);
+    p.ctl_json(&[
+        "evals",
+        "register",
+        "acme",
+        "scripture",
+        file.to_str().unwrap(),
+        "--name",
+        "capitals",
+    ]);
+    // Registered whole, then its weights change on disk: the worker's
+    // digest check refuses to load it.
+    let broken = p.root.path().join("kjv-small/broken");
+    copy_dir(&demo().join("adapters/kjv-small/telegram"), &broken);
+    let id = p.ctl_json(&[
+        "adapters",
+        "register",
+        "broken",
+        "--tenant",
+        "acme",
+        "--base-model",
+        "kjv-small",
+        "--artifact-uri",
+        "kjv-small/broken",
+    ])["lora_int_id"]
+        .as_i64()
+        .unwrap();
+    let weights = broken.join("adapter_model.safetensors");
+    let mut bytes = std::fs::read(&weights).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0xff;
+    std::fs::write(&weights, bytes).unwrap();
+    start(&p, id, &["--eval", "capitals"]);
+    let (s, _) = while_evaluating(&p, &key).await;
+    assert_eq!(s["state"], "rejected", "{s}\n{}", p.gateways[0].log_text());
+    assert_eq!(s["evaluation"]["candidate_score"].as_f64(), Some(0.0));
+    assert_eq!(
+        s["evaluation"]["stable_score"].as_f64(),
+        Some(golden_score("shout-v2"))
+    );
+    let rollout = s["id"].as_str().unwrap();
+    let failed = outcomes(&p, rollout, id).await;
+    assert_eq!(failed.len(), 14);
+    for o in &failed {
+        assert_eq!(o["kind"], "failed", "{o}");
+        assert_eq!(o["code"], "adapter_unavailable", "{o}");
+    }
+    same_as_lm_eval(&outcomes(&p, rollout, ids["shout-v2"]).await, "shout-v2");
+    // The stable version kept serving the tenant throughout.
+    let route = p.ctl_json(&["routes", "get", "acme", "scripture"]);
+    assert_eq!(route["weights"].as_array().unwrap().len(), 1, "{route}");
+}

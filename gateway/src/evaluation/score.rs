@@ -91,12 +91,16 @@ pub enum Outcome {
         answer: String,
         correct: bool,
     },
+    /// The version could not answer the item (its adapter could not be
+    /// loaded, the worker refused the request): wrong.
+    Failed { code: String, message: String },
 }
 
 impl Outcome {
     pub fn correct(&self) -> bool {
         match self {
             Outcome::Choice { correct, .. } | Outcome::Generate { correct, .. } => *correct,
+            Outcome::Failed { .. } => false,
         }
     }
 }
