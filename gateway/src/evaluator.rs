@@ -57,7 +57,8 @@ pub async fn run(admin: AdminState, api: AppState, config: EvaluatorConfig) {
             .await
             .unwrap_or(false);
         if held {
-            match EvaluationWork::load(&admin).await {
+            let in_hand = busy.lock().expect("not poisoned").clone();
+            match EvaluationWork::load(&admin, &in_hand).await {
                 Ok(work) => {
                     for w in work {
                         if busy.lock().expect("not poisoned").insert(w.rollout) {

@@ -164,8 +164,12 @@ pub struct EvaluationWork {
 }
 
 impl EvaluationWork {
-    /// Every rollout being evaluated, oldest first.
-    pub async fn load(s: &AdminState) -> Result<Vec<EvaluationWork>, AdminError> {
+    /// Every rollout being evaluated, oldest first, but those in `skip`
+    /// (already in hand).
+    pub async fn load(
+        s: &AdminState,
+        skip: &HashSet<Uuid>,
+    ) -> Result<Vec<EvaluationWork>, AdminError> {
         let mut conn = s.pool.acquire().await.map_err(db_error)?;
         let running: Vec<Rollout> = sqlx::query_as(sql!(
             "SELECT {COLUMNS} FROM rollouts WHERE state = 'evaluating' ORDER BY created_at"
@@ -174,7 +178,7 @@ impl EvaluationWork {
         .await
         .map_err(db_error)?;
         let mut work = Vec::with_capacity(running.len());
-        for r in running {
+        for r in running.into_iter().filter(|r| !skip.contains(&r.id.get())) {
             let (tenant, model, items): (String, String, Value) = sqlx::query_as(
                 "SELECT t.name, ro.model_name, e.items
                  FROM rollouts r JOIN routes ro ON ro.id = r.route_id
@@ -320,15 +324,10 @@ async fn reject(
     r: &Rollout,
     object: &str,
     (stable, candidate): (f64, f64),
-    (stable_right, candidate_right): (usize, usize),
-    (n, set, delta): (usize, &str, f64),
+    reason: String,
     figures: Value,
 ) -> Result<(), AdminError> {
     let tx = cx.db().await?;
-    let reason = format!(
-        "the candidate scored {candidate_right}/{n} on {set} against the stable version's \
-             {stable_right}/{n}; it needed at least the stable's score {delta:+}"
-    );
     sqlx::query(
         "UPDATE rollouts SET state = 'rejected', reason = $2, stable_score = $3,
                  candidate_score = $4, updated_at = now()
@@ -422,22 +421,29 @@ impl Command for ConcludeEvaluation {
             .set(v);
         }
         let object = format!("{tenant}/{model}");
+        let scored = format!(
+            "the candidate scored {candidate_right}/{n} on {set} against the stable version's \
+             {stable_right}/{n}"
+        );
         if !passed {
-            let right = (stable_right, candidate_right);
-            reject(
-                cx,
-                &r,
-                &object,
-                (stable, candidate),
-                right,
-                (n, &set, delta),
-                figures,
-            )
-            .await?;
+            let reason = format!("{scored}; it needed at least the stable's score {delta:+}");
+            reject(cx, &r, &object, (stable, candidate), reason, figures).await?;
             return Ok(Some(Decision::Reject));
         }
         let weights = r.weights(r.share(0));
-        let base_id = check_weights(&mut *tx, &weights, None, tenant_uuid).await?;
+        let base_id = match check_weights(&mut *tx, &weights, None, tenant_uuid).await {
+            Ok(id) => id,
+            // Retired (say) while it was scored: it passed, but cannot
+            // take traffic.
+            Err(e) => {
+                let reason = format!(
+                    "{scored}, but it can no longer take traffic: {}",
+                    e.message()
+                );
+                reject(cx, &r, &object, (stable, candidate), reason, figures).await?;
+                return Ok(Some(Decision::Reject));
+            }
+        };
         let note = json!({"rollout": r.id, "decision": Decision::Start.as_str(), "step_index": 0,
                           "candidate_share_bp": r.share(0), "figures": figures});
         let route = write_revision(
