@@ -88,6 +88,20 @@ async fn setup(
     (p, key, ids)
 }
 
+/// Registers the set as `capitals` on acme/scripture.
+fn register_set(p: &Plane) -> Value {
+    let file = here().join(SET);
+    p.ctl_json(&[
+        "evals",
+        "register",
+        "acme",
+        "scripture",
+        file.to_str().unwrap(),
+        "--name",
+        "capitals",
+    ])
+}
+
 fn etag(p: &Plane) -> String {
     p.ctl_json(&["routes", "get", "acme", "scripture"])["etag"]
         .as_str()
@@ -221,15 +235,7 @@ async fn a_worse_candidate_is_rejected_before_any_tenant_request_and_a_better_on
     let file = file.to_str().unwrap();
 
     // Registration: by route and name, versioned, with the file's digest.
-    let set = p.ctl_json(&[
-        "evals",
-        "register",
-        "acme",
-        "scripture",
-        file,
-        "--name",
-        "capitals",
-    ]);
+    let set = register_set(&p);
     assert_eq!(set["version"], 1);
     assert_eq!(
         (set["items"].as_i64(), set["multiple_choice"].as_i64()),
@@ -539,45 +545,11 @@ async fn a_worse_candidate_is_rejected_before_any_tenant_request_and_a_better_on
     );
 }
 
-/// The replica whose metrics say it holds the rollout lease.
-async fn leader(p: &Plane) -> usize {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let mut leaders = Vec::new();
-        for (i, g) in p.gateways.iter().enumerate() {
-            let m = reqwest::get(format!("http://{}/metrics", g.addr("metrics")))
-                .await
-                .unwrap()
-                .text()
-                .await
-                .unwrap();
-            if m.lines().any(|l| l == "lorafleet_gateway_rollout_leader 1") {
-                leaders.push(i);
-            }
-        }
-        assert!(leaders.len() <= 1, "two leaders: {leaders:?}");
-        if let Some(&l) = leaders.first() {
-            return l;
-        }
-        assert!(Instant::now() < deadline, "no replica leads");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 #[tokio::test]
 async fn another_replica_finishes_an_evaluation_where_the_dead_leader_stopped() {
     let (mut p, key, ids) = setup("eval_failover", 2).await;
-    let file = here().join(SET);
-    p.ctl_json(&[
-        "evals",
-        "register",
-        "acme",
-        "scripture",
-        file.to_str().unwrap(),
-        "--name",
-        "capitals",
-    ]);
-    let leader = leader(&p).await;
+    register_set(&p);
+    let leader = rollout_leader(&p).await;
     let s = start(&p, ids["telegram"], &["--eval", "capitals"]);
     let rollout = s["id"].as_str().unwrap().to_owned();
     let recorded = || async {
@@ -628,16 +600,7 @@ async fn another_replica_finishes_an_evaluation_where_the_dead_leader_stopped() 
 #[tokio::test]
 async fn a_candidate_that_cannot_load_fails_every_item_and_is_rejected() {
     let (p, key, ids) = setup("eval_broken", 1).await;
-    let file = here().join(SET);
-    p.ctl_json(&[
-        "evals",
-        "register",
-        "acme",
-        "scripture",
-        file.to_str().unwrap(),
-        "--name",
-        "capitals",
-    ]);
+    register_set(&p);
     // Registered whole, then its weights change on disk: the worker's
     // digest check refuses to load it.
     let broken = p.root.path().join("kjv-small/broken");

@@ -270,20 +270,7 @@ async fn another_replica_takes_over_a_rollout_when_the_leader_dies() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     // Which replica leads: the one whose metrics say so.
-    let mut leader = None;
-    for (i, g) in p.gateways.iter().enumerate() {
-        let m = reqwest::get(format!("http://{}/metrics", g.addr("metrics")))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        if m.lines().any(|l| l == "lorafleet_gateway_rollout_leader 1") {
-            assert!(leader.is_none(), "two leaders");
-            leader = Some(i);
-        }
-    }
-    let leader = leader.expect("one replica leads");
+    let leader = rollout_leader(&p).await;
     start(&p, v2, "2000,5000,10000", "2", "8", "100");
     p.gateways[leader].child.kill().unwrap();
     p.gateways[leader].child.wait().unwrap();

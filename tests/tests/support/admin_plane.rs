@@ -409,6 +409,32 @@ impl Plane {
     }
 }
 
+/// The replica whose metrics say it holds the rollout lease, once one
+/// does.
+pub async fn rollout_leader(p: &Plane) -> usize {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let mut leaders = Vec::new();
+        for (i, g) in p.gateways.iter().enumerate() {
+            let m = reqwest::get(format!("http://{}/metrics", g.addr("metrics")))
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap();
+            if m.lines().any(|l| l == "lorafleet_gateway_rollout_leader 1") {
+                leaders.push(i);
+            }
+        }
+        assert!(leaders.len() <= 1, "two leaders: {leaders:?}");
+        if let Some(&l) = leaders.first() {
+            return l;
+        }
+        assert!(Instant::now() < deadline, "no replica leads");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// Registers adapter `name` for `tenant` on the fixture base model from
 /// the artifact `uri`; its `lora_int_id`.
 pub fn register_adapter(p: &Plane, tenant: &str, name: &str, uri: &str) -> i64 {
