@@ -19,7 +19,7 @@ use crate::admin::{AdminState, Caller, ConcludeEvaluation, EvaluationWork, recor
 use crate::api::internal::{self, InternalCall};
 use crate::api::{ApiError, AppState, WorkerFailure};
 use crate::evaluation::score::{self, Outcome};
-use crate::evaluation::set::{Item, Prompt};
+use crate::evaluation::set::{Item, Message, Prompt};
 use crate::registry::{Adapter, Route};
 use crate::upstream;
 
@@ -235,32 +235,89 @@ fn call(
     }
 }
 
-/// The log probabilities of a text's tokens (None for the first), scored
-/// alone.
+/// A prompt's tokens with their log probabilities (None for the first),
+/// the prompt scored alone.
 async fn token_logprobs(
     api: &AppState,
     route: &Arc<Route>,
     adapter: &Arc<Adapter>,
-    text: String,
+    prompt: upstream::Prompt,
     seed: u64,
     requests: &mut Vec<Uuid>,
-) -> Result<Vec<Option<f32>>, ApiError> {
+) -> Result<Vec<upstream::TokenLogprob>, ApiError> {
     let sampling = upstream::Sampling {
         max_tokens: 0,
         prompt_logprobs: Some(0),
         seed: Some(seed),
         ..Default::default()
     };
-    let c = call(
-        route,
-        adapter,
-        upstream::Prompt::Text(text),
-        sampling,
-        "echo,evaluation",
-    );
+    let c = call(route, adapter, prompt, sampling, "echo,evaluation");
     let answer = internal::generate(api, c).await?;
     requests.push(answer.request_id);
-    Ok(answer.prompt_logprobs.iter().map(|t| t.logprob).collect())
+    Ok(answer.prompt_logprobs)
+}
+
+/// An item's chat messages as the worker takes them, with a given answer
+/// after them to be scored, if any.
+fn chat(messages: &[Message], continuation: Option<&str>) -> upstream::Prompt {
+    upstream::Prompt::Chat {
+        messages: messages
+            .iter()
+            .map(|m| upstream::ChatMessage {
+                role: m.role.clone(),
+                content: m.content.clone(),
+                tool_calls_json: None,
+                tool_call_id: None,
+                name: None,
+            })
+            .collect(),
+        tools_json: None,
+        continuation: continuation.map(str::to_owned),
+    }
+}
+
+/// Each choice's loglikelihood after `prompt`: the context scored alone
+/// for its token count (lm-evaluation-harness's split: white space ending
+/// it moves to the continuation), then context and choice together.
+async fn loglikelihoods(
+    api: &AppState,
+    route: &Arc<Route>,
+    adapter: &Arc<Adapter>,
+    (prompt, choices): (&Prompt, &[String]),
+    seed: u64,
+    requests: &mut Vec<Uuid>,
+) -> Result<Vec<f64>, Failure> {
+    let context_tokens = match prompt {
+        Prompt::Text(t) => {
+            let (context, _) = score::split(t, "");
+            let p = upstream::Prompt::Text(context.to_owned());
+            token_logprobs(api, route, adapter, p, seed, requests)
+                .await?
+                .len()
+        }
+        Prompt::Messages(m) => {
+            let tokens = token_logprobs(api, route, adapter, chat(m, None), seed, requests).await?;
+            let bytes: Vec<&[u8]> = tokens.iter().map(|t| t.bytes.as_slice()).collect();
+            score::chat_context_tokens(&bytes).map_err(Failure::Unscorable)?
+        }
+    };
+    let mut out = Vec::with_capacity(choices.len());
+    for choice in choices {
+        let whole = match prompt {
+            Prompt::Text(t) => {
+                let (context, continuation) = score::split(t, choice);
+                upstream::Prompt::Text(format!("{context}{continuation}"))
+            }
+            Prompt::Messages(m) => chat(m, Some(choice)),
+        };
+        let lps: Vec<Option<f32>> = token_logprobs(api, route, adapter, whole, seed, requests)
+            .await?
+            .iter()
+            .map(|t| t.logprob)
+            .collect();
+        out.push(score::loglikelihood(context_tokens, &lps).map_err(Failure::Unscorable)?);
+    }
+    Ok(out)
 }
 
 /// What `adapter` does on `item`, with the audit rows of its requests.
@@ -278,19 +335,8 @@ async fn score_item(
             choices,
             answer,
         } => {
-            let (context, _) = score::split(prompt, "");
-            let context_tokens =
-                token_logprobs(api, route, adapter, context.to_owned(), seed, requests)
-                    .await?
-                    .len();
-            let mut loglikelihoods = Vec::with_capacity(choices.len());
-            for choice in choices {
-                let (context, continuation) = score::split(prompt, choice);
-                let whole = format!("{context}{continuation}");
-                let lps = token_logprobs(api, route, adapter, whole, seed, requests).await?;
-                let ll = score::loglikelihood(context_tokens, &lps).map_err(Failure::Unscorable)?;
-                loglikelihoods.push(ll);
-            }
+            let loglikelihoods =
+                loglikelihoods(api, route, adapter, (prompt, choices), seed, requests).await?;
             let chosen = score::choose(&loglikelihoods);
             Outcome::Choice {
                 loglikelihoods,
@@ -307,19 +353,7 @@ async fn score_item(
         } => {
             let prompt = match prompt {
                 Prompt::Text(t) => upstream::Prompt::Text(t.clone()),
-                Prompt::Messages(m) => upstream::Prompt::Chat {
-                    messages: m
-                        .iter()
-                        .map(|m| upstream::ChatMessage {
-                            role: m.role.clone(),
-                            content: m.content.clone(),
-                            tool_calls_json: None,
-                            tool_call_id: None,
-                            name: None,
-                        })
-                        .collect(),
-                    tools_json: None,
-                },
+                Prompt::Messages(m) => chat(m, None),
             };
             let sampling = upstream::Sampling {
                 max_tokens: *max_tokens,

@@ -252,6 +252,7 @@ fn every_message_round_trips_with_every_field_set() {
         ],
         add_generation_prompt: true,
         tools_json: r#"[{"type":"function","function":{"name":"f"}}]"#.into(),
+        continuation: " yes".into(),
     }]);
     let with = |c| SamplingParams {
         constraint: Some(c),
@@ -308,6 +309,7 @@ fn every_message_round_trips_with_every_field_set() {
                 }],
                 add_generation_prompt: true,
                 tools_json: String::new(),
+                continuation: String::new(),
             })),
             sampling: Some(sampling()),
             trace_context: Some(trace),

@@ -15,7 +15,14 @@ Run by hand (needs torch, transformers, peft and lm-eval):
 A multiple-choice line is scored as an lm-eval `multiple_choice` task with
 no delimiter between the prompt and a choice (the set's choices carry their
 own leading space); a generation line as a `generate_until` task, greedy,
-with the line's `max_tokens` and `stop` (default 32 and a newline).
+with the line's `max_tokens` and `stop` (default 32 and a newline). A line
+with `messages` (one user message: what lm-eval's chat template path
+sends) runs in a second pass with `apply_chat_template=True`; the chat set
+of `tests/tests/eval_rollouts.rs` is made on the `llama-gqa` fixture:
+
+    python tests/evals/goldens.py worker/engine/tests/fixtures/llama-gqa \
+        worker/engine/tests/fixtures/adapters/llama-gqa tests/evals/chat.jsonl \
+        tests/evals/chat-goldens.json qv-r8 o-r2
 """
 
 import json
@@ -28,16 +35,25 @@ import lm_eval
 from lm_eval.tasks import TaskManager
 
 
+def text_of(item):
+    """The prompt lm-eval is given: the text, or the one user message."""
+    if "messages" in item:
+        (m,) = item["messages"]
+        assert m["role"] == "user", "lm-eval's chat path sends one user message"
+        return m["content"]
+    return item["prompt"]
+
+
 def tasks_for(lines, folder):
     """Writes one task per kind (and per generation setting), returning
     {task name: [line index, ...]}."""
     mc, gen = [], {}
-    for i, item in enumerate(lines):
+    for i, item in lines:
         if "choices" in item:
-            mc.append((i, {"question": item["prompt"], "choices": item["choices"], "answer": item["answer"]}))
+            mc.append((i, {"question": text_of(item), "choices": item["choices"], "answer": item["answer"]}))
         else:
             key = (item.get("max_tokens", 32), tuple(item.get("stop", ["\n"])))
-            gen.setdefault(key, []).append((i, {"prompt": item["prompt"], "expected": item["expected"]}))
+            gen.setdefault(key, []).append((i, {"prompt": text_of(item), "expected": item["expected"]}))
     order = {}
 
     def write(name, docs, yaml):
@@ -70,7 +86,7 @@ def tasks_for(lines, folder):
     return order
 
 
-def score(model_dir, adapter_dir, folder, order):
+def score(model_dir, adapter_dir, folder, order, chat):
     os.chdir(folder)
     out = lm_eval.simple_evaluate(
         model="hf",
@@ -79,6 +95,7 @@ def score(model_dir, adapter_dir, folder, order):
         task_manager=TaskManager(include_path=folder),
         batch_size=1, log_samples=True,
         random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0,
+        apply_chat_template=chat,
     )
     got = {}
     for task, samples in out["samples"].items():
@@ -109,9 +126,14 @@ def main():
         lines = [json.loads(l) for l in f if l.strip()]
     goldens = {"set": os.path.basename(set_file), "adapters": {}}
     for name in names:
-        with tempfile.TemporaryDirectory() as folder:
-            order = tasks_for(lines, folder)
-            got = score(model_dir, os.path.join(adapters_dir, name), folder, order)
+        got = {}
+        for chat in (False, True):
+            part = [(i, l) for i, l in enumerate(lines) if ("messages" in l) == chat]
+            if not part:
+                continue
+            with tempfile.TemporaryDirectory() as folder:
+                order = tasks_for(part, folder)
+                got.update(score(model_dir, os.path.join(adapters_dir, name), folder, order, chat))
         items = []
         for i, item in enumerate(lines):
             r = got[i]

@@ -27,8 +27,11 @@ fn demo() -> PathBuf {
 }
 
 fn goldens() -> Value {
-    serde_json::from_str(&std::fs::read_to_string(here().join("evals/goldens.json")).unwrap())
-        .unwrap()
+    goldens_in("evals/goldens.json")
+}
+
+fn goldens_in(file: &str) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(here().join(file)).unwrap()).unwrap()
 }
 
 const SET: &str = "evals/shout.jsonl";
@@ -183,7 +186,11 @@ async fn outcomes(p: &Plane, rollout: &str, lora_int_id: i64) -> Vec<Value> {
 /// choice's loglikelihood within 1e-3, the same choice, the same greedy
 /// answer, the same verdict.
 fn same_as_lm_eval(got: &[Value], adapter: &str) {
-    let g = goldens();
+    same_as(&goldens(), got, adapter);
+}
+
+/// [`same_as_lm_eval`] against the goldens `g`.
+fn same_as(g: &Value, got: &[Value], adapter: &str) {
     let want = g["adapters"][adapter]["items"].as_array().unwrap();
     assert_eq!(got.len(), want.len(), "{adapter}: every item scored");
     for (i, (o, w)) in got.iter().zip(want).enumerate() {
@@ -649,4 +656,65 @@ async fn a_candidate_that_cannot_load_fails_every_item_and_is_rejected() {
     // The stable version kept serving the tenant throughout.
     let route = p.ctl_json(&["routes", "get", "acme", "scripture"]);
     assert_eq!(route["weights"].as_array().unwrap().len(), 1, "{route}");
+}
+
+/// Multiple-choice and generation items given as chat messages: scored
+/// after the model's chat template as lm-evaluation-harness's
+/// `apply_chat_template` scores them (`tests/evals/chat-goldens.json`, on
+/// the `llama-gqa` fixture, whose template ends its assistant header with
+/// a newline that moves to the continuation).
+#[tokio::test]
+async fn chat_items_are_scored_after_the_template_as_lm_eval_scores_them() {
+    let p = plane("eval_chat").await;
+    let (key, v1, v2) = acme_support(&p, "llama-gqa/o-r2");
+    let file = here().join("evals/chat.jsonl");
+    p.ctl_json(&[
+        "evals",
+        "register",
+        "acme",
+        "support",
+        file.to_str().unwrap(),
+        "--name",
+        "chat",
+    ]);
+    let etag = p.ctl_json(&["routes", "get", "acme", "support"])["etag"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let s = p.ctl_json(&[
+        "routes",
+        "rollout",
+        "start",
+        "acme",
+        "support",
+        &v2.to_string(),
+        "--eval",
+        "chat",
+        "--steps",
+        "1000,10000",
+        "--hold-secs",
+        "600",
+        "--etag",
+        &etag,
+    ]);
+    assert_eq!(s["state"], "evaluating", "{s}");
+    let rollout = s["id"].as_str().unwrap().to_owned();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let s = loop {
+        let s = p.ctl_json(&["routes", "rollout", "status", "acme", "support"]);
+        if s["state"] != "evaluating" {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "the evaluation never ended: {s}");
+        let (code, _) = p.complete(0, &key, "support", "tenant").await;
+        assert_eq!(code, 200);
+    };
+    let g = goldens_in("evals/chat-goldens.json");
+    same_as(&g, &outcomes(&p, &rollout, v1).await, "qv-r8");
+    same_as(&g, &outcomes(&p, &rollout, v2).await, "o-r2");
+    let score = |a: &str| g["adapters"][a]["score"].as_f64();
+    assert_eq!(s["evaluation"]["stable_score"].as_f64(), score("qv-r8"));
+    assert_eq!(s["evaluation"]["candidate_score"].as_f64(), score("o-r2"));
+    // o-r2 scores 2/7 against qv-r8's 1/7: it starts its steps.
+    assert_eq!(s["state"], "running", "{s}");
 }

@@ -170,6 +170,7 @@ pub fn generate_request(
                 messages,
                 add_generation_prompt: chat.add_generation_prompt,
                 tools: json(&chat.tools_json, "prompt.chat.tools_json".into())?,
+                continuation: chat.continuation.clone(),
             }
         }
     };

@@ -16,6 +16,25 @@ pub fn split<'a>(prompt: &'a str, choice: &str) -> (&'a str, String) {
     (context, format!("{moved}{choice}"))
 }
 
+/// The context's token count for a chat prompt, as lm-evaluation-harness
+/// splits it: white space that ends the rendered chat (the assistant
+/// header's newline, say) moves to the continuation, so the context is the
+/// rendered chat's tokens but those that are white space alone at its end.
+/// `tokens` are the bytes of each token of the rendered chat. A token that
+/// holds both the end of the text and white space after it cannot be split
+/// so, and is refused.
+pub fn chat_context_tokens(tokens: &[&[u8]]) -> Result<usize, Unscorable> {
+    let blank = |t: &[u8]| !t.is_empty() && t.iter().all(u8::is_ascii_whitespace);
+    let mut n = tokens.len();
+    while n > 0 && blank(tokens[n - 1]) {
+        n -= 1;
+    }
+    if n > 0 && tokens[n - 1].last().is_some_and(u8::is_ascii_whitespace) {
+        return Err(Unscorable::WhitespaceInToken(n - 1));
+    }
+    Ok(n)
+}
+
 /// The continuation's loglikelihood: the sum of the log probabilities of
 /// the whole text's tokens after the first `context_tokens` (the number of
 /// tokens the context alone is), as lm-evaluation-harness slices the
@@ -54,6 +73,10 @@ pub enum Unscorable {
     },
     #[error("token {0} has no log probability")]
     NoLogprob(usize),
+    #[error(
+        "token {0} of the rendered chat ends in white space after text: the context cannot be split there"
+    )]
+    WhitespaceInToken(usize),
 }
 
 /// The most likely choice: the first of equals, as `numpy.argmax` picks.
@@ -147,6 +170,20 @@ mod tests {
         ));
         assert!(loglikelihood(0, &whole).is_err());
         assert!(loglikelihood(0, &[None, Some(-1.0)]).is_err());
+    }
+
+    #[test]
+    fn a_chat_context_ends_before_its_trailing_white_space() {
+        let t: [&[u8]; 4] = [b"<s>", b"<|im_start|>", b"assistant", b"\n"];
+        assert_eq!(chat_context_tokens(&t), Ok(3));
+        assert_eq!(chat_context_tokens(&t[..3]), Ok(3));
+        let merged: [&[u8]; 2] = [b"<s>", b"assistant\n"];
+        assert_eq!(
+            chat_context_tokens(&merged),
+            Err(Unscorable::WhitespaceInToken(1))
+        );
+        let two: [&[u8]; 3] = [b"x", b"\n", b" "];
+        assert_eq!(chat_context_tokens(&two), Ok(1));
     }
 
     #[test]

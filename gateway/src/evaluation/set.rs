@@ -1,11 +1,12 @@
 //! An evaluation set as an admin registers it: a JSON Lines file, one item
 //! a line, read into typed items or refused by line and field.
 //!
-//! - A **multiple-choice** item, `{"prompt", "choices", "answer"}`, is
-//!   scored by loglikelihood as lm-evaluation-harness scores its
-//!   `multiple_choice` tasks: each choice's log probability after the
-//!   prompt, the most likely choice (the first of equals) against
-//!   `answer`, an index into `choices`.
+//! - A **multiple-choice** item, `{"prompt" or "messages", "choices",
+//!   "answer"}`, is scored by loglikelihood as lm-evaluation-harness scores
+//!   its `multiple_choice` tasks: each choice's log probability after the
+//!   prompt (after the chat rendered with the model's template and its
+//!   assistant header, for `messages`), the most likely choice (the first
+//!   of equals) against `answer`, an index into `choices`.
 //! - A **generation** item, `{"prompt" or "messages", "expected"}`, is
 //!   answered greedily (`max_tokens`, default 32, stopping at `stop`,
 //!   default a newline) and scored by exact match of the answer and
@@ -63,7 +64,7 @@ pub enum Match {
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Item {
     Choice {
-        prompt: String,
+        prompt: Prompt,
         choices: Vec<String>,
         answer: usize,
     },
@@ -207,13 +208,6 @@ fn item(n: usize, l: Line) -> Result<Item, SetError> {
 }
 
 fn choice(n: usize, l: Line) -> Result<Item, SetError> {
-    if l.messages.is_some() {
-        return Err(refuse(
-            n,
-            "messages",
-            "a multiple-choice item is scored on a text `prompt`; `messages` are for generation items",
-        ));
-    }
     for (field, present) in [
         ("match", l.matching.is_some()),
         ("max_tokens", l.max_tokens.is_some()),
@@ -223,7 +217,7 @@ fn choice(n: usize, l: Line) -> Result<Item, SetError> {
             return Err(refuse(n, field, "applies to generation items only"));
         }
     }
-    let prompt = l.prompt.ok_or_else(|| refuse(n, "prompt", "is missing"))?;
+    let prompt = prompt_of(n, l.prompt, l.messages)?;
     let choices = l.choices.unwrap_or_default();
     if !(2..=MAX_CHOICES).contains(&choices.len()) {
         return Err(refuse(
@@ -275,33 +269,7 @@ fn generate(n: usize, l: Line) -> Result<Item, SetError> {
             "applies to multiple-choice items (with `choices`) only",
         ));
     }
-    let prompt = match (l.prompt, l.messages) {
-        (Some(_), Some(_)) => {
-            return Err(refuse(
-                n,
-                "messages",
-                "give `prompt` or `messages`, not both",
-            ));
-        }
-        (None, None) => return Err(refuse(n, "prompt", "is missing (or give `messages`)")),
-        (Some(t), None) => Prompt::Text(t),
-        (None, Some(m)) => {
-            if m.is_empty() {
-                return Err(refuse(n, "messages", "is empty"));
-            }
-            for (i, msg) in m.iter().enumerate() {
-                if !matches!(msg.role.as_str(), "system" | "user" | "assistant") {
-                    return Err(refuse(
-                        n,
-                        &format!("messages[{i}].role"),
-                        format!("{:?} is not system, user or assistant", msg.role),
-                    ));
-                }
-                text_fits(n, &format!("messages[{i}].content"), &msg.content)?;
-            }
-            Prompt::Messages(m)
-        }
-    };
+    let prompt = prompt_of(n, l.prompt, l.messages)?;
     let expected = l.expected.unwrap_or_default();
     text_fits(n, "expected", &expected)?;
     let matching = l.matching.unwrap_or_default();
@@ -345,6 +313,41 @@ fn generate(n: usize, l: Line) -> Result<Item, SetError> {
     })
 }
 
+/// An item's prompt: its text, or its chat messages.
+fn prompt_of(
+    n: usize,
+    prompt: Option<String>,
+    messages: Option<Vec<Message>>,
+) -> Result<Prompt, SetError> {
+    Ok(match (prompt, messages) {
+        (Some(_), Some(_)) => {
+            return Err(refuse(
+                n,
+                "messages",
+                "give `prompt` or `messages`, not both",
+            ));
+        }
+        (None, None) => return Err(refuse(n, "prompt", "is missing (or give `messages`)")),
+        (Some(t), None) => Prompt::Text(t),
+        (None, Some(m)) => {
+            if m.is_empty() {
+                return Err(refuse(n, "messages", "is empty"));
+            }
+            for (i, msg) in m.iter().enumerate() {
+                if !matches!(msg.role.as_str(), "system" | "user" | "assistant") {
+                    return Err(refuse(
+                        n,
+                        &format!("messages[{i}].role"),
+                        format!("{:?} is not system, user or assistant", msg.role),
+                    ));
+                }
+                text_fits(n, &format!("messages[{i}].content"), &msg.content)?;
+            }
+            Prompt::Messages(m)
+        }
+    })
+}
+
 /// A generation item's regular expression, compiled within a size limit.
 pub fn regex_of(pattern: &str) -> Result<regex::Regex, regex::Error> {
     regex::RegexBuilder::new(pattern)
@@ -364,15 +367,25 @@ mod tests {
             r#"{"prompt": "In the beginning", "expected": "GOD", "match": "regex", "stop": ["."]}"#,
             "\n",
             r#"{"messages": [{"role": "user", "content": "Hi"}], "expected": "Hello", "max_tokens": 4}"#,
+            "\n",
+            r#"{"messages": [{"role": "user", "content": "Yes?"}], "choices": [" yes", " no"], "answer": 1}"#,
             "\n"
         );
         let set = parse(file.as_bytes()).unwrap();
-        assert_eq!(set.kinds(), (1, 2));
+        assert_eq!(set.kinds(), (2, 2));
+        match &set.items[3] {
+            Item::Choice {
+                prompt: Prompt::Messages(m),
+                answer: 1,
+                ..
+            } => assert_eq!(m[0].content, "Yes?"),
+            other => panic!("{other:?}"),
+        }
         assert_eq!(set.sha256, hex::encode(Sha256::digest(file.as_bytes())));
         assert_eq!(
             set.items[0],
             Item::Choice {
-                prompt: "And God said".into(),
+                prompt: Prompt::Text("And God said".into()),
                 choices: vec![" LET".into(), " let".into()],
                 answer: 0
             }
@@ -431,8 +444,12 @@ mod tests {
                 "line 1.max_tokens",
             ),
             (
-                r#"{"messages": [{"role": "user", "content": "q"}], "choices": ["a", "b"], "answer": 0}"#,
+                r#"{"prompt": "p", "messages": [{"role": "user", "content": "q"}], "choices": ["a", "b"], "answer": 0}"#,
                 "line 1.messages",
+            ),
+            (
+                r#"{"messages": [{"role": "bot", "content": "q"}], "choices": ["a", "b"], "answer": 0}"#,
+                "line 1.messages[0].role",
             ),
             (r#"{"prompt": "p"}"#, "line 1"),
             (

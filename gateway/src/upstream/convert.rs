@@ -27,6 +27,7 @@ impl From<&Generation> for pb::GenerateRequest {
                 Prompt::Chat {
                     messages,
                     tools_json,
+                    continuation,
                 } => pb::generate_request::Prompt::Chat(pb::ChatPrompt {
                     messages: messages
                         .iter()
@@ -40,6 +41,7 @@ impl From<&Generation> for pb::GenerateRequest {
                         .collect(),
                     add_generation_prompt: true,
                     tools_json: tools_json.clone().unwrap_or_default(),
+                    continuation: continuation.clone().unwrap_or_default(),
                 }),
             }),
             sampling: Some(pb::SamplingParams {

@@ -56,6 +56,9 @@ pub enum Prompt {
         messages: Vec<ChatMessage>,
         /// The tools the model may call, a JSON array, for the template.
         tools_json: Option<String>,
+        /// A given answer after the rendered chat, tokenized with it, to
+        /// be scored (a rollout's evaluation); None for a tenant's chat.
+        continuation: Option<String>,
     },
 }
 

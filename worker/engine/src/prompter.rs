@@ -36,6 +36,7 @@ impl Prompter {
                 messages,
                 add_generation_prompt,
                 tools,
+                continuation,
             } => {
                 if messages.is_empty() {
                     return Err(EngineError::request(
@@ -43,10 +44,11 @@ impl Prompter {
                         "must hold at least one message",
                     ));
                 }
-                self.tokenizer.encode_chat_with_tools(
+                self.tokenizer.encode_chat_continued(
                     messages,
                     tools.as_ref(),
                     *add_generation_prompt,
+                    continuation,
                 )?
             }
         };

@@ -20,6 +20,9 @@ pub enum Prompt {
         /// The tools the model may call (OpenAI's `tools`), for the
         /// template.
         tools: Option<serde_json::Value>,
+        /// Text after the rendered chat, tokenized with it (no special
+        /// tokens added): a given answer, to be scored. Empty: none.
+        continuation: String,
     },
 }
 

@@ -640,6 +640,7 @@ impl ChatRequest {
         let prompt = Prompt::Chat {
             messages,
             tools_json: tools.map(|t| t.json.to_string()),
+            continuation: None,
         };
         Ok((prompt, sampling))
     }

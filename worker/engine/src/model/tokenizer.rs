@@ -216,7 +216,21 @@ impl Tokenizer {
         tools: Option<&Value>,
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>> {
-        let text = self.render_chat(messages, tools, add_generation_prompt)?;
+        self.encode_chat_continued(messages, tools, add_generation_prompt, "")
+    }
+
+    /// [`Tokenizer::encode_chat_with_tools`] with `continuation` after the
+    /// rendered chat, tokenized together with it: a given answer, scored as
+    /// lm-evaluation-harness scores a continuation under a chat template.
+    pub fn encode_chat_continued(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&Value>,
+        add_generation_prompt: bool,
+        continuation: &str,
+    ) -> Result<Vec<u32>> {
+        let mut text = self.render_chat(messages, tools, add_generation_prompt)?;
+        text.push_str(continuation);
         self.encode(&text, false)
     }
 
