@@ -310,6 +310,30 @@ async fn a_worse_candidate_is_rejected_before_any_tenant_request_and_a_better_on
         &etag(&p),
     ])
     .refused(4, "eval");
+    let candidate = ids["telegram"].to_string();
+    for (flags, code, field) in [
+        (
+            &["--eval", "capitals", "--min-score-delta", "2"][..],
+            6,
+            "min_score_delta",
+        ),
+        (&["--eval", "capitals@x"][..], 6, "eval"),
+        (&["--eval", "capitals@7"][..], 4, "eval"),
+    ] {
+        let tag = etag(&p);
+        let mut args = vec![
+            "routes",
+            "rollout",
+            "start",
+            "acme",
+            "scripture",
+            &candidate,
+            "--etag",
+            &tag,
+        ];
+        args.extend_from_slice(flags);
+        p.ctl(&args).refused(code, field);
+    }
 
     // Tenant requests with no evaluation running: the baseline.
     let mut idle = Vec::new();
