@@ -25,7 +25,8 @@ executables() {
 
 build() {
   mkdir -p "$out"
-  cargo test --release -p lorafleet-engine --test cuda_gpu --test cuda_engine --test cuda_kernels_compile \
+  cargo test --release -p lorafleet-engine --test cuda_gpu --test cuda_engine --test cuda_quantized \
+    --test cuda_kernels_compile \
     --no-run --message-format=json | executables > "$out/.tests"
   cargo bench -p lorafleet-engine --bench cuda_lora --bench cuda_decode --bench moe_decode --no-run \
     --message-format=json | executables > "$out/.benches"
@@ -115,6 +116,9 @@ run() {
   # The GPU tests are #[ignore]d where no device is; here they all run.
   step cuda_gpu "$out/cuda_gpu" --test-threads=1 --include-ignored
   step cuda_engine "$out/cuda_engine" --test-threads=1 --include-ignored
+  # Quantized bases: codes dequantized in the projections; FP8 GEMMs
+  # through cuBLASLt for a checkpoint that quantizes its activations.
+  step cuda_quantized "$out/cuda_quantized" --test-threads=1 --include-ignored
   # The worker serving over gRPC from the GPU: every worker the tests
   # start runs --backend cuda (LORAFLEET_TEST_BACKEND). The cancellation
   # test is skipped: it needs two sequences running across a Watch report

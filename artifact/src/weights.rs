@@ -197,6 +197,11 @@ impl WeightFiles {
         self.quantization.as_ref()
     }
 
+    /// Whether weight `name` is stored quantized.
+    pub fn stored_quantized(&self, name: &str) -> bool {
+        self.quantized(name).is_some()
+    }
+
     /// The quantization of weight `name`, when it is stored quantized: a
     /// `….weight` with a `….weight_scale` beside it.
     pub(crate) fn quantized<'a>(&self, name: &'a str) -> Option<(&Quantization, &'a str)> {

@@ -19,8 +19,10 @@
 //! channel (`[out, 1]`) or per group of `group_size` inputs (`[out, in /
 //! group_size]`). A weight dequantizes as `(q - zero_point) · scale`,
 //! computed in f32 (the scale widened exactly). Activation quantization
-//! (`input_activations`) is not applied: activations stay f32, as in the
-//! reference the goldens are checked against.
+//! (`input_activations`) is not applied on the CPU: activations stay f32,
+//! as in the reference the goldens are checked against. It is recorded
+//! ([`Quantization::activations`]): the CUDA backend runs an FP8 checkpoint
+//! that asks for it as FP8 GEMMs.
 //!
 //! and GPTQ checkpoints (`quant_method: "gptq"`, 4 bits): `W.qweight` int32
 //! `[in / 8, out]` (eight values along the input to a word, row k in bits
@@ -60,6 +62,11 @@ pub struct Quantization {
     pub symmetric: bool,
     /// Modules left unquantized (by name or `re:` pattern), as written.
     pub ignore: Vec<String>,
+    /// Whether the checkpoint quantizes activations too
+    /// (compressed-tensors `input_activations`). Not part of
+    /// [`Quantization::canonical`]: the stored bytes dequantize to the same
+    /// weights either way.
+    pub activations: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -280,11 +287,13 @@ pub fn parse(file: &Path, config: &Map<String, Value>) -> Result<Option<Quantiza
             .ok_or_else(|| err(".ignore", "must be a list of module names".into()))?,
         Some(_) => return Err(err(".ignore", "must be a list of module names".into())),
     };
+    let activations = matches!(group.get("input_activations"), Some(Value::Object(_)));
     Ok(Some(Quantization {
         format,
         strategy,
         symmetric,
         ignore,
+        activations,
     }))
 }
 
@@ -330,6 +339,7 @@ fn parse_gptq(
         strategy,
         symmetric: q.get("sym").and_then(Value::as_bool).unwrap_or(true),
         ignore: Vec::new(),
+        activations: false,
     })
 }
 
@@ -381,6 +391,7 @@ fn parse_awq(
         strategy,
         symmetric: false,
         ignore: Vec::new(),
+        activations: false,
     })
 }
 

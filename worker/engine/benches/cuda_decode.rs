@@ -130,6 +130,8 @@ fn main() {
         }
     }
 
+    quantized_bases(&model, &dirs, settings);
+
     if std::env::var("LORAFLEET_BENCH_TABLES_ONLY").is_ok_and(|v| v == "1") {
         return;
     }
@@ -355,6 +357,49 @@ fn batch32_lora(model: &std::path::Path, config: &ModelConfig, host: &HostAdapte
 /// One timed run of the workload over `n` adapters on a warm engine:
 /// tokens/s, device loads, mean distinct adapters per step, steps, mean
 /// sequences per step.
+/// The same workload at 1 and 64 adapters on the stand-in's bases
+/// (`LORAFLEET_BENCH_BASES`, default `bf16,int8,int4,fp8`): bf16, and the
+/// bf16 model quantized as `standin::quantize` writes it (int8 per channel,
+/// 4-bit per group of 128, FP8 per channel with per-token activations,
+/// which runs FP8 GEMMs through cuBLASLt). Weights in bf16 on the device
+/// for the dense base; codes at their width for the others.
+fn quantized_bases(model: &std::path::Path, dirs: &[std::path::PathBuf], settings: EngineSettings) {
+    let kinds =
+        std::env::var("LORAFLEET_BENCH_BASES").unwrap_or_else(|_| "bf16,int8,int4,fp8".to_owned());
+    let many = 64.min(dirs.len());
+    println!();
+    println!(
+        "| base weights | weights on the device | tokens/s, 1 adapter | tokens/s, {many} adapters | vs bf16 ({many}) |"
+    );
+    println!("|---|---:|---:|---:|---:|");
+    let mut bf16 = None;
+    for kind in kinds.split(',').map(str::trim) {
+        let dir = if kind == "bf16" {
+            model.to_path_buf()
+        } else {
+            standin::quantize(model, kind)
+        };
+        let choice = BackendChoice::Cuda {
+            device: 0,
+            dtype: Dtype::Bf16,
+            lora_dtype: Dtype::F32,
+            graphs: true,
+        };
+        let mut engine = Engine::load(&dir, settings, choice).unwrap();
+        standin::register(&mut engine, dirs);
+        // Untimed: module load, cuBLAS(Lt) heuristics.
+        run(&mut engine, 1);
+        let (one, ..) = run(&mut engine, 1);
+        let (at_many, ..) = run(&mut engine, many);
+        let base = *bf16.get_or_insert(at_many);
+        println!(
+            "| {kind} | {:.0} MiB | {one:.0} | {at_many:.0} | {:.1}% |",
+            engine.weight_bytes() as f64 / (1 << 20) as f64,
+            at_many / base * 100.0
+        );
+    }
+}
+
 fn run(e: &mut Engine, n: usize) -> (f64, u64, f64, usize, f64) {
     for i in 0..n {
         e.prefetch(standin::id(i));

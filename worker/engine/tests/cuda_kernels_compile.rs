@@ -67,14 +67,18 @@ fn every_kernel_compiles_to_ptx_for_every_weight_type_and_shape() {
 
 #[test]
 fn every_launched_kernel_is_in_the_source_and_the_list_is_complete() {
-    let declared: Vec<&str> = kernels::SOURCE
-        .match_indices("extern \"C\" __global__ void ")
-        .map(|(at, m)| {
-            let mut rest = &kernels::SOURCE[at + m.len()..];
-            if let Some(bounded) = rest.strip_prefix("__launch_bounds__(") {
-                rest = bounded[bounded.find(')').unwrap() + 1..].trim_start();
-            }
-            &rest[..rest.find('(').unwrap()]
+    let declared: Vec<&str> = [kernels::SOURCE, kernels::QUANT_SOURCE]
+        .into_iter()
+        .flat_map(|source| {
+            source
+                .match_indices("extern \"C\" __global__ void ")
+                .map(move |(at, m)| {
+                    let mut rest = &source[at + m.len()..];
+                    if let Some(bounded) = rest.strip_prefix("__launch_bounds__(") {
+                        rest = bounded[bounded.find(')').unwrap() + 1..].trim_start();
+                    }
+                    &rest[..rest.find('(').unwrap()]
+                })
         })
         .collect();
     let mut listed: Vec<&str> = KERNELS.to_vec();

@@ -222,3 +222,83 @@ fn a_quantization_that_is_not_read_is_refused_by_its_field() {
     );
     assert!(err.contains("F8_E4M3") && err.contains("I8"), "{err}");
 }
+
+/// The CUDA backend's device layout of every quantized fixture's weights
+/// (`backend::cuda::quant::HostPart`, what `quant.cu` reads) gives back
+/// each weight bit for bit, and the memory plan made from the
+/// configuration alone counts the bytes that layout takes (GPTQ's group
+/// index counted whether or not it is needed). Runs on any machine: the
+/// kernels' indexing is this layout's.
+#[test]
+fn the_cuda_layout_of_every_quantized_weight_reads_back_bit_for_bit() {
+    use lorafleet_engine::backend::cuda::Dtype;
+    use lorafleet_engine::backend::cuda::quant::{HostPart, QuantPlan, fp8_ready};
+    use lorafleet_engine::lora::Projection;
+    let mut matrices = 0;
+    for (model, _) in variants() {
+        let dir = model_dir(&model);
+        let config = ModelConfig::from_dir(&dir).unwrap();
+        let files = WeightFiles::open_model_dir(&dir).unwrap();
+        let gptq = model.ends_with("gptq");
+        let mut bytes = 0;
+        for l in 0..config.num_layers {
+            for p in Projection::ALL {
+                let (fan_in, out) = p.shape(&config);
+                let name = format!("model.layers.{l}.{}.{}.weight", p.parent(), p.module_name());
+                let m = files
+                    .quantized_matrix(&name, &[out, fan_in])
+                    .unwrap()
+                    .unwrap_or_else(|| panic!("{model}: {name} is quantized"));
+                let part = HostPart::new(&m);
+                for o in 0..out {
+                    for k in 0..fan_in {
+                        assert_eq!(
+                            part.weight(o, k).to_bits(),
+                            m.weight(o, k).to_bits(),
+                            "{model}: {name} ({o}, {k})"
+                        );
+                    }
+                }
+                // Only an FP8 weight scaled per row can run as one FP8 GEMM.
+                assert_eq!(
+                    fp8_ready(std::slice::from_ref(&part)),
+                    model.ends_with("fp8"),
+                    "{model}: {name}"
+                );
+                bytes += part.bytes() as u64
+                    + if gptq && part.gidx.is_none() {
+                        4 * fan_in as u64
+                    } else {
+                        0
+                    };
+                matrices += 1;
+            }
+        }
+        let plan = QuantPlan::new(&files, &config, Dtype::Bf16, 64, false).unwrap();
+        assert_eq!(plan.quantized, bytes, "{model}: planned device bytes");
+        assert!(plan.quantized < plan.replaced, "{model}: smaller than bf16");
+    }
+    assert_eq!(matrices, 12 * 2 * 7);
+}
+
+/// An FP8 checkpoint that quantizes its activations too
+/// (`input_activations`, as llm-compressor writes W8A8) says so, which is
+/// what makes the CUDA backend run it as FP8 GEMMs; its stored bytes mean
+/// the same weights either way, so its base hash is the same.
+#[test]
+fn an_fp8_checkpoint_that_quantizes_its_activations_says_so() {
+    let hash = |dir: &std::path::Path| {
+        let files = WeightFiles::open_model_dir(dir).unwrap();
+        let activations = files.quantization().unwrap().activations;
+        (activations, files.base_hash(&mut |_, _| {}).unwrap())
+    };
+    let (plain, plain_hash) = hash(&model_dir("llama-gqa-fp8"));
+    let w8a8 = edited("llama-gqa-fp8", |c| {
+        c["quantization_config"]["config_groups"]["group_0"]["input_activations"] = serde_json::json!({
+            "num_bits": 8, "type": "float", "symmetric": true, "strategy": "token", "dynamic": true
+        });
+    });
+    let (quantized, w8a8_hash) = hash(w8a8.path());
+    assert!(!plain && quantized);
+    assert_eq!(plain_hash, w8a8_hash);
+}

@@ -15,7 +15,7 @@ use safetensors::tensor::TensorView;
 
 mod quantized;
 #[allow(unused_imports)]
-pub use quantized::model_quantized;
+pub use quantized::{model_quantized, quantize};
 
 pub const HIDDEN: usize = 768;
 pub const INTERMEDIATE: usize = 2048;

@@ -1,8 +1,10 @@
 //! The bf16 stand-in quantized as llm-compressor's round-to-nearest
 //! scheme would, in the `compressed-tensors` layout: int8 per output
-//! channel (`int-quantized`) or 4-bit per group of 128 inputs
-//! (`pack-quantized`), symmetric, scales in f32. Embeddings and norms stay
-//! bf16, as in a quantized checkpoint. Written once beside the others.
+//! channel (`int-quantized`), 4-bit per group of 128 inputs
+//! (`pack-quantized`), or FP8 e4m3 per output channel with dynamic
+//! per-token activations (`float-quantized`, W8A8), symmetric, scales in
+//! f32. Embeddings and norms stay bf16, as in a quantized checkpoint.
+//! Written once beside the others.
 
 use std::path::PathBuf;
 
@@ -10,9 +12,21 @@ use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 
 /// The stand-in quantized to `bits` (8 or 4), created if missing.
+#[allow(dead_code)]
 pub fn model_quantized(bits: u32) -> PathBuf {
-    let source = super::model_in(Dtype::BF16);
-    let dir = super::root().join(format!("model-int{bits}"));
+    quantize(&super::model_in(Dtype::BF16), &format!("int{bits}"))
+}
+
+/// The bf16 model at `source` quantized as `kind` ("int8", "int4" or
+/// "fp8"), written beside it the first time.
+pub fn quantize(source: &std::path::Path, kind: &str) -> PathBuf {
+    let bits = match kind {
+        "int8" | "fp8" => 8,
+        "int4" => 4,
+        other => panic!("no {other} stand-in"),
+    };
+    let fp8 = kind == "fp8";
+    let dir = source.with_file_name(format!("model-{kind}"));
     if dir.join("model.safetensors").exists() {
         return dir;
     }
@@ -34,6 +48,13 @@ pub fn model_quantized(bits: u32) -> PathBuf {
             "group_size": group, "dynamic": false}}},
         "ignore": ["lm_head"]
     });
+    if fp8 {
+        let q = &mut config["quantization_config"];
+        q["format"] = "float-quantized".into();
+        q["config_groups"]["group_0"]["weights"]["type"] = "float".into();
+        q["config_groups"]["group_0"]["input_activations"] = serde_json::json!({
+            "num_bits": 8, "type": "float", "symmetric": true, "strategy": "token", "dynamic": true});
+    }
     std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
     let bytes = std::fs::read(source.join("model.safetensors")).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
@@ -56,6 +77,18 @@ pub fn model_quantized(bits: u32) -> PathBuf {
             .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
             .collect();
         let stem = name.strip_suffix(".weight").unwrap().to_owned();
+        if fp8 {
+            let (scales, codes) = fp8_rows(&w, cols);
+            let scale_bytes = scales.iter().flat_map(|s| s.to_le_bytes()).collect();
+            out.push((
+                format!("{stem}.weight_scale"),
+                Dtype::F32,
+                vec![rows, 1],
+                scale_bytes,
+            ));
+            out.push((name, Dtype::F8_E4M3, vec![rows, cols], codes));
+            continue;
+        }
         let group = if bits == 8 { cols } else { 128 };
         let (qmax, qmin) = if bits == 8 {
             (127.0, -128.0)
@@ -114,4 +147,34 @@ pub fn model_quantized(bits: u32) -> PathBuf {
         .collect();
     safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
     dir
+}
+
+/// Each row of `w` (`cols` wide) as FP8 e4m3 codes under a scale of
+/// max|row| / 448: the nearest code to each value / scale.
+fn fp8_rows(w: &[f32], cols: usize) -> (Vec<f32>, Vec<u8>) {
+    // The finite non-negative codes in increasing value.
+    let table: Vec<(f32, u8)> = (0u8..0x7f)
+        .map(|c| (lorafleet_engine::model::quantization::fp8_e4m3_to_f32(c), c))
+        .collect();
+    let nearest = |v: f32| -> u8 {
+        let a = v.abs().min(448.0);
+        let i = table.partition_point(|&(x, _)| x < a);
+        let code = if i == 0 {
+            table[0].1
+        } else if i == table.len() || a - table[i - 1].0 <= table[i].0 - a {
+            table[i - 1].1
+        } else {
+            table[i].1
+        };
+        if v < 0.0 { code | 0x80 } else { code }
+    };
+    let mut scales = Vec::with_capacity(w.len() / cols);
+    let mut codes = Vec::with_capacity(w.len());
+    for row in w.chunks_exact(cols) {
+        let max = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let s = if max > 0.0 { max / 448.0 } else { 1.0 };
+        scales.push(s);
+        codes.extend(row.iter().map(|v| nearest(v / s)));
+    }
+    (scales, codes)
 }

@@ -5,6 +5,7 @@
 pub mod tokenizer;
 
 pub use lorafleet_artifact::model_config as config;
+pub use lorafleet_artifact::quantization;
 pub use lorafleet_artifact::weights;
 
 pub use config::{Architecture, ModelConfig};

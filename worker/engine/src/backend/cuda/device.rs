@@ -34,6 +34,8 @@ pub(super) struct Device {
     functions: HashMap<&'static str, CudaFunction>,
     pub shapes: KernelShapes,
     pub name: String,
+    /// The compute capability (major, minor).
+    pub cc: (i32, i32),
     pub stream: Arc<CudaStream>,
     pub ctx: Arc<CudaContext>,
 }
@@ -75,6 +77,7 @@ impl Device {
             functions,
             shapes,
             name,
+            cc: (major, minor),
             stream,
             ctx,
         })

@@ -11,6 +11,10 @@ use crate::model::ModelConfig;
 /// The kernel source; [`KernelShapes::source`] prepends the defines.
 pub const SOURCE: &str = include_str!("kernels.cu");
 
+/// The quantized weights' kernels, compiled after [`SOURCE`], whose types
+/// and helpers they use.
+pub const QUANT_SOURCE: &str = include_str!("quant.cu");
+
 /// Every kernel the backend launches, by its `extern "C"` name.
 pub const KERNELS: &[&str] = &[
     "embed",
@@ -32,6 +36,10 @@ pub const KERNELS: &[&str] = &[
     "argmax_rows",
     "sample_rows",
     "spin",
+    "qmatmul",
+    "qdequant",
+    "fp8_rows",
+    "fp8_scale",
 ];
 
 /// The most input features one split-K chunk of the shrink covers. 128
@@ -83,7 +91,7 @@ impl KernelShapes {
         let (wdtype, sdtype) = (code(self.dtype), code(self.slot_dtype));
         format!(
             "#define WDTYPE {wdtype}\n#define SDTYPE {sdtype}\n#define HEAD_DIM {}\n#define MAX_RANK {}\n#define SHRINK_KC {}\n\
-             #define LORA_TT {LORA_TT}\n#define PANEL {}\n{SOURCE}",
+             #define LORA_TT {LORA_TT}\n#define PANEL {}\n{SOURCE}\n{QUANT_SOURCE}",
             self.head_dim,
             self.max_rank,
             self.shrink_kc,

@@ -23,10 +23,12 @@
 
 mod device;
 mod dtype;
+mod fp8;
 pub mod kernels;
 mod meta;
 mod moe;
 pub mod plan;
+pub mod quant;
 mod sample;
 mod slots;
 mod step;
@@ -84,13 +86,18 @@ pub fn probe() -> Result<()> {
     Ok(())
 }
 
-/// A base linear layer: weights `[out, in]` in the backend's dtype and an
-/// optional f32 bias.
+/// A base linear layer: weights `[out, in]` in the backend's dtype (or
+/// quantized as the checkpoint stores them) and an optional f32 bias.
 struct Linear {
-    w: CudaSlice<u8>,
+    w: Weights,
     bias: Option<CudaSlice<f32>>,
     fan_in: usize,
     fan_out: usize,
+}
+
+enum Weights {
+    Dense(CudaSlice<u8>),
+    Quantized(Box<quant::QuantLinear>),
 }
 
 struct Layer {
@@ -148,6 +155,8 @@ pub struct CudaBackend {
     /// sampling.
     last_logits: Option<usize>,
     plan: MemoryPlan,
+    /// The quantized layers' scratch and FP8 GEMMs, when there are any.
+    quant: Option<quant::QuantScratch>,
     blas: CudaBlas,
     /// cuBLAS's workspace, set explicitly so that a captured GEMM never
     /// allocates.
@@ -226,6 +235,18 @@ impl CudaBackend {
             total as u64,
         )
         .with_slot_dtype(c, &shape, slot_dtype);
+        let files = WeightFiles::open_model_dir(dir)?;
+        // FP8 checkpoints that quantize their activations run FP8 GEMMs
+        // where the device has them (compute 8.9 and newer).
+        let fp8_gemms = files.quantization().is_some_and(|q| {
+            q.activations && q.format == lorafleet_artifact::quantization::Format::Fp8E4m3
+        }) && dev.cc >= (8, 9)
+            && fp8::present();
+        let quant_plan = quant::QuantPlan::new(&files, c, dtype, limits.max_tokens, fp8_gemms);
+        let plan = match &quant_plan {
+            Some(q) => plan.with_quantized(q),
+            None => plan,
+        };
         // Refused before anything is allocated.
         plan.check(free as u64)?;
         let stream = dev.stream.clone();
@@ -252,7 +273,11 @@ impl CudaBackend {
         .result()
         .map_err(cuda("setting the cuBLAS workspace"))?;
 
-        let files = WeightFiles::open_model_dir(dir)?;
+        let fp8_gemm = if fp8_gemms {
+            Some(fp8::Fp8Gemm::new(&dev)?)
+        } else {
+            None
+        };
         let up_f32 = |v: &[f32]| stream.clone_htod(v).map_err(cuda("uploading weights"));
         let up_w = |v: &[f32]| {
             stream
@@ -271,10 +296,13 @@ impl CudaBackend {
                 let mut w = Vec::new();
                 let mut bias = Vec::new();
                 let mut fan_out = 0;
+                let quantized = quant::read_parts(&files, &prefix, projs, c)?;
                 for &p in projs {
                     let (_, out) = p.shape(c);
                     let name = format!("{prefix}.{}.{}", p.parent(), p.module_name());
-                    w.extend(files.f32(&format!("{name}.weight"), &[out, fan_in])?);
+                    if quantized.is_none() {
+                        w.extend(files.f32(&format!("{name}.weight"), &[out, fan_in])?);
+                    }
                     let has_bias = match p {
                         Projection::Q | Projection::K | Projection::V => c.qkv_bias,
                         Projection::O => c.o_bias,
@@ -285,8 +313,20 @@ impl CudaBackend {
                     }
                     fan_out += out;
                 }
+                let w = match quantized {
+                    Some(parts) => {
+                        let fp8_rows = fp8_gemm.as_ref().is_some_and(|g| {
+                            quant::fp8_ready(&parts)
+                                && g.supports(fan_out, fan_in, limits.max_tokens)
+                        });
+                        Weights::Quantized(Box::new(quant::QuantLinear::upload(
+                            &dev, &parts, fp8_rows,
+                        )?))
+                    }
+                    None => Weights::Dense(up_w(&w)?),
+                };
                 Ok(Linear {
-                    w: up_w(&w)?,
+                    w,
                     bias: if bias.is_empty() {
                         None
                     } else {
@@ -326,11 +366,13 @@ impl CudaBackend {
         }
         let norm = up_f32(&files.f32("model.norm.weight", &[c.hidden_size])?)?;
         let lm_head = Linear {
-            w: if c.tie_word_embeddings && !files.contains("lm_head.weight") {
-                up_w(&embed_host)?
-            } else {
-                up_w(&files.f32("lm_head.weight", &[c.vocab_size, c.hidden_size])?)?
-            },
+            w: Weights::Dense(
+                if c.tie_word_embeddings && !files.contains("lm_head.weight") {
+                    up_w(&embed_host)?
+                } else {
+                    up_w(&files.f32("lm_head.weight", &[c.vocab_size, c.hidden_size])?)?
+                },
+            ),
             bias: None,
             fan_in: c.hidden_size,
             fan_out: c.vocab_size,
@@ -350,6 +392,16 @@ impl CudaBackend {
             k_cache.push(bytes()?);
             v_cache.push(bytes()?);
         }
+        let quant = match &quant_plan {
+            Some(_) => Some(quant::QuantScratch::new(
+                &dev,
+                &layers,
+                dtype,
+                limits.max_tokens,
+                fp8_gemm,
+            )?),
+            None => None,
+        };
         let slots = Slots::new(&dev, c, &shape)?;
         let moe_layers = if c.moe.is_some() { c.num_layers } else { 0 };
         let expert_slots = moe::ExpertSlots::new(&dev, moe_layers, shape.slots)?;
@@ -392,6 +444,7 @@ impl CudaBackend {
             ws,
             last_logits: None,
             plan,
+            quant,
             blas,
             _blas_workspace: blas_workspace,
             dev,
@@ -426,8 +479,13 @@ impl CudaBackend {
 
     /// `y[n, out] = x[n, in] · Wᵀ (+ bias)`: x in the weights' type, y f32.
     fn linear(&self, lin: &Linear, x: u64, y: u64, n: usize) -> Result<()> {
-        let ty = self.dtype.cuda_type();
-        self.gemm(self.dev.p(&lin.w), ty, lin.fan_in, lin.fan_out, x, y, n)?;
+        match &lin.w {
+            Weights::Dense(w) => {
+                let ty = self.dtype.cuda_type();
+                self.gemm(self.dev.p(w), ty, lin.fan_in, lin.fan_out, x, y, n)?;
+            }
+            Weights::Quantized(q) => self.quantized_linear(q, lin.fan_in, lin.fan_out, x, y, n)?,
+        }
         self.add_bias(lin, y, n)
     }
 
@@ -443,6 +501,22 @@ impl CudaBackend {
         x: u64,
         y: u64,
         n: usize,
+    ) -> Result<()> {
+        self.gemm_ld(w, ty, fan_in, fan_out, x, y, n, fan_out)
+    }
+
+    /// [`CudaBackend::gemm`] with y's rows `ldy` apart (`ldy ≥ fan_out`).
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_ld(
+        &self,
+        w: u64,
+        ty: blas_sys::cudaDataType,
+        fan_in: usize,
+        fan_out: usize,
+        x: u64,
+        y: u64,
+        n: usize,
+        ldy: usize,
     ) -> Result<()> {
         let (alpha, beta) = (1f32, 0f32);
         let (m, k) = (fan_out as i32, fan_in as i32);
@@ -466,7 +540,7 @@ impl CudaBackend {
                 (&beta as *const f32).cast::<c_void>(),
                 y as *mut c_void,
                 blas_sys::cudaDataType::CUDA_R_32F,
-                m,
+                ldy as i32,
                 blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )

@@ -116,6 +116,16 @@ impl MemoryPlan {
         }
     }
 
+    /// The plan with the linear weights `q` describes held quantized,
+    /// and its scratch buffers in the workspace.
+    pub fn with_quantized(self, q: &super::quant::QuantPlan) -> MemoryPlan {
+        MemoryPlan {
+            weights: self.weights - q.replaced + q.quantized,
+            workspace: self.workspace + q.scratch,
+            ..self
+        }
+    }
+
     pub fn needed(&self) -> u64 {
         self.weights + self.kv_cache + self.adapter_slots + self.workspace + self.margin
     }
