@@ -27,7 +27,8 @@
 //! `GATEWAY_OVERHEAD_FLOOD=healthz` floods `GET /healthz` instead, the
 //! cheapest request there is, for comparison.
 //! `GATEWAY_OVERHEAD_CPU=1` runs one gateway per durability mode (commit,
-//! then journal) and reports its CPU time per request (user + system from
+//! then journal; at `GATEWAY_OVERHEAD_RATE` requests a second, default
+//! 1,000) and reports its CPU time per request (user + system from
 //! `/proc`, over the measured rounds only) beside the latency it added.
 //!
 //! Needs Postgres at 127.0.0.1:5432 (user postgres, trust) and Redis at
@@ -48,6 +49,15 @@ use tonic::{Request, Response, Status};
 const BASE_HASH: &str = "ab00000000000000000000000000000000000000000000000000000000000001";
 const KEY: &str = "lf_benchkey01.bench-secret-0123456789";
 const RATE: u64 = 1000;
+
+/// The CPU mode's rate: `GATEWAY_OVERHEAD_RATE` (default [`RATE`]), so the
+/// cost per request can be read at more than one load.
+fn cpu_rate() -> u64 {
+    std::env::var("GATEWAY_OVERHEAD_RATE")
+        .ok()
+        .map(|v| v.parse().expect("GATEWAY_OVERHEAD_RATE: requests a second"))
+        .unwrap_or(RATE)
+}
 /// Open-loop rounds per path, alternating which path goes first, so that
 /// drift on this shared machine hits both paths alike.
 const ROUNDS: u64 = 5;
@@ -200,10 +210,19 @@ where
     F: Fn() -> Fut,
     Fut: std::future::Future<Output = bool> + Send + 'static,
 {
-    let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / RATE));
+    open_loop_at(RATE, call).await
+}
+
+/// [`open_loop`] at `rate` calls a second.
+async fn open_loop_at<F, Fut>(rate: u64, call: F) -> (Vec<Duration>, usize)
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = bool> + Send + 'static,
+{
+    let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / rate));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
     let mut tasks = Vec::new();
-    for _ in 0..RATE * ROUND_SECS {
+    for _ in 0..rate * ROUND_SECS {
         tick.tick().await;
         let fut = call();
         tasks.push(tokio::spawn(async move {
@@ -654,8 +673,9 @@ fn main() {
                 .await
                 .unwrap();
             println!(
-                "gateway CPU per request, STAND-IN worker (one token, no model), {RATE} req/s \
+                "gateway CPU per request, STAND-IN worker (one token, no model), {} req/s \
                  open loop, {ROUNDS} rounds of {ROUND_SECS} s per mode, {} cores",
+                cpu_rate(),
                 std::thread::available_parallelism().map_or(0, |n| n.get())
             );
             println!(
@@ -677,10 +697,10 @@ fn main() {
                     (Vec::new(), Vec::new(), Duration::ZERO, Duration::ZERO, 0);
                 for _ in 0..ROUNDS {
                     let d = direct.clone();
-                    alone.extend(open_loop(move || d()).await.0);
+                    alone.extend(open_loop_at(cpu_rate(), move || d()).await.0);
                     let (before, sched_before) = (cpu::used(gw.id()), cpu::scheduled(gw.id()));
                     let v = via.clone();
-                    let (lat, failed) = open_loop(move || v()).await;
+                    let (lat, failed) = open_loop_at(cpu_rate(), move || v()).await;
                     cpu += cpu::used(gw.id()) - before;
                     sched += cpu::scheduled(gw.id()).saturating_sub(sched_before);
                     n += lat.len() + failed;
