@@ -173,6 +173,35 @@ async fn an_unpartitioned_log_is_partitioned_while_rows_arrive_and_loses_none() 
     assert!(day.starts_with("audit_log_p"), "{day}");
 }
 
+/// Two `migrate` processes started together on an unpartitioned log (two
+/// replicas' init containers, say) both succeed and lose no row: the
+/// online preparation takes turns under its advisory lock, where the
+/// second used to build the same index beside the first and fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_migrations_started_together_both_succeed() {
+    let db = TestDb::create("audit_partition_two_migrations").await;
+    let pool = db.pool().await;
+    MIGRATOR.run_to(UNPARTITIONED, &pool).await.unwrap();
+    const OLD: i64 = 200_000;
+    fill(&pool, OLD, TimeDelta::seconds(2), TimeDelta::seconds(1)).await;
+    let (a, b) = tokio::join!(migrate(&db), migrate(&db));
+    for out in [a, b] {
+        assert!(
+            out.status.success(),
+            "a migration failed: {}{}",
+            String::from_utf8_lossy(&out.stderr),
+            String::from_utf8_lossy(&out.stdout)
+        );
+    }
+    let kind: String =
+        sqlx::query_scalar("SELECT relkind::TEXT FROM pg_class WHERE oid = 'audit_log'::regclass")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(kind, "p");
+    assert_eq!(count(&pool).await, OLD);
+}
+
 /// A database partitioned `days` days ago: history before that in the
 /// legacy partition, then a partition a day up to a week ahead.
 async fn partitioned_since(label: &str, days: i64) -> (TestDb, PgPool) {

@@ -169,7 +169,41 @@ pub struct Prepared {
 /// done without blocking writes. Does nothing on a partitioned log or a
 /// database without one. Safe to rerun after a failure: an index left
 /// invalid by an interrupted build is dropped and built again.
+/// Runs under a Postgres advisory lock held on a connection of its own,
+/// so two `migrate` processes started together take turns: the second
+/// finds the work done instead of building the same index beside the
+/// first. The second waits by trying again every 200 ms, never inside a
+/// statement: a session blocked in `pg_advisory_lock` holds a snapshot,
+/// which the first's `CREATE INDEX CONCURRENTLY` would wait for forever.
 pub async fn prepare_online(pool: &PgPool) -> Result<Prepared, sqlx::Error> {
+    use sqlx::Connection;
+    let mut lock = sqlx::PgConnection::connect_with(&pool.connect_options()).await?;
+    let mut said = false;
+    loop {
+        let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+            .bind(PREPARE_LOCK)
+            .fetch_one(&mut lock)
+            .await?;
+        if got {
+            break;
+        }
+        if !said {
+            tracing::info!("another migration is preparing the audit log; waiting for it");
+            said = true;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    let done = prepare_locked(pool).await;
+    // Closing the session releases the lock whatever happened.
+    let _ = lock.close().await;
+    done
+}
+
+/// The advisory lock key of [`prepare_online`] (sqlx's migrations use a
+/// key derived from the database name; this one is fixed and distinct).
+const PREPARE_LOCK: i64 = 0x6c66_5f61_7564_6974; // "lf_audit"
+
+async fn prepare_locked(pool: &PgPool) -> Result<Prepared, sqlx::Error> {
     let kind: Option<String> = sqlx::query_scalar(
         "SELECT relkind::TEXT FROM pg_class WHERE oid = to_regclass('audit_log')",
     )

@@ -11,51 +11,14 @@
 
 mod common;
 
-use common::gpu::{assert_close, require_gpu};
+use common::gpu::{assert_close, load_adapter, require_gpu, run_golden};
 use common::*;
 use lorafleet_engine::backend::cpu::CpuBackend;
 use lorafleet_engine::backend::cuda::{CudaBackend, DeviceSample, Dtype, StepLimits};
 use lorafleet_engine::backend::{Backend, BackendShape, StepBatch};
-use lorafleet_engine::lora::{AdapterLimits, HostAdapter};
 use lorafleet_engine::model::ModelConfig;
-use lorafleet_engine::sampling::{self, Rng};
+use lorafleet_engine::sampling::Rng;
 use lorafleet_engine::{BackendChoice, EngineSettings, Event};
-
-fn load_adapter(config: &ModelConfig, model: &str, name: &str) -> HostAdapter {
-    let limits = AdapterLimits {
-        model: config,
-        max_lora_rank: 16,
-        base_hash_check: None,
-    };
-    HostAdapter::load(name, &adapter_dir(model, name), limits).unwrap()
-}
-
-/// The golden cases through one backend, one sequence at a time: the last
-/// prompt position's logits and the greedy continuation.
-fn run_golden(backend: &mut dyn Backend, model: &str, case: &GoldenCase) -> (Vec<f32>, Vec<u32>) {
-    let config = backend.config().clone();
-    let slot = case.adapter.as_ref().map(|name| {
-        backend
-            .write_slot(1, &load_adapter(&config, model, name))
-            .unwrap();
-        1
-    });
-    let table: Vec<u32> = vec![5, 2, 7, 0, 3, 6, 1, 4];
-    let mut batch = StepBatch::default();
-    batch.push(&case.prompt_ids, 0, &table, slot, true);
-    batch.finish();
-    let first = backend.forward(&batch).unwrap();
-    let mut tokens = vec![sampling::argmax(&first)];
-    let mut pos = case.prompt_ids.len();
-    while tokens.len() < case.greedy.len() && ![2, 4].contains(tokens.last().unwrap()) {
-        let mut batch = StepBatch::default();
-        batch.push(&[*tokens.last().unwrap()], pos, &table, slot, true);
-        batch.finish();
-        tokens.push(sampling::argmax(&backend.forward(&batch).unwrap()));
-        pos += 1;
-    }
-    (first, tokens)
-}
 
 /// Runs a golden case on both backends: the GPU's logits within 1e-5 of
 /// the CPU's and 1e-4 of PEFT's, its greedy tokens equal to both. Returns

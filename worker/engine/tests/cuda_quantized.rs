@@ -15,14 +15,12 @@ mod common;
 
 use std::path::Path;
 
-use common::gpu::{assert_close, require_gpu};
+use common::gpu::{assert_close, require_gpu, run_golden};
 use common::*;
 use lorafleet_engine::backend::cpu::CpuBackend;
 use lorafleet_engine::backend::cuda::{CudaBackend, Dtype, StepLimits};
 use lorafleet_engine::backend::{Backend, BackendShape, StepBatch};
-use lorafleet_engine::lora::{AdapterLimits, HostAdapter};
 use lorafleet_engine::model::ModelConfig;
-use lorafleet_engine::sampling;
 
 const FORMATS: [&str; 6] = ["int8", "fp8", "int4", "int4-asym", "gptq", "awq"];
 
@@ -41,37 +39,6 @@ const LIMITS: StepLimits = StepLimits {
 fn golden_quantized() -> Golden {
     let text = std::fs::read_to_string(fixtures().join("golden_quantized.json")).unwrap();
     serde_json::from_str(&text).unwrap()
-}
-
-/// One golden case through a backend: the last prompt position's logits
-/// and the greedy continuation; the adapter (made for `dense`) in slot 1.
-fn run_case(backend: &mut dyn Backend, dense: &str, case: &GoldenCase) -> (Vec<f32>, Vec<u32>) {
-    let config = backend.config().clone();
-    let slot = case.adapter.as_ref().map(|name| {
-        let limits = AdapterLimits {
-            model: &config,
-            max_lora_rank: 16,
-            base_hash_check: None,
-        };
-        let adapter = HostAdapter::load(name, &adapter_dir(dense, name), limits).unwrap();
-        backend.write_slot(1, &adapter).unwrap();
-        1
-    });
-    let table: Vec<u32> = (0..32).rev().collect();
-    let mut batch = StepBatch::default();
-    batch.push(&case.prompt_ids, 0, &table, slot, true);
-    batch.finish();
-    let first = backend.forward(&batch).unwrap();
-    let mut tokens = vec![sampling::argmax(&first)];
-    let mut pos = case.prompt_ids.len();
-    while tokens.len() < case.greedy.len() && ![2, 4].contains(tokens.last().unwrap()) {
-        let mut batch = StepBatch::default();
-        batch.push(&[*tokens.last().unwrap()], pos, &table, slot, true);
-        batch.finish();
-        tokens.push(sampling::argmax(&backend.forward(&batch).unwrap()));
-        pos += 1;
-    }
-    (first, tokens)
 }
 
 /// A prompt longer than the fused kernel takes (the case's prompt
@@ -116,8 +83,8 @@ fn quantized_bases_in_f32_give_the_cpu_backends_logits_and_peft_greedy_tokens() 
             assert!(!gpu.fp8_gemms(), "{model}: weight-only, no FP8 GEMMs");
             for case in golden.cases.iter().filter(|c| c.model == model) {
                 let what = format!("{model}/{:?} {:?}", case.adapter, case.prompt);
-                let (cpu_logits, cpu_tokens) = run_case(&mut cpu, dense, case);
-                let (gpu_logits, gpu_tokens) = run_case(&mut gpu, dense, case);
+                let (cpu_logits, cpu_tokens) = run_golden(&mut cpu, dense, case);
+                let (gpu_logits, gpu_tokens) = run_golden(&mut gpu, dense, case);
                 assert_close(&gpu_logits, &cpu_logits, 1e-4, &what);
                 assert_close(&gpu_logits, &case.logits, 1e-4, &format!("{what} vs PEFT"));
                 assert_eq!(gpu_tokens, cpu_tokens, "{what}: greedy tokens");
@@ -187,8 +154,8 @@ fn fp8_checkpoints_that_quantize_activations_run_fp8_gemms_near_the_reference() 
             gpu.device_name()
         );
         for case in golden.cases.iter().filter(|c| c.model == model) {
-            let (cpu_logits, _) = run_case(&mut cpu, dense, case);
-            let (gpu_logits, tokens) = run_case(&mut gpu, dense, case);
+            let (cpu_logits, _) = run_golden(&mut cpu, dense, case);
+            let (gpu_logits, tokens) = run_golden(&mut gpu, dense, case);
             let err = relative_error(&gpu_logits, &cpu_logits);
             worst = worst.max(err);
             assert!(
@@ -235,7 +202,7 @@ fn quantized_bases_in_bf16_stay_near_the_reference() {
             let model = format!("{dense}-{format}");
             let mut gpu = load_gpu(&model_dir(&model), Dtype::Bf16);
             for case in golden.cases.iter().filter(|c| c.model == model) {
-                let (logits, tokens) = run_case(&mut gpu, dense, case);
+                let (logits, tokens) = run_golden(&mut gpu, dense, case);
                 let err = relative_error(&logits, &case.logits);
                 assert!(
                     err <= 0.1,
