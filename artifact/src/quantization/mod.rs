@@ -287,7 +287,16 @@ pub fn parse(file: &Path, config: &Map<String, Value>) -> Result<Option<Quantiza
             .ok_or_else(|| err(".ignore", "must be a list of module names".into()))?,
         Some(_) => return Err(err(".ignore", "must be a list of module names".into())),
     };
-    let activations = matches!(group.get("input_activations"), Some(Value::Object(_)));
+    let activations = match group.get("input_activations") {
+        None | Some(Value::Null) => false,
+        Some(Value::Object(_)) => true,
+        Some(_) => {
+            return Err(err(
+                &at(".input_activations"),
+                "must be an object (the activations' scheme) or null".into(),
+            ));
+        }
+    };
     Ok(Some(Quantization {
         format,
         strategy,
@@ -624,5 +633,23 @@ mod tests {
             "targets",
         );
         refused(&|v| v["ignore"] = 3.into(), "quantization_config.ignore");
+        refused(
+            &|v| v["config_groups"]["group_0"]["input_activations"] = "dynamic".into(),
+            "config_groups.group_0.input_activations",
+        );
+        // Recorded when given, null or absent meaning weight-only.
+        let mut w8a8 = good.clone();
+        w8a8["config_groups"]["group_0"]["input_activations"] =
+            serde_json::json!({"num_bits": 8, "type": "float", "dynamic": true});
+        assert!(parse(file, &config(w8a8)).unwrap().unwrap().activations);
+        let mut null = good.clone();
+        null["config_groups"]["group_0"]["input_activations"] = Value::Null;
+        assert!(!parse(file, &config(null)).unwrap().unwrap().activations);
+        assert!(
+            !parse(file, &config(good.clone()))
+                .unwrap()
+                .unwrap()
+                .activations
+        );
     }
 }

@@ -424,11 +424,17 @@ pub(super) fn read_parts(
 /// step's activations in FP8 with a scale per token.
 pub(super) struct QuantScratch {
     w: CudaSlice<u8>,
-    xq: Option<CudaSlice<u8>>,
-    row_scale: Option<CudaSlice<f32>>,
     max_tokens: usize,
-    /// Goes before the device (field order of the backend).
-    fp8: Option<Fp8Gemm>,
+    fp8: Option<Fp8Scratch>,
+}
+
+/// FP8 GEMMs and the step's activations as they read them: e4m3 codes
+/// `[max_tokens, widest fan_in]` and a scale per token. Goes before the
+/// device (field order of the backend).
+struct Fp8Scratch {
+    gemm: Fp8Gemm,
+    xq: CudaSlice<u8>,
+    row_scale: CudaSlice<f32>,
 }
 
 impl QuantScratch {
@@ -457,22 +463,18 @@ impl QuantScratch {
             s.alloc_zeros::<u8>(n.max(1))
                 .map_err(cuda("allocating quantized scratch"))
         };
-        let with_fp8 = fp8.is_some();
+        let fp8 = match fp8 {
+            Some(gemm) => Some(Fp8Scratch {
+                gemm,
+                xq: alloc(max_tokens * widest)?,
+                row_scale: s
+                    .alloc_zeros::<f32>(max_tokens.max(1))
+                    .map_err(cuda("allocating quantized scratch"))?,
+            }),
+            None => None,
+        };
         Ok(QuantScratch {
             w: alloc(largest * dtype.bytes())?,
-            xq: if with_fp8 {
-                Some(alloc(max_tokens * widest)?)
-            } else {
-                None
-            },
-            row_scale: if with_fp8 {
-                Some(
-                    s.alloc_zeros::<f32>(max_tokens.max(1))
-                        .map_err(cuda("allocating quantized scratch"))?,
-                )
-            } else {
-                None
-            },
             max_tokens,
             fp8,
         })
@@ -502,13 +504,8 @@ impl CudaBackend {
                 scratch.max_tokens
             )));
         }
-        if let (Some(gemm), Some(xq), Some(rs), Some((w, w_scales))) = (
-            &scratch.fp8,
-            &scratch.xq,
-            &scratch.row_scale,
-            q.fp8_matrix(dev),
-        ) {
-            let (xq, rs) = (dev.p(xq), dev.p(rs));
+        if let (Some(f), Some((w, w_scales))) = (&scratch.fp8, q.fp8_matrix(dev)) {
+            let (gemm, xq, rs) = (&f.gemm, dev.p(&f.xq), dev.p(&f.row_scale));
             dev.launch(
                 "fp8_rows",
                 (n as u32, 1, 1),
