@@ -7,7 +7,8 @@
 //! `ROUTING_SIM_QUICK=1` runs only the first fleet (8 workers, 1,000
 //! adapters, Zipf 1.0), the table BENCHMARKS.md has kept since the first
 //! version; `ROUTING_SIM_LOAD_FACTOR=c` runs lorafleet with `--load-factor
-//! c` instead of the default 1.25.
+//! c` instead of the default 1.25, `ROUTING_SIM_RESIDENT_FACTOR=r` with
+//! `--resident-load-factor r` instead of the default 1.45.
 //!
 //! The workers are SIMULATED (no model runs): each holds an LRU of 16
 //! device slots and an LRU host cache of 64. Time advances in ticks; each
@@ -193,8 +194,7 @@ fn choose(
     adapter: u64,
     workers: &[Worker],
     ids: &[String],
-    router: &mut Router,
-    adapter_in_flight: u32,
+    router: &Router,
     picks: &mut Picks,
 ) -> usize {
     let n = workers.len();
@@ -275,16 +275,14 @@ fn choose(
                     eligible: true,
                 })
                 .collect();
-            router
-                .choose(adapter, adapter_in_flight, &views)
-                .unwrap()
-                .order[0]
+            router.choose(adapter, &views).unwrap().order[0]
         }
     }
 }
 
 /// lorafleet's policy: the gateway's defaults, or `ROUTING_SIM_LOAD_FACTOR`
-/// (the gateway's `--load-factor`) to trace its loads against balance.
+/// and `ROUTING_SIM_RESIDENT_FACTOR` (the gateway's `--load-factor` and
+/// `--resident-load-factor`) to trace its loads against balance.
 fn policy_from_env() -> Policy {
     let mut p = Policy::default();
     if let Some(c) = std::env::var("ROUTING_SIM_LOAD_FACTOR")
@@ -292,6 +290,12 @@ fn policy_from_env() -> Policy {
         .and_then(|v| v.parse().ok())
     {
         p.load_factor = c;
+    }
+    if let Some(c) = std::env::var("ROUTING_SIM_RESIDENT_FACTOR")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        p.resident_load_factor = c;
     }
     p
 }
@@ -329,8 +333,6 @@ fn simulate(fleet: Fleet, policy: Sim) -> Outcome {
             served: 0,
         })
         .collect();
-    // Requests in flight per adapter (what the gateway tracks).
-    let mut adapter_running: HashMap<u64, Vec<usize>> = HashMap::new();
     let (mut requests, mut hits, mut loads) = (0u64, 0u64, 0u64);
     let (mut peak_ratio_sum, mut peak_samples) = (0.0, 0u64);
     // Half a request per worker per tick: 8 in flight per worker.
@@ -345,18 +347,7 @@ fn simulate(fleet: Fleet, policy: Sim) -> Outcome {
             let u = rng.next_f64();
             let rank = cdf.partition_point(|&c| c < u).min(fleet.adapters - 1);
             let adapter = ids_of_rank[rank];
-            let ends = adapter_running.entry(adapter).or_default();
-            ends.retain(|&end| end > tick);
-            let in_flight = ends.len() as u32;
-            let w = choose(
-                policy,
-                adapter,
-                &workers,
-                &ids,
-                &mut router,
-                in_flight,
-                &mut picks,
-            );
+            let w = choose(policy, adapter, &workers, &ids, &router, &mut picks);
             let measured = arrived >= WARMUP;
             let worker = &mut workers[w];
             if measured {
@@ -372,10 +363,6 @@ fn simulate(fleet: Fleet, policy: Sim) -> Outcome {
             worker.host.touch(adapter);
             worker.running.push((tick + HOLD_TICKS, adapter));
             *worker.active.entry(adapter).or_default() += 1;
-            adapter_running
-                .entry(adapter)
-                .or_default()
-                .push(tick + HOLD_TICKS);
             arrived += 1;
         }
         if arrived > WARMUP {

@@ -54,7 +54,7 @@ pub(super) async fn start(
     let mut first_token_timeouts = 0usize;
     for worker in route.candidates.iter().take(s.max_attempts) {
         trail.record.attempts += 1;
-        let in_flight = s.fleet.track(worker, adapter);
+        let in_flight = s.fleet.track(worker);
         let worker_id = worker.state().worker_id;
         span.record("worker", worker_id.as_str());
         trail.record.worker_id = Some(worker_id.clone());
@@ -130,14 +130,13 @@ pub(super) async fn start_siblings(
     p: &Prepared,
     first: &Started,
 ) -> Result<Vec<Started>, ApiError> {
-    let adapter = p.resolved.adapter.as_ref().map(|a| a.lora_int_id);
     let starts = (1..p.n).map(|i| {
         let mut g = p.request.clone();
         g.request_id = format!("{}-{i}", g.request_id);
         g.sampling.seed = g.sampling.seed.map(|seed| seed.wrapping_add(u64::from(i)));
         let worker = first.worker.clone();
         async move {
-            let in_flight = s.fleet.track(&worker, adapter);
+            let in_flight = s.fleet.track(&worker);
             let started = tokio::time::timeout(s.first_token_timeout, first_event(&worker, &g))
                 .await
                 .map_err(|_| {

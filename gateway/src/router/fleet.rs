@@ -136,7 +136,6 @@ pub struct Fleet {
     /// Held while a snapshot is built, so a slower rebuild that read older
     /// states never replaces a newer snapshot (never on the request path).
     rebuilding: Arc<Mutex<()>>,
-    adapters: Arc<AdapterLoads>,
 }
 
 /// A routing snapshot: the ring over the workers routable when it was
@@ -151,32 +150,6 @@ pub struct Table {
 struct Entry {
     worker: Arc<Worker>,
     state: WorkerState,
-}
-
-/// Per adapter: requests in flight through this gateway, and its replica
-/// count. An adapter's counters are made on its first request and kept
-/// (one pair per adapter the registry ever routed to).
-#[derive(Debug, Default)]
-struct AdapterLoads(RwLock<HashMap<AdapterId, Arc<AdapterLoad>>>);
-
-#[derive(Debug, Default)]
-struct AdapterLoad {
-    in_flight: AtomicU32,
-    replicas: AtomicU32,
-}
-
-impl AdapterLoads {
-    fn get(&self, id: AdapterId) -> Arc<AdapterLoad> {
-        if let Some(l) = self.0.read().expect("adapter loads").get(&id) {
-            return l.clone();
-        }
-        self.0
-            .write()
-            .expect("adapter loads")
-            .entry(id)
-            .or_default()
-            .clone()
-    }
 }
 
 /// A routing decision resolved to workers.
@@ -196,7 +169,6 @@ impl Fleet {
             workers: Arc::default(),
             table: Arc::default(),
             rebuilding: Arc::default(),
-            adapters: Arc::default(),
         }
     }
 
@@ -340,25 +312,8 @@ impl Fleet {
                 }
             })
             .collect();
-        let key = ring_key(adapter);
-        let replicas = match adapter {
-            None => 1,
-            Some(id) => {
-                let load = self.adapters.get(id);
-                let workers = policy::eligible_ring(&table.ring, key, &views).len();
-                let current = load.replicas.load(Ordering::Relaxed) as usize;
-                let k = policy::next_replicas(
-                    self.policy,
-                    current,
-                    load.in_flight.load(Ordering::Relaxed),
-                    workers,
-                );
-                load.replicas.store(k as u32, Ordering::Relaxed);
-                k
-            }
-        };
         let Decision { order, reason } =
-            policy::decide(self.policy, &table.ring, key, replicas, &views)?;
+            policy::decide(self.policy, &table.ring, ring_key(adapter), &views)?;
         let device_hit = views[order[0]].residency == policy::Tier::Device;
         Some(Route {
             candidates: order
@@ -370,17 +325,11 @@ impl Fleet {
         })
     }
 
-    /// Counts a request in flight on `worker` for `adapter` until the
-    /// guard drops.
-    pub fn track(&self, worker: &Arc<Worker>, adapter: Option<AdapterId>) -> InFlight {
+    /// Counts a request in flight on `worker` until the guard drops.
+    pub fn track(&self, worker: &Arc<Worker>) -> InFlight {
         worker.in_flight.fetch_add(1, Ordering::Relaxed);
-        let adapter = adapter.map(|id| self.adapters.get(id));
-        if let Some(a) = &adapter {
-            a.in_flight.fetch_add(1, Ordering::Relaxed);
-        }
         InFlight {
             worker: worker.clone(),
-            adapter,
         }
     }
 }
@@ -389,8 +338,6 @@ impl Fleet {
 #[derive(Debug)]
 pub struct InFlight {
     worker: Arc<Worker>,
-    /// None for the base model, which has no replica set of its own.
-    adapter: Option<Arc<AdapterLoad>>,
 }
 
 /// The ring key of a request: its adapter id, or 0 for the base model
@@ -402,9 +349,6 @@ fn ring_key(adapter: Option<AdapterId>) -> u64 {
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.worker.in_flight.fetch_sub(1, Ordering::Relaxed);
-        if let Some(a) = &self.adapter {
-            a.in_flight.fetch_sub(1, Ordering::Relaxed);
-        }
     }
 }
 

@@ -1,26 +1,29 @@
 //! Where a request goes: consistent hashing on `lora_int_id` with bounded
-//! loads, residency affinity, and replica sets that grow for hot adapters.
+//! loads and residency affinity.
 //!
-//! The policy is pure: [`decide`] takes the ring, the adapter's replica
-//! count and the workers' current view (load, residency of this adapter)
-//! and returns an ordered candidate list with the reason for the first
-//! choice. The fleet supplies the view from its routing snapshot; the
-//! routing simulation bench drives the same code through [`Router`], which
-//! keeps replica counts between calls as the fleet does.
+//! The policy is pure: [`decide`] takes the ring and the workers' current
+//! view (load, residency of this adapter) and returns an ordered candidate
+//! list with the reason for the first choice. The fleet supplies the view
+//! from its routing snapshot; the routing simulation bench drives the same
+//! code through [`Router`].
 //!
-//! The rules, in order, among eligible workers (healthy, serving the
-//! adapter's base hash) whose load is under the bound
-//! `max(ceil(c × (total load + 1) / workers), MIN_BOUND)`:
-//! 1. a hot adapter (replicas > 1): of its replica set, one where it is
-//!    device-resident, then host-resident, the least loaded first;
-//! 2. a worker where the adapter is device-resident (the ring's replica set
-//!    first, then the lower load);
-//! 3. a worker where it is host-resident, likewise;
-//! 4. its ring owner, then the next workers clockwise ("spill").
+//! Two bounds on a worker's requests in flight, each `max(ceil(f × (total
+//! load + 1) / workers), MIN_BOUND)`: the load bound (f = `load_factor`)
+//! for any worker, and the resident bound (f = `resident_load_factor`, at
+//! least as high) for a worker holding the adapter in its device slots,
+//! since moving a request off such a worker costs an adapter load. The
+//! rules, in order, among eligible workers (healthy, serving the adapter's
+//! base hash) under the bound that applies to them:
+//! 1. a worker where the adapter is device-resident, the least loaded
+//!    first (ties in ring order);
+//! 2. a worker where it is host-resident, likewise;
+//! 3. its ring owner, then the next workers clockwise ("spill").
 //!
-//! If every worker is at the bound, the least-loaded one takes it.
+//! A hot adapter spreads by rule 3: when the workers holding it are at
+//! their bound, the next worker clockwise loads it, and rule 1 then shares
+//! its requests among every worker holding it. If every worker is at its
+//! bound, the least-loaded one takes the request.
 
-use std::collections::HashMap;
 use std::hash::Hasher;
 
 /// The bound never falls below this many requests in flight: a worker
@@ -30,6 +33,13 @@ use std::hash::Hasher;
 /// it, the bound of an idle fleet of four is one request, and one report
 /// arriving late sends the next request elsewhere.)
 pub const MIN_BOUND: f64 = 4.0;
+
+/// The default resident bound's factor: where the routing simulation's
+/// adapter loads fell below every peer's in the fleets where a worker's
+/// slots can hold its share of the adapters, with the requests served per
+/// worker still within 1.25 × the mean (BENCHMARKS.md, "routing
+/// simulation").
+pub const RESIDENT_LOAD_FACTOR: f64 = 1.45;
 
 /// Virtual nodes per worker on the ring: enough that 8 workers split the
 /// key space within a few percent of evenly.
@@ -60,7 +70,6 @@ pub struct WorkerView<'a> {
 /// Which rule picked the first candidate.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reason {
-    HotReplica,
     DeviceResident,
     HostResident,
     RingOwner,
@@ -72,7 +81,6 @@ impl Reason {
     /// A stable label for metrics and traces.
     pub fn as_str(self) -> &'static str {
         match self {
-            Reason::HotReplica => "hot_replica",
             Reason::DeviceResident => "device_resident",
             Reason::HostResident => "host_resident",
             Reason::RingOwner => "ring_owner",
@@ -92,17 +100,35 @@ pub struct Decision {
 /// Tuning of the policy.
 #[derive(Debug, Clone, Copy)]
 pub struct Policy {
-    /// No worker takes a request that would put it above c × the average.
+    /// No worker takes a request that would put it above c × the average,
+    /// except as `resident_load_factor` allows.
     pub load_factor: f64,
-    /// Load one replica of an adapter should carry before another is added.
-    pub replica_share: f64,
+    /// A worker that holds the request's adapter in its device slots may
+    /// take it up to this × the average (at least `load_factor`): moving
+    /// the request off costs an adapter load on another worker, and the
+    /// adapter it displaces there another when it is next asked for.
+    pub resident_load_factor: f64,
+}
+
+impl Policy {
+    /// The most requests in flight a worker may reach by taking one more,
+    /// over `workers` eligible workers carrying `total`: (any worker, a
+    /// worker holding the adapter in its device slots).
+    pub fn bounds(&self, total: u64, workers: usize) -> (f64, f64) {
+        let mean = (total + 1) as f64 / workers.max(1) as f64;
+        let bound = (self.load_factor * mean).ceil().max(MIN_BOUND);
+        let resident = (self.resident_load_factor.max(self.load_factor) * mean)
+            .ceil()
+            .max(MIN_BOUND);
+        (bound, resident)
+    }
 }
 
 impl Default for Policy {
     fn default() -> Self {
         Policy {
             load_factor: 1.25,
-            replica_share: 8.0,
+            resident_load_factor: RESIDENT_LOAD_FACTOR,
         }
     }
 }
@@ -116,16 +142,13 @@ pub struct Ring {
     points: Vec<(u64, usize)>,
 }
 
-/// A stateful router for simulations and tests: the ring, and each
-/// adapter's replica count kept between calls. The gateway keeps those
-/// counts beside its atomic loads instead (`fleet.rs`) and calls
+/// The ring and the policy together, for simulations and tests; the
+/// gateway keeps its ring in the routing snapshot (`fleet.rs`) and calls
 /// [`decide`] directly.
 #[derive(Debug, Default)]
 pub struct Router {
     policy: Policy,
     ring: Ring,
-    /// Adapter -> current replica count; absent means 1.
-    replicas: HashMap<u64, usize>,
 }
 
 /// A stable 64-bit hash (FNV-1a then a mixer), the same in every gateway
@@ -209,24 +232,6 @@ impl Ring {
     }
 }
 
-/// An adapter's replica count, from its `current` count and `adapter_load`
-/// requests in flight, over `workers` eligible workers. Grows as soon as
-/// the load passes the current replicas' share; shrinks only when it falls
-/// below half of one fewer replica's share, so a load near a boundary does
-/// not flap.
-pub fn next_replicas(policy: Policy, current: usize, adapter_load: u32, workers: usize) -> usize {
-    let share = policy.replica_share;
-    let load = f64::from(adapter_load);
-    let mut k = current.max(1);
-    while k < workers.max(1) && load > k as f64 * share {
-        k += 1;
-    }
-    while k > 1 && load < (k - 1) as f64 * share * 0.5 {
-        k -= 1;
-    }
-    k
-}
-
 /// The eligible workers in ring order for `key`.
 pub fn eligible_ring(ring: &Ring, key: u64, views: &[WorkerView<'_>]) -> Vec<usize> {
     ring.order(key)
@@ -235,83 +240,62 @@ pub fn eligible_ring(ring: &Ring, key: u64, views: &[WorkerView<'_>]) -> Vec<usi
         .collect()
 }
 
-/// Chooses for a request on adapter `key` (0 for the base model) whose
-/// adapter currently has `replicas` replicas; `views` are in the ring's
-/// worker order. None when no worker is eligible. Pure: the same inputs
-/// give the same decision.
-pub fn decide(
-    policy: Policy,
-    ring: &Ring,
-    key: u64,
-    replicas: usize,
-    views: &[WorkerView<'_>],
-) -> Option<Decision> {
+/// Chooses for a request on adapter `key` (0 for the base model); `views`
+/// are in the ring's worker order. None when no worker is eligible. Pure:
+/// the same inputs give the same decision.
+pub fn decide(policy: Policy, ring: &Ring, key: u64, views: &[WorkerView<'_>]) -> Option<Decision> {
     let eligible: Vec<usize> = (0..views.len()).filter(|&i| views[i].eligible).collect();
     if eligible.is_empty() {
         return None;
     }
     let total: u64 = eligible.iter().map(|&i| u64::from(views[i].load)).sum();
-    let bound = (policy.load_factor * (total + 1) as f64 / eligible.len() as f64)
-        .ceil()
-        .max(MIN_BOUND);
-    let under = |i: usize| f64::from(views[i].load) + 1.0 <= bound;
-    let ring = eligible_ring(ring, key, views);
-    let k = if key == 0 {
-        1
-    } else {
-        replicas.clamp(1, ring.len().max(1))
+    let (bound, resident_bound) = policy.bounds(total, eligible.len());
+    // Under the bound that applies to this worker: the resident one where
+    // the adapter is in its device slots.
+    let under = |i: usize| {
+        let b = if key != 0 && views[i].residency == Tier::Device {
+            resident_bound
+        } else {
+            bound
+        };
+        f64::from(views[i].load) + 1.0 <= b
     };
-    let replica_rank = |i: usize| ring.iter().position(|&r| r == i).unwrap_or(usize::MAX);
-    let in_replicas = |i: usize| replica_rank(i) < k;
+    let ring = eligible_ring(ring, key, views);
+    let ring_rank = |i: usize| ring.iter().position(|&r| r == i).unwrap_or(usize::MAX);
 
-    let first: Option<(usize, Reason)> = if k > 1 {
-        ring[..k]
+    let first = [
+        (Tier::Device, Reason::DeviceResident),
+        (Tier::Host, Reason::HostResident),
+    ]
+    .into_iter()
+    .filter(|_| key != 0)
+    .find_map(|(tier, reason)| {
+        eligible
             .iter()
             .copied()
-            .filter(|&i| under(i))
-            // The replica that has the adapter nearest, then the least
-            // loaded: both under the bound.
-            .min_by_key(|&i| (views[i].residency, views[i].load, replica_rank(i)))
-            .map(|i| (i, Reason::HotReplica))
-    } else {
-        None
-    };
-    let first = first
-        .or_else(|| {
-            [
-                (Tier::Device, Reason::DeviceResident),
-                (Tier::Host, Reason::HostResident),
-            ]
-            .into_iter()
-            .filter(|_| key != 0)
-            .find_map(|(tier, reason)| {
-                eligible
-                    .iter()
-                    .copied()
-                    .filter(|&i| views[i].residency == tier && under(i))
-                    .min_by_key(|&i| (!in_replicas(i), views[i].load, replica_rank(i)))
-                    .map(|i| (i, reason))
-            })
+            .filter(|&i| views[i].residency == tier && under(i))
+            .min_by_key(|&i| (views[i].load, ring_rank(i)))
+            .map(|i| (i, reason))
+    })
+    .or_else(|| {
+        ring.iter().position(|&i| under(i)).map(|p| {
+            (
+                ring[p],
+                if p == 0 {
+                    Reason::RingOwner
+                } else {
+                    Reason::RingSpill
+                },
+            )
         })
-        .or_else(|| {
-            ring.iter().position(|&i| under(i)).map(|p| {
-                (
-                    ring[p],
-                    if p == 0 {
-                        Reason::RingOwner
-                    } else {
-                        Reason::RingSpill
-                    },
-                )
-            })
-        })
-        .unwrap_or_else(|| {
-            let i = *eligible
-                .iter()
-                .min_by_key(|&&i| (views[i].load, replica_rank(i)))
-                .expect("eligible is not empty");
-            (i, Reason::Saturated)
-        });
+    })
+    .unwrap_or_else(|| {
+        let i = *eligible
+            .iter()
+            .min_by_key(|&&i| (views[i].load, ring_rank(i)))
+            .expect("eligible is not empty");
+        (i, Reason::Saturated)
+    });
     // Fallbacks for retries: the ring order, skipping the first choice.
     let mut order = vec![first.0];
     order.extend(ring.iter().copied().filter(|&i| i != first.0));
@@ -345,34 +329,9 @@ impl Router {
         self.ring.order(key)
     }
 
-    /// The adapter's replica count after seeing `adapter_load` requests in
-    /// flight for it (see [`next_replicas`]), kept for the next call.
-    pub fn update_replicas(&mut self, key: u64, adapter_load: u32, workers: usize) -> usize {
-        let current = self.replicas.get(&key).copied().unwrap_or(1);
-        let k = next_replicas(self.policy, current, adapter_load, workers);
-        if k == 1 {
-            self.replicas.remove(&key);
-        } else {
-            self.replicas.insert(key, k);
-        }
-        k
-    }
-
-    /// [`decide`] with this router's ring and replica counts, updating the
-    /// adapter's count from `adapter_load` first.
-    pub fn choose(
-        &mut self,
-        key: u64,
-        adapter_load: u32,
-        views: &[WorkerView<'_>],
-    ) -> Option<Decision> {
-        let k = if key == 0 {
-            1
-        } else {
-            let n = eligible_ring(&self.ring, key, views).len();
-            self.update_replicas(key, adapter_load, n)
-        };
-        decide(self.policy, &self.ring, key, k, views)
+    /// [`decide`] with this router's ring.
+    pub fn choose(&self, key: u64, views: &[WorkerView<'_>]) -> Option<Decision> {
+        decide(self.policy, &self.ring, key, views)
     }
 }
 
@@ -428,69 +387,101 @@ mod tests {
 
     #[test]
     fn residency_wins_over_the_ring_owner_until_the_load_bound() {
-        let (mut r, ids) = router(4);
+        let (r, ids) = router(4);
         let key = 42;
         let owner = r.ring_order(key)[0];
         let other = (owner + 1) % 4;
         let mut v = views(&ids, &[2, 2, 2, 2]);
         v[other].residency = Tier::Device;
-        let d = r.choose(key, 0, &v).unwrap();
+        let d = r.choose(key, &v).unwrap();
         assert_eq!((d.order[0], d.reason), (other, Reason::DeviceResident));
         assert_eq!(d.order.len(), 4);
 
-        // Over the bound (ceil(1.25 * 11 / 4) = 4, so a worker at 4 is
-        // full), the resident worker is skipped and the ring owner takes it.
+        // Over both bounds (ceil(1.25 * 11 / 4) = ceil(1.45 * 11 / 4) = 4,
+        // so a worker at 4 is full), the resident worker is skipped and the
+        // ring owner takes it.
         let mut v = views(&ids, &[2, 2, 2, 2]);
         v[other].load = 4;
         v[other].residency = Tier::Device;
-        let d = r.choose(key, 0, &v).unwrap();
+        let d = r.choose(key, &v).unwrap();
         assert_eq!((d.order[0], d.reason), (owner, Reason::RingOwner));
 
         let mut v = views(&ids, &[0, 0, 0, 0]);
         v[other].residency = Tier::Host;
-        assert_eq!(r.choose(key, 0, &v).unwrap().reason, Reason::HostResident);
+        assert_eq!(r.choose(key, &v).unwrap().reason, Reason::HostResident);
     }
 
     #[test]
     fn ineligible_workers_are_never_chosen_and_none_eligible_is_none() {
-        let (mut r, ids) = router(3);
+        let (r, ids) = router(3);
         let mut v = views(&ids, &[0, 0, 0]);
         for x in &mut v {
             x.eligible = false;
         }
-        assert!(r.choose(7, 0, &v).is_none());
+        assert!(r.choose(7, &v).is_none());
         v[1].eligible = true;
-        let d = r.choose(7, 0, &v).unwrap();
+        let d = r.choose(7, &v).unwrap();
         assert_eq!(d.order, vec![1]);
     }
 
     #[test]
-    fn a_hot_adapter_grows_replicas_and_shrinks_back_without_flapping() {
-        let (mut r, _) = router(8);
-        assert_eq!(r.update_replicas(9, 4, 8), 1);
-        assert_eq!(r.update_replicas(9, 20, 8), 3);
-        // Just under the growth point: stays at 3 (no flapping at 16..24).
-        assert_eq!(r.update_replicas(9, 15, 8), 3);
-        assert_eq!(r.update_replicas(9, 9, 8), 3);
-        // Well below: shrinks one step at a time as the load falls.
-        assert_eq!(r.update_replicas(9, 7, 8), 2);
-        assert_eq!(r.update_replicas(9, 3, 8), 1);
-        assert_eq!(
-            r.update_replicas(9, 1000, 8),
-            8,
-            "never more than the workers"
-        );
+    fn a_worker_holding_the_adapter_may_run_past_the_load_bound_to_the_resident_bound() {
+        let (r, ids) = router(4);
+        let key = 42;
+        let holder = (r.ring_order(key)[0] + 1) % 4;
+        let mut v = views(&ids, &[6, 6, 6, 6]);
+        v[holder].load = 10;
+        v[holder].residency = Tier::Device;
+        // Total 28: the load bound is ceil(1.25 * 29 / 4) = 10, the
+        // resident bound ceil(1.45 * 29 / 4) = 11: the holder's 11th
+        // request stays with it.
+        let d = r.choose(key, &v).unwrap();
+        assert_eq!((d.order[0], d.reason), (holder, Reason::DeviceResident));
+        // With no room above the load bound, it goes to the ring owner and
+        // costs a load there.
+        let flat = Policy {
+            resident_load_factor: 1.25,
+            ..Policy::default()
+        };
+        let ring = Ring::new(&ids.iter().map(String::as_str).collect::<Vec<_>>());
+        let d = decide(flat, &ring, key, &v).unwrap();
+        assert_eq!(d.reason, Reason::RingOwner);
+        assert_ne!(d.order[0], holder);
+    }
+
+    #[test]
+    fn a_hot_adapter_spreads_clockwise_then_shares_among_its_holders() {
+        let (r, ids) = router(8);
+        let key = 9;
+        let ring = r.ring_order(key);
+        // Only the owner holds it, at its resident bound (total 32+7: the
+        // resident bound is ceil(1.45 * 40 / 8) = 8).
+        let mut loads = [4u32; 8];
+        loads[ring[0]] = 8;
+        let mut v = views(&ids, &loads);
+        v[ring[0]].residency = Tier::Device;
+        let d = r.choose(key, &v).unwrap();
+        assert_eq!((d.order[0], d.reason), (ring[1], Reason::RingSpill));
+        // Once the next worker clockwise holds it too, requests go to the
+        // less loaded of the two holders, and only to holders.
+        v[ring[1]].residency = Tier::Device;
+        v[ring[1]].load = 5;
+        let d = r.choose(key, &v).unwrap();
+        assert_eq!((d.order[0], d.reason), (ring[1], Reason::DeviceResident));
+        v[ring[0]].load = 3;
+        let d = r.choose(key, &v).unwrap();
+        assert_eq!((d.order[0], d.reason), (ring[0], Reason::DeviceResident));
     }
 
     #[test]
     fn an_overloaded_ring_owner_spills_to_the_next_worker_clockwise() {
-        let (mut r, ids) = router(4);
+        let (r, ids) = router(4);
         let ring = r.ring_order(5);
         let mut loads = [1, 1, 1, 1];
         loads[ring[0]] = 6;
         let v = views(&ids, &loads);
         // bound = ceil(1.25 * 10 / 4) = 4: the owner (6) is over it.
-        let d = r.choose(5, 0, &v).unwrap();
+        let d = r.choose(5, &v).unwrap();
         assert_eq!((d.order[0], d.reason), (ring[1], Reason::RingSpill));
         assert_eq!(d.order[1..], [ring[0], ring[2], ring[3]]);
     }

@@ -22,19 +22,23 @@ fn fleet() -> impl Strategy<Value = Vec<(u32, Tier, bool)>> {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]
 
-    /// The first choice is at or under the load bound unless every eligible
-    /// worker is at it (then the decision says Saturated), and no choice at
-    /// all is ineligible.
+    /// The first choice is at or under the load bound that applies to it
+    /// (the resident one where the adapter is in its device slots) unless
+    /// every eligible worker is at its bound (then the decision says
+    /// Saturated), and no choice at all is ineligible.
     #[test]
     fn the_first_choice_respects_the_bound_and_eligibility(
         fleet in fleet(),
         key in 0u64..1000,
-        adapter_load in 0u32..64,
         load_factor in 1.0f64..2.0,
+        resident_extra in 0.0f64..1.0,
     ) {
         let names = ids(fleet.len());
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-        let mut router = Router::new(Policy { load_factor, replica_share: 8.0 });
+        let mut router = Router::new(Policy {
+            load_factor,
+            resident_load_factor: load_factor + resident_extra,
+        });
         router.set_workers(&refs);
         let views: Vec<WorkerView<'_>> = fleet
             .iter()
@@ -42,7 +46,7 @@ proptest! {
             .map(|(&(load, residency, eligible), id)| WorkerView { id, load, residency, eligible })
             .collect();
         let eligible: Vec<usize> = (0..views.len()).filter(|&i| views[i].eligible).collect();
-        let Some(decision) = router.choose(key, adapter_load, &views) else {
+        let Some(decision) = router.choose(key, &views) else {
             prop_assert!(eligible.is_empty(), "a decision whenever a worker is eligible");
             return Ok(());
         };
@@ -51,12 +55,16 @@ proptest! {
             prop_assert!(views[i].eligible, "worker {i} is not eligible but was chosen");
         }
         let total: u64 = eligible.iter().map(|&i| u64::from(views[i].load)).sum();
-        // The policy's bound, with its floor (an idle fleet's bound is never
-        // below MIN_BOUND).
-        let bound = (load_factor * (total + 1) as f64 / eligible.len() as f64)
-            .ceil()
-            .max(crate::router::policy::MIN_BOUND);
-        let under = |i: usize| f64::from(views[i].load) + 1.0 <= bound;
+        // The policy's bounds, with their floor (an idle fleet's bound is
+        // never below MIN_BOUND), computed here from their definitions.
+        let mean = (total + 1) as f64 / eligible.len() as f64;
+        let floor = crate::router::policy::MIN_BOUND;
+        let bound = (load_factor * mean).ceil().max(floor);
+        let resident = ((load_factor + resident_extra) * mean).ceil().max(floor);
+        let under = |i: usize| {
+            let b = if key != 0 && views[i].residency == Tier::Device { resident } else { bound };
+            f64::from(views[i].load) + 1.0 <= b
+        };
         let first = decision.order[0];
         if decision.reason == Reason::Saturated {
             prop_assert!(eligible.iter().all(|&i| !under(i)), "Saturated while {eligible:?} had room");

@@ -52,10 +52,12 @@ pub struct ServeArgs {
     /// Bounded-load factor c: no worker above c × the average load.
     #[arg(long, env = "LORAFLEET_LOAD_FACTOR", default_value_t = 1.25)]
     pub load_factor: f64,
-    /// In-flight requests one replica of an adapter carries before the
-    /// adapter spreads to another worker.
-    #[arg(long, env = "LORAFLEET_REPLICA_SHARE", default_value_t = 8.0)]
-    pub replica_share: f64,
+    /// A worker holding the adapter in its device slots may take the
+    /// request up to this × the average load (at least --load-factor):
+    /// moving a request off it costs an adapter load elsewhere.
+    #[arg(long, env = "LORAFLEET_RESIDENT_LOAD_FACTOR",
+          default_value_t = crate::router::policy::RESIDENT_LOAD_FACTOR)]
+    pub resident_load_factor: f64,
     /// Registry snapshot refresh interval, as a backstop to announcements.
     #[arg(long, env = "LORAFLEET_REGISTRY_REFRESH_SECS", default_value_t = 30)]
     pub registry_refresh_secs: u64,
@@ -309,7 +311,7 @@ impl ServeArgs {
             worker_tls,
             policy: Policy {
                 load_factor: self.load_factor,
-                replica_share: self.replica_share,
+                resident_load_factor: self.resident_load_factor,
             },
             registry_refresh: Duration::from_secs(self.registry_refresh_secs),
             max_concurrent_requests: self.max_concurrent_requests,
@@ -346,9 +348,12 @@ impl ServeArgs {
             format!("{} must be at least 1.0", self.load_factor),
         )?;
         ensure(
-            self.replica_share >= 1.0 && self.replica_share.is_finite(),
-            "--replica-share",
-            format!("{} must be at least 1", self.replica_share),
+            self.resident_load_factor >= self.load_factor && self.resident_load_factor.is_finite(),
+            "--resident-load-factor",
+            format!(
+                "{} must be at least --load-factor ({})",
+                self.resident_load_factor, self.load_factor
+            ),
         )?;
         for (flag, v) in [
             ("--registry-refresh-secs", self.registry_refresh_secs),

@@ -68,8 +68,12 @@ const BAD_FLAGS: &[(&[&str], &str)] = &[
         "--load-factor: 0.5 must be at least 1.0",
     ),
     (
-        &["--replica-share", "0"],
-        "--replica-share: 0 must be at least 1",
+        &["--resident-load-factor", "1.1"],
+        "--resident-load-factor: 1.1 must be at least --load-factor (1.25)",
+    ),
+    (
+        &["--load-factor", "2", "--resident-load-factor", "inf"],
+        "--resident-load-factor: inf must be at least --load-factor (2)",
     ),
     (
         &["--max-attempts", "0"],
