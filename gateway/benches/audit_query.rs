@@ -13,6 +13,9 @@
 //! and how large the log is on disk.
 //!
 //! cargo bench -p lorafleet-gateway --bench audit_query [-- ROWS]
+//!
+//! `AUDIT_BENCH_KEEP=1` keeps the database at the end (its name is
+//! printed) to look at the plans by hand.
 
 use std::time::{Duration, Instant};
 
@@ -24,7 +27,15 @@ use lorafleet_gateway::router::policy::Policy;
 use sqlx::Connection;
 
 const TENANTS: usize = 10;
-const DAYS: i64 = 30;
+/// Days the rows span (`AUDIT_BENCH_DAYS` to pack them denser: 10M rows
+/// over 3 days fill each day's partition as 100M over 30 do).
+fn days() -> i64 {
+    std::env::var("AUDIT_BENCH_DAYS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&d: &i64| (1..=30).contains(&d))
+        .unwrap_or(30)
+}
 const SAMPLES: usize = 300;
 const DEEP_ROWS: usize = 3_000;
 
@@ -51,6 +62,7 @@ fn main() {
         .skip(1)
         .find_map(|a| a.parse().ok())
         .unwrap_or(1_000_000);
+    let days = days();
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async move {
         let db = format!("lorafleet_audit_bench_{}", std::process::id());
@@ -112,7 +124,7 @@ fn main() {
         .execute(&pool)
         .await
         .unwrap();
-        let step_us = DAYS * 86_400 * 1_000_000 / rows as i64;
+        let step_us = days * 86_400 * 1_000_000 / rows as i64;
         // Rows in time order, as a gateway writes them; every tenant spread
         // over the whole month.
         sqlx::query(
@@ -195,7 +207,7 @@ fn main() {
         let questions: Vec<(String, DateTime<Utc>)> = (0..SAMPLES)
             .map(|_| {
                 let tenant = format!("tenant-{:02}", rng.next() as usize % TENANTS);
-                let day = start + chrono::Duration::days(rng.next() as i64 % DAYS);
+                let day = start + chrono::Duration::days(rng.next() as i64 % days);
                 (tenant, day)
             })
             .collect();
@@ -293,7 +305,7 @@ fn main() {
         .unwrap();
         println!();
         println!(
-            "audit_log: {count} rows ({TENANTS} tenants, {DAYS} days) in {partitions} partitions, \
+            "audit_log: {count} rows ({TENANTS} tenants, {days} days) in {partitions} partitions, \
              {:.2} GiB with indexes, generated and analysed in {:.1} s; {SAMPLES} questions each",
             bytes as f64 / (1u64 << 30) as f64,
             loaded.as_secs_f64()
@@ -308,6 +320,10 @@ fn main() {
         }
 
         pool.close().await;
+        if std::env::var_os("AUDIT_BENCH_KEEP").is_some() {
+            println!("\nkept the database {db} (AUDIT_BENCH_KEEP): drop it by hand");
+            return;
+        }
         sqlx::query(sqlx::AssertSqlSafe(format!(
             "DROP DATABASE IF EXISTS {db} WITH (FORCE)"
         )))

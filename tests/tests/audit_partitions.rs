@@ -551,3 +551,85 @@ async fn lorafleetctl_lists_the_partitions_and_the_replica_maintaining_them() {
     p.run_as(Some(&viewer), &["audit-partitions"])
         .refused(3, "role viewer may not query the audit log");
 }
+
+/// An adapter filter reads its page through the adapter's index in page
+/// order and stops: a day of 40,000 rows where one tenant's adapter holds
+/// 4,000, and its first page of 100 must not read and sort all 4,000 (at
+/// 100M rows a month that was 3,333 heap pages and a 918 ms p99 cold).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adapter_filter_reads_its_page_in_index_order() {
+    let (_db, pool) = partitioned_since("audit_adapter_filter", 2).await;
+    sqlx::raw_sql(
+        "INSERT INTO tenants (name) SELECT 'tenant-' || n FROM generate_series(0, 9) n;
+         INSERT INTO base_models (name, base_hash, architecture)
+              VALUES ('base', repeat('ab', 32), 'llama');
+         INSERT INTO adapters (name, version, base_model_id, rank, alpha, target_modules,
+                               artifact_uri, artifact_sha256)
+              SELECT 'adapter-' || n, 1, (SELECT id FROM base_models), 8, 16, ARRAY['q_proj'],
+                     'a/' || n, repeat('ab', 32)
+                FROM generate_series(0, 9) n ORDER BY n;",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let day = (Utc::now() - TimeDelta::days(1))
+        .date_naive()
+        .and_hms_opt(0, 0, 0)
+        .unwrap()
+        .and_utc();
+    // Row g: tenant g % 10 on adapter g % 10, an error every 50th.
+    sqlx::query(
+        "INSERT INTO audit_log (request_id, received_at, completed_at, tenant_id, model_name,
+                                lora_int_id, adapter_name, adapter_version, status,
+                                http_status, latency_us)
+         SELECT gen_random_uuid(), t, t, te.id, 'chat', a.lora_int_id, a.name, 1,
+                CASE WHEN g % 50 = 0 THEN 'error'::audit_status ELSE 'ok' END,
+                CASE WHEN g % 50 = 0 THEN 502 ELSE 200 END, 1000
+           FROM generate_series(0, 39999) g
+           JOIN tenants te ON te.name = 'tenant-' || (g % 10)
+           JOIN adapters a ON a.name = 'adapter-' || (g % 10),
+                LATERAL (SELECT $1 + make_interval(secs => g * 2) AS t) x",
+    )
+    .bind(day)
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query("ANALYZE audit_log")
+        .execute(&pool)
+        .await
+        .unwrap();
+
+    let q = AuditQuery::new(
+        &pool,
+        &AuditFilter {
+            tenant: Some("tenant-3".into()),
+            adapter: Some("adapter-3".into()),
+            status: Some("ok".into()),
+            since: Some(day),
+            until: Some(day + TimeDelta::days(1)),
+            limit: Some(100),
+            ..AuditFilter::default()
+        },
+    )
+    .await
+    .unwrap();
+    let plan = q.explain(&pool, None).await.unwrap();
+    assert!(
+        plan.contains("Index Scan") && plan.contains("lora_int_id") && !plan.contains("Sort"),
+        "the adapter's page should walk its index in order:\n{plan}"
+    );
+    let (rows, next) = q.page(&pool, None).await.unwrap();
+    assert_eq!(rows.len(), 100);
+    assert!(next.is_some());
+    assert!(
+        rows.iter()
+            .all(|r| r.adapter_name.as_deref() == Some("adapter-3")
+                && r.status == "ok"
+                && r.tenant.as_deref() == Some("tenant-3"))
+    );
+    assert!(
+        rows.windows(2)
+            .all(|w| (w[0].received_at, w[0].id) > (w[1].received_at, w[1].id)),
+        "newest first"
+    );
+}

@@ -303,14 +303,24 @@ impl AuditQuery {
         if let Some(v) = &self.model {
             q.push(" AND l.model_name = ").push_bind(v.clone());
         }
-        if let Some((name, version)) = &self.adapter {
-            q.push(" AND l.adapter_name = ").push_bind(name.clone());
-            if let Some(v) = version {
-                q.push(" AND l.adapter_version = ").push_bind(*v);
+        if self.adapter.is_some() {
+            // The ids alone: a row copies the id with the name and version,
+            // so they say the same, and a name or version beside them would
+            // make Postgres take the rows as a thousandfold rarer than they
+            // are and read all of the adapter's rows of the range to sort
+            // them. One id (the common case) is an equality, which the
+            // `(lora_int_id, received_at DESC, id DESC)` index serves in page
+            // order, stopping after the page.
+            match self.adapter_ids.as_slice() {
+                [id] => {
+                    q.push(" AND l.lora_int_id = ").push_bind(*id);
+                }
+                ids => {
+                    q.push(" AND l.lora_int_id = ANY(")
+                        .push_bind(ids.to_vec())
+                        .push(")");
+                }
             }
-            q.push(" AND l.lora_int_id = ANY(")
-                .push_bind(self.adapter_ids.clone())
-                .push(")");
         }
         if let Some(v) = self.lora_int_id {
             q.push(" AND l.lora_int_id = ").push_bind(v);
