@@ -580,11 +580,16 @@ async fn an_adapter_filter_reads_its_page_in_index_order() {
     // Row g: tenant g % 10 on adapter g % 10, an error every 50th.
     sqlx::query(
         "INSERT INTO audit_log (request_id, received_at, completed_at, tenant_id, model_name,
-                                lora_int_id, adapter_name, adapter_version, status,
-                                http_status, latency_us)
+                                lora_int_id, adapter_name, adapter_version, base_hash,
+                                worker_id, adapter_residency, status, http_status,
+                                error_code, finish_reason, prompt_tokens, completion_tokens,
+                                latency_us, ttft_us)
          SELECT gen_random_uuid(), t, t, te.id, 'chat', a.lora_int_id, a.name, 1,
+                repeat('ab', 32), 'w0', 'device',
                 CASE WHEN g % 50 = 0 THEN 'error'::audit_status ELSE 'ok' END,
-                CASE WHEN g % 50 = 0 THEN 502 ELSE 200 END, 1000
+                CASE WHEN g % 50 = 0 THEN 502 ELSE 200 END,
+                CASE WHEN g % 50 = 0 THEN 'worker_failed' END,
+                CASE WHEN g % 50 = 0 THEN NULL ELSE 'stop' END, 20, 50, 1000, 400
            FROM generate_series(0, 39999) g
            JOIN tenants te ON te.name = 'tenant-' || (g % 10)
            JOIN adapters a ON a.name = 'adapter-' || (g % 10),
