@@ -113,9 +113,9 @@ pub struct AuditQuery {
     pub(super) tenant: Option<Uuid>,
     pub(super) api_key: Option<Uuid>,
     pub(super) model: Option<String>,
-    pub(super) adapter: Option<(String, Option<i32>)>,
-    /// The `lora_int_id`s registered under `adapter`'s name (and version).
-    pub(super) adapter_ids: Vec<i64>,
+    /// With an adapter filter: the `lora_int_id`s registered under its
+    /// name (and version).
+    pub(super) adapter_ids: Option<Vec<i64>>,
     pub(super) lora_int_id: Option<i64>,
     pub(super) worker: Option<String>,
     pub(super) status: Option<String>,
@@ -192,17 +192,19 @@ impl AuditQuery {
         // the id with the name, so the ids registered under the name are
         // exactly those its rows can hold: the query then walks the
         // adapter's index instead of every row of the tenant's range.
-        let adapter_ids: Vec<i64> = match &adapter {
-            None => Vec::new(),
-            Some((name, version)) => sqlx::query_scalar(
-                "SELECT lora_int_id FROM adapters
+        let adapter_ids: Option<Vec<i64>> = match &adapter {
+            None => None,
+            Some((name, version)) => Some(
+                sqlx::query_scalar(
+                    "SELECT lora_int_id FROM adapters
                   WHERE name = $1 AND ($2::INT4 IS NULL OR version = $2)",
-            )
-            .bind(name)
-            .bind(*version)
-            .fetch_all(pool)
-            .await
-            .map_err(db_error)?,
+                )
+                .bind(name)
+                .bind(*version)
+                .fetch_all(pool)
+                .await
+                .map_err(db_error)?,
+            ),
         };
         if let Some(st) = &f.status
             && !["ok", "cancelled", "rejected", "error"].contains(&st.as_str())
@@ -228,7 +230,6 @@ impl AuditQuery {
             tenant,
             api_key,
             model: f.model.clone(),
-            adapter,
             adapter_ids,
             lora_int_id: f.lora_int_id,
             worker: f.worker.clone(),
@@ -303,7 +304,7 @@ impl AuditQuery {
         if let Some(v) = &self.model {
             q.push(" AND l.model_name = ").push_bind(v.clone());
         }
-        if self.adapter.is_some() {
+        if let Some(ids) = &self.adapter_ids {
             // The ids alone: a row copies the id with the name and version,
             // so they say the same, and a name or version beside them would
             // make Postgres take the rows as a thousandfold rarer than they
@@ -311,7 +312,7 @@ impl AuditQuery {
             // them. One id (the common case) is an equality, which the
             // `(lora_int_id, received_at DESC, id DESC)` index serves in page
             // order, stopping after the page.
-            match self.adapter_ids.as_slice() {
+            match ids.as_slice() {
                 [id] => {
                     q.push(" AND l.lora_int_id = ").push_bind(*id);
                 }

@@ -233,7 +233,7 @@ impl Ring {
 }
 
 /// The eligible workers in ring order for `key`.
-pub fn eligible_ring(ring: &Ring, key: u64, views: &[WorkerView<'_>]) -> Vec<usize> {
+fn eligible_ring(ring: &Ring, key: u64, views: &[WorkerView<'_>]) -> Vec<usize> {
     ring.order(key)
         .into_iter()
         .filter(|&i| i < views.len() && views[i].eligible)
