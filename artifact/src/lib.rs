@@ -7,6 +7,7 @@
 //! - [`adapter`]: `adapter_config.json` with the engine's rules, the
 //!   projections an adapter may target, and why one is refused;
 //! - [`model_config`]: a base model's `config.json`;
+//! - [`rope`]: its rotary embedding and how the frequencies are scaled;
 //! - [`weights`]: safetensors files (one or sharded) and the base hash;
 //! - [`quantization`]: a quantized base's `quantization_config` and how its
 //!   weights dequantize;
@@ -18,6 +19,7 @@ pub mod error;
 pub mod model_config;
 pub mod quantization;
 pub mod roots;
+pub mod rope;
 pub mod safetensors_header;
 pub mod weights;
 

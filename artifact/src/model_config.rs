@@ -18,6 +18,8 @@ pub enum Architecture {
     Llama,
     Mistral,
     Qwen2,
+    Qwen3,
+    Phi3,
     Mixtral,
     Qwen3Moe,
 }
@@ -29,6 +31,8 @@ impl Architecture {
             Architecture::Llama => "llama",
             Architecture::Mistral => "mistral",
             Architecture::Qwen2 => "qwen2",
+            Architecture::Qwen3 => "qwen3",
+            Architecture::Phi3 => "phi3",
             Architecture::Mixtral => "mixtral",
             Architecture::Qwen3Moe => "qwen3_moe",
         }
@@ -37,19 +41,31 @@ impl Architecture {
     /// Whether its MLP is a Mixture of Experts.
     pub fn is_moe(self) -> bool {
         match self {
-            Architecture::Llama | Architecture::Mistral | Architecture::Qwen2 => false,
+            Architecture::Llama
+            | Architecture::Mistral
+            | Architecture::Qwen2
+            | Architecture::Qwen3
+            | Architecture::Phi3 => false,
             Architecture::Mixtral | Architecture::Qwen3Moe => true,
         }
     }
 
     /// Every architecture, for the lists that name them all.
-    pub const ALL: [Architecture; 5] = [
+    pub const ALL: [Architecture; 7] = [
         Architecture::Llama,
         Architecture::Mistral,
         Architecture::Qwen2,
+        Architecture::Qwen3,
+        Architecture::Phi3,
         Architecture::Mixtral,
         Architecture::Qwen3Moe,
     ];
+
+    /// Whether its checkpoints hold q, k and v as one `qkv_proj` and gate
+    /// and up as one `gate_up_proj` (Phi-3), rows stacked in that order.
+    pub fn fused_projections(self) -> bool {
+        self == Architecture::Phi3
+    }
 
     /// The architecture a `model_type` names.
     pub fn from_model_type(model_type: &str) -> Option<Architecture> {
@@ -86,7 +102,8 @@ pub struct ModelConfig {
     pub num_kv_heads: usize,
     pub head_dim: usize,
     pub rms_norm_eps: f32,
-    pub rope_theta: f32,
+    /// The rotary embedding: its base, rotary dimensions and scaling.
+    pub rope: crate::rope::Rope,
     pub max_position_embeddings: usize,
     pub tie_word_embeddings: bool,
     /// Biases on q, k and v (Qwen2 always; Llama with `attention_bias`).
@@ -197,7 +214,7 @@ pub struct Fields<'a> {
 }
 
 impl Fields<'_> {
-    fn err(&self, field: &str, reason: impl Into<String>) -> FileError {
+    pub(crate) fn err(&self, field: &str, reason: impl Into<String>) -> FileError {
         FileError::model(PathBuf::from(self.file), field, reason)
     }
 
@@ -315,34 +332,7 @@ fn parse_config(path: &Path, map: &Map<String, Value>) -> Result<ModelConfig> {
             format!("{act:?} is not supported; expected \"silu\""),
         ));
     }
-    // transformers 4 writes rope_theta and rope_scaling; transformers 5
-    // writes both into rope_parameters.
-    let mut rope_theta = f.f64("rope_theta")?;
-    for field in ["rope_scaling", "rope_parameters"] {
-        let Some(rope) = f.get(field) else { continue };
-        let Value::Object(rope) = rope else {
-            return Err(f.err(field, "must be an object"));
-        };
-        let kind = rope
-            .get("rope_type")
-            .or_else(|| rope.get("type"))
-            .and_then(Value::as_str)
-            .unwrap_or("default");
-        if kind != "default" {
-            return Err(f.err(
-                field,
-                format!("rope type {kind:?} is not supported; only \"default\""),
-            ));
-        }
-        if let Some(theta) = rope.get("rope_theta") {
-            rope_theta = Some(theta.as_f64().filter(|t| t.is_finite()).ok_or_else(|| {
-                f.err(
-                    &format!("{field}.rope_theta"),
-                    format!("must be a finite number, got {theta}"),
-                )
-            })?);
-        }
-    }
+    let rope = crate::rope::Rope::parse(&f, head_dim)?;
     if f.usize("pretraining_tp")?.is_some_and(|tp| tp != 1) {
         return Err(f.err("pretraining_tp", "only 1 is supported"));
     }
@@ -354,12 +344,14 @@ fn parse_config(path: &Path, map: &Map<String, Value>) -> Result<ModelConfig> {
             attention_bias,
             f.bool("mlp_bias")?.unwrap_or(false),
         ),
-        Architecture::Qwen3Moe => (attention_bias, attention_bias, false),
-        Architecture::Mistral | Architecture::Mixtral => (false, false, false),
+        Architecture::Qwen3 | Architecture::Qwen3Moe => (attention_bias, attention_bias, false),
+        Architecture::Mistral | Architecture::Mixtral | Architecture::Phi3 => (false, false, false),
     };
     let sliding_window = match architecture {
-        Architecture::Mistral | Architecture::Mixtral => f.usize("sliding_window")?,
-        Architecture::Qwen2 | Architecture::Qwen3Moe => {
+        Architecture::Mistral | Architecture::Mixtral | Architecture::Phi3 => {
+            f.usize("sliding_window")?
+        }
+        Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Qwen3Moe => {
             if f.bool("use_sliding_window")?.unwrap_or(false) {
                 return Err(f.err(
                     "use_sliding_window",
@@ -373,13 +365,43 @@ fn parse_config(path: &Path, map: &Map<String, Value>) -> Result<ModelConfig> {
     if sliding_window == Some(0) {
         return Err(f.err("sliding_window", "must be positive"));
     }
+    let num_layers = f.positive("num_hidden_layers")?;
+    // transformers 5 lists each layer's attention; one window for every
+    // layer is the uniform `sliding_window` above.
+    if let Some(types) = f.get("layer_types") {
+        let types = types
+            .as_array()
+            .ok_or_else(|| f.err("layer_types", format!("must be a list, got {types}")))?;
+        if types.len() != num_layers {
+            return Err(f.err(
+                "layer_types",
+                format!(
+                    "has {} entries for num_hidden_layers {num_layers}",
+                    types.len()
+                ),
+            ));
+        }
+        let expected = if sliding_window.is_some() {
+            "sliding_attention"
+        } else {
+            "full_attention"
+        };
+        if let Some((i, t)) = types
+            .iter()
+            .enumerate()
+            .find(|(_, t)| t.as_str() != Some(expected))
+        {
+            return Err(f.err(
+                &format!("layer_types[{i}]"),
+                format!(
+                    "is {t}; this model's layers are all {expected:?} (layers of different kinds are not supported)"
+                ),
+            ));
+        }
+    }
     let eps = f.f64("rms_norm_eps")?.unwrap_or(1e-6);
     if eps <= 0.0 {
         return Err(f.err("rms_norm_eps", "must be positive"));
-    }
-    let theta = rope_theta.unwrap_or(10_000.0);
-    if theta <= 0.0 {
-        return Err(f.err("rope_theta", "must be positive"));
     }
     let tie_default = false;
     let moe = parse_moe(&f, architecture)?;
@@ -392,19 +414,19 @@ fn parse_config(path: &Path, map: &Map<String, Value>) -> Result<ModelConfig> {
         vocab_size: f.positive("vocab_size")?,
         hidden_size,
         intermediate_size,
-        num_layers: f.positive("num_hidden_layers")?,
+        num_layers,
         num_heads,
         num_kv_heads,
         head_dim,
         rms_norm_eps: eps as f32,
-        rope_theta: theta as f32,
+        rope,
         max_position_embeddings: f.usize("max_position_embeddings")?.unwrap_or(2048).max(1),
         tie_word_embeddings: f.bool("tie_word_embeddings")?.unwrap_or(tie_default),
         qkv_bias,
         o_bias,
         mlp_bias,
         sliding_window,
-        qk_norm: architecture == Architecture::Qwen3Moe,
+        qk_norm: matches!(architecture, Architecture::Qwen3 | Architecture::Qwen3Moe),
         moe,
         quantization: None,
         bos_token_id: f
@@ -500,7 +522,7 @@ mod tests {
             (4, 2, 16, 2)
         );
         assert_eq!(c.eos_token_ids, vec![2, 7]);
-        assert_eq!(c.rope_theta, 500000.0);
+        assert_eq!(c.rope.theta, 500000.0);
 
         // transformers 5 keeps theta in rope_parameters.
         let mut v5 = llama();
@@ -508,7 +530,7 @@ mod tests {
         v5["rope_parameters"] = serde_json::json!({"rope_type": "default", "rope_theta": 1234.0});
         write(dir.path(), "config.json", v5);
         assert_eq!(
-            ModelConfig::from_dir(dir.path()).unwrap().rope_theta,
+            ModelConfig::from_dir(dir.path()).unwrap().rope.theta,
             1234.0
         );
         assert!(!c.tie_word_embeddings && !c.qkv_bias);
@@ -591,12 +613,12 @@ mod tests {
             (
                 "rope_scaling",
                 serde_json::json!({"rope_type": "yarn"}),
-                "`rope_scaling`",
+                "`rope_scaling.original_max_position_embeddings`: is required",
             ),
             (
                 "rope_parameters",
                 serde_json::json!({"rope_type": "llama3", "rope_theta": 1.0}),
-                "`rope_parameters`",
+                "`rope_parameters.low_freq_factor`: is required",
             ),
             (
                 "eos_token_id",

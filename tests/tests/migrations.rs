@@ -81,7 +81,8 @@ async fn migrations_apply_to_an_empty_database_and_rerun_as_a_no_op() {
             (13, true),
             (14, true),
             (15, true),
-            (16, true)
+            (16, true),
+            (17, true)
         ],
         "each migration applied exactly once"
     );
@@ -104,7 +105,7 @@ async fn migrate_takes_the_url_from_the_environment() {
         .fetch_one(&db.pool().await)
         .await
         .unwrap();
-    assert_eq!(n, 16);
+    assert_eq!(n, 17);
 }
 
 #[test]

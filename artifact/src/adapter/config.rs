@@ -37,6 +37,10 @@ pub struct AdapterConfig {
     pub alpha_pattern: Patterns<f32>,
     /// The projections targeted, in `Projection` order.
     pub targets: Vec<Projection>,
+    /// `target_modules` names fused modules (`qkv_proj`, `gate_up_proj`,
+    /// as Phi-3 has): each stores one LoRA pair for the projections it
+    /// fuses (see [`AdapterConfig::stored_targets`]).
+    pub fused: bool,
     /// None: every layer.
     pub layers_to_transform: Option<Vec<usize>>,
     /// Parameters of a Mixture-of-Experts block targeted directly
@@ -109,6 +113,40 @@ impl AdapterConfig {
         adapter: &str,
         architecture: Architecture,
     ) -> Result<AdapterConfig, AdapterError> {
+        if self.fused != architecture.fused_projections() {
+            let split = [
+                Projection::Q,
+                Projection::K,
+                Projection::V,
+                Projection::Gate,
+                Projection::Up,
+            ];
+            let named = match self.stored_targets().into_iter().find(|t| {
+                if self.fused {
+                    t.parts.len() > 1
+                } else {
+                    split.contains(&t.parts[0])
+                }
+            }) {
+                Some(t) => t.module_name(),
+                None => "",
+            };
+            if !named.is_empty() {
+                let why = if self.fused {
+                    "its projections are separate modules"
+                } else {
+                    "it fuses q, k and v into qkv_proj and gate and up into gate_up_proj"
+                };
+                return Err(invalid(
+                    adapter,
+                    "target_modules",
+                    format!(
+                        "{named:?} is not a module of a {} model: {why}",
+                        architecture.model_type()
+                    ),
+                ));
+            }
+        }
         if !architecture.is_moe() {
             if let Some(t) = self.expert_targets.first() {
                 return Err(invalid(
@@ -162,6 +200,24 @@ impl AdapterConfig {
             }
         };
         parse(adapter, &root, num_layers)
+    }
+
+    /// The modules the adapter stores a LoRA pair for, in projection order:
+    /// one per projection, or the fused modules its `target_modules` names.
+    pub fn stored_targets(&self) -> Vec<super::Target> {
+        use super::Target;
+        let mut out: Vec<Target> = Vec::new();
+        for &p in &self.targets {
+            let t = match p {
+                Projection::Q | Projection::K | Projection::V if self.fused => Target::QKV,
+                Projection::Gate | Projection::Up if self.fused => Target::GATE_UP,
+                _ => Target::single(p),
+            };
+            if out.last() != Some(&t) {
+                out.push(t);
+            }
+        }
+        out
     }
 
     /// The largest rank of any module, after rank_pattern.
@@ -398,6 +454,7 @@ fn parse(
     })?;
 
     let expert_targets = parse_target_parameters(adapter, get("target_parameters"))?;
+    let (mut fused_names, mut split_names): (Vec<&str>, Vec<&str>) = (Vec::new(), Vec::new());
     let mut targets: Vec<Projection> = match get("target_modules") {
         Some(Value::String(s)) if s == "all-linear" => Projection::ALL.to_vec(),
         Some(Value::String(s)) => {
@@ -415,8 +472,18 @@ fn parse(
                 let name = item.as_str().unwrap_or_default();
                 // PEFT matches a listed name against the last path component.
                 let last = name.rsplit('.').next().unwrap_or(name);
+                if let Some(t) = super::Target::fused_from_name(last) {
+                    out.extend_from_slice(t.parts);
+                    fused_names.push(last);
+                    continue;
+                }
                 match Projection::from_module_name(last) {
-                    Some(p) => out.push(p),
+                    Some(p) => {
+                        if !matches!(p, Projection::O | Projection::Down) {
+                            split_names.push(last);
+                        }
+                        out.push(p)
+                    }
                     None if matches!(last, "embed_tokens" | "lm_head") => {
                         return Err(unsupported(
                             adapter,
@@ -429,7 +496,7 @@ fn parse(
                             adapter,
                             "target_modules",
                             format!(
-                                "{item} is not a module of this model; expected q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj or down_proj"
+                                "{item} is not a module of this model; expected q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj or down_proj (qkv_proj, o_proj, gate_up_proj or down_proj where the model fuses them)"
                             ),
                         ));
                     }
@@ -449,6 +516,16 @@ fn parse(
     };
     targets.sort();
     targets.dedup();
+    if let (Some(f), Some(p)) = (fused_names.first(), split_names.first()) {
+        return Err(invalid(
+            adapter,
+            "target_modules",
+            format!(
+                "names both the fused {f:?} and the separate {p:?}; a model has one or the other"
+            ),
+        ));
+    }
+    let fused = !fused_names.is_empty();
 
     let layers_to_transform = match get("layers_to_transform") {
         None => None,
@@ -486,6 +563,7 @@ fn parse(
         rank_pattern,
         alpha_pattern,
         targets,
+        fused,
         layers_to_transform,
         expert_targets,
     })

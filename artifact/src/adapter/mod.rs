@@ -74,6 +74,109 @@ impl Projection {
     pub fn index(self) -> usize {
         self as usize
     }
+
+    /// The projection's rows in the checkpoint of a model of `c`'s
+    /// architecture: the tensor's module path under a decoder layer, and
+    /// the first row of the projection in it (q, k and v share Phi-3's
+    /// `qkv_proj`, gate and up its `gate_up_proj`).
+    pub fn stored_in(self, c: &ModelConfig) -> (&'static str, usize) {
+        if c.architecture.fused_projections() {
+            match self {
+                Projection::Q => return ("self_attn.qkv_proj", 0),
+                Projection::K => return ("self_attn.qkv_proj", c.q_dim()),
+                Projection::V => return ("self_attn.qkv_proj", c.q_dim() + c.kv_dim()),
+                Projection::Gate => return ("mlp.gate_up_proj", 0),
+                Projection::Up => return ("mlp.gate_up_proj", c.intermediate_size),
+                Projection::O | Projection::Down => {}
+            }
+        }
+        match self {
+            Projection::Q => ("self_attn.q_proj", 0),
+            Projection::K => ("self_attn.k_proj", 0),
+            Projection::V => ("self_attn.v_proj", 0),
+            Projection::O => ("self_attn.o_proj", 0),
+            Projection::Gate => ("mlp.gate_proj", 0),
+            Projection::Up => ("mlp.up_proj", 0),
+            Projection::Down => ("mlp.down_proj", 0),
+        }
+    }
+}
+
+/// A module an adapter stores one LoRA pair for: one projection, or the
+/// projections a checkpoint fuses into one module (Phi-3's `qkv_proj` and
+/// `gate_up_proj`), whose B stacks the parts' rows in order and whose A
+/// they share.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Target {
+    /// The module path under a decoder layer, e.g. `self_attn.qkv_proj`.
+    pub path: &'static str,
+    pub parts: &'static [Projection],
+}
+
+impl Target {
+    pub const QKV: Target = Target {
+        path: "self_attn.qkv_proj",
+        parts: &[Projection::Q, Projection::K, Projection::V],
+    };
+    pub const GATE_UP: Target = Target {
+        path: "mlp.gate_up_proj",
+        parts: &[Projection::Gate, Projection::Up],
+    };
+
+    /// The module's own name, the last part of its path.
+    pub fn module_name(self) -> &'static str {
+        self.path.rsplit('.').next().unwrap_or(self.path)
+    }
+
+    /// The fused module a `target_modules` name stands for.
+    pub fn fused_from_name(name: &str) -> Option<Target> {
+        [Target::QKV, Target::GATE_UP]
+            .into_iter()
+            .find(|t| t.module_name() == name)
+    }
+
+    /// One projection as its own module.
+    pub fn single(p: Projection) -> Target {
+        const SINGLE: [&[Projection]; 7] = [
+            &[Projection::Q],
+            &[Projection::K],
+            &[Projection::V],
+            &[Projection::O],
+            &[Projection::Gate],
+            &[Projection::Up],
+            &[Projection::Down],
+        ];
+        const PATHS: [&str; 7] = [
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        ];
+        Target {
+            path: PATHS[p.index()],
+            parts: SINGLE[p.index()],
+        }
+    }
+}
+
+/// The checkpoint tensors that hold `parts` (projections stacked by rows,
+/// in order) of one decoder layer, each as its module path and its row
+/// count: one per projection, or one fused tensor for parts a checkpoint
+/// fuses. Parts that share a fused tensor must all be asked for together.
+pub fn stored_tensors(c: &ModelConfig, parts: &[Projection]) -> Vec<(&'static str, usize)> {
+    let mut out: Vec<(&'static str, usize)> = Vec::new();
+    for &p in parts {
+        let (path, _) = p.stored_in(c);
+        let rows = p.shape(c).1;
+        match out.last_mut() {
+            Some((last, n)) if *last == path => *n += rows,
+            _ => out.push((path, rows)),
+        }
+    }
+    out
 }
 
 /// Why an adapter was refused. The variants map to distinct gRPC statuses

@@ -5,13 +5,14 @@
 
 use crate::safetensors_header::Header;
 
-use super::{AdapterConfig, AdapterError, ExpertTarget, Projection};
+use super::{AdapterConfig, AdapterError, ExpertTarget, Target};
 
 /// What one adapter tensor holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Holds {
-    /// A projection targeted by `target_modules`.
-    Module(Projection),
+    /// A module targeted by `target_modules`: one projection, or a fused
+    /// group of them.
+    Module(Target),
     /// A Mixture-of-Experts parameter targeted by `target_parameters`.
     Expert(ExpertTarget),
 }
@@ -43,12 +44,11 @@ pub struct Expected {
     pub factor: Factor,
 }
 
-/// The name PEFT gives one layer's projection factor.
-pub fn module_tensor(layer: usize, p: Projection, factor: Factor) -> String {
+/// The name PEFT gives one layer's module factor.
+pub fn module_tensor(layer: usize, t: Target, factor: Factor) -> String {
     format!(
-        "base_model.model.model.layers.{layer}.{}.{}.lora_{}.weight",
-        p.parent(),
-        p.module_name(),
+        "base_model.model.model.layers.{layer}.{}.lora_{}.weight",
+        t.path,
         factor.letter()
     )
 }
@@ -72,12 +72,12 @@ pub fn expected_in_layer(config: &AdapterConfig, layer: usize) -> Vec<Expected> 
         return Vec::new();
     }
     let mut out = Vec::new();
-    for &p in &config.targets {
+    for t in config.stored_targets() {
         for factor in [Factor::A, Factor::B] {
             out.push(Expected {
-                name: module_tensor(layer, p, factor),
+                name: module_tensor(layer, t, factor),
                 layer,
-                holds: Holds::Module(p),
+                holds: Holds::Module(t),
                 factor,
             });
         }
@@ -121,12 +121,7 @@ fn unexpected(name: &str) -> &'static str {
 /// The module path a tensor's rank is looked up by in `rank_pattern`.
 pub fn rank_path(e: &Expected) -> String {
     match e.holds {
-        Holds::Module(p) => format!(
-            "model.layers.{}.{}.{}",
-            e.layer,
-            p.parent(),
-            p.module_name()
-        ),
+        Holds::Module(t) => format!("model.layers.{}.{}", e.layer, t.path),
         Holds::Expert(t) => t.path(e.layer),
     }
 }

@@ -216,9 +216,9 @@ fn inspect_dir(
     })?;
     tensors::check(adapter_name, &config, &header, None).map_err(adapter_refusal)?;
     let targets: Vec<String> = config
-        .targets
+        .stored_targets()
         .iter()
-        .map(|p| p.module_name().to_owned())
+        .map(|t| t.module_name().to_owned())
         .collect();
     Ok(Inspected {
         rank,

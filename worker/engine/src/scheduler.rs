@@ -146,6 +146,7 @@ impl Scheduler<'_> {
         let mut i = 0;
         while i < self.queues.running.len() && budget > 0 {
             let id = self.queues.running[i];
+            self.switch_rope_if_past(id);
             let seq = &self.seqs[&id];
             let scoring =
                 seq.params.prompt_logprobs.is_some() && seq.prompt_scored < seq.prompt_ids.len();
@@ -284,6 +285,7 @@ impl Scheduler<'_> {
                     }
                 }
             }
+            self.switch_rope_if_past(id);
             let seq = self.seqs.get_mut(&id).expect("waiting sequence exists");
             // A request scoring its prompt computes every position of it.
             let scoring =
@@ -556,6 +558,20 @@ impl Scheduler<'_> {
     /// Frees a running sequence's KV and puts it at the head of the waiting
     /// queue, to be recomputed from its tokens. It keeps its lease: a live
     /// sequence's adapter is never evicted, so it resumes without a load.
+    /// A sequence grown past LongRoPE's pretraining context rotates by the
+    /// long frequencies from then on, every position recomputed so (as
+    /// transformers' Phi-3 recomputes its cache): its blocks are released
+    /// (they stay cached for sequences still within the context).
+    fn switch_rope_if_past(&mut self, id: SeqId) {
+        let long_after = self.backend.config().rope.long_after();
+        let seq = self.seqs.get_mut(&id).expect("sequence exists");
+        if seq.switch_to_long_rope(long_after) {
+            self.kv.release(&mut seq.blocks);
+            seq.num_computed = 0;
+            seq.registered = 0;
+        }
+    }
+
     fn preempt(&mut self, id: SeqId) {
         let seq = self.seqs.get_mut(&id).expect("preempted sequence exists");
         self.kv.release(&mut seq.blocks);

@@ -76,6 +76,9 @@ pub(crate) struct Sequence {
     /// The identity of the weights this sequence's KV comes from, which
     /// seeds its blocks' content keys.
     pub weights_seed: BlockHash,
+    /// Its KV is rotated by LongRoPE's long frequencies: its length is past
+    /// the model's pretraining context.
+    pub long_rope: bool,
     /// Content keys of the sequence's full blocks, in order, as far as
     /// they have been needed.
     pub block_hashes: Vec<BlockHash>,
@@ -140,6 +143,7 @@ impl Sequence {
             waited_steps: None,
             skipped: 0,
             weights_seed,
+            long_rope: false,
             block_hashes: Vec::new(),
             registered: 0,
             cached_tokens: 0,
@@ -150,6 +154,21 @@ impl Sequence {
             text: String::new(),
             emitted: 0,
         }
+    }
+
+    /// Switches to LongRoPE's long frequencies when the sequence's length
+    /// is past `long_after` and its KV was not computed with them: its
+    /// blocks' content keys change (other weights, in effect), and the
+    /// caller recomputes every position, as transformers' Phi-3 recomputes
+    /// its cache on crossing. Returns whether it switched.
+    pub fn switch_to_long_rope(&mut self, long_after: Option<usize>) -> bool {
+        if self.long_rope || long_after.is_none_or(|n| self.total_len() <= n) {
+            return false;
+        }
+        self.long_rope = true;
+        self.weights_seed = chain(&self.weights_seed, &[u32::MAX, 0x4c4f_4e47]);
+        self.block_hashes.clear();
+        true
     }
 
     /// Prompt plus output tokens.

@@ -26,6 +26,10 @@ pub struct SeqStep<'a> {
     /// chunk that does not reach the end), 1 (the next token is chosen
     /// from the last), or more (prompt log probabilities).
     pub logit_rows: usize,
+    /// The sequence rotates by the model's long RoPE frequencies
+    /// ([`crate::model::rope::Rope::long_after`]): its length is past
+    /// LongRoPE's pretraining context.
+    pub long_rope: bool,
 }
 
 /// A contiguous run of tokens that use one adapter slot: the SGMV segment.
@@ -88,6 +92,7 @@ impl<'a> StepBatch<'a> {
             first_position,
             block_table,
             logit_rows: logit_rows.min(tokens.len()),
+            long_rope: false,
         });
     }
 

@@ -127,6 +127,9 @@ impl Engine {
             tokens.extend((seq.num_computed..seq.num_computed + chunk).map(|p| seq.token_at(p)));
             let n = seq.logit_rows(chunk);
             batch.push_rows(&tokens, seq.num_computed, &seq.blocks, slot, n);
+            if let Some(s) = batch.seqs.last_mut() {
+                s.long_rope = seq.long_rope;
+            }
             rows.push(Row {
                 id,
                 chunk,

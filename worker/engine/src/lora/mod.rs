@@ -285,12 +285,13 @@ fn build(
         if !config.transforms_layer(layer) {
             continue;
         }
-        for &p in &config.targets {
-            let module_path = format!("model.layers.{layer}.{}.{}", p.parent(), p.module_name());
+        for t in config.stored_targets() {
+            let module_path = format!("model.layers.{layer}.{}", t.path);
             let (rank, alpha) = config.rank_and_alpha(name, &module_path)?;
-            let (fan_in, fan_out) = p.shape(model);
-            let a_name = tensors::module_tensor(layer, p, Factor::A);
-            let b_name = tensors::module_tensor(layer, p, Factor::B);
+            let fan_in = t.parts[0].shape(model).0;
+            let fan_out: usize = t.parts.iter().map(|p| p.shape(model).1).sum();
+            let a_name = tensors::module_tensor(layer, t, Factor::A);
+            let b_name = tensors::module_tensor(layer, t, Factor::B);
             // bf16 stays bf16 when both factors are stored so; anything
             // else is widened to f32, exactly.
             let a_bits = files
@@ -299,41 +300,65 @@ fn build(
             let b_bits = files
                 .bf16_bits(&b_name, &[fan_out, rank])
                 .map_err(|e| invalid(&b_name, strip_file(e)))?;
-            let factors = match (a_bits, b_bits) {
-                (Some(a), Some(b)) => Factors::Bf16 {
-                    a_t: transpose(&a, rank, fan_in),
-                    b_t: transpose(&b, fan_out, rank),
-                },
-                _ => Factors::F32 {
-                    a_t: transpose(
-                        &files
-                            .f32(&a_name, &[rank, fan_in])
-                            .map_err(|e| invalid(&a_name, strip_file(e)))?,
-                        rank,
-                        fan_in,
-                    ),
-                    b_t: transpose(
-                        &files
-                            .f32(&b_name, &[fan_out, rank])
-                            .map_err(|e| invalid(&b_name, strip_file(e)))?,
-                        fan_out,
-                        rank,
-                    ),
-                },
-            };
+            // A fused module's parts share its A; each takes its own rows
+            // of B (B's rows are the fused output's, in the parts' order),
+            // so the parts' deltas are the fused module's, split.
+            let mut row = 0;
+            let parts = t.parts.iter().map(|&p| {
+                let out = p.shape(model).1;
+                let rows = row..row + out;
+                row += out;
+                (p, rows)
+            });
+            let parts: Vec<_> = parts.collect();
             let scale = if config.use_rslora {
                 alpha / (rank as f32).sqrt()
             } else {
                 alpha / rank as f32
             };
             max_rank = max_rank.max(rank);
-            let module = LoraModule {
-                rank,
-                scale,
-                factors,
-            };
-            bytes += module.bytes();
-            slots[p.index()] = Some(module);
+            match (a_bits, b_bits) {
+                (Some(a), Some(b)) => {
+                    let a_t = transpose(&a, rank, fan_in);
+                    for (p, rows) in &parts {
+                        let b_rows = &b[rows.start * rank..rows.end * rank];
+                        let factors = Factors::Bf16 {
+                            a_t: a_t.clone(),
+                            b_t: transpose(b_rows, rows.len(), rank),
+                        };
+                        let module = LoraModule {
+                            rank,
+                            scale,
+                            factors,
+                        };
+                        bytes += module.bytes();
+                        slots[p.index()] = Some(module);
+                    }
+                }
+                _ => {
+                    let a = files
+                        .f32(&a_name, &[rank, fan_in])
+                        .map_err(|e| invalid(&a_name, strip_file(e)))?;
+                    let b = files
+                        .f32(&b_name, &[fan_out, rank])
+                        .map_err(|e| invalid(&b_name, strip_file(e)))?;
+                    let a_t = transpose(&a, rank, fan_in);
+                    for (p, rows) in &parts {
+                        let b_rows = &b[rows.start * rank..rows.end * rank];
+                        let factors = Factors::F32 {
+                            a_t: a_t.clone(),
+                            b_t: transpose(b_rows, rows.len(), rank),
+                        };
+                        let module = LoraModule {
+                            rank,
+                            scale,
+                            factors,
+                        };
+                        bytes += module.bytes();
+                        slots[p.index()] = Some(module);
+                    }
+                }
+            }
         }
     }
     let experts = experts::load(name, config, files, limits)?;

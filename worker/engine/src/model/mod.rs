@@ -6,6 +6,7 @@ pub mod tokenizer;
 
 pub use lorafleet_artifact::model_config as config;
 pub use lorafleet_artifact::quantization;
+pub use lorafleet_artifact::rope;
 pub use lorafleet_artifact::weights;
 
 pub use config::{Architecture, ModelConfig};

@@ -3,6 +3,10 @@
 #![allow(dead_code)]
 
 pub mod gpu;
+pub mod logprob_golden;
+
+#[allow(unused_imports)]
+pub use logprob_golden::*;
 
 use std::path::PathBuf;
 

@@ -119,7 +119,12 @@ pub struct CpuBackend {
     /// whose adapter has no expert weights skip that path, and the tests
     /// check it here.
     expert_lora_rows: std::sync::atomic::AtomicU64,
+    /// The rotary pairs' inverse frequencies, `rope.rotary_dim / 2`.
     inv_freq: Vec<f32>,
+    /// LongRoPE's frequencies for sequences past its pretraining context.
+    long_inv_freq: Option<Vec<f32>>,
+    /// What cos and sin are multiplied by (YaRN's attention factor).
+    rope_factor: f32,
 }
 
 impl CpuBackend {
@@ -201,9 +206,8 @@ impl CpuBackend {
                 };
                 let mut weights = Vec::new();
                 let mut bias = Vec::new();
-                for p in parts {
-                    let name = format!("{prefix}.{}.{}", p.parent(), p.module_name());
-                    let out = p.shape(c).1;
+                for (path, out) in lorafleet_artifact::adapter::stored_tensors(c, parts) {
+                    let name = format!("{prefix}.{path}");
                     if has_bias {
                         bias.extend(files.f32(&format!("{name}.bias"), &[out])?);
                     }
@@ -298,15 +302,10 @@ impl CpuBackend {
                 b.push(vec![0f32; shape.slots * SlotView::b_len(max_rank, fan_out)]);
             }
         }
-        let half = config.head_dim / 2;
-        // As transformers computes it: 1 / theta^(2i/d), in f32.
-        let inv_freq = (0..half)
-            .map(|i| {
-                1.0 / config
-                    .rope_theta
-                    .powf((2 * i) as f32 / config.head_dim as f32)
-            })
-            .collect();
+        // As transformers computes them, once: the scaled frequencies and
+        // the factor cos and sin are multiplied by.
+        let (inv_freq, rope_factor) = (config.rope.inv_freq(), config.rope.attention_factor());
+        let long_inv_freq = config.rope.long_inv_freq();
         CpuBackend {
             k_cache: (0..config.num_layers).map(|_| vec![0f32; kv_len]).collect(),
             v_cache: (0..config.num_layers).map(|_| vec![0f32; kv_len]).collect(),
@@ -327,6 +326,8 @@ impl CpuBackend {
             norm,
             lm_head,
             inv_freq,
+            long_inv_freq,
+            rope_factor,
         }
     }
 }
@@ -430,26 +431,33 @@ impl CpuBackend {
     }
 
     /// `(cos, sin)` of every rotary frequency at each of the step's token
-    /// positions, `[tokens, head_dim / 2]`: computed once per step, since
-    /// every layer and head rotates by the same angles.
+    /// positions, `[tokens, rotary_dim / 2]`, times the attention factor
+    /// as transformers scales them: computed once per step, since every
+    /// layer and head rotates by the same angles.
     fn rope_table(&self, batch: &StepBatch<'_>) -> Vec<(f32, f32)> {
-        let half = self.config.head_dim / 2;
+        let half = self.inv_freq.len();
+        let factor = self.rope_factor;
         let mut table = vec![(0f32, 0f32); batch.tokens.len() * half];
         for s in &batch.seqs {
+            let inv_freq = match &self.long_inv_freq {
+                Some(long) if s.long_rope => long,
+                _ => &self.inv_freq,
+            };
             for i in 0..s.len {
                 let (t, position) = (s.start + i, s.first_position + i);
                 for (f, cs) in table[t * half..(t + 1) * half].iter_mut().enumerate() {
-                    let (sin, cos) = (position as f32 * self.inv_freq[f]).sin_cos();
-                    *cs = (cos, sin);
+                    let (sin, cos) = (position as f32 * inv_freq[f]).sin_cos();
+                    *cs = (cos * factor, sin * factor);
                 }
             }
         }
         table
     }
 
-    /// Rotate-half RoPE of every head in `v` by one token's angles.
+    /// Rotate-half RoPE of the leading `rotary_dim` dimensions of every
+    /// head in `v` by one token's angles; the rest pass through.
     fn rope(&self, v: &mut [f32], angles: &[(f32, f32)]) {
-        let half = self.config.head_dim / 2;
+        let half = angles.len();
         for head in v.chunks_exact_mut(self.config.head_dim) {
             for (i, &(cos, sin)) in angles.iter().enumerate() {
                 let (x1, x2) = (head[i], head[i + half]);
@@ -599,7 +607,7 @@ impl Backend for CpuBackend {
             }
         }
         let scale = 1.0 / (hd as f32).sqrt();
-        let (rope, half) = (self.rope_table(batch), hd / 2);
+        let (rope, half) = (self.rope_table(batch), self.inv_freq.len());
         let mut normed = vec![0f32; n * d];
         // The last layer's output matters only at the rows that want
         // logits: past its keys and values (which every row stores), it

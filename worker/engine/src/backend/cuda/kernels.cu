@@ -185,23 +185,27 @@ extern "C" __global__ void silu_mul(const float* gu, float* out, wt* out_w, int 
 }
 
 // Rotates the query and key heads of each token's fused [q | k | v] row in
-// place (rotate-half RoPE), then stores its key and value at its KV-cache
-// row, in the weights' type. Grid: one block per token.
+// place (rotate-half RoPE over each head's first 2 * rot_half dimensions;
+// the rest pass through), with cos and sin times `factor` (YaRN's
+// attention factor, 1 otherwise) as transformers scales them, then stores
+// its key and value at its KV-cache row, in the weights' type. Grid: one
+// block per token.
 extern "C" __global__ void rope_store(float* qkv, int q_dim, int kv_dim, const int* pos,
-                                      const int* kv_row, const float* inv_freq, wt* k_cache,
-                                      wt* v_cache) {
-    const int half = HEAD_DIM / 2;
+                                      const int* kv_row, const float* inv_freq, int rot_half,
+                                      float factor, wt* k_cache, wt* v_cache) {
     float* row = qkv + (size_t)blockIdx.x * (q_dim + 2 * kv_dim);
     float p = (float)pos[blockIdx.x];
     int nq = q_dim / HEAD_DIM, heads = nq + kv_dim / HEAD_DIM;
-    for (int i = threadIdx.x; i < heads * half; i += blockDim.x) {
-        int head = i / half, j = i % half;
+    for (int i = threadIdx.x; i < heads * rot_half; i += blockDim.x) {
+        int head = i / rot_half, j = i % rot_half;
         float* hp = head < nq ? row + head * HEAD_DIM : row + q_dim + (head - nq) * HEAD_DIM;
         float s, c;
         sincosf(p * inv_freq[j], &s, &c);
-        float x1 = hp[j], x2 = hp[j + half];
+        c *= factor;
+        s *= factor;
+        float x1 = hp[j], x2 = hp[j + rot_half];
         hp[j] = x1 * c - x2 * s;
-        hp[j + half] = x2 * c + x1 * s;
+        hp[j + rot_half] = x2 * c + x1 * s;
     }
     __syncthreads();
     wt* kd = k_cache + (size_t)kv_row[blockIdx.x] * kv_dim;

@@ -215,6 +215,15 @@ impl CudaBackend {
         limits: StepLimits,
     ) -> Result<CudaBackend> {
         let c = config;
+        // LongRoPE switches a sequence's frequencies by its length; the
+        // rope kernel holds one table.
+        if c.rope.long_after().is_some() {
+            return Err(EngineError::InvalidModel {
+                file: dir.join("config.json"),
+                field: "rope_scaling".into(),
+                reason: "rope type \"longrope\" runs on the CPU backend only; the CUDA backend does not implement it yet".into(),
+            });
+        }
         let dev = Device::open(
             ordinal,
             KernelShapes {
@@ -297,17 +306,16 @@ impl CudaBackend {
                 let mut bias = Vec::new();
                 let mut fan_out = 0;
                 let quantized = quant::read_parts(&files, &prefix, projs, c)?;
-                for &p in projs {
-                    let (_, out) = p.shape(c);
-                    let name = format!("{prefix}.{}.{}", p.parent(), p.module_name());
+                let has_bias = match projs[0] {
+                    Projection::Q | Projection::K | Projection::V => c.qkv_bias,
+                    Projection::O => c.o_bias,
+                    _ => c.mlp_bias,
+                };
+                for (path, out) in lorafleet_artifact::adapter::stored_tensors(c, projs) {
+                    let name = format!("{prefix}.{path}");
                     if quantized.is_none() {
                         w.extend(files.f32(&format!("{name}.weight"), &[out, fan_in])?);
                     }
-                    let has_bias = match p {
-                        Projection::Q | Projection::K | Projection::V => c.qkv_bias,
-                        Projection::O => c.o_bias,
-                        _ => c.mlp_bias,
-                    };
                     if has_bias {
                         bias.extend(files.f32(&format!("{name}.bias"), &[out])?);
                     }
@@ -405,10 +413,8 @@ impl CudaBackend {
         let slots = Slots::new(&dev, c, &shape)?;
         let moe_layers = if c.moe.is_some() { c.num_layers } else { 0 };
         let expert_slots = moe::ExpertSlots::new(&dev, moe_layers, shape.slots)?;
-        let inv_freq: Vec<f32> = (0..c.head_dim / 2)
-            .map(|i| 1.0 / c.rope_theta.powf((2 * i) as f32 / c.head_dim as f32))
-            .collect();
-        let inv_freq = up_f32(&inv_freq)?;
+        // The CPU backend's frequencies, computed once from the config.
+        let inv_freq = up_f32(&c.rope.inv_freq())?;
         // Every section of a step's metadata is at most one entry per
         // token (two per tile), plus the block tables; grown if a step
         // needs more.

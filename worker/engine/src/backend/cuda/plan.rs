@@ -200,7 +200,7 @@ mod tests {
             num_kv_heads: 8,
             head_dim: 128,
             rms_norm_eps: 1e-5,
-            rope_theta: 500_000.0,
+            rope: lorafleet_artifact::rope::Rope::plain(500_000.0, 128),
             max_position_embeddings: 8192,
             tie_word_embeddings: false,
             qkv_bias: false,

@@ -403,9 +403,9 @@ pub(super) fn read_parts(
     c: &ModelConfig,
 ) -> Result<Option<Vec<HostPart>>> {
     let mut parts = Vec::with_capacity(projs.len());
-    for &p in projs {
-        let (fan_in, out) = p.shape(c);
-        let name = format!("{prefix}.{}.{}.weight", p.parent(), p.module_name());
+    let fan_in = projs[0].shape(c).0;
+    for (path, out) in lorafleet_artifact::adapter::stored_tensors(c, projs) {
+        let name = format!("{prefix}.{path}.weight");
         let Some(m) = files.quantized_matrix(&name, &[out, fan_in])? else {
             return Ok(None);
         };

@@ -441,6 +441,8 @@ impl CudaBackend {
                     Arg::Ptr(meta.pos),
                     Arg::Ptr(meta.kv_row),
                     Arg::Ptr(self.dev.p(&self.inv_freq)),
+                    Arg::I32((c.rope.rotary_dim / 2) as i32),
+                    Arg::F32(c.rope.attention_factor()),
                     Arg::Ptr(self.dev.p(&self.k_cache[l])),
                     Arg::Ptr(self.dev.p(&self.v_cache[l])),
                 ],

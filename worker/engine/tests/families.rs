@@ -1,0 +1,139 @@
+//! Model families from their checkpoints' own `config.json` (sizes shrunk;
+//! `scripts/make_family_fixtures.py`): Llama 3.2 (RoPE `llama3` scaling,
+//! tied embeddings, a list of end tokens), Qwen3 (q/k norms, an explicit
+//! `head_dim`, YaRN) and Phi-4 (fused `qkv_proj` and `gate_up_proj`, and
+//! adapters on them), against transformers + PEFT on the CPU backend: every
+//! prompt position's log probability over a prompt of at least 96 tokens
+//! (past each scaling's original context) and greedy tokens, within 1e-4,
+//! all of a model's cases in one mixed batch; and a staggered batch of a
+//! family's adapters equal to each request alone.
+
+mod common;
+
+use common::*;
+use lorafleet_engine::lora::{AdapterLimits, HostAdapter, Projection};
+use lorafleet_engine::model::ModelConfig;
+use lorafleet_engine::model::rope::RopeScaling;
+
+const FAMILIES: [&str; 5] = ["llama32-tied", "qwen3-yarn", "phi4", "phi35-mini", "phi4-mini"];
+
+#[test]
+fn families_match_transformers_and_peft_over_long_prompts() {
+    let g = logprob_golden("golden_families.json");
+    let mut checked = 0;
+    for model in FAMILIES {
+        checked += check_logprob_goldens(&g, model);
+    }
+    assert_eq!(checked, g.cases.len());
+    let longest = g.cases.iter().map(|c| c.prompt_ids.len()).max().unwrap();
+    assert!(longest >= 96, "a long prompt: {longest} tokens");
+    // Every adapter of every family, the base too, on each prompt: a short
+    // one, a long one, and one whose greedy tokens cross LongRoPE's
+    // original context (64), where the sequence switches to the long
+    // factors and is recomputed with them.
+    let adapters: usize = FAMILIES.iter().map(|m| adapter_names(m).len() + 1).sum();
+    assert_eq!(checked, 3 * adapters);
+    assert!(g.cases.iter().any(|c| c.prompt_ids.len() < 64
+        && c.prompt_ids.len() + c.completion.len() > 64));
+}
+
+#[test]
+fn each_family_reads_its_config_as_shipped() {
+    let llama = ModelConfig::from_dir(&model_dir("llama32-tied")).unwrap();
+    assert!(matches!(
+        llama.rope.scaling,
+        RopeScaling::Llama3 {
+            original_max_position_embeddings: 64,
+            ..
+        }
+    ));
+    assert!(llama.tie_word_embeddings);
+    assert_eq!(llama.eos_token_ids, vec![2, 3, 4], "every end token");
+
+    let qwen3 = ModelConfig::from_dir(&model_dir("qwen3-yarn")).unwrap();
+    assert!(qwen3.qk_norm && !qwen3.qkv_bias);
+    assert_eq!(
+        (qwen3.head_dim, qwen3.q_dim(), qwen3.hidden_size),
+        (32, 128, 64),
+        "head_dim as given, not hidden / heads"
+    );
+    assert!(matches!(qwen3.rope.scaling, RopeScaling::Yarn { factor, .. } if factor == 4.0));
+    assert!(qwen3.rope.attention_factor() > 1.0);
+
+    let phi = ModelConfig::from_dir(&model_dir("phi4")).unwrap();
+    assert!(phi.architecture.fused_projections());
+    assert_eq!(phi.rope.scaling, RopeScaling::Default);
+
+    let phi35 = ModelConfig::from_dir(&model_dir("phi35-mini")).unwrap();
+    assert_eq!(phi35.rope.long_after(), Some(64), "the top-level original context");
+    assert_eq!((phi35.sliding_window, phi35.num_kv_heads), (Some(48), 4));
+    // sqrt(1 + ln(2048 / 64) / ln(64)), from the contexts' ratio.
+    let expected = (1.0 + (32f32).ln() / (64f32).ln()).sqrt();
+    assert!((phi35.rope.attention_factor() - expected).abs() < 1e-6);
+
+    let mini = ModelConfig::from_dir(&model_dir("phi4-mini")).unwrap();
+    assert_eq!((mini.head_dim, mini.rope.rotary_dim), (16, 12), "partial_rotary_factor");
+    assert_eq!(mini.rope.long_inv_freq().unwrap().len(), 6);
+    assert!(mini.tie_word_embeddings);
+}
+
+#[test]
+fn a_fused_module_adapter_splits_into_its_projections() {
+    // Phi-4's qkv_proj adapter: one A shared by q, k and v, and B's rows
+    // split as the fused weight's are.
+    let config = ModelConfig::from_dir(&model_dir("phi4")).unwrap();
+    let limits = AdapterLimits {
+        model: &config,
+        max_lora_rank: 16,
+        base_hash_check: None,
+    };
+    let a = HostAdapter::load("qkv-o-r8", &adapter_dir("phi4", "qkv-o-r8"), limits).unwrap();
+    let layer = &a.modules[0];
+    let [q, k, v, o] = [Projection::Q, Projection::K, Projection::V, Projection::O]
+        .map(|p| layer[p.index()].as_ref().expect("targeted"));
+    assert_eq!(q.a_f32(), k.a_f32());
+    assert_eq!(k.a_f32(), v.a_f32());
+    assert_eq!(q.b_t_f32().len(), 8 * config.q_dim());
+    assert_eq!(k.b_t_f32().len(), 8 * config.kv_dim());
+    assert_eq!(o.rank, 8);
+    assert!(layer[Projection::Gate.index()].is_none());
+}
+
+#[test]
+fn adapters_for_the_other_layout_are_refused_by_name() {
+    // q_proj on Phi-4 (which fuses it) and qkv_proj on Llama (which does
+    // not) are modules those models lack: refused, never ignored.
+    for (model, donor, adapter, needle) in [
+        (
+            "phi4",
+            "llama32-tied",
+            "qkvo-r8",
+            "\"q_proj\" is not a module of a phi3 model",
+        ),
+        (
+            "llama32-tied",
+            "phi4",
+            "qkv-o-r8",
+            "\"qkv_proj\" is not a module of a llama model",
+        ),
+    ] {
+        let config = ModelConfig::from_dir(&model_dir(model)).unwrap();
+        let limits = AdapterLimits {
+            model: &config,
+            max_lora_rank: 16,
+            base_hash_check: None,
+        };
+        let err = HostAdapter::load(adapter, &adapter_dir(donor, adapter), limits)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(needle), "{model}: {err}");
+        assert!(err.contains("`target_modules`"), "{err}");
+    }
+}
+
+#[test]
+fn a_staggered_mixed_batch_of_each_familys_adapters_equals_one_at_a_time() {
+    for model in FAMILIES {
+        assert_staggered_batch_equals_alone(model, lorafleet_engine::BackendChoice::Cpu);
+    }
+}
