@@ -8,6 +8,7 @@
 //!   projections an adapter may target, and why one is refused;
 //! - [`model_config`]: a base model's `config.json`;
 //! - [`rope`]: its rotary embedding and how the frequencies are scaled;
+//! - [`layers`]: which layers slide, the MLP's activation, Gemma's norms;
 //! - [`weights`]: safetensors files (one or sharded) and the base hash;
 //! - [`quantization`]: a quantized base's `quantization_config` and how its
 //!   weights dequantize;
@@ -16,6 +17,7 @@
 
 pub mod adapter;
 pub mod error;
+pub mod layers;
 pub mod model_config;
 pub mod quantization;
 pub mod roots;

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use serde_json::{Map, Value};
 
 use crate::error::{FileError, Result};
+use crate::layers::LayerKind;
 
 /// The decoder families the engine runs. They share one forward pass and
 /// differ only in the switches of [`ModelConfig`]; Mixtral and Qwen3-MoE
@@ -20,6 +21,8 @@ pub enum Architecture {
     Qwen2,
     Qwen3,
     Phi3,
+    Gemma2,
+    Gemma3,
     Mixtral,
     Qwen3Moe,
 }
@@ -33,6 +36,8 @@ impl Architecture {
             Architecture::Qwen2 => "qwen2",
             Architecture::Qwen3 => "qwen3",
             Architecture::Phi3 => "phi3",
+            Architecture::Gemma2 => "gemma2",
+            Architecture::Gemma3 => "gemma3_text",
             Architecture::Mixtral => "mixtral",
             Architecture::Qwen3Moe => "qwen3_moe",
         }
@@ -45,18 +50,22 @@ impl Architecture {
             | Architecture::Mistral
             | Architecture::Qwen2
             | Architecture::Qwen3
-            | Architecture::Phi3 => false,
+            | Architecture::Phi3
+            | Architecture::Gemma2
+            | Architecture::Gemma3 => false,
             Architecture::Mixtral | Architecture::Qwen3Moe => true,
         }
     }
 
     /// Every architecture, for the lists that name them all.
-    pub const ALL: [Architecture; 7] = [
+    pub const ALL: [Architecture; 9] = [
         Architecture::Llama,
         Architecture::Mistral,
         Architecture::Qwen2,
         Architecture::Qwen3,
         Architecture::Phi3,
+        Architecture::Gemma2,
+        Architecture::Gemma3,
         Architecture::Mixtral,
         Architecture::Qwen3Moe,
     ];
@@ -112,8 +121,16 @@ pub struct ModelConfig {
     pub o_bias: bool,
     /// Biases on gate, up and down (Llama with `mlp_bias`).
     pub mlp_bias: bool,
-    /// Attend to at most this many most recent positions (Mistral).
+    /// The window of the sliding layers: the most recent positions they
+    /// attend to (Mistral: every layer; Gemma: those `layer_kinds` says).
     pub sliding_window: Option<usize>,
+    /// Each layer's attention span.
+    pub layer_kinds: Vec<crate::layers::LayerKind>,
+    /// The MLP's activation on the gate.
+    pub activation: crate::layers::Activation,
+    /// Gemma 2 and 3's norms, scales and soft-capping; None for the
+    /// Llama layer.
+    pub gemma: Option<crate::layers::Gemma>,
     /// RMSNorm over each head of q and k before the rotary embedding
     /// (Qwen3).
     pub qk_norm: bool,
@@ -175,6 +192,34 @@ impl ModelConfig {
             }
         }
         Ok(config)
+    }
+
+    /// The window a layer attends through, if it slides.
+    pub fn window(&self, layer: usize) -> Option<usize> {
+        match self.layer_kinds.get(layer) {
+            Some(crate::layers::LayerKind::Sliding) => self.sliding_window,
+            _ => None,
+        }
+    }
+
+    /// The rotary embedding of a layer: Gemma 3's sliding layers have
+    /// their own.
+    pub fn rope_of(&self, layer: usize) -> &crate::rope::Rope {
+        match (&self.gemma, self.layer_kinds.get(layer)) {
+            (Some(g), Some(crate::layers::LayerKind::Sliding)) => {
+                g.local_rope.as_ref().unwrap_or(&self.rope)
+            }
+            _ => &self.rope,
+        }
+    }
+
+    /// What attention scores are multiplied by: `head_dim^-½`, or Gemma's
+    /// `query_pre_attn_scalar^-½`.
+    pub fn attention_scale(&self) -> f32 {
+        match &self.gemma {
+            Some(g) => g.query_pre_attn_scalar.powf(-0.5) as f32,
+            None => 1.0 / (self.head_dim as f32).sqrt(),
+        }
     }
 
     /// Query heads per KV head (grouped-query attention).
@@ -324,15 +369,26 @@ fn parse_config(path: &Path, map: &Map<String, Value>) -> Result<ModelConfig> {
             format!("{head_dim} must be even for rotary embeddings"),
         ));
     }
-    if let Some(act) = f.str("hidden_act")?
-        && act != "silu"
-    {
-        return Err(f.err(
-            "hidden_act",
-            format!("{act:?} is not supported; expected \"silu\""),
-        ));
-    }
-    let rope = crate::rope::Rope::parse(&f, head_dim)?;
+    let num_layers = f.positive("num_hidden_layers")?;
+    let gemma_parts = match architecture {
+        Architecture::Gemma2 | Architecture::Gemma3 => Some(crate::layers::parse_gemma(
+            &f,
+            architecture,
+            num_layers,
+            head_dim,
+        )?),
+        _ => {
+            if let Some(act) = f.str("hidden_act")?
+                && act != "silu"
+            {
+                return Err(f.err(
+                    "hidden_act",
+                    format!("{act:?} is not supported; expected \"silu\""),
+                ));
+            }
+            None
+        }
+    };
     if f.usize("pretraining_tp")?.is_some_and(|tp| tp != 1) {
         return Err(f.err("pretraining_tp", "only 1 is supported"));
     }
@@ -345,6 +401,7 @@ fn parse_config(path: &Path, map: &Map<String, Value>) -> Result<ModelConfig> {
             f.bool("mlp_bias")?.unwrap_or(false),
         ),
         Architecture::Qwen3 | Architecture::Qwen3Moe => (attention_bias, attention_bias, false),
+        Architecture::Gemma2 | Architecture::Gemma3 => (attention_bias, attention_bias, false),
         Architecture::Mistral | Architecture::Mixtral | Architecture::Phi3 => (false, false, false),
     };
     let sliding_window = match architecture {
@@ -361,49 +418,46 @@ fn parse_config(path: &Path, map: &Map<String, Value>) -> Result<ModelConfig> {
             None
         }
         Architecture::Llama => None,
+        Architecture::Gemma2 | Architecture::Gemma3 => gemma_parts.as_ref().map(|g| g.1),
     };
     if sliding_window == Some(0) {
         return Err(f.err("sliding_window", "must be positive"));
     }
-    let num_layers = f.positive("num_hidden_layers")?;
-    // transformers 5 lists each layer's attention; one window for every
-    // layer is the uniform `sliding_window` above.
-    if let Some(types) = f.get("layer_types") {
-        let types = types
-            .as_array()
-            .ok_or_else(|| f.err("layer_types", format!("must be a list, got {types}")))?;
-        if types.len() != num_layers {
-            return Err(f.err(
-                "layer_types",
-                format!(
-                    "has {} entries for num_hidden_layers {num_layers}",
-                    types.len()
-                ),
-            ));
+    // transformers 5 lists each layer's attention; outside Gemma one
+    // window serves every layer, the uniform `sliding_window` above.
+    let uniform = if sliding_window.is_some() {
+        LayerKind::Sliding
+    } else {
+        LayerKind::Full
+    };
+    let (layer_kinds, rope, gemma) = match gemma_parts {
+        Some((kinds, _, rope, gemma)) => (kinds, rope, Some(gemma)),
+        None => {
+            if let Some(kinds) = crate::layers::layer_types(&f, num_layers)?
+                && let Some(i) = kinds.iter().position(|k| *k != uniform)
+            {
+                return Err(f.err(
+                    &format!("layer_types[{i}]"),
+                    format!(
+                        "is {:?}; this model's layers are all {:?} (layers of different kinds are not supported)",
+                        kinds[i].name(),
+                        uniform.name()
+                    ),
+                ));
+            }
+            (
+                vec![uniform; num_layers],
+                crate::rope::Rope::parse(&f, head_dim)?,
+                None,
+            )
         }
-        let expected = if sliding_window.is_some() {
-            "sliding_attention"
-        } else {
-            "full_attention"
-        };
-        if let Some((i, t)) = types
-            .iter()
-            .enumerate()
-            .find(|(_, t)| t.as_str() != Some(expected))
-        {
-            return Err(f.err(
-                &format!("layer_types[{i}]"),
-                format!(
-                    "is {t}; this model's layers are all {expected:?} (layers of different kinds are not supported)"
-                ),
-            ));
-        }
-    }
+    };
     let eps = f.f64("rms_norm_eps")?.unwrap_or(1e-6);
     if eps <= 0.0 {
         return Err(f.err("rms_norm_eps", "must be positive"));
     }
-    let tie_default = false;
+    // Gemma ties its embeddings unless told otherwise.
+    let tie_default = gemma.is_some();
     let moe = parse_moe(&f, architecture)?;
     let intermediate_size = match architecture {
         Architecture::Qwen3Moe => f.positive("moe_intermediate_size")?,
@@ -426,7 +480,17 @@ fn parse_config(path: &Path, map: &Map<String, Value>) -> Result<ModelConfig> {
         o_bias,
         mlp_bias,
         sliding_window,
-        qk_norm: matches!(architecture, Architecture::Qwen3 | Architecture::Qwen3Moe),
+        layer_kinds,
+        activation: if gemma.is_some() {
+            crate::layers::Activation::GeluTanh
+        } else {
+            crate::layers::Activation::Silu
+        },
+        gemma,
+        qk_norm: matches!(
+            architecture,
+            Architecture::Qwen3 | Architecture::Qwen3Moe | Architecture::Gemma3
+        ),
         moe,
         quantization: None,
         bos_token_id: f

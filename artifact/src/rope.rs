@@ -62,6 +62,29 @@ impl RopeScaling {
     }
 }
 
+/// Where a config keeps one rotary embedding.
+#[derive(Debug, Clone, Copy)]
+pub struct RopeSource<'s> {
+    /// The top-level base field, and its value when absent.
+    pub theta_field: &'s str,
+    pub default_theta: f64,
+    /// The top-level scaling objects that apply (transformers 4).
+    pub scaling_fields: &'s [&'s str],
+    /// The layer type transformers 5 nests this embedding under in
+    /// `rope_parameters`; None where `rope_parameters` is flat.
+    pub layer_kind: Option<&'s str>,
+}
+
+impl RopeSource<'static> {
+    /// One embedding for every layer.
+    pub const PLAIN: RopeSource<'static> = RopeSource {
+        theta_field: "rope_theta",
+        default_theta: 10_000.0,
+        scaling_fields: &["rope_scaling"],
+        layer_kind: None,
+    };
+}
+
 /// A model's rotary embedding.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Rope {
@@ -85,28 +108,63 @@ impl Rope {
     /// `rope_parameters` (whose own `rope_theta` and
     /// `partial_rotary_factor` come first). `head_dim` is the model's.
     pub fn parse(f: &Fields<'_>, head_dim: usize) -> Result<Rope> {
-        let mut theta = f.f64("rope_theta")?;
+        Rope::parse_from(f, head_dim, &RopeSource::PLAIN)
+    }
+
+    /// Reads one rotary embedding from where `src` says the config keeps
+    /// it (Gemma 3 has one for its global layers and one for its sliding
+    /// ones).
+    pub fn parse_from(f: &Fields<'_>, head_dim: usize, src: &RopeSource<'_>) -> Result<Rope> {
+        let mut theta = f.f64(src.theta_field)?;
         let mut partial = f
             .f64("partial_rotary_factor")?
             .map(|p| ("partial_rotary_factor".to_owned(), p));
         let mut scaling = RopeScaling::Default;
-        let mut seen: Option<&str> = None;
-        for field in ["rope_scaling", "rope_parameters"] {
-            let Some(value) = f.get(field) else { continue };
-            let Value::Object(map) = value else {
-                return Err(f.err(field, "must be an object"));
-            };
+        let mut seen: Option<String> = None;
+        let mut objects: Vec<(String, &Map<String, Value>)> = Vec::new();
+        fn object<'v>(
+            f: &Fields<'_>,
+            field: &str,
+            value: &'v Value,
+        ) -> Result<&'v Map<String, Value>> {
+            match value {
+                Value::Object(map) => Ok(map),
+                _ => Err(f.err(field, "must be an object")),
+            }
+        }
+        for field in src.scaling_fields {
+            if let Some(value) = f.get(field) {
+                objects.push((field.to_string(), object(f, field, value)?));
+            }
+        }
+        if let Some(value) = f.get("rope_parameters") {
+            let map = object(f, "rope_parameters", value)?;
+            match src.layer_kind {
+                // transformers 5 nests it by layer type.
+                Some(kind) => {
+                    if let Some(inner) = map.get(kind).filter(|v| !v.is_null()) {
+                        let name = format!("rope_parameters.{kind}");
+                        objects.push((name.clone(), object(f, &name, inner)?));
+                    }
+                }
+                None => objects.push(("rope_parameters".to_owned(), map)),
+            }
+        }
+        for (field, map) in objects {
             if map.is_empty() {
                 continue;
             }
-            if let Some(other) = seen {
+            if let Some(other) = &seen {
                 return Err(f.err(
-                    field,
+                    &field,
                     format!("is given beside `{other}`; a config holds one of them"),
                 ));
             }
-            seen = Some(field);
-            let sub = Sub { f, field, map };
+            let sub = Sub {
+                f,
+                field: &field,
+                map,
+            };
             if let Some(t) = sub.f64("rope_theta")? {
                 theta = Some(t);
             }
@@ -114,8 +172,9 @@ impl Rope {
                 partial = Some((format!("{field}.partial_rotary_factor"), p));
             }
             scaling = sub.scaling()?;
+            seen = Some(field);
         }
-        let theta = theta.unwrap_or(10_000.0);
+        let theta = theta.unwrap_or(src.default_theta);
         if theta <= 0.0 {
             return Err(f.err("rope_theta", format!("{theta} must be positive")));
         }
@@ -143,7 +202,7 @@ impl Rope {
             for (key, list) in [("short_factor", short_factor), ("long_factor", long_factor)] {
                 if list.len() != rotary_dim / 2 {
                     return Err(f.err(
-                        &format!("{}.{key}", seen.unwrap_or("rope_scaling")),
+                        &format!("{}.{key}", seen.as_deref().unwrap_or("rope_scaling")),
                         format!(
                             "has {} factors; the {rotary_dim} rotary dimensions need {}",
                             list.len(),

@@ -1,7 +1,8 @@
 //! One adapter of each model family served end to end: a Llama 3.2 (RoPE
 //! `llama3` scaling, tied embeddings), Qwen3 (q/k norms, YaRN) and
 //! Phi-3.5-mini (fused projections, an adapter on `qkv_proj`, LongRoPE past
-//! its original context) stand-in, each behind a
+//! its original context), Gemma 3 1B (sliding and global layers with their
+//! own RoPE, GeGLU, (1 + w) norms) and Gemma 2 (soft-capping) stand-in, each behind a
 //! gateway on its own worker, the base model and adapter registered through
 //! `lorafleetctl`, and a tenant's completion asked with the official OpenAI
 //! Python SDK: every prompt and completion token's log probability over a
@@ -19,10 +20,12 @@ use lorafleet_tests::engine_fixtures;
 use serde_json::Value;
 
 /// Each family's fixture, its `model_type` and the adapter served.
-const FAMILIES: [(&str, &str, &str); 3] = [
+const FAMILIES: [(&str, &str, &str); 5] = [
     ("llama32-tied", "llama", "all-linear-r4"),
     ("qwen3-yarn", "qwen3", "all-linear-r4"),
     ("phi35-mini", "phi3", "qkv-o-r8"),
+    ("gemma3-1b", "gemma3_text", "all-linear-r4"),
+    ("gemma2-2b", "gemma2", "qkvo-r4"),
 ];
 
 /// The Python with the OpenAI SDK (`.ci/run` installs it).
@@ -122,7 +125,10 @@ async fn a_tenant_gets_each_familys_adapter_as_transformers_and_peft_score_it() 
             .chain(case["completion"].as_array().unwrap())
             .collect();
         let lps = got["token_logprobs"].as_array().unwrap();
-        assert!(lps[0].is_null(), "{model}: the first prompt token is unscored");
+        assert!(
+            lps[0].is_null(),
+            "{model}: the first prompt token is unscored"
+        );
         assert_eq!(lps.len() - 1, want.len(), "{model}: {got}");
         assert_eq!(got["prompt_tokens"], ids.len(), "{model}");
         assert_eq!(
@@ -132,12 +138,20 @@ async fn a_tenant_gets_each_familys_adapter_as_transformers_and_peft_score_it() 
         );
         for (i, (g, w)) in lps[1..].iter().zip(&want).enumerate() {
             let (g, w) = (g.as_f64().unwrap(), w["logprob"].as_f64().unwrap());
-            assert!((g - w).abs() <= 1e-4, "{model} token {}: {g} against {w}", i + 1);
+            assert!(
+                (g - w).abs() <= 1e-4,
+                "{model} token {}: {g} against {w}",
+                i + 1
+            );
             let tops = got["top_logprobs"][i + 1].as_array().unwrap();
             let wtops = w_top(want[i]);
             for (a, b) in tops.iter().zip(&wtops) {
                 let a = a.as_f64().unwrap();
-                assert!((a - b).abs() <= 1e-4, "{model} token {} top: {a} against {b}", i + 1);
+                assert!(
+                    (a - b).abs() <= 1e-4,
+                    "{model} token {} top: {a} against {b}",
+                    i + 1
+                );
             }
         }
         // The audit log names the adapter version that served.

@@ -85,6 +85,11 @@ pub fn artifact_root() -> tempfile::TempDir {
         "qwen2-tied/qv-r8",
         "qwen3-moe/qv-r8",
         "qwen3-moe/experts-r4",
+        "llama32-tied/all-linear-r4",
+        "qwen3-yarn/all-linear-r4",
+        "phi35-mini/qkv-o-r8",
+        "gemma3-1b/all-linear-r4",
+        "gemma2-2b/qkvo-r4",
     ] {
         copy_dir(&fixtures.join(a), &root.path().join(a));
     }

@@ -27,6 +27,15 @@ goldens. It writes, under the fixtures directory:
   0.75, tied embeddings), f32. LongRoPE's `short_factor` and `long_factor`
   hold one factor per rotary pair, so they are shrunk with the heads: every
   sixth of the shipped long factors, and a short ramp of the same shape;
+- `gemma3-1b/`: Gemma 3 1B's config (`gemma3_text`: sliding layers with
+  their own RoPE base, every sixth layer global, q/k norms, (1 + w) norms
+  around attention and the MLP, GeGLU, `query_pre_attn_scalar`, embeddings
+  scaled by √hidden, tied), six layers so one is global, f32;
+- `gemma3-4b/`: Gemma 3 4B's text config (the global layers' RoPE scaled
+  `linear` by 8), its `config.json` as transformers 5 writes it
+  (`layer_types`, `rope_parameters` nested by layer type), f32;
+- `gemma2-2b/`: Gemma 2 2B's config (alternating sliding and global layers,
+  attention and final-logit soft-capping), f32;
 - `adapters/<model>/<name>/`: PEFT LoRA adapters on each family's usual
   targets (Phi-4's fused modules included);
 - `golden_families.json`: for each (model, adapter or base, prompt), every
@@ -222,7 +231,97 @@ CONFIGS = {
         torch.float32,
         105,
     ),
+    # google/gemma-3-1b-it
+    "gemma3-1b": (
+        {
+            "architectures": ["Gemma3ForCausalLM"],
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "attn_logit_softcapping": None,
+            "bos_token_id": 1,  # shrunk: 2
+            "cache_implementation": "hybrid",
+            "eos_token_id": [2, 4],  # shrunk: [1, 106]
+            "final_logit_softcapping": None,
+            "head_dim": 16,  # shrunk: 256
+            "hidden_activation": "gelu_pytorch_tanh",
+            "initializer_range": 0.02,
+            "max_position_embeddings": 2048,  # shrunk: 32768
+            "model_type": "gemma3_text",
+            "num_hidden_layers": 6,  # shrunk: 26 (six, so that one is global)
+            "num_key_value_heads": 1,
+            "pad_token_id": 0,
+            "query_pre_attn_scalar": 256,
+            "rms_norm_eps": 1e-06,
+            "rope_local_base_freq": 10000,
+            "rope_scaling": None,
+            "rope_theta": 1000000,
+            "sliding_window": 16,  # shrunk: 512
+            "sliding_window_pattern": 6,
+            "torch_dtype": "bfloat16",
+            "transformers_version": "4.50.0.dev0",
+            "use_cache": True,
+        },
+        torch.float32,
+        106,
+    ),
+    # google/gemma-3-4b-it's text_config; config.json as transformers 5 writes it
+    "gemma3-4b": (
+        {
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "bos_token_id": 1,  # shrunk: 2
+            "eos_token_id": [2, 4],  # shrunk: [1, 106]
+            "final_logit_softcapping": None,
+            "head_dim": 16,  # shrunk: 256
+            "hidden_activation": "gelu_pytorch_tanh",
+            "max_position_embeddings": 2048,  # shrunk: 131072
+            "model_type": "gemma3_text",
+            "num_hidden_layers": 6,  # shrunk: 34
+            "query_pre_attn_scalar": 256,
+            "rms_norm_eps": 1e-06,
+            "rope_local_base_freq": 10000.0,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+            "rope_theta": 1000000.0,
+            "sliding_window": 24,  # shrunk: 1024
+            "sliding_window_pattern": 6,
+        },
+        torch.float32,
+        107,
+    ),
+    # google/gemma-2-2b
+    "gemma2-2b": (
+        {
+            "architectures": ["Gemma2ForCausalLM"],
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "attn_logit_softcapping": 50.0,
+            "bos_token_id": 1,  # shrunk: 2
+            "cache_implementation": "hybrid",
+            "eos_token_id": [2, 4],  # shrunk: [1, 107]
+            "final_logit_softcapping": 30.0,
+            "head_dim": 16,  # shrunk: 256
+            "hidden_act": "gelu_pytorch_tanh",
+            "hidden_activation": "gelu_pytorch_tanh",
+            "initializer_range": 0.02,
+            "max_position_embeddings": 2048,  # shrunk: 8192
+            "model_type": "gemma2",
+            "num_hidden_layers": 4,  # shrunk: 26
+            "pad_token_id": 0,
+            "query_pre_attn_scalar": 256,
+            "rms_norm_eps": 1e-06,
+            "rope_theta": 10000.0,
+            "sliding_window": 16,  # shrunk: 4096
+            "torch_dtype": "float32",
+            "transformers_version": "4.42.4",
+            "use_cache": True,
+        },
+        torch.float32,
+        108,
+    ),
 }
+
+# Written by transformers itself, not as the Hub ships it.
+WRITTEN_BY_TRANSFORMERS = {"gemma3-4b"}
 
 ADAPTERS = {
     "llama32-tied": [
@@ -244,6 +343,18 @@ ADAPTERS = {
     "phi35-mini": [
         ("qkv-o-r8", dict(r=8, lora_alpha=16, target_modules=["qkv_proj", "o_proj"])),
         ("all-linear-r4", dict(r=4, lora_alpha=8, target_modules="all-linear")),
+    ],
+    "gemma3-1b": [
+        ("qkvo-r8", dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])),
+        ("all-linear-r4", dict(r=4, lora_alpha=8, target_modules="all-linear")),
+    ],
+    "gemma3-4b": [
+        ("qv-r8", dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])),
+        ("mlp-r4", dict(r=4, lora_alpha=4, target_modules=["gate_proj", "up_proj", "down_proj"])),
+    ],
+    "gemma2-2b": [
+        ("qkvo-r4", dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])),
+        ("all-linear-r8", dict(r=8, lora_alpha=8, target_modules="all-linear")),
     ],
     "phi4-mini": [
         ("qkv-gate-up-r8", dict(r=8, lora_alpha=8, target_modules=["qkv_proj", "gate_up_proj"])),
@@ -312,8 +423,9 @@ def main():
                     p.normal_(0.0, 0.15)
         model.to(dtype).save_pretrained(path, safe_serialization=True)
         # The Hub's config.json, not the one transformers 5 writes back.
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(hub, f, indent=2, sort_keys=True)
+        if model_name not in WRITTEN_BY_TRANSFORMERS:
+            with open(os.path.join(path, "config.json"), "w") as f:
+                json.dump(hub, f, indent=2, sort_keys=True)
         for name in ["tokenizer.json", "tokenizer_config.json"]:
             shutil.copy(os.path.join(tok_dir, name), os.path.join(path, name))
         eos = hub["eos_token_id"] if isinstance(hub["eos_token_id"], list) else [hub["eos_token_id"]]

@@ -15,7 +15,16 @@ use lorafleet_engine::lora::{AdapterLimits, HostAdapter, Projection};
 use lorafleet_engine::model::ModelConfig;
 use lorafleet_engine::model::rope::RopeScaling;
 
-const FAMILIES: [&str; 5] = ["llama32-tied", "qwen3-yarn", "phi4", "phi35-mini", "phi4-mini"];
+const FAMILIES: [&str; 8] = [
+    "llama32-tied",
+    "qwen3-yarn",
+    "phi4",
+    "phi35-mini",
+    "phi4-mini",
+    "gemma3-1b",
+    "gemma3-4b",
+    "gemma2-2b",
+];
 
 #[test]
 fn families_match_transformers_and_peft_over_long_prompts() {
@@ -33,8 +42,11 @@ fn families_match_transformers_and_peft_over_long_prompts() {
     // factors and is recomputed with them.
     let adapters: usize = FAMILIES.iter().map(|m| adapter_names(m).len() + 1).sum();
     assert_eq!(checked, 3 * adapters);
-    assert!(g.cases.iter().any(|c| c.prompt_ids.len() < 64
-        && c.prompt_ids.len() + c.completion.len() > 64));
+    assert!(
+        g.cases
+            .iter()
+            .any(|c| c.prompt_ids.len() < 64 && c.prompt_ids.len() + c.completion.len() > 64)
+    );
 }
 
 #[test]
@@ -65,16 +77,115 @@ fn each_family_reads_its_config_as_shipped() {
     assert_eq!(phi.rope.scaling, RopeScaling::Default);
 
     let phi35 = ModelConfig::from_dir(&model_dir("phi35-mini")).unwrap();
-    assert_eq!(phi35.rope.long_after(), Some(64), "the top-level original context");
+    assert_eq!(
+        phi35.rope.long_after(),
+        Some(64),
+        "the top-level original context"
+    );
     assert_eq!((phi35.sliding_window, phi35.num_kv_heads), (Some(48), 4));
     // sqrt(1 + ln(2048 / 64) / ln(64)), from the contexts' ratio.
     let expected = (1.0 + (32f32).ln() / (64f32).ln()).sqrt();
     assert!((phi35.rope.attention_factor() - expected).abs() < 1e-6);
 
     let mini = ModelConfig::from_dir(&model_dir("phi4-mini")).unwrap();
-    assert_eq!((mini.head_dim, mini.rope.rotary_dim), (16, 12), "partial_rotary_factor");
+    assert_eq!(
+        (mini.head_dim, mini.rope.rotary_dim),
+        (16, 12),
+        "partial_rotary_factor"
+    );
     assert_eq!(mini.rope.long_inv_freq().unwrap().len(), 6);
     assert!(mini.tie_word_embeddings);
+
+    // Gemma 3 as the Hub ships it (sliding_window_pattern 6) and as
+    // transformers 5 writes it (layer_types, rope_parameters by layer type).
+    use lorafleet_engine::model::config::Architecture;
+    use lorafleet_engine::model::layers::{Activation, LayerKind};
+    for (model, window, global) in [
+        ("gemma3-1b", 16, RopeScaling::Default),
+        ("gemma3-4b", 24, RopeScaling::Linear { factor: 8.0 }),
+    ] {
+        let g = ModelConfig::from_dir(&model_dir(model)).unwrap();
+        assert_eq!(g.architecture, Architecture::Gemma3);
+        let kinds: Vec<LayerKind> = (0..6)
+            .map(|l| match l {
+                5 => LayerKind::Full,
+                _ => LayerKind::Sliding,
+            })
+            .collect();
+        assert_eq!(g.layer_kinds, kinds, "{model}: every sixth layer global");
+        assert_eq!((g.window(0), g.window(5)), (Some(window), None));
+        assert_eq!(
+            (g.rope_of(5).theta, g.rope_of(0).theta),
+            (1e6, 1e4),
+            "{model}"
+        );
+        assert_eq!(g.rope_of(5).scaling, global, "{model}");
+        assert_eq!(g.rope_of(0).scaling, RopeScaling::Default, "{model}");
+        assert_eq!(g.activation, Activation::GeluTanh);
+        assert!(g.qk_norm && g.tie_word_embeddings);
+        assert_eq!(g.attention_scale(), 1.0 / 16.0, "query_pre_attn_scalar 256");
+        assert_eq!(g.gemma.as_ref().unwrap().embed_scale, 8.0, "√64");
+    }
+    let g2 = ModelConfig::from_dir(&model_dir("gemma2-2b")).unwrap();
+    let gemma = g2.gemma.as_ref().unwrap();
+    assert_eq!(
+        (gemma.attn_logit_softcapping, gemma.final_logit_softcapping),
+        (Some(50.0), Some(30.0))
+    );
+    assert_eq!(
+        g2.layer_kinds,
+        [
+            LayerKind::Sliding,
+            LayerKind::Full,
+            LayerKind::Sliding,
+            LayerKind::Full
+        ],
+        "Gemma 2 alternates"
+    );
+    assert!(!g2.qk_norm && gemma.local_rope.is_none());
+}
+
+#[test]
+fn a_gemma_config_that_contradicts_itself_is_refused_by_field() {
+    let src: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(model_dir("gemma3-4b").join("config.json")).unwrap(),
+    )
+    .unwrap();
+    for (edit, needle) in [
+        (
+            serde_json::json!({"sliding_window": 0}),
+            "`sliding_window`: must be positive",
+        ),
+        (
+            serde_json::json!({"layer_types": ["full_attention"]}),
+            "`layer_types`: has 1 entries for num_hidden_layers 6",
+        ),
+        (
+            serde_json::json!({"hidden_activation": "relu"}),
+            "`hidden_activation`: \"relu\" is not supported",
+        ),
+        (
+            serde_json::json!({"final_logit_softcapping": -1.0}),
+            "`final_logit_softcapping`: -1 must be positive",
+        ),
+        (
+            serde_json::json!({"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 0.0}}}),
+            "`rope_parameters.full_attention.factor`: 0 must be a positive number",
+        ),
+        (
+            serde_json::json!({"use_bidirectional_attention": true}),
+            "`use_bidirectional_attention`",
+        ),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = src.clone();
+        for (k, v) in edit.as_object().unwrap() {
+            cfg[k] = v.clone();
+        }
+        std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
+        let err = ModelConfig::from_dir(dir.path()).unwrap_err().to_string();
+        assert!(err.contains(needle), "{needle}: {err}");
+    }
 }
 
 #[test]

@@ -4,6 +4,7 @@
 
 pub mod tokenizer;
 
+pub use lorafleet_artifact::layers;
 pub use lorafleet_artifact::model_config as config;
 pub use lorafleet_artifact::quantization;
 pub use lorafleet_artifact::rope;

@@ -56,6 +56,19 @@ pub fn silu_mul(kernel: Kernel, gate: &[f32], up: &[f32], out: &mut [f32]) {
     }
 }
 
+/// `gelu(gate) · up` with GELU's tanh approximation (Gemma's
+/// `gelu_pytorch_tanh`), as PyTorch computes it in f32:
+/// `0.5 · g · (1 + tanh(√(2/π) · (g + 0.044715 · g³)))`.
+pub fn gelu_tanh_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    assert!(gate.len() == out.len() && up.len() == out.len());
+    const BETA: f32 = (std::f64::consts::SQRT_2 * std::f64::consts::FRAC_2_SQRT_PI * 0.5) as f32;
+    const KAPPA: f32 = 0.044715;
+    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        let inner = BETA * (g + KAPPA * g * g * g);
+        *o = 0.5 * g * (1.0 + inner.tanh()) * u;
+    }
+}
+
 /// The reference the vector kernels follow operation for operation.
 fn silu_mul_one(g: f32, u: f32) -> f32 {
     let x = (-g).clamp(EXP_LO, EXP_HI);

@@ -35,6 +35,8 @@ pub(super) struct AttentionRow<'a> {
     pub(super) group: usize,
     pub(super) head_dim: usize,
     pub(super) scale: f32,
+    /// `tanh(s / cap) · cap` on each scaled score (Gemma 2).
+    pub(super) softcap: Option<f32>,
 }
 
 impl AttentionRow<'_> {
@@ -74,6 +76,9 @@ impl AttentionRow<'_> {
             let mut max = f32::NEG_INFINITY;
             for (sc, &at) in scores.iter_mut().zip(self.offsets) {
                 *sc = dot(qh, &self.k_cache[at + kv..at + kv + hd]) * self.scale;
+                if let Some(cap) = self.softcap {
+                    *sc = (*sc / cap).tanh() * cap;
+                }
                 max = max.max(*sc);
             }
             let mut sum = 0f32;

@@ -18,6 +18,7 @@ mod attention;
 mod lora;
 mod moe;
 pub mod panels;
+mod rope;
 pub mod team;
 
 pub use lora::{SlotView, as_bits, as_bits_mut, lora_segments};
@@ -29,6 +30,7 @@ use crate::backend::{Backend, BackendShape, StepBatch};
 use crate::error::{EngineError, Result};
 use crate::lora::{ExpertLayer, Factors, HostAdapter, Projection};
 use crate::model::{ModelConfig, WeightFiles};
+use lorafleet_artifact::layers::{Activation, LayerKind};
 use panels::{Kernel, NR, PackedLinear};
 
 /// A decoder layer's weights. Projections that read the same input are
@@ -37,7 +39,13 @@ use panels::{Kernel, NR, PackedLinear};
 #[derive(Debug)]
 struct Layer {
     input_norm: Vec<f32>,
+    /// The norm before the MLP (Llama's `post_attention_layernorm`,
+    /// Gemma's `pre_feedforward_layernorm`).
     post_norm: Vec<f32>,
+    /// Gemma's norms of the attention's and the MLP's outputs
+    /// (`post_attention_layernorm`, `post_feedforward_layernorm`).
+    attn_out_norm: Option<Vec<f32>>,
+    mlp_out_norm: Option<Vec<f32>>,
     /// q, k and v, stacked in that order.
     qkv: PackedLinear,
     o: PackedLinear,
@@ -119,12 +127,10 @@ pub struct CpuBackend {
     /// whose adapter has no expert weights skip that path, and the tests
     /// check it here.
     expert_lora_rows: std::sync::atomic::AtomicU64,
-    /// The rotary pairs' inverse frequencies, `rope.rotary_dim / 2`.
-    inv_freq: Vec<f32>,
-    /// LongRoPE's frequencies for sequences past its pretraining context.
-    long_inv_freq: Option<Vec<f32>>,
-    /// What cos and sin are multiplied by (YaRN's attention factor).
-    rope_factor: f32,
+    /// The rotary embedding's tables: the model's, and Gemma 3's sliding
+    /// layers' own.
+    rope: rope::RopeTables,
+    local_rope: Option<rope::RopeTables>,
 }
 
 impl CpuBackend {
@@ -221,22 +227,35 @@ impl CpuBackend {
                 )
             };
             use Projection::*;
+            // Gemma's norms scale by (1 + w): the one is added at load.
+            let norm = |name: &str, width: usize| -> Result<Vec<f32>> {
+                let mut w = files.f32(&format!("{prefix}.{name}.weight"), &[width])?;
+                if c.gemma.is_some() {
+                    w.iter_mut().for_each(|w| *w += 1.0);
+                }
+                Ok(w)
+            };
+            let h = c.hidden_size;
+            let (post_norm, attn_out_norm, mlp_out_norm) = match c.gemma {
+                Some(_) => (
+                    norm("pre_feedforward_layernorm", h)?,
+                    Some(norm("post_attention_layernorm", h)?),
+                    Some(norm("post_feedforward_layernorm", h)?),
+                ),
+                None => (norm("post_attention_layernorm", h)?, None, None),
+            };
             layers.push(Layer {
-                input_norm: files.f32(
-                    &format!("{prefix}.input_layernorm.weight"),
-                    &[c.hidden_size],
-                )?,
-                post_norm: files.f32(
-                    &format!("{prefix}.post_attention_layernorm.weight"),
-                    &[c.hidden_size],
-                )?,
+                input_norm: norm("input_layernorm", h)?,
+                post_norm,
+                attn_out_norm,
+                mlp_out_norm,
                 qkv: stacked(&[Q, K, V])?,
                 o: stacked(&[O])?,
                 qk_norm: if c.qk_norm {
-                    let norm = |which: &str| {
-                        files.f32(&format!("{prefix}.self_attn.{which}.weight"), &[c.head_dim])
-                    };
-                    Some((norm("q_norm")?, norm("k_norm")?))
+                    Some((
+                        norm("self_attn.q_norm", c.head_dim)?,
+                        norm("self_attn.k_norm", c.head_dim)?,
+                    ))
                 } else {
                     None
                 },
@@ -249,7 +268,10 @@ impl CpuBackend {
                 },
             });
         }
-        let norm = files.f32("model.norm.weight", &[c.hidden_size])?;
+        let mut norm = files.f32("model.norm.weight", &[c.hidden_size])?;
+        if c.gemma.is_some() {
+            norm.iter_mut().for_each(|w| *w += 1.0);
+        }
         let embed_name = "model.embed_tokens.weight";
         let head_name = if c.tie_word_embeddings && !files.contains("lm_head.weight") {
             embed_name
@@ -302,10 +324,13 @@ impl CpuBackend {
                 b.push(vec![0f32; shape.slots * SlotView::b_len(max_rank, fan_out)]);
             }
         }
-        // As transformers computes them, once: the scaled frequencies and
-        // the factor cos and sin are multiplied by.
-        let (inv_freq, rope_factor) = (config.rope.inv_freq(), config.rope.attention_factor());
-        let long_inv_freq = config.rope.long_inv_freq();
+        // As transformers computes them, once.
+        let rope = rope::RopeTables::new(&config.rope);
+        let local_rope = config
+            .gemma
+            .as_ref()
+            .and_then(|g| g.local_rope.as_ref())
+            .map(rope::RopeTables::new);
         CpuBackend {
             k_cache: (0..config.num_layers).map(|_| vec![0f32; kv_len]).collect(),
             v_cache: (0..config.num_layers).map(|_| vec![0f32; kv_len]).collect(),
@@ -325,9 +350,8 @@ impl CpuBackend {
             layers,
             norm,
             lm_head,
-            inv_freq,
-            long_inv_freq,
-            rope_factor,
+            rope,
+            local_rope,
         }
     }
 }
@@ -428,43 +452,6 @@ impl CpuBackend {
             }
         }
         outs
-    }
-
-    /// `(cos, sin)` of every rotary frequency at each of the step's token
-    /// positions, `[tokens, rotary_dim / 2]`, times the attention factor
-    /// as transformers scales them: computed once per step, since every
-    /// layer and head rotates by the same angles.
-    fn rope_table(&self, batch: &StepBatch<'_>) -> Vec<(f32, f32)> {
-        let half = self.inv_freq.len();
-        let factor = self.rope_factor;
-        let mut table = vec![(0f32, 0f32); batch.tokens.len() * half];
-        for s in &batch.seqs {
-            let inv_freq = match &self.long_inv_freq {
-                Some(long) if s.long_rope => long,
-                _ => &self.inv_freq,
-            };
-            for i in 0..s.len {
-                let (t, position) = (s.start + i, s.first_position + i);
-                for (f, cs) in table[t * half..(t + 1) * half].iter_mut().enumerate() {
-                    let (sin, cos) = (position as f32 * inv_freq[f]).sin_cos();
-                    *cs = (cos * factor, sin * factor);
-                }
-            }
-        }
-        table
-    }
-
-    /// Rotate-half RoPE of the leading `rotary_dim` dimensions of every
-    /// head in `v` by one token's angles; the rest pass through.
-    fn rope(&self, v: &mut [f32], angles: &[(f32, f32)]) {
-        let half = angles.len();
-        for head in v.chunks_exact_mut(self.config.head_dim) {
-            for (i, &(cos, sin)) in angles.iter().enumerate() {
-                let (x1, x2) = (head[i], head[i + half]);
-                head[i] = x1 * cos - x2 * sin;
-                head[i + half] = x2 * cos + x1 * sin;
-            }
-        }
     }
 
     fn kv_index(&self, block_table: &[u32], position: usize) -> usize {
@@ -605,9 +592,17 @@ impl Backend for CpuBackend {
                 }
                 Embedding::Head => self.lm_head.row(tok as usize, row),
             }
+            if let Some(g) = &c.gemma {
+                for v in row.iter_mut() {
+                    *v *= g.embed_scale;
+                }
+            }
         }
-        let scale = 1.0 / (hd as f32).sqrt();
-        let (rope, half) = (self.rope_table(batch), self.inv_freq.len());
+        let scale = c.attention_scale();
+        let softcap = c.gemma.as_ref().and_then(|g| g.attn_logit_softcapping);
+        let half = self.rope.half();
+        let global_angles = self.rope.table(batch);
+        let local_angles = self.local_rope.as_ref().map(|r| r.table(batch));
         let mut normed = vec![0f32; n * d];
         // The last layer's output matters only at the rows that want
         // logits: past its keys and values (which every row stores), it
@@ -636,14 +631,18 @@ impl Backend for CpuBackend {
                 rms_norm(&q_in, qn, c.rms_norm_eps, &mut q);
                 rms_norm(&k_in, kn, c.rms_norm_eps, &mut k);
             }
+            let angles = match (&local_angles, c.layer_kinds[layer]) {
+                (Some(local), LayerKind::Sliding) => local,
+                _ => &global_angles,
+            };
             // Rotate and store the new keys and values before attending, so
             // a prefill's tokens see each other.
             for s in &batch.seqs {
                 for i in 0..s.len {
                     let (t, pos) = (s.start + i, s.first_position + i);
-                    let angles = &rope[t * half..(t + 1) * half];
-                    self.rope(&mut q[t * c.q_dim()..(t + 1) * c.q_dim()], angles);
-                    self.rope(&mut k[t * kv_dim..(t + 1) * kv_dim], angles);
+                    let angles = &angles[t * half..(t + 1) * half];
+                    rope::rotate(&mut q[t * c.q_dim()..(t + 1) * c.q_dim()], hd, angles);
+                    rope::rotate(&mut k[t * kv_dim..(t + 1) * kv_dim], hd, angles);
                     let at = self.kv_index(s.block_table, pos);
                     self.k_cache[layer][at..at + kv_dim]
                         .copy_from_slice(&k[t * kv_dim..(t + 1) * kv_dim]);
@@ -689,6 +688,7 @@ impl Backend for CpuBackend {
                     .all(|(t, &(si, i))| batch.seqs[si].start + i == t)
             );
             let (kc, vc) = (&self.k_cache[layer], &self.v_cache[layer]);
+            let window = c.window(layer);
             let (this, kernel) = (&*self, Kernel::detect());
             let mut attn = vec![0f32; n * c.q_dim()];
             let mut rows: Vec<&mut [f32]> = attn.chunks_exact_mut(c.q_dim()).collect();
@@ -696,7 +696,7 @@ impl Backend for CpuBackend {
                 let (si, i) = work[t];
                 let s = &batch.seqs[si];
                 let (t, pos) = (s.start + i, s.first_position + i);
-                let lo = c.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
                 let offsets: Vec<usize> = (lo..=pos)
                     .map(|p| this.kv_index(s.block_table, p))
                     .collect();
@@ -709,11 +709,16 @@ impl Backend for CpuBackend {
                     group: c.gqa_group(),
                     head_dim: hd,
                     scale,
+                    softcap,
                 };
                 row.attend(kernel, out);
             });
             drop(rows);
-            let [o] = self.projections(batch, layer, &l.o, [Projection::O], &attn, n);
+            let [mut o] = self.projections(batch, layer, &l.o, [Projection::O], &attn, n);
+            if let Some(norm) = &l.attn_out_norm {
+                let raw = o.clone();
+                rms_norm(&raw, norm, c.rms_norm_eps, &mut o);
+            }
             for (h, o) in hidden.iter_mut().zip(&o) {
                 *h += o;
             }
@@ -738,7 +743,10 @@ impl Backend for CpuBackend {
                     let mut rows: Vec<&mut [f32]> = act.chunks_exact_mut(width).collect();
                     team::for_each_mut(&mut rows, |a, t| {
                         let (g, u) = (&gate[t * width..][..width], &up[t * width..][..width]);
-                        activation::silu_mul(kernel, g, u, a);
+                        match c.activation {
+                            Activation::Silu => activation::silu_mul(kernel, g, u, a),
+                            Activation::GeluTanh => activation::gelu_tanh_mul(g, u, a),
+                        }
                     });
                     drop(rows);
                     let [out] = self.projections(batch, layer, down, [Projection::Down], &act, n);
@@ -758,6 +766,14 @@ impl Backend for CpuBackend {
                     block.forward(&normed, n, &lora, &self.expert_lora_rows)
                 }
             };
+            let out = match &l.mlp_out_norm {
+                Some(norm) => {
+                    let mut normed_out = vec![0f32; out.len()];
+                    rms_norm(&out, norm, c.rms_norm_eps, &mut normed_out);
+                    normed_out
+                }
+                None => out,
+            };
             for (h, o) in hidden.iter_mut().zip(&out) {
                 *h += o;
             }
@@ -771,9 +787,14 @@ impl Backend for CpuBackend {
         }
         let mut last_normed = vec![0f32; last.len()];
         rms_norm(&last, &self.norm, c.rms_norm_eps, &mut last_normed);
-        let [logits] = self
+        let [mut logits] = self
             .lm_head
             .forward_split(&last_normed, rows.len(), [c.vocab_size]);
+        if let Some(cap) = c.gemma.as_ref().and_then(|g| g.final_logit_softcapping) {
+            for l in &mut logits {
+                *l = (*l / cap).tanh() * cap;
+            }
+        }
         Ok(logits)
     }
 }

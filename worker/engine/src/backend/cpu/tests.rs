@@ -43,6 +43,7 @@ fn attention_gives_the_same_bits_on_every_kernel() {
         group,
         head_dim: hd,
         scale: 0.3,
+        softcap: None,
     };
     let mut want = vec![0f32; heads * hd];
     row.attend_with(&mut want);

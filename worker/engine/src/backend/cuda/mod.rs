@@ -215,14 +215,26 @@ impl CudaBackend {
         limits: StepLimits,
     ) -> Result<CudaBackend> {
         let c = config;
-        // LongRoPE switches a sequence's frequencies by its length; the
-        // rope kernel holds one table.
+        // What the kernels do not implement yet runs on the CPU backend:
+        // LongRoPE (a sequence's frequencies switch with its length; the
+        // rope kernel holds one table) and Gemma's layers (sliding and
+        // global layers with their own RoPE, (1 + w) norms around the
+        // attention and the MLP, GeGLU, soft-capping).
+        let cpu_only = |field: &str, what: &str| EngineError::InvalidModel {
+            file: dir.join("config.json"),
+            field: field.into(),
+            reason: format!(
+                "{what} runs on the CPU backend only; the CUDA backend does not implement it yet"
+            ),
+        };
         if c.rope.long_after().is_some() {
-            return Err(EngineError::InvalidModel {
-                file: dir.join("config.json"),
-                field: "rope_scaling".into(),
-                reason: "rope type \"longrope\" runs on the CPU backend only; the CUDA backend does not implement it yet".into(),
-            });
+            return Err(cpu_only("rope_scaling", "rope type \"longrope\""));
+        }
+        if c.gemma.is_some() {
+            return Err(cpu_only(
+                "model_type",
+                &format!("{:?}", c.architecture.model_type()),
+            ));
         }
         let dev = Device::open(
             ordinal,
