@@ -38,6 +38,12 @@ pub enum RopeScaling {
         truncate: bool,
         attention_factor: f64,
     },
+    /// Dynamic NTK: past `max_position_embeddings`, the base grows with the
+    /// length the frequencies are computed for; within it, plain RoPE.
+    Dynamic {
+        factor: f64,
+        max_position_embeddings: usize,
+    },
     /// LongRoPE (Phi-3.5, Phi-4-mini): per-pair rescale factors, `short`
     /// while a sequence is within the pretraining context and `long`
     /// once it is longer, and cos and sin scaled by the attention factor.
@@ -58,6 +64,7 @@ impl RopeScaling {
             RopeScaling::Llama3 { .. } => "llama3",
             RopeScaling::Yarn { .. } => "yarn",
             RopeScaling::LongRope { .. } => "longrope",
+            RopeScaling::Dynamic { .. } => "dynamic",
         }
     }
 }
@@ -94,13 +101,6 @@ pub struct Rope {
     pub rotary_dim: usize,
     pub scaling: RopeScaling,
 }
-
-/// The kinds transformers implements that the engine refuses, each with
-/// why, so a refusal says what is missing rather than only "unknown".
-const KNOWN_ELSEWHERE: [(&str, &str); 1] = [(
-    "dynamic",
-    "recomputes the frequencies from each sequence's length",
-)];
 
 impl Rope {
     /// Reads the rotary embedding from a `config.json`: `rope_theta` and
@@ -242,6 +242,60 @@ impl Rope {
         }
     }
 
+    /// Dynamic NTK's threshold: a token whose context (see
+    /// [`Rope::dynamic_inv_freq`]) is longer rotates by frequencies computed
+    /// for that length.
+    pub fn dynamic_after(&self) -> Option<usize> {
+        match &self.scaling {
+            RopeScaling::Dynamic {
+                max_position_embeddings,
+                ..
+            } => Some(*max_position_embeddings),
+            _ => None,
+        }
+    }
+
+    /// Dynamic NTK's frequencies for a context of `seq_len` positions, in
+    /// f32 as transformers computes them: the base times
+    /// `(factor · seq_len / max_position_embeddings − (factor − 1))^(d / (d − 2))`.
+    /// transformers computes them for the longest position of each forward
+    /// pass and keeps the keys it cached, so with a cache a prompt of `L`
+    /// tokens rotates by the frequencies of `L` and each later token by
+    /// those of its own length: a token at position `p` of a sequence whose
+    /// prompt has `L` tokens uses `seq_len = max(L, p + 1)`. Plain RoPE's
+    /// frequencies within `max_position_embeddings`, and for any other
+    /// scaling.
+    pub fn dynamic_inv_freq(&self, seq_len: usize) -> Vec<f32> {
+        let RopeScaling::Dynamic {
+            factor,
+            max_position_embeddings,
+        } = &self.scaling
+        else {
+            return self.inv_freq();
+        };
+        if seq_len <= *max_position_embeddings {
+            return self.inv_freq();
+        }
+        let dim = self.rotary_dim;
+        let factor = *factor as f32;
+        let grown = factor * seq_len as f32 / *max_position_embeddings as f32 - (factor - 1.0);
+        let base = self.theta as f32 * grown.powf((dim as f64 / (dim as f64 - 2.0)) as f32);
+        (0..dim / 2)
+            .map(|i| 1.0 / base.powf((2 * i) as f32 / dim as f32))
+            .collect()
+    }
+
+    /// The longest sequence the model serves: `max_position_embeddings`,
+    /// times the factor for dynamic NTK (which is what it is for).
+    pub fn max_model_len(&self, max_position_embeddings: usize) -> usize {
+        match &self.scaling {
+            RopeScaling::Dynamic { factor, .. } => {
+                (max_position_embeddings as f64 * factor.max(1.0)) as usize
+            }
+            _ => max_position_embeddings,
+        }
+    }
+
     /// LongRoPE's frequencies for a sequence longer than
     /// [`Rope::long_after`].
     pub fn long_inv_freq(&self) -> Option<Vec<f32>> {
@@ -269,7 +323,7 @@ impl Rope {
         let exponent = |i: usize| (2 * i) as f32 / dim as f32;
         let plain: Vec<f32> = (0..dim / 2).map(|i| 1.0 / base.powf(exponent(i))).collect();
         match &self.scaling {
-            RopeScaling::Default => plain,
+            RopeScaling::Default | RopeScaling::Dynamic { .. } => plain,
             RopeScaling::Linear { factor } => {
                 let factor = *factor as f32;
                 plain.into_iter().map(|f| f / factor).collect()
@@ -489,16 +543,18 @@ impl Sub<'_> {
             }
             "yarn" => self.yarn(),
             "longrope" => self.longrope(),
+            "dynamic" => {
+                self.only(kind, &["factor"])?;
+                Ok(RopeScaling::Dynamic {
+                    factor: self.positive("factor")?,
+                    max_position_embeddings: self.f.usize("max_position_embeddings")?.unwrap_or(2048).max(1),
+                })
+            }
             other => {
-                let why = KNOWN_ELSEWHERE
-                    .iter()
-                    .find(|(k, _)| *k == other)
-                    .map(|(_, why)| format!(" (it {why}, which the engine does not implement)"))
-                    .unwrap_or_default();
                 Err(self.err(
                     kind_key,
                     format!(
-                        "rope type {other:?} is not supported{why}; expected one of \"default\", \"linear\", \"llama3\", \"yarn\", \"longrope\""
+                        "rope type {other:?} is not supported; expected one of \"default\", \"linear\", \"dynamic\", \"llama3\", \"yarn\", \"longrope\""
                     ),
                 ))
             }
@@ -705,8 +761,8 @@ mod tests {
     fn what_it_does_not_implement_or_contradicts_itself_is_refused_by_field() {
         for (config, needle) in [
             (
-                serde_json::json!({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}),
-                "`rope_scaling.rope_type`: rope type \"dynamic\" is not supported (it recomputes",
+                serde_json::json!({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0, "beta_fast": 1}}),
+                "`rope_scaling.beta_fast`: is not a field of rope type \"dynamic\"",
             ),
             (
                 serde_json::json!({"max_position_embeddings": 64, "rope_scaling": {"rope_type": "longrope",

@@ -34,6 +34,12 @@ goldens. It writes, under the fixtures directory:
 - `gemma3-4b/`: Gemma 3 4B's text config (the global layers' RoPE scaled
   `linear` by 8), its `config.json` as transformers 5 writes it
   (`layer_types`, `rope_parameters` nested by layer type), f32;
+- `llama2-dynamic/`: Llama 2 7B's config with the dynamic NTK scaling
+  transformers documents for extending its context (factor 4), its
+  context shrunk to 64 so the long prompt is past it; its greedy tokens
+  are generated with the KV cache, since transformers' dynamic NTK
+  rotates each forward pass by the frequencies of its own length and keeps
+  the keys it cached;
 - `gemma2-2b/`: Gemma 2 2B's config (alternating sliding and global layers,
   attention and final-logit soft-capping), f32;
 - `adapters/<model>/<name>/`: PEFT LoRA adapters on each family's usual
@@ -288,6 +294,28 @@ CONFIGS = {
         torch.float32,
         107,
     ),
+    # meta-llama/Llama-2-7b-hf, with rope_scaling as transformers documents dynamic NTK
+    "llama2-dynamic": (
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "hidden_act": "silu",
+            "initializer_range": 0.02,
+            "max_position_embeddings": 64,  # shrunk: 4096
+            "model_type": "llama",
+            "num_key_value_heads": 4,  # multi-head attention, as shipped
+            "pretraining_tp": 1,
+            "rms_norm_eps": 1e-05,
+            "rope_scaling": {"type": "dynamic", "factor": 4.0},
+            "tie_word_embeddings": False,
+            "torch_dtype": "float16",
+            "transformers_version": "4.31.0.dev0",
+            "use_cache": True,
+        },
+        torch.float32,
+        109,
+    ),
     # google/gemma-2-2b
     "gemma2-2b": (
         {
@@ -352,6 +380,10 @@ ADAPTERS = {
         ("qv-r8", dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])),
         ("mlp-r4", dict(r=4, lora_alpha=4, target_modules=["gate_proj", "up_proj", "down_proj"])),
     ],
+    "llama2-dynamic": [
+        ("qv-r8", dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])),
+        ("all-linear-r4", dict(r=4, lora_alpha=8, target_modules="all-linear")),
+    ],
     "gemma2-2b": [
         ("qkvo-r4", dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])),
         ("all-linear-r8", dict(r=8, lora_alpha=8, target_modules="all-linear")),
@@ -395,6 +427,31 @@ def record(model, ids, eos):
     return prompt, completion
 
 
+def record_cached(model, ids, eos):
+    """As `record`, the greedy tokens generated with the KV cache: one
+    forward pass over the prompt, then one per token."""
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), use_cache=True)
+        lp = torch.log_softmax(out.logits[0].float(), dim=-1)
+        prompt = [entry(lp[p - 1], ids[p]) for p in range(1, len(ids))]
+        cache, completion, row = out.past_key_values, [], lp[-1]
+        for _ in range(NEW):
+            best = row.max()
+            token = int((row == best).nonzero()[0].item())
+            completion.append(entry(row, token))
+            if token in eos:
+                break
+            out = model(torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            row = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+    return prompt, completion
+
+
+# Generated with the KV cache, each prompt on a freshly loaded model (the
+# rotary module keeps the longest length it has seen).
+CACHED = {"llama2-dynamic"}
+
+
 def main():
     out = sys.argv[1] if len(sys.argv) > 1 else "worker/engine/tests/fixtures"
     tok_dir = os.path.join(out, "tokenizer")
@@ -432,15 +489,22 @@ def main():
         with open(os.path.join(path, "generation_config.json"), "w") as f:
             json.dump({"bos_token_id": hub["bos_token_id"], "eos_token_id": eos}, f)
 
-        def run(m, adapter):
+        def run(m, adapter, reload=None):
             m.eval()
             for ids in prompts:
-                prompt, completion = record(m, ids, eos)
+                if model_name in CACHED:
+                    m = reload().eval()
+                    prompt, completion = record_cached(m, ids, eos)
+                else:
+                    prompt, completion = record(m, ids, eos)
                 golden["cases"].append(
                     {"model": model_name, "adapter": adapter, "prompt_ids": ids, "prompt": prompt, "completion": completion}
                 )
 
-        run(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), None)
+        def base_model():
+            return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+        run(base_model(), None, base_model)
         shutil.rmtree(os.path.join(out, "adapters", model_name), ignore_errors=True)
         for i, (adapter_name, kwargs) in enumerate(ADAPTERS[model_name]):
             fresh = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -449,8 +513,10 @@ def main():
             adir = os.path.join(out, "adapters", model_name, adapter_name)
             peft_model.save_pretrained(adir)
             os.remove(os.path.join(adir, "README.md"))
-            base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-            run(PeftModel.from_pretrained(base, adir), adapter_name)
+            def adapted(adir=adir):
+                return PeftModel.from_pretrained(base_model(), adir)
+
+            run(adapted(), adapter_name, adapted)
 
     with open(os.path.join(out, "golden_families.json"), "w") as f:
         json.dump(golden, f)

@@ -582,3 +582,35 @@ fn moe_models_in_bf16_stay_near_the_f32_reference() {
         "greedy tokens equal in only {same} of {cases}"
     );
 }
+
+/// The model families the CUDA backend runs (RoPE `llama3` and YaRN tables,
+/// Qwen3's explicit head_dim and q/k norms, Phi-4's fused projections and
+/// an adapter on them), in f32 on the GPU, every adapter in one mixed
+/// batch: every prompt position's and greedy token's log probability
+/// within 1e-3 of transformers + PEFT (`golden_families.json`), greedy
+/// tokens equal. LongRoPE and Gemma are refused by field until the
+/// kernels have them.
+#[test]
+#[ignore = "needs a CUDA GPU: deploy/gpu-check.sh runs it"]
+fn model_families_on_the_gpu_give_transformers_and_peft_logprobs() {
+    require_gpu();
+    let g = logprob_golden("golden_families.json");
+    let cuda = BackendChoice::Cuda {
+        device: 0,
+        dtype: Dtype::F32,
+        lora_dtype: Dtype::F32,
+        graphs: true,
+    };
+    for model in ["llama32-tied", "qwen3-yarn", "phi4"] {
+        assert!(check_logprob_goldens_on(&g, model, cuda, 1e-3) > 0);
+    }
+    for (model, field) in [("phi35-mini", "rope_scaling"), ("gemma3-1b", "model_type")] {
+        let err =
+            lorafleet_engine::Engine::load(&model_dir(model), EngineSettings::default(), cuda)
+                .err()
+                .expect("refused")
+                .to_string();
+        assert!(err.contains(&format!("`{field}`")), "{model}: {err}");
+        assert!(err.contains("CPU backend only"), "{model}: {err}");
+    }
+}

@@ -15,7 +15,7 @@ use lorafleet_engine::lora::{AdapterLimits, HostAdapter, Projection};
 use lorafleet_engine::model::ModelConfig;
 use lorafleet_engine::model::rope::RopeScaling;
 
-const FAMILIES: [&str; 8] = [
+const FAMILIES: [&str; 9] = [
     "llama32-tied",
     "qwen3-yarn",
     "phi4",
@@ -24,6 +24,7 @@ const FAMILIES: [&str; 8] = [
     "gemma3-1b",
     "gemma3-4b",
     "gemma2-2b",
+    "llama2-dynamic",
 ];
 
 #[test]

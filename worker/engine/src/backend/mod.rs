@@ -30,6 +30,10 @@ pub struct SeqStep<'a> {
     /// ([`crate::model::rope::Rope::long_after`]): its length is past
     /// LongRoPE's pretraining context.
     pub long_rope: bool,
+    /// The sequence's prompt length: dynamic NTK RoPE rotates a token at
+    /// position `p` by the frequencies of `max(prompt_len, p + 1)`
+    /// ([`crate::model::rope::Rope::dynamic_inv_freq`]).
+    pub prompt_len: usize,
 }
 
 /// A contiguous run of tokens that use one adapter slot: the SGMV segment.
@@ -93,6 +97,7 @@ impl<'a> StepBatch<'a> {
             block_table,
             logit_rows: logit_rows.min(tokens.len()),
             long_rope: false,
+            prompt_len: 0,
         });
     }
 

@@ -253,7 +253,7 @@ impl Engine {
         let prompter = Prompter::new(
             tokenizer.clone(),
             config.vocab_size,
-            config.max_position_embeddings,
+            config.rope.max_model_len(config.max_position_embeddings),
         );
         Ok(Engine {
             kv,
@@ -336,7 +336,9 @@ impl Engine {
 
     /// The longest prompt plus completion accepted.
     pub fn max_model_len(&self) -> usize {
-        self.config.max_position_embeddings
+        self.config
+            .rope
+            .max_model_len(self.config.max_position_embeddings)
     }
 
     /// Makes an adapter known under its id. Loading happens on first use or
@@ -472,7 +474,15 @@ impl Engine {
             Some(a) => self.pool.weights_identity(a).unwrap_or_default(),
             None => &self.base_hash,
         };
-        let weights_seed = crate::kv::weights_seed(identity);
+        let mut weights_seed = crate::kv::weights_seed(identity);
+        // Dynamic NTK rotates a prompt longer than the model's context by
+        // frequencies of its own length: its blocks are its length's alone.
+        if let Some(n) = self.config.rope.dynamic_after()
+            && prompt_ids.len() > n
+        {
+            let len = u32::try_from(prompt_ids.len()).unwrap_or(u32::MAX);
+            weights_seed = crate::kv::chain(&weights_seed, &[u32::MAX - 1, len]);
+        }
         let id = self.next_seq;
         self.next_seq += 1;
         self.by_request.insert(request.id.clone(), id);

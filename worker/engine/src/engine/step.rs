@@ -129,6 +129,7 @@ impl Engine {
             batch.push_rows(&tokens, seq.num_computed, &seq.blocks, slot, n);
             if let Some(s) = batch.seqs.last_mut() {
                 s.long_rope = seq.long_rope;
+                s.prompt_len = seq.prompt_ids.len();
             }
             rows.push(Row {
                 id,
@@ -208,7 +209,9 @@ impl Engine {
                 token,
                 &self.tokenizer,
                 &self.config.eos_token_ids,
-                self.config.max_position_embeddings,
+                self.config
+                    .rope
+                    .max_model_len(self.config.max_position_embeddings),
             ) {
                 Ok(out) => out,
                 Err(e) => {

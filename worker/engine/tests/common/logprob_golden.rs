@@ -2,7 +2,7 @@
 //! every prompt token's log probability with its top alternatives, and
 //! greedy completion tokens with theirs, from transformers + PEFT.
 
-use super::{adapter_names, aid, fixture_engine, fixtures};
+use super::{adapter_names, aid, fixture_engine_on, fixtures};
 use lorafleet_engine::logprobs::TokenLogprob;
 use lorafleet_engine::{Completion, EngineSettings, Prompt, Request, SamplingParams};
 
@@ -37,12 +37,16 @@ pub fn logprob_golden(file: &str) -> LogprobGolden {
 pub const LOGPROB_TOLERANCE: f32 = 1e-4;
 
 fn check(what: &str, got: &TokenLogprob, want: &Entry) {
+    check_within(what, got, want, LOGPROB_TOLERANCE)
+}
+
+fn check_within(what: &str, got: &TokenLogprob, want: &Entry, tolerance: f32) {
     assert_eq!(got.token, want.token, "{what}: token");
     let lp = got
         .logprob
         .expect("a scored position has a log probability");
     assert!(
-        (lp - want.logprob).abs() <= LOGPROB_TOLERANCE,
+        (lp - want.logprob).abs() <= tolerance,
         "{what}: logprob {lp} against {}",
         want.logprob
     );
@@ -50,7 +54,7 @@ fn check(what: &str, got: &TokenLogprob, want: &Entry) {
     for (i, (g, w)) in got.top.iter().zip(&want.top).enumerate() {
         assert_eq!(g.0, w.0, "{what}: top[{i}] token");
         assert!(
-            (g.1 - w.1).abs() <= LOGPROB_TOLERANCE,
+            (g.1 - w.1).abs() <= tolerance,
             "{what}: top[{i}] logprob {} against {}",
             g.1,
             w.1
@@ -79,6 +83,11 @@ pub fn logprob_request(
 }
 
 pub fn check_logprob_case(case: &LogprobCase, c: &Completion) {
+    check_logprob_case_within(case, c, LOGPROB_TOLERANCE)
+}
+
+/// [`check_logprob_case`] within `tolerance`.
+pub fn check_logprob_case_within(case: &LogprobCase, c: &Completion, tolerance: f32) {
     let what = format!("{} {:?}", case.model, case.adapter);
     assert!(c.error.is_none(), "{what}: {:?}", c.error);
     // Every prompt token, the first with no log probability.
@@ -86,7 +95,7 @@ pub fn check_logprob_case(case: &LogprobCase, c: &Completion) {
     assert_eq!(c.prompt_logprobs[0].token, case.prompt_ids[0]);
     assert_eq!(c.prompt_logprobs[0].logprob, None);
     for (i, (got, want)) in c.prompt_logprobs[1..].iter().zip(&case.prompt).enumerate() {
-        check(&format!("{what} prompt[{}]", i + 1), got, want);
+        check_within(&format!("{what} prompt[{}]", i + 1), got, want, tolerance);
     }
     assert_eq!(
         c.logprobs.len(),
@@ -99,7 +108,7 @@ pub fn check_logprob_case(case: &LogprobCase, c: &Completion) {
         "{what}: completion"
     );
     for (i, (got, want)) in c.logprobs.iter().zip(&case.completion).enumerate() {
-        check(&format!("{what} completion[{i}]"), got, want);
+        check_within(&format!("{what} completion[{i}]"), got, want, tolerance);
     }
 }
 
@@ -107,13 +116,29 @@ pub fn check_logprob_case(case: &LogprobCase, c: &Completion) {
 /// chunks, so a prompt is scored over several steps) and checks each
 /// against its golden; returns how many cases ran.
 pub fn check_logprob_goldens(g: &LogprobGolden, model: &str) -> usize {
+    check_logprob_goldens_on(
+        g,
+        model,
+        lorafleet_engine::BackendChoice::Cpu,
+        LOGPROB_TOLERANCE,
+    )
+}
+
+/// [`check_logprob_goldens`] on `choice`, within `tolerance`.
+pub fn check_logprob_goldens_on(
+    g: &LogprobGolden,
+    model: &str,
+    choice: lorafleet_engine::BackendChoice,
+    tolerance: f32,
+) -> usize {
     let names = adapter_names(model);
-    let mut e = fixture_engine(
+    let mut e = fixture_engine_on(
         model,
         EngineSettings {
             max_batched_tokens: 8,
             ..Default::default()
         },
+        choice,
     );
     let cases: Vec<&LogprobCase> = g.cases.iter().filter(|c| c.model == model).collect();
     assert!(!cases.is_empty(), "{model}: no golden cases");
@@ -133,7 +158,7 @@ pub fn check_logprob_goldens(g: &LogprobGolden, model: &str) -> usize {
         .collect();
     let out = e.run_to_completion(requests).unwrap();
     for (case, c) in cases.iter().zip(&out) {
-        check_logprob_case(case, c);
+        check_logprob_case_within(case, c, tolerance);
     }
     cases.len()
 }

@@ -16,6 +16,8 @@ pub(super) struct RopeTables {
     /// What cos and sin are multiplied by (YaRN's and LongRoPE's
     /// attention factor).
     factor: f32,
+    /// Dynamic NTK's embedding, whose frequencies depend on the context.
+    dynamic: Option<Rope>,
 }
 
 impl RopeTables {
@@ -24,6 +26,7 @@ impl RopeTables {
             inv_freq: rope.inv_freq(),
             long_inv_freq: rope.long_inv_freq(),
             factor: rope.attention_factor(),
+            dynamic: rope.dynamic_after().map(|_| rope.clone()),
         }
     }
 
@@ -39,13 +42,21 @@ impl RopeTables {
     pub(super) fn table(&self, batch: &StepBatch<'_>) -> Vec<(f32, f32)> {
         let half = self.half();
         let mut table = vec![(0f32, 0f32); batch.tokens.len() * half];
+        // Dynamic NTK's frequencies, by context length, for this step.
+        let mut grown: std::collections::HashMap<usize, Vec<f32>> = Default::default();
         for s in &batch.seqs {
-            let inv_freq = match &self.long_inv_freq {
-                Some(long) if s.long_rope => long,
-                _ => &self.inv_freq,
-            };
             for i in 0..s.len {
                 let (t, position) = (s.start + i, s.first_position + i);
+                let inv_freq = match (&self.dynamic, &self.long_inv_freq) {
+                    (Some(rope), _) => {
+                        let context = s.prompt_len.max(position + 1);
+                        &*grown
+                            .entry(context)
+                            .or_insert_with(|| rope.dynamic_inv_freq(context))
+                    }
+                    (None, Some(long)) if s.long_rope => long,
+                    _ => &self.inv_freq,
+                };
                 for (f, cs) in table[t * half..(t + 1) * half].iter_mut().enumerate() {
                     let (sin, cos) = (position as f32 * inv_freq[f]).sin_cos();
                     *cs = (cos * self.factor, sin * self.factor);

@@ -227,8 +227,9 @@ impl CudaBackend {
                 "{what} runs on the CPU backend only; the CUDA backend does not implement it yet"
             ),
         };
-        if c.rope.long_after().is_some() {
-            return Err(cpu_only("rope_scaling", "rope type \"longrope\""));
+        if c.rope.long_after().is_some() || c.rope.dynamic_after().is_some() {
+            let kind = c.rope.scaling.rope_type();
+            return Err(cpu_only("rope_scaling", &format!("rope type {kind:?}")));
         }
         if c.gemma.is_some() {
             return Err(cpu_only(
