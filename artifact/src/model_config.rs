@@ -76,8 +76,12 @@ impl Architecture {
         self == Architecture::Phi3
     }
 
-    /// The architecture a `model_type` names.
+    /// The architecture a `model_type` names. A multimodal Gemma 3
+    /// checkpoint (`gemma3`) is served as its language model.
     pub fn from_model_type(model_type: &str) -> Option<Architecture> {
+        if model_type == "gemma3" {
+            return Some(Architecture::Gemma3);
+        }
         Architecture::ALL
             .into_iter()
             .find(|a| a.model_type() == model_type)
@@ -151,7 +155,10 @@ impl ModelConfig {
     pub fn from_dir(dir: &Path) -> Result<ModelConfig> {
         let path = dir.join("config.json");
         let root = read_json_object(&path)?;
-        let mut config = parse_config(&path, &root)?;
+        let mut config = match gemma3_language_model(&path, &root)? {
+            Some(text) => parse_config(&path, &text)?,
+            None => parse_config(&path, &root)?,
+        };
         // A quantization the weights cannot be read in is refused with the
         // configuration, by its field.
         config.quantization = crate::quantization::parse(&path, &root)?;
@@ -326,6 +333,51 @@ impl Fields<'_> {
             Some(v) => as_id(v).map(|id| Some(vec![id])),
         }
     }
+}
+
+/// A multimodal Gemma 3 checkpoint's (`gemma3`) language model as a
+/// `gemma3_text` config: its `text_config`, which lists only what differs
+/// from transformers' `Gemma3TextConfig`, over those defaults, with the
+/// top level's token ids where it has none. None for any other model.
+fn gemma3_language_model(
+    path: &Path,
+    root: &Map<String, Value>,
+) -> Result<Option<Map<String, Value>>> {
+    if root.get("model_type").and_then(Value::as_str) != Some("gemma3") {
+        return Ok(None);
+    }
+    let text = match root.get("text_config") {
+        Some(Value::Object(t)) => t,
+        Some(_) => return Err(FileError::model(path, "text_config", "must be an object")),
+        None => {
+            return Err(FileError::model(
+                path,
+                "text_config",
+                "is required: a gemma3 checkpoint's language model is configured there",
+            ));
+        }
+    };
+    let mut merged: Map<String, Value> = serde_json::json!({
+        "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+        "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6,
+        "query_pre_attn_scalar": 256, "sliding_window": 4096,
+        "bos_token_id": 2, "eos_token_id": 1
+    })
+    .as_object()
+    .cloned()
+    .unwrap_or_default();
+    for key in ["bos_token_id", "eos_token_id", "tie_word_embeddings"] {
+        if let Some(v) = root.get(key).filter(|v| !v.is_null()) {
+            merged.insert(key.to_owned(), v.clone());
+        }
+    }
+    for (k, v) in text {
+        merged.insert(k.clone(), v.clone());
+    }
+    merged.insert("model_type".into(), "gemma3_text".into());
+    Ok(Some(merged))
 }
 
 fn parse_config(path: &Path, map: &Map<String, Value>) -> Result<ModelConfig> {

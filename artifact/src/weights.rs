@@ -53,6 +53,10 @@ pub struct WeightFiles {
     /// How a quantized model's linear weights are stored (from its
     /// `config.json`); they are dequantized as they are read.
     quantization: Option<Quantization>,
+    /// Names the engine asks for -> names as stored, where they differ: a
+    /// multimodal Gemma 3 checkpoint keeps its language model under
+    /// `language_model.` (see [`language_model_names`]).
+    aliases: BTreeMap<String, String>,
 }
 
 /// One tensor's place in the mapped files.
@@ -81,7 +85,11 @@ impl WeightFiles {
         let mut files = WeightFiles::open_model_files(dir)?;
         let config = dir.join("config.json");
         if config.exists() {
-            files.quantization = quantization::parse(&config, &read_json_object(&config)?)?;
+            let root = read_json_object(&config)?;
+            files.quantization = quantization::parse(&config, &root)?;
+            if root.get("model_type").and_then(|t| t.as_str()) == Some("gemma3") {
+                files.aliases = language_model_names(files.index.keys());
+            }
         }
         Ok(files)
     }
@@ -162,6 +170,7 @@ impl WeightFiles {
             files,
             index,
             quantization: None,
+            aliases: BTreeMap::new(),
         })
     }
 
@@ -189,7 +198,13 @@ impl WeightFiles {
     }
 
     pub fn contains(&self, name: &str) -> bool {
-        self.index.contains_key(name) || self.quantized(name).is_some()
+        self.located(name).is_some() || self.quantized(name).is_some()
+    }
+
+    /// Where a tensor is, by the name the engine asks for.
+    fn located(&self, name: &str) -> Option<&Located> {
+        let stored = self.aliases.get(name).map_or(name, String::as_str);
+        self.index.get(stored)
     }
 
     /// How the model's linear weights are quantized, if they are.
@@ -211,8 +226,8 @@ impl WeightFiles {
             Format::Gptq4 | Format::Gptq4V2 | Format::Awq4 => "qweight",
             _ => "weight_scale",
         };
-        self.index
-            .contains_key(&format!("{stem}.{marker}"))
+        self.located(&format!("{stem}.{marker}"))
+            .is_some()
             .then_some((q, stem))
     }
 
@@ -224,17 +239,17 @@ impl WeightFiles {
 
     /// Whether the files hold a tensor of this name, as stored.
     pub(crate) fn has_tensor(&self, name: &str) -> bool {
-        self.index.contains_key(name)
+        self.located(name).is_some()
     }
 
     /// The file a tensor lives in, for error messages.
     pub fn file_of(&self, name: &str) -> Option<&Path> {
-        self.index.get(name).map(|t| self.files[t.file].0.as_path())
+        self.located(name).map(|t| self.files[t.file].0.as_path())
     }
 
     /// The raw bytes of one tensor.
     pub fn raw(&self, name: &str) -> Result<RawTensor<'_>> {
-        let t = self.index.get(name).ok_or_else(|| {
+        let t = self.located(name).ok_or_else(|| {
             let first = self.files.first().map(|f| f.0.clone()).unwrap_or_default();
             FileError::model(first, name, "the tensor is missing")
         })?;
@@ -350,6 +365,43 @@ impl WeightFiles {
         }
         Ok(hex::encode(hasher.finalize()))
     }
+}
+
+impl WeightFiles {
+    /// Makes an adapter's tensors answer to the names a text model's
+    /// adapter gives them ([`crate::adapter::tensors::language_model_name`]).
+    pub fn serve_language_model_adapter(&mut self) {
+        self.aliases = self
+            .index
+            .keys()
+            .filter_map(|stored| {
+                let served = crate::adapter::tensors::language_model_name(stored)?;
+                (served != stored.as_str()).then(|| (served.into_owned(), stored.clone()))
+            })
+            .collect();
+    }
+}
+
+/// The language model's tensors of a multimodal Gemma 3 checkpoint under
+/// the names a text model gives them: `language_model.model.…` and
+/// `language_model.lm_head.…` (transformers 4) or `model.language_model.…`
+/// (transformers 5) become `model.…` and `lm_head.…`. The vision tower and
+/// the projector keep their names, which no text model asks for.
+pub fn language_model_names<'a>(
+    stored: impl Iterator<Item = &'a String>,
+) -> BTreeMap<String, String> {
+    stored
+        .filter_map(|name| {
+            let served = if let Some(rest) = name.strip_prefix("language_model.") {
+                rest.to_owned()
+            } else if let Some(rest) = name.strip_prefix("model.language_model.") {
+                format!("model.{rest}")
+            } else {
+                return None;
+            };
+            Some((served, name.clone()))
+        })
+        .collect()
 }
 
 /// The base hash of a model directory; see the module docs.

@@ -96,6 +96,34 @@ pub fn expected_in_layer(config: &AdapterConfig, layer: usize) -> Vec<Expected> 
     out
 }
 
+/// An adapter tensor's name as a text model's adapter names it, or None for
+/// a tensor outside the language model. A multimodal checkpoint's adapter
+/// (Gemma 3's) holds its language model's factors under
+/// `base_model.model.model.language_model.` (transformers 5) or
+/// `base_model.model.language_model.model.` (transformers 4), and may hold
+/// factors on the vision tower and the projector too (a target list such
+/// as `["q_proj", "v_proj"]` matches their modules): those act on images
+/// alone, which the engine refuses, so a text request's result is the same
+/// with or without them, and they are left out.
+pub fn language_model_name(name: &str) -> Option<std::borrow::Cow<'_, str>> {
+    use std::borrow::Cow;
+    if name.contains(".vision_tower.") || name.contains(".multi_modal_projector.") {
+        return None;
+    }
+    for (stored, served) in [
+        (
+            "base_model.model.model.language_model.",
+            "base_model.model.model.",
+        ),
+        ("base_model.model.language_model.", "base_model.model."),
+    ] {
+        if let Some(rest) = name.strip_prefix(stored) {
+            return Some(Cow::Owned(format!("{served}{rest}")));
+        }
+    }
+    Some(Cow::Borrowed(name))
+}
+
 /// The layer a PEFT tensor name belongs to, if it names one.
 fn layer_of(name: &str) -> Option<usize> {
     name.strip_prefix("base_model.model.model.layers.")?
@@ -147,13 +175,17 @@ pub fn check(
     if header.tensors.is_empty() {
         return Err(bad("adapter_model.safetensors", "holds no tensors".into()));
     }
-    for (name, info) in &header.tensors {
+    for (stored, info) in &header.tensors {
+        let Some(name) = language_model_name(stored) else {
+            continue;
+        };
+        let name = name.as_ref();
         let expected = layer_of(name)
             .filter(|&l| layers.is_none_or(|n| l < n))
             .and_then(|l| {
                 expected_in_layer(config, l)
                     .into_iter()
-                    .find(|e| &e.name == name)
+                    .find(|e| e.name == name)
             })
             .ok_or_else(|| bad(name, unexpected(name).into()))?;
         let [rows, cols] = info.shape[..] else {
@@ -182,10 +214,15 @@ pub fn check(
         }
     }
     if let Some(layers) = layers {
+        let present: std::collections::BTreeSet<String> = header
+            .tensors
+            .keys()
+            .filter_map(|n| language_model_name(n).map(|n| n.into_owned()))
+            .collect();
         for layer in 0..layers {
             if let Some(missing) = expected_in_layer(config, layer)
                 .into_iter()
-                .find(|e| !header.tensors.contains_key(&e.name))
+                .find(|e| !present.contains(&e.name))
             {
                 return Err(bad(&missing.name, "the tensor is missing".into()));
             }

@@ -40,6 +40,12 @@ goldens. It writes, under the fixtures directory:
   are generated with the KV cache, since transformers' dynamic NTK
   rotates each forward pass by the frequencies of its own length and keeps
   the keys it cached;
+- `gemma3-4b-mm/`: Gemma 3 4B's multimodal checkpoint (`gemma3`:
+  `text_config` lists only what differs from transformers' defaults, the
+  language model's weights under `language_model.`, a vision tower shrunk
+  to one layer), served as its language model; its adapter targets
+  `q_proj` and `v_proj` by name, which PEFT also applies to the vision
+  tower's attention;
 - `gemma2-2b/`: Gemma 2 2B's config (alternating sliding and global layers,
   attention and final-logit soft-capping), f32;
 - `adapters/<model>/<name>/`: PEFT LoRA adapters on each family's usual
@@ -63,7 +69,7 @@ import sys
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from tokenizers import Tokenizer
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, Gemma3ForConditionalGeneration
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from make_fixtures import artifact_digest, canonical_base_hash, randomize_lora  # noqa: E402
@@ -316,6 +322,45 @@ CONFIGS = {
         torch.float32,
         109,
     ),
+    # google/gemma-3-4b-it (multimodal)
+    "gemma3-4b-mm": (
+        {
+            "architectures": ["Gemma3ForConditionalGeneration"],
+            "boi_token_index": 5,  # shrunk: 255999
+            "eoi_token_index": 6,  # shrunk: 256000
+            "eos_token_id": [2, 4],  # shrunk: [1, 106]
+            "image_token_index": 7,  # shrunk: 262144
+            "initializer_range": 0.02,
+            "mm_tokens_per_image": 4,  # shrunk: 256
+            "model_type": "gemma3",
+            "text_config": {
+                "head_dim": 16,  # shrunk: the default 256
+                "hidden_size": 64,  # shrunk: 2560
+                "intermediate_size": 96,  # shrunk: 10240
+                "model_type": "gemma3_text",
+                "num_attention_heads": 4,  # shrunk: the default 8
+                "num_hidden_layers": 6,  # shrunk: 34
+                "num_key_value_heads": 2,  # shrunk: the default 4
+                "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                "sliding_window": 16,  # shrunk: 1024
+                "vocab_size": 384,  # shrunk: the default 262208
+            },
+            "torch_dtype": "bfloat16",
+            "transformers_version": "4.50.0.dev0",
+            "vision_config": {
+                "hidden_size": 32,  # shrunk: 1152
+                "image_size": 28,  # shrunk: 896
+                "intermediate_size": 64,  # shrunk: 4304
+                "model_type": "siglip_vision_model",
+                "num_attention_heads": 2,  # shrunk: 16
+                "num_hidden_layers": 1,  # shrunk: 27
+                "patch_size": 14,
+                "vision_use_head": False,
+            },
+        },
+        torch.float32,
+        110,
+    ),
     # google/gemma-2-2b
     "gemma2-2b": (
         {
@@ -384,6 +429,10 @@ ADAPTERS = {
         ("qv-r8", dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])),
         ("all-linear-r4", dict(r=4, lora_alpha=8, target_modules="all-linear")),
     ],
+    "gemma3-4b-mm": [
+        ("qv-r8", dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])),
+        ("o-gate-r4", dict(r=4, lora_alpha=8, target_modules=["o_proj", "gate_proj"])),
+    ],
     "gemma2-2b": [
         ("qkvo-r4", dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])),
         ("all-linear-r8", dict(r=8, lora_alpha=8, target_modules="all-linear")),
@@ -427,6 +476,14 @@ def record(model, ids, eos):
     return prompt, completion
 
 
+def model_class(config):
+    """The class transformers serves a config's checkpoints with: a
+    multimodal Gemma 3 is its image-text model (text-only inputs here)."""
+    if config.model_type == "gemma3":
+        return Gemma3ForConditionalGeneration
+    return AutoModelForCausalLM
+
+
 def record_cached(model, ids, eos):
     """As `record`, the greedy tokens generated with the KV cache: one
     forward pass over the prompt, then one per token."""
@@ -463,7 +520,8 @@ def main():
     prompts = [tok.encode(PROMPTS[0]).ids, long_ids, long_ids[:61]]
     golden = {"top": TOP, "new_tokens": NEW, "cases": []}
     for model_name, (hub, dtype, seed) in CONFIGS.items():
-        hub = {**SHRINK, **hub}
+        if "text_config" not in hub:
+            hub = {**SHRINK, **hub}
         path = os.path.join(out, model_name)
         shutil.rmtree(path, ignore_errors=True)
         os.makedirs(path)
@@ -471,7 +529,8 @@ def main():
             json.dump(hub, f, indent=2, sort_keys=True)
         config = AutoConfig.from_pretrained(path)
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        cls = model_class(config)
+        model = cls(config) if cls is Gemma3ForConditionalGeneration else cls.from_config(config, dtype=torch.float32)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "norm" in name:
@@ -487,7 +546,7 @@ def main():
             shutil.copy(os.path.join(tok_dir, name), os.path.join(path, name))
         eos = hub["eos_token_id"] if isinstance(hub["eos_token_id"], list) else [hub["eos_token_id"]]
         with open(os.path.join(path, "generation_config.json"), "w") as f:
-            json.dump({"bos_token_id": hub["bos_token_id"], "eos_token_id": eos}, f)
+            json.dump({"bos_token_id": hub.get("bos_token_id", 1), "eos_token_id": eos}, f)
 
         def run(m, adapter, reload=None):
             m.eval()
@@ -502,12 +561,12 @@ def main():
                 )
 
         def base_model():
-            return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            return model_class(config).from_pretrained(path, dtype=torch.float32)
 
         run(base_model(), None, base_model)
         shutil.rmtree(os.path.join(out, "adapters", model_name), ignore_errors=True)
         for i, (adapter_name, kwargs) in enumerate(ADAPTERS[model_name]):
-            fresh = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            fresh = base_model()
             peft_model = get_peft_model(fresh, LoraConfig(task_type="CAUSAL_LM", lora_dropout=0.0, **kwargs))
             randomize_lora(peft_model, 3000 + 10 * seed + i)
             adir = os.path.join(out, "adapters", model_name, adapter_name)

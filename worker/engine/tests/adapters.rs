@@ -342,8 +342,8 @@ fn artifact_digests_match_an_independent_implementation() {
     .unwrap();
     assert_eq!(
         expected.len(),
-        41,
-        "12 dense, 10 Mixture-of-Experts and 19 model-family adapters"
+        43,
+        "12 dense, 10 Mixture-of-Experts and 21 model-family adapters"
     );
     let roots =
         lorafleet_engine::artifact::ArtifactRoots::new(&[fixtures().join("adapters")]).unwrap();

@@ -15,7 +15,7 @@ use lorafleet_engine::lora::{AdapterLimits, HostAdapter, Projection};
 use lorafleet_engine::model::ModelConfig;
 use lorafleet_engine::model::rope::RopeScaling;
 
-const FAMILIES: [&str; 9] = [
+const FAMILIES: [&str; 10] = [
     "llama32-tied",
     "qwen3-yarn",
     "phi4",
@@ -25,6 +25,7 @@ const FAMILIES: [&str; 9] = [
     "gemma3-4b",
     "gemma2-2b",
     "llama2-dynamic",
+    "gemma3-4b-mm",
 ];
 
 #[test]
@@ -101,9 +102,12 @@ fn each_family_reads_its_config_as_shipped() {
     // transformers 5 writes it (layer_types, rope_parameters by layer type).
     use lorafleet_engine::model::config::Architecture;
     use lorafleet_engine::model::layers::{Activation, LayerKind};
+    // And the multimodal checkpoint's language model: its text_config over
+    // transformers' defaults.
     for (model, window, global) in [
         ("gemma3-1b", 16, RopeScaling::Default),
         ("gemma3-4b", 24, RopeScaling::Linear { factor: 8.0 }),
+        ("gemma3-4b-mm", 16, RopeScaling::Linear { factor: 8.0 }),
     ] {
         let g = ModelConfig::from_dir(&model_dir(model)).unwrap();
         assert_eq!(g.architecture, Architecture::Gemma3);
@@ -144,6 +148,25 @@ fn each_family_reads_its_config_as_shipped() {
         "Gemma 2 alternates"
     );
     assert!(!g2.qk_norm && gemma.local_rope.is_none());
+}
+
+#[test]
+fn a_multimodal_gemma3_adapter_serves_its_language_models_factors() {
+    // PEFT applied the adapter's q_proj and v_proj targets to the vision
+    // tower too: those factors act on images alone (refused), so they are
+    // left out; the language model's load under the text model's names.
+    let config = ModelConfig::from_dir(&model_dir("gemma3-4b-mm")).unwrap();
+    let limits = AdapterLimits {
+        model: &config,
+        max_lora_rank: 16,
+        base_hash_check: None,
+    };
+    let a = HostAdapter::load("qv-r8", &adapter_dir("gemma3-4b-mm", "qv-r8"), limits).unwrap();
+    for layer in &a.modules {
+        assert!(layer[Projection::Q.index()].is_some() && layer[Projection::V.index()].is_some());
+        assert!(layer[Projection::K.index()].is_none());
+    }
+    assert_eq!(a.modules.len(), 6);
 }
 
 #[test]

@@ -455,3 +455,99 @@ pub fn moe_adapters(n: usize) -> Vec<PathBuf> {
         })
         .collect()
 }
+
+/// Gemma-3-1B's shape (`gemma3_text`: 26 layers, every sixth global, the
+/// rest sliding over 512 positions; 4 query heads of 256, one KV head;
+/// vocabulary 262,144), random weights in bf16. With `all_global`, the
+/// same files with every layer global (`layer_types`). Created if missing.
+pub fn gemma3_1b(all_global: bool) -> PathBuf {
+    let (hidden, intermediate, layers, heads, head_dim, vocab) = (1152, 6912, 26, 4, 256, 262_144);
+    let dir = root().join("gemma-3-1b-shape").join("model-bf16");
+    let config = |global: bool| {
+        let mut c = serde_json::json!({
+            "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+            "hidden_size": hidden, "intermediate_size": intermediate,
+            "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": 1, "head_dim": head_dim, "vocab_size": vocab,
+            "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+            "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
+            "rope_theta": 1_000_000, "rope_local_base_freq": 10000,
+            "sliding_window": 512, "sliding_window_pattern": 6,
+            "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"
+        });
+        if global {
+            c["layer_types"] = serde_json::json!(vec!["full_attention"; layers]);
+        }
+        c
+    };
+    if !dir.join("model.safetensors").exists() {
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("config.json"), config(false).to_string()).unwrap();
+        copy_tokenizer(&dir);
+        let mut rng = Rng::new(7);
+        let (q, kv) = (heads * head_dim, head_dim);
+        let mut t = vec![(
+            "model.embed_tokens.weight".to_string(),
+            vec![vocab, hidden],
+            random(&mut rng, vocab * hidden, 0.05),
+        )];
+        for l in 0..layers {
+            let p = format!("model.layers.{l}");
+            for (name, out, inp) in [
+                ("self_attn.q_proj", q, hidden),
+                ("self_attn.k_proj", kv, hidden),
+                ("self_attn.v_proj", kv, hidden),
+                ("self_attn.o_proj", hidden, q),
+                ("mlp.gate_proj", intermediate, hidden),
+                ("mlp.up_proj", intermediate, hidden),
+                ("mlp.down_proj", hidden, intermediate),
+            ] {
+                t.push((
+                    format!("{p}.{name}.weight"),
+                    vec![out, inp],
+                    random(&mut rng, out * inp, 0.04),
+                ));
+            }
+            // Gemma's norms scale by (1 + w).
+            for norm in [
+                "input_layernorm",
+                "post_attention_layernorm",
+                "pre_feedforward_layernorm",
+                "post_feedforward_layernorm",
+            ] {
+                t.push((
+                    format!("{p}.{norm}.weight"),
+                    vec![hidden],
+                    vec![0.0; hidden],
+                ));
+            }
+            for norm in ["self_attn.q_norm", "self_attn.k_norm"] {
+                t.push((
+                    format!("{p}.{norm}.weight"),
+                    vec![head_dim],
+                    vec![0.0; head_dim],
+                ));
+            }
+        }
+        t.push((
+            "model.norm.weight".to_string(),
+            vec![hidden],
+            vec![0.0; hidden],
+        ));
+        write(&dir.join("model.safetensors"), t, Dtype::BF16);
+    }
+    if !all_global {
+        return dir;
+    }
+    let global = dir.with_file_name("model-bf16-all-global");
+    std::fs::create_dir_all(&global).unwrap();
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let entry = entry.unwrap();
+        let to = global.join(entry.file_name());
+        if entry.file_name() != "config.json" && !to.exists() {
+            std::os::unix::fs::symlink(entry.path(), &to).unwrap();
+        }
+    }
+    std::fs::write(global.join("config.json"), config(true).to_string()).unwrap();
+    global
+}

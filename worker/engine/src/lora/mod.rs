@@ -222,13 +222,15 @@ impl HostAdapter {
             });
         }
         let shown = weights_path.display().to_string();
-        let files = WeightFiles::open(vec![weights_path]).map_err(|e| AdapterError::Invalid {
-            adapter: name.into(),
-            field: "adapter_model.safetensors".into(),
-            // The file's own name only: the reason may reach a client, and
-            // where this machine keeps the file is not the client's to know.
-            reason: e.to_string().replace(&shown, "adapter_model.safetensors"),
-        })?;
+        let mut files =
+            WeightFiles::open(vec![weights_path]).map_err(|e| AdapterError::Invalid {
+                adapter: name.into(),
+                field: "adapter_model.safetensors".into(),
+                // The file's own name only: the reason may reach a client, and
+                // where this machine keeps the file is not the client's to know.
+                reason: e.to_string().replace(&shown, "adapter_model.safetensors"),
+            })?;
+        files.serve_language_model_adapter();
         build(name, &config, &files, limits)
     }
 }
