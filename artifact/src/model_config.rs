@@ -209,6 +209,27 @@ impl ModelConfig {
         }
     }
 
+    /// Whether the layers are of both kinds (Gemma 2 and 3): the sliding
+    /// ones then keep only their window of keys and values.
+    pub fn mixed_layers(&self) -> bool {
+        self.sliding_window.is_some()
+            && self.layer_kinds.contains(&LayerKind::Full)
+            && self.layer_kinds.contains(&LayerKind::Sliding)
+    }
+
+    /// The layers whose keys and values a sequence's block table holds:
+    /// every layer, or the global ones of a model with both kinds.
+    pub fn table_layers(&self) -> usize {
+        if self.mixed_layers() {
+            self.layer_kinds
+                .iter()
+                .filter(|k| **k == LayerKind::Full)
+                .count()
+        } else {
+            self.num_layers
+        }
+    }
+
     /// The rotary embedding of a layer: Gemma 3's sliding layers have
     /// their own.
     pub fn rope_of(&self, layer: usize) -> &crate::rope::Rope {

@@ -42,6 +42,8 @@ const SMALL_SHAPE: BackendShape = BackendShape {
     max_lora_rank: 16,
     kv_blocks: 64,
     block_size: 16,
+    ring_len: 0,
+    ring_blocks: 0,
 };
 const SMALL_LIMITS: StepLimits = StepLimits {
     max_tokens: 512,

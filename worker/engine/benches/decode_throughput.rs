@@ -66,6 +66,8 @@ fn main() {
         max_lora_rank: 16,
         kv_blocks: 1,
         block_size: 16,
+        ring_len: 0,
+        ring_blocks: 0,
     };
     let backend = lorafleet_engine::backend::cpu::CpuBackend::load(&model, &config, shape).unwrap();
     let weight_mb = |b: usize| b as f64 / 1e6;

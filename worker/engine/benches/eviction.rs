@@ -85,6 +85,8 @@ fn device_loads(n: usize, trace: &[usize], policy: EvictionPolicy) -> (u64, u64)
             max_lora_rank: 16,
             kv_blocks: 4,
             block_size: 4,
+            ring_len: 0,
+            ring_blocks: 0,
         },
     )
     .unwrap();

@@ -91,6 +91,9 @@ pub(crate) struct Scheduler<'a> {
     pub seqs: &'a mut HashMap<SeqId, Sequence>,
     pub pool: &'a mut AdapterPool,
     pub kv: &'a mut BlockAllocator,
+    /// The sliding layers' ring blocks (`BackendShape::ring_len` a
+    /// sequence), for a model with both kinds of layers.
+    pub ring: &'a mut BlockAllocator,
     pub backend: &'a mut dyn Backend,
     pub limits: Limits,
     /// Fair shares between keys (tenants), or None for arrival order.
@@ -138,6 +141,27 @@ impl FairShares {
 
 impl Scheduler<'_> {
     pub fn schedule(&mut self) -> Result<Plan> {
+        let plan = self.plan()?;
+        // Each scheduled sequence's ring covers the positions this step
+        // reads and writes: up to `ring_len` blocks, reused as it moves.
+        let ring_len = self.backend.shape().ring_len;
+        if ring_len > 0 {
+            let bs = self.ring.block_size();
+            for &(id, chunk) in &plan.scheduled {
+                let seq = self.seqs.get_mut(&id).expect("scheduled sequence exists");
+                let target = (seq.num_computed + chunk).min(ring_len * bs);
+                if !self.ring.grow(&mut seq.ring, target) {
+                    return Err(crate::error::EngineError::Backend(format!(
+                        "the sliding layers' rings are exhausted ({} blocks)",
+                        self.ring.total()
+                    )));
+                }
+            }
+        }
+        Ok(plan)
+    }
+
+    fn plan(&mut self) -> Result<Plan> {
         let mut plan = Plan::default();
         let mut budget = self.limits.max_batched_tokens;
         let mut busy_slots: Vec<usize> = Vec::new();
@@ -317,6 +341,7 @@ impl Scheduler<'_> {
                 // The KV cache is full: nobody behind can be admitted either.
                 let seq = self.seqs.get_mut(&id).expect("waiting sequence exists");
                 self.kv.release(&mut seq.blocks);
+                self.ring.release(&mut seq.ring);
                 seq.num_computed = 0;
                 seq.registered = 0;
                 break;
@@ -567,6 +592,7 @@ impl Scheduler<'_> {
         let seq = self.seqs.get_mut(&id).expect("sequence exists");
         if seq.switch_to_long_rope(long_after) {
             self.kv.release(&mut seq.blocks);
+            self.ring.release(&mut seq.ring);
             seq.num_computed = 0;
             seq.registered = 0;
         }
@@ -575,6 +601,7 @@ impl Scheduler<'_> {
     fn preempt(&mut self, id: SeqId) {
         let seq = self.seqs.get_mut(&id).expect("preempted sequence exists");
         self.kv.release(&mut seq.blocks);
+        self.ring.release(&mut seq.ring);
         seq.num_computed = 0;
         seq.registered = 0;
         seq.preemptions += 1;

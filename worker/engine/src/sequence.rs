@@ -59,6 +59,9 @@ pub(crate) struct Sequence {
     /// Positions whose keys and values are in the KV cache.
     pub num_computed: usize,
     pub blocks: Vec<u32>,
+    /// The sliding layers' ring of a model with both kinds of layers
+    /// (`BackendShape::ring_len`); empty otherwise.
+    pub ring: Vec<u32>,
     pub lease: Option<Lease>,
     pub residency: Option<Residency>,
     pub arrived: Instant,
@@ -132,6 +135,7 @@ impl Sequence {
             rng: Rng::new(seed),
             num_computed: 0,
             blocks: Vec::new(),
+            ring: Vec::new(),
             lease: None,
             residency,
             arrived: Instant::now(),

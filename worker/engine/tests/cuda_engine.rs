@@ -44,6 +44,8 @@ const SHAPE: BackendShape = BackendShape {
     max_lora_rank: 16,
     kv_blocks: 8,
     block_size: 4,
+    ring_len: 0,
+    ring_blocks: 0,
 };
 
 const LIMITS: StepLimits = StepLimits {

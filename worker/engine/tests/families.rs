@@ -272,3 +272,49 @@ fn a_staggered_mixed_batch_of_each_familys_adapters_equals_one_at_a_time() {
         assert_staggered_batch_equals_alone(model, lorafleet_engine::BackendChoice::Cpu);
     }
 }
+
+#[test]
+fn gemmas_sliding_layers_keep_only_their_window_in_rings() {
+    // Blocks of 4 positions and chunks of at most 8: a ring of
+    // ceil((16 + 8 - 1) / 4) + 1 = 7 blocks a sequence, which the 170-token
+    // prompt goes round many times; the global layers keep every position
+    // in the block table. The goldens hold, in one mixed batch.
+    use lorafleet_engine::backend::cpu::CpuBackend;
+    use lorafleet_engine::{EngineSettings, Request};
+    let g = logprob_golden("golden_families.json");
+    for (model, table_layers) in [("gemma3-1b", 1), ("gemma2-2b", 2)] {
+        let config = ModelConfig::from_dir(&model_dir(model)).unwrap();
+        assert!(config.mixed_layers());
+        assert_eq!(config.table_layers(), table_layers);
+        // A block holds the global layers' keys and values alone.
+        let block = CpuBackend::memory_units(&config, 4, 16).block_bytes;
+        assert_eq!(block, (2 * table_layers * 4 * config.kv_dim() * 4) as u64);
+
+        let names = adapter_names(model);
+        let settings = EngineSettings {
+            max_batched_tokens: 8,
+            block_size: 4,
+            kv_blocks: 1024,
+            ..Default::default()
+        };
+        let mut e = fixture_engine(model, settings);
+        let cases: Vec<&LogprobCase> = g.cases.iter().filter(|c| c.model == model).collect();
+        let requests: Vec<Request> = cases
+            .iter()
+            .enumerate()
+            .map(|(i, case)| {
+                let adapter = case
+                    .adapter
+                    .as_ref()
+                    .map(|a| names.iter().position(|n| n == a).unwrap() as u64 + 1);
+                logprob_request(format!("r{i}"), case, adapter, &g)
+            })
+            .collect();
+        let out = e.run_to_completion(requests).unwrap();
+        for (case, c) in cases.iter().zip(&out) {
+            check_logprob_case(case, c);
+        }
+        // Every block came back; the rings too (a second run fits again).
+        assert_eq!(e.stats().kv_blocks_used, 0, "{model}");
+    }
+}

@@ -17,6 +17,8 @@ fn shape(slots: usize, kv_blocks: usize) -> BackendShape {
         max_lora_rank: 16,
         kv_blocks,
         block_size: 4,
+        ring_len: 0,
+        ring_blocks: 0,
     }
 }
 

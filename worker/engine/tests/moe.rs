@@ -88,6 +88,8 @@ fn the_expert_lora_path_is_skipped_for_adapters_without_expert_weights() {
         max_lora_rank: 16,
         kv_blocks: 16,
         block_size: 4,
+        ring_len: 0,
+        ring_blocks: 0,
     };
     let mut backend = CpuBackend::load(&dir, &config, shape).unwrap();
     let limits = AdapterLimits {

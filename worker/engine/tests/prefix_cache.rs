@@ -199,6 +199,8 @@ fn a_prefix_hit_gives_the_logit_bits_of_a_miss() {
         max_lora_rank: 16,
         kv_blocks: 32,
         block_size: 16,
+        ring_len: 0,
+        ring_blocks: 0,
     };
     let mut backend = CpuBackend::load(&dir, &config, shape).unwrap();
     let name = &adapter_names(MODEL)[0];

@@ -62,6 +62,8 @@ fn quantized_weights_stay_at_their_width_in_memory() {
             max_lora_rank: 16,
             kv_blocks: 8,
             block_size: 4,
+            ring_len: 0,
+            ring_blocks: 0,
         };
         CpuBackend::load(&dir, &config, shape).unwrap()
     };
@@ -212,6 +214,8 @@ fn a_quantization_that_is_not_read_is_refused_by_its_field() {
         max_lora_rank: 16,
         kv_blocks: 8,
         block_size: 4,
+        ring_len: 0,
+        ring_blocks: 0,
     };
     let err = CpuBackend::load(dir.path(), &config, shape)
         .unwrap_err()

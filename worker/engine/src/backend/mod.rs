@@ -34,6 +34,9 @@ pub struct SeqStep<'a> {
     /// position `p` by the frequencies of `max(prompt_len, p + 1)`
     /// ([`crate::model::rope::Rope::dynamic_inv_freq`]).
     pub prompt_len: usize,
+    /// The sequence's ring for the sliding layers (see
+    /// [`BackendShape::ring_len`]); empty where there is none.
+    pub ring: &'a [u32],
 }
 
 /// A contiguous run of tokens that use one adapter slot: the SGMV segment.
@@ -98,6 +101,7 @@ impl<'a> StepBatch<'a> {
             logit_rows: logit_rows.min(tokens.len()),
             long_rope: false,
             prompt_len: 0,
+            ring: &[],
         });
     }
 
@@ -176,6 +180,14 @@ pub struct BackendShape {
     pub kv_blocks: usize,
     /// Tokens per KV block.
     pub block_size: usize,
+    /// A model whose layers are of both kinds (Gemma 2 and 3) keeps its
+    /// sliding layers' keys and values in a ring of this many blocks per
+    /// sequence, reused as the window moves: position `p` lives in ring
+    /// block `(p / block_size) % ring_len` ([`SeqStep::ring`]). 0: the
+    /// sliding layers use the block table as the global ones do.
+    pub ring_len: usize,
+    /// Ring blocks in all: every running sequence's ring.
+    pub ring_blocks: usize,
 }
 
 /// Checks that `adapter` may be written into `slot` of a backend of `shape`.

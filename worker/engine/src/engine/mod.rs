@@ -98,6 +98,8 @@ pub struct Engine {
     settings: EngineSettings,
     pool: AdapterPool,
     kv: BlockAllocator,
+    /// The sliding layers' rings (a model with both kinds of layers).
+    ring: BlockAllocator,
     /// The byte budget the KV cache and the slots share, if any.
     budget: Option<Arc<crate::budget::MemoryBudget>>,
     queues: Queues,
@@ -152,11 +154,23 @@ impl Engine {
             settings.kv_blocks = crate::budget::MemoryBudget::new(bytes, units)?.max_kv_blocks();
         }
         let base_hash = WeightFiles::open_model_dir(model_dir)?.base_hash(&mut |_, _| {})?;
+        // A model with both kinds of layers (Gemma) keeps each running
+        // sequence's sliding-layer keys and values in a ring that covers
+        // what one step reads and writes: the window behind a chunk and
+        // the chunk, and a block for the alignment.
+        let ring_len = match config.sliding_window {
+            Some(window) if config.mixed_layers() => {
+                (window + settings.max_batched_tokens - 1).div_ceil(settings.block_size) + 1
+            }
+            _ => 0,
+        };
         let shape = BackendShape {
             slots: settings.max_loras,
             max_lora_rank: settings.max_lora_rank,
             kv_blocks: settings.kv_blocks,
             block_size: settings.block_size,
+            ring_len,
+            ring_blocks: ring_len * settings.max_num_seqs,
         };
         let backend: Box<dyn Backend> = match choice {
             BackendChoice::Cpu => Box::new(CpuBackend::load(model_dir, &config, shape)?),
@@ -208,11 +222,14 @@ impl Engine {
         }
         pool.set_host_byte_budget(settings.max_cpu_lora_bytes);
         pool.set_eviction(settings.eviction);
+        // A block's sliding-layer keys are gone once the window passes
+        // it, so a model with rings caches no prefixes.
         let mut kv = BlockAllocator::with_caching(
             settings.kv_blocks,
             settings.block_size,
-            settings.prefix_caching,
+            settings.prefix_caching && shape.ring_len == 0,
         );
+        let ring = BlockAllocator::with_caching(shape.ring_blocks, settings.block_size, false);
         let budget = match settings.memory_budget_bytes {
             None => None,
             Some(bytes) => {
@@ -257,6 +274,7 @@ impl Engine {
         );
         Ok(Engine {
             kv,
+            ring,
             budget,
             config,
             tokenizer,
@@ -538,6 +556,7 @@ impl Engine {
         let mut seq = self.seqs.remove(&id)?;
         self.by_request.remove(&seq.request_id);
         self.kv.release(&mut seq.blocks);
+        self.ring.release(&mut seq.ring);
         if self.queues.waiting.contains(&id) {
             self.queues.waiting.retain(|&w| w != id);
             if let Some(a) = seq.adapter {

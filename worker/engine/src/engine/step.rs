@@ -67,6 +67,7 @@ impl Engine {
             seqs: &mut self.seqs,
             pool: &mut self.pool,
             kv: &mut self.kv,
+            ring: &mut self.ring,
             backend: self.backend.as_mut(),
             limits: Limits {
                 max_num_seqs: self.settings.max_num_seqs,
@@ -130,6 +131,7 @@ impl Engine {
             if let Some(s) = batch.seqs.last_mut() {
                 s.long_rope = seq.long_rope;
                 s.prompt_len = seq.prompt_ids.len();
+                s.ring = &seq.ring;
             }
             rows.push(Row {
                 id,

@@ -199,6 +199,8 @@ pub fn fixture_pool(
             max_lora_rank: 16,
             kv_blocks: 4,
             block_size: 4,
+            ring_len: 0,
+            ring_blocks: 0,
         },
     )
     .unwrap();
@@ -337,6 +339,8 @@ pub fn check_golden_cases_on_cpu(golden: &Golden, model: &str, adapter_model: &s
         max_lora_rank: 16,
         kv_blocks: 8,
         block_size: 4,
+        ring_len: 0,
+        ring_blocks: 0,
     };
     let mut backend =
         lorafleet_engine::backend::cpu::CpuBackend::load(&dir, &config, shape).unwrap();

@@ -26,7 +26,7 @@ pub use lora::{SlotView, as_bits, as_bits_mut, lora_segments};
 use attention::{AttentionRow, dot};
 use std::path::Path;
 
-use crate::backend::{Backend, BackendShape, StepBatch};
+use crate::backend::{Backend, BackendShape, SeqStep, StepBatch};
 use crate::error::{EngineError, Result};
 use crate::lora::{ExpertLayer, Factors, HostAdapter, Projection};
 use crate::model::{ModelConfig, WeightFiles};
@@ -192,7 +192,10 @@ impl CpuBackend {
             })
             .sum();
         crate::budget::MemoryUnits {
-            block_bytes: (2 * config.num_layers * block_size * config.kv_dim() * 4) as u64,
+            // A model with both kinds of layers keeps its sliding layers'
+            // keys and values in rings beside the blocks (see
+            // `BackendShape::ring_len`): a block holds the global layers'.
+            block_bytes: (2 * config.table_layers() * block_size * config.kv_dim() * 4) as u64,
             slot_bytes: (config.num_layers * per_layer * 4) as u64,
         }
     }
@@ -313,6 +316,14 @@ impl CpuBackend {
         lm_head: PackedLinear,
     ) -> CpuBackend {
         let kv_len = shape.kv_blocks * shape.block_size * config.kv_dim();
+        let ring_len = shape.ring_blocks * shape.block_size * config.kv_dim();
+        let cache_len = |layer: usize| {
+            if shape.ring_len > 0 && config.layer_kinds[layer] == LayerKind::Sliding {
+                ring_len
+            } else {
+                kv_len
+            }
+        };
         let n = config.num_layers * 7;
         let max_rank = shape.max_lora_rank.next_multiple_of(NR);
         let mut a = Vec::with_capacity(n);
@@ -332,8 +343,12 @@ impl CpuBackend {
             .and_then(|g| g.local_rope.as_ref())
             .map(rope::RopeTables::new);
         CpuBackend {
-            k_cache: (0..config.num_layers).map(|_| vec![0f32; kv_len]).collect(),
-            v_cache: (0..config.num_layers).map(|_| vec![0f32; kv_len]).collect(),
+            k_cache: (0..config.num_layers)
+                .map(|l| vec![0f32; cache_len(l)])
+                .collect(),
+            v_cache: (0..config.num_layers)
+                .map(|l| vec![0f32; cache_len(l)])
+                .collect(),
             slots: SlotTable {
                 max_rank,
                 a,
@@ -454,9 +469,18 @@ impl CpuBackend {
         outs
     }
 
-    fn kv_index(&self, block_table: &[u32], position: usize) -> usize {
+    /// Where `position`'s key (and value) of sequence `s` is in `layer`'s
+    /// cache: through its block table, or its ring for a sliding layer of
+    /// a model with both kinds.
+    fn kv_at(&self, layer: usize, s: &SeqStep<'_>, position: usize) -> usize {
         let bs = self.shape.block_size;
-        (block_table[position / bs] as usize * bs + position % bs) * self.config.kv_dim()
+        let block =
+            if self.shape.ring_len > 0 && self.config.layer_kinds[layer] == LayerKind::Sliding {
+                s.ring[(position / bs) % self.shape.ring_len]
+            } else {
+                s.block_table[position / bs]
+            };
+        (block as usize * bs + position % bs) * self.config.kv_dim()
     }
 }
 
@@ -580,6 +604,19 @@ impl Backend for CpuBackend {
         let n = batch.tokens.len();
         let (d, hd, kv_dim) = (c.hidden_size, c.head_dim, c.kv_dim());
         batch.check(&c, self.shape.block_size)?;
+        if self.shape.ring_len > 0 {
+            for s in &batch.seqs {
+                let needed = (s.first_position + s.len)
+                    .div_ceil(self.shape.block_size)
+                    .min(self.shape.ring_len);
+                if s.ring.len() < needed {
+                    return Err(EngineError::Backend(format!(
+                        "a ring holds {} blocks, {needed} needed",
+                        s.ring.len()
+                    )));
+                }
+            }
+        }
         let mut hidden = vec![0f32; n * d];
         for (&tok, row) in batch.tokens.iter().zip(hidden.chunks_exact_mut(d)) {
             let at = tok as usize * d;
@@ -643,7 +680,7 @@ impl Backend for CpuBackend {
                     let angles = &angles[t * half..(t + 1) * half];
                     rope::rotate(&mut q[t * c.q_dim()..(t + 1) * c.q_dim()], hd, angles);
                     rope::rotate(&mut k[t * kv_dim..(t + 1) * kv_dim], hd, angles);
-                    let at = self.kv_index(s.block_table, pos);
+                    let at = self.kv_at(layer, s, pos);
                     self.k_cache[layer][at..at + kv_dim]
                         .copy_from_slice(&k[t * kv_dim..(t + 1) * kv_dim]);
                     self.v_cache[layer][at..at + kv_dim]
@@ -664,6 +701,10 @@ impl Backend for CpuBackend {
                         batch.token_slot[t],
                         k,
                     );
+                    if let Some(last) = sub.seqs.last_mut() {
+                        (last.ring, last.long_rope, last.prompt_len) =
+                            (s.ring, s.long_rope, s.prompt_len);
+                    }
                     sub_q.extend_from_slice(&q[t * c.q_dim()..end * c.q_dim()]);
                     sub_hidden.extend_from_slice(&hidden[t * d..end * d]);
                 }
@@ -697,9 +738,7 @@ impl Backend for CpuBackend {
                 let s = &batch.seqs[si];
                 let (t, pos) = (s.start + i, s.first_position + i);
                 let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-                let offsets: Vec<usize> = (lo..=pos)
-                    .map(|p| this.kv_index(s.block_table, p))
-                    .collect();
+                let offsets: Vec<usize> = (lo..=pos).map(|p| this.kv_at(layer, s, p)).collect();
                 let row = AttentionRow {
                     q: &q[t * c.q_dim()..(t + 1) * c.q_dim()],
                     k_cache: kc,

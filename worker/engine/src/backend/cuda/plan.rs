@@ -227,6 +227,8 @@ mod tests {
             max_lora_rank: 16,
             kv_blocks: 4096,
             block_size: 16,
+            ring_len: 0,
+            ring_blocks: 0,
         };
         let plan = MemoryPlan::new(&llama_8b(), &shape, Dtype::Bf16, 2048, 256, 80 * GIB);
         // 8.03B parameters at 2 bytes; the lm_head is its own matrix.
@@ -284,6 +286,8 @@ mod tests {
             max_lora_rank: 16,
             kv_blocks: 1024,
             block_size: 16,
+            ring_len: 0,
+            ring_blocks: 0,
         };
         let plan = MemoryPlan::new(&c, &shape, Dtype::Bf16, 512, 64, 141 * GIB);
         // 30.5B parameters at 2 bytes (29.0B of them in experts), the
@@ -319,6 +323,8 @@ mod tests {
             max_lora_rank: 16,
             kv_blocks: 256,
             block_size: 16,
+            ring_len: 0,
+            ring_blocks: 0,
         };
         let c = llama_8b();
         let plan = |shape: BackendShape, tokens: usize| {
