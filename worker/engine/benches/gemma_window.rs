@@ -2,8 +2,11 @@
 //! (bf16, random weights) on the CPU backend, with its sliding layers (22
 //! of 26 layers attend to the last 512 positions) against the same weights
 //! with every layer global. Prints prefill tokens/s (the 4,096-token
-//! prompt, in chunks of 512), decode tokens/s (64 new tokens) and the KV
-//! blocks the sequence holds at its end. Run with:
+//! prompt, in chunks of 512), decode tokens/s (64 new tokens), the KV
+//! blocks the sequence holds at its end and their bytes: with sliding
+//! layers a block holds the 4 global layers' keys and values, and the 22
+//! sliding layers keep theirs in a ring of blocks covering the window and a
+//! chunk (at f32, the CPU backend's cache type). Run with:
 //!
 //!     cargo bench -p lorafleet-engine --bench gemma_window
 //!
@@ -76,14 +79,26 @@ fn main() {
         "Gemma-3-1B-shape stand-in (bf16), CPU backend, {} threads; one conversation of {prompt} prompt tokens + {NEW} new, blocks of {block_size}, {rounds} round(s)",
         rayon::current_num_threads()
     );
-    println!("| layers | prefill tokens/s | decode tokens/s | KV blocks held (most) |");
-    println!("|---|---:|---:|---:|");
-    for ((name, _), r) in configs.iter().zip(&results) {
+    println!(
+        "| layers | prefill tokens/s | decode tokens/s | KV blocks held (most) | KV MiB held |"
+    );
+    println!("|---|---:|---:|---:|---:|");
+    for ((name, dir), r) in configs.iter().zip(&results) {
+        let config = lorafleet_engine::model::ModelConfig::from_dir(dir).unwrap();
+        let per_layer_block = 2 * block_size * config.kv_dim() * 4;
+        let blocks = r.iter().map(|x| x.2).max().unwrap();
+        let mut bytes = blocks * config.table_layers() * per_layer_block;
+        if config.mixed_layers() {
+            // The ring the engine sizes: the window and a chunk, and a block.
+            let window = config.sliding_window.unwrap();
+            let ring = (window + settings.max_batched_tokens - 1).div_ceil(block_size) + 1;
+            bytes += ring * (config.num_layers - config.table_layers()) * per_layer_block;
+        }
         println!(
-            "| {name} | {:.1} | {:.2} | {} |",
+            "| {name} | {:.1} | {:.2} | {blocks} | {:.1} |",
             median(r.iter().map(|x| x.0).collect()),
             median(r.iter().map(|x| x.1).collect()),
-            r.iter().map(|x| x.2).max().unwrap()
+            bytes as f64 / (1 << 20) as f64
         );
     }
 }

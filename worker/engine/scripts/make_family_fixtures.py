@@ -4,7 +4,10 @@ transformers + PEFT, beside the other fixtures (it reuses their tokenizer).
 
 Run by hand, never by CI:
 
-    .venv/bin/python worker/engine/scripts/make_family_fixtures.py worker/engine/tests/fixtures
+    PYTHONHASHSEED=0 .venv/bin/python worker/engine/scripts/make_family_fixtures.py worker/engine/tests/fixtures
+
+(PEFT writes `target_modules` in set order; a fixed hash seed writes the
+same bytes each run.)
 
 Each family starts from the `config.json` its checkpoints ship on the Hub
 (transformers 4's form: `rope_theta` beside `rope_scaling`), with only the
