@@ -156,7 +156,31 @@ impl ModelConfig {
         let path = dir.join("config.json");
         let root = read_json_object(&path)?;
         let mut config = match gemma3_language_model(&path, &root)? {
-            Some(text) => parse_config(&path, &text)?,
+            // A field the checkpoint gives in its text_config is named so.
+            Some(text) => parse_config(&path, &text).map_err(|e| match e {
+                FileError::InvalidModel {
+                    file,
+                    field,
+                    reason,
+                } => {
+                    let given = root
+                        .get("text_config")
+                        .and_then(Value::as_object)
+                        .is_some_and(|t| {
+                            t.contains_key(field.split(['.', '[']).next().unwrap_or(""))
+                        });
+                    FileError::InvalidModel {
+                        file,
+                        field: if given {
+                            format!("text_config.{field}")
+                        } else {
+                            field
+                        },
+                        reason,
+                    }
+                }
+                other => other,
+            })?,
             None => parse_config(&path, &root)?,
         };
         // A quantization the weights cannot be read in is refused with the

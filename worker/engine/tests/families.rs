@@ -318,3 +318,93 @@ fn gemmas_sliding_layers_keep_only_their_window_in_rings() {
         assert_eq!(e.stats().kv_blocks_used, 0, "{model}");
     }
 }
+
+#[test]
+fn a_multimodal_gemma3_config_names_its_text_config_fields() {
+    let src: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(model_dir("gemma3-4b-mm").join("config.json")).unwrap(),
+    )
+    .unwrap();
+    for (edit, needle) in [
+        (
+            serde_json::json!({"sliding_window": 0}),
+            "`text_config.sliding_window`: must be positive",
+        ),
+        (
+            serde_json::json!({"rope_scaling": {"rope_type": "linear", "factor": -1.0}}),
+            "`text_config.rope_scaling.factor`",
+        ),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = src.clone();
+        for (k, v) in edit.as_object().unwrap() {
+            cfg["text_config"][k] = v.clone();
+        }
+        std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
+        let err = ModelConfig::from_dir(dir.path()).unwrap_err().to_string();
+        assert!(err.contains(needle), "{needle}: {err}");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = src.clone();
+    cfg.as_object_mut().unwrap().remove("text_config");
+    std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
+    let err = ModelConfig::from_dir(dir.path()).unwrap_err().to_string();
+    assert!(err.contains("`text_config`: is required"), "{err}");
+}
+
+#[test]
+fn a_memory_budget_sets_the_rings_aside_before_it_divides_the_rest() {
+    use lorafleet_engine::backend::BackendShape;
+    use lorafleet_engine::backend::cpu::CpuBackend;
+    use lorafleet_engine::{BackendChoice, Engine, EngineSettings};
+    let dir = model_dir("gemma3-1b");
+    let config = ModelConfig::from_dir(&dir).unwrap();
+    let base = EngineSettings {
+        max_batched_tokens: 8,
+        block_size: 4,
+        max_num_seqs: 4,
+        ..Default::default()
+    };
+    // Rings of ceil((16 + 8 - 1) / 4) + 1 = 7 blocks for each of 4 sequences.
+    let shape = BackendShape {
+        slots: base.max_loras,
+        max_lora_rank: base.max_lora_rank,
+        kv_blocks: 0,
+        block_size: 4,
+        ring_len: 7,
+        ring_blocks: 28,
+    };
+    let rings = CpuBackend::ring_bytes(&config, &shape);
+    assert_eq!(
+        rings,
+        (28 * 5 * 2 * 4 * config.kv_dim() * 4) as u64,
+        "5 sliding layers"
+    );
+    let units = CpuBackend::memory_units(&config, 4, base.max_lora_rank);
+    let bytes = rings + units.slot_bytes + 100 * units.block_bytes;
+    let e = Engine::load(
+        &dir,
+        EngineSettings {
+            memory_budget_bytes: Some(bytes),
+            ..base
+        },
+        BackendChoice::Cpu,
+    )
+    .unwrap();
+    assert_eq!(e.stats().kv_blocks_total, 100, "the rings came off first");
+    let err = match Engine::load(
+        &dir,
+        EngineSettings {
+            memory_budget_bytes: Some(rings - 1),
+            ..base
+        },
+        BackendChoice::Cpu,
+    ) {
+        Ok(_) => panic!("a budget smaller than the rings"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains("memory_budget_bytes") && err.contains("rings"),
+        "{err}"
+    );
+}

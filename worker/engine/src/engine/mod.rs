@@ -142,18 +142,6 @@ impl Engine {
         }
         let config = ModelConfig::from_dir(model_dir)?;
         let mut settings = settings;
-        if let Some(bytes) = settings.memory_budget_bytes {
-            if !matches!(choice, BackendChoice::Cpu) {
-                return Err(EngineError::request(
-                    "memory_budget_bytes",
-                    "the cuda backend divides device memory by its memory plan; a budget shared by KV blocks and adapter slots is the cpu backend's",
-                ));
-            }
-            let units =
-                CpuBackend::memory_units(&config, settings.block_size, settings.max_lora_rank);
-            settings.kv_blocks = crate::budget::MemoryBudget::new(bytes, units)?.max_kv_blocks();
-        }
-        let base_hash = WeightFiles::open_model_dir(model_dir)?.base_hash(&mut |_, _| {})?;
         // A model with both kinds of layers (Gemma) keeps each running
         // sequence's sliding-layer keys and values in a ring that covers
         // what one step reads and writes: the window behind a chunk and
@@ -164,6 +152,20 @@ impl Engine {
             }
             _ => 0,
         };
+        if let Some(bytes) = settings.memory_budget_bytes {
+            if !matches!(choice, BackendChoice::Cpu) {
+                return Err(EngineError::request(
+                    "memory_budget_bytes",
+                    "the cuda backend divides device memory by its memory plan; a budget shared by KV blocks and adapter slots is the cpu backend's",
+                ));
+            }
+            let units =
+                CpuBackend::memory_units(&config, settings.block_size, settings.max_lora_rank);
+            let rings = ring_bytes(&config, ring_len, &settings)?;
+            settings.kv_blocks =
+                crate::budget::MemoryBudget::new(bytes - rings, units)?.max_kv_blocks();
+        }
+        let base_hash = WeightFiles::open_model_dir(model_dir)?.base_hash(&mut |_, _| {})?;
         let shape = BackendShape {
             slots: settings.max_loras,
             max_lora_rank: settings.max_lora_rank,
@@ -242,7 +244,8 @@ impl Engine {
                         ),
                     )
                 })?;
-                let budget = Arc::new(crate::budget::MemoryBudget::new(bytes, units)?);
+                let rings = ring_bytes(&config, shape.ring_len, &settings)?;
+                let budget = Arc::new(crate::budget::MemoryBudget::new(bytes - rings, units)?);
                 if settings.kv_blocks > budget.max_kv_blocks() {
                     return Err(EngineError::request(
                         "kv_blocks",
@@ -612,6 +615,31 @@ impl Engine {
     /// What the last step ran.
     pub fn last_step(&self) -> StepStats {
         self.last_step
+    }
+}
+
+/// What the sliding layers' rings of `ring_len` blocks a sequence take,
+/// which a shared memory budget sets aside before it divides the rest;
+/// refused when they alone do not fit it.
+fn ring_bytes(config: &ModelConfig, ring_len: usize, settings: &EngineSettings) -> Result<u64> {
+    let shape = BackendShape {
+        slots: settings.max_loras,
+        max_lora_rank: settings.max_lora_rank,
+        kv_blocks: settings.kv_blocks,
+        block_size: settings.block_size,
+        ring_len,
+        ring_blocks: ring_len * settings.max_num_seqs,
+    };
+    let rings = CpuBackend::ring_bytes(config, &shape);
+    match settings.memory_budget_bytes {
+        Some(bytes) if bytes < rings => Err(EngineError::request(
+            "memory_budget_bytes",
+            format!(
+                "{bytes} bytes do not hold the sliding layers' rings ({rings} bytes for max_num_seqs {})",
+                settings.max_num_seqs
+            ),
+        )),
+        _ => Ok(rings),
     }
 }
 

@@ -200,6 +200,15 @@ impl CpuBackend {
         }
     }
 
+    /// Bytes the sliding layers' rings take (`BackendShape::ring_blocks`
+    /// blocks of keys and values for each sliding layer, in f32): held
+    /// beside the KV blocks, so a shared memory budget sets them aside
+    /// first.
+    pub fn ring_bytes(config: &ModelConfig, shape: &BackendShape) -> u64 {
+        let sliding = config.num_layers - config.table_layers();
+        (shape.ring_blocks * sliding * 2 * shape.block_size * config.kv_dim() * 4) as u64
+    }
+
     pub fn load(dir: &Path, config: &ModelConfig, shape: BackendShape) -> Result<CpuBackend> {
         let files = WeightFiles::open_model_dir(dir)?;
         let c = config;
