@@ -9,8 +9,9 @@
 //! result does not depend on the batch around it.
 
 use super::attention::dot;
+use super::load::pack_stacked;
 use super::panels::{Kernel, PackedLinear};
-use super::{activation, pack_stacked, team};
+use super::{activation, team};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::Result;
