@@ -82,7 +82,8 @@ async fn migrations_apply_to_an_empty_database_and_rerun_as_a_no_op() {
             (14, true),
             (15, true),
             (16, true),
-            (17, true)
+            (17, true),
+            (18, true)
         ],
         "each migration applied exactly once"
     );
@@ -105,7 +106,7 @@ async fn migrate_takes_the_url_from_the_environment() {
         .fetch_one(&db.pool().await)
         .await
         .unwrap();
-    assert_eq!(n, 17);
+    assert_eq!(n, 18);
 }
 
 #[test]

@@ -20,6 +20,14 @@ impl Command for RevokeAdminToken {
         if r.jti.is_empty() || r.jti.len() > 256 {
             return Err(AdminError::field("jti", "must be 1-256 characters"));
         }
+        // A revocation lasts until its token's expiry; one already past
+        // would deny nothing and is refused rather than recorded.
+        if r.expires_at <= Utc::now() {
+            return Err(AdminError::field(
+                "expires_at",
+                "is not in the future: give the token's exp (a token past it is refused anyway)",
+            ));
+        }
         revoke(cx, r.jti, r.expires_at).await
     }
 }
@@ -47,9 +55,14 @@ async fn revoke(
     expires_at: DateTime<Utc>,
 ) -> Result<TokenRevoked, AdminError> {
     let by = cx.caller.subject.clone();
+    // A revocation of a jti already revoked until an earlier time extends
+    // it (so a short-lived revocation, made by the token's own holder,
+    // cannot block the real one); one that extends nothing changes nothing.
     let row: Option<TokenRevoked> = sqlx::query_as(
-        "INSERT INTO admin_token_revocations (jti, expires_at, revoked_by) VALUES ($1, $2, $3)
-         ON CONFLICT (jti) DO NOTHING
+        "INSERT INTO admin_token_revocations AS r (jti, expires_at, revoked_by) VALUES ($1, $2, $3)
+         ON CONFLICT (jti) DO UPDATE
+             SET expires_at = EXCLUDED.expires_at, revoked_at = now(), revoked_by = EXCLUDED.revoked_by
+             WHERE r.expires_at < EXCLUDED.expires_at
          RETURNING jti, expires_at, revoked_at, revoked_by",
     )
     .bind(&jti)
@@ -62,7 +75,7 @@ async fn revoke(
         AdminError::conflict(
             AdminCode::NoChange,
             "jti",
-            format!("token {jti:?} is already revoked"),
+            format!("token {jti:?} is already revoked until then or later"),
         )
     })?;
     cx.record(

@@ -1,0 +1,80 @@
+//! A stolen admin token cannot make itself unrevocable: its holder's own
+//! revocation with an expiry already past is refused by field, and one
+//! that lasts a moment is extended by the real revocation that follows,
+//! which every replica honours within two seconds. Real gateways, real
+//! Postgres, the real `lorafleetctl`.
+
+#[path = "support/admin_plane.rs"]
+mod admin_plane;
+
+use std::time::{Duration, Instant};
+
+use admin_plane::*;
+use serde_json::{Value, json};
+
+/// A JWT's `jti` claim.
+fn jti_of(token: &str) -> String {
+    use base64::Engine as _;
+    let payload = token.split('.').nth(1).expect("a JWT");
+    let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(payload)
+        .expect("base64url");
+    let claims: Value = serde_json::from_slice(&bytes).unwrap();
+    claims["jti"].as_str().expect("a jti").to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revocation_cannot_be_blocked_by_the_token_it_revokes() {
+    let p = plane("token_revocation_race").await;
+    let status = |replica: usize, token: String| {
+        let req = p
+            .http
+            .get(format!("{}/admin/v1/tenants", p.admin_url(replica)))
+            .bearer_auth(token)
+            .send();
+        async move { req.await.unwrap().status().as_u16() }
+    };
+    // The thief holds an admin's token.
+    let stolen = p.token("mallory", "admin");
+    let jti = jti_of(&stolen);
+    assert_eq!(status(0, stolen.clone()).await, 200);
+    let revoke = |expires_at: String| {
+        p.http
+            .post(format!("{}/admin/v1/tokens/revoke", p.admin_url(0)))
+            .bearer_auth(&stolen)
+            .json(&json!({"jti": jti, "expires_at": expires_at}))
+            .send()
+    };
+    // An expiry already past would record a revocation that denies
+    // nothing: refused by the field.
+    let past = (chrono::Utc::now() - chrono::Duration::seconds(60)).to_rfc3339();
+    let r = revoke(past).await.unwrap();
+    assert_eq!(r.status(), 400);
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["error"]["param"], "expires_at", "{body}");
+    // One that lasts a second is taken, and lapses: a replica that reloads
+    // its registry after it would honour the token again (its own expiry
+    // is an hour away).
+    let soon = (chrono::Utc::now() + chrono::Duration::seconds(1)).to_rfc3339();
+    assert_eq!(revoke(soon).await.unwrap().status(), 200);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // The real revocation, until the token's own expiry, extends the lapsed
+    // row instead of being refused as a duplicate (which left the token
+    // working once the lapsed row dropped out of the snapshot), and every
+    // replica refuses the token within two seconds.
+    let revoked = p.ctl_json(&["token", "revoke", &stolen]);
+    assert_eq!(revoked["jti"], jti.as_str(), "{revoked}");
+    let start = Instant::now();
+    for replica in 0..2 {
+        while status(replica, stolen.clone()).await != 401 {
+            assert!(
+                start.elapsed() < Duration::from_secs(2),
+                "replica {replica} still accepts the revoked token"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    // A second revocation that extends nothing is refused by name.
+    p.ctl(&["token", "revoke", &stolen])
+        .refused(5, "already revoked");
+}
