@@ -131,6 +131,22 @@ impl WeightFiles {
         for path in paths {
             let file = File::open(&path).map_err(|e| FileError::io(&path, e))?;
             let map = map_file(&file).map_err(|e| FileError::io(&path, e))?;
+            // The JSON header is parsed in memory: a few MiB at most, as the
+            // admin plane checks an adapter's at registration.
+            if let Some(len) = map
+                .get(..8)
+                .map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
+                && len > crate::safetensors_header::MAX_HEADER_BYTES
+            {
+                return Err(FileError::model(
+                    &path,
+                    "(header)",
+                    format!(
+                        "declares a {len}-byte header, above the {} bytes a safetensors header may take",
+                        crate::safetensors_header::MAX_HEADER_BYTES
+                    ),
+                ));
+            }
             // `read_metadata` checks that every tensor's byte range lies
             // inside the file and matches its dtype and shape.
             let (header, metadata) = SafeTensors::read_metadata(&map).map_err(|e| {
@@ -489,6 +505,47 @@ mod tests {
 
     fn f32_bytes(v: &[f32]) -> Vec<u8> {
         v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+
+    #[test]
+    fn a_header_larger_than_a_few_mib_is_refused_before_it_is_parsed() {
+        // A real header the size of the limit, padded with spaces as the
+        // format allows, is read; one byte more is refused by its size.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("model.safetensors");
+        let json = br#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#;
+        let write = |len: u64| {
+            let mut bytes = len.to_le_bytes().to_vec();
+            bytes.extend_from_slice(json);
+            bytes.resize(8 + len as usize, b' ');
+            bytes.extend_from_slice(&1f32.to_le_bytes());
+            std::fs::write(&path, bytes).unwrap();
+        };
+        let max = crate::safetensors_header::MAX_HEADER_BYTES;
+        write(max);
+        assert_eq!(
+            WeightFiles::open(vec![path.clone()])
+                .unwrap()
+                .f32("a", &[1])
+                .unwrap(),
+            [1.0]
+        );
+        assert_eq!(
+            crate::safetensors_header::read(&path)
+                .unwrap()
+                .tensors
+                .len(),
+            1
+        );
+        write(max + 1);
+        let err = WeightFiles::open(vec![path.clone()])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("above the 8388608 bytes"), "{err}");
+        let err = crate::safetensors_header::read(&path)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("implausible"), "{err}");
     }
 
     #[test]

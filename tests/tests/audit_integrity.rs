@@ -287,7 +287,19 @@ async fn a_stale_registry_stops_serving_until_postgres_returns() {
         .await
         .unwrap();
     assert_eq!(ready.status(), 503);
-    assert!(ready.text().await.unwrap().contains("registry snapshot"));
+    assert_eq!(
+        ready.text().await.unwrap(),
+        "not ready",
+        "no details in public"
+    );
+    let why = e
+        .http
+        .get(format!("http://{}/readyz", gw.server.addr("metrics")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(why.status(), 503);
+    assert!(why.text().await.unwrap().contains("registry snapshot"));
     let metrics_url = format!("http://{}/metrics", gw.server.addr("metrics"));
     e.pg.restore();
     let deadline = Instant::now() + Duration::from_secs(30);

@@ -20,7 +20,13 @@ async fn ready(p: &Plane) {
     for g in 0..GATEWAYS {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            let r = p.http.get(format!("{}/readyz", p.api_url(g))).send().await;
+            // The reasons are on the metrics listener; the public port
+            // says only its status.
+            let r = p
+                .http
+                .get(format!("http://{}/readyz", p.gateways[g].addr("metrics")))
+                .send()
+                .await;
             if let Ok(r) = r
                 && r.status() == 200
                 && r.text()
@@ -36,6 +42,14 @@ async fn ready(p: &Plane) {
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+        let public = p
+            .http
+            .get(format!("{}/readyz", p.api_url(g)))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(public.status(), 200);
+        assert_eq!(public.text().await.unwrap(), "ready", "gateway {g}");
     }
 }
 

@@ -99,7 +99,22 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
+/// `/readyz` on the public port: the status code alone. How many workers
+/// are up and how old the registry is are the operator's to know, on the
+/// metrics listener ([`readiness`]).
 async fn ready(State(s): State<AppState>) -> Response {
+    let (status, _) = readiness(&s);
+    let body = if status == StatusCode::OK {
+        "ready"
+    } else {
+        "not ready"
+    };
+    (status, body).into_response()
+}
+
+/// Whether the gateway can serve, and why not: a registry snapshot older
+/// than its limit (Postgres unreachable) or no routable worker.
+pub fn readiness(s: &AppState) -> (StatusCode, String) {
     let age = s.registry.age();
     if age > s.registry_max_age {
         return (
@@ -109,14 +124,13 @@ async fn ready(State(s): State<AppState>) -> Response {
                 age.as_secs(),
                 s.registry_max_age.as_secs()
             ),
-        )
-            .into_response();
+        );
     }
     let up = s.fleet.routable();
     if up > 0 {
-        (StatusCode::OK, format!("ready: {up} workers up")).into_response()
+        (StatusCode::OK, format!("ready: {up} workers up"))
     } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "no worker is up").into_response()
+        (StatusCode::SERVICE_UNAVAILABLE, "no worker is up".into())
     }
 }
 

@@ -349,9 +349,10 @@ async fn admin_state(
     })
 }
 
-/// `GET /metrics`, and a timer that drains histogram samples (they pile up
-/// until drained, whether or not Prometheus scrapes) and sets the registry
-/// age gauge.
+/// `GET /metrics` and `GET /readyz` with its reasons (the public port's
+/// says only its status), and a timer that drains histogram samples (they
+/// pile up until drained, whether or not Prometheus scrapes) and sets the
+/// registry age gauge.
 fn serve_metrics(
     listener: TcpListener,
     prometheus: PrometheusHandle,
@@ -359,13 +360,22 @@ fn serve_metrics(
 ) -> [JoinHandle<()>; 2] {
     let upkeep = prometheus.clone();
     let registry = state.registry.clone();
-    let app = axum::Router::new().route(
-        "/metrics",
-        axum::routing::get(move || {
-            let p = prometheus.clone();
-            async move { p.render() }
-        }),
-    );
+    let ready_state = state.clone();
+    let app = axum::Router::new()
+        .route(
+            "/metrics",
+            axum::routing::get(move || {
+                let p = prometheus.clone();
+                async move { p.render() }
+            }),
+        )
+        .route(
+            "/readyz",
+            axum::routing::get(move || {
+                let s = ready_state.clone();
+                async move { api::readiness(&s) }
+            }),
+        );
     [
         tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;

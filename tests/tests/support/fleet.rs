@@ -249,7 +249,10 @@ pub async fn fleet_with(label: &str, extra: &[&str]) -> Fleet {
     // Ready once both workers have reported.
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let r = http.get(format!("{base_url}/readyz")).send().await;
+        let r = http
+            .get(format!("http://{}/readyz", gateway.addr("metrics")))
+            .send()
+            .await;
         if let Ok(r) = r
             && r.status() == 200
             && r.text().await.unwrap().contains("2 workers up")
