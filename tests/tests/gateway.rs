@@ -16,7 +16,8 @@ use uuid::Uuid;
 
 #[tokio::test]
 async fn tenants_get_exactly_their_adapter_and_nothing_else() {
-    let f = fleet("gateway_exact").await;
+    // The test client stands for a trusted proxy: its traceparent is joined.
+    let f = fleet_with("gateway_exact", &["--trusted-proxies", "127.0.0.1"]).await;
     let prompts = ["The quick brown fox", "Once upon a time"];
     let want = offline(&[
         (prompts[0], Some("qv-r8")),
@@ -284,7 +285,7 @@ async fn tenants_get_exactly_their_adapter_and_nothing_else() {
         "{body}"
     );
 
-    // The caller's trace reaches the worker.
+    // The caller's trace, through a trusted proxy, reaches the worker.
     let trace_id = "0af7651916cd43dd8448eb211c80319c";
     let r = f
         .http
@@ -501,4 +502,47 @@ async fn the_gateway_rides_out_a_dead_worker_and_redis_and_postgres_outages() {
     let exit = f.gateway.child.wait().unwrap();
     assert!(exit.success(), "{exit}: {}", f.gateway.log_text());
     assert_eq!(f.audit_count().await, sent);
+}
+
+/// A `traceparent` from a caller that is not a trusted proxy is not joined:
+/// the request runs in the gateway's own trace, which the worker logs.
+#[tokio::test]
+async fn a_traceparent_is_joined_only_from_a_trusted_proxy() {
+    let f = fleet("gateway_untrusted_trace").await;
+    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let r = f
+        .http
+        .post(format!("{}/v1/completions", f.base_url))
+        .bearer_auth(ACME_KEY)
+        .header("traceparent", format!("00-{trace_id}-00f067aa0ba902b7-01"))
+        .json(&json!({"model": "support", "prompt": "traced", "max_tokens": 2}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let body: Value = r.json().await.unwrap();
+    let request_id = body["id"]
+        .as_str()
+        .unwrap()
+        .trim_start_matches("cmpl-")
+        .to_owned();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let line = loop {
+        let found = f.workers.iter().find_map(|w| {
+            w.log_text()
+                .lines()
+                .find(|l| l.contains("\"accepted\"") && l.contains(&request_id))
+                .map(str::to_owned)
+        });
+        if let Some(line) = found {
+            break line;
+        }
+        assert!(Instant::now() < deadline, "no worker logged the request");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(line.contains("trace_id"), "the request is traced: {line}");
+    assert!(
+        !line.contains(trace_id),
+        "an untrusted caller chose the trace: {line}"
+    );
 }

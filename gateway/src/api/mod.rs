@@ -228,6 +228,12 @@ async fn chat_completions(State(s): State<AppState>, request: axum::extract::Req
 async fn handle(s: AppState, request: axum::extract::Request, kind: Kind) -> Response {
     let (parts, body) = request.into_parts();
     let client = client_of(&s, &parts);
+    let trusted = s.sources.from_trusted_proxy(
+        parts
+            .extensions
+            .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
+            .map(|c| c.0.ip()),
+    );
     let headers = parts.headers;
     let request_id = Uuid::now_v7();
     // First of all, a place for the row: without one, no work is done.
@@ -251,7 +257,14 @@ async fn handle(s: AppState, request: axum::extract::Request, kind: Kind) -> Res
         residency_hit = tracing::field::Empty,
         trace_id = tracing::field::Empty,
     );
-    if let Some(tp) = headers.get("traceparent").and_then(|v| v.to_str().ok()) {
+    // A caller's trace is joined only through a trusted proxy: anyone on
+    // the internet could otherwise pick the trace the gateway's spans (and
+    // the workers') belong to.
+    if let Some(tp) = headers
+        .get("traceparent")
+        .filter(|_| trusted)
+        .and_then(|v| v.to_str().ok())
+    {
         let ts = headers
             .get("tracestate")
             .and_then(|v| v.to_str().ok())

@@ -42,6 +42,11 @@ impl TrustedProxies {
         self.0.iter().any(|n| n.contains(&ip))
     }
 
+    /// Whether a request from `peer` came through one of the proxies.
+    pub fn trusts_peer(&self, peer: IpAddr) -> bool {
+        self.trusts(canonical(peer))
+    }
+
     /// The client address of a request from `peer` with `headers`.
     pub fn client(&self, peer: IpAddr, headers: &HeaderMap) -> IpAddr {
         let peer = canonical(peer);

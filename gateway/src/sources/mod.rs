@@ -85,6 +85,12 @@ impl Sources {
         peer.map(|p| self.inner.trusted.client(p, headers))
     }
 
+    /// Whether a request from `peer` came through a trusted proxy, whose
+    /// headers (`X-Forwarded-For`, `traceparent`) are believed.
+    pub fn from_trusted_proxy(&self, peer: Option<IpAddr>) -> bool {
+        peer.is_some_and(|p| self.inner.trusted.trusts_peer(p))
+    }
+
     /// Records one failed authentication from `client`, whose credential
     /// started with `key_prefix`, and says how to answer it.
     pub fn failed(&self, client: Option<IpAddr>, key_prefix: Option<&str>) -> Verdict {
