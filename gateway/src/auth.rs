@@ -6,8 +6,8 @@
 //!   hash in constant time. Scopes, expiry and revocation apply.
 //! - A JWT is checked against keys from configuration with an algorithm
 //!   allow-list; `exp`, `nbf`, `iss` and `aud` are enforced. The tenant is
-//!   the `tenant` claim (a tenant name); `scope` (space-separated) limits it,
-//!   and without one the token carries every tenant scope.
+//!   the `tenant` claim (a tenant name); `scope` (space-separated) gives
+//!   its scopes, and without one the token carries none.
 //!
 //! Every failure is one 401 with a reason that does not tell a wrong secret
 //! from an unknown key.
@@ -95,6 +95,23 @@ pub struct JwtConfig {
     algorithms: Vec<Algorithm>,
     issuer: String,
     audience: String,
+    /// The longest lifetime a token may have, in seconds (admin tokens);
+    /// None: any.
+    max_ttl_secs: Option<i64>,
+}
+
+impl JwtConfig {
+    /// Refuses tokens that live longer than `secs` (see
+    /// [`JwtConfig::max_ttl_secs`]).
+    pub fn with_max_ttl(mut self, secs: u64) -> JwtConfig {
+        self.max_ttl_secs = Some(i64::try_from(secs).unwrap_or(i64::MAX));
+        self
+    }
+
+    /// The longest lifetime a token may have, if bounded.
+    pub fn max_ttl_secs(&self) -> Option<i64> {
+        self.max_ttl_secs
+    }
 }
 
 impl std::fmt::Debug for JwtConfig {
@@ -222,6 +239,7 @@ pub fn jwt_config(
         algorithms,
         issuer,
         audience,
+        max_ttl_secs: None,
     }))
 }
 
@@ -337,7 +355,9 @@ fn json_web_token(
     }
     let scopes = match claims.scope {
         Some(s) => s.split_whitespace().map(str::to_owned).collect(),
-        None => vec![SCOPE_INFERENCE.into(), SCOPE_MODELS_READ.into()],
+        // A token that names no scope grants none: an issuer's token made
+        // for something else must not work here by default.
+        None => Vec::new(),
     };
     Ok(Principal {
         tenant_id: tenant.id,
@@ -493,13 +513,21 @@ mod tests {
         let p = check(token(Algorithm::HS256, claims(|_| {}))).unwrap();
         assert_eq!(p.tenant_id, tenant);
         assert_eq!(p.subject.as_deref(), Some("alice"));
-        assert!(p.has_scope(SCOPE_INFERENCE) && p.has_scope(SCOPE_MODELS_READ));
+        // No scope claim: no scope (a token made for something else does
+        // not work here by default).
+        assert!(!p.has_scope(SCOPE_INFERENCE) && !p.has_scope(SCOPE_MODELS_READ));
         let p = check(token(
             Algorithm::HS256,
             claims(|c| c["scope"] = "models:read".into()),
         ))
         .unwrap();
-        assert!(!p.has_scope(SCOPE_INFERENCE));
+        assert!(!p.has_scope(SCOPE_INFERENCE) && p.has_scope(SCOPE_MODELS_READ));
+        let p = check(token(
+            Algorithm::HS256,
+            claims(|c| c["scope"] = "inference models:read".into()),
+        ))
+        .unwrap();
+        assert!(p.has_scope(SCOPE_INFERENCE) && p.has_scope(SCOPE_MODELS_READ));
 
         let now = Utc::now().timestamp();
         let refused: Vec<(&str, String)> = vec![

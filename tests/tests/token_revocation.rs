@@ -1,8 +1,10 @@
 //! A stolen admin token cannot make itself unrevocable: its holder's own
 //! revocation with an expiry already past is refused by field, and one
 //! that lasts a moment is extended by the real revocation that follows,
-//! which every replica honours within two seconds. Real gateways, real
-//! Postgres, the real `lorafleetctl`.
+//! which every replica honours within two seconds. And every admin token
+//! can be revoked and ends within the maximum lifetime: one without a
+//! `jti`, or living longer than `--admin-jwt-max-ttl-secs`, is refused.
+//! Real gateways, real Postgres, the real `lorafleetctl`.
 
 #[path = "support/admin_plane.rs"]
 mod admin_plane;
@@ -77,4 +79,50 @@ async fn a_revocation_cannot_be_blocked_by_the_token_it_revokes() {
     // A second revocation that extends nothing is refused by name.
     p.ctl(&["token", "revoke", &stolen])
         .refused(5, "already revoked");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admin_token_must_be_revocable_and_end_within_the_maximum_lifetime() {
+    let p = plane("token_lifetime").await;
+    let status = |token: String| {
+        let req = p
+            .http
+            .get(format!("{}/admin/v1/tenants", p.admin_url(0)))
+            .bearer_auth(token)
+            .send();
+        async move {
+            let r = req.await.unwrap();
+            let code = r.status().as_u16();
+            (code, r.json::<Value>().await.unwrap_or(Value::Null))
+        }
+    };
+    // The default maximum is a day: a day's token works, a second more
+    // is refused, saying why.
+    assert_eq!(status(p.token_for("dana", "viewer", 86_400)).await.0, 200);
+    let (code, body) = status(p.token_for("dana", "viewer", 86_401)).await;
+    assert_eq!(code, 401, "{body}");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(message.contains("--admin-jwt-max-ttl-secs"), "{message}");
+    // A token without a jti, otherwise valid, could never be revoked.
+    let secret = std::fs::read(&p.secret).unwrap();
+    let now = chrono::Utc::now().timestamp();
+    let claims = json!({
+        "sub": "eve", "role": "admin", "iss": ISSUER, "aud": AUDIENCE,
+        "iat": now, "nbf": now, "exp": now + 600,
+    });
+    let no_jti = jsonwebtoken::encode(
+        &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256),
+        &claims,
+        &jsonwebtoken::EncodingKey::from_secret(secret.trim_ascii()),
+    )
+    .unwrap();
+    let (code, body) = status(no_jti).await;
+    assert_eq!(code, 401, "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("no jti"),
+        "{body}"
+    );
 }

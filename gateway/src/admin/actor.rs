@@ -7,6 +7,9 @@ pub(super) struct AdminClaims {
     pub(super) sub: String,
     pub(super) role: String,
     pub(super) exp: i64,
+    /// When it was issued, if it says.
+    #[serde(default)]
+    pub(super) iat: Option<i64>,
     /// The token's id, by which it can be revoked before it expires.
     #[serde(default)]
     pub(super) jti: Option<String>,
@@ -19,7 +22,7 @@ pub struct Identity {
     pub role: Role,
     /// When the token expires (its `exp`), in seconds since the epoch.
     pub expires_at: i64,
-    /// Its `jti`, if it has one (only such a token can be revoked).
+    /// Its `jti` (every admin token has one, so that it can be revoked).
     pub jti: Option<String>,
 }
 
@@ -32,6 +35,25 @@ pub fn identify(jwt: &JwtConfig, token: &str) -> Result<Identity, AdminError> {
     if claims.sub.trim().is_empty() {
         return Err(unauthorized("invalid token: sub is empty".into()));
     }
+    // Every admin token can be revoked, and none outlives the maximum
+    // lifetime: so a revocation, kept until then, always covers it.
+    let jti = claims.jti.filter(|j| !j.is_empty()).ok_or_else(|| {
+        unauthorized(
+            "invalid token: it has no jti claim, so it could not be revoked \
+             (`lorafleetctl token` sets one)"
+                .into(),
+        )
+    })?;
+    if let Some(max) = jwt.max_ttl_secs() {
+        let from = claims.iat.unwrap_or_else(|| chrono::Utc::now().timestamp());
+        let lifetime = claims.exp.saturating_sub(from);
+        if lifetime > max {
+            return Err(unauthorized(format!(
+                "invalid token: it lives {lifetime} s, above the {max} s an admin token may \
+                 (--admin-jwt-max-ttl-secs)"
+            )));
+        }
+    }
     let role = Role::parse(&claims.role).ok_or_else(|| {
         unauthorized(format!(
             "invalid token: role {:?} is not admin, auditor or viewer",
@@ -42,7 +64,7 @@ pub fn identify(jwt: &JwtConfig, token: &str) -> Result<Identity, AdminError> {
         subject: claims.sub,
         role,
         expires_at: claims.exp,
-        jti: claims.jti.filter(|j| !j.is_empty()),
+        jti: Some(jti),
     })
 }
 

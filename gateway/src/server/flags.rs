@@ -252,6 +252,14 @@ pub struct AdminJwtArgs {
     /// Required `aud` of admin tokens.
     #[arg(long, env = "LORAFLEET_ADMIN_JWT_AUDIENCE")]
     pub admin_jwt_audience: Option<String>,
+    /// The longest lifetime an admin token may have (its `exp` less its
+    /// `iat`), in seconds: a revocation is kept that long at most.
+    #[arg(
+        long,
+        env = "LORAFLEET_ADMIN_JWT_MAX_TTL_SECS",
+        default_value_t = 86_400
+    )]
+    pub admin_jwt_max_ttl_secs: u64,
 }
 
 impl ServeArgs {
@@ -558,7 +566,12 @@ impl ServeArgs {
             (None, None) => return Ok(None),
             (Some(listen), Some(jwt)) => (listen, jwt),
         };
-        Ok(Some((listen, jwt)))
+        ensure(
+            a.admin_jwt_max_ttl_secs > 0,
+            "--admin-jwt-max-ttl-secs",
+            "must be at least 1",
+        )?;
+        Ok(Some((listen, jwt.with_max_ttl(a.admin_jwt_max_ttl_secs))))
     }
 }
 
