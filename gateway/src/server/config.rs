@@ -66,6 +66,8 @@ pub struct GatewayConfig {
     pub default_rpm_limit: Option<u32>,
     pub default_tpm_limit: Option<u64>,
     pub header_timeout: Duration,
+    /// Every HTTP listener's deadlines and caps.
+    pub connections: crate::listener::ConnectionLimits,
     pub body_timeout: Duration,
     pub max_body_bytes: usize,
     pub request_timeout: Duration,

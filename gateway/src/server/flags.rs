@@ -88,6 +88,26 @@ pub struct ServeArgs {
     /// seconds; then the connection is closed.
     #[arg(long, env = "LORAFLEET_HEADER_TIMEOUT_SECS", default_value_t = 10)]
     pub header_timeout_secs: u64,
+    /// Longest a connection may stay open with no request in flight and
+    /// no bytes either way (HTTP/1 keep-alive and HTTP/2), in seconds.
+    #[arg(long, env = "LORAFLEET_IDLE_TIMEOUT_SECS", default_value_t = 120)]
+    pub idle_timeout_secs: u64,
+    /// Seconds between HTTP/2 keep-alive pings; a ping unanswered as long
+    /// drops the connection.
+    #[arg(long, env = "LORAFLEET_HTTP2_KEEPALIVE_SECS", default_value_t = 30)]
+    pub http2_keepalive_secs: u64,
+    /// Most connections open at once on each HTTP listener (public and
+    /// admin); one more is closed at once.
+    #[arg(long, env = "LORAFLEET_MAX_CONNECTIONS", default_value_t = 16_384)]
+    pub max_connections: usize,
+    /// Most connections open at once from one source address (an IPv6
+    /// source is its /64), on each HTTP listener.
+    #[arg(
+        long,
+        env = "LORAFLEET_MAX_CONNECTIONS_PER_SOURCE",
+        default_value_t = 512
+    )]
+    pub max_connections_per_source: usize,
     /// Longest a client may take to send its request body, in seconds;
     /// then 408 `body_timeout`.
     #[arg(long, env = "LORAFLEET_BODY_TIMEOUT_SECS", default_value_t = 30)]
@@ -327,6 +347,13 @@ impl ServeArgs {
             default_rpm_limit: (self.default_rpm_limit > 0).then_some(self.default_rpm_limit),
             default_tpm_limit: (self.default_tpm_limit > 0).then_some(self.default_tpm_limit),
             header_timeout: Duration::from_secs(self.header_timeout_secs),
+            connections: crate::listener::ConnectionLimits {
+                header_timeout: Duration::from_secs(self.header_timeout_secs),
+                idle_timeout: Duration::from_secs(self.idle_timeout_secs),
+                http2_keepalive: Duration::from_secs(self.http2_keepalive_secs),
+                max_connections: self.max_connections,
+                max_connections_per_source: self.max_connections_per_source,
+            },
             body_timeout: Duration::from_secs(self.body_timeout_secs),
             max_body_bytes: self.max_body_bytes,
             request_timeout: Duration::from_secs(self.request_timeout_secs),
@@ -369,6 +396,13 @@ impl ServeArgs {
             ("--first-token-timeout-secs", self.first_token_timeout_secs),
             ("--body-timeout-secs", self.body_timeout_secs),
             ("--header-timeout-secs", self.header_timeout_secs),
+            ("--idle-timeout-secs", self.idle_timeout_secs),
+            ("--http2-keepalive-secs", self.http2_keepalive_secs),
+            ("--max-connections", self.max_connections as u64),
+            (
+                "--max-connections-per-source",
+                self.max_connections_per_source as u64,
+            ),
             (
                 "--max-concurrent-requests",
                 self.max_concurrent_requests as u64,

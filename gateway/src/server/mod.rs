@@ -232,11 +232,10 @@ pub async fn start(config: GatewayConfig, listeners: Listeners) -> Result<Runnin
         let _ = rx.wait_for(|v| *v).await;
     };
     let app = api::router(state.clone());
-    let header_timeout = config.header_timeout;
     let server = tokio::spawn(crate::listener::serve(
         listeners.http,
         app,
-        header_timeout,
+        config.connections,
         stop_accepting,
     ));
     tracing::info!(http = %http, metrics = %metrics, admin = ?admin, "listening");
@@ -313,9 +312,13 @@ async fn start_admin(
         },
     );
     let app = crate::admin::router(admin_state).merge(console);
-    let server = tokio::spawn(async move {
-        let _ = axum::serve(listener, app).await;
-    });
+    // The same deadlines and caps as the public listener.
+    let server = tokio::spawn(crate::listener::serve(
+        listener,
+        app,
+        config.connections,
+        std::future::pending(),
+    ));
     Ok((addr, vec![controller, evaluator, partitions, server]))
 }
 
