@@ -13,7 +13,9 @@
 //!   that opens no stream); HTTP/2 also pings, and a peer that does not
 //!   answer is dropped;
 //! - **caps**: at most so many connections in all and per source address
-//!   (an IPv6 source is its /64); one over a cap is closed at once.
+//!   (an IPv6 source is its /64); one over a cap is closed at once. A
+//!   trusted proxy (`--trusted-proxies`) carries many clients' connections
+//!   and is held to the total alone.
 //!
 //! Each rule counts what it refuses or closes in
 //! `lorafleet_gateway_connections_refused_total` and
@@ -54,11 +56,15 @@ pub struct ConnectionLimits {
     pub max_connections_per_source: usize,
 }
 
+/// Whether a peer is a trusted proxy, which the per-source cap spares.
+pub type IsProxy = Arc<dyn Fn(IpAddr) -> bool + Send + Sync>;
+
 /// Serves `app` on `listener` until `stop`, then drains.
 pub async fn serve(
     listener: TcpListener,
     app: Router,
     limits: ConnectionLimits,
+    is_proxy: IsProxy,
     stop: impl Future<Output = ()>,
 ) {
     let mut builder = Builder::new(TokioExecutor::new());
@@ -88,7 +94,7 @@ pub async fn serve(
             },
             () = &mut stop => break,
         };
-        let Some(slot) = counts.admit(peer.ip(), &limits) else {
+        let Some(slot) = counts.admit(peer.ip(), &limits, is_proxy(peer.ip())) else {
             continue;
         };
         let (app, builder, graceful) = (app.clone(), builder.clone(), graceful.clone());
@@ -336,8 +342,9 @@ impl Drop for Slot {
 
 impl Counts {
     /// A slot for a connection from `ip`, or None (counted by the cap it
-    /// meets) when it would pass one.
-    fn admit(self: &Arc<Self>, ip: IpAddr, limits: &ConnectionLimits) -> Option<Slot> {
+    /// meets) when it would pass one; a proxy's connections meet the total
+    /// alone.
+    fn admit(self: &Arc<Self>, ip: IpAddr, limits: &ConnectionLimits, proxy: bool) -> Option<Slot> {
         let refuse = |rule: &'static str| {
             metrics::counter!("lorafleet_gateway_connections_refused_total", "rule" => rule)
                 .increment(1);
@@ -351,7 +358,7 @@ impl Counts {
         {
             let mut by = self.by_source.lock().expect("the counts' lock");
             let n = by.entry(source).or_insert(0);
-            if *n >= limits.max_connections_per_source {
+            if *n >= limits.max_connections_per_source && !proxy {
                 return refuse("per_source");
             }
             *n += 1;
@@ -390,15 +397,21 @@ mod tests {
         };
         let counts = Arc::new(Counts::default());
         let (a, b): (IpAddr, IpAddr) = ("10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap());
-        let a1 = counts.admit(a, &limits).unwrap();
-        let _a2 = counts.admit(a, &limits).unwrap();
-        assert!(counts.admit(a, &limits).is_none(), "per source");
-        let _b1 = counts.admit(b, &limits).unwrap();
-        assert!(counts.admit(b, &limits).is_none(), "in all");
+        let a1 = counts.admit(a, &limits, false).unwrap();
+        let _a2 = counts.admit(a, &limits, false).unwrap();
+        assert!(counts.admit(a, &limits, false).is_none(), "per source");
+        let _b1 = counts.admit(b, &limits, false).unwrap();
+        assert!(counts.admit(b, &limits, false).is_none(), "in all");
         drop(a1);
-        assert!(
-            counts.admit(a, &limits).is_some(),
-            "a closed slot is free again"
-        );
+        let a3 = counts.admit(a, &limits, false);
+        assert!(a3.is_some(), "a closed slot is free again");
+        // A proxy passes the per-source cap, never the total.
+        let counts = Arc::new(Counts::default());
+        let p: IpAddr = "10.0.0.9".parse().unwrap();
+        let held: Vec<_> = (0..3)
+            .map(|_| counts.admit(p, &limits, true).unwrap())
+            .collect();
+        assert!(counts.admit(p, &limits, true).is_none(), "in all");
+        drop(held);
     }
 }

@@ -232,10 +232,12 @@ pub async fn start(config: GatewayConfig, listeners: Listeners) -> Result<Runnin
         let _ = rx.wait_for(|v| *v).await;
     };
     let app = api::router(state.clone());
+    let sources = state.sources.clone();
     let server = tokio::spawn(crate::listener::serve(
         listeners.http,
         app,
         config.connections,
+        Arc::new(move |ip| sources.from_trusted_proxy(Some(ip))),
         stop_accepting,
     ));
     tracing::info!(http = %http, metrics = %metrics, admin = ?admin, "listening");
@@ -313,10 +315,12 @@ async fn start_admin(
     );
     let app = crate::admin::router(admin_state).merge(console);
     // The same deadlines and caps as the public listener.
+    let sources = state.sources.clone();
     let server = tokio::spawn(crate::listener::serve(
         listener,
         app,
         config.connections,
+        Arc::new(move |ip| sources.from_trusted_proxy(Some(ip))),
         std::future::pending(),
     ));
     Ok((addr, vec![controller, evaluator, partitions, server]))
