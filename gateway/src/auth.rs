@@ -292,6 +292,9 @@ struct Claims {
     tenant: String,
     sub: Option<String>,
     scope: Option<String>,
+    /// Its id, by which an admin revokes it before it expires.
+    #[serde(default)]
+    jti: Option<String>,
 }
 
 /// Authenticates the `Authorization` header value against the snapshot.
@@ -347,6 +350,11 @@ fn json_web_token(
     jwt: &JwtConfig,
 ) -> Result<Principal, AuthError> {
     let claims: Claims = decode_jwt(token, jwt)?;
+    if let Some(jti) = &claims.jti
+        && snapshot.tenant_token_revoked(jti)
+    {
+        return Err(AuthError::InvalidToken("it was revoked".into()));
+    }
     let tenant = snapshot
         .tenant_by_name(&claims.tenant)
         .ok_or_else(|| AuthError::InvalidToken("unknown tenant".into()))?;

@@ -99,6 +99,8 @@ pub struct Snapshot {
     routes: HashMap<(TenantId, String), Arc<Route>>,
     /// The `jti` of every admin token revoked before its expiry.
     revoked_admin_tokens: std::collections::HashSet<String>,
+    /// Tenant JWTs revoked by their `jti`, until their expiry.
+    revoked_tenant_tokens: std::collections::HashSet<String>,
 }
 
 impl Snapshot {
@@ -109,6 +111,10 @@ impl Snapshot {
     }
 
     /// Was the admin token with this `jti` revoked?
+    pub fn tenant_token_revoked(&self, jti: &str) -> bool {
+        self.revoked_tenant_tokens.contains(jti)
+    }
+
     pub fn admin_token_revoked(&self, jti: &str) -> bool {
         self.revoked_admin_tokens.contains(jti)
     }
@@ -167,6 +173,12 @@ impl Snapshot {
         s.load_routes(&mut tx).await?;
         s.revoked_admin_tokens =
             sqlx::query_scalar("SELECT jti FROM admin_token_revocations WHERE expires_at > now()")
+                .fetch_all(&mut *tx)
+                .await?
+                .into_iter()
+                .collect();
+        s.revoked_tenant_tokens =
+            sqlx::query_scalar("SELECT jti FROM tenant_token_revocations WHERE expires_at > now()")
                 .fetch_all(&mut *tx)
                 .await?
                 .into_iter()

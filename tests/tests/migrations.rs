@@ -18,6 +18,7 @@ const TABLES: &[&str] = &[
     "route_revisions",
     "route_weights",
     "routes",
+    "tenant_token_revocations",
     "tenants",
 ];
 
@@ -83,7 +84,8 @@ async fn migrations_apply_to_an_empty_database_and_rerun_as_a_no_op() {
             (15, true),
             (16, true),
             (17, true),
-            (18, true)
+            (18, true),
+            (19, true)
         ],
         "each migration applied exactly once"
     );
@@ -106,7 +108,7 @@ async fn migrate_takes_the_url_from_the_environment() {
         .fetch_one(&db.pool().await)
         .await
         .unwrap();
-    assert_eq!(n, 18);
+    assert_eq!(n, 19);
 }
 
 #[test]

@@ -126,3 +126,104 @@ async fn an_admin_token_must_be_revocable_and_end_within_the_maximum_lifetime() 
         "{body}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_jwt_is_revoked_by_its_jti_on_every_replica_within_two_seconds() {
+    let dir = tempfile::tempdir().unwrap();
+    let secret_file = dir.path().join("tenant-jwt.secret");
+    let secret = "a-tenant-jwt-secret-of-at-least-thirty-two-bytes";
+    std::fs::write(&secret_file, secret).unwrap();
+    let extra = Extra {
+        gateway_args: vec![
+            "--jwt-hmac-secret-file".into(),
+            secret_file.to_str().unwrap().into(),
+            "--jwt-algorithms".into(),
+            "HS256".into(),
+            "--jwt-issuer".into(),
+            "idp".into(),
+            "--jwt-audience".into(),
+            "lorafleet".into(),
+        ],
+        ..Default::default()
+    };
+    let p = plane_with("tenant_token_revocation", 2, 1, "llama-gqa", &extra).await;
+    p.ctl_json(&["tenants", "create", "acme"]);
+    let exp = chrono::Utc::now().timestamp() + 3600;
+    let mint = |jti: &str| {
+        jsonwebtoken::encode(
+            &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256),
+            &json!({"tenant": "acme", "sub": "app", "scope": "models:read",
+                    "iss": "idp", "aud": "lorafleet", "exp": exp, "jti": jti}),
+            &jsonwebtoken::EncodingKey::from_secret(secret.as_bytes()),
+        )
+        .unwrap()
+    };
+    let (revoked, other) = (mint("tok-1"), mint("tok-2"));
+    let models = |replica: usize, token: &str| {
+        let req = p
+            .http
+            .get(format!("{}/v1/models", p.api_url(replica)))
+            .bearer_auth(token)
+            .send();
+        async move {
+            let r = req.await.unwrap();
+            let code = r.status().as_u16();
+            (code, r.json::<Value>().await.unwrap_or(Value::Null))
+        }
+    };
+    for replica in 0..2 {
+        let start = Instant::now();
+        while models(replica, &revoked).await.0 != 200 {
+            assert!(
+                start.elapsed() < Duration::from_secs(5),
+                "the tenant never loaded"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    // An admin revokes it by its jti until its exp (a viewer may not).
+    let revoke = |token: &str| {
+        p.http
+            .post(format!("{}/admin/v1/tenant-tokens/revoke", p.admin_url(0)))
+            .bearer_auth(token)
+            .json(&json!({"jti": "tok-1",
+                          "expires_at": chrono::DateTime::from_timestamp(exp, 0).unwrap().to_rfc3339()}))
+            .send()
+    };
+    assert_eq!(
+        revoke(&p.token("vic", "viewer")).await.unwrap().status(),
+        403
+    );
+    let r = revoke(&p.admin_token).await.unwrap();
+    assert_eq!(r.status(), 200);
+    let start = Instant::now();
+    for replica in 0..2 {
+        loop {
+            let (code, body) = models(replica, &revoked).await;
+            if code == 401 {
+                assert!(
+                    body["error"]["message"]
+                        .as_str()
+                        .unwrap()
+                        .contains("revoked"),
+                    "{body}"
+                );
+                break;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(2),
+                "replica {replica} still accepts the revoked tenant token"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    // The same tenant's other tokens are untouched; the change log has it.
+    assert_eq!(models(0, &other).await.0, 200);
+    assert_eq!(
+        revoke(&p.admin_token).await.unwrap().status(),
+        409,
+        "extends nothing"
+    );
+    let changes = p.ctl_json(&["changes", "--object-type", "tenant_token"]);
+    assert_eq!(changes["changes"].as_array().unwrap().len(), 1, "{changes}");
+}

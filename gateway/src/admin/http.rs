@@ -55,6 +55,7 @@ pub fn router(state: AdminState) -> Router {
         )
         .route("/admin/v1/tokens/revoke", post(revoke_token))
         .route("/admin/v1/tokens/revoke-own", post(revoke_own_token))
+        .route("/admin/v1/tenant-tokens/revoke", post(revoke_tenant_token))
         .route("/admin/v1/fleet", get(fleet_view))
         .route("/admin/v1/audit", get(audit_query))
         .route("/admin/v1/audit/partitions", get(audit_partitions))
@@ -400,6 +401,16 @@ async fn register_eval_set(
 async fn revoke_token(State(s): State<AdminState>, headers: HeaderMap, body: Bytes) -> Answer {
     let c = caller(&s, &headers)?;
     let row = s.exec(&c, RevokeAdminToken(parse_body(&body)?)).await?;
+    Ok(reply(StatusCode::OK, &c, &row))
+}
+
+async fn revoke_tenant_token(
+    State(s): State<AdminState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Answer {
+    let c = caller(&s, &headers)?;
+    let row = s.exec(&c, RevokeTenantToken(parse_body(&body)?)).await?;
     Ok(reply(StatusCode::OK, &c, &row))
 }
 

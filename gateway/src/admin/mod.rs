@@ -172,4 +172,4 @@ pub use rollouts::{
 };
 pub use routes::{GetRoute, ListRoutes, Promote, PutRoute, Rollback, RouteWritten, parse_etag};
 pub use tenants::{CreateTenant, GetTenant, ListTenants, SetTenantDisabled, UpdateTenant};
-pub use tokens::{RevokeAdminToken, RevokeOwnToken};
+pub use tokens::{RevokeAdminToken, RevokeOwnToken, RevokeTenantToken};
