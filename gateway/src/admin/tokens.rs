@@ -23,7 +23,16 @@ impl Command for RevokeAdminToken {
     async fn run(self, cx: &mut Cx<'_>) -> Result<TokenRevoked, AdminError> {
         let r = self.0;
         check(&r)?;
-        revoke_in(cx, Revoked::Admin, r.jti, r.expires_at).await
+        // Kept at least as long as any admin token may live from now (the
+        // maximum lifetime), whatever expiry the request gives: no token
+        // with this jti outlives its revocation.
+        let kept_until = match cx.state.jwt.max_ttl_secs() {
+            Some(max) => r
+                .expires_at
+                .max(Utc::now() + chrono::Duration::seconds(max)),
+            None => r.expires_at,
+        };
+        revoke_in(cx, Revoked::Admin, r.jti, r.expires_at, kept_until).await
     }
 }
 
@@ -33,7 +42,7 @@ impl Command for RevokeTenantToken {
     async fn run(self, cx: &mut Cx<'_>) -> Result<TokenRevoked, AdminError> {
         let r = self.0;
         check(&r)?;
-        revoke_in(cx, Revoked::Tenant, r.jti, r.expires_at).await
+        revoke_in(cx, Revoked::Tenant, r.jti, r.expires_at, r.expires_at).await
     }
 }
 
@@ -72,45 +81,50 @@ impl Command for RevokeOwnToken {
         })?;
         let expires_at = DateTime::from_timestamp(cx.caller.token_expires_at, 0)
             .ok_or_else(|| AdminError::field("token", "its exp is out of range"))?;
-        revoke_in(cx, Revoked::Admin, jti, expires_at).await
+        revoke_in(cx, Revoked::Admin, jti, expires_at, expires_at).await
     }
 }
 
+/// Puts `jti` on `list` until `kept_until`; a row already there that
+/// covers `covers` (the token's own expiry) is left as it is, one that does
+/// not is extended.
 async fn revoke_in(
     cx: &mut Cx<'_>,
     list: Revoked,
     jti: String,
-    expires_at: DateTime<Utc>,
+    covers: DateTime<Utc>,
+    kept_until: DateTime<Utc>,
 ) -> Result<TokenRevoked, AdminError> {
     let by = cx.caller.subject.clone();
     let (object_type, action) = match list {
         Revoked::Admin => ("admin_token", "admin_token.revoke"),
         Revoked::Tenant => ("tenant_token", "tenant_token.revoke"),
     };
-    // A revocation of a jti already revoked until an earlier time extends
-    // it (so a short-lived revocation, made by the token's own holder,
-    // cannot block the real one); one that extends nothing changes nothing.
+    // A revocation of a jti whose row ends before the token does extends
+    // it (so a short-lived row cannot block the real revocation); one
+    // that the row already covers changes nothing.
     // One statement per deny list, each a literal.
     let sql = match list {
         Revoked::Admin => {
             "INSERT INTO admin_token_revocations AS r (jti, expires_at, revoked_by) VALUES ($1, $2, $3)
              ON CONFLICT (jti) DO UPDATE
                  SET expires_at = EXCLUDED.expires_at, revoked_at = now(), revoked_by = EXCLUDED.revoked_by
-                 WHERE r.expires_at < EXCLUDED.expires_at
+                 WHERE r.expires_at < $4
              RETURNING jti, expires_at, revoked_at, revoked_by"
         }
         Revoked::Tenant => {
             "INSERT INTO tenant_token_revocations AS r (jti, expires_at, revoked_by) VALUES ($1, $2, $3)
              ON CONFLICT (jti) DO UPDATE
                  SET expires_at = EXCLUDED.expires_at, revoked_at = now(), revoked_by = EXCLUDED.revoked_by
-                 WHERE r.expires_at < EXCLUDED.expires_at
+                 WHERE r.expires_at < $4
              RETURNING jti, expires_at, revoked_at, revoked_by"
         }
     };
     let row: Option<TokenRevoked> = sqlx::query_as(sql)
         .bind(&jti)
-        .bind(expires_at)
+        .bind(kept_until)
         .bind(&by)
+        .bind(covers)
         .fetch_optional(cx.db().await?)
         .await
         .map_err(db_error)?;
