@@ -440,7 +440,8 @@ pub(crate) enum Export {
     Csv,
 }
 
-/// `token` mints an admin token; `token revoke TOKEN` revokes one.
+/// `token` mints an admin token; `token revoke TOKEN` revokes one, and
+/// `token revoke-tenant TOKEN` a tenant's JWT.
 #[derive(Debug, clap::Args)]
 #[command(args_conflicts_with_subcommands = true)]
 pub(crate) struct TokenArgs {
@@ -471,6 +472,13 @@ pub(crate) enum TokenAction {
     /// token): every gateway refuses it within about a second.
     Revoke {
         /// The token itself, as `lorafleetctl token` printed it.
+        #[arg(value_name = "TOKEN")]
+        revoked: String,
+    },
+    /// Revokes a tenant's JWT before it expires (by its jti, read from the
+    /// token): every gateway refuses it within about a second.
+    RevokeTenant {
+        /// The tenant's JWT, as its identity provider issued it.
         #[arg(value_name = "TOKEN")]
         revoked: String,
     },

@@ -189,7 +189,11 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Token(TokenArgs {
             action: Some(TokenAction::Revoke { revoked }),
             ..
-        }) => revoke_token(&c, &revoked).await,
+        }) => revoke_token(&c, &revoked, "/tokens/revoke").await,
+        Command::Token(TokenArgs {
+            action: Some(TokenAction::RevokeTenant { revoked }),
+            ..
+        }) => revoke_token(&c, &revoked, "/tenant-tokens/revoke").await,
         Command::Token(_) | Command::Certs(_) => unreachable!("handled above"),
     }
 }

@@ -69,8 +69,9 @@ pub(crate) fn mint_token(t: &TokenArgs) -> Result<(), Failure> {
 
 /// Revokes `token` by its `jti` until its `exp`, both read from its payload
 /// (the gateway verifies nothing here: revoking a token needs an admin's
-/// own token, and a forged jti revokes nothing real).
-pub(crate) async fn revoke_token(c: &Client, token: &str) -> Result<(), Failure> {
+/// own token, and a forged jti revokes nothing real), through `path`: an
+/// admin token's or a tenant JWT's deny list.
+pub(crate) async fn revoke_token(c: &Client, token: &str, path: &str) -> Result<(), Failure> {
     use base64::Engine as _;
     let bad = |why: &str| fail(USAGE, format!("TOKEN: {why}"));
     let payload = token
@@ -94,7 +95,7 @@ pub(crate) async fn revoke_token(c: &Client, token: &str) -> Result<(), Failure>
         jti: jti.to_owned(),
         expires_at,
     };
-    let revoked: lorafleet_admin_types::TokenRevoked = c.post_as("/tokens/revoke", &body).await?;
+    let revoked: lorafleet_admin_types::TokenRevoked = c.post_as(path, &body).await?;
     show_one(
         c,
         &as_json(&revoked),

@@ -229,4 +229,15 @@ async fn a_tenant_jwt_is_revoked_by_its_jti_on_every_replica_within_two_seconds(
     );
     let changes = p.ctl_json(&["changes", "--object-type", "tenant_token"]);
     assert_eq!(changes["changes"].as_array().unwrap().len(), 1, "{changes}");
+    // lorafleetctl revokes one from the token itself.
+    let revoked = p.ctl_json(&["token", "revoke-tenant", &other]);
+    assert_eq!(revoked["jti"], "tok-2", "{revoked}");
+    let start = Instant::now();
+    while models(1, &other).await.0 != 401 {
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "tok-2 still accepted"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
