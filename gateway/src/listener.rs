@@ -149,7 +149,6 @@ async fn serve_one(
         app.map_request(move |mut r: axum::http::Request<hyper::body::Incoming>| {
             r.extensions_mut().insert(axum::extract::ConnectInfo(peer));
             on_request.in_flight.fetch_add(1, Ordering::AcqRel);
-            r.extensions_mut().insert(InFlight(on_request.clone()));
             r
         })
         .map_response({
@@ -192,11 +191,6 @@ async fn serve_one(
 fn closed(rule: &'static str) {
     metrics::counter!("lorafleet_gateway_connections_closed_total", "rule" => rule).increment(1);
 }
-
-/// Marks a request as in flight for as long as the request lives (a
-/// handler that drops it early is still covered by `map_response`).
-#[derive(Clone)]
-struct InFlight(#[allow(dead_code)] Arc<Activity>);
 
 /// A connection's requests in flight and its last byte either way.
 struct Activity {

@@ -817,23 +817,6 @@ async fn an_admin_changes_a_tenants_limits_and_the_next_requests_follow_them() {
     assert_eq!(newest["actor"], "alice", "{newest}");
 }
 
-/// A token's `jti` and `exp`, read from its payload (unverified).
-fn jti_and_exp(token: &str) -> (String, i64) {
-    use base64::Engine as _;
-    let payload = token.split('.').nth(1).expect("a JWT");
-    let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
-        .decode(payload)
-        .expect("base64url");
-    let claims: Value = serde_json::from_slice(&bytes).unwrap();
-    (
-        claims["jti"]
-            .as_str()
-            .expect("lorafleetctl mints a jti")
-            .to_owned(),
-        claims["exp"].as_i64().unwrap(),
-    )
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_revoked_admin_token_is_refused_on_every_replica_within_two_seconds() {
     let p = plane("token_revocation").await;

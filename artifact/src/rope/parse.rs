@@ -297,6 +297,30 @@ impl Sub<'_> {
             .collect()
     }
 
+    /// `factor`, or where it is null the ratio of the context to the
+    /// pretraining one (`original`), as transformers falls back.
+    fn factor_or_ratio(&self, original: usize) -> Result<f64> {
+        match self.get("factor") {
+            Some(_) => self.positive("factor"),
+            None => {
+                let max = self.f.usize("max_position_embeddings")?.ok_or_else(|| {
+                    self.err("factor", "is required (or max_position_embeddings)")
+                })?;
+                Ok(max as f64 / original as f64)
+            }
+        }
+    }
+
+    /// An `attention_factor` the config gives: a positive number.
+    fn attention_factor(&self) -> Result<Option<f64>> {
+        match self.f64("attention_factor")? {
+            Some(a) if a <= 0.0 => {
+                Err(self.err("attention_factor", format!("{a} must be a positive number")))
+            }
+            given => Ok(given),
+        }
+    }
+
     fn longrope(&self) -> Result<RopeScaling> {
         self.only(
             "longrope",
@@ -311,20 +335,9 @@ impl Sub<'_> {
         let original = self.original_context()?;
         // Phi-3 gives no factor: the ratio of the context to the
         // pretraining one sets the attention factor.
-        let factor = match self.get("factor") {
-            None => {
-                let max = self.f.usize("max_position_embeddings")?.ok_or_else(|| {
-                    self.err("factor", "is required (or max_position_embeddings)")
-                })?;
-                max as f64 / original as f64
-            }
-            Some(_) => self.positive("factor")?,
-        };
-        let attention_factor = match self.f64("attention_factor")? {
-            Some(a) if a > 0.0 => a,
-            Some(a) => {
-                return Err(self.err("attention_factor", format!("{a} must be a positive number")));
-            }
+        let factor = self.factor_or_ratio(original)?;
+        let attention_factor = match self.attention_factor()? {
+            Some(a) => a,
             None if factor <= 1.0 => 1.0,
             None => (1.0 + factor.ln() / (original as f64).ln()).sqrt(),
         };
@@ -351,16 +364,7 @@ impl Sub<'_> {
             ],
         )?;
         let original = self.original_context()?;
-        // A null factor is the ratio of the context to the pretraining one.
-        let factor = match self.get("factor") {
-            None => {
-                let max = self.f.usize("max_position_embeddings")?.ok_or_else(|| {
-                    self.err("factor", "is required (or max_position_embeddings)")
-                })?;
-                max as f64 / original as f64
-            }
-            Some(_) => self.positive("factor")?,
-        };
+        let factor = self.factor_or_ratio(original)?;
         let beta = |key: &str, default: f64| -> Result<f64> {
             match self.f64(key)? {
                 // transformers reads `or 32` / `or 1`: a 0 means the default.
@@ -384,11 +388,8 @@ impl Sub<'_> {
             }
         };
         let (mscale, mscale_all_dim) = (self.f64("mscale")?, self.f64("mscale_all_dim")?);
-        let attention_factor = match self.f64("attention_factor")? {
-            Some(a) if a > 0.0 => a,
-            Some(a) => {
-                return Err(self.err("attention_factor", format!("{a} must be a positive number")));
-            }
+        let attention_factor = match self.attention_factor()? {
+            Some(a) => a,
             None => match (mscale, mscale_all_dim) {
                 // transformers tests their truth: a 0 counts as absent.
                 (Some(m), Some(all)) if m != 0.0 && all != 0.0 => {

@@ -506,3 +506,20 @@ pub fn request_id(completion: &Value) -> String {
         .unwrap_or_else(|| panic!("no completion id in {completion}"))
         .to_owned()
 }
+
+/// A token's `jti` and `exp`, read from its payload (unverified).
+pub fn jti_and_exp(token: &str) -> (String, i64) {
+    use base64::Engine as _;
+    let payload = token.split('.').nth(1).expect("a JWT");
+    let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(payload)
+        .expect("base64url");
+    let claims: Value = serde_json::from_slice(&bytes).unwrap();
+    (
+        claims["jti"]
+            .as_str()
+            .expect("lorafleetctl mints a jti")
+            .to_owned(),
+        claims["exp"].as_i64().unwrap(),
+    )
+}

@@ -98,6 +98,37 @@ fn random(rng: &mut Rng, n: usize, scale: f32) -> Vec<f32> {
         .collect()
 }
 
+/// One decoder layer's seven projections under `prefix`, random, in the
+/// order the stand-ins have always drawn them: q of width `q`, k and v of
+/// width `kv`, o back to `hidden`, and the MLP of width `intermediate`.
+fn projections(
+    rng: &mut Rng,
+    prefix: &str,
+    q: usize,
+    kv: usize,
+    hidden: usize,
+    intermediate: usize,
+) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    [
+        ("self_attn.q_proj", q, hidden),
+        ("self_attn.k_proj", kv, hidden),
+        ("self_attn.v_proj", kv, hidden),
+        ("self_attn.o_proj", hidden, q),
+        ("mlp.gate_proj", intermediate, hidden),
+        ("mlp.up_proj", intermediate, hidden),
+        ("mlp.down_proj", hidden, intermediate),
+    ]
+    .into_iter()
+    .map(|(name, out, inp)| {
+        (
+            format!("{prefix}.{name}.weight"),
+            vec![out, inp],
+            random(rng, out * inp, 0.04),
+        )
+    })
+    .collect()
+}
+
 fn write(path: &Path, tensors: Vec<(String, Vec<usize>, Vec<f32>)>, dtype: Dtype) {
     let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
         .into_iter()
@@ -171,21 +202,7 @@ pub fn model_shaped(shape: &Shape, dtype: Dtype) -> PathBuf {
     )];
     for l in 0..layers {
         let p = format!("model.layers.{l}");
-        for (name, out, inp) in [
-            ("self_attn.q_proj", hidden, hidden),
-            ("self_attn.k_proj", kv, hidden),
-            ("self_attn.v_proj", kv, hidden),
-            ("self_attn.o_proj", hidden, hidden),
-            ("mlp.gate_proj", intermediate, hidden),
-            ("mlp.up_proj", intermediate, hidden),
-            ("mlp.down_proj", hidden, intermediate),
-        ] {
-            t.push((
-                format!("{p}.{name}.weight"),
-                vec![out, inp],
-                random(&mut rng, out * inp, 0.04),
-            ));
-        }
+        t.extend(projections(&mut rng, &p, hidden, kv, hidden, intermediate));
         t.push((
             format!("{p}.input_layernorm.weight"),
             vec![hidden],
@@ -493,21 +510,7 @@ pub fn gemma3_1b(all_global: bool) -> PathBuf {
         )];
         for l in 0..layers {
             let p = format!("model.layers.{l}");
-            for (name, out, inp) in [
-                ("self_attn.q_proj", q, hidden),
-                ("self_attn.k_proj", kv, hidden),
-                ("self_attn.v_proj", kv, hidden),
-                ("self_attn.o_proj", hidden, q),
-                ("mlp.gate_proj", intermediate, hidden),
-                ("mlp.up_proj", intermediate, hidden),
-                ("mlp.down_proj", hidden, intermediate),
-            ] {
-                t.push((
-                    format!("{p}.{name}.weight"),
-                    vec![out, inp],
-                    random(&mut rng, out * inp, 0.04),
-                ));
-            }
+            t.extend(projections(&mut rng, &p, q, kv, hidden, intermediate));
             // Gemma's norms scale by (1 + w).
             for norm in [
                 "input_layernorm",

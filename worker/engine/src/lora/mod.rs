@@ -319,24 +319,10 @@ fn build(
                 alpha / rank as f32
             };
             max_rank = max_rank.max(rank);
-            match (a_bits, b_bits) {
-                (Some(a), Some(b)) => {
-                    let a_t = transpose(&a, rank, fan_in);
-                    for (p, rows) in &parts {
-                        let b_rows = &b[rows.start * rank..rows.end * rank];
-                        let factors = Factors::Bf16 {
-                            a_t: a_t.clone(),
-                            b_t: transpose(b_rows, rows.len(), rank),
-                        };
-                        let module = LoraModule {
-                            rank,
-                            scale,
-                            factors,
-                        };
-                        bytes += module.bytes();
-                        slots[p.index()] = Some(module);
-                    }
-                }
+            let split = match (a_bits, b_bits) {
+                (Some(a), Some(b)) => split_parts(&a, &b, rank, fan_in, &parts, |a_t, b_t| {
+                    Factors::Bf16 { a_t, b_t }
+                }),
                 _ => {
                     let a = files
                         .f32(&a_name, &[rank, fan_in])
@@ -344,22 +330,20 @@ fn build(
                     let b = files
                         .f32(&b_name, &[fan_out, rank])
                         .map_err(|e| invalid(&b_name, strip_file(e)))?;
-                    let a_t = transpose(&a, rank, fan_in);
-                    for (p, rows) in &parts {
-                        let b_rows = &b[rows.start * rank..rows.end * rank];
-                        let factors = Factors::F32 {
-                            a_t: a_t.clone(),
-                            b_t: transpose(b_rows, rows.len(), rank),
-                        };
-                        let module = LoraModule {
-                            rank,
-                            scale,
-                            factors,
-                        };
-                        bytes += module.bytes();
-                        slots[p.index()] = Some(module);
-                    }
+                    split_parts(&a, &b, rank, fan_in, &parts, |a_t, b_t| Factors::F32 {
+                        a_t,
+                        b_t,
+                    })
                 }
+            };
+            for (p, factors) in split {
+                let module = LoraModule {
+                    rank,
+                    scale,
+                    factors,
+                };
+                bytes += module.bytes();
+                slots[p.index()] = Some(module);
             }
         }
     }
@@ -383,6 +367,30 @@ fn build(
         experts: std::sync::Arc::new(experts),
         bytes,
     })
+}
+
+/// A module's factors, A `[rank, fan_in]` and B `[out, rank]`, as the
+/// host tier holds them (Aᵀ and Bᵀ) for each of its parts: every part
+/// shares A and takes its own rows of B.
+fn split_parts<T: Copy + Default>(
+    a: &[T],
+    b: &[T],
+    rank: usize,
+    fan_in: usize,
+    parts: &[(Projection, std::ops::Range<usize>)],
+    factors: impl Fn(Vec<T>, Vec<T>) -> Factors,
+) -> Vec<(Projection, Factors)> {
+    let a_t = transpose(a, rank, fan_in);
+    parts
+        .iter()
+        .map(|(p, rows)| {
+            let b_rows = &b[rows.start * rank..rows.end * rank];
+            (
+                *p,
+                factors(a_t.clone(), transpose(b_rows, rows.len(), rank)),
+            )
+        })
+        .collect()
 }
 
 /// The reason part of a weight error; the tensor is already named by the caller.
