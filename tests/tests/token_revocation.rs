@@ -186,6 +186,28 @@ async fn a_tenant_jwt_is_revoked_by_its_jti_on_every_replica_within_two_seconds(
         revoke(&p.token("vic", "viewer")).await.unwrap().status(),
         403
     );
+    // A malformed revocation is refused by the field at fault.
+    let past = (chrono::Utc::now() - chrono::Duration::seconds(5)).to_rfc3339();
+    for (body, field) in [
+        (json!({"jti": "", "expires_at": past}), "jti"),
+        (json!({"jti": "tok-1", "expires_at": past}), "expires_at"),
+        (json!({"jti": "tok-1"}), "expires_at"),
+    ] {
+        let r = p
+            .http
+            .post(format!("{}/admin/v1/tenant-tokens/revoke", p.admin_url(0)))
+            .bearer_auth(&p.admin_token)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400, "{body}");
+        let e: Value = r.json().await.unwrap();
+        assert!(
+            e["error"]["message"].as_str().unwrap().contains(field),
+            "{body}: {e}"
+        );
+    }
     let r = revoke(&p.admin_token).await.unwrap();
     assert_eq!(r.status(), 200);
     let start = Instant::now();

@@ -80,6 +80,22 @@ const BAD_FLAGS: &[(&[&str], &str)] = &[
         "--max-attempts: must be at least 1",
     ),
     (
+        &["--idle-timeout-secs", "0"],
+        "--idle-timeout-secs: must be at least 1",
+    ),
+    (
+        &["--http2-keepalive-secs", "0"],
+        "--http2-keepalive-secs: must be at least 1",
+    ),
+    (
+        &["--max-connections", "0"],
+        "--max-connections: must be at least 1",
+    ),
+    (
+        &["--max-connections-per-source", "0"],
+        "--max-connections-per-source: must be at least 1",
+    ),
+    (
         &["--trusted-proxies", "10.0.0.0/8,proxy"],
         "--trusted-proxies: \"proxy\" is not a CIDR",
     ),
@@ -225,4 +241,36 @@ fn good_flags_become_the_config_they_say() {
             .unwrap()
     );
     assert!(!shown.contains("hunter2"), "{shown}");
+}
+
+#[test]
+fn an_admin_token_lifetime_of_zero_is_refused_by_its_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    let secret = dir.path().join("admin.secret");
+    std::fs::write(&secret, "s".repeat(48)).unwrap();
+    let admin = [
+        "--admin-listen",
+        "127.0.0.1:0",
+        "--admin-jwt-hmac-secret-file",
+        secret.to_str().unwrap(),
+        "--admin-jwt-algorithms",
+        "HS256",
+        "--admin-jwt-issuer",
+        "i",
+        "--admin-jwt-audience",
+        "a",
+    ];
+    let ok = parse(&admin).validate().unwrap();
+    assert_eq!(
+        ok.admin.unwrap().jwt.max_ttl_secs(),
+        Some(86_400),
+        "a day by default"
+    );
+    let mut zero = admin.to_vec();
+    zero.extend(["--admin-jwt-max-ttl-secs", "0"]);
+    let refused = parse(&zero).validate().unwrap_err().to_string();
+    assert!(
+        refused.contains("--admin-jwt-max-ttl-secs: must be at least 1"),
+        "{refused}"
+    );
 }
