@@ -72,24 +72,29 @@ fn norm_embedding_and_elementwise_kernels_match_the_cpu_reference() {
     let table = random(3, vocab * d);
     let tokens = [3, 49, 0, 3];
     let (tb, tok) = (h.f32(&table).unwrap(), h.i32(&tokens).unwrap());
-    let out = h.f32(&poison(tokens.len() * d)).unwrap();
-    h.launch(
-        "embed",
-        (tokens.len() as u32, 1, 1),
-        256,
-        &[
-            Arg::Ptr(h.ptr(&tb)),
-            Arg::Ptr(h.ptr(&tok)),
-            Arg::Ptr(h.ptr(&out)),
-            Arg::I32(d as i32),
-        ],
-    )
-    .unwrap();
-    let want: Vec<f32> = tokens
-        .iter()
-        .flat_map(|&t| table[t as usize * d..(t as usize + 1) * d].to_vec())
-        .collect();
-    assert_eq!(h.read(&out).unwrap(), want, "embed copies rows exactly");
+    // Scaled by 1 (rows copied exactly) and by Gemma's √hidden.
+    for scale in [1f32, 8f32.sqrt()] {
+        let out = h.f32(&poison(tokens.len() * d)).unwrap();
+        h.launch(
+            "embed",
+            (tokens.len() as u32, 1, 1),
+            256,
+            &[
+                Arg::Ptr(h.ptr(&tb)),
+                Arg::Ptr(h.ptr(&tok)),
+                Arg::Ptr(h.ptr(&out)),
+                Arg::I32(d as i32),
+                Arg::F32(scale),
+            ],
+        )
+        .unwrap();
+        let want: Vec<f32> = tokens
+            .iter()
+            .flat_map(|&t| table[t as usize * d..(t as usize + 1) * d].to_vec())
+            .map(|v| v * scale)
+            .collect();
+        assert_eq!(h.read(&out).unwrap(), want, "embed rows times {scale}");
+    }
 
     // SiLU(gate) · up over [gate | up] rows.
     let (rows, inter) = (3, 96);
@@ -117,6 +122,44 @@ fn norm_embedding_and_elementwise_kernels_match_the_cpu_reference() {
         })
         .collect();
     assert_close(&h.read(&out).unwrap(), &want, 1e-5, "silu_mul");
+
+    // GeGLU: gelu_tanh(gate) · up, as the CPU backend computes it.
+    let out = h.f32(&poison(rows * inter)).unwrap();
+    h.launch(
+        "gelu_mul",
+        (2, 1, 1),
+        256,
+        &[
+            Arg::Ptr(h.ptr(&gub)),
+            Arg::Ptr(h.ptr(&out)),
+            Arg::Ptr(0),
+            Arg::I32(rows as i32),
+            Arg::I32(inter as i32),
+        ],
+    )
+    .unwrap();
+    let mut want = vec![0f32; rows * inter];
+    for t in 0..rows {
+        lorafleet_engine::backend::cpu::activation::gelu_tanh_mul(
+            &gu[t * 2 * inter..][..inter],
+            &gu[t * 2 * inter + inter..][..inter],
+            &mut want[t * inter..][..inter],
+        );
+    }
+    assert_close(&h.read(&out).unwrap(), &want, 1e-5, "gelu_mul");
+
+    // Soft-capping: tanh(x / cap) · cap.
+    let big: Vec<f32> = random(9, 500).iter().map(|v| v * 80.0).collect();
+    let bb = h.f32(&big).unwrap();
+    h.launch(
+        "softcap",
+        (2, 1, 1),
+        256,
+        &[Arg::Ptr(h.ptr(&bb)), Arg::I64(500), Arg::F32(30.0)],
+    )
+    .unwrap();
+    let want: Vec<f32> = big.iter().map(|v| (v / 30.0).tanh() * 30.0).collect();
+    assert_close(&h.read(&bb).unwrap(), &want, 1e-5, "softcap");
 
     // Bias and residual adds.
     let y = random(5, rows * inter);
@@ -233,7 +276,7 @@ fn rope_kv_store_and_paged_attention_match_the_cpu_reference() {
         ref_k[r * kv_dim..(r + 1) * kv_dim].copy_from_slice(&row[q_dim..q_dim + kv_dim]);
         ref_v[r * kv_dim..(r + 1) * kv_dim].copy_from_slice(&row[q_dim + kv_dim..]);
     }
-    let attend = |window: usize| -> Vec<f32> {
+    let attend = |window: usize, cap: f32| -> Vec<f32> {
         let mut out = vec![0f32; n * q_dim];
         for (t, &(s, p)) in tok.iter().enumerate() {
             let lo = if window > 0 {
@@ -247,8 +290,13 @@ fn rope_kv_store_and_paged_attention_match_the_cpu_reference() {
                 let scores: Vec<f64> = (lo..=p)
                     .map(|j| {
                         let k = &ref_k[row_of(s, j) * kv_dim + kvh * hd..][..hd];
-                        q.iter().zip(k).map(|(a, b)| f64::from(a * b)).sum::<f64>()
-                            / (hd as f64).sqrt()
+                        let s = q.iter().zip(k).map(|(a, b)| f64::from(a * b)).sum::<f64>()
+                            / (hd as f64).sqrt();
+                        if cap > 0.0 {
+                            (s / f64::from(cap)).tanh() * f64::from(cap)
+                        } else {
+                            s
+                        }
                     })
                     .collect();
                 let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -295,6 +343,9 @@ fn rope_kv_store_and_paged_attention_match_the_cpu_reference() {
             Arg::Ptr(h.ptr(&pos)),
             Arg::Ptr(h.ptr(&kv_row)),
             Arg::Ptr(h.ptr(&freq)),
+            Arg::I32(0),
+            Arg::I32((hd / 2) as i32),
+            Arg::F32(1.0),
             Arg::Ptr(h.ptr(&kc)),
             Arg::Ptr(h.ptr(&vc)),
         ],
@@ -314,7 +365,12 @@ fn rope_kv_store_and_paged_attention_match_the_cpu_reference() {
         "k store",
     );
     assert_eq!(written(&h.read(&vc).unwrap()), written(&ref_v), "v store");
-    for window in [0usize, 3] {
+    // Each sequence's ring of two blocks for a window of 3: ring slot
+    // b % 2 holds block b of the positions the window reaches (sequence
+    // 0: blocks 0 and 1; sequence 1, at position 9: blocks 1 and 2).
+    let rings = h.i32(&[5, 2, 3, 0]).unwrap();
+    for (window, cap, ring_len) in [(0usize, 0f32, 0i32), (3, 0.0, 0), (0, 0.5, 0), (3, 0.5, 2)] {
+        let tables = if ring_len > 0 { &rings } else { &bt };
         let out = h.f32(&poison(n * q_dim)).unwrap();
         h.launch(
             "attention",
@@ -329,19 +385,21 @@ fn rope_kv_store_and_paged_attention_match_the_cpu_reference() {
                 Arg::Ptr(h.ptr(&pos)),
                 Arg::Ptr(h.ptr(&tok_seq)),
                 Arg::Ptr(h.ptr(&bt_off)),
-                Arg::Ptr(h.ptr(&bt)),
+                Arg::Ptr(h.ptr(tables)),
                 Arg::I32(bs as i32),
+                Arg::I32(ring_len),
                 Arg::I32(window as i32),
                 Arg::F32(1.0 / (hd as f32).sqrt()),
+                Arg::F32(cap),
                 Arg::Ptr(h.ptr(&out)),
             ],
         )
         .unwrap();
         assert_close(
             &h.read(&out).unwrap(),
-            &attend(window),
+            &attend(window, cap),
             1e-5,
-            &format!("attention (window {window})"),
+            &format!("attention (window {window}, cap {cap}, ring {ring_len})"),
         );
     }
 }

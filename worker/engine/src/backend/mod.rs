@@ -126,9 +126,11 @@ impl<'a> StepBatch<'a> {
         }
     }
 
-    /// Checks what every backend relies on: token ids below the vocabulary
-    /// and block tables long enough for each sequence's positions.
-    pub fn check(&self, config: &ModelConfig, block_size: usize) -> Result<()> {
+    /// Checks what every backend relies on: token ids below the vocabulary,
+    /// and block tables (and rings, where the sliding layers keep them)
+    /// long enough for each sequence's positions.
+    pub fn check(&self, config: &ModelConfig, shape: &BackendShape) -> Result<()> {
+        let block_size = shape.block_size;
         if let Some(t) = self
             .tokens
             .iter()
@@ -145,6 +147,13 @@ impl<'a> StepBatch<'a> {
                 return Err(EngineError::Backend(format!(
                     "a block table holds {} blocks, {needed} needed",
                     s.block_table.len()
+                )));
+            }
+            if shape.ring_len > 0 && s.ring.len() < needed.min(shape.ring_len) {
+                return Err(EngineError::Backend(format!(
+                    "a ring holds {} blocks, {} needed",
+                    s.ring.len(),
+                    needed.min(shape.ring_len)
                 )));
             }
         }

@@ -369,20 +369,7 @@ impl Backend for CpuBackend {
         let c = self.config.clone();
         let n = batch.tokens.len();
         let (d, hd, kv_dim) = (c.hidden_size, c.head_dim, c.kv_dim());
-        batch.check(&c, self.shape.block_size)?;
-        if self.shape.ring_len > 0 {
-            for s in &batch.seqs {
-                let needed = (s.first_position + s.len)
-                    .div_ceil(self.shape.block_size)
-                    .min(self.shape.ring_len);
-                if s.ring.len() < needed {
-                    return Err(EngineError::Backend(format!(
-                        "a ring holds {} blocks, {needed} needed",
-                        s.ring.len()
-                    )));
-                }
-            }
-        }
+        batch.check(&c, &self.shape)?;
         let mut hidden = vec![0f32; n * d];
         for (&tok, row) in batch.tokens.iter().zip(hidden.chunks_exact_mut(d)) {
             let at = tok as usize * d;

@@ -125,11 +125,12 @@ __device__ float block_max(float v, float* scratch) {
     return scratch[0];
 }
 
-// out[t] = table[tokens[t]] as f32. Grid: one block per token.
-extern "C" __global__ void embed(const wt* table, const int* tokens, float* out, int d) {
+// out[t] = table[tokens[t]] as f32, times `scale` (Gemma's √hidden; 1
+// otherwise). Grid: one block per token.
+extern "C" __global__ void embed(const wt* table, const int* tokens, float* out, int d, float scale) {
     const wt* row = table + (size_t)tokens[blockIdx.x] * d;
     float* o = out + (size_t)blockIdx.x * d;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) o[i] = wload(row[i]);
+    for (int i = threadIdx.x; i < d; i += blockDim.x) o[i] = wload(row[i]) * scale;
 }
 
 // RMSNorm of rows of `x` (row `rows[b]`, or row b when `rows` is null) into
@@ -184,17 +185,41 @@ extern "C" __global__ void silu_mul(const float* gu, float* out, wt* out_w, int 
     }
 }
 
+// out[t, i] = gelu_tanh(gate) * up (Gemma's `gelu_pytorch_tanh` GeGLU), as
+// silu_mul lays out its rows: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))).
+extern "C" __global__ void gelu_mul(const float* gu, float* out, wt* out_w, int rows, int inter) {
+    long n = (long)rows * inter;
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        long t = i / inter, c = i % inter;
+        float g = gu[t * 2 * inter + c], u = gu[t * 2 * inter + inter + c];
+        float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+        float v = 0.5f * g * (1.0f + tanhf(inner)) * u;
+        out[i] = v;
+        if (out_w) out_w[i] = wstore(v);
+    }
+}
+
+// x = tanh(x / cap) * cap, elementwise (Gemma 2's final-logit soft-capping).
+extern "C" __global__ void softcap(float* x, long n, float cap) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+        x[i] = tanhf(x[i] / cap) * cap;
+}
+
 // Rotates the query and key heads of each token's fused [q | k | v] row in
 // place (rotate-half RoPE over each head's first 2 * rot_half dimensions;
-// the rest pass through), with cos and sin times `factor` (YaRN's
-// attention factor, 1 otherwise) as transformers scales them, then stores
-// its key and value at its KV-cache row, in the weights' type. Grid: one
-// block per token.
+// the rest pass through), with cos and sin times `factor` (YaRN's and
+// LongRoPE's attention factor, 1 otherwise) as transformers scales them,
+// then stores its key and value at its KV-cache row, in the weights' type.
+// The frequencies are one row shared by every token (`freq_stride` 0), or
+// each token's own row `freq_stride` apart (LongRoPE's short or long
+// factors, dynamic NTK's by context length: the host writes them per
+// step). Grid: one block per token.
 extern "C" __global__ void rope_store(float* qkv, int q_dim, int kv_dim, const int* pos,
-                                      const int* kv_row, const float* inv_freq, int rot_half,
-                                      float factor, wt* k_cache, wt* v_cache) {
+                                      const int* kv_row, const float* inv_freq, int freq_stride,
+                                      int rot_half, float factor, wt* k_cache, wt* v_cache) {
     float* row = qkv + (size_t)blockIdx.x * (q_dim + 2 * kv_dim);
     float p = (float)pos[blockIdx.x];
+    inv_freq += (size_t)blockIdx.x * freq_stride;
     int nq = q_dim / HEAD_DIM, heads = nq + kv_dim / HEAD_DIM;
     for (int i = threadIdx.x; i < heads * rot_half; i += blockDim.x) {
         int head = i / rot_half, j = i % rot_half;
@@ -239,14 +264,25 @@ extern "C" __global__ void head_norm(float* qkv, int q_dim, int kv_dim, const fl
 
 #define ATTN_CHUNK 128
 
+// The KV-cache row of position j: through the sequence's block table, or
+// (ring_len > 0) its ring of ring_len blocks reused as the window moves.
+__device__ __forceinline__ size_t kv_row_of(const int* bt, int block_size, int ring_len, int j) {
+    int b = j / block_size;
+    if (ring_len > 0) b %= ring_len;
+    return (size_t)bt[b] * block_size + j % block_size;
+}
+
+// A scaled attention score, soft-capped (tanh(s / cap) * cap) when cap > 0.
 __device__ __forceinline__ float attn_score(const float* qs, const wt* k_cache, int kv_dim, int kvh,
-                                            const int* bt, int block_size, int j, float scale) {
-    size_t row = (size_t)bt[j / block_size] * block_size + j % block_size;
+                                            const int* bt, int block_size, int ring_len, int j,
+                                            float scale, float cap) {
+    size_t row = kv_row_of(bt, block_size, ring_len, j);
     const wt* kr = k_cache + row * kv_dim + kvh * HEAD_DIM;
     float acc = 0.0f;
 #pragma unroll 8
     for (int i = 0; i < HEAD_DIM; i++) acc = fmaf(qs[i], wload(kr[i]), acc);
-    return acc * scale;
+    float s = acc * scale;
+    return cap > 0.0f ? tanhf(s / cap) * cap : s;
 }
 
 // The most warps an attention block may have (its shared accumulators).
@@ -260,7 +296,10 @@ __device__ __forceinline__ float attn_score(const float* qs, const wt* k_cache, 
 // has already filled. Grid: (tokens, query heads); block: 32 to
 // 32 * ATTN_MAX_WARPS threads, a multiple of 32 and at least HEAD_DIM / 2.
 // A query head reads KV head h / group (grouped-query attention). `window`
-// > 0 is a sliding window.
+// > 0 is a sliding window. With ring_len > 0 (a sliding layer of a model
+// with both kinds), `block_tables` holds each sequence's ring, ring_len
+// entries apart, and `bt_off` is not read. `cap` > 0 soft-caps the scores
+// (Gemma 2).
 //
 // The value pass spreads positions over the warps (warp w takes positions
 // w, w + warps, ...) with each lane owning output dimensions lane + 32 i,
@@ -270,7 +309,7 @@ __device__ __forceinline__ float attn_score(const float* qs, const wt* k_cache, 
 extern "C" __global__ void attention(const float* qkv, int q_dim, int kv_dim, const wt* k_cache,
                                      const wt* v_cache, const int* pos, const int* tok_seq,
                                      const int* bt_off, const int* block_tables, int block_size,
-                                     int window, float scale, float* out) {
+                                     int ring_len, int window, float scale, float cap, float* out) {
     __shared__ float qs[HEAD_DIM];
     __shared__ float sc[ATTN_CHUNK];
     __shared__ float scratch[32];
@@ -285,10 +324,11 @@ extern "C" __global__ void attention(const float* qkv, int q_dim, int kv_dim, co
     __syncthreads();
     int p = pos[t];
     int lo = window > 0 ? max(0, p + 1 - window) : 0;
-    const int* bt = block_tables + bt_off[tok_seq[t]];
+    const int* bt = ring_len > 0 ? block_tables + (size_t)tok_seq[t] * ring_len
+                                 : block_tables + bt_off[tok_seq[t]];
     float m = -INFINITY;
     for (int j = lo + threadIdx.x; j <= p; j += blockDim.x)
-        m = fmaxf(m, attn_score(qs, k_cache, kv_dim, kvh, bt, block_size, j, scale));
+        m = fmaxf(m, attn_score(qs, k_cache, kv_dim, kvh, bt, block_size, ring_len, j, scale, cap));
     m = block_max(m, scratch);
     float acc[ATTN_DPL];
 #pragma unroll
@@ -298,12 +338,13 @@ extern "C" __global__ void attention(const float* qkv, int q_dim, int kv_dim, co
         int cn = min(ATTN_CHUNK, p + 1 - c0);
         __syncthreads();
         for (int j = threadIdx.x; j < cn; j += blockDim.x)
-            sc[j] = expf(attn_score(qs, k_cache, kv_dim, kvh, bt, block_size, c0 + j, scale) - m);
+            sc[j] = expf(attn_score(qs, k_cache, kv_dim, kvh, bt, block_size, ring_len, c0 + j,
+                                    scale, cap) - m);
         __syncthreads();
 #pragma unroll 4
         for (int j = warp; j < cn; j += warps) {
             int jj = c0 + j;
-            size_t row = (size_t)bt[jj / block_size] * block_size + jj % block_size;
+            size_t row = kv_row_of(bt, block_size, ring_len, jj);
             const wt* vr = v_cache + row * kv_dim + kvh * HEAD_DIM;
             float w = sc[j];
             l += w;

@@ -23,6 +23,8 @@ pub const KERNELS: &[&str] = &[
     "add_bias",
     "add_into",
     "silu_mul",
+    "gelu_mul",
+    "softcap",
     "rope_store",
     "attention",
     "lora_shrink",

@@ -102,7 +102,13 @@ enum Weights {
 
 struct Layer {
     input_norm: CudaSlice<f32>,
+    /// The norm before the MLP (Llama's `post_attention_layernorm`,
+    /// Gemma's `pre_feedforward_layernorm`).
     post_norm: CudaSlice<f32>,
+    /// Gemma's norms of the attention's and the MLP's outputs
+    /// (`post_attention_layernorm`, `post_feedforward_layernorm`).
+    attn_out_norm: Option<CudaSlice<f32>>,
+    mlp_out_norm: Option<CudaSlice<f32>>,
     /// `[q | k | v]`.
     qkv: Linear,
     /// Per-head RMSNorm weights of the queries and keys (Qwen3), applied
@@ -137,6 +143,12 @@ pub struct CudaBackend {
     k_cache: Vec<CudaSlice<u8>>,
     v_cache: Vec<CudaSlice<u8>>,
     inv_freq: CudaSlice<f32>,
+    /// The sliding layers' own frequencies (Gemma 3's
+    /// `rope_local_base_freq`).
+    local_inv_freq: Option<CudaSlice<f32>>,
+    /// Frequencies that differ between tokens (LongRoPE, dynamic NTK),
+    /// written into each step's metadata.
+    token_freqs: Option<meta::TokenFreqs>,
     slots: Slots,
     /// Each slot's expert LoRA, for a Mixture-of-Experts model's adapters
     /// that have one.
@@ -215,28 +227,6 @@ impl CudaBackend {
         limits: StepLimits,
     ) -> Result<CudaBackend> {
         let c = config;
-        // What the kernels do not implement yet runs on the CPU backend:
-        // LongRoPE (a sequence's frequencies switch with its length; the
-        // rope kernel holds one table) and Gemma's layers (sliding and
-        // global layers with their own RoPE, (1 + w) norms around the
-        // attention and the MLP, GeGLU, soft-capping).
-        let cpu_only = |field: &str, what: &str| EngineError::InvalidModel {
-            file: dir.join("config.json"),
-            field: field.into(),
-            reason: format!(
-                "{what} runs on the CPU backend only; the CUDA backend does not implement it yet"
-            ),
-        };
-        if c.rope.long_after().is_some() || c.rope.dynamic_after().is_some() {
-            let kind = c.rope.scaling.rope_type();
-            return Err(cpu_only("rope_scaling", &format!("rope type {kind:?}")));
-        }
-        if c.gemma.is_some() {
-            return Err(cpu_only(
-                "model_type",
-                &format!("{:?}", c.architecture.model_type()),
-            ));
-        }
         let dev = Device::open(
             ordinal,
             KernelShapes {
@@ -357,21 +347,35 @@ impl CudaBackend {
                     fan_out,
                 })
             };
-            let head_norm = |which: &str| {
-                up_f32(&files.f32(&format!("{prefix}.self_attn.{which}.weight"), &[c.head_dim])?)
+            // Gemma's norms scale by (1 + w): the one is added at load, as
+            // the CPU backend adds it.
+            let norm = |name: &str, width: usize| {
+                let mut w = files.f32(&format!("{prefix}.{name}.weight"), &[width])?;
+                if c.gemma.is_some() {
+                    w.iter_mut().for_each(|w| *w += 1.0);
+                }
+                up_f32(&w)
+            };
+            let h = c.hidden_size;
+            let (post_norm, attn_out_norm, mlp_out_norm) = match c.gemma {
+                Some(_) => (
+                    norm("pre_feedforward_layernorm", h)?,
+                    Some(norm("post_attention_layernorm", h)?),
+                    Some(norm("post_feedforward_layernorm", h)?),
+                ),
+                None => (norm("post_attention_layernorm", h)?, None, None),
             };
             layers.push(Layer {
-                input_norm: up_f32(&files.f32(
-                    &format!("{prefix}.input_layernorm.weight"),
-                    &[c.hidden_size],
-                )?)?,
-                post_norm: up_f32(&files.f32(
-                    &format!("{prefix}.post_attention_layernorm.weight"),
-                    &[c.hidden_size],
-                )?)?,
+                input_norm: norm("input_layernorm", h)?,
+                post_norm,
+                attn_out_norm,
+                mlp_out_norm,
                 qkv: fused(&[Projection::Q, Projection::K, Projection::V])?,
                 qk_norm: if c.qk_norm {
-                    Some((head_norm("q_norm")?, head_norm("k_norm")?))
+                    Some((
+                        norm("self_attn.q_norm", c.head_dim)?,
+                        norm("self_attn.k_norm", c.head_dim)?,
+                    ))
                 } else {
                     None
                 },
@@ -385,7 +389,11 @@ impl CudaBackend {
                 },
             });
         }
-        let norm = up_f32(&files.f32("model.norm.weight", &[c.hidden_size])?)?;
+        let mut norm = files.f32("model.norm.weight", &[c.hidden_size])?;
+        if c.gemma.is_some() {
+            norm.iter_mut().for_each(|w| *w += 1.0);
+        }
+        let norm = up_f32(&norm)?;
         let lm_head = Linear {
             w: Weights::Dense(
                 if c.tie_word_embeddings && !files.contains("lm_head.weight") {
@@ -400,14 +408,15 @@ impl CudaBackend {
         };
         drop(embed_host);
 
-        let kv_len = shape.kv_blocks * shape.block_size * c.kv_dim();
         let mut k_cache = Vec::with_capacity(c.num_layers);
         let mut v_cache = Vec::with_capacity(c.num_layers);
-        let kv_bytes = kv_len * dtype.bytes();
-        for _ in 0..c.num_layers {
+        for l in 0..c.num_layers {
+            // A sliding layer of a model with both kinds holds its rings.
+            let blocks = plan::cache_blocks(c, &shape, l);
+            let kv_bytes = blocks * shape.block_size * c.kv_dim() * dtype.bytes();
             let bytes = || {
                 stream
-                    .alloc_zeros::<u8>(kv_bytes)
+                    .alloc_zeros::<u8>(kv_bytes.max(1))
                     .map_err(cuda("allocating the KV cache"))
             };
             k_cache.push(bytes()?);
@@ -428,10 +437,18 @@ impl CudaBackend {
         let expert_slots = moe::ExpertSlots::new(&dev, moe_layers, shape.slots)?;
         // The CPU backend's frequencies, computed once from the config.
         let inv_freq = up_f32(&c.rope.inv_freq())?;
+        let local_inv_freq = c
+            .gemma
+            .as_ref()
+            .and_then(|g| g.local_rope.as_ref())
+            .map(|r| up_f32(&r.inv_freq()))
+            .transpose()?;
+        let token_freqs = meta::TokenFreqs::new(&c.rope);
         // Every section of a step's metadata is at most one entry per
-        // token (two per tile), plus the block tables; grown if a step
-        // needs more.
-        let meta = 16 * limits.max_tokens + 4 * limits.max_rows + 4096;
+        // token (two per tile), a ring and a row of frequencies per token,
+        // plus the block tables; grown if a step needs more.
+        let per_token = 16 + shape.ring_len + token_freqs.as_ref().map_or(0, |f| f.half());
+        let meta = per_token * limits.max_tokens + 4 * limits.max_rows + 4096;
         let ws = Workspace::new(
             &dev,
             c,
@@ -453,6 +470,8 @@ impl CudaBackend {
             k_cache,
             v_cache,
             inv_freq,
+            local_inv_freq,
+            token_freqs,
             slots,
             expert_slots,
             token_slots: Vec::new(),

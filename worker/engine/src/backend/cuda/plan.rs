@@ -65,13 +65,18 @@ impl MemoryPlan {
             Some(moe) => (linear - mlp, super::moe::weight_bytes(c, moe, dtype)),
             None => (linear, 0),
         };
-        let per_layer = linear * w + (biases + 2 * c.hidden_size as u64) * 4;
+        // Two norms a layer, four for Gemma (around the attention and the
+        // MLP), and Qwen3's and Gemma 3's per-head q/k norms.
+        let norms = if c.gemma.is_some() { 4 } else { 2 } * c.hidden_size
+            + if c.qk_norm { 2 * c.head_dim } else { 0 };
+        let per_layer = linear * w + (biases + norms as u64) * 4;
         // Embeddings, and the lm_head (a second copy when tied).
         let vocab = (c.vocab_size * c.hidden_size) as u64 * w;
         let weights =
             per_layer * c.num_layers as u64 + experts + 2 * vocab + c.hidden_size as u64 * 4;
-        let kv_cache =
-            2 * (c.num_layers * shape.kv_blocks * shape.block_size * c.kv_dim()) as u64 * w;
+        let kv_cache = (0..c.num_layers)
+            .map(|l| 2 * (cache_blocks(c, shape, l) * shape.block_size * c.kv_dim()) as u64 * w)
+            .sum();
         let rank = shape.max_lora_rank.max(1) as u64;
         // f32 slots, the default; `with_slot_dtype` plans others.
         let adapter_slots = adapter_slot_bytes(c, shape, Dtype::F32);
@@ -166,6 +171,18 @@ impl MemoryPlan {
             self.workspace / MIB,
             self.margin / MIB
         )
+    }
+}
+
+/// The blocks of keys and values layer `layer` holds: the KV blocks, or
+/// for a sliding layer of a model with both kinds, every sequence's ring
+/// ([`BackendShape::ring_len`]).
+pub(super) fn cache_blocks(c: &ModelConfig, shape: &BackendShape, layer: usize) -> usize {
+    if shape.ring_len > 0 && c.layer_kinds[layer] == lorafleet_artifact::layers::LayerKind::Sliding
+    {
+        shape.ring_blocks
+    } else {
+        shape.kv_blocks
     }
 }
 
@@ -346,5 +363,54 @@ mod tests {
         let more_tokens = plan(base, 1024);
         assert!(more_tokens.workspace > p0.workspace);
         assert_eq!(more_tokens.adapter_slots, p0.adapter_slots);
+    }
+
+    #[test]
+    fn a_model_with_both_kinds_of_layers_plans_rings_for_its_sliding_layers() {
+        use lorafleet_artifact::layers::LayerKind;
+        // Gemma 3's pattern: five sliding layers to one global, 30 layers.
+        let kinds: Vec<LayerKind> = (0..30)
+            .map(|l| {
+                if l % 6 == 5 {
+                    LayerKind::Full
+                } else {
+                    LayerKind::Sliding
+                }
+            })
+            .collect();
+        let c = ModelConfig {
+            num_layers: 30,
+            sliding_window: Some(512),
+            layer_kinds: kinds,
+            ..llama_8b()
+        };
+        assert!(c.mixed_layers());
+        let shape = BackendShape {
+            slots: 4,
+            max_lora_rank: 16,
+            kv_blocks: 4096,
+            block_size: 16,
+            ring_len: 66,
+            ring_blocks: 66 * 64,
+        };
+        let plan = MemoryPlan::new(&c, &shape, Dtype::Bf16, 512, 64, 80 * GIB);
+        let row = 16 * 1024 * 2;
+        assert_eq!(plan.kv_cache, 2 * (5 * 4096 + 25 * 66 * 64) * row);
+        assert_eq!(cache_blocks(&c, &shape, 0), 66 * 64);
+        assert_eq!(cache_blocks(&c, &shape, 5), 4096);
+        // Without rings every layer holds the blocks.
+        let flat = MemoryPlan::new(
+            &c,
+            &BackendShape {
+                ring_len: 0,
+                ring_blocks: 0,
+                ..shape
+            },
+            Dtype::Bf16,
+            512,
+            64,
+            80 * GIB,
+        );
+        assert_eq!(flat.kv_cache, 2 * 30 * 4096 * row);
     }
 }

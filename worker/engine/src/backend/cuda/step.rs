@@ -22,12 +22,13 @@ use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaSlice};
 
 use super::device::{Arg, Device, cuda};
-use super::meta::{HostMeta, StepMeta};
+use super::meta::{HostMeta, MetaShape, StepMeta};
 use super::{CudaBackend, Dtype, Mlp};
 use crate::backend::{GraphCounters, StepBatch};
 use crate::error::Result;
 use crate::lora::Projection;
 use crate::model::ModelConfig;
+use lorafleet_artifact::layers::{Activation, LayerKind};
 
 /// The largest decode batch captured in a graph; larger ones run their
 /// launches one by one.
@@ -193,7 +194,7 @@ impl CudaBackend {
     /// Runs one step on the device, leaving the logits of the rows that
     /// want them in the workspace (`last_logits` says how many rows).
     pub(super) fn run_step(&mut self, batch: &StepBatch<'_>) -> Result<()> {
-        batch.check(&self.config, self.shape.block_size)?;
+        batch.check(&self.config, &self.shape)?;
         self.last_logits = None;
         let n = batch.tokens.len();
         if n == 0 {
@@ -202,7 +203,12 @@ impl CudaBackend {
         let rows = batch.logit_rows();
         let decode =
             n <= MAX_GRAPH_TOKENS && batch.seqs.iter().all(|s| s.len == 1 && s.logit_rows == 1);
-        let host = HostMeta::build(batch, &rows, self.shape.block_size, decode);
+        let shape = MetaShape {
+            block_size: self.shape.block_size,
+            ring_len: self.shape.ring_len,
+            freqs: self.token_freqs.as_ref(),
+        };
+        let host = HostMeta::build(batch, &rows, &shape, decode);
         if self.config.moe.is_some() {
             self.token_slots.clone_from(&batch.token_slot);
         }
@@ -383,6 +389,26 @@ impl CudaBackend {
                 ],
             )
         };
+        // A Gemma norm of an attention or MLP output, in place.
+        let norm_out = |x: u64, w: &Option<CudaSlice<f32>>| -> Result<()> {
+            match w {
+                None => Ok(()),
+                Some(w) => self.dev.launch(
+                    "rms_norm",
+                    (n as u32, 1, 1),
+                    256,
+                    &[
+                        Arg::Ptr(x),
+                        Arg::Ptr(0),
+                        Arg::Ptr(self.dev.p(w)),
+                        Arg::Ptr(x),
+                        Arg::Ptr(0),
+                        Arg::I32(d as i32),
+                        Arg::F32(c.rms_norm_eps),
+                    ],
+                ),
+            }
+        };
         let add = |h: u64, y: u64, len: usize| {
             self.dev.launch(
                 "add_into",
@@ -400,11 +426,31 @@ impl CudaBackend {
                 Arg::Ptr(meta.tokens),
                 Arg::Ptr(hidden),
                 Arg::I32(d as i32),
+                Arg::F32(c.gemma.as_ref().map_or(1.0, |g| g.embed_scale)),
             ],
         )?;
-        let scale = 1.0 / (c.head_dim as f32).sqrt();
-        let window = c.sliding_window.map_or(0, |w| w as i32);
+        let scale = c.attention_scale();
+        let cap = c
+            .gemma
+            .as_ref()
+            .and_then(|g| g.attn_logit_softcapping)
+            .unwrap_or(0.0);
         for (l, layer) in self.layers.iter().enumerate() {
+            let sliding = c.layer_kinds[l] == LayerKind::Sliding;
+            // A sliding layer of a model with both kinds keeps its keys
+            // and values in the sequences' rings.
+            let ring_len = if sliding { self.shape.ring_len } else { 0 };
+            let (kv_row, tables) = if ring_len > 0 {
+                (meta.ring_row, meta.rings)
+            } else {
+                (meta.kv_row, meta.block_tables)
+            };
+            let rope = c.rope_of(l);
+            let (freqs, freq_stride) = match (&self.local_inv_freq, &self.token_freqs) {
+                (Some(local), _) if sliding => (p(local), 0),
+                (_, Some(per_token)) => (meta.freqs, per_token.half()),
+                _ => (p(&self.inv_freq), 0),
+            };
             norm_rows(hidden, 0, &layer.input_norm, normed, n)?;
             self.linear(&layer.qkv, cast.unwrap_or(normed), qkv, n)?;
             self.lora(
@@ -439,10 +485,11 @@ impl CudaBackend {
                     Arg::I32(q_dim as i32),
                     Arg::I32(kv_dim as i32),
                     Arg::Ptr(meta.pos),
-                    Arg::Ptr(meta.kv_row),
-                    Arg::Ptr(self.dev.p(&self.inv_freq)),
-                    Arg::I32((c.rope.rotary_dim / 2) as i32),
-                    Arg::F32(c.rope.attention_factor()),
+                    Arg::Ptr(kv_row),
+                    Arg::Ptr(freqs),
+                    Arg::I32(freq_stride as i32),
+                    Arg::I32((rope.rotary_dim / 2) as i32),
+                    Arg::F32(rope.attention_factor()),
                     Arg::Ptr(self.dev.p(&self.k_cache[l])),
                     Arg::Ptr(self.dev.p(&self.v_cache[l])),
                 ],
@@ -460,16 +507,19 @@ impl CudaBackend {
                     Arg::Ptr(meta.pos),
                     Arg::Ptr(meta.tok_seq),
                     Arg::Ptr(meta.bt_off),
-                    Arg::Ptr(meta.block_tables),
+                    Arg::Ptr(tables),
                     Arg::I32(self.shape.block_size as i32),
-                    Arg::I32(window),
+                    Arg::I32(ring_len as i32),
+                    Arg::I32(c.window(l).map_or(0, |w| w as i32)),
                     Arg::F32(scale),
+                    Arg::F32(cap),
                     Arg::Ptr(attn),
                 ],
             )?;
             let x = gemm_input(attn, n * q_dim)?;
             self.linear(&layer.o, x, proj, n)?;
             self.lora(l, &[Projection::O], attn, n, proj, meta)?;
+            norm_out(proj, &layer.attn_out_norm)?;
             add(hidden, proj, n * d)?;
             norm_rows(hidden, 0, &layer.post_norm, normed, n)?;
             let (gate_up, down) = match &layer.mlp {
@@ -481,8 +531,12 @@ impl CudaBackend {
             };
             self.linear(gate_up, cast.unwrap_or(normed), gu, n)?;
             self.lora(l, &[Projection::Gate, Projection::Up], normed, n, gu, meta)?;
+            let activation = match c.activation {
+                Activation::Silu => "silu_mul",
+                Activation::GeluTanh => "gelu_mul",
+            };
             self.dev.launch(
-                "silu_mul",
+                activation,
                 Device::elementwise_grid(n * inter),
                 256,
                 &[
@@ -495,12 +549,26 @@ impl CudaBackend {
             )?;
             self.linear(down, cast.unwrap_or(act), proj, n)?;
             self.lora(l, &[Projection::Down], act, n, proj, meta)?;
+            norm_out(proj, &layer.mlp_out_norm)?;
             add(hidden, proj, n * d)?;
         }
         if rows == 0 {
             return Ok(());
         }
         norm_rows(hidden, meta.rows, &self.norm, normed, rows)?;
-        self.linear(&self.lm_head, cast.unwrap_or(normed), p(&ws.logits), rows)
+        self.linear(&self.lm_head, cast.unwrap_or(normed), p(&ws.logits), rows)?;
+        match c.gemma.as_ref().and_then(|g| g.final_logit_softcapping) {
+            Some(cap) => self.dev.launch(
+                "softcap",
+                Device::elementwise_grid(rows * c.vocab_size),
+                256,
+                &[
+                    Arg::Ptr(p(&ws.logits)),
+                    Arg::I64((rows * c.vocab_size) as i64),
+                    Arg::F32(cap),
+                ],
+            ),
+            None => Ok(()),
+        }
     }
 }
