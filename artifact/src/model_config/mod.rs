@@ -241,6 +241,15 @@ impl ModelConfig {
             && self.layer_kinds.contains(&LayerKind::Sliding)
     }
 
+    /// The window every layer slides by (Mistral v0.1, Phi-3 with
+    /// `sliding_window`): no position behind it is read again, so a
+    /// sequence's blocks behind it can go.
+    pub fn uniform_window(&self) -> Option<usize> {
+        let all = !self.layer_kinds.is_empty()
+            && self.layer_kinds.iter().all(|k| *k == LayerKind::Sliding);
+        self.sliding_window.filter(|_| all)
+    }
+
     /// The layers whose keys and values a sequence's block table holds:
     /// every layer, or the global ones of a model with both kinds.
     pub fn table_layers(&self) -> usize {

@@ -56,6 +56,11 @@ pub struct PrefixCounters {
     pub hit_tokens: u64,
 }
 
+/// A block table's entry for a block given back while the sequence runs
+/// on: behind a uniform sliding window, no layer reads it again
+/// ([`BlockAllocator::release_behind`]). The backends never read it.
+pub const RELEASED: u32 = u32::MAX;
+
 /// Hands out KV block ids, and keeps computed blocks for reuse.
 #[derive(Debug, Clone)]
 pub struct BlockAllocator {
@@ -217,7 +222,29 @@ impl BlockAllocator {
     /// Gives back every block of `table`. A registered block no one else
     /// holds stays cached, idle, until its space is needed.
     pub fn release(&mut self, table: &mut Vec<u32>) {
-        for b in table.drain(..) {
+        let blocks = std::mem::take(table);
+        self.give_back(blocks);
+    }
+
+    /// Gives back the first `blocks` blocks of `table` (those it still
+    /// holds), leaving [`RELEASED`] in their place so later positions keep
+    /// their entries. Returns how many went back.
+    pub fn release_behind(&mut self, table: &mut [u32], blocks: usize) -> usize {
+        let mut back = Vec::new();
+        for b in table.iter_mut().take(blocks) {
+            if *b != RELEASED {
+                back.push(std::mem::replace(b, RELEASED));
+            }
+        }
+        let n = back.len();
+        if n > 0 {
+            self.give_back(back);
+        }
+        n
+    }
+
+    fn give_back(&mut self, blocks: Vec<u32>) {
+        for b in blocks.into_iter().filter(|&b| b != RELEASED) {
             let i = b as usize;
             self.refs[i] = self.refs[i].saturating_sub(1);
             if self.refs[i] > 0 {
@@ -274,6 +301,30 @@ impl BlockAllocator {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn blocks_behind_a_window_go_back_and_keep_their_cache_entry() {
+        let mut a = BlockAllocator::new(4, 4);
+        let mut t = Vec::new();
+        assert!(a.grow(&mut t, 12));
+        let seed = weights_seed("base");
+        let h0 = chain(&seed, &[1, 2, 3, 4]);
+        a.register(t[0], h0);
+        assert_eq!(a.release_behind(&mut t, 2), 2);
+        assert_eq!(t, vec![RELEASED, RELEASED, 2]);
+        assert_eq!(a.release_behind(&mut t, 2), 0, "already given back");
+        // Three blocks are free again: the registered one idle, cached.
+        assert_eq!(
+            (a.free_blocks(), a.used_blocks(), a.cached_blocks()),
+            (3, 1, 1)
+        );
+        assert_eq!(a.take_cached(&[h0], 4), vec![0]);
+        // Growing keeps the released entries; releasing skips them.
+        assert!(a.grow(&mut t, 16));
+        assert_eq!(t.len(), 4);
+        a.release(&mut t);
+        assert_eq!(a.used_blocks(), 1, "the cached block taken above");
+    }
 
     #[test]
     fn grows_all_or_nothing_and_releases() {

@@ -171,6 +171,7 @@ impl Scheduler<'_> {
         while i < self.queues.running.len() && budget > 0 {
             let id = self.queues.running[i];
             self.switch_rope_if_past(id);
+            self.release_behind_window(id);
             let seq = &self.seqs[&id];
             let scoring =
                 seq.params.prompt_logprobs.is_some() && seq.prompt_scored < seq.prompt_ids.len();
@@ -329,6 +330,9 @@ impl Scheduler<'_> {
                 }
                 seq.blocks = taken;
             }
+            // A prefix found cached may reach past the window already.
+            self.release_behind_window(id);
+            let seq = self.seqs.get_mut(&id).expect("waiting sequence exists");
             let mut chunk = (seq.total_len() - seq.num_computed).min(budget);
             if scoring {
                 // Each scored position is a row of logits on the host.
@@ -596,6 +600,21 @@ impl Scheduler<'_> {
             seq.num_computed = 0;
             seq.registered = 0;
         }
+    }
+
+    /// Under a window every layer slides by, the blocks wholly behind
+    /// the window of the sequence's next position go back: that token
+    /// reads from `num_computed + 1 - window` on, and every later one from
+    /// further on. (Their cache entries stay, for sequences that share the
+    /// prefix.)
+    fn release_behind_window(&mut self, id: SeqId) {
+        let Some(window) = self.backend.config().uniform_window() else {
+            return;
+        };
+        let bs = self.kv.block_size();
+        let seq = self.seqs.get_mut(&id).expect("sequence exists");
+        let behind = (seq.num_computed + 1).saturating_sub(window) / bs;
+        self.kv.release_behind(&mut seq.blocks, behind);
     }
 
     fn preempt(&mut self, id: SeqId) {

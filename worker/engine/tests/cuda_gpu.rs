@@ -402,6 +402,56 @@ fn rope_kv_store_and_paged_attention_match_the_cpu_reference() {
             &format!("attention (window {window}, cap {cap}, ring {ring_len})"),
         );
     }
+
+    // Each token's own frequencies (LongRoPE, dynamic NTK: rows
+    // `freq_stride` apart), over a partial rotary width (a quarter of each
+    // head) with an attention factor on cos and sin.
+    let rot_half = hd / 4;
+    let rows: Vec<f32> = (0..n)
+        .flat_map(|t| (0..rot_half).map(move |i| (1.0 + t as f32) / 50f32.powi(i as i32 + 1)))
+        .collect();
+    let factor = 1.3f32;
+    let mut want = qkv.clone();
+    for (t, &(_, p)) in tok.iter().enumerate() {
+        let row = &mut want[t * stride..(t + 1) * stride];
+        for head in row[..q_dim + kv_dim].chunks_exact_mut(hd) {
+            for i in 0..rot_half {
+                let (sin, cos) = (p as f32 * rows[t * rot_half + i]).sin_cos();
+                let (cos, sin) = (cos * factor, sin * factor);
+                let (x1, x2) = (head[i], head[i + rot_half]);
+                head[i] = x1 * cos - x2 * sin;
+                head[i + rot_half] = x2 * cos + x1 * sin;
+            }
+        }
+    }
+    let qkv_b = h.f32(&qkv).unwrap();
+    let per_token = h.f32(&rows).unwrap();
+    let (kc, vc) = (h.f32(&k_cache).unwrap(), h.f32(&v_cache).unwrap());
+    h.launch(
+        "rope_store",
+        (n as u32, 1, 1),
+        128,
+        &[
+            Arg::Ptr(h.ptr(&qkv_b)),
+            Arg::I32(q_dim as i32),
+            Arg::I32(kv_dim as i32),
+            Arg::Ptr(h.ptr(&pos)),
+            Arg::Ptr(h.ptr(&kv_row)),
+            Arg::Ptr(h.ptr(&per_token)),
+            Arg::I32(rot_half as i32),
+            Arg::I32(rot_half as i32),
+            Arg::F32(factor),
+            Arg::Ptr(h.ptr(&kc)),
+            Arg::Ptr(h.ptr(&vc)),
+        ],
+    )
+    .unwrap();
+    assert_close(
+        &h.read(&qkv_b).unwrap(),
+        &want,
+        1e-5,
+        "rope with each token's frequencies, partial, scaled",
+    );
 }
 
 #[test]

@@ -320,6 +320,70 @@ fn gemmas_sliding_layers_keep_only_their_window_in_rings() {
 }
 
 #[test]
+fn a_uniform_windows_blocks_behind_it_go_back_as_the_sequence_moves() {
+    // Phi-3.5-mini's stand-in slides every layer by 48 positions. With
+    // blocks of 4 and chunks of 8 a sequence holds at most
+    // ceil(56 / 4) + 1 = 15 blocks, so each golden (prompts of 96 tokens
+    // and more) runs alone in a cache of 16 blocks that could not hold
+    // its whole length, and all of them in one batch in 9 × 16.
+    use lorafleet_engine::{EngineSettings, Request};
+    let model = "phi35-mini";
+    let config = ModelConfig::from_dir(&model_dir(model)).unwrap();
+    assert_eq!(config.uniform_window(), Some(48));
+    let g = logprob_golden("golden_families.json");
+    let names = adapter_names(model);
+    let cases: Vec<&LogprobCase> = g.cases.iter().filter(|c| c.model == model).collect();
+    let request = |i: usize, case: &LogprobCase| -> Request {
+        let adapter = case
+            .adapter
+            .as_ref()
+            .map(|a| names.iter().position(|n| n == a).unwrap() as u64 + 1);
+        logprob_request(format!("r{i}"), case, adapter, &g)
+    };
+    let settings = |kv_blocks: usize| EngineSettings {
+        max_batched_tokens: 8,
+        block_size: 4,
+        kv_blocks,
+        ..Default::default()
+    };
+    let longest = cases
+        .iter()
+        .map(|c| c.prompt_ids.len() + g.new_tokens)
+        .max()
+        .unwrap();
+    assert!(
+        longest.div_ceil(4) > 16,
+        "{longest} positions fit 16 blocks"
+    );
+    let mut e = fixture_engine(model, settings(16));
+    // Stepped by hand with room to spare: after every step the sequence
+    // holds 15 blocks at most, wherever it is.
+    let mut e_step = fixture_engine(model, settings(1024));
+    let long = cases.iter().max_by_key(|c| c.prompt_ids.len()).unwrap();
+    e_step.submit(request(0, long)).unwrap();
+    let mut steps = 0;
+    while e_step.has_work() {
+        e_step.step().unwrap();
+        steps += 1;
+        let used = e_step.stats().kv_blocks_used;
+        assert!(used <= 15, "step {steps}: {used} blocks held");
+        assert!(steps < 1000, "no progress");
+    }
+    for (i, case) in cases.iter().enumerate() {
+        let out = e.run_to_completion(vec![request(i, case)]).unwrap();
+        check_logprob_case(case, &out[0]);
+        assert_eq!(e.stats().kv_blocks_used, 0);
+    }
+    let mut e = fixture_engine(model, settings(9 * 16));
+    let requests = cases.iter().enumerate().map(|(i, c)| request(i, c));
+    let out = e.run_to_completion(requests.collect()).unwrap();
+    for (case, c) in cases.iter().zip(&out) {
+        check_logprob_case(case, c);
+    }
+    assert_eq!(e.stats().kv_blocks_used, 0);
+}
+
+#[test]
 fn a_multimodal_gemma3_config_names_its_text_config_fields() {
     let src: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(model_dir("gemma3-4b-mm").join("config.json")).unwrap(),

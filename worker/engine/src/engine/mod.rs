@@ -466,12 +466,21 @@ impl Engine {
         self.prompter
             .check_length(prompt_ids.len(), request.params.max_tokens)?;
         let needed = prompt_ids.len() + request.params.max_tokens;
-        if self.kv.blocks_for(needed) > self.kv.total() {
+        // Under a window every layer slides by, a sequence holds at most
+        // the window behind a chunk, the chunk, and a block of alignment.
+        let blocks = match self.config.uniform_window() {
+            Some(window) => self.kv.blocks_for(needed).min(
+                self.kv
+                    .blocks_for(window + self.settings.max_batched_tokens)
+                    + 1,
+            ),
+            None => self.kv.blocks_for(needed),
+        };
+        if blocks > self.kv.total() {
             return Err(EngineError::request(
                 "sampling.max_tokens",
                 format!(
-                    "{needed} tokens need {} KV blocks; the cache has {}",
-                    self.kv.blocks_for(needed),
+                    "{needed} tokens need {blocks} KV blocks; the cache has {}",
                     self.kv.total()
                 ),
             ));

@@ -2,8 +2,6 @@
 //! segments), built on the host and copied into the workspace's metadata
 //! buffer in one copy.
 
-use std::borrow::Cow;
-
 use super::device::{self, SegmentPtrs};
 use crate::backend::{SeqStep, StepBatch};
 use crate::model::rope::Rope;
@@ -37,11 +35,12 @@ impl TokenFreqs {
         self.short.len()
     }
 
-    fn row(&self, s: &SeqStep<'_>, position: usize) -> Cow<'_, [f32]> {
-        match (&self.dynamic, &self.long) {
-            (Some(rope), _) => Cow::Owned(rope.dynamic_inv_freq(s.prompt_len.max(position + 1))),
-            (None, Some(long)) if s.long_rope => Cow::Borrowed(long),
-            _ => Cow::Borrowed(&self.short),
+    /// A sequence's row where it does not depend on the position:
+    /// LongRoPE's short or long factors.
+    fn row(&self, s: &SeqStep<'_>) -> &[f32] {
+        match &self.long {
+            Some(long) if s.long_rope => long,
+            _ => &self.short,
         }
     }
 }
@@ -180,18 +179,22 @@ impl HostMeta {
                 .flat_map(|s| (0..ring_len).map(|i| s.ring.get(i).map_or(0, |&b| b as i32))),
         );
         let half = shape.freqs.map_or(0, |f| f.half());
-        let freqs = wide(
-            &mut buf,
-            half,
-            &mut shape.freqs.into_iter().flat_map(|f| {
-                by_token.iter().flat_map(move |&(si, p)| {
-                    f.row(&batch.seqs[si], p)
-                        .iter()
-                        .map(|v| v.to_bits() as i32)
-                        .collect::<Vec<_>>()
-                })
-            }),
-        );
+        let mut rows_of_step: Vec<i32> = Vec::new();
+        if let Some(f) = shape.freqs {
+            // Dynamic NTK's rows by context length, computed once a step.
+            let mut grown: std::collections::HashMap<usize, Vec<f32>> = Default::default();
+            for &(si, p) in &by_token {
+                let s = &batch.seqs[si];
+                let row: &[f32] = match &f.dynamic {
+                    Some(rope) => grown
+                        .entry(s.prompt_len.max(p + 1))
+                        .or_insert_with_key(|&context| rope.dynamic_inv_freq(context)),
+                    None => f.row(s),
+                };
+                rows_of_step.extend(row.iter().map(|v| v.to_bits() as i32));
+            }
+        }
+        let freqs = wide(&mut buf, half, &mut rows_of_step.into_iter());
         let (segments, tiles) =
             device::push_segments(&mut buf, &batch.segments, fixed.then_some(n));
         // Last, so its length moves no other section.

@@ -445,10 +445,10 @@ impl CudaBackend {
             .transpose()?;
         let token_freqs = meta::TokenFreqs::new(&c.rope);
         // Every section of a step's metadata is at most one entry per
-        // token (two per tile), a ring and a row of frequencies per token,
-        // plus the block tables; grown if a step needs more.
-        let per_token = 16 + shape.ring_len + token_freqs.as_ref().map_or(0, |f| f.half());
-        let meta = per_token * limits.max_tokens + 4 * limits.max_rows + 4096;
+        // token (two per tile) and a row of frequencies per token, a ring
+        // per sequence, plus the block tables; grown if a step needs more.
+        let per_token = 16 + token_freqs.as_ref().map_or(0, |f| f.half());
+        let meta = per_token * limits.max_tokens + (4 + shape.ring_len) * limits.max_rows + 4096;
         let ws = Workspace::new(
             &dev,
             c,

@@ -525,6 +525,9 @@ impl CudaBackend {
             let (gate_up, down) = match &layer.mlp {
                 Mlp::Dense { gate_up, down } => (gate_up, down),
                 Mlp::Moe(block) => {
+                    // The experts add into the residual stream themselves:
+                    // no family has a norm of the MLP's output there.
+                    debug_assert!(layer.mlp_out_norm.is_none());
                     self.moe_block(l, block, normed, n, hidden)?;
                     continue;
                 }
