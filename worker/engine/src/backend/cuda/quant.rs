@@ -341,23 +341,28 @@ impl QuantPlan {
         let q = files.quantization()?;
         let w = dtype.bytes() as u64;
         let (mut plan, mut largest, mut widest) = (QuantPlan::default(), 0u64, 0u64);
+        use Projection::*;
+        // The projections as the checkpoint stores them: one tensor each,
+        // or fused (Phi-3's `qkv_proj` and `gate_up_proj`).
+        let groups: &[&[Projection]] = if c.moe.is_some() {
+            &[&[Q, K, V], &[O]]
+        } else {
+            &[&[Q, K, V], &[O], &[Gate, Up], &[Down]]
+        };
         for l in 0..c.num_layers {
-            for p in Projection::ALL {
-                if c.moe.is_some()
-                    && matches!(p, Projection::Gate | Projection::Up | Projection::Down)
-                {
-                    continue;
+            for group in groups {
+                let fan_in = group[0].shape(c).0 as u64;
+                for (path, out) in lorafleet_artifact::adapter::stored_tensors(c, group) {
+                    let name = format!("model.layers.{l}.{path}.weight");
+                    if !files.stored_quantized(&name) {
+                        continue;
+                    }
+                    let out = out as u64;
+                    plan.replaced += fan_in * out * w;
+                    plan.quantized += planned_bytes(q, out, fan_in);
+                    largest = largest.max(fan_in * out);
+                    widest = widest.max(fan_in);
                 }
-                let name = format!("model.layers.{l}.{}.{}.weight", p.parent(), p.module_name());
-                if !files.stored_quantized(&name) {
-                    continue;
-                }
-                let (fan_in, out) = p.shape(c);
-                let (fan_in, out) = (fan_in as u64, out as u64);
-                plan.replaced += fan_in * out * w;
-                plan.quantized += planned_bytes(q, out, fan_in);
-                largest = largest.max(fan_in * out);
-                widest = widest.max(fan_in);
             }
         }
         if largest == 0 {
