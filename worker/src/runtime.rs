@@ -69,6 +69,7 @@ pub struct EngineHandle {
     commands: std_mpsc::Sender<Command>,
     reports: watch::Receiver<Report>,
     prompter: lorafleet_engine::Prompter,
+    constraints: lorafleet_engine::constraint::Compiler,
 }
 
 impl std::fmt::Debug for Command {
@@ -139,6 +140,7 @@ impl EngineHandle {
         };
         let (report_tx, reports) = watch::channel(first);
         let prompter = engine.prompter();
+        let constraints = engine.constraint_compiler();
         std::thread::Builder::new()
             .name("engine".into())
             .spawn(move || run(engine, rx, report_tx, report_interval))
@@ -147,7 +149,28 @@ impl EngineHandle {
             commands,
             reports,
             prompter,
+            constraints,
         }
+    }
+
+    /// Compiles a request's constraint on a blocking thread, never the
+    /// engine's: a costly schema delays no one else's tokens, and the
+    /// engine's own compile at submission finds it compiled (the cache
+    /// the two share). A constraint that does not compile is refused here.
+    pub async fn compile_constraint(
+        &self,
+        constraint: Option<&lorafleet_engine::constraint::Constraint>,
+    ) -> Result<(), EngineError> {
+        let Some(c) = constraint.cloned() else {
+            return Ok(());
+        };
+        let compiler = self.constraints.clone();
+        let started = std::time::Instant::now();
+        tokio::task::spawn_blocking(move || compiler.compile(&c).map(drop))
+            .await
+            .map_err(|e| EngineError::Backend(format!("the constraint thread failed: {e}")))??;
+        crate::telemetry::record_constraint_compile(started.elapsed());
+        Ok(())
     }
 
     /// Tokenizes a prompt and checks it against the model on a blocking
@@ -492,6 +515,32 @@ mod tests {
                 ..Default::default()
             },
         }
+    }
+
+    #[tokio::test]
+    async fn a_constraint_is_compiled_off_the_engine_thread_which_only_clones_it() {
+        use lorafleet_engine::constraint::Constraint;
+        let h = handle().await;
+        let c = Constraint::Regex("[0-9]{3}".into());
+        h.compile_constraint(Some(&c)).await.unwrap();
+        let counters = h.constraints.counters();
+        assert_eq!((counters.compiles, counters.hits), (1, 0));
+        let mut r = request("c", None, 10);
+        r.params.constraint = Some(c);
+        r.params.ignore_eos = false;
+        let (_, stream) = h.submit(r).await.unwrap();
+        let (tokens, finished) = collect(stream).await;
+        assert!(finished && !tokens.is_empty());
+        // The engine's compile at submission found it compiled.
+        let counters = h.constraints.counters();
+        assert_eq!((counters.compiles, counters.hits), (1, 1));
+        // One that does not compile is refused before the engine sees it.
+        let err = h
+            .compile_constraint(Some(&Constraint::Regex("(".into())))
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("sampling.regex"), "{err}");
     }
 
     async fn collect(mut stream: RequestStream) -> (Vec<u32>, bool) {

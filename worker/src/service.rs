@@ -300,7 +300,10 @@ impl pb::worker_server::Worker for WorkerService {
                 ),
                 None => None,
             };
-            let ids = self.engine.prepare(prompt, params.max_tokens).await?;
+            let (ids, ()) = tokio::try_join!(
+                self.engine.prepare(prompt, params.max_tokens),
+                self.engine.compile_constraint(params.constraint.as_ref()),
+            )?;
             self.engine
                 .submit_fair(
                     Request {

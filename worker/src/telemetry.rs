@@ -223,6 +223,12 @@ pub fn record_inter_token(d: Duration) {
     histogram!("lorafleet_inter_token_latency_seconds").record(d.as_secs_f64());
 }
 
+/// Time to compile (or find compiled) one request's constraint, on a
+/// blocking thread.
+pub fn record_constraint_compile(d: Duration) {
+    histogram!("lorafleet_constraint_compile_seconds").record(d.as_secs_f64());
+}
+
 /// Time to tokenize and check one prompt, on a blocking thread.
 pub fn record_tokenize(d: Duration) {
     histogram!("lorafleet_tokenize_seconds").record(d.as_secs_f64());

@@ -2,14 +2,19 @@
 //! JSON object, a regular expression, one of a list of strings, or a Lark
 //! grammar, with llguidance (the library vLLM and SGLang use for this).
 //!
-//! A constraint is compiled when the request is submitted (refused there,
-//! by field, if it does not compile or is too large); at each step its
-//! token mask removes every token the grammar cannot take next, after the
-//! other sampling controls and before the draw. Log probabilities are the
-//! model's own, taken before the mask. A request without a constraint pays
-//! nothing.
+//! A constraint is compiled before the request reaches the engine (the
+//! worker compiles it on a blocking thread while it tokenizes the prompt;
+//! refused there, by field, if it does not compile or is too large); the
+//! compiled matcher is kept in a small cache keyed by the constraint's
+//! SHA-256, so the engine's own compile at submission, and every other
+//! request with the same constraint (the `n` choices of one request), only
+//! clones it. At each step its token mask removes every token the grammar
+//! cannot take next, after the other sampling controls and before the
+//! draw. Log probabilities are the model's own, taken before the mask. A
+//! request without a constraint pays nothing.
 
-use std::sync::{Arc, OnceLock};
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
@@ -172,14 +177,64 @@ impl TokenizerEnv for Tokens {
     }
 }
 
+/// Compiled constraints kept for reuse.
+pub const CACHED_CONSTRAINTS: usize = 64;
+
+/// A constraint's cache key: SHA-256 over its kind and its source.
+type Key = [u8; 32];
+
+fn key_of(c: &Constraint) -> Key {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    // The kind first (JsonObject and JsonSchema share a field name).
+    h.update(match c {
+        Constraint::JsonObject => b"object\0",
+        Constraint::JsonSchema(_) => b"schema\0",
+        Constraint::Regex(_) => b"regexp\0",
+        Constraint::Choice(_) => b"choice\0",
+        Constraint::Lark(_) => b"lark--\0",
+    });
+    match c {
+        Constraint::JsonObject => {}
+        Constraint::JsonSchema(s) | Constraint::Regex(s) | Constraint::Lark(s) => {
+            h.update(s.as_bytes())
+        }
+        Constraint::Choice(choices) => {
+            for c in choices {
+                // Length-prefixed, so ["ab", "c"] and ["a", "bc"] differ.
+                h.update((c.len() as u64).to_le_bytes());
+                h.update(c.as_bytes());
+            }
+        }
+    }
+    h.finalize().into()
+}
+
+/// Compiled matchers at the start of the output, most recently used last.
+#[derive(Default)]
+struct Cache {
+    entries: VecDeque<(Key, Matcher)>,
+    hits: u64,
+    compiles: u64,
+}
+
 /// Compiles constraints for one model. The token trie and the parser
-/// factory are built on the first constrained request.
+/// factory are built on the first constrained request. Clones share the
+/// factory and the cache.
 #[derive(Clone)]
 pub struct Compiler {
     tokenizer: Arc<Tokenizer>,
     vocab_size: usize,
     eos: u32,
     factory: Arc<OnceLock<Result<ParserFactory>>>,
+    cache: Arc<Mutex<Cache>>,
+}
+
+/// How often compiles found their constraint compiled already.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CompileCounters {
+    pub hits: u64,
+    pub compiles: u64,
 }
 
 impl std::fmt::Debug for Compiler {
@@ -197,6 +252,15 @@ impl Compiler {
             vocab_size,
             eos,
             factory: Arc::new(OnceLock::new()),
+            cache: Arc::default(),
+        }
+    }
+
+    pub fn counters(&self) -> CompileCounters {
+        let cache = self.cache.lock().expect("the constraint cache's lock");
+        CompileCounters {
+            hits: cache.hits,
+            compiles: cache.compiles,
         }
     }
 
@@ -227,8 +291,35 @@ impl Compiler {
             .map_err(|e| EngineError::Backend(format!("structured outputs: {e}")))
     }
 
-    /// Compiles `c` into a matcher at the start of the output.
+    /// Compiles `c` into a matcher at the start of the output, or clones
+    /// the one compiled for the same constraint before.
     pub fn compile(&self, c: &Constraint) -> Result<Grammar> {
+        let key = key_of(c);
+        {
+            let mut cache = self.cache.lock().expect("the constraint cache's lock");
+            if let Some(at) = cache.entries.iter().position(|(k, _)| *k == key) {
+                let entry = cache.entries.remove(at).expect("found above");
+                let matcher = entry.1.deep_clone();
+                cache.entries.push_back(entry);
+                cache.hits += 1;
+                return Ok(Grammar(matcher));
+            }
+        }
+        // Compiled outside the lock: another constraint's compile never
+        // waits for this one.
+        let matcher = self.compile_new(c)?;
+        let mut cache = self.cache.lock().expect("the constraint cache's lock");
+        cache.compiles += 1;
+        if !cache.entries.iter().any(|(k, _)| *k == key) {
+            if cache.entries.len() == CACHED_CONSTRAINTS {
+                cache.entries.pop_front();
+            }
+            cache.entries.push_back((key, matcher.deep_clone()));
+        }
+        Ok(Grammar(matcher))
+    }
+
+    fn compile_new(&self, c: &Constraint) -> Result<Matcher> {
         let grammar = c.grammar()?;
         let parser = self.factory()?.create_parser(grammar).map_err(|e| {
             let message = e.to_string();
@@ -244,7 +335,7 @@ impl Compiler {
             };
             EngineError::request(format!("sampling.{}", c.field()), message)
         })?;
-        Ok(Grammar(Matcher::new(Ok(parser))))
+        Ok(Matcher::new(Ok(parser)))
     }
 }
 

@@ -61,6 +61,10 @@ fn sampled_output_matches_its_schema_regex_choice_or_grammar() {
     free.params.max_tokens = 12;
     requests.push(free);
     let out = e.run_to_completion(requests).unwrap();
+    // Each kind compiled once; its other three requests cloned the
+    // compiled matcher (and still match, below).
+    let counters = e.constraint_compiler().counters();
+    assert_eq!((counters.compiles, counters.hits), (5, 15));
     for (i, c) in out.iter().enumerate().take(kinds.len() * 4) {
         assert!(c.error.is_none(), "{}: {:?}", c.request_id, c.error);
         let finish = c.finish.as_ref().unwrap();
@@ -203,4 +207,32 @@ fn an_unsupported_schema_feature_is_refused_at_its_place_in_the_schema() {
             "{schema}: {err}"
         );
     }
+}
+
+#[test]
+fn a_constraint_compiled_once_is_cloned_and_distinct_ones_never_share() {
+    let e = fixture_engine("llama-gqa", EngineSettings::default());
+    let compiler = e.constraint_compiler();
+    let split = |a: &str, b: &str| Constraint::Choice(vec![a.into(), b.into()]);
+    compiler.compile(&split("ab", "c")).unwrap();
+    compiler.compile(&split("a", "bc")).unwrap();
+    compiler.compile(&Constraint::Regex("ab|c".into())).unwrap();
+    compiler
+        .compile(&Constraint::Lark("start: \"ab\" | \"c\"".into()))
+        .unwrap();
+    let counters = compiler.counters();
+    assert_eq!((counters.compiles, counters.hits), (4, 0));
+    // The engine's clone of the compiler shares the cache.
+    e.check_constraint(&split("a", "bc")).unwrap();
+    assert_eq!(compiler.counters().hits, 1);
+    // A constraint that does not compile is refused every time, and never
+    // cached.
+    for _ in 0..2 {
+        let err = compiler
+            .compile(&Constraint::Regex("(".into()))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("sampling.regex"), "{err}");
+    }
+    assert_eq!(compiler.counters().compiles, 4);
 }

@@ -312,6 +312,13 @@ impl Engine {
         self.prompter.clone()
     }
 
+    /// The model's constraint compiler, sharing the engine's cache of
+    /// compiled constraints: what it compiles, the engine's submission
+    /// only clones.
+    pub fn constraint_compiler(&self) -> crate::constraint::Compiler {
+        self.constraints.clone()
+    }
+
     pub fn base_hash(&self) -> &str {
         &self.base_hash
     }

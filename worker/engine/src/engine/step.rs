@@ -16,6 +16,9 @@ use crate::sampling::{Rng, sample};
 use crate::scheduler::{Limits, Scheduler, SeqId};
 use crate::sequence::{FinishReason, Sequence};
 
+/// Threads a step's token masks are computed on, at most.
+const MASK_THREADS: usize = 4;
+
 /// One scheduled sequence's place in a step: its slot, id, how many tokens
 /// it feeds, and the rows of the step's logits that are its own.
 struct Row {
@@ -447,7 +450,8 @@ fn forward_and_draw(
     // A step that scores (or a backend without its own sampler) brings the
     // logits to the host and samples there.
     // The constrained rows' token masks depend only on the tokens so far:
-    // they are computed on their own thread while the forward pass runs.
+    // they are computed while the forward pass runs, rows spread over a
+    // few threads so that one costly grammar holds up only its own share.
     let constrained: Vec<usize> = draws
         .iter()
         .enumerate()
@@ -457,19 +461,36 @@ fn forward_and_draw(
     let (logits, mut masks) = if constrained.is_empty() {
         (backend.forward(batch)?, Vec::new())
     } else {
+        let threads = constrained.len().min(MASK_THREADS);
+        let mask = |i: usize| {
+            let seq = &seqs[&rows[draws[i].index].id];
+            let grammar = seq.grammar.as_ref().expect("a constrained row");
+            grammar.lock().expect("a grammar's lock").allowed()
+        };
         std::thread::scope(|scope| {
-            let masks = scope.spawn(|| {
-                constrained
-                    .iter()
-                    .map(|&i| {
-                        let seq = &seqs[&rows[draws[i].index].id];
-                        let grammar = seq.grammar.as_ref().expect("a constrained row");
-                        grammar.lock().expect("a grammar's lock").allowed()
+            // Thread k takes rows k, k + threads, ...
+            let handles: Vec<_> = (0..threads)
+                .map(|k| {
+                    let (constrained, mask) = (&constrained, &mask);
+                    scope.spawn(move || {
+                        constrained
+                            .iter()
+                            .skip(k)
+                            .step_by(threads)
+                            .map(|&i| mask(i))
+                            .collect::<Vec<_>>()
                     })
-                    .collect::<Vec<_>>()
-            });
+                })
+                .collect();
             let logits = backend.forward(batch);
-            let masks = masks.join().expect("the mask thread does not panic");
+            let mut parts: Vec<_> = handles
+                .into_iter()
+                .map(|h| h.join().expect("a mask thread does not panic").into_iter())
+                .collect();
+            // Back into row order.
+            let masks: Vec<_> = (0..constrained.len())
+                .map(|j| parts[j % threads].next().expect("one mask per row"))
+                .collect();
             logits.map(|l| (l, masks))
         })?
     };
