@@ -266,6 +266,26 @@ async fn a_gateway_retires_days_past_the_retention_as_audited_changes_and_nothin
         .expect_err("the serving role retired partitions")
         .to_string();
     assert!(e.contains("permission denied"), "{e}");
+    // The admin role retires partitions, but never inside the floor the
+    // schema owner set (30 days), and cannot lower the floor.
+    let e = sqlx::query("SELECT * FROM audit_log_retire_partitions(29, 'me', gen_random_uuid())")
+        .execute(&admin)
+        .await
+        .expect_err("the admin role retired inside the floor")
+        .to_string();
+    assert!(e.contains("below the retention floor of 30 days"), "{e}");
+    for sql in [
+        "UPDATE audit_retention_floor SET min_keep_days = 1",
+        "DELETE FROM audit_retention_floor",
+        "INSERT INTO audit_retention_floor (only_row, min_keep_days) VALUES (false, 1)",
+    ] {
+        let e = sqlx::query(sql)
+            .execute(&admin)
+            .await
+            .expect_err(sql)
+            .to_string();
+        assert!(e.contains("permission denied"), "{sql}: {e}");
+    }
     assert_eq!(count(&pool).await, before);
 
     // A real gateway with an admin plane and a 30-day retention.

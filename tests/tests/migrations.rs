@@ -9,6 +9,7 @@ const TABLES: &[&str] = &[
     "api_keys",
     "audit_dead_letter",
     "audit_log",
+    "audit_retention_floor",
     "base_models",
     "controller_leases",
     "eval_sets",
@@ -85,7 +86,8 @@ async fn migrations_apply_to_an_empty_database_and_rerun_as_a_no_op() {
             (16, true),
             (17, true),
             (18, true),
-            (19, true)
+            (19, true),
+            (20, true)
         ],
         "each migration applied exactly once"
     );
@@ -108,7 +110,7 @@ async fn migrate_takes_the_url_from_the_environment() {
         .fetch_one(&db.pool().await)
         .await
         .unwrap();
-    assert_eq!(n, 19);
+    assert_eq!(n, 20);
 }
 
 #[test]

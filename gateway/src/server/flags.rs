@@ -225,7 +225,8 @@ pub struct ServeArgs {
     pub audit_flush_secs: u64,
     /// Days of audit rows kept: the gateway holding the partition lease
     /// drops each day's partition once it is this old, as an audited change
-    /// (needs the admin plane). Unset keeps every row.
+    /// (needs the admin plane). Unset keeps every row. The database
+    /// refuses fewer days than its floor (`audit_retention_floor`).
     #[arg(long, env = "LORAFLEET_AUDIT_RETENTION_DAYS")]
     pub audit_retention_days: Option<u32>,
     /// On SIGTERM, how long running requests may take to finish, in
