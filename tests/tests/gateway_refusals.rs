@@ -363,10 +363,11 @@ async fn a_gateway_starts_in_process_and_drains() {
     .unwrap();
     let listeners = Listeners::bind(&config).await.unwrap();
     let running = server::start(config, listeners).await.unwrap();
-    assert_ne!(running.http.port(), 0, "port 0 became a real port");
+    let http = running.http.expect("the public listener");
+    assert_ne!(http.port(), 0, "port 0 became a real port");
     let client = reqwest::Client::new();
     let health = client
-        .get(format!("http://{}/healthz", running.http))
+        .get(format!("http://{http}/healthz"))
         .send()
         .await
         .unwrap();
@@ -379,13 +380,12 @@ async fn a_gateway_starts_in_process_and_drains() {
     assert_eq!(metrics.status(), 200);
     // A completion with no credential is refused by the running API.
     let refused = client
-        .post(format!("http://{}/v1/completions", running.http))
+        .post(format!("http://{http}/v1/completions"))
         .json(&serde_json::json!({"model": "m", "prompt": "hi"}))
         .send()
         .await
         .unwrap();
     assert_eq!(refused.status(), 401);
-    let http = running.http;
     tokio::time::timeout(
         Duration::from_secs(20),
         running.drain(Duration::from_secs(2)),

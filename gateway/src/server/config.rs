@@ -55,7 +55,9 @@ pub struct GatewayConfig {
     pub admin_database_url: Option<String>,
     pub redis_url: Option<String>,
     pub redis_prefix: String,
-    pub listen: SocketAddr,
+    /// The public OpenAI API's address; None for an admin plane served
+    /// alone (`--admin-only`).
+    pub listen: Option<SocketAddr>,
     pub metrics_listen: SocketAddr,
     pub discovery: Discovery,
     pub worker_tls: WorkerTls,

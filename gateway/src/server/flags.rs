@@ -239,6 +239,13 @@ pub struct ServeArgs {
     /// admin JWT key.
     #[arg(long, env = "LORAFLEET_ADMIN_LISTEN")]
     pub admin_listen: Option<SocketAddr>,
+    /// Serve the admin plane alone: the admin API and console, the rollout
+    /// controller, the audit partition maintainer and metrics, with no
+    /// public OpenAI listener (`--listen` is not bound). Run it as its own
+    /// deployment holding the `lorafleet_admin` login, so that the public
+    /// gateway's pods hold no admin credentials. Needs `--admin-listen`.
+    #[arg(long, env = "LORAFLEET_ADMIN_ONLY")]
+    pub admin_only: bool,
     /// Let the admin console's session cookie travel over plain HTTP to a
     /// host other than localhost. By default it is `Secure`: browsers keep
     /// it only over HTTPS (or on `http://localhost`).
@@ -310,6 +317,11 @@ impl ServeArgs {
         });
         let audit = self.audit_config()?;
         let sources = self.sources()?;
+        ensure(
+            !self.admin_only || admin.is_some(),
+            "--admin-only",
+            "needs the admin plane (--admin-listen and an admin token key)",
+        )?;
         if let Some(days) = self.audit_retention_days {
             ensure(
                 days > 0,
@@ -334,7 +346,7 @@ impl ServeArgs {
             admin_database_url: self.admin_database_url.clone(),
             redis_url: self.redis_url.clone(),
             redis_prefix: self.redis_prefix.clone(),
-            listen: self.listen,
+            listen: (!self.admin_only).then_some(self.listen),
             metrics_listen: self.metrics_listen,
             discovery,
             worker_tls,

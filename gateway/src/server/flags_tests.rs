@@ -124,6 +124,10 @@ const BAD_FLAGS: &[(&[&str], &str)] = &[
         "--audit-retention-days: needs the admin plane (--admin-listen)",
     ),
     (
+        &["--admin-only"],
+        "--admin-only: needs the admin plane (--admin-listen and an admin token key)",
+    ),
+    (
         &["--audit-queue-bytes", "100"],
         "--audit-queue-bytes: 100 is less than one row",
     ),

@@ -68,7 +68,8 @@ pub enum ServerError {
 /// a free one).
 #[derive(Debug)]
 pub struct Listeners {
-    pub http: TcpListener,
+    /// None for an admin plane served alone (`--admin-only`).
+    pub http: Option<TcpListener>,
     pub metrics: TcpListener,
     pub admin: Option<TcpListener>,
 }
@@ -82,7 +83,10 @@ impl Listeners {
                 .map_err(|source| ServerError::Bind { flag, addr, source })
         }
         Ok(Listeners {
-            http: bind("--listen", config.listen).await?,
+            http: match config.listen {
+                Some(addr) => Some(bind("--listen", addr).await?),
+                None => None,
+            },
             metrics: bind("--metrics-listen", config.metrics_listen).await?,
             admin: match &config.admin {
                 Some(a) => Some(bind("--admin-listen", a.listen).await?),
@@ -95,8 +99,8 @@ impl Listeners {
 /// A started gateway.
 #[derive(Debug)]
 pub struct Running {
-    /// The OpenAI API's address.
-    pub http: SocketAddr,
+    /// The OpenAI API's address; None for an admin plane served alone.
+    pub http: Option<SocketAddr>,
     pub metrics: SocketAddr,
     pub admin: Option<SocketAddr>,
     /// The HTTP server; None once it has ended.
@@ -225,27 +229,34 @@ pub async fn start(config: GatewayConfig, listeners: Listeners) -> Result<Runnin
     };
     let metrics = local_addr("--metrics-listen", &listeners.metrics)?;
     background.extend(serve_metrics(listeners.metrics, prometheus()?, &state));
-    let http = local_addr("--listen", &listeners.http)?;
     let (stop, stop_rx) = watch::channel(false);
     let stop_accepting = async move {
         let mut rx = stop_rx;
         let _ = rx.wait_for(|v| *v).await;
     };
-    let app = api::router(state.clone());
-    let sources = state.sources.clone();
-    let server = tokio::spawn(crate::listener::serve(
-        listeners.http,
-        app,
-        config.connections,
-        Arc::new(move |ip| sources.from_trusted_proxy(Some(ip))),
-        stop_accepting,
-    ));
-    tracing::info!(http = %http, metrics = %metrics, admin = ?admin, "listening");
+    let (http, server) = match listeners.http {
+        Some(listener) => {
+            let http = local_addr("--listen", &listener)?;
+            let app = api::router(state.clone());
+            let sources = state.sources.clone();
+            let server = tokio::spawn(crate::listener::serve(
+                listener,
+                app,
+                config.connections,
+                Arc::new(move |ip| sources.from_trusted_proxy(Some(ip))),
+                stop_accepting,
+            ));
+            (Some(http), Some(server))
+        }
+        // The admin plane alone: no public listener.
+        None => (None, None),
+    };
+    tracing::info!(http = ?http, metrics = %metrics, admin = ?admin, "listening");
     Ok(Running {
         http,
         metrics,
         admin,
-        server: Some(server),
+        server,
         stop,
         cut,
         permits: state.permits.clone(),

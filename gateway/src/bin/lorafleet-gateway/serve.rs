@@ -11,13 +11,15 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let drain = config.drain_deadline;
     let listeners = Listeners::bind(&config).await?;
     let mut running = server::start(config, listeners).await?;
-    let (http, metrics) = (running.http, running.metrics);
-    match running.admin {
-        Some(admin) => {
-            println!("lorafleet-gateway listening http={http} metrics={metrics} admin={admin}")
-        }
-        None => println!("lorafleet-gateway listening http={http} metrics={metrics}"),
+    let mut line = String::from("lorafleet-gateway listening");
+    if let Some(http) = running.http {
+        line.push_str(&format!(" http={http}"));
     }
+    line.push_str(&format!(" metrics={}", running.metrics));
+    if let Some(admin) = running.admin {
+        line.push_str(&format!(" admin={admin}"));
+    }
+    println!("{line}");
     std::io::stdout().flush()?;
     tokio::select! {
         _ = wait_for_signal() => {}
