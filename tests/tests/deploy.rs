@@ -376,9 +376,54 @@ fn check_overlay(overlay: &str) -> Vec<Value> {
         "lorafleet-gateway",
         &[
             ("http", "LORAFLEET_LISTEN"),
+            ("metrics", "LORAFLEET_METRICS_LISTEN"),
+        ],
+    );
+    // The admin plane is its own Deployment, serving the admin API alone.
+    let admin_env = check_server(
+        &objects,
+        "Deployment",
+        "lorafleet-gateway-admin",
+        "lorafleet-gateway",
+        &[
             ("admin", "LORAFLEET_ADMIN_LISTEN"),
             ("metrics", "LORAFLEET_METRICS_LISTEN"),
         ],
+    );
+    assert_eq!(
+        admin_env["LORAFLEET_ADMIN_ONLY"].as_deref(),
+        Some("true"),
+        "the admin plane serves no public listener"
+    );
+    check_mutual_tls(&objects, &admin_env);
+    // Least privilege: only the admin plane's pods hold the admin login,
+    // from a Secret of its own that the public pods do not mount.
+    let secret_refs = |name: &str| -> BTreeMap<String, String> {
+        let (_, c) = pod_of(&objects, "Deployment", name);
+        c["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|e| {
+                let secret = e["valueFrom"]["secretKeyRef"]["name"].as_str()?;
+                Some((e["name"].as_str()?.to_owned(), secret.to_owned()))
+            })
+            .collect()
+    };
+    let (public_secrets, admin_secrets) = (
+        secret_refs("lorafleet-gateway"),
+        secret_refs("lorafleet-gateway-admin"),
+    );
+    assert!(
+        !gateway_env
+            .keys()
+            .any(|k| k.starts_with("LORAFLEET_ADMIN_")),
+        "the public gateway has admin settings: {gateway_env:?}"
+    );
+    let admin_secret = &admin_secrets["LORAFLEET_ADMIN_DATABASE_URL"];
+    assert!(
+        public_secrets.values().all(|s| s != admin_secret),
+        "the public gateway mounts {admin_secret}: {public_secrets:?}"
     );
     check_server(
         &objects,
@@ -440,11 +485,12 @@ fn check_overlay(overlay: &str) -> Vec<Value> {
 
     // Services target named container ports that exist.
     for svc in objects.iter().filter(|o| o["kind"] == "Service") {
-        let selector = &svc["spec"]["selector"];
-        let (_, c) = if selector["app.kubernetes.io/name"] == "lorafleet-gateway" {
-            pod_of(&objects, "Deployment", "lorafleet-gateway")
-        } else {
-            pod_of(&objects, "StatefulSet", "lorafleet-worker")
+        let selector = svc["spec"]["selector"]["app.kubernetes.io/name"]
+            .as_str()
+            .unwrap();
+        let (_, c) = match selector {
+            "lorafleet-worker" => pod_of(&objects, "StatefulSet", selector),
+            _ => pod_of(&objects, "Deployment", selector),
         };
         for p in svc["spec"]["ports"].as_array().unwrap() {
             container_port(c, &p["targetPort"]);
@@ -461,6 +507,10 @@ fn check_overlay(overlay: &str) -> Vec<Value> {
             .all(|p| p["targetPort"] != "admin")
     );
     assert_eq!(admin["spec"]["ports"][0]["targetPort"], "admin");
+    assert_eq!(
+        admin["spec"]["selector"]["app.kubernetes.io/name"],
+        "lorafleet-gateway-admin"
+    );
 
     // NetworkPolicies name real ports; workers admit gRPC only from gateways.
     let np = find(&objects, "NetworkPolicy", "lorafleet-worker");
@@ -470,11 +520,23 @@ fn check_overlay(overlay: &str) -> Vec<Value> {
         .iter()
         .find(|r| r["ports"][0]["port"] == "grpc")
         .unwrap();
-    assert_eq!(
-        grpc_rule["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/name"],
-        "lorafleet-gateway"
-    );
+    let from: Vec<&Value> = grpc_rule["from"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| &f["podSelector"]["matchLabels"]["app.kubernetes.io/name"])
+        .collect();
+    assert_eq!(from, ["lorafleet-gateway", "lorafleet-gateway-admin"]);
     let np = find(&objects, "NetworkPolicy", "lorafleet-gateway");
+    assert!(
+        np["spec"]["ingress"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|r| r["ports"][0]["port"] != "admin"),
+        "the public gateways' policy admits no admin port"
+    );
+    let np = find(&objects, "NetworkPolicy", "lorafleet-gateway-admin");
     let admin_rule = np["spec"]["ingress"]
         .as_array()
         .unwrap()
@@ -547,39 +609,44 @@ fn check_overlay(overlay: &str) -> Vec<Value> {
         );
     }
 
-    // Key files the gateway is told to read are in its mounted key Secret,
+    // Key files each gateway is told to read are in its mounted key Secret,
     // where the overlay provides that Secret.
-    let (gw_pod, gw) = pod_of(&objects, "Deployment", "lorafleet-gateway");
-    let keys_volume = gw_pod["volumes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|v| v["name"] == "keys")
-        .unwrap();
-    let keys_secret = keys_volume["secret"]["secretName"].as_str().unwrap();
-    let mount = gw["volumeMounts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|m| m["name"] == "keys")
-        .unwrap()["mountPath"]
-        .as_str()
-        .unwrap();
-    if let Some(secret) = objects
-        .iter()
-        .find(|o| o["kind"] == "Secret" && o["metadata"]["name"] == keys_secret)
-    {
-        for (k, v) in &gateway_env {
-            if k.ends_with("_FILE")
-                && let Some(path) = v
-            {
-                let file = path
-                    .strip_prefix(&format!("{mount}/"))
-                    .unwrap_or_else(|| panic!("{k}={path} is not under the keys mount {mount}"));
-                assert!(
-                    secret["data"].get(file).is_some(),
-                    "{k}={path}: the Secret {keys_secret} has no {file}"
-                );
+    for (name, env) in [
+        ("lorafleet-gateway", &gateway_env),
+        ("lorafleet-gateway-admin", &admin_env),
+    ] {
+        let (gw_pod, gw) = pod_of(&objects, "Deployment", name);
+        let keys_volume = gw_pod["volumes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|v| v["name"] == "keys")
+            .unwrap();
+        let keys_secret = keys_volume["secret"]["secretName"].as_str().unwrap();
+        let mount = gw["volumeMounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["name"] == "keys")
+            .unwrap()["mountPath"]
+            .as_str()
+            .unwrap();
+        if let Some(secret) = objects
+            .iter()
+            .find(|o| o["kind"] == "Secret" && o["metadata"]["name"] == keys_secret)
+        {
+            for (k, v) in env {
+                if k.ends_with("_FILE")
+                    && let Some(path) = v
+                {
+                    let file = path.strip_prefix(&format!("{mount}/")).unwrap_or_else(|| {
+                        panic!("{name}: {k}={path} is not under the keys mount {mount}")
+                    });
+                    assert!(
+                        secret["data"].get(file).is_some(),
+                        "{name}: {k}={path}: the Secret {keys_secret} has no {file}"
+                    );
+                }
             }
         }
     }
@@ -598,11 +665,13 @@ fn the_dev_cpu_overlay_renders_and_matches_the_binaries() {
     );
     // Every Secret the pods reference exists in the rendered dev fleet.
     let (_, gateway) = pod_of(&objects, "Deployment", "lorafleet-gateway");
+    let (_, admin) = pod_of(&objects, "Deployment", "lorafleet-gateway-admin");
     let (_, job) = pod_of(&objects, "Job", "lorafleet-migrate");
     for e in gateway["env"]
         .as_array()
         .unwrap()
         .iter()
+        .chain(admin["env"].as_array().unwrap())
         .chain(job["env"].as_array().unwrap())
     {
         if let Some(name) = e["valueFrom"]["secretKeyRef"]["name"].as_str() {
