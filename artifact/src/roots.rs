@@ -54,6 +54,9 @@ pub enum ArtifactError {
     /// failed (after its retries); another try may succeed.
     #[error("artifact {uri}: the object store is unavailable: {reason}")]
     StoreUnavailable { uri: String, reason: String },
+    /// The artifact holds more bytes or objects than a fetch may take.
+    #[error("artifact {uri}: {reason}")]
+    TooLarge { uri: String, reason: String },
     /// The files differ from what the registry recorded.
     #[error("artifact {path}: digest {actual} does not match the expected {expected}")]
     DigestMismatch {
@@ -202,6 +205,34 @@ impl ArtifactRoots {
         expected: &str,
         dest: &Path,
     ) -> Result<PathBuf, ArtifactError> {
+        self.copy_checked(uri, dest, |actual| {
+            if actual.eq_ignore_ascii_case(expected) {
+                Ok(())
+            } else {
+                Err(ArtifactError::DigestMismatch {
+                    path: uri.into(),
+                    expected: expected.to_ascii_lowercase(),
+                    actual: actual.to_owned(),
+                })
+            }
+        })?;
+        Ok(dest.to_path_buf())
+    }
+
+    /// Resolves `uri` and copies the artifact into `dest` (which must not
+    /// exist), returning the digest of exactly the bytes it copied: what
+    /// registration inspects and records is the copy, never the original
+    /// read a second time. On an error nothing is left at `dest`.
+    pub fn copy_hashed(&self, uri: &str, dest: &Path) -> Result<String, ArtifactError> {
+        self.copy_checked(uri, dest, |_| Ok(()))
+    }
+
+    fn copy_checked(
+        &self,
+        uri: &str,
+        dest: &Path,
+        check: impl FnOnce(&str) -> Result<(), ArtifactError>,
+    ) -> Result<String, ArtifactError> {
         let dir = self.resolve(uri)?;
         let parent = dest.parent().unwrap_or(Path::new("."));
         let name = dest
@@ -227,20 +258,14 @@ impl ArtifactRoots {
             Some(&partial),
         )
         .map_err(cleanup)?;
-        if !actual.eq_ignore_ascii_case(expected) {
-            return Err(cleanup(ArtifactError::DigestMismatch {
-                path: uri.into(),
-                expected: expected.to_ascii_lowercase(),
-                actual,
-            }));
-        }
+        check(&actual).map_err(cleanup)?;
         std::fs::rename(&partial, dest).map_err(|source| {
             cleanup(ArtifactError::Unreadable {
                 path: dest.display().to_string(),
                 source,
             })
         })?;
-        Ok(dest.to_path_buf())
+        Ok(actual)
     }
 
     /// The digest of a resolved artifact directory, refusing symlinks inside
@@ -505,6 +530,30 @@ mod tests {
             1,
             "no partial copy left"
         );
+    }
+
+    #[test]
+    fn a_hashed_copy_returns_the_digest_of_the_bytes_it_holds() {
+        let (root, roots) = tree();
+        let cache = tempfile::tempdir().unwrap();
+        let before = roots.digest(&root.path().join("acme/support/v3")).unwrap();
+        let dest = cache.path().join("registration");
+        let got = roots.copy_hashed("acme/support/v3", &dest).unwrap();
+        assert_eq!(got, before);
+        assert_eq!(digest(&dest).unwrap(), got, "the copy is what was hashed");
+        std::fs::write(
+            root.path().join("acme/support/v3/adapter_config.json"),
+            b"{\"r\": 64}",
+        )
+        .unwrap();
+        assert_eq!(
+            std::fs::read(dest.join("adapter_config.json")).unwrap(),
+            b"{\"r\": 8}",
+            "a later change to the original never reaches the copy"
+        );
+        let missing = cache.path().join("missing");
+        assert!(roots.copy_hashed("acme/nothing", &missing).is_err());
+        assert!(!missing.exists());
     }
 
     fn tree() -> (tempfile::TempDir, ArtifactRoots) {

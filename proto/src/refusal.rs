@@ -52,6 +52,8 @@ reasons! {
     /// The object store holding the artifact failed or did not answer in
     /// time, after its retries.
     ArtifactStoreUnavailable => "artifact_store_unavailable",
+    /// The artifact holds more bytes or objects than the worker fetches.
+    ArtifactTooLarge => "artifact_too_large",
     /// The adapter was trained on another base model.
     AdapterBaseHashMismatch => "adapter_base_hash_mismatch",
     /// The adapter's rank is above the worker's maximum.

@@ -127,9 +127,29 @@ impl ObjectStores {
                 });
             }
             objects.push((relative, meta));
+            if objects.len() > self.options.max_objects {
+                return Err(ArtifactError::TooLarge {
+                    uri: uri.into(),
+                    reason: format!(
+                        "holds more than {} objects (--artifact-max-objects)",
+                        self.options.max_objects
+                    ),
+                });
+            }
         }
         if objects.is_empty() {
             return Err(ArtifactError::NotFound { uri: uri.into() });
+        }
+        // Refused from the listing, before any byte is read.
+        let listed: u64 = objects.iter().map(|(_, m)| m.size).sum();
+        if listed > self.options.max_bytes {
+            return Err(ArtifactError::TooLarge {
+                uri: uri.into(),
+                reason: format!(
+                    "holds {listed} bytes, above the limit of {} (--artifact-max-bytes)",
+                    self.options.max_bytes
+                ),
+            });
         }
         objects.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
         let io = |path: &Path, source: std::io::Error| ArtifactError::Unreadable {
@@ -165,6 +185,14 @@ impl ObjectStores {
             let mut read = 0u64;
             while let Some(chunk) = stream.next().await {
                 let chunk = chunk.map_err(|e| unavailable(&e))?;
+                // An object never streams past its listed size: the total
+                // stays within what the listing was allowed.
+                if read + chunk.len() as u64 > meta.size {
+                    return Err(unavailable(&format!(
+                        "object {} streams more than its listed {} bytes",
+                        meta.location, meta.size
+                    )));
+                }
                 hasher.update(&chunk);
                 file.write_all(&chunk).await.map_err(|e| io(&target, e))?;
                 read += chunk.len() as u64;

@@ -18,16 +18,33 @@ pub struct StoreFlags {
     /// AWS_ENDPOINT_URL).
     #[arg(long, env = "LORAFLEET_ARTIFACT_STORE_ENDPOINT")]
     pub artifact_store_endpoint: Option<String>,
+    /// The most bytes one artifact fetched from a store may hold: a larger
+    /// one is refused from its listing, before any byte is read.
+    #[arg(long, env = "LORAFLEET_ARTIFACT_MAX_BYTES",
+          default_value_t = crate::DEFAULT_MAX_ARTIFACT_BYTES)]
+    pub artifact_max_bytes: u64,
+    /// The most objects one artifact fetched from a store may hold.
+    #[arg(long, env = "LORAFLEET_ARTIFACT_MAX_OBJECTS",
+          default_value_t = crate::DEFAULT_MAX_ARTIFACT_OBJECTS)]
+    pub artifact_max_objects: usize,
 }
 
 impl StoreFlags {
     /// The stores' clients, fetching with `options` (whose endpoint these
     /// flags set).
     pub fn stores(&self, options: FetchOptions) -> Result<ObjectStores, String> {
+        if self.artifact_max_bytes == 0 {
+            return Err("--artifact-max-bytes: must be at least 1".into());
+        }
+        if self.artifact_max_objects == 0 {
+            return Err("--artifact-max-objects: must be at least 1".into());
+        }
         ObjectStores::new(
             &self.artifact_stores,
             FetchOptions {
                 endpoint: self.artifact_store_endpoint.clone(),
+                max_bytes: self.artifact_max_bytes,
+                max_objects: self.artifact_max_objects,
                 ..options
             },
         )

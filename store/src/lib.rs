@@ -114,7 +114,18 @@ pub struct FetchOptions {
     pub timeout: Duration,
     /// Retries of one request after a failure that may pass.
     pub max_retries: usize,
+    /// The most bytes one artifact may hold: a listing above it is refused
+    /// before any object is read, and an object that streams more than
+    /// its listed size is cut off.
+    pub max_bytes: u64,
+    /// The most objects one artifact may hold.
+    pub max_objects: usize,
 }
+
+/// `--artifact-max-bytes`'s default: 16 GiB.
+pub const DEFAULT_MAX_ARTIFACT_BYTES: u64 = 16 << 30;
+/// `--artifact-max-objects`'s default.
+pub const DEFAULT_MAX_ARTIFACT_OBJECTS: usize = 256;
 
 impl Default for FetchOptions {
     fn default() -> Self {
@@ -123,6 +134,8 @@ impl Default for FetchOptions {
             concurrency: 8,
             timeout: Duration::from_secs(300),
             max_retries: 5,
+            max_bytes: DEFAULT_MAX_ARTIFACT_BYTES,
+            max_objects: DEFAULT_MAX_ARTIFACT_OBJECTS,
         }
     }
 }

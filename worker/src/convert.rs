@@ -393,6 +393,12 @@ fn artifact_parts(e: &ArtifactError) -> Parts {
             uri(),
             format!("adapter.artifact_uri: {e}"),
         ),
+        ArtifactError::TooLarge { .. } => (
+            Code::FailedPrecondition,
+            Reason::ArtifactTooLarge,
+            uri(),
+            format!("adapter.artifact_uri: {e}"),
+        ),
         ArtifactError::DigestMismatch { .. } => {
             tracing::warn!(error = %e, "adapter artifact digest mismatch");
             (
@@ -726,6 +732,10 @@ mod tests {
             Refusal::Artifact(ArtifactError::StoreUnavailable {
                 uri: "s3://b/x".into(),
                 reason: "timed out".into(),
+            }),
+            Refusal::Artifact(ArtifactError::TooLarge {
+                uri: "s3://b/x".into(),
+                reason: "holds 9 objects, above the limit of 8".into(),
             }),
             Refusal::Artifact(ArtifactError::Unreadable {
                 path: "/secret/path".into(),

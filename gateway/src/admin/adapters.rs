@@ -50,16 +50,31 @@ pub(super) struct Inspected {
 /// `adapter_config.json` (every rule the worker applies), the declared base
 /// model, rank and target modules against the architecture, the weight
 /// file's tensor shapes against the declared ranks, and its digest.
+///
+/// The artifact is copied into a private directory as it is hashed, and
+/// the copy is what is inspected: a file changed in the artifact root
+/// between the hash and the checks cannot pass unseen.
 pub(super) fn inspect_artifact(
     roots: &ArtifactRoots,
     uri: &str,
     expected: &Expected,
 ) -> Result<Inspected, AdminError> {
-    let dir = roots.resolve(uri).map_err(|e| artifact_refusal(uri, e))?;
-    let digest = roots.digest(&dir).map_err(|e| {
-        AdminError::unprocessable(AdminCode::ArtifactUnreadable, "artifact_uri", e.to_string())
-    })?;
-    inspect_dir(&dir, digest, expected)
+    let dir = private_dir();
+    let digest = roots
+        .copy_hashed(uri, &dir)
+        .map_err(|e| artifact_refusal(uri, e))?;
+    let inspected = inspect_dir(&dir, digest, expected);
+    let _ = std::fs::remove_dir_all(&dir);
+    inspected
+}
+
+/// A private directory for one registration's copy of an artifact.
+fn private_dir() -> std::path::PathBuf {
+    std::env::temp_dir().join(format!(
+        "lorafleet-registration-{}-{}",
+        std::process::id(),
+        uuid::Uuid::new_v4()
+    ))
 }
 
 /// What an artifact is checked against at registration.
@@ -88,6 +103,9 @@ fn artifact_refusal(uri: &str, e: ArtifactError) -> AdminError {
             "artifact_uri",
             format!("{uri:?} is not under the artifact root"),
         ),
+        e @ ArtifactError::TooLarge { .. } => {
+            AdminError::unprocessable(AdminCode::ArtifactTooLarge, "artifact_uri", e.to_string())
+        }
         other => AdminError::unprocessable(
             AdminCode::ArtifactUnreadable,
             "artifact_uri",
@@ -103,11 +121,7 @@ async fn inspect_object(
     uri: &str,
     expected: Expected,
 ) -> Result<Inspected, AdminError> {
-    let dir = std::env::temp_dir().join(format!(
-        "lorafleet-registration-{}-{}",
-        std::process::id(),
-        uuid::Uuid::new_v4()
-    ));
+    let dir = private_dir();
     let refused = |e: ArtifactError| match e {
         ArtifactError::NotFound { .. } => AdminError::unprocessable(
             AdminCode::ArtifactNotFound,

@@ -13,6 +13,7 @@ pub enum AdminCode {
     ArtifactNotFound,
     ArtifactOutsideRoot,
     ArtifactUnreadable,
+    ArtifactTooLarge,
     BaseModelMismatch,
     DatabaseUnavailable,
     Duplicate,
@@ -41,13 +42,14 @@ pub enum AdminCode {
 impl AdminCode {
     /// Every code.
     #[cfg(test)]
-    pub const ALL: [AdminCode; 29] = [
+    pub const ALL: [AdminCode; 30] = [
         AdminCode::AdapterInUse,
         AdminCode::AdapterOfAnotherTenant,
         AdminCode::AdapterRetired,
         AdminCode::ArtifactNotFound,
         AdminCode::ArtifactOutsideRoot,
         AdminCode::ArtifactUnreadable,
+        AdminCode::ArtifactTooLarge,
         AdminCode::BaseModelMismatch,
         AdminCode::DatabaseUnavailable,
         AdminCode::Duplicate,
@@ -81,6 +83,7 @@ impl AdminCode {
             AdminCode::ArtifactNotFound => "artifact_not_found",
             AdminCode::ArtifactOutsideRoot => "artifact_outside_root",
             AdminCode::ArtifactUnreadable => "artifact_unreadable",
+            AdminCode::ArtifactTooLarge => "artifact_too_large",
             AdminCode::BaseModelMismatch => "base_model_mismatch",
             AdminCode::DatabaseUnavailable => "database_unavailable",
             AdminCode::Duplicate => "duplicate",
@@ -116,6 +119,7 @@ impl AdminCode {
             AdminCode::ArtifactNotFound => StatusCode::UNPROCESSABLE_ENTITY,
             AdminCode::ArtifactOutsideRoot => StatusCode::UNPROCESSABLE_ENTITY,
             AdminCode::ArtifactUnreadable => StatusCode::UNPROCESSABLE_ENTITY,
+            AdminCode::ArtifactTooLarge => StatusCode::UNPROCESSABLE_ENTITY,
             AdminCode::BaseModelMismatch => StatusCode::UNPROCESSABLE_ENTITY,
             AdminCode::DatabaseUnavailable => StatusCode::SERVICE_UNAVAILABLE,
             AdminCode::Duplicate => StatusCode::CONFLICT,

@@ -233,6 +233,7 @@ fn kind_of(reason: Reason, field: Option<String>) -> UpstreamErrorKind {
         | Reason::ArtifactUnreadable
         | Reason::ArtifactDigestMismatch
         | Reason::ArtifactStoreUnavailable
+        | Reason::ArtifactTooLarge
         | Reason::AdapterBaseHashMismatch
         | Reason::AdapterRankTooLarge
         | Reason::AdapterRankMismatch
