@@ -119,6 +119,7 @@ pub fn record_step(step: &StepStats, generated: usize, took: Duration) {
     }
     counter!("lorafleet_generated_tokens_total").increment(generated as u64);
     counter!("lorafleet_preemptions_total").increment(step.preempted as u64);
+    counter!("lorafleet_late_masks_total").increment(step.late_masks as u64);
 }
 
 /// Once, at start: how the backend divided device memory (absent on the

@@ -170,6 +170,12 @@ impl Scheduler<'_> {
         let mut i = 0;
         while i < self.queues.running.len() && budget > 0 {
             let id = self.queues.running[i];
+            if self.seqs[&id].pending.is_some() {
+                // Its token waits for its mask, from logits it has: no
+                // forward pass this step.
+                i += 1;
+                continue;
+            }
             self.switch_rope_if_past(id);
             self.release_behind_window(id);
             let seq = &self.seqs[&id];
@@ -619,6 +625,8 @@ impl Scheduler<'_> {
 
     fn preempt(&mut self, id: SeqId) {
         let seq = self.seqs.get_mut(&id).expect("preempted sequence exists");
+        // Recomputed from its tokens: the logits it kept are computed again.
+        seq.pending = None;
         self.kv.release(&mut seq.blocks);
         self.ring.release(&mut seq.ring);
         seq.num_computed = 0;

@@ -92,9 +92,13 @@ pub(crate) struct Sequence {
     /// With `prompt_logprobs`: the prompt positions whose log probability
     /// has been sent (the first, which has none, counts once sent).
     pub prompt_scored: usize,
-    /// The compiled constraint, when the request has one. Behind a lock so
-    /// that the step's sampling threads can compute its mask.
-    pub grammar: Option<std::sync::Mutex<crate::constraint::Grammar>>,
+    /// The compiled constraint, when the request has one. Shared with the
+    /// mask threads, which compute its next mask beside the forward pass.
+    pub grammar: Option<std::sync::Arc<std::sync::Mutex<crate::constraint::Grammar>>>,
+    /// A token still to be drawn: its logits are in, its mask was not
+    /// when the step's budget ran out. The scheduler passes the sequence
+    /// over until a step draws it.
+    pub pending: Option<PendingDraw>,
     /// Whose share of the engine this request uses (the tenant), and the
     /// share's weight.
     pub fair_key: std::sync::Arc<str>,
@@ -104,6 +108,14 @@ pub(crate) struct Sequence {
     emitted: usize,
     stops: StopStrings,
     stop_state: StopState,
+}
+
+/// A constrained row's logits kept for a later step, with its mask in
+/// the making.
+#[derive(Debug)]
+pub struct PendingDraw {
+    pub(crate) logits: Vec<f32>,
+    pub(crate) mask: crate::engine::masks::MaskSlot,
 }
 
 /// What one new token produced.
@@ -153,6 +165,7 @@ impl Sequence {
             cached_tokens: 0,
             prompt_scored: 0,
             grammar: None,
+            pending: None,
             fair_key: std::sync::Arc::from(""),
             fair_weight: 1.0,
             text: String::new(),

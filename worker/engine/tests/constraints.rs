@@ -236,3 +236,59 @@ fn a_constraint_compiled_once_is_cloned_and_distinct_ones_never_share() {
     }
     assert_eq!(compiler.counters().compiles, 4);
 }
+
+/// A constrained row whose mask is later than its step's budget waits a
+/// step; the rest of the batch does not. With every mask held back 300 ms
+/// (far past any step of this model), the unconstrained request finishes
+/// in as many steps as when the masks are prompt, while the constrained
+/// one is drawn in later steps from the logits it kept: the same tokens
+/// either way, still matching its regular expression.
+#[test]
+fn a_late_mask_delays_its_own_row_and_never_the_batch() {
+    use lorafleet_engine::Event;
+    let run = |delay_ms: u64| {
+        let mut e = fixture_engine("llama-gqa", EngineSettings::default());
+        e.delay_masks(std::time::Duration::from_millis(delay_ms));
+        let mut constrained = request("c".into(), Constraint::Regex("[0-9]{3}-[a-z]{4}".into()), 7);
+        constrained.params.max_tokens = 40;
+        let mut free = request("f".into(), Constraint::JsonObject, 3);
+        free.params.constraint = None;
+        free.params.max_tokens = 12;
+        free.params.ignore_eos = true;
+        // The base model: no adapter load to time the steps.
+        constrained.adapter = None;
+        free.adapter = None;
+        e.submit(constrained).unwrap();
+        e.submit(free).unwrap();
+        let (mut steps, mut free_done_at) = (0, None);
+        let mut tokens: std::collections::HashMap<String, Vec<u32>> = Default::default();
+        while e.has_work() {
+            steps += 1;
+            assert!(steps < 2000, "no progress");
+            for (id, event) in e.step().unwrap() {
+                match event {
+                    Event::Delta { token_ids, .. } => {
+                        tokens.entry(id).or_default().extend(token_ids)
+                    }
+                    Event::Finished(_) if id == "f" => free_done_at = Some(steps),
+                    Event::Failed(err) => panic!("{id}: {err}"),
+                    _ => {}
+                }
+            }
+        }
+        (free_done_at.unwrap(), tokens, e.stats().run.late_masks)
+    };
+    let (prompt_at, prompt_tokens, _) = run(0);
+    let (late_at, late_tokens, late) = run(300);
+    assert!(late > 0, "no mask was late");
+    assert_eq!(
+        late_at, prompt_at,
+        "the unconstrained request waited for the late masks"
+    );
+    assert_eq!(late_tokens, prompt_tokens, "a late mask changed the tokens");
+    let t =
+        lorafleet_engine::model::tokenizer::Tokenizer::from_dir(&model_dir("llama-gqa")).unwrap();
+    let text = t.decode(&late_tokens["c"]).unwrap();
+    let re = regex::Regex::new("^[0-9]{3}-[a-z]{4}$").unwrap();
+    assert!(re.is_match(&text), "{text:?}");
+}

@@ -17,6 +17,7 @@ use crate::prompter::Prompter;
 use crate::scheduler::{Queues, SeqId};
 use crate::sequence::Sequence;
 
+pub(crate) mod masks;
 mod step;
 
 pub use crate::request::{Accepted, Completion, Event, Fairness, Prompt, Request};
@@ -66,6 +67,9 @@ pub struct RunCounters {
     /// one) in each.
     pub distinct_adapters: u64,
     pub max_wait_steps: u64,
+    /// Constrained rows whose mask was not in by their step's budget: each
+    /// waited a step instead of the batch.
+    pub late_masks: u64,
 }
 
 impl RunCounters {
@@ -86,6 +90,8 @@ pub struct StepStats {
     pub tokens: usize,
     pub distinct_adapters: usize,
     pub preempted: usize,
+    /// Constrained rows whose mask came too late for the step.
+    pub late_masks: usize,
 }
 
 /// The multi-LoRA engine.
@@ -111,6 +117,8 @@ pub struct Engine {
     run: RunCounters,
     fair: crate::scheduler::FairShares,
     constraints: crate::constraint::Compiler,
+    /// The threads that compute constrained rows' token masks.
+    masks: masks::MaskPool,
 }
 
 impl std::fmt::Debug for Engine {
@@ -295,6 +303,7 @@ impl Engine {
             run: RunCounters::default(),
             fair: crate::scheduler::FairShares::default(),
             constraints,
+            masks: masks::MaskPool::new(masks::MASK_THREADS),
         })
     }
 
@@ -412,6 +421,13 @@ impl Engine {
     }
 
     /// Turns a prompt into token ids.
+    /// Makes every token mask wait `delay` before it is computed (tests:
+    /// a mask later than any step's budget).
+    #[doc(hidden)]
+    pub fn delay_masks(&self, delay: std::time::Duration) {
+        self.masks.set_delay(delay);
+    }
+
     /// Compiles a constraint as a request carrying it would, to refuse it
     /// before any work (the offline command checks every line first).
     pub fn check_constraint(&self, c: &crate::constraint::Constraint) -> Result<()> {
@@ -493,7 +509,9 @@ impl Engine {
             ));
         }
         let grammar = match &request.params.constraint {
-            Some(c) => Some(std::sync::Mutex::new(self.constraints.compile(c)?)),
+            Some(c) => Some(std::sync::Arc::new(std::sync::Mutex::new(
+                self.constraints.compile(c)?,
+            ))),
             None => None,
         };
         let residency = request.adapter.map(|a| self.pool.on_arrival(a));

@@ -14,10 +14,10 @@ use crate::penalties::{History, adjust};
 use crate::request::Event;
 use crate::sampling::{Rng, sample};
 use crate::scheduler::{Limits, Scheduler, SeqId};
-use crate::sequence::{FinishReason, Sequence};
+use crate::sequence::{FinishReason, PendingDraw, Sequence};
+use std::time::Instant;
 
-/// Threads a step's token masks are computed on, at most.
-const MASK_THREADS: usize = 4;
+use super::masks::{MaskPool, MaskSlot};
 
 /// One scheduled sequence's place in a step: its slot, id, how many tokens
 /// it feeds, and the rows of the step's logits that are its own.
@@ -64,6 +64,8 @@ impl Engine {
         let mut events = Vec::new();
         self.settle_loads(None, &mut events);
         self.pool.settle_unloads(self.backend.as_mut())?;
+        // Tokens whose masks came in since: drawn from the logits kept.
+        self.draw_pending(&mut events);
 
         let plan = Scheduler {
             queues: &mut self.queues,
@@ -86,6 +88,14 @@ impl Engine {
                 preempted: plan.preempted.len(),
                 ..Default::default()
             };
+            // Only masks in the making: wait for one rather than spin.
+            if let Some(mask) = self
+                .seqs
+                .values()
+                .find_map(|s| s.pending.as_ref().map(|p| p.mask.clone()))
+            {
+                mask.wait_until(std::time::Instant::now() + Duration::from_millis(10));
+            }
             if self.pool.loads_in_flight() > 0 {
                 self.settle_loads(Some(Duration::from_millis(20)), &mut events);
             }
@@ -150,6 +160,7 @@ impl Engine {
             tokens: batch.tokens.len(),
             distinct_adapters: batch.distinct_adapters(),
             preempted: plan.preempted.len(),
+            late_masks: 0,
         };
         self.run.steps += 1;
         self.run.distinct_adapters += batch.distinct_adapters() as u64;
@@ -161,10 +172,12 @@ impl Engine {
             &self.config.eos_token_ids,
             &batch,
             &rows,
+            &self.masks,
         )?;
         let scored = self.score_and_collect(&rows, &logits, draws);
         let mut scored = scored.into_iter();
         let mut finished = Vec::new();
+        let mut late_masks = 0;
         for row in &rows {
             let seq = self
                 .seqs
@@ -198,80 +211,145 @@ impl Engine {
                 finished.push(row.id);
                 continue;
             }
-            let Drawn {
-                rng,
-                token,
-                logprob,
-                failed,
-            } = drawn.expect("a drawing row was sampled");
-            if let Some(e) = failed {
-                events.push((seq.request_id.clone(), Event::Failed(e)));
-                finished.push(row.id);
+            let drawn = drawn.expect("a drawing row was sampled");
+            if let Some(pending) = drawn.pending {
+                // Its mask was late: the token is drawn in a later step.
+                seq.pending = Some(pending);
+                late_masks += 1;
                 continue;
             }
-            seq.rng = rng;
-            let out = match seq.push_token(
-                token,
-                &self.tokenizer,
-                &self.config.eos_token_ids,
-                self.config
-                    .rope
-                    .max_model_len(self.config.max_position_embeddings),
-            ) {
-                Ok(out) => out,
-                Err(e) => {
-                    // Only this sequence is affected; the rest of the step stands.
-                    events.push((seq.request_id.clone(), Event::Failed(e)));
-                    finished.push(row.id);
-                    continue;
-                }
-            };
-            let mut out = out;
-            if out.finished.is_none()
-                && let Some(grammar) = seq.grammar.as_mut()
-            {
-                let grammar = grammar.get_mut().expect("a grammar's lock");
-                match grammar.advance(token) {
-                    // The grammar is complete: the output ends here.
-                    Ok(true) => match seq.flush(&self.tokenizer) {
-                        Ok(rest) => {
-                            out.text.push_str(&rest);
-                            out.finished = Some((FinishReason::Stop, None));
-                        }
-                        Err(e) => {
-                            events.push((seq.request_id.clone(), Event::Failed(e)));
-                            finished.push(row.id);
-                            continue;
-                        }
-                    },
-                    Ok(false) => {}
-                    Err(e) => {
-                        events.push((seq.request_id.clone(), Event::Failed(e)));
-                        finished.push(row.id);
-                        continue;
-                    }
-                }
-            }
-            events.push((
-                seq.request_id.clone(),
-                Event::Delta {
-                    token_ids: vec![token],
-                    text: out.text,
-                    logprobs: logprob.into_iter().collect(),
-                },
-            ));
-            if let Some((reason, stop)) = out.finished {
-                events.push((
-                    seq.request_id.clone(),
-                    Event::Finished(seq.finish(reason, stop)),
-                ));
-                finished.push(row.id);
-            }
+            self.accept(row.id, drawn, &mut events, &mut finished);
         }
+        self.last_step.late_masks = late_masks;
+        self.run.late_masks += late_masks as u64;
         for id in finished {
             self.remove(id);
         }
         Ok(events)
+    }
+
+    /// Takes a drawn token into its sequence: the text it completes, its
+    /// grammar advanced, and the events it makes; a sequence that ends is
+    /// put in `finished`.
+    fn accept(
+        &mut self,
+        id: SeqId,
+        drawn: Drawn,
+        events: &mut Vec<(String, Event)>,
+        finished: &mut Vec<SeqId>,
+    ) {
+        let seq = self.seqs.get_mut(&id).expect("a drawing sequence exists");
+        let Drawn {
+            rng,
+            token,
+            logprob,
+            failed,
+            pending: _,
+        } = drawn;
+        if let Some(e) = failed {
+            events.push((seq.request_id.clone(), Event::Failed(e)));
+            finished.push(id);
+            return;
+        }
+        seq.rng = rng;
+        let out = match seq.push_token(
+            token,
+            &self.tokenizer,
+            &self.config.eos_token_ids,
+            self.config
+                .rope
+                .max_model_len(self.config.max_position_embeddings),
+        ) {
+            Ok(out) => out,
+            Err(e) => {
+                // Only this sequence is affected; the rest of the step stands.
+                events.push((seq.request_id.clone(), Event::Failed(e)));
+                finished.push(id);
+                return;
+            }
+        };
+        let mut out = out;
+        if out.finished.is_none()
+            && let Some(grammar) = seq.grammar.as_mut()
+        {
+            // No mask thread holds it: its next mask is asked for only
+            // once this token is in.
+            let advanced = grammar.lock().expect("a grammar's lock").advance(token);
+            match advanced {
+                // The grammar is complete: the output ends here.
+                Ok(true) => match seq.flush(&self.tokenizer) {
+                    Ok(rest) => {
+                        out.text.push_str(&rest);
+                        out.finished = Some((FinishReason::Stop, None));
+                    }
+                    Err(e) => {
+                        events.push((seq.request_id.clone(), Event::Failed(e)));
+                        finished.push(id);
+                        return;
+                    }
+                },
+                Ok(false) => {}
+                Err(e) => {
+                    events.push((seq.request_id.clone(), Event::Failed(e)));
+                    finished.push(id);
+                    return;
+                }
+            }
+        }
+        events.push((
+            seq.request_id.clone(),
+            Event::Delta {
+                token_ids: vec![token],
+                text: out.text,
+                logprobs: logprob.into_iter().collect(),
+            },
+        ));
+        if let Some((reason, stop)) = out.finished {
+            events.push((
+                seq.request_id.clone(),
+                Event::Finished(seq.finish(reason, stop)),
+            ));
+            finished.push(id);
+        }
+    }
+
+    /// Draws the tokens whose masks have come in since their step, from
+    /// the logits kept, in sequence order.
+    fn draw_pending(&mut self, events: &mut Vec<(String, Event)>) {
+        let mut ready: Vec<SeqId> = self
+            .seqs
+            .iter()
+            .filter(|(_, s)| s.pending.as_ref().is_some_and(|p| p.mask.ready()))
+            .map(|(&id, _)| id)
+            .collect();
+        if ready.is_empty() {
+            return;
+        }
+        ready.sort_unstable();
+        let mut finished = Vec::new();
+        let eos = self.config.eos_token_ids.clone();
+        for id in ready {
+            let seq = self.seqs.get_mut(&id).expect("a pending sequence exists");
+            let pending = seq.pending.take().expect("filtered above");
+            let mut rng = seq.rng.clone();
+            let (token, failed) =
+                draw_token(&pending.logits, seq, pending.mask.take(), &mut rng, &eos);
+            let logprob = seq
+                .params
+                .logprobs
+                .map(|n| score(&pending.logits, token, n));
+            let drawn = Drawn {
+                rng,
+                token,
+                logprob,
+                failed,
+                pending: None,
+            };
+            self.accept(id, drawn, events, &mut finished);
+        }
+        for id in finished {
+            self.remove(id);
+        }
     }
 
     /// Per scheduled sequence in `rows` order, the prompt positions it
@@ -318,11 +396,16 @@ impl Engine {
             let drawn = match draws.peek() {
                 Some(d) if d.index == i => {
                     let d = draws.next().expect("peeked");
+                    let pending = d.deferred.map(|mask| PendingDraw {
+                        logits: row_of(d.row).to_vec(),
+                        mask,
+                    });
                     Some(Drawn {
                         rng: d.rng,
                         token: d.token,
                         logprob: d.logprob,
                         failed: d.failed,
+                        pending,
                     })
                 }
                 _ => None,
@@ -366,6 +449,9 @@ struct Drawn {
     token: u32,
     logprob: Option<TokenLogprob>,
     failed: Option<EngineError>,
+    /// The mask was late: no token yet; the logits are kept for a later
+    /// step.
+    pending: Option<PendingDraw>,
 }
 
 /// A sequence that draws a token this step: its index in the step's rows,
@@ -380,6 +466,9 @@ struct Draw {
     /// The token's log probabilities, when asked (scored on the sampling
     /// threads, beside the draw).
     logprob: Option<TokenLogprob>,
+    /// The constraint's mask was not in by the step's budget: the row is
+    /// not drawn now.
+    deferred: Option<MaskSlot>,
 }
 
 /// Runs the forward pass and draws the next token of every sequence whose
@@ -392,6 +481,7 @@ fn forward_and_draw(
     eos: &[u32],
     batch: &StepBatch<'_>,
     rows: &[Row],
+    masks: &MaskPool,
 ) -> Result<(Vec<f32>, Vec<Draw>)> {
     let mut draws: Vec<Draw> = rows
         .iter()
@@ -404,6 +494,7 @@ fn forward_and_draw(
             row: r.first_row + r.rows - 1,
             failed: None,
             logprob: None,
+            deferred: None,
         })
         .collect();
     // Scoring and the controls that change logits run on the host.
@@ -450,54 +541,28 @@ fn forward_and_draw(
     // A step that scores (or a backend without its own sampler) brings the
     // logits to the host and samples there.
     // The constrained rows' token masks depend only on the tokens so far:
-    // they are computed while the forward pass runs, rows spread over a
-    // few threads so that one costly grammar holds up only its own share.
-    let constrained: Vec<usize> = draws
+    // they are computed on the mask threads while the forward pass runs,
+    // and waited for until a budget past its end; a row whose mask is
+    // later waits a step, not the batch (`masks.rs`).
+    let constrained: Vec<(usize, MaskSlot)> = draws
         .iter()
         .enumerate()
-        .filter(|(_, d)| seqs[&rows[d.index].id].grammar.is_some())
-        .map(|(i, _)| i)
+        .filter_map(|(i, d)| {
+            let grammar = seqs[&rows[d.index].id].grammar.clone()?;
+            Some((i, masks.submit(grammar)))
+        })
         .collect();
-    let (logits, mut masks) = if constrained.is_empty() {
-        (backend.forward(batch)?, Vec::new())
-    } else {
-        let threads = constrained.len().min(MASK_THREADS);
-        let mask = |i: usize| {
-            let seq = &seqs[&rows[draws[i].index].id];
-            let grammar = seq.grammar.as_ref().expect("a constrained row");
-            grammar.lock().expect("a grammar's lock").allowed()
-        };
-        std::thread::scope(|scope| {
-            // Thread k takes rows k, k + threads, ...
-            let handles: Vec<_> = (0..threads)
-                .map(|k| {
-                    let (constrained, mask) = (&constrained, &mask);
-                    scope.spawn(move || {
-                        constrained
-                            .iter()
-                            .skip(k)
-                            .step_by(threads)
-                            .map(|&i| mask(i))
-                            .collect::<Vec<_>>()
-                    })
-                })
-                .collect();
-            let logits = backend.forward(batch);
-            let mut parts: Vec<_> = handles
-                .into_iter()
-                .map(|h| h.join().expect("a mask thread does not panic").into_iter())
-                .collect();
-            // Back into row order.
-            let masks: Vec<_> = (0..constrained.len())
-                .map(|j| parts[j % threads].next().expect("one mask per row"))
-                .collect();
-            logits.map(|l| (l, masks))
-        })?
-    };
+    let started = Instant::now();
+    let logits = backend.forward(batch)?;
+    let deadline = Instant::now() + super::masks::grace(started.elapsed());
     // Each draw's mask, in draw order.
     let mut mask_of: Vec<Option<Result<Allowed>>> = (0..draws.len()).map(|_| None).collect();
-    for (&i, m) in constrained.iter().zip(masks.drain(..)) {
-        mask_of[i] = Some(m);
+    for (i, slot) in constrained {
+        if slot.wait_until(deadline) {
+            mask_of[i] = slot.take();
+        } else {
+            draws[i].deferred = Some(slot);
+        }
     }
     let want = rows.iter().map(|r| r.rows).sum::<usize>() * vocab;
     if logits.len() != want {
@@ -513,28 +578,44 @@ fn forward_and_draw(
     let mut work: Vec<(&mut Draw, Option<Result<Allowed>>)> =
         draws.iter_mut().zip(mask_of).collect();
     crate::backend::cpu::team::for_each_mut(&mut work, |(d, mask), _| {
+        if d.deferred.is_some() {
+            // Drawn later, under its mask: never without it.
+            return;
+        }
         let seq = &seqs[&rows[d.index].id];
         let row = &logits[d.row * vocab..(d.row + 1) * vocab];
-        let history = History {
-            prompt: &seq.prompt_ids,
-            output: &seq.output_ids,
-            eos,
-        };
-        let adjusted = adjust(row, &seq.params, &history);
-        d.token = match (mask.take(), adjusted) {
-            (Some(Ok(allowed)), adjusted) => {
-                let mut masked = adjusted.unwrap_or_else(|| row.to_vec());
-                allowed.apply(&mut masked);
-                sample(&masked, &seq.params, &mut d.rng)
-            }
-            (Some(Err(e)), _) => {
-                d.failed = Some(e);
-                0
-            }
-            (None, Some(adjusted)) => sample(&adjusted, &seq.params, &mut d.rng),
-            (None, None) => sample(row, &seq.params, &mut d.rng),
-        };
+        let (token, failed) = draw_token(row, seq, mask.take(), &mut d.rng, eos);
+        d.token = token;
+        d.failed = failed;
         d.logprob = seq.params.logprobs.map(|n| score(row, d.token, n));
     });
     Ok((logits, draws))
+}
+
+/// Draws one token from a row of logits: the sequence's logit controls,
+/// then its mask when it has a constraint, then its sampler. A mask that
+/// could not be computed fails the draw.
+fn draw_token(
+    row: &[f32],
+    seq: &Sequence,
+    mask: Option<Result<Allowed>>,
+    rng: &mut Rng,
+    eos: &[u32],
+) -> (u32, Option<EngineError>) {
+    let history = History {
+        prompt: &seq.prompt_ids,
+        output: &seq.output_ids,
+        eos,
+    };
+    let adjusted = adjust(row, &seq.params, &history);
+    match (mask, adjusted) {
+        (Some(Ok(allowed)), adjusted) => {
+            let mut masked = adjusted.unwrap_or_else(|| row.to_vec());
+            allowed.apply(&mut masked);
+            (sample(&masked, &seq.params, rng), None)
+        }
+        (Some(Err(e)), _) => (0, Some(e)),
+        (None, Some(adjusted)) => (sample(&adjusted, &seq.params, rng), None),
+        (None, None) => (sample(row, &seq.params, rng), None),
+    }
 }
