@@ -166,9 +166,14 @@ impl EngineHandle {
         };
         let compiler = self.constraints.clone();
         let started = std::time::Instant::now();
-        tokio::task::spawn_blocking(move || compiler.compile(&c).map(drop))
-            .await
-            .map_err(|e| EngineError::Backend(format!("the constraint thread failed: {e}")))??;
+        tokio::task::spawn_blocking(move || {
+            // Below the engine thread: a tenant's costly schema takes
+            // spare CPU, not the decode's.
+            lorafleet_engine::engine::lower_thread_priority();
+            compiler.compile(&c).map(drop)
+        })
+        .await
+        .map_err(|e| EngineError::Backend(format!("the constraint thread failed: {e}")))??;
         crate::telemetry::record_constraint_compile(started.elapsed());
         Ok(())
     }

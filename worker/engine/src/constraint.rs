@@ -302,7 +302,10 @@ impl Compiler {
                 let matcher = entry.1.deep_clone();
                 cache.entries.push_back(entry);
                 cache.hits += 1;
-                return Ok(Grammar(matcher));
+                return Ok(Grammar {
+                    matcher,
+                    field: c.field(),
+                });
             }
         }
         // Compiled outside the lock: another constraint's compile never
@@ -316,7 +319,10 @@ impl Compiler {
             }
             cache.entries.push_back((key, matcher.deep_clone()));
         }
-        Ok(Grammar(matcher))
+        Ok(Grammar {
+            matcher,
+            field: c.field(),
+        })
     }
 
     fn compile_new(&self, c: &Constraint) -> Result<Matcher> {
@@ -335,12 +341,34 @@ impl Compiler {
             };
             EngineError::request(format!("sampling.{}", c.field()), message)
         })?;
-        Ok(Matcher::new(Ok(parser)))
+        let matcher = Matcher::new(Ok(parser));
+        // The first mask, on a copy: a grammar too complex to start (too
+        // many alternatives at once, say) is refused here, by field, not
+        // at its first step.
+        let mut probe = matcher.deep_clone();
+        probe
+            .compute_mask_or_eos()
+            .map_err(|e| grammar_error(c.field(), &e.to_string()))?;
+        Ok(matcher)
     }
 }
 
+/// Why a grammar could not go on, named by the request's field: the
+/// parser's own first line (its state dump is for developers).
+fn grammar_error(field: &str, message: &str) -> EngineError {
+    let first = message.lines().next().unwrap_or(message);
+    EngineError::request(
+        format!("sampling.{field}"),
+        format!("the constraint cannot be followed: {first}"),
+    )
+}
+
 /// A compiled constraint following one sequence's output.
-pub struct Grammar(Matcher);
+pub struct Grammar {
+    matcher: Matcher,
+    /// The request field it came from, for errors.
+    field: &'static str,
+}
 
 impl std::fmt::Debug for Grammar {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -351,19 +379,19 @@ impl std::fmt::Debug for Grammar {
 impl Grammar {
     /// The tokens the grammar can take next.
     pub fn allowed(&mut self) -> Result<Allowed> {
-        self.0
+        self.matcher
             .compute_mask_or_eos()
             .map(Allowed)
-            .map_err(|e| EngineError::Backend(format!("structured outputs: {e}")))
+            .map_err(|e| grammar_error(self.field, &e.to_string()))
     }
 
     /// Moves past a drawn token. True once the grammar is complete: the
     /// output must end here.
     pub fn advance(&mut self, token: u32) -> Result<bool> {
-        self.0
+        self.matcher
             .consume_token(token)
-            .map_err(|e| EngineError::Backend(format!("structured outputs: {e}")))?;
-        Ok(self.0.is_stopped())
+            .map_err(|e| grammar_error(self.field, &e.to_string()))?;
+        Ok(self.matcher.is_stopped())
     }
 }
 

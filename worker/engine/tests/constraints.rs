@@ -292,3 +292,32 @@ fn a_late_mask_delays_its_own_row_and_never_the_batch() {
     let re = regex::Regex::new("^[0-9]{3}-[a-z]{4}$").unwrap();
     assert!(re.is_match(&text), "{text:?}");
 }
+
+/// A schema the parser cannot follow (more alternatives at once than its
+/// row limit once the object opens: here 1,800 optional properties) fails
+/// its own request by field, with the parser's reason and not its state
+/// dump; the request beside it completes.
+#[test]
+fn a_grammar_too_complex_to_follow_fails_its_request_by_field() {
+    let mut e = fixture_engine("llama-gqa", EngineSettings::default());
+    let properties: serde_json::Map<String, Value> = (0..1800)
+        .map(|i| (format!("p{i}"), serde_json::json!({"type": "string"})))
+        .collect();
+    let schema = serde_json::json!({"type": "object", "properties": properties}).to_string();
+    assert!(schema.len() < lorafleet_engine::constraint::MAX_CONSTRAINT_BYTES);
+    let mut costly = request("costly".into(), Constraint::JsonSchema(schema), 1);
+    costly.params.logit_bias = Vec::new();
+    let mut free = request("free".into(), Constraint::JsonObject, 2);
+    free.params.constraint = None;
+    free.params.max_tokens = 6;
+    let out = e.run_to_completion(vec![costly, free]).unwrap();
+    let err = out[0].error.as_ref().expect("the costly request fails");
+    assert!(
+        matches!(err, lorafleet_engine::EngineError::InvalidRequest { field, .. } if field == "sampling.json_schema"),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("cannot be followed"), "{err}");
+    assert!(!err.to_string().contains("<state>"), "{err}");
+    assert!(out[1].error.is_none(), "{:?}", out[1].error);
+    assert_eq!(out[1].token_ids.len(), 6);
+}

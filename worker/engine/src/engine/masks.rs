@@ -144,8 +144,11 @@ impl MaskPool {
     }
 }
 
-/// Lowers the calling thread's CPU priority (Linux: per thread).
-fn lower_priority() {
+/// Lowers the calling thread's CPU priority (Linux: per thread), below
+/// the engine's: for tenant-driven work beside it (masks, constraint
+/// compiles). Once lowered it stays so (raising it back needs a privilege
+/// a server does not hold).
+pub fn lower_priority() {
     #[cfg(target_os = "linux")]
     // SAFETY: gettid and setpriority take no pointers; a failure leaves
     // the thread at its priority, which is harmless.

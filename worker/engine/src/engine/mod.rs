@@ -18,6 +18,7 @@ use crate::scheduler::{Queues, SeqId};
 use crate::sequence::Sequence;
 
 pub(crate) mod masks;
+pub use masks::lower_priority as lower_thread_priority;
 mod step;
 
 pub use crate::request::{Accepted, Completion, Event, Fairness, Prompt, Request};
