@@ -294,6 +294,13 @@ pub struct AdapterRow {
     pub target_modules: Vec<String>,
     pub artifact_uri: String,
     pub artifact_sha256: String,
+    /// What the artifact held at registration (None for a version
+    /// registered before sizes were recorded): a worker refuses to fetch
+    /// more.
+    #[serde(default)]
+    pub artifact_bytes: Option<i64>,
+    #[serde(default)]
+    pub artifact_files: Option<i32>,
     pub state: String,
     pub created_at: DateTime<Utc>,
     pub retired_at: Option<DateTime<Utc>>,

@@ -58,6 +58,9 @@ pub struct Adapter {
     pub artifact_uri: String,
     pub artifact_sha256: Sha256Hex,
     pub base_hash: Sha256Hex,
+    /// What the artifact held at registration (bytes, files); None for a
+    /// version registered before sizes were recorded.
+    pub artifact_size: Option<(u64, u32)>,
 }
 
 #[derive(Debug, Clone)]
@@ -277,10 +280,23 @@ impl Snapshot {
         )
         .fetch_all(&mut *tx)
         .await?;
-        type WeightRow = (RouteId, i32, i64, String, i32, i32, String, String, String);
+        type WeightRow = (
+            RouteId,
+            i32,
+            i64,
+            String,
+            i32,
+            i32,
+            String,
+            String,
+            String,
+            Option<i64>,
+            Option<i32>,
+        );
         let weights: Vec<WeightRow> = sqlx::query_as(
             "SELECT w.route_id, w.weight_bp, a.lora_int_id, a.name, a.version, a.rank,
-                    a.artifact_uri, a.artifact_sha256, b.base_hash
+                    a.artifact_uri, a.artifact_sha256, b.base_hash,
+                    a.artifact_bytes, a.artifact_files
              FROM routes r
              JOIN route_weights w ON w.route_id = r.id AND w.revision = r.current_revision
              JOIN adapters a ON a.lora_int_id = w.lora_int_id AND a.state = 'active'
@@ -290,7 +306,7 @@ impl Snapshot {
         .fetch_all(&mut *tx)
         .await?;
         let mut by_route: HashMap<RouteId, Vec<(u32, Arc<Adapter>)>> = HashMap::new();
-        for (route, weight, id, name, version, rank, uri, sha, base_hash) in weights {
+        for (route, weight, id, name, version, rank, uri, sha, base_hash, bytes, files) in weights {
             // The schema hands ids out from a sequence: never 0 or less.
             let Some(lora_int_id) = AdapterId::from_registry(id) else {
                 tracing::error!(
@@ -319,6 +335,7 @@ impl Snapshot {
                     artifact_uri: uri,
                     artifact_sha256,
                     base_hash,
+                    artifact_size: bytes.zip(files).map(|(b, f)| (b as u64, f as u32)),
                 }),
             ));
         }
@@ -544,6 +561,7 @@ mod tests {
             artifact_uri: format!("a{id}"),
             artifact_sha256: Sha256Hex::parse(&"0".repeat(64)).unwrap(),
             base_hash: Sha256Hex::parse(&"0".repeat(64)).unwrap(),
+            artifact_size: None,
         })
     }
 

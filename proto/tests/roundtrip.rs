@@ -125,6 +125,8 @@ fn descriptor() -> AdapterDescriptor {
         base_hash: "cd".repeat(32),
         rank: 16,
         display_name: "support-bot@3".into(),
+        artifact_bytes: 1_234_567,
+        artifact_files: 2,
     }
 }
 

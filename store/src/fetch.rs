@@ -23,6 +23,19 @@ impl ObjectStores {
         expected: Option<&str>,
         dest: &Path,
     ) -> Result<String, ArtifactError> {
+        self.fetch_verified_within(uri, expected, dest, None).await
+    }
+
+    /// [`ObjectStores::fetch_verified`], refusing from the listing an
+    /// artifact that holds more than `recorded` (bytes, objects: what it
+    /// held at registration) as well as more than the stores' limits.
+    pub async fn fetch_verified_within(
+        &self,
+        uri: &str,
+        expected: Option<&str>,
+        dest: &Path,
+        recorded: Option<(u64, u32)>,
+    ) -> Result<String, ArtifactError> {
         let at = self.locate(uri)?;
         let _permit = self
             .permits
@@ -38,7 +51,11 @@ impl ObjectStores {
         let partial = parent.join(format!(".{name}.fetching-{}", std::process::id()));
         let _ = tokio::fs::remove_dir_all(&partial).await;
         let timeout = self.options.timeout;
-        let fetched = match tokio::time::timeout(timeout, self.fetch_into(&at, uri, &partial)).await
+        let fetched = match tokio::time::timeout(
+            timeout,
+            self.fetch_into(&at, uri, &partial, recorded),
+        )
+        .await
         {
             Ok(result) => result,
             Err(_) => Err(ArtifactError::StoreUnavailable {
@@ -84,6 +101,7 @@ impl ObjectStores {
                 ArtifactError::NotFound { .. } => "not_found",
                 ArtifactError::DigestMismatch { .. } => "digest_mismatch",
                 ArtifactError::StoreUnavailable { .. } => "unavailable",
+                ArtifactError::TooLarge { .. } => "too_large",
                 _ => "unreadable",
             };
             metrics::counter!("lorafleet_artifact_fetch_failures_total", "store" => store.clone(), "reason" => reason)
@@ -102,7 +120,12 @@ impl ObjectStores {
         at: &Located,
         uri: &str,
         partial: &Path,
+        recorded: Option<(u64, u32)>,
     ) -> Result<(String, u64), ArtifactError> {
+        let too_large = |reason: String| ArtifactError::TooLarge {
+            uri: uri.into(),
+            reason,
+        };
         let client = self.client(&at.store).clone();
         let unavailable = |e: &dyn std::fmt::Display| ArtifactError::StoreUnavailable {
             uri: uri.into(),
@@ -128,13 +151,17 @@ impl ObjectStores {
             }
             objects.push((relative, meta));
             if objects.len() > self.options.max_objects {
-                return Err(ArtifactError::TooLarge {
-                    uri: uri.into(),
-                    reason: format!(
-                        "holds more than {} objects (--artifact-max-objects)",
-                        self.options.max_objects
-                    ),
-                });
+                return Err(too_large(format!(
+                    "holds more than {} objects (--artifact-max-objects)",
+                    self.options.max_objects
+                )));
+            }
+            if let Some((_, files)) = recorded
+                && objects.len() > files as usize
+            {
+                return Err(too_large(format!(
+                    "holds more than the {files} objects it held at registration"
+                )));
             }
         }
         if objects.is_empty() {
@@ -143,13 +170,17 @@ impl ObjectStores {
         // Refused from the listing, before any byte is read.
         let listed: u64 = objects.iter().map(|(_, m)| m.size).sum();
         if listed > self.options.max_bytes {
-            return Err(ArtifactError::TooLarge {
-                uri: uri.into(),
-                reason: format!(
-                    "holds {listed} bytes, above the limit of {} (--artifact-max-bytes)",
-                    self.options.max_bytes
-                ),
-            });
+            return Err(too_large(format!(
+                "holds {listed} bytes, above the limit of {} (--artifact-max-bytes)",
+                self.options.max_bytes
+            )));
+        }
+        if let Some((bytes, _)) = recorded
+            && listed > bytes
+        {
+            return Err(too_large(format!(
+                "holds {listed} bytes, more than the {bytes} it held at registration"
+            )));
         }
         objects.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
         let io = |path: &Path, source: std::io::Error| ArtifactError::Unreadable {

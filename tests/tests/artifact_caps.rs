@@ -1,7 +1,8 @@
 //! An artifact fetched from an object store is bounded before a byte is
 //! read: more objects than `--artifact-max-objects`, or more bytes in its
-//! listing than `--artifact-max-bytes`, is refused by name with nothing
-//! left behind; within the limits it is fetched and hashed as always.
+//! listing than `--artifact-max-bytes`, or more of either than it held at
+//! registration, is refused by name with nothing left behind; within the
+//! limits it is fetched and hashed as always.
 //! A real S3-compatible server (`s3s-fs`) on loopback.
 
 use lorafleet_artifact::roots::ArtifactError;
@@ -71,6 +72,30 @@ fn a_fetch_is_refused_from_its_listing_past_the_object_and_byte_limits() {
         );
         assert!(err.to_string().contains(flag), "{err}");
         assert!(!dest.exists(), "{flag}: a refused fetch left {dest:?}");
+    }
+    // Against what it held at registration (bytes, objects): the same,
+    // fetched; one byte or one object fewer recorded, refused.
+    let dest = work.path().join("recorded");
+    rt.block_on(stores(1 << 30, 10).fetch_verified_within(
+        uri,
+        Some(&digest),
+        &dest,
+        Some((total, 2)),
+    ))
+    .unwrap();
+    std::fs::remove_dir_all(&dest).unwrap();
+    for recorded in [(total - 1, 2), (total, 1)] {
+        let err = rt
+            .block_on(stores(1 << 30, 10).fetch_verified_within(
+                uri,
+                Some(&digest),
+                &dest,
+                Some(recorded),
+            ))
+            .unwrap_err();
+        assert!(matches!(err, ArtifactError::TooLarge { .. }), "{err}");
+        assert!(err.to_string().contains("at registration"), "{err}");
+        assert!(!dest.exists());
     }
     // Nothing partial is left beside the refused ones either.
     let left: Vec<String> = std::fs::read_dir(work.path())

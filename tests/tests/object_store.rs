@@ -135,15 +135,25 @@ async fn adapters_in_a_bucket_are_pushed_served_and_refused_when_changed_missing
     })
     .await;
 
-    // Changed after registration: the worker's fetch hashes it, refuses
-    // it, and keeps no copy.
+    // Changed after registration, at the same size: the worker's fetch
+    // hashes it, refuses it, and keeps no copy.
     let v2 = push(2);
     route("changed", &v2["lora_int_id"]);
     let config = s3.object_file("adapters", "prod/acme/support/v2/adapter_config.json");
-    let mut text = std::fs::read_to_string(&config).unwrap();
-    text.push(' ');
-    std::fs::write(&config, text).unwrap();
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(&config, text.replacen('{', " ", 1)).unwrap();
     let (status, body) = status_of(&p, &key, "changed").await;
+    assert_ne!(status, 200, "{body}");
+    // Grown after registration: refused from the listing against the size
+    // the registry recorded, before a byte of it is read.
+    let v5 = push(5);
+    assert!(v5["artifact_bytes"].as_u64().is_some_and(|b| b > 0), "{v5}");
+    route("grown", &v5["lora_int_id"]);
+    let weights = s3.object_file("adapters", "prod/acme/support/v5/adapter_model.safetensors");
+    let mut bytes = std::fs::read(&weights).unwrap();
+    bytes.extend(std::iter::repeat_n(0u8, 1 << 20));
+    std::fs::write(&weights, bytes).unwrap();
+    let (status, body) = status_of(&p, &key, "grown").await;
     assert_ne!(status, 200, "{body}");
     // A missing object: deleted after registration.
     let v3 = push(3);
@@ -166,6 +176,7 @@ async fn adapters_in_a_bucket_are_pushed_served_and_refused_when_changed_missing
     let log = p.worker.log_text();
     for why in [
         "support/v2: digest",
+        "more than the",
         "not found in any artifact root or store",
         "support/v4: the object store is unavailable",
     ] {
@@ -186,6 +197,7 @@ async fn adapters_in_a_bucket_are_pushed_served_and_refused_when_changed_missing
         "lorafleet_artifact_fetch_bytes_total{store=\"fleet\"}",
         "lorafleet_artifact_fetch_seconds_count{store=\"fleet\"}",
         "reason=\"digest_mismatch\"",
+        "reason=\"too_large\"",
         "reason=\"not_found\"",
         "reason=\"unavailable\"",
         "lorafleet_artifact_store_transient_errors_total{store=\"fleet\"}",

@@ -425,6 +425,30 @@ async fn lora_int_ids_come_from_a_sequence_and_are_never_reused() {
             .await,
         "adapters_immutable",
     );
+    // Nor the size its artifact had at registration.
+    assert_violates(
+        sqlx::query(
+            "UPDATE adapters SET artifact_bytes = 1 << 40, artifact_files = 9 WHERE lora_int_id = $1",
+        )
+        .bind(first)
+        .execute(&pool)
+        .await,
+        "adapters_immutable",
+    );
+    // A size is recorded whole, or not at all.
+    assert_violates(
+        sqlx::query(
+            "INSERT INTO adapters (name, version, base_model_id, rank, alpha, use_rslora,
+                                   target_modules, artifact_uri, artifact_sha256, artifact_bytes)
+             SELECT name, 99, base_model_id, rank, alpha, use_rslora, target_modules,
+                    artifact_uri, artifact_sha256, 10
+             FROM adapters WHERE lora_int_id = $1",
+        )
+        .bind(first)
+        .execute(&pool)
+        .await,
+        "adapters_artifact_size_recorded",
+    );
     // A new version gets a fresh id.
     let third = adapter(&pool, "support", 3, base).await;
     assert!(third > second);

@@ -73,6 +73,7 @@ fn descriptor(adapter: &str, id: u64) -> pb::AdapterDescriptor {
             .into(),
         rank: 16,
         display_name: adapter.into(),
+        ..Default::default()
     }
 }
 

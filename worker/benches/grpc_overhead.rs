@@ -219,6 +219,7 @@ fn main() {
             base_hash: base_hash.clone(),
             rank: standin::RANK as u32,
             display_name: format!("a{i}"),
+            ..Default::default()
         })
         .collect();
     let cache = tempfile::tempdir().unwrap();

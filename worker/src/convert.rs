@@ -35,6 +35,9 @@ pub struct Descriptor {
     pub base_hash: Sha256Hex,
     pub rank: usize,
     pub display_name: String,
+    /// What the artifact held at registration (bytes, files), if the
+    /// registry recorded it: a fetch refuses more.
+    pub artifact_size: Option<(u64, u32)>,
 }
 
 /// A wire `lora_int_id`: refused by `field` unless positive.
@@ -64,6 +67,16 @@ pub fn descriptor(d: &pb::AdapterDescriptor, field: &str) -> Result<Descriptor, 
             "must be positive",
         ));
     }
+    let artifact_size = match (d.artifact_bytes, d.artifact_files) {
+        (0, 0) => None,
+        (_, 0) => {
+            return Err(Refusal::descriptor(
+                format!("{field}.artifact_files"),
+                "must be positive when artifact_bytes is set",
+            ));
+        }
+        (bytes, files) => Some((bytes, files)),
+    };
     Ok(Descriptor {
         lora_int_id,
         artifact_uri: d.artifact_uri.clone(),
@@ -75,6 +88,7 @@ pub fn descriptor(d: &pb::AdapterDescriptor, field: &str) -> Result<Descriptor, 
         } else {
             d.display_name.clone()
         },
+        artifact_size,
     })
 }
 
@@ -827,6 +841,38 @@ mod tests {
         let info = refused.get_details_error_info().unwrap();
         assert_eq!(info.reason, Reason::InvalidField.as_str());
         assert!(refused.message().starts_with("request_id"));
+    }
+
+    #[test]
+    fn a_recorded_artifact_size_is_read_or_refused_by_field() {
+        let base = pb::AdapterDescriptor {
+            lora_int_id: 7,
+            artifact_uri: "acme/v1".into(),
+            artifact_sha256: "ab".repeat(32),
+            base_hash: "cd".repeat(32),
+            rank: 8,
+            ..Default::default()
+        };
+        assert_eq!(descriptor(&base, "adapter").unwrap().artifact_size, None);
+        let sized = pb::AdapterDescriptor {
+            artifact_bytes: 4096,
+            artifact_files: 2,
+            ..base.clone()
+        };
+        assert_eq!(
+            descriptor(&sized, "adapter").unwrap().artifact_size,
+            Some((4096, 2))
+        );
+        let half = pb::AdapterDescriptor {
+            artifact_bytes: 4096,
+            ..base
+        };
+        let refused = status(&descriptor(&half, "adapter").unwrap_err());
+        assert!(
+            refused.message().starts_with("adapter.artifact_files"),
+            "{}",
+            refused.message()
+        );
     }
 
     #[test]

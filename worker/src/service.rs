@@ -153,7 +153,12 @@ impl WorkerService {
         let fetched = if lorafleet_store::is_object_uri(&d.artifact_uri) {
             let _ = tokio::fs::remove_dir_all(&copy).await;
             self.stores
-                .fetch_verified(&d.artifact_uri, Some(&d.artifact_sha256), &copy)
+                .fetch_verified_within(
+                    &d.artifact_uri,
+                    Some(&d.artifact_sha256),
+                    &copy,
+                    d.artifact_size,
+                )
                 .await
                 .inspect_err(count_mismatch)?;
             true

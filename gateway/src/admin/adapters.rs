@@ -5,6 +5,7 @@ use super::*;
 pub(super) const ADAPTER_SELECT: &str =
     "SELECT a.lora_int_id, a.name, a.version, b.name AS base_model, t.name AS tenant,
         a.rank, a.alpha, a.use_rslora, a.target_modules, a.artifact_uri, a.artifact_sha256,
+        a.artifact_bytes, a.artifact_files,
         a.state::TEXT AS state, a.created_at, a.retired_at
      FROM adapters a JOIN base_models b ON b.id = a.base_model_id
      LEFT JOIN tenants t ON t.id = a.tenant_id";
@@ -44,6 +45,10 @@ pub(super) struct Inspected {
     pub(super) use_rslora: bool,
     pub(super) targets: Vec<String>,
     pub(super) digest: String,
+    /// The bytes and files of the copy hashed: a worker refuses to fetch
+    /// an artifact that has grown past them.
+    pub(super) bytes: u64,
+    pub(super) files: u32,
 }
 
 /// Reads and checks an adapter artifact against a base model: its
@@ -234,13 +239,42 @@ fn inspect_dir(
         .iter()
         .map(|t| t.module_name().to_owned())
         .collect();
+    let (bytes, files) = artifact_size(dir).map_err(|e| {
+        AdminError::unprocessable(
+            AdminCode::ArtifactUnreadable,
+            "artifact_uri",
+            format!("the copy cannot be measured: {e}"),
+        )
+    })?;
     Ok(Inspected {
         rank,
         alpha: config.lora_alpha,
         use_rslora: config.use_rslora,
         targets,
         digest,
+        bytes,
+        files,
     })
+}
+
+/// The bytes and files under `dir` (a private copy: files and
+/// directories only).
+fn artifact_size(dir: &std::path::Path) -> std::io::Result<(u64, u32)> {
+    let (mut bytes, mut files) = (0u64, 0u32);
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d)? {
+            let entry = entry?;
+            let kind = entry.file_type()?;
+            if kind.is_dir() {
+                stack.push(entry.path());
+            } else {
+                bytes += entry.metadata()?.len();
+                files += 1;
+            }
+        }
+    }
+    Ok((bytes, files))
 }
 
 /// An adapter refused by the artifact rules, as the admin API reports it:
@@ -385,8 +419,9 @@ impl Command for RegisterAdapter {
         };
         let id: i64 = sqlx::query_scalar(
         "INSERT INTO adapters (name, version, base_model_id, tenant_id, rank, alpha, use_rslora,
-                               target_modules, artifact_uri, artifact_sha256)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) RETURNING lora_int_id",
+                               target_modules, artifact_uri, artifact_sha256,
+                               artifact_bytes, artifact_files)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) RETURNING lora_int_id",
     )
     .bind(&a.name)
     .bind(version)
@@ -398,6 +433,8 @@ impl Command for RegisterAdapter {
     .bind(&inspected.targets)
     .bind(&uri)
     .bind(&inspected.digest)
+    .bind(inspected.bytes as i64)
+    .bind(inspected.files as i32)
     .fetch_one(&mut *tx)
     .await
     .map_err(|e| match db_error(e) {

@@ -526,6 +526,7 @@ fn adapter_ref(resolved: &Resolved) -> Option<upstream::AdapterRef> {
         base_hash: a.base_hash.clone(),
         rank: a.rank,
         display_name: format!("{}@{}", a.name, a.version),
+        artifact_size: a.artifact_size,
     })
 }
 

@@ -18,6 +18,8 @@ impl From<&Generation> for pb::GenerateRequest {
                 base_hash: a.base_hash.to_string(),
                 rank: a.rank,
                 display_name: a.display_name.clone(),
+                artifact_bytes: a.artifact_size.map_or(0, |(b, _)| b),
+                artifact_files: a.artifact_size.map_or(0, |(_, f)| f),
             }),
             prompt: Some(match &g.prompt {
                 Prompt::Text(t) => pb::generate_request::Prompt::Text(t.clone()),

@@ -31,6 +31,8 @@ pub struct AdapterRef {
     pub rank: u32,
     /// `name@version`, for the worker's logs.
     pub display_name: String,
+    /// What the artifact held at registration (bytes, files), if recorded.
+    pub artifact_size: Option<(u64, u32)>,
 }
 
 /// One message of a chat prompt.

@@ -249,16 +249,26 @@ pub(super) async fn begin(
 
 /// An adapter version as a worker loads it.
 async fn adapter(ex: &mut sqlx::PgConnection, id: i64) -> Result<Adapter, AdminError> {
-    let (name, version, rank, uri, sha, base): (String, i32, i32, String, String, String) =
-        sqlx::query_as(
-            "SELECT a.name, a.version, a.rank, a.artifact_uri, a.artifact_sha256, b.base_hash
-             FROM adapters a JOIN base_models b ON b.id = a.base_model_id
-             WHERE a.lora_int_id = $1",
-        )
-        .bind(id)
-        .fetch_one(&mut *ex)
-        .await
-        .map_err(db_error)?;
+    type Row = (
+        String,
+        i32,
+        i32,
+        String,
+        String,
+        String,
+        Option<i64>,
+        Option<i32>,
+    );
+    let (name, version, rank, uri, sha, base, bytes, files): Row = sqlx::query_as(
+        "SELECT a.name, a.version, a.rank, a.artifact_uri, a.artifact_sha256, b.base_hash,
+                a.artifact_bytes, a.artifact_files
+         FROM adapters a JOIN base_models b ON b.id = a.base_model_id
+         WHERE a.lora_int_id = $1",
+    )
+    .bind(id)
+    .fetch_one(&mut *ex)
+    .await
+    .map_err(db_error)?;
     let bad = |what: &str| AdminError::internal(format!("adapter {id}: a stored {what}"));
     Ok(Adapter {
         lora_int_id: lorafleet_domain::AdapterId::from_registry(id)
@@ -269,6 +279,7 @@ async fn adapter(ex: &mut sqlx::PgConnection, id: i64) -> Result<Adapter, AdminE
         artifact_uri: uri,
         artifact_sha256: Sha256Hex::parse(&sha).ok_or_else(|| bad("artifact digest"))?,
         base_hash: Sha256Hex::parse(&base).ok_or_else(|| bad("base hash"))?,
+        artifact_size: bytes.zip(files).map(|(b, f)| (b as u64, f as u32)),
     })
 }
 
