@@ -17,8 +17,9 @@
 
 pub mod adapter;
 pub mod error;
-pub mod layers;
+pub mod json;
 pub mod model_config;
+pub use model_config::layers;
 pub mod quantization;
 pub mod roots;
 pub mod rope;

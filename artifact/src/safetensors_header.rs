@@ -1,6 +1,6 @@
 //! A safetensors file's JSON header, read without the tensor data: the
 //! admin plane checks an adapter's tensor names and shapes at registration
-//! with the rules the worker applies ([`crate::adapter::tensors`]).
+//! with the rules the worker applies (`adapter::tensors`).
 
 use std::collections::BTreeMap;
 use std::io::Read;

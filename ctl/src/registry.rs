@@ -187,7 +187,7 @@ async fn push(dir: &Path, uri: &str, endpoint: Option<String>) -> Result<String,
         })?;
     let spec: lorafleet_store::StoreSpec = format!("push=s3://{bucket}")
         .parse()
-        .map_err(|e: String| fail(USAGE, format!("--to: {e}")))?;
+        .map_err(|e: lorafleet_store::StoreError| fail(USAGE, format!("--to: {e}")))?;
     let stores = lorafleet_store::ObjectStores::new(
         &[spec],
         lorafleet_store::FetchOptions {
@@ -195,7 +195,7 @@ async fn push(dir: &Path, uri: &str, endpoint: Option<String>) -> Result<String,
             ..Default::default()
         },
     )
-    .map_err(|e| fail(USAGE, e))?;
+    .map_err(|e| fail(USAGE, e.to_string()))?;
     let bar = progress_bar("uploading artifact");
     let pushed = lorafleet_store::push_dir(&stores, dir, uri, &mut |p| {
         bar.set_length(p.total);

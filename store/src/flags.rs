@@ -1,6 +1,6 @@
 //! The stores' command-line flags, the same on the gateway and the worker.
 
-use crate::{FetchOptions, ObjectStores, StoreSpec};
+use crate::{FetchOptions, ObjectStores, StoreError, StoreSpec};
 
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct StoreFlags {
@@ -32,12 +32,16 @@ pub struct StoreFlags {
 impl StoreFlags {
     /// The stores' clients, fetching with `options` (whose endpoint these
     /// flags set).
-    pub fn stores(&self, options: FetchOptions) -> Result<ObjectStores, String> {
+    pub fn stores(&self, options: FetchOptions) -> Result<ObjectStores, StoreError> {
         if self.artifact_max_bytes == 0 {
-            return Err("--artifact-max-bytes: must be at least 1".into());
+            return Err(StoreError::Limit {
+                flag: "--artifact-max-bytes",
+            });
         }
         if self.artifact_max_objects == 0 {
-            return Err("--artifact-max-objects: must be at least 1".into());
+            return Err(StoreError::Limit {
+                flag: "--artifact-max-objects",
+            });
         }
         ObjectStores::new(
             &self.artifact_stores,

@@ -36,6 +36,33 @@ use object_store::aws::AmazonS3Builder;
 pub use flags::StoreFlags;
 pub use push::{PushProgress, push_dir};
 
+/// Why the stores' settings cannot be used, naming what is wrong.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StoreError {
+    /// A store (`NAME=s3://bucket/prefix`) or an `s3://` URI is malformed.
+    #[error("{value:?}: {reason}")]
+    Spec { value: String, reason: String },
+    /// Two stores share a name.
+    #[error("{name}: named twice")]
+    Duplicate { name: String },
+    /// A store's client cannot be built from its settings.
+    #[error("{name}: {reason}")]
+    Client { name: String, reason: String },
+    /// A fetch limit is zero.
+    #[error("must be at least 1")]
+    Limit { flag: &'static str },
+}
+
+impl StoreError {
+    /// The flag an operator sets wrong.
+    pub fn flag(&self) -> &'static str {
+        match self {
+            StoreError::Limit { flag } => flag,
+            _ => "--artifact-store",
+        }
+    }
+}
+
 /// One allowed store, as an operator writes it: `NAME=s3://bucket/prefix`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoreSpec {
@@ -46,22 +73,24 @@ pub struct StoreSpec {
 }
 
 impl std::str::FromStr for StoreSpec {
-    type Err = String;
+    type Err = StoreError;
 
-    fn from_str(s: &str) -> Result<StoreSpec, String> {
+    fn from_str(s: &str) -> Result<StoreSpec, StoreError> {
+        let bad = |reason: &str| StoreError::Spec {
+            value: s.into(),
+            reason: reason.into(),
+        };
         let (name, uri) = s
             .split_once('=')
-            .ok_or_else(|| format!("{s:?}: expected NAME=s3://bucket/prefix"))?;
+            .ok_or_else(|| bad("expected NAME=s3://bucket/prefix"))?;
         let name_ok = !name.is_empty()
             && name
                 .bytes()
                 .all(|b| b.is_ascii_alphanumeric() || b"-_".contains(&b));
         if !name_ok {
-            return Err(format!(
-                "{s:?}: the store's name must be letters, digits, - and _"
-            ));
+            return Err(bad("the store's name must be letters, digits, - and _"));
         }
-        let (bucket, prefix) = split_s3(uri).map_err(|why| format!("{s:?}: {why}"))?;
+        let (bucket, prefix) = split_s3(uri).map_err(|e| bad(&e.reason))?;
         Ok(StoreSpec {
             name: name.to_owned(),
             bucket,
@@ -73,10 +102,11 @@ impl std::str::FromStr for StoreSpec {
 /// `s3://bucket/key` as (bucket, key without leading or trailing '/'),
 /// refusing what S3 would not call a bucket name and key segments that are
 /// empty, `.` or `..`.
-fn split_s3(uri: &str) -> Result<(String, String), String> {
+fn split_s3(uri: &str) -> Result<(String, String), BadUri> {
+    let bad = |reason: String| BadUri { reason };
     let rest = uri
         .strip_prefix("s3://")
-        .ok_or("only s3:// URIs name an object store")?;
+        .ok_or_else(|| bad("only s3:// URIs name an object store".into()))?;
     let (bucket, key) = rest.split_once('/').unwrap_or((rest, ""));
     let bucket_ok = (3..=63).contains(&bucket.len())
         && bucket
@@ -85,16 +115,21 @@ fn split_s3(uri: &str) -> Result<(String, String), String> {
         && bucket.as_bytes()[0].is_ascii_alphanumeric()
         && bucket.as_bytes()[bucket.len() - 1].is_ascii_alphanumeric();
     if !bucket_ok {
-        return Err(format!("{bucket:?} is not a valid bucket name"));
+        return Err(bad(format!("{bucket:?} is not a valid bucket name")));
     }
     let key = key.trim_end_matches('/');
     if !key.is_empty() && key.split('/').any(|seg| matches!(seg, "" | "." | "..")) {
-        return Err(format!("{key:?} has an empty, . or .. segment"));
+        return Err(bad(format!("{key:?} has an empty, . or .. segment")));
     }
     if key.chars().any(|c| c.is_control()) {
-        return Err("the key holds a control character".into());
+        return Err(bad("the key holds a control character".into()));
     }
     Ok((bucket.to_owned(), key.to_owned()))
+}
+
+/// Why an `s3://` URI is malformed.
+struct BadUri {
+    reason: String,
 }
 
 /// Whether `uri` names an object store (whether or not it is allowed).
@@ -167,11 +202,13 @@ pub struct Located {
 
 impl ObjectStores {
     /// Clients for `specs`, configured from the environment's AWS chain.
-    pub fn new(specs: &[StoreSpec], options: FetchOptions) -> Result<ObjectStores, String> {
+    pub fn new(specs: &[StoreSpec], options: FetchOptions) -> Result<ObjectStores, StoreError> {
         let mut stores = Vec::new();
         for spec in specs {
             if stores.iter().any(|s: &Store| s.spec.name == spec.name) {
-                return Err(format!("--artifact-store {}: named twice", spec.name));
+                return Err(StoreError::Duplicate {
+                    name: spec.name.clone(),
+                });
             }
             let endpoint = options
                 .endpoint
@@ -207,7 +244,10 @@ impl ObjectStores {
                     },
                 })
                 .build()
-                .map_err(|e| format!("--artifact-store {}: {e}", spec.name))?;
+                .map_err(|e| StoreError::Client {
+                    name: spec.name.clone(),
+                    reason: e.to_string(),
+                })?;
             stores.push(Store {
                 spec: spec.clone(),
                 client: Arc::new(client),
@@ -235,7 +275,7 @@ impl ObjectStores {
             uri: uri.into(),
             reason,
         };
-        let (bucket, key) = split_s3(uri).map_err(invalid)?;
+        let (bucket, key) = split_s3(uri).map_err(|e| invalid(e.reason))?;
         if key.is_empty() {
             return Err(invalid("names a whole bucket, not an artifact".into()));
         }

@@ -96,33 +96,7 @@ pub fn expected_in_layer(config: &AdapterConfig, layer: usize) -> Vec<Expected> 
     out
 }
 
-/// An adapter tensor's name as a text model's adapter names it, or None for
-/// a tensor outside the language model. A multimodal checkpoint's adapter
-/// (Gemma 3's) holds its language model's factors under
-/// `base_model.model.model.language_model.` (transformers 5) or
-/// `base_model.model.language_model.model.` (transformers 4), and may hold
-/// factors on the vision tower and the projector too (a target list such
-/// as `["q_proj", "v_proj"]` matches their modules): those act on images
-/// alone, which the engine refuses, so a text request's result is the same
-/// with or without them, and they are left out.
-pub fn language_model_name(name: &str) -> Option<std::borrow::Cow<'_, str>> {
-    use std::borrow::Cow;
-    if name.contains(".vision_tower.") || name.contains(".multi_modal_projector.") {
-        return None;
-    }
-    for (stored, served) in [
-        (
-            "base_model.model.model.language_model.",
-            "base_model.model.model.",
-        ),
-        ("base_model.model.language_model.", "base_model.model."),
-    ] {
-        if let Some(rest) = name.strip_prefix(stored) {
-            return Some(Cow::Owned(format!("{served}{rest}")));
-        }
-    }
-    Some(Cow::Borrowed(name))
-}
+pub use crate::weights::language_model_name;
 
 /// The layer a PEFT tensor name belongs to, if it names one.
 fn layer_of(name: &str) -> Option<usize> {

@@ -4,12 +4,15 @@
 //! Every field that changes the math is either understood or refused by
 //! name; nothing is silently ignored.
 
-use std::path::{Path, PathBuf};
+pub mod layers;
+
+use std::path::Path;
 
 use serde_json::{Map, Value};
 
 use crate::error::{FileError, Result};
-use crate::layers::LayerKind;
+pub use crate::json::{Fields, read_json_object};
+use layers::LayerKind;
 
 /// The decoder families the engine runs. They share one forward pass and
 /// differ only in the switches of [`ModelConfig`]; Mixtral and Qwen3-MoE
@@ -129,12 +132,12 @@ pub struct ModelConfig {
     /// attend to (Mistral: every layer; Gemma: those `layer_kinds` says).
     pub sliding_window: Option<usize>,
     /// Each layer's attention span.
-    pub layer_kinds: Vec<crate::layers::LayerKind>,
+    pub layer_kinds: Vec<layers::LayerKind>,
     /// The MLP's activation on the gate.
-    pub activation: crate::layers::Activation,
+    pub activation: layers::Activation,
     /// Gemma 2 and 3's norms, scales and soft-capping; None for the
     /// Llama layer.
-    pub gemma: Option<crate::layers::Gemma>,
+    pub gemma: Option<layers::Gemma>,
     /// RMSNorm over each head of q and k before the rotary embedding
     /// (Qwen3).
     pub qk_norm: bool,
@@ -228,7 +231,7 @@ impl ModelConfig {
     /// The window a layer attends through, if it slides.
     pub fn window(&self, layer: usize) -> Option<usize> {
         match self.layer_kinds.get(layer) {
-            Some(crate::layers::LayerKind::Sliding) => self.sliding_window,
+            Some(layers::LayerKind::Sliding) => self.sliding_window,
             _ => None,
         }
     }
@@ -267,7 +270,7 @@ impl ModelConfig {
     /// their own.
     pub fn rope_of(&self, layer: usize) -> &crate::rope::Rope {
         match (&self.gemma, self.layer_kinds.get(layer)) {
-            (Some(g), Some(crate::layers::LayerKind::Sliding)) => {
+            (Some(g), Some(layers::LayerKind::Sliding)) => {
                 g.local_rope.as_ref().unwrap_or(&self.rope)
             }
             _ => &self.rope,
@@ -296,96 +299,6 @@ impl ModelConfig {
     /// Width of the k and v projections' outputs.
     pub fn kv_dim(&self) -> usize {
         self.num_kv_heads * self.head_dim
-    }
-}
-
-pub fn read_json_object(path: &Path) -> Result<Map<String, Value>> {
-    let text = std::fs::read_to_string(path).map_err(|e| FileError::io(path, e))?;
-    match serde_json::from_str::<Value>(&text) {
-        Ok(Value::Object(map)) => Ok(map),
-        Ok(_) => Err(FileError::model(path, "(root)", "must be a JSON object")),
-        Err(e) => Err(FileError::model(
-            path,
-            "(root)",
-            format!("is not valid JSON: {e}"),
-        )),
-    }
-}
-
-/// Typed access to one JSON object, with errors that name the file and field.
-#[derive(Debug)]
-pub struct Fields<'a> {
-    pub file: &'a Path,
-    pub map: &'a Map<String, Value>,
-}
-
-impl Fields<'_> {
-    pub(crate) fn err(&self, field: &str, reason: impl Into<String>) -> FileError {
-        FileError::model(PathBuf::from(self.file), field, reason)
-    }
-
-    /// The value, treating JSON null as absent.
-    pub fn get(&self, field: &str) -> Option<&Value> {
-        self.map.get(field).filter(|v| !v.is_null())
-    }
-
-    pub fn usize(&self, field: &str) -> Result<Option<usize>> {
-        match self.get(field) {
-            None => Ok(None),
-            Some(v) => v
-                .as_u64()
-                .map(|n| Some(n as usize))
-                .ok_or_else(|| self.err(field, format!("must be a non-negative integer, got {v}"))),
-        }
-    }
-
-    pub fn positive(&self, field: &str) -> Result<usize> {
-        match self.usize(field)? {
-            Some(n) if n > 0 => Ok(n),
-            Some(_) => Err(self.err(field, "must be positive")),
-            None => Err(self.err(field, "is required")),
-        }
-    }
-
-    pub fn f64(&self, field: &str) -> Result<Option<f64>> {
-        match self.get(field) {
-            None => Ok(None),
-            Some(v) => match v.as_f64() {
-                Some(x) if x.is_finite() => Ok(Some(x)),
-                _ => Err(self.err(field, format!("must be a finite number, got {v}"))),
-            },
-        }
-    }
-
-    pub fn bool(&self, field: &str) -> Result<Option<bool>> {
-        match self.get(field) {
-            None => Ok(None),
-            Some(Value::Bool(b)) => Ok(Some(*b)),
-            Some(v) => Err(self.err(field, format!("must be true or false, got {v}"))),
-        }
-    }
-
-    pub fn str(&self, field: &str) -> Result<Option<&str>> {
-        match self.get(field) {
-            None => Ok(None),
-            Some(Value::String(s)) => Ok(Some(s)),
-            Some(v) => Err(self.err(field, format!("must be a string, got {v}"))),
-        }
-    }
-
-    /// A token id given as one integer or a list of integers.
-    pub fn token_ids(&self, field: &str) -> Result<Option<Vec<u32>>> {
-        let as_id = |v: &Value| {
-            v.as_u64()
-                .filter(|&n| n <= u32::MAX as u64)
-                .map(|n| n as u32)
-                .ok_or_else(|| self.err(field, format!("must hold token ids, got {v}")))
-        };
-        match self.get(field) {
-            None => Ok(None),
-            Some(Value::Array(items)) => items.iter().map(as_id).collect::<Result<_>>().map(Some),
-            Some(v) => as_id(v).map(|id| Some(vec![id])),
-        }
     }
 }
 
@@ -477,12 +390,9 @@ fn parse_config(path: &Path, map: &Map<String, Value>) -> Result<ModelConfig> {
     }
     let num_layers = f.positive("num_hidden_layers")?;
     let gemma_parts = match architecture {
-        Architecture::Gemma2 | Architecture::Gemma3 => Some(crate::layers::parse_gemma(
-            &f,
-            architecture,
-            num_layers,
-            head_dim,
-        )?),
+        Architecture::Gemma2 | Architecture::Gemma3 => {
+            Some(layers::parse_gemma(&f, architecture, num_layers, head_dim)?)
+        }
         _ => {
             if let Some(act) = f.str("hidden_act")?
                 && act != "silu"
@@ -539,7 +449,7 @@ fn parse_config(path: &Path, map: &Map<String, Value>) -> Result<ModelConfig> {
     let (layer_kinds, rope, gemma) = match gemma_parts {
         Some((kinds, _, rope, gemma)) => (kinds, rope, Some(gemma)),
         None => {
-            if let Some(kinds) = crate::layers::layer_types(&f, num_layers)?
+            if let Some(kinds) = layers::layer_types(&f, num_layers)?
                 && let Some(i) = kinds.iter().position(|k| *k != uniform)
             {
                 return Err(f.err(
@@ -588,9 +498,9 @@ fn parse_config(path: &Path, map: &Map<String, Value>) -> Result<ModelConfig> {
         sliding_window,
         layer_kinds,
         activation: if gemma.is_some() {
-            crate::layers::Activation::GeluTanh
+            layers::Activation::GeluTanh
         } else {
-            crate::layers::Activation::Silu
+            layers::Activation::Silu
         },
         gemma,
         qk_norm: matches!(

@@ -1,19 +1,14 @@
 //! A quantized `[out, in]` weight as it is stored: one code per weight,
 //! a scale (and a zero point) per output and group of inputs, and each
-//! input's group. [`WeightFiles::quantized_matrix`] reads one from a
-//! checkpoint's tensors in any of the layouts of [`super`]; a weight's
+//! input's group. `WeightFiles::quantized_matrix` (the weights module)
+//! reads one from a checkpoint's tensors in any of the layouts of
+//! [`super`]; a weight's
 //! value is `(value(code) - zero) · scale`, computed in f32, or `value(code)
 //! · scale` without zero points. The engine keeps weights in this form and
 //! dequantizes them inside its projections; [`QuantizedMatrix::to_f32`] is
 //! the same formula for whoever wants the dense matrix.
 
-use std::path::Path;
-
-use safetensors::Dtype;
-
-use super::{Format, Strategy};
-use crate::error::{FileError, Result};
-use crate::weights::{RawTensor, WeightFiles};
+use super::Strategy;
 
 /// The stored values, one per weight, `[out, in]` row-major.
 #[derive(Debug, Clone, PartialEq)]
@@ -98,7 +93,7 @@ impl QuantizedMatrix {
     }
 
     /// The first weight that is NaN or infinite, as (row-major index, value).
-    fn first_non_finite(&self) -> Option<(usize, f32)> {
+    pub(crate) fn first_non_finite(&self) -> Option<(usize, f32)> {
         (0..self.out * self.fan_in)
             .map(|i| (i, self.weight(i / self.fan_in, i % self.fan_in)))
             .find(|(_, v)| !v.is_finite())
@@ -176,14 +171,14 @@ pub fn scale_shape(strategy: Strategy, out: usize, fan_in: usize) -> Vec<usize> 
 }
 
 /// Nibble `i` (bits `4 i`) of the little-endian int32 at byte `at`.
-fn nibble(words: &[u8], at: usize, i: usize) -> u8 {
+pub(crate) fn nibble(words: &[u8], at: usize, i: usize) -> u8 {
     let word = u32::from_le_bytes([words[at], words[at + 1], words[at + 2], words[at + 3]]);
     ((word >> (4 * i)) & 0xf) as u8
 }
 
 /// A per-strategy scale (or zero point) tensor of an `[out, in]` matrix
 /// as `[groups, out]`.
-fn by_group(strategy: Strategy, out: usize, fan_in: usize, flat: Vec<f32>) -> Vec<f32> {
+pub(crate) fn by_group(strategy: Strategy, out: usize, fan_in: usize, flat: Vec<f32>) -> Vec<f32> {
     match strategy {
         Strategy::Tensor => vec![flat[0]; out],
         Strategy::Channel => flat,
@@ -193,231 +188,5 @@ fn by_group(strategy: Strategy, out: usize, fan_in: usize, flat: Vec<f32>) -> Ve
                 .map(|i| flat[(i % out) * groups + i / out])
                 .collect()
         }
-    }
-}
-
-impl WeightFiles {
-    /// A quantized `[out, in]` weight as stored (see the module docs);
-    /// `None` when `name` is not stored quantized. Every tensor's dtype
-    /// and shape are checked, and a weight that dequantizes to NaN or an
-    /// infinity is refused, as [`WeightFiles::f32`] refuses one.
-    pub fn quantized_matrix(&self, name: &str, shape: &[usize]) -> Result<Option<QuantizedMatrix>> {
-        let Some((q, stem)) = self.quantized(name) else {
-            return Ok(None);
-        };
-        let &[out, fan_in] = shape else {
-            return Err(FileError::model(
-                self.file_of(&format!("{stem}.weight_scale"))
-                    .unwrap_or(Path::new("")),
-                name,
-                format!("a quantized weight must be a matrix, expected {shape:?}"),
-            ));
-        };
-        let (m, scale_name) = if matches!(q.format, Format::Gptq4 | Format::Gptq4V2 | Format::Awq4)
-        {
-            (
-                self.gptq_matrix(q.format, q.strategy, stem, (out, fan_in))?,
-                format!("{stem}.scales"),
-            )
-        } else {
-            (
-                self.compressed_matrix(q.format, q.strategy, q.symmetric, name, (out, fan_in))?,
-                format!("{stem}.weight_scale"),
-            )
-        };
-        if let Some((at, value)) = m.first_non_finite() {
-            let path = self
-                .file_of(&scale_name)
-                .unwrap_or(Path::new(""))
-                .to_path_buf();
-            return Err(Self::non_finite(&path, name, value, at));
-        }
-        Ok(Some(m))
-    }
-
-    /// A tensor of the given dtype and shape.
-    fn stored(
-        &self,
-        tensor: &str,
-        dtype: Dtype,
-        shape: &[usize],
-        format: Format,
-    ) -> Result<RawTensor<'_>> {
-        let (raw, path) = self.shaped(tensor, shape)?;
-        if raw.dtype != dtype {
-            return Err(FileError::model(
-                path,
-                tensor,
-                format!(
-                    "dtype {:?} does not match the {} quantization; expected {dtype:?}",
-                    raw.dtype,
-                    format.name()
-                ),
-            ));
-        }
-        Ok(raw)
-    }
-
-    /// A compressed-tensors weight: `W.weight` (or `W.weight_packed`),
-    /// `W.weight_scale` and, asymmetric, `W.weight_zero_point`.
-    fn compressed_matrix(
-        &self,
-        format: Format,
-        strategy: Strategy,
-        symmetric: bool,
-        name: &str,
-        (out, fan_in): (usize, usize),
-    ) -> Result<QuantizedMatrix> {
-        let stem = name.strip_suffix(".weight").unwrap_or(name);
-        let codes = match format {
-            Format::Int8 => Codes::Int8(
-                self.stored(name, Dtype::I8, &[out, fan_in], format)?
-                    .data
-                    .iter()
-                    .map(|&b| b as i8)
-                    .collect(),
-            ),
-            Format::Fp8E4m3 => Codes::Fp8E4m3(
-                self.stored(name, Dtype::F8_E4M3, &[out, fan_in], format)?
-                    .data
-                    .to_vec(),
-            ),
-            Format::PackedInt4 => {
-                let per_row = fan_in.div_ceil(8);
-                let words = self.stored(
-                    &format!("{stem}.weight_packed"),
-                    Dtype::I32,
-                    &[out, per_row],
-                    format,
-                )?;
-                Codes::Int4(
-                    (0..out * fan_in)
-                        .map(|i| {
-                            let (o, c) = (i / fan_in, i % fan_in);
-                            nibble(words.data, (o * per_row + c / 8) * 4, c % 8) as i8 - 8
-                        })
-                        .collect(),
-                )
-            }
-            Format::Gptq4 | Format::Gptq4V2 | Format::Awq4 => {
-                unreachable!("{} is read by gptq_matrix", format.name())
-            }
-        };
-        let scale_shape = scale_shape(strategy, out, fan_in);
-        let scales = self.f32_values(&format!("{stem}.weight_scale"), &scale_shape)?;
-        let zero_point = format!("{stem}.weight_zero_point");
-        let zeros = match (symmetric, format) {
-            (true, _) => None,
-            // Packed like the weights, each plus 8, but along the output:
-            // output o in bits 4 (o mod 8) of word row o / 8.
-            (false, Format::PackedInt4) => {
-                let groups = scale_shape[1];
-                let words =
-                    self.stored(&zero_point, Dtype::I32, &[out.div_ceil(8), groups], format)?;
-                let flat = (0..out * groups)
-                    .map(|i| {
-                        let (o, g) = (i / groups, i % groups);
-                        f32::from(nibble(words.data, ((o / 8) * groups + g) * 4, o % 8) as i8 - 8)
-                    })
-                    .collect();
-                Some(by_group(strategy, out, fan_in, flat))
-            }
-            (false, _) => {
-                let raw = self.stored(&zero_point, Dtype::I8, &scale_shape, format)?;
-                let flat = raw.data.iter().map(|&b| f32::from(b as i8)).collect();
-                Some(by_group(strategy, out, fan_in, flat))
-            }
-        };
-        Ok(QuantizedMatrix {
-            out,
-            fan_in,
-            codes,
-            scales: by_group(strategy, out, fan_in, scales),
-            zeros,
-            group: (0..fan_in)
-                .map(|k| match strategy {
-                    Strategy::Group(g) => (k / g) as u32,
-                    Strategy::Tensor | Strategy::Channel => 0,
-                })
-                .collect(),
-        })
-    }
-
-    /// A GPTQ or AWQ weight: `W.qweight`, `W.qzeros`, `W.scales` and, for
-    /// GPTQ, `W.g_idx` when present.
-    fn gptq_matrix(
-        &self,
-        format: Format,
-        strategy: Strategy,
-        stem: &str,
-        (out, fan_in): (usize, usize),
-    ) -> Result<QuantizedMatrix> {
-        let int32 = |tensor: &str, shape: &[usize]| self.stored(tensor, Dtype::I32, shape, format);
-        let group_size = match strategy {
-            Strategy::Group(g) => g,
-            Strategy::Tensor | Strategy::Channel => fan_in,
-        };
-        let groups = fan_in.div_ceil(group_size);
-        let qzeros = int32(&format!("{stem}.qzeros"), &[groups, out.div_ceil(8)])?;
-        // Both unpack to [in, out]; the codes are [out, in].
-        let (by_input, zeros): (Vec<u32>, Vec<f32>) = if format == Format::Awq4 {
-            let qweight = int32(&format!("{stem}.qweight"), &[fan_in, out.div_ceil(8)])?;
-            let zeros = unpack_awq(qzeros.data, (groups, out));
-            (
-                unpack_awq(qweight.data, (fan_in, out)),
-                zeros.into_iter().map(|z| z as f32).collect(),
-            )
-        } else {
-            let qweight = int32(&format!("{stem}.qweight"), &[fan_in.div_ceil(8), out])?;
-            // The zeros are packed along the output, in order: a [groups,
-            // out] matrix read a row at a time, stored minus one in
-            // AutoGPTQ's format.
-            let offset = if format == Format::Gptq4 { 1.0 } else { 0.0 };
-            let per_row = out.div_ceil(8);
-            let zeros = (0..groups * out)
-                .map(|i| {
-                    let (g, o) = (i / out, i % out);
-                    f32::from(nibble(qzeros.data, (g * per_row + o / 8) * 4, o % 8)) + offset
-                })
-                .collect();
-            (unpack_int4_rows(qweight.data, (fan_in, out)), zeros)
-        };
-        let codes = Codes::Uint4(
-            (0..out * fan_in)
-                .map(|i| by_input[(i % fan_in) * out + i / fan_in] as u8)
-                .collect(),
-        );
-        let scales = self.f32_values(&format!("{stem}.scales"), &[groups, out])?;
-        let g_idx = format!("{stem}.g_idx");
-        let group: Vec<u32> = if format != Format::Awq4 && self.has_tensor(&g_idx) {
-            let raw = int32(&g_idx, &[fan_in])?;
-            let path = self.file_of(&g_idx).unwrap_or(Path::new("")).to_path_buf();
-            raw.data
-                .chunks_exact(4)
-                .map(|b| {
-                    let g = i32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                    u32::try_from(g)
-                        .ok()
-                        .filter(|&g| (g as usize) < groups)
-                        .ok_or_else(|| {
-                            FileError::model(
-                                &path,
-                                &g_idx,
-                                format!("group {g} is not below {groups}"),
-                            )
-                        })
-                })
-                .collect::<Result<_>>()?
-        } else {
-            (0..fan_in).map(|k| (k / group_size) as u32).collect()
-        };
-        Ok(QuantizedMatrix {
-            out,
-            fan_in,
-            codes,
-            scales,
-            zeros: Some(zeros),
-            group,
-        })
     }
 }

@@ -53,6 +53,7 @@ mod matrix;
 pub use matrix::{
     AWQ_ORDER, Codes, QuantizedMatrix, fp8_e4m3_to_f32, scale_shape, unpack_awq, unpack_int4_rows,
 };
+pub(crate) use matrix::{by_group, nibble};
 
 /// How a checkpoint's quantized weights are stored.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -117,7 +118,7 @@ impl Quantization {
     }
 
     /// What the base hash covers of the configuration (see
-    /// [`crate::weights`]): every field that changes what the stored bytes
+    /// the weights module): every field that changes what the stored bytes
     /// dequantize to, written the same whatever the JSON's layout, so the
     /// same bytes read another way are another base model.
     pub fn canonical(&self) -> String {

@@ -5,7 +5,7 @@ use serde_json::{Map, Value};
 
 use super::{Rope, RopeScaling, RopeSource};
 use crate::error::{FileError, Result};
-use crate::model_config::Fields;
+use crate::json::Fields;
 
 impl Rope {
     /// Reads the rotary embedding from a `config.json`: `rope_theta` and

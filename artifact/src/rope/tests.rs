@@ -4,7 +4,7 @@ use serde_json::Value;
 
 use super::*;
 use crate::error::Result;
-use crate::model_config::Fields;
+use crate::json::Fields;
 
 fn rope(config: Value) -> Result<Rope> {
     let map = config.as_object().unwrap().clone();

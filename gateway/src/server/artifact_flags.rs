@@ -28,7 +28,7 @@ impl ArtifactFlags {
         let stores = self
             .stores
             .stores(Default::default())
-            .map_err(|e| FlagError::new("--artifact-store", e))?;
+            .map_err(|e| FlagError::new(e.flag(), e.to_string()))?;
         Ok((roots, stores))
     }
 }

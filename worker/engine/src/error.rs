@@ -50,7 +50,7 @@ pub enum EngineError {
     PinLimit { pinned: usize },
     /// An adapter was refused.
     #[error(transparent)]
-    Adapter(#[from] crate::lora::AdapterError),
+    Adapter(#[from] lorafleet_artifact::adapter::AdapterError),
     /// The backend failed.
     #[error("backend: {0}")]
     Backend(String),

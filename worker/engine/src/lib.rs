@@ -15,6 +15,7 @@ pub mod eviction;
 pub mod kv;
 pub mod logprobs;
 pub mod lora;
+mod masks;
 pub mod model;
 pub mod penalties;
 pub mod pool;

@@ -6,9 +6,9 @@
 
 use std::sync::Arc;
 
-use crate::engine::Prompt;
 use crate::error::{EngineError, Result};
 use crate::model::tokenizer::Tokenizer;
+use crate::request::Prompt;
 
 /// The model's tokenizer and limits. Cheap to clone, and `Send`.
 #[derive(Debug, Clone)]

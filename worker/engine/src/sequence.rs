@@ -115,7 +115,7 @@ pub(crate) struct Sequence {
 #[derive(Debug)]
 pub struct PendingDraw {
     pub(crate) logits: Vec<f32>,
-    pub(crate) mask: crate::engine::masks::MaskSlot,
+    pub(crate) mask: crate::masks::MaskSlot,
 }
 
 /// What one new token produced.

@@ -334,7 +334,7 @@ impl ServeArgs {
                 timeout: Duration::from_secs(self.artifact_fetch_timeout_secs),
                 ..Default::default()
             })
-            .map_err(|e| FlagError::new("--artifact-store", e))?;
+            .map_err(|e| FlagError::new(e.flag(), e.to_string()))?;
         Ok(WorkerConfig {
             model: self.model.clone(),
             artifact_roots,

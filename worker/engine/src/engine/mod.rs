@@ -17,8 +17,8 @@ use crate::prompter::Prompter;
 use crate::scheduler::{Queues, SeqId};
 use crate::sequence::Sequence;
 
-pub(crate) mod masks;
-pub use masks::lower_priority as lower_thread_priority;
+use crate::masks;
+pub use crate::masks::lower_priority as lower_thread_priority;
 mod step;
 
 pub use crate::request::{Accepted, Completion, Event, Fairness, Prompt, Request};

@@ -17,7 +17,7 @@ use crate::scheduler::{Limits, Scheduler, SeqId};
 use crate::sequence::{FinishReason, PendingDraw, Sequence};
 use std::time::Instant;
 
-use super::masks::{MaskPool, MaskSlot};
+use crate::masks::{MaskPool, MaskSlot};
 
 /// One scheduled sequence's place in a step: its slot, id, how many tokens
 /// it feeds, and the rows of the step's logits that are its own.
@@ -554,7 +554,7 @@ fn forward_and_draw(
         .collect();
     let started = Instant::now();
     let logits = backend.forward(batch)?;
-    let deadline = Instant::now() + super::masks::grace(started.elapsed());
+    let deadline = Instant::now() + crate::masks::grace(started.elapsed());
     // Each draw's mask, in draw order.
     let mut mask_of: Vec<Option<Result<Allowed>>> = (0..draws.len()).map(|_| None).collect();
     for (i, slot) in constrained {

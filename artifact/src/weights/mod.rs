@@ -27,6 +27,8 @@
 //! quantized bytes under another quantization config (GPTQ's zero-point
 //! convention, a group size): they dequantize to other weights.
 
+mod quantized;
+
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -36,7 +38,7 @@ use safetensors::{Dtype, SafeTensors};
 use sha2::{Digest, Sha256};
 
 use crate::error::{FileError, Result};
-use crate::model_config::read_json_object;
+use crate::json::read_json_object;
 use crate::quantization::{self, Format, Quantization};
 
 const HASH_DOMAIN: &[u8] = b"lorafleet-base-hash-v1\n";
@@ -385,17 +387,45 @@ impl WeightFiles {
 
 impl WeightFiles {
     /// Makes an adapter's tensors answer to the names a text model's
-    /// adapter gives them ([`crate::adapter::tensors::language_model_name`]).
+    /// adapter gives them ([`language_model_name`]).
     pub fn serve_language_model_adapter(&mut self) {
         self.aliases = self
             .index
             .keys()
             .filter_map(|stored| {
-                let served = crate::adapter::tensors::language_model_name(stored)?;
+                let served = language_model_name(stored)?;
                 (served != stored.as_str()).then(|| (served.into_owned(), stored.clone()))
             })
             .collect();
     }
+}
+
+/// An adapter tensor's name as a text model's adapter names it, or None for
+/// a tensor outside the language model. A multimodal checkpoint's adapter
+/// (Gemma 3's) holds its language model's factors under
+/// `base_model.model.model.language_model.` (transformers 5) or
+/// `base_model.model.language_model.model.` (transformers 4), and may hold
+/// factors on the vision tower and the projector too (a target list such
+/// as `["q_proj", "v_proj"]` matches their modules): those act on images
+/// alone, which the engine refuses, so a text request's result is the same
+/// with or without them, and they are left out.
+pub fn language_model_name(name: &str) -> Option<std::borrow::Cow<'_, str>> {
+    use std::borrow::Cow;
+    if name.contains(".vision_tower.") || name.contains(".multi_modal_projector.") {
+        return None;
+    }
+    for (stored, served) in [
+        (
+            "base_model.model.model.language_model.",
+            "base_model.model.model.",
+        ),
+        ("base_model.model.language_model.", "base_model.model."),
+    ] {
+        if let Some(rest) = name.strip_prefix(stored) {
+            return Some(Cow::Owned(format!("{served}{rest}")));
+        }
+    }
+    Some(Cow::Borrowed(name))
 }
 
 /// The language model's tensors of a multimodal Gemma 3 checkpoint under

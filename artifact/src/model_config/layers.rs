@@ -3,8 +3,8 @@
 //! scales and soft-capping, read from `config.json` with every field
 //! understood or refused by name.
 
+use super::{Architecture, Fields};
 use crate::error::Result;
-use crate::model_config::{Architecture, Fields};
 use crate::rope::{Rope, RopeSource};
 
 /// What a layer's attention may see.
