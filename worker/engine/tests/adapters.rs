@@ -354,3 +354,85 @@ fn artifact_digests_match_an_independent_implementation() {
         assert!(dir.join("adapter_config.json").exists());
     }
 }
+
+/// ARCHITECTURE.md's invariant, by name: a request for an adapter that
+/// cannot be applied — its files gone, its weights corrupt, made for
+/// another base model, or of a rank above the engine's — is refused or
+/// fails; it never gets a token, so it is never served by the base model.
+#[test]
+fn an_adapter_request_is_never_served_by_the_base_model() {
+    use lorafleet_engine::{AdapterSource, EngineSettings, Event, Prompt, Request, SamplingParams};
+    let corrupt = copy_adapter("qv-r8");
+    let weights = corrupt.path().join("adapter_model.safetensors");
+    let bytes = std::fs::read(&weights).unwrap();
+    std::fs::write(&weights, &bytes[..bytes.len() / 2]).unwrap();
+    let source = |name: &str, dir: &Path, base: Option<String>| AdapterSource {
+        name: name.into(),
+        dir: dir.to_path_buf(),
+        declared_base_hash: base,
+        digest: None,
+    };
+    let cases = [
+        (
+            "gone",
+            source("gone", Path::new("/nonexistent/adapter"), None),
+        ),
+        ("corrupt", source("corrupt", corrupt.path(), None)),
+        (
+            "other base",
+            source("other", &adapter_dir(MODEL, "qv-r8"), Some("f".repeat(64))),
+        ),
+        (
+            "rank 16 > 8",
+            source("wide", &adapter_dir(MODEL, "k-r16"), None),
+        ),
+    ];
+    let settings = EngineSettings {
+        max_lora_rank: 8,
+        ..Default::default()
+    };
+    let mut e = lorafleet_engine::Engine::load_cpu(&model_dir(MODEL), settings).unwrap();
+    let mut outcomes = Vec::new();
+    for (i, (what, src)) in cases.into_iter().enumerate() {
+        let id = aid(100 + i as u64);
+        if e.register_adapter(id, src).is_err() {
+            // Refused at registration: nothing can ask for it.
+            outcomes.push((what, "registration"));
+            continue;
+        }
+        let request = Request {
+            id: format!("r{i}"),
+            adapter: Some(id),
+            prompt: Prompt::Text("The quick brown fox".into()),
+            params: SamplingParams {
+                max_tokens: 4,
+                ..Default::default()
+            },
+        };
+        if e.submit(request).is_err() {
+            outcomes.push((what, "submission"));
+            continue;
+        }
+        let (mut tokens, mut failed) = (0, false);
+        let mut steps = 0;
+        while e.has_work() {
+            steps += 1;
+            assert!(steps < 1000, "{what}: no progress");
+            for (_, event) in e.step().unwrap() {
+                match event {
+                    Event::Delta { token_ids, .. } => tokens += token_ids.len(),
+                    Event::Failed(_) => failed = true,
+                    Event::Finished(_) => panic!("{what}: finished as if served"),
+                    Event::PromptLogprobs(_) => {}
+                }
+            }
+        }
+        assert!(failed, "{what}: the request did not fail");
+        assert_eq!(tokens, 0, "{what}: tokens were served");
+        outcomes.push((what, "load"));
+    }
+    // Each case was refused somewhere, and the adapter loads that fail
+    // after the request is queued are among them.
+    assert_eq!(outcomes.len(), 4, "{outcomes:?}");
+    assert!(outcomes.iter().any(|(_, at)| *at == "load"), "{outcomes:?}");
+}
