@@ -4,6 +4,8 @@
 //! server's expiry), which every replica honours within two seconds. And every admin token
 //! can be revoked and ends within the maximum lifetime: one without a
 //! `jti`, or living longer than `--admin-jwt-max-ttl-secs`, is refused.
+//! Tenant JWTs are revoked by `jti` through the admin API, `lorafleetctl`
+//! and the console.
 //! Real gateways, real Postgres, the real `lorafleetctl`.
 
 #[path = "support/admin_plane.rs"]
@@ -250,5 +252,41 @@ async fn a_tenant_jwt_is_revoked_by_its_jti_on_every_replica_within_two_seconds(
             "tok-2 still accepted"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // And from the console: the token pasted whole; what is not a token is
+    // refused by its field, and never shown back.
+    let third = mint("tok-3");
+    assert_eq!(models(0, &third).await.0, 200);
+    let b = lorafleet_tests::browser::Browser::start().await;
+    let console = p.admin_url(0);
+    b.goto(&format!("{console}/console/login")).await;
+    b.fill("#login textarea[name=token]", &p.admin_token).await;
+    b.click("#login button[type=submit]").await;
+    b.find("#me").await;
+    b.goto(&format!("{console}/console/tenants")).await;
+    b.fill("#revoke-token-form textarea[name=token]", "not-a-token")
+        .await;
+    b.click("#revoke-token-form button[type=submit]").await;
+    let refusal = b.text(".refusal").await;
+    assert!(refusal.contains("token: is not a JWT"), "{refusal}");
+    b.fill("#revoke-token-form textarea[name=token]", &third)
+        .await;
+    b.click("#revoke-token-form button[type=submit]").await;
+    let notice = b.text("#notice").await;
+    assert!(notice.contains("tenant token tok-3 revoked"), "{notice}");
+    assert!(
+        !b.text("main").await.contains(&third),
+        "the token shown back"
+    );
+    let start = Instant::now();
+    for replica in 0..2 {
+        while models(replica, &third).await.0 != 401 {
+            assert!(
+                start.elapsed() < Duration::from_secs(2),
+                "replica {replica} still accepts tok-3"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 }

@@ -50,6 +50,10 @@ pub(super) fn router() -> Router<Console> {
         )
         .route("/console/tenants", get(tenants::list).post(tenants::create))
         .route("/console/tenants/{tenant}", get(tenants::page))
+        .route(
+            "/console/tenant-tokens/revoke",
+            post(tenants::revoke_tenant_token),
+        )
         .route("/console/tenants/{tenant}/disable", post(tenants::disable))
         .route("/console/tenants/{tenant}/enable", post(tenants::enable))
         .route("/console/tenants/{tenant}/keys", post(tenants::create_key))

@@ -1,11 +1,12 @@
 //! Tenants and their API keys: create and disable tenants; create keys
-//! (the secret is shown once, on the page that created it) and revoke them.
+//! (the secret is shown once, on the page that created it) and revoke them;
+//! revoke a tenant's JWT from the token itself (its `jti` until its `exp`).
 
 use super::*;
-use crate::admin::types::{Limit, NewKey, NewTenant, TenantPatch};
+use crate::admin::types::{Limit, NewKey, NewTenant, TenantPatch, TokenRevocation};
 use crate::admin::{
-    CreateKey, CreateTenant, GetTenant, ListKeys, ListTenants, RevokeKey, SetTenantDisabled,
-    UpdateTenant,
+    CreateKey, CreateTenant, GetTenant, ListKeys, ListTenants, RevokeKey, RevokeTenantToken,
+    SetTenantDisabled, UpdateTenant,
 };
 
 pub(super) async fn list(State(c): State<Console>, s: Session) -> Response {
@@ -56,6 +57,58 @@ pub(super) async fn create(
         Ok(_) => Redirect::to("/console/tenants").into_response(),
         Err(e) => render_list(&c, &s, Outcome::refused("create", e, Some(&fields))).await,
     }
+}
+
+/// `POST /console/tenant-tokens/revoke`: a tenant JWT pasted whole,
+/// revoked by its `jti` until its `exp` (read from the token, whose
+/// signature this does not need: revoking a forged token denies nothing).
+pub(super) async fn revoke_tenant_token(
+    State(c): State<Console>,
+    Write { session: s, fields }: Write,
+) -> Response {
+    let result = async {
+        let revocation = claims_of(fields.get("token"))?;
+        c.exec(&s, RevokeTenantToken(revocation)).await
+    }
+    .await;
+    match result {
+        Ok(r) => {
+            let outcome = Outcome {
+                form: Some("revoke-token"),
+                notice: Some(format!(
+                    "tenant token {} revoked until {}",
+                    r.jti,
+                    r.expires_at
+                        .to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+                )),
+                ..Outcome::default()
+            };
+            render_list(&c, &s, outcome).await
+        }
+        Err(e) => {
+            // The token is never echoed back into the page.
+            render_list(&c, &s, Outcome::refused("revoke-token", e, None)).await
+        }
+    }
+}
+
+/// The `jti` and `exp` of a JWT's payload, refused by field `token`.
+fn claims_of(token: &str) -> Result<TokenRevocation, ApiError> {
+    let bad = |why: &str| ApiError::field("token", why);
+    let claims: Value = jsonwebtoken::dangerous::insecure_decode_claims(token.trim())
+        .map_err(|_| bad("is not a JWT (three base64url parts, a JSON payload)"))?;
+    let jti = claims["jti"]
+        .as_str()
+        .filter(|j| !j.is_empty())
+        .ok_or_else(|| bad("has no jti claim: it cannot be revoked alone"))?;
+    let exp = claims["exp"]
+        .as_i64()
+        .and_then(|e| chrono::DateTime::from_timestamp(e, 0))
+        .ok_or_else(|| bad("has no exp claim"))?;
+    Ok(TokenRevocation {
+        jti: jti.to_owned(),
+        expires_at: exp,
+    })
 }
 
 async fn switch(
