@@ -6,6 +6,10 @@ use std::process::Command;
 
 use serde_json::Value;
 
+#[path = "support/modules.rs"]
+mod modules;
+use modules::{find_cycle, library_sources, module_graph};
+
 /// Crates that open sockets or speak a network protocol.
 const NETWORK_CRATES: &[&str] = &[
     "tokio", "mio", "hyper", "h2", "tonic", "axum", "reqwest", "sqlx", "redis", "socket2",
@@ -284,7 +288,9 @@ fn only_convert_builds_wire_messages_in_the_worker() {
     let src = std::path::PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../worker/src"));
     let mut checked = 0;
     for file in walk(&src) {
-        if file.extension().is_none_or(|e| e != "rs") || file.ends_with("convert.rs") {
+        if file.extension().is_none_or(|e| e != "rs")
+            || file.components().any(|c| c.as_os_str() == "convert")
+        {
             continue;
         }
         checked += 1;
@@ -302,7 +308,7 @@ fn only_convert_builds_wire_messages_in_the_worker() {
                 assert!(
                     (return_type || !after.starts_with(" {"))
                         && !path.contains("generate_event::Event::"),
-                    "{}:{}: builds pb::{path}; wire messages are built in worker/src/convert.rs",
+                    "{}:{}: builds pb::{path}; wire messages are built in worker/src/convert/",
                     file.display(),
                     n + 1
                 );
@@ -398,139 +404,6 @@ fn walk(root: &std::path::Path) -> Vec<std::path::PathBuf> {
         }
     }
     out
-}
-
-/// The top-level modules of a crate's `src/` (a `NAME.rs` file or a `NAME/`
-/// directory; binaries left out) and which others each one's non-test code
-/// names as `crate::OTHER`.
-fn module_graph(src: &std::path::Path) -> BTreeMap<String, BTreeSet<String>> {
-    let mut modules = BTreeSet::new();
-    for entry in std::fs::read_dir(src).unwrap().flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if entry.path().is_dir() {
-            if name != "bin" {
-                modules.insert(name);
-            }
-        } else if let Some(stem) = name.strip_suffix(".rs")
-            && stem != "lib"
-            && stem != "main"
-        {
-            modules.insert(stem.to_owned());
-        }
-    }
-    let mut graph = BTreeMap::new();
-    for m in &modules {
-        let dir = src.join(m);
-        let files = if dir.is_dir() {
-            walk(&dir)
-        } else {
-            vec![src.join(format!("{m}.rs"))]
-        };
-        let mut uses = BTreeSet::new();
-        for file in files
-            .iter()
-            .filter(|f| f.extension().is_some_and(|e| e == "rs"))
-        {
-            let text = std::fs::read_to_string(file).unwrap();
-            // A file's unit tests sit at its end; they may reach anywhere.
-            // Comments (doc links) are not uses.
-            let code: String = text
-                .split("#[cfg(test)]\nmod tests")
-                .next()
-                .unwrap()
-                .lines()
-                .filter(|l| !l.trim_start().starts_with("//"))
-                .collect::<Vec<_>>()
-                .join("\n");
-            let mut rest = code.as_str();
-            while let Some(at) = rest.find("crate::") {
-                rest = &rest[at + "crate::".len()..];
-                let named: String = rest
-                    .chars()
-                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
-                    .collect();
-                // `crate::{a, b}` names several.
-                let names: Vec<String> = if named.is_empty() && rest.starts_with('{') {
-                    let list = &rest[1..rest.find('}').unwrap_or(rest.len())];
-                    list.split(',')
-                        .filter_map(|p| p.trim().split("::").next())
-                        .map(str::to_owned)
-                        .collect()
-                } else {
-                    vec![named]
-                };
-                uses.extend(names.into_iter().filter(|n| n != m && modules.contains(n)));
-            }
-        }
-        graph.insert(m.clone(), uses);
-    }
-    graph
-}
-
-/// A cycle in `graph`, as the modules along it, if there is one.
-fn find_cycle(graph: &BTreeMap<String, BTreeSet<String>>) -> Option<Vec<String>> {
-    fn visit(
-        m: &str,
-        graph: &BTreeMap<String, BTreeSet<String>>,
-        path: &mut Vec<String>,
-        done: &mut BTreeSet<String>,
-    ) -> Option<Vec<String>> {
-        if let Some(at) = path.iter().position(|p| p == m) {
-            let mut cycle = path[at..].to_vec();
-            cycle.push(m.to_owned());
-            return Some(cycle);
-        }
-        if done.contains(m) {
-            return None;
-        }
-        path.push(m.to_owned());
-        for next in &graph[m] {
-            if let Some(c) = visit(next, graph, path, done) {
-                return Some(c);
-            }
-        }
-        path.pop();
-        done.insert(m.to_owned());
-        None
-    }
-    let mut done = BTreeSet::new();
-    graph
-        .keys()
-        .find_map(|m| visit(m, graph, &mut Vec::new(), &mut done))
-}
-
-/// Every workspace library's name and `src/` directory, from `cargo
-/// metadata`: a crate added to the workspace is checked without editing a
-/// list. The test-support crate (`lorafleet-tests`) is left out.
-fn library_sources() -> Vec<(String, std::path::PathBuf)> {
-    let out = Command::new(env!("CARGO"))
-        .args([
-            "metadata",
-            "--format-version",
-            "1",
-            "--no-deps",
-            "--offline",
-        ])
-        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
-        .output()
-        .expect("run cargo metadata");
-    assert!(out.status.success());
-    let meta: Value = serde_json::from_slice(&out.stdout).unwrap();
-    let mut libs = Vec::new();
-    for p in meta["packages"].as_array().unwrap() {
-        let name = p["name"].as_str().unwrap();
-        if name == "lorafleet-tests" {
-            continue;
-        }
-        for t in p["targets"].as_array().unwrap() {
-            if t["kind"].as_array().unwrap().iter().any(|k| k == "lib") {
-                let src = std::path::PathBuf::from(t["src_path"].as_str().unwrap());
-                libs.push((name.to_owned(), src.parent().unwrap().to_path_buf()));
-            }
-        }
-    }
-    libs.sort();
-    libs
 }
 
 /// Uses that close a module cycle today, each with why it is there; the
