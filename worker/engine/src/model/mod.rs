@@ -2,6 +2,7 @@
 //! The configuration and the weight files are read by `lorafleet-artifact`,
 //! which the gateway shares.
 
+pub mod norms;
 pub mod tokenizer;
 
 pub use lorafleet_artifact::layers;

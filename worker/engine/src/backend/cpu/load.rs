@@ -11,6 +11,7 @@ use super::{CpuBackend, Embedding, Layer, Mlp, SlotTable, SlotView, moe, rope};
 use crate::backend::BackendShape;
 use crate::error::Result;
 use crate::lora::Projection;
+use crate::model::norms::{LayerNorms, final_norm};
 use crate::model::{ModelConfig, WeightFiles};
 use lorafleet_artifact::layers::LayerKind;
 
@@ -79,38 +80,15 @@ impl CpuBackend {
                 )
             };
             use Projection::*;
-            // Gemma's norms scale by (1 + w): the one is added at load.
-            let norm = |name: &str, width: usize| -> Result<Vec<f32>> {
-                let mut w = files.f32(&format!("{prefix}.{name}.weight"), &[width])?;
-                if c.gemma.is_some() {
-                    w.iter_mut().for_each(|w| *w += 1.0);
-                }
-                Ok(w)
-            };
-            let h = c.hidden_size;
-            let (post_norm, attn_out_norm, mlp_out_norm) = match c.gemma {
-                Some(_) => (
-                    norm("pre_feedforward_layernorm", h)?,
-                    Some(norm("post_attention_layernorm", h)?),
-                    Some(norm("post_feedforward_layernorm", h)?),
-                ),
-                None => (norm("post_attention_layernorm", h)?, None, None),
-            };
+            let norms = LayerNorms::load(&files, c, l)?;
             layers.push(Layer {
-                input_norm: norm("input_layernorm", h)?,
-                post_norm,
-                attn_out_norm,
-                mlp_out_norm,
+                input_norm: norms.input,
+                post_norm: norms.post,
+                attn_out_norm: norms.attn_out,
+                mlp_out_norm: norms.mlp_out,
                 qkv: stacked(&[Q, K, V])?,
                 o: stacked(&[O])?,
-                qk_norm: if c.qk_norm {
-                    Some((
-                        norm("self_attn.q_norm", c.head_dim)?,
-                        norm("self_attn.k_norm", c.head_dim)?,
-                    ))
-                } else {
-                    None
-                },
+                qk_norm: norms.qk,
                 mlp: match c.moe {
                     Some(moe) => Mlp::Moe(moe::MoeBlock::load(&files, c, moe, l)?),
                     None => Mlp::Dense {
@@ -120,10 +98,7 @@ impl CpuBackend {
                 },
             });
         }
-        let mut norm = files.f32("model.norm.weight", &[c.hidden_size])?;
-        if c.gemma.is_some() {
-            norm.iter_mut().for_each(|w| *w += 1.0);
-        }
+        let norm = final_norm(&files, c)?;
         let embed_name = "model.embed_tokens.weight";
         let head_name = if c.tie_word_embeddings && !files.contains("lm_head.weight") {
             embed_name

@@ -55,6 +55,7 @@ use self::slots::Slots;
 use super::{Backend, BackendShape, GraphCounters, StepBatch};
 use crate::error::{EngineError, Result};
 use crate::lora::{HostAdapter, Projection};
+use crate::model::norms::{LayerNorms, final_norm};
 use crate::model::{ModelConfig, WeightFiles};
 
 /// Checks that the CUDA driver, NVRTC and cuBLAS libraries can be loaded
@@ -347,37 +348,17 @@ impl CudaBackend {
                     fan_out,
                 })
             };
-            // Gemma's norms scale by (1 + w): the one is added at load, as
-            // the CPU backend adds it.
-            let norm = |name: &str, width: usize| {
-                let mut w = files.f32(&format!("{prefix}.{name}.weight"), &[width])?;
-                if c.gemma.is_some() {
-                    w.iter_mut().for_each(|w| *w += 1.0);
-                }
-                up_f32(&w)
-            };
-            let h = c.hidden_size;
-            let (post_norm, attn_out_norm, mlp_out_norm) = match c.gemma {
-                Some(_) => (
-                    norm("pre_feedforward_layernorm", h)?,
-                    Some(norm("post_attention_layernorm", h)?),
-                    Some(norm("post_feedforward_layernorm", h)?),
-                ),
-                None => (norm("post_attention_layernorm", h)?, None, None),
-            };
+            // Read as the CPU backend reads them (Gemma's 1 + w at load).
+            let norms = LayerNorms::load(&files, c, l)?;
             layers.push(Layer {
-                input_norm: norm("input_layernorm", h)?,
-                post_norm,
-                attn_out_norm,
-                mlp_out_norm,
+                input_norm: up_f32(&norms.input)?,
+                post_norm: up_f32(&norms.post)?,
+                attn_out_norm: norms.attn_out.as_deref().map(up_f32).transpose()?,
+                mlp_out_norm: norms.mlp_out.as_deref().map(up_f32).transpose()?,
                 qkv: fused(&[Projection::Q, Projection::K, Projection::V])?,
-                qk_norm: if c.qk_norm {
-                    Some((
-                        norm("self_attn.q_norm", c.head_dim)?,
-                        norm("self_attn.k_norm", c.head_dim)?,
-                    ))
-                } else {
-                    None
+                qk_norm: match &norms.qk {
+                    Some((q, k)) => Some((up_f32(q)?, up_f32(k)?)),
+                    None => None,
                 },
                 o: fused(&[Projection::O])?,
                 mlp: match c.moe {
@@ -389,11 +370,7 @@ impl CudaBackend {
                 },
             });
         }
-        let mut norm = files.f32("model.norm.weight", &[c.hidden_size])?;
-        if c.gemma.is_some() {
-            norm.iter_mut().for_each(|w| *w += 1.0);
-        }
-        let norm = up_f32(&norm)?;
+        let norm = up_f32(&final_norm(&files, c)?)?;
         let lm_head = Linear {
             w: Weights::Dense(
                 if c.tie_word_embeddings && !files.contains("lm_head.weight") {
