@@ -63,6 +63,46 @@ pub struct Adapter {
     pub artifact_size: Option<(u64, u32)>,
 }
 
+/// The columns [`StoredAdapter`] reads, of `adapters a` joined to
+/// `base_models b`.
+pub const STORED_ADAPTER_COLUMNS: &str = "a.lora_int_id, a.name, a.version, a.rank, \
+     a.artifact_uri, a.artifact_sha256, b.base_hash, a.artifact_bytes, a.artifact_files";
+
+/// An adapter version as the registry stores it ([`STORED_ADAPTER_COLUMNS`]).
+#[derive(Debug, sqlx::FromRow)]
+pub struct StoredAdapter {
+    pub lora_int_id: i64,
+    pub name: String,
+    pub version: i32,
+    pub rank: i32,
+    pub artifact_uri: String,
+    pub artifact_sha256: String,
+    pub base_hash: String,
+    pub artifact_bytes: Option<i64>,
+    pub artifact_files: Option<i32>,
+}
+
+impl StoredAdapter {
+    /// The adapter, or the column holding a value the schema cannot have.
+    pub fn into_adapter(self) -> Result<Adapter, &'static str> {
+        Ok(Adapter {
+            // The schema hands ids out from a sequence: never 0 or less.
+            lora_int_id: AdapterId::from_registry(self.lora_int_id).ok_or("lora_int_id")?,
+            name: self.name,
+            version: self.version as u32,
+            rank: self.rank as u32,
+            artifact_uri: self.artifact_uri,
+            // The schema keeps both as 64 hexadecimal digits.
+            artifact_sha256: Sha256Hex::parse(&self.artifact_sha256).ok_or("artifact_sha256")?,
+            base_hash: Sha256Hex::parse(&self.base_hash).ok_or("base_hash")?,
+            artifact_size: self
+                .artifact_bytes
+                .zip(self.artifact_files)
+                .map(|(b, f)| (b as u64, f as u32)),
+        })
+    }
+}
+
 #[derive(Debug, Clone)]
 pub enum Target {
     /// The base model alone.
@@ -280,64 +320,39 @@ impl Snapshot {
         )
         .fetch_all(&mut *tx)
         .await?;
-        type WeightRow = (
-            RouteId,
-            i32,
-            i64,
-            String,
-            i32,
-            i32,
-            String,
-            String,
-            String,
-            Option<i64>,
-            Option<i32>,
-        );
-        let weights: Vec<WeightRow> = sqlx::query_as(
-            "SELECT w.route_id, w.weight_bp, a.lora_int_id, a.name, a.version, a.rank,
-                    a.artifact_uri, a.artifact_sha256, b.base_hash,
-                    a.artifact_bytes, a.artifact_files
+        #[derive(sqlx::FromRow)]
+        struct WeightRow {
+            route_id: RouteId,
+            weight_bp: i32,
+            #[sqlx(flatten)]
+            adapter: StoredAdapter,
+        }
+        // Built from this module's own column list, never from input.
+        let weights: Vec<WeightRow> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT w.route_id, w.weight_bp, {STORED_ADAPTER_COLUMNS}
              FROM routes r
              JOIN route_weights w ON w.route_id = r.id AND w.revision = r.current_revision
              JOIN adapters a ON a.lora_int_id = w.lora_int_id AND a.state = 'active'
              JOIN base_models b ON b.id = a.base_model_id
-             ORDER BY w.route_id, a.lora_int_id",
-        )
+             ORDER BY w.route_id, a.lora_int_id"
+        )))
         .fetch_all(&mut *tx)
         .await?;
         let mut by_route: HashMap<RouteId, Vec<(u32, Arc<Adapter>)>> = HashMap::new();
-        for (route, weight, id, name, version, rank, uri, sha, base_hash, bytes, files) in weights {
-            // The schema hands ids out from a sequence: never 0 or less.
-            let Some(lora_int_id) = AdapterId::from_registry(id) else {
-                tracing::error!(
+        for row in weights {
+            let id = row.adapter.lora_int_id;
+            match row.adapter.into_adapter() {
+                Ok(adapter) => by_route
+                    .entry(row.route_id)
+                    .or_default()
+                    .push((row.weight_bp as u32, Arc::new(adapter))),
+                // The schema cannot hold one: logged and skipped.
+                Err(column) => tracing::error!(
                     lora_int_id = id,
-                    "an adapter id the registry cannot have; skipped"
-                );
-                continue;
-            };
-            // The schema keeps both as 64 hexadecimal digits.
-            let (Some(artifact_sha256), Some(base_hash)) =
-                (Sha256Hex::parse(&sha), Sha256Hex::parse(&base_hash))
-            else {
-                tracing::error!(
-                    lora_int_id = id,
-                    "a digest the registry cannot have; skipped"
-                );
-                continue;
-            };
-            by_route.entry(route).or_default().push((
-                weight as u32,
-                Arc::new(Adapter {
-                    lora_int_id,
-                    name,
-                    version: version as u32,
-                    rank: rank as u32,
-                    artifact_uri: uri,
-                    artifact_sha256,
-                    base_hash,
-                    artifact_size: bytes.zip(files).map(|(b, f)| (b as u64, f as u32)),
-                }),
-            ));
+                    column,
+                    "a value the registry cannot have; adapter skipped"
+                ),
+            }
         }
         for (id, tenant_id, model_name, revision, base_model, base_hash, target, created_at) in
             routes

@@ -237,15 +237,13 @@ pub async fn start(config: GatewayConfig, listeners: Listeners) -> Result<Runnin
     let (http, server) = match listeners.http {
         Some(listener) => {
             let http = local_addr("--listen", &listener)?;
-            let app = api::router(state.clone());
-            let sources = state.sources.clone();
-            let server = tokio::spawn(crate::listener::serve(
+            let server = serve_with_rules(
                 listener,
-                app,
-                config.connections,
-                Arc::new(move |ip| sources.from_trusted_proxy(Some(ip))),
+                api::router(state.clone()),
+                &config,
+                &state,
                 stop_accepting,
-            ));
+            );
             (Some(http), Some(server))
         }
         // The admin plane alone: no public listener.
@@ -267,6 +265,25 @@ pub async fn start(config: GatewayConfig, listeners: Listeners) -> Result<Runnin
         pool,
         background,
     })
+}
+
+/// Serves `app` on `listener` under the connection rules (deadlines,
+/// caps, a trusted proxy exempt from the per-source cap) until `stop`.
+fn serve_with_rules(
+    listener: TcpListener,
+    app: axum::Router,
+    config: &GatewayConfig,
+    state: &AppState,
+    stop: impl std::future::Future<Output = ()> + Send + 'static,
+) -> JoinHandle<()> {
+    let sources = state.sources.clone();
+    tokio::spawn(crate::listener::serve(
+        listener,
+        app,
+        config.connections,
+        Arc::new(move |ip| sources.from_trusted_proxy(Some(ip))),
+        stop,
+    ))
 }
 
 fn local_addr(flag: &'static str, l: &TcpListener) -> Result<SocketAddr, ServerError> {
@@ -326,14 +343,7 @@ async fn start_admin(
     );
     let app = crate::admin::router(admin_state).merge(console);
     // The same deadlines and caps as the public listener.
-    let sources = state.sources.clone();
-    let server = tokio::spawn(crate::listener::serve(
-        listener,
-        app,
-        config.connections,
-        Arc::new(move |ip| sources.from_trusted_proxy(Some(ip))),
-        std::future::pending(),
-    ));
+    let server = serve_with_rules(listener, app, config, state, std::future::pending());
     Ok((addr, vec![controller, evaluator, partitions, server]))
 }
 

@@ -440,6 +440,14 @@ mod tests {
                 "--no-cuda-graphs: the cpu backend has no CUDA graphs",
             ),
             (
+                &["--artifact-max-bytes", "0"],
+                "--artifact-max-bytes: must be at least 1",
+            ),
+            (
+                &["--artifact-max-objects", "0"],
+                "--artifact-max-objects: must be at least 1",
+            ),
+            (
                 &["--backend", "cuda", "--memory-budget-bytes", "1000000"],
                 "--memory-budget-bytes: is for the cpu backend",
             ),

@@ -10,7 +10,6 @@ use super::*;
 use crate::evaluation::score::{self, Outcome};
 use crate::evaluation::set::Item;
 use crate::registry::Adapter;
-use lorafleet_domain::digest::Sha256Hex;
 
 /// What a start's `eval`, `min_score_delta` and `eval_seed` come to.
 pub(super) struct EvalPlan {
@@ -249,38 +248,18 @@ pub(super) async fn begin(
 
 /// An adapter version as a worker loads it.
 async fn adapter(ex: &mut sqlx::PgConnection, id: i64) -> Result<Adapter, AdminError> {
-    type Row = (
-        String,
-        i32,
-        i32,
-        String,
-        String,
-        String,
-        Option<i64>,
-        Option<i32>,
-    );
-    let (name, version, rank, uri, sha, base, bytes, files): Row = sqlx::query_as(
-        "SELECT a.name, a.version, a.rank, a.artifact_uri, a.artifact_sha256, b.base_hash,
-                a.artifact_bytes, a.artifact_files
-         FROM adapters a JOIN base_models b ON b.id = a.base_model_id
+    let stored: crate::registry::StoredAdapter = sqlx::query_as(sql!(
+        "SELECT {} FROM adapters a JOIN base_models b ON b.id = a.base_model_id
          WHERE a.lora_int_id = $1",
-    )
+        crate::registry::STORED_ADAPTER_COLUMNS
+    ))
     .bind(id)
     .fetch_one(&mut *ex)
     .await
     .map_err(db_error)?;
-    let bad = |what: &str| AdminError::internal(format!("adapter {id}: a stored {what}"));
-    Ok(Adapter {
-        lora_int_id: lorafleet_domain::AdapterId::from_registry(id)
-            .ok_or_else(|| bad("lora_int_id"))?,
-        name,
-        version: version as u32,
-        rank: rank as u32,
-        artifact_uri: uri,
-        artifact_sha256: Sha256Hex::parse(&sha).ok_or_else(|| bad("artifact digest"))?,
-        base_hash: Sha256Hex::parse(&base).ok_or_else(|| bad("base hash"))?,
-        artifact_size: bytes.zip(files).map(|(b, f)| (b as u64, f as u32)),
-    })
+    stored
+        .into_adapter()
+        .map_err(|column| AdminError::internal(format!("adapter {id}: a stored {column}")))
 }
 
 /// Records what `lora_int_id` did on one item, as the lease holder and
