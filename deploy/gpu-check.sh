@@ -28,7 +28,7 @@ build() {
   cargo test --release -p lorafleet-engine --test cuda_gpu --test cuda_engine --test cuda_quantized \
     --test cuda_kernels_compile \
     --no-run --message-format=json | executables > "$out/.tests"
-  cargo bench -p lorafleet-engine --bench cuda_lora --bench cuda_decode --bench moe_decode --no-run \
+  cargo bench -p lorafleet-engine --bench cuda_lora --bench cuda_decode --bench cuda_long --bench moe_decode --no-run \
     --message-format=json | executables > "$out/.benches"
   while read -r exe; do
     name=$(basename "$exe" | sed 's/-[0-9a-f]*$//')
@@ -75,7 +75,7 @@ run() {
   # device time is short (a skipped step is said, never silent); a skipped
   # step's binaries need not be there.
   skipped() { [[ " ${GPU_CHECK_SKIP:-} " == *" $1 "* ]]; }
-  for exe in cuda_kernels_compile cuda_gpu cuda_engine cuda_lora cuda_decode moe_decode lorafleet-worker deps/worker_grpc; do
+  for exe in cuda_kernels_compile cuda_gpu cuda_engine cuda_quantized cuda_lora cuda_decode cuda_long moe_decode lorafleet-worker deps/worker_grpc; do
     case $exe in
       cuda_kernels_compile) skipped kernels_compile && continue ;;
       lorafleet-worker | deps/worker_grpc) skipped worker_grpc && continue ;;
@@ -140,6 +140,9 @@ run() {
   # LORAFLEET_BENCH_STANDIN the first time).
   # CUDA_DECODE_TIMEOUT (seconds) bounds it where device time is short.
   step cuda_decode timeout "${CUDA_DECODE_TIMEOUT:-0}" "$out/cuda_decode"
+  # Long prompts (1,600 prompt and 600 new tokens, 16 at a time, 8
+  # rank-32 adapters) against the base model alone, on the same stand-in.
+  step cuda_long timeout "${CUDA_LONG_TIMEOUT:-0}" "$out/cuda_long"
   # transformers + PEFT on the same GPU, stand-in and workload as
   # cuda_decode: the baseline its tokens/s are compared with.
   if python3 -c 'import torch, transformers, peft' 2>/dev/null; then
@@ -157,6 +160,7 @@ run() {
   fi
   [ -f "$results/cuda_lora.log" ] && tail -40 "$results/cuda_lora.log"
   grep '^|' "$results/cuda_decode.log" || true
+  [ -f "$results/cuda_long.log" ] && grep '^|' "$results/cuda_long.log" || true
   for log in moe_decode peft_moe_baseline; do
     [ -f "$results/$log.log" ] && grep -E '^(\||MoE|[0-9]+ adapters)' "$results/$log.log" || true
   done

@@ -112,8 +112,15 @@ fn main() {
         let mut engine = Engine::load(&model, settings, choice).unwrap();
         standin::register(&mut engine, &dirs);
         println!();
+        // The first count is what the others are compared with: 0 is
+        // the base model alone (no request names an adapter).
+        let first = match counts[0] {
+            0 => "base only".to_owned(),
+            1 => "1 adapter".to_owned(),
+            c => format!("{c} adapters"),
+        };
         println!(
-            "| adapters ({} slots) | tokens/s | vs 1 adapter | device loads | mean distinct/step | steps | mean sequences/step | steps from a graph |",
+            "| adapters ({} slots) | tokens/s | vs {first} | device loads | mean distinct/step | steps | mean sequences/step | steps from a graph |",
             lora_dtype.name()
         );
         println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
@@ -296,9 +303,10 @@ fn batch32_lora(model: &std::path::Path, config: &ModelConfig, host: &HostAdapte
     let tables: Vec<Vec<u32>> = (0..32u32).map(|i| vec![2 * i, 2 * i + 1]).collect();
     println!();
     println!(
-        "| batch-32 decode step, one adapter | ms per step | LoRA launches, device ms | slot upload p50 ms |"
+        "| batch-32 decode step, one adapter | ms per step | x no adapter | launches per step | LoRA launches, device ms | slot upload p50 ms |"
     );
-    println!("|---|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|");
+    let mut rows = Vec::new();
     for (name, slot_dtype, adapter) in [
         ("bf16 slots", Dtype::Bf16, Some(0)),
         ("f32 slots", Dtype::F32, Some(0)),
@@ -329,7 +337,7 @@ fn batch32_lora(model: &std::path::Path, config: &ModelConfig, host: &HostAdapte
         let upload = uploads[uploads.len() / 2];
         gpu.write_slot(0, host).unwrap();
         let prompt: Vec<u32> = (3..3 + PROMPT as u32).collect();
-        let mut step = |len: usize, pos: usize| {
+        let step = |gpu: &mut CudaBackend, len: usize, pos: usize| {
             let mut batch = StepBatch::default();
             for t in &tables {
                 batch.push(&prompt[..len], pos, t, adapter, true);
@@ -337,13 +345,18 @@ fn batch32_lora(model: &std::path::Path, config: &ModelConfig, host: &HostAdapte
             batch.finish();
             gpu.forward_sampled(&batch, &greedy).unwrap();
         };
-        step(PROMPT, 0);
-        for pos in PROMPT..PROMPT + 4 {
-            step(1, pos);
+        step(&mut gpu, PROMPT, 0);
+        // The first decode step of this batch size runs launch by launch:
+        // count them.
+        let before = gpu.launches_issued();
+        step(&mut gpu, 1, PROMPT);
+        let launches = gpu.launches_issued() - before;
+        for pos in PROMPT + 1..PROMPT + 4 {
+            step(&mut gpu, 1, pos);
         }
         let started = Instant::now();
         for pos in PROMPT + 4..PROMPT + 20 {
-            step(1, pos);
+            step(&mut gpu, 1, pos);
         }
         let ms = started.elapsed().as_secs_f64() * 1e3 / 16.0;
         let lora = gpu
@@ -352,7 +365,15 @@ fn batch32_lora(model: &std::path::Path, config: &ModelConfig, host: &HostAdapte
             .into_iter()
             .find(|(part, _)| *part == "LoRA launches")
             .map_or(0.0, |(_, ms)| ms);
-        println!("| {name} | {ms:.3} | {lora:.3} | {upload:.3} |");
+        rows.push((name, ms, launches, lora, upload));
+    }
+    // Printed once the step with no adapter (the last) is timed.
+    let base = rows.last().map_or(1.0, |r| r.1);
+    for (name, ms, launches, lora, upload) in rows {
+        println!(
+            "| {name} | {ms:.3} | {:.2} | {launches} | {lora:.3} | {upload:.3} |",
+            ms / base
+        );
     }
 }
 
@@ -403,6 +424,7 @@ fn quantized_bases(model: &std::path::Path, dirs: &[std::path::PathBuf], setting
 }
 
 fn run(e: &mut Engine, n: usize) -> (f64, u64, f64, usize, f64) {
+    // n = 0: every request on the base model alone.
     for i in 0..n {
         e.prefetch(standin::id(i));
     }
@@ -419,7 +441,7 @@ fn run(e: &mut Engine, n: usize) -> (f64, u64, f64, usize, f64) {
     for r in 0..REQUESTS {
         e.submit(standin::decode_request(
             r,
-            Some(standin::id(r % n)),
+            (n > 0).then(|| standin::id(r % n)),
             PROMPT,
             NEW,
         ))

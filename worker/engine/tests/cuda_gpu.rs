@@ -787,3 +787,75 @@ fn argmax_and_seeded_sampling_kernels_agree_with_the_host() {
         }
     }
 }
+
+/// The e4m3 code nearest `v` (ties to the even code), saturating at
+/// ±448, by search over every finite code: the host's reference for the
+/// device's rounding.
+fn e4m3_nearest(v: f32) -> u8 {
+    use lorafleet_artifact::quantization::fp8_e4m3_to_f32 as value;
+    let sign = if v.is_sign_negative() { 0x80 } else { 0 };
+    let a = v.abs().min(448.0);
+    let mut best = 0u8;
+    for c in 0u8..0x7f {
+        let (d, b) = ((value(c) - a).abs(), (value(best) - a).abs());
+        if d < b || (d == b && c % 2 == 0 && best % 2 == 1) {
+            best = c;
+        }
+    }
+    sign | best
+}
+
+/// The W8A8 path as an FP8 layer runs it (`fp8_rows`, cuBLASLt's FP8
+/// GEMM, `fp8_scale`) against the host: every token scale is max|x| / 448,
+/// every code the e4m3 value nearest x / scale (both exactly), and y the
+/// products of the codes' values times both scales, summed in f64. Within
+/// 1e-3 relative: the products are exact, and Hopper's FP8 tensor cores
+/// accumulate with fewer bits than f32 (1.8e-4 measured on an H100); a
+/// wrong layout, transpose or scale is off by about 1.
+#[test]
+#[ignore = "needs a CUDA GPU: deploy/gpu-check.sh runs it"]
+fn fp8_gemms_give_the_products_of_the_hosts_e4m3_codes() {
+    use lorafleet_artifact::quantization::fp8_e4m3_to_f32 as value;
+    require_gpu();
+    let h = KernelHarness::new(SHAPES).unwrap();
+    let (n, m, k) = (5, 48, 256);
+    let mut x = random(41, n * k);
+    // One row of zeros: its scale is 1 and its codes 0.
+    x[k..2 * k].iter_mut().for_each(|v| *v = 0.0);
+    let w = random(42, m * k);
+    let w_scale: Vec<f32> = (0..m)
+        .map(|o| {
+            w[o * k..(o + 1) * k]
+                .iter()
+                .fold(0f32, |a, v| a.max(v.abs()))
+                / 448.0
+        })
+        .collect();
+    let w_codes: Vec<u8> = (0..m * k)
+        .map(|i| e4m3_nearest(w[i] / w_scale[i / k]))
+        .collect();
+    let (y, xq, rs) = h.fp8_linear(&x, &w_codes, &w_scale, (n, m, k)).unwrap();
+    for t in 0..n {
+        let row = &x[t * k..(t + 1) * k];
+        let amax = row.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let s = if amax > 0.0 { amax / 448.0 } else { 1.0 };
+        assert_eq!(rs[t].to_bits(), s.to_bits(), "token {t}'s scale");
+        for (i, &v) in row.iter().enumerate() {
+            assert_eq!(
+                xq[t * k + i],
+                e4m3_nearest(v / s),
+                "token {t}, feature {i}: {v} / {s}"
+            );
+        }
+    }
+    let want: Vec<f32> = (0..n * m)
+        .map(|i| {
+            let (t, o) = (i / m, i % m);
+            let dot: f64 = (0..k)
+                .map(|j| f64::from(value(xq[t * k + j])) * f64::from(value(w_codes[o * k + j])))
+                .sum();
+            (dot * f64::from(rs[t]) * f64::from(w_scale[o])) as f32
+        })
+        .collect();
+    assert_close(&y, &want, 1e-3, "FP8 GEMM");
+}

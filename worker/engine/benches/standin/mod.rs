@@ -186,7 +186,7 @@ pub fn model_shaped(shape: &Shape, dtype: Dtype) -> PathBuf {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": layers,
         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
-        "vocab_size": vocab, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+        "vocab_size": vocab, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0, "tie_word_embeddings": true, "hidden_act": "silu",
         "bos_token_id": 1, "eos_token_id": 2,
         "torch_dtype": if dtype == Dtype::BF16 { "bfloat16" } else { "float32" }
@@ -230,6 +230,12 @@ pub fn adapters(n: usize) -> Vec<PathBuf> {
 
 /// [`adapters`] for a model of `shape`.
 pub fn adapters_shaped(shape: &Shape, n: usize) -> Vec<PathBuf> {
+    adapters_ranked(shape, n, RANK)
+}
+
+/// [`adapters_shaped`] of rank `rank` (their own directory unless
+/// [`RANK`]).
+pub fn adapters_ranked(shape: &Shape, n: usize, rank: usize) -> Vec<PathBuf> {
     let Shape {
         hidden,
         layers,
@@ -241,16 +247,17 @@ pub fn adapters_shaped(shape: &Shape, n: usize) -> Vec<PathBuf> {
     let kv = kv_heads * head_dim;
     (0..n)
         .map(|i| {
-            let dir = root()
-                .join(shape.dir)
-                .join("adapters")
-                .join(format!("a{i:04}"));
+            let set = match rank {
+                RANK => "adapters".to_owned(),
+                r => format!("adapters-r{r}"),
+            };
+            let dir = root().join(shape.dir).join(set).join(format!("a{i:04}"));
             if dir.join("adapter_model.safetensors").exists() {
                 return dir;
             }
             std::fs::create_dir_all(&dir).unwrap();
             let config = serde_json::json!({
-                "peft_type": "LORA", "r": RANK, "lora_alpha": 32, "bias": "none",
+                "peft_type": "LORA", "r": rank, "lora_alpha": 32, "bias": "none",
                 "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"], "task_type": "CAUSAL_LM"
             });
             std::fs::write(dir.join("adapter_config.json"), config.to_string()).unwrap();
@@ -266,13 +273,13 @@ pub fn adapters_shaped(shape: &Shape, n: usize) -> Vec<PathBuf> {
                     let p = format!("base_model.model.model.layers.{l}.self_attn.{name}");
                     t.push((
                         format!("{p}.lora_A.weight"),
-                        vec![RANK, hidden],
-                        random(&mut rng, RANK * hidden, 0.05),
+                        vec![rank, hidden],
+                        random(&mut rng, rank * hidden, 0.05),
                     ));
                     t.push((
                         format!("{p}.lora_B.weight"),
-                        vec![out, RANK],
-                        random(&mut rng, out * RANK, 0.05),
+                        vec![out, rank],
+                        random(&mut rng, out * rank, 0.05),
                     ));
                 }
             }

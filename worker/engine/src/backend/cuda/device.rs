@@ -4,9 +4,12 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
+use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
+    PushKernelArg,
 };
 
 use super::kernels::{self, KERNELS, KernelShapes};
@@ -29,13 +32,23 @@ pub enum Arg {
 }
 
 /// A context, its stream and the compiled kernels. Field order is drop
-/// order: the kernels' module goes before the stream and the context.
+/// order: the kernels' module goes before the streams and the context.
 pub(super) struct Device {
     functions: HashMap<&'static str, CudaFunction>,
     pub shapes: KernelShapes,
     pub name: String,
     /// The compute capability (major, minor).
     pub cc: (i32, i32),
+    /// Kernel launches and GEMM calls issued so far (a step's count is
+    /// the difference across it).
+    launches: AtomicU64,
+    /// Where a LoRA shrink runs beside the base GEMM that reads the same
+    /// input: it forks from the compute stream at `fork` and joins it back
+    /// at `join` ([`Device::lora_fork`], [`Device::lora_join`]). A CUDA
+    /// graph captures the pair as two branches.
+    fork: CudaEvent,
+    join: CudaEvent,
+    side: Arc<CudaStream>,
     pub stream: Arc<CudaStream>,
     pub ctx: Arc<CudaContext>,
 }
@@ -73,14 +86,34 @@ impl Device {
         // A stream of its own, not the legacy default stream, which CUDA
         // graphs cannot capture.
         let stream = ctx.new_stream().map_err(cuda("creating a stream"))?;
+        let side = ctx.new_stream().map_err(cuda("creating a stream"))?;
+        let event = || {
+            ctx.new_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))
+                .map_err(cuda("creating an event"))
+        };
         Ok(Device {
             functions,
             shapes,
             name,
             cc: (major, minor),
+            launches: AtomicU64::new(0),
+            fork: event()?,
+            join: event()?,
+            side,
             stream,
             ctx,
         })
+    }
+
+    /// Counts a launch that does not go through [`Device::launch_on`] (a
+    /// GEMM call).
+    pub fn count_launch(&self) {
+        self.launches.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Kernel launches and GEMM calls issued so far.
+    pub fn launches(&self) -> u64 {
+        self.launches.load(Ordering::Relaxed)
     }
 
     /// A device buffer's address.
@@ -113,6 +146,7 @@ impl Device {
             .functions
             .get(name)
             .ok_or_else(|| EngineError::Backend(format!("cuda: no kernel {name}")))?;
+        self.count_launch();
         let mut builder = stream.launch_builder(f);
         for arg in args {
             match arg {
@@ -141,44 +175,91 @@ impl Device {
 
     /// Adds the LoRA deltas of one to three projections that share their
     /// input: one shrink and one expand launch for every adapter in the
-    /// step.
+    /// step, in turn on the compute stream.
     pub fn lora(&self, l: &LoraLaunch) -> Result<()> {
         if l.tiles == 0 {
             return Ok(());
         }
-        assert!((1..=3).contains(&l.slices.len()));
-        let splits = self.shapes.splits(l.fan_in);
-        // Unused slice arguments repeat the last slice; the grid never
-        // reaches them.
-        let slice = |i: usize| &l.slices[i.min(l.slices.len() - 1)];
-        let segments = [
+        self.lora_shrink(l, &self.stream)?;
+        self.lora_expand(l)
+    }
+
+    /// Starts `l`'s shrink on the side stream, after everything queued on
+    /// the compute stream so far, so that it runs beside what the compute
+    /// stream does next (the base GEMM that reads the same input). The
+    /// expand waits for both in [`Device::lora_join`], which must follow
+    /// before the compute stream writes the shrink's input or reads its
+    /// output. Nothing for None.
+    pub fn lora_fork(&self, l: Option<&LoraLaunch>) -> Result<()> {
+        let Some(l) = l.filter(|l| l.tiles > 0) else {
+            return Ok(());
+        };
+        let what = "forking the LoRA shrink";
+        self.fork.record(&self.stream).map_err(cuda(what))?;
+        self.side.wait(&self.fork).map_err(cuda(what))?;
+        self.lora_shrink(l, &self.side)?;
+        self.join.record(&self.side).map_err(cuda(what))
+    }
+
+    /// The compute stream waits for the shrink [`Device::lora_fork`]
+    /// started, then adds the expand into the output.
+    pub fn lora_join(&self, l: Option<&LoraLaunch>) -> Result<()> {
+        let Some(l) = l.filter(|l| l.tiles > 0) else {
+            return Ok(());
+        };
+        self.stream
+            .wait(&self.join)
+            .map_err(cuda("joining the LoRA shrink"))?;
+        self.lora_expand(l)
+    }
+
+    fn segment_args(l: &LoraLaunch) -> [Arg; 4] {
+        [
             Arg::Ptr(l.segments.token_idx),
             Arg::Ptr(l.segments.seg_off),
             Arg::Ptr(l.segments.seg_slot),
             Arg::Ptr(l.segments.tiles),
-        ];
+        ]
+    }
+
+    /// Unused slice arguments repeat the last slice; the grid never
+    /// reaches them.
+    fn slice(l: &LoraLaunch, i: usize) -> &LoraSlice {
+        &l.slices[i.min(l.slices.len() - 1)]
+    }
+
+    fn lora_shrink(&self, l: &LoraLaunch, stream: &Arc<CudaStream>) -> Result<()> {
+        assert!((1..=3).contains(&l.slices.len()));
+        let splits = self.shapes.splits(l.fan_in);
+        let slice = |i| Self::slice(l, i);
         let mut args = vec![
             Arg::Ptr(l.x),
             Arg::I32(l.fan_in as i32),
             Arg::I32(l.n as i32),
         ];
-        args.extend(segments);
+        args.extend(Self::segment_args(l));
         args.extend((0..3).map(|i| Arg::Ptr(slice(i).a)));
         args.extend((0..3).map(|i| Arg::Ptr(slice(i).rank)));
         args.push(Arg::Ptr(l.h_part));
         args.push(Arg::I64(l.a_stride as i64));
-        self.launch(
+        self.launch_on(
+            stream,
             "lora_shrink",
             (l.tiles as u32, splits as u32, l.slices.len() as u32),
             256,
             &args,
-        )?;
+        )
+    }
+
+    fn lora_expand(&self, l: &LoraLaunch) -> Result<()> {
+        let splits = self.shapes.splits(l.fan_in);
+        let slice = |i| Self::slice(l, i);
         let mut args = vec![
             Arg::Ptr(l.h_part),
             Arg::I32(splits as i32),
             Arg::I32(l.n as i32),
         ];
-        args.extend(segments);
+        args.extend(Self::segment_args(l));
         args.extend((0..3).map(|i| Arg::Ptr(slice(i).b)));
         args.extend((0..3).map(|i| Arg::Ptr(slice(i).rank)));
         args.extend((0..3).map(|i| Arg::Ptr(slice(i).scale)));
@@ -250,8 +331,11 @@ pub(super) struct SegmentPtrs {
     pub seg_off: u64,
     /// Each segment's slot.
     pub seg_slot: u64,
-    /// The number of tiles, then (segment, first index into `token_idx`)
-    /// of each tile of at most [`kernels::LORA_TT`] tokens.
+    /// The number of tiles, then (slot, first index into `token_idx`,
+    /// end index) of each tile of at most [`kernels::LORA_TT`] tokens of
+    /// one segment. The section holds an entry, real or padding, for every
+    /// block of the grid, so a kernel reads the count and its entry at
+    /// once.
     pub tiles: u64,
 }
 
@@ -315,16 +399,18 @@ pub(super) fn push_segments(
     let tiles = buf.len();
     buf.push(0);
     let mut first = 0;
-    for (i, s) in segments.iter().enumerate() {
+    for s in segments {
         let len = s.end - s.start;
         for t in (0..len).step_by(kernels::LORA_TT) {
-            buf.extend([i as i32, (first + t) as i32]);
+            let lo = first + t;
+            let hi = (lo + kernels::LORA_TT).min(first + len);
+            buf.extend([s.slot as i32, lo as i32, hi as i32]);
         }
         first += len;
     }
-    let count = (buf.len() - tiles - 1) / 2;
+    let count = (buf.len() - tiles - 1) / 3;
     buf[tiles] = count as i32;
-    if let Some(len) = cap(1, 2) {
+    if let Some(len) = cap(1, 3) {
         pad(buf, tiles, len);
     }
     let ptrs = SegmentPtrs {

@@ -382,19 +382,21 @@ extern "C" __global__ void attention(const float* qkv, int q_dim, int kv_dim, co
 // whatever the adapter mix; a tile's A and B rows are shared by its
 // tokens through registers and shared memory.
 
-// The step's LoRA work: `tiles[0]` is the number of tiles, and tile i has
-// its segment at `tiles[1 + 2 * i]` and its first token's index into
-// token_idx at `tiles[2 + 2 * i]`; it runs to LORA_TT tokens or the
-// segment's end. The count is device data, so a grid captured in a CUDA
-// graph for the most tiles a batch size can have serves any adapter mix:
-// blocks past the count return at once.
-__device__ __forceinline__ bool lora_tile(const int* tiles, const int* seg_off, int i, int* seg,
-                                          int* lo, int* hi) {
-    if (i >= tiles[0]) return false;
-    *seg = tiles[1 + 2 * i];
-    *lo = tiles[2 + 2 * i];
-    *hi = min(*lo + LORA_TT, seg_off[*seg + 1]);
-    return true;
+// The step's LoRA work: `tiles[0]` is the number of tiles, and tile i is
+// `tiles[1 + 3 * i ..]`: its slot, and its tokens' first and end indices
+// into token_idx (at most LORA_TT tokens of one segment). The count is
+// device data, so a grid captured in a CUDA graph for the most tiles a
+// batch size can have serves any adapter mix: blocks past the count
+// return at once. The section holds an entry (real or padding) for every
+// block of the grid, so the count and the entry are read in one round
+// trip.
+__device__ __forceinline__ bool lora_tile(const int* tiles, int i, int* slot, int* lo, int* hi) {
+    int count = tiles[0];
+    const int* t = tiles + 1 + 3 * i;
+    *slot = t[0];
+    *lo = t[1];
+    *hi = t[2];
+    return i < count;
 }
 
 // Grouped LoRA shrink (SGMV), one launch for every adapter in the step and
@@ -417,9 +419,8 @@ extern "C" __global__ void __launch_bounds__(LORA_THREADS) lora_shrink(const flo
     __shared__ float xs[LORA_TT * SHRINK_KC];
     const st* a = blockIdx.z == 0 ? a0 : (blockIdx.z == 1 ? a1 : a2);
     const int* ranks = blockIdx.z == 0 ? rank0 : (blockIdx.z == 1 ? rank1 : rank2);
-    int s, lo, hi;
-    if (!lora_tile(tiles, seg_off, blockIdx.x, &s, &lo, &hi)) return;  // the whole block
-    int slot = seg_slot[s];
+    int slot, lo, hi;
+    if (!lora_tile(tiles, blockIdx.x, &slot, &lo, &hi)) return;  // the whole block
     int rank = ranks[slot];
     if (rank == 0) return;  // the adapter has no such module
     int k0 = blockIdx.y * SHRINK_KC, kn = min(SHRINK_KC, fan_in - k0);
@@ -504,9 +505,8 @@ extern "C" __global__ void __launch_bounds__(LORA_THREADS) lora_expand(const flo
     int width = z == 0 ? width0 : (z == 1 ? width1 : width2);
     int off = z == 0 ? off0 : (z == 1 ? off1 : off2);
     long long b_stride = z == 0 ? b_stride0 : (z == 1 ? b_stride1 : b_stride2);
-    int s, lo, hi;
-    if (!lora_tile(tiles, seg_off, blockIdx.x, &s, &lo, &hi)) return;  // the whole block
-    int slot = seg_slot[s];
+    int slot, lo, hi;
+    if (!lora_tile(tiles, blockIdx.x, &slot, &lo, &hi)) return;  // the whole block
     int rank = ranks[slot];
     if (rank == 0 || blockIdx.y * blockDim.x >= width) return;  // whole block exits together
     float scale = scales[slot];

@@ -77,6 +77,10 @@ pub(super) struct StepMeta {
     /// The LoRA launches' grid: the tiles, or for a graph the most tiles
     /// the step's token count can have.
     pub(super) tiles: usize,
+    /// The projections (bit `Projection::index`) that some adapter of the
+    /// step has: the others get no LoRA launches. Set by the backend from
+    /// its slots.
+    pub(super) lora_kinds: u8,
     /// The rows whose logits are wanted.
     pub(super) rows: u64,
     /// The shrink's output and the expand's input: `[slices, splits,
@@ -247,6 +251,7 @@ impl HostMeta {
                 Some(n) if self.tiles > 0 => n,
                 _ => self.tiles,
             },
+            lora_kinds: 0,
             rows: at(self.rows),
             h_part: 0,
         }

@@ -494,6 +494,7 @@ impl CudaBackend {
 
     /// `y[n, out] = x[n, in] · Wᵀ (+ bias)`: x in the weights' type, y f32.
     fn linear(&self, lin: &Linear, x: u64, y: u64, n: usize) -> Result<()> {
+        self.dev.count_launch();
         match &lin.w {
             Weights::Dense(w) => {
                 let ty = self.dtype.cuda_type();
@@ -582,7 +583,7 @@ impl CudaBackend {
 
     /// Adds the LoRA deltas of `projs` (one to three projections sharing the
     /// input `x`, `[n, fan_in]` f32) into their columns of the fused output
-    /// `out`.
+    /// `out`, shrink and expand in turn on the compute stream.
     fn lora(
         &self,
         layer: usize,
@@ -592,13 +593,34 @@ impl CudaBackend {
         out: u64,
         meta: &StepMeta,
     ) -> Result<()> {
+        match self.lora_launch(layer, projs, x, n, out, meta) {
+            Some(l) => self.dev.lora(&l),
+            None => Ok(()),
+        }
+    }
+
+    /// The grouped LoRA launch of `projs` in `layer` over the projections
+    /// that some adapter of the step has (`StepMeta::lora_kinds`); None
+    /// where the step has no LoRA work for any of them.
+    fn lora_launch(
+        &self,
+        layer: usize,
+        projs: &[Projection],
+        x: u64,
+        n: usize,
+        out: u64,
+        meta: &StepMeta,
+    ) -> Option<LoraLaunch> {
+        if meta.tiles == 0 {
+            return None;
+        }
         let mut offset = 0;
-        let slices = projs
-            .iter()
-            .map(|p| {
+        let mut slices = Vec::with_capacity(projs.len());
+        for p in projs {
+            let width = p.shape(&self.config).1;
+            if meta.lora_kinds & (1 << p.index()) != 0 {
                 let key = layer * 7 + p.index();
-                let width = p.shape(&self.config).1;
-                let slice = LoraSlice {
+                slices.push(LoraSlice {
                     a: self.slots.a_of(&self.dev, key),
                     b: self.slots.b_of(&self.dev, key),
                     b_stride: self.slots.stride,
@@ -606,12 +628,14 @@ impl CudaBackend {
                     scale: self.slots.scale_of(&self.dev, key),
                     width,
                     offset,
-                };
-                offset += width;
-                slice
-            })
-            .collect();
-        self.dev.lora(&LoraLaunch {
+                });
+            }
+            offset += width;
+        }
+        if slices.is_empty() {
+            return None;
+        }
+        Some(LoraLaunch {
             x,
             fan_in: projs[0].shape(&self.config).0,
             n,

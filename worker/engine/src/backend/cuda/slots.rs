@@ -44,6 +44,10 @@ pub(super) struct Slots {
     pub scale: CudaSlice<f32>,
     rank_host: Vec<i32>,
     scale_host: Vec<f32>,
+    /// Each slot's projections (bit `Projection::index`) that some layer
+    /// of its adapter has: a step launches LoRA work for the projections
+    /// its slots have, and no other.
+    kinds: Vec<u8>,
     /// The copy of each slot's last write still in flight, if any.
     ready: Vec<Option<CudaEvent>>,
     staging: [Option<Staged>; STAGING],
@@ -90,6 +94,7 @@ impl Slots {
             scale: dev.stream.alloc_zeros::<f32>(keys).map_err(cuda(alloc))?,
             rank_host: vec![0; keys],
             scale_host: vec![0.0; keys],
+            kinds: vec![0; shape.slots],
             ready: (0..shape.slots).map(|_| None).collect(),
             staging: [None, None],
             next: 0,
@@ -174,6 +179,9 @@ impl Slots {
                 parts.push((m, a, b));
                 self.rank_host[key * self.slots + slot] = m.rank as i32;
                 self.scale_host[key * self.slots + slot] = m.scale;
+                if m.rank > 0 {
+                    self.kinds[slot] |= 1 << p.index();
+                }
             }
         }
         let dtype = self.dtype;
@@ -216,6 +224,12 @@ impl Slots {
         Ok(())
     }
 
+    /// The projections (bit `Projection::index`) that the adapters in
+    /// the slots `segments` use have in some layer.
+    pub fn kinds(&self, segments: &[Segment]) -> u8 {
+        segments.iter().fold(0, |k, s| k | self.kinds[s.slot])
+    }
+
     /// Whether the copy of `slot`'s last write is still in flight.
     pub fn copy_in_flight(&self, slot: usize) -> bool {
         self.ready[slot].as_ref().is_some_and(|e| !e.is_complete())
@@ -239,6 +253,7 @@ impl Slots {
     /// makes a module absent: the kernels read a slot only up to its rank,
     /// so its weights need not be zeroed.
     fn reset(&mut self, slot: usize) {
+        self.kinds[slot] = 0;
         for key in 0..self.rank_host.len() / self.slots {
             self.rank_host[key * self.slots + slot] = 0;
             self.scale_host[key * self.slots + slot] = 0.0;

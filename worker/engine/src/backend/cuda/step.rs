@@ -30,6 +30,10 @@ use crate::lora::Projection;
 use crate::model::ModelConfig;
 use lorafleet_artifact::layers::{Activation, LayerKind};
 
+/// The projections that share their input, launched together.
+const QKV: [Projection; 3] = [Projection::Q, Projection::K, Projection::V];
+const GATE_UP: [Projection; 2] = [Projection::Gate, Projection::Up];
+
 /// The largest decode batch captured in a graph; larger ones run their
 /// launches one by one.
 pub const MAX_GRAPH_TOKENS: usize = 512;
@@ -41,8 +45,8 @@ pub(super) struct Workspace {
     rows: usize,
     hidden: CudaSlice<f32>,
     pub(super) normed: CudaSlice<f32>,
-    qkv: CudaSlice<f32>,
-    attn: CudaSlice<f32>,
+    pub(super) qkv: CudaSlice<f32>,
+    pub(super) attn: CudaSlice<f32>,
     proj: CudaSlice<f32>,
     pub(super) gu: CudaSlice<f32>,
     pub(super) act: CudaSlice<f32>,
@@ -127,6 +131,8 @@ pub(super) struct GraphKey {
     rows: usize,
     /// The LoRA launches' grid.
     lora_grid: usize,
+    /// The projections that have LoRA launches.
+    lora_kinds: u8,
 }
 
 enum GraphState {
@@ -238,6 +244,9 @@ impl CudaBackend {
             .map_err(cuda("uploading step metadata"))?;
         let mut meta = host.at(self.dev.p(&self.ws.meta));
         meta.h_part = self.dev.p(&self.ws.h_part);
+        if meta.tiles > 0 {
+            meta.lora_kinds = self.slots.kinds(&batch.segments);
+        }
         self.graphs.last_step = Some((meta, n, rows.len()));
 
         let run = if decode && self.graphs.enabled {
@@ -245,6 +254,7 @@ impl CudaBackend {
                 tokens: n,
                 rows: rows.len(),
                 lora_grid: meta.tiles,
+                lora_kinds: meta.lora_kinds,
             };
             match self.graphs.entries.get(&key) {
                 None => {
@@ -429,21 +439,14 @@ impl CudaBackend {
                 Arg::F32(c.gemma.as_ref().map_or(1.0, |g| g.embed_scale)),
             ],
         )?;
-        let scale = c.attention_scale();
-        let cap = c
-            .gemma
-            .as_ref()
-            .and_then(|g| g.attn_logit_softcapping)
-            .unwrap_or(0.0);
         for (l, layer) in self.layers.iter().enumerate() {
             let sliding = c.layer_kinds[l] == LayerKind::Sliding;
-            // A sliding layer of a model with both kinds keeps its keys
+            // A sliding layer of a model with both kinds stores its keys
             // and values in the sequences' rings.
-            let ring_len = if sliding { self.shape.ring_len } else { 0 };
-            let (kv_row, tables) = if ring_len > 0 {
-                (meta.ring_row, meta.rings)
+            let kv_row = if sliding && self.shape.ring_len > 0 {
+                meta.ring_row
             } else {
-                (meta.kv_row, meta.block_tables)
+                meta.kv_row
             };
             let rope = c.rope_of(l);
             let (freqs, freq_stride) = match (&self.local_inv_freq, &self.token_freqs) {
@@ -452,15 +455,13 @@ impl CudaBackend {
                 _ => (p(&self.inv_freq), 0),
             };
             norm_rows(hidden, 0, &layer.input_norm, normed, n)?;
+            // Each LoRA shrink runs beside the base GEMM that reads the
+            // same input (`lora_fork`); its expand adds into the GEMM's
+            // output once both are done (`lora_join`).
+            let lora = self.lora_launch(l, &QKV, normed, n, qkv, meta);
+            self.dev.lora_fork(lora.as_ref())?;
             self.linear(&layer.qkv, cast.unwrap_or(normed), qkv, n)?;
-            self.lora(
-                l,
-                &[Projection::Q, Projection::K, Projection::V],
-                normed,
-                n,
-                qkv,
-                meta,
-            )?;
+            self.dev.lora_join(lora.as_ref())?;
             if let Some((q_w, k_w)) = &layer.qk_norm {
                 self.dev.launch(
                     "head_norm",
@@ -494,31 +495,12 @@ impl CudaBackend {
                     Arg::Ptr(self.dev.p(&self.v_cache[l])),
                 ],
             )?;
-            self.dev.launch(
-                "attention",
-                (n as u32, c.num_heads as u32, 1),
-                128,
-                &[
-                    Arg::Ptr(qkv),
-                    Arg::I32(q_dim as i32),
-                    Arg::I32(kv_dim as i32),
-                    Arg::Ptr(self.dev.p(&self.k_cache[l])),
-                    Arg::Ptr(self.dev.p(&self.v_cache[l])),
-                    Arg::Ptr(meta.pos),
-                    Arg::Ptr(meta.tok_seq),
-                    Arg::Ptr(meta.bt_off),
-                    Arg::Ptr(tables),
-                    Arg::I32(self.shape.block_size as i32),
-                    Arg::I32(ring_len as i32),
-                    Arg::I32(c.window(l).map_or(0, |w| w as i32)),
-                    Arg::F32(scale),
-                    Arg::F32(cap),
-                    Arg::Ptr(attn),
-                ],
-            )?;
+            self.attention(l, meta, n, qkv, attn)?;
             let x = gemm_input(attn, n * q_dim)?;
+            let lora = self.lora_launch(l, &[Projection::O], attn, n, proj, meta);
+            self.dev.lora_fork(lora.as_ref())?;
             self.linear(&layer.o, x, proj, n)?;
-            self.lora(l, &[Projection::O], attn, n, proj, meta)?;
+            self.dev.lora_join(lora.as_ref())?;
             norm_out(proj, &layer.attn_out_norm)?;
             add(hidden, proj, n * d)?;
             norm_rows(hidden, 0, &layer.post_norm, normed, n)?;
@@ -532,8 +514,10 @@ impl CudaBackend {
                     continue;
                 }
             };
+            let lora = self.lora_launch(l, &GATE_UP, normed, n, gu, meta);
+            self.dev.lora_fork(lora.as_ref())?;
             self.linear(gate_up, cast.unwrap_or(normed), gu, n)?;
-            self.lora(l, &[Projection::Gate, Projection::Up], normed, n, gu, meta)?;
+            self.dev.lora_join(lora.as_ref())?;
             let activation = match c.activation {
                 Activation::Silu => "silu_mul",
                 Activation::GeluTanh => "gelu_mul",
@@ -550,8 +534,10 @@ impl CudaBackend {
                     Arg::I32(inter as i32),
                 ],
             )?;
+            let lora = self.lora_launch(l, &[Projection::Down], act, n, proj, meta);
+            self.dev.lora_fork(lora.as_ref())?;
             self.linear(down, cast.unwrap_or(act), proj, n)?;
-            self.lora(l, &[Projection::Down], act, n, proj, meta)?;
+            self.dev.lora_join(lora.as_ref())?;
             norm_out(proj, &layer.mlp_out_norm)?;
             add(hidden, proj, n * d)?;
         }
@@ -573,5 +559,56 @@ impl CudaBackend {
             ),
             None => Ok(()),
         }
+    }
+}
+
+impl CudaBackend {
+    /// Layer `l`'s attention over the cache for the step's `n` tokens:
+    /// queries from `qkv`, outputs into `attn`.
+    pub(super) fn attention(
+        &self,
+        l: usize,
+        meta: &StepMeta,
+        n: usize,
+        qkv: u64,
+        attn: u64,
+    ) -> Result<()> {
+        let c = &self.config;
+        // A sliding layer of a model with both kinds keeps its keys and
+        // values in the sequences' rings.
+        let sliding = c.layer_kinds[l] == LayerKind::Sliding;
+        let ring_len = if sliding { self.shape.ring_len } else { 0 };
+        let tables = if ring_len > 0 {
+            meta.rings
+        } else {
+            meta.block_tables
+        };
+        let cap = c
+            .gemma
+            .as_ref()
+            .and_then(|g| g.attn_logit_softcapping)
+            .unwrap_or(0.0);
+        self.dev.launch(
+            "attention",
+            (n as u32, c.num_heads as u32, 1),
+            128,
+            &[
+                Arg::Ptr(qkv),
+                Arg::I32(c.q_dim() as i32),
+                Arg::I32(c.kv_dim() as i32),
+                Arg::Ptr(self.dev.p(&self.k_cache[l])),
+                Arg::Ptr(self.dev.p(&self.v_cache[l])),
+                Arg::Ptr(meta.pos),
+                Arg::Ptr(meta.tok_seq),
+                Arg::Ptr(meta.bt_off),
+                Arg::Ptr(tables),
+                Arg::I32(self.shape.block_size as i32),
+                Arg::I32(ring_len as i32),
+                Arg::I32(c.window(l).map_or(0, |w| w as i32)),
+                Arg::F32(c.attention_scale()),
+                Arg::F32(cap),
+                Arg::Ptr(attn),
+            ],
+        )
     }
 }

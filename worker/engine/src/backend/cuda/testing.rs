@@ -108,6 +108,67 @@ impl KernelHarness {
         }
     }
 
+    /// One W8A8 projection as an FP8 layer runs it, on an f32 harness:
+    /// `fp8_rows` (each token's row of `x` `[n, k]` as e4m3 codes and a
+    /// scale), cuBLASLt's FP8 GEMM with `w` `[m, k]` e4m3 codes, then
+    /// `fp8_scale` (token scale × each output's weight scale). Returns y
+    /// `[n, m]`, the codes and the token scales.
+    pub fn fp8_linear(
+        &self,
+        x: &[f32],
+        w: &[u8],
+        w_scale: &[f32],
+        (n, m, k): (usize, usize, usize),
+    ) -> Result<(Vec<f32>, Vec<u8>, Vec<f32>)> {
+        assert_eq!(self.dev.shapes.dtype, Dtype::F32, "an f32 harness");
+        let st = &self.dev.stream;
+        let gemm = super::fp8::Fp8Gemm::new(&self.dev)?;
+        let x = st.clone_htod(x).map_err(cuda("upload"))?;
+        let w = st.clone_htod(w).map_err(cuda("upload"))?;
+        let w_scale = st.clone_htod(w_scale).map_err(cuda("upload"))?;
+        let xq = st.alloc_zeros::<u8>(n * k).map_err(cuda("alloc"))?;
+        let rs = st.alloc_zeros::<f32>(n).map_err(cuda("alloc"))?;
+        let y = st.alloc_zeros::<f32>(n * m).map_err(cuda("alloc"))?;
+        let p = |b: u64| Arg::Ptr(b);
+        self.dev.launch(
+            "fp8_rows",
+            (n as u32, 1, 1),
+            256,
+            &[
+                p(self.dev.p(&x)),
+                Arg::I32(k as i32),
+                p(self.dev.p(&xq)),
+                p(self.dev.p(&rs)),
+            ],
+        )?;
+        gemm.matmul(
+            &self.dev,
+            self.dev.p(&w),
+            self.dev.p(&xq),
+            self.dev.p(&y),
+            m,
+            (m, n, k),
+        )?;
+        self.dev.launch(
+            "fp8_scale",
+            Device::elementwise_grid(n * m),
+            256,
+            &[
+                p(self.dev.p(&y)),
+                p(self.dev.p(&rs)),
+                p(self.dev.p(&w_scale)),
+                Arg::I32(n as i32),
+                Arg::I32(m as i32),
+            ],
+        )?;
+        let down = "download";
+        Ok((
+            st.clone_dtoh(&y).map_err(cuda(down))?,
+            st.clone_dtoh(&xq).map_err(cuda(down))?,
+            st.clone_dtoh(&rs).map_err(cuda(down))?,
+        ))
+    }
+
     pub fn read_i32(&self, b: &Buf) -> Result<Vec<i32>> {
         match b {
             Buf::I32(s) => self.dev.stream.clone_dtoh(s).map_err(cuda("download")),
@@ -342,9 +403,16 @@ impl LoraBench {
 }
 
 impl super::CudaBackend {
+    /// Kernel launches and GEMM calls this backend has issued (a step's
+    /// count is the difference across a step that runs without a graph).
+    pub fn launches_issued(&self) -> u64 {
+        self.dev.launches()
+    }
+
     /// Where the last step's device time goes: the step's launches, the
-    /// base GEMMs alone, the LoRA launches alone and the rest (norms,
-    /// RoPE, attention, casts, residual adds), each captured in a graph
+    /// base GEMMs alone, the LoRA launches alone, the attention kernels
+    /// alone and the rest (norms, RoPE and the KV store, casts, residual
+    /// adds), each captured in a graph
     /// and replayed `iters` times between device events. Milliseconds per
     /// replay, in that order; the buffers hold the last step's data.
     pub fn profile_last_step(&self, iters: usize) -> Result<Vec<(&'static str, f64)>> {
@@ -385,6 +453,13 @@ impl super::CudaBackend {
             }
             Ok(())
         };
+        let attention = || -> Result<()> {
+            let (qkv, attn) = (self.dev.p(&self.ws.qkv), self.dev.p(&self.ws.attn));
+            for l in 0..self.layers.len() {
+                self.attention(l, &meta, n, qkv, attn)?;
+            }
+            Ok(())
+        };
         let step = self.time_replays(|| self.launch_forward(&meta, n, rows), iters)?;
         let gemm = self.time_replays(gemms, iters)?;
         // A step with no adapter has no LoRA launches to time.
@@ -393,11 +468,13 @@ impl super::CudaBackend {
         } else {
             self.time_replays(loras, iters)?
         };
+        let attention = self.time_replays(attention, iters)?;
         Ok(vec![
             ("whole step", step),
             ("base GEMMs", gemm),
             ("LoRA launches", lora),
-            ("the rest", step - gemm - lora),
+            ("attention", attention),
+            ("the rest", step - gemm - lora - attention),
         ])
     }
 
