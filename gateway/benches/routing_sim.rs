@@ -386,6 +386,22 @@ fn simulate(fleet: Fleet, policy: Sim) -> Outcome {
     }
 }
 
+#[path = "support/svg.rs"]
+mod svg;
+
+/// The plots a full run writes, linked from BENCHMARKS.md: adapter loads,
+/// and the balance that buys them.
+const PLOTS: [&str; 2] = [
+    concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../docs/plots/routing_sim_loads.svg"
+    ),
+    concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../docs/plots/routing_sim_balance.svg"
+    ),
+];
+
 fn main() {
     let quick = std::env::var_os("ROUTING_SIM_QUICK").is_some();
     let mut fleets = Vec::new();
@@ -404,6 +420,24 @@ fn main() {
         fleets.truncate(1);
     }
     let mut summary = Vec::new();
+    let series = || {
+        POLICIES
+            .iter()
+            .map(|(name, _)| (name.to_string(), Vec::new()))
+            .collect()
+    };
+    let mut chart = svg::Bars {
+        title: "Adapter loads per 100 requests, by policy (SIMULATED workers; lower is better)",
+        y_label: "adapter loads per 100 requests",
+        groups: Vec::new(),
+        series: series(),
+    };
+    let mut balance = svg::Bars {
+        title: "Max/mean requests served per worker, by policy (SIMULATED workers; 1 is even)",
+        y_label: "max / mean requests served",
+        groups: Vec::new(),
+        series: series(),
+    };
     for fleet in fleets {
         println!(
             "\nrouting simulation (SIMULATED workers): Zipf(s={}) over {} adapters, {} workers x \
@@ -419,6 +453,21 @@ fn main() {
             .iter()
             .map(|&(name, p)| (name, simulate(fleet, p)))
             .collect();
+        chart.groups.push(format!(
+            "{} workers, {}K, s={}",
+            fleet.workers,
+            fleet.adapters / 1000,
+            fleet.zipf
+        ));
+        balance
+            .groups
+            .push(chart.groups.last().cloned().unwrap_or_default());
+        for (i, (_, o)) in outcomes.iter().enumerate() {
+            chart.series[i]
+                .1
+                .push(o.loads as f64 / o.requests as f64 * 100.0);
+            balance.series[i].1.push(o.max_over_mean_served);
+        }
         let ours = outcomes.last().expect("lorafleet runs last").1.loads as f64;
         for (name, o) in &outcomes {
             println!(
@@ -439,6 +488,10 @@ fn main() {
             .map(|(name, _)| *name)
             .collect();
         summary.push((fleet, us.max_over_mean_served, beaten_by));
+    }
+    if !quick {
+        chart.write(std::path::Path::new(PLOTS[0]));
+        balance.write(std::path::Path::new(PLOTS[1]));
     }
     println!(
         "\n| workers | adapters | Zipf s | lorafleet max/mean | peers within {BOUND} with no more loads |"

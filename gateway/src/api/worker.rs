@@ -52,10 +52,11 @@ pub(super) async fn start(
     }
     let mut last: Option<UpstreamError> = None;
     let mut first_token_timeouts = 0usize;
-    for worker in route.candidates.iter().take(s.max_attempts) {
+    for candidate in route.candidates.iter().take(s.max_attempts) {
+        let worker = &candidate.worker;
         trail.record.attempts += 1;
         let in_flight = s.fleet.track(worker);
-        let worker_id = worker.state().worker_id;
+        let worker_id = candidate.worker_id.clone();
         span.record("worker", worker_id.as_str());
         trail.record.worker_id = Some(worker_id.clone());
         let outcome = first_event(worker, request);

@@ -7,12 +7,13 @@
 //! fresh and says SERVING; a dropped stream or a stale report takes it out of
 //! the ring at once, and it rejoins with its next report.
 //!
-//! Requests read an immutable [`Table`]: the ring over the routable workers
-//! and what each last reported. A Watch task rebuilds it after each report
-//! or change of state and swaps it in, so the request path is one snapshot
-//! load plus atomic in-flight counts, with no mutex (only a shared read of
-//! the per-adapter counter map, written once per new adapter). Each adapter's replica
-//! count (the hot-adapter hysteresis) lives beside its in-flight count.
+//! Requests read an immutable [`Table`]: the ring over the routable workers,
+//! what each last reported, and each base's context length. A Watch task
+//! rebuilds it after each report or change of state and swaps it in, so
+//! the request path (`route`, `max_model_len`, a candidate's worker id) is
+//! one snapshot load plus atomic in-flight counts: it takes no lock, not
+//! the member list's nor any worker's state (a test holds them all for
+//! writing while a request routes).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -139,11 +140,15 @@ pub struct Fleet {
 }
 
 /// A routing snapshot: the ring over the workers routable when it was
-/// built, and each one's last report (its index is its place in the ring).
+/// built, each one's last report (its index is its place in the ring),
+/// and the context each base accepts on every member that reported it.
 #[derive(Debug, Default)]
 pub struct Table {
     ring: Arc<Ring>,
     entries: Vec<Entry>,
+    /// Base hash to the smallest `max_model_len` of the members reporting
+    /// it, routable or not (see [`Fleet::max_model_len`]).
+    max_model_len: HashMap<String, u32>,
 }
 
 #[derive(Debug)]
@@ -155,10 +160,18 @@ struct Entry {
 /// A routing decision resolved to workers.
 #[derive(Debug)]
 pub struct Route {
-    pub candidates: Vec<Arc<Worker>>,
+    pub candidates: Vec<Candidate>,
     pub reason: policy::Reason,
     /// Whether the first candidate had the adapter on its device.
     pub device_hit: bool,
+}
+
+/// A worker a request may go to, with the id its last report gave (read
+/// from the snapshot, not the worker's live state).
+#[derive(Debug)]
+pub struct Candidate {
+    pub worker: Arc<Worker>,
+    pub worker_id: String,
 }
 
 impl Fleet {
@@ -177,11 +190,18 @@ impl Fleet {
     fn rebuild(&self) {
         let _one_at_a_time = self.rebuilding.lock().expect("rebuild");
         let now = Instant::now();
+        let mut max_model_len: HashMap<String, u32> = HashMap::new();
         let entries: Vec<Entry> = self
             .workers()
             .into_iter()
             .filter_map(|worker| {
                 let state = worker.state();
+                if state.max_model_len > 0 {
+                    max_model_len
+                        .entry(state.base_hash.clone())
+                        .and_modify(|m| *m = (*m).min(state.max_model_len))
+                        .or_insert(state.max_model_len);
+                }
                 state.up_at(now).then_some(Entry { worker, state })
             })
             .collect();
@@ -192,22 +212,18 @@ impl Fleet {
         } else {
             Arc::new(Ring::new(&ids))
         };
-        self.table.store(Arc::new(Table { ring, entries }));
+        self.table.store(Arc::new(Table {
+            ring,
+            entries,
+            max_model_len,
+        }));
     }
 
     /// The context every reporting worker on `base_hash` accepts (the
-    /// smallest of theirs); None while none has reported.
-    /// Read under the locks, without copying any worker's state: it runs
-    /// once per request.
+    /// smallest of theirs); None while none has reported. Read from the
+    /// snapshot: it runs once per request.
     pub fn max_model_len(&self, base_hash: &str) -> Option<u32> {
-        let workers = self.workers.read().expect("fleet");
-        workers
-            .iter()
-            .filter_map(|w| {
-                let s = w.state.read().expect("worker state");
-                (s.base_hash == base_hash && s.max_model_len > 0).then_some(s.max_model_len)
-            })
-            .min()
+        self.table.load().max_model_len.get(base_hash).copied()
     }
 
     pub fn workers(&self) -> Vec<Arc<Worker>> {
@@ -318,7 +334,10 @@ impl Fleet {
         Some(Route {
             candidates: order
                 .into_iter()
-                .map(|i| table.entries[i].worker.clone())
+                .map(|i| Candidate {
+                    worker: table.entries[i].worker.clone(),
+                    worker_id: table.entries[i].state.worker_id.clone(),
+                })
                 .collect(),
             reason,
             device_hit,
@@ -392,5 +411,77 @@ async fn watch(fleet: Fleet, worker: Arc<Worker>) {
         fleet.rebuild();
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(Duration::from_secs(5));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn member(fleet: &Fleet, i: u16, max_model_len: u32) -> Arc<Worker> {
+        let addr = format!("127.0.0.1:{}", 9 + i);
+        let worker = Arc::new(Worker {
+            client: WorkerClient::connect_lazy(&addr, &Transport::Plaintext).unwrap(),
+            addr,
+            state: RwLock::default(),
+            in_flight: AtomicU32::new(0),
+            task: Mutex::new(None),
+        });
+        worker.apply(Report {
+            worker_id: format!("w{i}"),
+            serving: true,
+            draining: false,
+            base_name: "base".into(),
+            base_hash: "h".into(),
+            max_model_len,
+            quantization: String::new(),
+            weights_bytes: 0,
+            load: 0,
+            kv_blocks_used: 0,
+            kv_blocks_total: 0,
+            adapters: HashMap::new(),
+        });
+        // No Watch task: the reports above are all the state there is.
+        fleet.workers.write().unwrap().push(worker.clone());
+        worker
+    }
+
+    /// The request path reads the snapshot alone: with the member list
+    /// and every worker's state held for writing (as discovery and the
+    /// Watch tasks take them), a request still routes and reads its
+    /// context length. Taking either lock on that path blocks it here.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_request_routes_while_every_fleet_lock_is_held_for_writing() {
+        let fleet = Fleet::new(policy::Policy::default(), Transport::Plaintext);
+        let workers = [member(&fleet, 0, 4096), member(&fleet, 1, 2048)];
+        fleet.rebuild();
+        let members = fleet.workers.write().unwrap();
+        let states: Vec<_> = workers.iter().map(|w| w.state.write().unwrap()).collect();
+        let f = fleet.clone();
+        let request = std::thread::spawn(move || {
+            let route = f.route(Some(AdapterId::new(7).unwrap()), "h").unwrap();
+            let ids: Vec<String> = route.candidates.into_iter().map(|c| c.worker_id).collect();
+            (f.max_model_len("h"), f.max_model_len("other"), ids)
+        });
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !request.is_finished() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let finished = request.is_finished();
+        drop(states);
+        drop(members);
+        assert!(
+            finished,
+            "the request path waited for a lock the fleet's writers hold"
+        );
+        let (len, other, mut ids) = request.join().unwrap();
+        assert_eq!(
+            len,
+            Some(2048),
+            "the smallest context of the members on the base"
+        );
+        assert_eq!(other, None);
+        ids.sort();
+        assert_eq!(ids, ["w0", "w1"]);
     }
 }

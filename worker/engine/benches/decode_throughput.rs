@@ -34,6 +34,9 @@ const REQUESTS: usize = 512;
 const PROMPT: usize = 8;
 const NEW: usize = 8;
 
+#[path = "../../../gateway/benches/support/svg.rs"]
+mod svg;
+
 fn main() {
     let counts: Vec<usize> = std::env::var("LORAFLEET_BENCH_ADAPTERS")
         .map(|v| {
@@ -112,6 +115,12 @@ fn main() {
     );
     println!("|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|");
     let first_median = median(&runs[0].iter().map(Run::tokens_per_s).collect::<Vec<_>>());
+    let mut chart = svg::Bars {
+        title: "Decode tokens/s against distinct adapters (CPU backend, STAND-IN ~100M Llama)",
+        y_label: "tokens/s (median of rounds)",
+        groups: Vec::new(),
+        series: vec![(format!("{weights} weights"), Vec::new())],
+    };
     for (i, &n) in counts.iter().enumerate() {
         let tps: Vec<f64> = runs[i].iter().map(Run::tokens_per_s).collect();
         let ratios: Vec<f64> = runs[i]
@@ -126,6 +135,8 @@ fn main() {
         } else {
             n.to_string()
         };
+        chart.groups.push(label.clone());
+        chart.series[0].1.push(median(&tps));
         println!(
             "| {label} | {} | {:.1} | {} | {:.1}% | {:.1}% | {} | {} | {:.1} | {} |",
             last.generated,
@@ -142,6 +153,11 @@ fn main() {
             stolen.map_or("n/a".to_string(), |s| format!("{s:.1}")),
         );
     }
+    chart.write(
+        &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(format!(
+            "../../docs/plots/cpu_decode_adapters_{weights}.svg"
+        )),
+    );
 }
 
 #[derive(Debug, Clone)]
