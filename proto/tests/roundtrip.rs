@@ -355,6 +355,7 @@ fn every_message_round_trips_with_every_field_set() {
         total_time: Some(dur(1, 5)),
         adapter_residency: Residency::NotLoaded as i32,
         preemptions: 1,
+        device_time: Some(dur(0, 7_250_000)),
     };
     cov.check(vec![
         finished(finished::StopReason::StopTokenId(2)),

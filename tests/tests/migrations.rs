@@ -88,7 +88,8 @@ async fn migrations_apply_to_an_empty_database_and_rerun_as_a_no_op() {
             (18, true),
             (19, true),
             (20, true),
-            (21, true)
+            (21, true),
+            (22, true)
         ],
         "each migration applied exactly once"
     );
@@ -111,7 +112,7 @@ async fn migrate_takes_the_url_from_the_environment() {
         .fetch_one(&db.pool().await)
         .await
         .unwrap();
-    assert_eq!(n, 21);
+    assert_eq!(n, 22);
 }
 
 #[test]

@@ -83,6 +83,16 @@ async fn a_repeated_prompt_is_served_from_the_cache_and_reported() {
             .await
             .unwrap();
     assert_eq!(rows, vec![0, second as i32], "the audit rows record it");
+    // And the worker's forward-pass time each request used.
+    let device: Vec<Option<i64>> =
+        sqlx::query_scalar("SELECT device_us FROM audit_log ORDER BY received_at")
+            .fetch_all(&db.pool().await)
+            .await
+            .unwrap();
+    assert!(
+        device.iter().all(|d| d.is_some_and(|us| us > 0)),
+        "each row keeps its device time: {device:?}"
+    );
     assert!(
         hits >= second as f64,
         "the worker counted {hits} hit tokens"

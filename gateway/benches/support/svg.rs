@@ -42,7 +42,9 @@ impl Bars<'_> {
     pub fn svg(&self) -> String {
         let (left, right, top, bottom, legend_h) = (70.0, 20.0, 40.0, 90.0, 22.0);
         let legend_rows = self.series.len().div_ceil(3) as f64;
-        let group_w = 26.0 * self.series.len() as f64 + 30.0;
+        // Wide enough for the title and the legend, however few bars.
+        let bars_w = 26.0 * self.series.len() as f64;
+        let group_w = (bars_w + 30.0).max(660.0 / self.groups.len().max(1) as f64);
         let plot_w = group_w * self.groups.len() as f64;
         let plot_h = 320.0;
         let width = left + plot_w + right;
@@ -89,7 +91,7 @@ impl Bars<'_> {
             escape(self.y_label)
         );
         for (g, name) in self.groups.iter().enumerate() {
-            let x0 = left + g as f64 * group_w + 15.0;
+            let x0 = left + g as f64 * group_w + (group_w - bars_w) / 2.0;
             for (s, (_, values)) in self.series.iter().enumerate() {
                 let value = values[g];
                 let x = x0 + 26.0 * s as f64;
@@ -105,7 +107,7 @@ impl Bars<'_> {
             let _ = writeln!(
                 out,
                 r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">{}</text>"#,
-                x0 + 13.0 * self.series.len() as f64,
+                x0 + bars_w / 2.0,
                 top + plot_h + 18.0,
                 escape(name)
             );

@@ -89,6 +89,8 @@ pub async fn generate(s: &AppState, call: InternalCall) -> Result<InternalAnswer
             trail.record.prompt_tokens = f.prompt_tokens as i32;
             trail.record.cached_tokens = f.cached_prompt_tokens as i32;
             trail.record.completion_tokens = f.completion_tokens as i32;
+            trail.record.device_us =
+                Some(i64::try_from(f.device_time.as_micros()).unwrap_or(i64::MAX));
             trail.record.finish_reason = Some(
                 match f.reason {
                     upstream::FinishReason::Stop => "stop",
@@ -128,6 +130,7 @@ async fn read_all(
             prompt_tokens: 0,
             completion_tokens: 0,
             cached_prompt_tokens: 0,
+            device_time: std::time::Duration::ZERO,
         },
         request_id,
     };

@@ -183,6 +183,8 @@ pub(super) fn settle(
     trail.record.cached_tokens = usage.prompt_tokens_details.cached_tokens as i32;
     trail.record.completion_tokens = usage.completion_tokens as i32;
     trail.record.finish_reason = Some(openai::finish_reason(first).into());
+    let device: std::time::Duration = finished.iter().map(|f| f.device_time).sum();
+    trail.record.device_us = Some(i64::try_from(device.as_micros()).unwrap_or(i64::MAX));
     usage
 }
 

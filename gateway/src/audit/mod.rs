@@ -96,6 +96,11 @@ pub struct AuditRecord {
     /// `api_key_prefix`).
     #[serde(default)]
     pub last_key_prefix: Option<String>,
+    /// The worker's forward-pass time the request used, in microseconds
+    /// (its choices' shares of the steps they ran in); None where no
+    /// choice finished on a worker.
+    #[serde(default)]
+    pub device_us: Option<i64>,
 }
 
 fn one() -> i32 {
@@ -148,6 +153,7 @@ impl AuditRecord {
             client_addr: None,
             occurrences: 1,
             last_key_prefix: None,
+            device_us: None,
         }
     }
 

@@ -120,6 +120,11 @@ pub(super) fn event(e: pb::GenerateEvent) -> Option<WorkerEvent> {
                 prompt_tokens: usage.prompt_tokens,
                 completion_tokens: usage.completion_tokens,
                 cached_prompt_tokens: usage.cached_prompt_tokens.min(usage.prompt_tokens),
+                // A negative or absent duration (an older worker) is zero.
+                device_time: f
+                    .device_time
+                    .and_then(|d| std::time::Duration::try_from(d).ok())
+                    .unwrap_or_default(),
             })
         }
     })

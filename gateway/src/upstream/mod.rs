@@ -179,6 +179,9 @@ pub struct Finished {
     pub completion_tokens: u32,
     /// Of the prompt tokens, those the worker's prefix cache served.
     pub cached_prompt_tokens: u32,
+    /// The worker's forward-pass time this choice used (its share of each
+    /// step it ran in).
+    pub device_time: std::time::Duration,
 }
 
 /// One event of a generation's stream.

@@ -46,6 +46,12 @@ pub struct Finish {
     /// device slot (zero when it was there on arrival); None for the base
     /// model.
     pub adapter_wait: Option<Duration>,
+    /// The forward passes' time this request used: each step's wall time
+    /// (forward pass and draws) shared among the step's sequences in
+    /// proportion to the tokens each fed it, prefill chunks and decode
+    /// tokens alike. Over a run the requests' shares add up to the
+    /// engine's busy time (`RunCounters::busy`).
+    pub device_time: Duration,
 }
 
 #[derive(Debug)]
@@ -99,6 +105,8 @@ pub(crate) struct Sequence {
     /// when the step's budget ran out. The scheduler passes the sequence
     /// over until a step draws it.
     pub pending: Option<PendingDraw>,
+    /// Its share of the steps it ran in ([`Finish::device_time`]).
+    pub device_time: Duration,
     /// Whose share of the engine this request uses (the tenant), and the
     /// share's weight.
     pub fair_key: std::sync::Arc<str>,
@@ -166,6 +174,7 @@ impl Sequence {
             prompt_scored: 0,
             grammar: None,
             pending: None,
+            device_time: Duration::ZERO,
             fair_key: std::sync::Arc::from(""),
             fair_weight: 1.0,
             text: String::new(),
@@ -309,6 +318,7 @@ impl Sequence {
             preemptions: self.preemptions,
             cached_tokens: self.cached_tokens,
             adapter_wait: self.adapter.map(|_| since(self.adapter_ready)),
+            device_time: self.device_time,
         }
     }
 }

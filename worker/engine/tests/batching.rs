@@ -376,3 +376,71 @@ fn a_batch_larger_than_the_waiting_queue_still_runs_whole() {
         .to_string();
     assert!(err.contains("appears twice"), "{err}");
 }
+
+/// Device time per request: each step's wall time is shared among its
+/// sequences by the tokens each fed it, so over a run the requests' shares
+/// add up to the engine's busy time (within 1%: they add up exactly but
+/// for nanosecond rounding) and every request that ran has a share. Two
+/// requests that share their steps, one with a 120-token prompt and one
+/// with 2, split the prefill steps about 60 to 1: the long one's share is
+/// more than 6 times the short one's (19 times measured; an even split
+/// per sequence gave 2.2).
+#[test]
+fn requests_device_time_adds_up_to_the_engines_busy_time() {
+    let mut e = engine(EngineSettings {
+        max_loras: 4,
+        max_cpu_loras: 6,
+        max_batched_tokens: 64,
+        max_num_seqs: 8,
+        ..Default::default()
+    });
+    let requests = mixed_workload();
+    let busy_before = e.stats().run.busy;
+    let done = e.run_to_completion(requests.clone()).unwrap();
+    let busy = e.stats().run.busy - busy_before;
+    let mut total = std::time::Duration::ZERO;
+    for c in &done {
+        assert!(c.error.is_none(), "{}: {:?}", c.request_id, c.error);
+        let finish = c.finish.as_ref().expect("finished");
+        assert!(
+            !finish.device_time.is_zero(),
+            "{} has no device time",
+            c.request_id
+        );
+        total += finish.device_time;
+    }
+    assert_eq!(done.len(), requests.len());
+    assert!(!busy.is_zero());
+    let gap = (total.as_secs_f64() - busy.as_secs_f64()).abs() / busy.as_secs_f64();
+    assert!(gap <= 0.01, "requests {total:?} against busy {busy:?}");
+
+    let long = Request {
+        id: "long".into(),
+        adapter: None,
+        prompt: Prompt::TokenIds((0..120).map(|k| (k * 7 % 90 + 3) as u32).collect()),
+        params: SamplingParams {
+            max_tokens: 2,
+            ignore_eos: true,
+            ..Default::default()
+        },
+    };
+    let short = Request {
+        id: "short".into(),
+        prompt: Prompt::TokenIds(vec![5, 6]),
+        ..long.clone()
+    };
+    let done = e.run_to_completion(vec![long, short]).unwrap();
+    let of = |id: &str| {
+        done.iter()
+            .find(|c| c.request_id == id)
+            .and_then(|c| c.finish.as_ref())
+            .expect("finished")
+            .device_time
+    };
+    assert!(
+        of("long") > of("short") * 6,
+        "a 120-token prompt's share {:?} against a 2-token one's {:?}",
+        of("long"),
+        of("short")
+    );
+}

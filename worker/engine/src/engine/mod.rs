@@ -71,6 +71,9 @@ pub struct RunCounters {
     /// Constrained rows whose mask was not in by their step's budget: each
     /// waited a step instead of the batch.
     pub late_masks: u64,
+    /// Wall time of the steps' forward passes and draws: what the
+    /// requests' [`Finish::device_time`](crate::Finish) shares add up to.
+    pub busy: std::time::Duration,
 }
 
 impl RunCounters {

@@ -165,6 +165,7 @@ impl Engine {
         self.run.steps += 1;
         self.run.distinct_adapters += batch.distinct_adapters() as u64;
 
+        let started = std::time::Instant::now();
         let (logits, draws) = forward_and_draw(
             self.backend.as_mut(),
             &self.seqs,
@@ -174,6 +175,9 @@ impl Engine {
             &rows,
             &self.masks,
         )?;
+        let busy = started.elapsed();
+        self.run.busy += busy;
+        self.charge(&rows, busy);
         let scored = self.score_and_collect(&rows, &logits, draws);
         let mut scored = scored.into_iter();
         let mut finished = Vec::new();
@@ -226,6 +230,29 @@ impl Engine {
             self.remove(id);
         }
         Ok(events)
+    }
+
+    /// Shares a step's `busy` time among its sequences in proportion to
+    /// the tokens each fed it; the shares add up to `busy` exactly (the
+    /// last row takes what rounding left).
+    fn charge(&mut self, rows: &[Row], busy: Duration) {
+        let total: u128 = rows.iter().map(|r| r.chunk as u128).sum();
+        if total == 0 {
+            return;
+        }
+        let nanos = busy.as_nanos();
+        let mut left = nanos;
+        for (i, row) in rows.iter().enumerate() {
+            let share = if i + 1 == rows.len() {
+                left
+            } else {
+                (nanos * row.chunk as u128 / total).min(left)
+            };
+            left -= share;
+            if let Some(seq) = self.seqs.get_mut(&row.id) {
+                seq.device_time += Duration::from_nanos(share as u64);
+            }
+        }
     }
 
     /// Takes a drawn token into its sequence: the text it completes, its
