@@ -47,6 +47,58 @@ impl fmt::Display for AdapterId {
     }
 }
 
+/// Text ids, one type each, so a worker's id is never passed where a
+/// fairness key is expected. Each side converts to its wire (a string) at
+/// its boundary.
+macro_rules! text_ids {
+    ($($(#[$doc:meta])* $name:ident;)*) => {$(
+        $(#[$doc])*
+        #[derive(Debug, Clone, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub struct $name(String);
+
+        impl $name {
+            pub fn new(id: impl Into<String>) -> $name {
+                $name(id.into())
+            }
+
+            pub fn as_str(&self) -> &str {
+                &self.0
+            }
+
+            pub fn into_string(self) -> String {
+                self.0
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+
+        impl From<String> for $name {
+            fn from(id: String) -> $name {
+                $name(id)
+            }
+        }
+
+        impl From<&str> for $name {
+            fn from(id: &str) -> $name {
+                $name(id.to_owned())
+            }
+        }
+    )*};
+}
+
+text_ids! {
+    /// A worker's id as it reports itself (`--worker-id`): what the
+    /// gateway's ring, fleet view and audit rows name it by.
+    WorkerId;
+    /// Whose share of a worker's engine a request uses: its tenant's id,
+    /// or a key of the gateway's own (a rollout's evaluation traffic).
+    FairnessKey;
+}
+
 /// Where a worker holds an adapter. An adapter a worker does not know is
 /// `NotLoaded`; one a worker did not describe (an older or newer worker)
 /// is `Option::<Residency>::None` where that can happen.
@@ -88,6 +140,17 @@ impl Residency {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn text_ids_keep_their_text() {
+        let w = WorkerId::new("worker-a");
+        assert_eq!((w.as_str(), w.to_string()), ("worker-a", "worker-a".into()));
+        assert_eq!(
+            FairnessKey::from("t1"),
+            FairnessKey::new(String::from("t1"))
+        );
+        assert_eq!(FairnessKey::from("t1").into_string(), "t1");
+    }
 
     #[test]
     fn zero_and_negative_ids_are_no_adapter_ids() {

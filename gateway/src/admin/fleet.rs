@@ -43,11 +43,11 @@ impl Query for FleetView {
             };
             workers.push(json!({
                 "addr": w.addr,
-                "worker_id": st.worker_id,
+                "worker_id": st.worker_id.as_str(),
                 "up": up,
                 "status": status,
                 "base_model": st.base_name,
-                "base_hash": st.base_hash,
+                "base_hash": st.base_hash.as_deref(),
                 "quantization": st.quantization,
                 "weights_bytes": st.weights_bytes,
                 "load": st.load,

@@ -25,7 +25,7 @@ pub struct InternalCall {
     /// The row's `features`, in `api::features`' order.
     pub features: String,
     /// Its share of the worker (see the module's note).
-    pub fairness_key: String,
+    pub fairness_key: upstream::FairnessKey,
     pub fairness_weight: f64,
 }
 

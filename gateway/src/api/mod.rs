@@ -375,7 +375,7 @@ fn fits_the_context(
     prompt: &upstream::Prompt,
     sampling: &upstream::Sampling,
 ) -> Result<(), ApiError> {
-    let Some(max_model_len) = s.fleet.max_model_len(resolved.route.base_hash.as_str()) else {
+    let Some(max_model_len) = s.fleet.max_model_len(&resolved.route.base_hash) else {
         return Ok(());
     };
     let prompt_tokens = match prompt {
@@ -499,7 +499,7 @@ async fn prepare(
         traceparent,
         tracestate,
         // Each tenant is its own share of every worker.
-        fairness_key: tenant.id.to_string(),
+        fairness_key: upstream::FairnessKey::new(tenant.id.to_string()),
         fairness_weight: tenant.weight,
     };
     Ok(Prepared {

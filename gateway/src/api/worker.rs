@@ -58,7 +58,7 @@ pub(super) async fn start(
         let in_flight = s.fleet.track(worker);
         let worker_id = candidate.worker_id.clone();
         span.record("worker", worker_id.as_str());
-        trail.record.worker_id = Some(worker_id.clone());
+        trail.record.worker_id = Some(worker_id.to_string());
         let outcome = first_event(worker, request);
         // A worker that accepts and never answers is skipped like one that
         // fails: the next candidate gets the request.

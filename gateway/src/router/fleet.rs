@@ -24,7 +24,8 @@ use arc_swap::ArcSwap;
 
 use super::policy::{self, Decision, Ring, WorkerView};
 pub use crate::upstream::Transport;
-use crate::upstream::{AdapterId, Report, Residency, WorkerClient};
+use crate::upstream::{AdapterId, Report, Residency, WorkerClient, WorkerId};
+use lorafleet_domain::digest::Sha256Hex;
 
 /// A report older than this means the worker is gone (it reports at least
 /// every 500 ms).
@@ -43,12 +44,12 @@ pub struct Worker {
 
 #[derive(Debug, Clone, Default)]
 pub struct WorkerState {
-    pub worker_id: String,
+    pub worker_id: WorkerId,
     pub connected: bool,
     pub serving: bool,
     pub draining: bool,
     pub base_name: String,
-    pub base_hash: String,
+    pub base_hash: Option<Sha256Hex>,
     /// 0 until the worker has reported.
     pub max_model_len: u32,
     /// How the base's weights are quantized (empty: dense), and the bytes
@@ -148,7 +149,7 @@ pub struct Table {
     entries: Vec<Entry>,
     /// Base hash to the smallest `max_model_len` of the members reporting
     /// it, routable or not (see [`Fleet::max_model_len`]).
-    max_model_len: HashMap<String, u32>,
+    max_model_len: HashMap<Sha256Hex, u32>,
 }
 
 #[derive(Debug)]
@@ -171,7 +172,7 @@ pub struct Route {
 #[derive(Debug)]
 pub struct Candidate {
     pub worker: Arc<Worker>,
-    pub worker_id: String,
+    pub worker_id: WorkerId,
 }
 
 impl Fleet {
@@ -190,15 +191,15 @@ impl Fleet {
     fn rebuild(&self) {
         let _one_at_a_time = self.rebuilding.lock().expect("rebuild");
         let now = Instant::now();
-        let mut max_model_len: HashMap<String, u32> = HashMap::new();
+        let mut max_model_len: HashMap<Sha256Hex, u32> = HashMap::new();
         let entries: Vec<Entry> = self
             .workers()
             .into_iter()
             .filter_map(|worker| {
                 let state = worker.state();
-                if state.max_model_len > 0 {
+                if let Some(base) = state.base_hash.as_ref().filter(|_| state.max_model_len > 0) {
                     max_model_len
-                        .entry(state.base_hash.clone())
+                        .entry(base.clone())
                         .and_modify(|m| *m = (*m).min(state.max_model_len))
                         .or_insert(state.max_model_len);
                 }
@@ -222,7 +223,7 @@ impl Fleet {
     /// The context every reporting worker on `base_hash` accepts (the
     /// smallest of theirs); None while none has reported. Read from the
     /// snapshot: it runs once per request.
-    pub fn max_model_len(&self, base_hash: &str) -> Option<u32> {
+    pub fn max_model_len(&self, base_hash: &Sha256Hex) -> Option<u32> {
         self.table.load().max_model_len.get(base_hash).copied()
     }
 
@@ -306,7 +307,7 @@ impl Fleet {
 
     /// Chooses workers for a request on `adapter` (None: the base model)
     /// among those serving `base_hash`. None: no such worker is up.
-    pub fn route(&self, adapter: Option<AdapterId>, base_hash: &str) -> Option<Route> {
+    pub fn route(&self, adapter: Option<AdapterId>, base_hash: &Sha256Hex) -> Option<Route> {
         let table = self.table.load();
         let now = Instant::now();
         let views: Vec<WorkerView<'_>> = table
@@ -319,12 +320,12 @@ impl Fleet {
                     _ => policy::Tier::Absent,
                 };
                 WorkerView {
-                    id: &e.state.worker_id,
+                    id: e.state.worker_id.as_str(),
                     load: e.state.load.max(e.worker.in_flight.load(Ordering::Relaxed)),
                     residency,
                     // A report gone stale since the snapshot was built
                     // (its Watch task will rebuild it) counts as down.
-                    eligible: e.state.base_hash == base_hash && e.state.up_at(now),
+                    eligible: e.state.base_hash.as_ref() == Some(base_hash) && e.state.up_at(now),
                 }
             })
             .collect();
@@ -418,6 +419,10 @@ async fn watch(fleet: Fleet, worker: Arc<Worker>) {
 mod tests {
     use super::*;
 
+    fn hash(c: char) -> Sha256Hex {
+        Sha256Hex::parse(&c.to_string().repeat(64)).unwrap()
+    }
+
     fn member(fleet: &Fleet, i: u16, max_model_len: u32) -> Arc<Worker> {
         let addr = format!("127.0.0.1:{}", 9 + i);
         let worker = Arc::new(Worker {
@@ -428,11 +433,11 @@ mod tests {
             task: Mutex::new(None),
         });
         worker.apply(Report {
-            worker_id: format!("w{i}"),
+            worker_id: WorkerId::new(format!("w{i}")),
             serving: true,
             draining: false,
             base_name: "base".into(),
-            base_hash: "h".into(),
+            base_hash: Some(hash('a')),
             max_model_len,
             quantization: String::new(),
             weights_bytes: 0,
@@ -459,9 +464,14 @@ mod tests {
         let states: Vec<_> = workers.iter().map(|w| w.state.write().unwrap()).collect();
         let f = fleet.clone();
         let request = std::thread::spawn(move || {
-            let route = f.route(Some(AdapterId::new(7).unwrap()), "h").unwrap();
-            let ids: Vec<String> = route.candidates.into_iter().map(|c| c.worker_id).collect();
-            (f.max_model_len("h"), f.max_model_len("other"), ids)
+            let (base, other) = (hash('a'), hash('b'));
+            let route = f.route(Some(AdapterId::new(7).unwrap()), &base).unwrap();
+            let ids: Vec<String> = route
+                .candidates
+                .into_iter()
+                .map(|c| c.worker_id.into_string())
+                .collect();
+            (f.max_model_len(&base), f.max_model_len(&other), ids)
         });
         let deadline = Instant::now() + Duration::from_secs(5);
         while !request.is_finished() && Instant::now() < deadline {

@@ -77,7 +77,7 @@ impl From<&Generation> for pb::GenerateRequest {
                 traceparent: g.traceparent.clone(),
                 tracestate: g.tracestate.clone(),
             }),
-            fairness_key: g.fairness_key.clone(),
+            fairness_key: g.fairness_key.to_string(),
             fairness_weight: g.fairness_weight,
         }
     }
@@ -149,7 +149,7 @@ fn token_logprob(l: pb::TokenLogprob) -> TokenLogprob {
 
 pub(super) fn report(r: &pb::WorkerReport) -> Report {
     Report {
-        worker_id: r.worker_id.clone(),
+        worker_id: WorkerId::new(r.worker_id.clone()),
         serving: r.status == pb::ServingStatus::Serving as i32,
         draining: r.status == pb::ServingStatus::Draining as i32,
         base_name: r
@@ -160,8 +160,7 @@ pub(super) fn report(r: &pb::WorkerReport) -> Report {
         base_hash: r
             .base_model
             .as_ref()
-            .map(|b| b.base_hash.clone())
-            .unwrap_or_default(),
+            .and_then(|b| Sha256Hex::parse(&b.base_hash)),
         max_model_len: r.base_model.as_ref().map_or(0, |b| b.max_model_len),
         quantization: r
             .base_model

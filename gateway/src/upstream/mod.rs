@@ -19,7 +19,7 @@ use lorafleet_domain::digest::Sha256Hex;
 use lorafleet_proto::refusal::Reason;
 
 pub use client::{Events, Reports, Transport, WorkerClient};
-pub use lorafleet_domain::{AdapterId, Residency};
+pub use lorafleet_domain::{AdapterId, FairnessKey, Residency, WorkerId};
 
 /// An adapter a generation uses, as the registry describes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -151,7 +151,7 @@ pub struct Generation {
     pub tracestate: String,
     /// Whose share of the worker the request uses (the tenant), and its
     /// weight.
-    pub fairness_key: String,
+    pub fairness_key: FairnessKey,
     pub fairness_weight: f64,
 }
 
@@ -202,13 +202,15 @@ pub enum WorkerEvent {
 /// One worker's state, from its Watch stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Report {
-    pub worker_id: String,
+    pub worker_id: WorkerId,
     pub serving: bool,
     /// Draining: running streams finish, new requests are refused.
     pub draining: bool,
     /// The base model's name as the worker was configured with it.
     pub base_name: String,
-    pub base_hash: String,
+    /// None where the worker reported none, or something that is not a
+    /// SHA-256: such a worker serves no base a route names.
+    pub base_hash: Option<Sha256Hex>,
     /// The longest sequence (prompt plus completion) the worker accepts.
     pub max_model_len: u32,
     /// How the base's weights are quantized; empty for a dense base.

@@ -1,6 +1,8 @@
 //! What goes into the engine (a request, its prompt and fairness) and
 //! what comes out (events, the acceptance, a whole completion).
 
+use lorafleet_domain::FairnessKey;
+
 use crate::error::EngineError;
 use crate::logprobs::TokenLogprob;
 use crate::model::tokenizer::ChatMessage;
@@ -31,7 +33,7 @@ pub enum Prompt {
 /// weighted service so far (see [`crate::scheduler`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Fairness {
-    pub key: String,
+    pub key: FairnessKey,
     /// Positive; a key of weight 2 gets twice the tokens of one of weight 1
     /// when both wait.
     pub weight: f64,
@@ -40,7 +42,7 @@ pub struct Fairness {
 impl Default for Fairness {
     fn default() -> Fairness {
         Fairness {
-            key: String::new(),
+            key: FairnessKey::default(),
             weight: 1.0,
         }
     }

@@ -111,7 +111,7 @@ pub fn fairness(r: &pb::GenerateRequest) -> Result<Fairness, Refusal> {
         }
     };
     Ok(Fairness {
-        key: r.fairness_key.clone(),
+        key: r.fairness_key.clone().into(),
         weight,
     })
 }

@@ -565,7 +565,7 @@ impl Engine {
                 seq.adapter_ready = Some(seq.arrived);
             }
         }
-        let key: std::sync::Arc<str> = std::sync::Arc::from(fairness.key);
+        let key: std::sync::Arc<str> = std::sync::Arc::from(fairness.key.as_str());
         // The other live requests' keys (this one is in `seqs` already).
         let others: Vec<std::sync::Arc<str>> = self
             .seqs
