@@ -21,6 +21,7 @@ const TABLES: &[&str] = &[
     "routes",
     "tenant_token_revocations",
     "tenants",
+    "usage_hourly",
 ];
 
 #[tokio::test]
@@ -89,7 +90,8 @@ async fn migrations_apply_to_an_empty_database_and_rerun_as_a_no_op() {
             (19, true),
             (20, true),
             (21, true),
-            (22, true)
+            (22, true),
+            (23, true)
         ],
         "each migration applied exactly once"
     );
@@ -112,7 +114,7 @@ async fn migrate_takes_the_url_from_the_environment() {
         .fetch_one(&db.pool().await)
         .await
         .unwrap();
-    assert_eq!(n, 22);
+    assert_eq!(n, 23);
 }
 
 #[test]
