@@ -520,6 +520,52 @@ async fn admins_run_the_registry_and_compliance_reads_the_audit_log_through_lora
         assert_eq!(row["lora_int_id"].as_i64(), Some(a2));
     }
 
+    // --- Usage, read from the hourly rollups ------------------------------
+    let at = |d: chrono::TimeDelta| {
+        (chrono::Utc::now() + d).to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+    };
+    let usage = |group_by: &'static str| {
+        p.http
+            .get(format!("{}/admin/v1/usage", p.admin_url(0)))
+            .query(&[
+                ("from", at(chrono::TimeDelta::days(-1))),
+                ("to", at(chrono::TimeDelta::hours(2))),
+                ("group_by", group_by.to_owned()),
+            ])
+            .bearer_auth(&p.admin_token)
+            .send()
+    };
+    let report: Value = usage("tenant,adapter").await.unwrap().json().await.unwrap();
+    for adapter in [a1, a2] {
+        let rows: Vec<&Value> = all.iter().filter(|r| r["lora_int_id"] == adapter).collect();
+        let tokens: i64 = rows
+            .iter()
+            .map(|r| r["completion_tokens"].as_i64().unwrap())
+            .sum();
+        let got: Vec<&Value> = report["rows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|r| r["lora_int_id"] == adapter && r["evaluation"] == false)
+            .collect();
+        assert_eq!(got.len(), 1, "one group per adapter: {report}");
+        assert_eq!(
+            got[0]["requests"].as_i64(),
+            Some(rows.len() as i64),
+            "{report}"
+        );
+        assert_eq!(
+            got[0]["completion_tokens"].as_i64(),
+            Some(tokens),
+            "{report}"
+        );
+        assert!(got[0]["device_seconds"].as_f64().unwrap() > 0.0, "{report}");
+    }
+    let refused = usage("tenant,model").await.unwrap();
+    assert_eq!(refused.status(), 400);
+    let body: Value = refused.json().await.unwrap();
+    assert_eq!(body["error"]["param"], "group_by", "{body}");
+
     // --- Audit queries ----------------------------------------------------
     let total = all.len();
     let count = |args: &[&str]| -> usize {

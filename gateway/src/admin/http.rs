@@ -60,6 +60,7 @@ pub fn router(state: AdminState) -> Router {
         .route("/admin/v1/audit", get(audit_query))
         .route("/admin/v1/audit/partitions", get(audit_partitions))
         .route("/admin/v1/changes", get(list_changes))
+        .route("/admin/v1/usage", get(usage_report))
         .route("/healthz", get(|| async { "ok" }))
         .fallback(|| async {
             AdminError::new(AdminCode::NotFound, None, "no such admin endpoint".into())
@@ -480,4 +481,15 @@ async fn audit_partitions(
     let q = filters(query)?;
     let list = s.read(&c, q).await?;
     Ok(reply(StatusCode::OK, &c, &list))
+}
+
+async fn usage_report(
+    State(s): State<AdminState>,
+    headers: HeaderMap,
+    query: Result<Params<UsageReport>, QueryRejection>,
+) -> Answer {
+    let c = caller(&s, &headers)?;
+    let q = filters(query)?;
+    let report = s.read(&c, q).await?;
+    Ok(reply(StatusCode::OK, &c, &report))
 }

@@ -143,6 +143,7 @@ mod routes;
 mod tenants;
 mod tokens;
 pub mod types;
+mod usage;
 
 use base_models::*;
 use error::*;
@@ -173,3 +174,4 @@ pub use rollouts::{
 pub use routes::{GetRoute, ListRoutes, Promote, PutRoute, Rollback, RouteWritten, parse_etag};
 pub use tenants::{CreateTenant, GetTenant, ListTenants, SetTenantDisabled, UpdateTenant};
 pub use tokens::{RevokeAdminToken, RevokeOwnToken, RevokeTenantToken};
+pub use usage::{UsageList, UsageReport, UsageRow};
