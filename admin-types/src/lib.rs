@@ -409,6 +409,33 @@ pub struct AuditPartitions {
     pub maintainer_lease_expires_at: Option<DateTime<Utc>>,
 }
 
+/// One group of `GET /usage`: its usage over the report's span.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
+pub struct UsageRow {
+    /// The period's start, when grouped by day or hour.
+    pub period: Option<DateTime<Utc>>,
+    pub tenant_id: Option<Uuid>,
+    pub route_id: Option<Uuid>,
+    pub lora_int_id: Option<i64>,
+    /// Traffic a rollout's evaluation sent, kept apart from tenants'.
+    pub evaluation: bool,
+    pub requests: i64,
+    /// Of `requests`, those that completed.
+    pub completed: i64,
+    pub prompt_tokens: i64,
+    pub completion_tokens: i64,
+    pub cached_tokens: i64,
+    /// The workers' forward-pass time.
+    pub device_seconds: f64,
+}
+
+/// `GET /usage`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct UsageList {
+    pub rows: Vec<UsageRow>,
+}
+
 /// `GET /changes`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ChangeList {

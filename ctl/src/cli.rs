@@ -79,6 +79,10 @@ pub(crate) enum Command {
     /// The audit log's day partitions (estimated rows each) and the
     /// gateway replica that makes them ahead and retires them.
     AuditPartitions,
+    /// Usage over a span, from the hourly rollups: requests, tokens and
+    /// the workers' device seconds by tenant, route, adapter and day or
+    /// hour, evaluation traffic apart.
+    Usage(UsageArgs),
     /// The admin change log: who changed what, when, before and after.
     Changes {
         #[arg(long)]
@@ -438,6 +442,25 @@ pub(crate) struct AuditArgs {
 pub(crate) enum Export {
     Jsonl,
     Csv,
+}
+
+#[derive(Debug, clap::Args)]
+pub(crate) struct UsageArgs {
+    /// The span's start (RFC 3339), included.
+    #[arg(long)]
+    pub from: String,
+    /// The span's end (RFC 3339), excluded; at most 366 days after --from.
+    #[arg(long)]
+    pub to: String,
+    /// Comma-separated: tenant, route, adapter, and day or hour.
+    #[arg(long)]
+    pub group_by: Option<String>,
+    /// One tenant's usage (its id).
+    #[arg(long)]
+    pub tenant: Option<String>,
+    /// Comma-separated values with a header line, instead of a table.
+    #[arg(long)]
+    pub csv: bool,
 }
 
 /// `token` mints an admin token; `token revoke TOKEN` revokes one, and

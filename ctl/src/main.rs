@@ -21,6 +21,7 @@ mod render;
 mod rollout;
 mod routes;
 mod token;
+mod usage;
 
 use audit::*;
 use certs::*;
@@ -33,6 +34,7 @@ use render::*;
 use rollout::*;
 use routes::*;
 use token::*;
+use usage::*;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -146,6 +148,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Evals(cmd) => evals(&c, cmd).await,
         Command::Fleet => fleet(&c).await,
         Command::Audit(a) => audit(&c, a).await,
+        Command::Usage(a) => usage(&c, a).await,
         Command::AuditPartitions => {
             let list: lorafleet_admin_types::AuditPartitions =
                 c.get_as("/audit/partitions", &[]).await?;

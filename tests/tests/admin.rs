@@ -561,6 +561,33 @@ async fn admins_run_the_registry_and_compliance_reads_the_audit_log_through_lora
         );
         assert!(got[0]["device_seconds"].as_f64().unwrap() > 0.0, "{report}");
     }
+    // The same report through lorafleetctl, as JSON and as CSV.
+    let (from, to) = (
+        at(chrono::TimeDelta::days(-1)),
+        at(chrono::TimeDelta::hours(2)),
+    );
+    let args = [
+        "usage",
+        "--from",
+        &from,
+        "--to",
+        &to,
+        "--group-by",
+        "tenant,adapter",
+    ];
+    let via_ctl = p.ctl_json(&args);
+    assert_eq!(via_ctl["rows"], report["rows"], "{via_ctl}");
+    let csv = p.ctl(&[&args[..], &["--csv"]].concat()).stdout;
+    let lines: Vec<&str> = csv.lines().collect();
+    assert!(
+        lines[0].starts_with("period,tenant_id,route_id,lora_int_id"),
+        "{csv}"
+    );
+    assert_eq!(
+        lines.len(),
+        1 + report["rows"].as_array().unwrap().len(),
+        "{csv}"
+    );
     let refused = usage("tenant,model").await.unwrap();
     assert_eq!(refused.status(), 400);
     let body: Value = refused.json().await.unwrap();

@@ -174,4 +174,4 @@ pub use rollouts::{
 pub use routes::{GetRoute, ListRoutes, Promote, PutRoute, Rollback, RouteWritten, parse_etag};
 pub use tenants::{CreateTenant, GetTenant, ListTenants, SetTenantDisabled, UpdateTenant};
 pub use tokens::{RevokeAdminToken, RevokeOwnToken, RevokeTenantToken};
-pub use usage::{UsageList, UsageReport, UsageRow};
+pub use usage::UsageReport;

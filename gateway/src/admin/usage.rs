@@ -61,31 +61,6 @@ impl Grouping {
     }
 }
 
-/// One group's usage.
-#[derive(Debug, Serialize, sqlx::FromRow)]
-pub struct UsageRow {
-    /// The period's start, when grouped by day or hour.
-    pub period: Option<DateTime<Utc>>,
-    pub tenant_id: Option<Uuid>,
-    pub route_id: Option<Uuid>,
-    pub lora_int_id: Option<i64>,
-    /// Traffic a rollout's evaluation sent, kept apart from tenants'.
-    pub evaluation: bool,
-    pub requests: i64,
-    /// Of `requests`, those that completed.
-    pub completed: i64,
-    pub prompt_tokens: i64,
-    pub completion_tokens: i64,
-    pub cached_tokens: i64,
-    /// The workers' forward-pass time.
-    pub device_seconds: f64,
-}
-
-#[derive(Debug, Serialize)]
-pub struct UsageList {
-    pub rows: Vec<UsageRow>,
-}
-
 impl Query for UsageReport {
     type Output = UsageList;
     const NEED: Need = Need::Audit;
