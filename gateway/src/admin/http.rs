@@ -58,9 +58,12 @@ pub fn router(state: AdminState) -> Router {
         .route("/admin/v1/tenant-tokens/revoke", post(revoke_tenant_token))
         .route("/admin/v1/fleet", get(fleet_view))
         .route("/admin/v1/audit", get(audit_query))
-        .route("/admin/v1/audit/partitions", get(audit_partitions))
-        .route("/admin/v1/changes", get(list_changes))
-        .route("/admin/v1/usage", get(usage_report))
+        .route(
+            "/admin/v1/audit/partitions",
+            get(read_query::<ListAuditPartitions>),
+        )
+        .route("/admin/v1/changes", get(read_query::<ListChanges>))
+        .route("/admin/v1/usage", get(read_query::<UsageReport>))
         .route("/healthz", get(|| async { "ok" }))
         .fallback(|| async {
             AdminError::new(AdminCode::NotFound, None, "no such admin endpoint".into())
@@ -461,35 +464,19 @@ async fn audit_query(
     Ok(r)
 }
 
-async fn list_changes(
+/// A read whose filters are the query string: the change log, the audit
+/// partitions, the usage report.
+async fn read_query<Q>(
     State(s): State<AdminState>,
     headers: HeaderMap,
-    query: Result<Params<ListChanges>, QueryRejection>,
-) -> Answer {
+    query: Result<Params<Q>, QueryRejection>,
+) -> Answer
+where
+    Q: Query + DeserializeOwned,
+    Q::Output: Serialize,
+{
     let c = caller(&s, &headers)?;
     let q = filters(query)?;
-    let list = s.read(&c, q).await?;
-    Ok(reply(StatusCode::OK, &c, &list))
-}
-
-async fn audit_partitions(
-    State(s): State<AdminState>,
-    headers: HeaderMap,
-    query: Result<Params<ListAuditPartitions>, QueryRejection>,
-) -> Answer {
-    let c = caller(&s, &headers)?;
-    let q = filters(query)?;
-    let list = s.read(&c, q).await?;
-    Ok(reply(StatusCode::OK, &c, &list))
-}
-
-async fn usage_report(
-    State(s): State<AdminState>,
-    headers: HeaderMap,
-    query: Result<Params<UsageReport>, QueryRejection>,
-) -> Answer {
-    let c = caller(&s, &headers)?;
-    let q = filters(query)?;
-    let report = s.read(&c, q).await?;
-    Ok(reply(StatusCode::OK, &c, &report))
+    let out = s.read(&c, q).await?;
+    Ok(reply(StatusCode::OK, &c, &out))
 }
