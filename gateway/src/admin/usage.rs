@@ -61,33 +61,33 @@ impl Grouping {
     }
 }
 
+/// `to` after `from`, and at most [`MAX_SPAN_DAYS`] after it.
+fn check_span(from: DateTime<Utc>, to: DateTime<Utc>) -> Result<(), AdminError> {
+    if to <= from {
+        return Err(AdminError::field("to", "must be after from"));
+    }
+    if to - from > chrono::TimeDelta::days(MAX_SPAN_DAYS) {
+        return Err(AdminError::field(
+            "to",
+            format!("the span from `from` is over {MAX_SPAN_DAYS} days"),
+        ));
+    }
+    Ok(())
+}
+
 impl Query for UsageReport {
     type Output = UsageList;
     const NEED: Need = Need::Audit;
 
     async fn run(self, s: &AdminState) -> Result<UsageList, AdminError> {
-        if self.to <= self.from {
-            return Err(AdminError::field("to", "must be after from"));
-        }
-        if self.to - self.from > chrono::TimeDelta::days(MAX_SPAN_DAYS) {
-            return Err(AdminError::field(
-                "to",
-                format!("the span from `from` is over {MAX_SPAN_DAYS} days"),
-            ));
-        }
+        check_span(self.from, self.to)?;
         let g = Grouping::parse(self.group_by.as_deref())?;
-        let column = |on: bool, name: &str| {
+        // A column the report does not group by reads as a typed NULL.
+        let column = |on: bool, name: &str, ty: &str| {
             if on {
                 name.to_owned()
             } else {
-                format!(
-                    "NULL::{}",
-                    if name == "lora_int_id" {
-                        "BIGINT"
-                    } else {
-                        "UUID"
-                    }
-                )
+                format!("NULL::{ty}")
             }
         };
         let period = match g.period {
@@ -103,9 +103,9 @@ impl Query for UsageReport {
                     sum(cached_tokens)::BIGINT AS cached_tokens,
                     sum(device_us)::FLOAT8 / 1e6 AS device_seconds
                FROM usage_hourly WHERE hour >= ",
-            column(g.tenant, "tenant_id"),
-            column(g.route, "route_id"),
-            column(g.adapter, "lora_int_id"),
+            column(g.tenant, "tenant_id", "UUID"),
+            column(g.route, "route_id", "UUID"),
+            column(g.adapter, "lora_int_id", "BIGINT"),
         ));
         q.push_bind(self.from)
             .push(" AND hour < ")
@@ -126,6 +126,18 @@ impl Query for UsageReport {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_span_backwards_or_over_a_year_is_refused_by_field() {
+        let from = DateTime::from_timestamp(1_800_000_000, 0).unwrap();
+        let day = chrono::TimeDelta::days(1);
+        assert!(check_span(from, from + day).is_ok());
+        assert!(check_span(from, from + day * 366).is_ok());
+        for to in [from, from - day, from + day * 367] {
+            let e = check_span(from, to).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some("to"), "{to}: {e:?}");
+        }
+    }
 
     #[test]
     fn group_by_is_read_by_name_and_refused_by_field() {
