@@ -1,11 +1,12 @@
 //! The values the gateway and the worker both speak of, with one type
-//! each: the adapter id, where an adapter resides, a SHA-256 digest, and a
-//! refused flag. No
-//! I/O, no dependencies; each side converts them to its wire or its
-//! database at its own boundary.
+//! each: the adapter id, where an adapter resides, a SHA-256 digest, a
+//! refused flag, and the generation contract ([`generation`]: sampling,
+//! its checks, the field a refusal names). No I/O, no dependencies; each
+//! side converts them to its wire or its database at its own boundary.
 
 pub mod digest;
 pub mod flag;
+pub mod generation;
 
 use std::fmt;
 use std::num::NonZeroU64;

@@ -9,6 +9,7 @@
 //! plane conclude: the first step, or `rejected`. Scoring itself is
 //! [`crate::evaluation`]'s.
 
+use crate::api::params::Endpoint;
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -222,8 +223,9 @@ fn call(
     prompt: upstream::Prompt,
     sampling: upstream::Sampling,
     features: &str,
-) -> InternalCall {
-    InternalCall {
+) -> Result<InternalCall, ApiError> {
+    let sampling = crate::api::openai::checked(sampling, Endpoint::of(&prompt))?;
+    Ok(InternalCall {
         route: route.clone(),
         adapter: adapter.clone(),
         prompt,
@@ -232,7 +234,7 @@ fn call(
         features: features.into(),
         fairness_key: FAIRNESS_KEY.into(),
         fairness_weight: FAIRNESS_WEIGHT,
-    }
+    })
 }
 
 /// A prompt's tokens with their log probabilities (None for the first),
@@ -251,7 +253,7 @@ async fn token_logprobs(
         seed: Some(seed),
         ..Default::default()
     };
-    let c = call(route, adapter, prompt, sampling, "echo,evaluation");
+    let c = call(route, adapter, prompt, sampling, "echo,evaluation")?;
     let answer = internal::generate(api, c).await?;
     requests.push(answer.request_id);
     Ok(answer.prompt_logprobs)
@@ -356,13 +358,13 @@ async fn score_item(
                 Prompt::Messages(m) => chat(m, None),
             };
             let sampling = upstream::Sampling {
-                max_tokens: *max_tokens,
-                temperature: Some(0.0),
+                max_tokens: *max_tokens as usize,
+                temperature: 0.0,
                 seed: Some(seed),
                 stop: stop.clone(),
                 ..Default::default()
             };
-            let c = call(route, adapter, prompt, sampling, "evaluation");
+            let c = call(route, adapter, prompt, sampling, "evaluation")?;
             let answer = internal::generate(api, c).await?;
             requests.push(answer.request_id);
             let correct = score::matches(expected, *matching, &answer.text);

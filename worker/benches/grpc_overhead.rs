@@ -24,9 +24,7 @@ use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
 use lorafleet_engine::artifact::{self, ArtifactRoots};
-use lorafleet_engine::{
-    AdapterSource, Engine, EngineSettings, Event, Prompt, Request, SamplingParams,
-};
+use lorafleet_engine::{AdapterSource, Engine, EngineSettings, Event, Prompt, Request, Sampling};
 use lorafleet_proto::worker::v1 as pb;
 use lorafleet_worker::info::WorkerInfo;
 use lorafleet_worker::runtime::EngineHandle;
@@ -68,12 +66,14 @@ fn engine_request(r: usize) -> Request {
         id: format!("r{r}"),
         adapter: lorafleet_engine::AdapterId::new((r % ADAPTERS) as u64 + 1),
         prompt: Prompt::TokenIds(prompt(r)),
-        params: SamplingParams {
+        params: Sampling {
             max_tokens: NEW,
             temperature: 0.0,
             ignore_eos: true,
             ..Default::default()
-        },
+        }
+        .validate()
+        .unwrap(),
     }
 }
 

@@ -5,14 +5,17 @@
 use std::time::Duration;
 
 use lorafleet_engine::artifact::ArtifactError;
-use lorafleet_engine::{AdapterId, EngineError, Residency};
+use lorafleet_engine::{AdapterId, EngineError, Field, Invalid, Residency};
 
 /// Why the worker refused a call.
 #[derive(Debug, thiserror::Error)]
 pub enum Refusal {
-    /// A field of the request itself is invalid.
+    /// A field of a generation request is invalid.
+    #[error(transparent)]
+    Request(#[from] Invalid),
+    /// A field of another call is invalid, by its name in that call.
     #[error("{field}: {why}")]
-    InvalidField { field: String, why: String },
+    InvalidField { field: &'static str, why: String },
     /// A field of an adapter descriptor is invalid.
     #[error("{field}: {why}")]
     InvalidDescriptor { field: String, why: String },
@@ -53,10 +56,15 @@ pub enum Refusal {
 }
 
 impl Refusal {
-    /// A refusal of a request field.
-    pub fn field(field: impl Into<String>, why: impl std::fmt::Display) -> Refusal {
+    /// A refusal of a generation request's field.
+    pub fn field(field: Field, why: impl std::fmt::Display) -> Refusal {
+        Refusal::Request(Invalid::new(field, why.to_string()))
+    }
+
+    /// A refusal of another call's field.
+    pub fn call_field(field: &'static str, why: impl std::fmt::Display) -> Refusal {
         Refusal::InvalidField {
-            field: field.into(),
+            field,
             why: why.to_string(),
         }
     }

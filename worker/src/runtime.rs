@@ -478,7 +478,7 @@ fn run(
 mod tests {
     use std::path::PathBuf;
 
-    use lorafleet_engine::{EngineSettings, Prompt, SamplingParams};
+    use lorafleet_engine::{EngineSettings, Prompt, Sampling};
 
     use super::*;
 
@@ -513,12 +513,14 @@ mod tests {
             id: id.into(),
             adapter: adapter.and_then(AdapterId::new),
             prompt: Prompt::Text("The quick brown fox".into()),
-            params: SamplingParams {
+            params: Sampling {
                 max_tokens,
                 temperature: 0.0,
                 ignore_eos: true,
                 ..Default::default()
-            },
+            }
+            .validate()
+            .unwrap(),
         }
     }
 
@@ -531,8 +533,10 @@ mod tests {
         let counters = h.constraints.counters();
         assert_eq!((counters.compiles, counters.hits), (1, 0));
         let mut r = request("c", None, 10);
-        r.params.constraint = Some(c);
-        r.params.ignore_eos = false;
+        let mut params = r.params.into_inner();
+        params.constraint = Some(c);
+        params.ignore_eos = false;
+        r.params = params.validate().unwrap();
         let (_, stream) = h.submit(r).await.unwrap();
         let (tokens, finished) = collect(stream).await;
         assert!(finished && !tokens.is_empty());

@@ -415,9 +415,11 @@ impl pb::worker_server::Worker for WorkerService {
             pb::Residency::Device => Residency::Device,
             pb::Residency::Host | pb::Residency::Unspecified => Residency::Host,
             other => {
-                return Err(
-                    Refusal::field("target", format!("{other:?} is not DEVICE or HOST")).into(),
-                );
+                return Err(Refusal::call_field(
+                    "target",
+                    format!("{other:?} is not DEVICE or HOST"),
+                )
+                .into());
             }
         };
         let started = Instant::now();

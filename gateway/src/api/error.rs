@@ -9,6 +9,7 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 
 use super::openai::{self, BadRequest};
+use super::params::{Endpoint, client_param};
 use crate::auth::AuthError;
 use crate::ratelimit::Limited;
 use crate::upstream::{UpstreamError, UpstreamErrorKind};
@@ -109,17 +110,16 @@ pub enum WorkerFailure {
 
 impl WorkerFailure {
     /// The tenant's view of `e`; the worker's full text goes to the log.
-    /// `chat`: the request was a chat completion, whose prompt the client
-    /// sent as `messages`.
-    pub fn from_upstream(e: &UpstreamError, chat: bool) -> WorkerFailure {
+    /// A field is named as the client sent it to `endpoint`.
+    pub fn from_upstream(e: &UpstreamError, endpoint: Endpoint) -> WorkerFailure {
         let reason = e.reason_code().to_owned();
         match &e.kind {
             UpstreamErrorKind::InvalidRequest { field } => {
                 // The worker names its own wire fields; the client hears
                 // of the fields it sent.
-                let client = field.as_deref().and_then(|f| client_field(f, chat));
+                let client = field.and_then(|f| client_param(f, endpoint));
                 let message = match (field, &client) {
-                    (Some(f), Some(c)) => match e.message.strip_prefix(f.as_str()) {
+                    (Some(f), Some(c)) => match e.message.strip_prefix(f.wire_path().as_str()) {
                         Some(rest) => format!("{c}{rest}"),
                         None => e.message.clone(),
                     },
@@ -143,37 +143,6 @@ impl WorkerFailure {
             }
         }
     }
-}
-
-/// The request field a client sent that a worker's field stands for:
-/// `sampling.max_tokens` is `max_tokens`, `prompt.token_ids` is `prompt`,
-/// `prompt.chat.messages[2].content` is `messages[2].content`. None for a
-/// field of the worker's own request that no client field stands for.
-pub fn client_field(worker_field: &str, chat: bool) -> Option<String> {
-    if let Some(rest) = worker_field.strip_prefix("prompt.chat.") {
-        return Some(rest.to_owned());
-    }
-    if worker_field == "prompt" || worker_field.starts_with("prompt.") {
-        // A chat request's prompt is the messages it sent.
-        return Some(if chat { "messages" } else { "prompt" }.to_owned());
-    }
-    // The worker's names for what the client asked with `echo` and the
-    // structured-output fields.
-    let named = match worker_field {
-        "sampling.prompt_logprobs" => Some("echo"),
-        "sampling.json_schema" => Some("response_format"),
-        "sampling.regex" => Some("guided_regex"),
-        "sampling.choice" => Some("guided_choice"),
-        "sampling.grammar" => Some("guided_grammar"),
-        _ => None,
-    };
-    if let Some(n) = named {
-        return Some(n.to_owned());
-    }
-    worker_field
-        .strip_prefix("sampling.")
-        .filter(|rest| !rest.is_empty())
-        .map(str::to_owned)
 }
 
 /// How a client sees an [`ApiError`].
@@ -557,42 +526,16 @@ mod tests {
 
     #[test]
     fn a_workers_field_reaches_the_client_as_the_field_it_sent() {
-        for (worker, client) in [
-            ("sampling.max_tokens", Some("max_tokens")),
-            ("sampling.stop[0]", Some("stop[0]")),
-            ("sampling.logprobs", Some("logprobs")),
-            ("sampling.prompt_logprobs", Some("echo")),
-            ("sampling.json_schema", Some("response_format")),
-            ("sampling.regex", Some("guided_regex")),
-            ("prompt", Some("prompt")),
-            ("prompt.token_ids.ids", Some("prompt")),
-            ("prompt.text", Some("prompt")),
-            ("prompt.chat.messages[2].role", Some("messages[2].role")),
-            ("request_id", None),
-            ("fairness_key", None),
-            ("sampling", None),
-        ] {
-            assert_eq!(client_field(worker, false).as_deref(), client, "{worker}");
-        }
-        // A chat request sent its prompt as messages.
-        assert_eq!(client_field("prompt", true).as_deref(), Some("messages"));
-        assert_eq!(
-            client_field("prompt.chat.messages[1].content", true).as_deref(),
-            Some("messages[1].content")
-        );
-        assert_eq!(
-            client_field("sampling.stop[0]", true).as_deref(),
-            Some("stop[0]")
-        );
+        use lorafleet_domain::generation::Field;
         let long_chat = UpstreamError {
             kind: UpstreamErrorKind::InvalidRequest {
-                field: Some("prompt".into()),
+                field: Some(Field::Prompt),
             },
             reason: None,
             message: "prompt: 9000 tokens and max_tokens 16 exceed the context (8192)".into(),
             detail: String::new(),
         };
-        match WorkerFailure::from_upstream(&long_chat, true) {
+        match WorkerFailure::from_upstream(&long_chat, Endpoint::Chat) {
             WorkerFailure::InvalidRequest { field, message, .. } => {
                 assert_eq!(field.as_deref(), Some("messages"));
                 assert!(message.starts_with("messages: 9000 tokens"), "{message}");
@@ -601,19 +544,32 @@ mod tests {
         }
         let upstream = UpstreamError {
             kind: UpstreamErrorKind::InvalidRequest {
-                field: Some("sampling.max_tokens".into()),
+                field: Some(Field::MaxTokens),
             },
             reason: None,
             message: "sampling.max_tokens: 99 exceeds the context".into(),
             detail: String::new(),
         };
         assert_eq!(
-            WorkerFailure::from_upstream(&upstream, false),
+            WorkerFailure::from_upstream(&upstream, Endpoint::Completions),
             WorkerFailure::InvalidRequest {
                 field: Some("max_tokens".into()),
                 message: "max_tokens: 99 exceeds the context".into(),
                 context: false,
             }
         );
+        // A field no client parameter stands for keeps the worker's words.
+        let internal = UpstreamError {
+            kind: UpstreamErrorKind::InvalidRequest {
+                field: Some(Field::RequestId),
+            },
+            reason: None,
+            message: "request_id: is required".into(),
+            detail: String::new(),
+        };
+        assert!(matches!(
+            WorkerFailure::from_upstream(&internal, Endpoint::Chat),
+            WorkerFailure::InvalidRequest { field: None, .. }
+        ));
     }
 }

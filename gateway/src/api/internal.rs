@@ -7,6 +7,7 @@
 //! they are a fairness key of their own with a small weight, so a
 //! tenant's request waiting there is always admitted first.
 
+use super::params::Endpoint;
 use super::*;
 use crate::registry::{Adapter, Route};
 use crate::upstream::{Finished, TokenLogprob};
@@ -19,7 +20,7 @@ pub struct InternalCall {
     /// The version it pins, whatever the route's weights say.
     pub adapter: Arc<Adapter>,
     pub prompt: upstream::Prompt,
-    pub sampling: upstream::Sampling,
+    pub sampling: upstream::Valid<upstream::Sampling>,
     /// Who makes it, for the row's `subject`.
     pub subject: String,
     /// The row's `features`, in `api::features`' order.
@@ -67,9 +68,9 @@ pub async fn generate(s: &AppState, call: InternalCall) -> Result<InternalAnswer
         fairness_key: call.fairness_key,
         fairness_weight: call.fairness_weight,
     };
-    let chat = matches!(request.prompt, upstream::Prompt::Chat { .. });
+    let endpoint = Endpoint::of(&request.prompt);
     let answered = tokio::time::timeout(s.request_timeout, async {
-        let started = start(s, &resolved, &request, chat, &mut trail).await?;
+        let started = start(s, &resolved, &request, endpoint, &mut trail).await?;
         trail.record.ttft_us = Some(trail.started.elapsed().as_micros() as i64);
         trail.record.prompt_tokens = started.accepted.prompt_tokens as i32;
         trail.record.adapter_residency = started
@@ -77,7 +78,7 @@ pub async fn generate(s: &AppState, call: InternalCall) -> Result<InternalAnswer
             .residency
             .map(upstream::Residency::label)
             .map(str::to_owned);
-        read_all(started, request_id, chat).await
+        read_all(started, request_id, endpoint).await
     })
     .await
     .unwrap_or(Err(ApiError::RequestTimeout {
@@ -117,7 +118,7 @@ pub async fn generate(s: &AppState, call: InternalCall) -> Result<InternalAnswer
 async fn read_all(
     started: worker::Started,
     request_id: Uuid,
-    chat: bool,
+    endpoint: Endpoint,
 ) -> Result<InternalAnswer, ApiError> {
     let worker::Started {
         mut stream, first, ..
@@ -150,10 +151,10 @@ async fn read_all(
             Ok(None) => {
                 return Err(worker_error(
                     &UpstreamError::unavailable("the worker closed the stream before the end"),
-                    chat,
+                    endpoint,
                 ));
             }
-            Err(e) => return Err(worker_error(&e, chat)),
+            Err(e) => return Err(worker_error(&e, endpoint)),
         };
     }
 }

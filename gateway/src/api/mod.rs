@@ -39,6 +39,7 @@ mod error;
 pub mod internal;
 mod logprobs;
 pub mod openai;
+pub mod params;
 mod respond;
 mod trail;
 mod worker;
@@ -330,9 +331,10 @@ struct Prepared {
 }
 
 impl Prepared {
-    /// A chat completion: the client sent its prompt as `messages`.
-    fn chat(&self) -> bool {
-        matches!(self.request.prompt, upstream::Prompt::Chat { .. })
+    /// The endpoint the client called: a chat completion sent its prompt
+    /// as `messages`.
+    fn endpoint(&self) -> params::Endpoint {
+        params::Endpoint::of(&self.request.prompt)
     }
 }
 
@@ -382,10 +384,11 @@ fn fits_the_context(
         upstream::Prompt::TokenIds(ids) => Some(ids.len() as u64),
         _ => None,
     };
-    if u64::from(sampling.max_tokens) + prompt_tokens.unwrap_or(0) > u64::from(max_model_len) {
+    let max_tokens = u32::try_from(sampling.max_tokens).unwrap_or(u32::MAX);
+    if u64::from(max_tokens) + prompt_tokens.unwrap_or(0) > u64::from(max_model_len) {
         return Err(ApiError::ContextLength {
             prompt_tokens,
-            max_tokens: sampling.max_tokens,
+            max_tokens,
             max_model_len,
         });
     }
@@ -538,7 +541,7 @@ fn reservation(sampling: &upstream::Sampling, prompt: &upstream::Prompt, n: u32)
         .constraint
         .as_ref()
         .map_or(0, |c| c.source_bytes().div_ceil(4) as u64);
-    u64::from(sampling.max_tokens) * u64::from(n) + estimate_prompt_tokens(prompt) + constraint
+    sampling.max_tokens as u64 * u64::from(n) + estimate_prompt_tokens(prompt) + constraint
 }
 
 /// The prompt's tokens as the tokens-per-minute reservation counts them
@@ -566,7 +569,7 @@ struct Parsed {
     stream: bool,
     include_usage: bool,
     prompt: upstream::Prompt,
-    sampling: upstream::Sampling,
+    sampling: upstream::Valid<upstream::Sampling>,
     /// Choices to generate (`best_of`, else `n`), and to return (`n`).
     n: u32,
     returned: u32,
@@ -588,9 +591,7 @@ fn features(s: &upstream::Sampling, n: u32, returned: u32, tools: bool) -> Strin
         ("logit_bias", !s.logit_bias.is_empty()),
         (
             "penalties",
-            s.repetition_penalty.is_some()
-                || s.frequency_penalty != 0.0
-                || s.presence_penalty != 0.0,
+            s.repetition_penalty != 1.0 || s.frequency_penalty != 0.0 || s.presence_penalty != 0.0,
         ),
         ("min_tokens", s.min_tokens > 0),
         ("structured_output", s.constraint.is_some() && !tools),
@@ -621,11 +622,12 @@ fn parse_body(bytes: &[u8], kind: Kind) -> Result<Parsed, ApiError> {
     let features = features(&sampling, n, returned, tools.is_some());
     // Choosing the best needs each choice's log probabilities; the client
     // sees them only if it asked.
-    let mut sampling = sampling;
     let show_logprobs = sampling.logprobs.is_some();
-    if returned < n && sampling.logprobs.is_none() {
-        sampling.logprobs = Some(0);
-    }
+    let sampling = if returned < n {
+        sampling.scoring_tokens()
+    } else {
+        sampling
+    };
     Ok(Parsed {
         tools,
         features,

@@ -3,6 +3,7 @@
 
 use super::choices::{Choices, Ended};
 use super::logprobs::{self, Asked, TextOffset};
+use super::params::Endpoint;
 use super::worker::start_siblings;
 use super::*;
 use crate::upstream::TokenLogprob;
@@ -18,7 +19,7 @@ pub(super) async fn run(
     use tracing::Instrument;
     let started = tokio::select! {
         r = async {
-            let first = start(&s, &p.resolved, &p.request, p.chat(), &mut trail).await?;
+            let first = start(&s, &p.resolved, &p.request, p.endpoint(), &mut trail).await?;
             let others = start_siblings(&s, &p, &first).await?;
             Ok(Choices::new(std::iter::once(first).chain(others).collect()))
         }.instrument(span.clone()) => r.map_err(|e| (e, "error")),
@@ -207,7 +208,11 @@ pub(super) enum Cut {
 impl Cut {
     /// The audit row's outcome, and the error the client is told (None
     /// when no one is left to tell).
-    fn ending(self, s: &AppState, chat: bool) -> (&'static str, Option<ApiError>, &'static str) {
+    fn ending(
+        self,
+        s: &AppState,
+        endpoint: Endpoint,
+    ) -> (&'static str, Option<ApiError>, &'static str) {
         match self {
             Cut::ClientClosed => ("cancelled", None, "client_closed"),
             Cut::Shutdown => ("cancelled", Some(shutting_down()), "gateway_shutdown"),
@@ -220,11 +225,15 @@ impl Cut {
             Cut::WorkerStreamEnded => {
                 let e = worker_error(
                     &UpstreamError::unavailable("the worker closed the stream before the end"),
-                    chat,
+                    endpoint,
                 );
                 ("error", Some(e), "worker_stream_ended")
             }
-            Cut::Worker(status) => ("error", Some(worker_error(&status, chat)), "worker_failed"),
+            Cut::Worker(status) => (
+                "error",
+                Some(worker_error(&status, endpoint)),
+                "worker_failed",
+            ),
         }
     }
 }
@@ -378,7 +387,7 @@ pub(super) async fn collect_response(
         }
         Err(cut) => {
             // Tokens were produced, so no retry: the client gets an error.
-            let (outcome, told, _) = cut.ending(&s, p.chat());
+            let (outcome, told, _) = cut.ending(&s, p.endpoint());
             let e = told.unwrap_or(ApiError::GatewayShutdown);
             let parts = e.parts();
             span.in_scope(
@@ -403,7 +412,7 @@ pub(super) fn stream_response(
     meta: Meta,
 ) -> Response {
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(32);
-    let chat = p.chat();
+    let endpoint = p.endpoint();
     let task = async move {
         let n = st.len();
         let mut scores: Vec<StreamScores> = (0..n).map(|_| StreamScores::new(&p)).collect();
@@ -481,7 +490,7 @@ pub(super) fn stream_response(
                     send(sse(&body)).await;
                 }
             }
-            Err(cut) => end_early(&s, &tx, trail, cut, chat).await,
+            Err(cut) => end_early(&s, &tx, trail, cut, endpoint).await,
         }
         drop(st);
     };
@@ -502,9 +511,9 @@ async fn end_early(
     tx: &tokio::sync::mpsc::Sender<Result<Bytes, std::io::Error>>,
     trail: Trail,
     cut: Cut,
-    chat: bool,
+    endpoint: Endpoint,
 ) {
-    let (status, told, code) = cut.ending(s, chat);
+    let (status, told, code) = cut.ending(s, endpoint);
     if let Some(e) = told {
         let p = e.parts();
         let body = openai::error_body(&p.message, p.kind, None, Some(code));

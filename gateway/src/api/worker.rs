@@ -1,6 +1,7 @@
 //! Sending a request to a worker: the candidates in order, retried until
 //! one produces a first token (or the first-token deadline passes).
 
+use super::params::Endpoint;
 use super::*;
 
 /// A worker stream that has produced its first token (or finished).
@@ -15,8 +16,8 @@ pub(super) struct Started {
 
 /// A worker's failure as the tenant sees it ([`WorkerFailure`]); `chat`:
 /// the client sent its prompt as `messages`.
-pub(super) fn worker_error(e: &UpstreamError, chat: bool) -> ApiError {
-    ApiError::Worker(WorkerFailure::from_upstream(e, chat))
+pub(super) fn worker_error(e: &UpstreamError, endpoint: Endpoint) -> ApiError {
+    ApiError::Worker(WorkerFailure::from_upstream(e, endpoint))
 }
 
 /// Tries the candidates in order until one produces a first token.
@@ -24,7 +25,7 @@ pub(super) async fn start(
     s: &AppState,
     resolved: &Resolved,
     request: &Generation,
-    chat: bool,
+    endpoint: Endpoint,
     trail: &mut Trail,
 ) -> Result<Started, ApiError> {
     let adapter = resolved.adapter.as_ref().map(|a| a.lora_int_id);
@@ -87,7 +88,7 @@ pub(super) async fn start(
                 metrics::counter!("lorafleet_gateway_retries_total").increment(1);
                 last = Some(e);
             }
-            Err(e) => return Err(worker_error(&e, chat)),
+            Err(e) => return Err(worker_error(&e, endpoint)),
         }
     }
     if first_token_timeouts > 0 && first_token_timeouts == trail.record.attempts as usize {
@@ -98,7 +99,7 @@ pub(super) async fn start(
     }
     Err(worker_error(
         &last.unwrap_or_else(|| UpstreamError::unavailable("no candidate worker")),
-        chat,
+        endpoint,
     ))
 }
 
@@ -134,7 +135,8 @@ pub(super) async fn start_siblings(
     let starts = (1..p.n).map(|i| {
         let mut g = p.request.clone();
         g.request_id = format!("{}-{i}", g.request_id);
-        g.sampling.seed = g.sampling.seed.map(|seed| seed.wrapping_add(u64::from(i)));
+        let seed = g.sampling.seed.map(|seed| seed.wrapping_add(u64::from(i)));
+        g.sampling = g.sampling.with_seed(seed);
         let worker = first.worker.clone();
         async move {
             let in_flight = s.fleet.track(&worker);
@@ -157,5 +159,5 @@ pub(super) async fn start_siblings(
     });
     futures::future::try_join_all(starts)
         .await
-        .map_err(|e| worker_error(&e, p.chat()))
+        .map_err(|e| worker_error(&e, p.endpoint()))
 }

@@ -1,6 +1,7 @@
 //! The one place where the gateway's domain types become wire messages and
 //! wire messages become domain types.
 
+use lorafleet_domain::generation::Field;
 use lorafleet_proto::refusal::{ERROR_DOMAIN, Reason};
 use lorafleet_proto::worker::v1 as pb;
 use tonic::Code;
@@ -47,19 +48,19 @@ impl From<&Generation> for pb::GenerateRequest {
                 }),
             }),
             sampling: Some(pb::SamplingParams {
-                max_tokens: g.sampling.max_tokens,
-                temperature: g.sampling.temperature,
-                top_p: g.sampling.top_p,
-                top_k: g.sampling.top_k,
+                max_tokens: wire_u32(g.sampling.max_tokens),
+                temperature: Some(g.sampling.temperature),
+                top_p: Some(g.sampling.top_p),
+                top_k: wire_u32(g.sampling.top_k),
                 seed: g.sampling.seed,
                 stop: g.sampling.stop.clone(),
                 stop_token_ids: g.sampling.stop_token_ids.clone(),
                 ignore_eos: g.sampling.ignore_eos,
-                logprobs: g.sampling.logprobs,
-                prompt_logprobs: g.sampling.prompt_logprobs,
+                logprobs: g.sampling.logprobs.map(wire_u32),
+                prompt_logprobs: g.sampling.prompt_logprobs.map(wire_u32),
                 logit_bias: g.sampling.logit_bias.iter().copied().collect(),
-                min_tokens: g.sampling.min_tokens,
-                repetition_penalty: g.sampling.repetition_penalty,
+                min_tokens: wire_u32(g.sampling.min_tokens),
+                repetition_penalty: Some(g.sampling.repetition_penalty).filter(|&p| p != 1.0),
                 frequency_penalty: g.sampling.frequency_penalty,
                 presence_penalty: g.sampling.presence_penalty,
                 constraint: g.sampling.constraint.as_ref().map(|c| {
@@ -202,7 +203,7 @@ pub(super) fn status(s: &tonic::Status) -> UpstreamError {
     let field = s
         .get_details_bad_request()
         .and_then(|b| b.field_violations.into_iter().next())
-        .map(|v| v.field);
+        .and_then(|v| Field::from_wire_path(&v.field));
     let kind = match reason {
         Some(r) => kind_of(r, field),
         None => match s.code() {
@@ -226,7 +227,7 @@ pub(super) fn status(s: &tonic::Status) -> UpstreamError {
 }
 
 /// What a worker's reason code means for the request.
-fn kind_of(reason: Reason, field: Option<String>) -> UpstreamErrorKind {
+fn kind_of(reason: Reason, field: Option<Field>) -> UpstreamErrorKind {
     match reason {
         // The tenant's own request: their fields, their prompt.
         Reason::InvalidField | Reason::PromptInvalid | Reason::ContextLengthExceeded => {
@@ -269,6 +270,12 @@ fn causes(e: &dyn std::error::Error) -> String {
     out
 }
 
+/// A count of the contract (a usize) on the wire (a u32); a valid one
+/// fits, and a larger one saturates.
+fn wire_u32(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
 #[cfg(test)]
 mod tests {
     use lorafleet_proto::tonic_types::{ErrorDetails, StatusExt};
@@ -299,7 +306,7 @@ mod tests {
         assert_eq!(
             e.kind,
             UpstreamErrorKind::InvalidRequest {
-                field: Some("prompt".into())
+                field: Some(Field::Prompt)
             }
         );
         // A descriptor field is the adapter's, whatever its name.

@@ -19,6 +19,7 @@ use lorafleet_domain::digest::Sha256Hex;
 use lorafleet_proto::refusal::Reason;
 
 pub use client::{Events, Reports, Transport, WorkerClient};
+pub use lorafleet_domain::generation::{Constraint, Sampling, Valid};
 pub use lorafleet_domain::{AdapterId, FairnessKey, Residency, WorkerId};
 
 /// An adapter a generation uses, as the registry describes it.
@@ -64,60 +65,6 @@ pub enum Prompt {
     },
 }
 
-/// How to sample; `None` and zero mean the worker's defaults.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Sampling {
-    pub max_tokens: u32,
-    pub temperature: Option<f32>,
-    pub top_p: Option<f32>,
-    /// 0: off.
-    pub top_k: u32,
-    pub seed: Option<u64>,
-    pub stop: Vec<String>,
-    pub stop_token_ids: Vec<u32>,
-    pub ignore_eos: bool,
-    /// Log probabilities of each completion token, with this many
-    /// alternatives (0 to 20). None: none.
-    pub logprobs: Option<u32>,
-    /// The same for each prompt token (OpenAI's `echo`). With it,
-    /// `max_tokens` may be 0.
-    pub prompt_logprobs: Option<u32>,
-    /// Token id -> bias, in token order.
-    pub logit_bias: Vec<(u32, f32)>,
-    pub min_tokens: u32,
-    /// None: off (1).
-    pub repetition_penalty: Option<f32>,
-    pub frequency_penalty: f32,
-    pub presence_penalty: f32,
-    /// What the output must match (structured outputs).
-    pub constraint: Option<Constraint>,
-}
-
-/// A structured-output constraint.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Constraint {
-    /// Any JSON object.
-    JsonObject,
-    /// A JSON schema, as JSON text.
-    JsonSchema(String),
-    Regex(String),
-    /// Exactly one of these strings.
-    Choice(Vec<String>),
-    /// A Lark grammar.
-    Grammar(String),
-}
-
-impl Constraint {
-    /// The bytes of its source.
-    pub fn source_bytes(&self) -> usize {
-        match self {
-            Constraint::JsonObject => 0,
-            Constraint::JsonSchema(t) | Constraint::Regex(t) | Constraint::Grammar(t) => t.len(),
-            Constraint::Choice(v) => v.iter().map(String::len).sum(),
-        }
-    }
-}
-
 /// One token at one position: its log probability and the most likely
 /// tokens there.
 #[derive(Debug, Clone, PartialEq)]
@@ -145,7 +92,8 @@ pub struct Generation {
     /// None: the base model.
     pub adapter: Option<AdapterRef>,
     pub prompt: Prompt,
-    pub sampling: Sampling,
+    /// Checked at the gateway's edge.
+    pub sampling: Valid<Sampling>,
     /// W3C trace context, continued by the worker.
     pub traceparent: String,
     pub tracestate: String,
@@ -230,7 +178,9 @@ pub struct Report {
 pub enum UpstreamErrorKind {
     /// The worker refused the request itself; `field` names the field at
     /// fault when the worker said which.
-    InvalidRequest { field: Option<String> },
+    InvalidRequest {
+        field: Option<lorafleet_domain::generation::Field>,
+    },
     /// The adapter could not be loaded there (missing, changed, refused).
     AdapterUnavailable,
     /// The worker is overloaded, draining, unreachable or failed; another

@@ -13,7 +13,7 @@ mod standin;
 
 use std::time::{Duration, Instant};
 
-use lorafleet_engine::{Engine, EngineSettings, Event, Fairness, Prompt, Request, SamplingParams};
+use lorafleet_engine::{Engine, EngineSettings, Event, Fairness, Prompt, Request, Sampling};
 
 const A: usize = 160;
 const B: usize = 16;
@@ -71,12 +71,14 @@ fn run(model: &std::path::Path, fair_admission: bool) -> Run {
                 .map(|k| ((i * 131 + k * 17) % 31_000 + 3) as u32)
                 .collect(),
         ),
-        params: SamplingParams {
+        params: Sampling {
             max_tokens: 16,
             temperature: 0.0,
             ignore_eos: true,
             ..Default::default()
-        },
+        }
+        .validate()
+        .unwrap(),
     };
     let share = |key: &str| Fairness {
         key: key.into(),

@@ -18,7 +18,7 @@ mod standin;
 use std::time::{Duration, Instant};
 
 use lorafleet_engine::{
-    AdapterId, Engine, EngineSettings, Event, Prompt, Request, Residency, SamplingParams,
+    AdapterId, Engine, EngineSettings, Event, Prompt, Request, Residency, Sampling,
 };
 
 fn main() {
@@ -131,12 +131,14 @@ fn ttft(e: &mut Engine, adapter: AdapterId, n: usize, arrived: Option<Residency>
         id: format!("t{n}"),
         adapter: Some(adapter),
         prompt: Prompt::TokenIds(prompt),
-        params: SamplingParams {
+        params: Sampling {
             max_tokens: 1,
             temperature: 0.0,
             ignore_eos: true,
             ..Default::default()
-        },
+        }
+        .validate()
+        .unwrap(),
     })
     .expect("accepted");
     let mut first = None;

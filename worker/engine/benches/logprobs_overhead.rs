@@ -177,11 +177,13 @@ fn run_once(model: &std::path::Path, adapters: &[std::path::PathBuf], c: Config)
             let mut req =
                 standin::decode_request(r, Some(standin::id(r % ADAPTERS)), PROMPT, c.new);
             if c.every > 0 && r % c.every == 0 {
-                req.params.logprobs = c.logprobs;
-                req.params.prompt_logprobs = c.prompt_logprobs;
+                let mut params = req.params.into_inner();
+                params.logprobs = c.logprobs;
+                params.prompt_logprobs = c.prompt_logprobs;
                 if c.schema {
-                    req.params.constraint = Some(Constraint::JsonSchema(SCHEMA.into()));
+                    params.constraint = Some(Constraint::JsonSchema(SCHEMA.into()));
                 }
+                req.params = params.validate().unwrap();
             }
             req
         })

@@ -12,7 +12,7 @@ mod common;
 use common::*;
 use lorafleet_engine::backend::cpu::CpuBackend;
 use lorafleet_engine::model::ModelConfig;
-use lorafleet_engine::{EngineSettings, Prompt, Request, SamplingParams};
+use lorafleet_engine::{EngineSettings, Prompt, Request, Sampling};
 
 const MODEL: &str = "llama-gqa";
 const BLOCK_SIZE: usize = 16;
@@ -26,12 +26,14 @@ fn request(id: String, adapter: u64, prompt_tokens: u32, max_tokens: usize) -> R
                 .map(|i| 3 + (i * 7 + salt) % 380)
                 .collect(),
         ),
-        params: SamplingParams {
+        params: Sampling {
             max_tokens,
             temperature: 0.0,
             ignore_eos: true,
             ..Default::default()
-        },
+        }
+        .validate()
+        .unwrap(),
         id,
     }
 }

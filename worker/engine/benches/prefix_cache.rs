@@ -16,7 +16,7 @@ mod standin;
 
 use std::time::{Duration, Instant};
 
-use lorafleet_engine::{Engine, EngineSettings, Event, Prompt, Request, SamplingParams};
+use lorafleet_engine::{Engine, EngineSettings, Event, Prompt, Request, Sampling};
 
 const ADAPTERS: usize = 16;
 const PER_ADAPTER: usize = 32;
@@ -113,12 +113,14 @@ fn run(model: &std::path::Path, dirs: &[std::path::PathBuf], prefix_caching: boo
             id: format!("r{r}"),
             adapter: Some(aid(r % ADAPTERS)),
             prompt: Prompt::TokenIds(ids),
-            params: SamplingParams {
+            params: Sampling {
                 max_tokens: NEW,
                 temperature: 0.0,
                 ignore_eos: true,
                 ..Default::default()
-            },
+            }
+            .validate()
+            .unwrap(),
         })
         .expect("accepted");
     }

@@ -17,7 +17,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use lorafleet_engine::sampling::{MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS};
-use lorafleet_engine::{Engine, EngineSettings, Prompt, Request, SamplingParams};
+use lorafleet_engine::{Engine, EngineSettings, Prompt, Request, Sampling};
 
 const PER_TENANT: usize = 32;
 const NEW: usize = 64;
@@ -112,13 +112,15 @@ fn run(model: &std::path::Path, stops: &[String]) -> f64 {
                 .map(|k| ((i * 31 + k * 7) % 300 + 3) as u32)
                 .collect(),
         ),
-        params: SamplingParams {
+        params: Sampling {
             max_tokens: NEW,
             temperature: 0.0,
             ignore_eos: true,
             stop,
             ..Default::default()
-        },
+        }
+        .validate()
+        .unwrap(),
     };
     let mut requests = Vec::new();
     for i in 0..PER_TENANT {

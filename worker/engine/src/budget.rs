@@ -73,7 +73,7 @@ impl MemoryBudget {
     pub fn new(bytes: u64, units: MemoryUnits) -> crate::error::Result<MemoryBudget> {
         let least = units.slot_bytes + units.block_bytes;
         if bytes < least {
-            return Err(crate::error::EngineError::request(
+            return Err(crate::error::EngineError::setting(
                 "memory_budget_bytes",
                 format!(
                     "{bytes} cannot hold one adapter slot ({} bytes) and one KV block ({} bytes): at least {least}",

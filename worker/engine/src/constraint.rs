@@ -14,7 +14,7 @@
 //! request without a constraint pays nothing.
 
 use std::collections::VecDeque;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
@@ -23,67 +23,30 @@ use llguidance::{Matcher, ParserFactory};
 use crate::error::{EngineError, Result};
 use crate::model::tokenizer::Tokenizer;
 
-/// The largest constraint source accepted, in bytes.
-pub const MAX_CONSTRAINT_BYTES: usize = 64 * 1024;
+use lorafleet_domain::generation::Field;
+pub use lorafleet_domain::generation::{Constraint, MAX_CONSTRAINT_BYTES};
 
-/// What a request's output must match.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Constraint {
-    /// Any JSON object (OpenAI's `json_object`).
-    JsonObject,
-    /// A JSON schema, as JSON text.
-    JsonSchema(String),
-    /// A regular expression the whole output matches.
-    Regex(String),
-    /// Exactly one of these strings.
-    Choice(Vec<String>),
-    /// A Lark grammar (llguidance's dialect).
-    Lark(String),
-}
-
-impl Constraint {
-    /// The field a refusal names, under `sampling.`.
-    pub fn field(&self) -> &'static str {
-        match self {
-            Constraint::JsonObject | Constraint::JsonSchema(_) => "json_schema",
-            Constraint::Regex(_) => "regex",
-            Constraint::Choice(_) => "choice",
-            Constraint::Lark(_) => "grammar",
+/// The llguidance grammar of a constraint. Its size and a choice list's
+/// strings were checked with the request's sampling
+/// ([`lorafleet_domain::generation::Sampling::validate`]).
+fn grammar(c: &Constraint) -> Result<TopLevelGrammar> {
+    let refuse = |why: String| EngineError::request(c.field(), why);
+    Ok(match c {
+        Constraint::JsonObject => {
+            TopLevelGrammar::from_json_schema(json_layout(serde_json::json!({"type": "object"})))
         }
-    }
-
-    fn grammar(&self) -> Result<TopLevelGrammar> {
-        let refuse = |why: String| EngineError::request(format!("sampling.{}", self.field()), why);
-        let size = match self {
-            Constraint::JsonObject => 0,
-            Constraint::JsonSchema(s) | Constraint::Regex(s) | Constraint::Lark(s) => s.len(),
-            Constraint::Choice(c) => c.iter().map(String::len).sum(),
-        };
-        if size > MAX_CONSTRAINT_BYTES {
-            return Err(refuse(format!(
-                "is {size} bytes, above the limit of {MAX_CONSTRAINT_BYTES}"
-            )));
+        Constraint::JsonSchema(s) => {
+            let schema: serde_json::Value =
+                serde_json::from_str(s).map_err(|e| refuse(format!("is not valid JSON: {e}")))?;
+            TopLevelGrammar::from_json_schema(json_layout(schema))
         }
-        Ok(match self {
-            Constraint::JsonObject => TopLevelGrammar::from_json_schema(json_layout(
-                serde_json::json!({"type": "object"}),
-            )),
-            Constraint::JsonSchema(s) => {
-                let schema: serde_json::Value = serde_json::from_str(s)
-                    .map_err(|e| refuse(format!("is not valid JSON: {e}")))?;
-                TopLevelGrammar::from_json_schema(json_layout(schema))
-            }
-            Constraint::Regex(r) => TopLevelGrammar::from_regex(r),
-            Constraint::Choice(choices) => {
-                if choices.is_empty() || choices.iter().any(String::is_empty) {
-                    return Err(refuse("must hold at least one non-empty string".into()));
-                }
-                let alternatives: Vec<String> = choices.iter().map(|c| lark_string(c)).collect();
-                TopLevelGrammar::from_lark(format!("start: {}", alternatives.join(" | ")))
-            }
-            Constraint::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
-        })
-    }
+        Constraint::Regex(r) => TopLevelGrammar::from_regex(r),
+        Constraint::Choice(choices) => {
+            let alternatives: Vec<String> = choices.iter().map(|c| lark_string(c)).collect();
+            TopLevelGrammar::from_lark(format!("start: {}", alternatives.join(" | ")))
+        }
+        Constraint::Grammar(g) => TopLevelGrammar::from_lark(g.clone()),
+    })
 }
 
 /// JSON as `json.dumps` lays it out (`", "` and `": "`, no other
@@ -186,17 +149,18 @@ type Key = [u8; 32];
 fn key_of(c: &Constraint) -> Key {
     use sha2::{Digest, Sha256};
     let mut h = Sha256::new();
-    // The kind first (JsonObject and JsonSchema share a field name).
+    // The kind first: a regular expression and a grammar of the same
+    // text are different constraints.
     h.update(match c {
         Constraint::JsonObject => b"object\0",
         Constraint::JsonSchema(_) => b"schema\0",
         Constraint::Regex(_) => b"regexp\0",
         Constraint::Choice(_) => b"choice\0",
-        Constraint::Lark(_) => b"lark--\0",
+        Constraint::Grammar(_) => b"lark--\0",
     });
     match c {
         Constraint::JsonObject => {}
-        Constraint::JsonSchema(s) | Constraint::Regex(s) | Constraint::Lark(s) => {
+        Constraint::JsonSchema(s) | Constraint::Regex(s) | Constraint::Grammar(s) => {
             h.update(s.as_bytes())
         }
         Constraint::Choice(choices) => {
@@ -214,6 +178,10 @@ fn key_of(c: &Constraint) -> Key {
 #[derive(Default)]
 struct Cache {
     entries: VecDeque<(Key, Matcher)>,
+    /// Constraints being compiled now: a request with the same one waits
+    /// for that compile rather than repeating it (a request's `n` choices
+    /// arrive together).
+    compiling: std::collections::HashSet<Key>,
     hits: u64,
     compiles: u64,
 }
@@ -228,6 +196,8 @@ pub struct Compiler {
     eos: u32,
     factory: Arc<OnceLock<Result<ParserFactory>>>,
     cache: Arc<Mutex<Cache>>,
+    /// Signalled when a compile ends.
+    compiled: Arc<Condvar>,
 }
 
 /// How often compiles found their constraint compiled already.
@@ -253,6 +223,7 @@ impl Compiler {
             eos,
             factory: Arc::new(OnceLock::new()),
             cache: Arc::default(),
+            compiled: Arc::default(),
         }
     }
 
@@ -292,41 +263,54 @@ impl Compiler {
     }
 
     /// Compiles `c` into a matcher at the start of the output, or clones
-    /// the one compiled for the same constraint before.
+    /// the one compiled for the same constraint before, or waits for the
+    /// compile of the same constraint under way and clones its result.
     pub fn compile(&self, c: &Constraint) -> Result<Grammar> {
         let key = key_of(c);
+        let grammar = |matcher| Grammar {
+            matcher,
+            field: c.field(),
+        };
         {
             let mut cache = self.cache.lock().expect("the constraint cache's lock");
-            if let Some(at) = cache.entries.iter().position(|(k, _)| *k == key) {
-                let entry = cache.entries.remove(at).expect("found above");
-                let matcher = entry.1.deep_clone();
-                cache.entries.push_back(entry);
-                cache.hits += 1;
-                return Ok(Grammar {
-                    matcher,
-                    field: c.field(),
-                });
+            loop {
+                if let Some(at) = cache.entries.iter().position(|(k, _)| *k == key) {
+                    let entry = cache.entries.remove(at).expect("found above");
+                    let matcher = entry.1.deep_clone();
+                    cache.entries.push_back(entry);
+                    cache.hits += 1;
+                    return Ok(grammar(matcher));
+                }
+                if cache.compiling.insert(key) {
+                    break;
+                }
+                // The same constraint is being compiled: its result will be
+                // in the cache (or, if it failed, this compile goes ahead).
+                cache = self
+                    .compiled
+                    .wait(cache)
+                    .expect("the constraint cache's lock");
             }
         }
         // Compiled outside the lock: another constraint's compile never
         // waits for this one.
-        let matcher = self.compile_new(c)?;
+        let compiled = self.compile_new(c);
         let mut cache = self.cache.lock().expect("the constraint cache's lock");
-        cache.compiles += 1;
-        if !cache.entries.iter().any(|(k, _)| *k == key) {
+        cache.compiling.remove(&key);
+        if let Ok(matcher) = &compiled {
+            cache.compiles += 1;
             if cache.entries.len() == CACHED_CONSTRAINTS {
                 cache.entries.pop_front();
             }
             cache.entries.push_back((key, matcher.deep_clone()));
         }
-        Ok(Grammar {
-            matcher,
-            field: c.field(),
-        })
+        drop(cache);
+        self.compiled.notify_all();
+        compiled.map(grammar)
     }
 
     fn compile_new(&self, c: &Constraint) -> Result<Matcher> {
-        let grammar = c.grammar()?;
+        let grammar = grammar(c)?;
         let parser = self.factory()?.create_parser(grammar).map_err(|e| {
             let message = e.to_string();
             let message = match c {
@@ -339,7 +323,7 @@ impl Compiler {
                 },
                 _ => message,
             };
-            EngineError::request(format!("sampling.{}", c.field()), message)
+            EngineError::request(c.field(), message)
         })?;
         let matcher = Matcher::new(Ok(parser));
         // The first mask, on a copy: a grammar too complex to start (too
@@ -355,19 +339,16 @@ impl Compiler {
 
 /// Why a grammar could not go on, named by the request's field: the
 /// parser's own first line (its state dump is for developers).
-fn grammar_error(field: &str, message: &str) -> EngineError {
+fn grammar_error(field: Field, message: &str) -> EngineError {
     let first = message.lines().next().unwrap_or(message);
-    EngineError::request(
-        format!("sampling.{field}"),
-        format!("the constraint cannot be followed: {first}"),
-    )
+    EngineError::request(field, format!("the constraint cannot be followed: {first}"))
 }
 
 /// A compiled constraint following one sequence's output.
 pub struct Grammar {
     matcher: Matcher,
     /// The request field it came from, for errors.
-    field: &'static str,
+    field: Field,
 }
 
 impl std::fmt::Debug for Grammar {

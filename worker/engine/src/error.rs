@@ -3,6 +3,8 @@
 
 use std::path::PathBuf;
 
+use lorafleet_domain::generation::{Field, Invalid};
+
 /// Errors from loading a model or running the engine.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -28,7 +30,11 @@ pub enum EngineError {
     ChatTemplate(String),
     /// A request field is out of range.
     #[error("{field}: {reason}")]
-    InvalidRequest { field: String, reason: String },
+    InvalidRequest { field: Field, reason: String },
+    /// A setting of the engine (its sizes, its budget) is out of range,
+    /// named as [`crate::EngineSettings`] names it.
+    #[error("{name}: {reason}")]
+    InvalidSetting { name: &'static str, reason: String },
     /// The prompt plus `max_tokens` does not fit the model's context. The
     /// field at fault ([`EngineError::context_field`]) is the prompt when
     /// it leaves no room for a single token, else `max_tokens`.
@@ -54,6 +60,15 @@ pub enum EngineError {
     /// The backend failed.
     #[error("backend: {0}")]
     Backend(String),
+}
+
+impl From<Invalid> for EngineError {
+    fn from(e: Invalid) -> Self {
+        EngineError::InvalidRequest {
+            field: e.field,
+            reason: e.reason,
+        }
+    }
 }
 
 impl From<lorafleet_artifact::FileError> for EngineError {
@@ -86,9 +101,16 @@ impl EngineError {
         }
     }
 
-    pub(crate) fn request(field: impl Into<String>, reason: impl Into<String>) -> Self {
+    pub(crate) fn request(field: Field, reason: impl Into<String>) -> Self {
         EngineError::InvalidRequest {
-            field: field.into(),
+            field,
+            reason: reason.into(),
+        }
+    }
+
+    pub(crate) fn setting(name: &'static str, reason: impl Into<String>) -> Self {
+        EngineError::InvalidSetting {
+            name,
             reason: reason.into(),
         }
     }
@@ -99,10 +121,10 @@ pub type Result<T, E = EngineError> = std::result::Result<T, E>;
 
 /// The field a context-length refusal blames: the prompt when it fills
 /// the context alone, else `max_tokens`.
-pub fn context_field(prompt_tokens: usize, max_model_len: usize) -> &'static str {
+pub fn context_field(prompt_tokens: usize, max_model_len: usize) -> Field {
     if prompt_tokens >= max_model_len {
-        "prompt"
+        Field::Prompt
     } else {
-        "sampling.max_tokens"
+        Field::MaxTokens
     }
 }

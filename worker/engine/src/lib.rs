@@ -32,7 +32,9 @@ pub use engine::{
     Fairness, Prompt, Request, RunCounters, StepStats,
 };
 pub use error::{EngineError, Result, context_field};
+pub use lorafleet_domain::generation::{
+    Constraint, ConstraintKind, Field, Invalid, MessagePart, Sampling, Valid,
+};
 pub use pool::{AdapterId, AdapterSource, Residency};
 pub use prompter::Prompter;
-pub use sampling::SamplingParams;
 pub use sequence::{Finish, FinishReason, StopReason};

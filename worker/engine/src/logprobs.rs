@@ -7,7 +7,7 @@
 //! for `prompt_logprobs` (OpenAI's `echo`).
 
 /// The most alternatives a request may ask for at each position.
-pub const MAX_TOP_LOGPROBS: usize = 20;
+pub use lorafleet_domain::generation::MAX_TOP_LOGPROBS;
 
 /// The most prompt positions one sequence scores in a step: each is a row
 /// of logits (`vocab_size` floats) brought to the host, so a long prompt

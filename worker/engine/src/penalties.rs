@@ -11,7 +11,7 @@
 
 use std::collections::HashMap;
 
-use crate::sampling::SamplingParams;
+use crate::sampling::Sampling;
 
 /// What a sequence has produced so far, as the controls read it.
 #[derive(Debug)]
@@ -23,20 +23,9 @@ pub struct History<'a> {
     pub eos: &'a [u32],
 }
 
-impl SamplingParams {
-    /// Whether any control changes the logits.
-    pub fn adjusts_logits(&self) -> bool {
-        !self.logit_bias.is_empty()
-            || self.min_tokens > 0
-            || self.repetition_penalty != 1.0
-            || self.frequency_penalty != 0.0
-            || self.presence_penalty != 0.0
-    }
-}
-
 /// The row after every control, or None when none applies (the row is
 /// used as it is).
-pub fn adjust(logits: &[f32], params: &SamplingParams, h: &History<'_>) -> Option<Vec<f32>> {
+pub fn adjust(logits: &[f32], params: &Sampling, h: &History<'_>) -> Option<Vec<f32>> {
     if !params.adjusts_logits() {
         return None;
     }
@@ -91,33 +80,33 @@ mod tests {
             output: &[2, 2, 3],
             eos: &[1],
         };
-        let with = |p: SamplingParams| adjust(&logits, &p, &h).unwrap();
-        assert!(adjust(&logits, &SamplingParams::default(), &h).is_none());
-        let p = SamplingParams {
+        let with = |p: Sampling| adjust(&logits, &p, &h).unwrap();
+        assert!(adjust(&logits, &Sampling::default(), &h).is_none());
+        let p = Sampling {
             logit_bias: vec![(1, 5.0), (99, 1.0)],
             ..Default::default()
         };
         assert_eq!(with(p), [2.0, 3.0, 1.0, 0.5]);
-        let p = SamplingParams {
+        let p = Sampling {
             repetition_penalty: 2.0,
             ..Default::default()
         };
         // Prompt and output tokens; a positive logit halves, a negative doubles.
         assert_eq!(with(p), [1.0, -2.0, 0.5, 0.25]);
-        let p = SamplingParams {
+        let p = Sampling {
             frequency_penalty: 0.5,
             presence_penalty: 0.25,
             ..Default::default()
         };
         // Output tokens only: 2 twice, 3 once.
         assert_eq!(with(p), [2.0, -2.0, 1.0 - 1.0 - 0.25, 0.5 - 0.5 - 0.25]);
-        let p = SamplingParams {
+        let p = Sampling {
             min_tokens: 4,
             stop_token_ids: vec![3],
             ..Default::default()
         };
         assert_eq!(with(p), [2.0, f32::NEG_INFINITY, 1.0, f32::NEG_INFINITY]);
-        let p = SamplingParams {
+        let p = Sampling {
             min_tokens: 3,
             stop_token_ids: vec![3],
             ..Default::default()

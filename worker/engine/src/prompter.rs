@@ -6,6 +6,8 @@
 
 use std::sync::Arc;
 
+use lorafleet_domain::generation::Field;
+
 use crate::error::{EngineError, Result};
 use crate::model::tokenizer::Tokenizer;
 use crate::request::Prompt;
@@ -40,7 +42,7 @@ impl Prompter {
             } => {
                 if messages.is_empty() {
                     return Err(EngineError::request(
-                        "prompt.chat.messages",
+                        Field::Messages,
                         "must hold at least one message",
                     ));
                 }
@@ -72,13 +74,13 @@ impl Prompter {
     pub(crate) fn check(&self, ids: &[u32]) -> Result<()> {
         if ids.is_empty() {
             return Err(EngineError::request(
-                "prompt",
+                Field::Prompt,
                 "is empty after tokenization",
             ));
         }
         if let Some(bad) = ids.iter().find(|&&t| t as usize >= self.vocab_size) {
             return Err(EngineError::request(
-                "prompt.token_ids",
+                Field::PromptTokenIds,
                 format!("{bad} is not below vocab_size {}", self.vocab_size),
             ));
         }

@@ -7,8 +7,9 @@ use crate::error::EngineError;
 use crate::logprobs::TokenLogprob;
 use crate::model::tokenizer::ChatMessage;
 use crate::pool::{AdapterId, Residency};
-use crate::sampling::SamplingParams;
+use crate::sampling::Sampling;
 use crate::sequence::Finish;
+use lorafleet_domain::generation::Valid;
 
 /// A request's prompt.
 #[derive(Debug, Clone, PartialEq)]
@@ -56,7 +57,8 @@ pub struct Request {
     /// None for the base model.
     pub adapter: Option<AdapterId>,
     pub prompt: Prompt,
-    pub params: SamplingParams,
+    /// Checked where the request entered the process.
+    pub params: Valid<Sampling>,
 }
 
 /// What a request produced, streamed out of [`Engine::step`](crate::Engine::step).

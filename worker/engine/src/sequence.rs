@@ -8,8 +8,9 @@ use crate::error::Result;
 use crate::kv::{BlockHash, chain};
 use crate::model::tokenizer::{IncrementalDecoder, Tokenizer};
 use crate::pool::{AdapterId, Lease, Residency};
-use crate::sampling::{Rng, SamplingParams};
+use crate::sampling::{Rng, Sampling};
 use crate::stop::{StopState, StopStrings};
+use lorafleet_domain::generation::Valid;
 
 /// Why a sequence ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,7 +61,7 @@ pub(crate) struct Sequence {
     pub adapter: Option<AdapterId>,
     pub prompt_ids: Vec<u32>,
     pub output_ids: Vec<u32>,
-    pub params: SamplingParams,
+    pub params: Valid<Sampling>,
     pub rng: Rng,
     /// Positions whose keys and values are in the KV cache.
     pub num_computed: usize,
@@ -138,7 +139,7 @@ impl Sequence {
         request_id: String,
         adapter: Option<AdapterId>,
         prompt_ids: Vec<u32>,
-        params: SamplingParams,
+        params: Valid<Sampling>,
         seed: u64,
         residency: Option<Residency>,
         weights_seed: BlockHash,

@@ -79,17 +79,17 @@ impl EngineSettings {
         ];
         for (name, value) in positive {
             if value == 0 {
-                return Err(EngineError::request(name, "must be at least 1"));
+                return Err(EngineError::setting(name, "must be at least 1"));
             }
         }
         if self.max_cpu_lora_bytes == Some(0) {
-            return Err(EngineError::request(
+            return Err(EngineError::setting(
                 "max_cpu_lora_bytes",
                 "must be at least 1 when given",
             ));
         }
         if self.max_cpu_loras < self.max_loras {
-            return Err(EngineError::request(
+            return Err(EngineError::setting(
                 "max_cpu_loras",
                 format!(
                     "{} must be at least max_loras ({}): the host tier holds every device adapter",
@@ -100,7 +100,7 @@ impl EngineSettings {
         if let Some(p) = self.max_pinned
             && p >= self.max_loras
         {
-            return Err(EngineError::request(
+            return Err(EngineError::setting(
                 "max_pinned",
                 format!(
                     "{p} must be below max_loras ({}): one slot always serves unpinned traffic",
@@ -109,7 +109,7 @@ impl EngineSettings {
             ));
         }
         if self.max_lora_rank > 512 {
-            return Err(EngineError::request(
+            return Err(EngineError::setting(
                 "max_lora_rank",
                 format!("{} is above 512", self.max_lora_rank),
             ));

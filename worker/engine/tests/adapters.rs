@@ -361,7 +361,7 @@ fn artifact_digests_match_an_independent_implementation() {
 /// fails; it never gets a token, so it is never served by the base model.
 #[test]
 fn an_adapter_request_is_never_served_by_the_base_model() {
-    use lorafleet_engine::{AdapterSource, EngineSettings, Event, Prompt, Request, SamplingParams};
+    use lorafleet_engine::{AdapterSource, EngineSettings, Event, Prompt, Request, Sampling};
     let corrupt = copy_adapter("qv-r8");
     let weights = corrupt.path().join("adapter_model.safetensors");
     let bytes = std::fs::read(&weights).unwrap();
@@ -404,10 +404,12 @@ fn an_adapter_request_is_never_served_by_the_base_model() {
             id: format!("r{i}"),
             adapter: Some(id),
             prompt: Prompt::Text("The quick brown fox".into()),
-            params: SamplingParams {
+            params: Sampling {
                 max_tokens: 4,
                 ..Default::default()
-            },
+            }
+            .validate()
+            .unwrap(),
         };
         if e.submit(request).is_err() {
             outcomes.push((what, "submission"));

@@ -5,9 +5,7 @@
 mod common;
 
 use common::*;
-use lorafleet_engine::{
-    Engine, EngineSettings, Event, FinishReason, Prompt, Request, SamplingParams,
-};
+use lorafleet_engine::{Engine, EngineSettings, Event, FinishReason, Prompt, Request, Sampling};
 
 const MODEL: &str = "llama-gqa";
 
@@ -143,12 +141,14 @@ fn a_preempted_sequence_keeps_its_adapters_lease() {
         id: format!("r{i}"),
         adapter: Some(aid(adapter)),
         prompt: Prompt::Text(prompt.into()),
-        params: SamplingParams {
+        params: Sampling {
             max_tokens: 24,
             temperature: 0.0,
             ignore_eos: true,
             ..Default::default()
-        },
+        }
+        .validate()
+        .unwrap(),
     };
     let requests: Vec<Request> = (0..6)
         .map(|i| request(i, 1 + (i % 2) as u64))
@@ -227,11 +227,13 @@ fn the_engine_reproduces_the_golden_greedy_tokens() {
                     .as_ref()
                     .map(|a| aid(ids.iter().position(|n| n == a).unwrap() as u64 + 1)),
                 prompt: Prompt::TokenIds(c.prompt_ids.clone()),
-                params: SamplingParams {
+                params: Sampling {
                     max_tokens: golden.max_new_tokens,
                     temperature: 0.0,
                     ..Default::default()
-                },
+                }
+                .validate()
+                .unwrap(),
             })
             .collect();
         // All cases of a model in one batch.
@@ -252,12 +254,14 @@ fn cancelling_frees_kv_blocks_at_once() {
         id: "long".into(),
         adapter: Some(aid(1)),
         prompt: Prompt::Text("The quick brown fox".into()),
-        params: SamplingParams {
+        params: Sampling {
             max_tokens: 200,
             temperature: 0.0,
             ignore_eos: true,
             ..Default::default()
-        },
+        }
+        .validate()
+        .unwrap(),
     };
     e.submit(r).unwrap();
     for _ in 0..5 {
@@ -296,13 +300,15 @@ fn max_tokens_stop_strings_and_utf8_stay_whole() {
         id: id.into(),
         adapter: None,
         prompt: Prompt::Text("Grüße aus München! 🚀".into()),
-        params: SamplingParams {
+        params: Sampling {
             max_tokens,
             temperature: 0.0,
             stop,
             ignore_eos: true,
             ..Default::default()
-        },
+        }
+        .validate()
+        .unwrap(),
     };
     let full = e
         .run_to_completion(vec![base("full", 40, vec![])])
@@ -351,16 +357,17 @@ fn a_batch_larger_than_the_waiting_queue_still_runs_whole() {
             id: format!("q{i}"),
             adapter: Some(aid(i % 3 + 1)),
             prompt: Prompt::Text("def forward(self, x):".into()),
-            params: SamplingParams {
+            params: Sampling {
                 max_tokens: 3,
                 temperature: 0.0,
                 ignore_eos: true,
                 ..Default::default()
-            },
+            }
+            .validate()
+            .unwrap(),
         })
         .collect();
-    let mut duplicate = requests[0].clone();
-    duplicate.params.max_tokens = 5;
+    let duplicate = with(requests[0].clone(), |p| p.max_tokens = 5);
     let mut all = requests;
     all.push(duplicate);
     let results = e.run_to_completion(all).unwrap();
@@ -418,11 +425,13 @@ fn requests_device_time_adds_up_to_the_engines_busy_time() {
         id: "long".into(),
         adapter: None,
         prompt: Prompt::TokenIds((0..120).map(|k| (k * 7 % 90 + 3) as u32).collect()),
-        params: SamplingParams {
+        params: Sampling {
             max_tokens: 2,
             ignore_eos: true,
             ..Default::default()
-        },
+        }
+        .validate()
+        .unwrap(),
     };
     let short = Request {
         id: "short".into(),

@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use lorafleet_engine::constraint::Constraint;
-use lorafleet_engine::{EngineSettings, Prompt, Request, SamplingParams};
+use lorafleet_engine::{ConstraintKind, EngineSettings, Field, Prompt, Request, Sampling};
 use serde_json::Value;
 
 fn request(id: String, constraint: Constraint, seed: u64) -> Request {
@@ -13,13 +13,15 @@ fn request(id: String, constraint: Constraint, seed: u64) -> Request {
         id,
         adapter: Some(aid(seed % 3 + 1)),
         prompt: Prompt::Text("The quick brown fox".into()),
-        params: SamplingParams {
+        params: Sampling {
             max_tokens: 120,
             temperature: 1.0,
             seed: Some(seed),
             constraint: Some(constraint),
             ..Default::default()
-        },
+        }
+        .validate()
+        .unwrap(),
     }
 }
 
@@ -34,7 +36,7 @@ fn sampled_output_matches_its_schema_regex_choice_or_grammar() {
         Constraint::JsonObject,
         Constraint::Regex("[0-9]{3}-[a-z]{2}".into()),
         Constraint::Choice(vec!["yes".into(), "no".into(), "maybe not".into()]),
-        Constraint::Lark("start: \"(\" NUM (\",\" NUM)* \")\"\nNUM: /[0-9]{1,2}/".into()),
+        Constraint::Grammar("start: \"(\" NUM (\",\" NUM)* \")\"\nNUM: /[0-9]{1,2}/".into()),
     ];
     // Any JSON object leaves string lengths open, and a random model
     // rarely picks the closing quote: a bias towards `"` and `}` ends its
@@ -50,15 +52,16 @@ fn sampled_output_matches_its_schema_regex_choice_or_grammar() {
         for seed in 0..4u64 {
             let mut r = request(format!("k{k}s{seed}"), c.clone(), seed);
             if *c == Constraint::JsonObject {
-                r.params.logit_bias = bias.clone();
+                r = with(r, |p| p.logit_bias = bias.clone());
             }
             requests.push(r);
         }
     }
     // And an unconstrained request beside them, which stays free.
-    let mut free = request("free".into(), Constraint::JsonObject, 9);
-    free.params.constraint = None;
-    free.params.max_tokens = 12;
+    let free = with(request("free".into(), Constraint::JsonObject, 9), |p| {
+        p.constraint = None;
+        p.max_tokens = 12;
+    });
     requests.push(free);
     let out = e.run_to_completion(requests).unwrap();
     // Each kind compiled once; its other three requests cloned the
@@ -106,7 +109,7 @@ fn sampled_output_matches_its_schema_regex_choice_or_grammar() {
                 );
             }
             Constraint::Choice(choices) => assert!(choices.contains(&text.to_owned()), "{text:?}"),
-            Constraint::Lark(_) => {
+            Constraint::Grammar(_) => {
                 let inner = text
                     .strip_prefix('(')
                     .and_then(|t| t.strip_suffix(')'))
@@ -137,14 +140,9 @@ fn a_constraint_that_does_not_compile_is_refused_by_field() {
             "sampling.json_schema",
         ),
         (Constraint::Regex("(unclosed".into()), "sampling.regex"),
-        (Constraint::Choice(vec![]), "sampling.choice"),
         (
-            Constraint::Lark("start: undefined_rule".into()),
+            Constraint::Grammar("start: undefined_rule".into()),
             "sampling.grammar",
-        ),
-        (
-            Constraint::JsonSchema(format!("{{\"description\":\"{}\"}}", "x".repeat(70_000))),
-            "sampling.json_schema",
         ),
     ] {
         let err = e
@@ -218,7 +216,7 @@ fn a_constraint_compiled_once_is_cloned_and_distinct_ones_never_share() {
     compiler.compile(&split("a", "bc")).unwrap();
     compiler.compile(&Constraint::Regex("ab|c".into())).unwrap();
     compiler
-        .compile(&Constraint::Lark("start: \"ab\" | \"c\"".into()))
+        .compile(&Constraint::Grammar("start: \"ab\" | \"c\"".into()))
         .unwrap();
     let counters = compiler.counters();
     assert_eq!((counters.compiles, counters.hits), (4, 0));
@@ -232,9 +230,37 @@ fn a_constraint_compiled_once_is_cloned_and_distinct_ones_never_share() {
             .compile(&Constraint::Regex("(".into()))
             .unwrap_err()
             .to_string();
-        assert!(err.contains("sampling.regex"), "{err}");
+        assert!(err.starts_with("sampling.regex: "), "{err}");
     }
     assert_eq!(compiler.counters().compiles, 4);
+}
+
+/// A request's `n` choices arrive together, each asking for the same
+/// constraint: one compiles it and the others wait for it and clone it,
+/// rather than 16 compiles of one schema at once.
+#[test]
+fn the_same_constraint_asked_at_once_compiles_once() {
+    let e = fixture_engine("llama-gqa", EngineSettings::default());
+    let compiler = e.constraint_compiler();
+    let properties: serde_json::Map<String, Value> = (0..60)
+        .map(|i| (format!("p{i}"), serde_json::json!({"type": "integer"})))
+        .collect();
+    let required: Vec<String> = properties.keys().cloned().collect();
+    let schema = serde_json::json!({"type": "object", "properties": properties,
+                                    "required": required})
+    .to_string();
+    let barrier = std::sync::Barrier::new(16);
+    std::thread::scope(|scope| {
+        for _ in 0..16 {
+            let (compiler, barrier, schema) = (compiler.clone(), &barrier, schema.clone());
+            scope.spawn(move || {
+                barrier.wait();
+                compiler.compile(&Constraint::JsonSchema(schema)).unwrap();
+            });
+        }
+    });
+    let counters = compiler.counters();
+    assert_eq!((counters.compiles, counters.hits), (1, 15));
 }
 
 /// A constrained row whose mask is later than its step's budget waits a
@@ -249,12 +275,15 @@ fn a_late_mask_delays_its_own_row_and_never_the_batch() {
     let run = |delay_ms: u64| {
         let mut e = fixture_engine("llama-gqa", EngineSettings::default());
         e.delay_masks(std::time::Duration::from_millis(delay_ms));
-        let mut constrained = request("c".into(), Constraint::Regex("[0-9]{3}-[a-z]{4}".into()), 7);
-        constrained.params.max_tokens = 40;
-        let mut free = request("f".into(), Constraint::JsonObject, 3);
-        free.params.constraint = None;
-        free.params.max_tokens = 12;
-        free.params.ignore_eos = true;
+        let mut constrained = with(
+            request("c".into(), Constraint::Regex("[0-9]{3}-[a-z]{4}".into()), 7),
+            |p| p.max_tokens = 40,
+        );
+        let mut free = with(request("f".into(), Constraint::JsonObject, 3), |p| {
+            p.constraint = None;
+            p.max_tokens = 12;
+            p.ignore_eos = true;
+        });
         // The base model: no adapter load to time the steps.
         constrained.adapter = None;
         free.adapter = None;
@@ -305,15 +334,15 @@ fn a_grammar_too_complex_to_follow_fails_its_request_by_field() {
         .collect();
     let schema = serde_json::json!({"type": "object", "properties": properties}).to_string();
     assert!(schema.len() < lorafleet_engine::constraint::MAX_CONSTRAINT_BYTES);
-    let mut costly = request("costly".into(), Constraint::JsonSchema(schema), 1);
-    costly.params.logit_bias = Vec::new();
-    let mut free = request("free".into(), Constraint::JsonObject, 2);
-    free.params.constraint = None;
-    free.params.max_tokens = 6;
+    let costly = request("costly".into(), Constraint::JsonSchema(schema), 1);
+    let free = with(request("free".into(), Constraint::JsonObject, 2), |p| {
+        p.constraint = None;
+        p.max_tokens = 6;
+    });
     let out = e.run_to_completion(vec![costly, free]).unwrap();
     let err = out[0].error.as_ref().expect("the costly request fails");
     assert!(
-        matches!(err, lorafleet_engine::EngineError::InvalidRequest { field, .. } if field == "sampling.json_schema"),
+        matches!(err, lorafleet_engine::EngineError::InvalidRequest { field, .. } if *field == Field::Constraint(ConstraintKind::JsonSchema)),
         "{err:?}"
     );
     assert!(err.to_string().contains("cannot be followed"), "{err}");

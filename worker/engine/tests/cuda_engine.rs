@@ -381,7 +381,7 @@ fn the_engine_samples_on_the_device_with_each_requests_own_draws() {
             id: "s".into(),
             adapter: None,
             prompt: lorafleet_engine::Prompt::TokenIds(prompt.clone()),
-            params: lorafleet_engine::SamplingParams {
+            params: lorafleet_engine::Sampling {
                 max_tokens,
                 temperature,
                 top_p,
@@ -389,7 +389,9 @@ fn the_engine_samples_on_the_device_with_each_requests_own_draws() {
                 seed: Some(seed),
                 ignore_eos: true,
                 ..Default::default()
-            },
+            }
+            .validate()
+            .unwrap(),
         }])
         .unwrap()
         .pop()

@@ -6,7 +6,7 @@
 mod common;
 
 use common::*;
-use lorafleet_engine::{Engine, EngineSettings, Event, Fairness, Prompt, Request, SamplingParams};
+use lorafleet_engine::{Engine, EngineSettings, Event, Fairness, Prompt, Request, Sampling};
 
 const MODEL: &str = "llama-gqa";
 
@@ -19,12 +19,14 @@ fn request(id: String, i: usize) -> Request {
                 .map(|k| ((i * 29 + k * 11) % 300 + 3) as u32)
                 .collect(),
         ),
-        params: SamplingParams {
+        params: Sampling {
             max_tokens: 16,
             temperature: 0.0,
             ignore_eos: true,
             ..Default::default()
-        },
+        }
+        .validate()
+        .unwrap(),
     }
 }
 

@@ -6,7 +6,7 @@
 mod common;
 
 use common::*;
-use lorafleet_engine::{EngineSettings, Prompt, Request, SamplingParams};
+use lorafleet_engine::{EngineSettings, Prompt, Request, Sampling};
 
 fn golden() -> LogprobGolden {
     logprob_golden("golden_logprobs.json")
@@ -39,24 +39,28 @@ fn asking_for_logprobs_changes_no_token_and_the_prompt_alone_can_be_scored() {
         id: id.into(),
         adapter: Some(aid(2)),
         prompt: Prompt::TokenIds(case.prompt_ids.clone()),
-        params: SamplingParams {
+        params: Sampling {
             max_tokens: 10,
             temperature: 0.9,
             seed: Some(7),
             logprobs,
             prompt_logprobs: logprobs,
             ..Default::default()
-        },
+        }
+        .validate()
+        .unwrap(),
     };
     let prompt_only = Request {
         id: "prompt-only".into(),
         adapter: None,
         prompt: Prompt::TokenIds(case.prompt_ids.clone()),
-        params: SamplingParams {
+        params: Sampling {
             max_tokens: 0,
             prompt_logprobs: Some(0),
             ..Default::default()
-        },
+        }
+        .validate()
+        .unwrap(),
     };
     let out = e
         .run_to_completion(vec![
@@ -96,10 +100,12 @@ fn out_request(ids: &[u32]) -> Request {
         id: String::new(),
         adapter: None,
         prompt: Prompt::TokenIds(ids.to_vec()),
-        params: SamplingParams {
+        params: Sampling {
             max_tokens: 0,
             prompt_logprobs: Some(1),
             ..Default::default()
-        },
+        }
+        .validate()
+        .unwrap(),
     }
 }

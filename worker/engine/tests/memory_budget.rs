@@ -13,7 +13,7 @@ use lorafleet_engine::backend::cpu::CpuBackend;
 use lorafleet_engine::budget::MemoryUnits;
 use lorafleet_engine::model::ModelConfig;
 use lorafleet_engine::pool::Residency;
-use lorafleet_engine::{Engine, EngineSettings, Event, Prompt, Request, SamplingParams};
+use lorafleet_engine::{Engine, EngineSettings, Event, Prompt, Request, Sampling};
 use proptest::prelude::*;
 
 const MODEL: &str = "llama-gqa";
@@ -54,12 +54,14 @@ fn request(id: String, adapter: u64, prompt_tokens: usize, max_tokens: usize) ->
                 .map(|i| 3 + (i * 7 + salt) % 380)
                 .collect(),
         ),
-        params: SamplingParams {
+        params: Sampling {
             max_tokens,
             temperature: 0.0,
             ignore_eos: true,
             ..Default::default()
-        },
+        }
+        .validate()
+        .unwrap(),
         id,
     }
 }

@@ -9,7 +9,7 @@ use common::*;
 use lorafleet_engine::backend::cpu::CpuBackend;
 use lorafleet_engine::pool::{AdapterPool, PoolCounters};
 use lorafleet_engine::{
-    AdapterSource, Engine, EngineSettings, Prompt, Request, Residency, SamplingParams,
+    AdapterSource, Engine, EngineSettings, Prompt, Request, Residency, Sampling,
 };
 
 const MODEL: &str = "llama-gqa";
@@ -44,12 +44,14 @@ fn round_robin(count: u64, adapters: u64, prompt: impl Fn(u64) -> String) -> Vec
             id: format!("r{i}"),
             adapter: Some(aid(i % adapters + 1)),
             prompt: Prompt::Text(prompt(i)),
-            params: SamplingParams {
+            params: Sampling {
                 max_tokens: 4,
                 temperature: 0.0,
                 ignore_eos: true,
                 ..Default::default()
-            },
+            }
+            .validate()
+            .unwrap(),
         })
         .collect()
 }
@@ -228,12 +230,14 @@ fn a_request_for_a_cold_adapter_is_not_starved_by_a_hot_one() {
         id,
         adapter: Some(aid(adapter)),
         prompt: Prompt::Text("The quick brown fox".into()),
-        params: SamplingParams {
+        params: Sampling {
             max_tokens: 6,
             temperature: 0.0,
             ignore_eos: true,
             ..Default::default()
-        },
+        }
+        .validate()
+        .unwrap(),
     };
     e.submit(request("hot-0".into(), 1)).unwrap();
     e.step().unwrap();
@@ -628,11 +632,13 @@ fn loads_that_a_prefetch_could_have_started_are_counted_as_late() {
         id: format!("r{i}"),
         adapter: Some(aid(i % 10 + 1)),
         prompt: Prompt::Text(format!("request {i}")),
-        params: SamplingParams {
+        params: Sampling {
             max_tokens: 1,
             temperature: 0.0,
             ..Default::default()
-        },
+        }
+        .validate()
+        .unwrap(),
     };
     // Ten at once, four a step: the first four load at admission (nothing
     // could have been prefetched before), two are prefetched, and the

@@ -6,7 +6,7 @@
 mod common;
 
 use common::*;
-use lorafleet_engine::{Engine, EngineSettings, Event, Finish, Prompt, Request, SamplingParams};
+use lorafleet_engine::{Engine, EngineSettings, Event, Finish, Prompt, Request, Sampling};
 
 const MODEL: &str = "llama-gqa";
 
@@ -34,13 +34,15 @@ fn workload() -> Vec<Request> {
             id: format!("r{i}"),
             adapter,
             prompt: Prompt::TokenIds(prompt(i)),
-            params: SamplingParams {
+            params: Sampling {
                 max_tokens: 12,
                 temperature: if i % 2 == 0 { 0.0 } else { 0.9 },
                 seed: Some(1000 + i as u64),
                 ignore_eos: true,
                 ..Default::default()
-            },
+            }
+            .validate()
+            .unwrap(),
         });
     }
     out
@@ -131,12 +133,14 @@ fn one(e: &mut Engine, adapter: Option<u64>, ids: Vec<u32>) -> Finish {
         id,
         adapter: adapter.map(aid),
         prompt: Prompt::TokenIds(ids),
-        params: SamplingParams {
+        params: Sampling {
             max_tokens: 2,
             temperature: 0.0,
             ignore_eos: true,
             ..Default::default()
-        },
+        }
+        .validate()
+        .unwrap(),
     })
     .unwrap();
     loop {

@@ -7,7 +7,7 @@
 mod common;
 
 use common::*;
-use lorafleet_engine::{EngineSettings, Prompt, Request, SamplingParams};
+use lorafleet_engine::{EngineSettings, Prompt, Request, Sampling};
 use serde_json::Value;
 
 fn goldens() -> Value {
@@ -15,9 +15,9 @@ fn goldens() -> Value {
         .unwrap()
 }
 
-fn params(control: &Value, max_tokens: usize) -> SamplingParams {
+fn params(control: &Value, max_tokens: usize) -> Sampling {
     let f = |k: &str, default: f32| control[k].as_f64().map_or(default, |v| v as f32);
-    SamplingParams {
+    Sampling {
         max_tokens,
         temperature: 0.0,
         ignore_eos: true,
@@ -55,7 +55,7 @@ fn each_control_gives_the_reference_tokens_for_the_base_and_an_adapter() {
                 id: format!("{tag}{i}"),
                 adapter,
                 prompt: Prompt::TokenIds(ids.clone()),
-                params: params(control, n),
+                params: params(control, n).validate().unwrap(),
             });
         }
     }
@@ -79,25 +79,29 @@ fn min_tokens_holds_back_the_end_and_logprobs_come_before_the_controls() {
         id: id.into(),
         adapter: None,
         prompt: Prompt::TokenIds(prompt.clone()),
-        params: SamplingParams {
+        params: Sampling {
             max_tokens: 8,
             temperature: 0.0,
             min_tokens,
             logit_bias: vec![(eos, 100.0)],
             logprobs: Some(0),
             ..Default::default()
-        },
+        }
+        .validate()
+        .unwrap(),
     };
     // The prompt followed by EOS, scored: EOS's own log probability there.
     let scored = Request {
         id: "scored".into(),
         adapter: None,
         prompt: Prompt::TokenIds([prompt.as_slice(), &[eos]].concat()),
-        params: SamplingParams {
+        params: Sampling {
             max_tokens: 0,
             prompt_logprobs: Some(0),
             ..Default::default()
-        },
+        }
+        .validate()
+        .unwrap(),
     };
     let out = e
         .run_to_completion(vec![forced("now", 0), forced("later", 3), scored])

@@ -6,15 +6,15 @@ use std::time::{Duration, SystemTime};
 
 use lorafleet_domain::digest::Sha256Hex;
 use lorafleet_engine::AdapterId;
+use lorafleet_engine::MessagePart;
 use lorafleet_engine::artifact::ArtifactError;
-use lorafleet_engine::constraint::Constraint;
 use lorafleet_engine::logprobs::TokenLogprob;
 use lorafleet_engine::lora::AdapterError;
 use lorafleet_engine::model::tokenizer::ChatMessage;
 use lorafleet_engine::pool::AdapterStatus;
 use lorafleet_engine::{
-    EngineError, Fairness, Finish, FinishReason, Prompt, Prompter, Residency, SamplingParams,
-    StopReason,
+    Constraint, EngineError, Fairness, Field, Finish, FinishReason, Prompt, Prompter, Residency,
+    Sampling, StopReason, Valid,
 };
 use lorafleet_proto::refusal::{ERROR_DOMAIN, Reason};
 use lorafleet_proto::worker::v1 as pb;
@@ -96,7 +96,7 @@ pub fn descriptor(d: &pb::AdapterDescriptor, field: &str) -> Result<Descriptor, 
 pub fn fairness(r: &pb::GenerateRequest) -> Result<Fairness, Refusal> {
     if r.fairness_key.len() > MAX_REQUEST_ID {
         return Err(Refusal::field(
-            "fairness_key",
+            Field::FairnessKey,
             format!("is longer than {MAX_REQUEST_ID} bytes"),
         ));
     }
@@ -105,7 +105,7 @@ pub fn fairness(r: &pb::GenerateRequest) -> Result<Fairness, Refusal> {
         w if w.is_finite() && w > 0.0 => w,
         w => {
             return Err(Refusal::field(
-                "fairness_weight",
+                Field::FairnessWeight,
                 format!("{w} is not a positive number"),
             ));
         }
@@ -119,47 +119,50 @@ pub fn fairness(r: &pb::GenerateRequest) -> Result<Fairness, Refusal> {
 /// The request id, prompt and sampling of a Generate request.
 pub fn generate_request(
     r: &pb::GenerateRequest,
-) -> Result<(String, Prompt, SamplingParams), Refusal> {
+) -> Result<(String, Prompt, Valid<Sampling>), Refusal> {
     if r.request_id.is_empty() {
-        return Err(Refusal::field("request_id", "is required"));
+        return Err(Refusal::field(Field::RequestId, "is required"));
     }
     if r.request_id.len() > MAX_REQUEST_ID {
         return Err(Refusal::field(
-            "request_id",
+            Field::RequestId,
             format!("is longer than {MAX_REQUEST_ID} bytes"),
         ));
     }
     let prompt = match &r.prompt {
         None => {
             return Err(Refusal::field(
-                "prompt",
+                Field::Prompt,
                 "one of text, token_ids or chat is required",
             ));
         }
         Some(pb::generate_request::Prompt::Text(t)) if t.is_empty() => {
-            return Err(Refusal::field("prompt.text", "is empty"));
+            return Err(Refusal::field(Field::PromptText, "is empty"));
         }
         Some(pb::generate_request::Prompt::Text(t)) => Prompt::Text(t.clone()),
         Some(pb::generate_request::Prompt::TokenIds(ids)) if ids.ids.is_empty() => {
-            return Err(Refusal::field("prompt.token_ids.ids", "is empty"));
+            return Err(Refusal::field(Field::PromptTokenIds, "is empty"));
         }
         Some(pb::generate_request::Prompt::TokenIds(ids)) => Prompt::TokenIds(ids.ids.clone()),
         Some(pb::generate_request::Prompt::Chat(chat)) => {
             if chat.messages.is_empty() {
                 return Err(Refusal::field(
-                    "prompt.chat.messages",
+                    Field::Messages,
                     "must hold at least one message",
                 ));
             }
             for (i, m) in chat.messages.iter().enumerate() {
                 if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "tool") {
                     return Err(Refusal::field(
-                        format!("prompt.chat.messages[{i}].role"),
+                        Field::Message {
+                            index: i,
+                            part: MessagePart::Role,
+                        },
                         format!("{:?} is not system, user, assistant or tool", m.role),
                     ));
                 }
             }
-            let json = |text: &str, field: String| -> Result<Option<serde_json::Value>, Refusal> {
+            let json = |text: &str, field: Field| -> Result<Option<serde_json::Value>, Refusal> {
                 if text.is_empty() {
                     return Ok(None);
                 }
@@ -171,7 +174,10 @@ pub fn generate_request(
             };
             let mut messages = Vec::with_capacity(chat.messages.len());
             for (i, m) in chat.messages.iter().enumerate() {
-                let field = format!("prompt.chat.messages[{i}].tool_calls_json");
+                let field = Field::Message {
+                    index: i,
+                    part: MessagePart::ToolCalls,
+                };
                 messages.push(ChatMessage {
                     role: m.role.clone(),
                     content: m.content.clone(),
@@ -183,7 +189,7 @@ pub fn generate_request(
             Prompt::Chat {
                 messages,
                 add_generation_prompt: chat.add_generation_prompt,
-                tools: json(&chat.tools_json, "prompt.chat.tools_json".into())?,
+                tools: json(&chat.tools_json, Field::Tools)?,
                 continuation: chat.continuation.clone(),
             }
         }
@@ -191,8 +197,8 @@ pub fn generate_request(
     let s = r
         .sampling
         .as_ref()
-        .ok_or_else(|| Refusal::field("sampling", "is required"))?;
-    let params = SamplingParams {
+        .ok_or_else(|| Refusal::field(Field::Sampling, "is required"))?;
+    let params = Sampling {
         max_tokens: s.max_tokens as usize,
         temperature: s.temperature.unwrap_or(1.0),
         top_p: s.top_p.unwrap_or(1.0),
@@ -224,10 +230,11 @@ pub fn generate_request(
                 C::JsonObject(false) => return None,
                 C::Regex(r) => Constraint::Regex(r.clone()),
                 C::Choice(list) => Constraint::Choice(list.choices.clone()),
-                C::Grammar(g) => Constraint::Lark(g.clone()),
+                C::Grammar(g) => Constraint::Grammar(g.clone()),
             })
         }),
-    };
+    }
+    .validate()?;
     Ok((r.request_id.clone(), prompt, params))
 }
 
@@ -331,10 +338,16 @@ fn parts(r: &Refusal) -> Parts {
     use Code::*;
     let text = r.to_string();
     match r {
+        Refusal::Request(invalid) => (
+            InvalidArgument,
+            Reason::InvalidField,
+            Some(invalid.field.wire_path()),
+            text,
+        ),
         Refusal::InvalidField { field, .. } => (
             InvalidArgument,
             Reason::InvalidField,
-            Some(field.clone()),
+            Some((*field).to_owned()),
             text,
         ),
         Refusal::InvalidDescriptor { field, .. } => (
@@ -433,7 +446,7 @@ fn engine_parts(e: &EngineError) -> Parts {
         EngineError::InvalidRequest { field, .. } => (
             InvalidArgument,
             Reason::InvalidField,
-            Some(field.to_string()),
+            Some(field.wire_path()),
             e.to_string(),
         ),
         EngineError::ContextLength {
@@ -443,7 +456,7 @@ fn engine_parts(e: &EngineError) -> Parts {
         } => (
             InvalidArgument,
             Reason::ContextLengthExceeded,
-            Some(lorafleet_engine::context_field(*prompt_tokens, *max_model_len).into()),
+            Some(lorafleet_engine::context_field(*prompt_tokens, *max_model_len).wire_path()),
             e.to_string(),
         ),
         EngineError::QueueFull { .. } => {
@@ -489,7 +502,10 @@ fn engine_parts(e: &EngineError) -> Parts {
         EngineError::Tokenizer(_) | EngineError::ChatTemplate(_) => {
             (InvalidArgument, Reason::PromptInvalid, None, e.to_string())
         }
-        EngineError::Io { .. } | EngineError::InvalidModel { .. } | EngineError::Backend(_) => {
+        EngineError::Io { .. }
+        | EngineError::InvalidModel { .. }
+        | EngineError::InvalidSetting { .. }
+        | EngineError::Backend(_) => {
             tracing::error!(error = %e, "engine failure");
             (
                 Internal,

@@ -44,7 +44,7 @@ fn every_refusal() -> Vec<Refusal> {
     let id = AdapterId::new(7).unwrap();
     let io = || std::io::Error::other("denied");
     let mut all = vec![
-        Refusal::field("sampling.top_p", "must be in (0, 1]"),
+        Refusal::field(Field::TopP, "must be in (0, 1]"),
         Refusal::descriptor("adapter.rank", "must be positive"),
         Refusal::Draining,
         Refusal::AdapterIdReused { id },
@@ -87,7 +87,7 @@ fn every_refusal() -> Vec<Refusal> {
             actual: "f".repeat(64),
         }),
         Refusal::Engine(EngineError::InvalidRequest {
-            field: "prompt".into(),
+            field: Field::Prompt,
             reason: "too long".into(),
         }),
         Refusal::Engine(EngineError::ContextLength {

@@ -22,8 +22,9 @@
 //! model's own log-softmax over the whole vocabulary, before temperature
 //! and the other sampling controls.
 
+use super::params::{Endpoint, client_param};
 use crate::audit::sanitize::{MAX_MODEL_BYTES, MAX_USER_BYTES, check_field};
-use crate::upstream::{self, Prompt, Sampling};
+use crate::upstream::{self, Prompt, Sampling, Valid};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -37,28 +38,26 @@ use constraint::ResponseFormat;
 pub use shapes::{Content, ContentPart, LogprobsInput, PromptInput, StopInput};
 use shapes::{Echo, PROMPT_EXPECTED};
 
-/// The longest stop string accepted, in bytes: the workers' own limit
-/// (`lorafleet_engine::sampling::MAX_STOP_STRING_BYTES`), checked here too
-/// so a tenant gets the refusal before the request travels.
-pub const MAX_STOP_STRING_BYTES: usize = 256;
-
-/// The most stop strings one request may carry.
-pub const MAX_STOP_STRINGS: usize = 16;
-
-/// The most stop token ids one request may carry (the workers' limit).
-pub const MAX_STOP_TOKEN_IDS: usize = 64;
-
 /// The most choices one request may ask for (`n`).
 pub const MAX_CHOICES: u32 = 16;
-
-/// The most `logit_bias` entries (OpenAI's limit, and the workers').
-pub const MAX_LOGIT_BIAS: usize = 300;
 
 /// A 400 with the offending field.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BadRequest {
     pub param: String,
     pub message: String,
+}
+
+/// The sampling the parser built, checked by the contract once, here at
+/// the edge; a refusal names the parameter the client sent.
+pub fn checked(sampling: Sampling, endpoint: Endpoint) -> Result<Valid<Sampling>, BadRequest> {
+    sampling.validate().map_err(|e| {
+        let param = client_param(e.field, endpoint).unwrap_or_else(|| e.field.wire_path());
+        BadRequest {
+            message: format!("{param}: {}", e.reason),
+            param,
+        }
+    })
 }
 
 fn bad(param: &str, message: impl Into<String>) -> BadRequest {
@@ -315,45 +314,11 @@ impl Common {
                 return Err(bad("best_of", "above n cannot be streamed"));
             }
         }
-        for (name, v) in [
-            ("presence_penalty", self.presence_penalty),
-            ("frequency_penalty", self.frequency_penalty),
-        ] {
-            if v.is_some_and(|v| !(-2.0..=2.0).contains(&v)) {
-                return Err(bad(name, "must be between -2 and 2"));
-            }
-        }
-        if self
-            .repetition_penalty
-            .is_some_and(|v| !(v.is_finite() && v > 0.0))
-        {
-            return Err(bad("repetition_penalty", "must be a positive number"));
-        }
-        if self
-            .stop_token_ids
-            .as_ref()
-            .is_some_and(|ids| ids.len() > MAX_STOP_TOKEN_IDS)
-        {
-            return Err(bad(
-                "stop_token_ids",
-                format!("at most {MAX_STOP_TOKEN_IDS} token ids"),
-            ));
-        }
         if self.stream_options.is_some() && !self.stream {
             return Err(bad(
                 "stream_options",
                 "is only allowed with \"stream\": true",
             ));
-        }
-        if let Some(t) = self.temperature
-            && !(0.0..=2.0).contains(&t)
-        {
-            return Err(bad("temperature", "must be between 0 and 2"));
-        }
-        if let Some(p) = self.top_p
-            && !(p > 0.0 && p <= 1.0)
-        {
-            return Err(bad("top_p", "must be in (0, 1]"));
         }
         if self.top_k.is_some_and(|k| k < -1) {
             return Err(bad("top_k", "must be -1 (off), 0 (off) or positive"));
@@ -380,33 +345,11 @@ impl Common {
             Some(StopInput::One(s)) => vec![s.clone()],
             Some(StopInput::Many(v)) => v.clone(),
         };
-        if stop.len() > MAX_STOP_STRINGS {
-            return Err(bad(
-                "stop",
-                format!("at most {MAX_STOP_STRINGS} stop strings"),
-            ));
-        }
-        // Each one by its index (`stop[0]` for a single string too): the
-        // worker's limits, refused here before the request travels.
-        for (i, s) in stop.iter().enumerate() {
-            if s.is_empty() {
-                return Err(bad(&format!("stop[{i}]"), "must not be empty"));
-            }
-            if s.len() > MAX_STOP_STRING_BYTES {
-                return Err(bad(
-                    &format!("stop[{i}]"),
-                    format!(
-                        "is {} bytes, longer than the limit of {MAX_STOP_STRING_BYTES}",
-                        s.len()
-                    ),
-                ));
-            }
-        }
         Ok(Sampling {
-            max_tokens,
-            temperature: self.temperature,
-            top_p: self.top_p,
-            top_k: self.top_k.map_or(0, |k| k.max(0) as u32),
+            max_tokens: max_tokens as usize,
+            temperature: self.temperature.unwrap_or(1.0),
+            top_p: self.top_p.unwrap_or(1.0),
+            top_k: self.top_k.map_or(0, |k| k.max(0) as usize),
             seed: self.seed,
             stop,
             stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
@@ -414,34 +357,19 @@ impl Common {
             logprobs: None,
             prompt_logprobs: None,
             logit_bias: self.logit_bias()?,
-            min_tokens: match self.min_tokens {
-                Some(m) if m > max_tokens => {
-                    return Err(bad(
-                        "min_tokens",
-                        format!("{m} is above max_tokens {max_tokens}"),
-                    ));
-                }
-                m => m.unwrap_or(0),
-            },
-            repetition_penalty: self.repetition_penalty.filter(|&p| p != 1.0),
+            min_tokens: self.min_tokens.unwrap_or(0) as usize,
+            repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
             frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
             presence_penalty: self.presence_penalty.unwrap_or(0.0),
             constraint: self.constraint()?,
         })
     }
 
-    /// `logit_bias`: token ids (as strings) to biases from -100 to 100, in
-    /// token order.
+    /// `logit_bias`: token ids (as strings) to biases, in token order.
     fn logit_bias(&self) -> Result<Vec<(u32, f32)>, BadRequest> {
         let Some(map) = &self.logit_bias else {
             return Ok(Vec::new());
         };
-        if map.len() > MAX_LOGIT_BIAS {
-            return Err(bad(
-                "logit_bias",
-                format!("at most {MAX_LOGIT_BIAS} entries"),
-            ));
-        }
         let mut out = Vec::with_capacity(map.len());
         for (key, &bias) in map {
             let id: u32 = key.parse().map_err(|_| {
@@ -450,12 +378,6 @@ impl Common {
                     format!("{key:?} is not a token id (a non-negative integer)"),
                 )
             })?;
-            if !(-100.0..=100.0).contains(&bias) {
-                return Err(bad(
-                    "logit_bias",
-                    format!("the bias of token {id}, {bias}, is not between -100 and 100"),
-                ));
-            }
             out.push((id, bias));
         }
         out.sort_by_key(|&(id, _)| id);
@@ -532,7 +454,7 @@ impl Common {
 
 impl CompletionRequest {
     /// The worker's prompt and sampling, or the field at fault.
-    pub fn to_worker(&self) -> Result<(Prompt, Sampling), BadRequest> {
+    pub fn to_worker(&self) -> Result<(Prompt, Valid<Sampling>), BadRequest> {
         self.common.check()?;
         if self.common.tools.is_some() {
             return Err(bad("tools", "is only for chat completions"));
@@ -559,18 +481,18 @@ impl CompletionRequest {
         }
         let (logprobs, prompt_logprobs) = self.common.completion_logprobs()?;
         let sampling = Sampling {
-            logprobs,
-            prompt_logprobs,
+            logprobs: logprobs.map(|n| n as usize),
+            prompt_logprobs: prompt_logprobs.map(|n| n as usize),
             ..self
                 .common
                 .sampling(COMPLETIONS_DEFAULT_MAX_TOKENS, prompt_logprobs.is_some())?
         };
-        Ok((prompt, sampling))
+        Ok((prompt, checked(sampling, Endpoint::Completions)?))
     }
 }
 
 impl ChatRequest {
-    pub fn to_worker(&self) -> Result<(Prompt, Sampling), BadRequest> {
+    pub fn to_worker(&self) -> Result<(Prompt, Valid<Sampling>), BadRequest> {
         self.common.check()?;
         if self.messages.is_empty() {
             return Err(bad("messages", "at least one message is required"));
@@ -625,7 +547,7 @@ impl ChatRequest {
         }
         let tools = self.tools()?;
         let mut sampling = Sampling {
-            logprobs: self.common.chat_logprobs()?,
+            logprobs: self.common.chat_logprobs()?.map(|n| n as usize),
             ..self.common.sampling(CHAT_DEFAULT_MAX_TOKENS, false)?
         };
         if let Some(c) = tools.as_ref().and_then(tools::Tools::constraint) {
@@ -642,7 +564,7 @@ impl ChatRequest {
             tools_json: tools.map(|t| t.json.to_string()),
             continuation: None,
         };
-        Ok((prompt, sampling))
+        Ok((prompt, checked(sampling, Endpoint::Chat)?))
     }
 
     /// The request's tools, checked.

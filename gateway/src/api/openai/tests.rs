@@ -73,7 +73,7 @@ fn every_shape_is_read_without_an_intermediate_value() {
         (r#""top_logprobs":[1]"#, "top_logprobs"),
         (r#""logit_bias":false"#, "logit_bias"),
         (r#""logit_bias":{"x":1}"#, "logit_bias"),
-        (r#""logit_bias":{"5":101}"#, "logit_bias"),
+        (r#""logit_bias":{"5":101}"#, "logit_bias.5"),
         (r#""presence_penalty":2.5"#, "presence_penalty"),
         (r#""frequency_penalty":-3"#, "frequency_penalty"),
         (r#""repetition_penalty":0"#, "repetition_penalty"),
@@ -133,7 +133,7 @@ fn unsupported_fields_that_change_output_are_refused_by_name() {
     }
     let long = format!(
         r#"{{"model":"m","prompt":"x","stop":["{}"]}}"#,
-        "s".repeat(MAX_STOP_STRING_BYTES + 1)
+        "s".repeat(lorafleet_domain::generation::MAX_STOP_STRING_BYTES + 1)
     );
     let e = CompletionRequest::parse(long.as_bytes())
         .unwrap()
@@ -212,10 +212,7 @@ fn accepted_requests_map_to_the_worker_fields() {
     .unwrap();
     let (prompt, s) = r.to_worker().unwrap();
     assert_eq!(prompt, Prompt::TokenIds(vec![1, 2, 3]));
-    assert_eq!(
-        (s.max_tokens, s.temperature, s.seed),
-        (5, Some(0.0), Some(7))
-    );
+    assert_eq!((s.max_tokens, s.temperature, s.seed), (5, 0.0, Some(7)));
     assert_eq!(s.stop, vec!["x".to_owned()]);
     let r = ChatRequest::parse(
         br#"{"model":"m","messages":[{"role":"developer","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}],"max_completion_tokens":9}"#,
@@ -240,7 +237,7 @@ fn structured_output_fields_map_to_one_constraint() {
             format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],{extra}}}"#);
         ChatRequest::parse(body.as_bytes())
             .and_then(|r| r.to_worker())
-            .map(|(_, s)| s.constraint)
+            .map(|(_, s)| s.constraint.clone())
     };
     assert_eq!(constraint(r#""response_format":{"type":"text"}"#), Ok(None));
     assert_eq!(

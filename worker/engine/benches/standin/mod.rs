@@ -322,12 +322,14 @@ pub fn decode_request(
                 .map(|k| ((r * 31 + k * 7) % 380 + 3) as u32)
                 .collect(),
         ),
-        params: lorafleet_engine::SamplingParams {
+        params: lorafleet_engine::Sampling {
             max_tokens: new,
             temperature: 0.0,
             ignore_eos: true,
             ..Default::default()
-        },
+        }
+        .validate()
+        .unwrap(),
     }
 }
 

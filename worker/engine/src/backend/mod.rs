@@ -137,7 +137,7 @@ impl<'a> StepBatch<'a> {
             .find(|&&t| t as usize >= config.vocab_size)
         {
             return Err(EngineError::request(
-                "prompt",
+                lorafleet_domain::generation::Field::Prompt,
                 format!("token id {t} is not below vocab_size {}", config.vocab_size),
             ));
         }

@@ -16,6 +16,7 @@ use crate::pool::{AdapterId, AdapterPool, AdapterSource, AdapterStatus, PoolCoun
 use crate::prompter::Prompter;
 use crate::scheduler::{Queues, SeqId};
 use crate::sequence::Sequence;
+use lorafleet_domain::generation::Field;
 
 use crate::masks;
 pub use crate::masks::lower_priority as lower_thread_priority;
@@ -166,7 +167,7 @@ impl Engine {
         };
         if let Some(bytes) = settings.memory_budget_bytes {
             if !matches!(choice, BackendChoice::Cpu) {
-                return Err(EngineError::request(
+                return Err(EngineError::setting(
                     "memory_budget_bytes",
                     "the cuda backend divides device memory by its memory plan; a budget shared by KV blocks and adapter slots is the cpu backend's",
                 ));
@@ -248,7 +249,7 @@ impl Engine {
             None => None,
             Some(bytes) => {
                 let units = backend.memory_units().ok_or_else(|| {
-                    EngineError::request(
+                    EngineError::setting(
                         "memory_budget_bytes",
                         format!(
                             "the {} backend divides its memory by its own plan, not by a shared budget",
@@ -259,7 +260,7 @@ impl Engine {
                 let rings = ring_bytes(&config, shape.ring_len, &settings)?;
                 let budget = Arc::new(crate::budget::MemoryBudget::new(bytes - rings, units)?);
                 if settings.kv_blocks > budget.max_kv_blocks() {
-                    return Err(EngineError::request(
+                    return Err(EngineError::setting(
                         "kv_blocks",
                         format!(
                             "{} blocks do not fit a memory budget of {bytes} bytes beside one slot (at most {})",
@@ -398,7 +399,7 @@ impl Engine {
     ) -> Result<()> {
         self.pool
             .register_loaded(id, source, loaded)
-            .map_err(|e| EngineError::request("lora_int_id", e.to_string()))
+            .map_err(|e| EngineError::request(Field::Adapter, e.to_string()))
     }
 
     pub fn is_registered(&self, id: AdapterId) -> bool {
@@ -452,16 +453,16 @@ impl Engine {
     pub fn submit_fair(&mut self, request: Request, fairness: Fairness) -> Result<Accepted> {
         if !(fairness.weight.is_finite() && fairness.weight > 0.0) {
             return Err(EngineError::request(
-                "fairness.weight",
+                Field::FairnessWeight,
                 format!("{} is not a positive number", fairness.weight),
             ));
         }
         if request.id.is_empty() {
-            return Err(EngineError::request("request_id", "is required"));
+            return Err(EngineError::request(Field::RequestId, "is required"));
         }
         if self.by_request.contains_key(&request.id) {
             return Err(EngineError::request(
-                "request_id",
+                Field::RequestId,
                 format!("{:?} is already running", request.id),
             ));
         }
@@ -474,13 +475,11 @@ impl Engine {
             && !self.pool.is_registered(a)
         {
             return Err(EngineError::request(
-                "adapter.lora_int_id",
+                Field::Adapter,
                 format!("adapter {a} is not registered"),
             ));
         }
-        request
-            .params
-            .validate("sampling", self.config.vocab_size)?;
+        request.params.check_vocab(self.config.vocab_size)?;
         // Token ids (as the worker sends, having tokenized on another
         // thread) are only checked here; text is tokenized here.
         let prompt_ids = match request.prompt {
@@ -505,7 +504,7 @@ impl Engine {
         };
         if blocks > self.kv.total() {
             return Err(EngineError::request(
-                "sampling.max_tokens",
+                Field::MaxTokens,
                 format!(
                     "{needed} tokens need {blocks} KV blocks; the cache has {}",
                     self.kv.total()
@@ -670,7 +669,7 @@ fn ring_bytes(config: &ModelConfig, ring_len: usize, settings: &EngineSettings) 
     };
     let rings = CpuBackend::ring_bytes(config, &shape);
     match settings.memory_budget_bytes {
-        Some(bytes) if bytes < rings => Err(EngineError::request(
+        Some(bytes) if bytes < rings => Err(EngineError::setting(
             "memory_budget_bytes",
             format!(
                 "{bytes} bytes do not hold the sliding layers' rings ({rings} bytes for max_num_seqs {})",
@@ -712,7 +711,7 @@ impl Engine {
             };
             if index.contains_key(&request.id) {
                 completion.error = Some(EngineError::request(
-                    "request_id",
+                    Field::RequestId,
                     format!("{:?} appears twice in the batch", request.id),
                 ));
             } else {

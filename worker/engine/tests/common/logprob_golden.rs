@@ -4,7 +4,7 @@
 
 use super::{adapter_names, aid, fixture_engine_on, fixtures};
 use lorafleet_engine::logprobs::TokenLogprob;
-use lorafleet_engine::{Completion, EngineSettings, Prompt, Request, SamplingParams};
+use lorafleet_engine::{Completion, EngineSettings, Prompt, Request, Sampling};
 
 #[derive(Debug, serde::Deserialize)]
 pub struct Entry {
@@ -72,13 +72,15 @@ pub fn logprob_request(
         id,
         adapter: adapter.map(aid),
         prompt: Prompt::TokenIds(case.prompt_ids.clone()),
-        params: SamplingParams {
+        params: Sampling {
             max_tokens: g.new_tokens,
             temperature: 0.0,
             logprobs: Some(g.top),
             prompt_logprobs: Some(g.top),
             ..Default::default()
-        },
+        }
+        .validate()
+        .unwrap(),
     }
 }
 

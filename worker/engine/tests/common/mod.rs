@@ -162,14 +162,16 @@ pub fn mixed_workload() -> Vec<lorafleet_engine::Request> {
             id: format!("r{i}"),
             adapter,
             prompt: lorafleet_engine::Prompt::Text(prompts[i as usize % prompts.len()].into()),
-            params: lorafleet_engine::SamplingParams {
+            params: lorafleet_engine::Sampling {
                 max_tokens: 6 + (i as usize % 7),
                 temperature: if sampled { 0.9 } else { 0.0 },
                 top_p: if sampled { 0.95 } else { 1.0 },
                 top_k: if sampled { 50 } else { 0 },
                 seed: Some(1000 + i),
                 ..Default::default()
-            },
+            }
+            .validate()
+            .unwrap(),
         });
     }
     out
@@ -215,6 +217,17 @@ pub fn fixture_pool(
 }
 
 /// The adapter id for a test's small number.
+/// `r` with its sampling changed, and checked again.
+pub fn with(
+    mut r: lorafleet_engine::Request,
+    change: impl FnOnce(&mut lorafleet_engine::Sampling),
+) -> lorafleet_engine::Request {
+    let mut params = r.params.into_inner();
+    change(&mut params);
+    r.params = params.validate().unwrap();
+    r
+}
+
 pub fn aid(n: u64) -> lorafleet_engine::AdapterId {
     lorafleet_engine::AdapterId::new(n).expect("test ids start at 1")
 }
@@ -237,14 +250,16 @@ pub fn moe_workload(adapters: usize) -> Vec<lorafleet_engine::Request> {
                 id: format!("r{i}"),
                 adapter: (which > 0).then(|| aid(which)),
                 prompt: lorafleet_engine::Prompt::Text(prompts[i as usize % prompts.len()].into()),
-                params: lorafleet_engine::SamplingParams {
+                params: lorafleet_engine::Sampling {
                     max_tokens: 5 + (i as usize % 6),
                     temperature: if sampled { 0.9 } else { 0.0 },
                     top_p: if sampled { 0.95 } else { 1.0 },
                     top_k: if sampled { 50 } else { 0 },
                     seed: Some(500 + i),
                     ..Default::default()
-                },
+                }
+                .validate()
+                .unwrap(),
             }
         })
         .collect()

@@ -7,7 +7,9 @@ use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use lorafleet_engine::constraint::Constraint;
-use lorafleet_engine::{AdapterSource, Engine, FinishReason, Prompt, Request, SamplingParams};
+use lorafleet_engine::{
+    AdapterSource, Engine, EngineError, Field, FinishReason, Prompt, Request, Sampling,
+};
 use serde::Deserialize;
 
 #[derive(Debug, clap::Args)]
@@ -109,7 +111,7 @@ impl InputLine {
             found.push(Constraint::Choice(c));
         }
         if let Some(g) = self.grammar.take() {
-            found.push(Constraint::Lark(g));
+            found.push(Constraint::Grammar(g));
         }
         if found.len() > 1 {
             return Err(
@@ -117,6 +119,22 @@ impl InputLine {
             );
         }
         Ok(found.pop())
+    }
+}
+
+/// An input line's key for a field: the prompt's own two, else the
+/// sampling field's name on the worker's wire, which a line's keys follow.
+fn line_key(field: Field) -> String {
+    match field {
+        Field::Prompt | Field::PromptText => "prompt".into(),
+        Field::PromptTokenIds => "prompt_token_ids".into(),
+        other => {
+            let path = other.wire_path();
+            match path.strip_prefix("sampling.") {
+                Some(key) => key.to_owned(),
+                None => path,
+            }
+        }
     }
 }
 
@@ -298,7 +316,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
                 ))
             })?),
         };
-        let params = SamplingParams {
+        let params = Sampling {
             max_tokens: parsed.max_tokens,
             temperature: parsed.temperature.unwrap_or(1.0),
             top_p: parsed.top_p.unwrap_or(1.0),
@@ -316,13 +334,17 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             presence_penalty: parsed.presence_penalty,
             constraint,
         };
+        // A refusal names the line's own key.
+        let refuse = |field: Field, reason: &str| at(format!("{}: {reason}", line_key(field)));
+        let params = params.validate().map_err(|e| refuse(e.field, &e.reason))?;
         params
-            .validate("", engine.config().vocab_size)
-            .map_err(|e| at(e.to_string()))?;
+            .check_vocab(engine.config().vocab_size)
+            .map_err(|e| refuse(e.field, &e.reason))?;
         if let Some(c) = &params.constraint {
-            engine
-                .check_constraint(c)
-                .map_err(|e| at(e.to_string().replace("sampling.", "")))?;
+            engine.check_constraint(c).map_err(|e| match e {
+                EngineError::InvalidRequest { field, reason } => refuse(field, &reason),
+                other => at(other.to_string()),
+            })?;
         }
         let prompt = match (parsed.prompt, parsed.prompt_token_ids) {
             (Some(text), None) => Prompt::Text(text),
