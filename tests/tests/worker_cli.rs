@@ -242,7 +242,7 @@ fn a_bad_input_line_fails_the_run_before_any_work() {
         ),
         (
             json!({"prompt_token_ids": [1, 99999]}),
-            "line 3: prompt.token_ids: 99999 is not below vocab_size",
+            "line 3: prompt_token_ids: 99999 is not below vocab_size",
         ),
         (
             json!({"prompt": "hi", "logprobs": 21}),

@@ -155,7 +155,16 @@ fn weights_divide_the_engine_and_idle_time_is_not_banked() {
             },
         )
         .unwrap_err();
-    assert!(err.to_string().contains("fairness.weight"), "{err}");
+    assert!(
+        matches!(
+            err,
+            lorafleet_engine::EngineError::InvalidRequest {
+                field: lorafleet_engine::Field::FairnessWeight,
+                ..
+            }
+        ),
+        "{err}"
+    );
 
     // Idle time is not banked: B arrives new after A has been served
     // alone for a while, and starts level with A instead of owed A's
