@@ -174,6 +174,7 @@ fn sampling() -> SamplingParams {
         temperature: Some(0.0),
         top_p: Some(0.9),
         top_k: 40,
+        min_p: 0.05,
         seed: Some(0),
         stop: vec!["\n\n".into(), "</s>".into()],
         stop_token_ids: vec![2, 7],

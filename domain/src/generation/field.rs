@@ -99,6 +99,7 @@ pub enum Field {
     Temperature,
     TopP,
     TopK,
+    MinP,
     Seed,
     Stop,
     /// One stop string, by its index.
@@ -117,7 +118,7 @@ pub enum Field {
 }
 
 /// The fields whose wire path is a fixed string.
-const FIXED: [(Field, &str); 25] = [
+const FIXED: [(Field, &str); 26] = [
     (Field::RequestId, "request_id"),
     (Field::Adapter, "adapter.lora_int_id"),
     (Field::FairnessKey, "fairness_key"),
@@ -133,6 +134,7 @@ const FIXED: [(Field, &str); 25] = [
     (Field::Temperature, "sampling.temperature"),
     (Field::TopP, "sampling.top_p"),
     (Field::TopK, "sampling.top_k"),
+    (Field::MinP, "sampling.min_p"),
     (Field::Seed, "sampling.seed"),
     (Field::Stop, "sampling.stop"),
     (Field::StopTokenIds, "sampling.stop_token_ids"),

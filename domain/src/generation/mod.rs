@@ -44,6 +44,10 @@ pub struct Sampling {
     pub top_p: f32,
     /// 0 means off.
     pub top_k: usize,
+    /// In [0, 1]: tokens less likely than `min_p` times the most likely
+    /// one are dropped (after temperature, top-k and top-p, as
+    /// transformers' `MinPLogitsWarper`). 0 means off.
+    pub min_p: f32,
     /// None: a seed is drawn for the request.
     pub seed: Option<u64>,
     pub stop: Vec<String>,
@@ -79,6 +83,7 @@ impl Default for Sampling {
             temperature: 1.0,
             top_p: 1.0,
             top_k: 0,
+            min_p: 0.0,
             seed: None,
             stop: Vec::new(),
             stop_token_ids: Vec::new(),
@@ -227,6 +232,9 @@ impl Sampling {
         }
         if !(self.top_p.is_finite() && self.top_p > 0.0 && self.top_p <= 1.0) {
             return bad(Field::TopP, format!("{} is not in (0, 1]", self.top_p));
+        }
+        if !(self.min_p.is_finite() && (0.0..=1.0).contains(&self.min_p)) {
+            return bad(Field::MinP, format!("{} is not in [0, 1]", self.min_p));
         }
         for (field, v) in [
             (Field::FrequencyPenalty, self.frequency_penalty),

@@ -28,6 +28,8 @@ fn every_bad_value_is_refused_by_its_field() {
         ),
         (Sampling { top_p: 0.0, ..s() }, Field::TopP),
         (Sampling { top_p: 1.5, ..s() }, Field::TopP),
+        (Sampling { min_p: 1.5, ..s() }, Field::MinP),
+        (Sampling { min_p: -0.1, ..s() }, Field::MinP),
         (
             Sampling {
                 stop: vec!["x".into(), String::new()],

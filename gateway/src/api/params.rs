@@ -54,6 +54,7 @@ pub fn client_param(field: Field, endpoint: Endpoint) -> Option<String> {
         Field::Temperature => "temperature",
         Field::TopP => "top_p",
         Field::TopK => "top_k",
+        Field::MinP => "min_p",
         Field::Seed => "seed",
         Field::Stop => "stop",
         Field::StopString(i) => return Some(format!("stop[{i}]")),

@@ -52,6 +52,7 @@ impl From<&Generation> for pb::GenerateRequest {
                 temperature: Some(g.sampling.temperature),
                 top_p: Some(g.sampling.top_p),
                 top_k: wire_u32(g.sampling.top_k),
+                min_p: g.sampling.min_p,
                 seed: g.sampling.seed,
                 stop: g.sampling.stop.clone(),
                 stop_token_ids: g.sampling.stop_token_ids.clone(),

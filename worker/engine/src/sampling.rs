@@ -83,6 +83,15 @@ pub fn sample(logits: &[f32], params: &Sampling, rng: &mut Rng) -> u32 {
         let kept: f64 = probs.iter().sum();
         probs.iter_mut().for_each(|p| *p /= kept);
     }
+    if params.min_p > 0.0 {
+        // Relative to the most likely token, so the normalization above
+        // does not change which tokens stay.
+        let floor = params.min_p as f64 * probs[0];
+        let keep = probs.iter().take_while(|&&p| p >= floor).count();
+        probs.truncate(keep.max(1));
+        let kept: f64 = probs.iter().sum();
+        probs.iter_mut().for_each(|p| *p /= kept);
+    }
     let u = rng.next_f64();
     let mut cumulative = 0.0;
     for (i, p) in probs.iter().enumerate() {
@@ -139,6 +148,36 @@ mod tests {
         for _ in 0..100 {
             assert!([1, 3].contains(&sample(&logits, &top_p, &mut rng)));
         }
+    }
+
+    /// Min-p keeps the tokens at least `min_p` times as likely as the most
+    /// likely one: with probabilities 0.5, 0.3, 0.15 and 0.05, a floor of
+    /// 0.25 x 0.5 keeps three, 0.35 x 0.5 two, and none drops the first.
+    #[test]
+    fn min_p_drops_the_tokens_below_its_share_of_the_most_likely() {
+        let logits: Vec<f32> = [0.5f32, 0.3, 0.15, 0.05].iter().map(|p| p.ln()).collect();
+        let drawn = |min_p: f32| {
+            let params = Sampling {
+                min_p,
+                ..Default::default()
+            };
+            let mut seen = [0usize; 4];
+            for seed in 0..4000 {
+                seen[sample(&logits, &params, &mut Rng::new(seed)) as usize] += 1;
+            }
+            seen
+        };
+        let off = drawn(0.0);
+        assert!(off.iter().all(|&n| n > 0), "{off:?}");
+        let quarter = drawn(0.25);
+        assert_eq!(quarter[3], 0, "{quarter:?}");
+        assert!(quarter[..3].iter().all(|&n| n > 0), "{quarter:?}");
+        // Renormalized over the three kept: 0.15 / 0.95 of the draws.
+        let share = quarter[2] as f64 / 4000.0;
+        assert!((share - 0.15 / 0.95).abs() < 0.03, "{share}");
+        let more = drawn(0.35);
+        assert_eq!((more[2], more[3]), (0, 0), "{more:?}");
+        assert_eq!(drawn(1.0), [4000, 0, 0, 0]);
     }
 
     #[test]

@@ -203,6 +203,7 @@ pub fn generate_request(
         temperature: s.temperature.unwrap_or(1.0),
         top_p: s.top_p.unwrap_or(1.0),
         top_k: s.top_k as usize,
+        min_p: s.min_p,
         seed: s.seed,
         stop: s.stop.clone(),
         stop_token_ids: s.stop_token_ids.clone(),

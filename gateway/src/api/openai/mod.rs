@@ -83,6 +83,9 @@ pub struct Common {
     pub temperature: Option<f32>,
     pub top_p: Option<f32>,
     pub top_k: Option<i64>,
+    /// vLLM's min-p: drop tokens less likely than this times the most
+    /// likely one.
+    pub min_p: Option<f32>,
     pub n: Option<u32>,
     #[serde(default)]
     pub stream: bool,
@@ -350,6 +353,7 @@ impl Common {
             temperature: self.temperature.unwrap_or(1.0),
             top_p: self.top_p.unwrap_or(1.0),
             top_k: self.top_k.map_or(0, |k| k.max(0) as usize),
+            min_p: self.min_p.unwrap_or(0.0),
             seed: self.seed,
             stop,
             stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),

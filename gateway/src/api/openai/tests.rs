@@ -78,6 +78,7 @@ fn every_shape_is_read_without_an_intermediate_value() {
         (r#""frequency_penalty":-3"#, "frequency_penalty"),
         (r#""repetition_penalty":0"#, "repetition_penalty"),
         (r#""min_tokens":17"#, "min_tokens"),
+        (r#""min_p":1.5"#, "min_p"),
     ] {
         let body = format!(r#"{{"model":"m","prompt":"x",{on}}}"#);
         let e = CompletionRequest::parse(body.as_bytes())

@@ -524,10 +524,11 @@ fn forward_and_draw(
             deferred: None,
         })
         .collect();
-    // Scoring and the controls that change logits run on the host.
+    // Scoring, min-p and the controls that change logits run on the host.
     let scores = rows.iter().any(|r| {
         let p = &seqs[&r.id].params;
-        p.logprobs.is_some()
+        p.min_p > 0.0
+            || p.logprobs.is_some()
             || p.prompt_logprobs.is_some()
             || p.adjusts_logits()
             || p.constraint.is_some()

@@ -54,6 +54,7 @@ struct InputLine {
     top_p: Option<f32>,
     #[serde(default)]
     top_k: Option<usize>,
+    min_p: Option<f32>,
     #[serde(default)]
     seed: Option<u64>,
     #[serde(default)]
@@ -321,6 +322,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             temperature: parsed.temperature.unwrap_or(1.0),
             top_p: parsed.top_p.unwrap_or(1.0),
             top_k: parsed.top_k.unwrap_or(0),
+            min_p: parsed.min_p.unwrap_or(0.0),
             seed: parsed.seed,
             stop: parsed.stop.unwrap_or_default(),
             stop_token_ids: parsed.stop_token_ids.unwrap_or_default(),
@@ -340,11 +342,12 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         params
             .check_vocab(engine.config().vocab_size)
             .map_err(|e| refuse(e.field, &e.reason))?;
+        let refused = |e: EngineError| match e {
+            EngineError::InvalidRequest { field, reason } => refuse(field, &reason),
+            other => at(other.to_string()),
+        };
         if let Some(c) = &params.constraint {
-            engine.check_constraint(c).map_err(|e| match e {
-                EngineError::InvalidRequest { field, reason } => refuse(field, &reason),
-                other => at(other.to_string()),
-            })?;
+            engine.check_constraint(c).map_err(refused)?;
         }
         let prompt = match (parsed.prompt, parsed.prompt_token_ids) {
             (Some(text), None) => Prompt::Text(text),
@@ -355,10 +358,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
                 ));
             }
         };
-        let prompt_len = engine
-            .tokenize(&prompt)
-            .map_err(|e| at(e.to_string()))?
-            .len();
+        let prompt_len = engine.tokenize(&prompt).map_err(refused)?.len();
         if prompt_len + params.max_tokens > engine.max_model_len() {
             return Err(at(format!(
                 "max_tokens: the prompt ({prompt_len} tokens) plus max_tokens ({}) exceeds max_model_len {}",
