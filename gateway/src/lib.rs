@@ -26,3 +26,4 @@ pub mod router;
 pub mod server;
 pub mod sources;
 pub mod upstream;
+pub mod usage;

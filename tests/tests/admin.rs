@@ -592,6 +592,77 @@ async fn admins_run_the_registry_and_compliance_reads_the_audit_log_through_lora
     assert_eq!(refused.status(), 400);
     let body: Value = refused.json().await.unwrap();
     assert_eq!(body["error"]["param"], "group_by", "{body}");
+    // A tenant's own usage on the public port, with its API key: acme's
+    // rows of the admin report, its routes by model name; another tenant
+    // sees none of them, and a tenant cannot ask for tenants.
+    let own = |key: String, group_by: &'static str| {
+        p.http
+            .get(format!("{}/v1/usage", p.api_url(0)))
+            .query(&[
+                ("from", at(chrono::TimeDelta::days(-1))),
+                ("to", at(chrono::TimeDelta::hours(2))),
+                ("group_by", group_by.to_owned()),
+            ])
+            .bearer_auth(key)
+            .send()
+    };
+    let mine: Value = own(key.clone(), "route,adapter")
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    // acme's id, from the group of its adapter.
+    let acme_id = report["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["lora_int_id"] == a1)
+        .map(|r| r["tenant_id"].clone())
+        .unwrap();
+    let admin_rows: Vec<&Value> = report["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["tenant_id"] == acme_id)
+        .collect();
+    let data = mine["data"].as_array().unwrap();
+    assert_eq!(data.len(), admin_rows.len(), "{mine}\n{report}");
+    for r in &admin_rows {
+        let found = data
+            .iter()
+            .find(|d| d["lora_int_id"] == r["lora_int_id"] && d["evaluation"] == r["evaluation"])
+            .unwrap_or_else(|| panic!("{r} is not in the tenant's report {mine}"));
+        assert_eq!(found["model"], "support", "{found}");
+        for field in [
+            "requests",
+            "completed",
+            "prompt_tokens",
+            "completion_tokens",
+        ] {
+            assert_eq!(found[field], r[field], "{field}: {found} against {r}");
+        }
+    }
+    let theirs = p.ctl_json(&["keys", "create", "globex", "--name", "usage"]);
+    let theirs = theirs["key"].as_str().unwrap().to_owned();
+    let seen: Value = own(theirs.clone(), "adapter")
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(seen["data"], serde_json::json!([]), "{seen}");
+    let refused = own(key.clone(), "tenant").await.unwrap();
+    assert_eq!(refused.status(), 400);
+    let body: Value = refused.json().await.unwrap();
+    assert_eq!(body["error"]["param"], "group_by", "{body}");
+    let anonymous = p
+        .http
+        .get(format!("{}/v1/usage", p.api_url(0)))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(anonymous.status(), 401);
 
     // --- Audit queries ----------------------------------------------------
     let total = all.len();

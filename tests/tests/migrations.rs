@@ -91,7 +91,8 @@ async fn migrations_apply_to_an_empty_database_and_rerun_as_a_no_op() {
             (20, true),
             (21, true),
             (22, true),
-            (23, true)
+            (23, true),
+            (24, true)
         ],
         "each migration applied exactly once"
     );
@@ -114,7 +115,7 @@ async fn migrate_takes_the_url_from_the_environment() {
         .fetch_one(&db.pool().await)
         .await
         .unwrap();
-    assert_eq!(n, 23);
+    assert_eq!(n, 24);
 }
 
 #[test]

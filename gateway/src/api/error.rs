@@ -27,6 +27,8 @@ pub enum ApiError {
     },
     /// A good credential whose tenant is disabled.
     TenantDisabled,
+    /// The usage rollups could not be read.
+    UsageUnavailable,
     /// The credential lacks the scope; `what` is the action refused.
     InsufficientScope {
         scope: &'static str,
@@ -246,6 +248,15 @@ impl ApiError {
                         "this tenant has {per_tenant} requests in flight already; retry \
                          when one ends"
                     ),
+                )
+            },
+            ApiError::UsageUnavailable => Parts {
+                retry_after_secs: Some(5),
+                ..p(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    SERVER,
+                    "usage_unavailable",
+                    "the usage report could not be read; retry shortly".into(),
                 )
             },
             ApiError::GatewayOverloaded => Parts {

@@ -42,6 +42,7 @@ pub mod openai;
 pub mod params;
 mod respond;
 mod trail;
+mod usage;
 mod worker;
 
 use respond::{run, shutting_down};
@@ -81,6 +82,11 @@ pub struct AppState {
     pub cut: tokio::sync::watch::Receiver<bool>,
     /// Client addresses, their failed-authentication limit and its rows.
     pub sources: Sources,
+    /// Where tenants' usage reports read the rollups (the serving pool),
+    /// and how many may run at once, so they never take the connections
+    /// audit inserts wait for.
+    pub usage_pool: sqlx::PgPool,
+    pub usage_reports: Arc<Semaphore>,
 }
 
 /// Resolves once the drain deadline has passed (never, if it cannot).
@@ -95,6 +101,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .route("/v1/usage", get(usage::usage))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(ready))
         .with_state(state)

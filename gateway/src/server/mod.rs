@@ -161,10 +161,12 @@ pub async fn start(config: GatewayConfig, listeners: Listeners) -> Result<Runnin
     // a connection that audit writes and registry reloads need.
     let options = db::parse_database_url("--database-url", &config.database_url)?
         .options([("statement_timeout", "5s"), ("lock_timeout", "2s")]);
-    // The audit writer's inserts in flight, plus registry reloads; kept
-    // open, since an answer waits for its row's insert.
+    // The audit writer's inserts in flight, plus registry reloads and
+    // tenants' usage reports; kept open, since an answer waits for its
+    // row's insert.
     let in_flight = crate::audit::INSERTS_IN_FLIGHT as u32;
-    let pool = db::connect_warm(options, in_flight, in_flight + 4, Duration::from_secs(5)).await?;
+    let most = in_flight + 4 + crate::usage::REPORTS_AT_ONCE as u32;
+    let pool = db::connect_warm(options, in_flight, most, Duration::from_secs(5)).await?;
     let snapshot = Snapshot::load(&pool).await.map_err(ServerError::Registry)?;
     let registry = Registry::new(snapshot);
     let redis = match &config.redis_url {
@@ -217,6 +219,8 @@ pub async fn start(config: GatewayConfig, listeners: Listeners) -> Result<Runnin
         registry_max_age: config.registry_max_age,
         cut: cut_rx,
         sources: crate::sources::Sources::new(config.sources.clone()),
+        usage_pool: pool.clone(),
+        usage_reports: Arc::new(Semaphore::new(crate::usage::REPORTS_AT_ONCE)),
     };
     let mut background = vec![state.sources.spawn_flusher(state.audit.clone())];
     let admin = match (&config.admin, listeners.admin) {

@@ -1,0 +1,215 @@
+//! Usage reports, read from the hourly rollups (`usage_hourly`, kept by a
+//! trigger as audit rows land) and never from the log, so a month's report
+//! reads a few hundred rows per tenant however large the log is. The admin
+//! plane (`GET /admin/v1/usage`, every tenant) and the OpenAI API
+//! (`GET /v1/usage`, the caller's own tenant) both ask through
+//! [`UsageQuery`]; each maps a [`UsageError`] to its own refusal.
+
+use chrono::{DateTime, Utc};
+use lorafleet_admin_types::UsageRow;
+use sqlx::PgPool;
+use uuid::Uuid;
+
+/// Tenants' reports one gateway runs at once, on the serving pool.
+pub const REPORTS_AT_ONCE: usize = 2;
+
+/// The longest span a report may cover.
+pub const MAX_SPAN_DAYS: i64 = 366;
+
+/// A refused report, by the query parameter at fault; or the database's
+/// failure.
+#[derive(Debug)]
+pub enum UsageError {
+    Field { field: &'static str, reason: String },
+    Db(sqlx::Error),
+}
+
+impl UsageError {
+    fn field(field: &'static str, reason: impl Into<String>) -> UsageError {
+        UsageError::Field {
+            field,
+            reason: reason.into(),
+        }
+    }
+}
+
+/// What a report groups by, parsed from `group_by`.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Grouping {
+    pub tenant: bool,
+    pub route: bool,
+    pub adapter: bool,
+    /// `date_trunc`'s unit: "day" or "hour".
+    pub period: Option<&'static str>,
+}
+
+impl Grouping {
+    /// `group_by`: comma-separated names among `allowed` (each of tenant,
+    /// route, adapter, day and hour), at most one period.
+    pub fn parse(text: Option<&str>, allowed: &[&str]) -> Result<Grouping, UsageError> {
+        let mut g = Grouping::default();
+        for part in text.unwrap_or("").split(',').map(str::trim) {
+            if part.is_empty() {
+                continue;
+            }
+            if !allowed.contains(&part) {
+                return Err(UsageError::field(
+                    "group_by",
+                    format!("{part:?} is not one of {}", allowed.join(", ")),
+                ));
+            }
+            match part {
+                "tenant" => g.tenant = true,
+                "route" => g.route = true,
+                "adapter" => g.adapter = true,
+                _ => {
+                    if g.period.is_some() {
+                        return Err(UsageError::field(
+                            "group_by",
+                            "names two periods; choose day or hour",
+                        ));
+                    }
+                    g.period = Some(if part == "day" { "day" } else { "hour" });
+                }
+            }
+        }
+        Ok(g)
+    }
+}
+
+/// One report: usage over `[from, to)`, grouped, for one tenant or all.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UsageQuery {
+    pub from: DateTime<Utc>,
+    pub to: DateTime<Utc>,
+    pub grouping: Grouping,
+    pub tenant: Option<Uuid>,
+}
+
+impl UsageQuery {
+    /// Checks the span: `to` after `from`, and at most [`MAX_SPAN_DAYS`]
+    /// after it.
+    pub fn new(
+        from: DateTime<Utc>,
+        to: DateTime<Utc>,
+        grouping: Grouping,
+        tenant: Option<Uuid>,
+    ) -> Result<UsageQuery, UsageError> {
+        if to <= from {
+            return Err(UsageError::field("to", "must be after from"));
+        }
+        if to - from > chrono::TimeDelta::days(MAX_SPAN_DAYS) {
+            return Err(UsageError::field(
+                "to",
+                format!("the span from `from` is over {MAX_SPAN_DAYS} days"),
+            ));
+        }
+        Ok(UsageQuery {
+            from,
+            to,
+            grouping,
+            tenant,
+        })
+    }
+
+    /// The report's rows, evaluation traffic always a group of its own.
+    pub async fn rows(&self, pool: &PgPool) -> Result<Vec<UsageRow>, UsageError> {
+        let g = self.grouping;
+        // A column the report does not group by reads as a typed NULL.
+        let column = |on: bool, name: &str, ty: &str| {
+            if on {
+                name.to_owned()
+            } else {
+                format!("NULL::{ty}")
+            }
+        };
+        let period = match g.period {
+            Some(unit) => format!("date_trunc('{unit}', hour, 'UTC')"),
+            None => "NULL::TIMESTAMPTZ".to_owned(),
+        };
+        let mut q = sqlx::QueryBuilder::<sqlx::Postgres>::new(format!(
+            "SELECT {period} AS period, {} AS tenant_id, {} AS route_id, {} AS lora_int_id,
+                    evaluation, sum(requests)::BIGINT AS requests,
+                    coalesce(sum(requests) FILTER (WHERE status = 'ok'), 0)::BIGINT AS completed,
+                    sum(prompt_tokens)::BIGINT AS prompt_tokens,
+                    sum(completion_tokens)::BIGINT AS completion_tokens,
+                    sum(cached_tokens)::BIGINT AS cached_tokens,
+                    sum(device_us)::FLOAT8 / 1e6 AS device_seconds
+               FROM usage_hourly WHERE hour >= ",
+            column(g.tenant, "tenant_id", "UUID"),
+            column(g.route, "route_id", "UUID"),
+            column(g.adapter, "lora_int_id", "BIGINT"),
+        ));
+        q.push_bind(self.from)
+            .push(" AND hour < ")
+            .push_bind(self.to);
+        if let Some(t) = self.tenant {
+            q.push(" AND tenant_id = ").push_bind(t);
+        }
+        q.push(" GROUP BY 1, 2, 3, 4, 5 ORDER BY 1, 2, 3, 4, 5");
+        q.build_query_as()
+            .fetch_all(pool)
+            .await
+            .map_err(UsageError::Db)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ALL: [&str; 5] = ["tenant", "route", "adapter", "day", "hour"];
+
+    #[test]
+    fn a_span_backwards_or_over_a_year_is_refused_by_field() {
+        let from = DateTime::from_timestamp(1_800_000_000, 0).unwrap();
+        let day = chrono::TimeDelta::days(1);
+        let query = |to| UsageQuery::new(from, to, Grouping::default(), None);
+        assert!(query(from + day).is_ok());
+        assert!(query(from + day * 366).is_ok());
+        for to in [from, from - day, from + day * 367] {
+            let e = query(to).unwrap_err();
+            assert!(
+                matches!(e, UsageError::Field { field: "to", .. }),
+                "{to}: {e:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn group_by_is_read_by_name_and_refused_by_field() {
+        let g = Grouping::parse(Some("tenant, adapter,day"), &ALL).unwrap();
+        assert_eq!(
+            g,
+            Grouping {
+                tenant: true,
+                route: false,
+                adapter: true,
+                period: Some("day")
+            }
+        );
+        assert_eq!(Grouping::parse(None, &ALL).unwrap(), Grouping::default());
+        for bad in ["tenant,model", "day,hour"] {
+            let e = Grouping::parse(Some(bad), &ALL).unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    UsageError::Field {
+                        field: "group_by",
+                        ..
+                    }
+                ),
+                "{bad}: {e:?}"
+            );
+        }
+        // A tenant's own report has no tenant to group by.
+        let e = Grouping::parse(Some("tenant"), &["route", "adapter", "day", "hour"]);
+        assert!(matches!(
+            e,
+            Err(UsageError::Field {
+                field: "group_by",
+                ..
+            })
+        ));
+    }
+}
