@@ -31,12 +31,24 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     let constraint = match kind % 5 {
         0 => Constraint::JsonSchema(text.into()),
         1 => Constraint::Regex(text.into()),
-        2 => Constraint::Lark(text.into()),
+        2 => Constraint::Grammar(text.into()),
         3 => Constraint::Choice(text.split('\n').map(String::from).collect()),
         _ => Constraint::JsonObject,
     };
+    // As a request's constraint reaches the compiler: checked with its
+    // sampling first (its size, a choice list's strings).
+    let sampling = lorafleet_engine::Sampling {
+        constraint: Some(constraint),
+        ..Default::default()
+    };
+    let Ok(sampling) = sampling.validate() else {
+        return;
+    };
+    let Some(constraint) = &sampling.constraint else {
+        return;
+    };
     let compiler = compiler();
-    let Ok(mut grammar) = compiler.compile(&constraint) else {
+    let Ok(mut grammar) = compiler.compile(constraint) else {
         return;
     };
     // Tokens from the input's bytes, in pairs.
