@@ -261,21 +261,26 @@ async fn token_logprobs(
 
 /// An item's chat messages as the worker takes them, with a given answer
 /// after them to be scored, if any.
-fn chat(messages: &[Message], continuation: Option<&str>) -> upstream::Prompt {
-    upstream::Prompt::Chat {
-        messages: messages
-            .iter()
-            .map(|m| upstream::ChatMessage {
-                role: m.role.clone(),
-                content: m.content.clone(),
-                tool_calls_json: None,
-                tool_call_id: None,
-                name: None,
+/// A role the set's check let through (system, user, assistant) always
+/// parses; another is refused by field, never read as a different role.
+fn chat(messages: &[Message], continuation: Option<&str>) -> Result<upstream::Prompt, ApiError> {
+    let mut out = Vec::with_capacity(messages.len());
+    for (i, m) in messages.iter().enumerate() {
+        let role = upstream::Role::parse(&m.role).ok_or_else(|| {
+            let param = format!("messages[{i}].role");
+            ApiError::BadRequest(crate::api::openai::BadRequest {
+                message: format!("{param}: {:?} is not a chat role", m.role),
+                param,
             })
-            .collect(),
+        })?;
+        out.push(upstream::ChatMessage::new(role, m.content.clone()));
+    }
+    Ok(upstream::Prompt::Chat(upstream::ChatPrompt {
+        messages: out,
+        add_generation_prompt: true,
         tools_json: None,
         continuation: continuation.map(str::to_owned),
-    }
+    }))
 }
 
 /// Each choice's loglikelihood after `prompt`: the context scored alone
@@ -298,7 +303,8 @@ async fn loglikelihoods(
                 .len()
         }
         Prompt::Messages(m) => {
-            let tokens = token_logprobs(api, route, adapter, chat(m, None), seed, requests).await?;
+            let tokens =
+                token_logprobs(api, route, adapter, chat(m, None)?, seed, requests).await?;
             let bytes: Vec<&[u8]> = tokens.iter().map(|t| t.bytes.as_slice()).collect();
             score::chat_context_tokens(&bytes).map_err(Failure::Unscorable)?
         }
@@ -310,7 +316,7 @@ async fn loglikelihoods(
                 let (context, continuation) = score::split(t, choice);
                 upstream::Prompt::Text(format!("{context}{continuation}"))
             }
-            Prompt::Messages(m) => chat(m, Some(choice)),
+            Prompt::Messages(m) => chat(m, Some(choice))?,
         };
         let lps: Vec<Option<f32>> = token_logprobs(api, route, adapter, whole, seed, requests)
             .await?
@@ -355,7 +361,7 @@ async fn score_item(
         } => {
             let prompt = match prompt {
                 Prompt::Text(t) => upstream::Prompt::Text(t.clone()),
-                Prompt::Messages(m) => chat(m, None),
+                Prompt::Messages(m) => chat(m, None)?,
             };
             let sampling = upstream::Sampling {
                 max_tokens: *max_tokens as usize,

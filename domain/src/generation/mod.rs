@@ -1,5 +1,6 @@
-//! The generation contract: how a request chooses its tokens and when it
-//! stops ([`Sampling`], with its structured-output [`Constraint`]), checked
+//! The generation contract: what a request prompts with ([`Prompt`]), how
+//! it chooses its tokens and when it stops ([`Sampling`], with its
+//! structured-output [`Constraint`]), checked
 //! once where it enters a process into a [`Valid`] value that cannot be
 //! invalid, and the [`Field`] a refusal names.
 //!
@@ -11,11 +12,13 @@
 //! at one boundary.
 
 mod field;
+mod prompt;
 
 use std::fmt;
 use std::ops::Deref;
 
 pub use field::{ConstraintKind, Field, MessagePart};
+pub use prompt::{ChatMessage, ChatPrompt, Prompt, Role};
 
 /// The most stop strings a request may carry.
 pub const MAX_STOP_STRINGS: usize = 16;

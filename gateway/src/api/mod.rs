@@ -562,7 +562,8 @@ fn estimate_prompt_tokens(prompt: &upstream::Prompt) -> u64 {
     match prompt {
         upstream::Prompt::TokenIds(ids) => ids.len() as u64,
         upstream::Prompt::Text(t) => t.len().div_ceil(BYTES_PER_TOKEN) as u64,
-        upstream::Prompt::Chat { messages, .. } => messages
+        upstream::Prompt::Chat(chat) => chat
+            .messages
             .iter()
             .map(|m| m.content.len().div_ceil(BYTES_PER_TOKEN) as u64 + TEMPLATE_TOKENS_PER_MESSAGE)
             .sum(),

@@ -17,7 +17,7 @@ impl Endpoint {
     /// The endpoint a worker prompt came from: chat messages came to chat.
     pub fn of(prompt: &crate::upstream::Prompt) -> Endpoint {
         match prompt {
-            crate::upstream::Prompt::Chat { .. } => Endpoint::Chat,
+            crate::upstream::Prompt::Chat(_) => Endpoint::Chat,
             _ => Endpoint::Completions,
         }
     }

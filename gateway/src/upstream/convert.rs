@@ -27,24 +27,21 @@ impl From<&Generation> for pb::GenerateRequest {
                 Prompt::TokenIds(ids) => {
                     pb::generate_request::Prompt::TokenIds(pb::TokenIds { ids: ids.clone() })
                 }
-                Prompt::Chat {
-                    messages,
-                    tools_json,
-                    continuation,
-                } => pb::generate_request::Prompt::Chat(pb::ChatPrompt {
-                    messages: messages
+                Prompt::Chat(chat) => pb::generate_request::Prompt::Chat(pb::ChatPrompt {
+                    messages: chat
+                        .messages
                         .iter()
                         .map(|m| pb::ChatMessage {
-                            role: m.role.clone(),
+                            role: m.role.as_str().to_owned(),
                             content: m.content.clone(),
                             tool_calls_json: m.tool_calls_json.clone().unwrap_or_default(),
                             tool_call_id: m.tool_call_id.clone().unwrap_or_default(),
                             name: m.name.clone().unwrap_or_default(),
                         })
                         .collect(),
-                    add_generation_prompt: true,
-                    tools_json: tools_json.clone().unwrap_or_default(),
-                    continuation: continuation.clone().unwrap_or_default(),
+                    add_generation_prompt: chat.add_generation_prompt,
+                    tools_json: chat.tools_json.clone().unwrap_or_default(),
+                    continuation: chat.continuation.clone().unwrap_or_default(),
                 }),
             }),
             sampling: Some(pb::SamplingParams {

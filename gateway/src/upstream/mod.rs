@@ -19,7 +19,9 @@ use lorafleet_domain::digest::Sha256Hex;
 use lorafleet_proto::refusal::Reason;
 
 pub use client::{Events, Reports, Transport, WorkerClient};
-pub use lorafleet_domain::generation::{Constraint, Sampling, Valid};
+pub use lorafleet_domain::generation::{
+    ChatMessage, ChatPrompt, Constraint, Prompt, Role, Sampling, Valid,
+};
 pub use lorafleet_domain::{AdapterId, FairnessKey, Residency, WorkerId};
 
 /// An adapter a generation uses, as the registry describes it.
@@ -34,35 +36,6 @@ pub struct AdapterRef {
     pub display_name: String,
     /// What the artifact held at registration (bytes, files), if recorded.
     pub artifact_size: Option<(u64, u32)>,
-}
-
-/// One message of a chat prompt.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ChatMessage {
-    pub role: String,
-    pub content: String,
-    /// An assistant's tool calls: a JSON array in OpenAI's shape, each
-    /// call's arguments a JSON object.
-    pub tool_calls_json: Option<String>,
-    /// A tool message: the call it answers.
-    pub tool_call_id: Option<String>,
-    pub name: Option<String>,
-}
-
-/// The prompt: text, token ids, or chat messages that the worker renders
-/// with the model's template (ending with the assistant's turn).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Prompt {
-    Text(String),
-    TokenIds(Vec<u32>),
-    Chat {
-        messages: Vec<ChatMessage>,
-        /// The tools the model may call, a JSON array, for the template.
-        tools_json: Option<String>,
-        /// A given answer after the rendered chat, tokenized with it, to
-        /// be scored (a rollout's evaluation); None for a tenant's chat.
-        continuation: Option<String>,
-    },
 }
 
 /// One token at one position: its log probability and the most likely

@@ -33,7 +33,8 @@ pub use engine::{
 };
 pub use error::{EngineError, Result, context_field};
 pub use lorafleet_domain::generation::{
-    Constraint, ConstraintKind, Field, Invalid, MessagePart, Sampling, Valid,
+    ChatMessage, ChatPrompt, Constraint, ConstraintKind, Field, Invalid, MessagePart, Role,
+    Sampling, Valid,
 };
 pub use pool::{AdapterId, AdapterSource, Residency};
 pub use prompter::Prompter;

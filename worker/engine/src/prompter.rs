@@ -6,10 +6,10 @@
 
 use std::sync::Arc;
 
-use lorafleet_domain::generation::Field;
+use lorafleet_domain::generation::{ChatMessage, Field, MessagePart};
 
 use crate::error::{EngineError, Result};
-use crate::model::tokenizer::Tokenizer;
+use crate::model::tokenizer::{TemplateMessage, Tokenizer};
 use crate::request::Prompt;
 
 /// The model's tokenizer and limits. Cheap to clone, and `Send`.
@@ -34,23 +34,29 @@ impl Prompter {
         let ids = match prompt {
             Prompt::Text(t) => self.tokenizer.encode(t, true)?,
             Prompt::TokenIds(ids) => ids.clone(),
-            Prompt::Chat {
-                messages,
-                add_generation_prompt,
-                tools,
-                continuation,
-            } => {
-                if messages.is_empty() {
+            Prompt::Chat(chat) => {
+                if chat.messages.is_empty() {
                     return Err(EngineError::request(
                         Field::Messages,
                         "must hold at least one message",
                     ));
                 }
+                let messages = chat
+                    .messages
+                    .iter()
+                    .enumerate()
+                    .map(|(index, m)| template_message(index, m))
+                    .collect::<Result<Vec<_>>>()?;
+                let tools = chat
+                    .tools_json
+                    .as_deref()
+                    .map(|text| json_array(text, Field::Tools))
+                    .transpose()?;
                 self.tokenizer.encode_chat_continued(
-                    messages,
+                    &messages,
                     tools.as_ref(),
-                    *add_generation_prompt,
-                    continuation,
+                    chat.add_generation_prompt,
+                    chat.continuation.as_deref().unwrap_or(""),
                 )?
             }
         };
@@ -96,5 +102,36 @@ impl Prompter {
             });
         }
         Ok(())
+    }
+}
+
+/// A chat message as the template sees it: its tool calls parsed.
+fn template_message(index: usize, m: &ChatMessage) -> Result<TemplateMessage> {
+    let field = Field::Message {
+        index,
+        part: MessagePart::ToolCalls,
+    };
+    Ok(TemplateMessage {
+        role: m.role.as_str().to_owned(),
+        content: m.content.clone(),
+        tool_calls: m
+            .tool_calls_json
+            .as_deref()
+            .map(|text| json_array(text, field))
+            .transpose()?,
+        tool_call_id: m.tool_call_id.clone(),
+        name: m.name.clone(),
+    })
+}
+
+/// `text` as a JSON array, refused by `field` when it is not one.
+pub fn json_array(text: &str, field: Field) -> Result<serde_json::Value> {
+    match serde_json::from_str::<serde_json::Value>(text) {
+        Ok(v @ serde_json::Value::Array(_)) => Ok(v),
+        Ok(_) => Err(EngineError::request(field, "must be a JSON array")),
+        Err(e) => Err(EngineError::request(
+            field,
+            format!("is not valid JSON: {e}"),
+        )),
     }
 }

@@ -5,29 +5,11 @@ use lorafleet_domain::FairnessKey;
 
 use crate::error::EngineError;
 use crate::logprobs::TokenLogprob;
-use crate::model::tokenizer::ChatMessage;
 use crate::pool::{AdapterId, Residency};
 use crate::sampling::Sampling;
 use crate::sequence::Finish;
 use lorafleet_domain::generation::Valid;
-
-/// A request's prompt.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Prompt {
-    /// Tokenized with the model's special tokens (such as BOS).
-    Text(String),
-    TokenIds(Vec<u32>),
-    Chat {
-        messages: Vec<ChatMessage>,
-        add_generation_prompt: bool,
-        /// The tools the model may call (OpenAI's `tools`), for the
-        /// template.
-        tools: Option<serde_json::Value>,
-        /// Text after the rendered chat, tokenized with it (no special
-        /// tokens added): a given answer, to be scored. Empty: none.
-        continuation: String,
-    },
-}
+pub use lorafleet_domain::generation::{ChatMessage, ChatPrompt, Prompt, Role};
 
 /// Whose share of the engine a request uses: a key (the tenant) and the
 /// key's weight. Waiting requests are admitted from the key with the least

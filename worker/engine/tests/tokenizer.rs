@@ -4,7 +4,7 @@
 mod common;
 
 use common::*;
-use lorafleet_engine::model::tokenizer::{ChatMessage, IncrementalDecoder, Tokenizer};
+use lorafleet_engine::model::tokenizer::{IncrementalDecoder, TemplateMessage, Tokenizer};
 
 #[test]
 fn encodes_with_bos_and_renders_the_chat_template() {
@@ -13,12 +13,12 @@ fn encodes_with_bos_and_renders_the_chat_template() {
     assert_eq!(ids[0], 1, "BOS first");
     assert_eq!(t.decode(&ids).unwrap(), "The quick brown fox");
     let messages = vec![
-        ChatMessage {
+        TemplateMessage {
             role: "system".into(),
             content: "  be brief ".into(),
             ..Default::default()
         },
-        ChatMessage {
+        TemplateMessage {
             role: "user".into(),
             content: "hi".into(),
             ..Default::default()
@@ -129,19 +129,19 @@ fn the_template_renders_tools_tool_calls_and_tool_results() {
     let tools = serde_json::json!([{"type": "function", "function": {"name": "weather",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
     let messages = vec![
-        ChatMessage {
+        TemplateMessage {
             role: "user".into(),
             content: "Paris?".into(),
             ..Default::default()
         },
-        ChatMessage {
+        TemplateMessage {
             role: "assistant".into(),
             content: String::new(),
             tool_calls: Some(serde_json::json!([{"id": "c1", "type": "function",
                 "function": {"name": "weather", "arguments": {"city": "Paris"}}}])),
             ..Default::default()
         },
-        ChatMessage {
+        TemplateMessage {
             role: "tool".into(),
             content: "sunny".into(),
             tool_call_id: Some("c1".into()),

@@ -6,12 +6,11 @@ use std::time::{Duration, SystemTime};
 
 use lorafleet_domain::digest::Sha256Hex;
 use lorafleet_engine::AdapterId;
-use lorafleet_engine::MessagePart;
 use lorafleet_engine::artifact::ArtifactError;
 use lorafleet_engine::logprobs::TokenLogprob;
 use lorafleet_engine::lora::AdapterError;
-use lorafleet_engine::model::tokenizer::ChatMessage;
 use lorafleet_engine::pool::AdapterStatus;
+use lorafleet_engine::{ChatMessage, ChatPrompt, MessagePart, Role};
 use lorafleet_engine::{
     Constraint, EngineError, Fairness, Field, Finish, FinishReason, Prompt, Prompter, Residency,
     Sampling, StopReason, Valid,
@@ -151,47 +150,38 @@ pub fn generate_request(
                     "must hold at least one message",
                 ));
             }
-            for (i, m) in chat.messages.iter().enumerate() {
-                if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "tool") {
-                    return Err(Refusal::field(
-                        Field::Message {
-                            index: i,
-                            part: MessagePart::Role,
-                        },
-                        format!("{:?} is not system, user, assistant or tool", m.role),
-                    ));
-                }
-            }
-            let json = |text: &str, field: Field| -> Result<Option<serde_json::Value>, Refusal> {
+            // The JSON the template reads is checked here, at the edge; the
+            // engine's prompter parses it again as it renders.
+            let json = |text: &str, field: Field| -> Result<Option<String>, Refusal> {
                 if text.is_empty() {
                     return Ok(None);
                 }
-                match serde_json::from_str::<serde_json::Value>(text) {
-                    Ok(v @ serde_json::Value::Array(_)) => Ok(Some(v)),
-                    Ok(_) => Err(Refusal::field(field, "must be a JSON array")),
-                    Err(e) => Err(Refusal::field(field, format!("is not valid JSON: {e}"))),
-                }
+                lorafleet_engine::prompter::json_array(text, field)?;
+                Ok(Some(text.to_owned()))
             };
             let mut messages = Vec::with_capacity(chat.messages.len());
             for (i, m) in chat.messages.iter().enumerate() {
-                let field = Field::Message {
-                    index: i,
-                    part: MessagePart::ToolCalls,
-                };
+                let field = |part| Field::Message { index: i, part };
+                let role = Role::parse(&m.role).ok_or_else(|| {
+                    Refusal::field(
+                        field(MessagePart::Role),
+                        format!("{:?} is not system, user, assistant or tool", m.role),
+                    )
+                })?;
                 messages.push(ChatMessage {
-                    role: m.role.clone(),
+                    role,
                     content: m.content.clone(),
-                    tool_calls: json(&m.tool_calls_json, field)?,
+                    tool_calls_json: json(&m.tool_calls_json, field(MessagePart::ToolCalls))?,
                     tool_call_id: Some(m.tool_call_id.clone()).filter(|s| !s.is_empty()),
                     name: Some(m.name.clone()).filter(|s| !s.is_empty()),
                 });
             }
-            Prompt::Chat {
+            Prompt::Chat(ChatPrompt {
                 messages,
                 add_generation_prompt: chat.add_generation_prompt,
-                tools: json(&chat.tools_json, Field::Tools)?,
-                continuation: chat.continuation.clone(),
-            }
+                tools_json: json(&chat.tools_json, Field::Tools)?,
+                continuation: Some(chat.continuation.clone()).filter(|c| !c.is_empty()),
+            })
         }
     };
     let s = r

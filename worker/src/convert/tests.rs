@@ -262,8 +262,9 @@ fn tool_json_that_does_not_parse_is_refused_by_field() {
         ..Default::default()
     }))
     .unwrap();
-    let Prompt::Chat { tools, .. } = prompt else {
-        panic!()
-    };
-    assert_eq!(tools.unwrap()[0]["function"]["name"], "f");
+    let Prompt::Chat(chat) = prompt else { panic!() };
+    assert_eq!(
+        chat.tools_json.as_deref(),
+        Some(r#"[{"type":"function","function":{"name":"f"}}]"#)
+    );
 }

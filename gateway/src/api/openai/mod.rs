@@ -503,18 +503,6 @@ impl ChatRequest {
         }
         let mut messages = Vec::with_capacity(self.messages.len());
         for (i, m) in self.messages.iter().enumerate() {
-            if !matches!(
-                m.role.as_str(),
-                "system" | "developer" | "user" | "assistant" | "tool"
-            ) {
-                return Err(bad(
-                    &format!("messages[{i}].role"),
-                    format!(
-                        "{:?} is not system, developer, user, assistant or tool",
-                        m.role
-                    ),
-                ));
-            }
             let content = match &m.content {
                 None => String::new(),
                 Some(Content::Text(t)) => t.clone(),
@@ -532,13 +520,21 @@ impl ChatRequest {
                     text
                 }
             };
-            let role = if m.role == "developer" {
-                "system"
-            } else {
-                &m.role
+            // OpenAI's `developer` is the templates' `system`.
+            let role = match m.role.as_str() {
+                "developer" => upstream::Role::System,
+                other => upstream::Role::parse(other).ok_or_else(|| {
+                    bad(
+                        &format!("messages[{i}].role"),
+                        format!(
+                            "{:?} is not system, developer, user, assistant or tool",
+                            m.role
+                        ),
+                    )
+                })?,
             };
             messages.push(upstream::ChatMessage {
-                role: role.into(),
+                role,
                 content,
                 tool_calls_json: m
                     .tool_calls
@@ -563,11 +559,12 @@ impl ChatRequest {
             }
             sampling.constraint = Some(c);
         }
-        let prompt = Prompt::Chat {
+        let prompt = Prompt::Chat(upstream::ChatPrompt {
             messages,
+            add_generation_prompt: true,
             tools_json: tools.map(|t| t.json.to_string()),
             continuation: None,
-        };
+        });
         Ok((prompt, checked(sampling, Endpoint::Chat)?))
     }
 

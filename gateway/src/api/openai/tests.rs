@@ -220,7 +220,7 @@ fn accepted_requests_map_to_the_worker_fields() {
     )
     .unwrap();
     let (prompt, s) = r.to_worker().unwrap();
-    let Prompt::Chat { messages, .. } = prompt else {
+    let Prompt::Chat(upstream::ChatPrompt { messages, .. }) = prompt else {
         panic!()
     };
     assert_eq!(

@@ -10,9 +10,10 @@ use serde_json::Value;
 use crate::error::{EngineError, Result};
 use crate::model::config::read_json_object;
 
-/// One chat message, as the template sees it.
+/// One chat message as the template sees it: the contract's
+/// [`lorafleet_domain::generation::ChatMessage`] with its tool calls parsed.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
-pub struct ChatMessage {
+pub struct TemplateMessage {
     pub role: String,
     pub content: String,
     /// An assistant's tool calls, in OpenAI's shape with each call's
@@ -165,7 +166,7 @@ impl Tokenizer {
     /// Renders chat messages with the model's template.
     pub fn apply_chat_template(
         &self,
-        messages: &[ChatMessage],
+        messages: &[TemplateMessage],
         add_generation_prompt: bool,
     ) -> Result<String> {
         self.render_chat(messages, None, add_generation_prompt)
@@ -176,7 +177,7 @@ impl Tokenizer {
     /// template.
     pub fn render_chat(
         &self,
-        messages: &[ChatMessage],
+        messages: &[TemplateMessage],
         tools: Option<&Value>,
         add_generation_prompt: bool,
     ) -> Result<String> {
@@ -203,7 +204,7 @@ impl Tokenizer {
     /// writes the special tokens it wants, so none are added.
     pub fn encode_chat(
         &self,
-        messages: &[ChatMessage],
+        messages: &[TemplateMessage],
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>> {
         self.encode_chat_with_tools(messages, None, add_generation_prompt)
@@ -212,7 +213,7 @@ impl Tokenizer {
     /// [`Tokenizer::encode_chat`], with the tools the model may call.
     pub fn encode_chat_with_tools(
         &self,
-        messages: &[ChatMessage],
+        messages: &[TemplateMessage],
         tools: Option<&Value>,
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>> {
@@ -224,7 +225,7 @@ impl Tokenizer {
     /// lm-evaluation-harness scores a continuation under a chat template.
     pub fn encode_chat_continued(
         &self,
-        messages: &[ChatMessage],
+        messages: &[TemplateMessage],
         tools: Option<&Value>,
         add_generation_prompt: bool,
         continuation: &str,

@@ -1,0 +1,101 @@
+//! The prompt of a generation: text, token ids, or chat messages the worker
+//! renders with the model's chat template. One definition for the gateway,
+//! the wire's two conversions and the engine.
+
+/// A request's prompt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Prompt {
+    /// Tokenized by the worker with the model's special tokens (such as
+    /// BOS).
+    Text(String),
+    /// Used as they are; each below the model's vocabulary.
+    TokenIds(Vec<u32>),
+    /// Rendered with the model's chat template.
+    Chat(ChatPrompt),
+}
+
+/// Chat messages and what the template is given with them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChatPrompt {
+    pub messages: Vec<ChatMessage>,
+    /// Appends the template's assistant header, so that the model answers
+    /// (what an OpenAI chat completion asks).
+    pub add_generation_prompt: bool,
+    /// The tools the model may call (OpenAI's `tools`): a JSON array, as
+    /// text, for the template.
+    pub tools_json: Option<String>,
+    /// Text after the rendered chat, tokenized with it (no special tokens
+    /// added): a given answer to be scored (a rollout's evaluation). None
+    /// for a tenant's chat.
+    pub continuation: Option<String>,
+}
+
+/// Who speaks a chat message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Role {
+    System,
+    User,
+    Assistant,
+    Tool,
+}
+
+impl Role {
+    const ALL: [Role; 4] = [Role::System, Role::User, Role::Assistant, Role::Tool];
+
+    /// The name chat templates and the wire use.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Role::System => "system",
+            Role::User => "user",
+            Role::Assistant => "assistant",
+            Role::Tool => "tool",
+        }
+    }
+
+    /// The role a name stands for; None for any other name.
+    pub fn parse(name: &str) -> Option<Role> {
+        Role::ALL.into_iter().find(|r| r.as_str() == name)
+    }
+}
+
+/// One chat message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChatMessage {
+    pub role: Role,
+    pub content: String,
+    /// An assistant's tool calls: a JSON array in OpenAI's shape, each
+    /// call's `arguments` a JSON object (what chat templates read), as
+    /// text.
+    pub tool_calls_json: Option<String>,
+    /// A tool message: the call it answers.
+    pub tool_call_id: Option<String>,
+    /// The tool's or the participant's name.
+    pub name: Option<String>,
+}
+
+impl ChatMessage {
+    /// A message of `role` with `content` alone.
+    pub fn new(role: Role, content: impl Into<String>) -> ChatMessage {
+        ChatMessage {
+            role,
+            content: content.into(),
+            tool_calls_json: None,
+            tool_call_id: None,
+            name: None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_role_reads_back_from_its_name() {
+        for r in Role::ALL {
+            assert_eq!(Role::parse(r.as_str()), Some(r));
+        }
+        assert_eq!(Role::parse("developer"), None);
+        assert_eq!(Role::parse("User"), None);
+    }
+}
