@@ -207,7 +207,7 @@ impl AuditQuery {
             ),
         };
         if let Some(st) = &f.status
-            && !["ok", "cancelled", "rejected", "error"].contains(&st.as_str())
+            && crate::audit::AuditStatus::parse(st).is_none()
         {
             return Err(AdminError::field(
                 "status",

@@ -9,6 +9,7 @@
 
 use super::params::Endpoint;
 use super::*;
+use crate::audit::AuditStatus;
 use crate::registry::{Adapter, Route};
 use crate::upstream::{Finished, TokenLogprob};
 
@@ -99,7 +100,7 @@ pub async fn generate(s: &AppState, call: InternalCall) -> Result<InternalAnswer
                 }
                 .into(),
             );
-            if durable(trail.close("ok", StatusCode::OK, None)).await {
+            if durable(trail.close(AuditStatus::Ok, StatusCode::OK, None)).await {
                 Ok(answer)
             } else {
                 Err(row_not_durable())
@@ -107,7 +108,7 @@ pub async fn generate(s: &AppState, call: InternalCall) -> Result<InternalAnswer
         }
         Err(e) => {
             let Parts { status, code, .. } = e.parts();
-            durable(trail.close("error", status, Some(code))).await;
+            durable(trail.close(AuditStatus::Error, status, Some(code))).await;
             Err(e)
         }
     }

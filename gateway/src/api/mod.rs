@@ -9,6 +9,7 @@
 //! ([`worker`]) → respond ([`respond`]) → its row, durable before the answer
 //! ([`trail`]).
 
+use crate::audit::AuditStatus;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -303,9 +304,9 @@ async fn handle(s: AppState, request: axum::extract::Request, kind: Kind) -> Res
             let Parts { code, status, .. } = e.parts();
             span.in_scope(|| tracing::info!(status = status.as_u16(), code, "refused"));
             let outcome = if code == "gateway_shutdown" {
-                "cancelled"
+                AuditStatus::Cancelled
             } else {
-                "rejected"
+                AuditStatus::Rejected
             };
             // A refusal is answered even if its row is late: it serves nothing.
             durable(trail.close(outcome, status, Some(code))).await;

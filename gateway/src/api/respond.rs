@@ -6,6 +6,7 @@ use super::logprobs::{self, Asked, TextOffset};
 use super::params::Endpoint;
 use super::worker::start_siblings;
 use super::*;
+use crate::audit::AuditStatus;
 use crate::upstream::TokenLogprob;
 
 pub(super) async fn run(
@@ -22,8 +23,8 @@ pub(super) async fn run(
             let first = start(&s, &p.resolved, &p.request, p.endpoint(), &mut trail).await?;
             let others = start_siblings(&s, &p, &first).await?;
             Ok(Choices::new(std::iter::once(first).chain(others).collect()))
-        }.instrument(span.clone()) => r.map_err(|e| (e, "error")),
-        () = cut(s.cut.clone()) => Err((shutting_down(), "cancelled")),
+        }.instrument(span.clone()) => r.map_err(|e| (e, AuditStatus::Error)),
+        () = cut(s.cut.clone()) => Err((shutting_down(), AuditStatus::Cancelled)),
     };
     let started = match started {
         Ok(st) => st,
@@ -212,25 +213,29 @@ impl Cut {
         self,
         s: &AppState,
         endpoint: Endpoint,
-    ) -> (&'static str, Option<ApiError>, &'static str) {
+    ) -> (AuditStatus, Option<ApiError>, &'static str) {
         match self {
-            Cut::ClientClosed => ("cancelled", None, "client_closed"),
-            Cut::Shutdown => ("cancelled", Some(shutting_down()), "gateway_shutdown"),
+            Cut::ClientClosed => (AuditStatus::Cancelled, None, "client_closed"),
+            Cut::Shutdown => (
+                AuditStatus::Cancelled,
+                Some(shutting_down()),
+                "gateway_shutdown",
+            ),
             Cut::Timeout => {
                 let e = ApiError::RequestTimeout {
                     after: s.request_timeout,
                 };
-                ("error", Some(e), "request_timeout")
+                (AuditStatus::Error, Some(e), "request_timeout")
             }
             Cut::WorkerStreamEnded => {
                 let e = worker_error(
                     &UpstreamError::unavailable("the worker closed the stream before the end"),
                     endpoint,
                 );
-                ("error", Some(e), "worker_stream_ended")
+                (AuditStatus::Error, Some(e), "worker_stream_ended")
             }
             Cut::Worker(status) => (
-                "error",
+                AuditStatus::Error,
                 Some(worker_error(&status, endpoint)),
                 "worker_failed",
             ),
@@ -380,7 +385,7 @@ pub(super) async fn collect_response(
                 tracing::info!(completion_tokens = usage.completion_tokens, "completed")
             });
             // Served only once its row cannot be lost.
-            if !durable(trail.close("ok", StatusCode::OK, None)).await {
+            if !durable(trail.close(AuditStatus::Ok, StatusCode::OK, None)).await {
                 return row_not_durable().into_response();
             }
             axum::Json(body).into_response()
@@ -433,7 +438,11 @@ pub(super) fn stream_response(
         if meta.kind == Kind::Chat {
             for i in 0..n {
                 if !send(sse(&meta.chunk(i, None, true, None, None))).await {
-                    let _ = trail.close("cancelled", StatusCode::OK, Some("client_closed"));
+                    let _ = trail.close(
+                        AuditStatus::Cancelled,
+                        StatusCode::OK,
+                        Some("client_closed"),
+                    );
                     return;
                 }
             }
@@ -481,7 +490,7 @@ pub(super) fn stream_response(
                 }
                 tracing::info!(completion_tokens = usage.completion_tokens, "completed");
                 // [DONE] only once the row cannot be lost.
-                if durable(trail.close("ok", StatusCode::OK, None)).await {
+                if durable(trail.close(AuditStatus::Ok, StatusCode::OK, None)).await {
                     send(Bytes::from_static(b"data: [DONE]\n\n")).await;
                 } else {
                     let e = row_not_durable();
@@ -520,7 +529,7 @@ async fn end_early(
         // Best effort, and never past the deadline.
         let _ = tokio::time::timeout(Duration::from_millis(100), tx.send(Ok(sse(&body)))).await;
     }
-    tracing::warn!(status, code, "stream ended early");
+    tracing::warn!(status = status.as_str(), code, "stream ended early");
     durable(trail.close(status, StatusCode::OK, Some(code))).await;
 }
 

@@ -2,6 +2,7 @@
 //! recorded exactly once (also when the handler is dropped).
 
 use super::*;
+use crate::audit::AuditStatus;
 
 /// What the audit row and metrics need, filled in as the request proceeds.
 ///
@@ -28,7 +29,7 @@ impl Drop for Trail {
         if self.ticket.is_some() {
             let code = StatusCode::from_u16(CLIENT_CLOSED).expect("a valid status");
             // The row is queued at once; nobody is left to wait for it.
-            let _ = self.finish("cancelled", code, Some("client_closed"));
+            let _ = self.finish(AuditStatus::Cancelled, code, Some("client_closed"));
         }
     }
 }
@@ -84,7 +85,7 @@ impl Trail {
     /// is durable.
     pub(super) fn close(
         mut self,
-        status: &str,
+        status: AuditStatus,
         http: StatusCode,
         code: Option<&str>,
     ) -> Option<Durable> {
@@ -93,7 +94,7 @@ impl Trail {
 
     pub(super) fn finish(
         &mut self,
-        status: &str,
+        status: AuditStatus,
         http: StatusCode,
         code: Option<&str>,
     ) -> Option<Durable> {
@@ -104,10 +105,10 @@ impl Trail {
         }
         self.record.completed_at = Utc::now();
         self.record.latency_us = self.started.elapsed().as_micros() as i64;
-        self.record.status = status.into();
+        self.record.status = status;
         self.record.http_status = http.as_u16() as i16;
         self.record.error_code = code.map(str::to_owned);
-        if status != "ok" {
+        if status != AuditStatus::Ok {
             self.record.finish_reason = None;
         }
         let labels = [
@@ -119,7 +120,7 @@ impl Trail {
             &[
                 ("tenant", self.tenant_name.clone()),
                 ("adapter", self.adapter_label.clone()),
-                ("status", status.to_owned()),
+                ("status", status.as_str().to_owned()),
             ]
         )
         .increment(1);

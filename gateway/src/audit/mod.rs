@@ -41,6 +41,45 @@ pub use spool::{Spool, SpoolError};
 /// Audit batches inserted at once (the writer's connections).
 pub use writer::IN_FLIGHT as INSERTS_IN_FLIGHT;
 
+/// How a request ended, as its audit row says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AuditStatus {
+    /// Answered in full.
+    Ok,
+    /// The client went away, or the drain deadline cut it.
+    Cancelled,
+    /// Refused before any worker was asked (authentication, limits, a bad
+    /// body).
+    Rejected,
+    /// Failed after it was admitted.
+    Error,
+}
+
+impl AuditStatus {
+    pub const ALL: [AuditStatus; 4] = [
+        AuditStatus::Ok,
+        AuditStatus::Cancelled,
+        AuditStatus::Rejected,
+        AuditStatus::Error,
+    ];
+
+    /// The `status` column's text.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            AuditStatus::Ok => "ok",
+            AuditStatus::Cancelled => "cancelled",
+            AuditStatus::Rejected => "rejected",
+            AuditStatus::Error => "error",
+        }
+    }
+
+    /// The status a column's text names.
+    pub fn parse(text: &str) -> Option<AuditStatus> {
+        AuditStatus::ALL.into_iter().find(|s| s.as_str() == text)
+    }
+}
+
 /// One row of `audit_log`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct AuditRecord {
@@ -66,8 +105,7 @@ pub struct AuditRecord {
     pub base_hash: Option<String>,
     pub worker_id: Option<String>,
     pub adapter_residency: Option<String>,
-    /// ok, cancelled, rejected or error.
-    pub status: String,
+    pub status: AuditStatus,
     pub http_status: i16,
     pub error_code: Option<String>,
     /// stop or length; set exactly when status is ok.
@@ -139,7 +177,7 @@ impl AuditRecord {
             base_hash: None,
             worker_id: None,
             adapter_residency: None,
-            status: "rejected".into(),
+            status: AuditStatus::Rejected,
             http_status: 0,
             error_code: None,
             finish_reason: None,
@@ -176,7 +214,6 @@ impl AuditRecord {
         ] {
             *f = safe_opt(f, M);
         }
-        self.status = safe(&self.status, M);
         self.features = safe(&self.features, M);
     }
 
@@ -186,7 +223,7 @@ impl AuditRecord {
         let opt = |s: &Option<String>| s.as_ref().map_or(0, String::len);
         FIXED_ROW_BYTES
             + 2 * self.model_name.len()
-            + 2 * self.status.len()
+            + 2 * self.status.as_str().len()
             + 2 * self.features.len()
             + [
                 &self.api_key_prefix,
@@ -426,4 +463,24 @@ pub fn start(
         },
         handle,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A spool line and the `status` column both carry the status's text:
+    /// one name each, read back as the same status (spool lines written
+    /// before the enum say the same words).
+    #[test]
+    fn a_status_is_its_column_text_in_the_spool_too() {
+        for s in AuditStatus::ALL {
+            assert_eq!(AuditStatus::parse(s.as_str()), Some(s));
+            let line = serde_json::to_string(&s).unwrap();
+            assert_eq!(line, format!("\"{}\"", s.as_str()));
+            assert_eq!(serde_json::from_str::<AuditStatus>(&line).unwrap(), s);
+        }
+        assert_eq!(AuditStatus::parse("done"), None);
+        assert!(serde_json::from_str::<AuditStatus>("\"Ok\"").is_err());
+    }
 }

@@ -444,7 +444,7 @@ async fn insert(pool: &PgPool, rows: &[&AuditRecord]) -> Result<(), sqlx::Error>
         .bind(col(rows, |r| r.base_hash.clone()))
         .bind(col(rows, |r| r.worker_id.clone()))
         .bind(col(rows, |r| r.adapter_residency.clone()))
-        .bind(col(rows, |r| r.status.clone()))
+        .bind(col(rows, |r| r.status.as_str().to_owned()))
         .bind(col(rows, |r| r.http_status))
         .bind(col(rows, |r| r.error_code.clone()))
         .bind(col(rows, |r| r.finish_reason.clone()))
