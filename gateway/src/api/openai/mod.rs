@@ -14,8 +14,11 @@
 //! with the highest cumulative log probability.
 //!
 //! Sampling controls: `presence_penalty` and `frequency_penalty` (OpenAI's),
-//! `repetition_penalty` (vLLM's), `logit_bias`, `min_tokens`,
-//! `stop_token_ids` and `ignore_eos`.
+//! `repetition_penalty`, `top_k` and `min_p` (vLLM's), `logit_bias`,
+//! `min_tokens`, `stop_token_ids` and `ignore_eos`. vLLM's `typical_p`,
+//! `use_beam_search`, `length_penalty`, `bad_words`, `allowed_token_ids`,
+//! `include_stop_str_in_output` and `truncate_prompt_tokens` are refused
+//! unless off.
 //!
 //! Log probabilities: `logprobs` (0 to 20) and `echo` on /v1/completions,
 //! `logprobs: true` with `top_logprobs` (0 to 20) on chat. They are the
@@ -117,6 +120,15 @@ pub struct Common {
     pub best_of: Option<u32>,
     #[serde(default)]
     pub ignore_eos: bool,
+    /// vLLM's sampling fields this gateway does not implement: refused when
+    /// set to anything but their off value, never ignored.
+    typical_p: Option<f32>,
+    use_beam_search: Option<bool>,
+    length_penalty: Option<f32>,
+    bad_words: Option<Vec<String>>,
+    allowed_token_ids: Option<Vec<u32>>,
+    include_stop_str_in_output: Option<bool>,
+    truncate_prompt_tokens: Option<i64>,
     prompt: Option<PromptInput>,
     messages: Option<Vec<Message>>,
 }
@@ -316,6 +328,38 @@ impl Common {
             if b > n && self.stream {
                 return Err(bad("best_of", "above n cannot be streamed"));
             }
+        }
+        let unsupported = [
+            ("typical_p", self.typical_p.is_some_and(|v| v != 1.0)),
+            ("use_beam_search", self.use_beam_search == Some(true)),
+            (
+                "length_penalty",
+                self.length_penalty.is_some_and(|v| v != 1.0),
+            ),
+            (
+                "bad_words",
+                self.bad_words.as_ref().is_some_and(|v| !v.is_empty()),
+            ),
+            (
+                "allowed_token_ids",
+                self.allowed_token_ids
+                    .as_ref()
+                    .is_some_and(|v| !v.is_empty()),
+            ),
+            (
+                "include_stop_str_in_output",
+                self.include_stop_str_in_output == Some(true),
+            ),
+            (
+                "truncate_prompt_tokens",
+                self.truncate_prompt_tokens.is_some(),
+            ),
+        ];
+        if let Some((name, _)) = unsupported.iter().find(|(_, set)| *set) {
+            return Err(bad(
+                name,
+                "is not supported by this gateway; leave it out or at its off value",
+            ));
         }
         if self.stream_options.is_some() && !self.stream {
             return Err(bad(

@@ -63,6 +63,8 @@ fn every_shape_is_read_without_an_intermediate_value() {
         r#""logit_bias":{}"#,
         r#""top_logprobs":null"#,
         r#""presence_penalty":0"#,
+        r#""typical_p":1.0,"use_beam_search":false,"length_penalty":1,"bad_words":[]"#,
+        r#""allowed_token_ids":[],"include_stop_str_in_output":false,"truncate_prompt_tokens":null"#,
     ] {
         let body = format!(r#"{{"model":"m","prompt":"x",{off}}}"#);
         let r = CompletionRequest::parse(body.as_bytes()).unwrap();
@@ -79,6 +81,16 @@ fn every_shape_is_read_without_an_intermediate_value() {
         (r#""repetition_penalty":0"#, "repetition_penalty"),
         (r#""min_tokens":17"#, "min_tokens"),
         (r#""min_p":1.5"#, "min_p"),
+        (r#""typical_p":0.9"#, "typical_p"),
+        (r#""use_beam_search":true"#, "use_beam_search"),
+        (r#""length_penalty":2"#, "length_penalty"),
+        (r#""bad_words":["x"]"#, "bad_words"),
+        (r#""allowed_token_ids":[1]"#, "allowed_token_ids"),
+        (
+            r#""include_stop_str_in_output":true"#,
+            "include_stop_str_in_output",
+        ),
+        (r#""truncate_prompt_tokens":8"#, "truncate_prompt_tokens"),
     ] {
         let body = format!(r#"{{"model":"m","prompt":"x",{on}}}"#);
         let e = CompletionRequest::parse(body.as_bytes())
