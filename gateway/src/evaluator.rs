@@ -267,11 +267,10 @@ fn chat(messages: &[Message], continuation: Option<&str>) -> Result<upstream::Pr
     let mut out = Vec::with_capacity(messages.len());
     for (i, m) in messages.iter().enumerate() {
         let role = upstream::Role::parse(&m.role).ok_or_else(|| {
-            let param = format!("messages[{i}].role");
-            ApiError::BadRequest(crate::api::openai::BadRequest {
-                message: format!("{param}: {:?} is not a chat role", m.role),
-                param,
-            })
+            ApiError::BadRequest(crate::api::openai::bad(
+                &format!("messages[{i}].role"),
+                format!("{:?} is not a chat role", m.role),
+            ))
         })?;
         out.push(upstream::ChatMessage::new(role, m.content.clone()));
     }

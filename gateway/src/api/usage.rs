@@ -10,7 +10,7 @@ use chrono::{DateTime, Utc};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::openai::BadRequest;
+use super::openai;
 use super::{ApiError, AppState, client_of, failed_auth, principal};
 use crate::auth;
 use crate::usage::{Grouping, UsageError, UsageQuery};
@@ -38,10 +38,7 @@ pub(super) async fn usage(State(s): State<AppState>, request: axum::extract::Req
 }
 
 fn bad(param: &str, message: impl std::fmt::Display) -> ApiError {
-    ApiError::BadRequest(BadRequest {
-        param: param.to_owned(),
-        message: format!("{param}: {message}"),
-    })
+    ApiError::BadRequest(openai::bad(param, message.to_string()))
 }
 
 async fn report(s: &AppState, parts: &axum::http::request::Parts) -> Result<Response, ApiError> {

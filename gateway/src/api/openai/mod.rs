@@ -63,7 +63,7 @@ pub fn checked(sampling: Sampling, endpoint: Endpoint) -> Result<Valid<Sampling>
     })
 }
 
-fn bad(param: &str, message: impl Into<String>) -> BadRequest {
+pub(crate) fn bad(param: &str, message: impl Into<String>) -> BadRequest {
     BadRequest {
         param: param.into(),
         message: format!("{param}: {}", message.into()),
