@@ -167,7 +167,38 @@ pub fn scale_shape(strategy: Strategy, out: usize, fan_in: usize) -> Vec<usize> 
         Strategy::Tensor => vec![1],
         Strategy::Channel => vec![out, 1],
         Strategy::Group(g) => vec![out, fan_in.div_ceil(g)],
+        Strategy::Block { rows, cols } => vec![out.div_ceil(rows), fan_in.div_ceil(cols)],
     }
+}
+
+/// Each input's group under `strategy`: its group of inputs, or its block
+/// column.
+pub(crate) fn input_groups(strategy: Strategy, fan_in: usize) -> Vec<u32> {
+    (0..fan_in)
+        .map(|k| match strategy {
+            Strategy::Group(g) | Strategy::Block { cols: g, .. } => (k / g) as u32,
+            Strategy::Tensor | Strategy::Channel => 0,
+        })
+        .collect()
+}
+
+/// Value `i` of a row of `bits`-wide values packed densely into
+/// little-endian int32 words (value `i` at bit `bits · i`), as
+/// compressed-tensors' `pack_to_int32` writes them; `bits` divides 32, so
+/// no value straddles two words. `word(w)` is the row's word `w`.
+pub(crate) fn packed_value(word: impl Fn(usize) -> u32, bits: usize, i: usize) -> u32 {
+    let at = bits * i;
+    (word(at / 32) >> (at % 32)) & ((1u32 << bits) - 1)
+}
+
+/// The little-endian int32 at word index `w` of `bytes`.
+pub(crate) fn word_at(bytes: &[u8], w: usize) -> u32 {
+    u32::from_le_bytes([
+        bytes[4 * w],
+        bytes[4 * w + 1],
+        bytes[4 * w + 2],
+        bytes[4 * w + 3],
+    ])
 }
 
 /// Nibble `i` (bits `4 i`) of the little-endian int32 at byte `at`.
@@ -186,6 +217,13 @@ pub(crate) fn by_group(strategy: Strategy, out: usize, fan_in: usize, flat: Vec<
             let groups = fan_in.div_ceil(g);
             (0..groups * out)
                 .map(|i| flat[(i % out) * groups + i / out])
+                .collect()
+        }
+        // [⌈out / rows⌉, ⌈in / cols⌉]: each output takes its block row's.
+        Strategy::Block { rows, cols } => {
+            let groups = fan_in.div_ceil(cols);
+            (0..groups * out)
+                .map(|i| flat[(i % out) / rows * groups + i / out])
                 .collect()
         }
     }

@@ -7,22 +7,29 @@
 //!
 //! - `int-quantized`: `W.weight` int8 `[out, in]`, 8 bits, symmetric or
 //!   asymmetric (`W.weight_zero_point`, int8, the scale's shape);
-//! - `pack-quantized`: `W.weight_packed` int32 `[out, in / 8]` (4 bits,
-//!   signed: each value plus 8, eight to a word, column `c` in bits
-//!   `4 (c mod 8)` of word `c / 8`) and `W.weight_shape`; asymmetric, with
-//!   `W.weight_zero_point` int32 `[out / 8, groups]`, signed 4-bit zero
-//!   points packed the same way but along the output (output `o` in bits
-//!   `4 (o mod 8)` of word row `o / 8`);
+//! - `pack-quantized`: `W.weight_packed` int32 `[out, ⌈in · bits / 32⌉]`
+//!   at 4 or 8 bits (signed: each value plus `2^(bits-1)`, packed densely
+//!   along the input, column `c` at bit `bits · c` of its row's words, four
+//!   8-bit or eight 4-bit values to a word) and `W.weight_shape`;
+//!   asymmetric, with `W.weight_zero_point` int32 `[⌈out · bits / 32⌉,
+//!   groups]`, signed zero points packed the same way but along the output;
 //! - `float-quantized`: `W.weight` FP8 e4m3 `[out, in]`;
 //!
 //! with `W.weight_scale` (f32, f16 or bf16) per tensor (`[1]`), per output
-//! channel (`[out, 1]`) or per group of `group_size` inputs (`[out, in /
-//! group_size]`). A weight dequantizes as `(q - zero_point) · scale`,
-//! computed in f32 (the scale widened exactly). Activation quantization
-//! (`input_activations`) is not applied on the CPU: activations stay f32,
-//! as in the reference the goldens are checked against. It is recorded
-//! ([`Quantization::activations`]): the CUDA backend runs an FP8 checkpoint
-//! that asks for it as FP8 GEMMs.
+//! channel (`[out, 1]`), per group of `group_size` inputs (`[out, in /
+//! group_size]`) or, for FP8, per block of `block_structure` (`[⌈out /
+//! rows⌉, ⌈in / cols⌉]`, the last blocks partial). A weight dequantizes as
+//! `(q - zero_point) · scale`, computed in f32 (the scale widened exactly).
+//! A group's `input_activations` (int8 or FP8, symmetric, dynamic, a scale
+//! per token or per group of inputs) are recorded
+//! ([`Quantization::input`]): the CPU backend quantizes a projection's
+//! inputs as compressed-tensors' own forward does, and the CUDA backend
+//! runs FP8 weights per channel with FP8 inputs per token as FP8 GEMMs.
+//! The fields are checked one by one (`compressed.rs`).
+//!
+//! transformers' own FP8 format (`quant_method: "fp8"`): `W.weight` FP8
+//! e4m3 and `W.weight_scale_inv` f32 per block of `weight_block_size`,
+//! `code · scale_inv`, inputs as they are (its reader on a CPU).
 //!
 //! and GPTQ checkpoints (`quant_method: "gptq"`, 4 bits): `W.qweight` int32
 //! `[in / 8, out]` (eight values along the input to a word, row k in bits
@@ -48,12 +55,16 @@ use serde_json::{Map, Value};
 
 use crate::error::{FileError, Result};
 
+mod compressed;
+mod inputs;
 mod matrix;
+
+pub use inputs::f32_to_fp8_e4m3;
 
 pub use matrix::{
     AWQ_ORDER, Codes, QuantizedMatrix, fp8_e4m3_to_f32, scale_shape, unpack_awq, unpack_int4_rows,
 };
-pub(crate) use matrix::{by_group, nibble};
+pub(crate) use matrix::{by_group, input_groups, nibble, packed_value, word_at};
 
 /// How a checkpoint's quantized weights are stored.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -63,11 +74,47 @@ pub struct Quantization {
     pub symmetric: bool,
     /// Modules left unquantized (by name or `re:` pattern), as written.
     pub ignore: Vec<String>,
-    /// Whether the checkpoint quantizes activations too
-    /// (compressed-tensors `input_activations`). Not part of
-    /// [`Quantization::canonical`]: the stored bytes dequantize to the same
-    /// weights either way.
-    pub activations: bool,
+    /// How the projections' inputs are quantized on the fly, where the
+    /// checkpoint's own reader does so (compressed-tensors
+    /// `input_activations`): the CPU backend quantizes them the same way,
+    /// and the CUDA backend runs FP8 checkpoints with FP8 inputs per token
+    /// as FP8 GEMMs.
+    pub input: Option<InputQuantization>,
+}
+
+/// The inputs' quantization: symmetric, a scale computed per token or per
+/// group of inputs from the values themselves (`max |x| / (range / 2)`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InputQuantization {
+    pub kind: InputKind,
+    pub granularity: InputGranularity,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InputKind {
+    Int8,
+    Fp8E4m3,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InputGranularity {
+    /// One scale per token (a row of the projection's input).
+    Token,
+    /// One scale per token and group of this many consecutive inputs.
+    Group(usize),
+}
+
+impl InputQuantization {
+    fn describe(&self) -> String {
+        let kind = match self.kind {
+            InputKind::Int8 => "int8",
+            InputKind::Fp8E4m3 => "fp8-e4m3",
+        };
+        match self.granularity {
+            InputGranularity::Token => format!("{kind}-token"),
+            InputGranularity::Group(g) => format!("{kind}-group-{g}"),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -76,8 +123,14 @@ pub enum Format {
     Int8,
     /// 4-bit weights packed eight to an int32.
     PackedInt4,
+    /// 8-bit weights packed four to an int32 (compressed-tensors
+    /// `pack-quantized` at 8 bits, llm-compressor's W8A16).
+    PackedInt8,
     /// FP8 e4m3 weights.
     Fp8E4m3,
+    /// FP8 e4m3 weights with `weight_scale_inv` per block, in transformers'
+    /// own `fp8` format.
+    TransformersFp8,
     /// GPTQ 4-bit (`qweight`, `qzeros`, `scales`, `g_idx`), zero points
     /// stored minus one (AutoGPTQ's format).
     Gptq4,
@@ -92,17 +145,28 @@ pub enum Strategy {
     Tensor,
     Channel,
     Group(usize),
+    /// A scale per block of `rows` outputs by `cols` inputs (the last
+    /// blocks of a matrix may be partial).
+    Block {
+        rows: usize,
+        cols: usize,
+    },
 }
 
 impl Format {
     pub fn name(self) -> &'static str {
         match self {
-            Format::Int8 => "int8",
+            Format::Int8 | Format::PackedInt8 => "int8",
             Format::PackedInt4 => "int4",
-            Format::Fp8E4m3 => "fp8-e4m3",
+            Format::Fp8E4m3 | Format::TransformersFp8 => "fp8-e4m3",
             Format::Gptq4 | Format::Gptq4V2 => "gptq-int4",
             Format::Awq4 => "awq-int4",
         }
+    }
+
+    /// Whether the codes are FP8 e4m3.
+    pub fn is_fp8(self) -> bool {
+        matches!(self, Format::Fp8E4m3 | Format::TransformersFp8)
     }
 }
 
@@ -113,19 +177,52 @@ impl Quantization {
             Strategy::Tensor => "per tensor".to_owned(),
             Strategy::Channel => "per channel".to_owned(),
             Strategy::Group(g) => format!("groups of {g}"),
+            Strategy::Block { rows, cols } => format!("blocks of {rows}x{cols}"),
         };
-        format!("{}, {scales}", self.format.name())
+        let input = match self.input.map(|i| (i.kind, i.granularity)) {
+            None => String::new(),
+            Some((kind, granularity)) => {
+                let kind = match kind {
+                    InputKind::Int8 => "int8",
+                    InputKind::Fp8E4m3 => "fp8-e4m3",
+                };
+                match granularity {
+                    InputGranularity::Token => format!(", inputs {kind} per token"),
+                    InputGranularity::Group(g) => format!(", inputs {kind} per group of {g}"),
+                }
+            }
+        };
+        format!("{}, {scales}{input}", self.format.name())
+    }
+
+    /// Whether the checkpoint quantizes the projections' inputs too.
+    pub fn activations(&self) -> bool {
+        self.input.is_some()
+    }
+
+    /// Whether the checkpoint's FP8 weights take FP8 inputs with a scale
+    /// per token: what an FP8 GEMM with a scale per row computes.
+    pub fn fp8_inputs_per_token(&self) -> bool {
+        self.format.is_fp8()
+            && self.input
+                == Some(InputQuantization {
+                    kind: InputKind::Fp8E4m3,
+                    granularity: InputGranularity::Token,
+                })
     }
 
     /// What the base hash covers of the configuration (see
     /// the weights module): every field that changes what the stored bytes
-    /// dequantize to, written the same whatever the JSON's layout, so the
+    /// dequantize to, or what the model computes from them (the inputs'
+    /// quantization), written the same whatever the JSON's layout, so the
     /// same bytes read another way are another base model.
     pub fn canonical(&self) -> String {
         let format = match self.format {
             Format::Int8 => "int8",
             Format::PackedInt4 => "int4-packed",
+            Format::PackedInt8 => "int8-packed",
             Format::Fp8E4m3 => "fp8-e4m3",
+            Format::TransformersFp8 => "transformers-fp8-e4m3",
             Format::Gptq4 => "gptq-int4",
             Format::Gptq4V2 => "gptq-v2-int4",
             Format::Awq4 => "awq-int4-gemm",
@@ -134,11 +231,18 @@ impl Quantization {
             Strategy::Tensor => "tensor".to_owned(),
             Strategy::Channel => "channel".to_owned(),
             Strategy::Group(g) => format!("group-{g}"),
+            Strategy::Block { rows, cols } => format!("block-{rows}x{cols}"),
         };
         let mut ignore = self.ignore.clone();
         ignore.sort();
+        // Weight-only checkpoints keep the form (and so the hash) they
+        // had before inputs were read.
+        let input = self
+            .input
+            .map(|i| format!(";input={}", i.describe()))
+            .unwrap_or_default();
         format!(
-            "format={format};strategy={strategy};symmetric={};ignore={}",
+            "format={format};strategy={strategy};symmetric={};ignore={}{input}",
             self.symmetric,
             ignore.join(",")
         )
@@ -156,155 +260,141 @@ pub fn parse(file: &Path, config: &Map<String, Value>) -> Result<Option<Quantiza
     let Value::Object(q) = q else {
         return Err(err("", "must be an object".into()));
     };
-    let text = |map: &Map<String, Value>, field: &str| {
-        map.get(field).and_then(Value::as_str).map(str::to_owned)
-    };
-    match text(q, "quant_method").as_deref() {
-        Some("compressed-tensors") => {}
-        Some("gptq") => return parse_gptq(q, &err).map(Some),
-        Some("awq") => return parse_awq(q, &err).map(Some),
+    match q.get("quant_method") {
+        Some(Value::String(m)) if m == "compressed-tensors" => compressed::parse(q, &err).map(Some),
+        Some(Value::String(m)) if m == "fp8" => parse_transformers_fp8(q, &err).map(Some),
+        Some(Value::String(m)) if m == "gptq" => parse_gptq(q, &err).map(Some),
+        Some(Value::String(m)) if m == "awq" => parse_awq(q, &err).map(Some),
+        Some(other) => Err(err(
+            ".quant_method",
+            format!(
+                "{} is not supported; quantized bases are read in the \"compressed-tensors\", \"fp8\", \"gptq\" or \"awq\" layout",
+                shown(other)
+            ),
+        )),
+        None => Err(err(".quant_method", "is required".into())),
+    }
+}
+
+/// A JSON value as the checkpoint wrote it (`8`, `"block"`, `[128,128]`),
+/// for messages.
+pub(crate) fn shown(v: &Value) -> String {
+    v.to_string()
+}
+
+/// transformers' own FP8 format (`quant_method: "fp8"`, the official
+/// Qwen3-*-FP8 and DeepSeek releases): `W.weight` FP8 e4m3 and
+/// `W.weight_scale_inv` f32 per block of `weight_block_size` (one block
+/// for the whole matrix without it), `weight = code · scale_inv`. Its
+/// `activation_scheme` says how a GPU quantizes the inputs; transformers'
+/// own reader of the checkpoint on a CPU (`dequantize`) runs them as they
+/// are, and so does this one.
+fn parse_transformers_fp8(
+    q: &Map<String, Value>,
+    err: &dyn Fn(&str, String) -> FileError,
+) -> Result<Quantization> {
+    const KNOWN: &[&str] = &[
+        "quant_method",
+        "activation_scheme",
+        "fmt",
+        "weight_block_size",
+        "modules_to_not_convert",
+        "ignored_layers",
+        "scale_fmt",
+        "dequantize",
+    ];
+    if let Some(k) = q.keys().find(|k| !KNOWN.contains(&k.as_str())) {
+        return Err(err(
+            &format!(".{k}"),
+            "is not a field this reader knows, so what it would change cannot be checked".into(),
+        ));
+    }
+    match q.get("activation_scheme") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(s)) if s == "dynamic" => {}
         Some(other) => {
             return Err(err(
-                ".quant_method",
+                ".activation_scheme",
                 format!(
-                    "{other:?} is not supported; quantized bases are read in the \"compressed-tensors\", \"gptq\" or \"awq\" layout"
+                    "{}: static input scales are not supported; expected \"dynamic\"",
+                    shown(other)
                 ),
             ));
         }
-        None => return Err(err(".quant_method", "is required".into())),
     }
-    if let Some(status) = text(q, "quantization_status")
-        && status != "compressed"
-    {
-        return Err(err(
-            ".quantization_status",
-            format!("{status:?}: only compressed checkpoints are read"),
-        ));
-    }
-    let format = text(q, "format").unwrap_or_default();
-    let groups = match q.get("config_groups") {
-        Some(Value::Object(g)) if g.len() == 1 => g,
-        Some(Value::Object(g)) => {
+    match q.get("fmt") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(s)) if s == "e4m3" => {}
+        Some(other) => {
             return Err(err(
-                ".config_groups",
+                ".fmt",
+                format!("{} is not supported; expected \"e4m3\"", shown(other)),
+            ));
+        }
+    }
+    match q.get("scale_fmt") {
+        // ue8m0: the scales are powers of two; stored as f32 they are
+        // read as any other (the tensor's dtype is checked).
+        None | Some(Value::Null) => {}
+        Some(Value::String(s)) if s == "ue8m0" => {}
+        Some(other) => {
+            return Err(err(
+                ".scale_fmt",
                 format!(
-                    "has {} groups; one group for every linear layer is supported",
-                    g.len()
+                    "{} is not supported; expected \"ue8m0\" or null",
+                    shown(other)
                 ),
             ));
         }
-        _ => {
+    }
+    let strategy = match q.get("weight_block_size") {
+        None | Some(Value::Null) => Strategy::Tensor,
+        Some(Value::Array(b))
+            if b.len() == 2 && b.iter().all(|v| v.as_u64().is_some_and(|n| n > 0)) =>
+        {
+            Strategy::Block {
+                rows: b[0].as_u64().unwrap() as usize,
+                cols: b[1].as_u64().unwrap() as usize,
+            }
+        }
+        Some(other) => {
             return Err(err(
-                ".config_groups",
-                "must be an object of one group".into(),
+                ".weight_block_size",
+                format!("{}: must be two positive integers", shown(other)),
             ));
         }
     };
-    let (group_name, group) = groups.iter().next().expect("one group");
-    let at = |field: &str| format!(".config_groups.{group_name}{field}");
-    let Value::Object(group) = group else {
-        return Err(err(&at(""), "must be an object".into()));
-    };
-    let targets_linear = group
-        .get("targets")
-        .and_then(Value::as_array)
-        .is_some_and(|t| t.iter().any(|t| t.as_str() == Some("Linear")));
-    if !targets_linear {
-        return Err(err(&at(".targets"), "must include \"Linear\"".into()));
-    }
-    let Some(Value::Object(w)) = group.get("weights") else {
-        return Err(err(&at(".weights"), "must be an object".into()));
-    };
-    let bits = w.get("num_bits").and_then(Value::as_u64);
-    let kind = text(w, "type").unwrap_or_default();
-    let symmetric = w.get("symmetric").and_then(Value::as_bool).unwrap_or(true);
-    let format = match (format.as_str(), kind.as_str(), bits) {
-        ("int-quantized", "int", Some(8)) => Format::Int8,
-        ("pack-quantized", "int", Some(4)) => Format::PackedInt4,
-        ("float-quantized", "float", Some(8)) => Format::Fp8E4m3,
-        ("int-quantized" | "pack-quantized" | "float-quantized", _, _) => {
-            return Err(err(
-                &at(".weights"),
-                format!(
-                    "{kind:?} weights of {bits:?} bits are not supported in {format:?}; \
-                     expected int 8 (int-quantized), int 4 (pack-quantized) or float 8 (float-quantized)"
-                ),
-            ));
-        }
-        _ => {
-            return Err(err(
-                ".format",
-                format!(
-                    "{format:?} is not supported; expected \"int-quantized\", \"pack-quantized\" or \"float-quantized\""
-                ),
-            ));
-        }
-    };
-    if !symmetric && format == Format::Fp8E4m3 {
-        return Err(err(
-            &at(".weights.symmetric"),
-            format!("asymmetric {} weights are not supported", format.name()),
-        ));
-    }
-    if w.get("dynamic").and_then(Value::as_bool) == Some(true) {
-        return Err(err(
-            &at(".weights.dynamic"),
-            "dynamic weight scales are not supported".into(),
-        ));
-    }
-    let strategy = match text(w, "strategy").as_deref() {
-        Some("tensor") => Strategy::Tensor,
-        Some("channel") => Strategy::Channel,
-        Some("group") => match w.get("group_size").and_then(Value::as_u64) {
-            Some(g) if g > 0 => Strategy::Group(g as usize),
-            _ => {
+    let mut ignore = Vec::new();
+    for field in ["modules_to_not_convert", "ignored_layers"] {
+        match q.get(field) {
+            None | Some(Value::Null) => {}
+            Some(Value::Array(names)) => ignore.extend(
+                names
+                    .iter()
+                    .map(|n| n.as_str().map(str::to_owned))
+                    .collect::<Option<Vec<_>>>()
+                    .ok_or_else(|| {
+                        err(
+                            &format!(".{field}"),
+                            "must be a list of module names".into(),
+                        )
+                    })?,
+            ),
+            Some(_) => {
                 return Err(err(
-                    &at(".weights.group_size"),
-                    "must be a positive integer".into(),
+                    &format!(".{field}"),
+                    "must be a list of module names".into(),
                 ));
             }
-        },
-        other => {
-            return Err(err(
-                &at(".weights.strategy"),
-                format!(
-                    "{other:?} is not supported; expected \"tensor\", \"channel\" or \"group\""
-                ),
-            ));
         }
-    };
-    if format == Format::PackedInt4 && !matches!(strategy, Strategy::Group(_) | Strategy::Channel) {
-        return Err(err(
-            &at(".weights.strategy"),
-            "4-bit weights need per-channel or per-group scales".into(),
-        ));
     }
-    let ignore = match q.get("ignore") {
-        None | Some(Value::Null) => Vec::new(),
-        Some(Value::Array(names)) => names
-            .iter()
-            .map(|n| n.as_str().map(str::to_owned))
-            .collect::<Option<Vec<_>>>()
-            .ok_or_else(|| err(".ignore", "must be a list of module names".into()))?,
-        Some(_) => return Err(err(".ignore", "must be a list of module names".into())),
-    };
-    let activations = match group.get("input_activations") {
-        None | Some(Value::Null) => false,
-        Some(Value::Object(_)) => true,
-        Some(_) => {
-            return Err(err(
-                &at(".input_activations"),
-                "must be an object (the activations' scheme) or null".into(),
-            ));
-        }
-    };
-    Ok(Some(Quantization {
-        format,
+    Ok(Quantization {
+        format: Format::TransformersFp8,
         strategy,
-        symmetric,
+        symmetric: true,
         ignore,
-        activations,
-    }))
+        input: None,
+    })
 }
 
 /// A GPTQ checkpoint's `quantization_config`: 4 bits, a group size (or
@@ -315,12 +405,15 @@ fn parse_gptq(
     q: &Map<String, Value>,
     err: &dyn Fn(&str, String) -> FileError,
 ) -> Result<Quantization> {
-    match q.get("bits").and_then(Value::as_u64) {
-        Some(4) => {}
+    match q.get("bits") {
+        Some(b) if b.as_u64() == Some(4) => {}
         other => {
             return Err(err(
                 ".bits",
-                format!("{other:?} is not supported; GPTQ weights are read at 4 bits"),
+                format!(
+                    "{} is not supported; GPTQ weights are read at 4 bits",
+                    other.map_or("absent".into(), shown)
+                ),
             ));
         }
     }
@@ -334,13 +427,17 @@ fn parse_gptq(
             ));
         }
     };
-    let format = match q.get("checkpoint_format").and_then(Value::as_str) {
-        None | Some("gptq") => Format::Gptq4,
-        Some("gptq_v2") => Format::Gptq4V2,
+    let format = match q.get("checkpoint_format") {
+        None | Some(Value::Null) => Format::Gptq4,
+        Some(Value::String(f)) if f == "gptq" => Format::Gptq4,
+        Some(Value::String(f)) if f == "gptq_v2" => Format::Gptq4V2,
         Some(other) => {
             return Err(err(
                 ".checkpoint_format",
-                format!("{other:?} is not supported; expected \"gptq\" or \"gptq_v2\""),
+                format!(
+                    "{} is not supported; expected \"gptq\" or \"gptq_v2\"",
+                    shown(other)
+                ),
             ));
         }
     };
@@ -349,7 +446,7 @@ fn parse_gptq(
         strategy,
         symmetric: q.get("sym").and_then(Value::as_bool).unwrap_or(true),
         ignore: Vec::new(),
-        activations: false,
+        input: None,
     })
 }
 
@@ -359,16 +456,15 @@ fn parse_awq(
     q: &Map<String, Value>,
     err: &dyn Fn(&str, String) -> FileError,
 ) -> Result<Quantization> {
-    match q
-        .get("bits")
-        .or_else(|| q.get("w_bit"))
-        .and_then(Value::as_u64)
-    {
-        Some(4) => {}
+    match q.get("bits").or_else(|| q.get("w_bit")) {
+        Some(b) if b.as_u64() == Some(4) => {}
         other => {
             return Err(err(
                 ".bits",
-                format!("{other:?} is not supported; AWQ weights are read at 4 bits"),
+                format!(
+                    "{} is not supported; AWQ weights are read at 4 bits",
+                    other.map_or("absent".into(), shown)
+                ),
             ));
         }
     }
@@ -380,13 +476,16 @@ fn parse_awq(
         Some(g) if g > 0 => Strategy::Group(g as usize),
         _ => return Err(err(".group_size", "must be a positive integer".into())),
     };
-    match q.get("version").and_then(Value::as_str) {
-        None => {}
-        Some(v) if v.eq_ignore_ascii_case("gemm") => {}
+    match q.get("version") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(v)) if v.eq_ignore_ascii_case("gemm") => {}
         Some(other) => {
             return Err(err(
                 ".version",
-                format!("{other:?} is not supported; AWQ weights are read in the \"gemm\" layout"),
+                format!(
+                    "{} is not supported; AWQ weights are read in the \"gemm\" layout",
+                    shown(other)
+                ),
             ));
         }
     }
@@ -401,7 +500,7 @@ fn parse_awq(
         strategy,
         symmetric: false,
         ignore: Vec::new(),
-        activations: false,
+        input: None,
     })
 }
 
@@ -591,7 +690,7 @@ mod tests {
             "quantization_config.quant_method",
         );
         refused(
-            &|v| v["format"] = "naive-quantized".into(),
+            &|v| v["format"] = "marlin-24".into(),
             "quantization_config.format",
         );
         refused(
@@ -618,7 +717,7 @@ mod tests {
         );
         refused(
             &|v| weights(v, "strategy", "block".into()),
-            "weights.strategy",
+            "weights.block_structure",
         );
         refused(
             &|v| weights(v, "group_size", 0.into()),
@@ -640,17 +739,66 @@ mod tests {
         );
         // Recorded when given, null or absent meaning weight-only.
         let mut w8a8 = good.clone();
-        w8a8["config_groups"]["group_0"]["input_activations"] =
-            serde_json::json!({"num_bits": 8, "type": "float", "dynamic": true});
-        assert!(parse(file, &config(w8a8)).unwrap().unwrap().activations);
+        w8a8["config_groups"]["group_0"]["input_activations"] = serde_json::json!({"num_bits": 8, "type": "float", "dynamic": true, "strategy": "token"});
+        assert!(parse(file, &config(w8a8)).unwrap().unwrap().activations());
         let mut null = good.clone();
         null["config_groups"]["group_0"]["input_activations"] = Value::Null;
-        assert!(!parse(file, &config(null)).unwrap().unwrap().activations);
+        assert!(!parse(file, &config(null)).unwrap().unwrap().activations());
         assert!(
             !parse(file, &config(good.clone()))
                 .unwrap()
                 .unwrap()
-                .activations
+                .activations()
         );
+    }
+
+    #[test]
+    fn transformers_fp8_is_read_as_the_official_releases_write_it() {
+        let file = Path::new("config.json");
+        let fp8 = |q: Value| {
+            let mut m = Map::new();
+            m.insert("quantization_config".into(), q);
+            parse(file, &m)
+        };
+        let good = serde_json::json!({"quant_method": "fp8", "activation_scheme": "dynamic",
+            "fmt": "e4m3", "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]});
+        let q = fp8(good.clone()).unwrap().unwrap();
+        assert_eq!(
+            (q.format, q.strategy, q.input),
+            (
+                Format::TransformersFp8,
+                Strategy::Block {
+                    rows: 128,
+                    cols: 128
+                },
+                None
+            )
+        );
+        assert_eq!(q.ignore, vec!["lm_head".to_owned()]);
+        assert_eq!(q.label(), "fp8-e4m3, blocks of 128x128");
+        let mut whole = good.clone();
+        whole["weight_block_size"] = Value::Null;
+        assert_eq!(fp8(whole).unwrap().unwrap().strategy, Strategy::Tensor);
+        for (field, value, said) in [
+            ("activation_scheme", Value::from("static"), "\"static\""),
+            ("fmt", Value::from("e5m2"), "\"e5m2\""),
+            ("weight_block_size", serde_json::json!([128]), "[128]"),
+            ("scale_fmt", Value::from("e4m3"), "\"e4m3\""),
+            (
+                "modules_to_not_convert",
+                Value::from("lm_head"),
+                "list of module names",
+            ),
+            ("weight_scale_format", Value::from(1), "not a field"),
+        ] {
+            let mut bad = good.clone();
+            bad[field] = value;
+            let e = fp8(bad).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("quantization_config.{field}")),
+                "{field}: {e}"
+            );
+            assert!(e.contains(said), "{said}: {e}");
+        }
     }
 }

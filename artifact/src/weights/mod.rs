@@ -242,6 +242,7 @@ impl WeightFiles {
         let stem = name.strip_suffix(".weight")?;
         let marker = match q.format {
             Format::Gptq4 | Format::Gptq4V2 | Format::Awq4 => "qweight",
+            Format::TransformersFp8 => "weight_scale_inv",
             _ => "weight_scale",
         };
         self.located(&format!("{stem}.{marker}"))

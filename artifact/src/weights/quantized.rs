@@ -9,8 +9,8 @@ use safetensors::Dtype;
 use super::{RawTensor, WeightFiles};
 use crate::error::{FileError, Result};
 use crate::quantization::{
-    Codes, Format, QuantizedMatrix, Strategy, by_group, nibble, scale_shape, unpack_awq,
-    unpack_int4_rows,
+    Codes, Format, QuantizedMatrix, Strategy, by_group, input_groups, nibble, packed_value,
+    scale_shape, unpack_awq, unpack_int4_rows, word_at,
 };
 
 impl WeightFiles {
@@ -35,6 +35,11 @@ impl WeightFiles {
             (
                 self.gptq_matrix(q.format, q.strategy, stem, (out, fan_in))?,
                 format!("{stem}.scales"),
+            )
+        } else if q.format == Format::TransformersFp8 {
+            (
+                self.transformers_fp8_matrix(q.strategy, name, (out, fan_in))?,
+                format!("{stem}.weight_scale_inv"),
             )
         } else {
             (
@@ -99,25 +104,31 @@ impl WeightFiles {
                     .data
                     .to_vec(),
             ),
-            Format::PackedInt4 => {
-                let per_row = fan_in.div_ceil(8);
+            Format::PackedInt4 | Format::PackedInt8 => {
+                let bits = if format == Format::PackedInt4 { 4 } else { 8 };
+                self.check_weight_shape(stem, (out, fan_in))?;
+                let per_row = (fan_in * bits).div_ceil(32);
                 let words = self.stored(
                     &format!("{stem}.weight_packed"),
                     Dtype::I32,
                     &[out, per_row],
                     format,
                 )?;
-                Codes::Int4(
-                    (0..out * fan_in)
-                        .map(|i| {
-                            let (o, c) = (i / fan_in, i % fan_in);
-                            nibble(words.data, (o * per_row + c / 8) * 4, c % 8) as i8 - 8
-                        })
-                        .collect(),
-                )
+                // Each value is stored plus 2^(bits - 1).
+                let offset = 1i32 << (bits - 1);
+                let values = (0..out * fan_in).map(|i| {
+                    let (o, c) = (i / fan_in, i % fan_in);
+                    let word = |w: usize| word_at(words.data, o * per_row + w);
+                    packed_value(word, bits, c) as i32 - offset
+                });
+                if bits == 4 {
+                    Codes::Int4(values.map(|v| v as i8).collect())
+                } else {
+                    Codes::Int8(values.map(|v| v as i8).collect())
+                }
             }
-            Format::Gptq4 | Format::Gptq4V2 | Format::Awq4 => {
-                unreachable!("{} is read by gptq_matrix", format.name())
+            Format::Gptq4 | Format::Gptq4V2 | Format::Awq4 | Format::TransformersFp8 => {
+                unreachable!("{} is read by its own reader", format.name())
             }
         };
         let scale_shape = scale_shape(strategy, out, fan_in);
@@ -125,16 +136,20 @@ impl WeightFiles {
         let zero_point = format!("{stem}.weight_zero_point");
         let zeros = match (symmetric, format) {
             (true, _) => None,
-            // Packed like the weights, each plus 8, but along the output:
-            // output o in bits 4 (o mod 8) of word row o / 8.
-            (false, Format::PackedInt4) => {
+            // Packed like the weights, each plus 2^(bits - 1), but along
+            // the output: output o at bit bits · o of its group's column
+            // of words.
+            (false, Format::PackedInt4 | Format::PackedInt8) => {
+                let bits = if format == Format::PackedInt4 { 4 } else { 8 };
                 let groups = scale_shape[1];
-                let words =
-                    self.stored(&zero_point, Dtype::I32, &[out.div_ceil(8), groups], format)?;
+                let rows = (out * bits).div_ceil(32);
+                let words = self.stored(&zero_point, Dtype::I32, &[rows, groups], format)?;
+                let offset = 1i32 << (bits - 1);
                 let flat = (0..out * groups)
                     .map(|i| {
                         let (o, g) = (i / groups, i % groups);
-                        f32::from(nibble(words.data, ((o / 8) * groups + g) * 4, o % 8) as i8 - 8)
+                        let word = |w: usize| word_at(words.data, w * groups + g);
+                        (packed_value(word, bits, o) as i32 - offset) as f32
                     })
                     .collect();
                 Some(by_group(strategy, out, fan_in, flat))
@@ -151,12 +166,83 @@ impl WeightFiles {
             codes,
             scales: by_group(strategy, out, fan_in, scales),
             zeros,
-            group: (0..fan_in)
-                .map(|k| match strategy {
-                    Strategy::Group(g) => (k / g) as u32,
-                    Strategy::Tensor | Strategy::Channel => 0,
-                })
+            group: input_groups(strategy, fan_in),
+        })
+    }
+
+    /// `W.weight_shape` beside packed codes, when the checkpoint has it
+    /// (int32 or int64): the matrix's `[out, in]`.
+    fn check_weight_shape(&self, stem: &str, (out, fan_in): (usize, usize)) -> Result<()> {
+        let name = format!("{stem}.weight_shape");
+        if !self.has_tensor(&name) {
+            return Ok(());
+        }
+        let raw = self.raw(&name)?;
+        let path = self.file_of(&name).unwrap_or(Path::new("")).to_path_buf();
+        let dims: Vec<i64> = match raw.dtype {
+            Dtype::I32 => raw
+                .data
+                .chunks_exact(4)
+                .map(|b| i64::from(i32::from_le_bytes([b[0], b[1], b[2], b[3]])))
                 .collect(),
+            Dtype::I64 => raw
+                .data
+                .chunks_exact(8)
+                .map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes")))
+                .collect(),
+            other => {
+                return Err(FileError::model(
+                    &path,
+                    &name,
+                    format!("dtype {other:?} is not supported; expected I32 or I64"),
+                ));
+            }
+        };
+        if dims != [out as i64, fan_in as i64] {
+            return Err(FileError::model(
+                &path,
+                &name,
+                format!("says {dims:?}, but the model's config makes the weight [{out}, {fan_in}]"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// A weight in transformers' `fp8` format: `W.weight` FP8 e4m3 and
+    /// `W.weight_scale_inv` per block (`[⌈out / rows⌉, ⌈in / cols⌉]`; one
+    /// block without `weight_block_size`), `code · scale_inv`.
+    fn transformers_fp8_matrix(
+        &self,
+        strategy: Strategy,
+        name: &str,
+        (out, fan_in): (usize, usize),
+    ) -> Result<QuantizedMatrix> {
+        let stem = name.strip_suffix(".weight").unwrap_or(name);
+        let format = Format::TransformersFp8;
+        let codes = Codes::Fp8E4m3(
+            self.stored(name, Dtype::F8_E4M3, &[out, fan_in], format)?
+                .data
+                .to_vec(),
+        );
+        // One block for the whole matrix without a block size.
+        let strategy = match strategy {
+            Strategy::Tensor => Strategy::Block {
+                rows: out.max(1),
+                cols: fan_in.max(1),
+            },
+            other => other,
+        };
+        let scales = self.f32_values(
+            &format!("{stem}.weight_scale_inv"),
+            &scale_shape(strategy, out, fan_in),
+        )?;
+        Ok(QuantizedMatrix {
+            out,
+            fan_in,
+            codes,
+            scales: by_group(strategy, out, fan_in, scales),
+            zeros: None,
+            group: input_groups(strategy, fan_in),
         })
     }
 
@@ -172,7 +258,8 @@ impl WeightFiles {
         let int32 = |tensor: &str, shape: &[usize]| self.stored(tensor, Dtype::I32, shape, format);
         let group_size = match strategy {
             Strategy::Group(g) => g,
-            Strategy::Tensor | Strategy::Channel => fan_in,
+            // GPTQ and AWQ configurations never make blocks.
+            Strategy::Tensor | Strategy::Channel | Strategy::Block { .. } => fan_in,
         };
         let groups = fan_in.div_ceil(group_size);
         let qzeros = int32(&format!("{stem}.qzeros"), &[groups, out.div_ceil(8)])?;

@@ -9,7 +9,7 @@ use std::path::Path;
 use super::panels::{NR, PackedLinear};
 use super::{CpuBackend, Embedding, Layer, Mlp, SlotTable, SlotView, moe, rope};
 use crate::backend::BackendShape;
-use crate::error::Result;
+use crate::error::{EngineError, Result};
 use crate::lora::Projection;
 use crate::model::norms::{LayerNorms, final_norm};
 use crate::model::{ModelConfig, WeightFiles};
@@ -210,10 +210,24 @@ pub(super) fn pack_stacked(
         .iter()
         .map(|(name, out)| files.quantized_matrix(name, &[*out, fan_in]))
         .collect::<std::result::Result<Option<Vec<_>>, _>>()?;
+    // A quantized stack's inputs are quantized as the checkpoint's scheme
+    // says (each part is a quantized layer of the same scheme).
+    let input = files.quantization().and_then(|q| q.input);
+    let input = match &quantized {
+        Some(_) => input,
+        None if input.is_some() && weights.iter().any(|(name, _)| files.stored_quantized(name)) => {
+            return Err(EngineError::Backend(format!(
+                "{}: the projections fused with it are not all quantized, and its inputs \
+                 are quantized on the fly (`input_activations`); they cannot share one input",
+                weights[0].0
+            )));
+        }
+        None => None,
+    };
     if let Some(stack) = quantized {
         let stack: Vec<_> = stack.iter().collect();
         if let Some(packed) = PackedLinear::pack_quantized(&stack, bias.clone()) {
-            return Ok(packed);
+            return Ok(packed.with_input(input));
         }
     }
     let mut w16 = Some(Vec::new());
@@ -233,5 +247,5 @@ pub(super) fn pack_stacked(
     for (name, out) in weights {
         w.extend(files.f32(name, &[*out, fan_in])?);
     }
-    Ok(PackedLinear::pack(&w, bias, fan_in, fan_out))
+    Ok(PackedLinear::pack(&w, bias, fan_in, fan_out).with_input(input))
 }

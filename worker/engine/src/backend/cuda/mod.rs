@@ -251,9 +251,10 @@ impl CudaBackend {
         let files = WeightFiles::open_model_dir(dir)?;
         // FP8 checkpoints that quantize their activations run FP8 GEMMs
         // where the device has them (compute 8.9 and newer).
-        let fp8_gemms = files.quantization().is_some_and(|q| {
-            q.activations && q.format == lorafleet_artifact::quantization::Format::Fp8E4m3
-        }) && dev.cc >= (8, 9)
+        let fp8_gemms = files
+            .quantization()
+            .is_some_and(|q| q.fp8_inputs_per_token())
+            && dev.cc >= (8, 9)
             && fp8::present();
         let quant_plan = quant::QuantPlan::new(&files, c, dtype, limits.max_tokens, fp8_gemms);
         let plan = match &quant_plan {

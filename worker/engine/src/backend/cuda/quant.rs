@@ -380,18 +380,22 @@ impl QuantPlan {
 /// counts them.
 fn planned_bytes(q: &Quantization, out: u64, fan_in: u64) -> u64 {
     let (row_bytes, gptq) = match q.format {
-        Format::Int8 | Format::Fp8E4m3 => (fan_in, false),
+        Format::Int8 | Format::PackedInt8 | Format::Fp8E4m3 | Format::TransformersFp8 => {
+            (fan_in, false)
+        }
         Format::PackedInt4 | Format::Awq4 => (fan_in.div_ceil(2), false),
         Format::Gptq4 | Format::Gptq4V2 => (fan_in.div_ceil(2), true),
     };
     let groups = match q.strategy {
         Strategy::Tensor | Strategy::Channel => 1,
-        Strategy::Group(g) => fan_in.div_ceil(g as u64),
+        Strategy::Group(g) | Strategy::Block { cols: g, .. } => fan_in.div_ceil(g as u64),
     };
     let zeros = !q.symmetric || matches!(q.format, Format::Gptq4 | Format::Gptq4V2 | Format::Awq4);
     let per = groups * out * 4;
     // FP8 GEMMs add a scale per row.
-    let rows = if q.format == Format::Fp8E4m3 && q.activations {
+    let rows = if q.fp8_inputs_per_token()
+        && !matches!(q.strategy, Strategy::Group(_) | Strategy::Block { .. })
+    {
         4 * out
     } else {
         0

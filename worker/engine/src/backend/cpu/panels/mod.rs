@@ -12,7 +12,7 @@
 //! and the AVX-512 kernel give the same bits, and so does any tile size,
 //! which is what keeps a token's result independent of its batch.
 
-use lorafleet_artifact::quantization::QuantizedMatrix;
+use lorafleet_artifact::quantization::{InputQuantization, QuantizedMatrix};
 
 use super::amx;
 use quant::QuantPanels;
@@ -36,6 +36,10 @@ pub struct PackedLinear {
     bias: Option<Vec<f32>>,
     fan_in: usize,
     fan_out: usize,
+    /// How the inputs are quantized before the product, for a checkpoint
+    /// whose scheme says so (see [`InputQuantization`]); the LoRA deltas
+    /// read the inputs as they are.
+    input: Option<InputQuantization>,
 }
 
 /// Panel storage in the checkpoint's own precision. bf16 weights stay bf16
@@ -105,6 +109,7 @@ impl PackedLinear {
             bias,
             fan_in,
             fan_out,
+            input: None,
         }
     }
 
@@ -116,6 +121,7 @@ impl PackedLinear {
             bias,
             fan_in,
             fan_out,
+            input: None,
         }
     }
 
@@ -129,7 +135,15 @@ impl PackedLinear {
             bias,
             fan_in: stack[0].fan_in,
             fan_out: stack.iter().map(|m| m.out).sum(),
+            input: None,
         })
+    }
+
+    /// The same projection with its inputs quantized first, as `input`
+    /// says.
+    pub fn with_input(mut self, input: Option<InputQuantization>) -> Self {
+        self.input = input;
+        self
     }
 
     pub fn fan_in(&self) -> usize {
@@ -276,6 +290,14 @@ impl PackedLinear {
     ) {
         let (fan_in, fan_out) = (self.fan_in, self.fan_out);
         assert_eq!(x.len(), n * fan_in, "x holds {n} rows of {fan_in}");
+        let quantized;
+        let x = match &self.input {
+            Some(q) => {
+                quantized = q.apply(x, fan_in);
+                &quantized[..]
+            }
+            None => x,
+        };
         let mut lo = 0;
         let parts: Vec<(usize, usize, SharedOut)> = parts
             .iter()
