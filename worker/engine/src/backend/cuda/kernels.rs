@@ -42,6 +42,7 @@ pub const KERNELS: &[&str] = &[
     "qdequant",
     "fp8_rows",
     "fp8_scale",
+    "quant_inputs",
 ];
 
 /// The most input features one split-K chunk of the shrink covers. 128

@@ -407,6 +407,7 @@ impl CudaBackend {
                 dtype,
                 limits.max_tokens,
                 fp8_gemm,
+                files.quantization().and_then(|q| q.input),
             )?),
             None => None,
         };

@@ -144,6 +144,42 @@ extern "C" __global__ void __launch_bounds__(256) fp8_rows(const wt* x, int fan_
     }
 }
 
+// A quantized layer's inputs as its checkpoint's dynamic input scheme
+// quantizes them (compressed-tensors' forward; the CPU's
+// InputQuantization::apply): for token t and span g of `span` inputs (the
+// row, or a group), scale = max|x| / half (127.5 for int8, 448 for FP8; f32
+// epsilon when 0), out = round(clamp(x / scale)) * scale, to an integer in
+// [-128, 127] (ties to even) or the nearest e4m3 value in [-448, 448].
+// Grid: (n, ceil(fan_in / span)), 256 threads.
+extern "C" __global__ void __launch_bounds__(256) quant_inputs(const wt* x, int fan_in, int span,
+                                                               int fp8, wt* out) {
+    __shared__ float part[8];
+    int t = blockIdx.x;
+    int lo = blockIdx.y * span, hi = min(fan_in, lo + span);
+    const wt* row = x + (long)t * fan_in;
+    float m = 0.f;
+    for (int k = lo + threadIdx.x; k < hi; k += 256) m = fmaxf(m, fabsf(wload(row[k])));
+    m = warp_max(m);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = m;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        float v = threadIdx.x < 8 ? part[threadIdx.x] : 0.f;
+        v = warp_max(v);
+        if (threadIdx.x == 0) {
+            float s = __fdiv_rn(v, fp8 ? 448.f : 127.5f);
+            part[0] = s == 0.f ? 1.1920929e-7f : s;
+        }
+    }
+    __syncthreads();
+    float s = part[0];
+    for (int k = lo + threadIdx.x; k < hi; k += 256) {
+        float v = __fdiv_rn(wload(row[k]), s);
+        float q = fp8 ? fp8_e4m3_value(fp8_e4m3_code(fminf(fmaxf(v, -448.f), 448.f)))
+                      : rintf(fminf(fmaxf(v, -128.f), 127.f));
+        out[(long)t * fan_in + k] = wstore(q * s);
+    }
+}
+
 // The FP8 GEMM's epilogue: y[t, o] *= row_scale[t] * col_scale[o].
 extern "C" __global__ void fp8_scale(float* y, const float* row_scale, const float* col_scale,
                                      int n, int width) {

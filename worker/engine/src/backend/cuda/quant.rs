@@ -19,7 +19,8 @@
 use cudarc::driver::CudaSlice;
 
 use lorafleet_artifact::quantization::{
-    Codes, Format, Quantization, QuantizedMatrix, Strategy, fp8_e4m3_to_f32,
+    Codes, Format, InputGranularity, InputKind, InputQuantization, Quantization, QuantizedMatrix,
+    Strategy, fp8_e4m3_to_f32,
 };
 
 use super::device::{Arg, Device, cuda};
@@ -369,6 +370,10 @@ impl QuantPlan {
             return None;
         }
         plan.scratch = largest * w;
+        // The step's inputs as quantized layers read them.
+        if q.input.is_some() {
+            plan.scratch += max_tokens as u64 * widest * w;
+        }
         if fp8_gemms {
             plan.scratch += max_tokens as u64 * (widest + 4);
         }
@@ -435,6 +440,9 @@ pub(super) struct QuantScratch {
     w: CudaSlice<u8>,
     max_tokens: usize,
     fp8: Option<Fp8Scratch>,
+    /// The checkpoint's input scheme and the step's inputs as quantized
+    /// layers read them (`[max_tokens, widest fan_in]`, the weights' type).
+    inputs: Option<(InputQuantization, CudaSlice<u8>)>,
 }
 
 /// FP8 GEMMs and the step's activations as they read them: e4m3 codes
@@ -453,6 +461,7 @@ impl QuantScratch {
         dtype: Dtype,
         max_tokens: usize,
         fp8: Option<Fp8Gemm>,
+        input: Option<InputQuantization>,
     ) -> Result<QuantScratch> {
         let (mut largest, mut widest) = (0, 0);
         for layer in layers {
@@ -482,10 +491,15 @@ impl QuantScratch {
             }),
             None => None,
         };
+        let inputs = match input {
+            Some(q) => Some((q, alloc(max_tokens * widest * dtype.bytes())?)),
+            None => None,
+        };
         Ok(QuantScratch {
             w: alloc(largest * dtype.bytes())?,
             max_tokens,
             fp8,
+            inputs,
         })
     }
 }
@@ -540,6 +554,33 @@ impl CudaBackend {
                 ],
             );
         }
+        // Inputs quantized as the checkpoint's scheme says (FP8 GEMMs,
+        // above, quantize theirs per token themselves).
+        let x = match &scratch.inputs {
+            Some((input, buf)) => {
+                let xq = dev.p(buf);
+                let (span, fp8) = match (input.granularity, input.kind) {
+                    (InputGranularity::Token, kind) => (fan_in, kind == InputKind::Fp8E4m3),
+                    (InputGranularity::Group(g), kind) => {
+                        (g.clamp(1, fan_in.max(1)), kind == InputKind::Fp8E4m3)
+                    }
+                };
+                dev.launch(
+                    "quant_inputs",
+                    (n as u32, fan_in.div_ceil(span) as u32, 1),
+                    256,
+                    &[
+                        Arg::Ptr(x),
+                        Arg::I32(fan_in as i32),
+                        Arg::I32(span as i32),
+                        Arg::I32(i32::from(fp8)),
+                        Arg::Ptr(xq),
+                    ],
+                )?;
+                xq
+            }
+            None => x,
+        };
         if n <= FUSED_MAX_TOKENS {
             return q.fused(dev, fan_in, x, y, n);
         }
