@@ -1,10 +1,12 @@
 //! A quantized base served end to end: `lorafleet-worker generate` gives
 //! the transformers + PEFT goldens on the 4-bit llama-gqa (compressed-tensors
-//! pack-quantized, made by `make_quantized_fixtures.py`), and a tenant's
-//! completion through the gateway — the base registered with `lorafleetctl`
-//! from its directory (its base hash covers the quantized bytes), a worker
-//! serving it, an adapter trained on llama-gqa routed to it — gives the
-//! same text.
+//! pack-quantized, made by `make_quantized_fixtures.py`) and on the FP8_BLOCK
+//! llama-gqa llm-compressor wrote (FP8 weights in blocks of 32 x 32, FP8
+//! inputs per group of 32, `make_tool_quantized_fixtures.py`), and a
+//! tenant's completion through the gateway — the base registered with
+//! `lorafleetctl` from its directory (its base hash covers the quantized
+//! bytes), a worker serving it, an adapter trained on llama-gqa routed to
+//! it — gives the same text.
 
 #[path = "support/admin_plane.rs"]
 mod admin_plane;
@@ -15,26 +17,46 @@ use admin_plane::*;
 use goldens::{assert_gateway_gives, generate_goldens};
 use lorafleet_tests::engine_fixtures;
 
-const MODEL: &str = "llama-gqa-int4";
-const ADAPTER: &str = "qkvo-r4";
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenant_gets_a_quantized_bases_golden_text_through_the_gateway() {
-    let expected = generate_goldens("golden_quantized.json", MODEL, "llama-gqa", &[ADAPTER], 6);
-    let p = plane_on("quantized_e2e", 1, MODEL).await;
+    served_end_to_end(
+        "quantized_e2e",
+        ("llama-gqa-int4", "golden_quantized.json"),
+        "qkvo-r4",
+        "int4, groups of 32",
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_gets_an_fp8_block_bases_golden_text_through_the_gateway() {
+    served_end_to_end(
+        "quantized_fp8_block",
+        ("llama-gqa-tool-fp8-block32", "golden_tool_quantized.json"),
+        "qv-r8",
+        "fp8-e4m3, blocks of 32x32, inputs fp8-e4m3 per group of 32",
+    )
+    .await;
+}
+
+/// `model` (with its goldens' file) registered, served and asked through
+/// the gateway, base and `adapter`; the fleet shows it as `label`.
+async fn served_end_to_end(name: &str, (model, goldens): (&str, &str), adapter: &str, label: &str) {
+    let expected = generate_goldens(goldens, model, "llama-gqa", &[adapter], 6);
+    let p = plane_on(name, 1, model).await;
     // The adapter was trained on llama-gqa; it is declared for this
     // quantization of it by name (`base_model_name_or_path`), which the
     // registry checks against the base it is registered on: a copy for a
     // quantized base says so.
-    let copy = p.root.path().join("llama-gqa").join(ADAPTER);
+    let copy = p.root.path().join("llama-gqa").join(adapter);
     copy_dir(
-        &engine_fixtures().join("adapters/llama-gqa").join(ADAPTER),
+        &engine_fixtures().join("adapters/llama-gqa").join(adapter),
         &copy,
     );
     let config_path = copy.join("adapter_config.json");
     let mut config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
-    config["base_model_name_or_path"] = MODEL.into();
+    config["base_model_name_or_path"] = model.into();
     std::fs::write(&config_path, config.to_string()).unwrap();
     p.ctl_json(&["tenants", "create", "acme"]);
     let key = p.ctl_json(&["keys", "create", "acme"])["key"]
@@ -44,11 +66,11 @@ async fn a_tenant_gets_a_quantized_bases_golden_text_through_the_gateway() {
     let base = p.ctl_json(&[
         "base-models",
         "register",
-        MODEL,
+        model,
         "--architecture",
         "llama",
         "--model-dir",
-        engine_fixtures().join(MODEL).to_str().unwrap(),
+        engine_fixtures().join(model).to_str().unwrap(),
     ]);
     // Not the dense model's hash: each quantization is its own base.
     let hashes: serde_json::Value = serde_json::from_str(
@@ -64,9 +86,9 @@ async fn a_tenant_gets_a_quantized_bases_golden_text_through_the_gateway() {
         "--tenant",
         "acme",
         "--base-model",
-        MODEL,
+        model,
         "--artifact-uri",
-        &format!("llama-gqa/{ADAPTER}"),
+        &format!("llama-gqa/{adapter}"),
     ])["lora_int_id"]
         .as_i64()
         .unwrap();
@@ -75,7 +97,7 @@ async fn a_tenant_gets_a_quantized_bases_golden_text_through_the_gateway() {
     // only on the quantization it is declared for.
     let dense_copy = p.root.path().join("llama-gqa/as-trained");
     copy_dir(
-        &engine_fixtures().join("adapters/llama-gqa").join(ADAPTER),
+        &engine_fixtures().join("adapters/llama-gqa").join(adapter),
         &dense_copy,
     );
     p.ctl(&[
@@ -85,7 +107,7 @@ async fn a_tenant_gets_a_quantized_bases_golden_text_through_the_gateway() {
         "--tenant",
         "acme",
         "--base-model",
-        MODEL,
+        model,
         "--artifact-uri",
         "llama-gqa/as-trained",
     ])
@@ -105,7 +127,7 @@ async fn a_tenant_gets_a_quantized_bases_golden_text_through_the_gateway() {
         "base",
         "--base",
         "--base-model",
-        MODEL,
+        model,
     ]);
     assert_gateway_gives(&p, &key, &expected, |adapter| match adapter {
         Some(_) => "support",
@@ -115,10 +137,10 @@ async fn a_tenant_gets_a_quantized_bases_golden_text_through_the_gateway() {
     let rows = p.audit_rows("acme", "support", 3).await;
     assert!(rows.iter().all(|r| r["lora_int_id"].as_i64() == Some(id)));
     let worker = &p.ctl_json(&["fleet"])["workers"][0];
-    assert_eq!(worker["base_model"], MODEL);
+    assert_eq!(worker["base_model"], model);
     // The fleet shows the quantization and what the weights take as the
-    // worker holds them: the 4-bit codes, well under the f32 checkpoint.
-    assert_eq!(worker["quantization"], "int4, groups of 32", "{worker}");
+    // worker holds them: the codes, well under the f32 checkpoint.
+    assert_eq!(worker["quantization"], label, "{worker}");
     let held = worker["weights_bytes"].as_u64().unwrap();
     // The dense llama-gqa's shards, f32.
     let dense: u64 = std::fs::read_dir(engine_fixtures().join("llama-gqa"))
@@ -129,5 +151,5 @@ async fn a_tenant_gets_a_quantized_bases_golden_text_through_the_gateway() {
         .sum();
     assert!(held > 0 && held < dense * 3 / 4, "{held} of {dense}");
     let table = p.ctl(&["fleet"]).stdout;
-    assert!(table.contains("int4, groups of 32"), "{table}");
+    assert!(table.contains(label), "{table}");
 }

@@ -11,7 +11,11 @@ script's `llama-gqa`):
 (made with llmcompressor 0.14.0.1, compressed-tensors 0.19.0, transformers
 5.17.0, peft 0.21.2, torch 2.14.0 on the CPU).
 
-It writes `llama-gqa-tool-<scheme>/`, each a checkpoint as the tool saves it:
+It writes `llama-gqa-tool-<scheme>/` (every scheme, from the f32
+`llama-gqa`) and `qwen2-tied-tool-<scheme>/` (the 8-bit packed, FP8 block
+and transformers FP8 ones, from the bf16 `qwen2-tied` as stored: bf16
+scales, q/k/v biases, the embeddings tied to the lm_head), each a
+checkpoint as the tool saves it:
 
 - compressed-tensors, by llm-compressor's `oneshot` with one
   `QuantizationModifier` (round to nearest, no calibration data), every
@@ -26,7 +30,7 @@ It writes `llama-gqa-tool-<scheme>/`, each a checkpoint as the tool saves it:
   `FineGrainedFP8Config` applies on the GPU, called here on the CPU).
 
 and `golden_tool_quantized.json`: for each checkpoint, the base model and
-two adapters of the dense model, the greedy tokens and the last prompt
+two adapters of its dense model, the greedy tokens and the last prompt
 position's logits of transformers + PEFT on the checkpoint as transformers
 loads it: `CompressedTensorsConfig(dequantize=True)` (the weights
 decompressed by compressed-tensors; input activations still quantized on
@@ -58,8 +62,11 @@ from transformers.integrations.finegrained_fp8 import Fp8Quantize
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from make_fixtures import MAX_NEW, PROMPTS  # noqa: E402
 
-SOURCE = "llama-gqa"
-ADAPTERS = ["qv-r8", "all-linear-rslora"]
+# dense model -> (the dtype it is stored in, its adapters, its schemes)
+SOURCES = {
+    "llama-gqa": (torch.float32, ["qv-r8", "all-linear-rslora"], None),
+    "qwen2-tied": (torch.bfloat16, ["qv-r8", "all-linear-r4"], ["w8a16", "w8a16-asym", "fp8-block32", "hf-fp8"]),
+}
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -106,9 +113,9 @@ def copy_tokenizer(src, path):
         shutil.copy(os.path.join(src, extra), path)
 
 
-def write_compressed(out, name, w, a):
-    src = os.path.join(out, SOURCE)
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+def write_compressed(out, source, name, w, a):
+    src = os.path.join(out, source)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=SOURCES[source][0])
     scheme = QuantizationScheme(targets=["Linear"], weights=w, input_activations=a)
     oneshot(model=model, recipe=QuantizationModifier(config_groups={"group_0": scheme}, ignore=["lm_head"]))
     path = os.path.join(out, name)
@@ -125,13 +132,16 @@ class _Quantizer:
         self.quantization_config = config
 
 
-def write_transformers_fp8(out, name):
-    src = os.path.join(out, SOURCE)
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+def write_transformers_fp8(out, source, name):
+    src = os.path.join(out, source)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=SOURCES[source][0])
     config = FineGrainedFP8Config(weight_block_size=HF_FP8_BLOCK, modules_to_not_convert=["lm_head"])
     quantize = Fp8Quantize(_Quantizer(config))
     stored = {}
+    tied = model.config.tie_word_embeddings
     for key, t in model.state_dict().items():
+        if tied and key == "lm_head.weight":
+            continue
         stem = key[: -len(".weight")] if key.endswith(".weight") else None
         if stem and stem.startswith("model.layers.") and stem.split(".")[-1] in LINEARS:
             stored.update(quantize._quantize_one(key, t))
@@ -158,7 +168,7 @@ def write_transformers_fp8(out, name):
     return path
 
 
-def record(golden, tok, name, path, qconfig):
+def record(golden, tok, source, name, path, qconfig):
     def load():
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=qconfig).eval()
 
@@ -181,23 +191,26 @@ def record(golden, tok, name, path, qconfig):
             )
 
     run(load(), None)
-    for adapter in ADAPTERS:
-        adir = os.path.join(os.path.dirname(path), "adapters", SOURCE, adapter)
+    for adapter in SOURCES[source][1]:
+        adir = os.path.join(os.path.dirname(path), "adapters", source, adapter)
         run(PeftModel.from_pretrained(load(), adir).eval(), adapter)
 
 
 def main():
     torch.manual_seed(0)
     out = sys.argv[1] if len(sys.argv) > 1 else "worker/engine/tests/fixtures"
-    tok = Tokenizer.from_file(os.path.join(out, SOURCE, "tokenizer.json"))
     golden = {"max_new_tokens": MAX_NEW, "cases": []}
-    for scheme, (w, a) in SCHEMES.items():
-        name = f"{SOURCE}-tool-{scheme}"
-        path = write_compressed(out, name, w, a)
-        record(golden, tok, name, path, CompressedTensorsConfig(dequantize=True))
-    name = f"{SOURCE}-tool-hf-fp8"
-    path = write_transformers_fp8(out, name)
-    record(golden, tok, name, path, FineGrainedFP8Config(dequantize=True))
+    for source, (_, _, only) in SOURCES.items():
+        tok = Tokenizer.from_file(os.path.join(out, source, "tokenizer.json"))
+        for scheme, (w, a) in SCHEMES.items():
+            if only is None or scheme in only:
+                name = f"{source}-tool-{scheme}"
+                path = write_compressed(out, source, name, w, a)
+                record(golden, tok, source, name, path, CompressedTensorsConfig(dequantize=True))
+        if only is None or "hf-fp8" in only:
+            name = f"{source}-tool-hf-fp8"
+            path = write_transformers_fp8(out, source, name)
+            record(golden, tok, source, name, path, FineGrainedFP8Config(dequantize=True))
     with open(os.path.join(out, "golden_tool_quantized.json"), "w") as f:
         json.dump(golden, f)
     print(f"wrote {len(golden['cases'])} golden cases to {out}")

@@ -71,20 +71,32 @@ fn checkpoints_the_tools_wrote_match_the_tools_own_readers() {
     let text = std::fs::read_to_string(fixtures().join("golden_tool_quantized.json")).unwrap();
     let golden: Golden = serde_json::from_str(&text).unwrap();
     let mut checked = 0;
-    for scheme in TOOL_SCHEMES {
-        let model = format!("llama-gqa-tool-{scheme}");
+    for (model, dense) in tool_checkpoints() {
         let files = WeightFiles::open_model_dir(&model_dir(&model)).unwrap();
         let q = files.quantization().expect("quantized");
         eprintln!("{model}: {}", q.label());
-        let tolerance = if scheme == "w8a8" { 1e-2 } else { 1e-4 };
-        let n = check_golden_cases_on_cpu_within(&golden, &model, "llama-gqa", tolerance);
+        let tolerance = if model.ends_with("-w8a8") { 1e-2 } else { 1e-4 };
+        let n = check_golden_cases_on_cpu_within(&golden, &model, dense, tolerance);
         assert_eq!(n, 3 * 3, "{model}: 3 prompts x (base + 2 adapters)");
         checked += n;
     }
     assert_eq!(checked, golden.cases.len());
 }
 
-/// The tool-written checkpoints, by scheme.
+/// The tool-written checkpoints (model, the dense model its adapters were
+/// made for): every scheme of the f32 llama-gqa, and the new formats of
+/// the bf16 qwen2-tied (bf16 scales, q/k/v biases, a tied lm_head).
+fn tool_checkpoints() -> Vec<(String, &'static str)> {
+    let llama = TOOL_SCHEMES
+        .iter()
+        .map(|s| (format!("llama-gqa-tool-{s}"), "llama-gqa"));
+    let qwen = ["w8a16", "w8a16-asym", "fp8-block32", "hf-fp8"]
+        .iter()
+        .map(|s| (format!("qwen2-tied-tool-{s}"), "qwen2-tied"));
+    llama.chain(qwen).collect()
+}
+
+/// The schemes llama-gqa was quantized in by the tools.
 const TOOL_SCHEMES: [&str; 10] = [
     "w8a16",
     "w8a16-asym",
@@ -288,7 +300,8 @@ fn the_cuda_layout_of_every_quantized_weight_reads_back_bit_for_bit() {
     use lorafleet_engine::backend::cuda::quant::{HostPart, QuantPlan, fp8_ready};
     use lorafleet_engine::lora::Projection;
     let mut matrices = 0;
-    let tools = TOOL_SCHEMES.iter().map(|s| format!("llama-gqa-tool-{s}"));
+    let mut expected = 0;
+    let tools = tool_checkpoints().into_iter().map(|(m, _)| m);
     for model in variants().into_iter().map(|(m, _)| m).chain(tools) {
         let dir = model_dir(&model);
         let config = ModelConfig::from_dir(&dir).unwrap();
@@ -304,6 +317,7 @@ fn the_cuda_layout_of_every_quantized_weight_reads_back_bit_for_bit() {
                 }
         };
         let gptq = model.ends_with("gptq");
+        expected += config.num_layers * 7;
         let mut bytes = 0;
         for l in 0..config.num_layers {
             for p in Projection::ALL {
@@ -346,7 +360,12 @@ fn the_cuda_layout_of_every_quantized_weight_reads_back_bit_for_bit() {
         assert_eq!(plan.quantized, bytes, "{model}: planned device bytes");
         assert!(plan.quantized < plan.replaced, "{model}: smaller than bf16");
     }
-    assert_eq!(matrices, (12 + TOOL_SCHEMES.len()) * 2 * 7);
+    assert_eq!(matrices, expected);
+    assert_eq!(
+        expected,
+        (12 + 14) * 2 * 7,
+        "every fixture's every projection"
+    );
 }
 
 /// An FP8 checkpoint that quantizes its activations too
