@@ -320,13 +320,41 @@ fn the_cuda_layout_of_every_quantized_weight_reads_back_bit_for_bit() {
         expected += config.num_layers * 7;
         let mut bytes = 0;
         for l in 0..config.num_layers {
+            // The device reads a fused group (q, k and v; gate and up)
+            // quantized only when every part of it is.
+            let stored = |p: Projection| {
+                files.stored_quantized(&format!(
+                    "model.layers.{l}.{}.{}.weight",
+                    p.parent(),
+                    p.module_name()
+                ))
+            };
+            let group_quantized = |p: Projection| {
+                let group: &[Projection] = match p {
+                    Projection::Q | Projection::K | Projection::V => {
+                        &[Projection::Q, Projection::K, Projection::V]
+                    }
+                    Projection::Gate | Projection::Up => &[Projection::Gate, Projection::Up],
+                    Projection::O => &[Projection::O],
+                    Projection::Down => &[Projection::Down],
+                };
+                group.iter().all(|&p| stored(p))
+            };
             for p in Projection::ALL {
                 let (fan_in, out) = p.shape(&config);
                 let name = format!("model.layers.{l}.{}.{}.weight", p.parent(), p.module_name());
-                let m = files
-                    .quantized_matrix(&name, &[out, fan_in])
-                    .unwrap()
-                    .unwrap_or_else(|| panic!("{model}: {name} is quantized"));
+                let Some(m) = files.quantized_matrix(&name, &[out, fan_in]).unwrap() else {
+                    // transformers' FP8 quantizer leaves a matrix its
+                    // blocks do not divide as it was: qwen2-tied's k and v
+                    // (16 outputs, blocks of 32).
+                    assert!(
+                        model == "qwen2-tied-tool-hf-fp8"
+                            && matches!(p, Projection::K | Projection::V),
+                        "{model}: {name} is quantized"
+                    );
+                    expected -= 1;
+                    continue;
+                };
                 let part = HostPart::new(&m);
                 for o in 0..out {
                     for k in 0..fan_in {
@@ -343,6 +371,10 @@ fn the_cuda_layout_of_every_quantized_weight_reads_back_bit_for_bit() {
                     row_scaled_fp8(fan_in),
                     "{model}: {name}"
                 );
+                matrices += 1;
+                if !group_quantized(p) {
+                    continue;
+                }
                 // FP8 GEMMs keep a scale per row beside the codes.
                 if row_scaled_fp8(fan_in) && q.fp8_inputs_per_token() {
                     bytes += 4 * out as u64;
@@ -353,7 +385,6 @@ fn the_cuda_layout_of_every_quantized_weight_reads_back_bit_for_bit() {
                     } else {
                         0
                     };
-                matrices += 1;
             }
         }
         let plan = QuantPlan::new(&files, &config, Dtype::Bf16, 64, false).unwrap();
@@ -363,8 +394,8 @@ fn the_cuda_layout_of_every_quantized_weight_reads_back_bit_for_bit() {
     assert_eq!(matrices, expected);
     assert_eq!(
         expected,
-        (12 + 14) * 2 * 7,
-        "every fixture's every projection"
+        (12 + 14) * 2 * 7 - 4,
+        "every fixture's every projection but the 4 transformers left"
     );
 }
 

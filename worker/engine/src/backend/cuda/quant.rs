@@ -353,11 +353,16 @@ impl QuantPlan {
         for l in 0..c.num_layers {
             for group in groups {
                 let fan_in = group[0].shape(c).0 as u64;
-                for (path, out) in lorafleet_artifact::adapter::stored_tensors(c, group) {
-                    let name = format!("model.layers.{l}.{path}.weight");
-                    if !files.stored_quantized(&name) {
-                        continue;
-                    }
+                let tensors = lorafleet_artifact::adapter::stored_tensors(c, group);
+                // A group that mixes quantized and dense tensors is read
+                // dense (`read_parts`).
+                let quantized = tensors.iter().all(|(path, _)| {
+                    files.stored_quantized(&format!("model.layers.{l}.{path}.weight"))
+                });
+                if !quantized {
+                    continue;
+                }
+                for (_, out) in tensors {
                     let out = out as u64;
                     plan.replaced += fan_in * out * w;
                     plan.quantized += planned_bytes(q, out, fan_in);
