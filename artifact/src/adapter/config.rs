@@ -31,6 +31,10 @@ pub struct AdapterConfig {
     pub r: usize,
     pub lora_alpha: f32,
     pub use_rslora: bool,
+    /// DoRA (`use_dora`): each targeted module also stores a magnitude
+    /// vector, and its output is `m / ‖W + s·B·A‖` (per output row) times
+    /// the LoRA-adapted output, bias apart.
+    pub use_dora: bool,
     /// (compiled pattern, key as written, rank).
     pub rank_pattern: Patterns<usize>,
     /// (compiled pattern, key as written, alpha).
@@ -323,7 +327,6 @@ fn parse(
     }
     // Features that change the math: refused unless unset.
     let refused: &[(&str, &str)] = &[
-        ("use_dora", "DoRA is not supported"),
         (
             "modules_to_save",
             "modules_to_save replaces base weights and is not supported",
@@ -395,6 +398,7 @@ fn parse(
         "r",
         "lora_alpha",
         "use_rslora",
+        "use_dora",
         "rank_pattern",
         "alpha_pattern",
         "target_modules",
@@ -440,6 +444,17 @@ fn parse(
             return Err(invalid(
                 adapter,
                 "use_rslora",
+                format!("must be true or false, got {v}"),
+            ));
+        }
+    };
+    let use_dora = match get("use_dora") {
+        None => false,
+        Some(Value::Bool(b)) => *b,
+        Some(v) => {
+            return Err(invalid(
+                adapter,
+                "use_dora",
                 format!("must be true or false, got {v}"),
             ));
         }
@@ -556,10 +571,18 @@ fn parse(
             Some(layers)
         }
     };
+    if use_dora && !expert_targets.is_empty() {
+        return Err(unsupported(
+            adapter,
+            "use_dora",
+            "DoRA on target_parameters (a Mixture-of-Experts block's fused experts) is not defined",
+        ));
+    }
     Ok(AdapterConfig {
         r,
         lora_alpha,
         use_rslora,
+        use_dora,
         rank_pattern,
         alpha_pattern,
         targets,

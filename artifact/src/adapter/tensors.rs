@@ -24,15 +24,8 @@ pub enum Factor {
     A,
     /// `lora_B`: `[out, rank]`.
     B,
-}
-
-impl Factor {
-    fn letter(self) -> char {
-        match self {
-            Factor::A => 'A',
-            Factor::B => 'B',
-        }
-    }
+    /// DoRA's `lora_magnitude_vector`: `[out]`, one per output row.
+    Magnitude,
 }
 
 /// One tensor an adapter stores.
@@ -46,11 +39,12 @@ pub struct Expected {
 
 /// The name PEFT gives one layer's module factor.
 pub fn module_tensor(layer: usize, t: Target, factor: Factor) -> String {
-    format!(
-        "base_model.model.model.layers.{layer}.{}.lora_{}.weight",
-        t.path,
-        factor.letter()
-    )
+    let what = match factor {
+        Factor::A => "lora_A.weight",
+        Factor::B => "lora_B.weight",
+        Factor::Magnitude => "lora_magnitude_vector",
+    };
+    format!("base_model.model.model.layers.{layer}.{}.{what}", t.path)
 }
 
 /// Where PEFT stores an expert parameter's factors in one layer: the fused
@@ -72,8 +66,13 @@ pub fn expected_in_layer(config: &AdapterConfig, layer: usize) -> Vec<Expected> 
         return Vec::new();
     }
     let mut out = Vec::new();
+    let factors: &[Factor] = if config.use_dora {
+        &[Factor::A, Factor::B, Factor::Magnitude]
+    } else {
+        &[Factor::A, Factor::B]
+    };
     for t in config.stored_targets() {
-        for factor in [Factor::A, Factor::B] {
+        for &factor in factors {
             out.push(Expected {
                 name: module_tensor(layer, t, factor),
                 layer,
@@ -84,9 +83,9 @@ pub fn expected_in_layer(config: &AdapterConfig, layer: usize) -> Vec<Expected> 
     }
     for &t in &config.expert_targets {
         let prefix = expert_prefix(layer, t, &config.expert_targets);
-        for factor in [Factor::A, Factor::B] {
+        for (factor, letter) in [(Factor::A, 'A'), (Factor::B, 'B')] {
             out.push(Expected {
-                name: format!("{prefix}.lora_{}.weight", factor.letter()),
+                name: format!("{prefix}.lora_{letter}.weight"),
                 layer,
                 holds: Holds::Expert(t),
                 factor,
@@ -114,7 +113,7 @@ fn unexpected(name: &str) -> &'static str {
     } else if name.contains("lm_head") {
         "lm_head adapters are not supported"
     } else if name.contains("lora_magnitude_vector") {
-        "DoRA magnitude vectors are not supported"
+        "is a DoRA magnitude vector, but adapter_config.json does not set use_dora"
     } else {
         "is not a lora_A/lora_B weight of a targeted projection or expert parameter in a transformed layer"
     }
@@ -162,6 +161,31 @@ pub fn check(
                     .find(|e| e.name == name)
             })
             .ok_or_else(|| bad(name, unexpected(name).into()))?;
+        if expected.factor == Factor::Magnitude {
+            // One value per output row: as many as lora_B has rows.
+            let Holds::Module(t) = expected.holds else {
+                unreachable!("magnitudes are expected for modules only")
+            };
+            let b = module_tensor(expected.layer, t, Factor::B);
+            let rows = header.tensors.get(&b).and_then(|b| b.shape.first().copied());
+            match (&info.shape[..], rows) {
+                ([n], Some(rows)) if *n == rows => {}
+                ([n], Some(rows)) => {
+                    return Err(bad(
+                        name,
+                        format!("has {n} values, but the module has {rows} outputs (the rows of lora_B)"),
+                    ));
+                }
+                ([_], None) => {}
+                (shape, _) => {
+                    return Err(bad(
+                        name,
+                        format!("has shape {shape:?}, not one value per output row"),
+                    ));
+                }
+            }
+            continue;
+        }
         let [rows, cols] = info.shape[..] else {
             return Err(bad(
                 name,
@@ -170,7 +194,7 @@ pub fn check(
         };
         let rank_dim = match expected.factor {
             Factor::A => rows,
-            Factor::B => cols,
+            Factor::B | Factor::Magnitude => cols,
         };
         let path = rank_path(&expected);
         let (rank, _) = config.rank_and_alpha(adapter, &path)?;
@@ -288,6 +312,33 @@ mod tests {
 
         let (_, r) = reason(check("a", &c, &header(&[]), None).unwrap_err());
         assert_eq!(r, "holds no tensors");
+    }
+
+    #[test]
+    fn a_dora_magnitude_holds_one_value_per_output_and_needs_use_dora() {
+        let m = "base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector";
+        let plain =
+            config(r#"{"peft_type":"LORA","r":4,"lora_alpha":8,"target_modules":["q_proj"]}"#);
+        let dora = config(
+            r#"{"peft_type":"LORA","r":4,"lora_alpha":8,"use_dora":true,"target_modules":["q_proj"]}"#,
+        );
+        let with = |n: u64| header(&[(Q_A, &[4, 16]), (Q_B, &[16, 4]), (m, &[n])]);
+        assert!(check("a", &dora, &with(16), Some(1)).is_ok());
+        assert!(check("a", &dora, &with(16), None).is_ok());
+        let (t, r) = reason(check("a", &dora, &with(15), None).unwrap_err());
+        assert_eq!(t, m);
+        assert!(r.contains("15 values") && r.contains("16 outputs"), "{r}");
+        let (t, r) = reason(check("a", &plain, &with(16), None).unwrap_err());
+        assert_eq!(t, m);
+        assert!(r.contains("does not set use_dora"), "{r}");
+        // The magnitude is required with use_dora.
+        let (t, r) = reason(
+            check("a", &dora, &header(&[(Q_A, &[4, 16]), (Q_B, &[16, 4])]), Some(1)).unwrap_err(),
+        );
+        assert_eq!((t.as_str(), r.as_str()), (m, "the tensor is missing"));
+        let square = header(&[(Q_A, &[4, 16]), (Q_B, &[16, 4]), (m, &[16, 1])]);
+        let (_, r) = reason(check("a", &dora, &square, None).unwrap_err());
+        assert!(r.contains("not one value per output row"), "{r}");
     }
 
     #[test]

@@ -19,7 +19,8 @@
 //! 5); the table gives each row's median tokens/s, the ratio of that median
 //! to the first row's, and the median over rounds of the ratio taken within
 //! one round. `LORAFLEET_BENCH_ADAPTERS=1,512` picks the adapter counts;
-//! `LORAFLEET_BENCH_EVICTION=lru` runs the device tier's LRU eviction
+//! `LORAFLEET_BENCH_DORA=1` makes the adapters DoRA (`use_dora`, a
+//! magnitude vector per module). `LORAFLEET_BENCH_EVICTION=lru` runs the device tier's LRU eviction
 //! instead of eviction by value. `LORAFLEET_BENCH_STEPS=1` prints, for each run, the time spent in steps
 //! of each size (tokens per step) on stderr: in this workload the steps of
 //! 256 tokens are prefills and those of 32 decodes.
@@ -80,12 +81,21 @@ fn main() {
         weight_mb(backend.layer_projection_bytes())
     );
     drop(backend);
-    let adapter_dirs = standin::adapters(*counts.iter().max().unwrap());
+    // LORAFLEET_BENCH_DORA=1: the same adapters as DoRA (a magnitude vector
+    // per module), to show what DoRA's per-row scale costs.
+    let dora = std::env::var("LORAFLEET_BENCH_DORA").is_ok_and(|v| v == "1");
+    let adapter_dirs = standin::adapters_of_kind(
+        &standin::SMALL,
+        *counts.iter().max().unwrap(),
+        standin::RANK,
+        dora,
+    );
     println!(
-        "decode throughput, STAND-IN ~100M Llama (h={}, L={}, weights {weights}), rank {}, {REQUESTS} requests x {NEW} new tokens, {} threads, {rounds} rounds",
+        "decode throughput, STAND-IN ~100M Llama (h={}, L={}, weights {weights}), rank {}{}, {REQUESTS} requests x {NEW} new tokens, {} threads, {rounds} rounds",
         standin::HIDDEN,
         standin::LAYERS,
         standin::RANK,
+        if dora { " DoRA" } else { "" },
         rayon::current_num_threads()
     );
     let warm_up = run_once(&model, &adapter_dirs[..counts[0]]);
@@ -155,7 +165,8 @@ fn main() {
     }
     chart.write(
         &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(format!(
-            "../../docs/plots/cpu_decode_adapters_{weights}.svg"
+            "../../docs/plots/cpu_decode_adapters_{weights}{}.svg",
+            if dora { "_dora" } else { "" }
         )),
     );
 }

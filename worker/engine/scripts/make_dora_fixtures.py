@@ -9,7 +9,8 @@ make_tool_quantized_fixtures.py (it adapts their models):
 
 (made with peft 0.21.2, transformers 5.17.0, torch 2.14.0.)
 
-It writes `adapters/<model>/dora-*/`: PEFT LoRA adapters with `use_dora:
+It writes `adapters/dora/<model>/dora-*/` (apart from the plain adapters, which
+other tests take all of): PEFT LoRA adapters with `use_dora:
 true`, A, B and the magnitude vector (`lora_magnitude_vector`) all moved
 off their initial values (a fresh DoRA adapter's magnitude is exactly the
 base's column norm, which would hide a wrong norm), and
@@ -108,7 +109,7 @@ def main():
         for j, (name, kwargs) in enumerate(adapters):
             peft_model = get_peft_model(load(path), LoraConfig(task_type="CAUSAL_LM", lora_dropout=0.0, use_dora=True, **kwargs))
             randomize(peft_model, 5000 + 100 * i + j)
-            adir = os.path.join(out, "adapters", adapter_model, name)
+            adir = os.path.join(out, "adapters", "dora", adapter_model, name)
             shutil.rmtree(adir, ignore_errors=True)
             peft_model.save_pretrained(adir)
             os.remove(os.path.join(adir, "README.md"))

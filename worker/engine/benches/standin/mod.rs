@@ -236,6 +236,12 @@ pub fn adapters_shaped(shape: &Shape, n: usize) -> Vec<PathBuf> {
 /// [`adapters_shaped`] of rank `rank` (their own directory unless
 /// [`RANK`]).
 pub fn adapters_ranked(shape: &Shape, n: usize, rank: usize) -> Vec<PathBuf> {
+    adapters_of_kind(shape, n, rank, false)
+}
+
+/// [`adapters_ranked`], DoRA (`use_dora`, a magnitude vector per module
+/// near 1) when `dora`, in their own directory.
+pub fn adapters_of_kind(shape: &Shape, n: usize, rank: usize, dora: bool) -> Vec<PathBuf> {
     let Shape {
         hidden,
         layers,
@@ -247,9 +253,10 @@ pub fn adapters_ranked(shape: &Shape, n: usize, rank: usize) -> Vec<PathBuf> {
     let kv = kv_heads * head_dim;
     (0..n)
         .map(|i| {
-            let set = match rank {
-                RANK => "adapters".to_owned(),
-                r => format!("adapters-r{r}"),
+            let set = match (rank, dora) {
+                (RANK, false) => "adapters".to_owned(),
+                (r, false) => format!("adapters-r{r}"),
+                (r, true) => format!("adapters-dora-r{r}"),
             };
             let dir = root().join(shape.dir).join(set).join(format!("a{i:04}"));
             if dir.join("adapter_model.safetensors").exists() {
@@ -257,7 +264,7 @@ pub fn adapters_ranked(shape: &Shape, n: usize, rank: usize) -> Vec<PathBuf> {
             }
             std::fs::create_dir_all(&dir).unwrap();
             let config = serde_json::json!({
-                "peft_type": "LORA", "r": rank, "lora_alpha": 32, "bias": "none",
+                "peft_type": "LORA", "r": rank, "lora_alpha": 32, "bias": "none", "use_dora": dora,
                 "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"], "task_type": "CAUSAL_LM"
             });
             std::fs::write(dir.join("adapter_config.json"), config.to_string()).unwrap();
@@ -281,6 +288,10 @@ pub fn adapters_ranked(shape: &Shape, n: usize, rank: usize) -> Vec<PathBuf> {
                         vec![out, rank],
                         random(&mut rng, out * rank, 0.05),
                     ));
+                    if dora {
+                        let m = random(&mut rng, out, 0.05).iter().map(|v| 1.0 + v).collect();
+                        t.push((format!("{p}.lora_magnitude_vector"), vec![out], m));
+                    }
                 }
             }
             write(&dir.join("adapter_model.safetensors"), t, Dtype::BF16);

@@ -3,8 +3,11 @@
 //! into a [`HostAdapter`], the host-tier form the pool keeps.
 //!
 //! Each targeted projection gets `y = x·Wᵀ + s·(x·Aᵀ)·Bᵀ` with
-//! `s = alpha / r` (or `alpha / √r` with `use_rslora`). Everything else PEFT
-//! can express that would change this math is refused by name.
+//! `s = alpha / r` (or `alpha / √r` with `use_rslora`); a DoRA adapter's
+//! (`use_dora`) gets `y = b + (m / ‖W + s·B·A‖) ⊙ (x·Wᵀ + s·(x·Aᵀ)·Bᵀ)`, its
+//! magnitude `m` and the norm of each output row of the adapted weight, as
+//! PEFT computes it. Everything else PEFT can express that would change
+//! this math is refused by name.
 
 use std::path::Path;
 
@@ -23,6 +26,8 @@ pub struct LoraModule {
     pub rank: usize,
     pub scale: f32,
     pub factors: Factors,
+    /// DoRA's magnitude vector, one value per output row of this part.
+    pub magnitude: Option<Vec<f32>>,
 }
 
 /// A module's A and Bᵀ in the precision the adapter file stores them in.
@@ -145,10 +150,56 @@ impl LoraModule {
     /// Bytes of weights held.
     pub fn bytes(&self) -> usize {
         let (a, b) = self.factors_len();
-        match &self.factors {
-            Factors::F32 { .. } => (a + b) * 4,
-            Factors::Bf16 { .. } => (a + b) * 2,
-        }
+        let magnitude = self.magnitude.as_ref().map_or(0, |m| m.len() * 4);
+        magnitude
+            + match &self.factors {
+                Factors::F32 { .. } => (a + b) * 4,
+                Factors::Bf16 { .. } => (a + b) * 2,
+            }
+    }
+
+    /// `(ΔW)[o]`, the LoRA delta of output row `o` scaled: `s · Σ_r B[o, r]
+    /// A[r, ·]`, `fan_in` values.
+    pub fn delta_row(&self, o: usize, fan_in: usize) -> Vec<f32> {
+        let rank = self.rank.max(1);
+        let b_t = self.b_t_f32();
+        let fan_out = b_t.len() / rank;
+        let a_t: std::borrow::Cow<'_, [f32]> = match &self.factors {
+            Factors::F32 { a_t, .. } => std::borrow::Cow::Borrowed(a_t),
+            Factors::Bf16 { a_t, .. } => std::borrow::Cow::Owned(widen(a_t)),
+        };
+        (0..fan_in)
+            .map(|k| {
+                let lora: f32 = (0..rank)
+                    .map(|r| a_t[k * rank + r] * b_t[r * fan_out + o])
+                    .sum();
+                self.scale * lora
+            })
+            .collect()
+    }
+
+    /// DoRA's scale of each output row, `m / ‖W + s·B·A‖`, given the
+    /// base weight's rows (`row(o, out)` writes row `o`, `fan_in` values)
+    /// as the backend holds them; `None` for a plain LoRA module.
+    pub fn dora_scales(&self, fan_in: usize, row: impl Fn(usize, &mut [f32])) -> Option<Vec<f32>> {
+        let magnitude = self.magnitude.as_ref()?;
+        let mut w = vec![0f32; fan_in];
+        Some(
+            magnitude
+                .iter()
+                .enumerate()
+                .map(|(o, &m)| {
+                    row(o, &mut w);
+                    let delta = self.delta_row(o, fan_in);
+                    let squares: f64 = w
+                        .iter()
+                        .zip(&delta)
+                        .map(|(&w, &d)| f64::from(w + d) * f64::from(w + d))
+                        .sum();
+                    m / squares.sqrt() as f32
+                })
+                .collect(),
+        )
     }
 }
 
@@ -183,6 +234,17 @@ pub struct HostAdapter {
     pub experts: std::sync::Arc<Vec<ExpertLayer>>,
     /// Bytes of weights held.
     pub bytes: usize,
+}
+
+impl HostAdapter {
+    /// Whether any module is DoRA (has a magnitude vector).
+    pub fn is_dora(&self) -> bool {
+        self.modules
+            .iter()
+            .flatten()
+            .flatten()
+            .any(|m| m.magnitude.is_some())
+    }
 }
 
 /// What a loader checks an adapter against.
@@ -294,6 +356,16 @@ fn build(
             let fan_out: usize = t.parts.iter().map(|p| p.shape(model).1).sum();
             let a_name = tensors::module_tensor(layer, t, Factor::A);
             let b_name = tensors::module_tensor(layer, t, Factor::B);
+            let magnitude = if config.use_dora {
+                let m_name = tensors::module_tensor(layer, t, Factor::Magnitude);
+                Some(
+                    files
+                        .f32(&m_name, &[fan_out])
+                        .map_err(|e| invalid(&m_name, strip_file(e)))?,
+                )
+            } else {
+                None
+            };
             // bf16 stays bf16 when both factors are stored so; anything
             // else is widened to f32, exactly.
             let a_bits = files
@@ -336,11 +408,12 @@ fn build(
                     })
                 }
             };
-            for (p, factors) in split {
+            for ((p, factors), (_, rows)) in split.into_iter().zip(&parts) {
                 let module = LoraModule {
                     rank,
                     scale,
                     factors,
+                    magnitude: magnitude.as_ref().map(|m| m[rows.clone()].to_vec()),
                 };
                 bytes += module.bytes();
                 slots[p.index()] = Some(module);

@@ -180,6 +180,7 @@ impl CpuBackend {
                 rank: vec![vec![0; n]; shape.slots],
                 scale: vec![vec![0.0; n]; shape.slots],
                 bf16: vec![vec![false; n]; shape.slots],
+                dora: vec![vec![None; n]; shape.slots],
             },
             expert_slots: vec![None; shape.slots],
             expert_lora_rows: Default::default(),

@@ -87,6 +87,10 @@ struct SlotTable {
     /// `bf16[slot][layer * 7 + proj]`: the module's regions hold bf16 bits
     /// ([`SlotView::bf16`]).
     bf16: Vec<Vec<bool>>,
+    /// `dora[slot][layer * 7 + proj]`: a DoRA module's scale of each output
+    /// row, `m / ‖W + s·B·A‖`, computed from this backend's base weights
+    /// when the slot is written; `None` for plain LoRA.
+    dora: Vec<Vec<Option<Vec<f32>>>>,
 }
 
 /// The token embeddings, in the checkpoint's precision. A model whose
@@ -228,11 +232,60 @@ impl CpuBackend {
     ) -> [Vec<f32>; K] {
         let mut outs = lin.forward_split(x, n, parts.map(|p| p.shape(&self.config).1));
         if !batch.segments.is_empty() {
+            let mut offset = 0;
             for (p, out) in parts.iter().zip(&mut outs) {
                 self.apply_lora(batch, layer, *p, x, out);
+                let width = p.shape(&self.config).1;
+                let bias = lin.bias().map(|b| &b[offset..offset + width]);
+                self.apply_dora(batch, layer, *p, bias, out);
+                offset += width;
             }
         }
         outs
+    }
+
+    /// DoRA: each DoRA segment's rows of `out` (the base output with its
+    /// LoRA delta added) become `b + scale ⊙ (out - b)`, PEFT's `base +
+    /// (scale - 1)·(base - b) + scale·s·B·A·x`.
+    fn apply_dora(
+        &self,
+        batch: &StepBatch<'_>,
+        layer: usize,
+        p: Projection,
+        bias: Option<&[f32]>,
+        out: &mut [f32],
+    ) {
+        let key = layer * 7 + p.index();
+        let width = p.shape(&self.config).1;
+        for seg in &batch.segments {
+            let Some(scales) = &self.slots.dora[seg.slot][key] else {
+                continue;
+            };
+            for row in out[seg.start * width..seg.end * width].chunks_exact_mut(width) {
+                for (o, v) in row.iter_mut().enumerate() {
+                    let b = bias.map_or(0.0, |b| b[o]);
+                    *v = b + scales[o] * (*v - b);
+                }
+            }
+        }
+    }
+
+    /// The packed projection that holds `p` of `layer`, and the first of
+    /// its rows that are `p`'s; `None` for a Mixture-of-Experts layer's
+    /// MLP projections.
+    fn base_linear(&self, layer: usize, p: Projection) -> Option<(&PackedLinear, usize)> {
+        let l = &self.layers[layer];
+        let out = |p: Projection| p.shape(&self.config).1;
+        match (p, &l.mlp) {
+            (Projection::Q, _) => Some((&l.qkv, 0)),
+            (Projection::K, _) => Some((&l.qkv, out(Projection::Q))),
+            (Projection::V, _) => Some((&l.qkv, out(Projection::Q) + out(Projection::K))),
+            (Projection::O, _) => Some((&l.o, 0)),
+            (Projection::Gate, Mlp::Dense { gate_up, .. }) => Some((gate_up, 0)),
+            (Projection::Up, Mlp::Dense { gate_up, .. }) => Some((gate_up, out(Projection::Gate))),
+            (Projection::Down, Mlp::Dense { down, .. }) => Some((down, 0)),
+            (Projection::Gate | Projection::Up | Projection::Down, Mlp::Moe(_)) => None,
+        }
     }
 
     /// Where `position`'s key (and value) of sequence `s` is in `layer`'s
@@ -342,6 +395,32 @@ impl Backend for CpuBackend {
                 }
             }
         }
+        // DoRA's scales, from the base weights as this backend holds them
+        // (dequantized rows for a quantized base, as PEFT dequantizes).
+        for (layer, modules) in adapter.modules.iter().enumerate() {
+            for (i, m) in modules.iter().enumerate() {
+                let Some(m) = m.as_ref().filter(|m| m.magnitude.is_some()) else {
+                    continue;
+                };
+                let p = Projection::ALL[i];
+                let Some((lin, first)) = self.base_linear(layer, p) else {
+                    self.clear_slot(slot)?;
+                    return Err(EngineError::Adapter(
+                        lorafleet_artifact::adapter::AdapterError::Unsupported {
+                            adapter: adapter.name.clone(),
+                            field: "use_dora".into(),
+                            reason: format!(
+                                "DoRA on layer {layer}'s {} (a Mixture-of-Experts MLP) is not supported",
+                                p.module_name()
+                            ),
+                        },
+                    ));
+                };
+                let fan_in = p.shape(&self.config).0;
+                let scales = m.dora_scales(fan_in, |o, row| lin.row(first + o, row));
+                self.slots.dora[slot][layer * 7 + i] = scales;
+            }
+        }
         if adapter.experts.iter().any(|l| !l.is_empty()) {
             self.expert_slots[slot] = Some(adapter.experts.clone());
         }
@@ -361,6 +440,7 @@ impl Backend for CpuBackend {
             self.slots.rank[slot][key] = 0;
             self.slots.scale[slot][key] = 0.0;
             self.slots.bf16[slot][key] = false;
+            self.slots.dora[slot][key] = None;
         }
         Ok(())
     }

@@ -689,6 +689,16 @@ impl Backend for CudaBackend {
 
     fn write_slot(&mut self, slot: usize, adapter: &HostAdapter) -> Result<()> {
         super::check_slot_write(&self.shape, slot, adapter)?;
+        if adapter.is_dora() {
+            return Err(crate::error::EngineError::Adapter(
+                lorafleet_artifact::adapter::AdapterError::Unsupported {
+                    adapter: adapter.name.clone(),
+                    field: "use_dora".into(),
+                    reason: "the CUDA backend does not serve DoRA adapters yet (the CPU backend does)"
+                        .into(),
+                },
+            ));
+        }
         // The expert factors' copy goes first on the copy stream, so the
         // slot's ready event, recorded after the dense copy, covers both.
         self.expert_slots

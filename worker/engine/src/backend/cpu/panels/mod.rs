@@ -146,6 +146,11 @@ impl PackedLinear {
         self
     }
 
+    /// The bias added to each output, if the projection has one.
+    pub fn bias(&self) -> Option<&[f32]> {
+        self.bias.as_deref()
+    }
+
     pub fn fan_in(&self) -> usize {
         self.fan_in
     }
