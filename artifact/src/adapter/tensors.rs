@@ -167,13 +167,18 @@ pub fn check(
                 unreachable!("magnitudes are expected for modules only")
             };
             let b = module_tensor(expected.layer, t, Factor::B);
-            let rows = header.tensors.get(&b).and_then(|b| b.shape.first().copied());
+            let rows = header
+                .tensors
+                .get(&b)
+                .and_then(|b| b.shape.first().copied());
             match (&info.shape[..], rows) {
                 ([n], Some(rows)) if *n == rows => {}
                 ([n], Some(rows)) => {
                     return Err(bad(
                         name,
-                        format!("has {n} values, but the module has {rows} outputs (the rows of lora_B)"),
+                        format!(
+                            "has {n} values, but the module has {rows} outputs (the rows of lora_B)"
+                        ),
                     ));
                 }
                 ([_], None) => {}
@@ -222,11 +227,44 @@ pub fn check(
                 .into_iter()
                 .find(|e| !present.contains(&e.name))
             {
-                return Err(bad(&missing.name, "the tensor is missing".into()));
+                return Err(bad(&missing.name, missing_reason(missing.factor)));
+            }
+        }
+    } else if config.use_dora {
+        // Without the layer count, each module present must have its
+        // magnitude beside its factors.
+        for stored in header.tensors.keys() {
+            let Some(name) = language_model_name(stored) else {
+                continue;
+            };
+            let Some(e) = layer_of(&name).and_then(|l| {
+                expected_in_layer(config, l)
+                    .into_iter()
+                    .find(|e| e.name == name.as_ref() && e.factor == Factor::B)
+            }) else {
+                continue;
+            };
+            let Holds::Module(t) = e.holds else { continue };
+            let m = module_tensor(e.layer, t, Factor::Magnitude);
+            let present = header
+                .tensors
+                .keys()
+                .any(|k| language_model_name(k).is_some_and(|k| k.as_ref() == m));
+            if !present {
+                return Err(bad(&m, missing_reason(Factor::Magnitude)));
             }
         }
     }
     Ok(())
+}
+
+fn missing_reason(factor: Factor) -> String {
+    match factor {
+        Factor::Magnitude => {
+            "the tensor is missing (a DoRA adapter, `use_dora: true`, stores a magnitude vector per module)".into()
+        }
+        Factor::A | Factor::B => "the tensor is missing".into(),
+    }
 }
 
 #[cfg(test)]
@@ -333,9 +371,30 @@ mod tests {
         assert!(r.contains("does not set use_dora"), "{r}");
         // The magnitude is required with use_dora.
         let (t, r) = reason(
-            check("a", &dora, &header(&[(Q_A, &[4, 16]), (Q_B, &[16, 4])]), Some(1)).unwrap_err(),
+            check(
+                "a",
+                &dora,
+                &header(&[(Q_A, &[4, 16]), (Q_B, &[16, 4])]),
+                Some(1),
+            )
+            .unwrap_err(),
         );
-        assert_eq!((t.as_str(), r.as_str()), (m, "the tensor is missing"));
+        assert_eq!(t.as_str(), m);
+        assert!(
+            r.contains("the tensor is missing") && r.contains("use_dora"),
+            "{r}"
+        );
+        // At registration (no layer count) too.
+        let (t, _) = reason(
+            check(
+                "a",
+                &dora,
+                &header(&[(Q_A, &[4, 16]), (Q_B, &[16, 4])]),
+                None,
+            )
+            .unwrap_err(),
+        );
+        assert_eq!(t.as_str(), m);
         let square = header(&[(Q_A, &[4, 16]), (Q_B, &[16, 4]), (m, &[16, 1])]);
         let (_, r) = reason(check("a", &dora, &square, None).unwrap_err());
         assert!(r.contains("not one value per output row"), "{r}");

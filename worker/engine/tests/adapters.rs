@@ -150,7 +150,6 @@ fn every_fixture_adapter_loads() {
 fn features_that_change_the_math_are_refused_by_name() {
     let c = config(MODEL);
     let cases: Vec<(&str, Value, &str)> = vec![
-        ("use_dora", json!(true), "DoRA"),
         ("modules_to_save", json!(["lm_head"]), "modules_to_save"),
         ("bias", json!("all"), "only \"none\""),
         ("fan_in_fan_out", json!(true), "fan_in_fan_out"),
@@ -192,6 +191,15 @@ fn features_that_change_the_math_are_refused_by_name() {
         edit_config(dir.path(), |v| v[field] = value.clone());
         assert_refused(load(dir.path(), &c, 16, None), field, reason);
     }
+    // DoRA is served, but a DoRA config over a plain adapter's tensors
+    // (no magnitudes) is refused by the missing tensor.
+    let dir = copy_adapter("qv-r8");
+    edit_config(dir.path(), |v| v["use_dora"] = json!(true));
+    let err = load(dir.path(), &c, 16, None).unwrap_err().to_string();
+    assert!(
+        err.contains("lora_magnitude_vector") && err.contains("use_dora"),
+        "{err}"
+    );
     // Harmless keys may be set: they do not change inference.
     let dir = copy_adapter("qv-r8");
     edit_config(dir.path(), |v| {

@@ -289,7 +289,10 @@ pub fn adapters_of_kind(shape: &Shape, n: usize, rank: usize, dora: bool) -> Vec
                         random(&mut rng, out * rank, 0.05),
                     ));
                     if dora {
-                        let m = random(&mut rng, out, 0.05).iter().map(|v| 1.0 + v).collect();
+                        let m = random(&mut rng, out, 0.05)
+                            .iter()
+                            .map(|v| 1.0 + v)
+                            .collect();
                         t.push((format!("{p}.lora_magnitude_vector"), vec![out], m));
                     }
                 }

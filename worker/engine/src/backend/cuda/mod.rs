@@ -694,8 +694,9 @@ impl Backend for CudaBackend {
                 lorafleet_artifact::adapter::AdapterError::Unsupported {
                     adapter: adapter.name.clone(),
                     field: "use_dora".into(),
-                    reason: "the CUDA backend does not serve DoRA adapters yet (the CPU backend does)"
-                        .into(),
+                    reason:
+                        "the CUDA backend does not serve DoRA adapters yet (the CPU backend does)"
+                            .into(),
                 },
             ));
         }
