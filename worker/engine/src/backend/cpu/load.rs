@@ -182,6 +182,7 @@ impl CpuBackend {
                 bf16: vec![vec![false; n]; shape.slots],
                 dora: vec![vec![None; n]; shape.slots],
             },
+            base_row_norms: (0..n).map(|_| std::sync::OnceLock::new()).collect(),
             expert_slots: vec![None; shape.slots],
             expert_lora_rows: Default::default(),
             config,

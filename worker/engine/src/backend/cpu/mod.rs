@@ -18,6 +18,7 @@
 pub mod activation;
 pub mod amx;
 mod attention;
+mod dora;
 mod load;
 mod lora;
 mod moe;
@@ -127,6 +128,10 @@ pub struct CpuBackend {
     k_cache: Vec<Vec<f32>>,
     v_cache: Vec<Vec<f32>>,
     slots: SlotTable,
+    /// `base_row_norms[layer * 7 + proj]`: `‖W_o‖²` of each output row of
+    /// the base projection, for DoRA's norms; computed the first time a
+    /// DoRA module of that projection is written to a slot.
+    base_row_norms: Vec<std::sync::OnceLock<Vec<f64>>>,
     /// `expert_slots[slot]`: the slot's adapter's LoRA on the
     /// Mixture-of-Experts blocks, per layer; None where it has none.
     expert_slots: Vec<Option<std::sync::Arc<Vec<ExpertLayer>>>>,
@@ -416,9 +421,10 @@ impl Backend for CpuBackend {
                         },
                     ));
                 };
-                let fan_in = p.shape(&self.config).0;
-                let scales = m.dora_scales(fan_in, |o, row| lin.row(first + o, row));
-                self.slots.dora[slot][layer * 7 + i] = scales;
+                let out = p.shape(&self.config).1;
+                let w_sq = self.base_row_norms[layer * 7 + i]
+                    .get_or_init(|| dora::row_norms(lin, first, out));
+                self.slots.dora[slot][layer * 7 + i] = dora::scales(m, lin, first, w_sq);
             }
         }
         if adapter.experts.iter().any(|l| !l.is_empty()) {

@@ -221,7 +221,15 @@ impl PackedLinear {
             .zip(widths)
             .map(|(o, w)| (w, SharedOut(o.as_mut_ptr())))
             .collect();
-        self.fill(Kernel::detect(), amx::available(), x, n, &parts, true);
+        self.fill(
+            Kernel::detect(),
+            amx::available(),
+            x,
+            n,
+            &parts,
+            true,
+            false,
+        );
         for (o, w) in outs.iter_mut().zip(widths) {
             // SAFETY: the capacity is n * w, and `fill` returned, so it
             // wrote every row of every part's columns (the parts cover
@@ -256,7 +264,7 @@ impl PackedLinear {
                 (width, SharedOut(out.as_mut_ptr()))
             })
             .collect();
-        self.fill(kernel, amx, x, n, &parts, true);
+        self.fill(kernel, amx, x, n, &parts, true, false);
     }
 
     /// `out[t, o] += scale · x[t]·W[o]` for the `n` rows of `x`, all on the
@@ -268,7 +276,15 @@ impl PackedLinear {
         assert_eq!(out.len(), n * self.fan_out, "out holds {n} rows of fan_out");
         let mut y: Vec<f32> = Vec::with_capacity(n * self.fan_out);
         let parts = [(self.fan_out, SharedOut(y.as_mut_ptr()))];
-        self.fill(Kernel::detect(), amx::available(), x, n, &parts, false);
+        self.fill(
+            Kernel::detect(),
+            amx::available(),
+            x,
+            n,
+            &parts,
+            false,
+            false,
+        );
         // SAFETY: the capacity is n * fan_out, and `fill` returned, so it
         // wrote every row of every column.
         #[allow(unsafe_code)]
@@ -284,6 +300,9 @@ impl PackedLinear {
     /// buffer of `[n, width]`, which may be uninitialized), the widths
     /// adding up to `fan_out`, side by side. The groups of panels run on
     /// the team if `parallel`, else one after another on this thread.
+    /// `raw`: the products alone, `x·Wᵀ`, without the input's quantization
+    /// or the bias.
+    #[allow(clippy::too_many_arguments)]
     fn fill(
         &self,
         kernel: Kernel,
@@ -292,16 +311,17 @@ impl PackedLinear {
         n: usize,
         parts: &[(usize, SharedOut)],
         parallel: bool,
+        raw: bool,
     ) {
         let (fan_in, fan_out) = (self.fan_in, self.fan_out);
         assert_eq!(x.len(), n * fan_in, "x holds {n} rows of {fan_in}");
         let quantized;
         let x = match &self.input {
-            Some(q) => {
+            Some(q) if !raw => {
                 quantized = q.apply(x, fan_in);
                 &quantized[..]
             }
-            None => x,
+            _ => x,
         };
         let mut lo = 0;
         let parts: Vec<(usize, usize, SharedOut)> = parts
@@ -391,7 +411,7 @@ impl PackedLinear {
                 }
                 for t in 0..n {
                     let src = &mut local[t * width + lo - glo..t * width + hi - glo];
-                    if let Some(bias) = &self.bias {
+                    if let Some(bias) = self.bias.as_ref().filter(|_| !raw) {
                         for (y, &b) in src.iter_mut().zip(&bias[lo..hi]) {
                             *y += b;
                         }

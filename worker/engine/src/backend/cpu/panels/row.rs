@@ -1,8 +1,10 @@
 //! One output's weights read back out of the panels, exactly as the
 //! projection uses them: a model whose lm_head is tied to its token
 //! embeddings looks its embedding rows up here, so the table is held once.
+//! And the weights' products with vectors that are not activations (a
+//! DoRA adapter's A, for the norms of `W + s·B·A`).
 
-use super::{NR, PackedLinear, Panels, amx, bf16_to_f32};
+use super::{Kernel, NR, PackedLinear, Panels, SharedOut, amx, bf16_to_f32};
 
 impl PackedLinear {
     /// Writes the `fan_in` weights of output `o` to `out`.
@@ -26,6 +28,22 @@ impl PackedLinear {
             }
             Panels::Quant(q) => q.column(p, j, out),
         }
+    }
+
+    /// `x·Wᵀ` for the `n` rows of `x`, `[n, fan_out]`: the weights as the
+    /// projection holds them, with neither the bias nor the inputs'
+    /// quantization.
+    pub fn products(&self, x: &[f32], n: usize) -> Vec<f32> {
+        let mut y: Vec<f32> = Vec::with_capacity(n * self.fan_out);
+        let parts = [(self.fan_out, SharedOut(y.as_mut_ptr()))];
+        self.fill(Kernel::detect(), amx::available(), x, n, &parts, true, true);
+        // SAFETY: the capacity is n * fan_out, and `fill` returned, so it
+        // wrote every row of every column.
+        #[allow(unsafe_code)]
+        unsafe {
+            y.set_len(n * self.fan_out)
+        };
+        y
     }
 }
 
