@@ -4,6 +4,7 @@ use std::path::Path;
 
 use serde_json::{Map, Value};
 
+use super::selection::Selection;
 use super::{AdapterError, Projection};
 use crate::model_config::{Architecture, ModelConfig};
 
@@ -51,6 +52,9 @@ pub struct AdapterConfig {
     /// (`target_parameters`), sorted: PEFT's form for LoRA on the fused
     /// expert tensors and on the router.
     pub expert_targets: Vec<ExpertTarget>,
+    /// A regular expression `target_modules` and `exclude_modules`, as
+    /// PEFT matches them ([`AdapterConfig::targets_in_layer`]).
+    pub selection: Selection,
 }
 
 /// A parameter of a Mixture-of-Experts block that a LoRA may target.
@@ -232,6 +236,19 @@ impl AdapterConfig {
             .fold(self.r, usize::max)
     }
 
+    /// The modules the adapter stores a LoRA pair for in `layer`: the
+    /// [`AdapterConfig::stored_targets`] that `layers_to_transform`, a
+    /// regular expression `target_modules` and `exclude_modules` leave.
+    pub fn targets_in_layer(&self, layer: usize) -> Vec<super::Target> {
+        if !self.transforms_layer(layer) {
+            return Vec::new();
+        }
+        self.stored_targets()
+            .into_iter()
+            .filter(|&t| self.selection.admits(layer, t))
+            .collect()
+    }
+
     /// Whether `layer` carries LoRA weights.
     pub fn transforms_layer(&self, layer: usize) -> bool {
         self.layers_to_transform
@@ -282,7 +299,7 @@ fn pick<T: Copy + PartialEq + std::fmt::Debug>(
     Ok(found.map(|(_, v)| v))
 }
 
-fn invalid(adapter: &str, field: &str, reason: String) -> AdapterError {
+pub(super) fn invalid(adapter: &str, field: &str, reason: String) -> AdapterError {
     AdapterError::Invalid {
         adapter: adapter.into(),
         field: field.into(),
@@ -290,7 +307,7 @@ fn invalid(adapter: &str, field: &str, reason: String) -> AdapterError {
     }
 }
 
-fn unsupported(adapter: &str, field: &str, reason: &str) -> AdapterError {
+pub(super) fn unsupported(adapter: &str, field: &str, reason: &str) -> AdapterError {
     AdapterError::Unsupported {
         adapter: adapter.into(),
         field: field.into(),
@@ -341,7 +358,6 @@ fn parse(
             "trainable_token_indices",
             "trainable token embeddings are not supported",
         ),
-        ("exclude_modules", "exclude_modules is not supported"),
         ("alora_invocation_tokens", "activated LoRA is not supported"),
         ("use_qalora", "QALoRA is not supported"),
         ("arrow_config", "Arrow routing is not supported"),
@@ -406,6 +422,7 @@ fn parse(
         "layers_to_transform",
         "layers_pattern",
         "bias",
+        "exclude_modules",
     ];
     for (key, value) in root {
         let listed = known.contains(&key.as_str())
@@ -470,18 +487,31 @@ fn parse(
 
     let expert_targets = parse_target_parameters(adapter, get("target_parameters"))?;
     let (mut fused_names, mut split_names): (Vec<&str>, Vec<&str>) = (Vec::new(), Vec::new());
+    let mut selection = Selection::new(adapter, get("exclude_modules"))?;
+    let mut pattern_fused = false;
     let mut targets: Vec<Projection> = match get("target_modules") {
         Some(Value::String(s)) if s == "all-linear" => Projection::ALL.to_vec(),
         Some(Value::String(s)) => {
-            return Err(unsupported(
-                adapter,
-                "target_modules",
-                &format!(
-                    "{s:?}: a regular expression is not supported; list the modules or use \"all-linear\""
-                ),
-            ));
+            // PEFT: a string other than "all-linear" is a regular
+            // expression over each module's whole path.
+            if get("layers_to_transform").is_some() {
+                return Err(unsupported(
+                    adapter,
+                    "layers_to_transform",
+                    "PEFT does not take layers_to_transform with a regular expression target_modules",
+                ));
+            }
+            let (with, targets, fused) = selection.with_pattern(adapter, s, num_layers)?;
+            selection = with;
+            pattern_fused = fused;
+            targets
         }
         Some(Value::Array(items)) if !items.is_empty() => {
+            let names = items
+                .iter()
+                .map(|i| i.as_str().unwrap_or_default().to_owned())
+                .collect();
+            selection = selection.with_names(names);
             let mut out = Vec::new();
             for item in items {
                 let name = item.as_str().unwrap_or_default();
@@ -540,7 +570,7 @@ fn parse(
             ),
         ));
     }
-    let fused = !fused_names.is_empty();
+    let fused = !fused_names.is_empty() || pattern_fused;
 
     let layers_to_transform = match get("layers_to_transform") {
         None => None,
@@ -578,7 +608,7 @@ fn parse(
             "DoRA on target_parameters (a Mixture-of-Experts block's fused experts) is not defined",
         ));
     }
-    Ok(AdapterConfig {
+    let config = AdapterConfig {
         r,
         lora_alpha,
         use_rslora,
@@ -589,7 +619,20 @@ fn parse(
         fused,
         layers_to_transform,
         expert_targets,
-    })
+        selection,
+    };
+    // Excluding every module a list names leaves nothing to adapt.
+    if config.selection.excludes_any() && config.expert_targets.is_empty() {
+        let probed = num_layers.unwrap_or(512);
+        if (0..probed).all(|l| config.targets_in_layer(l).is_empty()) {
+            return Err(invalid(
+                adapter,
+                "exclude_modules",
+                "excludes every module target_modules selects".into(),
+            ));
+        }
+    }
+    Ok(config)
 }
 
 /// `target_parameters`: PEFT names a parameter by a suffix of its path

@@ -62,16 +62,13 @@ pub fn expert_prefix(layer: usize, target: ExpertTarget, targets: &[ExpertTarget
 /// Every tensor `config` stores in `layer` (none when the layer is not
 /// transformed).
 pub fn expected_in_layer(config: &AdapterConfig, layer: usize) -> Vec<Expected> {
-    if !config.transforms_layer(layer) {
-        return Vec::new();
-    }
     let mut out = Vec::new();
     let factors: &[Factor] = if config.use_dora {
         &[Factor::A, Factor::B, Factor::Magnitude]
     } else {
         &[Factor::A, Factor::B]
     };
-    for t in config.stored_targets() {
+    for t in config.targets_in_layer(layer) {
         for &factor in factors {
             out.push(Expected {
                 name: module_tensor(layer, t, factor),
@@ -80,6 +77,9 @@ pub fn expected_in_layer(config: &AdapterConfig, layer: usize) -> Vec<Expected> 
                 factor,
             });
         }
+    }
+    if !config.transforms_layer(layer) {
+        return out;
     }
     for &t in &config.expert_targets {
         let prefix = expert_prefix(layer, t, &config.expert_targets);

@@ -171,7 +171,11 @@ fn features_that_change_the_math_are_refused_by_name() {
             json!(0.5),
             "not a field lorafleet knows",
         ),
-        ("target_modules", json!(".*proj"), "regular expression"),
+        (
+            "target_modules",
+            json!(r"model\.layers\.\d+\.attn\.q_proj"),
+            "matches no module",
+        ),
         (
             "target_modules",
             json!(["q_proj", "embed_tokens"]),

@@ -346,10 +346,7 @@ fn build(
         (0..model.num_layers).map(|_| Default::default()).collect();
     let (mut max_rank, mut bytes) = (0usize, 0usize);
     for (layer, slots) in modules.iter_mut().enumerate() {
-        if !config.transforms_layer(layer) {
-            continue;
-        }
-        for t in config.stored_targets() {
+        for t in config.targets_in_layer(layer) {
             let module_path = format!("model.layers.{layer}.{}", t.path);
             let (rank, alpha) = config.rank_and_alpha(name, &module_path)?;
             let fan_in = t.parts[0].shape(model).0;
