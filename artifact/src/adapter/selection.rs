@@ -138,7 +138,9 @@ impl Selection {
                 return Err(unsupported(
                     adapter,
                     "target_modules",
-                    &format!("{pattern:?} matches {outside}: embedding and lm_head targets are not supported"),
+                    &format!(
+                        "{pattern:?} matches {outside}: embedding and lm_head targets are not supported"
+                    ),
                 ));
             }
         }
@@ -194,7 +196,10 @@ impl Selection {
     pub fn admits(&self, layer: usize, t: Target) -> bool {
         let path = format!("model.layers.{layer}.{}", t.path);
         !self.excludes(&path)
-            && self.regex.as_ref().is_none_or(|(re, _)| full_match(re, &path))
+            && self
+                .regex
+                .as_ref()
+                .is_none_or(|(re, _)| full_match(re, &path))
             && self
                 .names
                 .as_ref()

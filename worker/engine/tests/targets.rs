@@ -41,7 +41,11 @@ fn adapters_targeted_by_pattern_and_exclusion_match_peft() {
         for (layer, modules) in adapter.modules.iter().enumerate() {
             for p in Projection::ALL {
                 if modules[p.index()].is_some() {
-                    ours.push(format!("model.layers.{layer}.{}.{}", p.parent(), p.module_name()));
+                    ours.push(format!(
+                        "model.layers.{layer}.{}.{}",
+                        p.parent(),
+                        p.module_name()
+                    ));
                 }
             }
         }
@@ -91,10 +95,14 @@ fn a_pattern_that_selects_nothing_is_refused_by_its_field() {
         for (k, v) in edit.as_object().unwrap() {
             c[k] = v.clone();
         }
-        let err = lorafleet_engine::lora::AdapterConfig::from_text("a", &c.to_string(), Some(config.num_layers))
-            .and_then(|a| a.for_model("a", &config))
-            .unwrap_err()
-            .to_string();
+        let err = lorafleet_engine::lora::AdapterConfig::from_text(
+            "a",
+            &c.to_string(),
+            Some(config.num_layers),
+        )
+        .and_then(|a| a.for_model("a", &config))
+        .unwrap_err()
+        .to_string();
         assert!(err.contains(field) && err.contains(said), "{field}: {err}");
     }
 }
