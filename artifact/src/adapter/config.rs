@@ -36,6 +36,9 @@ pub struct AdapterConfig {
     /// vector, and its output is `m / ‖W + s·B·A‖` (per output row) times
     /// the LoRA-adapted output, bias apart.
     pub use_dora: bool,
+    /// `lora_bias`: each targeted module's lora_B has a bias too, added
+    /// with the delta (`s · (B·A·x + b_B)`).
+    pub lora_bias: bool,
     /// (compiled pattern, key as written, rank).
     pub rank_pattern: Patterns<usize>,
     /// (compiled pattern, key as written, alpha).
@@ -352,7 +355,6 @@ fn parse(
             "fan_in_fan_out",
             "fan_in_fan_out (Conv1D-style weights) is not supported",
         ),
-        ("lora_bias", "a bias on lora_B is not supported"),
         ("layer_replication", "layer replication is not supported"),
         (
             "trainable_token_indices",
@@ -415,6 +417,7 @@ fn parse(
         "lora_alpha",
         "use_rslora",
         "use_dora",
+        "lora_bias",
         "rank_pattern",
         "alpha_pattern",
         "target_modules",
@@ -476,6 +479,24 @@ fn parse(
             ));
         }
     };
+    let lora_bias = match get("lora_bias") {
+        None => false,
+        Some(Value::Bool(b)) => *b,
+        Some(v) => {
+            return Err(invalid(
+                adapter,
+                "lora_bias",
+                format!("must be true or false, got {v}"),
+            ));
+        }
+    };
+    if lora_bias && use_dora {
+        return Err(unsupported(
+            adapter,
+            "lora_bias",
+            "PEFT does not take lora_bias with DoRA",
+        ));
+    }
     let rank_pattern = patterns(adapter, "rank_pattern", get("rank_pattern"), |v| {
         v.as_u64().filter(|&r| r > 0).map(|r| r as usize)
     })?;
@@ -613,6 +634,7 @@ fn parse(
         lora_alpha,
         use_rslora,
         use_dora,
+        lora_bias,
         rank_pattern,
         alpha_pattern,
         targets,

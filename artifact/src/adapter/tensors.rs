@@ -26,6 +26,8 @@ pub enum Factor {
     B,
     /// DoRA's `lora_magnitude_vector`: `[out]`, one per output row.
     Magnitude,
+    /// `lora_B.bias` (`lora_bias`): `[out]`.
+    Bias,
 }
 
 /// One tensor an adapter stores.
@@ -43,6 +45,7 @@ pub fn module_tensor(layer: usize, t: Target, factor: Factor) -> String {
         Factor::A => "lora_A.weight",
         Factor::B => "lora_B.weight",
         Factor::Magnitude => "lora_magnitude_vector",
+        Factor::Bias => "lora_B.bias",
     };
     format!("base_model.model.model.layers.{layer}.{}.{what}", t.path)
 }
@@ -63,10 +66,10 @@ pub fn expert_prefix(layer: usize, target: ExpertTarget, targets: &[ExpertTarget
 /// transformed).
 pub fn expected_in_layer(config: &AdapterConfig, layer: usize) -> Vec<Expected> {
     let mut out = Vec::new();
-    let factors: &[Factor] = if config.use_dora {
-        &[Factor::A, Factor::B, Factor::Magnitude]
-    } else {
-        &[Factor::A, Factor::B]
+    let factors: &[Factor] = match (config.use_dora, config.lora_bias) {
+        (true, _) => &[Factor::A, Factor::B, Factor::Magnitude],
+        (false, true) => &[Factor::A, Factor::B, Factor::Bias],
+        (false, false) => &[Factor::A, Factor::B],
     };
     for t in config.targets_in_layer(layer) {
         for &factor in factors {
@@ -112,6 +115,8 @@ fn unexpected(name: &str) -> &'static str {
         "embedding adapters are not supported"
     } else if name.contains("lm_head") {
         "lm_head adapters are not supported"
+    } else if name.ends_with("lora_B.bias") {
+        "is a bias on lora_B, but adapter_config.json does not set lora_bias"
     } else if name.contains("lora_magnitude_vector") {
         "is a DoRA magnitude vector, but adapter_config.json does not set use_dora"
     } else {
@@ -161,10 +166,10 @@ pub fn check(
                     .find(|e| e.name == name)
             })
             .ok_or_else(|| bad(name, unexpected(name).into()))?;
-        if expected.factor == Factor::Magnitude {
+        if matches!(expected.factor, Factor::Magnitude | Factor::Bias) {
             // One value per output row: as many as lora_B has rows.
             let Holds::Module(t) = expected.holds else {
-                unreachable!("magnitudes are expected for modules only")
+                unreachable!("magnitudes and biases are expected for modules only")
             };
             let b = module_tensor(expected.layer, t, Factor::B);
             let rows = header
@@ -199,7 +204,7 @@ pub fn check(
         };
         let rank_dim = match expected.factor {
             Factor::A => rows,
-            Factor::B | Factor::Magnitude => cols,
+            Factor::B | Factor::Magnitude | Factor::Bias => cols,
         };
         let path = rank_path(&expected);
         let (rank, _) = config.rank_and_alpha(adapter, &path)?;
@@ -262,6 +267,9 @@ fn missing_reason(factor: Factor) -> String {
     match factor {
         Factor::Magnitude => {
             "the tensor is missing (a DoRA adapter, `use_dora: true`, stores a magnitude vector per module)".into()
+        }
+        Factor::Bias => {
+            "the tensor is missing (`lora_bias: true` gives each module's lora_B a bias)".into()
         }
         Factor::A | Factor::B => "the tensor is missing".into(),
     }

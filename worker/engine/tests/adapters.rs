@@ -153,7 +153,6 @@ fn features_that_change_the_math_are_refused_by_name() {
         ("modules_to_save", json!(["lm_head"]), "modules_to_save"),
         ("bias", json!("all"), "only \"none\""),
         ("fan_in_fan_out", json!(true), "fan_in_fan_out"),
-        ("lora_bias", json!(true), "bias on lora_B"),
         ("trainable_token_indices", json!([1, 2]), "trainable token"),
         ("peft_type", json!("IA3"), "only LORA"),
         (
@@ -202,6 +201,14 @@ fn features_that_change_the_math_are_refused_by_name() {
     let err = load(dir.path(), &c, 16, None).unwrap_err().to_string();
     assert!(
         err.contains("lora_magnitude_vector") && err.contains("use_dora"),
+        "{err}"
+    );
+    // So is lora_bias over tensors without lora_B's bias.
+    let dir = copy_adapter("qv-r8");
+    edit_config(dir.path(), |v| v["lora_bias"] = json!(true));
+    let err = load(dir.path(), &c, 16, None).unwrap_err().to_string();
+    assert!(
+        err.contains("lora_B.bias") && err.contains("lora_bias"),
         "{err}"
     );
     // Harmless keys may be set: they do not change inference.

@@ -28,6 +28,9 @@ pub struct LoraModule {
     pub factors: Factors,
     /// DoRA's magnitude vector, one value per output row of this part.
     pub magnitude: Option<Vec<f32>>,
+    /// lora_B's bias (`lora_bias`), one value per output row of this part;
+    /// added scaled, `s · b`, with the delta.
+    pub bias: Option<Vec<f32>>,
 }
 
 /// A module's A and Bᵀ in the precision the adapter file stores them in.
@@ -151,7 +154,9 @@ impl LoraModule {
     pub fn bytes(&self) -> usize {
         let (a, b) = self.factors_len();
         let magnitude = self.magnitude.as_ref().map_or(0, |m| m.len() * 4);
+        let bias = self.bias.as_ref().map_or(0, |b| b.len() * 4);
         magnitude
+            + bias
             + match &self.factors {
                 Factors::F32 { .. } => (a + b) * 4,
                 Factors::Bf16 { .. } => (a + b) * 2,
@@ -237,6 +242,15 @@ pub struct HostAdapter {
 }
 
 impl HostAdapter {
+    /// Whether any module's lora_B has a bias (`lora_bias`).
+    pub fn has_lora_bias(&self) -> bool {
+        self.modules
+            .iter()
+            .flatten()
+            .flatten()
+            .any(|m| m.bias.is_some())
+    }
+
     /// Whether any module is DoRA (has a magnitude vector).
     pub fn is_dora(&self) -> bool {
         self.modules
@@ -363,6 +377,16 @@ fn build(
             } else {
                 None
             };
+            let lora_bias = if config.lora_bias {
+                let b_name = tensors::module_tensor(layer, t, Factor::Bias);
+                Some(
+                    files
+                        .f32(&b_name, &[fan_out])
+                        .map_err(|e| invalid(&b_name, strip_file(e)))?,
+                )
+            } else {
+                None
+            };
             // bf16 stays bf16 when both factors are stored so; anything
             // else is widened to f32, exactly.
             let a_bits = files
@@ -411,6 +435,7 @@ fn build(
                     scale,
                     factors,
                     magnitude: magnitude.as_ref().map(|m| m[rows.clone()].to_vec()),
+                    bias: lora_bias.as_ref().map(|b| b[rows.clone()].to_vec()),
                 };
                 bytes += module.bytes();
                 slots[p.index()] = Some(module);

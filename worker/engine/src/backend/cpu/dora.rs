@@ -90,6 +90,7 @@ mod tests {
             scale: 1.5,
             factors: Factors::F32 { a_t, b_t },
             magnitude: Some((0..out).map(|i| 1.0 + i as f32 / 10.0).collect()),
+            bias: None,
         };
         let direct = m
             .dora_scales(fan_in, |o, row| lin.row(first + o, row))

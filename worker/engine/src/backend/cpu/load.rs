@@ -181,6 +181,7 @@ impl CpuBackend {
                 scale: vec![vec![0.0; n]; shape.slots],
                 bf16: vec![vec![false; n]; shape.slots],
                 dora: vec![vec![None; n]; shape.slots],
+                bias: vec![vec![None; n]; shape.slots],
             },
             base_row_norms: (0..n).map(|_| std::sync::OnceLock::new()).collect(),
             expert_slots: vec![None; shape.slots],

@@ -92,6 +92,9 @@ struct SlotTable {
     /// row, `m / ‖W + s·B·A‖`, computed from this backend's base weights
     /// when the slot is written; `None` for plain LoRA.
     dora: Vec<Vec<Option<Vec<f32>>>>,
+    /// `bias[slot][layer * 7 + proj]`: lora_B's bias times the module's
+    /// scale (`lora_bias`), added to the slot's rows with the delta.
+    bias: Vec<Vec<Option<Vec<f32>>>>,
 }
 
 /// The token embeddings, in the checkpoint's precision. A model whose
@@ -240,6 +243,7 @@ impl CpuBackend {
             let mut offset = 0;
             for (p, out) in parts.iter().zip(&mut outs) {
                 self.apply_lora(batch, layer, *p, x, out);
+                self.apply_lora_bias(batch, layer, *p, out);
                 let width = p.shape(&self.config).1;
                 let bias = lin.bias().map(|b| &b[offset..offset + width]);
                 self.apply_dora(batch, layer, *p, bias, out);
@@ -247,6 +251,22 @@ impl CpuBackend {
             }
         }
         outs
+    }
+
+    /// `lora_bias`: each such segment's rows of `out` get `s · b_B`.
+    fn apply_lora_bias(&self, batch: &StepBatch<'_>, layer: usize, p: Projection, out: &mut [f32]) {
+        let key = layer * 7 + p.index();
+        let width = p.shape(&self.config).1;
+        for seg in &batch.segments {
+            let Some(bias) = &self.slots.bias[seg.slot][key] else {
+                continue;
+            };
+            for row in out[seg.start * width..seg.end * width].chunks_exact_mut(width) {
+                for (v, b) in row.iter_mut().zip(bias) {
+                    *v += b;
+                }
+            }
+        }
     }
 
     /// DoRA: each DoRA segment's rows of `out` (the base output with its
@@ -397,6 +417,10 @@ impl Backend for CpuBackend {
                     self.slots.scale[slot][layer * 7 + i] = m.scale;
                     self.slots.bf16[slot][layer * 7 + i] =
                         matches!(m.factors, Factors::Bf16 { .. });
+                    self.slots.bias[slot][layer * 7 + i] = m
+                        .bias
+                        .as_ref()
+                        .map(|b| b.iter().map(|v| m.scale * v).collect());
                 }
             }
         }
@@ -447,6 +471,7 @@ impl Backend for CpuBackend {
             self.slots.scale[slot][key] = 0.0;
             self.slots.bf16[slot][key] = false;
             self.slots.dora[slot][key] = None;
+            self.slots.bias[slot][key] = None;
         }
         Ok(())
     }

@@ -1,0 +1,78 @@
+#!/usr/bin/env python3
+"""Adapters with a bias on lora_B (`lora_bias: true`) made by PEFT, and
+their goldens from PEFT itself.
+
+Run by hand, never by CI, after make_fixtures.py (it adapts that script's
+`llama-gqa` and `qwen2-tied`):
+
+    python3 -m venv .venv && .venv/bin/pip install torch transformers peft safetensors tokenizers
+    .venv/bin/python worker/engine/scripts/make_bias_fixtures.py worker/engine/tests/fixtures
+
+(made with peft 0.21.2, transformers 5.17.0, torch 2.14.0.)
+
+It writes `adapters/bias/<model>/<name>/` (apart from the plain adapters,
+which other tests take all of), A, B and B's bias all random, and
+`golden_bias.json`: for each adapter and prompt, the greedy tokens and the
+last prompt position's logits of transformers + PEFT in f32. Nothing here
+shares code with the Rust engine.
+"""
+
+import json
+import os
+import shutil
+import sys
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from tokenizers import Tokenizer
+from transformers import AutoModelForCausalLM
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from make_fixtures import MAX_NEW, PROMPTS, randomize_lora  # noqa: E402
+
+ADAPTERS = {
+    "llama-gqa": [("bias-qv-r8", dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))],
+    # Biases on a model whose q/k/v have their own.
+    "qwen2-tied": [("bias-all-linear-r4", dict(r=4, lora_alpha=8, use_rslora=True, target_modules="all-linear"))],
+}
+
+
+def main():
+    out = sys.argv[1] if len(sys.argv) > 1 else "worker/engine/tests/fixtures"
+    golden = {"max_new_tokens": MAX_NEW, "cases": []}
+    for i, (model, adapters) in enumerate(ADAPTERS.items()):
+        path = os.path.join(out, model)
+        tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+        for j, (name, kwargs) in enumerate(adapters):
+            base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            peft_model = get_peft_model(base, LoraConfig(task_type="CAUSAL_LM", lora_dropout=0.0, lora_bias=True, **kwargs))
+            randomize_lora(peft_model, 9000 + 10 * i + j)
+            adir = os.path.join(out, "adapters", "bias", model, name)
+            shutil.rmtree(adir, ignore_errors=True)
+            peft_model.save_pretrained(adir)
+            os.remove(os.path.join(adir, "README.md"))
+            cfg_path = os.path.join(adir, "adapter_config.json")
+            cfg = json.load(open(cfg_path))
+            cfg["base_model_name_or_path"] = f"worker/engine/tests/fixtures/{model}"
+            with open(cfg_path, "w") as f:
+                json.dump(cfg, f, indent=2)
+            m = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), adir).eval()
+            for prompt in PROMPTS:
+                ids = tok.encode(prompt).ids
+                x = torch.tensor([ids])
+                with torch.no_grad():
+                    logits = m(x).logits[0, -1].tolist()
+                    gen = m.generate(
+                        x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=MAX_NEW,
+                        eos_token_id=[2, 4], pad_token_id=0,
+                    )[0, len(ids):].tolist()
+                golden["cases"].append(
+                    {"model": model, "adapter": name, "prompt": prompt, "prompt_ids": ids, "greedy": gen, "logits": logits}
+                )
+    with open(os.path.join(out, "golden_bias.json"), "w") as f:
+        json.dump(golden, f)
+    print(f"wrote {len(golden['cases'])} golden cases to {out}")
+
+
+if __name__ == "__main__":
+    main()
