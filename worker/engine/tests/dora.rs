@@ -117,6 +117,40 @@ fn dora_rows_beside_plain_lora_and_base_rows_are_each_their_own() {
     assert!(err <= 1e-4, "a cleared DoRA slot: relative error {err}");
 }
 
+/// An adapter's scales are computed once and kept by its digest: evicted
+/// and written again, to any slot, it takes them from the cache and its
+/// logits are still PEFT's; another adapter, or one without a digest,
+/// computes its own.
+#[test]
+fn dora_scales_are_computed_once_per_adapter_and_kept_across_evictions() {
+    let model = "llama-gqa";
+    let dir = model_dir(model);
+    let config = ModelConfig::from_dir(&dir).unwrap();
+    let mut backend = CpuBackend::load(&dir, &config, SHAPE).unwrap();
+    let mut dora = load(model, "dora/llama-gqa", "dora-qv-r8");
+    dora.digest = Some("digest-of-dora-qv-r8".into());
+    let golden = golden_dora();
+    let case = golden
+        .cases
+        .iter()
+        .find(|c| c.model == model && c.adapter.as_deref() == Some("dora-qv-r8"))
+        .unwrap();
+    for slot in [1, 2, 1] {
+        backend.write_slot(slot, &dora).unwrap();
+        check_golden_case(&mut backend, case, Some(slot));
+        backend.clear_slot(slot).unwrap();
+    }
+    assert_eq!(backend.dora_scales_computed(), 1);
+    let mut other = load(model, "dora/llama-gqa", "dora-all-linear-rslora");
+    other.digest = Some("digest-of-dora-all-linear".into());
+    backend.write_slot(0, &other).unwrap();
+    assert_eq!(backend.dora_scales_computed(), 2);
+    dora.digest = None;
+    backend.write_slot(1, &dora).unwrap();
+    backend.write_slot(1, &dora).unwrap();
+    assert_eq!(backend.dora_scales_computed(), 4);
+}
+
 /// A magnitude vector of the wrong length, or one without `use_dora`, is
 /// refused by its tensor's name before anything is served.
 #[test]

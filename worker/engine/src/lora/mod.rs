@@ -239,6 +239,10 @@ pub struct HostAdapter {
     pub experts: std::sync::Arc<Vec<ExpertLayer>>,
     /// Bytes of weights held.
     pub bytes: usize,
+    /// The artifact digest of the files it was read from, when the pool
+    /// knows it: the identity a backend may keep work on the adapter by
+    /// (DoRA's norms) across the adapter's evictions.
+    pub digest: Option<String>,
 }
 
 impl HostAdapter {
@@ -461,6 +465,7 @@ fn build(
         modules,
         experts: std::sync::Arc::new(experts),
         bytes,
+        digest: None,
     })
 }
 

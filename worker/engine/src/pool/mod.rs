@@ -202,7 +202,11 @@ impl AdapterPool {
                             .as_deref()
                             .map(|d| (base_hash.as_str(), d)),
                     };
-                    let loaded = HostAdapter::load(&source.name, &source.dir, limits);
+                    let loaded =
+                        HostAdapter::load(&source.name, &source.dir, limits).map(|mut a| {
+                            a.digest = source.digest.clone();
+                            a
+                        });
                     if result_tx.send((id, seq, loaded)).is_err() {
                         break;
                     }

@@ -7,8 +7,53 @@
 //! `W + s·B·A` (unit test), at the cost of `rank` tokens through the
 //! projection instead of `rank` multiply-adds per weight.
 
+use std::collections::VecDeque;
+use std::sync::Arc;
+
 use super::panels::PackedLinear;
 use crate::lora::LoraModule;
+
+/// One adapter's DoRA scales: `(layer * 7 + projection, scale of each row)`.
+pub(super) type Scales = Arc<Vec<(usize, Vec<f32>)>>;
+
+/// The DoRA scales of the adapters written to slots most recently, by
+/// artifact digest: they depend only on the adapter and this backend's
+/// base, so an adapter evicted and written again takes them from here.
+#[derive(Debug, Default)]
+pub(super) struct ScaleCache {
+    entries: VecDeque<(String, Scales)>,
+    capacity: usize,
+    /// Adapters whose scales were computed (not taken from the cache).
+    pub computed: u64,
+}
+
+impl ScaleCache {
+    pub fn new(capacity: usize) -> ScaleCache {
+        ScaleCache {
+            capacity: capacity.max(1),
+            ..Default::default()
+        }
+    }
+
+    /// The scales cached for `digest`, now the most recent.
+    pub fn get(&mut self, digest: &str) -> Option<Scales> {
+        let at = self.entries.iter().position(|(d, _)| d == digest)?;
+        let entry = self.entries.remove(at)?;
+        let scales = entry.1.clone();
+        self.entries.push_back(entry);
+        Some(scales)
+    }
+
+    /// Keeps `scales` for `digest`, giving up the least recent past the
+    /// capacity.
+    pub fn put(&mut self, digest: String, scales: Scales) {
+        self.entries.retain(|(d, _)| *d != digest);
+        self.entries.push_back((digest, scales));
+        while self.entries.len() > self.capacity {
+            self.entries.pop_front();
+        }
+    }
+}
 
 /// `‖W_o‖²` of rows `first..first + out` of `lin`.
 pub(super) fn row_norms(lin: &PackedLinear, first: usize, out: usize) -> Vec<f64> {

@@ -184,6 +184,8 @@ impl CpuBackend {
                 bias: vec![vec![None; n]; shape.slots],
             },
             base_row_norms: (0..n).map(|_| std::sync::OnceLock::new()).collect(),
+            // Twice the slots: an adapter evicted and asked again soon.
+            dora_cache: super::dora::ScaleCache::new(2 * shape.slots),
             expert_slots: vec![None; shape.slots],
             expert_lora_rows: Default::default(),
             config,

@@ -135,6 +135,8 @@ pub struct CpuBackend {
     /// the base projection, for DoRA's norms; computed the first time a
     /// DoRA module of that projection is written to a slot.
     base_row_norms: Vec<std::sync::OnceLock<Vec<f64>>>,
+    /// DoRA's scales of the adapters written most recently, by digest.
+    dora_cache: dora::ScaleCache,
     /// `expert_slots[slot]`: the slot's adapter's LoRA on the
     /// Mixture-of-Experts blocks, per layer; None where it has none.
     expert_slots: Vec<Option<std::sync::Arc<Vec<ExpertLayer>>>>,
@@ -295,6 +297,44 @@ impl CpuBackend {
         }
     }
 
+    /// Every DoRA module's scales of `adapter` (see [`dora`]).
+    fn dora_scales(&self, adapter: &HostAdapter) -> Result<dora::Scales> {
+        let mut all = Vec::new();
+        for (layer, modules) in adapter.modules.iter().enumerate() {
+            for (i, m) in modules.iter().enumerate() {
+                let Some(m) = m.as_ref().filter(|m| m.magnitude.is_some()) else {
+                    continue;
+                };
+                let p = Projection::ALL[i];
+                let Some((lin, first)) = self.base_linear(layer, p) else {
+                    return Err(EngineError::Adapter(
+                        lorafleet_artifact::adapter::AdapterError::Unsupported {
+                            adapter: adapter.name.clone(),
+                            field: "use_dora".into(),
+                            reason: format!(
+                                "DoRA on layer {layer}'s {} (a Mixture-of-Experts MLP) is not supported",
+                                p.module_name()
+                            ),
+                        },
+                    ));
+                };
+                let out = p.shape(&self.config).1;
+                let w_sq = self.base_row_norms[layer * 7 + i]
+                    .get_or_init(|| dora::row_norms(lin, first, out));
+                if let Some(s) = dora::scales(m, lin, first, w_sq) {
+                    all.push((layer * 7 + i, s));
+                }
+            }
+        }
+        Ok(std::sync::Arc::new(all))
+    }
+
+    /// Adapters whose DoRA scales were computed rather than taken from the
+    /// cache, since the backend was made.
+    pub fn dora_scales_computed(&self) -> u64 {
+        self.dora_cache.computed
+    }
+
     /// The packed projection that holds `p` of `layer`, and the first of
     /// its rows that are `p`'s; `None` for a Mixture-of-Experts layer's
     /// MLP projections.
@@ -425,30 +465,32 @@ impl Backend for CpuBackend {
             }
         }
         // DoRA's scales, from the base weights as this backend holds them
-        // (dequantized rows for a quantized base, as PEFT dequantizes).
-        for (layer, modules) in adapter.modules.iter().enumerate() {
-            for (i, m) in modules.iter().enumerate() {
-                let Some(m) = m.as_ref().filter(|m| m.magnitude.is_some()) else {
-                    continue;
-                };
-                let p = Projection::ALL[i];
-                let Some((lin, first)) = self.base_linear(layer, p) else {
-                    self.clear_slot(slot)?;
-                    return Err(EngineError::Adapter(
-                        lorafleet_artifact::adapter::AdapterError::Unsupported {
-                            adapter: adapter.name.clone(),
-                            field: "use_dora".into(),
-                            reason: format!(
-                                "DoRA on layer {layer}'s {} (a Mixture-of-Experts MLP) is not supported",
-                                p.module_name()
-                            ),
-                        },
-                    ));
-                };
-                let out = p.shape(&self.config).1;
-                let w_sq = self.base_row_norms[layer * 7 + i]
-                    .get_or_init(|| dora::row_norms(lin, first, out));
-                self.slots.dora[slot][layer * 7 + i] = dora::scales(m, lin, first, w_sq);
+        // (dequantized rows for a quantized base, as PEFT dequantizes), or
+        // from the cache when the adapter was written before.
+        if adapter.is_dora() {
+            let cached = adapter
+                .digest
+                .as_deref()
+                .and_then(|d| self.dora_cache.get(d));
+            let scales = match cached {
+                Some(scales) => scales,
+                None => {
+                    let scales = match self.dora_scales(adapter) {
+                        Ok(s) => s,
+                        Err(e) => {
+                            self.clear_slot(slot)?;
+                            return Err(e);
+                        }
+                    };
+                    self.dora_cache.computed += 1;
+                    if let Some(d) = &adapter.digest {
+                        self.dora_cache.put(d.clone(), scales.clone());
+                    }
+                    scales
+                }
+            };
+            for (key, s) in scales.iter() {
+                self.slots.dora[slot][*key] = Some(s.clone());
             }
         }
         if adapter.experts.iter().any(|l| !l.is_empty()) {
