@@ -301,6 +301,10 @@ pub struct AdapterRow {
     pub artifact_bytes: Option<i64>,
     #[serde(default)]
     pub artifact_files: Option<i32>,
+    /// What the version does beyond plain LoRA (`dora`, `lora_bias`); a
+    /// worker that cannot serve one refuses the adapter by name.
+    #[serde(default)]
+    pub features: Vec<String>,
     pub state: String,
     pub created_at: DateTime<Utc>,
     pub retired_at: Option<DateTime<Utc>>,

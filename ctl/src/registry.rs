@@ -247,6 +247,7 @@ pub(crate) async fn adapters(c: &Client, cmd: AdapterCmd) -> Result<(), Failure>
                     "alpha",
                     "use_rslora",
                     "target_modules",
+                    "features",
                     "artifact_uri",
                     "artifact_sha256",
                 ],

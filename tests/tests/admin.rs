@@ -287,6 +287,28 @@ async fn admins_run_the_registry_and_compliance_reads_the_audit_log_through_lora
         .await
         .unwrap();
     assert_eq!(stored, 3, "refused registrations store nothing");
+    // What a version does beyond plain LoRA is recorded and shown.
+    assert_eq!(v1["features"], serde_json::json!([]));
+    let dora = register(
+        "dora-support",
+        "llama-gqa",
+        "dora/llama-gqa/dora-qv-r8",
+        &[],
+    )
+    .json();
+    assert_eq!(dora["features"], serde_json::json!(["dora"]), "{dora}");
+    let biased = register(
+        "bias-support",
+        "llama-gqa",
+        "bias/llama-gqa/bias-qv-r8",
+        &[],
+    )
+    .json();
+    assert_eq!(
+        biased["features"],
+        serde_json::json!(["lora_bias"]),
+        "{biased}"
+    );
     let versions = p.ctl_json(&["adapters", "list", "--name", "support"]);
     let versions: Vec<(i64, i64)> = versions["adapters"]
         .as_array()

@@ -92,7 +92,8 @@ async fn migrations_apply_to_an_empty_database_and_rerun_as_a_no_op() {
             (21, true),
             (22, true),
             (23, true),
-            (24, true)
+            (24, true),
+            (25, true)
         ],
         "each migration applied exactly once"
     );
@@ -115,7 +116,7 @@ async fn migrate_takes_the_url_from_the_environment() {
         .fetch_one(&db.pool().await)
         .await
         .unwrap();
-    assert_eq!(n, 24);
+    assert_eq!(n, 25);
 }
 
 #[test]

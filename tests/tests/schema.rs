@@ -435,6 +435,28 @@ async fn lora_int_ids_come_from_a_sequence_and_are_never_reused() {
         .await,
         "adapters_immutable",
     );
+    // Nor what it does beyond plain LoRA; and a feature must be one the
+    // workers know.
+    assert_violates(
+        sqlx::query("UPDATE adapters SET features = '{dora}' WHERE lora_int_id = $1")
+            .bind(first)
+            .execute(&pool)
+            .await,
+        "adapters_immutable",
+    );
+    assert_violates(
+        sqlx::query(
+            "INSERT INTO adapters (name, version, base_model_id, rank, alpha, use_rslora,
+                                   target_modules, artifact_uri, artifact_sha256, features)
+             SELECT name, 98, base_model_id, rank, alpha, use_rslora, target_modules,
+                    artifact_uri, artifact_sha256, '{vera}'
+             FROM adapters WHERE lora_int_id = $1",
+        )
+        .bind(first)
+        .execute(&pool)
+        .await,
+        "adapters_features_known",
+    );
     // A size is recorded whole, or not at all.
     assert_violates(
         sqlx::query(

@@ -252,6 +252,15 @@ impl AdapterConfig {
             .collect()
     }
 
+    /// What the adapter does beyond plain LoRA, by the names the registry
+    /// records (`dora`, `lora_bias`), in that order.
+    pub fn features(&self) -> Vec<&'static str> {
+        [(self.use_dora, "dora"), (self.lora_bias, "lora_bias")]
+            .into_iter()
+            .filter_map(|(on, name)| on.then_some(name))
+            .collect()
+    }
+
     /// Whether `layer` carries LoRA weights.
     pub fn transforms_layer(&self, layer: usize) -> bool {
         self.layers_to_transform

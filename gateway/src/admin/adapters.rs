@@ -5,7 +5,7 @@ use super::*;
 pub(super) const ADAPTER_SELECT: &str =
     "SELECT a.lora_int_id, a.name, a.version, b.name AS base_model, t.name AS tenant,
         a.rank, a.alpha, a.use_rslora, a.target_modules, a.artifact_uri, a.artifact_sha256,
-        a.artifact_bytes, a.artifact_files,
+        a.artifact_bytes, a.artifact_files, a.features,
         a.state::TEXT AS state, a.created_at, a.retired_at
      FROM adapters a JOIN base_models b ON b.id = a.base_model_id
      LEFT JOIN tenants t ON t.id = a.tenant_id";
@@ -44,6 +44,8 @@ pub(super) struct Inspected {
     pub(super) alpha: f32,
     pub(super) use_rslora: bool,
     pub(super) targets: Vec<String>,
+    /// `dora`, `lora_bias` (see `AdapterConfig::features`).
+    pub(super) features: Vec<String>,
     pub(super) digest: String,
     /// The bytes and files of the copy hashed: a worker refuses to fetch
     /// an artifact that has grown past them.
@@ -251,6 +253,7 @@ fn inspect_dir(
         alpha: config.lora_alpha,
         use_rslora: config.use_rslora,
         targets,
+        features: config.features().into_iter().map(str::to_owned).collect(),
         digest,
         bytes,
         files,
@@ -420,8 +423,8 @@ impl Command for RegisterAdapter {
         let id: i64 = sqlx::query_scalar(
         "INSERT INTO adapters (name, version, base_model_id, tenant_id, rank, alpha, use_rslora,
                                target_modules, artifact_uri, artifact_sha256,
-                               artifact_bytes, artifact_files)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) RETURNING lora_int_id",
+                               artifact_bytes, artifact_files, features)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) RETURNING lora_int_id",
     )
     .bind(&a.name)
     .bind(version)
@@ -435,6 +438,7 @@ impl Command for RegisterAdapter {
     .bind(&inspected.digest)
     .bind(inspected.bytes as i64)
     .bind(inspected.files as i32)
+    .bind(&inspected.features)
     .fetch_one(&mut *tx)
     .await
     .map_err(|e| match db_error(e) {

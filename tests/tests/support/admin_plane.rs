@@ -90,6 +90,8 @@ pub fn artifact_root() -> tempfile::TempDir {
         "phi35-mini/qkv-o-r8",
         "gemma3-1b/all-linear-r4",
         "gemma2-2b/qkvo-r4",
+        "dora/llama-gqa/dora-qv-r8",
+        "bias/llama-gqa/bias-qv-r8",
     ] {
         copy_dir(&fixtures.join(a), &root.path().join(a));
     }

@@ -29,6 +29,7 @@ async fn render(c: &Console, s: &Session, outcome: Outcome) -> Response {
                     "alpha": a.alpha,
                     "use_rslora": a.use_rslora,
                     "targets": a.target_modules.join(", "),
+                    "features": a.features.join(", "),
                     "artifact_uri": a.artifact_uri,
                     "sha256": a.artifact_sha256,
                     "sha256_short": short(&a.artifact_sha256),
