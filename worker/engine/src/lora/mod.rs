@@ -371,26 +371,17 @@ fn build(
             let fan_out: usize = t.parts.iter().map(|p| p.shape(model).1).sum();
             let a_name = tensors::module_tensor(layer, t, Factor::A);
             let b_name = tensors::module_tensor(layer, t, Factor::B);
-            let magnitude = if config.use_dora {
-                let m_name = tensors::module_tensor(layer, t, Factor::Magnitude);
-                Some(
-                    files
-                        .f32(&m_name, &[fan_out])
-                        .map_err(|e| invalid(&m_name, strip_file(e)))?,
-                )
-            } else {
-                None
+            // DoRA's magnitude and lora_B's bias: a value per output row.
+            let per_output = |on: bool, factor: Factor| -> Result<_, AdapterError> {
+                if !on {
+                    return Ok(None);
+                }
+                let name = tensors::module_tensor(layer, t, factor);
+                let values = files.f32(&name, &[fan_out]);
+                values.map(Some).map_err(|e| invalid(&name, strip_file(e)))
             };
-            let lora_bias = if config.lora_bias {
-                let b_name = tensors::module_tensor(layer, t, Factor::Bias);
-                Some(
-                    files
-                        .f32(&b_name, &[fan_out])
-                        .map_err(|e| invalid(&b_name, strip_file(e)))?,
-                )
-            } else {
-                None
-            };
+            let magnitude = per_output(config.use_dora, Factor::Magnitude)?;
+            let lora_bias = per_output(config.lora_bias, Factor::Bias)?;
             // bf16 stays bf16 when both factors are stored so; anything
             // else is widened to f32, exactly.
             let a_bits = files
