@@ -28,7 +28,7 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from make_fixtures import MAX_NEW, PROMPTS, randomize_lora  # noqa: E402
+from make_fixtures import MAX_NEW, golden_cases, randomize_lora  # noqa: E402
 
 ADAPTERS = {
     "llama-gqa": [("bias-qv-r8", dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))],
@@ -57,18 +57,7 @@ def main():
             with open(cfg_path, "w") as f:
                 json.dump(cfg, f, indent=2)
             m = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), adir).eval()
-            for prompt in PROMPTS:
-                ids = tok.encode(prompt).ids
-                x = torch.tensor([ids])
-                with torch.no_grad():
-                    logits = m(x).logits[0, -1].tolist()
-                    gen = m.generate(
-                        x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=MAX_NEW,
-                        eos_token_id=[2, 4], pad_token_id=0,
-                    )[0, len(ids):].tolist()
-                golden["cases"].append(
-                    {"model": model, "adapter": name, "prompt": prompt, "prompt_ids": ids, "greedy": gen, "logits": logits}
-                )
+            golden["cases"].extend(golden_cases(m, tok, model, name))
     with open(os.path.join(out, "golden_bias.json"), "w") as f:
         json.dump(golden, f)
     print(f"wrote {len(golden['cases'])} golden cases to {out}")

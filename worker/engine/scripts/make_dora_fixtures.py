@@ -33,7 +33,7 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from make_fixtures import MAX_NEW, PROMPTS  # noqa: E402
+from make_fixtures import MAX_NEW, golden_cases  # noqa: E402
 
 # model -> (the dense model whose adapters directory holds them, [(name, LoraConfig kwargs)])
 ADAPTERS = {
@@ -88,22 +88,7 @@ def main():
         tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
 
         def record(m, adapter):
-            for prompt in PROMPTS:
-                ids = tok.encode(prompt).ids
-                x = torch.tensor([ids])
-                with torch.no_grad():
-                    logits = m(x).logits[0, -1].tolist()
-                    gen = m.generate(
-                        x,
-                        attention_mask=torch.ones_like(x),
-                        do_sample=False,
-                        max_new_tokens=MAX_NEW,
-                        eos_token_id=[2, 4],
-                        pad_token_id=0,
-                    )[0, len(ids):].tolist()
-                golden["cases"].append(
-                    {"model": model_name, "adapter": adapter, "prompt": prompt, "prompt_ids": ids, "greedy": gen, "logits": logits}
-                )
+            golden["cases"].extend(golden_cases(m, tok, model_name, adapter))
 
         record(load(path).eval(), None)
         for j, (name, kwargs) in enumerate(adapters):

@@ -200,6 +200,28 @@ PROMPTS = [
 ]
 
 
+def golden_cases(m, tok, model, adapter):
+    """The golden cases of one model (and adapter, or None) on every prompt:
+    the last prompt position's logits and the greedy tokens (until EOS 2 or
+    4, at most MAX_NEW), the form every fixture script records."""
+    cases = []
+    for prompt in PROMPTS:
+        ids = tok.encode(prompt).ids
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            logits = m(x).logits[0, -1].tolist()
+            gen = m.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                do_sample=False,
+                max_new_tokens=MAX_NEW,
+                eos_token_id=[2, 4],
+                pad_token_id=0,
+            )[0, len(ids):].tolist()
+        cases.append({"model": model, "adapter": adapter, "prompt": prompt, "prompt_ids": ids, "greedy": gen, "logits": logits})
+    return cases
+
+
 def main():
     out = sys.argv[1] if len(sys.argv) > 1 else "worker/engine/tests/fixtures"
     os.makedirs(out, exist_ok=True)

@@ -30,7 +30,7 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from make_fixtures import MAX_NEW, PROMPTS, randomize_lora  # noqa: E402
+from make_fixtures import MAX_NEW, golden_cases, randomize_lora  # noqa: E402
 
 MODEL = "llama-gqa"
 ADAPTERS = [
@@ -68,19 +68,9 @@ def main():
         targeted = sorted(
             n.removeprefix("base_model.model.") for n, mod in m.named_modules() if hasattr(mod, "lora_A") and len(mod.lora_A) > 0
         )
-        for prompt in PROMPTS:
-            ids = tok.encode(prompt).ids
-            x = torch.tensor([ids])
-            with torch.no_grad():
-                logits = m(x).logits[0, -1].tolist()
-                gen = m.generate(
-                    x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=MAX_NEW,
-                    eos_token_id=[2, 4], pad_token_id=0,
-                )[0, len(ids):].tolist()
-            golden["cases"].append(
-                {"model": MODEL, "adapter": name, "prompt": prompt, "prompt_ids": ids, "greedy": gen,
-                 "logits": logits, "targeted": targeted}
-            )
+        for case in golden_cases(m, tok, MODEL, name):
+            case["targeted"] = targeted
+            golden["cases"].append(case)
     with open(os.path.join(out, "golden_targets.json"), "w") as f:
         json.dump(golden, f)
     print(f"wrote {len(golden['cases'])} golden cases to {out}")

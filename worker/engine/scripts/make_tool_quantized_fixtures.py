@@ -60,7 +60,7 @@ from transformers import (
 from transformers.integrations.finegrained_fp8 import Fp8Quantize
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from make_fixtures import MAX_NEW, PROMPTS  # noqa: E402
+from make_fixtures import MAX_NEW, golden_cases  # noqa: E402
 
 # dense model -> (the dtype it is stored in, its adapters, its schemes)
 SOURCES = {
@@ -173,22 +173,7 @@ def record(golden, tok, source, name, path, qconfig):
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=qconfig).eval()
 
     def run(m, adapter):
-        for prompt in PROMPTS:
-            ids = tok.encode(prompt).ids
-            x = torch.tensor([ids])
-            with torch.no_grad():
-                logits = m(x).logits[0, -1].tolist()
-                gen = m.generate(
-                    x,
-                    attention_mask=torch.ones_like(x),
-                    do_sample=False,
-                    max_new_tokens=MAX_NEW,
-                    eos_token_id=[2, 4],
-                    pad_token_id=0,
-                )[0, len(ids):].tolist()
-            golden["cases"].append(
-                {"model": name, "adapter": adapter, "prompt": prompt, "prompt_ids": ids, "greedy": gen, "logits": logits}
-            )
+        golden["cases"].extend(golden_cases(m, tok, name, adapter))
 
     run(load(), None)
     for adapter in SOURCES[source][1]:
