@@ -120,10 +120,18 @@ impl AdapterConfig {
     /// its "all-linear" is written as both); on a dense model there are no
     /// expert parameters. The registry checks with the architecture alone.
     pub fn for_architecture(
-        self,
+        mut self,
         adapter: &str,
         architecture: Architecture,
     ) -> Result<AdapterConfig, AdapterError> {
+        // A pattern reads as the architecture's modules: fused or separate.
+        if self.fused != architecture.fused_projections()
+            && let Some((targets, fused)) = self.selection.alternative()
+            && !targets.is_empty()
+        {
+            self.targets = targets;
+            self.fused = fused;
+        }
         if self.fused != architecture.fused_projections() {
             let split = [
                 Projection::Q,

@@ -23,6 +23,8 @@ pub struct Selection {
     regex: Option<(regex::Regex, String)>,
     /// `target_modules` as a list of names.
     names: Option<Vec<String>>,
+    /// A pattern's targets under the other reading of the model.
+    alternative: Option<(Vec<Projection>, bool)>,
     exclude: Exclude,
 }
 
@@ -111,6 +113,7 @@ impl Selection {
         Ok(Selection {
             regex: None,
             names: None,
+            alternative: None,
             exclude,
         })
     }
@@ -123,9 +126,11 @@ impl Selection {
     }
 
     /// `target_modules` as a pattern: the projections it selects in some
-    /// layer, and whether they are the fused modules (Phi-3's `qkv_proj`,
-    /// `gate_up_proj`). Refused by name when it selects the embeddings or
-    /// the lm_head, both fused and separate modules, or nothing.
+    /// layer of a model whose projections are separate modules, and of one
+    /// that fuses them (Phi-3's `qkv_proj`, `gate_up_proj`), each with
+    /// `o_proj` and `down_proj`. Which one the model has is known when the
+    /// config meets the architecture ([`Selection::alternative`]). Refused
+    /// by name when it selects the embeddings or the lm_head, or nothing.
     pub(super) fn with_pattern(
         mut self,
         adapter: &str,
@@ -134,7 +139,7 @@ impl Selection {
     ) -> Result<(Selection, Vec<Projection>, bool), AdapterError> {
         let re = whole(adapter, "target_modules", pattern)?;
         for outside in ["lm_head", "model.embed_tokens"] {
-            if re.is_match(outside) {
+            if full_match(&re, outside) {
                 return Err(unsupported(
                     adapter,
                     "target_modules",
@@ -144,30 +149,37 @@ impl Selection {
                 ));
             }
         }
-        let (mut targets, mut fused, mut split) = (Vec::new(), None, None);
+        let (mut split, mut fused) = (Vec::new(), Vec::new());
         for layer in 0..num_layers.unwrap_or(LAYERS_PROBED) {
             for (path, t) in paths(layer) {
                 if !full_match(&re, &path) || self.excludes(&path) {
                     continue;
                 }
-                targets.extend_from_slice(t.parts);
-                if t.parts.len() > 1 {
-                    fused = Some(t.module_name());
-                } else if !matches!(t.parts[0], Projection::O | Projection::Down) {
-                    split = Some(t.module_name());
+                let both = matches!(t.parts, [Projection::O] | [Projection::Down]);
+                if t.parts.len() > 1 || both {
+                    fused.extend_from_slice(t.parts);
+                }
+                if t.parts.len() == 1 {
+                    split.extend_from_slice(t.parts);
                 }
             }
         }
-        if let (Some(f), Some(p)) = (fused, split) {
-            return Err(invalid(
-                adapter,
-                "target_modules",
-                format!(
-                    "{pattern:?} matches both the fused {f:?} and the separate {p:?}; a model has one or the other"
-                ),
-            ));
+        for set in [&mut split, &mut fused] {
+            set.sort();
+            set.dedup();
         }
-        if targets.is_empty() {
+        // Separate modules unless the pattern names only fused ones.
+        let fused_only = !fused.is_empty()
+            && split
+                .iter()
+                .all(|p| matches!(p, Projection::O | Projection::Down))
+            && fused.len() > split.len();
+        let (chosen, other) = if fused_only {
+            ((fused, true), (split, false))
+        } else {
+            ((split, false), (fused, true))
+        };
+        if chosen.0.is_empty() {
             return Err(invalid(
                 adapter,
                 "target_modules",
@@ -176,10 +188,16 @@ impl Selection {
                 ),
             ));
         }
-        targets.sort();
-        targets.dedup();
         self.regex = Some((re, pattern.to_owned()));
-        Ok((self, targets, fused.is_some()))
+        self.alternative = Some(other);
+        Ok((self, chosen.0, chosen.1))
+    }
+
+    /// For a pattern, the targets it selects under the other reading of
+    /// the model (fused projections or separate ones), and whether that
+    /// reading is the fused one; taken once.
+    pub fn alternative(&mut self) -> Option<(Vec<Projection>, bool)> {
+        self.alternative.take()
     }
 
     /// Whether `exclude_modules` names the module at `path`.

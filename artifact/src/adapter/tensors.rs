@@ -235,9 +235,9 @@ pub fn check(
                 return Err(bad(&missing.name, missing_reason(missing.factor)));
             }
         }
-    } else if config.use_dora {
+    } else if config.use_dora || config.lora_bias {
         // Without the layer count, each module present must have its
-        // magnitude beside its factors.
+        // magnitude (DoRA) or its lora_B's bias beside its factors.
         for stored in header.tensors.keys() {
             let Some(name) = language_model_name(stored) else {
                 continue;
@@ -250,13 +250,18 @@ pub fn check(
                 continue;
             };
             let Holds::Module(t) = e.holds else { continue };
-            let m = module_tensor(e.layer, t, Factor::Magnitude);
+            let beside = if config.use_dora {
+                Factor::Magnitude
+            } else {
+                Factor::Bias
+            };
+            let m = module_tensor(e.layer, t, beside);
             let present = header
                 .tensors
                 .keys()
                 .any(|k| language_model_name(k).is_some_and(|k| k.as_ref() == m));
             if !present {
-                return Err(bad(&m, missing_reason(Factor::Magnitude)));
+                return Err(bad(&m, missing_reason(beside)));
             }
         }
     }

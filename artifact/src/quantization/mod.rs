@@ -284,8 +284,9 @@ pub(crate) fn shown(v: &Value) -> String {
 
 /// transformers' own FP8 format (`quant_method: "fp8"`, the official
 /// Qwen3-*-FP8 and DeepSeek releases): `W.weight` FP8 e4m3 and
-/// `W.weight_scale_inv` f32 per block of `weight_block_size` (one block
-/// for the whole matrix without it), `weight = code · scale_inv`. Its
+/// `W.weight_scale_inv` f32 per block of `weight_block_size` (128 × 128
+/// when absent, as transformers defaults it; one block for the whole
+/// matrix when null), `weight = code · scale_inv`. Its
 /// `activation_scheme` says how a GPU quantizes the inputs; transformers'
 /// own reader of the checkpoint on a CPU (`dequantize`) runs them as they
 /// are, and so does this one.
@@ -347,8 +348,13 @@ fn parse_transformers_fp8(
             ));
         }
     }
+    // transformers' default is blocks of 128 x 128; null is one block.
     let strategy = match q.get("weight_block_size") {
-        None | Some(Value::Null) => Strategy::Tensor,
+        None => Strategy::Block {
+            rows: 128,
+            cols: 128,
+        },
+        Some(Value::Null) => Strategy::Tensor,
         Some(Value::Array(b))
             if b.len() == 2 && b.iter().all(|v| v.as_u64().is_some_and(|n| n > 0)) =>
         {

@@ -272,6 +272,15 @@ fn transformers_fp8_is_read_as_the_official_releases_write_it() {
     let mut whole = good.clone();
     whole["weight_block_size"] = Value::Null;
     assert_eq!(fp8(whole).unwrap().unwrap().strategy, Strategy::Tensor);
+    let mut absent = good.clone();
+    absent.as_object_mut().unwrap().remove("weight_block_size");
+    assert_eq!(
+        fp8(absent).unwrap().unwrap().strategy,
+        Strategy::Block {
+            rows: 128,
+            cols: 128
+        }
+    );
     for (field, value, said) in [
         ("activation_scheme", Value::from("static"), "\"static\""),
         ("fmt", Value::from("e5m2"), "\"e5m2\""),

@@ -210,7 +210,7 @@ impl WeightFiles {
 
     /// A weight in transformers' `fp8` format: `W.weight` FP8 e4m3 and
     /// `W.weight_scale_inv` per block (`[⌈out / rows⌉, ⌈in / cols⌉]`; one
-    /// block without `weight_block_size`), `code · scale_inv`.
+    /// block for `weight_block_size: null`), `code · scale_inv`.
     fn transformers_fp8_matrix(
         &self,
         strategy: Strategy,

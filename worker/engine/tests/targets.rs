@@ -106,3 +106,48 @@ fn a_pattern_that_selects_nothing_is_refused_by_its_field() {
         assert!(err.contains(field) && err.contains(said), "{field}: {err}");
     }
 }
+
+/// A pattern reads as the model's own modules: `.*_proj` is every
+/// separate projection of a Llama and every fused module of a Phi-3, and
+/// `.*(q_proj|v_proj)` is q and v on a Llama (not the `qkv_proj` it also
+/// matches, which a Llama does not have).
+#[test]
+fn a_pattern_selects_the_modules_the_model_has() {
+    let targets = |model: &str, pattern: &str| {
+        let config = ModelConfig::from_dir(&model_dir(model)).unwrap();
+        let c = serde_json::json!({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": pattern});
+        let a = lorafleet_engine::lora::AdapterConfig::from_text(
+            "a",
+            &c.to_string(),
+            Some(config.num_layers),
+        )
+        .and_then(|a| a.for_model("a", &config))
+        .unwrap_or_else(|e| panic!("{model} {pattern}: {e}"));
+        a.targets_in_layer(0)
+            .iter()
+            .map(|t| t.module_name())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        targets("llama-gqa", ".*_proj"),
+        [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj"
+        ]
+    );
+    assert_eq!(
+        targets("phi35-mini", ".*_proj"),
+        ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    );
+    assert_eq!(
+        targets("llama-gqa", ".*(q_proj|v_proj)"),
+        ["q_proj", "v_proj"]
+    );
+    assert_eq!(targets("phi35-mini", ".*(q_proj|v_proj)"), ["qkv_proj"]);
+    assert_eq!(targets("llama-gqa", ".*up_proj"), ["up_proj"]);
+}

@@ -700,6 +700,16 @@ impl Backend for CudaBackend {
                 },
             ));
         }
+        if adapter.has_lora_bias() {
+            return Err(crate::error::EngineError::Adapter(
+                lorafleet_artifact::adapter::AdapterError::Unsupported {
+                    adapter: adapter.name.clone(),
+                    field: "lora_bias".into(),
+                    reason: "the CUDA backend does not serve a bias on lora_B yet (the CPU backend does)"
+                        .into(),
+                },
+            ));
+        }
         // The expert factors' copy goes first on the copy stream, so the
         // slot's ready event, recorded after the dense copy, covers both.
         self.expert_slots

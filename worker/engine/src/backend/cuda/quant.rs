@@ -402,10 +402,9 @@ fn planned_bytes(q: &Quantization, out: u64, fan_in: u64) -> u64 {
     };
     let zeros = !q.symmetric || matches!(q.format, Format::Gptq4 | Format::Gptq4V2 | Format::Awq4);
     let per = groups * out * 4;
-    // FP8 GEMMs add a scale per row.
-    let rows = if q.fp8_inputs_per_token()
-        && !matches!(q.strategy, Strategy::Group(_) | Strategy::Block { .. })
-    {
+    // FP8 GEMMs add a scale per row, for a part whose scales are per row
+    // (`HostPart::row_scaled`: one group, no zero points).
+    let rows = if q.fp8_inputs_per_token() && groups == 1 && !zeros {
         4 * out
     } else {
         0
@@ -423,7 +422,20 @@ pub(super) fn read_parts(
 ) -> Result<Option<Vec<HostPart>>> {
     let mut parts = Vec::with_capacity(projs.len());
     let fan_in = projs[0].shape(c).0;
-    for (path, out) in lorafleet_artifact::adapter::stored_tensors(c, projs) {
+    let tensors = lorafleet_artifact::adapter::stored_tensors(c, projs);
+    // A group read dense would drop the quantized parts' input scheme: the
+    // CPU backend refuses such a checkpoint, and so does this one.
+    let quantized = |path: &str| files.stored_quantized(&format!("{prefix}.{path}.weight"));
+    let some = tensors.iter().any(|(p, _)| quantized(p));
+    let all = tensors.iter().all(|(p, _)| quantized(p));
+    if some && !all && files.quantization().is_some_and(|q| q.input.is_some()) {
+        return Err(EngineError::Backend(format!(
+            "{prefix}: the projections fused with {} are not all quantized, and its inputs are \
+             quantized on the fly (`input_activations`); they cannot share one input",
+            tensors[0].0
+        )));
+    }
+    for (path, out) in tensors {
         let name = format!("{prefix}.{path}.weight");
         let Some(m) = files.quantized_matrix(&name, &[out, fan_in])? else {
             return Ok(None);
