@@ -267,22 +267,7 @@ def main():
         base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
         def record(m, adapter):
-            for prompt in PROMPTS:
-                ids = tok.encode(prompt).ids
-                x = torch.tensor([ids])
-                with torch.no_grad():
-                    logits = m(x).logits[0, -1].tolist()
-                    gen = m.generate(
-                        x,
-                        attention_mask=torch.ones_like(x),
-                        do_sample=False,
-                        max_new_tokens=MAX_NEW,
-                        eos_token_id=[2, 4],
-                        pad_token_id=0,
-                    )[0, len(ids):].tolist()
-                golden["cases"].append(
-                    {"model": model_name, "adapter": adapter, "prompt": prompt, "prompt_ids": ids, "greedy": gen, "logits": logits}
-                )
+            golden["cases"].extend(golden_cases(m, tok, model_name, adapter))
 
         record(base, None)
         for i, (adapter_name, kwargs) in enumerate(ADAPTERS[model_name]):

@@ -248,18 +248,7 @@ fn checkpoints_the_tools_wrote_give_the_tools_readers_logits_on_the_gpu() {
     let text = std::fs::read_to_string(fixtures().join("golden_tool_quantized.json")).unwrap();
     let golden: Golden = serde_json::from_str(&text).unwrap();
     let mut checked = 0;
-    for scheme in [
-        "w8a16",
-        "w8a16-asym",
-        "w8a16-channel",
-        "w4a16",
-        "w4a16-asym",
-        "w8a8",
-        "fp8-dynamic",
-        "fp8-block32",
-        "fp8-block",
-        "hf-fp8",
-    ] {
+    for scheme in TOOL_SCHEMES {
         let model = format!("llama-gqa-tool-{scheme}");
         let mut gpu = load_gpu(&model_dir(&model), Dtype::F32);
         let inputs = lorafleet_engine::model::WeightFiles::open_model_dir(&model_dir(&model))

@@ -96,20 +96,6 @@ fn tool_checkpoints() -> Vec<(String, &'static str)> {
     llama.chain(qwen).collect()
 }
 
-/// The schemes llama-gqa was quantized in by the tools.
-const TOOL_SCHEMES: [&str; 10] = [
-    "w8a16",
-    "w8a16-asym",
-    "w8a16-channel",
-    "w4a16",
-    "w4a16-asym",
-    "w8a8",
-    "fp8-dynamic",
-    "fp8-block32",
-    "fp8-block",
-    "hf-fp8",
-];
-
 /// Quantized projections stay at their width in memory (codes, scales and
 /// zero points), and a tied embedding is held once, in the lm_head.
 #[test]

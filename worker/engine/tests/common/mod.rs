@@ -64,6 +64,21 @@ pub fn golden_moe() -> Golden {
     serde_json::from_str(&text).unwrap()
 }
 
+/// The schemes llama-gqa was quantized in by the tools
+/// (`scripts/make_tool_quantized_fixtures.py`), as `llama-gqa-tool-<scheme>`.
+pub const TOOL_SCHEMES: [&str; 10] = [
+    "w8a16",
+    "w8a16-asym",
+    "w8a16-channel",
+    "w4a16",
+    "w4a16-asym",
+    "w8a8",
+    "fp8-dynamic",
+    "fp8-block32",
+    "fp8-block",
+    "hf-fp8",
+];
+
 /// Runs a golden case on `backend`, one sequence alone in `slot`, and
 /// checks it: logits at the last prompt position within 1e-4 relative
 /// error, then greedy tokens (until EOS 2 or 4) equal.
