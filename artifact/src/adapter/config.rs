@@ -190,6 +190,15 @@ impl AdapterConfig {
                 ),
             ));
         }
+        if architecture == Architecture::GptOss
+            && self.expert_targets.contains(&ExpertTarget::Router)
+        {
+            return Err(unsupported(
+                adapter,
+                "target_parameters",
+                "mlp.gate.weight is not a parameter of a gpt_oss model: its router is mlp.router, and LoRA on it is not supported",
+            ));
+        }
         Ok(self)
     }
 

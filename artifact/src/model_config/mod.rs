@@ -4,6 +4,7 @@
 //! Every field that changes the math is either understood or refused by
 //! name; nothing is silently ignored.
 
+mod gpt_oss;
 pub mod layers;
 
 use std::path::Path;
@@ -15,8 +16,8 @@ pub use crate::json::{Fields, read_json_object};
 use layers::LayerKind;
 
 /// The decoder families the engine runs. They share one forward pass and
-/// differ only in the switches of [`ModelConfig`]; Mixtral and Qwen3-MoE
-/// replace the MLP with a Mixture-of-Experts block ([`MoeConfig`]).
+/// differ only in the switches of [`ModelConfig`]; Mixtral, Qwen3-MoE and
+/// GPT-OSS replace the MLP with a Mixture-of-Experts block ([`MoeConfig`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Architecture {
     Llama,
@@ -28,6 +29,7 @@ pub enum Architecture {
     Gemma3,
     Mixtral,
     Qwen3Moe,
+    GptOss,
 }
 
 impl Architecture {
@@ -43,6 +45,7 @@ impl Architecture {
             Architecture::Gemma3 => "gemma3_text",
             Architecture::Mixtral => "mixtral",
             Architecture::Qwen3Moe => "qwen3_moe",
+            Architecture::GptOss => "gpt_oss",
         }
     }
 
@@ -56,12 +59,12 @@ impl Architecture {
             | Architecture::Phi3
             | Architecture::Gemma2
             | Architecture::Gemma3 => false,
-            Architecture::Mixtral | Architecture::Qwen3Moe => true,
+            Architecture::Mixtral | Architecture::Qwen3Moe | Architecture::GptOss => true,
         }
     }
 
     /// Every architecture, for the lists that name them all.
-    pub const ALL: [Architecture; 9] = [
+    pub const ALL: [Architecture; 10] = [
         Architecture::Llama,
         Architecture::Mistral,
         Architecture::Qwen2,
@@ -71,6 +74,7 @@ impl Architecture {
         Architecture::Gemma3,
         Architecture::Mixtral,
         Architecture::Qwen3Moe,
+        Architecture::GptOss,
     ];
 
     /// Whether its checkpoints hold q, k and v as one `qkv_proj` and gate
@@ -94,7 +98,7 @@ impl Architecture {
 /// A Mixture-of-Experts block in place of every layer's MLP: a router picks
 /// `top_k` of `num_experts` SwiGLU experts per token and sums their outputs
 /// weighted by the router's softmax.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MoeConfig {
     pub num_experts: usize,
     /// Experts each token goes to (`num_experts_per_tok`).
@@ -102,6 +106,21 @@ pub struct MoeConfig {
     /// Renormalize the chosen experts' probabilities to sum to one
     /// (Mixtral always; Qwen3-MoE with `norm_topk_prob`).
     pub norm_topk_prob: bool,
+    /// GPT-OSS's block; None for Mixtral's and Qwen3-MoE's.
+    pub gpt_oss: Option<GptOssExperts>,
+}
+
+/// GPT-OSS's Mixture-of-Experts block, as transformers' `GptOssMLP`: the
+/// router (`mlp.router`) has a bias and weighs the top `top_k` logits by
+/// their own softmax; every expert's gate and up are one `[hidden, 2 ·
+/// inter]` parameter, gate and up interleaved (`mlp.experts.gate_up_proj`,
+/// with `gate_up_proj_bias`), and down one `[inter, hidden]` with a bias;
+/// the activation is `(clamp(up, ±limit) + 1) · g · σ(alpha · g)` with `g =
+/// min(gate, limit)`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GptOssExperts {
+    pub swiglu_limit: f32,
+    pub swiglu_alpha: f32,
 }
 
 /// A validated model configuration.
@@ -143,6 +162,9 @@ pub struct ModelConfig {
     pub qk_norm: bool,
     /// Mixture-of-Experts MLPs; None for a dense model.
     pub moe: Option<MoeConfig>,
+    /// A learned logit per query head that joins every softmax of the
+    /// attention and is never attended to (GPT-OSS's `self_attn.sinks`).
+    pub attention_sinks: bool,
     /// How the linear weights are stored quantized; None for a dense
     /// checkpoint (f32, f16 or bf16).
     pub quantization: Option<crate::quantization::Quantization>,
@@ -405,10 +427,16 @@ fn parse_config(path: &Path, map: &Map<String, Value>) -> Result<ModelConfig> {
             None
         }
     };
+    let gpt_oss_parts = match architecture {
+        Architecture::GptOss => Some(gpt_oss::parse_layers(&f, num_layers, head_dim)?),
+        _ => None,
+    };
     if f.usize("pretraining_tp")?.is_some_and(|tp| tp != 1) {
         return Err(f.err("pretraining_tp", "only 1 is supported"));
     }
-    let attention_bias = f.bool("attention_bias")?.unwrap_or(false);
+    let attention_bias = f
+        .bool("attention_bias")?
+        .unwrap_or(architecture == Architecture::GptOss);
     let (qkv_bias, o_bias, mlp_bias) = match architecture {
         Architecture::Qwen2 => (true, false, false),
         Architecture::Llama => (
@@ -416,7 +444,9 @@ fn parse_config(path: &Path, map: &Map<String, Value>) -> Result<ModelConfig> {
             attention_bias,
             f.bool("mlp_bias")?.unwrap_or(false),
         ),
-        Architecture::Qwen3 | Architecture::Qwen3Moe => (attention_bias, attention_bias, false),
+        Architecture::Qwen3 | Architecture::Qwen3Moe | Architecture::GptOss => {
+            (attention_bias, attention_bias, false)
+        }
         Architecture::Gemma2 | Architecture::Gemma3 => (attention_bias, attention_bias, false),
         Architecture::Mistral | Architecture::Mixtral | Architecture::Phi3 => (false, false, false),
     };
@@ -435,6 +465,7 @@ fn parse_config(path: &Path, map: &Map<String, Value>) -> Result<ModelConfig> {
         }
         Architecture::Llama => None,
         Architecture::Gemma2 | Architecture::Gemma3 => gemma_parts.as_ref().map(|g| g.1),
+        Architecture::GptOss => gpt_oss_parts.as_ref().map(|p| p.1),
     };
     if sliding_window == Some(0) {
         return Err(f.err("sliding_window", "must be positive"));
@@ -446,9 +477,10 @@ fn parse_config(path: &Path, map: &Map<String, Value>) -> Result<ModelConfig> {
     } else {
         LayerKind::Full
     };
-    let (layer_kinds, rope, gemma) = match gemma_parts {
-        Some((kinds, _, rope, gemma)) => (kinds, rope, Some(gemma)),
-        None => {
+    let (layer_kinds, rope, gemma) = match (gemma_parts, gpt_oss_parts) {
+        (Some((kinds, _, rope, gemma)), _) => (kinds, rope, Some(gemma)),
+        (None, Some((kinds, _, rope))) => (kinds, rope, None),
+        (None, None) => {
             if let Some(kinds) = layers::layer_types(&f, num_layers)?
                 && let Some(i) = kinds.iter().position(|k| *k != uniform)
             {
@@ -508,6 +540,7 @@ fn parse_config(path: &Path, map: &Map<String, Value>) -> Result<ModelConfig> {
             Architecture::Qwen3 | Architecture::Qwen3Moe | Architecture::Gemma3
         ),
         moe,
+        attention_sinks: architecture == Architecture::GptOss,
         quantization: None,
         bos_token_id: f
             .token_ids("bos_token_id")?
@@ -520,7 +553,8 @@ fn parse_config(path: &Path, map: &Map<String, Value>) -> Result<ModelConfig> {
 /// and is not supported is refused by name.
 fn parse_moe(f: &Fields<'_>, architecture: Architecture) -> Result<Option<MoeConfig>> {
     let norm_topk_prob = match architecture {
-        Architecture::Mixtral => true,
+        // GPT-OSS's softmax over the chosen logits: renormalized.
+        Architecture::Mixtral | Architecture::GptOss => true,
         Architecture::Qwen3Moe => f.bool("norm_topk_prob")?.unwrap_or(false),
         _ => return Ok(None),
     };
@@ -531,7 +565,11 @@ fn parse_moe(f: &Fields<'_>, architecture: Architecture) -> Result<Option<MoeCon
         "num_local_experts"
     };
     let num_experts = f.positive(experts_field)?;
-    let top_k = f.positive("num_experts_per_tok")?;
+    let top_k = match architecture {
+        // transformers' GptOssConfig routes to 4 unless told otherwise.
+        Architecture::GptOss if f.get("num_experts_per_tok").is_none() => 4,
+        _ => f.positive("num_experts_per_tok")?,
+    };
     if top_k > num_experts {
         return Err(f.err(
             "num_experts_per_tok",
@@ -563,10 +601,15 @@ fn parse_moe(f: &Fields<'_>, architecture: Architecture) -> Result<Option<MoeCon
             ));
         }
     }
+    let gpt_oss = match architecture {
+        Architecture::GptOss => Some(gpt_oss::parse_experts(f, top_k)?),
+        _ => None,
+    };
     Ok(Some(MoeConfig {
         num_experts,
         top_k,
         norm_topk_prob,
+        gpt_oss,
     }))
 }
 

@@ -22,13 +22,22 @@ pub enum Codes {
     Uint4(Vec<u8>),
     /// FP8 e4m3 bits.
     Fp8E4m3(Vec<u8>),
+    /// FP4 E2M1 codes `0..=15` (MXFP4): sign, two exponent bits and one
+    /// mantissa bit, the values of [`FP4_E2M1`].
+    Fp4E2m1(Vec<u8>),
 }
+
+/// The value of each FP4 E2M1 code (OCP microscaling formats): ±{0, 0.5,
+/// 1, 1.5, 2, 3, 4, 6}, the sign in the top bit.
+pub const FP4_E2M1: [f32; 16] = [
+    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+];
 
 impl Codes {
     pub fn len(&self) -> usize {
         match self {
             Codes::Int8(c) | Codes::Int4(c) => c.len(),
-            Codes::Uint4(c) | Codes::Fp8E4m3(c) => c.len(),
+            Codes::Uint4(c) | Codes::Fp8E4m3(c) | Codes::Fp4E2m1(c) => c.len(),
         }
     }
 
@@ -42,6 +51,7 @@ impl Codes {
             Codes::Int8(c) | Codes::Int4(c) => f32::from(c[i]),
             Codes::Uint4(c) => f32::from(c[i]),
             Codes::Fp8E4m3(c) => fp8_e4m3_to_f32(c[i]),
+            Codes::Fp4E2m1(c) => FP4_E2M1[usize::from(c[i] & 0xf)],
         }
     }
 
@@ -49,7 +59,7 @@ impl Codes {
     pub fn bits(&self) -> usize {
         match self {
             Codes::Int8(_) | Codes::Fp8E4m3(_) => 8,
-            Codes::Int4(_) | Codes::Uint4(_) => 4,
+            Codes::Int4(_) | Codes::Uint4(_) | Codes::Fp4E2m1(_) => 4,
         }
     }
 }
@@ -80,6 +90,38 @@ impl QuantizedMatrix {
         match &self.zeros {
             Some(z) => (v - z[s]) * self.scales[s],
             None => v * self.scales[s],
+        }
+    }
+
+    /// The matrix of rows `rows` of this one, in that order (GPT-OSS's
+    /// interleaved gate and up rows stacked as gate, then up).
+    pub fn select_rows(&self, rows: &[usize]) -> QuantizedMatrix {
+        fn pick<T: Copy>(c: &[T], rows: &[usize], fan_in: usize) -> Vec<T> {
+            rows.iter()
+                .flat_map(|&r| c[r * fan_in..(r + 1) * fan_in].iter().copied())
+                .collect()
+        }
+        let f = self.fan_in;
+        let codes = match &self.codes {
+            Codes::Int8(c) => Codes::Int8(pick(c, rows, f)),
+            Codes::Int4(c) => Codes::Int4(pick(c, rows, f)),
+            Codes::Uint4(c) => Codes::Uint4(pick(c, rows, f)),
+            Codes::Fp8E4m3(c) => Codes::Fp8E4m3(pick(c, rows, f)),
+            Codes::Fp4E2m1(c) => Codes::Fp4E2m1(pick(c, rows, f)),
+        };
+        // `[groups, out]`: each group's values of the chosen rows.
+        let columns = |v: &[f32]| -> Vec<f32> {
+            v.chunks_exact(self.out.max(1))
+                .flat_map(|g| rows.iter().map(move |&r| g[r]))
+                .collect()
+        };
+        QuantizedMatrix {
+            out: rows.len(),
+            fan_in: f,
+            codes,
+            scales: columns(&self.scales),
+            zeros: self.zeros.as_deref().map(columns),
+            group: self.group.clone(),
         }
     }
 

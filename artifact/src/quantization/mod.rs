@@ -45,6 +45,14 @@
 //! output with column `8 w + [0, 2, 4, 6, 1, 3, 5, 7][i]` in bits `4 i` of
 //! word `w`, and `W.scales` `[groups, out]`; `(q - zero) · scale`.
 //!
+//! MXFP4 (`quant_method: "mxfp4"`, GPT-OSS as OpenAI released it): the
+//! Mixture-of-Experts projections alone, each `[experts, in, out]`
+//! parameter `P` stored as `P_blocks` uint8 `[experts, out, in / 32, 16]`
+//! (two FP4 E2M1 codes a byte, the lower input in the low nibble) and
+//! `P_scales` uint8 `[experts, out, in / 32]` (E8M0: the group of 32
+//! inputs is scaled by `2^(s - 127)`); `modules_to_not_convert` names what
+//! stays in bf16, as the release writes it.
+//!
 //! Everything else — another `quant_method` (bitsandbytes, HQQ…), a
 //! format, bit width, type or strategy not listed — is refused by the field
 //! that names it.
@@ -62,7 +70,8 @@ mod matrix;
 pub use inputs::f32_to_fp8_e4m3;
 
 pub use matrix::{
-    AWQ_ORDER, Codes, QuantizedMatrix, fp8_e4m3_to_f32, scale_shape, unpack_awq, unpack_int4_rows,
+    AWQ_ORDER, Codes, FP4_E2M1, QuantizedMatrix, fp8_e4m3_to_f32, scale_shape, unpack_awq,
+    unpack_int4_rows,
 };
 pub(crate) use matrix::{by_group, input_groups, nibble, packed_value, word_at};
 
@@ -138,6 +147,9 @@ pub enum Format {
     Gptq4V2,
     /// AWQ 4-bit in AutoAWQ's GEMM layout.
     Awq4,
+    /// MXFP4: FP4 E2M1 codes with a power-of-two scale per 32 inputs, on
+    /// the Mixture-of-Experts projections (GPT-OSS).
+    Mxfp4,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -161,6 +173,7 @@ impl Format {
             Format::Fp8E4m3 | Format::TransformersFp8 => "fp8-e4m3",
             Format::Gptq4 | Format::Gptq4V2 => "gptq-int4",
             Format::Awq4 => "awq-int4",
+            Format::Mxfp4 => "mxfp4",
         }
     }
 
@@ -226,6 +239,7 @@ impl Quantization {
             Format::Gptq4 => "gptq-int4",
             Format::Gptq4V2 => "gptq-v2-int4",
             Format::Awq4 => "awq-int4-gemm",
+            Format::Mxfp4 => "mxfp4-e2m1-e8m0",
         };
         let strategy = match self.strategy {
             Strategy::Tensor => "tensor".to_owned(),
@@ -265,10 +279,11 @@ pub fn parse(file: &Path, config: &Map<String, Value>) -> Result<Option<Quantiza
         Some(Value::String(m)) if m == "fp8" => parse_transformers_fp8(q, &err).map(Some),
         Some(Value::String(m)) if m == "gptq" => parse_gptq(q, &err).map(Some),
         Some(Value::String(m)) if m == "awq" => parse_awq(q, &err).map(Some),
+        Some(Value::String(m)) if m == "mxfp4" => parse_mxfp4(q, &err).map(Some),
         Some(other) => Err(err(
             ".quant_method",
             format!(
-                "{} is not supported; quantized bases are read in the \"compressed-tensors\", \"fp8\", \"gptq\" or \"awq\" layout",
+                "{} is not supported; quantized bases are read in the \"compressed-tensors\", \"fp8\", \"gptq\", \"awq\" or \"mxfp4\" layout",
                 shown(other)
             ),
         )),
@@ -370,9 +385,26 @@ fn parse_transformers_fp8(
             ));
         }
     };
+    let ignore = module_lists(q, &["modules_to_not_convert", "ignored_layers"], err)?;
+    Ok(Quantization {
+        format: Format::TransformersFp8,
+        strategy,
+        symmetric: true,
+        ignore,
+        input: None,
+    })
+}
+
+/// The list fields of module names a `quantization_config` leaves
+/// unquantized, as written.
+fn module_lists(
+    q: &Map<String, Value>,
+    fields: &[&str],
+    err: &dyn Fn(&str, String) -> FileError,
+) -> Result<Vec<String>> {
     let mut ignore = Vec::new();
-    for field in ["modules_to_not_convert", "ignored_layers"] {
-        match q.get(field) {
+    for field in fields {
+        match q.get(*field) {
             None | Some(Value::Null) => {}
             Some(Value::Array(names)) => ignore.extend(
                 names
@@ -394,11 +426,37 @@ fn parse_transformers_fp8(
             }
         }
     }
+    Ok(ignore)
+}
+
+/// GPT-OSS's MXFP4 (`quant_method: "mxfp4"`, transformers' `Mxfp4Config`):
+/// its `modules_to_not_convert`, and `dequantize` (how transformers loads
+/// it, the same values either way).
+fn parse_mxfp4(
+    q: &Map<String, Value>,
+    err: &dyn Fn(&str, String) -> FileError,
+) -> Result<Quantization> {
+    const KNOWN: &[&str] = &["quant_method", "modules_to_not_convert", "dequantize"];
+    if let Some(k) = q.keys().find(|k| !KNOWN.contains(&k.as_str())) {
+        return Err(err(
+            &format!(".{k}"),
+            "is not a field this reader knows, so what it would change cannot be checked".into(),
+        ));
+    }
+    match q.get("dequantize") {
+        None | Some(Value::Null | Value::Bool(_)) => {}
+        Some(other) => {
+            return Err(err(
+                ".dequantize",
+                format!("must be true or false, got {}", shown(other)),
+            ));
+        }
+    }
     Ok(Quantization {
-        format: Format::TransformersFp8,
-        strategy,
+        format: Format::Mxfp4,
+        strategy: Strategy::Group(32),
         symmetric: true,
-        ignore,
+        ignore: module_lists(q, &["modules_to_not_convert"], err)?,
         input: None,
     })
 }

@@ -27,6 +27,7 @@
 //! quantized bytes under another quantization config (GPTQ's zero-point
 //! convention, a group size): they dequantize to other weights.
 
+mod experts;
 mod quantized;
 
 use std::collections::BTreeMap;
@@ -241,6 +242,9 @@ impl WeightFiles {
         let q = self.quantization.as_ref()?;
         let stem = name.strip_suffix(".weight")?;
         let marker = match q.format {
+            // MXFP4 quantizes the experts' parameters alone, never a
+            // `….weight` (see `WeightFiles::mxfp4_experts`).
+            Format::Mxfp4 => return None,
             Format::Gptq4 | Format::Gptq4V2 | Format::Awq4 => "qweight",
             Format::TransformersFp8 => "weight_scale_inv",
             _ => "weight_scale",

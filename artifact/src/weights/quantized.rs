@@ -127,7 +127,11 @@ impl WeightFiles {
                     Codes::Int8(values.map(|v| v as i8).collect())
                 }
             }
-            Format::Gptq4 | Format::Gptq4V2 | Format::Awq4 | Format::TransformersFp8 => {
+            Format::Gptq4
+            | Format::Gptq4V2
+            | Format::Awq4
+            | Format::TransformersFp8
+            | Format::Mxfp4 => {
                 unreachable!("{} is read by its own reader", format.name())
             }
         };

@@ -9,7 +9,9 @@
 //! is columns `k * experts + e`), and wraps the parameters of one module in
 //! the order the module declares them: with both expert tensors targeted,
 //! gate_up's factors sit under `experts.base_layer.` and down's under
-//! `experts.`.
+//! `experts.`. GPT-OSS's experts (`[experts, in, out]`, gate and up
+//! interleaved) have the same factors' shapes, `in` and `out` as for the
+//! others.
 
 use super::{AdapterConfig, AdapterError, AdapterLimits, ExpertTarget, strip_file, tensors};
 use crate::backend::cpu::panels::PackedLinear;
@@ -170,6 +172,22 @@ pub(super) fn load(
                     }
                 }
                 b_e
+            };
+            // GPT-OSS interleaves gate and up; the backend stacks them as
+            // gate's rows then up's (`cpu::moe::gate_up_order`), and so
+            // are B's rows here.
+            let order = (model.moe.is_some_and(|m| m.gpt_oss.is_some())
+                && target == ExpertTarget::GateUp)
+                .then(|| crate::backend::cpu::gate_up_order(i));
+            let b_of = |e: usize| {
+                let b_e = b_of(e);
+                match &order {
+                    Some(order) => order
+                        .iter()
+                        .flat_map(|&o| b_e[o * r..(o + 1) * r].iter().copied())
+                        .collect(),
+                    None => b_e,
+                }
             };
             let (a_e, b_e): (Vec<_>, Vec<_>) = (0..n).map(|e| (a_of(e), b_of(e))).unzip();
             let factors = ExpertFactors::new(r, scale, (fan_in, fan_out), &a_e, &b_e);

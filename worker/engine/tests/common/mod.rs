@@ -98,8 +98,7 @@ pub fn check_golden_case_within(
     tolerance: f32,
 ) {
     use lorafleet_engine::backend::StepBatch;
-    // Blocks in a scattered order, to exercise the block table.
-    let table: Vec<u32> = vec![5, 2, 7, 0, 3, 6, 1, 4];
+    let table = scattered_table(golden_blocks(case));
     let mut batch = StepBatch::default();
     batch.push(&case.prompt_ids, 0, &table, slot, true);
     batch.finish();
@@ -127,6 +126,30 @@ pub fn check_golden_case_within(
         "{}/{:?} {:?}: greedy tokens",
         case.model, case.adapter, case.prompt
     );
+}
+
+/// The 4-position KV blocks a golden case takes, at least 8.
+pub fn golden_blocks(case: &GoldenCase) -> usize {
+    (case.prompt_ids.len() + case.greedy.len())
+        .div_ceil(4)
+        .max(8)
+}
+
+/// A block table of `blocks` blocks in a scattered order, to exercise the
+/// table: 5, 2, 7, 0, 3, 6, 1, 4 for eight.
+pub fn scattered_table(blocks: usize) -> Vec<u32> {
+    if blocks <= 8 {
+        return vec![5, 2, 7, 0, 3, 6, 1, 4];
+    }
+    // A stride coprime to the count visits every block once.
+    let stride = (3..).find(|s| gcd(*s, blocks) == 1).unwrap();
+    (0..blocks)
+        .map(|i| ((i * stride + 5) % blocks) as u32)
+        .collect()
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 { a } else { gcd(b, a % b) }
 }
 
 /// max |a - b| / max |b|: the relative error of a logit vector.
@@ -384,10 +407,11 @@ pub fn check_golden_cases_on_cpu_within(
     use lorafleet_engine::backend::Backend;
     let dir = model_dir(model);
     let config = lorafleet_engine::model::ModelConfig::from_dir(&dir).unwrap();
+    let cases = golden.cases.iter().filter(|c| c.model == model);
     let shape = lorafleet_engine::backend::BackendShape {
         slots: 1,
         max_lora_rank: 16,
-        kv_blocks: 8,
+        kv_blocks: cases.clone().map(golden_blocks).max().unwrap_or(8),
         block_size: 4,
         ring_len: 0,
         ring_blocks: 0,
@@ -395,7 +419,7 @@ pub fn check_golden_cases_on_cpu_within(
     let mut backend =
         lorafleet_engine::backend::cpu::CpuBackend::load(&dir, &config, shape).unwrap();
     let mut checked = 0;
-    for case in golden.cases.iter().filter(|c| c.model == model) {
+    for case in cases {
         let slot = case.adapter.as_ref().map(|name| {
             let limits = lorafleet_engine::lora::AdapterLimits {
                 model: &config,

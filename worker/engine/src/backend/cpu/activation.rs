@@ -1,4 +1,5 @@
-//! The MLP's activation, `silu(gate) · up`, on vectors.
+//! The MLP's activation, `silu(gate) · up`, on vectors (and GeGLU's and
+//! GPT-OSS's clamped SwiGLU, elementwise).
 //!
 //! `silu(g) = g / (1 + e^-g)`. The exponential is computed here rather than
 //! by the C library, one element at a time, because the scalar call was
@@ -66,6 +67,19 @@ pub fn gelu_tanh_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
     for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
         let inner = BETA * (g + KAPPA * g * g * g);
         *o = 0.5 * g * (1.0 + inner.tanh()) * u;
+    }
+}
+
+/// GPT-OSS's clamped SwiGLU, as transformers' `GptOssExperts`: `g =
+/// min(gate, limit)`, `u = clamp(up, -limit, limit)`, `out = (u + 1) · g ·
+/// σ(alpha · g)`, with `σ(x) = 1 / (1 + e^-x)`.
+pub fn clamped_swiglu(gate: &[f32], up: &[f32], alpha: f32, limit: f32, out: &mut [f32]) {
+    assert!(gate.len() == out.len() && up.len() == out.len());
+    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        let g = g.min(limit);
+        let u = u.clamp(-limit, limit);
+        let glu = g * (1.0 / (1.0 + (-(g * alpha)).exp()));
+        *o = (u + 1.0) * glu;
     }
 }
 

@@ -37,6 +37,9 @@ pub(super) struct AttentionRow<'a> {
     pub(super) scale: f32,
     /// `tanh(s / cap) · cap` on each scaled score (Gemma 2).
     pub(super) softcap: Option<f32>,
+    /// Each head's sink logit (GPT-OSS): it joins the softmax's maximum
+    /// and sum, after the keys, and weighs no value.
+    pub(super) sinks: Option<&'a [f32]>,
 }
 
 impl AttentionRow<'_> {
@@ -81,10 +84,17 @@ impl AttentionRow<'_> {
                 }
                 max = max.max(*sc);
             }
+            let sink = self.sinks.map(|s| s[h]);
+            if let Some(s) = sink {
+                max = max.max(s);
+            }
             let mut sum = 0f32;
             for sc in scores.iter_mut() {
                 *sc = (*sc - max).exp();
                 sum += *sc;
+            }
+            if let Some(s) = sink {
+                sum += (s - max).exp();
             }
             let oh = &mut out[h * hd..(h + 1) * hd];
             for (&sc, &at) in scores.iter().zip(self.offsets) {

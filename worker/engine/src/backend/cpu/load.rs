@@ -89,6 +89,10 @@ impl CpuBackend {
                 qkv: stacked(&[Q, K, V])?,
                 o: stacked(&[O])?,
                 qk_norm: norms.qk,
+                sinks: match c.attention_sinks {
+                    true => Some(files.f32(&format!("{prefix}.self_attn.sinks"), &[c.num_heads])?),
+                    false => None,
+                },
                 mlp: match c.moe {
                     Some(moe) => Mlp::Moe(moe::MoeBlock::load(&files, c, moe, l)?),
                     None => Mlp::Dense {

@@ -27,6 +27,7 @@ mod rope;
 pub mod team;
 
 pub use lora::{SlotView, as_bits, as_bits_mut, lora_segments};
+pub(crate) use moe::gate_up_order;
 
 use attention::{AttentionRow, dot};
 
@@ -55,6 +56,8 @@ struct Layer {
     o: PackedLinear,
     /// Per-head RMSNorm weights of q and k (Qwen3), applied before RoPE.
     qk_norm: Option<(Vec<f32>, Vec<f32>)>,
+    /// GPT-OSS's sink logit of each query head (`self_attn.sinks`).
+    sinks: Option<Vec<f32>>,
     mlp: Mlp,
 }
 
@@ -174,6 +177,18 @@ impl CpuBackend {
     /// a bf16 checkpoint of what f32 takes.
     pub fn projection_bytes(&self) -> usize {
         self.layer_projection_bytes() + self.lm_head.weight_bytes()
+    }
+
+    /// Bytes the Mixture-of-Experts blocks take: routers and experts,
+    /// their codes and scales for a quantized checkpoint.
+    pub fn moe_bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|l| match &l.mlp {
+                Mlp::Moe(block) => block.weight_bytes(),
+                Mlp::Dense { .. } => 0,
+            })
+            .sum()
     }
 
     /// Bytes the layers' packed projections take: their codes, scales and
@@ -636,6 +651,7 @@ impl Backend for CpuBackend {
             );
             let (kc, vc) = (&self.k_cache[layer], &self.v_cache[layer]);
             let window = c.window(layer);
+            let sinks = l.sinks.as_deref();
             let (this, kernel) = (&*self, Kernel::detect());
             let mut attn = vec![0f32; n * c.q_dim()];
             let mut rows: Vec<&mut [f32]> = attn.chunks_exact_mut(c.q_dim()).collect();
@@ -655,6 +671,7 @@ impl Backend for CpuBackend {
                     head_dim: hd,
                     scale,
                     softcap,
+                    sinks,
                 };
                 row.attend(kernel, out);
             });

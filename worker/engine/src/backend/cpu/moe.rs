@@ -1,8 +1,12 @@
-//! The Mixture-of-Experts MLP on the CPU (Mixtral, Qwen3-MoE).
+//! The Mixture-of-Experts MLP on the CPU (Mixtral, Qwen3-MoE, GPT-OSS).
 //!
 //! A router (a linear map to one logit per expert, then a softmax) picks
 //! each token's `top_k` experts; the chosen probabilities, renormalized
-//! where the model says so, weigh the experts' SwiGLU outputs. Tokens are
+//! where the model says so, weigh the experts' SwiGLU outputs. GPT-OSS's
+//! router has a bias and takes the softmax of the chosen logits alone; its
+//! experts have biases and a clamped SwiGLU ([`GptOssExperts`]), and their
+//! weights are read from one `[experts, in, out]` tensor each (bf16, or
+//! MXFP4 codes kept at 4 bits). Tokens are
 //! grouped by expert, so each expert's projections run once over all its
 //! tokens; every output row is still its own fixed chain over its own
 //! weights, and a token's experts are summed in expert order, so a token's
@@ -16,7 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::Result;
 use crate::lora::{ExpertFactors, ExpertLayer};
-use crate::model::config::{Architecture, MoeConfig};
+use crate::model::config::{Architecture, GptOssExperts, MoeConfig};
 use crate::model::{ModelConfig, WeightFiles};
 
 /// One expert: gate and up stacked, then down.
@@ -34,6 +38,8 @@ pub(super) struct MoeBlock {
     inter: usize,
     /// `[num_experts, hidden]`, row-major, f32.
     router: Vec<f32>,
+    /// GPT-OSS's router bias, `[num_experts]`.
+    router_bias: Option<Vec<f32>>,
     experts: Vec<Expert>,
 }
 
@@ -47,6 +53,9 @@ impl MoeBlock {
         moe: MoeConfig,
         layer: usize,
     ) -> Result<MoeBlock> {
+        if moe.gpt_oss.is_some() {
+            return Self::load_gpt_oss(files, c, moe, layer);
+        }
         let (h, i) = (c.hidden_size, c.intermediate_size);
         let (block, [gate, up, down]) = match c.architecture {
             Architecture::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
@@ -67,7 +76,45 @@ impl MoeBlock {
             hidden: h,
             inter: i,
             router,
+            router_bias: None,
             experts,
+        })
+    }
+
+    /// GPT-OSS's block: the router's weight and bias (`mlp.router`), and
+    /// each expert's rows of `mlp.experts.gate_up_proj` and
+    /// `mlp.experts.down_proj` (`[experts, in, out]`, with `…_bias`), gate
+    /// and up de-interleaved into gate's rows then up's, as the other
+    /// families stack them (an expert LoRA's rows are read in the same
+    /// order: `lora::experts`).
+    fn load_gpt_oss(
+        files: &WeightFiles,
+        c: &ModelConfig,
+        moe: MoeConfig,
+        layer: usize,
+    ) -> Result<MoeBlock> {
+        let (h, i, n) = (c.hidden_size, c.intermediate_size, moe.num_experts);
+        let prefix = format!("model.layers.{layer}.mlp");
+        let router = files.f32(&format!("{prefix}.router.weight"), &[n, h])?;
+        let router_bias = files.f32(&format!("{prefix}.router.bias"), &[n])?;
+        let (gate_up, down) = (
+            format!("{prefix}.experts.gate_up_proj"),
+            format!("{prefix}.experts.down_proj"),
+        );
+        let order = gate_up_order(i);
+        let gate_ups = pack_experts(files, &gate_up, (n, h, 2 * i), Some(&order))?;
+        let downs = pack_experts(files, &down, (n, i, h), None)?;
+        Ok(MoeBlock {
+            moe,
+            hidden: h,
+            inter: i,
+            router,
+            router_bias: Some(router_bias),
+            experts: gate_ups
+                .into_iter()
+                .zip(downs)
+                .map(|(gate_up, down)| Expert { gate_up, down })
+                .collect(),
         })
     }
 
@@ -90,10 +137,18 @@ impl MoeBlock {
                 let mut logits: Vec<f32> = (0..experts)
                     .map(|e| dot(row, &self.router[e * h..(e + 1) * h]))
                     .collect();
+                if let Some(bias) = &self.router_bias {
+                    for (l, b) in logits.iter_mut().zip(bias) {
+                        *l += b;
+                    }
+                }
                 if let Some(router) = lora[t].and_then(|l| l.router.as_ref()) {
                     router.add_delta(0, row, &mut logits);
                 }
-                choose(&logits, self.moe.top_k, self.moe.norm_topk_prob)
+                match self.moe.gpt_oss {
+                    Some(_) => choose_logits(&logits, self.moe.top_k),
+                    None => choose(&logits, self.moe.top_k, self.moe.norm_topk_prob),
+                }
             })
             .collect()
     }
@@ -172,7 +227,13 @@ impl MoeBlock {
                 let mut act_rows: Vec<&mut [f32]> = act.chunks_exact_mut(inter).collect();
                 team::for_each_mut(&mut act_rows, |a, r| {
                     let (g, u) = (&gate[r * inter..][..inter], &up[r * inter..][..inter]);
-                    activation::silu_mul(kernel, g, u, a);
+                    match self.moe.gpt_oss {
+                        Some(GptOssExperts {
+                            swiglu_alpha,
+                            swiglu_limit,
+                        }) => activation::clamped_swiglu(g, u, swiglu_alpha, swiglu_limit, a),
+                        None => activation::silu_mul(kernel, g, u, a),
+                    }
                 });
                 drop(act_rows);
                 let [mut down] = expert.down.forward_split(&act, m, [h]);
@@ -230,6 +291,84 @@ fn runs<'a>(
     out
 }
 
+/// GPT-OSS's gate and up rows in stacked order: the checkpoint interleaves
+/// them (gate `r` is row `2 r`, up `r` row `2 r + 1`).
+pub(crate) fn gate_up_order(inter: usize) -> Vec<usize> {
+    (0..inter)
+        .map(|r| 2 * r)
+        .chain((0..inter).map(|r| 2 * r + 1))
+        .collect()
+}
+
+/// Every expert's projection from one `[experts, fan_in, fan_out]`
+/// parameter and its `[experts, fan_out]` bias (`{name}_bias`): MXFP4 codes
+/// at 4 bits, bf16 in bf16, anything else in f32; rows in `order` if given.
+fn pack_experts(
+    files: &WeightFiles,
+    name: &str,
+    (n, fan_in, fan_out): (usize, usize, usize),
+    order: Option<&[usize]>,
+) -> Result<Vec<PackedLinear>> {
+    let bias = files.f32(&format!("{name}_bias"), &[n, fan_out])?;
+    let bias_of = |e: usize| {
+        let b = &bias[e * fan_out..(e + 1) * fan_out];
+        Some(match order {
+            Some(o) => o.iter().map(|&r| b[r]).collect(),
+            None => b.to_vec(),
+        })
+    };
+    fn rows<T: Copy>(w: Vec<T>, order: Option<&[usize]>, fan_in: usize) -> Vec<T> {
+        match order {
+            Some(o) => o
+                .iter()
+                .flat_map(|&r| w[r * fan_in..(r + 1) * fan_in].iter().copied())
+                .collect(),
+            None => w,
+        }
+    }
+    let shape = (n, fan_in, fan_out);
+    if let Some(matrices) = files.mxfp4_experts(name, shape)? {
+        return Ok(matrices
+            .iter()
+            .enumerate()
+            .map(|(e, m)| {
+                let m = order.map_or_else(|| m.clone(), |o| m.select_rows(o));
+                PackedLinear::pack_quantized(&[&m], bias_of(e)).expect("one quantized matrix packs")
+            })
+            .collect());
+    }
+    if let Some(all) = files.dense_experts_bf16(name, shape)? {
+        return Ok(all
+            .into_iter()
+            .enumerate()
+            .map(|(e, w)| {
+                PackedLinear::pack_bf16(&rows(w, order, fan_in), bias_of(e), fan_in, fan_out)
+            })
+            .collect());
+    }
+    Ok(files
+        .dense_experts(name, shape)?
+        .into_iter()
+        .enumerate()
+        .map(|(e, w)| PackedLinear::pack(&rows(w, order, fan_in), bias_of(e), fan_in, fan_out))
+        .collect())
+}
+
+/// GPT-OSS's router for one token: the `top_k` largest logits (the lower
+/// expert first on a tie), weighed by the softmax over those alone (as
+/// transformers' `GptOssTopKRouter`); returned in expert order.
+fn choose_logits(logits: &[f32], top_k: usize) -> Vec<(usize, f32)> {
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    let top = &order[..top_k];
+    let max = logits[top[0]];
+    let exps: Vec<f32> = top.iter().map(|&e| (logits[e] - max).exp()).collect();
+    let sum: f32 = exps.iter().sum();
+    let mut chosen: Vec<(usize, f32)> = top.iter().zip(&exps).map(|(&e, x)| (e, x / sum)).collect();
+    chosen.sort_by_key(|&(e, _)| e);
+    chosen
+}
+
 /// The router's choice for one token: the softmax of `logits`, its `top_k`
 /// largest probabilities (the lower expert first on a tie), renormalized
 /// to sum to one if `normalize`; returned in expert order.
@@ -253,7 +392,7 @@ fn choose(logits: &[f32], top_k: usize, normalize: bool) -> Vec<(usize, f32)> {
 
 #[cfg(test)]
 mod tests {
-    use super::choose;
+    use super::{choose, choose_logits, gate_up_order};
 
     #[test]
     fn the_router_keeps_the_top_k_and_renormalizes_them_if_asked() {
@@ -267,5 +406,15 @@ mod tests {
         assert!((norm[0].1 - 0.5).abs() < 1e-6 && (norm[1].1 - 0.5).abs() < 1e-6);
         // Top-1 of three distinct logits: the largest alone, weight 1.
         assert_eq!(choose(&[0.5, -1.0, 3.0], 1, true), vec![(2, 1.0)]);
+    }
+
+    #[test]
+    fn gpt_oss_weighs_its_chosen_logits_by_their_own_softmax() {
+        let chosen = choose_logits(&[0.0, 3.0, 1.0, 2.0], 2);
+        assert_eq!(chosen.iter().map(|c| c.0).collect::<Vec<_>>(), [1, 3]);
+        let (a, b) = (3f32.exp(), 2f32.exp());
+        assert!((chosen[0].1 - a / (a + b)).abs() < 1e-6);
+        assert!((chosen[1].1 - b / (a + b)).abs() < 1e-6);
+        assert_eq!(gate_up_order(3), [0, 2, 4, 1, 3, 5]);
     }
 }

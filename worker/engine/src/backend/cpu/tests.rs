@@ -44,6 +44,7 @@ fn attention_gives_the_same_bits_on_every_kernel() {
         head_dim: hd,
         scale: 0.3,
         softcap: None,
+        sinks: None,
     };
     let mut want = vec![0f32; heads * hd];
     row.attend_with(&mut want);
@@ -53,6 +54,43 @@ fn attention_gives_the_same_bits_on_every_kernel() {
         row.attend(kernel, &mut got);
         let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&got), bits(&want), "{kernel:?}");
+    }
+}
+
+#[test]
+fn a_sink_logit_takes_its_share_of_the_softmax_and_weighs_no_value() {
+    // One position: each head's output is its value times the key's share
+    // against the sink, 1 / (1 + e^(sink - score)).
+    let (heads, hd) = (2, 4);
+    let q = random(4, heads * hd);
+    let (k, v) = (random(5, heads * hd), random(6, heads * hd));
+    let sinks = [0.7f32, -1.3];
+    let offsets = [0usize];
+    let row = AttentionRow {
+        q: &q,
+        k_cache: &k,
+        v_cache: &v,
+        offsets: &offsets,
+        heads,
+        group: 1,
+        head_dim: hd,
+        scale: 0.5,
+        softcap: None,
+        sinks: Some(&sinks),
+    };
+    let mut out = vec![0f32; heads * hd];
+    row.attend_with(&mut out);
+    for h in 0..heads {
+        let score: f32 = (0..hd).map(|i| q[h * hd + i] * k[h * hd + i]).sum::<f32>() * 0.5;
+        let share = 1.0 / (1.0 + (sinks[h] - score).exp());
+        for i in 0..hd {
+            let want = v[h * hd + i] * share;
+            assert!(
+                (out[h * hd + i] - want).abs() < 1e-6,
+                "head {h}: {} vs {want}",
+                out[h * hd + i]
+            );
+        }
     }
 }
 

@@ -228,6 +228,13 @@ impl CudaBackend {
         limits: StepLimits,
     ) -> Result<CudaBackend> {
         let c = config;
+        if c.architecture == crate::model::config::Architecture::GptOss {
+            return Err(EngineError::Backend(
+                "gpt_oss is not supported on the CUDA backend yet (attention sinks, its \
+                 experts and MXFP4 run on the CPU backend: --backend cpu)"
+                    .into(),
+            ));
+        }
         let dev = Device::open(
             ordinal,
             KernelShapes {

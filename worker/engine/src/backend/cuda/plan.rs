@@ -230,6 +230,7 @@ mod tests {
             qk_norm: false,
             quantization: None,
             moe: None,
+            attention_sinks: false,
             bos_token_id: Some(128_000),
             eos_token_ids: vec![128_001],
         }
@@ -295,6 +296,7 @@ mod tests {
                 num_experts: 128,
                 top_k: 8,
                 norm_topk_prob: true,
+                gpt_oss: None,
             }),
             ..llama_8b()
         };

@@ -73,6 +73,9 @@ impl HostPart {
             Codes::Int8(_) => (PartFormat::Int8, fan_in),
             Codes::Fp8E4m3(_) => (PartFormat::Fp8, fan_in),
             Codes::Int4(_) | Codes::Uint4(_) => (PartFormat::Uint4, fan_in.div_ceil(2)),
+            // MXFP4 holds GPT-OSS's experts alone, which this backend
+            // refuses when it loads the model.
+            Codes::Fp4E2m1(_) => unreachable!("MXFP4 experts never reach the CUDA backend"),
         };
         let mut codes = vec![0u8; rows * row_bytes];
         // Signed 4-bit values are stored plus 8, with every zero point 8
@@ -88,7 +91,9 @@ impl HostPart {
                     Codes::Int4(c) => {
                         codes[at + k / 2] |= (((c[i] + 8) as u8) & 0xf) << (4 * (k % 2))
                     }
-                    Codes::Uint4(c) => codes[at + k / 2] |= (c[i] & 0xf) << (4 * (k % 2)),
+                    Codes::Uint4(c) | Codes::Fp4E2m1(c) => {
+                        codes[at + k / 2] |= (c[i] & 0xf) << (4 * (k % 2))
+                    }
                 }
             }
         }
@@ -393,7 +398,7 @@ fn planned_bytes(q: &Quantization, out: u64, fan_in: u64) -> u64 {
         Format::Int8 | Format::PackedInt8 | Format::Fp8E4m3 | Format::TransformersFp8 => {
             (fan_in, false)
         }
-        Format::PackedInt4 | Format::Awq4 => (fan_in.div_ceil(2), false),
+        Format::PackedInt4 | Format::Awq4 | Format::Mxfp4 => (fan_in.div_ceil(2), false),
         Format::Gptq4 | Format::Gptq4V2 => (fan_in.div_ceil(2), true),
     };
     let groups = match q.strategy {

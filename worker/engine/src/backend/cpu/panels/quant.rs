@@ -1,5 +1,5 @@
-//! Quantized panels: a projection whose checkpoint stores int8, 4-bit or
-//! FP8 codes keeps them at their width, in the panel layout, with a scale
+//! Quantized panels: a projection whose checkpoint stores int8, 4-bit,
+//! FP8 or FP4 (MXFP4) codes keeps them at their width, in the panel layout, with a scale
 //! (and a zero point) per output and group of inputs. A projection widens
 //! a block of panels to f32 just before its tiles read it (see
 //! [`super::Kernel::group_widened`]), so a decode step reads a quarter
@@ -10,7 +10,7 @@
 //! panels gives the bits of the same projection on the dense f32 matrix
 //! that [`QuantizedMatrix::to_f32`] returns (a test holds it).
 
-use lorafleet_artifact::quantization::{Codes, QuantizedMatrix};
+use lorafleet_artifact::quantization::{Codes, FP4_E2M1, QuantizedMatrix};
 
 use super::NR;
 
@@ -24,6 +24,9 @@ enum Kind {
     Nibbles { bias: f32 },
     /// `NR` FP8 e4m3 bytes.
     Fp8,
+    /// `NR / 2` bytes of two FP4 E2M1 codes, laid out as `Nibbles`, each
+    /// read through [`FP4_E2M1`].
+    Fp4,
 }
 
 /// See the module docs.
@@ -84,7 +87,7 @@ impl QuantPanels {
                     Codes::Int8(c) => row[j] = c[i] as u8,
                     Codes::Fp8E4m3(c) => row[j] = c[i],
                     Codes::Int4(c) => row[j / 2] |= ((c[i] + 8) as u8) << (4 * (j % 2)),
-                    Codes::Uint4(c) => row[j / 2] |= c[i] << (4 * (j % 2)),
+                    Codes::Uint4(c) | Codes::Fp4E2m1(c) => row[j / 2] |= c[i] << (4 * (j % 2)),
                 }
             }
             for g in 0..groups {
@@ -137,13 +140,14 @@ fn kind_of(codes: &Codes) -> Kind {
         Codes::Int4(_) => Kind::Nibbles { bias: 8.0 },
         Codes::Uint4(_) => Kind::Nibbles { bias: 0.0 },
         Codes::Fp8E4m3(_) => Kind::Fp8,
+        Codes::Fp4E2m1(_) => Kind::Fp4,
     }
 }
 
 fn row_bytes(kind: Kind) -> usize {
     match kind {
         Kind::Int8 | Kind::Fp8 => NR,
-        Kind::Nibbles { .. } => NR / 2,
+        Kind::Nibbles { .. } | Kind::Fp4 => NR / 2,
     }
 }
 
@@ -201,6 +205,12 @@ impl QuantPanels {
                     v[2 * i + 1] = f32::from(c[i] >> 4) - bias;
                 }
             }),
+            Kind::Fp4 => self.widen_rows(panel, k0, k1, dst, |c: &[u8; NR / 2], v| {
+                for i in 0..NR / 2 {
+                    v[2 * i] = FP4_E2M1[usize::from(c[i] & 0xf)];
+                    v[2 * i + 1] = FP4_E2M1[usize::from(c[i] >> 4)];
+                }
+            }),
         }
     }
 
@@ -231,6 +241,8 @@ impl QuantPanels {
             _mm512_set1_epi32(0x7f),
         );
         let pow120 = _mm512_set1_ps(f32::from_bits(0x7b80_0000));
+        // SAFETY: FP4_E2M1 is 16 f32s.
+        let fp4 = unsafe { _mm512_loadu_ps(FP4_E2M1.as_ptr()) };
         for (k, out) in (k0..k1).zip(dst.chunks_exact_mut(NR)) {
             let g = self.group[k] as usize;
             // SAFETY: row k of the panel is `rb` bytes inside `codes`
@@ -256,6 +268,12 @@ impl QuantPanels {
                         let pairs = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, b));
                         let n = _mm512_and_si512(_mm512_srlv_epi32(pairs, shifts), low);
                         _mm512_sub_ps(_mm512_cvtepi32_ps(n), _mm512_set1_ps(bias))
+                    }
+                    Kind::Fp4 => {
+                        let b = _mm_loadl_epi64(c.cast());
+                        let pairs = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, b));
+                        let n = _mm512_and_si512(_mm512_srlv_epi32(pairs, shifts), low);
+                        _mm512_permutexvar_ps(n, fp4)
                     }
                 };
                 let s = _mm512_loadu_ps(scales.as_ptr().add(g * NR));
@@ -392,6 +410,7 @@ mod tests {
             }
             "int4" => Codes::Int4((0..len).map(|_| draw(16) as i8 - 8).collect()),
             "uint4" => Codes::Uint4((0..len).map(|_| draw(16) as u8).collect()),
+            "fp4" => Codes::Fp4E2m1((0..len).map(|_| draw(16) as u8).collect()),
             // Every finite code, NaN left out.
             _ => Codes::Fp8E4m3(
                 (0..len)
@@ -424,7 +443,7 @@ mod tests {
         // (20, 301, ..): tiles of 8, 8 and 4 rows, two blocks of KC inputs
         // and a tail; stacks whose parts end inside a panel; per-tensor,
         // per-group and act-order (permuted) groups.
-        for kind in ["int8", "int8-asym", "int4", "uint4", "fp8"] {
+        for kind in ["int8", "int8-asym", "int4", "uint4", "fp8", "fp4"] {
             let cases: [(usize, usize, Vec<usize>, usize, bool); 5] = [
                 (1, 200, vec![20, 13], 64, false),
                 (7, 45, vec![9], 32, true),
@@ -488,7 +507,7 @@ mod tests {
             return;
         }
         let group: Vec<u32> = (0..256).map(|k| (k * 5 % 3) as u32).collect();
-        for kind in ["int8", "int8-asym", "int4", "uint4", "fp8"] {
+        for kind in ["int8", "int8-asym", "int4", "uint4", "fp8", "fp4"] {
             let m = matrix(9, 40, 256, kind, &group);
             let q = QuantPanels::pack(&[&m]).unwrap();
             for p in 0..3 {
