@@ -93,7 +93,8 @@ async fn migrations_apply_to_an_empty_database_and_rerun_as_a_no_op() {
             (22, true),
             (23, true),
             (24, true),
-            (25, true)
+            (25, true),
+            (26, true)
         ],
         "each migration applied exactly once"
     );
@@ -116,7 +117,7 @@ async fn migrate_takes_the_url_from_the_environment() {
         .fetch_one(&db.pool().await)
         .await
         .unwrap();
-    assert_eq!(n, 25);
+    assert_eq!(n, 26);
 }
 
 #[test]

@@ -6,7 +6,8 @@
 //! tenant's completion through the gateway — the base registered with
 //! `lorafleetctl` from its directory (its base hash covers the quantized
 //! bytes), a worker serving it, an adapter trained on llama-gqa routed to
-//! it — gives the same text.
+//! it — gives the same text. So does GPT-OSS from its MXFP4 checkpoint as
+//! released, with an adapter on its experts trained on the bf16 model.
 
 #[path = "support/admin_plane.rs"]
 mod admin_plane;
@@ -22,6 +23,7 @@ async fn a_tenant_gets_a_quantized_bases_golden_text_through_the_gateway() {
     served_end_to_end(
         "quantized_e2e",
         ("llama-gqa-int4", "golden_quantized.json"),
+        LLAMA_GQA,
         "qkvo-r4",
         "int4, groups of 32",
     )
@@ -33,24 +35,49 @@ async fn a_tenant_gets_an_fp8_block_bases_golden_text_through_the_gateway() {
     served_end_to_end(
         "quantized_fp8_block",
         ("llama-gqa-tool-fp8-block32", "golden_tool_quantized.json"),
+        LLAMA_GQA,
         "qv-r8",
         "fp8-e4m3, blocks of 32x32, inputs fp8-e4m3 per group of 32",
     )
     .await;
 }
 
-/// `model` (with its goldens' file) registered, served and asked through
-/// the gateway, base and `adapter`; the fleet shows it as `label`.
-async fn served_end_to_end(name: &str, (model, goldens): (&str, &str), adapter: &str, label: &str) {
-    let expected = generate_goldens(goldens, model, "llama-gqa", &[adapter], 6);
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_gets_gpt_oss_mxfp4_golden_text_with_an_expert_adapter_through_the_gateway() {
+    served_end_to_end(
+        "quantized_gpt_oss",
+        ("gpt-oss-mxfp4", "golden_gpt_oss.json"),
+        ("gpt-oss", "gpt_oss"),
+        "experts-r4",
+        "mxfp4, groups of 32",
+    )
+    .await;
+}
+
+/// The dense model the adapters were trained on, and the architecture.
+const LLAMA_GQA: (&str, &str) = ("llama-gqa", "llama");
+
+/// `model` (with its goldens' file) registered as `architecture`, served
+/// and asked through the gateway, base and `adapter` (trained on `dense`);
+/// the fleet shows it as `label`.
+async fn served_end_to_end(
+    name: &str,
+    (model, goldens): (&str, &str),
+    (dense, architecture): (&str, &str),
+    adapter: &str,
+    label: &str,
+) {
+    // The base and the adapter on each of the goldens' prompts.
+    let prompts = if dense == "gpt-oss" { 4 } else { 3 };
+    let expected = generate_goldens(goldens, model, dense, &[adapter], 2 * prompts);
     let p = plane_on(name, 1, model).await;
     // The adapter was trained on llama-gqa; it is declared for this
     // quantization of it by name (`base_model_name_or_path`), which the
     // registry checks against the base it is registered on: a copy for a
     // quantized base says so.
-    let copy = p.root.path().join("llama-gqa").join(adapter);
+    let copy = p.root.path().join(dense).join(adapter);
     copy_dir(
-        &engine_fixtures().join("adapters/llama-gqa").join(adapter),
+        &engine_fixtures().join("adapters").join(dense).join(adapter),
         &copy,
     );
     let config_path = copy.join("adapter_config.json");
@@ -68,7 +95,7 @@ async fn served_end_to_end(name: &str, (model, goldens): (&str, &str), adapter: 
         "register",
         model,
         "--architecture",
-        "llama",
+        architecture,
         "--model-dir",
         engine_fixtures().join(model).to_str().unwrap(),
     ]);
@@ -78,7 +105,7 @@ async fn served_end_to_end(name: &str, (model, goldens): (&str, &str), adapter: 
     )
     .unwrap();
     assert!(base["base_hash"].is_string(), "{base}");
-    assert_ne!(base["base_hash"], hashes["llama-gqa"], "{base}");
+    assert_ne!(base["base_hash"], hashes[dense], "{base}");
     let id = p.ctl_json(&[
         "adapters",
         "register",
@@ -88,16 +115,16 @@ async fn served_end_to_end(name: &str, (model, goldens): (&str, &str), adapter: 
         "--base-model",
         model,
         "--artifact-uri",
-        &format!("llama-gqa/{adapter}"),
+        &format!("{dense}/{adapter}"),
     ])["lora_int_id"]
         .as_i64()
         .unwrap();
-    // The same adapter as trained, declaring the dense llama-gqa, is
-    // refused on the quantized base by that field: an adapter is served
-    // only on the quantization it is declared for.
-    let dense_copy = p.root.path().join("llama-gqa/as-trained");
+    // The same adapter as trained, declaring the dense model, is refused
+    // on the quantized base by that field: an adapter is served only on
+    // the quantization it is declared for.
+    let dense_copy = p.root.path().join(dense).join("as-trained");
     copy_dir(
-        &engine_fixtures().join("adapters/llama-gqa").join(adapter),
+        &engine_fixtures().join("adapters").join(dense).join(adapter),
         &dense_copy,
     );
     p.ctl(&[
@@ -109,7 +136,7 @@ async fn served_end_to_end(name: &str, (model, goldens): (&str, &str), adapter: 
         "--base-model",
         model,
         "--artifact-uri",
-        "llama-gqa/as-trained",
+        &format!("{dense}/as-trained"),
     ])
     .refused(6, "base_model_name_or_path");
     p.ctl_json(&[
@@ -143,7 +170,7 @@ async fn served_end_to_end(name: &str, (model, goldens): (&str, &str), adapter: 
     assert_eq!(worker["quantization"], label, "{worker}");
     let held = worker["weights_bytes"].as_u64().unwrap();
     // The dense llama-gqa's shards, f32.
-    let dense: u64 = std::fs::read_dir(engine_fixtures().join("llama-gqa"))
+    let dense: u64 = std::fs::read_dir(engine_fixtures().join(dense))
         .unwrap()
         .map(|e| e.unwrap())
         .filter(|e| e.file_name().to_string_lossy().ends_with(".safetensors"))

@@ -61,7 +61,8 @@ fn reads_the_experts_of_qwen3_moe_and_mixtral() {
         Some(MoeConfig {
             num_experts: 4,
             top_k: 2,
-            norm_topk_prob: false
+            norm_topk_prob: false,
+            gpt_oss: None,
         })
     );
     assert_eq!(c.intermediate_size, 48, "each expert's width");
@@ -165,4 +166,91 @@ fn qwen2_has_qkv_bias_and_mistral_a_window() {
         ModelConfig::from_dir(dir.path()).unwrap().sliding_window,
         Some(4096)
     );
+}
+
+/// GPT-OSS's config with only what transformers' `GptOssConfig` cannot
+/// default.
+fn gpt_oss_minimal() -> Value {
+    serde_json::json!({
+        "model_type": "gpt_oss", "hidden_size": 64, "intermediate_size": 64,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "vocab_size": 100, "num_local_experts": 8
+    })
+}
+
+#[test]
+fn gpt_oss_takes_transformers_defaults_where_its_config_is_silent() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "config.json", gpt_oss_minimal());
+    let c = ModelConfig::from_dir(dir.path()).unwrap();
+    assert_eq!(c.architecture, Architecture::GptOss);
+    // Sliding first, then alternating, through a window of 128.
+    assert_eq!(
+        c.layer_kinds,
+        [
+            LayerKind::Sliding,
+            LayerKind::Full,
+            LayerKind::Sliding,
+            LayerKind::Full
+        ]
+    );
+    assert_eq!(c.sliding_window, Some(128));
+    assert!(c.mixed_layers() && c.attention_sinks && c.qkv_bias && c.o_bias && !c.mlp_bias);
+    // YaRN by 32 over 4,096 positions, base 150,000.
+    assert_eq!(c.rope.theta, 150_000.0);
+    assert!(
+        matches!(c.rope.scaling, crate::rope::RopeScaling::Yarn { factor, .. } if factor == 32.0),
+        "{:?}",
+        c.rope.scaling
+    );
+    let moe = c.moe.unwrap();
+    assert_eq!((moe.num_experts, moe.top_k), (8, 4));
+    assert_eq!(
+        moe.gpt_oss,
+        Some(GptOssExperts {
+            swiglu_limit: 7.0,
+            swiglu_alpha: 1.702
+        })
+    );
+    // What the config gives wins.
+    let mut given = gpt_oss_minimal();
+    given["attention_bias"] = false.into();
+    given["swiglu_limit"] = 5.5.into();
+    given["num_experts_per_tok"] = 2.into();
+    given["layer_types"] = serde_json::json!([
+        "full_attention",
+        "full_attention",
+        "full_attention",
+        "full_attention"
+    ]);
+    write(dir.path(), "config.json", given);
+    let c = ModelConfig::from_dir(dir.path()).unwrap();
+    assert!(!c.qkv_bias && !c.mixed_layers());
+    assert_eq!(c.moe.unwrap().top_k, 2);
+    assert_eq!(c.moe.unwrap().gpt_oss.unwrap().swiglu_limit, 5.5);
+}
+
+#[test]
+fn gpt_oss_refuses_what_it_cannot_read_by_field() {
+    for (field, value, named) in [
+        (
+            "experts_per_token",
+            serde_json::json!(2),
+            "`experts_per_token`",
+        ),
+        ("swiglu_limit", serde_json::json!(-1.0), "`swiglu_limit`"),
+        ("sliding_window", serde_json::json!(0), "`sliding_window`"),
+        (
+            "layer_types",
+            serde_json::json!(["sliding_attention"]),
+            "`layer_types`",
+        ),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = gpt_oss_minimal();
+        cfg[field] = value;
+        write(dir.path(), "config.json", cfg);
+        let err = ModelConfig::from_dir(dir.path()).unwrap_err().to_string();
+        assert!(err.contains(named), "{field}: {err}");
+    }
 }

@@ -303,3 +303,54 @@ fn transformers_fp8_is_read_as_the_official_releases_write_it() {
         assert!(e.contains(said), "{said}: {e}");
     }
 }
+
+#[test]
+fn mxfp4_is_read_as_gpt_oss_was_released() {
+    let file = Path::new("config.json");
+    let mx = |q: Value| {
+        let mut m = Map::new();
+        m.insert("quantization_config".into(), q);
+        parse(file, &m)
+    };
+    let good = serde_json::json!({"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]});
+    let q = mx(good.clone()).unwrap().unwrap();
+    assert_eq!((q.format, q.strategy), (Format::Mxfp4, Strategy::Group(32)));
+    assert_eq!(q.ignore.len(), 4);
+    assert_eq!(q.label(), "mxfp4, groups of 32");
+    assert!(
+        q.canonical()
+            .starts_with("format=mxfp4-e2m1-e8m0;strategy=group-32")
+    );
+    let mut loaded = good.clone();
+    loaded["dequantize"] = true.into();
+    assert!(mx(loaded).unwrap().is_some());
+    for (field, value, said) in [
+        (
+            "modules_to_not_convert",
+            Value::from("lm_head"),
+            "list of module names",
+        ),
+        ("dequantize", Value::from("yes"), "true or false"),
+        ("block_size", Value::from(16), "not a field"),
+    ] {
+        let mut bad = good.clone();
+        bad[field] = value;
+        let e = mx(bad).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("quantization_config.{field}")),
+            "{field}: {e}"
+        );
+        assert!(e.contains(said), "{said}: {e}");
+    }
+    // Every E2M1 code's value: sign, two exponent bits, one mantissa bit.
+    for c in 0u8..16 {
+        let (sign, e, m) = (c >> 3, (c >> 1) & 3, c & 1);
+        let magnitude = match e {
+            0 => f32::from(m) * 0.5,
+            _ => (1.0 + f32::from(m) * 0.5) * 2f32.powi(i32::from(e) - 1),
+        };
+        let want = if sign == 1 { -magnitude } else { magnitude };
+        assert_eq!(Codes::Fp4E2m1(vec![c]).value(0), want, "code {c}");
+    }
+}

@@ -151,6 +151,65 @@ pub(crate) fn e8m0(e: u8) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::e8m0;
+    use crate::quantization::FP4_E2M1;
+    use crate::weights::WeightFiles;
+    use safetensors::{Dtype, tensor::TensorView};
+
+    /// A model directory with one MXFP4 parameter `p` of one expert, 32
+    /// inputs and 2 outputs: codes 0..15 then 15..0 for output 0, each
+    /// code 3 for output 1; scales 127 (×1) and `second`.
+    fn mxfp4_dir(second: u8) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        let codes: Vec<u8> = (0..16u8).chain((0..16u8).rev()).collect();
+        let mut blocks: Vec<u8> = codes.chunks(2).map(|p| p[0] | (p[1] << 4)).collect();
+        blocks.extend([0x33u8; 16]);
+        let scales = [127u8, second];
+        let tensors = [
+            (
+                "p_blocks",
+                TensorView::new(Dtype::U8, vec![1, 2, 1, 16], &blocks).unwrap(),
+            ),
+            (
+                "p_scales",
+                TensorView::new(Dtype::U8, vec![1, 2, 1], &scales).unwrap(),
+            ),
+        ];
+        safetensors::serialize_to_file(tensors, None, &dir.path().join("model.safetensors"))
+            .unwrap();
+        std::fs::write(
+            dir.path().join("config.json"),
+            r#"{"quantization_config": {"quant_method": "mxfp4"}}"#,
+        )
+        .unwrap();
+        dir
+    }
+
+    #[test]
+    fn mxfp4_blocks_read_low_nibble_first_under_their_power_of_two() {
+        let dir = mxfp4_dir(129);
+        let files = WeightFiles::open_model_dir(dir.path()).unwrap();
+        let m = files.mxfp4_experts("p", (1, 32, 2)).unwrap().unwrap();
+        let w = m[0].to_f32();
+        for k in 0..32 {
+            let code = if k < 16 { k } else { 31 - k };
+            assert_eq!(w[k], FP4_E2M1[code], "output 0, input {k}");
+            assert_eq!(w[32 + k], FP4_E2M1[3] * 4.0, "output 1, input {k}");
+        }
+        // Not stored so: None; a wrong shape or a NaN scale: refused.
+        assert!(files.mxfp4_experts("q", (1, 32, 2)).unwrap().is_none());
+        let e = files
+            .mxfp4_experts("p", (1, 64, 2))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("p_blocks") && e.contains("shape"), "{e}");
+        let dir = mxfp4_dir(255);
+        let files = WeightFiles::open_model_dir(dir.path()).unwrap();
+        let e = files
+            .mxfp4_experts("p", (1, 32, 2))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("p_scales") && e.contains("NaN"), "{e}");
+    }
 
     #[test]
     fn an_e8m0_scale_is_its_power_of_two() {
