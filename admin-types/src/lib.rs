@@ -432,6 +432,54 @@ pub struct UsageRow {
     pub cached_tokens: i64,
     /// The workers' forward-pass time.
     pub device_seconds: f64,
+    /// `device_seconds` at each hour's price for its base model (`POST
+    /// /prices`); None where no hour of the group had one.
+    pub device_cost: Option<f64>,
+    /// Prompt and completion tokens at each hour's price for their route;
+    /// None where no hour of the group had one.
+    pub token_cost: Option<f64>,
+    /// The two together; None where neither applied.
+    pub cost: Option<f64>,
+}
+
+/// `POST /prices`: a price from `effective_at` (a whole UTC hour) on, until
+/// the next for the same base model or route. Either a base model's, per
+/// hour of its workers' device time (`device_hour`), or a tenant's route's,
+/// per million prompt and per million completion tokens (one left out
+/// costs nothing).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NewPrice {
+    pub base_model: Option<String>,
+    /// The route's tenant (name) and model name, with `route`.
+    pub tenant: Option<String>,
+    pub route: Option<String>,
+    pub effective_at: DateTime<Utc>,
+    pub device_hour: Option<f64>,
+    pub prompt_per_million: Option<f64>,
+    pub completion_per_million: Option<f64>,
+}
+
+/// One price, as set.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
+pub struct PriceRow {
+    pub id: Uuid,
+    pub base_model: Option<String>,
+    pub tenant: Option<String>,
+    pub route: Option<String>,
+    pub effective_at: DateTime<Utc>,
+    pub device_hour: Option<f64>,
+    pub prompt_per_million: Option<f64>,
+    pub completion_per_million: Option<f64>,
+    pub created_at: DateTime<Utc>,
+    pub created_by: String,
+}
+
+/// `GET /prices`: every price, by base model or route, oldest first.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PriceList {
+    pub prices: Vec<PriceRow>,
 }
 
 /// `GET /usage`.

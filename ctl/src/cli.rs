@@ -83,6 +83,10 @@ pub(crate) enum Command {
     /// the workers' device seconds by tenant, route, adapter and day or
     /// hour, evaluation traffic apart.
     Usage(UsageArgs),
+    /// Prices for chargeback: set a base model's per device-hour or a
+    /// route's per million tokens from a whole hour on; list them.
+    #[command(subcommand)]
+    Prices(PriceCmd),
     /// The admin change log: who changed what, when, before and after.
     Changes {
         #[arg(long)]
@@ -461,6 +465,38 @@ pub(crate) struct UsageArgs {
     /// Comma-separated values with a header line, instead of a table.
     #[arg(long)]
     pub csv: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum PriceCmd {
+    /// Every price set, by base model, then by tenant and route.
+    List {
+        #[arg(long)]
+        base_model: Option<String>,
+        /// One tenant's routes (its name).
+        #[arg(long)]
+        tenant: Option<String>,
+    },
+    /// A price from --from (a whole UTC hour, RFC 3339) until the next:
+    /// --base-model with --device-hour, or --tenant and --route with
+    /// --prompt-per-million and/or --completion-per-million.
+    Set {
+        #[arg(long)]
+        from: String,
+        #[arg(long)]
+        base_model: Option<String>,
+        #[arg(long)]
+        tenant: Option<String>,
+        /// The route's model name.
+        #[arg(long)]
+        route: Option<String>,
+        #[arg(long)]
+        device_hour: Option<f64>,
+        #[arg(long)]
+        prompt_per_million: Option<f64>,
+        #[arg(long)]
+        completion_per_million: Option<f64>,
+    },
 }
 
 /// `token` mints an admin token; `token revoke TOKEN` revokes one, and

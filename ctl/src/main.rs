@@ -149,6 +149,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Fleet => fleet(&c).await,
         Command::Audit(a) => audit(&c, a).await,
         Command::Usage(a) => usage(&c, a).await,
+        Command::Prices(cmd) => prices(&c, cmd).await,
         Command::AuditPartitions => {
             let list: lorafleet_admin_types::AuditPartitions =
                 c.get_as("/audit/partitions", &[]).await?;

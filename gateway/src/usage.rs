@@ -3,7 +3,10 @@
 //! reads a few hundred rows per tenant however large the log is. The admin
 //! plane (`GET /admin/v1/usage`, every tenant) and the OpenAI API
 //! (`GET /v1/usage`, the caller's own tenant) both ask through
-//! [`UsageQuery`]; each maps a [`UsageError`] to its own refusal.
+//! [`UsageQuery`]; each maps a [`UsageError`] to its own refusal. Each
+//! hour of usage is priced at the prices in effect at that hour (migration
+//! 0027): its base model's per device-hour, its route's per million prompt
+//! and completion tokens.
 
 use chrono::{DateTime, Utc};
 use lorafleet_admin_types::UsageRow;
@@ -134,8 +137,27 @@ impl UsageQuery {
                     sum(prompt_tokens)::BIGINT AS prompt_tokens,
                     sum(completion_tokens)::BIGINT AS completion_tokens,
                     sum(cached_tokens)::BIGINT AS cached_tokens,
-                    sum(device_us)::FLOAT8 / 1e6 AS device_seconds
-               FROM usage_hourly WHERE hour >= ",
+                    sum(device_us)::FLOAT8 / 1e6 AS device_seconds,
+                    (sum(device_us * dp.device_hour) / 3600e6)::FLOAT8 AS device_cost,
+                    (sum(prompt_tokens * rp.prompt + completion_tokens * rp.completion)
+                        / 1e6)::FLOAT8 AS token_cost,
+                    CASE WHEN count(dp.device_hour) + count(rp.prompt) > 0 THEN
+                        (coalesce(sum(device_us * dp.device_hour) / 3600e6, 0)
+                         + coalesce(sum(prompt_tokens * rp.prompt
+                                        + completion_tokens * rp.completion) / 1e6, 0))::FLOAT8
+                    END AS cost
+               FROM usage_hourly u
+               LEFT JOIN LATERAL (
+                   SELECT p.device_hour FROM prices p JOIN base_models b ON b.name = p.base_model
+                    WHERE b.base_hash = u.base_hash AND p.effective_at <= u.hour
+                    ORDER BY p.effective_at DESC LIMIT 1) dp ON true
+               LEFT JOIN LATERAL (
+                   SELECT coalesce(p.prompt_per_million, 0) AS prompt,
+                          coalesce(p.completion_per_million, 0) AS completion
+                     FROM prices p
+                    WHERE p.route_id = u.route_id AND p.effective_at <= u.hour
+                    ORDER BY p.effective_at DESC LIMIT 1) rp ON true
+              WHERE hour >= ",
             column(g.tenant, "tenant_id", "UUID"),
             column(g.route, "route_id", "UUID"),
             column(g.adapter, "lora_int_id", "BIGINT"),

@@ -1100,3 +1100,206 @@ async fn a_revoked_admin_token_is_refused_on_every_replica_within_two_seconds() 
     // Other tokens of the same subject are untouched.
     assert_eq!(get(0, p.token("audrey", "auditor")).await.0, 200);
 }
+
+/// Prices for chargeback: a base model's per device-hour and a route's per
+/// million tokens, each from a whole hour on; the usage report prices every
+/// hour at the prices in effect then, so a change mid-period splits the
+/// cost at its time, and every price set is in the change log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn usage_is_costed_at_the_prices_in_effect_each_hour() {
+    let p = plane("prices").await;
+    p.ctl_json(&["tenants", "create", "acme"]);
+    let hash = fixture_json("base_hashes.json")["llama-gqa"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    p.ctl_json(&[
+        "base-models",
+        "register",
+        "priced",
+        "--architecture",
+        "llama",
+        "--base-hash",
+        &hash,
+    ]);
+    p.ctl_json(&[
+        "routes",
+        "set",
+        "acme",
+        "support",
+        "--base",
+        "--base-model",
+        "priced",
+    ]);
+    let route: Uuid = sqlx::query_scalar(
+        "SELECT r.id FROM routes r JOIN tenants t ON t.id = r.tenant_id WHERE t.name = 'acme'",
+    )
+    .fetch_one(&p.pool)
+    .await
+    .unwrap();
+    // Four hours of acme's usage, ending before this hour: each half a
+    // device-hour, a million prompt and two million completion tokens, in
+    // two audit rows, inserted as the audit writer inserts them (the
+    // rollup trigger keeps the hours).
+    let now = chrono::Utc::now().timestamp() / 3600 * 3600;
+    let hour = |k: i64| chrono::DateTime::from_timestamp(now - (5 - k) * 3600, 0).unwrap();
+    let inserted = sqlx::query(
+        "INSERT INTO audit_log (request_id, received_at, completed_at, tenant_id, model_name,
+                                route_id, base_hash, status, http_status, finish_reason,
+                                prompt_tokens, completion_tokens, cached_tokens, occurrences,
+                                device_us, latency_us)
+         SELECT gen_random_uuid(), t, t, r.tenant_id, 'support', r.id, $3, 'ok', 200, 'stop',
+                500000, 1000000, 0, 1, 900000000, 1
+           FROM routes r, generate_series(0, 7) k,
+                LATERAL (SELECT $2 + (k / 2) * INTERVAL '1 hour' + k * INTERVAL '1 minute' AS t) x
+          WHERE r.id = $1",
+    )
+    .bind(route)
+    .bind(hour(0))
+    .bind(&hash)
+    .execute(&p.pool)
+    .await
+    .unwrap()
+    .rows_affected();
+    assert_eq!(inserted, 8);
+    let at =
+        |t: chrono::DateTime<chrono::Utc>| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+    // The base model at 2 a device-hour from hour 0, 3 from hour 2; the
+    // route's tokens from hour 1 only.
+    for (from, price) in [(0, "2"), (2, "3")] {
+        p.ctl_json(&[
+            "prices",
+            "set",
+            "--base-model",
+            "priced",
+            "--device-hour",
+            price,
+            "--from",
+            &at(hour(from)),
+        ]);
+    }
+    let set = p.ctl_json(&[
+        "prices",
+        "set",
+        "--tenant",
+        "acme",
+        "--route",
+        "support",
+        "--prompt-per-million",
+        "0.5",
+        "--completion-per-million",
+        "1.5",
+        "--from",
+        &at(hour(1)),
+    ]);
+    assert_eq!(set["route"], "support", "{set}");
+    assert_eq!(set["completion_per_million"], 1.5, "{set}");
+    let listed = p.ctl_json(&["prices", "list"]);
+    assert_eq!(listed["prices"].as_array().unwrap().len(), 3, "{listed}");
+    let report = |group_by: &str| {
+        p.ctl_json(&[
+            "usage",
+            "--from",
+            &at(hour(0)),
+            "--to",
+            &at(hour(4)),
+            "--group-by",
+            group_by,
+        ])
+    };
+    let by_hour = report("hour");
+    let rows = by_hour["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 4, "{by_hour}");
+    // (device cost, token cost) hour by hour: half an hour at 2, 2, 3, 3;
+    // tokens 0.5·1 + 1.5·2 from hour 1.
+    let want = [
+        (1.0, None),
+        (1.0, Some(3.5)),
+        (1.5, Some(3.5)),
+        (1.5, Some(3.5)),
+    ];
+    for (row, (device, tokens)) in rows.iter().zip(want) {
+        let close = |v: &Value, w: f64| (v.as_f64().unwrap() - w).abs() < 1e-9;
+        assert!(close(&row["device_seconds"], 1800.0), "{row}");
+        assert!(close(&row["device_cost"], device), "{row}");
+        match tokens {
+            Some(t) => assert!(close(&row["token_cost"], t), "{row}"),
+            None => assert!(row["token_cost"].is_null(), "{row}"),
+        }
+        assert!(close(&row["cost"], device + tokens.unwrap_or(0.0)), "{row}");
+    }
+    // The whole span: the hours' costs added.
+    let whole = report("tenant");
+    let total = &whole["rows"][0];
+    assert!(
+        (total["device_cost"].as_f64().unwrap() - 5.0).abs() < 1e-9,
+        "{whole}"
+    );
+    assert!(
+        (total["token_cost"].as_f64().unwrap() - 10.5).abs() < 1e-9,
+        "{whole}"
+    );
+    assert!(
+        (total["cost"].as_f64().unwrap() - 15.5).abs() < 1e-9,
+        "{whole}"
+    );
+    // Refused by field: a time inside an hour, a second price from the same
+    // hour (prices are history), a base model that is not registered.
+    let inside = hour(3) + chrono::TimeDelta::minutes(30);
+    p.ctl(&[
+        "prices",
+        "set",
+        "--base-model",
+        "priced",
+        "--device-hour",
+        "1",
+        "--from",
+        &at(inside),
+    ])
+    .refused(6, "effective_at");
+    p.ctl(&[
+        "prices",
+        "set",
+        "--base-model",
+        "priced",
+        "--device-hour",
+        "1",
+        "--from",
+        &at(hour(2)),
+    ])
+    .refused(5, "effective_at");
+    p.ctl(&[
+        "prices",
+        "set",
+        "--base-model",
+        "nothing",
+        "--device-hour",
+        "1",
+        "--from",
+        &at(hour(2)),
+    ])
+    .refused(4, "base_model");
+    p.ctl(&[
+        "prices",
+        "set",
+        "--tenant",
+        "acme",
+        "--route",
+        "support",
+        "--device-hour",
+        "1",
+        "--from",
+        &at(hour(3)),
+    ])
+    .refused(6, "device_hour");
+    let changes = p.ctl_json(&["changes", "--object-type", "price"]);
+    assert_eq!(changes["changes"].as_array().unwrap().len(), 3, "{changes}");
+    // A row of history cannot be changed in place, even by the database's
+    // own roles.
+    let e = sqlx::query("UPDATE prices SET device_hour = 0")
+        .execute(&p.pool)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("history"), "{e}");
+}

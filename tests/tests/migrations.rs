@@ -94,7 +94,8 @@ async fn migrations_apply_to_an_empty_database_and_rerun_as_a_no_op() {
             (23, true),
             (24, true),
             (25, true),
-            (26, true)
+            (26, true),
+            (27, true)
         ],
         "each migration applied exactly once"
     );
@@ -117,7 +118,7 @@ async fn migrate_takes_the_url_from_the_environment() {
         .fetch_one(&db.pool().await)
         .await
         .unwrap();
-    assert_eq!(n, 26);
+    assert_eq!(n, 27);
 }
 
 #[test]

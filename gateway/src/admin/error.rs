@@ -277,6 +277,8 @@ pub(super) fn db_error(e: sqlx::Error) -> AdminError {
             "eval_sets_name_format" => (AdminCode::InvalidField, "name"),
             "eval_sets_name_version_unique" => (AdminCode::Duplicate, "name"),
             "rollouts_one_active_per_route" => (AdminCode::RolloutActive, "model"),
+            "prices_whole_hours" => (AdminCode::InvalidField, "effective_at"),
+            "prices_one_per_time" => (AdminCode::Duplicate, "effective_at"),
             _ => return AdminError::internal(e),
         };
         return AdminError::new(code, Some(param), format!("{param}: {message}"));

@@ -64,6 +64,10 @@ pub fn router(state: AdminState) -> Router {
         )
         .route("/admin/v1/changes", get(read_query::<ListChanges>))
         .route("/admin/v1/usage", get(read_query::<UsageReport>))
+        .route(
+            "/admin/v1/prices",
+            get(read_query::<ListPrices>).post(set_price),
+        )
         .route("/healthz", get(|| async { "ok" }))
         .fallback(|| async {
             AdminError::new(AdminCode::NotFound, None, "no such admin endpoint".into())
@@ -215,6 +219,12 @@ async fn register_base_model(
 ) -> Answer {
     let c = caller(&s, &headers)?;
     let row = s.exec(&c, RegisterBaseModel(parse_body(&body)?)).await?;
+    Ok(reply(StatusCode::CREATED, &c, &row))
+}
+
+async fn set_price(State(s): State<AdminState>, headers: HeaderMap, body: Bytes) -> Answer {
+    let c = caller(&s, &headers)?;
+    let row = s.exec(&c, SetPrice(parse_body(&body)?)).await?;
     Ok(reply(StatusCode::CREATED, &c, &row))
 }
 

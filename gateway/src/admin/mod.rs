@@ -138,6 +138,7 @@ mod evals;
 mod fleet;
 mod http;
 mod keys;
+mod prices;
 mod rollouts;
 mod routes;
 mod tenants;
@@ -167,6 +168,7 @@ pub use evals::{ListEvalSets, RegisterEvalSet};
 pub use fleet::{FleetView, TRAFFIC_SQL as FLEET_TRAFFIC_SQL};
 pub use http::router;
 pub use keys::{CreateKey, ListKeys, RevokeKey};
+pub use prices::{ListPrices, SetPrice};
 pub use rollouts::WINDOW_SQL as ROLLOUT_WINDOW_SQL;
 pub use rollouts::{
     ChangeRollout, ConcludeEvaluation, EvaluationWork, GetRollout, StartRollout, record_outcome,

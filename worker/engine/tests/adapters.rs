@@ -361,8 +361,8 @@ fn artifact_digests_match_an_independent_implementation() {
     .unwrap();
     assert_eq!(
         expected.len(),
-        43,
-        "12 dense, 10 Mixture-of-Experts and 21 model-family adapters"
+        46,
+        "12 dense, 10 Mixture-of-Experts, 21 model-family and 3 GPT-OSS adapters"
     );
     let roots =
         lorafleet_engine::artifact::ArtifactRoots::new(&[fixtures().join("adapters")]).unwrap();
