@@ -309,6 +309,23 @@ async fn admins_run_the_registry_and_compliance_reads_the_audit_log_through_lora
         serde_json::json!(["lora_bias"]),
         "{biased}"
     );
+    let embedding = register(
+        "embedding-support",
+        "llama-gqa",
+        "embedding/llama-gqa/embed-head-rslora",
+        &[],
+    )
+    .json();
+    assert_eq!(
+        embedding["features"],
+        serde_json::json!(["embed_tokens", "lm_head"]),
+        "{embedding}"
+    );
+    assert_eq!(
+        embedding["target_modules"],
+        serde_json::json!(["o_proj", "embed_tokens", "lm_head"]),
+        "{embedding}"
+    );
     let versions = p.ctl_json(&["adapters", "list", "--name", "support"]);
     let versions: Vec<(i64, i64)> = versions["adapters"]
         .as_array()

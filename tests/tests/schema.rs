@@ -530,7 +530,7 @@ async fn an_adapter_needs_an_existing_base_model_and_a_positive_rank() {
         "adapters_alpha_finite_positive",
     );
     assert_violates(
-        insert(16.0, vec!["embed_tokens"], "x/v1", good_sha.clone()).await,
+        insert(16.0, vec!["wte"], "x/v1", good_sha.clone()).await,
         "adapters_target_modules_known",
     );
     assert_violates(

@@ -58,6 +58,13 @@ pub struct AdapterConfig {
     /// A regular expression `target_modules` and `exclude_modules`, as
     /// PEFT matches them ([`AdapterConfig::targets_in_layer`]).
     pub selection: Selection,
+    /// `target_modules` lists `embed_tokens`: LoRA on the token embeddings
+    /// (PEFT's `lora_embedding_A` `[r, vocab]` and `lora_embedding_B`
+    /// `[hidden, r]`), a token's row plus `s · B · A[:, token]`.
+    pub embed_tokens: bool,
+    /// `target_modules` lists `lm_head`: LoRA on the output projection,
+    /// `logits + s · B · A · h`.
+    pub lm_head: bool,
 }
 
 /// A parameter of a Mixture-of-Experts block that a LoRA may target.
@@ -272,10 +279,15 @@ impl AdapterConfig {
     /// What the adapter does beyond plain LoRA, by the names the registry
     /// records (`dora`, `lora_bias`), in that order.
     pub fn features(&self) -> Vec<&'static str> {
-        [(self.use_dora, "dora"), (self.lora_bias, "lora_bias")]
-            .into_iter()
-            .filter_map(|(on, name)| on.then_some(name))
-            .collect()
+        [
+            (self.use_dora, "dora"),
+            (self.lora_bias, "lora_bias"),
+            (self.embed_tokens, "embed_tokens"),
+            (self.lm_head, "lm_head"),
+        ]
+        .into_iter()
+        .filter_map(|(on, name)| on.then_some(name))
+        .collect()
     }
 
     /// Whether `layer` carries LoRA weights.
@@ -534,6 +546,7 @@ fn parse(
 
     let expert_targets = parse_target_parameters(adapter, get("target_parameters"))?;
     let (mut fused_names, mut split_names): (Vec<&str>, Vec<&str>) = (Vec::new(), Vec::new());
+    let (mut embed_tokens, mut lm_head) = (false, false);
     let mut selection = Selection::new(adapter, get("exclude_modules"))?;
     let mut pattern_fused = false;
     let mut targets: Vec<Projection> = match get("target_modules") {
@@ -576,13 +589,10 @@ fn parse(
                         }
                         out.push(p)
                     }
-                    None if matches!(last, "embed_tokens" | "lm_head") => {
-                        return Err(unsupported(
-                            adapter,
-                            "target_modules",
-                            &format!("{name:?}: embedding and lm_head targets are not supported"),
-                        ));
-                    }
+                    // The model's own, not a layer's: PEFT matches
+                    // `embed_tokens` as `model.embed_tokens` and `lm_head`.
+                    None if last == "embed_tokens" => embed_tokens = true,
+                    None if last == "lm_head" => lm_head = true,
                     None => {
                         return Err(invalid(
                             adapter,
@@ -648,6 +658,16 @@ fn parse(
             Some(layers)
         }
     };
+    if let Some(field) = [(use_dora, "use_dora"), (lora_bias, "lora_bias")]
+        .into_iter()
+        .find_map(|(on, f)| (on && (embed_tokens || lm_head)).then_some(f))
+    {
+        return Err(unsupported(
+            adapter,
+            field,
+            "is not supported with LoRA on embed_tokens or lm_head",
+        ));
+    }
     if use_dora && !expert_targets.is_empty() {
         return Err(unsupported(
             adapter,
@@ -668,6 +688,8 @@ fn parse(
         layers_to_transform,
         expert_targets,
         selection,
+        embed_tokens,
+        lm_head,
     };
     // Excluding every module a list names leaves nothing to adapt.
     if config.selection.excludes_any() && config.expert_targets.is_empty() {

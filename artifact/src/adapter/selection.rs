@@ -144,7 +144,7 @@ impl Selection {
                     adapter,
                     "target_modules",
                     &format!(
-                        "{pattern:?} matches {outside}: embedding and lm_head targets are not supported"
+                        "{pattern:?} matches {outside}: list embed_tokens or lm_head by name to adapt them (a pattern over them is not supported)"
                     ),
                 ));
             }

@@ -15,6 +15,10 @@ pub enum Holds {
     Module(Target),
     /// A Mixture-of-Experts parameter targeted by `target_parameters`.
     Expert(ExpertTarget),
+    /// The token embeddings (`embed_tokens` in `target_modules`).
+    Embedding,
+    /// The output projection (`lm_head` in `target_modules`).
+    LmHead,
 }
 
 /// Which factor of a LoRA pair a tensor is.
@@ -28,6 +32,10 @@ pub enum Factor {
     Magnitude,
     /// `lora_B.bias` (`lora_bias`): `[out]`.
     Bias,
+    /// The embedding layer itself, `[vocab, hidden]`, which PEFT saves
+    /// beside an embedding or lm_head LoRA (`save_embedding_layers`) and
+    /// loads over the model's: it must be the base's own.
+    BaseCopy,
 }
 
 /// One tensor an adapter stores.
@@ -46,6 +54,7 @@ pub fn module_tensor(layer: usize, t: Target, factor: Factor) -> String {
         Factor::B => "lora_B.weight",
         Factor::Magnitude => "lora_magnitude_vector",
         Factor::Bias => "lora_B.bias",
+        Factor::BaseCopy => "base_layer.weight",
     };
     format!("base_model.model.model.layers.{layer}.{}.{what}", t.path)
 }
@@ -98,6 +107,43 @@ pub fn expected_in_layer(config: &AdapterConfig, layer: usize) -> Vec<Expected> 
     out
 }
 
+/// The tensors `config` stores outside the layers: an embedding LoRA's
+/// `lora_embedding_A` `[r, vocab]` and `lora_embedding_B` `[hidden, r]`,
+/// an lm_head LoRA's `lora_A` `[r, hidden]` and `lora_B` `[vocab, r]`, and
+/// each one's copy of the layer (optional).
+pub fn expected_outside_layers(config: &AdapterConfig) -> Vec<Expected> {
+    let mut out = Vec::new();
+    let mut push = |name: String, holds: Holds, factor: Factor| {
+        out.push(Expected {
+            name,
+            layer: 0,
+            holds,
+            factor,
+        })
+    };
+    if config.embed_tokens {
+        let e = "base_model.model.model.embed_tokens";
+        push(format!("{e}.lora_embedding_A"), Holds::Embedding, Factor::A);
+        push(format!("{e}.lora_embedding_B"), Holds::Embedding, Factor::B);
+        push(
+            format!("{e}.base_layer.weight"),
+            Holds::Embedding,
+            Factor::BaseCopy,
+        );
+    }
+    if config.lm_head {
+        let h = "base_model.model.lm_head";
+        push(format!("{h}.lora_A.weight"), Holds::LmHead, Factor::A);
+        push(format!("{h}.lora_B.weight"), Holds::LmHead, Factor::B);
+        push(
+            format!("{h}.base_layer.weight"),
+            Holds::LmHead,
+            Factor::BaseCopy,
+        );
+    }
+    out
+}
+
 pub use crate::weights::language_model_name;
 
 /// The layer a PEFT tensor name belongs to, if it names one.
@@ -112,9 +158,9 @@ fn layer_of(name: &str) -> Option<usize> {
 /// Why a tensor that no target explains is refused.
 fn unexpected(name: &str) -> &'static str {
     if name.contains("lora_embedding") || name.contains("embed_tokens") {
-        "embedding adapters are not supported"
+        "is an embedding LoRA's, but target_modules does not list embed_tokens"
     } else if name.contains("lm_head") {
-        "lm_head adapters are not supported"
+        "is an lm_head LoRA's, but target_modules does not list lm_head"
     } else if name.ends_with("lora_B.bias") {
         "is a bias on lora_B, but adapter_config.json does not set lora_bias"
     } else if name.contains("lora_magnitude_vector") {
@@ -129,6 +175,8 @@ pub fn rank_path(e: &Expected) -> String {
     match e.holds {
         Holds::Module(t) => format!("model.layers.{}.{}", e.layer, t.path),
         Holds::Expert(t) => t.path(e.layer),
+        Holds::Embedding => "model.embed_tokens".into(),
+        Holds::LmHead => "lm_head".into(),
     }
 }
 
@@ -165,7 +213,23 @@ pub fn check(
                     .into_iter()
                     .find(|e| e.name == name)
             })
+            .or_else(|| {
+                expected_outside_layers(config)
+                    .into_iter()
+                    .find(|e| e.name == name)
+            })
             .ok_or_else(|| bad(name, unexpected(name).into()))?;
+        if expected.factor == Factor::BaseCopy {
+            // Its values are compared with the base's where the base is
+            // at hand (the backend, when it writes the adapter's slot).
+            if info.shape.len() != 2 {
+                return Err(bad(
+                    name,
+                    format!("has shape {:?}, not [vocab, hidden]", info.shape),
+                ));
+            }
+            continue;
+        }
         if matches!(expected.factor, Factor::Magnitude | Factor::Bias) {
             // One value per output row: as many as lora_B has rows.
             let Holds::Module(t) = expected.holds else {
@@ -204,12 +268,12 @@ pub fn check(
         };
         let rank_dim = match expected.factor {
             Factor::A => rows,
-            Factor::B | Factor::Magnitude | Factor::Bias => cols,
+            Factor::B | Factor::Magnitude | Factor::Bias | Factor::BaseCopy => cols,
         };
         let path = rank_path(&expected);
         let (rank, _) = config.rank_and_alpha(adapter, &path)?;
         let fits = match expected.holds {
-            Holds::Module(_) => rank_dim == rank as u64,
+            Holds::Module(_) | Holds::Embedding | Holds::LmHead => rank_dim == rank as u64,
             Holds::Expert(_) => rank_dim != 0 && rank_dim % rank as u64 == 0,
         };
         if !fits {
@@ -234,6 +298,12 @@ pub fn check(
             {
                 return Err(bad(&missing.name, missing_reason(missing.factor)));
             }
+        }
+        if let Some(missing) = expected_outside_layers(config)
+            .into_iter()
+            .find(|e| e.factor != Factor::BaseCopy && !present.contains(&e.name))
+        {
+            return Err(bad(&missing.name, missing_reason(missing.factor)));
         }
     } else if config.use_dora || config.lora_bias {
         // Without the layer count, each module present must have its
@@ -276,7 +346,7 @@ fn missing_reason(factor: Factor) -> String {
         Factor::Bias => {
             "the tensor is missing (`lora_bias: true` gives each module's lora_B a bias)".into()
         }
-        Factor::A | Factor::B => "the tensor is missing".into(),
+        Factor::A | Factor::B | Factor::BaseCopy => "the tensor is missing".into(),
     }
 }
 
@@ -351,7 +421,10 @@ mod tests {
 
         let head = "base_model.model.lm_head.lora_A.weight";
         let (_, r) = reason(check("a", &c, &header(&[(head, &[4, 16])]), None).unwrap_err());
-        assert_eq!(r, "lm_head adapters are not supported");
+        assert_eq!(
+            r,
+            "is an lm_head LoRA's, but target_modules does not list lm_head"
+        );
 
         // A layer past the model, and a tensor the config implies but the
         // file lacks, are refused when the model is known.

@@ -44,7 +44,8 @@ pub(super) struct Inspected {
     pub(super) alpha: f32,
     pub(super) use_rslora: bool,
     pub(super) targets: Vec<String>,
-    /// `dora`, `lora_bias` (see `AdapterConfig::features`).
+    /// `dora`, `lora_bias`, `embed_tokens`, `lm_head` (see
+    /// `AdapterConfig::features`).
     pub(super) features: Vec<String>,
     pub(super) digest: String,
     /// The bytes and files of the copy hashed: a worker refuses to fetch
@@ -236,11 +237,19 @@ fn inspect_dir(
         AdminError::unprocessable(AdminCode::InvalidAdapterWeights, weights, e.to_string())
     })?;
     tensors::check(adapter_name, &config, &header, None).map_err(adapter_refusal)?;
-    let targets: Vec<String> = config
+    let mut targets: Vec<String> = config
         .stored_targets()
         .iter()
         .map(|t| t.module_name().to_owned())
         .collect();
+    for (on, name) in [
+        (config.embed_tokens, "embed_tokens"),
+        (config.lm_head, "lm_head"),
+    ] {
+        if on {
+            targets.push(name.to_owned());
+        }
+    }
     let (bytes, files) = artifact_size(dir).map_err(|e| {
         AdminError::unprocessable(
             AdminCode::ArtifactUnreadable,

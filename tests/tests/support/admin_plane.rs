@@ -92,6 +92,7 @@ pub fn artifact_root() -> tempfile::TempDir {
         "gemma2-2b/qkvo-r4",
         "dora/llama-gqa/dora-qv-r8",
         "bias/llama-gqa/bias-qv-r8",
+        "embedding/llama-gqa/embed-head-rslora",
     ] {
         copy_dir(&fixtures.join(a), &root.path().join(a));
     }

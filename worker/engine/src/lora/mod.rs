@@ -17,6 +17,8 @@ pub use lorafleet_artifact::adapter::{AdapterConfig, AdapterError, ExpertTarget,
 
 pub mod experts;
 pub use experts::{ExpertFactors, ExpertLayer};
+pub mod outer;
+pub use outer::{BaseCopy, EmbeddingLora, Outer};
 
 use crate::model::{ModelConfig, WeightFiles};
 
@@ -237,6 +239,9 @@ pub struct HostAdapter {
     /// dense model or an adapter without expert targets.
     /// Shared, not copied, by the slots that hold the adapter.
     pub experts: std::sync::Arc<Vec<ExpertLayer>>,
+    /// LoRA on the token embeddings and the lm_head, and the adapter's
+    /// copies of those layers; shared by the slots that hold it.
+    pub outer: std::sync::Arc<Outer>,
     /// Bytes of weights held.
     pub bytes: usize,
     /// The artifact digest of the files it was read from, when the pool
@@ -253,6 +258,11 @@ impl HostAdapter {
             .flatten()
             .flatten()
             .any(|m| m.bias.is_some())
+    }
+
+    /// Whether it has LoRA on the token embeddings or the lm_head.
+    pub fn has_outer(&self) -> bool {
+        self.outer.embedding.is_some() || self.outer.lm_head.is_some()
     }
 
     /// Whether any module is DoRA (has a magnitude vector).
@@ -322,9 +332,13 @@ fn check_ranks(
     config: &AdapterConfig,
     limits: AdapterLimits<'_>,
 ) -> Result<(), AdapterError> {
+    let outside = tensors::expected_outside_layers(config);
     for layer in 0..limits.model.num_layers {
-        for e in tensors::expected_in_layer(config, layer) {
-            let path = tensors::rank_path(&e);
+        for e in tensors::expected_in_layer(config, layer)
+            .iter()
+            .chain(&outside)
+        {
+            let path = tensors::rank_path(e);
             let (rank, _) = config.rank_and_alpha(name, &path)?;
             if rank > limits.max_lora_rank {
                 return Err(AdapterError::RankTooLarge {
@@ -450,11 +464,15 @@ fn build(
         .flatten()
         .map(ExpertFactors::bytes)
         .sum::<usize>();
+    let outer = outer::load(name, config, files, model)?;
+    max_rank = max_rank.max(outer.rank());
+    bytes += outer.bytes();
     Ok(HostAdapter {
         name: name.into(),
         rank: max_rank,
         modules,
         experts: std::sync::Arc::new(experts),
+        outer: std::sync::Arc::new(outer),
         bytes,
         digest: None,
     })

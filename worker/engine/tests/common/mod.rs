@@ -37,7 +37,7 @@ pub fn adapter_names(model: &str) -> Vec<String> {
     names
 }
 
-#[derive(Debug, serde::Deserialize)]
+#[derive(Debug, Clone, serde::Deserialize)]
 pub struct GoldenCase {
     pub model: String,
     pub adapter: Option<String>,

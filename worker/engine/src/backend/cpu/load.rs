@@ -191,6 +191,8 @@ impl CpuBackend {
             // Twice the slots: an adapter evicted and asked again soon.
             dora_cache: super::dora::ScaleCache::new(2 * shape.slots),
             expert_slots: vec![None; shape.slots],
+            outer_slots: vec![None; shape.slots],
+            base_digests: Default::default(),
             expert_lora_rows: Default::default(),
             config,
             shape,

@@ -143,6 +143,12 @@ pub struct CpuBackend {
     /// `expert_slots[slot]`: the slot's adapter's LoRA on the
     /// Mixture-of-Experts blocks, per layer; None where it has none.
     expert_slots: Vec<Option<std::sync::Arc<Vec<ExpertLayer>>>>,
+    /// `outer_slots[slot]`: the slot's adapter's LoRA on the embeddings
+    /// and the lm_head; None where it has neither.
+    outer_slots: Vec<Option<std::sync::Arc<crate::lora::Outer>>>,
+    /// The digests of the base's embedding and lm_head values
+    /// (`lora::outer::values_digest`), for an adapter's saved copies.
+    base_digests: [std::sync::OnceLock<[u8; 32]>; 2],
     /// Rows that went through an expert LoRA, all steps together: tokens
     /// whose adapter has no expert weights skip that path, and the tests
     /// check it here.
@@ -368,6 +374,56 @@ impl CpuBackend {
         }
     }
 
+    /// The embedding and lm_head LoRA of a token's slot, if any.
+    fn outer_of(&self, slot: Option<usize>) -> Option<&crate::lora::Outer> {
+        slot.and_then(|s| self.outer_slots[s].as_deref())
+    }
+
+    /// An adapter's saved copies of the embedding layers must be this
+    /// base's own values (PEFT loads them over the model's).
+    fn check_copies(&self, adapter: &HostAdapter) -> Result<()> {
+        use crate::lora::outer::{Layer, values_digest};
+        let (v, d) = (self.config.vocab_size, self.config.hidden_size);
+        for copy in &adapter.outer.copies {
+            let base = match copy.layer {
+                Layer::Embedding => self.base_digests[0].get_or_init(|| {
+                    let mut row = vec![0f32; d];
+                    values_digest((0..v).flat_map(|tok| {
+                        match &self.embed {
+                            Embedding::F32(table) => row.copy_from_slice(&table[tok * d..][..d]),
+                            Embedding::Bf16(table) => {
+                                for (x, &b) in row.iter_mut().zip(&table[tok * d..][..d]) {
+                                    *x = panels::bf16_to_f32(b);
+                                }
+                            }
+                            Embedding::Head => self.lm_head.row(tok, &mut row),
+                        }
+                        row.clone()
+                    }))
+                }),
+                Layer::LmHead => self.base_digests[1].get_or_init(|| {
+                    let mut row = vec![0f32; d];
+                    values_digest((0..v).flat_map(|tok| {
+                        self.lm_head.row(tok, &mut row);
+                        row.clone()
+                    }))
+                }),
+            };
+            if *base != copy.digest {
+                return Err(EngineError::Adapter(
+                    lorafleet_artifact::adapter::AdapterError::InvalidTensor {
+                        adapter: adapter.name.clone(),
+                        tensor: copy.tensor.clone(),
+                        reason: "is not the base model's own layer (a resized or retrained \
+                                 vocabulary, modules_to_save, is not supported)"
+                            .into(),
+                    },
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Where `position`'s key (and value) of sequence `s` is in `layer`'s
     /// cache: through its block table, or its ring for a sliding layer of
     /// a model with both kinds.
@@ -511,6 +567,13 @@ impl Backend for CpuBackend {
         if adapter.experts.iter().any(|l| !l.is_empty()) {
             self.expert_slots[slot] = Some(adapter.experts.clone());
         }
+        if let Err(e) = self.check_copies(adapter) {
+            self.clear_slot(slot)?;
+            return Err(e);
+        }
+        if adapter.has_outer() {
+            self.outer_slots[slot] = Some(adapter.outer.clone());
+        }
         Ok(())
     }
 
@@ -523,6 +586,7 @@ impl Backend for CpuBackend {
         // of that, so stale weights past it are never read and the slot's
         // memory need not be zeroed.
         self.expert_slots[slot] = None;
+        self.outer_slots[slot] = None;
         for key in 0..self.config.num_layers * 7 {
             self.slots.rank[slot][key] = 0;
             self.slots.scale[slot][key] = 0.0;
@@ -539,7 +603,12 @@ impl Backend for CpuBackend {
         let (d, hd, kv_dim) = (c.hidden_size, c.head_dim, c.kv_dim());
         batch.check(&c, &self.shape)?;
         let mut hidden = vec![0f32; n * d];
-        for (&tok, row) in batch.tokens.iter().zip(hidden.chunks_exact_mut(d)) {
+        for (t, (&tok, row)) in batch
+            .tokens
+            .iter()
+            .zip(hidden.chunks_exact_mut(d))
+            .enumerate()
+        {
             let at = tok as usize * d;
             match &self.embed {
                 Embedding::F32(table) => row.copy_from_slice(&table[at..at + d]),
@@ -554,6 +623,13 @@ impl Backend for CpuBackend {
                 for v in row.iter_mut() {
                     *v *= g.embed_scale;
                 }
+            }
+            // After Gemma's scale: PEFT wraps the scaled embedding.
+            if let Some(e) = self
+                .outer_of(batch.token_slot[t])
+                .and_then(|o| o.embedding.as_ref())
+            {
+                e.add_delta(tok, row);
             }
         }
         let scale = c.attention_scale();
@@ -752,6 +828,19 @@ impl Backend for CpuBackend {
         let [mut logits] = self
             .lm_head
             .forward_split(&last_normed, rows.len(), [c.vocab_size]);
+        for (i, &t) in rows.iter().enumerate() {
+            if let Some(head) = self
+                .outer_of(batch.token_slot[t])
+                .and_then(|o| o.lm_head.as_ref())
+            {
+                let v = c.vocab_size;
+                head.add_delta(
+                    0,
+                    &last_normed[i * d..(i + 1) * d],
+                    &mut logits[i * v..(i + 1) * v],
+                );
+            }
+        }
         if let Some(cap) = c.gemma.as_ref().and_then(|g| g.final_logit_softcapping) {
             for l in &mut logits {
                 *l = (*l / cap).tanh() * cap;

@@ -707,6 +707,17 @@ impl Backend for CudaBackend {
                 },
             ));
         }
+        if adapter.has_outer() {
+            return Err(crate::error::EngineError::Adapter(
+                lorafleet_artifact::adapter::AdapterError::Unsupported {
+                    adapter: adapter.name.clone(),
+                    field: "target_modules".into(),
+                    reason: "the CUDA backend does not serve LoRA on embed_tokens or lm_head yet \
+                             (the CPU backend does)"
+                        .into(),
+                },
+            ));
+        }
         if adapter.has_lora_bias() {
             return Err(crate::error::EngineError::Adapter(
                 lorafleet_artifact::adapter::AdapterError::Unsupported {
