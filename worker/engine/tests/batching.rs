@@ -217,25 +217,7 @@ fn the_engine_reproduces_the_golden_greedy_tokens() {
         );
         let ids = adapter_names(model);
         let cases: Vec<_> = golden.cases.iter().filter(|c| c.model == model).collect();
-        let requests = cases
-            .iter()
-            .enumerate()
-            .map(|(i, c)| Request {
-                id: format!("g{i}"),
-                adapter: c
-                    .adapter
-                    .as_ref()
-                    .map(|a| aid(ids.iter().position(|n| n == a).unwrap() as u64 + 1)),
-                prompt: Prompt::TokenIds(c.prompt_ids.clone()),
-                params: Sampling {
-                    max_tokens: golden.max_new_tokens,
-                    temperature: 0.0,
-                    ..Default::default()
-                }
-                .validate()
-                .unwrap(),
-            })
-            .collect();
+        let requests = golden_requests(&cases, &ids, golden.max_new_tokens);
         // All cases of a model in one batch.
         for (c, case) in e.run_to_completion(requests).unwrap().iter().zip(&cases) {
             assert_eq!(

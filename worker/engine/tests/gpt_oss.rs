@@ -16,7 +16,7 @@ use lorafleet_engine::lora::{AdapterLimits, HostAdapter};
 use lorafleet_engine::model::Architecture;
 use lorafleet_engine::model::ModelConfig;
 use lorafleet_engine::model::layers::LayerKind;
-use lorafleet_engine::{BackendChoice, Engine, EngineSettings, Prompt, Request, Sampling};
+use lorafleet_engine::{BackendChoice, Engine, EngineSettings};
 
 const MODELS: [&str; 2] = ["gpt-oss", "gpt-oss-mxfp4"];
 
@@ -84,25 +84,7 @@ fn engine_matches_the_goldens(model: &str) {
     }
     let cases: Vec<_> = golden.cases.iter().filter(|c| c.model == model).collect();
     assert!(cases.iter().any(|c| c.prompt_ids.len() > 6 * 8));
-    let requests = cases
-        .iter()
-        .enumerate()
-        .map(|(i, c)| Request {
-            id: format!("g{i}"),
-            adapter: c
-                .adapter
-                .as_ref()
-                .map(|a| aid(names.iter().position(|n| n == a).unwrap() as u64 + 1)),
-            prompt: Prompt::TokenIds(c.prompt_ids.clone()),
-            params: Sampling {
-                max_tokens: golden.max_new_tokens,
-                temperature: 0.0,
-                ..Default::default()
-            }
-            .validate()
-            .unwrap(),
-        })
-        .collect();
+    let requests = golden_requests(&cases, &names, golden.max_new_tokens);
     for (c, case) in e.run_to_completion(requests).unwrap().iter().zip(&cases) {
         assert!(c.error.is_none(), "{:?}", c.error);
         assert_eq!(

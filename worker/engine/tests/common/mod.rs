@@ -128,6 +128,35 @@ pub fn check_golden_case_within(
     );
 }
 
+/// One greedy request per golden case, `g0`, `g1`, …, each case's adapter
+/// as its position in `names` (the ids `fixture_engine` registers them
+/// under), up to the goldens' `max_new_tokens`.
+pub fn golden_requests(
+    cases: &[&GoldenCase],
+    names: &[String],
+    max_new_tokens: usize,
+) -> Vec<lorafleet_engine::Request> {
+    cases
+        .iter()
+        .enumerate()
+        .map(|(i, c)| lorafleet_engine::Request {
+            id: format!("g{i}"),
+            adapter: c
+                .adapter
+                .as_ref()
+                .map(|a| aid(names.iter().position(|n| n == a).unwrap() as u64 + 1)),
+            prompt: lorafleet_engine::Prompt::TokenIds(c.prompt_ids.clone()),
+            params: lorafleet_engine::Sampling {
+                max_tokens: max_new_tokens,
+                temperature: 0.0,
+                ..Default::default()
+            }
+            .validate()
+            .unwrap(),
+        })
+        .collect()
+}
+
 /// The 4-position KV blocks a golden case takes, at least 8.
 pub fn golden_blocks(case: &GoldenCase) -> usize {
     (case.prompt_ids.len() + case.greedy.len())
