@@ -13,6 +13,7 @@ const TABLES: &[&str] = &[
     "base_models",
     "controller_leases",
     "eval_sets",
+    "prices",
     "rollout_decisions",
     "rollout_eval_results",
     "rollouts",
