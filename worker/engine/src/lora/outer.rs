@@ -159,8 +159,7 @@ pub(super) fn load(
         }
         if files.contains(&copy) {
             out.copies.push(BaseCopy {
-                digest: copy_digest(files, &copy, [vocab, hidden])
-                    .map_err(|reason| invalid(&copy, reason))?,
+                digest: copy_digest(files, &copy, [vocab, hidden], &invalid)?,
                 tensor: copy,
                 layer: match holds {
                     Holds::Embedding => Layer::Embedding,
@@ -174,13 +173,23 @@ pub(super) fn load(
 
 /// [`values_digest`] of a saved copy, read as it is stored (f32, bf16 or
 /// f16, widened exactly) without holding it widened.
-fn copy_digest(files: &WeightFiles, tensor: &str, shape: [usize; 2]) -> Result<[u8; 32], String> {
+fn copy_digest(
+    files: &WeightFiles,
+    tensor: &str,
+    shape: [usize; 2],
+    invalid: &dyn Fn(&str, String) -> AdapterError,
+) -> Result<[u8; 32], AdapterError> {
     use safetensors::Dtype;
-    let raw = files.raw(tensor).map_err(strip_file)?;
+    let raw = files
+        .raw(tensor)
+        .map_err(|e| invalid(tensor, strip_file(e)))?;
     if raw.shape != shape {
-        return Err(format!(
-            "has shape {:?}, but the model's embedding layer is {shape:?}",
-            raw.shape
+        return Err(invalid(
+            tensor,
+            format!(
+                "has shape {:?}, but the model's embedding layer is {shape:?}",
+                raw.shape
+            ),
         ));
     }
     let two = |b: &[u8]| u16::from_le_bytes([b[0], b[1]]);
@@ -201,8 +210,9 @@ fn copy_digest(files: &WeightFiles, tensor: &str, shape: [usize; 2]) -> Result<[
                 .map(|b| half::f16::from_bits(two(b)).to_f32()),
         ),
         other => {
-            return Err(format!(
-                "dtype {other:?} is not supported; expected F32, F16 or BF16"
+            return Err(invalid(
+                tensor,
+                format!("dtype {other:?} is not supported; expected F32, F16 or BF16"),
             ));
         }
     })
