@@ -424,6 +424,10 @@ pub struct UsageRow {
     pub lora_int_id: Option<i64>,
     /// Traffic a rollout's evaluation sent, kept apart from tenants'.
     pub evaluation: bool,
+    /// The tenant's name, when grouped by tenant.
+    pub tenant: Option<String>,
+    /// The adapter version as `name:vN`, when grouped by adapter.
+    pub adapter: Option<String>,
     pub requests: i64,
     /// Of `requests`, those that completed.
     pub completed: i64,

@@ -132,7 +132,8 @@ impl UsageQuery {
         };
         let mut q = sqlx::QueryBuilder::<sqlx::Postgres>::new(format!(
             "SELECT {period} AS period, {} AS tenant_id, {} AS route_id, {} AS lora_int_id,
-                    evaluation, sum(requests)::BIGINT AS requests,
+                    u.evaluation, {} AS tenant, {} AS adapter,
+                    sum(requests)::BIGINT AS requests,
                     coalesce(sum(requests) FILTER (WHERE status = 'ok'), 0)::BIGINT AS completed,
                     sum(prompt_tokens)::BIGINT AS prompt_tokens,
                     sum(completion_tokens)::BIGINT AS completion_tokens,
@@ -157,16 +158,21 @@ impl UsageQuery {
                      FROM prices p
                     WHERE p.route_id = u.route_id AND p.effective_at <= u.hour
                     ORDER BY p.effective_at DESC LIMIT 1) rp ON true
+               LEFT JOIN tenants tn ON tn.id = u.tenant_id
+               LEFT JOIN adapters ad ON ad.lora_int_id = u.lora_int_id
               WHERE hour >= ",
-            column(g.tenant, "tenant_id", "UUID"),
-            column(g.route, "route_id", "UUID"),
-            column(g.adapter, "lora_int_id", "BIGINT"),
+            column(g.tenant, "u.tenant_id", "UUID"),
+            column(g.route, "u.route_id", "UUID"),
+            column(g.adapter, "u.lora_int_id", "BIGINT"),
+            // Names beside the ids, for people (each id has one).
+            column(g.tenant, "min(tn.name)", "TEXT"),
+            column(g.adapter, "min(ad.name || ':v' || ad.version)", "TEXT"),
         ));
         q.push_bind(self.from)
             .push(" AND hour < ")
             .push_bind(self.to);
         if let Some(t) = self.tenant {
-            q.push(" AND tenant_id = ").push_bind(t);
+            q.push(" AND u.tenant_id = ").push_bind(t);
         }
         q.push(" GROUP BY 1, 2, 3, 4, 5 ORDER BY 1, 2, 3, 4, 5");
         q.build_query_as()

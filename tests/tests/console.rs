@@ -459,6 +459,26 @@ async fn an_admin_runs_the_fleet_from_the_console() {
     }
     shoot(&b, "changes").await;
 
+    // Usage and cost: acme's device time this month, drawn as a stacked
+    // bar per day, its tokens against that time, and its adapter among the
+    // costliest.
+    b.goto(&format!("{console}/console/usage")).await;
+    let bars = b.all("#usage-chart svg rect[data-series]").await;
+    assert!(!bars.is_empty(), "the chart draws acme's device time");
+    assert_eq!(
+        b.attribute(&bars[0], "data-series").await.as_deref(),
+        Some("acme")
+    );
+    let tenants = b.text("#usage-tenants").await;
+    assert!(tenants.contains("acme"), "{tenants}");
+    let adapters = b.text("#usage-adapters").await;
+    assert!(adapters.contains("acme / support:v"), "{adapters}");
+    shoot(&b, "usage").await;
+    // Another tenant's filter shows none of acme's.
+    b.goto(&format!("{console}/console/usage?tenant=nobody"))
+        .await;
+    assert!(b.all("#usage-chart svg rect[data-series]").await.is_empty());
+
     // Writes from another site are refused even with the session's CSRF
     // token; a form without the token is refused too.
     let csrf = b

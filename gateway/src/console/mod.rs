@@ -31,6 +31,7 @@ use serde_json::{Value, json};
 
 use crate::admin::AdminState;
 
+mod chart;
 mod client;
 mod pages;
 mod session;
@@ -83,6 +84,7 @@ const TEMPLATES: &[(&str, &str)] = &[
     ("audit.html", include_str!("templates/audit.html")),
     ("audit_row.html", include_str!("templates/audit_row.html")),
     ("changes.html", include_str!("templates/changes.html")),
+    ("usage.html", include_str!("templates/usage.html")),
 ];
 
 fn environment() -> Environment<'static> {

@@ -1,5 +1,5 @@
 //! The console's pages, one file each: fleet, routes, adapters, tenants
-//! and keys, audit, changes.
+//! and keys, audit, changes, usage.
 
 use axum::extract::{Path, Query};
 use serde::Serialize;
@@ -13,6 +13,7 @@ mod changes;
 mod fleet;
 mod routes;
 mod tenants;
+mod usage;
 
 pub(super) fn router() -> Router<Console> {
     Router::new()
@@ -69,6 +70,7 @@ pub(super) fn router() -> Router<Console> {
         .route("/console/audit/export", get(audit::export))
         .route("/console/audit/{request_id}", get(audit::row))
         .route("/console/changes", get(changes::page))
+        .route("/console/usage", get(usage::page))
 }
 
 /// What the last form submission left for the page to show: which form it

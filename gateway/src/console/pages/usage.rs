@@ -1,0 +1,178 @@
+//! Usage and cost, from the hourly rollups (the admin plane's usage
+//! report): device-hours per tenant by day as a stacked chart, each
+//! tenant's tokens against its device time and cost, the adapters that
+//! cost the most, and rollouts' evaluation traffic apart. Filters: the
+//! last N days, one tenant.
+
+use std::collections::{BTreeMap, HashMap};
+
+use super::*;
+use crate::admin::UsageReport;
+use crate::console::chart;
+use chrono::Utc;
+use lorafleet_admin_types::UsageRow;
+
+/// Adapters the page lists, costliest first.
+const TOP_ADAPTERS: usize = 10;
+
+pub(super) async fn page(
+    State(c): State<Console>,
+    s: Session,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    let data = async {
+        let days = q
+            .get("days")
+            .and_then(|d| d.trim().parse::<i64>().ok())
+            .unwrap_or(30)
+            .clamp(1, 366);
+        let tenant = q
+            .get("tenant")
+            .and_then(|t| non_blank(t))
+            .map(str::to_owned);
+        // Whole UTC days, this one included.
+        let today = Utc::now().date_naive();
+        let from = (today - chrono::Days::new(days as u64 - 1))
+            .and_hms_opt(0, 0, 0)
+            .unwrap_or_default()
+            .and_utc();
+        let to = (today + chrono::Days::new(1))
+            .and_hms_opt(0, 0, 0)
+            .unwrap_or_default()
+            .and_utc();
+        let report = |group_by: &str| UsageReport {
+            from,
+            to,
+            group_by: Some(group_by.to_owned()),
+            tenant: None,
+        };
+        let mine = |rows: Vec<UsageRow>| -> Vec<UsageRow> {
+            rows.into_iter()
+                .filter(|r| tenant.is_none() || r.tenant == tenant || r.evaluation)
+                .collect()
+        };
+        let by_day = mine(c.read(&s, report("tenant,day")).await?.rows);
+        let by_adapter = c.read(&s, report("tenant,adapter")).await?.rows;
+        let by_adapter = mine(by_adapter);
+
+        // The chart: device-hours per tenant (evaluation traffic one
+        // series of its own) by day.
+        let columns: Vec<String> = (0..days)
+            .map(|d| (from.date_naive() + chrono::Days::new(d as u64)).to_string())
+            .collect();
+        let mut series: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+        for r in &by_day {
+            let name = series_name(r);
+            let day = r.period.map(|p| p.date_naive().to_string());
+            if let Some(i) = day.and_then(|d| columns.iter().position(|c| *c == d)) {
+                series
+                    .entry(name)
+                    .or_insert_with(|| vec![0.0; columns.len()])[i] += r.device_seconds / 3600.0;
+            }
+        }
+        let mut series: Vec<(String, Vec<f64>)> = series.into_iter().collect();
+        // Under a minute of device time on the busiest day reads better
+        // in seconds.
+        let busiest = (0..columns.len())
+            .map(|c| series.iter().map(|(_, v)| v[c]).sum::<f64>())
+            .fold(0.0, f64::max);
+        let unit = if busiest < 1.0 / 60.0 {
+            for (_, v) in &mut series {
+                for x in v.iter_mut() {
+                    *x *= 3600.0;
+                }
+            }
+            "device-seconds"
+        } else {
+            "device-hours"
+        };
+        let svg = chart::stacked_bars(&columns, &series, unit);
+
+        // Each tenant's totals over the span: tokens against device time.
+        let mut tenants: BTreeMap<String, Totals> = BTreeMap::new();
+        for r in &by_day {
+            tenants.entry(series_name(r)).or_default().add(r);
+        }
+        let tenant_rows: Vec<Value> = tenants
+            .iter()
+            .map(|(name, t)| t.json(name, "tenant"))
+            .collect();
+        let mut adapters: Vec<(String, Totals)> = Vec::new();
+        for r in by_adapter.iter().filter(|r| !r.evaluation) {
+            let name = match (&r.adapter, &r.tenant) {
+                (Some(a), Some(t)) => format!("{t} / {a}"),
+                (Some(a), None) => a.clone(),
+                (None, Some(t)) => format!("{t} / base model"),
+                (None, None) => "base model".into(),
+            };
+            let mut t = Totals::default();
+            t.add(r);
+            adapters.push((name, t));
+        }
+        adapters.sort_by(|a, b| {
+            b.1.cost
+                .unwrap_or(0.0)
+                .total_cmp(&a.1.cost.unwrap_or(0.0))
+                .then(b.1.device_seconds.total_cmp(&a.1.device_seconds))
+        });
+        let adapter_rows: Vec<Value> = adapters
+            .iter()
+            .take(TOP_ADAPTERS)
+            .map(|(name, t)| t.json(name, "adapter"))
+            .collect();
+        Ok(json!({
+            "chart": svg,
+            "unit": unit,
+            "tenants": tenant_rows,
+            "adapters": adapter_rows,
+            "filters": { "days": days, "tenant": tenant },
+            "span": { "from": from.date_naive().to_string(), "to": today.to_string() },
+        }))
+    }
+    .await;
+    show(&c, &s, "usage.html", "usage", Outcome::default(), data)
+}
+
+/// A row's series: its tenant, or the evaluation traffic of rollouts.
+fn series_name(r: &UsageRow) -> String {
+    if r.evaluation {
+        return "rollout evaluations".into();
+    }
+    r.tenant.clone().unwrap_or_else(|| "(no tenant)".into())
+}
+
+/// A group's usage added up over the span.
+#[derive(Debug, Default)]
+struct Totals {
+    requests: i64,
+    prompt_tokens: i64,
+    completion_tokens: i64,
+    device_seconds: f64,
+    cost: Option<f64>,
+}
+
+impl Totals {
+    fn add(&mut self, r: &UsageRow) {
+        self.requests += r.requests;
+        self.prompt_tokens += r.prompt_tokens;
+        self.completion_tokens += r.completion_tokens;
+        self.device_seconds += r.device_seconds;
+        if let Some(c) = r.cost {
+            self.cost = Some(self.cost.unwrap_or(0.0) + c);
+        }
+    }
+
+    fn json(&self, name: &str, key: &str) -> Value {
+        let tokens = self.prompt_tokens + self.completion_tokens;
+        json!({
+            key: name,
+            "requests": self.requests,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "device_seconds": format!("{:.3}", self.device_seconds),
+            "tokens_per_device_second": (self.device_seconds > 0.0)
+                .then(|| format!("{:.0}", tokens as f64 / self.device_seconds)),
+            "cost": self.cost.map(|c| format!("{c:.4}")),
+        })
+    }
+}
