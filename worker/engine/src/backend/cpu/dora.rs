@@ -11,7 +11,9 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use super::panels::PackedLinear;
-use crate::lora::LoraModule;
+use crate::backend::StepBatch;
+use crate::error::{EngineError, Result};
+use crate::lora::{HostAdapter, LoraModule, Projection};
 
 /// One adapter's DoRA scales: `(layer * 7 + projection, scale of each row)`.
 pub(super) type Scales = Arc<Vec<(usize, Vec<f32>)>>;
@@ -109,6 +111,72 @@ pub(super) fn scales(
             })
             .collect(),
     )
+}
+
+impl super::CpuBackend {
+    /// DoRA: each DoRA segment's rows of `out` (the base output with its
+    /// LoRA delta added) become `b + scale ⊙ (out - b)`, PEFT's `base +
+    /// (scale - 1)·(base - b) + scale·s·B·A·x`.
+    pub(super) fn apply_dora(
+        &self,
+        batch: &StepBatch<'_>,
+        layer: usize,
+        p: Projection,
+        bias: Option<&[f32]>,
+        out: &mut [f32],
+    ) {
+        let key = layer * 7 + p.index();
+        let width = p.shape(&self.config).1;
+        for seg in &batch.segments {
+            let Some(scales) = &self.slots.dora[seg.slot][key] else {
+                continue;
+            };
+            for row in out[seg.start * width..seg.end * width].chunks_exact_mut(width) {
+                for (o, v) in row.iter_mut().enumerate() {
+                    let b = bias.map_or(0.0, |b| b[o]);
+                    *v = b + scales[o] * (*v - b);
+                }
+            }
+        }
+    }
+
+    /// Every DoRA module's scales of `adapter` (see the module docs).
+    pub(super) fn dora_scales(&self, adapter: &HostAdapter) -> Result<Scales> {
+        let mut all = Vec::new();
+        for (layer, modules) in adapter.modules.iter().enumerate() {
+            for (i, m) in modules.iter().enumerate() {
+                let Some(m) = m.as_ref().filter(|m| m.magnitude.is_some()) else {
+                    continue;
+                };
+                let p = Projection::ALL[i];
+                let Some((lin, first)) = self.base_linear(layer, p) else {
+                    return Err(EngineError::Adapter(
+                        lorafleet_artifact::adapter::AdapterError::Unsupported {
+                            adapter: adapter.name.clone(),
+                            field: "use_dora".into(),
+                            reason: format!(
+                                "DoRA on layer {layer}'s {} (a Mixture-of-Experts MLP) is not supported",
+                                p.module_name()
+                            ),
+                        },
+                    ));
+                };
+                let out = p.shape(&self.config).1;
+                let w_sq =
+                    self.base_row_norms[layer * 7 + i].get_or_init(|| row_norms(lin, first, out));
+                if let Some(s) = scales(m, lin, first, w_sq) {
+                    all.push((layer * 7 + i, s));
+                }
+            }
+        }
+        Ok(std::sync::Arc::new(all))
+    }
+
+    /// Adapters whose DoRA scales were computed rather than taken from the
+    /// cache, since the backend was made.
+    pub fn dora_scales_computed(&self) -> u64 {
+        self.dora_cache.computed
+    }
 }
 
 #[cfg(test)]

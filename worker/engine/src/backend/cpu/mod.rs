@@ -22,6 +22,7 @@ mod dora;
 mod load;
 mod lora;
 mod moe;
+mod outer;
 pub mod panels;
 mod rope;
 pub mod team;
@@ -292,70 +293,6 @@ impl CpuBackend {
         }
     }
 
-    /// DoRA: each DoRA segment's rows of `out` (the base output with its
-    /// LoRA delta added) become `b + scale ⊙ (out - b)`, PEFT's `base +
-    /// (scale - 1)·(base - b) + scale·s·B·A·x`.
-    fn apply_dora(
-        &self,
-        batch: &StepBatch<'_>,
-        layer: usize,
-        p: Projection,
-        bias: Option<&[f32]>,
-        out: &mut [f32],
-    ) {
-        let key = layer * 7 + p.index();
-        let width = p.shape(&self.config).1;
-        for seg in &batch.segments {
-            let Some(scales) = &self.slots.dora[seg.slot][key] else {
-                continue;
-            };
-            for row in out[seg.start * width..seg.end * width].chunks_exact_mut(width) {
-                for (o, v) in row.iter_mut().enumerate() {
-                    let b = bias.map_or(0.0, |b| b[o]);
-                    *v = b + scales[o] * (*v - b);
-                }
-            }
-        }
-    }
-
-    /// Every DoRA module's scales of `adapter` (see [`dora`]).
-    fn dora_scales(&self, adapter: &HostAdapter) -> Result<dora::Scales> {
-        let mut all = Vec::new();
-        for (layer, modules) in adapter.modules.iter().enumerate() {
-            for (i, m) in modules.iter().enumerate() {
-                let Some(m) = m.as_ref().filter(|m| m.magnitude.is_some()) else {
-                    continue;
-                };
-                let p = Projection::ALL[i];
-                let Some((lin, first)) = self.base_linear(layer, p) else {
-                    return Err(EngineError::Adapter(
-                        lorafleet_artifact::adapter::AdapterError::Unsupported {
-                            adapter: adapter.name.clone(),
-                            field: "use_dora".into(),
-                            reason: format!(
-                                "DoRA on layer {layer}'s {} (a Mixture-of-Experts MLP) is not supported",
-                                p.module_name()
-                            ),
-                        },
-                    ));
-                };
-                let out = p.shape(&self.config).1;
-                let w_sq = self.base_row_norms[layer * 7 + i]
-                    .get_or_init(|| dora::row_norms(lin, first, out));
-                if let Some(s) = dora::scales(m, lin, first, w_sq) {
-                    all.push((layer * 7 + i, s));
-                }
-            }
-        }
-        Ok(std::sync::Arc::new(all))
-    }
-
-    /// Adapters whose DoRA scales were computed rather than taken from the
-    /// cache, since the backend was made.
-    pub fn dora_scales_computed(&self) -> u64 {
-        self.dora_cache.computed
-    }
-
     /// The packed projection that holds `p` of `layer`, and the first of
     /// its rows that are `p`'s; `None` for a Mixture-of-Experts layer's
     /// MLP projections.
@@ -372,56 +309,6 @@ impl CpuBackend {
             (Projection::Down, Mlp::Dense { down, .. }) => Some((down, 0)),
             (Projection::Gate | Projection::Up | Projection::Down, Mlp::Moe(_)) => None,
         }
-    }
-
-    /// The embedding and lm_head LoRA of a token's slot, if any.
-    fn outer_of(&self, slot: Option<usize>) -> Option<&crate::lora::Outer> {
-        slot.and_then(|s| self.outer_slots[s].as_deref())
-    }
-
-    /// An adapter's saved copies of the embedding layers must be this
-    /// base's own values (PEFT loads them over the model's).
-    fn check_copies(&self, adapter: &HostAdapter) -> Result<()> {
-        use crate::lora::outer::{Layer, values_digest};
-        let (v, d) = (self.config.vocab_size, self.config.hidden_size);
-        for copy in &adapter.outer.copies {
-            let base = match copy.layer {
-                Layer::Embedding => self.base_digests[0].get_or_init(|| {
-                    let mut row = vec![0f32; d];
-                    values_digest((0..v).flat_map(|tok| {
-                        match &self.embed {
-                            Embedding::F32(table) => row.copy_from_slice(&table[tok * d..][..d]),
-                            Embedding::Bf16(table) => {
-                                for (x, &b) in row.iter_mut().zip(&table[tok * d..][..d]) {
-                                    *x = panels::bf16_to_f32(b);
-                                }
-                            }
-                            Embedding::Head => self.lm_head.row(tok, &mut row),
-                        }
-                        row.clone()
-                    }))
-                }),
-                Layer::LmHead => self.base_digests[1].get_or_init(|| {
-                    let mut row = vec![0f32; d];
-                    values_digest((0..v).flat_map(|tok| {
-                        self.lm_head.row(tok, &mut row);
-                        row.clone()
-                    }))
-                }),
-            };
-            if *base != copy.digest {
-                return Err(EngineError::Adapter(
-                    lorafleet_artifact::adapter::AdapterError::InvalidTensor {
-                        adapter: adapter.name.clone(),
-                        tensor: copy.tensor.clone(),
-                        reason: "is not the base model's own layer (a resized or retrained \
-                                 vocabulary, modules_to_save, is not supported)"
-                            .into(),
-                    },
-                ));
-            }
-        }
-        Ok(())
     }
 
     /// Where `position`'s key (and value) of sequence `s` is in `layer`'s
