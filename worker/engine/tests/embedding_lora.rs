@@ -15,8 +15,7 @@ use lorafleet_engine::lora::{AdapterLimits, HostAdapter};
 use lorafleet_engine::model::ModelConfig;
 
 fn golden_embedding() -> Golden {
-    let text = std::fs::read_to_string(fixtures().join("golden_embedding.json")).unwrap();
-    serde_json::from_str(&text).unwrap()
+    golden_named("golden_embedding.json")
 }
 
 #[test]

@@ -21,8 +21,7 @@ use lorafleet_engine::{BackendChoice, Engine, EngineSettings};
 const MODELS: [&str; 2] = ["gpt-oss", "gpt-oss-mxfp4"];
 
 fn golden_gpt_oss() -> Golden {
-    let text = std::fs::read_to_string(fixtures().join("golden_gpt_oss.json")).unwrap();
-    serde_json::from_str(&text).unwrap()
+    golden_named("golden_gpt_oss.json")
 }
 
 #[test]

@@ -48,7 +48,7 @@ pub(super) async fn page(
         };
         let mine = |rows: Vec<UsageRow>| -> Vec<UsageRow> {
             rows.into_iter()
-                .filter(|r| tenant.is_none() || r.tenant == tenant || r.evaluation)
+                .filter(|r| tenant.is_none() || r.tenant == tenant)
                 .collect()
         };
         let by_day = mine(c.read(&s, report("tenant,day")).await?.rows);

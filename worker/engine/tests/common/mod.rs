@@ -54,13 +54,17 @@ pub struct Golden {
 }
 
 pub fn golden() -> Golden {
-    let text = std::fs::read_to_string(fixtures().join("golden.json")).unwrap();
-    serde_json::from_str(&text).unwrap()
+    golden_named("golden.json")
 }
 
 /// The Mixture-of-Experts models' golden cases.
 pub fn golden_moe() -> Golden {
-    let text = std::fs::read_to_string(fixtures().join("golden_moe.json")).unwrap();
+    golden_named("golden_moe.json")
+}
+
+/// The golden cases of one fixture file (`golden_*.json`).
+pub fn golden_named(file: &str) -> Golden {
+    let text = std::fs::read_to_string(fixtures().join(file)).unwrap();
     serde_json::from_str(&text).unwrap()
 }
 
