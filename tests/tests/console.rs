@@ -478,6 +478,11 @@ async fn an_admin_runs_the_fleet_from_the_console() {
     b.goto(&format!("{console}/console/usage?tenant=nobody"))
         .await;
     assert!(b.all("#usage-chart svg rect[data-series]").await.is_empty());
+    // A span that is not a number of days is refused by that field.
+    b.goto(&format!("{console}/console/usage?days=forever"))
+        .await;
+    let page = b.text("main").await;
+    assert!(page.contains("days") && page.contains("1 to 366"), "{page}");
 
     // Writes from another site are refused even with the session's CSRF
     // token; a form without the token is refused too.

@@ -21,11 +21,7 @@ pub(super) async fn page(
     Query(q): Query<HashMap<String, String>>,
 ) -> Response {
     let data = async {
-        let days = q
-            .get("days")
-            .and_then(|d| d.trim().parse::<i64>().ok())
-            .unwrap_or(30)
-            .clamp(1, 366);
+        let days = days(&q)?;
         let tenant = q
             .get("tenant")
             .and_then(|t| non_blank(t))
@@ -55,38 +51,7 @@ pub(super) async fn page(
         let by_adapter = c.read(&s, report("tenant,adapter")).await?.rows;
         let by_adapter = mine(by_adapter);
 
-        // The chart: device-hours per tenant (evaluation traffic one
-        // series of its own) by day.
-        let columns: Vec<String> = (0..days)
-            .map(|d| (from.date_naive() + chrono::Days::new(d as u64)).to_string())
-            .collect();
-        let mut series: BTreeMap<String, Vec<f64>> = BTreeMap::new();
-        for r in &by_day {
-            let name = series_name(r);
-            let day = r.period.map(|p| p.date_naive().to_string());
-            if let Some(i) = day.and_then(|d| columns.iter().position(|c| *c == d)) {
-                series
-                    .entry(name)
-                    .or_insert_with(|| vec![0.0; columns.len()])[i] += r.device_seconds / 3600.0;
-            }
-        }
-        let mut series: Vec<(String, Vec<f64>)> = series.into_iter().collect();
-        // Under a minute of device time on the busiest day reads better
-        // in seconds.
-        let busiest = (0..columns.len())
-            .map(|c| series.iter().map(|(_, v)| v[c]).sum::<f64>())
-            .fold(0.0, f64::max);
-        let unit = if busiest < 1.0 / 60.0 {
-            for (_, v) in &mut series {
-                for x in v.iter_mut() {
-                    *x *= 3600.0;
-                }
-            }
-            "device-seconds"
-        } else {
-            "device-hours"
-        };
-        let svg = chart::stacked_bars(&columns, &series, unit);
+        let (svg, unit) = device_chart(&by_day, from, days);
 
         // Each tenant's totals over the span: tokens against device time.
         let mut tenants: BTreeMap<String, Totals> = BTreeMap::new();
@@ -131,6 +96,63 @@ pub(super) async fn page(
     }
     .await;
     show(&c, &s, "usage.html", "usage", Outcome::default(), data)
+}
+
+/// `days` of the query: 1 to 366, 30 when absent.
+fn days(q: &HashMap<String, String>) -> Result<i64, ApiError> {
+    match q.get("days").map(|d| d.trim()).filter(|d| !d.is_empty()) {
+        None => Ok(30),
+        Some(d) => d
+            .parse::<i64>()
+            .ok()
+            .filter(|n| (1..=366).contains(n))
+            .ok_or_else(|| {
+                ApiError::field(
+                    "days",
+                    &format!("{d:?} is not a whole number from 1 to 366"),
+                )
+            }),
+    }
+}
+
+/// The chart: device time per tenant (evaluation traffic one series of
+/// its own) by day from `from`, and the unit it is drawn in.
+fn device_chart(
+    by_day: &[UsageRow],
+    from: chrono::DateTime<Utc>,
+    days: i64,
+) -> (String, &'static str) {
+    let columns: Vec<String> = (0..days)
+        .map(|d| (from.date_naive() + chrono::Days::new(d as u64)).to_string())
+        .collect();
+    let mut series: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    for r in by_day {
+        let name = series_name(r);
+        let day = r.period.map(|p| p.date_naive().to_string());
+        if let Some(i) = day.and_then(|d| columns.iter().position(|c| *c == d)) {
+            series
+                .entry(name)
+                .or_insert_with(|| vec![0.0; columns.len()])[i] += r.device_seconds / 3600.0;
+        }
+    }
+    let mut series: Vec<(String, Vec<f64>)> = series.into_iter().collect();
+    // Under a minute of device time on the busiest day reads better
+    // in seconds.
+    let busiest = (0..columns.len())
+        .map(|c| series.iter().map(|(_, v)| v[c]).sum::<f64>())
+        .fold(0.0, f64::max);
+    let unit = if busiest < 1.0 / 60.0 {
+        for (_, v) in &mut series {
+            for x in v.iter_mut() {
+                *x *= 3600.0;
+            }
+        }
+        "device-seconds"
+    } else {
+        "device-hours"
+    };
+    let svg = chart::stacked_bars(&columns, &series, unit);
+    (svg, unit)
 }
 
 /// A row's series: its tenant, or the evaluation traffic of rollouts.
