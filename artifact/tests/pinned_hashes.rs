@@ -21,7 +21,7 @@ fn the_base_hash_of_a_fixture_model_is_pinned() {
         lorafleet_artifact::weights::base_hash(&fixtures().join("llama-gqa"), &mut |_, _| {})
             .unwrap();
     assert_eq!(
-        hash,
+        hash.as_str(),
         "1e3ce41ef39b0a233c9ae6f924f17b08a16b3e733146b7c3ba3dd315da509456"
     );
     let python: serde_json::Value = serde_json::from_str(

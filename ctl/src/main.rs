@@ -64,7 +64,9 @@ fn hash_model_dir(dir: &Path) -> Result<String, Failure> {
         bar.set_position(done);
     });
     bar.finish_and_clear();
-    result.map_err(|e| fail(USAGE, format!("--model-dir {}: {e}", dir.display())))
+    result
+        .map(|h| h.to_string())
+        .map_err(|e| fail(USAGE, format!("--model-dir {}: {e}", dir.display())))
 }
 
 fn parse_duration(s: &str) -> Result<u64, Failure> {

@@ -16,10 +16,25 @@ impl Sha256Hex {
             .then(|| Sha256Hex(s.to_ascii_lowercase()))
     }
 
+    /// The digest whose 32 bytes are `bytes`.
+    pub fn from_bytes(bytes: [u8; 32]) -> Sha256Hex {
+        use fmt::Write;
+        let mut s = String::with_capacity(64);
+        for b in bytes {
+            let _ = write!(s, "{b:02x}");
+        }
+        Sha256Hex(s)
+    }
+
     pub fn as_str(&self) -> &str {
         &self.0
     }
 }
+
+/// A base model's hash: the digest of its weights as the worker reads
+/// them (names, dtypes, shapes, bytes, quantization), which an adapter's
+/// registry row must match before any worker serves it.
+pub type BaseHash = Sha256Hex;
 
 impl std::ops::Deref for Sha256Hex {
     type Target = str;

@@ -88,6 +88,32 @@ macro_rules! text_ids {
                 $name(id.to_owned())
             }
         }
+
+        impl std::ops::Deref for $name {
+            type Target = str;
+
+            fn deref(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl std::borrow::Borrow<str> for $name {
+            fn borrow(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl PartialEq<str> for $name {
+            fn eq(&self, other: &str) -> bool {
+                self.0 == other
+            }
+        }
+
+        impl PartialEq<&str> for $name {
+            fn eq(&self, other: &&str) -> bool {
+                self.0 == *other
+            }
+        }
     )*};
 }
 
@@ -98,6 +124,11 @@ text_ids! {
     /// Whose share of a worker's engine a request uses: its tenant's id,
     /// or a key of the gateway's own (a rollout's evaluation traffic).
     FairnessKey;
+    /// One generation's id, the gateway's (or a client's own
+    /// `x-request-id`): what the worker's streams, the engine's request map
+    /// and events, cancellation and the audit row name it by. A request of
+    /// `n` choices sends each choice with an id of its own.
+    RequestId;
 }
 
 /// Where a worker holds an adapter. An adapter a worker does not know is

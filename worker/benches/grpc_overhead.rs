@@ -63,7 +63,7 @@ fn prompt(r: usize) -> Vec<u32> {
 
 fn engine_request(r: usize) -> Request {
     Request {
-        id: format!("r{r}"),
+        id: format!("r{r}").into(),
         adapter: lorafleet_engine::AdapterId::new((r % ADAPTERS) as u64 + 1),
         prompt: Prompt::TokenIds(prompt(r)),
         params: Sampling {
@@ -216,7 +216,7 @@ fn main() {
             lora_int_id: i as u64 + 1,
             artifact_uri: d.file_name().unwrap().to_string_lossy().into_owned(),
             artifact_sha256: artifact::digest(d).unwrap(),
-            base_hash: base_hash.clone(),
+            base_hash: base_hash.to_string(),
             rank: standin::RANK as u32,
             display_name: format!("a{i}"),
             ..Default::default()

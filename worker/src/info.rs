@@ -7,7 +7,7 @@ use lorafleet_engine::model::ModelConfig;
 #[derive(Debug, Clone)]
 pub struct BaseModel {
     pub name: String,
-    pub base_hash: String,
+    pub base_hash: lorafleet_domain::digest::BaseHash,
     pub architecture: String,
     pub max_model_len: u32,
     pub vocab_size: u32,
@@ -57,7 +57,7 @@ impl WorkerInfo {
             instance_id: format!("{worker_id}-{}", std::process::id()),
             base_model: BaseModel {
                 name: model_name,
-                base_hash: engine.base_hash().to_owned(),
+                base_hash: engine.base_hash().clone(),
                 architecture: config.architecture.model_type().into(),
                 max_model_len: engine.max_model_len() as u32,
                 vocab_size: config.vocab_size as u32,

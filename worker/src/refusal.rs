@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use lorafleet_domain::digest::BaseHash;
 use lorafleet_engine::artifact::ArtifactError;
 use lorafleet_engine::{AdapterId, EngineError, Field, Invalid, Residency};
 
@@ -27,7 +28,7 @@ pub enum Refusal {
     AdapterIdReused { id: AdapterId },
     /// The descriptor names another base model than this worker's.
     #[error("adapter.base_hash: {asked} does not match this worker's base model {served}")]
-    BaseHashMismatch { asked: String, served: String },
+    BaseHashMismatch { asked: BaseHash, served: BaseHash },
     /// The descriptor's rank is above this worker's maximum.
     #[error("adapter.rank: {rank} is above max_lora_rank {max}")]
     RankTooLarge { rank: usize, max: usize },

@@ -13,6 +13,7 @@ use std::collections::HashMap;
 use std::sync::mpsc as std_mpsc;
 use std::time::{Duration, Instant, SystemTime};
 
+use lorafleet_domain::RequestId;
 use lorafleet_engine::lora::HostAdapter;
 use lorafleet_engine::{
     Accepted, AdapterId, AdapterSource, Engine, EngineError, EngineStats, Event, Prompt, Request,
@@ -42,7 +43,7 @@ enum Command {
         reply: Reply<Accepted>,
     },
     Abort {
-        id: String,
+        id: RequestId,
     },
     Register {
         id: AdapterId,
@@ -89,7 +90,7 @@ impl std::fmt::Debug for Command {
 /// request in the engine.
 #[derive(Debug)]
 pub struct RequestStream {
-    id: String,
+    id: RequestId,
     events: mpsc::UnboundedReceiver<Event>,
     commands: std_mpsc::Sender<Command>,
     done: bool,
@@ -302,7 +303,7 @@ fn run(
     reports: watch::Sender<Report>,
     interval: Duration,
 ) {
-    let mut streams: HashMap<String, mpsc::UnboundedSender<Event>> = HashMap::new();
+    let mut streams: HashMap<RequestId, mpsc::UnboundedSender<Event>> = HashMap::new();
     let mut pending_promotions: Vec<AdapterId> = Vec::new();
     let mut sequence = 0u64;
     let mut last_report = Instant::now();

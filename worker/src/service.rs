@@ -114,9 +114,9 @@ impl WorkerService {
     /// artifact on first use, and registers it with the engine.
     async fn ensure_adapter(&self, d: &Descriptor) -> Result<AdapterId, Refusal> {
         let base = &self.info.base_model.base_hash;
-        if d.base_hash.as_str() != base {
+        if d.base_hash != *base {
             return Err(Refusal::BaseHashMismatch {
-                asked: d.base_hash.to_string(),
+                asked: d.base_hash.clone(),
                 served: base.clone(),
             });
         }
@@ -213,7 +213,7 @@ impl WorkerService {
         let source = AdapterSource {
             name: d.display_name.clone(),
             dir: dir.clone(),
-            declared_base_hash: Some(d.base_hash.to_string()),
+            declared_base_hash: Some(d.base_hash.clone()),
             // Verified above: the bytes the pool reads hash to this.
             digest: Some(d.artifact_sha256.to_string()),
         };

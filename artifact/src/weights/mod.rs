@@ -34,6 +34,7 @@ use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
+use lorafleet_domain::digest::BaseHash;
 use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 use sha2::{Digest, Sha256};
@@ -356,7 +357,7 @@ impl WeightFiles {
 
     /// SHA-256 over every tensor in canonical order; see the module docs.
     /// `progress` is called with (bytes hashed, bytes in all).
-    pub fn base_hash(&self, progress: &mut dyn FnMut(u64, u64)) -> Result<String> {
+    pub fn base_hash(&self, progress: &mut dyn FnMut(u64, u64)) -> Result<BaseHash> {
         let total: u64 = self.files.iter().map(|(_, m)| m.len() as u64).sum();
         let mut done = 0u64;
         let mut hasher = Sha256::new();
@@ -386,7 +387,7 @@ impl WeightFiles {
             hasher.update(len(canonical.len()));
             hasher.update(canonical.as_bytes());
         }
-        Ok(hex::encode(hasher.finalize()))
+        Ok(BaseHash::from_bytes(hasher.finalize().into()))
     }
 }
 
@@ -456,7 +457,7 @@ pub fn language_model_names<'a>(
 }
 
 /// The base hash of a model directory; see the module docs.
-pub fn base_hash(dir: &Path, progress: &mut dyn FnMut(u64, u64)) -> Result<String> {
+pub fn base_hash(dir: &Path, progress: &mut dyn FnMut(u64, u64)) -> Result<BaseHash> {
     WeightFiles::open_model_dir(dir)?.base_hash(progress)
 }
 

@@ -60,7 +60,7 @@ pub async fn generate(s: &AppState, call: InternalCall) -> Result<InternalAnswer
     };
     trail.resolved(&resolved);
     let request = Generation {
-        request_id: request_id.to_string(),
+        request_id: crate::upstream::RequestId::new(request_id.to_string()),
         adapter: adapter_ref(&resolved),
         prompt: call.prompt,
         sampling: call.sampling,

@@ -503,7 +503,7 @@ async fn prepare(
     }
     let (traceparent, tracestate) = lorafleet_telemetry::inject(&tracing::Span::current());
     let request = Generation {
-        request_id: trail.record.request_id.to_string(),
+        request_id: upstream::RequestId::new(trail.record.request_id.to_string()),
         adapter,
         prompt,
         sampling,

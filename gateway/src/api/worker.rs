@@ -134,7 +134,7 @@ pub(super) async fn start_siblings(
 ) -> Result<Vec<Started>, ApiError> {
     let starts = (1..p.n).map(|i| {
         let mut g = p.request.clone();
-        g.request_id = format!("{}-{i}", g.request_id);
+        g.request_id = crate::upstream::RequestId::new(format!("{}-{i}", g.request_id));
         let seed = g.sampling.seed.map(|seed| seed.wrapping_add(u64::from(i)));
         g.sampling = g.sampling.with_seed(seed);
         let worker = first.worker.clone();

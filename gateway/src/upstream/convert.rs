@@ -11,7 +11,7 @@ use super::*;
 impl From<&Generation> for pb::GenerateRequest {
     fn from(g: &Generation) -> pb::GenerateRequest {
         pb::GenerateRequest {
-            request_id: g.request_id.clone(),
+            request_id: g.request_id.as_str().to_owned(),
             adapter: g.adapter.as_ref().map(|a| pb::AdapterDescriptor {
                 lora_int_id: a.lora_int_id.get(),
                 artifact_uri: a.artifact_uri.clone(),

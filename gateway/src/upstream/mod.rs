@@ -22,7 +22,7 @@ pub use client::{Events, Reports, Transport, WorkerClient};
 pub use lorafleet_domain::generation::{
     ChatMessage, ChatPrompt, Constraint, Prompt, Role, Sampling, Valid,
 };
-pub use lorafleet_domain::{AdapterId, FairnessKey, Residency, WorkerId};
+pub use lorafleet_domain::{AdapterId, FairnessKey, RequestId, Residency, WorkerId};
 
 /// An adapter a generation uses, as the registry describes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -61,7 +61,7 @@ pub struct TopLogprob {
 /// What the gateway asks one worker to generate.
 #[derive(Debug, Clone)]
 pub struct Generation {
-    pub request_id: String,
+    pub request_id: RequestId,
     /// None: the base model.
     pub adapter: Option<AdapterRef>,
     pub prompt: Prompt,

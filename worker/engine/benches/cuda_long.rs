@@ -140,7 +140,7 @@ fn run(e: &mut Engine, n: usize, lora: bool) -> Outcome {
     let mut next = 0;
     while next < n.min(AT_ONCE) {
         let req = request(next);
-        submitted.insert(req.id.clone(), Instant::now());
+        submitted.insert(req.id.to_string(), Instant::now());
         e.submit(req).unwrap();
         next += 1;
     }
@@ -151,14 +151,14 @@ fn run(e: &mut Engine, n: usize, lora: bool) -> Outcome {
         for (id, ev) in events {
             match ev {
                 Event::Delta { token_ids, .. } => {
-                    if let Some(at) = submitted.remove(&id) {
+                    if let Some(at) = submitted.remove(id.as_str()) {
                         ttft.push(at.elapsed().as_secs_f64() * 1e3);
                     }
                     generated += token_ids.len();
                 }
                 Event::Finished(_) if next < n => {
                     let req = request(next);
-                    submitted.insert(req.id.clone(), Instant::now());
+                    submitted.insert(req.id.to_string(), Instant::now());
                     e.submit(req).unwrap();
                     next += 1;
                 }

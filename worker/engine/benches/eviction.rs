@@ -90,7 +90,13 @@ fn device_loads(n: usize, trace: &[usize], policy: EvictionPolicy) -> (u64, u64)
         },
     )
     .unwrap();
-    let mut pool = AdapterPool::new(config, 16, SLOTS, n, "h".repeat(64));
+    let mut pool = AdapterPool::new(
+        config,
+        16,
+        SLOTS,
+        n,
+        lorafleet_engine::pool::BaseHash::parse(&"0".repeat(64)).unwrap(),
+    );
     pool.set_eviction(policy);
     let name = common::adapter_names(model)[0].clone();
     let source = AdapterSource {

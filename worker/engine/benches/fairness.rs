@@ -64,7 +64,7 @@ fn run(model: &std::path::Path, fair_admission: bool) -> Run {
     };
     let mut e = Engine::load_cpu(model, settings).expect("the stand-in model");
     let request = |id: String, i: usize| Request {
-        id,
+        id: id.into(),
         adapter: None,
         prompt: Prompt::TokenIds(
             (0..32)

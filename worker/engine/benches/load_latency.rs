@@ -128,7 +128,7 @@ fn ttft(e: &mut Engine, adapter: AdapterId, n: usize, arrived: Option<Residency>
         .collect();
     let started = Instant::now();
     e.submit(Request {
-        id: format!("t{n}"),
+        id: format!("t{n}").into(),
         adapter: Some(adapter),
         prompt: Prompt::TokenIds(prompt),
         params: Sampling {

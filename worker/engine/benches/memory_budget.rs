@@ -34,7 +34,7 @@ fn request(id: String, adapter: u64, prompt_tokens: u32, max_tokens: usize) -> R
         }
         .validate()
         .unwrap(),
-        id,
+        id: id.into(),
     }
 }
 

@@ -110,7 +110,7 @@ fn run(model: &std::path::Path, dirs: &[std::path::PathBuf], prefix_caching: boo
         ids.extend((0..QUESTION).map(|k| ((r * 131 + k * 17) % 31_000 + 3) as u32));
         prompt_tokens += ids.len();
         e.submit(Request {
-            id: format!("r{r}"),
+            id: format!("r{r}").into(),
             adapter: Some(aid(r % ADAPTERS)),
             prompt: Prompt::TokenIds(ids),
             params: Sampling {

@@ -105,7 +105,7 @@ fn run(model: &std::path::Path, stops: &[String]) -> f64 {
     };
     let mut e = Engine::load_cpu(model, settings).expect("the fixture model");
     let request = |tenant: &str, i: usize, stop: Vec<String>| Request {
-        id: format!("{tenant}{i}"),
+        id: format!("{tenant}{i}").into(),
         adapter: None,
         prompt: Prompt::TokenIds(
             (0..8)

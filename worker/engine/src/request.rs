@@ -1,7 +1,7 @@
 //! What goes into the engine (a request, its prompt and fairness) and
 //! what comes out (events, the acceptance, a whole completion).
 
-use lorafleet_domain::FairnessKey;
+use lorafleet_domain::{FairnessKey, RequestId};
 
 use crate::error::EngineError;
 use crate::logprobs::TokenLogprob;
@@ -35,7 +35,7 @@ impl Default for Fairness {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Request {
     /// Unique among the engine's live requests.
-    pub id: String,
+    pub id: RequestId,
     /// None for the base model.
     pub adapter: Option<AdapterId>,
     pub prompt: Prompt,
@@ -76,7 +76,7 @@ pub struct Accepted {
 /// One request's whole output, as collected by [`Engine::run_to_completion`](crate::Engine::run_to_completion).
 #[derive(Debug)]
 pub struct Completion {
-    pub request_id: String,
+    pub request_id: RequestId,
     pub prompt_ids: Vec<u32>,
     pub token_ids: Vec<u32>,
     pub text: String,

@@ -10,6 +10,7 @@ use crate::model::tokenizer::{IncrementalDecoder, Tokenizer};
 use crate::pool::{AdapterId, Lease, Residency};
 use crate::sampling::{Rng, Sampling};
 use crate::stop::{StopState, StopStrings};
+use lorafleet_domain::RequestId;
 use lorafleet_domain::generation::Valid;
 
 /// Why a sequence ended.
@@ -57,7 +58,7 @@ pub struct Finish {
 
 #[derive(Debug)]
 pub(crate) struct Sequence {
-    pub request_id: String,
+    pub request_id: RequestId,
     pub adapter: Option<AdapterId>,
     pub prompt_ids: Vec<u32>,
     pub output_ids: Vec<u32>,
@@ -136,7 +137,7 @@ pub(crate) struct TokenOutput {
 
 impl Sequence {
     pub fn new(
-        request_id: String,
+        request_id: RequestId,
         adapter: Option<AdapterId>,
         prompt_ids: Vec<u32>,
         params: Valid<Sampling>,

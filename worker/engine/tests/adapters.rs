@@ -8,6 +8,7 @@ use std::path::Path;
 use common::*;
 use lorafleet_engine::lora::{AdapterError, AdapterLimits, HostAdapter};
 use lorafleet_engine::model::ModelConfig;
+use lorafleet_engine::pool::BaseHash;
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 use serde_json::{Value, json};
@@ -381,7 +382,7 @@ fn an_adapter_request_is_never_served_by_the_base_model() {
     let weights = corrupt.path().join("adapter_model.safetensors");
     let bytes = std::fs::read(&weights).unwrap();
     std::fs::write(&weights, &bytes[..bytes.len() / 2]).unwrap();
-    let source = |name: &str, dir: &Path, base: Option<String>| AdapterSource {
+    let source = |name: &str, dir: &Path, base: Option<BaseHash>| AdapterSource {
         name: name.into(),
         dir: dir.to_path_buf(),
         declared_base_hash: base,
@@ -395,7 +396,11 @@ fn an_adapter_request_is_never_served_by_the_base_model() {
         ("corrupt", source("corrupt", corrupt.path(), None)),
         (
             "other base",
-            source("other", &adapter_dir(MODEL, "qv-r8"), Some("f".repeat(64))),
+            source(
+                "other",
+                &adapter_dir(MODEL, "qv-r8"),
+                BaseHash::parse(&"f".repeat(64)),
+            ),
         ),
         (
             "rank 16 > 8",
@@ -416,7 +421,7 @@ fn an_adapter_request_is_never_served_by_the_base_model() {
             continue;
         }
         let request = Request {
-            id: format!("r{i}"),
+            id: format!("r{i}").into(),
             adapter: Some(id),
             prompt: Prompt::Text("The quick brown fox".into()),
             params: Sampling {

@@ -138,7 +138,7 @@ fn preemption_recomputes_to_the_same_tokens() {
 fn a_preempted_sequence_keeps_its_adapters_lease() {
     let prompt = "Once upon a time, there was a little model that served many adapters.";
     let request = |i: usize, adapter: u64| Request {
-        id: format!("r{i}"),
+        id: format!("r{i}").into(),
         adapter: Some(aid(adapter)),
         prompt: Prompt::Text(prompt.into()),
         params: Sampling {
@@ -259,7 +259,7 @@ fn cancelling_frees_kv_blocks_at_once() {
             .active,
         1
     );
-    assert!(e.abort("long"));
+    assert!(e.abort(&"long".into()));
     assert_eq!(e.stats().kv_blocks_used, 0);
     assert_eq!(
         e.stats()
@@ -272,7 +272,7 @@ fn cancelling_frees_kv_blocks_at_once() {
         "the lease is gone"
     );
     assert!(!e.has_work());
-    assert!(!e.abort("long"), "aborting twice is a no-op");
+    assert!(!e.abort(&"long".into()), "aborting twice is a no-op");
 }
 
 #[test]
@@ -336,7 +336,7 @@ fn a_batch_larger_than_the_waiting_queue_still_runs_whole() {
     });
     let requests: Vec<Request> = (0..10)
         .map(|i| Request {
-            id: format!("q{i}"),
+            id: format!("q{i}").into(),
             adapter: Some(aid(i % 3 + 1)),
             prompt: Prompt::Text("def forward(self, x):".into()),
             params: Sampling {

@@ -10,7 +10,7 @@ use serde_json::Value;
 
 fn request(id: String, constraint: Constraint, seed: u64) -> Request {
     Request {
-        id,
+        id: id.into(),
         adapter: Some(aid(seed % 3 + 1)),
         prompt: Prompt::Text("The quick brown fox".into()),
         params: Sampling {
@@ -296,9 +296,10 @@ fn a_late_mask_delays_its_own_row_and_never_the_batch() {
             assert!(steps < 2000, "no progress");
             for (id, event) in e.step().unwrap() {
                 match event {
-                    Event::Delta { token_ids, .. } => {
-                        tokens.entry(id).or_default().extend(token_ids)
-                    }
+                    Event::Delta { token_ids, .. } => tokens
+                        .entry(id.into_string())
+                        .or_default()
+                        .extend(token_ids),
                     Event::Finished(_) if id == "f" => free_done_at = Some(steps),
                     Event::Failed(err) => panic!("{id}: {err}"),
                     _ => {}

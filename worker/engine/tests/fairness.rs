@@ -12,7 +12,7 @@ const MODEL: &str = "llama-gqa";
 
 fn request(id: String, i: usize) -> Request {
     Request {
-        id,
+        id: id.into(),
         adapter: None,
         prompt: Prompt::TokenIds(
             (0..20)
@@ -88,7 +88,7 @@ fn first_tokens(e: &mut Engine) -> Vec<String> {
         .unwrap()
         .into_iter()
         .filter(|(_, ev)| matches!(ev, Event::Delta { .. }))
-        .map(|(id, _)| id)
+        .map(|(id, _)| id.into_string())
         .collect()
 }
 

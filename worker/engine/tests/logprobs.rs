@@ -97,7 +97,7 @@ fn asking_for_logprobs_changes_no_token_and_the_prompt_alone_can_be_scored() {
 
 fn out_request(ids: &[u32]) -> Request {
     Request {
-        id: String::new(),
+        id: String::new().into(),
         adapter: None,
         prompt: Prompt::TokenIds(ids.to_vec()),
         params: Sampling {

@@ -62,7 +62,7 @@ fn request(id: String, adapter: u64, prompt_tokens: usize, max_tokens: usize) ->
         }
         .validate()
         .unwrap(),
-        id,
+        id: id.into(),
     }
 }
 
@@ -82,7 +82,7 @@ fn alone(requests: &[Request]) -> HashMap<String, Vec<u32>> {
         .map(|r| {
             let c = e.run_to_completion(vec![r.clone()]).unwrap().pop().unwrap();
             assert!(c.error.is_none(), "{:?}", c.error);
-            (r.id.clone(), c.token_ids)
+            (r.id.to_string(), c.token_ids)
         })
         .collect()
 }
@@ -114,7 +114,10 @@ fn run(
         }
         for (id, event) in e.step().unwrap() {
             match event {
-                Event::Delta { token_ids, .. } => outputs.entry(id).or_default().extend(token_ids),
+                Event::Delta { token_ids, .. } => outputs
+                    .entry(id.into_string())
+                    .or_default()
+                    .extend(token_ids),
                 Event::Finished(_) => left -= 1,
                 Event::Failed(err) => panic!("{id}: {err}"),
                 Event::PromptLogprobs(_) => {}
@@ -211,7 +214,7 @@ fn the_split_between_kv_and_adapter_slots_follows_the_work() {
         "idle adapters left their slots for KV"
     );
     for r in &everything {
-        assert_eq!(outputs[&r.id], expected[&r.id], "{}", r.id);
+        assert_eq!(outputs[r.id.as_str()], expected[r.id.as_str()], "{}", r.id);
     }
 }
 
@@ -232,7 +235,7 @@ fn a_sequence_that_needs_a_preempted_ones_slot_for_its_kv_gets_it() {
     let mut outputs = HashMap::new();
     run(&mut e, &requests, 2, &mut outputs);
     for r in &requests {
-        assert_eq!(outputs[&r.id], expected[&r.id], "{}", r.id);
+        assert_eq!(outputs[r.id.as_str()], expected[r.id.as_str()], "{}", r.id);
     }
     assert!(
         e.stats().pool.device_evictions > 0,
@@ -319,7 +322,7 @@ proptest! {
         let mut outputs = HashMap::new();
         run(&mut e, &requests, per_step, &mut outputs);
         for r in &requests {
-            prop_assert_eq!(&outputs[&r.id], &expected[&r.id], "{}", r.id);
+            prop_assert_eq!(&outputs[r.id.as_str()], &expected[r.id.as_str()], "{}", r.id);
         }
     }
 }

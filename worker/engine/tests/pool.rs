@@ -41,7 +41,7 @@ fn access(pool: &mut AdapterPool, backend: &mut CpuBackend, id: u64) -> Residenc
 fn round_robin(count: u64, adapters: u64, prompt: impl Fn(u64) -> String) -> Vec<Request> {
     (0..count)
         .map(|i| Request {
-            id: format!("r{i}"),
+            id: format!("r{i}").into(),
             adapter: Some(aid(i % adapters + 1)),
             prompt: Prompt::Text(prompt(i)),
             params: Sampling {
@@ -227,7 +227,7 @@ fn a_request_for_a_cold_adapter_is_not_starved_by_a_hot_one() {
         .unwrap();
     }
     let request = |id: String, adapter: u64| Request {
-        id,
+        id: id.into(),
         adapter: Some(aid(adapter)),
         prompt: Prompt::Text("The quick brown fox".into()),
         params: Sampling {
@@ -629,7 +629,7 @@ fn loads_that_a_prefetch_could_have_started_are_counted_as_late() {
         e
     };
     let one_token = |i: u64| Request {
-        id: format!("r{i}"),
+        id: format!("r{i}").into(),
         adapter: Some(aid(i % 10 + 1)),
         prompt: Prompt::Text(format!("request {i}")),
         params: Sampling {

@@ -31,7 +31,7 @@ fn workload() -> Vec<Request> {
             k => Some(aid(k as u64)),
         };
         out.push(Request {
-            id: format!("r{i}"),
+            id: format!("r{i}").into(),
             adapter,
             prompt: Prompt::TokenIds(prompt(i)),
             params: Sampling {
@@ -130,7 +130,7 @@ fn cached_prefixes_give_the_same_tokens_as_no_cache() {
 fn one(e: &mut Engine, adapter: Option<u64>, ids: Vec<u32>) -> Finish {
     let id = format!("q{}", e.stats().prefix.queried_tokens);
     e.submit(Request {
-        id,
+        id: id.into(),
         adapter: adapter.map(aid),
         prompt: Prompt::TokenIds(ids),
         params: Sampling {

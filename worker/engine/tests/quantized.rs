@@ -176,6 +176,7 @@ fn each_quantization_of_a_base_has_its_own_base_hash() {
                 .unwrap()
                 .base_hash(&mut |_, _| {})
                 .unwrap()
+                .to_string()
         })
         .collect();
     hashes.sort();

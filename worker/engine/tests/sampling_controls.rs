@@ -52,7 +52,7 @@ fn each_control_gives_the_reference_tokens_for_the_base_and_an_adapter() {
         let n = c["greedy"].as_array().unwrap().len();
         for (tag, control) in [("c", &c["control"]), ("p", &Value::Null)] {
             requests.push(Request {
-                id: format!("{tag}{i}"),
+                id: format!("{tag}{i}").into(),
                 adapter,
                 prompt: Prompt::TokenIds(ids.clone()),
                 params: params(control, n).validate().unwrap(),

@@ -4,6 +4,7 @@
 
 use std::time::{Duration, SystemTime};
 
+use lorafleet_domain::RequestId;
 use lorafleet_domain::digest::Sha256Hex;
 use lorafleet_engine::AdapterId;
 use lorafleet_engine::artifact::ArtifactError;
@@ -118,7 +119,7 @@ pub fn fairness(r: &pb::GenerateRequest) -> Result<Fairness, Refusal> {
 /// The request id, prompt and sampling of a Generate request.
 pub fn generate_request(
     r: &pb::GenerateRequest,
-) -> Result<(String, Prompt, Valid<Sampling>), Refusal> {
+) -> Result<(RequestId, Prompt, Valid<Sampling>), Refusal> {
     if r.request_id.is_empty() {
         return Err(Refusal::field(Field::RequestId, "is required"));
     }
@@ -226,7 +227,7 @@ pub fn generate_request(
         }),
     }
     .validate()?;
-    Ok((r.request_id.clone(), prompt, params))
+    Ok((RequestId::new(r.request_id.as_str()), prompt, params))
 }
 
 pub fn residency(r: Residency) -> pb::Residency {
@@ -511,7 +512,7 @@ fn engine_parts(e: &EngineError) -> Parts {
 fn base_model(b: &BaseModel) -> pb::BaseModel {
     pb::BaseModel {
         name: b.name.clone(),
-        base_hash: b.base_hash.clone(),
+        base_hash: b.base_hash.to_string(),
         architecture: b.architecture.clone(),
         max_model_len: b.max_model_len,
         vocab_size: b.vocab_size,

@@ -49,8 +49,8 @@ fn every_refusal() -> Vec<Refusal> {
         Refusal::Draining,
         Refusal::AdapterIdReused { id },
         Refusal::BaseHashMismatch {
-            asked: "a".into(),
-            served: "b".into(),
+            asked: Sha256Hex::parse(&"a".repeat(64)).unwrap(),
+            served: Sha256Hex::parse(&"b".repeat(64)).unwrap(),
         },
         Refusal::RankTooLarge { rank: 64, max: 16 },
         Refusal::RankMismatch {

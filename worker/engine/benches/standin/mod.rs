@@ -329,7 +329,7 @@ pub fn decode_request(
     new: usize,
 ) -> lorafleet_engine::Request {
     lorafleet_engine::Request {
-        id: format!("r{r}"),
+        id: format!("r{r}").into(),
         adapter,
         prompt: lorafleet_engine::Prompt::TokenIds(
             (0..prompt)

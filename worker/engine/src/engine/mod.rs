@@ -16,6 +16,8 @@ use crate::pool::{AdapterId, AdapterPool, AdapterSource, AdapterStatus, PoolCoun
 use crate::prompter::Prompter;
 use crate::scheduler::{Queues, SeqId};
 use crate::sequence::Sequence;
+use lorafleet_domain::RequestId;
+use lorafleet_domain::digest::BaseHash;
 use lorafleet_domain::generation::Field;
 
 use crate::masks;
@@ -105,7 +107,7 @@ pub struct Engine {
     tokenizer: Arc<Tokenizer>,
     prompter: Prompter,
     backend: Box<dyn Backend>,
-    base_hash: String,
+    base_hash: BaseHash,
     settings: EngineSettings,
     pool: AdapterPool,
     kv: BlockAllocator,
@@ -115,7 +117,7 @@ pub struct Engine {
     budget: Option<Arc<crate::budget::MemoryBudget>>,
     queues: Queues,
     seqs: HashMap<SeqId, Sequence>,
-    by_request: HashMap<String, SeqId>,
+    by_request: HashMap<RequestId, SeqId>,
     next_seq: SeqId,
     seed_source: crate::sampling::Rng,
     last_step: StepStats,
@@ -215,7 +217,7 @@ impl Engine {
         config: ModelConfig,
         tokenizer: Tokenizer,
         backend: Box<dyn Backend>,
-        base_hash: String,
+        base_hash: BaseHash,
         settings: EngineSettings,
     ) -> Result<Engine> {
         settings.validate()?;
@@ -333,7 +335,7 @@ impl Engine {
         self.constraints.clone()
     }
 
-    pub fn base_hash(&self) -> &str {
+    pub fn base_hash(&self) -> &BaseHash {
         &self.base_hash
     }
 
@@ -457,13 +459,13 @@ impl Engine {
                 format!("{} is not a positive number", fairness.weight),
             ));
         }
-        if request.id.is_empty() {
+        if request.id.as_str().is_empty() {
             return Err(EngineError::request(Field::RequestId, "is required"));
         }
         if self.by_request.contains_key(&request.id) {
             return Err(EngineError::request(
                 Field::RequestId,
-                format!("{:?} is already running", request.id),
+                format!("{:?} is already running", request.id.as_str()),
             ));
         }
         if self.queues.waiting.len() >= self.settings.max_waiting {
@@ -530,7 +532,7 @@ impl Engine {
         // artifact digest, or the base hash (never a name or an id alone).
         let identity = match request.adapter {
             Some(a) => self.pool.weights_identity(a).unwrap_or_default(),
-            None => &self.base_hash,
+            None => self.base_hash.as_str(),
         };
         let mut weights_seed = crate::kv::weights_seed(identity);
         // Dynamic NTK rotates a prompt longer than the model's context by
@@ -584,7 +586,7 @@ impl Engine {
 
     /// Cancels a request, freeing its KV blocks and lease at once. Returns
     /// whether it was live.
-    pub fn abort(&mut self, request_id: &str) -> bool {
+    pub fn abort(&mut self, request_id: &RequestId) -> bool {
         let Some(id) = self.by_request.remove(request_id) else {
             return false;
         };
@@ -712,7 +714,7 @@ impl Engine {
             if index.contains_key(&request.id) {
                 completion.error = Some(EngineError::request(
                     Field::RequestId,
-                    format!("{:?} appears twice in the batch", request.id),
+                    format!("{:?} appears twice in the batch", request.id.as_str()),
                 ));
             } else {
                 index.insert(request.id.clone(), i);

@@ -17,6 +17,8 @@ use crate::scheduler::{Limits, Scheduler, SeqId};
 use crate::sequence::{FinishReason, PendingDraw, Sequence};
 use std::time::Instant;
 
+use lorafleet_domain::RequestId;
+
 use crate::masks::{MaskPool, MaskSlot};
 
 /// One scheduled sequence's place in a step: its slot, id, how many tokens
@@ -60,7 +62,7 @@ impl Engine {
     ///
     /// When nothing can run because every waiting request's adapter is
     /// still loading, it waits briefly for a load rather than spinning.
-    pub fn step(&mut self) -> Result<Vec<(String, Event)>> {
+    pub fn step(&mut self) -> Result<Vec<(RequestId, Event)>> {
         let mut events = Vec::new();
         self.settle_loads(None, &mut events);
         self.pool.settle_unloads(self.backend.as_mut())?;
@@ -262,7 +264,7 @@ impl Engine {
         &mut self,
         id: SeqId,
         drawn: Drawn,
-        events: &mut Vec<(String, Event)>,
+        events: &mut Vec<(RequestId, Event)>,
         finished: &mut Vec<SeqId>,
     ) {
         let seq = self.seqs.get_mut(&id).expect("a drawing sequence exists");
@@ -342,7 +344,7 @@ impl Engine {
 
     /// Draws the tokens whose masks have come in since their step, from
     /// the logits kept, in sequence order.
-    fn draw_pending(&mut self, events: &mut Vec<(String, Event)>) {
+    fn draw_pending(&mut self, events: &mut Vec<(RequestId, Event)>) {
         let mut ready: Vec<SeqId> = self
             .seqs
             .iter()
@@ -447,7 +449,7 @@ impl Engine {
     pub(super) fn settle_loads(
         &mut self,
         wait: Option<std::time::Duration>,
-        events: &mut Vec<(String, Event)>,
+        events: &mut Vec<(RequestId, Event)>,
     ) {
         for (adapter, err) in self.pool.poll_loads(wait) {
             let victims: Vec<SeqId> = self

@@ -27,6 +27,7 @@ use crate::eviction::{EvictionPolicy, RequestRate};
 use crate::lora::{AdapterError, AdapterLimits, HostAdapter};
 use crate::model::ModelConfig;
 
+pub use lorafleet_domain::digest::BaseHash;
 pub use lorafleet_domain::{AdapterId, Residency};
 
 /// Where an adapter's files are, and what it claims to be.
@@ -36,7 +37,7 @@ pub struct AdapterSource {
     pub name: String,
     pub dir: PathBuf,
     /// The base hash the adapter was registered against, when known.
-    pub declared_base_hash: Option<String>,
+    pub declared_base_hash: Option<BaseHash>,
     /// The artifact digest of `dir` (as `lorafleet_artifact::roots::digest`
     /// computes it), when the caller has verified it; otherwise the pool
     /// computes it at registration. It is the identity prefix-cached KV
@@ -186,7 +187,7 @@ impl AdapterPool {
         max_lora_rank: usize,
         slots: usize,
         max_cpu_loras: usize,
-        base_hash: String,
+        base_hash: BaseHash,
     ) -> Self {
         let (jobs, job_rx) = mpsc::channel::<(AdapterId, u64, AdapterSource)>();
         let (result_tx, results) = mpsc::channel();
@@ -199,8 +200,8 @@ impl AdapterPool {
                         max_lora_rank,
                         base_hash_check: source
                             .declared_base_hash
-                            .as_deref()
-                            .map(|d| (base_hash.as_str(), d)),
+                            .as_ref()
+                            .map(|d| (base_hash.as_str(), d.as_str())),
                     };
                     let loaded =
                         HostAdapter::load(&source.name, &source.dir, limits).map(|mut a| {

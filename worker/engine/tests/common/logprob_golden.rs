@@ -69,7 +69,7 @@ pub fn logprob_request(
     g: &LogprobGolden,
 ) -> Request {
     Request {
-        id,
+        id: id.into(),
         adapter: adapter.map(aid),
         prompt: Prompt::TokenIds(case.prompt_ids.clone()),
         params: Sampling {

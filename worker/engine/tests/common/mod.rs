@@ -144,7 +144,7 @@ pub fn golden_requests(
         .iter()
         .enumerate()
         .map(|(i, c)| lorafleet_engine::Request {
-            id: format!("g{i}"),
+            id: format!("g{i}").into(),
             adapter: c
                 .adapter
                 .as_ref()
@@ -240,7 +240,7 @@ pub fn mixed_workload() -> Vec<lorafleet_engine::Request> {
         let adapter = if i < 20 { Some(aid(i % 10 + 1)) } else { None };
         let sampled = i % 2 == 1;
         out.push(lorafleet_engine::Request {
-            id: format!("r{i}"),
+            id: format!("r{i}").into(),
             adapter,
             prompt: lorafleet_engine::Prompt::Text(prompts[i as usize % prompts.len()].into()),
             params: lorafleet_engine::Sampling {
@@ -287,8 +287,13 @@ pub fn fixture_pool(
         },
     )
     .unwrap();
-    let mut pool =
-        lorafleet_engine::pool::AdapterPool::new(config, 16, slots, host, "h".repeat(64));
+    let mut pool = lorafleet_engine::pool::AdapterPool::new(
+        config,
+        16,
+        slots,
+        host,
+        lorafleet_engine::pool::BaseHash::parse(&"0".repeat(64)).unwrap(),
+    );
     let names = adapter_names(model);
     for (i, name) in names.iter().enumerate() {
         pool.register(aid(i as u64 + 1), fixture_source(model, name))
@@ -328,7 +333,7 @@ pub fn moe_workload(adapters: usize) -> Vec<lorafleet_engine::Request> {
             let which = i % (adapters as u64 + 1);
             let sampled = i % 2 == 1;
             lorafleet_engine::Request {
-                id: format!("r{i}"),
+                id: format!("r{i}").into(),
                 adapter: (which > 0).then(|| aid(which)),
                 prompt: lorafleet_engine::Prompt::Text(prompts[i as usize % prompts.len()].into()),
                 params: lorafleet_engine::Sampling {

@@ -368,7 +368,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         }
         wants.push((params.logprobs.is_some(), params.prompt_logprobs.is_some()));
         requests.push(Request {
-            id: format!("line-{line_no}"),
+            id: format!("line-{line_no}").into(),
             adapter,
             prompt,
             params,
