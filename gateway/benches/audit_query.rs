@@ -58,6 +58,11 @@ impl Lcg {
 }
 
 fn main() {
+    if std::env::args().any(|a| a == "--plot-only") {
+        // Redraw the plot from the recorded runs, running nothing.
+        plot(0, &[]);
+        return;
+    }
     let rows: u64 = std::env::args()
         .skip(1)
         .find_map(|a| a.parse().ok())
@@ -313,10 +318,15 @@ fn main() {
         println!();
         println!("| question (one tenant, one day, 100 rows) | through | p50 | p99 | max |");
         println!("|---|---|---:|---:|---:|");
+        let mut p99s = Vec::new();
         for (name, through, mut v) in results {
             let (p50, p99) = (percentile(&mut v, 0.50), percentile(&mut v, 0.99));
             let max = v.last().unwrap().as_secs_f64() * 1e3;
             println!("| {name} | {through} | {p50:.2} ms | {p99:.2} ms | {max:.2} ms |");
+            p99s.push((format!("{name}, {through}"), p99));
+        }
+        if days == 30 {
+            plot(count as u64, &p99s);
         }
 
         pool.close().await;
@@ -331,4 +341,72 @@ fn main() {
         .await
         .unwrap();
     });
+}
+
+#[path = "support/svg.rs"]
+mod svg;
+
+/// Each log size's p99s so far (`docs/plots/audit_query_p99.json`: this
+/// run's replace its size's), drawn as p99 against log size
+/// (`docs/plots/audit_query_p99.svg`). Only runs over the default 30 days
+/// are kept, so every size has the same days and a denser day is a larger
+/// log.
+fn plot(rows: u64, p99s: &[(String, f64)]) {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/plots");
+    let json = std::path::Path::new(dir).join("audit_query_p99.json");
+    let mut sizes: std::collections::BTreeMap<u64, serde_json::Map<String, serde_json::Value>> =
+        std::fs::read_to_string(&json)
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+            .and_then(|v| {
+                v.as_object().map(|o| {
+                    o.iter()
+                        .filter_map(|(k, v)| Some((k.parse().ok()?, v.as_object()?.clone())))
+                        .collect()
+                })
+            })
+            .unwrap_or_default();
+    let round = |v: f64| serde_json::json!((v * 100.0).round() / 100.0);
+    if !p99s.is_empty() {
+        sizes.insert(
+            rows,
+            p99s.iter().map(|(k, v)| (k.clone(), round(*v))).collect(),
+        );
+    }
+    let text = serde_json::to_string_pretty(
+        &sizes
+            .iter()
+            .map(|(k, v)| (k.to_string(), serde_json::Value::Object(v.clone())))
+            .collect::<serde_json::Map<_, _>>(),
+    )
+    .unwrap();
+    std::fs::write(&json, text + "\n").unwrap_or_else(|e| panic!("{}: {e}", json.display()));
+    // Every question asked at any size, in the order first asked.
+    let mut names: Vec<String> = Vec::new();
+    for m in sizes.values() {
+        for k in m.keys() {
+            if !names.contains(k) {
+                names.push(k.clone());
+            }
+        }
+    }
+    let chart = svg::Bars {
+        title: "Audit log questions: p99 against the log's size (one tenant, one day, 100 rows)",
+        y_label: "p99, ms (target 50)",
+        groups: sizes
+            .keys()
+            .map(|r| format!("{}M rows", *r as f64 / 1e6))
+            .collect(),
+        series: names
+            .iter()
+            .map(|n| {
+                let values = sizes
+                    .values()
+                    .map(|m| m.get(n).and_then(|v| v.as_f64()).unwrap_or(f64::NAN))
+                    .collect();
+                (n.clone(), values)
+            })
+            .collect(),
+    };
+    chart.write(&std::path::Path::new(dir).join("audit_query_p99.svg"));
 }

@@ -10,7 +10,8 @@ pub struct Bars<'a> {
     pub title: &'a str,
     pub y_label: &'a str,
     pub groups: Vec<String>,
-    /// Each series' name and its value in every group.
+    /// Each series' name and its value in every group (NaN: not measured
+    /// there, no bar).
     pub series: Vec<(String, Vec<f64>)>,
 }
 
@@ -47,7 +48,9 @@ impl Bars<'_> {
         let group_w = (bars_w + 30.0).max(660.0 / self.groups.len().max(1) as f64);
         let plot_w = group_w * self.groups.len() as f64;
         let plot_h = 320.0;
-        let width = left + plot_w + right;
+        // Room for the legend's columns too (three of 330 px).
+        let legend_w = 330.0 * self.series.len().min(3) as f64;
+        let width = (left + plot_w + right).max(left + legend_w);
         let height = top + plot_h + bottom + legend_rows * legend_h;
         let max = self
             .series
@@ -76,10 +79,12 @@ impl Bars<'_> {
                 left + plot_w,
                 left - 6.0,
                 yy + 4.0,
-                if step >= 1.0 {
+                if step.fract() == 0.0 {
                     format!("{v:.0}")
                 } else {
-                    format!("{v}")
+                    // 2.5, 0.25: no more digits than the step has.
+                    let digits = (-step.log10().floor()).max(0.0) as usize + 1;
+                    format!("{v:.digits$}")
                 }
             );
             v += step;
@@ -94,6 +99,10 @@ impl Bars<'_> {
             let x0 = left + g as f64 * group_w + (group_w - bars_w) / 2.0;
             for (s, (_, values)) in self.series.iter().enumerate() {
                 let value = values[g];
+                if !value.is_finite() {
+                    // Not measured at this group: no bar.
+                    continue;
+                }
                 let x = x0 + 26.0 * s as f64;
                 let _ = writeln!(
                     out,
