@@ -63,4 +63,17 @@ mod tests {
         assert!(Sha256Hex::parse(&"g".repeat(64)).is_none());
         assert!(Sha256Hex::parse("").is_none());
     }
+
+    #[test]
+    fn a_digests_bytes_are_spelt_as_parse_reads_them() {
+        let mut bytes = [0u8; 32];
+        for (i, b) in bytes.iter_mut().enumerate() {
+            *b = (i as u8).wrapping_mul(37) ^ 0xa5;
+        }
+        let d = Sha256Hex::from_bytes(bytes);
+        assert_eq!(d.len(), 64);
+        assert_eq!(&d.as_str()[..6], "a580ef");
+        assert_eq!(Sha256Hex::parse(d.as_str()), Some(d.clone()));
+        assert_eq!(Sha256Hex::from_bytes([0; 32]).as_str(), "0".repeat(64));
+    }
 }
