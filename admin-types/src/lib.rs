@@ -436,6 +436,11 @@ pub struct UsageRow {
     pub cached_tokens: i64,
     /// The workers' forward-pass time.
     pub device_seconds: f64,
+    /// The copies of the group's adapters into device slots charged to
+    /// its requests (not priced: a device-hour price covers
+    /// `device_seconds`).
+    #[serde(default)]
+    pub load_seconds: f64,
     /// `device_seconds` at each hour's price for its base model (`POST
     /// /prices`); None where no hour of the group had one.
     pub device_cost: Option<f64>,

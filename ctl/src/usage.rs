@@ -4,7 +4,7 @@
 
 use super::*;
 
-const COLUMNS: [&str; 14] = [
+const COLUMNS: [&str; 15] = [
     "period",
     "tenant_id",
     "route_id",
@@ -16,6 +16,7 @@ const COLUMNS: [&str; 14] = [
     "completion_tokens",
     "cached_tokens",
     "device_seconds",
+    "load_seconds",
     "device_cost",
     "token_cost",
     "cost",

@@ -139,6 +139,7 @@ impl UsageQuery {
                     sum(completion_tokens)::BIGINT AS completion_tokens,
                     sum(cached_tokens)::BIGINT AS cached_tokens,
                     sum(device_us)::FLOAT8 / 1e6 AS device_seconds,
+                    sum(load_us)::FLOAT8 / 1e6 AS load_seconds,
                     (sum(device_us * dp.device_hour) / 3600e6)::FLOAT8 AS device_cost,
                     (sum(prompt_tokens * rp.prompt + completion_tokens * rp.completion)
                         / 1e6)::FLOAT8 AS token_cost,

@@ -357,6 +357,7 @@ fn every_message_round_trips_with_every_field_set() {
         adapter_residency: Residency::NotLoaded as i32,
         preemptions: 1,
         device_time: Some(dur(0, 7_250_000)),
+        load_time: Some(dur(0, 310_000)),
     };
     cov.check(vec![
         finished(finished::StopReason::StopTokenId(2)),

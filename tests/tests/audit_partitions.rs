@@ -662,14 +662,21 @@ async fn an_adapter_filter_reads_its_page_in_index_order() {
 /// Twelve audit rows in one statement, as the writer inserts them (`ON
 /// CONFLICT DO NOTHING`), `tag` naming their request ids: two tenants,
 /// three hours from `base`, every status, an adapter on half, an
-/// evaluation row, an aggregated row of three, device time on half.
-async fn usage_rows(pool: &PgPool, tag: &str, base: DateTime<Utc>) -> u64 {
-    sqlx::query(
+/// evaluation row, an aggregated row of three, device time on half, and
+/// (with `load`, once migration 0029 made the column) adapter-load time on
+/// the adapter rows.
+async fn usage_rows(pool: &PgPool, tag: &str, base: DateTime<Utc>, load: bool) -> u64 {
+    let (load_column, load_value) = if load {
+        (", load_us", ", CASE WHEN k % 2 = 0 THEN 37 * k + 1 END")
+    } else {
+        ("", "")
+    };
+    sqlx::query(&format!(
         "INSERT INTO audit_log (request_id, received_at, completed_at, tenant_id, subject,
                                 model_name, route_id, lora_int_id, adapter_name,
                                 adapter_version, base_hash, status, http_status, finish_reason,
                                 prompt_tokens, completion_tokens, cached_tokens, occurrences,
-                                device_us, latency_us)
+                                device_us, latency_us{load_column})
          SELECT md5($1 || k)::UUID, t, t, md5('tenant' || k % 2)::UUID,
                 CASE WHEN k = 5 THEN 'rollout-evaluator' END, 'm', md5('route')::UUID,
                 CASE WHEN k % 2 = 0 THEN 7 END, CASE WHEN k % 2 = 0 THEN 'a' END,
@@ -677,11 +684,11 @@ async fn usage_rows(pool: &PgPool, tag: &str, base: DateTime<Utc>) -> u64 {
                 (ARRAY['ok', 'error', 'rejected'])[k % 3 + 1]::audit_status,
                 (ARRAY[200, 500, 429])[k % 3 + 1], CASE WHEN k % 3 = 0 THEN 'stop' END,
                 10 + k, k, k % 4, CASE WHEN k = 7 THEN 3 ELSE 1 END,
-                CASE WHEN k % 2 = 0 THEN 1000 * k END, 1
+                CASE WHEN k % 2 = 0 THEN 1000 * k END, 1{load_value}
            FROM generate_series(0, 11) k,
                 LATERAL (SELECT $2 + (k % 3) * INTERVAL '1 hour' + k * INTERVAL '1 second' AS t) x
-         ON CONFLICT (request_id, received_at) DO NOTHING",
-    )
+         ON CONFLICT (request_id, received_at) DO NOTHING"
+    ))
     .bind(tag)
     .bind(base)
     .execute(pool)
@@ -703,6 +710,7 @@ type UsageRow = (
     i64,
     i64,
     i64,
+    i64,
 );
 
 /// The hourly usage rollup (migration 0023) equals a `GROUP BY` over the
@@ -716,16 +724,20 @@ async fn usage_rollups_equal_a_group_by_over_the_log() {
     MIGRATOR.run_to(22, &pool).await.unwrap();
     let hour = Utc::now().timestamp() / 3600 * 3600 - 2 * 86_400;
     let base = DateTime::from_timestamp(hour + 15 * 60, 0).unwrap();
-    assert_eq!(usage_rows(&pool, "before", base).await, 12);
+    assert_eq!(usage_rows(&pool, "before", base, false).await, 12);
     MIGRATOR.run(&pool).await.unwrap();
     let runtime = PgPool::connect(&db.url_as(&login_member_of(&pool, "lorafleet_runtime").await))
         .await
         .unwrap();
-    assert_eq!(usage_rows(&runtime, "after", base).await, 12);
-    assert_eq!(usage_rows(&runtime, "after", base).await, 0, "a replay");
+    assert_eq!(usage_rows(&runtime, "after", base, true).await, 12);
+    assert_eq!(
+        usage_rows(&runtime, "after", base, true).await,
+        0,
+        "a replay"
+    );
     let rollup: Vec<UsageRow> = sqlx::query_as(
         "SELECT hour, tenant_id, route_id, lora_int_id, base_hash, evaluation, status::TEXT,
-                requests, prompt_tokens, completion_tokens, cached_tokens, device_us
+                requests, prompt_tokens, completion_tokens, cached_tokens, device_us, load_us
            FROM usage_hourly ORDER BY 1, 2, 3, 4, 5, 6, 7",
     )
     .fetch_all(&pool)
@@ -736,7 +748,7 @@ async fn usage_rollups_equal_a_group_by_over_the_log() {
                 base_hash, coalesce(subject = 'rollout-evaluator', false), status::TEXT,
                 sum(occurrences)::BIGINT, sum(prompt_tokens)::BIGINT,
                 sum(completion_tokens)::BIGINT, sum(cached_tokens)::BIGINT,
-                coalesce(sum(device_us), 0)::BIGINT
+                coalesce(sum(device_us), 0)::BIGINT, coalesce(sum(load_us), 0)::BIGINT
            FROM audit_log GROUP BY 1, 2, 3, 4, 5, 6, 7 ORDER BY 1, 2, 3, 4, 5, 6, 7",
     )
     .fetch_all(&pool)
@@ -746,6 +758,10 @@ async fn usage_rollups_equal_a_group_by_over_the_log() {
     // Three hours, both tenants, the evaluation row apart.
     assert!(rollup.len() >= 7, "{rollup:?}");
     assert!(rollup.iter().any(|r| r.5), "evaluation traffic apart");
+    assert!(
+        rollup.iter().any(|r| r.12 > 0),
+        "adapter-load time rolled up"
+    );
     let requests: i64 = rollup.iter().map(|r| r.7).sum();
     assert_eq!(
         requests,

@@ -177,6 +177,9 @@ async fn concurrent_adapter_streams_match_the_goldens_and_bad_artifacts_are_refu
             generate(&mut c, request(&format!("g{i}"), adapter, ids, max_new)).await
         }));
     }
+    let (mut device_seconds, mut load_seconds) = (0.0, 0.0);
+    // Per adapter, the requests charged for its copy into a device slot.
+    let mut charged: std::collections::BTreeMap<String, usize> = Default::default();
     for (call, case) in calls.into_iter().zip(&cases) {
         let (tokens, finished) = call.await.unwrap().expect("the stream succeeds");
         generated += tokens.len();
@@ -186,7 +189,22 @@ async fn concurrent_adapter_streams_match_the_goldens_and_bad_artifacts_are_refu
             finished.usage.unwrap().completion_tokens as usize,
             want.len()
         );
+        let seconds = |d: Option<_>| {
+            d.and_then(|d| Duration::try_from(d).ok())
+                .map_or(0.0, |d: Duration| d.as_secs_f64())
+        };
+        device_seconds += seconds(finished.device_time);
+        let load = seconds(finished.load_time);
+        load_seconds += load;
+        match case["adapter"].as_str() {
+            Some(a) => *charged.entry(a.to_owned()).or_default() += usize::from(load > 0.0),
+            None => assert_eq!(load, 0.0, "the base model copies no adapter"),
+        }
     }
+    // Each adapter was copied in on demand while its first requests
+    // waited: some of them carry the copy's time.
+    assert_eq!(charged.len(), names.len(), "{charged:?}");
+    assert!(charged.values().all(|&n| n > 0), "{charged:?}");
 
     // Refusals, each with its status; the worker keeps serving.
     let bad = |f: fn(&mut pb::AdapterDescriptor)| {
@@ -364,6 +382,20 @@ async fn concurrent_adapter_streams_match_the_goldens_and_bad_artifacts_are_refu
             );
             // Every copy into a device slot was timed, and on a GPU the
             // memory plan and the memory in use are published.
+            // The engine's device time, cumulative: at least what the
+            // requests above were charged (their shares add up to it).
+            let base = info.base_model.as_ref().unwrap().name.clone();
+            let busy = get(&format!(
+                "lorafleet_device_seconds_total{{base_model=\"{base}\"}}"
+            ));
+            let copies = get(&format!(
+                "lorafleet_adapter_load_seconds_total{{base_model=\"{base}\"}}"
+            ));
+            assert!(busy >= device_seconds * 0.99 && busy > 0.0, "{busy} {m:?}");
+            assert!(
+                copies >= load_seconds * 0.99 && copies > 0.0,
+                "{copies} {m:?}"
+            );
             let uploads = get("lorafleet_slot_upload_seconds_count");
             assert!(uploads >= 1.0, "{m:?}");
             // Each adapter request's wait for its adapter.

@@ -148,8 +148,26 @@ pub fn record_device(
     }
 }
 
+/// The base model's name, the label of the device-time series.
+static BASE_MODEL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// Names the base model this worker serves, once at start.
+pub fn set_base_model(name: &str) {
+    let _ = BASE_MODEL.set(name.to_owned());
+}
+
 /// Whenever the engine publishes a report.
 pub fn record_stats(stats: &EngineStats) {
+    // Device time, for chargeback beside the audit log's per-request
+    // shares: the forward passes' time (what the requests' device_time
+    // adds up to) and the adapter copies into device slots. Cumulative
+    // seconds that only grow (`rate()` reads them as counters); gauges,
+    // because the recorder's counters hold whole numbers.
+    let base_model = BASE_MODEL.get().cloned().unwrap_or_default();
+    gauge!("lorafleet_device_seconds_total", "base_model" => base_model.clone())
+        .set(stats.run.busy.as_secs_f64());
+    gauge!("lorafleet_adapter_load_seconds_total", "base_model" => base_model)
+        .set(stats.run.loads.as_secs_f64());
     gauge!("lorafleet_running_sequences").set(stats.running as f64);
     gauge!("lorafleet_queue_depth").set(stats.waiting as f64);
     gauge!("lorafleet_kv_blocks_used").set(stats.kv_blocks_used as f64);

@@ -9,7 +9,7 @@
 
 use super::params::Endpoint;
 use super::*;
-use crate::audit::AuditStatus;
+use crate::audit::{AuditStatus, micros};
 use crate::registry::{Adapter, Route};
 use crate::upstream::{Finished, TokenLogprob};
 
@@ -91,8 +91,8 @@ pub async fn generate(s: &AppState, call: InternalCall) -> Result<InternalAnswer
             trail.record.prompt_tokens = f.prompt_tokens as i32;
             trail.record.cached_tokens = f.cached_prompt_tokens as i32;
             trail.record.completion_tokens = f.completion_tokens as i32;
-            trail.record.device_us =
-                Some(i64::try_from(f.device_time.as_micros()).unwrap_or(i64::MAX));
+            trail.record.device_us = Some(micros(f.device_time));
+            trail.record.load_us = Some(micros(f.load_time));
             trail.record.finish_reason = Some(
                 match f.reason {
                     upstream::FinishReason::Stop => "stop",
@@ -133,6 +133,7 @@ async fn read_all(
             completion_tokens: 0,
             cached_prompt_tokens: 0,
             device_time: std::time::Duration::ZERO,
+            load_time: std::time::Duration::ZERO,
         },
         request_id,
     };

@@ -186,7 +186,9 @@ pub(super) fn settle(
     trail.record.completion_tokens = usage.completion_tokens as i32;
     trail.record.finish_reason = Some(openai::finish_reason(first).into());
     let device: std::time::Duration = finished.iter().map(|f| f.device_time).sum();
-    trail.record.device_us = Some(i64::try_from(device.as_micros()).unwrap_or(i64::MAX));
+    trail.record.device_us = Some(crate::audit::micros(device));
+    let load: std::time::Duration = finished.iter().map(|f| f.load_time).sum();
+    trail.record.load_us = Some(crate::audit::micros(load));
     usage
 }
 

@@ -94,6 +94,7 @@ async fn report(s: &AppState, parts: &axum::http::request::Parts) -> Result<Resp
                 "completion_tokens": r.completion_tokens,
                 "cached_tokens": r.cached_tokens,
                 "device_seconds": r.device_seconds,
+                "load_seconds": r.load_seconds,
                 "device_cost": r.device_cost,
                 "token_cost": r.token_cost,
                 "cost": r.cost,

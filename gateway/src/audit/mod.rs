@@ -139,6 +139,15 @@ pub struct AuditRecord {
     /// choice finished on a worker.
     #[serde(default)]
     pub device_us: Option<i64>,
+    /// The copies of the request's adapter into a device slot charged to
+    /// it, in microseconds (its choices' shares); None as for `device_us`.
+    #[serde(default)]
+    pub load_us: Option<i64>,
+}
+
+/// A duration in whole microseconds, as the audit row keeps times.
+pub fn micros(d: std::time::Duration) -> i64 {
+    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
 }
 
 fn one() -> i32 {
@@ -192,6 +201,7 @@ impl AuditRecord {
             occurrences: 1,
             last_key_prefix: None,
             device_us: None,
+            load_us: None,
         }
     }
 

@@ -415,13 +415,13 @@ const INSERT: &str = "INSERT INTO audit_log (request_id, received_at, completed_
      adapter_version, base_hash, worker_id, adapter_residency, status, http_status, error_code,
      finish_reason, prompt_tokens, completion_tokens, latency_us, ttft_us, attempts,
      end_user, api_key_prefix, cached_tokens, features, client_addr, occurrences,
-     last_key_prefix, device_us)
+     last_key_prefix, device_us, load_us)
    SELECT * FROM UNNEST($1::uuid[], $2::timestamptz[], $3::timestamptz[], $4::uuid[],
      $5::uuid[], $6::text[], $7::text[], $8::uuid[], $9::int4[], $10::int8[], $11::text[],
      $12::int4[], $13::text[], $14::text[], $15::text[], $16::text[]::audit_status[],
      $17::int2[], $18::text[], $19::text[], $20::int4[], $21::int4[], $22::int8[],
      $23::int8[], $24::int2[], $25::text[], $26::text[], $27::int4[], $28::text[],
-     $29::text[]::inet[], $30::int4[], $31::text[], $32::int8[])
+     $29::text[]::inet[], $30::int4[], $31::text[], $32::int8[], $33::int8[])
    ON CONFLICT (request_id, received_at) DO NOTHING";
 
 async fn insert(pool: &PgPool, rows: &[&AuditRecord]) -> Result<(), sqlx::Error> {
@@ -460,7 +460,8 @@ async fn insert(pool: &PgPool, rows: &[&AuditRecord]) -> Result<(), sqlx::Error>
         .bind(col(rows, |r| r.client_addr.clone()))
         .bind(col(rows, |r| r.occurrences))
         .bind(col(rows, |r| r.last_key_prefix.clone()))
-        .bind(col(rows, |r| r.device_us));
+        .bind(col(rows, |r| r.device_us))
+        .bind(col(rows, |r| r.load_us));
     tokio::time::timeout(STATEMENT, q.execute(pool))
         .await
         .map_err(|_| sqlx::Error::PoolTimedOut)??;

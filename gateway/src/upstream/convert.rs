@@ -124,6 +124,10 @@ pub(super) fn event(e: pb::GenerateEvent) -> Option<WorkerEvent> {
                     .device_time
                     .and_then(|d| std::time::Duration::try_from(d).ok())
                     .unwrap_or_default(),
+                load_time: f
+                    .load_time
+                    .and_then(|d| std::time::Duration::try_from(d).ok())
+                    .unwrap_or_default(),
             })
         }
     })

@@ -103,6 +103,8 @@ pub struct Finished {
     /// The worker's forward-pass time this choice used (its share of each
     /// step it ran in).
     pub device_time: std::time::Duration,
+    /// The copies of its adapter into a device slot charged to it.
+    pub load_time: std::time::Duration,
 }
 
 /// One event of a generation's stream.

@@ -54,6 +54,12 @@ pub struct Finish {
     /// tokens alike. Over a run the requests' shares add up to the
     /// engine's busy time (`RunCounters::busy`).
     pub device_time: Duration,
+    /// Its share of the copies of its adapter into a device slot made
+    /// while it waited or ran: each copy's time split evenly among the
+    /// live requests of that adapter. Over a run these shares and the
+    /// copies no request waited for (`RunCounters::unattributed_loads`)
+    /// add up to `RunCounters::loads`. Zero for the base model.
+    pub load_time: Duration,
 }
 
 #[derive(Debug)]
@@ -109,6 +115,8 @@ pub(crate) struct Sequence {
     pub pending: Option<PendingDraw>,
     /// Its share of the steps it ran in ([`Finish::device_time`]).
     pub device_time: Duration,
+    /// Its share of its adapter's slot copies ([`Finish::load_time`]).
+    pub load_time: Duration,
     /// Whose share of the engine this request uses (the tenant), and the
     /// share's weight.
     pub fair_key: std::sync::Arc<str>,
@@ -177,6 +185,7 @@ impl Sequence {
             grammar: None,
             pending: None,
             device_time: Duration::ZERO,
+            load_time: Duration::ZERO,
             fair_key: std::sync::Arc::from(""),
             fair_weight: 1.0,
             text: String::new(),
@@ -321,6 +330,7 @@ impl Sequence {
             cached_tokens: self.cached_tokens,
             adapter_wait: self.adapter.map(|_| since(self.adapter_ready)),
             device_time: self.device_time,
+            load_time: self.load_time,
         }
     }
 }

@@ -435,3 +435,52 @@ fn requests_device_time_adds_up_to_the_engines_busy_time() {
         of("short")
     );
 }
+
+/// Adapter copies per request: each copy of an adapter into a device slot
+/// is split among the live requests of that adapter, so over a run the
+/// requests' shares and the copies no request waited for add up to the
+/// engine's copy time exactly. Ten adapters through four slots: every
+/// adapter request was live when its adapter was first copied in, so each
+/// has a share; the base model's requests have none.
+#[test]
+fn adapter_copies_are_charged_to_the_requests_that_waited_for_them() {
+    let mut e = engine(EngineSettings {
+        max_loras: 4,
+        max_cpu_loras: 12,
+        max_batched_tokens: 64,
+        max_num_seqs: 8,
+        ..Default::default()
+    });
+    let requests = mixed_workload();
+    let before = e.stats();
+    let done = e.run_to_completion(requests.clone()).unwrap();
+    let after = e.stats();
+    assert_eq!(done.len(), requests.len());
+    let copies = after.pool.device_loads - before.pool.device_loads;
+    assert!(
+        copies >= 10,
+        "ten adapters through four slots: {copies} copies"
+    );
+    let loads = after.run.loads - before.run.loads;
+    let unattributed = after.run.unattributed_loads - before.run.unattributed_loads;
+    assert!(!loads.is_zero());
+    assert!(
+        unattributed.is_zero(),
+        "every copy had waiters: {unattributed:?}"
+    );
+    let mut charged = std::time::Duration::ZERO;
+    for r in &requests {
+        let c = done.iter().find(|c| c.request_id == r.id).expect("done");
+        let finish = c.finish.as_ref().expect("finished");
+        match r.adapter {
+            Some(_) => assert!(
+                !finish.load_time.is_zero(),
+                "{} waited for its adapter's copy and has no share of it",
+                r.id
+            ),
+            None => assert!(finish.load_time.is_zero(), "{}", r.id),
+        }
+        charged += finish.load_time;
+    }
+    assert_eq!(charged + unattributed, loads);
+}

@@ -275,6 +275,7 @@ pub fn finished(f: &Finish) -> pb::Finished {
         adapter_residency: f.residency.map_or(pb::Residency::Unspecified, residency) as i32,
         preemptions: f.preemptions,
         device_time: Some(duration(f.device_time)),
+        load_time: Some(duration(f.load_time)),
     }
 }
 

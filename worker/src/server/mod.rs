@@ -236,6 +236,7 @@ pub async fn start(config: WorkerConfig, listeners: Listeners) -> Result<Running
         memory = engine_memory.as_deref().unwrap_or("host memory"),
         "model loaded"
     );
+    crate::telemetry::set_base_model(&info.base_model.name);
     let handle = EngineHandle::spawn(engine, Duration::from_millis(250));
     let draining = Arc::new(AtomicBool::new(false));
     let service = WorkerService::new(

@@ -170,6 +170,7 @@ struct Totals {
     prompt_tokens: i64,
     completion_tokens: i64,
     device_seconds: f64,
+    load_seconds: f64,
     cost: Option<f64>,
 }
 
@@ -179,6 +180,7 @@ impl Totals {
         self.prompt_tokens += r.prompt_tokens;
         self.completion_tokens += r.completion_tokens;
         self.device_seconds += r.device_seconds;
+        self.load_seconds += r.load_seconds;
         if let Some(c) = r.cost {
             self.cost = Some(self.cost.unwrap_or(0.0) + c);
         }
@@ -192,6 +194,7 @@ impl Totals {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "device_seconds": format!("{:.3}", self.device_seconds),
+            "load_seconds": format!("{:.3}", self.load_seconds),
             "tokens_per_device_second": (self.device_seconds > 0.0)
                 .then(|| format!("{:.0}", tokens as f64 / self.device_seconds)),
             "cost": self.cost.map(|c| format!("{c:.4}")),

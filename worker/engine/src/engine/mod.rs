@@ -77,6 +77,13 @@ pub struct RunCounters {
     /// Wall time of the steps' forward passes and draws: what the
     /// requests' [`Finish::device_time`](crate::Finish) shares add up to.
     pub busy: std::time::Duration,
+    /// Time of the adapter copies into device slots: what the requests'
+    /// [`Finish::load_time`](crate::Finish) shares and
+    /// `unattributed_loads` add up to.
+    pub loads: std::time::Duration,
+    /// Of `loads`, the copies no live request of the adapter waited for
+    /// (a promotion ahead of traffic).
+    pub unattributed_loads: std::time::Duration,
 }
 
 impl RunCounters {
@@ -419,7 +426,9 @@ impl Engine {
 
     /// Puts a host-resident adapter into a device slot now, if one can be had.
     pub fn promote(&mut self, id: AdapterId) -> Result<Option<usize>> {
-        self.pool.ensure_device(id, &[], self.backend.as_mut())
+        let slot = self.pool.ensure_device(id, &[], self.backend.as_mut());
+        self.charge_loads();
+        slot
     }
 
     /// Unloads an adapter now, or once the requests using it finish.

@@ -84,7 +84,10 @@ impl Engine {
             fair: self.settings.fair_admission.then_some(&mut self.fair),
             budget: self.budget.as_deref(),
         }
-        .schedule()?;
+        .schedule();
+        // Copies the scheduler made are charged even when it then failed.
+        self.charge_loads();
+        let plan = plan?;
         if plan.scheduled.is_empty() {
             self.last_step = StepStats {
                 preempted: plan.preempted.len(),
@@ -253,6 +256,33 @@ impl Engine {
             left -= share;
             if let Some(seq) = self.seqs.get_mut(&row.id) {
                 seq.device_time += Duration::from_nanos(share as u64);
+            }
+        }
+    }
+
+    /// Charges each adapter copy into a device slot since the last call to
+    /// the live requests of that adapter (waiting or running), split
+    /// evenly; the shares add up to the copy's time exactly (the first
+    /// takes what rounding left). A copy no request waits for is counted
+    /// apart.
+    pub(super) fn charge_loads(&mut self) {
+        for (adapter, took) in self.pool.take_load_charges() {
+            self.run.loads += took;
+            let mut waiters: Vec<&mut crate::sequence::Sequence> = self
+                .seqs
+                .values_mut()
+                .filter(|s| s.adapter == Some(adapter))
+                .collect();
+            if waiters.is_empty() {
+                self.run.unattributed_loads += took;
+                continue;
+            }
+            let nanos = took.as_nanos();
+            let each = nanos / waiters.len() as u128;
+            let first = nanos - each * (waiters.len() as u128 - 1);
+            for (i, seq) in waiters.iter_mut().enumerate() {
+                let share = if i == 0 { first } else { each };
+                seq.load_time += Duration::from_nanos(share as u64);
             }
         }
     }

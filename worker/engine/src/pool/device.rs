@@ -133,9 +133,11 @@ impl AdapterPool {
         };
         let started = std::time::Instant::now();
         backend.write_slot(slot, &host)?;
+        let took = started.elapsed();
         if self.upload_times.len() < MAX_UPLOAD_TIMES {
-            self.upload_times.push(started.elapsed());
+            self.upload_times.push(took);
         }
+        self.load_charges.push((id, took));
         self.slots[slot] = Some(id);
         let now = self.tick();
         let e = self.entries.get_mut(&id).expect("checked above");

@@ -168,6 +168,9 @@ pub struct AdapterPool {
     max_pinned: usize,
     /// How long each slot write took, since they were last taken.
     upload_times: Vec<Duration>,
+    /// Each slot write's adapter and time, until the engine charges it to
+    /// the requests that wait for that adapter.
+    load_charges: Vec<(AdapterId, Duration)>,
     /// How a device slot is chosen for eviction.
     eviction: EvictionPolicy,
     /// Requests that arrived: the clock of request rates.
@@ -226,6 +229,7 @@ impl AdapterPool {
             generation: 0,
             max_pinned: slots.saturating_sub(1),
             upload_times: Vec::new(),
+            load_charges: Vec::new(),
             eviction: EvictionPolicy::default(),
             arrivals: 0,
             budget: None,
@@ -262,6 +266,11 @@ impl AdapterPool {
     /// last call.
     pub fn take_upload_times(&mut self) -> Vec<Duration> {
         std::mem::take(&mut self.upload_times)
+    }
+
+    /// Each slot write's adapter and time since the last call.
+    pub(crate) fn take_load_charges(&mut self) -> Vec<(AdapterId, Duration)> {
+        std::mem::take(&mut self.load_charges)
     }
 
     pub fn counters(&self) -> PoolCounters {
