@@ -671,7 +671,7 @@ async fn usage_rows(pool: &PgPool, tag: &str, base: DateTime<Utc>, load: bool) -
     } else {
         ("", "")
     };
-    sqlx::query(&format!(
+    sqlx::query(sqlx::AssertSqlSafe(format!(
         "INSERT INTO audit_log (request_id, received_at, completed_at, tenant_id, subject,
                                 model_name, route_id, lora_int_id, adapter_name,
                                 adapter_version, base_hash, status, http_status, finish_reason,
@@ -688,7 +688,7 @@ async fn usage_rows(pool: &PgPool, tag: &str, base: DateTime<Utc>, load: bool) -
            FROM generate_series(0, 11) k,
                 LATERAL (SELECT $2 + (k % 3) * INTERVAL '1 hour' + k * INTERVAL '1 second' AS t) x
          ON CONFLICT (request_id, received_at) DO NOTHING"
-    ))
+    )))
     .bind(tag)
     .bind(base)
     .execute(pool)
@@ -709,8 +709,8 @@ type UsageRow = (
     i64,
     i64,
     i64,
-    i64,
-    i64,
+    // Device and adapter-load microseconds.
+    Vec<i64>,
 );
 
 /// The hourly usage rollup (migration 0023) equals a `GROUP BY` over the
@@ -737,7 +737,7 @@ async fn usage_rollups_equal_a_group_by_over_the_log() {
     );
     let rollup: Vec<UsageRow> = sqlx::query_as(
         "SELECT hour, tenant_id, route_id, lora_int_id, base_hash, evaluation, status::TEXT,
-                requests, prompt_tokens, completion_tokens, cached_tokens, device_us, load_us
+                requests, prompt_tokens, completion_tokens, cached_tokens, ARRAY[device_us, load_us]
            FROM usage_hourly ORDER BY 1, 2, 3, 4, 5, 6, 7",
     )
     .fetch_all(&pool)
@@ -748,7 +748,7 @@ async fn usage_rollups_equal_a_group_by_over_the_log() {
                 base_hash, coalesce(subject = 'rollout-evaluator', false), status::TEXT,
                 sum(occurrences)::BIGINT, sum(prompt_tokens)::BIGINT,
                 sum(completion_tokens)::BIGINT, sum(cached_tokens)::BIGINT,
-                coalesce(sum(device_us), 0)::BIGINT, coalesce(sum(load_us), 0)::BIGINT
+                ARRAY[coalesce(sum(device_us), 0), coalesce(sum(load_us), 0)]::BIGINT[]
            FROM audit_log GROUP BY 1, 2, 3, 4, 5, 6, 7 ORDER BY 1, 2, 3, 4, 5, 6, 7",
     )
     .fetch_all(&pool)
@@ -759,7 +759,7 @@ async fn usage_rollups_equal_a_group_by_over_the_log() {
     assert!(rollup.len() >= 7, "{rollup:?}");
     assert!(rollup.iter().any(|r| r.5), "evaluation traffic apart");
     assert!(
-        rollup.iter().any(|r| r.12 > 0),
+        rollup.iter().any(|r| r.11[1] > 0),
         "adapter-load time rolled up"
     );
     let requests: i64 = rollup.iter().map(|r| r.7).sum();
