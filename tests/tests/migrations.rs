@@ -97,7 +97,8 @@ async fn migrations_apply_to_an_empty_database_and_rerun_as_a_no_op() {
             (25, true),
             (26, true),
             (27, true),
-            (28, true)
+            (28, true),
+            (29, true)
         ],
         "each migration applied exactly once"
     );
@@ -120,7 +121,7 @@ async fn migrate_takes_the_url_from_the_environment() {
         .fetch_one(&db.pool().await)
         .await
         .unwrap();
-    assert_eq!(n, 28);
+    assert_eq!(n, 29);
 }
 
 #[test]
