@@ -119,18 +119,20 @@ pub(super) fn event(e: pb::GenerateEvent) -> Option<WorkerEvent> {
                 prompt_tokens: usage.prompt_tokens,
                 completion_tokens: usage.completion_tokens,
                 cached_prompt_tokens: usage.cached_prompt_tokens.min(usage.prompt_tokens),
-                // A negative or absent duration (an older worker) is zero.
-                device_time: f
-                    .device_time
-                    .and_then(|d| std::time::Duration::try_from(d).ok())
-                    .unwrap_or_default(),
-                load_time: f
-                    .load_time
-                    .and_then(|d| std::time::Duration::try_from(d).ok())
-                    .unwrap_or_default(),
+                device_time: elapsed(f.device_time),
+                load_time: elapsed(f.load_time),
             })
         }
     })
+}
+
+/// A wire duration; a negative or absent one (an older worker) is zero.
+fn elapsed<D>(d: Option<D>) -> std::time::Duration
+where
+    std::time::Duration: TryFrom<D>,
+{
+    d.and_then(|d| std::time::Duration::try_from(d).ok())
+        .unwrap_or_default()
 }
 
 fn token_logprob(l: pb::TokenLogprob) -> TokenLogprob {
