@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("proto");
+    let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR")?).join("proto");
     println!("cargo:rerun-if-changed={}", root.display());
 
     let worker = root.join("lorafleet/worker/v1/worker.proto");

@@ -86,6 +86,7 @@ impl pb::worker_server::Worker for StandIn {
                 token_ids: vec![7],
                 text: "x".into(),
                 logprobs: vec![],
+                channel: None,
             }),
             pb::generate_event::Event::Finished(pb::Finished {
                 finish_reason: pb::FinishReason::Length as i32,

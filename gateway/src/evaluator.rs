@@ -279,6 +279,7 @@ fn chat(messages: &[Message], continuation: Option<&str>) -> Result<upstream::Pr
         add_generation_prompt: true,
         tools_json: None,
         continuation: continuation.map(str::to_owned),
+        reasoning_effort: None,
     }))
 }
 

@@ -256,6 +256,7 @@ fn every_message_round_trips_with_every_field_set() {
         add_generation_prompt: true,
         tools_json: r#"[{"type":"function","function":{"name":"f"}}]"#.into(),
         continuation: " yes".into(),
+        reasoning_effort: "low".into(),
     }]);
     let with = |c| SamplingParams {
         constraint: Some(c),
@@ -313,6 +314,7 @@ fn every_message_round_trips_with_every_field_set() {
                 add_generation_prompt: true,
                 tools_json: String::new(),
                 continuation: String::new(),
+                reasoning_effort: String::new(),
             })),
             sampling: Some(sampling()),
             trace_context: Some(trace),
@@ -324,10 +326,17 @@ fn every_message_round_trips_with_every_field_set() {
         prompt_tokens: 12,
         adapter_residency: Residency::Host as i32,
     }]);
+    let channel = HarmonyChannel {
+        channel: "commentary".into(),
+        recipient: "functions.get_weather".into(),
+        content_type: "json".into(),
+    };
+    cov.check(vec![channel.clone()]);
     cov.check(vec![TokenDelta {
         token_ids: vec![450, 29871],
         text: "The ✓".into(),
         logprobs: vec![token_logprob(Some(-1.5)), token_logprob(Some(0.0))],
+        channel: Some(channel),
     }]);
     cov.check(vec![PromptLogprobs {
         logprobs: vec![token_logprob(None), token_logprob(Some(-3.0))],
@@ -375,6 +384,7 @@ fn every_message_round_trips_with_every_field_set() {
                 token_ids: vec![9],
                 text: "x".into(),
                 logprobs: vec![],
+                channel: None,
             })),
         },
         GenerateEvent {

@@ -274,6 +274,22 @@ pub async fn seed_base_routes(pool: &PgPool, tenants: &[(&str, &str)], model: &s
     }
 }
 
+/// The Python that has lm-eval and the OpenAI SDK (`.ci/run` installs it
+/// in `target/lm-eval-venv`; `LORAFLEET_LM_EVAL_PYTHON` names another).
+pub fn sdk_python() -> PathBuf {
+    if let Some(p) = std::env::var_os("LORAFLEET_LM_EVAL_PYTHON") {
+        return PathBuf::from(p);
+    }
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/lm-eval-venv/bin/python");
+    assert!(
+        p.exists(),
+        "{} is missing: `bash .ci/run` installs lm-eval and the OpenAI SDK there \
+         (or set LORAFLEET_LM_EVAL_PYTHON)",
+        p.display()
+    );
+    p
+}
+
 /// The engine's fixture directory: small models, adapters and goldens
 /// made by `worker/engine/scripts/make_fixtures.py`.
 pub fn engine_fixtures() -> PathBuf {

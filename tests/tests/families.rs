@@ -28,19 +28,8 @@ const FAMILIES: [(&str, &str, &str); 5] = [
     ("gemma2-2b", "gemma2", "qkvo-r4"),
 ];
 
-/// The Python with the OpenAI SDK (`.ci/run` installs it).
 fn python() -> PathBuf {
-    if let Some(p) = std::env::var_os("LORAFLEET_LM_EVAL_PYTHON") {
-        return PathBuf::from(p);
-    }
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/lm-eval-venv/bin/python");
-    assert!(
-        p.exists(),
-        "{} is missing: `bash .ci/run` installs the OpenAI SDK there \
-         (or set LORAFLEET_LM_EVAL_PYTHON)",
-        p.display()
-    );
-    p
+    lorafleet_tests::sdk_python()
 }
 
 /// The long-prompt golden case of `model` with `adapter`.

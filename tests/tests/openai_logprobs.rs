@@ -582,19 +582,8 @@ async fn echo_and_logprobs_through_the_gateway_equal_transformers_and_peft() {
     }
 }
 
-/// The Python that has lm-eval and the OpenAI SDK (`.ci/run` installs it).
 fn python() -> PathBuf {
-    if let Some(p) = std::env::var_os("LORAFLEET_LM_EVAL_PYTHON") {
-        return PathBuf::from(p);
-    }
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/lm-eval-venv/bin/python");
-    assert!(
-        p.exists(),
-        "{} is missing: `bash .ci/run` installs lm-eval and the OpenAI SDK there \
-         (or set LORAFLEET_LM_EVAL_PYTHON)",
-        p.display()
-    );
-    p
+    lorafleet_tests::sdk_python()
 }
 
 fn run_python(args: &[&str], envs: &[(&str, &str)]) -> String {

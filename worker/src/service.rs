@@ -356,6 +356,7 @@ impl pb::worker_server::Worker for WorkerService {
                             token_ids,
                             text,
                             logprobs,
+                            channel,
                         } => {
                             let now = Instant::now();
                             match last_token {
@@ -363,7 +364,9 @@ impl pb::worker_server::Worker for WorkerService {
                                 Some(t) => telemetry::record_inter_token(now - t),
                             }
                             last_token = Some(now);
-                            Ok(convert::delta_event(token_ids, text, &logprobs, &prompter))
+                            Ok(convert::delta_event(
+                                token_ids, text, &logprobs, channel, &prompter,
+                            ))
                         }
                         Event::PromptLogprobs(scored) => {
                             Ok(convert::prompt_logprobs_event(&scored, &prompter))

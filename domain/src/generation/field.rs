@@ -93,6 +93,8 @@ pub enum Field {
     Tools,
     /// A given answer scored after a chat prompt.
     Continuation,
+    /// How hard a reasoning model thinks, for the chat template.
+    ReasoningEffort,
     /// The sampling parameters as a whole.
     Sampling,
     MaxTokens,
@@ -118,7 +120,7 @@ pub enum Field {
 }
 
 /// The fields whose wire path is a fixed string.
-const FIXED: [(Field, &str); 26] = [
+const FIXED: [(Field, &str); 27] = [
     (Field::RequestId, "request_id"),
     (Field::Adapter, "adapter.lora_int_id"),
     (Field::FairnessKey, "fairness_key"),
@@ -129,6 +131,7 @@ const FIXED: [(Field, &str); 26] = [
     (Field::Messages, "prompt.chat.messages"),
     (Field::Tools, "prompt.chat.tools_json"),
     (Field::Continuation, "prompt.chat.continuation"),
+    (Field::ReasoningEffort, "prompt.chat.reasoning_effort"),
     (Field::Sampling, "sampling"),
     (Field::MaxTokens, "sampling.max_tokens"),
     (Field::Temperature, "sampling.temperature"),

@@ -18,7 +18,7 @@ use std::fmt;
 use std::ops::Deref;
 
 pub use field::{ConstraintKind, Field, MessagePart};
-pub use prompt::{ChatMessage, ChatPrompt, Prompt, Role};
+pub use prompt::{Channel, ChatMessage, ChatPrompt, Prompt, ReasoningEffort, Role};
 
 /// The most stop strings a request may carry.
 pub const MAX_STOP_STRINGS: usize = 16;

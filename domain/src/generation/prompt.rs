@@ -28,6 +28,54 @@ pub struct ChatPrompt {
     /// added): a given answer to be scored (a rollout's evaluation). None
     /// for a tenant's chat.
     pub continuation: Option<String>,
+    /// How hard a reasoning model thinks before it answers, given to the
+    /// template as `reasoning_effort` (GPT-OSS's harmony template writes it
+    /// into the system message). None: the template's own default.
+    pub reasoning_effort: Option<ReasoningEffort>,
+}
+
+/// OpenAI's `reasoning_effort`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReasoningEffort {
+    Low,
+    Medium,
+    High,
+}
+
+impl ReasoningEffort {
+    const ALL: [ReasoningEffort; 3] = [
+        ReasoningEffort::Low,
+        ReasoningEffort::Medium,
+        ReasoningEffort::High,
+    ];
+
+    /// The word the API, the wire and the template use.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            ReasoningEffort::Low => "low",
+            ReasoningEffort::Medium => "medium",
+            ReasoningEffort::High => "high",
+        }
+    }
+
+    /// The effort a word stands for; None for any other word.
+    pub fn parse(word: &str) -> Option<ReasoningEffort> {
+        Self::ALL.into_iter().find(|e| e.as_str() == word)
+    }
+}
+
+/// The message of a harmony answer (GPT-OSS's format) a piece of text
+/// belongs to: its header.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct Channel {
+    /// `analysis` (reasoning), `commentary` (tool calls, preambles) or
+    /// `final` (the answer).
+    pub channel: String,
+    /// Whom the message is for: `functions.NAME` for a tool call; None for
+    /// the user.
+    pub recipient: Option<String>,
+    /// What the body is (`json` for a call's arguments); None: text.
+    pub content_type: Option<String>,
 }
 
 /// Who speaks a chat message.
@@ -97,5 +145,14 @@ mod tests {
         }
         assert_eq!(Role::parse("developer"), None);
         assert_eq!(Role::parse("User"), None);
+    }
+
+    #[test]
+    fn a_reasoning_effort_reads_back_from_its_word() {
+        for e in ReasoningEffort::ALL {
+            assert_eq!(ReasoningEffort::parse(e.as_str()), Some(e));
+        }
+        assert_eq!(ReasoningEffort::parse("minimal"), None);
+        assert_eq!(ReasoningEffort::parse("High"), None);
     }
 }

@@ -37,6 +37,7 @@ use openai::{ChatRequest, CompletionRequest, Usage};
 mod calls;
 mod choices;
 mod error;
+mod harmony;
 pub mod internal;
 mod logprobs;
 pub mod openai;

@@ -50,6 +50,7 @@ pub fn client_param(field: Field, endpoint: Endpoint) -> Option<String> {
             return Some(format!("messages[{index}].{part}"));
         }
         Field::Tools => "tools",
+        Field::ReasoningEffort => "reasoning_effort",
         Field::MaxTokens => "max_tokens",
         Field::Temperature => "temperature",
         Field::TopP => "top_p",
@@ -115,6 +116,7 @@ mod tests {
                 Chat,
                 Some("messages[2].tool_calls"),
             ),
+            (Field::ReasoningEffort, Chat, Some("reasoning_effort")),
             (Field::RequestId, Completions, None),
             (Field::FairnessKey, Chat, None),
             (Field::Sampling, Chat, None),

@@ -148,6 +148,9 @@ impl Meta {
                                            "finish_reason": c.finish}),
                 Kind::Chat => {
                     let mut message = json!({"role": "assistant", "content": c.text});
+                    if let Some(r) = &c.reasoning {
+                        message["reasoning_content"] = r.as_str().into();
+                    }
                     if let Some(calls) = &c.tool_calls {
                         message["tool_calls"] = calls.clone();
                     }
@@ -258,6 +261,9 @@ impl From<Ended> for Cut {
 #[derive(Default)]
 struct Collected {
     text: String,
+    /// A harmony model's answer, by channel (the text of its messages is
+    /// not in `text`).
+    harmony: Option<harmony::Answer>,
     prompt_scored: Vec<TokenLogprob>,
     scored: Vec<TokenLogprob>,
     finished: Option<upstream::Finished>,
@@ -267,6 +273,8 @@ struct Collected {
 struct ChoiceBody {
     /// None: a chat answer that is only tool calls.
     text: Option<String>,
+    /// A reasoning model's reasoning (harmony's `analysis` channel).
+    reasoning: Option<String>,
     finish: &'static str,
     logprobs: Value,
     tool_calls: Option<Value>,
@@ -290,15 +298,28 @@ impl Collected {
         let logprobs = meta
             .logprobs(asked, &self.scored, &mut TextOffset::default())
             .unwrap_or(Value::Null);
+        if let Some(answer) = self.harmony {
+            let called = !answer.calls().is_empty();
+            let tool_calls = called.then(|| calls::tool_calls(answer.calls(), false));
+            return ChoiceBody {
+                text: Some(answer.content).filter(|c| !(called && c.is_empty())),
+                reasoning: Some(answer.reasoning).filter(|r| !r.is_empty()),
+                finish: if called { "tool_calls" } else { finish },
+                logprobs,
+                tool_calls,
+            };
+        }
         match tools.and_then(|t| t.read(&self.text)) {
             Some((content, found)) => ChoiceBody {
                 text: content,
+                reasoning: None,
                 finish: "tool_calls",
                 logprobs,
                 tool_calls: Some(calls::tool_calls(&found, false)),
             },
             None => ChoiceBody {
                 text: Some(self.text),
+                reasoning: None,
                 finish,
                 logprobs,
                 tool_calls: None,
@@ -354,8 +375,15 @@ pub(super) async fn collect_response(
                 token_ids,
                 text,
                 logprobs,
+                channel,
             } => {
-                c.text.push_str(&text);
+                // Only a chat answer is read by channel.
+                match channel.filter(|_| meta.kind == Kind::Chat) {
+                    Some(ch) => {
+                        c.harmony.get_or_insert_default().push(&ch, &text);
+                    }
+                    None => c.text.push_str(&text),
+                }
                 c.scored.extend(logprobs);
                 // Kept on the row as they come, so a client that goes away
                 // leaves a row with the tokens it used.
@@ -546,6 +574,9 @@ struct StreamScores {
     /// for calls.
     held: Option<calls::Holder>,
     tools: Option<openai::tools::Tools>,
+    /// Each choice's harmony answer, once its first message came: its
+    /// calls are held to the end.
+    harmony: Vec<Option<harmony::Answer>>,
 }
 
 impl StreamScores {
@@ -561,6 +592,7 @@ impl StreamScores {
                 .filter(|t| t.reads_calls())
                 .map(calls::Holder::new),
             tools: p.tools.clone(),
+            harmony: Vec::new(),
         }
     }
 
@@ -582,20 +614,30 @@ impl StreamScores {
                 token_ids,
                 text,
                 logprobs,
+                channel,
             } => {
                 trail.record.completion_tokens += token_ids.len() as i32;
                 let echo = self.echo(meta, index);
-                let chunks = echo
-                    .into_iter()
-                    .chain(self.delta(meta, index, &text, &logprobs))
-                    .collect();
-                (chunks, None)
+                // Only a chat answer is read by channel.
+                let delta = match channel.filter(|_| meta.kind == Kind::Chat) {
+                    Some(ch) => self.harmony_delta(meta, index, &ch, &text, &logprobs),
+                    None => self.delta(meta, index, &text, &logprobs),
+                };
+                (echo.into_iter().chain(delta).collect(), None)
             }
             WorkerEvent::Finished(f) => {
                 // An echo not sent yet: a prompt scored alone.
                 let mut chunks: Vec<Value> = self.echo(meta, index).into_iter().collect();
                 let mut reason = openai::finish_reason(&f);
-                if let Some(text) = self.held.take().map(calls::Holder::finish) {
+                let answer = self.harmony.get_mut(index).and_then(Option::take);
+                if let Some(found) = answer.as_ref().map(harmony::Answer::calls)
+                    && !found.is_empty()
+                {
+                    let mut chunk = meta.chunk(index, None, false, None, None);
+                    chunk["choices"][0]["delta"]["tool_calls"] = calls::tool_calls(found, true);
+                    chunks.push(chunk);
+                    reason = "tool_calls";
+                } else if let Some(text) = self.held.take().map(calls::Holder::finish) {
                     // What was held: its calls, or its text.
                     match self.tools.as_ref().and_then(|t| t.read(&text)) {
                         Some((content, found)) => {
@@ -632,6 +674,42 @@ impl StreamScores {
         let text = self.asked.echo_text(&prompt).unwrap_or_default();
         let logprobs = meta.logprobs(&self.asked, &prompt, &mut self.offset);
         Some(meta.chunk(index, Some(&text), false, None, logprobs))
+    }
+
+    /// The chunk a harmony delta becomes: its text as `content` or as
+    /// `reasoning_content`, or nothing for a call's arguments (held to the
+    /// end), unless it says nothing.
+    fn harmony_delta(
+        &mut self,
+        meta: &Meta,
+        index: usize,
+        channel: &upstream::Channel,
+        text: &str,
+        scored: &[TokenLogprob],
+    ) -> Option<Value> {
+        let logprobs = meta.logprobs(&self.asked, scored, &mut self.offset);
+        if self.harmony.len() <= index {
+            self.harmony.resize_with(index + 1, || None);
+        }
+        let part = self.harmony[index]
+            .get_or_insert_default()
+            .push(channel, text);
+        let said = match part {
+            harmony::Part::Call => "",
+            _ => text,
+        };
+        if said.is_empty() && logprobs.is_none() {
+            return None;
+        }
+        let mut chunk = meta.chunk(index, None, false, None, logprobs);
+        if !said.is_empty() {
+            let key = match part {
+                harmony::Part::Reasoning => "reasoning_content",
+                _ => "content",
+            };
+            chunk["choices"][0]["delta"][key] = said.into();
+        }
+        Some(chunk)
     }
 
     /// The chunk a delta becomes, unless it says nothing (its text held

@@ -42,6 +42,10 @@ impl From<&Generation> for pb::GenerateRequest {
                     add_generation_prompt: chat.add_generation_prompt,
                     tools_json: chat.tools_json.clone().unwrap_or_default(),
                     continuation: chat.continuation.clone().unwrap_or_default(),
+                    reasoning_effort: chat
+                        .reasoning_effort
+                        .map_or("", ReasoningEffort::as_str)
+                        .to_owned(),
                 }),
             }),
             sampling: Some(pb::SamplingParams {
@@ -105,6 +109,11 @@ pub(super) fn event(e: pb::GenerateEvent) -> Option<WorkerEvent> {
             token_ids: d.token_ids,
             text: d.text,
             logprobs: d.logprobs.into_iter().map(token_logprob).collect(),
+            channel: d.channel.map(|c| Channel {
+                channel: c.channel,
+                recipient: Some(c.recipient).filter(|r| !r.is_empty()),
+                content_type: Some(c.content_type).filter(|t| !t.is_empty()),
+            }),
         },
         pb::generate_event::Event::PromptLogprobs(p) => {
             WorkerEvent::PromptLogprobs(p.logprobs.into_iter().map(token_logprob).collect())

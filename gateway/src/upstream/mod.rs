@@ -20,7 +20,7 @@ use lorafleet_proto::refusal::Reason;
 
 pub use client::{Events, Reports, Transport, WorkerClient};
 pub use lorafleet_domain::generation::{
-    ChatMessage, ChatPrompt, Constraint, Prompt, Role, Sampling, Valid,
+    Channel, ChatMessage, ChatPrompt, Constraint, Prompt, ReasoningEffort, Role, Sampling, Valid,
 };
 pub use lorafleet_domain::{AdapterId, FairnessKey, RequestId, Residency, WorkerId};
 
@@ -118,6 +118,8 @@ pub enum WorkerEvent {
         token_ids: Vec<u32>,
         text: String,
         logprobs: Vec<TokenLogprob>,
+        /// A harmony model's answer: the message the text belongs to.
+        channel: Option<Channel>,
     },
     Finished(Finished),
 }

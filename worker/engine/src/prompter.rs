@@ -9,7 +9,7 @@ use std::sync::Arc;
 use lorafleet_domain::generation::{ChatMessage, Field, MessagePart};
 
 use crate::error::{EngineError, Result};
-use crate::model::tokenizer::{TemplateMessage, Tokenizer};
+use crate::model::tokenizer::{TemplateChat, TemplateMessage, Tokenizer};
 use crate::request::Prompt;
 
 /// The model's tokenizer and limits. Cheap to clone, and `Send`.
@@ -52,10 +52,13 @@ impl Prompter {
                     .as_deref()
                     .map(|text| json_array(text, Field::Tools))
                     .transpose()?;
-                self.tokenizer.encode_chat_continued(
-                    &messages,
-                    tools.as_ref(),
-                    chat.add_generation_prompt,
+                self.tokenizer.encode_template_chat(
+                    &TemplateChat {
+                        messages: &messages,
+                        tools: tools.as_ref(),
+                        add_generation_prompt: chat.add_generation_prompt,
+                        reasoning_effort: chat.reasoning_effort.map(|e| e.as_str()),
+                    },
                     chat.continuation.as_deref().unwrap_or(""),
                 )?
             }

@@ -57,6 +57,9 @@ pub enum Event {
         token_ids: Vec<u32>,
         text: String,
         logprobs: Vec<TokenLogprob>,
+        /// A harmony model's answer: the message `text` belongs to. None
+        /// for other models, and while a message's header is read.
+        channel: Option<crate::model::harmony::Channel>,
     },
     /// The request completed.
     Finished(Finish),

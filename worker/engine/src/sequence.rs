@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::Result;
 use crate::kv::{BlockHash, chain};
+use crate::model::harmony::{Channel, HarmonyReader, Step};
 use crate::model::tokenizer::{IncrementalDecoder, Tokenizer};
 use crate::pool::{AdapterId, Lease, Residency};
 use crate::sampling::{Rng, Sampling};
@@ -121,6 +122,8 @@ pub(crate) struct Sequence {
     /// share's weight.
     pub fair_key: std::sync::Arc<str>,
     pub fair_weight: f64,
+    /// A harmony model's answer (GPT-OSS): which message each token is in.
+    pub harmony: Option<HarmonyReader>,
     detok: IncrementalDecoder,
     text: String,
     emitted: usize,
@@ -140,6 +143,9 @@ pub struct PendingDraw {
 #[derive(Debug, Default)]
 pub(crate) struct TokenOutput {
     pub text: String,
+    /// The harmony message `text` belongs to; None for other models and
+    /// for a header's tokens.
+    pub channel: Option<Channel>,
     pub finished: Option<(FinishReason, Option<StopReason>)>,
 }
 
@@ -188,6 +194,7 @@ impl Sequence {
             load_time: Duration::ZERO,
             fair_key: std::sync::Arc::from(""),
             fair_weight: 1.0,
+            harmony: None,
             text: String::new(),
             emitted: 0,
         }
@@ -252,13 +259,40 @@ impl Sequence {
         }
         self.output_ids.push(token);
         let mut finished = None;
+        let mut channel = None;
+        let mut message_ends = false;
         if (!self.params.ignore_eos && eos.contains(&token))
             || self.params.stop_token_ids.contains(&token)
         {
+            // `<|call|>` and `<|return|>` end a harmony message as they end
+            // the answer.
+            if let Some(Step::Ends(c) | Step::Body(c)) =
+                self.harmony.as_mut().map(|h| h.push(token, ""))
+            {
+                channel = Some(c);
+            }
             finished = Some((FinishReason::Stop, Some(StopReason::Token(token))));
         } else {
             let before = self.text.len();
-            self.text.push_str(&self.detok.push(tokenizer, token)?);
+            let piece = self.detok.push(tokenizer, token)?;
+            let step = self.harmony.as_mut().map(|h| h.push(token, &piece));
+            match step {
+                None => self.text.push_str(&piece),
+                Some(Step::Body(c)) => {
+                    self.text.push_str(&piece);
+                    channel = Some(c);
+                }
+                // A header's words are not the answer's text.
+                Some(Step::Header) => {}
+                Some(Step::Ends(c)) => {
+                    // What the message held back goes out with it; a stop
+                    // string does not run on into the next message.
+                    self.text.push_str(&self.detok.flush(tokenizer)?);
+                    self.stop_state = StopState::default();
+                    channel = Some(c);
+                    message_ends = true;
+                }
+            }
             if let Some((at, stop)) = self.find_stop(before) {
                 self.text.truncate(at);
                 finished = Some((FinishReason::Stop, Some(StopReason::String(stop))));
@@ -269,9 +303,13 @@ impl Sequence {
                 || self.total_len() >= max_model_len)
         {
             // The sequence ends here: release any text held for a partial
-            // character, which may still complete a stop string.
+            // character, which may still complete a stop string (none of a
+            // harmony header's).
             let before = self.text.len();
-            self.text.push_str(&self.detok.flush(tokenizer)?);
+            let rest = self.detok.flush(tokenizer)?;
+            if self.harmony.as_ref().is_none_or(HarmonyReader::in_body) {
+                self.text.push_str(&rest);
+            }
             finished = Some(match self.find_stop(before) {
                 Some((at, stop)) => {
                     self.text.truncate(at);
@@ -280,20 +318,27 @@ impl Sequence {
                 None => (FinishReason::Length, None),
             });
         }
-        let safe = if finished.is_some() {
+        let safe = if finished.is_some() || message_ends {
             self.text.len()
         } else {
             self.text.len() - self.stop_holdback()
         };
         let text = self.text[self.emitted.min(safe)..safe].to_owned();
         self.emitted = self.emitted.max(safe);
-        Ok(TokenOutput { text, finished })
+        Ok(TokenOutput {
+            text,
+            channel,
+            finished,
+        })
     }
 
     /// Ends the output here (a grammar completed): releases the text held
     /// back for a partial character or a possible stop string.
     pub fn flush(&mut self, tokenizer: &Tokenizer) -> Result<String> {
-        self.text.push_str(&self.detok.flush(tokenizer)?);
+        let rest = self.detok.flush(tokenizer)?;
+        if self.harmony.as_ref().is_none_or(HarmonyReader::in_body) {
+            self.text.push_str(&rest);
+        }
         let text = self.text[self.emitted.min(self.text.len())..].to_owned();
         self.emitted = self.text.len();
         Ok(text)

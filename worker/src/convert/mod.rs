@@ -6,10 +6,12 @@ use std::time::{Duration, SystemTime};
 
 use lorafleet_domain::RequestId;
 use lorafleet_domain::digest::Sha256Hex;
+use lorafleet_domain::generation::ReasoningEffort;
 use lorafleet_engine::AdapterId;
 use lorafleet_engine::artifact::ArtifactError;
 use lorafleet_engine::logprobs::TokenLogprob;
 use lorafleet_engine::lora::AdapterError;
+use lorafleet_engine::model::harmony::Channel;
 use lorafleet_engine::pool::AdapterStatus;
 use lorafleet_engine::{ChatMessage, ChatPrompt, MessagePart, Role};
 use lorafleet_engine::{
@@ -182,6 +184,15 @@ pub fn generate_request(
                 add_generation_prompt: chat.add_generation_prompt,
                 tools_json: json(&chat.tools_json, Field::Tools)?,
                 continuation: Some(chat.continuation.clone()).filter(|c| !c.is_empty()),
+                reasoning_effort: match chat.reasoning_effort.as_str() {
+                    "" => None,
+                    word => Some(ReasoningEffort::parse(word).ok_or_else(|| {
+                        Refusal::field(
+                            Field::ReasoningEffort,
+                            format!("{word:?} is not low, medium or high"),
+                        )
+                    })?),
+                },
             })
         }
     };
@@ -587,6 +598,7 @@ pub fn delta_event(
     token_ids: Vec<u32>,
     text: String,
     logprobs: &[TokenLogprob],
+    channel: Option<Channel>,
     prompter: &Prompter,
 ) -> pb::GenerateEvent {
     pb::GenerateEvent {
@@ -597,6 +609,11 @@ pub fn delta_event(
                 .iter()
                 .map(|l| token_logprob(l, prompter))
                 .collect(),
+            channel: channel.map(|c| pb::HarmonyChannel {
+                channel: c.channel,
+                recipient: c.recipient.unwrap_or_default(),
+                content_type: c.content_type.unwrap_or_default(),
+            }),
         })),
     }
 }

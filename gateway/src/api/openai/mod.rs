@@ -114,6 +114,8 @@ pub struct Common {
     tools: Option<Box<serde_json::value::RawValue>>,
     tool_choice: Option<Box<serde_json::value::RawValue>>,
     parallel_tool_calls: Option<bool>,
+    /// Chat's reasoning effort, for the chat template (GPT-OSS's).
+    reasoning_effort: Option<String>,
     logprobs: Option<LogprobsInput>,
     top_logprobs: Option<i64>,
     pub echo: Option<bool>,
@@ -507,6 +509,9 @@ impl CompletionRequest {
         if self.common.tools.is_some() {
             return Err(bad("tools", "is only for chat completions"));
         }
+        if self.common.reasoning_effort.is_some() {
+            return Err(bad("reasoning_effort", "is only for chat completions"));
+        }
         let prompt = match &self.prompt {
             PromptInput::Text(t) => Prompt::Text(t.clone()),
             PromptInput::Texts(v) if v.len() == 1 => Prompt::Text(v[0].clone()),
@@ -603,11 +608,25 @@ impl ChatRequest {
             }
             sampling.constraint = Some(c);
         }
+        let reasoning_effort = self
+            .common
+            .reasoning_effort
+            .as_deref()
+            .map(|word| {
+                upstream::ReasoningEffort::parse(word).ok_or_else(|| {
+                    bad(
+                        "reasoning_effort",
+                        format!("{word:?} is not low, medium or high"),
+                    )
+                })
+            })
+            .transpose()?;
         let prompt = Prompt::Chat(upstream::ChatPrompt {
             messages,
             add_generation_prompt: true,
             tools_json: tools.map(|t| t.json.to_string()),
             continuation: None,
+            reasoning_effort,
         });
         Ok((prompt, checked(sampling, Endpoint::Chat)?))
     }

@@ -133,6 +133,9 @@ pub struct Engine {
     constraints: crate::constraint::Compiler,
     /// The threads that compute constrained rows' token masks.
     masks: masks::MaskPool,
+    /// A harmony model's markers (GPT-OSS): its answers are read as
+    /// messages, each token's text tagged with its message's channel.
+    harmony: Option<crate::model::harmony::HarmonyTokens>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -287,6 +290,7 @@ impl Engine {
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64);
         let tokenizer = Arc::new(tokenizer);
+        let harmony = crate::model::harmony::HarmonyTokens::of(&tokenizer);
         let constraints = crate::constraint::Compiler::new(
             tokenizer.clone(),
             config.vocab_size,
@@ -318,6 +322,7 @@ impl Engine {
             fair: crate::scheduler::FairShares::default(),
             constraints,
             masks: masks::MaskPool::new(masks::MASK_THREADS),
+            harmony,
         })
     }
 
@@ -522,6 +527,18 @@ impl Engine {
                 ),
             ));
         }
+        let harmony = self.harmony.and_then(|t| {
+            crate::model::harmony::HarmonyReader::after_prompt(t, &prompt_ids, &self.tokenizer)
+        });
+        if let (Some(_), Some(c)) = (&harmony, &request.params.constraint) {
+            // The constraint would bind the whole answer, headers and
+            // markers included, where it means one message's body.
+            return Err(EngineError::request(
+                c.field(),
+                "a harmony (GPT-OSS) answer cannot be constrained yet: \
+                 response_format, guided_* and a required or named tool_choice are refused",
+            ));
+        }
         let grammar = match &request.params.constraint {
             Some(c) => Some(std::sync::Arc::new(std::sync::Mutex::new(
                 self.constraints.compile(c)?,
@@ -570,6 +587,7 @@ impl Engine {
         if let Some(seq) = self.seqs.get_mut(&id) {
             seq.arrived_step = self.run.steps;
             seq.grammar = grammar;
+            seq.harmony = harmony;
             // Its adapter was in a device slot when it came: no wait.
             if residency == Some(Residency::Device) {
                 seq.adapter_ready = Some(seq.arrived);
@@ -755,6 +773,7 @@ impl Engine {
                         token_ids,
                         text,
                         logprobs,
+                        channel: _,
                     } => {
                         c.token_ids.extend(token_ids);
                         c.text.push_str(&text);

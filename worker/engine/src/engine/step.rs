@@ -361,6 +361,7 @@ impl Engine {
                 token_ids: vec![token],
                 text: out.text,
                 logprobs: logprob.into_iter().collect(),
+                channel: out.channel,
             },
         ));
         if let Some((reason, stop)) = out.finished {

@@ -2,7 +2,9 @@
 //! The configuration and the weight files are read by `lorafleet-artifact`,
 //! which the gateway shares.
 
+pub mod harmony;
 pub mod norms;
+mod template_json;
 pub mod tokenizer;
 
 pub use lorafleet_artifact::layers;

@@ -9,6 +9,7 @@ use serde_json::Value;
 
 use crate::error::{EngineError, Result};
 use crate::model::config::read_json_object;
+use crate::model::template_json;
 
 /// One chat message as the template sees it: the contract's
 /// [`lorafleet_domain::generation::ChatMessage`] with its tool calls parsed.
@@ -25,6 +26,17 @@ pub struct TemplateMessage {
     pub tool_call_id: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
+}
+
+/// Everything a chat template is given.
+#[derive(Debug, Clone, Copy)]
+pub struct TemplateChat<'a> {
+    pub messages: &'a [TemplateMessage],
+    /// OpenAI's `tools`, as the template's `tools`.
+    pub tools: Option<&'a Value>,
+    pub add_generation_prompt: bool,
+    /// `reasoning_effort`, given only when set.
+    pub reasoning_effort: Option<&'a str>,
 }
 
 /// The model's tokenizer and chat template.
@@ -68,6 +80,14 @@ impl Tokenizer {
             };
             bos_token = special_token(config.get("bos_token"));
             eos_token = special_token(config.get("eos_token"));
+        }
+        // transformers saves a template in a file of its own now, and reads
+        // it before the one in tokenizer_config.json.
+        let template_path = dir.join("chat_template.jinja");
+        if template_path.exists() {
+            chat_template = Some(std::fs::read_to_string(&template_path).map_err(|e| {
+                EngineError::ChatTemplate(format!("{}: {e}", template_path.display()))
+            })?);
         }
         let tokenizer = Tokenizer {
             inner,
@@ -163,6 +183,17 @@ impl Tokenizer {
         self.chat_template.is_some()
     }
 
+    pub fn chat_template(&self) -> Option<&str> {
+        self.chat_template.as_deref()
+    }
+
+    /// The id of a special (added) token, by its text.
+    pub fn special_id(&self, token: &str) -> Option<u32> {
+        self.inner
+            .token_to_id(token)
+            .filter(|_| self.inner.get_added_vocabulary().is_special_token(token))
+    }
+
     /// Renders chat messages with the model's template.
     pub fn apply_chat_template(
         &self,
@@ -181,6 +212,16 @@ impl Tokenizer {
         tools: Option<&Value>,
         add_generation_prompt: bool,
     ) -> Result<String> {
+        self.render(&TemplateChat {
+            messages,
+            tools,
+            add_generation_prompt,
+            reasoning_effort: None,
+        })
+    }
+
+    /// Renders a chat, with every input the template is given.
+    pub fn render(&self, chat: &TemplateChat<'_>) -> Result<String> {
         let template = self.chat_template.as_deref().ok_or_else(|| {
             EngineError::ChatTemplate(
                 "the model has no chat_template in tokenizer_config.json".into(),
@@ -190,14 +231,20 @@ impl Tokenizer {
         let tmpl = env
             .template_from_str(template)
             .map_err(|e| EngineError::ChatTemplate(e.to_string()))?;
-        tmpl.render(context! {
-            messages => messages,
-            tools => tools,
-            add_generation_prompt => add_generation_prompt,
+        let mut ctx = context! {
+            messages => chat.messages,
+            tools => chat.tools,
+            add_generation_prompt => chat.add_generation_prompt,
             bos_token => self.bos_token,
             eos_token => self.eos_token,
-        })
-        .map_err(|e| EngineError::ChatTemplate(format!("render: {e}")))
+        };
+        // Given only when set: templates test `is not defined` for their
+        // own default.
+        if let Some(effort) = chat.reasoning_effort {
+            ctx = context! { reasoning_effort => effort, ..ctx };
+        }
+        tmpl.render(ctx)
+            .map_err(|e| EngineError::ChatTemplate(format!("render: {e}")))
     }
 
     /// Renders chat messages and tokenizes the result. The template already
@@ -230,7 +277,24 @@ impl Tokenizer {
         add_generation_prompt: bool,
         continuation: &str,
     ) -> Result<Vec<u32>> {
-        let mut text = self.render_chat(messages, tools, add_generation_prompt)?;
+        self.encode_template_chat(
+            &TemplateChat {
+                messages,
+                tools,
+                add_generation_prompt,
+                reasoning_effort: None,
+            },
+            continuation,
+        )
+    }
+
+    /// [`Tokenizer::render`], then `continuation`, tokenized together.
+    pub fn encode_template_chat(
+        &self,
+        chat: &TemplateChat<'_>,
+        continuation: &str,
+    ) -> Result<Vec<u32>> {
+        let mut text = self.render(chat)?;
         text.push_str(continuation);
         self.encode(&text, false)
     }
@@ -246,6 +310,11 @@ impl Tokenizer {
                 Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
             },
         );
+        // transformers gives templates today's date (GPT-OSS's writes it
+        // into its system message), and a `tojson` that is Python's
+        // `json.dumps`, not minijinja's HTML-safe one.
+        env.add_function("strftime_now", template_json::strftime_now);
+        env.add_filter("tojson", template_json::tojson);
         env
     }
 }

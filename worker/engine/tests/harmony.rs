@@ -1,0 +1,247 @@
+//! GPT-OSS's harmony chat format (`scripts/make_harmony_fixtures.py`: the
+//! tiny GPT-OSS trained to answer three chats in harmony, with the
+//! `chat_template.jinja` GPT-OSS ships): the template renders as
+//! transformers renders it (messages, tools, a past call and its result,
+//! `reasoning_effort`, today's date), and an answer's tokens equal
+//! transformers' greedy ones, read out as messages (channel, recipient,
+//! body) as the harmony grammar defines them.
+
+mod common;
+
+use common::*;
+use lorafleet_engine::model::harmony::Channel;
+use lorafleet_engine::model::tokenizer::{TemplateChat, TemplateMessage, Tokenizer};
+use lorafleet_engine::{BackendChoice, Engine, EngineSettings, Event, Prompt, Request, Sampling};
+use serde::Deserialize;
+use serde_json::Value;
+
+const MODEL: &str = "gpt-oss-harmony";
+
+#[derive(Deserialize)]
+struct Case {
+    name: String,
+    messages: Vec<Value>,
+    tools: Option<Value>,
+    reasoning_effort: Option<String>,
+    date: String,
+    rendered: String,
+    prompt_ids: Vec<u32>,
+    logits: Vec<f32>,
+    greedy: Vec<u32>,
+    answer: Vec<Message>,
+}
+
+#[derive(Deserialize, Debug, PartialEq)]
+struct Message {
+    channel: String,
+    recipient: Option<String>,
+    text: String,
+}
+
+#[derive(Deserialize)]
+struct HarmonyGolden {
+    cases: Vec<Case>,
+}
+
+/// The harmony model on the CPU backend (it has no adapters).
+fn engine() -> Engine {
+    Engine::load(
+        &model_dir(MODEL),
+        EngineSettings::default(),
+        BackendChoice::Cpu,
+    )
+    .unwrap()
+}
+
+fn golden() -> HarmonyGolden {
+    let path = fixtures().join("golden_harmony.json");
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+/// A golden chat's messages as the template sees them.
+fn template_messages(case: &Case) -> Vec<TemplateMessage> {
+    case.messages
+        .iter()
+        .map(|m| TemplateMessage {
+            role: m["role"].as_str().unwrap().into(),
+            content: m["content"].as_str().unwrap_or_default().into(),
+            tool_calls: m.get("tool_calls").cloned(),
+            tool_call_id: m["tool_call_id"].as_str().map(Into::into),
+            name: None,
+        })
+        .collect()
+}
+
+#[test]
+fn the_template_gpt_oss_ships_renders_as_transformers_renders_it() {
+    let t = Tokenizer::from_dir(&model_dir(MODEL)).unwrap();
+    let golden = golden();
+    assert!(golden.cases.len() >= 9, "3 chats, 3 efforts");
+    let today = chrono::Local::now().format("%Y-%m-%d").to_string();
+    for case in &golden.cases {
+        let messages = template_messages(case);
+        let text = t
+            .render(&TemplateChat {
+                messages: &messages,
+                tools: case.tools.as_ref(),
+                add_generation_prompt: true,
+                reasoning_effort: case.reasoning_effort.as_deref(),
+            })
+            .unwrap();
+        // The template writes today's date; the golden was rendered on its
+        // own day.
+        let ours = format!("Current date: {today}\n");
+        assert!(text.contains(&ours), "{}: {text}", case.name);
+        let text = text.replace(&ours, &format!("Current date: {}\n", case.date));
+        assert_eq!(
+            text, case.rendered,
+            "{} ({:?})",
+            case.name, case.reasoning_effort
+        );
+        assert_eq!(
+            t.encode(&text, false).unwrap(),
+            case.prompt_ids,
+            "{}",
+            case.name
+        );
+    }
+}
+
+/// The messages an answer's events make: consecutive pieces under the
+/// same header joined.
+fn messages_of(events: &[(String, Option<Channel>)]) -> Vec<Message> {
+    let mut out: Vec<(Channel, String)> = Vec::new();
+    for (text, channel) in events {
+        let Some(c) = channel else {
+            assert!(text.is_empty(), "text outside any message: {text:?}");
+            continue;
+        };
+        match out.last_mut() {
+            Some((last, body)) if last == c => body.push_str(text),
+            _ => out.push((c.clone(), text.clone())),
+        }
+    }
+    out.into_iter()
+        .map(|(c, text)| Message {
+            channel: c.channel,
+            recipient: c.recipient,
+            text,
+        })
+        .collect()
+}
+
+#[test]
+fn a_harmony_answer_equals_transformers_and_is_read_as_its_messages() {
+    let golden = golden();
+    let mut e = engine();
+    // All at once: the chats share the batch.
+    for (i, case) in golden.cases.iter().enumerate() {
+        e.submit(Request {
+            id: format!("h{i}").into(),
+            adapter: None,
+            prompt: Prompt::TokenIds(case.prompt_ids.clone()),
+            params: Sampling {
+                max_tokens: 128,
+                temperature: 0.0,
+                ..Default::default()
+            }
+            .validate()
+            .unwrap(),
+        })
+        .unwrap();
+    }
+    let mut tokens = vec![Vec::new(); golden.cases.len()];
+    let mut pieces = vec![Vec::new(); golden.cases.len()];
+    while e.has_work() {
+        for (id, event) in e.step().unwrap() {
+            let i: usize = id[1..].parse().unwrap();
+            match event {
+                Event::Delta {
+                    token_ids,
+                    text,
+                    channel,
+                    ..
+                } => {
+                    tokens[i].extend(token_ids);
+                    pieces[i].push((text, channel));
+                }
+                Event::Failed(err) => panic!("{id}: {err}"),
+                _ => {}
+            }
+        }
+    }
+    for (i, case) in golden.cases.iter().enumerate() {
+        assert_eq!(tokens[i], case.greedy, "{}: greedy tokens", case.name);
+        assert_eq!(
+            messages_of(&pieces[i]),
+            case.answer,
+            "{}: messages",
+            case.name
+        );
+    }
+    // What the goldens hold: reasoning, then an answer or a call.
+    let first = &golden.cases[0].answer;
+    assert_eq!(
+        (first[0].channel.as_str(), first[1].channel.as_str()),
+        ("analysis", "final")
+    );
+    let call = golden
+        .cases
+        .iter()
+        .find(|c| c.name == "weather")
+        .unwrap()
+        .answer
+        .last()
+        .unwrap();
+    assert_eq!(call.recipient.as_deref(), Some("functions.get_weather"));
+}
+
+#[test]
+fn the_trained_model_matches_transformers_logits_and_greedy_tokens() {
+    let golden = golden();
+    let cases = Golden {
+        max_new_tokens: 128,
+        cases: golden
+            .cases
+            .iter()
+            .map(|c| GoldenCase {
+                model: MODEL.into(),
+                adapter: None,
+                prompt: c.name.clone(),
+                prompt_ids: c.prompt_ids.clone(),
+                greedy: c.greedy.clone(),
+                logits: c.logits.clone(),
+            })
+            .collect(),
+    };
+    assert_eq!(check_golden_cases_on_cpu(&cases, MODEL, MODEL), 9);
+}
+
+#[test]
+fn a_text_prompt_that_opens_no_message_is_plain_text() {
+    // Without `<|start|>` in the prompt nothing is read as harmony.
+    let mut e = engine();
+    e.submit(Request {
+        id: "plain".into(),
+        adapter: None,
+        prompt: Prompt::Text("Say hello.".into()),
+        params: Sampling {
+            max_tokens: 8,
+            temperature: 0.0,
+            ignore_eos: true,
+            ..Default::default()
+        }
+        .validate()
+        .unwrap(),
+    })
+    .unwrap();
+    let mut channels = 0;
+    while e.has_work() {
+        for (_, event) in e.step().unwrap() {
+            if let Event::Delta { channel, .. } = event {
+                channels += usize::from(channel.is_some());
+            }
+        }
+    }
+    assert_eq!(channels, 0);
+}
