@@ -270,9 +270,25 @@ fn every_message_round_trips_with_every_field_set() {
             choices: vec!["yes".into(), "no".into()],
         })),
         with(sampling_params::Constraint::Grammar("start: \"x\"".into())),
+        with(sampling_params::Constraint::ToolCall(ToolCallConstraint {
+            functions: vec![ToolFunction {
+                name: "get_weather".into(),
+                parameters_json: r#"{"type":"object"}"#.into(),
+            }],
+            parallel: true,
+        })),
     ]);
     cov.check(vec![Choices {
         choices: vec!["a".into()],
+    }]);
+    let function = ToolFunction {
+        name: "get_weather".into(),
+        parameters_json: r#"{"type":"object"}"#.into(),
+    };
+    cov.check(vec![function.clone()]);
+    cov.check(vec![ToolCallConstraint {
+        functions: vec![function],
+        parallel: true,
     }]);
     let trace = TraceContext {
         traceparent: "00-01-02-01".into(),

@@ -2,7 +2,8 @@
 """Asks a harmony model (GPT-OSS) through a lorafleet gateway with the
 official OpenAI Python SDK, whole and streamed, and prints what the SDK
 parsed as JSON: each answer's `reasoning_content`, `content`, tool calls
-and finish reason, and the refusals.
+and finish reason (forced calls and a constrained answer among them), and
+the refusals.
 
     OPENAI_API_KEY=... python tests/openai_sdk/harmony.py BASE_URL/v1 MODEL
 """
@@ -87,9 +88,11 @@ def main():
     ]
     out["weather_result"] = whole(client, model, answered, tools=[WEATHER])
     out["refused_effort"] = refusal(client, model, hello, reasoning_effort="extreme")
-    out["refused_forced_call"] = refusal(
-        client, model, ASK, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}
-    )
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    out["forced_call"] = whole(client, model, ASK, tools=[WEATHER], tool_choice=named)
+    out["forced_call_streamed"] = streamed(client, model, ASK, tools=[WEATHER], tool_choice="required")
+    out["chosen"] = whole(client, model, hello, extra_body={"guided_choice": ["yes", "no"]})
+    out["refused_grammar"] = refusal(client, model, hello, extra_body={"guided_grammar": 'start: "x"'})
     print(json.dumps(out))
 
 

@@ -5,7 +5,8 @@
 //! worker. A chat answer's `analysis` message is `reasoning_content` and
 //! its `final` one `content`, whole and streamed; a call in the
 //! `commentary` channel is a tool call; the call's result rendered back in
-//! gives the trained answer; `reasoning_effort` reaches the template; what
+//! gives the trained answer; `reasoning_effort` reaches the template; a
+//! forced call and a content constraint bind their own message; what
 //! cannot be served is refused by name.
 
 #[path = "support/admin_plane.rs"]
@@ -138,12 +139,39 @@ async fn a_gpt_oss_chat_answer_separates_reasoning_content_and_tool_calls() {
         "{r}"
     );
 
-    // Refused by name: an effort the API does not know, and a forced call
-    // (a constraint on a harmony answer is not served yet).
+    // A forced call (named, and `required`, streamed) binds the call
+    // message: the trained call, after the trained reasoning.
+    for case in ["forced_call", "forced_call_streamed"] {
+        let r = &got[case];
+        assert_eq!(r["finish_reason"], "tool_calls", "{case}: {r}");
+        assert_eq!(r["tool_calls"][0]["name"], "get_weather", "{case}: {r}");
+        assert_eq!(
+            r["tool_calls"][0]["arguments"],
+            trained("weather", "commentary"),
+            "{case}: {r}"
+        );
+        assert_eq!(
+            r["reasoning_content"],
+            trained("weather", "analysis"),
+            "{case}: {r}"
+        );
+    }
+    // A content constraint binds the final message's body, not the
+    // reasoning before it.
+    let r = &got["chosen"];
+    assert!(r["content"] == "yes" || r["content"] == "no", "{r}");
+    assert_eq!(
+        r["reasoning_content"],
+        trained("greeting", "analysis"),
+        "{r}"
+    );
+
+    // Refused by name: an effort the API does not know, and a Lark
+    // grammar, which cannot be bound to one message yet.
     assert_eq!(got["refused_effort"], "reasoning_effort", "{got}");
-    assert_eq!(got["refused_forced_call"], "response_format", "{got}");
+    assert_eq!(got["refused_grammar"], "guided_grammar", "{got}");
 
     // One audit row per completion, every one served by the base.
-    let rows = p.audit_rows("acme", "oss", 8).await;
+    let rows = p.audit_rows("acme", "oss", 11).await;
     assert!(rows.iter().all(|r| r["lora_int_id"].is_null()), "{rows:?}");
 }

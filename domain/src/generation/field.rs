@@ -14,15 +14,18 @@ pub enum ConstraintKind {
     Regex,
     Choice,
     Grammar,
+    /// A call of one of the request's functions (`tool_choice`).
+    ToolCall,
 }
 
 impl ConstraintKind {
-    const ALL: [ConstraintKind; 5] = [
+    const ALL: [ConstraintKind; 6] = [
         ConstraintKind::JsonSchema,
         ConstraintKind::JsonObject,
         ConstraintKind::Regex,
         ConstraintKind::Choice,
         ConstraintKind::Grammar,
+        ConstraintKind::ToolCall,
     ];
 
     /// Its name in the wire's `SamplingParams.constraint`.
@@ -33,6 +36,7 @@ impl ConstraintKind {
             ConstraintKind::Regex => "regex",
             ConstraintKind::Choice => "choice",
             ConstraintKind::Grammar => "grammar",
+            ConstraintKind::ToolCall => "tool_call",
         }
     }
 }

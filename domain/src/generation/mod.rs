@@ -116,6 +116,29 @@ pub enum Constraint {
     Choice(Vec<String>),
     /// A Lark grammar (llguidance's dialect).
     Grammar(String),
+    /// A call of one of these functions (OpenAI's `tool_choice`
+    /// `required`, or one named function): the engine writes it in the
+    /// model's own form (a `{"name", "arguments"}` object, or a harmony
+    /// model's call message).
+    ToolCall(ToolCall),
+}
+
+/// The calls a `required` or named `tool_choice` allows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToolCall {
+    /// At least one; each name non-empty and unique.
+    pub functions: Vec<ToolFunction>,
+    /// Several calls at once (an array of them) where the model's form
+    /// allows it.
+    pub parallel: bool,
+}
+
+/// A function a call may name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToolFunction {
+    pub name: String,
+    /// Its `parameters`: a JSON schema, as JSON text.
+    pub parameters: String,
 }
 
 impl Constraint {
@@ -126,6 +149,7 @@ impl Constraint {
             Constraint::Regex(_) => ConstraintKind::Regex,
             Constraint::Choice(_) => ConstraintKind::Choice,
             Constraint::Grammar(_) => ConstraintKind::Grammar,
+            Constraint::ToolCall(_) => ConstraintKind::ToolCall,
         }
     }
 
@@ -140,6 +164,11 @@ impl Constraint {
             Constraint::JsonObject => 0,
             Constraint::JsonSchema(t) | Constraint::Regex(t) | Constraint::Grammar(t) => t.len(),
             Constraint::Choice(v) => v.iter().map(String::len).sum(),
+            Constraint::ToolCall(t) => t
+                .functions
+                .iter()
+                .map(|f| f.name.len() + f.parameters.len())
+                .sum(),
         }
     }
 }
@@ -314,6 +343,16 @@ impl Sampling {
                 && (list.is_empty() || list.iter().any(String::is_empty))
             {
                 return bad(c.field(), "must hold at least one non-empty string".into());
+            }
+            if let Constraint::ToolCall(t) = c {
+                if t.functions.is_empty() {
+                    return bad(c.field(), "must allow at least one function".into());
+                }
+                for (i, f) in t.functions.iter().enumerate() {
+                    if f.name.is_empty() || t.functions[..i].iter().any(|g| g.name == f.name) {
+                        return bad(c.field(), format!("function {i}: a name, once each"));
+                    }
+                }
             }
         }
         Ok(Valid(self))

@@ -76,6 +76,7 @@ pub fn client_param(field: Field, endpoint: Endpoint) -> Option<String> {
             ConstraintKind::Regex => "guided_regex",
             ConstraintKind::Choice => "guided_choice",
             ConstraintKind::Grammar => "guided_grammar",
+            ConstraintKind::ToolCall => "tool_choice",
         },
     };
     Some(name.to_owned())

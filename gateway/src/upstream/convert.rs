@@ -73,6 +73,17 @@ impl From<&Generation> for pb::GenerateRequest {
                         Constraint::Regex(r) => C::Regex(r.clone()),
                         Constraint::Choice(c) => C::Choice(pb::Choices { choices: c.clone() }),
                         Constraint::Grammar(g) => C::Grammar(g.clone()),
+                        Constraint::ToolCall(t) => C::ToolCall(pb::ToolCallConstraint {
+                            functions: t
+                                .functions
+                                .iter()
+                                .map(|f| pb::ToolFunction {
+                                    name: f.name.clone(),
+                                    parameters_json: f.parameters.clone(),
+                                })
+                                .collect(),
+                            parallel: t.parallel,
+                        }),
                     }
                 }),
             }),

@@ -20,7 +20,8 @@ use lorafleet_proto::refusal::Reason;
 
 pub use client::{Events, Reports, Transport, WorkerClient};
 pub use lorafleet_domain::generation::{
-    Channel, ChatMessage, ChatPrompt, Constraint, Prompt, ReasoningEffort, Role, Sampling, Valid,
+    Channel, ChatMessage, ChatPrompt, Constraint, Prompt, ReasoningEffort, Role, Sampling,
+    ToolCall, ToolFunction, Valid,
 };
 pub use lorafleet_domain::{AdapterId, FairnessKey, RequestId, Residency, WorkerId};
 

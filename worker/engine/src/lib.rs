@@ -34,7 +34,7 @@ pub use engine::{
 pub use error::{EngineError, Result, context_field};
 pub use lorafleet_domain::generation::{
     ChatMessage, ChatPrompt, Constraint, ConstraintKind, Field, Invalid, MessagePart, Role,
-    Sampling, Valid,
+    Sampling, ToolCall, ToolFunction, Valid,
 };
 pub use pool::{AdapterId, AdapterSource, Residency};
 pub use prompter::Prompter;

@@ -37,6 +37,15 @@ fn sampled_output_matches_its_schema_regex_choice_or_grammar() {
         Constraint::Regex("[0-9]{3}-[a-z]{2}".into()),
         Constraint::Choice(vec!["yes".into(), "no".into(), "maybe not".into()]),
         Constraint::Grammar("start: \"(\" NUM (\",\" NUM)* \")\"\nNUM: /[0-9]{1,2}/".into()),
+        Constraint::ToolCall(lorafleet_domain::generation::ToolCall {
+            functions: vec![lorafleet_domain::generation::ToolFunction {
+                name: "pick".into(),
+                parameters: r#"{"type":"object","properties":{"n":{"enum":[1,2,3]}},
+                    "required":["n"],"additionalProperties":false}"#
+                    .into(),
+            }],
+            parallel: false,
+        }),
     ];
     // Any JSON object leaves string lengths open, and a random model
     // rarely picks the closing quote: a bias towards `"` and `}` ends its
@@ -67,7 +76,7 @@ fn sampled_output_matches_its_schema_regex_choice_or_grammar() {
     // Each kind compiled once; its other three requests cloned the
     // compiled matcher (and still match, below).
     let counters = e.constraint_compiler().counters();
-    assert_eq!((counters.compiles, counters.hits), (5, 15));
+    assert_eq!((counters.compiles, counters.hits), (6, 18));
     for (i, c) in out.iter().enumerate().take(kinds.len() * 4) {
         assert!(c.error.is_none(), "{}: {:?}", c.request_id, c.error);
         let finish = c.finish.as_ref().unwrap();
@@ -121,6 +130,16 @@ fn sampled_output_matches_its_schema_regex_choice_or_grammar() {
                     "{text:?}"
                 );
             }
+            Constraint::ToolCall(_) => {
+                // A call of `pick` with an allowed `n`.
+                let c: Value =
+                    serde_json::from_str(text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+                assert_eq!(c["name"], "pick", "{text}");
+                assert!(
+                    [1, 2, 3].contains(&c["arguments"]["n"].as_i64().unwrap()),
+                    "{text}"
+                );
+            }
         }
     }
     let free = out.last().unwrap();
@@ -161,7 +180,7 @@ fn a_model_vocabulary_larger_than_the_tokenizers_still_compiles_and_masks_the_re
         lorafleet_engine::model::tokenizer::Tokenizer::from_dir(&model_dir("llama-gqa")).unwrap(),
     );
     let vocab = t.vocab_size() + 16;
-    let compiler = lorafleet_engine::constraint::Compiler::new(t, vocab, 2);
+    let compiler = lorafleet_engine::constraint::Compiler::new(t, vocab, 2, false);
     let mut g = compiler
         .compile(&Constraint::Regex("[0-9]+".into()))
         .unwrap();

@@ -9,9 +9,13 @@
 mod common;
 
 use common::*;
+use lorafleet_domain::generation::{ConstraintKind, Field, ToolCall, ToolFunction};
 use lorafleet_engine::model::harmony::Channel;
 use lorafleet_engine::model::tokenizer::{TemplateChat, TemplateMessage, Tokenizer};
-use lorafleet_engine::{BackendChoice, Engine, EngineSettings, Event, Prompt, Request, Sampling};
+use lorafleet_engine::{
+    BackendChoice, Constraint, Engine, EngineError, EngineSettings, Event, Prompt, Request,
+    Sampling,
+};
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -244,4 +248,135 @@ fn a_text_prompt_that_opens_no_message_is_plain_text() {
         }
     }
     assert_eq!(channels, 0);
+}
+
+/// Runs one greedy request on the harmony model; its tokens and messages.
+fn answer(prompt: Prompt, constraint: Option<Constraint>) -> (Vec<u32>, Vec<Message>) {
+    let mut e = engine();
+    e.submit(Request {
+        id: "c".into(),
+        adapter: None,
+        prompt,
+        params: Sampling {
+            max_tokens: 128,
+            temperature: 0.0,
+            constraint,
+            ..Default::default()
+        }
+        .validate()
+        .unwrap(),
+    })
+    .unwrap();
+    let (mut tokens, mut pieces) = (Vec::new(), Vec::new());
+    while e.has_work() {
+        for (_, event) in e.step().unwrap() {
+            match event {
+                Event::Delta {
+                    token_ids,
+                    text,
+                    channel,
+                    ..
+                } => {
+                    tokens.extend(token_ids);
+                    pieces.push((text, channel));
+                }
+                Event::Failed(err) => panic!("{err}"),
+                _ => {}
+            }
+        }
+    }
+    (tokens, messages_of(&pieces))
+}
+
+fn call_of(functions: &[(&str, &str)]) -> Constraint {
+    Constraint::ToolCall(ToolCall {
+        functions: functions
+            .iter()
+            .map(|(name, parameters)| ToolFunction {
+                name: (*name).into(),
+                parameters: (*parameters).into(),
+            })
+            .collect(),
+        parallel: true,
+    })
+}
+
+#[test]
+fn a_constraint_binds_one_message_of_a_harmony_answer() {
+    let golden = golden();
+    let case = |name: &str| golden.cases.iter().find(|c| c.name == name).unwrap();
+    let ids = |name: &str| Prompt::TokenIds(case(name).prompt_ids.clone());
+
+    // The call the model was going to make anyway: the same tokens.
+    let weather =
+        r#"{"type":"object","properties":{"location":{"type":"string"}},"required":["location"]}"#;
+    let (tokens, _) = answer(ids("weather"), Some(call_of(&[("get_weather", weather)])));
+    assert_eq!(tokens, case("weather").greedy);
+
+    // A greeting forced into a call: it thinks as trained, then writes a
+    // call message to the function with arguments of its schema.
+    let city = r#"{"type":"object","properties":{"location":{"enum":["Paris","Rome"]}},"required":["location"],"additionalProperties":false}"#;
+    let (_, messages) = answer(
+        ids("greeting"),
+        Some(call_of(&[("get_weather", city), ("get_time", "{}")])),
+    );
+    assert_eq!(messages[0], case("greeting").answer[0], "the reasoning");
+    let call = messages.last().unwrap();
+    assert_eq!(call.channel, "commentary");
+    assert_eq!(call.recipient.as_deref(), Some("functions.get_weather"));
+    let args: Value = serde_json::from_str(&call.text).unwrap();
+    assert!(
+        ["Paris", "Rome"].contains(&args["location"].as_str().unwrap()),
+        "{args}"
+    );
+
+    // A content constraint binds the final message's body.
+    let (_, messages) = answer(
+        ids("greeting"),
+        Some(Constraint::Choice(vec!["yes".into(), "no".into()])),
+    );
+    let last = messages.last().unwrap();
+    assert_eq!(
+        (last.channel.as_str(), last.recipient.as_ref()),
+        ("final", None)
+    );
+    assert!(["yes", "no"].contains(&last.text.as_str()), "{messages:?}");
+    let (_, messages) = answer(ids("greeting"), Some(Constraint::JsonObject));
+    let body: Value = serde_json::from_str(&messages.last().unwrap().text).unwrap();
+    assert!(body.is_object());
+}
+
+#[test]
+fn a_constraint_a_harmony_answer_cannot_bind_is_refused_by_field() {
+    let golden = golden();
+    let submit = |prompt: Prompt, c: Constraint| {
+        engine()
+            .submit(Request {
+                id: "r".into(),
+                adapter: None,
+                prompt,
+                params: Sampling {
+                    max_tokens: 8,
+                    constraint: Some(c),
+                    ..Default::default()
+                }
+                .validate()
+                .unwrap(),
+            })
+            .unwrap_err()
+    };
+    let chat = Prompt::TokenIds(golden.cases[0].prompt_ids.clone());
+    let field_of = |e: EngineError| match e {
+        EngineError::InvalidRequest { field, reason } => (field, reason),
+        other => panic!("{other}"),
+    };
+    let (field, _) = field_of(submit(chat, Constraint::Grammar("start: \"x\"".into())));
+    assert_eq!(field, Field::Constraint(ConstraintKind::Grammar));
+    // A prompt that opens no message has no message to bind.
+    let (field, reason) = field_of(submit(
+        Prompt::Text("Say hello.".into()),
+        Constraint::JsonObject,
+    ));
+    assert_eq!(field, Field::Constraint(ConstraintKind::JsonObject));
+    assert!(reason.contains("opens none"), "{reason}");
 }

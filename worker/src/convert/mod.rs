@@ -6,7 +6,7 @@ use std::time::{Duration, SystemTime};
 
 use lorafleet_domain::RequestId;
 use lorafleet_domain::digest::Sha256Hex;
-use lorafleet_domain::generation::ReasoningEffort;
+use lorafleet_domain::generation::{ReasoningEffort, ToolCall, ToolFunction};
 use lorafleet_engine::AdapterId;
 use lorafleet_engine::artifact::ArtifactError;
 use lorafleet_engine::logprobs::TokenLogprob;
@@ -234,6 +234,17 @@ pub fn generate_request(
                 C::Regex(r) => Constraint::Regex(r.clone()),
                 C::Choice(list) => Constraint::Choice(list.choices.clone()),
                 C::Grammar(g) => Constraint::Grammar(g.clone()),
+                C::ToolCall(t) => Constraint::ToolCall(ToolCall {
+                    functions: t
+                        .functions
+                        .iter()
+                        .map(|f| ToolFunction {
+                            name: f.name.clone(),
+                            parameters: f.parameters_json.clone(),
+                        })
+                        .collect(),
+                    parallel: t.parallel,
+                }),
             })
         }),
     }

@@ -14,7 +14,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::{BadRequest, bad};
-use crate::upstream::Constraint;
+use crate::upstream::{Constraint, ToolCall, ToolFunction};
 
 /// The most tools one request may offer.
 pub const MAX_TOOLS: usize = 128;
@@ -169,30 +169,32 @@ impl Tools {
         self.choice != ToolChoice::None
     }
 
-    /// The constraint `required` and a named function put on the output.
+    /// The constraint `required` and a named function put on the output:
+    /// a call of one of the allowed functions, which the engine writes in
+    /// the model's own form.
     pub fn constraint(&self) -> Option<Constraint> {
-        let call = |name: &str, parameters: &Value| {
-            json!({"type": "object",
-                   "properties": {"name": {"const": name}, "arguments": parameters},
-                   "required": ["name", "arguments"], "additionalProperties": false})
+        let function = |(name, parameters): &(String, Value)| ToolFunction {
+            name: name.clone(),
+            parameters: parameters.to_string(),
         };
-        let schema = match &self.choice {
+        // A named function is one call; `required` is one or more with
+        // `parallel_tool_calls`.
+        let (functions, parallel) = match &self.choice {
             ToolChoice::None | ToolChoice::Auto => return None,
-            ToolChoice::Named(n) => {
-                let (_, p) = self.functions.iter().find(|(f, _)| f == n)?;
-                call(n, p)
-            }
-            ToolChoice::Required => {
-                let any: Vec<Value> = self.functions.iter().map(|(n, p)| call(n, p)).collect();
-                let one = json!({"anyOf": any});
-                if self.parallel {
-                    json!({"type": "array", "items": one, "minItems": 1})
-                } else {
-                    one
-                }
-            }
+            ToolChoice::Named(n) => (
+                self.functions
+                    .iter()
+                    .filter(|(f, _)| f == n)
+                    .map(function)
+                    .collect(),
+                false,
+            ),
+            ToolChoice::Required => (self.functions.iter().map(function).collect(), self.parallel),
         };
-        Some(Constraint::JsonSchema(schema.to_string()))
+        Some(Constraint::ToolCall(ToolCall {
+            functions,
+            parallel,
+        }))
     }
 
     /// The calls in the model's text, and the text left around them (None
@@ -306,23 +308,19 @@ mod tests {
     #[test]
     fn required_and_named_choices_constrain_the_output() {
         assert_eq!(tools(r#""auto""#, true).constraint(), None);
-        let Some(Constraint::JsonSchema(s)) =
-            tools(r#"{"type":"function","function":{"name":"time"}}"#, true).constraint()
-        else {
-            panic!()
+        let names = |c: Option<Constraint>| match c {
+            Some(Constraint::ToolCall(t)) => (
+                t.functions.into_iter().map(|f| f.name).collect::<Vec<_>>(),
+                t.parallel,
+            ),
+            other => panic!("{other:?}"),
         };
-        let v: Value = serde_json::from_str(&s).unwrap();
-        assert_eq!(v["properties"]["name"]["const"], "time");
-        let Some(Constraint::JsonSchema(s)) = tools(r#""required""#, true).constraint() else {
-            panic!()
-        };
-        let v: Value = serde_json::from_str(&s).unwrap();
-        assert_eq!(v["type"], "array");
-        assert_eq!(v["items"]["anyOf"].as_array().unwrap().len(), 2);
-        let Some(Constraint::JsonSchema(s)) = tools(r#""required""#, false).constraint() else {
-            panic!()
-        };
-        assert!(serde_json::from_str::<Value>(&s).unwrap()["anyOf"].is_array());
+        assert_eq!(
+            names(tools(r#"{"type":"function","function":{"name":"time"}}"#, true).constraint()),
+            (vec!["time".to_owned()], false)
+        );
+        assert_eq!(names(tools(r#""required""#, false).constraint()).0.len(), 2);
+        assert!(!names(tools(r#""required""#, false).constraint()).1);
     }
 
     #[test]

@@ -295,6 +295,7 @@ impl Engine {
             tokenizer.clone(),
             config.vocab_size,
             config.eos_token_ids.first().copied().unwrap_or(0),
+            harmony.is_some(),
         );
         let prompter = Prompter::new(
             tokenizer.clone(),
@@ -530,13 +531,12 @@ impl Engine {
         let harmony = self.harmony.and_then(|t| {
             crate::model::harmony::HarmonyReader::after_prompt(t, &prompt_ids, &self.tokenizer)
         });
-        if let (Some(_), Some(c)) = (&harmony, &request.params.constraint) {
-            // The constraint would bind the whole answer, headers and
-            // markers included, where it means one message's body.
+        if let (Some(_), None, Some(c)) = (self.harmony, &harmony, &request.params.constraint) {
+            // A harmony model's constraints bind a message's body.
             return Err(EngineError::request(
                 c.field(),
-                "a harmony (GPT-OSS) answer cannot be constrained yet: \
-                 response_format, guided_* and a required or named tool_choice are refused",
+                "on a harmony (GPT-OSS) model a constraint binds an answer's message; \
+                 this prompt opens none (ask through chat)",
             ));
         }
         let grammar = match &request.params.constraint {

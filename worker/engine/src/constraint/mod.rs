@@ -23,8 +23,10 @@ use llguidance::{Matcher, ParserFactory};
 use crate::error::{EngineError, Result};
 use crate::model::tokenizer::Tokenizer;
 
-use lorafleet_domain::generation::Field;
+mod harmony;
+
 pub use lorafleet_domain::generation::{Constraint, MAX_CONSTRAINT_BYTES};
+use lorafleet_domain::generation::{Field, ToolCall};
 
 /// The llguidance grammar of a constraint. Its size and a choice list's
 /// strings were checked with the request's sampling
@@ -46,6 +48,37 @@ fn grammar(c: &Constraint) -> Result<TopLevelGrammar> {
             TopLevelGrammar::from_lark(format!("start: {}", alternatives.join(" | ")))
         }
         Constraint::Grammar(g) => TopLevelGrammar::from_lark(g.clone()),
+        Constraint::ToolCall(t) => TopLevelGrammar::from_json_schema(json_layout(
+            tool_call_schema(t)
+                .map_err(|(name, e)| refuse(format!("function {name:?}: parameters: {e}")))?,
+        )),
+    })
+}
+
+/// A call as a JSON object, `{"name": ..., "arguments": {...}}`, the
+/// arguments matching the function's parameters; any of the functions;
+/// an array of one or more calls with `parallel`. Err: the function whose
+/// parameters are not JSON.
+fn tool_call_schema(t: &ToolCall) -> std::result::Result<serde_json::Value, (String, String)> {
+    let mut calls = Vec::with_capacity(t.functions.len());
+    for f in &t.functions {
+        let parameters: serde_json::Value =
+            serde_json::from_str(&f.parameters).map_err(|e| (f.name.clone(), e.to_string()))?;
+        calls.push(serde_json::json!({
+            "type": "object",
+            "properties": {"name": {"const": f.name}, "arguments": parameters},
+            "required": ["name", "arguments"],
+            "additionalProperties": false,
+        }));
+    }
+    let one = match calls.len() {
+        1 => calls.remove(0),
+        _ => serde_json::json!({"anyOf": calls}),
+    };
+    Ok(if t.parallel {
+        serde_json::json!({"type": "array", "items": one, "minItems": 1})
+    } else {
+        one
     })
 }
 
@@ -157,6 +190,7 @@ fn key_of(c: &Constraint) -> Key {
         Constraint::Regex(_) => b"regexp\0",
         Constraint::Choice(_) => b"choice\0",
         Constraint::Grammar(_) => b"lark--\0",
+        Constraint::ToolCall(_) => b"tools-\0",
     });
     match c {
         Constraint::JsonObject => {}
@@ -168,6 +202,15 @@ fn key_of(c: &Constraint) -> Key {
                 // Length-prefixed, so ["ab", "c"] and ["a", "bc"] differ.
                 h.update((c.len() as u64).to_le_bytes());
                 h.update(c.as_bytes());
+            }
+        }
+        Constraint::ToolCall(t) => {
+            h.update([u8::from(t.parallel)]);
+            for f in &t.functions {
+                for part in [&f.name, &f.parameters] {
+                    h.update((part.len() as u64).to_le_bytes());
+                    h.update(part.as_bytes());
+                }
             }
         }
     }
@@ -194,6 +237,9 @@ pub struct Compiler {
     tokenizer: Arc<Tokenizer>,
     vocab_size: usize,
     eos: u32,
+    /// The model answers in harmony (GPT-OSS): a constraint binds one
+    /// message's body ([`harmony`]).
+    harmony: bool,
     factory: Arc<OnceLock<Result<ParserFactory>>>,
     cache: Arc<Mutex<Cache>>,
     /// Signalled when a compile ends.
@@ -216,11 +262,14 @@ impl std::fmt::Debug for Compiler {
 }
 
 impl Compiler {
-    pub fn new(tokenizer: Arc<Tokenizer>, vocab_size: usize, eos: u32) -> Compiler {
+    /// A compiler for a model; with `harmony`, every constraint binds the
+    /// body of one message of a harmony answer.
+    pub fn new(tokenizer: Arc<Tokenizer>, vocab_size: usize, eos: u32, harmony: bool) -> Compiler {
         Compiler {
             tokenizer,
             vocab_size,
             eos,
+            harmony,
             factory: Arc::new(OnceLock::new()),
             cache: Arc::default(),
             compiled: Arc::default(),
@@ -310,7 +359,10 @@ impl Compiler {
     }
 
     fn compile_new(&self, c: &Constraint) -> Result<Matcher> {
-        let grammar = grammar(c)?;
+        let grammar = match self.harmony {
+            true => TopLevelGrammar::from_lark(harmony::grammar(c)?),
+            false => grammar(c)?,
+        };
         let parser = self.factory()?.create_parser(grammar).map_err(|e| {
             let message = e.to_string();
             let message = match c {
