@@ -232,6 +232,7 @@ fn every_message_round_trips_with_every_field_set() {
                 r#"[{"id":"c1","type":"function","function":{"name":"f","arguments":{}}}]"#.into(),
             tool_call_id: String::new(),
             name: "bot".into(),
+            reasoning: "Need f.".into(),
         },
         ChatMessage {
             role: "tool".into(),

@@ -50,15 +50,17 @@ pub enum MessagePart {
     ToolCalls,
     ToolCallId,
     Name,
+    Reasoning,
 }
 
 impl MessagePart {
-    const ALL: [MessagePart; 5] = [
+    const ALL: [MessagePart; 6] = [
         MessagePart::Role,
         MessagePart::Content,
         MessagePart::ToolCalls,
         MessagePart::ToolCallId,
         MessagePart::Name,
+        MessagePart::Reasoning,
     ];
 
     /// Its name in the wire's `ChatMessage`.
@@ -69,6 +71,7 @@ impl MessagePart {
             MessagePart::ToolCalls => "tool_calls_json",
             MessagePart::ToolCallId => "tool_call_id",
             MessagePart::Name => "name",
+            MessagePart::Reasoning => "reasoning",
         }
     }
 }

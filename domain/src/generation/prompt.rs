@@ -119,6 +119,10 @@ pub struct ChatMessage {
     pub tool_call_id: Option<String>,
     /// The tool's or the participant's name.
     pub name: Option<String>,
+    /// An assistant's reasoning before this message (OpenAI-compatible
+    /// servers' `reasoning_content`), given back to the template as
+    /// `thinking`: GPT-OSS's keeps the reasoning that led to a tool call.
+    pub reasoning: Option<String>,
 }
 
 impl ChatMessage {
@@ -130,6 +134,7 @@ impl ChatMessage {
             tool_calls_json: None,
             tool_call_id: None,
             name: None,
+            reasoning: None,
         }
     }
 }

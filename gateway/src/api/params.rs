@@ -46,6 +46,7 @@ pub fn client_param(field: Field, endpoint: Endpoint) -> Option<String> {
                 MessagePart::ToolCalls => "tool_calls",
                 MessagePart::ToolCallId => "tool_call_id",
                 MessagePart::Name => "name",
+                MessagePart::Reasoning => "reasoning_content",
             };
             return Some(format!("messages[{index}].{part}"));
         }

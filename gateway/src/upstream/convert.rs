@@ -37,6 +37,7 @@ impl From<&Generation> for pb::GenerateRequest {
                             tool_calls_json: m.tool_calls_json.clone().unwrap_or_default(),
                             tool_call_id: m.tool_call_id.clone().unwrap_or_default(),
                             name: m.name.clone().unwrap_or_default(),
+                            reasoning: m.reasoning.clone().unwrap_or_default(),
                         })
                         .collect(),
                     add_generation_prompt: chat.add_generation_prompt,

@@ -110,6 +110,20 @@ CONVERSATIONS = [
     },
 ]
 
+# Rendered only (no answer trained): the reasoning before a past call, given
+# back as the template reads it (`thinking`).
+RENDER_ONLY = [
+    {
+        "name": "weather-thinking",
+        "messages": [
+            CONVERSATIONS[2]["messages"][0],
+            dict(CONVERSATIONS[2]["messages"][1], thinking="Need the weather tool."),
+            CONVERSATIONS[2]["messages"][2],
+        ],
+        "tools": [WEATHER_TOOL],
+    },
+]
+
 EFFORTS = [None, "low", "high"]
 TRAIN_DATES = ["2025-01-17", "2025-08-05", "2026-03-30", "2026-12-02", "2027-06-11", "2028-10-24"]
 UNSEEN_DATES = ["2026-12-19", "2029-02-08"]
@@ -123,6 +137,20 @@ def render(tok, conv, effort, date):
     today = datetime.date.today().strftime("%Y-%m-%d")
     assert f"Current date: {today}\n" in text
     return text.replace(f"Current date: {today}\n", f"Current date: {date}\n")
+
+
+def rendering(tok, conv, effort, date):
+    """A chat, its inputs and the text and ids transformers renders for it."""
+    text = render(tok, conv, effort, date)
+    return {
+        "name": conv["name"],
+        "messages": conv["messages"],
+        "tools": conv["tools"],
+        "reasoning_effort": effort,
+        "date": date,
+        "rendered": text,
+        "prompt_ids": tok.encode(text, add_special_tokens=False),
+    }
 
 
 def parse_harmony(tok, ids):
@@ -275,7 +303,7 @@ def check_and_write_goldens(out, model_dir, tok, eos, ids_of):
             )[0, len(ids):].tolist()
         return logits, gen
 
-    golden = {"eos_token_ids": eos, "special": ids_of, "cases": []}
+    golden = {"eos_token_ids": eos, "special": ids_of, "cases": [], "renders": []}
     for conv in CONVERSATIONS:
         want = tok.encode(conv["answer"], add_special_tokens=False)
         for effort in EFFORTS:
@@ -287,17 +315,16 @@ def check_and_write_goldens(out, model_dir, tok, eos, ids_of):
             golden["cases"].append(
                 {
                     "name": conv["name"],
-                    "messages": conv["messages"],
-                    "tools": conv["tools"],
                     "reasoning_effort": effort,
-                    "date": date,
-                    "rendered": text,
                     "prompt_ids": ids,
                     "logits": logits,
                     "greedy": gen,
                     "answer": parse_harmony(tok, gen),
                 }
             )
+            golden["renders"].append(rendering(tok, conv, effort, date))
+    for conv in RENDER_ONLY:
+        golden["renders"].append(rendering(tok, conv, None, UNSEEN_DATES[0]))
     with open(os.path.join(out, "golden_harmony.json"), "w") as f:
         json.dump(golden, f)
     print(f"wrote {len(golden['cases'])} cases; every one answers as trained, on unseen dates too")

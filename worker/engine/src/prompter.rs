@@ -124,6 +124,7 @@ fn template_message(index: usize, m: &ChatMessage) -> Result<TemplateMessage> {
             .transpose()?,
         tool_call_id: m.tool_call_id.clone(),
         name: m.name.clone(),
+        thinking: m.reasoning.clone(),
     })
 }
 

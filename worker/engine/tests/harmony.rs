@@ -21,14 +21,22 @@ use serde_json::Value;
 
 const MODEL: &str = "gpt-oss-harmony";
 
+/// A chat as transformers renders it with the template.
 #[derive(Deserialize)]
-struct Case {
+struct Render {
     name: String,
     messages: Vec<Value>,
     tools: Option<Value>,
     reasoning_effort: Option<String>,
     date: String,
     rendered: String,
+    prompt_ids: Vec<u32>,
+}
+
+/// A trained chat and transformers' answer.
+#[derive(Deserialize)]
+struct Case {
+    name: String,
     prompt_ids: Vec<u32>,
     logits: Vec<f32>,
     greedy: Vec<u32>,
@@ -45,6 +53,7 @@ struct Message {
 #[derive(Deserialize)]
 struct HarmonyGolden {
     cases: Vec<Case>,
+    renders: Vec<Render>,
 }
 
 /// The harmony model on the CPU backend (it has no adapters).
@@ -63,7 +72,7 @@ fn golden() -> HarmonyGolden {
 }
 
 /// A golden chat's messages as the template sees them.
-fn template_messages(case: &Case) -> Vec<TemplateMessage> {
+fn template_messages(case: &Render) -> Vec<TemplateMessage> {
     case.messages
         .iter()
         .map(|m| TemplateMessage {
@@ -72,6 +81,7 @@ fn template_messages(case: &Case) -> Vec<TemplateMessage> {
             tool_calls: m.get("tool_calls").cloned(),
             tool_call_id: m["tool_call_id"].as_str().map(Into::into),
             name: None,
+            thinking: m["thinking"].as_str().map(Into::into),
         })
         .collect()
 }
@@ -80,9 +90,19 @@ fn template_messages(case: &Case) -> Vec<TemplateMessage> {
 fn the_template_gpt_oss_ships_renders_as_transformers_renders_it() {
     let t = Tokenizer::from_dir(&model_dir(MODEL)).unwrap();
     let golden = golden();
-    assert!(golden.cases.len() >= 9, "3 chats, 3 efforts");
+    assert!(
+        golden.renders.len() >= 10,
+        "3 chats, 3 efforts, reasoning given back"
+    );
+    assert!(
+        golden
+            .renders
+            .iter()
+            .any(|r| r.rendered.matches("<|channel|>analysis").count() == 1),
+        "a past call's reasoning is rendered"
+    );
     let today = chrono::Local::now().format("%Y-%m-%d").to_string();
-    for case in &golden.cases {
+    for case in &golden.renders {
         let messages = template_messages(case);
         let text = t
             .render(&TemplateChat {

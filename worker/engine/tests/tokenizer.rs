@@ -152,9 +152,11 @@ fn the_template_renders_tools_tool_calls_and_tool_results() {
     assert_eq!(
         text,
         concat!(
-            "<tools>weather:{\"properties\":{\"city\":{\"type\":\"string\"}},\"type\":\"object\"};</tools>\n",
+            // `tojson` as transformers' (Python's `json.dumps`): keys in
+            // their order, ", " and ": " between items.
+            "<tools>weather:{\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}}};</tools>\n",
             "<|im_start|>user\nParis?<|im_end|>\n",
-            "<|im_start|>assistant\n<tool_call>{\"name\": \"weather\", \"arguments\": {\"city\":\"Paris\"}}</tool_call><|im_end|>\n",
+            "<|im_start|>assistant\n<tool_call>{\"name\": \"weather\", \"arguments\": {\"city\": \"Paris\"}}</tool_call><|im_end|>\n",
             "<|im_start|>tool\nsunny[c1]<|im_end|>\n<|im_start|>assistant\n"
         )
     );

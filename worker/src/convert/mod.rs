@@ -177,6 +177,7 @@ pub fn generate_request(
                     tool_calls_json: json(&m.tool_calls_json, field(MessagePart::ToolCalls))?,
                     tool_call_id: Some(m.tool_call_id.clone()).filter(|s| !s.is_empty()),
                     name: Some(m.name.clone()).filter(|s| !s.is_empty()),
+                    reasoning: Some(m.reasoning.clone()).filter(|s| !s.is_empty()),
                 });
             }
             Prompt::Chat(ChatPrompt {

@@ -150,6 +150,8 @@ pub struct Message {
     /// A tool message: the call it answers.
     tool_call_id: Option<String>,
     name: Option<String>,
+    /// An assistant's reasoning, as this API returned it.
+    reasoning_content: Option<String>,
 }
 
 #[derive(Debug)]
@@ -592,6 +594,7 @@ impl ChatRequest {
                     .transpose()?,
                 tool_call_id: m.tool_call_id.clone(),
                 name: m.name.clone(),
+                reasoning: m.reasoning_content.clone(),
             });
         }
         let tools = self.tools()?;

@@ -243,6 +243,34 @@ fn accepted_requests_map_to_the_worker_fields() {
 }
 
 #[test]
+fn a_reasoning_model_s_fields_reach_the_template() {
+    let r = ChatRequest::parse(
+        br#"{"model":"m","reasoning_effort":"high","messages":[{"role":"user","content":"q"},
+            {"role":"assistant","content":null,"reasoning_content":"Need f.",
+             "tool_calls":[{"id":"c","type":"function","function":{"name":"f","arguments":"{}"}}]}]}"#,
+    )
+    .unwrap();
+    let (prompt, _) = r.to_worker().unwrap();
+    let Prompt::Chat(chat) = prompt else { panic!() };
+    assert_eq!(chat.reasoning_effort, Some(upstream::ReasoningEffort::High));
+    assert_eq!(chat.messages[1].reasoning.as_deref(), Some("Need f."));
+    assert_eq!(chat.messages[0].reasoning, None);
+    let refused = |body: &[u8]| {
+        ChatRequest::parse(body)
+            .and_then(|r| r.to_worker())
+            .unwrap_err()
+    };
+    let e = refused(
+        br#"{"model":"m","reasoning_effort":"max","messages":[{"role":"user","content":"q"}]}"#,
+    );
+    assert_eq!(e.param, "reasoning_effort");
+    let e = CompletionRequest::parse(br#"{"model":"m","prompt":"q","reasoning_effort":"low"}"#)
+        .and_then(|r| r.to_worker())
+        .unwrap_err();
+    assert_eq!(e.param, "reasoning_effort");
+}
+
+#[test]
 fn structured_output_fields_map_to_one_constraint() {
     use upstream::Constraint as C;
     let constraint = |extra: &str| {

@@ -26,6 +26,10 @@ pub struct TemplateMessage {
     pub tool_call_id: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
+    /// An assistant's earlier reasoning, as Hugging Face templates read it
+    /// (GPT-OSS's: `thinking`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub thinking: Option<String>,
 }
 
 /// Everything a chat template is given.
