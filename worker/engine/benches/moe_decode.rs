@@ -6,6 +6,11 @@
 //!
 //!     cargo bench -p lorafleet-engine --bench moe_decode
 //!
+//! `LORAFLEET_BENCH_MODEL=gpt-oss` (or `gpt-oss-mxfp4`) runs it on the
+//! GPT-OSS stand-in instead (`standin::gpt_oss_model`: GPT-OSS-20B's
+//! architecture, 32 experts, top 4, its experts bf16 or MXFP4 as
+//! released), with its adapters as PEFT writes them for GPT-OSS.
+//!
 //! The same `REQUESTS` requests in every row (8 prompt tokens, 8 generated,
 //! greedy), request r on adapter r mod N, as one continuous batch of up to
 //! 32 sequences with 32 slots; adapters are in the host tier before timing.
@@ -50,20 +55,45 @@ fn main() {
         .unwrap_or(3)
         .max(1);
     let made = Instant::now();
-    let model = standin::moe_model();
-    let adapters = standin::moe_adapters(64);
+    let which = std::env::var("LORAFLEET_BENCH_MODEL").unwrap_or_default();
+    let (model, adapters, shape) = match which.as_str() {
+        "" | "qwen3-moe" => (
+            standin::moe_model(),
+            standin::moe_adapters(64),
+            format!(
+                "Qwen3-MoE shape (h={}, L={}, {} experts of {}, top {}, bf16)",
+                standin::HIDDEN,
+                standin::LAYERS,
+                standin::MOE_EXPERTS,
+                standin::MOE_INTERMEDIATE,
+                standin::MOE_TOP_K
+            ),
+        ),
+        "gpt-oss" | "gpt-oss-mxfp4" => {
+            let mxfp4 = which == "gpt-oss-mxfp4";
+            (
+                standin::gpt_oss_model(mxfp4),
+                standin::gpt_oss_adapters(64),
+                format!(
+                    "GPT-OSS-20B architecture (h={}, L={}, sinks, sliding 128 and full, {} experts of {}, top {}, experts {})",
+                    standin::HIDDEN,
+                    standin::LAYERS,
+                    standin::GPT_OSS_EXPERTS,
+                    standin::HIDDEN,
+                    standin::GPT_OSS_TOP_K,
+                    if mxfp4 { "MXFP4" } else { "bf16" }
+                ),
+            )
+        }
+        other => panic!("LORAFLEET_BENCH_MODEL={other:?}: not qwen3-moe, gpt-oss or gpt-oss-mxfp4"),
+    };
     eprintln!("stand-in ready in {:.1} s", made.elapsed().as_secs_f64());
     let on = match backend() {
         BackendChoice::Cpu => format!("CPU, {} threads", rayon::current_num_threads()),
         BackendChoice::Cuda { .. } => "CUDA device 0, bf16 weights, f32 slots".to_owned(),
     };
     println!(
-        "MoE decode throughput, STAND-IN Qwen3-MoE shape (h={}, L={}, {} experts of {}, top {}, bf16), rank {} on q/k/v/o and every expert, {REQUESTS} requests x {NEW} new tokens, {on}, {rounds} rounds",
-        standin::HIDDEN,
-        standin::LAYERS,
-        standin::MOE_EXPERTS,
-        standin::MOE_INTERMEDIATE,
-        standin::MOE_TOP_K,
+        "MoE decode throughput, STAND-IN {shape}, rank {} on q/k/v/o and every expert, {REQUESTS} requests x {NEW} new tokens, {on}, {rounds} rounds",
         standin::RANK,
     );
     let mut tps: Vec<Vec<f64>> = vec![Vec::new(); counts.len()];

@@ -13,7 +13,10 @@ use lorafleet_engine::sampling::Rng;
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 
+mod gpt_oss;
 mod quantized;
+#[allow(unused_imports)]
+pub use gpt_oss::{GPT_OSS_EXPERTS, GPT_OSS_TOP_K, gpt_oss_adapters, gpt_oss_model};
 #[allow(unused_imports)]
 pub use quantized::{model_quantized, quantize};
 
@@ -437,14 +440,26 @@ pub fn moe_model() -> PathBuf {
 /// and on every expert's gate_up and down (PEFT's `target_parameters`
 /// form), bf16.
 pub fn moe_adapters(n: usize) -> Vec<PathBuf> {
-    let (hidden, layers, experts, inter) = (HIDDEN, LAYERS, MOE_EXPERTS, MOE_INTERMEDIATE);
     let kv = KV_HEADS * (HIDDEN / HEADS);
+    expert_adapters(
+        "qwen3-moe-shape",
+        (HIDDEN, kv, MOE_INTERMEDIATE, MOE_EXPERTS),
+        n,
+    )
+}
+
+/// `n` adapters of a Mixture-of-Experts stand-in under `model`, of shape
+/// (hidden, KV width, expert width, experts): rank 16 on q, k, v and o and
+/// on every expert's gate_up and down, bf16; created if missing.
+pub fn expert_adapters(
+    model: &str,
+    (hidden, kv, inter, experts): (usize, usize, usize, usize),
+    n: usize,
+) -> Vec<PathBuf> {
+    let layers = LAYERS;
     (0..n)
         .map(|i| {
-            let dir = root()
-                .join("qwen3-moe-shape")
-                .join("adapters")
-                .join(format!("a{i:04}"));
+            let dir = root().join(model).join("adapters").join(format!("a{i:04}"));
             if dir.join("adapter_model.safetensors").exists() {
                 return dir;
             }
