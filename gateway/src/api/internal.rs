@@ -141,7 +141,16 @@ async fn read_all(
     loop {
         match next.take() {
             Some(WorkerEvent::PromptLogprobs(p)) => answer.prompt_logprobs.extend(p),
-            Some(WorkerEvent::Delta { text, .. }) => answer.text.push_str(&text),
+            Some(WorkerEvent::Delta { text, channel, .. }) => {
+                // A harmony answer's text is its content, as a tenant's
+                // (its reasoning and calls are not).
+                if channel
+                    .as_ref()
+                    .is_none_or(|c| super::harmony::part(c) == super::harmony::Part::Content)
+                {
+                    answer.text.push_str(&text);
+                }
+            }
             Some(WorkerEvent::Finished(f)) => {
                 answer.finished = f;
                 return Ok(answer);
