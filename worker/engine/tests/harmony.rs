@@ -157,43 +157,13 @@ fn messages_of(events: &[(String, Option<Channel>)]) -> Vec<Message> {
 #[test]
 fn a_harmony_answer_equals_transformers_and_is_read_as_its_messages() {
     let golden = golden();
-    let mut e = engine();
     // All at once: the chats share the batch.
-    for (i, case) in golden.cases.iter().enumerate() {
-        e.submit(Request {
-            id: format!("h{i}").into(),
-            adapter: None,
-            prompt: Prompt::TokenIds(case.prompt_ids.clone()),
-            params: Sampling {
-                max_tokens: 128,
-                temperature: 0.0,
-                ..Default::default()
-            }
-            .validate()
-            .unwrap(),
-        })
-        .unwrap();
-    }
-    let mut tokens = vec![Vec::new(); golden.cases.len()];
-    let mut pieces = vec![Vec::new(); golden.cases.len()];
-    while e.has_work() {
-        for (id, event) in e.step().unwrap() {
-            let i: usize = id[1..].parse().unwrap();
-            match event {
-                Event::Delta {
-                    token_ids,
-                    text,
-                    channel,
-                    ..
-                } => {
-                    tokens[i].extend(token_ids);
-                    pieces[i].push((text, channel));
-                }
-                Event::Failed(err) => panic!("{id}: {err}"),
-                _ => {}
-            }
-        }
-    }
+    let requests = golden
+        .cases
+        .iter()
+        .map(|case| greedy(Prompt::TokenIds(case.prompt_ids.clone()), None))
+        .collect();
+    let (tokens, pieces): (Vec<_>, Vec<_>) = run(&mut engine(), requests).into_iter().unzip();
     for (i, case) in golden.cases.iter().enumerate() {
         assert_eq!(tokens[i], case.greedy, "{}: greedy tokens", case.name);
         assert_eq!(
@@ -270,11 +240,10 @@ fn a_text_prompt_that_opens_no_message_is_plain_text() {
     assert_eq!(channels, 0);
 }
 
-/// Runs one greedy request on the harmony model; its tokens and messages.
-fn answer(prompt: Prompt, constraint: Option<Constraint>) -> (Vec<u32>, Vec<Message>) {
-    let mut e = engine();
-    e.submit(Request {
-        id: "c".into(),
+/// A greedy request of up to 128 tokens.
+fn greedy(prompt: Prompt, constraint: Option<Constraint>) -> Request {
+    Request {
+        id: String::new().into(),
         adapter: None,
         prompt,
         params: Sampling {
@@ -285,11 +254,24 @@ fn answer(prompt: Prompt, constraint: Option<Constraint>) -> (Vec<u32>, Vec<Mess
         }
         .validate()
         .unwrap(),
-    })
-    .unwrap();
-    let (mut tokens, mut pieces) = (Vec::new(), Vec::new());
+    }
+}
+
+/// Runs `requests` together (as `h0`, `h1`, ...) to the end: each one's
+/// tokens and its deltas' (text, channel).
+#[allow(clippy::type_complexity)]
+fn run(e: &mut Engine, requests: Vec<Request>) -> Vec<(Vec<u32>, Vec<(String, Option<Channel>)>)> {
+    let mut out = vec![(Vec::new(), Vec::new()); requests.len()];
+    for (i, r) in requests.into_iter().enumerate() {
+        e.submit(Request {
+            id: format!("h{i}").into(),
+            ..r
+        })
+        .unwrap();
+    }
     while e.has_work() {
-        for (_, event) in e.step().unwrap() {
+        for (id, event) in e.step().unwrap() {
+            let i: usize = id[1..].parse().unwrap();
             match event {
                 Event::Delta {
                     token_ids,
@@ -297,14 +279,20 @@ fn answer(prompt: Prompt, constraint: Option<Constraint>) -> (Vec<u32>, Vec<Mess
                     channel,
                     ..
                 } => {
-                    tokens.extend(token_ids);
-                    pieces.push((text, channel));
+                    out[i].0.extend(token_ids);
+                    out[i].1.push((text, channel));
                 }
-                Event::Failed(err) => panic!("{err}"),
+                Event::Failed(err) => panic!("{id}: {err}"),
                 _ => {}
             }
         }
     }
+    out
+}
+
+/// One greedy request on the harmony model: its tokens and messages.
+fn answer(prompt: Prompt, constraint: Option<Constraint>) -> (Vec<u32>, Vec<Message>) {
+    let (tokens, pieces) = run(&mut engine(), vec![greedy(prompt, constraint)]).remove(0);
     (tokens, messages_of(&pieces))
 }
 
