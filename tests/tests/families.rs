@@ -56,20 +56,7 @@ async fn a_tenant_gets_each_familys_adapter_as_transformers_and_peft_score_it() 
         let ids = case["prompt_ids"].as_array().unwrap();
         assert!(ids.len() >= 96, "{model}: a long prompt");
         let p = plane_on(&format!("families_{}", model.replace('-', "_")), 1, model).await;
-        p.ctl_json(&["tenants", "create", "acme"]);
-        let key = p.ctl_json(&["keys", "create", "acme"])["key"]
-            .as_str()
-            .unwrap()
-            .to_owned();
-        p.ctl_json(&[
-            "base-models",
-            "register",
-            model,
-            "--architecture",
-            architecture,
-            "--model-dir",
-            engine_fixtures().join(model).to_str().unwrap(),
-        ]);
+        let (key, _) = tenant_on_fixture_base(&p, "acme", model, architecture);
         let id = p.ctl_json(&[
             "adapters",
             "register",

@@ -47,20 +47,7 @@ fn trained(name: &str, channel: &str) -> Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gpt_oss_chat_answer_separates_reasoning_content_and_tool_calls() {
     let p = plane_on("harmony_sdk", 1, MODEL).await;
-    p.ctl_json(&["tenants", "create", "acme"]);
-    let key = p.ctl_json(&["keys", "create", "acme"])["key"]
-        .as_str()
-        .unwrap()
-        .to_owned();
-    p.ctl_json(&[
-        "base-models",
-        "register",
-        MODEL,
-        "--architecture",
-        "gpt_oss",
-        "--model-dir",
-        engine_fixtures().join(MODEL).to_str().unwrap(),
-    ]);
+    let (key, _) = tenant_on_fixture_base(&p, "acme", MODEL, "gpt_oss");
     p.ctl_json(&[
         "routes",
         "set",

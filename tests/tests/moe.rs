@@ -11,7 +11,6 @@ mod goldens;
 
 use admin_plane::*;
 use goldens::{assert_gateway_gives, generate_goldens};
-use lorafleet_tests::engine_fixtures;
 use serde_json::{Value, json};
 
 const MODEL: &str = "qwen3-moe";
@@ -24,20 +23,7 @@ async fn a_tenant_gets_a_moe_adapters_golden_text_through_the_gateway() {
     let names: Vec<&str> = ADAPTERS.iter().map(|(a, _)| *a).collect();
     let expected = generate_goldens("golden_moe.json", MODEL, MODEL, &names, 9);
     let p = plane_on("moe_e2e", 1, MODEL).await;
-    p.ctl_json(&["tenants", "create", "acme"]);
-    let key = p.ctl_json(&["keys", "create", "acme"])["key"]
-        .as_str()
-        .unwrap()
-        .to_owned();
-    p.ctl_json(&[
-        "base-models",
-        "register",
-        MODEL,
-        "--architecture",
-        "qwen3_moe",
-        "--model-dir",
-        engine_fixtures().join(MODEL).to_str().unwrap(),
-    ]);
+    let (key, _) = tenant_on_fixture_base(&p, "acme", MODEL, "qwen3_moe");
     let mut ids = Vec::new();
     for (adapter, route) in ADAPTERS {
         let id = p.ctl_json(&[

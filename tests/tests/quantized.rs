@@ -85,20 +85,7 @@ async fn served_end_to_end(
         serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
     config["base_model_name_or_path"] = model.into();
     std::fs::write(&config_path, config.to_string()).unwrap();
-    p.ctl_json(&["tenants", "create", "acme"]);
-    let key = p.ctl_json(&["keys", "create", "acme"])["key"]
-        .as_str()
-        .unwrap()
-        .to_owned();
-    let base = p.ctl_json(&[
-        "base-models",
-        "register",
-        model,
-        "--architecture",
-        architecture,
-        "--model-dir",
-        engine_fixtures().join(model).to_str().unwrap(),
-    ]);
+    let (key, base) = tenant_on_fixture_base(&p, "acme", model, architecture);
     // Not the dense model's hash: each quantization is its own base.
     let hashes: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(engine_fixtures().join("base_hashes.json")).unwrap(),

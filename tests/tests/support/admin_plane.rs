@@ -461,6 +461,32 @@ pub fn register_adapter(p: &Plane, tenant: &str, name: &str, uri: &str) -> i64 {
         .unwrap()
 }
 
+/// Tenant `tenant` with an API key, and the engine fixture `model`
+/// registered from its directory as `architecture`. Returns the key and
+/// the registered base model.
+pub fn tenant_on_fixture_base(
+    p: &Plane,
+    tenant: &str,
+    model: &str,
+    architecture: &str,
+) -> (String, Value) {
+    p.ctl_json(&["tenants", "create", tenant]);
+    let key = p.ctl_json(&["keys", "create", tenant])["key"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let base = p.ctl_json(&[
+        "base-models",
+        "register",
+        model,
+        "--architecture",
+        architecture,
+        "--model-dir",
+        engine_fixtures().join(model).to_str().unwrap(),
+    ]);
+    (key, base)
+}
+
 /// Routes `tenant`'s `model` wholly to adapter `id`.
 pub fn route_all(p: &Plane, tenant: &str, model: &str, id: i64) {
     p.ctl_json(&[

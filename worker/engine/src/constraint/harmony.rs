@@ -10,7 +10,7 @@
 use lorafleet_domain::generation::{Constraint, ToolCall};
 use serde_json::Value;
 
-use super::{json_layout, lark_string};
+use super::{json_layout, lark_choices, lark_string};
 use crate::error::{EngineError, Result};
 
 /// The Lark grammar (llguidance's dialect, special tokens by name) of `c`
@@ -29,13 +29,7 @@ pub(super) fn grammar(c: &Constraint) -> Result<String> {
             final_body(json(schema))
         }
         Constraint::Regex(r) => final_body(format!("/{}/", llguidance::regex_to_lark(r, ""))),
-        Constraint::Choice(choices) => final_body(
-            choices
-                .iter()
-                .map(|s| lark_string(s))
-                .collect::<Vec<_>>()
-                .join(" | "),
-        ),
+        Constraint::Choice(choices) => final_body(lark_choices(choices)),
         Constraint::ToolCall(t) => calls(t, &refuse)?,
         Constraint::Grammar(_) => {
             return Err(refuse(

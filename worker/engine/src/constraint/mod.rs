@@ -44,8 +44,7 @@ fn grammar(c: &Constraint) -> Result<TopLevelGrammar> {
         }
         Constraint::Regex(r) => TopLevelGrammar::from_regex(r),
         Constraint::Choice(choices) => {
-            let alternatives: Vec<String> = choices.iter().map(|c| lark_string(c)).collect();
-            TopLevelGrammar::from_lark(format!("start: {}", alternatives.join(" | ")))
+            TopLevelGrammar::from_lark(format!("start: {}", lark_choices(choices)))
         }
         Constraint::Grammar(g) => TopLevelGrammar::from_lark(g.clone()),
         Constraint::ToolCall(t) => TopLevelGrammar::from_json_schema(json_layout(
@@ -150,6 +149,12 @@ fn walk(v: &serde_json::Value, at: &str, key: &str, value: Option<&str>) -> Opti
 }
 
 /// A Lark string literal for `s`.
+/// Exactly one of `choices`, as a Lark rule's body.
+fn lark_choices(choices: &[String]) -> String {
+    let alternatives: Vec<String> = choices.iter().map(|c| lark_string(c)).collect();
+    alternatives.join(" | ")
+}
+
 fn lark_string(s: &str) -> String {
     serde_json::to_string(s).expect("a string serializes")
 }
