@@ -135,6 +135,48 @@ fn every_bad_value_is_refused_by_its_field() {
             },
             Field::Constraint(ConstraintKind::Choice),
         ),
+        (
+            Sampling {
+                constraint: Some(Constraint::ToolCall(ToolCall {
+                    functions: vec![],
+                    parallel: false,
+                })),
+                ..s()
+            },
+            Field::Constraint(ConstraintKind::ToolCall),
+        ),
+        (
+            Sampling {
+                constraint: Some(Constraint::ToolCall(ToolCall {
+                    functions: vec![
+                        ToolFunction {
+                            name: "f".into(),
+                            parameters: "{}".into(),
+                        },
+                        ToolFunction {
+                            name: "f".into(),
+                            parameters: "{}".into(),
+                        },
+                    ],
+                    parallel: false,
+                })),
+                ..s()
+            },
+            Field::Constraint(ConstraintKind::ToolCall),
+        ),
+        (
+            Sampling {
+                constraint: Some(Constraint::ToolCall(ToolCall {
+                    functions: vec![ToolFunction {
+                        name: "".into(),
+                        parameters: "{}".into(),
+                    }],
+                    parallel: false,
+                })),
+                ..s()
+            },
+            Field::Constraint(ConstraintKind::ToolCall),
+        ),
     ];
     for (sampling, field) in bad {
         let refused = sampling.clone().validate().unwrap_err();

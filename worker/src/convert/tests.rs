@@ -268,3 +268,38 @@ fn tool_json_that_does_not_parse_is_refused_by_field() {
         Some(r#"[{"type":"function","function":{"name":"f"}}]"#)
     );
 }
+
+#[test]
+fn a_reasoning_effort_the_contract_does_not_know_is_refused_by_field() {
+    let request = |effort: &str| pb::GenerateRequest {
+        request_id: "r".into(),
+        prompt: Some(pb::generate_request::Prompt::Chat(pb::ChatPrompt {
+            messages: vec![pb::ChatMessage {
+                role: "user".into(),
+                content: "hi".into(),
+                ..Default::default()
+            }],
+            reasoning_effort: effort.into(),
+            ..Default::default()
+        })),
+        sampling: Some(pb::SamplingParams {
+            max_tokens: 1,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let refused = status(&generate_request(&request("max")).unwrap_err());
+    assert!(
+        refused
+            .message()
+            .starts_with("prompt.chat.reasoning_effort"),
+        "{}",
+        refused.message()
+    );
+    let (_, prompt, _) = generate_request(&request("high")).unwrap();
+    let Prompt::Chat(chat) = prompt else { panic!() };
+    assert_eq!(chat.reasoning_effort, Some(ReasoningEffort::High));
+    let (_, prompt, _) = generate_request(&request("")).unwrap();
+    let Prompt::Chat(chat) = prompt else { panic!() };
+    assert_eq!(chat.reasoning_effort, None);
+}
