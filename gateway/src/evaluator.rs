@@ -224,12 +224,16 @@ fn call(
     sampling: upstream::Sampling,
     features: &str,
 ) -> Result<InternalCall, ApiError> {
-    let sampling = crate::api::openai::checked(sampling, Endpoint::of(&prompt))?;
+    let endpoint = Endpoint::of(&prompt);
+    let spec = upstream::GenerationSpec {
+        prompt,
+        sampling,
+        choices: upstream::Choices::ONE,
+    };
     Ok(InternalCall {
         route: route.clone(),
         adapter: adapter.clone(),
-        prompt,
-        sampling,
+        spec: crate::api::openai::checked(spec, endpoint)?,
         subject: SUBJECT.into(),
         features: features.into(),
         fairness_key: FAIRNESS_KEY.into(),
@@ -278,6 +282,7 @@ fn chat(messages: &[Message], continuation: Option<&str>) -> Result<upstream::Pr
         messages: out,
         add_generation_prompt: true,
         tools_json: None,
+        template_kwargs_json: None,
         continuation: continuation.map(str::to_owned),
         reasoning_effort: None,
     }))

@@ -258,6 +258,7 @@ fn every_message_round_trips_with_every_field_set() {
         tools_json: r#"[{"type":"function","function":{"name":"f"}}]"#.into(),
         continuation: " yes".into(),
         reasoning_effort: "low".into(),
+        template_kwargs_json: r#"{"enable_thinking":false}"#.into(),
     }]);
     let with = |c| SamplingParams {
         constraint: Some(c),
@@ -332,6 +333,7 @@ fn every_message_round_trips_with_every_field_set() {
                 tools_json: String::new(),
                 continuation: String::new(),
                 reasoning_effort: String::new(),
+                template_kwargs_json: String::new(),
             })),
             sampling: Some(sampling()),
             trace_context: Some(trace),

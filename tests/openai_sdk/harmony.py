@@ -92,7 +92,9 @@ def main():
     out["forced_call"] = whole(client, model, ASK, tools=[WEATHER], tool_choice=named)
     out["forced_call_streamed"] = streamed(client, model, ASK, tools=[WEATHER], tool_choice="required")
     out["chosen"] = whole(client, model, hello, extra_body={"guided_choice": ["yes", "no"]})
-    out["refused_grammar"] = refusal(client, model, hello, extra_body={"guided_grammar": 'start: "x"'})
+    lark = 'start: answer "!"\nanswer: "hi" | "hello there"\n'
+    out["grammar"] = whole(client, model, hello, extra_body={"guided_grammar": lark})
+    out["refused_grammar"] = refusal(client, model, hello, extra_body={"guided_grammar": "start: ("})
     print(json.dumps(out))
 
 

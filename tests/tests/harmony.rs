@@ -153,12 +153,25 @@ async fn a_gpt_oss_chat_answer_separates_reasoning_content_and_tool_calls() {
         "{r}"
     );
 
+    // So does a Lark grammar, a grammar of its own beside the answer's
+    // (its rule `answer` is also one of the answer's).
+    let r = &got["grammar"];
+    assert!(
+        r["content"] == "hi!" || r["content"] == "hello there!",
+        "{r}"
+    );
+    assert_eq!(
+        r["reasoning_content"],
+        trained("greeting", "analysis"),
+        "{r}"
+    );
+
     // Refused by name: an effort the API does not know, and a Lark
-    // grammar, which cannot be bound to one message yet.
+    // grammar that does not compile.
     assert_eq!(got["refused_effort"], "reasoning_effort", "{got}");
     assert_eq!(got["refused_grammar"], "guided_grammar", "{got}");
 
     // One audit row per completion, every one served by the base.
-    let rows = p.audit_rows("acme", "oss", 11).await;
+    let rows = p.audit_rows("acme", "oss", 12).await;
     assert!(rows.iter().all(|r| r["lora_int_id"].is_null()), "{rows:?}");
 }

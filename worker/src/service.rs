@@ -296,7 +296,8 @@ impl pb::worker_server::Worker for WorkerService {
             span.record("trace_id", id);
         }
         let admitted = async {
-            let (id, prompt, params) = convert::generate_request(&r)?;
+            let (id, spec) = convert::generate_request(&r)?;
+            let (prompt, params) = spec.into_parts();
             let fairness = convert::fairness(&r)?;
             let adapter = match &r.adapter {
                 Some(d) => Some(

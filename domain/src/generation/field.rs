@@ -102,6 +102,8 @@ pub enum Field {
     Continuation,
     /// How hard a reasoning model thinks, for the chat template.
     ReasoningEffort,
+    /// A chat prompt's further template variables.
+    TemplateKwargs,
     /// The sampling parameters as a whole.
     Sampling,
     MaxTokens,
@@ -124,10 +126,15 @@ pub enum Field {
     FrequencyPenalty,
     PresencePenalty,
     Constraint(ConstraintKind),
+    /// The choices a request returns, and those it generates. Not on the
+    /// worker's wire (a worker runs one choice a request); their paths are
+    /// OpenAI's names.
+    N,
+    BestOf,
 }
 
 /// The fields whose wire path is a fixed string.
-const FIXED: [(Field, &str); 27] = [
+const FIXED: [(Field, &str); 30] = [
     (Field::RequestId, "request_id"),
     (Field::Adapter, "adapter.lora_int_id"),
     (Field::FairnessKey, "fairness_key"),
@@ -139,6 +146,7 @@ const FIXED: [(Field, &str); 27] = [
     (Field::Tools, "prompt.chat.tools_json"),
     (Field::Continuation, "prompt.chat.continuation"),
     (Field::ReasoningEffort, "prompt.chat.reasoning_effort"),
+    (Field::TemplateKwargs, "prompt.chat.template_kwargs_json"),
     (Field::Sampling, "sampling"),
     (Field::MaxTokens, "sampling.max_tokens"),
     (Field::Temperature, "sampling.temperature"),
@@ -155,6 +163,8 @@ const FIXED: [(Field, &str); 27] = [
     (Field::RepetitionPenalty, "sampling.repetition_penalty"),
     (Field::FrequencyPenalty, "sampling.frequency_penalty"),
     (Field::PresencePenalty, "sampling.presence_penalty"),
+    (Field::N, "n"),
+    (Field::BestOf, "best_of"),
 ];
 
 impl Field {

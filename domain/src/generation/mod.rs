@@ -1,24 +1,28 @@
-//! The generation contract: what a request prompts with ([`Prompt`]), how
-//! it chooses its tokens and when it stops ([`Sampling`], with its
-//! structured-output [`Constraint`]), checked
-//! once where it enters a process into a [`Valid`] value that cannot be
-//! invalid, and the [`Field`] a refusal names.
+//! The generation contract: one request as a whole ([`GenerationSpec`]):
+//! what it prompts with ([`Prompt`]), how it chooses its tokens and when
+//! it stops ([`Sampling`], with its structured-output [`Constraint`] and
+//! log probabilities), and how many [`Choices`]; checked once where it
+//! enters a process into a [`Valid`] value that cannot be invalid, and the
+//! [`Field`] a refusal names.
 //!
-//! The gateway builds a `Sampling` from a client's OpenAI request and
-//! validates it at its edge; the worker validates what its wire carries
-//! with the same function; the engine takes only `Valid<Sampling>` and
-//! checks the one thing that needs the model (token ids below its
-//! vocabulary, [`Sampling::check_vocab`]). Each side converts to its wire
-//! at one boundary.
+//! The gateway builds a `GenerationSpec` from a client's OpenAI request
+//! and validates it at its edge; it sends each choice to a worker as a
+//! one-choice spec ([`Valid::choice`]); the worker validates what its wire
+//! carries with the same function; the engine takes the valid prompt and
+//! sampling ([`Valid::into_parts`]) and checks the one thing that needs
+//! the model (token ids below its vocabulary, [`Sampling::check_vocab`]).
+//! Each side converts to its wire at one boundary.
 
 mod field;
 mod prompt;
+mod spec;
 
 use std::fmt;
 use std::ops::Deref;
 
 pub use field::{ConstraintKind, Field, MessagePart};
-pub use prompt::{Channel, ChatMessage, ChatPrompt, Prompt, ReasoningEffort, Role};
+pub use prompt::{Channel, ChatMessage, ChatPrompt, Prompt, ReasoningEffort, Role, TEMPLATE_NAMES};
+pub use spec::{Choices, GenerationSpec, MAX_CHOICES};
 
 /// The most stop strings a request may carry.
 pub const MAX_STOP_STRINGS: usize = 16;
@@ -181,23 +185,6 @@ pub struct Valid<T>(T);
 impl<T> Valid<T> {
     pub fn into_inner(self) -> T {
         self.0
-    }
-}
-
-impl Valid<Sampling> {
-    /// The same sampling with another seed: any seed is valid (a request's
-    /// `n` choices each draw from their own).
-    pub fn with_seed(mut self, seed: Option<u64>) -> Self {
-        self.0.seed = seed;
-        self
-    }
-
-    /// The same sampling, with each completion token's log probability
-    /// (no alternatives) unless it asked for more: how `best_of` ranks its
-    /// choices.
-    pub fn scoring_tokens(mut self) -> Self {
-        self.0.logprobs.get_or_insert(0);
-        self
     }
 }
 

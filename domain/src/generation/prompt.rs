@@ -32,7 +32,23 @@ pub struct ChatPrompt {
     /// template as `reasoning_effort` (GPT-OSS's harmony template writes it
     /// into the system message). None: the template's own default.
     pub reasoning_effort: Option<ReasoningEffort>,
+    /// More variables for the template (vLLM's `chat_template_kwargs`:
+    /// Qwen3's `enable_thinking`, GPT-OSS's `builtin_tools`): a JSON
+    /// object, as text, none of whose names is one the contract gives the
+    /// template itself ([`TEMPLATE_NAMES`]). None: none.
+    pub template_kwargs_json: Option<String>,
 }
+
+/// The variables the contract itself gives a chat template; a request's
+/// `template_kwargs_json` cannot name them.
+pub const TEMPLATE_NAMES: [&str; 6] = [
+    "messages",
+    "tools",
+    "add_generation_prompt",
+    "bos_token",
+    "eos_token",
+    "reasoning_effort",
+];
 
 /// OpenAI's `reasoning_effort`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -20,8 +20,8 @@ pub struct InternalCall {
     pub route: Arc<Route>,
     /// The version it pins, whatever the route's weights say.
     pub adapter: Arc<Adapter>,
-    pub prompt: upstream::Prompt,
-    pub sampling: upstream::Valid<upstream::Sampling>,
+    /// One choice, checked.
+    pub spec: upstream::Valid<upstream::GenerationSpec>,
     /// Who makes it, for the row's `subject`.
     pub subject: String,
     /// The row's `features`, in `api::features`' order.
@@ -62,14 +62,13 @@ pub async fn generate(s: &AppState, call: InternalCall) -> Result<InternalAnswer
     let request = Generation {
         request_id: crate::upstream::RequestId::new(request_id.to_string()),
         adapter: adapter_ref(&resolved),
-        prompt: call.prompt,
-        sampling: call.sampling,
+        spec: call.spec,
         traceparent: String::new(),
         tracestate: String::new(),
         fairness_key: call.fairness_key,
         fairness_weight: call.fairness_weight,
     };
-    let endpoint = Endpoint::of(&request.prompt);
+    let endpoint = Endpoint::of(&request.spec.prompt);
     let answered = tokio::time::timeout(s.request_timeout, async {
         let started = start(s, &resolved, &request, endpoint, &mut trail).await?;
         trail.record.ttft_us = Some(trail.started.elapsed().as_micros() as i64);

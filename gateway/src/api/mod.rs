@@ -322,11 +322,11 @@ async fn handle(s: AppState, request: axum::extract::Request, kind: Kind) -> Res
 
 struct Prepared {
     resolved: Resolved,
+    /// Choice 0 of the request.
     request: Generation,
     /// Choices to generate, each a request of its own on one worker, and
     /// how many of them (the most likely) to return.
-    n: u32,
-    returned: u32,
+    choices: upstream::Choices,
     /// The client asked for log probabilities (`best_of` asks for them
     /// without showing them).
     show_logprobs: bool,
@@ -343,7 +343,7 @@ impl Prepared {
     /// The endpoint the client called: a chat completion sent its prompt
     /// as `messages`.
     fn endpoint(&self) -> params::Endpoint {
-        params::Endpoint::of(&self.request.prompt)
+        params::Endpoint::of(&self.request.spec.prompt)
     }
 }
 
@@ -461,10 +461,7 @@ async fn prepare(
         user,
         stream,
         include_usage,
-        prompt,
-        sampling,
-        n,
-        returned,
+        spec,
         show_logprobs,
         features,
         tools,
@@ -490,9 +487,9 @@ async fn prepare(
     trail.resolved(&resolved);
     // A request that cannot fit the model's context is refused before it
     // is charged against any limit.
-    fits_the_context(s, &resolved, &prompt, &sampling)?;
+    fits_the_context(s, &resolved, &spec.prompt, &spec.sampling)?;
     let (rpm_limit, tpm_limit) = rate_limits(s, &tenant);
-    let reserve = reservation(&sampling, &prompt, n);
+    let reserve = reservation(&spec);
     trail.tokens = s
         .limiter
         .admit(tenant.id, rpm_limit, tpm_limit, reserve)
@@ -506,8 +503,7 @@ async fn prepare(
     let request = Generation {
         request_id: upstream::RequestId::new(trail.record.request_id.to_string()),
         adapter,
-        prompt,
-        sampling,
+        spec: spec.choice(0),
         traceparent,
         tracestate,
         // Each tenant is its own share of every worker.
@@ -517,8 +513,7 @@ async fn prepare(
     Ok(Prepared {
         resolved,
         request,
-        n,
-        returned,
+        choices: spec.choices,
         show_logprobs,
         tools,
         stream,
@@ -545,12 +540,15 @@ fn adapter_ref(resolved: &Resolved) -> Option<upstream::AdapterRef> {
 /// The tokens a request reserves of its tenant's tokens per minute: every
 /// choice's `max_tokens`, the prompt once, and a constraint's source
 /// (compiled on the worker) as tokens of about four bytes.
-fn reservation(sampling: &upstream::Sampling, prompt: &upstream::Prompt, n: u32) -> u64 {
-    let constraint = sampling
+fn reservation(spec: &upstream::GenerationSpec) -> u64 {
+    let constraint = spec
+        .sampling
         .constraint
         .as_ref()
         .map_or(0, |c| c.source_bytes().div_ceil(4) as u64);
-    sampling.max_tokens as u64 * u64::from(n) + estimate_prompt_tokens(prompt) + constraint
+    spec.sampling.max_tokens as u64 * u64::from(spec.choices.generated)
+        + estimate_prompt_tokens(&spec.prompt)
+        + constraint
 }
 
 /// The prompt's tokens as the tokens-per-minute reservation counts them
@@ -578,11 +576,7 @@ struct Parsed {
     user: Option<String>,
     stream: bool,
     include_usage: bool,
-    prompt: upstream::Prompt,
-    sampling: upstream::Valid<upstream::Sampling>,
-    /// Choices to generate (`best_of`, else `n`), and to return (`n`).
-    n: u32,
-    returned: u32,
+    spec: upstream::Valid<upstream::GenerationSpec>,
     /// The client asked for completion tokens' log probabilities.
     show_logprobs: bool,
     /// For the audit row.
@@ -592,7 +586,12 @@ struct Parsed {
 
 /// The API features a request uses, as the audit row records them: stable
 /// names, comma-separated, in a fixed order.
-fn features(s: &upstream::Sampling, n: u32, returned: u32, tools: bool) -> String {
+fn features(spec: &upstream::GenerationSpec, tools: bool) -> String {
+    let s = &spec.sampling;
+    let upstream::Choices {
+        generated: n,
+        returned,
+    } = spec.choices;
     let used = [
         ("logprobs", s.logprobs.is_some()),
         ("echo", s.prompt_logprobs.is_some()),
@@ -615,41 +614,32 @@ fn features(s: &upstream::Sampling, n: u32, returned: u32, tools: bool) -> Strin
 }
 
 fn parse_body(bytes: &[u8], kind: Kind) -> Result<Parsed, ApiError> {
-    let (prompt, sampling, c, tools) = match kind {
+    let (spec, c, tools) = match kind {
         Kind::Completion => {
             let r = CompletionRequest::parse(bytes)?;
-            let (p, sp) = r.to_worker()?;
-            (p, sp, r.common, None)
+            (r.to_worker()?, r.common, None)
         }
         Kind::Chat => {
             let r = ChatRequest::parse(bytes)?;
-            let (p, sp) = r.to_worker()?;
+            let spec = r.to_worker()?;
             let tools = r.tools()?;
-            (p, sp, r.common, tools)
+            (spec, r.common, tools)
         }
     };
-    let (n, returned) = c.choices();
-    let features = features(&sampling, n, returned, tools.is_some());
-    // Choosing the best needs each choice's log probabilities; the client
-    // sees them only if it asked.
-    let show_logprobs = sampling.logprobs.is_some();
-    let sampling = if returned < n {
-        sampling.scoring_tokens()
-    } else {
-        sampling
-    };
+    let features = features(&spec, tools.is_some());
+    // Choosing the best needs each choice's log probabilities (each
+    // choice's request asks for them); the client sees them only if it
+    // asked.
+    let show_logprobs = spec.sampling.logprobs.is_some();
     Ok(Parsed {
         tools,
         features,
         show_logprobs,
         include_usage: c.include_usage(),
-        n,
-        returned,
         model: c.model,
         user: c.user,
         stream: c.stream,
-        prompt,
-        sampling,
+        spec,
     })
 }
 
@@ -657,20 +647,34 @@ fn parse_body(bytes: &[u8], kind: Kind) -> Result<Parsed, ApiError> {
 mod tests {
     use super::*;
 
+    fn spec(
+        sampling: upstream::Sampling,
+        generated: u32,
+        returned: u32,
+    ) -> upstream::GenerationSpec {
+        upstream::GenerationSpec {
+            prompt: upstream::Prompt::TokenIds(vec![1; 7]),
+            sampling,
+            choices: upstream::Choices {
+                generated,
+                returned,
+            },
+        }
+    }
+
     #[test]
     fn the_reservation_counts_every_choice_the_prompt_once_and_the_constraint() {
         let sampling = upstream::Sampling {
             max_tokens: 10,
             ..Default::default()
         };
-        let prompt = upstream::Prompt::TokenIds(vec![1; 7]);
-        assert_eq!(reservation(&sampling, &prompt, 1), 17);
-        assert_eq!(reservation(&sampling, &prompt, 3), 37);
+        assert_eq!(reservation(&spec(sampling.clone(), 1, 1)), 17);
+        assert_eq!(reservation(&spec(sampling.clone(), 3, 1)), 37);
         let constrained = upstream::Sampling {
             constraint: Some(upstream::Constraint::Regex("a".repeat(40))),
             ..sampling
         };
-        assert_eq!(reservation(&constrained, &prompt, 1), 27);
+        assert_eq!(reservation(&spec(constrained, 1, 1)), 27);
         // The features the audit row records, in their fixed order.
         let s = upstream::Sampling {
             logprobs: Some(1),
@@ -679,13 +683,11 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(
-            features(&s, 4, 2, false),
+            features(&spec(s, 4, 2), false),
             "logprobs,echo,n,best_of,penalties"
         );
-        assert_eq!(
-            features(&upstream::Sampling::default(), 1, 1, true),
-            "tools"
-        );
-        assert_eq!(features(&upstream::Sampling::default(), 1, 1, false), "");
+        let plain = || spec(upstream::Sampling::default(), 1, 1);
+        assert_eq!(features(&plain(), true), "tools");
+        assert_eq!(features(&plain(), false), "");
     }
 }

@@ -52,6 +52,7 @@ pub fn client_param(field: Field, endpoint: Endpoint) -> Option<String> {
         }
         Field::Tools => "tools",
         Field::ReasoningEffort => "reasoning_effort",
+        Field::TemplateKwargs => "chat_template_kwargs",
         Field::MaxTokens => "max_tokens",
         Field::Temperature => "temperature",
         Field::TopP => "top_p",
@@ -72,6 +73,8 @@ pub fn client_param(field: Field, endpoint: Endpoint) -> Option<String> {
         Field::RepetitionPenalty => "repetition_penalty",
         Field::FrequencyPenalty => "frequency_penalty",
         Field::PresencePenalty => "presence_penalty",
+        Field::N => "n",
+        Field::BestOf => "best_of",
         Field::Constraint(kind) => match kind {
             ConstraintKind::JsonSchema | ConstraintKind::JsonObject => "response_format",
             ConstraintKind::Regex => "guided_regex",
@@ -119,6 +122,9 @@ mod tests {
                 Some("messages[2].tool_calls"),
             ),
             (Field::ReasoningEffort, Chat, Some("reasoning_effort")),
+            (Field::TemplateKwargs, Chat, Some("chat_template_kwargs")),
+            (Field::BestOf, Completions, Some("best_of")),
+            (Field::N, Chat, Some("n")),
             (Field::RequestId, Completions, None),
             (Field::FairnessKey, Chat, None),
             (Field::Sampling, Chat, None),

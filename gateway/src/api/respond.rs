@@ -356,7 +356,11 @@ pub(super) async fn collect_response(
     span: tracing::Span,
     meta: Meta,
 ) -> Response {
-    let asked = Asked::new(&p.request.prompt, &p.request.sampling, p.show_logprobs);
+    let asked = Asked::new(
+        &p.request.spec.prompt,
+        &p.request.spec.sampling,
+        p.show_logprobs,
+    );
     let mut choices: Vec<Collected> = (0..st.len()).map(|_| Collected::default()).collect();
     let mut left = st.len();
     let deadline = tokio::time::Instant::now() + s.request_timeout;
@@ -406,7 +410,7 @@ pub(super) async fn collect_response(
             let ends: Vec<upstream::Finished> = choices.iter().filter_map(|c| c.finished).collect();
             let usage = settle(&mut trail, &ends, tokens);
             // Usage counts every choice generated, returned or not.
-            let choices: Vec<_> = best(choices, p.returned as usize)
+            let choices: Vec<_> = best(choices, p.choices.returned as usize)
                 .into_iter()
                 .map(|c| c.into_choice(&meta, &asked, p.tools.as_ref()))
                 .collect();
@@ -581,7 +585,11 @@ struct StreamScores {
 
 impl StreamScores {
     fn new(p: &Prepared) -> StreamScores {
-        let asked = Asked::new(&p.request.prompt, &p.request.sampling, p.show_logprobs);
+        let asked = Asked::new(
+            &p.request.spec.prompt,
+            &p.request.spec.sampling,
+            p.show_logprobs,
+        );
         StreamScores {
             echo: asked.echo.as_ref().map(|_| Vec::new()),
             asked,

@@ -132,11 +132,10 @@ pub(super) async fn start_siblings(
     p: &Prepared,
     first: &Started,
 ) -> Result<Vec<Started>, ApiError> {
-    let starts = (1..p.n).map(|i| {
+    let starts = (1..p.choices.generated).map(|i| {
         let mut g = p.request.clone();
         g.request_id = crate::upstream::RequestId::new(format!("{}-{i}", g.request_id));
-        let seed = g.sampling.seed.map(|seed| seed.wrapping_add(u64::from(i)));
-        g.sampling = g.sampling.with_seed(seed);
+        g.spec = g.spec.choice(i);
         let worker = first.worker.clone();
         async move {
             let in_flight = s.fleet.track(&worker);

@@ -22,7 +22,7 @@ impl From<&Generation> for pb::GenerateRequest {
                 artifact_bytes: a.artifact_size.map_or(0, |(b, _)| b),
                 artifact_files: a.artifact_size.map_or(0, |(_, f)| f),
             }),
-            prompt: Some(match &g.prompt {
+            prompt: Some(match &g.spec.prompt {
                 Prompt::Text(t) => pb::generate_request::Prompt::Text(t.clone()),
                 Prompt::TokenIds(ids) => {
                     pb::generate_request::Prompt::TokenIds(pb::TokenIds { ids: ids.clone() })
@@ -42,6 +42,7 @@ impl From<&Generation> for pb::GenerateRequest {
                         .collect(),
                     add_generation_prompt: chat.add_generation_prompt,
                     tools_json: chat.tools_json.clone().unwrap_or_default(),
+                    template_kwargs_json: chat.template_kwargs_json.clone().unwrap_or_default(),
                     continuation: chat.continuation.clone().unwrap_or_default(),
                     reasoning_effort: chat
                         .reasoning_effort
@@ -50,23 +51,23 @@ impl From<&Generation> for pb::GenerateRequest {
                 }),
             }),
             sampling: Some(pb::SamplingParams {
-                max_tokens: wire_u32(g.sampling.max_tokens),
-                temperature: Some(g.sampling.temperature),
-                top_p: Some(g.sampling.top_p),
-                top_k: wire_u32(g.sampling.top_k),
-                min_p: g.sampling.min_p,
-                seed: g.sampling.seed,
-                stop: g.sampling.stop.clone(),
-                stop_token_ids: g.sampling.stop_token_ids.clone(),
-                ignore_eos: g.sampling.ignore_eos,
-                logprobs: g.sampling.logprobs.map(wire_u32),
-                prompt_logprobs: g.sampling.prompt_logprobs.map(wire_u32),
-                logit_bias: g.sampling.logit_bias.iter().copied().collect(),
-                min_tokens: wire_u32(g.sampling.min_tokens),
-                repetition_penalty: Some(g.sampling.repetition_penalty).filter(|&p| p != 1.0),
-                frequency_penalty: g.sampling.frequency_penalty,
-                presence_penalty: g.sampling.presence_penalty,
-                constraint: g.sampling.constraint.as_ref().map(|c| {
+                max_tokens: wire_u32(g.spec.sampling.max_tokens),
+                temperature: Some(g.spec.sampling.temperature),
+                top_p: Some(g.spec.sampling.top_p),
+                top_k: wire_u32(g.spec.sampling.top_k),
+                min_p: g.spec.sampling.min_p,
+                seed: g.spec.sampling.seed,
+                stop: g.spec.sampling.stop.clone(),
+                stop_token_ids: g.spec.sampling.stop_token_ids.clone(),
+                ignore_eos: g.spec.sampling.ignore_eos,
+                logprobs: g.spec.sampling.logprobs.map(wire_u32),
+                prompt_logprobs: g.spec.sampling.prompt_logprobs.map(wire_u32),
+                logit_bias: g.spec.sampling.logit_bias.iter().copied().collect(),
+                min_tokens: wire_u32(g.spec.sampling.min_tokens),
+                repetition_penalty: Some(g.spec.sampling.repetition_penalty).filter(|&p| p != 1.0),
+                frequency_penalty: g.spec.sampling.frequency_penalty,
+                presence_penalty: g.spec.sampling.presence_penalty,
+                constraint: g.spec.sampling.constraint.as_ref().map(|c| {
                     use pb::sampling_params::Constraint as C;
                     match c {
                         Constraint::JsonObject => C::JsonObject(true),

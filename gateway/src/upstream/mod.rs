@@ -20,8 +20,8 @@ use lorafleet_proto::refusal::Reason;
 
 pub use client::{Events, Reports, Transport, WorkerClient};
 pub use lorafleet_domain::generation::{
-    Channel, ChatMessage, ChatPrompt, Constraint, Prompt, ReasoningEffort, Role, Sampling,
-    ToolCall, ToolFunction, Valid,
+    Channel, ChatMessage, ChatPrompt, Choices, Constraint, GenerationSpec, MAX_CHOICES, Prompt,
+    ReasoningEffort, Role, Sampling, TEMPLATE_NAMES, ToolCall, ToolFunction, Valid,
 };
 pub use lorafleet_domain::{AdapterId, FairnessKey, RequestId, Residency, WorkerId};
 
@@ -65,9 +65,9 @@ pub struct Generation {
     pub request_id: RequestId,
     /// None: the base model.
     pub adapter: Option<AdapterRef>,
-    pub prompt: Prompt,
-    /// Checked at the gateway's edge.
-    pub sampling: Valid<Sampling>,
+    /// One choice of a request checked at the gateway's edge
+    /// ([`Valid::choice`]).
+    pub spec: Valid<GenerationSpec>,
     /// W3C trace context, continued by the worker.
     pub traceparent: String,
     pub tracestate: String,

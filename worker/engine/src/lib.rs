@@ -33,8 +33,8 @@ pub use engine::{
 };
 pub use error::{EngineError, Result, context_field};
 pub use lorafleet_domain::generation::{
-    ChatMessage, ChatPrompt, Constraint, ConstraintKind, Field, Invalid, MessagePart, Role,
-    Sampling, ToolCall, ToolFunction, Valid,
+    ChatMessage, ChatPrompt, Choices, Constraint, ConstraintKind, Field, GenerationSpec, Invalid,
+    MessagePart, Role, Sampling, ToolCall, ToolFunction, Valid,
 };
 pub use pool::{AdapterId, AdapterSource, Residency};
 pub use prompter::Prompter;

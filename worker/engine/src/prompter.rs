@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use lorafleet_domain::generation::{ChatMessage, Field, MessagePart};
+use lorafleet_domain::generation::{ChatMessage, Field, MessagePart, TEMPLATE_NAMES};
 
 use crate::error::{EngineError, Result};
 use crate::model::tokenizer::{TemplateChat, TemplateMessage, Tokenizer};
@@ -52,12 +52,18 @@ impl Prompter {
                     .as_deref()
                     .map(|text| json_array(text, Field::Tools))
                     .transpose()?;
+                let extra = chat
+                    .template_kwargs_json
+                    .as_deref()
+                    .map(template_kwargs)
+                    .transpose()?;
                 self.tokenizer.encode_template_chat(
                     &TemplateChat {
                         messages: &messages,
                         tools: tools.as_ref(),
                         add_generation_prompt: chat.add_generation_prompt,
                         reasoning_effort: chat.reasoning_effort.map(|e| e.as_str()),
+                        extra: extra.as_ref(),
                     },
                     chat.continuation.as_deref().unwrap_or(""),
                 )?
@@ -129,6 +135,29 @@ fn template_message(index: usize, m: &ChatMessage) -> Result<TemplateMessage> {
 }
 
 /// `text` as a JSON array, refused by `field` when it is not one.
+/// A chat's `template_kwargs_json`: a JSON object naming none of the
+/// variables the contract gives the template itself.
+pub fn template_kwargs(text: &str) -> Result<serde_json::Map<String, serde_json::Value>> {
+    let field = Field::TemplateKwargs;
+    let map = match serde_json::from_str::<serde_json::Value>(text) {
+        Ok(serde_json::Value::Object(map)) => map,
+        Ok(_) => return Err(EngineError::request(field, "must be a JSON object")),
+        Err(e) => {
+            return Err(EngineError::request(
+                field,
+                format!("is not valid JSON: {e}"),
+            ));
+        }
+    };
+    if let Some(name) = map.keys().find(|k| TEMPLATE_NAMES.contains(&k.as_str())) {
+        return Err(EngineError::request(
+            field,
+            format!("{name:?} is given to the template by the request itself"),
+        ));
+    }
+    Ok(map)
+}
+
 pub fn json_array(text: &str, field: Field) -> Result<serde_json::Value> {
     match serde_json::from_str::<serde_json::Value>(text) {
         Ok(v @ serde_json::Value::Array(_)) => Ok(v),

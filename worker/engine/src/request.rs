@@ -8,8 +8,8 @@ use crate::logprobs::TokenLogprob;
 use crate::pool::{AdapterId, Residency};
 use crate::sampling::Sampling;
 use crate::sequence::Finish;
-use lorafleet_domain::generation::Valid;
 pub use lorafleet_domain::generation::{ChatMessage, ChatPrompt, Prompt, Role};
+use lorafleet_domain::generation::{GenerationSpec, Valid};
 
 /// Whose share of the engine a request uses: a key (the tenant) and the
 /// key's weight. Waiting requests are admitted from the key with the least
@@ -41,6 +41,21 @@ pub struct Request {
     pub prompt: Prompt,
     /// Checked where the request entered the process.
     pub params: Valid<Sampling>,
+}
+
+impl Request {
+    /// The request for one choice of a checked generation (its prompt and
+    /// sampling); a request for several choices runs each as its own
+    /// request ([`Valid::choice`]).
+    pub fn new(id: RequestId, adapter: Option<AdapterId>, spec: Valid<GenerationSpec>) -> Request {
+        let (prompt, params) = spec.into_parts();
+        Request {
+            id,
+            adapter,
+            prompt,
+            params,
+        }
+    }
 }
 
 /// What a request produced, streamed out of [`Engine::step`](crate::Engine::step).

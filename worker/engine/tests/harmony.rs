@@ -106,6 +106,7 @@ fn the_template_gpt_oss_ships_renders_as_transformers_renders_it() {
         let messages = template_messages(case);
         let text = t
             .render(&TemplateChat {
+                extra: None,
                 messages: &messages,
                 tools: case.tools.as_ref(),
                 add_generation_prompt: true,
@@ -352,6 +353,21 @@ fn a_constraint_binds_one_message_of_a_harmony_answer() {
     let (_, messages) = answer(ids("greeting"), Some(Constraint::JsonObject));
     let body: Value = serde_json::from_str(&messages.last().unwrap().text).unwrap();
     assert!(body.is_object());
+    // A client's Lark grammar is the final body too, its rules its own
+    // (`answer` and `body` are also rules of the answer's grammar).
+    let lark =
+        "start: answer \"!\"\nanswer: body | \"well, \" body\nbody: \"hi\" | \"hello there\"\n";
+    let (_, messages) = answer(ids("greeting"), Some(Constraint::Grammar(lark.into())));
+    assert_eq!(messages[0], case("greeting").answer[0], "the reasoning");
+    let last = messages.last().unwrap();
+    assert_eq!(
+        (last.channel.as_str(), last.recipient.as_ref()),
+        ("final", None)
+    );
+    assert!(
+        ["hi!", "hello there!", "well, hi!", "well, hello there!"].contains(&last.text.as_str()),
+        "{messages:?}"
+    );
 }
 
 #[test]
@@ -378,7 +394,8 @@ fn a_constraint_a_harmony_answer_cannot_bind_is_refused_by_field() {
         EngineError::InvalidRequest { field, reason } => (field, reason),
         other => panic!("{other}"),
     };
-    let (field, _) = field_of(submit(chat, Constraint::Grammar("start: \"x\"".into())));
+    // A client's grammar that does not compile is refused as its own.
+    let (field, _) = field_of(submit(chat, Constraint::Grammar("start: (".into())));
     assert_eq!(field, Field::Constraint(ConstraintKind::Grammar));
     // A prompt that opens no message has no message to bind.
     let (field, reason) = field_of(submit(

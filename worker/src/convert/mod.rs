@@ -6,7 +6,9 @@ use std::time::{Duration, SystemTime};
 
 use lorafleet_domain::RequestId;
 use lorafleet_domain::digest::Sha256Hex;
-use lorafleet_domain::generation::{ReasoningEffort, ToolCall, ToolFunction};
+use lorafleet_domain::generation::{
+    Choices, GenerationSpec, ReasoningEffort, ToolCall, ToolFunction,
+};
 use lorafleet_engine::AdapterId;
 use lorafleet_engine::artifact::ArtifactError;
 use lorafleet_engine::logprobs::TokenLogprob;
@@ -118,10 +120,11 @@ pub fn fairness(r: &pb::GenerateRequest) -> Result<Fairness, Refusal> {
     })
 }
 
-/// The request id, prompt and sampling of a Generate request.
+/// The request id and the checked generation of a Generate request (one
+/// choice).
 pub fn generate_request(
     r: &pb::GenerateRequest,
-) -> Result<(RequestId, Prompt, Valid<Sampling>), Refusal> {
+) -> Result<(RequestId, Valid<GenerationSpec>), Refusal> {
     if r.request_id.is_empty() {
         return Err(Refusal::field(Field::RequestId, "is required"));
     }
@@ -138,21 +141,9 @@ pub fn generate_request(
                 "one of text, token_ids or chat is required",
             ));
         }
-        Some(pb::generate_request::Prompt::Text(t)) if t.is_empty() => {
-            return Err(Refusal::field(Field::PromptText, "is empty"));
-        }
         Some(pb::generate_request::Prompt::Text(t)) => Prompt::Text(t.clone()),
-        Some(pb::generate_request::Prompt::TokenIds(ids)) if ids.ids.is_empty() => {
-            return Err(Refusal::field(Field::PromptTokenIds, "is empty"));
-        }
         Some(pb::generate_request::Prompt::TokenIds(ids)) => Prompt::TokenIds(ids.ids.clone()),
         Some(pb::generate_request::Prompt::Chat(chat)) => {
-            if chat.messages.is_empty() {
-                return Err(Refusal::field(
-                    Field::Messages,
-                    "must hold at least one message",
-                ));
-            }
             // The JSON the template reads is checked here, at the edge; the
             // engine's prompter parses it again as it renders.
             let json = |text: &str, field: Field| -> Result<Option<String>, Refusal> {
@@ -184,6 +175,13 @@ pub fn generate_request(
                 messages,
                 add_generation_prompt: chat.add_generation_prompt,
                 tools_json: json(&chat.tools_json, Field::Tools)?,
+                template_kwargs_json: match chat.template_kwargs_json.as_str() {
+                    "" => None,
+                    text => {
+                        lorafleet_engine::prompter::template_kwargs(text)?;
+                        Some(text.to_owned())
+                    }
+                },
                 continuation: Some(chat.continuation.clone()).filter(|c| !c.is_empty()),
                 reasoning_effort: match chat.reasoning_effort.as_str() {
                     "" => None,
@@ -201,7 +199,7 @@ pub fn generate_request(
         .sampling
         .as_ref()
         .ok_or_else(|| Refusal::field(Field::Sampling, "is required"))?;
-    let params = Sampling {
+    let sampling = Sampling {
         max_tokens: s.max_tokens as usize,
         temperature: s.temperature.unwrap_or(1.0),
         top_p: s.top_p.unwrap_or(1.0),
@@ -248,9 +246,14 @@ pub fn generate_request(
                 }),
             })
         }),
+    };
+    let spec = GenerationSpec {
+        prompt,
+        sampling,
+        choices: Choices::ONE,
     }
     .validate()?;
-    Ok((RequestId::new(r.request_id.as_str()), prompt, params))
+    Ok((RequestId::new(r.request_id.as_str()), spec))
 }
 
 pub fn residency(r: Residency) -> pb::Residency {

@@ -256,13 +256,15 @@ fn tool_json_that_does_not_parse_is_refused_by_field() {
             refused.message()
         );
     }
-    let (_, prompt, _) = generate_request(&request(pb::ChatPrompt {
+    let (_, spec) = generate_request(&request(pb::ChatPrompt {
         messages: vec![user],
         tools_json: r#"[{"type":"function","function":{"name":"f"}}]"#.into(),
         ..Default::default()
     }))
     .unwrap();
-    let Prompt::Chat(chat) = prompt else { panic!() };
+    let Prompt::Chat(chat) = &spec.prompt else {
+        panic!()
+    };
     assert_eq!(
         chat.tools_json.as_deref(),
         Some(r#"[{"type":"function","function":{"name":"f"}}]"#)
@@ -296,10 +298,14 @@ fn a_reasoning_effort_the_contract_does_not_know_is_refused_by_field() {
         "{}",
         refused.message()
     );
-    let (_, prompt, _) = generate_request(&request("high")).unwrap();
-    let Prompt::Chat(chat) = prompt else { panic!() };
+    let (_, spec) = generate_request(&request("high")).unwrap();
+    let Prompt::Chat(chat) = &spec.prompt else {
+        panic!()
+    };
     assert_eq!(chat.reasoning_effort, Some(ReasoningEffort::High));
-    let (_, prompt, _) = generate_request(&request("")).unwrap();
-    let Prompt::Chat(chat) = prompt else { panic!() };
+    let (_, spec) = generate_request(&request("")).unwrap();
+    let Prompt::Chat(chat) = &spec.prompt else {
+        panic!()
+    };
     assert_eq!(chat.reasoning_effort, None);
 }

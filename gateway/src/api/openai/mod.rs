@@ -27,7 +27,7 @@
 
 use super::params::{Endpoint, client_param};
 use crate::audit::sanitize::{MAX_MODEL_BYTES, MAX_USER_BYTES, check_field};
-use crate::upstream::{self, Prompt, Sampling, Valid};
+use crate::upstream::{self, Choices, GenerationSpec, Prompt, Sampling, Valid};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -41,9 +41,6 @@ use constraint::ResponseFormat;
 pub use shapes::{Content, ContentPart, LogprobsInput, PromptInput, StopInput};
 use shapes::{Echo, PROMPT_EXPECTED};
 
-/// The most choices one request may ask for (`n`).
-pub const MAX_CHOICES: u32 = 16;
-
 /// A 400 with the offending field.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BadRequest {
@@ -51,10 +48,13 @@ pub struct BadRequest {
     pub message: String,
 }
 
-/// The sampling the parser built, checked by the contract once, here at
+/// The generation the parser built, checked by the contract once, here at
 /// the edge; a refusal names the parameter the client sent.
-pub fn checked(sampling: Sampling, endpoint: Endpoint) -> Result<Valid<Sampling>, BadRequest> {
-    sampling.validate().map_err(|e| {
+pub fn checked(
+    spec: GenerationSpec,
+    endpoint: Endpoint,
+) -> Result<Valid<GenerationSpec>, BadRequest> {
+    spec.validate().map_err(|e| {
         let param = client_param(e.field, endpoint).unwrap_or_else(|| e.field.wire_path());
         BadRequest {
             message: format!("{param}: {}", e.reason),
@@ -116,6 +116,8 @@ pub struct Common {
     parallel_tool_calls: Option<bool>,
     /// Chat's reasoning effort, for the chat template (GPT-OSS's).
     reasoning_effort: Option<String>,
+    /// vLLM's extra variables for chat's template (`enable_thinking`).
+    chat_template_kwargs: Option<Box<serde_json::value::RawValue>>,
     logprobs: Option<LogprobsInput>,
     top_logprobs: Option<i64>,
     pub echo: Option<bool>,
@@ -318,20 +320,8 @@ impl Common {
         if self.model.trim().is_empty() {
             return Err(bad("model", "is required"));
         }
-        if self.n.is_some_and(|n| !(1..=MAX_CHOICES).contains(&n)) {
-            return Err(bad("n", format!("must be from 1 to {MAX_CHOICES}")));
-        }
-        let n = self.n.unwrap_or(1);
-        if let Some(b) = self.best_of {
-            if !(n..=MAX_CHOICES).contains(&b) {
-                return Err(bad(
-                    "best_of",
-                    format!("must be from n ({n}) to {MAX_CHOICES}"),
-                ));
-            }
-            if b > n && self.stream {
-                return Err(bad("best_of", "above n cannot be streamed"));
-            }
+        if self.choices().ranked() && self.stream {
+            return Err(bad("best_of", "above n cannot be streamed"));
         }
         let unsupported = [
             ("typical_p", self.typical_p.is_some_and(|v| v != 1.0)),
@@ -491,10 +481,13 @@ impl Common {
     }
 
     /// Choices to generate, and how many of them to return: `best_of`
-    /// (default `n`) and `n`.
-    pub fn choices(&self) -> (u32, u32) {
-        let n = self.n.unwrap_or(1);
-        (self.best_of.unwrap_or(n), n)
+    /// (default `n`) and `n`; the contract checks their range.
+    pub fn choices(&self) -> Choices {
+        let returned = self.n.unwrap_or(1);
+        Choices {
+            generated: self.best_of.unwrap_or(returned),
+            returned,
+        }
     }
 
     pub fn include_usage(&self) -> bool {
@@ -505,8 +498,8 @@ impl Common {
 }
 
 impl CompletionRequest {
-    /// The worker's prompt and sampling, or the field at fault.
-    pub fn to_worker(&self) -> Result<(Prompt, Valid<Sampling>), BadRequest> {
+    /// The checked generation, or the field at fault.
+    pub fn to_worker(&self) -> Result<Valid<GenerationSpec>, BadRequest> {
         self.common.check()?;
         if self.common.tools.is_some() {
             return Err(bad("tools", "is only for chat completions"));
@@ -514,14 +507,14 @@ impl CompletionRequest {
         if self.common.reasoning_effort.is_some() {
             return Err(bad("reasoning_effort", "is only for chat completions"));
         }
+        if self.common.chat_template_kwargs.is_some() {
+            return Err(bad("chat_template_kwargs", "is only for chat completions"));
+        }
         let prompt = match &self.prompt {
             PromptInput::Text(t) => Prompt::Text(t.clone()),
             PromptInput::Texts(v) if v.len() == 1 => Prompt::Text(v[0].clone()),
-            PromptInput::Tokens(ids) if !ids.is_empty() => Prompt::TokenIds(ids.clone()),
-            PromptInput::TokenLists(v) if v.len() == 1 && !v[0].is_empty() => {
-                Prompt::TokenIds(v[0].clone())
-            }
-            PromptInput::Tokens(_) => return Err(bad("prompt", "must not be empty")),
+            PromptInput::Tokens(ids) => Prompt::TokenIds(ids.clone()),
+            PromptInput::TokenLists(v) if v.len() == 1 => Prompt::TokenIds(v[0].clone()),
             _ => {
                 return Err(bad(
                     "prompt",
@@ -529,11 +522,6 @@ impl CompletionRequest {
                 ));
             }
         };
-        if let Prompt::Text(t) = &prompt
-            && t.is_empty()
-        {
-            return Err(bad("prompt", "must not be empty"));
-        }
         let (logprobs, prompt_logprobs) = self.common.completion_logprobs()?;
         let sampling = Sampling {
             logprobs: logprobs.map(|n| n as usize),
@@ -542,16 +530,18 @@ impl CompletionRequest {
                 .common
                 .sampling(COMPLETIONS_DEFAULT_MAX_TOKENS, prompt_logprobs.is_some())?
         };
-        Ok((prompt, checked(sampling, Endpoint::Completions)?))
+        let spec = GenerationSpec {
+            prompt,
+            sampling,
+            choices: self.common.choices(),
+        };
+        checked(spec, Endpoint::Completions)
     }
 }
 
 impl ChatRequest {
-    pub fn to_worker(&self) -> Result<(Prompt, Valid<Sampling>), BadRequest> {
+    pub fn to_worker(&self) -> Result<Valid<GenerationSpec>, BadRequest> {
         self.common.check()?;
-        if self.messages.is_empty() {
-            return Err(bad("messages", "at least one message is required"));
-        }
         let mut messages = Vec::with_capacity(self.messages.len());
         for (i, m) in self.messages.iter().enumerate() {
             let content = match &m.content {
@@ -630,8 +620,36 @@ impl ChatRequest {
             tools_json: tools.map(|t| t.json.to_string()),
             continuation: None,
             reasoning_effort,
+            template_kwargs_json: self.template_kwargs()?,
         });
-        Ok((prompt, checked(sampling, Endpoint::Chat)?))
+        let spec = GenerationSpec {
+            prompt,
+            sampling,
+            choices: self.common.choices(),
+        };
+        checked(spec, Endpoint::Chat)
+    }
+
+    /// `chat_template_kwargs`: an object, as the client's text, naming
+    /// none of the variables the request itself gives the template; None
+    /// when absent, null or empty.
+    fn template_kwargs(&self) -> Result<Option<String>, BadRequest> {
+        const PARAM: &str = "chat_template_kwargs";
+        let Some(raw) = &self.common.chat_template_kwargs else {
+            return Ok(None);
+        };
+        let map: serde_json::Map<String, Value> =
+            serde_json::from_str(raw.get()).map_err(|_| bad(PARAM, "must be a JSON object"))?;
+        if let Some(name) = map
+            .keys()
+            .find(|k| upstream::TEMPLATE_NAMES.contains(&k.as_str()))
+        {
+            return Err(bad(
+                &format!("{PARAM}.{name}"),
+                "is given to the template by the request itself",
+            ));
+        }
+        Ok((!map.is_empty()).then(|| raw.get().to_owned()))
     }
 
     /// The request's tools, checked.

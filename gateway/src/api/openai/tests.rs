@@ -185,10 +185,11 @@ fn unsupported_fields_that_change_output_are_refused_by_name() {
 fn logprobs_and_echo_map_to_the_worker_fields() {
     let completion = |extra: &str| {
         let body = format!(r#"{{"model":"m","prompt":"x",{extra}}}"#);
-        let (_, s) = CompletionRequest::parse(body.as_bytes())
+        let spec = CompletionRequest::parse(body.as_bytes())
             .unwrap()
             .to_worker()
             .unwrap();
+        let s = &spec.sampling;
         (s.max_tokens, s.logprobs, s.prompt_logprobs)
     };
     assert_eq!(completion(r#""logprobs":5"#), (16, Some(5), None));
@@ -206,10 +207,11 @@ fn logprobs_and_echo_map_to_the_worker_fields() {
     let chat = |extra: &str| {
         let body =
             format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],{extra}}}"#);
-        let (_, s) = ChatRequest::parse(body.as_bytes())
+        let spec = ChatRequest::parse(body.as_bytes())
             .unwrap()
             .to_worker()
             .unwrap();
+        let s = &spec.sampling;
         (s.logprobs, s.prompt_logprobs)
     };
     assert_eq!(chat(r#""logprobs":true"#), (Some(0), None));
@@ -223,15 +225,17 @@ fn accepted_requests_map_to_the_worker_fields() {
         br#"{"model":"m","prompt":[1,2,3],"max_tokens":5,"temperature":0,"stop":"x","seed":7,"logprobs":null,"unknown":1}"#,
     )
     .unwrap();
-    let (prompt, s) = r.to_worker().unwrap();
-    assert_eq!(prompt, Prompt::TokenIds(vec![1, 2, 3]));
+    let spec = r.to_worker().unwrap();
+    let (prompt, s) = (&spec.prompt, &spec.sampling);
+    assert_eq!(*prompt, Prompt::TokenIds(vec![1, 2, 3]));
     assert_eq!((s.max_tokens, s.temperature, s.seed), (5, 0.0, Some(7)));
     assert_eq!(s.stop, vec!["x".to_owned()]);
     let r = ChatRequest::parse(
         br#"{"model":"m","messages":[{"role":"developer","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}],"max_completion_tokens":9}"#,
     )
     .unwrap();
-    let (prompt, s) = r.to_worker().unwrap();
+    let spec = r.to_worker().unwrap();
+    let (prompt, s) = (&spec.prompt, &spec.sampling);
     let Prompt::Chat(upstream::ChatPrompt { messages, .. }) = prompt else {
         panic!()
     };
@@ -250,8 +254,10 @@ fn a_reasoning_model_s_fields_reach_the_template() {
              "tool_calls":[{"id":"c","type":"function","function":{"name":"f","arguments":"{}"}}]}]}"#,
     )
     .unwrap();
-    let (prompt, _) = r.to_worker().unwrap();
-    let Prompt::Chat(chat) = prompt else { panic!() };
+    let spec = r.to_worker().unwrap();
+    let Prompt::Chat(chat) = &spec.prompt else {
+        panic!()
+    };
     assert_eq!(chat.reasoning_effort, Some(upstream::ReasoningEffort::High));
     assert_eq!(chat.messages[1].reasoning.as_deref(), Some("Need f."));
     assert_eq!(chat.messages[0].reasoning, None);
@@ -278,7 +284,7 @@ fn structured_output_fields_map_to_one_constraint() {
             format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],{extra}}}"#);
         ChatRequest::parse(body.as_bytes())
             .and_then(|r| r.to_worker())
-            .map(|(_, s)| s.constraint.clone())
+            .map(|spec| spec.sampling.constraint.clone())
     };
     assert_eq!(constraint(r#""response_format":{"type":"text"}"#), Ok(None));
     assert_eq!(

@@ -2,20 +2,46 @@
 //! message's body, not the whole output: the answer may first think (an
 //! `analysis` message, free text), then writes the message the constraint
 //! is about, markers and header as the format spells them. A content
-//! constraint (JSON, a regular expression, a choice) is the body of the
-//! `final` message, ended by `<|return|>`; a tool call is a `commentary`
+//! constraint (JSON, a regular expression, a choice, a Lark grammar) is
+//! the body of the `final` message, ended by `<|return|>` (a client's Lark
+//! grammar is a grammar of its own there, referenced from the answer's, so
+//! its rules and lexer never meet the answer's); a tool call is a `commentary`
 //! message to `functions.NAME` whose body, `<|constrain|>json`, matches the
 //! function's parameters, ended by `<|call|>`.
 
+use llguidance::api::{GrammarWithLexer, TopLevelGrammar};
 use lorafleet_domain::generation::{Constraint, ToolCall};
 use serde_json::Value;
 
 use super::{json_layout, lark_choices, lark_string};
 use crate::error::{EngineError, Result};
 
-/// The Lark grammar (llguidance's dialect, special tokens by name) of `c`
-/// in a harmony answer.
-pub(super) fn grammar(c: &Constraint) -> Result<String> {
+/// The name the answer's grammar gives a client's own.
+const CLIENT_GRAMMAR: &str = "client";
+
+/// The grammar of `c` in a harmony answer: the answer's, in Lark
+/// (llguidance's dialect, special tokens by name), and a client's Lark
+/// grammar beside it.
+pub(super) fn grammar(c: &Constraint) -> Result<TopLevelGrammar> {
+    let answer = GrammarWithLexer::from_lark(answer(c)?);
+    let grammars = match c {
+        Constraint::Grammar(g) => vec![
+            answer,
+            GrammarWithLexer {
+                name: Some(CLIENT_GRAMMAR.into()),
+                ..GrammarWithLexer::from_lark(g.clone())
+            },
+        ],
+        _ => vec![answer],
+    };
+    Ok(TopLevelGrammar {
+        grammars,
+        max_tokens: None,
+    })
+}
+
+/// The answer's Lark grammar.
+fn answer(c: &Constraint) -> Result<String> {
     let refuse = |why: String| EngineError::request(c.field(), why);
     let json = |schema: Value| format!("%json {}", json_layout(schema));
     let final_body = |body: String| {
@@ -31,11 +57,7 @@ pub(super) fn grammar(c: &Constraint) -> Result<String> {
         Constraint::Regex(r) => final_body(format!("/{}/", llguidance::regex_to_lark(r, ""))),
         Constraint::Choice(choices) => final_body(lark_choices(choices)),
         Constraint::ToolCall(t) => calls(t, &refuse)?,
-        Constraint::Grammar(_) => {
-            return Err(refuse(
-                "a Lark grammar cannot be bound to a harmony (GPT-OSS) message yet".into(),
-            ));
-        }
+        Constraint::Grammar(_) => final_body(format!("@{CLIENT_GRAMMAR}")),
     };
     Ok(format!(
         "start: analysis? answer\n\

@@ -365,7 +365,7 @@ impl Compiler {
 
     fn compile_new(&self, c: &Constraint) -> Result<Matcher> {
         let grammar = match self.harmony {
-            true => TopLevelGrammar::from_lark(harmony::grammar(c)?),
+            true => harmony::grammar(c)?,
             false => grammar(c)?,
         };
         let parser = self.factory()?.create_parser(grammar).map_err(|e| {

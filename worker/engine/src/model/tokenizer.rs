@@ -41,6 +41,9 @@ pub struct TemplateChat<'a> {
     pub add_generation_prompt: bool,
     /// `reasoning_effort`, given only when set.
     pub reasoning_effort: Option<&'a str>,
+    /// More variables (a request's `chat_template_kwargs`); the ones above
+    /// win over any of the same name.
+    pub extra: Option<&'a serde_json::Map<String, Value>>,
 }
 
 /// The model's tokenizer and chat template.
@@ -221,6 +224,7 @@ impl Tokenizer {
             tools,
             add_generation_prompt,
             reasoning_effort: None,
+            extra: None,
         })
     }
 
@@ -246,6 +250,9 @@ impl Tokenizer {
         // own default.
         if let Some(effort) = chat.reasoning_effort {
             ctx = context! { reasoning_effort => effort, ..ctx };
+        }
+        if let Some(extra) = chat.extra {
+            ctx = context! { ..ctx, ..minijinja::Value::from_serialize(extra) };
         }
         tmpl.render(ctx)
             .map_err(|e| EngineError::ChatTemplate(format!("render: {e}")))
@@ -287,6 +294,7 @@ impl Tokenizer {
                 tools,
                 add_generation_prompt,
                 reasoning_effort: None,
+                extra: None,
             },
             continuation,
         )

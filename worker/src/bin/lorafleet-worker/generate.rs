@@ -8,7 +8,8 @@ use std::path::PathBuf;
 use anyhow::{Context, bail};
 use lorafleet_engine::constraint::Constraint;
 use lorafleet_engine::{
-    AdapterSource, Engine, EngineError, Field, FinishReason, Prompt, Request, Sampling,
+    AdapterSource, Choices, Engine, EngineError, Field, FinishReason, GenerationSpec, Prompt,
+    Request, Sampling,
 };
 use serde::Deserialize;
 
@@ -336,19 +337,6 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             presence_penalty: parsed.presence_penalty,
             constraint,
         };
-        // A refusal names the line's own key.
-        let refuse = |field: Field, reason: &str| at(format!("{}: {reason}", line_key(field)));
-        let params = params.validate().map_err(|e| refuse(e.field, &e.reason))?;
-        params
-            .check_vocab(engine.config().vocab_size)
-            .map_err(|e| refuse(e.field, &e.reason))?;
-        let refused = |e: EngineError| match e {
-            EngineError::InvalidRequest { field, reason } => refuse(field, &reason),
-            other => at(other.to_string()),
-        };
-        if let Some(c) = &params.constraint {
-            engine.check_constraint(c).map_err(refused)?;
-        }
         let prompt = match (parsed.prompt, parsed.prompt_token_ids) {
             (Some(text), None) => Prompt::Text(text),
             (None, Some(ids)) => Prompt::TokenIds(ids),
@@ -358,21 +346,39 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
                 ));
             }
         };
-        let prompt_len = engine.tokenize(&prompt).map_err(refused)?.len();
-        if prompt_len + params.max_tokens > engine.max_model_len() {
+        // A refusal names the line's own key.
+        let refuse = |field: Field, reason: &str| at(format!("{}: {reason}", line_key(field)));
+        let spec = GenerationSpec {
+            prompt,
+            sampling: params,
+            choices: Choices::ONE,
+        };
+        let spec = spec.validate().map_err(|e| refuse(e.field, &e.reason))?;
+        spec.sampling
+            .check_vocab(engine.config().vocab_size)
+            .map_err(|e| refuse(e.field, &e.reason))?;
+        let refused = |e: EngineError| match e {
+            EngineError::InvalidRequest { field, reason } => refuse(field, &reason),
+            other => at(other.to_string()),
+        };
+        if let Some(c) = &spec.sampling.constraint {
+            engine.check_constraint(c).map_err(refused)?;
+        }
+        let prompt_len = engine.tokenize(&spec.prompt).map_err(refused)?.len();
+        let s = &spec.sampling;
+        if prompt_len + s.max_tokens > engine.max_model_len() {
             return Err(at(format!(
                 "max_tokens: the prompt ({prompt_len} tokens) plus max_tokens ({}) exceeds max_model_len {}",
-                params.max_tokens,
+                s.max_tokens,
                 engine.max_model_len()
             )));
         }
-        wants.push((params.logprobs.is_some(), params.prompt_logprobs.is_some()));
-        requests.push(Request {
-            id: format!("line-{line_no}").into(),
+        wants.push((s.logprobs.is_some(), s.prompt_logprobs.is_some()));
+        requests.push(Request::new(
+            format!("line-{line_no}").into(),
             adapter,
-            prompt,
-            params,
-        });
+            spec,
+        ));
         names.push(parsed.lora);
     }
 
