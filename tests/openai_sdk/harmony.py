@@ -88,6 +88,8 @@ def main():
     ]
     out["weather_result"] = whole(client, model, answered, tools=[WEATHER])
     out["refused_effort"] = refusal(client, model, hello, reasoning_effort="extreme")
+    out["hello_python"] = whole(client, model, hello, extra_body={"chat_template_kwargs": {"builtin_tools": ["python"]}})
+    out["refused_kwargs"] = refusal(client, model, hello, extra_body={"chat_template_kwargs": {"messages": []}})
     named = {"type": "function", "function": {"name": "get_weather"}}
     out["forced_call"] = whole(client, model, ASK, tools=[WEATHER], tool_choice=named)
     out["forced_call_streamed"] = streamed(client, model, ASK, tools=[WEATHER], tool_choice="required")

@@ -5,9 +5,10 @@
 //! worker. A chat answer's `analysis` message is `reasoning_content` and
 //! its `final` one `content`, whole and streamed; a call in the
 //! `commentary` channel is a tool call; the call's result rendered back in
-//! gives the trained answer; `reasoning_effort` reaches the template; a
-//! forced call and a content constraint bind their own message; what
-//! cannot be served is refused by name.
+//! gives the trained answer; `reasoning_effort` and `chat_template_kwargs`
+//! reach the template; a forced call, a content constraint and a Lark
+//! grammar bind their own message; what cannot be served is refused by
+//! name.
 
 #[path = "support/admin_plane.rs"]
 mod admin_plane;
@@ -93,6 +94,9 @@ async fn a_gpt_oss_chat_answer_separates_reasoning_content_and_tool_calls() {
     // `reasoning_effort` reached the template: its system message differs.
     let tokens = |case: &str| got[case]["prompt_tokens"].as_u64().unwrap();
     assert_ne!(tokens("hello_low"), tokens("hello_high"), "{got}");
+    // So did `chat_template_kwargs`: the python tool's description is in
+    // the system message.
+    assert!(tokens("hello_python") > tokens("hello") + 20, "{got}");
 
     // A call in the commentary channel is a tool call, with its reasoning.
     for case in ["weather", "weather_streamed"] {
@@ -170,8 +174,12 @@ async fn a_gpt_oss_chat_answer_separates_reasoning_content_and_tool_calls() {
     // grammar that does not compile.
     assert_eq!(got["refused_effort"], "reasoning_effort", "{got}");
     assert_eq!(got["refused_grammar"], "guided_grammar", "{got}");
+    assert_eq!(
+        got["refused_kwargs"], "chat_template_kwargs.messages",
+        "{got}"
+    );
 
     // One audit row per completion, every one served by the base.
-    let rows = p.audit_rows("acme", "oss", 12).await;
+    let rows = p.audit_rows("acme", "oss", 13).await;
     assert!(rows.iter().all(|r| r["lora_int_id"].is_null()), "{rows:?}");
 }

@@ -405,3 +405,54 @@ fn a_constraint_a_harmony_answer_cannot_bind_is_refused_by_field() {
     assert_eq!(field, Field::Constraint(ConstraintKind::JsonObject));
     assert!(reason.contains("opens none"), "{reason}");
 }
+
+#[test]
+fn a_chat_s_template_kwargs_reach_the_template_and_cannot_shadow_its_own() {
+    let e = engine();
+    let chat = |kwargs: Option<&str>| {
+        Prompt::Chat(lorafleet_engine::ChatPrompt {
+            messages: vec![lorafleet_engine::ChatMessage {
+                role: lorafleet_engine::Role::User,
+                content: "Say hello.".into(),
+                tool_calls_json: None,
+                tool_call_id: None,
+                name: None,
+                reasoning: None,
+            }],
+            add_generation_prompt: true,
+            tools_json: None,
+            continuation: None,
+            reasoning_effort: None,
+            template_kwargs_json: kwargs.map(Into::into),
+        })
+    };
+    let text = |kwargs| {
+        let ids = e.tokenize(&chat(kwargs)).unwrap();
+        e.tokenizer().decode(&ids).unwrap()
+    };
+    // GPT-OSS's template takes `builtin_tools` and `model_identity`.
+    let plain = text(None);
+    assert!(!plain.contains("## python"), "{plain}");
+    assert!(plain.contains("You are ChatGPT"), "{plain}");
+    let given = text(Some(
+        r#"{"builtin_tools": ["python"], "model_identity": "You are a tiny test model."}"#,
+    ));
+    assert!(given.contains("## python"), "{given}");
+    assert!(given.contains("You are a tiny test model."), "{given}");
+    assert!(!given.contains("You are ChatGPT"), "{given}");
+    // The request's own variables are not for the kwargs to set, and the
+    // kwargs are an object.
+    for bad in [
+        r#"{"messages": []}"#,
+        r#"{"reasoning_effort": "high"}"#,
+        r#"["python"]"#,
+        "{",
+    ] {
+        match e.tokenize(&chat(Some(bad))).unwrap_err() {
+            EngineError::InvalidRequest { field, .. } => {
+                assert_eq!(field, Field::TemplateKwargs, "{bad}")
+            }
+            other => panic!("{bad}: {other}"),
+        }
+    }
+}

@@ -308,4 +308,33 @@ fn a_reasoning_effort_the_contract_does_not_know_is_refused_by_field() {
         panic!()
     };
     assert_eq!(chat.reasoning_effort, None);
+    // The template's further variables: an object naming none of the
+    // request's own.
+    for (kwargs, ok) in [
+        (r#"{"enable_thinking":false}"#, true),
+        (r#"{"messages":[]}"#, false),
+        ("[1]", false),
+    ] {
+        let mut r = request("");
+        if let Some(pb::generate_request::Prompt::Chat(c)) = &mut r.prompt {
+            c.template_kwargs_json = kwargs.into();
+        }
+        match generate_request(&r) {
+            Ok((_, spec)) => {
+                assert!(ok, "{kwargs}");
+                let Prompt::Chat(chat) = &spec.prompt else {
+                    panic!()
+                };
+                assert_eq!(chat.template_kwargs_json.as_deref(), Some(kwargs));
+            }
+            Err(e) => {
+                assert!(!ok, "{kwargs}");
+                let message = status(&e).message().to_owned();
+                assert!(
+                    message.starts_with("prompt.chat.template_kwargs_json"),
+                    "{message}"
+                );
+            }
+        }
+    }
 }

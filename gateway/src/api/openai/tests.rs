@@ -274,6 +274,35 @@ fn a_reasoning_model_s_fields_reach_the_template() {
         .and_then(|r| r.to_worker())
         .unwrap_err();
     assert_eq!(e.param, "reasoning_effort");
+    // vLLM's `chat_template_kwargs`: the client's object, as text.
+    let kwargs = |extra: &str| {
+        let body = format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":"q"}}],"chat_template_kwargs":{extra}}}"#
+        );
+        ChatRequest::parse(body.as_bytes())
+            .and_then(|r| r.to_worker())
+            .map(|spec| match &spec.prompt {
+                Prompt::Chat(chat) => chat.template_kwargs_json.clone(),
+                _ => panic!(),
+            })
+    };
+    assert_eq!(
+        kwargs(r#"{"enable_thinking": false}"#),
+        Ok(Some(r#"{"enable_thinking": false}"#.into()))
+    );
+    assert_eq!(kwargs("{}"), Ok(None));
+    assert_eq!(kwargs("null"), Ok(None));
+    assert_eq!(kwargs("[1]").unwrap_err().param, "chat_template_kwargs");
+    assert_eq!(
+        kwargs(r#"{"a": 1, "tools": []}"#).unwrap_err().param,
+        "chat_template_kwargs.tools"
+    );
+    let e = CompletionRequest::parse(
+        br#"{"model":"m","prompt":"q","chat_template_kwargs":{"enable_thinking":true}}"#,
+    )
+    .and_then(|r| r.to_worker())
+    .unwrap_err();
+    assert_eq!(e.param, "chat_template_kwargs");
 }
 
 #[test]
