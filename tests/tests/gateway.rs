@@ -546,3 +546,47 @@ async fn a_traceparent_is_joined_only_from_a_trusted_proxy() {
         "an untrusted caller chose the trace: {line}"
     );
 }
+
+/// Past `--tenant-series` tenants, a tenant's requests count as `other`:
+/// the first tenant seen keeps its own series, the second does not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_metrics_name_only_the_top_tenants() {
+    let f = fleet_with("gateway_tenant_series", &["--tenant-series", "1"]).await;
+    let (status, v) = f.complete("support", "Once upon a time", None).await;
+    assert_eq!(status, 200, "{v}");
+    for _ in 0..2 {
+        let r = f
+            .http
+            .post(format!("{}/v1/completions", f.base_url))
+            .bearer_auth(INITECH_KEY)
+            .json(&json!({"model": "base", "prompt": "x", "max_tokens": 1}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 200);
+    }
+    let metrics = f
+        .http
+        .get(format!("http://{}/metrics", f.gateway.addr("metrics")))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let value = |series: &str| -> f64 {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok()))
+            .unwrap_or_else(|| panic!("no {series} in {metrics}"))
+    };
+    assert_eq!(
+        value(r#"lorafleet_gateway_requests_total{tenant="acme",adapter="qv-r8@1",status="ok"}"#),
+        1.0
+    );
+    assert_eq!(
+        value(r#"lorafleet_gateway_requests_total{tenant="other",adapter="other",status="ok"}"#),
+        2.0
+    );
+    assert!(!metrics.contains("tenant=\"initech\""), "{metrics}");
+}

@@ -47,7 +47,7 @@ pub struct InternalAnswer {
 pub async fn generate(s: &AppState, call: InternalCall) -> Result<InternalAnswer, ApiError> {
     let request_id = Uuid::now_v7();
     let ticket = s.audit.admit().map_err(audit_unavailable)?;
-    let mut trail = Trail::new(request_id, ticket);
+    let mut trail = Trail::new(request_id, ticket, s.tenant_series.clone());
     let tenant = s.registry.snapshot().tenant(&call.route.tenant_id).cloned();
     trail.record.tenant_id = Some(call.route.tenant_id);
     trail.tenant_name = tenant.map_or_else(String::new, |t| t.name);

@@ -43,6 +43,7 @@ mod logprobs;
 pub mod openai;
 pub mod params;
 mod respond;
+pub mod series;
 mod trail;
 mod usage;
 mod worker;
@@ -55,6 +56,8 @@ use worker::{start, worker_error};
 #[derive(Debug, Clone)]
 pub struct AppState {
     pub registry: Registry,
+    /// The tenants whose requests have metrics series of their own.
+    pub tenant_series: Arc<series::TenantSeries>,
     pub jwt: Option<JwtConfig>,
     pub fleet: Fleet,
     pub limiter: RateLimiter,
@@ -254,7 +257,7 @@ async fn handle(s: AppState, request: axum::extract::Request, kind: Kind) -> Res
             return with_request_id(audit_unavailable(u).into_response(), request_id);
         }
     };
-    let mut trail = Trail::new(request_id, ticket);
+    let mut trail = Trail::new(request_id, ticket, s.tenant_series.clone());
     trail.record.client_addr = client.map(|c| c.to_string());
     let span = tracing::info_span!(
         "completion",

@@ -15,6 +15,8 @@ pub(super) struct Trail {
     pub(super) tenant_name: String,
     pub(super) adapter_label: String,
     pub(super) ticket: Option<Ticket>,
+    /// Whether the tenant's metrics have series of their own.
+    pub(super) series: Arc<super::series::TenantSeries>,
     /// The tenant's tokens-per-minute reservation, settled to the tokens
     /// the request used when its row is written, however it ends.
     pub(super) tokens: Option<crate::ratelimit::Reservation>,
@@ -35,15 +37,30 @@ impl Drop for Trail {
 }
 
 impl Trail {
-    pub(super) fn new(request_id: Uuid, ticket: Ticket) -> Trail {
+    pub(super) fn new(
+        request_id: Uuid,
+        ticket: Ticket,
+        series: Arc<super::series::TenantSeries>,
+    ) -> Trail {
         Trail {
             record: AuditRecord::refused(request_id, Utc::now()),
             started: Instant::now(),
             tenant_name: String::new(),
             adapter_label: String::new(),
             ticket: Some(ticket),
+            series,
             tokens: None,
         }
+    }
+
+    /// The `tenant` and `adapter` labels of the request's metrics: its own
+    /// when its tenant is named, else `other` ([`super::series`]).
+    pub(super) fn labels(&self, named: bool) -> [(&'static str, String); 2] {
+        let (tenant, adapter) = match named {
+            true => (self.tenant_name.clone(), self.adapter_label.clone()),
+            false => (super::series::OTHER.into(), super::series::OTHER.into()),
+        };
+        [("tenant", tenant), ("adapter", adapter)]
     }
 
     /// Gives the row's place back unwritten: the request is recorded
@@ -111,17 +128,12 @@ impl Trail {
         if status != AuditStatus::Ok {
             self.record.finish_reason = None;
         }
-        let labels = [
-            ("tenant", self.tenant_name.clone()),
-            ("adapter", self.adapter_label.clone()),
-        ];
+        let device = Duration::from_micros(self.record.device_us.unwrap_or(0).max(0) as u64);
+        let labels = self.labels(self.series.charge(&self.tenant_name, device));
+        let [tenant, adapter] = labels.clone();
         metrics::counter!(
             "lorafleet_gateway_requests_total",
-            &[
-                ("tenant", self.tenant_name.clone()),
-                ("adapter", self.adapter_label.clone()),
-                ("status", status.as_str().to_owned()),
-            ]
+            &[tenant, adapter, ("status", status.as_str().to_owned())]
         )
         .increment(1);
         metrics::histogram!("lorafleet_gateway_request_duration_seconds", &labels)

@@ -45,10 +45,15 @@ pub(super) async fn start(
         "device_hit" => if route.device_hit { "true" } else { "false" })
     .increment(1);
     if adapter.is_some() {
-        metrics::counter!("lorafleet_gateway_residency_checks_total",
-            "tenant" => trail.tenant_name.clone(),
-            "adapter" => trail.adapter_label.clone(),
-            "hit" => if route.device_hit { "true" } else { "false" })
+        let [tenant, adapter] = trail.labels(trail.series.named(&trail.tenant_name));
+        let hit = (
+            "hit",
+            if route.device_hit { "true" } else { "false" }.to_owned(),
+        );
+        metrics::counter!(
+            "lorafleet_gateway_residency_checks_total",
+            &[tenant, adapter, hit]
+        )
         .increment(1);
     }
     let mut last: Option<UpstreamError> = None;

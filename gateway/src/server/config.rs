@@ -75,6 +75,8 @@ pub struct GatewayConfig {
     pub request_timeout: Duration,
     pub first_token_timeout: Duration,
     pub max_attempts: usize,
+    /// Tenants whose request metrics have series of their own.
+    pub tenant_series: usize,
     pub gateway_replicas: u32,
     pub admin_statement_timeout: Duration,
     pub registry_max_age: Duration,

@@ -153,6 +153,12 @@ pub struct ServeArgs {
     /// Workers tried per request before the first token.
     #[arg(long, env = "LORAFLEET_MAX_ATTEMPTS", default_value_t = 3)]
     pub max_attempts: usize,
+    /// Tenants whose request metrics (requests, latency, time to first
+    /// token, residency checks) have series of their own, by tenant and
+    /// adapter: the ones with the most recent device time. Every other
+    /// tenant counts as `tenant="other"`; 0 names none.
+    #[arg(long, env = "LORAFLEET_TENANT_SERIES", default_value_t = 50)]
+    pub tenant_series: usize,
     /// Gateway replicas sharing the rate limits; without Redis each replica
     /// enforces its share.
     #[arg(long, env = "LORAFLEET_GATEWAY_REPLICAS", default_value_t = 1)]
@@ -372,6 +378,7 @@ impl ServeArgs {
             request_timeout: Duration::from_secs(self.request_timeout_secs),
             first_token_timeout: Duration::from_secs(self.first_token_timeout_secs),
             max_attempts: self.max_attempts,
+            tenant_series: self.tenant_series,
             gateway_replicas: self.gateway_replicas,
             admin_statement_timeout: Duration::from_secs(self.admin_statement_timeout_secs),
             registry_max_age: Duration::from_secs(self.registry_max_age_secs),

@@ -197,6 +197,7 @@ pub async fn start(config: GatewayConfig, listeners: Listeners) -> Result<Runnin
         crate::audit::start(pool.clone(), &config.audit).map_err(ServerError::Spool)?;
     let (cut, cut_rx) = watch::channel(false);
     let state = AppState {
+        tenant_series: Arc::new(crate::api::series::TenantSeries::new(config.tenant_series)),
         registry,
         jwt: config.jwt.clone(),
         fleet,
