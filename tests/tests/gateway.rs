@@ -387,21 +387,8 @@ async fn tenants_get_exactly_their_adapter_and_nothing_else() {
     assert_eq!(rejected, 2);
 
     // Per-tenant, per-adapter metrics, and the residency hit rate at routing.
-    let metrics = f
-        .http
-        .get(format!("http://{}/metrics", f.gateway.addr("metrics")))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    let value = |series: &str| -> f64 {
-        metrics
-            .lines()
-            .find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok()))
-            .unwrap_or_else(|| panic!("no {series} in {metrics}"))
-    };
+    let metrics = f.gateway_metrics().await;
+    let value = |series: &str| metric(&metrics, series);
     assert!(
         value(r#"lorafleet_gateway_requests_total{tenant="acme",adapter="qv-r8@1",status="ok"}"#)
             >= 3.0
@@ -565,21 +552,8 @@ async fn request_metrics_name_only_the_top_tenants() {
             .unwrap();
         assert_eq!(r.status().as_u16(), 200);
     }
-    let metrics = f
-        .http
-        .get(format!("http://{}/metrics", f.gateway.addr("metrics")))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    let value = |series: &str| -> f64 {
-        metrics
-            .lines()
-            .find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok()))
-            .unwrap_or_else(|| panic!("no {series} in {metrics}"))
-    };
+    let metrics = f.gateway_metrics().await;
+    let value = |series: &str| metric(&metrics, series);
     assert_eq!(
         value(r#"lorafleet_gateway_requests_total{tenant="acme",adapter="qv-r8@1",status="ok"}"#),
         1.0

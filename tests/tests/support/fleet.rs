@@ -335,6 +335,18 @@ impl Fleet {
         self.post("/v1/completions", Some(ACME_KEY), body).await
     }
 
+    /// The gateway's metrics, as Prometheus scrapes them.
+    pub async fn gateway_metrics(&self) -> String {
+        self.http
+            .get(format!("http://{}/metrics", self.gateway.addr("metrics")))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    }
+
     /// The requests the audit log records: one a row, except the rows of
     /// failed authentications, which count theirs.
     pub async fn audit_count(&self) -> i64 {
@@ -412,4 +424,12 @@ pub fn text(v: &Value) -> &str {
     v["choices"][0]["text"]
         .as_str()
         .unwrap_or_else(|| panic!("{v}"))
+}
+
+/// The value of one series (its name and labels, exactly) in `metrics`.
+pub fn metric(metrics: &str, series: &str) -> f64 {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok()))
+        .unwrap_or_else(|| panic!("no {series} in {metrics}"))
 }
