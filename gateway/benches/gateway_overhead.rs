@@ -87,6 +87,8 @@ impl pb::worker_server::Worker for StandIn {
                 text: "x".into(),
                 logprobs: vec![],
                 channel: None,
+                device_time: None,
+                load_time: None,
             }),
             pb::generate_event::Event::Finished(pb::Finished {
                 finish_reason: pb::FinishReason::Length as i32,

@@ -356,6 +356,8 @@ fn every_message_round_trips_with_every_field_set() {
         text: "The ✓".into(),
         logprobs: vec![token_logprob(Some(-1.5)), token_logprob(Some(0.0))],
         channel: Some(channel),
+        device_time: Some(dur(0, 1_250_000)),
+        load_time: Some(dur(0, 40_000)),
     }]);
     cov.check(vec![PromptLogprobs {
         logprobs: vec![token_logprob(None), token_logprob(Some(-3.0))],
@@ -404,6 +406,8 @@ fn every_message_round_trips_with_every_field_set() {
                 text: "x".into(),
                 logprobs: vec![],
                 channel: None,
+                device_time: None,
+                load_time: None,
             })),
         },
         GenerateEvent {

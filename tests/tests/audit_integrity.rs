@@ -213,11 +213,12 @@ async fn clients_that_go_away_still_get_their_rows() {
         i32,
         Option<String>,
         Option<String>,
+        Option<i64>,
     );
     let rows: Vec<Row> = loop {
         let rows: Vec<Row> = sqlx::query_as(
             "SELECT request_id, status::text, http_status, error_code, completion_tokens,
-                    end_user, api_key_prefix
+                    end_user, api_key_prefix, device_us
              FROM audit_log ORDER BY received_at",
         )
         .fetch_all(&e.pool)
@@ -234,7 +235,10 @@ async fn clients_that_go_away_still_get_their_rows() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     assert_eq!(rows.len(), 2, "{rows:?}");
-    let (id, status, http, code, tokens, user, prefix) = &rows[0];
+    let (id, status, http, code, tokens, user, prefix, device) = &rows[0];
+    // The device time it used up to its last token, though no `Finished`
+    // came.
+    assert!(device.is_some_and(|us| us > 0), "{device:?}");
     assert_eq!(*id, stream_id);
     assert_eq!(
         (status.as_str(), code.as_deref()),
@@ -247,7 +251,8 @@ async fn clients_that_go_away_still_get_their_rows() {
     );
     assert_eq!(user.as_deref(), Some("leaver"));
     assert_eq!(prefix.as_deref(), Some(ACME_KEY.split_once('.').unwrap().0));
-    let (_, status, http, code, tokens, _, prefix) = &rows[1];
+    let (_, status, http, code, tokens, _, prefix, device) = &rows[1];
+    assert!(device.is_some_and(|us| us > 0), "{device:?}");
     assert_eq!(
         (status.as_str(), code.as_deref()),
         ("cancelled", Some("client_closed"))

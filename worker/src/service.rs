@@ -358,6 +358,8 @@ impl pb::worker_server::Worker for WorkerService {
                             text,
                             logprobs,
                             channel,
+                            device_time,
+                            load_time,
                         } => {
                             let now = Instant::now();
                             match last_token {
@@ -366,7 +368,12 @@ impl pb::worker_server::Worker for WorkerService {
                             }
                             last_token = Some(now);
                             Ok(convert::delta_event(
-                                token_ids, text, &logprobs, channel, &prompter,
+                                token_ids,
+                                text,
+                                &logprobs,
+                                channel,
+                                (device_time, load_time),
+                                &prompter,
                             ))
                         }
                         Event::PromptLogprobs(scored) => {

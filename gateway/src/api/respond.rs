@@ -380,7 +380,10 @@ pub(super) async fn collect_response(
                 text,
                 logprobs,
                 channel,
+                device_time,
+                load_time,
             } => {
+                trail.spent(i, device_time, load_time);
                 // Only a chat answer is read by channel.
                 match channel.filter(|_| meta.kind == Kind::Chat) {
                     Some(ch) => {
@@ -623,7 +626,10 @@ impl StreamScores {
                 text,
                 logprobs,
                 channel,
+                device_time,
+                load_time,
             } => {
+                trail.spent(index, device_time, load_time);
                 trail.record.completion_tokens += token_ids.len() as i32;
                 let echo = self.echo(meta, index);
                 // Only a chat answer is read by channel.

@@ -17,6 +17,9 @@ pub(super) struct Trail {
     pub(super) ticket: Option<Ticket>,
     /// Whether the tenant's metrics have series of their own.
     pub(super) series: Arc<super::series::TenantSeries>,
+    /// Each choice's device and adapter-load time so far, from its latest
+    /// delta.
+    spent: Vec<(Duration, Duration)>,
     /// The tenant's tokens-per-minute reservation, settled to the tokens
     /// the request used when its row is written, however it ends.
     pub(super) tokens: Option<crate::ratelimit::Reservation>,
@@ -49,8 +52,25 @@ impl Trail {
             adapter_label: String::new(),
             ticket: Some(ticket),
             series,
+            spent: Vec::new(),
             tokens: None,
         }
+    }
+
+    /// Choice `index`'s device and load time so far: the row keeps their
+    /// sum over the choices as they come, so a request cut before its end
+    /// (a client that went away, a timeout) still records what it used up
+    /// to its last delta. The choices' `Finished` set the final figures.
+    pub(super) fn spent(&mut self, index: usize, device: Duration, load: Duration) {
+        if self.spent.len() <= index {
+            self.spent
+                .resize(index + 1, (Duration::ZERO, Duration::ZERO));
+        }
+        self.spent[index] = (device, load);
+        let device: Duration = self.spent.iter().map(|s| s.0).sum();
+        let load: Duration = self.spent.iter().map(|s| s.1).sum();
+        self.record.device_us = Some(crate::audit::micros(device));
+        self.record.load_us = Some(crate::audit::micros(load));
     }
 
     /// The `tenant` and `adapter` labels of the request's metrics: its own

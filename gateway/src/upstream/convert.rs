@@ -127,6 +127,8 @@ pub(super) fn event(e: pb::GenerateEvent) -> Option<WorkerEvent> {
                 recipient: Some(c.recipient).filter(|r| !r.is_empty()),
                 content_type: Some(c.content_type).filter(|t| !t.is_empty()),
             }),
+            device_time: elapsed(d.device_time),
+            load_time: elapsed(d.load_time),
         },
         pb::generate_event::Event::PromptLogprobs(p) => {
             WorkerEvent::PromptLogprobs(p.logprobs.into_iter().map(token_logprob).collect())

@@ -121,6 +121,10 @@ pub enum WorkerEvent {
         logprobs: Vec<TokenLogprob>,
         /// A harmony model's answer: the message the text belongs to.
         channel: Option<Channel>,
+        /// The choice's device and adapter-load time so far (zero from a
+        /// worker that sends none).
+        device_time: std::time::Duration,
+        load_time: std::time::Duration,
     },
     Finished(Finished),
 }

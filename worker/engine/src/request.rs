@@ -75,6 +75,11 @@ pub enum Event {
         /// A harmony model's answer: the message `text` belongs to. None
         /// for other models, and while a message's header is read.
         channel: Option<crate::model::harmony::Channel>,
+        /// The request's device time and adapter-load time so far (what
+        /// its `Finished` will report, up to this step), so that a request
+        /// that is cancelled still accounts for what it used.
+        device_time: std::time::Duration,
+        load_time: std::time::Duration,
     },
     /// The request completed.
     Finished(Finish),

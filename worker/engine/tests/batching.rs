@@ -436,6 +436,56 @@ fn requests_device_time_adds_up_to_the_engines_busy_time() {
     );
 }
 
+/// Each delta carries its request's device and load time so far: never
+/// less than the delta before, and the last one (in the step that finishes
+/// it) says what `Finished` does, so a request cancelled mid-way accounts
+/// for what it used up to its last delta.
+#[test]
+fn each_delta_carries_the_time_its_request_has_used_so_far() {
+    let mut e = engine(EngineSettings {
+        max_loras: 4,
+        max_cpu_loras: 6,
+        max_batched_tokens: 64,
+        max_num_seqs: 8,
+        ..Default::default()
+    });
+    let requests = mixed_workload();
+    let n = requests.len();
+    for r in requests {
+        e.submit(r).unwrap();
+    }
+    let mut last = std::collections::HashMap::new();
+    let mut finished = 0;
+    while e.has_work() {
+        for (id, event) in e.step().unwrap() {
+            match event {
+                Event::Delta {
+                    device_time,
+                    load_time,
+                    ..
+                } => {
+                    assert!(!device_time.is_zero(), "{id}");
+                    let before = last.insert(id.clone(), (device_time, load_time));
+                    if let Some((d, l)) = before {
+                        assert!(device_time >= d && load_time >= l, "{id}");
+                    }
+                }
+                Event::Finished(f) => {
+                    assert_eq!(last[&id], (f.device_time, f.load_time), "{id}");
+                    finished += 1;
+                }
+                Event::Failed(err) => panic!("{id}: {err}"),
+                Event::PromptLogprobs(_) => {}
+            }
+        }
+    }
+    assert_eq!(finished, n);
+    assert!(
+        last.values().any(|(_, load)| !load.is_zero()),
+        "some adapter was copied in"
+    );
+}
+
 /// Adapter copies per request: each copy of an adapter into a device slot
 /// is split among the live requests of that adapter, so over a run the
 /// requests' shares and the copies no request waited for add up to the

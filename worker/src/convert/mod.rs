@@ -614,6 +614,7 @@ pub fn delta_event(
     text: String,
     logprobs: &[TokenLogprob],
     channel: Option<Channel>,
+    (device_time, load_time): (Duration, Duration),
     prompter: &Prompter,
 ) -> pb::GenerateEvent {
     pb::GenerateEvent {
@@ -629,6 +630,8 @@ pub fn delta_event(
                 recipient: c.recipient.unwrap_or_default(),
                 content_type: c.content_type.unwrap_or_default(),
             }),
+            device_time: Some(duration(device_time)),
+            load_time: Some(duration(load_time)),
         })),
     }
 }

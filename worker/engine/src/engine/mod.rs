@@ -773,7 +773,7 @@ impl Engine {
                         token_ids,
                         text,
                         logprobs,
-                        channel: _,
+                        ..
                     } => {
                         c.token_ids.extend(token_ids);
                         c.text.push_str(&text);

@@ -362,6 +362,8 @@ impl Engine {
                 text: out.text,
                 logprobs: logprob.into_iter().collect(),
                 channel: out.channel,
+                device_time: seq.device_time,
+                load_time: seq.load_time,
             },
         ));
         if let Some((reason, stop)) = out.finished {
