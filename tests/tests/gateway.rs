@@ -563,4 +563,8 @@ async fn request_metrics_name_only_the_top_tenants() {
         2.0
     );
     assert!(!metrics.contains("tenant=\"initech\""), "{metrics}");
+    // Named from its first request on, at routing too.
+    assert!(metrics.contains(
+        "lorafleet_gateway_residency_checks_total{tenant=\"acme\",adapter=\"qv-r8@1\",hit="
+    ));
 }

@@ -49,13 +49,17 @@ impl TenantSeries {
         }
     }
 
-    /// Whether `tenant` has series of its own now.
+    /// Whether `tenant` has series of its own now (named at once while
+    /// fewer than `top` are, as at its first charge).
     pub fn named(&self, tenant: &str) -> bool {
-        self.state
-            .lock()
-            .expect("not poisoned")
-            .named
-            .contains(tenant)
+        if self.top == 0 || tenant.is_empty() {
+            return false;
+        }
+        let mut s = self.state.lock().expect("not poisoned");
+        if s.named.len() < self.top {
+            s.named.insert(tenant.to_owned());
+        }
+        s.named.contains(tenant)
     }
 
     /// Charges a finished request's device time to `tenant`: whether the
@@ -120,6 +124,9 @@ mod tests {
         assert!(!series.charge_at("c", ms(50), t0));
         assert!(!series.charge_at("c", ms(50), t0 + RERANK / 2));
         assert!(series.named("a") && series.named("b") && !series.named("c"));
+        // Before its first charge, a tenant is named while there is room.
+        let roomy = TenantSeries::new(2);
+        assert!(roomy.named("x") && roomy.named("y") && !roomy.named("z"));
         // At the ranking, c (100 ms) and b (now 10 ms) outrank a (1 ms).
         assert!(series.charge_at("b", ms(9), t0 + RERANK));
         assert!(series.named("c") && !series.named("a"));
