@@ -65,6 +65,8 @@ pub struct AdapterConfig {
     /// `target_modules` lists `lm_head`: LoRA on the output projection,
     /// `logits + s · B · A · h`.
     pub lm_head: bool,
+    /// `modules_to_save` and `trainable_token_indices`.
+    pub saved: super::saved::SavedModules,
 }
 
 /// A parameter of a Mixture-of-Experts block that a LoRA may target.
@@ -117,6 +119,14 @@ impl AdapterConfig {
         adapter: &str,
         model: &ModelConfig,
     ) -> Result<AdapterConfig, AdapterError> {
+        use super::saved::Layer;
+        if model.tie_word_embeddings && self.saved.rows_of(Layer::LmHead).is_some() {
+            return Err(unsupported(
+                adapter,
+                "trainable_token_indices.lm_head",
+                "the model ties lm_head to embed_tokens, so its rows follow the embeddings'",
+            ));
+        }
         self.for_architecture(adapter, model.architecture)
     }
 
@@ -277,13 +287,15 @@ impl AdapterConfig {
     }
 
     /// What the adapter does beyond plain LoRA, by the names the registry
-    /// records (`dora`, `lora_bias`), in that order.
+    /// records, in this order.
     pub fn features(&self) -> Vec<&'static str> {
         [
             (self.use_dora, "dora"),
             (self.lora_bias, "lora_bias"),
             (self.embed_tokens, "embed_tokens"),
             (self.lm_head, "lm_head"),
+            (!self.saved.whole.is_empty(), "modules_to_save"),
+            (!self.saved.rows.is_empty(), "trainable_tokens"),
         ]
         .into_iter()
         .filter_map(|(on, name)| on.then_some(name))
@@ -386,18 +398,10 @@ fn parse(
     // Features that change the math: refused unless unset.
     let refused: &[(&str, &str)] = &[
         (
-            "modules_to_save",
-            "modules_to_save replaces base weights and is not supported",
-        ),
-        (
             "fan_in_fan_out",
             "fan_in_fan_out (Conv1D-style weights) is not supported",
         ),
         ("layer_replication", "layer replication is not supported"),
-        (
-            "trainable_token_indices",
-            "trainable token embeddings are not supported",
-        ),
         ("alora_invocation_tokens", "activated LoRA is not supported"),
         ("use_qalora", "QALoRA is not supported"),
         ("arrow_config", "Arrow routing is not supported"),
@@ -464,6 +468,8 @@ fn parse(
         "layers_pattern",
         "bias",
         "exclude_modules",
+        "modules_to_save",
+        "trainable_token_indices",
     ];
     for (key, value) in root {
         let listed = known.contains(&key.as_str())
@@ -675,6 +681,19 @@ fn parse(
             "DoRA on target_parameters (a Mixture-of-Experts block's fused experts) is not defined",
         ));
     }
+    let lora_on: Vec<super::saved::Layer> = [
+        (embed_tokens, super::saved::Layer::Embedding),
+        (lm_head, super::saved::Layer::LmHead),
+    ]
+    .into_iter()
+    .filter_map(|(on, l)| on.then_some(l))
+    .collect();
+    let saved = super::saved::parse(
+        adapter,
+        root.get("modules_to_save"),
+        root.get("trainable_token_indices"),
+        &lora_on,
+    )?;
     let config = AdapterConfig {
         r,
         lora_alpha,
@@ -690,6 +709,7 @@ fn parse(
         selection,
         embed_tokens,
         lm_head,
+        saved,
     };
     // Excluding every module a list names leaves nothing to adapt.
     if config.selection.excludes_any() && config.expert_targets.is_empty() {

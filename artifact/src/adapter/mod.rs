@@ -4,6 +4,7 @@
 //! plane checks one at registration with the same rules.
 
 pub mod config;
+pub mod saved;
 pub mod selection;
 pub mod tensors;
 

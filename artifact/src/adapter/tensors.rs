@@ -36,6 +36,11 @@ pub enum Factor {
     /// beside an embedding or lm_head LoRA (`save_embedding_layers`) and
     /// loads over the model's: it must be the base's own.
     BaseCopy,
+    /// A layer saved whole (`modules_to_save`), `[vocab, hidden]`: the
+    /// adapter's own, used in place of the model's.
+    Whole,
+    /// A layer's trained rows (`trainable_token_indices`), `[n, hidden]`.
+    TokenRows,
 }
 
 /// One tensor an adapter stores.
@@ -55,6 +60,7 @@ pub fn module_tensor(layer: usize, t: Target, factor: Factor) -> String {
         Factor::Magnitude => "lora_magnitude_vector",
         Factor::Bias => "lora_B.bias",
         Factor::BaseCopy => "base_layer.weight",
+        Factor::Whole | Factor::TokenRows => unreachable!("only the embedding layers are saved"),
     };
     format!("base_model.model.model.layers.{layer}.{}.{what}", t.path)
 }
@@ -141,6 +147,19 @@ pub fn expected_outside_layers(config: &AdapterConfig) -> Vec<Expected> {
             Factor::BaseCopy,
         );
     }
+    use super::saved::{Layer, rows_tensor, whole_tensor};
+    for layer in [Layer::Embedding, Layer::LmHead] {
+        let holds = match layer {
+            Layer::Embedding => Holds::Embedding,
+            Layer::LmHead => Holds::LmHead,
+        };
+        if config.saved.keeps_whole(layer) {
+            push(whole_tensor(layer).into(), holds, Factor::Whole);
+        }
+        if config.saved.rows_of(layer).is_some() {
+            push(rows_tensor(layer).into(), holds, Factor::TokenRows);
+        }
+    }
     out
 }
 
@@ -157,7 +176,18 @@ fn layer_of(name: &str) -> Option<usize> {
 
 /// Why a tensor that no target explains is refused.
 fn unexpected(name: &str) -> &'static str {
-    if name.contains("lora_embedding") || name.contains("embed_tokens") {
+    use super::saved::{Layer, rows_tensor, whole_tensor};
+    if [Layer::Embedding, Layer::LmHead]
+        .iter()
+        .any(|&l| name == whole_tensor(l))
+    {
+        "is a layer saved whole, but modules_to_save does not list it"
+    } else if [Layer::Embedding, Layer::LmHead]
+        .iter()
+        .any(|&l| name == rows_tensor(l))
+    {
+        "is a layer's trained token rows, but trainable_token_indices does not name the layer"
+    } else if name.contains("lora_embedding") || name.contains("embed_tokens") {
         "is an embedding LoRA's, but target_modules does not list embed_tokens"
     } else if name.contains("lm_head") {
         "is an lm_head LoRA's, but target_modules does not list lm_head"
@@ -230,6 +260,12 @@ pub fn check(
             }
             continue;
         }
+        if let (Factor::Whole | Factor::TokenRows, Holds::Embedding | Holds::LmHead) =
+            (expected.factor, expected.holds)
+        {
+            check_saved(config, &expected, &info.shape).map_err(|r| bad(name, r))?;
+            continue;
+        }
         if matches!(expected.factor, Factor::Magnitude | Factor::Bias) {
             // One value per output row: as many as lora_B has rows.
             let Holds::Module(t) = expected.holds else {
@@ -268,7 +304,12 @@ pub fn check(
         };
         let rank_dim = match expected.factor {
             Factor::A => rows,
-            Factor::B | Factor::Magnitude | Factor::Bias | Factor::BaseCopy => cols,
+            Factor::B
+            | Factor::Magnitude
+            | Factor::Bias
+            | Factor::BaseCopy
+            | Factor::Whole
+            | Factor::TokenRows => cols,
         };
         let path = rank_path(&expected);
         let (rank, _) = config.rank_and_alpha(adapter, &path)?;
@@ -346,8 +387,71 @@ fn missing_reason(factor: Factor) -> String {
         Factor::Bias => {
             "the tensor is missing (`lora_bias: true` gives each module's lora_B a bias)".into()
         }
+        Factor::Whole => "the tensor is missing (modules_to_save lists its layer)".into(),
+        Factor::TokenRows => {
+            "the tensor is missing (trainable_token_indices names its layer)".into()
+        }
         Factor::A | Factor::B | Factor::BaseCopy => "the tensor is missing".into(),
     }
+}
+
+/// A saved layer is `[rows, hidden]`; trained rows are one per listed
+/// token. Whether the rows are the base's vocabulary is the worker's
+/// check, with the model at hand.
+fn check_saved(config: &AdapterConfig, e: &Expected, shape: &[u64]) -> Result<(), String> {
+    use super::saved::Layer;
+    let [rows, cols] = shape[..] else {
+        return Err(format!("has shape {shape:?}, not two-dimensional"));
+    };
+    if cols == 0 || rows == 0 {
+        return Err(format!("has shape {shape:?}"));
+    }
+    if e.factor == Factor::TokenRows {
+        let layer = match e.holds {
+            Holds::LmHead => Layer::LmHead,
+            _ => Layer::Embedding,
+        };
+        let listed = config.saved.rows_of(layer).map_or(0, <[u32]>::len) as u64;
+        if rows != listed {
+            return Err(format!(
+                "has {rows} rows, but trainable_token_indices lists {listed} tokens for {}",
+                layer.module_name()
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The vocabulary an adapter's saved layers have (their rows), if it
+/// saves one whole; both must agree.
+pub fn saved_vocab(adapter: &str, header: &Header) -> Result<Option<u64>, AdapterError> {
+    use super::saved::{Layer, whole_tensor};
+    let mut vocab: Option<(u64, &str)> = None;
+    for layer in [Layer::Embedding, Layer::LmHead] {
+        let name = whole_tensor(layer);
+        let Some(info) = header
+            .tensors
+            .iter()
+            .find(|(k, _)| language_model_name(k).is_some_and(|k| k.as_ref() == name))
+            .map(|(_, i)| i)
+        else {
+            continue;
+        };
+        let rows = info.shape.first().copied().unwrap_or(0);
+        match vocab {
+            Some((v, other)) if v != rows => {
+                return Err(AdapterError::InvalidTensor {
+                    adapter: adapter.into(),
+                    tensor: name.into(),
+                    reason: format!(
+                        "has {rows} rows, but {other} has {v}: the saved layers disagree on the vocabulary"
+                    ),
+                });
+            }
+            _ => vocab = Some((rows, name)),
+        }
+    }
+    Ok(vocab.map(|(v, _)| v))
 }
 
 #[cfg(test)]

@@ -151,10 +151,18 @@ fn every_fixture_adapter_loads() {
 fn features_that_change_the_math_are_refused_by_name() {
     let c = config(MODEL);
     let cases: Vec<(&str, Value, &str)> = vec![
-        ("modules_to_save", json!(["lm_head"]), "modules_to_save"),
+        (
+            "modules_to_save",
+            json!(["model.norm"]),
+            "only embed_tokens and lm_head",
+        ),
         ("bias", json!("all"), "only \"none\""),
         ("fan_in_fan_out", json!(true), "fan_in_fan_out"),
-        ("trainable_token_indices", json!([1, 2]), "trainable token"),
+        (
+            "trainable_token_indices",
+            json!([1, 1]),
+            "lists token 1 twice",
+        ),
         ("peft_type", json!("IA3"), "only LORA"),
         (
             "init_lora_weights",
@@ -206,6 +214,15 @@ fn features_that_change_the_math_are_refused_by_name() {
     let err = load(dir.path(), &c, 16, None).unwrap_err().to_string();
     assert!(
         err.contains("lora_B.bias") && err.contains("lora_bias"),
+        "{err}"
+    );
+    // A layer saved whole over a plain adapter's tensors is refused by
+    // the missing tensor.
+    let dir = copy_adapter("qv-r8");
+    edit_config(dir.path(), |v| v["modules_to_save"] = json!(["lm_head"]));
+    let err = load(dir.path(), &c, 16, None).unwrap_err().to_string();
+    assert!(
+        err.contains("base_model.model.lm_head.weight") && err.contains("modules_to_save"),
         "{err}"
     );
     // Harmless keys may be set: they do not change inference.

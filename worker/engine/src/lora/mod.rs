@@ -19,6 +19,7 @@ pub mod experts;
 pub use experts::{ExpertFactors, ExpertLayer};
 pub mod outer;
 pub use outer::{BaseCopy, EmbeddingLora, Outer};
+pub mod saved;
 
 use crate::model::{ModelConfig, WeightFiles};
 
@@ -260,9 +261,10 @@ impl HostAdapter {
             .any(|m| m.bias.is_some())
     }
 
-    /// Whether it has LoRA on the token embeddings or the lm_head.
+    /// Whether it has LoRA on the token embeddings or the lm_head, or
+    /// rows of its own there.
     pub fn has_outer(&self) -> bool {
-        self.outer.embedding.is_some() || self.outer.lm_head.is_some()
+        !self.outer.is_empty()
     }
 
     /// Whether any module is DoRA (has a magnitude vector).
@@ -321,6 +323,12 @@ impl HostAdapter {
                 reason: e.to_string().replace(&shown, "adapter_model.safetensors"),
             })?;
         files.serve_language_model_adapter();
+        lorafleet_artifact::adapter::saved::check_tokenizer(
+            name,
+            dir,
+            limits.model.vocab_size as u64,
+            "the base model's vocabulary",
+        )?;
         build(name, &config, &files, limits)
     }
 }

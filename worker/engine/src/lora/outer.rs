@@ -75,12 +75,24 @@ pub struct Outer {
     /// As one "expert" mapping hidden to the vocabulary.
     pub lm_head: Option<ExpertFactors>,
     pub copies: Vec<BaseCopy>,
+    /// Rows the adapter replaces (`modules_to_save`,
+    /// `trainable_token_indices`).
+    pub saved: super::saved::SavedLayers,
 }
 
 impl Outer {
     pub fn bytes(&self) -> usize {
         self.embedding.as_ref().map_or(0, EmbeddingLora::bytes)
             + self.lm_head.as_ref().map_or(0, ExpertFactors::bytes)
+            + self.saved.bytes()
+    }
+
+    /// Whether it changes anything outside the layers.
+    pub fn is_empty(&self) -> bool {
+        self.embedding.is_none()
+            && self.lm_head.is_none()
+            && self.saved.embedding.is_none()
+            && self.saved.lm_head.is_none()
     }
 
     pub fn rank(&self) -> usize {
@@ -103,7 +115,10 @@ pub(super) fn load(
         reason,
     };
     let (vocab, hidden) = (model.vocab_size, model.hidden_size);
-    let mut out = Outer::default();
+    let mut out = Outer {
+        saved: super::saved::load(name, config, files, model)?,
+        ..Outer::default()
+    };
     let expected = tensors::expected_outside_layers(config);
     let find = |holds: Holds, factor: Factor| {
         expected

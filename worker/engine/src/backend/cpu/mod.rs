@@ -497,7 +497,12 @@ impl Backend for CpuBackend {
             .enumerate()
         {
             let at = tok as usize * d;
+            let outer = self.outer_of(batch.token_slot[t]);
+            let own = outer
+                .and_then(|o| o.saved.embedding.as_ref())
+                .is_some_and(|e| e.embed(tok, row));
             match &self.embed {
+                _ if own => {}
                 Embedding::F32(table) => row.copy_from_slice(&table[at..at + d]),
                 Embedding::Bf16(table) => {
                     for (v, &b) in row.iter_mut().zip(&table[at..at + d]) {
@@ -512,10 +517,7 @@ impl Backend for CpuBackend {
                 }
             }
             // After Gemma's scale: PEFT wraps the scaled embedding.
-            if let Some(e) = self
-                .outer_of(batch.token_slot[t])
-                .and_then(|o| o.embedding.as_ref())
-            {
+            if let Some(e) = outer.and_then(|o| o.embedding.as_ref()) {
                 e.add_delta(tok, row);
             }
         }
@@ -715,17 +717,21 @@ impl Backend for CpuBackend {
         let [mut logits] = self
             .lm_head
             .forward_split(&last_normed, rows.len(), [c.vocab_size]);
+        let v = c.vocab_size;
         for (i, &t) in rows.iter().enumerate() {
-            if let Some(head) = self
-                .outer_of(batch.token_slot[t])
-                .and_then(|o| o.lm_head.as_ref())
-            {
-                let v = c.vocab_size;
-                head.add_delta(
-                    0,
-                    &last_normed[i * d..(i + 1) * d],
-                    &mut logits[i * v..(i + 1) * v],
-                );
+            let Some(outer) = self.outer_of(batch.token_slot[t]) else {
+                continue;
+            };
+            let (h, row) = (
+                &last_normed[i * d..(i + 1) * d],
+                &mut logits[i * v..(i + 1) * v],
+            );
+            if let Some(head) = &outer.lm_head {
+                head.add_delta(0, h, row);
+            }
+            // The adapter's own rows of the lm_head replace the base's.
+            if let Some(own) = &outer.saved.lm_head {
+                own.logits(h, row);
             }
         }
         if let Some(cap) = c.gemma.as_ref().and_then(|g| g.final_logit_softcapping) {

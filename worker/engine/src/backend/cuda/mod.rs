@@ -707,6 +707,23 @@ impl Backend for CudaBackend {
                 },
             ));
         }
+        let saved = &adapter.outer.saved;
+        if let Some(own) = saved.embedding.as_ref().or(saved.lm_head.as_ref()) {
+            let field = if own.is_whole() {
+                "modules_to_save"
+            } else {
+                "trainable_token_indices"
+            };
+            return Err(crate::error::EngineError::Adapter(
+                lorafleet_artifact::adapter::AdapterError::Unsupported {
+                    adapter: adapter.name.clone(),
+                    field: field.into(),
+                    reason: "the CUDA backend does not serve an adapter's own embedding or \
+                             lm_head rows yet (the CPU backend does)"
+                        .into(),
+                },
+            ));
+        }
         if adapter.has_outer() {
             return Err(crate::error::EngineError::Adapter(
                 lorafleet_artifact::adapter::AdapterError::Unsupported {

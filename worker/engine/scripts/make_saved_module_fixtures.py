@@ -1,0 +1,128 @@
+#!/usr/bin/env python3
+"""Adapters that carry more than LoRA factors, made by PEFT, and their
+goldens from PEFT itself:
+
+- `modules_to_save` of `lm_head` and `embed_tokens`: a whole trained copy
+  of the layer (`base_model.model.lm_head.weight`,
+  `base_model.model.model.embed_tokens.weight`), which PEFT uses in place
+  of the model's for that adapter;
+- `trainable_token_indices`: new values for some rows of the embeddings
+  (`….embed_tokens.token_adapter.trainable_tokens_delta` `[n, hidden]`),
+  and of the lm_head too where the model ties the two or the dict names
+  it.
+
+Run by hand, never by CI, after make_fixtures.py (it adapts that script's
+`llama-gqa`, `qwen2-tied` and make_moe_fixtures.py's `mixtral-moe`):
+
+    python3 -m venv .venv && .venv/bin/pip install torch transformers peft safetensors tokenizers
+    .venv/bin/python worker/engine/scripts/make_saved_module_fixtures.py worker/engine/tests/fixtures
+
+(made with peft 0.21.2, transformers 5.24.0, torch 2.15.0.)
+
+The saved copies are the base's values moved by noise (as training would
+move them), and the trainable rows random, so each adapter's tokens differ
+from the base's. The token rows are tokens of the golden prompts, so they
+are read on the way in. It writes `adapters/saved/<model>/<name>/` and
+`golden_saved.json`: for each adapter and prompt, the greedy tokens and the
+last prompt position's logits of transformers + PEFT in f32. Nothing here
+shares code with the Rust engine.
+"""
+
+import json
+import os
+import shutil
+import sys
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from tokenizers import Tokenizer
+from transformers import AutoModelForCausalLM
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from make_fixtures import MAX_NEW, PROMPTS, golden_cases, randomize_lora  # noqa: E402
+
+
+def prompt_tokens(tok, k):
+    """k distinct token ids of the golden prompts, a few from each."""
+    seen = []
+    for p in PROMPTS:
+        for t in tok.encode(p).ids[1:4]:
+            if t not in seen:
+                seen.append(t)
+    return sorted(seen[:k])
+
+
+ADAPTERS = {
+    "llama-gqa": [
+        ("head-qv-r4", lambda tok: dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"])),
+        ("embed-head-o-r4", lambda tok: dict(r=4, lora_alpha=4, target_modules=["o_proj"], modules_to_save=["embed_tokens", "lm_head"])),
+        ("tokens-q-r4", lambda tok: dict(r=4, lora_alpha=8, target_modules=["q_proj"], trainable_token_indices=prompt_tokens(tok, 5))),
+        (
+            "tokens-dict-r2",
+            lambda tok: dict(
+                r=2,
+                lora_alpha=4,
+                target_modules=["k_proj"],
+                trainable_token_indices={"embed_tokens": prompt_tokens(tok, 3), "lm_head": [7, 11, 200]},
+            ),
+        ),
+    ],
+    # Tied embeddings: trainable rows change the lm_head's rows too (PEFT
+    # ties them); a saved lm_head is the adapter's own, the embeddings stay
+    # the base's.
+    "qwen2-tied": [
+        ("tokens-tied-r4", lambda tok: dict(r=4, lora_alpha=8, target_modules=["v_proj"], trainable_token_indices=prompt_tokens(tok, 4))),
+        ("head-r4", lambda tok: dict(r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=["lm_head"])),
+    ],
+    "mixtral-moe": [
+        ("head-tokens-r4", lambda tok: dict(r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=["lm_head"], trainable_token_indices=prompt_tokens(tok, 3))),
+    ],
+}
+
+
+def move_saved(model, seed):
+    """Moves the saved copies and the trainable rows off their initial
+    values (PEFT starts both as copies of the base's)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "modules_to_save" in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+            elif "trainable_tokens_delta" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+
+def main():
+    out = sys.argv[1] if len(sys.argv) > 1 else "worker/engine/tests/fixtures"
+    golden = {"max_new_tokens": MAX_NEW, "cases": []}
+    for i, (model, adapters) in enumerate(ADAPTERS.items()):
+        path = os.path.join(out, model)
+        tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+        for j, (name, kwargs) in enumerate(adapters):
+            base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            peft_model = get_peft_model(base, LoraConfig(task_type="CAUSAL_LM", lora_dropout=0.0, **kwargs(tok)))
+            randomize_lora(peft_model, 9700 + 10 * i + j)
+            move_saved(peft_model, 9800 + 10 * i + j)
+            adir = os.path.join(out, "adapters", "saved", model, name)
+            shutil.rmtree(adir, ignore_errors=True)
+            peft_model.save_pretrained(adir)
+            os.remove(os.path.join(adir, "README.md"))
+            cfg_path = os.path.join(adir, "adapter_config.json")
+            cfg = json.load(open(cfg_path))
+            cfg["base_model_name_or_path"] = f"worker/engine/tests/fixtures/{model}"
+            cfg["target_modules"] = sorted(cfg["target_modules"])
+            with open(cfg_path, "w") as f:
+                json.dump(cfg, f, indent=2)
+            m = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), adir).eval()
+            cases = golden_cases(m, tok, model, name)
+            # The adapter must change what the model does.
+            plain = golden_cases(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), tok, model, None)
+            assert any(a["greedy"] != b["greedy"] for a, b in zip(cases, plain)), name
+            golden["cases"].extend(cases)
+    with open(os.path.join(out, "golden_saved.json"), "w") as f:
+        json.dump(golden, f)
+    print(f"wrote {len(golden['cases'])} golden cases to {out}/golden_saved.json")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+//! Adapters with rows of their own in the embedding layers, as PEFT makes
+//! them (`scripts/make_saved_module_fixtures.py`): `modules_to_save` of
+//! `lm_head` and `embed_tokens` (a whole trained copy) and
+//! `trainable_token_indices` (some tokens' rows), on the CPU backend:
+//! logits within 1e-4 of transformers + PEFT and greedy tokens equal (a
+//! Llama, a Qwen2 whose lm_head is tied to its embeddings, a Mixtral),
+//! each applied to its adapter's rows alone beside plain adapters and the
+//! base in one step, counted in the adapter's bytes, and what cannot be
+//! served refused by field or tensor.
+
+mod common;
+
+use common::*;
+use lorafleet_engine::backend::cpu::CpuBackend;
+use lorafleet_engine::backend::{Backend, BackendShape, StepBatch};
+use lorafleet_engine::lora::{AdapterLimits, HostAdapter};
+use lorafleet_engine::model::ModelConfig;
+
+fn golden_saved() -> Golden {
+    golden_named("golden_saved.json")
+}
+
+#[test]
+fn saved_layers_and_trainable_tokens_match_peft() {
+    let golden = golden_saved();
+    let checked = check_golden_cases_on_cpu(&golden, "llama-gqa", "saved/llama-gqa")
+        + check_golden_cases_on_cpu(&golden, "qwen2-tied", "saved/qwen2-tied")
+        + check_golden_cases_on_cpu(&golden, "mixtral-moe", "saved/mixtral-moe");
+    assert_eq!(checked, golden.cases.len());
+    assert_eq!(checked, 21);
+}
+
+fn backend(model: &str, slots: usize) -> (CpuBackend, ModelConfig) {
+    let dir = model_dir(model);
+    let config = ModelConfig::from_dir(&dir).unwrap();
+    let shape = BackendShape {
+        slots,
+        max_lora_rank: 16,
+        kv_blocks: 64,
+        block_size: 4,
+        ring_len: 0,
+        ring_blocks: 0,
+    };
+    (CpuBackend::load(&dir, &config, shape).unwrap(), config)
+}
+
+fn load(config: &ModelConfig, dir: &std::path::Path) -> Result<HostAdapter, String> {
+    let limits = AdapterLimits {
+        model: config,
+        max_lora_rank: 16,
+        base_hash_check: None,
+    };
+    HostAdapter::load("a", dir, limits).map_err(|e| e.to_string())
+}
+
+#[test]
+fn each_adapter_s_rows_serve_its_own_tokens_beside_plain_adapters_and_the_base() {
+    let model = "llama-gqa";
+    let saved = |name: &str| adapter_dir("saved/llama-gqa", name);
+    let (mut backend, config) = backend(model, 5);
+    let names = [
+        "head-qv-r4",
+        "tokens-q-r4",
+        "embed-head-o-r4",
+        "tokens-dict-r2",
+    ];
+    for (slot, name) in names.iter().enumerate() {
+        let adapter = load(&config, &saved(name)).unwrap();
+        assert!(adapter.has_outer(), "{name}");
+        backend.write_slot(slot, &adapter).unwrap();
+    }
+    let plain = load(&config, &adapter_dir(model, "qv-r8")).unwrap();
+    backend.write_slot(4, &plain).unwrap();
+    let prompt = "The quick brown fox";
+    let pick = |g: &Golden, adapter: Option<&str>| {
+        g.cases
+            .iter()
+            .find(|c| c.model == model && c.adapter.as_deref() == adapter && c.prompt == prompt)
+            .unwrap()
+            .clone()
+    };
+    let (plain_golden, golden) = (golden(), golden_saved());
+    let mut cases: Vec<(GoldenCase, Option<usize>)> = names
+        .iter()
+        .enumerate()
+        .map(|(slot, n)| (pick(&golden, Some(n)), Some(slot)))
+        .collect();
+    cases.insert(2, (pick(&plain_golden, None), None));
+    cases.push((pick(&plain_golden, Some("qv-r8")), Some(4)));
+    let mut batch = StepBatch::default();
+    let tables: Vec<Vec<u32>> = (0..cases.len() as u32)
+        .map(|s| (s * 8..s * 8 + 8).collect())
+        .collect();
+    for ((case, slot), table) in cases.iter().zip(&tables) {
+        batch.push(&case.prompt_ids, 0, table, *slot, true);
+    }
+    batch.finish();
+    let logits = backend.forward(&batch).unwrap();
+    let v = config.vocab_size;
+    for (i, (case, _)) in cases.iter().enumerate() {
+        let err = relative_error(&logits[i * v..(i + 1) * v], &case.logits);
+        assert!(err <= 1e-4, "{:?}: {err}", case.adapter);
+    }
+    // A cleared slot is the base again.
+    backend.clear_slot(0).unwrap();
+    let mut batch = StepBatch::default();
+    batch.push(&cases[0].0.prompt_ids, 0, &tables[0], Some(0), true);
+    batch.finish();
+    let base = pick(&plain_golden, None);
+    assert!(relative_error(&backend.forward(&batch).unwrap(), &base.logits) <= 1e-4);
+}
+
+#[test]
+fn an_adapter_s_own_rows_count_in_its_bytes() {
+    let (_, config) = backend("llama-gqa", 1);
+    let (v, d) = (config.vocab_size, config.hidden_size);
+    let whole = load(&config, &adapter_dir("saved/llama-gqa", "embed-head-o-r4")).unwrap();
+    // Two f32 tables of [vocab, hidden], beside the LoRA factors.
+    assert!(whole.bytes >= 2 * v * d * 4, "{}", whole.bytes);
+    let rows = load(&config, &adapter_dir("saved/llama-gqa", "tokens-q-r4")).unwrap();
+    assert!(
+        rows.bytes >= 5 * d * 4 && rows.bytes < v * d * 4,
+        "{}",
+        rows.bytes
+    );
+}
+
+/// A copy of a fixture adapter to edit.
+fn copy(model: &str, name: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let src = adapter_dir(model, name);
+    for f in ["adapter_config.json", "adapter_model.safetensors"] {
+        std::fs::copy(src.join(f), dir.path().join(f)).unwrap();
+    }
+    dir
+}
+
+fn edit_config(dir: &std::path::Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    let path = dir.join("adapter_config.json");
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut c);
+    std::fs::write(path, c.to_string()).unwrap();
+}
+
+/// Rewrites the adapter's weights with `tensor` given one more row.
+fn grow(dir: &std::path::Path, tensor: &str) {
+    let path = dir.join("adapter_model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut owned: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (name, view) in file.tensors() {
+        let (mut shape, mut data) = (view.shape().to_vec(), view.data().to_vec());
+        if name == tensor {
+            data.extend(std::iter::repeat_n(0u8, shape[1] * 4));
+            shape[0] += 1;
+        }
+        owned.push((name, shape, data));
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = owned
+        .iter()
+        .map(|(n, s, d)| {
+            let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), d)
+                .unwrap();
+            (n.clone(), view)
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &path).unwrap();
+}
+
+#[test]
+fn what_cannot_be_served_is_refused_by_field_or_tensor() {
+    let (_, config) = backend("llama-gqa", 1);
+    // A vocabulary resized past the base's (a saved lm_head with a row
+    // more than the base's vocab_size).
+    let dir = copy("saved/llama-gqa", "head-qv-r4");
+    grow(dir.path(), "base_model.model.lm_head.weight");
+    let err = load(&config, dir.path()).unwrap_err();
+    assert!(
+        err.contains("base_model.model.lm_head.weight")
+            && err.contains("385 rows")
+            && err.contains("vocabulary has 384"),
+        "{err}"
+    );
+    // A trainable token the base has no row for.
+    let dir = copy("saved/llama-gqa", "tokens-q-r4");
+    edit_config(dir.path(), |c| {
+        c["trainable_token_indices"][4] = 384.into();
+    });
+    let err = load(&config, dir.path()).unwrap_err();
+    assert!(
+        err.contains("trainable_token_indices") && err.contains("384 is not below"),
+        "{err}"
+    );
+    // Fewer rows than listed tokens.
+    edit_config(dir.path(), |c| {
+        c["trainable_token_indices"] = serde_json::json!([1, 2, 3, 4, 5, 6]);
+    });
+    let err = load(&config, dir.path()).unwrap_err();
+    assert!(
+        err.contains("has 5 rows") && err.contains("lists 6 tokens"),
+        "{err}"
+    );
+    // On a model that ties its lm_head to its embeddings, the lm_head's
+    // rows follow the embeddings'; rows of its own are refused.
+    let (_, tied) = backend("qwen2-tied", 1);
+    let dir = copy("saved/qwen2-tied", "tokens-tied-r4");
+    edit_config(dir.path(), |c| {
+        let list = c["trainable_token_indices"].clone();
+        c["trainable_token_indices"] = serde_json::json!({ "lm_head": list });
+    });
+    let err = load(&tied, dir.path()).unwrap_err();
+    assert!(err.contains("trainable_token_indices.lm_head"), "{err}");
+    // An adapter's own tokenizer whose new tokens have no row.
+    let dir = copy("saved/llama-gqa", "tokens-q-r4");
+    let mut tok: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(model_dir("llama-gqa").join("tokenizer.json")).unwrap(),
+    )
+    .unwrap();
+    let write = |tok: &serde_json::Value| {
+        std::fs::write(dir.path().join("tokenizer.json"), tok.to_string()).unwrap();
+    };
+    write(&tok);
+    load(&config, dir.path()).unwrap();
+    tok["added_tokens"]
+        .as_array_mut()
+        .unwrap()
+        .push(serde_json::json!({
+            "id": 384, "content": "<|tool|>", "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": true
+        }));
+    write(&tok);
+    let err = load(&config, dir.path()).unwrap_err();
+    assert!(
+        err.contains("tokenizer.json") && err.contains("385 tokens") && err.contains("384 rows"),
+        "{err}"
+    );
+    // A saved module that is not an embedding layer.
+    let dir = copy("saved/llama-gqa", "head-qv-r4");
+    edit_config(dir.path(), |c| {
+        c["modules_to_save"] = serde_json::json!(["lm_head", "score"]);
+    });
+    let err = load(&config, dir.path()).unwrap_err();
+    assert!(
+        err.contains("modules_to_save") && err.contains("\"score\""),
+        "{err}"
+    );
+}
