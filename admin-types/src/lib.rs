@@ -301,10 +301,15 @@ pub struct AdapterRow {
     pub artifact_bytes: Option<i64>,
     #[serde(default)]
     pub artifact_files: Option<i32>,
-    /// What the version does beyond plain LoRA (`dora`, `lora_bias`); a
-    /// worker that cannot serve one refuses the adapter by name.
+    /// What the version does beyond plain LoRA (`dora`, `lora_bias`,
+    /// `embed_tokens`, `lm_head`, `modules_to_save`, `trainable_tokens`);
+    /// a worker that cannot serve one refuses the adapter by name.
     #[serde(default)]
     pub features: Vec<String>,
+    /// The vocabulary the version's saved embedding layers have (their
+    /// rows; `modules_to_save`); None where it uses the base model's.
+    #[serde(default)]
+    pub vocab_size: Option<i32>,
     pub state: String,
     pub created_at: DateTime<Utc>,
     pub retired_at: Option<DateTime<Utc>>,

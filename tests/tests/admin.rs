@@ -326,6 +326,40 @@ async fn admins_run_the_registry_and_compliance_reads_the_audit_log_through_lora
         serde_json::json!(["o_proj", "embed_tokens", "lm_head"]),
         "{embedding}"
     );
+    assert_eq!(embedding["vocab_size"], serde_json::Value::Null);
+    // Layers saved whole record their vocabulary; trained rows use the
+    // base's.
+    let saved = register(
+        "saved-support",
+        "llama-gqa",
+        "saved/llama-gqa/embed-head-o-r4",
+        &[],
+    )
+    .json();
+    assert_eq!(
+        (&saved["features"], &saved["vocab_size"]),
+        (
+            &serde_json::json!(["modules_to_save"]),
+            &serde_json::json!(384)
+        ),
+        "{saved}"
+    );
+    let tokens = register(
+        "tokens-support",
+        "llama-gqa",
+        "saved/llama-gqa/tokens-q-r4",
+        &[],
+    )
+    .json();
+    assert_eq!(
+        (&tokens["features"], &tokens["vocab_size"]),
+        (
+            &serde_json::json!(["trainable_tokens"]),
+            &serde_json::Value::Null
+        ),
+        "{tokens}"
+    );
+    register("grown", "llama-gqa", "bad/tokenizer", &[]).refused(6, "tokenizer.json");
     let versions = p.ctl_json(&["adapters", "list", "--name", "support"]);
     let versions: Vec<(i64, i64)> = versions["adapters"]
         .as_array()

@@ -98,7 +98,8 @@ async fn migrations_apply_to_an_empty_database_and_rerun_as_a_no_op() {
             (26, true),
             (27, true),
             (28, true),
-            (29, true)
+            (29, true),
+            (30, true)
         ],
         "each migration applied exactly once"
     );
@@ -121,7 +122,7 @@ async fn migrate_takes_the_url_from_the_environment() {
         .fetch_one(&db.pool().await)
         .await
         .unwrap();
-    assert_eq!(n, 29);
+    assert_eq!(n, 30);
 }
 
 #[test]

@@ -5,7 +5,7 @@ use super::*;
 pub(super) const ADAPTER_SELECT: &str =
     "SELECT a.lora_int_id, a.name, a.version, b.name AS base_model, t.name AS tenant,
         a.rank, a.alpha, a.use_rslora, a.target_modules, a.artifact_uri, a.artifact_sha256,
-        a.artifact_bytes, a.artifact_files, a.features,
+        a.artifact_bytes, a.artifact_files, a.features, a.vocab_size,
         a.state::TEXT AS state, a.created_at, a.retired_at
      FROM adapters a JOIN base_models b ON b.id = a.base_model_id
      LEFT JOIN tenants t ON t.id = a.tenant_id";
@@ -44,9 +44,11 @@ pub(super) struct Inspected {
     pub(super) alpha: f32,
     pub(super) use_rslora: bool,
     pub(super) targets: Vec<String>,
-    /// `dora`, `lora_bias`, `embed_tokens`, `lm_head` (see
-    /// `AdapterConfig::features`).
+    /// `dora`, `lora_bias`, `embed_tokens`, `lm_head`, `modules_to_save`,
+    /// `trainable_tokens` (see `AdapterConfig::features`).
     pub(super) features: Vec<String>,
+    /// The rows of its saved embedding layers, if it saves one whole.
+    pub(super) vocab_size: Option<i32>,
     pub(super) digest: String,
     /// The bytes and files of the copy hashed: a worker refuses to fetch
     /// an artifact that has grown past them.
@@ -237,6 +239,24 @@ fn inspect_dir(
         AdminError::unprocessable(AdminCode::InvalidAdapterWeights, weights, e.to_string())
     })?;
     tensors::check(adapter_name, &config, &header, None).map_err(adapter_refusal)?;
+    // The saved layers' rows are the adapter's vocabulary: its own
+    // tokenizer, if it ships one, may not reach past them.
+    let vocab_size = tensors::saved_vocab(adapter_name, &header).map_err(adapter_refusal)?;
+    if let Some(rows) = vocab_size {
+        saved::check_tokenizer(adapter_name, dir, rows, "the saved lm_head or embed_tokens")
+            .map_err(adapter_refusal)?;
+    }
+    let vocab_size = vocab_size
+        .map(|v| {
+            i32::try_from(v).map_err(|_| {
+                AdminError::unprocessable(
+                    AdminCode::InvalidAdapterWeights,
+                    weights,
+                    format!("the saved layers' {v} rows are too many"),
+                )
+            })
+        })
+        .transpose()?;
     let mut targets: Vec<String> = config
         .stored_targets()
         .iter()
@@ -263,6 +283,7 @@ fn inspect_dir(
         use_rslora: config.use_rslora,
         targets,
         features: config.features().into_iter().map(str::to_owned).collect(),
+        vocab_size,
         digest,
         bytes,
         files,
@@ -303,6 +324,9 @@ fn adapter_refusal(e: AdapterError) -> AdminError {
         AdapterError::Invalid { field, .. } | AdapterError::Unsupported { field, .. } => {
             let param = if field.is_empty() || field == CONFIG {
                 CONFIG.to_owned()
+            } else if field.ends_with(".json") {
+                // Another file of the artifact (its own tokenizer.json).
+                field.clone()
             } else {
                 format!("{CONFIG}.{field}")
             };
@@ -432,8 +456,9 @@ impl Command for RegisterAdapter {
         let id: i64 = sqlx::query_scalar(
         "INSERT INTO adapters (name, version, base_model_id, tenant_id, rank, alpha, use_rslora,
                                target_modules, artifact_uri, artifact_sha256,
-                               artifact_bytes, artifact_files, features)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) RETURNING lora_int_id",
+                               artifact_bytes, artifact_files, features, vocab_size)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)
+         RETURNING lora_int_id",
     )
     .bind(&a.name)
     .bind(version)
@@ -448,6 +473,7 @@ impl Command for RegisterAdapter {
     .bind(inspected.bytes as i64)
     .bind(inspected.files as i32)
     .bind(&inspected.features)
+    .bind(inspected.vocab_size)
     .fetch_one(&mut *tx)
     .await
     .map_err(|e| match db_error(e) {

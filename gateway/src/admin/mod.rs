@@ -23,7 +23,7 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use chrono::{DateTime, Utc};
-use lorafleet_artifact::adapter::{AdapterConfig, AdapterError, tensors};
+use lorafleet_artifact::adapter::{AdapterConfig, AdapterError, saved, tensors};
 use lorafleet_artifact::model_config::Architecture;
 use lorafleet_artifact::roots::{ArtifactError, ArtifactRoots};
 use lorafleet_artifact::safetensors_header;

@@ -93,6 +93,8 @@ pub fn artifact_root() -> tempfile::TempDir {
         "dora/llama-gqa/dora-qv-r8",
         "bias/llama-gqa/bias-qv-r8",
         "embedding/llama-gqa/embed-head-rslora",
+        "saved/llama-gqa/embed-head-o-r4",
+        "saved/llama-gqa/tokens-q-r4",
     ] {
         copy_dir(&fixtures.join(a), &root.path().join(a));
     }
@@ -113,6 +115,19 @@ pub fn artifact_root() -> tempfile::TempDir {
     });
     // Claims rank 4 while its tensors have rank 8.
     variant("shape", &|c| c["r"] = json!(4));
+    // A saved lm_head with the base's 384 rows, and a tokenizer of its
+    // own with a 385th token.
+    let grown = root.path().join("bad/tokenizer");
+    copy_dir(&fixtures.join("saved/llama-gqa/embed-head-o-r4"), &grown);
+    let mut tok: Value = serde_json::from_str(
+        &std::fs::read_to_string(engine_fixtures().join("llama-gqa/tokenizer.json")).unwrap(),
+    )
+    .unwrap();
+    tok["added_tokens"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"id": 384, "content": "<|tool|>", "special": true}));
+    std::fs::write(grown.join("tokenizer.json"), tok.to_string()).unwrap();
     let malformed = root.path().join("bad/malformed");
     copy_dir(&good, &malformed);
     std::fs::write(malformed.join("adapter_config.json"), "{\"r\": 8,").unwrap();

@@ -20,7 +20,8 @@
 //! to the first row's, and the median over rounds of the ratio taken within
 //! one round. `LORAFLEET_BENCH_ADAPTERS=1,512` picks the adapter counts;
 //! `LORAFLEET_BENCH_DORA=1` makes the adapters DoRA (`use_dora`, a
-//! magnitude vector per module). `LORAFLEET_BENCH_EVICTION=lru` runs the device tier's LRU eviction
+//! magnitude vector per module), `LORAFLEET_BENCH_SAVED_HEAD=1` gives each
+//! its own lm_head (`modules_to_save`). `LORAFLEET_BENCH_EVICTION=lru` runs the device tier's LRU eviction
 //! instead of eviction by value. `LORAFLEET_BENCH_STEPS=1` prints, for each run, the time spent in steps
 //! of each size (tokens per step) on stderr: in this workload the steps of
 //! 256 tokens are prefills and those of 32 decodes.
@@ -82,20 +83,34 @@ fn main() {
     );
     drop(backend);
     // LORAFLEET_BENCH_DORA=1: the same adapters as DoRA (a magnitude vector
-    // per module), to show what DoRA's per-row scale costs.
-    let dora = std::env::var("LORAFLEET_BENCH_DORA").is_ok_and(|v| v == "1");
+    // per module), to show what DoRA's per-row scale costs;
+    // LORAFLEET_BENCH_SAVED_HEAD=1: each with its own lm_head.
+    let on = |v: &str| std::env::var(v).is_ok_and(|v| v == "1");
+    let (dora, saved_head) = (on("LORAFLEET_BENCH_DORA"), on("LORAFLEET_BENCH_SAVED_HEAD"));
+    let kind = match (dora, saved_head) {
+        (true, false) => standin::Kind::Dora,
+        (false, true) => standin::Kind::SavedHead,
+        (false, false) => standin::Kind::Plain,
+        (true, true) => {
+            panic!("LORAFLEET_BENCH_DORA and LORAFLEET_BENCH_SAVED_HEAD: one at a time")
+        }
+    };
     let adapter_dirs = standin::adapters_of_kind(
         &standin::SMALL,
         *counts.iter().max().unwrap(),
         standin::RANK,
-        dora,
+        kind,
     );
     println!(
         "decode throughput, STAND-IN ~100M Llama (h={}, L={}, weights {weights}), rank {}{}, {REQUESTS} requests x {NEW} new tokens, {} threads, {rounds} rounds",
         standin::HIDDEN,
         standin::LAYERS,
         standin::RANK,
-        if dora { " DoRA" } else { "" },
+        match kind {
+            standin::Kind::Plain => "",
+            standin::Kind::Dora => " DoRA",
+            standin::Kind::SavedHead => " with its own lm_head",
+        },
         rayon::current_num_threads()
     );
     let warm_up = run_once(&model, &adapter_dirs[..counts[0]]);
@@ -166,7 +181,11 @@ fn main() {
     chart.write(
         &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(format!(
             "../../docs/plots/cpu_decode_adapters_{weights}{}.svg",
-            if dora { "_dora" } else { "" }
+            match kind {
+                standin::Kind::Plain => "",
+                standin::Kind::Dora => "_dora",
+                standin::Kind::SavedHead => "_saved_head",
+            }
         )),
     );
 }

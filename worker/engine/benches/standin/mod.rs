@@ -239,12 +239,23 @@ pub fn adapters_shaped(shape: &Shape, n: usize) -> Vec<PathBuf> {
 /// [`adapters_shaped`] of rank `rank` (their own directory unless
 /// [`RANK`]).
 pub fn adapters_ranked(shape: &Shape, n: usize, rank: usize) -> Vec<PathBuf> {
-    adapters_of_kind(shape, n, rank, false)
+    adapters_of_kind(shape, n, rank, Kind::Plain)
 }
 
-/// [`adapters_ranked`], DoRA (`use_dora`, a magnitude vector per module
-/// near 1) when `dora`, in their own directory.
-pub fn adapters_of_kind(shape: &Shape, n: usize, rank: usize, dora: bool) -> Vec<PathBuf> {
+/// What a stand-in adapter carries beside its q, k, v, o LoRA.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Plain,
+    /// DoRA (`use_dora`, a magnitude vector per module near 1).
+    Dora,
+    /// Its own lm_head (`modules_to_save: ["lm_head"]`, bf16).
+    SavedHead,
+}
+
+/// [`adapters_ranked`] of `kind`, in their own directory.
+pub fn adapters_of_kind(shape: &Shape, n: usize, rank: usize, kind: Kind) -> Vec<PathBuf> {
+    let dora = kind == Kind::Dora;
+    let saved_head = kind == Kind::SavedHead;
     let Shape {
         hidden,
         layers,
@@ -256,19 +267,26 @@ pub fn adapters_of_kind(shape: &Shape, n: usize, rank: usize, dora: bool) -> Vec
     let kv = kv_heads * head_dim;
     (0..n)
         .map(|i| {
-            let set = match (rank, dora) {
-                (RANK, false) => "adapters".to_owned(),
-                (r, false) => format!("adapters-r{r}"),
-                (r, true) => format!("adapters-dora-r{r}"),
+            let set = match (rank, kind) {
+                (RANK, Kind::Plain) => "adapters".to_owned(),
+                (r, Kind::Plain) => format!("adapters-r{r}"),
+                (r, Kind::Dora) => format!("adapters-dora-r{r}"),
+                (r, Kind::SavedHead) => format!("adapters-head-r{r}"),
             };
             let dir = root().join(shape.dir).join(set).join(format!("a{i:04}"));
             if dir.join("adapter_model.safetensors").exists() {
                 return dir;
             }
             std::fs::create_dir_all(&dir).unwrap();
+            let saved = if saved_head {
+                serde_json::json!(["lm_head"])
+            } else {
+                serde_json::Value::Null
+            };
             let config = serde_json::json!({
                 "peft_type": "LORA", "r": rank, "lora_alpha": 32, "bias": "none", "use_dora": dora,
-                "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"], "task_type": "CAUSAL_LM"
+                "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"], "task_type": "CAUSAL_LM",
+                "modules_to_save": saved,
             });
             std::fs::write(dir.join("adapter_config.json"), config.to_string()).unwrap();
             let mut rng = Rng::new(1000 + i as u64);
@@ -299,6 +317,13 @@ pub fn adapters_of_kind(shape: &Shape, n: usize, rank: usize, dora: bool) -> Vec
                         t.push((format!("{p}.lora_magnitude_vector"), vec![out], m));
                     }
                 }
+            }
+            if saved_head {
+                t.push((
+                    "base_model.model.lm_head.weight".into(),
+                    vec![shape.vocab, hidden],
+                    random(&mut rng, shape.vocab * hidden, 0.05),
+                ));
             }
             write(&dir.join("adapter_model.safetensors"), t, Dtype::BF16);
             dir
@@ -504,6 +529,13 @@ pub fn expert_adapters(
                         random(&mut rng, fan_out * r, 0.05),
                     ));
                 }
+            }
+            if saved_head {
+                t.push((
+                    "base_model.model.lm_head.weight".into(),
+                    vec![shape.vocab, hidden],
+                    random(&mut rng, shape.vocab * hidden, 0.05),
+                ));
             }
             write(&dir.join("adapter_model.safetensors"), t, Dtype::BF16);
             dir
