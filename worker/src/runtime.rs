@@ -11,9 +11,11 @@
 
 use std::collections::HashMap;
 use std::sync::mpsc as std_mpsc;
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant, SystemTime};
 
 use lorafleet_domain::RequestId;
+use lorafleet_engine::engine::texts::TextSide;
 use lorafleet_engine::lora::HostAdapter;
 use lorafleet_engine::{
     Accepted, AdapterId, AdapterSource, Engine, EngineError, EngineStats, Event, Prompt, Request,
@@ -49,7 +51,7 @@ enum Command {
         id: AdapterId,
         source: AdapterSource,
         loaded: Option<Box<HostAdapter>>,
-        reply: Reply<()>,
+        reply: Reply<Option<TextSide>>,
     },
     Prefetch {
         id: AdapterId,
@@ -71,6 +73,8 @@ pub struct EngineHandle {
     reports: watch::Receiver<Report>,
     prompter: lorafleet_engine::Prompter,
     constraints: lorafleet_engine::constraint::Compiler,
+    /// The adapters that ship a tokenizer of their own, as registered.
+    texts: Arc<RwLock<HashMap<AdapterId, TextSide>>>,
 }
 
 impl std::fmt::Debug for Command {
@@ -151,7 +155,19 @@ impl EngineHandle {
             reports,
             prompter,
             constraints,
+            texts: Arc::default(),
         }
+    }
+
+    /// The text side of `adapter`'s requests: its own tokenizer's where
+    /// it ships one, the base model's otherwise.
+    pub fn text_side(&self, adapter: Option<AdapterId>) -> TextSide {
+        adapter
+            .and_then(|a| self.texts.read().expect("the texts' lock").get(&a).cloned())
+            .unwrap_or_else(|| TextSide {
+                prompter: self.prompter.clone(),
+                constraints: self.constraints.clone(),
+            })
     }
 
     /// Compiles a request's constraint on a blocking thread, never the
@@ -160,12 +176,13 @@ impl EngineHandle {
     /// the two share). A constraint that does not compile is refused here.
     pub async fn compile_constraint(
         &self,
+        adapter: Option<AdapterId>,
         constraint: Option<&lorafleet_engine::constraint::Constraint>,
     ) -> Result<(), EngineError> {
         let Some(c) = constraint.cloned() else {
             return Ok(());
         };
-        let compiler = self.constraints.clone();
+        let compiler = self.text_side(adapter).constraints;
         let started = std::time::Instant::now();
         tokio::task::spawn_blocking(move || {
             // Below the engine thread: a tenant's costly schema takes
@@ -184,10 +201,11 @@ impl EngineHandle {
     /// tokens, and one that cannot fit never reaches the engine.
     pub async fn prepare(
         &self,
+        adapter: Option<AdapterId>,
         prompt: Prompt,
         max_tokens: usize,
     ) -> Result<Vec<u32>, EngineError> {
-        let prompter = self.prompter.clone();
+        let prompter = self.text_side(adapter).prompter;
         let started = std::time::Instant::now();
         let ids = tokio::task::spawn_blocking(move || prompter.prepare(&prompt, max_tokens))
             .await
@@ -245,13 +263,20 @@ impl EngineHandle {
         loaded: Option<HostAdapter>,
     ) -> Result<(), EngineError> {
         let loaded = loaded.map(Box::new);
-        self.call(|reply| Command::Register {
-            id,
-            source,
-            loaded,
-            reply,
-        })
-        .await
+        let text = self
+            .call(|reply| Command::Register {
+                id,
+                source,
+                loaded,
+                reply,
+            })
+            .await?;
+        let mut texts = self.texts.write().expect("the texts' lock");
+        match text {
+            Some(t) => texts.insert(id, t),
+            None => texts.remove(&id),
+        };
+        Ok(())
     }
 
     /// Starts loading an adapter into the host tier; with `promote`, also
@@ -360,7 +385,8 @@ fn run(
                     reply,
                 } => {
                     let loaded = loaded.map(|b| *b);
-                    let _ = reply.send(engine.register_loaded_adapter(id, source, loaded));
+                    let registered = engine.register_loaded_adapter(id, source, loaded);
+                    let _ = reply.send(registered.map(|()| engine.own_text(id)));
                 }
                 Command::Prefetch {
                     id,
@@ -530,7 +556,7 @@ mod tests {
         use lorafleet_engine::constraint::Constraint;
         let h = handle().await;
         let c = Constraint::Regex("[0-9]{3}".into());
-        h.compile_constraint(Some(&c)).await.unwrap();
+        h.compile_constraint(None, Some(&c)).await.unwrap();
         let counters = h.constraints.counters();
         assert_eq!((counters.compiles, counters.hits), (1, 0));
         let mut r = request("c", None, 10);
@@ -546,7 +572,7 @@ mod tests {
         assert_eq!((counters.compiles, counters.hits), (1, 1));
         // One that does not compile is refused before the engine sees it.
         let err = h
-            .compile_constraint(Some(&Constraint::Regex("(".into())))
+            .compile_constraint(None, Some(&Constraint::Regex("(".into())))
             .await
             .unwrap_err()
             .to_string();

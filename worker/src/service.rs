@@ -307,8 +307,9 @@ impl pb::worker_server::Worker for WorkerService {
                 None => None,
             };
             let (ids, ()) = tokio::try_join!(
-                self.engine.prepare(prompt, params.max_tokens),
-                self.engine.compile_constraint(params.constraint.as_ref()),
+                self.engine.prepare(adapter, prompt, params.max_tokens),
+                self.engine
+                    .compile_constraint(adapter, params.constraint.as_ref()),
             )?;
             self.engine
                 .submit_fair(
@@ -321,12 +322,13 @@ impl pb::worker_server::Worker for WorkerService {
                     fairness,
                 )
                 .await
+                .map(|admitted| (admitted, adapter))
                 .map_err(Refusal::from)
         }
         .instrument(span.clone())
         .await
         .map_err(Status::from);
-        let (accepted, mut stream) = admitted.inspect_err(|status| {
+        let ((accepted, mut stream), adapter) = admitted.inspect_err(|status| {
             telemetry::record_request(code_name(status.code()));
             span.in_scope(|| {
                 tracing::warn!(code = ?status.code(), message = status.message(), "refused");
@@ -343,7 +345,8 @@ impl pb::worker_server::Worker for WorkerService {
         self.in_flight.fetch_add(1, Ordering::AcqRel);
         let in_flight = InFlight(self.in_flight.clone());
         let first = convert::accepted_event(accepted.prompt_tokens, accepted.residency);
-        let prompter = self.engine.prompter().clone();
+        // Token bytes as the request's own tokenizer spells them.
+        let prompter = self.engine.text_side(adapter).prompter;
         tokio::spawn(
             async move {
                 let _in_flight = in_flight;

@@ -95,6 +95,7 @@ pub fn artifact_root() -> tempfile::TempDir {
         "embedding/llama-gqa/embed-head-rslora",
         "saved/llama-gqa/embed-head-o-r4",
         "saved/llama-gqa/tokens-q-r4",
+        "saved/llama-gqa/tool-token-r4",
     ] {
         copy_dir(&fixtures.join(a), &root.path().join(a));
     }

@@ -17,6 +17,8 @@ Run by hand, never by CI, after make_fixtures.py (it adapts that script's
     python3 -m venv .venv && .venv/bin/pip install torch transformers peft safetensors tokenizers
     .venv/bin/python worker/engine/scripts/make_saved_module_fixtures.py worker/engine/tests/fixtures
 
+(`--tool-only` remakes only the adapter that ships its own tokenizer.)
+
 (made with peft 0.21.2, transformers 5.24.0, torch 2.15.0.)
 
 The saved copies are the base's values moved by noise (as training would
@@ -92,8 +94,97 @@ def move_saved(model, seed):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
 
 
+# An adapter that ships its own tokenizer: the base's, with the row of a
+# rare token (383, "wap") given to a new one, `<tool>`, as Unsloth renames
+# Llama 3's reserved tokens; that row trained in the embeddings and the
+# lm_head, so the adapter reads and writes `<tool>`.
+TOOL_ID, TOOL = 383, "<tool>"
+TOOL_PROMPTS = ["Call <tool> now", "The quick brown fox"]
+
+
+def tool_tokenizer(base_path, adir):
+    tok = json.load(open(os.path.join(base_path, "tokenizer.json")))
+    # The row's old piece leaves the vocabulary, with the merges that make
+    # or use it (the tokenizer refuses an added token on a taken id).
+    vocab = tok["model"]["vocab"]
+    old = next(p for p, i in vocab.items() if i == TOOL_ID)
+    del vocab[old]
+
+    def pair(m):
+        return m.split(" ") if isinstance(m, str) else m
+
+    tok["model"]["merges"] = [m for m in tok["model"]["merges"] if old not in pair(m) and "".join(pair(m)) != old]
+    tok["added_tokens"].append(
+        {"id": TOOL_ID, "content": TOOL, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": False}
+    )
+    with open(os.path.join(adir, "tokenizer.json"), "w") as f:
+        json.dump(tok, f)
+    return Tokenizer.from_file(os.path.join(adir, "tokenizer.json"))
+
+
+def make_tool_adapter(out):
+    """`adapters/saved/llama-gqa/tool-token-r4` and
+    `golden_adapter_tokenizer.json`: per prompt, the ids the adapter's
+    tokenizer gives and the base's, transformers + PEFT's last-position
+    logits and greedy tokens on the adapter's ids, and those tokens as the
+    adapter's tokenizer decodes them."""
+    model = "llama-gqa"
+    path = os.path.join(out, model)
+    base_tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    adir = os.path.join(out, "adapters", "saved", model, "tool-token-r4")
+    for seed in range(9900, 9950):
+        base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        cfg = LoraConfig(
+            task_type="CAUSAL_LM",
+            lora_dropout=0.0,
+            r=4,
+            lora_alpha=8,
+            target_modules=["q_proj"],
+            trainable_token_indices={"embed_tokens": [TOOL_ID], "lm_head": [TOOL_ID]},
+        )
+        peft_model = get_peft_model(base, cfg)
+        randomize_lora(peft_model, seed)
+        move_saved(peft_model, seed + 100)
+        shutil.rmtree(adir, ignore_errors=True)
+        peft_model.save_pretrained(adir)
+        os.remove(os.path.join(adir, "README.md"))
+        cfg_path = os.path.join(adir, "adapter_config.json")
+        c = json.load(open(cfg_path))
+        c["base_model_name_or_path"] = f"worker/engine/tests/fixtures/{model}"
+        with open(cfg_path, "w") as f:
+            json.dump(c, f, indent=2)
+        tok = tool_tokenizer(path, adir)
+        m = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), adir).eval()
+        cases = []
+        for prompt in TOOL_PROMPTS:
+            ids = tok.encode(prompt).ids
+            x = torch.tensor([ids])
+            with torch.no_grad():
+                logits = m(x).logits[0, -1].tolist()
+                gen = m.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=[2, 4], pad_token_id=0)[0, len(ids):].tolist()
+            cases.append({
+                "prompt": prompt,
+                "prompt_ids": ids,
+                "base_prompt_ids": base_tok.encode(prompt).ids,
+                "greedy": gen,
+                "text": tok.decode(gen, skip_special_tokens=True),
+                "logits": logits,
+            })
+        # The new token is read (the first prompt) and written (some answer).
+        if TOOL_ID in cases[0]["prompt_ids"] and any(TOOL_ID in c["greedy"] for c in cases):
+            with open(os.path.join(out, "golden_adapter_tokenizer.json"), "w") as f:
+                json.dump({"adapter": "tool-token-r4", "token": TOOL, "id": TOOL_ID, "cases": cases}, f)
+            print(f"tool-token-r4 with seed {seed}")
+            return
+    raise SystemExit("no seed made the adapter write its new token")
+
+
 def main():
-    out = sys.argv[1] if len(sys.argv) > 1 else "worker/engine/tests/fixtures"
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    out = args[0] if args else "worker/engine/tests/fixtures"
+    if "--tool-only" in sys.argv:
+        make_tool_adapter(out)
+        return
     golden = {"max_new_tokens": MAX_NEW, "cases": []}
     for i, (model, adapters) in enumerate(ADAPTERS.items()):
         path = os.path.join(out, model)
@@ -122,6 +213,7 @@ def main():
     with open(os.path.join(out, "golden_saved.json"), "w") as f:
         json.dump(golden, f)
     print(f"wrote {len(golden['cases'])} golden cases to {out}/golden_saved.json")
+    make_tool_adapter(out)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,10 @@ impl Prompter {
         }
     }
 
+    pub fn tokenizer(&self) -> &Arc<Tokenizer> {
+        &self.tokenizer
+    }
+
     /// The prompt's token ids, every one below the vocabulary size.
     pub fn tokenize(&self, prompt: &Prompt) -> Result<Vec<u32>> {
         let ids = match prompt {

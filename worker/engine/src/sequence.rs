@@ -110,6 +110,9 @@ pub(crate) struct Sequence {
     /// The compiled constraint, when the request has one. Shared with the
     /// mask threads, which compute its next mask beside the forward pass.
     pub grammar: Option<std::sync::Arc<std::sync::Mutex<crate::constraint::Grammar>>>,
+    /// The adapter's own tokenizer its text is read with; None: the base
+    /// model's.
+    pub tokenizer: Option<std::sync::Arc<Tokenizer>>,
     /// A token still to be drawn: its logits are in, its mask was not
     /// when the step's budget ran out. The scheduler passes the sequence
     /// over until a step draws it.
@@ -181,6 +184,7 @@ impl Sequence {
             preemptions: 0,
             arrived_step: 0,
             waited_steps: None,
+            tokenizer: None,
             skipped: 0,
             weights_seed,
             long_rope: false,

@@ -246,3 +246,93 @@ fn what_cannot_be_served_is_refused_by_field_or_tensor() {
         "{err}"
     );
 }
+
+#[derive(serde::Deserialize)]
+struct ToolCase {
+    prompt: String,
+    prompt_ids: Vec<u32>,
+    base_prompt_ids: Vec<u32>,
+    greedy: Vec<u32>,
+    text: String,
+    logits: Vec<f32>,
+}
+
+#[derive(serde::Deserialize)]
+struct ToolGolden {
+    adapter: String,
+    id: u32,
+    cases: Vec<ToolCase>,
+}
+
+/// An adapter that ships its own tokenizer (a row given to a new token,
+/// `<tool>`, trained in the embeddings and the lm_head): its requests are
+/// tokenized and detokenized with it, the base's and a plain adapter's
+/// with the base's, in one batch.
+#[test]
+fn an_adapter_s_own_tokenizer_reads_and_writes_its_requests() {
+    use lorafleet_engine::{BackendChoice, Engine, EngineSettings, Prompt, Request, Sampling};
+    let golden: ToolGolden = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("golden_adapter_tokenizer.json")).unwrap(),
+    )
+    .unwrap();
+    let model = "llama-gqa";
+    // The backend gives PEFT's logits on the adapter's ids.
+    let (mut backend, config) = backend(model, 1);
+    let adapter = load(&config, &adapter_dir("saved/llama-gqa", &golden.adapter)).unwrap();
+    backend.write_slot(0, &adapter).unwrap();
+    for (i, case) in golden.cases.iter().enumerate() {
+        let mut batch = StepBatch::default();
+        let table: Vec<u32> = (0..16).collect();
+        batch.push(&case.prompt_ids, 0, &table, Some(0), true);
+        batch.finish();
+        let err = relative_error(&backend.forward(&batch).unwrap(), &case.logits);
+        assert!(err <= 1e-4, "case {i}: {err}");
+    }
+    let mut e = Engine::load(
+        &model_dir(model),
+        EngineSettings {
+            max_loras: 2,
+            max_cpu_loras: 2,
+            ..Default::default()
+        },
+        BackendChoice::Cpu,
+    )
+    .unwrap();
+    e.register_adapter(aid(1), fixture_source("saved/llama-gqa", &golden.adapter))
+        .unwrap();
+    e.register_adapter(aid(2), fixture_source(model, "qv-r8"))
+        .unwrap();
+    let request = |i: usize, adapter: Option<u64>, prompt: &str| Request {
+        id: format!("r{i}").into(),
+        adapter: adapter.map(aid),
+        prompt: Prompt::Text(prompt.into()),
+        params: Sampling {
+            max_tokens: golden.cases[0].greedy.len(),
+            temperature: 0.0,
+            ..Default::default()
+        }
+        .validate()
+        .unwrap(),
+    };
+    let mut requests = Vec::new();
+    for case in &golden.cases {
+        let n = requests.len();
+        requests.push(request(n, Some(1), &case.prompt));
+        requests.push(request(n + 1, None, &case.prompt));
+        requests.push(request(n + 2, Some(2), &case.prompt));
+    }
+    let done = e.run_to_completion(requests).unwrap();
+    for (case, c) in golden.cases.iter().zip(done.chunks(3)) {
+        let (own, base, plain) = (&c[0], &c[1], &c[2]);
+        assert!(own.error.is_none(), "{:?}", own.error);
+        assert_eq!(own.prompt_ids, case.prompt_ids, "{:?}", case.prompt);
+        assert_eq!(own.token_ids, case.greedy, "{:?}", case.prompt);
+        assert_eq!(own.text, case.text, "{:?}", case.prompt);
+        assert_eq!(base.prompt_ids, case.base_prompt_ids, "{:?}", case.prompt);
+        assert_eq!(plain.prompt_ids, case.base_prompt_ids, "{:?}", case.prompt);
+    }
+    // The new token is read as one token, which the base's splits.
+    assert!(golden.cases[0].prompt_ids.contains(&golden.id));
+    assert!(golden.cases[0].base_prompt_ids.len() > golden.cases[0].prompt_ids.len());
+    assert!(done[0].text.contains("<tool>"), "{:?}", done[0].text);
+}

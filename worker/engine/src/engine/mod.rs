@@ -23,6 +23,7 @@ use lorafleet_domain::generation::Field;
 use crate::masks;
 pub use crate::masks::lower_priority as lower_thread_priority;
 mod step;
+pub mod texts;
 
 pub use crate::request::{Accepted, Completion, Event, Fairness, Prompt, Request};
 pub use crate::settings::{BackendChoice, EngineSettings};
@@ -136,6 +137,8 @@ pub struct Engine {
     /// A harmony model's markers (GPT-OSS): its answers are read as
     /// messages, each token's text tagged with its message's channel.
     harmony: Option<crate::model::harmony::HarmonyTokens>,
+    /// The adapters that ship a tokenizer of their own ([`texts`]).
+    texts: HashMap<AdapterId, texts::TextSide>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -324,28 +327,12 @@ impl Engine {
             constraints,
             masks: masks::MaskPool::new(masks::MASK_THREADS),
             harmony,
+            texts: HashMap::new(),
         })
     }
 
     pub fn config(&self) -> &ModelConfig {
         &self.config
-    }
-
-    pub fn tokenizer(&self) -> &Tokenizer {
-        &self.tokenizer
-    }
-
-    /// The tokenizer and the model's limits, to prepare prompts on other
-    /// threads (see [`Prompter`]).
-    pub fn prompter(&self) -> Prompter {
-        self.prompter.clone()
-    }
-
-    /// The model's constraint compiler, sharing the engine's cache of
-    /// compiled constraints: what it compiles, the engine's submission
-    /// only clones.
-    pub fn constraint_compiler(&self) -> crate::constraint::Compiler {
-        self.constraints.clone()
     }
 
     pub fn base_hash(&self) -> &BaseHash {
@@ -412,9 +399,15 @@ impl Engine {
         source: AdapterSource,
         loaded: Option<crate::lora::HostAdapter>,
     ) -> Result<()> {
+        let text = self.adapter_text(&source.name, &source.dir)?;
         self.pool
             .register_loaded(id, source, loaded)
-            .map_err(|e| EngineError::request(Field::Adapter, e.to_string()))
+            .map_err(|e| EngineError::request(Field::Adapter, e.to_string()))?;
+        match text {
+            Some(t) => self.texts.insert(id, t),
+            None => self.texts.remove(&id),
+        };
+        Ok(())
     }
 
     pub fn is_registered(&self, id: AdapterId) -> bool {
@@ -448,16 +441,6 @@ impl Engine {
     #[doc(hidden)]
     pub fn delay_masks(&self, delay: std::time::Duration) {
         self.masks.set_delay(delay);
-    }
-
-    /// Compiles a constraint as a request carrying it would, to refuse it
-    /// before any work (the offline command checks every line first).
-    pub fn check_constraint(&self, c: &crate::constraint::Constraint) -> Result<()> {
-        self.constraints.compile(c).map(drop)
-    }
-
-    pub fn tokenize(&self, prompt: &Prompt) -> Result<Vec<u32>> {
-        self.prompter.tokenize(prompt)
     }
 
     /// Queues a request. Fails at once for a bad request, an unknown
@@ -497,17 +480,18 @@ impl Engine {
             ));
         }
         request.params.check_vocab(self.config.vocab_size)?;
+        let own = request.adapter.and_then(|a| self.texts.get(&a)).cloned();
+        let prompter = own.as_ref().map_or(&self.prompter, |t| &t.prompter);
         // Token ids (as the worker sends, having tokenized on another
         // thread) are only checked here; text is tokenized here.
         let prompt_ids = match request.prompt {
             Prompt::TokenIds(ids) => {
-                self.prompter.check(&ids)?;
+                prompter.check(&ids)?;
                 ids
             }
-            ref other => self.tokenize(other)?,
+            ref other => prompter.tokenize(other)?,
         };
-        self.prompter
-            .check_length(prompt_ids.len(), request.params.max_tokens)?;
+        prompter.check_length(prompt_ids.len(), request.params.max_tokens)?;
         let needed = prompt_ids.len() + request.params.max_tokens;
         // Under a window every layer slides by, a sequence holds at most
         // the window behind a chunk, the chunk, and a block of alignment.
@@ -541,7 +525,9 @@ impl Engine {
         }
         let grammar = match &request.params.constraint {
             Some(c) => Some(std::sync::Arc::new(std::sync::Mutex::new(
-                self.constraints.compile(c)?,
+                own.as_ref()
+                    .map_or(&self.constraints, |t| &t.constraints)
+                    .compile(c)?,
             ))),
             None => None,
         };
@@ -587,6 +573,7 @@ impl Engine {
         if let Some(seq) = self.seqs.get_mut(&id) {
             seq.arrived_step = self.run.steps;
             seq.grammar = grammar;
+            seq.tokenizer = own.map(|t| t.tokenizer().clone());
             seq.harmony = harmony;
             // Its adapter was in a device slot when it came: no wait.
             if residency == Some(Residency::Device) {
@@ -730,7 +717,11 @@ impl Engine {
         for (i, request) in requests.into_iter().enumerate() {
             let mut completion = Completion {
                 request_id: request.id.clone(),
-                prompt_ids: self.tokenize(&request.prompt).unwrap_or_default(),
+                prompt_ids: self
+                    .text_side(request.adapter)
+                    .prompter
+                    .tokenize(&request.prompt)
+                    .unwrap_or_default(),
                 token_ids: Vec::new(),
                 text: String::new(),
                 finish: None,

@@ -311,9 +311,10 @@ impl Engine {
             return;
         }
         seq.rng = rng;
+        let tokenizer = seq.tokenizer.as_ref().unwrap_or(&self.tokenizer).clone();
         let out = match seq.push_token(
             token,
-            &self.tokenizer,
+            &tokenizer,
             &self.config.eos_token_ids,
             self.config
                 .rope
@@ -336,7 +337,7 @@ impl Engine {
             let advanced = grammar.lock().expect("a grammar's lock").advance(token);
             match advanced {
                 // The grammar is complete: the output ends here.
-                Ok(true) => match seq.flush(&self.tokenizer) {
+                Ok(true) => match seq.flush(&tokenizer) {
                     Ok(rest) => {
                         out.text.push_str(&rest);
                         out.finished = Some((FinishReason::Stop, None));

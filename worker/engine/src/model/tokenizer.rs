@@ -63,6 +63,45 @@ impl Tokenizer {
         let path = dir.join("tokenizer.json");
         let inner = tokenizers::Tokenizer::from_file(&path)
             .map_err(|e| EngineError::Tokenizer(format!("{}: {e}", path.display())))?;
+        Tokenizer::around(dir, inner)
+    }
+
+    /// An adapter's own tokenizer: the `tokenizer.json` its directory
+    /// ships, when that file's vocabulary (added tokens included) is not
+    /// `base`'s; None when it ships none or the same one. Its chat template
+    /// and special tokens are its own `tokenizer_config.json`'s (and
+    /// `chat_template.jinja`'s) where it ships them, the base's otherwise.
+    /// Errors name the file alone, not where this machine keeps it.
+    pub fn for_adapter(dir: &Path, base: &Tokenizer) -> Result<Option<Tokenizer>> {
+        let path = dir.join("tokenizer.json");
+        if !path.exists() {
+            return Ok(None);
+        }
+        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| {
+            EngineError::Tokenizer(format!("the adapter's tokenizer.json does not load: {e}"))
+        })?;
+        if inner.get_vocab(true) == base.inner.get_vocab(true) {
+            return Ok(None);
+        }
+        let shown = dir.display().to_string();
+        let mut own = Tokenizer::around(dir, inner).map_err(|e| match e {
+            EngineError::Tokenizer(m) => EngineError::Tokenizer(m.replace(&shown, "adapter")),
+            EngineError::ChatTemplate(m) => EngineError::ChatTemplate(m.replace(&shown, "adapter")),
+            other => other,
+        })?;
+        if !dir.join("tokenizer_config.json").exists() {
+            own.bos_token = base.bos_token.clone();
+            own.eos_token = base.eos_token.clone();
+        }
+        if own.chat_template.is_none() {
+            own.chat_template = base.chat_template.clone();
+        }
+        Ok(Some(own))
+    }
+
+    /// The tokenizer `inner` with the chat template and special tokens of
+    /// `dir`'s `tokenizer_config.json` and `chat_template.jinja`.
+    fn around(dir: &Path, inner: tokenizers::Tokenizer) -> Result<Tokenizer> {
         let config_path = dir.join("tokenizer_config.json");
         let (mut chat_template, mut bos_token, mut eos_token) =
             (None, String::new(), String::new());
