@@ -167,6 +167,7 @@ impl EngineHandle {
             .unwrap_or_else(|| TextSide {
                 prompter: self.prompter.clone(),
                 constraints: self.constraints.clone(),
+                id_limit: None,
             })
     }
 

@@ -113,6 +113,8 @@ pub(crate) struct Sequence {
     /// The adapter's own tokenizer its text is read with; None: the base
     /// model's.
     pub tokenizer: Option<std::sync::Arc<Tokenizer>>,
+    /// Draws no token at or past this id (its tokenizer has none there).
+    pub id_limit: Option<usize>,
     /// A token still to be drawn: its logits are in, its mask was not
     /// when the step's budget ran out. The scheduler passes the sequence
     /// over until a step draws it.
@@ -185,6 +187,7 @@ impl Sequence {
             arrived_step: 0,
             waited_steps: None,
             tokenizer: None,
+            id_limit: None,
             skipped: 0,
             weights_seed,
             long_rope: false,

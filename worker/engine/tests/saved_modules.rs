@@ -336,3 +336,86 @@ fn an_adapter_s_own_tokenizer_reads_and_writes_its_requests() {
     assert!(golden.cases[0].base_prompt_ids.len() > golden.cases[0].prompt_ids.len());
     assert!(done[0].text.contains("<tool>"), "{:?}", done[0].text);
 }
+
+/// An adapter whose own tokenizer has fewer ids than the model has rows
+/// never draws a token past them: the same adapter as above with its
+/// tokenizer cut at id 380 (and its `<tool>` gone) answers as PEFT does
+/// until PEFT draws `<tool>`, then draws a token its tokenizer has.
+#[test]
+fn an_adapter_draws_no_token_its_tokenizer_lacks() {
+    use lorafleet_engine::{BackendChoice, Engine, EngineSettings, Prompt, Request, Sampling};
+    let golden: ToolGolden = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("golden_adapter_tokenizer.json")).unwrap(),
+    )
+    .unwrap();
+    let cut = 380u32;
+    let dir = copy("saved/llama-gqa", &golden.adapter);
+    let mut tok: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(adapter_dir("saved/llama-gqa", &golden.adapter).join("tokenizer.json"))
+            .unwrap(),
+    )
+    .unwrap();
+    let vocab = tok["model"]["vocab"].as_object_mut().unwrap();
+    let gone: Vec<String> = vocab
+        .iter()
+        .filter(|(_, id)| id.as_u64().unwrap() >= u64::from(cut))
+        .map(|(piece, _)| piece.clone())
+        .collect();
+    vocab.retain(|_, id| id.as_u64().unwrap() < u64::from(cut));
+    let parts = |m: &serde_json::Value| -> Vec<String> {
+        match m {
+            serde_json::Value::String(s) => s.split(' ').map(str::to_owned).collect(),
+            other => other
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|p| p.as_str().unwrap().to_owned())
+                .collect(),
+        }
+    };
+    tok["model"]["merges"]
+        .as_array_mut()
+        .unwrap()
+        .retain(|m| {
+            let p = parts(m);
+            !p.iter().any(|x| gone.contains(x)) && !gone.contains(&p.concat())
+        });
+    tok["added_tokens"]
+        .as_array_mut()
+        .unwrap()
+        .retain(|t| t["id"].as_u64().unwrap() < u64::from(cut));
+    std::fs::write(dir.path().join("tokenizer.json"), tok.to_string()).unwrap();
+    let mut e = Engine::load(
+        &model_dir("llama-gqa"),
+        EngineSettings::default(),
+        BackendChoice::Cpu,
+    )
+    .unwrap();
+    let source = lorafleet_engine::AdapterSource {
+        name: "cut".into(),
+        dir: dir.path().to_path_buf(),
+        declared_base_hash: None,
+        digest: None,
+    };
+    e.register_adapter(aid(1), source).unwrap();
+    let case = &golden.cases[1];
+    assert!(case.greedy.contains(&golden.id), "PEFT draws <tool> here");
+    let request = Request {
+        id: "cut".into(),
+        adapter: Some(aid(1)),
+        prompt: Prompt::TokenIds(case.prompt_ids.clone()),
+        params: Sampling {
+            max_tokens: case.greedy.len(),
+            temperature: 0.0,
+            ..Default::default()
+        }
+        .validate()
+        .unwrap(),
+    };
+    let done = &e.run_to_completion(vec![request]).unwrap()[0];
+    assert!(done.error.is_none(), "{:?}", done.error);
+    let first = case.greedy.iter().position(|&t| t >= cut).unwrap();
+    assert_eq!(done.token_ids[..first], case.greedy[..first]);
+    assert!(done.token_ids[first] < cut, "{:?}", done.token_ids);
+    assert!(done.token_ids.iter().all(|&t| t < cut), "{:?}", done.token_ids);
+}

@@ -530,13 +530,6 @@ pub fn expert_adapters(
                     ));
                 }
             }
-            if saved_head {
-                t.push((
-                    "base_model.model.lm_head.weight".into(),
-                    vec![shape.vocab, hidden],
-                    random(&mut rng, shape.vocab * hidden, 0.05),
-                ));
-            }
             write(&dir.join("adapter_model.safetensors"), t, Dtype::BF16);
             dir
         })

@@ -573,6 +573,7 @@ impl Engine {
         if let Some(seq) = self.seqs.get_mut(&id) {
             seq.arrived_step = self.run.steps;
             seq.grammar = grammar;
+            seq.id_limit = own.as_ref().and_then(|t| t.id_limit);
             seq.tokenizer = own.map(|t| t.tokenizer().clone());
             seq.harmony = harmony;
             // Its adapter was in a device slot when it came: no wait.

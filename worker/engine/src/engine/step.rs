@@ -568,6 +568,7 @@ fn forward_and_draw(
             || p.prompt_logprobs.is_some()
             || p.adjusts_logits()
             || p.constraint.is_some()
+            || seqs[&r.id].id_limit.is_some()
     });
     if backend.samples_on_device() && !scores {
         // The uniform draw comes from the request's own stream, here, as
@@ -671,7 +672,12 @@ fn draw_token(
         output: &seq.output_ids,
         eos,
     };
-    let adjusted = adjust(row, &seq.params, &history);
+    let mut adjusted = adjust(row, &seq.params, &history);
+    // Ids its tokenizer lacks are never drawn.
+    if let Some(limit) = seq.id_limit.filter(|&l| l < row.len()) {
+        let masked = adjusted.get_or_insert_with(|| row.to_vec());
+        masked[limit..].fill(f32::NEG_INFINITY);
+    }
     match (mask, adjusted) {
         (Some(Ok(allowed)), adjusted) => {
             let mut masked = adjusted.unwrap_or_else(|| row.to_vec());

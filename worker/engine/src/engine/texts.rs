@@ -20,6 +20,9 @@ use lorafleet_domain::generation::Field;
 pub struct TextSide {
     pub prompter: Prompter,
     pub constraints: Compiler,
+    /// The ids its tokenizer has (its largest plus one), where that is
+    /// fewer than the model's rows: its requests draw no token past them.
+    pub id_limit: Option<usize>,
 }
 
 impl TextSide {
@@ -79,8 +82,10 @@ impl Engine {
                 own.vocab_size()
             )));
         }
+        let limit = own.id_limit();
         let own = Arc::new(own);
         Ok(Some(TextSide {
+            id_limit: (limit < vocab).then_some(limit),
             prompter: Prompter::new(
                 own.clone(),
                 vocab,
@@ -111,6 +116,7 @@ impl Engine {
             .unwrap_or_else(|| TextSide {
                 prompter: self.prompter.clone(),
                 constraints: self.constraints.clone(),
+                id_limit: None,
             })
     }
 }

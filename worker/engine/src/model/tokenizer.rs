@@ -220,6 +220,15 @@ impl Tokenizer {
             .is_some_and(|p| self.inner.get_added_vocabulary().is_special_token(&p))
     }
 
+    /// One past the largest id any token has, added tokens included.
+    pub fn id_limit(&self) -> usize {
+        self.inner
+            .get_vocab(true)
+            .values()
+            .max()
+            .map_or(0, |&m| m as usize + 1)
+    }
+
     /// The number of tokens in the vocabulary, added tokens included.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
