@@ -263,7 +263,7 @@ pub fn check(
         if let (Factor::Whole | Factor::TokenRows, Holds::Embedding | Holds::LmHead) =
             (expected.factor, expected.holds)
         {
-            check_saved(config, &expected, &info.shape).map_err(|r| bad(name, r))?;
+            check_saved(config, &expected, &info.shape, &|r| bad(name, r))?;
             continue;
         }
         if matches!(expected.factor, Factor::Magnitude | Factor::Bias) {
@@ -398,13 +398,18 @@ fn missing_reason(factor: Factor) -> String {
 /// A saved layer is `[rows, hidden]`; trained rows are one per listed
 /// token. Whether the rows are the base's vocabulary is the worker's
 /// check, with the model at hand.
-fn check_saved(config: &AdapterConfig, e: &Expected, shape: &[u64]) -> Result<(), String> {
+fn check_saved(
+    config: &AdapterConfig,
+    e: &Expected,
+    shape: &[u64],
+    bad: &dyn Fn(String) -> AdapterError,
+) -> Result<(), AdapterError> {
     use super::saved::Layer;
     let [rows, cols] = shape[..] else {
-        return Err(format!("has shape {shape:?}, not two-dimensional"));
+        return Err(bad(format!("has shape {shape:?}, not two-dimensional")));
     };
     if cols == 0 || rows == 0 {
-        return Err(format!("has shape {shape:?}"));
+        return Err(bad(format!("has shape {shape:?}")));
     }
     if e.factor == Factor::TokenRows {
         let layer = match e.holds {
@@ -413,10 +418,10 @@ fn check_saved(config: &AdapterConfig, e: &Expected, shape: &[u64]) -> Result<()
         };
         let listed = config.saved.rows_of(layer).map_or(0, <[u32]>::len) as u64;
         if rows != listed {
-            return Err(format!(
+            return Err(bad(format!(
                 "has {rows} rows, but trainable_token_indices lists {listed} tokens for {}",
                 layer.module_name()
-            ));
+            )));
         }
     }
     Ok(())

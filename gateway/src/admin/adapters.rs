@@ -239,24 +239,7 @@ fn inspect_dir(
         AdminError::unprocessable(AdminCode::InvalidAdapterWeights, weights, e.to_string())
     })?;
     tensors::check(adapter_name, &config, &header, None).map_err(adapter_refusal)?;
-    // The saved layers' rows are the adapter's vocabulary: its own
-    // tokenizer, if it ships one, may not reach past them.
-    let vocab_size = tensors::saved_vocab(adapter_name, &header).map_err(adapter_refusal)?;
-    if let Some(rows) = vocab_size {
-        saved::check_tokenizer(adapter_name, dir, rows, "the saved lm_head or embed_tokens")
-            .map_err(adapter_refusal)?;
-    }
-    let vocab_size = vocab_size
-        .map(|v| {
-            i32::try_from(v).map_err(|_| {
-                AdminError::unprocessable(
-                    AdminCode::InvalidAdapterWeights,
-                    weights,
-                    format!("the saved layers' {v} rows are too many"),
-                )
-            })
-        })
-        .transpose()?;
+    let vocab_size = saved_vocab(adapter_name, dir, &header)?;
     let mut targets: Vec<String> = config
         .stored_targets()
         .iter()
@@ -287,6 +270,27 @@ fn inspect_dir(
         digest,
         bytes,
         files,
+    })
+}
+
+/// The vocabulary of an adapter's saved layers (their rows), if it saves
+/// one whole; its own tokenizer, if it ships one, may not reach past them.
+fn saved_vocab(
+    adapter_name: &str,
+    dir: &std::path::Path,
+    header: &safetensors_header::Header,
+) -> Result<Option<i32>, AdminError> {
+    let Some(rows) = tensors::saved_vocab(adapter_name, header).map_err(adapter_refusal)? else {
+        return Ok(None);
+    };
+    saved::check_tokenizer(adapter_name, dir, rows, "the saved lm_head or embed_tokens")
+        .map_err(adapter_refusal)?;
+    i32::try_from(rows).map(Some).map_err(|_| {
+        AdminError::unprocessable(
+            AdminCode::InvalidAdapterWeights,
+            "adapter_model.safetensors",
+            format!("the saved layers' {rows} rows are too many"),
+        )
     })
 }
 

@@ -351,8 +351,10 @@ fn an_adapter_draws_no_token_its_tokenizer_lacks() {
     let cut = 380u32;
     let dir = copy("saved/llama-gqa", &golden.adapter);
     let mut tok: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(adapter_dir("saved/llama-gqa", &golden.adapter).join("tokenizer.json"))
-            .unwrap(),
+        &std::fs::read_to_string(
+            adapter_dir("saved/llama-gqa", &golden.adapter).join("tokenizer.json"),
+        )
+        .unwrap(),
     )
     .unwrap();
     let vocab = tok["model"]["vocab"].as_object_mut().unwrap();
@@ -373,13 +375,10 @@ fn an_adapter_draws_no_token_its_tokenizer_lacks() {
                 .collect(),
         }
     };
-    tok["model"]["merges"]
-        .as_array_mut()
-        .unwrap()
-        .retain(|m| {
-            let p = parts(m);
-            !p.iter().any(|x| gone.contains(x)) && !gone.contains(&p.concat())
-        });
+    tok["model"]["merges"].as_array_mut().unwrap().retain(|m| {
+        let p = parts(m);
+        !p.iter().any(|x| gone.contains(x)) && !gone.contains(&p.concat())
+    });
     tok["added_tokens"]
         .as_array_mut()
         .unwrap()
@@ -417,5 +416,9 @@ fn an_adapter_draws_no_token_its_tokenizer_lacks() {
     let first = case.greedy.iter().position(|&t| t >= cut).unwrap();
     assert_eq!(done.token_ids[..first], case.greedy[..first]);
     assert!(done.token_ids[first] < cut, "{:?}", done.token_ids);
-    assert!(done.token_ids.iter().all(|&t| t < cut), "{:?}", done.token_ids);
+    assert!(
+        done.token_ids.iter().all(|&t| t < cut),
+        "{:?}",
+        done.token_ids
+    );
 }
