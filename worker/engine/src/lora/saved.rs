@@ -18,6 +18,14 @@ enum Values {
     Bf16(Vec<u16>),
 }
 
+/// A whole saved layer's values.
+#[derive(Debug, Clone, Copy)]
+pub enum WholeValues<'a> {
+    F32(&'a [f32]),
+    /// bf16 bits.
+    Bf16(&'a [u16]),
+}
+
 /// The rows an adapter replaces in one layer.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Replaced {
@@ -104,6 +112,18 @@ impl Replaced {
     /// Whether the layer is saved whole.
     pub fn is_whole(&self) -> bool {
         self.index.is_none()
+    }
+
+    /// A layer saved whole, `[vocab, hidden]` row-major, in the precision
+    /// stored: for a backend to pack as it packs the base's.
+    pub fn whole(&self) -> Option<WholeValues<'_>> {
+        if self.index.is_some() {
+            return None;
+        }
+        Some(match &self.values {
+            Values::F32(v) => WholeValues::F32(v),
+            Values::Bf16(v) => WholeValues::Bf16(v),
+        })
     }
 }
 

@@ -192,6 +192,7 @@ impl CpuBackend {
             dora_cache: super::dora::ScaleCache::new(2 * shape.slots),
             expert_slots: vec![None; shape.slots],
             outer_slots: vec![None; shape.slots],
+            head_slots: vec![None; shape.slots],
             base_digests: Default::default(),
             expert_lora_rows: Default::default(),
             config,

@@ -147,6 +147,9 @@ pub struct CpuBackend {
     /// `outer_slots[slot]`: the slot's adapter's LoRA on the embeddings
     /// and the lm_head; None where it has neither.
     outer_slots: Vec<Option<std::sync::Arc<crate::lora::Outer>>>,
+    /// `head_slots[slot]`: the slot's adapter's own lm_head
+    /// (`modules_to_save`), packed as the base's is.
+    head_slots: Vec<Option<std::sync::Arc<PackedLinear>>>,
     /// The digests of the base's embedding and lm_head values
     /// (`lora::outer::values_digest`), for an adapter's saved copies.
     base_digests: [std::sync::OnceLock<[u8; 32]>; 2],
@@ -461,6 +464,7 @@ impl Backend for CpuBackend {
         if adapter.has_outer() {
             self.outer_slots[slot] = Some(adapter.outer.clone());
         }
+        self.head_slots[slot] = self.pack_saved_head(adapter);
         Ok(())
     }
 
@@ -474,6 +478,7 @@ impl Backend for CpuBackend {
         // memory need not be zeroed.
         self.expert_slots[slot] = None;
         self.outer_slots[slot] = None;
+        self.head_slots[slot] = None;
         for key in 0..self.config.num_layers * 7 {
             self.slots.rank[slot][key] = 0;
             self.slots.scale[slot][key] = 0.0;
@@ -718,6 +723,7 @@ impl Backend for CpuBackend {
             .lm_head
             .forward_split(&last_normed, rows.len(), [c.vocab_size]);
         let v = c.vocab_size;
+        self.saved_head_logits(batch, &rows, &last_normed, &mut logits);
         for (i, &t) in rows.iter().enumerate() {
             let Some(outer) = self.outer_of(batch.token_slot[t]) else {
                 continue;
@@ -729,8 +735,9 @@ impl Backend for CpuBackend {
             if let Some(head) = &outer.lm_head {
                 head.add_delta(0, h, row);
             }
-            // The adapter's own rows of the lm_head replace the base's.
-            if let Some(own) = &outer.saved.lm_head {
+            // The adapter's own rows of the lm_head replace the base's
+            // (a whole one's, packed, above).
+            if let Some(own) = outer.saved.lm_head.as_ref().filter(|o| !o.is_whole()) {
                 own.logits(h, row);
             }
         }

@@ -2,11 +2,55 @@
 //! lm_head LoRA (applied in `forward`), and the check that an adapter's
 //! saved copies of those layers are this base's own values.
 
-use super::{CpuBackend, Embedding, panels};
+use std::sync::Arc;
+
+use super::{CpuBackend, Embedding, PackedLinear, StepBatch, panels};
 use crate::error::{EngineError, Result};
 use crate::lora::HostAdapter;
+use crate::lora::saved::WholeValues;
 
 impl CpuBackend {
+    /// The adapter's own lm_head (`modules_to_save`), packed for the same
+    /// kernel as the base's, when it saves one whole.
+    pub(super) fn pack_saved_head(&self, adapter: &HostAdapter) -> Option<Arc<PackedLinear>> {
+        let (v, d) = (self.config.vocab_size, self.config.hidden_size);
+        let head = adapter.outer.saved.lm_head.as_ref()?.whole()?;
+        Some(Arc::new(match head {
+            WholeValues::F32(w) => PackedLinear::pack(w, None, d, v),
+            WholeValues::Bf16(w) => PackedLinear::pack_bf16(w, None, d, v),
+        }))
+    }
+
+    /// Replaces the logits of the rows whose slot has its own lm_head:
+    /// each slot's rows gathered and run through its packed head at once.
+    pub(super) fn saved_head_logits(
+        &self,
+        batch: &StepBatch<'_>,
+        rows: &[usize],
+        normed: &[f32],
+        logits: &mut [f32],
+    ) {
+        let (v, d) = (self.config.vocab_size, self.config.hidden_size);
+        for (slot, head) in self.head_slots.iter().enumerate() {
+            let Some(head) = head else { continue };
+            let mine: Vec<usize> = (0..rows.len())
+                .filter(|&i| batch.token_slot[rows[i]] == Some(slot))
+                .collect();
+            if mine.is_empty() {
+                continue;
+            }
+            let x: Vec<f32> = mine
+                .iter()
+                .flat_map(|&i| normed[i * d..(i + 1) * d].iter().copied())
+                .collect();
+            let mut out = vec![0f32; mine.len() * v];
+            head.forward(&x, mine.len(), &mut out);
+            for (k, &i) in mine.iter().enumerate() {
+                logits[i * v..(i + 1) * v].copy_from_slice(&out[k * v..(k + 1) * v]);
+            }
+        }
+    }
+
     /// The embedding and lm_head LoRA of a token's slot, if any.
     pub(super) fn outer_of(&self, slot: Option<usize>) -> Option<&crate::lora::Outer> {
         slot.and_then(|s| self.outer_slots[s].as_deref())
