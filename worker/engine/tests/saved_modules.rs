@@ -36,7 +36,7 @@ fn backend(model: &str, slots: usize) -> (CpuBackend, ModelConfig) {
     let shape = BackendShape {
         slots,
         max_lora_rank: 16,
-        kv_blocks: 64,
+        kv_blocks: 128,
         block_size: 4,
         ring_len: 0,
         ring_blocks: 0,
@@ -53,11 +53,21 @@ fn load(config: &ModelConfig, dir: &std::path::Path) -> Result<HostAdapter, Stri
     HostAdapter::load("a", dir, limits).map_err(|e| e.to_string())
 }
 
+/// Every kind of adapter the engine serves, in one step on a Llama: each
+/// row is its own golden (PEFT's), the base's too.
 #[test]
-fn each_adapter_s_rows_serve_its_own_tokens_beside_plain_adapters_and_the_base() {
+fn each_adapter_s_rows_serve_its_own_tokens_beside_every_other_kind_and_the_base() {
     let model = "llama-gqa";
     let saved = |name: &str| adapter_dir("saved/llama-gqa", name);
-    let (mut backend, config) = backend(model, 5);
+    // (fixture directory, adapter, its goldens' file).
+    let others = [
+        (model, "qv-r8", "golden.json"),
+        ("dora/llama-gqa", "dora-qv-r8", "golden_dora.json"),
+        ("bias/llama-gqa", "bias-qv-r8", "golden_bias.json"),
+        ("embedding/llama-gqa", "embed-head-rslora", "golden_embedding.json"),
+        ("targets/llama-gqa", "regex-layer1-attn", "golden_targets.json"),
+    ];
+    let (mut backend, config) = backend(model, 4 + others.len());
     let names = [
         "head-qv-r4",
         "tokens-q-r4",
@@ -69,8 +79,10 @@ fn each_adapter_s_rows_serve_its_own_tokens_beside_plain_adapters_and_the_base()
         assert!(adapter.has_outer(), "{name}");
         backend.write_slot(slot, &adapter).unwrap();
     }
-    let plain = load(&config, &adapter_dir(model, "qv-r8")).unwrap();
-    backend.write_slot(4, &plain).unwrap();
+    for (i, (dir, name, _)) in others.iter().enumerate() {
+        let adapter = load(&config, &adapter_dir(dir, name)).unwrap();
+        backend.write_slot(4 + i, &adapter).unwrap();
+    }
     let prompt = "The quick brown fox";
     let pick = |g: &Golden, adapter: Option<&str>| {
         g.cases
@@ -79,14 +91,16 @@ fn each_adapter_s_rows_serve_its_own_tokens_beside_plain_adapters_and_the_base()
             .unwrap()
             .clone()
     };
-    let (plain_golden, golden) = (golden(), golden_saved());
+    let (plain_golden, golden) = (golden_named("golden.json"), golden_saved());
     let mut cases: Vec<(GoldenCase, Option<usize>)> = names
         .iter()
         .enumerate()
         .map(|(slot, n)| (pick(&golden, Some(n)), Some(slot)))
         .collect();
     cases.insert(2, (pick(&plain_golden, None), None));
-    cases.push((pick(&plain_golden, Some("qv-r8")), Some(4)));
+    for (i, (_, name, file)) in others.iter().enumerate() {
+        cases.push((pick(&golden_named(file), Some(name)), Some(4 + i)));
+    }
     let mut batch = StepBatch::default();
     let tables: Vec<Vec<u32>> = (0..cases.len() as u32)
         .map(|s| (s * 8..s * 8 + 8).collect())
