@@ -719,9 +719,9 @@ impl Backend for CpuBackend {
         }
         let mut last_normed = vec![0f32; last.len()];
         rms_norm(&last, &self.norm, c.rms_norm_eps, &mut last_normed);
-        let [mut logits] = self
-            .lm_head
-            .forward_split(&last_normed, rows.len(), [c.vocab_size]);
+        // The base's lm_head for the rows whose adapter has none of its
+        // own; the others' own, slot by slot.
+        let mut logits = self.base_head_logits(batch, &rows, &last_normed);
         let v = c.vocab_size;
         self.saved_head_logits(batch, &rows, &last_normed, &mut logits);
         for (i, &t) in rows.iter().enumerate() {

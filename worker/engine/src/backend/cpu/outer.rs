@@ -21,6 +21,39 @@ impl CpuBackend {
         }))
     }
 
+    /// The base lm_head's logits `[rows, vocab]` for the rows whose slot
+    /// has no lm_head of its own (the others' are left zero, for
+    /// [`CpuBackend::saved_head_logits`]).
+    pub(super) fn base_head_logits(
+        &self,
+        batch: &StepBatch<'_>,
+        rows: &[usize],
+        normed: &[f32],
+    ) -> Vec<f32> {
+        let (v, d) = (self.config.vocab_size, self.config.hidden_size);
+        let own = |i: usize| {
+            batch.token_slot[rows[i]].is_some_and(|s| self.head_slots[s].is_some())
+        };
+        if !(0..rows.len()).any(own) {
+            let [logits] = self.lm_head.forward_split(normed, rows.len(), [v]);
+            return logits;
+        }
+        let base: Vec<usize> = (0..rows.len()).filter(|&i| !own(i)).collect();
+        let mut logits = vec![0f32; rows.len() * v];
+        if base.is_empty() {
+            return logits;
+        }
+        let x: Vec<f32> = base
+            .iter()
+            .flat_map(|&i| normed[i * d..(i + 1) * d].iter().copied())
+            .collect();
+        let [out] = self.lm_head.forward_split(&x, base.len(), [v]);
+        for (k, &i) in base.iter().enumerate() {
+            logits[i * v..(i + 1) * v].copy_from_slice(&out[k * v..(k + 1) * v]);
+        }
+        logits
+    }
+
     /// Replaces the logits of the rows whose slot has its own lm_head:
     /// each slot's rows gathered and run through its packed head at once.
     pub(super) fn saved_head_logits(
