@@ -14,6 +14,9 @@
 //!
 //! cargo bench -p lorafleet-gateway --bench audit_query [-- ROWS]
 //!
+//! Then each tenant's usage report over the whole span (by adapter and
+//! day, read from the hourly rollups), timed the same two ways.
+//!
 //! `AUDIT_BENCH_KEEP=1` keeps the database at the end (its name is
 //! printed) to look at the plans by hand.
 
@@ -156,7 +159,8 @@ fn main() {
         .execute(&pool)
         .await
         .unwrap();
-        sqlx::query("ANALYZE audit_log")
+        // And the rollups the trigger kept, as autovacuum would.
+        sqlx::query("ANALYZE audit_log, usage_hourly")
             .execute(&pool)
             .await
             .unwrap();
@@ -185,7 +189,8 @@ fn main() {
         let token = jsonwebtoken::encode(
             &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256),
             &serde_json::json!({"sub": "bench", "role": "auditor", "iss": "bench",
-                                "aud": "admin", "exp": now + 3600}),
+                                "aud": "admin", "exp": now + 3600,
+                                "jti": uuid::Uuid::now_v7().to_string()}),
             &jsonwebtoken::EncodingKey::from_secret(secret.as_bytes()),
         )
         .unwrap();
@@ -301,6 +306,8 @@ fn main() {
             results.push((name, "admin HTTP API", api));
         }
 
+        let usage = usage_reports(&pool, &http, addr, &token, start, days).await;
+
         let (partitions, bytes): (i64, i64) = sqlx::query_as(
             "SELECT count(*), sum(pg_total_relation_size(name::regclass))::INT8
                FROM audit_log_partitions()",
@@ -328,6 +335,16 @@ fn main() {
         if days == 30 {
             plot(count as u64, &p99s);
         }
+        println!();
+        println!(
+            "| usage report (one tenant, {days} days, by adapter and day, from the rollups) | through | p50 | p99 | max | rows |"
+        );
+        println!("|---|---|---:|---:|---:|---:|");
+        for (through, mut v, rows) in usage {
+            let (p50, p99) = (percentile(&mut v, 0.50), percentile(&mut v, 0.99));
+            let max = v.last().unwrap().as_secs_f64() * 1e3;
+            println!("| 30-day report | {through} | {p50:.2} ms | {p99:.2} ms | {max:.2} ms | {rows} |");
+        }
 
         pool.close().await;
         if std::env::var_os("AUDIT_BENCH_KEEP").is_some() {
@@ -341,6 +358,68 @@ fn main() {
         .await
         .unwrap();
     });
+}
+
+/// Each tenant's report over the whole span, grouped by adapter and day,
+/// asked [`SAMPLES`] times in turn: through `UsageQuery` (the SQL alone)
+/// and the admin HTTP API (`GET /admin/v1/usage`). Each report's requests
+/// add up to the tenant's audit rows (a `count(*)` over the log, checked
+/// once per tenant). Returns (through, times, rows per report).
+async fn usage_reports(
+    pool: &sqlx::PgPool,
+    http: &reqwest::Client,
+    addr: std::net::SocketAddr,
+    token: &str,
+    start: DateTime<Utc>,
+    days: i64,
+) -> Vec<(&'static str, Vec<Duration>, usize)> {
+    use lorafleet_gateway::usage::{Grouping, UsageQuery};
+    let to = start + chrono::Duration::days(days);
+    let tenants: Vec<(uuid::Uuid, i64)> = sqlx::query_as(
+        "SELECT t.id, (SELECT count(*) FROM audit_log a WHERE a.tenant_id = t.id)
+           FROM tenants t ORDER BY t.name",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    let grouping = Grouping::parse(Some("adapter,day"), &["adapter", "day"]).unwrap();
+    let (mut sql, mut api, mut rows) = (Vec::new(), Vec::new(), 0);
+    for i in 0..SAMPLES {
+        let (tenant, logged) = tenants[i % tenants.len()];
+        let t = Instant::now();
+        let report = UsageQuery::new(start, to, grouping, Some(tenant))
+            .unwrap()
+            .rows(pool)
+            .await
+            .unwrap();
+        sql.push(t.elapsed());
+        rows = report.len();
+        if i < tenants.len() {
+            let requests: i64 = report.iter().map(|r| r.requests).sum();
+            assert_eq!(requests, logged, "the rollups are the log's GROUP BY");
+        }
+        let t = Instant::now();
+        let resp = http
+            .get(format!("http://{addr}/admin/v1/usage"))
+            .bearer_auth(token)
+            .query(&[
+                ("from", start.to_rfc3339()),
+                ("to", to.to_rfc3339()),
+                ("group_by", "adapter,day".into()),
+                ("tenant", tenant.to_string()),
+            ])
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        let body: serde_json::Value = resp.json().await.unwrap();
+        api.push(t.elapsed());
+        assert_eq!(body["rows"].as_array().unwrap().len(), report.len());
+    }
+    vec![
+        ("UsageQuery (SQL)", sql, rows),
+        ("admin HTTP API", api, rows),
+    ]
 }
 
 #[path = "support/svg.rs"]

@@ -130,8 +130,26 @@ impl UsageQuery {
             Some(unit) => format!("date_trunc('{unit}', hour, 'UTC')"),
             None => "NULL::TIMESTAMPTZ".to_owned(),
         };
+        // Each price holds from its hour until the subject's next one: as
+        // ranges, the rollups meet them in one hash join each (a lookup per
+        // rollup row cost half the report).
         let mut q = sqlx::QueryBuilder::<sqlx::Postgres>::new(format!(
-            "SELECT {period} AS period, {} AS tenant_id, {} AS route_id, {} AS lora_int_id,
+            "WITH base_prices AS (
+                 SELECT b.base_hash, p.effective_at AS since,
+                        coalesce(lead(p.effective_at) OVER (PARTITION BY p.base_model
+                                                            ORDER BY p.effective_at),
+                                 'infinity') AS until,
+                        p.device_hour
+                   FROM prices p JOIN base_models b ON b.name = p.base_model),
+             route_prices AS (
+                 SELECT p.route_id, p.effective_at AS since,
+                        coalesce(lead(p.effective_at) OVER (PARTITION BY p.route_id
+                                                            ORDER BY p.effective_at),
+                                 'infinity') AS until,
+                        coalesce(p.prompt_per_million, 0) AS prompt,
+                        coalesce(p.completion_per_million, 0) AS completion
+                   FROM prices p WHERE p.route_id IS NOT NULL)
+             SELECT {period} AS period, {} AS tenant_id, {} AS route_id, {} AS lora_int_id,
                     u.evaluation, {} AS tenant, {} AS adapter,
                     sum(requests)::BIGINT AS requests,
                     coalesce(sum(requests) FILTER (WHERE status = 'ok'), 0)::BIGINT AS completed,
@@ -149,16 +167,10 @@ impl UsageQuery {
                                         + completion_tokens * rp.completion) / 1e6, 0))::FLOAT8
                     END AS cost
                FROM usage_hourly u
-               LEFT JOIN LATERAL (
-                   SELECT p.device_hour FROM prices p JOIN base_models b ON b.name = p.base_model
-                    WHERE b.base_hash = u.base_hash AND p.effective_at <= u.hour
-                    ORDER BY p.effective_at DESC LIMIT 1) dp ON true
-               LEFT JOIN LATERAL (
-                   SELECT coalesce(p.prompt_per_million, 0) AS prompt,
-                          coalesce(p.completion_per_million, 0) AS completion
-                     FROM prices p
-                    WHERE p.route_id = u.route_id AND p.effective_at <= u.hour
-                    ORDER BY p.effective_at DESC LIMIT 1) rp ON true
+               LEFT JOIN base_prices dp ON dp.base_hash = u.base_hash
+                    AND u.hour >= dp.since AND u.hour < dp.until
+               LEFT JOIN route_prices rp ON rp.route_id = u.route_id
+                    AND u.hour >= rp.since AND u.hour < rp.until
                LEFT JOIN tenants tn ON tn.id = u.tenant_id
                LEFT JOIN adapters ad ON ad.lora_int_id = u.lora_int_id
               WHERE hour >= ",
@@ -176,10 +188,20 @@ impl UsageQuery {
             q.push(" AND u.tenant_id = ").push_bind(t);
         }
         q.push(" GROUP BY 1, 2, 3, 4, 5 ORDER BY 1, 2, 3, 4, 5");
-        q.build_query_as()
-            .fetch_all(pool)
+        // A report is one short scan: compiling it (JIT, which a month's
+        // estimated rows turn on) costs more than it saves.
+        let mut tx = pool.begin().await.map_err(UsageError::Db)?;
+        sqlx::query("SET LOCAL jit = off")
+            .execute(&mut *tx)
             .await
-            .map_err(UsageError::Db)
+            .map_err(UsageError::Db)?;
+        let rows = q
+            .build_query_as()
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(UsageError::Db)?;
+        tx.commit().await.map_err(UsageError::Db)?;
+        Ok(rows)
     }
 }
 
