@@ -64,8 +64,16 @@ fn each_adapter_s_rows_serve_its_own_tokens_beside_every_other_kind_and_the_base
         (model, "qv-r8", "golden.json"),
         ("dora/llama-gqa", "dora-qv-r8", "golden_dora.json"),
         ("bias/llama-gqa", "bias-qv-r8", "golden_bias.json"),
-        ("embedding/llama-gqa", "embed-head-rslora", "golden_embedding.json"),
-        ("targets/llama-gqa", "regex-layer1-attn", "golden_targets.json"),
+        (
+            "embedding/llama-gqa",
+            "embed-head-rslora",
+            "golden_embedding.json",
+        ),
+        (
+            "targets/llama-gqa",
+            "regex-layer1-attn",
+            "golden_targets.json",
+        ),
     ];
     let (mut backend, config) = backend(model, 4 + others.len());
     let names = [

@@ -31,9 +31,8 @@ impl CpuBackend {
         normed: &[f32],
     ) -> Vec<f32> {
         let (v, d) = (self.config.vocab_size, self.config.hidden_size);
-        let own = |i: usize| {
-            batch.token_slot[rows[i]].is_some_and(|s| self.head_slots[s].is_some())
-        };
+        let own =
+            |i: usize| batch.token_slot[rows[i]].is_some_and(|s| self.head_slots[s].is_some());
         if !(0..rows.len()).any(own) {
             let [logits] = self.lm_head.forward_split(normed, rows.len(), [v]);
             return logits;
