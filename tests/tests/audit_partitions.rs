@@ -6,6 +6,9 @@
 
 #[path = "support/admin_plane.rs"]
 mod admin_plane;
+/// The usage rollups and the reports read from them.
+#[path = "audit_partitions/usage.rs"]
+mod usage;
 
 use std::time::{Duration, Instant};
 
@@ -656,116 +659,5 @@ async fn an_adapter_filter_reads_its_page_in_index_order() {
         rows.windows(2)
             .all(|w| (w[0].received_at, w[0].id) > (w[1].received_at, w[1].id)),
         "newest first"
-    );
-}
-
-/// Twelve audit rows in one statement, as the writer inserts them (`ON
-/// CONFLICT DO NOTHING`), `tag` naming their request ids: two tenants,
-/// three hours from `base`, every status, an adapter on half, an
-/// evaluation row, an aggregated row of three, device time on half, and
-/// (with `load`, once migration 0029 made the column) adapter-load time on
-/// the adapter rows.
-async fn usage_rows(pool: &PgPool, tag: &str, base: DateTime<Utc>, load: bool) -> u64 {
-    let (load_column, load_value) = if load {
-        (", load_us", ", CASE WHEN k % 2 = 0 THEN 37 * k + 1 END")
-    } else {
-        ("", "")
-    };
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "INSERT INTO audit_log (request_id, received_at, completed_at, tenant_id, subject,
-                                model_name, route_id, lora_int_id, adapter_name,
-                                adapter_version, base_hash, status, http_status, finish_reason,
-                                prompt_tokens, completion_tokens, cached_tokens, occurrences,
-                                device_us, latency_us{load_column})
-         SELECT md5($1 || k)::UUID, t, t, md5('tenant' || k % 2)::UUID,
-                CASE WHEN k = 5 THEN 'rollout-evaluator' END, 'm', md5('route')::UUID,
-                CASE WHEN k % 2 = 0 THEN 7 END, CASE WHEN k % 2 = 0 THEN 'a' END,
-                CASE WHEN k % 2 = 0 THEN 1 END, 'h',
-                (ARRAY['ok', 'error', 'rejected'])[k % 3 + 1]::audit_status,
-                (ARRAY[200, 500, 429])[k % 3 + 1], CASE WHEN k % 3 = 0 THEN 'stop' END,
-                10 + k, k, k % 4, CASE WHEN k = 7 THEN 3 ELSE 1 END,
-                CASE WHEN k % 2 = 0 THEN 1000 * k END, 1{load_value}
-           FROM generate_series(0, 11) k,
-                LATERAL (SELECT $2 + (k % 3) * INTERVAL '1 hour' + k * INTERVAL '1 second' AS t) x
-         ON CONFLICT (request_id, received_at) DO NOTHING"
-    )))
-    .bind(tag)
-    .bind(base)
-    .execute(pool)
-    .await
-    .unwrap()
-    .rows_affected()
-}
-
-type UsageRow = (
-    DateTime<Utc>,
-    Option<Uuid>,
-    Option<Uuid>,
-    Option<i64>,
-    Option<String>,
-    bool,
-    String,
-    i64,
-    i64,
-    i64,
-    i64,
-    // Device and adapter-load microseconds.
-    Vec<i64>,
-);
-
-/// The hourly usage rollup (migration 0023) equals a `GROUP BY` over the
-/// log, exactly: rows the log held before the migration (backfilled),
-/// rows the serving role inserted since (many in one statement), and a
-/// replay of those that inserts nothing and adds nothing.
-#[tokio::test]
-async fn usage_rollups_equal_a_group_by_over_the_log() {
-    let db = TestDb::create("usage_rollup").await;
-    let pool = db.pool().await;
-    MIGRATOR.run_to(22, &pool).await.unwrap();
-    let hour = Utc::now().timestamp() / 3600 * 3600 - 2 * 86_400;
-    let base = DateTime::from_timestamp(hour + 15 * 60, 0).unwrap();
-    assert_eq!(usage_rows(&pool, "before", base, false).await, 12);
-    MIGRATOR.run(&pool).await.unwrap();
-    let runtime = PgPool::connect(&db.url_as(&login_member_of(&pool, "lorafleet_runtime").await))
-        .await
-        .unwrap();
-    assert_eq!(usage_rows(&runtime, "after", base, true).await, 12);
-    assert_eq!(
-        usage_rows(&runtime, "after", base, true).await,
-        0,
-        "a replay"
-    );
-    let rollup: Vec<UsageRow> = sqlx::query_as(
-        "SELECT hour, tenant_id, route_id, lora_int_id, base_hash, evaluation, status::TEXT,
-                requests, prompt_tokens, completion_tokens, cached_tokens, ARRAY[device_us, load_us]
-           FROM usage_hourly ORDER BY 1, 2, 3, 4, 5, 6, 7",
-    )
-    .fetch_all(&pool)
-    .await
-    .unwrap();
-    let log: Vec<UsageRow> = sqlx::query_as(
-        "SELECT date_trunc('hour', received_at, 'UTC'), tenant_id, route_id, lora_int_id,
-                base_hash, coalesce(subject = 'rollout-evaluator', false), status::TEXT,
-                sum(occurrences)::BIGINT, sum(prompt_tokens)::BIGINT,
-                sum(completion_tokens)::BIGINT, sum(cached_tokens)::BIGINT,
-                ARRAY[coalesce(sum(device_us), 0), coalesce(sum(load_us), 0)]::BIGINT[]
-           FROM audit_log GROUP BY 1, 2, 3, 4, 5, 6, 7 ORDER BY 1, 2, 3, 4, 5, 6, 7",
-    )
-    .fetch_all(&pool)
-    .await
-    .unwrap();
-    assert_eq!(rollup, log);
-    // Three hours, both tenants, the evaluation row apart.
-    assert!(rollup.len() >= 7, "{rollup:?}");
-    assert!(rollup.iter().any(|r| r.5), "evaluation traffic apart");
-    assert!(
-        rollup.iter().any(|r| r.11[1] > 0),
-        "adapter-load time rolled up"
-    );
-    let requests: i64 = rollup.iter().map(|r| r.7).sum();
-    assert_eq!(
-        requests,
-        2 * (12 + 2),
-        "an aggregated row counts its occurrences"
     );
 }

@@ -22,6 +22,7 @@ const TABLES: &[&str] = &[
     "routes",
     "tenant_token_revocations",
     "tenants",
+    "usage_daily",
     "usage_hourly",
 ];
 
@@ -99,7 +100,8 @@ async fn migrations_apply_to_an_empty_database_and_rerun_as_a_no_op() {
             (27, true),
             (28, true),
             (29, true),
-            (30, true)
+            (30, true),
+            (31, true)
         ],
         "each migration applied exactly once"
     );
@@ -122,7 +124,7 @@ async fn migrate_takes_the_url_from_the_environment() {
         .fetch_one(&db.pool().await)
         .await
         .unwrap();
-    assert_eq!(n, 30);
+    assert_eq!(n, 31);
 }
 
 #[test]

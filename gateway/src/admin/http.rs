@@ -88,8 +88,10 @@ fn caller(s: &AdminState, headers: &HeaderMap) -> Result<Caller, AdminError> {
 }
 
 /// A JSON answer carrying the request id.
+/// The body is serialized straight to bytes (a report of thousands of rows
+/// is not built as a JSON tree first).
 fn reply<T: Serialize>(status: StatusCode, caller: &Caller, body: &T) -> Response {
-    let mut r = (status, axum::Json(to_json(body))).into_response();
+    let mut r = (status, axum::Json(body)).into_response();
     request_id(&mut r, caller);
     r
 }
