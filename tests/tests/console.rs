@@ -473,11 +473,31 @@ async fn an_admin_runs_the_fleet_from_the_console() {
     assert!(tenants.contains("acme"), "{tenants}");
     let adapters = b.text("#usage-adapters").await;
     assert!(adapters.contains("acme / support:v"), "{adapters}");
+    // acme as a point of tokens against device time, its adapter a bar.
+    let mut points = Vec::new();
+    for point in b.all("#usage-tokens-chart svg circle[data-point]").await {
+        points.push(b.attribute(&point, "data-point").await.unwrap_or_default());
+    }
+    assert!(
+        points.iter().any(|p| p == "acme"),
+        "the scatter draws acme: {points:?}"
+    );
+    let cost_bars = b.all("#usage-cost-chart svg rect[data-bar]").await;
+    let mut named = Vec::new();
+    for bar in &cost_bars {
+        named.push(b.attribute(bar, "data-bar").await.unwrap_or_default());
+    }
+    assert!(
+        named.iter().any(|n| n.starts_with("acme / support:v")),
+        "{named:?}"
+    );
     shoot(&b, "usage").await;
     // Another tenant's filter shows none of acme's.
     b.goto(&format!("{console}/console/usage?tenant=nobody"))
         .await;
     assert!(b.all("#usage-chart svg rect[data-series]").await.is_empty());
+    assert!(b.all("#usage-tokens-chart svg circle").await.is_empty());
+    assert!(b.all("#usage-cost-chart svg rect").await.is_empty());
     // A span that is not a number of days is refused by that field.
     b.goto(&format!("{console}/console/usage?days=forever"))
         .await;

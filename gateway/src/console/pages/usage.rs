@@ -1,7 +1,8 @@
-//! Usage and cost, from the hourly rollups (the admin plane's usage
-//! report): device-hours per tenant by day as a stacked chart, each
-//! tenant's tokens against its device time and cost, the adapters that
-//! cost the most, and rollouts' evaluation traffic apart. Filters: the
+//! Usage and cost, from the rollups (the admin plane's usage report):
+//! device-hours per tenant by day as a stacked chart, each tenant's tokens
+//! against its device time (a scatter and a table) and cost, the adapters
+//! that cost the most (bars and a table), and rollouts' evaluation traffic
+//! apart. Filters: the
 //! last N days, one tenant.
 
 use std::collections::{BTreeMap, HashMap};
@@ -85,9 +86,21 @@ pub(super) async fn page(
             .take(TOP_ADAPTERS)
             .map(|(name, t)| t.json(name, "adapter"))
             .collect();
+        let points: Vec<(String, f64, f64)> = tenants
+            .iter()
+            .map(|(name, t)| {
+                let tokens = (t.prompt_tokens + t.completion_tokens) as f64;
+                (name.clone(), t.device_seconds, tokens)
+            })
+            .collect();
+        let tokens_chart = chart::scatter(&points, "device-seconds", "tokens");
+        let (cost_chart, cost_unit) = cost_chart(&adapters[..adapters.len().min(TOP_ADAPTERS)]);
         Ok(json!({
             "chart": svg,
             "unit": unit,
+            "tokens_chart": tokens_chart,
+            "cost_chart": cost_chart,
+            "cost_unit": cost_unit,
             "tenants": tenant_rows,
             "adapters": adapter_rows,
             "filters": { "days": days, "tenant": tenant },
@@ -153,6 +166,25 @@ fn device_chart(
     };
     let svg = chart::stacked_bars(&columns, &series, unit);
     (svg, unit)
+}
+
+/// The costliest adapters as bars: by cost where any of them had a price,
+/// else by device time; and the unit drawn.
+fn cost_chart(adapters: &[(String, Totals)]) -> (String, &'static str) {
+    let priced = adapters.iter().any(|(_, t)| t.cost.is_some());
+    let items: Vec<(String, f64)> = adapters
+        .iter()
+        .map(|(name, t)| {
+            let v = if priced {
+                t.cost.unwrap_or(0.0)
+            } else {
+                t.device_seconds
+            };
+            (name.clone(), v)
+        })
+        .collect();
+    let unit = if priced { "cost" } else { "device-seconds" };
+    (chart::bars(&items, unit), unit)
 }
 
 /// A row's series: its tenant, or the evaluation traffic of rollouts.
