@@ -48,6 +48,38 @@ async fn usage_rows(pool: &PgPool, tag: &str, base: DateTime<Utc>, load: bool) -
     .rows_affected()
 }
 
+/// The rows of the rollup by `unit` (`hour` or `day`), in key order.
+async fn rollup_rows(pool: &PgPool, unit: &str) -> Vec<UsageRow> {
+    let table = if unit == "day" {
+        "usage_daily"
+    } else {
+        "usage_hourly"
+    };
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT {unit}, tenant_id, route_id, lora_int_id, base_hash, evaluation, status::TEXT,
+                requests, prompt_tokens, completion_tokens, cached_tokens, ARRAY[device_us, load_us]
+           FROM {table} ORDER BY 1, 2, 3, 4, 5, 6, 7"
+    )))
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// The log's `GROUP BY` by `unit`, as the rollup of that unit holds it.
+async fn log_rows(pool: &PgPool, unit: &str) -> Vec<UsageRow> {
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT date_trunc('{unit}', received_at, 'UTC'), tenant_id, route_id, lora_int_id,
+                base_hash, coalesce(subject = 'rollout-evaluator', false), status::TEXT,
+                sum(occurrences)::BIGINT, sum(prompt_tokens)::BIGINT,
+                sum(completion_tokens)::BIGINT, sum(cached_tokens)::BIGINT,
+                ARRAY[coalesce(sum(device_us), 0), coalesce(sum(load_us), 0)]::BIGINT[]
+           FROM audit_log GROUP BY 1, 2, 3, 4, 5, 6, 7 ORDER BY 1, 2, 3, 4, 5, 6, 7"
+    )))
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
 type UsageRow = (
     DateTime<Utc>,
     Option<Uuid>,
@@ -87,47 +119,17 @@ async fn usage_rollups_equal_a_group_by_over_the_log() {
         0,
         "a replay"
     );
-    let rollup: Vec<UsageRow> = sqlx::query_as(
-        "SELECT hour, tenant_id, route_id, lora_int_id, base_hash, evaluation, status::TEXT,
-                requests, prompt_tokens, completion_tokens, cached_tokens, ARRAY[device_us, load_us]
-           FROM usage_hourly ORDER BY 1, 2, 3, 4, 5, 6, 7",
-    )
-    .fetch_all(&pool)
-    .await
-    .unwrap();
-    let log: Vec<UsageRow> = sqlx::query_as(
-        "SELECT date_trunc('hour', received_at, 'UTC'), tenant_id, route_id, lora_int_id,
-                base_hash, coalesce(subject = 'rollout-evaluator', false), status::TEXT,
-                sum(occurrences)::BIGINT, sum(prompt_tokens)::BIGINT,
-                sum(completion_tokens)::BIGINT, sum(cached_tokens)::BIGINT,
-                ARRAY[coalesce(sum(device_us), 0), coalesce(sum(load_us), 0)]::BIGINT[]
-           FROM audit_log GROUP BY 1, 2, 3, 4, 5, 6, 7 ORDER BY 1, 2, 3, 4, 5, 6, 7",
-    )
-    .fetch_all(&pool)
-    .await
-    .unwrap();
+    let (rollup, log) = (
+        rollup_rows(&pool, "hour").await,
+        log_rows(&pool, "hour").await,
+    );
     assert_eq!(rollup, log);
     // The daily rollup (migration 0031, backfilled from the hours, then
     // kept by the same trigger) is the log's GROUP BY by day.
-    let daily: Vec<UsageRow> = sqlx::query_as(
-        "SELECT day, tenant_id, route_id, lora_int_id, base_hash, evaluation, status::TEXT,
-                requests, prompt_tokens, completion_tokens, cached_tokens, ARRAY[device_us, load_us]
-           FROM usage_daily ORDER BY 1, 2, 3, 4, 5, 6, 7",
-    )
-    .fetch_all(&pool)
-    .await
-    .unwrap();
-    let log_daily: Vec<UsageRow> = sqlx::query_as(
-        "SELECT date_trunc('day', received_at, 'UTC'), tenant_id, route_id, lora_int_id,
-                base_hash, coalesce(subject = 'rollout-evaluator', false), status::TEXT,
-                sum(occurrences)::BIGINT, sum(prompt_tokens)::BIGINT,
-                sum(completion_tokens)::BIGINT, sum(cached_tokens)::BIGINT,
-                ARRAY[coalesce(sum(device_us), 0), coalesce(sum(load_us), 0)]::BIGINT[]
-           FROM audit_log GROUP BY 1, 2, 3, 4, 5, 6, 7 ORDER BY 1, 2, 3, 4, 5, 6, 7",
-    )
-    .fetch_all(&pool)
-    .await
-    .unwrap();
+    let (daily, log_daily) = (
+        rollup_rows(&pool, "day").await,
+        log_rows(&pool, "day").await,
+    );
     assert_eq!(daily, log_daily);
     assert!(!daily.is_empty());
     // Three hours, both tenants, the evaluation row apart.
