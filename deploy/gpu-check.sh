@@ -140,6 +140,10 @@ run() {
   # LORAFLEET_BENCH_STANDIN the first time).
   # CUDA_DECODE_TIMEOUT (seconds) bounds it where device time is short.
   step cuda_decode timeout "${CUDA_DECODE_TIMEOUT:-0}" "$out/cuda_decode"
+  # Its run is added to the chart of tokens/s against adapters
+  # (docs/plots/gpu_decode_adapters.{json,svg}); a copy goes with the logs,
+  # to be committed from the build machine.
+  cp docs/plots/gpu_decode_adapters.json docs/plots/gpu_decode_adapters.svg "$results/" 2>/dev/null || true
   # Long prompts (1,600 prompt and 600 new tokens, 16 at a time, 8
   # rank-32 adapters) against the base model alone, on the same stand-in.
   step cuda_long timeout "${CUDA_LONG_TIMEOUT:-0}" "$out/cuda_long"

@@ -19,11 +19,20 @@
 //!
 //! Run on a machine with an NVIDIA GPU:
 //!   cargo bench -p lorafleet-engine --bench cuda_decode
+//! Each run adds its tokens/s to the chart of tokens/s against adapters
+//! (`plots/gpu_decode.rs`: `docs/plots/gpu_decode_adapters.svg`);
+//! `cuda_decode --plot-only` redraws it without a GPU.
 //! (`deploy/gpu-check.sh` builds it here and runs it there). The stand-in
 //! is written under `LORAFLEET_BENCH_STANDIN` (default
 //! `target/bench-standin`), about 6 GB with 512 adapters.
 
 mod standin;
+
+#[path = "../../../gateway/benches/support/svg.rs"]
+mod svg;
+
+#[path = "plots/gpu_decode.rs"]
+mod plot;
 
 use std::time::{Duration, Instant};
 
@@ -53,6 +62,10 @@ const PROMPT: usize = 8;
 const NEW: usize = 8;
 
 fn main() {
+    if std::env::args().any(|a| a == "--plot-only") {
+        plot::draw();
+        return;
+    }
     if let Err(e) = lorafleet_engine::backend::cuda::probe() {
         eprintln!("cuda_decode needs a GPU: {e}");
         std::process::exit(2);
@@ -102,6 +115,7 @@ fn main() {
         standin::RANK,
     );
     // The adapter slots in f32 (the default) and in bf16.
+    let mut series = Vec::new();
     for lora_dtype in [Dtype::F32, Dtype::Bf16] {
         let choice = BackendChoice::Cuda {
             device: 0,
@@ -127,17 +141,30 @@ fn main() {
         // One untimed run first: module load, cuBLAS heuristics, page faults.
         run(&mut engine, counts[0]);
         let mut first = None;
+        let mut tokens_per_s = Vec::new();
         for &n in &counts {
             let replays = engine.stats().graphs.unwrap().replays;
             let (tps, loads, distinct, steps, seqs) = run(&mut engine, n);
             let replayed = engine.stats().graphs.unwrap().replays - replays;
             let base = *first.get_or_insert(tps);
+            tokens_per_s.push((n, tps));
             println!(
                 "| {n} | {tps:.0} | {:.1}% | {loads} | {distinct:.1} | {steps} | {seqs:.1} | {replayed} |",
                 tps / base * 100.0
             );
         }
+        let device = engine.device_name();
+        series.push(plot::Series {
+            label: format!(
+                "{}, {}, {slots} {} slots",
+                device.split(" (").next().unwrap_or(&device),
+                chrono::Utc::now().format("%Y-%m-%d"),
+                lora_dtype.name()
+            ),
+            tokens_per_s,
+        });
     }
+    plot::record(series);
 
     quantized_bases(&model, &dirs, settings);
 
