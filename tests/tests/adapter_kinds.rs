@@ -5,7 +5,9 @@
 //! with `lorafleetctl`, and a tenant's completion is tokenized and
 //! detokenized with that tokenizer, giving transformers + PEFT's greedy
 //! text (`golden_adapter_tokenizer.json`); the base model's route, asked
-//! the same prompt, reads it with the base's tokenizer.
+//! the same prompt, reads it with the base's tokenizer. An adapter whose
+//! vocabulary grows past the base's (`golden_grown_vocab.json`) answers
+//! its tenant the same way.
 
 #[path = "support/admin_plane.rs"]
 mod admin_plane;
@@ -90,4 +92,34 @@ async fn an_adapter_s_own_tokenizer_reads_and_writes_its_tenant_s_text() {
     assert!(first.contains("<tool>"), "{first}");
     let rows = p.audit_rows("acme", "tools", 4).await;
     assert!(rows.iter().all(|r| r["lora_int_id"].as_i64() == Some(id)));
+
+    // An adapter whose vocabulary grows past the base's (three chat tokens
+    // added, its embed_tokens and lm_head saved with their rows): the
+    // registry records its vocabulary, and its tenant's text reads and
+    // writes the new tokens as transformers + PEFT do.
+    let grown = fixture_json("golden_grown_vocab.json");
+    let id = register_adapter(&p, "acme", "chat", "saved/llama-gqa/grown-vocab-r4");
+    let row = &p.ctl_json(&["adapters", "list", "--name", "chat"])["adapters"][0];
+    assert_eq!(row["vocab_size"], grown["rows"], "{row}");
+    assert_eq!(row["features"], json!(["modules_to_save"]), "{row}");
+    route_all(&p, "acme", "chat", id);
+    p.until_status(0, &key, "chat", 200).await;
+    for case in grown["cases"].as_array().unwrap() {
+        let prompt = case["prompt"].as_str().unwrap().to_owned();
+        let whole: Value = serde_json::from_str(&ask("chat", prompt.clone(), false).await).unwrap();
+        assert_eq!(
+            whole["choices"][0]["text"], case["text"],
+            "{prompt}: {whole}"
+        );
+        assert_eq!(
+            whole["usage"]["prompt_tokens"],
+            case["prompt_ids"].as_array().unwrap().len(),
+            "{prompt}"
+        );
+        assert_eq!(
+            whole["usage"]["completion_tokens"],
+            case["greedy"].as_array().unwrap().len(),
+            "{prompt}"
+        );
+    }
 }

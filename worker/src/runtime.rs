@@ -168,6 +168,7 @@ impl EngineHandle {
                 prompter: self.prompter.clone(),
                 constraints: self.constraints.clone(),
                 id_limit: None,
+                vocab: self.prompter.vocab_size(),
             })
     }
 

@@ -41,6 +41,12 @@ pub enum Factor {
     Whole,
     /// A layer's trained rows (`trainable_token_indices`), `[n, hidden]`.
     TokenRows,
+    /// What PEFT also writes of a layer saved whole when the vocabulary was
+    /// resized (`save_embedding_layers` turns itself on): the wrapper's
+    /// `original_module.weight` (the resized base layer, which the adapter
+    /// does not use) and `modules_to_save.weight` (the saved layer again).
+    /// PEFT's loader uses neither for the adapter; neither is read.
+    WrapperCopy,
 }
 
 /// One tensor an adapter stores.
@@ -60,7 +66,9 @@ pub fn module_tensor(layer: usize, t: Target, factor: Factor) -> String {
         Factor::Magnitude => "lora_magnitude_vector",
         Factor::Bias => "lora_B.bias",
         Factor::BaseCopy => "base_layer.weight",
-        Factor::Whole | Factor::TokenRows => unreachable!("only the embedding layers are saved"),
+        Factor::Whole | Factor::TokenRows | Factor::WrapperCopy => {
+            unreachable!("only the embedding layers are saved")
+        }
     };
     format!("base_model.model.model.layers.{layer}.{}.{what}", t.path)
 }
@@ -154,7 +162,16 @@ pub fn expected_outside_layers(config: &AdapterConfig) -> Vec<Expected> {
             Layer::LmHead => Holds::LmHead,
         };
         if config.saved.keeps_whole(layer) {
-            push(whole_tensor(layer).into(), holds, Factor::Whole);
+            let whole = whole_tensor(layer);
+            let module = whole.strip_suffix(".weight").unwrap_or(whole);
+            for copy in ["original_module", "modules_to_save"] {
+                push(
+                    format!("{module}.{copy}.weight"),
+                    holds,
+                    Factor::WrapperCopy,
+                );
+            }
+            push(whole.into(), holds, Factor::Whole);
         }
         if config.saved.rows_of(layer).is_some() {
             push(rows_tensor(layer).into(), holds, Factor::TokenRows);
@@ -249,6 +266,15 @@ pub fn check(
                     .find(|e| e.name == name)
             })
             .ok_or_else(|| bad(name, unexpected(name).into()))?;
+        if expected.factor == Factor::WrapperCopy {
+            if info.shape.len() != 2 {
+                return Err(bad(
+                    name,
+                    format!("has shape {:?}, not [vocab, hidden]", info.shape),
+                ));
+            }
+            continue;
+        }
         if expected.factor == Factor::BaseCopy {
             // Its values are compared with the base's where the base is
             // at hand (the backend, when it writes the adapter's slot).
@@ -309,7 +335,8 @@ pub fn check(
             | Factor::Bias
             | Factor::BaseCopy
             | Factor::Whole
-            | Factor::TokenRows => cols,
+            | Factor::TokenRows
+            | Factor::WrapperCopy => cols,
         };
         let path = rank_path(&expected);
         let (rank, _) = config.rank_and_alpha(adapter, &path)?;
@@ -340,10 +367,10 @@ pub fn check(
                 return Err(bad(&missing.name, missing_reason(missing.factor)));
             }
         }
-        if let Some(missing) = expected_outside_layers(config)
-            .into_iter()
-            .find(|e| e.factor != Factor::BaseCopy && !present.contains(&e.name))
-        {
+        if let Some(missing) = expected_outside_layers(config).into_iter().find(|e| {
+            !matches!(e.factor, Factor::BaseCopy | Factor::WrapperCopy)
+                && !present.contains(&e.name)
+        }) {
             return Err(bad(&missing.name, missing_reason(missing.factor)));
         }
     } else if config.use_dora || config.lora_bias {
@@ -391,7 +418,9 @@ fn missing_reason(factor: Factor) -> String {
         Factor::TokenRows => {
             "the tensor is missing (trainable_token_indices names its layer)".into()
         }
-        Factor::A | Factor::B | Factor::BaseCopy => "the tensor is missing".into(),
+        Factor::A | Factor::B | Factor::BaseCopy | Factor::WrapperCopy => {
+            "the tensor is missing".into()
+        }
     }
 }
 

@@ -96,6 +96,7 @@ pub fn artifact_root() -> tempfile::TempDir {
         "saved/llama-gqa/embed-head-o-r4",
         "saved/llama-gqa/tokens-q-r4",
         "saved/llama-gqa/tool-token-r4",
+        "saved/llama-gqa/grown-vocab-r4",
     ] {
         copy_dir(&fixtures.join(a), &root.path().join(a));
     }

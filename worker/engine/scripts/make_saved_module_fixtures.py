@@ -17,7 +17,8 @@ Run by hand, never by CI, after make_fixtures.py (it adapts that script's
     python3 -m venv .venv && .venv/bin/pip install torch transformers peft safetensors tokenizers
     .venv/bin/python worker/engine/scripts/make_saved_module_fixtures.py worker/engine/tests/fixtures
 
-(`--tool-only` remakes only the adapter that ships its own tokenizer.)
+(`--tool-only` remakes only the adapter that ships its own tokenizer,
+`--grown-only` only the one whose vocabulary is grown past the base's.)
 
 (made with peft 0.21.2, transformers 5.24.0, torch 2.15.0.)
 
@@ -179,11 +180,107 @@ def make_tool_adapter(out):
     raise SystemExit("no seed made the adapter write its new token")
 
 
+# An adapter trained on a vocabulary grown past the base's, as Unsloth,
+# Axolotl and LLaMA-Factory make one when they add chat tokens: the tokens
+# appended to the tokenizer, `resize_token_embeddings`, and both layers in
+# `modules_to_save` (so the new rows are saved, whole).
+NEW_TOKENS = ["<|tool_call|>", "<|tool_result|>", "<think>"]
+GROWN_PROMPTS = ["<think> The quick brown fox", "Call <|tool_call|> now", "SELECT * FROM adapters"]
+
+
+def grown_tokenizer(base_path, adir, first_id):
+    tok = json.load(open(os.path.join(base_path, "tokenizer.json")))
+    for i, t in enumerate(NEW_TOKENS):
+        # The tool markers special (skipped when decoding), <think> text.
+        tok["added_tokens"].append(
+            {"id": first_id + i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": i < 2}
+        )
+    with open(os.path.join(adir, "tokenizer.json"), "w") as f:
+        json.dump(tok, f)
+    return Tokenizer.from_file(os.path.join(adir, "tokenizer.json"))
+
+
+def make_grown_adapter(out):
+    """`adapters/saved/llama-gqa/grown-vocab-r4` and
+    `golden_grown_vocab.json`: per prompt, the adapter tokenizer's ids,
+    transformers + PEFT's last-position logits (over the grown vocabulary)
+    and greedy tokens, on a base resized as its users load it
+    (`resize_token_embeddings` to the adapter's rows, then the adapter)."""
+    model = "llama-gqa"
+    path = os.path.join(out, model)
+    base_rows = json.load(open(os.path.join(path, "config.json")))["vocab_size"]
+    rows = base_rows + len(NEW_TOKENS)
+    adir = os.path.join(out, "adapters", "saved", model, "grown-vocab-r4")
+
+    def resized():
+        m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        m.resize_token_embeddings(rows)
+        return m
+
+    for seed in range(9960, 10060):
+        cfg = LoraConfig(
+            task_type="CAUSAL_LM",
+            lora_dropout=0.0,
+            r=4,
+            lora_alpha=8,
+            target_modules=["q_proj", "v_proj"],
+            modules_to_save=["embed_tokens", "lm_head"],
+        )
+        peft_model = get_peft_model(resized(), cfg)
+        randomize_lora(peft_model, seed)
+        move_saved(peft_model, seed + 100)
+        # The new rows trained further than the old ones moved.
+        g = torch.Generator().manual_seed(seed + 200)
+        with torch.no_grad():
+            for name, p in peft_model.named_parameters():
+                if "modules_to_save" in name:
+                    p[base_rows:].add_(torch.randn(p[base_rows:].shape, generator=g) * 0.15)
+        shutil.rmtree(adir, ignore_errors=True)
+        peft_model.save_pretrained(adir)
+        os.remove(os.path.join(adir, "README.md"))
+        cfg_path = os.path.join(adir, "adapter_config.json")
+        c = json.load(open(cfg_path))
+        c["base_model_name_or_path"] = f"worker/engine/tests/fixtures/{model}"
+        c["target_modules"] = sorted(c["target_modules"])
+        with open(cfg_path, "w") as f:
+            json.dump(c, f, indent=2)
+        tok = grown_tokenizer(path, adir, base_rows)
+        m = PeftModel.from_pretrained(resized(), adir).eval()
+        cases = []
+        for prompt in GROWN_PROMPTS:
+            ids = tok.encode(prompt).ids
+            x = torch.tensor([ids])
+            with torch.no_grad():
+                logits = m(x).logits[0, -1].tolist()
+                gen = m.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=[2, 4], pad_token_id=0)[0, len(ids):].tolist()
+            assert len(logits) == rows
+            cases.append({
+                "model": model,
+                "adapter": "grown-vocab-r4",
+                "prompt": prompt,
+                "prompt_ids": ids,
+                "greedy": gen,
+                "text": tok.decode(gen, skip_special_tokens=True),
+                "logits": logits,
+            })
+        # New tokens are read (the first two prompts) and written (some answer).
+        read = all(any(t >= base_rows for t in c["prompt_ids"]) for c in cases[:2])
+        if read and any(t >= base_rows for c in cases for t in c["greedy"]):
+            with open(os.path.join(out, "golden_grown_vocab.json"), "w") as f:
+                json.dump({"adapter": "grown-vocab-r4", "rows": rows, "tokens": NEW_TOKENS, "max_new_tokens": MAX_NEW, "cases": cases}, f)
+            print(f"grown-vocab-r4 with seed {seed}")
+            return
+    raise SystemExit("no seed made the adapter write a new token")
+
+
 def main():
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     out = args[0] if args else "worker/engine/tests/fixtures"
     if "--tool-only" in sys.argv:
         make_tool_adapter(out)
+        return
+    if "--grown-only" in sys.argv:
+        make_grown_adapter(out)
         return
     golden = {"max_new_tokens": MAX_NEW, "cases": []}
     for i, (model, adapters) in enumerate(ADAPTERS.items()):
@@ -214,6 +311,7 @@ def main():
         json.dump(golden, f)
     print(f"wrote {len(golden['cases'])} golden cases to {out}/golden_saved.json")
     make_tool_adapter(out)
+    make_grown_adapter(out)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,12 @@ impl Prompter {
         &self.tokenizer
     }
 
+    /// The token ids its prompts may hold: the model's vocabulary, or an
+    /// adapter's grown past it.
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
     /// The prompt's token ids, every one below the vocabulary size.
     pub fn tokenize(&self, prompt: &Prompt) -> Result<Vec<u32>> {
         let ids = match prompt {

@@ -115,6 +115,10 @@ pub(crate) struct Sequence {
     pub tokenizer: Option<std::sync::Arc<Tokenizer>>,
     /// Draws no token at or past this id (its tokenizer has none there).
     pub id_limit: Option<usize>,
+    /// Its logits per position where its adapter grows the vocabulary
+    /// past the model's (its own embed_tokens and lm_head rows); None: the
+    /// model's `vocab_size`.
+    pub vocab: Option<usize>,
     /// A token still to be drawn: its logits are in, its mask was not
     /// when the step's budget ran out. The scheduler passes the sequence
     /// over until a step draws it.
@@ -188,6 +192,7 @@ impl Sequence {
             waited_steps: None,
             tokenizer: None,
             id_limit: None,
+            vocab: None,
             skipped: 0,
             weights_seed,
             long_rope: false,

@@ -165,15 +165,19 @@ fn edit_config(dir: &std::path::Path, edit: impl FnOnce(&mut serde_json::Value))
     std::fs::write(path, c.to_string()).unwrap();
 }
 
-/// Rewrites the adapter's weights with `tensor` given one more row.
-fn grow(dir: &std::path::Path, tensor: &str) {
+/// Rewrites the adapter's weights with `tensor` given one more row (or,
+/// with `shrink`, one fewer).
+fn resize(dir: &std::path::Path, tensor: &str, shrink: bool) {
     let path = dir.join("adapter_model.safetensors");
     let bytes = std::fs::read(&path).unwrap();
     let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let mut owned: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
     for (name, view) in file.tensors() {
         let (mut shape, mut data) = (view.shape().to_vec(), view.data().to_vec());
-        if name == tensor {
+        if name == tensor && shrink {
+            data.truncate(data.len() - shape[1] * 4);
+            shape[0] -= 1;
+        } else if name == tensor {
             data.extend(std::iter::repeat_n(0u8, shape[1] * 4));
             shape[0] += 1;
         }
@@ -193,15 +197,33 @@ fn grow(dir: &std::path::Path, tensor: &str) {
 #[test]
 fn what_cannot_be_served_is_refused_by_field_or_tensor() {
     let (_, config) = backend("llama-gqa", 1);
-    // A vocabulary resized past the base's (a saved lm_head with a row
-    // more than the base's vocab_size).
+    // A vocabulary grown past the base's by a saved lm_head alone: a new
+    // token could be written but never read back.
+    let head = "base_model.model.lm_head.weight";
     let dir = copy("saved/llama-gqa", "head-qv-r4");
-    grow(dir.path(), "base_model.model.lm_head.weight");
+    resize(dir.path(), head, false);
     let err = load(&config, dir.path()).unwrap_err();
     assert!(
-        err.contains("base_model.model.lm_head.weight")
+        err.contains("modules_to_save")
             && err.contains("385 rows")
-            && err.contains("vocabulary has 384"),
+            && err.contains("has 384")
+            && err.contains("embed_tokens must be saved too"),
+        "{err}"
+    );
+    // Saved layers that disagree on the vocabulary, and one shrunk below
+    // the base's.
+    let dir = copy("saved/llama-gqa", "embed-head-o-r4");
+    resize(dir.path(), head, false);
+    let err = load(&config, dir.path()).unwrap_err();
+    assert!(
+        err.contains(head) && err.contains("385 rows") && err.contains("disagree"),
+        "{err}"
+    );
+    let dir = copy("saved/llama-gqa", "head-qv-r4");
+    resize(dir.path(), head, true);
+    let err = load(&config, dir.path()).unwrap_err();
+    assert!(
+        err.contains(head) && err.contains("383 rows") && err.contains("shrunk"),
         "{err}"
     );
     // A trainable token the base has no row for.
@@ -443,4 +465,198 @@ fn an_adapter_draws_no_token_its_tokenizer_lacks() {
         "{:?}",
         done.token_ids
     );
+}
+
+#[derive(serde::Deserialize)]
+struct GrownGolden {
+    adapter: String,
+    rows: usize,
+    cases: Vec<GrownCase>,
+}
+
+#[derive(serde::Deserialize)]
+struct GrownCase {
+    prompt: String,
+    prompt_ids: Vec<u32>,
+    greedy: Vec<u32>,
+    text: String,
+    logits: Vec<f32>,
+}
+
+fn golden_grown() -> GrownGolden {
+    serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("golden_grown_vocab.json")).unwrap(),
+    )
+    .unwrap()
+}
+
+/// An adapter trained on a vocabulary grown past the base's (three chat
+/// tokens added, `resize_token_embeddings`, embed_tokens and lm_head in
+/// `modules_to_save`, its tokenizer beside it): in one step with the base
+/// and an adapter with its own lm_head of the base's rows, each row has
+/// PEFT's logits over its own vocabulary and -inf past it.
+#[test]
+fn a_grown_vocabulary_s_rows_have_their_own_logits_beside_the_base_s() {
+    let golden = golden_grown();
+    let model = "llama-gqa";
+    let (mut backend, config) = backend(model, 2);
+    let v = config.vocab_size;
+    assert!(golden.rows > v);
+    let grown = load(&config, &adapter_dir("saved/llama-gqa", &golden.adapter)).unwrap();
+    assert_eq!(grown.outer.saved.vocab(), Some(golden.rows));
+    backend.write_slot(0, &grown).unwrap();
+    let head = load(&config, &adapter_dir("saved/llama-gqa", "head-qv-r4")).unwrap();
+    backend.write_slot(1, &head).unwrap();
+    let prompt = "The quick brown fox";
+    let pick = |g: &Golden, adapter: Option<&str>| {
+        g.cases
+            .iter()
+            .find(|c| c.model == model && c.adapter.as_deref() == adapter && c.prompt == prompt)
+            .unwrap()
+            .clone()
+    };
+    let base = pick(&golden_named("golden.json"), None);
+    let own_head = pick(&golden_saved(), Some("head-qv-r4"));
+    // (prompt ids, slot, golden logits).
+    let mut rows: Vec<(&[u32], Option<usize>, &[f32])> =
+        vec![(&base.prompt_ids, None, &base.logits)];
+    for case in &golden.cases {
+        rows.push((&case.prompt_ids, Some(0), &case.logits));
+    }
+    rows.push((&own_head.prompt_ids, Some(1), &own_head.logits));
+    let tables: Vec<Vec<u32>> = (0..rows.len() as u32)
+        .map(|s| (s * 8..s * 8 + 8).collect())
+        .collect();
+    let mut batch = StepBatch::default();
+    for ((ids, slot, _), table) in rows.iter().zip(&tables) {
+        batch.push(ids, 0, table, *slot, true);
+    }
+    batch.width = golden.rows;
+    batch.finish();
+    let w = golden.rows;
+    let logits = backend.forward(&batch).unwrap();
+    assert_eq!(logits.len(), rows.len() * w);
+    for (i, (_, slot, want)) in rows.iter().enumerate() {
+        let row = &logits[i * w..(i + 1) * w];
+        let own = want.len();
+        let err = relative_error(&row[..own], want);
+        assert!(err <= 1e-4, "row {i} (slot {slot:?}): {err}");
+        assert!(
+            row[own..].iter().all(|&l| l == f32::NEG_INFINITY),
+            "row {i} past its {own} logits: {:?}",
+            &row[own..]
+        );
+    }
+    // A step as wide as the base's cannot hold the grown rows (a prompt
+    // of old tokens: new ones are refused before), nor its new tokens.
+    let old_ids = &golden.cases[2].prompt_ids;
+    assert!(old_ids.iter().all(|&t| (t as usize) < v));
+    let mut narrow = StepBatch::default();
+    narrow.push(old_ids, 0, &tables[1], Some(0), true);
+    narrow.finish();
+    let err = backend.forward(&narrow).unwrap_err().to_string();
+    assert!(
+        err.contains("387 logits") && err.contains("384 wide"),
+        "{err}"
+    );
+    let mut narrow = StepBatch::default();
+    narrow.push(&golden.cases[0].prompt_ids, 0, &tables[1], Some(0), true);
+    narrow.finish();
+    let err = backend.forward(&narrow).unwrap_err().to_string();
+    assert!(err.contains("not below vocab_size 384"), "{err}");
+    // A new token is embedded only by the adapter that has its row.
+    let mut base_new = StepBatch::default();
+    base_new.push(&golden.cases[0].prompt_ids, 0, &tables[1], Some(1), true);
+    base_new.width = golden.rows;
+    base_new.finish();
+    let err = backend.forward(&base_new).unwrap_err().to_string();
+    assert!(err.contains("not below vocab_size 384"), "{err}");
+}
+
+/// Through the engine: the grown adapter's requests are tokenized with
+/// its tokenizer (a new token is one id past the base's), answer as PEFT
+/// does (writing new tokens), and the base's requests beside them score
+/// over the base's vocabulary alone.
+#[test]
+fn an_adapter_with_a_grown_vocabulary_reads_and_writes_its_new_tokens() {
+    use lorafleet_engine::{BackendChoice, Engine, EngineSettings, Prompt, Request, Sampling};
+    let golden = golden_grown();
+    let model = "llama-gqa";
+    let mut e = Engine::load(
+        &model_dir(model),
+        EngineSettings {
+            max_loras: 2,
+            max_cpu_loras: 2,
+            ..Default::default()
+        },
+        BackendChoice::Cpu,
+    )
+    .unwrap();
+    let v = e.config().vocab_size;
+    e.register_adapter(aid(1), fixture_source("saved/llama-gqa", &golden.adapter))
+        .unwrap();
+    e.register_adapter(aid(2), fixture_source(model, "qv-r8"))
+        .unwrap();
+    let request = |i: usize, adapter: Option<u64>, prompt: &str, logprobs: bool| Request {
+        id: format!("r{i}").into(),
+        adapter: adapter.map(aid),
+        prompt: Prompt::Text(prompt.into()),
+        params: Sampling {
+            max_tokens: golden.cases[0].greedy.len(),
+            temperature: 0.0,
+            logprobs: logprobs.then_some(2),
+            prompt_logprobs: logprobs.then_some(2),
+            ..Default::default()
+        }
+        .validate()
+        .unwrap(),
+    };
+    let base_prompt = "The quick brown fox";
+    // The base's log probabilities with nothing else in its steps.
+    let alone = e
+        .run_to_completion(vec![request(100, None, base_prompt, true)])
+        .unwrap()
+        .remove(0);
+    let mut requests = Vec::new();
+    for case in &golden.cases {
+        let n = requests.len();
+        requests.push(request(n, Some(1), &case.prompt, true));
+        requests.push(request(n + 1, None, base_prompt, true));
+        requests.push(request(n + 2, Some(2), &case.prompt, false));
+    }
+    let done = e.run_to_completion(requests).unwrap();
+    let mut wrote_new = false;
+    for (case, c) in golden.cases.iter().zip(done.chunks(3)) {
+        let (own, base, plain) = (&c[0], &c[1], &c[2]);
+        for r in c {
+            assert!(r.error.is_none(), "{:?}", r.error);
+        }
+        assert_eq!(own.prompt_ids, case.prompt_ids, "{:?}", case.prompt);
+        assert_eq!(own.token_ids, case.greedy, "{:?}", case.prompt);
+        assert_eq!(own.text, case.text, "{:?}", case.prompt);
+        wrote_new |= own.token_ids.iter().any(|&t| t as usize >= v);
+        // The first token's log probability is over the grown vocabulary
+        // (PEFT's last-position logits, normalized here).
+        let max = case.logits.iter().fold(f32::MIN, |m, &x| m.max(x));
+        let sum: f64 = case.logits.iter().map(|&x| f64::from(x - max).exp()).sum();
+        let want = f64::from(case.logits[case.greedy[0] as usize] - max) - sum.ln();
+        let got = f64::from(own.logprobs[0].logprob.unwrap());
+        assert!((got - want).abs() <= 1e-4, "{got} against {want}");
+        // The base beside the grown rows scores as alone.
+        assert_eq!(base.token_ids, alone.token_ids);
+        for (a, b) in base.logprobs.iter().zip(&alone.logprobs) {
+            assert_eq!(a.logprob, b.logprob);
+        }
+        for (a, b) in base.prompt_logprobs.iter().zip(&alone.prompt_logprobs) {
+            assert_eq!(a.logprob, b.logprob);
+        }
+        // A plain adapter reads the new tokens' text with the base's
+        // tokenizer: as several of the base's tokens.
+        assert!(plain.prompt_ids.iter().all(|&t| (t as usize) < v));
+    }
+    assert!(
+        golden.cases[0].prompt_ids.iter().any(|&t| t as usize >= v),
+        "a new token is read"
+    );
+    assert!(wrote_new, "a new token is written");
 }

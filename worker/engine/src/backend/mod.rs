@@ -57,6 +57,12 @@ pub struct StepBatch<'a> {
     pub token_slot: Vec<Option<usize>>,
     /// Runs of tokens sharing one slot; base-model tokens are in none.
     pub segments: Vec<Segment>,
+    /// Logits per row, where a row's adapter has a vocabulary grown past
+    /// the base model's (its own embed_tokens and lm_head of more rows):
+    /// the widest of the step's rows. Each row's logits past its own
+    /// vocabulary are -inf. 0 (and anything below the model's
+    /// `vocab_size`) is the model's `vocab_size`.
+    pub width: usize,
 }
 
 impl<'a> StepBatch<'a> {
@@ -126,19 +132,23 @@ impl<'a> StepBatch<'a> {
         }
     }
 
-    /// Checks what every backend relies on: token ids below the vocabulary,
-    /// and block tables (and rings, where the sliding layers keep them)
-    /// long enough for each sequence's positions.
+    /// Logits per row: [`StepBatch::width`], at least the model's
+    /// `vocab_size`.
+    pub fn logits_width(&self, vocab_size: usize) -> usize {
+        self.width.max(vocab_size)
+    }
+
+    /// Checks what every backend relies on: token ids below the vocabulary
+    /// (the widest of the step's: a backend checks each slot's own), and
+    /// block tables (and rings, where the sliding layers keep them) long
+    /// enough for each sequence's positions.
     pub fn check(&self, config: &ModelConfig, shape: &BackendShape) -> Result<()> {
         let block_size = shape.block_size;
-        if let Some(t) = self
-            .tokens
-            .iter()
-            .find(|&&t| t as usize >= config.vocab_size)
-        {
+        let vocab = self.logits_width(config.vocab_size);
+        if let Some(t) = self.tokens.iter().find(|&&t| t as usize >= vocab) {
             return Err(EngineError::request(
                 lorafleet_domain::generation::Field::Prompt,
-                format!("token id {t} is not below vocab_size {}", config.vocab_size),
+                format!("token id {t} is not below vocab_size {vocab}"),
             ));
         }
         for s in &self.seqs {
@@ -257,7 +267,7 @@ pub trait Backend: Send {
         true
     }
     /// Runs one step: writes the new tokens' keys and values into the KV
-    /// cache and returns logits, `vocab_size` per row of
+    /// cache and returns logits, [`StepBatch::logits_width`] per row of
     /// [`StepBatch::logit_rows`], in that order.
     fn forward(&mut self, batch: &StepBatch<'_>) -> Result<Vec<f32>>;
     /// Whether [`Backend::forward_sampled`] is available: the backend

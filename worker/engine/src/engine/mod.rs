@@ -479,8 +479,9 @@ impl Engine {
                 format!("adapter {a} is not registered"),
             ));
         }
-        request.params.check_vocab(self.config.vocab_size)?;
         let own = request.adapter.and_then(|a| self.texts.get(&a)).cloned();
+        let vocab = own.as_ref().map_or(self.config.vocab_size, |t| t.vocab);
+        request.params.check_vocab(vocab)?;
         let prompter = own.as_ref().map_or(&self.prompter, |t| &t.prompter);
         // Token ids (as the worker sends, having tokenized on another
         // thread) are only checked here; text is tokenized here.
@@ -574,6 +575,7 @@ impl Engine {
             seq.arrived_step = self.run.steps;
             seq.grammar = grammar;
             seq.id_limit = own.as_ref().and_then(|t| t.id_limit);
+            seq.vocab = (vocab != self.config.vocab_size).then_some(vocab);
             seq.tokenizer = own.map(|t| t.tokenizer().clone());
             seq.harmony = harmony;
             // Its adapter was in a device slot when it came: no wait.

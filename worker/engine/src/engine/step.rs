@@ -159,6 +159,12 @@ impl Engine {
             });
             next_row += n;
         }
+        // The widest vocabulary of the step's rows (an adapter's grown one).
+        batch.width = order
+            .iter()
+            .filter_map(|&(_, id, _)| self.seqs[&id].vocab)
+            .max()
+            .unwrap_or(0);
         batch.finish();
         self.last_step = StepStats {
             sequences: batch.seqs.len(),
@@ -181,9 +187,11 @@ impl Engine {
             &self.masks,
         )?;
         let busy = started.elapsed();
+        let width = batch.logits_width(self.config.vocab_size);
+        drop(batch);
         self.run.busy += busy;
         self.charge(&rows, busy);
-        let scored = self.score_and_collect(&rows, &logits, draws);
+        let scored = self.score_and_collect(&rows, &logits, width, draws);
         let mut scored = scored.into_iter();
         let mut finished = Vec::new();
         let mut late_masks = 0;
@@ -424,14 +432,17 @@ impl Engine {
         &mut self,
         rows: &[Row],
         logits: &[f32],
+        width: usize,
         draws: Vec<Draw>,
     ) -> Vec<(Vec<TokenLogprob>, Option<Drawn>)> {
-        let vocab = self.config.vocab_size;
-        let row_of = |k: usize| &logits[k * vocab..(k + 1) * vocab];
+        let model_vocab = self.config.vocab_size;
         let mut draws = draws.into_iter().peekable();
         let mut out = Vec::with_capacity(rows.len());
         for (i, r) in rows.iter().enumerate() {
             let seq = self.seqs.get_mut(&r.id).expect("scheduled sequence exists");
+            // Its own logits of the row: the step's may be wider.
+            let vocab = seq.vocab.unwrap_or(model_vocab);
+            let row_of = |k: usize| &logits[k * width..k * width + vocab];
             let mut prompt = Vec::new();
             if let Some(top_n) = seq.params.prompt_logprobs
                 && seq.prompt_scored < seq.prompt_ids.len()
@@ -540,7 +551,7 @@ struct Draw {
 fn forward_and_draw(
     backend: &mut dyn Backend,
     seqs: &HashMap<SeqId, Sequence>,
-    vocab: usize,
+    model_vocab: usize,
     eos: &[u32],
     batch: &StepBatch<'_>,
     rows: &[Row],
@@ -570,7 +581,8 @@ fn forward_and_draw(
             || p.constraint.is_some()
             || seqs[&r.id].id_limit.is_some()
     });
-    if backend.samples_on_device() && !scores {
+    let width = batch.logits_width(model_vocab);
+    if backend.samples_on_device() && !scores && width == model_vocab {
         // The uniform draw comes from the request's own stream, here, as
         // the host sampler would take it (only when sampling), so a
         // request's tokens do not depend on its batch.
@@ -629,7 +641,7 @@ fn forward_and_draw(
             draws[i].deferred = Some(slot);
         }
     }
-    let want = rows.iter().map(|r| r.rows).sum::<usize>() * vocab;
+    let want = rows.iter().map(|r| r.rows).sum::<usize>() * width;
     if logits.len() != want {
         return Err(EngineError::Backend(format!(
             "the backend returned {} logits for {want}",
@@ -648,7 +660,7 @@ fn forward_and_draw(
             return;
         }
         let seq = &seqs[&rows[d.index].id];
-        let row = &logits[d.row * vocab..(d.row + 1) * vocab];
+        let row = &logits[d.row * width..d.row * width + seq.vocab.unwrap_or(model_vocab)];
         let (token, failed) = draw_token(row, seq, mask.take(), &mut d.rng, eos);
         d.token = token;
         d.failed = failed;

@@ -2,7 +2,9 @@
 //! renamed, as Unsloth and Axolotl write them beside an adapter with
 //! trained token rows): their requests are tokenized, templated,
 //! detokenized and constrained with it. An adapter whose `tokenizer.json`
-//! is the base's (the same vocabulary) uses the base's.
+//! is the base's (the same vocabulary) uses the base's. An adapter whose
+//! saved embed_tokens and lm_head grow the vocabulary past the base's has
+//! a text side of its own even without a tokenizer: its ids reach its rows.
 
 use std::sync::Arc;
 
@@ -23,6 +25,9 @@ pub struct TextSide {
     /// The ids its tokenizer has (its largest plus one), where that is
     /// fewer than the model's rows: its requests draw no token past them.
     pub id_limit: Option<usize>,
+    /// Its logits per position: the base model's `vocab_size`, or the rows
+    /// of an adapter's own embed_tokens and lm_head grown past it.
+    pub vocab: usize,
 }
 
 impl TextSide {
@@ -59,8 +64,9 @@ impl Engine {
         self.prompter.tokenize(prompt)
     }
 
-    /// The text side of the tokenizer in `dir`, if the adapter there ships
-    /// its own; its tokens must have rows in the model.
+    /// The text side of the adapter in `dir`, if it ships a tokenizer of
+    /// its own or grows the vocabulary; its tokens must have rows in the
+    /// model or in its own layers.
     pub(super) fn adapter_text(
         &self,
         name: &str,
@@ -69,33 +75,50 @@ impl Engine {
         let refused = |reason: String| {
             EngineError::request(Field::Adapter, format!("adapter {name:?}: {reason}"))
         };
-        let Some(own) =
-            Tokenizer::for_adapter(dir, &self.tokenizer).map_err(|e| refused(e.to_string()))?
-        else {
-            return Ok(None);
-        };
         let vocab = self.config.vocab_size;
-        if own.vocab_size() > vocab {
+        // A weights file that cannot be read here is refused when the
+        // adapter loads, by its tensor; until then it reads as the base's.
+        let rows =
+            lorafleet_artifact::safetensors_header::read(&dir.join("adapter_model.safetensors"))
+                .ok()
+                .map(|header| lorafleet_artifact::adapter::tensors::saved_vocab(name, &header))
+                .transpose()
+                .map_err(|e| refused(e.to_string()))?
+                .flatten()
+                .map_or(vocab, |r| {
+                    usize::try_from(r).unwrap_or(usize::MAX).max(vocab)
+                });
+        let own =
+            Tokenizer::for_adapter(dir, &self.tokenizer).map_err(|e| refused(e.to_string()))?;
+        if own.is_none() && rows == vocab {
+            return Ok(None);
+        }
+        let own = own.map_or_else(|| self.tokenizer.clone(), Arc::new);
+        let limit = own.id_limit();
+        if limit > rows {
+            let whose = if rows > vocab {
+                "its own embed_tokens and lm_head have"
+            } else {
+                "the base model's vocabulary has"
+            };
             return Err(refused(format!(
-                "its tokenizer.json has {} tokens, but the base model's vocabulary has {vocab} rows: \
-                 its new tokens would have no row",
-                own.vocab_size()
+                "its tokenizer.json has {limit} tokens, but {whose} {rows} rows: its new tokens \
+                 would have no row"
             )));
         }
-        let limit = own.id_limit();
-        let own = Arc::new(own);
         Ok(Some(TextSide {
-            id_limit: (limit < vocab).then_some(limit),
+            id_limit: (limit < rows).then_some(limit),
+            vocab: rows,
             prompter: Prompter::new(
                 own.clone(),
-                vocab,
+                rows,
                 self.config
                     .rope
                     .max_model_len(self.config.max_position_embeddings),
             ),
             constraints: Compiler::new(
                 own,
-                vocab,
+                rows,
                 self.config.eos_token_ids.first().copied().unwrap_or(0),
                 self.harmony.is_some(),
             ),
@@ -117,6 +140,7 @@ impl Engine {
                 prompter: self.prompter.clone(),
                 constraints: self.constraints.clone(),
                 id_limit: None,
+                vocab: self.prompter.vocab_size(),
             })
     }
 }

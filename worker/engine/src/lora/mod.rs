@@ -323,13 +323,17 @@ impl HostAdapter {
                 reason: e.to_string().replace(&shown, "adapter_model.safetensors"),
             })?;
         files.serve_language_model_adapter();
-        lorafleet_artifact::adapter::saved::check_tokenizer(
-            name,
-            dir,
-            limits.model.vocab_size as u64,
-            "the base model's vocabulary",
-        )?;
-        build(name, &config, &files, limits)
+        let adapter = build(name, &config, &files, limits)?;
+        // Its own tokenizer's ids need rows: the base's, or those of its
+        // own layers where they grow the vocabulary.
+        let (rows, what) = match adapter.outer.saved.vocab() {
+            Some(rows) if rows > limits.model.vocab_size => {
+                (rows, "its own embed_tokens and lm_head")
+            }
+            _ => (limits.model.vocab_size, "the base model's vocabulary"),
+        };
+        lorafleet_artifact::adapter::saved::check_tokenizer(name, dir, rows as u64, what)?;
+        Ok(adapter)
     }
 }
 

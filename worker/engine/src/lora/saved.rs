@@ -109,6 +109,16 @@ impl Replaced {
         values + self.tokens.len() * 12
     }
 
+    /// The rows it holds: a layer saved whole has one per token of its
+    /// vocabulary (the base's, or one grown past it).
+    pub fn rows(&self) -> usize {
+        let values = match &self.values {
+            Values::F32(v) => v.len(),
+            Values::Bf16(v) => v.len(),
+        };
+        values / self.hidden.max(1)
+    }
+
     /// Whether the layer is saved whole.
     pub fn is_whole(&self) -> bool {
         self.index.is_none()
@@ -139,14 +149,28 @@ impl SavedLayers {
         self.embedding.as_ref().map_or(0, Replaced::bytes)
             + self.lm_head.as_ref().map_or(0, Replaced::bytes)
     }
+
+    /// The vocabulary of the adapter's own layers, where they are saved
+    /// whole: the base's, or one grown past it (new tokens' rows).
+    pub fn vocab(&self) -> Option<usize> {
+        [&self.embedding, &self.lm_head]
+            .into_iter()
+            .flatten()
+            .find(|l| l.is_whole())
+            .map(Replaced::rows)
+    }
 }
 
 /// Reads `modules_to_save` and `trainable_token_indices` (the tensors'
 /// presence and row counts were checked by `tensors::check`). A layer
-/// saved whole must have the base's vocabulary: a vocabulary resized past
-/// it is refused by its tensor, as is a token the base's has no row for.
-/// Where the model ties its lm_head to its embeddings, the embeddings'
-/// trained rows are the lm_head's too (PEFT ties them).
+/// saved whole has the base's vocabulary or one grown past it (tokens
+/// added and `resize_token_embeddings`, as Unsloth and Axolotl add chat
+/// tokens): then both embed_tokens and lm_head must be saved, with the
+/// same rows, so a new token is both read and written. A vocabulary
+/// shrunk below the base's is refused by its tensor, as is a trained row
+/// of a token the base has no row for. Where the model ties its lm_head to
+/// its embeddings, the embeddings' trained rows are the lm_head's too
+/// (PEFT ties them).
 pub(super) fn load(
     name: &str,
     config: &AdapterConfig,
@@ -159,23 +183,76 @@ pub(super) fn load(
         reason,
     };
     let (vocab, hidden) = (model.vocab_size, model.hidden_size);
+    // The saved layers' vocabulary: the base's, or one grown past it.
+    let mut saved_rows: Option<(usize, &str)> = None;
+    for layer in [Layer::Embedding, Layer::LmHead] {
+        if !config.saved.keeps_whole(layer) {
+            continue;
+        }
+        let tensor = whole_tensor(layer);
+        let raw = files
+            .raw(tensor)
+            .map_err(|e| invalid(tensor, strip_file(e)))?;
+        let rows = match raw.shape[..] {
+            [rows, h] if h == hidden => rows,
+            _ => {
+                return Err(invalid(
+                    tensor,
+                    format!("has shape {:?}, expected [rows, {hidden}]", raw.shape),
+                ));
+            }
+        };
+        if rows < vocab {
+            return Err(invalid(
+                tensor,
+                format!(
+                    "has {rows} rows, fewer than the base model's vocabulary of {vocab}: a \
+                     vocabulary shrunk below the base's is not served"
+                ),
+            ));
+        }
+        if let Some((other_rows, other)) = saved_rows
+            && other_rows != rows
+        {
+            return Err(invalid(
+                tensor,
+                format!(
+                    "has {rows} rows, but {other} has {other_rows}: the saved layers disagree \
+                     on the vocabulary"
+                ),
+            ));
+        }
+        saved_rows = Some((rows, tensor));
+    }
+    let rows_whole = saved_rows.map_or(vocab, |(rows, _)| rows);
+    if rows_whole > vocab {
+        // New tokens are read through embed_tokens and written through
+        // lm_head: both must hold their rows.
+        if let Some(missing) = [Layer::Embedding, Layer::LmHead]
+            .into_iter()
+            .find(|&l| !config.saved.keeps_whole(l))
+        {
+            return Err(AdapterError::Invalid {
+                adapter: name.into(),
+                field: "modules_to_save".into(),
+                reason: format!(
+                    "the saved layers grow the vocabulary to {rows_whole} rows (the base model \
+                     has {vocab}), so {} must be saved too: a new token needs a row in both",
+                    missing.module_name()
+                ),
+            });
+        }
+    }
     let read = |tensor: &str, rows: usize| -> Result<Values, AdapterError> {
         let shape = [rows, hidden];
         let raw = files
             .raw(tensor)
             .map_err(|e| invalid(tensor, strip_file(e)))?;
         if raw.shape != shape {
-            let why = if raw.shape.len() == 2 && raw.shape[1] == hidden && rows == vocab {
-                format!(
-                    "has {} rows, but the base model's vocabulary has {vocab}: a vocabulary \
-                     resized past the base's is not served (new tokens must take rows the \
-                     base already has)",
-                    raw.shape[0]
-                )
-            } else {
-                format!("has shape {:?}, expected {shape:?}", raw.shape)
-            };
-            return Err(invalid(tensor, why));
+            return Err(invalid(
+                tensor,
+                format!("has shape {:?}, expected {shape:?}", raw.shape),
+            ));
         }
         Ok(
             match files
@@ -198,7 +275,7 @@ pub(super) fn load(
         let replaced = if config.saved.keeps_whole(layer) {
             Replaced {
                 hidden,
-                values: read(whole_tensor(layer), vocab)?,
+                values: read(whole_tensor(layer), rows_whole)?,
                 index: None,
                 tokens: Vec::new(),
             }

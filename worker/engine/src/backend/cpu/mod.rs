@@ -494,6 +494,17 @@ impl Backend for CpuBackend {
         let n = batch.tokens.len();
         let (d, hd, kv_dim) = (c.hidden_size, c.head_dim, c.kv_dim());
         batch.check(&c, &self.shape)?;
+        let width = batch.logits_width(c.vocab_size);
+        if let Some(own) = batch
+            .logit_rows()
+            .iter()
+            .map(|&t| self.head_rows(batch.token_slot[t]))
+            .find(|&own| own > width)
+        {
+            return Err(EngineError::Backend(format!(
+                "a row's adapter writes {own} logits; the step's are {width} wide"
+            )));
+        }
         let mut hidden = vec![0f32; n * d];
         for (t, (&tok, row)) in batch
             .tokens
@@ -502,6 +513,14 @@ impl Backend for CpuBackend {
             .enumerate()
         {
             let at = tok as usize * d;
+            // An id past the base's needs its adapter's own (grown) rows.
+            let rows = self.embed_rows(batch.token_slot[t]);
+            if tok as usize >= rows {
+                return Err(EngineError::request(
+                    lorafleet_domain::generation::Field::Prompt,
+                    format!("token id {tok} is not below vocab_size {rows}"),
+                ));
+            }
             let outer = self.outer_of(batch.token_slot[t]);
             let own = outer
                 .and_then(|o| o.saved.embedding.as_ref())
@@ -721,16 +740,16 @@ impl Backend for CpuBackend {
         rms_norm(&last, &self.norm, c.rms_norm_eps, &mut last_normed);
         // The base's lm_head for the rows whose adapter has none of its
         // own; the others' own, slot by slot.
-        let mut logits = self.base_head_logits(batch, &rows, &last_normed);
+        let mut logits = self.base_head_logits(batch, &rows, &last_normed, width);
         let v = c.vocab_size;
-        self.saved_head_logits(batch, &rows, &last_normed, &mut logits);
+        self.saved_head_logits(batch, &rows, &last_normed, width, &mut logits);
         for (i, &t) in rows.iter().enumerate() {
             let Some(outer) = self.outer_of(batch.token_slot[t]) else {
                 continue;
             };
             let (h, row) = (
                 &last_normed[i * d..(i + 1) * d],
-                &mut logits[i * v..(i + 1) * v],
+                &mut logits[i * width..i * width + v],
             );
             if let Some(head) = &outer.lm_head {
                 head.add_delta(0, h, row);
@@ -744,6 +763,13 @@ impl Backend for CpuBackend {
         if let Some(cap) = c.gemma.as_ref().and_then(|g| g.final_logit_softcapping) {
             for l in &mut logits {
                 *l = (*l / cap).tanh() * cap;
+            }
+        }
+        // A row's logits past its own vocabulary, in a step wider than it.
+        if width > v {
+            for (i, &t) in rows.iter().enumerate() {
+                let own = self.head_rows(batch.token_slot[t]);
+                logits[i * width + own..(i + 1) * width].fill(f32::NEG_INFINITY);
             }
         }
         Ok(logits)

@@ -13,32 +13,52 @@ impl CpuBackend {
     /// The adapter's own lm_head (`modules_to_save`), packed for the same
     /// kernel as the base's, when it saves one whole.
     pub(super) fn pack_saved_head(&self, adapter: &HostAdapter) -> Option<Arc<PackedLinear>> {
-        let (v, d) = (self.config.vocab_size, self.config.hidden_size);
+        let d = self.config.hidden_size;
         let head = adapter.outer.saved.lm_head.as_ref()?.whole()?;
+        // Its own rows: the base's vocabulary, or one grown past it.
         Some(Arc::new(match head {
-            WholeValues::F32(w) => PackedLinear::pack(w, None, d, v),
-            WholeValues::Bf16(w) => PackedLinear::pack_bf16(w, None, d, v),
+            WholeValues::F32(w) => PackedLinear::pack(w, None, d, w.len() / d),
+            WholeValues::Bf16(w) => PackedLinear::pack_bf16(w, None, d, w.len() / d),
         }))
     }
 
-    /// The base lm_head's logits `[rows, vocab]` for the rows whose slot
-    /// has no lm_head of its own (the others' are left zero, for
-    /// [`CpuBackend::saved_head_logits`]).
+    /// The logits a token's slot writes: its adapter's own lm_head's rows
+    /// where it has one, the base's vocabulary otherwise.
+    pub(super) fn head_rows(&self, slot: Option<usize>) -> usize {
+        slot.and_then(|s| self.head_slots[s].as_ref())
+            .map_or(self.config.vocab_size, |h| h.fan_out())
+    }
+
+    /// The token ids a token's slot has embeddings for: its adapter's own
+    /// embed_tokens' rows where it saved the layer whole, the base's
+    /// vocabulary otherwise.
+    pub(super) fn embed_rows(&self, slot: Option<usize>) -> usize {
+        self.outer_of(slot)
+            .and_then(|o| o.saved.embedding.as_ref())
+            .filter(|e| e.is_whole())
+            .map_or(self.config.vocab_size, |e| e.rows())
+    }
+
+    /// The base lm_head's logits `[rows, width]` for the rows whose slot
+    /// has no lm_head of its own, in each row's first `vocab_size` (the
+    /// rest, and the other rows, are left zero for
+    /// [`CpuBackend::saved_head_logits`] and the padding).
     pub(super) fn base_head_logits(
         &self,
         batch: &StepBatch<'_>,
         rows: &[usize],
         normed: &[f32],
+        width: usize,
     ) -> Vec<f32> {
         let (v, d) = (self.config.vocab_size, self.config.hidden_size);
         let own =
             |i: usize| batch.token_slot[rows[i]].is_some_and(|s| self.head_slots[s].is_some());
-        if !(0..rows.len()).any(own) {
+        if width == v && !(0..rows.len()).any(own) {
             let [logits] = self.lm_head.forward_split(normed, rows.len(), [v]);
             return logits;
         }
         let base: Vec<usize> = (0..rows.len()).filter(|&i| !own(i)).collect();
-        let mut logits = vec![0f32; rows.len() * v];
+        let mut logits = vec![0f32; rows.len() * width];
         if base.is_empty() {
             return logits;
         }
@@ -48,21 +68,23 @@ impl CpuBackend {
             .collect();
         let [out] = self.lm_head.forward_split(&x, base.len(), [v]);
         for (k, &i) in base.iter().enumerate() {
-            logits[i * v..(i + 1) * v].copy_from_slice(&out[k * v..(k + 1) * v]);
+            logits[i * width..i * width + v].copy_from_slice(&out[k * v..(k + 1) * v]);
         }
         logits
     }
 
     /// Replaces the logits of the rows whose slot has its own lm_head:
-    /// each slot's rows gathered and run through its packed head at once.
+    /// each slot's rows gathered and run through its packed head at once,
+    /// into each row's first rows of `width`.
     pub(super) fn saved_head_logits(
         &self,
         batch: &StepBatch<'_>,
         rows: &[usize],
         normed: &[f32],
+        width: usize,
         logits: &mut [f32],
     ) {
-        let (v, d) = (self.config.vocab_size, self.config.hidden_size);
+        let d = self.config.hidden_size;
         for (slot, head) in self.head_slots.iter().enumerate() {
             let Some(head) = head else { continue };
             let mine: Vec<usize> = (0..rows.len())
@@ -75,10 +97,11 @@ impl CpuBackend {
                 .iter()
                 .flat_map(|&i| normed[i * d..(i + 1) * d].iter().copied())
                 .collect();
+            let v = head.fan_out();
             let mut out = vec![0f32; mine.len() * v];
             head.forward(&x, mine.len(), &mut out);
             for (k, &i) in mine.iter().enumerate() {
-                logits[i * v..(i + 1) * v].copy_from_slice(&out[k * v..(k + 1) * v]);
+                logits[i * width..i * width + v].copy_from_slice(&out[k * v..(k + 1) * v]);
             }
         }
     }

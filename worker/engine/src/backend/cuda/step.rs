@@ -25,7 +25,7 @@ use super::device::{Arg, Device, cuda};
 use super::meta::{HostMeta, MetaShape, StepMeta};
 use super::{CudaBackend, Dtype, Mlp};
 use crate::backend::{GraphCounters, StepBatch};
-use crate::error::Result;
+use crate::error::{EngineError, Result};
 use crate::lora::Projection;
 use crate::model::ModelConfig;
 use lorafleet_artifact::layers::{Activation, LayerKind};
@@ -201,6 +201,13 @@ impl CudaBackend {
     /// want them in the workspace (`last_logits` says how many rows).
     pub(super) fn run_step(&mut self, batch: &StepBatch<'_>) -> Result<()> {
         batch.check(&self.config, &self.shape)?;
+        // Its slots never hold an adapter's own (grown) vocabulary.
+        if batch.logits_width(self.config.vocab_size) != self.config.vocab_size {
+            return Err(EngineError::Backend(format!(
+                "the CUDA backend serves the model's vocabulary of {} alone; a step asked for {}",
+                self.config.vocab_size, batch.width
+            )));
+        }
         self.last_logits = None;
         let n = batch.tokens.len();
         if n == 0 {
