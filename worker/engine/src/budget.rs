@@ -6,8 +6,9 @@
 //! (`--memory-budget-bytes`), both come out of the same bytes: a KV block
 //! with contents (held by a sequence, or idle in the prefix cache) costs
 //! [`MemoryBudget::block_bytes`], a slot holding an adapter
-//! [`MemoryBudget::slot_bytes`], and the two together never pass the
-//! budget. Free bytes go to whichever side asks first, and each side can
+//! [`MemoryBudget::slot_bytes`] and what that adapter packs beside it (an
+//! lm_head of its own: [`crate::lora::HostAdapter::slot_extra_bytes`]), and
+//! the two together never pass the budget. Free bytes go to whichever side asks first, and each side can
 //! take back what the other does not use:
 //!
 //! - an adapter that needs a slot may drop idle prefix-cache blocks (never
@@ -21,7 +22,7 @@
 //! report their side here after every change; the scheduler decides when
 //! one side gives way to the other.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 /// The shared byte budget and what each side holds of it.
 #[derive(Debug)]
@@ -33,9 +34,12 @@ pub struct MemoryBudget {
     kv_blocks: AtomicUsize,
     /// Device slots holding an adapter.
     slots: AtomicUsize,
-    /// The most of each there has been.
+    /// What the filled slots' adapters hold beyond a slot: layers of their
+    /// own packed beside it (an lm_head saved whole), in bytes.
+    extra: AtomicU64,
+    /// The most of each there has been (the adapters' in bytes).
     peak_kv_blocks: AtomicUsize,
-    peak_slots: AtomicUsize,
+    peak_adapters: AtomicU64,
 }
 
 /// How the budget is divided at one moment, in bytes.
@@ -87,8 +91,9 @@ impl MemoryBudget {
             slot_bytes: units.slot_bytes.max(1),
             kv_blocks: AtomicUsize::new(0),
             slots: AtomicUsize::new(0),
+            extra: AtomicU64::new(0),
             peak_kv_blocks: AtomicUsize::new(0),
-            peak_slots: AtomicUsize::new(0),
+            peak_adapters: AtomicU64::new(0),
         })
     }
 
@@ -122,9 +127,10 @@ impl MemoryBudget {
         MemorySplit {
             budget: self.bytes,
             kv: self.kv_blocks.load(Ordering::Relaxed) as u64 * self.block_bytes,
-            adapters: self.slots.load(Ordering::Relaxed) as u64 * self.slot_bytes,
+            adapters: self.slots.load(Ordering::Relaxed) as u64 * self.slot_bytes
+                + self.extra.load(Ordering::Relaxed),
             peak_kv: self.peak_kv_blocks.load(Ordering::Relaxed) as u64 * self.block_bytes,
-            peak_adapters: self.peak_slots.load(Ordering::Relaxed) as u64 * self.slot_bytes,
+            peak_adapters: self.peak_adapters.load(Ordering::Relaxed),
         }
     }
 
@@ -142,9 +148,16 @@ impl MemoryBudget {
         (self.free_bytes() / self.slot_bytes) as usize
     }
 
-    /// KV blocks that must be dropped for one more slot to fit.
-    pub fn blocks_short_of_a_slot(&self) -> usize {
-        self.slot_bytes
+    /// Whether one more filled slot fits, its adapter holding `extra`
+    /// bytes beyond it.
+    pub fn room_for(&self, extra: u64) -> bool {
+        self.free_bytes() >= self.slot_bytes + extra
+    }
+
+    /// KV blocks that must be dropped for one more slot to fit, its
+    /// adapter holding `extra` bytes beyond it.
+    pub fn blocks_short_of_a_slot(&self, extra: u64) -> usize {
+        (self.slot_bytes + extra)
             .saturating_sub(self.free_bytes())
             .div_ceil(self.block_bytes) as usize
     }
@@ -161,9 +174,12 @@ impl MemoryBudget {
         self.peak_kv_blocks.fetch_max(blocks, Ordering::Relaxed);
     }
 
-    pub(crate) fn set_slots(&self, slots: usize) {
+    /// The filled slots, and what their adapters hold beyond them.
+    pub(crate) fn set_slots(&self, slots: usize, extra: u64) {
         self.slots.store(slots, Ordering::Relaxed);
-        self.peak_slots.fetch_max(slots, Ordering::Relaxed);
+        self.extra.store(extra, Ordering::Relaxed);
+        self.peak_adapters
+            .fetch_max(slots as u64 * self.slot_bytes + extra, Ordering::Relaxed);
     }
 }
 
@@ -187,15 +203,20 @@ mod tests {
         let b = budget(100);
         assert_eq!((b.kv_room(), b.slot_room()), (10, 2));
         assert_eq!(b.max_kv_blocks(), 6, "one slot is always left room");
-        b.set_slots(1);
+        b.set_slots(1, 0);
         assert_eq!((b.kv_room(), b.slot_room()), (6, 1));
         b.set_kv_blocks(4);
         assert_eq!(b.split().free(), 25);
         assert_eq!((b.kv_room(), b.slot_room()), (2, 0));
         assert_eq!(
-            b.blocks_short_of_a_slot(),
+            b.blocks_short_of_a_slot(0),
             1,
             "35 - 25 = 10 bytes: one block"
+        );
+        assert_eq!(
+            b.blocks_short_of_a_slot(12),
+            3,
+            "35 + 12 - 25 = 22 bytes: three blocks"
         );
         assert_eq!(b.slots_short_of(2), 0);
         assert_eq!(b.slots_short_of(3), 1);
@@ -203,6 +224,21 @@ mod tests {
         b.set_kv_blocks(1);
         let m = b.split();
         assert_eq!((m.kv, m.peak_kv, m.peak_adapters), (10, 40, 35));
+    }
+
+    #[test]
+    fn an_adapter_s_own_layers_count_beside_its_slot() {
+        let b = budget(100);
+        // A slot whose adapter packs 20 bytes of its own lm_head beside it.
+        b.set_slots(1, 20);
+        let m = b.split();
+        assert_eq!((m.adapters, m.free(), m.peak_adapters), (55, 45, 55));
+        assert!(b.room_for(10) && !b.room_for(11), "45 free: 35 + 10 fit");
+        assert_eq!(b.kv_room(), 4);
+        b.set_kv_blocks(2);
+        assert!(!b.room_for(0), "25 free cannot hold a plain slot");
+        b.set_slots(0, 0);
+        assert_eq!(b.split().peak_adapters, 55);
     }
 
     #[test]

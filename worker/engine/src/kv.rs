@@ -383,12 +383,12 @@ mod tests {
         let budget = Arc::new(MemoryBudget::new(100, units).unwrap());
         let mut a = BlockAllocator::new(budget.max_kv_blocks(), 4);
         a.set_budget(budget.clone());
-        budget.set_slots(1);
+        budget.set_slots(1, 0);
         assert_eq!((a.total(), a.free_blocks()), (7, 7));
         let mut t = Vec::new();
         assert!(a.grow(&mut t, 20), "five blocks");
         assert_eq!(budget.split().kv, 50);
-        budget.set_slots(2);
+        budget.set_slots(2, 0);
         assert_eq!(a.free_blocks(), 0, "the second slot took the last room");
         assert!(!a.grow(&mut t, 24));
         // Registered and released: idle, still counted, and reusable.

@@ -286,7 +286,7 @@ impl Scheduler<'_> {
                 }
                 let keep: Vec<usize> = busy_slots.iter().chain(&reserved).copied().collect();
                 if self.pool.slot_of(a).is_none() && self.pool.host_adapter(a).is_some() {
-                    self.make_slot_room();
+                    self.make_slot_room(self.pool.slot_extra_of(a));
                 }
                 slot = self.pool.ensure_device(a, &keep, self.backend)?;
                 match slot {
@@ -457,11 +457,12 @@ impl Scheduler<'_> {
     }
 
     /// Under a shared budget, drops idle prefix-cache blocks when an
-    /// adapter could take an empty slot but for the budget's room.
-    fn make_slot_room(&mut self) {
+    /// adapter (holding `extra` bytes beyond its slot) could take an empty
+    /// slot but for the budget's room.
+    fn make_slot_room(&mut self, extra: u64) {
         let Some(budget) = self.budget else { return };
-        if self.pool.slot_waits_for_budget() {
-            let short = budget.blocks_short_of_a_slot();
+        if self.pool.slot_waits_for_budget(extra) {
+            let short = budget.blocks_short_of_a_slot(extra);
             if short <= self.kv.idle_blocks() {
                 self.kv.shed_idle(short);
             }

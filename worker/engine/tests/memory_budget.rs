@@ -1,6 +1,7 @@
 //! One memory budget for KV blocks and adapter slots: the split between
 //! them follows the work (few adapters and long sequences get KV, many
-//! adapters get slots), the two never pass the budget together, an adapter
+//! adapters get slots), the two never pass the budget together (an
+//! adapter's own lm_head, packed beside its slot, counted too), an adapter
 //! with live sequences is never evicted to make room, and outputs are the
 //! same as each request run alone.
 
@@ -325,4 +326,146 @@ proptest! {
             prop_assert_eq!(&outputs[r.id.as_str()], &expected[r.id.as_str()], "{}", r.id);
         }
     }
+}
+
+/// Submits `requests` (`per_step` every step) and steps until all finish,
+/// checking after every step that the budget's adapter bytes are the
+/// filled slots and, beside the adapters in `own_heads`, their lm_heads of
+/// `head` bytes, and that KV and adapters never pass the budget. Returns
+/// the outputs and whether every adapter of `own_heads` was on the device
+/// at once.
+fn drain_counting_heads(
+    e: &mut Engine,
+    requests: &[Request],
+    per_step: usize,
+    own_heads: &[lorafleet_engine::pool::AdapterId],
+    head: u64,
+) -> (HashMap<String, Vec<u32>>, bool) {
+    let u = units();
+    let mut outputs: HashMap<String, Vec<u32>> = HashMap::new();
+    let (mut pending, mut left, mut steps) = (requests.iter(), requests.len(), 0);
+    let mut all_heads_resident = false;
+    while left > 0 {
+        for r in pending.by_ref().take(per_step) {
+            e.submit(r.clone()).unwrap();
+        }
+        for (id, event) in e.step().unwrap() {
+            match event {
+                Event::Delta { token_ids, .. } => outputs
+                    .entry(id.into_string())
+                    .or_default()
+                    .extend(token_ids),
+                Event::Finished(_) => left -= 1,
+                Event::Failed(err) => panic!("{id}: {err}"),
+                Event::PromptLogprobs(_) => {}
+            }
+        }
+        let stats = e.stats();
+        let m = stats.memory.expect("the engine has a budget");
+        let resident: Vec<_> = stats
+            .adapters
+            .iter()
+            .filter(|a| a.residency == Residency::Device)
+            .map(|a| a.id)
+            .collect();
+        let held: u64 = resident
+            .iter()
+            .map(|id| u.slot_bytes + if own_heads.contains(id) { head } else { 0 })
+            .sum();
+        assert_eq!(
+            m.adapters, held,
+            "step {steps}: the budget's adapter bytes against the slots and heads held ({resident:?})"
+        );
+        assert!(
+            m.kv + m.adapters <= m.budget,
+            "step {steps}: KV {} + adapters {} bytes pass the budget {}",
+            m.kv,
+            m.adapters,
+            m.budget
+        );
+        all_heads_resident |= own_heads.iter().all(|h| resident.contains(h));
+        steps += 1;
+        assert!(steps < 20_000, "the work never drained");
+    }
+    (outputs, all_heads_resident)
+}
+
+/// Adapters with an lm_head of their own (`modules_to_save`) hold it
+/// beside their slot: the budget counts those bytes, so after every step
+/// the filled slots, the heads beside them and the KV blocks are what the
+/// budget says they are and never pass it; an adapter with a head takes an
+/// empty slot only where its head fits too (else a resident adapter gives
+/// way); and each request's tokens are its tokens alone.
+#[test]
+fn an_adapter_s_own_lm_head_counts_against_the_budget() {
+    let config = ModelConfig::from_dir(&model_dir(MODEL)).unwrap();
+    // The fixtures' saved lm_heads are f32 `[vocab, hidden]`.
+    let head = (config.vocab_size * config.hidden_size * 4) as u64;
+    let own_heads = [aid(101), aid(102)];
+    let with_heads = |e: &mut Engine| {
+        for (id, name) in own_heads.iter().zip(["head-qv-r4", "embed-head-o-r4"]) {
+            e.register_adapter(*id, fixture_source("saved/llama-gqa", name))
+                .unwrap();
+        }
+    };
+    let requests: Vec<Request> = (0..24)
+        .map(|i| request(format!("h{i}"), [101, 1, 102, 2, 0, 3][i % 6], 24, 8))
+        .collect();
+    let mut solo = fixture_engine(
+        MODEL,
+        EngineSettings {
+            max_loras: 1,
+            max_cpu_loras: 1,
+            block_size: BLOCK_SIZE,
+            ..Default::default()
+        },
+    );
+    with_heads(&mut solo);
+    let expected: HashMap<String, Vec<u32>> = requests
+        .iter()
+        .map(|r| {
+            let c = solo.run_to_completion(vec![r.clone()]).unwrap().remove(0);
+            assert!(c.error.is_none(), "{:?}", c.error);
+            (r.id.to_string(), c.token_ids)
+        })
+        .collect();
+    // Four slots' and 24 blocks' bytes: both heads (each most of a slot
+    // again) with their slots leave room for one more slot and some KV.
+    let mut e = fixture_engine(MODEL, settings(budget(4, 24), 4));
+    with_heads(&mut e);
+    let (outputs, both) = drain_counting_heads(&mut e, &requests, 4, &own_heads, head);
+    assert!(both, "both heads were on the device at once");
+    for r in &requests {
+        assert_eq!(outputs[r.id.as_str()], expected[r.id.as_str()], "{}", r.id);
+    }
+    // Three slots' and nine blocks' bytes: two plain adapters' sequences
+    // run (their slots leased), the third slot is empty, but its bytes
+    // cannot hold a head beside it: the adapter with a head waits until
+    // the plain ones finish and their slots can give way.
+    let mut e = fixture_engine(MODEL, settings(budget(3, 9), 3));
+    with_heads(&mut e);
+    let late = [
+        request("plain1".into(), 1, 24, 40),
+        request("plain2".into(), 2, 24, 40),
+        request("head".into(), 101, 24, 8),
+    ];
+    let (outputs, _) = drain_counting_heads(&mut e, &late, 2, &own_heads, head);
+    for r in &late {
+        assert_eq!(
+            outputs[r.id.as_str()],
+            expected_alone(r, with_heads),
+            "{}",
+            r.id
+        );
+    }
+    assert!(e.stats().pool.device_evictions >= 1);
+}
+
+/// `r`'s tokens on an engine of its own with room to spare.
+fn expected_alone(r: &Request, register: impl Fn(&mut Engine)) -> Vec<u32> {
+    let mut e = fixture_engine(MODEL, EngineSettings::default());
+    register(&mut e);
+    let c = e.run_to_completion(vec![r.clone()]).unwrap().remove(0);
+    assert!(c.error.is_none(), "{:?}", c.error);
+    c.token_ids
 }

@@ -261,6 +261,19 @@ impl HostAdapter {
             .any(|m| m.bias.is_some())
     }
 
+    /// What a device slot holding it holds beyond the slot's LoRA panels,
+    /// in bytes: an lm_head saved whole, which the CPU backend packs beside
+    /// the slot for its rows' logits (the same values, in the precision
+    /// stored). Everything else it has is shared with the host tier.
+    pub fn slot_extra_bytes(&self) -> u64 {
+        self.outer
+            .saved
+            .lm_head
+            .as_ref()
+            .filter(|h| h.is_whole())
+            .map_or(0, |h| h.bytes() as u64)
+    }
+
     /// Whether it has LoRA on the token embeddings or the lm_head, or
     /// rows of its own there.
     pub fn has_outer(&self) -> bool {

@@ -20,16 +20,29 @@ impl AdapterPool {
         self.report();
     }
 
-    /// Tells the budget how many slots hold an adapter.
+    /// Tells the budget how many slots hold an adapter, and what those
+    /// adapters hold beyond their slots.
     pub(super) fn report(&self) {
         if let Some(b) = &self.budget {
-            b.set_slots(self.slots.iter().filter(|s| s.is_some()).count());
+            let filled = self.slots.iter().filter(|s| s.is_some()).count();
+            b.set_slots(filled, self.slot_extra.iter().sum());
         }
     }
 
-    /// Whether the budget (if any) has room for one more filled slot.
-    fn room_for_a_slot(&self) -> bool {
-        self.budget.as_ref().is_none_or(|b| b.slot_room() > 0)
+    /// Whether the budget (if any) has room for one more filled slot whose
+    /// adapter holds `extra` bytes beyond it.
+    fn room_for_a_slot(&self, extra: u64) -> bool {
+        self.budget.as_ref().is_none_or(|b| b.room_for(extra))
+    }
+
+    /// What `id`'s adapter would hold beyond a slot (see
+    /// [`crate::lora::HostAdapter::slot_extra_bytes`]); 0 when it is not in
+    /// the host tier.
+    pub fn slot_extra_of(&self, id: AdapterId) -> u64 {
+        self.entries
+            .get(&id)
+            .and_then(|e| e.host.as_ref())
+            .map_or(0, |h| h.slot_extra_bytes())
     }
 
     /// Slots that may be emptied now: filled, not pinned, not leased, not
@@ -74,6 +87,7 @@ impl AdapterPool {
         e.slot = None;
         e.prefetched = false;
         self.slots[slot] = None;
+        self.slot_extra[slot] = 0;
         self.counters.device_evictions += 1;
     }
 
@@ -116,17 +130,42 @@ impl AdapterPool {
         let Some(host) = entry.host.clone() else {
             return Ok(None);
         };
+        let extra = host.slot_extra_bytes();
         let free = self
             .slots
             .iter()
             .position(Option::is_none)
-            .filter(|_| self.room_for_a_slot());
+            .filter(|_| self.room_for_a_slot(extra));
         let slot = match free {
             Some(free) => free,
             None => {
-                let Some(&(slot, holder)) = self.evictable(busy).first() else {
+                let victims = self.evictable(busy);
+                let Some(&(slot, holder)) = victims.first() else {
                     return Ok(None);
                 };
+                // Under a budget, an adapter with layers of its own may need
+                // more than one slot's bytes: the victims after the first
+                // are emptied too, least valued first, until it fits; if all
+                // of them would not make room, none is.
+                let mut more = Vec::new();
+                if let Some(b) = &self.budget {
+                    let mut free = b.split().free() + b.slot_bytes() + self.slot_extra[slot];
+                    let need = b.slot_bytes() + extra;
+                    for &(s, h) in &victims[1..] {
+                        if free >= need {
+                            break;
+                        }
+                        free += b.slot_bytes() + self.slot_extra[s];
+                        more.push((s, h));
+                    }
+                    if free < need {
+                        return Ok(None);
+                    }
+                }
+                for (s, h) in more {
+                    backend.clear_slot(s)?;
+                    self.vacate(s, h);
+                }
                 self.vacate(slot, holder);
                 slot
             }
@@ -139,6 +178,7 @@ impl AdapterPool {
         }
         self.load_charges.push((id, took));
         self.slots[slot] = Some(id);
+        self.slot_extra[slot] = extra;
         let now = self.tick();
         let e = self.entries.get_mut(&id).expect("checked above");
         if std::mem::take(&mut e.prefetchable) {
@@ -163,10 +203,11 @@ impl AdapterPool {
         }
     }
 
-    /// Whether an adapter could take an empty slot but for the budget's
-    /// room: then dropping idle KV blocks would let it in.
-    pub fn slot_waits_for_budget(&self) -> bool {
-        self.slots.iter().any(Option::is_none) && !self.room_for_a_slot()
+    /// Whether an adapter holding `extra` bytes beyond a slot could take an
+    /// empty slot but for the budget's room: then dropping idle KV blocks
+    /// would let it in.
+    pub fn slot_waits_for_budget(&self, extra: u64) -> bool {
+        self.slots.iter().any(Option::is_none) && !self.room_for_a_slot(extra)
     }
 
     /// Starts copying an adapter a waiting request needs into a free slot,

@@ -177,6 +177,9 @@ pub struct AdapterPool {
     arrivals: u64,
     /// The byte budget shared with the KV cache, if any.
     budget: Option<Arc<MemoryBudget>>,
+    /// What each slot's adapter holds beyond the slot (an lm_head of its
+    /// own, packed beside it), in bytes: counted against the budget.
+    slot_extra: Vec<u64>,
 }
 
 /// Slot write times kept between two takes; older ones are dropped.
@@ -220,6 +223,7 @@ impl AdapterPool {
         AdapterPool {
             entries: HashMap::new(),
             slots: vec![None; slots],
+            slot_extra: vec![0; slots],
             max_cpu_loras,
             max_cpu_bytes: None,
             clock: 0,
@@ -637,6 +641,7 @@ impl AdapterPool {
         if let Some(e) = self.entries.get_mut(&id) {
             if let Some(slot) = e.slot.take() {
                 self.slots[slot] = None;
+                self.slot_extra[slot] = 0;
                 backend.clear_slot(slot)?;
             }
             e.host = None;
