@@ -286,7 +286,7 @@ impl Scheduler<'_> {
                 }
                 let keep: Vec<usize> = busy_slots.iter().chain(&reserved).copied().collect();
                 if self.pool.slot_of(a).is_none() && self.pool.host_adapter(a).is_some() {
-                    self.make_slot_room(self.pool.slot_extra_of(a));
+                    self.make_slot_room(a, &keep);
                 }
                 slot = self.pool.ensure_device(a, &keep, self.backend)?;
                 match slot {
@@ -446,24 +446,38 @@ impl Scheduler<'_> {
         if fresh > self.kv.unused_blocks() {
             return Ok(false);
         }
-        let slots = budget.slots_short_of(fresh);
-        if slots > self.pool.sheddable_slots(keep) {
+        // The bytes the slots must give back: each gives its own (a slot,
+        // and what its adapter packs beside it).
+        let bytes = (fresh as u64 * budget.block_bytes()).saturating_sub(budget.split().free());
+        if bytes > self.pool.sheddable_bytes(keep) {
             return Ok(false);
         }
-        if slots > 0 {
-            self.pool.shed_slots(slots, keep, self.backend)?;
+        if bytes > 0 {
+            self.pool.shed_bytes(bytes, keep, self.backend)?;
         }
         Ok(true)
     }
 
-    /// Under a shared budget, drops idle prefix-cache blocks when an
-    /// adapter (holding `extra` bytes beyond its slot) could take an empty
-    /// slot but for the budget's room.
-    fn make_slot_room(&mut self, extra: u64) {
+    /// Under a shared budget, drops idle prefix-cache blocks when adapter
+    /// `a` could take an empty slot but for the budget's room; or, for an
+    /// adapter that packs layers of its own beside its slot (an lm_head),
+    /// as many as it still lacks after every slot that could give way (none
+    /// in `keep`), so an idle cache never keeps it out for good.
+    fn make_slot_room(&mut self, a: crate::pool::AdapterId, keep: &[usize]) {
         let Some(budget) = self.budget else { return };
+        let extra = self.pool.slot_extra_of(a);
         if self.pool.slot_waits_for_budget(extra) {
             let short = budget.blocks_short_of_a_slot(extra);
             if short <= self.kv.idle_blocks() {
+                self.kv.shed_idle(short);
+                return;
+            }
+        }
+        if extra > 0
+            && let Some(lacking) = self.pool.bytes_lacking(a, keep)
+        {
+            let short = lacking.div_ceil(budget.block_bytes()) as usize;
+            if short > 0 && short <= self.kv.idle_blocks() {
                 self.kv.shed_idle(short);
             }
         }

@@ -461,6 +461,64 @@ fn an_adapter_s_own_lm_head_counts_against_the_budget() {
     assert!(e.stats().pool.device_evictions >= 1);
 }
 
+/// An adapter with an lm_head of its own gets in where only the idle
+/// prefix cache and a resident adapter together make its room (one slot,
+/// held by an idle adapter, and idle cached blocks hold the rest), and one
+/// whose slot and head could never fit the budget is refused by name
+/// rather than waited for.
+#[test]
+fn an_adapter_with_its_own_lm_head_gets_its_room_or_is_refused() {
+    let config = ModelConfig::from_dir(&model_dir(MODEL)).unwrap();
+    let head = (config.vocab_size * config.hidden_size * 4) as u64;
+    let own_heads = [aid(101)];
+    let with_head = |e: &mut Engine| {
+        e.register_adapter(aid(101), fixture_source("saved/llama-gqa", "head-qv-r4"))
+            .unwrap();
+    };
+    let u = units();
+    let mut e = fixture_engine(MODEL, settings(budget(1, 16), 1));
+    with_head(&mut e);
+    // A long prompt on a plain adapter leaves 13 idle cached blocks and
+    // the adapter resident: 24 KiB free, the adapter's slot 116 KiB, and
+    // the head with its slot needs 212 KiB.
+    let first = [request("long".into(), 1, 200, 4)];
+    drain_counting_heads(&mut e, &first, 1, &own_heads, head);
+    let m = e.stats().memory.unwrap();
+    assert!(
+        m.free() + u.slot_bytes < u.slot_bytes + head,
+        "the resident adapter alone cannot make the head's room"
+    );
+    let then = [request("head".into(), 101, 24, 8)];
+    let (outputs, resident) = drain_counting_heads(&mut e, &then, 1, &own_heads, head);
+    assert!(resident);
+    assert_eq!(outputs["head"], expected_alone(&then[0], with_head));
+    // Beside its slot and its head the budget leaves 4 blocks of KV: a
+    // request of the adapter that needs 6 is refused (a plain adapter's
+    // gets the 16).
+    let err = e
+        .submit(request("big".into(), 101, 24, 60))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("need 6 KV blocks") && err.contains("has 4"),
+        "{err}"
+    );
+    e.submit(request("plain-big".into(), 1, 24, 60)).unwrap();
+
+    // One slot and two blocks: the slot and its head can never fit.
+    let mut e = fixture_engine(MODEL, settings(budget(1, 2), 1));
+    with_head(&mut e);
+    let done = e
+        .run_to_completion(vec![request("never".into(), 101, 8, 4)])
+        .unwrap()
+        .remove(0);
+    let err = done.error.expect("refused").to_string();
+    assert!(
+        err.contains("modules_to_save") && err.contains("cannot hold both"),
+        "{err}"
+    );
+}
+
 /// `r`'s tokens on an engine of its own with room to spare.
 fn expected_alone(r: &Request, register: impl Fn(&mut Engine)) -> Vec<u32> {
     let mut e = fixture_engine(MODEL, EngineSettings::default());

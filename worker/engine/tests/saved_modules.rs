@@ -504,6 +504,17 @@ fn a_grown_vocabulary_s_rows_have_their_own_logits_beside_the_base_s() {
     assert!(golden.rows > v);
     let grown = load(&config, &adapter_dir("saved/llama-gqa", &golden.adapter)).unwrap();
     assert_eq!(grown.outer.saved.vocab(), Some(golden.rows));
+    // What its slot packs beside it (the memory budget's count) is what
+    // packing its lm_head takes: 387 rows in panels of 16.
+    let d = config.hidden_size;
+    let packed = lorafleet_engine::backend::cpu::panels::PackedLinear::pack(
+        &vec![0f32; golden.rows * d],
+        None,
+        d,
+        golden.rows,
+    );
+    assert_eq!(grown.slot_extra_bytes(), packed.weight_bytes() as u64);
+    assert_eq!(grown.slot_extra_bytes(), (400 * d * 4) as u64);
     backend.write_slot(0, &grown).unwrap();
     let head = load(&config, &adapter_dir("saved/llama-gqa", "head-qv-r4")).unwrap();
     backend.write_slot(1, &head).unwrap();

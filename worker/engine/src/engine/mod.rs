@@ -400,9 +400,20 @@ impl Engine {
         loaded: Option<crate::lora::HostAdapter>,
     ) -> Result<()> {
         let text = self.adapter_text(&source.name, &source.dir)?;
+        let vocab = text.as_ref().map_or(self.config.vocab_size, |t| t.vocab);
+        if let Some(adapter) = &loaded {
+            crate::pool::check_fits(
+                adapter,
+                vocab,
+                self.config.vocab_size,
+                self.budget.as_deref(),
+            )
+            .map_err(|e| EngineError::request(Field::Adapter, e.to_string()))?;
+        }
         self.pool
             .register_loaded(id, source, loaded)
             .map_err(|e| EngineError::request(Field::Adapter, e.to_string()))?;
+        self.pool.set_vocab(id, vocab);
         match text {
             Some(t) => self.texts.insert(id, t),
             None => self.texts.remove(&id),
@@ -504,13 +515,21 @@ impl Engine {
             ),
             None => self.kv.blocks_for(needed),
         };
-        if blocks > self.kv.total() {
+        // Under a shared budget, an adapter's own lm_head (known once it is
+        // read) takes from the KV the budget leaves beside its slot.
+        let room = match (&self.budget, request.adapter) {
+            (Some(b), Some(a)) => {
+                let extra = self.pool.slot_extra_of(a);
+                self.kv.total().min(
+                    ((b.bytes() - b.slot_bytes()).saturating_sub(extra) / b.block_bytes()) as usize,
+                )
+            }
+            _ => self.kv.total(),
+        };
+        if blocks > room {
             return Err(EngineError::request(
                 Field::MaxTokens,
-                format!(
-                    "{needed} tokens need {blocks} KV blocks; the cache has {}",
-                    self.kv.total()
-                ),
+                format!("{needed} tokens need {blocks} KV blocks; the cache has {room}"),
             ));
         }
         let harmony = self.harmony.and_then(|t| {

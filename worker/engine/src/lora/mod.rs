@@ -264,14 +264,15 @@ impl HostAdapter {
     /// What a device slot holding it holds beyond the slot's LoRA panels,
     /// in bytes: an lm_head saved whole, which the CPU backend packs beside
     /// the slot for its rows' logits (the same values, in the precision
-    /// stored). Everything else it has is shared with the host tier.
+    /// stored, padded as packed). Everything else it has is shared with
+    /// the host tier.
     pub fn slot_extra_bytes(&self) -> u64 {
         self.outer
             .saved
             .lm_head
             .as_ref()
             .filter(|h| h.is_whole())
-            .map_or(0, |h| h.bytes() as u64)
+            .map_or(0, |h| h.packed_bytes() as u64)
     }
 
     /// Whether it has LoRA on the token embeddings or the lm_head, or

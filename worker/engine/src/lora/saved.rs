@@ -119,6 +119,18 @@ impl Replaced {
         values / self.hidden.max(1)
     }
 
+    /// Bytes the CPU backend's packed copy of a layer saved whole takes
+    /// (its rows in panels of `NR`, bf16 inputs padded for AMX tiles), as
+    /// `PackedLinear::pack` and `pack_bf16` allocate them.
+    pub fn packed_bytes(&self) -> usize {
+        use crate::backend::cpu::panels::NR;
+        let rows = self.rows().div_ceil(NR) * NR;
+        match &self.values {
+            Values::F32(_) => rows * self.hidden * 4,
+            Values::Bf16(_) => rows * crate::backend::cpu::amx::padded(self.hidden) * 2,
+        }
+    }
+
     /// Whether the layer is saved whole.
     pub fn is_whole(&self) -> bool {
         self.index.is_none()

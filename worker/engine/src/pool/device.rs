@@ -78,6 +78,60 @@ impl AdapterPool {
         self.evictable(keep).len()
     }
 
+    /// Budget bytes a filled slot gives back when emptied: the slot and
+    /// what its adapter packs beside it.
+    fn held_by(&self, slot: usize) -> u64 {
+        self.budget.as_ref().map_or(0, |b| b.slot_bytes()) + self.slot_extra[slot]
+    }
+
+    /// Bytes the slots [`AdapterPool::shed_bytes`] could empty now give back.
+    pub fn sheddable_bytes(&self, keep: &[usize]) -> u64 {
+        self.evictable(keep)
+            .iter()
+            .map(|&(slot, _)| self.held_by(slot))
+            .sum()
+    }
+
+    /// Empties slots no sequence leases (none pinned nor in `keep`), least
+    /// valued first, until they give back at least `bytes` of the budget.
+    /// Returns the bytes given back.
+    pub fn shed_bytes(
+        &mut self,
+        bytes: u64,
+        keep: &[usize],
+        backend: &mut dyn Backend,
+    ) -> Result<u64> {
+        let mut freed = 0;
+        for (slot, holder) in self.evictable(keep) {
+            if freed >= bytes {
+                break;
+            }
+            freed += self.held_by(slot);
+            backend.clear_slot(slot)?;
+            self.vacate(slot, holder);
+            self.generation += 1;
+        }
+        self.report();
+        Ok(freed)
+    }
+
+    /// Under a budget, the bytes `id`'s adapter still lacks for a slot
+    /// after the free bytes and every slot that could give way (none in
+    /// `keep`); None when no slot could be had at all, whatever the bytes.
+    pub fn bytes_lacking(&self, id: AdapterId, keep: &[usize]) -> Option<u64> {
+        let b = self.budget.as_ref()?;
+        let victims = self.evictable(keep);
+        if victims.is_empty() && !self.slots.iter().any(Option::is_none) {
+            return None;
+        }
+        let have = b.split().free()
+            + victims
+                .iter()
+                .map(|&(slot, _)| self.held_by(slot))
+                .sum::<u64>();
+        Some((b.slot_bytes() + self.slot_extra_of(id)).saturating_sub(have))
+    }
+
     /// Takes `holder`'s adapter out of `slot` (an eviction).
     fn vacate(&mut self, slot: usize, holder: AdapterId) {
         let e = self
@@ -149,13 +203,13 @@ impl AdapterPool {
                 // of them would not make room, none is.
                 let mut more = Vec::new();
                 if let Some(b) = &self.budget {
-                    let mut free = b.split().free() + b.slot_bytes() + self.slot_extra[slot];
+                    let mut free = b.split().free() + self.held_by(slot);
                     let need = b.slot_bytes() + extra;
                     for &(s, h) in &victims[1..] {
                         if free >= need {
                             break;
                         }
-                        free += b.slot_bytes() + self.slot_extra[s];
+                        free += self.held_by(s);
                         more.push((s, h));
                     }
                     if free < need {

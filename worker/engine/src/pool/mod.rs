@@ -140,6 +140,10 @@ struct Entry {
     /// number is stale (an unload or a fresher parse came since) and is
     /// dropped, so an unload is never undone by a load finishing after it.
     load_seq: u64,
+    /// The logits per position its requests were admitted with (the
+    /// model's, or its own grown vocabulary as registered): a load whose
+    /// layers say otherwise is refused, not served at the wrong width.
+    vocab: usize,
 }
 
 type LoadResult = (
@@ -180,6 +184,8 @@ pub struct AdapterPool {
     /// What each slot's adapter holds beyond the slot (an lm_head of its
     /// own, packed beside it), in bytes: counted against the budget.
     slot_extra: Vec<u64>,
+    /// The model's vocabulary: an entry's until it is told its own.
+    model_vocab: usize,
 }
 
 /// Slot write times kept between two takes; older ones are dropped.
@@ -195,6 +201,7 @@ impl AdapterPool {
         max_cpu_loras: usize,
         base_hash: BaseHash,
     ) -> Self {
+        let model_vocab = config.vocab_size;
         let (jobs, job_rx) = mpsc::channel::<(AdapterId, u64, AdapterSource)>();
         let (result_tx, results) = mpsc::channel();
         std::thread::Builder::new()
@@ -224,6 +231,7 @@ impl AdapterPool {
             entries: HashMap::new(),
             slots: vec![None; slots],
             slot_extra: vec![0; slots],
+            model_vocab,
             max_cpu_loras,
             max_cpu_bytes: None,
             clock: 0,
@@ -378,11 +386,20 @@ impl AdapterPool {
                         prefetched: false,
                         prefetchable: false,
                         load_seq: 0,
+                        vocab: self.model_vocab,
                     },
                 );
                 self.evict_host_over_capacity();
                 Ok(())
             }
+        }
+    }
+
+    /// The logits per position `id`'s requests are admitted with: its own
+    /// grown vocabulary, as registered (see [`check_fits`]).
+    pub fn set_vocab(&mut self, id: AdapterId, vocab: usize) {
+        if let Some(e) = self.entries.get_mut(&id) {
+            e.vocab = vocab;
         }
     }
 
@@ -514,6 +531,11 @@ impl AdapterPool {
             }
             e.loading = false;
             self.generation += 1;
+            let result = result.and_then(|adapter| {
+                let vocab = e.vocab;
+                check_fits(&adapter, vocab, self.model_vocab, self.budget.as_deref())
+                    .map(|()| adapter)
+            });
             match result {
                 Ok(adapter) => {
                     e.host = Some(Arc::new(adapter));
@@ -690,4 +712,49 @@ impl AdapterPool {
         out.sort_by_key(|s| s.id);
         out
     }
+}
+
+/// Refuses an adapter read from its files that cannot be served as
+/// registered: its own layers' vocabulary is not the `vocab` its requests
+/// were admitted with (the files changed, or could not be read when it was
+/// registered), or, under a shared memory budget, its slot and the layers
+/// it packs beside it could never fit with one KV block.
+pub(crate) fn check_fits(
+    adapter: &HostAdapter,
+    vocab: usize,
+    model_vocab: usize,
+    budget: Option<&MemoryBudget>,
+) -> std::result::Result<(), AdapterError> {
+    let rows = adapter
+        .outer
+        .saved
+        .vocab()
+        .unwrap_or(model_vocab)
+        .max(model_vocab);
+    if rows != vocab {
+        return Err(AdapterError::Invalid {
+            adapter: adapter.name.clone(),
+            field: "modules_to_save".into(),
+            reason: format!(
+                "its saved layers have {rows} rows, but it was registered with a vocabulary of \
+                 {vocab}: register it again"
+            ),
+        });
+    }
+    let extra = adapter.slot_extra_bytes();
+    if let Some(b) = budget
+        && b.slot_bytes() + extra + b.block_bytes() > b.bytes()
+    {
+        return Err(AdapterError::Invalid {
+            adapter: adapter.name.clone(),
+            field: "modules_to_save".into(),
+            reason: format!(
+                "its own lm_head takes {extra} bytes beside its slot of {}; the memory budget of \
+                 {} bytes cannot hold both and one KV block",
+                b.slot_bytes(),
+                b.bytes()
+            ),
+        });
+    }
+    Ok(())
 }

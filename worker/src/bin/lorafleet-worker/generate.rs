@@ -354,17 +354,20 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             choices: Choices::ONE,
         };
         let spec = spec.validate().map_err(|e| refuse(e.field, &e.reason))?;
+        // The line's adapter's text side: its own tokenizer and vocabulary
+        // where it has them, the base model's otherwise.
+        let text = engine.text_side(adapter);
         spec.sampling
-            .check_vocab(engine.config().vocab_size)
+            .check_vocab(text.vocab)
             .map_err(|e| refuse(e.field, &e.reason))?;
         let refused = |e: EngineError| match e {
             EngineError::InvalidRequest { field, reason } => refuse(field, &reason),
             other => at(other.to_string()),
         };
         if let Some(c) = &spec.sampling.constraint {
-            engine.check_constraint(c).map_err(refused)?;
+            text.constraints.compile(c).map(drop).map_err(refused)?;
         }
-        let prompt_len = engine.tokenize(&spec.prompt).map_err(refused)?.len();
+        let prompt_len = text.prompter.tokenize(&spec.prompt).map_err(refused)?.len();
         let s = &spec.sampling;
         if prompt_len + s.max_tokens > engine.max_model_len() {
             return Err(at(format!(
