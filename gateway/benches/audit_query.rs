@@ -134,33 +134,39 @@ fn main() {
         .unwrap();
         let step_us = days * 86_400 * 1_000_000 / rows as i64;
         // Rows in time order, as a gateway writes them; every tenant spread
-        // over the whole month.
-        sqlx::query(
-            "WITH t AS (SELECT array_agg(id ORDER BY name) AS ids FROM tenants)
-             INSERT INTO audit_log (request_id, received_at, completed_at, tenant_id, model_name,
-                 lora_int_id, adapter_name, adapter_version, base_hash, worker_id,
-                 adapter_residency, status, http_status, error_code, finish_reason,
-                 prompt_tokens, completion_tokens, latency_us, ttft_us)
-             SELECT gen_random_uuid(), ts, ts + interval '300 milliseconds',
-                    t.ids[1 + (g % 10)::INT], 'model-' || (g % 7),
-                    1 + g % 1000, 'adapter-' || (g % 1000), 1, repeat('ab', 32),
-                    'w' || (g % 8), 'device',
-                    CASE WHEN g % 50 = 0 THEN 'error'::audit_status ELSE 'ok' END,
-                    CASE WHEN g % 50 = 0 THEN 502 ELSE 200 END,
-                    CASE WHEN g % 50 = 0 THEN 'worker_failed' END,
-                    CASE WHEN g % 50 = 0 THEN NULL ELSE 'stop' END,
-                    20, 50, 300000, 40000
-             FROM t, generate_series(0, $1 - 1) AS g,
-                  LATERAL (SELECT $2 + make_interval(secs => g * $3 / 1e6) AS ts) x",
-        )
-        .bind(rows as i64)
-        .bind(start)
-        .bind(step_us as f64)
-        .execute(&pool)
-        .await
-        .unwrap();
+        // over the whole month. A million rows a statement: the rollup
+        // trigger's transition table of one statement of 100M rows spills
+        // tens of GB to temporary files.
+        const CHUNK: u64 = 1_000_000;
+        for first in (0..rows).step_by(CHUNK as usize) {
+            sqlx::query(
+                "WITH t AS (SELECT array_agg(id ORDER BY name) AS ids FROM tenants)
+                 INSERT INTO audit_log (request_id, received_at, completed_at, tenant_id, model_name,
+                     lora_int_id, adapter_name, adapter_version, base_hash, worker_id,
+                     adapter_residency, status, http_status, error_code, finish_reason,
+                     prompt_tokens, completion_tokens, latency_us, ttft_us)
+                 SELECT gen_random_uuid(), ts, ts + interval '300 milliseconds',
+                        t.ids[1 + (g % 10)::INT], 'model-' || (g % 7),
+                        1 + g % 1000, 'adapter-' || (g % 1000), 1, repeat('ab', 32),
+                        'w' || (g % 8), 'device',
+                        CASE WHEN g % 50 = 0 THEN 'error'::audit_status ELSE 'ok' END,
+                        CASE WHEN g % 50 = 0 THEN 502 ELSE 200 END,
+                        CASE WHEN g % 50 = 0 THEN 'worker_failed' END,
+                        CASE WHEN g % 50 = 0 THEN NULL ELSE 'stop' END,
+                        20, 50, 300000, 40000
+                 FROM t, generate_series($4, $1 - 1) AS g,
+                      LATERAL (SELECT $2 + make_interval(secs => g * $3 / 1e6) AS ts) x",
+            )
+            .bind((first + CHUNK).min(rows) as i64)
+            .bind(start)
+            .bind(step_us as f64)
+            .bind(first as i64)
+            .execute(&pool)
+            .await
+            .unwrap();
+        }
         // And the rollups the trigger kept, as autovacuum would.
-        sqlx::query("ANALYZE audit_log, usage_hourly")
+        sqlx::query("ANALYZE audit_log, usage_hourly, usage_daily")
             .execute(&pool)
             .await
             .unwrap();
