@@ -505,27 +505,7 @@ impl Engine {
         };
         prompter.check_length(prompt_ids.len(), request.params.max_tokens)?;
         let needed = prompt_ids.len() + request.params.max_tokens;
-        // Under a window every layer slides by, a sequence holds at most
-        // the window behind a chunk, the chunk, and a block of alignment.
-        let blocks = match self.config.uniform_window() {
-            Some(window) => self.kv.blocks_for(needed).min(
-                self.kv
-                    .blocks_for(window + self.settings.max_batched_tokens)
-                    + 1,
-            ),
-            None => self.kv.blocks_for(needed),
-        };
-        // Under a shared budget, an adapter's own lm_head (known once it is
-        // read) takes from the KV the budget leaves beside its slot.
-        let room = match (&self.budget, request.adapter) {
-            (Some(b), Some(a)) => {
-                let extra = self.pool.slot_extra_of(a);
-                self.kv.total().min(
-                    ((b.bytes() - b.slot_bytes()).saturating_sub(extra) / b.block_bytes()) as usize,
-                )
-            }
-            _ => self.kv.total(),
-        };
+        let (blocks, room) = (self.kv_need(needed), self.kv_room(request.adapter));
         if blocks > room {
             return Err(EngineError::request(
                 Field::MaxTokens,

@@ -489,6 +489,35 @@ impl Engine {
         out
     }
 
+    /// The KV blocks a sequence of `tokens` positions holds at most. Under
+    /// a window every layer slides by, that is the window behind a chunk,
+    /// the chunk, and a block of alignment.
+    pub(super) fn kv_need(&self, tokens: usize) -> usize {
+        match self.config.uniform_window() {
+            Some(window) => self.kv.blocks_for(tokens).min(
+                self.kv
+                    .blocks_for(window + self.settings.max_batched_tokens)
+                    + 1,
+            ),
+            None => self.kv.blocks_for(tokens),
+        }
+    }
+
+    /// The KV blocks a sequence of `adapter` can ever hold: the cache's,
+    /// and under a shared budget what the budget leaves beside the
+    /// adapter's slot and its own lm_head (known once it is read).
+    pub(super) fn kv_room(&self, adapter: Option<crate::pool::AdapterId>) -> usize {
+        match (&self.budget, adapter) {
+            (Some(b), Some(a)) => {
+                let extra = self.pool.slot_extra_of(a);
+                self.kv.total().min(
+                    ((b.bytes() - b.slot_bytes()).saturating_sub(extra) / b.block_bytes()) as usize,
+                )
+            }
+            _ => self.kv.total(),
+        }
+    }
+
     /// Takes finished adapter loads; fails the requests whose adapter could
     /// not be loaded.
     pub(super) fn settle_loads(
@@ -509,6 +538,37 @@ impl Engine {
                     events.push((
                         seq.request_id,
                         Event::Failed(EngineError::Adapter(err.duplicate())),
+                    ));
+                }
+            }
+        }
+        // A waiting sequence whose adapter, now read, packs an lm_head of
+        // its own that leaves its KV no room under the budget (checked at
+        // submission where the adapter was read already) is refused, not
+        // preempted for ever.
+        if self.budget.is_some() {
+            let too_long: Vec<(SeqId, usize, usize, usize)> = self
+                .queues
+                .waiting
+                .iter()
+                .filter_map(|&id| {
+                    let s = &self.seqs[&id];
+                    let needed = s.prompt_ids.len() + s.params.max_tokens;
+                    let (blocks, room) = (self.kv_need(needed), self.kv_room(s.adapter));
+                    (blocks > room).then_some((id, needed, blocks, room))
+                })
+                .collect();
+            for (id, needed, blocks, room) in too_long {
+                if let Some(seq) = self.remove(id) {
+                    events.push((
+                        seq.request_id,
+                        Event::Failed(EngineError::request(
+                            lorafleet_domain::generation::Field::MaxTokens,
+                            format!(
+                                "{needed} tokens need {blocks} KV blocks; beside its adapter's \
+                                 slot and own lm_head the cache has {room}"
+                            ),
+                        )),
                     ));
                 }
             }
