@@ -83,6 +83,20 @@ ADAPTERS = {
 }
 
 
+def save_adapter(peft_model, adir, model):
+    """Saves as PEFT does, then points the config at the fixture base (and
+    sorts its targets, so the file does not depend on set order)."""
+    shutil.rmtree(adir, ignore_errors=True)
+    peft_model.save_pretrained(adir)
+    os.remove(os.path.join(adir, "README.md"))
+    cfg_path = os.path.join(adir, "adapter_config.json")
+    c = json.load(open(cfg_path))
+    c["base_model_name_or_path"] = f"worker/engine/tests/fixtures/{model}"
+    c["target_modules"] = sorted(c["target_modules"])
+    with open(cfg_path, "w") as f:
+        json.dump(c, f, indent=2)
+
+
 def move_saved(model, seed):
     """Moves the saved copies and the trainable rows off their initial
     values (PEFT starts both as copies of the base's)."""
@@ -146,14 +160,7 @@ def make_tool_adapter(out):
         peft_model = get_peft_model(base, cfg)
         randomize_lora(peft_model, seed)
         move_saved(peft_model, seed + 100)
-        shutil.rmtree(adir, ignore_errors=True)
-        peft_model.save_pretrained(adir)
-        os.remove(os.path.join(adir, "README.md"))
-        cfg_path = os.path.join(adir, "adapter_config.json")
-        c = json.load(open(cfg_path))
-        c["base_model_name_or_path"] = f"worker/engine/tests/fixtures/{model}"
-        with open(cfg_path, "w") as f:
-            json.dump(c, f, indent=2)
+        save_adapter(peft_model, adir, model)
         tok = tool_tokenizer(path, adir)
         m = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), adir).eval()
         cases = []
@@ -214,6 +221,8 @@ def make_grown_adapter(out):
 
     def resized():
         m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        # transformers draws the new rows from the old ones' distribution.
+        torch.manual_seed(0)
         m.resize_token_embeddings(rows)
         return m
 
@@ -235,15 +244,7 @@ def make_grown_adapter(out):
             for name, p in peft_model.named_parameters():
                 if "modules_to_save" in name:
                     p[base_rows:].add_(torch.randn(p[base_rows:].shape, generator=g) * 0.15)
-        shutil.rmtree(adir, ignore_errors=True)
-        peft_model.save_pretrained(adir)
-        os.remove(os.path.join(adir, "README.md"))
-        cfg_path = os.path.join(adir, "adapter_config.json")
-        c = json.load(open(cfg_path))
-        c["base_model_name_or_path"] = f"worker/engine/tests/fixtures/{model}"
-        c["target_modules"] = sorted(c["target_modules"])
-        with open(cfg_path, "w") as f:
-            json.dump(c, f, indent=2)
+        save_adapter(peft_model, adir, model)
         tok = grown_tokenizer(path, adir, base_rows)
         m = PeftModel.from_pretrained(resized(), adir).eval()
         cases = []
@@ -292,15 +293,7 @@ def main():
             randomize_lora(peft_model, 9700 + 10 * i + j)
             move_saved(peft_model, 9800 + 10 * i + j)
             adir = os.path.join(out, "adapters", "saved", model, name)
-            shutil.rmtree(adir, ignore_errors=True)
-            peft_model.save_pretrained(adir)
-            os.remove(os.path.join(adir, "README.md"))
-            cfg_path = os.path.join(adir, "adapter_config.json")
-            cfg = json.load(open(cfg_path))
-            cfg["base_model_name_or_path"] = f"worker/engine/tests/fixtures/{model}"
-            cfg["target_modules"] = sorted(cfg["target_modules"])
-            with open(cfg_path, "w") as f:
-                json.dump(cfg, f, indent=2)
+            save_adapter(peft_model, adir, model)
             m = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), adir).eval()
             cases = golden_cases(m, tok, model, name)
             # The adapter must change what the model does.

@@ -88,6 +88,24 @@ fn alone(requests: &[Request]) -> HashMap<String, Vec<u32>> {
         .collect()
 }
 
+/// One step: each request's new tokens added to its output; returns how
+/// many requests finished (a failed one fails the test).
+fn step_into(e: &mut Engine, outputs: &mut HashMap<String, Vec<u32>>) -> usize {
+    let mut finished = 0;
+    for (id, event) in e.step().unwrap() {
+        match event {
+            Event::Delta { token_ids, .. } => outputs
+                .entry(id.into_string())
+                .or_default()
+                .extend(token_ids),
+            Event::Finished(_) => finished += 1,
+            Event::Failed(err) => panic!("{id}: {err}"),
+            Event::PromptLogprobs(_) => {}
+        }
+    }
+    finished
+}
+
 /// The most of each side a run used, in blocks and slots.
 #[derive(Debug, Default, Clone, Copy)]
 struct Peaks {
@@ -113,17 +131,7 @@ fn run(
         for r in pending.by_ref().take(per_step) {
             e.submit(r.clone()).unwrap();
         }
-        for (id, event) in e.step().unwrap() {
-            match event {
-                Event::Delta { token_ids, .. } => outputs
-                    .entry(id.into_string())
-                    .or_default()
-                    .extend(token_ids),
-                Event::Finished(_) => left -= 1,
-                Event::Failed(err) => panic!("{id}: {err}"),
-                Event::PromptLogprobs(_) => {}
-            }
-        }
+        left -= step_into(e, outputs);
         let stats = e.stats();
         let m = stats.memory.expect("the engine has a budget");
         assert!(
@@ -349,17 +357,7 @@ fn drain_counting_heads(
         for r in pending.by_ref().take(per_step) {
             e.submit(r.clone()).unwrap();
         }
-        for (id, event) in e.step().unwrap() {
-            match event {
-                Event::Delta { token_ids, .. } => outputs
-                    .entry(id.into_string())
-                    .or_default()
-                    .extend(token_ids),
-                Event::Finished(_) => left -= 1,
-                Event::Failed(err) => panic!("{id}: {err}"),
-                Event::PromptLogprobs(_) => {}
-            }
-        }
+        left -= step_into(e, &mut outputs);
         let stats = e.stats();
         let m = stats.memory.expect("the engine has a budget");
         let resident: Vec<_> = stats
