@@ -217,7 +217,10 @@ impl AdapterPool {
                     }
                 }
                 for (s, h) in more {
-                    backend.clear_slot(s)?;
+                    if let Err(e) = backend.clear_slot(s) {
+                        self.report();
+                        return Err(e);
+                    }
                     self.vacate(s, h);
                 }
                 self.vacate(slot, holder);
@@ -225,7 +228,11 @@ impl AdapterPool {
             }
         };
         let started = std::time::Instant::now();
-        backend.write_slot(slot, &host)?;
+        if let Err(e) = backend.write_slot(slot, &host) {
+            // The slots emptied for it stay empty: the budget hears so.
+            self.report();
+            return Err(e);
+        }
         let took = started.elapsed();
         if self.upload_times.len() < MAX_UPLOAD_TIMES {
             self.upload_times.push(took);
