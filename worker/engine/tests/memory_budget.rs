@@ -504,26 +504,21 @@ fn an_adapter_with_its_own_lm_head_gets_its_room_or_is_refused() {
     e.submit(request("plain-big".into(), 1, 24, 60)).unwrap();
     // The same request asked before its adapter is read is refused once
     // it is, never admitted to preempt itself for ever.
-    let mut e = fixture_engine(MODEL, settings(budget(1, 16), 1));
-    with_head(&mut e);
-    let done = e
-        .run_to_completion(vec![request("early".into(), 101, 24, 60)])
-        .unwrap()
-        .remove(0);
-    let err = done.error.expect("refused").to_string();
+    // `r`'s refusal on a fresh engine of `budget` bytes and one slot.
+    let refusal = |budget_bytes: u64, r: Request| {
+        let mut e = fixture_engine(MODEL, settings(budget_bytes, 1));
+        with_head(&mut e);
+        let done = e.run_to_completion(vec![r]).unwrap().remove(0);
+        done.error.expect("refused").to_string()
+    };
+    let err = refusal(budget(1, 16), request("early".into(), 101, 24, 60));
     assert!(
         err.contains("need 6 KV blocks") && err.contains("own lm_head the cache has 4"),
         "{err}"
     );
 
     // One slot and two blocks: the slot and its head can never fit.
-    let mut e = fixture_engine(MODEL, settings(budget(1, 2), 1));
-    with_head(&mut e);
-    let done = e
-        .run_to_completion(vec![request("never".into(), 101, 8, 4)])
-        .unwrap()
-        .remove(0);
-    let err = done.error.expect("refused").to_string();
+    let err = refusal(budget(1, 2), request("never".into(), 101, 8, 4));
     assert!(
         err.contains("modules_to_save") && err.contains("cannot hold both"),
         "{err}"

@@ -73,11 +73,6 @@ impl AdapterPool {
         out
     }
 
-    /// Filled slots that [`AdapterPool::shed_slots`] could empty now.
-    pub fn sheddable_slots(&self, keep: &[usize]) -> usize {
-        self.evictable(keep).len()
-    }
-
     /// Budget bytes a filled slot gives back when emptied: the slot and
     /// what its adapter packs beside it.
     fn held_by(&self, slot: usize) -> u64 {
@@ -93,8 +88,9 @@ impl AdapterPool {
     }
 
     /// Empties slots no sequence leases (none pinned nor in `keep`), least
-    /// valued first, until they give back at least `bytes` of the budget.
-    /// Returns the bytes given back.
+    /// valued first, until they give back at least `bytes` of the budget,
+    /// so their bytes go to the KV cache (the adapters stay in the host
+    /// tier). Returns the bytes given back.
     pub fn shed_bytes(
         &mut self,
         bytes: u64,
@@ -143,26 +139,6 @@ impl AdapterPool {
         self.slots[slot] = None;
         self.slot_extra[slot] = 0;
         self.counters.device_evictions += 1;
-    }
-
-    /// Empties up to `count` slots that no sequence leases, none pinned
-    /// nor in `keep`, least valued first, so their bytes go to the KV
-    /// cache. The adapters stay in the host tier. Returns how many.
-    pub fn shed_slots(
-        &mut self,
-        count: usize,
-        keep: &[usize],
-        backend: &mut dyn Backend,
-    ) -> Result<usize> {
-        let victims: Vec<(usize, AdapterId)> =
-            self.evictable(keep).into_iter().take(count).collect();
-        for &(slot, holder) in &victims {
-            backend.clear_slot(slot)?;
-            self.vacate(slot, holder);
-            self.generation += 1;
-        }
-        self.report();
-        Ok(victims.len())
     }
 
     /// Puts an adapter in a device slot, evicting the slot the policy

@@ -8,9 +8,9 @@
 //! on a loader thread, so the engine keeps stepping while they happen.
 //!
 //! Under a shared [`MemoryBudget`] a slot holding an adapter counts against
-//! the budget: an empty slot is filled only while the budget has room, and
-//! [`AdapterPool::shed_slots`] empties slots no sequence leases to give
-//! their bytes to the KV cache.
+//! the budget (with what its adapter packs beside it): an empty slot is
+//! filled only while the budget has room, and [`AdapterPool::shed_bytes`]
+//! empties slots no sequence leases to give their bytes to the KV cache.
 
 mod device;
 
