@@ -114,14 +114,25 @@ fn main() {
         SHAPE.vocab,
         standin::RANK,
     );
-    // The adapter slots in f32 (the default) and in bf16.
+    // The adapter slots in f32 (the default) and in bf16; with
+    // LORAFLEET_BENCH_PDL=1 each also with programmatic dependent launch
+    // (=only: with it alone).
+    let pdl_runs: &[bool] = match std::env::var("LORAFLEET_BENCH_PDL").as_deref() {
+        Ok("1") => &[false, true],
+        Ok("only") => &[true],
+        _ => &[false],
+    };
     let mut series = Vec::new();
-    for lora_dtype in [Dtype::F32, Dtype::Bf16] {
+    for (lora_dtype, pdl) in [Dtype::F32, Dtype::Bf16]
+        .into_iter()
+        .flat_map(|d| pdl_runs.iter().map(move |&p| (d, p)))
+    {
         let choice = BackendChoice::Cuda {
             device: 0,
             dtype: Dtype::Bf16,
             lora_dtype,
             graphs: true,
+            pdl,
         };
         let mut engine = Engine::load(&model, settings, choice).unwrap();
         standin::register(&mut engine, &dirs);
@@ -133,8 +144,9 @@ fn main() {
             1 => "1 adapter".to_owned(),
             c => format!("{c} adapters"),
         };
+        let launches = if pdl { ", PDL" } else { "" };
         println!(
-            "| adapters ({} slots) | tokens/s | vs {first} | device loads | mean distinct/step | steps | mean sequences/step | steps from a graph |",
+            "| adapters ({} slots{launches}) | tokens/s | vs {first} | device loads | mean distinct/step | steps | mean sequences/step | steps from a graph |",
             lora_dtype.name()
         );
         println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
@@ -156,7 +168,7 @@ fn main() {
         let device = engine.device_name();
         series.push(plot::Series {
             label: format!(
-                "{}, {}, {slots} {} slots",
+                "{}, {}, {slots} {} slots{launches}",
                 device.split(" (").next().unwrap_or(&device),
                 chrono::Utc::now().format("%Y-%m-%d"),
                 lora_dtype.name()
@@ -206,8 +218,16 @@ fn main() {
     // part replayed from a graph of its own.
     let mut tokens_seen = Vec::new();
     let mut profiles = Vec::new();
-    for (name, graphs) in [("kernel by kernel", false), ("CUDA graph", true)] {
+    for (name, graphs, pdl) in [
+        ("kernel by kernel", false, false),
+        ("CUDA graph", true, false),
+        ("CUDA graph, PDL", true, true),
+    ] {
         gpu.set_graphs(graphs);
+        if !gpu.set_pdl(pdl) && pdl {
+            println!("| {name}: not available on this device | | | |");
+            continue;
+        }
         let mut token = step(&mut gpu, &prompt, 0);
         let mut generated = vec![token];
         // Warm-up decode steps (the graph is captured on the second), then
@@ -232,11 +252,14 @@ fn main() {
             profiles.push((name, gpu.profile_last_step(100).unwrap()));
         }
     }
+    gpu.set_pdl(false);
     let counters = gpu.graph_counters().unwrap();
-    assert_eq!(
-        tokens_seen[0], tokens_seen[1],
-        "graph replays give the tokens of kernel-by-kernel launches"
-    );
+    for seen in &tokens_seen[1..] {
+        assert_eq!(
+            &tokens_seen[0], seen,
+            "graph replays (and PDL) give the tokens of kernel-by-kernel launches"
+        );
+    }
     assert!(
         counters.replays >= 128,
         "the timed steps replayed a graph: {counters:?}"
@@ -333,11 +356,17 @@ fn batch32_lora(model: &std::path::Path, config: &ModelConfig, host: &HostAdapte
         "| batch-32 decode step, one adapter | ms per step | x no adapter | launches per step | LoRA launches, device ms | slot upload p50 ms |"
     );
     println!("|---|---:|---:|---:|---:|---:|");
+    // (name, PDL, ms, launches, LoRA ms, upload ms). Each slot type's
+    // backend is loaded once; the step with no adapter runs on the bf16
+    // one. Each row runs with plain launches, then with programmatic
+    // dependent launch (on a device that has it).
     let mut rows = Vec::new();
-    for (name, slot_dtype, adapter) in [
-        ("bf16 slots", Dtype::Bf16, Some(0)),
-        ("f32 slots", Dtype::F32, Some(0)),
-        ("no adapter", Dtype::Bf16, None),
+    for (slot_dtype, cases) in [
+        (
+            Dtype::Bf16,
+            &[("bf16 slots", Some(0)), ("no adapter", None)][..],
+        ),
+        (Dtype::F32, &[("f32 slots", Some(0))][..]),
     ] {
         let mut gpu = CudaBackend::load_with_slot_dtype(
             model,
@@ -364,42 +393,54 @@ fn batch32_lora(model: &std::path::Path, config: &ModelConfig, host: &HostAdapte
         let upload = uploads[uploads.len() / 2];
         gpu.write_slot(0, host).unwrap();
         let prompt: Vec<u32> = (3..3 + PROMPT as u32).collect();
-        let step = |gpu: &mut CudaBackend, len: usize, pos: usize| {
-            let mut batch = StepBatch::default();
-            for t in &tables {
-                batch.push(&prompt[..len], pos, t, adapter, true);
+        for pdl in [false, true] {
+            if !gpu.set_pdl(pdl) && pdl {
+                continue;
             }
-            batch.finish();
-            gpu.forward_sampled(&batch, &greedy).unwrap();
-        };
-        step(&mut gpu, PROMPT, 0);
-        // The first decode step of this batch size runs launch by launch:
-        // count them.
-        let before = gpu.launches_issued();
-        step(&mut gpu, 1, PROMPT);
-        let launches = gpu.launches_issued() - before;
-        for pos in PROMPT + 1..PROMPT + 4 {
-            step(&mut gpu, 1, pos);
+            for &(name, adapter) in cases {
+                let step = |gpu: &mut CudaBackend, len: usize, pos: usize| {
+                    let mut batch = StepBatch::default();
+                    for t in &tables {
+                        batch.push(&prompt[..len], pos, t, adapter, true);
+                    }
+                    batch.finish();
+                    gpu.forward_sampled(&batch, &greedy).unwrap();
+                };
+                step(&mut gpu, PROMPT, 0);
+                // The first decode step of this batch size and adapter
+                // mix runs launch by launch: count them.
+                let before = gpu.launches_issued();
+                step(&mut gpu, 1, PROMPT);
+                let launches = gpu.launches_issued() - before;
+                for pos in PROMPT + 1..PROMPT + 4 {
+                    step(&mut gpu, 1, pos);
+                }
+                let started = Instant::now();
+                for pos in PROMPT + 4..PROMPT + 20 {
+                    step(&mut gpu, 1, pos);
+                }
+                let ms = started.elapsed().as_secs_f64() * 1e3 / 16.0;
+                let lora = gpu
+                    .profile_last_step(50)
+                    .unwrap()
+                    .into_iter()
+                    .find(|(part, _)| *part == "LoRA launches")
+                    .map_or(0.0, |(_, ms)| ms);
+                rows.push((name, pdl, ms, launches, lora, upload));
+            }
         }
-        let started = Instant::now();
-        for pos in PROMPT + 4..PROMPT + 20 {
-            step(&mut gpu, 1, pos);
-        }
-        let ms = started.elapsed().as_secs_f64() * 1e3 / 16.0;
-        let lora = gpu
-            .profile_last_step(50)
-            .unwrap()
-            .into_iter()
-            .find(|(part, _)| *part == "LoRA launches")
-            .map_or(0.0, |(_, ms)| ms);
-        rows.push((name, ms, launches, lora, upload));
     }
-    // Printed once the step with no adapter (the last) is timed.
-    let base = rows.last().map_or(1.0, |r| r.1);
-    for (name, ms, launches, lora, upload) in rows {
+    // Each row against the step with no adapter launched the same way.
+    let base = |pdl: bool| {
+        rows.iter()
+            .find(|r| r.0 == "no adapter" && r.1 == pdl)
+            .map_or(1.0, |r| r.2)
+    };
+    for &(name, pdl, ms, launches, lora, upload) in &rows {
         println!(
-            "| {name} | {ms:.3} | {:.2} | {launches} | {lora:.3} | {upload:.3} |",
-            ms / base
+            "| {name}{} | {ms:.3} | {:.2} | {launches} | {lora:.3} | {upload:.3} |",
+            if pdl { ", PDL" } else { "" },
+            ms / base(pdl)
         );
     }
 }
@@ -434,6 +475,7 @@ fn quantized_bases(model: &std::path::Path, dirs: &[std::path::PathBuf], setting
             dtype: Dtype::Bf16,
             lora_dtype: Dtype::F32,
             graphs: true,
+            pdl: false,
         };
         let mut engine = Engine::load(&dir, settings, choice).unwrap();
         standin::register(&mut engine, dirs);

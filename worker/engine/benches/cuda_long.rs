@@ -78,6 +78,8 @@ fn main() {
         dtype: Dtype::Bf16,
         lora_dtype: Dtype::F32,
         graphs: true,
+        // LORAFLEET_BENCH_PDL=1: kernels with programmatic dependent launch.
+        pdl: std::env::var("LORAFLEET_BENCH_PDL").is_ok_and(|v| v == "1"),
     };
     let mut engine = Engine::load(&model, settings, choice).unwrap();
     standin::register(&mut engine, &dirs);

@@ -38,6 +38,7 @@ fn backend() -> BackendChoice {
             dtype: Dtype::Bf16,
             lora_dtype: Dtype::F32,
             graphs: true,
+            pdl: false,
         },
         _ => BackendChoice::Cpu,
     }

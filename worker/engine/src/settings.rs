@@ -125,11 +125,13 @@ pub enum BackendChoice {
     Cpu,
     /// CUDA device `device`, with base weights in `dtype` and adapter
     /// slots in `lora_dtype`; decode steps replay captured CUDA graphs
-    /// unless `graphs` is false.
+    /// unless `graphs` is false; kernels launch with programmatic
+    /// dependent launch when `pdl` is true (compute 9.0 and newer).
     Cuda {
         device: usize,
         dtype: crate::backend::cuda::Dtype,
         lora_dtype: crate::backend::cuda::Dtype,
         graphs: bool,
+        pdl: bool,
     },
 }

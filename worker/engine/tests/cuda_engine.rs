@@ -189,6 +189,7 @@ fn a_mixed_batch_on_the_gpu_equals_one_request_at_a_time() {
         dtype: Dtype::F32,
         lora_dtype: Dtype::F32,
         graphs: true,
+        pdl: false,
     };
     let requests = mixed_workload();
     let mut single = fixture_engine_on(
@@ -257,7 +258,10 @@ fn a_mixed_batch_on_the_gpu_equals_one_request_at_a_time() {
 /// Decode steps replay CUDA graphs: the mixed workload (10 adapters and the
 /// base model, greedy and sampled) submitted at once runs decode steps of
 /// every adapter together through graphs, with the tokens of the same run
-/// launched kernel by kernel and of each request alone.
+/// launched kernel by kernel and of each request alone. With
+/// programmatic dependent launch (each kernel scheduled while the one
+/// before drains, then waiting for its writes) the tokens are the same,
+/// eager and through graphs.
 #[test]
 #[ignore = "needs a CUDA GPU: deploy/gpu-check.sh runs it"]
 fn decode_steps_replay_cuda_graphs_with_the_tokens_of_eager_launches() {
@@ -271,16 +275,17 @@ fn decode_steps_replay_cuda_graphs_with_the_tokens_of_eager_launches() {
         max_batched_tokens: 1024,
         ..Default::default()
     };
-    let choice = |graphs| BackendChoice::Cuda {
+    let choice = |graphs, pdl| BackendChoice::Cuda {
         device: 0,
         dtype: Dtype::F32,
         lora_dtype: Dtype::F32,
         graphs,
+        pdl,
     };
     // (tokens per request, graph replays, whether a replayed step mixed
     // every adapter and the base)
-    let run = |graphs: bool| {
-        let mut e = fixture_engine_on(model, settings, choice(graphs));
+    let run = |graphs: bool, pdl: bool| {
+        let mut e = fixture_engine_on(model, settings, choice(graphs, pdl));
         // Every adapter in the host tier first, so all requests start
         // together.
         for id in 1..=10 {
@@ -316,9 +321,19 @@ fn decode_steps_replay_cuda_graphs_with_the_tokens_of_eager_launches() {
         assert_eq!(counters.failed_captures, 0, "{counters:?}");
         (outputs, counters, mixed_replay)
     };
-    let (eager, eager_counters, _) = run(false);
+    let (eager, eager_counters, _) = run(false, false);
     assert_eq!(eager_counters.replays, 0, "graphs off: {eager_counters:?}");
-    let (graphed, counters, mixed_replay) = run(true);
+    for (graphs, name) in [(false, "eager"), (true, "graph replay")] {
+        let (programmatic, counters, _) = run(graphs, true);
+        assert_eq!(counters.replays > 0, graphs, "{name}, PDL: {counters:?}");
+        for (i, (p, want)) in programmatic.iter().zip(&eager).enumerate() {
+            assert_eq!(
+                p, want,
+                "request r{i}: {name} with programmatic dependent launch differs from eager launches"
+            );
+        }
+    }
+    let (graphed, counters, mixed_replay) = run(true, false);
     assert!(counters.replays > 0 && counters.graphs > 0, "{counters:?}");
     assert!(
         mixed_replay,
@@ -339,7 +354,7 @@ fn decode_steps_replay_cuda_graphs_with_the_tokens_of_eager_launches() {
             max_cpu_loras: 1,
             ..Default::default()
         },
-        choice(true),
+        choice(true, false),
     );
     for (i, r) in requests.iter().enumerate() {
         let c = single
@@ -374,6 +389,7 @@ fn the_engine_samples_on_the_device_with_each_requests_own_draws() {
             dtype: Dtype::F32,
             lora_dtype: Dtype::F32,
             graphs: true,
+            pdl: false,
         },
     );
     let done = engine
@@ -547,6 +563,7 @@ fn a_staggered_mixed_batch_of_moe_adapters_on_the_gpu_equals_one_at_a_time() {
                 dtype: Dtype::F32,
                 lora_dtype: Dtype::F32,
                 graphs: true,
+                pdl: false,
             },
         );
     }
@@ -607,6 +624,7 @@ fn model_families_on_the_gpu_give_transformers_and_peft_logprobs() {
         dtype: Dtype::F32,
         lora_dtype: Dtype::F32,
         graphs: true,
+        pdl: false,
     };
     let mut models: Vec<&str> = g.cases.iter().map(|c| c.model.as_str()).collect();
     models.sort_unstable();

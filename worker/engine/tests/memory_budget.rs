@@ -281,6 +281,7 @@ fn the_cuda_backend_refuses_a_shared_budget_by_name() {
             dtype: lorafleet_engine::backend::cuda::Dtype::F32,
             lora_dtype: lorafleet_engine::backend::cuda::Dtype::F32,
             graphs: false,
+            pdl: false,
         },
     )
     .unwrap_err()

@@ -121,6 +121,12 @@ pub struct EngineFlags {
     /// (vLLM's --enforce-eager).
     #[arg(long, env = "LORAFLEET_NO_CUDA_GRAPHS")]
     no_cuda_graphs: bool,
+    /// Launches the cuda backend's kernels with programmatic dependent
+    /// launch (compute 9.0 and newer; ignored on older devices): each
+    /// kernel is scheduled while the one before it drains, which hides
+    /// launch latency. Off by default until measured on more devices.
+    #[arg(long, env = "LORAFLEET_CUDA_PDL")]
+    cuda_pdl: bool,
     /// Device slots: the most distinct adapters in one step.
     #[arg(long, env = "LORAFLEET_MAX_LORAS", default_value_t = 4)]
     max_loras: usize,
@@ -211,6 +217,10 @@ impl EngineFlags {
                     "--no-cuda-graphs",
                     "the cpu backend has no CUDA graphs; it applies to --backend cuda",
                 )),
+                _ if self.cuda_pdl => Err(FlagError::new(
+                    "--cuda-pdl",
+                    "the cpu backend launches no kernels; it applies to --backend cuda",
+                )),
                 None | Some(Dtype::F32) => Ok(BackendChoice::Cpu),
                 Some(other) => Err(FlagError::new(
                     "--dtype",
@@ -234,6 +244,7 @@ impl EngineFlags {
                     dtype: dtype.unwrap_or(Dtype::Bf16),
                     lora_dtype: lora_dtype.unwrap_or(Dtype::F32),
                     graphs: !self.no_cuda_graphs,
+                    pdl: self.cuda_pdl,
                 })
             }
             other => Err(FlagError::new(

@@ -209,6 +209,7 @@ impl Engine {
                 dtype,
                 lora_dtype,
                 graphs,
+                pdl,
             } => {
                 let limits = crate::backend::cuda::StepLimits {
                     max_tokens: settings.max_batched_tokens,
@@ -218,6 +219,7 @@ impl Engine {
                     model_dir, &config, shape, device, dtype, lora_dtype, limits,
                 )?;
                 cuda.set_graphs(graphs);
+                cuda.set_pdl(pdl);
                 Box::new(cuda)
             }
         };

@@ -4,9 +4,9 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::sys::{self, CUevent_flags};
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
     PushKernelArg,
@@ -42,6 +42,12 @@ pub(super) struct Device {
     /// Kernel launches and GEMM calls issued so far (a step's count is
     /// the difference across it).
     launches: AtomicU64,
+    /// Kernels launched with programmatic dependent launch (compute 9.0
+    /// and newer): each may be scheduled while the kernel before it in its
+    /// stream finishes, and waits (`griddepcontrol.wait`, the first
+    /// statement of every kernel) until that one's writes are visible. Off
+    /// by default ([`Device::set_pdl`]).
+    pdl: AtomicBool,
     /// Where a LoRA shrink runs beside the base GEMM that reads the same
     /// input: it forks from the compute stream at `fork` and joins it back
     /// at `join` ([`Device::lora_fork`], [`Device::lora_join`]). A CUDA
@@ -97,6 +103,7 @@ impl Device {
             name,
             cc: (major, minor),
             launches: AtomicU64::new(0),
+            pdl: AtomicBool::new(false),
             fork: event()?,
             join: event()?,
             side,
@@ -109,6 +116,19 @@ impl Device {
     /// GEMM call).
     pub fn count_launch(&self) {
         self.launches.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Turns programmatic dependent launch on or off for the kernels
+    /// launched from now on; it stays off on a device older than compute
+    /// 9.0, which has no `griddepcontrol`. Returns whether it is on.
+    pub fn set_pdl(&self, enabled: bool) -> bool {
+        let on = enabled && self.cc.0 >= 9;
+        self.pdl.store(on, Ordering::Relaxed);
+        on
+    }
+
+    pub fn pdl(&self) -> bool {
+        self.pdl.load(Ordering::Relaxed)
     }
 
     /// Kernel launches and GEMM calls issued so far.
@@ -147,6 +167,9 @@ impl Device {
             .get(name)
             .ok_or_else(|| EngineError::Backend(format!("cuda: no kernel {name}")))?;
         self.count_launch();
+        if self.pdl() {
+            return self.launch_programmatic(stream, f, name, grid, block, args);
+        }
         let mut builder = stream.launch_builder(f);
         for arg in args {
             match arg {
@@ -166,6 +189,71 @@ impl Device {
         unsafe { builder.launch(cfg) }
             .map(|_| ())
             .map_err(|e| EngineError::Backend(format!("cuda: launching {name}: {e}")))
+    }
+
+    /// A launch through `cuLaunchKernelEx` with programmatic stream
+    /// serialization allowed: the kernel may start while the one before
+    /// it in the stream (or in a captured graph) drains, and its first
+    /// statement waits for that one's writes (`PDL_ENTER` in kernels.cu).
+    fn launch_programmatic(
+        &self,
+        stream: &Arc<CudaStream>,
+        f: &CudaFunction,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        args: &[Arg],
+    ) -> Result<()> {
+        // Every argument in an 8-byte cell of its own: the driver copies
+        // each parameter's size from its cell's start (little-endian, so a
+        // 4-byte value is the cell's low half).
+        let mut cells: Vec<u64> = args
+            .iter()
+            .map(|a| match *a {
+                Arg::Ptr(v) => v,
+                Arg::I32(v) => v as u32 as u64,
+                Arg::I64(v) => v as u64,
+                Arg::F32(v) => v.to_bits() as u64,
+            })
+            .collect();
+        let mut params: Vec<*mut std::ffi::c_void> = cells
+            .iter_mut()
+            .map(|c| (c as *mut u64).cast::<std::ffi::c_void>())
+            .collect();
+        // SAFETY: a plain C struct and union of integers; zero is a valid
+        // value of each, and the two fields that matter are set below.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: 0,
+            hStream: stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        let failed = |e: cudarc::driver::DriverError| {
+            EngineError::Backend(format!("cuda: launching {name} (programmatic): {e}"))
+        };
+        self.ctx.bind_to_thread().map_err(failed)?;
+        // SAFETY: as in `launch_on`: each call site passes the arguments
+        // its kernel declares, and `params` points at `cells`, which
+        // outlive the call; the driver copies the values at launch.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                f.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .map_err(failed)
     }
 
     /// Blocks of 256 threads for an elementwise kernel over `n` items.

@@ -19,6 +19,26 @@
 // never on the batch. cuBLAS makes no such promise: it may pick another
 // algorithm for another batch size.
 
+// Programmatic dependent launch (compute 9.0 and newer): the first
+// statement of every kernel. A kernel launched with programmatic stream
+// serialization (`Device::set_pdl`) may be scheduled while the kernel
+// before it drains; it waits here, before any load or store, until that
+// kernel has finished and its writes are visible, then lets the next one
+// be scheduled. So a kernel never sees another's partial output, and only
+// the launch latency between the two overlaps. Without that launch
+// attribute both instructions return at once.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define PDL_ENTER()                                         \
+    do {                                                    \
+        asm volatile("griddepcontrol.wait;" ::: "memory");  \
+        asm volatile("griddepcontrol.launch_dependents;");  \
+    } while (0)
+#else
+#define PDL_ENTER() \
+    do {            \
+    } while (0)
+#endif
+
 #if WDTYPE == 0
 typedef float wt;
 __device__ __forceinline__ float wload(wt v) { return v; }
@@ -128,6 +148,7 @@ __device__ float block_max(float v, float* scratch) {
 // out[t] = table[tokens[t]] as f32, times `scale` (Gemma's √hidden; 1
 // otherwise). Grid: one block per token.
 extern "C" __global__ void embed(const wt* table, const int* tokens, float* out, int d, float scale) {
+    PDL_ENTER();
     const wt* row = table + (size_t)tokens[blockIdx.x] * d;
     float* o = out + (size_t)blockIdx.x * d;
     for (int i = threadIdx.x; i < d; i += blockDim.x) o[i] = wload(row[i]) * scale;
@@ -138,6 +159,7 @@ extern "C" __global__ void embed(const wt* table, const int* tokens, float* out,
 // weights' type for the next GEMM. Grid: one block per output row.
 extern "C" __global__ void rms_norm(const float* x, const int* rows, const float* w, float* out,
                                     wt* out_w, int d, float eps) {
+    PDL_ENTER();
     __shared__ float scratch[32];
     int src = rows ? rows[blockIdx.x] : blockIdx.x;
     const float* xr = x + (size_t)src * d;
@@ -155,12 +177,14 @@ extern "C" __global__ void rms_norm(const float* x, const int* rows, const float
 
 // y = x in the weights' type (the input of a base GEMM).
 extern "C" __global__ void to_wt(const float* x, wt* y, long n) {
+    PDL_ENTER();
     for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
         y[i] = wstore(x[i]);
 }
 
 // y[r, c] += bias[c] for `rows` rows of `width`.
 extern "C" __global__ void add_bias(float* y, const float* bias, int rows, int width) {
+    PDL_ENTER();
     long n = (long)rows * width;
     for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
         y[i] += bias[i % width];
@@ -168,6 +192,7 @@ extern "C" __global__ void add_bias(float* y, const float* bias, int rows, int w
 
 // h += y, elementwise (the residual stream).
 extern "C" __global__ void add_into(float* h, const float* y, long n) {
+    PDL_ENTER();
     for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
         h[i] += y[i];
 }
@@ -175,6 +200,7 @@ extern "C" __global__ void add_into(float* h, const float* y, long n) {
 // out[t, i] = silu(gate) * up for rows of `gu` laid out [gate | up], each
 // `inter` wide; also in the weights' type when `out_w` is not null.
 extern "C" __global__ void silu_mul(const float* gu, float* out, wt* out_w, int rows, int inter) {
+    PDL_ENTER();
     long n = (long)rows * inter;
     for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
         long t = i / inter, c = i % inter;
@@ -188,6 +214,7 @@ extern "C" __global__ void silu_mul(const float* gu, float* out, wt* out_w, int 
 // out[t, i] = gelu_tanh(gate) * up (Gemma's `gelu_pytorch_tanh` GeGLU), as
 // silu_mul lays out its rows: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))).
 extern "C" __global__ void gelu_mul(const float* gu, float* out, wt* out_w, int rows, int inter) {
+    PDL_ENTER();
     long n = (long)rows * inter;
     for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
         long t = i / inter, c = i % inter;
@@ -201,6 +228,7 @@ extern "C" __global__ void gelu_mul(const float* gu, float* out, wt* out_w, int 
 
 // x = tanh(x / cap) * cap, elementwise (Gemma 2's final-logit soft-capping).
 extern "C" __global__ void softcap(float* x, long n, float cap) {
+    PDL_ENTER();
     for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
         x[i] = tanhf(x[i] / cap) * cap;
 }
@@ -217,6 +245,7 @@ extern "C" __global__ void softcap(float* x, long n, float cap) {
 extern "C" __global__ void rope_store(float* qkv, int q_dim, int kv_dim, const int* pos,
                                       const int* kv_row, const float* inv_freq, int freq_stride,
                                       int rot_half, float factor, wt* k_cache, wt* v_cache) {
+    PDL_ENTER();
     float* row = qkv + (size_t)blockIdx.x * (q_dim + 2 * kv_dim);
     float p = (float)pos[blockIdx.x];
     inv_freq += (size_t)blockIdx.x * freq_stride;
@@ -247,6 +276,7 @@ extern "C" __global__ void rope_store(float* qkv, int q_dim, int kv_dim, const i
 // block per token; each warp takes heads in turn.
 extern "C" __global__ void head_norm(float* qkv, int q_dim, int kv_dim, const float* q_w,
                                      const float* k_w, float eps) {
+    PDL_ENTER();
     float* row = qkv + (size_t)blockIdx.x * (q_dim + 2 * kv_dim);
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     int nq = q_dim / HEAD_DIM, heads = nq + kv_dim / HEAD_DIM;
@@ -310,6 +340,7 @@ extern "C" __global__ void attention(const float* qkv, int q_dim, int kv_dim, co
                                      const wt* v_cache, const int* pos, const int* tok_seq,
                                      const int* bt_off, const int* block_tables, int block_size,
                                      int ring_len, int window, float scale, float cap, float* out) {
+    PDL_ENTER();
     __shared__ float qs[HEAD_DIM];
     __shared__ float sc[ATTN_CHUNK];
     __shared__ float scratch[32];
@@ -416,6 +447,7 @@ extern "C" __global__ void __launch_bounds__(LORA_THREADS) lora_shrink(const flo
                                        const st* a0, const st* a1, const st* a2,
                                        const int* rank0, const int* rank1, const int* rank2,
                                        float* h_part, long long a_stride) {
+    PDL_ENTER();
     __shared__ float xs[LORA_TT * SHRINK_KC];
     const st* a = blockIdx.z == 0 ? a0 : (blockIdx.z == 1 ? a1 : a2);
     const int* ranks = blockIdx.z == 0 ? rank0 : (blockIdx.z == 1 ? rank1 : rank2);
@@ -497,6 +529,7 @@ extern "C" __global__ void __launch_bounds__(LORA_THREADS) lora_expand(const flo
                                        const float* scale2, int width0, int width1, int width2,
                                        int off0, int off1, int off2, float* out, int out_stride,
                                        long long b_stride0, long long b_stride1, long long b_stride2) {
+    PDL_ENTER();
     __shared__ float hs[LORA_TT * MAX_RANK];
     int z = blockIdx.z;
     const st* b = z == 0 ? b0 : (z == 1 ? b1 : b2);
@@ -580,6 +613,7 @@ extern "C" __global__ void __launch_bounds__(LORA_THREADS) lora_expand(const flo
 // Greedy: the highest logit of each row, the lowest id among ties (as the
 // CPU's argmax). Grid: one block per row.
 extern "C" __global__ void argmax_rows(const float* logits, int vocab, int* out) {
+    PDL_ENTER();
     __shared__ float vals[32];
     __shared__ int idxs[32];
     const float* row = logits + (size_t)blockIdx.x * vocab;
@@ -653,6 +687,7 @@ __device__ unsigned int cutoff_key(const float* row, int vocab, float m, float i
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows(const float* logits, int vocab, const float* temperature,
                                        const int* top_k, const float* top_p, const float* u,
                                        int* out) {
+    PDL_ENTER();
     __shared__ float scratch[32];
     __shared__ float part[SAMPLE_THREADS];
     __shared__ int chosen_chunk;
@@ -733,6 +768,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows(const f
 extern "C" __global__ void __launch_bounds__(LORA_THREADS) moe_lora_shrink(const float* x, int fan_in,
                                        const int* groups, const unsigned long long* a_ptrs,
                                        const int* ranks, float* t) {
+    PDL_ENTER();
     const int* g = groups + 4 * blockIdx.y;
     int row = g[0] + blockIdx.x;
     if (row >= g[1]) return;
@@ -759,6 +795,7 @@ extern "C" __global__ void __launch_bounds__(LORA_THREADS) moe_lora_shrink(const
 extern "C" __global__ void __launch_bounds__(LORA_THREADS) moe_lora_expand(const float* t, int fan_out,
                                        const int* groups, const unsigned long long* b_ptrs,
                                        const int* ranks, const float* scales, float* out) {
+    PDL_ENTER();
     const int* g = groups + 4 * blockIdx.y;
     int row = g[0] + blockIdx.x;
     if (row >= g[1]) return;
@@ -784,6 +821,7 @@ extern "C" __global__ void __launch_bounds__(LORA_THREADS) moe_lora_expand(const
 // CPU. One thread per token.
 extern "C" __global__ void moe_route(const float* logits, int n, int experts, int top_k,
                                      int normalize, int* out_e, float* out_w) {
+    PDL_ENTER();
     int t = blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= n) return;
     const float* l = logits + (size_t)t * experts;
@@ -834,6 +872,7 @@ extern "C" __global__ void moe_route(const float* logits, int n, int experts, in
 // weights' type for the experts' GEMMs. Grid: one block per row.
 extern "C" __global__ void moe_gather(const float* x, const int* order, int d, float* out,
                                       wt* out_w) {
+    PDL_ENTER();
     const float* src = x + (size_t)order[blockIdx.x] * d;
     float* o = out + (size_t)blockIdx.x * d;
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
@@ -848,6 +887,7 @@ extern "C" __global__ void moe_gather(const float* x, const int* order, int d, f
 // to the residual stream, as on the CPU. Grid: one block per token.
 extern "C" __global__ void moe_combine(float* hidden, const float* y, const int* row_of,
                                        const float* w, int top_k, int d) {
+    PDL_ENTER();
     int t = blockIdx.x;
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
         float acc = 0.0f;
@@ -861,6 +901,7 @@ extern "C" __global__ void moe_combine(float* hidden, const float* y, const int*
 // copy in flight while steps run on the compute stream. Grid: one block of
 // one thread.
 extern "C" __global__ void spin(long long cycles) {
+    PDL_ENTER();
     long long start = clock64();
     while (clock64() - start < cycles) {
     }

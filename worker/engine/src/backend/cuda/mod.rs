@@ -487,6 +487,19 @@ impl CudaBackend {
         self.graphs.enabled = enabled && self.config.moe.is_none();
     }
 
+    /// Turns programmatic dependent launch on or off (off by default):
+    /// each kernel may then be scheduled while the one before it drains,
+    /// which hides launch latency between dependent kernels (cuBLAS's
+    /// GEMMs launch as they always do). It changes no result: every kernel
+    /// waits for its predecessor's writes before its first load. Graphs
+    /// captured before are dropped, to be captured again with the new
+    /// launches. Returns whether it is on (never on a device older than
+    /// compute 9.0).
+    pub fn set_pdl(&mut self, enabled: bool) -> bool {
+        self.graphs.clear();
+        self.dev.set_pdl(enabled)
+    }
+
     /// Token rows that have gone through an expert LoRA (router, gate/up
     /// or down of a Mixture-of-Experts block) since the backend was made:
     /// tokens whose adapter has no expert weights never do.

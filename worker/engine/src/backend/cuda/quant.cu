@@ -84,6 +84,7 @@ extern "C" __global__ void __launch_bounds__(256) qmatmul(
     const unsigned char* codes, long row_bytes, int format, const float* scales,
     const float* zeros, float offset, int gsize, const int* gidx, int rows, int fan_in,
     const wt* x, int n, float* y, int y_stride, int y_off) {
+    PDL_ENTER();
     int o = blockIdx.x * 8 + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
     int t0 = blockIdx.y * QT;
@@ -111,6 +112,7 @@ extern "C" __global__ void __launch_bounds__(256) qmatmul(
 extern "C" __global__ void qdequant(const unsigned char* codes, long row_bytes, int format,
                                     const float* scales, const float* zeros, float offset,
                                     int gsize, const int* gidx, int rows, int fan_in, wt* w) {
+    PDL_ENTER();
     long n = (long)rows * fan_in;
     for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
         int o = (int)(i / fan_in), k = (int)(i % fan_in);
@@ -123,6 +125,7 @@ extern "C" __global__ void qdequant(const unsigned char* codes, long row_bytes, 
 // One block of 256 threads per row.
 extern "C" __global__ void __launch_bounds__(256) fp8_rows(const wt* x, int fan_in,
                                                            unsigned char* xq, float* row_scale) {
+    PDL_ENTER();
     __shared__ float part[8];
     int t = blockIdx.x;
     const wt* row = x + (long)t * fan_in;
@@ -153,6 +156,7 @@ extern "C" __global__ void __launch_bounds__(256) fp8_rows(const wt* x, int fan_
 // Grid: (n, ceil(fan_in / span)), 256 threads.
 extern "C" __global__ void __launch_bounds__(256) quant_inputs(const wt* x, int fan_in, int span,
                                                                int fp8, wt* out) {
+    PDL_ENTER();
     __shared__ float part[8];
     int t = blockIdx.x;
     int lo = blockIdx.y * span, hi = min(fan_in, lo + span);
@@ -183,6 +187,7 @@ extern "C" __global__ void __launch_bounds__(256) quant_inputs(const wt* x, int 
 // The FP8 GEMM's epilogue: y[t, o] *= row_scale[t] * col_scale[o].
 extern "C" __global__ void fp8_scale(float* y, const float* row_scale, const float* col_scale,
                                      int n, int width) {
+    PDL_ENTER();
     long total = (long)n * width;
     for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (long)gridDim.x * blockDim.x)
         y[i] = y[i] * (row_scale[i / width] * col_scale[i % width]);

@@ -177,6 +177,12 @@ impl Graphs {
         }
     }
 
+    /// Drops every captured graph (they are captured again as steps of
+    /// their shapes come).
+    pub(super) fn clear(&mut self) {
+        self.entries.clear();
+    }
+
     pub(super) fn counters(&self) -> GraphCounters {
         GraphCounters {
             graphs: self
