@@ -79,6 +79,7 @@ run() {
     case $exe in
       cuda_kernels_compile) skipped kernels_compile && continue ;;
       lorafleet-worker | deps/worker_grpc) skipped worker_grpc && continue ;;
+      moe_decode) skipped moe_decode && skipped moe_decode_gpt_oss && continue ;;
       *) skipped "$exe" && continue ;;
     esac
     [ -x "$out/$exe" ] || { echo "gpu-check: $out/$exe is missing; run '$0 build' first" >&2; exit 1; }
@@ -131,6 +132,11 @@ run() {
   # written the first time), then transformers + PEFT on the same GPU,
   # stand-in and workload.
   step moe_decode env LORAFLEET_BENCH_BACKEND=cuda "$out/moe_decode"
+  # The same on a GPT-OSS-20B-architecture stand-in (sinks, sliding and
+  # full layers, YaRN, 32 biased experts top 4, the clamped SwiGLU; bf16
+  # experts: MXFP4 is CPU-only so far), adapters on attention and experts.
+  step moe_decode_gpt_oss env LORAFLEET_BENCH_BACKEND=cuda LORAFLEET_BENCH_MODEL=gpt-oss \
+    "$out/moe_decode"
   if python3 -c 'import torch, transformers, peft' 2>/dev/null; then
     step peft_moe_baseline env PEFT_DEVICE=cuda PEFT_DTYPE=bfloat16 \
       timeout "${PEFT_MOE_TIMEOUT:-300}" python3 worker/engine/benches/peft_moe_baseline.py \
@@ -165,7 +171,7 @@ run() {
   [ -f "$results/cuda_lora.log" ] && tail -40 "$results/cuda_lora.log"
   grep '^|' "$results/cuda_decode.log" || true
   [ -f "$results/cuda_long.log" ] && grep '^|' "$results/cuda_long.log" || true
-  for log in moe_decode peft_moe_baseline; do
+  for log in moe_decode moe_decode_gpt_oss peft_moe_baseline; do
     [ -f "$results/$log.log" ] && grep -E '^(\||MoE|[0-9]+ adapters)' "$results/$log.log" || true
   done
   if [ ${#failed[@]} -gt 0 ]; then

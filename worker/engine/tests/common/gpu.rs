@@ -63,7 +63,7 @@ pub fn run_golden(
             .unwrap();
         1
     });
-    let table: Vec<u32> = vec![5, 2, 7, 0, 3, 6, 1, 4];
+    let table = super::scattered_table(super::golden_blocks(case));
     let mut batch = StepBatch::default();
     batch.push(&case.prompt_ids, 0, &table, slot, true);
     batch.finish();

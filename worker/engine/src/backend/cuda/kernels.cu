@@ -339,7 +339,8 @@ __device__ __forceinline__ float attn_score(const float* qs, const wt* k_cache, 
 extern "C" __global__ void attention(const float* qkv, int q_dim, int kv_dim, const wt* k_cache,
                                      const wt* v_cache, const int* pos, const int* tok_seq,
                                      const int* bt_off, const int* block_tables, int block_size,
-                                     int ring_len, int window, float scale, float cap, float* out) {
+                                     int ring_len, int window, float scale, float cap,
+                                     const float* sinks, float* out) {
     PDL_ENTER();
     __shared__ float qs[HEAD_DIM];
     __shared__ float sc[ATTN_CHUNK];
@@ -361,6 +362,9 @@ extern "C" __global__ void attention(const float* qkv, int q_dim, int kv_dim, co
     for (int j = lo + threadIdx.x; j <= p; j += blockDim.x)
         m = fmaxf(m, attn_score(qs, k_cache, kv_dim, kvh, bt, block_size, ring_len, j, scale, cap));
     m = block_max(m, scratch);
+    // GPT-OSS's sink logit joins the maximum and, below, the sum; it weighs
+    // no value.
+    if (sinks) m = fmaxf(m, sinks[h]);
     float acc[ATTN_DPL];
 #pragma unroll
     for (int i = 0; i < ATTN_DPL; i++) acc[i] = 0.0f;
@@ -400,6 +404,7 @@ extern "C" __global__ void attention(const float* qkv, int q_dim, int kv_dim, co
             a += part[w][d];
             total += part_l[w];
         }
+        if (sinks) total += expf(sinks[h] - m);
         o[d] = a / total;
     }
 }
@@ -818,40 +823,65 @@ extern "C" __global__ void __launch_bounds__(LORA_THREADS) moe_lora_expand(const
 // `top_k` largest probabilities (the lower expert first on a tie),
 // renormalized to sum to one when `normalize`, written in expert order to
 // out_e / out_w[t * top_k ..]. The sums run in expert order, as on the
-// CPU. One thread per token.
+// CPU. With `chosen_softmax` (GPT-OSS) the top_k largest logits are chosen
+// and weighed by the softmax over them alone. One thread per token.
 extern "C" __global__ void moe_route(const float* logits, int n, int experts, int top_k,
-                                     int normalize, int* out_e, float* out_w) {
+                                     int normalize, int chosen_softmax, int* out_e, float* out_w) {
     PDL_ENTER();
     int t = blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= n) return;
     const float* l = logits + (size_t)t * experts;
     int* oe = out_e + (size_t)t * top_k;
     float* ow = out_w + (size_t)t * top_k;
-    float m = -INFINITY;
-    for (int e = 0; e < experts; e++) m = fmaxf(m, l[e]);
-    float sum = 0.0f;
-    for (int e = 0; e < experts; e++) sum += expf(l[e] - m);
-    // The top_k by repeated scans, largest first.
-    float chosen_sum = 0.0f;
-    for (int j = 0; j < top_k; j++) {
-        int best = -1;
-        float bv = 0.0f;
-        for (int e = 0; e < experts; e++) {
-            bool taken = false;
-            for (int i = 0; i < j; i++) taken = taken || oe[i] == e;
-            if (taken) continue;
-            float v = expf(l[e] - m);
-            if (best < 0 || v > bv) {
-                best = e;
-                bv = v;
+    if (chosen_softmax) {
+        // GPT-OSS: the top_k largest logits (the lower expert first on a
+        // tie), weighed by the softmax over those alone, summed from the
+        // largest down, as the CPU's `choose_logits`.
+        for (int j = 0; j < top_k; j++) {
+            int best = -1;
+            float bv = 0.0f;
+            for (int e = 0; e < experts; e++) {
+                bool taken = false;
+                for (int i = 0; i < j; i++) taken = taken || oe[i] == e;
+                if (taken) continue;
+                if (best < 0 || l[e] > bv) {
+                    best = e;
+                    bv = l[e];
+                }
             }
+            oe[j] = best;
+            ow[j] = expf(bv - l[oe[0]]);
         }
-        oe[j] = best;
-        ow[j] = bv / sum;
-        chosen_sum += ow[j];
+        float total = 0.0f;
+        for (int j = 0; j < top_k; j++) total += ow[j];
+        for (int j = 0; j < top_k; j++) ow[j] = ow[j] / total;
+    } else {
+        float m = -INFINITY;
+        for (int e = 0; e < experts; e++) m = fmaxf(m, l[e]);
+        float sum = 0.0f;
+        for (int e = 0; e < experts; e++) sum += expf(l[e] - m);
+        // The top_k by repeated scans, largest first.
+        float chosen_sum = 0.0f;
+        for (int j = 0; j < top_k; j++) {
+            int best = -1;
+            float bv = 0.0f;
+            for (int e = 0; e < experts; e++) {
+                bool taken = false;
+                for (int i = 0; i < j; i++) taken = taken || oe[i] == e;
+                if (taken) continue;
+                float v = expf(l[e] - m);
+                if (best < 0 || v > bv) {
+                    best = e;
+                    bv = v;
+                }
+            }
+            oe[j] = best;
+            ow[j] = bv / sum;
+            chosen_sum += ow[j];
+        }
+        if (normalize)
+            for (int j = 0; j < top_k; j++) ow[j] = ow[j] / chosen_sum;
     }
-    if (normalize)
-        for (int j = 0; j < top_k; j++) ow[j] = ow[j] / chosen_sum;
     // Expert order (insertion sort of top_k entries).
     for (int j = 1; j < top_k; j++) {
         int e = oe[j];
@@ -894,6 +924,35 @@ extern "C" __global__ void moe_combine(float* hidden, const float* y, const int*
         for (int j = 0; j < top_k; j++)
             acc += y[(size_t)row_of[t * top_k + j] * d + i] * w[t * top_k + j];
         hidden[(size_t)t * d + i] += acc;
+    }
+}
+
+// y[r, c] += bias[row_expert[r], c]: each expert row's own bias (GPT-OSS's
+// experts), for `rows` rows of `width`.
+extern "C" __global__ void moe_bias(float* y, const float* bias, const int* row_expert, int rows,
+                                    int width) {
+    PDL_ENTER();
+    long n = (long)rows * width;
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+        y[i] += bias[(size_t)row_expert[i / width] * width + i % width];
+}
+
+// GPT-OSS's clamped SwiGLU over rows laid out as silu_mul's [gate | up]:
+// g = min(gate, limit), u = clamp(up, -limit, limit),
+// out = (u + 1) * g * sigmoid(alpha * g), as transformers' GptOssExperts
+// and the CPU's `clamped_swiglu`.
+extern "C" __global__ void swiglu_clamped(const float* gu, float* out, wt* out_w, int rows,
+                                          int inter, float alpha, float limit) {
+    PDL_ENTER();
+    long n = (long)rows * inter;
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        long t = i / inter, c = i % inter;
+        float g = fminf(gu[t * 2 * inter + c], limit);
+        float u = fminf(fmaxf(gu[t * 2 * inter + inter + c], -limit), limit);
+        float glu = g * (1.0f / (1.0f + expf(-(g * alpha))));
+        float v = (u + 1.0f) * glu;
+        out[i] = v;
+        if (out_w) out_w[i] = wstore(v);
     }
 }
 

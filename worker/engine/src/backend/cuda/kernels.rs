@@ -35,6 +35,8 @@ pub const KERNELS: &[&str] = &[
     "moe_route",
     "moe_gather",
     "moe_combine",
+    "moe_bias",
+    "swiglu_clamped",
     "argmax_rows",
     "sample_rows",
     "spin",

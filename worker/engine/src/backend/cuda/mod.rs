@@ -116,6 +116,8 @@ struct Layer {
     /// before RoPE.
     qk_norm: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
     o: Linear,
+    /// GPT-OSS's sink logit of each query head (`self_attn.sinks`).
+    sinks: Option<CudaSlice<f32>>,
     mlp: Mlp,
 }
 
@@ -228,10 +230,14 @@ impl CudaBackend {
         limits: StepLimits,
     ) -> Result<CudaBackend> {
         let c = config;
-        if c.architecture == crate::model::config::Architecture::GptOss {
+        if c.quantization
+            .as_ref()
+            .is_some_and(|q| q.format == lorafleet_artifact::quantization::Format::Mxfp4)
+        {
             return Err(EngineError::Backend(
-                "gpt_oss is not supported on the CUDA backend yet (attention sinks, its \
-                 experts and MXFP4 run on the CPU backend: --backend cpu)"
+                "quantization_config.quant_method \"mxfp4\" is not supported on the CUDA backend \
+                 yet (MXFP4 experts run on the CPU backend: --backend cpu; GPT-OSS in bf16 runs \
+                 on either)"
                     .into(),
             ));
         }
@@ -369,6 +375,12 @@ impl CudaBackend {
                     None => None,
                 },
                 o: fused(&[Projection::O])?,
+                sinks: match c.attention_sinks {
+                    true => Some(up_f32(
+                        &files.f32(&format!("{prefix}.self_attn.sinks"), &[c.num_heads])?,
+                    )?),
+                    false => None,
+                },
                 mlp: match c.moe {
                     Some(m) => Mlp::Moe(moe::MoeLayer::load(&files, c, m, l, &dev, dtype)?),
                     None => Mlp::Dense {

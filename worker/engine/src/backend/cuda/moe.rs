@@ -52,6 +52,15 @@ pub(super) struct MoeLayer {
     gate_up: CudaSlice<u8>,
     /// `[experts, hidden, inter]` in the weights' type.
     down: CudaSlice<u8>,
+    /// GPT-OSS's biases, f32: the router's `[experts]`, each expert's
+    /// `[gate | up]` `[experts, 2 * inter]` and down `[experts, hidden]`.
+    biases: Option<ExpertBiases>,
+}
+
+struct ExpertBiases {
+    router: CudaSlice<f32>,
+    gate_up: CudaSlice<f32>,
+    down: CudaSlice<f32>,
 }
 
 impl MoeLayer {
@@ -65,6 +74,9 @@ impl MoeLayer {
         dev: &Device,
         dtype: Dtype,
     ) -> Result<MoeLayer> {
+        if moe.gpt_oss.is_some() {
+            return Self::load_gpt_oss(files, c, moe, layer, dev, dtype);
+        }
         let (h, i, experts) = (c.hidden_size, c.intermediate_size, moe.num_experts);
         let (block, [gate, up, down]) = match c.architecture {
             Architecture::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
@@ -100,6 +112,63 @@ impl MoeLayer {
             router,
             gate_up,
             down: down_w,
+            biases: None,
+        })
+    }
+
+    /// GPT-OSS's block as the CPU backend reads it: the router
+    /// (`mlp.router`, with its bias) and every expert's rows of
+    /// `mlp.experts.gate_up_proj` and `down_proj` (`[experts, in, out]`,
+    /// each with `…_bias`), gate and up de-interleaved into `[gate | up]`
+    /// (an expert LoRA's rows are read in the same order). The experts
+    /// are dense here: an MXFP4 checkpoint is refused before this.
+    fn load_gpt_oss(
+        files: &WeightFiles,
+        c: &ModelConfig,
+        moe: MoeConfig,
+        layer: usize,
+        dev: &Device,
+        dtype: Dtype,
+    ) -> Result<MoeLayer> {
+        let (h, i, experts) = (c.hidden_size, c.intermediate_size, moe.num_experts);
+        let prefix = format!("model.layers.{layer}.mlp");
+        let st = &dev.stream;
+        let up_err = cuda("uploading weights");
+        let up_f32 = |v: &[f32]| st.clone_htod(v).map_err(&up_err);
+        let router = up_f32(&files.f32(&format!("{prefix}.router.weight"), &[experts, h])?)?;
+        let router_bias = up_f32(&files.f32(&format!("{prefix}.router.bias"), &[experts])?)?;
+        let (gate_up_name, down_name) = (
+            format!("{prefix}.experts.gate_up_proj"),
+            format!("{prefix}.experts.down_proj"),
+        );
+        let order = crate::backend::cpu::gate_up_order(i);
+        let mut gate_up = Vec::with_capacity(experts * 2 * i * h);
+        for w in files.dense_experts(&gate_up_name, (experts, h, 2 * i))? {
+            gate_up.extend(
+                order
+                    .iter()
+                    .flat_map(|&r| w[r * h..(r + 1) * h].iter().copied()),
+            );
+        }
+        let mut down = Vec::with_capacity(experts * h * i);
+        for w in files.dense_experts(&down_name, (experts, i, h))? {
+            down.extend(w);
+        }
+        let gate_up_bias = files.f32(&format!("{gate_up_name}_bias"), &[experts, 2 * i])?;
+        let gate_up_bias: Vec<f32> = gate_up_bias
+            .chunks_exact(2 * i)
+            .flat_map(|b| order.iter().map(|&r| b[r]))
+            .collect();
+        let down_bias = files.f32(&format!("{down_name}_bias"), &[experts, h])?;
+        Ok(MoeLayer {
+            router,
+            gate_up: st.clone_htod(&dtype.encode(&gate_up)).map_err(&up_err)?,
+            down: st.clone_htod(&dtype.encode(&down)).map_err(&up_err)?,
+            biases: Some(ExpertBiases {
+                router: router_bias,
+                gate_up: up_f32(&gate_up_bias)?,
+                down: up_f32(&down_bias)?,
+            }),
         })
     }
 }
@@ -112,7 +181,12 @@ pub fn weight_bytes(c: &ModelConfig, moe: MoeConfig, dtype: Dtype) -> u64 {
         c.intermediate_size as u64,
         moe.num_experts as u64,
     );
-    c.num_layers as u64 * (e * 3 * h * i * dtype.bytes() as u64 + e * h * 4)
+    // GPT-OSS's biases in f32: the router's, gate/up's and down's.
+    let biases = match moe.gpt_oss {
+        Some(_) => e * (1 + 2 * i + h) * 4,
+        None => 0,
+    };
+    c.num_layers as u64 * (e * 3 * h * i * dtype.bytes() as u64 + e * h * 4 + biases)
 }
 
 /// A step's buffers for the Mixture-of-Experts blocks, for `tokens` tokens
@@ -167,8 +241,9 @@ impl MoeBuffers {
             route_e: st.alloc_zeros::<i32>(rows.max(1)).map_err(&err)?,
             route_w: f32s(rows)?,
             // The rows' tokens and each choice's row, then the gate/up and
-            // down groups (at most one a row each).
-            index: st.alloc_zeros::<i32>(10 * rows.max(1)).map_err(&err)?,
+            // down groups (at most one a row each), then each row's expert
+            // (for GPT-OSS's expert biases).
+            index: st.alloc_zeros::<i32>(11 * rows.max(1)).map_err(&err)?,
             // The router's groups: at most one a token.
             groups: st.alloc_zeros::<i32>(4 * tokens.max(1)).map_err(&err)?,
             xg: f32s(rows * h)?,
@@ -192,7 +267,7 @@ impl MoeBuffers {
         let (h, i) = (c.hidden_size, c.intermediate_size);
         let rows = tokens * moe.top_k;
         let f32s = tokens * moe.num_experts + rows * (1 + 2 * h + 3 * i + max_rank);
-        let ints = 11 * rows + 4 * tokens;
+        let ints = 12 * rows + 4 * tokens;
         let cast = if dtype == Dtype::F32 {
             0
         } else {
@@ -508,6 +583,19 @@ impl CudaBackend {
             p(&b.logits),
             n,
         )?;
+        if let Some(biases) = &layer.biases {
+            dev.launch(
+                "add_bias",
+                Device::elementwise_grid(n * experts),
+                256,
+                &[
+                    Arg::Ptr(p(&b.logits)),
+                    Arg::Ptr(p(&biases.router)),
+                    Arg::I32(n as i32),
+                    Arg::I32(experts as i32),
+                ],
+            )?;
+        }
         let mut flat = Vec::new();
         let token_rows = [(0usize, slot_of.to_vec())];
         let routers = groups(&mut flat, &token_rows, |s| slots.has(s, l, Target::Router));
@@ -534,6 +622,7 @@ impl CudaBackend {
                 Arg::I32(experts as i32),
                 Arg::I32(k as i32),
                 Arg::I32(i32::from(moe.norm_topk_prob)),
+                Arg::I32(i32::from(moe.gpt_oss.is_some())),
                 Arg::Ptr(dev.p(&b.route_e)),
                 Arg::Ptr(p(&b.route_w)),
             ],
@@ -573,7 +662,28 @@ impl CudaBackend {
         }
         let gate_ups = groups(&mut index, &per_expert, |s| slots.has(s, l, Target::GateUp));
         let downs = groups(&mut index, &per_expert, |s| slots.has(s, l, Target::Down));
+        // Each row's expert, for the experts' biases.
+        let row_expert = index.len();
+        if layer.biases.is_some() {
+            for (e, assigned) in by_expert.iter().enumerate() {
+                index.extend(std::iter::repeat_n(e as i32, assigned.len()));
+            }
+        }
         self.upload_i32(&index, &b.index)?;
+        let expert_bias = |y: u64, bias: &CudaSlice<f32>, width: usize| -> Result<()> {
+            dev.launch(
+                "moe_bias",
+                Device::elementwise_grid(rows * width),
+                256,
+                &[
+                    Arg::Ptr(y),
+                    Arg::Ptr(p(bias)),
+                    Arg::Ptr(dev.p(&b.index) + (row_expert * 4) as u64),
+                    Arg::I32(rows as i32),
+                    Arg::I32(width as i32),
+                ],
+            )
+        };
         let expert_groups = (dev.p(&b.index), p(&b.t));
 
         // 4. The experts over their rows.
@@ -605,6 +715,9 @@ impl CudaBackend {
             let y = p(&b.gug) + start * (2 * inter) as u64 * 4;
             self.gemm(wt, wty, h, 2 * inter, x, y, m)?;
         }
+        if let Some(biases) = &layer.biases {
+            expert_bias(p(&b.gug), &biases.gate_up, 2 * inter)?;
+        }
         self.expert_lora(
             &gate_ups,
             l,
@@ -613,17 +726,25 @@ impl CudaBackend {
             (p(&b.gug), 2 * inter),
             expert_groups,
         )?;
+        let mut act_args = vec![
+            Arg::Ptr(p(&b.gug)),
+            Arg::Ptr(actg),
+            Arg::Ptr(b.actg_w.as_ref().map_or(0, |c| dev.p(c))),
+            Arg::I32(rows as i32),
+            Arg::I32(inter as i32),
+        ];
+        let activation = match moe.gpt_oss {
+            Some(g) => {
+                act_args.extend([Arg::F32(g.swiglu_alpha), Arg::F32(g.swiglu_limit)]);
+                "swiglu_clamped"
+            }
+            None => "silu_mul",
+        };
         dev.launch(
-            "silu_mul",
+            activation,
             Device::elementwise_grid(rows * inter),
             256,
-            &[
-                Arg::Ptr(p(&b.gug)),
-                Arg::Ptr(actg),
-                Arg::Ptr(b.actg_w.as_ref().map_or(0, |c| dev.p(c))),
-                Arg::I32(rows as i32),
-                Arg::I32(inter as i32),
-            ],
+            &act_args,
         )?;
         for (e, (start, slots)) in per_expert.iter().enumerate() {
             let (start, m) = (*start as u64, slots.len());
@@ -634,6 +755,9 @@ impl CudaBackend {
             let x = act_in + start * inter as u64 * in_bytes;
             let y = p(&b.downg) + start * h as u64 * 4;
             self.gemm(wt, wty, inter, h, x, y, m)?;
+        }
+        if let Some(biases) = &layer.biases {
+            expert_bias(p(&b.downg), &biases.down, h)?;
         }
         self.expert_lora(
             &downs,

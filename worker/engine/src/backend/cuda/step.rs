@@ -620,6 +620,7 @@ impl CudaBackend {
                 Arg::I32(c.window(l).map_or(0, |w| w as i32)),
                 Arg::F32(c.attention_scale()),
                 Arg::F32(cap),
+                Arg::Ptr(self.layers[l].sinks.as_ref().map_or(0, |s| self.dev.p(s))),
                 Arg::Ptr(attn),
             ],
         )
