@@ -79,7 +79,7 @@ run() {
     case $exe in
       cuda_kernels_compile) skipped kernels_compile && continue ;;
       lorafleet-worker | deps/worker_grpc) skipped worker_grpc && continue ;;
-      moe_decode) skipped moe_decode && skipped moe_decode_gpt_oss && continue ;;
+      moe_decode) skipped moe_decode && skipped moe_decode_gpt_oss && skipped moe_decode_gpt_oss_mxfp4 && continue ;;
       *) skipped "$exe" && continue ;;
     esac
     [ -x "$out/$exe" ] || { echo "gpu-check: $out/$exe is missing; run '$0 build' first" >&2; exit 1; }
@@ -133,10 +133,12 @@ run() {
   # stand-in and workload.
   step moe_decode env LORAFLEET_BENCH_BACKEND=cuda "$out/moe_decode"
   # The same on a GPT-OSS-20B-architecture stand-in (sinks, sliding and
-  # full layers, YaRN, 32 biased experts top 4, the clamped SwiGLU; bf16
-  # experts: MXFP4 is CPU-only so far), adapters on attention and experts.
+  # full layers, YaRN, 32 biased experts top 4, the clamped SwiGLU),
+  # adapters on attention and experts: bf16 experts, then MXFP4 ones.
   step moe_decode_gpt_oss env LORAFLEET_BENCH_BACKEND=cuda LORAFLEET_BENCH_MODEL=gpt-oss \
     "$out/moe_decode"
+  step moe_decode_gpt_oss_mxfp4 env LORAFLEET_BENCH_BACKEND=cuda \
+    LORAFLEET_BENCH_MODEL=gpt-oss-mxfp4 "$out/moe_decode"
   if python3 -c 'import torch, transformers, peft' 2>/dev/null; then
     step peft_moe_baseline env PEFT_DEVICE=cuda PEFT_DTYPE=bfloat16 \
       timeout "${PEFT_MOE_TIMEOUT:-300}" python3 worker/engine/benches/peft_moe_baseline.py \
@@ -171,7 +173,7 @@ run() {
   [ -f "$results/cuda_lora.log" ] && tail -40 "$results/cuda_lora.log"
   grep '^|' "$results/cuda_decode.log" || true
   [ -f "$results/cuda_long.log" ] && grep '^|' "$results/cuda_long.log" || true
-  for log in moe_decode moe_decode_gpt_oss peft_moe_baseline; do
+  for log in moe_decode moe_decode_gpt_oss moe_decode_gpt_oss_mxfp4 peft_moe_baseline; do
     [ -f "$results/$log.log" ] && grep -E '^(\||MoE|[0-9]+ adapters)' "$results/$log.log" || true
   done
   if [ ${#failed[@]} -gt 0 ]; then

@@ -638,79 +638,87 @@ fn model_families_on_the_gpu_give_transformers_and_peft_logprobs() {
     }
 }
 
-/// GPT-OSS from its bf16 checkpoint, in f32 on the GPU: attention sinks,
-/// biases on q/k/v/o, sliding and full layers, YaRN, the biased router
-/// weighing its chosen logits by their own softmax, de-interleaved biased
-/// experts and the clamped SwiGLU, for the base and its three adapters
-/// (attention; q and every expert through `target_parameters`; down-only
-/// rsLoRA). Every golden case one at a time: logits within 1e-5 of the CPU
-/// backend and 1e-4 of transformers + PEFT, greedy tokens equal, the
-/// expert-LoRA path taken exactly when the CPU takes it. Then every case
-/// in one engine batch on the GPU (rings for the sliding layers, chunked
-/// prefill): the goldens' tokens.
+/// GPT-OSS from its bf16 checkpoint and from its MXFP4 one (experts held
+/// at 4 bits with their E8M0 scale bytes, dequantized inside the expert
+/// projections), in f32 on the GPU: attention sinks, biases on q/k/v/o,
+/// sliding and full layers, YaRN, the biased router weighing its chosen
+/// logits by their own softmax, de-interleaved biased experts and the
+/// clamped SwiGLU, for the base and its three adapters (attention; q and
+/// every expert through `target_parameters`; down-only rsLoRA). Every
+/// golden case one at a time: logits within 1e-5 of the CPU backend and
+/// 1e-4 of transformers + PEFT (whose MXFP4 reference is transformers' own
+/// dequantization), greedy tokens equal, the expert-LoRA path taken
+/// exactly when the CPU takes it. Then every case of each base in one
+/// engine batch on the GPU (rings for the sliding layers, chunked prefill,
+/// prefill steps past the fused kernel's 16 tokens): the goldens' tokens.
 #[test]
 #[ignore = "needs a CUDA GPU: deploy/gpu-check.sh runs it"]
 fn gpt_oss_on_the_gpu_gives_the_cpu_backends_and_transformers_logits() {
     require_gpu();
     let golden = golden_named("golden_gpt_oss.json");
-    let model = "gpt-oss";
-    let dir = model_dir(model);
-    let config = ModelConfig::from_dir(&dir).unwrap();
-    let cases: Vec<&GoldenCase> = golden.cases.iter().filter(|c| c.model == model).collect();
-    let shape = BackendShape {
-        kv_blocks: cases.iter().map(|c| golden_blocks(c)).max().unwrap(),
-        ..SHAPE
-    };
-    let mut cpu = CpuBackend::load(&dir, &config, shape).unwrap();
-    let mut gpu = CudaBackend::load(&dir, &config, shape, 0, Dtype::F32, LIMITS).unwrap();
-    let mut expert_cases = 0;
-    for case in &cases {
-        let what = format!("{model}/{:?} {:?}", case.adapter, case.prompt);
-        let (cpu_before, gpu_before) = (cpu.expert_lora_rows(), gpu.expert_lora_rows());
-        assert_gpu_matches_cpu(&mut cpu, &mut gpu, model, case, &what);
-        let gpu_rows = gpu.expert_lora_rows() - gpu_before;
-        assert_eq!(
-            gpu_rows == 0,
-            cpu.expert_lora_rows() - cpu_before == 0,
-            "{what}: expert-LoRA rows {gpu_rows} on the GPU"
+    let mut checked = 0;
+    for model in ["gpt-oss", "gpt-oss-mxfp4"] {
+        let dir = model_dir(model);
+        let config = ModelConfig::from_dir(&dir).unwrap();
+        let cases: Vec<&GoldenCase> = golden.cases.iter().filter(|c| c.model == model).collect();
+        let shape = BackendShape {
+            kv_blocks: cases.iter().map(|c| golden_blocks(c)).max().unwrap(),
+            ..SHAPE
+        };
+        let mut cpu = CpuBackend::load(&dir, &config, shape).unwrap();
+        let mut gpu = CudaBackend::load(&dir, &config, shape, 0, Dtype::F32, LIMITS).unwrap();
+        let mut expert_cases = 0;
+        for case in &cases {
+            let what = format!("{model}/{:?} {:?}", case.adapter, case.prompt);
+            let (cpu_before, gpu_before) = (cpu.expert_lora_rows(), gpu.expert_lora_rows());
+            // The adapters are fixtures of the bf16 base; they serve both.
+            assert_gpu_matches_cpu(&mut cpu, &mut gpu, "gpt-oss", case, &what);
+            let gpu_rows = gpu.expert_lora_rows() - gpu_before;
+            assert_eq!(
+                gpu_rows == 0,
+                cpu.expert_lora_rows() - cpu_before == 0,
+                "{what}: expert-LoRA rows {gpu_rows} on the GPU"
+            );
+            expert_cases += usize::from(gpu_rows > 0);
+            checked += 1;
+        }
+        assert!(cases.len() >= 16, "{model}: {}", cases.len());
+        assert!(
+            expert_cases >= 4,
+            "{model}: the experts adapter was checked: {expert_cases}"
         );
-        expert_cases += usize::from(gpu_rows > 0);
-    }
-    assert!(cases.len() >= 16, "{}", cases.len());
-    assert!(
-        expert_cases >= 4,
-        "the experts adapter was checked: {expert_cases}"
-    );
 
-    let names = adapter_names(model);
-    let mut e = lorafleet_engine::Engine::load(
-        &dir,
-        EngineSettings {
-            max_loras: 2,
-            max_cpu_loras: 3,
-            max_batched_tokens: 24,
-            ..Default::default()
-        },
-        BackendChoice::Cuda {
-            device: 0,
-            dtype: Dtype::F32,
-            lora_dtype: Dtype::F32,
-            graphs: true,
-            pdl: false,
-        },
-    )
-    .unwrap();
-    for (i, name) in names.iter().enumerate() {
-        e.register_adapter(aid(i as u64 + 1), fixture_source(model, name))
-            .unwrap();
+        let names = adapter_names("gpt-oss");
+        let mut e = lorafleet_engine::Engine::load(
+            &dir,
+            EngineSettings {
+                max_loras: 2,
+                max_cpu_loras: 3,
+                max_batched_tokens: 24,
+                ..Default::default()
+            },
+            BackendChoice::Cuda {
+                device: 0,
+                dtype: Dtype::F32,
+                lora_dtype: Dtype::F32,
+                graphs: true,
+                pdl: false,
+            },
+        )
+        .unwrap();
+        for (i, name) in names.iter().enumerate() {
+            e.register_adapter(aid(i as u64 + 1), fixture_source("gpt-oss", name))
+                .unwrap();
+        }
+        let requests = golden_requests(&cases, &names, golden.max_new_tokens);
+        for (c, case) in e.run_to_completion(requests).unwrap().iter().zip(&cases) {
+            assert!(c.error.is_none(), "{:?}", c.error);
+            assert_eq!(
+                c.token_ids, case.greedy,
+                "{model}/{:?} {:?}: engine batch on the GPU",
+                case.adapter, case.prompt
+            );
+        }
     }
-    let requests = golden_requests(&cases, &names, golden.max_new_tokens);
-    for (c, case) in e.run_to_completion(requests).unwrap().iter().zip(&cases) {
-        assert!(c.error.is_none(), "{:?}", c.error);
-        assert_eq!(
-            c.token_ids, case.greedy,
-            "{model}/{:?} {:?}: engine batch on the GPU",
-            case.adapter, case.prompt
-        );
-    }
+    assert_eq!(checked, golden.cases.len());
 }

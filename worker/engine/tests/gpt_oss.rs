@@ -176,33 +176,3 @@ fn what_gpt_oss_does_not_serve_is_refused_by_field() {
         "{err}"
     );
 }
-
-/// The CUDA backend serves GPT-OSS from its bf16 checkpoint; the MXFP4
-/// one is refused by its `quant_method` before the device is opened (so
-/// on every machine), naming the backend that serves it.
-#[test]
-fn the_cuda_backend_refuses_mxfp4_experts_by_quant_method() {
-    use lorafleet_engine::backend::cuda::{CudaBackend, Dtype, StepLimits};
-    let dir = model_dir("gpt-oss-mxfp4");
-    let config = ModelConfig::from_dir(&dir).unwrap();
-    let shape = BackendShape {
-        slots: 2,
-        max_lora_rank: 16,
-        kv_blocks: 32,
-        block_size: 4,
-        ring_len: 0,
-        ring_blocks: 0,
-    };
-    let limits = StepLimits {
-        max_tokens: 64,
-        max_rows: 8,
-    };
-    let Err(err) = CudaBackend::load(&dir, &config, shape, 0, Dtype::Bf16, limits) else {
-        panic!("an MXFP4 checkpoint loaded on the CUDA backend");
-    };
-    let err = err.to_string();
-    assert!(
-        err.contains("quant_method") && err.contains("mxfp4") && err.contains("--backend cpu"),
-        "{err}"
-    );
-}

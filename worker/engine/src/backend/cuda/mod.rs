@@ -37,7 +37,6 @@ pub mod testing;
 
 pub use super::DeviceSample;
 pub use dtype::Dtype;
-use meta::StepMeta;
 pub use step::MAX_GRAPH_TOKENS;
 use step::{Graphs, Workspace};
 
@@ -48,7 +47,7 @@ use cudarc::cublas::CudaBlas;
 use cudarc::cublas::sys as blas_sys;
 use cudarc::driver::{CudaContext, CudaSlice};
 
-use self::device::{Arg, Device, LoraLaunch, LoraSlice, cuda};
+use self::device::{Arg, Device, cuda};
 use self::kernels::KernelShapes;
 use self::plan::MemoryPlan;
 use self::slots::Slots;
@@ -230,17 +229,6 @@ impl CudaBackend {
         limits: StepLimits,
     ) -> Result<CudaBackend> {
         let c = config;
-        if c.quantization
-            .as_ref()
-            .is_some_and(|q| q.format == lorafleet_artifact::quantization::Format::Mxfp4)
-        {
-            return Err(EngineError::Backend(
-                "quantization_config.quant_method \"mxfp4\" is not supported on the CUDA backend \
-                 yet (MXFP4 experts run on the CPU backend: --backend cpu; GPT-OSS in bf16 runs \
-                 on either)"
-                    .into(),
-            ));
-        }
         let dev = Device::open(
             ordinal,
             KernelShapes {
@@ -613,74 +601,6 @@ impl CudaBackend {
             )?;
         }
         Ok(())
-    }
-
-    /// Adds the LoRA deltas of `projs` (one to three projections sharing the
-    /// input `x`, `[n, fan_in]` f32) into their columns of the fused output
-    /// `out`, shrink and expand in turn on the compute stream.
-    fn lora(
-        &self,
-        layer: usize,
-        projs: &[Projection],
-        x: u64,
-        n: usize,
-        out: u64,
-        meta: &StepMeta,
-    ) -> Result<()> {
-        match self.lora_launch(layer, projs, x, n, out, meta) {
-            Some(l) => self.dev.lora(&l),
-            None => Ok(()),
-        }
-    }
-
-    /// The grouped LoRA launch of `projs` in `layer` over the projections
-    /// that some adapter of the step has (`StepMeta::lora_kinds`); None
-    /// where the step has no LoRA work for any of them.
-    fn lora_launch(
-        &self,
-        layer: usize,
-        projs: &[Projection],
-        x: u64,
-        n: usize,
-        out: u64,
-        meta: &StepMeta,
-    ) -> Option<LoraLaunch> {
-        if meta.tiles == 0 {
-            return None;
-        }
-        let mut offset = 0;
-        let mut slices = Vec::with_capacity(projs.len());
-        for p in projs {
-            let width = p.shape(&self.config).1;
-            if meta.lora_kinds & (1 << p.index()) != 0 {
-                let key = layer * 7 + p.index();
-                slices.push(LoraSlice {
-                    a: self.slots.a_of(&self.dev, key),
-                    b: self.slots.b_of(&self.dev, key),
-                    b_stride: self.slots.stride,
-                    rank: self.slots.rank_of(&self.dev, key),
-                    scale: self.slots.scale_of(&self.dev, key),
-                    width,
-                    offset,
-                });
-            }
-            offset += width;
-        }
-        if slices.is_empty() {
-            return None;
-        }
-        Some(LoraLaunch {
-            x,
-            fan_in: projs[0].shape(&self.config).0,
-            n,
-            out,
-            out_stride: offset,
-            slices,
-            a_stride: self.slots.stride,
-            segments: meta.segments,
-            tiles: meta.tiles,
-            h_part: meta.h_part,
-        })
     }
 }
 

@@ -415,4 +415,96 @@ mod tests {
         );
         assert_eq!(flat.kv_cache, 2 * 30 * 4096 * row);
     }
+
+    /// GPT-OSS-20B from its released `config.json` (the fixture's, its
+    /// sizes set back to the release's): the plan's weights with MXFP4
+    /// experts within 10% of the checkpoint's bytes, counted tensor by
+    /// tensor as the release stores them (bf16 attention, router,
+    /// embeddings, lm_head, norms and biases; the experts' blocks at half a
+    /// byte a weight and a scale byte per 32).
+    #[test]
+    fn gpt_oss_20b_with_mxfp4_experts_plans_about_its_checkpoints_bytes() {
+        let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/gpt-oss-mxfp4/config.json");
+        let mut json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(fixture).unwrap()).unwrap();
+        let (v, h, i, layers, heads, kv_heads, hd, e) = (201_088u64, 2880, 2880, 24, 64, 8, 64, 32);
+        for (key, value) in [
+            ("vocab_size", v),
+            ("hidden_size", h),
+            ("intermediate_size", i),
+            ("num_hidden_layers", layers),
+            ("num_attention_heads", heads),
+            ("num_key_value_heads", kv_heads),
+            ("head_dim", hd),
+            ("num_local_experts", e),
+            ("sliding_window", 128),
+            ("initial_context_length", 4096),
+            ("max_position_embeddings", 131_072),
+        ] {
+            json[key] = value.into();
+        }
+        json["rope_scaling"]["original_max_position_embeddings"] = 4096.into();
+        json["layer_types"] = (0..layers)
+            .map(|l| {
+                if l % 2 == 0 {
+                    "sliding_attention"
+                } else {
+                    "full_attention"
+                }
+            })
+            .collect::<Vec<_>>()
+            .into();
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("config.json"), json.to_string()).unwrap();
+        let c = ModelConfig::from_dir(dir.path()).unwrap();
+        assert!(super::super::moe::mxfp4(&c));
+        let shape = BackendShape {
+            slots: 8,
+            max_lora_rank: 16,
+            kv_blocks: 1024,
+            block_size: 16,
+            ring_len: 0,
+            ring_blocks: 0,
+        };
+        let plan = MemoryPlan::new(&c, &shape, Dtype::Bf16, 512, 64, 141 * GIB);
+        // The checkpoint, tensor by tensor, in bytes.
+        let (q, kv) = (heads * hd, kv_heads * hd);
+        let attention = 2 * (h * q + q + 2 * (h * kv + kv) + q * h + h + heads);
+        let router = 2 * (e * h + e);
+        let blocks = |rows: u64, fan_in: u64| rows * fan_in / 2 + rows * fan_in / 32;
+        let experts = e * (blocks(2 * i, h) + blocks(h, i)) + 2 * e * (2 * i + h);
+        let norms = 2 * 2 * h;
+        let checkpoint = 2 * v * h * 2 + layers * (attention + router + experts + norms) + 2 * h;
+        // 12.8 GiB, as released.
+        assert!(
+            (12.7..12.9).contains(&(checkpoint as f64 / GIB as f64)),
+            "{checkpoint}"
+        );
+        let ratio = plan.weights as f64 / checkpoint as f64;
+        assert!(
+            (0.9..=1.1).contains(&ratio),
+            "planned {} against the checkpoint's {checkpoint} bytes: {ratio:.3}",
+            plan.weights
+        );
+        // The same model with bf16 experts plans over three times as much
+        // for them.
+        let bf16 = MemoryPlan::new(
+            &ModelConfig {
+                quantization: None,
+                ..c.clone()
+            },
+            &shape,
+            Dtype::Bf16,
+            512,
+            64,
+            141 * GIB,
+        );
+        assert!(
+            bf16.weights > 2 * plan.weights,
+            "{} vs {}",
+            bf16.weights,
+            plan.weights
+        );
+    }
 }

@@ -5,7 +5,8 @@
 //   codes   one per weight, row-major: a byte each (int8, FP8 e4m3), or two
 //           4-bit values to a byte (4-bit formats; column c of a row in the
 //           low nibble when c is even), rows `row_bytes` apart;
-//   scales  f32 [groups, rows];
+//   scales  f32 [groups, rows]; for MXFP4, E8M0 bytes [groups, rows]
+//           (the power of two 2^(e - 127), e = 0 the smallest);
 //   zeros   f32 [groups, rows], or null: then `offset` is every zero point
 //           (8 for signed 4-bit codes stored plus 8, else 0);
 //   group   input k's group: k / gsize when gsize > 0, else gidx[k]
@@ -16,6 +17,21 @@
 #define Q_INT8 0
 #define Q_UINT4 1
 #define Q_FP8 2
+#define Q_FP4 3
+
+// FP4 E2M1 (MXFP4's codes: sign, 2 exponent bits, 1 mantissa bit) to f32,
+// exactly: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives.
+__device__ __forceinline__ float fp4_e2m1_value(unsigned int c) {
+    unsigned int e = (c >> 1) & 3, m = c & 1;
+    float mag = e == 0 ? 0.5f * (float)m : (1.0f + 0.5f * (float)m) * (float)(1u << (e - 1));
+    return (c & 8) ? -mag : mag;
+}
+
+// An E8M0 scale byte: 2^(e - 127); e = 0 is 2^-127, an f32 subnormal (255,
+// E8M0's NaN, is refused when the checkpoint is read).
+__device__ __forceinline__ float e8m0_value(unsigned int e) {
+    return e == 0 ? __int_as_float(1 << 22) : __int_as_float((int)(e << 23));
+}
 
 // FP8 e4m3 ("fn": no infinities, S.1111.111 is NaN) to f32, exactly.
 __device__ __forceinline__ float fp8_e4m3_value(unsigned int b) {
@@ -61,6 +77,7 @@ __device__ __forceinline__ float q_value(const unsigned char* codes, long row_by
     const unsigned char* row = codes + (long)o * row_bytes;
     if (format == Q_INT8) return (float)(signed char)row[k];
     if (format == Q_UINT4) return (float)((row[k >> 1] >> ((k & 1) * 4)) & 0xf);
+    if (format == Q_FP4) return fp4_e2m1_value((row[k >> 1] >> ((k & 1) * 4)) & 0xf);
     return fp8_e4m3_value(row[k]);
 }
 
@@ -69,6 +86,8 @@ __device__ __forceinline__ float q_weight(const unsigned char* codes, long row_b
                                           int gsize, const int* gidx, int rows, int o, int k) {
     int g = gsize > 0 ? k / gsize : gidx[k];
     long s = (long)g * rows + o;
+    if (format == Q_FP4)
+        return q_value(codes, row_bytes, format, o, k) * e8m0_value(((const unsigned char*)scales)[s]);
     float z = zeros ? zeros[s] : offset;
     return (q_value(codes, row_bytes, format, o, k) - z) * scales[s];
 }

@@ -1,7 +1,9 @@
 //! Quantized base weights on the device: the codes at their width (a byte
-//! each for int8 and FP8, two to a byte for 4-bit), scales and zero points
-//! in f32, dequantized inside the projections (`quant.cu`), never expanded
-//! in device memory for good.
+//! each for int8 and FP8, two to a byte for 4-bit and MXFP4), scales and
+//! zero points in f32 (MXFP4's scales as their E8M0 bytes), dequantized
+//! inside the projections (`quant.cu`), never expanded in device memory
+//! for good. GPT-OSS's MXFP4 experts are one such layer per expert
+//! projection (`moe.rs`).
 //!
 //! A projection of few tokens (decode) runs `qmatmul`, which reads each
 //! code once for a tile of tokens and multiplies in f32; a projection of
@@ -19,8 +21,8 @@
 use cudarc::driver::CudaSlice;
 
 use lorafleet_artifact::quantization::{
-    Codes, Format, InputGranularity, InputKind, InputQuantization, Quantization, QuantizedMatrix,
-    Strategy, fp8_e4m3_to_f32,
+    Codes, FP4_E2M1, Format, InputGranularity, InputKind, InputQuantization, Quantization,
+    QuantizedMatrix, Strategy, fp8_e4m3_to_f32,
 };
 
 use super::device::{Arg, Device, cuda};
@@ -46,6 +48,9 @@ pub enum PartFormat {
     Uint4 = 1,
     /// FP8 e4m3, a byte per weight.
     Fp8 = 2,
+    /// MXFP4: FP4 E2M1 values, two to a byte, the even column low, with
+    /// E8M0 scale bytes (GPT-OSS's experts).
+    Fp4 = 3,
 }
 
 /// One quantized matrix laid out as the kernels read it (see `quant.cu`).
@@ -56,8 +61,11 @@ pub struct HostPart {
     pub format: PartFormat,
     pub codes: Vec<u8>,
     pub row_bytes: usize,
-    /// `[groups, rows]`.
+    /// `[groups, rows]` (empty for MXFP4, whose scales are `e8m0`).
     pub scales: Vec<f32>,
+    /// MXFP4's scales as the checkpoint holds them, a byte `e` each for
+    /// 2^(e - 127), `[groups, rows]`; empty for every other format.
+    pub e8m0: Vec<u8>,
     /// `[groups, rows]`, or `None`: every zero point is then `offset`.
     pub zeros: Option<Vec<f32>>,
     pub offset: f32,
@@ -73,9 +81,7 @@ impl HostPart {
             Codes::Int8(_) => (PartFormat::Int8, fan_in),
             Codes::Fp8E4m3(_) => (PartFormat::Fp8, fan_in),
             Codes::Int4(_) | Codes::Uint4(_) => (PartFormat::Uint4, fan_in.div_ceil(2)),
-            // MXFP4 holds GPT-OSS's experts alone, which this backend
-            // refuses when it loads the model.
-            Codes::Fp4E2m1(_) => unreachable!("MXFP4 experts never reach the CUDA backend"),
+            Codes::Fp4E2m1(_) => (PartFormat::Fp4, fan_in.div_ceil(2)),
         };
         let mut codes = vec![0u8; rows * row_bytes];
         // Signed 4-bit values are stored plus 8, with every zero point 8
@@ -116,13 +122,20 @@ impl HostPart {
             .iter()
             .enumerate()
             .all(|(k, &g)| g as usize == k / gsize);
+        // MXFP4's scales back to their E8M0 bytes (the reader made each
+        // the power of two its byte stands for), a quarter of f32's size.
+        let (scales, e8m0) = match format {
+            PartFormat::Fp4 => (Vec::new(), m.scales.iter().map(|&s| e8m0_byte(s)).collect()),
+            _ => (m.scales.clone(), Vec::new()),
+        };
         HostPart {
             rows,
             fan_in,
             format,
             codes,
             row_bytes,
-            scales: m.scales.clone(),
+            scales,
+            e8m0,
             zeros,
             offset,
             gsize: if regular { gsize } else { 0 },
@@ -137,12 +150,16 @@ impl HostPart {
             PartFormat::Int8 => f32::from(row[k] as i8),
             PartFormat::Uint4 => f32::from((row[k / 2] >> (4 * (k % 2))) & 0xf),
             PartFormat::Fp8 => fp8_e4m3_to_f32(row[k]),
+            PartFormat::Fp4 => FP4_E2M1[usize::from((row[k / 2] >> (4 * (k % 2))) & 0xf)],
         };
         let g = match &self.gidx {
             Some(gidx) => gidx[k] as usize,
             None => k / self.gsize,
         };
         let s = g * self.rows + o;
+        if self.format == PartFormat::Fp4 {
+            return v * e8m0_value(self.e8m0[s]);
+        }
         let z = self.zeros.as_ref().map_or(self.offset, |z| z[s]);
         (v - z) * self.scales[s]
     }
@@ -158,8 +175,32 @@ impl HostPart {
     pub fn bytes(&self) -> usize {
         self.codes.len()
             + 4 * self.scales.len()
+            + self.e8m0.len()
             + self.zeros.as_ref().map_or(0, |z| 4 * z.len())
             + self.gidx.as_ref().map_or(0, |g| 4 * g.len())
+    }
+}
+
+/// An E8M0 scale's byte: `s` is 2^(e - 127), as the checkpoint reader
+/// builds it from that byte.
+fn e8m0_byte(s: f32) -> u8 {
+    let bits = s.to_bits();
+    if bits == 1 << 22 {
+        return 0;
+    }
+    assert!(
+        bits & 0x807f_ffff == 0 && bits != 0,
+        "an MXFP4 scale {s} is not a power of two E8M0 holds"
+    );
+    (bits >> 23) as u8
+}
+
+/// 2^(e - 127), as `e8m0_value` in `quant.cu` reads it.
+fn e8m0_value(e: u8) -> f32 {
+    if e == 0 {
+        f32::from_bits(1 << 22)
+    } else {
+        f32::from_bits(u32::from(e) << 23)
     }
 }
 
@@ -169,7 +210,8 @@ struct Part {
     codes_at: usize,
     row_bytes: usize,
     format: PartFormat,
-    scales: CudaSlice<f32>,
+    /// f32 `[groups, rows]`, or MXFP4's E8M0 bytes, as raw bytes.
+    scales: CudaSlice<u8>,
     zeros: Option<CudaSlice<f32>>,
     offset: f32,
     gsize: usize,
@@ -186,6 +228,7 @@ pub(super) struct QuantLinear {
     codes: CudaSlice<u8>,
     parts: Vec<Part>,
     row_scales: Option<CudaSlice<f32>>,
+    fan_in: usize,
 }
 
 impl QuantLinear {
@@ -198,11 +241,17 @@ impl QuantLinear {
         let mut all = Vec::with_capacity(parts.iter().map(|p| p.codes.len()).sum());
         let mut uploaded = Vec::with_capacity(parts.len());
         for p in parts {
+            let scales: Vec<u8> = match p.format {
+                PartFormat::Fp4 => p.e8m0.clone(),
+                _ => p.scales.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            };
             uploaded.push(Part {
                 codes_at: all.len(),
                 row_bytes: p.row_bytes,
                 format: p.format,
-                scales: up_f32(&p.scales)?,
+                scales: s
+                    .clone_htod(&scales)
+                    .map_err(cuda("uploading quantized weights"))?,
                 zeros: p.zeros.as_deref().map(up_f32).transpose()?,
                 offset: p.offset,
                 gsize: p.gsize,
@@ -230,6 +279,7 @@ impl QuantLinear {
                 .map_err(cuda("uploading quantized weights"))?,
             parts: uploaded,
             row_scales,
+            fan_in: parts.first().map_or(0, |p| p.fan_in),
         })
     }
 
@@ -238,6 +288,11 @@ impl QuantLinear {
         self.row_scales
             .as_ref()
             .map(|r| (dev.p(&self.codes), dev.p(r)))
+    }
+
+    /// The inputs of every part.
+    pub fn fan_in(&self) -> usize {
+        self.fan_in
     }
 
     /// The rows of the largest part.
@@ -376,6 +431,14 @@ impl QuantPlan {
                 }
             }
         }
+        // MXFP4 experts (GPT-OSS): their bytes are the MoE block's
+        // (`moe::weight_bytes`); a step of many tokens dequantizes one
+        // expert's projection at a time into the scratch.
+        if c.moe.is_some() && super::moe::mxfp4(c) {
+            let (h, i) = (c.hidden_size as u64, c.intermediate_size as u64);
+            largest = largest.max(2 * i * h);
+            widest = widest.max(h.max(i));
+        }
         if largest == 0 {
             return None;
         }
@@ -496,6 +559,11 @@ impl QuantScratch {
                     largest = largest.max(q.largest_part() * lin.fan_in);
                     widest = widest.max(lin.fan_in);
                 }
+            }
+            if let Mlp::Moe(m) = &layer.mlp {
+                let (part, fan_in) = m.largest_quantized();
+                largest = largest.max(part);
+                widest = widest.max(fan_in);
             }
         }
         let s = &dev.stream;
@@ -685,5 +753,33 @@ mod tests {
             (0, Some(&[2, 0, 1, 0, 2][..]))
         );
         assert!(!p.row_scaled());
+    }
+
+    /// MXFP4 (GPT-OSS's experts): every E2M1 code under E8M0 scales from
+    /// 2^-127 to 2^127 reads back as the checkpoint's weight, the scales
+    /// held as their bytes.
+    #[test]
+    fn mxfp4_reads_back_each_weight_bit_for_bit_with_byte_scales() {
+        let (out, fan_in) = (3, 64);
+        let codes: Vec<u8> = (0..out * fan_in).map(|i| (i * 5 % 16) as u8).collect();
+        let bytes = [0u8, 1, 100, 127, 140, 254];
+        let m = QuantizedMatrix {
+            out,
+            fan_in,
+            codes: Codes::Fp4E2m1(codes),
+            scales: (0..2 * out)
+                .map(|i| e8m0_value(bytes[i % bytes.len()]))
+                .collect(),
+            zeros: None,
+            group: (0..fan_in as u32).map(|k| k / 32).collect(),
+        };
+        let p = assert_same(&m);
+        assert_eq!(
+            (p.format, p.row_bytes, p.gsize, p.scales.len()),
+            (PartFormat::Fp4, 32, 32, 0)
+        );
+        assert_eq!(p.e8m0, [0, 1, 100, 127, 140, 254]);
+        // Codes at half a byte, a scale byte per 32.
+        assert_eq!(p.bytes(), out * fan_in / 2 + out * fan_in / 32);
     }
 }

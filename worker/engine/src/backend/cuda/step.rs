@@ -21,7 +21,7 @@ use std::collections::HashMap;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaSlice};
 
-use super::device::{Arg, Device, cuda};
+use super::device::{Arg, Device, LoraLaunch, LoraSlice, cuda};
 use super::meta::{HostMeta, MetaShape, StepMeta};
 use super::{CudaBackend, Dtype, Mlp};
 use crate::backend::{GraphCounters, StepBatch};
@@ -624,5 +624,73 @@ impl CudaBackend {
                 Arg::Ptr(attn),
             ],
         )
+    }
+
+    /// Adds the LoRA deltas of `projs` (one to three projections sharing the
+    /// input `x`, `[n, fan_in]` f32) into their columns of the fused output
+    /// `out`, shrink and expand in turn on the compute stream.
+    pub(super) fn lora(
+        &self,
+        layer: usize,
+        projs: &[Projection],
+        x: u64,
+        n: usize,
+        out: u64,
+        meta: &StepMeta,
+    ) -> Result<()> {
+        match self.lora_launch(layer, projs, x, n, out, meta) {
+            Some(l) => self.dev.lora(&l),
+            None => Ok(()),
+        }
+    }
+
+    /// The grouped LoRA launch of `projs` in `layer` over the projections
+    /// that some adapter of the step has (`StepMeta::lora_kinds`); None
+    /// where the step has no LoRA work for any of them.
+    pub(super) fn lora_launch(
+        &self,
+        layer: usize,
+        projs: &[Projection],
+        x: u64,
+        n: usize,
+        out: u64,
+        meta: &StepMeta,
+    ) -> Option<LoraLaunch> {
+        if meta.tiles == 0 {
+            return None;
+        }
+        let mut offset = 0;
+        let mut slices = Vec::with_capacity(projs.len());
+        for p in projs {
+            let width = p.shape(&self.config).1;
+            if meta.lora_kinds & (1 << p.index()) != 0 {
+                let key = layer * 7 + p.index();
+                slices.push(LoraSlice {
+                    a: self.slots.a_of(&self.dev, key),
+                    b: self.slots.b_of(&self.dev, key),
+                    b_stride: self.slots.stride,
+                    rank: self.slots.rank_of(&self.dev, key),
+                    scale: self.slots.scale_of(&self.dev, key),
+                    width,
+                    offset,
+                });
+            }
+            offset += width;
+        }
+        if slices.is_empty() {
+            return None;
+        }
+        Some(LoraLaunch {
+            x,
+            fan_in: projs[0].shape(&self.config).0,
+            n,
+            out,
+            out_stride: offset,
+            slices,
+            a_stride: self.slots.stride,
+            segments: meta.segments,
+            tiles: meta.tiles,
+            h_part: meta.h_part,
+        })
     }
 }

@@ -1,4 +1,4 @@
-//! The Mixture-of-Experts MLP on the device (Mixtral, Qwen3-MoE), and the
+//! The Mixture-of-Experts MLP on the device (Mixtral, Qwen3-MoE, GPT-OSS), and the
 //! expert LoRA it carries.
 //!
 //! One layer's block runs as the CPU backend's does, step by step:
@@ -27,6 +27,11 @@
 //! largest rank of every expert of every layer), copied from the host
 //! tier's panels as they are, and freed when the slot is cleared or
 //! rewritten.
+//!
+//! A layer's weights (`weights.rs`): the router in f32; every expert's
+//! gate/up and down dense in the weights' type, or MXFP4 codes with their
+//! E8M0 scale bytes (GPT-OSS as released), each expert's projection a
+//! quantized layer of its own; GPT-OSS's biases in f32.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -36,246 +41,15 @@ use cudarc::cublas::sys::cudaDataType;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, PinnedHostSlice};
 use rayon::prelude::*;
 
+use super::CudaBackend;
 use super::device::{Arg, Device, cuda};
-use super::{CudaBackend, Dtype};
 use crate::error::Result;
 use crate::lora::{ExpertFactors, ExpertLayer, HostAdapter};
-use crate::model::config::{Architecture, MoeConfig};
-use crate::model::{ModelConfig, WeightFiles};
 
-/// One layer's router and experts on the device.
-pub(super) struct MoeLayer {
-    /// `[experts, hidden]`, f32 (as the CPU backend holds it).
-    router: CudaSlice<f32>,
-    /// `[experts, 2 * inter, hidden]` in the weights' type: each expert's
-    /// `[gate | up]`.
-    gate_up: CudaSlice<u8>,
-    /// `[experts, hidden, inter]` in the weights' type.
-    down: CudaSlice<u8>,
-    /// GPT-OSS's biases, f32: the router's `[experts]`, each expert's
-    /// `[gate | up]` `[experts, 2 * inter]` and down `[experts, hidden]`.
-    biases: Option<ExpertBiases>,
-}
+mod weights;
 
-struct ExpertBiases {
-    router: CudaSlice<f32>,
-    gate_up: CudaSlice<f32>,
-    down: CudaSlice<f32>,
-}
-
-impl MoeLayer {
-    /// Reads layer `layer`'s router and experts, named as the model's
-    /// family stores them, one expert at a time.
-    pub(super) fn load(
-        files: &WeightFiles,
-        c: &ModelConfig,
-        moe: MoeConfig,
-        layer: usize,
-        dev: &Device,
-        dtype: Dtype,
-    ) -> Result<MoeLayer> {
-        if moe.gpt_oss.is_some() {
-            return Self::load_gpt_oss(files, c, moe, layer, dev, dtype);
-        }
-        let (h, i, experts) = (c.hidden_size, c.intermediate_size, moe.num_experts);
-        let (block, [gate, up, down]) = match c.architecture {
-            Architecture::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
-            _ => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
-        };
-        let prefix = format!("model.layers.{layer}.{block}");
-        let st = &dev.stream;
-        let up_err = cuda("uploading weights");
-        let router = st
-            .clone_htod(&files.f32(&format!("{prefix}.gate.weight"), &[experts, h])?)
-            .map_err(&up_err)?;
-        let w = dtype.bytes();
-        let mut gate_up = st
-            .alloc_zeros::<u8>(experts * 2 * i * h * w)
-            .map_err(&up_err)?;
-        let mut down_w = st.alloc_zeros::<u8>(experts * h * i * w).map_err(&up_err)?;
-        for e in 0..experts {
-            let name = |m: &str| format!("{prefix}.experts.{e}.{m}.weight");
-            let mut gu = files.f32(&name(gate), &[i, h])?;
-            gu.extend(files.f32(&name(up), &[i, h])?);
-            let at = e * 2 * i * h * w;
-            st.memcpy_htod(
-                &dtype.encode(&gu),
-                &mut gate_up.slice_mut(at..at + 2 * i * h * w),
-            )
-            .map_err(&up_err)?;
-            let d = files.f32(&name(down), &[h, i])?;
-            let at = e * h * i * w;
-            st.memcpy_htod(&dtype.encode(&d), &mut down_w.slice_mut(at..at + h * i * w))
-                .map_err(&up_err)?;
-        }
-        Ok(MoeLayer {
-            router,
-            gate_up,
-            down: down_w,
-            biases: None,
-        })
-    }
-
-    /// GPT-OSS's block as the CPU backend reads it: the router
-    /// (`mlp.router`, with its bias) and every expert's rows of
-    /// `mlp.experts.gate_up_proj` and `down_proj` (`[experts, in, out]`,
-    /// each with `…_bias`), gate and up de-interleaved into `[gate | up]`
-    /// (an expert LoRA's rows are read in the same order). The experts
-    /// are dense here: an MXFP4 checkpoint is refused before this.
-    fn load_gpt_oss(
-        files: &WeightFiles,
-        c: &ModelConfig,
-        moe: MoeConfig,
-        layer: usize,
-        dev: &Device,
-        dtype: Dtype,
-    ) -> Result<MoeLayer> {
-        let (h, i, experts) = (c.hidden_size, c.intermediate_size, moe.num_experts);
-        let prefix = format!("model.layers.{layer}.mlp");
-        let st = &dev.stream;
-        let up_err = cuda("uploading weights");
-        let up_f32 = |v: &[f32]| st.clone_htod(v).map_err(&up_err);
-        let router = up_f32(&files.f32(&format!("{prefix}.router.weight"), &[experts, h])?)?;
-        let router_bias = up_f32(&files.f32(&format!("{prefix}.router.bias"), &[experts])?)?;
-        let (gate_up_name, down_name) = (
-            format!("{prefix}.experts.gate_up_proj"),
-            format!("{prefix}.experts.down_proj"),
-        );
-        let order = crate::backend::cpu::gate_up_order(i);
-        let mut gate_up = Vec::with_capacity(experts * 2 * i * h);
-        for w in files.dense_experts(&gate_up_name, (experts, h, 2 * i))? {
-            gate_up.extend(
-                order
-                    .iter()
-                    .flat_map(|&r| w[r * h..(r + 1) * h].iter().copied()),
-            );
-        }
-        let mut down = Vec::with_capacity(experts * h * i);
-        for w in files.dense_experts(&down_name, (experts, i, h))? {
-            down.extend(w);
-        }
-        let gate_up_bias = files.f32(&format!("{gate_up_name}_bias"), &[experts, 2 * i])?;
-        let gate_up_bias: Vec<f32> = gate_up_bias
-            .chunks_exact(2 * i)
-            .flat_map(|b| order.iter().map(|&r| b[r]))
-            .collect();
-        let down_bias = files.f32(&format!("{down_name}_bias"), &[experts, h])?;
-        Ok(MoeLayer {
-            router,
-            gate_up: st.clone_htod(&dtype.encode(&gate_up)).map_err(&up_err)?,
-            down: st.clone_htod(&dtype.encode(&down)).map_err(&up_err)?,
-            biases: Some(ExpertBiases {
-                router: router_bias,
-                gate_up: up_f32(&gate_up_bias)?,
-                down: up_f32(&down_bias)?,
-            }),
-        })
-    }
-}
-
-/// The device bytes of the Mixture-of-Experts blocks of `c` with weights
-/// in `dtype`, all layers (the router in f32).
-pub fn weight_bytes(c: &ModelConfig, moe: MoeConfig, dtype: Dtype) -> u64 {
-    let (h, i, e) = (
-        c.hidden_size as u64,
-        c.intermediate_size as u64,
-        moe.num_experts as u64,
-    );
-    // GPT-OSS's biases in f32: the router's, gate/up's and down's.
-    let biases = match moe.gpt_oss {
-        Some(_) => e * (1 + 2 * i + h) * 4,
-        None => 0,
-    };
-    c.num_layers as u64 * (e * 3 * h * i * dtype.bytes() as u64 + e * h * 4 + biases)
-}
-
-/// A step's buffers for the Mixture-of-Experts blocks, for `tokens` tokens
-/// (`tokens * top_k` expert rows).
-pub(super) struct MoeBuffers {
-    /// `[tokens, experts]`.
-    logits: CudaSlice<f32>,
-    /// Each token's experts and weights, `[tokens, top_k]`.
-    route_e: CudaSlice<i32>,
-    route_w: CudaSlice<f32>,
-    /// The rows' tokens (`order`, `[rows]`), then each (token, choice)'s
-    /// row (`row_of`, `[rows]`).
-    index: CudaSlice<i32>,
-    /// The router LoRA's (first row, end row, slot, expert) groups (the
-    /// experts' follow the rows' order in `index`).
-    groups: CudaSlice<i32>,
-    xg: CudaSlice<f32>,
-    /// `xg` in the weights' type (none in f32 mode); likewise `actg_w`.
-    xg_w: Option<CudaSlice<u8>>,
-    gug: CudaSlice<f32>,
-    actg: CudaSlice<f32>,
-    actg_w: Option<CudaSlice<u8>>,
-    downg: CudaSlice<f32>,
-    /// The expert LoRA's shrink output, `[rows, max_rank]`.
-    t: CudaSlice<f32>,
-}
-
-impl MoeBuffers {
-    pub(super) fn new(
-        dev: &Device,
-        c: &ModelConfig,
-        moe: MoeConfig,
-        dtype: Dtype,
-        tokens: usize,
-    ) -> Result<MoeBuffers> {
-        let st = &dev.stream;
-        let err = cuda("allocating the step workspace");
-        let (h, i) = (c.hidden_size, c.intermediate_size);
-        let rows = tokens * moe.top_k;
-        let f32s = |len: usize| st.alloc_zeros::<f32>(len.max(1)).map_err(&err);
-        let cast = |len: usize| -> Result<Option<CudaSlice<u8>>> {
-            if dtype == Dtype::F32 {
-                return Ok(None);
-            }
-            Ok(Some(
-                st.alloc_zeros::<u8>(len.max(1) * dtype.bytes())
-                    .map_err(&err)?,
-            ))
-        };
-        Ok(MoeBuffers {
-            logits: f32s(tokens * moe.num_experts)?,
-            route_e: st.alloc_zeros::<i32>(rows.max(1)).map_err(&err)?,
-            route_w: f32s(rows)?,
-            // The rows' tokens and each choice's row, then the gate/up and
-            // down groups (at most one a row each), then each row's expert
-            // (for GPT-OSS's expert biases).
-            index: st.alloc_zeros::<i32>(11 * rows.max(1)).map_err(&err)?,
-            // The router's groups: at most one a token.
-            groups: st.alloc_zeros::<i32>(4 * tokens.max(1)).map_err(&err)?,
-            xg: f32s(rows * h)?,
-            xg_w: cast(rows * h)?,
-            gug: f32s(rows * 2 * i)?,
-            actg: f32s(rows * i)?,
-            actg_w: cast(rows * i)?,
-            downg: f32s(rows * h)?,
-            t: f32s(rows * dev.shapes.max_rank)?,
-        })
-    }
-
-    /// Bytes for `tokens` tokens (the memory plan's share).
-    pub fn bytes(
-        c: &ModelConfig,
-        moe: MoeConfig,
-        dtype: Dtype,
-        max_rank: usize,
-        tokens: usize,
-    ) -> u64 {
-        let (h, i) = (c.hidden_size, c.intermediate_size);
-        let rows = tokens * moe.top_k;
-        let f32s = tokens * moe.num_experts + rows * (1 + 2 * h + 3 * i + max_rank);
-        let ints = 12 * rows + 4 * tokens;
-        let cast = if dtype == Dtype::F32 {
-            0
-        } else {
-            rows * (h + i) * dtype.bytes()
-        };
-        (4 * (f32s + ints) + cast) as u64
-    }
-}
+use weights::ExpertWeights;
+pub(super) use weights::{MoeBuffers, MoeLayer, mxfp4, weight_bytes};
 
 /// Which of a layer's expert LoRA tensors.
 #[derive(Clone, Copy)]
@@ -688,7 +462,6 @@ impl CudaBackend {
 
         // 4. The experts over their rows.
         let w = self.dtype.bytes() as u64;
-        let wty = self.dtype.cuda_type();
         let (xg, actg) = (p(&b.xg), p(&b.actg));
         let xg_in = b.xg_w.as_ref().map_or(xg, |c| dev.p(c));
         let act_in = b.actg_w.as_ref().map_or(actg, |c| dev.p(c));
@@ -710,10 +483,9 @@ impl CudaBackend {
             if m == 0 {
                 continue;
             }
-            let wt = dev.p(&layer.gate_up) + e as u64 * (2 * inter * h) as u64 * w;
             let x = xg_in + start * h as u64 * in_bytes;
             let y = p(&b.gug) + start * (2 * inter) as u64 * 4;
-            self.gemm(wt, wty, h, 2 * inter, x, y, m)?;
+            self.expert_projection(&layer.gate_up, e, (h, 2 * inter), x, y, m)?;
         }
         if let Some(biases) = &layer.biases {
             expert_bias(p(&b.gug), &biases.gate_up, 2 * inter)?;
@@ -751,10 +523,9 @@ impl CudaBackend {
             if m == 0 {
                 continue;
             }
-            let wt = dev.p(&layer.down) + e as u64 * (h * inter) as u64 * w;
             let x = act_in + start * inter as u64 * in_bytes;
             let y = p(&b.downg) + start * h as u64 * 4;
-            self.gemm(wt, wty, inter, h, x, y, m)?;
+            self.expert_projection(&layer.down, e, (inter, h), x, y, m)?;
         }
         if let Some(biases) = &layer.biases {
             expert_bias(p(&b.downg), &biases.down, h)?;
@@ -782,6 +553,26 @@ impl CudaBackend {
                 Arg::I32(h as i32),
             ],
         )
+    }
+
+    /// Expert `e`'s projection of its `m` rows: `y = x · Wᵀ`, x in the
+    /// weights' type, y f32.
+    fn expert_projection(
+        &self,
+        weights: &ExpertWeights,
+        e: usize,
+        (fan_in, fan_out): (usize, usize),
+        x: u64,
+        y: u64,
+        m: usize,
+    ) -> Result<()> {
+        match weights {
+            ExpertWeights::Dense(all) => {
+                let w = self.dev.p(all) + (e * fan_out * fan_in * self.dtype.bytes()) as u64;
+                self.gemm(w, self.dtype.cuda_type(), fan_in, fan_out, x, y, m)
+            }
+            ExpertWeights::Mxfp4(q) => self.quantized_linear(&q[e], fan_in, fan_out, x, y, m),
+        }
     }
 
     /// Copies `values` into the start of `dst` on the compute stream.
