@@ -451,6 +451,10 @@ mod tests {
                 "--no-cuda-graphs: the cpu backend has no CUDA graphs",
             ),
             (
+                &["--cuda-pdl"],
+                "--cuda-pdl: the cpu backend launches no kernels",
+            ),
+            (
                 &["--artifact-max-bytes", "0"],
                 "--artifact-max-bytes: must be at least 1",
             ),
