@@ -5,9 +5,10 @@
 #
 #   deploy/gpu-check.sh build   on the build machine (x86_64 Linux with cargo):
 #                               release test and benchmark binaries into
-#                               target/gpu-check/ (small enough to copy)
+#                               target/gpu-check/, and all of them in
+#                               target/gpu-check.tar.xz (the file to copy)
 #   deploy/gpu-check.sh run     on the GPU machine, from the repository root,
-#                               with target/gpu-check/ copied there
+#                               with target/gpu-check/ or its .tar.xz there
 #   deploy/gpu-check.sh         both, on a machine with cargo and a GPU
 #
 # `run` fails if any GPU test fails or cannot find the GPU or NVRTC (the
@@ -48,6 +49,10 @@ build() {
   rm -f "$out/.tests" "$out/.benches"
   ls -l "$out" "$out/deps"
   du -sh "$out"
+  # One compressed file to carry to the GPU machine (the working tree and
+  # what travels with it share one size limit); `run` unpacks it there.
+  tar cJf "$out.tar.xz" -C "$(dirname "$out")" "$(basename "$out")"
+  ls -l "$out.tar.xz"
 }
 
 # Puts the directory holding library $1 on LD_LIBRARY_PATH when the
@@ -71,6 +76,9 @@ find_lib() {
 }
 
 run() {
+  if [ ! -d "$out" ] && [ -f "$out.tar.xz" ]; then
+    tar xJf "$out.tar.xz" -C "$(dirname "$out")"
+  fi
   # GPU_CHECK_SKIP="cuda_lora reduced_precision" leaves steps out when
   # device time is short (a skipped step is said, never silent); a skipped
   # step's binaries need not be there.

@@ -671,3 +671,68 @@ fn an_adapter_with_a_grown_vocabulary_reads_and_writes_its_new_tokens() {
     );
     assert!(wrote_new, "a new token is written");
 }
+
+/// An adapter registered with the base's vocabulary whose files, by the
+/// time it first loads, grow it (replaced after registration) is refused
+/// by `modules_to_save`, asking for it to be registered again: its
+/// requests fail and none is served with rows its registration did not
+/// count; a request for another adapter beside it is served.
+#[test]
+fn an_adapter_whose_vocabulary_changed_since_registration_is_refused_at_load() {
+    use lorafleet_engine::{AdapterSource, BackendChoice, Engine, EngineSettings, Prompt, Request};
+    let golden = golden_grown();
+    let model = "llama-gqa";
+    let mut e = Engine::load(
+        &model_dir(model),
+        EngineSettings {
+            max_loras: 2,
+            max_cpu_loras: 2,
+            ..Default::default()
+        },
+        BackendChoice::Cpu,
+    )
+    .unwrap();
+    let dir = copy(model, "qv-r8");
+    e.register_adapter(
+        aid(1),
+        AdapterSource {
+            name: "swapped".into(),
+            dir: dir.path().to_path_buf(),
+            declared_base_hash: None,
+            digest: None,
+        },
+    )
+    .unwrap();
+    e.register_adapter(aid(2), fixture_source(model, "qv-r8"))
+        .unwrap();
+    let grown = adapter_dir("saved/llama-gqa", &golden.adapter);
+    for f in std::fs::read_dir(&grown).unwrap() {
+        let f = f.unwrap();
+        std::fs::copy(f.path(), dir.path().join(f.file_name())).unwrap();
+    }
+    let request = |i: u64| Request {
+        id: format!("r{i}").into(),
+        adapter: Some(aid(i)),
+        prompt: Prompt::TokenIds(vec![3, 4, 5]),
+        params: lorafleet_engine::Sampling {
+            max_tokens: 4,
+            temperature: 0.0,
+            ..Default::default()
+        }
+        .validate()
+        .unwrap(),
+    };
+    let done = e.run_to_completion(vec![request(1), request(2)]).unwrap();
+    let err = done[0]
+        .error
+        .as_ref()
+        .expect("the swapped adapter is refused")
+        .to_string();
+    assert!(
+        err.contains("modules_to_save") && err.contains("register it again"),
+        "{err}"
+    );
+    assert!(done[0].token_ids.is_empty(), "{:?}", done[0].token_ids);
+    assert!(done[1].error.is_none(), "{:?}", done[1].error);
+    assert_eq!(done[1].token_ids.len(), 4);
+}
