@@ -390,6 +390,16 @@ pub fn assert_staggered_batch_equals_alone(model: &str, choice: lorafleet_engine
         },
         choice,
     );
+    // Every adapter in the host tier first (the device's two slots still
+    // change hands), so steps mix adapters however fast they run: an
+    // optimized build otherwise finishes requests while the next adapter
+    // is still being read.
+    for id in 1..=adapters as u64 {
+        e.prefetch(aid(id));
+    }
+    while e.pool().loads_in_flight() > 0 {
+        e.pool().poll_loads(Some(std::time::Duration::from_secs(5)));
+    }
     let mut outputs: Vec<(Vec<u32>, String)> = vec![Default::default(); requests.len()];
     let (mut finished, mut step, mut max_distinct, mut max_tokens) = (0, 0, 0, 0);
     let mut pending = requests.iter();
