@@ -323,6 +323,14 @@ fn decode_steps_replay_cuda_graphs_with_the_tokens_of_eager_launches() {
     };
     let (eager, eager_counters, _) = run(false, false);
     assert_eq!(eager_counters.replays, 0, "graphs off: {eager_counters:?}");
+    // PDL is on where the device has it (compute 9.0 and newer), so the
+    // runs below do launch programmatically there.
+    let dir = model_dir(model);
+    let config = ModelConfig::from_dir(&dir).unwrap();
+    let mut gpu = CudaBackend::load(&dir, &config, SHAPE, 0, Dtype::F32, LIMITS).unwrap();
+    let hopper = !gpu.device_name().contains("(compute 8.");
+    assert_eq!(gpu.set_pdl(true), hopper, "{}", gpu.device_name());
+    drop(gpu);
     for (graphs, name) in [(false, "eager"), (true, "graph replay")] {
         let (programmatic, counters, _) = run(graphs, true);
         assert_eq!(counters.replays > 0, graphs, "{name}, PDL: {counters:?}");

@@ -276,7 +276,9 @@ fn rope_kv_store_and_paged_attention_match_the_cpu_reference() {
         ref_k[r * kv_dim..(r + 1) * kv_dim].copy_from_slice(&row[q_dim..q_dim + kv_dim]);
         ref_v[r * kv_dim..(r + 1) * kv_dim].copy_from_slice(&row[q_dim + kv_dim..]);
     }
-    let attend = |window: usize, cap: f32| -> Vec<f32> {
+    // GPT-OSS's sink logit per head joins the softmax's maximum and sum and
+    // weighs no value.
+    let attend = |window: usize, cap: f32, sinks: Option<&[f32]>| -> Vec<f32> {
         let mut out = vec![0f32; n * q_dim];
         for (t, &(s, p)) in tok.iter().enumerate() {
             let lo = if window > 0 {
@@ -299,9 +301,14 @@ fn rope_kv_store_and_paged_attention_match_the_cpu_reference() {
                         }
                     })
                     .collect();
-                let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let sink = sinks.map(|s| f64::from(s[head]));
+                let max = scores
+                    .iter()
+                    .cloned()
+                    .chain(sink)
+                    .fold(f64::NEG_INFINITY, f64::max);
                 let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
-                let sum: f64 = e.iter().sum();
+                let sum: f64 = e.iter().sum::<f64>() + sink.map_or(0.0, |s| (s - max).exp());
                 for dd in 0..hd {
                     let mut acc = 0f64;
                     for (i, j) in (lo..=p).enumerate() {
@@ -369,7 +376,16 @@ fn rope_kv_store_and_paged_attention_match_the_cpu_reference() {
     // b % 2 holds block b of the positions the window reaches (sequence
     // 0: blocks 0 and 1; sequence 1, at position 9: blocks 1 and 2).
     let rings = h.i32(&[5, 2, 3, 0]).unwrap();
-    for (window, cap, ring_len) in [(0usize, 0f32, 0i32), (3, 0.0, 0), (0, 0.5, 0), (3, 0.5, 2)] {
+    let sinks: Vec<f32> = (0..heads).map(|h| 0.8 * h as f32 - 0.6).collect();
+    let sinks_b = h.f32(&sinks).unwrap();
+    for (window, cap, ring_len, sinked) in [
+        (0usize, 0f32, 0i32, false),
+        (3, 0.0, 0, false),
+        (0, 0.5, 0, false),
+        (3, 0.5, 2, false),
+        (0, 0.0, 0, true),
+        (3, 0.0, 2, true),
+    ] {
         let tables = if ring_len > 0 { &rings } else { &bt };
         let out = h.f32(&poison(n * q_dim)).unwrap();
         h.launch(
@@ -391,15 +407,16 @@ fn rope_kv_store_and_paged_attention_match_the_cpu_reference() {
                 Arg::I32(window as i32),
                 Arg::F32(1.0 / (hd as f32).sqrt()),
                 Arg::F32(cap),
+                Arg::Ptr(if sinked { h.ptr(&sinks_b) } else { 0 }),
                 Arg::Ptr(h.ptr(&out)),
             ],
         )
         .unwrap();
         assert_close(
             &h.read(&out).unwrap(),
-            &attend(window, cap),
+            &attend(window, cap, sinked.then_some(&sinks[..])),
             1e-5,
-            &format!("attention (window {window}, cap {cap}, ring {ring_len})"),
+            &format!("attention (window {window}, cap {cap}, ring {ring_len}, sinks {sinked})"),
         );
     }
 

@@ -496,8 +496,12 @@ impl CudaBackend {
     /// launches. Returns whether it is on (never on a device older than
     /// compute 9.0).
     pub fn set_pdl(&mut self, enabled: bool) -> bool {
-        self.graphs.clear();
-        self.dev.set_pdl(enabled)
+        let was = self.dev.pdl();
+        let on = self.dev.set_pdl(enabled);
+        if on != was {
+            self.graphs.clear();
+        }
+        on
     }
 
     /// Token rows that have gone through an expert LoRA (router, gate/up

@@ -3,6 +3,7 @@
 //! take, and a step's buffers for the block.
 
 use cudarc::driver::CudaSlice;
+use rayon::prelude::*;
 
 use super::super::Dtype;
 use super::super::device::{Device, cuda};
@@ -120,39 +121,44 @@ impl MoeLayer {
         let order = crate::backend::cpu::gate_up_order(i);
         let mxfp4 = mxfp4(c);
         // One parameter's experts, rows in `order` if given.
-        let experts_of =
-            |name: &str, (fan_in, fan_out), order: Option<&[usize]>| -> Result<ExpertWeights> {
-                let shape = (experts, fan_in, fan_out);
-                if mxfp4 {
-                    let Some(matrices) = files.mxfp4_experts(name, shape)? else {
-                        return Err(crate::EngineError::Backend(format!(
-                            "cuda: {name}: the config's quantization_config says mxfp4, but \
+        let experts_of = |name: &str,
+                          (fan_in, fan_out),
+                          order: Option<&[usize]>|
+         -> Result<ExpertWeights> {
+            let shape = (experts, fan_in, fan_out);
+            if mxfp4 {
+                let Some(matrices) = files.mxfp4_experts(name, shape)? else {
+                    return Err(crate::EngineError::Backend(format!(
+                        "cuda: {name}: the config's quantization_config says mxfp4, but \
                          {name}_blocks is not in the checkpoint"
-                        )));
-                    };
-                    return matrices
-                        .iter()
-                        .map(|m| {
-                            let m = order.map_or_else(|| m.clone(), |o| m.select_rows(o));
-                            QuantLinear::upload(dev, &[HostPart::new(&m)], false)
-                        })
-                        .collect::<Result<Vec<_>>>()
-                        .map(ExpertWeights::Mxfp4);
+                    )));
+                };
+                // Laid out in parallel (32 experts of millions of codes each,
+                // for the 20B), uploaded in order.
+                let parts: Vec<HostPart> = matrices
+                    .par_iter()
+                    .map(|m| HostPart::new(&order.map_or_else(|| m.clone(), |o| m.select_rows(o))))
+                    .collect();
+                return parts
+                    .iter()
+                    .map(|p| QuantLinear::upload(dev, std::slice::from_ref(p), false))
+                    .collect::<Result<Vec<_>>>()
+                    .map(ExpertWeights::Mxfp4);
+            }
+            let mut all = Vec::with_capacity(experts * fan_in * fan_out);
+            for w in files.dense_experts(name, shape)? {
+                match order {
+                    Some(o) => all.extend(
+                        o.iter()
+                            .flat_map(|&r| w[r * fan_in..(r + 1) * fan_in].iter().copied()),
+                    ),
+                    None => all.extend(w),
                 }
-                let mut all = Vec::with_capacity(experts * fan_in * fan_out);
-                for w in files.dense_experts(name, shape)? {
-                    match order {
-                        Some(o) => all.extend(
-                            o.iter()
-                                .flat_map(|&r| w[r * fan_in..(r + 1) * fan_in].iter().copied()),
-                        ),
-                        None => all.extend(w),
-                    }
-                }
-                Ok(ExpertWeights::Dense(
-                    st.clone_htod(&dtype.encode(&all)).map_err(&up_err)?,
-                ))
-            };
+            }
+            Ok(ExpertWeights::Dense(
+                st.clone_htod(&dtype.encode(&all)).map_err(&up_err)?,
+            ))
+        };
         let gate_up = experts_of(&gate_up_name, (h, 2 * i), Some(&order))?;
         let down = experts_of(&down_name, (i, h), None)?;
         let gate_up_bias = files.f32(&format!("{gate_up_name}_bias"), &[experts, 2 * i])?;
