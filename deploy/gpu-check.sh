@@ -88,6 +88,7 @@ run() {
       cuda_kernels_compile) skipped kernels_compile && continue ;;
       lorafleet-worker | deps/worker_grpc) skipped worker_grpc && continue ;;
       moe_decode) skipped moe_decode && skipped moe_decode_gpt_oss && skipped moe_decode_gpt_oss_mxfp4 && continue ;;
+      cuda_long) skipped cuda_long && skipped cuda_long_gpt_oss && continue ;;
       *) skipped "$exe" && continue ;;
     esac
     [ -x "$out/$exe" ] || { echo "gpu-check: $out/$exe is missing; run '$0 build' first" >&2; exit 1; }
@@ -163,6 +164,10 @@ run() {
   # Long prompts (1,600 prompt and 600 new tokens, 16 at a time, 8
   # rank-32 adapters) against the base model alone, on the same stand-in.
   step cuda_long timeout "${CUDA_LONG_TIMEOUT:-0}" "$out/cuda_long"
+  # The same workload on the GPT-OSS-20B-architecture stand-in, its MXFP4
+  # experts, 8 adapters on attention and experts.
+  step cuda_long_gpt_oss env LORAFLEET_LONG_MODEL=gpt-oss-mxfp4 \
+    timeout "${CUDA_LONG_TIMEOUT:-0}" "$out/cuda_long"
   # transformers + PEFT on the same GPU, stand-in and workload as
   # cuda_decode: the baseline its tokens/s are compared with.
   if python3 -c 'import torch, transformers, peft' 2>/dev/null; then
@@ -180,7 +185,9 @@ run() {
   fi
   [ -f "$results/cuda_lora.log" ] && tail -40 "$results/cuda_lora.log"
   grep '^|' "$results/cuda_decode.log" || true
-  [ -f "$results/cuda_long.log" ] && grep '^|' "$results/cuda_long.log" || true
+  for log in cuda_long cuda_long_gpt_oss; do
+    [ -f "$results/$log.log" ] && grep '^|' "$results/$log.log" || true
+  done
   for log in moe_decode moe_decode_gpt_oss moe_decode_gpt_oss_mxfp4 peft_moe_baseline; do
     [ -f "$results/$log.log" ] && grep -E '^(\||MoE|[0-9]+ adapters)' "$results/$log.log" || true
   done

@@ -17,7 +17,12 @@
 //! Run on a machine with an NVIDIA GPU:
 //!   cargo bench -p lorafleet-engine --bench cuda_long
 //! (`deploy/gpu-check.sh` builds it here and runs it there). Knobs:
-//! `LORAFLEET_LONG_REQUESTS` (requests per run, default 48).
+//! `LORAFLEET_LONG_REQUESTS` (requests per run, default 48);
+//! `LORAFLEET_LONG_MODEL=gpt-oss` (or `gpt-oss-mxfp4`): the same workload
+//! on the GPT-OSS-20B-architecture stand-in (`standin::gpt_oss_model`),
+//! its 8 adapters of rank 16 on q/k/v/o and every expert (no prefill
+//! profile: a Mixture-of-Experts step reads the router's choices back
+//! mid-step, so its parts cannot be replayed from graphs).
 
 mod standin;
 
@@ -45,11 +50,36 @@ fn main() {
     let requests: usize = std::env::var("LORAFLEET_LONG_REQUESTS")
         .map(|v| v.parse().expect("LORAFLEET_LONG_REQUESTS: a request count"))
         .unwrap_or(48);
-    let model = standin::model_shaped(&SHAPE, safetensors::Dtype::BF16);
-    let dirs = standin::adapters_ranked(&SHAPE, ADAPTERS, RANK);
+    let which = std::env::var("LORAFLEET_LONG_MODEL").unwrap_or_default();
+    let (model, dirs, rank, what) = match which.as_str() {
+        "" | "llama" => (
+            standin::model_shaped(&SHAPE, safetensors::Dtype::BF16),
+            standin::adapters_ranked(&SHAPE, ADAPTERS, RANK),
+            RANK,
+            format!(
+                "STAND-IN Llama-3.2-1B shape (h={}, L={}, bf16), {ADAPTERS} adapters of rank {RANK} on q/k/v/o",
+                SHAPE.hidden, SHAPE.layers
+            ),
+        ),
+        "gpt-oss" | "gpt-oss-mxfp4" => (
+            standin::gpt_oss_model(which == "gpt-oss-mxfp4"),
+            standin::gpt_oss_adapters(ADAPTERS),
+            standin::RANK,
+            format!(
+                "STAND-IN GPT-OSS-20B architecture (h={}, L={}, {} experts top {}, {} experts), {ADAPTERS} adapters of rank {} on q/k/v/o and every expert",
+                standin::HIDDEN,
+                standin::LAYERS,
+                standin::GPT_OSS_EXPERTS,
+                standin::GPT_OSS_TOP_K,
+                if which == "gpt-oss" { "bf16" } else { "MXFP4" },
+                standin::RANK
+            ),
+        ),
+        other => panic!("LORAFLEET_LONG_MODEL={other:?}: not llama, gpt-oss or gpt-oss-mxfp4"),
+    };
     let settings = EngineSettings {
         max_loras: ADAPTERS,
-        max_lora_rank: RANK,
+        max_lora_rank: rank,
         max_cpu_loras: ADAPTERS,
         max_cpu_lora_bytes: None,
         // Every running sequence's whole context, twice over.
@@ -65,8 +95,7 @@ fn main() {
         memory_budget_bytes: None,
     };
     println!(
-        "long prompts, STAND-IN Llama-3.2-1B shape (h={}, L={}, bf16), {requests} requests of {PROMPT} prompt and {NEW} new tokens, {AT_ONCE} at a time, {ADAPTERS} adapters of rank {RANK} on q/k/v/o (f32 slots)",
-        SHAPE.hidden, SHAPE.layers,
+        "long prompts, {what}, {requests} requests of {PROMPT} prompt and {NEW} new tokens, {AT_ONCE} at a time (f32 slots)",
     );
     println!();
     println!(
@@ -105,7 +134,9 @@ fn main() {
         );
     }
     drop(engine);
-    prefill_profile(&model, &dirs[0]);
+    if which.is_empty() || which == "llama" {
+        prefill_profile(&model, &dirs[0]);
+    }
 }
 
 struct Outcome {
