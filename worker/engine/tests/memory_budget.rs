@@ -351,6 +351,16 @@ fn drain_counting_heads(
     head: u64,
 ) -> (HashMap<String, Vec<u32>>, bool) {
     let u = units();
+    // Every adapter the requests name in the host tier first, so the
+    // device slots are contended however fast the steps run (an optimized
+    // build otherwise drained one head's requests while the other's
+    // adapter was still being read).
+    for id in requests.iter().filter_map(|r| r.adapter) {
+        e.prefetch(id);
+    }
+    while e.pool().loads_in_flight() > 0 {
+        e.pool().poll_loads(Some(std::time::Duration::from_secs(5)));
+    }
     let mut outputs: HashMap<String, Vec<u32>> = HashMap::new();
     let (mut pending, mut left, mut steps) = (requests.iter(), requests.len(), 0);
     let mut all_heads_resident = false;
