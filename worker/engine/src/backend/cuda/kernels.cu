@@ -818,6 +818,27 @@ extern "C" __global__ void __launch_bounds__(LORA_THREADS) moe_lora_expand(const
     }
 }
 
+// The expert not among oe[0, j) with the largest logit (`by_logit`) or
+// softmax numerator exp(logit - m), the lower expert first on a tie; its
+// value in *value.
+__device__ __forceinline__ int route_pick(const float* l, int experts, const int* oe, int j,
+                                          float m, int by_logit, float* value) {
+    int best = -1;
+    float bv = 0.0f;
+    for (int e = 0; e < experts; e++) {
+        bool taken = false;
+        for (int i = 0; i < j; i++) taken = taken || oe[i] == e;
+        if (taken) continue;
+        float v = by_logit ? l[e] : expf(l[e] - m);
+        if (best < 0 || v > bv) {
+            best = e;
+            bv = v;
+        }
+    }
+    *value = bv;
+    return best;
+}
+
 // The Mixture-of-Experts router's choice for each of `n` tokens, as the
 // CPU backend's `choose`: the softmax of the token's `experts` logits, its
 // `top_k` largest probabilities (the lower expert first on a tie),
@@ -834,23 +855,13 @@ extern "C" __global__ void moe_route(const float* logits, int n, int experts, in
     int* oe = out_e + (size_t)t * top_k;
     float* ow = out_w + (size_t)t * top_k;
     if (chosen_softmax) {
-        // GPT-OSS: the top_k largest logits (the lower expert first on a
-        // tie), weighed by the softmax over those alone, summed from the
-        // largest down, as the CPU's `choose_logits`.
+        // GPT-OSS: the top_k largest logits, weighed by the softmax over
+        // those alone, summed from the largest down, as the CPU's
+        // `choose_logits`.
         for (int j = 0; j < top_k; j++) {
-            int best = -1;
-            float bv = 0.0f;
-            for (int e = 0; e < experts; e++) {
-                bool taken = false;
-                for (int i = 0; i < j; i++) taken = taken || oe[i] == e;
-                if (taken) continue;
-                if (best < 0 || l[e] > bv) {
-                    best = e;
-                    bv = l[e];
-                }
-            }
-            oe[j] = best;
-            ow[j] = expf(bv - l[oe[0]]);
+            float v;
+            oe[j] = route_pick(l, experts, oe, j, 0.0f, 1, &v);
+            ow[j] = expf(v - l[oe[0]]);
         }
         float total = 0.0f;
         for (int j = 0; j < top_k; j++) total += ow[j];
@@ -863,20 +874,9 @@ extern "C" __global__ void moe_route(const float* logits, int n, int experts, in
         // The top_k by repeated scans, largest first.
         float chosen_sum = 0.0f;
         for (int j = 0; j < top_k; j++) {
-            int best = -1;
-            float bv = 0.0f;
-            for (int e = 0; e < experts; e++) {
-                bool taken = false;
-                for (int i = 0; i < j; i++) taken = taken || oe[i] == e;
-                if (taken) continue;
-                float v = expf(l[e] - m);
-                if (best < 0 || v > bv) {
-                    best = e;
-                    bv = v;
-                }
-            }
-            oe[j] = best;
-            ow[j] = bv / sum;
+            float v;
+            oe[j] = route_pick(l, experts, oe, j, m, 0, &v);
+            ow[j] = v / sum;
             chosen_sum += ow[j];
         }
         if (normalize)
