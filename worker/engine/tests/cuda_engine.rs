@@ -696,15 +696,8 @@ fn gpt_oss_on_the_gpu_gives_the_cpu_backends_and_transformers_logits() {
             "{model}: the experts adapter was checked: {expert_cases}"
         );
 
-        let names = adapter_names("gpt-oss");
-        let mut e = lorafleet_engine::Engine::load(
-            &dir,
-            EngineSettings {
-                max_loras: 2,
-                max_cpu_loras: 3,
-                max_batched_tokens: 24,
-                ..Default::default()
-            },
+        gpt_oss_engine_matches_the_goldens(
+            model,
             BackendChoice::Cuda {
                 device: 0,
                 dtype: Dtype::F32,
@@ -712,21 +705,7 @@ fn gpt_oss_on_the_gpu_gives_the_cpu_backends_and_transformers_logits() {
                 graphs: true,
                 pdl: false,
             },
-        )
-        .unwrap();
-        for (i, name) in names.iter().enumerate() {
-            e.register_adapter(aid(i as u64 + 1), fixture_source("gpt-oss", name))
-                .unwrap();
-        }
-        let requests = golden_requests(&cases, &names, golden.max_new_tokens);
-        for (c, case) in e.run_to_completion(requests).unwrap().iter().zip(&cases) {
-            assert!(c.error.is_none(), "{:?}", c.error);
-            assert_eq!(
-                c.token_ids, case.greedy,
-                "{model}/{:?} {:?}: engine batch on the GPU",
-                case.adapter, case.prompt
-            );
-        }
+        );
     }
     assert_eq!(checked, golden.cases.len());
 }

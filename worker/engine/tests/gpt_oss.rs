@@ -10,13 +10,13 @@
 mod common;
 
 use common::*;
+use lorafleet_engine::BackendChoice;
 use lorafleet_engine::backend::BackendShape;
 use lorafleet_engine::backend::cpu::CpuBackend;
 use lorafleet_engine::lora::{AdapterLimits, HostAdapter};
 use lorafleet_engine::model::Architecture;
 use lorafleet_engine::model::ModelConfig;
 use lorafleet_engine::model::layers::LayerKind;
-use lorafleet_engine::{BackendChoice, Engine, EngineSettings};
 
 const MODELS: [&str; 2] = ["gpt-oss", "gpt-oss-mxfp4"];
 
@@ -60,44 +60,10 @@ fn gpt_oss_matches_transformers_and_peft_from_bf16_and_from_mxfp4() {
     );
 }
 
-/// Every golden case of `model` in one batch through the engine (rings for
-/// the sliding layers, chunked prefill, the pool), greedy: transformers'
-/// tokens, the prompt longer than six windows included.
-fn engine_matches_the_goldens(model: &str) {
-    let golden = golden_gpt_oss();
-    let names = adapter_names("gpt-oss");
-    let mut e = Engine::load(
-        &model_dir(model),
-        EngineSettings {
-            max_loras: 2,
-            max_cpu_loras: 3,
-            max_batched_tokens: 24,
-            ..Default::default()
-        },
-        BackendChoice::Cpu,
-    )
-    .unwrap();
-    for (i, name) in names.iter().enumerate() {
-        e.register_adapter(aid(i as u64 + 1), fixture_source("gpt-oss", name))
-            .unwrap();
-    }
-    let cases: Vec<_> = golden.cases.iter().filter(|c| c.model == model).collect();
-    assert!(cases.iter().any(|c| c.prompt_ids.len() > 6 * 8));
-    let requests = golden_requests(&cases, &names, golden.max_new_tokens);
-    for (c, case) in e.run_to_completion(requests).unwrap().iter().zip(&cases) {
-        assert!(c.error.is_none(), "{:?}", c.error);
-        assert_eq!(
-            c.token_ids, case.greedy,
-            "{model}/{:?} {:?}",
-            case.adapter, case.prompt
-        );
-    }
-}
-
 #[test]
 fn the_engine_batches_gpt_oss_adapters_and_the_base_into_the_golden_tokens() {
     for model in MODELS {
-        engine_matches_the_goldens(model);
+        gpt_oss_engine_matches_the_goldens(model, BackendChoice::Cpu);
     }
 }
 

@@ -488,3 +488,39 @@ pub fn check_golden_cases_on_cpu_within(
     }
     checked
 }
+
+/// Every GPT-OSS golden case (`golden_gpt_oss.json`) of `model` (`gpt-oss`
+/// or `gpt-oss-mxfp4`) in one batch through the engine on `choice` (rings
+/// for the sliding layers, prefill chunks of 24, the pool), greedy: the
+/// goldens' tokens, the prompt longer than six windows included. The
+/// adapters are the bf16 base's fixtures; they serve both.
+pub fn gpt_oss_engine_matches_the_goldens(model: &str, choice: lorafleet_engine::BackendChoice) {
+    let golden = golden_named("golden_gpt_oss.json");
+    let names = adapter_names("gpt-oss");
+    let mut e = lorafleet_engine::Engine::load(
+        &model_dir(model),
+        lorafleet_engine::EngineSettings {
+            max_loras: 2,
+            max_cpu_loras: 3,
+            max_batched_tokens: 24,
+            ..Default::default()
+        },
+        choice,
+    )
+    .unwrap();
+    for (i, name) in names.iter().enumerate() {
+        e.register_adapter(aid(i as u64 + 1), fixture_source("gpt-oss", name))
+            .unwrap();
+    }
+    let cases: Vec<_> = golden.cases.iter().filter(|c| c.model == model).collect();
+    assert!(cases.iter().any(|c| c.prompt_ids.len() > 6 * 8));
+    let requests = golden_requests(&cases, &names, golden.max_new_tokens);
+    for (c, case) in e.run_to_completion(requests).unwrap().iter().zip(&cases) {
+        assert!(c.error.is_none(), "{:?}", c.error);
+        assert_eq!(
+            c.token_ids, case.greedy,
+            "{model}/{:?} {:?}: engine batch on {choice:?}",
+            case.adapter, case.prompt
+        );
+    }
+}
