@@ -6,10 +6,16 @@
 //! on Redis (`<prefix>registry` channel), and every refresh interval as a
 //! backstop for lost announcements. When a rebuild fails (Postgres down),
 //! the previous snapshot keeps serving.
+//!
+//! Rebuilds may overlap (an announcement's and an admin command's own), and
+//! the one that started first may finish last: each takes a ticket before
+//! it reads, and a snapshot never replaces one from a later ticket, so a
+//! rebuild begun after a commit always leaves that commit in force.
 
 use lorafleet_domain::AdapterId;
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use arc_swap::ArcSwap;
 use std::time::{Duration, Instant};
@@ -424,6 +430,8 @@ pub struct Registry {
     /// The snapshot in use and when it was loaded, swapped as one: a
     /// request reads both with one load and no lock.
     current: Arc<ArcSwap<Current>>,
+    /// The next rebuild's ticket: rebuilds are ordered by when they began.
+    tickets: Arc<AtomicU64>,
 }
 
 /// A snapshot and when it was loaded. Derefs to the [`Snapshot`].
@@ -431,6 +439,8 @@ pub struct Registry {
 pub struct Current {
     snapshot: Snapshot,
     loaded_at: Instant,
+    /// The ticket of the rebuild that read it (0: the first snapshot).
+    ticket: u64,
 }
 
 impl Current {
@@ -454,7 +464,9 @@ impl Registry {
             current: Arc::new(ArcSwap::from_pointee(Current {
                 snapshot,
                 loaded_at: Instant::now(),
+                ticket: 0,
             })),
+            tickets: Arc::new(AtomicU64::new(1)),
         }
     }
 
@@ -468,18 +480,31 @@ impl Registry {
         self.current.load().age()
     }
 
-    fn replace(&self, snapshot: Snapshot) {
-        self.current.store(Arc::new(Current {
+    /// Puts in `snapshot`, read by the rebuild holding `ticket`, unless a
+    /// rebuild that began later has already put in its own.
+    fn replace(&self, snapshot: Snapshot, ticket: u64) {
+        let fresh = Arc::new(Current {
             snapshot,
             loaded_at: Instant::now(),
-        }));
+            ticket,
+        });
+        self.current.rcu(|cur| {
+            if cur.ticket > ticket {
+                Arc::clone(cur)
+            } else {
+                Arc::clone(&fresh)
+            }
+        });
     }
 
-    /// Rebuilds the snapshot; on failure keeps the old one.
+    /// Rebuilds the snapshot; on failure keeps the old one. When it
+    /// returns, the snapshot in use was read no earlier than this call
+    /// began, whatever other rebuilds were under way.
     pub async fn reload(&self, pool: &PgPool) -> Result<(), sqlx::Error> {
+        let ticket = self.tickets.fetch_add(1, Ordering::SeqCst);
         match Snapshot::load(pool).await {
             Ok(s) => {
-                self.replace(s);
+                self.replace(s, ticket);
                 metrics::counter!("lorafleet_gateway_registry_reloads_total", "outcome" => "ok")
                     .increment(1);
                 Ok(())
