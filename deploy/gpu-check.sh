@@ -27,7 +27,7 @@ executables() {
 build() {
   mkdir -p "$out"
   cargo test --release -p lorafleet-engine --test cuda_gpu --test cuda_engine --test cuda_quantized \
-    --test cuda_kernels_compile \
+    --test cuda_adapter_kinds --test cuda_kernels_compile \
     --no-run --message-format=json | executables > "$out/.tests"
   cargo bench -p lorafleet-engine --bench cuda_lora --bench cuda_decode --bench cuda_long --bench moe_decode --no-run \
     --message-format=json | executables > "$out/.benches"
@@ -83,7 +83,7 @@ run() {
   # device time is short (a skipped step is said, never silent); a skipped
   # step's binaries need not be there.
   skipped() { [[ " ${GPU_CHECK_SKIP:-} " == *" $1 "* ]]; }
-  for exe in cuda_kernels_compile cuda_gpu cuda_engine cuda_quantized cuda_lora cuda_decode cuda_long moe_decode lorafleet-worker deps/worker_grpc; do
+  for exe in cuda_kernels_compile cuda_gpu cuda_engine cuda_adapter_kinds cuda_quantized cuda_lora cuda_decode cuda_long moe_decode lorafleet-worker deps/worker_grpc; do
     case $exe in
       cuda_kernels_compile) skipped kernels_compile && continue ;;
       lorafleet-worker | deps/worker_grpc) skipped worker_grpc && continue ;;
@@ -126,6 +126,8 @@ run() {
   # The GPU tests are #[ignore]d where no device is; here they all run.
   step cuda_gpu "$out/cuda_gpu" --test-threads=1 --include-ignored
   step cuda_engine "$out/cuda_engine" --test-threads=1 --include-ignored
+  # DoRA and lora_bias adapters: exact against the CPU backend and PEFT.
+  step cuda_adapter_kinds "$out/cuda_adapter_kinds" --test-threads=1 --include-ignored
   # Quantized bases: codes dequantized in the projections; FP8 GEMMs
   # through cuBLASLt for a checkpoint that quantizes its activations.
   step cuda_quantized "$out/cuda_quantized" --test-threads=1 --include-ignored

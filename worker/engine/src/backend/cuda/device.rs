@@ -356,6 +356,10 @@ impl Device {
         args.push(Arg::Ptr(l.out));
         args.push(Arg::I32(l.out_stride as i32));
         args.extend((0..3).map(|i| Arg::I64(slice(i).b_stride as i64)));
+        args.extend((0..3).map(|i| Arg::Ptr(slice(i).flags)));
+        args.extend((0..3).map(|i| Arg::Ptr(slice(i).vectors)));
+        args.extend((0..3).map(|i| Arg::Ptr(slice(i).bias)));
+        args.push(Arg::I64(l.v_stride as i64));
         let widest = l.slices.iter().map(|s| s.width).max().unwrap_or(0);
         self.launch(
             "lora_expand",
@@ -383,6 +387,14 @@ pub(super) struct LoraSlice {
     /// `[slots]` i32 and f32.
     pub rank: u64,
     pub scale: u64,
+    /// `[slots]` i32: each slot's DoRA and `lora_bias` flags of this
+    /// projection (all 0 for plain LoRA).
+    pub flags: u64,
+    /// Slot 0's f32 `[g | c]` of this projection (DoRA's scales, `s·b_B`);
+    /// slot s's start `LoraLaunch::v_stride` values further.
+    pub vectors: u64,
+    /// The base projection's own f32 bias (its part of a fused one), or 0.
+    pub bias: u64,
     pub width: usize,
     /// Where this projection's columns start in the output row.
     pub offset: usize,
@@ -407,6 +419,8 @@ pub(super) struct LoraLaunch {
     pub tiles: usize,
     /// `[slices, splits, n, max_rank]` f32 scratch.
     pub h_part: u64,
+    /// Values from one slot's vectors to the next's.
+    pub v_stride: usize,
 }
 
 /// Where a step's segment sections start, as element indices into the

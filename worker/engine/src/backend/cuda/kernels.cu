@@ -525,7 +525,13 @@ extern "C" __global__ void __launch_bounds__(LORA_THREADS) lora_shrink(const flo
 // (each slot's [MAX_RANK, width] Bᵀ rows, `b_stride` values apart), width
 // and column offset into the
 // fused output row of `out_stride` (q/k/v into [q | k | v], gate/up into
-// [gate | up]). Grid: (tiles, ceil(max width / 256), slices); block: 256.
+// [gate | up]). A slot's flags of the slice (`flags[slot]`) add what PEFT
+// adds beside the product: bit 1 (`lora_bias`) the slot's `c = s·b_B`
+// (`vec + width`), bit 0 (DoRA) then turns the row into
+// `β + g ⊙ (y + δ − β)`, g the slot's `m / ‖W + s·B·A‖` (`vec`) and β the
+// base projection's bias (`bias`, or none). A slot's vectors start
+// `v_stride` values after the previous slot's. Grid: (tiles, ceil(max
+// width / 256), slices); block: 256.
 extern "C" __global__ void __launch_bounds__(LORA_THREADS) lora_expand(const float* h_part, int splits, int n, const int* token_idx,
                                        const int* seg_off, const int* seg_slot, const int* tiles,
                                        const st* b0, const st* b1, const st* b2,
@@ -533,7 +539,11 @@ extern "C" __global__ void __launch_bounds__(LORA_THREADS) lora_expand(const flo
                                        const float* scale0, const float* scale1,
                                        const float* scale2, int width0, int width1, int width2,
                                        int off0, int off1, int off2, float* out, int out_stride,
-                                       long long b_stride0, long long b_stride1, long long b_stride2) {
+                                       long long b_stride0, long long b_stride1, long long b_stride2,
+                                       const int* flags0, const int* flags1, const int* flags2,
+                                       const float* vec0, const float* vec1, const float* vec2,
+                                       const float* bias0, const float* bias1, const float* bias2,
+                                       long long v_stride) {
     PDL_ENTER();
     __shared__ float hs[LORA_TT * MAX_RANK];
     int z = blockIdx.z;
@@ -606,12 +616,61 @@ extern "C" __global__ void __launch_bounds__(LORA_THREADS) lora_expand(const flo
             }
         }
     }
+    const int* fl = z == 0 ? flags0 : (z == 1 ? flags1 : flags2);
+    int f = fl[slot];
+    if (f == 0) {
 #pragma unroll
+        for (int j = 0; j < LORA_TT; j++) {
+            if (j < tt) {
+                float* y = out + (size_t)token_idx[lo + j] * out_stride + off + o;
+                *y += scale * acc[j];
+            }
+        }
+        return;
+    }
+    const float* v = (z == 0 ? vec0 : (z == 1 ? vec1 : vec2)) + (size_t)slot * v_stride;
+    const float* bias = z == 0 ? bias0 : (z == 1 ? bias1 : bias2);
+    float c = (f & 2) ? v[width + o] : 0.0f;
+    float g = v[o];
+    float beta = bias != nullptr ? bias[o] : 0.0f;
     for (int j = 0; j < LORA_TT; j++) {
         if (j < tt) {
             float* y = out + (size_t)token_idx[lo + j] * out_stride + off + o;
-            *y += scale * acc[j];
+            float r = *y + scale * acc[j] + c;
+            *y = (f & 1) ? beta + g * (r - beta) : r;
         }
+    }
+}
+
+// DoRA's scale of each output row of one (layer, projection) of a slot,
+// once, as the slot is written: `g[o] = m[o] / ‖W_o + s·Σ_r B[o, r]·A[r]‖`,
+// W the base's rows `[rows, fan_in]` (dense, the weights' type), A
+// `[rank, fan_in]` and Bᵀ `[rank, width]` the slot's own (its type), `g`
+// holding the magnitude m on entry. The squares are summed in double, as
+// the CPU backend does. Grid: one block per row; block: 256.
+extern "C" __global__ void dora_scales(const wt* w, int fan_in, const st* a, const st* b_t, int width, int rank,
+                                       float scale, float* g) {
+    PDL_ENTER();
+    __shared__ float bs[MAX_RANK];
+    __shared__ double part[32];
+    int o = blockIdx.x;
+    for (int r = threadIdx.x; r < rank; r += blockDim.x) bs[r] = scale * sload(b_t[(size_t)r * width + o]);
+    __syncthreads();
+    const wt* row = w + (size_t)o * fan_in;
+    double acc = 0.0;
+    for (int i = threadIdx.x; i < fan_in; i += blockDim.x) {
+        float v = wload(row[i]);
+        for (int r = 0; r < rank; r++) v = fmaf(bs[r], sload(a[(size_t)r * fan_in + i]), v);
+        acc += (double)v * (double)v;
+    }
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(FULL_MASK, acc, off);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) part[warp] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double sum = 0.0;
+        for (int i = 0; i < (int)(blockDim.x >> 5); i++) sum += part[i];
+        g[o] = (float)((double)g[o] / sqrt(sum));
     }
 }
 

@@ -29,6 +29,7 @@ pub const KERNELS: &[&str] = &[
     "attention",
     "lora_shrink",
     "lora_expand",
+    "dora_scales",
     "moe_lora_shrink",
     "moe_lora_expand",
     "head_norm",

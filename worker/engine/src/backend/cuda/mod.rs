@@ -22,6 +22,7 @@
 #![allow(unsafe_code)]
 
 mod device;
+mod dora;
 mod dtype;
 mod fp8;
 pub mod kernels;
@@ -645,17 +646,6 @@ impl Backend for CudaBackend {
 
     fn write_slot(&mut self, slot: usize, adapter: &HostAdapter) -> Result<()> {
         super::check_slot_write(&self.shape, slot, adapter)?;
-        if adapter.is_dora() {
-            return Err(crate::error::EngineError::Adapter(
-                lorafleet_artifact::adapter::AdapterError::Unsupported {
-                    adapter: adapter.name.clone(),
-                    field: "use_dora".into(),
-                    reason:
-                        "the CUDA backend does not serve DoRA adapters yet (the CPU backend does)"
-                            .into(),
-                },
-            ));
-        }
         let saved = &adapter.outer.saved;
         if let Some(own) = saved.embedding.as_ref().or(saved.lm_head.as_ref()) {
             let field = if own.is_whole() {
@@ -684,21 +674,12 @@ impl Backend for CudaBackend {
                 },
             ));
         }
-        if adapter.has_lora_bias() {
-            return Err(crate::error::EngineError::Adapter(
-                lorafleet_artifact::adapter::AdapterError::Unsupported {
-                    adapter: adapter.name.clone(),
-                    field: "lora_bias".into(),
-                    reason: "the CUDA backend does not serve a bias on lora_B yet (the CPU backend does)"
-                        .into(),
-                },
-            ));
-        }
+        let dora = self.dora_bases(adapter)?;
         // The expert factors' copy goes first on the copy stream, so the
         // slot's ready event, recorded after the dense copy, covers both.
         self.expert_slots
             .write(&self.dev, self.slots.copy_stream(), slot, adapter)?;
-        self.slots.write(&self.dev, &self.config, slot, adapter)
+        self.slots.write(&self.dev, slot, adapter, &dora)
     }
 
     fn slot_ready(&self, slot: usize) -> bool {

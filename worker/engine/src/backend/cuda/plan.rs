@@ -187,17 +187,19 @@ pub(super) fn cache_blocks(c: &ModelConfig, shape: &BackendShape, layer: usize) 
 }
 
 /// Bytes of every adapter slot: A and Bᵀ of each (layer, projection) at the
-/// slot rank in `dtype`, plus 4-byte ranks and scales.
+/// slot rank in `dtype`, its f32 DoRA scales and `lora_bias` vector (one
+/// value each per output row), and its 4-byte rank, scale and flags.
 fn adapter_slot_bytes(c: &ModelConfig, shape: &BackendShape, dtype: Dtype) -> u64 {
     let rank = shape.max_lora_rank.max(1) as u64;
-    let slot_values: u64 = Projection::ALL
+    let (slot_values, vector_values): (u64, u64) = Projection::ALL
         .iter()
         .map(|p| {
             let (i, o) = p.shape(c);
-            rank * (i + o) as u64
+            (rank * (i + o) as u64, 2 * o as u64)
         })
-        .sum();
-    (slot_values * shape.slots as u64 * dtype.bytes() as u64 + 2 * shape.slots as u64 * 7 * 4)
+        .fold((0, 0), |(s, v), (ds, dv)| (s + ds, v + dv));
+    let slots = shape.slots as u64;
+    (slot_values * slots * dtype.bytes() as u64 + vector_values * slots * 4 + 3 * slots * 7 * 4)
         * c.num_layers as u64
 }
 
@@ -254,18 +256,25 @@ mod tests {
         assert!((14.5..15.5).contains(&gib), "weights {gib} GiB");
         // 2 (K, V) × 32 layers × 65536 positions × 1024 × 2 bytes (bf16).
         assert_eq!(plan.kv_cache, 2 * 32 * 65_536 * 1024 * 2);
-        // 32 slots × 32 layers × rank 16 × (sum of in + out over 7 projections) × 4 bytes.
+        // 32 slots × 32 layers × rank 16 × (sum of in + out over 7
+        // projections) × 4 bytes, each slot's two f32 vectors (DoRA's
+        // scales, `lora_bias`) of every output row, and its rank, scale
+        // and flags of each projection.
         let sum_in_out = (4096 + 4096) * 2 + (4096 + 1024) * 2 + (4096 + 14_336) * 3;
+        let sum_out: u64 = 4096 + 1024 + 1024 + 4096 + 14_336 * 2 + 4096;
+        let vectors = 32 * 2 * sum_out * 4 * 32;
         assert_eq!(
             plan.adapter_slots,
-            (32 * 16 * sum_in_out as u64 + 2 * 32 * 7) * 4 * 32
+            (32 * 16 * sum_in_out as u64 + 3 * 32 * 7) * 4 * 32 + vectors
         );
+        // The vectors are under 7% of rank-16 f32 slots (11 MB a slot).
+        assert!(vectors * 100 < plan.adapter_slots * 7);
         // bf16 slots (`--lora-dtype bf16`): the factors at 2 bytes, the
-        // ranks and scales still 4.
+        // vectors, ranks, scales and flags still 4.
         let bf16_slots = plan.with_slot_dtype(&llama_8b(), &shape, Dtype::Bf16);
         assert_eq!(
             bf16_slots.adapter_slots,
-            (32 * 16 * sum_in_out as u64 * 2 + 2 * 32 * 7 * 4) * 32
+            (32 * 16 * sum_in_out as u64 * 2 + 3 * 32 * 7 * 4) * 32 + vectors
         );
         assert_eq!(bf16_slots.weights, plan.weights);
         assert!(plan.check(80 * GIB).is_ok(), "{}", plan.summary());

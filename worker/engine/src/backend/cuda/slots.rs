@@ -8,6 +8,13 @@
 //! the slots its segments use, so a load overlaps the steps that do not
 //! need it. The staging buffers are used in turn; one is refilled only
 //! after its last copy finished.
+//!
+//! Beside the images, each slot has f32 vectors of every (layer,
+//! projection), `[g | c]` of its width: DoRA's scale of each output row
+//! (`g`, computed on the device as the slot is written, from its magnitude
+//! and the base's rows) and `lora_bias`'s `s·b_B` (`c`), read by the expand
+//! where the slot's flags of that key say so. An adapter with neither
+//! copies none of them.
 
 use std::sync::Arc;
 
@@ -19,6 +26,22 @@ use super::device::{Device, cuda};
 use crate::backend::{BackendShape, Segment};
 use crate::error::Result;
 use crate::lora::{HostAdapter, LoraModule, Projection};
+
+/// A slot's flag of one (layer, projection): its rows are scaled by DoRA's
+/// `g` (see the kernels' `lora_expand`).
+pub(super) const FLAG_DORA: i32 = 1;
+/// Its rows get `lora_bias`'s `c`.
+pub(super) const FLAG_BIAS: i32 = 2;
+
+/// The base rows one DoRA module's scales are computed from: the
+/// projection's rows of a dense weight, `[width, fan_in]` in the weights'
+/// type at `w`.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct DoraBase {
+    pub key: usize,
+    pub w: u64,
+    pub fan_in: usize,
+}
 use crate::model::ModelConfig;
 
 /// Staging buffers in turn: two, so one fills while the other is copied.
@@ -44,6 +67,15 @@ pub(super) struct Slots {
     pub scale: CudaSlice<f32>,
     rank_host: Vec<i32>,
     scale_host: Vec<f32>,
+    /// `[key][slot]` flags ([`FLAG_DORA`], [`FLAG_BIAS`]), mirrored.
+    flags: CudaSlice<i32>,
+    flags_host: Vec<i32>,
+    /// `slots` vector images of `v_stride` f32 each; key k's `[g | c]`
+    /// start at `v_at[k]`.
+    vectors: CudaSlice<f32>,
+    pub v_stride: usize,
+    v_at: Vec<usize>,
+    widths: Vec<usize>,
     /// Each slot's projections (bit `Projection::index`) that some layer
     /// of its adapter has: a step launches LoRA work for the projections
     /// its slots have, and no other.
@@ -77,6 +109,7 @@ impl Slots {
                 stride += max_rank * fan_out;
             }
         }
+        let (v_at, widths, v_stride) = vector_layout(c);
         let keys = c.num_layers * 7 * shape.slots;
         let alloc = "allocating adapter slots";
         Ok(Slots {
@@ -94,6 +127,15 @@ impl Slots {
             scale: dev.stream.alloc_zeros::<f32>(keys).map_err(cuda(alloc))?,
             rank_host: vec![0; keys],
             scale_host: vec![0.0; keys],
+            flags: dev.stream.alloc_zeros::<i32>(keys).map_err(cuda(alloc))?,
+            flags_host: vec![0; keys],
+            vectors: dev
+                .stream
+                .alloc_zeros::<f32>((shape.slots * v_stride).max(1))
+                .map_err(cuda(alloc))?,
+            v_stride,
+            v_at,
+            widths,
             kinds: vec![0; shape.slots],
             ready: (0..shape.slots).map(|_| None).collect(),
             staging: [None, None],
@@ -122,16 +164,30 @@ impl Slots {
     /// and one that does waits for the copy ([`Slots::wait_for`]). Rows
     /// past a module's rank, and modules the adapter lacks, are copied as
     /// whatever the staging buffer held: their rank keeps them unread.
+    ///
+    /// An adapter with DoRA or `lora_bias` modules also copies the slot's
+    /// vectors (magnitudes and `s·b_B`), after the image on the same
+    /// stream, and each DoRA module's scales are then computed in place
+    /// from `dora`'s base rows (one for each of its DoRA modules), before
+    /// the slot's ready event.
     pub fn write(
         &mut self,
         dev: &Device,
-        _config: &ModelConfig,
         slot: usize,
         adapter: &HostAdapter,
+        dora: &[DoraBase],
     ) -> Result<()> {
         self.reset(slot);
         let elem = self.dtype.bytes();
-        let len = self.stride * elem;
+        let image = self.stride * elem;
+        // The vectors after the image, 16-byte aligned.
+        let v_from = image.next_multiple_of(16);
+        let has_vectors = adapter.is_dora() || adapter.has_lora_bias();
+        let len = if has_vectors {
+            v_from + self.v_stride * 4
+        } else {
+            image
+        };
         let i = self.next;
         self.next = (self.next + 1) % STAGING;
         let mut staged = match self.staging[i].take() {
@@ -160,8 +216,9 @@ impl Slots {
         // Each present module's A rows and Bᵀ rows, in the slots' type, at
         // their places in the image, modules in parallel. Keys ascend with
         // the image's offsets, so the image splits into disjoint pieces.
+        let (host, vectors) = host[..len].split_at_mut(image);
         let mut parts = Vec::new();
-        let mut rest = &mut host[..len];
+        let mut rest = host;
         let mut at = 0;
         for (layer, projs) in adapter.modules.iter().enumerate() {
             for p in Projection::ALL {
@@ -182,19 +239,40 @@ impl Slots {
                 if m.rank > 0 {
                     self.kinds[slot] |= 1 << p.index();
                 }
+                if has_vectors {
+                    self.flags_host[key * self.slots + slot] = self.put_vectors(key, m, vectors);
+                }
             }
         }
         let dtype = self.dtype;
         parts
             .into_par_iter()
             .for_each(|(m, a, b)| encode_module(m, dtype, a, b));
-        let dst = dev.p(&self.data) + (slot * len) as u64;
+        let dst = dev.p(&self.data) + (slot * image) as u64;
+        let host = staged
+            .host
+            .as_mut_slice()
+            .map_err(cuda("staging an adapter"))?;
         // SAFETY: the source is page-locked and stays untouched until
         // `done` completes; the destination is the slot's image.
         unsafe {
-            cudarc::driver::result::memcpy_htod_async(dst, &host[..len], self.copy.cu_stream())
+            cudarc::driver::result::memcpy_htod_async(dst, &host[..image], self.copy.cu_stream())
         }
         .map_err(cuda("copying an adapter into its slot"))?;
+        if has_vectors {
+            let dst = self.vectors_of(dev, slot);
+            // SAFETY: as the image's copy; the destination is the slot's
+            // vectors.
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(
+                    dst,
+                    &host[v_from..len],
+                    self.copy.cu_stream(),
+                )
+            }
+            .map_err(cuda("copying an adapter's vectors into its slot"))?;
+            self.dora_scales(dev, slot, dora)?;
+        }
         let done = |s: &CudaStream| s.record_event(None).map_err(cuda("copying an adapter"));
         staged.done = Some(done(&self.copy)?);
         self.ready[slot] = Some(done(&self.copy)?);
@@ -257,6 +335,7 @@ impl Slots {
         for key in 0..self.rank_host.len() / self.slots {
             self.rank_host[key * self.slots + slot] = 0;
             self.scale_host[key * self.slots + slot] = 0.0;
+            self.flags_host[key * self.slots + slot] = 0;
         }
     }
 
@@ -265,9 +344,97 @@ impl Slots {
             .memcpy_htod(&self.rank_host, &mut self.rank)
             .map_err(cuda("writing slot ranks"))?;
         dev.stream
+            .memcpy_htod(&self.flags_host, &mut self.flags)
+            .map_err(cuda("writing slot flags"))?;
+        dev.stream
             .memcpy_htod(&self.scale_host, &mut self.scale)
             .map_err(cuda("writing slot scales"))
     }
+
+    /// The flags of slice `key`, `[slots]` i32, as an address.
+    pub fn flags_of(&self, dev: &Device, key: usize) -> u64 {
+        dev.p(&self.flags) + (key * self.slots * 4) as u64
+    }
+
+    /// Slot 0's vectors `[g | c]` of `key`; slot s's are `v_stride` values
+    /// further.
+    pub fn vectors_at(&self, dev: &Device, key: usize) -> u64 {
+        dev.p(&self.vectors) + (self.v_at[key] * 4) as u64
+    }
+
+    /// Where `slot`'s vector image starts.
+    fn vectors_of(&self, dev: &Device, slot: usize) -> u64 {
+        dev.p(&self.vectors) + (slot * self.v_stride * 4) as u64
+    }
+
+    /// Writes `m`'s magnitude (the scales' start) and `s·b_B` into its
+    /// places in a staged vector image; returns its flags.
+    fn put_vectors(&self, key: usize, m: &LoraModule, vectors: &mut [u8]) -> i32 {
+        let (at, width) = (self.v_at[key], self.widths[key]);
+        let mut put = |from: usize, values: &mut dyn Iterator<Item = f32>| {
+            for (i, v) in values.enumerate().take(width) {
+                let b = (from + i) * 4;
+                vectors[b..b + 4].copy_from_slice(&v.to_ne_bytes());
+            }
+        };
+        let mut flags = 0;
+        if let Some(mag) = &m.magnitude {
+            put(at, &mut mag.iter().copied());
+            flags |= FLAG_DORA;
+        }
+        if let Some(bias) = &m.bias {
+            put(at + width, &mut bias.iter().map(|b| m.scale * b));
+            flags |= FLAG_BIAS;
+        }
+        flags
+    }
+
+    /// Turns each DoRA module's magnitude in `slot`'s vectors into its
+    /// scales, on the copy stream after the copies.
+    fn dora_scales(&self, dev: &Device, slot: usize, dora: &[DoraBase]) -> Result<()> {
+        use super::device::Arg;
+        for d in dora {
+            let rank = self.rank_host[d.key * self.slots + slot];
+            if self.flags_host[d.key * self.slots + slot] & FLAG_DORA == 0 || rank == 0 {
+                continue;
+            }
+            let width = self.widths[d.key];
+            let at = |base: u64, values: usize| base + (values * self.dtype.bytes()) as u64;
+            let image = dev.p(&self.data) + (slot * self.stride * self.dtype.bytes()) as u64;
+            dev.launch_on(
+                &self.copy,
+                "dora_scales",
+                (width as u32, 1, 1),
+                256,
+                &[
+                    Arg::Ptr(d.w),
+                    Arg::I32(d.fan_in as i32),
+                    Arg::Ptr(at(image, self.a_at[d.key])),
+                    Arg::Ptr(at(image, self.b_at[d.key])),
+                    Arg::I32(width as i32),
+                    Arg::I32(rank),
+                    Arg::F32(self.scale_host[d.key * self.slots + slot]),
+                    Arg::Ptr(self.vectors_of(dev, slot) + (self.v_at[d.key] * 4) as u64),
+                ],
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Where each (layer, projection)'s `[g | c]` starts in a slot's vector
+/// image, each one's width, and the image's length, in f32 values.
+pub(super) fn vector_layout(c: &ModelConfig) -> (Vec<usize>, Vec<usize>, usize) {
+    let (mut at, mut widths, mut len) = (Vec::new(), Vec::new(), 0);
+    for _ in 0..c.num_layers {
+        for p in Projection::ALL {
+            let width = p.shape(c).1;
+            at.push(len);
+            widths.push(width);
+            len += 2 * width;
+        }
+    }
+    (at, widths, len)
 }
 
 /// Writes a module's A and Bᵀ into `a` and `b` (bytes, in order) as `dtype`

@@ -31,8 +31,8 @@ use crate::model::ModelConfig;
 use lorafleet_artifact::layers::{Activation, LayerKind};
 
 /// The projections that share their input, launched together.
-const QKV: [Projection; 3] = [Projection::Q, Projection::K, Projection::V];
-const GATE_UP: [Projection; 2] = [Projection::Gate, Projection::Up];
+pub(super) const QKV: [Projection; 3] = [Projection::Q, Projection::K, Projection::V];
+pub(super) const GATE_UP: [Projection; 2] = [Projection::Gate, Projection::Up];
 
 /// The largest decode batch captured in a graph; larger ones run their
 /// launches one by one.
@@ -671,6 +671,9 @@ impl CudaBackend {
                     b_stride: self.slots.stride,
                     rank: self.slots.rank_of(&self.dev, key),
                     scale: self.slots.scale_of(&self.dev, key),
+                    flags: self.slots.flags_of(&self.dev, key),
+                    vectors: self.slots.vectors_at(&self.dev, key),
+                    bias: self.base_bias(layer, *p),
                     width,
                     offset,
                 });
@@ -691,6 +694,7 @@ impl CudaBackend {
             segments: meta.segments,
             tiles: meta.tiles,
             h_part: meta.h_part,
+            v_stride: self.slots.v_stride,
         })
     }
 }

@@ -210,6 +210,8 @@ pub struct LoraBench {
     b: CudaSlice<f32>,
     rank: CudaSlice<i32>,
     scale: CudaSlice<f32>,
+    /// Every slot plain: no DoRA, no `lora_bias`.
+    flags: CudaSlice<i32>,
     max_tokens: usize,
     dev: Device,
 }
@@ -261,6 +263,10 @@ impl LoraBench {
             scale: dev
                 .stream
                 .clone_htod(&vec![0.5f32; slots])
+                .map_err(cuda("upload"))?,
+            flags: dev
+                .stream
+                .alloc_zeros::<i32>(slots)
                 .map_err(cuda("upload"))?,
             fan_in,
             fan_out,
@@ -320,6 +326,9 @@ impl LoraBench {
                     b: self.dev.p(&self.b),
                     rank: self.dev.p(&self.rank),
                     scale: self.dev.p(&self.scale),
+                    flags: self.dev.p(&self.flags),
+                    vectors: 0,
+                    bias: 0,
                     b_stride: self.max_rank * self.fan_out,
                     width: self.fan_out,
                     offset: 0,
@@ -328,6 +337,7 @@ impl LoraBench {
                 segments: ptrs.at(self.dev.p(&dev_buf)),
                 tiles,
                 h_part: self.dev.p(&self.h_part),
+                v_stride: 0,
             });
             held.push(dev_buf);
         }

@@ -1,0 +1,172 @@
+//! Adapters as people train them, on the GPU: DoRA (`use_dora`, the scales
+//! `m / ‖W + s·B·A‖` computed on the device as the slot is written) and a
+//! bias on lora_B (`lora_bias`), in f32, on a dense Llama, a Qwen2 whose
+//! q/k/v carry biases of their own (kept out of DoRA's scaling) and the
+//! attention of a Mixture-of-Experts model: every golden case's logits
+//! within 1e-5 of the CPU backend and 1e-4 of transformers + PEFT, greedy
+//! tokens equal; a DoRA slot, a `lora_bias` slot and the base in one step,
+//! each row its own golden; DoRA on a quantized base refused by
+//! `use_dora`. PEFT made the fixtures (`scripts/make_dora_fixtures.py`,
+//! `scripts/make_bias_fixtures.py`).
+//!
+//! These need a CUDA device: they are ignored by a plain `cargo test`,
+//! and `deploy/gpu-check.sh` runs them with `--include-ignored`.
+
+mod common;
+
+use common::gpu::{assert_close, require_gpu, run_golden};
+use common::*;
+use lorafleet_engine::backend::cpu::CpuBackend;
+use lorafleet_engine::backend::cuda::{CudaBackend, Dtype, StepLimits};
+use lorafleet_engine::backend::{Backend, BackendShape, StepBatch};
+use lorafleet_engine::lora::{AdapterLimits, HostAdapter};
+use lorafleet_engine::model::ModelConfig;
+
+const SHAPE: BackendShape = BackendShape {
+    slots: 2,
+    max_lora_rank: 16,
+    kv_blocks: 8,
+    block_size: 4,
+    ring_len: 0,
+    ring_blocks: 0,
+};
+
+const LIMITS: StepLimits = StepLimits {
+    max_tokens: 64,
+    max_rows: 8,
+};
+
+fn load(model: &str, dir: &str, name: &str) -> HostAdapter {
+    let config = ModelConfig::from_dir(&model_dir(model)).unwrap();
+    let limits = AdapterLimits {
+        model: &config,
+        max_lora_rank: 16,
+        base_hash_check: None,
+    };
+    HostAdapter::load(name, &adapter_dir(dir, name), limits).unwrap()
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: deploy/gpu-check.sh runs it"]
+fn dora_and_lora_bias_adapters_on_the_gpu_give_the_cpu_backends_and_peft_logits() {
+    require_gpu();
+    let mut checked = 0;
+    for (file, model, dir) in [
+        ("golden_dora.json", "llama-gqa", "dora/llama-gqa"),
+        ("golden_dora.json", "qwen2-tied", "dora/qwen2-tied"),
+        ("golden_dora.json", "mixtral-moe", "dora/mixtral-moe"),
+        ("golden_bias.json", "llama-gqa", "bias/llama-gqa"),
+        ("golden_bias.json", "qwen2-tied", "bias/qwen2-tied"),
+    ] {
+        let golden = golden_named(file);
+        let model_path = model_dir(model);
+        let config = ModelConfig::from_dir(&model_path).unwrap();
+        let cases: Vec<&GoldenCase> = golden.cases.iter().filter(|c| c.model == model).collect();
+        let shape = BackendShape {
+            kv_blocks: cases.iter().map(|c| golden_blocks(c)).max().unwrap(),
+            ..SHAPE
+        };
+        let mut cpu = CpuBackend::load(&model_path, &config, shape).unwrap();
+        let mut gpu =
+            CudaBackend::load(&model_path, &config, shape, 0, Dtype::F32, LIMITS).unwrap();
+        let mut adapted = 0;
+        for case in &cases {
+            let what = format!("{dir}/{:?} {:?}", case.adapter, case.prompt);
+            let (cpu_logits, cpu_tokens) = run_golden(&mut cpu, dir, case);
+            let (gpu_logits, gpu_tokens) = run_golden(&mut gpu, dir, case);
+            assert_close(&gpu_logits, &cpu_logits, 1e-5, &what);
+            assert_close(&gpu_logits, &case.logits, 1e-4, &format!("{what} vs PEFT"));
+            assert_eq!(gpu_tokens, cpu_tokens, "{what}: greedy tokens");
+            assert_eq!(gpu_tokens, case.greedy, "{what}: greedy tokens vs PEFT");
+            adapted += usize::from(case.adapter.is_some());
+            checked += 1;
+        }
+        assert!(adapted >= 3, "{file} {model}: {adapted} adapter cases");
+    }
+    // DoRA: 3 bases and 4 adapters, bias: 2 adapters, 3 prompts each.
+    assert_eq!(checked, 3 * (3 + 4 + 2), "{checked} cases");
+}
+
+/// A DoRA slot, a `lora_bias` slot and the base model in one step: each
+/// row is its own golden, so one slot's flags and vectors touch only its
+/// rows; a slot written again with a plain adapter is plain.
+#[test]
+#[ignore = "needs a CUDA GPU: deploy/gpu-check.sh runs it"]
+fn a_dora_slot_a_bias_slot_and_the_base_in_one_gpu_step_are_each_their_own() {
+    require_gpu();
+    let model = "llama-gqa";
+    let dir = model_dir(model);
+    let config = ModelConfig::from_dir(&dir).unwrap();
+    let shape = BackendShape {
+        kv_blocks: 24,
+        ..SHAPE
+    };
+    let mut gpu = CudaBackend::load(&dir, &config, shape, 0, Dtype::F32, LIMITS).unwrap();
+    gpu.write_slot(0, &load(model, "dora/llama-gqa", "dora-qv-r8"))
+        .unwrap();
+    gpu.write_slot(1, &load(model, "bias/llama-gqa", "bias-qv-r8"))
+        .unwrap();
+    let prompt = "The quick brown fox";
+    let pick = |g: &Golden, adapter: Option<&str>| {
+        g.cases
+            .iter()
+            .find(|c| c.model == model && c.adapter.as_deref() == adapter && c.prompt == prompt)
+            .unwrap()
+            .clone()
+    };
+    let (dora, bias, plain) = (
+        golden_named("golden_dora.json"),
+        golden_named("golden_bias.json"),
+        golden(),
+    );
+    let rows = [
+        (pick(&plain, None), None),
+        (pick(&dora, Some("dora-qv-r8")), Some(0)),
+        (pick(&bias, Some("bias-qv-r8")), Some(1)),
+    ];
+    let tables: Vec<Vec<u32>> = (0..3).map(|s| (s * 8..s * 8 + 8).collect()).collect();
+    let step = |gpu: &mut CudaBackend, rows: &[(GoldenCase, Option<usize>)]| {
+        let mut batch = StepBatch::default();
+        for (i, (case, slot)) in rows.iter().enumerate() {
+            batch.push(&case.prompt_ids, 0, &tables[i], *slot, true);
+        }
+        batch.finish();
+        gpu.forward(&batch).unwrap()
+    };
+    let logits = step(&mut gpu, &rows);
+    let v = config.vocab_size;
+    for (i, (case, _)) in rows.iter().enumerate() {
+        let err = relative_error(&logits[i * v..(i + 1) * v], &case.logits);
+        assert!(
+            err <= 1e-4,
+            "row {i} ({:?}): relative error {err}",
+            case.adapter
+        );
+    }
+    // Slot 0 written again with a plain adapter: no DoRA scale is left.
+    gpu.write_slot(0, &load(model, model, "qv-r8")).unwrap();
+    let again = [(pick(&plain, Some("qv-r8")), Some(0))];
+    let err = relative_error(&step(&mut gpu, &again), &again[0].0.logits);
+    assert!(err <= 1e-4, "a plain adapter where DoRA was: {err}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: deploy/gpu-check.sh runs it"]
+fn dora_on_a_quantized_base_is_refused_by_use_dora_on_the_gpu() {
+    require_gpu();
+    let model = "llama-gqa-tool-w8a16";
+    let dir = model_dir(model);
+    let config = ModelConfig::from_dir(&dir).unwrap();
+    let mut gpu = CudaBackend::load(&dir, &config, SHAPE, 0, Dtype::F32, LIMITS).unwrap();
+    let err = gpu
+        .write_slot(0, &load(model, "dora/llama-gqa", "dora-w8a16-qv-r4"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("use_dora") && err.contains("quantized"),
+        "{err}"
+    );
+    // A bias adapter serves on the same base.
+    gpu.write_slot(1, &load(model, "bias/llama-gqa", "bias-qv-r8"))
+        .unwrap();
+}
