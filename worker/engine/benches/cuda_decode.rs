@@ -19,6 +19,7 @@
 //!
 //! Run on a machine with an NVIDIA GPU:
 //!   cargo bench -p lorafleet-engine --bench cuda_decode
+//! (`LORAFLEET_BENCH_DORA=1`: the same adapters as DoRA.)
 //! Each run adds its tokens/s to the chart of tokens/s against adapters
 //! (`plots/gpu_decode.rs`: `docs/plots/gpu_decode_adapters.svg`);
 //! `cuda_decode --plot-only` redraws it without a GPU.
@@ -79,7 +80,17 @@ fn main() {
         .unwrap_or_else(|_| vec![1, 8, 64, 512]);
     let written = Instant::now();
     let model = standin::model_shaped(&SHAPE, safetensors::Dtype::BF16);
-    let dirs = standin::adapters_shaped(&SHAPE, *counts.iter().max().unwrap());
+    // LORAFLEET_BENCH_DORA=1: the same adapters as DoRA (a magnitude vector
+    // per module; the scales computed on the device as each slot is
+    // written, applied in the expand), to show what DoRA costs on the GPU.
+    let dora = std::env::var("LORAFLEET_BENCH_DORA").is_ok_and(|v| v == "1");
+    let kind = if dora {
+        standin::Kind::Dora
+    } else {
+        standin::Kind::Plain
+    };
+    let dirs =
+        standin::adapters_of_kind(&SHAPE, *counts.iter().max().unwrap(), standin::RANK, kind);
     eprintln!(
         "stand-in model and {} adapters ready in {:.1} s",
         dirs.len(),
@@ -108,11 +119,12 @@ fn main() {
         memory_budget_bytes: None,
     };
     println!(
-        "decode, STAND-IN Llama-3.2-1B shape (h={}, L={}, vocab {}, bf16), rank {}, {REQUESTS} requests x {NEW} new tokens, up to 32 a step, {slots} device slots",
+        "decode, STAND-IN Llama-3.2-1B shape (h={}, L={}, vocab {}, bf16), rank {}{}, {REQUESTS} requests x {NEW} new tokens, up to 32 a step, {slots} device slots",
         SHAPE.hidden,
         SHAPE.layers,
         SHAPE.vocab,
         standin::RANK,
+        if dora { " DoRA" } else { "" },
     );
     // The adapter slots in f32 (the default) and in bf16; with
     // LORAFLEET_BENCH_PDL=1 each also with programmatic dependent launch
@@ -176,9 +188,15 @@ fn main() {
             tokens_per_s,
         });
     }
-    plot::record(series);
-
-    quantized_bases(&model, &dirs, settings);
+    // A DoRA run's series is not the chart's plain-LoRA one.
+    if dora {
+        println!(
+            "\n(DoRA: the quantized bases are left out; the CUDA backend serves DoRA on dense bases)"
+        );
+    } else {
+        plot::record(series);
+        quantized_bases(&model, &dirs, settings);
+    }
 
     if std::env::var("LORAFLEET_BENCH_TABLES_ONLY").is_ok_and(|v| v == "1") {
         return;

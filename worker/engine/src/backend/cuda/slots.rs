@@ -216,7 +216,10 @@ impl Slots {
         // Each present module's A rows and Bᵀ rows, in the slots' type, at
         // their places in the image, modules in parallel. Keys ascend with
         // the image's offsets, so the image splits into disjoint pieces.
-        let (host, vectors) = host[..len].split_at_mut(image);
+        // The vectors' part starts at `v_from` (the image's end with no
+        // vectors): what `put_vectors` writes at its offsets is what the
+        // second copy sends.
+        let (host, vectors) = host[..len].split_at_mut(v_from.min(len));
         let mut parts = Vec::new();
         let mut rest = host;
         let mut at = 0;
@@ -240,7 +243,8 @@ impl Slots {
                     self.kinds[slot] |= 1 << p.index();
                 }
                 if has_vectors {
-                    self.flags_host[key * self.slots + slot] = self.put_vectors(key, m, vectors);
+                    self.flags_host[key * self.slots + slot] =
+                        put_vectors(self.v_at[key], self.widths[key], m, vectors);
                 }
             }
         }
@@ -367,28 +371,6 @@ impl Slots {
         dev.p(&self.vectors) + (slot * self.v_stride * 4) as u64
     }
 
-    /// Writes `m`'s magnitude (the scales' start) and `s·b_B` into its
-    /// places in a staged vector image; returns its flags.
-    fn put_vectors(&self, key: usize, m: &LoraModule, vectors: &mut [u8]) -> i32 {
-        let (at, width) = (self.v_at[key], self.widths[key]);
-        let mut put = |from: usize, values: &mut dyn Iterator<Item = f32>| {
-            for (i, v) in values.enumerate().take(width) {
-                let b = (from + i) * 4;
-                vectors[b..b + 4].copy_from_slice(&v.to_ne_bytes());
-            }
-        };
-        let mut flags = 0;
-        if let Some(mag) = &m.magnitude {
-            put(at, &mut mag.iter().copied());
-            flags |= FLAG_DORA;
-        }
-        if let Some(bias) = &m.bias {
-            put(at + width, &mut bias.iter().map(|b| m.scale * b));
-            flags |= FLAG_BIAS;
-        }
-        flags
-    }
-
     /// Turns each DoRA module's magnitude in `slot`'s vectors into its
     /// scales, on the copy stream after the copies.
     fn dora_scales(&self, dev: &Device, slot: usize, dora: &[DoraBase]) -> Result<()> {
@@ -420,6 +402,28 @@ impl Slots {
         }
         Ok(())
     }
+}
+
+/// Writes `m`'s magnitude (where its scales will be) and `s·b_B` into a
+/// staged vector image as native f32 bytes, its `[g | c]` of `width` values
+/// each starting at value `at`; returns its flags.
+fn put_vectors(at: usize, width: usize, m: &LoraModule, vectors: &mut [u8]) -> i32 {
+    let mut put = |from: usize, values: &mut dyn Iterator<Item = f32>| {
+        for (i, v) in values.enumerate().take(width) {
+            let b = (from + i) * 4;
+            vectors[b..b + 4].copy_from_slice(&v.to_ne_bytes());
+        }
+    };
+    let mut flags = 0;
+    if let Some(mag) = &m.magnitude {
+        put(at, &mut mag.iter().copied());
+        flags |= FLAG_DORA;
+    }
+    if let Some(bias) = &m.bias {
+        put(at + width, &mut bias.iter().map(|b| m.scale * b));
+        flags |= FLAG_BIAS;
+    }
+    flags
 }
 
 /// Where each (layer, projection)'s `[g | c]` starts in a slot's vector
@@ -468,5 +472,58 @@ fn encode_module(m: &LoraModule, dtype: Dtype, a: &mut [u8], b: &mut [u8]) {
             m.write_a_as(view(a), f16_bits, |bits| f16_bits(widen(bits)));
             m.write_b_t_as(view(b), f16_bits, |bits| f16_bits(widen(bits)));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lora::Factors;
+
+    #[test]
+    fn each_projection_s_vectors_have_their_own_place_and_flags() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama-gqa");
+        let c = ModelConfig::from_dir(&dir).unwrap();
+        let (at, widths, len) = vector_layout(&c);
+        assert_eq!(at.len(), c.num_layers * 7);
+        // Back to back, two of each projection's width.
+        let mut next = 0;
+        for (key, (&a, &w)) in at.iter().zip(&widths).enumerate() {
+            assert_eq!(a, next, "key {key}");
+            assert_eq!(w, Projection::ALL[key % 7].shape(&c).1);
+            next += 2 * w;
+        }
+        assert_eq!(next, len);
+
+        let module = |magnitude: Option<Vec<f32>>, bias: Option<Vec<f32>>| LoraModule {
+            rank: 1,
+            scale: 0.5,
+            factors: Factors::F32 {
+                a_t: vec![0.0; 4],
+                b_t: vec![0.0; 3],
+            },
+            magnitude,
+            bias,
+        };
+        let read = |bytes: &[u8]| -> Vec<f32> {
+            bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_ne_bytes(b.try_into().unwrap()))
+                .collect()
+        };
+        let mut image = vec![0u8; 4 * 12];
+        let both = module(Some(vec![1.0, 2.0, 3.0]), Some(vec![4.0, 6.0, 8.0]));
+        assert_eq!(put_vectors(3, 3, &both, &mut image), FLAG_DORA | FLAG_BIAS);
+        assert_eq!(
+            read(&image),
+            [0.0, 0.0, 0.0, 1.0, 2.0, 3.0, 2.0, 3.0, 4.0, 0.0, 0.0, 0.0]
+        );
+        let mut image = vec![0u8; 4 * 6];
+        assert_eq!(
+            put_vectors(0, 3, &module(None, Some(vec![2.0; 3])), &mut image),
+            FLAG_BIAS
+        );
+        assert_eq!(read(&image), [0.0, 0.0, 0.0, 1.0, 1.0, 1.0]);
+        assert_eq!(put_vectors(0, 3, &module(None, None), &mut image), 0);
     }
 }
