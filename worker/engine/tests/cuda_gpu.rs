@@ -479,6 +479,9 @@ fn grouped_lora_shrink_and_expand_match_the_cpu_kernel() {
     // Three slices sharing an input of 96 features: two split-K chunks of
     // 64, the second partial. Slot 2 lacks the second slice (rank 0).
     // Slot 1's segment of 37 tokens spans three tiles, the last partial.
+    // Some (slice, slot)s carry what DoRA and lora_bias add: slot 1's first
+    // slice both, slot 3's second a bias, slot 0's third DoRA over a base
+    // bias the scaling leaves out (the CPU backend's `b + g ⊙ (y − b)`).
     let (fan_in, max_rank, slots, tokens) = (96usize, 16usize, 4usize, 48usize);
     let widths = [64usize, 32, 32];
     let ranks: [[usize; 4]; 3] = [[5, 16, 12, 1], [5, 16, 0, 1], [3, 8, 12, 16]];
@@ -593,10 +596,64 @@ fn grouped_lora_shrink_and_expand_match_the_cpu_kernel() {
     args.push(Arg::Ptr(h.ptr(&out)));
     args.push(Arg::I32(stride as i32));
     args.extend(widths.iter().map(|&w| Arg::I64((max_rank * w) as i64)));
+    // Flags of (slice, slot), each slot's vectors `[g | c]` of every
+    // slice, and slice 2's base bias.
+    let mut flags = [[0i32; 4]; 3];
+    flags[0][1] = 3;
+    flags[1][3] = 2;
+    flags[2][0] = 1;
+    let v_at: Vec<usize> = widths
+        .iter()
+        .scan(0, |at, w| {
+            let here = *at;
+            *at += 2 * w;
+            Some(here)
+        })
+        .collect();
+    let v_stride: usize = widths.iter().map(|w| 2 * w).sum();
+    let vectors: Vec<f32> = random(70, slots * v_stride)
+        .iter()
+        .map(|v| 1.0 + 0.25 * v)
+        .collect();
+    let beta = random(71, widths[2]);
+    let mut offset = 0;
+    for (z, &width) in widths.iter().enumerate() {
+        for t in 0..tokens {
+            let slot = slot_of(t);
+            let f = flags[z][slot];
+            let v = &vectors[slot * v_stride + v_at[z]..][..2 * width];
+            for o in 0..width {
+                let y = &mut want[t * stride + offset + o];
+                if f & 2 != 0 {
+                    *y += v[width + o];
+                }
+                if f & 1 != 0 {
+                    let b = if z == 2 { beta[o] } else { 0.0 };
+                    *y = b + v[o] * (*y - b);
+                }
+            }
+        }
+        offset += width;
+    }
+    let flags_dev: Vec<Buf> = flags.iter().map(|f| h.i32(f).unwrap()).collect();
+    let vec_dev = h.f32(&vectors).unwrap();
+    let beta_dev = h.f32(&beta).unwrap();
+    args.extend(flags_dev.iter().map(|b| Arg::Ptr(h.ptr(b))));
+    args.extend(
+        v_at.iter()
+            .map(|&at| Arg::Ptr(h.ptr(&vec_dev) + (at * 4) as u64)),
+    );
+    args.extend([0, 0, h.ptr(&beta_dev)].map(Arg::Ptr));
+    args.push(Arg::I64(v_stride as i64));
     h.launch("lora_expand", (tiles as u32, 1, 3), 256, &args)
         .unwrap();
     let got = h.read(&out).unwrap();
-    assert_close(&got, &want, 1e-5, "lora shrink + expand");
+    assert_close(
+        &got,
+        &want,
+        1e-5,
+        "lora shrink + expand, with DoRA and lora_bias flags",
+    );
     // Slot 2's second slice has rank 0: its columns are the base, untouched.
     for t in 42..45 {
         assert_eq!(
@@ -875,4 +932,56 @@ fn fp8_gemms_give_the_products_of_the_hosts_e4m3_codes() {
         })
         .collect();
     assert_close(&y, &want, 1e-3, "FP8 GEMM");
+}
+
+/// DoRA's scale of each output row, computed on the device from the base
+/// rows and a slot's A and Bᵀ (`dora_scales`), is the direct sum over
+/// `W + s·B·A` that the CPU backend is checked against, to 1e-6.
+#[test]
+#[ignore = "needs a CUDA GPU: deploy/gpu-check.sh runs it"]
+fn dora_scales_on_the_device_are_the_direct_sum_over_the_adapted_weight() {
+    require_gpu();
+    use lorafleet_engine::lora::{Factors, LoraModule};
+    let h = KernelHarness::new(SHAPES).unwrap();
+    // 300 inputs: more than one pass of the block's 256 threads.
+    let (fan_in, width, rank) = (300usize, 24usize, 5usize);
+    let w = random(90, width * fan_in);
+    let m = LoraModule {
+        rank,
+        scale: 1.5,
+        factors: Factors::F32 {
+            a_t: random(91, fan_in * rank),
+            b_t: random(92, rank * width),
+        },
+        magnitude: Some((0..width).map(|i| 1.0 + i as f32 / 10.0).collect()),
+        bias: None,
+    };
+    let want = m
+        .dora_scales(fan_in, |o, row| {
+            row.copy_from_slice(&w[o * fan_in..(o + 1) * fan_in])
+        })
+        .unwrap();
+    let (w_dev, a_dev, b_dev) = (
+        h.f32(&w).unwrap(),
+        h.f32(&m.a_f32()).unwrap(),
+        h.f32(&m.b_t_f32()).unwrap(),
+    );
+    let g = h.f32(m.magnitude.as_ref().unwrap()).unwrap();
+    h.launch(
+        "dora_scales",
+        (width as u32, 1, 1),
+        256,
+        &[
+            Arg::Ptr(h.ptr(&w_dev)),
+            Arg::I32(fan_in as i32),
+            Arg::Ptr(h.ptr(&a_dev)),
+            Arg::Ptr(h.ptr(&b_dev)),
+            Arg::I32(width as i32),
+            Arg::I32(rank as i32),
+            Arg::F32(m.scale),
+            Arg::Ptr(h.ptr(&g)),
+        ],
+    )
+    .unwrap();
+    assert_close(&h.read(&g).unwrap(), &want, 1e-6, "DoRA scales");
 }
