@@ -1,13 +1,16 @@
 //! Adapters as people train them, on the GPU: DoRA (`use_dora`, the scales
-//! `m / ‖W + s·B·A‖` computed on the device as the slot is written) and a
-//! bias on lora_B (`lora_bias`), in f32, on a dense Llama, a Qwen2 whose
-//! q/k/v carry biases of their own (kept out of DoRA's scaling) and the
-//! attention of a Mixture-of-Experts model: every golden case's logits
-//! within 1e-5 of the CPU backend and 1e-4 of transformers + PEFT, greedy
-//! tokens equal; a DoRA slot, a `lora_bias` slot and the base in one step,
-//! each row its own golden; DoRA on a quantized base refused by
-//! `use_dora`. PEFT made the fixtures (`scripts/make_dora_fixtures.py`,
-//! `scripts/make_bias_fixtures.py`).
+//! `m / ‖W + s·B·A‖` computed on the device as the slot is written), a
+//! bias on lora_B (`lora_bias`) and LoRA on the token embeddings and the
+//! lm_head, in f32, on a dense Llama, a Qwen2 whose q/k/v carry biases of
+//! their own (kept out of DoRA's scaling) and whose lm_head is tied to its
+//! embeddings, and the attention of a Mixture-of-Experts model: every
+//! golden case's logits within 1e-5 of the CPU backend and 1e-4 of
+//! transformers + PEFT, greedy tokens equal (decode steps of an adapter
+//! with embedding or lm_head LoRA never replay a graph captured without
+//! it); a DoRA slot, a `lora_bias` slot and the base in one step, each row
+//! its own golden; DoRA on a quantized base refused by `use_dora`. PEFT
+//! made the fixtures (`scripts/make_dora_fixtures.py`,
+//! `scripts/make_bias_fixtures.py`, `scripts/make_embedding_fixtures.py`).
 //!
 //! These need a CUDA device: they are ignored by a plain `cargo test`,
 //! and `deploy/gpu-check.sh` runs them with `--include-ignored`.
@@ -48,7 +51,7 @@ fn load(model: &str, dir: &str, name: &str) -> HostAdapter {
 
 #[test]
 #[ignore = "needs a CUDA GPU: deploy/gpu-check.sh runs it"]
-fn dora_and_lora_bias_adapters_on_the_gpu_give_the_cpu_backends_and_peft_logits() {
+fn dora_bias_and_embedding_adapters_on_the_gpu_give_the_cpu_backends_and_peft_logits() {
     require_gpu();
     let mut checked = 0;
     for (file, model, dir) in [
@@ -57,6 +60,8 @@ fn dora_and_lora_bias_adapters_on_the_gpu_give_the_cpu_backends_and_peft_logits(
         ("golden_dora.json", "mixtral-moe", "dora/mixtral-moe"),
         ("golden_bias.json", "llama-gqa", "bias/llama-gqa"),
         ("golden_bias.json", "qwen2-tied", "bias/qwen2-tied"),
+        ("golden_embedding.json", "llama-gqa", "embedding/llama-gqa"),
+        ("golden_embedding.json", "qwen2-tied", "embedding/qwen2-tied"),
     ] {
         let golden = golden_named(file);
         let model_path = model_dir(model);
@@ -70,6 +75,17 @@ fn dora_and_lora_bias_adapters_on_the_gpu_give_the_cpu_backends_and_peft_logits(
         let mut gpu =
             CudaBackend::load(&model_path, &config, shape, 0, Dtype::F32, LIMITS).unwrap();
         let mut adapted = 0;
+        // A base-model decode graph, captured before any adapter: the
+        // embedding and lm_head adapters' steps must not replay it (a
+        // Mixture-of-Experts model's steps are never graphed).
+        let base = golden_named("golden.json")
+            .cases
+            .into_iter()
+            .find(|c| c.model == model && c.adapter.is_none());
+        if let Some(base) = base.filter(|_| config.moe.is_none()) {
+            run_golden(&mut gpu, model, &base);
+            assert!(gpu.graph_counters().unwrap().graphs > 0, "{model}: no graph");
+        }
         for case in &cases {
             let what = format!("{dir}/{:?} {:?}", case.adapter, case.prompt);
             let (cpu_logits, cpu_tokens) = run_golden(&mut cpu, dir, case);
@@ -83,8 +99,9 @@ fn dora_and_lora_bias_adapters_on_the_gpu_give_the_cpu_backends_and_peft_logits(
         }
         assert!(adapted >= 3, "{file} {model}: {adapted} adapter cases");
     }
-    // DoRA: 3 bases and 4 adapters, bias: 2 adapters, 3 prompts each.
-    assert_eq!(checked, 3 * (3 + 4 + 2), "{checked} cases");
+    // DoRA: 3 bases and 4 adapters, bias: 2 adapters, embedding and
+    // lm_head: 4 adapters, 3 prompts each.
+    assert_eq!(checked, 3 * (3 + 4 + 2 + 4), "{checked} cases");
 }
 
 /// A DoRA slot, a `lora_bias` slot and the base model in one step: each

@@ -40,6 +40,16 @@ impl EmbeddingLora {
     pub fn bytes(&self) -> usize {
         (self.a_t.len() + self.b.len()) * 4
     }
+
+    /// `[vocab, rank]`: each token's column of A as a row.
+    pub fn a_t(&self) -> &[f32] {
+        &self.a_t
+    }
+
+    /// `[hidden, rank]`.
+    pub fn b(&self) -> &[f32] {
+        &self.b
+    }
 }
 
 /// Which layer a saved copy is of.

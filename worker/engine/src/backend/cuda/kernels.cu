@@ -154,6 +154,28 @@ extern "C" __global__ void embed(const wt* table, const int* tokens, float* out,
     for (int i = threadIdx.x; i < d; i += blockDim.x) o[i] = wload(row[i]) * scale;
 }
 
+// Embedding LoRA (PEFT's lora.Embedding) of one segment's tokens, added
+// after the embedding (and Gemma's scale, which PEFT's wrapper sees):
+//   hidden[t] += scale * B * A[:, tokens[t]]
+// for t in [first, first + gridDim.x); a_t is [vocab, rank] (a token's
+// column of A as a row), b [d, rank]. Grid: one block per token.
+extern "C" __global__ void embed_lora(const int* tokens, int first, float* hidden, int d, const float* a_t,
+                                      const float* b, int rank, float scale) {
+    PDL_ENTER();
+    __shared__ float as[MAX_RANK];
+    int t = first + blockIdx.x;
+    const float* a = a_t + (size_t)tokens[t] * rank;
+    for (int r = threadIdx.x; r < rank; r += blockDim.x) as[r] = a[r];
+    __syncthreads();
+    float* row = hidden + (size_t)t * d;
+    for (int o = threadIdx.x; o < d; o += blockDim.x) {
+        const float* bo = b + (size_t)o * rank;
+        float acc = 0.0f;
+        for (int r = 0; r < rank; r++) acc += as[r] * bo[r];
+        row[o] += acc * scale;
+    }
+}
+
 // RMSNorm of rows of `x` (row `rows[b]`, or row b when `rows` is null) into
 // `out` (f32) and, when `out_w` is not null, the same values in the
 // weights' type for the next GEMM. Grid: one block per output row.

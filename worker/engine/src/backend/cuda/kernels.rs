@@ -18,6 +18,7 @@ pub const QUANT_SOURCE: &str = include_str!("quant.cu");
 /// Every kernel the backend launches, by its `extern "C"` name.
 pub const KERNELS: &[&str] = &[
     "embed",
+    "embed_lora",
     "rms_norm",
     "to_wt",
     "add_bias",

@@ -28,6 +28,7 @@ mod fp8;
 pub mod kernels;
 mod meta;
 mod moe;
+mod outer;
 pub mod plan;
 pub mod quant;
 mod sample;
@@ -156,6 +157,10 @@ pub struct CudaBackend {
     /// Each slot's expert LoRA, for a Mixture-of-Experts model's adapters
     /// that have one.
     expert_slots: moe::ExpertSlots,
+    /// Each slot's embedding and lm_head LoRA, for adapters that have one.
+    outer: outer::OuterSlots,
+    /// What the step being launched does outside the layers.
+    outer_step: outer::OuterStep,
     /// The adapter slot of each token of the step being launched (the
     /// Mixture-of-Experts blocks group their LoRA rows by it).
     token_slots: Vec<Option<usize>>,
@@ -422,6 +427,7 @@ impl CudaBackend {
         let slots = Slots::new(&dev, c, &shape)?;
         let moe_layers = if c.moe.is_some() { c.num_layers } else { 0 };
         let expert_slots = moe::ExpertSlots::new(&dev, moe_layers, shape.slots)?;
+        let outer = outer::OuterSlots::new(&dev, shape.slots)?;
         // The CPU backend's frequencies, computed once from the config.
         let inv_freq = up_f32(&c.rope.inv_freq())?;
         let local_inv_freq = c
@@ -461,6 +467,8 @@ impl CudaBackend {
             token_freqs,
             slots,
             expert_slots,
+            outer,
+            outer_step: Default::default(),
             token_slots: Vec::new(),
             expert_lora_rows: Default::default(),
             // A Mixture-of-Experts step reads the router's choices back
@@ -663,22 +671,12 @@ impl Backend for CudaBackend {
                 },
             ));
         }
-        if adapter.has_outer() {
-            return Err(crate::error::EngineError::Adapter(
-                lorafleet_artifact::adapter::AdapterError::Unsupported {
-                    adapter: adapter.name.clone(),
-                    field: "target_modules".into(),
-                    reason: "the CUDA backend does not serve LoRA on embed_tokens or lm_head yet \
-                             (the CPU backend does)"
-                        .into(),
-                },
-            ));
-        }
         let dora = self.dora_bases(adapter)?;
         // The expert factors' copy goes first on the copy stream, so the
         // slot's ready event, recorded after the dense copy, covers both.
         self.expert_slots
             .write(&self.dev, self.slots.copy_stream(), slot, adapter)?;
+        self.outer.write(&self.dev, slot, adapter)?;
         self.slots.write(&self.dev, slot, adapter, &dora)
     }
 
@@ -691,6 +689,7 @@ impl Backend for CudaBackend {
             return Err(EngineError::Backend(format!("slot {slot} is out of range")));
         }
         self.expert_slots.clear(&self.dev, slot)?;
+        self.outer.clear(&self.dev, slot)?;
         self.slots.clear(&self.dev, slot)
     }
 

@@ -261,8 +261,11 @@ impl CudaBackend {
             meta.lora_kinds = self.slots.kinds(&batch.segments);
         }
         self.graphs.last_step = Some((meta, n, rows.len()));
+        // Embedding and lm_head LoRA are launched for this step's rows
+        // alone: such a step never runs from a graph.
+        self.outer_step = self.outer.plan(&self.dev, batch, &rows)?;
 
-        let run = if decode && self.graphs.enabled {
+        let run = if decode && self.graphs.enabled && self.outer_step.is_empty() {
             let key = GraphKey {
                 tokens: n,
                 rows: rows.len(),
@@ -452,6 +455,8 @@ impl CudaBackend {
                 Arg::F32(c.gemma.as_ref().map_or(1.0, |g| g.embed_scale)),
             ],
         )?;
+        self.outer
+            .embed(&self.dev, &self.outer_step, meta.tokens, hidden, d)?;
         for (l, layer) in self.layers.iter().enumerate() {
             let sliding = c.layer_kinds[l] == LayerKind::Sliding;
             // A sliding layer of a model with both kinds stores its keys
@@ -559,6 +564,13 @@ impl CudaBackend {
         }
         norm_rows(hidden, meta.rows, &self.norm, normed, rows)?;
         self.linear(&self.lm_head, cast.unwrap_or(normed), p(&ws.logits), rows)?;
+        self.outer.head(
+            &self.dev,
+            &self.outer_step,
+            (normed, d),
+            (p(&ws.logits), c.vocab_size),
+            p(&ws.h_part),
+        )?;
         match c.gemma.as_ref().and_then(|g| g.final_logit_softcapping) {
             Some(cap) => self.dev.launch(
                 "softcap",
