@@ -1,16 +1,19 @@
 //! Adapters as people train them, on the GPU: DoRA (`use_dora`, the scales
 //! `m / ‖W + s·B·A‖` computed on the device as the slot is written), a
-//! bias on lora_B (`lora_bias`) and LoRA on the token embeddings and the
-//! lm_head, in f32, on a dense Llama, a Qwen2 whose q/k/v carry biases of
-//! their own (kept out of DoRA's scaling) and whose lm_head is tied to its
-//! embeddings, and the attention of a Mixture-of-Experts model: every
-//! golden case's logits within 1e-5 of the CPU backend and 1e-4 of
+//! bias on lora_B (`lora_bias`), LoRA on the token embeddings and the
+//! lm_head, and an adapter's own rows of those layers (`modules_to_save`,
+//! `trainable_token_indices`), in f32, on a dense Llama, a Qwen2 whose
+//! q/k/v carry biases of their own (kept out of DoRA's scaling) and whose
+//! lm_head is tied to its embeddings, and a Mixture-of-Experts model:
+//! every golden case's logits within 1e-5 of the CPU backend and 1e-4 of
 //! transformers + PEFT, greedy tokens equal (decode steps of an adapter
-//! with embedding or lm_head LoRA never replay a graph captured without
-//! it); a DoRA slot, a `lora_bias` slot and the base in one step, each row
-//! its own golden; DoRA on a quantized base refused by `use_dora`. PEFT
-//! made the fixtures (`scripts/make_dora_fixtures.py`,
-//! `scripts/make_bias_fixtures.py`, `scripts/make_embedding_fixtures.py`).
+//! with embedding or lm_head LoRA or rows never replay a graph captured
+//! without it); every kind and the base in one step, each row its own
+//! golden; DoRA on a quantized base refused by `use_dora`, a vocabulary
+//! grown past the base's by `modules_to_save`. PEFT made the fixtures
+//! (`scripts/make_dora_fixtures.py`, `scripts/make_bias_fixtures.py`,
+//! `scripts/make_embedding_fixtures.py`,
+//! `scripts/make_saved_module_fixtures.py`).
 //!
 //! These need a CUDA device: they are ignored by a plain `cargo test`,
 //! and `deploy/gpu-check.sh` runs them with `--include-ignored`.
@@ -51,7 +54,7 @@ fn load(model: &str, dir: &str, name: &str) -> HostAdapter {
 
 #[test]
 #[ignore = "needs a CUDA GPU: deploy/gpu-check.sh runs it"]
-fn dora_bias_and_embedding_adapters_on_the_gpu_give_the_cpu_backends_and_peft_logits() {
+fn every_adapter_kind_on_the_gpu_gives_the_cpu_backends_and_peft_logits() {
     require_gpu();
     let mut checked = 0;
     for (file, model, dir) in [
@@ -61,7 +64,14 @@ fn dora_bias_and_embedding_adapters_on_the_gpu_give_the_cpu_backends_and_peft_lo
         ("golden_bias.json", "llama-gqa", "bias/llama-gqa"),
         ("golden_bias.json", "qwen2-tied", "bias/qwen2-tied"),
         ("golden_embedding.json", "llama-gqa", "embedding/llama-gqa"),
-        ("golden_embedding.json", "qwen2-tied", "embedding/qwen2-tied"),
+        (
+            "golden_embedding.json",
+            "qwen2-tied",
+            "embedding/qwen2-tied",
+        ),
+        ("golden_saved.json", "llama-gqa", "saved/llama-gqa"),
+        ("golden_saved.json", "qwen2-tied", "saved/qwen2-tied"),
+        ("golden_saved.json", "mixtral-moe", "saved/mixtral-moe"),
     ] {
         let golden = golden_named(file);
         let model_path = model_dir(model);
@@ -84,7 +94,10 @@ fn dora_bias_and_embedding_adapters_on_the_gpu_give_the_cpu_backends_and_peft_lo
             .find(|c| c.model == model && c.adapter.is_none());
         if let Some(base) = base.filter(|_| config.moe.is_none()) {
             run_golden(&mut gpu, model, &base);
-            assert!(gpu.graph_counters().unwrap().graphs > 0, "{model}: no graph");
+            assert!(
+                gpu.graph_counters().unwrap().graphs > 0,
+                "{model}: no graph"
+            );
         }
         for case in &cases {
             let what = format!("{dir}/{:?} {:?}", case.adapter, case.prompt);
@@ -100,8 +113,8 @@ fn dora_bias_and_embedding_adapters_on_the_gpu_give_the_cpu_backends_and_peft_lo
         assert!(adapted >= 3, "{file} {model}: {adapted} adapter cases");
     }
     // DoRA: 3 bases and 4 adapters, bias: 2 adapters, embedding and
-    // lm_head: 4 adapters, 3 prompts each.
-    assert_eq!(checked, 3 * (3 + 4 + 2 + 4), "{checked} cases");
+    // lm_head LoRA: 4 adapters, own rows: 7 adapters, 3 prompts each.
+    assert_eq!(checked, 3 * (3 + 4 + 2 + 4 + 7), "{checked} cases");
 }
 
 /// A DoRA slot, a `lora_bias` slot and the base model in one step: each
@@ -186,4 +199,42 @@ fn dora_on_a_quantized_base_is_refused_by_use_dora_on_the_gpu() {
     // A bias adapter serves on the same base.
     gpu.write_slot(1, &load(model, "bias/llama-gqa", "bias-qv-r8"))
         .unwrap();
+}
+
+/// Every kind the engine serves in one GPU step, each row its own golden
+/// (the test the CPU backend runs in `saved_modules.rs`).
+#[test]
+#[ignore = "needs a CUDA GPU: deploy/gpu-check.sh runs it"]
+fn every_adapter_kind_and_the_base_in_one_gpu_step_are_each_their_own() {
+    require_gpu();
+    let dir = model_dir("llama-gqa");
+    let config = ModelConfig::from_dir(&dir).unwrap();
+    let shape = BackendShape {
+        slots: EVERY_KIND_SLOTS,
+        kv_blocks: 96,
+        ..SHAPE
+    };
+    let mut gpu = CudaBackend::load(&dir, &config, shape, 0, Dtype::F32, LIMITS).unwrap();
+    every_adapter_kind_in_one_step(&mut gpu, 1e-4);
+}
+
+/// A vocabulary grown past the base's (its own embed_tokens and lm_head
+/// with more rows) needs logits wider than the base's: refused on the GPU
+/// by `modules_to_save`, at the slot write.
+#[test]
+#[ignore = "needs a CUDA GPU: deploy/gpu-check.sh runs it"]
+fn a_grown_vocabulary_is_refused_by_modules_to_save_on_the_gpu() {
+    require_gpu();
+    let model = "llama-gqa";
+    let dir = model_dir(model);
+    let config = ModelConfig::from_dir(&dir).unwrap();
+    let mut gpu = CudaBackend::load(&dir, &config, SHAPE, 0, Dtype::F32, LIMITS).unwrap();
+    let err = gpu
+        .write_slot(0, &load(model, "saved/llama-gqa", "grown-vocab-r4"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("modules_to_save") && err.contains("387"),
+        "{err}"
+    );
 }

@@ -57,79 +57,8 @@ fn load(config: &ModelConfig, dir: &std::path::Path) -> Result<HostAdapter, Stri
 /// row is its own golden (PEFT's), the base's too.
 #[test]
 fn each_adapter_s_rows_serve_its_own_tokens_beside_every_other_kind_and_the_base() {
-    let model = "llama-gqa";
-    let saved = |name: &str| adapter_dir("saved/llama-gqa", name);
-    // (fixture directory, adapter, its goldens' file).
-    let others = [
-        (model, "qv-r8", "golden.json"),
-        ("dora/llama-gqa", "dora-qv-r8", "golden_dora.json"),
-        ("bias/llama-gqa", "bias-qv-r8", "golden_bias.json"),
-        (
-            "embedding/llama-gqa",
-            "embed-head-rslora",
-            "golden_embedding.json",
-        ),
-        (
-            "targets/llama-gqa",
-            "regex-layer1-attn",
-            "golden_targets.json",
-        ),
-    ];
-    let (mut backend, config) = backend(model, 4 + others.len());
-    let names = [
-        "head-qv-r4",
-        "tokens-q-r4",
-        "embed-head-o-r4",
-        "tokens-dict-r2",
-    ];
-    for (slot, name) in names.iter().enumerate() {
-        let adapter = load(&config, &saved(name)).unwrap();
-        assert!(adapter.has_outer(), "{name}");
-        backend.write_slot(slot, &adapter).unwrap();
-    }
-    for (i, (dir, name, _)) in others.iter().enumerate() {
-        let adapter = load(&config, &adapter_dir(dir, name)).unwrap();
-        backend.write_slot(4 + i, &adapter).unwrap();
-    }
-    let prompt = "The quick brown fox";
-    let pick = |g: &Golden, adapter: Option<&str>| {
-        g.cases
-            .iter()
-            .find(|c| c.model == model && c.adapter.as_deref() == adapter && c.prompt == prompt)
-            .unwrap()
-            .clone()
-    };
-    let (plain_golden, golden) = (golden_named("golden.json"), golden_saved());
-    let mut cases: Vec<(GoldenCase, Option<usize>)> = names
-        .iter()
-        .enumerate()
-        .map(|(slot, n)| (pick(&golden, Some(n)), Some(slot)))
-        .collect();
-    cases.insert(2, (pick(&plain_golden, None), None));
-    for (i, (_, name, file)) in others.iter().enumerate() {
-        cases.push((pick(&golden_named(file), Some(name)), Some(4 + i)));
-    }
-    let mut batch = StepBatch::default();
-    let tables: Vec<Vec<u32>> = (0..cases.len() as u32)
-        .map(|s| (s * 8..s * 8 + 8).collect())
-        .collect();
-    for ((case, slot), table) in cases.iter().zip(&tables) {
-        batch.push(&case.prompt_ids, 0, table, *slot, true);
-    }
-    batch.finish();
-    let logits = backend.forward(&batch).unwrap();
-    let v = config.vocab_size;
-    for (i, (case, _)) in cases.iter().enumerate() {
-        let err = relative_error(&logits[i * v..(i + 1) * v], &case.logits);
-        assert!(err <= 1e-4, "{:?}: {err}", case.adapter);
-    }
-    // A cleared slot is the base again.
-    backend.clear_slot(0).unwrap();
-    let mut batch = StepBatch::default();
-    batch.push(&cases[0].0.prompt_ids, 0, &tables[0], Some(0), true);
-    batch.finish();
-    let base = pick(&plain_golden, None);
-    assert!(relative_error(&backend.forward(&batch).unwrap(), &base.logits) <= 1e-4);
+    let (mut backend, _) = backend("llama-gqa", EVERY_KIND_SLOTS);
+    every_adapter_kind_in_one_step(&mut backend, 1e-4);
 }
 
 #[test]

@@ -131,6 +131,22 @@ impl Replaced {
         }
     }
 
+    /// Its rows widened to f32, `[rows, hidden]` row-major.
+    pub fn values_f32(&self) -> Vec<f32> {
+        match &self.values {
+            Values::F32(v) => v.clone(),
+            Values::Bf16(v) => v
+                .iter()
+                .map(|&b| half::bf16::from_bits(b).to_f32())
+                .collect(),
+        }
+    }
+
+    /// The tokens whose rows it replaces, in row order (empty when whole).
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
     /// Whether the layer is saved whole.
     pub fn is_whole(&self) -> bool {
         self.index.is_none()

@@ -524,3 +524,105 @@ pub fn gpt_oss_engine_matches_the_goldens(model: &str, choice: lorafleet_engine:
         );
     }
 }
+
+/// The slots [`every_adapter_kind_in_one_step`] fills.
+pub const EVERY_KIND_SLOTS: usize = 9;
+
+/// Every kind of adapter the engine serves (own rows of the lm_head and
+/// the embeddings, whole and by token; a plain one, DoRA, `lora_bias`,
+/// embedding and lm_head LoRA, regex targets) in one step on `backend`, a
+/// `llama-gqa` one of [`EVERY_KIND_SLOTS`] slots and at least 80 KV blocks
+/// of 4: each row within `tolerance` of its golden (PEFT's), the base's
+/// too; then a cleared slot is the base again.
+pub fn every_adapter_kind_in_one_step(
+    backend: &mut dyn lorafleet_engine::backend::Backend,
+    tolerance: f32,
+) {
+    use lorafleet_engine::backend::StepBatch;
+    use lorafleet_engine::lora::{AdapterLimits, HostAdapter};
+    let model = "llama-gqa";
+    let config = backend.config().clone();
+    let load = |dir: &std::path::Path| {
+        let limits = AdapterLimits {
+            model: &config,
+            max_lora_rank: 16,
+            base_hash_check: None,
+        };
+        HostAdapter::load("a", dir, limits).unwrap()
+    };
+    let saved = |name: &str| adapter_dir("saved/llama-gqa", name);
+    // (fixture directory, adapter, its goldens' file).
+    let others = [
+        (model, "qv-r8", "golden.json"),
+        ("dora/llama-gqa", "dora-qv-r8", "golden_dora.json"),
+        ("bias/llama-gqa", "bias-qv-r8", "golden_bias.json"),
+        (
+            "embedding/llama-gqa",
+            "embed-head-rslora",
+            "golden_embedding.json",
+        ),
+        (
+            "targets/llama-gqa",
+            "regex-layer1-attn",
+            "golden_targets.json",
+        ),
+    ];
+    assert_eq!(backend.shape().slots, 4 + others.len());
+    let names = [
+        "head-qv-r4",
+        "tokens-q-r4",
+        "embed-head-o-r4",
+        "tokens-dict-r2",
+    ];
+    for (slot, name) in names.iter().enumerate() {
+        let adapter = load(&saved(name));
+        assert!(adapter.has_outer(), "{name}");
+        backend.write_slot(slot, &adapter).unwrap();
+    }
+    for (i, (dir, name, _)) in others.iter().enumerate() {
+        let adapter = load(&adapter_dir(dir, name));
+        backend.write_slot(4 + i, &adapter).unwrap();
+    }
+    let prompt = "The quick brown fox";
+    let pick = |g: &Golden, adapter: Option<&str>| {
+        g.cases
+            .iter()
+            .find(|c| c.model == model && c.adapter.as_deref() == adapter && c.prompt == prompt)
+            .unwrap()
+            .clone()
+    };
+    let (plain_golden, golden) = (
+        golden_named("golden.json"),
+        golden_named("golden_saved.json"),
+    );
+    let mut cases: Vec<(GoldenCase, Option<usize>)> = names
+        .iter()
+        .enumerate()
+        .map(|(slot, n)| (pick(&golden, Some(n)), Some(slot)))
+        .collect();
+    cases.insert(2, (pick(&plain_golden, None), None));
+    for (i, (_, name, file)) in others.iter().enumerate() {
+        cases.push((pick(&golden_named(file), Some(name)), Some(4 + i)));
+    }
+    let mut batch = StepBatch::default();
+    let tables: Vec<Vec<u32>> = (0..cases.len() as u32)
+        .map(|s| (s * 8..s * 8 + 8).collect())
+        .collect();
+    for ((case, slot), table) in cases.iter().zip(&tables) {
+        batch.push(&case.prompt_ids, 0, table, *slot, true);
+    }
+    batch.finish();
+    let logits = backend.forward(&batch).unwrap();
+    let v = config.vocab_size;
+    for (i, (case, _)) in cases.iter().enumerate() {
+        let err = relative_error(&logits[i * v..(i + 1) * v], &case.logits);
+        assert!(err <= tolerance, "{:?}: {err}", case.adapter);
+    }
+    // A cleared slot is the base again.
+    backend.clear_slot(0).unwrap();
+    let mut batch = StepBatch::default();
+    batch.push(&cases[0].0.prompt_ids, 0, &tables[0], Some(0), true);
+    batch.finish();
+    let base = pick(&plain_golden, None);
+    assert!(relative_error(&backend.forward(&batch).unwrap(), &base.logits) <= tolerance);
+}

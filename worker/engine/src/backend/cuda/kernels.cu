@@ -176,6 +176,49 @@ extern "C" __global__ void embed_lora(const int* tokens, int first, float* hidde
     }
 }
 
+// An adapter's own embedding rows (`modules_to_save`,
+// `trainable_token_indices`) in place of the base's for one segment's
+// tokens, times Gemma's scale as the base's are: every token's row when
+// `ids` is null (the layer saved whole), else the rows of the tokens listed
+// in ids[0, n_ids), row i for ids[i]. Grid: one block per token.
+extern "C" __global__ void embed_saved(const int* tokens, int first, float* hidden, int d, const float* values,
+                                       const int* ids, int n_ids, float scale) {
+    PDL_ENTER();
+    int t = first + blockIdx.x;
+    int tok = tokens[t];
+    int row = ids == nullptr ? tok : -1;
+    for (int i = 0; ids != nullptr && i < n_ids; i++) {
+        if (ids[i] == tok) {
+            row = i;
+            break;
+        }
+    }
+    if (row < 0) return;  // the base's row stands
+    const float* src = values + (size_t)row * d;
+    float* dst = hidden + (size_t)t * d;
+    for (int o = threadIdx.x; o < d; o += blockDim.x) dst[o] = src[o] * scale;
+}
+
+// An adapter's own lm_head rows of the tokens listed in ids[0, n_ids):
+//   logits[row, ids[j]] = values[j] . h[row]
+// for rows [first, first + gridDim.x) of the normed final hidden states h
+// ([rows, d]), replacing the base's. One warp per listed token.
+// Grid: (rows, ceil(n_ids / 8)); block: 256.
+extern "C" __global__ void saved_logits(const float* h, int d, int first, float* logits, int vocab,
+                                        const float* values, const int* ids, int n_ids) {
+    PDL_ENTER();
+    int row = first + blockIdx.x;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int j = blockIdx.y * (blockDim.x >> 5) + warp;
+    if (j >= n_ids) return;
+    const float* hr = h + (size_t)row * d;
+    const float* v = values + (size_t)j * d;
+    float acc = 0.0f;
+    for (int k = lane; k < d; k += 32) acc = fmaf(v[k], hr[k], acc);
+    acc = warp_sum(acc);
+    if (lane == 0) logits[(size_t)row * vocab + ids[j]] = acc;
+}
+
 // RMSNorm of rows of `x` (row `rows[b]`, or row b when `rows` is null) into
 // `out` (f32) and, when `out_w` is not null, the same values in the
 // weights' type for the next GEMM. Grid: one block per output row.

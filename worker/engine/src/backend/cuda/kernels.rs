@@ -19,6 +19,8 @@ pub const QUANT_SOURCE: &str = include_str!("quant.cu");
 pub const KERNELS: &[&str] = &[
     "embed",
     "embed_lora",
+    "embed_saved",
+    "saved_logits",
     "rms_norm",
     "to_wt",
     "add_bias",

@@ -427,7 +427,7 @@ impl CudaBackend {
         let slots = Slots::new(&dev, c, &shape)?;
         let moe_layers = if c.moe.is_some() { c.num_layers } else { 0 };
         let expert_slots = moe::ExpertSlots::new(&dev, moe_layers, shape.slots)?;
-        let outer = outer::OuterSlots::new(&dev, shape.slots)?;
+        let outer = outer::OuterSlots::new(&dev, shape.slots, dtype)?;
         // The CPU backend's frequencies, computed once from the config.
         let inv_freq = up_f32(&c.rope.inv_freq())?;
         let local_inv_freq = c
@@ -654,20 +654,22 @@ impl Backend for CudaBackend {
 
     fn write_slot(&mut self, slot: usize, adapter: &HostAdapter) -> Result<()> {
         super::check_slot_write(&self.shape, slot, adapter)?;
-        let saved = &adapter.outer.saved;
-        if let Some(own) = saved.embedding.as_ref().or(saved.lm_head.as_ref()) {
-            let field = if own.is_whole() {
-                "modules_to_save"
-            } else {
-                "trainable_token_indices"
-            };
+        // Its own rows serve where they are the base's vocabulary; a grown
+        // one needs logits wider than the base's, which this backend's
+        // steps never have.
+        if let Some(rows) = adapter.outer.saved.vocab()
+            && rows != self.config.vocab_size
+        {
             return Err(crate::error::EngineError::Adapter(
                 lorafleet_artifact::adapter::AdapterError::Unsupported {
                     adapter: adapter.name.clone(),
-                    field: field.into(),
-                    reason: "the CUDA backend does not serve an adapter's own embedding or \
-                             lm_head rows yet (the CPU backend does)"
-                        .into(),
+                    field: "modules_to_save".into(),
+                    reason: format!(
+                        "its embed_tokens and lm_head have {rows} rows, a vocabulary grown past \
+                         the base's {}: the CUDA backend serves the base's vocabulary alone \
+                         (the CPU backend serves it)",
+                        self.config.vocab_size
+                    ),
                 },
             ));
         }

@@ -1,23 +1,31 @@
-//! LoRA outside the layers on the GPU: on the token embeddings (PEFT's
+//! What an adapter changes outside the layers, on the GPU, each applied to
+//! its adapter's rows alone: LoRA on the token embeddings (PEFT's
 //! `lora.Embedding`, a token's row plus `s · B · A[:, token]`, after
 //! Gemma's scale as PEFT wraps the scaled embedding) and on the lm_head
-//! (`logits + s · B · A · h`, before Gemma's final soft-cap), each applied
-//! to its adapter's rows alone.
+//! (`logits + s · B · A · h`), and its own rows of those layers
+//! (`modules_to_save`: a layer saved whole; `trainable_token_indices`: some
+//! tokens' rows) in place of the base's. A step's logits are, in order:
+//! the base lm_head's, an own whole lm_head's for its rows (a GEMM), the
+//! lm_head LoRA added, an own token rows' logits put in, then Gemma's
+//! final soft-cap, as on the CPU backend.
 //!
-//! A slot's factors are their own allocation, made when the slot is
-//! written (as expert LoRA's are): the embedding's `Aᵀ [vocab, rank]` and
-//! `B [hidden, rank]` as the host tier holds them, the lm_head's A and B
-//! panels as the host tier packs them (read by the expert-LoRA kernels as
-//! one expert). A step with such a slot runs its launches eagerly (never
-//! from a CUDA graph): which rows get them is the step's own, planned on
-//! the host ([`OuterStep`]).
+//! A slot's tensors are their own allocation, made when the slot is
+//! written (as expert LoRA's are): the embedding LoRA's `Aᵀ [vocab, rank]`
+//! and `B [hidden, rank]` as the host tier holds them, the lm_head LoRA's
+//! A and B panels as the host tier packs them (read by the expert-LoRA
+//! kernels as one expert), own rows in f32 (a whole lm_head in the
+//! weights' type, for the base's GEMM). A step with such a slot runs its
+//! launches eagerly (never from a CUDA graph): which rows get them is the
+//! step's own, planned on the host ([`OuterStep`]).
 
 use cudarc::driver::CudaSlice;
 
+use super::Dtype;
 use super::device::{Arg, Device, cuda};
 use crate::backend::{Segment, StepBatch};
 use crate::error::Result;
 use crate::lora::HostAdapter;
+use crate::lora::saved::Replaced;
 
 /// The embedding LoRA of one slot on the device.
 struct EmbedFactors {
@@ -27,33 +35,68 @@ struct EmbedFactors {
     scale: f32,
 }
 
-/// One slot's LoRA outside the layers.
+/// An adapter's own rows of a layer on the device: `[rows, hidden]` f32,
+/// and the tokens they replace (None: the layer saved whole, row = token).
+struct SavedRows {
+    values: CudaSlice<f32>,
+    ids: Option<CudaSlice<i32>>,
+    count: usize,
+}
+
+/// An adapter's own lm_head: saved whole (`[vocab, hidden]` in the
+/// weights' type, run as the base's is), or some tokens' rows.
+enum SavedHead {
+    Whole(CudaSlice<u8>),
+    Rows(SavedRows),
+}
+
+/// One slot's changes outside the layers.
 #[derive(Default)]
 struct OuterSlot {
     embed: Option<EmbedFactors>,
     /// The lm_head LoRA's A and B panels; their addresses, rank and scale
     /// are in the table.
     head: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
+    saved_embed: Option<SavedRows>,
+    saved_head: Option<SavedHead>,
+}
+
+impl OuterSlot {
+    fn is_empty(&self) -> bool {
+        self.embed.is_none()
+            && self.head.is_none()
+            && self.saved_embed.is_none()
+            && self.saved_head.is_none()
+    }
+
+    /// Whether the slot changes its rows' logits.
+    fn heads(&self) -> bool {
+        self.head.is_some() || self.saved_head.is_some()
+    }
 }
 
 pub(super) struct OuterSlots {
     slots: Vec<OuterSlot>,
+    /// The weights' type (an own whole lm_head's).
+    dtype: Dtype,
     /// The lm_head LoRA's table, mirrored on the host: `slots` A addresses
     /// (u64), `slots` B addresses (u64), `slots` ranks (i32) and `slots`
     /// scales (f32), as the expert-LoRA kernels read them.
     table_host: Vec<u8>,
     table: CudaSlice<u8>,
-    /// The groups of the step being launched, uploaded as it is planned;
-    /// grown (after the stream drains) when a step has more.
+    /// The lm_head LoRA groups of the step being launched, uploaded as it
+    /// is planned; grown (after the stream drains) when a step has more.
     groups: Option<CudaSlice<i32>>,
 }
 
-/// What one step does outside the layers: the segments whose slot has
-/// embedding LoRA, and the groups of logit rows (first row, end row, slot,
-/// 0) whose slot has lm_head LoRA, with the longest group's rows.
+/// What one step does outside the layers: the segments whose slot changes
+/// their embeddings, the runs of logit rows (slot, first row, end row)
+/// whose slot changes their logits, and of those the lm_head LoRA's groups
+/// (first row, end row, slot, 0) with the longest group's rows.
 #[derive(Debug, Default, Clone)]
 pub(super) struct OuterStep {
     embed: Vec<Segment>,
+    rows: Vec<(usize, usize, usize)>,
     head: Vec<i32>,
     longest: usize,
     /// Where `head` was uploaded.
@@ -62,15 +105,16 @@ pub(super) struct OuterStep {
 
 impl OuterStep {
     pub fn is_empty(&self) -> bool {
-        self.embed.is_empty() && self.head.is_empty()
+        self.embed.is_empty() && self.rows.is_empty()
     }
 }
 
 impl OuterSlots {
-    pub fn new(dev: &Device, slots: usize) -> Result<OuterSlots> {
+    pub fn new(dev: &Device, slots: usize, dtype: Dtype) -> Result<OuterSlots> {
         let bytes = 24 * slots;
         Ok(OuterSlots {
             slots: (0..slots).map(|_| OuterSlot::default()).collect(),
+            dtype,
             table_host: vec![0; bytes],
             table: dev
                 .stream
@@ -80,16 +124,37 @@ impl OuterSlots {
         })
     }
 
-    /// Puts `adapter`'s embedding and lm_head LoRA into `slot` (on the
-    /// compute stream: after every step queued before, which never use a
-    /// slot being written), or empties the slot's if it has none.
+    /// Puts `adapter`'s embedding and lm_head LoRA and its own rows of
+    /// those layers into `slot` (on the compute stream: after every step
+    /// queued before, which never use a slot being written), or empties
+    /// the slot's if it has none.
     pub fn write(&mut self, dev: &Device, slot: usize, adapter: &HostAdapter) -> Result<()> {
-        let up = |v: &[f32]| {
-            dev.stream
-                .clone_htod(v)
-                .map_err(cuda("copying an adapter's embedding or lm_head LoRA"))
+        let err = cuda("copying an adapter's embedding or lm_head rows or LoRA");
+        let up = |v: &[f32]| dev.stream.clone_htod(v).map_err(&err);
+        let rows = |r: &Replaced| -> Result<SavedRows> {
+            let ids = if r.is_whole() {
+                None
+            } else {
+                let ids: Vec<i32> = r.tokens().iter().map(|&t| t as i32).collect();
+                Some(dev.stream.clone_htod(&ids).map_err(&err)?)
+            };
+            Ok(SavedRows {
+                values: up(&r.values_f32())?,
+                ids,
+                count: r.tokens().len(),
+            })
         };
         let outer = &adapter.outer;
+        let saved_embed = outer.saved.embedding.as_ref().map(rows).transpose()?;
+        let saved_head = match &outer.saved.lm_head {
+            Some(r) if r.is_whole() => Some(SavedHead::Whole(
+                dev.stream
+                    .clone_htod(&self.dtype.encode(&r.values_f32()))
+                    .map_err(&err)?,
+            )),
+            Some(r) => Some(SavedHead::Rows(rows(r)?)),
+            None => None,
+        };
         let embed = match &outer.embedding {
             Some(e) => Some(EmbedFactors {
                 a_t: up(e.a_t())?,
@@ -108,13 +173,18 @@ impl OuterSlots {
             }
             None => (None, (0, 0, 0, 0.0)),
         };
-        self.slots[slot] = OuterSlot { embed, head };
+        self.slots[slot] = OuterSlot {
+            embed,
+            head,
+            saved_embed,
+            saved_head,
+        };
         self.set_entry(slot, entry);
         self.upload_table(dev)
     }
 
     pub fn clear(&mut self, dev: &Device, slot: usize) -> Result<()> {
-        if self.slots[slot].embed.is_none() && self.slots[slot].head.is_none() {
+        if self.slots[slot].is_empty() {
             return Ok(());
         }
         self.slots[slot] = OuterSlot::default();
@@ -137,9 +207,9 @@ impl OuterSlots {
     }
 
     /// The step's work outside the layers, from its segments and its logit
-    /// rows (token indices, in order); its lm_head groups uploaded on the
-    /// compute stream (after the steps queued before, which read the last
-    /// ones).
+    /// rows (token indices, in order); its lm_head LoRA groups uploaded on
+    /// the compute stream (after the steps queued before, which read the
+    /// last ones).
     pub fn plan(
         &mut self,
         dev: &Device,
@@ -147,21 +217,19 @@ impl OuterSlots {
         rows: &[usize],
     ) -> Result<OuterStep> {
         let mut step = OuterStep::default();
-        if self
-            .slots
-            .iter()
-            .all(|s| s.embed.is_none() && s.head.is_none())
-        {
+        if self.slots.iter().all(OuterSlot::is_empty) {
             return Ok(step);
         }
         step.embed = batch
             .segments
             .iter()
-            .filter(|s| self.slots[s.slot].embed.is_some())
+            .filter(|s| {
+                let o = &self.slots[s.slot];
+                o.embed.is_some() || o.saved_embed.is_some()
+            })
             .copied()
             .collect();
-        let head_slot =
-            |i: usize| batch.token_slot[rows[i]].filter(|&s| self.slots[s].head.is_some());
+        let head_slot = |i: usize| batch.token_slot[rows[i]].filter(|&s| self.slots[s].heads());
         let mut i = 0;
         while i < rows.len() {
             let Some(slot) = head_slot(i) else {
@@ -172,8 +240,11 @@ impl OuterSlots {
             while i < rows.len() && head_slot(i) == Some(slot) {
                 i += 1;
             }
-            step.head.extend([first as i32, i as i32, slot as i32, 0]);
-            step.longest = step.longest.max(i - first);
+            step.rows.push((slot, first, i));
+            if self.slots[slot].head.is_some() {
+                step.head.extend([first as i32, i as i32, slot as i32, 0]);
+                step.longest = step.longest.max(i - first);
+            }
         }
         if step.head.is_empty() {
             return Ok(step);
@@ -194,49 +265,83 @@ impl OuterSlots {
         }
         let groups = self.groups.as_mut().expect("allocated above");
         let mut dst = groups.slice_mut(0..step.head.len());
-        dev.stream.memcpy_htod(&step.head, &mut dst).map_err(err)?;
+        dev.stream.memcpy_htod(&step.head, &mut dst).map_err(&err)?;
         step.groups = dev.p(groups);
         Ok(step)
     }
 
-    /// Adds each planned segment's embedding LoRA into `hidden` (`[n, d]`
-    /// f32), the token ids at `tokens`.
+    /// Puts each planned segment's own embedding rows into `hidden` (`[n,
+    /// d]` f32, the base's rows times `scale`, Gemma's, there before), the
+    /// token ids at `tokens`, then adds its embedding LoRA.
     pub fn embed(
         &self,
         dev: &Device,
         step: &OuterStep,
-        tokens: u64,
-        hidden: u64,
+        (tokens, hidden): (u64, u64),
         d: usize,
+        scale: f32,
     ) -> Result<()> {
         for seg in &step.embed {
-            let Some(e) = &self.slots[seg.slot].embed else {
-                continue;
-            };
-            dev.launch(
-                "embed_lora",
-                ((seg.end - seg.start) as u32, 1, 1),
-                256,
-                &[
-                    Arg::Ptr(tokens),
-                    Arg::I32(seg.start as i32),
-                    Arg::Ptr(hidden),
-                    Arg::I32(d as i32),
-                    Arg::Ptr(dev.p(&e.a_t)),
-                    Arg::Ptr(dev.p(&e.b)),
-                    Arg::I32(e.rank as i32),
-                    Arg::F32(e.scale),
-                ],
-            )?;
+            let grid = ((seg.end - seg.start) as u32, 1, 1);
+            let slot = &self.slots[seg.slot];
+            if let Some(r) = &slot.saved_embed {
+                dev.launch(
+                    "embed_saved",
+                    grid,
+                    256,
+                    &[
+                        Arg::Ptr(tokens),
+                        Arg::I32(seg.start as i32),
+                        Arg::Ptr(hidden),
+                        Arg::I32(d as i32),
+                        Arg::Ptr(dev.p(&r.values)),
+                        Arg::Ptr(r.ids.as_ref().map_or(0, |i| dev.p(i))),
+                        Arg::I32(r.count as i32),
+                        Arg::F32(scale),
+                    ],
+                )?;
+            }
+            if let Some(e) = &slot.embed {
+                dev.launch(
+                    "embed_lora",
+                    grid,
+                    256,
+                    &[
+                        Arg::Ptr(tokens),
+                        Arg::I32(seg.start as i32),
+                        Arg::Ptr(hidden),
+                        Arg::I32(d as i32),
+                        Arg::Ptr(dev.p(&e.a_t)),
+                        Arg::Ptr(dev.p(&e.b)),
+                        Arg::I32(e.rank as i32),
+                        Arg::F32(e.scale),
+                    ],
+                )?;
+            }
         }
         Ok(())
+    }
+
+    /// The planned runs of rows whose slot has its own whole lm_head: (its
+    /// `[vocab, hidden]` weights in the weights' type, first row, end
+    /// row), for the caller's GEMM over those rows.
+    pub fn whole_heads<'a>(
+        &'a self,
+        dev: &'a Device,
+        step: &'a OuterStep,
+    ) -> impl Iterator<Item = (u64, usize, usize)> + 'a {
+        step.rows
+            .iter()
+            .filter_map(move |&(slot, lo, hi)| match &self.slots[slot].saved_head {
+                Some(SavedHead::Whole(w)) => Some((dev.p(w), lo, hi)),
+                _ => None,
+            })
     }
 
     /// Adds each planned group's lm_head LoRA into `logits` (`[rows,
     /// vocab]` f32) from the normed rows `normed` (`[rows, d]` f32), through
     /// the expert-LoRA pair, `t` (`[rows, max_rank]` f32) between them.
-    #[allow(clippy::too_many_arguments)]
-    pub fn head(
+    pub fn head_lora(
         &self,
         dev: &Device,
         step: &OuterStep,
@@ -252,7 +357,6 @@ impl OuterSlots {
         let (a_ptrs, b_ptrs, ranks, scales) =
             (table, table + 8 * n, table + 16 * n, table + 20 * n);
         let grid = (step.longest as u32, (step.head.len() / 4) as u32, 1);
-        let groups = step.groups;
         dev.launch(
             "moe_lora_shrink",
             grid,
@@ -260,7 +364,7 @@ impl OuterSlots {
             &[
                 Arg::Ptr(normed),
                 Arg::I32(d as i32),
-                Arg::Ptr(groups),
+                Arg::Ptr(step.groups),
                 Arg::Ptr(a_ptrs),
                 Arg::Ptr(ranks),
                 Arg::Ptr(t),
@@ -273,12 +377,46 @@ impl OuterSlots {
             &[
                 Arg::Ptr(t),
                 Arg::I32(vocab as i32),
-                Arg::Ptr(groups),
+                Arg::Ptr(step.groups),
                 Arg::Ptr(b_ptrs),
                 Arg::Ptr(ranks),
                 Arg::Ptr(scales),
                 Arg::Ptr(logits),
             ],
         )
+    }
+
+    /// Puts each planned run's own token rows' logits into `logits`
+    /// (`[rows, vocab]` f32), from the normed rows `normed` (`[rows, d]`
+    /// f32), in place of what was there.
+    pub fn saved_logits(
+        &self,
+        dev: &Device,
+        step: &OuterStep,
+        (normed, d): (u64, usize),
+        (logits, vocab): (u64, usize),
+    ) -> Result<()> {
+        for &(slot, lo, hi) in &step.rows {
+            let Some(SavedHead::Rows(r)) = &self.slots[slot].saved_head else {
+                continue;
+            };
+            let Some(ids) = &r.ids else { continue };
+            dev.launch(
+                "saved_logits",
+                ((hi - lo) as u32, r.count.div_ceil(8) as u32, 1),
+                256,
+                &[
+                    Arg::Ptr(normed),
+                    Arg::I32(d as i32),
+                    Arg::I32(lo as i32),
+                    Arg::Ptr(logits),
+                    Arg::I32(vocab as i32),
+                    Arg::Ptr(dev.p(&r.values)),
+                    Arg::Ptr(dev.p(ids)),
+                    Arg::I32(r.count as i32),
+                ],
+            )?;
+        }
+        Ok(())
     }
 }

@@ -455,8 +455,13 @@ impl CudaBackend {
                 Arg::F32(c.gemma.as_ref().map_or(1.0, |g| g.embed_scale)),
             ],
         )?;
-        self.outer
-            .embed(&self.dev, &self.outer_step, meta.tokens, hidden, d)?;
+        self.outer.embed(
+            &self.dev,
+            &self.outer_step,
+            (meta.tokens, hidden),
+            d,
+            c.gemma.as_ref().map_or(1.0, |g| g.embed_scale),
+        )?;
         for (l, layer) in self.layers.iter().enumerate() {
             let sliding = c.layer_kinds[l] == LayerKind::Sliding;
             // A sliding layer of a model with both kinds stores its keys
@@ -564,13 +569,29 @@ impl CudaBackend {
         }
         norm_rows(hidden, meta.rows, &self.norm, normed, rows)?;
         self.linear(&self.lm_head, cast.unwrap_or(normed), p(&ws.logits), rows)?;
-        self.outer.head(
-            &self.dev,
-            &self.outer_step,
-            (normed, d),
-            (p(&ws.logits), c.vocab_size),
-            p(&ws.h_part),
-        )?;
+        // An own whole lm_head's logits for its rows, the lm_head LoRA, an
+        // own token rows' logits: in that order, as on the CPU backend.
+        let elem = if cast.is_some() {
+            self.dtype.bytes()
+        } else {
+            4
+        };
+        for (w, lo, hi) in self.outer.whole_heads(&self.dev, &self.outer_step) {
+            self.gemm(
+                w,
+                self.dtype.cuda_type(),
+                d,
+                c.vocab_size,
+                cast.unwrap_or(normed) + (lo * d * elem) as u64,
+                p(&ws.logits) + (lo * c.vocab_size * 4) as u64,
+                hi - lo,
+            )?;
+        }
+        let (h_rows, logits) = ((normed, d), (p(&ws.logits), c.vocab_size));
+        self.outer
+            .head_lora(&self.dev, &self.outer_step, h_rows, logits, p(&ws.h_part))?;
+        self.outer
+            .saved_logits(&self.dev, &self.outer_step, h_rows, logits)?;
         match c.gemma.as_ref().and_then(|g| g.final_logit_softcapping) {
             Some(cap) => self.dev.launch(
                 "softcap",
