@@ -10,7 +10,10 @@ Run by hand, never by CI, after make_fixtures.py (it adapts that script's
     python3 -m venv .venv && .venv/bin/pip install torch transformers peft safetensors tokenizers
     .venv/bin/python worker/engine/scripts/make_embedding_fixtures.py worker/engine/tests/fixtures
 
-(made with peft 0.21.2, transformers 5.24.0, torch 2.15.0.)
+(made with peft 0.21.2, transformers 5.24.0, torch 2.15.0.) With
+`--models gemma3-1b,gemma2-2b` it makes those models' adapters alone and
+puts their cases into the existing `golden_embedding.json` in place of
+theirs, the others' left as they are.
 
 PEFT saves the embedding layers whole beside their factors when they are
 targeted (`save_embedding_layers`: `embed_tokens.base_layer.weight`,
@@ -45,13 +48,28 @@ ADAPTERS = {
     # Tied embeddings: the lm_head and embed_tokens share their weight, each
     # LoRA its own.
     "qwen2-tied": [("embed-head-r4", dict(r=4, lora_alpha=4, target_modules=["embed_tokens", "lm_head", "k_proj"]))],
+    # Gemma scales its embeddings by sqrt(hidden) (transformers' scaled
+    # embedding module, `embed_scale`): PEFT scales the LoRA output by the
+    # same factor. Gemma 2 also soft-caps its final logits, after the
+    # lm_head LoRA.
+    "gemma3-1b": [("embed-r4", dict(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"]))],
+    "gemma2-2b": [("embed-head-r4", dict(r=4, lora_alpha=4, target_modules=["embed_tokens", "lm_head"]))],
 }
 
 
 def main():
-    out = sys.argv[1] if len(sys.argv) > 1 else "worker/engine/tests/fixtures"
+    args = [a for a in sys.argv[1:] if not a.startswith("--models")]
+    only = [a.split("=", 1)[1].split(",") for a in sys.argv[1:] if a.startswith("--models=")]
+    only = only[0] if only else None
+    out = args[0] if args else "worker/engine/tests/fixtures"
+    golden_path = os.path.join(out, "golden_embedding.json")
     golden = {"max_new_tokens": MAX_NEW, "cases": []}
+    if only is not None:
+        golden = json.load(open(golden_path))
+        golden["cases"] = [c for c in golden["cases"] if c["model"] not in only]
     for i, (model, adapters) in enumerate(ADAPTERS.items()):
+        if only is not None and model not in only:
+            continue
         path = os.path.join(out, model)
         tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
         for j, (name, kwargs) in enumerate(adapters):
@@ -70,9 +88,9 @@ def main():
                 json.dump(cfg, f, indent=2)
             m = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), adir).eval()
             golden["cases"].extend(golden_cases(m, tok, model, name))
-    with open(os.path.join(out, "golden_embedding.json"), "w") as f:
+    with open(golden_path, "w") as f:
         json.dump(golden, f)
-    print(f"wrote {len(golden['cases'])} golden cases to {out}/golden_embedding.json")
+    print(f"wrote {len(golden['cases'])} golden cases to {golden_path}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
 //! lm_head, and an adapter's own rows of those layers (`modules_to_save`,
 //! `trainable_token_indices`), in f32, on a dense Llama, a Qwen2 whose
 //! q/k/v carry biases of their own (kept out of DoRA's scaling) and whose
-//! lm_head is tied to its embeddings, and a Mixture-of-Experts model:
+//! lm_head is tied to its embeddings, Gemma 3 and 2 (their embedding
+//! scale on the LoRA output too), and a Mixture-of-Experts model:
 //! every golden case's logits within 1e-5 of the CPU backend and 1e-4 of
 //! transformers + PEFT, greedy tokens equal (decode steps of an adapter
 //! with embedding or lm_head LoRA or rows never replay a graph captured
@@ -69,6 +70,8 @@ fn every_adapter_kind_on_the_gpu_gives_the_cpu_backends_and_peft_logits() {
             "qwen2-tied",
             "embedding/qwen2-tied",
         ),
+        ("golden_embedding.json", "gemma3-1b", "embedding/gemma3-1b"),
+        ("golden_embedding.json", "gemma2-2b", "embedding/gemma2-2b"),
         ("golden_saved.json", "llama-gqa", "saved/llama-gqa"),
         ("golden_saved.json", "qwen2-tied", "saved/qwen2-tied"),
         ("golden_saved.json", "mixtral-moe", "saved/mixtral-moe"),
@@ -113,8 +116,8 @@ fn every_adapter_kind_on_the_gpu_gives_the_cpu_backends_and_peft_logits() {
         assert!(adapted >= 3, "{file} {model}: {adapted} adapter cases");
     }
     // DoRA: 3 bases and 4 adapters, bias: 2 adapters, embedding and
-    // lm_head LoRA: 4 adapters, own rows: 7 adapters, 3 prompts each.
-    assert_eq!(checked, 3 * (3 + 4 + 2 + 4 + 7), "{checked} cases");
+    // lm_head LoRA: 6 adapters, own rows: 7 adapters, 3 prompts each.
+    assert_eq!(checked, 3 * (3 + 4 + 2 + 6 + 7), "{checked} cases");
 }
 
 /// A DoRA slot, a `lora_bias` slot and the base model in one step: each

@@ -1,7 +1,8 @@
 //! LoRA on the token embeddings and on the lm_head as PEFT makes it
 //! (`scripts/make_embedding_fixtures.py`), on the CPU backend: logits
-//! within 1e-4 of transformers + PEFT and greedy tokens equal (a Llama, and
-//! a Qwen2 whose lm_head is tied to its embeddings), each applied to its
+//! within 1e-4 of transformers + PEFT and greedy tokens equal (a Llama, a
+//! Qwen2 whose lm_head is tied to its embeddings, and Gemma 3 and Gemma 2,
+//! whose embedding scale PEFT applies to the LoRA output too), each applied to its
 //! adapter's rows alone beside a plain adapter and the base in one step,
 //! and a saved copy of the embeddings that is not the base's refused by
 //! its tensor.
@@ -22,9 +23,13 @@ fn golden_embedding() -> Golden {
 fn embedding_and_lm_head_lora_match_peft() {
     let golden = golden_embedding();
     let checked = check_golden_cases_on_cpu(&golden, "llama-gqa", "embedding/llama-gqa")
-        + check_golden_cases_on_cpu(&golden, "qwen2-tied", "embedding/qwen2-tied");
+        + check_golden_cases_on_cpu(&golden, "qwen2-tied", "embedding/qwen2-tied")
+        // Gemma's embedding scale applies to the LoRA output too; Gemma 2
+        // soft-caps the logits after the lm_head LoRA.
+        + check_golden_cases_on_cpu(&golden, "gemma3-1b", "embedding/gemma3-1b")
+        + check_golden_cases_on_cpu(&golden, "gemma2-2b", "embedding/gemma2-2b");
     assert_eq!(checked, golden.cases.len());
-    assert_eq!(checked, 12);
+    assert_eq!(checked, 18);
 }
 
 fn backend(model: &str, slots: usize) -> (CpuBackend, ModelConfig) {

@@ -27,13 +27,14 @@ pub struct EmbeddingLora {
 }
 
 impl EmbeddingLora {
-    /// Adds `s · B · A[:, token]` to `row` (`[hidden]`).
-    pub fn add_delta(&self, token: u32, row: &mut [f32]) {
+    /// Adds `s · B · A[:, token]` times the model's embedding scale
+    /// (`embed_scale`: Gemma's √hidden, else 1) to `row` (`[hidden]`).
+    pub fn add_delta(&self, token: u32, embed_scale: f32, row: &mut [f32]) {
         let r = self.rank;
         let a = &self.a_t[token as usize * r..][..r];
         for (v, b) in row.iter_mut().zip(self.b.chunks_exact(r)) {
             let d: f32 = a.iter().zip(b).map(|(x, y)| x * y).sum();
-            *v += d * self.scale;
+            *v += d * self.scale * embed_scale;
         }
     }
 

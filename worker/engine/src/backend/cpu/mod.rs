@@ -535,14 +535,17 @@ impl Backend for CpuBackend {
                 }
                 Embedding::Head => self.lm_head.row(tok as usize, row),
             }
-            if let Some(g) = &c.gemma {
+            let embed_scale = c.gemma.as_ref().map_or(1.0, |g| g.embed_scale);
+            if c.gemma.is_some() {
                 for v in row.iter_mut() {
-                    *v *= g.embed_scale;
+                    *v *= embed_scale;
                 }
             }
-            // After Gemma's scale: PEFT wraps the scaled embedding.
+            // Gemma's scale applies to the LoRA output too: PEFT scales it
+            // by the scaled embedding's own factor (`_get_embed_scale`),
+            // and Gemma 2 scales the embedding's whole output.
             if let Some(e) = outer.and_then(|o| o.embedding.as_ref()) {
-                e.add_delta(tok, row);
+                e.add_delta(tok, embed_scale, row);
             }
         }
         let scale = c.attention_scale();

@@ -155,12 +155,13 @@ extern "C" __global__ void embed(const wt* table, const int* tokens, float* out,
 }
 
 // Embedding LoRA (PEFT's lora.Embedding) of one segment's tokens, added
-// after the embedding (and Gemma's scale, which PEFT's wrapper sees):
-//   hidden[t] += scale * B * A[:, tokens[t]]
+// after the embedding, times the embedding's own scale as PEFT scales it
+// (Gemma's, `embed_scale`; 1 for others):
+//   hidden[t] += scale * B * A[:, tokens[t]] * embed_scale
 // for t in [first, first + gridDim.x); a_t is [vocab, rank] (a token's
 // column of A as a row), b [d, rank]. Grid: one block per token.
 extern "C" __global__ void embed_lora(const int* tokens, int first, float* hidden, int d, const float* a_t,
-                                      const float* b, int rank, float scale) {
+                                      const float* b, int rank, float scale, float embed_scale) {
     PDL_ENTER();
     __shared__ float as[MAX_RANK];
     int t = first + blockIdx.x;
@@ -172,7 +173,7 @@ extern "C" __global__ void embed_lora(const int* tokens, int first, float* hidde
         const float* bo = b + (size_t)o * rank;
         float acc = 0.0f;
         for (int r = 0; r < rank; r++) acc += as[r] * bo[r];
-        row[o] += acc * scale;
+        row[o] += acc * scale * embed_scale;
     }
 }
 

@@ -1,7 +1,8 @@
 //! What an adapter changes outside the layers, on the GPU, each applied to
 //! its adapter's rows alone: LoRA on the token embeddings (PEFT's
-//! `lora.Embedding`, a token's row plus `s · B · A[:, token]`, after
-//! Gemma's scale as PEFT wraps the scaled embedding) and on the lm_head
+//! `lora.Embedding`, a token's row plus `s · B · A[:, token]`, both times
+//! Gemma's embedding scale, as PEFT scales the LoRA output by it) and on
+//! the lm_head
 //! (`logits + s · B · A · h`), and its own rows of those layers
 //! (`modules_to_save`: a layer saved whole; `trainable_token_indices`: some
 //! tokens' rows) in place of the base's. A step's logits are, in order:
@@ -272,7 +273,8 @@ impl OuterSlots {
 
     /// Puts each planned segment's own embedding rows into `hidden` (`[n,
     /// d]` f32, the base's rows times `scale`, Gemma's, there before), the
-    /// token ids at `tokens`, then adds its embedding LoRA.
+    /// token ids at `tokens`, then adds its embedding LoRA (times `scale`
+    /// too, as PEFT scales it).
     pub fn embed(
         &self,
         dev: &Device,
@@ -315,6 +317,7 @@ impl OuterSlots {
                         Arg::Ptr(dev.p(&e.b)),
                         Arg::I32(e.rank as i32),
                         Arg::F32(e.scale),
+                        Arg::F32(scale),
                     ],
                 )?;
             }
