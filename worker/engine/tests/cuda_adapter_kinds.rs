@@ -8,10 +8,11 @@
 //! scale on the LoRA output too), and a Mixture-of-Experts model:
 //! every golden case's logits within 1e-5 of the CPU backend and 1e-4 of
 //! transformers + PEFT, greedy tokens equal (decode steps of an adapter
-//! with embedding or lm_head LoRA or rows never replay a graph captured
-//! without it); every kind and the base in one step, each row its own
-//! golden; DoRA on a quantized base refused by `use_dora`, a vocabulary
-//! grown past the base's by `modules_to_save`. PEFT made the fixtures
+//! with embedding or lm_head LoRA or rows never replay a graph, though a
+//! plain adapter's of the same key was captured in its slot); every kind
+//! and the base in one step, each row its own golden; DoRA on a quantized
+//! base refused by `use_dora`, a vocabulary grown past the base's by
+//! `modules_to_save`. PEFT made the fixtures
 //! (`scripts/make_dora_fixtures.py`, `scripts/make_bias_fixtures.py`,
 //! `scripts/make_embedding_fixtures.py`,
 //! `scripts/make_saved_module_fixtures.py`).
@@ -88,30 +89,48 @@ fn every_adapter_kind_on_the_gpu_gives_the_cpu_backends_and_peft_logits() {
         let mut gpu =
             CudaBackend::load(&model_path, &config, shape, 0, Dtype::F32, LIMITS).unwrap();
         let mut adapted = 0;
-        // A base-model decode graph, captured before any adapter: the
-        // embedding and lm_head adapters' steps must not replay it (a
-        // Mixture-of-Experts model's steps are never graphed).
-        let base = golden_named("golden.json")
+        // Decode graphs of the base and of a plain q/v adapter in slot 1,
+        // captured before any of these: an embedding or lm_head adapter's
+        // decode steps (slot 1, q/v LoRA too: the same graph key) must
+        // never replay one (a Mixture-of-Experts model's steps are never
+        // graphed).
+        let plain = golden_named("golden.json");
+        let primed: Vec<&GoldenCase> = plain
             .cases
-            .into_iter()
-            .find(|c| c.model == model && c.adapter.is_none());
-        if let Some(base) = base.filter(|_| config.moe.is_none()) {
-            run_golden(&mut gpu, model, &base);
-            assert!(
-                gpu.graph_counters().unwrap().graphs > 0,
-                "{model}: no graph"
-            );
+            .iter()
+            .filter(|c| c.model == model && [None, Some("qv-r8")].contains(&c.adapter.as_deref()))
+            .take(4)
+            .collect();
+        if config.moe.is_none() {
+            for c in &primed {
+                run_golden(&mut gpu, model, c);
+            }
         }
+        let outside_layers = ["golden_embedding.json", "golden_saved.json"].contains(&file);
         for case in &cases {
             let what = format!("{dir}/{:?} {:?}", case.adapter, case.prompt);
+            let replays = gpu.graph_counters().unwrap().replays;
             let (cpu_logits, cpu_tokens) = run_golden(&mut cpu, dir, case);
             let (gpu_logits, gpu_tokens) = run_golden(&mut gpu, dir, case);
             assert_close(&gpu_logits, &cpu_logits, 1e-5, &what);
             assert_close(&gpu_logits, &case.logits, 1e-4, &format!("{what} vs PEFT"));
             assert_eq!(gpu_tokens, cpu_tokens, "{what}: greedy tokens");
             assert_eq!(gpu_tokens, case.greedy, "{what}: greedy tokens vs PEFT");
+            if outside_layers && case.adapter.is_some() {
+                assert_eq!(
+                    gpu.graph_counters().unwrap().replays,
+                    replays,
+                    "{what}: a step with embedding or lm_head work replayed a graph"
+                );
+            }
             adapted += usize::from(case.adapter.is_some());
             checked += 1;
+        }
+        if !primed.is_empty() && config.moe.is_none() {
+            assert!(
+                gpu.graph_counters().unwrap().replays > 0,
+                "{model}: the plain steps replayed no graph"
+            );
         }
         assert!(adapted >= 3, "{file} {model}: {adapted} adapter cases");
     }
