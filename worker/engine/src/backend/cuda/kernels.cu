@@ -181,8 +181,9 @@ extern "C" __global__ void embed_lora(const int* tokens, int first, float* hidde
 // `trainable_token_indices`) in place of the base's for one segment's
 // tokens, times Gemma's scale as the base's are: every token's row when
 // `ids` is null (the layer saved whole), else the rows of the tokens listed
-// in ids[0, n_ids), row i for ids[i]. Grid: one block per token.
-extern "C" __global__ void embed_saved(const int* tokens, int first, float* hidden, int d, const float* values,
+// in ids[0, n_ids), row i for ids[i]; `values` in the weights' type, as
+// the base's table. Grid: one block per token.
+extern "C" __global__ void embed_saved(const int* tokens, int first, float* hidden, int d, const wt* values,
                                        const int* ids, int n_ids, float scale) {
     PDL_ENTER();
     int t = first + blockIdx.x;
@@ -195,9 +196,9 @@ extern "C" __global__ void embed_saved(const int* tokens, int first, float* hidd
         }
     }
     if (row < 0) return;  // the base's row stands
-    const float* src = values + (size_t)row * d;
+    const wt* src = values + (size_t)row * d;
     float* dst = hidden + (size_t)t * d;
-    for (int o = threadIdx.x; o < d; o += blockDim.x) dst[o] = src[o] * scale;
+    for (int o = threadIdx.x; o < d; o += blockDim.x) dst[o] = wload(src[o]) * scale;
 }
 
 // An adapter's own lm_head rows of the tokens listed in ids[0, n_ids):
@@ -699,6 +700,7 @@ extern "C" __global__ void __launch_bounds__(LORA_THREADS) lora_expand(const flo
     float c = (f & 2) ? v[width + o] : 0.0f;
     float g = v[o];
     float beta = bias != nullptr ? bias[o] : 0.0f;
+#pragma unroll
     for (int j = 0; j < LORA_TT; j++) {
         if (j < tt) {
             float* y = out + (size_t)token_idx[lo + j] * out_stride + off + o;

@@ -14,8 +14,9 @@
 //! written (as expert LoRA's are): the embedding LoRA's `Aᵀ [vocab, rank]`
 //! and `B [hidden, rank]` as the host tier holds them, the lm_head LoRA's
 //! A and B panels as the host tier packs them (read by the expert-LoRA
-//! kernels as one expert), own rows in f32 (a whole lm_head in the
-//! weights' type, for the base's GEMM). A step with such a slot runs its
+//! kernels as one expert), own embedding rows and a whole own lm_head in
+//! the weights' type (the lm_head for the base's GEMM), own lm_head rows
+//! of some tokens in f32. A step with such a slot runs its
 //! launches eagerly (never from a CUDA graph): which rows get them is the
 //! step's own, planned on the host ([`OuterStep`]).
 
@@ -36,10 +37,12 @@ struct EmbedFactors {
     scale: f32,
 }
 
-/// An adapter's own rows of a layer on the device: `[rows, hidden]` f32,
-/// and the tokens they replace (None: the layer saved whole, row = token).
+/// An adapter's own rows of a layer on the device: `[rows, hidden]` (the
+/// embeddings' in the weights' type, as the base's table; the lm_head's in
+/// f32), and the tokens they replace (None: the layer saved whole, row =
+/// token).
 struct SavedRows {
-    values: CudaSlice<f32>,
+    values: CudaSlice<u8>,
     ids: Option<CudaSlice<i32>>,
     count: usize,
 }
@@ -132,7 +135,7 @@ impl OuterSlots {
     pub fn write(&mut self, dev: &Device, slot: usize, adapter: &HostAdapter) -> Result<()> {
         let err = cuda("copying an adapter's embedding or lm_head rows or LoRA");
         let up = |v: &[f32]| dev.stream.clone_htod(v).map_err(&err);
-        let rows = |r: &Replaced| -> Result<SavedRows> {
+        let rows = |r: &Replaced, dtype: Dtype| -> Result<SavedRows> {
             let ids = if r.is_whole() {
                 None
             } else {
@@ -140,20 +143,26 @@ impl OuterSlots {
                 Some(dev.stream.clone_htod(&ids).map_err(&err)?)
             };
             Ok(SavedRows {
-                values: up(&r.values_f32())?,
+                values: dev
+                    .stream
+                    .clone_htod(&dtype.encode(&r.values_f32()))
+                    .map_err(&err)?,
                 ids,
                 count: r.tokens().len(),
             })
         };
         let outer = &adapter.outer;
-        let saved_embed = outer.saved.embedding.as_ref().map(rows).transpose()?;
+        let saved_embed = match &outer.saved.embedding {
+            Some(r) => Some(rows(r, self.dtype)?),
+            None => None,
+        };
         let saved_head = match &outer.saved.lm_head {
             Some(r) if r.is_whole() => Some(SavedHead::Whole(
                 dev.stream
                     .clone_htod(&self.dtype.encode(&r.values_f32()))
                     .map_err(&err)?,
             )),
-            Some(r) => Some(SavedHead::Rows(rows(r)?)),
+            Some(r) => Some(SavedHead::Rows(rows(r, Dtype::F32)?)),
             None => None,
         };
         let embed = match &outer.embedding {
