@@ -10,9 +10,9 @@
 //! transformers + PEFT, greedy tokens equal (decode steps of an adapter
 //! with embedding or lm_head LoRA or rows never replay a graph, though a
 //! plain adapter's of the same key was captured in its slot); every kind
-//! and the base in one step, each row its own golden; DoRA on a quantized
-//! base refused by `use_dora`, a vocabulary grown past the base's by
-//! `modules_to_save`. PEFT made the fixtures
+//! and the base in one step, each row its own golden; a vocabulary grown
+//! past the base's, its rows' logits as wide as the step; DoRA on a
+//! quantized base refused by `use_dora`. PEFT made the fixtures
 //! (`scripts/make_dora_fixtures.py`, `scripts/make_bias_fixtures.py`,
 //! `scripts/make_embedding_fixtures.py`,
 //! `scripts/make_saved_module_fixtures.py`).
@@ -241,22 +241,21 @@ fn every_adapter_kind_and_the_base_in_one_gpu_step_are_each_their_own() {
 }
 
 /// A vocabulary grown past the base's (its own embed_tokens and lm_head
-/// with more rows) needs logits wider than the base's: refused on the GPU
-/// by `modules_to_save`, at the slot write.
+/// with three more rows) beside the base and an own lm_head of the base's
+/// rows in one GPU step: each row PEFT's logits over its own vocabulary
+/// and -inf past it, the new tokens embedded from the adapter's own rows;
+/// the refusals the CPU backend gives (the test it runs in
+/// `saved_modules.rs`).
 #[test]
 #[ignore = "needs a CUDA GPU: deploy/gpu-check.sh runs it"]
-fn a_grown_vocabulary_is_refused_by_modules_to_save_on_the_gpu() {
+fn a_grown_vocabulary_s_rows_have_their_own_logits_on_the_gpu() {
     require_gpu();
-    let model = "llama-gqa";
-    let dir = model_dir(model);
+    let dir = model_dir("llama-gqa");
     let config = ModelConfig::from_dir(&dir).unwrap();
-    let mut gpu = CudaBackend::load(&dir, &config, SHAPE, 0, Dtype::F32, LIMITS).unwrap();
-    let err = gpu
-        .write_slot(0, &load(model, "saved/llama-gqa", "grown-vocab-r4"))
-        .unwrap_err()
-        .to_string();
-    assert!(
-        err.contains("modules_to_save") && err.contains("387"),
-        "{err}"
-    );
+    let shape = BackendShape {
+        kv_blocks: 48,
+        ..SHAPE
+    };
+    let mut gpu = CudaBackend::load(&dir, &config, shape, 0, Dtype::F32, LIMITS).unwrap();
+    grown_vocabulary_beside_the_base_in_one_step(&mut gpu, &golden_grown());
 }

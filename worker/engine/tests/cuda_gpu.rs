@@ -85,6 +85,7 @@ fn norm_embedding_and_elementwise_kernels_match_the_cpu_reference() {
                 Arg::Ptr(h.ptr(&out)),
                 Arg::I32(d as i32),
                 Arg::F32(scale),
+                Arg::I32(vocab as i32),
             ],
         )
         .unwrap();
@@ -95,6 +96,27 @@ fn norm_embedding_and_elementwise_kernels_match_the_cpu_reference() {
             .collect();
         assert_eq!(h.read(&out).unwrap(), want, "embed rows times {scale}");
     }
+    // A token past the vocabulary (a grown one's, its row put in by its
+    // adapter next) reads nothing: its row is zero.
+    let grown = h.i32(&[2, vocab as i32 + 1]).unwrap();
+    let out = h.f32(&poison(2 * d)).unwrap();
+    h.launch(
+        "embed",
+        (2, 1, 1),
+        256,
+        &[
+            Arg::Ptr(h.ptr(&tb)),
+            Arg::Ptr(h.ptr(&grown)),
+            Arg::Ptr(h.ptr(&out)),
+            Arg::I32(d as i32),
+            Arg::F32(1.0),
+            Arg::I32(vocab as i32),
+        ],
+    )
+    .unwrap();
+    let got = h.read(&out).unwrap();
+    assert_eq!(&got[..d], &table[2 * d..3 * d]);
+    assert!(got[d..].iter().all(|&v| v == 0.0), "a grown token's row");
 
     // SiLU(gate) · up over [gate | up] rows.
     let (rows, inter) = (3, 96);

@@ -396,29 +396,6 @@ fn an_adapter_draws_no_token_its_tokenizer_lacks() {
     );
 }
 
-#[derive(serde::Deserialize)]
-struct GrownGolden {
-    adapter: String,
-    rows: usize,
-    cases: Vec<GrownCase>,
-}
-
-#[derive(serde::Deserialize)]
-struct GrownCase {
-    prompt: String,
-    prompt_ids: Vec<u32>,
-    greedy: Vec<u32>,
-    text: String,
-    logits: Vec<f32>,
-}
-
-fn golden_grown() -> GrownGolden {
-    serde_json::from_str(
-        &std::fs::read_to_string(fixtures().join("golden_grown_vocab.json")).unwrap(),
-    )
-    .unwrap()
-}
-
 /// An adapter trained on a vocabulary grown past the base's (three chat
 /// tokens added, `resize_token_embeddings`, embed_tokens and lm_head in
 /// `modules_to_save`, its tokenizer beside it): in one step with the base
@@ -444,73 +421,7 @@ fn a_grown_vocabulary_s_rows_have_their_own_logits_beside_the_base_s() {
     );
     assert_eq!(grown.slot_extra_bytes(), packed.weight_bytes() as u64);
     assert_eq!(grown.slot_extra_bytes(), (400 * d * 4) as u64);
-    backend.write_slot(0, &grown).unwrap();
-    let head = load(&config, &adapter_dir("saved/llama-gqa", "head-qv-r4")).unwrap();
-    backend.write_slot(1, &head).unwrap();
-    let prompt = "The quick brown fox";
-    let pick = |g: &Golden, adapter: Option<&str>| {
-        g.cases
-            .iter()
-            .find(|c| c.model == model && c.adapter.as_deref() == adapter && c.prompt == prompt)
-            .unwrap()
-            .clone()
-    };
-    let base = pick(&golden_named("golden.json"), None);
-    let own_head = pick(&golden_saved(), Some("head-qv-r4"));
-    // (prompt ids, slot, golden logits).
-    let mut rows: Vec<(&[u32], Option<usize>, &[f32])> =
-        vec![(&base.prompt_ids, None, &base.logits)];
-    for case in &golden.cases {
-        rows.push((&case.prompt_ids, Some(0), &case.logits));
-    }
-    rows.push((&own_head.prompt_ids, Some(1), &own_head.logits));
-    let tables: Vec<Vec<u32>> = (0..rows.len() as u32)
-        .map(|s| (s * 8..s * 8 + 8).collect())
-        .collect();
-    let mut batch = StepBatch::default();
-    for ((ids, slot, _), table) in rows.iter().zip(&tables) {
-        batch.push(ids, 0, table, *slot, true);
-    }
-    batch.width = golden.rows;
-    batch.finish();
-    let w = golden.rows;
-    let logits = backend.forward(&batch).unwrap();
-    assert_eq!(logits.len(), rows.len() * w);
-    for (i, (_, slot, want)) in rows.iter().enumerate() {
-        let row = &logits[i * w..(i + 1) * w];
-        let own = want.len();
-        let err = relative_error(&row[..own], want);
-        assert!(err <= 1e-4, "row {i} (slot {slot:?}): {err}");
-        assert!(
-            row[own..].iter().all(|&l| l == f32::NEG_INFINITY),
-            "row {i} past its {own} logits: {:?}",
-            &row[own..]
-        );
-    }
-    // A step as wide as the base's cannot hold the grown rows (a prompt
-    // of old tokens: new ones are refused before), nor its new tokens.
-    let old_ids = &golden.cases[2].prompt_ids;
-    assert!(old_ids.iter().all(|&t| (t as usize) < v));
-    let mut narrow = StepBatch::default();
-    narrow.push(old_ids, 0, &tables[1], Some(0), true);
-    narrow.finish();
-    let err = backend.forward(&narrow).unwrap_err().to_string();
-    assert!(
-        err.contains("387 logits") && err.contains("384 wide"),
-        "{err}"
-    );
-    let mut narrow = StepBatch::default();
-    narrow.push(&golden.cases[0].prompt_ids, 0, &tables[1], Some(0), true);
-    narrow.finish();
-    let err = backend.forward(&narrow).unwrap_err().to_string();
-    assert!(err.contains("not below vocab_size 384"), "{err}");
-    // A new token is embedded only by the adapter that has its row.
-    let mut base_new = StepBatch::default();
-    base_new.push(&golden.cases[0].prompt_ids, 0, &tables[1], Some(1), true);
-    base_new.width = golden.rows;
-    base_new.finish();
-    let err = backend.forward(&base_new).unwrap_err().to_string();
-    assert!(err.contains("not below vocab_size 384"), "{err}");
+    grown_vocabulary_beside_the_base_in_one_step(&mut backend, &golden);
 }
 
 /// Through the engine: the grown adapter's requests are tokenized with

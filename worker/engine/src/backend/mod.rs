@@ -227,6 +227,40 @@ pub(crate) fn check_slot_write(
     Ok(())
 }
 
+/// What every backend checks of a step whose adapters may have their own
+/// vocabulary (`modules_to_save` with a grown one): no logit row's adapter
+/// writes more logits (`head_rows` of its slot) than the step is `width`
+/// wide, and every token id is below the rows its slot embeds
+/// (`embed_rows`: the base's vocabulary, or an adapter's own).
+pub(crate) fn check_own_vocab(
+    batch: &StepBatch<'_>,
+    width: usize,
+    head_rows: impl Fn(Option<usize>) -> usize,
+    embed_rows: impl Fn(Option<usize>) -> usize,
+) -> Result<()> {
+    if let Some(own) = batch
+        .logit_rows()
+        .iter()
+        .map(|&t| head_rows(batch.token_slot[t]))
+        .find(|&own| own > width)
+    {
+        return Err(EngineError::Backend(format!(
+            "a row's adapter writes {own} logits; the step's are {width} wide"
+        )));
+    }
+    for (t, &tok) in batch.tokens.iter().enumerate() {
+        // An id past the base's needs its adapter's own (grown) rows.
+        let rows = embed_rows(batch.token_slot[t]);
+        if tok as usize >= rows {
+            return Err(EngineError::request(
+                lorafleet_domain::generation::Field::Prompt,
+                format!("token id {tok} is not below vocab_size {rows}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// A compute device holding the base weights, the KV cache and the adapter
 /// slots.
 pub trait Backend: Send {

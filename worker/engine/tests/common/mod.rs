@@ -626,3 +626,122 @@ pub fn every_adapter_kind_in_one_step(
     let base = pick(&plain_golden, None);
     assert!(relative_error(&backend.forward(&batch).unwrap(), &base.logits) <= tolerance);
 }
+
+/// `golden_grown_vocab.json`: PEFT's goldens of the adapter with a grown
+/// vocabulary (its rows, and each prompt's case).
+#[derive(serde::Deserialize)]
+pub struct GrownGolden {
+    pub adapter: String,
+    pub rows: usize,
+    pub cases: Vec<GrownCase>,
+}
+
+#[derive(serde::Deserialize)]
+pub struct GrownCase {
+    pub prompt: String,
+    pub prompt_ids: Vec<u32>,
+    pub greedy: Vec<u32>,
+    pub text: String,
+    pub logits: Vec<f32>,
+}
+
+pub fn golden_grown() -> GrownGolden {
+    serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("golden_grown_vocab.json")).unwrap(),
+    )
+    .unwrap()
+}
+
+/// The grown-vocabulary adapter in slot 0 and an adapter with its own
+/// lm_head of the base's rows in slot 1 of `backend` (a `llama-gqa` one of
+/// two slots and at least 48 KV blocks of 4), in one step with the base:
+/// each row within 1e-4 of PEFT's logits over its own vocabulary and -inf
+/// past it; a step as wide as the base's refused for the grown rows, and a
+/// new token refused where its slot has no row for it.
+pub fn grown_vocabulary_beside_the_base_in_one_step(
+    backend: &mut dyn lorafleet_engine::backend::Backend,
+    golden: &GrownGolden,
+) {
+    use lorafleet_engine::backend::StepBatch;
+    use lorafleet_engine::lora::{AdapterLimits, HostAdapter};
+    let model = "llama-gqa";
+    let config = backend.config().clone();
+    let v = config.vocab_size;
+    let load = |dir: &std::path::Path| {
+        let limits = AdapterLimits {
+            model: &config,
+            max_lora_rank: 16,
+            base_hash_check: None,
+        };
+        HostAdapter::load("a", dir, limits).unwrap()
+    };
+    let grown = load(&adapter_dir("saved/llama-gqa", &golden.adapter));
+    let golden_saved = || golden_named("golden_saved.json");
+    backend.write_slot(0, &grown).unwrap();
+    let head = load(&adapter_dir("saved/llama-gqa", "head-qv-r4"));
+    backend.write_slot(1, &head).unwrap();
+    let prompt = "The quick brown fox";
+    let pick = |g: &Golden, adapter: Option<&str>| {
+        g.cases
+            .iter()
+            .find(|c| c.model == model && c.adapter.as_deref() == adapter && c.prompt == prompt)
+            .unwrap()
+            .clone()
+    };
+    let base = pick(&golden_named("golden.json"), None);
+    let own_head = pick(&golden_saved(), Some("head-qv-r4"));
+    // (prompt ids, slot, golden logits).
+    let mut rows: Vec<(&[u32], Option<usize>, &[f32])> =
+        vec![(&base.prompt_ids, None, &base.logits)];
+    for case in &golden.cases {
+        rows.push((&case.prompt_ids, Some(0), &case.logits));
+    }
+    rows.push((&own_head.prompt_ids, Some(1), &own_head.logits));
+    let tables: Vec<Vec<u32>> = (0..rows.len() as u32)
+        .map(|s| (s * 8..s * 8 + 8).collect())
+        .collect();
+    let mut batch = StepBatch::default();
+    for ((ids, slot, _), table) in rows.iter().zip(&tables) {
+        batch.push(ids, 0, table, *slot, true);
+    }
+    batch.width = golden.rows;
+    batch.finish();
+    let w = golden.rows;
+    let logits = backend.forward(&batch).unwrap();
+    assert_eq!(logits.len(), rows.len() * w);
+    for (i, (_, slot, want)) in rows.iter().enumerate() {
+        let row = &logits[i * w..(i + 1) * w];
+        let own = want.len();
+        let err = relative_error(&row[..own], want);
+        assert!(err <= 1e-4, "row {i} (slot {slot:?}): {err}");
+        assert!(
+            row[own..].iter().all(|&l| l == f32::NEG_INFINITY),
+            "row {i} past its {own} logits: {:?}",
+            &row[own..]
+        );
+    }
+    // A step as wide as the base's cannot hold the grown rows (a prompt
+    // of old tokens: new ones are refused before), nor its new tokens.
+    let old_ids = &golden.cases[2].prompt_ids;
+    assert!(old_ids.iter().all(|&t| (t as usize) < v));
+    let mut narrow = StepBatch::default();
+    narrow.push(old_ids, 0, &tables[1], Some(0), true);
+    narrow.finish();
+    let err = backend.forward(&narrow).unwrap_err().to_string();
+    assert!(
+        err.contains("387 logits") && err.contains("384 wide"),
+        "{err}"
+    );
+    let mut narrow = StepBatch::default();
+    narrow.push(&golden.cases[0].prompt_ids, 0, &tables[1], Some(0), true);
+    narrow.finish();
+    let err = backend.forward(&narrow).unwrap_err().to_string();
+    assert!(err.contains("not below vocab_size 384"), "{err}");
+    // A new token is embedded only by the adapter that has its row.
+    let mut base_new = StepBatch::default();
+    base_new.push(&golden.cases[0].prompt_ids, 0, &tables[1], Some(1), true);
+    base_new.width = golden.rows;
+    base_new.finish();
+    let err = backend.forward(&base_new).unwrap_err().to_string();
+    assert!(err.contains("not below vocab_size 384"), "{err}");
+}

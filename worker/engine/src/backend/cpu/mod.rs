@@ -495,16 +495,7 @@ impl Backend for CpuBackend {
         let (d, hd, kv_dim) = (c.hidden_size, c.head_dim, c.kv_dim());
         batch.check(&c, &self.shape)?;
         let width = batch.logits_width(c.vocab_size);
-        if let Some(own) = batch
-            .logit_rows()
-            .iter()
-            .map(|&t| self.head_rows(batch.token_slot[t]))
-            .find(|&own| own > width)
-        {
-            return Err(EngineError::Backend(format!(
-                "a row's adapter writes {own} logits; the step's are {width} wide"
-            )));
-        }
+        super::check_own_vocab(batch, width, |s| self.head_rows(s), |s| self.embed_rows(s))?;
         let mut hidden = vec![0f32; n * d];
         for (t, (&tok, row)) in batch
             .tokens
@@ -513,14 +504,6 @@ impl Backend for CpuBackend {
             .enumerate()
         {
             let at = tok as usize * d;
-            // An id past the base's needs its adapter's own (grown) rows.
-            let rows = self.embed_rows(batch.token_slot[t]);
-            if tok as usize >= rows {
-                return Err(EngineError::request(
-                    lorafleet_domain::generation::Field::Prompt,
-                    format!("token id {tok} is not below vocab_size {rows}"),
-                ));
-            }
             let outer = self.outer_of(batch.token_slot[t]);
             let own = outer
                 .and_then(|o| o.saved.embedding.as_ref())

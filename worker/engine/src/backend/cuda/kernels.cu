@@ -147,10 +147,17 @@ __device__ float block_max(float v, float* scratch) {
 
 // out[t] = table[tokens[t]] as f32, times `scale` (Gemma's √hidden; 1
 // otherwise). Grid: one block per token.
-extern "C" __global__ void embed(const wt* table, const int* tokens, float* out, int d, float scale) {
+extern "C" __global__ void embed(const wt* table, const int* tokens, float* out, int d, float scale, int vocab) {
     PDL_ENTER();
-    const wt* row = table + (size_t)tokens[blockIdx.x] * d;
+    int tok = tokens[blockIdx.x];
     float* o = out + (size_t)blockIdx.x * d;
+    // A token past the base's vocabulary (an adapter's grown one, whose
+    // own row `embed_saved` puts in next) reads nothing here.
+    if (tok >= vocab) {
+        for (int i = threadIdx.x; i < d; i += blockDim.x) o[i] = 0.0f;
+        return;
+    }
+    const wt* row = table + (size_t)tok * d;
     for (int i = threadIdx.x; i < d; i += blockDim.x) o[i] = wload(row[i]) * scale;
 }
 
@@ -161,10 +168,11 @@ extern "C" __global__ void embed(const wt* table, const int* tokens, float* out,
 // for t in [first, first + gridDim.x); a_t is [vocab, rank] (a token's
 // column of A as a row), b [d, rank]. Grid: one block per token.
 extern "C" __global__ void embed_lora(const int* tokens, int first, float* hidden, int d, const float* a_t,
-                                      const float* b, int rank, float scale, float embed_scale) {
+                                      const float* b, int rank, float scale, float embed_scale, int vocab) {
     PDL_ENTER();
     __shared__ float as[MAX_RANK];
     int t = first + blockIdx.x;
+    if (tokens[t] >= vocab) return;  // a grown vocabulary's row has no A
     const float* a = a_t + (size_t)tokens[t] * rank;
     for (int r = threadIdx.x; r < rank; r += blockDim.x) as[r] = a[r];
     __syncthreads();
@@ -296,8 +304,22 @@ extern "C" __global__ void gelu_mul(const float* gu, float* out, wt* out_w, int 
 // x = tanh(x / cap) * cap, elementwise (Gemma 2's final-logit soft-capping).
 extern "C" __global__ void softcap(float* x, long n, float cap) {
     PDL_ENTER();
+    // -inf (a row's logits past its own vocabulary) stays -inf.
     for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
-        x[i] = tanhf(x[i] / cap) * cap;
+        if (x[i] != -INFINITY) x[i] = tanhf(x[i] / cap) * cap;
+}
+
+// A step's logits as wide as its widest row (an adapter's grown
+// vocabulary): row r of `src` ([rows, vocab]) into row r of `dst`
+// ([rows, width]), -inf past the base's vocabulary. Grid: elementwise over
+// rows * width.
+extern "C" __global__ void widen_logits(const float* src, int vocab, float* dst, int width, long n) {
+    PDL_ENTER();
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        long r = i / width;
+        int j = (int)(i % width);
+        dst[i] = j < vocab ? src[r * vocab + j] : -INFINITY;
+    }
 }
 
 // Rotates the query and key heads of each token's fused [q | k | v] row in

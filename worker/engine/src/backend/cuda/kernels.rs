@@ -28,6 +28,7 @@ pub const KERNELS: &[&str] = &[
     "silu_mul",
     "gelu_mul",
     "softcap",
+    "widen_logits",
     "rope_store",
     "attention",
     "lora_shrink",

@@ -26,6 +26,7 @@ mod dora;
 mod dtype;
 mod fp8;
 pub mod kernels;
+mod logits;
 mod meta;
 mod moe;
 mod outer;
@@ -427,7 +428,7 @@ impl CudaBackend {
         let slots = Slots::new(&dev, c, &shape)?;
         let moe_layers = if c.moe.is_some() { c.num_layers } else { 0 };
         let expert_slots = moe::ExpertSlots::new(&dev, moe_layers, shape.slots)?;
-        let outer = outer::OuterSlots::new(&dev, shape.slots, dtype)?;
+        let outer = outer::OuterSlots::new(&dev, shape.slots, dtype, c.vocab_size)?;
         // The CPU backend's frequencies, computed once from the config.
         let inv_freq = up_f32(&c.rope.inv_freq())?;
         let local_inv_freq = c
@@ -654,25 +655,6 @@ impl Backend for CudaBackend {
 
     fn write_slot(&mut self, slot: usize, adapter: &HostAdapter) -> Result<()> {
         super::check_slot_write(&self.shape, slot, adapter)?;
-        // Its own rows serve where they are the base's vocabulary; a grown
-        // one needs logits wider than the base's, which this backend's
-        // steps never have.
-        if let Some(rows) = adapter.outer.saved.vocab()
-            && rows != self.config.vocab_size
-        {
-            return Err(crate::error::EngineError::Adapter(
-                lorafleet_artifact::adapter::AdapterError::Unsupported {
-                    adapter: adapter.name.clone(),
-                    field: "modules_to_save".into(),
-                    reason: format!(
-                        "its embed_tokens and lm_head have {rows} rows, a vocabulary grown past \
-                         the base's {}: the CUDA backend serves the base's vocabulary alone \
-                         (the CPU backend serves it)",
-                        self.config.vocab_size
-                    ),
-                },
-            ));
-        }
         let dora = self.dora_bases(adapter)?;
         // The expert factors' copy goes first on the copy stream, so the
         // slot's ready event, recorded after the dense copy, covers both.
@@ -698,11 +680,18 @@ impl Backend for CudaBackend {
     fn forward(&mut self, batch: &StepBatch<'_>) -> Result<Vec<f32>> {
         self.run_step(batch)?;
         match self.last_logits {
-            Some(rows) => self
-                .dev
-                .stream
-                .clone_dtoh(&self.ws.logits.slice(0..rows * self.config.vocab_size))
-                .map_err(cuda("running the step")),
+            Some(rows) => {
+                // A step wider than the base's vocabulary left its rows in
+                // the wide logits.
+                let (logits, width) = self
+                    .outer
+                    .wide_logits(&self.outer_step)
+                    .unwrap_or((&self.ws.logits, self.config.vocab_size));
+                self.dev
+                    .stream
+                    .clone_dtoh(&logits.slice(0..rows * width))
+                    .map_err(cuda("running the step"))
+            }
             None => Ok(Vec::new()),
         }
     }

@@ -44,13 +44,18 @@ struct EmbedFactors {
 struct SavedRows {
     values: CudaSlice<u8>,
     ids: Option<CudaSlice<i32>>,
+    /// Listed tokens (0 when whole).
     count: usize,
+    /// Rows held: a whole layer's vocabulary (the base's or one grown
+    /// past it).
+    rows: usize,
 }
 
-/// An adapter's own lm_head: saved whole (`[vocab, hidden]` in the
-/// weights' type, run as the base's is), or some tokens' rows.
+/// An adapter's own lm_head: saved whole (`[rows, hidden]` in the
+/// weights' type, run as the base's is; rows the base's vocabulary or one
+/// grown past it), or some tokens' rows.
 enum SavedHead {
-    Whole(CudaSlice<u8>),
+    Whole(CudaSlice<u8>, usize),
     Rows(SavedRows),
 }
 
@@ -83,6 +88,12 @@ pub(super) struct OuterSlots {
     slots: Vec<OuterSlot>,
     /// The weights' type (an own whole lm_head's).
     dtype: Dtype,
+    /// The base's vocabulary.
+    vocab: usize,
+    /// A step's logits as wide as its widest row, when an adapter's grown
+    /// vocabulary makes it wider than the base's: grown (after the stream
+    /// drains) as steps need.
+    wide: Option<CudaSlice<f32>>,
     /// The lm_head LoRA's table, mirrored on the host: `slots` A addresses
     /// (u64), `slots` B addresses (u64), `slots` ranks (i32) and `slots`
     /// scales (f32), as the expert-LoRA kernels read them.
@@ -105,20 +116,32 @@ pub(super) struct OuterStep {
     longest: usize,
     /// Where `head` was uploaded.
     groups: u64,
+    /// The step's logits' width where it is wider than the base's
+    /// vocabulary, and where they go (`[rows, width]`); 0 otherwise.
+    width: usize,
+    wide: u64,
 }
 
 impl OuterStep {
     pub fn is_empty(&self) -> bool {
         self.embed.is_empty() && self.rows.is_empty()
     }
+
+    /// `(width, address)` of the step's logits where they are wider than
+    /// the base's vocabulary.
+    pub fn wide(&self) -> Option<(usize, u64)> {
+        (self.width > 0).then_some((self.width, self.wide))
+    }
 }
 
 impl OuterSlots {
-    pub fn new(dev: &Device, slots: usize, dtype: Dtype) -> Result<OuterSlots> {
+    pub fn new(dev: &Device, slots: usize, dtype: Dtype, vocab: usize) -> Result<OuterSlots> {
         let bytes = 24 * slots;
         Ok(OuterSlots {
             slots: (0..slots).map(|_| OuterSlot::default()).collect(),
             dtype,
+            vocab,
+            wide: None,
             table_host: vec![0; bytes],
             table: dev
                 .stream
@@ -149,6 +172,7 @@ impl OuterSlots {
                     .map_err(&err)?,
                 ids,
                 count: r.tokens().len(),
+                rows: r.rows(),
             })
         };
         let outer = &adapter.outer;
@@ -161,6 +185,7 @@ impl OuterSlots {
                 dev.stream
                     .clone_htod(&self.dtype.encode(&r.values_f32()))
                     .map_err(&err)?,
+                r.rows(),
             )),
             Some(r) => Some(SavedHead::Rows(rows(r, Dtype::F32)?)),
             None => None,
@@ -216,19 +241,48 @@ impl OuterSlots {
             .map_err(cuda("uploading the lm_head LoRA table"))
     }
 
+    /// The logits a row of `slot` writes: its own whole lm_head's rows, or
+    /// the base's vocabulary.
+    pub fn head_rows(&self, slot: Option<usize>) -> usize {
+        match slot.and_then(|s| self.slots[s].saved_head.as_ref()) {
+            Some(SavedHead::Whole(_, rows)) => *rows,
+            _ => self.vocab,
+        }
+    }
+
+    /// The token ids `slot` embeds: its own whole embeddings' rows, or the
+    /// base's vocabulary.
+    pub fn embed_rows(&self, slot: Option<usize>) -> usize {
+        slot.and_then(|s| self.slots[s].saved_embed.as_ref())
+            .filter(|r| r.ids.is_none())
+            .map_or(self.vocab, |r| r.rows)
+    }
+
     /// The step's work outside the layers, from its segments and its logit
-    /// rows (token indices, in order); its lm_head LoRA groups uploaded on
-    /// the compute stream (after the steps queued before, which read the
-    /// last ones).
+    /// rows (token indices, in order), its logits `width` wide; its lm_head
+    /// LoRA groups uploaded on the compute stream (after the steps queued
+    /// before, which read the last ones).
     pub fn plan(
         &mut self,
         dev: &Device,
         batch: &StepBatch<'_>,
         rows: &[usize],
+        width: usize,
     ) -> Result<OuterStep> {
         let mut step = OuterStep::default();
         if self.slots.iter().all(OuterSlot::is_empty) {
             return Ok(step);
+        }
+        if width > self.vocab {
+            let len = rows.len() * width;
+            if self.wide.as_ref().is_none_or(|w| w.len() < len) {
+                let err = cuda("allocating a grown vocabulary's logits");
+                // The old buffer may still be read by a step in flight.
+                dev.stream.synchronize().map_err(&err)?;
+                self.wide = Some(dev.stream.alloc_zeros::<f32>(len).map_err(&err)?);
+            }
+            step.width = width;
+            step.wide = dev.p(self.wide.as_ref().expect("allocated above"));
         }
         step.embed = batch
             .segments
@@ -327,6 +381,7 @@ impl OuterSlots {
                         Arg::I32(e.rank as i32),
                         Arg::F32(e.scale),
                         Arg::F32(scale),
+                        Arg::I32(self.vocab as i32),
                     ],
                 )?;
             }
@@ -335,19 +390,49 @@ impl OuterSlots {
     }
 
     /// The planned runs of rows whose slot has its own whole lm_head: (its
-    /// `[vocab, hidden]` weights in the weights' type, first row, end
-    /// row), for the caller's GEMM over those rows.
+    /// `[rows, hidden]` weights in the weights' type, its rows, first row,
+    /// end row), for the caller's GEMM over those rows; those of the base's
+    /// vocabulary (`grown` false) or those grown past it.
     pub fn whole_heads<'a>(
         &'a self,
         dev: &'a Device,
         step: &'a OuterStep,
-    ) -> impl Iterator<Item = (u64, usize, usize)> + 'a {
+        grown: bool,
+    ) -> impl Iterator<Item = (u64, usize, usize, usize)> + 'a {
         step.rows
             .iter()
             .filter_map(move |&(slot, lo, hi)| match &self.slots[slot].saved_head {
-                Some(SavedHead::Whole(w)) => Some((dev.p(w), lo, hi)),
+                Some(SavedHead::Whole(w, rows)) if (*rows > self.vocab) == grown => {
+                    Some((dev.p(w), *rows, lo, hi))
+                }
                 _ => None,
             })
+    }
+
+    /// Copies the step's `[rows, vocab]` logits at `compact` into its wide
+    /// ones, -inf past the base's vocabulary (nothing for a step no wider).
+    pub fn widen(&self, dev: &Device, step: &OuterStep, compact: u64, rows: usize) -> Result<()> {
+        let Some((width, wide)) = step.wide() else {
+            return Ok(());
+        };
+        dev.launch(
+            "widen_logits",
+            Device::elementwise_grid(rows * width),
+            256,
+            &[
+                Arg::Ptr(compact),
+                Arg::I32(self.vocab as i32),
+                Arg::Ptr(wide),
+                Arg::I32(width as i32),
+                Arg::I64((rows * width) as i64),
+            ],
+        )
+    }
+
+    /// The wide logits of the last step, `[rows, width]`, if it was wider
+    /// than the base's vocabulary.
+    pub fn wide_logits(&self, step: &OuterStep) -> Option<(&CudaSlice<f32>, usize)> {
+        step.wide().and(self.wide.as_ref()).map(|w| (w, step.width))
     }
 
     /// Adds each planned group's lm_head LoRA into `logits` (`[rows,

@@ -25,7 +25,7 @@ use super::device::{Arg, Device, LoraLaunch, LoraSlice, cuda};
 use super::meta::{HostMeta, MetaShape, StepMeta};
 use super::{CudaBackend, Dtype, Mlp};
 use crate::backend::{GraphCounters, StepBatch};
-use crate::error::{EngineError, Result};
+use crate::error::Result;
 use crate::lora::Projection;
 use crate::model::ModelConfig;
 use lorafleet_artifact::layers::{Activation, LayerKind};
@@ -50,7 +50,7 @@ pub(super) struct Workspace {
     proj: CudaSlice<f32>,
     pub(super) gu: CudaSlice<f32>,
     pub(super) act: CudaSlice<f32>,
-    h_part: CudaSlice<f32>,
+    pub(super) h_part: CudaSlice<f32>,
     /// The GEMM inputs in the weights' type (none in f32 mode).
     pub(super) cast: Option<CudaSlice<u8>>,
     /// `[rows, vocab]`.
@@ -207,13 +207,14 @@ impl CudaBackend {
     /// want them in the workspace (`last_logits` says how many rows).
     pub(super) fn run_step(&mut self, batch: &StepBatch<'_>) -> Result<()> {
         batch.check(&self.config, &self.shape)?;
-        // Its slots never hold an adapter's own (grown) vocabulary.
-        if batch.logits_width(self.config.vocab_size) != self.config.vocab_size {
-            return Err(EngineError::Backend(format!(
-                "the CUDA backend serves the model's vocabulary of {} alone; a step asked for {}",
-                self.config.vocab_size, batch.width
-            )));
-        }
+        // As wide as its widest row: an adapter's grown vocabulary's.
+        let width = batch.logits_width(self.config.vocab_size);
+        crate::backend::check_own_vocab(
+            batch,
+            width,
+            |s| self.outer.head_rows(s),
+            |s| self.outer.embed_rows(s),
+        )?;
         self.last_logits = None;
         let n = batch.tokens.len();
         if n == 0 {
@@ -263,7 +264,7 @@ impl CudaBackend {
         self.graphs.last_step = Some((meta, n, rows.len()));
         // Embedding and lm_head LoRA are launched for this step's rows
         // alone: such a step never runs from a graph.
-        self.outer_step = self.outer.plan(&self.dev, batch, &rows)?;
+        self.outer_step = self.outer.plan(&self.dev, batch, &rows, width)?;
 
         let run = if decode && self.graphs.enabled && self.outer_step.is_empty() {
             let key = GraphKey {
@@ -453,6 +454,7 @@ impl CudaBackend {
                 Arg::Ptr(hidden),
                 Arg::I32(d as i32),
                 Arg::F32(c.gemma.as_ref().map_or(1.0, |g| g.embed_scale)),
+                Arg::I32(c.vocab_size as i32),
             ],
         )?;
         self.outer.embed(
@@ -568,43 +570,7 @@ impl CudaBackend {
             return Ok(());
         }
         norm_rows(hidden, meta.rows, &self.norm, normed, rows)?;
-        self.linear(&self.lm_head, cast.unwrap_or(normed), p(&ws.logits), rows)?;
-        // An own whole lm_head's logits for its rows, the lm_head LoRA, an
-        // own token rows' logits: in that order, as on the CPU backend.
-        let elem = if cast.is_some() {
-            self.dtype.bytes()
-        } else {
-            4
-        };
-        for (w, lo, hi) in self.outer.whole_heads(&self.dev, &self.outer_step) {
-            self.gemm(
-                w,
-                self.dtype.cuda_type(),
-                d,
-                c.vocab_size,
-                cast.unwrap_or(normed) + (lo * d * elem) as u64,
-                p(&ws.logits) + (lo * c.vocab_size * 4) as u64,
-                hi - lo,
-            )?;
-        }
-        let (h_rows, logits) = ((normed, d), (p(&ws.logits), c.vocab_size));
-        self.outer
-            .head_lora(&self.dev, &self.outer_step, h_rows, logits, p(&ws.h_part))?;
-        self.outer
-            .saved_logits(&self.dev, &self.outer_step, h_rows, logits)?;
-        match c.gemma.as_ref().and_then(|g| g.final_logit_softcapping) {
-            Some(cap) => self.dev.launch(
-                "softcap",
-                Device::elementwise_grid(rows * c.vocab_size),
-                256,
-                &[
-                    Arg::Ptr(p(&ws.logits)),
-                    Arg::I64((rows * c.vocab_size) as i64),
-                    Arg::F32(cap),
-                ],
-            ),
-            None => Ok(()),
-        }
+        self.logits(normed, cast, rows)
     }
 }
 
