@@ -539,18 +539,8 @@ pub fn every_adapter_kind_in_one_step(
     tolerance: f32,
 ) {
     use lorafleet_engine::backend::StepBatch;
-    use lorafleet_engine::lora::{AdapterLimits, HostAdapter};
     let model = "llama-gqa";
     let config = backend.config().clone();
-    let load = |dir: &std::path::Path| {
-        let limits = AdapterLimits {
-            model: &config,
-            max_lora_rank: 16,
-            base_hash_check: None,
-        };
-        HostAdapter::load("a", dir, limits).unwrap()
-    };
-    let saved = |name: &str| adapter_dir("saved/llama-gqa", name);
     // (fixture directory, adapter, its goldens' file).
     let others = [
         (model, "qv-r8", "golden.json"),
@@ -575,12 +565,12 @@ pub fn every_adapter_kind_in_one_step(
         "tokens-dict-r2",
     ];
     for (slot, name) in names.iter().enumerate() {
-        let adapter = load(&saved(name));
+        let adapter = gpu::load_adapter(&config, "saved/llama-gqa", name);
         assert!(adapter.has_outer(), "{name}");
         backend.write_slot(slot, &adapter).unwrap();
     }
     for (i, (dir, name, _)) in others.iter().enumerate() {
-        let adapter = load(&adapter_dir(dir, name));
+        let adapter = gpu::load_adapter(&config, dir, name);
         backend.write_slot(4 + i, &adapter).unwrap();
     }
     let prompt = "The quick brown fox";
@@ -663,22 +653,13 @@ pub fn grown_vocabulary_beside_the_base_in_one_step(
     golden: &GrownGolden,
 ) {
     use lorafleet_engine::backend::StepBatch;
-    use lorafleet_engine::lora::{AdapterLimits, HostAdapter};
     let model = "llama-gqa";
     let config = backend.config().clone();
     let v = config.vocab_size;
-    let load = |dir: &std::path::Path| {
-        let limits = AdapterLimits {
-            model: &config,
-            max_lora_rank: 16,
-            base_hash_check: None,
-        };
-        HostAdapter::load("a", dir, limits).unwrap()
-    };
-    let grown = load(&adapter_dir("saved/llama-gqa", &golden.adapter));
+    let grown = gpu::load_adapter(&config, "saved/llama-gqa", &golden.adapter);
     let golden_saved = || golden_named("golden_saved.json");
     backend.write_slot(0, &grown).unwrap();
-    let head = load(&adapter_dir("saved/llama-gqa", "head-qv-r4"));
+    let head = gpu::load_adapter(&config, "saved/llama-gqa", "head-qv-r4");
     backend.write_slot(1, &head).unwrap();
     let prompt = "The quick brown fox";
     let pick = |g: &Golden, adapter: Option<&str>| {

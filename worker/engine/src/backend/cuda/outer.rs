@@ -451,35 +451,15 @@ impl OuterSlots {
         }
         let n = self.slots.len() as u64;
         let table = dev.p(&self.table);
-        let (a_ptrs, b_ptrs, ranks, scales) =
-            (table, table + 8 * n, table + 16 * n, table + 20 * n);
         let grid = (step.longest as u32, (step.head.len() / 4) as u32, 1);
-        dev.launch(
-            "moe_lora_shrink",
+        super::moe::grouped_lora_pair(
+            dev,
             grid,
-            256,
-            &[
-                Arg::Ptr(normed),
-                Arg::I32(d as i32),
-                Arg::Ptr(step.groups),
-                Arg::Ptr(a_ptrs),
-                Arg::Ptr(ranks),
-                Arg::Ptr(t),
-            ],
-        )?;
-        dev.launch(
-            "moe_lora_expand",
-            grid,
-            256,
-            &[
-                Arg::Ptr(t),
-                Arg::I32(vocab as i32),
-                Arg::Ptr(step.groups),
-                Arg::Ptr(b_ptrs),
-                Arg::Ptr(ranks),
-                Arg::Ptr(scales),
-                Arg::Ptr(logits),
-            ],
+            (normed, d),
+            (logits, vocab),
+            step.groups,
+            [table, table + 8 * n, table + 16 * n, table + 20 * n],
+            t,
         )
     }
 

@@ -603,35 +603,52 @@ impl CudaBackend {
             return Ok(());
         }
         let dev = &self.dev;
-        let [a_ptrs, b_ptrs, ranks, scales] = self.expert_slots.table(dev, l, target);
+        let table = self.expert_slots.table(dev, l, target);
         let groups = groups + (launch.first * 4) as u64;
         let grid = (launch.longest as u32, launch.count as u32, 1);
-        dev.launch(
-            "moe_lora_shrink",
-            grid,
-            256,
-            &[
-                Arg::Ptr(x),
-                Arg::I32(fan_in as i32),
-                Arg::Ptr(groups),
-                Arg::Ptr(a_ptrs),
-                Arg::Ptr(ranks),
-                Arg::Ptr(t),
-            ],
-        )?;
-        dev.launch(
-            "moe_lora_expand",
-            grid,
-            256,
-            &[
-                Arg::Ptr(t),
-                Arg::I32(fan_out as i32),
-                Arg::Ptr(groups),
-                Arg::Ptr(b_ptrs),
-                Arg::Ptr(ranks),
-                Arg::Ptr(scales),
-                Arg::Ptr(out),
-            ],
-        )
+        grouped_lora_pair(dev, grid, (x, fan_in), (out, fan_out), groups, table, t)
     }
+}
+
+/// The grouped expert-LoRA pair over uploaded groups of (first row, end
+/// row, slot, expert) at `groups`, `grid` (the longest group's rows, the
+/// groups): `x` (f32, `fan_in` wide) through each group's slot's A into
+/// `t` (`[rows, max_rank]` f32), then B into `out` (f32, `fan_out` wide),
+/// added; `table` the slots' A and B addresses, ranks and scales.
+pub(super) fn grouped_lora_pair(
+    dev: &Device,
+    grid: (u32, u32, u32),
+    (x, fan_in): (u64, usize),
+    (out, fan_out): (u64, usize),
+    groups: u64,
+    [a_ptrs, b_ptrs, ranks, scales]: [u64; 4],
+    t: u64,
+) -> Result<()> {
+    dev.launch(
+        "moe_lora_shrink",
+        grid,
+        256,
+        &[
+            Arg::Ptr(x),
+            Arg::I32(fan_in as i32),
+            Arg::Ptr(groups),
+            Arg::Ptr(a_ptrs),
+            Arg::Ptr(ranks),
+            Arg::Ptr(t),
+        ],
+    )?;
+    dev.launch(
+        "moe_lora_expand",
+        grid,
+        256,
+        &[
+            Arg::Ptr(t),
+            Arg::I32(fan_out as i32),
+            Arg::Ptr(groups),
+            Arg::Ptr(b_ptrs),
+            Arg::Ptr(ranks),
+            Arg::Ptr(scales),
+            Arg::Ptr(out),
+        ],
+    )
 }
