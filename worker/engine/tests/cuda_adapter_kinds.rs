@@ -12,7 +12,8 @@
 //! plain adapter's of the same key was captured in its slot); every kind
 //! and the base in one step, each row its own golden; a vocabulary grown
 //! past the base's, its rows' logits as wide as the step; DoRA on a
-//! quantized base refused by `use_dora`. PEFT made the fixtures
+//! quantized base (llm-compressor's W8A16) from its dequantized rows. PEFT
+//! made the fixtures
 //! (`scripts/make_dora_fixtures.py`, `scripts/make_bias_fixtures.py`,
 //! `scripts/make_embedding_fixtures.py`,
 //! `scripts/make_saved_module_fixtures.py`).
@@ -63,6 +64,9 @@ fn every_adapter_kind_on_the_gpu_gives_the_cpu_backends_and_peft_logits() {
         ("golden_dora.json", "llama-gqa", "dora/llama-gqa"),
         ("golden_dora.json", "qwen2-tied", "dora/qwen2-tied"),
         ("golden_dora.json", "mixtral-moe", "dora/mixtral-moe"),
+        // llm-compressor's W8A16 checkpoint: the scales from its rows
+        // dequantized as its GEMMs dequantize them.
+        ("golden_dora.json", "llama-gqa-tool-w8a16", "dora/llama-gqa"),
         ("golden_bias.json", "llama-gqa", "bias/llama-gqa"),
         ("golden_bias.json", "qwen2-tied", "bias/qwen2-tied"),
         ("golden_embedding.json", "llama-gqa", "embedding/llama-gqa"),
@@ -112,7 +116,10 @@ fn every_adapter_kind_on_the_gpu_gives_the_cpu_backends_and_peft_logits() {
             let replays = gpu.graph_counters().unwrap().replays;
             let (cpu_logits, cpu_tokens) = run_golden(&mut cpu, dir, case);
             let (gpu_logits, gpu_tokens) = run_golden(&mut gpu, dir, case);
-            assert_close(&gpu_logits, &cpu_logits, 1e-5, &what);
+            // A quantized base's kernels differ from the CPU's in their
+            // sums' order (as in cuda_quantized.rs).
+            let near_cpu = if model.contains("-tool-") { 1e-4 } else { 1e-5 };
+            assert_close(&gpu_logits, &cpu_logits, near_cpu, &what);
             assert_close(&gpu_logits, &case.logits, 1e-4, &format!("{what} vs PEFT"));
             assert_eq!(gpu_tokens, cpu_tokens, "{what}: greedy tokens");
             assert_eq!(gpu_tokens, case.greedy, "{what}: greedy tokens vs PEFT");
@@ -134,9 +141,9 @@ fn every_adapter_kind_on_the_gpu_gives_the_cpu_backends_and_peft_logits() {
         }
         assert!(adapted >= 3, "{file} {model}: {adapted} adapter cases");
     }
-    // DoRA: 3 bases and 4 adapters, bias: 2 adapters, embedding and
+    // DoRA: 4 bases and 5 adapters, bias: 2 adapters, embedding and
     // lm_head LoRA: 6 adapters, own rows: 7 adapters, 3 prompts each.
-    assert_eq!(checked, 3 * (3 + 4 + 2 + 6 + 7), "{checked} cases");
+    assert_eq!(checked, 3 * (4 + 5 + 2 + 6 + 7), "{checked} cases");
 }
 
 /// A DoRA slot, a `lora_bias` slot and the base model in one step: each
@@ -200,27 +207,6 @@ fn a_dora_slot_a_bias_slot_and_the_base_in_one_gpu_step_are_each_their_own() {
     let again = [(pick(&plain, Some("qv-r8")), Some(0))];
     let err = relative_error(&step(&mut gpu, &again), &again[0].0.logits);
     assert!(err <= 1e-4, "a plain adapter where DoRA was: {err}");
-}
-
-#[test]
-#[ignore = "needs a CUDA GPU: deploy/gpu-check.sh runs it"]
-fn dora_on_a_quantized_base_is_refused_by_use_dora_on_the_gpu() {
-    require_gpu();
-    let model = "llama-gqa-tool-w8a16";
-    let dir = model_dir(model);
-    let config = ModelConfig::from_dir(&dir).unwrap();
-    let mut gpu = CudaBackend::load(&dir, &config, SHAPE, 0, Dtype::F32, LIMITS).unwrap();
-    let err = gpu
-        .write_slot(0, &load(model, "dora/llama-gqa", "dora-w8a16-qv-r4"))
-        .unwrap_err()
-        .to_string();
-    assert!(
-        err.contains("use_dora") && err.contains("quantized"),
-        "{err}"
-    );
-    // A bias adapter serves on the same base.
-    gpu.write_slot(1, &load(model, "bias/llama-gqa", "bias-qv-r8"))
-        .unwrap();
 }
 
 /// Every kind the engine serves in one GPU step, each row its own golden

@@ -655,13 +655,14 @@ impl Backend for CudaBackend {
 
     fn write_slot(&mut self, slot: usize, adapter: &HostAdapter) -> Result<()> {
         super::check_slot_write(&self.shape, slot, adapter)?;
-        let dora = self.dora_bases(adapter)?;
+        let (dora, quantized_dora) = self.dora_bases(adapter)?;
         // The expert factors' copy goes first on the copy stream, so the
         // slot's ready event, recorded after the dense copy, covers both.
         self.expert_slots
             .write(&self.dev, self.slots.copy_stream(), slot, adapter)?;
         self.outer.write(&self.dev, slot, adapter)?;
-        self.slots.write(&self.dev, slot, adapter, &dora)
+        self.slots.write(&self.dev, slot, adapter, &dora)?;
+        self.quantized_dora_scales(slot, &quantized_dora)
     }
 
     fn slot_ready(&self, slot: usize) -> bool {

@@ -275,7 +275,8 @@ impl Slots {
                 )
             }
             .map_err(cuda("copying an adapter's vectors into its slot"))?;
-            self.dora_scales(dev, slot, dora)?;
+            let copy = Arc::clone(&self.copy);
+            self.dora_scales(dev, &copy, slot, dora)?;
         }
         let done = |s: &CudaStream| s.record_event(None).map_err(cuda("copying an adapter"));
         staged.done = Some(done(&self.copy)?);
@@ -310,6 +311,17 @@ impl Slots {
     /// the slots `segments` use have in some layer.
     pub fn kinds(&self, segments: &[Segment]) -> u8 {
         segments.iter().fold(0, |k, s| k | self.kinds[s.slot])
+    }
+
+    /// Makes the compute stream wait for the copy of `slot`'s last write.
+    pub fn wait_for_slot(&self, dev: &Device, slot: usize) -> Result<()> {
+        match &self.ready[slot] {
+            Some(e) => dev
+                .stream
+                .wait(e)
+                .map_err(cuda("waiting for an adapter copy")),
+            None => Ok(()),
+        }
     }
 
     /// Whether the copy of `slot`'s last write is still in flight.
@@ -372,8 +384,15 @@ impl Slots {
     }
 
     /// Turns each DoRA module's magnitude in `slot`'s vectors into its
-    /// scales, on the copy stream after the copies.
-    fn dora_scales(&self, dev: &Device, slot: usize, dora: &[DoraBase]) -> Result<()> {
+    /// scales, on `stream`: the copy stream after the copies, or the
+    /// compute stream once it has waited for them ([`Slots::wait_for_slot`]).
+    pub fn dora_scales(
+        &self,
+        dev: &Device,
+        stream: &Arc<CudaStream>,
+        slot: usize,
+        dora: &[DoraBase],
+    ) -> Result<()> {
         use super::device::Arg;
         for d in dora {
             let rank = self.rank_host[d.key * self.slots + slot];
@@ -384,7 +403,7 @@ impl Slots {
             let at = |base: u64, values: usize| base + (values * self.dtype.bytes()) as u64;
             let image = dev.p(&self.data) + (slot * self.stride * self.dtype.bytes()) as u64;
             dev.launch_on(
-                &self.copy,
+                stream,
                 "dora_scales",
                 (width as u32, 1, 1),
                 256,
