@@ -28,7 +28,7 @@ impl CudaBackend {
         // own token rows' logits: in that order, as on the CPU backend.
         let step = &self.outer_step;
         let ty = self.dtype.cuda_type();
-        for (w, _, lo, hi) in self.outer.whole_heads(&self.dev, step, false) {
+        for (w, _, lo, hi) in self.outer.whole_heads(step, false) {
             let y = logits + (lo * vocab * 4) as u64;
             self.gemm(w, ty, d, vocab, x + (lo * d * elem) as u64, y, hi - lo)?;
         }
@@ -46,7 +46,7 @@ impl CudaBackend {
             return Ok(());
         };
         self.outer.widen(&self.dev, step, logits, rows)?;
-        for (w, own, lo, hi) in self.outer.whole_heads(&self.dev, step, true) {
+        for (w, own, lo, hi) in self.outer.whole_heads(step, true) {
             let y = wide + (lo * width * 4) as u64;
             let x = x + (lo * d * elem) as u64;
             self.gemm_ld(w, ty, d, own, x, y, hi - lo, width)?;

@@ -660,7 +660,8 @@ impl Backend for CudaBackend {
         // slot's ready event, recorded after the dense copy, covers both.
         self.expert_slots
             .write(&self.dev, self.slots.copy_stream(), slot, adapter)?;
-        self.outer.write(&self.dev, slot, adapter)?;
+        self.outer
+            .write(&self.dev, self.slots.copy_stream(), slot, adapter)?;
         self.slots.write(&self.dev, slot, adapter, &dora)?;
         self.quantized_dora_scales(slot, &quantized_dora)
     }

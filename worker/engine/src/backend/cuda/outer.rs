@@ -10,8 +10,9 @@
 //! lm_head LoRA added, an own token rows' logits put in, then Gemma's
 //! final soft-cap, as on the CPU backend.
 //!
-//! A slot's tensors are their own allocation, made when the slot is
-//! written (as expert LoRA's are): the embedding LoRA's `Aᵀ [vocab, rank]`
+//! A slot's tensors are one allocation, made and copied from page-locked
+//! memory on the copy stream when the slot is written (as expert LoRA's
+//! are): the embedding LoRA's `Aᵀ [vocab, rank]`
 //! and `B [hidden, rank]` as the host tier holds them, the lm_head LoRA's
 //! A and B panels as the host tier packs them (read by the expert-LoRA
 //! kernels as one expert), own embedding rows and a whole own lm_head in
@@ -20,7 +21,9 @@
 //! launches eagerly (never from a CUDA graph): which rows get them is the
 //! step's own, planned on the host ([`OuterStep`]).
 
-use cudarc::driver::CudaSlice;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, PinnedHostSlice};
 
 use super::Dtype;
 use super::device::{Arg, Device, cuda};
@@ -29,10 +32,11 @@ use crate::error::Result;
 use crate::lora::HostAdapter;
 use crate::lora::saved::Replaced;
 
-/// The embedding LoRA of one slot on the device.
+/// The embedding LoRA of one slot on the device (addresses into the
+/// slot's allocation, as are all below).
 struct EmbedFactors {
-    a_t: CudaSlice<f32>,
-    b: CudaSlice<f32>,
+    a_t: u64,
+    b: u64,
     rank: usize,
     scale: f32,
 }
@@ -42,8 +46,8 @@ struct EmbedFactors {
 /// f32), and the tokens they replace (None: the layer saved whole, row =
 /// token).
 struct SavedRows {
-    values: CudaSlice<u8>,
-    ids: Option<CudaSlice<i32>>,
+    values: u64,
+    ids: Option<u64>,
     /// Listed tokens (0 when whole).
     count: usize,
     /// Rows held: a whole layer's vocabulary (the base's or one grown
@@ -55,27 +59,26 @@ struct SavedRows {
 /// weights' type, run as the base's is; rows the base's vocabulary or one
 /// grown past it), or some tokens' rows.
 enum SavedHead {
-    Whole(CudaSlice<u8>, usize),
+    Whole(u64, usize),
     Rows(SavedRows),
 }
 
 /// One slot's changes outside the layers.
 #[derive(Default)]
 struct OuterSlot {
+    /// Every tensor below, in one allocation; None for a slot with none.
+    data: Option<CudaSlice<u8>>,
     embed: Option<EmbedFactors>,
     /// The lm_head LoRA's A and B panels; their addresses, rank and scale
     /// are in the table.
-    head: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
+    head: Option<(u64, u64)>,
     saved_embed: Option<SavedRows>,
     saved_head: Option<SavedHead>,
 }
 
 impl OuterSlot {
     fn is_empty(&self) -> bool {
-        self.embed.is_none()
-            && self.head.is_none()
-            && self.saved_embed.is_none()
-            && self.saved_head.is_none()
+        self.data.is_none()
     }
 
     /// Whether the slot changes its rows' logits.
@@ -102,6 +105,8 @@ pub(super) struct OuterSlots {
     /// The lm_head LoRA groups of the step being launched, uploaded as it
     /// is planned; grown (after the stream drains) when a step has more.
     groups: Option<CudaSlice<i32>>,
+    /// Page-locked staging for slot writes, and the end of its last copy.
+    staging: Option<(PinnedHostSlice<u8>, Option<CudaEvent>)>,
 }
 
 /// What one step does outside the layers: the segments whose slot changes
@@ -148,71 +153,148 @@ impl OuterSlots {
                 .alloc_zeros::<u8>(bytes.max(1))
                 .map_err(cuda("allocating the lm_head LoRA table"))?,
             groups: None,
+            staging: None,
         })
     }
 
     /// Puts `adapter`'s embedding and lm_head LoRA and its own rows of
-    /// those layers into `slot` (on the compute stream: after every step
-    /// queued before, which never use a slot being written), or empties
-    /// the slot's if it has none.
-    pub fn write(&mut self, dev: &Device, slot: usize, adapter: &HostAdapter) -> Result<()> {
-        let err = cuda("copying an adapter's embedding or lm_head rows or LoRA");
-        let up = |v: &[f32]| dev.stream.clone_htod(v).map_err(&err);
-        let rows = |r: &Replaced, dtype: Dtype| -> Result<SavedRows> {
-            let ids = if r.is_whole() {
-                None
-            } else {
-                let ids: Vec<i32> = r.tokens().iter().map(|&t| t as i32).collect();
-                Some(dev.stream.clone_htod(&ids).map_err(&err)?)
-            };
-            Ok(SavedRows {
-                values: dev
-                    .stream
-                    .clone_htod(&dtype.encode(&r.values_f32()))
-                    .map_err(&err)?,
-                ids,
-                count: r.tokens().len(),
-                rows: r.rows(),
-            })
-        };
+    /// those layers into `slot`, or empties the slot's if it has none. The
+    /// tensors are laid out in page-locked memory (in parallel) and copied
+    /// as one on `copy`, the stream of the slot's dense copy, before that
+    /// copy: the slot's ready event, recorded after it, covers this one
+    /// too, and a step that uses the slot waits for it. The table goes on
+    /// the compute stream (read only by steps that wait for the slot).
+    pub fn write(
+        &mut self,
+        dev: &Device,
+        copy: &Arc<CudaStream>,
+        slot: usize,
+        adapter: &HostAdapter,
+    ) -> Result<()> {
         let outer = &adapter.outer;
-        let saved_embed = match &outer.saved.embedding {
-            Some(r) => Some(rows(r, self.dtype)?),
-            None => None,
+        if outer.is_empty() {
+            return self.clear(dev, slot);
+        }
+        // Each tensor's bytes, 16-byte aligned in the one image.
+        let mut parts: Vec<Vec<u8>> = Vec::new();
+        let mut place = |bytes: Vec<u8>| {
+            parts.push(bytes);
+            parts.len() - 1
         };
-        let saved_head = match &outer.saved.lm_head {
-            Some(r) if r.is_whole() => Some(SavedHead::Whole(
-                dev.stream
-                    .clone_htod(&self.dtype.encode(&r.values_f32()))
-                    .map_err(&err)?,
-                r.rows(),
-            )),
-            Some(r) => Some(SavedHead::Rows(rows(r, Dtype::F32)?)),
-            None => None,
+        let f32s = |v: &[f32]| Dtype::F32.encode(v);
+        let ids_of = |r: &Replaced| -> Vec<u8> {
+            r.tokens()
+                .iter()
+                .flat_map(|&t| (t as i32).to_le_bytes())
+                .collect()
         };
-        let embed = match &outer.embedding {
-            Some(e) => Some(EmbedFactors {
-                a_t: up(e.a_t())?,
-                b: up(e.b())?,
-                rank: e.rank,
-                scale: e.scale,
-            }),
-            None => None,
+        let embed = outer
+            .embedding
+            .as_ref()
+            .map(|e| (place(f32s(e.a_t())), place(f32s(e.b())), e.rank, e.scale));
+        let head = outer.lm_head.as_ref().map(|h| {
+            let (a, b) = h.panels(0);
+            (place(f32s(a)), place(f32s(b)), h.rank, h.scale)
+        });
+        let rows_of = |r: &Replaced, dtype: Dtype, place: &mut dyn FnMut(Vec<u8>) -> usize| {
+            let values = place(dtype.encode(&r.values_f32()));
+            let ids = (!r.is_whole()).then(|| place(ids_of(r)));
+            (values, ids, r.tokens().len(), r.rows())
         };
-        let (head, entry) = match &outer.lm_head {
-            Some(h) => {
-                let (a, b) = h.panels(0);
-                let (a, b) = (up(a)?, up(b)?);
-                let entry = (dev.p(&a), dev.p(&b), h.rank as i32, h.scale);
-                (Some((a, b)), entry)
+        let saved_embed = outer
+            .saved
+            .embedding
+            .as_ref()
+            .map(|r| rows_of(r, self.dtype, &mut place));
+        let saved_head = outer.saved.lm_head.as_ref().map(|r| {
+            // A whole one in the weights' type, for the base's GEMM; some
+            // tokens' rows in f32.
+            let dtype = if r.is_whole() { self.dtype } else { Dtype::F32 };
+            (r.is_whole(), rows_of(r, dtype, &mut place))
+        });
+        let mut at = Vec::with_capacity(parts.len());
+        let mut len = 0;
+        for p in &parts {
+            at.push(len);
+            len = (len + p.len()).next_multiple_of(16);
+        }
+        let err = cuda("copying an adapter's embedding or lm_head rows or LoRA into its slot");
+        let (mut host, done) = match self.staging.take() {
+            Some((host, done)) if host.len() >= len => (host, done),
+            old => {
+                if let Some((_, Some(e))) = &old {
+                    e.synchronize().map_err(&err)?;
+                }
+                drop(old);
+                // SAFETY: bytes are plain data; every byte copied is
+                // written first or padding nothing reads.
+                let host = unsafe { dev.ctx.alloc_pinned::<u8>(len.max(16)) }.map_err(&err)?;
+                (host, None)
             }
-            None => (None, (0, 0, 0, 0.0)),
         };
+        if let Some(e) = done {
+            e.synchronize().map_err(&err)?;
+        }
+        let staged = host.as_mut_slice().map_err(&err)?;
+        {
+            use rayon::prelude::*;
+            let mut pieces = Vec::with_capacity(parts.len());
+            let mut rest = &mut staged[..len];
+            let mut from = 0;
+            for (p, &a) in parts.iter().zip(&at) {
+                let (_, tail) = rest.split_at_mut(a - from);
+                let (mine, tail) = tail.split_at_mut(p.len());
+                pieces.push((mine, p.as_slice()));
+                rest = tail;
+                from = a + p.len();
+            }
+            pieces
+                .into_par_iter()
+                .for_each(|(dst, src)| dst.copy_from_slice(src));
+        }
+        // SAFETY: every byte a kernel reads is written by the copy below
+        // before it runs (a step waits for the slot's ready event).
+        let data = unsafe { copy.alloc::<u8>(len.max(16)) }.map_err(&err)?;
+        // SAFETY: the source is page-locked and is not written again until
+        // the event recorded after this copy has fired.
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(
+                dev.p(&data),
+                &staged[..len],
+                copy.cu_stream(),
+            )
+        }
+        .map_err(&err)?;
+        let done = copy.record_event(None).map_err(&err)?;
+        self.staging = Some((host, Some(done)));
+        let base = dev.p(&data);
+        let addr = |i: usize| base + at[i] as u64;
+        let rows = |(values, ids, count, rows): (usize, Option<usize>, usize, usize)| SavedRows {
+            values: addr(values),
+            ids: ids.map(addr),
+            count,
+            rows,
+        };
+        let entry = head.map_or((0, 0, 0, 0.0), |(a, b, rank, scale)| {
+            (addr(a), addr(b), rank as i32, scale)
+        });
         self.slots[slot] = OuterSlot {
-            embed,
-            head,
-            saved_embed,
-            saved_head,
+            embed: embed.map(|(a_t, b, rank, scale)| EmbedFactors {
+                a_t: addr(a_t),
+                b: addr(b),
+                rank,
+                scale,
+            }),
+            head: head.map(|(a, b, ..)| (addr(a), addr(b))),
+            saved_embed: saved_embed.map(rows),
+            saved_head: saved_head.map(|(whole, r)| {
+                if whole {
+                    SavedHead::Whole(addr(r.0), r.3)
+                } else {
+                    SavedHead::Rows(rows(r))
+                }
+            }),
+            data: Some(data),
         };
         self.set_entry(slot, entry);
         self.upload_table(dev)
@@ -359,8 +441,8 @@ impl OuterSlots {
                         Arg::I32(seg.start as i32),
                         Arg::Ptr(hidden),
                         Arg::I32(d as i32),
-                        Arg::Ptr(dev.p(&r.values)),
-                        Arg::Ptr(r.ids.as_ref().map_or(0, |i| dev.p(i))),
+                        Arg::Ptr(r.values),
+                        Arg::Ptr(r.ids.unwrap_or(0)),
                         Arg::I32(r.count as i32),
                         Arg::F32(scale),
                     ],
@@ -376,8 +458,8 @@ impl OuterSlots {
                         Arg::I32(seg.start as i32),
                         Arg::Ptr(hidden),
                         Arg::I32(d as i32),
-                        Arg::Ptr(dev.p(&e.a_t)),
-                        Arg::Ptr(dev.p(&e.b)),
+                        Arg::Ptr(e.a_t),
+                        Arg::Ptr(e.b),
                         Arg::I32(e.rank as i32),
                         Arg::F32(e.scale),
                         Arg::F32(scale),
@@ -395,7 +477,6 @@ impl OuterSlots {
     /// vocabulary (`grown` false) or those grown past it.
     pub fn whole_heads<'a>(
         &'a self,
-        dev: &'a Device,
         step: &'a OuterStep,
         grown: bool,
     ) -> impl Iterator<Item = (u64, usize, usize, usize)> + 'a {
@@ -403,7 +484,7 @@ impl OuterSlots {
             .iter()
             .filter_map(move |&(slot, lo, hi)| match &self.slots[slot].saved_head {
                 Some(SavedHead::Whole(w, rows)) if (*rows > self.vocab) == grown => {
-                    Some((dev.p(w), *rows, lo, hi))
+                    Some((*w, *rows, lo, hi))
                 }
                 _ => None,
             })
@@ -477,7 +558,7 @@ impl OuterSlots {
             let Some(SavedHead::Rows(r)) = &self.slots[slot].saved_head else {
                 continue;
             };
-            let Some(ids) = &r.ids else { continue };
+            let Some(ids) = r.ids else { continue };
             dev.launch(
                 "saved_logits",
                 ((hi - lo) as u32, r.count.div_ceil(8) as u32, 1),
@@ -488,8 +569,8 @@ impl OuterSlots {
                     Arg::I32(lo as i32),
                     Arg::Ptr(logits),
                     Arg::I32(vocab as i32),
-                    Arg::Ptr(dev.p(&r.values)),
-                    Arg::Ptr(dev.p(ids)),
+                    Arg::Ptr(r.values),
+                    Arg::Ptr(ids),
                     Arg::I32(r.count as i32),
                 ],
             )?;
