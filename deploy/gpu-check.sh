@@ -89,7 +89,7 @@ run() {
       lorafleet-worker | deps/worker_grpc) skipped worker_grpc && continue ;;
       moe_decode) skipped moe_decode && skipped moe_decode_gpt_oss && skipped moe_decode_gpt_oss_mxfp4 && continue ;;
       cuda_long) skipped cuda_long && skipped cuda_long_gpt_oss && continue ;;
-      cuda_decode) skipped cuda_decode && skipped cuda_decode_dora && continue ;;
+      cuda_decode) skipped cuda_decode && skipped cuda_decode_dora && skipped cuda_decode_saved_head && continue ;;
       *) skipped "$exe" && continue ;;
     esac
     [ -x "$out/$exe" ] || { echo "gpu-check: $out/$exe is missing; run '$0 build' first" >&2; exit 1; }
@@ -168,6 +168,9 @@ run() {
   step cuda_decode_dora env LORAFLEET_BENCH_DORA=1 LORAFLEET_BENCH_TABLES_ONLY=1 \
     LORAFLEET_BENCH_ADAPTERS="${LORAFLEET_BENCH_ADAPTERS:-0,1,8,64}" \
     timeout "${CUDA_DECODE_TIMEOUT:-0}" "$out/cuda_decode"
+  # And each with its own lm_head (525 MB a copy at this shape: 8 at most).
+  step cuda_decode_saved_head env LORAFLEET_BENCH_SAVED_HEAD=1 LORAFLEET_BENCH_TABLES_ONLY=1 \
+    LORAFLEET_BENCH_ADAPTERS=0,1,8 timeout "${CUDA_DECODE_TIMEOUT:-0}" "$out/cuda_decode"
   # Long prompts (1,600 prompt and 600 new tokens, 16 at a time, 8
   # rank-32 adapters) against the base model alone, on the same stand-in.
   step cuda_long timeout "${CUDA_LONG_TIMEOUT:-0}" "$out/cuda_long"

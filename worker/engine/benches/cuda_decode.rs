@@ -19,7 +19,8 @@
 //!
 //! Run on a machine with an NVIDIA GPU:
 //!   cargo bench -p lorafleet-engine --bench cuda_decode
-//! (`LORAFLEET_BENCH_DORA=1`: the same adapters as DoRA.)
+//! (`LORAFLEET_BENCH_DORA=1`: the same adapters as DoRA;
+//! `LORAFLEET_BENCH_SAVED_HEAD=1`: each with its own lm_head.)
 //! Each run adds its tokens/s to the chart of tokens/s against adapters
 //! (`plots/gpu_decode.rs`: `docs/plots/gpu_decode_adapters.svg`);
 //! `cuda_decode --plot-only` redraws it without a GPU.
@@ -82,13 +83,19 @@ fn main() {
     let model = standin::model_shaped(&SHAPE, safetensors::Dtype::BF16);
     // LORAFLEET_BENCH_DORA=1: the same adapters as DoRA (a magnitude vector
     // per module; the scales computed on the device as each slot is
-    // written, applied in the expand), to show what DoRA costs on the GPU.
-    let dora = std::env::var("LORAFLEET_BENCH_DORA").is_ok_and(|v| v == "1");
-    let kind = if dora {
-        standin::Kind::Dora
-    } else {
-        standin::Kind::Plain
+    // written, applied in the expand), to show what DoRA costs on the GPU;
+    // LORAFLEET_BENCH_SAVED_HEAD=1: each with its own lm_head (bf16, 525 MB
+    // a copy at this shape: count the adapters accordingly).
+    let on = |v: &str| std::env::var(v).is_ok_and(|v| v == "1");
+    let kind = match (on("LORAFLEET_BENCH_DORA"), on("LORAFLEET_BENCH_SAVED_HEAD")) {
+        (true, false) => standin::Kind::Dora,
+        (false, true) => standin::Kind::SavedHead,
+        (false, false) => standin::Kind::Plain,
+        (true, true) => {
+            panic!("LORAFLEET_BENCH_DORA and LORAFLEET_BENCH_SAVED_HEAD: one at a time")
+        }
     };
+    let other_kind = kind != standin::Kind::Plain;
     let dirs =
         standin::adapters_of_kind(&SHAPE, *counts.iter().max().unwrap(), standin::RANK, kind);
     eprintln!(
@@ -124,7 +131,11 @@ fn main() {
         SHAPE.layers,
         SHAPE.vocab,
         standin::RANK,
-        if dora { " DoRA" } else { "" },
+        match kind {
+            standin::Kind::Dora => " DoRA",
+            standin::Kind::SavedHead => " with an own lm_head each",
+            standin::Kind::Plain => "",
+        },
     );
     // The adapter slots in f32 (the default) and in bf16; with
     // LORAFLEET_BENCH_PDL=1 each also with programmatic dependent launch
@@ -188,11 +199,9 @@ fn main() {
             tokens_per_s,
         });
     }
-    // A DoRA run's series is not the chart's plain-LoRA one.
-    if dora {
-        println!(
-            "\n(DoRA: the quantized bases are left out; the CUDA backend serves DoRA on dense bases)"
-        );
+    // A DoRA or own-head run's series is not the chart's plain-LoRA one.
+    if other_kind {
+        println!("\n(adapters of another kind: the quantized bases and the chart are left out)");
     } else {
         plot::record(series);
         quantized_bases(&model, &dirs, settings);
