@@ -166,13 +166,7 @@ fn a_dora_slot_a_bias_slot_and_the_base_in_one_gpu_step_are_each_their_own() {
     gpu.write_slot(1, &load(model, "bias/llama-gqa", "bias-qv-r8"))
         .unwrap();
     let prompt = "The quick brown fox";
-    let pick = |g: &Golden, adapter: Option<&str>| {
-        g.cases
-            .iter()
-            .find(|c| c.model == model && c.adapter.as_deref() == adapter && c.prompt == prompt)
-            .unwrap()
-            .clone()
-    };
+    let pick = |g: &Golden, adapter: Option<&str>| golden_case(g, model, adapter, prompt);
     let (dora, bias, plain) = (
         golden_named("golden_dora.json"),
         golden_named("golden_bias.json"),

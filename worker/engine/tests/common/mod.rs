@@ -525,6 +525,15 @@ pub fn gpt_oss_engine_matches_the_goldens(model: &str, choice: lorafleet_engine:
     }
 }
 
+/// The golden case of `model` with `adapter` (None: the base) on `prompt`.
+pub fn golden_case(g: &Golden, model: &str, adapter: Option<&str>, prompt: &str) -> GoldenCase {
+    g.cases
+        .iter()
+        .find(|c| c.model == model && c.adapter.as_deref() == adapter && c.prompt == prompt)
+        .unwrap_or_else(|| panic!("no golden case of {model}/{adapter:?} on {prompt:?}"))
+        .clone()
+}
+
 /// The slots [`every_adapter_kind_in_one_step`] fills.
 pub const EVERY_KIND_SLOTS: usize = 9;
 
@@ -574,13 +583,7 @@ pub fn every_adapter_kind_in_one_step(
         backend.write_slot(4 + i, &adapter).unwrap();
     }
     let prompt = "The quick brown fox";
-    let pick = |g: &Golden, adapter: Option<&str>| {
-        g.cases
-            .iter()
-            .find(|c| c.model == model && c.adapter.as_deref() == adapter && c.prompt == prompt)
-            .unwrap()
-            .clone()
-    };
+    let pick = |g: &Golden, adapter: Option<&str>| golden_case(g, model, adapter, prompt);
     let (plain_golden, golden) = (
         golden_named("golden.json"),
         golden_named("golden_saved.json"),
@@ -662,13 +665,7 @@ pub fn grown_vocabulary_beside_the_base_in_one_step(
     let head = gpu::load_adapter(&config, "saved/llama-gqa", "head-qv-r4");
     backend.write_slot(1, &head).unwrap();
     let prompt = "The quick brown fox";
-    let pick = |g: &Golden, adapter: Option<&str>| {
-        g.cases
-            .iter()
-            .find(|c| c.model == model && c.adapter.as_deref() == adapter && c.prompt == prompt)
-            .unwrap()
-            .clone()
-    };
+    let pick = |g: &Golden, adapter: Option<&str>| golden_case(g, model, adapter, prompt);
     let base = pick(&golden_named("golden.json"), None);
     let own_head = pick(&golden_saved(), Some("head-qv-r4"));
     // (prompt ids, slot, golden logits).

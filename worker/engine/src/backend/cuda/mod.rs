@@ -34,6 +34,7 @@ pub mod plan;
 pub mod quant;
 mod sample;
 mod slots;
+mod staging;
 mod step;
 #[doc(hidden)]
 pub mod testing;

@@ -23,10 +23,11 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, PinnedHostSlice};
+use cudarc::driver::{CudaSlice, CudaStream};
 
 use super::Dtype;
 use super::device::{Arg, Device, cuda};
+use super::staging::Staging;
 use crate::backend::{Segment, StepBatch};
 use crate::error::Result;
 use crate::lora::HostAdapter;
@@ -105,8 +106,8 @@ pub(super) struct OuterSlots {
     /// The lm_head LoRA groups of the step being launched, uploaded as it
     /// is planned; grown (after the stream drains) when a step has more.
     groups: Option<CudaSlice<i32>>,
-    /// Page-locked staging for slot writes, and the end of its last copy.
-    staging: Option<(PinnedHostSlice<u8>, Option<CudaEvent>)>,
+    /// Page-locked staging for slot writes.
+    staging: Staging<u8>,
 }
 
 /// What one step does outside the layers: the segments whose slot changes
@@ -153,7 +154,7 @@ impl OuterSlots {
                 .alloc_zeros::<u8>(bytes.max(1))
                 .map_err(cuda("allocating the lm_head LoRA table"))?,
             groups: None,
-            staging: None,
+            staging: Staging::default(),
         })
     }
 
@@ -218,55 +219,15 @@ impl OuterSlots {
             at.push(len);
             len = (len + p.len()).next_multiple_of(16);
         }
-        let err = cuda("copying an adapter's embedding or lm_head rows or LoRA into its slot");
-        let (mut host, done) = match self.staging.take() {
-            Some((host, done)) if host.len() >= len => (host, done),
-            old => {
-                if let Some((_, Some(e))) = &old {
-                    e.synchronize().map_err(&err)?;
-                }
-                drop(old);
-                // SAFETY: bytes are plain data; every byte copied is
-                // written first or padding nothing reads.
-                let host = unsafe { dev.ctx.alloc_pinned::<u8>(len.max(16)) }.map_err(&err)?;
-                (host, None)
-            }
-        };
-        if let Some(e) = done {
-            e.synchronize().map_err(&err)?;
-        }
-        let staged = host.as_mut_slice().map_err(&err)?;
-        {
-            use rayon::prelude::*;
-            let mut pieces = Vec::with_capacity(parts.len());
-            let mut rest = &mut staged[..len];
-            let mut from = 0;
-            for (p, &a) in parts.iter().zip(&at) {
-                let (_, tail) = rest.split_at_mut(a - from);
-                let (mine, tail) = tail.split_at_mut(p.len());
-                pieces.push((mine, p.as_slice()));
-                rest = tail;
-                from = a + p.len();
-            }
-            pieces
-                .into_par_iter()
-                .for_each(|(dst, src)| dst.copy_from_slice(src));
-        }
-        // SAFETY: every byte a kernel reads is written by the copy below
-        // before it runs (a step waits for the slot's ready event).
-        let data = unsafe { copy.alloc::<u8>(len.max(16)) }.map_err(&err)?;
-        // SAFETY: the source is page-locked and is not written again until
-        // the event recorded after this copy has fired.
-        unsafe {
-            cudarc::driver::result::memcpy_htod_async(
-                dev.p(&data),
-                &staged[..len],
-                copy.cu_stream(),
-            )
-        }
-        .map_err(&err)?;
-        let done = copy.record_event(None).map_err(&err)?;
-        self.staging = Some((host, Some(done)));
+        let slices: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
+        let data = self.staging.upload(
+            dev,
+            copy,
+            &slices,
+            &at,
+            len.max(16),
+            "copying an adapter's embedding or lm_head rows or LoRA into its slot",
+        )?;
         let base = dev.p(&data);
         let addr = |i: usize| base + at[i] as u64;
         let rows = |(values, ids, count, rows): (usize, Option<usize>, usize, usize)| SavedRows {

@@ -38,11 +38,11 @@ use std::sync::atomic::Ordering;
 
 use cudarc::cublas::sys::cudaDataType;
 
-use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, PinnedHostSlice};
-use rayon::prelude::*;
+use cudarc::driver::{CudaSlice, CudaStream};
 
 use super::CudaBackend;
 use super::device::{Arg, Device, cuda};
+use super::staging::Staging;
 use crate::error::Result;
 use crate::lora::{ExpertFactors, ExpertLayer, HostAdapter};
 
@@ -89,8 +89,8 @@ pub(super) struct ExpertSlots {
     /// `slots` scales (f32).
     table_host: Vec<u8>,
     table: CudaSlice<u8>,
-    /// Page-locked staging for slot writes, and the end of its last copy.
-    staging: Option<(PinnedHostSlice<f32>, Option<CudaEvent>)>,
+    /// Page-locked staging for slot writes.
+    staging: Staging<f32>,
 }
 
 impl ExpertSlots {
@@ -108,7 +108,7 @@ impl ExpertSlots {
                 .stream
                 .alloc_zeros::<u8>(bytes.max(1))
                 .map_err(cuda("allocating the expert-LoRA tables"))?,
-            staging: None,
+            staging: Staging::default(),
         })
     }
 
@@ -174,49 +174,23 @@ impl ExpertSlots {
                 placed.push((l, target, a_at, b_at, f.rank as i32, f.scale));
             }
         }
-        let err = cuda("copying an adapter's expert LoRA into its slot");
-        let (mut host, done) = match self.staging.take() {
-            Some((host, done)) if host.len() >= len => (host, done),
-            old => {
-                if let Some((_, Some(e))) = &old {
-                    e.synchronize().map_err(&err)?;
-                }
-                drop(old);
-                // SAFETY: f32 is plain data, and every value copied is
-                // written first.
-                let host = unsafe { dev.ctx.alloc_pinned::<f32>(len.max(1)) }.map_err(&err)?;
-                (host, None)
-            }
-        };
-        if let Some(e) = done {
-            e.synchronize().map_err(&err)?;
-        }
-        let staged = host.as_mut_slice().map_err(&err)?;
-        let mut pieces = Vec::with_capacity(parts.len());
-        let mut rest = &mut staged[..len];
-        for part in &parts {
-            let (mine, tail) = rest.split_at_mut(part.len());
-            pieces.push((mine, *part));
-            rest = tail;
-        }
-        pieces
-            .into_par_iter()
-            .for_each(|(dst, src)| dst.copy_from_slice(src));
-        // SAFETY: every value is written by the copy below before any
-        // kernel reads it (a step waits for the slot's ready event).
-        let data = unsafe { copy.alloc::<f32>(len.max(1)) }.map_err(&err)?;
-        // SAFETY: the source is page-locked and is not written again until
-        // the event recorded after this copy has fired.
-        unsafe {
-            cudarc::driver::result::memcpy_htod_async(
-                dev.p(&data),
-                &staged[..len],
-                copy.cu_stream(),
-            )
-        }
-        .map_err(&err)?;
-        let done = copy.record_event(None).map_err(&err)?;
-        self.staging = Some((host, Some(done)));
+        // The parts lie back to back.
+        let at: Vec<usize> = parts
+            .iter()
+            .scan(0, |next, p| {
+                let here = *next;
+                *next += p.len();
+                Some(here)
+            })
+            .collect();
+        let data = self.staging.upload(
+            dev,
+            copy,
+            &parts,
+            &at,
+            len,
+            "copying an adapter's expert LoRA into its slot",
+        )?;
         let base = dev.p(&data);
         self.zero(slot);
         for (l, target, a_at, b_at, rank, scale) in placed {
